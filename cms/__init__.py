@@ -1,0 +1,1 @@
+"""Cluster metadata service: data model, stores, gRPC service and clients."""

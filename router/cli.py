@@ -1,0 +1,53 @@
+"""The ``slo-router`` command line.
+
+Each subcommand lives in the package it belongs to, as a module exposing
+``register(subparsers)``; the module adds its parser and sets ``func`` to a
+callable taking the parsed namespace and returning an exit code. Modules are
+imported only when the CLI starts, so a subcommand's heavy imports stay out of
+the others. Logging and uvloop are set up here, in the entry point only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Sequence
+
+#: Modules that contribute subcommands, in the order ``--help`` lists them.
+SUBCOMMAND_MODULES: tuple[str, ...] = (
+    "predictor.cli",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="slo-router",
+        description="SLO-aware router for disaggregated prefill/decode LLM serving fleets.",
+    )
+    parser.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="logging level (default: %(default)s)",
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in SUBCOMMAND_MODULES:
+        importlib.import_module(name).register(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, args.log_level),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    code: int = args.func(args)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
