@@ -22,7 +22,9 @@ def main(argv: list[str]) -> int:
         wanted = {f"bench_{a}" for a in argv}
         unknown = wanted - set(names)
         if unknown:
-            print(f"unknown benchmarks: {', '.join(sorted(unknown))}; have: {', '.join(names)}", file=sys.stderr)
+            print(
+                f"unknown benchmarks: {', '.join(sorted(unknown))}; have: {', '.join(names)}", file=sys.stderr
+            )
             return 2
         names = [n for n in names if n in wanted]
     for name in names:

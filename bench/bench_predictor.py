@@ -5,6 +5,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -32,14 +33,18 @@ def main() -> None:
         batch = rng.integers(0, 256, n).astype(np.float64)
         tokens = batch * rng.integers(8, 4096, n)
         budget = np.full(n, 2048.0)
-        p50_t, p99_t = _time_us(lambda: lp.predict_ttft_ms(prefill, batch, tokens, budget), 300)
-        p50_d, p99_d = _time_us(lambda: lp.predict_tpot_ms(batch + 1, tokens + 512), 300)
-        print(f"array call, {n:5d} instances: ttft p50 {p50_t:8.1f} us p99 {p99_t:8.1f} us | "
-              f"tpot p50 {p50_d:8.1f} us p99 {p99_d:8.1f} us")
+        p50_t, p99_t = _time_us(partial(lp.predict_ttft_ms, prefill, batch, tokens, budget), 300)
+        p50_d, p99_d = _time_us(partial(lp.predict_tpot_ms, batch + 1, tokens + 512), 300)
+        print(
+            f"array call, {n:5d} instances: ttft p50 {p50_t:8.1f} us p99 {p99_t:8.1f} us | "
+            f"tpot p50 {p50_d:8.1f} us p99 {p99_d:8.1f} us"
+        )
     p50_t, p99_t = _time_us(lambda: lp.predict_ttft_ms(3000, 16, 16000, 2048), 2000)
     p50_d, p99_d = _time_us(lambda: lp.predict_tpot_ms(16, 16000), 2000)
-    print(f"scalar call, one instance:  ttft p50 {p50_t:8.1f} us p99 {p99_t:8.1f} us | "
-          f"tpot p50 {p50_d:8.1f} us p99 {p99_d:8.1f} us")
+    print(
+        f"scalar call, one instance:  ttft p50 {p50_t:8.1f} us p99 {p99_t:8.1f} us | "
+        f"tpot p50 {p50_d:8.1f} us p99 {p99_d:8.1f} us"
+    )
 
 
 if __name__ == "__main__":

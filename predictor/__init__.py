@@ -1,9 +1,9 @@
 """TTFT/TPOT prediction from profiling JSON.
 
-    from predictor import LatencyPredictor, ProfileError
-    lp = LatencyPredictor.from_files(ttft_path, tpot_path)
-    lp.predict_ttft_ms(prefill_tokens, decode_requests, decode_tokens, max_num_batched_tokens)
-    lp.predict_tpot_ms(decode_requests, decode_tokens)
+from predictor import LatencyPredictor, ProfileError
+lp = LatencyPredictor.from_files(ttft_path, tpot_path)
+lp.predict_ttft_ms(prefill_tokens, decode_requests, decode_tokens, max_num_batched_tokens)
+lp.predict_tpot_ms(decode_requests, decode_tokens)
 """
 
 from predictor.interpolation import Grid1D, Grid2D

@@ -41,9 +41,13 @@ class LatencyPredictor:
     @overload
     def predict_tpot_ms(self, decode_requests: Number, decode_tokens: Number) -> float: ...
     @overload
-    def predict_tpot_ms(self, decode_requests: npt.ArrayLike, decode_tokens: npt.ArrayLike) -> npt.NDArray[np.float64]: ...
+    def predict_tpot_ms(
+        self, decode_requests: npt.ArrayLike, decode_tokens: npt.ArrayLike
+    ) -> npt.NDArray[np.float64]: ...
 
-    def predict_tpot_ms(self, decode_requests: npt.ArrayLike, decode_tokens: npt.ArrayLike) -> float | npt.NDArray[np.float64]:
+    def predict_tpot_ms(
+        self, decode_requests: npt.ArrayLike, decode_tokens: npt.ArrayLike
+    ) -> float | npt.NDArray[np.float64]:
         """Latency of one decode step for ``decode_requests`` requests holding ``decode_tokens``.
 
         0 when there is no decode work; otherwise the profile at
@@ -64,7 +68,11 @@ class LatencyPredictor:
 
     @overload
     def predict_ttft_ms(
-        self, prefill_tokens: Number, decode_requests: Number, decode_tokens: Number, max_num_batched_tokens: Number
+        self,
+        prefill_tokens: Number,
+        decode_requests: Number,
+        decode_tokens: Number,
+        max_num_batched_tokens: Number,
     ) -> float: ...
     @overload
     def predict_ttft_ms(

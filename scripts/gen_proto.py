@@ -33,9 +33,14 @@ def generate(out_dir: Path) -> list[Path]:
     env = dict(os.environ)
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
     cmd = [
-        sys.executable, "-m", "grpc_tools.protoc", f"-I{PROTO_ROOT}",
-        f"--python_out={out_dir}", f"--grpc_python_out={out_dir}",
-        f"--mypy_out=quiet:{out_dir}", f"--mypy_grpc_out=quiet:{out_dir}",
+        sys.executable,
+        "-m",
+        "grpc_tools.protoc",
+        f"-I{PROTO_ROOT}",
+        f"--python_out={out_dir}",
+        f"--grpc_python_out={out_dir}",
+        f"--mypy_out=quiet:{out_dir}",
+        f"--mypy_grpc_out=quiet:{out_dir}",
         *(str(p.relative_to(PROTO_ROOT)) for p in protos),
     ]
     subprocess.run(cmd, check=True, cwd=PROTO_ROOT, env=env)
@@ -58,14 +63,20 @@ def stale_files() -> list[str]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--check", action="store_true", help="fail if the committed modules are stale")
     args = parser.parse_args()
     if args.check:
         stale = stale_files()
         if stale:
-            print("generated protobuf modules are stale: " + ", ".join(stale)
-                  + "\nrun: python scripts/gen_proto.py", file=sys.stderr)
+            print(
+                "generated protobuf modules are stale: "
+                + ", ".join(stale)
+                + "\nrun: python scripts/gen_proto.py",
+                file=sys.stderr,
+            )
             return 1
         print("generated protobuf modules are current")
         return 0

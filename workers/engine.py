@@ -123,10 +123,14 @@ class Engine(Protocol):
     async def stop(self) -> None:
         """Abort everything and release resources. Idempotent."""
 
-    def generate(self, request_id: str, prompt_token_ids: tuple[int, ...], sampling: Sampling) -> AsyncIterator[TokenDelta]:
+    def generate(
+        self, request_id: str, prompt_token_ids: tuple[int, ...], sampling: Sampling
+    ) -> AsyncIterator[TokenDelta]:
         """Prefill and decode here; stream the tokens (neutral mode)."""
 
-    async def prefill(self, request_id: str, prompt_token_ids: tuple[int, ...], sampling: Sampling) -> PrefillResult:
+    async def prefill(
+        self, request_id: str, prompt_token_ids: tuple[int, ...], sampling: Sampling
+    ) -> PrefillResult:
         """Compute the prompt, keep its KV for a decode instance to pull, return the first token."""
 
     def decode(
