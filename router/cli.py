@@ -18,6 +18,10 @@ from collections.abc import Sequence
 #: Modules that contribute subcommands, in the order ``--help`` lists them.
 SUBCOMMAND_MODULES: tuple[str, ...] = (
     "predictor.cli",
+    "cms.cli",
+    "workers.cli",
+    "router.server",
+    "bench.cli",
 )
 
 

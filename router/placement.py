@@ -1,0 +1,213 @@
+"""Between the Router service and the scheduling core: placement over the live view.
+
+:class:`Placer` reads the CMS reader's newest snapshot, asks the
+:class:`~router.scheduler.Scheduler` for a decision, records real dispatches in
+the in-flight account at once (so the next decision sees them), and turns dry
+runs into ``ScheduleResponse`` messages. It is synchronous: it never waits on
+I/O, so a decision never waits for the CMS.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from slorouter.v1 import cms_pb2, router_pb2
+
+from cms.model import ClusterSnapshot
+from router.errors import EmptyClusterError, InvalidRequestError
+from router.scheduler import Scheduler
+from router.telemetry import RequestObserver
+from router.types import Choice, Decision, ScheduleInput, StageRestriction
+
+
+class SnapshotSource(Protocol):
+    """Anything with a ``snapshot()`` (a :class:`cms.reader.ClusterReader`)."""
+
+    def snapshot(self) -> ClusterSnapshot: ...
+
+
+@dataclass(frozen=True)
+class PlacementRequest:
+    """A validated request as the router places it (token ids, resolved SLO targets)."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    model: str
+    #: Targets in force (request override, else router default), ms.
+    ttft_slo_ms: float
+    tpot_slo_ms: float
+    priority: int = 0
+
+
+class Placer:
+    """Places requests with ``scheduler`` over the snapshots of ``source``."""
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        source: SnapshotSource,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        observer: RequestObserver | None = None,
+    ) -> None:
+        self.scheduler = scheduler
+        self._observer = observer
+        self._source = source
+        self._clock = clock
+        self._limits: tuple[ClusterSnapshot, frozenset[str], dict[str, int], int] | None = None
+
+    # ------------------------------------------------------------------ request checks against the fleet
+
+    def _fleet_limits(self) -> tuple[frozenset[str], dict[str, int], int]:
+        """Advertised models, max_model_len per model and overall (cached per snapshot)."""
+        snapshot = self._source.snapshot()
+        cached = self._limits
+        if cached is not None and cached[0] is snapshot:
+            return cached[1], cached[2], cached[3]
+        models: set[str] = set()
+        per_model: dict[str, int] = {}
+        overall = 0
+        for record in snapshot.instances:
+            meta = record.metadata
+            if meta.model:
+                models.add(meta.model)
+                per_model[meta.model] = max(per_model.get(meta.model, 0), meta.max_model_len)
+            overall = max(overall, meta.max_model_len)
+        self._limits = (snapshot, frozenset(models), per_model, overall)
+        return frozenset(models), per_model, overall
+
+    def check_model(self, model: str) -> None:
+        """Refuse a model no instance serves, when instances advertise their models."""
+        models, _, _ = self._fleet_limits()
+        if model and models and model not in models:
+            raise InvalidRequestError(
+                f"model {model!r} is not served by this fleet; serving: {', '.join(sorted(models))}"
+            )
+
+    def max_model_len(self, model: str) -> int:
+        """The longest prompt + completion any instance for ``model`` accepts (0 = unknown)."""
+        _, per_model, overall = self._fleet_limits()
+        return per_model.get(model, overall) if model else overall
+
+    # ------------------------------------------------------------------ decisions
+
+    def _input(
+        self,
+        req: PlacementRequest,
+        *,
+        exclude: frozenset[str] = frozenset(),
+        stages: StageRestriction = StageRestriction.ALL,
+        prompt_tokens: int | None = None,
+    ) -> ScheduleInput:
+        return ScheduleInput(
+            request_id=req.request_id,
+            prompt_tokens=len(req.prompt_token_ids) if prompt_tokens is None else prompt_tokens,
+            ttft_slo_ms=req.ttft_slo_ms,
+            tpot_slo_ms=req.tpot_slo_ms,
+            model=req.model,
+            exclude_instance_ids=exclude,
+            stages=stages,
+        )
+
+    def _snapshot(self) -> ClusterSnapshot:
+        snapshot = self._source.snapshot()
+        if not snapshot.instances:
+            raise EmptyClusterError(
+                "no instances are registered with the CMS (or the router has not reached it yet); "
+                "start workers or check --cms"
+            )
+        return snapshot
+
+    def place(self, req: PlacementRequest, *, exclude: frozenset[str] = frozenset()) -> Decision:
+        """Decide prefill and decode (or neutral) for ``req`` and record the dispatch."""
+        now = self._clock()
+        started = time.perf_counter()
+        decision = self.scheduler.schedule(self._snapshot(), self._input(req, exclude=exclude), now)
+        self.scheduler.record(decision, now)
+        if self._observer is not None:
+            self._observer.scheduled(time.perf_counter() - started)
+        return decision
+
+    def place_decode(
+        self, req: PlacementRequest, generated_tokens: int, *, exclude: frozenset[str], abandoned: str
+    ) -> Choice:
+        """Re-place the decode of ``req`` after ``abandoned`` failed; record the new leg."""
+        now = self._clock()
+        self.scheduler.inflight.release(req.request_id, abandoned)
+        context_tokens = len(req.prompt_token_ids) + generated_tokens
+        decision = self.scheduler.schedule(
+            self._snapshot(),
+            self._input(req, exclude=exclude, stages=StageRestriction.DECODE, prompt_tokens=context_tokens),
+            now,
+        )
+        choice = decision.decode
+        if choice is None:  # the core always fills decode for a decode-only request; be explicit anyway
+            raise EmptyClusterError(f"no decode instance for request {req.request_id}")
+        self.scheduler.inflight.record(req.request_id, None, choice.instance_id, context_tokens, now)
+        return choice
+
+    def instance_counts(self) -> dict[tuple[str, str], int]:
+        """Instances by (role, health) in the current view, for the metrics endpoint."""
+        snapshot = self._source.snapshot()
+        now = self._clock()
+        staleness = self.scheduler.config.instance_staleness_s
+        counts: dict[tuple[str, str], int] = {}
+        for role in ("neutral", "prefill", "decode"):
+            for health in ("healthy", "unschedulable", "stale"):
+                counts[(role, health)] = 0
+        for record in snapshot.instances:
+            role = _ROLE_NAMES.get(record.metadata.role, "neutral")
+            if record.status is None or snapshot.age_s(record, now) > staleness:
+                health = "stale"
+            elif not record.status.schedulable:
+                health = "unschedulable"
+            else:
+                health = "healthy"
+            counts[(role, health)] += 1
+        return counts
+
+    def release(self, request_id: str) -> None:
+        """The request ended at the router: its in-flight entries go."""
+        self.scheduler.inflight.release(request_id)
+
+    def dry_run(self, req: PlacementRequest) -> router_pb2.ScheduleResponse:
+        """The decision ``place`` would make now, with its trace; nothing recorded."""
+        decision = self.scheduler.schedule(self._snapshot(), self._input(req), self._clock(), dry_run=True)
+        response = router_pb2.ScheduleResponse(policy=decision.policy, mode=decision.mode.value)
+        for field_name, choice in (("prefill", decision.prefill), ("decode", decision.decode)):
+            if choice is not None:
+                getattr(response, field_name).CopyFrom(
+                    router_pb2.InstanceChoice(
+                        instance_id=choice.instance_id,
+                        endpoint=choice.endpoint,
+                        predicted_ttft_ms=_finite(choice.predicted_ttft_ms),
+                        predicted_tpot_ms=_finite(choice.predicted_tpot_ms),
+                    )
+                )
+        response.trace.extend(
+            router_pb2.CandidateTrace(
+                instance_id=entry.instance_id,
+                stage=entry.stage.value,
+                selected=entry.selected,
+                dropped_by=entry.dropped_by,
+                predicted_ttft_ms=_finite(entry.predicted_ttft_ms),
+                predicted_tpot_ms=_finite(entry.predicted_tpot_ms),
+            )
+            for entry in decision.trace
+        )
+        return response
+
+
+_ROLE_NAMES = {
+    cms_pb2.INSTANCE_ROLE_NEUTRAL: "neutral",
+    cms_pb2.INSTANCE_ROLE_PREFILL: "prefill",
+    cms_pb2.INSTANCE_ROLE_DECODE: "decode",
+}
+
+
+def _finite(value: float) -> float:
+    """Predictions are NaN without a predictor; the wire carries 0 for "not predicted"."""
+    return value if value == value else 0.0

@@ -1,0 +1,63 @@
+"""A bounded pool of gRPC channels to workers, keyed by endpoint."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import OrderedDict
+
+import grpc
+from slorouter.v1 import worker_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+_CHANNEL_OPTIONS = (
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.max_receive_message_length", 16 * 1024 * 1024),
+)
+
+
+class ChannelPool:
+    """One channel per worker endpoint, at most ``max_channels`` open (least recently used goes first).
+
+    Channels are multiplexed: every request to a worker shares its channel.
+    An evicted channel is closed after a grace period so calls still running
+    on it can finish.
+    """
+
+    def __init__(self, max_channels: int = 1024, close_grace_s: float = 30.0) -> None:
+        if max_channels < 1:
+            raise ValueError(f"max_channels must be >= 1, got {max_channels}")
+        self._max = max_channels
+        self._grace_s = close_grace_s
+        self._channels: OrderedDict[str, tuple[grpc.aio.Channel, worker_pb2_grpc.WorkerAsyncStub]] = (
+            OrderedDict()
+        )
+        self._closing: set[asyncio.Task[None]] = set()
+
+    def stub(self, endpoint: str) -> worker_pb2_grpc.WorkerAsyncStub:
+        entry = self._channels.get(endpoint)
+        if entry is not None:
+            self._channels.move_to_end(endpoint)
+            return entry[1]
+        channel = grpc.aio.insecure_channel(endpoint, options=_CHANNEL_OPTIONS)
+        stub = worker_pb2_grpc.WorkerStub(channel)
+        self._channels[endpoint] = (channel, stub)
+        while len(self._channels) > self._max:
+            old_endpoint, (old_channel, _) = self._channels.popitem(last=False)
+            logger.debug("closing channel to %s (pool full)", old_endpoint)
+            task = asyncio.get_running_loop().create_task(old_channel.close(grace=self._grace_s))
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+        return stub
+
+    def __len__(self) -> int:
+        return len(self._channels)
+
+    async def close(self) -> None:
+        """Close every channel. Idempotent."""
+        channels = [c for c, _ in self._channels.values()]
+        self._channels.clear()
+        await asyncio.gather(*(c.close(grace=None) for c in channels), *self._closing, return_exceptions=True)

@@ -1,0 +1,462 @@
+"""The Router gRPC service: validate, place, forward, stream back.
+
+``Generate`` runs one request end to end: it validates the request, asks the
+scheduler for a placement over the current cluster view, records the dispatch
+in the in-flight account at once, runs prefill and decode on the chosen
+workers (or a neutral generate), and streams the tokens back. Failures before
+the first token are retried on other instances; a decode failure after tokens
+were sent re-places decode without repeating or dropping a token; a client
+cancel or deadline aborts every leg on the workers.
+
+Router errors are mapped to gRPC status codes here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from slorouter.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2
+
+from router.errors import (
+    EmptyClusterError,
+    InvalidRequestError,
+    NoInstanceError,
+    RetriesExhaustedError,
+    RouterError,
+)
+from router.forward import LegError, LegLedger, WorkerClient
+from router.placement import PlacementRequest, Placer
+from router.telemetry import RequestObserver
+from router.tokenize import Tokenizer
+from router.types import Choice, Decision, Mode
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    """How the Router service treats requests (the scheduling knobs live in the scheduler's config)."""
+
+    #: Default TTFT target when a request sets none (ms).
+    ttft_slo_ms: float = 6000.0
+    #: Default TPOT target when a request sets none (ms).
+    tpot_slo_ms: float = 50.0
+    #: Extra attempts on other instances after a failure before the first token.
+    max_retries: int = 2
+    #: Deadline of one Prefill call (s).
+    prefill_timeout_s: float = 60.0
+    #: Deadline of one Decode or neutral Generate stream (s).
+    stream_timeout_s: float = 600.0
+    #: Longest prompt the router accepts when instances advertise no max_model_len (tokens).
+    max_prompt_tokens: int = 131072
+
+    def __post_init__(self) -> None:
+        for name in ("ttft_slo_ms", "tpot_slo_ms", "prefill_timeout_s", "stream_timeout_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+        if self.max_retries < 0:
+            raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
+        if self.max_prompt_tokens < 1:
+            raise ValueError(f"max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}")
+
+
+def _error_code(exc: RouterError) -> grpc.StatusCode:
+    """The one place router errors become gRPC status codes."""
+    if isinstance(exc, InvalidRequestError):
+        return grpc.StatusCode.INVALID_ARGUMENT
+    if isinstance(exc, NoInstanceError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+    if isinstance(exc, (EmptyClusterError, RetriesExhaustedError)):
+        return grpc.StatusCode.UNAVAILABLE
+    return grpc.StatusCode.INTERNAL
+
+
+def _check_slo(slo: common_pb2.SloTarget) -> None:
+    for name in ("ttft_ms", "tpot_ms", "e2e_ms"):
+        value = getattr(slo, name)
+        if not math.isfinite(value) or value < 0:
+            raise InvalidRequestError(f"slo.{name} must be a finite number >= 0 (0 = default), got {value!r}")
+
+
+def _check_sampling(sampling: common_pb2.SamplingParams) -> None:
+    if sampling.max_tokens == 0:
+        raise InvalidRequestError("sampling.max_tokens must be > 0")
+    if not math.isfinite(sampling.temperature) or sampling.temperature < 0:
+        raise InvalidRequestError(f"sampling.temperature must be >= 0, got {sampling.temperature!r}")
+    if not math.isfinite(sampling.top_p) or not 0 <= sampling.top_p <= 1:
+        raise InvalidRequestError(
+            f"sampling.top_p must be within [0, 1] (0 = default), got {sampling.top_p!r}"
+        )
+    if sampling.top_k < 0:
+        raise InvalidRequestError(f"sampling.top_k must be >= 0 (0 = default), got {sampling.top_k}")
+
+
+@dataclass
+class _Progress:
+    """What a request has produced so far (for re-placement and usage)."""
+
+    started: float
+    tokens: list[int] = field(default_factory=list)
+    decision: Decision | None = None
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+
+
+@dataclass
+class _Started:
+    """A placed request whose first token exists: where it runs and how to continue it."""
+
+    decision: Decision
+    first: router_pb2.GenerateResponse
+    #: PD: the prefill's KV handle for the decode leg.
+    kv_handle: bytes = b""
+    #: Neutral: the still-open Generate stream on the instance.
+    stream: AsyncIterator[worker_pb2.WorkerTokens] | None = None
+
+
+def _choice(decision: Decision, stage: str) -> Choice:
+    choice = decision.prefill if stage == "prefill" else decision.decode
+    if choice is None:  # the core fills both stages for a full placement
+        raise EmptyClusterError(f"the scheduler returned no {stage} instance for {decision.request_id}")
+    return choice
+
+
+def _route(decision: Decision) -> router_pb2.RouteInfo:
+    prefill, decode = _choice(decision, "prefill"), _choice(decision, "decode")
+    ttft, tpot = prefill.predicted_ttft_ms, decode.predicted_tpot_ms
+    return router_pb2.RouteInfo(
+        prefill_instance_id=prefill.instance_id,
+        decode_instance_id=decode.instance_id,
+        predicted_ttft_ms=ttft if ttft == ttft else 0.0,
+        predicted_tpot_ms=tpot if tpot == tpot else 0.0,
+        policy=decision.policy,
+    )
+
+
+class RouterService(router_pb2_grpc.RouterServicer):
+    """Implements ``slorouter.v1.Router`` over a :class:`Placer` and a :class:`WorkerClient`."""
+
+    def __init__(
+        self,
+        placer: Placer,
+        workers: WorkerClient,
+        tokenizer: Tokenizer,
+        config: ServiceConfig,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        observer: RequestObserver | None = None,
+    ) -> None:
+        self._placer = placer
+        self._workers = workers
+        self._tokenizer = tokenizer
+        self._config = config
+        self._clock = clock
+        self._observer = observer or RequestObserver()
+        self._active: set[str] = set()
+
+    @property
+    def active_requests(self) -> int:
+        return len(self._active)
+
+    # ------------------------------------------------------------------ validation
+
+    def _prepare(self, request: router_pb2.GenerateRequest) -> PlacementRequest:
+        has_text = bool(request.prompt)
+        has_ids = len(request.prompt_token_ids) > 0
+        if has_text == has_ids:
+            raise InvalidRequestError(
+                "exactly one of prompt and prompt_token_ids must be non-empty"
+                + (" (both are set)" if has_text else " (neither is set)")
+            )
+        _check_sampling(request.sampling)
+        _check_slo(request.slo)
+        self._placer.check_model(request.model)
+        prompt_ids = (
+            tuple(request.prompt_token_ids) if has_ids else tuple(self._tokenizer.encode(request.prompt))
+        )
+        if not prompt_ids:
+            raise InvalidRequestError("prompt tokenizes to zero tokens; send a non-empty prompt")
+        limit = self._placer.max_model_len(request.model)
+        if limit > 0 and len(prompt_ids) + request.sampling.max_tokens > limit:
+            raise InvalidRequestError(
+                f"prompt ({len(prompt_ids)} tokens) + sampling.max_tokens ({request.sampling.max_tokens}) "
+                f"exceeds the serving limit of {limit} tokens; shorten the prompt or lower max_tokens"
+            )
+        if len(prompt_ids) > self._config.max_prompt_tokens:
+            raise InvalidRequestError(
+                f"prompt has {len(prompt_ids)} tokens, above the router's limit of "
+                f"{self._config.max_prompt_tokens} (--max-prompt-tokens)"
+            )
+        return PlacementRequest(
+            request_id=request.request_id or uuid.uuid4().hex,
+            prompt_token_ids=prompt_ids,
+            model=request.model,
+            ttft_slo_ms=request.slo.ttft_ms or self._config.ttft_slo_ms,
+            tpot_slo_ms=request.slo.tpot_ms or self._config.tpot_slo_ms,
+            priority=request.priority,
+        )
+
+    # ------------------------------------------------------------------ Schedule
+
+    async def Schedule(
+        self, request: router_pb2.ScheduleRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> router_pb2.ScheduleResponse:
+        try:
+            return self._placer.dry_run(self._prepare(request.request))
+        except RouterError as exc:
+            await context.abort(_error_code(exc), str(exc))
+
+    # ------------------------------------------------------------------ Generate
+
+    async def Generate(
+        self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[router_pb2.GenerateResponse]:
+        progress = _Progress(started=self._clock())
+        try:
+            prepared = self._prepare(request)
+        except RouterError as exc:
+            self._observer.rejected(exc)
+            logger.info("rejected request %s: %s", request.request_id or "(no id)", exc)
+            await context.abort(_error_code(exc), str(exc))
+        request_id = prepared.request_id
+        if request_id in self._active:
+            self._observer.outcome("duplicate")
+            await context.abort(
+                grpc.StatusCode.ALREADY_EXISTS,
+                f"request_id {request_id!r} is already in flight; use a new id or leave it empty",
+            )
+        self._active.add(request_id)
+        ledger = LegLedger()
+        finished = False
+        try:
+            async for message in self._run(prepared, request.sampling, ledger, progress):
+                finished = message.finished
+                yield message
+            self._completed(progress)
+        except RouterError as exc:
+            self._observer.rejected(exc)
+            logger.info("request %s failed: %s", request_id, exc)
+            await context.abort(_error_code(exc), str(exc))
+        except LegError as exc:
+            # The worker refused the request itself (not an instance failure): pass its verdict on.
+            self._observer.outcome("worker_error")
+            await context.abort(exc.code, f"worker {exc.instance_id}: {exc.details}")
+        except asyncio.CancelledError:
+            self._observer.outcome("cancelled")
+            raise
+        finally:
+            self._active.discard(request_id)
+            self._placer.release(request_id)
+            if not finished:
+                # Cancelled, deadline, or failed part-way: nothing may keep running for it.
+                self._workers.abort_all(request_id, ledger)
+
+    async def _run(
+        self,
+        req: PlacementRequest,
+        sampling: common_pb2.SamplingParams,
+        ledger: LegLedger,
+        progress: _Progress,
+    ) -> AsyncIterator[router_pb2.GenerateResponse]:
+        started = await self._first_token(req, sampling, ledger, progress)
+        first = started.first
+        first.route.CopyFrom(_route(started.decision))
+        progress.decision = started.decision
+        if progress.first_token_at is not None:
+            self._observer.first_token(started.decision, progress.first_token_at - progress.started)
+        if first.finished:
+            first.usage.CopyFrom(self._usage(req, progress))
+            yield first
+            return
+        yield first
+        async for message in self._rest(req, sampling, started, ledger, progress):
+            if message.finished:
+                message.usage.CopyFrom(self._usage(req, progress))
+            yield message
+
+    def _completed(self, progress: _Progress) -> None:
+        first, last, n = progress.first_token_at, progress.last_token_at, len(progress.tokens)
+        tpot = (last - first) / (n - 1) if first is not None and last is not None and n > 1 else None
+        self._observer.completed(progress.decision, tpot, self._clock() - progress.started)
+
+    def _usage(self, req: PlacementRequest, progress: _Progress) -> router_pb2.Usage:
+        now = self._clock()
+        first = progress.first_token_at if progress.first_token_at is not None else now
+        last = progress.last_token_at if progress.last_token_at is not None else first
+        n = len(progress.tokens)
+        return router_pb2.Usage(
+            prompt_tokens=len(req.prompt_token_ids),
+            completion_tokens=n,
+            ttft_ms=(first - progress.started) * 1e3,
+            tpot_ms=((last - first) / (n - 1) * 1e3) if n > 1 else 0.0,
+            e2e_ms=(now - progress.started) * 1e3,
+        )
+
+    def _note_tokens(self, progress: _Progress, token_ids: Sequence[int]) -> None:
+        if not token_ids:
+            return
+        now = self._clock()
+        if progress.first_token_at is None:
+            progress.first_token_at = now
+        progress.last_token_at = now
+        progress.tokens.extend(token_ids)
+
+    async def _first_token(
+        self,
+        req: PlacementRequest,
+        sampling: common_pb2.SamplingParams,
+        ledger: LegLedger,
+        progress: _Progress,
+    ) -> _Started:
+        """Place the request and get its first token, trying other instances when one fails."""
+        excluded: set[str] = set()
+        failures: list[str] = []
+        while True:
+            decision = self._placer.place(req, exclude=frozenset(excluded))
+            try:
+                return await self._start(decision, req, sampling, ledger, progress)
+            except LegError as exc:
+                if not exc.retryable:
+                    raise
+                failures.append(str(exc))
+                excluded.add(exc.instance_id)
+                self._placer.release(req.request_id)
+                self._observer.retried("first_token")
+                logger.warning("request %s: %s; trying another instance", req.request_id, exc)
+                if len(failures) > self._config.max_retries:
+                    raise RetriesExhaustedError(
+                        f"no instance produced a first token after {len(failures)} attempts "
+                        f"(--max-retries {self._config.max_retries}): " + "; ".join(failures)
+                    ) from exc
+
+    async def _start(
+        self,
+        decision: Decision,
+        req: PlacementRequest,
+        sampling: common_pb2.SamplingParams,
+        ledger: LegLedger,
+        progress: _Progress,
+    ) -> _Started:
+        prefill = _choice(decision, "prefill")
+        if decision.mode is Mode.PD:
+            response = await self._workers.prefill(
+                prefill,
+                req.request_id,
+                req.prompt_token_ids,
+                sampling,
+                self._config.prefill_timeout_s,
+                ledger,
+            )
+            self._note_tokens(progress, [response.first_token_id])
+            first = router_pb2.GenerateResponse(
+                request_id=req.request_id,
+                token_ids=[response.first_token_id],
+                text=response.text,
+                finished=response.finished,
+                finish_reason=response.finish_reason,
+            )
+            return _Started(decision, first, kv_handle=response.kv_handle)
+        stream = self._workers.stream(
+            prefill,
+            worker_pb2.WorkerGenerateRequest(
+                request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, sampling=sampling
+            ),
+            self._config.stream_timeout_s,
+            ledger,
+        )
+        async for message in stream:
+            if not message.token_ids and not message.finished:
+                continue
+            self._note_tokens(progress, message.token_ids)
+            first = router_pb2.GenerateResponse(
+                request_id=req.request_id,
+                token_ids=message.token_ids,
+                text=message.text,
+                finished=message.finished,
+                finish_reason=message.finish_reason,
+            )
+            return _Started(decision, first, stream=stream)
+        raise LegError(
+            prefill.instance_id, grpc.StatusCode.UNAVAILABLE, "stream ended before the first token"
+        )
+
+    async def _rest(
+        self,
+        req: PlacementRequest,
+        sampling: common_pb2.SamplingParams,
+        started: _Started,
+        ledger: LegLedger,
+        progress: _Progress,
+    ) -> AsyncIterator[router_pb2.GenerateResponse]:
+        """Stream everything after the first token; re-place decode when its instance fails."""
+        stream = started.stream
+        target = _choice(started.decision, "decode")
+        kv_handle = started.kv_handle
+        excluded: set[str] = set()
+        failures = 0
+        while True:
+            if stream is None:
+                stream = self._workers.stream(
+                    target,
+                    worker_pb2.DecodeRequest(
+                        request_id=req.request_id,
+                        prompt_token_ids=req.prompt_token_ids,
+                        sampling=sampling,
+                        kv_handle=kv_handle,
+                        generated_token_ids=progress.tokens,
+                    ),
+                    self._config.stream_timeout_s,
+                    ledger,
+                )
+            try:
+                async for message in stream:
+                    self._note_tokens(progress, message.token_ids)
+                    yield router_pb2.GenerateResponse(
+                        request_id=req.request_id,
+                        token_ids=message.token_ids,
+                        text=message.text,
+                        finished=message.finished,
+                        finish_reason=message.finish_reason,
+                    )
+                    if message.finished:
+                        return
+                raise LegError(
+                    target.instance_id, grpc.StatusCode.UNAVAILABLE, "stream ended before finishing"
+                )
+            except LegError as exc:
+                stream = None
+                if exc.kv_gone and kv_handle:
+                    # The prefill side no longer holds the KV: recompute prompt + generated tokens.
+                    logger.info(
+                        "request %s: KV gone (%s); recomputing on %s", req.request_id, exc, target.instance_id
+                    )
+                    kv_handle = b""
+                    continue
+                if not exc.retryable:
+                    raise
+                failures += 1
+                excluded.add(exc.instance_id)
+                self._observer.retried("decode")
+                if failures > self._config.max_retries:
+                    raise RetriesExhaustedError(
+                        f"decode failed on {failures} instances after {len(progress.tokens)} tokens "
+                        f"(--max-retries {self._config.max_retries}): {exc}"
+                    ) from exc
+                logger.warning(
+                    "request %s: decode on %s failed (%s); re-placing",
+                    req.request_id,
+                    target.instance_id,
+                    exc,
+                )
+                target = self._placer.place_decode(
+                    req, len(progress.tokens), exclude=frozenset(excluded), abandoned=exc.instance_id
+                )

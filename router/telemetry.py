@@ -1,0 +1,157 @@
+"""Prometheus metrics of the router, on a registry of its own.
+
+Names share the ``slo_router_`` prefix and carry units; labels are bounded
+(outcome, stage, group, role, health), never request ids. The prediction
+error is observed TTFT/TPOT minus the prediction the decision was made with,
+per instance group, so an operator sees when a profile no longer matches
+the fleet.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from router.errors import (
+    EmptyClusterError,
+    InvalidRequestError,
+    NoInstanceError,
+    RetriesExhaustedError,
+    RouterError,
+)
+from router.types import Choice, Decision
+
+_LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_TPOT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.2, 0.5, 1)
+_ERROR_BUCKETS_S = (-1, -0.25, -0.1, -0.05, -0.02, -0.01, -0.005, 0, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1)
+_SCHEDULE_BUCKETS_S = (2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 5e-2)
+
+
+def _outcome_of(exc: RouterError) -> str:
+    if isinstance(exc, InvalidRequestError):
+        return "invalid"
+    if isinstance(exc, NoInstanceError):
+        return "no_instance"
+    if isinstance(exc, EmptyClusterError):
+        return "unavailable"
+    if isinstance(exc, RetriesExhaustedError):
+        return "retries_exhausted"
+    return "error"
+
+
+class RequestObserver:
+    """Records what happens to requests. The default instance keeps its own registry."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "slo_router_requests", "Generate requests by outcome", ["outcome"], registry=r
+        )
+        self.retries = Counter(
+            "slo_router_retries", "Attempts repeated on another instance", ["phase"], registry=r
+        )
+        self.ttft = Histogram(
+            "slo_router_ttft_seconds",
+            "Router-measured time to first token",
+            buckets=_LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "slo_router_tpot_seconds",
+            "Router-measured mean time per output token",
+            buckets=_TPOT_BUCKETS_S,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "slo_router_e2e_seconds",
+            "Router-measured end-to-end latency",
+            buckets=_LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.ttft_error = Histogram(
+            "slo_router_ttft_prediction_error_seconds",
+            "Observed minus predicted TTFT, per prefill instance group",
+            ["group"],
+            buckets=_ERROR_BUCKETS_S,
+            registry=r,
+        )
+        self.tpot_error = Histogram(
+            "slo_router_tpot_prediction_error_seconds",
+            "Observed minus predicted TPOT, per decode instance group",
+            ["group"],
+            buckets=_ERROR_BUCKETS_S,
+            registry=r,
+        )
+        self.schedule_latency = Histogram(
+            "slo_router_schedule_latency_seconds",
+            "Time to make one placement decision",
+            buckets=_SCHEDULE_BUCKETS_S,
+            registry=r,
+        )
+        self.instances = Gauge(
+            "slo_router_instances", "Instances in the router's view", ["role", "health"], registry=r
+        )
+        self.inflight_entries = Gauge(
+            "slo_router_inflight_entries", "Entries in the in-flight account", registry=r
+        )
+
+    def bind_gauges(
+        self, instances: Callable[[], dict[tuple[str, str], int]], inflight: Callable[[], int]
+    ) -> None:
+        """Compute the gauges at scrape time from the router's live state."""
+        self._instance_source = instances
+        self.inflight_entries.set_function(lambda: float(inflight()))
+        self._refresh_instances()
+
+    def _refresh_instances(self) -> None:
+        source = getattr(self, "_instance_source", None)
+        if source is None:
+            return
+        for (role, health), count in source().items():
+            self.instances.labels(role=role, health=health).set(count)
+
+    def outcome(self, name: str) -> None:
+        self.requests.labels(outcome=name).inc()
+
+    def rejected(self, exc: RouterError) -> None:
+        self.outcome(_outcome_of(exc))
+
+    def retried(self, phase: str) -> None:
+        self.retries.labels(phase=phase).inc()
+
+    def scheduled(self, seconds: float) -> None:
+        self.schedule_latency.observe(seconds)
+
+    def first_token(self, decision: Decision, ttft_s: float) -> None:
+        self.ttft.observe(ttft_s)
+        prefill = decision.prefill
+        if prefill is not None and math.isfinite(prefill.predicted_ttft_ms):
+            self.ttft_error.labels(group=_group(decision, prefill)).observe(
+                ttft_s - prefill.predicted_ttft_ms / 1e3
+            )
+
+    def completed(self, decision: Decision | None, tpot_s: float | None, e2e_s: float) -> None:
+        self.outcome("ok")
+        self.e2e.observe(e2e_s)
+        self._refresh_instances()
+        if tpot_s is None:
+            return
+        self.tpot.observe(tpot_s)
+        decode = decision.decode if decision is not None else None
+        if decode is not None and decision is not None and math.isfinite(decode.predicted_tpot_ms):
+            self.tpot_error.labels(group=_group(decision, decode)).observe(
+                tpot_s - decode.predicted_tpot_ms / 1e3
+            )
+
+
+def _group(decision: Decision, choice: Choice) -> str:
+    """The instance's profile group, or its role when the fleet has one profile."""
+    table = decision.context.view.instances
+    i = table.index.get(choice.instance_id)
+    if i is None:
+        return "unknown"
+    group = table.groups[i]
+    return group or choice.stage.value

@@ -1,0 +1,216 @@
+"""The router end to end on loopback: CMS + sim workers + router, real gRPC everywhere."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+from slorouter.v1 import common_pb2, router_pb2
+
+from tests.router.e2e.cluster import collect, embedded_cluster, generate_request
+
+
+def check_stream(result, max_tokens: int) -> None:  # type: ignore[no-untyped-def]
+    assert len(result.tokens) == max_tokens
+    assert result.first.HasField("route")
+    assert all(not m.HasField("route") for m in result.messages[1:])
+    assert result.last.finished and result.last.finish_reason == "length"
+    assert all(not m.finished for m in result.messages[:-1])
+    usage = result.last.usage
+    assert usage.completion_tokens == max_tokens
+    assert usage.ttft_ms > 0 and usage.e2e_ms >= usage.ttft_ms
+
+
+@pytest.mark.parametrize("policy", ["slo", "load-balance"])
+async def test_pd_concurrent_generate_all_complete(policy: str) -> None:
+    async with embedded_cluster(prefill=2, decode=2, policy=policy) as cluster:
+        requests = [generate_request(32 + 8 * i, 12 + i % 5, request_id=f"r{i}") for i in range(40)]
+        results = await asyncio.gather(*(collect(cluster.stub, r) for r in requests))
+        prefill_used, decode_used = set(), set()
+        for request, result in zip(requests, results, strict=True):
+            check_stream(result, request.sampling.max_tokens)
+            assert result.first.request_id == request.request_id
+            route = result.first.route
+            assert route.prefill_instance_id.startswith("prefill-")
+            assert route.decode_instance_id.startswith("decode-")
+            assert route.policy == policy
+            prefill_used.add(route.prefill_instance_id)
+            decode_used.add(route.decode_instance_id)
+        assert prefill_used == {"prefill-0", "prefill-1"}
+        assert decode_used == {"decode-0", "decode-1"}
+        assert len(cluster.router.scheduler.inflight) == 0
+        assert cluster.router.service.active_requests == 0
+
+
+async def test_neutral_fleet_generates() -> None:
+    async with embedded_cluster(neutral=2) as cluster:
+        results = await asyncio.gather(*(collect(cluster.stub, generate_request(40, 20)) for _ in range(20)))
+        for result in results:
+            check_stream(result, 20)
+            route = result.first.route
+            assert route.prefill_instance_id == route.decode_instance_id
+            assert route.prefill_instance_id.startswith("neutral-")
+
+
+async def test_pd_tokens_match_a_neutral_generate() -> None:
+    async with embedded_cluster(prefill=1, decode=1) as pd, embedded_cluster(neutral=1) as neutral:
+        request = generate_request(100, 24, request_id="same")
+        a = await collect(pd.stub, request)
+        b = await collect(neutral.stub, request)
+        assert a.tokens == b.tokens
+
+
+async def test_text_prompt_is_tokenized_by_the_router() -> None:
+    async with embedded_cluster(neutral=1) as cluster:
+        request = router_pb2.GenerateRequest(
+            prompt="hello, fleet", sampling=common_pb2.SamplingParams(max_tokens=5)
+        )
+        result = await collect(cluster.stub, request)
+        assert result.last.usage.prompt_tokens == len(b"hello, fleet")
+        assert len(result.tokens) <= 5
+
+
+async def test_schedule_matches_generate_decision() -> None:
+    async with embedded_cluster(prefill=2, decode=2) as cluster:
+        # Load one prefill instance so the decision is not a tie.
+        background = asyncio.ensure_future(collect(cluster.stub, generate_request(3000, 200)))
+        await asyncio.sleep(0.05)
+        request = generate_request(500, 8, request_id="probe")
+        dry = await cluster.stub.Schedule(router_pb2.ScheduleRequest(request=request))
+        assert dry.mode == "pd" and dry.policy == "slo"
+        stages = {t.stage for t in dry.trace}
+        assert stages == {"prefill", "decode"}
+        assert sum(t.selected for t in dry.trace) == 2
+        selected = {t.stage: t.instance_id for t in dry.trace if t.selected}
+        assert selected == {"prefill": dry.prefill.instance_id, "decode": dry.decode.instance_id}
+        assert dry.prefill.predicted_ttft_ms > 0
+        # Nothing was recorded by the dry run.
+        assert "probe" not in cluster.router.scheduler.inflight
+        result = await collect(cluster.stub, request)
+        assert result.first.route.prefill_instance_id == dry.prefill.instance_id
+        assert result.first.route.decode_instance_id == dry.decode.instance_id
+        await background
+
+
+async def test_killing_a_decode_worker_mid_stream_loses_and_duplicates_nothing() -> None:
+    async with embedded_cluster(prefill=1, decode=2, engine_overrides={"speed_factor": 5.0}) as cluster:
+        request = generate_request(64, 120, request_id="survivor")
+        expected = (await collect(cluster.stub, generate_request(64, 120, request_id="reference"))).tokens
+        stream = cluster.stub.Generate(request, timeout=60)
+        tokens: list[int] = []
+        route = None
+        killed = False
+        async for message in stream:
+            if message.HasField("route"):
+                route = message.route
+            tokens.extend(message.token_ids)
+            if not killed and len(tokens) >= 10:
+                assert route is not None
+                await cluster.kill_worker(route.decode_instance_id)
+                killed = True
+        assert killed
+        assert tokens == expected
+        assert len(tokens) == 120
+
+
+async def test_client_cancel_aborts_on_the_workers() -> None:
+    async with embedded_cluster(prefill=1, decode=1, engine_overrides={"speed_factor": 2.0}) as cluster:
+        call = cluster.stub.Generate(generate_request(64, 2000, request_id="to-cancel"), timeout=60)
+        received = 0
+        async for message in call:
+            received += len(message.token_ids)
+            if received >= 3:
+                break
+        call.cancel()
+        decode_engine = cluster.engines["decode-0"]
+        prefill_engine = cluster.engines["prefill-0"]
+        for _ in range(500):
+            if (
+                decode_engine.load().num_running_requests == 0
+                and decode_engine.load().num_used_kv_tokens == 0
+            ):
+                break
+            await asyncio.sleep(0.01)
+        assert decode_engine.load().num_running_requests == 0
+        assert decode_engine.load().num_used_kv_tokens == 0
+        assert prefill_engine.load().num_used_kv_tokens == 0
+        for _ in range(200):
+            if len(cluster.router.scheduler.inflight) == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert len(cluster.router.scheduler.inflight) == 0
+
+
+async def test_deadline_aborts_on_the_workers() -> None:
+    async with embedded_cluster(neutral=1, engine_overrides={"speed_factor": 2.0}) as cluster:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await collect(cluster.stub, generate_request(64, 3000), timeout_s=0.5)
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        engine = cluster.engines["neutral-0"]
+        for _ in range(300):
+            if engine.load().num_running_requests == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert engine.load().num_running_requests == 0
+
+
+def _bad(**kw):  # type: ignore[no-untyped-def]
+    base = {"prompt_token_ids": [1, 2, 3], "sampling": common_pb2.SamplingParams(max_tokens=4)}
+    base.update(kw)
+    return router_pb2.GenerateRequest(**base)
+
+
+@pytest.mark.parametrize(
+    ("request_", "field"),
+    [
+        (router_pb2.GenerateRequest(sampling=common_pb2.SamplingParams(max_tokens=4)), "prompt"),
+        (_bad(prompt="text too"), "prompt"),
+        (_bad(sampling=common_pb2.SamplingParams(max_tokens=0)), "sampling.max_tokens"),
+        (_bad(slo=common_pb2.SloTarget(ttft_ms=-1)), "slo.ttft_ms"),
+        (_bad(slo=common_pb2.SloTarget(tpot_ms=float("nan"))), "slo.tpot_ms"),
+        (_bad(slo=common_pb2.SloTarget(e2e_ms=float("inf"))), "slo.e2e_ms"),
+        (_bad(prompt_token_ids=list(range(1, 250)) * 20), "serving limit"),
+        (_bad(model="no-such-model"), "model"),
+    ],
+)
+async def test_invalid_requests_are_refused_and_the_router_keeps_serving(
+    request_: router_pb2.GenerateRequest, field: str
+) -> None:
+    async with embedded_cluster(neutral=1) as cluster:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await collect(cluster.stub, request_)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert field in (info.value.details() or "")
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await cluster.stub.Schedule(router_pb2.ScheduleRequest(request=request_))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert len(cluster.router.scheduler.inflight) == 0
+        ok = await collect(cluster.stub, generate_request(16, 4))
+        assert len(ok.tokens) == 4
+
+
+async def test_duplicate_in_flight_request_id_is_refused() -> None:
+    async with embedded_cluster(neutral=1, engine_overrides={"speed_factor": 2.0}) as cluster:
+        first = cluster.stub.Generate(generate_request(16, 500, request_id="dup"), timeout=30)
+        await first.read()
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await collect(cluster.stub, generate_request(16, 4, request_id="dup"))
+        assert info.value.code() == grpc.StatusCode.ALREADY_EXISTS
+        first.cancel()
+
+
+async def test_empty_fleet_is_unavailable() -> None:
+    async with embedded_cluster() as cluster:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await collect(cluster.stub, generate_request(16, 4))
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "no instances" in (info.value.details() or "")
+
+
+async def test_unmeetable_slo_is_resource_exhausted() -> None:
+    async with embedded_cluster(prefill=1, decode=1) as cluster:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await collect(cluster.stub, generate_request(2000, 4, ttft_ms=1.0))
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "prefill" in (info.value.details() or "")
