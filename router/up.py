@@ -1,0 +1,248 @@
+"""``slo-router up``: a whole cluster on loopback in one command.
+
+The CMS (memory store) and the router run in this process; each sim worker
+runs in a child process of its own (``slo-router worker --engine sim``), so
+workers and router use both cores. Children die with this process: they get
+SIGTERM on a clean shutdown and, on Linux, also when this process dies
+without one (``PR_SET_PDEATHSIG``), so nothing is left running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ctypes
+import logging
+import random
+import signal
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cms.memory import MemoryStore
+from cms.reader import open_reader
+from cms.server import CmsServer, start_cms_server
+from predictor import LatencyPredictor
+from router.config import SchedulerConfig
+from router.scheduler import Scheduler
+from router.server import DEFAULT_LISTEN, DEFAULT_PROFILE_DIR, RouterServer, start_router_server
+from router.service import ServiceConfig
+from router.telemetry import RequestObserver
+
+logger = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+@dataclass
+class WorkerProcess:
+    instance_id: str
+    role: str
+    process: asyncio.subprocess.Process
+    address: str = ""
+
+
+@dataclass
+class Cluster:
+    """A running embedded cluster."""
+
+    cms: CmsServer
+    router: RouterServer
+    workers: list[WorkerProcess]
+
+    async def stop(self) -> None:
+        """Router first (no new work), then the workers, then the CMS. Idempotent."""
+        await self.router.stop(grace=2.0)
+        await stop_workers(self.workers)
+        await self.cms.stop(grace=0.5)
+
+
+async def stop_workers(workers: list[WorkerProcess], timeout_s: float = 10.0) -> None:
+    for worker in workers:
+        if worker.process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                worker.process.send_signal(signal.SIGTERM)
+    for worker in workers:
+        try:
+            await asyncio.wait_for(worker.process.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            logger.warning("worker %s did not stop in %.0f s; killing it", worker.instance_id, timeout_s)
+            with contextlib.suppress(ProcessLookupError):
+                worker.process.kill()
+            await worker.process.wait()
+
+
+async def _spawn_worker(
+    instance_id: str, role: str, cms_address: str, profile: Path, extra: list[str]
+) -> WorkerProcess:
+    cmd = [
+        sys.executable, "-m", "router.cli", "worker", "--engine", "sim", "--role", role,
+        "--listen", "127.0.0.1:0", "--cms", cms_address, "--instance-id", instance_id,
+        "--ttft-profiling-data-path", str(profile / "ttft.json"),
+        "--tpot-profiling-data-path", str(profile / "tpot.json"),
+        *extra,
+    ]  # fmt: skip
+    process = await asyncio.create_subprocess_exec(
+        *cmd, stdout=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL, preexec_fn=_die_with_parent
+    )
+    return WorkerProcess(instance_id, role, process)
+
+
+async def _await_listening(worker: WorkerProcess, timeout_s: float) -> None:
+    assert worker.process.stdout is not None
+    try:
+        while True:
+            line = await asyncio.wait_for(worker.process.stdout.readline(), timeout_s)
+            if not line:
+                raise RuntimeError(
+                    f"worker {worker.instance_id} exited (code {worker.process.returncode}) before listening"
+                )
+            text = line.decode(errors="replace").strip()
+            if text.startswith("worker listening on "):
+                worker.address = text.rsplit(" ", 1)[1]
+                return
+    except asyncio.TimeoutError as exc:
+        raise RuntimeError(f"worker {worker.instance_id} did not start within {timeout_s:.0f} s") from exc
+
+
+async def _drain_stdout(worker: WorkerProcess) -> None:
+    """Keep reading a worker's stdout so it never blocks on a full pipe."""
+    assert worker.process.stdout is not None
+    while await worker.process.stdout.readline():
+        pass
+
+
+async def start_cluster(args: argparse.Namespace) -> Cluster:
+    """Start CMS, workers and router as the flags say; wait until every worker has registered."""
+    profile = Path(args.profile)
+    predictor = LatencyPredictor.from_files(profile / "ttft.json", profile / "tpot.json")
+    if args.neutral:
+        roles = [("neutral", i) for i in range(args.neutral)]
+    else:
+        roles = [("prefill", i) for i in range(args.prefill)] + [("decode", i) for i in range(args.decode)]
+    store = MemoryStore()
+    cms = await start_cms_server(store, "127.0.0.1:0")
+    workers: list[WorkerProcess] = []
+    try:
+        extra = ["--speed-factor", str(args.speed_factor), "--seed", str(args.seed)]
+        for role, i in roles:
+            workers.append(await _spawn_worker(f"{role}-{i}", role, cms.address, profile, extra))
+        await asyncio.gather(*(_await_listening(w, args.start_timeout_s) for w in workers))
+        config = SchedulerConfig.from_namespace(args)
+        scheduler = Scheduler(config, predictor, random.Random(args.seed))
+        observer = RequestObserver()
+        if args.metrics_port:
+            from prometheus_client import start_http_server
+
+            start_http_server(args.metrics_port, addr="127.0.0.1", registry=observer.registry)
+        router = await start_router_server(
+            open_reader("memory", store=store),
+            scheduler,
+            listen=args.listen,
+            service_config=ServiceConfig(ttft_slo_ms=config.ttft_slo_ms, tpot_slo_ms=config.tpot_slo_ms),
+            observer=observer,
+        )
+    except BaseException:
+        await stop_workers(workers)
+        await cms.stop(grace=0)
+        raise
+    cluster = Cluster(cms, router, workers)
+    deadline = asyncio.get_running_loop().time() + args.start_timeout_s
+    while sum(1 for r in (await store.read_view()).instances if r.status is not None) < len(workers):
+        if asyncio.get_running_loop().time() > deadline:
+            await cluster.stop()
+            raise RuntimeError("workers started but did not all register with the CMS in time")
+        await asyncio.sleep(0.02)
+    return cluster
+
+
+def register(subparsers: Any) -> None:
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "up",
+        help="run a whole cluster on loopback: CMS, sim workers and router",
+        description=(
+            "Start an embedded cluster on loopback in one command: a CMS with the memory store, sim "
+            "workers (each in its own process, with its status agent) and the router. Prints the router "
+            "address, then serves until Ctrl-C or SIGTERM, and shuts everything down cleanly."
+        ),
+    )
+    parser.add_argument("--prefill", type=int, default=2, help="prefill workers (default: %(default)s)")
+    parser.add_argument("--decode", type=int, default=2, help="decode workers (default: %(default)s)")
+    parser.add_argument(
+        "--neutral", type=int, default=0, help="neutral workers instead of prefill/decode ones"
+    )
+    parser.add_argument("--listen", default=DEFAULT_LISTEN, help="router address (default: %(default)s)")
+    parser.add_argument(
+        "--profile",
+        default=str(DEFAULT_PROFILE_DIR),
+        help="profile directory (ttft.json + tpot.json) the sim workers run and the router predicts with "
+        "(default: the bundled Qwen2.5-7B profile)",
+    )
+    parser.add_argument(
+        "--speed-factor",
+        type=float,
+        default=1.0,
+        help="sim workers run this many times faster than the profile (default: %(default)s)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the scheduler and the workers")
+    parser.add_argument(
+        "--metrics-port", type=int, default=0, help="serve the router's Prometheus metrics here"
+    )
+    parser.add_argument(
+        "--start-timeout-s", type=float, default=60.0, help="how long workers may take to start"
+    )
+    SchedulerConfig.add_arguments(parser)
+    parser.set_defaults(func=run, scheduling_policy="slo")
+
+
+def _validate(args: argparse.Namespace) -> None:
+    if args.neutral < 0 or args.prefill < 0 or args.decode < 0:
+        raise ValueError("--prefill, --decode and --neutral must be >= 0")
+    if not args.neutral and (args.prefill < 1 or args.decode < 1):
+        raise ValueError("need --neutral K, or at least one --prefill and one --decode worker")
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    cluster = await start_cluster(args)
+    roles = ", ".join(f"{w.instance_id}@{w.address}" for w in cluster.workers)
+    print(f"cms listening on {cluster.cms.address}", flush=True)
+    print(f"workers: {roles}", flush=True)
+    print(f"router listening on {cluster.router.address}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    drains = [asyncio.ensure_future(_drain_stdout(w)) for w in cluster.workers]
+    await stop.wait()
+    print("shutting down", flush=True)
+    await cluster.stop()
+    for task in drains:
+        task.cancel()
+    await asyncio.gather(*drains, return_exceptions=True)
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        _validate(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:  # pragma: no cover
+        pass
+    try:
+        return asyncio.run(_serve(args))
+    except (ValueError, OSError, RuntimeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
