@@ -9,6 +9,7 @@ so that a cancelled request can be aborted everywhere it ran.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -83,6 +84,70 @@ class LegLedger:
     endpoints: set[str] = field(default_factory=set)
 
 
+def _merge(batch: list[worker_pb2.WorkerTokens]) -> worker_pb2.WorkerTokens:
+    if len(batch) == 1:
+        return batch[0]
+    last = batch[-1]
+    return worker_pb2.WorkerTokens(
+        request_id=last.request_id,
+        token_ids=[t for m in batch for t in m.token_ids],
+        text="".join(m.text for m in batch),
+        finished=last.finished,
+        finish_reason=last.finish_reason,
+        num_prompt_tokens=batch[0].num_prompt_tokens,
+    )
+
+
+async def _coalesced(
+    call: grpc.aio.UnaryStreamCall[Any, worker_pb2.WorkerTokens],
+) -> AsyncIterator[worker_pb2.WorkerTokens]:
+    """The messages of ``call``, merged when they arrive faster than the consumer takes them.
+
+    A reader task drains the upstream stream into a list; each step of the
+    consumer takes everything that arrived meanwhile as one message. So when
+    the client (or the router itself) falls behind, every token that is ready
+    goes out in one message instead of one message per token. The list holds
+    at most the request's own tokens. Tokens that arrived before an upstream
+    failure are delivered before the failure is raised.
+    """
+    pending: list[worker_pb2.WorkerTokens] = []
+    ready = asyncio.Event()
+    done = False
+    failure: BaseException | None = None
+
+    async def pump() -> None:
+        nonlocal done, failure
+        try:
+            async for message in call:
+                pending.append(message)
+                ready.set()
+        except grpc.aio.AioRpcError as exc:
+            failure = exc
+        finally:
+            done = True
+            ready.set()
+
+    reader = asyncio.get_running_loop().create_task(pump())
+    try:
+        while True:
+            if not pending and not done:
+                ready.clear()
+                await ready.wait()
+            if pending:
+                batch = pending[:]
+                pending.clear()
+                yield _merge(batch)
+                continue
+            if failure is not None:
+                raise failure
+            return
+    finally:
+        if not reader.done():
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reader
+
+
 class WorkerClient:
     """Calls the Worker service of the instances a request is placed on."""
 
@@ -128,7 +193,7 @@ class WorkerClient:
         else:
             call = stub.Generate(request, timeout=timeout_s)
         try:
-            async for message in call:
+            async for message in _coalesced(call):
                 yield message
         except grpc.aio.AioRpcError as exc:
             raise _leg_error(target.instance_id, exc) from exc

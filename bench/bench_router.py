@@ -1,0 +1,143 @@
+"""The router hop's cost: the same sim workers driven directly and through the router.
+
+Starts ``slo-router up --neutral 2`` (router and workers in their own
+processes), then from this process:
+
+* streams 64 concurrent requests straight to the workers (Worker.Generate,
+  alternating between them) and through the router (Router.Generate), and
+  prints tokens/s of each and their ratio;
+* sends one request at a time and prints TTFT p50/p99 of each path and the
+  TTFT the router adds.
+
+Figures only; nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import grpc
+
+from slorouter.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+REPO = Path(__file__).resolve().parent.parent
+SPEED_FACTOR = 20.0
+STREAMS = 64
+REQUESTS = 192
+MAX_TOKENS = 128
+TTFT_SAMPLES = 60
+
+
+def _prompt(i: int, n: int = 64) -> list[int]:
+    return [(i * 13 + k) % 250 + 1 for k in range(n)]
+
+
+def _sampling(max_tokens: int) -> common_pb2.SamplingParams:
+    return common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+
+
+StreamFn = Callable[[int, int], AsyncIterator[int]]
+
+
+async def _throughput(stream: StreamFn) -> tuple[float, int]:
+    gate = asyncio.Semaphore(STREAMS)
+    tokens = 0
+
+    async def one(i: int) -> None:
+        nonlocal tokens
+        async with gate:
+            async for n in stream(i, MAX_TOKENS):
+                tokens += n
+
+    start = time.perf_counter()
+    await asyncio.gather(*(one(i) for i in range(REQUESTS)))
+    return tokens / (time.perf_counter() - start), tokens
+
+
+async def _ttfts(stream: StreamFn) -> list[float]:
+    samples = []
+    for i in range(TTFT_SAMPLES):
+        start = time.perf_counter()
+        async for _ in stream(10_000 + i, 2):
+            samples.append((time.perf_counter() - start) * 1e3)
+            break
+    return samples
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def _measure(router_addr: str, worker_addrs: list[str]) -> None:
+    router_channel = grpc.aio.insecure_channel(router_addr)
+    worker_channels = [grpc.aio.insecure_channel(a) for a in worker_addrs]
+    router = router_pb2_grpc.RouterStub(router_channel)
+    workers = [worker_pb2_grpc.WorkerStub(c) for c in worker_channels]
+
+    async def via_router(i: int, max_tokens: int) -> AsyncIterator[int]:
+        request = router_pb2.GenerateRequest(prompt_token_ids=_prompt(i), sampling=_sampling(max_tokens))
+        async for message in router.Generate(request, timeout=120):
+            yield len(message.token_ids)
+
+    async def direct(i: int, max_tokens: int) -> AsyncIterator[int]:
+        request = worker_pb2.WorkerGenerateRequest(
+            request_id=f"direct-{i}", prompt_token_ids=_prompt(i), sampling=_sampling(max_tokens)
+        )
+        async for message in workers[i % len(workers)].Generate(request, timeout=120):
+            yield len(message.token_ids)
+
+    try:
+        await _throughput(direct)  # warm-up: channels, caches
+        direct_tps, _ = await _throughput(direct)
+        router_tps, _ = await _throughput(via_router)
+        print(f"{STREAMS} concurrent streams, {REQUESTS} requests x {MAX_TOKENS} tokens, sim speed x{SPEED_FACTOR:g}:")
+        print(f"  direct to workers : {direct_tps:9.0f} tokens/s")
+        print(f"  through the router: {router_tps:9.0f} tokens/s  (ratio {router_tps / direct_tps:.2f})")
+        direct_ttft = await _ttfts(direct)
+        router_ttft = await _ttfts(via_router)
+        d50, r50 = statistics.median(direct_ttft), statistics.median(router_ttft)
+        print(f"one stream at a time, {TTFT_SAMPLES} requests of 64 prompt tokens:")
+        print(f"  TTFT direct : p50 {d50:6.2f} ms  p99 {_pct(direct_ttft, 0.99):6.2f} ms")
+        print(f"  TTFT router : p50 {r50:6.2f} ms  p99 {_pct(router_ttft, 0.99):6.2f} ms")
+        print(f"  added by the router hop: p50 {r50 - d50:+.2f} ms")
+    finally:
+        await router_channel.close()
+        for channel in worker_channels:
+            await channel.close()
+
+
+def main() -> None:
+    cmd = [
+        sys.executable, "-m", "router.cli", "up", "--neutral", "2", "--listen", "127.0.0.1:0",
+        "--speed-factor", str(SPEED_FACTOR), "--scheduling-policy", "load-balance",
+    ]  # fmt: skip
+    up = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=REPO)
+    try:
+        router_addr, worker_addrs = "", []
+        assert up.stdout is not None
+        for line in up.stdout:
+            if line.startswith("workers: "):
+                worker_addrs = [part.split("@")[1].strip(", \n") for part in line[9:].split(", ")]
+            if line.startswith("router listening on "):
+                router_addr = line.split()[-1]
+                break
+        if not router_addr:
+            print("slo-router up did not start; no figures")
+            return
+        asyncio.run(_measure(router_addr, worker_addrs))
+    finally:
+        up.terminate()
+        up.wait(timeout=30)
+        if up.stdout is not None:
+            up.stdout.close()
+
+
+if __name__ == "__main__":
+    main()

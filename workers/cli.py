@@ -1,0 +1,239 @@
+"""``slo-router worker`` and ``slo-router profile``.
+
+``worker`` serves one engine behind the Worker gRPC service, with the status
+agent when ``--cms`` is given. The engine's own flags come from its backend
+(:mod:`workers.backends`) and are added once ``--engine`` is known, so
+``slo-router worker --engine vllm --help`` lists vLLM's flags and the vLLM
+module is imported only when it is asked for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Coroutine, Sequence
+from pathlib import Path
+from typing import Any
+
+from workers.backends import BACKENDS, BackendError, BackendRegistry
+
+logger = logging.getLogger(__name__)
+
+_ROLES = ("neutral", "prefill", "decode")
+
+
+def _engine_choice(args: Sequence[str], default: str) -> str:
+    """The value of ``--engine`` among raw arguments (before ``--``), else ``default``."""
+    for i, arg in enumerate(args):
+        if arg == "--":
+            break
+        if arg == "--engine" and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith("--engine="):
+            return arg.partition("=")[2]
+    return default
+
+
+class _WorkerParser(argparse.ArgumentParser):
+    """Adds the chosen backend's flags before parsing (backends are only imported when chosen)."""
+
+    registry: BackendRegistry = BACKENDS
+    _backend_added: str | None = None
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        raw = list(sys.argv[1:] if args is None else args)
+        name = _engine_choice(raw, "sim")
+        if self._backend_added is None:
+            if name not in self.registry.names():
+                self.error(
+                    f"argument --engine: invalid choice {name!r} (choose from {', '.join(self.registry.names())})"
+                )
+            try:
+                backend = self.registry.load(name)
+            except BackendError as exc:
+                self.error(str(exc))
+            backend.add_arguments(self)
+            self._backend_added = name
+        return super().parse_known_args(raw, namespace)
+
+
+def register(subparsers: Any) -> None:
+    worker: argparse.ArgumentParser = subparsers.add_parser(
+        "worker",
+        help="serve an engine (sim or vllm) behind the Worker gRPC service",
+        description=(
+            "Serve one engine behind the Worker gRPC service (Generate, Prefill, Decode, Abort, GetInfo, "
+            "plus health and reflection). With --cms, the instance registers with the cluster metadata "
+            "service and reports its load on every change. The engine's flags depend on --engine; "
+            "see `slo-router worker --engine NAME --help`."
+        ),
+    )
+    # The backend's flags are added at parse time; see _WorkerParser.
+    worker.__class__ = _WorkerParser
+    worker.add_argument(
+        "--engine",
+        default="sim",
+        help=f"engine backend: {', '.join(BACKENDS.names())} (default: %(default)s)",
+    )
+    worker.add_argument(
+        "--role", choices=_ROLES, default="neutral", help="stage registered for (default: %(default)s)"
+    )
+    worker.add_argument(
+        "--listen",
+        default="127.0.0.1:0",
+        help="HOST:PORT to serve on; port 0 picks one (default: %(default)s)",
+    )
+    worker.add_argument(
+        "--advertise-host",
+        default=None,
+        help="host other processes reach this worker at (default: the listen host)",
+    )
+    worker.add_argument(
+        "--cms", default=None, help="CMS address (host:port or grpc://host:port); none = no agent"
+    )
+    worker.add_argument("--cms-auth-token-file", default=None, help="file holding the CMS write token")
+    worker.add_argument("--instance-id", default="", help="instance id (default: worker-<endpoint>)")
+    worker.add_argument("--node-id", default="", help="failure domain: host id")
+    worker.add_argument("--unit-id", default="", help="failure domain: unit id")
+    worker.add_argument(
+        "--shutdown-grace-s",
+        type=float,
+        default=5.0,
+        help="seconds running calls get on shutdown (default: %(default)s)",
+    )
+    worker.set_defaults(func=run_worker)
+
+    prof: argparse.ArgumentParser = subparsers.add_parser(
+        "profile",
+        help="measure a live worker and write ttft.json / tpot.json",
+        description=(
+            "Measure TTFT by prompt length on an idle worker and TPOT by decode batch size and context "
+            "length, through the Worker service, and write ttft.json and tpot.json in the profiling schema "
+            "the router reads."
+        ),
+    )
+    prof.add_argument("--target", required=True, help="the worker's HOST:PORT")
+    prof.add_argument("--out", required=True, help="directory to write ttft.json and tpot.json into")
+    prof.add_argument(
+        "--tokens", default="128,256,512,1024,2048", help="TTFT prompt lengths (default: %(default)s)"
+    )
+    prof.add_argument("--batch-sizes", default="1,2,4,8,16", help="TPOT batch sizes (default: %(default)s)")
+    prof.add_argument(
+        "--tokens-per-request", default="128,512,1024", help="TPOT context lengths (default: %(default)s)"
+    )
+    prof.add_argument(
+        "--repeats", type=int, default=5, help="samples per TTFT point / batches per TPOT point"
+    )
+    prof.add_argument("--decode-tokens", type=int, default=16, help="output tokens per TPOT request")
+    prof.add_argument("--max-token-id", type=int, default=999, help="prompt ids are drawn from 1..this")
+    prof.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    prof.set_defaults(func=run_profile)
+
+
+def _int_list(flag: str, text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"{flag}: expected comma-separated integers, got {text!r}") from None
+
+
+def run_async(coro: Coroutine[Any, Any, int]) -> int:
+    """Run the entry coroutine, on uvloop when it is installed."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(coro)
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    from workers.metadata import WorkerIdentity, WorkerRole
+
+    token: str | None = None
+    if args.cms_auth_token_file:
+        try:
+            token = Path(args.cms_auth_token_file).read_text(encoding="utf-8").strip() or None
+        except OSError as exc:
+            print(f"error: --cms-auth-token-file: {exc}", file=sys.stderr)
+            return 2
+    try:
+        engine = BACKENDS.load(args.engine).build_engine(args)
+    except (BackendError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    identity = WorkerIdentity(
+        instance_id=args.instance_id,
+        role=WorkerRole(args.role),
+        node_id=args.node_id,
+        unit_id=args.unit_id,
+    )
+    return run_async(_serve(engine, args, identity, token))
+
+
+async def _serve(engine: Any, args: argparse.Namespace, identity: Any, token: str | None) -> int:
+    from workers.service import start_worker_server
+
+    try:
+        server = await start_worker_server(
+            engine,
+            args.listen,
+            identity=identity,
+            advertise_host=args.advertise_host,
+            cms=args.cms,
+            cms_auth_token=token,
+        )
+    except (OSError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"worker listening on {server.address}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+        logger.info("shutting down worker %s", server.instance_id)
+        await server.stop(args.shutdown_grace_s)
+    return 0
+
+
+def run_profile(args: argparse.Namespace) -> int:
+    from workers.profile import ProfilePlan, profile_worker, write_profiles
+
+    try:
+        plan = ProfilePlan(
+            tokens=_int_list("--tokens", args.tokens),
+            batch_sizes=_int_list("--batch-sizes", args.batch_sizes),
+            tokens_per_request=_int_list("--tokens-per-request", args.tokens_per_request),
+            repeats=args.repeats,
+            decode_tokens=args.decode_tokens,
+            max_token_id=args.max_token_id,
+            seed=args.seed,
+        )
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+    async def go() -> int:
+        try:
+            ttft, tpot = await profile_worker(args.target, plan)
+        except ValueError as exc:
+            print(f"\nerror: {exc}", file=sys.stderr)
+            return 2
+        except Exception as exc:  # gRPC failures: say which worker and why, without a traceback
+            print(f"\nerror: profiling {args.target} failed: {exc}", file=sys.stderr)
+            return 1
+        ttft_path, tpot_path = write_profiles(args.out, ttft, tpot)
+        print(f"wrote {ttft_path} and {tpot_path}")
+        return 0
+
+    return run_async(go())

@@ -1,0 +1,346 @@
+"""The Worker gRPC service over an :class:`workers.engine.Engine`, and a way to run it.
+
+:func:`start_worker_server` binds a ``grpc.aio`` server with the Worker
+service, the standard ``grpc.health.v1`` health service and server
+reflection, starts the engine and (when given a CMS address) the status
+agent, and returns a :class:`WorkerServer`.
+
+Errors: the engine's exception tree (:mod:`workers.engine`) is mapped to gRPC
+status codes in :func:`status_for`, the one place that does so:
+
+=============================  ======================
+``InvalidRequestError``        ``INVALID_ARGUMENT``
+``DuplicateRequestError``      ``ALREADY_EXISTS``
+``KvHandleError``              ``NOT_FOUND``
+``EngineShuttingDownError``    ``UNAVAILABLE``
+``EngineOverloadedError``      ``RESOURCE_EXHAUSTED``
+any other ``EngineError``      ``INTERNAL``
+=============================  ======================
+
+A client that cancels a call aborts its request on the engine. Tokens a slow
+client has not taken yet are merged by the engine, so each message carries
+everything ready (see :class:`workers.engine.DeltaCollector`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from slorouter.v1 import cms_pb2, common_pb2, worker_pb2, worker_pb2_grpc
+
+from workers.engine import (
+    DuplicateRequestError,
+    EndpointAware,
+    Engine,
+    EngineError,
+    EngineOverloadedError,
+    EngineShuttingDownError,
+    InvalidRequestError,
+    KvHandleError,
+    Sampling,
+    TextTokenizer,
+    TokenDelta,
+    TokenizingEngine,
+    validate_request,
+)
+from workers.metadata import WorkerIdentity, build_metadata
+from workers.tokenizer import SimpleTokenizer
+
+if TYPE_CHECKING:
+    from workers.agent import StatusAgent
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME: str = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+
+_Context = grpc.aio.ServicerContext[Any, Any]
+
+_CODES: tuple[tuple[type[EngineError], grpc.StatusCode], ...] = (
+    (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
+    (DuplicateRequestError, grpc.StatusCode.ALREADY_EXISTS),
+    (KvHandleError, grpc.StatusCode.NOT_FOUND),
+    (EngineShuttingDownError, grpc.StatusCode.UNAVAILABLE),
+    (EngineOverloadedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+)
+
+
+def status_for(exc: EngineError) -> grpc.StatusCode:
+    """The gRPC status code of an engine error (see the module docstring)."""
+    for cls, code in _CODES:
+        if isinstance(exc, cls):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+async def _abort(context: _Context, exc: EngineError) -> NoReturn:
+    await context.abort(status_for(exc), str(exc) or type(exc).__name__)
+    raise AssertionError("context.abort returned")  # pragma: no cover - abort always raises
+
+
+def sampling_from_proto(params: common_pb2.SamplingParams) -> Sampling:
+    """Engine sampling parameters; zero values mean the engine default (max_tokens excepted)."""
+    return Sampling(
+        max_tokens=params.max_tokens,
+        temperature=params.temperature,
+        top_p=params.top_p if params.top_p > 0 else 1.0,
+        top_k=params.top_k,
+        seed=params.seed,
+        stop=tuple(params.stop),
+        ignore_eos=params.ignore_eos,
+    )
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+    """Maps the Worker RPCs onto an engine; knows nothing of any backend."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        metadata: cms_pb2.InstanceMetadata,
+        tokenizer: TextTokenizer | None = None,
+    ) -> None:
+        self._engine = engine
+        self._metadata = metadata
+        if tokenizer is None:
+            tokenizer = engine.tokenizer if isinstance(engine, TokenizingEngine) else SimpleTokenizer()
+        self._tokenizer = tokenizer
+
+    def _prompt(self, token_ids: Any, text: str) -> tuple[int, ...]:
+        if token_ids and text:
+            raise InvalidRequestError("prompt: send exactly one of prompt_token_ids and prompt, not both")
+        if text:
+            return tuple(self._tokenizer.encode(text))
+        return tuple(token_ids)
+
+    async def Generate(  # type: ignore[override]
+        self, request: worker_pb2.WorkerGenerateRequest, context: _Context
+    ) -> None:
+        rid = request.request_id
+        try:
+            prompt = self._prompt(request.prompt_token_ids, request.prompt)
+            sampling = sampling_from_proto(request.sampling)
+            validate_request(self._engine.info, rid, prompt, sampling)
+            await self._stream(context, rid, len(prompt), self._engine.generate(rid, prompt, sampling))
+        except EngineError as exc:
+            await _abort(context, exc)
+
+    async def Decode(  # type: ignore[override]
+        self, request: worker_pb2.DecodeRequest, context: _Context
+    ) -> None:
+        rid = request.request_id
+        try:
+            prompt = tuple(request.prompt_token_ids)
+            generated = tuple(request.generated_token_ids)
+            sampling = sampling_from_proto(request.sampling)
+            validate_request(self._engine.info, rid, prompt, sampling, generated)
+            stream = self._engine.decode(rid, prompt, sampling, request.kv_handle, generated)
+            await self._stream(context, rid, len(prompt), stream)
+        except EngineError as exc:
+            await _abort(context, exc)
+
+    async def _stream(
+        self, context: _Context, request_id: str, num_prompt_tokens: int, stream: AsyncIterator[TokenDelta]
+    ) -> None:
+        finished = False
+        first = True
+        try:
+            async for delta in stream:
+                finished = delta.finished
+                await context.write(
+                    worker_pb2.WorkerTokens(
+                        request_id=request_id,
+                        token_ids=delta.token_ids,
+                        text=delta.text,
+                        finished=delta.finished,
+                        finish_reason=delta.finish_reason,
+                        num_prompt_tokens=num_prompt_tokens if first or delta.finished else 0,
+                    )
+                )
+                first = False
+                if finished:
+                    break
+        except asyncio.CancelledError:
+            # The client went away: its request must not keep running.
+            if not finished:
+                await self._engine.abort(request_id)
+            raise
+        finally:
+            aclose = getattr(stream, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+    async def Prefill(
+        self, request: worker_pb2.PrefillRequest, context: _Context
+    ) -> worker_pb2.PrefillResponse:
+        rid = request.request_id
+        try:
+            prompt = self._prompt(request.prompt_token_ids, request.prompt)
+            sampling = sampling_from_proto(request.sampling)
+            validate_request(self._engine.info, rid, prompt, sampling)
+            try:
+                result = await self._engine.prefill(rid, prompt, sampling)
+            except asyncio.CancelledError:
+                await self._engine.abort(rid)
+                raise
+        except EngineError as exc:
+            await _abort(context, exc)
+        return worker_pb2.PrefillResponse(
+            request_id=rid,
+            first_token_id=result.first_token_id,
+            text=result.text,
+            kv_handle=result.kv_handle,
+            finished=result.finished,
+            finish_reason=result.finish_reason,
+            num_prompt_tokens=result.num_prompt_tokens or len(prompt),
+        )
+
+    async def Abort(self, request: worker_pb2.AbortRequest, context: _Context) -> worker_pb2.AbortResponse:
+        if not request.request_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: must not be empty")
+        return worker_pb2.AbortResponse(found=await self._engine.abort(request.request_id))
+
+    async def GetInfo(
+        self, request: worker_pb2.GetInfoRequest, context: _Context
+    ) -> cms_pb2.InstanceMetadata:
+        return self._metadata
+
+
+def _split_listen(listen: str) -> tuple[str, int]:
+    host, sep, port_text = listen.rpartition(":")
+    if not sep or not host or not port_text.isdigit() or int(port_text) > 65535:
+        raise ValueError(f"listen address {listen!r} is not HOST:PORT (PORT 0 picks a free port)")
+    return host, int(port_text)
+
+
+_WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", "[::]", "*"})
+
+
+class WorkerServer:
+    """A running worker: Worker service + health + reflection over one engine, and its agent.
+
+    ``address`` is the ``host:port`` other processes reach it at (the bound
+    port; a wildcard listen host is replaced by the advertised host).
+    """
+
+    def __init__(
+        self,
+        server: grpc.aio.Server,
+        engine: Engine,
+        health_servicer: Any,
+        metadata: cms_pb2.InstanceMetadata,
+        port: int,
+        agent: StatusAgent | None,
+    ) -> None:
+        self._server = server
+        self.engine = engine
+        self._health = health_servicer
+        self.metadata = metadata
+        self.port = port
+        self.address = metadata.endpoint
+        self.agent = agent
+        self._stopping: asyncio.Task[None] | None = None
+
+    @property
+    def instance_id(self) -> str:
+        return self.metadata.instance_id
+
+    async def stop(self, grace: float | None = 1.0) -> None:
+        """Deregister, stop taking calls, give running ones ``grace`` seconds, stop the engine. Idempotent."""
+        if self._stopping is None:
+            self._stopping = asyncio.get_running_loop().create_task(self._stop(grace))
+        await asyncio.shield(self._stopping)
+
+    async def _stop(self, grace: float | None) -> None:
+        if self.agent is not None:
+            await self.agent.stop()
+        await self._health.enter_graceful_shutdown()
+        await self._server.stop(grace)
+        await self.engine.stop()
+
+    async def wait_for_termination(self) -> None:
+        await self._server.wait_for_termination()
+
+
+async def start_worker_server(
+    engine: Engine,
+    listen: str = "127.0.0.1:0",
+    *,
+    identity: WorkerIdentity | None = None,
+    advertise_host: str | None = None,
+    cms: str | None = None,
+    cms_auth_token: str | None = None,
+    tokenizer: TextTokenizer | None = None,
+    agent_coalesce_s: float = 0.005,
+    heartbeat_interval_s: float = 0.5,
+    cms_backoff_max_s: float = 5.0,
+) -> WorkerServer:
+    """Start ``engine`` and serve it on ``listen`` (``HOST:PORT``; port 0 picks one).
+
+    With ``cms`` (``host:port`` or ``grpc://host:port``) a status agent
+    registers the instance there and keeps its status current; a CMS that is
+    down is retried in the background and never delays or breaks serving.
+    ``advertise_host`` is the host put into the registered endpoint (default:
+    the listen host, or this machine's host name when listening on a
+    wildcard address). ``agent_coalesce_s``, ``heartbeat_interval_s`` and
+    ``cms_backoff_max_s`` tune the agent. ``WorkerServer.stop()`` stops the agent, the server
+    and the engine. Raises ``OSError`` when the address cannot be bound.
+    """
+    identity = identity if identity is not None else WorkerIdentity()
+    host, _ = _split_listen(listen)
+    # No SO_REUSEPORT: a second worker on a busy port must fail, not share it.
+    server = grpc.aio.server(
+        options=[
+            ("grpc.so_reuseport", 0),
+            ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+        ]
+    )
+    health_servicer = health.aio.HealthServicer()  # type: ignore[attr-defined]
+    try:
+        port = server.add_insecure_port(listen)
+    except RuntimeError as exc:
+        raise OSError(f"cannot listen on {listen}: {exc}") from exc
+    if port == 0:
+        raise OSError(f"cannot listen on {listen}")
+    if advertise_host is None:
+        advertise_host = socket.gethostname() if host in _WILDCARD_HOSTS else host
+    endpoint = f"{advertise_host}:{port}"
+    if isinstance(engine, EndpointAware):
+        engine.set_endpoint(endpoint)
+    await engine.start()
+    agent: StatusAgent | None = None
+    try:
+        # Only a started engine knows all its facts (vLLM sizes its KV cache while starting).
+        metadata = build_metadata(engine.info, identity, endpoint)
+        worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(engine, metadata, tokenizer), server)
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        )
+        await server.start()
+        await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        if cms:
+            from workers.agent import StatusAgent, make_cms_sink
+
+            sink = make_cms_sink(
+                cms,
+                metadata,
+                auth_token=cms_auth_token,
+                heartbeat_interval_s=heartbeat_interval_s,
+                backoff_max_s=cms_backoff_max_s,
+            )
+            agent = StatusAgent(engine, metadata, sink, coalesce_s=agent_coalesce_s)
+            await agent.start()
+    except BaseException:
+        await server.stop(None)
+        await engine.stop()
+        raise
+    logger.info("worker %s serving on %s", metadata.instance_id, endpoint)
+    return WorkerServer(server, engine, health_servicer, metadata, port, agent)

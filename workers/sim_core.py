@@ -1,0 +1,633 @@
+"""The ``sim`` engine's model: a token-level continuous-batching scheduler without a clock.
+
+:class:`SimCore` is the part of the simulated engine that decides what one
+engine step contains and what it produces. It never sleeps and never reads a
+clock: a caller asks for the next step (:meth:`SimCore.schedule`), lets its
+duration pass however it likes — ``asyncio.sleep`` in the real-time
+:class:`workers.sim_engine.SimEngine`, a virtual clock in a cluster simulator —
+and then applies it (:meth:`SimCore.finish_step`). Requests may be added or
+aborted between the two calls.
+
+The model follows vLLM's scheduler where it matters for routing:
+
+- every step first gives each running request in decode one token, then fills
+  the rest of the ``max_num_batched_tokens`` budget with prefill chunks,
+  first-come first-served (running prefills before waiting requests);
+- the KV cache has ``kv_capacity_tokens // block_size`` blocks; a step that
+  cannot allocate a block for a running request preempts the newest running
+  request (its KV is freed, it goes back to the front of the waiting queue
+  and is recomputed later; its generated tokens are kept, nothing is lost);
+- a request samples one token at the end of the step that computes its whole
+  context; a PD prefill (``hold_kv``) then keeps its KV blocks until
+  :meth:`SimCore.release_held` frees them;
+- a step lasts ``ttft(prefill tokens) + tpot(decode batch, context)`` from the
+  profiles (see :class:`ProfileCostModel`).
+
+Load counters are kept incrementally so :meth:`SimCore.load` is cheap (the
+properties ``num_waiting`` ... ``num_used_kv_tokens`` cost nothing);
+:meth:`SimCore.check_invariants` recomputes them for tests:
+
+- ``num_uncomputed_prefill_tokens``: context tokens still to compute before a
+  request's next sample, over waiting and running requests in prefill (a
+  preempted request counts its whole context again); a chunk counts until
+  the step computing it has finished;
+- ``num_decode_requests`` / ``num_decode_tokens``: requests that will decode
+  here (``counts_as_decode``), waiting or running, and the sum of their
+  current context lengths;
+- ``num_used_kv_tokens``: allocated blocks (held prefills included) times the
+  block size.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import random
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, Protocol
+
+from predictor import LatencyPredictor
+from workers.engine import (
+    DuplicateRequestError,
+    EngineLoad,
+    EngineOverloadedError,
+    InvalidRequestError,
+    StepRecord,
+)
+
+
+def _doc(text: str) -> dict[str, Any]:
+    return {"doc": text}
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """Everything that shapes the simulated engine (the ``sim`` backend's command-line flags)."""
+
+    max_num_batched_tokens: int = field(
+        default=2048, metadata=_doc("token budget of one engine step (decode tokens + prefill chunks)")
+    )
+    kv_capacity_tokens: int = field(default=65536, metadata=_doc("KV cache size in tokens"))
+    block_size: int = field(default=16, metadata=_doc("tokens per KV cache block"))
+    max_model_len: int = field(default=8192, metadata=_doc("longest prompt + output accepted, in tokens"))
+    max_num_seqs: int = field(default=256, metadata=_doc("most requests running in one step"))
+    max_waiting_requests: int = field(
+        default=4096, metadata=_doc("bound on the waiting queue; beyond it new requests are refused")
+    )
+    speed_factor: float = field(
+        default=1.0,
+        metadata=_doc("the engine runs this many times faster than the profile (2.0 halves each step)"),
+    )
+    noise: float = field(
+        default=0.0, metadata=_doc("relative standard deviation of the seeded step-time noise (0 = none)")
+    )
+    seed: int = field(default=0, metadata=_doc("seed of the step-time noise"))
+    eos_probability: float = field(
+        default=0.0, metadata=_doc("chance that each output token is EOS (ends the request early)")
+    )
+    kv_bytes_per_token: int = field(
+        default=57344, metadata=_doc("KV bytes per token, for the PD transfer time (Qwen2.5-7B bf16: 57344)")
+    )
+    kv_bandwidth_gbps: float = field(
+        default=100.0, metadata=_doc("bandwidth of a PD KV transfer, in gigabits per second")
+    )
+    kv_hold_timeout_s: float = field(
+        default=30.0, metadata=_doc("a prefill's KV is freed if no decode pulls it within this time")
+    )
+    max_recent_admitted_ids: int = field(
+        default=256, metadata=_doc("how many recently admitted request ids the load reports")
+    )
+    max_recent_steps: int = field(default=32, metadata=_doc("how many recent step samples the load reports"))
+
+    def __post_init__(self) -> None:
+        positive_ints = (
+            "max_num_batched_tokens",
+            "kv_capacity_tokens",
+            "block_size",
+            "max_model_len",
+            "max_num_seqs",
+            "max_waiting_requests",
+            "kv_bytes_per_token",
+            "max_recent_admitted_ids",
+            "max_recent_steps",
+        )
+        for name in positive_ints:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be an integer > 0, got {value!r}")
+        for name in ("speed_factor", "kv_bandwidth_gbps", "kv_hold_timeout_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+        if not (math.isfinite(self.noise) and 0.0 <= self.noise < 1.0):
+            raise ValueError(f"noise must be in [0, 1), got {self.noise!r}")
+        if not (math.isfinite(self.eos_probability) and 0.0 <= self.eos_probability <= 1.0):
+            raise ValueError(f"eos_probability must be in [0, 1], got {self.eos_probability!r}")
+        if self.max_num_seqs > self.max_num_batched_tokens:
+            raise ValueError(
+                f"max_num_seqs ({self.max_num_seqs}) must not exceed max_num_batched_tokens "
+                f"({self.max_num_batched_tokens}): every running decode needs one token of the step budget"
+            )
+        if self.kv_capacity_tokens < self.block_size:
+            raise ValueError(
+                f"kv_capacity_tokens ({self.kv_capacity_tokens}) must hold at least one block "
+                f"(block_size {self.block_size})"
+            )
+        usable = self.kv_capacity_tokens // self.block_size * self.block_size
+        if self.max_model_len > usable:
+            # A request the cache cannot hold alone would be preempted forever.
+            raise ValueError(
+                f"max_model_len ({self.max_model_len}) must not exceed the KV capacity "
+                f"({usable} tokens in whole blocks); raise kv_capacity_tokens or lower max_model_len"
+            )
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.kv_capacity_tokens // self.block_size
+
+    def kv_transfer_s(self, num_tokens: int) -> float:
+        """Simulated time to move ``num_tokens`` tokens of KV between instances."""
+        return num_tokens * self.kv_bytes_per_token * 8.0 / (self.kv_bandwidth_gbps * 1e9)
+
+
+class StepCostModel(Protocol):
+    """Duration of one engine step from its composition."""
+
+    def step_ms(self, num_prefill_tokens: int, num_decode_requests: int, num_decode_tokens: int) -> float:
+        """Milliseconds the step takes; called once per step, in step order."""
+
+
+class ProfileCostModel:
+    """Step time from the same TTFT/TPOT profiles the router predicts with.
+
+    ``ttft(prefill tokens) + tpot(decode requests, decode tokens)`` (each term
+    0 when there is no such work, TPOT with the predictor's tokens-per-request
+    floor), divided by ``speed_factor`` and multiplied by a seeded noise factor
+    ``max(0, 1 + noise * N(0, 1))``.
+    """
+
+    def __init__(
+        self,
+        predictor: LatencyPredictor,
+        *,
+        speed_factor: float = 1.0,
+        noise: float = 0.0,
+        rng: random.Random | None = None,
+    ) -> None:
+        if not speed_factor > 0:
+            raise ValueError(f"speed_factor must be > 0, got {speed_factor!r}")
+        self._predictor = predictor
+        self._scale = 1.0 / speed_factor
+        self._noise = noise
+        self._rng = rng if rng is not None else random.Random(0)
+        # Prefill tokens per step never exceed the chunk budget, so this stays small.
+        self._ttft_cache: dict[int, float] = {}
+
+    def base_step_ms(
+        self, num_prefill_tokens: int, num_decode_requests: int, num_decode_tokens: int
+    ) -> float:
+        """The step time without noise, in milliseconds."""
+        ms = 0.0
+        if num_prefill_tokens > 0:
+            ttft = self._ttft_cache.get(num_prefill_tokens)
+            if ttft is None:
+                ttft = float(self._predictor.ttft_profile.grid(float(num_prefill_tokens)))
+                if len(self._ttft_cache) < 65536:
+                    self._ttft_cache[num_prefill_tokens] = ttft
+            ms += ttft
+        if num_decode_requests > 0:
+            ms += self._predictor.predict_tpot_ms(num_decode_requests, num_decode_tokens)
+        return ms * self._scale
+
+    def step_ms(self, num_prefill_tokens: int, num_decode_requests: int, num_decode_tokens: int) -> float:
+        ms = self.base_step_ms(num_prefill_tokens, num_decode_requests, num_decode_tokens)
+        if self._noise > 0.0:
+            ms *= max(0.0, 1.0 + self._noise * self._rng.gauss(0.0, 1.0))
+        return ms
+
+
+@dataclass(frozen=True)
+class SimRequestSpec:
+    """A request as the model sees it: token counts only, no token values."""
+
+    request_id: str
+    #: Tokens of context known at admission: the prompt, plus the tokens already
+    #: generated elsewhere when a decode continues a request.
+    num_context_tokens: int
+    #: Tokens this engine generates before the request finishes (>= 1).
+    max_new_tokens: int
+    #: Leading context tokens whose KV is already here (pulled from a prefill instance).
+    num_cached_tokens: int = 0
+    #: Keep the KV after the last token until :meth:`SimCore.release_held` (PD prefill).
+    hold_kv: bool = False
+    #: Whether the load counts the request among decode requests (it will decode here).
+    counts_as_decode: bool = True
+
+
+class TokenOutput(NamedTuple):
+    """One token a step produced for a request (a tuple: the simulator makes millions)."""
+
+    request_id: str
+    #: 0-based index of the token among those this engine generated for the request.
+    position: int
+    finished: bool
+    #: The request finished and its KV is now held for a decode instance.
+    held: bool
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one finished step produced."""
+
+    record: StepRecord
+    outputs: tuple[TokenOutput, ...]
+
+
+class _Phase(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    HELD = "held"
+    DONE = "done"
+
+
+class _Request:
+    """Mutable scheduling state of one request (private to the core)."""
+
+    __slots__ = (
+        "num_blocks",
+        "num_computed",
+        "num_generated",
+        "num_tokens",
+        "phase",
+        "prefill_target",
+        "spec",
+    )
+
+    def __init__(self, spec: SimRequestSpec) -> None:
+        self.spec = spec
+        self.num_tokens = spec.num_context_tokens
+        self.num_generated = 0
+        self.num_blocks = 0
+        self.phase = _Phase.WAITING
+        if spec.num_cached_tokens > 0:
+            # At least one token must be computed to sample the next one.
+            self.num_computed = min(spec.num_cached_tokens, self.num_tokens - 1)
+            gap = self.num_tokens - self.num_computed
+            self.prefill_target = self.num_tokens if gap > 1 else self.num_computed
+        else:
+            self.num_computed = 0
+            self.prefill_target = self.num_tokens
+
+    @property
+    def uncomputed_prefill(self) -> int:
+        return self.prefill_target - self.num_computed if self.num_computed < self.prefill_target else 0
+
+
+@dataclass(frozen=True)
+class ScheduledStep:
+    """The composition of one step, decided by :meth:`SimCore.schedule`; pass it back to ``finish_step``."""
+
+    num_prefill_tokens: int
+    num_decode_requests: int
+    num_decode_tokens: int
+    duration_ms: float
+    num_preempted: int
+    _entries: tuple[tuple[_Request, int], ...] = field(repr=False, compare=False)
+
+    @property
+    def request_ids(self) -> tuple[str, ...]:
+        return tuple(req.spec.request_id for req, _ in self._entries)
+
+
+class SimCore:
+    """The clockless engine model; see the module docstring.
+
+    Not thread-safe; a real-time runner calls it from its event loop only.
+    """
+
+    def __init__(self, config: SimConfig, cost: StepCostModel) -> None:
+        self.config = config
+        self._cost = cost
+        self._bs = config.block_size
+        self._total_blocks = config.num_kv_blocks
+        self._free_blocks = self._total_blocks
+        self._waiting: deque[_Request] = deque()
+        self._running: list[_Request] = []
+        self._active: dict[str, _Request] = {}
+        self._held: dict[str, _Request] = {}
+        self._recent_admitted: deque[str] = deque(maxlen=config.max_recent_admitted_ids)
+        self._recent_steps: deque[StepRecord] = deque(maxlen=config.max_recent_steps)
+        self._uncomputed = 0
+        self._decode_requests = 0
+        self._decode_tokens = 0
+        self._num_steps = 0
+        self._num_preemptions = 0
+        self._step_pending = False
+
+    # ------------------------------------------------------------------ requests
+
+    def add(self, spec: SimRequestSpec) -> None:
+        """Queue a request (FCFS). A held KV of the same id is released first.
+
+        Raises :class:`DuplicateRequestError` when the id is waiting or running,
+        :class:`EngineOverloadedError` when the waiting queue is full and
+        :class:`InvalidRequestError` for counts the cache could never hold.
+        """
+        rid = spec.request_id
+        if rid in self._active:
+            raise DuplicateRequestError(f"request_id {rid!r} is already running on this engine; use a new id")
+        if len(self._waiting) >= self.config.max_waiting_requests:
+            raise EngineOverloadedError(
+                f"waiting queue is full ({self.config.max_waiting_requests} requests); retry later or elsewhere"
+            )
+        if spec.num_context_tokens < 1 or spec.max_new_tokens < 1:
+            raise InvalidRequestError(
+                f"request {rid!r} needs >= 1 context token and >= 1 new token, got "
+                f"{spec.num_context_tokens} and {spec.max_new_tokens}"
+            )
+        if not 0 <= spec.num_cached_tokens <= spec.num_context_tokens:
+            raise InvalidRequestError(
+                f"request {rid!r}: num_cached_tokens {spec.num_cached_tokens} must be within the context "
+                f"({spec.num_context_tokens} tokens)"
+            )
+        longest = spec.num_context_tokens + spec.max_new_tokens - 1
+        if self._blocks_for(longest) > self._total_blocks:
+            raise InvalidRequestError(
+                f"request {rid!r} needs {longest} tokens of KV but the cache holds "
+                f"{self._total_blocks * self._bs}; lower max_tokens or shorten the prompt"
+            )
+        self.release_held(rid)
+        req = _Request(spec)
+        self._active[rid] = req
+        self._waiting.append(req)
+        self._recent_admitted.append(rid)
+        self._uncomputed += req.uncomputed_prefill
+        if spec.counts_as_decode:
+            self._decode_requests += 1
+            self._decode_tokens += req.num_tokens
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a waiting, running or held request and free its KV; False if unknown."""
+        req = self._active.pop(request_id, None)
+        found = self.release_held(request_id) is not None
+        if req is None:
+            return found
+        if req.phase is _Phase.WAITING:
+            self._waiting.remove(req)
+        else:
+            self._running.remove(req)
+        self._retire(req)
+        return True
+
+    def release_held(self, request_id: str) -> int | None:
+        """Free a held prefill's KV; the number of context tokens it held, or None if none is held."""
+        req = self._held.pop(request_id, None)
+        if req is None:
+            return None
+        self._free_blocks += req.num_blocks
+        req.num_blocks = 0
+        req.phase = _Phase.DONE
+        return req.num_computed
+
+    def is_active(self, request_id: str) -> bool:
+        return request_id in self._active
+
+    def is_held(self, request_id: str) -> bool:
+        return request_id in self._held
+
+    def held_tokens(self, request_id: str) -> int | None:
+        req = self._held.get(request_id)
+        return None if req is None else req.num_computed
+
+    @property
+    def has_unfinished(self) -> bool:
+        """True while any request waits or runs (held KV does not count)."""
+        return bool(self._active)
+
+    # ------------------------------------------------------------------ steps
+
+    def schedule(self) -> ScheduledStep | None:
+        """Decide the next step; None when there is nothing that can run now.
+
+        Allocates the step's KV blocks (preempting as needed). Call
+        :meth:`finish_step` with the result before scheduling again.
+        """
+        if self._step_pending:
+            raise RuntimeError("finish_step() the previous step before scheduling another")
+        if not self._running and not self._waiting:
+            return None
+        budget = self.config.max_num_batched_tokens
+        scheduled: dict[_Request, int] = {}
+        preempted = 0
+
+        def make_room(req: _Request, upto_tokens: int) -> bool:
+            """Allocate blocks for ``req`` up to ``upto_tokens``, preempting the newest; False if ``req`` went."""
+            nonlocal budget, preempted
+            need = self._blocks_for(upto_tokens) - req.num_blocks
+            while need > self._free_blocks:
+                victim = self._running[-1]
+                budget += scheduled.pop(victim, 0)
+                self._preempt(victim)
+                preempted += 1
+                if victim is req:
+                    return False
+            self._free_blocks -= need
+            req.num_blocks += need
+            return True
+
+        # 1. one token for every running decode, oldest first.
+        for req in tuple(self._running):
+            if budget <= 0:
+                break
+            if req.phase is not _Phase.RUNNING or req.num_computed < req.prefill_target:
+                continue
+            if make_room(req, req.num_computed + 1):
+                scheduled[req] = 1
+                budget -= 1
+        # 2. chunks for running prefills, first come first served.
+        for req in tuple(self._running):
+            if budget <= 0:
+                break
+            if req.phase is not _Phase.RUNNING or req in scheduled or req.num_computed >= req.prefill_target:
+                continue
+            n = min(req.prefill_target - req.num_computed, budget)
+            if make_room(req, req.num_computed + n):
+                scheduled[req] = n
+                budget -= n
+        # 3. admit waiting requests while budget, seats and free blocks last; never
+        # right after a preemption (the preempted would just be re-admitted).
+        while (
+            preempted == 0 and budget > 0 and self._waiting and len(self._running) < self.config.max_num_seqs
+        ):
+            req = self._waiting[0]
+            n = min(req.prefill_target - req.num_computed, budget) if req.uncomputed_prefill else 1
+            need = self._blocks_for(req.num_computed + n) - req.num_blocks
+            if need > self._free_blocks:
+                break
+            self._waiting.popleft()
+            self._free_blocks -= need
+            req.num_blocks += need
+            req.phase = _Phase.RUNNING
+            self._running.append(req)
+            scheduled[req] = n
+            budget -= n
+
+        if not scheduled:
+            return None
+        prefill_tokens = decode_requests = decode_tokens = 0
+        for req, n in scheduled.items():
+            if req.num_computed < req.prefill_target:
+                prefill_tokens += n
+            else:
+                decode_requests += 1
+                decode_tokens += req.num_tokens
+        self._num_preemptions += preempted
+        self._step_pending = True
+        return ScheduledStep(
+            num_prefill_tokens=prefill_tokens,
+            num_decode_requests=decode_requests,
+            num_decode_tokens=decode_tokens,
+            duration_ms=self._cost.step_ms(prefill_tokens, decode_requests, decode_tokens),
+            num_preempted=preempted,
+            _entries=tuple(scheduled.items()),
+        )
+
+    def finish_step(self, step: ScheduledStep) -> StepResult:
+        """Apply a scheduled step: computed tokens advance, finished contexts sample one token each.
+
+        Requests aborted since :meth:`schedule` are skipped.
+        """
+        self._step_pending = False
+        outputs: list[TokenOutput] = []
+        for req, n in step._entries:
+            if req.phase is not _Phase.RUNNING:
+                continue
+            self._uncomputed -= req.uncomputed_prefill
+            req.num_computed += n
+            if req.num_computed < req.num_tokens:
+                self._uncomputed += req.uncomputed_prefill
+                continue
+            req.num_tokens += 1
+            req.num_generated += 1
+            if req.spec.counts_as_decode:
+                self._decode_tokens += 1
+            if req.num_generated < req.spec.max_new_tokens:
+                outputs.append(TokenOutput(req.spec.request_id, req.num_generated - 1, False, False))
+                continue
+            hold = req.spec.hold_kv
+            outputs.append(TokenOutput(req.spec.request_id, req.num_generated - 1, True, hold))
+            del self._active[req.spec.request_id]
+            self._running.remove(req)
+            self._retire(req, hold=hold)
+        record = StepRecord(
+            num_prefill_tokens=step.num_prefill_tokens,
+            num_decode_requests=step.num_decode_requests,
+            num_decode_tokens=step.num_decode_tokens,
+            duration_ms=step.duration_ms,
+        )
+        self._recent_steps.append(record)
+        self._num_steps += 1
+        return StepResult(record=record, outputs=tuple(outputs))
+
+    # ------------------------------------------------------------------ load
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_uncomputed_prefill_tokens(self) -> int:
+        return self._uncomputed
+
+    @property
+    def num_decode_requests(self) -> int:
+        return self._decode_requests
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return self._decode_tokens
+
+    @property
+    def num_used_kv_tokens(self) -> int:
+        return (self._total_blocks - self._free_blocks) * self._bs
+
+    @property
+    def num_held(self) -> int:
+        return len(self._held)
+
+    @property
+    def num_steps(self) -> int:
+        return self._num_steps
+
+    @property
+    def num_preemptions(self) -> int:
+        return self._num_preemptions
+
+    def load(self, *, schedulable: bool = True) -> EngineLoad:
+        """The load right now, with the recent admissions and step samples."""
+        return EngineLoad(
+            num_waiting_requests=len(self._waiting),
+            num_running_requests=len(self._running),
+            num_uncomputed_prefill_tokens=self._uncomputed,
+            num_decode_requests=self._decode_requests,
+            num_decode_tokens=self._decode_tokens,
+            num_used_kv_tokens=self.num_used_kv_tokens,
+            schedulable=schedulable,
+            recent_admitted_request_ids=tuple(self._recent_admitted),
+            recent_steps=tuple(self._recent_steps),
+            num_steps=self._num_steps,
+        )
+
+    def check_invariants(self) -> None:
+        """Recompute every counter from scratch and raise AssertionError on a mismatch (tests)."""
+        reqs = [*self._waiting, *self._running]
+        assert len(reqs) == len(self._active), "active index out of sync"
+        assert all(r.phase is _Phase.WAITING for r in self._waiting)
+        assert all(r.phase is _Phase.RUNNING for r in self._running)
+        assert all(r.phase is _Phase.HELD for r in self._held.values())
+        assert sum(r.uncomputed_prefill for r in reqs) == self._uncomputed, "uncomputed prefill tokens"
+        decoding = [r for r in reqs if r.spec.counts_as_decode]
+        assert len(decoding) == self._decode_requests, "decode requests"
+        assert sum(r.num_tokens for r in decoding) == self._decode_tokens, "decode tokens"
+        used = sum(r.num_blocks for r in reqs) + sum(r.num_blocks for r in self._held.values())
+        assert used == self._total_blocks - self._free_blocks, "KV blocks"
+        assert 0 <= self._free_blocks <= self._total_blocks
+        for r in reqs:
+            assert 0 <= r.num_computed <= r.num_tokens
+            assert r.num_blocks >= self._blocks_for(r.num_computed) or r.phase is _Phase.WAITING
+        assert len(self._running) <= self.config.max_num_seqs
+
+    # ------------------------------------------------------------------ internals
+
+    def _blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self._bs)
+
+    def _preempt(self, req: _Request) -> None:
+        self._running.remove(req)
+        self._uncomputed -= req.uncomputed_prefill
+        self._free_blocks += req.num_blocks
+        req.num_blocks = 0
+        req.num_computed = 0
+        req.prefill_target = req.num_tokens
+        req.phase = _Phase.WAITING
+        self._uncomputed += req.uncomputed_prefill
+        self._waiting.appendleft(req)
+
+    def _retire(self, req: _Request, *, hold: bool = False) -> None:
+        """Take a request out of the load counters; keep its blocks when ``hold``."""
+        self._uncomputed -= req.uncomputed_prefill
+        if req.spec.counts_as_decode:
+            self._decode_requests -= 1
+            self._decode_tokens -= req.num_tokens
+        if hold:
+            req.phase = _Phase.HELD
+            self._held[req.spec.request_id] = req
+            return
+        self._free_blocks += req.num_blocks
+        req.num_blocks = 0
+        req.phase = _Phase.DONE
