@@ -106,6 +106,12 @@ def register(subparsers: Any) -> None:
         default=5.0,
         help="seconds running calls get on shutdown (default: %(default)s)",
     )
+    worker.add_argument(
+        "--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port (0 = off)"
+    )
+    worker.add_argument(
+        "--metrics-host", default="127.0.0.1", help="address of the metrics endpoint (default: %(default)s)"
+    )
     worker.set_defaults(func=run_worker)
 
     prof: argparse.ArgumentParser = subparsers.add_parser(
@@ -191,6 +197,10 @@ async def _serve(engine: Any, args: argparse.Namespace, identity: Any, token: st
     except (OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if args.metrics_port:
+        from workers.telemetry import serve_metrics
+
+        serve_metrics(engine, server.metadata.instance_id, args.metrics_port, args.metrics_host)
     print(f"worker listening on {server.address}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
