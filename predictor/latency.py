@@ -3,6 +3,10 @@
 The prefill model follows chunked prefill: a backlog of P tokens with a chunk
 budget of M runs as ``P // M`` full steps plus one partial step, and every step
 also carries the decode batch, so each step costs ``ttft(chunk) + tpot(batch)``.
+
+Calls with Python numbers take a pure-Python path (no numpy dispatch); calls
+with arrays are vectorised. Both perform the same IEEE operations in the same
+order, so an array element equals the scalar call on that element's inputs.
 """
 
 from __future__ import annotations
@@ -20,6 +24,17 @@ from predictor.profile import TpotProfile, TtftProfile, load_tpot_profile, load_
 MIN_TOKENS_PER_REQUEST = 8.0
 
 Number = int | float | np.integer | np.floating
+FloatArray = npt.NDArray[np.float64]
+
+_SCALAR_TYPES = (int, float, np.integer, np.floating)
+
+
+def _as_float_arrays(*args: npt.ArrayLike) -> list[FloatArray]:
+    arrays = [np.asarray(a, dtype=np.float64) for a in args]
+    shape = arrays[0].shape
+    if any(a.shape != shape for a in arrays[1:]):
+        arrays = list(np.broadcast_arrays(*arrays))
+    return arrays
 
 
 class LatencyPredictor:
@@ -41,30 +56,53 @@ class LatencyPredictor:
     @overload
     def predict_tpot_ms(self, decode_requests: Number, decode_tokens: Number) -> float: ...
     @overload
-    def predict_tpot_ms(
-        self, decode_requests: npt.ArrayLike, decode_tokens: npt.ArrayLike
-    ) -> npt.NDArray[np.float64]: ...
+    def predict_tpot_ms(self, decode_requests: npt.ArrayLike, decode_tokens: npt.ArrayLike) -> FloatArray: ...
 
     def predict_tpot_ms(
         self, decode_requests: npt.ArrayLike, decode_tokens: npt.ArrayLike
-    ) -> float | npt.NDArray[np.float64]:
+    ) -> float | FloatArray:
         """Latency of one decode step for ``decode_requests`` requests holding ``decode_tokens``.
 
         0 when there is no decode work; otherwise the profile at
         ``(D, max(T / D, 8))``.
         """
+        if isinstance(decode_requests, _SCALAR_TYPES) and isinstance(decode_tokens, _SCALAR_TYPES):
+            return self._tpot_at(float(decode_requests), float(decode_tokens))
         scalar = np.ndim(decode_requests) == 0 and np.ndim(decode_tokens) == 0
-        d, t = np.broadcast_arrays(
-            np.asarray(decode_requests, dtype=np.float64), np.asarray(decode_tokens, dtype=np.float64)
-        )
-        result = self._tpot(d, t)
+        d, t = _as_float_arrays(decode_requests, decode_tokens)
+        result = self.decode_step_ms(d, t)
         return float(result) if scalar else result
 
-    def _tpot(self, d: npt.NDArray[np.float64], t: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
+    def decode_step_ms(self, decode_requests: FloatArray, decode_tokens: FloatArray) -> FloatArray:
+        """:meth:`predict_tpot_ms` for two ``float64`` arrays of the same shape (no checks)."""
+        d, t = decode_requests, decode_tokens
         active = (d > 0) & (t > 0)
         safe_d = np.where(active, d, 1.0)
         per_request = np.maximum(t / safe_d, MIN_TOKENS_PER_REQUEST)
         return np.where(active, self.tpot_profile.grid(safe_d, per_request), 0.0)
+
+    def busy_decode_step_ms(self, decode_requests: FloatArray, decode_tokens: FloatArray) -> FloatArray:
+        """:meth:`decode_step_ms` when every ``decode_requests`` and ``decode_tokens`` is > 0 (not checked).
+
+        The same values with fewer array operations (the router's hot path: a
+        batch that includes the new request is never empty).
+        """
+        return self.tpot_profile.grid(
+            decode_requests, np.maximum(decode_tokens / decode_requests, MIN_TOKENS_PER_REQUEST)
+        )
+
+    def _tpot_at(self, d: float, t: float) -> float:
+        if not (d > 0 and t > 0):
+            return 0.0
+        per_request = t / d
+        # Same as np.maximum(per_request, 8.0), NaN included.
+        if not (per_request >= MIN_TOKENS_PER_REQUEST or per_request != per_request):
+            per_request = MIN_TOKENS_PER_REQUEST
+        return self.tpot_profile.grid.at(d, per_request)
+
+    def prefill_step_ms(self, tokens: npt.ArrayLike) -> FloatArray:
+        """Profiled latency of one prefill step of ``tokens`` tokens (no decode batch)."""
+        return self.ttft_profile.grid(tokens)
 
     @overload
     def predict_ttft_ms(
@@ -81,7 +119,7 @@ class LatencyPredictor:
         decode_requests: npt.ArrayLike,
         decode_tokens: npt.ArrayLike,
         max_num_batched_tokens: npt.ArrayLike,
-    ) -> npt.NDArray[np.float64]: ...
+    ) -> FloatArray: ...
 
     def predict_ttft_ms(
         self,
@@ -89,7 +127,7 @@ class LatencyPredictor:
         decode_requests: npt.ArrayLike,
         decode_tokens: npt.ArrayLike,
         max_num_batched_tokens: npt.ArrayLike,
-    ) -> float | npt.NDArray[np.float64]:
+    ) -> float | FloatArray:
         """Time to finish a prefill backlog of ``prefill_tokens`` beside a decode batch.
 
         ``n = P // M`` full chunks cost ``ttft(M) + tpot(D, T)`` each and a
@@ -97,16 +135,68 @@ class LatencyPredictor:
         ``M <= 0`` raises :class:`ValueError`.
         """
         args = (prefill_tokens, decode_requests, decode_tokens, max_num_batched_tokens)
+        if all(isinstance(a, _SCALAR_TYPES) for a in args):
+            return self._ttft_at(*(float(a) for a in args))  # type: ignore[arg-type]
         scalar = all(np.ndim(a) == 0 for a in args)
-        p, d, t, m = np.broadcast_arrays(*(np.asarray(a, dtype=np.float64) for a in args))
-        if np.any(m <= 0) or np.any(np.isnan(m)):
-            bad = m[(m <= 0) | np.isnan(m)].flat[0]
+        p, d, t, m = _as_float_arrays(*args)
+        ok = m > 0
+        if not ok.all():
+            bad = m[~ok].flat[0]
             raise ValueError(f"max_num_batched_tokens must be > 0, got {bad:g}")
-        step_decode = self._tpot(d, t)
-        full_chunks = np.floor_divide(np.maximum(p, 0.0), m)
-        remainder = np.maximum(p, 0.0) - full_chunks * m
-        grid = self.ttft_profile.grid
-        full_cost = np.where(full_chunks > 0, full_chunks * (grid(m) + step_decode), 0.0)
-        tail_cost = np.where(remainder > 0, grid(remainder) + step_decode, 0.0)
-        result = np.where(p > 0, full_cost + tail_cost, 0.0)
+        result = self.chunked_prefill_ms(p, self.decode_step_ms(d, t), m)
         return float(result) if scalar else result
+
+    def chunked_prefill_ms(
+        self,
+        prefill_tokens: FloatArray,
+        decode_step_ms: FloatArray,
+        max_num_batched_tokens: FloatArray,
+        full_chunk_ms: FloatArray | None = None,
+    ) -> FloatArray:
+        """:meth:`predict_ttft_ms` from parts the caller may have cached.
+
+        ``decode_step_ms`` is ``predict_tpot_ms(D, T)`` and ``full_chunk_ms``
+        (optional) is ``prefill_step_ms(max_num_batched_tokens)``. All arrays
+        are ``float64`` of one shape and ``max_num_batched_tokens`` must be
+        > 0 (not checked: this is the hot path of the router).
+        """
+        p, m = prefill_tokens, max_num_batched_tokens
+        grid = self.ttft_profile.grid
+        gm = grid(m) if full_chunk_ms is None else full_chunk_ms
+        backlog = np.maximum(p, 0.0)
+        full_chunks = np.floor_divide(backlog, m)
+        remainder = backlog - full_chunks * m
+        full_cost = np.where(full_chunks > 0, full_chunks * (gm + decode_step_ms), 0.0)
+        tail_cost = np.where(remainder > 0, grid(remainder) + decode_step_ms, 0.0)
+        return np.where(p > 0, full_cost + tail_cost, 0.0)
+
+    def positive_chunked_prefill_ms(
+        self,
+        prefill_tokens: FloatArray,
+        decode_step_ms: FloatArray,
+        max_num_batched_tokens: FloatArray,
+        full_step_ms: FloatArray,
+    ) -> FloatArray:
+        """:meth:`chunked_prefill_ms` when every ``prefill_tokens`` is > 0 (not checked).
+
+        ``full_step_ms`` is ``prefill_step_ms(max_num_batched_tokens) +
+        decode_step_ms`` (finite). Same values, fewer array operations.
+        """
+        p, m = prefill_tokens, max_num_batched_tokens
+        full_chunks = np.floor_divide(p, m)
+        remainder = p - full_chunks * m
+        tail_cost = np.where(remainder > 0, self.ttft_profile.grid(remainder) + decode_step_ms, 0.0)
+        result: FloatArray = full_chunks * full_step_ms + tail_cost
+        return result
+
+    def _ttft_at(self, p: float, d: float, t: float, m: float) -> float:
+        if not m > 0:
+            raise ValueError(f"max_num_batched_tokens must be > 0, got {m:g}")
+        step_decode = self._tpot_at(d, t)
+        backlog = p if (p >= 0.0 or p != p) else 0.0
+        full_chunks = backlog // m
+        remainder = backlog - full_chunks * m
+        grid = self.ttft_profile.grid
+        full_cost = full_chunks * (grid.at(m) + step_decode) if full_chunks > 0 else 0.0
+        tail_cost = grid.at(remainder) + step_decode if remainder > 0 else 0.0
+        return full_cost + tail_cost if p > 0 else 0.0

@@ -20,13 +20,51 @@ from cms.model import ClusterSnapshot
 from router.errors import EmptyClusterError, InvalidRequestError
 from router.scheduler import Scheduler
 from router.telemetry import RequestObserver
-from router.types import Choice, Decision, ScheduleInput, StageRestriction
+from router.types import Choice, Decision, Mode, ScheduleInput, StageRestriction
 
 
 class SnapshotSource(Protocol):
     """Anything with a ``snapshot()`` (a :class:`cms.reader.ClusterReader`)."""
 
     def snapshot(self) -> ClusterSnapshot: ...
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where a request runs: what the service keeps of a decision while the request lives.
+
+    (A :class:`~router.types.Decision` holds its whole decision context for
+    the lazy trace; a live request keeps only this.) ``*_group`` is the
+    instance's profile group, or its stage when the fleet has one profile.
+    """
+
+    mode: Mode
+    policy: str
+    prefill: Choice
+    decode: Choice
+    prefill_group: str
+    decode_group: str
+
+
+def _group(decision: Decision, choice: Choice) -> str:
+    table = decision.context.view.instances
+    i = table.index.get(choice.instance_id)
+    group = table.groups[i] if i is not None else ""
+    return group or choice.stage.value
+
+
+def route_of(decision: Decision) -> Route:
+    """The :class:`Route` of a full placement."""
+    if decision.prefill is None or decision.decode is None:
+        raise EmptyClusterError(f"the scheduler placed only part of request {decision.request_id}")
+    return Route(
+        mode=decision.mode,
+        policy=decision.policy,
+        prefill=decision.prefill,
+        decode=decision.decode,
+        prefill_group=_group(decision, decision.prefill),
+        decode_group=_group(decision, decision.decode),
+    )
 
 
 @dataclass(frozen=True)
@@ -121,7 +159,7 @@ class Placer:
             )
         return snapshot
 
-    def place(self, req: PlacementRequest, *, exclude: frozenset[str] = frozenset()) -> Decision:
+    def place(self, req: PlacementRequest, *, exclude: frozenset[str] = frozenset()) -> Route:
         """Decide prefill and decode (or neutral) for ``req`` and record the dispatch."""
         now = self._clock()
         started = time.perf_counter()
@@ -129,7 +167,7 @@ class Placer:
         self.scheduler.record(decision, now)
         if self._observer is not None:
             self._observer.scheduled(time.perf_counter() - started)
-        return decision
+        return route_of(decision)
 
     def place_decode(
         self, req: PlacementRequest, generated_tokens: int, *, exclude: frozenset[str], abandoned: str

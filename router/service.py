@@ -33,10 +33,10 @@ from router.errors import (
     RouterError,
 )
 from router.forward import LegError, LegLedger, WorkerClient
-from router.placement import PlacementRequest, Placer
+from router.placement import PlacementRequest, Placer, Route
 from router.telemetry import RequestObserver
 from router.tokenize import Tokenizer
-from router.types import Choice, Decision, Mode
+from router.types import Choice, Mode
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ class _Progress:
 
     started: float
     tokens: list[int] = field(default_factory=list)
-    decision: Decision | None = None
+    route: Route | None = None
     first_token_at: float | None = None
     last_token_at: float | None = None
 
@@ -115,7 +115,7 @@ class _Progress:
 class _Started:
     """A placed request whose first token exists: where it runs and how to continue it."""
 
-    decision: Decision
+    route: Route
     first: router_pb2.GenerateResponse
     #: PD: the prefill's KV handle for the decode leg.
     kv_handle: bytes = b""
@@ -123,22 +123,14 @@ class _Started:
     stream: AsyncIterator[worker_pb2.WorkerTokens] | None = None
 
 
-def _choice(decision: Decision, stage: str) -> Choice:
-    choice = decision.prefill if stage == "prefill" else decision.decode
-    if choice is None:  # the core fills both stages for a full placement
-        raise EmptyClusterError(f"the scheduler returned no {stage} instance for {decision.request_id}")
-    return choice
-
-
-def _route(decision: Decision) -> router_pb2.RouteInfo:
-    prefill, decode = _choice(decision, "prefill"), _choice(decision, "decode")
-    ttft, tpot = prefill.predicted_ttft_ms, decode.predicted_tpot_ms
+def _route_info(route: Route) -> router_pb2.RouteInfo:
+    ttft, tpot = route.prefill.predicted_ttft_ms, route.decode.predicted_tpot_ms
     return router_pb2.RouteInfo(
-        prefill_instance_id=prefill.instance_id,
-        decode_instance_id=decode.instance_id,
+        prefill_instance_id=route.prefill.instance_id,
+        decode_instance_id=route.decode.instance_id,
         predicted_ttft_ms=ttft if ttft == ttft else 0.0,
         predicted_tpot_ms=tpot if tpot == tpot else 0.0,
-        policy=decision.policy,
+        policy=route.policy,
     )
 
 
@@ -269,10 +261,10 @@ class RouterService(router_pb2_grpc.RouterServicer):
     ) -> AsyncIterator[router_pb2.GenerateResponse]:
         started = await self._first_token(req, sampling, ledger, progress)
         first = started.first
-        first.route.CopyFrom(_route(started.decision))
-        progress.decision = started.decision
+        first.route.CopyFrom(_route_info(started.route))
+        progress.route = started.route
         if progress.first_token_at is not None:
-            self._observer.first_token(started.decision, progress.first_token_at - progress.started)
+            self._observer.first_token(started.route, progress.first_token_at - progress.started)
         if first.finished:
             first.usage.CopyFrom(self._usage(req, progress))
             yield first
@@ -286,7 +278,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
     def _completed(self, progress: _Progress) -> None:
         first, last, n = progress.first_token_at, progress.last_token_at, len(progress.tokens)
         tpot = (last - first) / (n - 1) if first is not None and last is not None and n > 1 else None
-        self._observer.completed(progress.decision, tpot, self._clock() - progress.started)
+        self._observer.completed(progress.route, tpot, self._clock() - progress.started)
 
     def _usage(self, req: PlacementRequest, progress: _Progress) -> router_pb2.Usage:
         now = self._clock()
@@ -321,9 +313,9 @@ class RouterService(router_pb2_grpc.RouterServicer):
         excluded: set[str] = set()
         failures: list[str] = []
         while True:
-            decision = self._placer.place(req, exclude=frozenset(excluded))
+            route = self._placer.place(req, exclude=frozenset(excluded))
             try:
-                return await self._start(decision, req, sampling, ledger, progress)
+                return await self._start(route, req, sampling, ledger, progress)
             except LegError as exc:
                 if not exc.retryable:
                     raise
@@ -340,14 +332,14 @@ class RouterService(router_pb2_grpc.RouterServicer):
 
     async def _start(
         self,
-        decision: Decision,
+        route: Route,
         req: PlacementRequest,
         sampling: common_pb2.SamplingParams,
         ledger: LegLedger,
         progress: _Progress,
     ) -> _Started:
-        prefill = _choice(decision, "prefill")
-        if decision.mode is Mode.PD:
+        prefill = route.prefill
+        if route.mode is Mode.PD:
             response = await self._workers.prefill(
                 prefill,
                 req.request_id,
@@ -364,7 +356,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 finished=response.finished,
                 finish_reason=response.finish_reason,
             )
-            return _Started(decision, first, kv_handle=response.kv_handle)
+            return _Started(route, first, kv_handle=response.kv_handle)
         stream = self._workers.stream(
             prefill,
             worker_pb2.WorkerGenerateRequest(
@@ -384,7 +376,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 finished=message.finished,
                 finish_reason=message.finish_reason,
             )
-            return _Started(decision, first, stream=stream)
+            return _Started(route, first, stream=stream)
         raise LegError(
             prefill.instance_id, grpc.StatusCode.UNAVAILABLE, "stream ended before the first token"
         )
@@ -399,7 +391,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
     ) -> AsyncIterator[router_pb2.GenerateResponse]:
         """Stream everything after the first token; re-place decode when its instance fails."""
         stream = started.stream
-        target = _choice(started.decision, "decode")
+        target: Choice = started.route.decode
         kv_handle = started.kv_handle
         excluded: set[str] = set()
         failures = 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -21,7 +22,9 @@ from router.errors import (
     RetriesExhaustedError,
     RouterError,
 )
-from router.types import Choice, Decision
+
+if TYPE_CHECKING:
+    from router.placement import Route
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _TPOT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.2, 0.5, 1)
@@ -125,33 +128,20 @@ class RequestObserver:
     def scheduled(self, seconds: float) -> None:
         self.schedule_latency.observe(seconds)
 
-    def first_token(self, decision: Decision, ttft_s: float) -> None:
+    def first_token(self, route: Route, ttft_s: float) -> None:
         self.ttft.observe(ttft_s)
-        prefill = decision.prefill
-        if prefill is not None and math.isfinite(prefill.predicted_ttft_ms):
-            self.ttft_error.labels(group=_group(decision, prefill)).observe(
-                ttft_s - prefill.predicted_ttft_ms / 1e3
-            )
+        predicted = route.prefill.predicted_ttft_ms
+        if math.isfinite(predicted):
+            self.ttft_error.labels(group=route.prefill_group).observe(ttft_s - predicted / 1e3)
 
-    def completed(self, decision: Decision | None, tpot_s: float | None, e2e_s: float) -> None:
+    def completed(self, route: Route | None, tpot_s: float | None, e2e_s: float) -> None:
         self.outcome("ok")
         self.e2e.observe(e2e_s)
         self._refresh_instances()
         if tpot_s is None:
             return
         self.tpot.observe(tpot_s)
-        decode = decision.decode if decision is not None else None
-        if decode is not None and decision is not None and math.isfinite(decode.predicted_tpot_ms):
-            self.tpot_error.labels(group=_group(decision, decode)).observe(
-                tpot_s - decode.predicted_tpot_ms / 1e3
+        if route is not None and math.isfinite(route.decode.predicted_tpot_ms):
+            self.tpot_error.labels(group=route.decode_group).observe(
+                tpot_s - route.decode.predicted_tpot_ms / 1e3
             )
-
-
-def _group(decision: Decision, choice: Choice) -> str:
-    """The instance's profile group, or its role when the fleet has one profile."""
-    table = decision.context.view.instances
-    i = table.index.get(choice.instance_id)
-    if i is None:
-        return "unknown"
-    group = table.groups[i]
-    return group or choice.stage.value

@@ -1,0 +1,276 @@
+"""The chain that runs a policy: mode, candidates per stage, filters with fallback passes, selector.
+
+For one request (:func:`run`):
+
+1. Candidates are the view's instances serving the request's model. None →
+   :class:`EmptyClusterError` (so is "none usable": no fresh, schedulable
+   status at all, found when a stage comes up empty).
+2. The policy's hooks run (adaptive PD elects its reserves).
+3. Mode: PD when the candidates hold a prefill-role and a decode-role instance
+   (prefill stage on the former, decode stage on the latter) or when the
+   policy is role-agnostic (both stages on every candidate); otherwise neutral
+   (one stage on the neutral-role instances). The request may restrict the PD
+   stages (decode-only re-placement).
+4. Each stage (:func:`run_stage`): the request's exclusions, then the
+   single-instance filters in order (every one runs: their failover marks
+   matter), then the global filters with the union of the marks. Pass 0
+   applies them all; if nothing survives, fallback pass ``k`` (for each
+   distinct ``relax_pass`` in increasing order) drops the filters with
+   ``1 <= relax_pass <= k``. The selector picks among the first non-empty
+   pass's survivors.
+5. A stage with no survivor fails the whole decision (PD is all or nothing):
+   :class:`EmptyClusterError` if the stage had no usable candidate at all,
+   else :class:`NoInstanceError` with per-filter drop counts and, per
+   threshold, the best value against its limit.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from router.errors import EmptyClusterError, NoInstanceError, ThresholdMiss
+from router.types import (
+    BoolArray,
+    Choice,
+    Decision,
+    DecisionContext,
+    ExplainsMiss,
+    InstanceTable,
+    IntArray,
+    Mode,
+    Policy,
+    Role,
+    Stage,
+    StageOutcome,
+    StageRestriction,
+    StageSpec,
+)
+
+EXCLUDED = "excluded"
+
+
+class _Plan(NamedTuple):
+    mode: Mode
+    prefill: BoolArray
+    decode: BoolArray
+    neutral: BoolArray
+    instances: int  # instances serving the model
+
+
+def _plan(policy: Policy, table: InstanceTable, model: str) -> _Plan:
+    """Mode and the candidate masks per stage for ``model``; cached per snapshot."""
+    key = ("plan", model, policy.role_agnostic)
+    plan: _Plan | None = table.memo.get(key)
+    if plan is None:
+        base = table.model_mask(model)
+        count = int(np.count_nonzero(base))
+        none = np.zeros(table.n, dtype=bool)
+        if policy.role_agnostic:
+            plan = _Plan(Mode.PD, base, base, none, count)
+        else:
+            prefill = base & (table.roles == Role.PREFILL)
+            decode = base & (table.roles == Role.DECODE)
+            if np.count_nonzero(prefill) and np.count_nonzero(decode):
+                plan = _Plan(Mode.PD, prefill, decode, none, count)
+            else:
+                plan = _Plan(Mode.NEUTRAL, none, none, base & (table.roles == Role.NEUTRAL), count)
+        table.memo[key] = plan
+    return plan
+
+
+def _describe_unusable(ctx: DecisionContext, base: BoolArray, what: str) -> str:
+    table = ctx.view.instances
+    total = int(np.count_nonzero(base))
+    no_status = int(np.count_nonzero(base & ~table.has_status))
+    unschedulable = int(np.count_nonzero(base & table.has_status & ~table.schedulable))
+    stale = int(np.count_nonzero(base & table.schedulable & ~ctx.fresh()))
+    return (
+        f"no usable {what}: {total} instance(s), {no_status} without a status yet, {unschedulable} unschedulable, "
+        f"{stale} with a status older than {ctx.max_status_age_s:g} s; check that the workers are up and "
+        f"reporting to the CMS"
+    )
+
+
+def run(policy: Policy, ctx: DecisionContext, now_s: float) -> Decision:
+    """Place ``ctx.request`` with ``policy`` (see the module doc); raises a :class:`SchedulingError`."""
+    request = ctx.request
+    if request is None:
+        raise ValueError("a decision needs a request")
+    table = ctx.view.instances
+    plan = _plan(policy, table, request.model)
+    if not plan.instances:
+        what = f"instance serves model {request.model!r}" if request.model and table.n else "instance"
+        raise EmptyClusterError(f"no {what} in the cluster view; register workers with the CMS", instances=0)
+    for hook in policy.hooks:
+        hook.prepare(ctx)
+    stages: tuple[tuple[Stage, BoolArray], ...]
+    if plan.mode is Mode.NEUTRAL:
+        stages = ((Stage.NEUTRAL, plan.neutral),)
+    elif request.stages is StageRestriction.PREFILL:
+        stages = ((Stage.PREFILL, plan.prefill),)
+    elif request.stages is StageRestriction.DECODE:
+        stages = ((Stage.DECODE, plan.decode),)
+    else:
+        stages = ((Stage.PREFILL, plan.prefill), (Stage.DECODE, plan.decode))
+
+    outcomes = []
+    for stage, candidates in stages:
+        spec = policy.spec(stage)
+        outcome = run_stage(ctx, spec, stage, candidates)
+        outcomes.append(outcome)
+        if outcome.selected < 0:
+            raise _failure(ctx, spec, outcome, candidates, plan)
+    # Built once every stage is decided, so both predictions are usually cached by then.
+    choices = {outcome.stage: _choice(ctx, outcome) for outcome in outcomes}
+    prefill: Choice | None
+    decode: Choice | None
+    if plan.mode is Mode.NEUTRAL:
+        prefill = decode = choices[Stage.NEUTRAL]
+    else:
+        prefill, decode = choices.get(Stage.PREFILL), choices.get(Stage.DECODE)
+    return Decision(
+        request_id=request.request_id,
+        mode=plan.mode,
+        policy=policy.name,
+        prefill=prefill,
+        decode=decode,
+        decided_at_s=now_s,
+        outcomes=tuple(outcomes),
+        context=ctx,
+    )
+
+
+def _choice(ctx: DecisionContext, outcome: StageOutcome) -> Choice:
+    i = outcome.selected
+    table = ctx.view.instances
+    return Choice(
+        instance_id=table.ids[i],
+        endpoint=table.endpoints[i],
+        stage=outcome.stage,
+        predicted_ttft_ms=ctx.metric_at("predicted_ttft", i),
+        predicted_tpot_ms=ctx.metric_at("predicted_tpot", i),
+        fallback_pass=outcome.fallback_pass,
+    )
+
+
+def _evaluate(
+    ctx: DecisionContext, spec: StageSpec
+) -> tuple[tuple[str, ...], list[BoolArray], tuple[int, ...]]:
+    """Every filter's label, keep-mask over the view and relax pass, in chain order."""
+    keeps: list[BoolArray] = []
+    labels, relax = spec.labels, spec.relax
+    request = ctx.request
+    if request is not None and request.exclude_instance_ids:
+        table = ctx.view.instances
+        keep = np.ones(table.n, dtype=bool)
+        for instance_id in request.exclude_instance_ids:
+            i = table.index.get(instance_id)
+            if i is not None:
+                keep[i] = False
+        keeps.append(keep)
+        labels, relax = (EXCLUDED, *labels), (0, *relax)
+    marked: BoolArray | None = None
+    for f in spec.filters:
+        keep, mark = f.apply(ctx)
+        keeps.append(keep)
+        if mark is not None:
+            marked = mark if marked is None else marked | mark
+    if spec.global_filters:
+        marks = marked if marked is not None else np.zeros(ctx.view.n, dtype=bool)
+        for g in spec.global_filters:
+            keeps.append(g.apply_global(ctx, marks))
+    return labels, keeps, relax
+
+
+def run_stage(ctx: DecisionContext, spec: StageSpec, stage: Stage, candidates: BoolArray) -> StageOutcome:
+    """Filter ``candidates`` (a mask over the view) through ``spec`` and select; see the module doc."""
+    labels, keeps, relax = _evaluate(ctx, spec)
+    always = candidates
+    relaxed = []
+    for keep, r in zip(keeps, relax, strict=True):
+        if r == 0:
+            always = always & keep
+        else:
+            relaxed.append((r, keep))
+    selected = -1
+    fallback_pass = 0
+    survivors = always.nonzero()[0] if not relaxed else _apply_relaxable(always, relaxed, 0)
+    if len(survivors) == 0 and relaxed:
+        for fallback_pass in sorted({r for r, _ in relaxed}):
+            survivors = _apply_relaxable(always, relaxed, fallback_pass)
+            if len(survivors):
+                break
+    if len(survivors):
+        selected = spec.selector.select(ctx, survivors, fallback_pass)
+    return StageOutcome(stage, candidates, labels, tuple(keeps), relax, selected, fallback_pass)
+
+
+def _apply_relaxable(always: BoolArray, relaxed: list[tuple[int, BoolArray]], fallback_pass: int) -> IntArray:
+    alive = always
+    for r, keep in relaxed:
+        if r > fallback_pass:
+            alive = alive & keep
+    return alive.nonzero()[0]
+
+
+def _failure(
+    ctx: DecisionContext, spec: StageSpec, outcome: StageOutcome, candidates: BoolArray, plan: _Plan
+) -> Exception:
+    stage = outcome.stage.value
+    n = len(outcome.candidates)
+    table = ctx.view.instances
+    base = table.model_mask(ctx.request.model if ctx.request is not None else "")
+    if not np.count_nonzero(base & ctx.usable()):
+        return EmptyClusterError(_describe_unusable(ctx, base, "instance"), instances=plan.instances)
+    if plan.mode is Mode.NEUTRAL and not np.count_nonzero(candidates):
+        prefills = int(np.count_nonzero(base & (table.roles == Role.PREFILL)))
+        decodes = int(np.count_nonzero(base & (table.roles == Role.DECODE)))
+        return EmptyClusterError(
+            f"cannot serve: no neutral instance and no prefill+decode pair ({prefills} prefill, "
+            f"{decodes} decode instance(s)); start the missing role",
+            instances=plan.instances,
+        )
+    if not np.count_nonzero(candidates & ctx.usable()):
+        return EmptyClusterError(
+            _describe_unusable(ctx, candidates, f"{stage} instance"), instances=n, usable=0
+        )
+    first = outcome.first_drop(every_filter=True)
+    drops = {label: int(np.count_nonzero(first == k)) for k, label in enumerate(outcome.labels)}
+    drops = {label: count for label, count in drops.items() if count}
+    # Candidates that only thresholds stopped: what the policy could have used with a looser target.
+    thresholds = [f for f in spec.filters if isinstance(f, ExplainsMiss)]
+    threshold_labels = {f.label for f in thresholds}
+    eligible = candidates.copy()
+    for label, keep in zip(outcome.labels, outcome.keeps, strict=True):
+        if label not in threshold_labels:
+            eligible &= keep
+    eligible_index = eligible.nonzero()[0]
+    misses = []
+    for f in thresholds:
+        metric, best, limit = f.explain_miss(ctx, eligible_index)
+        misses.append(ThresholdMiss(f.label, metric, best, limit))
+    parts = [
+        f"no {stage} instance for request {ctx.request.request_id if ctx.request else ''!r}: {n} candidate(s)"
+    ]
+    if drops:
+        parts.append("dropped first by " + ", ".join(f"{label} {count}" for label, count in drops.items()))
+    for miss in misses:
+        if miss.best == miss.best:
+            parts.append(f"best {miss.metric} {miss.best:.1f} vs limit {miss.limit:.1f}")
+    if len(eligible_index) and misses:
+        parts.append(
+            "no instance is predicted to meet the target: relax the request's SLO or the dispatch thresholds, "
+            "add capacity, or retry later"
+        )
+    else:
+        parts.append("every candidate is excluded, unhealthy or in a failed failure domain; check the fleet")
+    return NoInstanceError(
+        "; ".join(parts),
+        stage=stage,
+        candidates=n,
+        drops=drops,
+        misses=tuple(misses),
+        healthy_candidates=len(eligible_index),
+    )

@@ -1,0 +1,229 @@
+"""The scheduling core's configuration: one documented dataclass mirroring the router's flags.
+
+Build it from parsed flags with :meth:`SchedulerConfig.from_namespace` (and add
+the flags themselves with :meth:`SchedulerConfig.add_arguments`), or directly in
+code and tests. Every field has a default, a unit in its name where it has one,
+and a one-line doc (``field(metadata={"doc": ...})``) that doubles as the flag's
+help. Invalid values raise :class:`router.errors.ConfigError` (a ``ValueError``)
+naming the field.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from router.errors import ConfigError
+
+FAILOVER_DOMAINS = ("instance", "node", "unit", "node-unit")
+
+
+def _doc(doc: str, flag: str | None = None) -> dict[str, Any]:
+    return {"doc": doc, "flag": flag}
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Everything the scheduling core reads from flags."""
+
+    scheduling_policy: str = field(
+        default="load-balance",
+        metadata=_doc(
+            "registered policy: load-balance, slo, round-robin, random, least-requests or power-of-two",
+            "--scheduling-policy",
+        ),
+    )
+    enable_adaptive_pd: bool = field(
+        default=False,
+        metadata=_doc(
+            "with the slo policy: every instance may take either PD role per request", "--enable-adaptive-pd"
+        ),
+    )
+    ttft_slo_ms: float = field(
+        default=6000.0, metadata=_doc("default TTFT target (ms) when a request sets none", "--ttft-slo")
+    )
+    tpot_slo_ms: float = field(
+        default=50.0, metadata=_doc("default TPOT target (ms) when a request sets none", "--tpot-slo")
+    )
+    ttft_slo_dispatch_threshold: float = field(
+        default=1.0,
+        metadata=_doc(
+            "fraction of the TTFT target a predicted TTFT must stay below (ratio)",
+            "--ttft-slo-dispatch-threshold",
+        ),
+    )
+    tpot_slo_dispatch_threshold: float = field(
+        default=1.0,
+        metadata=_doc(
+            "fraction of the TPOT target a predicted TPOT must stay below (ratio)",
+            "--tpot-slo-dispatch-threshold",
+        ),
+    )
+    instance_staleness_s: float = field(
+        default=5.0,
+        metadata=_doc(
+            "an instance whose status is older than this (s) is skipped and fails over its domain",
+            "--instance-staleness-seconds",
+        ),
+    )
+    failover_domain: str = field(
+        default="instance",
+        metadata=_doc(
+            "what an unschedulable or stale instance takes down with it: instance, node, unit or node-unit",
+            "--failover-domain",
+        ),
+    )
+    dispatch_top_k: int = field(
+        default=1,
+        metadata=_doc(
+            "pick uniformly at random among the K best instances (1 = the best)", "--dispatch-top-k"
+        ),
+    )
+    inflight_expiry_s: float = field(
+        default=10.0,
+        metadata=_doc(
+            "a dispatch the instance never reports leaves the in-flight account after this long (s)",
+            "--inflight-expiry-s",
+        ),
+    )
+    dispatch_prefill_load_metric: str = field(
+        default="prefill_backlog_tokens",
+        metadata=_doc(
+            "load-balance: metric minimised for the prefill stage", "--dispatch-prefill-load-metric"
+        ),
+    )
+    dispatch_decode_load_metric: str = field(
+        default="kv_usage_projected",
+        metadata=_doc("load-balance: metric minimised for the decode stage", "--dispatch-decode-load-metric"),
+    )
+    dispatch_neutral_load_metric: str = field(
+        default="prefill_backlog_tokens",
+        metadata=_doc(
+            "load-balance: metric minimised for the neutral stage", "--dispatch-neutral-load-metric"
+        ),
+    )
+    dispatch_prefill_load_threshold: float | None = field(
+        default=None,
+        metadata=_doc(
+            "load-balance: droppable limit on the prefill load metric (its unit; unset = none)",
+            "--dispatch-prefill-load-threshold",
+        ),
+    )
+    dispatch_decode_load_threshold: float | None = field(
+        default=None,
+        metadata=_doc(
+            "load-balance: droppable limit on the decode load metric (its unit; unset = none)",
+            "--dispatch-decode-load-threshold",
+        ),
+    )
+    dispatch_neutral_load_threshold: float | None = field(
+        default=None,
+        metadata=_doc(
+            "load-balance: droppable limit on the neutral load metric (its unit; unset = none)",
+            "--dispatch-neutral-load-threshold",
+        ),
+    )
+    default_max_num_batched_tokens: int = field(
+        default=2048,
+        metadata=_doc(
+            "chunked-prefill budget (tokens per step) assumed for an instance whose metadata gives none",
+            "--default-max-num-batched-tokens",
+        ),
+    )
+    profile_label: str = field(
+        default="profile",
+        metadata=_doc(
+            "instance metadata label naming its profile group (heterogeneous fleets)", "--profile-label"
+        ),
+    )
+    policy_config_path: str | None = field(
+        default=None,
+        metadata=_doc(
+            "YAML file composing metrics, filters and selectors per stage (replaces the named policy)",
+            "--policy-config",
+        ),
+    )
+
+    def __post_init__(self) -> None:
+        from router.registry import METRICS, POLICIES
+
+        def bad(name: str, why: str) -> ConfigError:
+            return ConfigError(f"{name}={getattr(self, name)!r}: {why}")
+
+        if self.policy_config_path is None and self.scheduling_policy not in POLICIES:
+            raise bad("scheduling_policy", f"unknown policy; registered: {', '.join(POLICIES.names())}")
+        if self.enable_adaptive_pd and self.policy_config_path is None and self.scheduling_policy != "slo":
+            raise bad("scheduling_policy", "enable_adaptive_pd=True needs scheduling_policy='slo'")
+        for name in (
+            "ttft_slo_ms",
+            "tpot_slo_ms",
+            "ttft_slo_dispatch_threshold",
+            "tpot_slo_dispatch_threshold",
+        ):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise bad(name, "must be a finite number > 0")
+        for name in ("instance_staleness_s", "inflight_expiry_s"):
+            value = getattr(self, name)
+            if not (value > 0):  # inf is allowed: never stale / never expires
+                raise bad(name, "must be > 0 seconds")
+        if self.failover_domain not in FAILOVER_DOMAINS:
+            raise bad("failover_domain", f"must be one of {', '.join(FAILOVER_DOMAINS)}")
+        if self.dispatch_top_k < 1:
+            raise bad("dispatch_top_k", "must be >= 1")
+        if self.default_max_num_batched_tokens < 1:
+            raise bad("default_max_num_batched_tokens", "must be >= 1 token")
+        for stage in ("prefill", "decode", "neutral"):
+            metric = getattr(self, f"dispatch_{stage}_load_metric")
+            if metric not in METRICS:
+                raise bad(
+                    f"dispatch_{stage}_load_metric",
+                    f"unknown metric; registered: {', '.join(METRICS.names())}",
+                )
+            limit = getattr(self, f"dispatch_{stage}_load_threshold")
+            if limit is not None and math.isnan(limit):
+                raise bad(f"dispatch_{stage}_load_threshold", "must be a number or unset")
+        if not self.profile_label:
+            raise bad("profile_label", "must not be empty")
+
+    @classmethod
+    def doc(cls, name: str) -> str:
+        """The one-line doc of field ``name``."""
+        for f in fields(cls):
+            if f.name == name:
+                return str(f.metadata.get("doc", ""))
+        raise KeyError(name)
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        """Add one flag per field (``--ttft-slo``, ``--failover-domain``, ...), helped by its doc."""
+        for f in fields(cls):
+            flag = f.metadata.get("flag")
+            if flag is None:
+                continue
+            help_text = f"{f.metadata['doc']} (default: %(default)s)"
+            if f.type in ("bool", bool):
+                parser.add_argument(
+                    flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text
+                )
+                continue
+            kind: Any = {"float": float, "int": int, "float | None": float}.get(str(f.type), str)
+            choices = FAILOVER_DOMAINS if f.name == "failover_domain" else None
+            parser.add_argument(flag, type=kind, default=f.default, choices=choices, help=help_text)
+
+    @classmethod
+    def from_namespace(cls, ns: argparse.Namespace, **overrides: Any) -> SchedulerConfig:
+        """Build from parsed flags: each field reads the attribute its flag stores into.
+
+        Attributes missing from ``ns`` keep their defaults; ``overrides`` win over both.
+        """
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            flag = f.metadata.get("flag")
+            dest = flag.lstrip("-").replace("-", "_") if flag else f.name
+            if hasattr(ns, dest):
+                values[f.name] = getattr(ns, dest)
+        values.update(overrides)
+        return cls(**values)

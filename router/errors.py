@@ -1,0 +1,123 @@
+"""Every error the router's scheduling core raises, in one small tree.
+
+::
+
+    RouterError                       root; catch this to catch them all
+    ├── ConfigError (ValueError)      a config value, flag or policy file is wrong: fix it and restart
+    │   ├── UnknownPluginError        a metric/filter/selector/policy name is not registered
+    │   └── PolicyFileError           a ``--policy-config`` YAML file cannot be used
+    ├── DuplicatePluginError          two plugins registered under one name (a programming error)
+    ├── InvalidRequestError (ValueError)  a request is malformed: the client must fix it
+    ├── DuplicateRequestError         a request id that is already in flight
+    ├── RetriesExhaustedError         every attempt on a worker failed
+    └── SchedulingError               no placement for this request, now
+        ├── EmptyClusterError         no instance at all, or none usable (all without status, stale
+        │                             or unschedulable): the fleet or the CMS is down
+        └── NoInstanceError           usable instances exist but none passed a stage's filters
+                                      (typically: none is predicted to meet the SLO)
+
+The gRPC service maps them in one place; the intended codes are
+``InvalidRequestError`` → ``INVALID_ARGUMENT``, ``DuplicateRequestError`` →
+``ALREADY_EXISTS``, ``NoInstanceError`` → ``RESOURCE_EXHAUSTED``,
+``EmptyClusterError`` and ``RetriesExhaustedError`` → ``UNAVAILABLE``
+(``ConfigError`` never reaches a request: it is raised at start-up). Every
+message says what to fix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+
+class RouterError(Exception):
+    """Root of every error raised by the router's scheduling core."""
+
+
+class ConfigError(RouterError, ValueError):
+    """A configuration value, flag or policy file is invalid; the message names the field."""
+
+
+class UnknownPluginError(ConfigError):
+    """A metric, filter, selector or policy name that is not registered."""
+
+
+class PolicyFileError(ConfigError):
+    """A ``--policy-config`` YAML file cannot be loaded; the message names the file and the entry."""
+
+
+class DuplicatePluginError(RouterError):
+    """Two plugins of one kind were registered under the same name."""
+
+
+class InvalidRequestError(RouterError, ValueError):
+    """A request is malformed (missing prompt, bad SLO values, ...); the message names the field."""
+
+
+class DuplicateRequestError(RouterError):
+    """A request id that is already in flight at this router."""
+
+
+class RetriesExhaustedError(RouterError):
+    """Every attempt to run a request on a worker failed; the message lists the attempts."""
+
+
+class SchedulingError(RouterError):
+    """No placement could be made for a request."""
+
+
+class EmptyClusterError(SchedulingError):
+    """The view has no instance for the request, or none that is usable at all.
+
+    ``instances`` counts the instances considered (after the model match);
+    ``usable`` is how many had a fresh status and were schedulable (0 unless the
+    error is about a missing role).
+    """
+
+    def __init__(self, message: str, *, instances: int = 0, usable: int = 0) -> None:
+        super().__init__(message)
+        self.instances = instances
+        self.usable = usable
+
+
+@dataclass(frozen=True)
+class ThresholdMiss:
+    """The best value a threshold filter saw among otherwise eligible candidates.
+
+    ``best`` is NaN when no candidate reached that filter (all were dropped for
+    other reasons).
+    """
+
+    filter: str
+    metric: str
+    best: float
+    limit: float
+
+
+class NoInstanceError(SchedulingError):
+    """No candidate of ``stage`` survived its filters, even after the fallback pass.
+
+    Attributes: ``stage`` (``"prefill"``, ``"decode"`` or ``"neutral"``),
+    ``candidates`` (instances of the stage's role), ``drops`` (filter label →
+    candidates that filter dropped first, in chain order, with every filter
+    applied), ``misses`` (per threshold filter: the best value against its
+    limit) and ``healthy_candidates`` (candidates dropped only by threshold
+    filters, i.e. capacity exists but cannot meet the target).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        stage: str,
+        candidates: int,
+        drops: Mapping[str, int],
+        misses: tuple[ThresholdMiss, ...] = (),
+        healthy_candidates: int = 0,
+    ) -> None:
+        super().__init__(message)
+        self.stage = stage
+        self.candidates = candidates
+        self.drops = dict(drops)
+        self.misses = misses
+        self.healthy_candidates = healthy_candidates

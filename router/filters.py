@@ -1,0 +1,250 @@
+"""The built-in filters: keep-masks over the whole view.
+
+Single-instance filters (in a stage's order):
+
+* ``schedulability`` — drops instances whose status says ``schedulable ==
+  false`` (and instances without a status yet); marks the former for failover.
+* ``staleness`` (``max_age_s``) — drops a status older than ``max_age_s``;
+  marks it for failover. An instance without a status is dropped, not marked.
+* ``metric_threshold`` (``metric``, ``limit`` or ``slo`` + ``factor``,
+  ``droppable``, optional ``label``) — keeps an instance whose metric is
+  strictly below the limit (NaN never passes). ``slo: ttft`` means ``limit =
+  request TTFT target × factor`` (``factor`` defaults to
+  ``ttft_slo_dispatch_threshold``); likewise ``tpot``. A droppable threshold
+  is skipped by the fallback pass. ``label`` names the use in traces
+  (default ``metric_threshold:<metric>``).
+* ``exclude_reserved`` (``reserve: prefill|decode``) — drops adaptive PD's
+  reserved instance of that kind.
+
+Global filter (after them):
+
+* ``failover`` (``domain``) — drops every instance in the failure domain of a
+  marked one: ``instance`` (just it), ``node`` (same non-empty ``node_id``),
+  ``unit`` (same non-empty ``unit_id``), ``node-unit`` (the node expansion,
+  then the unit expansion of that). Marks come from the whole view, so a
+  stale prefill instance also takes down a decode instance on its node.
+
+Every use accepts ``relax_pass`` (0 = always applies, ``k`` = skipped from
+fallback pass ``k`` on); ``droppable: true`` is ``relax_pass: 1``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from router.config import FAILOVER_DOMAINS, SchedulerConfig
+from router.errors import ConfigError
+from router.registry import FILTERS, METRICS, Params
+from router.types import (
+    BoolArray,
+    DecisionContext,
+    Filter,
+    FilterResult,
+    GlobalFilter,
+    InstanceTable,
+    IntArray,
+)
+
+
+def all_true(table: InstanceTable) -> BoolArray:
+    """A shared read-only all-true mask over ``table``."""
+    mask: BoolArray | None = table.memo.get("all_true")
+    if mask is None:
+        mask = np.ones(table.n, dtype=bool)
+        mask.setflags(write=False)
+        table.memo["all_true"] = mask
+    return mask
+
+
+def _relax_pass(params: Params) -> int:
+    droppable = params.flag("droppable", False)
+    relax = params.integer("relax_pass", 1 if droppable else 0)
+    if relax < 0:
+        raise ConfigError(f"{params.where}: 'relax_pass' must be >= 0, got {relax}")
+    if droppable and relax == 0:
+        raise ConfigError(f"{params.where}: 'droppable: true' contradicts 'relax_pass: 0'")
+    return relax
+
+
+# ----------------------------------------------------------------------------- health
+
+
+@dataclass(frozen=True, eq=False)
+class Schedulability:
+    label: str = "schedulability"
+    relax_pass: int = 0
+
+    def apply(self, ctx: DecisionContext) -> FilterResult:
+        table = ctx.view.instances
+        result: FilterResult | None = table.memo.get("schedulability")
+        if result is None:
+            result = FilterResult(keep=table.schedulable, mark=table.has_status & ~table.schedulable)
+            table.memo["schedulability"] = result
+        return result
+
+
+@dataclass(frozen=True, eq=False)
+class Staleness:
+    max_age_s: float
+    label: str = "staleness"
+    relax_pass: int = 0
+
+    def apply(self, ctx: DecisionContext) -> FilterResult:
+        key = ("staleness", self.max_age_s)
+        result: FilterResult | None = ctx.cached(key)
+        if result is None:
+            keep = ctx.view.status_age_s <= self.max_age_s
+            result = ctx.remember(key, FilterResult(keep, ctx.view.instances.has_status & ~keep))
+        return result
+
+
+@FILTERS.register("schedulability")
+def _schedulability(config: SchedulerConfig, params: Params) -> Filter:
+    return Schedulability()
+
+
+@FILTERS.register("staleness")
+def _staleness(config: SchedulerConfig, params: Params) -> Filter:
+    max_age_s = params.number("max_age_s", config.instance_staleness_s)
+    if not max_age_s > 0:
+        raise ConfigError(f"{params.where}: 'max_age_s' must be > 0, got {max_age_s}")
+    return Staleness(max_age_s)
+
+
+# ----------------------------------------------------------------------------- thresholds
+
+
+@dataclass(frozen=True, eq=False)
+class MetricThreshold:
+    """Keeps instances whose ``metric`` is strictly below the limit.
+
+    The limit is ``limit`` when given, else the request's ``slo`` target
+    (``"ttft"`` or ``"tpot"``) times ``factor``.
+    """
+
+    metric: str
+    limit: float | None
+    slo: str | None
+    factor: float
+    relax_pass: int
+    label: str
+
+    def bound(self, ctx: DecisionContext) -> float:
+        if self.limit is not None:
+            return self.limit
+        target = ctx.ttft_slo_ms if self.slo == "ttft" else ctx.tpot_slo_ms
+        return target * self.factor
+
+    def apply(self, ctx: DecisionContext) -> FilterResult:
+        return FilterResult(keep=ctx.metric(self.metric) < self.bound(ctx))
+
+    def explain_miss(self, ctx: DecisionContext, candidates: IntArray) -> tuple[str, float, float]:
+        values = ctx.metric(self.metric)[candidates]
+        values = values[~np.isnan(values)]
+        best = float(values.min()) if len(values) else float("nan")
+        return self.metric, best, self.bound(ctx)
+
+
+@FILTERS.register("metric_threshold")
+def _metric_threshold(config: SchedulerConfig, params: Params) -> Filter:
+    metric = params.text("metric", "")
+    if not metric:
+        raise ConfigError(f"{params.where}: metric_threshold needs 'metric'")
+    if metric not in METRICS:
+        raise ConfigError(
+            f"{params.where}: unknown metric {metric!r}; registered: {', '.join(METRICS.names())}"
+        )
+    limit = params.optional_number("limit")
+    slo = params.text("slo", "")
+    if (limit is None) == (not slo):
+        raise ConfigError(f"{params.where}: metric_threshold needs exactly one of 'limit' or 'slo'")
+    if slo and slo not in ("ttft", "tpot"):
+        raise ConfigError(f"{params.where}: 'slo' must be ttft or tpot, got {slo!r}")
+    default_factor = (
+        config.ttft_slo_dispatch_threshold if slo == "ttft" else config.tpot_slo_dispatch_threshold
+    )
+    factor = params.number("factor", default_factor)
+    if not factor > 0:
+        raise ConfigError(f"{params.where}: 'factor' must be > 0, got {factor}")
+    return MetricThreshold(
+        metric=metric,
+        limit=limit,
+        slo=slo or None,
+        factor=factor,
+        relax_pass=_relax_pass(params),
+        label=params.text("label", f"metric_threshold:{metric}"),
+    )
+
+
+# ----------------------------------------------------------------------------- adaptive PD
+
+
+@dataclass(frozen=True, eq=False)
+class ExcludeReserved:
+    """Drops adaptive PD's reserved ``reserve`` instance (``"prefill"`` or ``"decode"``)."""
+
+    reserve: str
+    relax_pass: int
+    label: str
+
+    def apply(self, ctx: DecisionContext) -> FilterResult:
+        index = ctx.reserves.prefill if self.reserve == "prefill" else ctx.reserves.decode
+        table = ctx.view.instances
+        if index < 0:
+            return FilterResult(keep=all_true(table))
+        keep = np.ones(table.n, dtype=bool)
+        keep[index] = False
+        return FilterResult(keep=keep)
+
+
+@FILTERS.register("exclude_reserved")
+def _exclude_reserved(config: SchedulerConfig, params: Params) -> Filter:
+    reserve = params.text("reserve", "")
+    if reserve not in ("prefill", "decode"):
+        raise ConfigError(f"{params.where}: 'reserve' must be prefill or decode, got {reserve!r}")
+    return ExcludeReserved(reserve, _relax_pass(params), f"exclude_reserved:{reserve}")
+
+
+# ----------------------------------------------------------------------------- failover
+
+
+def _expand(codes: IntArray, marked: BoolArray) -> BoolArray:
+    """``marked`` plus every instance sharing a non-empty code with a marked one."""
+    hit = codes[marked]
+    hit = hit[hit >= 0]
+    if len(hit) == 0:
+        return marked
+    bad = np.zeros(int(codes.max()) + 2, dtype=bool)  # the last slot is where -1 (empty) lands
+    bad[hit] = True
+    down: BoolArray = bad[codes] | marked
+    return down
+
+
+@dataclass(frozen=True, eq=False)
+class Failover:
+    domain: str
+    label: str = "failover"
+
+    def apply_global(self, ctx: DecisionContext, marked: BoolArray) -> BoolArray:
+        table = ctx.view.instances
+        if not np.count_nonzero(marked):
+            return all_true(table)
+        down = marked
+        if self.domain in ("node", "node-unit"):
+            down = _expand(table.node_codes, down)
+        if self.domain in ("unit", "node-unit"):
+            down = _expand(table.unit_codes, down)
+        keep: BoolArray = ~down
+        return keep
+
+
+@FILTERS.register("failover")
+def _failover(config: SchedulerConfig, params: Params) -> GlobalFilter:
+    domain = params.text("domain", config.failover_domain)
+    if domain not in FAILOVER_DOMAINS:
+        raise ConfigError(
+            f"{params.where}: 'domain' must be one of {', '.join(FAILOVER_DOMAINS)}, got {domain!r}"
+        )
+    return Failover(domain)

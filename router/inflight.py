@@ -1,0 +1,354 @@
+"""The router's in-flight account: load it dispatched that the instances do not report yet.
+
+A dispatch is recorded at once, so the next decision sees it; the CMS status
+of the instance catches up only after the engine admits the request. Each
+request has one *entry* per instance it was sent to, holding the *legs* it
+runs there (prefill, decode, or both on one instance):
+
+* prefill leg: +1 request, +prompt tokens of prefill backlog;
+* decode leg: +1 decode request, +prompt tokens of decode context;
+* every entry: +1 request and +prompt tokens of KV once, whatever its legs.
+
+An entry leaves when
+
+* that instance's status lists the request id in ``admitted_request_ids``
+  (:meth:`InflightAccount.reconcile`) — each instance's entry separately, so a
+  request admitted by its prefill instance keeps its decode entry until the
+  decode instance admits it too;
+* the request ends at the router (:meth:`InflightAccount.release`), for all
+  its instances or one;
+* it is ``expiry_s`` old (:meth:`InflightAccount.expire`).
+
+Invariants (they fix the anchor's local-account bugs): every mutation is
+idempotent (recording the same leg twice, releasing twice, reconciling the same
+snapshot twice change nothing); a removal subtracts exactly what its entry
+added, so no counter goes negative; a request is counted once per instance
+(a neutral request is one request, not two); and a leg is not recorded on an
+instance whose latest reconciled status already reports the request, so load
+is never counted both in-flight and in the status.
+
+Not thread-safe: the router calls it from its event loop only.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from cms.model import ClusterSnapshot, InstanceRecord
+from router.types import InflightColumns
+
+
+@dataclass(frozen=True)
+class InflightTotals:
+    """One instance's in-flight sums."""
+
+    requests: int = 0
+    prefill_requests: int = 0
+    prefill_tokens: int = 0
+    decode_requests: int = 0
+    decode_tokens: int = 0
+    tokens: int = 0
+
+
+@dataclass(frozen=True)
+class InflightEntry:
+    """One request's dispatch to one instance."""
+
+    request_id: str
+    instance_id: str
+    prefill: bool
+    decode: bool
+    prompt_tokens: int
+    recorded_at_s: float
+
+
+class _Totals:
+    __slots__ = (
+        "decode_requests",
+        "decode_tokens",
+        "prefill_requests",
+        "prefill_tokens",
+        "requests",
+        "tokens",
+    )
+
+    def __init__(self) -> None:
+        self.requests = 0
+        self.prefill_requests = 0
+        self.prefill_tokens = 0
+        self.decode_requests = 0
+        self.decode_tokens = 0
+        self.tokens = 0
+
+    def add(self, entry: InflightEntry, sign: int, *, new_entry: bool, prefill: bool, decode: bool) -> None:
+        p = entry.prompt_tokens
+        if new_entry:
+            self.requests = max(0, self.requests + sign)
+            self.tokens = max(0, self.tokens + sign * p)
+        if prefill:
+            self.prefill_requests = max(0, self.prefill_requests + sign)
+            self.prefill_tokens = max(0, self.prefill_tokens + sign * p)
+        if decode:
+            self.decode_requests = max(0, self.decode_requests + sign)
+            self.decode_tokens = max(0, self.decode_tokens + sign * p)
+
+    def frozen(self) -> InflightTotals:
+        return InflightTotals(
+            self.requests,
+            self.prefill_requests,
+            self.prefill_tokens,
+            self.decode_requests,
+            self.decode_tokens,
+            self.tokens,
+        )
+
+
+#: How many recent changes :meth:`InflightAccount.changed_since` can describe.
+JOURNAL_LENGTH = 4096
+
+
+class InflightAccount:
+    """Dispatched load per instance, until the instance reports it (see the module doc).
+
+    ``version`` increases with every change, so views can cache columns per
+    version and update them for just the instances that changed
+    (:meth:`changed_since`).
+    """
+
+    def __init__(self, expiry_s: float = 10.0) -> None:
+        if not expiry_s > 0:
+            raise ValueError(f"expiry_s must be > 0, got {expiry_s}")
+        self.expiry_s = expiry_s
+        self.version = 0
+        # (request_id, instance_id) -> entry, in recording order (expiry walks it from the front).
+        self._entries: dict[tuple[str, str], InflightEntry] = {}
+        self._by_request: dict[str, dict[str, InflightEntry]] = {}
+        self._by_instance: dict[str, dict[str, InflightEntry]] = {}
+        self._totals: dict[str, _Totals] = {}
+        self._snapshot: ClusterSnapshot | None = None
+        self._positions: Mapping[str, int] | None = None
+        # Instance changed by each of the last versions; _journal_start is the version before the oldest.
+        self._journal: deque[str] = deque(maxlen=JOURNAL_LENGTH)
+        self._journal_start = 0
+
+    def _touch(self, instance_id: str) -> None:
+        if len(self._journal) == JOURNAL_LENGTH:
+            self._journal_start += 1
+        self._journal.append(instance_id)
+        self.version += 1
+
+    def changed_since(self, version: int) -> set[str] | None:
+        """Instances whose sums changed after ``version``; ``None`` when that is too far back to tell."""
+        if version > self.version or version < self._journal_start:
+            return None
+        journal = self._journal
+        return {journal[-k] for k in range(1, self.version - version + 1)}
+
+    def totals_row(self, instance_id: str) -> tuple[int, int, int, int, int, int]:
+        """One instance's sums in :class:`~router.types.InflightColumns` order (zeros when none)."""
+        t = self._totals.get(instance_id)
+        if t is None:
+            return (0, 0, 0, 0, 0, 0)
+        return (
+            t.requests,
+            t.prefill_requests,
+            t.prefill_tokens,
+            t.decode_requests,
+            t.decode_tokens,
+            t.tokens,
+        )
+
+    # ------------------------------------------------------------------ queries
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._by_request
+
+    def __len__(self) -> int:
+        """Number of requests with at least one entry."""
+        return len(self._by_request)
+
+    def is_empty(self) -> bool:
+        return not self._entries
+
+    def entries(self, request_id: str | None = None) -> tuple[InflightEntry, ...]:
+        """Every entry (of one request, or of all), in recording order."""
+        if request_id is None:
+            return tuple(self._entries.values())
+        return tuple(self._by_request.get(request_id, {}).values())
+
+    def totals(self, instance_id: str) -> InflightTotals:
+        """The in-flight sums of one instance (zeros when it has none)."""
+        found = self._totals.get(instance_id)
+        return found.frozen() if found is not None else InflightTotals()
+
+    def columns(self, index: Mapping[str, int], n: int) -> InflightColumns:
+        """The sums as columns over a view whose instance ``i`` is ``index[id] == i``.
+
+        Costs O(instances with entries); instances not in ``index`` are skipped.
+        """
+        cols = np.zeros((6, n))
+        for instance_id in self._totals:
+            i = index.get(instance_id)
+            if i is not None:
+                cols[:, i] = self.totals_row(instance_id)
+        return InflightColumns.of(cols)
+
+    # ------------------------------------------------------------------ mutations
+
+    def record(
+        self,
+        request_id: str,
+        prefill_instance: str | None,
+        decode_instance: str | None,
+        prompt_tokens: int,
+        now_s: float,
+    ) -> None:
+        """Account a dispatch: a prefill leg on ``prefill_instance`` and a decode leg on ``decode_instance``.
+
+        Neutral mode passes the same instance twice (one entry with both legs);
+        a decode-only re-placement passes ``prefill_instance=None``. Recording
+        a leg that already exists does nothing; recording on an instance whose
+        last reconciled status already lists the request does nothing either.
+        """
+        if prompt_tokens < 0:
+            raise ValueError(f"prompt_tokens must be >= 0, got {prompt_tokens}")
+        if prefill_instance is not None and prefill_instance == decode_instance:
+            self._add(request_id, prefill_instance, True, True, prompt_tokens, now_s)
+            return
+        if prefill_instance is not None:
+            self._add(request_id, prefill_instance, True, False, prompt_tokens, now_s)
+        if decode_instance is not None:
+            self._add(request_id, decode_instance, False, True, prompt_tokens, now_s)
+
+    def _add(
+        self, request_id: str, instance_id: str, prefill: bool, decode: bool, tokens: int, now_s: float
+    ) -> None:
+        if self._reported(request_id, instance_id):
+            return
+        key = (request_id, instance_id)
+        old = self._entries.get(key)
+        if old is not None:
+            add_prefill = prefill and not old.prefill
+            add_decode = decode and not old.decode
+            if not (add_prefill or add_decode):
+                return
+            # A second leg on the same instance keeps the entry's tokens and time.
+            entry = InflightEntry(
+                request_id,
+                instance_id,
+                old.prefill or prefill,
+                old.decode or decode,
+                old.prompt_tokens,
+                old.recorded_at_s,
+            )
+            self._entries[key] = entry
+            self._by_request[request_id][instance_id] = entry
+            self._by_instance[instance_id][request_id] = entry
+            self._totals[instance_id].add(entry, +1, new_entry=False, prefill=add_prefill, decode=add_decode)
+        else:
+            entry = InflightEntry(request_id, instance_id, prefill, decode, tokens, now_s)
+            self._entries[key] = entry
+            self._by_request.setdefault(request_id, {})[instance_id] = entry
+            self._by_instance.setdefault(instance_id, {})[request_id] = entry
+            self._totals.setdefault(instance_id, _Totals()).add(
+                entry, +1, new_entry=True, prefill=prefill, decode=decode
+            )
+        self._touch(instance_id)
+
+    def _remove(self, entry: InflightEntry) -> None:
+        key = (entry.request_id, entry.instance_id)
+        if self._entries.pop(key, None) is None:
+            return
+        by_request = self._by_request[entry.request_id]
+        del by_request[entry.instance_id]
+        if not by_request:
+            del self._by_request[entry.request_id]
+        by_instance = self._by_instance[entry.instance_id]
+        del by_instance[entry.request_id]
+        totals = self._totals[entry.instance_id]
+        totals.add(entry, -1, new_entry=True, prefill=entry.prefill, decode=entry.decode)
+        if not by_instance:
+            del self._by_instance[entry.instance_id]
+            del self._totals[entry.instance_id]
+        self._touch(entry.instance_id)
+
+    def release(self, request_id: str, instance_id: str | None = None) -> int:
+        """The request ended (or one of its instances is abandoned): drop its entries.
+
+        Returns how many entries were removed (0 when there were none: releasing twice is harmless).
+        """
+        entries = self._by_request.get(request_id)
+        if not entries:
+            return 0
+        targets = (
+            list(entries.values())
+            if instance_id is None
+            else [e for e in entries.values() if e.instance_id == instance_id]
+        )
+        for entry in targets:
+            self._remove(entry)
+        return len(targets)
+
+    def expire(self, now_s: float) -> int:
+        """Drop entries at least ``expiry_s`` old; returns how many.
+
+        Entries are checked in recording order and the walk stops at the first
+        young one, so a clock that goes backwards delays expiry but never
+        loses an entry early.
+        """
+        removed = 0
+        deadline = now_s - self.expiry_s
+        while self._entries:
+            entry = next(iter(self._entries.values()))
+            if entry.recorded_at_s > deadline:
+                break
+            self._remove(entry)
+            removed += 1
+        return removed
+
+    def reconcile(self, snapshot: ClusterSnapshot, positions: Mapping[str, int] | None = None) -> int:
+        """Drop every entry whose instance's status lists its request as admitted; returns how many.
+
+        Costs O(instances with entries) when ``positions`` (instance id → index
+        in ``snapshot.instances``, e.g. a view's ``InstanceTable.index``) is
+        given, else one pass over the snapshot to build it. Also remembers the
+        snapshot, so a leg recorded later on an instance that already reports
+        the request is not counted twice.
+        """
+        self._snapshot = snapshot
+        self._positions = positions
+        removed = 0
+        for instance_id in list(self._by_instance):
+            record = self._record(instance_id)
+            if record is None or record.status is None:
+                continue
+            admitted = record.status.admitted_request_ids
+            if not admitted:
+                continue
+            by_instance = self._by_instance[instance_id]
+            ids = set(admitted) if len(admitted) > 8 else admitted
+            for request_id in [r for r in by_instance if r in ids]:
+                self._remove(by_instance[request_id])
+                removed += 1
+        return removed
+
+    def _record(self, instance_id: str) -> InstanceRecord | None:
+        snapshot = self._snapshot
+        if snapshot is None:
+            return None
+        if self._positions is None:
+            self._positions = {r.instance_id: i for i, r in enumerate(snapshot.instances)}
+        i = self._positions.get(instance_id)
+        return snapshot.instances[i] if i is not None else None
+
+    def _reported(self, request_id: str, instance_id: str) -> bool:
+        record = self._record(instance_id)
+        return (
+            record is not None
+            and record.status is not None
+            and request_id in record.status.admitted_request_ids
+        )

@@ -1,0 +1,320 @@
+"""The built-in metrics: one column per instance for the request being placed.
+
+Notation: S = the instance's status, L = its in-flight sums (router's own
+dispatches), M = its ``max_num_batched_tokens``, p = the request's prompt
+tokens. Every metric counts the in-flight load on top of the status.
+
+=========================  ==========================================================  =========
+name                       value                                                       cached
+=========================  ==========================================================  =========
+prefill_backlog_tokens     S.num_uncomputed_prefill_tokens advanced to now by the      decision
+                           step model (never below 0) + L prefill tokens
+decode_batch_size          S.num_decode_requests + L decode requests                   load
+decode_tokens              S.num_decode_tokens + L decode tokens                       load
+kv_usage_projected         (S.num_used_kv_tokens + S.num_uncomputed_prefill_tokens     load
+                           + L tokens) / kv_capacity_tokens (inf without capacity)
+num_waiting_requests       S.num_waiting_requests + L requests                         load
+num_requests               S.num_waiting_requests + S.num_running_requests             load
+                           + L requests (a request counts once per instance)
+decode_step_ms             predicted latency of one decode step at the current load    load
+predicted_ttft             predict_ttft_ms(prefill_backlog_tokens + p,                 decision
+                           decode_batch_size, decode_tokens, M)
+predicted_tpot             predict_tpot_ms(decode_batch_size + 1, decode_tokens + p)   decision
+reserved_prefill           1 for adaptive PD's reserved-prefill instance, else 0       decision
+reserved_decode            1 for adaptive PD's reserved-decode instance, else 0        decision
+=========================  ==========================================================  =========
+
+The "+1" of ``predicted_tpot`` is the request being placed; metrics computed
+without a request (``ctx.request is None``, e.g. for observability) add
+neither it nor its tokens. Without a latency predictor the predictions are NaN
+and the backlog is not advanced.
+
+Backlog advancement: the status was taken ``age`` ago; since then the engine
+ran its backlog ``P0`` as ``P0 // M`` full chunks of ``ttft(M) + tpot(D, T)``
+ms each and a last chunk ``r`` of ``ttft(r) + tpot(D, T)`` ms (D, T from the
+status), progressing linearly within a chunk. The remaining backlog is what
+that schedule has not finished at ``age``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from router.config import SchedulerConfig
+from router.predictors import PredictorSet
+from router.registry import METRICS, Params
+from router.types import DecisionContext, FloatArray, InstanceTable, IntArray, Metric, MetricScope
+
+
+@dataclass(frozen=True, eq=False)
+class _Column:
+    """A metric computed by one function of the context.
+
+    ``at`` (optional) computes the value at one instance without the whole
+    column: it lets a load-scoped metric be updated at the few instances whose
+    in-flight sums changed, and a decision read one instance's prediction
+    cheaply. Only metrics whose column costs far more than one entry have one.
+    """
+
+    name: str
+    scope: MetricScope
+    fn: Callable[[DecisionContext], FloatArray]
+    at: Callable[[DecisionContext, int], float] | None = None
+
+    def compute(self, ctx: DecisionContext) -> FloatArray:
+        return self.fn(ctx)
+
+    def compute_at(self, ctx: DecisionContext, index: int) -> float:
+        return self.at(ctx, index) if self.at is not None else float(ctx.metric(self.name)[index])
+
+
+_AT: dict[str, Callable[[DecisionContext, int], float]] = {}
+
+
+def _register(name: str, scope: MetricScope) -> Callable[[Callable[[DecisionContext], FloatArray]], None]:
+    """Register ``fn`` as metric ``name``; a one-instance version may be put in ``_AT[name]`` first.
+
+    The one-instance version must return exactly what ``fn`` returns at that
+    index (the same float operations in the same order).
+    """
+
+    def decorator(fn: Callable[[DecisionContext], FloatArray]) -> None:
+        def factory(config: SchedulerConfig, params: Params) -> Metric:
+            return _Column(name, scope, fn, _AT.get(name))
+
+        METRICS.register(name)(factory)
+
+    return decorator
+
+
+def _at(
+    name: str,
+) -> Callable[[Callable[[DecisionContext, int], float]], Callable[[DecisionContext, int], float]]:
+    def decorator(fn: Callable[[DecisionContext, int], float]) -> Callable[[DecisionContext, int], float]:
+        _AT[name] = fn
+        return fn
+
+    return decorator
+
+
+def _nan(ctx: DecisionContext) -> FloatArray:
+    return np.full(ctx.view.n, np.nan)
+
+
+# ----------------------------------------------------------------------------- load
+
+
+@_at("decode_step_ms")
+def _decode_step_ms_at(ctx: DecisionContext, i: int) -> float:
+    if ctx.predictors is None:
+        return float("nan")
+    lp = ctx.predictors.for_group(ctx.view.instances.groups[i])
+    return lp.predict_tpot_ms(
+        float(ctx.metric("decode_batch_size")[i]), float(ctx.metric("decode_tokens")[i])
+    )
+
+
+@_register("decode_batch_size", MetricScope.LOAD)
+def _decode_batch_size(ctx: DecisionContext) -> FloatArray:
+    return ctx.view.instances.decode_requests + ctx.view.inflight.decode_requests
+
+
+@_register("decode_tokens", MetricScope.LOAD)
+def _decode_tokens(ctx: DecisionContext) -> FloatArray:
+    return ctx.view.instances.decode_tokens + ctx.view.inflight.decode_tokens
+
+
+@_register("num_waiting_requests", MetricScope.LOAD)
+def _num_waiting_requests(ctx: DecisionContext) -> FloatArray:
+    return ctx.view.instances.waiting_requests + ctx.view.inflight.requests
+
+
+@_register("num_requests", MetricScope.LOAD)
+def _num_requests(ctx: DecisionContext) -> FloatArray:
+    table = ctx.view.instances
+    return table.waiting_requests + table.running_requests + ctx.view.inflight.requests
+
+
+@_register("kv_usage_projected", MetricScope.LOAD)
+def _kv_usage_projected(ctx: DecisionContext) -> FloatArray:
+    table = ctx.view.instances
+    used = table.used_kv_tokens + table.uncomputed_prefill_tokens + ctx.view.inflight.tokens
+    capacity = table.kv_capacity_tokens
+    usage: FloatArray = np.divide(used, capacity, out=np.full(table.n, np.inf), where=capacity > 0)
+    return usage
+
+
+@_register("decode_step_ms", MetricScope.LOAD)
+def _decode_step_ms(ctx: DecisionContext) -> FloatArray:
+    if ctx.predictors is None:
+        return _nan(ctx)
+    return ctx.predictors.decode_step_ms(
+        ctx.view.instances, ctx.metric("decode_batch_size"), ctx.metric("decode_tokens")
+    )
+
+
+# ----------------------------------------------------------------------------- prefill backlog
+
+
+@dataclass(frozen=True)
+class _StepModel:
+    """Per-snapshot schedule of the status backlogs (only instances with one)."""
+
+    index: IntArray  # instances with a backlog
+    backlog: FloatArray  # their S.num_uncomputed_prefill_tokens
+    full_ms: FloatArray  # time to run all full chunks
+    full_rate: FloatArray  # tokens per ms during full chunks (0 when they take no time)
+    tail_ms: FloatArray  # time of the last partial chunk
+    tail_rate: FloatArray
+    instant: FloatArray  # tokens the profile says take no time at all
+
+
+def _step_model(table: InstanceTable, predictors: PredictorSet) -> _StepModel:
+    key = ("step_model", predictors)
+    model: _StepModel | None = table.memo.get(key)
+    if model is not None:
+        return model
+    index = np.flatnonzero(table.uncomputed_prefill_tokens > 0)
+    decode = predictors.decode_step_ms(table, table.decode_requests, table.decode_tokens)
+    m = table.max_num_batched_tokens
+    full_chunk = _full_chunk_ms(table, predictors)
+    p0 = table.uncomputed_prefill_tokens
+    n_full = np.floor_divide(p0, m)
+    rest = p0 - n_full * m
+    tail_chunk = np.where(rest > 0, predictors.prefill_step_ms(table, rest) + decode, 0.0)
+    full_one = full_chunk + decode
+    zero = np.zeros(table.n)
+    full_rate = np.divide(m, full_one, out=zero.copy(), where=full_one > 0)
+    tail_rate = np.divide(rest, tail_chunk, out=zero.copy(), where=tail_chunk > 0)
+    instant = np.where(full_one > 0, 0.0, n_full * m) + np.where(tail_chunk > 0, 0.0, rest)
+    model = _StepModel(
+        index=index,
+        backlog=p0[index],
+        full_ms=(n_full * full_one)[index],
+        full_rate=full_rate[index],
+        tail_ms=tail_chunk[index],
+        tail_rate=tail_rate[index],
+        instant=instant[index],
+    )
+    table.memo[key] = model
+    return model
+
+
+def _full_chunk_ms(table: InstanceTable, predictors: PredictorSet) -> FloatArray:
+    key = ("full_chunk_ms", predictors)
+    found: FloatArray | None = table.memo.get(key)
+    if found is None:
+        found = predictors.prefill_step_ms(table, table.max_num_batched_tokens)
+        table.memo[key] = found
+    return found
+
+
+def advanced_backlog(ctx: DecisionContext) -> FloatArray:
+    """S.num_uncomputed_prefill_tokens advanced to ``now`` by the step model (see the module doc)."""
+    table = ctx.view.instances
+    status_backlog = table.uncomputed_prefill_tokens
+    if ctx.predictors is None:
+        return status_backlog
+    model = _step_model(table, ctx.predictors)
+    if len(model.index) == 0:
+        return status_backlog
+    elapsed_ms = ctx.view.status_age_s[model.index] * 1000.0
+    done = (
+        model.instant
+        + np.minimum(elapsed_ms, model.full_ms) * model.full_rate
+        + np.minimum(np.maximum(elapsed_ms - model.full_ms, 0.0), model.tail_ms) * model.tail_rate
+    )
+    out = status_backlog.copy()
+    out[model.index] = np.maximum(model.backlog - done, 0.0)
+    return out
+
+
+@_register("prefill_backlog_tokens", MetricScope.DECISION)
+def _prefill_backlog_tokens(ctx: DecisionContext) -> FloatArray:
+    inflight = ctx.view.inflight
+    backlog = advanced_backlog(ctx)
+    return backlog + inflight.prefill_tokens if inflight.instances_with_entries else backlog
+
+
+# ----------------------------------------------------------------------------- predictions
+
+
+def _predicted_ttft_at(ctx: DecisionContext, i: int) -> float:
+    if ctx.predictors is None:
+        return float("nan")
+    table = ctx.view.instances
+    lp = ctx.predictors.for_group(table.groups[i])
+    return lp.predict_ttft_ms(
+        float(ctx.metric("prefill_backlog_tokens")[i]) + ctx.prompt_tokens,
+        float(ctx.metric("decode_batch_size")[i]),
+        float(ctx.metric("decode_tokens")[i]),
+        float(table.max_num_batched_tokens[i]),
+    )
+
+
+def _predicted_tpot_at(ctx: DecisionContext, i: int) -> float:
+    if ctx.predictors is None:
+        return float("nan")
+    lp = ctx.predictors.for_group(ctx.view.instances.groups[i])
+    extra = 1.0 if ctx.request is not None else 0.0
+    return lp.predict_tpot_ms(
+        float(ctx.metric("decode_batch_size")[i]) + extra,
+        float(ctx.metric("decode_tokens")[i]) + ctx.prompt_tokens,
+    )
+
+
+_AT["predicted_ttft"] = _predicted_ttft_at
+_AT["predicted_tpot"] = _predicted_tpot_at
+
+
+@_register("predicted_ttft", MetricScope.DECISION)
+def _predicted_ttft(ctx: DecisionContext) -> FloatArray:
+    predictors = ctx.predictors
+    if predictors is None:
+        return _nan(ctx)
+    table = ctx.view.instances
+    backlog = ctx.metric("prefill_backlog_tokens") + ctx.prompt_tokens
+    step = ctx.metric("decode_step_ms")
+    full_chunk = _full_chunk_ms(table, predictors)
+    if ctx.prompt_tokens > 0:  # then every backlog is > 0: the leaner path gives the same values
+        return predictors.positive_chunked_prefill_ms(table, backlog, step, full_chunk + step)
+    return predictors.chunked_prefill_ms(table, backlog, step, full_chunk)
+
+
+@_register("predicted_tpot", MetricScope.DECISION)
+def _predicted_tpot(ctx: DecisionContext) -> FloatArray:
+    if ctx.predictors is None:
+        return _nan(ctx)
+    batch = ctx.metric("decode_batch_size")
+    tokens = ctx.metric("decode_tokens")
+    if ctx.request is not None:
+        batch = batch + 1.0
+        tokens = tokens + ctx.prompt_tokens
+        if (
+            ctx.prompt_tokens > 0
+        ):  # batch >= 1 and tokens > 0 everywhere: the leaner path gives the same values
+            return ctx.predictors.busy_decode_step_ms(ctx.view.instances, batch, tokens)
+    return ctx.predictors.decode_step_ms(ctx.view.instances, batch, tokens)
+
+
+# ----------------------------------------------------------------------------- adaptive PD reserves
+
+
+def _indicator(ctx: DecisionContext, index: int) -> FloatArray:
+    out = np.zeros(ctx.view.n)
+    if index >= 0:
+        out[index] = 1.0
+    return out
+
+
+@_register("reserved_prefill", MetricScope.DECISION)
+def _reserved_prefill(ctx: DecisionContext) -> FloatArray:
+    return _indicator(ctx, ctx.reserves.prefill)
+
+
+@_register("reserved_decode", MetricScope.DECISION)
+def _reserved_decode(ctx: DecisionContext) -> FloatArray:
+    return _indicator(ctx, ctx.reserves.decode)

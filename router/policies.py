@@ -1,0 +1,232 @@
+"""The built-in policies, and policies composed from a YAML file — both from the same description.
+
+A policy description names, per stage, its filters and its selector::
+
+    name: my-slo                     # optional (default: the file name)
+    adaptive_pd: false               # true: role-agnostic PD stages + reserve election
+    prefill:
+      filters:
+        - schedulability
+        - staleness                  # or {name: staleness, max_age_s: 3}
+        - {name: metric_threshold, metric: predicted_ttft, slo: ttft, factor: 0.9}
+        - failover                   # global filters run after the others, whatever their place
+      selector: {name: lowest, metrics: [predicted_ttft]}
+    decode:   {...}
+    neutral:  {...}                  # required unless adaptive_pd
+
+A filter or selector is a name, or a mapping with ``name`` plus its
+parameters (see :mod:`router.filters` and :mod:`router.selectors`); unknown
+names and unknown parameters are errors that list what exists.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from router import filters as _filters  # noqa: F401  (registers the filters)
+from router import metrics as _metrics  # noqa: F401  (registers the metrics)
+from router import selectors as _selectors  # noqa: F401  (registers the selectors)
+from router.adaptive_pd import ReserveElection
+from router.config import SchedulerConfig
+from router.errors import ConfigError, PolicyFileError
+from router.registry import FILTERS, POLICIES, SELECTORS, Params
+from router.types import Filter, GlobalFilter, Policy, PolicyHook, StageSpec
+
+_STAGES = ("prefill", "decode", "neutral")
+_TOP_KEYS = {"name", "adaptive_pd", *_STAGES}
+
+Description = Mapping[str, Any]
+
+
+def _named(item: Any, where: str) -> tuple[str, dict[str, Any]]:
+    if isinstance(item, str):
+        return item, {}
+    if isinstance(item, Mapping) and isinstance(item.get("name"), str):
+        params = dict(item)
+        return params.pop("name"), params
+    raise ConfigError(f"{where}: expected a name or a mapping with 'name', got {item!r}")
+
+
+def stage_from_dict(doc: Any, config: SchedulerConfig, where: str) -> StageSpec:
+    """One stage's :class:`StageSpec` from its description (``filters`` list + ``selector``)."""
+    if not isinstance(doc, Mapping):
+        raise ConfigError(f"{where}: a stage must be a mapping with 'filters' and 'selector', got {doc!r}")
+    unknown = set(doc) - {"filters", "selector"}
+    if unknown:
+        raise ConfigError(
+            f"{where}: unknown key(s) {', '.join(sorted(unknown))} (accepted: filters, selector)"
+        )
+    items = doc.get("filters", [])
+    if not isinstance(items, list):
+        raise ConfigError(f"{where}.filters: must be a list, got {items!r}")
+    single: list[Filter] = []
+    global_: list[GlobalFilter] = []
+    for k, item in enumerate(items):
+        name, raw = _named(item, f"{where}.filters[{k}]")
+        plugin = FILTERS.create(name, config, Params(f"{where}.filters[{k}] ({name})", raw))
+        if isinstance(plugin, GlobalFilter):
+            global_.append(plugin)
+        else:
+            single.append(plugin)
+    if "selector" not in doc:
+        raise ConfigError(f"{where}: missing 'selector'")
+    name, raw = _named(doc["selector"], f"{where}.selector")
+    selector = SELECTORS.create(name, config, Params(f"{where}.selector ({name})", raw))
+    return StageSpec(tuple(single), tuple(global_), selector)
+
+
+def policy_from_dict(doc: Any, config: SchedulerConfig, where: str, default_name: str = "custom") -> Policy:
+    """A :class:`Policy` from a description (the YAML schema in the module doc)."""
+    if not isinstance(doc, Mapping):
+        raise ConfigError(f"{where}: a policy must be a mapping, got {type(doc).__name__}")
+    unknown = set(doc) - _TOP_KEYS
+    if unknown:
+        raise ConfigError(
+            f"{where}: unknown key(s) {', '.join(sorted(unknown))} (accepted: {', '.join(sorted(_TOP_KEYS))})"
+        )
+    adaptive = doc.get("adaptive_pd", False)
+    if not isinstance(adaptive, bool):
+        raise ConfigError(f"{where}: 'adaptive_pd' must be true or false, got {adaptive!r}")
+    required = ("prefill", "decode") if adaptive else _STAGES
+    missing = [s for s in required if s not in doc]
+    if missing:
+        raise ConfigError(f"{where}: missing stage(s) {', '.join(missing)}")
+    specs = {s: stage_from_dict(doc[s], config, f"{where}.{s}") for s in _STAGES if s in doc}
+    hooks: tuple[PolicyHook, ...] = (ReserveElection(),) if adaptive else ()
+    return Policy(
+        name=str(doc.get("name", default_name)),
+        prefill=specs["prefill"],
+        decode=specs["decode"],
+        neutral=specs.get("neutral"),
+        role_agnostic=adaptive,
+        hooks=hooks,
+    )
+
+
+def load_policy_file(path: str | Path, config: SchedulerConfig) -> Policy:
+    """A policy from a YAML file; every problem is a :class:`PolicyFileError` naming the file."""
+    source = str(path)
+    try:
+        doc = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as exc:
+        raise PolicyFileError(f"{source}: cannot read policy file: {exc}") from exc
+    except yaml.YAMLError as exc:
+        raise PolicyFileError(f"{source}: invalid YAML: {exc}") from exc
+    try:
+        return policy_from_dict(doc, config, source, default_name=Path(path).stem)
+    except PolicyFileError:
+        raise
+    except ConfigError as exc:
+        raise PolicyFileError(str(exc)) from exc
+
+
+def build_policy(config: SchedulerConfig) -> Policy:
+    """The policy ``config`` asks for: the policy file if set, else adaptive PD or the named policy."""
+    if config.policy_config_path is not None:
+        return load_policy_file(config.policy_config_path, config)
+    name = "adaptive-pd" if config.enable_adaptive_pd else config.scheduling_policy
+    return POLICIES.create(name, config)
+
+
+def _builtin(name: str, doc: Description | Callable[[SchedulerConfig], Description]) -> None:
+    """Register a built-in policy described by ``doc`` (a function of the config, or fixed)."""
+
+    @POLICIES.register(name)
+    def factory(config: SchedulerConfig, params: Params) -> Policy:
+        described = doc(config) if callable(doc) else doc
+        return policy_from_dict({"name": name, **described}, config, f"policy {name!r}")
+
+
+# ----------------------------------------------------------------------------- built-ins
+
+HEALTH: list[Any] = ["schedulability", "staleness"]
+
+
+def _same_everywhere(filters: list[Any], selector: Any) -> dict[str, Any]:
+    stage = {"filters": filters, "selector": selector}
+    return {"prefill": stage, "decode": stage, "neutral": stage}
+
+
+def _ttft(**extra: Any) -> dict[str, Any]:
+    return {"name": "metric_threshold", "metric": "predicted_ttft", "slo": "ttft", **extra}
+
+
+def _tpot(**extra: Any) -> dict[str, Any]:
+    return {"name": "metric_threshold", "metric": "predicted_tpot", "slo": "tpot", **extra}
+
+
+def _lowest(*metrics: str) -> dict[str, Any]:
+    return {"name": "lowest", "metrics": list(metrics)}
+
+
+def _load_balance(config: SchedulerConfig) -> dict[str, Any]:
+    def stage(kind: str) -> dict[str, Any]:
+        metric = getattr(config, f"dispatch_{kind}_load_metric")
+        limit = getattr(config, f"dispatch_{kind}_load_threshold")
+        threshold = (
+            []
+            if limit is None
+            else [{"name": "metric_threshold", "metric": metric, "limit": limit, "droppable": True}]
+        )
+        return {"filters": [*HEALTH, *threshold, "failover"], "selector": _lowest(metric)}
+
+    return {s: stage(s) for s in _STAGES}
+
+
+_builtin("load-balance", _load_balance)
+
+_builtin(
+    "slo",
+    {
+        "prefill": {"filters": [*HEALTH, _ttft(), "failover"], "selector": _lowest("predicted_ttft")},
+        "decode": {"filters": [*HEALTH, _tpot(), "failover"], "selector": _lowest("predicted_tpot")},
+        "neutral": {
+            "filters": [*HEALTH, _ttft(), _tpot(), "failover"],
+            "selector": _lowest("predicted_ttft", "predicted_tpot"),
+        },
+    },
+)
+
+_builtin(
+    "adaptive-pd",
+    {
+        "adaptive_pd": True,
+        "prefill": {
+            "filters": [
+                *HEALTH,
+                {"name": "exclude_reserved", "reserve": "decode", "relax_pass": 2},
+                _ttft(droppable=True),
+                {
+                    "name": "metric_threshold",
+                    "metric": "decode_batch_size",
+                    "limit": 1,
+                    "relax_pass": 2,
+                    "label": "decode_idle",
+                },
+                "failover",
+            ],
+            "selector": _lowest("predicted_ttft", "-reserved_prefill"),
+        },
+        "decode": {
+            "filters": [
+                *HEALTH,
+                {"name": "exclude_reserved", "reserve": "prefill", "relax_pass": 2},
+                _tpot(droppable=True),
+                "failover",
+            ],
+            "selector": "adaptive_decode",
+        },
+    },
+)
+
+_builtin("round-robin", _same_everywhere([*HEALTH, "failover"], "round_robin"))
+_builtin("random", _same_everywhere([*HEALTH, "failover"], "random"))
+_builtin("least-requests", _same_everywhere([*HEALTH, "failover"], _lowest("num_requests")))
+_builtin(
+    "power-of-two",
+    _same_everywhere([*HEALTH, "failover"], {"name": "power_of_two", "metric": "num_requests"}),
+)

@@ -1,0 +1,165 @@
+"""The scheduling core's entry point: :class:`Scheduler`.
+
+::
+
+    scheduler = Scheduler(SchedulerConfig.from_namespace(args), predictors, random.Random(args.seed))
+    decision = scheduler.schedule(cms_reader.snapshot(), ScheduleInput("req-1", prompt_tokens=812), now_s)
+    scheduler.record(decision, now_s)          # at dispatch: the next decision sees the load
+    ...
+    scheduler.inflight.release("req-1")        # when the request ends at the router
+
+``schedule`` is synchronous, I/O-free and cheap (columns cached per snapshot
+and per in-flight version). ``dry_run=True`` (the ``Schedule`` RPC) makes the
+same decision without changing anything: the RNG is restored and policy state
+(round-robin position, adaptive-PD reserves) is not committed, so a following
+real decision on the same state picks the same instances.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+
+from cms.model import ClusterSnapshot
+from predictor import LatencyPredictor
+from router import chain
+from router.config import SchedulerConfig
+from router.errors import ConfigError
+from router.inflight import InflightAccount
+from router.policies import build_policy
+from router.predictors import PredictorSet
+from router.registry import METRICS
+from router.types import ClusterView, Decision, DecisionContext, Metric, Policy, ScheduleInput
+from router.view import ViewBuilder
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    """Places requests on a fleet; holds the in-flight account and the policy's state.
+
+    ``predictors`` is one :class:`~predictor.LatencyPredictor`, a
+    :class:`~router.predictors.PredictorSet` (heterogeneous fleets), or
+    ``None`` (then predictions are NaN: fine for load-based policies only).
+    ``rng`` is the only source of randomness. ``inflight`` and ``policy``
+    default to a fresh account and to the policy ``config`` names.
+    """
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        predictors: LatencyPredictor | PredictorSet | None,
+        rng: random.Random,
+        *,
+        inflight: InflightAccount | None = None,
+        policy: Policy | None = None,
+    ) -> None:
+        self.config = config
+        self.predictors = PredictorSet.of(predictors)
+        self.rng = rng
+        self.inflight = inflight if inflight is not None else InflightAccount(config.inflight_expiry_s)
+        self.policy = policy if policy is not None else build_policy(config)
+        if self.predictors is None and (config.enable_adaptive_pd or config.scheduling_policy == "slo"):
+            raise ConfigError(
+                "the slo policy and adaptive PD predict latency: pass a LatencyPredictor "
+                "(--ttft-profiling-data-path and --tpot-profiling-data-path)"
+            )
+        self.metrics: dict[str, Metric] = {name: METRICS.create(name, config) for name in METRICS.names()}
+        self.views = ViewBuilder(
+            default_max_num_batched_tokens=config.default_max_num_batched_tokens,
+            profile_label=config.profile_label,
+        )
+        self._reconciled: ClusterSnapshot | None = None
+
+    def view(self, snapshot: ClusterSnapshot, now_s: float) -> ClusterView:
+        """The view a decision at ``now_s`` sees.
+
+        Reconciles the in-flight account with ``snapshot`` (once per snapshot
+        object) and expires old entries first.
+        """
+        if snapshot is not self._reconciled:
+            self.inflight.reconcile(snapshot, self.views.table(snapshot).index)
+            self._reconciled = snapshot
+        self.inflight.expire(now_s)
+        return self.views.build(snapshot, self.inflight, now_s)
+
+    def context(self, view: ClusterView, request: ScheduleInput | None) -> DecisionContext:
+        """A decision context for ``request`` (``None``: metrics without a request, e.g. for observability)."""
+        ttft = (
+            request.ttft_slo_ms
+            if request is not None and request.ttft_slo_ms > 0
+            else self.config.ttft_slo_ms
+        )
+        tpot = (
+            request.tpot_slo_ms
+            if request is not None and request.tpot_slo_ms > 0
+            else self.config.tpot_slo_ms
+        )
+        return DecisionContext(
+            view,
+            request,
+            metrics=self.metrics,
+            predictors=self.predictors,
+            rng=self.rng,
+            ttft_slo_ms=ttft,
+            tpot_slo_ms=tpot,
+            max_status_age_s=self.config.instance_staleness_s,
+        )
+
+    def schedule(
+        self,
+        view_or_snapshot: ClusterView | ClusterSnapshot,
+        request: ScheduleInput,
+        now_s: float,
+        *,
+        dry_run: bool = False,
+    ) -> Decision:
+        """Place ``request``; raises :class:`~router.errors.SchedulingError` when it cannot.
+
+        A snapshot goes through :meth:`view` at ``now_s``; a prebuilt view is
+        used as it is (its own ``now_s`` decides status ages). Nothing is
+        recorded in the in-flight account: call :meth:`record` at dispatch.
+        """
+        if isinstance(view_or_snapshot, ClusterView):
+            view = view_or_snapshot
+        else:
+            view = self.view(view_or_snapshot, now_s)
+        ctx = self.context(view, request)
+        if not dry_run:
+            decision = chain.run(self.policy, ctx, now_s)
+            ctx.commit()
+        else:
+            state = self.rng.getstate()
+            try:
+                decision = chain.run(self.policy, ctx, now_s)
+            finally:
+                self.rng.setstate(state)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug(
+                "request %s: %s %s prefill=%s decode=%s%s",
+                request.request_id,
+                decision.policy,
+                decision.mode.value,
+                decision.prefill,
+                decision.decode,
+                " (dry run)" if dry_run else "",
+            )
+        return decision
+
+    def record(self, decision: Decision, now_s: float, prompt_tokens: int | None = None) -> None:
+        """Account ``decision``'s dispatch in the in-flight account.
+
+        ``prompt_tokens`` defaults to the request's (a decode re-placement of
+        prompt + generated tokens passes its own count).
+        """
+        tokens = prompt_tokens
+        if tokens is None:
+            request = decision.context.request
+            tokens = request.prompt_tokens if request is not None else 0
+        self.inflight.record(
+            decision.request_id,
+            decision.prefill.instance_id if decision.prefill is not None else None,
+            decision.decode.instance_id if decision.decode is not None else None,
+            tokens,
+            now_s,
+        )

@@ -1,0 +1,225 @@
+"""The built-in selectors: pick one instance among a stage's survivors.
+
+* ``lowest`` (``metrics``, ``top_k``) — lexicographic: the lowest value of
+  the first metric, ties compared on the next, and so on; a name prefixed
+  with ``-`` prefers the *highest* value. Remaining ties are broken by the
+  injected RNG. ``top_k > 1`` picks uniformly among the K best (ties at the
+  K-th place are sampled with the RNG too). NaN ranks last.
+* ``random`` — uniform among the survivors.
+* ``round_robin`` — the next survivor after the last pick, in instance-id
+  order (state lives in the selector object; one object per stage).
+* ``power_of_two`` (``metric``) — two distinct survivors at random, the one
+  with the lower metric (the first drawn on a tie).
+* ``adaptive_decode`` — adaptive PD's decode rule: in the normal pass the
+  HIGHEST ``predicted_tpot`` (bin-packing; the threshold filter already kept
+  only instances under the target), ties to the reserved decode, then to the
+  lower ``predicted_ttft``. In a fallback pass (nobody meets the target): the
+  decode-idle survivor with the lowest ``predicted_ttft`` becomes a decoder;
+  without one, the lowest ``predicted_tpot``.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from dataclasses import dataclass
+
+import numpy as np
+
+from router.config import SchedulerConfig
+from router.errors import ConfigError
+from router.registry import METRICS, SELECTORS, Params
+from router.types import DecisionContext, FloatArray, IntArray, Selector
+
+
+@dataclass(frozen=True)
+class SortKey:
+    """One metric of a lexicographic order; ``highest`` prefers larger values."""
+
+    metric: str
+    highest: bool = False
+
+    @classmethod
+    def parse(cls, text: str, where: str) -> SortKey:
+        metric = text[1:] if text.startswith("-") else text
+        if metric not in METRICS:
+            raise ConfigError(f"{where}: unknown metric {metric!r}; registered: {', '.join(METRICS.names())}")
+        return cls(metric, text.startswith("-"))
+
+    def values(self, ctx: DecisionContext, candidates: IntArray) -> FloatArray:
+        """The key's values at ``candidates``, oriented so that lower is better."""
+        v = ctx.metric(self.metric)[candidates]
+        return -v if self.highest else v
+
+
+def _best_ties(v: FloatArray, candidates: IntArray) -> IntArray:
+    """The candidates holding the minimum of ``v`` (NaN ranks last)."""
+    best = v[v.argmin()]
+    if best != best:  # argmin stops at the first NaN
+        ok = ~np.isnan(v)
+        if not np.count_nonzero(ok):
+            return candidates
+        v = np.where(ok, v, np.inf)
+        best = v[v.argmin()]
+    ties: IntArray = candidates[v == best]
+    return ties
+
+
+def best_set(ctx: DecisionContext, candidates: IntArray, keys: tuple[SortKey, ...]) -> IntArray:
+    """Every candidate tied for the lexicographic best under ``keys``."""
+    for key in keys:
+        if len(candidates) == 1:
+            break
+        candidates = _best_ties(key.values(ctx, candidates), candidates)
+    return candidates
+
+
+def pick_lowest(ctx: DecisionContext, candidates: IntArray, keys: tuple[SortKey, ...], top_k: int = 1) -> int:
+    """The lexicographic best of ``candidates`` (RNG among ties), or uniform among the ``top_k`` best."""
+    if len(candidates) == 1:
+        return int(candidates[0])
+    if top_k <= 1:
+        ties = best_set(ctx, candidates, keys)
+        return int(ties[ctx.rng.randrange(len(ties))]) if len(ties) > 1 else int(ties[0])
+    cols = []
+    for key in keys:
+        v = key.values(ctx, candidates)
+        cols.append(np.where(np.isnan(v), np.inf, v))
+    order = np.lexsort(cols[::-1])
+    k = min(top_k, len(candidates))
+    ranked = [c[order] for c in cols]
+    at_boundary = np.ones(len(candidates), dtype=bool)
+    for c in ranked:
+        at_boundary &= c == c[k - 1]
+    tied = np.flatnonzero(at_boundary)
+    first, end = int(tied[0]), int(tied[-1]) + 1
+    r = ctx.rng.randrange(k)
+    if r < first:
+        return int(candidates[order[r]])
+    # The places first..k-1 go to a uniform sample of the tied run, so any member is equally likely.
+    return int(candidates[order[first + ctx.rng.randrange(end - first)]])
+
+
+@dataclass(frozen=True, eq=False)
+class Lowest:
+    keys: tuple[SortKey, ...]
+    top_k: int
+    label: str
+
+    def select(self, ctx: DecisionContext, survivors: IntArray, fallback_pass: int) -> int:
+        return pick_lowest(ctx, survivors, self.keys, self.top_k)
+
+
+def _keys(params: Params, default: list[str]) -> tuple[SortKey, ...]:
+    return tuple(SortKey.parse(m, params.where) for m in params.names("metrics", default))
+
+
+def _top_k(params: Params, config: SchedulerConfig) -> int:
+    top_k = params.integer("top_k", config.dispatch_top_k)
+    if top_k < 1:
+        raise ConfigError(f"{params.where}: 'top_k' must be >= 1, got {top_k}")
+    return top_k
+
+
+@SELECTORS.register("lowest")
+def _lowest(config: SchedulerConfig, params: Params) -> Selector:
+    if "metrics" not in params:
+        raise ConfigError(f"{params.where}: selector 'lowest' needs 'metrics'")
+    keys = _keys(params, [])
+    return Lowest(
+        keys,
+        _top_k(params, config),
+        "lowest:" + ",".join(("-" if k.highest else "") + k.metric for k in keys),
+    )
+
+
+# ----------------------------------------------------------------------------- baselines
+
+
+@dataclass(frozen=True, eq=False)
+class Random:
+    label: str = "random"
+
+    def select(self, ctx: DecisionContext, survivors: IntArray, fallback_pass: int) -> int:
+        return int(survivors[ctx.rng.randrange(len(survivors))])
+
+
+class RoundRobin:
+    """Rotates through the survivors in instance-id order, starting after the last pick."""
+
+    label = "round_robin"
+
+    def __init__(self) -> None:
+        self.last_id: str | None = None
+
+    def select(self, ctx: DecisionContext, survivors: IntArray, fallback_pass: int) -> int:
+        table = ctx.view.instances
+        ranks = table.id_rank[survivors]
+        if self.last_id is None:
+            pos = int(ranks.argmin())
+        else:
+            sorted_ids: list[str] | None = table.memo.get("sorted_ids")
+            if sorted_ids is None:
+                sorted_ids = table.memo["sorted_ids"] = sorted(table.ids)
+            after = ranks >= bisect_right(sorted_ids, self.last_id)
+            pos = int(np.where(after, ranks, ranks + table.n).argmin())
+        chosen = int(survivors[pos])
+        chosen_id = table.ids[chosen]
+        ctx.on_commit(lambda: setattr(self, "last_id", chosen_id))
+        return chosen
+
+
+@dataclass(frozen=True, eq=False)
+class PowerOfTwo:
+    metric: str
+    label: str
+
+    def select(self, ctx: DecisionContext, survivors: IntArray, fallback_pass: int) -> int:
+        if len(survivors) == 1:
+            return int(survivors[0])
+        a, b = ctx.rng.sample(range(len(survivors)), 2)
+        values = ctx.metric(self.metric)
+        first, second = int(survivors[a]), int(survivors[b])
+        return second if values[second] < values[first] else first
+
+
+@SELECTORS.register("random")
+def _random(config: SchedulerConfig, params: Params) -> Selector:
+    return Random()
+
+
+@SELECTORS.register("round_robin")
+def _round_robin(config: SchedulerConfig, params: Params) -> Selector:
+    return RoundRobin()
+
+
+@SELECTORS.register("power_of_two")
+def _power_of_two(config: SchedulerConfig, params: Params) -> Selector:
+    metric = params.text("metric", "num_requests")
+    key = SortKey.parse(metric, params.where)
+    return PowerOfTwo(key.metric, f"power_of_two:{key.metric}")
+
+
+# ----------------------------------------------------------------------------- adaptive PD
+
+
+_BIN_PACK = (SortKey("predicted_tpot", True), SortKey("reserved_decode", True), SortKey("predicted_ttft"))
+_CONVERT = (SortKey("predicted_ttft"), SortKey("reserved_decode", True))
+_SPREAD = (SortKey("predicted_tpot"), SortKey("reserved_decode", True))
+
+
+@dataclass(frozen=True, eq=False)
+class AdaptiveDecode:
+    label: str = "adaptive_decode"
+
+    def select(self, ctx: DecisionContext, survivors: IntArray, fallback_pass: int) -> int:
+        if fallback_pass == 0:
+            return pick_lowest(ctx, survivors, _BIN_PACK)
+        idle = survivors[ctx.metric("decode_batch_size")[survivors] == 0]
+        if len(idle):
+            return pick_lowest(ctx, idle, _CONVERT)
+        return pick_lowest(ctx, survivors, _SPREAD)
+
+
+@SELECTORS.register("adaptive_decode")
+def _adaptive_decode(config: SchedulerConfig, params: Params) -> Selector:
+    return AdaptiveDecode()

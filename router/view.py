@@ -1,0 +1,277 @@
+"""Building the columnar :class:`~router.types.ClusterView` a decision works on.
+
+Three layers, each cached as long as its inputs do not change:
+
+* per snapshot — :class:`~router.types.InstanceTable`: ids, endpoints, roles,
+  node/unit codes, chunk budget ``M``, KV capacity, the status counters, and
+  values derived from them (``InstanceTable.memo``). Rows are reused for
+  instances whose metadata and status objects did not change between
+  snapshots;
+* per (snapshot, in-flight version) — the in-flight columns and
+  ``ClusterView.load_memo``;
+* per decision — the status ages at ``now_s``.
+
+So a decision on an unchanged snapshot costs a few array operations here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+import numpy.typing as npt
+from slorouter.v1 import cms_pb2
+
+from cms.model import ClusterSnapshot
+from router.inflight import InflightAccount
+from router.types import ClusterView, InflightColumns, InstanceTable, Role
+
+_ROLE_BY_PROTO = {
+    cms_pb2.INSTANCE_ROLE_PREFILL: Role.PREFILL,
+    cms_pb2.INSTANCE_ROLE_DECODE: Role.DECODE,
+    cms_pb2.INSTANCE_ROLE_NEUTRAL: Role.NEUTRAL,
+}
+
+# Status counters a table keeps, in row order; an instance without a status has the zero row.
+_STATUS = (
+    "has_status",
+    "schedulable",
+    "uncomputed_prefill_tokens",
+    "decode_requests",
+    "decode_tokens",
+    "used_kv_tokens",
+    "waiting_requests",
+    "running_requests",
+)
+_NO_STATUS = (0,) * len(_STATUS)
+
+
+class _Meta(NamedTuple):
+    """What a table keeps of one instance's metadata."""
+
+    instance_id: str
+    endpoint: str
+    model: str
+    node_id: str
+    unit_id: str
+    group: str
+    role: int
+    budget: int
+    kv_capacity: int
+
+
+class _Layout(NamedTuple):
+    """The metadata columns of a sequence of instances (shared by snapshots with the same metadata)."""
+
+    metas: tuple[_Meta, ...]
+    ids: tuple[str, ...]
+    positions: dict[str, int]
+    endpoints: tuple[str, ...]
+    models: tuple[str, ...]
+    node_ids: tuple[str, ...]
+    unit_ids: tuple[str, ...]
+    groups: tuple[str, ...]
+    roles: npt.NDArray[np.int8]
+    node_codes: npt.NDArray[np.intp]
+    unit_codes: npt.NDArray[np.intp]
+    id_rank: npt.NDArray[np.intp]
+    max_num_batched_tokens: npt.NDArray[np.float64]
+    kv_capacity_tokens: npt.NDArray[np.float64]
+
+
+def _codes(values: Sequence[str]) -> np.ndarray[Any, np.dtype[np.intp]]:
+    """Number the distinct non-empty strings in order of appearance; "" → -1."""
+    seen: dict[str, int] = {}
+    out = np.fromiter(
+        (seen.setdefault(v, len(seen)) if v else -1 for v in values), dtype=np.intp, count=len(values)
+    )
+    return out
+
+
+def _readonly(array: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    array.setflags(write=False)
+    return array
+
+
+class _Load(NamedTuple):
+    """The in-flight columns and load memo of one (snapshot, account, version)."""
+
+    account: InflightAccount
+    version: int
+    columns: InflightColumns
+    memo: dict[Any, Any]
+
+
+class ViewBuilder:
+    """Builds views for one scheduler, caching per snapshot and per in-flight version.
+
+    ``default_max_num_batched_tokens`` replaces a metadata chunk budget of 0;
+    ``profile_label`` is the metadata label naming an instance's profile group.
+    """
+
+    def __init__(self, *, default_max_num_batched_tokens: int = 2048, profile_label: str = "profile") -> None:
+        if default_max_num_batched_tokens < 1:
+            raise ValueError(
+                f"default_max_num_batched_tokens must be >= 1, got {default_max_num_batched_tokens}"
+            )
+        self.default_max_num_batched_tokens = default_max_num_batched_tokens
+        self.profile_label = profile_label
+        self._table: InstanceTable | None = None
+        self._metas: dict[str, tuple[cms_pb2.InstanceMetadata, _Meta]] = {}
+        self._last_layout: _Layout | None = None
+        self._load: _Load | None = None
+
+    def table(self, snapshot: ClusterSnapshot) -> InstanceTable:
+        """The per-snapshot columns (rebuilt only when handed a different snapshot object)."""
+        table = self._table
+        if table is not None and table.snapshot is snapshot:
+            return table
+        table = self._build_table(snapshot)
+        self._table = table
+        self._load = None
+        return table
+
+    def build(self, snapshot: ClusterSnapshot, inflight: InflightAccount | None, now_s: float) -> ClusterView:
+        """The view of ``snapshot`` plus ``inflight`` at ``now_s`` (monotonic seconds, the snapshot's clock)."""
+        table = self.table(snapshot)
+        age = table.status_age_s + max(0.0, now_s - snapshot.taken_at_s)
+        if inflight is None:
+            columns, load_memo = self._no_inflight(table)
+            return ClusterView(table, columns, now_s, age, load_memo)
+        load = self._load
+        if load is not None and load.account is inflight and load.version == inflight.version:
+            return ClusterView(table, load.columns, now_s, age, load.memo)
+        previous = None
+        changed = (
+            inflight.changed_since(load.version) if load is not None and load.account is inflight else None
+        )
+        if load is not None and changed is not None and len(changed) <= max(8, table.n // 8):
+            matrix = load.columns.matrix.copy()
+            touched = []
+            index = table.index
+            for instance_id in changed:
+                i = index.get(instance_id)
+                if i is not None:
+                    matrix[:, i] = inflight.totals_row(instance_id)
+                    touched.append(i)
+            columns = InflightColumns.of(matrix)
+            previous = (load.memo, touched)
+        else:
+            columns = inflight.columns(table.index, table.n)
+        load = _Load(inflight, inflight.version, columns, {})
+        self._load = load
+        return ClusterView(table, columns, now_s, age, load.memo, previous)
+
+    def _no_inflight(self, table: InstanceTable) -> tuple[InflightColumns, dict[Any, Any]]:
+        found: tuple[InflightColumns, dict[Any, Any]] | None = table.memo.get("no_inflight")
+        if found is None:
+            found = (InflightColumns.of(np.zeros((6, table.n))), {})
+            table.memo["no_inflight"] = found
+        return found
+
+    def _meta(self, md: cms_pb2.InstanceMetadata) -> _Meta:
+        # Metadata rarely changes: reuse the row while the message is equal to the one it came from.
+        cached = self._metas.get(md.instance_id)
+        if cached is not None and (cached[0] is md or cached[0] == md):
+            return cached[1]
+        meta = _Meta(
+            md.instance_id,
+            md.endpoint,
+            md.model,
+            md.node_id,
+            md.unit_id,
+            md.labels.get(self.profile_label, ""),
+            int(_ROLE_BY_PROTO.get(md.role, Role.NEUTRAL)),
+            md.max_num_batched_tokens or self.default_max_num_batched_tokens,
+            md.kv_capacity_tokens,
+        )
+        self._metas[md.instance_id] = (md, meta)
+        return meta
+
+    def _layout(self, metas: tuple[_Meta, ...]) -> _Layout:
+        layout = self._last_layout
+        if layout is not None and layout.metas == metas:
+            return layout
+        n = len(metas)
+        ids = tuple(m.instance_id for m in metas)
+        index = {instance_id: i for i, instance_id in enumerate(ids)}
+        if len(index) != n:
+            raise ValueError("snapshot holds duplicate instance ids")
+        rank = np.empty(n, dtype=np.intp)
+        rank[np.argsort(np.array(ids, dtype=object), kind="stable")] = np.arange(n)
+        node_ids = tuple(m.node_id for m in metas)
+        unit_ids = tuple(m.unit_id for m in metas)
+        layout = _Layout(
+            metas=metas,
+            ids=ids,
+            positions=index,
+            endpoints=tuple(m.endpoint for m in metas),
+            models=tuple(m.model for m in metas),
+            node_ids=node_ids,
+            unit_ids=unit_ids,
+            groups=tuple(m.group for m in metas),
+            roles=_readonly(np.fromiter((m.role for m in metas), dtype=np.int8, count=n)),
+            node_codes=_readonly(_codes(node_ids)),
+            unit_codes=_readonly(_codes(unit_ids)),
+            id_rank=_readonly(rank),
+            max_num_batched_tokens=_readonly(
+                np.fromiter((m.budget for m in metas), dtype=np.float64, count=n)
+            ),
+            kv_capacity_tokens=_readonly(
+                np.fromiter((m.kv_capacity for m in metas), dtype=np.float64, count=n)
+            ),
+        )
+        self._last_layout = layout
+        if len(self._metas) > 2 * max(n, 64):
+            self._metas = {k: v for k, v in self._metas.items() if k in index}
+        return layout
+
+    def _build_table(self, snapshot: ClusterSnapshot) -> InstanceTable:
+        records = snapshot.instances
+        n = len(records)
+        layout = self._layout(tuple(self._meta(r.metadata) for r in records))
+        rows = [
+            _NO_STATUS
+            if (st := r.status) is None
+            else (
+                1,
+                st.schedulable,
+                st.num_uncomputed_prefill_tokens,
+                st.num_decode_requests,
+                st.num_decode_tokens,
+                st.num_used_kv_tokens,
+                st.num_waiting_requests,
+                st.num_running_requests,
+            )
+            for r in records
+        ]
+        numbers = np.array(rows, dtype=np.float64).reshape(n, len(_STATUS))
+        col = {name: _readonly(np.ascontiguousarray(numbers[:, k])) for k, name in enumerate(_STATUS)}
+        has_status = _readonly(col["has_status"] > 0)
+        ages = np.fromiter((r.status_age_s for r in records), dtype=np.float64, count=n)
+        return InstanceTable(
+            snapshot=snapshot,
+            ids=layout.ids,
+            index=layout.positions,
+            endpoints=layout.endpoints,
+            models=layout.models,
+            node_ids=layout.node_ids,
+            unit_ids=layout.unit_ids,
+            groups=layout.groups,
+            roles=layout.roles,
+            node_codes=layout.node_codes,
+            unit_codes=layout.unit_codes,
+            id_rank=layout.id_rank,
+            max_num_batched_tokens=layout.max_num_batched_tokens,
+            kv_capacity_tokens=layout.kv_capacity_tokens,
+            has_status=has_status,
+            schedulable=_readonly(has_status & (col["schedulable"] > 0)),
+            status_age_s=_readonly(np.where(has_status, ages, np.inf)),
+            uncomputed_prefill_tokens=col["uncomputed_prefill_tokens"],
+            decode_requests=col["decode_requests"],
+            decode_tokens=col["decode_tokens"],
+            used_kv_tokens=col["used_kv_tokens"],
+            waiting_requests=col["waiting_requests"],
+            running_requests=col["running_requests"],
+        )
