@@ -1,0 +1,312 @@
+"""The agent-side writer: keeps one instance registered and its status current in the CMS.
+
+Every worker runs one :class:`AgentWriter`. The worker calls :meth:`publish`
+whenever its load changes; a background loop does the rest:
+
+- registers the instance (and re-registers after ``NOT_FOUND`` or when it has
+  not reached the CMS for a whole lease, e.g. after a Redis restart);
+- sends the newest published status as soon as the previous RPC finished —
+  statuses published meanwhile are coalesced, the latest wins;
+- heartbeats: with nothing new to send it re-sends the last status (same
+  ``update_id``, ``timestamp_ms`` refreshed from ``clock``) at least every
+  ``heartbeat_interval_s`` (capped at a third of the lease), which renews the
+  lease; before the first status it renews by re-registering;
+- when the CMS is unreachable or failing, retries with capped exponential
+  backoff and jitter (tenacity) while the worker keeps serving.
+
+Nothing here raises into the worker. ``update_id`` is the caller's: it must
+grow with every real change, and it should keep growing across a worker
+restart (e.g. start from the epoch time in microseconds), because the CMS
+keeps the last status of a re-registered instance and treats an id that is
+not newer as a heartbeat.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+from types import TracebackType
+
+import grpc
+from slorouter.v1 import cms_pb2, cms_pb2_grpc
+from tenacity import RetryCallState
+
+from cms.backoff import channel_options, retrying, strip_grpc_scheme
+from cms.tasks import cancel_and_wait
+
+logger = logging.getLogger(__name__)
+
+
+class _Retry(Exception):
+    """One attempt failed in a way that backing off and trying again may fix."""
+
+
+class AgentWriter:
+    """Registers one instance with a CMS and keeps its status there.
+
+    ``target`` is ``host:port`` or ``grpc://host:port``. ``clock`` gives epoch
+    seconds for heartbeat timestamps; intervals use the event loop's clock.
+
+    Counters (for tests and metrics): ``registrations`` (successful
+    RegisterInstance calls), ``registrations_failed``, ``reports_sent``
+    (successful ReportStatus calls, heartbeats included), ``reports_failed``.
+    """
+
+    def __init__(
+        self,
+        target: str,
+        metadata: cms_pb2.InstanceMetadata,
+        *,
+        auth_token: str | None = None,
+        heartbeat_interval_s: float = 0.5,
+        rpc_timeout_s: float = 1.0,
+        backoff_max_s: float = 5.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        for name, value in (
+            ("heartbeat_interval_s", heartbeat_interval_s),
+            ("rpc_timeout_s", rpc_timeout_s),
+            ("backoff_max_s", backoff_max_s),
+        ):
+            if not value > 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
+        if not metadata.instance_id:
+            raise ValueError("metadata.instance_id must not be empty")
+        self.target = strip_grpc_scheme(target)
+        self._metadata = cms_pb2.InstanceMetadata()
+        self._metadata.CopyFrom(metadata)
+        self._call_metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else None
+        self._heartbeat_interval_s = heartbeat_interval_s
+        self._rpc_timeout_s = rpc_timeout_s
+        self._backoff_max_s = backoff_max_s
+        self._clock = clock
+
+        self.registered = False
+        self.registrations = 0
+        self.registrations_failed = 0
+        self.reports_sent = 0
+        self.reports_failed = 0
+        #: Lease the CMS granted at the last registration, in seconds (None before).
+        self.lease_ttl_s: float | None = None
+
+        self._pending: cms_pb2.InstanceStatus | None = None
+        self._last: cms_pb2.InstanceStatus | None = None
+        self._last_ok = 0.0
+        self._failing = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread: int | None = None
+        self._wake: asyncio.Event | None = None
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: cms_pb2_grpc.ClusterMetadataAsyncStub | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._stopping: asyncio.Task[None] | None = None
+
+    @property
+    def instance_id(self) -> str:
+        return self._metadata.instance_id
+
+    @property
+    def last_sent(self) -> cms_pb2.InstanceStatus | None:
+        """The last status the CMS acknowledged (a heartbeat re-sends it)."""
+        return self._last
+
+    async def start(self) -> None:
+        """Start the background loop and return at once (a down CMS is not an error here)."""
+        if self._task is not None or self._stopping is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
+        self._wake = asyncio.Event()
+        self._channel = grpc.aio.insecure_channel(self.target, options=channel_options(self._backoff_max_s))
+        self._stub = cms_pb2_grpc.ClusterMetadataStub(self._channel)
+        self._task = self._loop.create_task(self._run(), name=f"cms-agent:{self.instance_id}")
+
+    def publish(self, status: cms_pb2.InstanceStatus) -> None:
+        """Hand over the newest status; never blocks, never raises.
+
+        The status is copied, and its ``instance_id`` is set to this agent's.
+        Safe to call from another thread than the one running the loop.
+        """
+        own = cms_pb2.InstanceStatus()
+        own.CopyFrom(status)
+        own.instance_id = self._metadata.instance_id
+        loop = self._loop
+        if loop is None or threading.get_ident() == self._loop_thread:
+            self._set_pending(own)
+            return
+        with contextlib.suppress(RuntimeError):  # a closed loop: the agent is gone with it
+            loop.call_soon_threadsafe(self._set_pending, own)
+
+    def _set_pending(self, status: cms_pb2.InstanceStatus) -> None:
+        self._pending = status
+        if self._wake is not None:
+            self._wake.set()
+
+    # -- the loop ---------------------------------------------------------------------------------
+
+    def _heartbeat_every_s(self) -> float:
+        if self.lease_ttl_s:
+            return min(self._heartbeat_interval_s, self.lease_ttl_s / 3)
+        return self._heartbeat_interval_s
+
+    async def _wait_for_work(self) -> None:
+        assert self._loop is not None and self._wake is not None
+        while self._pending is None and self.registered:
+            due = self._last_ok + self._heartbeat_every_s() - self._loop.time()
+            if due <= 0:
+                return
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), due)
+            except asyncio.TimeoutError:
+                return
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self._wait_for_work()
+                async for attempt in retrying(
+                    backoff_max_s=self._backoff_max_s, retry_on=_Retry, before_sleep=self._before_sleep
+                ):
+                    with attempt:
+                        await self._send_once()
+                if self._failing:
+                    self._failing = False
+                    logger.info("agent %s: CMS at %s reachable again", self.instance_id, self.target)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a bug here must not kill the agent, nor spin
+                logger.exception("agent %s: unexpected error; continuing", self.instance_id)
+                await asyncio.sleep(self._backoff_max_s)
+
+    def _before_sleep(self, state: RetryCallState) -> None:
+        if not self._failing:
+            self._failing = True
+            exc = state.outcome.exception() if state.outcome is not None else None
+            logger.warning(
+                "agent %s: CMS at %s failing (%s); retrying with backoff up to %.1f s",
+                self.instance_id,
+                self.target,
+                exc,
+                self._backoff_max_s,
+            )
+
+    async def _send_once(self) -> None:
+        assert self._loop is not None
+        if self.registered and self.lease_ttl_s and self._loop.time() - self._last_ok > self.lease_ttl_s:
+            self.registered = False  # we have been silent for a whole lease: it lapsed
+        for _ in range(2):  # a second round only after NOT_FOUND made us re-register
+            just_registered = False
+            if not self.registered:
+                await self._register()
+                just_registered = True
+            status = self._pending
+            if status is None and self._last is not None:
+                status = self._heartbeat()
+            if status is None:
+                if not just_registered:
+                    await self._register()  # no status yet: re-registering renews the lease
+                return
+            if await self._report(status):
+                return
+        raise _Retry("the CMS forgot the instance right after registering it")
+
+    def _heartbeat(self) -> cms_pb2.InstanceStatus:
+        assert self._last is not None
+        beat = cms_pb2.InstanceStatus()
+        beat.CopyFrom(self._last)
+        beat.timestamp_ms = int(self._clock() * 1000)
+        return beat
+
+    async def _register(self) -> None:
+        assert self._stub is not None and self._loop is not None
+        try:
+            response = await self._stub.RegisterInstance(
+                cms_pb2.RegisterInstanceRequest(metadata=self._metadata),
+                timeout=self._rpc_timeout_s,
+                metadata=self._call_metadata,
+            )
+        except grpc.aio.AioRpcError as exc:
+            self.registered = False
+            self.registrations_failed += 1
+            refused = exc.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAUTHENTICATED)
+            if refused and not self._failing:  # once per outage, not once per retry
+                logger.error("agent %s: the CMS refuses to register it: %s", self.instance_id, exc.details())
+            raise _Retry(f"RegisterInstance: {exc.code().name}: {exc.details()}") from exc
+        self.registered = True
+        self.registrations += 1
+        self.lease_ttl_s = response.lease_ttl_ms / 1000.0 or None
+        self._last_ok = self._loop.time()
+
+    async def _report(self, status: cms_pb2.InstanceStatus) -> bool:
+        """Send one status. ``False`` means "re-register, then send again"."""
+        assert self._stub is not None and self._loop is not None
+        try:
+            await self._stub.ReportStatus(
+                cms_pb2.ReportStatusRequest(status=status),
+                timeout=self._rpc_timeout_s,
+                metadata=self._call_metadata,
+            )
+        except grpc.aio.AioRpcError as exc:
+            code = exc.code()
+            self.reports_failed += 1
+            if code == grpc.StatusCode.NOT_FOUND:
+                self.registered = False
+                return False
+            if code == grpc.StatusCode.INVALID_ARGUMENT:
+                # Sending it again cannot help: drop it and keep going.
+                logger.error("agent %s: the CMS rejected a status: %s", self.instance_id, exc.details())
+                if self._pending is status:
+                    self._pending = None
+                if self._last is not None and self._last.update_id == status.update_id:
+                    self._last = None
+                return True
+            if code == grpc.StatusCode.UNAUTHENTICATED and not self._failing:
+                logger.error("agent %s: %s", self.instance_id, exc.details())
+            raise _Retry(f"ReportStatus: {code.name}: {exc.details()}") from exc
+        self.reports_sent += 1
+        self._last_ok = self._loop.time()
+        if self._pending is status:
+            self._pending = None
+        if self._last is None or status is not self._last:
+            self._last = status
+        return True
+
+    # -- shutdown ---------------------------------------------------------------------------------
+
+    async def stop(self) -> None:
+        """Stop the loop, deregister best-effort within ``rpc_timeout_s``, close. Idempotent."""
+        if self._stopping is None:
+            self._stopping = asyncio.get_running_loop().create_task(self._stop())
+        await asyncio.shield(self._stopping)
+
+    async def _stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            await cancel_and_wait(task)
+        if self._stub is not None and self.registrations:
+            try:
+                await self._stub.DeregisterInstance(
+                    cms_pb2.DeregisterInstanceRequest(instance_id=self.instance_id),
+                    timeout=self._rpc_timeout_s,
+                    metadata=self._call_metadata,
+                )
+            except grpc.aio.AioRpcError as exc:
+                logger.debug("agent %s: deregistration failed: %s", self.instance_id, exc.code().name)
+        self.registered = False
+        channel, self._channel = self._channel, None
+        if channel is not None:
+            await channel.close(None)
+
+    async def __aenter__(self) -> AgentWriter:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.stop()

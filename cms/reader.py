@@ -1,0 +1,257 @@
+"""The router-side reader: an always-available, immutable snapshot of the cluster.
+
+:func:`open_reader` picks the source from a spec:
+
+- ``memory``: an in-process store passed as ``store`` (the embedded cluster);
+- ``grpc://host:port``: a CMS's ``WatchClusterView`` stream, reconnecting with
+  capped exponential backoff and jitter when it breaks or goes silent;
+- ``redis://host:port/db``: the Redis store read directly, for routers that
+  scale out without a CMS process in the path.
+
+Every reader hands out the last snapshot it has: :meth:`ClusterReader.snapshot`
+never blocks and never fails. When the source is lost the snapshot stays, its
+ages keep growing (``ClusterSnapshot.age_s``) and the router's staleness filter
+decides what is still usable; the reader recovers on its own.
+
+A reader's snapshot ``version`` counts the snapshots it installed (1 for the
+first); it is local to the reader, so it keeps growing across CMS restarts.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import dataclasses
+import logging
+import time
+
+import grpc
+from slorouter.v1 import cms_pb2, cms_pb2_grpc
+
+from cms.backoff import channel_options, retrying, strip_grpc_scheme
+from cms.errors import StoreUnavailableError
+from cms.model import EMPTY_SNAPSHOT, ClusterSnapshot
+from cms.store import CmsStore, StoreReader
+from cms.tasks import cancel_and_wait
+from cms.view import PumpUpdate, ViewPump, view_to_snapshot
+
+logger = logging.getLogger(__name__)
+
+
+class ClusterReader(abc.ABC):
+    """Follows one CMS source and holds the newest snapshot of it.
+
+    ``start()`` returns at once (``await wait_for_version(1, t)`` waits for the
+    first view); ``stop()`` is idempotent. ``connected`` tells whether the
+    last attempt to reach the source succeeded.
+    """
+
+    def __init__(self) -> None:
+        self._snapshot = EMPTY_SNAPSHOT
+        self._waiters: set[asyncio.Future[None]] = set()
+        self.connected = False
+
+    def snapshot(self) -> ClusterSnapshot:
+        """The newest snapshot (``EMPTY_SNAPSHOT`` before the first one)."""
+        return self._snapshot
+
+    def _install(self, snapshot: ClusterSnapshot) -> None:
+        self._snapshot = dataclasses.replace(snapshot, version=self._snapshot.version + 1)
+        self.connected = True
+        waiters, self._waiters = self._waiters, set()
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
+
+    async def wait_for_version(self, min_version: int, timeout_s: float) -> bool:
+        """Wait until ``snapshot().version >= min_version``; ``False`` on timeout."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self._snapshot.version < min_version:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return False
+            fut: asyncio.Future[None] = loop.create_future()
+            self._waiters.add(fut)
+            try:
+                await asyncio.wait({fut}, timeout=remaining)
+            finally:
+                self._waiters.discard(fut)
+                fut.cancel()
+        return True
+
+    @abc.abstractmethod
+    async def start(self) -> None: ...
+
+    @abc.abstractmethod
+    async def stop(self) -> None: ...
+
+    async def __aenter__(self) -> ClusterReader:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+
+class StoreClusterReader(ClusterReader):
+    """Reads a store directly (``memory`` and ``redis://``) through a :class:`ViewPump`."""
+
+    def __init__(
+        self,
+        store: StoreReader,
+        *,
+        owned_store: CmsStore | None = None,
+        min_interval_s: float = 0.02,
+        refresh_s: float = 0.5,
+    ) -> None:
+        super().__init__()
+        self._owned_store = owned_store
+        self._pump = ViewPump(store, min_interval_s=min_interval_s, refresh_s=refresh_s, name="cms reader")
+        self._pump.add_listener(self._on_update)
+        self._stopped = False
+
+    def _on_update(self, update: PumpUpdate) -> None:
+        if isinstance(update, StoreUnavailableError):
+            self.connected = False  # keep the last snapshot; its ages keep growing
+        else:
+            self._install(update)
+
+    async def start(self) -> None:
+        if not self._stopped:
+            await self._pump.start()
+
+    async def stop(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        await self._pump.stop()
+        if self._owned_store is not None:
+            await self._owned_store.close()
+
+
+class _StreamLost(Exception):
+    """The watch stream could not be opened, or ended before any view arrived."""
+
+
+class GrpcClusterReader(ClusterReader):
+    """Follows a CMS's ``WatchClusterView`` stream.
+
+    A stream that stays silent for ``idle_timeout_s`` (the CMS pushes at least
+    once a second) is treated as broken and reopened.
+    """
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        auth_token: str | None = None,
+        backoff_max_s: float = 2.0,
+        idle_timeout_s: float = 3.0,
+    ) -> None:
+        super().__init__()
+        if not idle_timeout_s > 0:
+            raise ValueError(f"idle_timeout_s must be > 0, got {idle_timeout_s}")
+        self.target = strip_grpc_scheme(target)
+        self._call_metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else None
+        self._backoff_max_s = backoff_max_s
+        self._idle_timeout_s = idle_timeout_s
+        self._channel: grpc.aio.Channel | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._stopped = False
+        self._outage_logged = False
+        self.streams_opened = 0
+
+    async def start(self) -> None:
+        if self._task is not None or self._stopped:
+            return
+        self._channel = grpc.aio.insecure_channel(self.target, options=channel_options(self._backoff_max_s))
+        self._task = asyncio.get_running_loop().create_task(self._run(), name=f"cms-reader:{self.target}")
+
+    async def stop(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        task, self._task = self._task, None
+        if task is not None:
+            await cancel_and_wait(task)
+        channel, self._channel = self._channel, None
+        if channel is not None:
+            await channel.close(None)
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                async for attempt in retrying(backoff_max_s=self._backoff_max_s, retry_on=_StreamLost):
+                    with attempt:
+                        await self._follow()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a bug must not end the reader, nor spin
+                logger.exception("cms reader %s: unexpected error; continuing", self.target)
+                await asyncio.sleep(self._backoff_max_s)
+
+    async def _follow(self) -> None:
+        """Follow one stream; returns after it delivered views and then broke."""
+        assert self._channel is not None
+        stub = cms_pb2_grpc.ClusterMetadataStub(self._channel)
+        call = stub.WatchClusterView(cms_pb2.GetClusterViewRequest(), metadata=self._call_metadata)
+        self.streams_opened += 1
+        received = 0
+        reason = "the stream ended"
+        try:
+            while True:
+                try:
+                    view = await asyncio.wait_for(call.read(), self._idle_timeout_s)
+                except asyncio.TimeoutError:
+                    reason = f"no view for {self._idle_timeout_s:.1f} s"
+                    break
+                if view is grpc.aio.EOF:  # type: ignore[attr-defined]
+                    break
+                assert isinstance(view, cms_pb2.ClusterView)
+                self._install(view_to_snapshot(view, taken_at_s=time.monotonic(), version=0))
+                if self._outage_logged:
+                    self._outage_logged = False
+                    logger.info("cms reader %s: receiving views again", self.target)
+                received += 1
+        except grpc.aio.AioRpcError as exc:
+            reason = f"{exc.code().name}: {exc.details()}"
+        finally:
+            call.cancel()
+        self.connected = False
+        if not self._outage_logged:
+            self._outage_logged = True
+            logger.warning(
+                "cms reader %s: lost the view stream (%s); keeping the last view", self.target, reason
+            )
+        if received == 0:
+            raise _StreamLost(reason)
+
+
+def open_reader(
+    spec: str,
+    *,
+    store: StoreReader | None = None,
+    cluster_name: str = "default",
+    auth_token: str | None = None,
+    backoff_max_s: float = 2.0,
+) -> ClusterReader:
+    """A reader for ``memory`` (with ``store``), ``grpc://host:port`` or ``redis://host:port/db``.
+
+    ``cluster_name`` selects the Redis namespace; ``auth_token`` is sent to a
+    gRPC CMS (reads do not need it). Call ``await reader.start()`` next.
+    """
+    if spec == "memory":
+        if store is None:
+            raise ValueError(
+                "the 'memory' CMS reader needs the in-process store: open_reader('memory', store=...)"
+            )
+        return StoreClusterReader(store)
+    if spec.startswith("grpc://"):
+        return GrpcClusterReader(spec, auth_token=auth_token, backoff_max_s=backoff_max_s)
+    if spec.startswith(("redis://", "rediss://", "unix://")):
+        from cms.redis_store import RedisStore
+
+        redis_store = RedisStore(spec, cluster_name=cluster_name)
+        return StoreClusterReader(redis_store, owned_store=redis_store)
+    raise ValueError(f"CMS spec {spec!r} is not 'memory', 'grpc://host:port' or 'redis://host:port/db'")

@@ -1,0 +1,295 @@
+"""The ClusterMetadata gRPC service, and a way to run it in-process.
+
+:func:`start_cms_server` serves one store on one address, with the standard
+``grpc.health.v1`` health service and server reflection beside it. It is what
+``slo-router cms`` runs, what the embedded cluster runs, and what tests run.
+
+Writes (``RegisterInstance``, ``ReportStatus``, ``DeregisterInstance``) need
+``authorization: Bearer <token>`` metadata when a token is configured; reads
+never do. ``WatchClusterView`` streams come from one shared
+:class:`~cms.view.ViewPump`: each watcher holds at most one pending view
+(latest wins), so a slow watcher costs one view of memory and never delays
+writers or other watchers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any, NoReturn
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from slorouter.v1 import cms_pb2, cms_pb2_grpc
+
+from cms.errors import CmsError, UnauthenticatedError, grpc_code
+from cms.model import ClusterSnapshot
+from cms.store import DEFAULT_LEASE_TTL_S, CmsStore
+from cms.validation import check_lease_ttl, validate_instance_id
+from cms.view import LatestSlot, PumpUpdate, ViewPump, epoch_ms, snapshot_to_view
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME: str = cms_pb2.DESCRIPTOR.services_by_name["ClusterMetadata"].full_name
+DEFAULT_LISTEN = "127.0.0.1:7100"
+
+_CLOSED = object()
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class ClusterMetadataService(cms_pb2_grpc.ClusterMetadataServicer):
+    """Maps the RPCs onto a :class:`~cms.store.CmsStore`; errors become status codes here."""
+
+    def __init__(
+        self,
+        store: CmsStore,
+        pump: ViewPump,
+        *,
+        lease_ttl_s: float,
+        auth_token: str | None,
+        max_watchers: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._store = store
+        self._pump = pump
+        self._lease_ttl_s = lease_ttl_s
+        self._expected = f"Bearer {auth_token}".encode() if auth_token else None
+        self._max_watchers = max_watchers
+        self._clock = clock
+        self._watchers: set[LatestSlot[object]] = set()
+
+    @property
+    def watchers(self) -> int:
+        return len(self._watchers)
+
+    def close_watchers(self) -> None:
+        """End every watch stream normally (used on shutdown)."""
+        for slot in self._watchers:
+            slot.put(_CLOSED)
+
+    def _authorize(self, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        if self._expected is None:
+            return
+        for key, value in context.invocation_metadata() or ():
+            if key == "authorization":
+                given = value.encode() if isinstance(value, str) else bytes(value)
+                if hmac.compare_digest(given, self._expected):
+                    return
+                raise UnauthenticatedError("the authorization token is wrong; use the CMS's --auth-token")
+        raise UnauthenticatedError("this CMS needs 'authorization: Bearer <token>' metadata on writes")
+
+    @staticmethod
+    async def _abort(context: grpc.aio.ServicerContext[Any, Any], exc: CmsError) -> NoReturn:
+        await context.abort(grpc_code(exc), str(exc))
+
+    async def RegisterInstance(
+        self,
+        request: cms_pb2.RegisterInstanceRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> cms_pb2.RegisterInstanceResponse:
+        try:
+            self._authorize(context)
+            await self._store.register(request.metadata, self._lease_ttl_s)
+        except CmsError as exc:
+            await self._abort(context, exc)
+        return cms_pb2.RegisterInstanceResponse(lease_ttl_ms=round(self._lease_ttl_s * 1000))
+
+    async def ReportStatus(
+        self,
+        request: cms_pb2.ReportStatusRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> cms_pb2.ReportStatusResponse:
+        try:
+            self._authorize(context)
+            accepted = await self._store.report(request.status, self._lease_ttl_s)
+        except CmsError as exc:
+            await self._abort(context, exc)
+        return cms_pb2.ReportStatusResponse(accepted=accepted)
+
+    async def DeregisterInstance(
+        self,
+        request: cms_pb2.DeregisterInstanceRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> cms_pb2.DeregisterInstanceResponse:
+        try:
+            self._authorize(context)
+            validate_instance_id(request.instance_id)
+            removed = await self._store.deregister(request.instance_id)
+        except CmsError as exc:
+            await self._abort(context, exc)
+        return cms_pb2.DeregisterInstanceResponse(removed=removed)
+
+    def _to_view(self, snapshot: ClusterSnapshot, model: str) -> cms_pb2.ClusterView:
+        return snapshot_to_view(snapshot, now_s=self._clock(), generated_at_ms=epoch_ms(), model=model)
+
+    async def GetClusterView(
+        self,
+        request: cms_pb2.GetClusterViewRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> cms_pb2.ClusterView:
+        try:
+            snapshot = await self._store.read_view()
+        except CmsError as exc:
+            await self._abort(context, exc)
+        return self._to_view(snapshot, request.model)
+
+    async def WatchClusterView(
+        self,
+        request: cms_pb2.GetClusterViewRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> AsyncIterator[cms_pb2.ClusterView]:
+        if len(self._watchers) >= self._max_watchers:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"this CMS already serves {self._max_watchers} watchers; use GetClusterView or another replica",
+            )
+        slot: LatestSlot[object] = LatestSlot()
+        self._watchers.add(slot)
+        self._pump.add_listener(slot.put)
+        try:
+            # A new watcher gets the current view at once rather than at the next change.
+            if self._pump.error is not None:
+                slot.put(self._pump.error)
+            elif self._pump.latest is not None:
+                slot.put(self._pump.latest)
+            while True:
+                item = await slot.get()
+                if item is _CLOSED:
+                    return
+                if isinstance(item, CmsError):
+                    await self._abort(context, item)
+                assert isinstance(item, ClusterSnapshot)
+                yield self._to_view(item, request.model)
+        finally:
+            self._pump.remove_listener(slot.put)
+            self._watchers.discard(slot)
+
+
+def _split_listen(listen: str) -> tuple[str, int]:
+    host, sep, port_text = listen.rpartition(":")
+    if not sep or not host or not port_text.isdigit() or int(port_text) > 65535:
+        raise ValueError(f"listen address {listen!r} is not HOST:PORT (PORT 0 picks a free port)")
+    return host, int(port_text)
+
+
+class CmsServer:
+    """A running CMS. ``address`` is ``host:port`` with the port actually bound.
+
+    ``stop()`` ends watch streams, then stops the server within ``grace``
+    seconds. The store is not closed: whoever made it owns it.
+    """
+
+    def __init__(
+        self,
+        server: grpc.aio.Server,
+        service: ClusterMetadataService,
+        pump: ViewPump,
+        health_servicer: Any,
+        host: str,
+        port: int,
+    ) -> None:
+        self._server = server
+        self.service = service
+        self.pump = pump
+        self._health = health_servicer
+        self.host = host
+        self.port = port
+        self.address = f"{host}:{port}"
+        self._stopped = False
+        self._serving = True
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    @property
+    def url(self) -> str:
+        """``grpc://host:port``, the form ``open_reader`` takes."""
+        return f"grpc://{self.address}"
+
+    def _on_pump(self, update: PumpUpdate) -> None:
+        # Health mirrors whether the store answers; flip only on a change.
+        serving = isinstance(update, ClusterSnapshot)
+        if serving == self._serving:
+            return
+        self._serving = serving
+        task = asyncio.get_running_loop().create_task(
+            self._health.set(SERVICE_NAME, _SERVING if serving else _NOT_SERVING)
+        )
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def stop(self, grace: float | None = 1.0) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        await self._health.enter_graceful_shutdown()
+        await self.pump.stop()
+        self.service.close_watchers()
+        await self._server.stop(grace)
+        if self._tasks:
+            await asyncio.wait(self._tasks)
+
+    async def wait_for_termination(self) -> None:
+        await self._server.wait_for_termination()
+
+
+async def start_cms_server(
+    store: CmsStore,
+    listen: str = "127.0.0.1:0",
+    *,
+    auth_token: str | None = None,
+    lease_ttl_s: float = DEFAULT_LEASE_TTL_S,
+    watch_min_interval_s: float = 0.02,
+    watch_refresh_s: float = 0.5,
+    max_watchers: int = 1024,
+) -> CmsServer:
+    """Serve ``store`` on ``listen`` (``HOST:PORT``; port 0 picks one) and return at once.
+
+    - ``lease_ttl_s``: an instance that neither reports nor heartbeats for
+      this long disappears; returned to agents as ``lease_ttl_ms``.
+    - ``watch_min_interval_s``: watch pushes are coalesced to at most one per
+      this interval; ``watch_refresh_s``: a push at least this often even
+      without change (must be <= 1 s).
+    - ``max_watchers``: concurrent ``WatchClusterView`` streams; more get
+      ``RESOURCE_EXHAUSTED``.
+
+    Raises ``OSError`` when the address cannot be bound.
+    """
+    check_lease_ttl(lease_ttl_s)
+    if not 0 < watch_refresh_s <= 1.0:
+        raise ValueError(f"watch_refresh_s must be in (0, 1] seconds, got {watch_refresh_s}")
+    if max_watchers < 1:
+        raise ValueError(f"max_watchers must be >= 1, got {max_watchers}")
+    if auth_token is not None and not auth_token.strip():
+        raise ValueError("auth_token is empty; pass None to disable authentication")
+    host, _ = _split_listen(listen)
+    pump = ViewPump(store, min_interval_s=watch_min_interval_s, refresh_s=watch_refresh_s)
+    service = ClusterMetadataService(
+        store, pump, lease_ttl_s=lease_ttl_s, auth_token=auth_token, max_watchers=max_watchers
+    )
+    # No SO_REUSEPORT: a second CMS on a busy port must fail, not share it.
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    cms_pb2_grpc.add_ClusterMetadataServicer_to_server(service, server)
+    health_servicer = health.aio.HealthServicer()  # type: ignore[attr-defined]
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    try:
+        port = server.add_insecure_port(listen)
+    except RuntimeError as exc:
+        await server.stop(None)
+        raise OSError(f"cannot listen on {listen}: {exc}") from exc
+    if port == 0:
+        await server.stop(None)
+        raise OSError(f"cannot listen on {listen}")
+    await server.start()
+    await health_servicer.set(SERVICE_NAME, _SERVING)
+    cms = CmsServer(server, service, pump, health_servicer, host, port)
+    pump.add_listener(cms._on_pump)
+    await pump.start()
+    logger.info(
+        "CMS serving on %s (lease %.1f s, auth %s)", cms.address, lease_ttl_s, "on" if auth_token else "off"
+    )
+    return cms
