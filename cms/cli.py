@@ -74,6 +74,12 @@ def register(subparsers: Any) -> None:
         metavar="F",
         help="read the write token from this file (surrounding whitespace is ignored)",
     )
+    parser.add_argument(
+        "--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port (0 = off)"
+    )
+    parser.add_argument(
+        "--metrics-host", default="127.0.0.1", help="address of the metrics endpoint (default: %(default)s)"
+    )
     parser.set_defaults(func=run)
 
 
@@ -117,6 +123,10 @@ async def _serve(args: argparse.Namespace, token: str | None) -> int:
             logger.warning(
                 "serving on %s without an auth token: anyone who can reach it can write", args.listen
             )
+        if args.metrics_port:
+            from cms.telemetry import serve_metrics
+
+            serve_metrics(server, args.metrics_port, args.metrics_host)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
