@@ -23,7 +23,6 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import grpc
-
 from slorouter.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 REPO = Path(__file__).resolve().parent.parent
@@ -102,7 +101,9 @@ async def _measure(router_addr: str, worker_addrs: list[str], speed: float) -> N
         await _throughput(direct)  # warm-up: channels, caches
         direct_tps, _ = await _throughput(direct)
         router_tps, _ = await _throughput(via_router)
-        print(f"{STREAMS} concurrent streams, {REQUESTS} requests x {MAX_TOKENS} tokens, sim speed x{speed:g}:")
+        print(
+            f"{STREAMS} concurrent streams, {REQUESTS} requests x {MAX_TOKENS} tokens, sim speed x{speed:g}:"
+        )
         print(f"  direct to workers : {direct_tps:9.0f} tokens/s")
         print(f"  through the router: {router_tps:9.0f} tokens/s  (ratio {router_tps / direct_tps:.2f})")
         direct_ttft = await _ttfts(direct)
@@ -113,9 +114,9 @@ async def _measure(router_addr: str, worker_addrs: list[str], speed: float) -> N
         print(f"  TTFT router : p50 {r50:6.2f} ms  p99 {_pct(router_ttft, 0.99):6.2f} ms")
         print(f"  added by the router hop: p50 {r50 - d50:+.2f} ms")
     finally:
-        await router_channel.close()
+        await router_channel.close(None)
         for channel in worker_channels:
-            await channel.close()
+            await channel.close(None)
 
 
 def main() -> None:
