@@ -1,0 +1,727 @@
+"""The virtual-time cluster simulator behind ``slo-router simulate``.
+
+One run replays a workload plan (:func:`bench.workload.generate_requests`) on a
+simulated fleet (:mod:`bench.sim_fleet`) with one scheduling policy, as a
+discrete-event simulation: no sockets, no sleeping, no wall clock. The two
+moving parts are the real ones:
+
+- placement: :class:`router.scheduler.Scheduler` — the same scheduling core the
+  gRPC router runs — decides every request over a
+  :class:`router.types.ClusterView` at the request's arrival time;
+- engines: every instance is a :class:`workers.sim_core.SimCore` — the model
+  the ``sim`` worker runs in real time — stepped in virtual time: a step
+  starts when the engine has work, ends ``duration_ms`` later (from the
+  instance's profile), and its outputs drive the requests.
+
+What a request goes through (times are virtual):
+
+- neutral: the instance gets the whole request at arrival; TTFT is the end of
+  the step that samples its first token;
+- PD: the prefill instance gets the prompt with ``max_new_tokens=1`` and holds
+  the KV; the first token exists at the end of that step (TTFT); the KV then
+  moves for ``SimConfig.kv_transfer_s(prompt)`` of the *decode* instance
+  (0 when adaptive PD put both stages on one instance), after which the
+  prefill instance frees it and the decode instance admits the request with
+  the prompt cached, exactly as the sim worker's ``Decode`` does;
+- no placement (:class:`router.errors.NoInstanceError`, e.g. the ``slo``
+  policy predicts every instance would miss the SLO): the request is rejected
+  at arrival with ``RESOURCE_EXHAUSTED`` (``UNAVAILABLE`` for
+  :class:`~router.errors.EmptyClusterError`) and misses its SLO; an engine
+  refusing a request (full waiting queue, too long for ``max_model_len``)
+  fails it likewise (``RESOURCE_EXHAUSTED`` / ``INVALID_ARGUMENT``).
+
+TPOT is the mean gap between output tokens after the first, e2e the time from
+arrival to the last token; results are :class:`bench.report.RequestResult`
+records, so ``bench`` and ``simulate`` report the same way.
+
+What the router sees. Agents push status on every load change (a request
+admitted, a step started or ended, KV freed) and heartbeat every
+:data:`AGENT_HEARTBEAT_S`; pushes are instantaneous. So the view's load
+columns are the engines' current counters, and a status's age is the time
+since the instance's last change (a heartbeat resets the age, not the
+content), or 0 for an idle instance. The router's backlog metric advances a
+busy instance's backlog over that age, as it does live. Dispatch to a worker
+is instantaneous too, so the only in-flight load (dispatched, not yet
+reported) is a PD request's decode leg: counted on the decode instance from
+the decision until that instance admits it after the KV transfer, as
+:class:`router.inflight.InflightAccount` would.
+
+Simplifications: no network or RPC latency besides the KV transfer; no
+retries or failover (every worker stays healthy); outputs always run to
+``max_tokens`` (the workload's ``ignore_eos``); the router's tokenizer is exact
+(``prompt_tokens`` is what the engine sees); a held KV is always pulled right
+after its transfer (``kv_hold_timeout_s`` never fires).
+
+Speed, without changing any result (``tests/bench/test_simulate.py`` runs both
+ways and compares):
+
+- the view is built from numpy columns updated only for instances whose
+  engine changed since the previous decision (no protobuf snapshots), and
+  values the core caches per snapshot that depend only on the fleet's static
+  columns are carried from one decision's view to the next
+  (:data:`STATIC_MEMO_KEYS`);
+- idle engines are never stepped, and runs of identical pure-decode steps are
+  fast-forwarded (:mod:`bench.sim_fastforward`): planned from the engine's own
+  cost model, seen by the router through computed columns, and applied to the
+  engine only when the run ends or the instance is touched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import itertools
+import math
+import random
+import time
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from slorouter.v1 import cms_pb2
+
+from bench.report import RequestResult
+from bench.sim_fastforward import DecodeRun, DecodeStepTimes
+from bench.sim_fleet import FleetError, FleetSpec
+from bench.workload import RequestPlan
+from cms.model import ClusterSnapshot, InstanceRecord
+from predictor import LatencyPredictor
+from router.config import SchedulerConfig
+from router.errors import EmptyClusterError, NoInstanceError
+from router.predictors import PredictorSet
+from router.scheduler import Scheduler
+from router.types import ClusterView, Decision, InflightColumns, InstanceTable, Mode, Role, ScheduleInput
+from workers.engine import EngineOverloadedError, InvalidRequestError
+from workers.sim_core import ProfileCostModel, ScheduledStep, SimConfig, SimCore, SimRequestSpec
+
+#: Seconds between two agent heartbeats; a heartbeat resets a status's age (not its content).
+AGENT_HEARTBEAT_S = 1.0
+
+#: Keys of ``InstanceTable.memo`` whose values depend only on columns that never
+#: change during a simulation (ids, roles, profile groups, models, chunk
+#: budgets, schedulability). They are computed by the first decision and handed
+#: to the following ones; anything else is recomputed per decision. A key is
+#: either one of these strings or a tuple starting with one.
+STATIC_MEMO_KEYS = frozenset(
+    {"predictor_parts", "full_chunk_ms", "plan", "model_mask", "sorted_ids", "all_true", "schedulability"}
+)
+
+# Event kinds.
+_PROTO_ROLES = {
+    Role.PREFILL: cms_pb2.INSTANCE_ROLE_PREFILL,
+    Role.DECODE: cms_pb2.INSTANCE_ROLE_DECODE,
+    Role.NEUTRAL: cms_pb2.INSTANCE_ROLE_NEUTRAL,
+}
+
+_STEP_END = 0  # a stepped engine step ends
+_KV_READY = 1  # a PD request's KV reached its decode instance
+_RUN_END = 2  # a fast-forwarded decode run reaches the end of its planned steps
+
+# Request stages.
+_PENDING = 0  # not arrived yet
+_PREFILL = 1  # PD: prefill leg on the prefill instance
+_TRANSFER = 2  # PD: KV moving to the decode instance
+_SERVING = 3  # neutral request, or PD decode leg, on its instance
+_DONE = 4
+
+
+def _readonly(array: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    array.setflags(write=False)
+    return array
+
+
+def _static_key(key: Hashable) -> bool:
+    name = key[0] if isinstance(key, tuple) and key else key
+    return isinstance(name, str) and name in STATIC_MEMO_KEYS
+
+
+class SimFleet:
+    """A :class:`FleetSpec` made ready to simulate: profiles loaded and static view columns built, once.
+
+    Reused by every run of a sweep; runs never mutate it.
+    """
+
+    def __init__(self, spec: FleetSpec, *, profile_label: str = "profile") -> None:
+        self.spec = spec
+        by_path: dict[str, LatencyPredictor] = {}
+        group_predictors: dict[str, LatencyPredictor] = {}
+        for group in spec.groups:
+            key = str(group.profile)
+            if key not in by_path:
+                by_path[key] = LatencyPredictor.from_files(
+                    group.profile / "ttft.json", group.profile / "tpot.json"
+                )
+            group_predictors[group.name] = by_path[key]
+        #: The router's predictors: one per profile group (the group's name), the first group's by default.
+        self.predictors = PredictorSet(group_predictors[spec.groups[0].name], group_predictors)
+        ids: list[str] = []
+        groups: list[str] = []
+        roles: list[Role] = []
+        configs: list[SimConfig] = []
+        predictors: list[LatencyPredictor] = []
+        for group in spec.groups:
+            for instance_id in group.instance_ids():
+                ids.append(instance_id)
+                groups.append(group.name)
+                roles.append(group.role)
+                configs.append(group.engine)
+                predictors.append(group_predictors[group.name])
+        n = len(ids)
+        self.n = n
+        self.ids = tuple(ids)
+        self.index = {instance_id: i for i, instance_id in enumerate(ids)}
+        if len(self.index) != n:
+            raise FleetError("two groups produce the same instance id; rename one of the groups")
+        self.groups = tuple(groups)
+        self.roles = tuple(roles)
+        #: Engine configuration and step-time profile per instance.
+        self.configs = tuple(configs)
+        self.instance_predictors = tuple(predictors)
+        rank = np.empty(n, dtype=np.intp)
+        rank[np.argsort(np.array(ids, dtype=object), kind="stable")] = np.arange(n)
+        empty = ("",) * n
+        no_code = _readonly(np.full(n, -1, dtype=np.intp))
+        ones = _readonly(np.ones(n, dtype=bool))
+        # Every column of InstanceTable that stays fixed during a run.
+        self.static_columns: dict[str, Any] = {
+            "snapshot": self._snapshot(profile_label),
+            "ids": self.ids,
+            "index": self.index,
+            "endpoints": tuple(f"sim://{i}" for i in ids),
+            "models": empty,
+            "node_ids": empty,
+            "unit_ids": empty,
+            "groups": self.groups,
+            "roles": _readonly(np.array([int(r) for r in roles], dtype=np.int8)),
+            "node_codes": no_code,
+            "unit_codes": no_code,
+            "id_rank": _readonly(rank),
+            "max_num_batched_tokens": _readonly(
+                np.array([c.max_num_batched_tokens for c in configs], dtype=np.float64)
+            ),
+            "kv_capacity_tokens": _readonly(
+                np.array([c.kv_capacity_tokens for c in configs], dtype=np.float64)
+            ),
+            "has_status": ones,
+            "schedulable": ones,
+        }
+
+    def _snapshot(self, profile_label: str) -> ClusterSnapshot:
+        """The fleet's metadata as a CMS snapshot (identity and documentation only: loads come from the engines)."""
+        records = []
+        for instance_id, group, config, role in zip(
+            self.ids, self.groups, self.configs, self.roles, strict=True
+        ):
+            metadata = cms_pb2.InstanceMetadata(
+                instance_id=instance_id,
+                endpoint=f"sim://{instance_id}",
+                role=_PROTO_ROLES[role],
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                kv_capacity_tokens=config.kv_capacity_tokens,
+                block_size=config.block_size,
+                labels={profile_label: group},
+                max_model_len=config.max_model_len,
+            )
+            records.append(InstanceRecord(metadata=metadata, status=None, status_age_s=math.inf))
+        return ClusterSnapshot(instances=tuple(records), taken_at_s=0.0)
+
+
+@dataclass(frozen=True)
+class SimStats:
+    """Counts of one run (virtual-time facts only, so they are deterministic)."""
+
+    decisions: int
+    rejected: int
+    steps: int
+    preemptions: int
+    kv_transfers: int
+    events: int
+
+
+@dataclass(frozen=True)
+class SimOutcome:
+    """One run: a result per planned request (in plan order), the virtual makespan and counts.
+
+    ``wall_s`` is the only wall-clock figure; keep it out of anything that must be reproducible.
+    """
+
+    results: tuple[RequestResult, ...]
+    duration_s: float
+    stats: SimStats
+    wall_s: float
+
+
+class _Req:
+    """Mutable state of one request during a run."""
+
+    __slots__ = (
+        "decode",
+        "done_s",
+        "error_code",
+        "error_message",
+        "first_s",
+        "predicted_tpot_ms",
+        "predicted_ttft_ms",
+        "prefill",
+        "stage",
+        "tokens",
+    )
+
+    def __init__(self) -> None:
+        self.stage = _PENDING
+        self.prefill = -1
+        self.decode = -1
+        self.first_s = -1.0
+        self.done_s = -1.0
+        self.tokens = 0
+        self.error_code: str | None = None
+        self.error_message = ""
+        self.predicted_ttft_ms: float | None = None
+        self.predicted_tpot_ms: float | None = None
+
+
+def _finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
+# Rows of the load matrix (one column per instance), in InstanceTable field order.
+_LOAD_ROWS = (
+    "uncomputed_prefill_tokens",
+    "decode_requests",
+    "decode_tokens",
+    "used_kv_tokens",
+    "waiting_requests",
+    "running_requests",
+)
+
+
+class _Simulation:
+    """The state of one run; :meth:`run` consumes it."""
+
+    def __init__(
+        self,
+        fleet: SimFleet,
+        scheduler: Scheduler,
+        plans: Sequence[RequestPlan],
+        *,
+        seed: int,
+        reuse_static_memo: bool,
+        fast_forward: bool,
+    ) -> None:
+        self.fleet = fleet
+        self.scheduler = scheduler
+        self.plans = plans
+        self.reuse_static_memo = reuse_static_memo
+        n = fleet.n
+        shared: dict[tuple[int, float], DecodeStepTimes] = {}
+        self.cores: list[SimCore] = []
+        #: Step times of instances whose decode runs may be fast-forwarded (None: always stepped).
+        self.times: list[DecodeStepTimes | None] = []
+        for i, (config, lp) in enumerate(zip(fleet.configs, fleet.instance_predictors, strict=True)):
+            if config.noise > 0:
+                # Planning steps ahead would draw the noise out of order: these engines are always stepped.
+                rng = random.Random((config.seed * 1_000_003 + seed) * 65_537 + i)
+                cost = ProfileCostModel(lp, speed_factor=config.speed_factor, noise=config.noise, rng=rng)
+                self.cores.append(SimCore(config, cost))
+                self.times.append(None)
+                continue
+            # Instances of one profile and speed share a cost model (and its TTFT cache).
+            key = (id(lp), config.speed_factor)
+            if key not in shared:
+                shared[key] = DecodeStepTimes(lp, config.speed_factor)
+            self.cores.append(SimCore(config, shared[key].cost))
+            self.times.append(shared[key] if fast_forward else None)
+        self.runs: list[DecodeRun | None] = [None] * n
+        self.run_event: list[int] = [-1] * n
+        #: When each fast-forwarded instance's load columns next change (inf: not fast-forwarding).
+        self.run_next = np.full(n, np.inf)
+        self.steps: list[ScheduledStep | None] = [None] * n
+        self.busy = np.zeros(n, dtype=bool)
+        self.changed_at = np.zeros(n)
+        self.load = np.zeros((len(_LOAD_ROWS), n))
+        self.dirty: set[int] = set()
+        # In-flight sums, rows in InflightColumns field order: requests, prefill legs, prefill tokens,
+        # decode legs, decode tokens, tokens. Only decode legs are ever in flight (see the module doc).
+        self.inflight = np.zeros((6, n))
+        self.inflight_columns: InflightColumns | None = None
+        self.static_memo: dict[Any, Any] = {}
+        self.heap: list[tuple[float, int, int, int]] = []
+        self.seq = 0
+        self.reqs = [_Req() for _ in plans]
+        self.now = 0.0
+        self.decisions = self.rejected = self.num_steps = self.kv_transfers = self.events = 0
+
+    # ------------------------------------------------------------------ the loop
+
+    def run(self) -> tuple[float, SimStats]:
+        arrivals = [p.arrival_s for p in self.plans]
+        heap = self.heap
+        k, n = 0, len(arrivals)
+        pop = heapq.heappop
+        while k < n or heap:
+            if heap and (k >= n or heap[0][0] <= arrivals[k]):
+                t, seq, kind, x = pop(heap)
+                self.now = t
+                if kind == _STEP_END:
+                    self._step_end(x, t)
+                elif kind == _KV_READY:
+                    self._kv_ready(x, t)
+                else:
+                    self._run_end(x, seq, t)
+            else:
+                t = arrivals[k]
+                self.now = t
+                self._arrive(k, t)
+                k += 1
+            self.events += 1
+        stats = SimStats(
+            decisions=self.decisions,
+            rejected=self.rejected,
+            steps=self.num_steps,
+            preemptions=sum(core.num_preemptions for core in self.cores),
+            kv_transfers=self.kv_transfers,
+            events=self.events,
+        )
+        return max(self.now, arrivals[-1] if arrivals else 0.0), stats
+
+    def _push(self, t: float, kind: int, x: int) -> int:
+        seq = self.seq
+        heapq.heappush(self.heap, (t, seq, kind, x))
+        self.seq = seq + 1
+        return seq
+
+    # ------------------------------------------------------------------ engines
+
+    def _start(self, i: int, now: float) -> None:
+        """Start instance ``i``'s next step if it has one, or a fast-forwarded run (call only while it is idle)."""
+        times = self.times[i]
+        if times is not None:
+            run = DecodeRun.plan(self.cores[i], times, now)
+            if run is not None:
+                self.runs[i] = run
+                self.run_event[i] = self._push(run.ends[-1], _RUN_END, i)
+                self.run_next[i] = -np.inf  # the next view takes the run's columns
+                self.busy[i] = True
+                self.changed_at[i] = now
+                self.dirty.add(i)
+                return
+        step = self.cores[i].schedule()
+        self.steps[i] = step
+        if step is not None:
+            self.busy[i] = True
+            self._push(now + step.duration_ms * 1e-3, _STEP_END, i)
+            self.num_steps += 1
+        else:
+            self.busy[i] = False
+        self.changed_at[i] = now
+        self.dirty.add(i)
+
+    def _settle(self, i: int, now: float) -> SimCore:
+        """Instance ``i``'s core as stepping would have it at ``now``: call before changing it from outside."""
+        run = self.runs[i]
+        if run is not None:
+            self._materialize(i, run, now)
+        return self.cores[i]
+
+    def _changed(self, i: int, now: float) -> None:
+        """Instance ``i``'s load changed outside a step boundary; start a step if it was idle."""
+        if self.steps[i] is None:
+            self._start(i, now)
+        else:
+            self.changed_at[i] = now
+            self.dirty.add(i)
+
+    def _materialize(self, i: int, run: DecodeRun, now: float) -> None:
+        """End instance ``i``'s fast-forwarded run at ``now``: apply its finished steps, resume the one running."""
+        s = run.steps_done(now)
+        run.apply(s)
+        self.runs[i] = None
+        self.run_next[i] = np.inf
+        # The step in progress at ``now`` is the one stepping would have scheduled at its start.
+        step = self.cores[i].schedule()
+        assert step is not None, "a decode run always has a next step"
+        self.steps[i] = step
+        start = run.step_start(s)
+        self._push(start + step.duration_ms * 1e-3, _STEP_END, i)
+        self.num_steps += s + 1
+        self.changed_at[i] = start
+        self.dirty.add(i)
+
+    def _run_end(self, i: int, seq: int, now: float) -> None:
+        """The last planned step of instance ``i``'s run ended: plan more, or apply the run and step on."""
+        run = self.runs[i]
+        if run is None or self.run_event[i] != seq:
+            return  # the run was materialized since this event was pushed
+        if not run.complete:
+            run.extend()
+            self.run_event[i] = self._push(run.ends[-1], _RUN_END, i)
+            return
+        run.apply(len(run.ends))
+        self.num_steps += len(run.ends)
+        self.runs[i] = None
+        self.run_next[i] = np.inf
+        self._start(i, now)
+
+    def _step_end(self, i: int, now: float) -> None:
+        step = self.steps[i]
+        assert step is not None
+        result = self.cores[i].finish_step(step)
+        self.steps[i] = None
+        for rid, position, finished, held in result.outputs:
+            if position == 0 or finished:
+                self._token(int(rid), position, finished, held, now)
+        self._start(i, now)
+
+    def _token(self, idx: int, position: int, finished: bool, held: bool, now: float) -> None:
+        """Token ``position`` of request ``idx`` on its current instance (only first and last tokens come here)."""
+        r = self.reqs[idx]
+        if r.stage == _PREFILL:
+            r.first_s = now
+            r.tokens = 1
+            if not held:  # a one-token request: the prefill was all of it
+                self._finish(r, now)
+                return
+            r.stage = _TRANSFER
+            delay = 0.0
+            if r.decode != r.prefill:
+                delay = self.fleet.configs[r.decode].kv_transfer_s(self.plans[idx].prompt_tokens)
+                self.kv_transfers += 1
+            self._push(now + delay, _KV_READY, idx)
+            return
+        if r.first_s < 0:
+            r.first_s = now
+        if finished:
+            r.tokens += position + 1
+            self._finish(r, now)
+
+    def _kv_ready(self, idx: int, now: float) -> None:
+        """The KV of PD request ``idx`` reached its decode instance: free it on prefill, admit decode."""
+        r = self.reqs[idx]
+        plan = self.plans[idx]
+        rid = str(idx)
+        p, d = r.prefill, r.decode
+        if p != d:
+            self._settle(p, now).release_held(rid)
+            self._changed(p, now)
+            self._inflight(d, -1, plan.prompt_tokens)
+        spec = SimRequestSpec(
+            request_id=rid,
+            num_context_tokens=plan.prompt_tokens + 1,
+            max_new_tokens=plan.max_tokens - 1,
+            num_cached_tokens=plan.prompt_tokens,
+            counts_as_decode=True,
+        )
+        try:
+            self._settle(d, now).add(spec)
+        except EngineOverloadedError as exc:
+            self.cores[d].release_held(rid)
+            self._fail(r, "RESOURCE_EXHAUSTED", f"decode instance {self.fleet.ids[d]}: {exc}", now)
+        else:
+            r.stage = _SERVING
+        self._changed(d, now)
+
+    # ------------------------------------------------------------------ requests
+
+    def _arrive(self, idx: int, now: float) -> None:
+        plan = self.plans[idx]
+        r = self.reqs[idx]
+        request = ScheduleInput(
+            request_id=str(idx),
+            prompt_tokens=plan.prompt_tokens,
+            ttft_slo_ms=plan.slo.ttft_ms or 0.0,
+            tpot_slo_ms=plan.slo.tpot_ms or 0.0,
+        )
+        view = self._view(now)
+        self.decisions += 1
+        try:
+            decision = self.scheduler.schedule(view, request, now)
+        except NoInstanceError as exc:
+            self.rejected += 1
+            self._fail(r, "RESOURCE_EXHAUSTED", str(exc), now)
+            return
+        except EmptyClusterError as exc:
+            self.rejected += 1
+            self._fail(r, "UNAVAILABLE", str(exc), now)
+            return
+        finally:
+            if self.reuse_static_memo:
+                for key, value in view.instances.memo.items():
+                    if key not in self.static_memo and _static_key(key):
+                        self.static_memo[key] = value
+        self._dispatch(idx, r, plan, decision, now)
+
+    def _dispatch(self, idx: int, r: _Req, plan: RequestPlan, decision: Decision, now: float) -> None:
+        assert decision.prefill is not None and decision.decode is not None
+        index = self.fleet.index
+        p = r.prefill = index[decision.prefill.instance_id]
+        d = r.decode = index[decision.decode.instance_id]
+        r.predicted_ttft_ms = _finite(decision.prefill.predicted_ttft_ms)
+        r.predicted_tpot_ms = _finite(decision.decode.predicted_tpot_ms)
+        limit = min(self.fleet.configs[p].max_model_len, self.fleet.configs[d].max_model_len)
+        if plan.prompt_tokens + plan.max_tokens > limit:
+            self._fail(
+                r,
+                "INVALID_ARGUMENT",
+                f"prompt ({plan.prompt_tokens}) + max_tokens ({plan.max_tokens}) exceeds max_model_len={limit}",
+                now,
+            )
+            return
+        rid = str(idx)
+        neutral = decision.mode is Mode.NEUTRAL
+        if neutral:
+            spec = SimRequestSpec(
+                rid, plan.prompt_tokens, plan.max_tokens, counts_as_decode=plan.max_tokens > 1
+            )
+        else:
+            spec = SimRequestSpec(
+                rid, plan.prompt_tokens, 1, hold_kv=plan.max_tokens > 1, counts_as_decode=False
+            )
+        try:
+            self._settle(p, now).add(spec)
+        except EngineOverloadedError as exc:
+            self._fail(r, "RESOURCE_EXHAUSTED", f"instance {self.fleet.ids[p]}: {exc}", now)
+            return
+        except InvalidRequestError as exc:
+            self._fail(r, "INVALID_ARGUMENT", f"instance {self.fleet.ids[p]}: {exc}", now)
+            return
+        r.stage = _SERVING if neutral else _PREFILL
+        if not neutral and plan.max_tokens > 1 and d != p:
+            self._inflight(d, +1, plan.prompt_tokens)
+        self._changed(p, now)
+
+    def _finish(self, r: _Req, now: float) -> None:
+        r.stage = _DONE
+        r.done_s = now
+
+    def _fail(self, r: _Req, code: str, message: str, now: float) -> None:
+        r.stage = _DONE
+        r.done_s = now
+        r.error_code = code
+        r.error_message = message
+
+    def _inflight(self, i: int, sign: int, prompt_tokens: int) -> None:
+        """Add (+1) or remove (-1) a decode leg of ``prompt_tokens`` on instance ``i``."""
+        m = self.inflight
+        m[0, i] += sign
+        m[3, i] += sign
+        m[4, i] += sign * prompt_tokens
+        m[5, i] += sign * prompt_tokens
+        self.inflight_columns = None
+
+    # ------------------------------------------------------------------ the view
+
+    def _view(self, now: float) -> ClusterView:
+        load = self.load
+        uncomputed, decode_requests, decode_tokens, used_kv, waiting, running = load
+        cores = self.cores
+        runs = self.runs
+        for i in self.dirty:
+            if runs[i] is not None:
+                self.run_next[i] = -np.inf
+            core = cores[i]
+            uncomputed[i] = core.num_uncomputed_prefill_tokens
+            decode_requests[i] = core.num_decode_requests
+            decode_tokens[i] = core.num_decode_tokens
+            used_kv[i] = core.num_used_kv_tokens
+            waiting[i] = core.num_waiting
+            running[i] = core.num_running
+        self.dirty.clear()
+        for i in np.flatnonzero(self.run_next <= now).tolist():
+            run = runs[i]
+            assert run is not None
+            s = run.steps_done(now)
+            decode_tokens[i] = run.decode_tokens_at(s)
+            used_kv[i] = run.used_kv_tokens_at(s)
+            self.changed_at[i] = run.step_start(s)
+            self.run_next[i] = run.ends[s]
+        rows = _readonly(load.copy())
+        age = now - self.changed_at
+        age *= self.busy  # idle instances: a heartbeat-fresh status
+        if age.max() >= AGENT_HEARTBEAT_S:
+            age = np.mod(age, AGENT_HEARTBEAT_S)
+        _readonly(age)
+        table = InstanceTable(
+            **self.fleet.static_columns,
+            status_age_s=age,
+            **{name: rows[k] for k, name in enumerate(_LOAD_ROWS)},
+            memo=dict(self.static_memo),
+        )
+        return ClusterView(table, self._inflight_columns(), now, age)
+
+    def _inflight_columns(self) -> InflightColumns:
+        columns = self.inflight_columns
+        if columns is None:
+            columns = self.inflight_columns = InflightColumns.of(self.inflight.copy())
+        return columns
+
+    # ------------------------------------------------------------------ results
+
+    def results(self) -> tuple[RequestResult, ...]:
+        out = []
+        ids = self.fleet.ids
+        for plan, r in zip(self.plans, self.reqs, strict=True):
+            if r.stage != _DONE:  # cannot happen: every event is processed before results are read
+                raise RuntimeError(f"request {plan.index} did not finish (stage {r.stage})")
+            ok = r.error_code is None
+            first = r.first_s if r.first_s >= 0 else None
+            tpot = None
+            if ok and first is not None and r.tokens >= 2:
+                tpot = (r.done_s - first) * 1000.0 / (r.tokens - 1)
+            out.append(
+                RequestResult(
+                    index=plan.index,
+                    class_name=plan.class_name,
+                    slo=plan.slo,
+                    prompt_tokens=plan.prompt_tokens,
+                    max_tokens=plan.max_tokens,
+                    completion_tokens=r.tokens,
+                    start_s=plan.arrival_s,
+                    ttft_ms=None if first is None else (first - plan.arrival_s) * 1000.0,
+                    tpot_ms=tpot,
+                    e2e_ms=(r.done_s - plan.arrival_s) * 1000.0,
+                    error_code=r.error_code,
+                    error_message=r.error_message,
+                    finish_reason="length" if ok else "",
+                    prefill_instance_id=ids[r.prefill] if r.prefill >= 0 else "",
+                    decode_instance_id=ids[r.decode] if r.decode >= 0 else "",
+                    predicted_ttft_ms=r.predicted_ttft_ms,
+                    predicted_tpot_ms=r.predicted_tpot_ms,
+                )
+            )
+        return tuple(out)
+
+
+def simulate(
+    fleet: SimFleet,
+    config: SchedulerConfig,
+    plans: Sequence[RequestPlan],
+    *,
+    seed: int = 0,
+    reuse_static_memo: bool = True,
+    fast_forward: bool = True,
+) -> SimOutcome:
+    """Run ``plans`` (open-loop, in arrival order) on ``fleet`` with the policy ``config`` names.
+
+    Deterministic for a seed: the scheduler's RNG is ``random.Random(seed)`` and
+    engine noise (if any) is seeded from ``seed`` and the instance. Every engine
+    starts empty. ``reuse_static_memo=False`` recomputes every cached column per
+    decision and ``fast_forward=False`` steps every engine step (both slower;
+    the results are the same).
+    """
+    if any(b.arrival_s < a.arrival_s for a, b in itertools.pairwise(plans)):
+        raise ValueError("plans must be in arrival order")
+    started = time.perf_counter()
+    scheduler = Scheduler(config, fleet.predictors, random.Random(seed))
+    sim = _Simulation(
+        fleet, scheduler, plans, seed=seed, reuse_static_memo=reuse_static_memo, fast_forward=fast_forward
+    )
+    duration_s, stats = sim.run()
+    results = sim.results()
+    return SimOutcome(
+        results=results, duration_s=duration_s, stats=stats, wall_s=time.perf_counter() - started
+    )
+
+
+def stats_to_dict(stats: SimStats) -> dict[str, int]:
+    return dataclasses.asdict(stats)

@@ -1,0 +1,274 @@
+"""Policy × rate sweeps of the virtual-time simulator, and how they are reported (table, JSON, PNG).
+
+For each rate the workload's plan is generated once (same seed), and every
+policy replays that same plan on a fresh copy of the fleet, so policies are
+compared on identical requests. Each run is summarised with
+:func:`bench.report.summarize`, the function ``slo-router bench`` uses, over the
+run's virtual makespan (first arrival to last token).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench.report import BenchReport, PlotUnavailableError, summarize
+from bench.sim_cluster import SimFleet, SimOutcome, SimStats, simulate
+from bench.sim_fleet import fleet_to_dict
+from bench.workload import ArrivalProcess, WorkloadSpec, generate_requests, workload_to_dict
+from router.config import SchedulerConfig
+
+#: The spelling of the ``slo`` policy with adaptive PD (``--enable-adaptive-pd``) in policy lists.
+SLO_ADAPTIVE_PD = "slo+adaptive-pd"
+
+
+@dataclass(frozen=True)
+class PolicyChoice:
+    """One policy of a sweep: the label it is reported under and the scheduler config that builds it."""
+
+    label: str
+    config: SchedulerConfig
+
+
+@dataclass(frozen=True)
+class SweepPoint:
+    """One (policy, rate) run of a sweep."""
+
+    policy: str
+    rate: float
+    report: BenchReport
+    stats: SimStats
+    wall_s: float
+
+
+def policy_overrides(name: str) -> dict[str, Any]:
+    """The :class:`SchedulerConfig` fields that select policy ``name``.
+
+    ``name`` is a registered policy, :data:`SLO_ADAPTIVE_PD`, or a ``.yaml``/``.yml``
+    policy file (``--policy-config``).
+    """
+    if name == SLO_ADAPTIVE_PD:
+        return {"scheduling_policy": "slo", "enable_adaptive_pd": True, "policy_config_path": None}
+    if Path(name).suffix.lower() in (".yaml", ".yml"):
+        return {"enable_adaptive_pd": False, "policy_config_path": name}
+    return {"scheduling_policy": name, "enable_adaptive_pd": False, "policy_config_path": None}
+
+
+def open_loop(spec: WorkloadSpec, burstiness: float | None = None) -> WorkloadSpec:
+    """``spec`` with an open-loop arrival process (closed loop becomes Poisson; ``burstiness`` applies gamma)."""
+    arrival = spec.arrival
+    if arrival.process is ArrivalProcess.CLOSED:
+        arrival = dataclasses.replace(arrival, process=ArrivalProcess.POISSON, burstiness=1.0)
+    if burstiness is not None:
+        process = ArrivalProcess.POISSON if burstiness == 1.0 else ArrivalProcess.GAMMA
+        arrival = dataclasses.replace(arrival, process=process, burstiness=burstiness)
+    return dataclasses.replace(spec, arrival=arrival)
+
+
+def run_sweep(
+    fleet: SimFleet,
+    workload: WorkloadSpec,
+    policies: Sequence[PolicyChoice],
+    rates: Sequence[float],
+    *,
+    num_requests: int,
+    seed: int = 0,
+    on_run: Callable[[SweepPoint, int, int], None] | None = None,
+) -> list[SweepPoint]:
+    """Every (rate, policy) run, rate-major; ``on_run(point, done, total)`` after each one."""
+    if not workload.arrival.open_loop:
+        raise ValueError("the simulator replays open-loop arrivals; convert the workload with open_loop()")
+    points: list[SweepPoint] = []
+    total = len(policies) * len(rates)
+    for rate in rates:
+        spec = workload.with_arrival(rate_per_s=rate)
+        plans = generate_requests(spec, rng=seed, num_requests=num_requests)
+        for policy in policies:
+            outcome = simulate(fleet, policy.config, plans, seed=seed)
+            point = _point(policy.label, rate, spec, outcome)
+            points.append(point)
+            if on_run is not None:
+                on_run(point, len(points), total)
+    return points
+
+
+def _point(policy: str, rate: float, spec: WorkloadSpec, outcome: SimOutcome) -> SweepPoint:
+    report = summarize(outcome.results, outcome.duration_s, class_slos=spec.class_slos())
+    return SweepPoint(policy=policy, rate=rate, report=report, stats=outcome.stats, wall_s=outcome.wall_s)
+
+
+# --------------------------------------------------------------------------- JSON
+
+
+def point_to_dict(point: SweepPoint) -> dict[str, Any]:
+    """One run's figures: ``policy``, ``rate``, ``slo_attainment`` (0-1), ``goodput`` (req/s), latencies, ...
+
+    Every key of :meth:`bench.report.ClassReport.flat` for all requests, plus
+    ``rejected`` (no placement), ``duration_s`` (virtual makespan), ``classes``
+    (the same figures per SLO class) and ``sim`` (step and event counts). No
+    wall-clock figure: the document is a pure function of the inputs.
+    """
+    overall = point.report.overall.flat()
+    del overall["name"]
+    for key in ("ttft_slo_ms", "tpot_slo_ms", "e2e_slo_ms"):
+        del overall[key]
+    doc: dict[str, Any] = {
+        "policy": point.policy,
+        "rate": point.rate,
+        "slo_attainment": overall.pop("slo_attainment"),
+        "goodput": point.report.overall.goodput_rps,
+        "ttft_p99_ms": overall.pop("ttft_p99_ms"),
+        "tpot_p99_ms": overall.pop("tpot_p99_ms"),
+        "rejected": point.stats.rejected,
+        "duration_s": point.report.duration_s,
+    }
+    doc.update(overall)
+    doc["classes"] = {c.name: c.flat() for c in point.report.classes}
+    doc["sim"] = dataclasses.asdict(point.stats)
+    return doc
+
+
+def sweep_to_dict(points: Sequence[SweepPoint], meta: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``--output`` document: ``meta`` and a ``results`` list, one entry per (policy, rate), rate-major."""
+    return {"meta": dict(meta), "results": [point_to_dict(p) for p in points]}
+
+
+def sweep_meta(
+    fleet: SimFleet,
+    workload: WorkloadSpec,
+    policies: Sequence[PolicyChoice],
+    rates: Sequence[float],
+    *,
+    num_requests: int,
+    seed: int,
+) -> dict[str, Any]:
+    """What a sweep ran: fleet, workload, policies (with their scheduler configs), rates, size, seed."""
+    return {
+        "command": "simulate",
+        "seed": seed,
+        "num_requests": num_requests,
+        "rates": list(rates),
+        "policies": [p.label for p in policies],
+        "fleet": fleet.spec.describe(),
+        "fleet_spec": fleet_to_dict(fleet.spec),
+        "workload": workload_to_dict(workload),
+        "scheduler": {p.label: _json_safe(dataclasses.asdict(p.config)) for p in policies},
+    }
+
+
+def _json_safe(values: Mapping[str, Any]) -> dict[str, Any]:
+    """Non-finite floats (e.g. ``instance_staleness_s=inf``: never stale) as strings, which JSON can hold."""
+    return {k: str(v) if isinstance(v, float) and not math.isfinite(v) else v for k, v in values.items()}
+
+
+def write_sweep_json(path: str | Path, points: Sequence[SweepPoint], meta: Mapping[str, Any]) -> None:
+    """Write :func:`sweep_to_dict` (indented; non-finite numbers refused)."""
+    text = json.dumps(sweep_to_dict(points, meta), indent=2, allow_nan=False)
+    Path(path).write_text(text + "\n", encoding="utf-8")
+
+
+# --------------------------------------------------------------------------- text
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{100.0 * value:.1f}%"
+
+
+def _ms(value: float | None) -> str:
+    if value is None or not math.isfinite(value):
+        return "-"
+    return f"{value:.0f}" if value >= 100 else f"{value:.1f}"
+
+
+def format_sweep_table(points: Sequence[SweepPoint]) -> str:
+    """A fixed-width comparison: one row per (rate, policy), attainment per class when there are several."""
+    if not points:
+        return "(no runs)"
+    class_names = [c.name for c in points[0].report.classes]
+    per_class = len(class_names) > 1
+    header = ["rate/s", "policy", "reqs", "rejected", "errors", "attain"]
+    if per_class:
+        header += [f"{name}" for name in class_names]
+    header += ["goodput/s", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "E2E p99"]
+    rows = [header]
+    for p in points:
+        o = p.report.overall
+        row = [
+            f"{p.rate:g}",
+            p.policy,
+            str(o.requests),
+            str(p.stats.rejected),
+            str(o.errors),
+            _pct(o.slo_attainment),
+        ]
+        if per_class:
+            by_class = p.report.by_class()
+            row += [
+                _pct(by_class[name].slo_attainment if by_class[name].requests else None)
+                for name in class_names
+            ]
+        row += [
+            f"{o.goodput_rps:.2f}",
+            _ms(o.ttft.p50_ms),
+            _ms(o.ttft.p99_ms),
+            _ms(o.tpot.p50_ms),
+            _ms(o.tpot.p99_ms),
+            _ms(o.e2e.p99_ms),
+        ]
+        rows.append(row)
+    widths = [max(len(r[k]) for r in rows) for k in range(len(header))]
+    lines = []
+    for n, row in enumerate(rows):
+        if n >= 2 and points[n - 1].rate != points[n - 2].rate:
+            lines.append("")  # a blank line between rates
+        cells = [
+            c.ljust(w) if k == 1 else c.rjust(w) for k, (c, w) in enumerate(zip(row, widths, strict=True))
+        ]
+        lines.append("  ".join(cells).rstrip())
+    lines.append("")
+    lines.append(
+        "attain: share of requests meeting every target of their class (rejected ones miss); "
+        "goodput: such requests per virtual second; latencies in ms over completed requests"
+    )
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- PNG
+
+
+def plot_sweep(path: str | Path, points: Sequence[SweepPoint], title: str = "slo-router simulate") -> None:
+    """A PNG with SLO attainment and goodput against the arrival rate, one line per policy.
+
+    Needs matplotlib (the ``plot`` extra); raises :class:`PlotUnavailableError` when it is missing.
+    """
+    try:
+        from matplotlib.figure import Figure
+    except ImportError as exc:
+        raise PlotUnavailableError(
+            "--plot needs matplotlib: install it with `pip install 'slo-router[plot]'` "
+            "(or `pip install matplotlib`), or drop --plot"
+        ) from exc
+    fig = Figure(figsize=(12, 4.8), layout="constrained")
+    attain_ax, goodput_ax = fig.subplots(1, 2)
+    policies = list(dict.fromkeys(p.policy for p in points))
+    for k, policy in enumerate(policies):
+        mine = sorted((p for p in points if p.policy == policy), key=lambda p: p.rate)
+        rates = [p.rate for p in mine]
+        style = {"marker": "o", "color": f"C{k % 10}", "label": policy}
+        attain_ax.plot(rates, [100.0 * p.report.overall.slo_attainment for p in mine], **style)
+        goodput_ax.plot(rates, [p.report.overall.goodput_rps for p in mine], **style)
+    attain_ax.set_ylabel("SLO attainment (%)")
+    attain_ax.set_ylim(0.0, 102.0)
+    goodput_ax.set_ylabel("goodput (requests/s meeting their SLO)")
+    goodput_ax.set_ylim(bottom=0.0)
+    for ax in (attain_ax, goodput_ax):
+        ax.set_xlabel("arrival rate (requests/s)")
+        ax.grid(alpha=0.3)
+        ax.legend(loc="best")
+    fig.suptitle(title)
+    fig.savefig(str(path), format="png", dpi=100)

@@ -1,0 +1,330 @@
+"""``slo-router simulate``: compare scheduling policies over arrival rates on a simulated fleet, in virtual time."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import math
+import sys
+from typing import Any, cast
+
+from bench.report import PlotUnavailableError
+from bench.sim_cluster import SimFleet
+from bench.sim_fleet import (
+    BUNDLED_PROFILES,
+    DEFAULT_PROFILE,
+    FleetError,
+    FleetSpec,
+    fleet_from_counts,
+    fleet_to_dict,
+    load_fleet,
+)
+from bench.sim_sweep import (
+    SLO_ADAPTIVE_PD,
+    PolicyChoice,
+    SweepPoint,
+    format_sweep_table,
+    open_loop,
+    plot_sweep,
+    policy_overrides,
+    run_sweep,
+    sweep_meta,
+    write_sweep_json,
+)
+from bench.workload import DEFAULT_WORKLOAD, WorkloadError, load_workload
+from predictor import ProfileError
+from router.config import SchedulerConfig
+from router.errors import ConfigError
+from router.policies import build_policy
+from router.registry import POLICIES
+from workers.sim_core import SimConfig
+
+DEFAULT_POLICIES = f"round-robin,random,least-requests,power-of-two,load-balance,slo,{SLO_ADAPTIVE_PD}"
+DEFAULT_RATES = "2,4,8"
+DEFAULT_NUM_REQUESTS = 1000
+DEFAULT_FLEET = (2, 2)  # prefill, decode
+
+#: SimConfig fields with a command-line flag (every fleet group starts from them).
+ENGINE_FLAGS = (
+    "max_num_batched_tokens",
+    "kv_capacity_tokens",
+    "block_size",
+    "max_model_len",
+    "max_num_seqs",
+    "max_waiting_requests",
+    "kv_bandwidth_gbps",
+    "kv_bytes_per_token",
+)
+
+#: Scheduler flags that select the policy: --policies replaces them.
+_POLICY_FLAGS = frozenset({"--scheduling-policy", "--enable-adaptive-pd", "--policy-config"})
+
+EPILOG = f"""\
+fleet (one of):
+  --prefill N --decode M     disaggregated: N prefill + M decode instances on --profile
+  --neutral K                K neutral instances (prefill and decode on one) on --profile
+  --fleet SPEC               groups ROLE=COUNT[:PROFILE], comma-separated, each with its own
+                             profile, e.g. prefill=4:qwen2.5-7b-2xv100-linear,decode=4:llama3-70b-4xh100-roofline
+  --fleet FILE.yaml|.json    groups with per-group engine knobs:
+                               engine: {{max_num_batched_tokens: 2048}}    # defaults for every group
+                               groups:
+                                 - {{role: prefill, count: 4, profile: qwen2.5-7b-2xv100-linear}}
+                                 - role: decode
+                                   count: 4
+                                   profile: path/to/profile-dir           # holds ttft.json + tpot.json
+                                   name: d-slow                           # instance ids d-slow-000, ...
+                                   engine: {{kv_capacity_tokens: 131072, noise: 0.05}}
+  default: --prefill {DEFAULT_FLEET[0]} --decode {DEFAULT_FLEET[1]} on {DEFAULT_PROFILE}
+  A PROFILE is a directory with ttft.json and tpot.json, or a bundled name under
+  {BUNDLED_PROFILES}. The router predicts each group with the group's own profile.
+  Engine knobs are the sim worker's (SimConfig fields): the "sim engine" flags set them for
+  every group, a fleet file may override any of them per group (speed_factor makes a group
+  run faster than the profile the router predicts it with: a mis-profiled group).
+  --print-fleet shows the resolved fleet.
+
+policies (--policies): a registered policy ({", ".join(POLICIES.names())}),
+  {SLO_ADAPTIVE_PD} (the slo policy with --enable-adaptive-pd: every instance may take
+  either role per request), or a policy YAML file (--policy-config format).
+
+workload: as for `slo-router bench --workload` (presets, class mixes, JSON/YAML files);
+  --rates sets the mean arrival rate of each run, the workload's burstiness (or --burstiness)
+  shapes the gaps, and a closed-loop workload is replayed as Poisson arrivals.
+
+what is simulated: the router's scheduling core places every request at its arrival on the
+  live load of the simulated instances (status pushed on every change, as the agents do);
+  each instance runs the sim engine model step by step in virtual time (continuous batching,
+  chunked prefill, KV blocks with preemption, step times from its profile); PD requests
+  prefill on P, hold the KV, move it to D at the KV bandwidth and decode there. A request
+  with no placement (e.g. slo predicts a miss everywhere) is rejected (RESOURCE_EXHAUSTED)
+  and misses its SLO. Not simulated: network/RPC latency besides the KV transfer, worker
+  failures and retries, EOS before max_tokens.
+
+output: a table per rate and policy; --output writes JSON {{"meta": ..., "results": [one object per
+  (policy, rate) with policy, rate, slo_attainment (0-1), goodput (req/s meeting their SLO),
+  ttft_p99_ms, tpot_p99_ms, and every other figure of `bench`]}}; --plot a PNG of attainment
+  and goodput against the rate. Same flags and seed give the same JSON.
+"""
+
+
+class _SkipFlags:
+    """Forwards ``add_argument`` to a parser or group, except for the flags in ``skip``."""
+
+    def __init__(self, target: argparse._ActionsContainer, skip: frozenset[str]) -> None:
+        self._target = target
+        self._skip = skip
+
+    def add_argument(self, *names: str, **kwargs: Any) -> argparse.Action | None:
+        if any(name in self._skip for name in names):
+            return None
+        return self._target.add_argument(*names, **kwargs)
+
+
+def register(subparsers: Any) -> None:
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "simulate",
+        help="compare scheduling policies over arrival rates on a simulated fleet, in virtual time",
+        description=(
+            "Replay a seeded workload on a simulated fleet with each policy and arrival rate, using the "
+            "router's own scheduling core and the sim worker's engine model in virtual time (no sockets, "
+            "no sleeping), and compare SLO attainment, goodput and latencies."
+        ),
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    fleet = parser.add_argument_group("fleet")
+    fleet.add_argument("--prefill", type=int, metavar="N", help="prefill instances (with --decode)")
+    fleet.add_argument("--decode", type=int, metavar="M", help="decode instances (with --prefill)")
+    fleet.add_argument(
+        "--neutral", type=int, metavar="K", help="neutral instances (instead of prefill/decode)"
+    )
+    fleet.add_argument(
+        "--profile",
+        default=DEFAULT_PROFILE,
+        metavar="DIR",
+        help="profile of --prefill/--decode/--neutral instances: a directory with ttft.json and tpot.json, "
+        "or a bundled name (default: %(default)s)",
+    )
+    fleet.add_argument(
+        "--fleet", metavar="SPEC", help="heterogeneous fleet: ROLE=COUNT[:PROFILE],... or a file"
+    )
+    fleet.add_argument("--print-fleet", action="store_true", help="print the resolved fleet as JSON and exit")
+    defaults = SimConfig()
+    docs = {f.name: str(f.metadata.get("doc", "")) for f in dataclasses.fields(SimConfig)}
+    engine = parser.add_argument_group("sim engine (every instance; a fleet file may override per group)")
+    for name in ENGINE_FLAGS:
+        default = getattr(defaults, name)
+        engine.add_argument(
+            "--" + name.replace("_", "-"),
+            type=type(default),
+            default=default,
+            metavar="N" if isinstance(default, int) else "X",
+            help=f"{docs[name]} (default: %(default)s)",
+        )
+
+    sweep = parser.add_argument_group("sweep")
+    sweep.add_argument(
+        "--policies",
+        default=DEFAULT_POLICIES,
+        metavar="P1,P2,...",
+        help="policies to compare (default: %(default)s)",
+    )
+    sweep.add_argument(
+        "--rates",
+        default=DEFAULT_RATES,
+        metavar="R1,R2,...",
+        help="mean arrival rates, req/s (default: %(default)s)",
+    )
+    sweep.add_argument(
+        "--workload",
+        default=DEFAULT_WORKLOAD,
+        metavar="SPEC",
+        help="preset, class mix or JSON/YAML file, as for `bench` (default: %(default)s)",
+    )
+    sweep.add_argument(
+        "--burstiness",
+        type=float,
+        metavar="B",
+        help="gamma shape of inter-arrival gaps (1 = Poisson, <1 burstier)",
+    )
+    sweep.add_argument(
+        "--num-requests",
+        type=int,
+        default=DEFAULT_NUM_REQUESTS,
+        metavar="N",
+        help="requests per run (default: %(default)s)",
+    )
+    sweep.add_argument(
+        "--seed", type=int, default=0, help="seed of the plan and the policies' RNG (default: %(default)s)"
+    )
+    sweep.add_argument("--output", metavar="FILE.json", help="write every figure of every run as JSON")
+    sweep.add_argument(
+        "--plot", metavar="FILE.png", help="write attainment and goodput vs rate (needs matplotlib)"
+    )
+    sweep.add_argument("--no-progress", action="store_true", help="do not report each run on stderr")
+
+    scheduler = parser.add_argument_group("scheduler (as for the router; --policies picks the policy)")
+    SchedulerConfig.add_arguments(cast(argparse.ArgumentParser, _SkipFlags(scheduler, _POLICY_FLAGS)))
+    parser.set_defaults(func=run)
+
+
+def _fleet(args: argparse.Namespace) -> FleetSpec:
+    engine = SimConfig(**{name: getattr(args, name) for name in ENGINE_FLAGS})
+    counts = (args.prefill, args.decode, args.neutral)
+    if args.fleet is not None:
+        if any(c is not None for c in counts):
+            raise FleetError("give --fleet, or --prefill/--decode/--neutral, not both")
+        return load_fleet(args.fleet, engine=engine)
+    if args.neutral is not None:
+        if args.prefill is not None or args.decode is not None:
+            raise FleetError("give --neutral K, or --prefill N with --decode M, not both")
+        return fleet_from_counts(neutral=args.neutral, profile=args.profile, engine=engine)
+    if (args.prefill is None) != (args.decode is None):
+        raise FleetError("--prefill and --decode go together (or use --neutral, or --fleet)")
+    prefill, decode = (args.prefill, args.decode) if args.prefill is not None else DEFAULT_FLEET
+    return fleet_from_counts(prefill=prefill, decode=decode, profile=args.profile, engine=engine)
+
+
+def parse_rates(text: str) -> list[float]:
+    """``R1,R2,...``: distinct finite rates > 0, in the order given."""
+    rates: list[float] = []
+    for part in text.split(","):
+        try:
+            rate = float(part)
+        except ValueError:
+            raise ValueError(f"--rates: {part.strip()!r} is not a number; write e.g. --rates 2,4,8") from None
+        if not (math.isfinite(rate) and rate > 0):
+            raise ValueError(f"--rates: every rate must be a finite number > 0, got {part.strip()!r}")
+        if rate in rates:
+            raise ValueError(f"--rates: {part.strip()} is listed twice")
+        rates.append(rate)
+    return rates
+
+
+def parse_policies(text: str, args: argparse.Namespace) -> list[PolicyChoice]:
+    """``P1,P2,...``: one scheduler config per policy, the other scheduler flags applied to each."""
+    choices: list[PolicyChoice] = []
+    for raw in text.split(","):
+        name = raw.strip()
+        if not name:
+            raise ValueError("--policies: empty policy name; write e.g. --policies round-robin,slo")
+        if any(c.label == name for c in choices):
+            raise ValueError(f"--policies: {name!r} is listed twice")
+        try:
+            config = SchedulerConfig.from_namespace(args, **policy_overrides(name))
+            build_policy(config)  # a policy file is read here, so its errors surface before any run
+        except ConfigError as exc:
+            raise ValueError(
+                f"--policies: {name!r}: {exc} (also accepted: {SLO_ADAPTIVE_PD}, or a policy .yaml file)"
+            ) from exc
+        choices.append(PolicyChoice(name, config))
+    return choices
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        spec = _fleet(args)
+    except (FleetError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.print_fleet:
+        print(json.dumps(fleet_to_dict(spec), indent=2))
+        return 0
+    try:
+        workload = open_loop(load_workload(args.workload), args.burstiness)
+        rates = parse_rates(args.rates)
+        policies = parse_policies(args.policies, args)
+        if args.num_requests < 1:
+            raise ValueError(f"--num-requests must be >= 1, got {args.num_requests}")
+        fleet = SimFleet(spec, profile_label=policies[0].config.profile_label)
+    except (WorkloadError, ProfileError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        print(
+            "error: --plot needs matplotlib: `pip install 'slo-router[plot]'` (or `pip install matplotlib`), "
+            "or drop --plot",
+            file=sys.stderr,
+        )
+        return 2
+
+    title = (
+        f"slo-router simulate: {spec.describe()}; workload {workload.name} "
+        f"({workload.arrival.describe().split(',')[0]}), {args.num_requests} requests per run, seed {args.seed}"
+    )
+    print(title, file=sys.stderr)
+
+    def progress(point: SweepPoint, done: int, total: int) -> None:
+        if args.no_progress:
+            return
+        speed = point.report.overall.requests / point.wall_s if point.wall_s > 0 else float("inf")
+        print(
+            f"[{done}/{total}] {point.policy} @ {point.rate:g} req/s: attainment "
+            f"{100.0 * point.report.overall.slo_attainment:.1f}%, {point.wall_s:.1f} s wall "
+            f"({speed:,.0f} simulated requests/s)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    try:
+        points = run_sweep(
+            fleet, workload, policies, rates, num_requests=args.num_requests, seed=args.seed, on_run=progress
+        )
+    except KeyboardInterrupt:
+        print("\ninterrupted; no report written", file=sys.stderr)
+        return 130
+    print(title)
+    print(format_sweep_table(points))
+    meta = sweep_meta(fleet, workload, policies, rates, num_requests=args.num_requests, seed=args.seed)
+    if args.output:
+        write_sweep_json(args.output, points, meta)
+        print(f"wrote {args.output}", file=sys.stderr)
+    if args.plot:
+        try:
+            plot_sweep(args.plot, points, title=title.removeprefix("slo-router simulate: "))
+        except PlotUnavailableError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        print(f"wrote {args.plot}", file=sys.stderr)
+    return 0
