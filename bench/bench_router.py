@@ -45,19 +45,22 @@ def _sampling(max_tokens: int) -> common_pb2.SamplingParams:
 StreamFn = Callable[[int, int], AsyncIterator[int]]
 
 
-async def _throughput(stream: StreamFn) -> tuple[float, int]:
+async def _throughput(stream: StreamFn) -> tuple[float, float]:
+    """Tokens/s over REQUESTS requests, STREAMS at a time; and tokens per message received."""
     gate = asyncio.Semaphore(STREAMS)
     tokens = 0
+    messages = 0
 
     async def one(i: int) -> None:
-        nonlocal tokens
+        nonlocal tokens, messages
         async with gate:
             async for n in stream(i, MAX_TOKENS):
                 tokens += n
+                messages += 1
 
     start = time.perf_counter()
     await asyncio.gather(*(one(i) for i in range(REQUESTS)))
-    return tokens / (time.perf_counter() - start), tokens
+    return tokens / (time.perf_counter() - start), tokens / max(messages, 1)
 
 
 async def _ttfts(stream: StreamFn) -> list[float]:
@@ -99,13 +102,16 @@ async def _measure(router_addr: str, worker_addrs: list[str], speed: float) -> N
 
     try:
         await _throughput(direct)  # warm-up: channels, caches
-        direct_tps, _ = await _throughput(direct)
-        router_tps, _ = await _throughput(via_router)
+        direct_tps, direct_batch = await _throughput(direct)
+        router_tps, router_batch = await _throughput(via_router)
         print(
             f"{STREAMS} concurrent streams, {REQUESTS} requests x {MAX_TOKENS} tokens, sim speed x{speed:g}:"
         )
-        print(f"  direct to workers : {direct_tps:9.0f} tokens/s")
-        print(f"  through the router: {router_tps:9.0f} tokens/s  (ratio {router_tps / direct_tps:.2f})")
+        print(f"  direct to workers : {direct_tps:9.0f} tokens/s  ({direct_batch:.2f} tokens/message)")
+        print(
+            f"  through the router: {router_tps:9.0f} tokens/s  ({router_batch:.2f} tokens/message)"
+            f"  ratio {router_tps / direct_tps:.2f}"
+        )
         direct_ttft = await _ttfts(direct)
         router_ttft = await _ttfts(via_router)
         d50, r50 = statistics.median(direct_ttft), statistics.median(router_ttft)
