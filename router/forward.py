@@ -95,6 +95,7 @@ def _merge(batch: list[worker_pb2.WorkerTokens]) -> worker_pb2.WorkerTokens:
         finished=last.finished,
         finish_reason=last.finish_reason,
         num_prompt_tokens=batch[0].num_prompt_tokens,
+        num_cached_prompt_tokens=max(m.num_cached_prompt_tokens for m in batch),
     )
 
 

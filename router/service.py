@@ -107,6 +107,8 @@ class _Progress:
     started: float
     tokens: list[int] = field(default_factory=list)
     route: Route | None = None
+    #: Prompt tokens the instance producing the tokens did not recompute (reported by the worker).
+    cached_prompt_tokens: int = 0
     first_token_at: float | None = None
     last_token_at: float | None = None
 
@@ -291,6 +293,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
             ttft_ms=(first - progress.started) * 1e3,
             tpot_ms=((last - first) / (n - 1) * 1e3) if n > 1 else 0.0,
             e2e_ms=(now - progress.started) * 1e3,
+            cached_prompt_tokens=progress.cached_prompt_tokens,
         )
 
     def _note_tokens(self, progress: _Progress, token_ids: Sequence[int]) -> None:
@@ -369,6 +372,9 @@ class RouterService(router_pb2_grpc.RouterServicer):
             if not message.token_ids and not message.finished:
                 continue
             self._note_tokens(progress, message.token_ids)
+            progress.cached_prompt_tokens = max(
+                progress.cached_prompt_tokens, message.num_cached_prompt_tokens
+            )
             first = router_pb2.GenerateResponse(
                 request_id=req.request_id,
                 token_ids=message.token_ids,
@@ -412,6 +418,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
             try:
                 async for message in stream:
                     self._note_tokens(progress, message.token_ids)
+                    if message.num_cached_prompt_tokens:
+                        progress.cached_prompt_tokens = message.num_cached_prompt_tokens
                     yield router_pb2.GenerateResponse(
                         request_id=req.request_id,
                         token_ids=message.token_ids,

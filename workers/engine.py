@@ -58,6 +58,8 @@ class TokenDelta:
     text: str = ""
     finished: bool = False
     finish_reason: str = ""  # "length" | "stop" | "abort"
+    #: Prompt tokens whose KV the engine did not compute (pulled or prefix-cached); first delta only.
+    num_cached_prompt_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -161,6 +161,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                         finished=delta.finished,
                         finish_reason=delta.finish_reason,
                         num_prompt_tokens=num_prompt_tokens if first or delta.finished else 0,
+                        num_cached_prompt_tokens=delta.num_cached_prompt_tokens,
                     )
                 )
                 first = False

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import enum
 import hashlib
 import logging
@@ -325,7 +326,11 @@ class SimEngine:
         stream = self._admit(
             request_id, prompt_token_ids, sampling, _Kind.DECODE, generated=generated_token_ids, cached=cached
         )
+        first = True
         async for delta in self._drain(stream):
+            if first and cached:
+                delta = dataclasses.replace(delta, num_cached_prompt_tokens=cached)
+            first = False
             yield delta
 
     async def abort(self, request_id: str) -> bool:

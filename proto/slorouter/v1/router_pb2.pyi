@@ -104,6 +104,7 @@ class Usage(_message.Message):
     TTFT_MS_FIELD_NUMBER: _builtins.int
     TPOT_MS_FIELD_NUMBER: _builtins.int
     E2E_MS_FIELD_NUMBER: _builtins.int
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     prompt_tokens: _builtins.int
     completion_tokens: _builtins.int
     ttft_ms: _builtins.float
@@ -111,6 +112,10 @@ class Usage(_message.Message):
     tpot_ms: _builtins.float
     """Mean over the decode phase."""
     e2e_ms: _builtins.float
+    cached_prompt_tokens: _builtins.int
+    """Prompt tokens the decode instance did not recompute (KV transferred from
+    the prefill instance, or prefix-cached there).
+    """
     def __init__(
         self,
         *,
@@ -119,10 +124,11 @@ class Usage(_message.Message):
         ttft_ms: _builtins.float = ...,
         tpot_ms: _builtins.float = ...,
         e2e_ms: _builtins.float = ...,
+        cached_prompt_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["completion_tokens", b"completion_tokens", "e2e_ms", b"e2e_ms", "prompt_tokens", b"prompt_tokens", "tpot_ms", b"tpot_ms", "ttft_ms", b"ttft_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_prompt_tokens", b"cached_prompt_tokens", "completion_tokens", b"completion_tokens", "e2e_ms", b"e2e_ms", "prompt_tokens", b"prompt_tokens", "tpot_ms", b"tpot_ms", "ttft_ms", b"ttft_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -61,12 +61,17 @@ class WorkerTokens(_message.Message):
     FINISHED_FIELD_NUMBER: _builtins.int
     FINISH_REASON_FIELD_NUMBER: _builtins.int
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    NUM_CACHED_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     text: _builtins.str
     finished: _builtins.bool
     finish_reason: _builtins.str
     """"length" | "stop" | "abort" """
     num_prompt_tokens: _builtins.int
+    num_cached_prompt_tokens: _builtins.int
+    """Prompt tokens whose KV this instance did not compute itself (pulled from
+    the prefill instance or found in its prefix cache); on the first message.
+    """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
@@ -78,10 +83,11 @@ class WorkerTokens(_message.Message):
         finished: _builtins.bool = ...,
         finish_reason: _builtins.str = ...,
         num_prompt_tokens: _builtins.int = ...,
+        num_cached_prompt_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "finished", b"finished", "num_prompt_tokens", b"num_prompt_tokens", "request_id", b"request_id", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "finished", b"finished", "num_cached_prompt_tokens", b"num_cached_prompt_tokens", "num_prompt_tokens", b"num_prompt_tokens", "request_id", b"request_id", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

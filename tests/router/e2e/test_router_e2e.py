@@ -214,3 +214,12 @@ async def test_unmeetable_slo_is_resource_exhausted() -> None:
             await collect(cluster.stub, generate_request(2000, 4, ttft_ms=1.0))
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "prefill" in (info.value.details() or "")
+
+
+async def test_pd_usage_reports_the_prompt_tokens_the_decode_side_pulled() -> None:
+    async with embedded_cluster(prefill=1, decode=1) as cluster:
+        result = await collect(cluster.stub, generate_request(200, 6))
+        assert result.last.usage.cached_prompt_tokens == 200
+    async with embedded_cluster(neutral=1) as cluster:
+        result = await collect(cluster.stub, generate_request(200, 6))
+        assert result.last.usage.cached_prompt_tokens == 0

@@ -1,0 +1,241 @@
+"""The vLLM worker's throughput through the Worker service, next to vLLM's ``AsyncLLM`` driven directly.
+
+Both sides run the same tiny random model (:mod:`workers.vllm_tiny_model`)
+with the same engine settings and the same workload: ``C`` concurrent
+streams, each running requests of a 64-token prompt and 128 output tokens
+(``ignore_eos``). "direct" calls ``AsyncLLM.generate`` in this process
+(token-id prompts, delta outputs); "worker" is ``slo-router worker --engine
+vllm`` in a subprocess, driven over gRPC from this process. The ratio
+worker/direct is what the wrapper (engine adapter, gRPC service and client)
+costs; on a small CPU host the client shares the cores with the engine, so
+the ratio includes its CPU time.
+
+Both engines start together and the two sides take turns, two rounds, best
+round kept: other load on the machine then hits both sides alike.
+
+``make bench`` runs :func:`main` in the main environment; the measuring
+itself runs in the vLLM environment (``.venv-vllm``, ``make vllm-venv``).
+Figures only, no assertions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+#: (concurrent streams, requests per stream)
+WORKLOAD: tuple[tuple[int, int], ...] = ((1, 4), (16, 2), (64, 1))
+ROUNDS = 2
+PROMPT_TOKENS = 64
+OUTPUT_TOKENS = 128
+MAX_MODEL_LEN = 1024
+MAX_NUM_SEQS = 64
+
+OneRequest = Callable[[int], Awaitable[tuple[int, float]]]
+
+
+@dataclass(frozen=True)
+class Figures:
+    concurrency: int
+    requests: int
+    tokens: int
+    seconds: float
+    ttft_p50_ms: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def _prompt(i: int) -> list[int]:
+    # Distinct prompts (no prefix-cache reuse), word ids of the tiny vocabulary.
+    return [4 + (i * 7919 + j * 104729) % 996 for j in range(PROMPT_TOKENS)]
+
+
+async def _measure(one_request: OneRequest, concurrency: int, per_stream: int, first_index: int) -> Figures:
+    ttfts: list[float] = []
+    tokens: list[int] = []
+
+    async def stream(first: int) -> None:
+        for k in range(per_stream):
+            n, ttft = await one_request(first + k)
+            tokens.append(n)
+            ttfts.append(ttft)
+
+    start = time.perf_counter()
+    await asyncio.gather(*(stream(first_index + s * per_stream) for s in range(concurrency)))
+    elapsed = time.perf_counter() - start
+    return Figures(
+        concurrency, concurrency * per_stream, sum(tokens), elapsed, statistics.median(ttfts) * 1000
+    )
+
+
+def _direct_requests(llm: Any) -> OneRequest:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+
+    params = SamplingParams(
+        max_tokens=OUTPUT_TOKENS, temperature=0.0, ignore_eos=True, output_kind=RequestOutputKind.DELTA
+    )
+
+    async def one(i: int) -> tuple[int, float]:
+        start = time.perf_counter()
+        ttft = 0.0
+        n = 0
+        async for out in llm.generate(TokensPrompt(prompt_token_ids=_prompt(i)), params, f"direct-{i}"):
+            if n == 0:
+                ttft = time.perf_counter() - start
+            n += len(out.outputs[0].token_ids)
+        return n, ttft
+
+    return one
+
+
+def _worker_requests(stub: Any) -> OneRequest:
+    from slorouter.v1 import common_pb2, worker_pb2
+
+    sampling = common_pb2.SamplingParams(max_tokens=OUTPUT_TOKENS, ignore_eos=True)
+
+    async def one(i: int) -> tuple[int, float]:
+        start = time.perf_counter()
+        ttft = 0.0
+        n = 0
+        request = worker_pb2.WorkerGenerateRequest(
+            request_id=f"worker-{i}", prompt_token_ids=_prompt(i), sampling=sampling
+        )
+        async for msg in stub.Generate(request, timeout=120):
+            if n == 0:
+                ttft = time.perf_counter() - start
+            n += len(msg.token_ids)
+        return n, ttft
+
+    return one
+
+
+async def _compare(model: Path, log_dir: Path) -> None:
+    """Both halves, in the vLLM environment: start both engines, then alternate the measurements."""
+    import grpc
+    from slorouter.v1 import worker_pb2_grpc
+
+    from workers import vllm_env
+    from workers.vllm_process import VllmWorkerProcess
+
+    vllm_env.apply_defaults()
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    started = time.perf_counter()
+    flags = ["--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager"]
+    worker = VllmWorkerProcess(model, log_dir / "worker.log", [*flags, "--max-num-seqs", str(MAX_NUM_SEQS)])
+    llm: Any = None
+    try:
+        engine_args = AsyncEngineArgs(
+            model=str(model),
+            dtype="float32",
+            max_model_len=MAX_MODEL_LEN,
+            enforce_eager=True,
+            max_num_seqs=MAX_NUM_SEQS,
+        )
+        llm = await asyncio.to_thread(AsyncLLM.from_engine_args, engine_args)
+        address = await asyncio.to_thread(worker.wait_ready)
+        print(f"both engines ready after {time.perf_counter() - started:.0f} s", flush=True)
+        async with grpc.aio.insecure_channel(address) as channel:
+            sides = {
+                "direct": _direct_requests(llm),
+                "worker": _worker_requests(worker_pb2_grpc.WorkerStub(channel)),
+            }
+            for one in sides.values():
+                await one(10**6)  # warm-up
+            best: dict[tuple[str, int], Figures] = {}
+            index = 0
+            for _ in range(ROUNDS):
+                for concurrency, per_stream in WORKLOAD:
+                    for side, one in sides.items():
+                        figures = await _measure(one, concurrency, per_stream, index)
+                        index += concurrency * per_stream
+                        key = (side, concurrency)
+                        if key not in best or figures.tokens_per_s > best[key].tokens_per_s:
+                            best[key] = figures
+    finally:
+        worker.terminate()  # both shut down at once
+        if llm is not None:
+            llm.shutdown()
+        worker.stop()
+    print(
+        f"workload: {PROMPT_TOKENS}-token prompts, {OUTPUT_TOKENS} output tokens, tiny Llama (float32, "
+        f"eager, max_num_seqs {MAX_NUM_SEQS}); best of {ROUNDS} alternating rounds"
+    )
+    print(
+        f"{'streams':>7} {'requests':>8} | {'direct tok/s':>12} {'TTFT p50':>9} | "
+        f"{'worker tok/s':>12} {'TTFT p50':>9} | {'worker/direct':>13}"
+    )
+    for concurrency, _ in WORKLOAD:
+        d, w = best[("direct", concurrency)], best[("worker", concurrency)]
+        ratio = w.tokens_per_s / d.tokens_per_s if d.tokens_per_s else float("nan")
+        print(
+            f"{concurrency:>7} {d.requests:>8} | {d.tokens_per_s:>12.0f} {d.ttft_p50_ms:>7.1f}ms | "
+            f"{w.tokens_per_s:>12.0f} {w.ttft_p50_ms:>7.1f}ms | {ratio:>13.2f}"
+        )
+
+
+def _compare_main(model: str, log_dir: str) -> int:
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(_compare(Path(model), Path(log_dir)))
+    else:
+        uvloop.run(_compare(Path(model), Path(log_dir)))
+    return 0
+
+
+def main() -> None:
+    """``make bench``: build the tiny model and run :func:`_compare` in the vLLM environment."""
+    from workers.vllm_env import subprocess_env
+    from workers.vllm_process import MISSING_VENV_HINT, REPO, VLLM_PYTHON, build_tiny_model, vllm_env_ready
+
+    if not vllm_env_ready():
+        print(f"skipped: {MISSING_VENV_HINT}")
+        return
+    # Other work on the machine skews the figures; say how busy it was.
+    print(f"load average before: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs", flush=True)
+    with tempfile.TemporaryDirectory(prefix="bench-vllm-") as tmp:
+        root = Path(tmp)
+        model = build_tiny_model(root / "model")
+        proc = subprocess.run(
+            [str(VLLM_PYTHON), "-m", "bench.bench_vllm", "--model", str(model), "--log-dir", str(root)],
+            cwd=REPO,
+            env=subprocess_env({"HF_HUB_OFFLINE": "1"}),
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        # vLLM logs to stdout; the figures are the lines this module printed.
+        ours = [
+            line for line in proc.stdout.splitlines() if not line.startswith(("(", "INFO", "WARNING", "["))
+        ]
+        print("\n".join(ours))
+        if proc.returncode != 0:
+            print(f"the vLLM benchmark failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--model", help="run the comparison on this model directory (in the vLLM environment)"
+    )
+    parser.add_argument("--log-dir", default=".", help="where the worker's log goes")
+    cli = parser.parse_args()
+    if cli.model:
+        sys.exit(_compare_main(cli.model, cli.log_dir))
+    main()

@@ -1,0 +1,46 @@
+"""Environment variables of the ``vllm`` backend: the one place that reads or sets them.
+
+vLLM takes part of its configuration from the environment (``VLLM_CPU_*`` on
+CPU hosts). :func:`apply_defaults` fills in the values this project relies on
+before vLLM is imported; anything the operator exported wins. Test helpers and
+benchmarks that start vLLM workers as subprocesses build their environment
+with :func:`subprocess_env` instead of reading ``os.environ`` themselves.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+#: Defaults for vLLM's own variables; an exported value is never overridden.
+VLLM_ENV_DEFAULTS: Mapping[str, str] = {
+    # GiB of KV cache per CPU engine. vLLM's CPU default (4 GiB) would put two
+    # engines plus the test suite beyond what a small CI machine has.
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    # vLLM's usage-stats reporter would try to reach the network.
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    # Progress bars of transformers/huggingface_hub in worker logs are noise.
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def apply_defaults(environ: dict[str, str] | None = None) -> None:
+    """Set every :data:`VLLM_ENV_DEFAULTS` entry that is not already set (in ``os.environ`` by default).
+
+    Call before importing vLLM: some of its modules read the environment at
+    import time, and its engine processes inherit the parent's environment.
+    """
+    target = os.environ if environ is None else environ
+    for key, value in VLLM_ENV_DEFAULTS.items():
+        target.setdefault(key, value)
+
+
+def subprocess_env(overrides: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment for a child process running vLLM: ours, plus the defaults, plus ``overrides``."""
+    env = dict(os.environ)
+    apply_defaults(env)
+    if overrides:
+        env.update(overrides)
+    return env

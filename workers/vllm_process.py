@@ -1,0 +1,161 @@
+"""Run ``slo-router worker --engine vllm`` as a child process of a process that has no vLLM.
+
+vLLM lives in its own environment (``.venv-vllm``, made by ``make
+vllm-venv``); the tests and ``make bench`` run in the main one and start
+vLLM workers from there. :class:`VllmWorkerProcess` starts one, finds its
+address in its output, and stops it (and vLLM's engine processes with it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from workers import vllm_env
+
+#: The repository this package is installed from (editable installs only).
+REPO = Path(__file__).resolve().parent.parent
+#: Where ``make vllm-venv`` puts the vLLM environment.
+VLLM_VENV = REPO / ".venv-vllm"
+VLLM_PYTHON = VLLM_VENV / "bin" / "python"
+VLLM_SLO_ROUTER = VLLM_VENV / "bin" / "slo-router"
+MISSING_VENV_HINT = (
+    f"{VLLM_VENV} is missing or incomplete: run `make vllm-venv` (make test and make bench do it)"
+)
+
+_LISTENING = re.compile(r"worker listening on (\S+)")
+
+
+def vllm_env_ready() -> bool:
+    """True when the vLLM environment exists and has this project installed."""
+    return VLLM_SLO_ROUTER.exists() and VLLM_PYTHON.exists()
+
+
+def build_tiny_model(out_dir: Path, timeout_s: float = 120.0) -> Path:
+    """Write the tiny test model (:mod:`workers.vllm_tiny_model`) into ``out_dir`` using the vLLM environment."""
+    proc = subprocess.run(
+        [str(VLLM_PYTHON), "-m", "workers.vllm_tiny_model", str(out_dir)],
+        cwd=REPO,
+        env=vllm_env.subprocess_env({"HF_HUB_OFFLINE": "1"}),
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"building the tiny model failed:\n{proc.stdout}\n{proc.stderr}")
+    return out_dir
+
+
+class VllmWorkerProcess:
+    """``slo-router worker --engine vllm --model MODEL ARGS...`` from the vLLM environment.
+
+    Its output (vLLM logs to stdout) goes to ``log_path``; :meth:`wait_ready`
+    reads the worker's address from its "worker listening on ..." line. The
+    worker gets its own session so :meth:`stop` can also end vLLM's engine
+    processes should the worker hang.
+    """
+
+    def __init__(
+        self,
+        model: str | Path,
+        log_path: Path,
+        args: Sequence[str] = (),
+        *,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        if not vllm_env_ready():
+            raise RuntimeError(MISSING_VENV_HINT)
+        self.log_path = log_path
+        self.address = ""
+        self._terminated = False
+        cmd = [
+            str(VLLM_SLO_ROUTER),
+            "worker",
+            "--engine",
+            "vllm",
+            "--model",
+            str(model),
+            "--listen",
+            "127.0.0.1:0",
+            "--shutdown-grace-s",
+            "1",
+            *args,
+        ]
+        overrides = {"HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+        overrides.update(env or {})
+        self._log = log_path.open("wb")
+        self.proc = subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            env=vllm_env.subprocess_env(overrides),
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def log_tail(self, lines: int = 60) -> str:
+        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def wait_ready(self, timeout_s: float = 150.0) -> str:
+        """The worker's ``host:port`` once it serves; RuntimeError (with its log) if it exits or times out."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            match = _LISTENING.search(self.log_path.read_text(errors="replace"))
+            if match:
+                self.address = match.group(1)
+                return self.address
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM worker exited with {self.proc.returncode}:\n{self.log_tail()}")
+            time.sleep(0.2)
+        raise RuntimeError(f"vLLM worker not ready within {timeout_s} s:\n{self.log_tail()}")
+
+    def terminate(self) -> None:
+        """Ask the worker to shut down gracefully (SIGTERM, once); see :meth:`stop`."""
+        # A second SIGTERM would arrive after the worker restored the default
+        # handler for its shutdown and kill it midway.
+        if not self._terminated and self.proc.poll() is None:
+            self._terminated = True
+            self.proc.send_signal(signal.SIGTERM)
+
+    def stop(self, timeout_s: float = 30.0) -> int:
+        """SIGTERM and wait; SIGKILL the worker's process group if it does not exit in time. Its exit code."""
+        self.terminate()
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+        # vLLM's engine processes follow their parent; make sure none is left behind.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self._log.close()
+        return self.proc.returncode
+
+
+def start_workers(
+    specs: Sequence[tuple[str | Path, Path, Sequence[str]]], timeout_s: float = 150.0
+) -> list[VllmWorkerProcess]:
+    """Start several workers at once (their start-up overlaps) and wait until all serve."""
+    workers = [VllmWorkerProcess(model, log, args) for model, log, args in specs]
+    try:
+        for w in workers:
+            w.wait_ready(timeout_s)
+    except BaseException:
+        stop_workers(workers)
+        raise
+    return workers
+
+
+def stop_workers(workers: Sequence[VllmWorkerProcess], timeout_s: float = 30.0) -> list[int]:
+    """Stop several workers in parallel; their exit codes."""
+    for w in workers:
+        w.terminate()
+    return [w.stop(timeout_s) for w in workers]
