@@ -91,7 +91,8 @@ def measure(n: int, adaptive: bool, lp: LatencyPredictor, decisions: int) -> tup
 
 def table_build_ms(n: int) -> tuple[float, float]:
     """Median cost of the per-snapshot columns: a first snapshot, and a new one with the same metadata."""
-    first, again = [], []
+    first: list[float] = []
+    again: list[float] = []
     for seed in range(5):
         scheduler = Scheduler(SchedulerConfig(), None, random.Random(1))
         snapshots = [fleet(n, seed=seed), fleet(n, seed=seed + 100)]
