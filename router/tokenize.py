@@ -23,7 +23,7 @@ class HfTokenizer:
     """A Hugging Face ``tokenizer.json`` loaded with the ``tokenizers`` package."""
 
     def __init__(self, path: str | Path) -> None:
-        from tokenizers import Tokenizer as _HfTokenizer  # imported here: optional dependency
+        from tokenizers import Tokenizer as _HfTokenizer  # imported only when --tokenizer is given
 
         file = Path(path)
         if file.is_dir():
