@@ -13,7 +13,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import grpc
 from slorouter.v1 import common_pb2, worker_pb2
@@ -84,6 +84,10 @@ class LegLedger:
     endpoints: set[str] = field(default_factory=set)
 
 
+#: The end-of-stream marker ``call.read()`` returns (missing from the type stubs).
+_EOF: object = grpc.aio.EOF  # type: ignore[attr-defined]
+
+
 def _merge(batch: list[worker_pb2.WorkerTokens]) -> worker_pb2.WorkerTokens:
     if len(batch) == 1:
         return batch[0]
@@ -111,6 +115,15 @@ async def _coalesced(
     at most the request's own tokens. Tokens that arrived before an upstream
     failure are delivered before the failure is raised.
     """
+    # The first message goes straight through: no reader task yet, nothing to merge (TTFT path).
+    first = await call.read()
+    if first is _EOF:
+        return
+    assert isinstance(first, worker_pb2.WorkerTokens)
+    yield first
+    if first.finished:
+        return
+
     pending: list[worker_pb2.WorkerTokens] = []
     ready = asyncio.Event()
     done = False
@@ -119,8 +132,8 @@ async def _coalesced(
     async def pump() -> None:
         nonlocal done, failure
         try:
-            async for message in call:
-                pending.append(message)
+            while (message := await call.read()) is not _EOF:
+                pending.append(cast(worker_pb2.WorkerTokens, message))
                 ready.set()
         except grpc.aio.AioRpcError as exc:
             failure = exc
