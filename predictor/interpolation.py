@@ -24,6 +24,10 @@ import numpy.typing as npt
 
 FloatArray = npt.NDArray[np.float64]
 
+# 0-d operands: a ufunc resolves them faster than a Python float, with the same values.
+_ZERO = np.array(0.0)
+_ONE = np.array(1.0)
+
 
 @dataclass(frozen=True)
 class _Axis:
@@ -32,7 +36,10 @@ class _Axis:
     A point's cell is the number of *inner* samples (all but the first and
     the last) at or below it, which is the index of the cell's lower sample
     clamped to the first and last cell, so points outside the range land in
-    a boundary cell with a weight below 0 or above 1.
+    a boundary cell with a weight below 0 or above 1: cell ``lo =
+    searchsorted(inner, x, "right")`` (``bisect_right`` for one point), weight
+    ``(x - lower[lo]) / width[lo]``. The grids inline this lookup (it is
+    evaluated per decision on the router's hot path).
     """
 
     inner: FloatArray
@@ -48,14 +55,6 @@ class _Axis:
         lower = np.ascontiguousarray(axis[:-1])
         width = np.diff(axis)
         return cls(inner, lower, width, inner.tolist(), lower.tolist(), width.tolist())
-
-    def cell(self, x: FloatArray) -> tuple[npt.NDArray[np.intp], FloatArray]:
-        lo = self.inner.searchsorted(x, "right")
-        return lo, (x - self.lower[lo]) / self.width[lo]
-
-    def cell_at(self, x: float) -> tuple[int, float]:
-        lo = bisect_right(self.inner_list, x)
-        return lo, (x - self.lower_list[lo]) / self.width_list[lo]
 
 
 def _clamp0(y: float) -> float:
@@ -92,21 +91,33 @@ class Grid1D:
         object.__setattr__(self, "_y1_list", y1.tolist())
 
     def __call__(self, x: npt.ArrayLike) -> FloatArray:
-        xa = np.asarray(x, dtype=np.float64)
+        xa = x if type(x) is np.ndarray and x.dtype == np.float64 else np.asarray(x, dtype=np.float64)
         axis = self._axis
         if axis is None:
             return np.broadcast_to(np.maximum(self.ys[0], 0.0), xa.shape).astype(np.float64)
-        lo, w = axis.cell(xa)
-        y = self._y0[lo] * (1.0 - w) + self._y1[lo] * w
-        return np.asarray(np.maximum(y, 0.0), dtype=np.float64)
+        if xa.ndim == 0:
+            return self(xa.reshape(1)).reshape(())
+        # The router calls this per decision on small arrays, where every numpy call costs more
+        # than its arithmetic: the cell lookup is inlined and temporaries are updated in place
+        # (the same operations in the same order as ``at``).
+        lo = axis.inner.searchsorted(xa, "right")
+        w = xa - axis.lower[lo]
+        w /= axis.width[lo]
+        y = self._y0[lo] * (_ONE - w)
+        w *= self._y1[lo]
+        y += w
+        clamped: FloatArray = np.maximum(y, _ZERO, out=y)
+        return clamped
 
     def at(self, x: float) -> float:
         """The value at one point, as a Python float (same result as ``float(self(x))``)."""
         axis = self._axis
         if axis is None:
             return _clamp0(self._y0_list[0])
-        lo, w = axis.cell_at(x)
-        return _clamp0(self._y0_list[lo] * (1.0 - w) + self._y1_list[lo] * w)
+        lo = bisect_right(axis.inner_list, x)
+        w = (x - axis.lower_list[lo]) / axis.width_list[lo]
+        y = self._y0_list[lo] * (1.0 - w) + self._y1_list[lo] * w
+        return y if (y > 0.0 or y != y) else 0.0
 
 
 @dataclass(frozen=True)
@@ -157,37 +168,68 @@ class Grid2D:
             object.__setattr__(self, "_y_axis", _Axis.of(np.asarray(self.ys, dtype=np.float64)))
 
     def __call__(self, x: npt.ArrayLike, y: npt.ArrayLike) -> FloatArray:
-        xa = np.asarray(x, dtype=np.float64)
-        ya = np.asarray(y, dtype=np.float64)
+        xa = x if type(x) is np.ndarray and x.dtype == np.float64 else np.asarray(x, dtype=np.float64)
+        ya = y if type(y) is np.ndarray and y.dtype == np.float64 else np.asarray(y, dtype=np.float64)
         if xa.shape != ya.shape:
             xa, ya = np.broadcast_arrays(xa, ya)
+        if xa.ndim == 0:
+            return self(xa.reshape(1), ya.reshape(1)).reshape(())
+        # As in Grid1D.__call__: cell lookups inlined, temporaries updated in place, and
+        # z00 * (ux * uy) + z01 * (ux * wy) + z10 * (wx * uy) + z11 * (wx * wy) summed in that order.
         z00, z01, z10, z11 = self._corners
-        if self._x_axis is not None:
-            i, wx = self._x_axis.cell(xa)
+        x_axis = self._x_axis
+        if x_axis is not None:
+            i = x_axis.inner.searchsorted(xa, "right")
+            wx = xa - x_axis.lower[i]
+            wx /= x_axis.width[i]
         else:
             i, wx = np.zeros(xa.shape, dtype=np.intp), np.zeros(xa.shape)
-        if self._y_axis is not None:
-            j, wy = self._y_axis.cell(ya)
-            cell = self._row_start[i] + j if self._ny_cells > 1 else i
+        y_axis = self._y_axis
+        if y_axis is not None:
+            j = y_axis.inner.searchsorted(ya, "right")
+            wy = ya - y_axis.lower[j]
+            wy /= y_axis.width[j]
+            if self._ny_cells > 1:
+                cell = self._row_start[i]
+                cell += j
+            else:
+                cell = i
         else:
             cell, wy = i, np.zeros(ya.shape)
-        ux = 1.0 - wx
-        uy = 1.0 - wy
-        z = z00[cell] * (ux * uy) + z01[cell] * (ux * wy) + z10[cell] * (wx * uy) + z11[cell] * (wx * wy)
-        return np.asarray(np.maximum(z, 0.0), dtype=np.float64)
+        ux = _ONE - wx
+        uy = _ONE - wy
+        z = ux * uy
+        z *= z00[cell]
+        ux *= wy
+        ux *= z01[cell]
+        z += ux
+        uy *= wx
+        uy *= z10[cell]
+        z += uy
+        wx *= wy
+        wx *= z11[cell]
+        z += wx
+        clamped: FloatArray = np.maximum(z, _ZERO, out=z)
+        return clamped
 
     def at(self, x: float, y: float) -> float:
         """The value at one point, as a Python float (same result as ``float(self(x, y))``)."""
         z00, z01, z10, z11 = self._corner_lists
-        if self._x_axis is not None:
-            i, wx = self._x_axis.cell_at(x)
+        # _clamp0 is inlined: this is a hot path too.
+        x_axis = self._x_axis
+        if x_axis is not None:
+            i = bisect_right(x_axis.inner_list, x)
+            wx = (x - x_axis.lower_list[i]) / x_axis.width_list[i]
         else:
             i, wx = 0, 0.0
-        if self._y_axis is not None:
-            j, wy = self._y_axis.cell_at(y)
+        y_axis = self._y_axis
+        if y_axis is not None:
+            j = bisect_right(y_axis.inner_list, y)
+            wy = (y - y_axis.lower_list[j]) / y_axis.width_list[j]
         else:
             j, wy = 0, 0.0
         c = i * self._ny_cells + j
         ux = 1.0 - wx
         uy = 1.0 - wy
-        return _clamp0(z00[c] * (ux * uy) + z01[c] * (ux * wy) + z10[c] * (wx * uy) + z11[c] * (wx * wy))
+        z = z00[c] * (ux * uy) + z01[c] * (ux * wy) + z10[c] * (wx * uy) + z11[c] * (wx * wy)
+        return z if (z > 0.0 or z != z) else 0.0

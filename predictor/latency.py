@@ -28,6 +28,11 @@ FloatArray = npt.NDArray[np.float64]
 
 _SCALAR_TYPES = (int, float, np.integer, np.floating)
 
+# 0-d operands: a ufunc resolves them faster than a Python float, with the same values.
+_ZERO = np.array(0.0)
+_ONE = np.array(1.0)
+_MIN_TPR = np.array(MIN_TOKENS_PER_REQUEST)
+
 
 def _as_float_arrays(*args: npt.ArrayLike) -> list[FloatArray]:
     arrays = [np.asarray(a, dtype=np.float64) for a in args]
@@ -76,10 +81,10 @@ class LatencyPredictor:
     def decode_step_ms(self, decode_requests: FloatArray, decode_tokens: FloatArray) -> FloatArray:
         """:meth:`predict_tpot_ms` for two ``float64`` arrays of the same shape (no checks)."""
         d, t = decode_requests, decode_tokens
-        active = (d > 0) & (t > 0)
-        safe_d = np.where(active, d, 1.0)
-        per_request = np.maximum(t / safe_d, MIN_TOKENS_PER_REQUEST)
-        return np.where(active, self.tpot_profile.grid(safe_d, per_request), 0.0)
+        active = (d > _ZERO) & (t > _ZERO)
+        safe_d = np.where(active, d, _ONE)
+        per_request = np.maximum(t / safe_d, _MIN_TPR)
+        return np.where(active, self.tpot_profile.grid(safe_d, per_request), _ZERO)
 
     def busy_decode_step_ms(self, decode_requests: FloatArray, decode_tokens: FloatArray) -> FloatArray:
         """:meth:`decode_step_ms` when every ``decode_requests`` and ``decode_tokens`` is > 0 (not checked).
@@ -87,9 +92,7 @@ class LatencyPredictor:
         The same values with fewer array operations (the router's hot path: a
         batch that includes the new request is never empty).
         """
-        return self.tpot_profile.grid(
-            decode_requests, np.maximum(decode_tokens / decode_requests, MIN_TOKENS_PER_REQUEST)
-        )
+        return self.tpot_profile.grid(decode_requests, np.maximum(decode_tokens / decode_requests, _MIN_TPR))
 
     def _tpot_at(self, d: float, t: float) -> float:
         if not (d > 0 and t > 0):
@@ -185,7 +188,7 @@ class LatencyPredictor:
         p, m = prefill_tokens, max_num_batched_tokens
         full_chunks = np.floor_divide(p, m)
         remainder = p - full_chunks * m
-        tail_cost = np.where(remainder > 0, self.ttft_profile.grid(remainder) + decode_step_ms, 0.0)
+        tail_cost = np.where(remainder > _ZERO, self.ttft_profile.grid(remainder) + decode_step_ms, _ZERO)
         result: FloatArray = full_chunks * full_step_ms + tail_cost
         return result
 

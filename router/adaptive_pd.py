@@ -40,11 +40,13 @@ class ReserveElection:
     def __init__(self) -> None:
         #: model -> (reserved prefill id, reserved decode id)
         self.reserved: dict[str, tuple[str | None, str | None]] = {}
+        # Reserves rarely change: one Reserves object per pair of indices.
+        self._reserves: dict[tuple[int, int], Reserves] = {}
 
     def prepare(self, ctx: DecisionContext) -> None:
         table = ctx.view.instances
         model = ctx.request.model if ctx.request is not None else ""
-        usable = ctx.usable() & table.model_mask(model)
+        usable = ctx.usable() & table.model_mask(model) if model else ctx.usable()
         held = self.reserved.get(model, (None, None))
         prefill = _still_usable(table, usable, held[0])
         decode = _still_usable(table, usable, held[1])
@@ -54,7 +56,12 @@ class ReserveElection:
             decode = self._elect(ctx, usable, prefill, decode=True)
         if prefill < 0:
             prefill = self._elect(ctx, usable, decode, decode=False)
-        ctx.reserves = Reserves(prefill=prefill, decode=decode)
+        reserves = self._reserves.get((prefill, decode))
+        if reserves is None:
+            if len(self._reserves) > 64:
+                self._reserves.clear()
+            reserves = self._reserves[(prefill, decode)] = Reserves(prefill=prefill, decode=decode)
+        ctx.reserves = reserves
         ids = (table.ids[prefill] if prefill >= 0 else None, table.ids[decode] if decode >= 0 else None)
         if ids != held:
             ctx.on_commit(lambda: self.reserved.__setitem__(model, ids))

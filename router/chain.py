@@ -130,28 +130,19 @@ def run(policy: Policy, ctx: DecisionContext, now_s: float) -> Decision:
         prefill = decode = choices[Stage.NEUTRAL]
     else:
         prefill, decode = choices.get(Stage.PREFILL), choices.get(Stage.DECODE)
-    return Decision(
-        request_id=request.request_id,
-        mode=plan.mode,
-        policy=policy.name,
-        prefill=prefill,
-        decode=decode,
-        decided_at_s=now_s,
-        outcomes=tuple(outcomes),
-        context=ctx,
-    )
+    return Decision(request.request_id, plan.mode, policy.name, prefill, decode, now_s, tuple(outcomes), ctx)
 
 
 def _choice(ctx: DecisionContext, outcome: StageOutcome) -> Choice:
     i = outcome.selected
     table = ctx.view.instances
     return Choice(
-        instance_id=table.ids[i],
-        endpoint=table.endpoints[i],
-        stage=outcome.stage,
-        predicted_ttft_ms=ctx.metric_at("predicted_ttft", i),
-        predicted_tpot_ms=ctx.metric_at("predicted_tpot", i),
-        fallback_pass=outcome.fallback_pass,
+        table.ids[i],
+        table.endpoints[i],
+        outcome.stage,
+        ctx.metric_at("predicted_ttft", i),
+        ctx.metric_at("predicted_tpot", i),
+        outcome.fallback_pass,
     )
 
 
@@ -171,46 +162,48 @@ def _evaluate(
                 keep[i] = False
         keeps.append(keep)
         labels, relax = (EXCLUDED, *labels), (0, *relax)
-    marked: BoolArray | None = None
+    no_marks = ctx.view.instances.all_false()
+    marked = no_marks
     for f in spec.filters:
         keep, mark = f.apply(ctx)
         keeps.append(keep)
-        if mark is not None:
-            marked = mark if marked is None else marked | mark
-    if spec.global_filters:
-        marks = marked if marked is not None else np.zeros(ctx.view.n, dtype=bool)
-        for g in spec.global_filters:
-            keeps.append(g.apply_global(ctx, marks))
+        if mark is not None and mark is not no_marks:
+            marked = mark if marked is no_marks else marked | mark
+    for g in spec.global_filters:
+        keeps.append(g.apply_global(ctx, marked))
     return labels, keeps, relax
 
 
 def run_stage(ctx: DecisionContext, spec: StageSpec, stage: Stage, candidates: BoolArray) -> StageOutcome:
     """Filter ``candidates`` (a mask over the view) through ``spec`` and select; see the module doc."""
     labels, keeps, relax = _evaluate(ctx, spec)
+    everywhere = ctx.view.instances.all_true()
     always = candidates
     relaxed = []
     for keep, r in zip(keeps, relax, strict=True):
-        if r == 0:
-            always = always & keep
-        else:
+        if r:
             relaxed.append((r, keep))
+        elif keep is not everywhere:  # (e.g. failover with nothing marked keeps everything)
+            always = always & keep
     selected = -1
     fallback_pass = 0
-    survivors = always.nonzero()[0] if not relaxed else _apply_relaxable(always, relaxed, 0)
+    survivors = always.nonzero()[0] if not relaxed else _apply_relaxable(always, relaxed, 0, everywhere)
     if len(survivors) == 0 and relaxed:
         for fallback_pass in sorted({r for r, _ in relaxed}):
-            survivors = _apply_relaxable(always, relaxed, fallback_pass)
+            survivors = _apply_relaxable(always, relaxed, fallback_pass, everywhere)
             if len(survivors):
                 break
     if len(survivors):
         selected = spec.selector.select(ctx, survivors, fallback_pass)
-    return StageOutcome(stage, candidates, labels, tuple(keeps), relax, selected, fallback_pass)
+    return StageOutcome._make((stage, candidates, labels, tuple(keeps), relax, selected, fallback_pass))
 
 
-def _apply_relaxable(always: BoolArray, relaxed: list[tuple[int, BoolArray]], fallback_pass: int) -> IntArray:
+def _apply_relaxable(
+    always: BoolArray, relaxed: list[tuple[int, BoolArray]], fallback_pass: int, everywhere: BoolArray
+) -> IntArray:
     alive = always
     for r, keep in relaxed:
-        if r > fallback_pass:
+        if r > fallback_pass and keep is not everywhere:
             alive = alive & keep
     return alive.nonzero()[0]
 

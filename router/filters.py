@@ -48,14 +48,9 @@ from router.types import (
 )
 
 
-def all_true(table: InstanceTable) -> BoolArray:
-    """A shared read-only all-true mask over ``table``."""
-    mask: BoolArray | None = table.memo.get("all_true")
-    if mask is None:
-        mask = np.ones(table.n, dtype=bool)
-        mask.setflags(write=False)
-        table.memo["all_true"] = mask
-    return mask
+def _marks(table: InstanceTable, mark: BoolArray) -> BoolArray:
+    # Most decisions mark nothing: the shared all-false mask lets the chain and failover skip work.
+    return mark if np.count_nonzero(mark) else table.all_false()
 
 
 def _relax_pass(params: Params) -> int:
@@ -80,7 +75,9 @@ class Schedulability:
         table = ctx.view.instances
         result: FilterResult | None = table.memo.get("schedulability")
         if result is None:
-            result = FilterResult(keep=table.schedulable, mark=table.has_status & ~table.schedulable)
+            result = FilterResult(
+                keep=table.schedulable, mark=_marks(table, table.has_status & ~table.schedulable)
+            )
             table.memo["schedulability"] = result
         return result
 
@@ -95,8 +92,15 @@ class Staleness:
         key = ("staleness", self.max_age_s)
         result: FilterResult | None = ctx.cached(key)
         if result is None:
-            keep = ctx.view.status_age_s <= self.max_age_s
-            result = ctx.remember(key, FilterResult(keep, ctx.view.instances.has_status & ~keep))
+            keep = ctx.fresh(self.max_age_s)
+            table = ctx.view.instances
+            if keep is table.has_status:  # every status is fresh: one result per snapshot
+                result = table.memo.get("all_fresh")
+                if result is None:
+                    result = table.memo["all_fresh"] = FilterResult(keep, table.all_false())
+            else:
+                result = FilterResult(keep, _marks(table, table.has_status > keep))  # has_status & ~keep
+            ctx.remember(key, result)
         return result
 
 
@@ -138,7 +142,7 @@ class MetricThreshold:
         return target * self.factor
 
     def apply(self, ctx: DecisionContext) -> FilterResult:
-        return FilterResult(keep=ctx.metric(self.metric) < self.bound(ctx))
+        return FilterResult._make((ctx.metric(self.metric) < self.bound(ctx), None))
 
     def explain_miss(self, ctx: DecisionContext, candidates: IntArray) -> tuple[str, float, float]:
         values = ctx.metric(self.metric)[candidates]
@@ -193,10 +197,16 @@ class ExcludeReserved:
         index = ctx.reserves.prefill if self.reserve == "prefill" else ctx.reserves.decode
         table = ctx.view.instances
         if index < 0:
-            return FilterResult(keep=all_true(table))
-        keep = np.ones(table.n, dtype=bool)
-        keep[index] = False
-        return FilterResult(keep=keep)
+            return FilterResult(keep=table.all_true())
+        # Reserves rarely change: one read-only mask per reserved index and snapshot.
+        key = ("all_but", index)
+        result: FilterResult | None = table.memo.get(key)
+        if result is None:
+            keep = np.ones(table.n, dtype=bool)
+            keep[index] = False
+            keep.setflags(write=False)
+            result = table.memo[key] = FilterResult(keep=keep)
+        return result
 
 
 @FILTERS.register("exclude_reserved")
@@ -229,8 +239,8 @@ class Failover:
 
     def apply_global(self, ctx: DecisionContext, marked: BoolArray) -> BoolArray:
         table = ctx.view.instances
-        if not np.count_nonzero(marked):
-            return all_true(table)
+        if marked is table.all_false() or not np.count_nonzero(marked):
+            return table.all_true()
         down = marked
         if self.domain in ("node", "node-unit"):
             down = _expand(table.node_codes, down)

@@ -39,7 +39,24 @@ from dataclasses import dataclass
 import numpy as np
 
 from cms.model import ClusterSnapshot, InstanceRecord
-from router.types import InflightColumns
+from router.types import (
+    INFLIGHT_DECODE_REQUESTS,
+    INFLIGHT_DECODE_TOKENS,
+    INFLIGHT_PREFILL_REQUESTS,
+    INFLIGHT_PREFILL_TOKENS,
+    INFLIGHT_REQUESTS,
+    INFLIGHT_TOKENS,
+    InflightColumns,
+)
+
+_ENTRY = INFLIGHT_REQUESTS | INFLIGHT_TOKENS
+_PREFILL_LEG = INFLIGHT_PREFILL_REQUESTS | INFLIGHT_PREFILL_TOKENS
+_DECODE_LEG = INFLIGHT_DECODE_REQUESTS | INFLIGHT_DECODE_TOKENS
+
+
+def _columns_of(new_entry: bool, prefill: bool, decode: bool) -> int:
+    """The in-flight columns a change touches (``INFLIGHT_*`` bits)."""
+    return (_ENTRY if new_entry else 0) | (_PREFILL_LEG if prefill else 0) | (_DECODE_LEG if decode else 0)
 
 
 @dataclass(frozen=True)
@@ -116,7 +133,7 @@ class InflightAccount:
 
     ``version`` increases with every change, so views can cache columns per
     version and update them for just the instances that changed
-    (:meth:`changed_since`).
+    (:meth:`changed_since`, :meth:`changes_since`).
     """
 
     def __init__(self, expiry_s: float = 10.0) -> None:
@@ -131,22 +148,32 @@ class InflightAccount:
         self._totals: dict[str, _Totals] = {}
         self._snapshot: ClusterSnapshot | None = None
         self._positions: Mapping[str, int] | None = None
-        # Instance changed by each of the last versions; _journal_start is the version before the oldest.
-        self._journal: deque[str] = deque(maxlen=JOURNAL_LENGTH)
+        # (instance, INFLIGHT_* columns) changed by each of the last versions; _journal_start is the
+        # version before the oldest.
+        self._journal: deque[tuple[str, int]] = deque(maxlen=JOURNAL_LENGTH)
         self._journal_start = 0
 
-    def _touch(self, instance_id: str) -> None:
+    def _touch(self, instance_id: str, columns: int) -> None:
         if len(self._journal) == JOURNAL_LENGTH:
             self._journal_start += 1
-        self._journal.append(instance_id)
+        self._journal.append((instance_id, columns))
         self.version += 1
 
     def changed_since(self, version: int) -> set[str] | None:
         """Instances whose sums changed after ``version``; ``None`` when that is too far back to tell."""
+        changes = self.changes_since(version)
+        return None if changes is None else set(changes)
+
+    def changes_since(self, version: int) -> dict[str, int] | None:
+        """Like :meth:`changed_since`, with a mask of the ``INFLIGHT_*`` columns that changed per instance."""
         if version > self.version or version < self._journal_start:
             return None
         journal = self._journal
-        return {journal[-k] for k in range(1, self.version - version + 1)}
+        changes: dict[str, int] = {}
+        for k in range(self.version - version, 0, -1):
+            instance_id, columns = journal[-k]
+            changes[instance_id] = changes.get(instance_id, 0) | columns
+        return changes
 
     def totals_row(self, instance_id: str) -> tuple[int, int, int, int, int, int]:
         """One instance's sums in :class:`~router.types.InflightColumns` order (zeros when none)."""
@@ -249,6 +276,7 @@ class InflightAccount:
             self._by_request[request_id][instance_id] = entry
             self._by_instance[instance_id][request_id] = entry
             self._totals[instance_id].add(entry, +1, new_entry=False, prefill=add_prefill, decode=add_decode)
+            self._touch(instance_id, _columns_of(False, add_prefill, add_decode))
         else:
             entry = InflightEntry(request_id, instance_id, prefill, decode, tokens, now_s)
             self._entries[key] = entry
@@ -257,7 +285,7 @@ class InflightAccount:
             self._totals.setdefault(instance_id, _Totals()).add(
                 entry, +1, new_entry=True, prefill=prefill, decode=decode
             )
-        self._touch(instance_id)
+            self._touch(instance_id, _columns_of(True, prefill, decode))
 
     def _remove(self, entry: InflightEntry) -> None:
         key = (entry.request_id, entry.instance_id)
@@ -274,7 +302,7 @@ class InflightAccount:
         if not by_instance:
             del self._by_instance[entry.instance_id]
             del self._totals[entry.instance_id]
-        self._touch(entry.instance_id)
+        self._touch(entry.instance_id, _columns_of(True, entry.prefill, entry.decode))
 
     def release(self, request_id: str, instance_id: str | None = None) -> int:
         """The request ended (or one of its instances is abandoned): drop its entries.

@@ -46,7 +46,17 @@ import numpy as np
 from router.config import SchedulerConfig
 from router.predictors import PredictorSet
 from router.registry import METRICS, Params
-from router.types import DecisionContext, FloatArray, InstanceTable, IntArray, Metric, MetricScope
+from router.types import (
+    INFLIGHT_ALL,
+    INFLIGHT_DECODE_REQUESTS,
+    INFLIGHT_DECODE_TOKENS,
+    DecisionContext,
+    FloatArray,
+    InstanceTable,
+    IntArray,
+    Metric,
+    MetricScope,
+)
 
 
 @dataclass(frozen=True, eq=False)
@@ -63,6 +73,13 @@ class _Column:
     scope: MetricScope
     fn: Callable[[DecisionContext], FloatArray]
     at: Callable[[DecisionContext, int], float] | None = None
+    #: The in-flight columns (``INFLIGHT_*`` bits) a load-scoped value reads at its instance.
+    inflight_columns: int = INFLIGHT_ALL
+
+    def __post_init__(self) -> None:
+        # Metrics are computed several times per decision: let ``compute`` be ``fn`` itself
+        # (an instance attribute wins over the method below), saving a call each time.
+        object.__setattr__(self, "compute", self.fn)
 
     def compute(self, ctx: DecisionContext) -> FloatArray:
         return self.fn(ctx)
@@ -74,16 +91,19 @@ class _Column:
 _AT: dict[str, Callable[[DecisionContext, int], float]] = {}
 
 
-def _register(name: str, scope: MetricScope) -> Callable[[Callable[[DecisionContext], FloatArray]], None]:
+def _register(
+    name: str, scope: MetricScope, inflight_columns: int = INFLIGHT_ALL
+) -> Callable[[Callable[[DecisionContext], FloatArray]], None]:
     """Register ``fn`` as metric ``name``; a one-instance version may be put in ``_AT[name]`` first.
 
     The one-instance version must return exactly what ``fn`` returns at that
-    index (the same float operations in the same order).
+    index (the same float operations in the same order). ``inflight_columns``
+    names the in-flight columns a load-scoped value reads (see :class:`Metric`).
     """
 
     def decorator(fn: Callable[[DecisionContext], FloatArray]) -> None:
         def factory(config: SchedulerConfig, params: Params) -> Metric:
-            return _Column(name, scope, fn, _AT.get(name))
+            return _Column(name, scope, fn, _AT.get(name), inflight_columns)
 
         METRICS.register(name)(factory)
 
@@ -100,6 +120,12 @@ def _at(
     return decorator
 
 
+# 0-d operands: a ufunc resolves them faster than a Python float, with the same values.
+_ZERO = np.array(0.0)
+_ONE = np.array(1.0)
+_THOUSAND = np.array(1000.0)
+
+
 def _nan(ctx: DecisionContext) -> FloatArray:
     return np.full(ctx.view.n, np.nan)
 
@@ -112,9 +138,7 @@ def _decode_step_ms_at(ctx: DecisionContext, i: int) -> float:
     if ctx.predictors is None:
         return float("nan")
     lp = ctx.predictors.for_group(ctx.view.instances.groups[i])
-    return lp.predict_tpot_ms(
-        float(ctx.metric("decode_batch_size")[i]), float(ctx.metric("decode_tokens")[i])
-    )
+    return lp.predict_tpot_ms(ctx.metric("decode_batch_size").item(i), ctx.metric("decode_tokens").item(i))
 
 
 @_register("decode_batch_size", MetricScope.LOAD)
@@ -147,7 +171,7 @@ def _kv_usage_projected(ctx: DecisionContext) -> FloatArray:
     return usage
 
 
-@_register("decode_step_ms", MetricScope.LOAD)
+@_register("decode_step_ms", MetricScope.LOAD, INFLIGHT_DECODE_REQUESTS | INFLIGHT_DECODE_TOKENS)
 def _decode_step_ms(ctx: DecisionContext) -> FloatArray:
     if ctx.predictors is None:
         return _nan(ctx)
@@ -170,6 +194,7 @@ class _StepModel:
     tail_ms: FloatArray  # time of the last partial chunk
     tail_rate: FloatArray
     instant: FloatArray  # tokens the profile says take no time at all
+    any_instant: bool  # instant is not all zero (it is with any profile that takes time)
 
 
 def _step_model(table: InstanceTable, predictors: PredictorSet) -> _StepModel:
@@ -198,6 +223,7 @@ def _step_model(table: InstanceTable, predictors: PredictorSet) -> _StepModel:
         tail_ms=tail_chunk[index],
         tail_rate=tail_rate[index],
         instant=instant[index],
+        any_instant=bool(np.count_nonzero(instant[index])),
     )
     table.memo[key] = model
     return model
@@ -221,14 +247,13 @@ def advanced_backlog(ctx: DecisionContext) -> FloatArray:
     model = _step_model(table, ctx.predictors)
     if len(model.index) == 0:
         return status_backlog
-    elapsed_ms = ctx.view.status_age_s[model.index] * 1000.0
-    done = (
-        model.instant
-        + np.minimum(elapsed_ms, model.full_ms) * model.full_rate
-        + np.minimum(np.maximum(elapsed_ms - model.full_ms, 0.0), model.tail_ms) * model.tail_rate
-    )
+    elapsed_ms = ctx.view.status_age_s[model.index] * _THOUSAND
+    done = np.minimum(elapsed_ms, model.full_ms) * model.full_rate
+    if model.any_instant:  # (0 + x is x: skipped when there is nothing instant)
+        done = model.instant + done
+    done += np.minimum(np.maximum(elapsed_ms - model.full_ms, _ZERO), model.tail_ms) * model.tail_rate
     out = status_backlog.copy()
-    out[model.index] = np.maximum(model.backlog - done, 0.0)
+    out[model.index] = np.maximum(model.backlog - done, _ZERO)
     return out
 
 
@@ -291,7 +316,7 @@ def _predicted_tpot(ctx: DecisionContext) -> FloatArray:
     batch = ctx.metric("decode_batch_size")
     tokens = ctx.metric("decode_tokens")
     if ctx.request is not None:
-        batch = batch + 1.0
+        batch = batch + _ONE
         tokens = tokens + ctx.prompt_tokens
         if (
             ctx.prompt_tokens > 0
@@ -304,9 +329,16 @@ def _predicted_tpot(ctx: DecisionContext) -> FloatArray:
 
 
 def _indicator(ctx: DecisionContext, index: int) -> FloatArray:
-    out = np.zeros(ctx.view.n)
-    if index >= 0:
-        out[index] = 1.0
+    # Reserves rarely change: one read-only column per reserved index and snapshot.
+    table = ctx.view.instances
+    key = ("indicator", index)
+    out: FloatArray | None = table.memo.get(key)
+    if out is None:
+        out = np.zeros(table.n)
+        if index >= 0:
+            out[index] = 1.0
+        out.setflags(write=False)
+        table.memo[key] = out
     return out
 
 

@@ -35,6 +35,9 @@ class PredictorSet:
         self.default = default
         self.groups = dict(groups or {})
         self._warned: set[str] = set()
+        # The parts of the last table asked about (decisions ask several times per table).
+        self._last_table: InstanceTable | None = None
+        self._last_parts: _Parts = ()
 
     @classmethod
     def from_files(
@@ -68,7 +71,14 @@ class PredictorSet:
             logger.warning("no profile for group %r; its instances use the default profile", group)
         return self.default
 
+    def only(self, table: InstanceTable) -> LatencyPredictor | None:
+        """The one predictor every instance of ``table`` uses, or ``None`` when they use several."""
+        parts = self._last_parts if table is self._last_table else self._parts(table)
+        return parts[0][0] if len(parts) == 1 else None
+
     def _parts(self, table: InstanceTable) -> _Parts:
+        if table is self._last_table:
+            return self._last_parts
         key = ("predictor_parts", self)
         parts: _Parts | None = table.memo.get(key)
         if parts is None:
@@ -81,6 +91,7 @@ class PredictorSet:
             else:
                 parts = tuple((lp, np.asarray(idx, dtype=np.intp)) for lp, idx in by_predictor.values())
             table.memo[key] = parts
+        self._last_table, self._last_parts = table, parts
         return parts
 
     def _apply(
@@ -91,7 +102,7 @@ class PredictorSet:
     ) -> FloatArray:
         parts = self._parts(table)
         if len(parts) == 1:
-            return fn(parts[0][0], cols)  # type: ignore[arg-type]
+            return fn(parts[0][0], list(cols))
         out = np.empty(table.n)
         for lp, idx in parts:
             out[idx] = fn(lp, [c[idx] for c in cols])
@@ -107,6 +118,9 @@ class PredictorSet:
         self, table: InstanceTable, decode_requests: FloatArray, decode_tokens: FloatArray
     ) -> FloatArray:
         """:meth:`decode_step_ms` when every input is > 0 (fewer array operations)."""
+        lp = self.only(table)
+        if lp is not None:  # per decision: skip the generic per-group split
+            return lp.busy_decode_step_ms(decode_requests, decode_tokens)
         return self._apply(
             table, lambda lp, c: lp.busy_decode_step_ms(c[0], c[1]), decode_requests, decode_tokens
         )
@@ -144,6 +158,11 @@ class PredictorSet:
     ) -> FloatArray:
         """:meth:`chunked_prefill_ms` when every ``prefill_tokens`` is > 0 and ``full_step_ms`` is
         ``full_chunk_ms + decode_step_ms`` (fewer array operations)."""
+        lp = self.only(table)
+        if lp is not None:  # per decision: skip the generic per-group split
+            return lp.positive_chunked_prefill_ms(
+                prefill_tokens, decode_step_ms, table.max_num_batched_tokens, full_step_ms
+            )
         return self._apply(
             table,
             lambda lp, c: lp.positive_chunked_prefill_ms(c[0], c[1], c[2], c[3]),

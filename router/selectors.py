@@ -51,26 +51,20 @@ class SortKey:
         return -v if self.highest else v
 
 
-def _best_ties(v: FloatArray, candidates: IntArray) -> IntArray:
-    """The candidates holding the minimum of ``v`` (NaN ranks last)."""
-    best = v[v.argmin()]
-    if best != best:  # argmin stops at the first NaN
+def _best_ties(v: FloatArray, candidates: IntArray, highest: bool = False) -> IntArray:
+    """The candidates holding the minimum (``highest``: the maximum) of ``v`` (NaN ranks last).
+
+    ``highest`` gives exactly the ties of the minimum of ``-v``, without computing it.
+    """
+    best = v[v.argmax() if highest else v.argmin()]
+    if best != best:  # argmin/argmax stop at the first NaN
         ok = ~np.isnan(v)
         if not np.count_nonzero(ok):
             return candidates
-        v = np.where(ok, v, np.inf)
-        best = v[v.argmin()]
+        v = np.where(ok, v, -np.inf if highest else np.inf)
+        best = v[v.argmax() if highest else v.argmin()]
     ties: IntArray = candidates[v == best]
     return ties
-
-
-def best_set(ctx: DecisionContext, candidates: IntArray, keys: tuple[SortKey, ...]) -> IntArray:
-    """Every candidate tied for the lexicographic best under ``keys``."""
-    for key in keys:
-        if len(candidates) == 1:
-            break
-        candidates = _best_ties(key.values(ctx, candidates), candidates)
-    return candidates
 
 
 def pick_lowest(ctx: DecisionContext, candidates: IntArray, keys: tuple[SortKey, ...], top_k: int = 1) -> int:
@@ -78,8 +72,12 @@ def pick_lowest(ctx: DecisionContext, candidates: IntArray, keys: tuple[SortKey,
     if len(candidates) == 1:
         return int(candidates[0])
     if top_k <= 1:
-        ties = best_set(ctx, candidates, keys)
-        return int(ties[ctx.rng.randrange(len(ties))]) if len(ties) > 1 else int(ties[0])
+        ties = candidates
+        for key in keys:  # narrow to the ties of each key in turn
+            ties = _best_ties(ctx.metric(key.metric)[ties], ties, key.highest)
+            if len(ties) == 1:
+                return int(ties[0])
+        return int(ties[ctx.rng.randrange(len(ties))])
     cols = []
     for key in keys:
         v = key.values(ctx, candidates)

@@ -42,6 +42,12 @@ FloatArray = npt.NDArray[np.float64]
 BoolArray = npt.NDArray[np.bool_]
 IntArray = npt.NDArray[np.intp]
 
+# The decision core builds a few frozen dataclasses per decision (the view, the decision, its
+# choices). Their generated __init__ sets each field with object.__setattr__, which costs more
+# than the arithmetic of a small fleet's decision; these classes define an __init__ with the same
+# signature that sets the instance __dict__ in one step (tests check the signatures match).
+_set_attr = object.__setattr__
+
 
 class Role(enum.IntEnum):
     """An instance's registered role (values match ``slorouter.v1.InstanceRole``)."""
@@ -92,6 +98,10 @@ class MetricScope(enum.Enum):
     DECISION = "decision"
 
 
+_DECISION = MetricScope.DECISION
+_LOAD = MetricScope.LOAD
+
+
 # --------------------------------------------------------------------------- request and decision
 
 
@@ -137,6 +147,28 @@ class Choice:
     predicted_ttft_ms: float
     predicted_tpot_ms: float
     fallback_pass: int = 0
+
+    def __init__(
+        self,
+        instance_id: str,
+        endpoint: str,
+        stage: Stage,
+        predicted_ttft_ms: float,
+        predicted_tpot_ms: float,
+        fallback_pass: int = 0,
+    ) -> None:
+        _set_attr(
+            self,
+            "__dict__",
+            {
+                "instance_id": instance_id,
+                "endpoint": endpoint,
+                "stage": stage,
+                "predicted_ttft_ms": predicted_ttft_ms,
+                "predicted_tpot_ms": predicted_tpot_ms,
+                "fallback_pass": fallback_pass,
+            },
+        )
 
 
 @dataclass(frozen=True)
@@ -224,6 +256,32 @@ class Decision:
     outcomes: tuple[StageOutcome, ...] = field(repr=False)
     context: DecisionContext = field(repr=False)
 
+    def __init__(
+        self,
+        request_id: str,
+        mode: Mode,
+        policy: str,
+        prefill: Choice | None,
+        decode: Choice | None,
+        decided_at_s: float,
+        outcomes: tuple[StageOutcome, ...],
+        context: DecisionContext,
+    ) -> None:
+        _set_attr(
+            self,
+            "__dict__",
+            {
+                "request_id": request_id,
+                "mode": mode,
+                "policy": policy,
+                "prefill": prefill,
+                "decode": decode,
+                "decided_at_s": decided_at_s,
+                "outcomes": outcomes,
+                "context": context,
+            },
+        )
+
     @property
     def instance_ids(self) -> tuple[str, ...]:
         """The distinct instances this decision uses, prefill first."""
@@ -303,18 +361,46 @@ class InstanceTable:
     def n(self) -> int:
         return len(self.ids)
 
+    def all_true(self) -> BoolArray:
+        """A shared read-only all-true mask (filters return it to keep everything)."""
+        mask: BoolArray | None = self.memo.get("all_true")
+        if mask is None:
+            mask = np.ones(self.n, dtype=bool)
+            mask.setflags(write=False)
+            self.memo["all_true"] = mask
+        return mask
+
+    def all_false(self) -> BoolArray:
+        """A shared read-only all-false mask (filters mark nothing with it, which the chain skips)."""
+        mask: BoolArray | None = self.memo.get("all_false")
+        if mask is None:
+            mask = np.zeros(self.n, dtype=bool)
+            mask.setflags(write=False)
+            self.memo["all_false"] = mask
+        return mask
+
     def model_mask(self, model: str) -> BoolArray:
         """Instances that serve ``model``: all of them for ``""``, else those naming it or naming none."""
         key = ("model_mask", model)
         mask: BoolArray | None = self.memo.get(key)
         if mask is None:
             if not model:
-                mask = np.ones(self.n, dtype=bool)
+                mask = self.all_true()
             else:
                 mask = np.fromiter((m in ("", model) for m in self.models), dtype=bool, count=self.n)
-            mask.setflags(write=False)
+                mask.setflags(write=False)
             self.memo[key] = mask
         return mask
+
+
+# One bit per InflightColumns row (field order), for masks of "which in-flight sums changed".
+INFLIGHT_REQUESTS = 1 << 0
+INFLIGHT_PREFILL_REQUESTS = 1 << 1
+INFLIGHT_PREFILL_TOKENS = 1 << 2
+INFLIGHT_DECODE_REQUESTS = 1 << 3
+INFLIGHT_DECODE_TOKENS = 1 << 4
+INFLIGHT_TOKENS = 1 << 5
+INFLIGHT_ALL = (1 << 6) - 1
 
 
 class InflightColumns(NamedTuple):
@@ -322,7 +408,8 @@ class InflightColumns(NamedTuple):
 
     ``requests`` and ``tokens`` count each request once per instance, whatever
     legs it has there; the prefill/decode columns count per leg. ``matrix``
-    holds the six columns as its rows, in field order (read-only).
+    holds the six columns as its rows, in field order (read-only). Masks of
+    changed columns use the ``INFLIGHT_*`` bits, one per row.
     """
 
     requests: FloatArray
@@ -340,7 +427,19 @@ class InflightColumns(NamedTuple):
         """Columns over the rows of a (6, n) ``matrix`` (which becomes read-only)."""
         matrix.setflags(write=False)
         r = matrix
-        return cls(r[0], r[1], r[2], r[3], r[4], r[5], int(np.count_nonzero(r[0])), matrix)
+        return cls._make((r[0], r[1], r[2], r[3], r[4], r[5], int(np.count_nonzero(r[0])), matrix))
+
+
+class LoadDelta(NamedTuple):
+    """How a view's in-flight columns differ from those of an earlier in-flight version.
+
+    ``memo`` is that version's ``load_memo``; ``changed`` maps each view index
+    whose in-flight sums changed since to a mask of the ``INFLIGHT_*`` columns
+    that changed there (a superset is allowed; unlisted indices are unchanged).
+    """
+
+    memo: dict[Any, Any]
+    changed: Mapping[int, int]
 
 
 @dataclass(frozen=True, eq=False)
@@ -350,9 +449,11 @@ class ClusterView:
     ``status_age_s`` is each status's age at ``now_s``. ``load_memo`` caches
     values that depend on the snapshot and the in-flight account only; it is
     shared by every view built for the same (snapshot, in-flight version).
-    ``load_previous`` (optional) is the previous version's ``load_memo`` with
-    the view indices whose in-flight sums changed since, so load-scoped
-    metrics can be updated at those indices instead of recomputed.
+    ``load_previous`` (optional) says what changed since the previous version,
+    so load-scoped metrics can be updated at those indices instead of
+    recomputed. ``oldest_status_age_s`` (optional) is the largest
+    ``status_age_s`` among instances with a status (``-inf`` without any), so
+    freshness checks can skip the column when every status is fresh.
     """
 
     instances: InstanceTable
@@ -360,7 +461,32 @@ class ClusterView:
     now_s: float
     status_age_s: FloatArray
     load_memo: dict[Any, Any] = field(default_factory=dict, repr=False)
-    load_previous: tuple[dict[Any, Any], list[int]] | None = field(default=None, repr=False)
+    load_previous: LoadDelta | None = field(default=None, repr=False)
+    oldest_status_age_s: float | None = field(default=None, repr=False)
+
+    def __init__(
+        self,
+        instances: InstanceTable,
+        inflight: InflightColumns,
+        now_s: float,
+        status_age_s: FloatArray,
+        load_memo: dict[Any, Any] | None = None,
+        load_previous: LoadDelta | None = None,
+        oldest_status_age_s: float | None = None,
+    ) -> None:
+        _set_attr(
+            self,
+            "__dict__",
+            {
+                "instances": instances,
+                "inflight": inflight,
+                "now_s": now_s,
+                "status_age_s": status_age_s,
+                "load_memo": {} if load_memo is None else load_memo,
+                "load_previous": load_previous,
+                "oldest_status_age_s": oldest_status_age_s,
+            },
+        )
 
     @property
     def n(self) -> int:
@@ -444,32 +570,36 @@ class DecisionContext:
             return values
         metric = self._metrics[name]
         scope = metric.scope
-        if scope is MetricScope.DECISION:
+        if scope is _DECISION:
             values = metric.compute(self)
-        elif scope is MetricScope.LOAD:
-            key = (metric, self.predictors)
-            values = self.view.load_memo.get(key)
-            if values is None:
-                values = self._update_load(metric, key)
-                self.view.load_memo[key] = values
         else:
             key = (metric, self.predictors)
-            values = self.view.instances.memo.get(key)
+            memo = self.view.load_memo if scope is _LOAD else self.view.instances.memo
+            values = memo.get(key)
             if values is None:
-                values = self.view.instances.memo[key] = metric.compute(self)
+                values = memo[key] = (
+                    self._update_load(metric, key) if scope is _LOAD else metric.compute(self)
+                )
         self._values[name] = values
         return values
 
     def _update_load(self, metric: Metric, key: Any) -> FloatArray:
         # Only a few instances' in-flight sums change between decisions: for a metric with a
-        # one-instance form (``at``), recompute just those entries of the previous column.
+        # one-instance form (``at``), recompute just those entries of the previous column, and
+        # only where an in-flight column it reads (``inflight_columns``, default all) changed.
         previous = self.view.load_previous
+        if previous is None:
+            return metric.compute(self)
         at: Callable[[DecisionContext, int], float] | None = getattr(metric, "at", None)
-        if previous is not None and at is not None:
-            old: FloatArray | None = previous[0].get(key)
+        if at is not None:
+            old: FloatArray | None = previous.memo.get(key)
             if old is not None:
+                reads: int = getattr(metric, "inflight_columns", INFLIGHT_ALL)
+                stale = [i for i, mask in previous.changed.items() if mask & reads]
+                if not stale:
+                    return old
                 values = old.copy()
-                for i in previous[1]:
+                for i in stale:
                     values[i] = at(self, i)
                 return values
         return metric.compute(self)
@@ -518,17 +648,34 @@ class DecisionContext:
             value = self._memo[key] = compute()
             return value
 
-    def fresh(self) -> BoolArray:
-        """Instances whose status is at most ``max_status_age_s`` old (false without a status)."""
-        return self.memo(("fresh", self.max_status_age_s), self._fresh)  # type: ignore[no-any-return]
+    def fresh(self, max_age_s: float | None = None) -> BoolArray:
+        """Instances whose status is at most ``max_age_s`` (default ``max_status_age_s``) old.
 
-    def _fresh(self) -> BoolArray:
-        fresh: BoolArray = self.view.status_age_s <= self.max_status_age_s
+        False without a status. Computed once per decision and age limit.
+        """
+        limit = self.max_status_age_s if max_age_s is None else max_age_s
+        key = ("fresh", limit)
+        fresh: BoolArray | None = self._memo.get(key)
+        if fresh is None:
+            view = self.view
+            oldest = view.oldest_status_age_s
+            if oldest is not None and oldest <= limit:
+                fresh = view.instances.has_status  # every status is fresh (the same mask, shared)
+            else:
+                fresh = view.status_age_s <= limit
+            self._memo[key] = fresh
         return fresh
 
     def usable(self) -> BoolArray:
         """Instances with a fresh status that are schedulable."""
-        return self.memo("usable", lambda: self.view.instances.schedulable & self.fresh())  # type: ignore[no-any-return]
+        usable: BoolArray | None = self._memo.get("usable")
+        if usable is None:
+            schedulable = self.view.instances.schedulable
+            fresh = self.fresh()
+            # Every schedulable instance has a status: when every status is fresh, that is all of them.
+            usable = schedulable if fresh is self.view.instances.has_status else schedulable & fresh
+            self._memo["usable"] = usable
+        return usable
 
     def on_commit(self, action: Callable[[], None]) -> None:
         """Run ``action`` if and when this decision is committed (not for a dry run)."""
@@ -553,7 +700,9 @@ class Metric(Protocol):
     mutates afterwards. Lower is better unless a selector says otherwise.
     A metric may also offer ``at(ctx, index) -> float``, the exact value at one
     instance; load-scoped metrics with one are updated entry by entry when
-    only a few instances' in-flight sums changed.
+    only a few instances' in-flight sums changed (and, if the metric names the
+    in-flight columns its value reads as an ``inflight_columns`` mask of
+    ``INFLIGHT_*`` bits, only where one of those changed).
     """
 
     @property

@@ -25,7 +25,7 @@ from slorouter.v1 import cms_pb2
 
 from cms.model import ClusterSnapshot
 from router.inflight import InflightAccount
-from router.types import ClusterView, InflightColumns, InstanceTable, Role
+from router.types import ClusterView, InflightColumns, InstanceTable, LoadDelta, Role
 
 _ROLE_BY_PROTO = {
     cms_pb2.INSTANCE_ROLE_PREFILL: Role.PREFILL,
@@ -94,6 +94,15 @@ def _readonly(array: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
     return array
 
 
+def _oldest_status_age(table: InstanceTable) -> float:
+    """The largest snapshot-time status age among instances with a status (-inf without any)."""
+    oldest: float | None = table.memo.get("oldest_status_age_s")
+    if oldest is None:
+        ages = table.status_age_s[table.has_status]
+        oldest = table.memo["oldest_status_age_s"] = float(ages.max()) if len(ages) else -np.inf
+    return oldest
+
+
 class _Load(NamedTuple):
     """The in-flight columns and load memo of one (snapshot, account, version)."""
 
@@ -135,33 +144,36 @@ class ViewBuilder:
     def build(self, snapshot: ClusterSnapshot, inflight: InflightAccount | None, now_s: float) -> ClusterView:
         """The view of ``snapshot`` plus ``inflight`` at ``now_s`` (monotonic seconds, the snapshot's clock)."""
         table = self.table(snapshot)
-        age = table.status_age_s + max(0.0, now_s - snapshot.taken_at_s)
+        elapsed = max(0.0, now_s - snapshot.taken_at_s)
+        age = table.status_age_s + elapsed
+        # The same float addition as in ``age``, and rounding is monotonic: the oldest age exactly.
+        oldest = _oldest_status_age(table) + elapsed
         if inflight is None:
             columns, load_memo = self._no_inflight(table)
-            return ClusterView(table, columns, now_s, age, load_memo)
+            return ClusterView(table, columns, now_s, age, load_memo, None, oldest)
         load = self._load
-        if load is not None and load.account is inflight and load.version == inflight.version:
-            return ClusterView(table, load.columns, now_s, age, load.memo)
         previous = None
-        changed = (
-            inflight.changed_since(load.version) if load is not None and load.account is inflight else None
-        )
-        if load is not None and changed is not None and len(changed) <= max(8, table.n // 8):
+        changes = None
+        if load is not None and load.account is inflight:
+            if load.version == inflight.version:
+                return ClusterView(table, load.columns, now_s, age, load.memo, None, oldest)
+            changes = inflight.changes_since(load.version)
+        if load is not None and changes is not None and len(changes) <= max(8, table.n // 8):
             matrix = load.columns.matrix.copy()
-            touched = []
+            changed: dict[int, int] = {}
             index = table.index
-            for instance_id in changed:
+            for instance_id, mask in changes.items():
                 i = index.get(instance_id)
                 if i is not None:
                     matrix[:, i] = inflight.totals_row(instance_id)
-                    touched.append(i)
+                    changed[i] = mask
             columns = InflightColumns.of(matrix)
-            previous = (load.memo, touched)
+            previous = LoadDelta._make((load.memo, changed))
         else:
             columns = inflight.columns(table.index, table.n)
-        load = _Load(inflight, inflight.version, columns, {})
+        load = _Load._make((inflight, inflight.version, columns, {}))
         self._load = load
-        return ClusterView(table, columns, now_s, age, load.memo, previous)
+        return ClusterView(table, columns, now_s, age, load.memo, previous, oldest)
 
     def _no_inflight(self, table: InstanceTable) -> tuple[InflightColumns, dict[Any, Any]]:
         found: tuple[InflightColumns, dict[Any, Any]] | None = table.memo.get("no_inflight")

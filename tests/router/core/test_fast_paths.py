@@ -1,0 +1,197 @@
+"""The scheduling core's shortcuts equal the general computations they stand in for.
+
+Each shortcut skips work on the hot path (a column that would not change, a
+comparison whose result is known); these properties check it gives exactly
+what the general path gives, on random inputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import random
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from router.inflight import InflightAccount
+from router.scheduler import Scheduler
+from router.selectors import _best_ties
+from router.types import INFLIGHT_ALL, Choice, ClusterView, Decision, Stage
+from tests.router.core.helpers import NOW, inst, make_predictor, make_request, make_scheduler, make_snapshot
+
+PROPS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+# ----------------------------------------------------------------------------- in-flight change masks
+
+_legs = st.tuples(
+    st.sampled_from(["r1", "r2", "r3", "r4", "r5"]),
+    st.sampled_from([None, "A", "B", "C"]),
+    st.sampled_from([None, "A", "B", "C"]),
+    st.integers(0, 50),
+    st.booleans(),
+)
+
+
+def _sums(acc: InflightAccount, instance_id: str) -> tuple[int, ...]:
+    t = acc.totals(instance_id)
+    return (t.requests, t.prefill_requests, t.prefill_tokens, t.decode_requests, t.decode_tokens, t.tokens)
+
+
+@PROPS
+@given(st.lists(_legs, max_size=12), st.lists(_legs, max_size=12))
+def test_change_masks_cover_every_column_that_changed(before, after) -> None:  # type: ignore[no-untyped-def]
+    acc = InflightAccount()
+
+    def apply(ops) -> None:  # type: ignore[no-untyped-def]
+        for request_id, prefill, decode, tokens, release in ops:
+            if release:
+                acc.release(request_id)
+            else:
+                acc.record(request_id, prefill, decode, tokens, now_s=0.0)
+
+    apply(before)
+    version = acc.version
+    old = {i: _sums(acc, i) for i in "ABC"}
+    apply(after)
+    changes = acc.changes_since(version)
+    assert changes is not None
+    assert set(changes) == acc.changed_since(version)
+    for instance_id in "ABC":
+        mask = changes.get(instance_id, 0)
+        assert mask & ~INFLIGHT_ALL == 0
+        new = _sums(acc, instance_id)
+        for column in range(6):
+            if old[instance_id][column] != new[column]:
+                assert mask & (1 << column), (instance_id, column, changes)
+
+
+# ----------------------------------------------------------------------------- load metrics, incrementally
+
+
+@PROPS
+@given(st.lists(_legs, min_size=1, max_size=30), st.sampled_from([False, True]))
+def test_incremental_load_metrics_equal_a_full_recompute(ops, pd) -> None:  # type: ignore[no-untyped-def]
+    roles = ("prefill", "decode", "prefill") if pd else ("neutral",) * 3
+    snap = make_snapshot(
+        *(
+            inst(i, role, decode_requests=k, decode_tokens=300 * k)
+            for k, (i, role) in enumerate(zip("ABC", roles, strict=True))
+        )
+    )
+    s = make_scheduler("slo")
+    names = ["decode_batch_size", "decode_tokens", "decode_step_ms", "kv_usage_projected", "num_requests"]
+    for request_id, prefill, decode, tokens, release in ops:
+        if release:
+            s.inflight.release(request_id)
+        else:
+            s.inflight.record(request_id, prefill, decode, tokens, now_s=NOW)
+        ctx = s.context(s.view(snap, NOW), make_request(prompt_tokens=tokens))
+        fresh = Scheduler(s.config, make_predictor(), random.Random(0), inflight=s.inflight)
+        ref = fresh.context(fresh.view(snap, NOW), make_request(prompt_tokens=tokens))
+        for name in [*names, "predicted_ttft", "predicted_tpot"]:
+            assert np.array_equal(ctx.metric(name), ref.metric(name)), name
+
+
+# ----------------------------------------------------------------------------- freshness
+
+
+@PROPS
+@given(
+    st.lists(st.tuples(st.booleans(), st.floats(0.0, 8.0), st.booleans()), min_size=1, max_size=8),
+    st.floats(0.0, 4.0),
+    st.sampled_from([0.5, 1.0, 5.0]),
+)
+def test_freshness_shortcut_equals_the_age_comparison(records, elapsed_s, limit_s) -> None:  # type: ignore[no-untyped-def]
+    snap = make_snapshot(
+        *(
+            inst(f"i{k}", age_s=age, status=has_status or k == 0, schedulable=schedulable)
+            for k, (has_status, age, schedulable) in enumerate(records)
+        ),
+        taken_at_s=NOW,
+    )
+    s = make_scheduler("slo", instance_staleness_s=limit_s)
+    view = s.view(snap, NOW + elapsed_s)
+    ctx = s.context(view, make_request())
+    expected = view.status_age_s <= limit_s
+    assert ctx.fresh().tolist() == expected.tolist()
+    assert ctx.fresh(limit_s / 2).tolist() == (view.status_age_s <= limit_s / 2).tolist()
+    assert ctx.usable().tolist() == (view.instances.schedulable & expected).tolist()
+    # The same view without the oldest-age hint takes the general path.
+    plain = ClusterView(view.instances, view.inflight, view.now_s, view.status_age_s)
+    assert s.context(plain, make_request()).fresh().tolist() == expected.tolist()
+
+
+# ----------------------------------------------------------------------------- selection
+
+
+@PROPS
+@given(
+    st.lists(st.sampled_from([0.0, -0.0, 1.0, 2.5, -3.0, float("nan"), float("inf")]), min_size=1, max_size=9)
+)
+def test_highest_ties_are_the_lowest_ties_of_the_negation(values) -> None:  # type: ignore[no-untyped-def]
+    v = np.array(values)
+    candidates = np.arange(len(v)) * 3
+    assert _best_ties(v, candidates, highest=True).tolist() == _best_ties(-v, candidates).tolist()
+
+
+# ----------------------------------------------------------------------------- decisions
+
+
+def test_hand_written_inits_match_the_dataclass_fields() -> None:
+    for cls in (Choice, Decision, ClusterView):
+        params = list(inspect.signature(cls.__init__).parameters.values())[1:]
+        fields = [f for f in dataclasses.fields(cls) if f.init]
+        assert [p.name for p in params] == [f.name for f in fields], cls
+        for p, f in zip(params, fields, strict=True):
+            if f.default is not dataclasses.MISSING:
+                assert p.default == f.default, (cls, f.name)
+            elif f.default_factory is not dataclasses.MISSING:
+                assert p.default is None, (cls, f.name)  # None stands for "a fresh default"
+            else:
+                assert p.default is inspect.Parameter.empty, (cls, f.name)
+    choice = Choice("a", "a:1", Stage.PREFILL, 1.0, 2.0)
+    assert dataclasses.replace(choice, fallback_pass=1) == Choice("a", "a:1", Stage.PREFILL, 1.0, 2.0, 1)
+    assert choice == Choice("a", "a:1", Stage.PREFILL, 1.0, 2.0) and choice.fallback_pass == 0
+
+
+@PROPS
+@given(st.integers(0, 2**31), st.sampled_from([False, True]))
+def test_decisions_on_a_loaded_fleet_match_a_scheduler_without_caches(seed, adaptive) -> None:  # type: ignore[no-untyped-def]
+    """Decisions with every cache warm equal decisions recomputed from scratch, step by step."""
+    rng = random.Random(seed)
+    snap = make_snapshot(
+        *(
+            inst(
+                f"i{k}",
+                "prefill" if k % 2 == 0 else "decode",
+                age_s=rng.choice([0.0, 0.05, 0.3]),
+                prefill_tokens=rng.choice([0, 0, 900, 5000]),
+                decode_requests=(b := rng.randint(0, 12)),
+                decode_tokens=b * rng.randint(10, 900),
+                meta={"max_num_batched_tokens": 512},
+            )
+            for k in range(6)
+        )
+    )
+    warm = make_scheduler("slo", enable_adaptive_pd=adaptive, seed=seed)
+    now = NOW
+    for k in range(12):
+        request = make_request(f"r{k}", prompt_tokens=rng.randint(1, 2000))
+        cold = Scheduler(warm.config, make_predictor(), random.Random(seed), inflight=warm.inflight)
+        cold.rng.setstate(warm.rng.getstate())
+        if adaptive:
+            cold.policy.hooks[0].reserved = dict(warm.policy.hooks[0].reserved)  # type: ignore[attr-defined]
+        expected = cold.schedule(snap, request, now, dry_run=True)
+        decision = warm.schedule(snap, request, now)
+        assert decision.instance_ids == expected.instance_ids
+        assert decision.prefill == expected.prefill and decision.decode == expected.decode
+        assert [(e.instance_id, e.dropped_by, e.selected) for e in decision.trace] == [
+            (e.instance_id, e.dropped_by, e.selected) for e in expected.trace
+        ]
+        warm.record(decision, now)
+        if k % 3 == 2:
+            warm.inflight.release(f"r{k - 2}")
+        now += 0.01
