@@ -22,12 +22,12 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, NoReturn
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health_pb2
 from slorouter.v1 import cms_pb2, cms_pb2_grpc
 
 from cms.errors import CmsError, UnauthenticatedError, grpc_code
 from cms.model import ClusterSnapshot
+from cms.serving import add_health_and_reflection, bind_server
 from cms.store import DEFAULT_LEASE_TTL_S, CmsStore
 from cms.validation import check_lease_ttl, validate_instance_id
 from cms.view import LatestSlot, PumpUpdate, ViewPump, epoch_ms, snapshot_to_view
@@ -270,20 +270,9 @@ async def start_cms_server(
     service = ClusterMetadataService(
         store, pump, lease_ttl_s=lease_ttl_s, auth_token=auth_token, max_watchers=max_watchers
     )
-    # No SO_REUSEPORT: a second CMS on a busy port must fail, not share it.
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    server, port = await bind_server(listen)
     cms_pb2_grpc.add_ClusterMetadataServicer_to_server(service, server)
-    health_servicer = health.aio.HealthServicer()  # type: ignore[attr-defined]
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    try:
-        port = server.add_insecure_port(listen)
-    except RuntimeError as exc:
-        await server.stop(None)
-        raise OSError(f"cannot listen on {listen}: {exc}") from exc
-    if port == 0:
-        await server.stop(None)
-        raise OSError(f"cannot listen on {listen}")
+    health_servicer = add_health_and_reflection(server, SERVICE_NAME)
     await server.start()
     await health_servicer.set(SERVICE_NAME, _SERVING)
     cms = CmsServer(server, service, pump, health_servicer, host, port)

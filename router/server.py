@@ -17,11 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health_pb2
 from slorouter.v1 import router_pb2, router_pb2_grpc
 
 from cms.reader import ClusterReader, open_reader
+from cms.serving import add_health_and_reflection, bind_server
 from predictor import LatencyPredictor
 from router.config import SchedulerConfig
 from router.forward import WorkerClient
@@ -99,17 +99,9 @@ async def start_router_server(
         service_config or ServiceConfig(),
         observer=observer,
     )
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    server, port = await bind_server(listen)
     router_pb2_grpc.add_RouterServicer_to_server(service, server)
-    health_servicer = health.aio.HealthServicer()  # type: ignore[attr-defined]
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    try:
-        port = server.add_insecure_port(listen)
-    except RuntimeError as exc:
-        raise OSError(f"cannot listen on {listen}: {exc}") from exc
-    if port == 0:
-        raise OSError(f"cannot listen on {listen}")
+    health_servicer = add_health_and_reflection(server, SERVICE_NAME)
     await reader.start()
     await server.start()
     await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)

@@ -31,10 +31,10 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health_pb2
 from slorouter.v1 import cms_pb2, common_pb2, worker_pb2, worker_pb2_grpc
 
+from cms.serving import add_health_and_reflection, bind_server
 from workers.engine import (
     DuplicateRequestError,
     EndpointAware,
@@ -295,20 +295,7 @@ async def start_worker_server(
     """
     identity = identity if identity is not None else WorkerIdentity()
     host, _ = _split_listen(listen)
-    # No SO_REUSEPORT: a second worker on a busy port must fail, not share it.
-    server = grpc.aio.server(
-        options=[
-            ("grpc.so_reuseport", 0),
-            ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-        ]
-    )
-    health_servicer = health.aio.HealthServicer()  # type: ignore[attr-defined]
-    try:
-        port = server.add_insecure_port(listen)
-    except RuntimeError as exc:
-        raise OSError(f"cannot listen on {listen}: {exc}") from exc
-    if port == 0:
-        raise OSError(f"cannot listen on {listen}")
+    server, port = await bind_server(listen, [("grpc.max_receive_message_length", 64 * 1024 * 1024)])
     if advertise_host is None:
         advertise_host = socket.gethostname() if host in _WILDCARD_HOSTS else host
     endpoint = f"{advertise_host}:{port}"
@@ -320,10 +307,7 @@ async def start_worker_server(
         # Only a started engine knows all its facts (vLLM sizes its KV cache while starting).
         metadata = build_metadata(engine.info, identity, endpoint)
         worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(engine, metadata, tokenizer), server)
-        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-        )
+        health_servicer = add_health_and_reflection(server, SERVICE_NAME)
         await server.start()
         await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
         await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
