@@ -19,11 +19,11 @@ from pathlib import Path
 
 from slorouter.v1 import cms_pb2
 
-from cms.model import ClusterSnapshot, InstanceRecord
+from fleet.snapshot import ClusterSnapshot, InstanceRecord
 from predictor import LatencyPredictor
-from router.config import SchedulerConfig
-from router.scheduler import Scheduler
-from router.types import ScheduleInput
+from router.core.config import SchedulerConfig
+from router.core.request import ScheduleInput
+from router.core.scheduler import Scheduler
 
 PROFILE = Path(__file__).resolve().parent.parent / "profiling_data" / "qwen2.5-7b-2xv100-linear"
 SIZES = (16, 256, 4096)

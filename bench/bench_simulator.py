@@ -12,10 +12,10 @@ from __future__ import annotations
 import time
 
 from bench.report import summarize
-from bench.sim_cluster import SimFleet, simulate
-from bench.sim_fleet import fleet_from_counts
 from bench.workload import generate_requests, load_workload
-from router.config import SchedulerConfig
+from router.core.config import SchedulerConfig
+from sim.cluster import SimFleet, simulate
+from sim.fleet import fleet_from_counts
 
 PREFILL = DECODE = 128
 NUM_REQUESTS = 50_000

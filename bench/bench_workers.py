@@ -24,8 +24,8 @@ from typing import Any
 from slorouter.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 from predictor import LatencyPredictor
+from sim.engine import ProfileCostModel, SimConfig, SimCore, SimRequestSpec
 from workers.engine import Sampling
-from workers.sim_core import ProfileCostModel, SimConfig, SimCore, SimRequestSpec
 from workers.sim_engine import DEFAULT_PROFILE_DIR, SimEngine
 
 _PREDICTOR = LatencyPredictor.from_files(DEFAULT_PROFILE_DIR / "ttft.json", DEFAULT_PROFILE_DIR / "tpot.json")

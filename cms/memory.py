@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from slorouter.v1 import cms_pb2
 
 from cms.errors import InstanceNotFoundError, InvalidArgumentError
-from cms.model import ClusterSnapshot, InstanceRecord
 from cms.validation import (
     check_lease_ttl,
     kv_over_capacity_message,
@@ -24,6 +23,7 @@ from cms.validation import (
     validate_metadata,
     validate_status,
 )
+from fleet.snapshot import ClusterSnapshot, InstanceRecord
 
 
 @dataclass(slots=True)

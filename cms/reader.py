@@ -30,10 +30,10 @@ from slorouter.v1 import cms_pb2, cms_pb2_grpc
 
 from cms.backoff import channel_options, retrying, strip_grpc_scheme
 from cms.errors import StoreUnavailableError
-from cms.model import EMPTY_SNAPSHOT, ClusterSnapshot
 from cms.store import CmsStore, StoreReader
 from cms.tasks import cancel_and_wait
 from cms.view import PumpUpdate, ViewPump, view_to_snapshot
+from fleet.snapshot import EMPTY_SNAPSHOT, ClusterSnapshot
 
 logger = logging.getLogger(__name__)
 

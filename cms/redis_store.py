@@ -41,7 +41,6 @@ from redis.exceptions import RedisError
 from slorouter.v1 import cms_pb2
 
 from cms.errors import InstanceNotFoundError, InvalidArgumentError, StoreUnavailableError
-from cms.model import ClusterSnapshot, InstanceRecord
 from cms.tasks import raise_if_cancelling
 from cms.validation import (
     check_lease_ttl,
@@ -50,6 +49,7 @@ from cms.validation import (
     validate_metadata,
     validate_status,
 )
+from fleet.snapshot import ClusterSnapshot, InstanceRecord
 
 logger = logging.getLogger(__name__)
 

@@ -26,11 +26,11 @@ from grpc_health.v1 import health_pb2
 from slorouter.v1 import cms_pb2, cms_pb2_grpc
 
 from cms.errors import CmsError, UnauthenticatedError, grpc_code
-from cms.model import ClusterSnapshot
 from cms.serving import add_health_and_reflection, bind_server
 from cms.store import DEFAULT_LEASE_TTL_S, CmsStore
 from cms.validation import check_lease_ttl, validate_instance_id
 from cms.view import LatestSlot, PumpUpdate, ViewPump, epoch_ms, snapshot_to_view
+from fleet.snapshot import ClusterSnapshot
 
 logger = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ from typing import Protocol
 
 from slorouter.v1 import cms_pb2
 
-from cms.model import ClusterSnapshot
+from fleet.snapshot import ClusterSnapshot
 
 #: Lease given to an instance when the server is not told otherwise.
 DEFAULT_LEASE_TTL_S = 5.0

@@ -22,9 +22,9 @@ from typing import Generic, TypeVar
 from slorouter.v1 import cms_pb2
 
 from cms.errors import StoreUnavailableError
-from cms.model import ClusterSnapshot, InstanceRecord
 from cms.store import StoreReader
 from cms.tasks import cancel_and_wait
+from fleet.snapshot import ClusterSnapshot, InstanceRecord
 
 logger = logging.getLogger(__name__)
 

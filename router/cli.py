@@ -24,7 +24,7 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "router.server",
     "router.up",
     "bench.cli",
-    "bench.simulate",
+    "sim.cli",
 )
 
 

@@ -68,7 +68,7 @@ def _leg_error(instance_id: str, exc: grpc.aio.AioRpcError) -> LegError:
 
 
 class Target(Protocol):
-    """Where a leg runs (a scheduler :class:`~router.types.Choice` is one)."""
+    """Where a leg runs (a scheduler :class:`~router.core.decision.Choice` is one)."""
 
     @property
     def instance_id(self) -> str: ...

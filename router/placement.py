@@ -1,7 +1,7 @@
 """Between the Router service and the scheduling core: placement over the live view.
 
 :class:`Placer` reads the CMS reader's newest snapshot, asks the
-:class:`~router.scheduler.Scheduler` for a decision, records real dispatches in
+:class:`~router.core.scheduler.Scheduler` for a decision, records real dispatches in
 the in-flight account at once (so the next decision sees them), and turns dry
 runs into ``ScheduleResponse`` messages. It is synchronous: it never waits on
 I/O, so a decision never waits for the CMS.
@@ -16,55 +16,19 @@ from typing import Protocol
 
 from slorouter.v1 import cms_pb2, router_pb2
 
-from cms.model import ClusterSnapshot
-from router.errors import EmptyClusterError, InvalidRequestError
-from router.scheduler import Scheduler
+from fleet.snapshot import ClusterSnapshot
+from router.core.decision import Choice
+from router.core.errors import EmptyClusterError, InvalidRequestError
+from router.core.request import ScheduleInput, StageRestriction
+from router.core.scheduler import Scheduler
+from router.route import Route, route_of
 from router.telemetry import RequestObserver
-from router.types import Choice, Decision, Mode, ScheduleInput, StageRestriction
 
 
 class SnapshotSource(Protocol):
     """Anything with a ``snapshot()`` (a :class:`cms.reader.ClusterReader`)."""
 
     def snapshot(self) -> ClusterSnapshot: ...
-
-
-@dataclass(frozen=True)
-class Route:
-    """Where a request runs: what the service keeps of a decision while the request lives.
-
-    (A :class:`~router.types.Decision` holds its whole decision context for
-    the lazy trace; a live request keeps only this.) ``*_group`` is the
-    instance's profile group, or its stage when the fleet has one profile.
-    """
-
-    mode: Mode
-    policy: str
-    prefill: Choice
-    decode: Choice
-    prefill_group: str
-    decode_group: str
-
-
-def _group(decision: Decision, choice: Choice) -> str:
-    table = decision.context.view.instances
-    i = table.index.get(choice.instance_id)
-    group = table.groups[i] if i is not None else ""
-    return group or choice.stage.value
-
-
-def route_of(decision: Decision) -> Route:
-    """The :class:`Route` of a full placement."""
-    if decision.prefill is None or decision.decode is None:
-        raise EmptyClusterError(f"the scheduler placed only part of request {decision.request_id}")
-    return Route(
-        mode=decision.mode,
-        policy=decision.policy,
-        prefill=decision.prefill,
-        decode=decision.decode,
-        prefill_group=_group(decision, decision.prefill),
-        decode_group=_group(decision, decision.decode),
-    )
 
 
 @dataclass(frozen=True)

@@ -23,12 +23,12 @@ from slorouter.v1 import router_pb2, router_pb2_grpc
 from cms.reader import ClusterReader, open_reader
 from cms.serving import add_health_and_reflection, bind_server
 from predictor import LatencyPredictor
-from router.config import SchedulerConfig
+from router.core.config import SchedulerConfig
+from router.core.predictors import PredictorSet
+from router.core.scheduler import Scheduler
 from router.forward import WorkerClient
 from router.placement import Placer
 from router.pool import ChannelPool
-from router.predictors import PredictorSet
-from router.scheduler import Scheduler
 from router.service import RouterService, ServiceConfig
 from router.telemetry import RequestObserver
 from router.tokenize import Tokenizer, load_tokenizer

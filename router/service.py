@@ -25,18 +25,20 @@ from typing import Any
 import grpc
 from slorouter.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2
 
-from router.errors import (
+from router.core.decision import Choice
+from router.core.errors import (
     EmptyClusterError,
     InvalidRequestError,
     NoInstanceError,
     RetriesExhaustedError,
     RouterError,
 )
+from router.core.request import Mode
 from router.forward import LegError, LegLedger, WorkerClient
-from router.placement import PlacementRequest, Placer, Route
+from router.placement import PlacementRequest, Placer
+from router.route import Route
 from router.telemetry import RequestObserver
 from router.tokenize import Tokenizer
-from router.types import Choice, Mode
 
 logger = logging.getLogger(__name__)
 

@@ -11,20 +11,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from router.errors import (
+from router.core.errors import (
     EmptyClusterError,
     InvalidRequestError,
     NoInstanceError,
     RetriesExhaustedError,
     RouterError,
 )
-
-if TYPE_CHECKING:
-    from router.placement import Route
+from router.route import Route
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _TPOT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.2, 0.5, 1)

@@ -25,8 +25,8 @@ from cms.memory import MemoryStore
 from cms.reader import open_reader
 from cms.server import CmsServer, start_cms_server
 from predictor import LatencyPredictor
-from router.config import SchedulerConfig
-from router.scheduler import Scheduler
+from router.core.config import SchedulerConfig
+from router.core.scheduler import Scheduler
 from router.server import DEFAULT_LISTEN, DEFAULT_PROFILE_DIR, RouterServer, start_router_server
 from router.service import ServiceConfig
 from router.telemetry import RequestObserver

@@ -1,4 +1,4 @@
-"""The ``sim`` backend: :class:`SimEngine` runs :class:`workers.sim_core.SimCore` in real time.
+"""The ``sim`` backend: :class:`SimEngine` runs :class:`sim.engine.SimCore` in real time.
 
 The step loop asks the core for a step, sleeps its duration and applies it,
 then turns the tokens the step produced into token ids and text and hands
@@ -33,6 +33,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 
 from predictor import LatencyPredictor
+from sim.engine import ProfileCostModel, SimConfig, SimCore, SimRequestSpec, StepResult
 from workers.engine import (
     DeltaCollector,
     DuplicateRequestError,
@@ -47,7 +48,6 @@ from workers.engine import (
     validate_request,
 )
 from workers.kv_transfer import GrpcKvPeer, KvPeer, SimKvHandle
-from workers.sim_core import ProfileCostModel, SimConfig, SimCore, SimRequestSpec, StepResult
 from workers.tokenizer import EOS_TOKEN_ID, IncrementalDecoder, SimpleTokenizer
 
 logger = logging.getLogger(__name__)

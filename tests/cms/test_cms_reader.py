@@ -8,12 +8,12 @@ from collections.abc import AsyncIterator
 import pytest
 
 from cms.memory import MemoryStore
-from cms.model import EMPTY_SNAPSHOT, ClusterSnapshot
 from cms.reader import ClusterReader, GrpcClusterReader, open_reader
 from cms.redis_store import RedisStore
 from cms.server import CmsServer, start_cms_server
 from cms.store import CmsStore
 from cms.testing import RedisServer
+from fleet.snapshot import EMPTY_SNAPSHOT, ClusterSnapshot
 from tests.cms.helpers import eventually, make_metadata, make_status
 
 LONG = 30.0

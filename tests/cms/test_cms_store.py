@@ -9,9 +9,9 @@ from slorouter.v1 import cms_pb2
 
 from cms.errors import InstanceNotFoundError, InvalidArgumentError
 from cms.memory import MemoryStore
-from cms.model import ClusterSnapshot
 from cms.redis_store import RedisStore
 from cms.store import CmsStore, open_store
+from fleet.snapshot import ClusterSnapshot
 from tests.cms.helpers import DECODE, eventually, make_metadata, make_status
 
 TTL = 0.6

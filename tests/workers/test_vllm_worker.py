@@ -385,8 +385,8 @@ async def test_router_in_front_of_real_vllm_workers_streams_and_transfers_kv(clu
 
     from cms.reader import open_reader
     from predictor import LatencyPredictor
-    from router.config import SchedulerConfig
-    from router.scheduler import Scheduler
+    from router.core.config import SchedulerConfig
+    from router.core.scheduler import Scheduler
     from router.server import DEFAULT_PROFILE_DIR, start_router_server
 
     predictor = LatencyPredictor.from_files(

@@ -9,12 +9,12 @@ from typing import Any
 import numpy as np
 from slorouter.v1 import cms_pb2
 
-from cms.model import ClusterSnapshot, InstanceRecord
+from fleet.snapshot import ClusterSnapshot, InstanceRecord
 from predictor import Grid1D, Grid2D, LatencyPredictor, TpotProfile, TtftProfile
-from router.config import SchedulerConfig
-from router.predictors import PredictorSet
-from router.scheduler import Scheduler
-from router.types import ScheduleInput
+from router.core.config import SchedulerConfig
+from router.core.predictors import PredictorSet
+from router.core.request import ScheduleInput
+from router.core.scheduler import Scheduler
 
 ROLES = {
     "neutral": cms_pb2.INSTANCE_ROLE_NEUTRAL,

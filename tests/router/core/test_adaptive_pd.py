@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from router.adaptive_pd import ReserveElection
-from router.scheduler import Scheduler
-from router.types import Decision, Mode
+from router.core.adaptive_pd import ReserveElection
+from router.core.decision import Decision
+from router.core.request import Mode
+from router.core.scheduler import Scheduler
 from tests.router.core.helpers import NOW, inst, make_request, make_scheduler, make_snapshot
 
 

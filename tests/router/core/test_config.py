@@ -8,10 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from router.config import SchedulerConfig
-from router.errors import ConfigError, DuplicatePluginError, PolicyFileError, RouterError, UnknownPluginError
-from router.policies import build_policy, load_policy_file
-from router.registry import FILTERS, METRICS, POLICIES, SELECTORS, Params, Registry
+from router.core.config import SchedulerConfig
+from router.core.errors import (
+    ConfigError,
+    DuplicatePluginError,
+    PolicyFileError,
+    RouterError,
+    UnknownPluginError,
+)
+from router.core.policies import build_policy, load_policy_file
+from router.core.registry import FILTERS, METRICS, POLICIES, SELECTORS, Params, Registry
 from tests.router.core.helpers import NOW, inst, make_request, make_scheduler, make_snapshot
 
 

@@ -8,10 +8,19 @@ from typing import Any
 import numpy as np
 import pytest
 
-from router.config import SchedulerConfig
-from router.registry import FILTERS, METRICS, POLICIES, SELECTORS, Params
-from router.scheduler import Scheduler
-from router.types import DecisionContext, Filter, FilterResult, GlobalFilter, Metric, Reserves, Role, Selector
+from router.core.config import SchedulerConfig
+from router.core.plugins import (
+    DecisionContext,
+    Filter,
+    FilterResult,
+    GlobalFilter,
+    Metric,
+    Reserves,
+    Selector,
+)
+from router.core.registry import FILTERS, METRICS, POLICIES, SELECTORS, Params
+from router.core.request import Role
+from router.core.scheduler import Scheduler
 from tests.router.core.helpers import NOW, inst, make_predictor, make_request, make_snapshot
 
 #: Parameters that make each registered plugin usable; a new plugin must be added here.

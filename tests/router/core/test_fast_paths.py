@@ -15,10 +15,12 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from router.inflight import InflightAccount
-from router.scheduler import Scheduler
-from router.selectors import _best_ties
-from router.types import INFLIGHT_ALL, Choice, ClusterView, Decision, Stage
+from router.core.columns import INFLIGHT_ALL, ClusterView
+from router.core.decision import Choice, Decision
+from router.core.inflight import InflightAccount
+from router.core.request import Stage
+from router.core.scheduler import Scheduler
+from router.core.selectors import _best_ties
 from tests.router.core.helpers import NOW, inst, make_predictor, make_request, make_scheduler, make_snapshot
 
 PROPS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])

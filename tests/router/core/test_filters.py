@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from router.config import SchedulerConfig
-from router.errors import EmptyClusterError, NoInstanceError
-from router.registry import FILTERS, Params
-from router.types import Filter, GlobalFilter
+from router.core.config import SchedulerConfig
+from router.core.errors import EmptyClusterError, NoInstanceError
+from router.core.plugins import Filter, GlobalFilter
+from router.core.registry import FILTERS, Params
 from tests.router.core.helpers import NOW, inst, make_request, make_scheduler, make_snapshot
 
 

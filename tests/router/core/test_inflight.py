@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.inflight import InflightAccount, InflightTotals
+from router.core.inflight import InflightAccount, InflightTotals
 from tests.router.core.helpers import inst, make_snapshot
 
 

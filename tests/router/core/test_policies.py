@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from router.errors import EmptyClusterError, NoInstanceError
-from router.types import Mode, Stage, StageRestriction
+from router.core.errors import EmptyClusterError, NoInstanceError
+from router.core.request import Mode, Stage, StageRestriction
 from tests.router.core.helpers import NOW, inst, make_request, make_scheduler, make_snapshot
 
 PD_FLEET = make_snapshot(
@@ -272,7 +272,7 @@ def test_reconcile_through_the_scheduler_removes_admitted_requests() -> None:
 
 
 def test_schedule_input_rejects_bad_values() -> None:
-    from router.errors import InvalidRequestError
+    from router.core.errors import InvalidRequestError
 
     with pytest.raises(InvalidRequestError, match="prompt_tokens"):
         make_request(prompt_tokens=-1)

@@ -9,12 +9,14 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cms.model import ClusterSnapshot
-from router.config import SchedulerConfig
-from router.errors import EmptyClusterError, NoInstanceError, SchedulingError
-from router.registry import FILTERS, Params
-from router.scheduler import Scheduler
-from router.types import Decision, GlobalFilter, ScheduleInput
+from fleet.snapshot import ClusterSnapshot
+from router.core.config import SchedulerConfig
+from router.core.decision import Decision
+from router.core.errors import EmptyClusterError, NoInstanceError, SchedulingError
+from router.core.plugins import GlobalFilter
+from router.core.registry import FILTERS, Params
+from router.core.request import ScheduleInput
+from router.core.scheduler import Scheduler
 from tests.router.core.helpers import NOW, inst, make_predictor, make_snapshot
 
 PROPS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

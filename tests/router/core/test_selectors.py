@@ -8,11 +8,11 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from router.config import SchedulerConfig
-from router.errors import ConfigError
-from router.registry import SELECTORS, Params
-from router.selectors import RoundRobin
-from router.types import DecisionContext
+from router.core.config import SchedulerConfig
+from router.core.errors import ConfigError
+from router.core.plugins import DecisionContext
+from router.core.registry import SELECTORS, Params
+from router.core.selectors import RoundRobin
 from tests.router.core.helpers import NOW, inst, make_request, make_scheduler, make_snapshot
 
 
@@ -165,7 +165,7 @@ def test_adaptive_decode_bin_packs_then_converts_then_spreads() -> None:
 
 
 def test_adaptive_decode_ties_go_to_the_reserved_decode() -> None:
-    from router.types import Reserves
+    from router.core.plugins import Reserves
 
     snap = make_snapshot(inst("a"), inst("b"), inst("c"))
     for seed in range(10):

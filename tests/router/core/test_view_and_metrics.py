@@ -8,12 +8,12 @@ import random
 import numpy as np
 import pytest
 
-from router.config import SchedulerConfig
-from router.inflight import InflightAccount
-from router.predictors import PredictorSet
-from router.scheduler import Scheduler
-from router.types import Role
-from router.view import ViewBuilder
+from router.core.config import SchedulerConfig
+from router.core.inflight import InflightAccount
+from router.core.predictors import PredictorSet
+from router.core.request import Role
+from router.core.scheduler import Scheduler
+from router.core.view import ViewBuilder
 from tests.router.core.helpers import NOW, inst, make_predictor, make_request, make_scheduler, make_snapshot
 
 

@@ -17,14 +17,14 @@ from cms.memory import MemoryStore
 from cms.reader import open_reader
 from cms.server import CmsServer, start_cms_server
 from predictor import LatencyPredictor
-from router.config import SchedulerConfig
-from router.scheduler import Scheduler
+from router.core.config import SchedulerConfig
+from router.core.scheduler import Scheduler
 from router.server import RouterServer, start_router_server
 from router.service import ServiceConfig
+from sim.engine import SimConfig
 from workers.kv_transfer import GrpcKvPeer
 from workers.metadata import WorkerIdentity, WorkerRole
 from workers.service import WorkerServer, start_worker_server
-from workers.sim_core import SimConfig
 from workers.sim_engine import DEFAULT_PROFILE_DIR, SimEngine
 
 PREDICTOR = LatencyPredictor.from_files(DEFAULT_PROFILE_DIR / "ttft.json", DEFAULT_PROFILE_DIR / "tpot.json")

@@ -1,8 +1,8 @@
-"""Building the columnar :class:`~router.types.ClusterView` a decision works on.
+"""Building the columnar :class:`~router.core.columns.ClusterView` a decision works on.
 
 Three layers, each cached as long as its inputs do not change:
 
-* per snapshot — :class:`~router.types.InstanceTable`: ids, endpoints, roles,
+* per snapshot — :class:`~router.core.columns.InstanceTable`: ids, endpoints, roles,
   node/unit codes, chunk budget ``M``, KV capacity, the status counters, and
   values derived from them (``InstanceTable.memo``). Rows are reused for
   instances whose metadata and status objects did not change between
@@ -23,9 +23,10 @@ import numpy as np
 import numpy.typing as npt
 from slorouter.v1 import cms_pb2
 
-from cms.model import ClusterSnapshot
-from router.inflight import InflightAccount
-from router.types import ClusterView, InflightColumns, InstanceTable, LoadDelta, Role
+from fleet.snapshot import ClusterSnapshot
+from router.core.columns import ClusterView, InflightColumns, InstanceTable, LoadDelta
+from router.core.inflight import InflightAccount
+from router.core.request import Role
 
 _ROLE_BY_PROTO = {
     cms_pb2.INSTANCE_ROLE_PREFILL: Role.PREFILL,

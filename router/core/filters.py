@@ -34,18 +34,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from router.config import FAILOVER_DOMAINS, SchedulerConfig
-from router.errors import ConfigError
-from router.registry import FILTERS, METRICS, Params
-from router.types import (
-    BoolArray,
-    DecisionContext,
-    Filter,
-    FilterResult,
-    GlobalFilter,
-    InstanceTable,
-    IntArray,
-)
+from router.core.columns import BoolArray, InstanceTable, IntArray
+from router.core.config import FAILOVER_DOMAINS, SchedulerConfig
+from router.core.errors import ConfigError
+from router.core.plugins import DecisionContext, Filter, FilterResult, GlobalFilter
+from router.core.registry import FILTERS, METRICS, Params
 
 
 def _marks(table: InstanceTable, mark: BoolArray) -> BoolArray:

@@ -9,10 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sim.engine import ProfileCostModel, SimConfig, SimCore, SimRequestSpec, StepResult
+from tests.workers.helpers import PREDICTOR
 from workers.engine import DuplicateRequestError, EngineOverloadedError, InvalidRequestError
-from workers.sim_core import ProfileCostModel, SimConfig, SimCore, SimRequestSpec, StepResult
-
-from .helpers import PREDICTOR
 
 
 def make_core(**overrides: object) -> SimCore:

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from router.types import BoolArray, DecisionContext, InstanceTable, Reserves
+from router.core.columns import BoolArray, InstanceTable
+from router.core.plugins import DecisionContext, Reserves
 
 
 def _still_usable(table: InstanceTable, usable: BoolArray, instance_id: str | None) -> int:

@@ -30,23 +30,11 @@ from typing import NamedTuple
 
 import numpy as np
 
-from router.errors import EmptyClusterError, NoInstanceError, ThresholdMiss
-from router.types import (
-    BoolArray,
-    Choice,
-    Decision,
-    DecisionContext,
-    ExplainsMiss,
-    InstanceTable,
-    IntArray,
-    Mode,
-    Policy,
-    Role,
-    Stage,
-    StageOutcome,
-    StageRestriction,
-    StageSpec,
-)
+from router.core.columns import BoolArray, InstanceTable, IntArray
+from router.core.decision import Choice, Decision, StageOutcome
+from router.core.errors import EmptyClusterError, NoInstanceError, ThresholdMiss
+from router.core.plugins import DecisionContext, ExplainsMiss, Policy, StageSpec
+from router.core.request import Mode, Role, Stage, StageRestriction
 
 EXCLUDED = "excluded"
 

@@ -20,17 +20,20 @@ from __future__ import annotations
 import logging
 import random
 
-from cms.model import ClusterSnapshot
+from fleet.snapshot import ClusterSnapshot
 from predictor import LatencyPredictor
-from router import chain
-from router.config import SchedulerConfig
-from router.errors import ConfigError
-from router.inflight import InflightAccount
-from router.policies import build_policy
-from router.predictors import PredictorSet
-from router.registry import METRICS
-from router.types import ClusterView, Decision, DecisionContext, Metric, Policy, ScheduleInput
-from router.view import ViewBuilder
+from router.core import chain
+from router.core.columns import ClusterView
+from router.core.config import SchedulerConfig
+from router.core.decision import Decision
+from router.core.errors import ConfigError
+from router.core.inflight import InflightAccount
+from router.core.plugins import DecisionContext, Metric, Policy
+from router.core.policies import build_policy
+from router.core.predictors import PredictorSet
+from router.core.registry import METRICS
+from router.core.request import ScheduleInput
+from router.core.view import ViewBuilder
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +42,7 @@ class Scheduler:
     """Places requests on a fleet; holds the in-flight account and the policy's state.
 
     ``predictors`` is one :class:`~predictor.LatencyPredictor`, a
-    :class:`~router.predictors.PredictorSet` (heterogeneous fleets), or
+    :class:`~router.core.predictors.PredictorSet` (heterogeneous fleets), or
     ``None`` (then predictions are NaN: fine for load-based policies only).
     ``rng`` is the only source of randomness. ``inflight`` and ``policy``
     default to a fresh account and to the policy ``config`` names.
@@ -114,7 +117,7 @@ class Scheduler:
         *,
         dry_run: bool = False,
     ) -> Decision:
-        """Place ``request``; raises :class:`~router.errors.SchedulingError` when it cannot.
+        """Place ``request``; raises :class:`~router.core.errors.SchedulingError` when it cannot.
 
         A snapshot goes through :meth:`view` at ``now_s``; a prebuilt view is
         used as it is (its own ``now_s`` decides status ages). Nothing is

@@ -1,4 +1,4 @@
-"""Fast-forwarding runs of identical pure-decode steps of a :class:`workers.sim_core.SimCore`.
+"""Fast-forwarding runs of identical pure-decode steps of a :class:`sim.engine.SimCore`.
 
 Most steps of a busy decode instance look alike: nothing waits, nothing is
 being prefilled, every running request gets one token, and no request
@@ -39,8 +39,8 @@ from bisect import bisect_right
 import numpy as np
 
 from predictor import LatencyPredictor
+from sim.engine import ProfileCostModel, SimCore
 from workers.engine import StepRecord
-from workers.sim_core import ProfileCostModel, SimCore
 
 #: Runs shorter than this are stepped normally (planning costs about as much as a few steps).
 MIN_RUN_STEPS = 4

@@ -4,7 +4,7 @@ Build it from parsed flags with :meth:`SchedulerConfig.from_namespace` (and add
 the flags themselves with :meth:`SchedulerConfig.add_arguments`), or directly in
 code and tests. Every field has a default, a unit in its name where it has one,
 and a one-line doc (``field(metadata={"doc": ...})``) that doubles as the flag's
-help. Invalid values raise :class:`router.errors.ConfigError` (a ``ValueError``)
+help. Invalid values raise :class:`router.core.errors.ConfigError` (a ``ValueError``)
 naming the field.
 """
 
@@ -15,7 +15,8 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from router.errors import ConfigError
+from router.core.errors import ConfigError
+from router.core.registry import METRICS, POLICIES
 
 FAILOVER_DOMAINS = ("instance", "node", "unit", "node-unit")
 
@@ -147,8 +148,6 @@ class SchedulerConfig:
     )
 
     def __post_init__(self) -> None:
-        from router.registry import METRICS, POLICIES
-
         def bad(name: str, why: str) -> ConfigError:
             return ConfigError(f"{name}={getattr(self, name)!r}: {why}")
 

@@ -15,7 +15,7 @@ A policy description names, per stage, its filters and its selector::
     neutral:  {...}                  # required unless adaptive_pd
 
 A filter or selector is a name, or a mapping with ``name`` plus its
-parameters (see :mod:`router.filters` and :mod:`router.selectors`); unknown
+parameters (see :mod:`router.core.filters` and :mod:`router.core.selectors`); unknown
 names and unknown parameters are errors that list what exists.
 """
 
@@ -27,14 +27,14 @@ from typing import Any
 
 import yaml
 
-from router import filters as _filters  # noqa: F401  (registers the filters)
-from router import metrics as _metrics  # noqa: F401  (registers the metrics)
-from router import selectors as _selectors  # noqa: F401  (registers the selectors)
-from router.adaptive_pd import ReserveElection
-from router.config import SchedulerConfig
-from router.errors import ConfigError, PolicyFileError
-from router.registry import FILTERS, POLICIES, SELECTORS, Params
-from router.types import Filter, GlobalFilter, Policy, PolicyHook, StageSpec
+from router.core import filters as _filters  # noqa: F401  (registers the filters)
+from router.core import metrics as _metrics  # noqa: F401  (registers the metrics)
+from router.core import selectors as _selectors  # noqa: F401  (registers the selectors)
+from router.core.adaptive_pd import ReserveElection
+from router.core.config import SchedulerConfig
+from router.core.errors import ConfigError, PolicyFileError
+from router.core.plugins import Filter, GlobalFilter, Policy, PolicyHook, StageSpec
+from router.core.registry import FILTERS, POLICIES, SELECTORS, Params
 
 _STAGES = ("prefill", "decode", "neutral")
 _TOP_KEYS = {"name", "adaptive_pd", *_STAGES}

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from predictor import LatencyPredictor
-from router.types import FloatArray, InstanceTable, IntArray
+from router.core.columns import FloatArray, InstanceTable, IntArray
 
 logger = logging.getLogger(__name__)
 

@@ -11,8 +11,15 @@ import sys
 from typing import Any, cast
 
 from bench.report import PlotUnavailableError
-from bench.sim_cluster import SimFleet
-from bench.sim_fleet import (
+from bench.workload import DEFAULT_WORKLOAD, WorkloadError, load_workload
+from predictor import ProfileError
+from router.core.config import SchedulerConfig
+from router.core.errors import ConfigError
+from router.core.policies import build_policy
+from router.core.registry import POLICIES
+from sim.cluster import SimFleet
+from sim.engine import SimConfig
+from sim.fleet import (
     BUNDLED_PROFILES,
     DEFAULT_PROFILE,
     FleetError,
@@ -21,7 +28,7 @@ from bench.sim_fleet import (
     fleet_to_dict,
     load_fleet,
 )
-from bench.sim_sweep import (
+from sim.sweep import (
     SLO_ADAPTIVE_PD,
     PolicyChoice,
     SweepPoint,
@@ -33,13 +40,6 @@ from bench.sim_sweep import (
     sweep_meta,
     write_sweep_json,
 )
-from bench.workload import DEFAULT_WORKLOAD, WorkloadError, load_workload
-from predictor import ProfileError
-from router.config import SchedulerConfig
-from router.errors import ConfigError
-from router.policies import build_policy
-from router.registry import POLICIES
-from workers.sim_core import SimConfig
 
 DEFAULT_POLICIES = f"round-robin,random,least-requests,power-of-two,load-balance,slo,{SLO_ADAPTIVE_PD}"
 DEFAULT_RATES = "2,4,8"

@@ -38,8 +38,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cms.model import ClusterSnapshot, InstanceRecord
-from router.types import (
+from fleet.snapshot import ClusterSnapshot, InstanceRecord
+from router.core.columns import (
     INFLIGHT_DECODE_REQUESTS,
     INFLIGHT_DECODE_TOKENS,
     INFLIGHT_PREFILL_REQUESTS,
@@ -176,7 +176,7 @@ class InflightAccount:
         return changes
 
     def totals_row(self, instance_id: str) -> tuple[int, int, int, int, int, int]:
-        """One instance's sums in :class:`~router.types.InflightColumns` order (zeros when none)."""
+        """One instance's sums in :class:`~router.core.columns.InflightColumns` order (zeros when none)."""
         t = self._totals.get(instance_id)
         if t is None:
             return (0, 0, 0, 0, 0, 0)

@@ -7,8 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from bench.sim_cluster import SimFleet
-from bench.sim_fleet import (
+from router.core.request import Role
+from sim.cluster import SimFleet
+from sim.engine import SimConfig
+from sim.fleet import (
     BUNDLED_PROFILES,
     DEFAULT_PROFILE,
     FleetError,
@@ -19,8 +21,6 @@ from bench.sim_fleet import (
     parse_fleet,
     parse_fleet_dict,
 )
-from router.types import Role
-from workers.sim_core import SimConfig
 
 LLAMA = "llama3-70b-4xh100-roofline"
 

@@ -10,8 +10,8 @@ policy file, or from the built-in policies) and returns a plugin::
 Registering a name twice raises :class:`DuplicatePluginError`; creating an
 unknown name raises :class:`UnknownPluginError` listing the known ones; a
 parameter the factory did not read raises :class:`ConfigError`. The built-in
-plugins live in :mod:`router.metrics`, :mod:`router.filters`,
-:mod:`router.selectors` and :mod:`router.policies`; :func:`load_builtins`
+plugins live in :mod:`router.core.metrics`, :mod:`router.core.filters`,
+:mod:`router.core.selectors` and :mod:`router.core.policies`; :func:`load_builtins`
 imports them.
 """
 
@@ -20,17 +20,19 @@ from __future__ import annotations
 import importlib
 import math
 from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
-from router.errors import ConfigError, DuplicatePluginError, UnknownPluginError
-from router.types import Filter, GlobalFilter, Metric, Policy, Selector
-
-if TYPE_CHECKING:
-    from router.config import SchedulerConfig
+from router.core.errors import ConfigError, DuplicatePluginError, UnknownPluginError
+from router.core.plugins import Filter, GlobalFilter, Metric, Policy, Selector
 
 T = TypeVar("T")
 
-_BUILTIN_MODULES = ("router.metrics", "router.filters", "router.selectors", "router.policies")
+_BUILTIN_MODULES = (
+    "router.core.metrics",
+    "router.core.filters",
+    "router.core.selectors",
+    "router.core.policies",
+)
 
 
 class Params:
@@ -97,7 +99,10 @@ class Params:
             raise ConfigError(f"{self.where}: unknown parameter(s) {', '.join(unknown)} (accepted: {known})")
 
 
-Factory = Callable[["SchedulerConfig", Params], T]
+# The config parameter is the scheduler's ``SchedulerConfig``. It is typed ``Any`` here because
+# ``router.core.config`` imports this module (to check plugin names when a config is built), and
+# the registry must not import it back.
+Factory = Callable[[Any, Params], T]
 
 
 class Registry(Generic[T]):
@@ -122,7 +127,7 @@ class Registry(Generic[T]):
         """Remove ``name`` (for tests that register temporary plugins)."""
         self._factories.pop(name, None)
 
-    def create(self, name: str, config: SchedulerConfig, params: Params | None = None) -> T:
+    def create(self, name: str, config: Any, params: Params | None = None) -> T:
         """Build the plugin registered as ``name``; unknown names and unread parameters raise."""
         load_builtins()
         factory = self._factories.get(name)

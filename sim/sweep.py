@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from bench.report import BenchReport, PlotUnavailableError, summarize
-from bench.sim_cluster import SimFleet, SimOutcome, SimStats, simulate
-from bench.sim_fleet import fleet_to_dict
 from bench.workload import ArrivalProcess, WorkloadSpec, generate_requests, workload_to_dict
-from router.config import SchedulerConfig
+from router.core.config import SchedulerConfig
+from sim.cluster import SimFleet, SimOutcome, SimStats, simulate
+from sim.fleet import fleet_to_dict
 
 #: The spelling of the ``slo`` policy with adaptive PD (``--enable-adaptive-pd``) in policy lists.
 SLO_ADAPTIVE_PD = "slo+adaptive-pd"

@@ -8,19 +8,19 @@ from pathlib import Path
 import pytest
 
 from bench.report import summarize
-from bench.sim_cluster import SimFleet, SimOutcome, simulate
-from bench.sim_fleet import (
+from bench.workload import RequestPlan, SloTarget, generate_requests, load_workload
+from predictor import LatencyPredictor
+from router.cli import main
+from router.core.config import SchedulerConfig
+from sim.cluster import SimFleet, SimOutcome, simulate
+from sim.fleet import (
     BUNDLED_PROFILES,
     DEFAULT_PROFILE,
     fleet_from_counts,
     parse_fleet,
     parse_fleet_dict,
 )
-from bench.sim_sweep import SLO_ADAPTIVE_PD, policy_overrides
-from bench.workload import RequestPlan, SloTarget, generate_requests, load_workload
-from predictor import LatencyPredictor
-from router.cli import main
-from router.config import SchedulerConfig
+from sim.sweep import SLO_ADAPTIVE_PD, policy_overrides
 
 QWEN = BUNDLED_PROFILES / DEFAULT_PROFILE
 CHAT = SloTarget(ttft_ms=1000.0, tpot_ms=50.0)

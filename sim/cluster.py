@@ -1,14 +1,14 @@
 """The virtual-time cluster simulator behind ``slo-router simulate``.
 
 One run replays a workload plan (:func:`bench.workload.generate_requests`) on a
-simulated fleet (:mod:`bench.sim_fleet`) with one scheduling policy, as a
+simulated fleet (:mod:`sim.fleet`) with one scheduling policy, as a
 discrete-event simulation: no sockets, no sleeping, no wall clock. The two
 moving parts are the real ones:
 
-- placement: :class:`router.scheduler.Scheduler` — the same scheduling core the
+- placement: :class:`router.core.scheduler.Scheduler` — the same scheduling core the
   gRPC router runs — decides every request over a
-  :class:`router.types.ClusterView` at the request's arrival time;
-- engines: every instance is a :class:`workers.sim_core.SimCore` — the model
+  :class:`router.core.columns.ClusterView` at the request's arrival time;
+- engines: every instance is a :class:`sim.engine.SimCore` — the model
   the ``sim`` worker runs in real time — stepped in virtual time: a step
   starts when the engine has work, ends ``duration_ms`` later (from the
   instance's profile), and its outputs drive the requests.
@@ -23,10 +23,10 @@ What a request goes through (times are virtual):
   (0 when adaptive PD put both stages on one instance), after which the
   prefill instance frees it and the decode instance admits the request with
   the prompt cached, exactly as the sim worker's ``Decode`` does;
-- no placement (:class:`router.errors.NoInstanceError`, e.g. the ``slo``
+- no placement (:class:`router.core.errors.NoInstanceError`, e.g. the ``slo``
   policy predicts every instance would miss the SLO): the request is rejected
   at arrival with ``RESOURCE_EXHAUSTED`` (``UNAVAILABLE`` for
-  :class:`~router.errors.EmptyClusterError`) and misses its SLO; an engine
+  :class:`~router.core.errors.EmptyClusterError`) and misses its SLO; an engine
   refusing a request (full waiting queue, too long for ``max_model_len``)
   fails it likewise (``RESOURCE_EXHAUSTED`` / ``INVALID_ARGUMENT``).
 
@@ -44,7 +44,7 @@ busy instance's backlog over that age, as it does live. Dispatch to a worker
 is instantaneous too, so the only in-flight load (dispatched, not yet
 reported) is a PD request's decode leg: counted on the decode instance from
 the decision until that instance admits it after the KV transfer, as
-:class:`router.inflight.InflightAccount` would.
+:class:`router.core.inflight.InflightAccount` would.
 
 Simplifications: no network or RPC latency besides the KV transfer; no
 retries or failover (every worker stays healthy); outputs always run to
@@ -61,7 +61,7 @@ ways and compares):
   columns are carried from one decision's view to the next
   (:data:`STATIC_MEMO_KEYS`);
 - idle engines are never stepped, and runs of identical pure-decode steps are
-  fast-forwarded (:mod:`bench.sim_fastforward`): planned from the engine's own
+  fast-forwarded (:mod:`sim.fastforward`): planned from the engine's own
   cost model, seen by the router through computed columns, and applied to the
   engine only when the run ends or the instance is touched.
 """
@@ -82,18 +82,20 @@ import numpy as np
 from slorouter.v1 import cms_pb2
 
 from bench.report import RequestResult
-from bench.sim_fastforward import DecodeRun, DecodeStepTimes
-from bench.sim_fleet import FleetError, FleetSpec
 from bench.workload import RequestPlan
-from cms.model import ClusterSnapshot, InstanceRecord
+from fleet.snapshot import ClusterSnapshot, InstanceRecord
 from predictor import LatencyPredictor
-from router.config import SchedulerConfig
-from router.errors import EmptyClusterError, NoInstanceError
-from router.predictors import PredictorSet
-from router.scheduler import Scheduler
-from router.types import ClusterView, Decision, InflightColumns, InstanceTable, Mode, Role, ScheduleInput
+from router.core.columns import ClusterView, InflightColumns, InstanceTable
+from router.core.config import SchedulerConfig
+from router.core.decision import Decision
+from router.core.errors import EmptyClusterError, NoInstanceError
+from router.core.predictors import PredictorSet
+from router.core.request import Mode, Role, ScheduleInput
+from router.core.scheduler import Scheduler
+from sim.engine import ProfileCostModel, ScheduledStep, SimConfig, SimCore, SimRequestSpec
+from sim.fastforward import DecodeRun, DecodeStepTimes
+from sim.fleet import FleetError, FleetSpec
 from workers.engine import EngineOverloadedError, InvalidRequestError
-from workers.sim_core import ProfileCostModel, ScheduledStep, SimConfig, SimCore, SimRequestSpec
 
 #: Seconds between two agent heartbeats; a heartbeat resets a status's age (not its content).
 AGENT_HEARTBEAT_S = 1.0

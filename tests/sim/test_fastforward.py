@@ -7,9 +7,9 @@ from pathlib import Path
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from bench.sim_fastforward import MIN_RUN_STEPS, DecodeRun, DecodeStepTimes
 from predictor import LatencyPredictor
-from workers.sim_core import SimConfig, SimCore, SimRequestSpec
+from sim.engine import SimConfig, SimCore, SimRequestSpec
+from sim.fastforward import MIN_RUN_STEPS, DecodeRun, DecodeStepTimes
 
 PROFILE = Path(__file__).resolve().parents[2] / "profiling_data" / "qwen2.5-7b-2xv100-linear"
 PREDICTOR = LatencyPredictor.from_files(PROFILE / "ttft.json", PROFILE / "tpot.json")

@@ -25,10 +25,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from router.config import SchedulerConfig
-from router.errors import ConfigError
-from router.registry import METRICS, SELECTORS, Params
-from router.types import DecisionContext, FloatArray, IntArray, Selector
+from router.core.columns import FloatArray, IntArray
+from router.core.config import SchedulerConfig
+from router.core.errors import ConfigError
+from router.core.plugins import DecisionContext, Selector
+from router.core.registry import METRICS, SELECTORS, Params
 
 
 @dataclass(frozen=True)

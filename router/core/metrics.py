@@ -43,20 +43,18 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from router.config import SchedulerConfig
-from router.predictors import PredictorSet
-from router.registry import METRICS, Params
-from router.types import (
+from router.core.columns import (
     INFLIGHT_ALL,
     INFLIGHT_DECODE_REQUESTS,
     INFLIGHT_DECODE_TOKENS,
-    DecisionContext,
     FloatArray,
     InstanceTable,
     IntArray,
-    Metric,
-    MetricScope,
 )
+from router.core.config import SchedulerConfig
+from router.core.plugins import DecisionContext, Metric, MetricScope
+from router.core.predictors import PredictorSet
+from router.core.registry import METRICS, Params
 
 
 @dataclass(frozen=True, eq=False)

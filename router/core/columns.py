@@ -1,0 +1,207 @@
+"""The columnar view a decision works on: per-snapshot instance columns plus in-flight load.
+
+Every column is a numpy array over *all* instances of the view, in view order;
+candidates are boolean masks or ascending index arrays into those columns.
+:class:`InstanceTable` is cached per snapshot, :class:`ClusterView` adds the
+router's in-flight account and the clock. Built by :mod:`router.core.view`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, TypeVar
+
+import numpy as np
+import numpy.typing as npt
+
+from fleet.snapshot import ClusterSnapshot
+
+T = TypeVar("T")
+FloatArray = npt.NDArray[np.float64]
+BoolArray = npt.NDArray[np.bool_]
+IntArray = npt.NDArray[np.intp]
+
+# The decision core builds a few frozen dataclasses per decision (the view, the decision, its
+# choices). Their generated __init__ sets each field with object.__setattr__, which costs more
+# than the arithmetic of a small fleet's decision; these classes define an __init__ with the same
+# signature that sets the instance __dict__ in one step (tests check the signatures match).
+_set_attr = object.__setattr__
+
+
+# --------------------------------------------------------------------------- the view
+
+
+@dataclass(frozen=True, eq=False)
+class InstanceTable:
+    """Per-snapshot columns, one entry per instance in snapshot order (cached per snapshot).
+
+    Instances without a status have ``has_status`` and ``schedulable`` false,
+    an infinite ``status_age_s`` and zero load. ``max_num_batched_tokens``
+    falls back to the configured default where the metadata leaves it 0.
+    ``node_codes``/``unit_codes`` number the distinct non-empty node/unit ids
+    (-1 = empty). ``memo`` caches values derived from this snapshot only.
+    """
+
+    snapshot: ClusterSnapshot
+    ids: tuple[str, ...]
+    index: Mapping[str, int]
+    endpoints: tuple[str, ...]
+    models: tuple[str, ...]
+    node_ids: tuple[str, ...]
+    unit_ids: tuple[str, ...]
+    #: Profile group per instance (the metadata label the config names; "" = default group).
+    groups: tuple[str, ...]
+    roles: npt.NDArray[np.int8]
+    node_codes: IntArray
+    unit_codes: IntArray
+    #: Rank of each instance id in sorted order (for deterministic tie-breaks and rotation).
+    id_rank: IntArray
+    max_num_batched_tokens: FloatArray
+    kv_capacity_tokens: FloatArray
+    has_status: BoolArray
+    schedulable: BoolArray
+    #: Age of the status when the snapshot was taken (``inf`` without a status).
+    status_age_s: FloatArray
+    uncomputed_prefill_tokens: FloatArray
+    decode_requests: FloatArray
+    decode_tokens: FloatArray
+    used_kv_tokens: FloatArray
+    waiting_requests: FloatArray
+    running_requests: FloatArray
+    memo: dict[Any, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def n(self) -> int:
+        return len(self.ids)
+
+    def all_true(self) -> BoolArray:
+        """A shared read-only all-true mask (filters return it to keep everything)."""
+        mask: BoolArray | None = self.memo.get("all_true")
+        if mask is None:
+            mask = np.ones(self.n, dtype=bool)
+            mask.setflags(write=False)
+            self.memo["all_true"] = mask
+        return mask
+
+    def all_false(self) -> BoolArray:
+        """A shared read-only all-false mask (filters mark nothing with it, which the chain skips)."""
+        mask: BoolArray | None = self.memo.get("all_false")
+        if mask is None:
+            mask = np.zeros(self.n, dtype=bool)
+            mask.setflags(write=False)
+            self.memo["all_false"] = mask
+        return mask
+
+    def model_mask(self, model: str) -> BoolArray:
+        """Instances that serve ``model``: all of them for ``""``, else those naming it or naming none."""
+        key = ("model_mask", model)
+        mask: BoolArray | None = self.memo.get(key)
+        if mask is None:
+            if not model:
+                mask = self.all_true()
+            else:
+                mask = np.fromiter((m in ("", model) for m in self.models), dtype=bool, count=self.n)
+                mask.setflags(write=False)
+            self.memo[key] = mask
+        return mask
+
+
+# One bit per InflightColumns row (field order), for masks of "which in-flight sums changed".
+INFLIGHT_REQUESTS = 1 << 0
+INFLIGHT_PREFILL_REQUESTS = 1 << 1
+INFLIGHT_PREFILL_TOKENS = 1 << 2
+INFLIGHT_DECODE_REQUESTS = 1 << 3
+INFLIGHT_DECODE_TOKENS = 1 << 4
+INFLIGHT_TOKENS = 1 << 5
+INFLIGHT_ALL = (1 << 6) - 1
+
+
+class InflightColumns(NamedTuple):
+    """The router's in-flight dispatches per instance of a view (see :mod:`router.core.inflight`).
+
+    ``requests`` and ``tokens`` count each request once per instance, whatever
+    legs it has there; the prefill/decode columns count per leg. ``matrix``
+    holds the six columns as its rows, in field order (read-only). Masks of
+    changed columns use the ``INFLIGHT_*`` bits, one per row.
+    """
+
+    requests: FloatArray
+    prefill_requests: FloatArray
+    prefill_tokens: FloatArray
+    decode_requests: FloatArray
+    decode_tokens: FloatArray
+    tokens: FloatArray
+    #: How many instances of the view have at least one in-flight entry.
+    instances_with_entries: int
+    matrix: FloatArray
+
+    @classmethod
+    def of(cls, matrix: FloatArray) -> InflightColumns:
+        """Columns over the rows of a (6, n) ``matrix`` (which becomes read-only)."""
+        matrix.setflags(write=False)
+        r = matrix
+        return cls._make((r[0], r[1], r[2], r[3], r[4], r[5], int(np.count_nonzero(r[0])), matrix))
+
+
+class LoadDelta(NamedTuple):
+    """How a view's in-flight columns differ from those of an earlier in-flight version.
+
+    ``memo`` is that version's ``load_memo``; ``changed`` maps each view index
+    whose in-flight sums changed since to a mask of the ``INFLIGHT_*`` columns
+    that changed there (a superset is allowed; unlisted indices are unchanged).
+    """
+
+    memo: dict[Any, Any]
+    changed: Mapping[int, int]
+
+
+@dataclass(frozen=True, eq=False)
+class ClusterView:
+    """What one decision sees: the snapshot's columns, the in-flight columns and the clock.
+
+    ``status_age_s`` is each status's age at ``now_s``. ``load_memo`` caches
+    values that depend on the snapshot and the in-flight account only; it is
+    shared by every view built for the same (snapshot, in-flight version).
+    ``load_previous`` (optional) says what changed since the previous version,
+    so load-scoped metrics can be updated at those indices instead of
+    recomputed. ``oldest_status_age_s`` (optional) is the largest
+    ``status_age_s`` among instances with a status (``-inf`` without any), so
+    freshness checks can skip the column when every status is fresh.
+    """
+
+    instances: InstanceTable
+    inflight: InflightColumns
+    now_s: float
+    status_age_s: FloatArray
+    load_memo: dict[Any, Any] = field(default_factory=dict, repr=False)
+    load_previous: LoadDelta | None = field(default=None, repr=False)
+    oldest_status_age_s: float | None = field(default=None, repr=False)
+
+    def __init__(
+        self,
+        instances: InstanceTable,
+        inflight: InflightColumns,
+        now_s: float,
+        status_age_s: FloatArray,
+        load_memo: dict[Any, Any] | None = None,
+        load_previous: LoadDelta | None = None,
+        oldest_status_age_s: float | None = None,
+    ) -> None:
+        _set_attr(
+            self,
+            "__dict__",
+            {
+                "instances": instances,
+                "inflight": inflight,
+                "now_s": now_s,
+                "status_age_s": status_age_s,
+                "load_memo": {} if load_memo is None else load_memo,
+                "load_previous": load_previous,
+                "oldest_status_age_s": oldest_status_age_s,
+            },
+        )
+
+    @property
+    def n(self) -> int:
+        return self.instances.n
