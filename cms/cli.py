@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import ipaddress
 import logging
+import math
 import signal
 import sys
 from pathlib import Path
@@ -148,8 +149,17 @@ def store_label(spec: str) -> str:
 def run(args: argparse.Namespace) -> int:
     try:
         token = _token(args)
-        if not args.lease_ttl_s > 0:
-            raise ValueError(f"--lease-ttl-s must be > 0, got {args.lease_ttl_s}")
+        if not (math.isfinite(args.lease_ttl_s) and args.lease_ttl_s > 0):
+            raise ValueError(f"--lease-ttl-s must be a finite number > 0, got {args.lease_ttl_s}")
+        host, sep, port = args.listen.rpartition(":")
+        if not sep or not host or not port.isdigit() or int(port) > 65535:
+            raise ValueError(
+                f"--listen {args.listen!r}: expected HOST:PORT with a port 0-65535 (0 picks one)"
+            )
+        if not 0 <= args.metrics_port <= 65535:
+            raise ValueError(f"--metrics-port {args.metrics_port}: must be a port 0-65535 (0 = off)")
+        if args.store != "memory" and not args.store.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"--store {args.store!r}: expected memory or redis://HOST:PORT/DB")
     except (OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

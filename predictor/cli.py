@@ -39,8 +39,28 @@ def register(subparsers: Any) -> None:
     parser.set_defaults(func=run)
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """``ValueError`` naming the first flag out of range."""
+    if args.prefill_tokens < 1:
+        raise ValueError(f"--prefill-tokens {args.prefill_tokens}: must be >= 1 (the new request's prompt)")
+    if args.decode_requests < 0:
+        raise ValueError(f"--decode-requests {args.decode_requests}: must be >= 0")
+    if args.decode_tokens < 0:
+        raise ValueError(f"--decode-tokens {args.decode_tokens}: must be >= 0")
+    if args.decode_requests == 0 and args.decode_tokens > 0:
+        raise ValueError(f"--decode-tokens {args.decode_tokens}: needs --decode-requests >= 1")
+    if args.decode_tokens < args.decode_requests:
+        raise ValueError(
+            f"--decode-tokens {args.decode_tokens}: a decode batch of --decode-requests "
+            f"{args.decode_requests} holds at least one token per request"
+        )
+    if args.max_num_batched_tokens < 1:
+        raise ValueError(f"--max-num-batched-tokens {args.max_num_batched_tokens}: must be >= 1")
+
+
 def run(args: argparse.Namespace) -> int:
     try:
+        check_args(args)
         lp = LatencyPredictor.from_files(args.ttft_profiling_data_path, args.tpot_profiling_data_path)
         ttft = lp.predict_ttft_ms(
             args.prefill_tokens, args.decode_requests, args.decode_tokens, args.max_num_batched_tokens

@@ -23,7 +23,7 @@ from slorouter.v1 import router_pb2, router_pb2_grpc
 from cms.reader import ClusterReader, open_reader
 from cms.serving import add_health_and_reflection, bind_server
 from predictor import LatencyPredictor
-from router.core.config import SchedulerConfig
+from router.core.config import SchedulerConfig, name_flags
 from router.core.predictors import PredictorSet
 from router.core.scheduler import Scheduler
 from router.forward import WorkerClient
@@ -54,7 +54,13 @@ class RouterServer:
     health: Any
     address: str
     owned: list[Any] = field(default_factory=list)
+    readiness: asyncio.Task[None] | None = None
     _stopped: bool = False
+
+    @property
+    def ready(self) -> bool:
+        """True once the first cluster view arrived (health ``SERVING``)."""
+        return self.readiness is not None and self.readiness.done() and not self.readiness.cancelled()
 
     @property
     def port(self) -> int:
@@ -65,6 +71,9 @@ class RouterServer:
         if self._stopped:
             return
         self._stopped = True
+        if self.readiness is not None:
+            self.readiness.cancel()
+            await asyncio.gather(self.readiness, return_exceptions=True)
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
         await self.workers.drain()
@@ -83,10 +92,13 @@ async def start_router_server(
     tokenizer: Tokenizer | None = None,
     observer: RequestObserver | None = None,
     max_channels: int = 1024,
+    source: str = "",
 ) -> RouterServer:
     """Serve the Router service on ``listen`` over ``reader``'s view; starts the reader too.
 
-    Raises ``OSError`` when the address cannot be bound.
+    gRPC health reports ``NOT_SERVING`` until the reader delivers its first
+    cluster view (``source`` names where it comes from, for the log), then
+    ``SERVING``. Raises ``OSError`` when the address cannot be bound.
     """
     observer = observer or RequestObserver()
     pool = ChannelPool(max_channels=max_channels)
@@ -102,12 +114,16 @@ async def start_router_server(
     server, port = await bind_server(listen)
     router_pb2_grpc.add_RouterServicer_to_server(service, server)
     health_servicer = add_health_and_reflection(server, SERVICE_NAME)
+    for name in (SERVICE_NAME, ""):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     await reader.start()
     await server.start()
-    await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
-    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     observer.bind_gauges(placer.instance_counts, lambda: len(scheduler.inflight))
     host = listen.rsplit(":", 1)[0]
+    readiness = asyncio.get_running_loop().create_task(
+        _ready_on_first_view(reader, health_servicer, source or type(reader).__name__),
+        name="router-readiness",
+    )
     return RouterServer(
         server=server,
         service=service,
@@ -118,6 +134,40 @@ async def start_router_server(
         observer=observer,
         health=health_servicer,
         address=f"{host}:{port}",
+        readiness=readiness,
+    )
+
+
+#: How often the router repeats what it is waiting for while it has no cluster view.
+WAITING_LOG_INTERVAL_S = 10.0
+
+
+async def _ready_on_first_view(reader: ClusterReader, health: Any, source: str) -> None:
+    """Turn health to ``SERVING`` once the first cluster view arrives; until then say what is awaited.
+
+    Before the first view every request would fail (no instance is known), so
+    a load balancer or ``up`` must not send traffic yet. Later outages keep
+    ``SERVING``: the router then works from its last view (see cms.reader).
+    """
+    logger.info("waiting for the first cluster view from %s (health: NOT_SERVING until it arrives)", source)
+    waited = 0.0
+    while not await reader.wait_for_version(1, WAITING_LOG_INTERVAL_S):
+        waited += WAITING_LOG_INTERVAL_S
+        logger.warning(
+            "still no cluster view from %s after %.0f s: is the CMS running and reachable? "
+            "(health stays NOT_SERVING)",
+            source,
+            waited,
+        )
+    snapshot = reader.snapshot()
+    reporting = sum(1 for r in snapshot.instances if r.status is not None)
+    for name in (SERVICE_NAME, ""):
+        await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+    logger.info(
+        "first cluster view from %s: %d instances (%d reporting status); health: SERVING",
+        source,
+        len(snapshot.instances),
+        reporting,
     )
 
 
@@ -230,19 +280,81 @@ def register(subparsers: Any) -> None:
     parser.set_defaults(func=run)
 
 
-async def start_from_args(args: argparse.Namespace) -> RouterServer:
-    """Build everything the flags describe and start serving."""
-    config = SchedulerConfig.from_namespace(args)
+#: ServiceConfig fields set by the router's own flags (the SLO defaults come from SchedulerConfig's).
+SERVICE_FLAGS: dict[str, str] = {
+    "max_retries": "--max-retries",
+    "prefill_timeout_s": "--prefill-timeout-s",
+    "stream_timeout_s": "--stream-timeout-s",
+    "max_prompt_tokens": "--max-prompt-tokens",
+}
+
+
+def check_address(flag: str, value: str) -> None:
+    """``HOST:PORT`` with a port in 0..65535, else ``ValueError`` naming ``flag``."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"{flag} {value!r}: expected HOST:PORT with a port 0-65535, e.g. 127.0.0.1:50051")
+
+
+def check_port(flag: str, value: int) -> None:
+    """A TCP port 0..65535 (0 = off / any), else ``ValueError`` naming ``flag``."""
+    if not 0 <= value <= 65535:
+        raise ValueError(f"{flag} {value}: must be a port 0-65535 (0 = off)")
+
+
+def scheduler_config(args: argparse.Namespace, **overrides: Any) -> SchedulerConfig:
+    """The scheduler's config from the flags; errors name the flag (``--ttft-slo``), not the field."""
+    try:
+        return SchedulerConfig.from_namespace(args, **overrides)
+    except ValueError as exc:
+        raise ValueError(name_flags(str(exc), SchedulerConfig.flags())) from exc
+
+
+@dataclass
+class RouterPlan:
+    """Everything the router's flags describe, checked, with nothing started yet."""
+
+    config: SchedulerConfig
+    predictors: PredictorSet
+    service_config: ServiceConfig
+    tokenizer: Tokenizer
+
+
+def plan_from_args(args: argparse.Namespace) -> RouterPlan:
+    """Check every flag and load every file the flags name; ``ValueError`` naming the flag.
+
+    Runs before anything listens or connects, so a bad flag never starts (and
+    stops) a half cluster.
+    """
+    config = scheduler_config(args)
+    try:
+        service_config = ServiceConfig(
+            ttft_slo_ms=config.ttft_slo_ms,
+            tpot_slo_ms=config.tpot_slo_ms,
+            max_retries=args.max_retries,
+            prefill_timeout_s=args.prefill_timeout_s,
+            stream_timeout_s=args.stream_timeout_s,
+            max_prompt_tokens=args.max_prompt_tokens,
+        )
+    except ValueError as exc:
+        raise ValueError(name_flags(str(exc), {**SERVICE_FLAGS, **SchedulerConfig.flags()})) from exc
+    check_address("--listen", args.listen)
+    if args.cms == "memory":
+        check_address("--cms-listen", args.cms_listen)
+    elif not args.cms.startswith(("grpc://", "redis://", "rediss://", "unix://")):
+        raise ValueError(f"--cms {args.cms!r}: expected memory, grpc://HOST:PORT or redis://HOST:PORT/DB")
+    check_port("--metrics-port", args.metrics_port)
+    if not args.cluster_name:
+        raise ValueError("--cluster-name must not be empty")
     predictors = build_predictors(args)
-    service_config = ServiceConfig(
-        ttft_slo_ms=config.ttft_slo_ms,
-        tpot_slo_ms=config.tpot_slo_ms,
-        max_retries=args.max_retries,
-        prefill_timeout_s=args.prefill_timeout_s,
-        stream_timeout_s=args.stream_timeout_s,
-        max_prompt_tokens=args.max_prompt_tokens,
-    )
-    scheduler = Scheduler(config, predictors, random.Random(args.seed))
+    tokenizer = load_tokenizer(args.tokenizer)
+    return RouterPlan(config, predictors, service_config, tokenizer)
+
+
+async def start_from_args(args: argparse.Namespace, plan: RouterPlan | None = None) -> RouterServer:
+    """Build everything the flags describe and start serving."""
+    plan = plan or plan_from_args(args)
+    scheduler = Scheduler(plan.config, plan.predictors, random.Random(args.seed))
     owned: list[Any] = []
     if args.cms == "memory":
         from cms.memory import MemoryStore
@@ -253,27 +365,44 @@ async def start_from_args(args: argparse.Namespace) -> RouterServer:
         owned.append(cms)
         logger.info("embedded CMS listening on %s", cms.address)
         reader = open_reader("memory", store=store)
+        source = f"the embedded CMS on {cms.address}"
     else:
         reader = open_reader(args.cms, cluster_name=args.cluster_name)
+        source = args.cms
     observer = RequestObserver()
     if args.metrics_port:
         from prometheus_client import start_http_server
 
         start_http_server(args.metrics_port, addr=args.metrics_host, registry=observer.registry)
-    server = await start_router_server(
-        reader,
-        scheduler,
-        listen=args.listen,
-        service_config=service_config,
-        tokenizer=load_tokenizer(args.tokenizer),
-        observer=observer,
-    )
+    try:
+        server = await start_router_server(
+            reader,
+            scheduler,
+            listen=args.listen,
+            service_config=plan.service_config,
+            tokenizer=plan.tokenizer,
+            observer=observer,
+            source=source,
+        )
+    except BaseException:
+        for resource in reversed(owned):
+            await resource.stop()
+        raise
     server.owned.extend(owned)
+    logger.info(
+        "router: policy %s%s, default SLO TTFT %.0f ms / TPOT %.0f ms",
+        plan.config.scheduling_policy
+        if plan.config.policy_config_path is None
+        else plan.config.policy_config_path,
+        " + adaptive PD" if plan.config.enable_adaptive_pd else "",
+        plan.config.ttft_slo_ms,
+        plan.config.tpot_slo_ms,
+    )
     return server
 
 
-async def _serve(args: argparse.Namespace) -> int:
-    server = await start_from_args(args)
+async def _serve(args: argparse.Namespace, plan: RouterPlan) -> int:
+    server = await start_from_args(args, plan)
     print(f"router listening on {server.address}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -287,13 +416,18 @@ async def _serve(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     try:
+        plan = plan_from_args(args)
+    except ValueError as exc:  # ProfileError included: it names the file and the entry
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
         import uvloop
 
         uvloop.install()
     except ImportError:  # pragma: no cover - uvloop is a dependency; run without it if absent
         pass
     try:
-        return asyncio.run(_serve(args))
-    except (ValueError, OSError) as exc:  # bad flags, profiles or addresses: say what to fix
+        return asyncio.run(_serve(args, plan))
+    except (ValueError, OSError) as exc:  # an address that cannot be bound: say which
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import ctypes
 import logging
+import math
 import random
 import signal
 import sys
@@ -27,7 +28,15 @@ from cms.server import CmsServer, start_cms_server
 from predictor import LatencyPredictor
 from router.core.config import SchedulerConfig
 from router.core.scheduler import Scheduler
-from router.server import DEFAULT_LISTEN, DEFAULT_PROFILE_DIR, RouterServer, start_router_server
+from router.server import (
+    DEFAULT_LISTEN,
+    DEFAULT_PROFILE_DIR,
+    RouterServer,
+    check_address,
+    check_port,
+    scheduler_config,
+    start_router_server,
+)
 from router.service import ServiceConfig
 from router.telemetry import RequestObserver
 
@@ -119,24 +128,53 @@ async def _drain_stdout(worker: WorkerProcess) -> None:
         pass
 
 
-async def start_cluster(args: argparse.Namespace) -> Cluster:
-    """Start CMS, workers and router as the flags say; wait until every worker has registered."""
+@dataclass(frozen=True)
+class ClusterPlan:
+    """What ``up``'s flags describe, checked, with nothing started yet."""
+
+    roles: list[tuple[str, int]]
+    profile: Path
+    predictor: LatencyPredictor
+    config: SchedulerConfig
+
+
+def plan_cluster(args: argparse.Namespace) -> ClusterPlan:
+    """Check every flag and load the profile; ``ValueError`` naming the flag. Starts nothing."""
+    for flag, value in (("--prefill", args.prefill), ("--decode", args.decode), ("--neutral", args.neutral)):
+        if value < 0:
+            raise ValueError(f"{flag} {value}: must be >= 0")
+    if not args.neutral and (args.prefill < 1 or args.decode < 1):
+        raise ValueError("need --neutral K, or at least one --prefill and one --decode worker")
+    if not (math.isfinite(args.speed_factor) and args.speed_factor > 0):
+        raise ValueError(f"--speed-factor {args.speed_factor}: must be a finite number > 0")
+    if not (math.isfinite(args.start_timeout_s) and args.start_timeout_s > 0):
+        raise ValueError(f"--start-timeout-s {args.start_timeout_s}: must be a finite number > 0")
+    check_address("--listen", args.listen)
+    check_port("--metrics-port", args.metrics_port)
+    config = scheduler_config(args)
     profile = Path(args.profile)
+    if not profile.is_dir():
+        raise ValueError(f"--profile {args.profile}: not a directory (it needs ttft.json and tpot.json)")
     predictor = LatencyPredictor.from_files(profile / "ttft.json", profile / "tpot.json")
     if args.neutral:
         roles = [("neutral", i) for i in range(args.neutral)]
     else:
         roles = [("prefill", i) for i in range(args.prefill)] + [("decode", i) for i in range(args.decode)]
+    return ClusterPlan(roles, profile, predictor, config)
+
+
+async def start_cluster(args: argparse.Namespace, plan: ClusterPlan | None = None) -> Cluster:
+    """Start CMS, workers and router as the flags say; wait until the router sees every worker."""
+    plan = plan or plan_cluster(args)
     store = MemoryStore()
     cms = await start_cms_server(store, "127.0.0.1:0")
     workers: list[WorkerProcess] = []
     try:
         extra = ["--speed-factor", str(args.speed_factor), "--seed", str(args.seed)]
-        for role, i in roles:
-            workers.append(await _spawn_worker(f"{role}-{i}", role, cms.address, profile, extra))
+        for role, i in plan.roles:
+            workers.append(await _spawn_worker(f"{role}-{i}", role, cms.address, plan.profile, extra))
         await asyncio.gather(*(_await_listening(w, args.start_timeout_s) for w in workers))
-        config = SchedulerConfig.from_namespace(args)
-        scheduler = Scheduler(config, predictor, random.Random(args.seed))
+        scheduler = Scheduler(plan.config, plan.predictor, random.Random(args.seed))
         observer = RequestObserver()
         if args.metrics_port:
             from prometheus_client import start_http_server
@@ -146,8 +184,11 @@ async def start_cluster(args: argparse.Namespace) -> Cluster:
             open_reader("memory", store=store),
             scheduler,
             listen=args.listen,
-            service_config=ServiceConfig(ttft_slo_ms=config.ttft_slo_ms, tpot_slo_ms=config.tpot_slo_ms),
+            service_config=ServiceConfig(
+                ttft_slo_ms=plan.config.ttft_slo_ms, tpot_slo_ms=plan.config.tpot_slo_ms
+            ),
             observer=observer,
+            source=f"the embedded CMS on {cms.address}",
         )
     except BaseException:
         await stop_workers(workers)
@@ -155,12 +196,17 @@ async def start_cluster(args: argparse.Namespace) -> Cluster:
         raise
     cluster = Cluster(cms, router, workers)
     deadline = asyncio.get_running_loop().time() + args.start_timeout_s
-    while sum(1 for r in (await store.read_view()).instances if r.status is not None) < len(workers):
+    # The router's own view, not the store: traffic sent after this returns finds every worker.
+    while not router.ready or _reporting(router) < len(workers):
         if asyncio.get_running_loop().time() > deadline:
             await cluster.stop()
             raise RuntimeError("workers started but did not all register with the CMS in time")
         await asyncio.sleep(0.02)
     return cluster
+
+
+def _reporting(router: RouterServer) -> int:
+    return sum(1 for r in router.reader.snapshot().instances if r.status is not None)
 
 
 def register(subparsers: Any) -> None:
@@ -202,19 +248,24 @@ def register(subparsers: Any) -> None:
     parser.set_defaults(func=run, scheduling_policy="slo")
 
 
-def _validate(args: argparse.Namespace) -> None:
-    if args.neutral < 0 or args.prefill < 0 or args.decode < 0:
-        raise ValueError("--prefill, --decode and --neutral must be >= 0")
-    if not args.neutral and (args.prefill < 1 or args.decode < 1):
-        raise ValueError("need --neutral K, or at least one --prefill and one --decode worker")
-
-
-async def _serve(args: argparse.Namespace) -> int:
-    cluster = await start_cluster(args)
+async def _serve(args: argparse.Namespace, plan: ClusterPlan) -> int:
+    cluster = await start_cluster(args, plan)
     roles = ", ".join(f"{w.instance_id}@{w.address}" for w in cluster.workers)
     print(f"cms listening on {cluster.cms.address}", flush=True)
     print(f"workers: {roles}", flush=True)
+    print(
+        f"workers are simulated: the sim engine takes its step times from profile {plan.profile.name} "
+        f"(speed x{args.speed_factor:g}); no model is loaded",
+        flush=True,
+    )
     print(f"router listening on {cluster.router.address}", flush=True)
+    policy = plan.config.policy_config_path or plan.config.scheduling_policy
+    adaptive = " + adaptive PD" if plan.config.enable_adaptive_pd else ""
+    print(
+        f"router policy: {policy}{adaptive}; default SLO TTFT {plan.config.ttft_slo_ms:g} ms, "
+        f"TPOT {plan.config.tpot_slo_ms:g} ms (a request's own SLO wins)",
+        flush=True,
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -231,8 +282,8 @@ async def _serve(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        _validate(args)
-    except ValueError as exc:
+        plan = plan_cluster(args)
+    except ValueError as exc:  # ProfileError included: it names the file and the entry
         print(f"error: {exc}", file=sys.stderr)
         return 2
     try:
@@ -242,7 +293,7 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:  # pragma: no cover
         pass
     try:
-        return asyncio.run(_serve(args))
+        return asyncio.run(_serve(args, plan))
     except (ValueError, OSError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

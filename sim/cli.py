@@ -13,7 +13,7 @@ from typing import Any, cast
 from bench.report import PlotUnavailableError
 from bench.workload import DEFAULT_WORKLOAD, WorkloadError, load_workload
 from predictor import ProfileError
-from router.core.config import SchedulerConfig
+from router.core.config import SchedulerConfig, name_flags
 from router.core.errors import ConfigError
 from router.core.policies import build_policy
 from router.core.registry import POLICIES
@@ -210,7 +210,10 @@ def register(subparsers: Any) -> None:
 
 
 def _fleet(args: argparse.Namespace) -> FleetSpec:
-    engine = SimConfig(**{name: getattr(args, name) for name in ENGINE_FLAGS})
+    try:
+        engine = SimConfig(**{name: getattr(args, name) for name in ENGINE_FLAGS})
+    except ValueError as exc:  # name the flag, not the SimConfig field
+        raise ValueError(name_flags(str(exc), {n: "--" + n.replace("_", "-") for n in ENGINE_FLAGS})) from exc
     counts = (args.prefill, args.decode, args.neutral)
     if args.fleet is not None:
         if any(c is not None for c in counts):
@@ -244,6 +247,10 @@ def parse_rates(text: str) -> list[float]:
 
 def parse_policies(text: str, args: argparse.Namespace) -> list[PolicyChoice]:
     """``P1,P2,...``: one scheduler config per policy, the other scheduler flags applied to each."""
+    try:  # the other scheduler flags, once, with a policy that is always valid
+        SchedulerConfig.from_namespace(args, **policy_overrides("round-robin"))
+    except ConfigError as exc:
+        raise ValueError(name_flags(str(exc), SchedulerConfig.flags())) from exc
     choices: list[PolicyChoice] = []
     for raw in text.split(","):
         name = raw.strip()

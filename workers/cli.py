@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import signal
 import sys
 from collections.abc import Coroutine, Sequence
@@ -158,9 +159,29 @@ def run_async(coro: Coroutine[Any, Any, int]) -> int:
         return runner.run(coro)
 
 
+def check_worker_args(args: argparse.Namespace) -> None:
+    """The engine-independent flags; ``ValueError`` naming the flag."""
+    host, sep, port = args.listen.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"--listen {args.listen!r}: expected HOST:PORT with a port 0-65535 (0 picks one)")
+    if args.cms is not None:
+        target = args.cms.removeprefix("grpc://")
+        if not target.rpartition(":")[2].isdigit():
+            raise ValueError(f"--cms {args.cms!r}: expected HOST:PORT or grpc://HOST:PORT")
+    if not (math.isfinite(args.shutdown_grace_s) and args.shutdown_grace_s >= 0):
+        raise ValueError(f"--shutdown-grace-s {args.shutdown_grace_s}: must be a finite number >= 0")
+    if not 0 <= args.metrics_port <= 65535:
+        raise ValueError(f"--metrics-port {args.metrics_port}: must be a port 0-65535 (0 = off)")
+
+
 def run_worker(args: argparse.Namespace) -> int:
     from workers.metadata import WorkerIdentity, WorkerRole
 
+    try:
+        check_worker_args(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     token: str | None = None
     if args.cms_auth_token_file:
         try:

@@ -26,6 +26,7 @@ import hashlib
 import logging
 import math
 import random
+import re
 import secrets
 import struct
 import uuid
@@ -689,6 +690,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> SimConfig:
     """A :class:`SimConfig` from the flags :func:`add_arguments` added; ValueError names a bad flag."""
+    try:
+        return _sim_config(args)
+    except ValueError as exc:
+        # SimConfig's messages name its fields; on the command line name the flags (--max-num-seqs).
+        message = str(exc)
+        for name in sorted((f.name for f in dataclasses.fields(SimConfig)), key=len, reverse=True):
+            message = re.sub(rf"(?<![\w-]){name}(?![\w-])", "--" + name.replace("_", "-"), message)
+        raise ValueError(message) from exc
+
+
+def _sim_config(args: argparse.Namespace) -> SimConfig:
     return SimConfig(
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_capacity_tokens=args.kv_capacity_tokens,

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -154,7 +156,7 @@ class SchedulerConfig:
         if self.policy_config_path is None and self.scheduling_policy not in POLICIES:
             raise bad("scheduling_policy", f"unknown policy; registered: {', '.join(POLICIES.names())}")
         if self.enable_adaptive_pd and self.policy_config_path is None and self.scheduling_policy != "slo":
-            raise bad("scheduling_policy", "enable_adaptive_pd=True needs scheduling_policy='slo'")
+            raise bad("scheduling_policy", "adaptive PD needs the slo policy")
         for name in (
             "ttft_slo_ms",
             "tpot_slo_ms",
@@ -196,6 +198,11 @@ class SchedulerConfig:
         raise KeyError(name)
 
     @classmethod
+    def flags(cls) -> dict[str, str]:
+        """Field name -> the command-line flag that sets it (``ttft_slo_ms`` -> ``--ttft-slo``)."""
+        return {f.name: f.metadata["flag"] for f in fields(cls) if f.metadata.get("flag")}
+
+    @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
         """Add one flag per field (``--ttft-slo``, ``--failover-domain``, ...), helped by its doc."""
         for f in fields(cls):
@@ -226,3 +233,17 @@ class SchedulerConfig:
                 values[f.name] = getattr(ns, dest)
         values.update(overrides)
         return cls(**values)
+
+
+def name_flags(message: str, flags: Mapping[str, str]) -> str:
+    """``message`` with every config field name in ``flags`` replaced by its command-line flag.
+
+    Config objects name their fields in errors (``tpot_slo_ms=-5.0: ...``); a
+    command line should name the flag the user typed (``--tpot-slo=-5.0: ...``).
+    Works for any config whose fields map to flags (see :meth:`SchedulerConfig.flags`).
+    """
+    if not flags:
+        return message
+    names = sorted(flags, key=len, reverse=True)  # longest first: no field is cut by a shorter one
+    pattern = re.compile(r"(?<![\w-])(" + "|".join(map(re.escape, names)) + r")(?![\w-])")
+    return pattern.sub(lambda m: flags[m.group(1)], message)

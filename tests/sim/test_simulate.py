@@ -347,7 +347,7 @@ def test_print_fleet(capsys: pytest.CaptureFixture[str]) -> None:
         (("--fleet", "gpu=2"), "role must be prefill, decode or neutral"),
         (("--fleet", "prefill=2"), "add at least one decode group"),
         (("--profile", "no-such-profile"), "bundled"),
-        (("--max-num-seqs", "4096"), "max_num_seqs"),
+        (("--max-num-seqs", "4096"), "--max-num-seqs (4096) must not exceed --max-num-batched-tokens"),
         (("--workload", "nonsense"), "not a preset"),
         (("--num-requests", "0"), "--num-requests"),
     ],
