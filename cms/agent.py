@@ -237,6 +237,13 @@ class AgentWriter:
             if refused and not self._failing:  # once per outage, not once per retry
                 logger.error("agent %s: the CMS refuses to register it: %s", self.instance_id, exc.details())
             raise _Retry(f"RegisterInstance: {exc.code().name}: {exc.details()}") from exc
+        if not self.registered:  # a renewal (no status to send yet) is not news
+            logger.info(
+                "agent %s: registered with the CMS at %s (lease %.1f s)",
+                self.instance_id,
+                self.target,
+                response.lease_ttl_ms / 1000.0,
+            )
         self.registered = True
         self.registrations += 1
         self.lease_ttl_s = response.lease_ttl_ms / 1000.0 or None

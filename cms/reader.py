@@ -221,9 +221,16 @@ class GrpcClusterReader(ClusterReader):
         self.connected = False
         if not self._outage_logged:
             self._outage_logged = True
-            logger.warning(
-                "cms reader %s: lost the view stream (%s); keeping the last view", self.target, reason
-            )
+            if self._snapshot.version == 0:
+                logger.warning(
+                    "cms reader %s: no cluster view yet (%s); retrying until the CMS answers",
+                    self.target,
+                    reason,
+                )
+            else:
+                logger.warning(
+                    "cms reader %s: lost the view stream (%s); keeping the last view", self.target, reason
+                )
         if received == 0:
             raise _StreamLost(reason)
 
