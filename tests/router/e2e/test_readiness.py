@@ -20,8 +20,8 @@ from cms.memory import MemoryStore
 from cms.reader import GrpcClusterReader, open_reader
 from cms.server import start_cms_server
 from predictor import LatencyPredictor
-from router.config import SchedulerConfig
-from router.scheduler import Scheduler
+from router.core.config import SchedulerConfig
+from router.core.scheduler import Scheduler
 from router.server import SERVICE_NAME, RouterServer, start_router_server
 from workers.sim_engine import DEFAULT_PROFILE_DIR
 
