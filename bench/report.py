@@ -161,6 +161,8 @@ class ClassReport:
     tpot: LatencyStats
     e2e: LatencyStats
     errors_by_code: Mapping[str, int] = field(default_factory=dict)
+    first_error_by_code: Mapping[str, str] = field(default_factory=dict)
+    """The message of the first request (by index) that failed with each code: the cause, in words."""
 
     def flat(self) -> dict[str, Any]:
         """Every figure as a flat JSON-ready mapping (``ttft_p99_ms`` style keys)."""
@@ -189,6 +191,7 @@ class ClassReport:
             for stat in ("mean", "p50", "p90", "p99", "max"):
                 out[f"{label}_{stat}_ms"] = getattr(stats, f"{stat}_ms")
         out["errors_by_code"] = dict(sorted(self.errors_by_code.items()))
+        out["first_error_by_code"] = dict(sorted(self.first_error_by_code.items()))
         return out
 
 
@@ -234,7 +237,16 @@ def summarize_group(
         tpot=latency_stats(r.tpot_ms for r in ok if r.tpot_ms is not None),
         e2e=latency_stats(r.e2e_ms for r in ok if r.e2e_ms is not None),
         errors_by_code=dict(Counter(r.error_code for r in results if r.error_code is not None)),
+        first_error_by_code=_first_messages(results),
     )
+
+
+def _first_messages(results: Sequence[RequestResult]) -> dict[str, str]:
+    first: dict[str, RequestResult] = {}
+    for r in results:
+        if r.error_code is not None and (r.error_code not in first or r.index < first[r.error_code].index):
+            first[r.error_code] = r
+    return {code: r.error_message or "(no message)" for code, r in first.items()}
 
 
 def summarize(
@@ -340,14 +352,25 @@ def format_table(report: BenchReport) -> str:
             row.extend(_ms(v) for v in (stats.p50_ms, stats.p90_ms, stats.p99_ms))
         lat_rows.append(row)
     lines.extend(_render(lat_rows, [False, *([True] * 9)]))
+    lines.append("")
+    lines.extend(LEGEND)
     errors = report.overall.errors_by_code
     if errors:
         lines.append("")
-        parts = ", ".join(
-            f"{code} {count}" for code, count in sorted(errors.items(), key=lambda kv: (-kv[1], kv[0]))
-        )
-        lines.append(f"errors by code: {parts}")
+        lines.append("errors by code, with the first message of each:")
+        first = report.overall.first_error_by_code
+        for code, count in sorted(errors.items(), key=lambda kv: (-kv[1], kv[0])):
+            lines.append(f"  {code} {count}: {first.get(code, '(no message)')}")
     return "\n".join(lines)
+
+
+#: What the summary's columns mean (printed under every table).
+LEGEND = (
+    "attain: share of requests that finished without error and met every target of their class (SLO);",
+    "  ttft/tpot/e2e ok: the same for one target, over the requests whose class sets it.",
+    "goodput/s: requests per second of the run that met their SLO; good tok/s: their output tokens per",
+    "  second; tok/s: output tokens per second of every completed request. Latencies: completed requests.",
+)
 
 
 # --------------------------------------------------------------------------- JSON

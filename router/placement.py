@@ -116,6 +116,10 @@ class Placer:
 
     def _snapshot(self) -> ClusterSnapshot:
         snapshot = self._source.snapshot()
+        if not snapshot.instances and snapshot.version == 0:
+            raise EmptyClusterError(
+                "the router has no cluster view yet: the CMS has not answered; check --cms and that the CMS runs"
+            )
         if not snapshot.instances:
             raise EmptyClusterError(
                 "no instances are registered with the CMS (or the router has not reached it yet); "

@@ -9,7 +9,7 @@ import pytest
 
 from bench.workload import load_workload
 from router.cli import main
-from tests.bench.fake_router import FakeRouter, fake_router_in_thread
+from tests.bench.fake_router import FAIL_EXHAUSTED, FAIL_MIDSTREAM, FakeRouter, fake_router_in_thread
 
 
 def test_bench_command_prints_the_table_and_writes_json_and_png(
@@ -131,3 +131,39 @@ def test_the_workload_file_example_in_the_help_is_valid(tmp_path: Path) -> None:
     spec = load_workload(str(path))
     assert spec.name == "support-bot" and spec.class_names() == ("chat", "code")
     assert spec.arrival.burstiness == 0.5
+
+
+def test_the_summary_names_the_cause_of_each_error_code(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Two classes the fake router fails differently: the summary must say why, not only how many.
+    workload = {
+        "name": "failing",
+        "classes": [
+            {"preset": "tiny", "name": "exhausted", "share": 1, "priority": FAIL_EXHAUSTED},
+            {"preset": "tiny", "name": "lost", "share": 1, "priority": FAIL_MIDSTREAM},
+        ],
+    }
+    path = tmp_path / "failing.json"
+    path.write_text(json.dumps(workload), encoding="utf-8")
+    out = tmp_path / "out.json"
+    with fake_router_in_thread(FakeRouter(token_delay_s=0.0)) as address:
+        argv = ["bench", "--target", address, "--workload", str(path), "--rate", "200"]
+        code = main([*argv, "--num-requests", "12", "--seed", "1", "--no-progress", "--output", str(out)])
+    assert code == 0
+    text = capsys.readouterr().out
+    lines = text.splitlines()
+    header = lines.index("errors by code, with the first message of each:")
+    causes = dict(line.strip().split(": ", 1) for line in lines[header + 1 :])
+    doc = json.loads(out.read_text(encoding="utf-8"))
+    counts = doc["overall"]["errors_by_code"]
+    assert set(counts) == {"RESOURCE_EXHAUSTED", "UNAVAILABLE"} and sum(counts.values()) == 12
+    assert causes == {
+        f"RESOURCE_EXHAUSTED {counts['RESOURCE_EXHAUSTED']}": "no instance can meet the SLO",
+        f"UNAVAILABLE {counts['UNAVAILABLE']}": "decode instance lost",
+    }
+    assert doc["overall"]["first_error_by_code"] == {
+        "RESOURCE_EXHAUSTED": "no instance can meet the SLO",
+        "UNAVAILABLE": "decode instance lost",
+    }
+    assert "goodput/s: requests per second of the run that met their SLO" in text

@@ -183,7 +183,13 @@ def test_text_table() -> None:
     chat_row = next(line for line in lines if line.startswith("chat ") and "ttft<=100ms" in line)
     assert "50.0%" in chat_row and "66.7%" in chat_row
     assert any(line.startswith("overall") and "40.0%" in line for line in lines)
-    assert lines[-1] == "errors by code: BAD_STREAM 1, RESOURCE_EXHAUSTED 1, UNAVAILABLE 1"
+    first = lines.index("errors by code, with the first message of each:")
+    assert [line.split(":")[0].strip() for line in lines[first + 1 :]] == [
+        "BAD_STREAM 1",
+        "RESOURCE_EXHAUSTED 1",
+        "UNAVAILABLE 1",
+    ]
+    assert all(line.split(": ", 1)[1] for line in lines[first + 1 :])
 
 
 def test_plot_writes_a_png(tmp_path: Path) -> None:

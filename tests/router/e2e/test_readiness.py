@@ -85,6 +85,7 @@ async def test_not_serving_without_a_cms_and_serving_once_its_first_view_arrives
             async for _ in stub.Generate(request, timeout=5):
                 pass
         assert failed.value.code() == grpc.StatusCode.UNAVAILABLE, failed.value.details()
+        assert "no cluster view yet" in (failed.value.details() or "")
 
         cms = await start_cms_server(MemoryStore(), address)
         await _until(lambda: router.ready, 15.0)
