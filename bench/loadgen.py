@@ -476,13 +476,17 @@ class ProgressBar:
         self._last_plain_s = -math.inf
 
     def __call__(self, p: Progress) -> None:
-        fraction = p.completed / p.planned if p.planned else 1.0
-        if p.duration_s:
-            fraction = max(fraction, min(1.0, p.elapsed_s / p.duration_s))
+        # The bar follows completions, not arrivals: sending ends with the duration, the run does not.
+        fraction = 1.0 if p.done or not p.planned else p.completed / p.planned
         filled = round(fraction * self.width)
+        clock = f"{p.elapsed_s:.1f} s"
+        if p.duration_s and not p.done:
+            clock += (
+                " (sending)" if p.elapsed_s < p.duration_s else " (sending over; waiting for the last ones)"
+            )
         line = (
             f"[{'#' * filled}{'.' * (self.width - filled)}] {p.completed}/{p.planned} done, "
-            f"{p.in_flight} in flight, {p.errors} errors, {p.elapsed_s:.1f} s"
+            f"{p.in_flight} in flight, {p.errors} errors, {clock}"
         )
         if self.tty:
             self.stream.write("\r" + line.ljust(self._last_len))

@@ -33,6 +33,7 @@ from typing import Any, TextIO
 import grpc
 import numpy as np
 from slorouter.v1 import cms_pb2, common_pb2, worker_pb2, worker_pb2_grpc
+from tqdm import tqdm
 
 
 def _doc(text: str) -> dict[str, Any]:
@@ -76,21 +77,35 @@ class ProfilePlan:
 
 
 class Progress:
-    """A one-line progress bar on a text stream (stderr by default)."""
+    """Progress of a profiling run on a text stream (stderr by default).
 
-    def __init__(self, total: int, stream: TextIO | None = None, width: int = 30) -> None:
+    On a terminal, a tqdm bar redrawn in place; otherwise (a log file, a pipe)
+    one short line each time the measured point changes, never a carriage return.
+    """
+
+    def __init__(self, total: int, stream: TextIO | None = None) -> None:
         self._total = max(1, total)
         self._done = 0
         self._stream = stream if stream is not None else sys.stderr
-        self._width = width
+        self._label = ""
+        self._bar: tqdm[Any] | None = None
+        if getattr(self._stream, "isatty", lambda: False)():
+            self._bar = tqdm(
+                total=self._total, file=self._stream, desc="profiling", unit="sample", leave=True
+            )
 
     def advance(self, label: str) -> None:
         self._done += 1
-        filled = self._width * self._done // self._total
-        bar = "#" * filled + "." * (self._width - filled)
-        end = "\n" if self._done >= self._total else ""
-        self._stream.write(f"\rprofiling [{bar}] {self._done}/{self._total} {label:<40}{end}")
-        self._stream.flush()
+        if self._bar is not None:
+            self._bar.set_postfix_str(label, refresh=False)
+            self._bar.update(1)
+            if self._done >= self._total:
+                self._bar.close()
+            return
+        if label != self._label or self._done >= self._total:
+            self._label = label
+            self._stream.write(f"profiling {self._done}/{self._total}: {label}\n")
+            self._stream.flush()
 
 
 def summarize(samples_ms: Sequence[float]) -> dict[str, float]:

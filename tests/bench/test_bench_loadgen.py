@@ -293,3 +293,17 @@ def test_progress_bar_plain_output_is_throttled() -> None:
     lines = out.getvalue().splitlines()
     assert len(lines) == 3  # at 0, 5 and 10 s
     assert lines[-1] == "[#.........] 10/100 done, 3 in flight, 1 errors, 10.0 s"
+
+
+def test_progress_bar_follows_completions_not_the_sending_window() -> None:
+    out = io.StringIO()
+    bar = ProgressBar(out, width=10, plain_interval_s=0.0)
+    # 20 s of sending is over, but only 60 of 80 requests are done: the bar is not full.
+    bar(Progress(80, 80, 60, 0, 20, elapsed_s=21.0, duration_s=20.0))
+    bar(Progress(80, 80, 80, 0, 0, elapsed_s=30.0, duration_s=20.0, done=True))
+    first, last = out.getvalue().splitlines()
+    assert (
+        first
+        == "[########..] 60/80 done, 20 in flight, 0 errors, 21.0 s (sending over; waiting for the last ones)"
+    )
+    assert last == "[##########] 80/80 done, 0 in flight, 0 errors, 30.0 s"

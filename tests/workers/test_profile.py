@@ -34,7 +34,14 @@ async def test_profiling_a_sim_worker_reproduces_its_profile(
     ttft_path, tpot_path = write_profiles(tmp_path / "measured", ttft, tpot)
 
     measured = LatencyPredictor.from_files(ttft_path, tpot_path)  # valid for the predictor
-    assert "profiling [" in progress.getvalue() and progress.getvalue().endswith("\n")
+    # Not a terminal: short lines, one per measured point and one at the end, no carriage returns.
+    lines = progress.getvalue().splitlines()
+    assert "\r" not in progress.getvalue() and progress.getvalue().endswith("\n")
+    total = 1 + 3 * 5 + 2 * 2 * 5
+    assert lines[0] == f"profiling 1/{total}: warm-up" and lines[-1].startswith(
+        f"profiling {total}/{total}: "
+    )
+    assert len(lines) == 1 + 3 + 2 * 2 + 1 and all(len(line) < 60 for line in lines)
     doc = json.loads(ttft_path.read_text())
     assert doc["metadata"]["model"] == "sim" and doc["metadata"]["timestamp"].endswith("Z")
     assert set(doc["results"][0]) == {"tokens_num", "mean", "p50", "p95", "p99"}
@@ -67,3 +74,18 @@ def test_bad_plans_name_the_field() -> None:
         ProfilePlan(batch_sizes=())
     with pytest.raises(ValueError, match="repeats"):
         ProfilePlan(repeats=0)
+
+
+def test_progress_on_a_terminal_is_a_bar_redrawn_in_place() -> None:
+    from workers.profile import Progress
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    out = Terminal()
+    bar = Progress(3, out)
+    for label in ("warm-up", "ttft 128 tokens", "ttft 128 tokens"):
+        bar.advance(label)
+    text = out.getvalue()
+    assert "\r" in text and "profiling" in text and "3/3" in text and text.endswith("\n")
