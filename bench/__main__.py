@@ -1,37 +1,62 @@
-"""``make bench``: run every ``bench/bench_*.py`` module's ``main()`` and print its figures.
+"""``make bench``: run every ``bench/bench_*.py`` module's ``main()``, print its figures, write the README table.
 
-    python -m bench                 # all benchmarks
-    python -m bench predictor cms   # only bench_predictor.py and bench_cms.py
+    python -m bench                 # all benchmarks; rewrites the README's speed table
+    python -m bench --no-readme     # all benchmarks; leaves the README alone
+    python -m bench predictor cms   # only bench_predictor.py and bench_cms.py (README untouched)
 
-Benchmarks print numbers; they never assert on timing.
+Benchmarks print numbers; they never assert on timing. Each ``main()`` returns
+the rows the README shows (:class:`bench.figures.Figure`); the table is
+written only after a full run, so every row comes from the same run.
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib
+import os
 import pkgutil
 import sys
 import time
 
 import bench
+from bench.figures import README, Figure, Section, render, write_readme
 
 
 def main(argv: list[str]) -> int:
     names = sorted(m.name for m in pkgutil.iter_modules(bench.__path__) if m.name.startswith("bench_"))
-    if argv:
-        wanted = {f"bench_{a}" for a in argv}
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "benchmarks",
+        nargs="*",
+        metavar="NAME",
+        help=f"run only these ({', '.join(n.removeprefix('bench_') for n in names)}); default: all",
+    )
+    parser.add_argument(
+        "--no-readme", action="store_true", help="do not rewrite the README's speed table after a full run"
+    )
+    args = parser.parse_args(argv)
+    if args.benchmarks:
+        wanted = {f"bench_{a}" for a in args.benchmarks}
         unknown = wanted - set(names)
         if unknown:
-            print(
-                f"unknown benchmarks: {', '.join(sorted(unknown))}; have: {', '.join(names)}", file=sys.stderr
-            )
-            return 2
+            parser.error(f"unknown benchmarks: {', '.join(sorted(unknown))}; have: {', '.join(names)}")
         names = [n for n in names if n in wanted]
+    load_before = os.getloadavg()[0]
+    sections: list[Section] = []
     for name in names:
         print(f"\n=== {name.removeprefix('bench_')} ===", flush=True)
         start = time.perf_counter()
-        importlib.import_module(f"bench.{name}").main()
-        print(f"({name} took {time.perf_counter() - start:.1f} s)", flush=True)
+        figures: list[Figure] | None = importlib.import_module(f"bench.{name}").main()
+        elapsed = time.perf_counter() - start
+        print(f"({name} took {elapsed:.1f} s)", flush=True)
+        sections.append(Section(name.removeprefix("bench_"), tuple(figures or ()), elapsed))
+    block = render(sections, load_before=load_before, load_after=os.getloadavg()[0])
+    print("\n" + block)
+    if args.benchmarks or args.no_readme:
+        print(f"\n(not written to {README.name}: only a full run without --no-readme writes it)")
+        return 0
+    write_readme(block)
+    print(f"\nwrote the table above into {README}")
     return 0
 
 

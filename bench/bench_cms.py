@@ -25,6 +25,7 @@ from pathlib import Path
 import grpc
 from slorouter.v1 import cms_pb2, cms_pb2_grpc
 
+from bench.figures import Figure
 from cms.memory import MemoryStore
 from cms.redis_store import RedisStore
 from cms.store import CmsStore
@@ -210,7 +211,8 @@ async def _direct_store(store: CmsStore) -> float:
         await store.close()
 
 
-def _run_store(label: str, spec: str, direct: CmsStore) -> None:
+def _run_store(label: str, spec: str, direct: CmsStore) -> tuple[float, float, float]:
+    """Prints the store's figures; returns calls/s with AGENTS agents and the idle latency p50, p99 (ms)."""
     print(
         f"{label}: store.report in-process, 1 caller: {asyncio.run(_direct_store(direct)):9.0f} calls/s",
         flush=True,
@@ -220,8 +222,11 @@ def _run_store(label: str, spec: str, direct: CmsStore) -> None:
         print(
             f"{label}: ReportStatus over gRPC, {AGENTS} concurrent agents: {rate:9.0f} calls/s (rtt p50 {rtt:.2f} ms)"
         )
+        idle = (0.0, 0.0)
         for loaded in (False, True):
             p50, p99, rtt = asyncio.run(_latency(address, loaded))
+            if not loaded:
+                idle = (p50, p99)
             load = (
                 f"{BACKGROUND_AGENTS} agents reporting every {BACKGROUND_PERIOD_S * 1000:.0f} ms"
                 if loaded
@@ -232,16 +237,36 @@ def _run_store(label: str, spec: str, direct: CmsStore) -> None:
                 f"  (ReportStatus rtt p50 {rtt:.2f} ms)",
                 flush=True,
             )
+    return rate, idle[0], idle[1]
 
 
-def main() -> None:
+def main() -> list[Figure]:
     print(f"CMS process per store (slo-router cms, uvloop); clients in this process; {os.cpu_count()} CPUs")
-    _run_store("memory", "memory", MemoryStore())
+    memory = _run_store("memory", "memory", MemoryStore())
     if find_redis_server() is None:
         print("redis: skipped (no redis-server installed)")
-        return
+        return [
+            Figure(
+                f"ReportStatus, {AGENTS} concurrent agents, memory",
+                f"{memory[0]:.0f} calls/s (Redis: not measured, no redis-server)",
+            ),
+            Figure(
+                "status accepted → watcher updated, idle, memory",
+                f"p50 {memory[1]:.1f} ms, p99 {memory[2]:.1f} ms",
+            ),
+        ]
     with tempfile.TemporaryDirectory() as workdir, RedisServer(Path(workdir)) as redis:
-        _run_store("redis ", redis.url, RedisStore(redis.url, cluster_name="bench"))
+        red = _run_store("redis ", redis.url, RedisStore(redis.url, cluster_name="bench"))
+    return [
+        Figure(
+            f"ReportStatus, {AGENTS} concurrent agents, memory / Redis",
+            f"{memory[0]:.0f} / {red[0]:.0f} calls/s",
+        ),
+        Figure(
+            "status accepted → watcher updated, idle, memory / Redis",
+            f"p50 {memory[1]:.1f} / {red[1]:.1f} ms, p99 {memory[2]:.1f} / {red[2]:.1f} ms",
+        ),
+    ]
 
 
 if __name__ == "__main__":

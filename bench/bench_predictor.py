@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.figures import Figure
 from predictor import LatencyPredictor
 
 PROFILE = Path(__file__).resolve().parent.parent / "profiling_data" / "qwen2.5-7b-2xv100-linear"
@@ -25,9 +26,10 @@ def _time_us(fn: Callable[[], object], repeats: int) -> tuple[float, float]:
     return statistics.median(samples), samples[int(len(samples) * 0.99) - 1]
 
 
-def main() -> None:
+def main() -> list[Figure]:
     lp = LatencyPredictor.from_files(PROFILE / "ttft.json", PROFILE / "tpot.json")
     rng = np.random.default_rng(0)
+    figure = Figure("", "")
     for n in (1, 16, 256, 4096):
         prefill = rng.integers(0, 20000, n).astype(np.float64)
         batch = rng.integers(0, 256, n).astype(np.float64)
@@ -39,12 +41,18 @@ def main() -> None:
             f"array call, {n:5d} instances: ttft p50 {p50_t:8.1f} us p99 {p99_t:8.1f} us | "
             f"tpot p50 {p50_d:8.1f} us p99 {p99_d:8.1f} us"
         )
+        if n == 4096:
+            figure = Figure(
+                "predictor, one array call over 4096 instances",
+                f"TTFT p50 {p50_t:.0f} µs, TPOT p50 {p50_d:.0f} µs",
+            )
     p50_t, p99_t = _time_us(lambda: lp.predict_ttft_ms(3000, 16, 16000, 2048), 2000)
     p50_d, p99_d = _time_us(lambda: lp.predict_tpot_ms(16, 16000), 2000)
     print(
         f"scalar call, one instance:  ttft p50 {p50_t:8.1f} us p99 {p99_t:8.1f} us | "
         f"tpot p50 {p50_d:8.1f} us p99 {p99_d:8.1f} us"
     )
+    return [figure]
 
 
 if __name__ == "__main__":

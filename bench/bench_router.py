@@ -20,10 +20,13 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 from slorouter.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+from bench.figures import Figure
 
 REPO = Path(__file__).resolve().parent.parent
 #: Sim worker speeds measured: the bundled profile in real time, and 20x faster (the hop is then the bottleneck).
@@ -82,7 +85,15 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def _measure(router_addr: str, worker_addrs: list[str], speed: float) -> None:
+@dataclass(frozen=True)
+class HopFigures:
+    direct_tps: float
+    router_tps: float
+    direct_ttft_p50_ms: float
+    router_ttft_p50_ms: float
+
+
+async def _measure(router_addr: str, worker_addrs: list[str], speed: float) -> HopFigures:
     router_channel = grpc.aio.insecure_channel(router_addr)
     worker_channels = [grpc.aio.insecure_channel(a) for a in worker_addrs]
     router = router_pb2_grpc.RouterStub(router_channel)
@@ -119,18 +130,40 @@ async def _measure(router_addr: str, worker_addrs: list[str], speed: float) -> N
         print(f"  TTFT direct : p50 {d50:6.2f} ms  p99 {_pct(direct_ttft, 0.99):6.2f} ms")
         print(f"  TTFT router : p50 {r50:6.2f} ms  p99 {_pct(router_ttft, 0.99):6.2f} ms")
         print(f"  added by the router hop: p50 {r50 - d50:+.2f} ms")
+        return HopFigures(direct_tps, router_tps, d50, r50)
     finally:
         await router_channel.close(None)
         for channel in worker_channels:
             await channel.close(None)
 
 
-def main() -> None:
-    for speed in SPEED_FACTORS:
-        _run(speed)
+def main() -> list[Figure]:
+    runs = {speed: _run(speed) for speed in SPEED_FACTORS}
+    figures = []
+    for speed, hop in runs.items():
+        what = f"router hop, {STREAMS} streams, sim workers " + (
+            "at the profile's real speed" if speed == 1.0 else f"{speed:g}x faster"
+        )
+        if hop is None:
+            figures.append(Figure(what, "not measured: `slo-router up` did not start"))
+            continue
+        figures.append(
+            Figure(
+                what,
+                f"{hop.router_tps:.0f} vs {hop.direct_tps:.0f} tokens/s direct "
+                f"(ratio {hop.router_tps / hop.direct_tps:.2f})",
+            )
+        )
+    added = [
+        f"{hop.router_ttft_p50_ms - hop.direct_ttft_p50_ms:+.1f} ms (x{speed:g})"
+        for speed, hop in runs.items()
+        if hop is not None
+    ]
+    figures.append(Figure("TTFT added by the router hop, one stream", "p50 " + ", ".join(added)))
+    return figures
 
 
-def _run(speed: float) -> None:
+def _run(speed: float) -> HopFigures | None:
     cmd = [
         sys.executable, "-m", "router.cli", "up", "--neutral", "2", "--listen", "127.0.0.1:0",
         "--speed-factor", str(speed), "--scheduling-policy", "load-balance",
@@ -147,8 +180,8 @@ def _run(speed: float) -> None:
                 break
         if not router_addr:
             print("slo-router up did not start; no figures")
-            return
-        asyncio.run(_measure(router_addr, worker_addrs, speed))
+            return None
+        return asyncio.run(_measure(router_addr, worker_addrs, speed))
     finally:
         up.terminate()
         up.wait(timeout=30)

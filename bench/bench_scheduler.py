@@ -19,6 +19,7 @@ from pathlib import Path
 
 from slorouter.v1 import cms_pb2
 
+from bench.figures import Figure
 from fleet.snapshot import ClusterSnapshot, InstanceRecord
 from predictor import LatencyPredictor
 from router.core.config import SchedulerConfig
@@ -103,13 +104,15 @@ def table_build_ms(n: int) -> tuple[float, float]:
     return statistics.median(first), statistics.median(again)
 
 
-def main() -> None:
+def main() -> list[Figure]:
     lp = LatencyPredictor.from_files(PROFILE / "ttft.json", PROFILE / "tpot.json")
     print("decision latency (Scheduler.schedule, cached snapshot, realistic in-flight churn)")
+    by_policy: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
     for n in SIZES:
         decisions = 3000 if n <= 256 else 1000
         for adaptive in (False, True):
             p50, p99 = measure(n, adaptive, lp, decisions)
+            by_policy[adaptive].append((p50, p99))
             name = "slo + adaptive PD" if adaptive else "slo"
             print(
                 f"  {n:5d} instances  {name:18s} p50 {p50:8.1f} us   p99 {p99:8.1f} us   ({decisions} decisions)"
@@ -120,6 +123,17 @@ def main() -> None:
         print(
             f"  {n:5d} instances  first snapshot {first:7.2f} ms   next snapshot (same metadata) {again:7.2f} ms"
         )
+    sizes = " / ".join(str(n) for n in SIZES)
+
+    def measured(rows: list[tuple[float, float]]) -> str:
+        p50 = " / ".join(f"{r[0]:.0f}" for r in rows)
+        p99 = " / ".join(f"{r[1]:.0f}" for r in rows)
+        return f"p50 {p50} µs, p99 {p99} µs"
+
+    return [
+        Figure(f"scheduling decision, {sizes} instances, `slo`", measured(by_policy[False])),
+        Figure("same with adaptive PD", measured(by_policy[True])),
+    ]
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 
+from bench.figures import Figure
 from bench.report import summarize
 from bench.workload import generate_requests, load_workload
 from router.core.config import SchedulerConfig
@@ -23,7 +24,7 @@ RATE_PER_S = 400.0
 POLICY = "slo"
 
 
-def main() -> None:
+def main() -> list[Figure]:
     fleet = SimFleet(fleet_from_counts(prefill=PREFILL, decode=DECODE))
     spec = load_workload("mixed").with_arrival(rate_per_s=RATE_PER_S)
     plans = generate_requests(spec, rng=0, num_requests=NUM_REQUESTS)
@@ -48,6 +49,12 @@ def main() -> None:
     print(
         f"  SLO attainment {100.0 * report.overall.slo_attainment:.1f}% (a sanity check, not a speed figure)"
     )
+    return [
+        Figure(
+            f"simulator, {fleet.n} instances x {NUM_REQUESTS:,} requests",
+            f"{outcome.wall_s:.1f} s wall ({NUM_REQUESTS / outcome.wall_s:,.0f} requests/s)",
+        )
+    ]
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import statistics
 import subprocess
@@ -33,6 +34,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.figures import Figure
+
+#: Marks the line carrying the figures from the vLLM environment to ``make bench``.
+FIGURES_PREFIX = "bench-vllm-figures: "
 #: (concurrent streams, requests per stream)
 WORKLOAD: tuple[tuple[int, int], ...] = ((1, 4), (16, 2), (64, 1))
 ROUNDS = 2
@@ -180,13 +185,17 @@ async def _compare(model: Path, log_dir: Path) -> None:
         f"{'streams':>7} {'requests':>8} | {'direct tok/s':>12} {'TTFT p50':>9} | "
         f"{'worker tok/s':>12} {'TTFT p50':>9} | {'worker/direct':>13}"
     )
+    ratios = {}
     for concurrency, _ in WORKLOAD:
         d, w = best[("direct", concurrency)], best[("worker", concurrency)]
         ratio = w.tokens_per_s / d.tokens_per_s if d.tokens_per_s else float("nan")
+        ratios[concurrency] = round(ratio, 2)
         print(
             f"{concurrency:>7} {d.requests:>8} | {d.tokens_per_s:>12.0f} {d.ttft_p50_ms:>7.1f}ms | "
             f"{w.tokens_per_s:>12.0f} {w.ttft_p50_ms:>7.1f}ms | {ratio:>13.2f}"
         )
+    # For the parent process (make bench), which writes the README row.
+    print(FIGURES_PREFIX + json.dumps(ratios))
 
 
 def _compare_main(model: str, log_dir: str) -> int:
@@ -199,14 +208,16 @@ def _compare_main(model: str, log_dir: str) -> int:
     return 0
 
 
-def main() -> None:
+def main() -> list[Figure]:
     """``make bench``: build the tiny model and run :func:`_compare` in the vLLM environment."""
     from workers.vllm_env import subprocess_env
     from workers.vllm_process import MISSING_VENV_HINT, REPO, VLLM_PYTHON, build_tiny_model, vllm_env_ready
 
+    streams = " / ".join(str(c) for c, _ in WORKLOAD)
+    what = f"vLLM worker vs `AsyncLLM` direct, {streams} streams"
     if not vllm_env_ready():
         print(f"skipped: {MISSING_VENV_HINT}")
-        return
+        return [Figure(what, "not measured: `.venv-vllm` is missing (`make vllm-venv`)")]
     # Other work on the machine skews the figures; say how busy it was.
     print(f"load average before: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs", flush=True)
     with tempfile.TemporaryDirectory(prefix="bench-vllm-") as tmp:
@@ -222,11 +233,19 @@ def main() -> None:
         )
         # vLLM logs to stdout; the figures are the lines this module printed.
         ours = [
-            line for line in proc.stdout.splitlines() if not line.startswith(("(", "INFO", "WARNING", "["))
+            line
+            for line in proc.stdout.splitlines()
+            if not line.startswith(("(", "INFO", "WARNING", "[", FIGURES_PREFIX))
         ]
         print("\n".join(ours))
         if proc.returncode != 0:
             print(f"the vLLM benchmark failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+            return [Figure(what, f"not measured: the benchmark failed (exit {proc.returncode})")]
+        found = [line for line in proc.stdout.splitlines() if line.startswith(FIGURES_PREFIX)]
+        if not found:
+            return [Figure(what, "not measured: no figures in the benchmark's output")]
+        ratios = json.loads(found[-1].removeprefix(FIGURES_PREFIX))
+        return [Figure(what, "ratio " + " / ".join(f"{ratios[str(c)]:.2f}" for c, _ in WORKLOAD))]
 
 
 if __name__ == "__main__":

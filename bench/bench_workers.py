@@ -23,6 +23,7 @@ from typing import Any
 
 from slorouter.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
+from bench.figures import Figure
 from predictor import LatencyPredictor
 from sim.engine import ProfileCostModel, SimConfig, SimCore, SimRequestSpec
 from workers.engine import Sampling
@@ -43,7 +44,7 @@ def _run(coro: Coroutine[Any, Any, None]) -> None:
         runner.run(coro)
 
 
-def _core_figures() -> None:
+def _core_figures() -> Figure:
     config = SimConfig(max_num_batched_tokens=2048, max_num_seqs=128, kv_capacity_tokens=262144)
     core = SimCore(config, ProfileCostModel(_PREDICTOR))
     n_requests, output = 2000, 128
@@ -62,6 +63,10 @@ def _core_figures() -> None:
         f"  {wall / steps * 1e6:8.1f} us per step   {steps / wall:10.0f} steps/s   {tokens / wall:10.0f} tokens/s"
     )
     print(f"  simulated {virtual_ms / 1000:.1f} s of engine time ({virtual_ms / 1000 / wall:.0f}x real time)")
+    return Figure(
+        "sim engine core (virtual time)",
+        f"{wall / steps * 1e6:.0f} µs/step, {tokens / wall / 1000:.0f}k tokens/s",
+    )
 
 
 async def _engine_figures() -> None:
@@ -152,14 +157,15 @@ async def _drive(stub: Any, concurrency: int, output: int, *, warm: bool = False
     return sum(r[0] for r in results), sum(r[1] for r in results), wall
 
 
-def main() -> None:
+def main() -> list[Figure]:
     print(f"machine: {os.cpu_count()} CPUs, Python {sys.version.split()[0]}")
-    _core_figures()
+    core = _core_figures()
     _run(_engine_figures())
     # Steps made negligible: the ceiling this machine puts on one sim worker.
     _run(_grpc_figures(_FAST, ((1, 2000), (16, 500), (64, 200))))
     # Steps 10x faster than the profile: the worker should deliver what the profile allows.
     _run(_grpc_figures(10.0, ((1, 200), (64, 100))))
+    return [core]
 
 
 if __name__ == "__main__":

@@ -133,7 +133,9 @@ def test_arrays_broadcast(lp: LatencyPredictor) -> None:
     assert tpot.shape == (2, 2)
 
 
-@pytest.mark.parametrize("name", ["qwen2.5-7b-2xv100-linear", "llama3-70b-4xh100-roofline"])
+@pytest.mark.parametrize(
+    "name", ["qwen2.5-7b-2xv100-linear", "llama3-70b-4xh100-roofline", "qwen2.5-7b-2xv100-linear-x4"]
+)
 def test_bundled_profiles_load(name: str) -> None:
     directory = REPO / "profiling_data" / name
     lp = LatencyPredictor.from_files(directory / "ttft.json", directory / "tpot.json")
