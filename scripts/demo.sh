@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # `make run`: bring up an embedded cluster (CMS + 2 prefill + 2 decode sim workers + router),
-# drive a ~20 s workload through the public Router API, print the summary, shut everything down.
+# send DURATION seconds of Poisson arrivals through the public Router API, wait for the last
+# request to finish, print the summary, shut everything down.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=.venv/bin
@@ -20,10 +21,14 @@ cleanup() {
 }
 trap cleanup EXIT INT TERM
 
+echo "starting an embedded cluster: CMS, 2 prefill + 2 decode simulated workers, router (policy $POLICY)"
 ADDR=""
 for _ in $(seq 1 600); do
-  ADDR=$(sed -n 's/^router listening on //p' "$LOG")
-  [ -n "$ADDR" ] && break
+  # `up` prints the policy line last, once every worker has registered and the router sees them.
+  if grep -q '^router policy: ' "$LOG"; then
+    ADDR=$(sed -n 's/^router listening on //p' "$LOG")
+    break
+  fi
   if ! kill -0 "$UP" 2>/dev/null; then
     echo "slo-router up exited early:"; cat "$LOG"; exit 1
   fi
@@ -31,4 +36,9 @@ for _ in $(seq 1 600); do
 done
 [ -n "$ADDR" ] || { echo "slo-router up did not start in 60 s:"; cat "$LOG"; exit 1; }
 grep -E '^(cms|workers|router)' "$LOG"
+echo
+echo "sending requests for $DURATION s (Poisson, $RATE req/s, the mixed chat/code/summarize workload);"
+echo "the run ends when the last one finishes: long summarize requests take up to ~15 s more"
 "$BIN/slo-router" bench --target "$ADDR" --rate "$RATE" --duration "$DURATION" --workload mixed --seed 0
+echo
+echo "done; stopping the cluster (RATE=, DURATION= and POLICY= change the run, e.g. POLICY=round-robin make run)"

@@ -141,6 +141,21 @@ def register(subparsers: Any) -> None:
     prof.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     prof.set_defaults(func=run_profile)
 
+    tiny: argparse.ArgumentParser = subparsers.add_parser(
+        "vllm-tiny-model",
+        help="write a tiny random-weight model vLLM loads in seconds on a CPU (for trying the vllm engine)",
+        description=(
+            "Write a tiny random-weight Llama (2 layers, hidden size 128, a 1000-word made-up vocabulary, "
+            "float32) and its tokenizer into DIR, with no download. Its output is noise: it is there to try "
+            "and test `slo-router worker --engine vllm` without fetching a real model. Needs torch and "
+            "transformers, i.e. the vLLM environment (.venv-vllm, `make vllm-venv`); run from the main "
+            "environment it builds the model there."
+        ),
+    )
+    tiny.add_argument("dir", metavar="DIR", help="directory to write the model into (created if needed)")
+    tiny.add_argument("--seed", type=int, default=0, help="seed of the weights (default: %(default)s)")
+    tiny.set_defaults(func=run_tiny_model)
+
 
 def _int_list(flag: str, text: str) -> tuple[int, ...]:
     try:
@@ -234,6 +249,35 @@ async def _serve(engine: Any, args: argparse.Namespace, identity: Any, token: st
             loop.remove_signal_handler(sig)
         logger.info("shutting down worker %s", server.instance_id)
         await server.stop(args.shutdown_grace_s)
+    return 0
+
+
+def run_tiny_model(args: argparse.Namespace) -> int:
+    import importlib.util
+
+    out = Path(args.dir)
+    if out.exists() and not out.is_dir():
+        print(f"error: DIR {args.dir}: exists and is not a directory", file=sys.stderr)
+        return 2
+    if importlib.util.find_spec("torch") is not None and importlib.util.find_spec("transformers") is not None:
+        from workers.vllm_tiny_model import build
+
+        build(out, args.seed)
+    else:  # the main environment has no torch: build it in the vLLM environment
+        from workers.vllm_process import MISSING_VENV_HINT, build_tiny_model, vllm_env_ready
+
+        if not vllm_env_ready():
+            print(
+                f"error: building the model needs torch and transformers; {MISSING_VENV_HINT}",
+                file=sys.stderr,
+            )
+            return 1
+        try:
+            build_tiny_model(out.resolve(), seed=args.seed)
+        except RuntimeError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+    print(f"wrote a tiny random-weight model into {out}")
     return 0
 
 

@@ -37,10 +37,10 @@ def vllm_env_ready() -> bool:
     return VLLM_SLO_ROUTER.exists() and VLLM_PYTHON.exists()
 
 
-def build_tiny_model(out_dir: Path, timeout_s: float = 120.0) -> Path:
+def build_tiny_model(out_dir: Path, timeout_s: float = 120.0, *, seed: int = 0) -> Path:
     """Write the tiny test model (:mod:`workers.vllm_tiny_model`) into ``out_dir`` using the vLLM environment."""
     proc = subprocess.run(
-        [str(VLLM_PYTHON), "-m", "workers.vllm_tiny_model", str(out_dir)],
+        [str(VLLM_PYTHON), "-m", "workers.vllm_tiny_model", str(out_dir), "--seed", str(seed)],
         cwd=REPO,
         env=vllm_env.subprocess_env({"HF_HUB_OFFLINE": "1"}),
         capture_output=True,

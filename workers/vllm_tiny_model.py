@@ -3,7 +3,7 @@
 Tests and benchmarks of the ``vllm`` engine need a real model directory that
 vLLM can load in seconds on a CPU. This writes one::
 
-    .venv-vllm/bin/python -m workers.vllm_tiny_model OUT_DIR
+    slo-router vllm-tiny-model OUT_DIR     # or: .venv-vllm/bin/python -m workers.vllm_tiny_model OUT_DIR
 
 The shape is chosen for vLLM's CPU backend: head size 64 (the CPU attention
 kernels reject 16), two layers, hidden size 128. The tokenizer is a word-level

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from router.cli import build_parser
+from router.cli import build_parser, main
 from workers.backends import BACKENDS, BackendError, BackendRegistry, BackendSpec, default_registry
 from workers.cli import _engine_choice
 from workers.sim_engine import SimEngine
@@ -147,3 +148,25 @@ async def test_profile_command_writes_both_files(tmp_path: Path) -> None:
     assert proc.returncode == 0, err.decode()
     assert b"profiling [" in err and b"wrote" in out
     assert (tmp_path / "ttft.json").exists() and (tmp_path / "tpot.json").exists()
+
+
+def test_vllm_tiny_model_refuses_a_file_as_its_directory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    target = tmp_path / "a-file"
+    target.write_text("x", encoding="utf-8")
+    assert main(["vllm-tiny-model", str(target)]) == 2
+    assert "DIR" in capsys.readouterr().err
+
+
+@pytest.mark.vllm
+def test_vllm_tiny_model_writes_a_model_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from tests.workers.vllm_support import require_vllm_env
+
+    require_vllm_env()
+    out = tmp_path / "tiny"
+    assert main(["vllm-tiny-model", str(out)]) == 0  # from the main environment: built in .venv-vllm
+    assert f"wrote a tiny random-weight model into {out}" in capsys.readouterr().out
+    config = json.loads((out / "config.json").read_text(encoding="utf-8"))
+    assert config["num_hidden_layers"] == 2 and config["vocab_size"] == 1000
+    assert (out / "model.safetensors").stat().st_size > 0 and (out / "tokenizer.json").exists()
