@@ -278,6 +278,7 @@ def run_tiny_model(args: argparse.Namespace) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 1
     print(f"wrote a tiny random-weight model into {out}")
+    print(f"serve it with: slo-router worker --engine vllm --model {out} --dtype float32")
     return 0
 
 

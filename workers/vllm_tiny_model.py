@@ -46,6 +46,9 @@ def build(out_dir: Path, seed: int = 0) -> Path:
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # a one-shard progress bar is noise in logs
 
     out_dir.mkdir(parents=True, exist_ok=True)
     vocab_words = _words(VOCAB_SIZE - len(SPECIAL_TOKENS), seed)
