@@ -38,7 +38,7 @@ done
 grep -E '^(cms|workers|router)' "$LOG"
 echo
 echo "sending requests for $DURATION s (Poisson, $RATE req/s, the mixed chat/code/summarize workload);"
-echo "the run ends when the last one finishes: long summarize requests take up to ~15 s more"
+echo "the run ends when the last one finishes, up to ~20 s later (the longest requests); about 40 s in all"
 "$BIN/slo-router" bench --target "$ADDR" --rate "$RATE" --duration "$DURATION" --workload mixed --seed 0
 echo
 echo "done; stopping the cluster (RATE=, DURATION= and POLICY= change the run, e.g. POLICY=round-robin make run)"
