@@ -63,6 +63,8 @@ CASES = [
     (["worker", "--listen", "127.0.0.1:x"], "--listen"),
     (["worker", "--cms", "nowhere"], "--cms"),
     (["worker", "--shutdown-grace-s", "-1"], "--shutdown-grace-s"),
+    (["profile", "--target", "127.0.0.1:", "--out", "x"], "--target"),
+    (["profile", "--target", "127.0.0.1:50051", "--out", "x", "--repeats", "0"], "--repeats"),
     (["cms", "--metrics-port", "-3"], "--metrics-port"),
     (["cms", "--lease-ttl-s", "0"], "--lease-ttl-s"),
     (["cms", "--store", "postgres://x"], "--store"),

@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import logging
 import math
+import re
 import signal
 import sys
 from collections.abc import Coroutine, Sequence
@@ -285,6 +286,10 @@ def run_tiny_model(args: argparse.Namespace) -> int:
 def run_profile(args: argparse.Namespace) -> int:
     from workers.profile import ProfilePlan, profile_worker, write_profiles
 
+    host, sep, port = args.target.removeprefix("grpc://").rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
+        print(f"error: --target {args.target!r}: expected the worker's HOST:PORT", file=sys.stderr)
+        return 2
     try:
         plan = ProfilePlan(
             tokens=_int_list("--tokens", args.tokens),
@@ -295,8 +300,18 @@ def run_profile(args: argparse.Namespace) -> int:
             max_token_id=args.max_token_id,
             seed=args.seed,
         )
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    except ValueError as exc:  # ProfilePlan names its fields; name the flags that set them
+        message = str(exc)
+        for name in (
+            "tokens_per_request",
+            "batch_sizes",
+            "decode_tokens",
+            "max_token_id",
+            "repeats",
+            "tokens",
+        ):
+            message = re.sub(rf"(?<![\w-]){name}(?![\w-])", "--" + name.replace("_", "-"), message)
+        print(f"error: {message}", file=sys.stderr)
         return 2
 
     async def go() -> int:
@@ -306,7 +321,10 @@ def run_profile(args: argparse.Namespace) -> int:
             print(f"\nerror: {exc}", file=sys.stderr)
             return 2
         except Exception as exc:  # gRPC failures: say which worker and why, without a traceback
-            print(f"\nerror: profiling {args.target} failed: {exc}", file=sys.stderr)
+            import grpc
+
+            why = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+            print(f"\nerror: profiling {args.target} failed: {why}", file=sys.stderr)
             return 1
         ttft_path, tpot_path = write_profiles(args.out, ttft, tpot)
         print(f"wrote {ttft_path} and {tpot_path}")

@@ -146,7 +146,8 @@ async def test_profile_command_writes_both_files(tmp_path: Path) -> None:
     finally:
         await server.stop(0)
     assert proc.returncode == 0, err.decode()
-    assert b"profiling [" in err and b"wrote" in out
+    # stderr is a pipe, not a terminal: one short line per point, no carriage returns.
+    assert b"profiling 1/7: warm-up\n" in err and b"\r" not in err and b"wrote" in out
     assert (tmp_path / "ttft.json").exists() and (tmp_path / "tpot.json").exists()
 
 
