@@ -53,11 +53,11 @@ typecheck: $(STAMP)
 test: system-deps $(STAMP) $(VLLM_STAMP) proto-check lint typecheck
 	$(VENV)/bin/pytest -q
 
-## run: embedded cluster (CMS + 2 prefill + 2 decode sim workers + router) and a ~20 s workload
+## run: embedded cluster (CMS + 2 prefill + 2 decode sim workers + router), 20 s of requests, the summary (~40 s)
 run: $(STAMP)
 	scripts/demo.sh
 
-## bench: print the speed figures (no assertions)
+## bench: print the speed figures (no assertions) and write the README speed table (python -m bench --no-readme: do not)
 bench: $(STAMP) $(VLLM_STAMP)
 	$(PY) -m bench
 

@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import importlib.util
 import json
+import math
 import sys
 import time
 from typing import Any
@@ -25,6 +26,7 @@ from bench.workload import (
     load_workload,
     workload_to_dict,
 )
+from router.core.config import name_flags
 
 #: Requests planned when neither --num-requests nor --duration is given.
 DEFAULT_NUM_REQUESTS = 200
@@ -200,7 +202,38 @@ def resolve_workload(args: argparse.Namespace) -> WorkloadSpec:
     return dataclasses.replace(spec, arrival=arrival)
 
 
+#: Config and workload fields behind bench's flags: errors name the flag the user typed.
+FLAG_OF_FIELD: dict[str, str] = {
+    "request_timeout_s": "--timeout-s",
+    "drain_timeout_s": "--drain-timeout-s",
+    "connect_timeout_s": "--connect-timeout-s",
+    "max_in_flight": "--max-in-flight",
+    "duration_s": "--duration",
+    "num_requests": "--num-requests",
+    "request_id_prefix": "--request-id-prefix",
+}
+
+
+def _usage_error(exc: Exception) -> int:
+    print(f"error: {name_flags(str(exc), FLAG_OF_FIELD)}", file=sys.stderr)
+    return 2
+
+
 def run(args: argparse.Namespace) -> int:
+    host, sep, port = args.target.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
+        print(f"error: --target {args.target!r}: expected the router's HOST:PORT", file=sys.stderr)
+        return 2
+    # The arrival flags, before they are merged into the workload (whose own errors name its file).
+    if args.rate is not None and not (math.isfinite(args.rate) and args.rate > 0):
+        print(f"error: --rate {args.rate}: must be a finite number > 0 (requests/s)", file=sys.stderr)
+        return 2
+    if args.burstiness is not None and not (math.isfinite(args.burstiness) and args.burstiness > 0):
+        print(f"error: --burstiness {args.burstiness}: must be a finite number > 0", file=sys.stderr)
+        return 2
+    if args.concurrency is not None and args.concurrency < 1:
+        print(f"error: --concurrency {args.concurrency}: must be >= 1", file=sys.stderr)
+        return 2
     try:
         spec = resolve_workload(args)
     except (WorkloadError, ValueError) as exc:
@@ -235,8 +268,7 @@ def run(args: argparse.Namespace) -> int:
             model=spec.model,
         )
     except (WorkloadError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return _usage_error(exc)
     if not plans:
         print("error: the plan is empty; raise --duration, --rate or --num-requests", file=sys.stderr)
         return 2
