@@ -24,7 +24,10 @@ from bench.figures import README, Figure, Section, render, write_readme
 
 def main(argv: list[str]) -> int:
     names = sorted(m.name for m in pkgutil.iter_modules(bench.__path__) if m.name.startswith("bench_"))
-    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench",
+        description="Run the benchmarks, print their figures and (after a full run) write the README's speed table.",
+    )
     parser.add_argument(
         "benchmarks",
         nargs="*",
@@ -39,7 +42,10 @@ def main(argv: list[str]) -> int:
         wanted = {f"bench_{a}" for a in args.benchmarks}
         unknown = wanted - set(names)
         if unknown:
-            parser.error(f"unknown benchmarks: {', '.join(sorted(unknown))}; have: {', '.join(names)}")
+            have = ", ".join(n.removeprefix("bench_") for n in names)
+            parser.error(
+                f"unknown benchmarks: {', '.join(sorted(u.removeprefix('bench_') for u in unknown))}; have: {have}"
+            )
         names = [n for n in names if n in wanted]
     load_before = os.getloadavg()[0]
     sections: list[Section] = []
