@@ -60,7 +60,8 @@ class RouterServer:
     @property
     def ready(self) -> bool:
         """True once the first cluster view arrived (health ``SERVING``)."""
-        return self.readiness is not None and self.readiness.done() and not self.readiness.cancelled()
+        task = self.readiness
+        return task is not None and task.done() and not task.cancelled() and task.exception() is None
 
     @property
     def port(self) -> int:
