@@ -1,0 +1,433 @@
+"""Slice-level scheduling: estimators, the serving-time batcher, the max-min offloader, the interval.
+
+Slice-level dispatch caps every placement of a request at ``S`` new tokens (a
+*slice*). A request that still has tokens to generate after its slice goes back
+to the pool with what it generated appended to its context, and is placed
+again, together with newly arrived requests, at the next schedule point. Because
+a slice is short, the work and the KV a batch of slices needs are known within
+a narrow range before it runs; this module turns that into decisions:
+
+- :class:`ServingTimeModel` estimates how long an instance takes to serve a
+  batch of slices (prefill of the batch plus the sum of its per-iteration
+  decode steps), from the instance's latency profile. Its decode term is a
+  four-parameter fit of the per-iteration latency over batch size and cached
+  length, so the slice length is an argument, not something profiled:
+  changing ``S`` needs no new profile.
+- :class:`MemoryModel` says whether a batch fits the KV cache over the whole
+  slice (every request's context plus the tokens of its slice), with a
+  headroom factor.
+- :func:`batch_requests` partitions the pool into batches with a dynamic
+  programme over requests sorted by context length that minimises the total
+  estimated serving time under the memory constraint.
+- :func:`offload_max_min` sends the batch with the longest estimated serving
+  time to the instance with the least outstanding estimated work, one batch at
+  a time; :class:`LoadLedger` keeps that outstanding work (added at offload,
+  removed when the batch completes).
+- :func:`next_interval_ms` adapts the time between schedule points to the load.
+
+Adaptation to continuous-batching engines (the engines this project drives:
+vLLM and the ``sim`` engine model). The original formulation assumes static
+batching: a batch is padded to its longest input, so its cost depends on the
+batch size ``N`` and the longest input ``L``, and its KV on ``N * (L + S)``.
+Continuous-batching engines neither pad nor keep finished requests in the
+batch, so here
+
+- the prefill term is the engine's own chunked prefill of the batch's actual
+  context-token sum (no ``N * L`` padding), taken from the profile;
+- the decode term is the fitted per-iteration latency at the batch's *mean*
+  cached length (what the engine's step really attends over), summed over the
+  batch generation length ``G = min(S, longest remaining output in the batch)``
+  minus the one token the prefill step already samples, with ``N`` held fixed
+  (an upper bound: requests whose slice ends earlier leave the batch sooner);
+- the KV need is the sum over requests of ``context + slice`` rounded up to
+  whole blocks, not ``N * (L + S)``.
+
+The dynamic programme still walks requests sorted by context length and
+considers contiguous runs only, as the original does: runs of similar length
+keep the batch's decode steps uniform and its KV bound tight. The sort is what
+makes the memory constraint monotone (a longer run never fits if a shorter
+one does not), which lets the inner loop stop at the first run that does not
+fit.
+
+Pure and synchronous: no I/O, no clock (callers pass times), no globals.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from predictor import LatencyPredictor
+
+#: Default slice length, in new tokens per placement.
+DEFAULT_SLICE_TOKENS = 128
+
+
+def _doc(text: str) -> dict[str, Any]:
+    return {"doc": text}
+
+
+@dataclass(frozen=True)
+class SliceConfig:
+    """Knobs of slice-level dispatch (``--slice-tokens``, ``--slice-interval-ms``, ...)."""
+
+    slice_tokens: int = field(
+        default=DEFAULT_SLICE_TOKENS, metadata=_doc("most new tokens one placement of a request generates")
+    )
+    interval_ms: float | None = field(
+        default=None,
+        metadata=_doc("fixed time between schedule points in ms; None adapts it to the load"),
+    )
+    interval_load_factor: float = field(
+        default=0.5,
+        metadata=_doc(
+            "adaptive interval: this fraction of the least-loaded instance's outstanding work, < 1"
+        ),
+    )
+    min_interval_ms: float = field(
+        default=200.0, metadata=_doc("adaptive interval: never shorter than this, in ms")
+    )
+    kv_headroom: float = field(
+        default=0.9, metadata=_doc("share of an instance's KV capacity a batch may plan to fill, in (0, 1]")
+    )
+
+    def __post_init__(self) -> None:
+        if isinstance(self.slice_tokens, bool) or not isinstance(self.slice_tokens, int):
+            raise ValueError(f"slice_tokens must be an integer, got {self.slice_tokens!r}")
+        if not 1 <= self.slice_tokens <= 1_000_000:
+            raise ValueError(f"slice_tokens must be in 1..1000000, got {self.slice_tokens}")
+        if self.interval_ms is not None and not (
+            math.isfinite(self.interval_ms) and 0.0 < self.interval_ms <= 3_600_000.0
+        ):
+            raise ValueError(
+                f"interval_ms must be in (0, 3600000] or None (adaptive), got {self.interval_ms!r}"
+            )
+        if not (math.isfinite(self.interval_load_factor) and 0.0 < self.interval_load_factor < 1.0):
+            raise ValueError(f"interval_load_factor must be in (0, 1), got {self.interval_load_factor!r}")
+        if not (math.isfinite(self.min_interval_ms) and 0.0 < self.min_interval_ms <= 3_600_000.0):
+            raise ValueError(f"min_interval_ms must be in (0, 3600000], got {self.min_interval_ms!r}")
+        if not (math.isfinite(self.kv_headroom) and 0.0 < self.kv_headroom <= 1.0):
+            raise ValueError(f"kv_headroom must be in (0, 1], got {self.kv_headroom!r}")
+
+
+# --------------------------------------------------------------------------- estimators
+
+
+@dataclass(frozen=True)
+class DecodeFit:
+    """Per-iteration decode latency ``d1*N*l + d2*N + d3*l + d4`` (ms) for batch ``N``, cached length ``l``."""
+
+    d1: float
+    d2: float
+    d3: float
+    d4: float
+
+    def step_ms(self, batch: float, cached_tokens: float) -> float:
+        return self.d1 * batch * cached_tokens + self.d2 * batch + self.d3 * cached_tokens + self.d4
+
+    def steps_ms(self, batch: int, mean_context: float, steps: int) -> float:
+        """Sum of :meth:`step_ms` over ``steps`` iterations at cached lengths ``mean_context + 1 ..``.
+
+        Closed form of the sum (the cached length grows by one per iteration),
+        so its cost does not depend on ``steps``.
+        """
+        if steps <= 0 or batch <= 0:
+            return 0.0
+        lengths = steps * mean_context + steps * (steps + 1) / 2.0  # sum of the cached lengths
+        return (self.d1 * batch + self.d3) * lengths + steps * (self.d2 * batch + self.d4)
+
+
+def fit_decode(
+    predictor: LatencyPredictor, *, max_batch: int = 256, max_context_tokens: int = 8192
+) -> DecodeFit:
+    """Least-squares fit of :class:`DecodeFit` to the profile's per-iteration (TPOT) latency.
+
+    Samples the profile (through the predictor, so its interpolation applies)
+    at batch sizes ``1, 2, 4, ... max_batch`` and cached lengths ``8 ..
+    max_context_tokens`` on a doubling grid: the points a slice batch uses.
+    """
+    if max_batch < 1 or max_context_tokens < 8:
+        raise ValueError(
+            f"fit_decode needs max_batch >= 1 and max_context_tokens >= 8, got {max_batch}, {max_context_tokens}"
+        )
+    batches = sorted({*(2**k for k in range(max_batch.bit_length()) if 2**k <= max_batch), max_batch})
+    lengths = sorted(
+        {
+            *(2**k for k in range(3, max_context_tokens.bit_length()) if 2**k <= max_context_tokens),
+            max_context_tokens,
+        }
+    )
+    grid_n, grid_l = np.meshgrid(np.array(batches, dtype=np.float64), np.array(lengths, dtype=np.float64))
+    n, ln = grid_n.ravel(), grid_l.ravel()
+    y = predictor.decode_step_ms(n, n * ln)
+    a = np.column_stack([n * ln, n, ln, np.ones_like(n)])
+    coef, *_ = np.linalg.lstsq(a, y, rcond=None)
+    return DecodeFit(*(float(c) for c in coef))
+
+
+class ServingTimeModel:
+    """Estimated time (ms) for one instance to serve a batch of slices alone.
+
+    ``serve_ms(N, P, G) = prefill(P) + decode(N, P / N, G - 1)``: the
+    instance's chunked prefill of the ``P`` context tokens of the batch (each
+    chunk a profiled prefill step, as the engine runs it), then ``G - 1``
+    decode iterations of ``N`` requests at the fitted per-iteration latency.
+    The first token of every request comes out of its prefill step.
+    """
+
+    def __init__(
+        self,
+        predictor: LatencyPredictor,
+        *,
+        max_num_batched_tokens: int,
+        decode: DecodeFit | None = None,
+        max_batch: int = 256,
+        max_context_tokens: int = 8192,
+    ) -> None:
+        if max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+        self.predictor = predictor
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.decode = decode or fit_decode(
+            predictor, max_batch=max_batch, max_context_tokens=max_context_tokens
+        )
+        self._full_chunk_ms = float(predictor.prefill_step_ms(float(max_num_batched_tokens)))
+        self._tail_cache: dict[int, float] = {}
+
+    def prefill_ms(self, context_tokens: int) -> float:
+        """Chunked prefill of ``context_tokens`` tokens with no decode batch beside it."""
+        if context_tokens <= 0:
+            return 0.0
+        m = self.max_num_batched_tokens
+        full, tail = divmod(context_tokens, m)
+        ms = full * self._full_chunk_ms
+        if tail:
+            cached = self._tail_cache.get(tail)
+            if cached is None:
+                cached = float(self.predictor.prefill_step_ms(float(tail)))
+                if len(self._tail_cache) < 65536:
+                    self._tail_cache[tail] = cached
+            ms += cached
+        return ms
+
+    def serve_ms(self, batch: int, context_tokens: int, generation_tokens: int) -> float:
+        """Serving time of ``batch`` requests holding ``context_tokens`` tokens in all, for ``generation_tokens`` iterations."""
+        if batch <= 0:
+            return 0.0
+        return self.prefill_ms(context_tokens) + self.decode.steps_ms(
+            batch, context_tokens / batch, generation_tokens - 1
+        )
+
+    def exact_serve_ms(self, contexts: Sequence[int], generation_tokens: Sequence[int]) -> float:
+        """The same batch summed step by step from the profile (no fit, requests leave as they finish).
+
+        What the engine model would take if it ran the batch alone; for tests
+        and calibration, O(slice length) per call.
+        """
+        if not contexts:
+            return 0.0
+        ms = self.prefill_ms(sum(contexts))
+        tokens = [c + 1 for c in contexts]  # after the prefill step sampled one token each
+        remaining = [g - 1 for g in generation_tokens]
+        while True:
+            live = [k for k, r in enumerate(remaining) if r > 0]
+            if not live:
+                return ms
+            ms += self.predictor.predict_tpot_ms(len(live), sum(tokens[k] for k in live))
+            for k in live:
+                tokens[k] += 1
+                remaining[k] -= 1
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    """Whether a batch's KV fits an instance over its whole slice.
+
+    A request holds ``context + slice`` tokens of KV by the end of its slice,
+    rounded up to whole blocks; a batch fits when the sum stays within
+    ``headroom * kv_capacity_tokens`` and it has at most ``max_batch`` requests.
+    """
+
+    kv_capacity_tokens: int
+    block_size: int = 16
+    headroom: float = 0.9
+    max_batch: int = 256
+
+    def __post_init__(self) -> None:
+        if self.kv_capacity_tokens < 1 or self.block_size < 1 or self.max_batch < 1:
+            raise ValueError(
+                "kv_capacity_tokens, block_size and max_batch must be >= 1, got "
+                f"{self.kv_capacity_tokens}, {self.block_size}, {self.max_batch}"
+            )
+        if not 0.0 < self.headroom <= 1.0:
+            raise ValueError(f"headroom must be in (0, 1], got {self.headroom!r}")
+
+    @property
+    def budget_tokens(self) -> float:
+        return self.headroom * self.kv_capacity_tokens
+
+    def request_kv_tokens(self, context_tokens: int, slice_tokens: int) -> int:
+        """KV tokens (whole blocks) a request holds at the end of its slice."""
+        bs = self.block_size
+        return -(-(context_tokens + slice_tokens) // bs) * bs
+
+    def fits(self, batch: int, kv_tokens: int) -> bool:
+        return batch <= self.max_batch and kv_tokens <= self.budget_tokens
+
+
+# --------------------------------------------------------------------------- batching
+
+
+@dataclass(frozen=True)
+class SliceRequest:
+    """A request in the slice pool, as the batcher sees it."""
+
+    key: Hashable
+    #: Tokens the instance prefills for this slice: the prompt plus every token generated so far.
+    context_tokens: int
+    #: Tokens this slice generates at most: ``min(S, tokens still to generate)``, >= 1.
+    slice_tokens: int
+
+
+@dataclass(frozen=True)
+class SliceBatch:
+    """Requests served together on one instance for one slice, with their estimates."""
+
+    requests: tuple[SliceRequest, ...]
+    serve_ms: float
+    kv_tokens: int
+
+    @property
+    def context_tokens(self) -> int:
+        return sum(r.context_tokens for r in self.requests)
+
+
+def _sort_key(r: SliceRequest) -> tuple[int, int, str]:
+    return (r.context_tokens, r.slice_tokens, repr(r.key))
+
+
+def batch_requests(
+    requests: Sequence[SliceRequest], serving: ServingTimeModel, memory: MemoryModel
+) -> list[SliceBatch]:
+    """Partition ``requests`` into batches of least total estimated serving time.
+
+    Requests are sorted by context length; ``best[i]`` is the least total
+    serving time of the first ``i`` of them, over partitions into contiguous
+    runs: ``best[i] = min_j best[j - 1] + serve(run j..i)`` with run ``j..i``
+    allowed only if it fits :class:`MemoryModel` (a request alone always
+    does: it has to be served somehow). Runs are grown from ``i`` downwards
+    and the growth stops at the first run that does not fit (longer runs hold
+    more KV). Batches come back in sorted order; ties break toward fewer,
+    longer runs being found later, deterministically.
+    """
+    ordered = sorted(requests, key=_sort_key)
+    n = len(ordered)
+    if n == 0:
+        return []
+    ctx = [r.context_tokens for r in ordered]
+    gen = [r.slice_tokens for r in ordered]
+    kv = [memory.request_kv_tokens(c, g) for c, g in zip(ctx, gen, strict=True)]
+    best = [0.0] * (n + 1)
+    cut = [0] * (n + 1)
+    cost = [0.0] * (n + 1)
+    for i in range(1, n + 1):
+        # The request alone.
+        run_ctx, run_kv, run_gen = ctx[i - 1], kv[i - 1], gen[i - 1]
+        alone = serving.serve_ms(1, run_ctx, run_gen)
+        best[i], cut[i], cost[i] = best[i - 1] + alone, i - 1, alone
+        j = i - 1  # the run grows to requests j..i (1-based), i.e. ordered[j - 1 : i]
+        while j > 0:
+            run_ctx += ctx[j - 1]
+            run_kv += kv[j - 1]
+            run_gen = max(run_gen, gen[j - 1])
+            size = i - j + 1
+            if not memory.fits(size, run_kv):
+                break
+            t_run = serving.serve_ms(size, run_ctx, run_gen)
+            total = best[j - 1] + t_run
+            if total < best[i]:
+                best[i], cut[i], cost[i] = total, j - 1, t_run
+            j -= 1
+    batches: list[SliceBatch] = []
+    i = n
+    while i > 0:
+        p = cut[i]
+        members = tuple(ordered[p:i])
+        batches.append(SliceBatch(members, cost[i], sum(kv[p:i])))
+        i = p
+    batches.reverse()
+    return batches
+
+
+def total_serve_ms(batches: Sequence[SliceBatch]) -> float:
+    return sum(b.serve_ms for b in batches)
+
+
+# --------------------------------------------------------------------------- offloading
+
+
+def offload_max_min(serve_ms: Sequence[float], loads: Sequence[float]) -> tuple[list[int], list[float]]:
+    """Assign batches to instances: the longest batch first, each to the least-loaded instance.
+
+    ``serve_ms[b]`` is batch ``b``'s estimated serving time and ``loads[w]``
+    instance ``w``'s outstanding estimated work. Returns the instance of every
+    batch (in the order of ``serve_ms``) and the loads after the assignment.
+    Ties: among equally long batches the earlier goes first; among equally
+    loaded instances the lower index wins.
+    """
+    if not loads:
+        raise ValueError("offload_max_min needs at least one instance")
+    after = [float(x) for x in loads]
+    where = [-1] * len(serve_ms)
+    for b in sorted(range(len(serve_ms)), key=lambda k: (-serve_ms[k], k)):
+        w = min(range(len(after)), key=lambda k: (after[k], k))
+        where[b] = w
+        after[w] += serve_ms[b]
+    return where, after
+
+
+class LoadLedger:
+    """Outstanding estimated work per instance: what the offloader balances.
+
+    :meth:`add` when a batch is offloaded, :meth:`done` when the instance has
+    served it (subtracting the same estimate, so estimation errors never
+    accumulate in the ledger).
+    """
+
+    def __init__(self, instances: int) -> None:
+        if instances < 1:
+            raise ValueError(f"a load ledger needs at least one instance, got {instances}")
+        self._loads = [0.0] * instances
+
+    @property
+    def loads(self) -> list[float]:
+        return list(self._loads)
+
+    def add(self, instance: int, serve_ms: float) -> None:
+        self._loads[instance] += serve_ms
+
+    def done(self, instance: int, serve_ms: float) -> None:
+        # Clamp rounding residue: a drained instance reads exactly idle.
+        self._loads[instance] = max(0.0, self._loads[instance] - serve_ms)
+
+    def offload(self, batches: Sequence[SliceBatch]) -> list[int]:
+        """:func:`offload_max_min` over the ledger's loads; records the assignment."""
+        where, after = offload_max_min([b.serve_ms for b in batches], self._loads)
+        self._loads = after
+        return where
+
+
+def next_interval_ms(loads: Sequence[float], config: SliceConfig) -> float:
+    """Time to the next schedule point: fixed, or ``max(factor * least load, minimum)``.
+
+    A lightly loaded fleet gets requests quickly; a busy one lets the pool
+    fill, so the batcher sees more requests at once and forms larger batches.
+    """
+    if config.interval_ms is not None:
+        return config.interval_ms
+    least = min(loads) if loads else 0.0
+    return max(config.interval_load_factor * least, config.min_interval_ms)

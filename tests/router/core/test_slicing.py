@@ -1,0 +1,238 @@
+"""Slice-level scheduling core: estimators against the profile, the batcher against brute force, max-min."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from predictor import LatencyPredictor
+from router.core.slicing import (
+    LoadLedger,
+    MemoryModel,
+    ServingTimeModel,
+    SliceConfig,
+    SliceRequest,
+    batch_requests,
+    fit_decode,
+    next_interval_ms,
+    offload_max_min,
+    total_serve_ms,
+)
+
+PROFILES = Path(__file__).resolve().parents[3] / "profiling_data"
+PROPS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def load(name: str) -> LatencyPredictor:
+    return LatencyPredictor.from_files(PROFILES / name / "ttft.json", PROFILES / name / "tpot.json")
+
+
+LINEAR = load("qwen2.5-7b-2xv100-linear")
+ROOFLINE = load("llama3-70b-4xh100-roofline")
+SERVING = ServingTimeModel(LINEAR, max_num_batched_tokens=2048)
+
+
+# ----------------------------------------------------------------------------- estimators
+
+
+@pytest.mark.parametrize(("predictor", "tolerance"), [(LINEAR, 0.001), (ROOFLINE, 0.03)])
+@pytest.mark.parametrize(
+    ("contexts", "slices"),
+    [
+        ([100], [128]),
+        ([500] * 16, [128] * 16),
+        ([1000] * 64, [128] * 64),
+        ([50, 2000, 300], [128, 128, 128]),
+        ([3000] * 10, [64] * 10),
+    ],
+)
+def test_serving_estimate_matches_the_profile_summed_step_by_step(
+    predictor: LatencyPredictor, tolerance: float, contexts: list[int], slices: list[int]
+) -> None:
+    model = ServingTimeModel(predictor, max_num_batched_tokens=2048)
+    fitted = model.serve_ms(len(contexts), sum(contexts), max(slices))
+    exact = model.exact_serve_ms(contexts, slices)
+    assert fitted == pytest.approx(exact, rel=tolerance)
+
+
+def test_linear_profile_fit_recovers_its_coefficients() -> None:
+    # The bundled linear profile was generated from d = 0.0002*N*l + 0.275*N + 0.00088*l + 15.85.
+    fit = fit_decode(LINEAR)
+    assert fit.d1 == pytest.approx(0.0002, rel=1e-3)
+    assert fit.d2 == pytest.approx(0.275, rel=1e-3)
+    assert fit.d3 == pytest.approx(0.00088, rel=1e-2)
+    assert fit.d4 == pytest.approx(15.85, rel=1e-3)
+
+
+def test_changing_the_slice_length_needs_no_new_fit() -> None:
+    # One model serves every slice length; the estimate grows with it, by one decode step per token.
+    times = [SERVING.serve_ms(8, 4000, s) for s in (16, 64, 128, 512)]
+    assert times == sorted(times)
+    step = SERVING.serve_ms(8, 4000, 129) - SERVING.serve_ms(8, 4000, 128)
+    assert step == pytest.approx(SERVING.decode.step_ms(8, 4000 / 8 + 128), rel=1e-9)
+
+
+def test_prefill_is_the_engines_chunked_prefill_of_the_token_sum() -> None:
+    full = float(LINEAR.prefill_step_ms(2048.0))
+    tail = float(LINEAR.prefill_step_ms(100.0))
+    assert SERVING.prefill_ms(2 * 2048 + 100) == pytest.approx(2 * full + tail)
+    assert SERVING.prefill_ms(0) == 0.0
+    # No padding: a short and a long request cost their token sum, not twice the long one.
+    assert SERVING.serve_ms(2, 10 + 1000, 1) == pytest.approx(SERVING.prefill_ms(1010))
+
+
+def test_memory_counts_whole_blocks_of_context_plus_slice() -> None:
+    memory = MemoryModel(kv_capacity_tokens=1000, block_size=16, headroom=0.5, max_batch=3)
+    assert memory.request_kv_tokens(100, 28) == 128
+    assert memory.request_kv_tokens(100, 29) == 144
+    assert memory.fits(3, 500)
+    assert not memory.fits(3, 501)
+    assert not memory.fits(4, 10)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"slice_tokens": 0}, "slice_tokens"),
+        ({"interval_ms": -1.0}, "interval_ms"),
+        ({"interval_load_factor": 1.0}, "interval_load_factor"),
+        ({"min_interval_ms": 0.0}, "min_interval_ms"),
+        ({"kv_headroom": 1.5}, "kv_headroom"),
+    ],
+)
+def test_slice_config_names_the_bad_field(kwargs: dict[str, float], field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        SliceConfig(**kwargs)  # type: ignore[arg-type]
+
+
+# ----------------------------------------------------------------------------- batcher
+
+
+def brute_force(requests: list[SliceRequest], memory: MemoryModel) -> float:
+    """Least total serving time over every partition of the sorted requests into feasible contiguous runs."""
+    ordered = sorted(requests, key=lambda r: (r.context_tokens, r.slice_tokens, repr(r.key)))
+    n = len(ordered)
+    best = float("inf")
+    for cuts in itertools.product((False, True), repeat=n - 1):
+        runs: list[list[SliceRequest]] = [[ordered[0]]]
+        for cut, r in zip(cuts, ordered[1:], strict=True):
+            if cut:
+                runs.append([r])
+            else:
+                runs[-1].append(r)
+        total = 0.0
+        for run in runs:
+            kv = sum(memory.request_kv_tokens(r.context_tokens, r.slice_tokens) for r in run)
+            if len(run) > 1 and not memory.fits(len(run), kv):
+                break
+            total += SERVING.serve_ms(
+                len(run), sum(r.context_tokens for r in run), max(r.slice_tokens for r in run)
+            )
+        else:
+            best = min(best, total)
+    return best
+
+
+requests_strategy = st.lists(
+    st.tuples(st.integers(1, 4000), st.integers(1, 128)), min_size=1, max_size=8
+).map(lambda rows: [SliceRequest(k, c, g) for k, (c, g) in enumerate(rows)])
+
+
+@PROPS
+@given(
+    requests=requests_strategy,
+    capacity=st.integers(256, 40_000),
+    max_batch=st.integers(1, 8),
+)
+def test_batcher_matches_brute_force_on_small_pools(
+    requests: list[SliceRequest], capacity: int, max_batch: int
+) -> None:
+    memory = MemoryModel(kv_capacity_tokens=capacity, block_size=16, headroom=0.9, max_batch=max_batch)
+    batches = batch_requests(requests, SERVING, memory)
+    # Every request exactly once, batches contiguous in context order and within memory (or alone).
+    flat = [r for b in batches for r in b.requests]
+    assert sorted(r.key for r in flat) == sorted(r.key for r in requests)  # type: ignore[type-var]
+    assert [r.context_tokens for r in flat] == sorted(r.context_tokens for r in requests)
+    for b in batches:
+        assert len(b.requests) == 1 or memory.fits(len(b.requests), b.kv_tokens)
+        assert b.serve_ms == pytest.approx(
+            SERVING.serve_ms(len(b.requests), b.context_tokens, max(r.slice_tokens for r in b.requests))
+        )
+    assert total_serve_ms(batches) == pytest.approx(brute_force(requests, memory), rel=1e-9)
+
+
+def test_batcher_separates_a_long_prompt_when_batching_it_costs_more() -> None:
+    # Fifteen short requests and one long one: with a small chunk budget the long prompt's prefill
+    # would hold up fifteen decodes, so the batcher weighs both options and never does worse than either.
+    serving = ServingTimeModel(LINEAR, max_num_batched_tokens=256)
+    memory = MemoryModel(kv_capacity_tokens=65536)
+    pool = [SliceRequest(k, 10, 128) for k in range(15)] + [SliceRequest("long", 4000, 128)]
+    batches = batch_requests(pool, serving, memory)
+    together = serving.serve_ms(16, 15 * 10 + 4000, 128)
+    apart = serving.serve_ms(15, 150, 128) + serving.serve_ms(1, 4000, 128)
+    assert total_serve_ms(batches) <= min(together, apart) + 1e-9
+
+
+def test_batcher_respects_the_kv_budget_on_a_large_pool() -> None:
+    memory = MemoryModel(kv_capacity_tokens=8192, block_size=16, headroom=0.9, max_batch=256)
+    pool = [SliceRequest(k, 100 + 37 * k, 128) for k in range(60)]
+    batches = batch_requests(pool, SERVING, memory)
+    assert len(batches) > 1
+    assert all(memory.fits(len(b.requests), b.kv_tokens) for b in batches)
+    assert batch_requests([], SERVING, memory) == []
+
+
+# ----------------------------------------------------------------------------- offloader
+
+
+@PROPS
+@given(
+    serve=st.lists(st.floats(0.0, 1e4, allow_nan=False), max_size=20),
+    loads=st.lists(st.floats(0.0, 1e4, allow_nan=False), min_size=1, max_size=6),
+)
+def test_offloader_is_max_min(serve: list[float], loads: list[float]) -> None:
+    where, after = offload_max_min(serve, loads)
+    # Replay: batches in non-increasing serving time, each onto an instance least loaded at that moment.
+    current = list(loads)
+    order = sorted(range(len(serve)), key=lambda k: (-serve[k], k))
+    assert [serve[k] for k in order] == sorted(serve, reverse=True)
+    for b in order:
+        assert current[where[b]] == min(current)
+        current[where[b]] += serve[b]
+    assert after == pytest.approx(current)
+    assert sum(after) == pytest.approx(sum(loads) + sum(serve))
+    # Greedy list scheduling's bound: the most loaded instance that got a batch exceeds the least
+    # loaded one by at most the longest batch.
+    received = {w for w in where}
+    if received:
+        top = max(received, key=lambda w: after[w])
+        assert after[top] - min(after) <= max(serve) + 1e-6
+
+
+def test_ledger_adds_on_offload_and_subtracts_on_completion() -> None:
+    ledger = LoadLedger(2)
+    memory = MemoryModel(kv_capacity_tokens=65536)
+    batches = batch_requests(
+        [SliceRequest(0, 100, 128), SliceRequest(1, 3000, 128)],
+        ServingTimeModel(LINEAR, max_num_batched_tokens=256),
+        MemoryModel(kv_capacity_tokens=memory.kv_capacity_tokens, max_batch=1),
+    )
+    where = ledger.offload(batches)
+    assert sorted(where) == [0, 1]
+    longest = max(range(2), key=lambda b: batches[b].serve_ms)
+    assert where[longest] == 0  # the longest batch goes first, to the (tied) lowest index
+    for b, w in enumerate(where):
+        ledger.done(w, batches[b].serve_ms)
+    assert ledger.loads == [0.0, 0.0]
+
+
+def test_interval_adapts_to_the_least_loaded_instance() -> None:
+    adaptive = SliceConfig(interval_load_factor=0.5, min_interval_ms=200.0)
+    assert next_interval_ms([0.0, 5000.0], adaptive) == 200.0
+    assert next_interval_ms([3000.0, 5000.0], adaptive) == 1500.0
+    assert next_interval_ms([], adaptive) == 200.0
+    assert next_interval_ms([3000.0], SliceConfig(interval_ms=50.0)) == 50.0
