@@ -432,6 +432,15 @@ CLASS_PRESETS: Mapping[str, SloClass] = {
         prompt=LognormalLength(3072.0, 0.4, 512, 6144),
         output=LognormalLength(192.0, 0.4, 32, 512),
     ),
+    # Code assistant traffic as slice-level scheduling studies it: most answers well under 512
+    # tokens, a thin tail running to the 2048-token generation limit; judged end to end.
+    "codegen": SloClass(
+        name="codegen",
+        share=1.0,
+        slo=SloTarget(e2e_ms=60000.0),
+        prompt=LognormalLength(384.0, 0.9, 16, 2048),
+        output=LognormalLength(128.0, 1.0, 4, 2048),
+    ),
     # Smoke tests: tiny requests that any fleet serves quickly.
     "tiny": SloClass(
         name="tiny",
@@ -449,6 +458,7 @@ WORKLOAD_PRESETS: Mapping[str, tuple[str, ...]] = {
     "code": ("code",),
     "summarize": ("summarize",),
     "tiny": ("tiny",),
+    "codegen": ("codegen",),
 }
 
 DEFAULT_WORKLOAD = "mixed"

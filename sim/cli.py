@@ -17,6 +17,7 @@ from router.core.config import SchedulerConfig, name_flags
 from router.core.errors import ConfigError
 from router.core.policies import build_policy
 from router.core.registry import POLICIES
+from sim import slicing
 from sim.cluster import SimFleet
 from sim.engine import SimConfig
 from sim.fleet import (
@@ -203,6 +204,7 @@ def register(subparsers: Any) -> None:
         "--plot", metavar="FILE.png", help="write attainment and goodput vs rate (needs matplotlib)"
     )
     sweep.add_argument("--no-progress", action="store_true", help="do not report each run on stderr")
+    slicing.add_arguments(parser)
 
     scheduler = parser.add_argument_group("scheduler (as for the router; --policies picks the policy)")
     SchedulerConfig.add_arguments(cast(argparse.ArgumentParser, _SkipFlags(scheduler, _POLICY_FLAGS)))
@@ -314,6 +316,8 @@ def run(args: argparse.Namespace) -> int:
             flush=True,
         )
 
+    if args.dispatch_modes is not None:
+        return slicing.run_cli(args, fleet, workload, policies, rates, title, progress)
     try:
         points = run_sweep(
             fleet, workload, policies, rates, num_requests=args.num_requests, seed=args.seed, on_run=progress

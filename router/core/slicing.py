@@ -91,6 +91,13 @@ class SliceConfig:
     min_interval_ms: float = field(
         default=200.0, metadata=_doc("adaptive interval: never shorter than this, in ms")
     )
+    overlap_batches: bool = field(
+        default=True,
+        metadata=_doc(
+            "continuous-batching engines: an instance takes a queued batch as soon as the KV its running "
+            "slices plan to hold leaves room for it; False serves one batch at a time (static batching)"
+        ),
+    )
     kv_headroom: float = field(
         default=0.9, metadata=_doc("share of an instance's KV capacity a batch may plan to fill, in (0, 1]")
     )

@@ -1,0 +1,672 @@
+"""Slice-level dispatch in virtual time, and sweeps comparing it with request-level dispatch.
+
+``simulate --dispatch-modes request,slice`` runs every rate twice over the same
+plan: ``request`` is :func:`sim.cluster.simulate` (each ``--policies`` entry
+places each whole request at its arrival), ``slice`` is :func:`simulate_slices`:
+
+- arrivals go to a pool; at every schedule point the pool is batched with
+  :func:`router.core.slicing.batch_requests` and the batches are offloaded
+  max-min (:class:`router.core.slicing.LoadLedger`) to per-instance local
+  queues; the next schedule point comes :func:`~router.core.slicing.next_interval_ms`
+  later (adaptive unless ``--slice-interval-ms`` fixes it);
+- an instance serves its local queue one batch at a time, as the workers of
+  slice-level scheduling do: the batch's requests are added to the instance's
+  :class:`sim.engine.SimCore` (the same engine model request-level dispatch
+  steps) with ``max_new_tokens = min(S, tokens still to generate)``; when its
+  last request ends its slice the batch's estimate leaves the ledger and the
+  next batch starts;
+- a request whose slice ends before its output is complete goes back to the
+  pool with the generated tokens appended to its context: the next slice
+  prefills all of it again (the engine model has no prefix cache), which is
+  what ``recomputed_tokens`` counts.
+
+Figures beyond :func:`bench.report.summarize`: ``load_imbalance`` is the
+coefficient of variation (population std / mean) of per-instance busy time,
+the time an instance's engine had work; ``completion_spread_s`` the standard
+deviation of the instances' last busy moment (the seed paper's
+load-balance figure); ``recomputed_tokens`` the context tokens re-prefilled
+when slices resume (engine preemptions, in either mode, are counted apart in
+``sim.preemptions``); ``resume_gap_p99_ms`` the 99th percentile of the time
+from a slice's last token to the next slice's first token of the same
+request (what a client sees as a stall mid-stream).
+
+Scope: neutral fleets (a slice is a whole prefill-plus-decode on one
+instance). The batcher and the ledger use the first instance's profile and
+the smallest KV capacity and ``max_num_seqs`` of the fleet; a heterogeneous
+fleet is balanced as if every instance had that profile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import heapq
+import itertools
+import json
+import math
+import random
+import sys
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.report import RequestResult
+from bench.workload import RequestPlan, WorkloadSpec, generate_requests
+from router.core.request import Role
+from router.core.slicing import (
+    DEFAULT_SLICE_TOKENS,
+    LoadLedger,
+    MemoryModel,
+    ServingTimeModel,
+    SliceBatch,
+    SliceConfig,
+    SliceRequest,
+    batch_requests,
+    next_interval_ms,
+)
+from sim.cluster import SimFleet, SimStats, simulate
+from sim.engine import ProfileCostModel, ScheduledStep, SimCore, SimRequestSpec
+from sim.sweep import PolicyChoice, SweepPoint, _point, point_to_dict, sweep_meta
+from workers.engine import EngineOverloadedError, InvalidRequestError
+
+#: Dispatch modes of ``simulate --dispatch-modes``.
+DISPATCH_MODES = ("request", "slice")
+#: The policy label slice-dispatch results carry (its offloader, not a registered policy).
+SLICE_POLICY = "max-min"
+
+_STEP_END = 0
+_TICK = 1
+
+
+@dataclass(frozen=True)
+class SliceFigures:
+    """What a run adds to the bench report: balance and slicing overheads."""
+
+    busy_s: tuple[float, ...]
+    completion_s: tuple[float, ...]
+    recomputed_tokens: int
+    slices: int
+    batches: int
+    schedule_points: int
+    resume_gap_p99_ms: float | None
+
+    @property
+    def load_imbalance(self) -> float:
+        """Coefficient of variation of per-instance busy time (0 = perfectly even)."""
+        busy = np.asarray(self.busy_s)
+        mean = float(busy.mean()) if busy.size else 0.0
+        return float(busy.std() / mean) if mean > 0 else 0.0
+
+    @property
+    def completion_spread_s(self) -> float:
+        return float(np.std(self.completion_s)) if self.completion_s else 0.0
+
+
+@dataclass(frozen=True)
+class SliceOutcome:
+    results: tuple[RequestResult, ...]
+    duration_s: float
+    stats: SimStats
+    figures: SliceFigures
+    wall_s: float
+
+
+class _Req:
+    __slots__ = ("done_s", "error_code", "error_message", "first_s", "generated", "instance", "last_s")
+
+    def __init__(self) -> None:
+        self.generated = 0
+        self.first_s = -1.0
+        self.last_s = -1.0
+        self.done_s = -1.0
+        self.instance = -1
+        self.error_code: str | None = None
+        self.error_message = ""
+
+
+class _SliceSimulation:
+    def __init__(
+        self, fleet: SimFleet, plans: Sequence[RequestPlan], config: SliceConfig, *, seed: int
+    ) -> None:
+        if any(role is not Role.NEUTRAL for role in fleet.roles):
+            raise ValueError(
+                "slice dispatch runs on neutral instances: use --neutral K (or a neutral --fleet)"
+            )
+        self.fleet = fleet
+        self.plans = plans
+        self.config = config
+        n = fleet.n
+        self.cores = []
+        for i, (engine, lp) in enumerate(zip(fleet.configs, fleet.instance_predictors, strict=True)):
+            rng = random.Random((engine.seed * 1_000_003 + seed) * 65_537 + i)
+            cost = ProfileCostModel(lp, speed_factor=engine.speed_factor, noise=engine.noise, rng=rng)
+            self.cores.append(SimCore(engine, cost))
+        first = fleet.configs[0]
+        self.serving = ServingTimeModel(
+            fleet.instance_predictors[0],
+            max_num_batched_tokens=first.max_num_batched_tokens,
+            max_batch=min(c.max_num_seqs for c in fleet.configs),
+            max_context_tokens=first.max_model_len,
+        )
+        self.memory = MemoryModel(
+            kv_capacity_tokens=min(c.kv_capacity_tokens for c in fleet.configs),
+            block_size=max(c.block_size for c in fleet.configs),
+            headroom=config.kv_headroom,
+            max_batch=min(c.max_num_seqs for c in fleet.configs),
+        )
+        self.ledger = LoadLedger(n)
+        self.queues: list[deque[SliceBatch]] = [deque() for _ in range(n)]
+        #: Batches each instance is serving: key -> [batch, slices not finished yet].
+        self.running: list[dict[int, list[Any]]] = [{} for _ in range(n)]
+        #: KV tokens the running slices of each instance will hold at their end.
+        self.planned_kv = [0] * n
+        self.batch_seq = 0
+        #: Slices offloaded to each instance and not finished yet, and their context tokens.
+        self.out_n = [0] * n
+        self.out_ctx = [0] * n
+        self.steps: list[ScheduledStep | None] = [None] * n
+        self.busy = [0.0] * n
+        self.last_busy = [0.0] * n
+        self.slice_of: dict[str, tuple[int, int, int, int]] = {}
+        self.pool: list[SliceRequest] = []
+        self.reqs = [_Req() for _ in plans]
+        self.heap: list[tuple[float, int, int, int]] = []
+        self.seq = 0
+        self.tick_pending = False
+        self.next_tick_s = 0.0
+        self.now = 0.0
+        self.recomputed = self.slices = self.batches = self.points = self.num_steps = self.events = 0
+        self.gaps_ms: list[float] = []
+
+    def _push(self, t: float, kind: int, x: int) -> None:
+        heapq.heappush(self.heap, (t, self.seq, kind, x))
+        self.seq += 1
+
+    def run(self) -> float:
+        arrivals = [p.arrival_s for p in self.plans]
+        k, n = 0, len(arrivals)
+        heap = self.heap
+        while k < n or heap:
+            if heap and (k >= n or heap[0][0] <= arrivals[k]):
+                t, _, kind, x = heapq.heappop(heap)
+                self.now = t
+                if kind == _STEP_END:
+                    self._step_end(x, t)
+                else:
+                    self._tick(t)
+            else:
+                self.now = arrivals[k]
+                self._arrive(k, arrivals[k])
+                k += 1
+            self.events += 1
+        return max(self.now, arrivals[-1] if arrivals else 0.0)
+
+    # ------------------------------------------------------------------ pool and schedule points
+
+    def _arrive(self, idx: int, now: float) -> None:
+        plan = self.plans[idx]
+        limit = min(c.max_model_len for c in self.fleet.configs)
+        if plan.prompt_tokens + plan.max_tokens > limit:
+            self._fail(
+                idx,
+                "INVALID_ARGUMENT",
+                f"prompt ({plan.prompt_tokens}) + max_tokens ({plan.max_tokens}) exceeds max_model_len={limit}",
+                now,
+            )
+            return
+        self._to_pool(idx, now)
+
+    def _to_pool(self, idx: int, now: float) -> None:
+        plan = self.plans[idx]
+        r = self.reqs[idx]
+        remaining = plan.max_tokens - r.generated
+        self.pool.append(
+            SliceRequest(idx, plan.prompt_tokens + r.generated, min(self.config.slice_tokens, remaining))
+        )
+        if not self.tick_pending:
+            self.tick_pending = True
+            self._push(max(now, self.next_tick_s), _TICK, 0)
+
+    def _tick(self, now: float) -> None:
+        self.tick_pending = False
+        self.points += 1
+        pool, self.pool = self.pool, []
+        batches = batch_requests(pool, self.serving, self.memory)
+        for batch, w in zip(batches, self.ledger.offload(batches), strict=True):
+            self.queues[w].append(batch)
+            self.out_n[w] += len(batch.requests)
+            self.out_ctx[w] += batch.context_tokens
+        self.batches += len(batches)
+        self.next_tick_s = now + next_interval_ms(self._drain_ms(), self.config) * 1e-3
+        for i in range(self.fleet.n):
+            self._next_batch(i, now)
+
+    # ------------------------------------------------------------------ instances
+
+    def _drain_ms(self) -> list[float]:
+        """Per instance: the backlog the adaptive interval scales with.
+
+        One batch at a time: the ledger's load (the batches queued and the one
+        being served), as in the original. When batches overlap on a
+        continuous-batching engine an instance takes new work as soon as its
+        KV has room, so only what waits in its local queue (work it cannot
+        start yet) is backlog; with empty queues the interval is the minimum.
+        """
+        if not self.config.overlap_batches:
+            return self.ledger.loads
+        return [sum(b.serve_ms for b in queue) for queue in self.queues]
+
+    def _admissible(self, i: int, batch: SliceBatch) -> bool:
+        """Whether instance ``i`` takes ``batch`` now (see :attr:`SliceConfig.overlap_batches`)."""
+        if not self.running[i]:
+            return True
+        if not self.config.overlap_batches:
+            return False
+        return self.planned_kv[i] + batch.kv_tokens <= self.memory.budget_tokens
+
+    def _next_batch(self, i: int, now: float) -> None:
+        """Hand instance ``i`` the queued batches it can take now, in queue order."""
+        core = self.cores[i]
+        queue = self.queues[i]
+        while queue and self._admissible(i, queue[0]):
+            batch = queue.popleft()
+            key = self.batch_seq
+            self.batch_seq += 1
+            admitted = 0
+            for sr in batch.requests:
+                idx = int(sr.key)  # type: ignore[call-overload]
+                r = self.reqs[idx]
+                rid = f"{idx}.{self.slices}"
+                spec = SimRequestSpec(
+                    rid, sr.context_tokens, sr.slice_tokens, counts_as_decode=sr.slice_tokens > 1
+                )
+                try:
+                    core.add(spec)
+                except (EngineOverloadedError, InvalidRequestError) as exc:
+                    overloaded = isinstance(exc, EngineOverloadedError)
+                    code = "RESOURCE_EXHAUSTED" if overloaded else "INVALID_ARGUMENT"
+                    self._fail(idx, code, f"instance {self.fleet.ids[i]}: {exc}", now)
+                    self.out_n[i] -= 1
+                    self.out_ctx[i] -= sr.context_tokens
+                    continue
+                self.slices += 1
+                if r.generated > 0:
+                    self.recomputed += sr.context_tokens
+                r.instance = i
+                kv = self.memory.request_kv_tokens(sr.context_tokens, sr.slice_tokens)
+                self.slice_of[rid] = (idx, sr.slice_tokens, key, kv)
+                self.planned_kv[i] += kv
+                admitted += 1
+            if admitted == 0:
+                self.ledger.done(i, batch.serve_ms)
+                continue
+            self.running[i][key] = [batch, admitted]
+        if self.steps[i] is None:
+            self._step(i, now)
+
+    def _step(self, i: int, now: float) -> None:
+        step = self.cores[i].schedule()
+        self.steps[i] = step
+        if step is not None:
+            self.num_steps += 1
+            self._push(now + step.duration_ms * 1e-3, _STEP_END, i)
+
+    def _step_end(self, i: int, now: float) -> None:
+        step = self.steps[i]
+        assert step is not None
+        self.steps[i] = None
+        self.busy[i] += step.duration_ms * 1e-3
+        self.last_busy[i] = now
+        result = self.cores[i].finish_step(step)
+        freed = False
+        for rid, position, finished, _held in result.outputs:
+            idx, slice_tokens, key, kv = self.slice_of[rid]
+            r = self.reqs[idx]
+            if position == 0:
+                if r.first_s < 0:
+                    r.first_s = now
+                elif r.last_s >= 0:
+                    self.gaps_ms.append((now - r.last_s) * 1000.0)
+            if not finished:
+                continue
+            del self.slice_of[rid]
+            self.out_n[i] -= 1
+            self.out_ctx[i] -= self.plans[idx].prompt_tokens + r.generated
+            r.generated += slice_tokens
+            r.last_s = now
+            if r.generated >= self.plans[idx].max_tokens:
+                r.done_s = now
+            else:
+                self._to_pool(idx, now)
+            # The slice's KV is free again (the engine released it); its batch may be done.
+            self.planned_kv[i] -= kv
+            entry = self.running[i][key]
+            entry[1] -= 1
+            if entry[1] == 0:
+                del self.running[i][key]
+                self.ledger.done(i, entry[0].serve_ms)
+            freed = True
+        if freed:
+            self._next_batch(i, now)
+        if self.steps[i] is None:
+            self._step(i, now)
+
+    def _fail(self, idx: int, code: str, message: str, now: float) -> None:
+        r = self.reqs[idx]
+        r.done_s = now
+        r.error_code = code
+        r.error_message = message
+
+    # ------------------------------------------------------------------ results
+
+    def results(self) -> tuple[RequestResult, ...]:
+        out = []
+        ids = self.fleet.ids
+        for plan, r in zip(self.plans, self.reqs, strict=True):
+            if r.done_s < 0:
+                raise RuntimeError(f"request {plan.index} did not finish")
+            ok = r.error_code is None
+            first = r.first_s if r.first_s >= 0 else None
+            tpot = None
+            if ok and first is not None and r.generated >= 2:
+                tpot = (r.done_s - first) * 1000.0 / (r.generated - 1)
+            instance = ids[r.instance] if r.instance >= 0 else ""
+            out.append(
+                RequestResult(
+                    index=plan.index,
+                    class_name=plan.class_name,
+                    slo=plan.slo,
+                    prompt_tokens=plan.prompt_tokens,
+                    max_tokens=plan.max_tokens,
+                    completion_tokens=r.generated,
+                    start_s=plan.arrival_s,
+                    ttft_ms=None if first is None else (first - plan.arrival_s) * 1000.0,
+                    tpot_ms=tpot,
+                    e2e_ms=(r.done_s - plan.arrival_s) * 1000.0,
+                    error_code=r.error_code,
+                    error_message=r.error_message,
+                    finish_reason="length" if ok else "",
+                    prefill_instance_id=instance,
+                    decode_instance_id=instance,
+                )
+            )
+        return tuple(out)
+
+
+def simulate_slices(
+    fleet: SimFleet, plans: Sequence[RequestPlan], config: SliceConfig, *, seed: int = 0
+) -> SliceOutcome:
+    """Run ``plans`` (in arrival order) on a neutral ``fleet`` with slice-level dispatch."""
+    if any(b.arrival_s < a.arrival_s for a, b in itertools.pairwise(plans)):
+        raise ValueError("plans must be in arrival order")
+    started = time.perf_counter()
+    sim = _SliceSimulation(fleet, plans, config, seed=seed)
+    duration = sim.run()
+    results = sim.results()
+    gaps = sim.gaps_ms
+    figures = SliceFigures(
+        busy_s=tuple(sim.busy),
+        completion_s=tuple(sim.last_busy),
+        recomputed_tokens=sim.recomputed,
+        slices=sim.slices,
+        batches=sim.batches,
+        schedule_points=sim.points,
+        resume_gap_p99_ms=float(np.percentile(gaps, 99)) if gaps else None,
+    )
+    stats = SimStats(
+        decisions=sim.batches,
+        rejected=0,
+        steps=sim.num_steps,
+        preemptions=sum(c.num_preemptions for c in sim.cores),
+        kv_transfers=0,
+        events=sim.events,
+    )
+    return SliceOutcome(results, duration, stats, figures, time.perf_counter() - started)
+
+
+def request_figures(fleet: SimFleet, results: Sequence[RequestResult]) -> SliceFigures:
+    """Busy time and completion per instance of a request-level run, from its results.
+
+    An engine steps back to back while it holds a request, so an instance is
+    busy exactly over the union of its requests' service intervals (arrival to
+    last token: dispatch is instantaneous in the simulator).
+    """
+    spans: dict[str, list[tuple[float, float]]] = {i: [] for i in fleet.ids}
+    for r in results:
+        if r.prefill_instance_id in spans and r.e2e_ms is not None and r.ok:
+            spans[r.prefill_instance_id].append((r.start_s, r.start_s + r.e2e_ms * 1e-3))
+    busy, done = [], []
+    for instance in fleet.ids:
+        total, end = 0.0, -math.inf
+        for a, b in sorted(spans[instance]):
+            if b <= end:
+                continue
+            total += b - max(a, end)
+            end = b
+        busy.append(total)
+        done.append(max(end, 0.0))
+    return SliceFigures(tuple(busy), tuple(done), 0, 0, 0, 0, None)
+
+
+# --------------------------------------------------------------------------- sweeps
+
+
+@dataclass(frozen=True)
+class DispatchPoint:
+    """One (dispatch mode, policy, rate) run."""
+
+    mode: str
+    point: SweepPoint
+    figures: SliceFigures
+
+
+def parse_dispatch_modes(text: str) -> list[str]:
+    modes: list[str] = []
+    for raw in text.split(","):
+        mode = raw.strip()
+        if mode not in DISPATCH_MODES:
+            raise ValueError(f"--dispatch-modes: {mode!r} is not one of {', '.join(DISPATCH_MODES)}")
+        if mode in modes:
+            raise ValueError(f"--dispatch-modes: {mode!r} is listed twice")
+        modes.append(mode)
+    return modes
+
+
+def run_dispatch_sweep(
+    fleet: SimFleet,
+    workload: WorkloadSpec,
+    policies: Sequence[PolicyChoice],
+    rates: Sequence[float],
+    modes: Sequence[str],
+    slice_config: SliceConfig,
+    *,
+    num_requests: int,
+    seed: int = 0,
+    on_run: Callable[[SweepPoint, int, int], None] | None = None,
+) -> list[DispatchPoint]:
+    """Rate-major runs: per rate, every policy in ``request`` mode, then one ``slice`` run (max-min)."""
+    if not workload.arrival.open_loop:
+        raise ValueError("the simulator replays open-loop arrivals; convert the workload with open_loop()")
+    if "slice" in modes and any(role is not Role.NEUTRAL for role in fleet.roles):
+        raise ValueError("--dispatch-modes slice needs a neutral fleet: use --neutral K")
+    out: list[DispatchPoint] = []
+    total = len(rates) * (len(policies) * ("request" in modes) + ("slice" in modes))
+    for rate in rates:
+        spec = workload.with_arrival(rate_per_s=rate)
+        plans = generate_requests(spec, rng=seed, num_requests=num_requests)
+        for mode in modes:
+            if mode == "request":
+                for policy in policies:
+                    outcome = simulate(fleet, policy.config, plans, seed=seed)
+                    point = _point(policy.label, rate, spec, outcome)
+                    out.append(DispatchPoint(mode, point, request_figures(fleet, outcome.results)))
+                    if on_run is not None:
+                        on_run(point, len(out), total)
+            else:
+                sliced = simulate_slices(fleet, plans, slice_config, seed=seed)
+                point = _point(SLICE_POLICY, rate, spec, sliced)  # type: ignore[arg-type]
+                out.append(DispatchPoint(mode, point, sliced.figures))
+                if on_run is not None:
+                    on_run(point, len(out), total)
+    return out
+
+
+def dispatch_point_to_dict(p: DispatchPoint) -> dict[str, Any]:
+    """:func:`sim.sweep.point_to_dict` plus ``dispatch_mode``, ``load_imbalance``, ``recomputed_tokens``, ..."""
+    doc = point_to_dict(p.point)
+    f = p.figures
+    doc.update(
+        {
+            "dispatch_mode": p.mode,
+            "throughput_rps": p.point.report.overall.throughput_rps,
+            "load_imbalance": f.load_imbalance,
+            "completion_spread_s": f.completion_spread_s,
+            "recomputed_tokens": f.recomputed_tokens,
+            "slices": f.slices,
+            "slice_batches": f.batches,
+            "schedule_points": f.schedule_points,
+            "resume_gap_p99_ms": f.resume_gap_p99_ms,
+            "busy_s": list(f.busy_s),
+        }
+    )
+    return doc
+
+
+def _ms(value: float | None) -> str:
+    if value is None or not math.isfinite(value):
+        return "-"
+    return f"{value:.0f}" if value >= 100 else f"{value:.1f}"
+
+
+def format_dispatch_table(points: Sequence[DispatchPoint]) -> str:
+    header = [
+        "rate/s",
+        "dispatch",
+        "policy",
+        "done",
+        "thru/s",
+        "E2E mean",
+        "E2E p99",
+        "TTFT p99",
+        "imbalance",
+        "CT std s",
+        "recomputed",
+    ]
+    rows = [header]
+    for p in points:
+        o = p.point.report.overall
+        rows.append(
+            [
+                f"{p.point.rate:g}",
+                p.mode,
+                p.point.policy,
+                str(o.completed),
+                f"{o.throughput_rps:.2f}",
+                _ms(o.e2e.mean_ms),
+                _ms(o.e2e.p99_ms),
+                _ms(o.ttft.p99_ms),
+                f"{p.figures.load_imbalance:.3f}",
+                f"{p.figures.completion_spread_s:.1f}",
+                str(p.figures.recomputed_tokens),
+            ]
+        )
+    widths = [max(len(r[k]) for r in rows) for k in range(len(header))]
+    lines = []
+    for n, row in enumerate(rows):
+        if n >= 2 and points[n - 1].point.rate != points[n - 2].point.rate:
+            lines.append("")
+        cells = [
+            c.ljust(w) if k in (1, 2) else c.rjust(w)
+            for k, (c, w) in enumerate(zip(row, widths, strict=True))
+        ]
+        lines.append("  ".join(cells).rstrip())
+    lines.append("")
+    lines.append(
+        "thru/s: completed requests per virtual second (makespan); latencies in ms; imbalance: CV of "
+        "per-instance busy time; CT std: std of instances' last busy moment; recomputed: context tokens "
+        "re-prefilled when slices resume"
+    )
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``simulate``'s dispatch flags (``--dispatch-modes``, ``--slice-tokens``, ``--slice-interval-ms``)."""
+    group = parser.add_argument_group("dispatch (request-level or slice-level)")
+    group.add_argument(
+        "--dispatch-modes",
+        metavar="M1,M2",
+        help="compare dispatch modes: request (each --policies entry places whole requests) and/or slice "
+        "(requests placed S tokens at a time, batched and offloaded max-min; neutral fleets); adds "
+        "load_imbalance, recomputed_tokens, ... to the JSON",
+    )
+    group.add_argument(
+        "--slice-tokens",
+        type=int,
+        default=DEFAULT_SLICE_TOKENS,
+        metavar="S",
+        help="slice mode: most new tokens per placement (default: %(default)s)",
+    )
+    group.add_argument(
+        "--slice-interval-ms",
+        type=float,
+        metavar="MS",
+        help="slice mode: fixed time between schedule points (default: adaptive, "
+        "max(0.5 x least instance load, 200 ms))",
+    )
+
+
+def run_cli(
+    args: argparse.Namespace,
+    fleet: SimFleet,
+    workload: WorkloadSpec,
+    policies: Sequence[PolicyChoice],
+    rates: Sequence[float],
+    title: str,
+    progress: Callable[[SweepPoint, int, int], None],
+) -> int:
+    """``simulate --dispatch-modes ...``: run, print the table, write ``--output``."""
+    try:
+        modes = parse_dispatch_modes(args.dispatch_modes)
+        try:
+            config = SliceConfig(slice_tokens=args.slice_tokens, interval_ms=args.slice_interval_ms)
+        except ValueError as exc:
+            flag = "--slice-tokens" if "slice_tokens" in str(exc) else "--slice-interval-ms"
+            raise ValueError(f"{flag}: {exc}") from None
+        if "slice" in modes and any(role is not Role.NEUTRAL for role in fleet.roles):
+            raise ValueError("--dispatch-modes slice needs a neutral fleet: use --neutral K")
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        points = run_dispatch_sweep(
+            fleet,
+            workload,
+            policies,
+            rates,
+            modes,
+            config,
+            num_requests=args.num_requests,
+            seed=args.seed,
+            on_run=progress,
+        )
+    except KeyboardInterrupt:
+        print("\ninterrupted; no report written", file=sys.stderr)
+        return 130
+    print(title + f"; slice {config.slice_tokens} tokens")
+    print(format_dispatch_table(points))
+    if args.output:
+        meta = sweep_meta(fleet, workload, policies, rates, num_requests=args.num_requests, seed=args.seed)
+        meta["dispatch_modes"] = modes
+        meta["slice"] = dataclasses.asdict(config)
+        doc = {"meta": meta, "results": [dispatch_point_to_dict(p) for p in points]}
+        Path(args.output).write_text(json.dumps(doc, indent=2, allow_nan=False) + "\n", encoding="utf-8")
+        print(f"wrote {args.output}", file=sys.stderr)
+    return 0
