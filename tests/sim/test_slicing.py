@@ -1,0 +1,159 @@
+"""Slice-level dispatch in the simulator: every token delivered, recompute accounted, the command's JSON."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from bench.workload import generate_requests, load_workload
+from router.cli import main
+from router.core.slicing import SliceConfig
+from sim.cluster import SimFleet
+from sim.engine import SimConfig
+from sim.fleet import fleet_from_counts
+from sim.slicing import request_figures, simulate_slices
+
+ENGINE = SimConfig(kv_capacity_tokens=32768, max_num_seqs=64)
+
+
+def fleet(n: int = 2) -> SimFleet:
+    return SimFleet(fleet_from_counts(neutral=n, engine=ENGINE))
+
+
+def plans(rate: float = 6.0, count: int = 60) -> list:  # type: ignore[type-arg]
+    spec = load_workload("codegen").with_arrival(rate_per_s=rate)
+    return list(generate_requests(spec, rng=3, num_requests=count))
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("slice_tokens", [16, 128])
+def test_every_request_gets_all_its_tokens_and_resumes_recompute_the_context(
+    overlap: bool, slice_tokens: int
+) -> None:
+    work = plans()
+    config = SliceConfig(slice_tokens=slice_tokens, overlap_batches=overlap)
+    outcome = simulate_slices(fleet(3), work, config, seed=1)
+    assert [r.completion_tokens for r in outcome.results] == [p.max_tokens for p in work]
+    assert all(r.ok and r.ttft_ms is not None and r.ttft_ms > 0 for r in outcome.results)
+    # A request of m tokens runs ceil(m / S) slices; resumed slice k re-prefills prompt + k * S tokens.
+    slices = sum(math.ceil(p.max_tokens / slice_tokens) for p in work)
+    recomputed = sum(
+        p.prompt_tokens + k * slice_tokens
+        for p in work
+        for k in range(1, math.ceil(p.max_tokens / slice_tokens))
+    )
+    assert outcome.figures.slices == slices
+    assert outcome.figures.recomputed_tokens == recomputed
+    assert sum(outcome.figures.busy_s) > 0
+    assert outcome.figures.load_imbalance >= 0.0
+    if recomputed:
+        assert outcome.figures.resume_gap_p99_ms is not None and outcome.figures.resume_gap_p99_ms > 0
+
+
+def test_runs_are_deterministic_for_a_seed() -> None:
+    work = plans(count=40)
+    a = simulate_slices(fleet(), work, SliceConfig(), seed=2)
+    b = simulate_slices(fleet(), work, SliceConfig(), seed=2)
+    assert a.results == b.results
+    assert a.figures == b.figures
+
+
+def test_a_longer_slice_recomputes_less() -> None:
+    work = plans(count=40)
+    short = simulate_slices(fleet(), work, SliceConfig(slice_tokens=32)).figures.recomputed_tokens
+    long = simulate_slices(fleet(), work, SliceConfig(slice_tokens=512)).figures.recomputed_tokens
+    assert short > long
+
+
+def test_slice_dispatch_needs_a_neutral_fleet() -> None:
+    pd = SimFleet(fleet_from_counts(prefill=1, decode=1, engine=ENGINE))
+    with pytest.raises(ValueError, match="neutral"):
+        simulate_slices(pd, plans(count=5), SliceConfig())
+
+
+def test_request_figures_take_the_union_of_service_intervals() -> None:
+    f = fleet(2)
+    from bench.report import RequestResult
+    from bench.workload import SloTarget
+
+    def result(start: float, e2e_s: float, instance: str) -> RequestResult:
+        return RequestResult(
+            index=0, class_name="x", slo=SloTarget(), prompt_tokens=1, max_tokens=1,
+            start_s=start, e2e_ms=e2e_s * 1000.0, prefill_instance_id=instance,
+        )  # fmt: skip
+
+    a, b = f.ids
+    figures = request_figures(
+        f, [result(0.0, 2.0, a), result(1.0, 2.0, a), result(5.0, 1.0, a), result(0.0, 4.0, b)]
+    )
+    assert figures.busy_s == pytest.approx((4.0, 4.0))
+    assert figures.completion_s == pytest.approx((6.0, 4.0))
+    assert figures.load_imbalance == 0.0
+
+
+def run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    code = main(["simulate", *args])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+SMALL = ("--neutral", "2", "--workload", "codegen", "--num-requests", "30", "--rates", "2,6", "--no-progress")
+
+
+def test_cli_compares_dispatch_modes_in_the_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "sim.json"
+    code, stdout, _ = run(
+        capsys,
+        *SMALL,
+        "--policies",
+        "round-robin,least-requests",
+        "--dispatch-modes",
+        "request,slice",
+        "--slice-tokens",
+        "64",
+        "--output",
+        str(out),
+    )
+    assert code == 0
+    assert "max-min" in stdout and "least-requests" in stdout
+    doc = json.loads(out.read_text())
+    rows = [(r["rate"], r["dispatch_mode"], r["policy"]) for r in doc["results"]]
+    assert rows == [
+        (rate, mode, policy)
+        for rate in (2.0, 6.0)
+        for mode, policy in (("request", "round-robin"), ("request", "least-requests"), ("slice", "max-min"))
+    ]
+    for r in doc["results"]:
+        assert r["completed"] == 30
+        assert r["throughput_rps"] > 0
+        assert r["load_imbalance"] >= 0
+        assert (r["recomputed_tokens"] > 0) == (r["dispatch_mode"] == "slice")
+    assert doc["meta"]["slice"]["slice_tokens"] == 64
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--dispatch-modes", "request,sliced"), "--dispatch-modes: 'sliced'"),
+        (("--dispatch-modes", "slice", "--slice-tokens", "0"), "--slice-tokens"),
+        (("--dispatch-modes", "slice", "--slice-interval-ms", "-5"), "--slice-interval-ms"),
+    ],
+)
+def test_cli_names_the_bad_flag(
+    capsys: pytest.CaptureFixture[str], args: tuple[str, ...], message: str
+) -> None:
+    code, _, stderr = run(capsys, *SMALL, "--policies", "round-robin", *args)
+    assert code == 2
+    assert message in stderr
+
+
+def test_cli_refuses_slices_on_a_pd_fleet(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, stderr = run(
+        capsys, "--prefill", "1", "--decode", "1", "--num-requests", "5", "--policies", "round-robin",
+        "--dispatch-modes", "slice",
+    )  # fmt: skip
+    assert code == 2
+    assert "neutral" in stderr
