@@ -47,7 +47,6 @@ import math
 import random
 import sys
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,14 +59,11 @@ from bench.workload import RequestPlan, WorkloadSpec, generate_requests
 from router.core.request import Role
 from router.core.slicing import (
     DEFAULT_SLICE_TOKENS,
-    LoadLedger,
     MemoryModel,
     ServingTimeModel,
-    SliceBatch,
     SliceConfig,
     SliceRequest,
-    batch_requests,
-    next_interval_ms,
+    SliceScheduler,
 )
 from sim.cluster import SimFleet, SimStats, simulate
 from sim.engine import ProfileCostModel, ScheduledStep, SimCore, SimRequestSpec
@@ -159,28 +155,20 @@ class _SliceSimulation:
             headroom=config.kv_headroom,
             max_batch=min(c.max_num_seqs for c in fleet.configs),
         )
-        self.ledger = LoadLedger(n)
-        self.queues: list[deque[SliceBatch]] = [deque() for _ in range(n)]
-        #: Batches each instance is serving: key -> [batch, slices not finished yet].
-        self.running: list[dict[int, list[Any]]] = [{} for _ in range(n)]
-        #: KV tokens the running slices of each instance will hold at their end.
-        self.planned_kv = [0] * n
-        self.batch_seq = 0
-        #: Slices offloaded to each instance and not finished yet, and their context tokens.
-        self.out_n = [0] * n
-        self.out_ctx = [0] * n
+        self.ids = list(fleet.ids)
+        self.sched = SliceScheduler(config, self.serving, self.memory, self.ids)
         self.steps: list[ScheduledStep | None] = [None] * n
         self.busy = [0.0] * n
         self.last_busy = [0.0] * n
-        self.slice_of: dict[str, tuple[int, int, int, int]] = {}
-        self.pool: list[SliceRequest] = []
+        #: Engine request id of a slice -> (request index, its slice, batch key).
+        self.slice_of: dict[str, tuple[int, SliceRequest, int]] = {}
         self.reqs = [_Req() for _ in plans]
         self.heap: list[tuple[float, int, int, int]] = []
         self.seq = 0
         self.tick_pending = False
         self.next_tick_s = 0.0
         self.now = 0.0
-        self.recomputed = self.slices = self.batches = self.points = self.num_steps = self.events = 0
+        self.recomputed = self.slices = self.num_steps = self.events = 0
         self.gaps_ms: list[float] = []
 
     def _push(self, t: float, kind: int, x: int) -> None:
@@ -225,7 +213,7 @@ class _SliceSimulation:
         plan = self.plans[idx]
         r = self.reqs[idx]
         remaining = plan.max_tokens - r.generated
-        self.pool.append(
+        self.sched.add(
             SliceRequest(idx, plan.prompt_tokens + r.generated, min(self.config.slice_tokens, remaining))
         )
         if not self.tick_pending:
@@ -234,54 +222,23 @@ class _SliceSimulation:
 
     def _tick(self, now: float) -> None:
         self.tick_pending = False
-        self.points += 1
-        pool, self.pool = self.pool, []
-        batches = batch_requests(pool, self.serving, self.memory)
-        for batch, w in zip(batches, self.ledger.offload(batches), strict=True):
-            self.queues[w].append(batch)
-            self.out_n[w] += len(batch.requests)
-            self.out_ctx[w] += batch.context_tokens
-        self.batches += len(batches)
-        self.next_tick_s = now + next_interval_ms(self._drain_ms(), self.config) * 1e-3
+        self.sched.schedule()
+        self.next_tick_s = now + self.sched.interval_ms() * 1e-3
         for i in range(self.fleet.n):
-            self._next_batch(i, now)
+            self._admit(i, now)
 
     # ------------------------------------------------------------------ instances
 
-    def _drain_ms(self) -> list[float]:
-        """Per instance: the backlog the adaptive interval scales with.
-
-        One batch at a time: the ledger's load (the batches queued and the one
-        being served), as in the original. When batches overlap on a
-        continuous-batching engine an instance takes new work as soon as its
-        KV has room, so only what waits in its local queue (work it cannot
-        start yet) is backlog; with empty queues the interval is the minimum.
-        """
-        if not self.config.overlap_batches:
-            return self.ledger.loads
-        return [sum(b.serve_ms for b in queue) for queue in self.queues]
-
-    def _admissible(self, i: int, batch: SliceBatch) -> bool:
-        """Whether instance ``i`` takes ``batch`` now (see :attr:`SliceConfig.overlap_batches`)."""
-        if not self.running[i]:
-            return True
-        if not self.config.overlap_batches:
-            return False
-        return self.planned_kv[i] + batch.kv_tokens <= self.memory.budget_tokens
-
-    def _next_batch(self, i: int, now: float) -> None:
-        """Hand instance ``i`` the queued batches it can take now, in queue order."""
+    def _admit(self, i: int, now: float) -> None:
+        """Hand instance ``i``'s engine the queued batches it can take now."""
         core = self.cores[i]
-        queue = self.queues[i]
-        while queue and self._admissible(i, queue[0]):
-            batch = queue.popleft()
-            key = self.batch_seq
-            self.batch_seq += 1
-            admitted = 0
+        instance = self.ids[i]
+        for key, batch in self.sched.admit(instance):
             for sr in batch.requests:
                 idx = int(sr.key)  # type: ignore[call-overload]
                 r = self.reqs[idx]
                 rid = f"{idx}.{self.slices}"
+                self.slices += 1
                 spec = SimRequestSpec(
                     rid, sr.context_tokens, sr.slice_tokens, counts_as_decode=sr.slice_tokens > 1
                 )
@@ -290,22 +247,13 @@ class _SliceSimulation:
                 except (EngineOverloadedError, InvalidRequestError) as exc:
                     overloaded = isinstance(exc, EngineOverloadedError)
                     code = "RESOURCE_EXHAUSTED" if overloaded else "INVALID_ARGUMENT"
-                    self._fail(idx, code, f"instance {self.fleet.ids[i]}: {exc}", now)
-                    self.out_n[i] -= 1
-                    self.out_ctx[i] -= sr.context_tokens
+                    self._fail(idx, code, f"instance {instance}: {exc}", now)
+                    self.sched.finish(instance, key, sr)
                     continue
-                self.slices += 1
                 if r.generated > 0:
                     self.recomputed += sr.context_tokens
                 r.instance = i
-                kv = self.memory.request_kv_tokens(sr.context_tokens, sr.slice_tokens)
-                self.slice_of[rid] = (idx, sr.slice_tokens, key, kv)
-                self.planned_kv[i] += kv
-                admitted += 1
-            if admitted == 0:
-                self.ledger.done(i, batch.serve_ms)
-                continue
-            self.running[i][key] = [batch, admitted]
+                self.slice_of[rid] = (idx, sr, key)
         if self.steps[i] is None:
             self._step(i, now)
 
@@ -325,7 +273,7 @@ class _SliceSimulation:
         result = self.cores[i].finish_step(step)
         freed = False
         for rid, position, finished, _held in result.outputs:
-            idx, slice_tokens, key, kv = self.slice_of[rid]
+            idx, sr, key = self.slice_of[rid]
             r = self.reqs[idx]
             if position == 0:
                 if r.first_s < 0:
@@ -335,24 +283,16 @@ class _SliceSimulation:
             if not finished:
                 continue
             del self.slice_of[rid]
-            self.out_n[i] -= 1
-            self.out_ctx[i] -= self.plans[idx].prompt_tokens + r.generated
-            r.generated += slice_tokens
+            r.generated += sr.slice_tokens
             r.last_s = now
             if r.generated >= self.plans[idx].max_tokens:
                 r.done_s = now
             else:
                 self._to_pool(idx, now)
-            # The slice's KV is free again (the engine released it); its batch may be done.
-            self.planned_kv[i] -= kv
-            entry = self.running[i][key]
-            entry[1] -= 1
-            if entry[1] == 0:
-                del self.running[i][key]
-                self.ledger.done(i, entry[0].serve_ms)
+            self.sched.finish(self.ids[i], key, sr)
             freed = True
         if freed:
-            self._next_batch(i, now)
+            self._admit(i, now)
         if self.steps[i] is None:
             self._step(i, now)
 
@@ -414,12 +354,12 @@ def simulate_slices(
         completion_s=tuple(sim.last_busy),
         recomputed_tokens=sim.recomputed,
         slices=sim.slices,
-        batches=sim.batches,
-        schedule_points=sim.points,
+        batches=sim.sched.batches,
+        schedule_points=sim.sched.schedule_points,
         resume_gap_p99_ms=float(np.percentile(gaps, 99)) if gaps else None,
     )
     stats = SimStats(
-        decisions=sim.batches,
+        decisions=sim.sched.batches,
         rejected=0,
         steps=sim.num_steps,
         preemptions=sum(c.num_preemptions for c in sim.cores),

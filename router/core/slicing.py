@@ -438,3 +438,158 @@ def next_interval_ms(loads: Sequence[float], config: SliceConfig) -> float:
         return config.interval_ms
     least = min(loads) if loads else 0.0
     return max(config.interval_load_factor * least, config.min_interval_ms)
+
+
+# --------------------------------------------------------------------------- the whole cycle
+
+
+@dataclass
+class _Running:
+    batch: SliceBatch
+    unfinished: int
+
+
+class SliceScheduler:
+    """The pool, the schedule points and each instance's local queue, without a clock or I/O.
+
+    The caller (the simulator in virtual time, the router's dispatcher in
+    real time) drives it:
+
+    1. :meth:`add` puts a request's next slice in the pool;
+    2. at a schedule point, :meth:`schedule` batches the pool and offloads
+       the batches max-min into per-instance local queues; the caller waits
+       :meth:`interval_ms` for the next one;
+    3. :meth:`admit` hands an instance the queued batches it can take now
+       (one at a time, or, with ``overlap_batches``, while the KV its running
+       slices plan to hold leaves room: continuous-batching engines run
+       several batches at once);
+    4. :meth:`finish` when a slice ends (done, failed or cancelled alike); it
+       frees the slice's planned KV and, with the batch's last slice, takes
+       the batch's estimate off the instance's load. Then :meth:`admit` again.
+
+    Instances are named by id; :meth:`set_instances` follows a changing fleet
+    (a removed instance's queued batches go back to the pool).
+    """
+
+    def __init__(
+        self, config: SliceConfig, serving: ServingTimeModel, memory: MemoryModel, instances: Sequence[str]
+    ) -> None:
+        self.config = config
+        self.serving = serving
+        self.memory = memory
+        self.pool: list[SliceRequest] = []
+        self._ids: list[str] = []
+        self._loads: dict[str, float] = {}
+        self._queues: dict[str, list[SliceBatch]] = {}
+        self._running: dict[str, dict[int, _Running]] = {}
+        self._planned_kv: dict[str, int] = {}
+        self._next_key = 0
+        self.batches = 0
+        self.schedule_points = 0
+        self.set_instances(instances)
+
+    @property
+    def instances(self) -> tuple[str, ...]:
+        return tuple(self._ids)
+
+    def load_ms(self, instance: str) -> float:
+        """The instance's outstanding estimated work (queued and running batches)."""
+        return self._loads[instance]
+
+    def queued(self, instance: str) -> int:
+        return len(self._queues[instance])
+
+    def set_instances(self, instances: Sequence[str]) -> None:
+        """Follow the fleet: new instances start idle; a removed one's queued batches return to the pool."""
+        ids = list(dict.fromkeys(instances))
+        for gone in [i for i in self._ids if i not in ids]:
+            for batch in self._queues.pop(gone):
+                self.pool.extend(batch.requests)
+            del self._loads[gone]
+            # Running slices of a removed instance end through finish() when their streams fail.
+            if not self._running[gone]:
+                del self._running[gone]
+                del self._planned_kv[gone]
+        for new in ids:
+            if new not in self._loads:
+                self._loads[new] = 0.0
+                self._queues[new] = []
+                self._running.setdefault(new, {})
+                self._planned_kv.setdefault(new, 0)
+        self._ids = ids
+
+    def add(self, request: SliceRequest) -> None:
+        self.pool.append(request)
+
+    def schedule(self) -> list[tuple[SliceBatch, str]]:
+        """Batch the whole pool and offload it max-min; the (batch, instance) pairs, longest batch first."""
+        self.schedule_points += 1
+        if not self.pool or not self._ids:
+            return []
+        pool, self.pool = self.pool, []
+        batches = batch_requests(pool, self.serving, self.memory)
+        where, after = offload_max_min([b.serve_ms for b in batches], [self._loads[i] for i in self._ids])
+        for instance, load in zip(self._ids, after, strict=True):
+            self._loads[instance] = load
+        placed = []
+        for b in sorted(range(len(batches)), key=lambda k: (-batches[k].serve_ms, k)):
+            instance = self._ids[where[b]]
+            self._queues[instance].append(batches[b])
+            placed.append((batches[b], instance))
+        self.batches += len(batches)
+        return placed
+
+    def interval_ms(self) -> float:
+        """Time to the next schedule point (:func:`next_interval_ms` over the backlog).
+
+        One batch at a time: the backlog is the load (queued and running
+        batches), as in the original. With overlapping batches an instance
+        starts new work as soon as its KV has room, so only what waits in
+        its local queue is backlog.
+        """
+        if self.config.overlap_batches:
+            backlog = [sum(b.serve_ms for b in self._queues[i]) for i in self._ids]
+        else:
+            backlog = [self._loads[i] for i in self._ids]
+        return next_interval_ms(backlog, self.config)
+
+    def admit(self, instance: str) -> list[tuple[int, SliceBatch]]:
+        """The queued batches ``instance`` takes now, in queue order, each with its key for :meth:`finish`."""
+        queue = self._queues.get(instance)
+        if not queue:
+            return []
+        running = self._running[instance]
+        out = []
+        while queue:
+            batch = queue[0]
+            if running:
+                if not self.config.overlap_batches:
+                    break
+                if self._planned_kv[instance] + batch.kv_tokens > self.memory.budget_tokens:
+                    break
+            queue.pop(0)
+            key = self._next_key
+            self._next_key += 1
+            running[key] = _Running(batch, len(batch.requests))
+            self._planned_kv[instance] += batch.kv_tokens
+            out.append((key, batch))
+        return out
+
+    def finish(self, instance: str, key: int, request: SliceRequest) -> bool:
+        """Slice ``request`` of batch ``key`` on ``instance`` ended; True when it was the batch's last."""
+        running = self._running[instance]
+        entry = running[key]
+        self._planned_kv[instance] -= self.memory.request_kv_tokens(
+            request.context_tokens, request.slice_tokens
+        )
+        entry.unfinished -= 1
+        if entry.unfinished > 0:
+            return False
+        del running[key]
+        if instance in self._loads:
+            # Subtract the same estimate that was added: estimation errors never accumulate.
+            self._loads[instance] = max(0.0, self._loads[instance] - entry.batch.serve_ms)
+        elif not running:
+            del self._running[instance]
+            del self._planned_kv[instance]
+        return True
