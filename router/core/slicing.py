@@ -587,8 +587,10 @@ class SliceScheduler:
             return False
         del running[key]
         if instance in self._loads:
-            # Subtract the same estimate that was added: estimation errors never accumulate.
-            self._loads[instance] = max(0.0, self._loads[instance] - entry.batch.serve_ms)
+            # Subtract the same estimate that was added: estimation errors never accumulate
+            # (and a drained instance reads exactly idle, without rounding residue).
+            drained = not running and not self._queues[instance]
+            self._loads[instance] = 0.0 if drained else max(0.0, self._loads[instance] - entry.batch.serve_ms)
         elif not running:
             del self._running[instance]
             del self._planned_kv[instance]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import random
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from router.core.slicing import (
     ServingTimeModel,
     SliceConfig,
     SliceRequest,
+    SliceScheduler,
     batch_requests,
     fit_decode,
     next_interval_ms,
@@ -236,3 +238,67 @@ def test_interval_adapts_to_the_least_loaded_instance() -> None:
     assert next_interval_ms([3000.0, 5000.0], adaptive) == 1500.0
     assert next_interval_ms([], adaptive) == 200.0
     assert next_interval_ms([3000.0], SliceConfig(interval_ms=50.0)) == 50.0
+
+
+# ----------------------------------------------------------------------------- the whole cycle
+
+
+def make_scheduler(overlap: bool = True, instances: tuple[str, ...] = ("a", "b")) -> SliceScheduler:
+    memory = MemoryModel(kv_capacity_tokens=4096, block_size=16, headroom=1.0, max_batch=4)
+    return SliceScheduler(SliceConfig(overlap_batches=overlap), SERVING, memory, instances)
+
+
+@PROPS
+@given(
+    contexts=st.lists(st.integers(1, 1500), min_size=1, max_size=30),
+    overlap=st.booleans(),
+    order=st.randoms(use_true_random=False),
+)
+def test_scheduler_never_plans_past_the_kv_budget_and_drains_to_idle(
+    contexts: list[int], overlap: bool, order: random.Random
+) -> None:
+    sched = make_scheduler(overlap)
+    for k, c in enumerate(contexts):
+        sched.add(SliceRequest(k, c, 128))
+    placed = sched.schedule()
+    assert sorted(r.key for b, _ in placed for r in b.requests) == list(range(len(contexts)))  # type: ignore[type-var]
+    running: dict[str, list[tuple[int, SliceRequest]]] = {i: [] for i in sched.instances}
+    served = 0
+    for _ in range(10 * len(contexts) + 10):  # bounded: every round finishes at least one slice
+        for i in sched.instances:
+            admitted = sched.admit(i)
+            running[i].extend((key, r) for key, b in admitted for r in b.requests)
+            planned = sum(
+                MEMORY_CHECK.request_kv_tokens(r.context_tokens, r.slice_tokens) for _, r in running[i]
+            )
+            batches = {key for key, _ in running[i]}
+            assert len(batches) <= 1 or (overlap and planned <= sched.memory.budget_tokens)
+        live = [i for i in sched.instances if running[i]]
+        if not live:
+            break
+        i = order.choice(live)
+        key, r = running[i].pop(order.randrange(len(running[i])))
+        sched.finish(i, key, r)
+        served += 1
+    assert served == len(contexts)
+    assert [sched.load_ms(i) for i in sched.instances] == [0.0, 0.0]
+    assert all(sched.queued(i) == 0 for i in sched.instances)
+
+
+MEMORY_CHECK = MemoryModel(kv_capacity_tokens=4096, block_size=16, headroom=1.0, max_batch=4)
+
+
+def test_a_removed_instance_returns_its_queued_batches_to_the_pool() -> None:
+    sched = make_scheduler(overlap=False)
+    for k in range(12):
+        sched.add(SliceRequest(k, 900, 128))
+    placed = sched.schedule()
+    on_b = [r for batch, i in placed if i == "b" for r in batch.requests]
+    assert on_b and sched.admit("b")  # one batch runs on b, the rest wait in its queue
+    queued = [r for batch, i in placed if i == "b" for r in batch.requests][len(placed[1][0].requests) :]
+    sched.set_instances(["a", "c"])
+    assert sched.instances == ("a", "c")
+    assert sched.load_ms("c") == 0.0
+    assert {r.key for r in sched.pool} >= {r.key for r in queued}
+    # The batch still running on b ends normally.
+    assert sched.interval_ms() >= sched.config.min_interval_ms
