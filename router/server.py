@@ -26,10 +26,13 @@ from predictor import LatencyPredictor
 from router.core.config import SchedulerConfig, name_flags
 from router.core.predictors import PredictorSet
 from router.core.scheduler import Scheduler
+from router.core.slicing import SliceConfig
 from router.forward import WorkerClient
 from router.placement import Placer
 from router.pool import ChannelPool
 from router.service import RouterService, ServiceConfig
+from router.slicing import SliceDispatcher, slice_config_from_args
+from router.slicing import add_arguments as add_slice_arguments
 from router.telemetry import RequestObserver
 from router.tokenize import Tokenizer, load_tokenizer
 
@@ -94,6 +97,7 @@ async def start_router_server(
     observer: RequestObserver | None = None,
     max_channels: int = 1024,
     source: str = "",
+    slice_config: SliceConfig | None = None,
 ) -> RouterServer:
     """Serve the Router service on ``listen`` over ``reader``'s view; starts the reader too.
 
@@ -105,12 +109,24 @@ async def start_router_server(
     pool = ChannelPool(max_channels=max_channels)
     workers = WorkerClient(pool)
     placer = Placer(scheduler, reader, observer=observer)
+    service_config = service_config or ServiceConfig()
+    slicer = None
+    if slice_config is not None:
+        slicer = SliceDispatcher(
+            reader,
+            scheduler.predictors,
+            slice_config,
+            staleness_s=scheduler.config.instance_staleness_s,
+            profile_label=scheduler.config.profile_label,
+            max_retries=service_config.max_retries,
+        )
     service = RouterService(
         placer,
         workers,
         tokenizer or load_tokenizer(None),
-        service_config or ServiceConfig(),
+        service_config,
         observer=observer,
+        slicer=slicer,
     )
     server, port = await bind_server(listen)
     router_pb2_grpc.add_RouterServicer_to_server(service, server)
@@ -125,6 +141,10 @@ async def start_router_server(
         _ready_on_first_view(reader, health_servicer, source or type(reader).__name__),
         name="router-readiness",
     )
+    owned: list[Any] = []
+    if slicer is not None:
+        await slicer.start()
+        owned.append(slicer)
     return RouterServer(
         server=server,
         service=service,
@@ -136,6 +156,7 @@ async def start_router_server(
         health=health_servicer,
         address=f"{host}:{port}",
         readiness=readiness,
+        owned=owned,
     )
 
 
@@ -231,6 +252,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a profile for instances whose metadata label (--profile-label) is NAME; repeatable",
     )
     SchedulerConfig.add_arguments(parser)
+    add_slice_arguments(parser)
     parser.add_argument(
         "--max-retries",
         type=int,
@@ -319,6 +341,8 @@ class RouterPlan:
     predictors: PredictorSet
     service_config: ServiceConfig
     tokenizer: Tokenizer
+    #: ``--dispatch-mode slice``: the slice configuration (None: request dispatch).
+    slice_config: SliceConfig | None = None
 
 
 def plan_from_args(args: argparse.Namespace) -> RouterPlan:
@@ -347,9 +371,10 @@ def plan_from_args(args: argparse.Namespace) -> RouterPlan:
     check_port("--metrics-port", args.metrics_port)
     if not args.cluster_name:
         raise ValueError("--cluster-name must not be empty")
+    slice_config = slice_config_from_args(args)
     predictors = build_predictors(args)
     tokenizer = load_tokenizer(args.tokenizer)
-    return RouterPlan(config, predictors, service_config, tokenizer)
+    return RouterPlan(config, predictors, service_config, tokenizer, slice_config)
 
 
 async def start_from_args(args: argparse.Namespace, plan: RouterPlan | None = None) -> RouterServer:
@@ -384,6 +409,7 @@ async def start_from_args(args: argparse.Namespace, plan: RouterPlan | None = No
             tokenizer=plan.tokenizer,
             observer=observer,
             source=source,
+            slice_config=plan.slice_config,
         )
     except BaseException:
         for resource in reversed(owned):

@@ -37,6 +37,7 @@ from router.core.request import Mode
 from router.forward import LegError, LegLedger, WorkerClient
 from router.placement import PlacementRequest, Placer
 from router.route import Route
+from router.slicing import SliceDispatcher
 from router.telemetry import RequestObserver
 from router.tokenize import Tokenizer
 
@@ -150,7 +151,9 @@ class RouterService(router_pb2_grpc.RouterServicer):
         *,
         clock: Callable[[], float] = time.monotonic,
         observer: RequestObserver | None = None,
+        slicer: SliceDispatcher | None = None,
     ) -> None:
+        self._slicer = slicer
         self._placer = placer
         self._workers = workers
         self._tokenizer = tokenizer
@@ -263,6 +266,10 @@ class RouterService(router_pb2_grpc.RouterServicer):
         ledger: LegLedger,
         progress: _Progress,
     ) -> AsyncIterator[router_pb2.GenerateResponse]:
+        if self._slicer is not None:
+            async for message in self._run_sliced(self._slicer, req, sampling, progress):
+                yield message
+            return
         started = await self._first_token(req, sampling, ledger, progress)
         first = started.first
         first.route.CopyFrom(_route_info(started.route))
@@ -278,6 +285,43 @@ class RouterService(router_pb2_grpc.RouterServicer):
             if message.finished:
                 message.usage.CopyFrom(self._usage(req, progress))
             yield message
+
+    async def _run_sliced(
+        self,
+        slicer: SliceDispatcher,
+        req: PlacementRequest,
+        sampling: common_pb2.SamplingParams,
+        progress: _Progress,
+    ) -> AsyncIterator[router_pb2.GenerateResponse]:
+        """``--dispatch-mode slice``: the dispatcher serves the request slice by slice; one stream out."""
+        first = True
+        stream = slicer.stream(
+            req.request_id,
+            req.prompt_token_ids,
+            sampling,
+            progress.tokens,
+            self._workers,
+            self._config.stream_timeout_s,
+        )
+        async for message, instance_id in stream:
+            self._note_tokens(progress, message.token_ids)
+            out = router_pb2.GenerateResponse(
+                request_id=req.request_id,
+                token_ids=message.token_ids,
+                text=message.text,
+                finished=message.finished,
+                finish_reason=message.finish_reason,
+            )
+            if first:
+                first = False
+                out.route.CopyFrom(
+                    router_pb2.RouteInfo(
+                        prefill_instance_id=instance_id, decode_instance_id=instance_id, policy="slice"
+                    )
+                )
+            if message.finished:
+                out.usage.CopyFrom(self._usage(req, progress))
+            yield out
 
     def _completed(self, progress: _Progress) -> None:
         first, last, n = progress.first_token_at, progress.last_token_at, len(progress.tokens)

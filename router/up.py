@@ -28,6 +28,7 @@ from cms.server import CmsServer, start_cms_server
 from predictor import LatencyPredictor
 from router.core.config import SchedulerConfig
 from router.core.scheduler import Scheduler
+from router.core.slicing import SliceConfig
 from router.server import (
     DEFAULT_LISTEN,
     DEFAULT_PROFILE_DIR,
@@ -38,6 +39,8 @@ from router.server import (
     start_router_server,
 )
 from router.service import ServiceConfig
+from router.slicing import add_arguments as add_slice_arguments
+from router.slicing import slice_config_from_args
 from router.telemetry import RequestObserver
 
 logger = logging.getLogger(__name__)
@@ -136,6 +139,8 @@ class ClusterPlan:
     profile: Path
     predictor: LatencyPredictor
     config: SchedulerConfig
+    #: ``--dispatch-mode slice``: the slice configuration (None: request dispatch).
+    slice_config: SliceConfig | None = None
 
 
 def plan_cluster(args: argparse.Namespace) -> ClusterPlan:
@@ -149,6 +154,9 @@ def plan_cluster(args: argparse.Namespace) -> ClusterPlan:
         raise ValueError(f"--speed-factor {args.speed_factor}: must be a finite number > 0")
     if not (math.isfinite(args.start_timeout_s) and args.start_timeout_s > 0):
         raise ValueError(f"--start-timeout-s {args.start_timeout_s}: must be a finite number > 0")
+    if args.dispatch_mode == "slice" and not args.neutral:
+        raise ValueError("--dispatch-mode slice runs on neutral workers: add --neutral K")
+    slice_config = slice_config_from_args(args)
     check_address("--listen", args.listen)
     check_port("--metrics-port", args.metrics_port)
     config = scheduler_config(args)
@@ -160,7 +168,7 @@ def plan_cluster(args: argparse.Namespace) -> ClusterPlan:
         roles = [("neutral", i) for i in range(args.neutral)]
     else:
         roles = [("prefill", i) for i in range(args.prefill)] + [("decode", i) for i in range(args.decode)]
-    return ClusterPlan(roles, profile, predictor, config)
+    return ClusterPlan(roles, profile, predictor, config, slice_config)
 
 
 async def start_cluster(args: argparse.Namespace, plan: ClusterPlan | None = None) -> Cluster:
@@ -189,6 +197,7 @@ async def start_cluster(args: argparse.Namespace, plan: ClusterPlan | None = Non
             ),
             observer=observer,
             source=f"the embedded CMS on {cms.address}",
+            slice_config=plan.slice_config,
         )
     except BaseException:
         await stop_workers(workers)
@@ -245,6 +254,7 @@ def register(subparsers: Any) -> None:
         "--start-timeout-s", type=float, default=60.0, help="how long workers may take to start"
     )
     SchedulerConfig.add_arguments(parser)
+    add_slice_arguments(parser)
     parser.set_defaults(func=run, scheduling_policy="slo")
 
 

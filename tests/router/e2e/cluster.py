@@ -19,6 +19,7 @@ from cms.server import CmsServer, start_cms_server
 from predictor import LatencyPredictor
 from router.core.config import SchedulerConfig
 from router.core.scheduler import Scheduler
+from router.core.slicing import SliceConfig
 from router.server import RouterServer, start_router_server
 from router.service import ServiceConfig
 from sim.engine import SimConfig
@@ -74,6 +75,7 @@ async def embedded_cluster(
     engine_overrides: dict[str, Any] | None = None,
     scheduler_overrides: dict[str, Any] | None = None,
     seed: int = 0,
+    slice_config: SliceConfig | None = None,
 ) -> AsyncIterator[Cluster]:
     store = MemoryStore()
     cms = await start_cms_server(store, "127.0.0.1:0", lease_ttl_s=2.0)
@@ -111,6 +113,7 @@ async def embedded_cluster(
             scheduler,
             listen="127.0.0.1:0",
             service_config=service or ServiceConfig(max_retries=2, prefill_timeout_s=10, stream_timeout_s=30),
+            slice_config=slice_config,
         )
         channel = grpc.aio.insecure_channel(router.address)
         cluster = Cluster(cms, store, workers, engines, router, channel, router_pb2_grpc.RouterStub(channel))

@@ -1,0 +1,411 @@
+"""Slice-level dispatch in the router (``--dispatch-mode slice``).
+
+Each request is served as a sequence of slices of at most ``--slice-tokens``
+new tokens. :class:`SliceDispatcher` holds the pool of slices waiting for a
+placement and runs the schedule points on a background task: every interval
+(adaptive unless ``--slice-interval-ms`` fixes it) it batches the pool with
+the serving-time batcher and offloads the batches max-min into per-instance
+local queues (:class:`router.core.slicing.SliceScheduler`, the same object the
+simulator drives). A queued batch is handed to its instance as soon as the KV
+its running slices plan to hold leaves room for it.
+
+:meth:`SliceDispatcher.stream` serves one request: it waits for a placement,
+streams the slice from the worker (``Generate`` for the first slice, a
+``Decode`` with the tokens generated so far and no KV handle for the next
+ones, so the instance recomputes prompt + generated tokens; ``max_tokens`` of
+a ``Decode`` counts the whole output, so it is set to the tokens so far plus
+this slice), and when a slice ends with ``finish_reason == "length"`` before
+the request's ``max_tokens`` it goes back to the pool. The client sees one
+stream: a slice's last message is forwarded without ``finished``, and
+nothing is re-sent (the worker only streams tokens after the ones it was
+given). A worker failure mid-slice keeps the tokens so far and puts the
+request back in the pool, up to ``max_retries`` times.
+
+Only neutral instances take slices (a slice is prefill and decode on one
+instance); a fleet without schedulable neutral instances fails the request
+with ``UNAVAILABLE``. The batcher uses the first instance's profile and the
+smallest KV capacity of the fleet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+
+import grpc
+from slorouter.v1 import cms_pb2, common_pb2, worker_pb2
+
+from fleet.snapshot import ClusterSnapshot, InstanceRecord
+from router.core.errors import EmptyClusterError, RetriesExhaustedError
+from router.core.predictors import PredictorSet
+from router.core.slicing import (
+    DEFAULT_SLICE_TOKENS,
+    MemoryModel,
+    ServingTimeModel,
+    SliceConfig,
+    SliceRequest,
+    SliceScheduler,
+)
+from router.forward import LegError, LegLedger, WorkerClient
+from router.placement import SnapshotSource
+
+logger = logging.getLogger(__name__)
+
+#: ``--dispatch-mode`` values.
+DISPATCH_MODES = ("request", "slice")
+
+
+@dataclass(frozen=True)
+class SliceTarget:
+    """Where one slice runs (satisfies :class:`router.forward.Target`)."""
+
+    instance_id: str
+    endpoint: str
+
+
+@dataclass
+class _Waiter:
+    request: SliceRequest
+    future: asyncio.Future[tuple[SliceTarget, int]]
+
+
+class SliceDispatcher:
+    """The router's slice pool and schedule points; see the module docstring.
+
+    ``start()`` launches the schedule loop, ``stop()`` (idempotent) ends it and
+    fails the slices still waiting with :class:`EmptyClusterError`.
+    """
+
+    def __init__(
+        self,
+        source: SnapshotSource,
+        predictors: PredictorSet | None,
+        config: SliceConfig,
+        *,
+        staleness_s: float,
+        profile_label: str = "profile",
+        max_retries: int = 2,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if predictors is None:
+            raise ValueError(
+                "--dispatch-mode slice needs latency profiles (--profile) to estimate slice times"
+            )
+        self.config = config
+        self._source = source
+        self._predictors = predictors
+        self._staleness_s = staleness_s
+        self._profile_label = profile_label
+        self._max_retries = max_retries
+        self._clock = clock
+        self._sched: SliceScheduler | None = None
+        self._shape: tuple[str, int, int, int, int, int] | None = None
+        self._endpoints: dict[str, str] = {}
+        self._waiting: dict[int, _Waiter] = {}
+        #: Slices that arrived since the last schedule point.
+        self._pending: list[SliceRequest] = []
+        self._next_ticket = 0
+        self._next_at = 0.0
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._stopped = False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._loop(), name="slice-dispatcher")
+
+    async def stop(self) -> None:
+        self._stopped = True
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for waiter in self._waiting.values():
+            if not waiter.future.done():
+                waiter.future.set_exception(EmptyClusterError("the router is shutting down"))
+        self._waiting.clear()
+
+    @property
+    def waiting(self) -> int:
+        """Slices waiting for a placement (in the pool or in a local queue)."""
+        return len(self._waiting)
+
+    async def _loop(self) -> None:
+        while True:
+            await self._wake.wait()
+            delay = self._next_at - self._clock()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            self._wake.clear()
+            try:
+                self._schedule_point()
+            except Exception:  # one bad snapshot must not end the loop; the waiting requests time out
+                logger.exception("slice schedule point failed")
+
+    # ------------------------------------------------------------------ schedule points
+
+    def _neutral(self, snapshot: ClusterSnapshot, now: float) -> list[InstanceRecord]:
+        return [
+            r
+            for r in snapshot.instances
+            if r.metadata.role == cms_pb2.INSTANCE_ROLE_NEUTRAL
+            and r.status is not None
+            and r.status.schedulable
+            and snapshot.age_s(r, now) <= self._staleness_s
+        ]
+
+    def _scheduler(self, records: Sequence[InstanceRecord]) -> SliceScheduler:
+        first = records[0].metadata
+        group = first.labels.get(self._profile_label, "")
+        shape = (
+            group,
+            first.max_num_batched_tokens or 2048,
+            min(r.metadata.kv_capacity_tokens or 65536 for r in records),
+            max(r.metadata.block_size or 16 for r in records),
+            first.max_model_len or 8192,
+            len(records),
+        )
+        ids = [r.metadata.instance_id for r in records]
+        if self._sched is None or self._shape is None or self._shape[:5] != shape[:5]:
+            serving = ServingTimeModel(
+                self._predictors.for_group(group),
+                max_num_batched_tokens=shape[1],
+                max_context_tokens=max(shape[4], 8),
+            )
+            memory = MemoryModel(
+                kv_capacity_tokens=shape[2], block_size=shape[3], headroom=self.config.kv_headroom
+            )
+            if self._sched is None:
+                self._sched = SliceScheduler(self.config, serving, memory, ids)
+            else:
+                self._sched.serving, self._sched.memory = serving, memory
+        self._shape = shape
+        self._sched.set_instances(ids)
+        return self._sched
+
+    def _schedule_point(self) -> None:
+        now = self._clock()
+        records = self._neutral(self._source.snapshot(), now)
+        if not records:
+            self._fail_pool(
+                EmptyClusterError(
+                    "slice dispatch found no schedulable neutral instance; start neutral workers "
+                    "(slices run prefill and decode on one instance) or use --dispatch-mode request"
+                )
+            )
+            self._next_at = now + self.config.min_interval_ms * 1e-3
+            return
+        for r in records:
+            self._endpoints[r.metadata.instance_id] = r.metadata.endpoint
+        sched = self._scheduler(records)
+        # New slices join the pool; slices cancelled while waiting in it leave it here.
+        sched.pool = [r for r in [*sched.pool, *self._pending] if self._live(r)]
+        self._pending = []
+        sched.schedule()
+        self._next_at = now + sched.interval_ms() * 1e-3
+        for instance in sched.instances:
+            self._admit(instance)
+        if sched.pool:
+            self._wake.set()
+
+    def _live(self, request: SliceRequest) -> bool:
+        waiter = self._waiting.get(int(request.key))  # type: ignore[call-overload]
+        return waiter is not None and not waiter.future.done()
+
+    def _fail_pool(self, exc: Exception) -> None:
+        """Fail every slice waiting in the pool (not those queued on an instance: they will run)."""
+        pool = [*self._pending, *(self._sched.pool if self._sched is not None else [])]
+        self._pending = []
+        if self._sched is not None:
+            self._sched.pool = []
+        for request in pool:
+            waiter = self._waiting.pop(int(request.key), None)  # type: ignore[call-overload]
+            if waiter is not None and not waiter.future.done():
+                waiter.future.set_exception(exc)
+
+    def _admit(self, instance: str) -> None:
+        sched = self._sched
+        if sched is None:
+            return
+        target = SliceTarget(instance, self._endpoints.get(instance, ""))
+        for key, batch in sched.admit(instance):
+            for request in batch.requests:
+                waiter = self._waiting.pop(int(request.key), None)  # type: ignore[call-overload]
+                if waiter is None or waiter.future.done():
+                    # Cancelled while queued: its slice ends before it starts.
+                    sched.finish(instance, key, request)
+                    continue
+                waiter.future.set_result((target, key))
+
+    # ------------------------------------------------------------------ one slice
+
+    async def acquire(self, context_tokens: int, slice_tokens: int) -> tuple[SliceTarget, int, SliceRequest]:
+        """Wait until the slice is placed; the instance, the batch key and the slice for :meth:`finish`."""
+        if self._stopped:
+            raise EmptyClusterError("the router is shutting down")
+        ticket = self._next_ticket
+        self._next_ticket += 1
+        request = SliceRequest(ticket, context_tokens, slice_tokens)
+        future: asyncio.Future[tuple[SliceTarget, int]] = asyncio.get_running_loop().create_future()
+        self._waiting[ticket] = _Waiter(request, future)
+        self._pending.append(request)
+        self._wake.set()
+        try:
+            target, key = await future
+        except asyncio.CancelledError:
+            self._waiting.pop(ticket, None)
+            if future.done() and not future.cancelled() and future.exception() is None:
+                # Placed just as the caller went away: end the slice at once.
+                self.finish(future.result()[0], future.result()[1], request)
+            raise
+        return target, key, request
+
+    def finish(self, target: SliceTarget, key: int, request: SliceRequest) -> None:
+        """The slice ended (done, failed or cancelled): free its place, start queued batches."""
+        sched = self._sched
+        if sched is None:
+            return
+        sched.finish(target.instance_id, key, request)
+        self._admit(target.instance_id)
+
+    # ------------------------------------------------------------------ one request
+
+    async def stream(
+        self,
+        request_id: str,
+        prompt_token_ids: tuple[int, ...],
+        sampling: common_pb2.SamplingParams,
+        generated: list[int],
+        workers: WorkerClient,
+        timeout_s: float,
+    ) -> AsyncIterator[tuple[worker_pb2.WorkerTokens, str]]:
+        """Serve a request slice by slice; yields each worker message and the instance it came from.
+
+        ``generated`` is the caller's list of the tokens so far (the caller
+        appends every yielded message's tokens before asking for the next);
+        only the request's last message has ``finished`` set.
+        """
+        total = sampling.max_tokens
+        failures = 0
+        slice_no = 0
+        while True:
+            remaining = total - len(generated)
+            slice_tokens = min(self.config.slice_tokens, remaining)
+            target, key, request = await self.acquire(len(prompt_token_ids) + len(generated), slice_tokens)
+            slice_id = f"{request_id}#{slice_no}"
+            slice_no += 1
+            ledger = LegLedger()
+            part = common_pb2.SamplingParams()
+            part.CopyFrom(sampling)
+            call: worker_pb2.WorkerGenerateRequest | worker_pb2.DecodeRequest
+            if generated:
+                part.max_tokens = (
+                    len(generated) + slice_tokens
+                )  # a Decode's max_tokens counts the whole output
+                call = worker_pb2.DecodeRequest(
+                    request_id=slice_id,
+                    prompt_token_ids=prompt_token_ids,
+                    sampling=part,
+                    generated_token_ids=generated,
+                )
+            else:
+                part.max_tokens = slice_tokens
+                call = worker_pb2.WorkerGenerateRequest(
+                    request_id=slice_id, prompt_token_ids=prompt_token_ids, sampling=part
+                )
+            ended = False
+            try:
+                async for message in workers.stream(target, call, timeout_s, ledger):
+                    if not message.finished:
+                        if message.token_ids:
+                            yield message, target.instance_id
+                        continue
+                    ended = True
+                    produced = len(generated) + len(message.token_ids)
+                    done = message.finish_reason != "length" or produced >= total
+                    if message.finish_reason == "abort":
+                        raise LegError(
+                            target.instance_id, grpc.StatusCode.UNAVAILABLE, "the slice was aborted"
+                        )
+                    if done:
+                        yield message, target.instance_id
+                        return
+                    if message.token_ids:
+                        carry = worker_pb2.WorkerTokens()
+                        carry.CopyFrom(message)
+                        carry.finished = False
+                        carry.finish_reason = ""
+                        yield carry, target.instance_id
+                    break
+                else:
+                    raise LegError(
+                        target.instance_id, grpc.StatusCode.UNAVAILABLE, "slice stream ended early"
+                    )
+            except LegError as exc:
+                if not exc.retryable:
+                    raise
+                failures += 1
+                if failures > self._max_retries:
+                    raise RetriesExhaustedError(
+                        f"slices failed {failures} times after {len(generated)} tokens "
+                        f"(--max-retries {self._max_retries}): {exc}"
+                    ) from exc
+                logger.warning(
+                    "request %s: slice on %s failed (%s); back to the pool",
+                    request_id,
+                    target.instance_id,
+                    exc,
+                )
+            finally:
+                self.finish(target, key, request)
+                if not ended:
+                    workers.abort_all(slice_id, ledger)
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--dispatch-mode``, ``--slice-tokens`` and ``--slice-interval-ms`` (router and ``up``)."""
+    group = parser.add_argument_group("dispatch")
+    group.add_argument(
+        "--dispatch-mode",
+        choices=DISPATCH_MODES,
+        default="request",
+        help="request: place each whole request (the scheduling policy); slice: place requests "
+        "--slice-tokens new tokens at a time, batched and offloaded max-min to neutral instances "
+        "(default: %(default)s)",
+    )
+    group.add_argument(
+        "--slice-tokens",
+        type=int,
+        default=DEFAULT_SLICE_TOKENS,
+        metavar="S",
+        help="slice mode: most new tokens per placement (default: %(default)s)",
+    )
+    group.add_argument(
+        "--slice-interval-ms",
+        type=float,
+        metavar="MS",
+        help="slice mode: fixed time between schedule points (default: adaptive, "
+        "max(0.5 x queued work of the least-loaded instance, 200 ms))",
+    )
+
+
+def slice_config_from_args(args: argparse.Namespace) -> SliceConfig | None:
+    """The slice configuration the flags ask for, or ``None`` for request dispatch; errors name the flag."""
+    if args.dispatch_mode != "slice":
+        return None
+    try:
+        return SliceConfig(slice_tokens=args.slice_tokens, interval_ms=args.slice_interval_ms)
+    except ValueError as exc:
+        flag = "--slice-tokens" if "slice_tokens" in str(exc) else "--slice-interval-ms"
+        raise ValueError(f"{flag}: {exc}") from None

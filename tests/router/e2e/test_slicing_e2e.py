@@ -1,0 +1,171 @@
+"""``--dispatch-mode slice`` end to end: streams crossing several slices arrive whole and in order."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from slorouter.v1 import common_pb2, router_pb2, router_pb2_grpc
+
+from router.core.slicing import SliceConfig
+from tests.router.e2e.cluster import Cluster, collect, embedded_cluster, generate_request
+from workers.sim_engine import output_token, prompt_digest, request_key
+
+REPO = Path(__file__).resolve().parents[3]
+SLICES = SliceConfig(slice_tokens=8, interval_ms=20.0)
+
+
+def expected_tokens(request: router_pb2.GenerateRequest) -> list[int]:
+    """What one uninterrupted sim Generate of ``request`` streams (ignore_eos: exactly max_tokens)."""
+    key = request_key(request.sampling.seed, prompt_digest(list(request.prompt_token_ids)))
+    return [output_token(key, p) for p in range(request.sampling.max_tokens)]
+
+
+async def settled(cluster: Cluster, timeout_s: float = 5.0) -> None:
+    """Wait (bounded) until no slice waits and no engine holds a request."""
+    deadline = time.monotonic() + timeout_s
+    slicer = cluster.router.service._slicer
+    assert slicer is not None
+    while slicer.waiting or any(e.core.has_unfinished for e in cluster.engines.values()):
+        assert time.monotonic() < deadline, "slices or engine requests left behind"
+        await asyncio.sleep(0.02)
+
+
+async def test_streams_crossing_many_slices_arrive_whole_and_in_order() -> None:
+    async with embedded_cluster(neutral=2, slice_config=SLICES) as cluster:
+        requests = [generate_request(30 + 7 * i, 20 + 5 * i, request_id=f"s{i}") for i in range(12)]
+        results = await asyncio.gather(*(collect(cluster.stub, r) for r in requests))
+        used = set()
+        for request, result in zip(requests, results, strict=True):
+            n = request.sampling.max_tokens
+            assert result.tokens == expected_tokens(request)  # none lost, repeated or reordered
+            assert len(result.tokens) == n
+            assert all(not m.finished for m in result.messages[:-1])
+            assert result.last.finished and result.last.finish_reason == "length"
+            assert result.first.route.policy == "slice"
+            assert all(not m.HasField("route") for m in result.messages[1:])
+            usage = result.last.usage
+            assert usage.completion_tokens == n
+            assert 0 < usage.ttft_ms <= usage.e2e_ms
+            assert usage.tpot_ms > 0
+            used.add(result.first.route.prefill_instance_id)
+        assert used == {"neutral-0", "neutral-1"}
+        await settled(cluster)
+        assert cluster.router.service.active_requests == 0
+
+
+async def test_an_eos_ends_the_request_inside_a_slice() -> None:
+    overrides = {"eos_probability": 0.03}
+    async with (
+        embedded_cluster(neutral=2, slice_config=SLICES, engine_overrides=overrides) as sliced,
+        embedded_cluster(neutral=1, engine_overrides=overrides) as whole,
+    ):
+        requests = [
+            router_pb2.GenerateRequest(
+                request_id=f"e{i}",
+                prompt_token_ids=[(11 * k + i) % 250 + 1 for k in range(40)],
+                sampling=common_pb2.SamplingParams(max_tokens=120, seed=i),
+            )
+            for i in range(8)
+        ]
+        for request in requests:
+            a = await collect(sliced.stub, request)
+            b = await collect(whole.stub, request)
+            assert a.tokens == b.tokens
+            assert a.last.finish_reason == b.last.finish_reason
+        await settled(sliced)
+
+
+async def test_a_cancelled_client_leaves_no_slice_behind() -> None:
+    async with embedded_cluster(neutral=2, slice_config=SLICES) as cluster:
+        call = cluster.stub.Generate(generate_request(50, 2000, request_id="gone"), timeout=30)
+        got = 0
+        async for message in call:
+            got += len(message.token_ids)
+            if got >= 20:  # past two slices
+                break
+        call.cancel()
+        await settled(cluster)
+        # The router still serves.
+        result = await collect(cluster.stub, generate_request(20, 17, request_id="after"))
+        assert len(result.tokens) == 17
+
+
+async def test_slice_mode_without_neutral_instances_is_unavailable() -> None:
+    async with embedded_cluster(prefill=1, decode=1, slice_config=SLICES) as cluster:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await collect(cluster.stub, generate_request(20, 10))
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "neutral" in (info.value.details() or "")
+
+
+# ----------------------------------------------------------------------------- slo-router up
+
+
+async def _drive(address: str) -> list[tuple[router_pb2.GenerateRequest, list[int], str]]:
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = router_pb2_grpc.RouterStub(channel)
+        requests = [generate_request(24 + 5 * i, 40 + 9 * i, request_id=f"up{i}") for i in range(10)]
+        results = await asyncio.gather(*(collect(stub, r, timeout_s=60) for r in requests))
+        return [(r, res.tokens, res.last.finish_reason) for r, res in zip(requests, results, strict=True)]
+
+
+@pytest.mark.timeout(180)
+def test_up_neutral_2_slice_mode_streams_exactly_max_tokens() -> None:
+    up = subprocess.Popen(
+        [sys.executable, "-m", "router.cli", "up", "--neutral", "2", "--dispatch-mode", "slice",
+         "--slice-tokens", "16", "--speed-factor", "20", "--listen", "127.0.0.1:0"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+    )  # fmt: skip
+    try:
+        address = ""
+        output: list[str] = []
+        deadline = time.monotonic() + 90
+        assert up.stdout is not None
+        while time.monotonic() < deadline:
+            line = up.stdout.readline()
+            if not line:
+                break
+            output.append(line)
+            if line.startswith("router listening on "):
+                address = line.split()[-1]
+                break
+        assert address, "slo-router up did not start:\n" + "".join(output)
+        for request, tokens, reason in asyncio.run(_drive(address)):
+            assert tokens == expected_tokens(request)
+            assert len(tokens) == request.sampling.max_tokens  # 40..121 tokens: 3 to 8 slices each
+            assert reason == "length"
+    finally:
+        up.send_signal(signal.SIGINT)
+        try:
+            up.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            up.kill()
+            up.wait(timeout=10)
+        if up.stdout is not None:
+            up.stdout.close()
+
+
+def test_up_refuses_slices_without_neutral_workers() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "router.cli", "up", "--prefill", "1", "--decode", "1", "--dispatch-mode", "slice"],
+        capture_output=True, text=True, cwd=REPO, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "--neutral" in done.stderr
+
+
+def test_router_names_a_bad_slice_flag() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "router.cli", "up", "--neutral", "1", "--dispatch-mode", "slice",
+         "--slice-tokens", "0"],
+        capture_output=True, text=True, cwd=REPO, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "--slice-tokens" in done.stderr
