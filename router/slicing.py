@@ -107,6 +107,8 @@ class SliceDispatcher:
         self._shape: tuple[str, int, int, int, int, int] | None = None
         self._endpoints: dict[str, str] = {}
         self._waiting: dict[int, _Waiter] = {}
+        #: Slices placed per instance since the start (for tests and logs).
+        self.placed_slices: dict[str, int] = {}
         #: Slices that arrived since the last schedule point.
         self._pending: list[SliceRequest] = []
         self._next_ticket = 0
@@ -244,6 +246,7 @@ class SliceDispatcher:
                     sched.finish(instance, key, request)
                     continue
                 waiter.future.set_result((target, key))
+                self.placed_slices[instance] = self.placed_slices.get(instance, 0) + 1
 
     # ------------------------------------------------------------------ one slice
 
