@@ -41,7 +41,7 @@ import grpc
 from slorouter.v1 import cms_pb2, common_pb2, worker_pb2
 
 from fleet.snapshot import ClusterSnapshot, InstanceRecord
-from router.core.errors import EmptyClusterError, RetriesExhaustedError
+from router.core.errors import EmptyClusterError, NoInstanceError, RetriesExhaustedError
 from router.core.predictors import PredictorSet
 from router.core.slicing import (
     DEFAULT_SLICE_TOKENS,
@@ -254,6 +254,15 @@ class SliceDispatcher:
         """Wait until the slice is placed; the instance, the batch key and the slice for :meth:`finish`."""
         if self._stopped:
             raise EmptyClusterError("the router is shutting down")
+        if len(self._waiting) >= self.config.max_waiting_slices:
+            instances = len(self._sched.instances) if self._sched is not None else 0
+            raise NoInstanceError(
+                f"{len(self._waiting)} slices already wait for a placement (the slice pool's bound); "
+                "retry later or add neutral instances",
+                stage="neutral",
+                candidates=instances,
+                drops={"slice_pool_full": instances},
+            )
         ticket = self._next_ticket
         self._next_ticket += 1
         request = SliceRequest(ticket, context_tokens, slice_tokens)

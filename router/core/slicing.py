@@ -98,6 +98,10 @@ class SliceConfig:
             "slices plan to hold leaves room for it; False serves one batch at a time (static batching)"
         ),
     )
+    max_waiting_slices: int = field(
+        default=65536,
+        metadata=_doc("router: most slices waiting for a placement; beyond it requests are refused"),
+    )
     kv_headroom: float = field(
         default=0.9, metadata=_doc("share of an instance's KV capacity a batch may plan to fill, in (0, 1]")
     )
@@ -117,6 +121,10 @@ class SliceConfig:
             raise ValueError(f"interval_load_factor must be in (0, 1), got {self.interval_load_factor!r}")
         if not (math.isfinite(self.min_interval_ms) and 0.0 < self.min_interval_ms <= 3_600_000.0):
             raise ValueError(f"min_interval_ms must be in (0, 3600000], got {self.min_interval_ms!r}")
+        if isinstance(self.max_waiting_slices, bool) or not (
+            isinstance(self.max_waiting_slices, int) and self.max_waiting_slices >= 1
+        ):
+            raise ValueError(f"max_waiting_slices must be an integer >= 1, got {self.max_waiting_slices!r}")
         if not (math.isfinite(self.kv_headroom) and 0.0 < self.kv_headroom <= 1.0):
             raise ValueError(f"kv_headroom must be in (0, 1], got {self.kv_headroom!r}")
 

@@ -104,6 +104,7 @@ def test_memory_counts_whole_blocks_of_context_plus_slice() -> None:
         ({"interval_load_factor": 1.0}, "interval_load_factor"),
         ({"min_interval_ms": 0.0}, "min_interval_ms"),
         ({"kv_headroom": 1.5}, "kv_headroom"),
+        ({"max_waiting_slices": 0}, "max_waiting_slices"),
     ],
 )
 def test_slice_config_names_the_bad_field(kwargs: dict[str, float], field: str) -> None:

@@ -13,8 +13,12 @@ import grpc
 import pytest
 from slorouter.v1 import common_pb2, router_pb2, router_pb2_grpc
 
+from fleet.snapshot import EMPTY_SNAPSHOT, ClusterSnapshot
+from router.core.errors import EmptyClusterError, NoInstanceError
+from router.core.predictors import PredictorSet
 from router.core.slicing import SliceConfig
-from tests.router.e2e.cluster import Cluster, collect, embedded_cluster, generate_request
+from router.slicing import SliceDispatcher
+from tests.router.e2e.cluster import PREDICTOR, Cluster, collect, embedded_cluster, generate_request
 from workers.sim_engine import output_token, prompt_digest, request_key
 
 REPO = Path(__file__).resolve().parents[3]
@@ -96,6 +100,27 @@ async def test_a_cancelled_client_leaves_no_slice_behind() -> None:
         # The router still serves.
         result = await collect(cluster.stub, generate_request(20, 17, request_id="after"))
         assert len(result.tokens) == 17
+
+
+class _NoFleet:
+    def snapshot(self) -> ClusterSnapshot:
+        return EMPTY_SNAPSHOT
+
+
+async def test_a_full_slice_pool_refuses_and_stop_fails_the_waiting() -> None:
+    config = SliceConfig(slice_tokens=8, max_waiting_slices=2)
+    slicer = SliceDispatcher(_NoFleet(), PredictorSet(PREDICTOR), config, staleness_s=5.0)
+    # No schedule loop runs: the slices stay in the pool.
+    waiting = [asyncio.create_task(slicer.acquire(100, 8)) for _ in range(2)]
+    await asyncio.sleep(0)
+    assert slicer.waiting == 2
+    with pytest.raises(NoInstanceError, match="slice pool"):
+        await slicer.acquire(100, 8)
+    await slicer.stop()
+    for task in waiting:
+        with pytest.raises(EmptyClusterError):
+            await task
+    assert slicer.waiting == 0
 
 
 async def test_slice_mode_without_neutral_instances_is_unavailable() -> None:
