@@ -37,7 +37,7 @@ from router.core.request import Mode
 from router.forward import LegError, LegLedger, WorkerClient
 from router.placement import PlacementRequest, Placer
 from router.route import Route
-from router.slicing import SliceDispatcher
+from router.slicing import SliceDispatcher, slice_route
 from router.telemetry import RequestObserver
 from router.tokenize import Tokenizer
 
@@ -314,11 +314,10 @@ class RouterService(router_pb2_grpc.RouterServicer):
             )
             if first:
                 first = False
-                out.route.CopyFrom(
-                    router_pb2.RouteInfo(
-                        prefill_instance_id=instance_id, decode_instance_id=instance_id, policy="slice"
-                    )
-                )
+                progress.route = slice_route(instance_id)
+                out.route.CopyFrom(_route_info(progress.route))
+                if progress.first_token_at is not None:
+                    self._observer.first_token(progress.route, progress.first_token_at - progress.started)
             if message.finished:
                 out.usage.CopyFrom(self._usage(req, progress))
             yield out

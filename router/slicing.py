@@ -33,6 +33,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
@@ -41,8 +42,10 @@ import grpc
 from slorouter.v1 import cms_pb2, common_pb2, worker_pb2
 
 from fleet.snapshot import ClusterSnapshot, InstanceRecord
+from router.core.decision import Choice
 from router.core.errors import EmptyClusterError, NoInstanceError, RetriesExhaustedError
 from router.core.predictors import PredictorSet
+from router.core.request import Mode, Stage
 from router.core.slicing import (
     DEFAULT_SLICE_TOKENS,
     MemoryModel,
@@ -53,6 +56,7 @@ from router.core.slicing import (
 )
 from router.forward import LegError, LegLedger, WorkerClient
 from router.placement import SnapshotSource
+from router.route import Route
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +70,19 @@ class SliceTarget:
 
     instance_id: str
     endpoint: str
+
+
+def slice_route(instance_id: str, endpoint: str = "") -> Route:
+    """A request's route as metrics and the client's ``RouteInfo`` see it: its first slice's instance."""
+    choice = Choice(instance_id, endpoint, Stage.NEUTRAL, math.nan, math.nan)
+    return Route(
+        mode=Mode.NEUTRAL,
+        policy="slice",
+        prefill=choice,
+        decode=choice,
+        prefill_group=Stage.NEUTRAL.value,
+        decode_group=Stage.NEUTRAL.value,
+    )
 
 
 @dataclass

@@ -195,3 +195,11 @@ def test_router_names_a_bad_slice_flag() -> None:
     )  # fmt: skip
     assert done.returncode == 2
     assert "--slice-tokens" in done.stderr
+
+
+async def test_slice_requests_feed_the_router_metrics() -> None:
+    async with embedded_cluster(neutral=1, slice_config=SLICES) as cluster:
+        await collect(cluster.stub, generate_request(20, 30, request_id="m"))
+        registry = cluster.router.observer.registry
+        assert registry.get_sample_value("slo_router_requests_total", {"outcome": "ok"}) == 1.0
+        assert registry.get_sample_value("slo_router_ttft_seconds_count") == 1.0
