@@ -561,6 +561,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="slice mode: fixed time between schedule points (default: adaptive, "
         "max(0.5 x least instance load, 200 ms))",
     )
+    group.add_argument(
+        "--slice-one-batch-at-a-time",
+        action="store_true",
+        help="slice mode: an instance serves one batch at a time (the static-batching worker loop) "
+        "instead of taking queued batches while its KV has room",
+    )
 
 
 def run_cli(
@@ -576,7 +582,11 @@ def run_cli(
     try:
         modes = parse_dispatch_modes(args.dispatch_modes)
         try:
-            config = SliceConfig(slice_tokens=args.slice_tokens, interval_ms=args.slice_interval_ms)
+            config = SliceConfig(
+                slice_tokens=args.slice_tokens,
+                interval_ms=args.slice_interval_ms,
+                overlap_batches=not args.slice_one_batch_at_a_time,
+            )
         except ValueError as exc:
             flag = "--slice-tokens" if "slice_tokens" in str(exc) else "--slice-interval-ms"
             raise ValueError(f"{flag}: {exc}") from None

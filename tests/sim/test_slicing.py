@@ -134,6 +134,18 @@ def test_cli_compares_dispatch_modes_in_the_json(tmp_path: Path, capsys: pytest.
     assert doc["meta"]["slice"]["slice_tokens"] == 64
 
 
+def test_cli_one_batch_at_a_time(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "sim.json"
+    code, _, _ = run(
+        capsys, *SMALL, "--policies", "round-robin", "--dispatch-modes", "slice", "--slice-one-batch-at-a-time",
+        "--output", str(out),
+    )  # fmt: skip
+    assert code == 0
+    doc = json.loads(out.read_text())
+    assert doc["meta"]["slice"]["overlap_batches"] is False
+    assert [r["completed"] for r in doc["results"]] == [30, 30]
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
