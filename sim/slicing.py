@@ -224,6 +224,9 @@ class _SliceSimulation:
         self.tick_pending = False
         self.sched.schedule()
         self.next_tick_s = now + self.sched.interval_ms() * 1e-3
+        if self.sched.pool:  # more than one point batches (max_batching_slices): come back for the rest
+            self.tick_pending = True
+            self._push(self.next_tick_s, _TICK, 0)
         for i in range(self.fleet.n):
             self._admit(i, now)
 

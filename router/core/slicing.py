@@ -98,6 +98,10 @@ class SliceConfig:
             "slices plan to hold leaves room for it; False serves one batch at a time (static batching)"
         ),
     )
+    max_batching_slices: int = field(
+        default=2048,
+        metadata=_doc("most slices one schedule point batches, oldest first; the rest wait for the next"),
+    )
     max_waiting_slices: int = field(
         default=65536,
         metadata=_doc("router: most slices waiting for a placement; beyond it requests are refused"),
@@ -121,6 +125,10 @@ class SliceConfig:
             raise ValueError(f"interval_load_factor must be in (0, 1), got {self.interval_load_factor!r}")
         if not (math.isfinite(self.min_interval_ms) and 0.0 < self.min_interval_ms <= 3_600_000.0):
             raise ValueError(f"min_interval_ms must be in (0, 3600000], got {self.min_interval_ms!r}")
+        if isinstance(self.max_batching_slices, bool) or not (
+            isinstance(self.max_batching_slices, int) and self.max_batching_slices >= 1
+        ):
+            raise ValueError(f"max_batching_slices must be an integer >= 1, got {self.max_batching_slices!r}")
         if isinstance(self.max_waiting_slices, bool) or not (
             isinstance(self.max_waiting_slices, int) and self.max_waiting_slices >= 1
         ):
@@ -534,7 +542,9 @@ class SliceScheduler:
         self.schedule_points += 1
         if not self.pool or not self._ids:
             return []
-        pool, self.pool = self.pool, []
+        # The batcher's work grows with the pool times the largest batch: bound what one point takes.
+        cap = self.config.max_batching_slices
+        pool, self.pool = self.pool[:cap], self.pool[cap:]
         batches = batch_requests(pool, self.serving, self.memory)
         where, after = offload_max_min([b.serve_ms for b in batches], [self._loads[i] for i in self._ids])
         for instance, load in zip(self._ids, after, strict=True):

@@ -53,6 +53,13 @@ def test_every_request_gets_all_its_tokens_and_resumes_recompute_the_context(
         assert outcome.figures.resume_gap_p99_ms is not None and outcome.figures.resume_gap_p99_ms > 0
 
 
+def test_a_pool_larger_than_one_point_batches_drains_over_several_points() -> None:
+    work = plans(rate=50.0, count=80)
+    outcome = simulate_slices(fleet(), work, SliceConfig(max_batching_slices=3))
+    assert [r.completion_tokens for r in outcome.results] == [p.max_tokens for p in work]
+    assert outcome.figures.schedule_points >= outcome.figures.slices / 3
+
+
 def test_runs_are_deterministic_for_a_seed() -> None:
     work = plans(count=40)
     a = simulate_slices(fleet(), work, SliceConfig(), seed=2)

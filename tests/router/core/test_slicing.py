@@ -105,6 +105,7 @@ def test_memory_counts_whole_blocks_of_context_plus_slice() -> None:
         ({"min_interval_ms": 0.0}, "min_interval_ms"),
         ({"kv_headroom": 1.5}, "kv_headroom"),
         ({"max_waiting_slices": 0}, "max_waiting_slices"),
+        ({"max_batching_slices": 0}, "max_batching_slices"),
     ],
 )
 def test_slice_config_names_the_bad_field(kwargs: dict[str, float], field: str) -> None:
@@ -303,3 +304,13 @@ def test_a_removed_instance_returns_its_queued_batches_to_the_pool() -> None:
     assert {r.key for r in sched.pool} >= {r.key for r in queued}
     # The batch still running on b ends normally.
     assert sched.interval_ms() >= sched.config.min_interval_ms
+
+
+def test_a_schedule_point_batches_at_most_max_batching_slices_oldest_first() -> None:
+    memory = MemoryModel(kv_capacity_tokens=65536)
+    sched = SliceScheduler(SliceConfig(max_batching_slices=5), SERVING, memory, ["a"])
+    for k in range(12):
+        sched.add(SliceRequest(k, 100, 16))
+    placed = sched.schedule()
+    assert sorted(r.key for b, _ in placed for r in b.requests) == [0, 1, 2, 3, 4]  # type: ignore[type-var]
+    assert [r.key for r in sched.pool] == list(range(5, 12))
