@@ -24,6 +24,9 @@ a narrow range before it runs; this module turns that into decisions:
   a time; :class:`LoadLedger` keeps that outstanding work (added at offload,
   removed when the batch completes).
 - :func:`next_interval_ms` adapts the time between schedule points to the load.
+- :class:`SliceScheduler` ties them together (pool, schedule points,
+  per-instance local queues, admission, completion) for the simulator and the
+  router's dispatcher alike.
 
 Adaptation to continuous-batching engines (the engines this project drives:
 vLLM and the ``sim`` engine model). The original formulation assumes static
@@ -40,16 +43,19 @@ batch, so here
   minus the one token the prefill step already samples, with ``N`` held fixed
   (an upper bound: requests whose slice ends earlier leave the batch sooner);
 - the KV need is the sum over requests of ``context + slice`` rounded up to
-  whole blocks, not ``N * (L + S)``.
+  whole blocks, not ``N * (L + S)``;
+- an instance may run several batches at once (the engine merges them into
+  its running batch): a queued batch starts as soon as the KV its instance's
+  running slices plan to hold leaves room for it, and the adaptive interval
+  scales with the work still waiting in local queues (``overlap_batches``;
+  off, an instance serves one batch at a time as with static batching).
 
 The dynamic programme still walks requests sorted by context length and
 considers contiguous runs only, as the original does: runs of similar length
-keep the batch's decode steps uniform and its KV bound tight. The sort is what
-makes the memory constraint monotone (a longer run never fits if a shorter
-one does not), which lets the inner loop stop at the first run that does not
-fit.
+keep the batch's decode steps uniform and its KV bound tight. Growing a run
+only adds KV, so the inner loop stops at the first run that does not fit.
 
-Pure and synchronous: no I/O, no clock (callers pass times), no globals.
+Pure and synchronous: no I/O, no clock, no globals.
 """
 
 from __future__ import annotations
@@ -344,8 +350,8 @@ def batch_requests(
     allowed only if it fits :class:`MemoryModel` (a request alone always
     does: it has to be served somehow). Runs are grown from ``i`` downwards
     and the growth stops at the first run that does not fit (longer runs hold
-    more KV). Batches come back in sorted order; ties break toward fewer,
-    longer runs being found later, deterministically.
+    more KV). On equal totals the shorter run found first is kept. Batches
+    come back in sorted order.
     """
     ordered = sorted(requests, key=_sort_key)
     n = len(ordered)
