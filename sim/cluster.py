@@ -85,7 +85,7 @@ from bench.report import RequestResult
 from bench.workload import RequestPlan
 from fleet.snapshot import ClusterSnapshot, InstanceRecord
 from predictor import LatencyPredictor
-from router.core.columns import ClusterView, InflightColumns, InstanceTable
+from router.core.columns import INFLIGHT_ROWS, ClusterView, InflightColumns, InstanceTable
 from router.core.config import SchedulerConfig
 from router.core.decision import Decision
 from router.core.errors import EmptyClusterError, NoInstanceError
@@ -239,6 +239,13 @@ class SimStats:
     preemptions: int
     kv_transfers: int
     events: int
+    #: Time-averages over the run of instances holding work: "decode" counts a PD-role instance
+    #: holding decode work (a decode request, or a decode leg whose KV is on its way), "prefill"
+    #: one holding other work (prompts to compute, KV held for a transfer) — an adaptive-PD
+    #: instance may count in both — and "neutral" a neutral-role instance holding any work.
+    mean_busy_prefill: float = 0.0
+    mean_busy_decode: float = 0.0
+    mean_busy_neutral: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -266,6 +273,8 @@ class _Req:
         "predicted_tpot_ms",
         "predicted_ttft_ms",
         "prefill",
+        "resident",
+        "resident_tokens",
         "stage",
         "tokens",
     )
@@ -274,6 +283,8 @@ class _Req:
         self.stage = _PENDING
         self.prefill = -1
         self.decode = -1
+        self.resident = -1  # instance holding its resident decode leg (-1: none)
+        self.resident_tokens = 0
         self.first_s = -1.0
         self.done_s = -1.0
         self.tokens = 0
@@ -344,8 +355,23 @@ class _Simulation:
         self.load = np.zeros((len(_LOAD_ROWS), n))
         self.dirty: set[int] = set()
         # In-flight sums, rows in InflightColumns field order: requests, prefill legs, prefill tokens,
-        # decode legs, decode tokens, tokens. Only decode legs are ever in flight (see the module doc).
-        self.inflight = np.zeros((6, n))
+        # decode legs, decode tokens, tokens, resident decode legs, their final tokens. Only decode
+        # legs are ever in flight (see the module doc); a decode leg is resident from the decision
+        # until its request ends, with prompt + max_tokens as its final KV.
+        self.inflight = np.zeros((INFLIGHT_ROWS, n))
+        # The safety valve's inputs, as the agents report them: the last decode step's duration
+        # (NaN while the instance has no decode work) and when it last preempted.
+        self.measured = np.full(n, np.nan)
+        self.last_preempt_s = np.full(n, -np.inf)
+        # Busy-instance accounting (SimStats.mean_busy_*): per instance, does it hold decode work /
+        # other work, and the time integral of the counts per kind.
+        self.neutral_role = np.array([r is Role.NEUTRAL for r in fleet.roles])
+        self.hold_decode = np.zeros(n, dtype=bool)
+        self.hold_other = np.zeros(n, dtype=bool)
+        self.touched: set[int] = set()
+        self.busy_counts = [0, 0, 0]  # prefill, decode, neutral
+        self.busy_integral = [0.0, 0.0, 0.0]
+        self.busy_since = 0.0
         self.inflight_columns: InflightColumns | None = None
         self.static_memo: dict[Any, Any] = {}
         self.heap: list[tuple[float, int, int, int]] = []
@@ -362,8 +388,11 @@ class _Simulation:
         k, n = 0, len(arrivals)
         pop = heapq.heappop
         while k < n or heap:
+            if self.touched:
+                self._account_busy()
             if heap and (k >= n or heap[0][0] <= arrivals[k]):
                 t, seq, kind, x = pop(heap)
+                self._busy_until(t)
                 self.now = t
                 if kind == _STEP_END:
                     self._step_end(x, t)
@@ -373,6 +402,7 @@ class _Simulation:
                     self._run_end(x, seq, t)
             else:
                 t = arrivals[k]
+                self._busy_until(t)
                 self.now = t
                 self._arrive(k, t)
                 k += 1
@@ -385,7 +415,45 @@ class _Simulation:
             kv_transfers=self.kv_transfers,
             events=self.events,
         )
-        return max(self.now, arrivals[-1] if arrivals else 0.0), stats
+        end = max(self.now, arrivals[-1] if arrivals else 0.0)
+        self._account_busy()
+        self._busy_until(end)
+        start = arrivals[0] if arrivals else 0.0
+        span = end - start
+        if span > 0:
+            means = [x / span for x in self.busy_integral]
+            stats = dataclasses.replace(
+                stats, mean_busy_prefill=means[0], mean_busy_decode=means[1], mean_busy_neutral=means[2]
+            )
+        return end, stats
+
+    def _busy_until(self, t: float) -> None:
+        dt = t - self.busy_since
+        if dt > 0:
+            counts = self.busy_counts
+            integral = self.busy_integral
+            for kind in range(3):
+                if counts[kind]:
+                    integral[kind] += counts[kind] * dt
+            self.busy_since = t
+
+    def _account_busy(self) -> None:
+        """Refresh which kind of work the touched instances hold (the counts change only here)."""
+        counts = self.busy_counts
+        for i in self.touched:
+            core = self.cores[i]
+            decode = core.num_decode_requests > 0 or self.inflight[3, i] > 0
+            other = core.num_running + core.num_waiting + core.num_held > core.num_decode_requests
+            if self.neutral_role[i]:
+                was = self.hold_decode[i] or self.hold_other[i]
+                now = decode or other
+                counts[2] += int(now) - int(was)
+            else:
+                counts[1] += int(decode) - int(self.hold_decode[i])
+                counts[0] += int(other) - int(self.hold_other[i])
+            self.hold_decode[i] = decode
+            self.hold_other[i] = other
+        self.touched.clear()
 
     def _push(self, t: float, kind: int, x: int) -> int:
         seq = self.seq
@@ -403,10 +471,12 @@ class _Simulation:
             if run is not None:
                 self.runs[i] = run
                 self.run_event[i] = self._push(run.ends[-1], _RUN_END, i)
+                self.measured[i] = (run.ends[0] - now) * 1e3
                 self.run_next[i] = -np.inf  # the next view takes the run's columns
                 self.busy[i] = True
                 self.changed_at[i] = now
                 self.dirty.add(i)
+                self.touched.add(i)
                 return
         step = self.cores[i].schedule()
         self.steps[i] = step
@@ -418,6 +488,7 @@ class _Simulation:
             self.busy[i] = False
         self.changed_at[i] = now
         self.dirty.add(i)
+        self.touched.add(i)
 
     def _settle(self, i: int, now: float) -> SimCore:
         """Instance ``i``'s core as stepping would have it at ``now``: call before changing it from outside."""
@@ -433,6 +504,7 @@ class _Simulation:
         else:
             self.changed_at[i] = now
             self.dirty.add(i)
+            self.touched.add(i)
 
     def _materialize(self, i: int, run: DecodeRun, now: float) -> None:
         """End instance ``i``'s fast-forwarded run at ``now``: apply its finished steps, resume the one running."""
@@ -449,6 +521,7 @@ class _Simulation:
         self.num_steps += s + 1
         self.changed_at[i] = start
         self.dirty.add(i)
+        self.touched.add(i)
 
     def _run_end(self, i: int, seq: int, now: float) -> None:
         """The last planned step of instance ``i``'s run ended: plan more, or apply the run and step on."""
@@ -470,6 +543,10 @@ class _Simulation:
         assert step is not None
         result = self.cores[i].finish_step(step)
         self.steps[i] = None
+        if step.num_decode_requests > 0:
+            self.measured[i] = step.duration_ms
+        if step.num_preempted > 0:
+            self.last_preempt_s[i] = now
         for rid, position, finished, held in result.outputs:
             if position == 0 or finished:
                 self._token(int(rid), position, finished, held, now)
@@ -533,6 +610,8 @@ class _Simulation:
             prompt_tokens=plan.prompt_tokens,
             ttft_slo_ms=plan.slo.ttft_ms or 0.0,
             tpot_slo_ms=plan.slo.tpot_ms or 0.0,
+            e2e_slo_ms=plan.slo.e2e_ms or 0.0,
+            max_tokens=plan.max_tokens,
         )
         view = self._view(now)
         self.decisions += 1
@@ -590,17 +669,38 @@ class _Simulation:
         r.stage = _SERVING if neutral else _PREFILL
         if not neutral and plan.max_tokens > 1 and d != p:
             self._inflight(d, +1, plan.prompt_tokens)
+        if plan.max_tokens > 1:
+            self._resident(r, d, +1, plan.prompt_tokens + plan.max_tokens)
         self._changed(p, now)
 
     def _finish(self, r: _Req, now: float) -> None:
         r.stage = _DONE
         r.done_s = now
+        self._resident(r, r.resident, -1, 0)
 
     def _fail(self, r: _Req, code: str, message: str, now: float) -> None:
+        self._resident(r, r.resident, -1, 0)
         r.stage = _DONE
         r.done_s = now
         r.error_code = code
         r.error_message = message
+
+    def _resident(self, r: _Req, i: int, sign: int, final_tokens: int) -> None:
+        """Make request ``r``'s decode leg resident on ``i`` (+1), or end its residence (-1)."""
+        if i < 0:
+            return
+        m = self.inflight
+        if sign > 0:
+            r.resident = i
+            r.resident_tokens = final_tokens
+        elif r.resident != i:
+            return
+        else:
+            final_tokens = r.resident_tokens
+            r.resident = -1
+        m[6, i] += sign
+        m[7, i] += sign * final_tokens
+        self.inflight_columns = None
 
     def _inflight(self, i: int, sign: int, prompt_tokens: int) -> None:
         """Add (+1) or remove (-1) a decode leg of ``prompt_tokens`` on instance ``i``."""
@@ -610,6 +710,7 @@ class _Simulation:
         m[4, i] += sign * prompt_tokens
         m[5, i] += sign * prompt_tokens
         self.inflight_columns = None
+        self.touched.add(i)
 
     # ------------------------------------------------------------------ the view
 
@@ -628,6 +729,8 @@ class _Simulation:
             used_kv[i] = core.num_used_kv_tokens
             waiting[i] = core.num_waiting
             running[i] = core.num_running
+            if core.num_decode_requests == 0:
+                self.measured[i] = np.nan  # no decode work: nothing to measure, nothing over-packed
         self.dirty.clear()
         for i in np.flatnonzero(self.run_next <= now).tolist():
             run = runs[i]
@@ -648,6 +751,8 @@ class _Simulation:
             status_age_s=age,
             **{name: rows[k] for k, name in enumerate(_LOAD_ROWS)},
             memo=dict(self.static_memo),
+            measured_decode_step_ms=_readonly(self.measured.copy()),
+            preempting=_readonly((now - self.last_preempt_s < AGENT_HEARTBEAT_S).astype(np.float64)),
         )
         return ClusterView(table, self._inflight_columns(), now, age)
 

@@ -109,7 +109,10 @@ def point_to_dict(point: SweepPoint) -> dict[str, Any]:
     """One run's figures: ``policy``, ``rate``, ``slo_attainment`` (0-1), ``goodput`` (req/s), latencies, ...
 
     Every key of :meth:`bench.report.ClassReport.flat` for all requests, plus
-    ``rejected`` (no placement), ``duration_s`` (virtual makespan), ``classes``
+    ``rejected`` (no placement), ``duration_s`` (virtual makespan), ``preemptions``
+    (engine preemptions, all instances), ``mean_busy_instances`` (``{"prefill", "decode",
+    "neutral"}``: time-average number of instances holding work of that kind, see
+    :class:`sim.cluster.SimStats`), ``classes``
     (the same figures per SLO class) and ``sim`` (step and event counts). No
     wall-clock figure: the document is a pure function of the inputs.
     """
@@ -126,6 +129,12 @@ def point_to_dict(point: SweepPoint) -> dict[str, Any]:
         "tpot_p99_ms": overall.pop("tpot_p99_ms"),
         "rejected": point.stats.rejected,
         "duration_s": point.report.duration_s,
+        "preemptions": point.stats.preemptions,
+        "mean_busy_instances": {
+            "prefill": point.stats.mean_busy_prefill,
+            "decode": point.stats.mean_busy_decode,
+            "neutral": point.stats.mean_busy_neutral,
+        },
     }
     doc.update(overall)
     doc["classes"] = {c.name: c.flat() for c in point.report.classes}

@@ -70,6 +70,12 @@ class InstanceTable:
     waiting_requests: FloatArray
     running_requests: FloatArray
     memo: dict[Any, Any] = field(default_factory=dict, repr=False)
+    #: Mean duration (ms) of the instance's recently reported engine steps that decoded (NaN: none
+    #: reported). Optional: ``None`` when the source has no step measurements.
+    measured_decode_step_ms: FloatArray | None = None
+    #: 1 where the instance reports recent preemptions, else 0. Optional: ``None`` when the source
+    #: does not report them (the safety valve then reads KV saturation instead).
+    preempting: FloatArray | None = None
 
     @property
     def n(self) -> int:
@@ -114,7 +120,11 @@ INFLIGHT_PREFILL_TOKENS = 1 << 2
 INFLIGHT_DECODE_REQUESTS = 1 << 3
 INFLIGHT_DECODE_TOKENS = 1 << 4
 INFLIGHT_TOKENS = 1 << 5
-INFLIGHT_ALL = (1 << 6) - 1
+INFLIGHT_RESIDENT_REQUESTS = 1 << 6
+INFLIGHT_RESIDENT_TOKENS = 1 << 7
+INFLIGHT_ALL = (1 << 8) - 1
+#: Rows of the in-flight matrix (``InflightColumns.matrix``).
+INFLIGHT_ROWS = 8
 
 
 class InflightColumns(NamedTuple):
@@ -122,8 +132,15 @@ class InflightColumns(NamedTuple):
 
     ``requests`` and ``tokens`` count each request once per instance, whatever
     legs it has there; the prefill/decode columns count per leg. ``matrix``
-    holds the six columns as its rows, in field order (read-only). Masks of
+    holds the columns as its rows, in field order (read-only). Masks of
     changed columns use the ``INFLIGHT_*`` bits, one per row.
+
+    The two ``resident_*`` columns outlive admission: they hold, per
+    instance, the decode legs the router placed there whose request has not
+    ended yet (in flight or already reported), and the tokens their KV will
+    reach at the end (context + expected remaining output), for packing over
+    a request's life (:mod:`router.core.packing`). Legs placed without an
+    expected length are not in them.
     """
 
     requests: FloatArray
@@ -135,13 +152,22 @@ class InflightColumns(NamedTuple):
     #: How many instances of the view have at least one in-flight entry.
     instances_with_entries: int
     matrix: FloatArray
+    resident_requests: FloatArray
+    resident_tokens: FloatArray
 
     @classmethod
     def of(cls, matrix: FloatArray) -> InflightColumns:
-        """Columns over the rows of a (6, n) ``matrix`` (which becomes read-only)."""
+        """Columns over the rows of an (8, n) ``matrix`` (which becomes read-only).
+
+        A (6, n) matrix (no resident rows) is padded with zero resident rows.
+        """
+        if matrix.shape[0] < INFLIGHT_ROWS:
+            matrix = np.vstack([matrix, np.zeros((INFLIGHT_ROWS - matrix.shape[0], matrix.shape[1]))])
         matrix.setflags(write=False)
         r = matrix
-        return cls._make((r[0], r[1], r[2], r[3], r[4], r[5], int(np.count_nonzero(r[0])), matrix))
+        return cls._make(
+            (r[0], r[1], r[2], r[3], r[4], r[5], int(np.count_nonzero(r[0])), matrix, r[6], r[7])
+        )
 
 
 class LoadDelta(NamedTuple):

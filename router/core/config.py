@@ -34,7 +34,7 @@ class SchedulerConfig:
     scheduling_policy: str = field(
         default="load-balance",
         metadata=_doc(
-            "registered policy: load-balance, slo, round-robin, random, least-requests or power-of-two",
+            "registered policy: load-balance, slo, binpack, round-robin, random, least-requests or power-of-two",
             "--scheduling-policy",
         ),
     )
@@ -141,6 +141,52 @@ class SchedulerConfig:
             "instance metadata label naming its profile group (heterogeneous fleets)", "--profile-label"
         ),
     )
+    tpot_packing_strictness: float = field(
+        default=0.5,
+        metadata=_doc(
+            "packing: how far into their remaining output the decode contexts are projected when checking "
+            "the TPOT target (Aladdin's gamma: 0 = now, 1 = the last token)",
+            "--tpot-packing-strictness",
+        ),
+    )
+    tpot_binpack_threshold: float = field(
+        default=0.85,
+        metadata=_doc(
+            "packing: fraction of the TPOT target the TPOT projected at that horizon must stay below (ratio)",
+            "--tpot-binpack-threshold",
+        ),
+    )
+    kv_packing_headroom: float = field(
+        default=0.95,
+        metadata=_doc(
+            "packing: fraction of an instance's KV capacity its projected peak over the life of its "
+            "requests may reach (ratio)",
+            "--kv-packing-headroom",
+        ),
+    )
+    packing_default_output_tokens: int = field(
+        default=256,
+        metadata=_doc(
+            "packing: output tokens assumed for a request that gives neither an expected length nor "
+            "max_tokens, and for resident requests the router did not place",
+            "--packing-default-output-tokens",
+        ),
+    )
+    binpack_max_batch: int = field(
+        default=256,
+        metadata=_doc(
+            "packing: decode batch that counts as a full instance in capacity_norm (requests)",
+            "--binpack-max-batch",
+        ),
+    )
+    overpacked_tpot_factor: float = field(
+        default=1.0,
+        metadata=_doc(
+            "safety valve: a decoder whose measured decode step exceeds this fraction of the TPOT target "
+            "gets no new decode until it recovers (ratio)",
+            "--overpacked-tpot-factor",
+        ),
+    )
     policy_config_path: str | None = field(
         default=None,
         metadata=_doc(
@@ -162,6 +208,9 @@ class SchedulerConfig:
             "tpot_slo_ms",
             "ttft_slo_dispatch_threshold",
             "tpot_slo_dispatch_threshold",
+            "tpot_binpack_threshold",
+            "kv_packing_headroom",
+            "overpacked_tpot_factor",
         ):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
@@ -172,6 +221,14 @@ class SchedulerConfig:
                 raise bad(name, "must be > 0 seconds")
         if self.failover_domain not in FAILOVER_DOMAINS:
             raise bad("failover_domain", f"must be one of {', '.join(FAILOVER_DOMAINS)}")
+        if not (math.isfinite(self.tpot_packing_strictness) and 0.0 <= self.tpot_packing_strictness <= 1.0):
+            raise bad("tpot_packing_strictness", "must be within [0, 1]")
+        if self.kv_packing_headroom > 1.0:
+            raise bad("kv_packing_headroom", "must be <= 1 (a fraction of the KV capacity)")
+        if self.packing_default_output_tokens < 1:
+            raise bad("packing_default_output_tokens", "must be >= 1 token")
+        if self.binpack_max_batch < 1:
+            raise bad("binpack_max_batch", "must be >= 1 request")
         if self.dispatch_top_k < 1:
             raise bad("dispatch_top_k", "must be >= 1")
         if self.default_max_num_batched_tokens < 1:

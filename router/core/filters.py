@@ -10,7 +10,10 @@ Single-instance filters (in a stage's order):
   ``droppable``, optional ``label``) — keeps an instance whose metric is
   strictly below the limit (NaN never passes). ``slo: ttft`` means ``limit =
   request TTFT target × factor`` (``factor`` defaults to
-  ``ttft_slo_dispatch_threshold``); likewise ``tpot``. A droppable threshold
+  ``ttft_slo_dispatch_threshold``); likewise ``tpot``; ``tpot_packing`` is
+  the TPOT a packed placement must keep over the request's life
+  (:func:`router.core.packing.packing_tpot_target_ms`: the TPOT target, or
+  the pace an e2e-only request needs). A droppable threshold
   is skipped by the fallback pass. ``label`` names the use in traces
   (default ``metric_threshold:<metric>``).
 * ``exclude_reserved`` (``reserve: prefill|decode``) — drops adaptive PD's
@@ -37,6 +40,7 @@ import numpy as np
 from router.core.columns import BoolArray, InstanceTable, IntArray
 from router.core.config import FAILOVER_DOMAINS, SchedulerConfig
 from router.core.errors import ConfigError
+from router.core.packing import packing_tpot_target_ms
 from router.core.plugins import DecisionContext, Filter, FilterResult, GlobalFilter
 from router.core.registry import FILTERS, METRICS, Params
 
@@ -128,9 +132,13 @@ class MetricThreshold:
     relax_pass: int
     label: str
 
+    default_output_tokens: int = 256
+
     def bound(self, ctx: DecisionContext) -> float:
         if self.limit is not None:
             return self.limit
+        if self.slo == "tpot_packing":
+            return packing_tpot_target_ms(ctx, self.default_output_tokens, self.factor) * self.factor
         target = ctx.ttft_slo_ms if self.slo == "ttft" else ctx.tpot_slo_ms
         return target * self.factor
 
@@ -157,8 +165,8 @@ def _metric_threshold(config: SchedulerConfig, params: Params) -> Filter:
     slo = params.text("slo", "")
     if (limit is None) == (not slo):
         raise ConfigError(f"{params.where}: metric_threshold needs exactly one of 'limit' or 'slo'")
-    if slo and slo not in ("ttft", "tpot"):
-        raise ConfigError(f"{params.where}: 'slo' must be ttft or tpot, got {slo!r}")
+    if slo and slo not in ("ttft", "tpot", "tpot_packing"):
+        raise ConfigError(f"{params.where}: 'slo' must be ttft, tpot or tpot_packing, got {slo!r}")
     default_factor = (
         config.ttft_slo_dispatch_threshold if slo == "ttft" else config.tpot_slo_dispatch_threshold
     )
@@ -172,6 +180,7 @@ def _metric_threshold(config: SchedulerConfig, params: Params) -> Filter:
         factor=factor,
         relax_pass=_relax_pass(params),
         label=params.text("label", f"metric_threshold:{metric}"),
+        default_output_tokens=config.packing_default_output_tokens,
     )
 
 

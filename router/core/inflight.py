@@ -27,6 +27,13 @@ added, so no counter goes negative; a request is counted once per instance
 instance whose latest reconciled status already reports the request, so load
 is never counted both in-flight and in the status.
 
+Residents. A decode leg recorded with ``final_tokens`` (its context plus the
+output it is expected to still generate) also enters the *resident* tally of
+its instance, which stays until the request ends at the router
+(:meth:`InflightAccount.release`) or ``resident_expiry_s`` passes — not at
+admission: packing (:mod:`router.core.packing`) needs the expected growth of
+every request living on an instance, which no status reports.
+
 Not thread-safe: the router calls it from its event loop only.
 """
 
@@ -45,6 +52,9 @@ from router.core.columns import (
     INFLIGHT_PREFILL_REQUESTS,
     INFLIGHT_PREFILL_TOKENS,
     INFLIGHT_REQUESTS,
+    INFLIGHT_RESIDENT_REQUESTS,
+    INFLIGHT_RESIDENT_TOKENS,
+    INFLIGHT_ROWS,
     INFLIGHT_TOKENS,
     InflightColumns,
 )
@@ -52,6 +62,7 @@ from router.core.columns import (
 _ENTRY = INFLIGHT_REQUESTS | INFLIGHT_TOKENS
 _PREFILL_LEG = INFLIGHT_PREFILL_REQUESTS | INFLIGHT_PREFILL_TOKENS
 _DECODE_LEG = INFLIGHT_DECODE_REQUESTS | INFLIGHT_DECODE_TOKENS
+_RESIDENT = INFLIGHT_RESIDENT_REQUESTS | INFLIGHT_RESIDENT_TOKENS
 
 
 def _columns_of(new_entry: bool, prefill: bool, decode: bool) -> int:
@@ -136,10 +147,17 @@ class InflightAccount:
     (:meth:`changed_since`, :meth:`changes_since`).
     """
 
-    def __init__(self, expiry_s: float = 10.0) -> None:
+    def __init__(self, expiry_s: float = 10.0, resident_expiry_s: float = 900.0) -> None:
         if not expiry_s > 0:
             raise ValueError(f"expiry_s must be > 0, got {expiry_s}")
+        if not resident_expiry_s > 0:
+            raise ValueError(f"resident_expiry_s must be > 0, got {resident_expiry_s}")
         self.expiry_s = expiry_s
+        self.resident_expiry_s = resident_expiry_s
+        # request_id -> (instance_id, final tokens, recorded at), in recording order.
+        self._resident: dict[str, tuple[str, int, float]] = {}
+        # instance_id -> [resident decode legs, sum of their final tokens]
+        self._resident_totals: dict[str, list[int]] = {}
         self.version = 0
         # (request_id, instance_id) -> entry, in recording order (expiry walks it from the front).
         self._entries: dict[tuple[str, str], InflightEntry] = {}
@@ -175,11 +193,13 @@ class InflightAccount:
             changes[instance_id] = changes.get(instance_id, 0) | columns
         return changes
 
-    def totals_row(self, instance_id: str) -> tuple[int, int, int, int, int, int]:
-        """One instance's sums in :class:`~router.core.columns.InflightColumns` order (zeros when none)."""
+    def totals_row(self, instance_id: str) -> tuple[int, ...]:
+        """One instance's sums in :class:`~router.core.columns.InflightColumns` matrix-row order (zeros when none)."""
         t = self._totals.get(instance_id)
+        r = self._resident_totals.get(instance_id)
+        resident = (r[0], r[1]) if r is not None else (0, 0)
         if t is None:
-            return (0, 0, 0, 0, 0, 0)
+            return (0, 0, 0, 0, 0, 0, *resident)
         return (
             t.requests,
             t.prefill_requests,
@@ -187,7 +207,13 @@ class InflightAccount:
             t.decode_requests,
             t.decode_tokens,
             t.tokens,
+            *resident,
         )
+
+    def resident(self, instance_id: str) -> tuple[int, int]:
+        """(resident decode legs, sum of their final tokens) of one instance."""
+        r = self._resident_totals.get(instance_id)
+        return (r[0], r[1]) if r is not None else (0, 0)
 
     # ------------------------------------------------------------------ queries
 
@@ -217,8 +243,8 @@ class InflightAccount:
 
         Costs O(instances with entries); instances not in ``index`` are skipped.
         """
-        cols = np.zeros((6, n))
-        for instance_id in self._totals:
+        cols = np.zeros((INFLIGHT_ROWS, n))
+        for instance_id in self._totals.keys() | self._resident_totals.keys():
             i = index.get(instance_id)
             if i is not None:
                 cols[:, i] = self.totals_row(instance_id)
@@ -233,8 +259,13 @@ class InflightAccount:
         decode_instance: str | None,
         prompt_tokens: int,
         now_s: float,
+        final_tokens: int = 0,
     ) -> None:
         """Account a dispatch: a prefill leg on ``prefill_instance`` and a decode leg on ``decode_instance``.
+
+        ``final_tokens`` (> 0) makes the decode leg resident on its instance
+        until the request ends: the tokens its KV reaches at the end (context +
+        expected output still to come); 0 = unknown (not resident).
 
         Neutral mode passes the same instance twice (one entry with both legs);
         a decode-only re-placement passes ``prefill_instance=None``. Recording
@@ -243,6 +274,10 @@ class InflightAccount:
         """
         if prompt_tokens < 0:
             raise ValueError(f"prompt_tokens must be >= 0, got {prompt_tokens}")
+        if final_tokens < 0:
+            raise ValueError(f"final_tokens must be >= 0, got {final_tokens}")
+        if decode_instance is not None and final_tokens > 0:
+            self._add_resident(request_id, decode_instance, final_tokens, now_s)
         if prefill_instance is not None and prefill_instance == decode_instance:
             self._add(request_id, prefill_instance, True, True, prompt_tokens, now_s)
             return
@@ -287,6 +322,31 @@ class InflightAccount:
             )
             self._touch(instance_id, _columns_of(True, prefill, decode))
 
+    def _add_resident(self, request_id: str, instance_id: str, final_tokens: int, now_s: float) -> None:
+        old = self._resident.get(request_id)
+        if old is not None:
+            if old[0] == instance_id:
+                return  # idempotent: the same leg recorded twice
+            self._drop_resident(request_id)
+        self._resident[request_id] = (instance_id, final_tokens, now_s)
+        totals = self._resident_totals.setdefault(instance_id, [0, 0])
+        totals[0] += 1
+        totals[1] += final_tokens
+        self._touch(instance_id, _RESIDENT)
+
+    def _drop_resident(self, request_id: str) -> bool:
+        found = self._resident.pop(request_id, None)
+        if found is None:
+            return False
+        instance_id, final_tokens, _ = found
+        totals = self._resident_totals[instance_id]
+        totals[0] -= 1
+        totals[1] -= final_tokens
+        if totals[0] <= 0:
+            del self._resident_totals[instance_id]
+        self._touch(instance_id, _RESIDENT)
+        return True
+
     def _remove(self, entry: InflightEntry) -> None:
         key = (entry.request_id, entry.instance_id)
         if self._entries.pop(key, None) is None:
@@ -309,6 +369,9 @@ class InflightAccount:
 
         Returns how many entries were removed (0 when there were none: releasing twice is harmless).
         """
+        resident = self._resident.get(request_id)
+        if resident is not None and (instance_id is None or resident[0] == instance_id):
+            self._drop_resident(request_id)
         entries = self._by_request.get(request_id)
         if not entries:
             return 0
@@ -329,6 +392,12 @@ class InflightAccount:
         loses an entry early.
         """
         removed = 0
+        resident_deadline = now_s - self.resident_expiry_s
+        while self._resident:
+            request_id, (_, _, recorded_at_s) = next(iter(self._resident.items()))
+            if recorded_at_s > resident_deadline:
+                break
+            self._drop_resident(request_id)
         deadline = now_s - self.expiry_s
         while self._entries:
             entry = next(iter(self._entries.values()))

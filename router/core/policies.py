@@ -29,6 +29,7 @@ import yaml
 
 from router.core import filters as _filters  # noqa: F401  (registers the filters)
 from router.core import metrics as _metrics  # noqa: F401  (registers the metrics)
+from router.core import packing as _packing  # noqa: F401  (registers the packing metrics)
 from router.core import selectors as _selectors  # noqa: F401  (registers the selectors)
 from router.core.adaptive_pd import ReserveElection
 from router.core.config import SchedulerConfig
@@ -179,21 +180,61 @@ def _load_balance(config: SchedulerConfig) -> dict[str, Any]:
 
 _builtin("load-balance", _load_balance)
 
-_builtin(
-    "slo",
-    {
+
+def _kv_fits(config: SchedulerConfig, **extra: Any) -> dict[str, Any]:
+    """KV over the life of the instance's requests (and this one) within the headroom."""
+    return {
+        "name": "metric_threshold",
+        "metric": "kv_peak_projected",
+        "limit": config.kv_packing_headroom,
+        "label": "kv_over_life",
+        **extra,
+    }
+
+
+def _not_overpacked(**extra: Any) -> dict[str, Any]:
+    """The safety valve: no new decode on an instance measured over its TPOT target or preempting."""
+    return {"name": "metric_threshold", "metric": "overpacked", "limit": 0.5, "label": "overpacked", **extra}
+
+
+def _tpot_horizon(config: SchedulerConfig, **extra: Any) -> dict[str, Any]:
+    """TPOT at the packing horizon (γ) below the bin-packing share of the target."""
+    return _tpot(
+        metric="predicted_tpot_horizon",
+        slo="tpot_packing",
+        factor=config.tpot_binpack_threshold,
+        label="tpot_horizon",
+        **extra,
+    )
+
+
+def _slo(config: SchedulerConfig) -> dict[str, Any]:
+    # Decode also keeps KV over life and the safety valve, both droppable: when every instance
+    # meeting the TPOT target is full or over-packed, the fallback places as plain slo would.
+    return {
         "prefill": {"filters": [*HEALTH, _ttft(), "failover"], "selector": _lowest("predicted_ttft")},
-        "decode": {"filters": [*HEALTH, _tpot(), "failover"], "selector": _lowest("predicted_tpot")},
+        "decode": {
+            "filters": [
+                *HEALTH,
+                _tpot(),
+                _kv_fits(config, droppable=True),
+                _not_overpacked(droppable=True),
+                "failover",
+            ],
+            "selector": _lowest("predicted_tpot"),
+        },
         "neutral": {
-            "filters": [*HEALTH, _ttft(), _tpot(), "failover"],
+            "filters": [*HEALTH, _ttft(), _tpot(), _kv_fits(config, droppable=True), "failover"],
             "selector": _lowest("predicted_ttft", "predicted_tpot"),
         },
-    },
-)
+    }
 
-_builtin(
-    "adaptive-pd",
-    {
+
+_builtin("slo", _slo)
+
+
+def _adaptive_pd(config: SchedulerConfig) -> dict[str, Any]:
+    return {
         "adaptive_pd": True,
         "prefill": {
             "filters": [
@@ -211,17 +252,64 @@ _builtin(
             ],
             "selector": _lowest("predicted_ttft", "-reserved_prefill"),
         },
+        # Decode is bin-packed, but only onto instances that keep their promises over the life of
+        # their requests: TPOT now (admission) and at the γ horizon (bin-packing target), KV over
+        # life, and not over-packed. Pass 1 drops the packing constraints (the selector then opens
+        # a decode-idle instance, or spreads); pass 2 also the reserve and the valve.
         "decode": {
             "filters": [
                 *HEALTH,
                 {"name": "exclude_reserved", "reserve": "prefill", "relax_pass": 2},
+                _not_overpacked(relax_pass=2),
+                _kv_fits(config, droppable=True),
                 _tpot(droppable=True),
+                _tpot_horizon(config, droppable=True),
                 "failover",
             ],
-            "selector": "adaptive_decode",
+            "selector": "binpack",
         },
-    },
-)
+    }
+
+
+_builtin("adaptive-pd", _adaptive_pd)
+
+
+def _binpack(config: SchedulerConfig) -> dict[str, Any]:
+    """Aladdin's placement: best fit by capacity_norm among instances meeting every constraint."""
+    packed = {
+        "filters": [
+            *HEALTH,
+            _not_overpacked(relax_pass=2),
+            _kv_fits(config, droppable=True),
+            _tpot(droppable=True),
+            _tpot_horizon(config, droppable=True),
+            "failover",
+        ],
+        "selector": "binpack",
+    }
+    neutral = {
+        "filters": [
+            *HEALTH,
+            _ttft(droppable=True),
+            _not_overpacked(relax_pass=2),
+            _kv_fits(config, droppable=True),
+            _tpot(droppable=True),
+            _tpot_horizon(config, droppable=True),
+            "failover",
+        ],
+        "selector": "binpack",
+    }
+    return {
+        "prefill": {
+            "filters": [*HEALTH, _ttft(droppable=True), "failover"],
+            "selector": _lowest("predicted_ttft"),
+        },
+        "decode": packed,
+        "neutral": neutral,
+    }
+
+
+_builtin("binpack", _binpack)
 
 _builtin("round-robin", _same_everywhere([*HEALTH, "failover"], "round_robin"))
 _builtin("random", _same_everywhere([*HEALTH, "failover"], "random"))

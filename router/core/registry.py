@@ -11,7 +11,7 @@ Registering a name twice raises :class:`DuplicatePluginError`; creating an
 unknown name raises :class:`UnknownPluginError` listing the known ones; a
 parameter the factory did not read raises :class:`ConfigError`. The built-in
 plugins live in :mod:`router.core.metrics`, :mod:`router.core.filters`,
-:mod:`router.core.selectors` and :mod:`router.core.policies`; :func:`load_builtins`
+:mod:`router.core.packing`, :mod:`router.core.selectors` and :mod:`router.core.policies`; :func:`load_builtins`
 imports them.
 """
 
@@ -29,6 +29,7 @@ T = TypeVar("T")
 
 _BUILTIN_MODULES = (
     "router.core.metrics",
+    "router.core.packing",
     "router.core.filters",
     "router.core.selectors",
     "router.core.policies",

@@ -67,11 +67,21 @@ class ScheduleInput:
     #: Instances a retry must avoid (they failed this request already).
     exclude_instance_ids: frozenset[str] = frozenset()
     stages: StageRestriction = StageRestriction.ALL
+    #: End-to-end target (ms); 0 = none. Packing derives a TPOT target from it for a request
+    #: that sets no TPOT target of its own (:func:`router.core.packing.packing_tpot_target_ms`).
+    e2e_slo_ms: float = 0.0
+    #: Expected output length in tokens (a class statistic or a length predictor); 0 = unknown.
+    expected_output_tokens: int = 0
+    #: The request's own output limit in tokens; 0 = unknown.
+    max_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.prompt_tokens < 0:
             raise InvalidRequestError(f"prompt_tokens must be >= 0, got {self.prompt_tokens}")
-        for name in ("ttft_slo_ms", "tpot_slo_ms"):
+        for count in ("expected_output_tokens", "max_tokens"):
+            if getattr(self, count) < 0:
+                raise InvalidRequestError(f"{count} must be >= 0 (0 = unknown), got {getattr(self, count)}")
+        for name in ("ttft_slo_ms", "tpot_slo_ms", "e2e_slo_ms"):
             value = getattr(self, name)
             if not (value >= 0 and value != float("inf")):
                 raise InvalidRequestError(f"{name} must be finite and >= 0 (0 = router default), got {value}")

@@ -28,6 +28,7 @@ from router.core.config import SchedulerConfig
 from router.core.decision import Decision
 from router.core.errors import ConfigError
 from router.core.inflight import InflightAccount
+from router.core.packing import expected_output_tokens
 from router.core.plugins import DecisionContext, Metric, Policy
 from router.core.policies import build_policy
 from router.core.predictors import PredictorSet
@@ -155,14 +156,17 @@ class Scheduler:
         ``prompt_tokens`` defaults to the request's (a decode re-placement of
         prompt + generated tokens passes its own count).
         """
+        request = decision.context.request
         tokens = prompt_tokens
         if tokens is None:
-            request = decision.context.request
             tokens = request.prompt_tokens if request is not None else 0
+        # The decode leg stays resident until the request ends, with the KV it is expected to reach.
+        final = tokens + expected_output_tokens(request, self.config.packing_default_output_tokens)
         self.inflight.record(
             decision.request_id,
             decision.prefill.instance_id if decision.prefill is not None else None,
             decision.decode.instance_id if decision.decode is not None else None,
             tokens,
             now_s,
+            final_tokens=final if request is not None else 0,
         )

@@ -16,6 +16,16 @@
   lower ``predicted_ttft``. In a fallback pass (nobody meets the target): the
   decode-idle survivor with the lowest ``predicted_ttft`` becomes a decoder;
   without one, the lowest ``predicted_tpot``.
+* ``binpack`` — Aladdin's best fit (seed 001): among the survivors (the
+  stage's filters already kept only instances meeting every constraint: TTFT,
+  TPOT at the packing horizon, KV over the requests' life), the one with the
+  HIGHEST ``capacity_norm`` (:mod:`router.core.packing`), so load
+  concentrates and idle instances can be released; ties to the reserved
+  decode, then to the lower ``predicted_ttft``, then the lower instance id
+  (a deterministic "next bin"). In a fallback pass (no instance meets every
+  constraint) the order turns around: a decode-idle survivor with the lowest
+  ``predicted_ttft`` opens a new bin (Aladdin's "open a new bin"); without
+  one, the LOWEST ``capacity_norm`` (spread the overload).
 """
 
 from __future__ import annotations
@@ -222,3 +232,45 @@ class AdaptiveDecode:
 @SELECTORS.register("adaptive_decode")
 def _adaptive_decode(config: SchedulerConfig, params: Params) -> Selector:
     return AdaptiveDecode()
+
+
+# ----------------------------------------------------------------------------- best fit
+
+
+_BEST_FIT = (
+    SortKey("capacity_norm", True),
+    SortKey("reserved_decode", True),
+    SortKey("predicted_ttft"),
+)
+_LEAST_PACKED = (SortKey("capacity_norm"), SortKey("predicted_tpot"), SortKey("reserved_decode", True))
+
+
+def _first_by_rank(ctx: DecisionContext, ties: IntArray) -> int:
+    return int(ties[ctx.view.instances.id_rank[ties].argmin()])
+
+
+def _lexicographic_ties(ctx: DecisionContext, candidates: IntArray, keys: tuple[SortKey, ...]) -> IntArray:
+    ties = candidates
+    for key in keys:
+        ties = _best_ties(ctx.metric(key.metric)[ties], ties, key.highest)
+        if len(ties) == 1:
+            break
+    return ties
+
+
+@dataclass(frozen=True, eq=False)
+class BinPack:
+    label: str = "binpack"
+
+    def select(self, ctx: DecisionContext, survivors: IntArray, fallback_pass: int) -> int:
+        if fallback_pass == 0:
+            return _first_by_rank(ctx, _lexicographic_ties(ctx, survivors, _BEST_FIT))
+        idle = survivors[ctx.metric("decode_batch_size")[survivors] == 0]
+        if len(idle):
+            return _first_by_rank(ctx, _lexicographic_ties(ctx, idle, _CONVERT))
+        return _first_by_rank(ctx, _lexicographic_ties(ctx, survivors, _LEAST_PACKED))
+
+
+@SELECTORS.register("binpack")
+def _binpack(config: SchedulerConfig, params: Params) -> Selector:
+    return BinPack()

@@ -24,7 +24,7 @@ import numpy.typing as npt
 from slorouter.v1 import cms_pb2
 
 from fleet.snapshot import ClusterSnapshot
-from router.core.columns import ClusterView, InflightColumns, InstanceTable, LoadDelta
+from router.core.columns import INFLIGHT_ROWS, ClusterView, InflightColumns, InstanceTable, LoadDelta
 from router.core.inflight import InflightAccount
 from router.core.request import Role
 
@@ -46,6 +46,19 @@ _STATUS = (
     "running_requests",
 )
 _NO_STATUS = (0,) * len(_STATUS)
+
+
+def _measured_decode_step_ms(status: cms_pb2.InstanceStatus | None) -> float:
+    """Mean duration of the status's step samples that decoded (the measured TPOT); NaN without any."""
+    if status is None:
+        return float("nan")
+    total = 0.0
+    count = 0
+    for sample in status.step_samples:
+        if sample.num_decode_requests > 0:
+            total += sample.duration_ms
+            count += 1
+    return total / count if count else float("nan")
 
 
 class _Meta(NamedTuple):
@@ -179,7 +192,7 @@ class ViewBuilder:
     def _no_inflight(self, table: InstanceTable) -> tuple[InflightColumns, dict[Any, Any]]:
         found: tuple[InflightColumns, dict[Any, Any]] | None = table.memo.get("no_inflight")
         if found is None:
-            found = (InflightColumns.of(np.zeros((6, table.n))), {})
+            found = (InflightColumns.of(np.zeros((INFLIGHT_ROWS, table.n))), {})
             table.memo["no_inflight"] = found
         return found
 
@@ -262,6 +275,9 @@ class ViewBuilder:
         numbers = np.array(rows, dtype=np.float64).reshape(n, len(_STATUS))
         col = {name: _readonly(np.ascontiguousarray(numbers[:, k])) for k, name in enumerate(_STATUS)}
         has_status = _readonly(col["has_status"] > 0)
+        measured = _readonly(
+            np.fromiter((_measured_decode_step_ms(r.status) for r in records), dtype=np.float64, count=n)
+        )
         ages = np.fromiter((r.status_age_s for r in records), dtype=np.float64, count=n)
         return InstanceTable(
             snapshot=snapshot,
@@ -287,4 +303,5 @@ class ViewBuilder:
             used_kv_tokens=col["used_kv_tokens"],
             waiting_requests=col["waiting_requests"],
             running_requests=col["running_requests"],
+            measured_decode_step_ms=measured,
         )

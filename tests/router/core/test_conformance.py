@@ -37,6 +37,7 @@ SELECTOR_PARAMS: dict[str, dict[str, Any]] = {
     "round_robin": {},
     "power_of_two": {},
     "adaptive_decode": {},
+    "binpack": {},
 }
 
 FLEET = make_snapshot(
@@ -88,9 +89,12 @@ def test_metric_conformance(name: str, with_request: bool) -> None:
         assert [at(context(request=with_request), i) for i in range(ctx.view.n)] == pytest.approx(
             values.tolist(), rel=0, abs=0
         )
-    # Instances without a status carry no load.
+    # Instances without a status carry no load (predictions and projections with a request add it).
     new = ctx.view.instances.index["new"]
-    if name not in ("predicted_ttft", "predicted_tpot", "kv_usage_projected"):
+    with_the_request = ("kv_peak_projected", "predicted_tpot_horizon")
+    if name not in ("predicted_ttft", "predicted_tpot", "kv_usage_projected") and not (
+        with_request and name in with_the_request
+    ):
         assert values[new] == 0
 
 

@@ -1,0 +1,235 @@
+"""Packing that keeps its promises: KV and TPOT over a request's life, best-fit placement, a safety valve.
+
+Bin-packing decode (adaptive PD, the ``binpack`` policy) concentrates requests
+on few instances. Checked only at admission, a packed decoder later runs out
+of KV as its requests grow, preempts, and recomputes whole contexts as prefill
+steps that stall every co-resident decode. The metrics here look at the whole
+life of the requests an instance holds, after Aladdin's placement model (seed
+001: decode step time linear in batch and context, the γ strictness knob, the
+KV footprint over each request's life, best fit by ``capacity_norm``).
+
+Notation as in :mod:`router.core.metrics` (S status, L in-flight sums), plus R
+= the router's *resident* tally of the instance (decode legs it placed there
+whose request has not ended: count and the tokens their KV reaches at the end,
+see :mod:`router.core.inflight`), n = S.num_decode_requests + L decode legs,
+γ = ``tpot_packing_strictness``, ``out`` = the request's expected output
+(:func:`expected_output_tokens`), ``o`` = ``packing_default_output_tokens``.
+
+=========================  ==========================================================  =========
+name                       value                                                       cached
+=========================  ==========================================================  =========
+kv_growth_tokens           tokens the resident decode requests will still add to       load
+                           the KV (see below)
+kv_peak_projected          (S.used_kv + S.uncomputed_prefill + L tokens                decision
+                           + kv_growth_tokens + p + out) / kv_capacity_tokens
+decode_tokens_horizon      S.decode_tokens + L decode tokens + γ·kv_growth_tokens      load
+predicted_tpot_horizon     predict_tpot_ms(n + 1, decode_tokens_horizon + p + γ·out)   decision
+capacity_norm              ‖(n / binpack_max_batch, decode_tokens_horizon /            load
+                           kv_capacity_tokens)‖₂
+overpacked                 1 when the instance's measured decode step exceeds          decision
+                           tpot target × overpacked_tpot_factor, or it is preempting
+                           (without a preemption report: its KV is at least 99 %
+                           used), else 0
+=========================  ==========================================================  =========
+
+Growth. The statuses report only sums (decode requests, their context
+tokens), not each request's expected length, so the growth is taken from the
+router's resident tally: ``R.tokens − (context of those requests)``. When R
+covers every decode request (``R.requests ≥ n``) their context is
+``S.decode_tokens + L.decode_tokens``; otherwise the covered share of it,
+and each uncovered request adds ``o``. Adapted from Aladdin's KV constraint,
+which sums per-request footprint vectors over future iterations: the sum here
+is the value of that vector at the worst iteration when every request is
+still alive (all finishing together), an upper bound of its peak that needs
+no per-request state from the statuses.
+
+Horizon. Aladdin bounds ``Σ(l_in + γ·l_out)`` by the context the TPOT target
+allows at the batch size; with the same sums, each resident request is taken
+γ of the way through its remaining output (and the new one γ through its
+whole output).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from router.core.columns import FloatArray, InstanceTable
+from router.core.config import SchedulerConfig
+from router.core.plugins import DecisionContext, Metric, MetricScope
+from router.core.registry import METRICS, Params
+from router.core.request import ScheduleInput
+
+#: KV use (fraction of capacity) taken as "preempting" when the status reports no preemptions.
+KV_SATURATED = 0.99
+
+
+def expected_output_tokens(request: ScheduleInput | None, default: int) -> int:
+    """The output a request is expected to generate: its estimate, else its ``max_tokens``, else ``default``."""
+    if request is None:
+        return 0
+    if request.expected_output_tokens > 0:
+        return request.expected_output_tokens
+    if request.max_tokens > 0:
+        return request.max_tokens
+    return default
+
+
+def packing_tpot_target_ms(ctx: DecisionContext, default_output_tokens: int, factor: float = 1.0) -> float:
+    """The TPOT a placement must keep for this request over its life.
+
+    The request's TPOT target in force; for a request judged only end to end
+    (an e2e target, no TPOT target of its own), at most the pace that still
+    finishes its expected output in time: ``(e2e − TTFT allowance) / (out − 1)``
+    with a TTFT allowance of ``min(TTFT target, e2e / 4)`` — unless even an
+    idle instance (batch 1, the default profile) could not keep that pace
+    within ``factor``: such a request misses its e2e target wherever it goes,
+    and tightening for it would only make packing open fresh instances for
+    lost causes, so it keeps the TPOT target in force.
+    """
+    target = ctx.tpot_slo_ms
+    request = ctx.request
+    if request is None or request.e2e_slo_ms <= 0 or request.tpot_slo_ms > 0:
+        return target
+    out = expected_output_tokens(request, default_output_tokens)
+    budget = request.e2e_slo_ms - min(ctx.ttft_slo_ms, request.e2e_slo_ms / 4.0)
+    paced = budget / max(out - 1, 1)
+    if paced >= target:
+        return target
+    if ctx.predictors is not None:
+        idle = ctx.predictors.default.predict_tpot_ms(1.0, ctx.prompt_tokens + out)
+        if not paced * factor > idle:
+            return target
+    return paced
+
+
+@dataclass(frozen=True, eq=False)
+class _PackingMetric:
+    """A metric of this module: a function of the context and the scheduler config."""
+
+    name: str
+    scope: MetricScope
+    fn: Callable[[DecisionContext, SchedulerConfig], FloatArray]
+    config: SchedulerConfig
+
+    def compute(self, ctx: DecisionContext) -> FloatArray:
+        return self.fn(ctx, self.config)
+
+
+def _register(
+    name: str, scope: MetricScope
+) -> Callable[[Callable[[DecisionContext, SchedulerConfig], FloatArray]], None]:
+    def decorator(fn: Callable[[DecisionContext, SchedulerConfig], FloatArray]) -> None:
+        def factory(config: SchedulerConfig, params: Params) -> Metric:
+            return _PackingMetric(name, scope, fn, config)
+
+        METRICS.register(name)(factory)
+
+    return decorator
+
+
+def _out(ctx: DecisionContext, config: SchedulerConfig) -> float:
+    return float(expected_output_tokens(ctx.request, config.packing_default_output_tokens))
+
+
+# ----------------------------------------------------------------------------- KV over life
+
+
+@_register("kv_growth_tokens", MetricScope.LOAD)
+def _kv_growth_tokens(ctx: DecisionContext, config: SchedulerConfig) -> FloatArray:
+    table = ctx.view.instances
+    inflight = ctx.view.inflight
+    n = table.decode_requests + inflight.decode_requests
+    context = table.decode_tokens + inflight.decode_tokens
+    known = inflight.resident_requests
+    covered = np.minimum(known, n)
+    # Resident legs beyond n (finished at the engine, not yet ended at the router) are not in the
+    # KV any more: take the covered requests' share of the final tokens, and of the context.
+    final = inflight.resident_tokens * np.divide(covered, known, out=np.zeros(table.n), where=known > 0)
+    context_covered = context * np.divide(covered, n, out=np.zeros(table.n), where=n > 0)
+    growth: FloatArray = (
+        np.maximum(final - context_covered, 0.0) + (n - covered) * config.packing_default_output_tokens
+    )
+    return growth
+
+
+@_register("kv_peak_projected", MetricScope.DECISION)
+def _kv_peak_projected(ctx: DecisionContext, config: SchedulerConfig) -> FloatArray:
+    table = ctx.view.instances
+    used = (
+        table.used_kv_tokens
+        + table.uncomputed_prefill_tokens
+        + ctx.view.inflight.tokens
+        + ctx.metric("kv_growth_tokens")
+    )
+    if ctx.request is not None:
+        used = used + (ctx.prompt_tokens + _out(ctx, config))
+    capacity = table.kv_capacity_tokens
+    peak: FloatArray = np.divide(used, capacity, out=np.full(table.n, np.inf), where=capacity > 0)
+    return peak
+
+
+# ----------------------------------------------------------------------------- TPOT at the horizon
+
+
+@_register("decode_tokens_horizon", MetricScope.LOAD)
+def _decode_tokens_horizon(ctx: DecisionContext, config: SchedulerConfig) -> FloatArray:
+    table = ctx.view.instances
+    tokens: FloatArray = (
+        table.decode_tokens
+        + ctx.view.inflight.decode_tokens
+        + config.tpot_packing_strictness * ctx.metric("kv_growth_tokens")
+    )
+    return tokens
+
+
+@_register("predicted_tpot_horizon", MetricScope.DECISION)
+def _predicted_tpot_horizon(ctx: DecisionContext, config: SchedulerConfig) -> FloatArray:
+    if ctx.predictors is None:
+        return np.full(ctx.view.n, np.nan)
+    batch = ctx.metric("decode_batch_size")
+    tokens = ctx.metric("decode_tokens_horizon")
+    if ctx.request is not None:
+        batch = batch + 1.0
+        tokens = tokens + (ctx.prompt_tokens + config.tpot_packing_strictness * _out(ctx, config))
+    return ctx.predictors.decode_step_ms(ctx.view.instances, batch, tokens)
+
+
+# ----------------------------------------------------------------------------- best fit
+
+
+@_register("capacity_norm", MetricScope.LOAD)
+def _capacity_norm(ctx: DecisionContext, config: SchedulerConfig) -> FloatArray:
+    """Aladdin's load of a bin: batch and γ-weighted context, each as a share of the instance's room."""
+    table = ctx.view.instances
+    batch = ctx.metric("decode_batch_size") / float(config.binpack_max_batch)
+    capacity = table.kv_capacity_tokens
+    context = np.divide(
+        ctx.metric("decode_tokens_horizon"), capacity, out=np.zeros(table.n), where=capacity > 0
+    )
+    norm: FloatArray = np.hypot(batch, context)
+    return norm
+
+
+# ----------------------------------------------------------------------------- safety valve
+
+
+def overpacked_mask(table: InstanceTable, tpot_target_ms: float, factor: float) -> FloatArray:
+    """1.0 per instance that is over-packed (see the module doc), else 0.0."""
+    over = np.zeros(table.n, dtype=bool)
+    measured = table.measured_decode_step_ms
+    if measured is not None:
+        over |= np.nan_to_num(measured, nan=0.0) > tpot_target_ms * factor
+    if table.preempting is not None:
+        over |= table.preempting > 0
+    else:
+        capacity = table.kv_capacity_tokens
+        over |= (capacity > 0) & (table.used_kv_tokens >= KV_SATURATED * capacity)
+    return over.astype(np.float64)
+
+
+@_register("overpacked", MetricScope.DECISION)
+def _overpacked(ctx: DecisionContext, config: SchedulerConfig) -> FloatArray:
+    return overpacked_mask(ctx.view.instances, ctx.tpot_slo_ms, config.overpacked_tpot_factor)
