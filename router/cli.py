@@ -25,6 +25,7 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "router.up",
     "bench.cli",
     "sim.cli",
+    "sim.plan",
 )
 
 

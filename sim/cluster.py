@@ -74,6 +74,7 @@ import itertools
 import math
 import random
 import time
+from collections import deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -359,9 +360,11 @@ class _Simulation:
         # legs are ever in flight (see the module doc); a decode leg is resident from the decision
         # until its request ends, with prompt + max_tokens as its final KV.
         self.inflight = np.zeros((INFLIGHT_ROWS, n))
-        # The safety valve's inputs, as the agents report them: the last decode step's duration
-        # (NaN while the instance has no decode work) and when it last preempted.
+        # The safety valve's inputs, as the agents report them: the mean duration of the recent
+        # steps that decoded (the last ``max_recent_steps``, as the sim worker's load reports them;
+        # NaN while the instance has no decode work) and when it last preempted.
         self.measured = np.full(n, np.nan)
+        self.step_window: list[deque[float]] = [deque(maxlen=c.max_recent_steps) for c in fleet.configs]
         self.last_preempt_s = np.full(n, -np.inf)
         # Busy-instance accounting (SimStats.mean_busy_*): per instance, does it hold decode work /
         # other work, and the time integral of the counts per kind.
@@ -427,6 +430,11 @@ class _Simulation:
             )
         return end, stats
 
+    def _measure(self, i: int, duration_ms: float) -> None:
+        window = self.step_window[i]
+        window.append(duration_ms)
+        self.measured[i] = sum(window) / len(window)
+
     def _busy_until(self, t: float) -> None:
         dt = t - self.busy_since
         if dt > 0:
@@ -471,7 +479,7 @@ class _Simulation:
             if run is not None:
                 self.runs[i] = run
                 self.run_event[i] = self._push(run.ends[-1], _RUN_END, i)
-                self.measured[i] = (run.ends[0] - now) * 1e3
+                self._measure(i, (run.ends[0] - now) * 1e3)
                 self.run_next[i] = -np.inf  # the next view takes the run's columns
                 self.busy[i] = True
                 self.changed_at[i] = now
@@ -544,7 +552,7 @@ class _Simulation:
         result = self.cores[i].finish_step(step)
         self.steps[i] = None
         if step.num_decode_requests > 0:
-            self.measured[i] = step.duration_ms
+            self._measure(i, step.duration_ms)
         if step.num_preempted > 0:
             self.last_preempt_s[i] = now
         for rid, position, finished, held in result.outputs:
@@ -731,6 +739,7 @@ class _Simulation:
             running[i] = core.num_running
             if core.num_decode_requests == 0:
                 self.measured[i] = np.nan  # no decode work: nothing to measure, nothing over-packed
+                self.step_window[i].clear()
         self.dirty.clear()
         for i in np.flatnonzero(self.run_next <= now).tolist():
             run = runs[i]

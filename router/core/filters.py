@@ -18,6 +18,14 @@ Single-instance filters (in a stage's order):
   (default ``metric_threshold:<metric>``).
 * ``exclude_reserved`` (``reserve: prefill|decode``) — drops adaptive PD's
   reserved instance of that kind.
+* ``prefill_room`` — adaptive PD's guard on opening decoders: drops a
+  decode-idle instance unless at least one *other* usable decode-idle
+  instance (not the reserved decode) predicts a TTFT for this prompt under
+  what the request needs (its TTFT target; for an e2e target, at most a
+  quarter of it: :func:`router.core.packing.ttft_need_ms`). Only decode-idle instances prefill under adaptive
+  PD, so each instance turned into a decoder is prefill capacity lost; when
+  the prefill side is saturated, packing an existing decoder harder costs
+  less than starving prefill. Decoders already holding decode work pass.
 
 Global filter (after them):
 
@@ -40,7 +48,7 @@ import numpy as np
 from router.core.columns import BoolArray, InstanceTable, IntArray
 from router.core.config import FAILOVER_DOMAINS, SchedulerConfig
 from router.core.errors import ConfigError
-from router.core.packing import packing_tpot_target_ms
+from router.core.packing import packing_tpot_target_ms, prefill_room_mask
 from router.core.plugins import DecisionContext, Filter, FilterResult, GlobalFilter
 from router.core.registry import FILTERS, METRICS, Params
 
@@ -209,6 +217,22 @@ class ExcludeReserved:
             keep.setflags(write=False)
             result = table.memo[key] = FilterResult(keep=keep)
         return result
+
+
+@dataclass(frozen=True, eq=False)
+class PrefillRoom:
+    """Keeps decoders, and decode-idle instances whose conversion leaves prefill capacity (module doc)."""
+
+    relax_pass: int
+    label: str = "prefill_room"
+
+    def apply(self, ctx: DecisionContext) -> FilterResult:
+        return FilterResult(keep=prefill_room_mask(ctx))
+
+
+@FILTERS.register("prefill_room")
+def _prefill_room(config: SchedulerConfig, params: Params) -> Filter:
+    return PrefillRoom(_relax_pass(params))
 
 
 @FILTERS.register("exclude_reserved")

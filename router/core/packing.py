@@ -56,7 +56,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from router.core.columns import FloatArray, InstanceTable
+from router.core.columns import BoolArray, FloatArray, InstanceTable
 from router.core.config import SchedulerConfig
 from router.core.plugins import DecisionContext, Metric, MetricScope
 from router.core.registry import METRICS, Params
@@ -77,32 +77,46 @@ def expected_output_tokens(request: ScheduleInput | None, default: int) -> int:
     return default
 
 
-def packing_tpot_target_ms(ctx: DecisionContext, default_output_tokens: int, factor: float = 1.0) -> float:
-    """The TPOT a placement must keep for this request over its life.
+def ttft_need_ms(ctx: DecisionContext) -> float:
+    """The TTFT the request needs: its target, and at most a quarter of its e2e target when it has one."""
+    request = ctx.request
+    if request is not None and request.e2e_slo_ms > 0:
+        return min(ctx.ttft_slo_ms, request.e2e_slo_ms / 4.0)
+    return ctx.ttft_slo_ms
 
-    The request's TPOT target in force; for a request judged only end to end
-    (an e2e target, no TPOT target of its own), at most the pace that still
-    finishes its expected output in time: ``(e2e − TTFT allowance) / (out − 1)``
-    with a TTFT allowance of ``min(TTFT target, e2e / 4)`` — unless even an
-    idle instance (batch 1, the default profile) could not keep that pace
-    within ``factor``: such a request misses its e2e target wherever it goes,
-    and tightening for it would only make packing open fresh instances for
-    lost causes, so it keeps the TPOT target in force.
+
+def packing_tpot_target_ms(ctx: DecisionContext, default_output_tokens: int, factor: float = 1.0) -> float:
+    """The TPOT target a packed placement is held to (before ``factor``, the bin-packing threshold).
+
+    The request's TPOT target in force. A request judged only end to end (an
+    e2e target, no TPOT target of its own) must also keep the pace that
+    finishes its expected output in time, ``(e2e − TTFT) / (out − 1)`` with
+    the lowest predicted TTFT of the decision (without predictions:
+    ``min(TTFT target, e2e / 4)``); that pace already holds the slack, so it
+    is not scaled down again by ``factor`` (the result is ``min(target,
+    pace / factor)``). A pace even an idle instance cannot keep (batch 1, the
+    default profile) is a lost cause: such a request keeps the TPOT target in
+    force, as packing tighter for it would only open fresh instances for
+    requests that miss anyway.
     """
     target = ctx.tpot_slo_ms
     request = ctx.request
     if request is None or request.e2e_slo_ms <= 0 or request.tpot_slo_ms > 0:
         return target
     out = expected_output_tokens(request, default_output_tokens)
-    budget = request.e2e_slo_ms - min(ctx.ttft_slo_ms, request.e2e_slo_ms / 4.0)
-    paced = budget / max(out - 1, 1)
-    if paced >= target:
+    ttft = ttft_need_ms(ctx)
+    if ctx.predictors is not None:
+        predicted = ctx.metric("predicted_ttft")
+        if len(predicted) and not np.all(np.isnan(predicted)):
+            ttft = min(ttft, float(np.nanmin(predicted)))
+    paced = (request.e2e_slo_ms - ttft) / max(out - 1, 1)
+    if paced >= target * factor:
         return target
     if ctx.predictors is not None:
         idle = ctx.predictors.default.predict_tpot_ms(1.0, ctx.prompt_tokens + out)
-        if not paced * factor > idle:
+        if not paced > idle:
             return target
-    return paced
+    return paced / factor
 
 
 @dataclass(frozen=True, eq=False)
@@ -233,3 +247,22 @@ def overpacked_mask(table: InstanceTable, tpot_target_ms: float, factor: float) 
 @_register("overpacked", MetricScope.DECISION)
 def _overpacked(ctx: DecisionContext, config: SchedulerConfig) -> FloatArray:
     return overpacked_mask(ctx.view.instances, ctx.tpot_slo_ms, config.overpacked_tpot_factor)
+
+
+# ----------------------------------------------------------------------------- adaptive PD's prefill room
+
+
+def prefill_room_mask(ctx: DecisionContext) -> BoolArray:
+    """Instances that may take new decode without starving adaptive PD's prefill side.
+
+    True for instances already holding decode work; for a decode-idle one,
+    true when at least one *other* usable decode-idle instance (not the
+    reserved decode) predicts a TTFT for this prompt under :func:`ttft_need_ms`.
+    """
+    idle = ctx.metric("decode_batch_size") == 0
+    good = idle & ctx.usable() & (ctx.metric("predicted_ttft") < 0.5 * ttft_need_ms(ctx))
+    if ctx.reserves.decode >= 0:
+        good[ctx.reserves.decode] = False
+    others = int(np.count_nonzero(good)) - good
+    keep: BoolArray = ~idle | (others >= 1)
+    return keep

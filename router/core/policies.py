@@ -261,12 +261,13 @@ def _adaptive_pd(config: SchedulerConfig) -> dict[str, Any]:
                 *HEALTH,
                 {"name": "exclude_reserved", "reserve": "prefill", "relax_pass": 2},
                 _not_overpacked(relax_pass=2),
+                {"name": "prefill_room", "relax_pass": 2},
                 _kv_fits(config, droppable=True),
                 _tpot(droppable=True),
                 _tpot_horizon(config, droppable=True),
                 "failover",
             ],
-            "selector": "binpack",
+            "selector": {"name": "binpack", "keep_prefill_room": True},
         },
     }
 

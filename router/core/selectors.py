@@ -25,7 +25,11 @@
   (a deterministic "next bin"). In a fallback pass (no instance meets every
   constraint) the order turns around: a decode-idle survivor with the lowest
   ``predicted_ttft`` opens a new bin (Aladdin's "open a new bin"); without
-  one, the LOWEST ``capacity_norm`` (spread the overload).
+  one, the LOWEST ``capacity_norm`` (spread the overload). With
+  ``keep_prefill_room: true`` (adaptive PD) a decode-idle instance is opened
+  in a fallback pass only if it passes the ``prefill_room`` guard (see
+  :mod:`router.core.filters`) or no instance holds decode work yet: when the
+  prefill side is saturated, existing decoders absorb the overload.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ import numpy as np
 from router.core.columns import FloatArray, IntArray
 from router.core.config import SchedulerConfig
 from router.core.errors import ConfigError
+from router.core.packing import prefill_room_mask
 from router.core.plugins import DecisionContext, Selector
 from router.core.registry import METRICS, SELECTORS, Params
 
@@ -260,17 +265,27 @@ def _lexicographic_ties(ctx: DecisionContext, candidates: IntArray, keys: tuple[
 
 @dataclass(frozen=True, eq=False)
 class BinPack:
+    keep_prefill_room: bool = False
     label: str = "binpack"
 
     def select(self, ctx: DecisionContext, survivors: IntArray, fallback_pass: int) -> int:
         if fallback_pass == 0:
             return _first_by_rank(ctx, _lexicographic_ties(ctx, survivors, _BEST_FIT))
-        idle = survivors[ctx.metric("decode_batch_size")[survivors] == 0]
+        batch = ctx.metric("decode_batch_size")[survivors]
+        idle = survivors[batch == 0]
+        busy = survivors[batch > 0]
+        if len(idle) and self.keep_prefill_room and len(busy):
+            idle = idle[prefill_room_mask(ctx)[idle]]
         if len(idle):
             return _first_by_rank(ctx, _lexicographic_ties(ctx, idle, _CONVERT))
-        return _first_by_rank(ctx, _lexicographic_ties(ctx, survivors, _LEAST_PACKED))
+        if self.keep_prefill_room and fallback_pass == 1:
+            # The prefill side is saturated and every decoder is past its packing bound: keep
+            # filling the fullest decoder the valve still accepts, so the lightest ones drain
+            # and return to prefill (consolidation without migration).
+            return _first_by_rank(ctx, _lexicographic_ties(ctx, busy, _BEST_FIT))
+        return _first_by_rank(ctx, _lexicographic_ties(ctx, busy, _LEAST_PACKED))
 
 
 @SELECTORS.register("binpack")
 def _binpack(config: SchedulerConfig, params: Params) -> Selector:
-    return BinPack()
+    return BinPack(keep_prefill_room=params.flag("keep_prefill_room", False))

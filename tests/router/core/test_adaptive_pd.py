@@ -213,7 +213,9 @@ def test_decode_fallback_converts_the_decode_idle_instance_with_the_lowest_ttft(
     assert d.decode.fallback_pass == 1
 
 
-def test_decode_fallback_without_idle_instances_takes_the_lowest_tpot() -> None:
+def test_decode_fallback_without_idle_instances_keeps_filling_the_fullest_decoder() -> None:
+    # Nobody meets the target and no instance is decode-idle: opening a decoder is impossible, so the
+    # fullest decoder the safety valve still accepts takes it and the lightest can drain to prefill.
     s = apd(tpot_slo_ms=5)
     snap = make_snapshot(
         inst("a", decode_requests=16, decode_tokens=16000),
@@ -222,8 +224,20 @@ def test_decode_fallback_without_idle_instances_takes_the_lowest_tpot() -> None:
     )
     d = s.schedule(snap, make_request(), NOW)
     prefill_reserve = reserves(s)[0]
-    expected = "b" if prefill_reserve != "b" else "c"
-    assert d.decode is not None and d.decode.instance_id == expected
+    expected = "a" if prefill_reserve != "a" else "c"
+    assert d.decode is not None and d.decode.instance_id == expected and d.decode.fallback_pass == 1
+
+
+def test_decode_fallback_spreads_once_every_decoder_is_over_packed() -> None:
+    s = apd(tpot_slo_ms=5)
+    snap = make_snapshot(
+        inst("a", decode_requests=16, decode_tokens=16000, used_kv_tokens=99_500),
+        inst("b", decode_requests=2, decode_tokens=300, used_kv_tokens=99_500),
+        inst("c", decode_requests=9, decode_tokens=900, used_kv_tokens=99_500),
+    )
+    d = s.schedule(snap, make_request(), NOW)
+    # The last pass also drops the reserve: the least packed decoder, whatever its reservation.
+    assert d.decode is not None and d.decode.instance_id == "b" and d.decode.fallback_pass == 2
 
 
 def test_decode_avoids_the_reserved_prefill_unless_nothing_else_is_left() -> None:

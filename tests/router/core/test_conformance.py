@@ -29,6 +29,7 @@ FILTER_PARAMS: dict[str, dict[str, Any]] = {
     "staleness": {},
     "metric_threshold": {"metric": "predicted_ttft", "slo": "ttft"},
     "exclude_reserved": {"reserve": "decode"},
+    "prefill_room": {},
     "failover": {"domain": "node-unit"},
 }
 SELECTOR_PARAMS: dict[str, dict[str, Any]] = {

@@ -1,0 +1,120 @@
+"""How many instances a load needs: the throughput model of Aladdin's worker-count prediction (seed 001).
+
+Pure arithmetic on a latency profile, used twice: ``slo-router plan`` starts
+its simulator search from it, and the router exports it for the load it sees
+(``slo_router_desired_instances{role=...}``) for an autoscaler.
+
+Model, for an arrival rate ``λ`` (req/s) with mean prompt ``p`` and mean
+output ``o`` tokens:
+
+* a decoder runs a batch ``B`` whose step keeps the TPOT target at the packing
+  horizon: the largest ``B`` with ``tpot(B, B·(p + γ·o)) ≤ θ·T`` (θ =
+  ``tpot_binpack_threshold``, γ = ``tpot_packing_strictness``) and whose KV at
+  the end of life fits, ``B·(p + o) ≤ headroom · kv_capacity`` (Aladdin's
+  Eq. 6: throughput is limited by the SLO or by the KV, whichever binds
+  first). It finishes ``B / (o · tpot(B, …))`` requests per second, so
+  decoders = ``⌈λ · o · step / B⌉``;
+* a prefill instance spends ``ttft(p)`` per request and is run at most at
+  ``utilisation`` (queueing keeps TTFT in bounds), so prefill instances =
+  ``⌈λ · ttft(p) / utilisation⌉``;
+* a neutral instance does both, so neutral = ``⌈λ · (ttft(p)/utilisation +
+  o · step / B)⌉``.
+
+It is an estimate (no queueing beyond the utilisation cap, no length
+spread); the simulator confirms and refines it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from predictor import LatencyPredictor
+
+#: Largest decode batch the model considers.
+MAX_BATCH = 1024
+
+
+@dataclass(frozen=True)
+class LoadShape:
+    """The load: arrival rate (req/s) and mean prompt / output lengths (tokens)."""
+
+    rate: float
+    mean_prompt_tokens: float
+    mean_output_tokens: float
+
+
+@dataclass(frozen=True)
+class InstanceEstimate:
+    """Instances the model says a load needs, per role, and the decode batch it assumed."""
+
+    prefill: int
+    decode: int
+    neutral: int
+    decode_batch: int
+    decode_step_ms: float
+
+
+def decode_batch(
+    predictor: LatencyPredictor,
+    load: LoadShape,
+    *,
+    tpot_target_ms: float,
+    strictness: float = 0.5,
+    threshold: float = 0.85,
+    kv_capacity_tokens: float = 65536.0,
+    kv_headroom: float = 0.95,
+) -> tuple[int, float]:
+    """The largest batch meeting the TPOT target at the horizon and the KV over life, and its step (ms)."""
+    p, o = load.mean_prompt_tokens, load.mean_output_tokens
+    horizon = p + strictness * o
+    life = p + o
+    best = 1
+    best_step = float(predictor.predict_tpot_ms(1.0, horizon))
+    for b in range(2, MAX_BATCH + 1):
+        if b * life > kv_headroom * kv_capacity_tokens:
+            break
+        step = float(predictor.predict_tpot_ms(float(b), b * horizon))
+        if step > threshold * tpot_target_ms:
+            break
+        best, best_step = b, step
+    return best, best_step
+
+
+def estimate_instances(
+    predictor: LatencyPredictor,
+    load: LoadShape,
+    *,
+    tpot_target_ms: float,
+    strictness: float = 0.5,
+    threshold: float = 0.85,
+    kv_capacity_tokens: float = 65536.0,
+    kv_headroom: float = 0.95,
+    utilisation: float = 0.8,
+) -> InstanceEstimate:
+    """The throughput model's instance counts for ``load`` (see the module doc); 0 for no load."""
+    if not (load.rate >= 0 and math.isfinite(load.rate)):
+        raise ValueError(f"rate must be a finite number >= 0, got {load.rate}")
+    if not 0 < utilisation <= 1:
+        raise ValueError(f"utilisation must be within (0, 1], got {utilisation}")
+    if load.rate == 0:
+        return InstanceEstimate(0, 0, 0, 0, 0.0)
+    batch, step_ms = decode_batch(
+        predictor,
+        load,
+        tpot_target_ms=tpot_target_ms,
+        strictness=strictness,
+        threshold=threshold,
+        kv_capacity_tokens=kv_capacity_tokens,
+        kv_headroom=kv_headroom,
+    )
+    prefill_s = float(predictor.ttft_profile.grid(max(load.mean_prompt_tokens, 1.0))) / 1000.0
+    decode_busy = load.rate * max(load.mean_output_tokens - 1.0, 0.0) * step_ms / 1000.0 / batch
+    prefill_busy = load.rate * prefill_s / utilisation
+    return InstanceEstimate(
+        prefill=max(1, math.ceil(prefill_busy)),
+        decode=max(1, math.ceil(decode_busy)),
+        neutral=max(1, math.ceil(prefill_busy + decode_busy)),
+        decode_batch=batch,
+        decode_step_ms=step_ms,
+    )

@@ -1,0 +1,306 @@
+"""``slo-router plan``: the fewest instances per role that meet an attainment target at a rate.
+
+Two steps, after Aladdin's worker-count prediction (seed 001):
+
+1. the throughput model (:mod:`router.core.capacity`) estimates the counts
+   from the workload's mean lengths and the profile;
+2. the simulator (:mod:`sim.cluster`, the router's own scheduling core on the
+   sim engine model, in virtual time) confirms and refines them: while the
+   fleet misses the target, add one instance of the role whose addition helps
+   most; then, while removing one instance of some role still meets the
+   target, remove it. The answer therefore meets the target and every fleet
+   with one instance fewer of any role misses it (in the same simulation).
+
+Every run replays the same seeded plan of requests, so the search is
+deterministic for a seed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from bench.report import summarize
+from bench.workload import (
+    DEFAULT_WORKLOAD,
+    RequestPlan,
+    WorkloadError,
+    WorkloadSpec,
+    generate_requests,
+    load_workload,
+)
+from predictor import ProfileError
+from router.core.capacity import InstanceEstimate, LoadShape, estimate_instances
+from router.core.config import SchedulerConfig
+from router.core.errors import ConfigError
+from router.core.policies import build_policy
+from sim.cluster import SimFleet, simulate
+from sim.engine import SimConfig
+from sim.fleet import DEFAULT_PROFILE, FleetError, fleet_from_counts
+from sim.sweep import SLO_ADAPTIVE_PD, open_loop, policy_overrides
+
+DEFAULT_NUM_REQUESTS = 600
+DEFAULT_MAX_INSTANCES = 64
+
+
+class PlanError(ValueError):
+    """The plan cannot be made as asked (bad input, or the target is out of reach)."""
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    """The planned fleet, how it was found, and every fleet the search simulated."""
+
+    mode: str
+    rate: float
+    target: float
+    prefill: int
+    decode: int
+    neutral: int
+    attainment: float
+    estimate: InstanceEstimate
+    #: (prefill, decode, neutral) -> attainment of every simulated fleet.
+    tried: dict[tuple[int, int, int], float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "prefill": self.prefill,
+            "decode": self.decode,
+            "neutral": self.neutral,
+            "attainment": self.target,
+            "rate": self.rate,
+            "achieved_attainment": self.attainment,
+            "mode": self.mode,
+            "estimate": {
+                "prefill": self.estimate.prefill if self.mode == "pd" else 0,
+                "decode": self.estimate.decode if self.mode == "pd" else 0,
+                "neutral": self.estimate.neutral if self.mode == "neutral" else 0,
+            },
+            "simulations": len(self.tried),
+        }
+
+
+def load_shape(plans: list[RequestPlan], rate: float) -> LoadShape:
+    """The mean lengths of a plan at ``rate``."""
+    n = max(len(plans), 1)
+    return LoadShape(
+        rate=rate,
+        mean_prompt_tokens=sum(p.prompt_tokens for p in plans) / n,
+        mean_output_tokens=sum(p.max_tokens for p in plans) / n,
+    )
+
+
+def plan_fleet(
+    workload: WorkloadSpec,
+    rate: float,
+    target: float,
+    config: SchedulerConfig,
+    *,
+    mode: str = "pd",
+    profile: str = DEFAULT_PROFILE,
+    engine: SimConfig | None = None,
+    num_requests: int = DEFAULT_NUM_REQUESTS,
+    seed: int = 0,
+    max_instances: int = DEFAULT_MAX_INSTANCES,
+    on_run: Callable[[tuple[int, int, int], float], None] | None = None,
+) -> PlanResult:
+    """The fewest instances meeting ``target`` (0-1) at ``rate`` (see the module doc)."""
+    if mode not in ("pd", "neutral"):
+        raise PlanError(f"--mode must be pd or neutral, got {mode!r}")
+    if not (math.isfinite(rate) and rate > 0):
+        raise PlanError(f"--rate must be a finite number > 0, got {rate}")
+    if not 0 < target <= 1:
+        raise PlanError(f"--attainment must be within (0, 1] (or a percentage within (0, 100]), got {target}")
+    if num_requests < 1:
+        raise PlanError(f"--num-requests must be >= 1, got {num_requests}")
+    engine = engine if engine is not None else SimConfig()
+    spec = open_loop(workload).with_arrival(rate_per_s=rate)
+    plans = generate_requests(spec, rng=seed, num_requests=num_requests)
+    fleets: dict[tuple[int, int, int], SimFleet] = {}
+    tried: dict[tuple[int, int, int], float] = {}
+
+    def attainment(counts: tuple[int, int, int]) -> float:
+        found = tried.get(counts)
+        if found is not None:
+            return found
+        p, d, n = counts
+        fleet = fleets.get(counts)
+        if fleet is None:
+            fleet = SimFleet(
+                fleet_from_counts(prefill=p, decode=d, neutral=n, profile=profile, engine=engine),
+                profile_label=config.profile_label,
+            )
+        outcome = simulate(fleet, config, plans, seed=seed)
+        value = summarize(
+            outcome.results, outcome.duration_s, class_slos=spec.class_slos()
+        ).overall.slo_attainment
+        tried[counts] = value
+        if on_run is not None:
+            on_run(counts, value)
+        return value
+
+    probe = SimFleet(fleet_from_counts(neutral=1, profile=profile, engine=engine))
+    estimate = estimate_instances(
+        probe.predictors.default,
+        load_shape(plans, rate),
+        tpot_target_ms=config.tpot_slo_ms,
+        strictness=config.tpot_packing_strictness,
+        threshold=config.tpot_binpack_threshold,
+        kv_capacity_tokens=float(engine.kv_capacity_tokens),
+        kv_headroom=config.kv_packing_headroom,
+    )
+    roles = (0, 1) if mode == "pd" else (2,)
+    counts = (estimate.prefill, estimate.decode, 0) if mode == "pd" else (0, 0, estimate.neutral)
+
+    def bump(c: tuple[int, int, int], role: int, by: int) -> tuple[int, int, int]:
+        out = list(c)
+        out[role] += by
+        return (out[0], out[1], out[2])
+
+    # Grow: add the instance that helps most until the target is met.
+    while attainment(counts) < target:
+        if sum(counts) >= max_instances:
+            raise PlanError(
+                f"no fleet of at most {max_instances} instances reaches {100 * target:g}% attainment at "
+                f"{rate:g} req/s (best: {100 * max(tried.values()):.1f}%); raise --max-instances"
+            )
+        options = [bump(counts, role, +1) for role in roles]
+        counts = max(options, key=lambda c: (attainment(c), -c[0]))
+    # Shrink: drop instances while the target still holds.
+    changed = True
+    while changed:
+        changed = False
+        for role in roles:
+            if counts[role] > 1 and attainment(bump(counts, role, -1)) >= target:
+                counts = bump(counts, role, -1)
+                changed = True
+    return PlanResult(
+        mode=mode,
+        rate=rate,
+        target=target,
+        prefill=counts[0],
+        decode=counts[1],
+        neutral=counts[2],
+        attainment=attainment(counts),
+        estimate=estimate,
+        tried=dict(tried),
+    )
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def register(subparsers: Any) -> None:
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "plan",
+        help="the fewest prefill/decode (or neutral) instances that meet an attainment target at a rate",
+        description=(
+            "Estimate the instances a workload needs at an arrival rate with the throughput model of the "
+            "profile, then confirm and refine the estimate with the simulator (the router's scheduling core "
+            "on the sim engine model): the printed fleet meets --attainment, one instance fewer of any role "
+            "misses it."
+        ),
+    )
+    parser.add_argument(
+        "--workload",
+        default=DEFAULT_WORKLOAD,
+        metavar="SPEC",
+        help="as for `simulate` (default: %(default)s)",
+    )
+    parser.add_argument("--rate", type=float, required=True, metavar="R", help="mean arrival rate, req/s")
+    parser.add_argument(
+        "--attainment",
+        type=float,
+        required=True,
+        metavar="A",
+        help="target SLO attainment: 0.95 or 95 (percent)",
+    )
+    parser.add_argument(
+        "--profile", default=DEFAULT_PROFILE, metavar="DIR", help="instance profile (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--mode", choices=("pd", "neutral"), default="pd", help="fleet kind (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--policy",
+        default="slo",
+        metavar="P",
+        help=f"placement policy: a registered policy, {SLO_ADAPTIVE_PD}, or a policy .yaml (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--num-requests",
+        type=int,
+        default=DEFAULT_NUM_REQUESTS,
+        metavar="N",
+        help="requests per simulation (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seed of the request plan and the policy (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--max-instances",
+        type=int,
+        default=DEFAULT_MAX_INSTANCES,
+        metavar="N",
+        help="give up beyond this fleet size (default: %(default)s)",
+    )
+    parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    parser.add_argument("--no-progress", action="store_true", help="do not report each simulation on stderr")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    target = args.attainment / 100.0 if args.attainment > 1 else args.attainment
+    try:
+        config = SchedulerConfig(**policy_overrides(args.policy))
+        build_policy(config)
+        workload = load_workload(args.workload)
+    except (ConfigError, WorkloadError) as exc:
+        flag = "--workload" if isinstance(exc, WorkloadError) else "--policy"
+        print(f"error: {flag}: {exc}", file=sys.stderr)
+        return 2
+
+    def progress(counts: tuple[int, int, int], value: float) -> None:
+        if args.no_progress:
+            return
+        p, d, n = counts
+        fleet = f"{n} neutral" if args.mode == "neutral" else f"{p} prefill + {d} decode"
+        print(f"  {fleet}: {100 * value:.1f}%", file=sys.stderr, flush=True)
+
+    try:
+        result = plan_fleet(
+            workload,
+            args.rate,
+            target,
+            config,
+            mode=args.mode,
+            profile=args.profile,
+            num_requests=args.num_requests,
+            seed=args.seed,
+            max_instances=args.max_instances,
+            on_run=progress,
+        )
+    except (PlanError, FleetError, ProfileError, WorkloadError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(result.to_dict()))
+        return 0
+    est = result.estimate
+    if result.mode == "pd":
+        print(
+            f"{result.prefill} prefill + {result.decode} decode instances meet {100 * target:g}% at {args.rate:g} req/s "
+            f"({100 * result.attainment:.1f}% simulated; throughput model: {est.prefill} + {est.decode}; "
+            f"{len(result.tried)} simulations)"
+        )
+    else:
+        print(
+            f"{result.neutral} neutral instances meet {100 * target:g}% at {args.rate:g} req/s "
+            f"({100 * result.attainment:.1f}% simulated; throughput model: {est.neutral}; {len(result.tried)} simulations)"
+        )
+    return 0

@@ -1,0 +1,351 @@
+"""Packing over a request's life: resident tally, KV peak, TPOT horizon, best fit, safety valve, capacity model."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from fleet.snapshot import ClusterSnapshot, InstanceRecord
+from router.core.capacity import LoadShape, decode_batch, estimate_instances
+from router.core.inflight import InflightAccount
+from router.core.packing import expected_output_tokens, overpacked_mask
+from router.core.request import ScheduleInput
+from tests.router.core.helpers import NOW, inst, make_predictor, make_request, make_scheduler, make_snapshot
+
+PROPS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+CAPACITY = 20_000
+
+
+# ----------------------------------------------------------------------------- resident tally
+
+
+def test_resident_leg_outlives_admission_and_leaves_when_the_request_ends() -> None:
+    account = InflightAccount(expiry_s=10.0, resident_expiry_s=100.0)
+    account.record("r1", "p", "d", 300, NOW, final_tokens=500)
+    assert account.resident("d") == (1, 500) and account.resident("p") == (0, 0)
+    # The decode instance admits the request: the in-flight entry goes, the resident leg stays.
+    snapshot = make_snapshot(inst("d", "decode", admitted=["r1"], decode_requests=1, decode_tokens=301))
+    account.reconcile(snapshot)
+    assert account.totals("d").decode_requests == 0
+    assert account.resident("d") == (1, 500)
+    account.record("r1", None, "d", 300, NOW, final_tokens=500)  # recording again changes nothing
+    assert account.resident("d") == (1, 500)
+    account.release("r1")
+    assert account.resident("d") == (0, 0)
+    account.release("r1")  # harmless twice
+    assert account.resident("d") == (0, 0)
+
+
+def test_resident_leg_moves_with_a_decode_replacement_and_expires() -> None:
+    account = InflightAccount(expiry_s=10.0, resident_expiry_s=100.0)
+    account.record("r1", "p", "d1", 300, NOW, final_tokens=500)
+    account.release("r1", "d1")  # the decode instance failed
+    account.record("r1", None, "d2", 320, NOW + 1, final_tokens=500)
+    assert account.resident("d1") == (0, 0) and account.resident("d2") == (1, 500)
+    account.expire(NOW + 50)
+    assert account.resident("d2") == (1, 500)
+    account.expire(NOW + 101)
+    assert account.resident("d2") == (0, 0)
+
+
+def test_resident_columns_follow_the_account() -> None:
+    scheduler = make_scheduler("binpack")
+    scheduler.inflight.record("r1", "p", "d", 300, NOW, final_tokens=700)
+    scheduler.inflight.record("r2", "p", "d", 100, NOW, final_tokens=200)
+    snapshot = make_snapshot(inst("p", "prefill"), inst("d", "decode"))
+    view = scheduler.view(snapshot, NOW)
+    d = view.instances.index["d"]
+    assert view.inflight.resident_requests[d] == 2 and view.inflight.resident_tokens[d] == 900
+    scheduler.inflight.release("r1")
+    view = scheduler.view(snapshot, NOW)
+    assert view.inflight.resident_requests[d] == 1 and view.inflight.resident_tokens[d] == 200
+
+
+@PROPS
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["rec", "rel", "relone", "exp"]), st.integers(0, 5), st.integers(0, 2)),
+        max_size=40,
+    )
+)
+def test_resident_totals_match_the_live_legs(ops: list[tuple[str, int, int]]) -> None:
+    account = InflightAccount(expiry_s=5.0, resident_expiry_s=20.0)
+    live: dict[str, tuple[str, int, float]] = {}
+    now = 0.0
+    for op, k, inst_k in ops:
+        now += 1.0
+        rid, iid = f"r{k}", f"d{inst_k}"
+        if op == "rec":
+            account.record(rid, None, iid, 10, now, final_tokens=100 + k)
+            if rid not in live or live[rid][0] != iid:
+                live[rid] = (iid, 100 + k, now)
+        elif op == "rel":
+            account.release(rid)
+            live.pop(rid, None)
+        elif op == "relone":
+            account.release(rid, iid)
+            if rid in live and live[rid][0] == iid:
+                del live[rid]
+        else:
+            account.expire(now)
+            live = {r: v for r, v in live.items() if v[2] > now - 20.0}
+        for i in range(3):
+            legs = [v for v in live.values() if v[0] == f"d{i}"]
+            assert account.resident(f"d{i}") == (len(legs), sum(v[1] for v in legs))
+
+
+# ----------------------------------------------------------------------------- KV over life
+
+
+def _life_peak(contexts: list[int], remaining: list[int]) -> int:
+    """The largest KV an instance holds while its decode requests run to their lengths (1 token per step)."""
+    horizon = max(remaining, default=0)
+    return max(
+        (sum(c + t for c, r in zip(contexts, remaining, strict=True) if r > t) for t in range(horizon)),
+        default=0,
+    )
+
+
+def _loaded_fleet(
+    residents: list[tuple[int, int, int]], scheduler_policy: str = "binpack"
+) -> tuple[ClusterSnapshot, object]:
+    """One prefill instance and one decode instance holding ``residents`` (prompt, output, generated)."""
+    scheduler = make_scheduler(scheduler_policy, tpot_slo_ms=1000.0)
+    ids = [f"old{k}" for k in range(len(residents))]
+    for rid, (prompt, out, _) in zip(ids, residents, strict=True):
+        scheduler.inflight.record(rid, "p", "d", prompt, NOW - 1, final_tokens=prompt + out)
+    context = sum(p + g for p, _, g in residents)
+    snapshot = make_snapshot(
+        inst("p", "prefill", meta={"kv_capacity_tokens": CAPACITY}),
+        inst(
+            "d",
+            "decode",
+            meta={"kv_capacity_tokens": CAPACITY},
+            decode_requests=len(residents),
+            decode_tokens=context,
+            used_kv_tokens=context,
+            running=len(residents),
+            admitted=ids,
+        ),
+    )
+    scheduler.inflight.reconcile(snapshot)
+    return snapshot, scheduler
+
+
+residents_strategy = st.lists(
+    st.tuples(st.integers(1, 3000), st.integers(2, 1500), st.integers(0, 1499)).map(
+        lambda t: (t[0], t[1], min(t[2], t[1] - 1))
+    ),
+    max_size=12,
+)
+
+
+@PROPS
+@given(residents_strategy, st.integers(1, 3000), st.integers(2, 1500))
+def test_no_admitted_placement_exceeds_kv_over_the_requests_life(
+    residents: list[tuple[int, int, int]], prompt: int, out: int
+) -> None:
+    snapshot, scheduler = _loaded_fleet(residents)
+    kv = scheduler.view(snapshot, NOW)
+    d = kv.instances.index["d"]
+    request = make_request("new", prompt, max_tokens=out)
+    ctx = scheduler.context(kv, request)
+    admitted = ctx.metric("kv_peak_projected")[d] < scheduler.config.kv_packing_headroom
+    contexts = [p + g for p, _, g in residents] + [prompt]
+    remaining = [o - g for _, o, g in residents] + [out]
+    if admitted:
+        assert _life_peak(contexts, remaining) <= CAPACITY
+    # The projection never under-states the life peak (it is the all-alive bound).
+    assert ctx.metric("kv_peak_projected")[d] * CAPACITY >= _life_peak(contexts, remaining) - 1e-6
+
+
+def test_kv_over_life_refuses_a_decoder_that_would_overflow_later_and_admits_one_that_fits() -> None:
+    # 8 requests of 1000 prompt tokens, each 100 tokens into a 1000-token answer: 8800 tokens now,
+    # 16000 at the end; a new 2100 + 1000 request fits now (11900) but not over life (19100 > 0.95 * 20000).
+    residents = [(1000, 1000, 100)] * 8
+    snapshot, scheduler = _loaded_fleet(residents)
+    view = scheduler.view(snapshot, NOW)
+    d = view.instances.index["d"]
+    big = scheduler.context(view, make_request("big", 2100, max_tokens=1000))
+    assert big.metric("kv_usage_projected")[d] < 0.6  # admission-time KV says fine
+    assert big.metric("kv_peak_projected")[d] > 0.95
+    small = scheduler.context(view, make_request("small", 200, max_tokens=100))
+    assert small.metric("kv_peak_projected")[d] < 0.95
+    # The policy follows: with an idle decoder to open, the big one goes there, the small one packs.
+    snapshot2 = make_snapshot(*snapshot.instances, inst("e", "decode", meta={"kv_capacity_tokens": CAPACITY}))
+    assert (
+        scheduler.schedule(snapshot2, make_request("big", 2100, max_tokens=1000), NOW).decode.instance_id
+        == "e"
+    )
+    assert (
+        scheduler.schedule(snapshot2, make_request("small", 200, max_tokens=100), NOW).decode.instance_id
+        == "d"
+    )
+
+
+def test_unknown_residents_count_with_the_default_output() -> None:
+    scheduler = make_scheduler("binpack", packing_default_output_tokens=300)
+    snapshot = make_snapshot(
+        inst("p", "prefill"), inst("d", "decode", decode_requests=4, decode_tokens=2000, used_kv_tokens=2000)
+    )
+    ctx = scheduler.context(scheduler.view(snapshot, NOW), None)
+    assert ctx.metric("kv_growth_tokens")[1] == 4 * 300
+
+
+def test_expected_output_prefers_the_estimate_then_max_tokens_then_the_default() -> None:
+    assert expected_output_tokens(make_request(expected_output_tokens=50, max_tokens=90), 7) == 50
+    assert expected_output_tokens(make_request(max_tokens=90), 7) == 90
+    assert expected_output_tokens(make_request(), 7) == 7
+    with pytest.raises(ValueError, match="max_tokens"):
+        ScheduleInput("r", 10, max_tokens=-1)
+
+
+# ----------------------------------------------------------------------------- TPOT horizon and e2e pace
+
+
+def test_tpot_horizon_grows_with_strictness() -> None:
+    snapshot, _ = _loaded_fleet([(500, 800, 10)] * 6)
+    values = []
+    for gamma in (0.0, 0.5, 1.0):
+        scheduler = make_scheduler("binpack", tpot_slo_ms=1000.0, tpot_packing_strictness=gamma)
+        for k in range(6):
+            scheduler.inflight.record(f"old{k}", "p", "d", 500, NOW - 1, final_tokens=1300)
+        ctx = scheduler.context(scheduler.view(snapshot, NOW), make_request("n", 100, max_tokens=400))
+        values.append(float(ctx.metric("predicted_tpot_horizon")[1]))
+    assert values[0] < values[1] < values[2]
+
+
+def test_an_e2e_only_request_is_packed_to_the_pace_its_deadline_needs() -> None:
+    # A decoder at about 27 ms per step: fine for the 50 ms TPOT default, too slow for 150 tokens in
+    # 4 s (3 s after the TTFT allowance: 20 ms per token, 17 ms with the bin-packing threshold).
+    decoder = inst("d", "decode", decode_requests=16, decode_tokens=16 * 900, used_kv_tokens=16 * 900)
+    snapshot = make_snapshot(inst("p", "prefill"), decoder, inst("e", "decode"))
+    scheduler = make_scheduler("binpack", tpot_slo_ms=50.0)
+    paced = make_request("paced", 100, max_tokens=150, e2e_slo_ms=4000.0)
+    loose = make_request("loose", 100, max_tokens=150)
+    assert scheduler.schedule(snapshot, loose, NOW).decode.instance_id == "d"
+    assert scheduler.schedule(snapshot, paced, NOW).decode.instance_id == "e"
+
+
+# ----------------------------------------------------------------------------- best fit
+
+
+def test_binpack_picks_the_fullest_instance_that_meets_every_constraint() -> None:
+    snapshot = make_snapshot(
+        inst("p", "prefill"),
+        inst("light", "decode", decode_requests=2, decode_tokens=400, used_kv_tokens=400),
+        inst("heavy", "decode", decode_requests=6, decode_tokens=1800, used_kv_tokens=1800),
+        inst(
+            "full",
+            "decode",
+            decode_requests=6,
+            decode_tokens=1800,
+            used_kv_tokens=1800,
+            meta={"kv_capacity_tokens": 2500},
+        ),
+        inst("idle", "decode"),
+    )
+    scheduler = make_scheduler("binpack", tpot_slo_ms=200.0)
+    decision = scheduler.schedule(snapshot, make_request("r", 100, max_tokens=100), NOW)
+    assert decision.decode.instance_id == "heavy" and decision.decode.fallback_pass == 0
+    # least-requests spreads instead.
+    spread = make_scheduler("least-requests").schedule(snapshot, make_request("r", 100, max_tokens=100), NOW)
+    assert spread.decode.instance_id == "idle"
+
+
+# ----------------------------------------------------------------------------- safety valve
+
+
+def _with_steps(record: InstanceRecord, *durations_ms: float) -> InstanceRecord:
+    assert record.status is not None
+    for ms in durations_ms:
+        record.status.step_samples.add(num_decode_requests=4, num_decode_tokens=2000, duration_ms=ms)
+    return record
+
+
+@pytest.mark.parametrize("policy", ["binpack", "adaptive"])
+def test_safety_valve_stops_decode_on_an_instance_measured_over_its_target(policy: str) -> None:
+    def fleet(hot_ms: float) -> ClusterSnapshot:
+        return make_snapshot(
+            inst("p", "prefill"),
+            _with_steps(
+                inst("hot", "decode", decode_requests=4, decode_tokens=2000, used_kv_tokens=2000),
+                hot_ms,
+                hot_ms,
+            ),
+            inst("cool", "decode", decode_requests=1, decode_tokens=300, used_kv_tokens=300),
+        )
+
+    extra = {"enable_adaptive_pd": True} if policy == "adaptive" else {}
+    scheduler = make_scheduler("slo" if policy == "adaptive" else "binpack", tpot_slo_ms=60.0, **extra)
+    request = make_request("r", 100, max_tokens=50)
+    assert (
+        scheduler.schedule(fleet(20.0), request, NOW, dry_run=True).decode.instance_id == "hot"
+    )  # packs when healthy
+    assert scheduler.schedule(fleet(75.0), request, NOW, dry_run=True).decode.instance_id == "cool"  # valve
+
+
+def test_safety_valve_reads_kv_saturation_when_no_preemptions_are_reported() -> None:
+    snapshot = make_snapshot(
+        inst("a", "decode", used_kv_tokens=99_500),
+        inst("b", "decode", used_kv_tokens=50_000),
+        _with_steps(inst("c", "decode", used_kv_tokens=10), 80.0),
+    )
+    table = make_scheduler("binpack").view(snapshot, NOW).instances
+    assert overpacked_mask(table, 50.0, 1.0).tolist() == [1.0, 0.0, 1.0]
+    table = dataclasses.replace(table, preempting=np.array([0.0, 1.0, 0.0]))
+    assert overpacked_mask(table, 50.0, 1.0).tolist() == [0.0, 1.0, 1.0]
+
+
+@PROPS
+@given(
+    st.lists(st.tuples(st.integers(0, 12), st.sampled_from([0.0, 10.0, 30.0, 80.0])), min_size=1, max_size=6)
+)
+def test_the_valve_never_lets_a_packed_decision_land_on_an_overpacked_instance(
+    decoders: list[tuple[int, float]],
+) -> None:
+    records = [inst("p", "prefill")]
+    for k, (batch, step_ms) in enumerate(decoders):
+        record = inst(
+            f"d{k}", "decode", decode_requests=batch, decode_tokens=batch * 300, used_kv_tokens=batch * 300
+        )
+        records.append(_with_steps(record, step_ms) if step_ms else record)
+    snapshot = make_snapshot(*records)
+    scheduler = make_scheduler("binpack", tpot_slo_ms=50.0)
+    decision = scheduler.schedule(snapshot, make_request("r", 200, max_tokens=100), NOW, dry_run=True)
+    chosen = decision.decode
+    batch, step_ms = decoders[int(chosen.instance_id[1:])]
+    if chosen.fallback_pass < 2:
+        assert step_ms <= 50.0
+    else:  # only when every decoder is over-packed
+        assert all(s > 50.0 for _, s in decoders)
+
+
+# ----------------------------------------------------------------------------- capacity model
+
+
+def test_capacity_estimate_grows_with_the_rate_and_respects_kv() -> None:
+    lp = make_predictor()
+    shapes = [LoadShape(rate, 500.0, 200.0) for rate in (1.0, 4.0, 16.0)]
+    counts = [estimate_instances(lp, s, tpot_target_ms=30.0) for s in shapes]
+    for a, b in itertools.pairwise(counts):
+        assert b.prefill >= a.prefill and b.decode >= a.decode and b.neutral >= a.neutral
+    assert counts[-1].decode > counts[0].decode
+    batch, _ = decode_batch(lp, shapes[0], tpot_target_ms=1e9, kv_capacity_tokens=7000.0, kv_headroom=1.0)
+    assert batch == 10  # 10 x 700 tokens fill 7000
+    assert estimate_instances(lp, LoadShape(0.0, 1.0, 1.0), tpot_target_ms=30.0).decode == 0
+
+
+def test_a_deadline_no_instance_can_keep_does_not_tighten_packing() -> None:
+    # 150 tokens in 1.5 s leaves under 10 ms per token: faster than even an idle instance (13 ms here), so
+    # the request keeps the TPOT default and packs like any other rather than opening an instance.
+    decoder = inst("d", "decode", decode_requests=16, decode_tokens=16 * 900, used_kv_tokens=16 * 900)
+    snapshot = make_snapshot(inst("p", "prefill"), decoder, inst("e", "decode"))
+    scheduler = make_scheduler("binpack", tpot_slo_ms=50.0)
+    lost = make_request("lost", 100, max_tokens=150, e2e_slo_ms=1500.0)
+    assert scheduler.schedule(snapshot, lost, NOW).decode.instance_id == "d"
