@@ -62,6 +62,10 @@ from router.core.plugins import DecisionContext, Metric, MetricScope
 from router.core.registry import METRICS, Params
 from router.core.request import ScheduleInput
 
+#: Decode-idle instances with prefill room that must remain for adaptive PD to open another decoder
+#: (one more than the drain rule's zero: a hysteresis, so instances do not flip role back and forth).
+OPEN_MARGIN = 2
+
 #: KV use (fraction of capacity) taken as "preempting" when the status reports no preemptions.
 KV_SATURATED = 0.99
 
@@ -255,14 +259,30 @@ def _overpacked(ctx: DecisionContext, config: SchedulerConfig) -> FloatArray:
 def prefill_room_mask(ctx: DecisionContext) -> BoolArray:
     """Instances that may take new decode without starving adaptive PD's prefill side.
 
-    True for instances already holding decode work; for a decode-idle one,
-    true when at least one *other* usable decode-idle instance (not the
-    reserved decode) predicts a TTFT for this prompt under :func:`ttft_need_ms`.
+    A decode-idle instance passes when at least :data:`OPEN_MARGIN` *other*
+    usable decode-idle instances (not the reserved decode) predict a TTFT for
+    this prompt under half of :func:`ttft_need_ms` (the half leaves room for
+    the prompts that arrive before the prefill side is looked at again). An
+    instance holding decode work passes, except when the prefill side has no
+    such room at all: then the lightest decoder (fewest decode requests, not
+    the reserved decode) gets no new decode, so it drains and returns to
+    prefill — consolidation without migration.
     """
-    idle = ctx.metric("decode_batch_size") == 0
-    good = idle & ctx.usable() & (ctx.metric("predicted_ttft") < 0.5 * ttft_need_ms(ctx))
-    if ctx.reserves.decode >= 0:
-        good[ctx.reserves.decode] = False
+    batch = ctx.metric("decode_batch_size")
+    idle = batch == 0
+    usable = ctx.usable()
+    good = idle & usable & (ctx.metric("predicted_ttft") < 0.5 * ttft_need_ms(ctx))
+    reserved = ctx.reserves.decode
+    if reserved >= 0:
+        good[reserved] = False
     others = int(np.count_nonzero(good)) - good
-    keep: BoolArray = ~idle | (others >= 1)
+    keep: BoolArray = ~idle | (others >= OPEN_MARGIN)
+    if not np.count_nonzero(good):
+        decoders = np.flatnonzero(~idle & usable)
+        if reserved >= 0:
+            decoders = decoders[decoders != reserved]
+        if len(decoders) > 1:
+            ranks = ctx.view.instances.id_rank[decoders]
+            lightest = decoders[np.lexsort((ranks, batch[decoders]))[0]]
+            keep[lightest] = False
     return keep

@@ -245,7 +245,7 @@ def _adaptive_pd(config: SchedulerConfig) -> dict[str, Any]:
                     "name": "metric_threshold",
                     "metric": "decode_batch_size",
                     "limit": 1,
-                    "relax_pass": 2,
+                    "relax_pass": 1,
                     "label": "decode_idle",
                 },
                 "failover",

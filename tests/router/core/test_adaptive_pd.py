@@ -155,7 +155,10 @@ def test_prefill_still_returns_when_every_instance_decodes() -> None:
         inst("b", decode_requests=1, decode_tokens=100, prefill_tokens=10),
     )
     d = s.schedule(snap, make_request(), NOW)
-    assert d.prefill is not None and d.prefill.fallback_pass == 2
+    # Pass 1 drops the TTFT target and the decode-idle rule together (prefill capacity on a decoder
+    # beats a prefill queue the TTFT target cannot survive); the reserved decode stays out.
+    assert d.prefill is not None and d.prefill.fallback_pass == 1
+    assert d.prefill.instance_id != reserves(s)[1]
 
 
 # ----------------------------------------------------------------------------- decode
