@@ -154,8 +154,17 @@ def plan_fleet(
         kv_capacity_tokens=float(engine.kv_capacity_tokens),
         kv_headroom=config.kv_packing_headroom,
     )
+    if max_instances < (2 if mode == "pd" else 1):
+        raise PlanError(f"--max-instances must allow one instance per role, got {max_instances}")
     roles = (0, 1) if mode == "pd" else (2,)
     counts = (estimate.prefill, estimate.decode, 0) if mode == "pd" else (0, 0, estimate.neutral)
+    if sum(counts) > max_instances:  # start within the bound (the search grows it back if it can)
+        scale = max_instances / sum(counts)
+        counts = (
+            max(1, int(counts[0] * scale)) if mode == "pd" else 0,
+            max(1, int(counts[1] * scale)) if mode == "pd" else 0,
+            0 if mode == "pd" else max_instances,
+        )
 
     def bump(c: tuple[int, int, int], role: int, by: int) -> tuple[int, int, int]:
         out = list(c)

@@ -1,0 +1,34 @@
+"""Packing in simulation: adaptive PD keeps attainment with fewer busy decoders, and the figures reported."""
+
+from __future__ import annotations
+
+from bench.workload import load_workload
+from router.core.config import SchedulerConfig
+from sim.cluster import SimFleet
+from sim.fleet import fleet_from_counts
+from sim.sweep import SLO_ADAPTIVE_PD, PolicyChoice, open_loop, point_to_dict, policy_overrides, run_sweep
+
+
+def test_adaptive_pd_packs_decode_without_preempting_and_reports_busy_instances() -> None:
+    fleet = SimFleet(fleet_from_counts(prefill=4, decode=4))
+    policies = [PolicyChoice(n, SchedulerConfig(**policy_overrides(n))) for n in ("slo", SLO_ADAPTIVE_PD)]
+    points = run_sweep(fleet, open_loop(load_workload("mixed")), policies, [8.0], num_requests=400, seed=0)
+    docs = {p.policy: point_to_dict(p) for p in points}
+    for doc in docs.values():
+        assert set(doc["mean_busy_instances"]) == {"prefill", "decode", "neutral"}
+        assert doc["mean_busy_instances"]["neutral"] == 0.0
+        assert 0.0 < doc["mean_busy_instances"]["decode"] <= 4.0 + 1e-9
+        assert isinstance(doc["preemptions"], int)
+    slo, apd = docs["slo"], docs[SLO_ADAPTIVE_PD]
+    assert apd["preemptions"] == 0
+    assert apd["mean_busy_instances"]["decode"] < slo["mean_busy_instances"]["decode"] - 0.5
+    assert apd["slo_attainment"] >= slo["slo_attainment"] - 0.01
+
+
+def test_busy_instances_of_a_neutral_fleet_are_neutral() -> None:
+    fleet = SimFleet(fleet_from_counts(neutral=3))
+    choice = PolicyChoice("binpack", SchedulerConfig(**policy_overrides("binpack")))
+    (point,) = run_sweep(fleet, open_loop(load_workload("chat")), [choice], [4.0], num_requests=100, seed=0)
+    busy = point_to_dict(point)["mean_busy_instances"]
+    assert busy["prefill"] == busy["decode"] == 0.0
+    assert 0.0 < busy["neutral"] <= 3.0
