@@ -17,8 +17,10 @@ from typing import Protocol
 from slorouter.v1 import cms_pb2, router_pb2
 
 from fleet.snapshot import ClusterSnapshot
-from router.core.decision import Choice
+from router.core.capacity import LoadTracker, estimate_instances
+from router.core.decision import Choice, Decision
 from router.core.errors import EmptyClusterError, InvalidRequestError
+from router.core.packing import expected_output_tokens, overpacked_mask
 from router.core.request import ScheduleInput, StageRestriction
 from router.core.scheduler import Scheduler
 from router.route import Route, route_of
@@ -60,6 +62,8 @@ class Placer:
         self._source = source
         self._clock = clock
         self._limits: tuple[ClusterSnapshot, frozenset[str], dict[str, int], int] | None = None
+        #: The load placed over the last minute (for ``desired_instances``).
+        self.load = LoadTracker()
 
     # ------------------------------------------------------------------ request checks against the fleet
 
@@ -133,9 +137,16 @@ class Placer:
         started = time.perf_counter()
         decision = self.scheduler.schedule(self._snapshot(), self._input(req, exclude=exclude), now)
         self.scheduler.record(decision, now)
+        self._observe_load(decision, now)
         if self._observer is not None:
             self._observer.scheduled(time.perf_counter() - started)
         return route_of(decision)
+
+    def _observe_load(self, decision: Decision, now: float) -> None:
+        request = decision.context.request
+        if request is not None:
+            out = expected_output_tokens(request, self.scheduler.config.packing_default_output_tokens)
+            self.load.observe(now, request.prompt_tokens, out)
 
     def place_decode(
         self, req: PlacementRequest, generated_tokens: int, *, exclude: frozenset[str], abandoned: str
@@ -152,8 +163,61 @@ class Placer:
         choice = decision.decode
         if choice is None:  # the core always fills decode for a decode-only request; be explicit anyway
             raise EmptyClusterError(f"no decode instance for request {req.request_id}")
-        self.scheduler.inflight.record(req.request_id, None, choice.instance_id, context_tokens, now)
+        # The new leg stays resident with the KV the request is still expected to reach.
+        final = len(req.prompt_token_ids) + expected_output_tokens(
+            decision.context.request, self.scheduler.config.packing_default_output_tokens
+        )
+        self.scheduler.inflight.record(
+            req.request_id,
+            None,
+            choice.instance_id,
+            context_tokens,
+            now,
+            final_tokens=max(final, context_tokens),
+        )
         return choice
+
+    def overpacked(self) -> dict[str, float]:
+        """Per instance of the current view: 1 when the safety valve holds new decode off it, else 0."""
+        snapshot = self._source.snapshot()
+        if not snapshot.instances:
+            return {}
+        config = self.scheduler.config
+        table = self.scheduler.view(snapshot, self._clock()).instances
+        values = overpacked_mask(table, config.tpot_slo_ms, config.overpacked_tpot_factor)
+        return dict(zip(table.ids, values.tolist(), strict=True))
+
+    def desired_instances(self) -> dict[str, int]:
+        """Instances per role the throughput model says the load of the last minute needs.
+
+        PD fleets (prefill- and decode-role instances registered) report
+        ``prefill`` and ``decode``, others ``neutral``; the other roles are 0.
+        Empty when the router has no latency profile.
+        """
+        predictors = self.scheduler.predictors
+        if predictors is None:
+            return {}
+        snapshot = self._source.snapshot()
+        roles = {r.metadata.role for r in snapshot.instances}
+        capacities = sorted(
+            r.metadata.kv_capacity_tokens for r in snapshot.instances if r.metadata.kv_capacity_tokens
+        )
+        config = self.scheduler.config
+        estimate = estimate_instances(
+            predictors.default,
+            self.load.shape(self._clock()),
+            tpot_target_ms=config.tpot_slo_ms,
+            strictness=config.tpot_packing_strictness,
+            threshold=config.tpot_binpack_threshold,
+            kv_capacity_tokens=float(capacities[len(capacities) // 2]) if capacities else 65536.0,
+            kv_headroom=config.kv_packing_headroom,
+        )
+        pd = cms_pb2.INSTANCE_ROLE_PREFILL in roles and cms_pb2.INSTANCE_ROLE_DECODE in roles
+        return {
+            "prefill": estimate.prefill if pd else 0,
+            "decode": estimate.decode if pd else 0,
+            "neutral": 0 if pd else estimate.neutral,
+        }
 
     def instance_counts(self) -> dict[tuple[str, str], int]:
         """Instances by (role, health) in the current view, for the metrics endpoint."""

@@ -135,7 +135,12 @@ async def start_router_server(
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     await reader.start()
     await server.start()
-    observer.bind_gauges(placer.instance_counts, lambda: len(scheduler.inflight))
+    observer.bind_gauges(
+        placer.instance_counts,
+        lambda: len(scheduler.inflight),
+        overpacked=placer.overpacked,
+        desired=placer.desired_instances,
+    )
     host = listen.rsplit(":", 1)[0]
     readiness = asyncio.get_running_loop().create_task(
         _ready_on_first_view(reader, health_servicer, source or type(reader).__name__),

@@ -1,7 +1,8 @@
 """Prometheus metrics of the router, on a registry of its own.
 
 Names share the ``slo_router_`` prefix and carry units; labels are bounded
-(outcome, stage, group, role, health), never request ids. The prediction
+(outcome, stage, group, role, health, and the instance id of the per-instance
+packing gauge: one series per instance in the view), never request ids. The prediction
 error is observed TTFT/TPOT minus the prediction the decision was made with,
 per instance group, so an operator sees when a profile no longer matches
 the fleet.
@@ -10,9 +11,12 @@ the fleet.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from router.core.errors import (
     EmptyClusterError,
@@ -99,12 +103,24 @@ class RequestObserver:
         )
 
     def bind_gauges(
-        self, instances: Callable[[], dict[tuple[str, str], int]], inflight: Callable[[], int]
+        self,
+        instances: Callable[[], dict[tuple[str, str], int]],
+        inflight: Callable[[], int],
+        *,
+        overpacked: Callable[[], dict[str, float]] | None = None,
+        desired: Callable[[], dict[str, int]] | None = None,
     ) -> None:
-        """Compute the gauges at scrape time from the router's live state."""
+        """Compute the gauges at scrape time from the router's live state.
+
+        ``overpacked`` (instance id -> 0/1) and ``desired`` (role -> instances)
+        feed ``slo_router_instance_overpacked{instance}`` and
+        ``slo_router_desired_instances{role}``, computed at every scrape.
+        """
         self._instance_source = instances
         self.inflight_entries.set_function(lambda: float(inflight()))
         self._refresh_instances()
+        if overpacked is not None or desired is not None:
+            self.registry.register(_PackingCollector(overpacked, desired))
 
     def _refresh_instances(self) -> None:
         source = getattr(self, "_instance_source", None)
@@ -142,3 +158,47 @@ class RequestObserver:
             self.tpot_error.labels(group=route.decode_group).observe(
                 tpot_s - route.decode.predicted_tpot_ms / 1e3
             )
+
+
+class _PackingCollector(Collector):
+    """Scrape-time gauges of packing: the safety valve per instance, and the instances the load needs."""
+
+    def __init__(
+        self,
+        overpacked: Callable[[], dict[str, float]] | None,
+        desired: Callable[[], dict[str, int]] | None,
+    ) -> None:
+        self._overpacked = overpacked
+        self._desired = desired
+
+    def describe(self) -> list[Metric]:
+        return []  # families are produced at scrape time; nothing to check at registration
+
+    def collect(self) -> Iterator[Metric]:
+        if self._overpacked is not None:
+            family = GaugeMetricFamily(
+                "slo_router_instance_overpacked",
+                "1 while the safety valve holds new decode off an instance (measured TPOT over its "
+                "target, or preempting), else 0",
+                labels=["instance"],
+            )
+            for instance, value in sorted(self._safe(self._overpacked).items()):
+                family.add_metric([instance], value)
+            yield family
+        if self._desired is not None:
+            family = GaugeMetricFamily(
+                "slo_router_desired_instances",
+                "Instances per role the throughput model says the last minute's load needs "
+                "(for an autoscaler)",
+                labels=["role"],
+            )
+            for role, count in sorted(self._safe(self._desired).items()):
+                family.add_metric([role], float(count))
+            yield family
+
+    @staticmethod
+    def _safe(source: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        try:
+            return source()
+        except RouterError:  # e.g. no instance registered yet: nothing to report
+            return {}

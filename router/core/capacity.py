@@ -27,6 +27,7 @@ spread); the simulator confirms and refines it.
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass
 
 from predictor import LatencyPredictor
@@ -118,3 +119,50 @@ def estimate_instances(
         decode_batch=batch,
         decode_step_ms=step_ms,
     )
+
+
+class LoadTracker:
+    """The load the router has seen over the last ``window_s`` seconds, as a :class:`LoadShape`.
+
+    ``observe`` each placed request (its prompt and expected output); ``shape``
+    gives the arrival rate over the window (over the time since the first
+    observation while that is shorter) and the mean lengths. Bounded: at most
+    ``max_entries`` observations are kept (the oldest go first).
+    """
+
+    def __init__(self, window_s: float = 60.0, max_entries: int = 100_000) -> None:
+        if not window_s > 0:
+            raise ValueError(f"window_s must be > 0, got {window_s}")
+        if max_entries < 1:
+            raise ValueError(f"max_entries must be >= 1, got {max_entries}")
+        self.window_s = window_s
+        self._entries: deque[tuple[float, int, int]] = deque(maxlen=max_entries)
+        self._prompt = 0
+        self._output = 0
+        self._first_s: float | None = None
+
+    def observe(self, now_s: float, prompt_tokens: int, output_tokens: int) -> None:
+        if len(self._entries) == self._entries.maxlen:
+            _, p, o = self._entries[0]
+            self._prompt -= p
+            self._output -= o
+        self._entries.append((now_s, prompt_tokens, output_tokens))
+        self._prompt += prompt_tokens
+        self._output += output_tokens
+        if self._first_s is None:
+            self._first_s = now_s
+
+    def _trim(self, now_s: float) -> None:
+        horizon = now_s - self.window_s
+        while self._entries and self._entries[0][0] <= horizon:
+            _, p, o = self._entries.popleft()
+            self._prompt -= p
+            self._output -= o
+
+    def shape(self, now_s: float) -> LoadShape:
+        self._trim(now_s)
+        n = len(self._entries)
+        if n == 0 or self._first_s is None:
+            return LoadShape(0.0, 0.0, 0.0)
+        span = min(self.window_s, max(now_s - self._first_s, 1.0))
+        return LoadShape(n / span, self._prompt / n, self._output / n)
