@@ -6,7 +6,7 @@ from prometheus_client import generate_latest
 
 from fleet.snapshot import ClusterSnapshot
 from router.core.capacity import LoadTracker
-from router.placement import Placer, PlacementRequest
+from router.placement import PlacementRequest, Placer
 from router.telemetry import RequestObserver
 from tests.router.core.helpers import NOW, inst, make_scheduler, make_snapshot
 
