@@ -60,8 +60,10 @@ def test_plan_json_has_the_counts_target_and_rate(capsys: pytest.CaptureFixture[
 
 def test_plan_neutral_mode_counts_neutral_instances(capsys: pytest.CaptureFixture[str]) -> None:
     code = main(
-        ["plan", "--workload", "chat", "--rate", "2", "--attainment", "0.9", "--mode", "neutral"]
-        + ["--num-requests", "40", "--json", "--policy", "binpack"]
+        [
+            *("plan", "--workload", "chat", "--rate", "2", "--attainment", "0.9", "--mode", "neutral"),
+            *("--num-requests", "40", "--json", "--policy", "binpack"),
+        ]
     )
     assert code == 0
     doc = json.loads(capsys.readouterr().out)
@@ -85,7 +87,7 @@ def test_plan_rejects_bad_input_naming_the_flag(
     for flag, value in base.items():
         if flag not in flags:
             args += [flag, value]
-    assert main(args + flags) == 2
+    assert main([*args, *flags]) == 2
     assert message in capsys.readouterr().err
 
 
