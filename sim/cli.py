@@ -104,7 +104,8 @@ what is simulated: the router's scheduling core places every request at its arri
 
 output: a table per rate and policy; --output writes JSON {{"meta": ..., "results": [one object per
   (policy, rate) with policy, rate, slo_attainment (0-1), goodput (req/s meeting their SLO),
-  ttft_p99_ms, tpot_p99_ms, and every other figure of `bench`]}}; --plot a PNG of attainment
+  ttft_p99_ms, tpot_p99_ms, preemptions, mean_busy_instances ({{"prefill", "decode", "neutral"}}:
+  time-average of instances holding such work), and every other figure of `bench`]}}; --plot a PNG of attainment
   and goodput against the rate. Same flags and seed give the same JSON.
 """
 
