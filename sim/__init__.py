@@ -7,6 +7,7 @@
 - :mod:`sim.fleet`: fleet specs (``--fleet``, fleet files) and per-group engine settings.
 - :mod:`sim.cluster`: the event loop that places requests with :mod:`router.core`.
 - :mod:`sim.sweep`: policy x rate sweeps and their report; :mod:`sim.cli`: ``slo-router simulate``.
+- :mod:`sim.plan`: ``slo-router plan``, the fewest instances meeting an attainment target.
 
 May import :mod:`router.core`, :mod:`predictor`, :mod:`fleet`, the engine
 interface types of :mod:`workers.engine`, and the workload and report modules
