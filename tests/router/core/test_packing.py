@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from fleet.snapshot import ClusterSnapshot, InstanceRecord
 from router.core.capacity import LoadShape, decode_batch, estimate_instances
 from router.core.inflight import InflightAccount
-from router.core.packing import expected_output_tokens, overpacked_mask
+from router.core.packing import expected_output_tokens, overpacked_mask, prefill_room_mask
 from router.core.request import ScheduleInput
 from tests.router.core.helpers import NOW, inst, make_predictor, make_request, make_scheduler, make_snapshot
 
@@ -349,3 +349,50 @@ def test_a_deadline_no_instance_can_keep_does_not_tighten_packing() -> None:
     scheduler = make_scheduler("binpack", tpot_slo_ms=50.0)
     lost = make_request("lost", 100, max_tokens=150, e2e_slo_ms=1500.0)
     assert scheduler.schedule(snapshot, lost, NOW).decode.instance_id == "d"
+
+
+# ----------------------------------------------------------------------------- adaptive PD's prefill room
+
+
+def _room(snapshot: ClusterSnapshot) -> dict[str, bool]:
+    scheduler = make_scheduler("slo", enable_adaptive_pd=True)
+    decision = scheduler.schedule(snapshot, make_request("r", 100, max_tokens=50), NOW, dry_run=True)
+    ctx = decision.context
+    return dict(zip(ctx.view.instances.ids, prefill_room_mask(ctx).tolist(), strict=True))
+
+
+def test_prefill_room_opens_a_decoder_only_while_two_other_idle_instances_can_prefill() -> None:
+    decoders = [inst(f"d{k}", decode_requests=k + 1, decode_tokens=500) for k in range(2)]
+    idle = [inst(f"i{k}") for k in range(3)]
+    room = _room(make_snapshot(*decoders, *idle))  # opening one leaves two: allowed
+    assert all(room[f"i{k}"] for k in range(3)) and room["d0"] and room["d1"]
+    room = _room(make_snapshot(*decoders, *idle[:2]))  # opening one would leave one: refused
+    assert not any(room[f"i{k}"] for k in range(2))
+    assert room["d0"] and room["d1"]
+
+
+def test_prefill_room_drains_the_lightest_decoder_when_no_idle_instance_can_prefill_in_time() -> None:
+    decoders = [
+        inst("heavy", decode_requests=9, decode_tokens=900),
+        inst("light", decode_requests=2, decode_tokens=200),
+    ]
+    backlogged = [inst(f"i{k}", prefill_tokens=60_000) for k in range(3)]
+    room = _room(make_snapshot(*decoders, *backlogged, inst("spare", decode_requests=5, decode_tokens=500)))
+    assert not any(room[f"i{k}"] for k in range(3))
+    assert room["heavy"] and room["spare"] and not room["light"]
+
+
+def test_packing_flags_are_checked_and_named() -> None:
+    from router.core.config import SchedulerConfig
+    from router.core.errors import ConfigError
+
+    for field, value in (
+        ("tpot_packing_strictness", 1.5),
+        ("tpot_binpack_threshold", 0.0),
+        ("kv_packing_headroom", 1.2),
+        ("packing_default_output_tokens", 0),
+        ("binpack_max_batch", 0),
+        ("overpacked_tpot_factor", float("nan")),
+    ):
+        with pytest.raises(ConfigError, match=field):
+            SchedulerConfig(**{field: value})
