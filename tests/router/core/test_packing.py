@@ -15,6 +15,7 @@ from router.core.capacity import LoadShape, decode_batch, estimate_instances
 from router.core.inflight import InflightAccount
 from router.core.packing import expected_output_tokens, overpacked_mask, prefill_room_mask
 from router.core.request import ScheduleInput
+from router.core.scheduler import Scheduler
 from tests.router.core.helpers import NOW, inst, make_predictor, make_request, make_scheduler, make_snapshot
 
 PROPS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -113,7 +114,7 @@ def _life_peak(contexts: list[int], remaining: list[int]) -> int:
 
 def _loaded_fleet(
     residents: list[tuple[int, int, int]], scheduler_policy: str = "binpack"
-) -> tuple[ClusterSnapshot, object]:
+) -> tuple[ClusterSnapshot, Scheduler]:
     """One prefill instance and one decode instance holding ``residents`` (prompt, output, generated)."""
     scheduler = make_scheduler(scheduler_policy, tpot_slo_ms=1000.0)
     ids = [f"old{k}" for k in range(len(residents))]
