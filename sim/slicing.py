@@ -361,6 +361,12 @@ def simulate_slices(
         schedule_points=sim.sched.schedule_points,
         resume_gap_p99_ms=float(np.percentile(gaps, 99)) if gaps else None,
     )
+    # Time-average of instances holding work, per role: an engine steps back to back while it
+    # holds a slice, so its busy time is the time it holds work.
+    busy = {Role.PREFILL: 0.0, Role.DECODE: 0.0, Role.NEUTRAL: 0.0}
+    for role, seconds in zip(fleet.roles, sim.busy, strict=True):
+        busy[role] += seconds
+    span = duration if duration > 0 else 1.0
     stats = SimStats(
         decisions=sim.sched.batches,
         rejected=0,
@@ -368,6 +374,9 @@ def simulate_slices(
         preemptions=sum(c.num_preemptions for c in sim.cores),
         kv_transfers=0,
         events=sim.events,
+        mean_busy_prefill=busy[Role.PREFILL] / span,
+        mean_busy_decode=busy[Role.DECODE] / span,
+        mean_busy_neutral=busy[Role.NEUTRAL] / span,
     )
     return SliceOutcome(results, duration, stats, figures, time.perf_counter() - started)
 
