@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 # vLLM (2.7 GB) lives in its own environment; the vLLM tests start workers from it.
 VLLM_VENV  := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
-PACKAGES := router predictor fleet cms workers sim bench
+PACKAGES := router openai_http predictor fleet cms workers sim bench
 PKG_DIRS  = $(wildcard $(PACKAGES))
 
 .PHONY: test run lint typecheck proto proto-check bench system-deps venv vllm-venv clean

@@ -22,12 +22,15 @@ from slorouter.v1 import router_pb2, router_pb2_grpc
 
 from cms.reader import ClusterReader, open_reader
 from cms.serving import add_health_and_reflection, bind_server
+from openai_http.app import DEFAULT_MAX_BODY_BYTES, HttpServer
 from predictor import LatencyPredictor
+from router.chat_template import ChatTemplate, FallbackChatTemplate, load_chat_template
 from router.core.config import SchedulerConfig, name_flags
 from router.core.predictors import PredictorSet
 from router.core.scheduler import Scheduler
 from router.core.slicing import SliceConfig
 from router.forward import WorkerClient
+from router.http_edge import RouterBackend, start_http_edge
 from router.placement import Placer
 from router.pool import ChannelPool
 from router.service import RouterService, ServiceConfig
@@ -58,6 +61,8 @@ class RouterServer:
     address: str
     owned: list[Any] = field(default_factory=list)
     readiness: asyncio.Task[None] | None = None
+    #: The OpenAI-compatible HTTP edge, when ``http_listen`` was given.
+    http: HttpServer | None = None
     _stopped: bool = False
 
     @property
@@ -75,6 +80,8 @@ class RouterServer:
         if self._stopped:
             return
         self._stopped = True
+        if self.http is not None:
+            await self.http.stop()
         if self.readiness is not None:
             self.readiness.cancel()
             await asyncio.gather(self.readiness, return_exceptions=True)
@@ -98,12 +105,16 @@ async def start_router_server(
     max_channels: int = 1024,
     source: str = "",
     slice_config: SliceConfig | None = None,
+    http_listen: str = "",
+    chat_template: ChatTemplate | None = None,
 ) -> RouterServer:
     """Serve the Router service on ``listen`` over ``reader``'s view; starts the reader too.
 
     gRPC health reports ``NOT_SERVING`` until the reader delivers its first
     cluster view (``source`` names where it comes from, for the log), then
-    ``SERVING``. Raises ``OSError`` when the address cannot be bound.
+    ``SERVING``. With ``http_listen`` (``HOST:PORT``), the OpenAI-compatible
+    HTTP edge is served there as well, over the same service. Raises
+    ``OSError`` when an address cannot be bound.
     """
     observer = observer or RequestObserver()
     pool = ChannelPool(max_channels=max_channels)
@@ -150,7 +161,7 @@ async def start_router_server(
     if slicer is not None:
         await slicer.start()
         owned.append(slicer)
-    return RouterServer(
+    router = RouterServer(
         server=server,
         service=service,
         scheduler=scheduler,
@@ -163,6 +174,21 @@ async def start_router_server(
         readiness=readiness,
         owned=owned,
     )
+    if http_listen:
+        backend = RouterBackend(
+            service,
+            snapshot=reader.snapshot,
+            instance_counts=placer.instance_counts,
+            chat_template=chat_template or FallbackChatTemplate(),
+            defaults=service_config,
+            registry=observer.registry,
+        )
+        try:
+            router.http = await start_http_edge(backend, http_listen, max_body_bytes=DEFAULT_MAX_BODY_BYTES)
+        except BaseException:
+            await router.stop(grace=0)
+            raise
+    return router
 
 
 #: How often the router repeats what it is waiting for while it has no cluster view.
@@ -237,6 +263,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--cms-listen",
         default="127.0.0.1:7100",
         help="with --cms memory: where workers reach the embedded CMS (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--http-listen",
+        default="",
+        metavar="HOST:PORT",
+        help="also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
+        "/v1/models, /health, /metrics) here; off by default",
     )
     parser.add_argument("--cluster-name", default="default", help="Redis key namespace with --cms redis://")
     parser.add_argument(
@@ -415,6 +448,8 @@ async def start_from_args(args: argparse.Namespace, plan: RouterPlan | None = No
             observer=observer,
             source=source,
             slice_config=plan.slice_config,
+            http_listen=args.http_listen,
+            chat_template=load_chat_template(args.tokenizer),
         )
     except BaseException:
         for resource in reversed(owned):
@@ -436,6 +471,8 @@ async def start_from_args(args: argparse.Namespace, plan: RouterPlan | None = No
 async def _serve(args: argparse.Namespace, plan: RouterPlan) -> int:
     server = await start_from_args(args, plan)
     print(f"router listening on {server.address}", flush=True)
+    if server.http is not None:
+        print(f"OpenAI-compatible HTTP API on http://{server.http.address}/v1", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -14,11 +14,12 @@ Router errors are mapped to gRPC status codes here and nowhere else.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +28,7 @@ from slorouter.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2
 
 from router.core.decision import Choice
 from router.core.errors import (
+    DuplicateRequestError,
     EmptyClusterError,
     InvalidRequestError,
     NoInstanceError,
@@ -76,6 +78,8 @@ def _error_code(exc: RouterError) -> grpc.StatusCode:
     """The one place router errors become gRPC status codes."""
     if isinstance(exc, InvalidRequestError):
         return grpc.StatusCode.INVALID_ARGUMENT
+    if isinstance(exc, DuplicateRequestError):
+        return grpc.StatusCode.ALREADY_EXISTS
     if isinstance(exc, NoInstanceError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED
     if isinstance(exc, (EmptyClusterError, RetriesExhaustedError)):
@@ -219,19 +223,38 @@ class RouterService(router_pb2_grpc.RouterServicer):
     async def Generate(
         self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[router_pb2.GenerateResponse]:
+        try:
+            async with contextlib.aclosing(self.generate(request)) as messages:
+                async for message in messages:
+                    yield message
+        except RouterError as exc:
+            await context.abort(_error_code(exc), str(exc))
+        except LegError as exc:
+            # The worker refused the request itself (not an instance failure): pass its verdict on.
+            await context.abort(exc.code, f"worker {exc.instance_id}: {exc.details}")
+
+    async def generate(
+        self, request: router_pb2.GenerateRequest
+    ) -> AsyncGenerator[router_pb2.GenerateResponse, None]:
+        """Run one request end to end; the path every front door (gRPC, HTTP) shares.
+
+        Raises :class:`RouterError` when the request is refused or fails, and
+        :class:`LegError` when a worker refused it; both are already counted in the
+        metrics. Callers close the iterator (``contextlib.aclosing``) so that a
+        client that goes away releases the accounting and aborts the worker legs.
+        """
         progress = _Progress(started=self._clock())
         try:
             prepared = self._prepare(request)
         except RouterError as exc:
             self._observer.rejected(exc)
             logger.info("rejected request %s: %s", request.request_id or "(no id)", exc)
-            await context.abort(_error_code(exc), str(exc))
+            raise
         request_id = prepared.request_id
         if request_id in self._active:
             self._observer.outcome("duplicate")
-            await context.abort(
-                grpc.StatusCode.ALREADY_EXISTS,
-                f"request_id {request_id!r} is already in flight; use a new id or leave it empty",
+            raise DuplicateRequestError(
+                f"request_id {request_id!r} is already in flight; use a new id or leave it empty"
             )
         self._active.add(request_id)
         ledger = LegLedger()
@@ -244,12 +267,11 @@ class RouterService(router_pb2_grpc.RouterServicer):
         except RouterError as exc:
             self._observer.rejected(exc)
             logger.info("request %s failed: %s", request_id, exc)
-            await context.abort(_error_code(exc), str(exc))
-        except LegError as exc:
-            # The worker refused the request itself (not an instance failure): pass its verdict on.
+            raise
+        except LegError:
             self._observer.outcome("worker_error")
-            await context.abort(exc.code, f"worker {exc.instance_id}: {exc.details}")
-        except asyncio.CancelledError:
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
             self._observer.outcome("cancelled")
             raise
         finally:

@@ -45,6 +45,8 @@ from router.telemetry import RequestObserver
 
 logger = logging.getLogger(__name__)
 
+DEFAULT_HTTP_LISTEN = "127.0.0.1:8000"
+
 _PR_SET_PDEATHSIG = 1
 
 
@@ -198,6 +200,7 @@ async def start_cluster(args: argparse.Namespace, plan: ClusterPlan | None = Non
             observer=observer,
             source=f"the embedded CMS on {cms.address}",
             slice_config=plan.slice_config,
+            http_listen=args.http_listen,
         )
     except BaseException:
         await stop_workers(workers)
@@ -235,6 +238,12 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("--listen", default=DEFAULT_LISTEN, help="router address (default: %(default)s)")
     parser.add_argument(
+        "--http-listen",
+        default=DEFAULT_HTTP_LISTEN,
+        metavar="HOST:PORT",
+        help="the router's OpenAI-compatible HTTP API (default: %(default)s; '' turns it off)",
+    )
+    parser.add_argument(
         "--profile",
         default=str(DEFAULT_PROFILE_DIR),
         help="profile directory (ttft.json + tpot.json) the sim workers run and the router predicts with "
@@ -269,6 +278,8 @@ async def _serve(args: argparse.Namespace, plan: ClusterPlan) -> int:
         flush=True,
     )
     print(f"router listening on {cluster.router.address}", flush=True)
+    if cluster.router.http is not None:
+        print(f"OpenAI-compatible HTTP API on http://{cluster.router.http.address}/v1", flush=True)
     policy = plan.config.policy_config_path or plan.config.scheduling_policy
     adaptive = " + adaptive PD" if plan.config.enable_adaptive_pd else ""
     print(

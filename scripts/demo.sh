@@ -10,7 +10,7 @@ RATE=${RATE:-4}
 DURATION=${DURATION:-20}
 POLICY=${POLICY:-slo}
 
-"$BIN/slo-router" up --prefill 2 --decode 2 --scheduling-policy "$POLICY" --listen 127.0.0.1:0 >"$LOG" 2>&1 &
+"$BIN/slo-router" up --prefill 2 --decode 2 --scheduling-policy "$POLICY" --listen 127.0.0.1:0 --http-listen 127.0.0.1:0 >"$LOG" 2>&1 &
 UP=$!
 cleanup() {
   if kill -0 "$UP" 2>/dev/null; then

@@ -76,6 +76,7 @@ async def embedded_cluster(
     scheduler_overrides: dict[str, Any] | None = None,
     seed: int = 0,
     slice_config: SliceConfig | None = None,
+    http: bool = False,
 ) -> AsyncIterator[Cluster]:
     store = MemoryStore()
     cms = await start_cms_server(store, "127.0.0.1:0", lease_ttl_s=2.0)
@@ -114,6 +115,7 @@ async def embedded_cluster(
             listen="127.0.0.1:0",
             service_config=service or ServiceConfig(max_retries=2, prefill_timeout_s=10, stream_timeout_s=30),
             slice_config=slice_config,
+            http_listen="127.0.0.1:0" if http else "",
         )
         channel = grpc.aio.insecure_channel(router.address)
         cluster = Cluster(cms, store, workers, engines, router, channel, router_pb2_grpc.RouterStub(channel))

@@ -56,7 +56,7 @@ def test_up_serves_hundreds_of_streams_and_leaves_nothing_running(tmp_path: Path
     _generate_stubs(tmp_path / "gen")
     up = subprocess.Popen(
         [sys.executable, "-m", "router.cli", "up", "--prefill", "2", "--decode", "2",
-         "--speed-factor", "20", "--listen", "127.0.0.1:0"],
+         "--speed-factor", "20", "--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
     )  # fmt: skip
     try:

@@ -1,0 +1,352 @@
+"""A Starlette app speaking OpenAI's HTTP API over a :class:`Backend`, and a uvicorn server for it.
+
+The app parses and bounds the request (:mod:`openai_http.protocol`), asks the
+backend for the text pieces of the completion and returns them as one JSON
+response or as server-sent events. The backend's first piece is awaited
+before the response starts, so a request refused at placement gets a proper
+HTTP status (400/429/503) rather than an error inside a 200 stream; a failure
+after the first piece becomes an ``error`` event followed by ``[DONE]``.
+
+A client that goes away cancels its request: for a stream, Starlette cancels
+the response task; for a plain response, a watcher on the connection cancels
+the collection. Either way the backend's generator is closed at once, which
+is where the backend releases what the request held.
+
+:class:`HttpServer` runs uvicorn on the caller's event loop (next to a gRPC
+server), on a socket it binds itself (so port 0 works and the bound port is
+known), without touching the process's signal handlers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from openai_http.protocol import (
+    ApiError,
+    Kind,
+    ParsedRequest,
+    Usage,
+    chunk_body,
+    decode_json,
+    models_body,
+    parse_request,
+    response_body,
+    sse,
+    usage_chunk_body,
+)
+
+#: Largest request body accepted (bytes).
+DEFAULT_MAX_BODY_BYTES = 8 << 20
+#: Status logged for a request whose client went away before the response.
+CLIENT_CLOSED = 499
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Some new text of a completion. The first piece may carry response headers; the last, the usage."""
+
+    text: str
+    finished: bool = False
+    #: "length" | "stop" | ... ; set on the last piece.
+    finish_reason: str = ""
+    usage: Usage | None = None
+    headers: Mapping[str, str] = field(default_factory=dict)
+
+
+class Backend(Protocol):
+    """What serves the completions behind the HTTP API."""
+
+    #: ``owned_by`` in ``/v1/models``.
+    owner: str
+
+    def generate(self, request: ParsedRequest, headers: Mapping[str, str]) -> AsyncGenerator[Piece, None]:
+        """An async generator of the completion's pieces, ending with one whose ``finished`` is set.
+
+        Raises :class:`ApiError` (before or after the first piece). The app
+        closes it when the client goes away, and iterates it to the end
+        otherwise.
+        """
+        ...
+
+    def render_chat(self, messages: Sequence[Mapping[str, str]]) -> str:
+        """The prompt for a list of chat messages."""
+        ...
+
+    def models(self) -> Sequence[tuple[str, int]]:
+        """(model name, max_model_len or 0) of each model served."""
+        ...
+
+    def health(self) -> str | None:
+        """``None`` when ready to serve, else why not (``/health`` returns 503 with it)."""
+        ...
+
+    def metrics(self) -> tuple[bytes, str]:
+        """The Prometheus exposition and its content type."""
+        ...
+
+
+def error_response(exc: ApiError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"the request body is larger than {limit} bytes")
+    chunks = bytearray()
+    async for chunk in request.stream():
+        chunks += chunk
+        if len(chunks) > limit:
+            raise ApiError(413, f"the request body is larger than {limit} bytes")
+    return bytes(chunks)
+
+
+async def _until_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events; closes the backend's generator however the response ends."""
+
+    def __init__(
+        self, events: AsyncIterator[bytes], pieces: AsyncGenerator[Piece, None], headers: Mapping[str, str]
+    ):
+        super().__init__(events, media_type="text/event-stream", headers=dict(headers))
+        self._pieces = pieces
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await _close(self._pieces)
+
+
+async def _close(pieces: AsyncGenerator[Piece, None]) -> None:
+    await pieces.aclose()
+
+
+class OpenAIApp:
+    """The routes; :attr:`app` is the ASGI application."""
+
+    def __init__(self, backend: Backend, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+        if max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
+        self._backend = backend
+        self._max_body_bytes = max_body_bytes
+        self._created = int(time.time())
+        self.app = Starlette(
+            routes=[
+                Route("/v1/completions", self._completions, methods=["POST"]),
+                Route("/v1/chat/completions", self._chat, methods=["POST"]),
+                Route("/v1/models", self._models, methods=["GET"]),
+                Route("/health", self._health, methods=["GET"]),
+                Route("/metrics", self._metrics, methods=["GET"]),
+            ],
+            exception_handlers={404: self._not_found, 405: self._not_allowed},
+        )
+
+    async def _not_found(self, request: Request, exc: Exception) -> Response:
+        return error_response(ApiError(404, f"no route {request.url.path}"))
+
+    async def _not_allowed(self, request: Request, exc: Exception) -> Response:
+        return error_response(ApiError(405, f"{request.method} is not allowed on {request.url.path}"))
+
+    async def _models(self, request: Request) -> Response:
+        return JSONResponse(models_body(self._backend.models(), self._created, self._backend.owner))
+
+    async def _health(self, request: Request) -> Response:
+        problem = self._backend.health()
+        if problem is not None:
+            return error_response(ApiError(503, problem))
+        return JSONResponse({"status": "ok"})
+
+    async def _metrics(self, request: Request) -> Response:
+        body, content_type = self._backend.metrics()
+        return Response(body, media_type=content_type)
+
+    async def _completions(self, request: Request) -> Response:
+        return await self._serve(request, Kind.COMPLETION)
+
+    async def _chat(self, request: Request) -> Response:
+        return await self._serve(request, Kind.CHAT)
+
+    async def _serve(self, request: Request, kind: Kind) -> Response:
+        try:
+            raw = await _read_body(request, self._max_body_bytes)
+            parsed = parse_request(kind, decode_json(raw), self._backend.render_chat)
+            pieces = self._backend.generate(parsed, request.headers)
+            try:
+                first = await anext(pieces)
+            except StopAsyncIteration:
+                raise ApiError(502, "the backend produced no output") from None
+        except ApiError as exc:
+            return error_response(exc)
+        prefix = "cmpl-" if kind is Kind.COMPLETION else "chatcmpl-"
+        response_id = prefix + uuid.uuid4().hex
+        model = parsed.model or (self._backend.models() or [("", 0)])[0][0]
+        created = int(time.time())
+        if parsed.stream:
+            events = self._events(parsed, pieces, first, response_id, created, model)
+            return _EventStream(events, pieces, first.headers)
+        collector = asyncio.ensure_future(self._collect(pieces, first))
+        watcher = asyncio.ensure_future(_until_disconnect(request.receive))
+        try:
+            await asyncio.wait({collector, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+            if not collector.done():  # the client went away: stop the request
+                collector.cancel()
+            await asyncio.gather(watcher, collector, return_exceptions=True)
+            await _close(pieces)
+        if collector.cancelled():
+            return Response(status_code=CLIENT_CLOSED)
+        error = collector.exception()
+        if isinstance(error, ApiError):
+            return error_response(error)
+        if error is not None:
+            raise error
+        text, last = collector.result()
+        usage = last.usage or Usage(0, 0)
+        body = response_body(kind, response_id, created, model, text, last.finish_reason, usage)
+        return JSONResponse(body, headers=dict(first.headers))
+
+    @staticmethod
+    async def _collect(pieces: AsyncGenerator[Piece, None], first: Piece) -> tuple[str, Piece]:
+        texts = [first.text]
+        last = first
+        async for piece in pieces:
+            texts.append(piece.text)
+            last = piece
+        if not last.finished:
+            raise ApiError(502, "the completion ended without a finish reason")
+        return "".join(texts), last
+
+    async def _events(
+        self,
+        parsed: ParsedRequest,
+        pieces: AsyncGenerator[Piece, None],
+        first: Piece,
+        response_id: str,
+        created: int,
+        model: str,
+    ) -> AsyncIterator[bytes]:
+        kind, include_usage = parsed.kind, parsed.include_usage
+
+        def chunk(piece: Piece, is_first: bool) -> bytes:
+            return sse(
+                chunk_body(
+                    kind,
+                    response_id,
+                    created,
+                    model,
+                    piece.text,
+                    piece.finish_reason if piece.finished else None,
+                    first=is_first,
+                    include_usage=include_usage,
+                )
+            )
+
+        yield chunk(first, True)
+        last = first
+        try:
+            async for piece in pieces:
+                if piece.text or piece.finished:
+                    yield chunk(piece, False)
+                last = piece
+        except ApiError as exc:
+            yield sse(exc.body())
+            yield sse("[DONE]")
+            return
+        if include_usage:
+            usage = last.usage or Usage(0, 0)
+            yield sse(usage_chunk_body(kind, response_id, created, model, usage))
+        yield sse("[DONE]")
+
+
+# ---------------------------------------------------------------------- serving
+
+
+def split_host_port(listen: str, flag: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT`` too) as the flag ``flag`` takes it; raises ``ValueError`` naming it."""
+    host, sep, port = listen.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"{flag} expects HOST:PORT with a port in 0..65535, got {listen!r}")
+    return host.strip("[]"), int(port)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its signal handlers: the process's entry point owns those."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+class HttpServer:
+    """Serves an ASGI app with uvicorn on the running event loop. ``start()`` / idempotent ``stop()``."""
+
+    def __init__(self, app: Any, listen: str, *, flag: str = "--http-listen") -> None:
+        self._host, self._port = split_host_port(listen, flag)
+        self._app = app
+        self._server: _Server | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._socket: socket.socket | None = None
+        self.address = ""
+
+    async def start(self, timeout_s: float = 10.0) -> None:
+        """Bind (raises ``OSError`` when the address is taken) and serve until :meth:`stop`."""
+        family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((self._host, self._port))
+        except OSError:
+            sock.close()
+            raise
+        self._socket = sock
+        port = sock.getsockname()[1]
+        host = f"[{self._host}]" if family == socket.AF_INET6 else self._host
+        self.address = f"{host}:{port}"
+        config = uvicorn.Config(
+            self._app,
+            lifespan="off",
+            log_level="warning",
+            access_log=False,
+            timeout_graceful_shutdown=2,
+        )
+        self._server = _Server(config)
+        self._task = asyncio.ensure_future(self._server.serve(sockets=[sock]))
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while not self._server.started:
+            if self._task.done():
+                await self._task
+                raise OSError(f"the HTTP server on {self.address} stopped while starting")
+            if asyncio.get_running_loop().time() > deadline:
+                await self.stop()
+                raise OSError(f"the HTTP server on {self.address} did not start within {timeout_s:g} s")
+            await asyncio.sleep(0.005)
+
+    async def stop(self) -> None:
+        """Stop accepting, let open responses finish briefly, close the socket."""
+        server, task, self._server, self._task = self._server, self._task, None, None
+        if server is not None and task is not None:
+            server.should_exit = True
+            await task
+        if self._socket is not None:
+            self._socket.close()
+            self._socket = None
