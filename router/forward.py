@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
 
@@ -174,7 +174,7 @@ class WorkerClient:
         self,
         target: Target,
         request_id: str,
-        prompt_token_ids: tuple[int, ...],
+        prompt_token_ids: Sequence[int],
         sampling: common_pb2.SamplingParams,
         timeout_s: float,
         ledger: LegLedger,

@@ -10,7 +10,7 @@ I/O, so a decision never waits for the CMS.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -38,7 +38,8 @@ class PlacementRequest:
     """A validated request as the router places it (token ids, resolved SLO targets)."""
 
     request_id: str
-    prompt_token_ids: tuple[int, ...]
+    #: Read-only; may be the request message's own repeated field (copying it costs ~0.1 µs a token).
+    prompt_token_ids: Sequence[int]
     model: str
     #: Targets in force (request override, else router default), ms.
     ttft_slo_ms: float
@@ -243,8 +244,13 @@ class Placer:
         """The request ended at the router: its in-flight entries go."""
         self.scheduler.inflight.release(request_id)
 
-    def dry_run(self, req: PlacementRequest) -> router_pb2.ScheduleResponse:
-        """The decision ``place`` would make now, with its trace; nothing recorded."""
+    def dry_run(self, req: PlacementRequest, *, explain: bool = False) -> router_pb2.ScheduleResponse:
+        """The decision ``place`` would make now, with its trace when ``explain``; nothing recorded.
+
+        The trace has one entry per candidate of every evaluated stage, so it
+        costs time in proportion to the fleet; the decision itself does not
+        build it (:attr:`~router.core.decision.Decision.trace` is lazy).
+        """
         decision = self.scheduler.schedule(self._snapshot(), self._input(req), self._clock(), dry_run=True)
         response = router_pb2.ScheduleResponse(policy=decision.policy, mode=decision.mode.value)
         for field_name, choice in (("prefill", decision.prefill), ("decode", decision.decode)):
@@ -257,6 +263,8 @@ class Placer:
                         predicted_tpot_ms=_finite(choice.predicted_tpot_ms),
                     )
                 )
+        if not explain:
+            return response
         response.trace.extend(
             router_pb2.CandidateTrace(
                 instance_id=entry.instance_id,

@@ -183,8 +183,9 @@ class RouterService(router_pb2_grpc.RouterServicer):
         _check_sampling(request.sampling)
         _check_slo(request.slo)
         self._placer.check_model(request.model)
-        prompt_ids = (
-            tuple(request.prompt_token_ids) if has_ids else tuple(self._tokenizer.encode(request.prompt))
+        # The message's repeated field is used as is (it is never modified): no copy per request.
+        prompt_ids: Sequence[int] = (
+            request.prompt_token_ids if has_ids else self._tokenizer.encode(request.prompt)
         )
         if not prompt_ids:
             raise InvalidRequestError("prompt tokenizes to zero tokens; send a non-empty prompt")
@@ -214,7 +215,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self, request: router_pb2.ScheduleRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> router_pb2.ScheduleResponse:
         try:
-            return self._placer.dry_run(self._prepare(request.request))
+            return self._placer.dry_run(self._prepare(request.request), explain=request.explain)
         except RouterError as exc:
             await context.abort(_error_code(exc), str(exc))
 

@@ -34,6 +34,7 @@ from router.core.policies import build_policy
 from router.core.predictors import PredictorSet
 from router.core.registry import METRICS
 from router.core.request import ScheduleInput
+from router.core.rng import ForkOnFirstDraw
 from router.core.view import ViewBuilder
 
 logger = logging.getLogger(__name__)
@@ -87,7 +88,9 @@ class Scheduler:
         self.inflight.expire(now_s)
         return self.views.build(snapshot, self.inflight, now_s)
 
-    def context(self, view: ClusterView, request: ScheduleInput | None) -> DecisionContext:
+    def context(
+        self, view: ClusterView, request: ScheduleInput | None, *, rng: random.Random | None = None
+    ) -> DecisionContext:
         """A decision context for ``request`` (``None``: metrics without a request, e.g. for observability)."""
         ttft = (
             request.ttft_slo_ms
@@ -104,7 +107,7 @@ class Scheduler:
             request,
             metrics=self.metrics,
             predictors=self.predictors,
-            rng=self.rng,
+            rng=self.rng if rng is None else rng,
             ttft_slo_ms=ttft,
             tpot_slo_ms=tpot,
             max_status_age_s=self.config.instance_staleness_s,
@@ -128,16 +131,14 @@ class Scheduler:
             view = view_or_snapshot
         else:
             view = self.view(view_or_snapshot, now_s)
-        ctx = self.context(view, request)
         if not dry_run:
+            ctx = self.context(view, request)
             decision = chain.run(self.policy, ctx, now_s)
             ctx.commit()
         else:
-            state = self.rng.getstate()
-            try:
-                decision = chain.run(self.policy, ctx, now_s)
-            finally:
-                self.rng.setstate(state)
+            # Same draws as a real decision would see, without consuming them.
+            ctx = self.context(view, request, rng=ForkOnFirstDraw(self.rng))
+            decision = chain.run(self.policy, ctx, now_s)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(
                 "request %s: %s %s prefill=%s decode=%s%s",

@@ -187,16 +187,22 @@ class ScheduleRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     REQUEST_FIELD_NUMBER: _builtins.int
+    EXPLAIN_FIELD_NUMBER: _builtins.int
+    explain: _builtins.bool
+    """Fill ScheduleResponse.trace (every candidate of every evaluated stage).
+    Off by default: the trace costs time proportional to the fleet size.
+    """
     @_builtins.property
     def request(self) -> Global___GenerateRequest: ...
     def __init__(
         self,
         *,
         request: Global___GenerateRequest | None = ...,
+        explain: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["request", b"request"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["request", b"request"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["explain", b"explain", "request", b"request"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -285,7 +291,9 @@ class ScheduleResponse(_message.Message):
     @_builtins.property
     def decode(self) -> Global___InstanceChoice: ...
     @_builtins.property
-    def trace(self) -> _containers.RepeatedCompositeFieldContainer[Global___CandidateTrace]: ...
+    def trace(self) -> _containers.RepeatedCompositeFieldContainer[Global___CandidateTrace]:
+        """Empty unless ScheduleRequest.explain is set."""
+
     def __init__(
         self,
         *,

@@ -62,7 +62,7 @@ class RouterServicer:
 
     def Schedule(self, request, context):
         """Dry run: the decision Generate would make now, with a per-candidate
-        trace. Nothing is dispatched and nothing is recorded.
+        trace when explain is set. Nothing is dispatched and nothing is recorded.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -39,7 +39,7 @@ class RouterStub:
     """Places the request, runs prefill and decode, and streams the new tokens."""
     Schedule: _grpc.UnaryUnaryMultiCallable[_router_pb2.ScheduleRequest, _router_pb2.ScheduleResponse]
     """Dry run: the decision Generate would make now, with a per-candidate
-    trace. Nothing is dispatched and nothing is recorded.
+    trace when explain is set. Nothing is dispatched and nothing is recorded.
     """
 
 @_typing.type_check_only
@@ -53,7 +53,7 @@ class RouterAsyncStub(RouterStub):
     """Places the request, runs prefill and decode, and streams the new tokens."""
     Schedule: _aio.UnaryUnaryMultiCallable[_router_pb2.ScheduleRequest, _router_pb2.ScheduleResponse]  # type: ignore[assignment]
     """Dry run: the decision Generate would make now, with a per-candidate
-    trace. Nothing is dispatched and nothing is recorded.
+    trace when explain is set. Nothing is dispatched and nothing is recorded.
     """
 
 class RouterServicer(metaclass=_abc_1.ABCMeta):
@@ -76,7 +76,7 @@ class RouterServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_router_pb2.ScheduleResponse, _abc.Awaitable[_router_pb2.ScheduleResponse]]:
         """Dry run: the decision Generate would make now, with a per-candidate
-        trace. Nothing is dispatched and nothing is recorded.
+        trace when explain is set. Nothing is dispatched and nothing is recorded.
         """
 
 def add_RouterServicer_to_server(servicer: RouterServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

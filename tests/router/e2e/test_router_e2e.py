@@ -77,8 +77,17 @@ async def test_schedule_matches_generate_decision() -> None:
         background = asyncio.ensure_future(collect(cluster.stub, generate_request(3000, 200)))
         await asyncio.sleep(0.05)
         request = generate_request(500, 8, request_id="probe")
-        dry = await cluster.stub.Schedule(router_pb2.ScheduleRequest(request=request))
+        dry = await cluster.stub.Schedule(router_pb2.ScheduleRequest(request=request, explain=True))
         assert dry.mode == "pd" and dry.policy == "slo"
+        # Without explain: the same decision, no trace.
+        plain = await cluster.stub.Schedule(router_pb2.ScheduleRequest(request=request))
+        assert not plain.trace
+        assert (plain.prefill, plain.decode, plain.mode, plain.policy) == (
+            dry.prefill,
+            dry.decode,
+            dry.mode,
+            dry.policy,
+        )
         stages = {t.stage for t in dry.trace}
         assert stages == {"prefill", "decode"}
         assert sum(t.selected for t in dry.trace) == 2
