@@ -32,7 +32,7 @@ import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Route
 from starlette.types import Receive, Scope, Send
 
 from openai_http.protocol import (
@@ -143,7 +143,13 @@ async def _close(pieces: AsyncGenerator[Piece, None]) -> None:
 class OpenAIApp:
     """The routes; :attr:`app` is the ASGI application."""
 
-    def __init__(self, backend: Backend, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        *,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        extra_routes: Sequence[BaseRoute] = (),
+    ) -> None:
         if max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
         self._backend = backend
@@ -156,6 +162,7 @@ class OpenAIApp:
                 Route("/v1/models", self._models, methods=["GET"]),
                 Route("/health", self._health, methods=["GET"]),
                 Route("/metrics", self._metrics, methods=["GET"]),
+                *extra_routes,
             ],
             exception_handlers={404: self._not_found, 405: self._not_allowed},
         )

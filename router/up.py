@@ -61,6 +61,8 @@ class WorkerProcess:
     role: str
     process: asyncio.subprocess.Process
     address: str = ""
+    #: Base URL of the worker's OpenAI-compatible HTTP face (``http://HOST:PORT/v1``), with --worker-http.
+    http_url: str = ""
 
 
 @dataclass
@@ -119,6 +121,8 @@ async def _await_listening(worker: WorkerProcess, timeout_s: float) -> None:
                     f"worker {worker.instance_id} exited (code {worker.process.returncode}) before listening"
                 )
             text = line.decode(errors="replace").strip()
+            if text.startswith("worker HTTP API on "):
+                worker.http_url = text.rsplit(" ", 1)[1]
             if text.startswith("worker listening on "):
                 worker.address = text.rsplit(" ", 1)[1]
                 return
@@ -181,6 +185,8 @@ async def start_cluster(args: argparse.Namespace, plan: ClusterPlan | None = Non
     workers: list[WorkerProcess] = []
     try:
         extra = ["--speed-factor", str(args.speed_factor), "--seed", str(args.seed)]
+        if args.worker_http:
+            extra += ["--http-listen", "127.0.0.1:0"]
         for role, i in plan.roles:
             workers.append(await _spawn_worker(f"{role}-{i}", role, cms.address, plan.profile, extra))
         await asyncio.gather(*(_await_listening(w, args.start_timeout_s) for w in workers))
@@ -244,6 +250,11 @@ def register(subparsers: Any) -> None:
         help="the router's OpenAI-compatible HTTP API (default: %(default)s; '' turns it off)",
     )
     parser.add_argument(
+        "--worker-http",
+        action="store_true",
+        help="give every sim worker an OpenAI-compatible HTTP face too (for HTTP routers and benchmarks)",
+    )
+    parser.add_argument(
         "--profile",
         default=str(DEFAULT_PROFILE_DIR),
         help="profile directory (ttft.json + tpot.json) the sim workers run and the router predicts with "
@@ -277,6 +288,11 @@ async def _serve(args: argparse.Namespace, plan: ClusterPlan) -> int:
         f"(speed x{args.speed_factor:g}); no model is loaded",
         flush=True,
     )
+    if any(w.http_url for w in cluster.workers):
+        print(
+            "worker HTTP APIs: " + ", ".join(f"{w.instance_id}@{w.http_url}" for w in cluster.workers),
+            flush=True,
+        )
     print(f"router listening on {cluster.router.address}", flush=True)
     if cluster.router.http is not None:
         print(f"OpenAI-compatible HTTP API on http://{cluster.router.http.address}/v1", flush=True)

@@ -4,9 +4,10 @@
 that cross it); :mod:`workers.sim_engine` runs the simulator's engine model
 (:mod:`sim.engine`) in real time, :mod:`workers.vllm_engine` drives vLLM's
 AsyncLLM in-process. :mod:`workers.service` is the gRPC servicer,
-:mod:`workers.agent` the status agent that reports to the CMS through
+:mod:`workers.http_face` its OpenAI-compatible HTTP face (over
+:mod:`openai_http`), :mod:`workers.agent` the status agent that reports to the CMS through
 :mod:`cms.agent`, :mod:`workers.profile` is ``slo-router profile``.
 
 May import :mod:`predictor`, :mod:`sim.engine`, :mod:`cms` (its agent writer and
-server helpers) and the generated protobuf modules; never :mod:`router`.
+server helpers), :mod:`openai_http` and the generated protobuf modules; never :mod:`router`.
 """

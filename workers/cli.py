@@ -91,6 +91,14 @@ def register(subparsers: Any) -> None:
         help="HOST:PORT to serve on; port 0 picks one (default: %(default)s)",
     )
     worker.add_argument(
+        "--http-listen",
+        default="",
+        metavar="HOST:PORT",
+        help="also serve OpenAI's HTTP API (/v1/completions, /v1/chat/completions, /v1/models, /health, "
+        "/metrics with vllm:num_requests_running/waiting and vllm:kv_cache_usage_perc, /get_load) here, "
+        "so HTTP routers can use this worker; off by default",
+    )
+    worker.add_argument(
         "--advertise-host",
         default=None,
         help="host other processes reach this worker at (default: the listen host)",
@@ -230,6 +238,7 @@ async def _serve(engine: Any, args: argparse.Namespace, identity: Any, token: st
             advertise_host=args.advertise_host,
             cms=args.cms,
             cms_auth_token=token,
+            http_listen=args.http_listen,
         )
     except (OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -238,6 +247,8 @@ async def _serve(engine: Any, args: argparse.Namespace, identity: Any, token: st
         from workers.telemetry import serve_metrics
 
         serve_metrics(engine, server.metadata.instance_id, args.metrics_port, args.metrics_host)
+    if server.http is not None:
+        print(f"worker HTTP API on http://{server.http.address}/v1", flush=True)
     print(f"worker listening on {server.address}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

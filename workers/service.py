@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import grpc
@@ -54,6 +54,7 @@ from workers.metadata import WorkerIdentity, build_metadata
 from workers.tokenizer import SimpleTokenizer
 
 if TYPE_CHECKING:
+    from openai_http.app import HttpServer
     from workers.agent import StatusAgent
 
 logger = logging.getLogger(__name__)
@@ -124,12 +125,26 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     ) -> None:
         rid = request.request_id
         try:
-            prompt = self._prompt(request.prompt_token_ids, request.prompt)
-            sampling = sampling_from_proto(request.sampling)
-            validate_request(self._engine.info, rid, prompt, sampling)
-            await self._stream(context, rid, len(prompt), self._engine.generate(rid, prompt, sampling))
+            num_prompt, stream = self.open_generate(
+                rid, request.prompt_token_ids, request.prompt, request.sampling
+            )
+            await self._stream(context, rid, num_prompt, stream)
         except EngineError as exc:
             await _abort(context, exc)
+
+    def open_generate(
+        self, request_id: str, token_ids: Sequence[int], text: str, sampling: common_pb2.SamplingParams
+    ) -> tuple[int, AsyncIterator[TokenDelta]]:
+        """Validate a generate request and hand it to the engine: (prompt tokens, the delta stream).
+
+        The path the gRPC ``Generate`` and the HTTP face share. Raises
+        :class:`~workers.engine.EngineError`; the caller aborts the request on
+        the engine when it stops reading before the last delta.
+        """
+        prompt = self._prompt(token_ids, text)
+        params = sampling_from_proto(sampling)
+        validate_request(self._engine.info, request_id, prompt, params)
+        return len(prompt), self._engine.generate(request_id, prompt, params)
 
     async def Decode(  # type: ignore[override]
         self, request: worker_pb2.DecodeRequest, context: _Context
@@ -246,6 +261,8 @@ class WorkerServer:
         self.port = port
         self.address = metadata.endpoint
         self.agent = agent
+        #: The OpenAI-compatible HTTP face, when started with ``http_listen``.
+        self.http: HttpServer | None = None
         self._stopping: asyncio.Task[None] | None = None
 
     @property
@@ -261,6 +278,8 @@ class WorkerServer:
     async def _stop(self, grace: float | None) -> None:
         if self.agent is not None:
             await self.agent.stop()
+        if self.http is not None:
+            await self.http.stop()
         await self._health.enter_graceful_shutdown()
         await self._server.stop(grace)
         await self.engine.stop()
@@ -281,6 +300,7 @@ async def start_worker_server(
     agent_coalesce_s: float = 0.005,
     heartbeat_interval_s: float = 0.5,
     cms_backoff_max_s: float = 5.0,
+    http_listen: str = "",
 ) -> WorkerServer:
     """Start ``engine`` and serve it on ``listen`` (``HOST:PORT``; port 0 picks one).
 
@@ -291,7 +311,9 @@ async def start_worker_server(
     the listen host, or this machine's host name when listening on a
     wildcard address). ``agent_coalesce_s``, ``heartbeat_interval_s`` and
     ``cms_backoff_max_s`` tune the agent. ``WorkerServer.stop()`` stops the agent, the server
-    and the engine. Raises ``OSError`` when the address cannot be bound.
+    and the engine. With ``http_listen`` (``HOST:PORT``) the engine is also
+    served over OpenAI's HTTP API (:mod:`workers.http_face`). Raises
+    ``OSError`` when an address cannot be bound.
     """
     identity = identity if identity is not None else WorkerIdentity()
     host, _ = _split_listen(listen)
@@ -306,7 +328,8 @@ async def start_worker_server(
     try:
         # Only a started engine knows all its facts (vLLM sizes its KV cache while starting).
         metadata = build_metadata(engine.info, identity, endpoint)
-        worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(engine, metadata, tokenizer), server)
+        servicer = WorkerServicer(engine, metadata, tokenizer)
+        worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
         health_servicer = add_health_and_reflection(server, SERVICE_NAME)
         await server.start()
         await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
@@ -328,4 +351,13 @@ async def start_worker_server(
         await engine.stop()
         raise
     logger.info("worker %s serving on %s", metadata.instance_id, endpoint)
-    return WorkerServer(server, engine, health_servicer, metadata, port, agent)
+    worker = WorkerServer(server, engine, health_servicer, metadata, port, agent)
+    if http_listen:
+        from workers.http_face import start_http_face
+
+        try:
+            worker.http = await start_http_face(servicer, engine, metadata, http_listen)
+        except BaseException:
+            await worker.stop(grace=0)
+            raise
+    return worker
