@@ -6,10 +6,14 @@ STAMP  := $(VENV)/.installed
 # vLLM (2.7 GB) lives in its own environment; the vLLM tests start workers from it.
 VLLM_VENV  := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
+# The peer routers (Rust, from PyPI) `python -m bench peers` compares against.
+PEERS_VENV  := .venv-peers
+PEERS_STAMP := $(PEERS_VENV)/.installed
+PEER_WHEELS := vllm-router==0.1.17 smg==1.13.0
 PACKAGES := router openai_http predictor fleet cms workers sim bench
 PKG_DIRS  = $(wildcard $(PACKAGES))
 
-.PHONY: test run lint typecheck proto proto-check bench system-deps venv vllm-venv clean
+.PHONY: test run lint typecheck proto proto-check bench system-deps venv vllm-venv peers-venv clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,6 +36,15 @@ $(VLLM_STAMP): pyproject.toml
 
 ## vllm-venv: the vLLM environment (.venv-vllm) the vLLM tests and benchmark use
 vllm-venv: $(VLLM_STAMP)
+
+# A failed install (e.g. offline) leaves no stamp: `bench peers` then skips the missing peers.
+$(PEERS_STAMP):
+	test -x $(PEERS_VENV)/bin/python || $(PYTHON) -m venv $(PEERS_VENV)
+	$(PEERS_VENV)/bin/python -m pip install --quiet $(PEER_WHEELS) && touch $(PEERS_STAMP) || \
+	    echo "peer routers not installed: python -m bench peers will skip them"
+
+## peers-venv: the peer routers' environment (.venv-peers) for `python -m bench peers`
+peers-venv: $(PEERS_STAMP)
 
 system-deps:
 	@scripts/ensure_system_deps.sh
@@ -58,8 +71,8 @@ run: $(STAMP)
 	scripts/demo.sh
 
 ## bench: print the speed figures (no assertions) and write the README speed table (python -m bench --no-readme: do not)
-bench: $(STAMP) $(VLLM_STAMP)
+bench: $(STAMP) $(VLLM_STAMP) peers-venv
 	$(PY) -m bench
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(PEERS_VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

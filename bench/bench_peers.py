@@ -1,0 +1,416 @@
+"""This router against its peers, on one sim fleet, one seeded workload, one HTTP client.
+
+``python -m bench peers`` starts ``slo-router up --worker-http`` (sim workers,
+each with an OpenAI-compatible HTTP face, and the CMS), then runs each router
+in turn in front of those same workers and replays the same seeded workload
+through it over the OpenAI HTTP API:
+
+* this router (``slo-router router --http-listen``, reading the fleet from the
+  CMS) with its ``slo`` policy and its ``load-balance`` queue policy;
+* ``vllm-router`` (PyPI, Rust) with ``round_robin`` and ``power_of_two``
+  (load polled from the workers' ``/get_load``);
+* ``smg`` (PyPI, Rust; the successor of ``sglang-router``) with ``least_load``
+  and ``power_of_two`` (load from the workers' ``/metrics``).
+
+Load polling intervals of the peers are set to 1 s (their defaults are 10 and
+30 s), so nobody routes on stale load by configuration. Every request carries
+its SLO in ``x-slo-*`` headers; the peers ignore them.
+
+For each router it prints SLO attainment, goodput, TTFT and TPOT p50/p99 as
+the client measures them, output tokens/s, and the router's CPU time per
+request (user + system of the router process and its children, from
+``/proc``), and writes ``out/peers/peers.json`` and ``out/peers/peers.png``.
+
+The peers live in their own environment, ``.venv-peers`` (``make
+peers-venv``); a missing peer is skipped with a message saying so. The fleet
+is neutral: the peers' P/D modes speak vLLM's and SGLang's KV-transfer
+protocols, which the sim workers do not implement. Figures only; nothing is
+asserted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx2 as httpx
+
+from bench.report import BenchReport, RequestResult, report_to_dict, summarize
+from bench.workload import RequestPlan, iter_requests, load_workload
+
+REPO = Path(__file__).resolve().parent.parent
+PEER_VENV = REPO / ".venv-peers"
+OUT_DIR = REPO / "out" / "peers"
+WORKERS = 4
+#: The sim workers run the bundled profile in real time, so the router's predictions match them.
+SPEED_FACTOR = 1.0
+#: Arrival rate of the mixed workload (req/s): near what 4 such workers sustain.
+RATE_PER_S = 6.0
+DURATION_S = 40.0
+SEED = 0
+#: How long requests still running at the end of the window may take to finish.
+DRAIN_S = 60.0
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    name: str
+    kind: str  # "ours" | "vllm-router" | "smg"
+    args: tuple[str, ...]
+
+
+ROUTERS: tuple[RouterSpec, ...] = (
+    RouterSpec("slo-router slo", "ours", ("--scheduling-policy", "slo")),
+    RouterSpec("slo-router load-balance", "ours", ("--scheduling-policy", "load-balance")),
+    RouterSpec("vllm-router round_robin", "vllm-router", ("--policy", "round_robin")),
+    RouterSpec("vllm-router power_of_two", "vllm-router", ("--policy", "power_of_two")),
+    RouterSpec("smg least_load", "smg", ("--policy", "least_load")),
+    RouterSpec("smg power_of_two", "smg", ("--policy", "power_of_two")),
+)
+
+
+def peer_missing(kind: str) -> str | None:
+    """Why the peer ``kind`` cannot run here, or ``None``."""
+    python = PEER_VENV / "bin" / "python"
+    if kind == "vllm-router":
+        if not (PEER_VENV / "bin" / "vllm-router").exists():
+            return f"vllm-router is not installed in {PEER_VENV} (run `make peers-venv`)"
+        return None
+    if kind == "smg":
+        found = (
+            python.exists()
+            and subprocess.run(
+                [str(python), "-c", "import smg"], capture_output=True, check=False, timeout=60
+            ).returncode
+            == 0
+        )
+        return None if found else f"smg is not installed in {PEER_VENV} (run `make peers-venv`)"
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _cpu_s(root: int) -> float:
+    """User + system CPU seconds of ``root`` and every descendant still alive."""
+    children: dict[int, list[int]] = {}
+    stats: dict[int, float] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        pid = int(entry.name)
+        children.setdefault(int(fields[1]), []).append(pid)
+        stats[pid] = (int(fields[11]) + int(fields[12])) / _TICKS
+    total, todo = 0.0, [root]
+    while todo:
+        pid = todo.pop()
+        total += stats.get(pid, 0.0)
+        todo.extend(children.get(pid, []))
+    return total
+
+
+def _prompt_text(plan: RequestPlan) -> str:
+    # One ASCII letter per token: the sim workers' byte tokenizer counts exactly prompt_tokens.
+    return "".join(chr(97 + t % 26) for t in plan.prompt_token_ids())
+
+
+async def _one(client: httpx.AsyncClient, url: str, plan: RequestPlan, t0: float) -> RequestResult:
+    headers = {"x-slo-class": plan.class_name}
+    for name, value in (("ttft", plan.slo.ttft_ms), ("tpot", plan.slo.tpot_ms), ("e2e", plan.slo.e2e_ms)):
+        if value is not None:
+            headers[f"x-slo-{name}-ms"] = f"{value:g}"
+    body = {
+        "model": "sim",
+        "prompt": _prompt_text(plan),
+        "max_tokens": plan.max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": plan.ignore_eos,
+    }
+    start = time.perf_counter()
+
+    def result(**measured: Any) -> RequestResult:
+        return RequestResult(
+            index=plan.index,
+            class_name=plan.class_name,
+            slo=plan.slo,
+            prompt_tokens=plan.prompt_tokens,
+            max_tokens=plan.max_tokens,
+            start_s=start - t0,
+            **measured,
+        )
+
+    first: float | None = None
+    last = start
+    tokens = 0
+    reason = ""
+    try:
+        async with client.stream("POST", url, json=body, headers=headers) as response:
+            if response.status_code != 200:
+                text = (await response.aread()).decode(errors="replace")[:200]
+                return result(
+                    error_code=f"HTTP_{response.status_code}", error_message=text,
+                    e2e_ms=(time.perf_counter() - start) * 1e3,
+                )  # fmt: skip
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    raise RuntimeError(str(chunk["error"])[:200])
+                for choice in chunk.get("choices") or ():
+                    if choice.get("text"):
+                        now = time.perf_counter()
+                        first = now if first is None else first
+                        last = now
+                    reason = choice.get("finish_reason") or reason
+                if chunk.get("usage"):
+                    tokens = int(chunk["usage"]["completion_tokens"])
+    except (httpx.HTTPError, RuntimeError, ValueError) as exc:
+        return result(
+            error_code="BAD_STREAM", error_message=str(exc)[:200],
+            e2e_ms=(time.perf_counter() - start) * 1e3,
+        )  # fmt: skip
+    end = time.perf_counter()
+    return result(
+        completion_tokens=tokens,
+        ttft_ms=(first - start) * 1e3 if first is not None else None,
+        tpot_ms=(last - first) / (tokens - 1) * 1e3 if first is not None and tokens > 1 else None,
+        e2e_ms=(end - start) * 1e3,
+        finish_reason=reason,
+    )
+
+
+async def replay(url: str, plans: Sequence[RequestPlan]) -> tuple[list[RequestResult], float]:
+    """Send every plan at its arrival time; (results, the length of the arrival window in s)."""
+    limits = httpx.Limits(max_connections=2048, max_keepalive_connections=256)
+    timeout = httpx.Timeout(DURATION_S + DRAIN_S, connect=10.0)
+    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+        t0 = time.perf_counter()
+
+        async def at(plan: RequestPlan) -> RequestResult:
+            await asyncio.sleep(max(0.0, plan.arrival_s - (time.perf_counter() - t0)))
+            return await _one(client, url, plan, t0)
+
+        results = await asyncio.gather(*(at(p) for p in plans))
+    return list(results), max(p.arrival_s for p in plans) if plans else 0.0
+
+
+def _wait_ready(url: str, process: subprocess.Popen[Any], timeout_s: float = 60.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            return False
+        try:
+            body = {"model": "sim", "prompt": "ready?", "max_tokens": 1}
+            if httpx.post(url + "/v1/completions", json=body, timeout=5).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    return False
+
+
+def _start_router(
+    spec: RouterSpec, cms: str, worker_urls: Sequence[str]
+) -> tuple[subprocess.Popen[Any], str]:
+    port = _free_port()
+    if spec.kind == "ours":
+        cmd = [
+            sys.executable, "-m", "router.cli", "--log-level", "WARNING", "router", "--cms", f"grpc://{cms}",
+            "--listen", "127.0.0.1:0", "--http-listen", f"127.0.0.1:{port}", *spec.args,
+        ]  # fmt: skip
+    elif spec.kind == "vllm-router":
+        cmd = [
+            str(PEER_VENV / "bin" / "vllm-router"), "--host", "127.0.0.1", "--port", str(port),
+            "--worker-urls", *worker_urls, "--prometheus-port", str(_free_port()), "--log-level", "warning",
+            "--worker-startup-check-interval", "1", *spec.args,
+        ]  # fmt: skip
+    else:
+        cmd = [
+            str(PEER_VENV / "bin" / "python"), "-m", "smg", "launch", "--host", "127.0.0.1", "--port", str(port),
+            "--worker-urls", *worker_urls, "--prometheus-port", str(_free_port()),
+            "--prometheus-host", "127.0.0.1", "--log-level", "warn", "--backend", "vllm",
+            "--load-monitor-interval", "1", *spec.args,
+        ]  # fmt: skip
+    process = subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, cwd=REPO
+    )
+    return process, f"http://127.0.0.1:{port}"
+
+
+def _stop(process: subprocess.Popen[Any]) -> None:
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def _row(name: str, report: BenchReport, cpu_ms: float) -> dict[str, Any]:
+    o = report.overall
+    return {
+        "router": name,
+        "requests": o.requests,
+        "errors": o.errors,
+        "slo_attainment": o.slo_attainment,
+        "goodput_rps": o.goodput_rps,
+        "ttft_p50_ms": o.ttft.p50_ms,
+        "ttft_p99_ms": o.ttft.p99_ms,
+        "tpot_p50_ms": o.tpot.p50_ms,
+        "tpot_p99_ms": o.tpot.p99_ms,
+        "output_tokens_per_s": o.output_tokens_per_s,
+        "router_cpu_ms_per_request": cpu_ms,
+    }
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def print_table(rows: Sequence[dict[str, Any]]) -> None:
+    print(
+        f"{'router':<26}{'SLO met':>8}{'goodput':>9}{'TTFT p50':>10}{'p99':>8}{'TPOT p50':>10}{'p99':>7}"
+        f"{'tok/s':>8}{'CPU/req':>9}{'errors':>7}"
+    )
+    for r in rows:
+        print(
+            f"{r['router']:<26}{r['slo_attainment'] * 100:7.1f}%{r['goodput_rps']:7.2f}/s"
+            f"{_fmt(r['ttft_p50_ms'], '8.0f')}ms{_fmt(r['ttft_p99_ms'], '6.0f')}ms"
+            f"{_fmt(r['tpot_p50_ms'], '8.1f')}ms{_fmt(r['tpot_p99_ms'], '5.1f')}ms"
+            f"{r['output_tokens_per_s']:8.0f}{r['router_cpu_ms_per_request']:7.2f}ms{r['errors']:7d}"
+        )
+
+
+def _plot(rows: Sequence[dict[str, Any]], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed; no PNG")
+        return
+    names = [r["router"] for r in rows]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    panels = (
+        ("SLO attainment (%)", [r["slo_attainment"] * 100 for r in rows]),
+        ("TTFT p99 (ms)", [r["ttft_p99_ms"] or 0 for r in rows]),
+        ("router CPU per request (ms)", [r["router_cpu_ms_per_request"] for r in rows]),
+    )
+    for ax, (title, values) in zip(axes, panels, strict=True):
+        ax.barh(
+            names, values, color=["tab:blue" if n.startswith("slo-router") else "tab:gray" for n in names]
+        )
+        ax.set_title(title)
+        ax.invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _start_fleet() -> tuple[subprocess.Popen[str], str, list[str]]:
+    cmd = [
+        sys.executable, "-m", "router.cli", "up", "--neutral", str(WORKERS), "--worker-http",
+        "--speed-factor", str(SPEED_FACTOR), "--seed", str(SEED), "--listen", "127.0.0.1:0", "--http-listen", "",
+    ]  # fmt: skip
+    up = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=REPO)
+    cms, urls = "", []
+    assert up.stdout is not None
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        line = up.stdout.readline()
+        if not line:
+            break
+        if line.startswith("cms listening on "):
+            cms = line.split()[-1]
+        if line.startswith("worker HTTP APIs: "):
+            urls = [part.split("@", 1)[1].removesuffix("/v1") for part in line[18:].strip().split(", ")]
+        if line.startswith("router listening on "):
+            break
+    return up, cms, urls
+
+
+def main() -> None:
+    spec = load_workload("mixed").with_arrival(rate_per_s=RATE_PER_S)
+    plans = [p for p in iter_requests(spec, SEED, max_requests=10_000) if p.arrival_s < DURATION_S]
+    runnable = []
+    for router in ROUTERS:
+        why = peer_missing(router.kind)
+        if why is None:
+            runnable.append(router)
+        else:
+            print(f"skipping {router.name}: {why}")
+    print(
+        f"fleet: {WORKERS} neutral sim workers (bundled 7B profile, x{SPEED_FACTOR:g}); workload: "
+        f"mixed, poisson {RATE_PER_S:g} req/s for {DURATION_S:g} s = {len(plans)} requests, seed {SEED}"
+    )
+    up, cms, urls = _start_fleet()
+    rows: list[dict[str, Any]] = []
+    details: dict[str, Any] = {}
+    try:
+        if not cms or len(urls) != WORKERS:
+            print("the sim fleet did not start; no figures")
+            return
+        for router in runnable:
+            process, url = _start_router(router, cms, urls)
+            try:
+                if not _wait_ready(url, process):
+                    print(f"{router.name}: did not become ready; skipped")
+                    continue
+                time.sleep(1.5)  # let load polling and the workers settle
+                cpu0 = _cpu_s(process.pid)
+                results, window = asyncio.run(replay(url + "/v1/completions", plans))
+                cpu = _cpu_s(process.pid) - cpu0
+            finally:
+                _stop(process)
+            report = summarize(results, window, class_slos=spec.class_slos())
+            rows.append(_row(router.name, report, cpu / max(1, len(results)) * 1e3))
+            details[router.name] = report_to_dict(report)
+            print_table(rows[-1:])
+            time.sleep(2.0)  # the fleet drains before the next router
+    finally:
+        _stop(up)
+        if up.stdout is not None:
+            up.stdout.close()
+    if not rows:
+        return
+    print("\nall routers, same fleet and workload:")
+    print_table(rows)
+    OUT_DIR.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "workers": WORKERS,
+        "speed_factor": SPEED_FACTOR,
+        "rate_per_s": RATE_PER_S,
+        "duration_s": DURATION_S,
+        "seed": SEED,
+        "requests": len(plans),
+    }
+    (OUT_DIR / "peers.json").write_text(
+        json.dumps({"meta": meta, "rows": rows, "reports": details}, indent=1)
+    )
+    _plot(rows, OUT_DIR / "peers.png")
+    print(f"wrote {OUT_DIR / 'peers.json'} and {OUT_DIR / 'peers.png'}")
+
+
+if __name__ == "__main__":
+    main()
