@@ -37,6 +37,7 @@ from starlette.types import Receive, Scope, Send
 
 from openai_http.protocol import (
     ApiError,
+    ChunkEncoder,
     Kind,
     ParsedRequest,
     Usage,
@@ -254,7 +255,7 @@ class OpenAIApp:
     ) -> AsyncIterator[bytes]:
         kind, include_usage = parsed.kind, parsed.include_usage
 
-        def chunk(piece: Piece, is_first: bool) -> bytes:
+        def chunk(piece: Piece, is_first: bool) -> bytes:  # the first chunk (chat: with the role)
             return sse(
                 chunk_body(
                     kind,
@@ -269,11 +270,12 @@ class OpenAIApp:
             )
 
         yield chunk(first, True)
+        encoder = ChunkEncoder(kind, response_id, created, model, include_usage=include_usage)
         last = first
         try:
             async for piece in pieces:
                 if piece.text or piece.finished:
-                    yield chunk(piece, False)
+                    yield encoder.encode(piece.text, piece.finish_reason if piece.finished else None)
                 last = piece
         except ApiError as exc:
             yield sse(exc.body())
