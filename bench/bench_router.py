@@ -5,7 +5,8 @@ processes), then from this process:
 
 * streams 64 concurrent requests straight to the workers (Worker.Generate,
   alternating between them) and through the router (Router.Generate), and
-  prints tokens/s of each and their ratio;
+  prints tokens/s of each and their ratio, and the CPU time the router's
+  process (router + embedded CMS) spends per forwarded message and per request;
 * sends one request at a time and prints TTFT p50/p99 of each path and the
   TTFT the router adds.
 
@@ -15,6 +16,7 @@ Figures only; nothing is asserted.
 from __future__ import annotations
 
 import asyncio
+import os
 import statistics
 import subprocess
 import sys
@@ -48,8 +50,8 @@ def _sampling(max_tokens: int) -> common_pb2.SamplingParams:
 StreamFn = Callable[[int, int], AsyncIterator[int]]
 
 
-async def _throughput(stream: StreamFn) -> tuple[float, float]:
-    """Tokens/s over REQUESTS requests, STREAMS at a time; and tokens per message received."""
+async def _throughput(stream: StreamFn) -> tuple[float, float, int]:
+    """Tokens/s over REQUESTS requests, STREAMS at a time; tokens per message; messages received."""
     gate = asyncio.Semaphore(STREAMS)
     tokens = 0
     messages = 0
@@ -63,7 +65,13 @@ async def _throughput(stream: StreamFn) -> tuple[float, float]:
 
     start = time.perf_counter()
     await asyncio.gather(*(one(i) for i in range(REQUESTS)))
-    return tokens / (time.perf_counter() - start), tokens / max(messages, 1)
+    return tokens / (time.perf_counter() - start), tokens / max(messages, 1), messages
+
+
+def _own_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` itself (not its children)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def _ttfts(stream: StreamFn) -> list[float]:
@@ -91,9 +99,11 @@ class HopFigures:
     router_tps: float
     direct_ttft_p50_ms: float
     router_ttft_p50_ms: float
+    #: CPU of the `up` process (router + embedded CMS) per forwarded message, at STREAMS streams.
+    router_cpu_us_per_message: float
 
 
-async def _measure(router_addr: str, worker_addrs: list[str], speed: float) -> HopFigures:
+async def _measure(router_addr: str, worker_addrs: list[str], speed: float, router_pid: int) -> HopFigures:
     router_channel = grpc.aio.insecure_channel(router_addr)
     worker_channels = [grpc.aio.insecure_channel(a) for a in worker_addrs]
     router = router_pb2_grpc.RouterStub(router_channel)
@@ -113,8 +123,10 @@ async def _measure(router_addr: str, worker_addrs: list[str], speed: float) -> H
 
     try:
         await _throughput(direct)  # warm-up: channels, caches
-        direct_tps, direct_batch = await _throughput(direct)
-        router_tps, router_batch = await _throughput(via_router)
+        direct_tps, direct_batch, _ = await _throughput(direct)
+        cpu0 = _own_cpu_s(router_pid)
+        router_tps, router_batch, forwarded = await _throughput(via_router)
+        router_cpu_s = _own_cpu_s(router_pid) - cpu0
         print(
             f"{STREAMS} concurrent streams, {REQUESTS} requests x {MAX_TOKENS} tokens, sim speed x{speed:g}:"
         )
@@ -123,6 +135,11 @@ async def _measure(router_addr: str, worker_addrs: list[str], speed: float) -> H
             f"  through the router: {router_tps:9.0f} tokens/s  ({router_batch:.2f} tokens/message)"
             f"  ratio {router_tps / direct_tps:.2f}"
         )
+        # The `up` process holds the router and the CMS (which takes the workers' status reports).
+        print(
+            f"  router (+CMS) CPU : {router_cpu_s / max(forwarded, 1) * 1e6:9.1f} µs per forwarded message, "
+            f"{router_cpu_s / REQUESTS * 1e3:.2f} ms per request"
+        )
         direct_ttft = await _ttfts(direct)
         router_ttft = await _ttfts(via_router)
         d50, r50 = statistics.median(direct_ttft), statistics.median(router_ttft)
@@ -130,7 +147,7 @@ async def _measure(router_addr: str, worker_addrs: list[str], speed: float) -> H
         print(f"  TTFT direct : p50 {d50:6.2f} ms  p99 {_pct(direct_ttft, 0.99):6.2f} ms")
         print(f"  TTFT router : p50 {r50:6.2f} ms  p99 {_pct(router_ttft, 0.99):6.2f} ms")
         print(f"  added by the router hop: p50 {r50 - d50:+.2f} ms")
-        return HopFigures(direct_tps, router_tps, d50, r50)
+        return HopFigures(direct_tps, router_tps, d50, r50, router_cpu_s / max(forwarded, 1) * 1e6)
     finally:
         await router_channel.close(None)
         for channel in worker_channels:
@@ -151,7 +168,8 @@ def main() -> list[Figure]:
             Figure(
                 what,
                 f"{hop.router_tps:.0f} vs {hop.direct_tps:.0f} tokens/s direct "
-                f"(ratio {hop.router_tps / hop.direct_tps:.2f})",
+                f"(ratio {hop.router_tps / hop.direct_tps:.2f}); router + CMS CPU "
+                f"{hop.router_cpu_us_per_message:.0f} µs per forwarded message",
             )
         )
     added = [
@@ -166,7 +184,7 @@ def main() -> list[Figure]:
 def _run(speed: float) -> HopFigures | None:
     cmd = [
         sys.executable, "-m", "router.cli", "up", "--neutral", "2", "--listen", "127.0.0.1:0",
-        "--speed-factor", str(speed), "--scheduling-policy", "load-balance",
+        "--speed-factor", str(speed), "--scheduling-policy", "load-balance", "--http-listen", "",
     ]  # fmt: skip
     up = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=REPO)
     try:
@@ -181,7 +199,7 @@ def _run(speed: float) -> HopFigures | None:
         if not router_addr:
             print("slo-router up did not start; no figures")
             return None
-        return asyncio.run(_measure(router_addr, worker_addrs, speed))
+        return asyncio.run(_measure(router_addr, worker_addrs, speed, up.pid))
     finally:
         up.terminate()
         up.wait(timeout=30)
