@@ -320,7 +320,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         first = True
         stream = slicer.stream(
             req.request_id,
-            req.prompt_token_ids,
+            tuple(req.prompt_token_ids),
             sampling,
             progress.tokens,
             self._workers,
