@@ -44,6 +44,7 @@ from typing import Any
 
 import httpx2 as httpx
 
+from bench.figures import Figure
 from bench.report import BenchReport, RequestResult, report_to_dict, summarize
 from bench.workload import RequestPlan, iter_requests, load_workload
 
@@ -351,7 +352,7 @@ def _start_fleet() -> tuple[subprocess.Popen[str], str, list[str]]:
     return up, cms, urls
 
 
-def main() -> None:
+def main() -> list[Figure]:
     spec = load_workload("mixed").with_arrival(rate_per_s=RATE_PER_S)
     plans = [p for p in iter_requests(spec, SEED, max_requests=10_000) if p.arrival_s < DURATION_S]
     runnable = []
@@ -371,7 +372,7 @@ def main() -> None:
     try:
         if not cms or len(urls) != WORKERS:
             print("the sim fleet did not start; no figures")
-            return
+            return []
         for router in runnable:
             process, url = _start_router(router, cms, urls)
             try:
@@ -394,7 +395,7 @@ def main() -> None:
         if up.stdout is not None:
             up.stdout.close()
     if not rows:
-        return
+        return []
     print("\nall routers, same fleet and workload:")
     print_table(rows)
     OUT_DIR.mkdir(parents=True, exist_ok=True)
@@ -411,6 +412,29 @@ def main() -> None:
     )
     _plot(rows, OUT_DIR / "peers.png")
     print(f"wrote {OUT_DIR / 'peers.json'} and {OUT_DIR / 'peers.png'}")
+    return _figures(rows)
+
+
+def _figures(rows: Sequence[dict[str, Any]]) -> list[Figure]:
+    ours = [r for r in rows if r["router"].startswith("slo-router")]
+    peers = [r for r in rows if not r["router"].startswith("slo-router")]
+    if not ours or not peers:
+        return []
+    best_ours = max(ours, key=lambda r: r["slo_attainment"])
+    best_peer = max(peers, key=lambda r: r["slo_attainment"])
+    cpu = min(r["router_cpu_ms_per_request"] for r in ours)
+    peer_cpu = min(r["router_cpu_ms_per_request"] for r in peers)
+    return [
+        Figure(
+            f"SLO attainment, mixed workload at {RATE_PER_S:g} req/s on {WORKERS} sim workers",
+            f"{best_ours['router']} {best_ours['slo_attainment'] * 100:.1f} %, "
+            f"best peer ({best_peer['router']}) {best_peer['slo_attainment'] * 100:.1f} %",
+        ),
+        Figure(
+            "router CPU per request, same run",
+            f"slo-router {cpu:.1f} ms, peers from {peer_cpu:.1f} ms",
+        ),
+    ]
 
 
 if __name__ == "__main__":

@@ -26,3 +26,21 @@ def test_this_router_is_never_missing() -> None:
 def test_every_router_kind_is_known() -> None:
     assert {r.kind for r in bench_peers.ROUTERS} == {"ours", "vllm-router", "smg"}
     assert len({r.name for r in bench_peers.ROUTERS}) == len(bench_peers.ROUTERS)
+
+
+def _row(name: str, attainment: float, cpu_ms: float) -> dict[str, object]:
+    return {"router": name, "slo_attainment": attainment, "router_cpu_ms_per_request": cpu_ms}
+
+
+def test_readme_figures_compare_the_best_of_each_side() -> None:
+    rows = [
+        _row("slo-router slo", 0.667, 28.1),
+        _row("slo-router load-balance", 0.57, 26.0),
+        _row("vllm-router power_of_two", 0.701, 8.0),
+        _row("smg power_of_two", 0.73, 9.7),
+    ]
+    attainment, cpu = bench_peers._figures(rows)
+    assert "slo-router slo 66.7 %" in attainment.measured
+    assert "best peer (smg power_of_two) 73.0 %" in attainment.measured
+    assert cpu.measured == "slo-router 26.0 ms, peers from 8.0 ms"
+    assert bench_peers._figures(rows[:2]) == []
