@@ -86,7 +86,7 @@ from bench.report import RequestResult
 from bench.workload import RequestPlan
 from fleet.snapshot import ClusterSnapshot, InstanceRecord
 from predictor import LatencyPredictor
-from router.core.calibration import CalibrationConfig, Calibrator, StepSample
+from router.core.calibration import Calibrator, StepSample
 from router.core.columns import INFLIGHT_ROWS, ClusterView, InflightColumns, InstanceTable
 from router.core.config import SchedulerConfig
 from router.core.decision import Decision
@@ -900,13 +900,11 @@ def simulate(
         raise ValueError("plans must be in arrival order")
     started = time.perf_counter()
     predictors = fleet.predictors
-    calibrator = None
     if config.calibration != "off":
-        # A fresh set per run: the calibration is the run's state, the profiles are shared.
+        # A fresh set per run: the calibration (the scheduler attaches it) is the run's state.
         predictors = PredictorSet(fleet.predictors.default, fleet.predictors.groups)
-        calibrator = Calibrator(CalibrationConfig(mode=config.calibration), predictors.step_predictor)
-        predictors.calibration = calibrator
     scheduler = Scheduler(config, predictors, random.Random(seed))
+    calibrator = predictors.calibration
     sim = _Simulation(
         fleet,
         scheduler,

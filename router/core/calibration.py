@@ -232,7 +232,7 @@ class _Track:
 
     def drop_older_than(self, cutoff_s: float) -> bool:
         """Drop samples older than ``cutoff_s``; True when any was dropped."""
-        if self.count == 0 or self.last_s >= cutoff_s and float(np.min(self.rows()[:, 6])) >= cutoff_s:
+        if self.count == 0 or float(np.min(self.rows()[:, 6])) >= cutoff_s:
             return False
         kept = self.rows()[self.rows()[:, 6] >= cutoff_s]
         self.buf[: len(kept)] = kept
