@@ -78,6 +78,17 @@ class Placer:
         self._fed: ClusterSnapshot | None = None
         self._fed_updates: dict[str, int] = {}
         self._expired_at = -math.inf
+        subscribe = getattr(source, "add_snapshot_listener", None)
+        if self.calibration is not None and subscribe is not None:
+            # Every view update, not only those a decision happens to read: each status
+            # carries only the steps since the previous one.
+            subscribe(self._on_snapshot)
+
+    def _on_snapshot(self, snapshot: ClusterSnapshot) -> None:
+        try:
+            self._calibrate(snapshot)
+        except Exception:  # a listener must not break the reader: the calibration just misses it
+            logger.exception("calibration could not read a view update")
 
     # ------------------------------------------------------------------ request checks against the fleet
 
@@ -152,6 +163,8 @@ class Placer:
         """Feed the step samples of every status not fed yet to the calibration; log drift changes."""
         calibration = self.calibration
         assert calibration is not None
+        if snapshot is self._fed:
+            return
         self._fed = snapshot
         now = self._clock()
         label = self.scheduler.config.profile_label

@@ -104,7 +104,8 @@ class CalibrationConfig:
         default=48, metadata=_doc("refit mode: samples needed before a least-squares fit is used")
     )
     prior_weight: float = field(
-        default=0.05, metadata=_doc("refit mode: weight of each pseudo step from the scaled profile")
+        default=0.1,
+        metadata=_doc("refit mode: weight of the pseudo steps from the scaled profile, x the window"),
     )
 
     def __post_init__(self) -> None:
@@ -419,19 +420,26 @@ class Calibrator:
     def _refit(self, rows: FloatArray, track: _Track, group: str) -> FloatArray | None:
         """Least squares over the window plus pseudo steps from the scaled profile around it."""
         p, b, t = rows[:, 0], rows[:, 1], rows[:, 2]
-        # Pseudo steps: the window's range of prefill chunk, batch and context, on a small grid.
-        p_grid = np.unique(np.array([0.0, float(np.max(p)) / 2.0, float(np.max(p))]))
-        b_grid = np.unique(np.array([0.0, 1.0, max(1.0, float(np.max(b)) / 2.0), max(1.0, float(np.max(b)))]))
+        # Pseudo steps on a grid spanning the window's range and a typical one: a direction the
+        # window never explored (no prefill step in it, a single batch size) follows the scaled
+        # profile instead of whatever the minimum-norm solution would give it.
+        p_max = max(float(np.max(p)), 2048.0)
+        b_max = max(float(np.max(b)), 32.0)
         per_request = np.divide(t, b, out=np.zeros_like(t), where=b > 0)
-        l_grid = np.unique(np.array([8.0, max(8.0, float(np.max(per_request)))]))
+        l_max = max(float(np.max(per_request)), 2048.0)
+        p_grid = np.array([0.0, 16.0, p_max / 4.0, p_max / 2.0, p_max])
+        b_grid = np.array([0.0, 1.0, b_max / 4.0, b_max / 2.0, b_max])
+        l_grid = np.array([64.0, l_max / 2.0, l_max])
         pg, bg, lg = (a.ravel() for a in np.meshgrid(p_grid, b_grid, l_grid, indexing="ij"))
         live = (pg > 0) | (bg > 0)
         pg, bg, tg = pg[live], bg[live], (bg * lg)[live]
         pre, dec = self._predict_step(group)(pg, bg, tg)
-        prior = pre * track.ttft_factor + dec * track.tpot_factor
+        expected = pre * track.ttft_factor + dec * track.tpot_factor
         features = np.concatenate([step_features(p, b, t), step_features(pg, bg, tg)])
-        observed = np.concatenate([rows[:, 3], prior])
-        weights = np.concatenate([np.ones(len(rows)), np.full(len(pg), self.config.prior_weight * len(rows))])
+        observed = np.concatenate([rows[:, 3], expected])
+        # The pseudo steps weigh prior_weight x the window in all.
+        prior = self.config.prior_weight * len(rows) / len(pg)
+        weights = np.concatenate([np.ones(len(rows)), np.full(len(pg), prior)])
         return fit_step_model(features, observed, weights)
 
     def _check_drift(self, instance_id: str) -> None:

@@ -256,3 +256,23 @@ def test_interleaved_prefill_is_part_of_tpot() -> None:
     assert correction.interleave_ms[0] == pytest.approx(chunk_ms / 2)
     out = correction.tpot_ms(np.array([20.0]), np.array([9.0]), np.array([5400.0]))
     assert out[0] == pytest.approx(20.0 + chunk_ms / 2)
+
+
+def test_refit_follows_the_scaled_profile_where_the_window_has_no_data() -> None:
+    # Only pure decode steps at 2x the profile: the prefill part cannot be fitted from them.
+    cal = Calibrator(CalibrationConfig(mode="refit"), profile_step)
+    predict = profile_step("g")
+
+    def duration(p: int, b: int, t: int) -> float:
+        _, dec = predict(np.array([float(p)]), np.array([float(b)]), np.array([float(t)]))
+        return float(dec[0]) * 2.0
+
+    feed(cal, random_steps(random.Random(9), 300, neutral=False), duration)
+    coefs = cal.coefficients("i0")
+    assert coefs is not None
+    prefill_only = true_ms(coefs, 1024, 0, 0)
+    # No prefill seen: the TTFT factor follows the TPOT one, and the fit follows the scaled profile.
+    assert prefill_only == pytest.approx(2.0 * true_ms(PROFILE, 1024, 0, 0), rel=0.05)
+    assert true_ms(coefs, 0, 16, 16 * 1000) == pytest.approx(
+        2.0 * true_ms(PROFILE, 0, 16, 16 * 1000), rel=0.02
+    )
