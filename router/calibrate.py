@@ -226,7 +226,9 @@ def calibrated_profile(
         p = float(row["tokens_num"])
         profile = float(base.prefill_step_ms(p))
         new = float(
-            correction.ttft_ms(one([profile]), one([p]), one([0.0]), one([0.0]), one([max(p, 1.0)]))[0]
+            correction.ttft_ms(
+                one([profile]), one([p]), one([0.0]), one([0.0]), one([max(p, 1.0)]), one([0.0])
+            )[0]
         )
         _rescale(row, new)
     for row in tpot_doc["results"]:

@@ -13,7 +13,8 @@ predicts for the same step, and derives a correction the metrics apply
   (TTFT) and for pure-decode steps (TPOT) separately. The median ignores
   outliers (a step stalled by a GC pause, a noisy neighbour);
 - ``refit``: on top of the factors, once ``refit_min_samples`` steps exist, a
-  least-squares fit of the step time
+  least-squares fit of what the scaled profile still misses, step by step,
+  in the terms of
 
       t = a_p·P + c_p·[P>0] + α·b·l + β·b + γ·l + δ·[b>0]
 
@@ -22,10 +23,17 @@ predicts for the same step, and derives a correction the metrics apply
   decode part is the linear model with interaction term of seed 000 §3
   (``α·b·l + β·b + γ·l + δ``); the prefill part is linear in the step's prefill
   tokens (seed 001: prefill time follows the total input tokens of the batch,
-  which under chunked prefill is the step's chunk). The fit is robust (one
-  pass drops residuals beyond 4 MADs and refits) and anchored by a few pseudo
-  steps from the scaled profile, so an operating point the window never saw
-  is predicted like the scaled profile rather than by an extrapolated line;
+  which under chunked prefill is the step's chunk). The prediction is the
+  scaled profile plus that fitted remainder: where the hardware differs from
+  the profile only in speed the remainder is 0 and refit is scale; where it
+  differs in shape (another GPU, a slowdown with context) the seed model's
+  terms absorb the difference, while a non-linear profile that does match
+  keeps its shape. Adapted from the papers, which fit the model itself once
+  offline: fitting the remainder online keeps the profile's detail and lets
+  the fit start from few samples. The fit is robust (one pass drops residuals
+  beyond 4 MADs and refits) and anchored by pseudo steps of remainder 0 over a
+  typical range, so an operating point the window never saw is predicted like
+  the scaled profile rather than by an extrapolated line;
 - ``interleave``: for colocated (neutral) instances, the prefill time that ran
   between decode steps, averaged over the window's decode steps: the TPOT a
   new request will see includes the chunks of later requests' prefills.
@@ -154,13 +162,20 @@ def step_features(prefill: FloatArray, batch: FloatArray, tokens: FloatArray) ->
     )
 
 
+def linear_step_ms(
+    coefs: FloatArray, prefill: FloatArray, batch: FloatArray, tokens: FloatArray
+) -> FloatArray:
+    """The linear step model at ``(prefill, batch, tokens)`` (``coefs`` one row per instance, or one row)."""
+    x = step_features(prefill, batch, tokens)
+    out: FloatArray = np.einsum("...k,...k->...", x, coefs)
+    return out
+
+
 def fitted_step_ms(
     coefs: FloatArray, prefill: FloatArray, batch: FloatArray, tokens: FloatArray
 ) -> FloatArray:
-    """Step times from refit coefficients (``coefs`` one row per instance, or one row for all)."""
-    x = step_features(prefill, batch, tokens)
-    out: FloatArray = np.einsum("...k,...k->...", x, coefs)
-    return np.maximum(out, 0.0)
+    """Step times of the linear step model, never below 0."""
+    return np.maximum(linear_step_ms(coefs, prefill, batch, tokens), 0.0)
 
 
 def fit_step_model(
@@ -257,7 +272,7 @@ class Correction:
     tpot_factor: FloatArray
     #: Profile-predicted prefill ms per decode step (already corrected by the TTFT factor).
     interleave_ms: FloatArray
-    #: Refit coefficients per instance (rows of zeros where ``has_fit`` is False), or None without any fit.
+    #: Refit coefficients of the remainder per instance (zeros where ``has_fit`` is False), or None without any.
     coefs: FloatArray | None
     has_fit: BoolArray
     min_factor: float
@@ -283,17 +298,25 @@ class Correction:
         batch: FloatArray,
         tokens: FloatArray,
         budget: FloatArray,
+        decode_ms: FloatArray,
     ) -> FloatArray:
-        """Calibrated TTFT: the refit's chunk schedule where fitted, else the profile times the factor."""
+        """Calibrated TTFT of a chunk schedule (``decode_ms``: the profile's decode part of each chunk).
+
+        Scale: the profile times the TTFT factor. Refit: each chunk's prefill part times the
+        TTFT factor, its decode part times the TPOT factor (the baseline the remainder was
+        fitted against), plus the fitted remainder of every chunk.
+        """
         scaled: FloatArray = profile_ms * self.ttft_factor
         if self.coefs is None:
             return scaled
         n_full = np.floor_divide(backlog, budget)
         rest = backlog - n_full * budget
         zero = np.zeros_like(backlog)
-        full = fitted_step_ms(self.coefs, budget, batch, tokens)
-        tail = np.where(rest > 0, fitted_step_ms(self.coefs, rest, batch, tokens), zero)
-        fitted = np.where(backlog > 0, n_full * full + tail, zero)
+        decode_part = np.where(backlog > 0, n_full + (rest > 0), zero) * decode_ms
+        baseline = (profile_ms - decode_part) * self.ttft_factor + decode_part * self.tpot_factor
+        full = linear_step_ms(self.coefs, budget, batch, tokens)
+        tail = np.where(rest > 0, linear_step_ms(self.coefs, rest, batch, tokens), zero)
+        fitted = baseline + np.where(backlog > 0, n_full * full + tail, zero)
         fitted = np.clip(fitted, profile_ms * self.min_factor, profile_ms * self.max_factor)
         out: FloatArray = np.where(self.has_fit, fitted, scaled)
         return out
@@ -302,7 +325,7 @@ class Correction:
         """Calibrated TPOT of a decode step at ``(batch, tokens)``, plus the interleaved prefill time."""
         scaled: FloatArray = profile_ms * self.tpot_factor
         if self.coefs is not None:
-            fitted = fitted_step_ms(self.coefs, np.zeros_like(batch), batch, tokens)
+            fitted = scaled + linear_step_ms(self.coefs, np.zeros_like(batch), batch, tokens)
             fitted = np.clip(fitted, profile_ms * self.min_factor, profile_ms * self.max_factor)
             scaled = np.where(self.has_fit, fitted, scaled)
         out: FloatArray = scaled + self.interleave_ms
@@ -412,13 +435,13 @@ class Calibrator:
         decoding = b > 0
         track.interleave_ms = float(np.mean(pre[decoding])) * track.ttft_factor if decoding.any() else 0.0
         if config.mode == "refit" and len(rows) >= config.refit_min_samples:
-            coefs = self._refit(rows, track, group)
+            coefs = self._refit(rows, track)
             if coefs is not None:
                 track.coefs = coefs if track.coefs is None else 0.5 * (track.coefs + coefs)
         self.version += 1
 
-    def _refit(self, rows: FloatArray, track: _Track, group: str) -> FloatArray | None:
-        """Least squares over the window plus pseudo steps from the scaled profile around it."""
+    def _refit(self, rows: FloatArray, track: _Track) -> FloatArray | None:
+        """Least squares of the scaled profile's remainder over the window, plus pseudo steps of remainder 0."""
         p, b, t = rows[:, 0], rows[:, 1], rows[:, 2]
         # Pseudo steps on a grid spanning the window's range and a typical one: a direction the
         # window never explored (no prefill step in it, a single batch size) follows the scaled
@@ -433,10 +456,11 @@ class Calibrator:
         pg, bg, lg = (a.ravel() for a in np.meshgrid(p_grid, b_grid, l_grid, indexing="ij"))
         live = (pg > 0) | (bg > 0)
         pg, bg, tg = pg[live], bg[live], (bg * lg)[live]
-        pre, dec = self._predict_step(group)(pg, bg, tg)
-        expected = pre * track.ttft_factor + dec * track.tpot_factor
+        # The baseline: the prefill part at the TTFT factor, the decode part at the TPOT factor
+        # (linear in the parts, so a linear truth leaves a linear remainder).
+        scaled = rows[:, 4] * track.ttft_factor + rows[:, 5] * track.tpot_factor
         features = np.concatenate([step_features(p, b, t), step_features(pg, bg, tg)])
-        observed = np.concatenate([rows[:, 3], expected])
+        observed = np.concatenate([rows[:, 3] - scaled, np.zeros(len(pg))])
         # The pseudo steps weigh prior_weight x the window in all.
         prior = self.config.prior_weight * len(rows) / len(pg)
         weights = np.concatenate([np.ones(len(rows)), np.full(len(pg), prior)])
@@ -470,7 +494,7 @@ class Calibrator:
         return 0 if track is None else track.count
 
     def coefficients(self, instance_id: str) -> FloatArray | None:
-        """The refit coefficients in force for ``instance_id`` (a_p, c_p, α, β, γ, δ), or None."""
+        """The refit coefficients of the remainder in force for ``instance_id`` (a_p, c_p, α, β, γ, δ), or None."""
         track = self._effective(instance_id)
         return None if track is None else track.coefs
 

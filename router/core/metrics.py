@@ -317,9 +317,15 @@ def _predicted_ttft_at(ctx: DecisionContext, i: int) -> float:
     if correction is None:
         return value
     one = correction.at(i)
+    decode = ctx.metric("decode_step_ms")[i : i + 1]
     return float(
         one.ttft_ms(
-            np.array([value]), np.array([backlog]), np.array([batch]), np.array([tokens]), np.array([budget])
+            np.array([value]),
+            np.array([backlog]),
+            np.array([batch]),
+            np.array([tokens]),
+            np.array([budget]),
+            decode,
         )[0]
     )
 
@@ -367,6 +373,7 @@ def _predicted_ttft(ctx: DecisionContext) -> FloatArray:
         ctx.metric("decode_batch_size"),
         ctx.metric("decode_tokens"),
         table.max_num_batched_tokens,
+        step,
     )
 
 
