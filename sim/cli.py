@@ -105,7 +105,7 @@ ground truth (what the engines really do; the router still predicts with each gr
   A fleet file's per-group engine fields (speed_factor, noise, kv_slowdown) win over these.
 
 calibration (--calibrations off,scale,refit): each policy runs once per mode of the router's
-  online calibration (--calibration of `slo-router router`); default: scale. Every run reports
+  online calibration (--calibration of `slo-router router`); default: refit. Every run reports
   its prediction error (|observed - predicted| / predicted of TTFT and TPOT: median, p90, bias)
   after --warmup-requests.
 
@@ -127,9 +127,11 @@ what is simulated: the router's scheduling core places every request at its arri
   failures and retries, EOS before max_tokens.
 
 output: a table per rate and policy; --output writes JSON {{"meta": ..., "results": [one object per
-  (policy, rate) with policy, rate, slo_attainment (0-1), goodput (req/s meeting their SLO),
-  ttft_p99_ms, tpot_p99_ms, preemptions, mean_busy_instances ({{"prefill", "decode", "neutral"}}:
-  time-average of instances holding such work), and every other figure of `bench`]}}; --plot a PNG of attainment
+  (policy, rate, calibration) with policy, rate, calibration, slo_attainment (0-1), goodput
+  (req/s meeting their SLO), ttft_p99_ms, tpot_p99_ms, preemptions, mean_busy_instances
+  ({{"prefill", "decode", "neutral"}}: time-average of instances holding such work),
+  prediction_error ({{ttft, tpot}}: {{median, p90, bias, count}}), and every other figure of
+  `bench`]}}; --plot a PNG of attainment
   and goodput against the rate. Same flags and seed give the same JSON.
 """
 
@@ -207,7 +209,7 @@ def register(subparsers: Any) -> None:
     sweep = parser.add_argument_group("sweep")
     sweep.add_argument(
         "--calibrations",
-        default="scale",
+        default="refit",
         metavar="C1,C2,...",
         help="online calibration modes to compare: off, scale, refit (default: %(default)s)",
     )

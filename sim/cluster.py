@@ -11,7 +11,15 @@ moving parts are the real ones:
 - engines: every instance is a :class:`sim.engine.SimCore` — the model
   the ``sim`` worker runs in real time — stepped in virtual time: a step
   starts when the engine has work, ends ``duration_ms`` later (from the
-  instance's profile), and its outputs drive the requests.
+  instance's *ground truth*: its group's true profile, speed, noise and KV
+  slowdown, loaded apart from the router's predictors), and its outputs drive
+  the requests.
+
+Calibration: with ``SchedulerConfig.calibration`` other than ``off`` the
+scheduler's :class:`router.core.calibration.Calibrator` is fed, before every
+decision, the step samples the engines finished since the previous one
+(fast-forwarded runs included), as the agents' status pushes carry them to a
+live router.
 
 What a request goes through (times are virtual):
 

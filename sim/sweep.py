@@ -153,7 +153,8 @@ def point_to_dict(point: SweepPoint) -> dict[str, Any]:
     ``rejected`` (no placement), ``duration_s`` (virtual makespan), ``preemptions``
     (engine preemptions, all instances), ``mean_busy_instances`` (``{"prefill", "decode",
     "neutral"}``: time-average number of instances holding work of that kind, see
-    :class:`sim.cluster.SimStats`), ``classes``
+    :class:`sim.cluster.SimStats`), ``calibration`` (the router's online calibration mode),
+    ``prediction_error`` (:func:`bench.prediction.prediction_error` after the warm-up), ``classes``
     (the same figures per SLO class) and ``sim`` (step and event counts). No
     wall-clock figure: the document is a pure function of the inputs.
     """

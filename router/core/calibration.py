@@ -91,7 +91,7 @@ class StepSample:
 class CalibrationConfig:
     """How the calibrator learns and how far it may move from the profile."""
 
-    mode: str = field(default="scale", metadata=_doc("off, scale or refit"))
+    mode: str = field(default="refit", metadata=_doc("off, scale or refit"))
     window_samples: int = field(default=256, metadata=_doc("step samples kept per instance and per group"))
     min_samples: int = field(default=8, metadata=_doc("fewer samples than this: no correction of its own"))
     update_every_samples: int = field(

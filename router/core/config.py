@@ -189,7 +189,7 @@ class SchedulerConfig:
         ),
     )
     calibration: str = field(
-        default="scale",
+        default="refit",
         metadata=_doc(
             "online calibration of the predictions from the workers' step samples: off, scale or refit",
             "--calibration",
