@@ -324,8 +324,11 @@ def run(args: argparse.Namespace) -> int:
 def _format(report: BenchReport, outcome: LoadResult) -> str:
     text = format_table(report)
     error = report.meta.get("prediction_error")
-    if error is not None:
-        text += "\n" + format_prediction_error(error)
+    if error is not None and (error["ttft"]["count"] or error["tpot"]["count"]):
+        # Beside the latencies it is about: before the error causes, which end the summary.
+        line = format_prediction_error(error)
+        head, sep, causes = text.partition("\nerrors by code")
+        text = f"{head}\n{line}{sep}{causes}"
     notes = []
     if outcome.stopped_by_duration:
         notes.append(
