@@ -521,8 +521,8 @@ class Calibrator:
 
         Instances never seen use their group's correction (``groups`` in table order).
         """
-        if not self.enabled:
-            return None
+        if not self.enabled or not (self._instances or self._groups):
+            return None  # nothing learned yet: the profile everywhere, at no cost per decision
         cached = self._cache
         if cached is not None and cached[0] is ids and cached[1] == self.version:
             return cached[2]
