@@ -35,7 +35,8 @@ predicts for the same step, and derives a correction the metrics apply
   typical range, so an operating point the window never saw is predicted like
   the scaled profile rather than by an extrapolated line;
 - ``interleave``: for colocated (neutral) instances, the prefill time that ran
-  between decode steps, averaged over the window's decode steps: the TPOT a
+  between decode steps (what steps with a prefill chunk took beyond their
+  calibrated decode part), averaged over the window's decode steps: the TPOT a
   new request will see includes the chunks of later requests' prefills.
 
 Bounds: a factor (and a refit prediction, relative to the profile's) stays in
@@ -270,7 +271,7 @@ class Correction:
 
     ttft_factor: FloatArray
     tpot_factor: FloatArray
-    #: Profile-predicted prefill ms per decode step (already corrected by the TTFT factor).
+    #: Observed prefill ms per decode step (the time steps with prefill took beyond their decode part).
     interleave_ms: FloatArray
     #: Refit coefficients of the remainder per instance (zeros where ``has_fit`` is False), or None without any.
     coefs: FloatArray | None
@@ -432,8 +433,16 @@ class Calibrator:
             track.ttft_factor = _approach(track.ttft_factor, target, config)
         if track.ttft_samples < config.min_samples and track.tpot_samples >= config.min_samples:
             track.ttft_factor = track.tpot_factor  # one speed for the hardware until prefill is seen
+        # Prefill time between decode steps, as observed: what the steps with a prefill chunk
+        # took beyond their (calibrated) decode part, spread over every decode step. Measured,
+        # not the profile's prefill cost times a factor that may not be learned yet.
         decoding = b > 0
-        track.interleave_ms = float(np.mean(pre[decoding])) * track.ttft_factor if decoding.any() else 0.0
+        if decoding.any():
+            mixed = decoding & (p > 0)
+            extra = np.maximum(obs[mixed] - dec[mixed] * track.tpot_factor, 0.0)
+            track.interleave_ms = float(np.sum(extra)) / int(np.count_nonzero(decoding))
+        else:
+            track.interleave_ms = 0.0
         if config.mode == "refit" and len(rows) >= config.refit_min_samples:
             coefs = self._refit(rows, track)
             if coefs is not None:

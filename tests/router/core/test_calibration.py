@@ -253,23 +253,25 @@ def test_off_learns_nothing_and_bad_config_is_refused() -> None:
         CalibrationConfig(window_samples=0)
 
 
-def test_interleaved_prefill_is_part_of_tpot() -> None:
+@pytest.mark.parametrize("speed", [1.0, 4.0])
+def test_interleaved_prefill_is_part_of_tpot(speed: float) -> None:
     cal = Calibrator(CalibrationConfig(mode="scale"), profile_step)
     predict = profile_step("g")
 
     def duration(p: int, b: int, t: int) -> float:
         pre, dec = predict(np.array([float(p)]), np.array([float(b)]), np.array([float(t)]))
-        return float(pre[0] + dec[0])
+        return float(pre[0] + dec[0]) / speed
 
     # Every other decode step carries a 512-token prefill chunk.
     steps = [(512 if k % 2 else 0, 8, 8 * 600) for k in range(64)]
     feed(cal, steps, duration)
     correction = cal.correction(("i0",))
     assert correction is not None
-    chunk_ms = float(predict(np.array([512.0]), np.zeros(1), np.zeros(1))[0][0])
+    # The interleaved time is measured: the chunks as long as they really took.
+    chunk_ms = float(predict(np.array([512.0]), np.zeros(1), np.zeros(1))[0][0]) / speed
     assert correction.interleave_ms[0] == pytest.approx(chunk_ms / 2)
     out = correction.tpot_ms(np.array([20.0]), np.array([9.0]), np.array([5400.0]))
-    assert out[0] == pytest.approx(20.0 + chunk_ms / 2)
+    assert out[0] == pytest.approx(20.0 / speed + chunk_ms / 2)
 
 
 def test_refit_follows_the_scaled_profile_where_the_window_has_no_data() -> None:
