@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 from bench.loadgen import DEFAULT_TARGET, LoadConfig, LoadError, LoadResult, ProgressBar, run_load
+from bench.prediction import format_prediction_error, prediction_error
 from bench.report import BenchReport, PlotUnavailableError, format_table, plot_report, summarize, write_json
 from bench.workload import (
     CLASS_PRESETS,
@@ -302,6 +303,8 @@ def run(args: argparse.Namespace) -> int:
         "stopped_by_duration": outcome.stopped_by_duration,
         "max_send_lag_s": outcome.max_send_lag_s,
         "request_timeout_s": config.request_timeout_s,
+        # The router's predicted TTFT/TPOT (each response's route) against what the request saw.
+        "prediction_error": prediction_error(outcome.results),
     }
     report = summarize(outcome.results, outcome.duration_s, class_slos=spec.class_slos(), meta=meta)
     print(_format(report, outcome))
@@ -320,6 +323,12 @@ def run(args: argparse.Namespace) -> int:
 
 def _format(report: BenchReport, outcome: LoadResult) -> str:
     text = format_table(report)
+    error = report.meta.get("prediction_error")
+    if error is not None and (error["ttft"]["count"] or error["tpot"]["count"]):
+        # Beside the latencies it is about: before the error causes, which end the summary.
+        line = format_prediction_error(error)
+        head, sep, causes = text.partition("\nerrors by code")
+        text = f"{head}\n{line}{sep}{causes}"
     notes = []
     if outcome.stopped_by_duration:
         notes.append(

@@ -24,6 +24,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 
 import grpc
 from slorouter.v1 import cms_pb2, cms_pb2_grpc
@@ -49,7 +50,15 @@ class ClusterReader(abc.ABC):
     def __init__(self) -> None:
         self._snapshot = EMPTY_SNAPSHOT
         self._waiters: set[asyncio.Future[None]] = set()
+        self._listeners: list[Callable[[ClusterSnapshot], None]] = []
         self.connected = False
+
+    def add_snapshot_listener(self, listener: Callable[[ClusterSnapshot], None]) -> None:
+        """Call ``listener(snapshot)`` with every new snapshot, synchronously, as it is installed.
+
+        Listeners must be quick and must not raise (the router's calibration reads step samples here).
+        """
+        self._listeners.append(listener)
 
     def snapshot(self) -> ClusterSnapshot:
         """The newest snapshot (``EMPTY_SNAPSHOT`` before the first one)."""
@@ -58,6 +67,8 @@ class ClusterReader(abc.ABC):
     def _install(self, snapshot: ClusterSnapshot) -> None:
         self._snapshot = dataclasses.replace(snapshot, version=self._snapshot.version + 1)
         self.connected = True
+        for listener in self._listeners:
+            listener(self._snapshot)
         waiters, self._waiters = self._waiters, set()
         for fut in waiters:
             if not fut.done():

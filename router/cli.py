@@ -23,6 +23,7 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "workers.cli",
     "router.server",
     "router.up",
+    "router.calibrate",
     "bench.cli",
     "sim.cli",
     "sim.plan",

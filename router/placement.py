@@ -9,6 +9,8 @@ I/O, so a decision never waits for the CMS.
 
 from __future__ import annotations
 
+import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -17,6 +19,7 @@ from typing import Protocol
 from slorouter.v1 import cms_pb2, router_pb2
 
 from fleet.snapshot import ClusterSnapshot
+from router.core.calibration import Calibrator, StepSample
 from router.core.capacity import LoadTracker, estimate_instances
 from router.core.decision import Choice, Decision
 from router.core.errors import EmptyClusterError, InvalidRequestError
@@ -25,6 +28,8 @@ from router.core.request import ScheduleInput, StageRestriction
 from router.core.scheduler import Scheduler
 from router.route import Route, route_of
 from router.telemetry import RequestObserver
+
+logger = logging.getLogger(__name__)
 
 
 class SnapshotSource(Protocol):
@@ -45,6 +50,8 @@ class PlacementRequest:
     ttft_slo_ms: float
     tpot_slo_ms: float
     priority: int = 0
+    #: The request's output limit (sampling.max_tokens; 0 = unknown).
+    max_tokens: int = 0
 
 
 class Placer:
@@ -65,6 +72,23 @@ class Placer:
         self._limits: tuple[ClusterSnapshot, frozenset[str], dict[str, int], int] | None = None
         #: The load placed over the last minute (for ``desired_instances``).
         self.load = LoadTracker()
+        predictors = scheduler.predictors
+        #: The scheduler's online calibration, fed the workers' step samples from each new view.
+        self.calibration: Calibrator | None = predictors.calibration if predictors is not None else None
+        self._fed: ClusterSnapshot | None = None
+        self._fed_updates: dict[str, int] = {}
+        self._expired_at = -math.inf
+        subscribe = getattr(source, "add_snapshot_listener", None)
+        if self.calibration is not None and subscribe is not None:
+            # Every view update, not only those a decision happens to read: each status
+            # carries only the steps since the previous one.
+            subscribe(self._on_snapshot)
+
+    def _on_snapshot(self, snapshot: ClusterSnapshot) -> None:
+        try:
+            self._calibrate(snapshot)
+        except Exception:  # a listener must not break the reader: the calibration just misses it
+            logger.exception("calibration could not read a view update")
 
     # ------------------------------------------------------------------ request checks against the fleet
 
@@ -117,6 +141,7 @@ class Placer:
             model=req.model,
             exclude_instance_ids=exclude,
             stages=stages,
+            max_tokens=req.max_tokens,
         )
 
     def _snapshot(self) -> ClusterSnapshot:
@@ -125,12 +150,65 @@ class Placer:
             raise EmptyClusterError(
                 "the router has no cluster view yet: the CMS has not answered; check --cms and that the CMS runs"
             )
+        if self.calibration is not None and snapshot is not self._fed:
+            self._calibrate(snapshot)
         if not snapshot.instances:
             raise EmptyClusterError(
                 "no instances are registered with the CMS (or the router has not reached it yet); "
                 "start workers or check --cms"
             )
         return snapshot
+
+    def _calibrate(self, snapshot: ClusterSnapshot) -> None:
+        """Feed the step samples of every status not fed yet to the calibration; log drift changes."""
+        calibration = self.calibration
+        assert calibration is not None
+        if snapshot is self._fed:
+            return
+        self._fed = snapshot
+        now = self._clock()
+        label = self.scheduler.config.profile_label
+        fed = self._fed_updates
+        for record in snapshot.instances:
+            status = record.status
+            if status is None or not status.step_samples:
+                continue
+            instance_id = record.metadata.instance_id
+            if fed.get(instance_id) == status.update_id:
+                continue  # the same status in a newer snapshot: its samples are in already
+            fed[instance_id] = status.update_id
+            calibration.observe(
+                instance_id,
+                record.metadata.labels.get(label, ""),
+                [
+                    StepSample(
+                        s.num_prefill_tokens, s.num_decode_requests, s.num_decode_tokens, s.duration_ms
+                    )
+                    for s in status.step_samples
+                ],
+                now,
+            )
+        if now - self._expired_at >= 1.0:
+            self._expired_at = now
+            calibration.expire(now)
+            if len(fed) > 2 * len(snapshot.instances) + 64:  # instances that left: forget them
+                present = {r.metadata.instance_id for r in snapshot.instances}
+                for instance_id in [i for i in fed if i not in present]:
+                    del fed[instance_id]
+                    calibration.forget(instance_id)
+        for instance_id, drifted, ttft, tpot in calibration.take_drift_events():
+            if drifted:
+                logger.warning(
+                    "instance %s drifted from its profile: observed/predicted TTFT x%.2f, TPOT x%.2f "
+                    "(calibration corrects it; re-profile if it persists: slo-router calibrate)",
+                    instance_id,
+                    ttft,
+                    tpot,
+                )
+            else:
+                logger.info("instance %s is back within its profile's bounds", instance_id)
+        if self._observer is not None:
+            self._observer.calibration(calibration, snapshot, label)
 
     def place(self, req: PlacementRequest, *, exclude: frozenset[str] = frozenset()) -> Route:
         """Decide prefill and decode (or neutral) for ``req`` and record the dispatch."""

@@ -207,6 +207,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
             ttft_slo_ms=request.slo.ttft_ms or self._config.ttft_slo_ms,
             tpot_slo_ms=request.slo.tpot_ms or self._config.tpot_slo_ms,
             priority=request.priority,
+            max_tokens=request.sampling.max_tokens,
         )
 
     # ------------------------------------------------------------------ Schedule

@@ -5,7 +5,8 @@ Names share the ``slo_router_`` prefix and carry units; labels are bounded
 packing gauge: one series per instance in the view), never request ids. The prediction
 error is observed TTFT/TPOT minus the prediction the decision was made with,
 per instance group, so an operator sees when a profile no longer matches
-the fleet.
+the fleet; the same as a ratio (observed / predicted), and the online
+calibration's factors and drifted instances per group.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from fleet.snapshot import ClusterSnapshot
+from router.core.calibration import Calibrator
 from router.core.errors import (
     EmptyClusterError,
     InvalidRequestError,
@@ -30,6 +33,7 @@ from router.route import Route
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _TPOT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.2, 0.5, 1)
 _ERROR_BUCKETS_S = (-1, -0.25, -0.1, -0.05, -0.02, -0.01, -0.005, 0, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1)
+_RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 0.95, 1.0, 1.05, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0)
 _SCHEDULE_BUCKETS_S = (2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 5e-2)
 
 
@@ -89,6 +93,32 @@ class RequestObserver:
             buckets=_ERROR_BUCKETS_S,
             registry=r,
         )
+        self.ttft_ratio = Histogram(
+            "slo_router_ttft_observed_over_predicted_ratio",
+            "Observed TTFT divided by the TTFT the placement predicted, per prefill instance group",
+            ["group"],
+            buckets=_RATIO_BUCKETS,
+            registry=r,
+        )
+        self.tpot_ratio = Histogram(
+            "slo_router_tpot_observed_over_predicted_ratio",
+            "Observed TPOT divided by the TPOT the placement predicted, per decode instance group",
+            ["group"],
+            buckets=_RATIO_BUCKETS,
+            registry=r,
+        )
+        self.calibration_factor = Gauge(
+            "slo_router_calibration_factor_ratio",
+            "Mean online-calibration factor (observed / profile step time) over a group's instances",
+            ["group", "prediction"],
+            registry=r,
+        )
+        self.calibration_drifted = Gauge(
+            "slo_router_calibration_drifted_instances",
+            "Instances whose observed/profile step time is beyond the calibration's drift bound",
+            ["group"],
+            registry=r,
+        )
         self.schedule_latency = Histogram(
             "slo_router_schedule_latency_seconds",
             "Time to make one placement decision",
@@ -146,6 +176,8 @@ class RequestObserver:
         predicted = route.prefill.predicted_ttft_ms
         if math.isfinite(predicted):
             self.ttft_error.labels(group=route.prefill_group).observe(ttft_s - predicted / 1e3)
+            if predicted > 0:
+                self.ttft_ratio.labels(group=route.prefill_group).observe(ttft_s * 1e3 / predicted)
 
     def completed(self, route: Route | None, tpot_s: float | None, e2e_s: float) -> None:
         self.outcome("ok")
@@ -158,6 +190,27 @@ class RequestObserver:
             self.tpot_error.labels(group=route.decode_group).observe(
                 tpot_s - route.decode.predicted_tpot_ms / 1e3
             )
+            if route.decode.predicted_tpot_ms > 0:
+                self.tpot_ratio.labels(group=route.decode_group).observe(
+                    tpot_s * 1e3 / route.decode.predicted_tpot_ms
+                )
+
+    def calibration(self, calibrator: Calibrator, snapshot: ClusterSnapshot, label: str) -> None:
+        """Export the calibration's factors and drift per profile group (after each new view)."""
+        sums: dict[str, list[float]] = {}
+        drifted = calibrator.drifted()
+        for record in snapshot.instances:
+            group = record.metadata.labels.get(label, "")
+            ttft, tpot = calibrator.factors(record.metadata.instance_id)
+            acc = sums.setdefault(group, [0.0, 0.0, 0.0, 0.0])
+            acc[0] += ttft
+            acc[1] += tpot
+            acc[2] += 1.0
+            acc[3] += record.metadata.instance_id in drifted
+        for group, (ttft, tpot, n, bad) in sums.items():
+            self.calibration_factor.labels(group=group, prediction="ttft").set(ttft / n)
+            self.calibration_factor.labels(group=group, prediction="tpot").set(tpot / n)
+            self.calibration_drifted.labels(group=group).set(bad)
 
 
 class _PackingCollector(Collector):

@@ -13,6 +13,7 @@ from typing import Any, cast
 from bench.report import PlotUnavailableError
 from bench.workload import DEFAULT_WORKLOAD, WorkloadError, load_workload
 from predictor import ProfileError
+from router.core.calibration import CALIBRATION_MODES
 from router.core.config import SchedulerConfig, name_flags
 from router.core.errors import ConfigError
 from router.core.policies import build_policy
@@ -28,11 +29,13 @@ from sim.fleet import (
     fleet_from_counts,
     fleet_to_dict,
     load_fleet,
+    with_true_profile,
 )
 from sim.sweep import (
     SLO_ADAPTIVE_PD,
     PolicyChoice,
     SweepPoint,
+    format_prediction_table,
     format_sweep_table,
     open_loop,
     plot_sweep,
@@ -59,8 +62,16 @@ ENGINE_FLAGS = (
     "kv_bytes_per_token",
 )
 
-#: Scheduler flags that select the policy: --policies replaces them.
-_POLICY_FLAGS = frozenset({"--scheduling-policy", "--enable-adaptive-pd", "--policy-config"})
+#: Ground-truth knobs: (flag, SimConfig field). The engines step this way; the router still predicts
+#: with the profile, so these make a fleet the router was not profiled on.
+TRUTH_FLAGS = (
+    ("--true-speed", "speed_factor"),
+    ("--true-noise", "noise"),
+    ("--true-kv-slowdown", "kv_slowdown"),
+)
+
+#: Scheduler flags that select the policy (--policies replaces them) or the calibration (--calibrations).
+_POLICY_FLAGS = frozenset({"--scheduling-policy", "--enable-adaptive-pd", "--policy-config", "--calibration"})
 
 EPILOG = f"""\
 fleet (one of):
@@ -85,6 +96,19 @@ fleet (one of):
   run faster than the profile the router predicts it with: a mis-profiled group).
   --print-fleet shows the resolved fleet.
 
+ground truth (what the engines really do; the router still predicts with each group's profile):
+  --true-speed 0.7           every engine runs at 0.7x the speed of its profile
+  --true-noise 0.05          seeded per-step noise (relative std-dev)
+  --true-kv-slowdown 0.3     a step takes up to 30 % longer as the KV cache fills
+  --true-profile DIR         engines step at another profile (a fleet file: true_profile per group,
+                             the compact form: ROLE=COUNT:PROFILE:TRUE_PROFILE)
+  A fleet file's per-group engine fields (speed_factor, noise, kv_slowdown) win over these.
+
+calibration (--calibrations off,scale,refit): each policy runs once per mode of the router's
+  online calibration (--calibration of `slo-router router`); default: refit. Every run reports
+  its prediction error (|observed - predicted| / predicted of TTFT and TPOT: median, p90, bias)
+  after --warmup-requests.
+
 policies (--policies): a registered policy ({", ".join(POLICIES.names())}),
   {SLO_ADAPTIVE_PD} (the slo policy with --enable-adaptive-pd: every instance may take
   either role per request), or a policy YAML file (--policy-config format).
@@ -103,9 +127,11 @@ what is simulated: the router's scheduling core places every request at its arri
   failures and retries, EOS before max_tokens.
 
 output: a table per rate and policy; --output writes JSON {{"meta": ..., "results": [one object per
-  (policy, rate) with policy, rate, slo_attainment (0-1), goodput (req/s meeting their SLO),
-  ttft_p99_ms, tpot_p99_ms, preemptions, mean_busy_instances ({{"prefill", "decode", "neutral"}}:
-  time-average of instances holding such work), and every other figure of `bench`]}}; --plot a PNG of attainment
+  (policy, rate, calibration) with policy, rate, calibration, slo_attainment (0-1), goodput
+  (req/s meeting their SLO), ttft_p99_ms, tpot_p99_ms, preemptions, mean_busy_instances
+  ({{"prefill", "decode", "neutral"}}: time-average of instances holding such work),
+  prediction_error ({{ttft, tpot}}: {{median, p90, bias, count}}), and every other figure of
+  `bench`]}}; --plot a PNG of attainment
   and goodput against the rate. Same flags and seed give the same JSON.
 """
 
@@ -152,6 +178,11 @@ def register(subparsers: Any) -> None:
         "--fleet", metavar="SPEC", help="heterogeneous fleet: ROLE=COUNT[:PROFILE],... or a file"
     )
     fleet.add_argument("--print-fleet", action="store_true", help="print the resolved fleet as JSON and exit")
+    fleet.add_argument(
+        "--true-profile",
+        metavar="DIR",
+        help="profile the engines really step at (default: each group's own profile)",
+    )
     defaults = SimConfig()
     docs = {f.name: str(f.metadata.get("doc", "")) for f in dataclasses.fields(SimConfig)}
     engine = parser.add_argument_group("sim engine (every instance; a fleet file may override per group)")
@@ -165,7 +196,30 @@ def register(subparsers: Any) -> None:
             help=f"{docs[name]} (default: %(default)s)",
         )
 
+    for flag, name in TRUTH_FLAGS:
+        engine.add_argument(
+            flag,
+            dest=name,
+            type=float,
+            default=getattr(defaults, name),
+            metavar="X",
+            help=f"{docs[name]} (default: %(default)s)",
+        )
+
     sweep = parser.add_argument_group("sweep")
+    sweep.add_argument(
+        "--calibrations",
+        default="refit",
+        metavar="C1,C2,...",
+        help="online calibration modes to compare: off, scale, refit (default: %(default)s)",
+    )
+    sweep.add_argument(
+        "--warmup-requests",
+        type=int,
+        default=0,
+        metavar="N",
+        help="leave each run's first N requests out of its prediction error (default: %(default)s)",
+    )
     sweep.add_argument(
         "--policies",
         default=DEFAULT_POLICIES,
@@ -213,10 +267,19 @@ def register(subparsers: Any) -> None:
 
 
 def _fleet(args: argparse.Namespace) -> FleetSpec:
+    spec = _base_fleet(args)
+    return spec if args.true_profile is None else with_true_profile(spec, args.true_profile)
+
+
+def _base_fleet(args: argparse.Namespace) -> FleetSpec:
     try:
-        engine = SimConfig(**{name: getattr(args, name) for name in ENGINE_FLAGS})
+        engine = SimConfig(
+            **{name: getattr(args, name) for name in ENGINE_FLAGS},
+            **{name: getattr(args, name) for _, name in TRUTH_FLAGS},
+        )
     except ValueError as exc:  # name the flag, not the SimConfig field
-        raise ValueError(name_flags(str(exc), {n: "--" + n.replace("_", "-") for n in ENGINE_FLAGS})) from exc
+        flags = {n: "--" + n.replace("_", "-") for n in ENGINE_FLAGS} | {n: f for f, n in TRUTH_FLAGS}
+        raise ValueError(name_flags(str(exc), flags)) from exc
     counts = (args.prefill, args.decode, args.neutral)
     if args.fleet is not None:
         if any(c is not None for c in counts):
@@ -246,6 +309,21 @@ def parse_rates(text: str) -> list[float]:
             raise ValueError(f"--rates: {part.strip()} is listed twice")
         rates.append(rate)
     return rates
+
+
+def parse_calibrations(text: str) -> list[str]:
+    """``C1,C2,...``: distinct calibration modes (off, scale, refit), in the order given."""
+    modes: list[str] = []
+    for part in text.split(","):
+        mode = part.strip()
+        if mode not in CALIBRATION_MODES:
+            raise ValueError(
+                f"--calibrations: {mode!r} is not a calibration mode; write some of {','.join(CALIBRATION_MODES)}"
+            )
+        if mode in modes:
+            raise ValueError(f"--calibrations: {mode} is listed twice")
+        modes.append(mode)
+    return modes
 
 
 def parse_policies(text: str, args: argparse.Namespace) -> list[PolicyChoice]:
@@ -287,6 +365,9 @@ def run(args: argparse.Namespace) -> int:
         policies = parse_policies(args.policies, args)
         if args.num_requests < 1:
             raise ValueError(f"--num-requests must be >= 1, got {args.num_requests}")
+        calibrations = parse_calibrations(args.calibrations)
+        if not 0 <= args.warmup_requests < args.num_requests:
+            raise ValueError(f"--warmup-requests must be in [0, --num-requests), got {args.warmup_requests}")
         fleet = SimFleet(spec, profile_label=policies[0].config.profile_label)
     except (WorkloadError, ProfileError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -310,7 +391,7 @@ def run(args: argparse.Namespace) -> int:
             return
         speed = point.report.overall.requests / point.wall_s if point.wall_s > 0 else float("inf")
         print(
-            f"[{done}/{total}] {point.policy} @ {point.rate:g} req/s: attainment "
+            f"[{done}/{total}] {point.label} @ {point.rate:g} req/s: attainment "
             f"{100.0 * point.report.overall.slo_attainment:.1f}%, {point.wall_s:.1f} s wall "
             f"({speed:,.0f} simulated requests/s)",
             file=sys.stderr,
@@ -321,14 +402,26 @@ def run(args: argparse.Namespace) -> int:
         return slicing.run_cli(args, fleet, workload, policies, rates, title, progress)
     try:
         points = run_sweep(
-            fleet, workload, policies, rates, num_requests=args.num_requests, seed=args.seed, on_run=progress
+            fleet,
+            workload,
+            policies,
+            rates,
+            num_requests=args.num_requests,
+            seed=args.seed,
+            on_run=progress,
+            calibrations=calibrations,
+            warmup_requests=args.warmup_requests,
         )
     except KeyboardInterrupt:
         print("\ninterrupted; no report written", file=sys.stderr)
         return 130
     print(title)
     print(format_sweep_table(points))
+    print()
+    print(format_prediction_table(points))
     meta = sweep_meta(fleet, workload, policies, rates, num_requests=args.num_requests, seed=args.seed)
+    meta["calibrations"] = calibrations
+    meta["warmup_requests"] = args.warmup_requests
     if args.output:
         write_sweep_json(args.output, points, meta)
         print(f"wrote {args.output}", file=sys.stderr)

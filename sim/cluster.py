@@ -11,7 +11,15 @@ moving parts are the real ones:
 - engines: every instance is a :class:`sim.engine.SimCore` — the model
   the ``sim`` worker runs in real time — stepped in virtual time: a step
   starts when the engine has work, ends ``duration_ms`` later (from the
-  instance's profile), and its outputs drive the requests.
+  instance's *ground truth*: its group's true profile, speed, noise and KV
+  slowdown, loaded apart from the router's predictors), and its outputs drive
+  the requests.
+
+Calibration: with ``SchedulerConfig.calibration`` other than ``off`` the
+scheduler's :class:`router.core.calibration.Calibrator` is fed, before every
+decision, the step samples the engines finished since the previous one
+(fast-forwarded runs included), as the agents' status pushes carry them to a
+live router.
 
 What a request goes through (times are virtual):
 
@@ -86,6 +94,7 @@ from bench.report import RequestResult
 from bench.workload import RequestPlan
 from fleet.snapshot import ClusterSnapshot, InstanceRecord
 from predictor import LatencyPredictor
+from router.core.calibration import Calibrator, StepSample
 from router.core.columns import INFLIGHT_ROWS, ClusterView, InflightColumns, InstanceTable
 from router.core.config import SchedulerConfig
 from router.core.decision import Decision
@@ -158,18 +167,29 @@ class SimFleet:
             group_predictors[group.name] = by_path[key]
         #: The router's predictors: one per profile group (the group's name), the first group's by default.
         self.predictors = PredictorSet(group_predictors[spec.groups[0].name], group_predictors)
+        # The engines' ground truth: loaded again, so no engine ever steps with an object the
+        # router predicts with, even when the true profile is the same directory.
+        truth_by_path: dict[str, LatencyPredictor] = {}
+        group_truths: dict[str, LatencyPredictor] = {}
+        for group in spec.groups:
+            key = str(group.truth)
+            if key not in truth_by_path:
+                truth_by_path[key] = LatencyPredictor.from_files(
+                    group.truth / "ttft.json", group.truth / "tpot.json"
+                )
+            group_truths[group.name] = truth_by_path[key]
         ids: list[str] = []
         groups: list[str] = []
         roles: list[Role] = []
         configs: list[SimConfig] = []
-        predictors: list[LatencyPredictor] = []
+        truths: list[LatencyPredictor] = []
         for group in spec.groups:
             for instance_id in group.instance_ids():
                 ids.append(instance_id)
                 groups.append(group.name)
                 roles.append(group.role)
                 configs.append(group.engine)
-                predictors.append(group_predictors[group.name])
+                truths.append(group_truths[group.name])
         n = len(ids)
         self.n = n
         self.ids = tuple(ids)
@@ -178,9 +198,9 @@ class SimFleet:
             raise FleetError("two groups produce the same instance id; rename one of the groups")
         self.groups = tuple(groups)
         self.roles = tuple(roles)
-        #: Engine configuration and step-time profile per instance.
+        #: Engine configuration and ground-truth step-time profile per instance.
         self.configs = tuple(configs)
-        self.instance_predictors = tuple(predictors)
+        self.instance_truths = tuple(truths)
         rank = np.empty(n, dtype=np.intp)
         rank[np.argsort(np.array(ids, dtype=object), kind="stable")] = np.arange(n)
         empty = ("",) * n
@@ -322,9 +342,17 @@ class _Simulation:
         seed: int,
         reuse_static_memo: bool,
         fast_forward: bool,
+        calibrator: Calibrator | None = None,
     ) -> None:
         self.fleet = fleet
         self.scheduler = scheduler
+        #: The router's calibration, fed the engines' step samples before each decision (None: off).
+        self.calibrator = calibrator
+        #: Per instance: step samples the router has not seen yet, and steps of the current
+        #: fast-forwarded run already fed.
+        self.pending_samples: list[list[StepSample]] = [[] for _ in range(fleet.n)]
+        self.run_fed = [0] * fleet.n
+        self.expired_at = 0.0
         self.plans = plans
         self.reuse_static_memo = reuse_static_memo
         n = fleet.n
@@ -332,8 +360,8 @@ class _Simulation:
         self.cores: list[SimCore] = []
         #: Step times of instances whose decode runs may be fast-forwarded (None: always stepped).
         self.times: list[DecodeStepTimes | None] = []
-        for i, (config, lp) in enumerate(zip(fleet.configs, fleet.instance_predictors, strict=True)):
-            if config.noise > 0:
+        for i, (config, lp) in enumerate(zip(fleet.configs, fleet.instance_truths, strict=True)):
+            if config.noise > 0 or config.kv_slowdown > 0:
                 # Planning steps ahead would draw the noise out of order: these engines are always stepped.
                 rng = random.Random((config.seed * 1_000_003 + seed) * 65_537 + i)
                 cost = ProfileCostModel(lp, speed_factor=config.speed_factor, noise=config.noise, rng=rng)
@@ -517,6 +545,7 @@ class _Simulation:
     def _materialize(self, i: int, run: DecodeRun, now: float) -> None:
         """End instance ``i``'s fast-forwarded run at ``now``: apply its finished steps, resume the one running."""
         s = run.steps_done(now)
+        self._run_samples(i, run, s)
         run.apply(s)
         self.runs[i] = None
         self.run_next[i] = np.inf
@@ -540,6 +569,7 @@ class _Simulation:
             run.extend()
             self.run_event[i] = self._push(run.ends[-1], _RUN_END, i)
             return
+        self._run_samples(i, run, len(run.ends))
         run.apply(len(run.ends))
         self.num_steps += len(run.ends)
         self.runs[i] = None
@@ -555,6 +585,18 @@ class _Simulation:
             self._measure(i, step.duration_ms)
         if step.num_preempted > 0:
             self.last_preempt_s[i] = now
+        if self.calibrator is not None:
+            pending = self.pending_samples[i]
+            pending.append(
+                StepSample(
+                    step.num_prefill_tokens,
+                    step.num_decode_requests,
+                    step.num_decode_tokens,
+                    step.duration_ms,
+                )
+            )
+            if len(pending) > 4096:  # bounded: the router keeps a window of recent steps anyway
+                del pending[:-1024]
         for rid, position, finished, held in result.outputs:
             if position == 0 or finished:
                 self._token(int(rid), position, finished, held, now)
@@ -608,6 +650,41 @@ class _Simulation:
             r.stage = _SERVING
         self._changed(d, now)
 
+    # ------------------------------------------------------------------ calibration
+
+    def _run_samples(self, i: int, run: DecodeRun, upto: int, *, final: bool = True) -> None:
+        """Queue the samples of steps ``run_fed[i]`` .. ``upto`` of instance ``i``'s fast-forwarded run.
+
+        ``final``: the run ends here (the next run starts from its first step).
+        """
+        if self.calibrator is None:
+            self.run_fed[i] = 0
+            return
+        fed = self.run_fed[i]
+        if upto > fed:
+            durations = run._durations_ms
+            batch = run.batch
+            self.pending_samples[i].extend(
+                StepSample(0, batch, run.step_tokens0 + k * batch, durations[k]) for k in range(fed, upto)
+            )
+        self.run_fed[i] = 0 if final else max(fed, upto)
+
+    def _feed_calibration(self, now: float) -> None:
+        """What the agents' status pushes carry: every step finished since the last decision."""
+        calibrator = self.calibrator
+        assert calibrator is not None
+        ids, groups = self.fleet.ids, self.fleet.groups
+        for i, run in enumerate(self.runs):
+            if run is not None:
+                self._run_samples(i, run, run.steps_done(now), final=False)
+        for i, pending in enumerate(self.pending_samples):
+            if pending:
+                calibrator.observe(ids[i], groups[i], pending, now)
+                pending.clear()
+        if now - self.expired_at >= 1.0:
+            calibrator.expire(now)
+            self.expired_at = now
+
     # ------------------------------------------------------------------ requests
 
     def _arrive(self, idx: int, now: float) -> None:
@@ -621,6 +698,8 @@ class _Simulation:
             e2e_slo_ms=plan.slo.e2e_ms or 0.0,
             max_tokens=plan.max_tokens,
         )
+        if self.calibrator is not None:
+            self._feed_calibration(now)
         view = self._view(now)
         self.decisions += 1
         try:
@@ -828,9 +907,20 @@ def simulate(
     if any(b.arrival_s < a.arrival_s for a, b in itertools.pairwise(plans)):
         raise ValueError("plans must be in arrival order")
     started = time.perf_counter()
-    scheduler = Scheduler(config, fleet.predictors, random.Random(seed))
+    predictors = fleet.predictors
+    if config.calibration != "off":
+        # A fresh set per run: the calibration (the scheduler attaches it) is the run's state.
+        predictors = PredictorSet(fleet.predictors.default, fleet.predictors.groups)
+    scheduler = Scheduler(config, predictors, random.Random(seed))
+    calibrator = predictors.calibration
     sim = _Simulation(
-        fleet, scheduler, plans, seed=seed, reuse_static_memo=reuse_static_memo, fast_forward=fast_forward
+        fleet,
+        scheduler,
+        plans,
+        seed=seed,
+        reuse_static_memo=reuse_static_memo,
+        fast_forward=fast_forward,
+        calibrator=calibrator,
     )
     duration_s, stats = sim.run()
     results = sim.results()

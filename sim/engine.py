@@ -21,7 +21,11 @@ The model follows vLLM's scheduler where it matters for routing:
   context; a PD prefill (``hold_kv``) then keeps its KV blocks until
   :meth:`SimCore.release_held` frees them;
 - a step lasts ``ttft(prefill tokens) + tpot(decode batch, context)`` from the
-  profiles (see :class:`ProfileCostModel`).
+  engine's *ground-truth* profiles (see :class:`ProfileCostModel`), times
+  ``1 + kv_slowdown * KV use``. The ground truth is the hardware the engine
+  runs on; it is a model object of its own, never the router's predictor, so a
+  simulation can put the router in front of hardware it was not profiled on
+  (another profile, ``speed_factor``, ``noise``, ``kv_slowdown``).
 
 Load counters are kept incrementally so :meth:`SimCore.load` is cheap (the
 properties ``num_waiting`` ... ``num_used_kv_tokens`` cost nothing);
@@ -83,6 +87,12 @@ class SimConfig:
         default=0.0, metadata=_doc("relative standard deviation of the seeded step-time noise (0 = none)")
     )
     seed: int = field(default=0, metadata=_doc("seed of the step-time noise"))
+    kv_slowdown: float = field(
+        default=0.0,
+        metadata=_doc(
+            "ground truth only: a step takes this fraction longer with a full KV cache (linear in KV use)"
+        ),
+    )
     eos_probability: float = field(
         default=0.0, metadata=_doc("chance that each output token is EOS (ends the request early)")
     )
@@ -120,6 +130,8 @@ class SimConfig:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+        if not (math.isfinite(self.kv_slowdown) and 0.0 <= self.kv_slowdown <= 10.0):
+            raise ValueError(f"kv_slowdown must be in [0, 10], got {self.kv_slowdown!r}")
         if not (math.isfinite(self.noise) and 0.0 <= self.noise < 1.0):
             raise ValueError(f"noise must be in [0, 1), got {self.noise!r}")
         if not (math.isfinite(self.eos_probability) and 0.0 <= self.eos_probability <= 1.0):
@@ -484,11 +496,17 @@ class SimCore:
                 decode_tokens += req.num_tokens
         self._num_preemptions += preempted
         self._step_pending = True
+        duration_ms = self._cost.step_ms(prefill_tokens, decode_requests, decode_tokens)
+        if self.config.kv_slowdown > 0.0:
+            # Hardware the profile did not capture: steps slow down as the KV cache fills
+            # (attention over more resident blocks, allocator pressure).
+            used = (self._total_blocks - self._free_blocks) / self._total_blocks
+            duration_ms *= 1.0 + self.config.kv_slowdown * used
         return ScheduledStep(
             num_prefill_tokens=prefill_tokens,
             num_decode_requests=decode_requests,
             num_decode_tokens=decode_tokens,
-            duration_ms=self._cost.step_ms(prefill_tokens, decode_requests, decode_tokens),
+            duration_ms=duration_ms,
             num_preempted=preempted,
             _entries=tuple(scheduled.items()),
         )

@@ -141,6 +141,8 @@ class DecodeRun:
         """A run starting now on ``core`` (idle, between steps), or None when stepping must go on normally."""
         if core.num_waiting or core.num_uncomputed_prefill_tokens or not core.num_running:
             return None
+        if core.config.kv_slowdown > 0.0:
+            return None  # step times depend on KV use, which the vectorised times do not model
         running = core._running
         max_steps = min(r.spec.max_new_tokens - r.num_generated for r in running) - 1
         if max_steps < MIN_RUN_STEPS:

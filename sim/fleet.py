@@ -30,6 +30,18 @@ Where a spec comes from:
           profile: profiling_data/llama3-70b-4xh100-roofline
           name: d-llama              # optional; instance ids are NAME-000, NAME-001, ...
           engine: {kv_bytes_per_token: 327680}
+        - role: decode
+          count: 2
+          profile: qwen2.5-7b-2xv100-linear          # what the router predicts with
+          true_profile: llama3-70b-4xh100-roofline   # what the engine actually runs at
+          engine: {speed_factor: 0.7, noise: 0.05, kv_slowdown: 0.3}
+
+Ground truth: every engine steps at the speed of its *true* profile
+(``true_profile``, default: the group's ``profile``), loaded as a model object
+of its own, never the router's predictor, and shaped by the engine knobs
+``speed_factor``, ``noise`` (seeded per step) and ``kv_slowdown``. A group whose
+truth differs from its profile is hardware the router was not profiled on:
+what online calibration (:mod:`router.core.calibration`) has to correct.
 
 A profile is a directory holding ``ttft.json`` and ``tpot.json``: a path
 (relative to the working directory, or to the fleet file), or the name of a
@@ -68,7 +80,7 @@ DEFAULT_PROFILE = "qwen2.5-7b-2xv100-linear"
 MAX_INSTANCES = 100_000
 
 _ROLES = {"prefill": Role.PREFILL, "decode": Role.DECODE, "neutral": Role.NEUTRAL}
-_GROUP_KEYS = frozenset({"role", "count", "profile", "name", "engine"})
+_GROUP_KEYS = frozenset({"role", "count", "profile", "true_profile", "name", "engine"})
 _FLEET_KEYS = frozenset({"engine", "groups"})
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
@@ -98,6 +110,10 @@ class GroupSpec:
     count: int = field(metadata=_doc("number of instances, >= 1"))
     profile: Path = field(metadata=_doc("directory holding ttft.json and tpot.json"))
     engine: SimConfig = field(default_factory=SimConfig, metadata=_doc("the sim engine's knobs"))
+    true_profile: Path | None = field(
+        default=None,
+        metadata=_doc("profile directory the engines really step at (None: the group's profile)"),
+    )
 
     def __post_init__(self) -> None:
         if not _NAME.match(self.name):
@@ -108,8 +124,27 @@ class GroupSpec:
     def instance_ids(self) -> tuple[str, ...]:
         return tuple(f"{self.name}-{k:03d}" for k in range(self.count))
 
+    @property
+    def truth(self) -> Path:
+        """The profile directory the group's engines step at."""
+        return self.true_profile if self.true_profile is not None else self.profile
+
+    @property
+    def mismatched(self) -> bool:
+        """Whether the engines differ from the profile the router predicts them with."""
+        e = self.engine
+        return self.truth != self.profile or e.speed_factor != 1.0 or e.noise > 0.0 or e.kv_slowdown > 0.0
+
     def describe(self) -> str:
-        return f"{self.count} x {role_name(self.role)} ({self.profile.name})"
+        text = f"{self.count} x {role_name(self.role)} ({self.profile.name}"
+        if self.mismatched:
+            e = self.engine
+            truth = [] if self.truth == self.profile else [self.truth.name]
+            truth += [] if e.speed_factor == 1.0 else [f"speed {e.speed_factor:g}"]
+            truth += [] if e.noise == 0.0 else [f"noise {e.noise:g}"]
+            truth += [] if e.kv_slowdown == 0.0 else [f"kv slowdown {e.kv_slowdown:g}"]
+            text += "; true: " + ", ".join(truth)
+        return text + ")"
 
 
 @dataclass(frozen=True)
@@ -226,9 +261,14 @@ def fleet_from_counts(
     neutral: int = 0,
     profile: str | Path = DEFAULT_PROFILE,
     engine: SimConfig | None = None,
+    true_profile: str | Path | None = None,
 ) -> FleetSpec:
-    """A homogeneous fleet: ``prefill`` + ``decode`` instances, or ``neutral`` ones, on one profile."""
+    """A homogeneous fleet: ``prefill`` + ``decode`` instances, or ``neutral`` ones, on one profile.
+
+    ``true_profile`` (default: ``profile``) is what the engines really step at.
+    """
     path = resolve_profile(profile)
+    truth = None if true_profile is None else resolve_profile(true_profile)
     config = engine if engine is not None else SimConfig()
     if neutral and (prefill or decode):
         raise FleetError("give --neutral K, or --prefill N with --decode M, not both")
@@ -236,20 +276,35 @@ def fleet_from_counts(
     for role, count in counts:
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise FleetError(f"--{role_name(role)} must be an integer >= 1, got {count!r}")
-    return FleetSpec(tuple(GroupSpec(role_name(role), role, count, path, config) for role, count in counts))
+    return FleetSpec(
+        tuple(GroupSpec(role_name(role), role, count, path, config, truth) for role, count in counts)
+    )
+
+
+def with_true_profile(spec: FleetSpec, true_profile: str | Path) -> FleetSpec:
+    """``spec`` with every group that names no true profile stepping at ``true_profile``."""
+    truth = resolve_profile(true_profile)
+    return FleetSpec(
+        tuple(
+            g if g.true_profile is not None else dataclasses.replace(g, true_profile=truth)
+            for g in spec.groups
+        )
+    )
 
 
 def parse_fleet(text: str, *, engine: SimConfig | None = None) -> FleetSpec:
-    """A fleet from ``ROLE=COUNT[:PROFILE],...`` (profile default: the bundled default)."""
+    """A fleet from ``ROLE=COUNT[:PROFILE[:TRUE_PROFILE]],...`` (profile default: the bundled default)."""
     config = engine if engine is not None else SimConfig()
     entries: list[tuple[Role, Path, str | None]] = []
     counts: list[int] = []
+    truths: list[Path | None] = []
     for k, part in enumerate(p.strip() for p in text.split(",")):
         where = f"fleet {text!r}, group {k + 1} ({part!r})"
         role_text, eq, rest = part.partition("=")
         if not eq:
             raise FleetError(f"{where}: write ROLE=COUNT[:PROFILE], e.g. prefill=4:{DEFAULT_PROFILE}")
         count_text, _, profile_text = rest.partition(":")
+        profile_text, _, truth_text = profile_text.partition(":")
         try:
             count = int(count_text)
         except ValueError:
@@ -258,11 +313,12 @@ def parse_fleet(text: str, *, engine: SimConfig | None = None) -> FleetSpec:
             raise FleetError(f"{where}: COUNT must be an integer >= 1, got {count}")
         entries.append((_role(role_text, where), resolve_profile(profile_text or DEFAULT_PROFILE), None))
         counts.append(count)
+        truths.append(resolve_profile(truth_text) if truth_text else None)
     names = _default_names(entries)
     return FleetSpec(
         tuple(
-            GroupSpec(name, role, count, profile, config)
-            for name, (role, profile, _), count in zip(names, entries, counts, strict=True)
+            GroupSpec(name, role, count, profile, config, truth)
+            for name, (role, profile, _), count, truth in zip(names, entries, counts, truths, strict=True)
         )
     )
 
@@ -285,7 +341,7 @@ def parse_fleet_dict(
     if not isinstance(groups, list) or not groups:
         raise FleetError(f"{source}: 'groups' must be a non-empty list of groups")
     entries: list[tuple[Role, Path, str | None]] = []
-    rest: list[tuple[int, SimConfig]] = []
+    rest: list[tuple[int, SimConfig, Path | None]] = []
     for k, group in enumerate(groups):
         where = f"{source}: groups[{k}]"
         if not isinstance(group, Mapping):
@@ -307,12 +363,14 @@ def parse_fleet_dict(
             raise FleetError(f"{where}: name must be a string, got {name!r}")
         profile = resolve_profile(str(group.get("profile", DEFAULT_PROFILE)), base_dir=base_dir)
         entries.append((_role(group["role"], where), profile, name))
-        rest.append((count, engine_config(base, group.get("engine"), f"{where}.engine")))
+        truth_text = group.get("true_profile")
+        truth = None if truth_text is None else resolve_profile(str(truth_text), base_dir=base_dir)
+        rest.append((count, engine_config(base, group.get("engine"), f"{where}.engine"), truth))
     names = _default_names(entries)
     return FleetSpec(
         tuple(
-            GroupSpec(name, role, count, profile, config)
-            for name, (role, profile, _), (count, config) in zip(names, entries, rest, strict=True)
+            GroupSpec(name, role, count, profile, config, truth)
+            for name, (role, profile, _), (count, config, truth) in zip(names, entries, rest, strict=True)
         )
     )
 
@@ -347,6 +405,7 @@ def fleet_to_dict(spec: FleetSpec) -> dict[str, Any]:
                 "role": role_name(g.role),
                 "count": g.count,
                 "profile": profile_label(g.profile),
+                **({} if g.true_profile is None else {"true_profile": profile_label(g.true_profile)}),
                 "engine": dataclasses.asdict(g.engine),
             }
             for g in spec.groups

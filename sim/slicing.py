@@ -138,13 +138,14 @@ class _SliceSimulation:
         self.config = config
         n = fleet.n
         self.cores = []
-        for i, (engine, lp) in enumerate(zip(fleet.configs, fleet.instance_predictors, strict=True)):
+        for i, (engine, lp) in enumerate(zip(fleet.configs, fleet.instance_truths, strict=True)):
             rng = random.Random((engine.seed * 1_000_003 + seed) * 65_537 + i)
             cost = ProfileCostModel(lp, speed_factor=engine.speed_factor, noise=engine.noise, rng=rng)
             self.cores.append(SimCore(engine, cost))
         first = fleet.configs[0]
         self.serving = ServingTimeModel(
-            fleet.instance_predictors[0],
+            # The dispatcher's model: the router's predictor, not the engines' ground truth.
+            fleet.predictors.for_group(fleet.groups[0]),
             max_num_batched_tokens=first.max_num_batched_tokens,
             max_batch=min(c.max_num_seqs for c in fleet.configs),
             max_context_tokens=first.max_model_len,

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.prediction import prediction_error
 from bench.report import BenchReport, PlotUnavailableError, summarize
 from bench.workload import ArrivalProcess, WorkloadSpec, generate_requests, workload_to_dict
 from router.core.config import SchedulerConfig
@@ -44,6 +45,17 @@ class SweepPoint:
     report: BenchReport
     stats: SimStats
     wall_s: float
+    #: The router's online calibration in this run (off, scale, refit).
+    calibration: str = "off"
+    #: :func:`bench.prediction.prediction_error` of the run (after the warm-up).
+    prediction_error: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    #: Whether the sweep compared calibrations (the label then names this one).
+    compare_calibrations: bool = False
+
+    @property
+    def label(self) -> str:
+        """The policy, and the calibration when a sweep compares several."""
+        return f"{self.policy} [{self.calibration}]" if self.compare_calibrations else self.policy
 
 
 def policy_overrides(name: str) -> dict[str, Any]:
@@ -79,27 +91,56 @@ def run_sweep(
     num_requests: int,
     seed: int = 0,
     on_run: Callable[[SweepPoint, int, int], None] | None = None,
+    calibrations: Sequence[str] | None = None,
+    warmup_requests: int = 0,
 ) -> list[SweepPoint]:
-    """Every (rate, policy) run, rate-major; ``on_run(point, done, total)`` after each one."""
+    """Every (rate, policy, calibration) run, rate-major; ``on_run(point, done, total)`` after each one.
+
+    ``calibrations`` (default: each policy's own ``calibration``) runs every
+    policy once per calibration mode; ``warmup_requests`` leaves the first
+    requests of each run out of its prediction error.
+    """
     if not workload.arrival.open_loop:
         raise ValueError("the simulator replays open-loop arrivals; convert the workload with open_loop()")
     points: list[SweepPoint] = []
-    total = len(policies) * len(rates)
+    modes: Sequence[str | None] = list(calibrations) if calibrations else [None]
+    total = len(policies) * len(rates) * len(modes)
     for rate in rates:
         spec = workload.with_arrival(rate_per_s=rate)
         plans = generate_requests(spec, rng=seed, num_requests=num_requests)
         for policy in policies:
-            outcome = simulate(fleet, policy.config, plans, seed=seed)
-            point = _point(policy.label, rate, spec, outcome)
-            points.append(point)
-            if on_run is not None:
-                on_run(point, len(points), total)
+            for mode in modes:
+                config = (
+                    policy.config if mode is None else dataclasses.replace(policy.config, calibration=mode)
+                )
+                outcome = simulate(fleet, config, plans, seed=seed)
+                point = _point(policy.label, rate, spec, outcome, config.calibration, warmup_requests)
+                if len(modes) > 1:
+                    point = dataclasses.replace(point, compare_calibrations=True)
+                points.append(point)
+                if on_run is not None:
+                    on_run(point, len(points), total)
     return points
 
 
-def _point(policy: str, rate: float, spec: WorkloadSpec, outcome: SimOutcome) -> SweepPoint:
+def _point(
+    policy: str,
+    rate: float,
+    spec: WorkloadSpec,
+    outcome: SimOutcome,
+    calibration: str = "off",
+    warmup_requests: int = 0,
+) -> SweepPoint:
     report = summarize(outcome.results, outcome.duration_s, class_slos=spec.class_slos())
-    return SweepPoint(policy=policy, rate=rate, report=report, stats=outcome.stats, wall_s=outcome.wall_s)
+    return SweepPoint(
+        policy=policy,
+        rate=rate,
+        report=report,
+        stats=outcome.stats,
+        wall_s=outcome.wall_s,
+        calibration=calibration,
+        prediction_error=prediction_error(outcome.results, skip_first=warmup_requests),
+    )
 
 
 # --------------------------------------------------------------------------- JSON
@@ -112,7 +153,8 @@ def point_to_dict(point: SweepPoint) -> dict[str, Any]:
     ``rejected`` (no placement), ``duration_s`` (virtual makespan), ``preemptions``
     (engine preemptions, all instances), ``mean_busy_instances`` (``{"prefill", "decode",
     "neutral"}``: time-average number of instances holding work of that kind, see
-    :class:`sim.cluster.SimStats`), ``classes``
+    :class:`sim.cluster.SimStats`), ``calibration`` (the router's online calibration mode),
+    ``prediction_error`` (:func:`bench.prediction.prediction_error` after the warm-up), ``classes``
     (the same figures per SLO class) and ``sim`` (step and event counts). No
     wall-clock figure: the document is a pure function of the inputs.
     """
@@ -137,6 +179,8 @@ def point_to_dict(point: SweepPoint) -> dict[str, Any]:
         },
     }
     doc.update(overall)
+    doc["calibration"] = point.calibration
+    doc["prediction_error"] = dict(point.prediction_error)
     doc["classes"] = {c.name: c.flat() for c in point.report.classes}
     doc["sim"] = dataclasses.asdict(point.stats)
     return doc
@@ -209,7 +253,7 @@ def format_sweep_table(points: Sequence[SweepPoint]) -> str:
         o = p.report.overall
         row = [
             f"{p.rate:g}",
-            p.policy,
+            p.label,
             str(o.requests),
             str(p.stats.rejected),
             str(o.errors),
@@ -247,6 +291,31 @@ def format_sweep_table(points: Sequence[SweepPoint]) -> str:
     return "\n".join(lines)
 
 
+def format_prediction_table(points: Sequence[SweepPoint]) -> str:
+    """Prediction error beside attainment: one row per run (relative error |obs - pred| / pred)."""
+    header = ["rate/s", "policy", "attain", "TTFT err p50", "p90", "bias", "TPOT err p50", "p90", "bias"]
+    rows = [header]
+    for p in points:
+        row = [f"{p.rate:g}", p.label, _pct(p.report.overall.slo_attainment)]
+        for key in ("ttft", "tpot"):
+            s = p.prediction_error.get(key, {})
+            row += [_pct(s.get("median")), _pct(s.get("p90")), _pct(s.get("bias"))]
+        rows.append(row)
+    widths = [max(len(r[k]) for r in rows) for k in range(len(header))]
+    lines = [
+        "  ".join(
+            c.ljust(w) if k == 1 else c.rjust(w) for k, (c, w) in enumerate(zip(row, widths, strict=True))
+        )
+        for row in rows
+    ]
+    skipped = points[0].prediction_error.get("skipped", 0) if points else 0
+    lines.append(
+        f"prediction error over successful requests after the first {skipped} (warm-up); "
+        "bias > 0: slower than predicted"
+    )
+    return "\n".join(lines)
+
+
 # --------------------------------------------------------------------------- PNG
 
 
@@ -264,9 +333,9 @@ def plot_sweep(path: str | Path, points: Sequence[SweepPoint], title: str = "slo
         ) from exc
     fig = Figure(figsize=(12, 4.8), layout="constrained")
     attain_ax, goodput_ax = fig.subplots(1, 2)
-    policies = list(dict.fromkeys(p.policy for p in points))
+    policies = list(dict.fromkeys(p.label for p in points))
     for k, policy in enumerate(policies):
-        mine = sorted((p for p in points if p.policy == policy), key=lambda p: p.rate)
+        mine = sorted((p for p in points if p.label == policy), key=lambda p: p.rate)
         rates = [p.rate for p in mine]
         style = {"marker": "o", "color": f"C{k % 10}", "label": policy}
         attain_ax.plot(rates, [100.0 * p.report.overall.slo_attainment for p in mine], **style)

@@ -295,6 +295,8 @@ def run_tiny_model(args: argparse.Namespace) -> int:
 
 
 def run_profile(args: argparse.Namespace) -> int:
+    from predictor.fit import write_coefficients
+    from predictor.profile import load_tpot_profile, load_ttft_profile
     from workers.profile import ProfilePlan, profile_worker, write_profiles
 
     host, sep, port = args.target.removeprefix("grpc://").rpartition(":")
@@ -338,7 +340,11 @@ def run_profile(args: argparse.Namespace) -> int:
             print(f"\nerror: profiling {args.target} failed: {why}", file=sys.stderr)
             return 1
         ttft_path, tpot_path = write_profiles(args.out, ttft, tpot)
-        print(f"wrote {ttft_path} and {tpot_path}")
+        # The seed model's coefficients beside the grids: a summary to compare fleets by.
+        coefficients = write_coefficients(
+            args.out, load_ttft_profile(ttft_path), load_tpot_profile(tpot_path)
+        )
+        print(f"wrote {ttft_path}, {tpot_path} and {coefficients}")
         return 0
 
     return run_async(go())

@@ -676,6 +676,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             "run this many times faster than the profile (2 halves every step)",
         ),
         ("--noise", d.noise, "relative std-dev of seeded step-time noise"),
+        ("--kv-slowdown", d.kv_slowdown, "steps take this fraction longer with a full KV cache"),
         ("--eos-probability", d.eos_probability, "chance each output token is EOS"),
         ("--kv-bandwidth-gbps", d.kv_bandwidth_gbps, "PD KV transfer bandwidth, gigabits/s"),
         (
@@ -710,6 +711,7 @@ def _sim_config(args: argparse.Namespace) -> SimConfig:
         max_waiting_requests=args.max_waiting_requests,
         speed_factor=args.speed_factor,
         noise=args.noise,
+        kv_slowdown=args.kv_slowdown,
         seed=args.seed,
         eos_probability=args.eos_probability,
         kv_bytes_per_token=args.kv_bytes_per_token,

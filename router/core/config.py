@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from router.core.calibration import CALIBRATION_MODES
 from router.core.errors import ConfigError
 from router.core.registry import METRICS, POLICIES
 
@@ -187,6 +188,13 @@ class SchedulerConfig:
             "--overpacked-tpot-factor",
         ),
     )
+    calibration: str = field(
+        default="refit",
+        metadata=_doc(
+            "online calibration of the predictions from the workers' step samples: off, scale or refit",
+            "--calibration",
+        ),
+    )
     policy_config_path: str | None = field(
         default=None,
         metadata=_doc(
@@ -245,6 +253,8 @@ class SchedulerConfig:
                 raise bad(f"dispatch_{stage}_load_threshold", "must be a number or unset")
         if not self.profile_label:
             raise bad("profile_label", "must not be empty")
+        if self.calibration not in CALIBRATION_MODES:
+            raise bad("calibration", f"must be one of {', '.join(CALIBRATION_MODES)}")
 
     @classmethod
     def doc(cls, name: str) -> str:
@@ -273,7 +283,7 @@ class SchedulerConfig:
                 )
                 continue
             kind: Any = {"float": float, "int": int, "float | None": float}.get(str(f.type), str)
-            choices = FAILOVER_DOMAINS if f.name == "failover_domain" else None
+            choices = {"failover_domain": FAILOVER_DOMAINS, "calibration": CALIBRATION_MODES}.get(f.name)
             parser.add_argument(flag, type=kind, default=f.default, choices=choices, help=help_text)
 
     @classmethod

@@ -19,7 +19,8 @@ num_requests               S.num_waiting_requests + S.num_running_requests      
 decode_step_ms             predicted latency of one decode step at the current load    load
 predicted_ttft             predict_ttft_ms(prefill_backlog_tokens + p,                 decision
                            decode_batch_size, decode_tokens, M)
-predicted_tpot             predict_tpot_ms(decode_batch_size + 1, decode_tokens + p)   decision
+predicted_tpot             predict_tpot_ms(decode_batch_size + 1,                      decision
+                           decode_tokens + p + o / 2)
 reserved_prefill           1 for adaptive PD's reserved-prefill instance, else 0       decision
 reserved_decode            1 for adaptive PD's reserved-decode instance, else 0        decision
 =========================  ==========================================================  =========
@@ -28,6 +29,20 @@ The "+1" of ``predicted_tpot`` is the request being placed; metrics computed
 without a request (``ctx.request is None``, e.g. for observability) add
 neither it nor its tokens. Without a latency predictor the predictions are NaN
 and the backlog is not advanced.
+
+TPOT over the request's life: ``o`` is the request's expected output tokens
+(else its ``max_tokens``, else 0). Its context grows from ``p`` to ``p + o``
+while it decodes, so the step it sees on average carries ``o / 2`` more
+context than at admission (the other requests of the batch are in steady
+state: as many finish as join, their mean context stays).
+
+Calibration (``PredictorSet.calibration``, :mod:`router.core.calibration`):
+``predicted_ttft`` is the profile's times the instance's TTFT factor (or the
+refit's chunk schedule), ``predicted_tpot`` the profile's times the TPOT
+factor (or the refit's decode step) plus the prefill time that ran between
+decode steps on that instance recently (colocated instances interleave later
+requests' prefill chunks with this request's decode steps), and the backlog
+advances at the calibrated speed.
 
 Backlog advancement: the status was taken ``age`` ago; since then the engine
 ran its backlog ``P0`` as ``P0 // M`` full chunks of ``ttft(M) + tpot(D, T)``
@@ -43,6 +58,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from router.core.calibration import Correction
 from router.core.columns import (
     INFLIGHT_ALL,
     INFLIGHT_DECODE_REQUESTS,
@@ -126,6 +142,25 @@ _THOUSAND = np.array(1000.0)
 
 def _nan(ctx: DecisionContext) -> FloatArray:
     return np.full(ctx.view.n, np.nan)
+
+
+def _correction(ctx: DecisionContext) -> Correction | None:
+    """The calibration of the view's instances, or None (calibration off, or no samples yet)."""
+    predictors = ctx.predictors
+    calibration = predictors.calibration if predictors is not None else None
+    if calibration is None:
+        return None
+    table = ctx.view.instances
+    return calibration.correction(table.ids, table.groups)
+
+
+def _horizon_tokens(ctx: DecisionContext) -> float:
+    """Context the request adds on average over its decode: half its expected output."""
+    request = ctx.request
+    if request is None:
+        return 0.0
+    expected = request.expected_output_tokens or request.max_tokens
+    return 0.5 * float(expected)
 
 
 # ----------------------------------------------------------------------------- load
@@ -246,6 +281,9 @@ def advanced_backlog(ctx: DecisionContext) -> FloatArray:
     if len(model.index) == 0:
         return status_backlog
     elapsed_ms = ctx.view.status_age_s[model.index] * _THOUSAND
+    correction = _correction(ctx)
+    if correction is not None:  # a slower engine has done less of its backlog by now
+        elapsed_ms = elapsed_ms / correction.ttft_factor[model.index]
     done = np.minimum(elapsed_ms, model.full_ms) * model.full_rate
     if model.any_instant:  # (0 + x is x: skipped when there is nothing instant)
         done = model.instant + done
@@ -270,11 +308,25 @@ def _predicted_ttft_at(ctx: DecisionContext, i: int) -> float:
         return float("nan")
     table = ctx.view.instances
     lp = ctx.predictors.for_group(table.groups[i])
-    return lp.predict_ttft_ms(
-        float(ctx.metric("prefill_backlog_tokens")[i]) + ctx.prompt_tokens,
-        float(ctx.metric("decode_batch_size")[i]),
-        float(ctx.metric("decode_tokens")[i]),
-        float(table.max_num_batched_tokens[i]),
+    backlog = float(ctx.metric("prefill_backlog_tokens")[i]) + ctx.prompt_tokens
+    batch = float(ctx.metric("decode_batch_size")[i])
+    tokens = float(ctx.metric("decode_tokens")[i])
+    budget = float(table.max_num_batched_tokens[i])
+    value = lp.predict_ttft_ms(backlog, batch, tokens, budget)
+    correction = _correction(ctx)
+    if correction is None:
+        return value
+    one = correction.at(i)
+    decode = ctx.metric("decode_step_ms")[i : i + 1]
+    return float(
+        one.ttft_ms(
+            np.array([value]),
+            np.array([backlog]),
+            np.array([batch]),
+            np.array([tokens]),
+            np.array([budget]),
+            decode,
+        )[0]
     )
 
 
@@ -283,10 +335,16 @@ def _predicted_tpot_at(ctx: DecisionContext, i: int) -> float:
         return float("nan")
     lp = ctx.predictors.for_group(ctx.view.instances.groups[i])
     extra = 1.0 if ctx.request is not None else 0.0
-    return lp.predict_tpot_ms(
-        float(ctx.metric("decode_batch_size")[i]) + extra,
-        float(ctx.metric("decode_tokens")[i]) + ctx.prompt_tokens,
-    )
+    batch = float(ctx.metric("decode_batch_size")[i]) + extra
+    tokens = float(ctx.metric("decode_tokens")[i]) + ctx.prompt_tokens
+    horizon = _horizon_tokens(ctx)
+    if horizon > 0.0:
+        tokens = tokens + horizon
+    value = lp.predict_tpot_ms(batch, tokens)
+    correction = _correction(ctx)
+    if correction is None:
+        return value
+    return float(correction.at(i).tpot_ms(np.array([value]), np.array([batch]), np.array([tokens]))[0])
 
 
 _AT["predicted_ttft"] = _predicted_ttft_at
@@ -303,8 +361,20 @@ def _predicted_ttft(ctx: DecisionContext) -> FloatArray:
     step = ctx.metric("decode_step_ms")
     full_chunk = _full_chunk_ms(table, predictors)
     if ctx.prompt_tokens > 0:  # then every backlog is > 0: the leaner path gives the same values
-        return predictors.positive_chunked_prefill_ms(table, backlog, step, full_chunk + step)
-    return predictors.chunked_prefill_ms(table, backlog, step, full_chunk)
+        values = predictors.positive_chunked_prefill_ms(table, backlog, step, full_chunk + step)
+    else:
+        values = predictors.chunked_prefill_ms(table, backlog, step, full_chunk)
+    correction = _correction(ctx)
+    if correction is None:
+        return values
+    return correction.ttft_ms(
+        values,
+        backlog,
+        ctx.metric("decode_batch_size"),
+        ctx.metric("decode_tokens"),
+        table.max_num_batched_tokens,
+        step,
+    )
 
 
 @_register("predicted_tpot", MetricScope.DECISION)
@@ -316,11 +386,18 @@ def _predicted_tpot(ctx: DecisionContext) -> FloatArray:
     if ctx.request is not None:
         batch = batch + _ONE
         tokens = tokens + ctx.prompt_tokens
-        if (
-            ctx.prompt_tokens > 0
-        ):  # batch >= 1 and tokens > 0 everywhere: the leaner path gives the same values
-            return ctx.predictors.busy_decode_step_ms(ctx.view.instances, batch, tokens)
-    return ctx.predictors.decode_step_ms(ctx.view.instances, batch, tokens)
+        horizon = _horizon_tokens(ctx)
+        if horizon > 0.0:
+            tokens = tokens + horizon
+    if ctx.request is not None and ctx.prompt_tokens > 0:
+        # batch >= 1 and tokens > 0 everywhere: the leaner path gives the same values
+        values = ctx.predictors.busy_decode_step_ms(ctx.view.instances, batch, tokens)
+    else:
+        values = ctx.predictors.decode_step_ms(ctx.view.instances, batch, tokens)
+    correction = _correction(ctx)
+    if correction is None:
+        return values
+    return correction.tpot_ms(values, batch, tokens)
 
 
 # ----------------------------------------------------------------------------- adaptive PD reserves

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from predictor import LatencyPredictor
+from router.core.calibration import Calibrator, StepPredictor
 from router.core.columns import FloatArray, InstanceTable, IntArray
 
 logger = logging.getLogger(__name__)
@@ -34,6 +35,8 @@ class PredictorSet:
     ) -> None:
         self.default = default
         self.groups = dict(groups or {})
+        #: Online calibration of this set's predictions (None: the profiles as they are).
+        self.calibration: Calibrator | None = None
         self._warned: set[str] = set()
         # The parts of the last table asked about (decisions ask several times per table).
         self._last_table: InstanceTable | None = None
@@ -70,6 +73,18 @@ class PredictorSet:
             self._warned.add(group)
             logger.warning("no profile for group %r; its instances use the default profile", group)
         return self.default
+
+    def step_predictor(self, group: str) -> StepPredictor:
+        """The profile's (prefill ms, decode ms) of engine steps, as the group's profile predicts them."""
+        lp = self.for_group(group)
+
+        def predict(
+            prefill: FloatArray, batch: FloatArray, tokens: FloatArray
+        ) -> tuple[FloatArray, FloatArray]:
+            pre = np.where(prefill > 0, lp.prefill_step_ms(np.maximum(prefill, 1.0)), 0.0)
+            return pre, lp.decode_step_ms(batch, tokens)
+
+        return predict
 
     def only(self, table: InstanceTable) -> LatencyPredictor | None:
         """The one predictor every instance of ``table`` uses, or ``None`` when they use several."""

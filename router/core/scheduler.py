@@ -23,6 +23,7 @@ import random
 from fleet.snapshot import ClusterSnapshot
 from predictor import LatencyPredictor
 from router.core import chain
+from router.core.calibration import CalibrationConfig, Calibrator
 from router.core.columns import ClusterView
 from router.core.config import SchedulerConfig
 from router.core.decision import Decision
@@ -68,6 +69,15 @@ class Scheduler:
             raise ConfigError(
                 "the slo policy and adaptive PD predict latency: pass a LatencyPredictor "
                 "(--ttft-profiling-data-path and --tpot-profiling-data-path)"
+            )
+        if (
+            self.predictors is not None
+            and config.calibration != "off"
+            and self.predictors.calibration is None
+        ):
+            # The calibration belongs to the predictions: the set carries it to every metric.
+            self.predictors.calibration = Calibrator(
+                CalibrationConfig(mode=config.calibration), self.predictors.step_predictor
             )
         self.metrics: dict[str, Metric] = {name: METRICS.create(name, config) for name in METRICS.names()}
         self.views = ViewBuilder(

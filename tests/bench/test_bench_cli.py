@@ -50,6 +50,11 @@ def test_bench_command_prints_the_table_and_writes_json_and_png(
     assert len(doc["requests"]) == 40 and all(r["completion_tokens"] == 16 for r in doc["requests"])
     assert png.read_bytes()[:4] == b"\x89PNG"
     assert len(servicer.received) == 40
+    # The fake router predicts TTFT 12.5 ms and TPOT 3 ms in every route: each request has a pair.
+    error = doc["meta"]["prediction_error"]
+    assert error["ttft"]["count"] == 40 and error["tpot"]["count"] == 40
+    ttft = error["ttft"]
+    assert f"TTFT error median {100 * ttft['median']:.1f}% p90 {100 * ttft['p90']:.1f}%" in captured.out
 
 
 def test_closed_loop_with_a_duration(capsys: pytest.CaptureFixture[str]) -> None:

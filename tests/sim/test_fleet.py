@@ -47,10 +47,16 @@ def test_the_compact_string_names_groups_by_role_then_profile() -> None:
 
 def test_each_group_is_predicted_with_its_own_profile() -> None:
     fleet = SimFleet(parse_fleet(f"neutral=1:{LLAMA},neutral=1"))
-    llama, qwen = fleet.instance_predictors
+    llama, qwen = fleet.instance_truths
     assert llama is not qwen
-    assert fleet.predictors.for_group(f"neutral-{LLAMA}") is llama
-    assert fleet.predictors.for_group(f"neutral-{DEFAULT_PROFILE}") is qwen
+    predicted_llama = fleet.predictors.for_group(f"neutral-{LLAMA}")
+    predicted_qwen = fleet.predictors.for_group(f"neutral-{DEFAULT_PROFILE}")
+    assert predicted_llama is not predicted_qwen
+    # The same profiles, but never the same objects: the engines' ground truth is not the predictor.
+    assert predicted_llama is not llama and predicted_qwen is not qwen
+    assert predicted_llama.predict_tpot_ms(8, 4096) == llama.predict_tpot_ms(8, 4096)
+    assert predicted_qwen.predict_tpot_ms(8, 4096) == qwen.predict_tpot_ms(8, 4096)
+    assert predicted_llama.predict_tpot_ms(8, 4096) != predicted_qwen.predict_tpot_ms(8, 4096)
     assert fleet.groups == (f"neutral-{LLAMA}", f"neutral-{DEFAULT_PROFILE}")
 
 

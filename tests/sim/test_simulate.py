@@ -230,7 +230,8 @@ def test_cli_smoke_prints_a_table_and_draws_a_png(tmp_path: Path, capsys: pytest
     code, stdout, stderr = run_cli(capsys, *SMALL, "--policies", POLICIES, "--plot", str(png))
     assert code == 0, stderr
     assert "rate/s" in stdout and "TTFT p99" in stdout and "[6/6]" in stderr
-    rows = [line.split() for line in stdout.splitlines() if line.split()[:1] in (["2"], ["5"])]
+    table = stdout.split("attain: share")[0]  # the policy table (the prediction-error table follows it)
+    rows = [line.split() for line in table.splitlines() if line.split()[:1] in (["2"], ["5"])]
     assert [(row[0], row[1], row[2]) for row in rows] == [
         (rate, name, "40") for rate in ("2", "5") for name in POLICIES.split(",")
     ]
@@ -331,7 +332,8 @@ def test_a_policy_file_is_a_policy(tmp_path: Path, capsys: pytest.CaptureFixture
     path.write_text(f"prefill: {stage}\ndecode: {stage}\nneutral: {stage}\n", encoding="utf-8")
     code, stdout, stderr = run_cli(capsys, *SMALL, "--policies", f"{path},least-requests")
     assert code == 0, stderr
-    rows = [line.split() for line in stdout.splitlines() if str(path) in line or "least-requests" in line]
+    table = stdout.split("attain: share")[0]  # the policy table (the prediction-error table follows it)
+    rows = [line.split() for line in table.splitlines() if str(path) in line or "least-requests" in line]
     assert len(rows) == 4
     # The file composes what least-requests does: the same results.
     assert rows[0][2:] == rows[1][2:] and rows[2][2:] == rows[3][2:]

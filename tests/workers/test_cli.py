@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import signal
 import subprocess
@@ -149,6 +150,11 @@ async def test_profile_command_writes_both_files(tmp_path: Path) -> None:
     # stderr is a pipe, not a terminal: one short line per point, no carriage returns.
     assert b"profiling 1/7: warm-up\n" in err and b"\r" not in err and b"wrote" in out
     assert (tmp_path / "ttft.json").exists() and (tmp_path / "tpot.json").exists()
+    # The seed model's coefficients are fitted and written beside the grids.
+    coefficients = json.loads((tmp_path / "coefficients.json").read_text(encoding="utf-8"))
+    assert set(coefficients) == {"model", "prefill", "decode"}
+    assert all(math.isfinite(v) for part in ("prefill", "decode") for v in coefficients[part].values())
+    assert coefficients["prefill"]["a_ms_per_token"] > 0  # longer prompts take longer
 
 
 def test_vllm_tiny_model_refuses_a_file_as_its_directory(

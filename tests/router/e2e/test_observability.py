@@ -71,3 +71,18 @@ async def test_router_health_and_reflection() -> None:
         async for item in responses:
             names |= {s.name for s in item.list_services_response.service}
         assert {"slorouter.v1.Router", "grpc.health.v1.Health"} <= names
+
+
+async def test_router_calibrates_from_the_workers_step_samples() -> None:
+    # The engine runs 4x faster than the profile the router predicts it with.
+    async with embedded_cluster(
+        neutral=1, engine_overrides={"speed_factor": 4.0}, scheduler_overrides={"calibration": "scale"}
+    ) as cluster:
+        for _ in range(6):  # one at a time: every status carries the steps of the previous request
+            await collect(cluster.stub, generate_request(64, 32))
+        text = generate_latest(cluster.router.observer.registry).decode()
+        tpot = _value(text, 'slo_router_calibration_factor_ratio{group="",prediction="tpot"}')
+        # Real sleeps overshoot a little, so the learned factor sits at or above 1/4, far below 1.
+        assert 0.2 <= tpot < 0.5
+        assert _value(text, 'slo_router_calibration_drifted_instances{group=""}') == 1
+        assert _value(text, 'slo_router_tpot_observed_over_predicted_ratio_count{group="neutral"}') == 6

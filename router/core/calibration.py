@@ -1,0 +1,571 @@
+"""Online calibration: correct the profile's TTFT/TPOT predictions from the engines' own step samples.
+
+A profile is measured once, on some hardware; the fleet it predicts may be
+slower, faster, or shaped differently (another GPU, a driver, KV pressure).
+Every worker reports its recent engine steps (prefill tokens, decode batch,
+decode context tokens, duration). The :class:`Calibrator` keeps a window of
+them per instance and per profile group, compares each with what the profile
+predicts for the same step, and derives a correction the metrics apply
+(:mod:`router.core.metrics`):
+
+- ``scale``: a robust multiplicative factor per instance and per prediction:
+  the median of observed/predicted over the window, for steps with prefill
+  (TTFT) and for pure-decode steps (TPOT) separately. The median ignores
+  outliers (a step stalled by a GC pause, a noisy neighbour);
+- ``refit``: on top of the factors, once ``refit_min_samples`` steps exist, a
+  least-squares fit of what the scaled profile still misses, step by step,
+  in the terms of
+
+      t = a_p·P + c_p·[P>0] + α·b·l + β·b + γ·l + δ·[b>0]
+
+  where P is the step's prefill tokens, b its decode batch and l the mean
+  context per decode request (so b·l is the batch's context tokens). The
+  decode part is the linear model with interaction term of seed 000 §3
+  (``α·b·l + β·b + γ·l + δ``); the prefill part is linear in the step's prefill
+  tokens (seed 001: prefill time follows the total input tokens of the batch,
+  which under chunked prefill is the step's chunk). The prediction is the
+  scaled profile plus that fitted remainder: where the hardware differs from
+  the profile only in speed the remainder is 0 and refit is scale; where it
+  differs in shape (another GPU, a slowdown with context) the seed model's
+  terms absorb the difference, while a non-linear profile that does match
+  keeps its shape. Adapted from the papers, which fit the model itself once
+  offline: fitting the remainder online keeps the profile's detail and lets
+  the fit start from few samples. The fit is robust (one pass drops residuals
+  beyond 4 MADs and refits) and anchored by pseudo steps of remainder 0 over a
+  typical range, so an operating point the window never saw is predicted like
+  the scaled profile rather than by an extrapolated line;
+- ``interleave``: for colocated (neutral) instances, the prefill time that ran
+  between decode steps (what steps with a prefill chunk took beyond their
+  calibrated decode part), averaged over the window's decode steps: the TPOT a
+  new request will see includes the chunks of later requests' prefills.
+
+Bounds: a factor (and a refit prediction, relative to the profile's) stays in
+``[min_factor, max_factor]``; each update moves a factor by at most
+``max_change_per_update`` (ratio) and blends a new fit halfway into the old
+one. Fallback: an instance with fewer than ``min_samples`` samples uses its
+profile group's correction, and the profile itself when the group has too few
+too; samples older than ``stale_after_s`` are dropped (the correction then
+decays back to the profile: no samples, no correction).
+
+Pure: no I/O, no clock (the caller passes ``now_s``), no logging. The shell
+feeds samples (:meth:`Calibrator.observe`) and reads drift
+(:meth:`Calibrator.drifted`, :meth:`Calibrator.take_drift_events`) to log and
+export it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from router.core.columns import BoolArray, FloatArray
+
+#: ``off``: the profile as is; ``scale``: robust factors; ``refit``: factors + a least-squares refit.
+CALIBRATION_MODES = ("off", "scale", "refit")
+
+#: Number of refit coefficients: a_p, c_p, alpha, beta, gamma, delta.
+NUM_COEFS = 6
+
+#: The profile's prediction of one step: (prefill part ms, decode part ms).
+StepPredictor = Callable[[FloatArray, FloatArray, FloatArray], tuple[FloatArray, FloatArray]]
+
+
+def _doc(text: str) -> dict[str, Any]:
+    return {"doc": text}
+
+
+@dataclass(frozen=True)
+class StepSample:
+    """One engine step as a worker reports it."""
+
+    num_prefill_tokens: int
+    num_decode_requests: int
+    num_decode_tokens: int
+    duration_ms: float
+
+
+@dataclass(frozen=True)
+class CalibrationConfig:
+    """How the calibrator learns and how far it may move from the profile."""
+
+    mode: str = field(default="refit", metadata=_doc("off, scale or refit"))
+    window_samples: int = field(default=256, metadata=_doc("step samples kept per instance and per group"))
+    min_samples: int = field(default=8, metadata=_doc("fewer samples than this: no correction of its own"))
+    update_every_samples: int = field(
+        default=4, metadata=_doc("recompute a correction at most once per this many new samples")
+    )
+    max_change_per_update: float = field(
+        default=0.25, metadata=_doc("ratio by which one update may move a factor (0.25: x1.25 or /1.25)")
+    )
+    min_factor: float = field(default=0.2, metadata=_doc("lowest factor (observed/profile) allowed"))
+    max_factor: float = field(default=5.0, metadata=_doc("highest factor (observed/profile) allowed"))
+    stale_after_s: float = field(
+        default=60.0, metadata=_doc("samples older than this (s) are dropped; none left: the profile")
+    )
+    drift_bound: float = field(
+        default=0.25, metadata=_doc("an instance whose factor is beyond 1 ± this (ratio) has drifted")
+    )
+    refit_min_samples: int = field(
+        default=48, metadata=_doc("refit mode: samples needed before a least-squares fit is used")
+    )
+    prior_weight: float = field(
+        default=0.1,
+        metadata=_doc("refit mode: weight of the pseudo steps from the scaled profile, x the window"),
+    )
+
+    def __post_init__(self) -> None:
+        if self.mode not in CALIBRATION_MODES:
+            raise ValueError(
+                f"calibration mode must be one of {', '.join(CALIBRATION_MODES)}, got {self.mode!r}"
+            )
+        for name in ("window_samples", "min_samples", "update_every_samples", "refit_min_samples"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1_000_000:
+                raise ValueError(f"calibration {name} must be an integer in [1, 1000000], got {value!r}")
+        if self.min_samples > self.window_samples or self.refit_min_samples > self.window_samples:
+            raise ValueError(
+                f"calibration min_samples ({self.min_samples}) and refit_min_samples ({self.refit_min_samples}) "
+                f"must not exceed window_samples ({self.window_samples})"
+            )
+        if not (0.0 < self.min_factor <= 1.0 <= self.max_factor <= 100.0):
+            raise ValueError(
+                f"calibration needs 0 < min_factor <= 1 <= max_factor <= 100, got {self.min_factor}, "
+                f"{self.max_factor}"
+            )
+        for name in ("max_change_per_update", "drift_bound", "stale_after_s", "prior_weight"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"calibration {name} must be a finite number > 0, got {value!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "off"
+
+
+def step_features(prefill: FloatArray, batch: FloatArray, tokens: FloatArray) -> FloatArray:
+    """The refit's design matrix, one row per step: ``[P, P>0, b·l, b, l, b>0]``."""
+    has_decode = batch > 0
+    per_request = np.divide(tokens, batch, out=np.zeros_like(tokens), where=has_decode)
+    return np.stack(
+        [
+            prefill,
+            (prefill > 0).astype(np.float64),
+            tokens,
+            batch,
+            per_request,
+            has_decode.astype(np.float64),
+        ],
+        axis=-1,
+    )
+
+
+def linear_step_ms(
+    coefs: FloatArray, prefill: FloatArray, batch: FloatArray, tokens: FloatArray
+) -> FloatArray:
+    """The linear step model at ``(prefill, batch, tokens)`` (``coefs`` one row per instance, or one row)."""
+    x = step_features(prefill, batch, tokens)
+    out: FloatArray = np.einsum("...k,...k->...", x, coefs)
+    return out
+
+
+def fitted_step_ms(
+    coefs: FloatArray, prefill: FloatArray, batch: FloatArray, tokens: FloatArray
+) -> FloatArray:
+    """Step times of the linear step model, never below 0."""
+    return np.maximum(linear_step_ms(coefs, prefill, batch, tokens), 0.0)
+
+
+def fit_step_model(
+    features: FloatArray, observed_ms: FloatArray, weights: FloatArray | None = None
+) -> FloatArray | None:
+    """Robust weighted least squares of ``observed_ms`` on ``features``; None when it cannot be fitted.
+
+    One pass of outlier rejection: rows whose residual exceeds 4 scaled MADs
+    of the first fit's residuals are dropped and the rest refitted.
+    """
+    w = np.ones(len(observed_ms)) if weights is None else weights
+    keep = np.isfinite(observed_ms) & (w > 0)
+    coefs: FloatArray | None = None
+    for _ in range(2):
+        if np.count_nonzero(keep) < NUM_COEFS:
+            return coefs
+        sw = np.sqrt(w[keep])
+        solution, *_ = np.linalg.lstsq(features[keep] * sw[:, None], observed_ms[keep] * sw, rcond=None)
+        coefs = np.asarray(solution, dtype=np.float64)
+        residual = observed_ms - features @ coefs
+        mad = float(np.median(np.abs(residual[keep] - np.median(residual[keep]))))
+        limit = 4.0 * 1.4826 * mad + 1e-6 * float(np.median(np.abs(observed_ms[keep])) + 1.0)
+        keep = keep & (np.abs(residual) <= limit)
+    return coefs
+
+
+class _Track:
+    """The window and the current correction of one instance or one profile group."""
+
+    __slots__ = (
+        "buf",
+        "coefs",
+        "count",
+        "interleave_ms",
+        "last_s",
+        "pending",
+        "pos",
+        "tpot_factor",
+        "tpot_samples",
+        "ttft_factor",
+        "ttft_samples",
+    )
+
+    def __init__(self, window: int) -> None:
+        # Columns: prefill tokens, decode batch, decode tokens, observed ms, profile prefill ms,
+        # profile decode ms, time (s).
+        self.buf = np.zeros((window, 7))
+        self.count = 0
+        self.pos = 0
+        self.pending = 0
+        self.last_s = -math.inf
+        self.ttft_factor = 1.0
+        self.tpot_factor = 1.0
+        self.ttft_samples = 0
+        self.tpot_samples = 0
+        self.interleave_ms = 0.0
+        self.coefs: FloatArray | None = None
+
+    def add(self, rows: FloatArray) -> None:
+        window = len(self.buf)
+        for row in rows[-window:]:
+            self.buf[self.pos] = row
+            self.pos = (self.pos + 1) % window
+        self.count = min(window, self.count + len(rows))
+        self.pending += len(rows)
+        self.last_s = max(self.last_s, float(rows[-1, 6]))
+
+    def rows(self) -> FloatArray:
+        return self.buf[: self.count]
+
+    def drop_older_than(self, cutoff_s: float) -> bool:
+        """Drop samples older than ``cutoff_s``; True when any was dropped."""
+        if self.count == 0 or float(np.min(self.rows()[:, 6])) >= cutoff_s:
+            return False
+        kept = self.rows()[self.rows()[:, 6] >= cutoff_s]
+        self.buf[: len(kept)] = kept
+        self.count = len(kept)
+        self.pos = self.count % len(self.buf)
+        return True
+
+
+def _approach(current: float, target: float, config: CalibrationConfig) -> float:
+    """Move ``current`` toward ``target`` by at most the configured ratio, within the factor bounds."""
+    step = 1.0 + config.max_change_per_update
+    value = min(max(target, current / step), current * step)
+    return min(max(value, config.min_factor), config.max_factor)
+
+
+@dataclass(frozen=True)
+class Correction:
+    """The calibration of every instance of one table, as columns the metrics apply."""
+
+    ttft_factor: FloatArray
+    tpot_factor: FloatArray
+    #: Observed prefill ms per decode step (the time steps with prefill took beyond their decode part).
+    interleave_ms: FloatArray
+    #: Refit coefficients of the remainder per instance (zeros where ``has_fit`` is False), or None without any.
+    coefs: FloatArray | None
+    has_fit: BoolArray
+    min_factor: float
+    max_factor: float
+
+    def at(self, i: int) -> Correction:
+        """The correction of instance ``i`` alone (one-element columns)."""
+        sl = slice(i, i + 1)
+        return Correction(
+            ttft_factor=self.ttft_factor[sl],
+            tpot_factor=self.tpot_factor[sl],
+            interleave_ms=self.interleave_ms[sl],
+            coefs=None if self.coefs is None else self.coefs[sl],
+            has_fit=self.has_fit[sl],
+            min_factor=self.min_factor,
+            max_factor=self.max_factor,
+        )
+
+    def ttft_ms(
+        self,
+        profile_ms: FloatArray,
+        backlog: FloatArray,
+        batch: FloatArray,
+        tokens: FloatArray,
+        budget: FloatArray,
+        decode_ms: FloatArray,
+    ) -> FloatArray:
+        """Calibrated TTFT of a chunk schedule (``decode_ms``: the profile's decode part of each chunk).
+
+        Scale: the profile times the TTFT factor. Refit: each chunk's prefill part times the
+        TTFT factor, its decode part times the TPOT factor (the baseline the remainder was
+        fitted against), plus the fitted remainder of every chunk.
+        """
+        scaled: FloatArray = profile_ms * self.ttft_factor
+        if self.coefs is None:
+            return scaled
+        n_full = np.floor_divide(backlog, budget)
+        rest = backlog - n_full * budget
+        zero = np.zeros_like(backlog)
+        decode_part = np.where(backlog > 0, n_full + (rest > 0), zero) * decode_ms
+        baseline = (profile_ms - decode_part) * self.ttft_factor + decode_part * self.tpot_factor
+        full = linear_step_ms(self.coefs, budget, batch, tokens)
+        tail = np.where(rest > 0, linear_step_ms(self.coefs, rest, batch, tokens), zero)
+        fitted = baseline + np.where(backlog > 0, n_full * full + tail, zero)
+        fitted = np.clip(fitted, profile_ms * self.min_factor, profile_ms * self.max_factor)
+        out: FloatArray = np.where(self.has_fit, fitted, scaled)
+        return out
+
+    def tpot_ms(self, profile_ms: FloatArray, batch: FloatArray, tokens: FloatArray) -> FloatArray:
+        """Calibrated TPOT of a decode step at ``(batch, tokens)``, plus the interleaved prefill time."""
+        scaled: FloatArray = profile_ms * self.tpot_factor
+        if self.coefs is not None:
+            fitted = scaled + linear_step_ms(self.coefs, np.zeros_like(batch), batch, tokens)
+            fitted = np.clip(fitted, profile_ms * self.min_factor, profile_ms * self.max_factor)
+            scaled = np.where(self.has_fit, fitted, scaled)
+        out: FloatArray = scaled + self.interleave_ms
+        return out
+
+
+class Calibrator:
+    """Step samples in, per-instance corrections out; see the module docstring.
+
+    ``predict_step(group)`` returns the profile's step predictor of a profile
+    group (the router passes its :class:`~router.core.predictors.PredictorSet`'s).
+    Not thread-safe: the shell feeds and reads it from one event loop.
+    """
+
+    def __init__(self, config: CalibrationConfig, predict_step: Callable[[str], StepPredictor]) -> None:
+        self.config = config
+        self._predict_step = predict_step
+        self._instances: dict[str, _Track] = {}
+        self._groups: dict[str, _Track] = {}
+        self._group_of: dict[str, str] = {}
+        self._drifted: dict[str, tuple[float, float]] = {}
+        self._events: list[tuple[str, bool, float, float]] = []
+        #: Bumped whenever a correction changes (tables cache their :class:`Correction` by it).
+        self.version = 0
+        self._cache: tuple[Sequence[str], int, Correction | None] | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.config.enabled
+
+    # ------------------------------------------------------------------ input
+
+    def observe(self, instance_id: str, group: str, samples: Sequence[StepSample], now_s: float) -> None:
+        """Record ``samples`` (oldest first, each once) of ``instance_id`` in profile group ``group``."""
+        if not self.enabled or not samples:
+            return
+        arr = np.array(
+            [
+                (s.num_prefill_tokens, s.num_decode_requests, s.num_decode_tokens, s.duration_ms)
+                for s in samples
+            ],
+            dtype=np.float64,
+        )
+        ok = np.isfinite(arr).all(axis=1) & (arr[:, 3] >= 0) & (arr[:, :3] >= 0).all(axis=1)
+        ok &= (arr[:, 0] > 0) | (arr[:, 1] > 0)
+        arr = arr[ok]
+        if len(arr) == 0:
+            return
+        pre, dec = self._predict_step(group)(arr[:, 0], arr[:, 1], arr[:, 2])
+        rows = np.column_stack([arr, pre, dec, np.full(len(arr), float(now_s))])
+        self._group_of[instance_id] = group
+        window = self.config.window_samples
+        for key, tracks in ((instance_id, self._instances), (group, self._groups)):
+            track = tracks.get(key)
+            if track is None:
+                track = tracks[key] = _Track(window)
+            track.add(rows)
+            if track.pending >= self.config.update_every_samples:
+                self._update(track, group)
+        self._check_drift(instance_id)
+
+    def forget(self, instance_id: str) -> None:
+        """Drop an instance that left the fleet."""
+        self._instances.pop(instance_id, None)
+        self._group_of.pop(instance_id, None)
+        self._drifted.pop(instance_id, None)
+        self.version += 1
+
+    def expire(self, now_s: float) -> None:
+        """Drop samples older than ``stale_after_s``; tracks left with too few fall back to the profile."""
+        cutoff = now_s - self.config.stale_after_s
+        changed = False
+        for key, track in (*self._instances.items(), *self._groups.items()):
+            if track.drop_older_than(cutoff):
+                changed = True
+                group = self._group_of.get(key, key)
+                self._update(track, group)
+        if changed:
+            for instance_id in list(self._instances):
+                self._check_drift(instance_id)
+
+    def _update(self, track: _Track, group: str) -> None:
+        config = self.config
+        track.pending = 0
+        rows = track.rows()
+        if len(rows) < config.min_samples:
+            # Too few (or stale) samples: back to the profile.
+            track.ttft_factor = track.tpot_factor = 1.0
+            track.ttft_samples = track.tpot_samples = 0
+            track.interleave_ms = 0.0
+            track.coefs = None
+            self.version += 1
+            return
+        p, b, obs, pre, dec = rows[:, 0], rows[:, 1], rows[:, 3], rows[:, 4], rows[:, 5]
+        decode_only = (p == 0) & (b > 0) & (dec > 0)
+        with_prefill = (p > 0) & (pre + dec > 0)
+        track.tpot_samples = int(np.count_nonzero(decode_only))
+        track.ttft_samples = int(np.count_nonzero(with_prefill))
+        if track.tpot_samples >= config.min_samples:
+            target = float(np.median(obs[decode_only] / dec[decode_only]))
+            track.tpot_factor = _approach(track.tpot_factor, target, config)
+        if track.ttft_samples >= config.min_samples:
+            target = float(np.median(obs[with_prefill] / (pre[with_prefill] + dec[with_prefill])))
+            track.ttft_factor = _approach(track.ttft_factor, target, config)
+        if track.ttft_samples < config.min_samples and track.tpot_samples >= config.min_samples:
+            track.ttft_factor = track.tpot_factor  # one speed for the hardware until prefill is seen
+        # Prefill time between decode steps, as observed: what the steps with a prefill chunk
+        # took beyond their (calibrated) decode part, spread over every decode step. Measured,
+        # not the profile's prefill cost times a factor that may not be learned yet.
+        decoding = b > 0
+        if decoding.any():
+            mixed = decoding & (p > 0)
+            extra = np.maximum(obs[mixed] - dec[mixed] * track.tpot_factor, 0.0)
+            track.interleave_ms = float(np.sum(extra)) / int(np.count_nonzero(decoding))
+        else:
+            track.interleave_ms = 0.0
+        if config.mode == "refit" and len(rows) >= config.refit_min_samples:
+            coefs = self._refit(rows, track)
+            if coefs is not None:
+                track.coefs = coefs if track.coefs is None else 0.5 * (track.coefs + coefs)
+        self.version += 1
+
+    def _refit(self, rows: FloatArray, track: _Track) -> FloatArray | None:
+        """Least squares of the scaled profile's remainder over the window, plus pseudo steps of remainder 0."""
+        p, b, t = rows[:, 0], rows[:, 1], rows[:, 2]
+        # Pseudo steps on a grid spanning the window's range and a typical one: a direction the
+        # window never explored (no prefill step in it, a single batch size) follows the scaled
+        # profile instead of whatever the minimum-norm solution would give it.
+        p_max = max(float(np.max(p)), 2048.0)
+        b_max = max(float(np.max(b)), 32.0)
+        per_request = np.divide(t, b, out=np.zeros_like(t), where=b > 0)
+        l_max = max(float(np.max(per_request)), 2048.0)
+        p_grid = np.array([0.0, 16.0, p_max / 4.0, p_max / 2.0, p_max])
+        b_grid = np.array([0.0, 1.0, b_max / 4.0, b_max / 2.0, b_max])
+        l_grid = np.array([64.0, l_max / 2.0, l_max])
+        pg, bg, lg = (a.ravel() for a in np.meshgrid(p_grid, b_grid, l_grid, indexing="ij"))
+        live = (pg > 0) | (bg > 0)
+        pg, bg, tg = pg[live], bg[live], (bg * lg)[live]
+        # The baseline: the prefill part at the TTFT factor, the decode part at the TPOT factor
+        # (linear in the parts, so a linear truth leaves a linear remainder).
+        scaled = rows[:, 4] * track.ttft_factor + rows[:, 5] * track.tpot_factor
+        features = np.concatenate([step_features(p, b, t), step_features(pg, bg, tg)])
+        observed = np.concatenate([rows[:, 3] - scaled, np.zeros(len(pg))])
+        # The pseudo steps weigh prior_weight x the window in all.
+        prior = self.config.prior_weight * len(rows) / len(pg)
+        weights = np.concatenate([np.ones(len(rows)), np.full(len(pg), prior)])
+        return fit_step_model(features, observed, weights)
+
+    def _check_drift(self, instance_id: str) -> None:
+        track = self._instances.get(instance_id)
+        if track is None:
+            return
+        bound = 1.0 + self.config.drift_bound
+        ttft, tpot = track.ttft_factor, track.tpot_factor
+        drifted = any(f > bound or f < 1.0 / bound for f in (ttft, tpot))
+        was = instance_id in self._drifted
+        if drifted:
+            self._drifted[instance_id] = (ttft, tpot)
+        else:
+            self._drifted.pop(instance_id, None)
+        if drifted != was:
+            self._events.append((instance_id, drifted, ttft, tpot))
+            del self._events[:-1024]  # bounded: a shell that never reads them loses the oldest
+
+    # ------------------------------------------------------------------ output
+
+    def factors(self, instance_id: str) -> tuple[float, float]:
+        """(TTFT factor, TPOT factor) in force for ``instance_id`` (1.0, 1.0: the profile)."""
+        track = self._effective(instance_id)
+        return (1.0, 1.0) if track is None else (track.ttft_factor, track.tpot_factor)
+
+    def num_samples(self, instance_id: str) -> int:
+        track = self._instances.get(instance_id)
+        return 0 if track is None else track.count
+
+    def coefficients(self, instance_id: str) -> FloatArray | None:
+        """The refit coefficients of the remainder in force for ``instance_id`` (a_p, c_p, α, β, γ, δ), or None."""
+        track = self._effective(instance_id)
+        return None if track is None else track.coefs
+
+    def drifted(self) -> dict[str, tuple[float, float]]:
+        """Instances whose (TTFT, TPOT) factor is beyond ``1 ± drift_bound``."""
+        return dict(self._drifted)
+
+    def take_drift_events(self) -> list[tuple[str, bool, float, float]]:
+        """``(instance_id, drifted, ttft_factor, tpot_factor)`` for every change since the last call."""
+        events, self._events = self._events, []
+        return events
+
+    def _effective(self, instance_id: str) -> _Track | None:
+        track = self._instances.get(instance_id)
+        if track is not None and track.count >= self.config.min_samples:
+            return track
+        group = self._groups.get(self._group_of.get(instance_id, ""))
+        if group is not None and group.count >= self.config.min_samples:
+            return group
+        return None
+
+    def correction(self, ids: Sequence[str], groups: Iterable[str] | None = None) -> Correction | None:
+        """The correction of the instances ``ids`` (in table order), or None when it is the profile's everywhere.
+
+        Instances never seen use their group's correction (``groups`` in table order).
+        """
+        if not self.enabled or not (self._instances or self._groups):
+            return None  # nothing learned yet: the profile everywhere, at no cost per decision
+        cached = self._cache
+        if cached is not None and cached[0] is ids and cached[1] == self.version:
+            return cached[2]
+        if groups is not None:
+            for instance_id, group in zip(ids, groups, strict=True):
+                self._group_of.setdefault(instance_id, group)
+        n = len(ids)
+        ttft = np.ones(n)
+        tpot = np.ones(n)
+        interleave = np.zeros(n)
+        coefs = np.zeros((n, NUM_COEFS))
+        has_fit = np.zeros(n, dtype=bool)
+        any_track = False
+        for i, instance_id in enumerate(ids):
+            track = self._effective(instance_id)
+            if track is None:
+                continue
+            any_track = True
+            ttft[i] = track.ttft_factor
+            tpot[i] = track.tpot_factor
+            interleave[i] = track.interleave_ms
+            if track.coefs is not None:
+                coefs[i] = track.coefs
+                has_fit[i] = True
+        result = None
+        if any_track:
+            result = Correction(
+                ttft_factor=ttft,
+                tpot_factor=tpot,
+                interleave_ms=interleave,
+                coefs=coefs if has_fit.any() else None,
+                has_fit=has_fit,
+                min_factor=self.config.min_factor,
+                max_factor=self.config.max_factor,
+            )
+        self._cache = (ids, self.version, result)
+        return result
