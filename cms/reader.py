@@ -24,6 +24,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 
 import grpc
 from slorouter.v1 import cms_pb2, cms_pb2_grpc
@@ -49,7 +50,12 @@ class ClusterReader(abc.ABC):
     def __init__(self) -> None:
         self._snapshot = EMPTY_SNAPSHOT
         self._waiters: set[asyncio.Future[None]] = set()
+        self._listeners: list[Callable[[], None]] = []
         self.connected = False
+
+    def add_listener(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` (synchronously, on the event loop) after every new snapshot is installed."""
+        self._listeners.append(callback)
 
     def snapshot(self) -> ClusterSnapshot:
         """The newest snapshot (``EMPTY_SNAPSHOT`` before the first one)."""
@@ -62,6 +68,8 @@ class ClusterReader(abc.ABC):
         for fut in waiters:
             if not fut.done():
                 fut.set_result(None)
+        for callback in self._listeners:
+            callback()
 
     async def wait_for_version(self, min_version: int, timeout_s: float) -> bool:
         """Wait until ``snapshot().version >= min_version``; ``False`` on timeout."""
