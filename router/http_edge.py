@@ -282,6 +282,7 @@ class RouterBackend:
             sampling=request.sampling,
             slo=common_pb2.SloTarget(ttft_ms=slo.ttft_ms, tpot_ms=slo.tpot_ms, e2e_ms=slo.e2e_ms),
             priority=slo.priority,
+            slo_class=slo.slo_class,
         )
         targets = {
             "ttft": slo.ttft_ms or self._defaults.ttft_slo_ms,
