@@ -254,6 +254,7 @@ def build_request(plan: RequestPlan, config: LoadConfig) -> router_pb2.GenerateR
             ttft_ms=plan.slo.ttft_ms or 0.0, tpot_ms=plan.slo.tpot_ms or 0.0, e2e_ms=plan.slo.e2e_ms or 0.0
         ),
         priority=plan.priority,
+        slo_class=plan.class_name,
     )
 
 

@@ -9,7 +9,7 @@ in virtual time, and both see exactly the same requests for a seed.
 
 Where a spec comes from (:func:`load_workload`):
 
-- a preset name: ``mixed`` (the default), ``chat``, ``code``, ``summarize``, ``tiny``;
+- a preset name: ``mixed`` (the default), ``mixed-priority`` (mixed + 20 % priority-10 chat), ``chat``, ``code``, ``summarize``, ``tiny``;
 - a weighted mix of class presets: ``chat=0.7,code=0.3`` (weights are normalised);
 - a JSON or YAML file (``*.json``, ``*.yaml``, ``*.yml``); see :func:`parse_workload_dict`.
 
@@ -441,6 +441,15 @@ CLASS_PRESETS: Mapping[str, SloClass] = {
         prompt=LognormalLength(384.0, 0.9, 16, 2048),
         output=LognormalLength(128.0, 1.0, 4, 2048),
     ),
+    # Premium chat: chat traffic from paying users, sent with a higher priority (20 % of mixed-priority).
+    "chat-priority": SloClass(
+        name="chat-priority",
+        share=0.25,
+        slo=SloTarget(ttft_ms=1000.0, tpot_ms=50.0),
+        prompt=LognormalLength(384.0, 1.0, 16, 4096),
+        output=LognormalLength(192.0, 0.8, 8, 1024),
+        priority=10,
+    ),
     # Smoke tests: tiny requests that any fleet serves quickly.
     "tiny": SloClass(
         name="tiny",
@@ -454,6 +463,8 @@ CLASS_PRESETS: Mapping[str, SloClass] = {
 #: Workload presets: name -> class presets (with their default shares).
 WORKLOAD_PRESETS: Mapping[str, tuple[str, ...]] = {
     "mixed": ("chat", "code", "summarize"),
+    # mixed plus 20 % premium chat at priority 10 (shares 0.6/0.25/0.15/0.25, normalised).
+    "mixed-priority": ("chat", "code", "summarize", "chat-priority"),
     "chat": ("chat",),
     "code": ("code",),
     "summarize": ("summarize",),

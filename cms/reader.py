@@ -50,7 +50,8 @@ class ClusterReader(abc.ABC):
     def __init__(self) -> None:
         self._snapshot = EMPTY_SNAPSHOT
         self._waiters: set[asyncio.Future[None]] = set()
-        self._listeners: list[Callable[[ClusterSnapshot], None]] = []
+        self._snapshot_listeners: list[Callable[[ClusterSnapshot], None]] = []
+        self._listeners: list[Callable[[], None]] = []
         self.connected = False
 
     def add_snapshot_listener(self, listener: Callable[[ClusterSnapshot], None]) -> None:
@@ -58,7 +59,12 @@ class ClusterReader(abc.ABC):
 
         Listeners must be quick and must not raise (the router's calibration reads step samples here).
         """
-        self._listeners.append(listener)
+        self._snapshot_listeners.append(listener)
+
+    def add_listener(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` (synchronously, on the event loop) after every new snapshot is installed
+        and its waiters are woken (the router queue re-runs admission here)."""
+        self._listeners.append(callback)
 
     def snapshot(self) -> ClusterSnapshot:
         """The newest snapshot (``EMPTY_SNAPSHOT`` before the first one)."""
@@ -67,12 +73,14 @@ class ClusterReader(abc.ABC):
     def _install(self, snapshot: ClusterSnapshot) -> None:
         self._snapshot = dataclasses.replace(snapshot, version=self._snapshot.version + 1)
         self.connected = True
-        for listener in self._listeners:
+        for listener in self._snapshot_listeners:
             listener(self._snapshot)
         waiters, self._waiters = self._waiters, set()
         for fut in waiters:
             if not fut.done():
                 fut.set_result(None)
+        for callback in self._listeners:
+            callback()
 
     async def wait_for_version(self, min_version: int, timeout_s: float) -> bool:
         """Wait until ``snapshot().version >= min_version``; ``False`` on timeout."""

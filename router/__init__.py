@@ -2,7 +2,9 @@
 
 :mod:`router.core` is the decision core (pure, no I/O). Around it, the shell:
 :mod:`router.placement` (the live view and the in-flight account feeding the
-scheduler), :mod:`router.route`, :mod:`router.service` (the Router servicer:
+scheduler), :mod:`router.admission` (requests waiting in the router queue,
+released on view pushes, completions, cancels and timers), :mod:`router.route`,
+:mod:`router.service` (the Router servicer:
 validation, forwarding, retries, cancel), :mod:`router.forward` and
 :mod:`router.pool` (worker calls over pooled channels), :mod:`router.telemetry`
 (Prometheus), :mod:`router.tokenize`, :mod:`router.http_edge` (the OpenAI-compatible HTTP

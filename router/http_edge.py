@@ -49,7 +49,10 @@ from router.core.errors import (
     DuplicateRequestError,
     EmptyClusterError,
     InvalidRequestError,
+    LateError,
     NoInstanceError,
+    QueueFullError,
+    QueueTimeoutError,
     RetriesExhaustedError,
     RouterError,
 )
@@ -164,8 +167,10 @@ def http_status(exc: RouterError | LegError) -> int:
         return 400
     if isinstance(exc, DuplicateRequestError):
         return 409
-    if isinstance(exc, NoInstanceError):
+    if isinstance(exc, (NoInstanceError, QueueFullError, QueueTimeoutError)):
         return 429
+    if isinstance(exc, LateError):
+        return 504
     if isinstance(exc, (EmptyClusterError, RetriesExhaustedError)):
         return 503
     return 500
@@ -277,6 +282,7 @@ class RouterBackend:
             sampling=request.sampling,
             slo=common_pb2.SloTarget(ttft_ms=slo.ttft_ms, tpot_ms=slo.tpot_ms, e2e_ms=slo.e2e_ms),
             priority=slo.priority,
+            slo_class=slo.slo_class,
         )
         targets = {
             "ttft": slo.ttft_ms or self._defaults.ttft_slo_ms,

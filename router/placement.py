@@ -9,6 +9,7 @@ I/O, so a decision never waits for the CMS.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -22,9 +23,10 @@ from fleet.snapshot import ClusterSnapshot
 from router.core.calibration import Calibrator, StepSample
 from router.core.capacity import LoadTracker, estimate_instances
 from router.core.decision import Choice, Decision
-from router.core.errors import EmptyClusterError, InvalidRequestError
+from router.core.errors import EmptyClusterError, InvalidRequestError, NoInstanceError
 from router.core.packing import expected_output_tokens, overpacked_mask
-from router.core.request import ScheduleInput, StageRestriction
+from router.core.queue import RouterQueue
+from router.core.request import ScheduleInput, StageRestriction, resolve_targets
 from router.core.scheduler import Scheduler
 from router.route import Route, route_of
 from router.telemetry import RequestObserver
@@ -46,12 +48,16 @@ class PlacementRequest:
     #: Read-only; may be the request message's own repeated field (copying it costs ~0.1 µs a token).
     prompt_token_ids: Sequence[int]
     model: str
-    #: Targets in force (request override, else router default), ms.
+    #: The request's own targets (ms); 0 = the router's default (e2e: none).
     ttft_slo_ms: float
     tpot_slo_ms: float
     priority: int = 0
+    e2e_slo_ms: float = 0.0
     #: The request's output limit (sampling.max_tokens; 0 = unknown).
     max_tokens: int = 0
+    slo_class: str = ""
+    #: When the request reached the router (the placer's clock); None = not tracked.
+    arrival_s: float | None = None
 
 
 class Placer:
@@ -125,7 +131,7 @@ class Placer:
 
     # ------------------------------------------------------------------ decisions
 
-    def _input(
+    def schedule_input(
         self,
         req: PlacementRequest,
         *,
@@ -133,6 +139,7 @@ class Placer:
         stages: StageRestriction = StageRestriction.ALL,
         prompt_tokens: int | None = None,
     ) -> ScheduleInput:
+        """What the scheduling core sees of ``req``."""
         return ScheduleInput(
             request_id=req.request_id,
             prompt_tokens=len(req.prompt_token_ids) if prompt_tokens is None else prompt_tokens,
@@ -141,8 +148,22 @@ class Placer:
             model=req.model,
             exclude_instance_ids=exclude,
             stages=stages,
+            e2e_slo_ms=req.e2e_slo_ms,
             max_tokens=req.max_tokens,
+            priority=req.priority,
+            slo_class=req.slo_class,
+            arrival_s=req.arrival_s,
         )
+
+    def snapshot(self) -> ClusterSnapshot:
+        """The newest snapshot; :class:`EmptyClusterError` when no instance is registered."""
+        return self._snapshot()
+
+    def commit(self, decision: Decision, now: float) -> Route:
+        """Record a decision made elsewhere (the router queue) as a dispatch and return its route."""
+        self.scheduler.record(decision, now)
+        self._observe_load(decision, now)
+        return route_of(decision)
 
     def _snapshot(self) -> ClusterSnapshot:
         snapshot = self._source.snapshot()
@@ -214,7 +235,7 @@ class Placer:
         """Decide prefill and decode (or neutral) for ``req`` and record the dispatch."""
         now = self._clock()
         started = time.perf_counter()
-        decision = self.scheduler.schedule(self._snapshot(), self._input(req, exclude=exclude), now)
+        decision = self.scheduler.schedule(self._snapshot(), self.schedule_input(req, exclude=exclude), now)
         self.scheduler.record(decision, now)
         self._observe_load(decision, now)
         if self._observer is not None:
@@ -236,7 +257,9 @@ class Placer:
         context_tokens = len(req.prompt_token_ids) + generated_tokens
         decision = self.scheduler.schedule(
             self._snapshot(),
-            self._input(req, exclude=exclude, stages=StageRestriction.DECODE, prompt_tokens=context_tokens),
+            self.schedule_input(
+                req, exclude=exclude, stages=StageRestriction.DECODE, prompt_tokens=context_tokens
+            ),
             now,
         )
         choice = decision.decode
@@ -322,14 +345,42 @@ class Placer:
         """The request ended at the router: its in-flight entries go."""
         self.scheduler.inflight.release(request_id)
 
-    def dry_run(self, req: PlacementRequest, *, explain: bool = False) -> router_pb2.ScheduleResponse:
+    def dry_run(
+        self, req: PlacementRequest, queue: RouterQueue | None = None, *, explain: bool = False
+    ) -> router_pb2.ScheduleResponse:
         """The decision ``place`` would make now, with its trace when ``explain``; nothing recorded.
 
         The trace has one entry per candidate of every evaluated stage, so it
         costs time in proportion to the fleet; the decision itself does not
-        build it (:attr:`~router.core.decision.Decision.trace` is lazy).
+        build it (:attr:`~router.core.decision.Decision.trace` is lazy). With
+        the router ``queue`` the request is tried as the queue would offer it
+        (TTFT bound capped by the release limit); when no instance may take it,
+        the response says it would be queued and where, instead of an error.
         """
-        decision = self.scheduler.schedule(self._snapshot(), self._input(req), self._clock(), dry_run=True)
+        now = self._clock()
+        request = self.schedule_input(req)
+        if queue is not None:
+            targets = resolve_targets(request, queue.default_ttft_ms, queue.default_tpot_ms, now)
+            bound = min(targets.ttft_ms, queue.release_limit_ms(now, request.priority, targets.full_ttft_ms))
+            position = queue.position_of_new(request, now)
+            try:
+                if bound <= 0:
+                    raise NoInstanceError(
+                        f"release limit {bound:.0f} ms", stage="prefill", candidates=0, drops={}
+                    )
+                decision = self.scheduler.schedule(
+                    self._snapshot(),
+                    request,
+                    now,
+                    dry_run=True,
+                    targets=dataclasses.replace(targets, ttft_ms=bound),
+                )
+            except NoInstanceError as exc:
+                return router_pb2.ScheduleResponse(
+                    queued=True, queue_position=position, queue_reason=str(exc)
+                )
+        else:
+            decision = self.scheduler.schedule(self._snapshot(), request, now, dry_run=True)
         response = router_pb2.ScheduleResponse(policy=decision.policy, mode=decision.mode.value)
         for field_name, choice in (("prefill", decision.prefill), ("decode", decision.decode)):
             if choice is not None:

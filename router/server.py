@@ -24,9 +24,11 @@ from cms.reader import ClusterReader, open_reader
 from cms.serving import add_health_and_reflection, bind_server
 from openai_http.app import DEFAULT_MAX_BODY_BYTES, HttpServer
 from predictor import LatencyPredictor
+from router.admission import Admission
 from router.chat_template import ChatTemplate, FallbackChatTemplate, load_chat_template
 from router.core.config import SchedulerConfig, name_flags
 from router.core.predictors import PredictorSet
+from router.core.queue import QueueConfig
 from router.core.scheduler import Scheduler
 from router.core.slicing import SliceConfig
 from router.forward import WorkerClient
@@ -53,6 +55,7 @@ class RouterServer:
     server: grpc.aio.Server
     service: RouterService
     scheduler: Scheduler
+    admission: Admission
     reader: ClusterReader
     pool: ChannelPool
     workers: WorkerClient
@@ -87,6 +90,7 @@ class RouterServer:
             await asyncio.gather(self.readiness, return_exceptions=True)
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
+        self.admission.close()
         await self.workers.drain()
         await self.pool.close()
         await self.reader.stop()
@@ -107,14 +111,16 @@ async def start_router_server(
     slice_config: SliceConfig | None = None,
     http_listen: str = "",
     chat_template: ChatTemplate | None = None,
+    queue_config: QueueConfig | None = None,
 ) -> RouterServer:
     """Serve the Router service on ``listen`` over ``reader``'s view; starts the reader too.
 
     gRPC health reports ``NOT_SERVING`` until the reader delivers its first
     cluster view (``source`` names where it comes from, for the log), then
     ``SERVING``. With ``http_listen`` (``HOST:PORT``), the OpenAI-compatible
-    HTTP edge is served there as well, over the same service. Raises
-    ``OSError`` when an address cannot be bound.
+    HTTP edge is served there as well, over the same service.
+    ``queue_config`` defaults to :class:`QueueConfig`'s defaults (the ``edf``
+    router queue). Raises ``OSError`` when an address cannot be bound.
     """
     observer = observer or RequestObserver()
     pool = ChannelPool(max_channels=max_channels)
@@ -131,6 +137,8 @@ async def start_router_server(
             profile_label=scheduler.config.profile_label,
             max_retries=service_config.max_retries,
         )
+    admission = Admission(placer, queue_config or QueueConfig(), observer=observer)
+    reader.add_listener(admission.notify)
     service = RouterService(
         placer,
         workers,
@@ -138,6 +146,7 @@ async def start_router_server(
         service_config,
         observer=observer,
         slicer=slicer,
+        admission=admission,
     )
     server, port = await bind_server(listen)
     router_pb2_grpc.add_RouterServicer_to_server(service, server)
@@ -165,6 +174,7 @@ async def start_router_server(
         server=server,
         service=service,
         scheduler=scheduler,
+        admission=admission,
         reader=reader,
         pool=pool,
         workers=workers,
@@ -291,6 +301,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     SchedulerConfig.add_arguments(parser)
     add_slice_arguments(parser)
+    QueueConfig.add_arguments(parser)
     parser.add_argument(
         "--max-retries",
         type=int,
@@ -371,6 +382,14 @@ def scheduler_config(args: argparse.Namespace, **overrides: Any) -> SchedulerCon
         raise ValueError(name_flags(str(exc), SchedulerConfig.flags())) from exc
 
 
+def queue_config(args: argparse.Namespace) -> QueueConfig:
+    """The router queue's config from the flags; errors name the flag (``--max-queue-size``)."""
+    try:
+        return QueueConfig.from_namespace(args)
+    except ValueError as exc:
+        raise ValueError(name_flags(str(exc), QueueConfig.flags())) from exc
+
+
 @dataclass
 class RouterPlan:
     """Everything the router's flags describe, checked, with nothing started yet."""
@@ -381,6 +400,7 @@ class RouterPlan:
     tokenizer: Tokenizer
     #: ``--dispatch-mode slice``: the slice configuration (None: request dispatch).
     slice_config: SliceConfig | None = None
+    queue: QueueConfig = field(default_factory=QueueConfig)
 
 
 def plan_from_args(args: argparse.Namespace) -> RouterPlan:
@@ -412,7 +432,7 @@ def plan_from_args(args: argparse.Namespace) -> RouterPlan:
     slice_config = slice_config_from_args(args)
     predictors = build_predictors(args)
     tokenizer = load_tokenizer(args.tokenizer)
-    return RouterPlan(config, predictors, service_config, tokenizer, slice_config)
+    return RouterPlan(config, predictors, service_config, tokenizer, slice_config, queue_config(args))
 
 
 async def start_from_args(args: argparse.Namespace, plan: RouterPlan | None = None) -> RouterServer:
@@ -450,6 +470,7 @@ async def start_from_args(args: argparse.Namespace, plan: RouterPlan | None = No
             slice_config=plan.slice_config,
             http_listen=args.http_listen,
             chat_template=load_chat_template(args.tokenizer),
+            queue_config=plan.queue,
         )
     except BaseException:
         for resource in reversed(owned):

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import re
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
@@ -26,15 +27,20 @@ from typing import Any
 import grpc
 from slorouter.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2
 
+from router.admission import Admission
 from router.core.decision import Choice
 from router.core.errors import (
     DuplicateRequestError,
     EmptyClusterError,
     InvalidRequestError,
+    LateError,
     NoInstanceError,
+    QueueFullError,
+    QueueTimeoutError,
     RetriesExhaustedError,
     RouterError,
 )
+from router.core.queue import QueueConfig
 from router.core.request import Mode
 from router.forward import LegError, LegLedger, WorkerClient
 from router.placement import PlacementRequest, Placer
@@ -80,8 +86,10 @@ def _error_code(exc: RouterError) -> grpc.StatusCode:
         return grpc.StatusCode.INVALID_ARGUMENT
     if isinstance(exc, DuplicateRequestError):
         return grpc.StatusCode.ALREADY_EXISTS
-    if isinstance(exc, NoInstanceError):
+    if isinstance(exc, (NoInstanceError, QueueFullError, QueueTimeoutError)):
         return grpc.StatusCode.RESOURCE_EXHAUSTED
+    if isinstance(exc, LateError):
+        return grpc.StatusCode.DEADLINE_EXCEEDED
     if isinstance(exc, (EmptyClusterError, RetriesExhaustedError)):
         return grpc.StatusCode.UNAVAILABLE
     return grpc.StatusCode.INTERNAL
@@ -92,6 +100,16 @@ def _check_slo(slo: common_pb2.SloTarget) -> None:
         value = getattr(slo, name)
         if not math.isfinite(value) or value < 0:
             raise InvalidRequestError(f"slo.{name} must be a finite number >= 0 (0 = default), got {value!r}")
+
+
+_SLO_CLASS = re.compile(r"[A-Za-z0-9_.-]{0,64}")
+
+
+def _check_slo_class(label: str) -> None:
+    if not _SLO_CLASS.fullmatch(label):
+        raise InvalidRequestError(
+            f"slo_class must be at most 64 letters, digits, '_', '.' or '-', got {label[:80]!r}"
+        )
 
 
 def _check_sampling(sampling: common_pb2.SamplingParams) -> None:
@@ -118,6 +136,9 @@ class _Progress:
     cached_prompt_tokens: int = 0
     first_token_at: float | None = None
     last_token_at: float | None = None
+    #: Time spent in the router queue (s) and whether the request left it already late.
+    queue_wait_s: float = 0.0
+    late: bool = False
 
 
 @dataclass
@@ -156,6 +177,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         clock: Callable[[], float] = time.monotonic,
         observer: RequestObserver | None = None,
         slicer: SliceDispatcher | None = None,
+        admission: Admission | None = None,
     ) -> None:
         self._slicer = slicer
         self._placer = placer
@@ -164,6 +186,9 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self._config = config
         self._clock = clock
         self._observer = observer or RequestObserver()
+        self._admission = admission or Admission(
+            placer, QueueConfig(queue_policy="none"), clock=clock, observer=self._observer
+        )
         self._active: set[str] = set()
 
     @property
@@ -182,6 +207,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
             )
         _check_sampling(request.sampling)
         _check_slo(request.slo)
+        _check_slo_class(request.slo_class)
         self._placer.check_model(request.model)
         # The message's repeated field is used as is (it is never modified): no copy per request.
         prompt_ids: Sequence[int] = (
@@ -200,14 +226,19 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 f"prompt has {len(prompt_ids)} tokens, above the router's limit of "
                 f"{self._config.max_prompt_tokens} (--max-prompt-tokens)"
             )
+        e2e_only = request.slo.e2e_ms > 0 and not request.slo.ttft_ms and not request.slo.tpot_ms
         return PlacementRequest(
             request_id=request.request_id or uuid.uuid4().hex,
             prompt_token_ids=prompt_ids,
             model=request.model,
-            ttft_slo_ms=request.slo.ttft_ms or self._config.ttft_slo_ms,
-            tpot_slo_ms=request.slo.tpot_ms or self._config.tpot_slo_ms,
+            # With an e2e target the core derives what the request leaves unset (0).
+            ttft_slo_ms=request.slo.ttft_ms or (0.0 if e2e_only else self._config.ttft_slo_ms),
+            tpot_slo_ms=request.slo.tpot_ms or (0.0 if request.slo.e2e_ms else self._config.tpot_slo_ms),
             priority=request.priority,
+            e2e_slo_ms=request.slo.e2e_ms,
             max_tokens=request.sampling.max_tokens,
+            slo_class=request.slo_class,
+            arrival_s=self._clock() if self._admission.enabled else None,
         )
 
     # ------------------------------------------------------------------ Schedule
@@ -216,7 +247,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self, request: router_pb2.ScheduleRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> router_pb2.ScheduleResponse:
         try:
-            return self._placer.dry_run(self._prepare(request.request), explain=request.explain)
+            queue = self._admission.queue if self._admission.enabled else None
+            return self._placer.dry_run(self._prepare(request.request), queue, explain=request.explain)
         except RouterError as exc:
             await context.abort(_error_code(exc), str(exc))
 
@@ -278,7 +310,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
             raise
         finally:
             self._active.discard(request_id)
-            self._placer.release(request_id)
+            self._admission.release(request_id)
             if not finished:
                 # Cancelled, deadline, or failed part-way: nothing may keep running for it.
                 self._workers.abort_all(request_id, ledger)
@@ -363,6 +395,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
             tpot_ms=((last - first) / (n - 1) * 1e3) if n > 1 else 0.0,
             e2e_ms=(now - progress.started) * 1e3,
             cached_prompt_tokens=progress.cached_prompt_tokens,
+            queue_wait_ms=progress.queue_wait_s * 1e3,
+            late=progress.late,
         )
 
     def _note_tokens(self, progress: _Progress, token_ids: Sequence[int]) -> None:
@@ -385,7 +419,10 @@ class RouterService(router_pb2_grpc.RouterServicer):
         excluded: set[str] = set()
         failures: list[str] = []
         while True:
-            route = self._placer.place(req, exclude=frozenset(excluded))
+            admitted = await self._admission.place(req, exclude=frozenset(excluded))
+            route = admitted.route
+            progress.queue_wait_s += admitted.waited_s
+            progress.late = progress.late or admitted.late
             try:
                 return await self._start(route, req, sampling, ledger, progress)
             except LegError as exc:
@@ -393,7 +430,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
                     raise
                 failures.append(str(exc))
                 excluded.add(exc.instance_id)
-                self._placer.release(req.request_id)
+                self._admission.release(req.request_id)
                 self._observer.retried("first_token")
                 logger.warning("request %s: %s; trying another instance", req.request_id, exc)
                 if len(failures) > self._config.max_retries:

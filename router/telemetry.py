@@ -24,11 +24,21 @@ from router.core.calibration import Calibrator
 from router.core.errors import (
     EmptyClusterError,
     InvalidRequestError,
+    LateError,
     NoInstanceError,
+    QueueFullError,
+    QueueTimeoutError,
     RetriesExhaustedError,
     RouterError,
 )
+from router.core.request import ScheduleInput
 from router.route import Route
+
+#: Distinct ``slo_class`` label values kept; later ones are counted as "other".
+MAX_CLASS_LABELS = 32
+#: Priorities outside +-this are labelled at the bound ("<=-10", ">=10").
+PRIORITY_LABEL_BOUND = 10
+_QUEUE_WAIT_BUCKETS_S = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _TPOT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.2, 0.5, 1)
@@ -46,6 +56,12 @@ def _outcome_of(exc: RouterError) -> str:
         return "unavailable"
     if isinstance(exc, RetriesExhaustedError):
         return "retries_exhausted"
+    if isinstance(exc, QueueFullError):
+        return "shed"
+    if isinstance(exc, QueueTimeoutError):
+        return "queue_timeout"
+    if isinstance(exc, LateError):
+        return "late_rejected"
     return "error"
 
 
@@ -131,6 +147,25 @@ class RequestObserver:
         self.inflight_entries = Gauge(
             "slo_router_inflight_entries", "Entries in the in-flight account", registry=r
         )
+        self.queue_length = Gauge(
+            "slo_router_queue_requests",
+            "Requests waiting in the router queue, by class and priority",
+            ["slo_class", "priority"],
+            registry=r,
+        )
+        self.queue_wait = Histogram(
+            "slo_router_queue_wait_seconds",
+            "Time a dispatched request waited in the router queue",
+            buckets=_QUEUE_WAIT_BUCKETS_S,
+            registry=r,
+        )
+        self.queue_events = Counter(
+            "slo_router_queue_events",
+            "Router queue events: shed (full queue), late (TTFT target out of reach), expired, rejected",
+            ["event"],
+            registry=r,
+        )
+        self._classes: set[str] = set()
 
     def bind_gauges(
         self,
@@ -158,6 +193,28 @@ class RequestObserver:
             return
         for (role, health), count in source().items():
             self.instances.labels(role=role, health=health).set(count)
+
+    def _labels(self, request: ScheduleInput) -> tuple[str, str]:
+        name = request.slo_class or "none"
+        if name not in self._classes:
+            if len(self._classes) < MAX_CLASS_LABELS:
+                self._classes.add(name)
+            else:
+                name = "other"
+        p, bound = request.priority, PRIORITY_LABEL_BOUND
+        priority = f">={bound}" if p >= bound else f"<={-bound}" if p <= -bound else str(p)
+        return name, priority
+
+    def queue_changed(self, request: ScheduleInput, delta: int) -> None:
+        """A request entered (+1) or left (-1) the router queue."""
+        slo_class, priority = self._labels(request)
+        self.queue_length.labels(slo_class=slo_class, priority=priority).inc(delta)
+
+    def queue_event(self, event: str) -> None:
+        self.queue_events.labels(event=event).inc()
+
+    def queue_waited(self, seconds: float) -> None:
+        self.queue_wait.observe(seconds)
 
     def outcome(self, name: str) -> None:
         self.requests.labels(outcome=name).inc()

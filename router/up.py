@@ -18,7 +18,7 @@ import math
 import random
 import signal
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,7 @@ from cms.reader import open_reader
 from cms.server import CmsServer, start_cms_server
 from predictor import LatencyPredictor
 from router.core.config import SchedulerConfig
+from router.core.queue import QueueConfig
 from router.core.scheduler import Scheduler
 from router.core.slicing import SliceConfig
 from router.server import (
@@ -35,6 +36,7 @@ from router.server import (
     RouterServer,
     check_address,
     check_port,
+    queue_config,
     scheduler_config,
     start_router_server,
 )
@@ -147,6 +149,7 @@ class ClusterPlan:
     config: SchedulerConfig
     #: ``--dispatch-mode slice``: the slice configuration (None: request dispatch).
     slice_config: SliceConfig | None = None
+    queue: QueueConfig = field(default_factory=QueueConfig)
 
 
 def plan_cluster(args: argparse.Namespace) -> ClusterPlan:
@@ -166,6 +169,7 @@ def plan_cluster(args: argparse.Namespace) -> ClusterPlan:
     check_address("--listen", args.listen)
     check_port("--metrics-port", args.metrics_port)
     config = scheduler_config(args)
+    queue = queue_config(args)
     profile = Path(args.profile)
     if not profile.is_dir():
         raise ValueError(f"--profile {args.profile}: not a directory (it needs ttft.json and tpot.json)")
@@ -174,7 +178,7 @@ def plan_cluster(args: argparse.Namespace) -> ClusterPlan:
         roles = [("neutral", i) for i in range(args.neutral)]
     else:
         roles = [("prefill", i) for i in range(args.prefill)] + [("decode", i) for i in range(args.decode)]
-    return ClusterPlan(roles, profile, predictor, config, slice_config)
+    return ClusterPlan(roles, profile, predictor, config, slice_config, queue)
 
 
 async def start_cluster(args: argparse.Namespace, plan: ClusterPlan | None = None) -> Cluster:
@@ -207,6 +211,7 @@ async def start_cluster(args: argparse.Namespace, plan: ClusterPlan | None = Non
             source=f"the embedded CMS on {cms.address}",
             slice_config=plan.slice_config,
             http_listen=args.http_listen,
+            queue_config=plan.queue,
         )
     except BaseException:
         await stop_workers(workers)
@@ -275,6 +280,7 @@ def register(subparsers: Any) -> None:
     )
     SchedulerConfig.add_arguments(parser)
     add_slice_arguments(parser)
+    QueueConfig.add_arguments(parser)
     parser.set_defaults(func=run, scheduling_policy="slo")
 
 

@@ -17,6 +17,7 @@ from router.core.calibration import CALIBRATION_MODES
 from router.core.config import SchedulerConfig, name_flags
 from router.core.errors import ConfigError
 from router.core.policies import build_policy
+from router.core.queue import QueueConfig
 from router.core.registry import POLICIES
 from sim import slicing
 from sim.cluster import SimFleet
@@ -47,6 +48,7 @@ from sim.sweep import (
 
 DEFAULT_POLICIES = f"round-robin,random,least-requests,power-of-two,load-balance,slo,{SLO_ADAPTIVE_PD}"
 DEFAULT_RATES = "2,4,8"
+DEFAULT_QUEUE_POLICIES = "edf"
 DEFAULT_NUM_REQUESTS = 1000
 DEFAULT_FLEET = (2, 2)  # prefill, decode
 
@@ -126,12 +128,18 @@ what is simulated: the router's scheduling core places every request at its arri
   and misses its SLO. Not simulated: network/RPC latency besides the KV transfer, worker
   failures and retries, EOS before max_tokens.
 
-output: a table per rate and policy; --output writes JSON {{"meta": ..., "results": [one object per
-  (policy, rate, calibration) with policy, rate, calibration, slo_attainment (0-1), goodput
-  (req/s meeting their SLO), ttft_p99_ms, tpot_p99_ms, preemptions, mean_busy_instances
-  ({{"prefill", "decode", "neutral"}}: time-average of instances holding such work),
-  prediction_error ({{ttft, tpot}}: {{median, p90, bias, count}}), and every other figure of
-  `bench`]}}; --plot a PNG of attainment
+router queue (--queue-policies, default edf): a request no instance may take at once waits in
+  the router's queue (the same code as the router's --queue-policy) in virtual time instead of
+  being rejected; none rejects at once. Each policy runs with each queue policy.
+
+output: a table per rate, policy and queue policy, then the prediction error of each run;
+  --output writes JSON {{"meta": ..., "results": [one object per (policy, calibration, queue
+  policy, rate) with policy, calibration, queue_policy, rate, slo_attainment (0-1), goodput /
+  goodput_rps (req/s meeting their SLO), rejected, late, queue_wait_ms {{p50, p99}},
+  mean_latency_ms, g (SLO-meeting requests / summed e2e seconds), by_class, ttft_p99_ms,
+  tpot_p99_ms, preemptions, mean_busy_instances ({{"prefill", "decode", "neutral"}}:
+  time-average of instances holding such work), prediction_error ({{ttft, tpot}}: {{median,
+  p90, bias, count}}), and every other figure of `bench`]}}; --plot a PNG of attainment
   and goodput against the rate. Same flags and seed give the same JSON.
 """
 
@@ -227,6 +235,13 @@ def register(subparsers: Any) -> None:
         help="policies to compare (default: %(default)s)",
     )
     sweep.add_argument(
+        "--queue-policies",
+        default=DEFAULT_QUEUE_POLICIES,
+        metavar="Q1,Q2,...",
+        help="router queue policies to compare with each policy: none (refuse at once), fcfs, edf, priority "
+        "(default: %(default)s)",
+    )
+    sweep.add_argument(
         "--rates",
         default=DEFAULT_RATES,
         metavar="R1,R2,...",
@@ -263,6 +278,8 @@ def register(subparsers: Any) -> None:
 
     scheduler = parser.add_argument_group("scheduler (as for the router; --policies picks the policy)")
     SchedulerConfig.add_arguments(cast(argparse.ArgumentParser, _SkipFlags(scheduler, _POLICY_FLAGS)))
+    queue = parser.add_argument_group("router queue (as for the router; --queue-policies picks the policy)")
+    QueueConfig.add_arguments(_SkipFlags(queue, frozenset({"--queue-policy"})))
     parser.set_defaults(func=run)
 
 
@@ -350,6 +367,21 @@ def parse_policies(text: str, args: argparse.Namespace) -> list[PolicyChoice]:
     return choices
 
 
+def parse_queue_policies(text: str, args: argparse.Namespace) -> list[QueueConfig]:
+    """``Q1,Q2,...``: one queue config per policy, the other queue flags applied to each."""
+    queues: list[QueueConfig] = []
+    for raw in text.split(","):
+        name = raw.strip()
+        if any(q.queue_policy == name for q in queues):
+            raise ValueError(f"--queue-policies: {name!r} is listed twice")
+        try:
+            queues.append(QueueConfig.from_namespace(args, queue_policy=name))
+        except ConfigError as exc:
+            flags = {**QueueConfig.flags(), "queue_policy": "--queue-policies"}
+            raise ValueError(name_flags(str(exc), flags)) from exc
+    return queues
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         spec = _fleet(args)
@@ -363,6 +395,7 @@ def run(args: argparse.Namespace) -> int:
         workload = open_loop(load_workload(args.workload), args.burstiness)
         rates = parse_rates(args.rates)
         policies = parse_policies(args.policies, args)
+        queues = parse_queue_policies(args.queue_policies, args)
         if args.num_requests < 1:
             raise ValueError(f"--num-requests must be >= 1, got {args.num_requests}")
         calibrations = parse_calibrations(args.calibrations)
@@ -391,7 +424,7 @@ def run(args: argparse.Namespace) -> int:
             return
         speed = point.report.overall.requests / point.wall_s if point.wall_s > 0 else float("inf")
         print(
-            f"[{done}/{total}] {point.label} @ {point.rate:g} req/s: attainment "
+            f"[{done}/{total}] {point.label}+{point.queue_policy} @ {point.rate:g} req/s: attainment "
             f"{100.0 * point.report.overall.slo_attainment:.1f}%, {point.wall_s:.1f} s wall "
             f"({speed:,.0f} simulated requests/s)",
             file=sys.stderr,
@@ -411,6 +444,7 @@ def run(args: argparse.Namespace) -> int:
             on_run=progress,
             calibrations=calibrations,
             warmup_requests=args.warmup_requests,
+            queues=queues,
         )
     except KeyboardInterrupt:
         print("\ninterrupted; no report written", file=sys.stderr)
@@ -422,6 +456,8 @@ def run(args: argparse.Namespace) -> int:
     meta = sweep_meta(fleet, workload, policies, rates, num_requests=args.num_requests, seed=args.seed)
     meta["calibrations"] = calibrations
     meta["warmup_requests"] = args.warmup_requests
+    meta["queue_policies"] = [q.queue_policy for q in queues]
+    meta["queue"] = dataclasses.asdict(queues[0]) | {"queue_policy": None}
     if args.output:
         write_sweep_json(args.output, points, meta)
         print(f"wrote {args.output}", file=sys.stderr)

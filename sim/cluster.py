@@ -32,9 +32,14 @@ What a request goes through (times are virtual):
   prefill instance frees it and the decode instance admits the request with
   the prompt cached, exactly as the sim worker's ``Decode`` does;
 - no placement (:class:`router.core.errors.NoInstanceError`, e.g. the ``slo``
-  policy predicts every instance would miss the SLO): the request is rejected
-  at arrival with ``RESOURCE_EXHAUSTED`` (``UNAVAILABLE`` for
-  :class:`~router.core.errors.EmptyClusterError`) and misses its SLO; an engine
+  policy predicts every instance would miss the SLO): without a router queue
+  the request is rejected at arrival with ``RESOURCE_EXHAUSTED``
+  (``UNAVAILABLE`` for :class:`~router.core.errors.EmptyClusterError`) and
+  misses its SLO; with one (``queue=QueueConfig(...)``) it waits in the same
+  :class:`router.core.queue.RouterQueue` the router runs, offered again after
+  every engine event (a step ending, a KV transfer landing) and at the moments
+  an entry expires or turns late, exactly as the router's admission does on
+  status pushes, completions and timers; an engine
   refusing a request (full waiting queue, too long for ``max_model_len``)
   fails it likewise (``RESOURCE_EXHAUSTED`` / ``INVALID_ARGUMENT``).
 
@@ -98,8 +103,9 @@ from router.core.calibration import Calibrator, StepSample
 from router.core.columns import INFLIGHT_ROWS, ClusterView, InflightColumns, InstanceTable
 from router.core.config import SchedulerConfig
 from router.core.decision import Decision
-from router.core.errors import EmptyClusterError, NoInstanceError
+from router.core.errors import EmptyClusterError, LateError, NoInstanceError
 from router.core.predictors import PredictorSet
+from router.core.queue import QueueConfig, QueuePolicy, RouterQueue, Verdict, offer
 from router.core.request import Mode, Role, ScheduleInput
 from router.core.scheduler import Scheduler
 from sim.engine import ProfileCostModel, ScheduledStep, SimConfig, SimCore, SimRequestSpec
@@ -129,6 +135,7 @@ _PROTO_ROLES = {
 _STEP_END = 0  # a stepped engine step ends
 _KV_READY = 1  # a PD request's KV reached its decode instance
 _RUN_END = 2  # a fast-forwarded decode run reaches the end of its planned steps
+_QUEUE_TIMER = 3  # a queued request expires or turns late by the clock alone
 
 # Request stages.
 _PENDING = 0  # not arrived yet
@@ -267,6 +274,11 @@ class SimStats:
     mean_busy_prefill: float = 0.0
     mean_busy_decode: float = 0.0
     mean_busy_neutral: float = 0.0
+    #: Requests that waited in the router queue, were found late (served late, or refused with
+    #: ``late_policy=reject``), or were shed from a full queue.
+    queued: int = 0
+    late: int = 0
+    shed: int = 0
 
 
 @dataclass(frozen=True)
@@ -280,6 +292,9 @@ class SimOutcome:
     duration_s: float
     stats: SimStats
     wall_s: float
+    #: Per planned request: time waited in the router queue (ms) and whether it left the queue late.
+    queue_wait_ms: tuple[float, ...] = ()
+    late: tuple[bool, ...] = ()
 
 
 class _Req:
@@ -291,9 +306,11 @@ class _Req:
         "error_code",
         "error_message",
         "first_s",
+        "late",
         "predicted_tpot_ms",
         "predicted_ttft_ms",
         "prefill",
+        "queue_wait_s",
         "resident",
         "resident_tokens",
         "stage",
@@ -313,6 +330,8 @@ class _Req:
         self.error_message = ""
         self.predicted_ttft_ms: float | None = None
         self.predicted_tpot_ms: float | None = None
+        self.queue_wait_s = 0.0
+        self.late = False
 
 
 def _finite(value: float) -> float | None:
@@ -343,8 +362,15 @@ class _Simulation:
         reuse_static_memo: bool,
         fast_forward: bool,
         calibrator: Calibrator | None = None,
+        queue: QueueConfig | None = None,
     ) -> None:
         self.fleet = fleet
+        self.queue: RouterQueue | None = None
+        if queue is not None and queue.policy is not QueuePolicy.NONE:
+            defaults = scheduler.config
+            self.queue = RouterQueue(queue, defaults.ttft_slo_ms, defaults.tpot_slo_ms)
+        self.timer_at = math.inf
+        self.queued = self.late = self.shed = 0
         self.scheduler = scheduler
         #: The router's calibration, fed the engines' step samples before each decision (None: off).
         self.calibrator = calibrator
@@ -429,8 +455,12 @@ class _Simulation:
                     self._step_end(x, t)
                 elif kind == _KV_READY:
                     self._kv_ready(x, t)
-                else:
+                elif kind == _RUN_END:
                     self._run_end(x, seq, t)
+                else:
+                    self.timer_at = math.inf
+                if self.queue is not None and len(self.queue):
+                    self._pump(t)
             else:
                 t = arrivals[k]
                 self._busy_until(t)
@@ -445,6 +475,9 @@ class _Simulation:
             preemptions=sum(core.num_preemptions for core in self.cores),
             kv_transfers=self.kv_transfers,
             events=self.events,
+            queued=self.queued,
+            late=self.late,
+            shed=self.shed,
         )
         end = max(self.now, arrivals[-1] if arrivals else 0.0)
         self._account_busy()
@@ -697,9 +730,15 @@ class _Simulation:
             tpot_slo_ms=plan.slo.tpot_ms or 0.0,
             e2e_slo_ms=plan.slo.e2e_ms or 0.0,
             max_tokens=plan.max_tokens,
+            priority=plan.priority,
+            slo_class=plan.class_name,
+            arrival_s=None if self.queue is None else plan.arrival_s,
         )
         if self.calibrator is not None:
             self._feed_calibration(now)
+        if self.queue is not None:
+            self._enqueue(idx, request, now)
+            return
         view = self._view(now)
         self.decisions += 1
         try:
@@ -713,11 +752,81 @@ class _Simulation:
             self._fail(r, "UNAVAILABLE", str(exc), now)
             return
         finally:
-            if self.reuse_static_memo:
-                for key, value in view.instances.memo.items():
-                    if key not in self.static_memo and _static_key(key):
-                        self.static_memo[key] = value
+            self._keep_static(view)
         self._dispatch(idx, r, plan, decision, now)
+
+    def _keep_static(self, view: ClusterView) -> None:
+        if self.reuse_static_memo:
+            for key, value in view.instances.memo.items():
+                if key not in self.static_memo and _static_key(key):
+                    self.static_memo[key] = value
+
+    # ------------------------------------------------------------------ the router queue
+
+    def _enqueue(self, idx: int, request: ScheduleInput, now: float) -> None:
+        queue = self.queue
+        assert queue is not None
+        queue.observe_arrival(request)
+        _, shed = queue.push(request, now, token=idx)
+        for victim in shed:
+            self.shed += 1
+            self.rejected += 1
+            self._fail(self.reqs[victim.token], "RESOURCE_EXHAUSTED", "shed from a full router queue", now)
+        self._pump(now)
+        if request.request_id in queue:
+            self.queued += 1
+
+    def _pump(self, now: float) -> None:
+        """Offer the queue to the scheduler, as the router's admission does on an event."""
+        queue = self.queue
+        assert queue is not None
+        if self.calibrator is not None and len(queue):
+            self._feed_calibration(now)
+        views: list[ClusterView] = []
+
+        def source() -> ClusterView:
+            view = self._view(now)
+            views.append(view)
+            return view
+
+        for result in offer(queue, self.scheduler, source, now, max_failures=4):
+            if views:
+                self._keep_static(views.pop())
+            entry = result.entry
+            idx = entry.token
+            r = self.reqs[idx]
+            if result.verdict is Verdict.WAIT:
+                continue
+            if result.verdict is Verdict.LATE:
+                self.late += 1
+                continue
+            r.queue_wait_s = now - entry.enqueued_s
+            if result.verdict is Verdict.DISPATCH:
+                assert result.decision is not None
+                self.decisions += 1
+                r.late = entry.late
+                self._dispatch(idx, r, self.plans[idx], result.decision, now)
+                continue
+            self.rejected += 1
+            error = result.error
+            code = "RESOURCE_EXHAUSTED"
+            if isinstance(error, LateError):
+                code = "DEADLINE_EXCEEDED"
+                self.late += 1
+            elif isinstance(error, EmptyClusterError):
+                code = "UNAVAILABLE"
+            self._fail(r, code, str(error), now)
+        # The next moment an entry expires or turns late with no other event.
+        when = math.inf
+        oldest = queue.oldest_enqueued_s()
+        if oldest is not None:
+            when = oldest + queue.config.max_queue_wait_ms * 1e-3
+        earliest = queue.earliest_ttft_deadline_s()
+        if earliest is not None:
+            when = min(when, earliest)
+        if when < self.timer_at:
+            self.timer_at = when
+            self._push(when + 1e-6, _QUEUE_TIMER, -1)
 
     def _dispatch(self, idx: int, r: _Req, plan: RequestPlan, decision: Decision, now: float) -> None:
         assert decision.prefill is not None and decision.decode is not None
@@ -895,6 +1004,7 @@ def simulate(
     seed: int = 0,
     reuse_static_memo: bool = True,
     fast_forward: bool = True,
+    queue: QueueConfig | None = None,
 ) -> SimOutcome:
     """Run ``plans`` (open-loop, in arrival order) on ``fleet`` with the policy ``config`` names.
 
@@ -902,7 +1012,8 @@ def simulate(
     engine noise (if any) is seeded from ``seed`` and the instance. Every engine
     starts empty. ``reuse_static_memo=False`` recomputes every cached column per
     decision and ``fast_forward=False`` steps every engine step (both slower;
-    the results are the same).
+    the results are the same). ``queue`` runs the router queue (``None`` or
+    policy ``none``: a request without a placement at arrival is rejected).
     """
     if any(b.arrival_s < a.arrival_s for a, b in itertools.pairwise(plans)):
         raise ValueError("plans must be in arrival order")
@@ -921,11 +1032,17 @@ def simulate(
         reuse_static_memo=reuse_static_memo,
         fast_forward=fast_forward,
         calibrator=calibrator,
+        queue=queue,
     )
     duration_s, stats = sim.run()
     results = sim.results()
     return SimOutcome(
-        results=results, duration_s=duration_s, stats=stats, wall_s=time.perf_counter() - started
+        results=results,
+        duration_s=duration_s,
+        stats=stats,
+        wall_s=time.perf_counter() - started,
+        queue_wait_ms=tuple(r.queue_wait_s * 1e3 for r in sim.reqs),
+        late=tuple(r.late for r in sim.reqs),
     )
 
 

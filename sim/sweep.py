@@ -18,9 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from bench.prediction import prediction_error
-from bench.report import BenchReport, PlotUnavailableError, summarize
+from bench.report import BenchReport, PlotUnavailableError, RequestResult, slo_met, summarize
 from bench.workload import ArrivalProcess, WorkloadSpec, generate_requests, workload_to_dict
 from router.core.config import SchedulerConfig
+from router.core.queue import QueueConfig
 from sim.cluster import SimFleet, SimOutcome, SimStats, simulate
 from sim.fleet import fleet_to_dict
 
@@ -51,6 +52,9 @@ class SweepPoint:
     prediction_error: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     #: Whether the sweep compared calibrations (the label then names this one).
     compare_calibrations: bool = False
+    queue_policy: str = "none"
+    #: Router-queue and G figures, overall and per class (:func:`queue_figures`).
+    queue: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def label(self) -> str:
@@ -93,18 +97,21 @@ def run_sweep(
     on_run: Callable[[SweepPoint, int, int], None] | None = None,
     calibrations: Sequence[str] | None = None,
     warmup_requests: int = 0,
+    queues: Sequence[QueueConfig] = (QueueConfig(queue_policy="none"),),
 ) -> list[SweepPoint]:
-    """Every (rate, policy, calibration) run, rate-major; ``on_run(point, done, total)`` after each one.
+    """Every (rate, policy, calibration, queue policy) run, rate-major; ``on_run(point, done, total)``
+    after each one.
 
     ``calibrations`` (default: each policy's own ``calibration``) runs every
     policy once per calibration mode; ``warmup_requests`` leaves the first
-    requests of each run out of its prediction error.
+    requests of each run out of its prediction error; ``queues`` runs each
+    of those once per router-queue configuration.
     """
     if not workload.arrival.open_loop:
         raise ValueError("the simulator replays open-loop arrivals; convert the workload with open_loop()")
     points: list[SweepPoint] = []
     modes: Sequence[str | None] = list(calibrations) if calibrations else [None]
-    total = len(policies) * len(rates) * len(modes)
+    total = len(policies) * len(rates) * len(modes) * len(queues)
     for rate in rates:
         spec = workload.with_arrival(rate_per_s=rate)
         plans = generate_requests(spec, rng=seed, num_requests=num_requests)
@@ -113,13 +120,22 @@ def run_sweep(
                 config = (
                     policy.config if mode is None else dataclasses.replace(policy.config, calibration=mode)
                 )
-                outcome = simulate(fleet, config, plans, seed=seed)
-                point = _point(policy.label, rate, spec, outcome, config.calibration, warmup_requests)
-                if len(modes) > 1:
-                    point = dataclasses.replace(point, compare_calibrations=True)
-                points.append(point)
-                if on_run is not None:
-                    on_run(point, len(points), total)
+                for queue in queues:
+                    outcome = simulate(fleet, config, plans, seed=seed, queue=queue)
+                    point = _point(
+                        policy.label,
+                        rate,
+                        spec,
+                        outcome,
+                        config.calibration,
+                        warmup_requests,
+                        queue.queue_policy,
+                    )
+                    if len(modes) > 1:
+                        point = dataclasses.replace(point, compare_calibrations=True)
+                    points.append(point)
+                    if on_run is not None:
+                        on_run(point, len(points), total)
     return points
 
 
@@ -130,6 +146,7 @@ def _point(
     outcome: SimOutcome,
     calibration: str = "off",
     warmup_requests: int = 0,
+    queue_policy: str = "none",
 ) -> SweepPoint:
     report = summarize(outcome.results, outcome.duration_s, class_slos=spec.class_slos())
     return SweepPoint(
@@ -140,7 +157,53 @@ def _point(
         wall_s=outcome.wall_s,
         calibration=calibration,
         prediction_error=prediction_error(outcome.results, skip_first=warmup_requests),
+        queue_policy=queue_policy,
+        queue=queue_figures(outcome, report.duration_s, spec.class_names()),
     )
+
+
+def _percentile(values: Sequence[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    k = min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))
+    return ordered[k]
+
+
+def _figures(rows: Sequence[tuple[RequestResult, float, bool]], duration_s: float) -> dict[str, Any]:
+    n = len(rows)
+    met = sum(1 for r, _, _ in rows if slo_met(r))
+    # Every request's e2e counts in G's denominator (seed 000, eq. 3): a refused one adds the
+    # time until its refusal, so refusing is cheap for G; read it beside attainment.
+    latency_s = sum((r.e2e_ms or 0.0) for r, _, _ in rows) * 1e-3
+    ok = [r.e2e_ms for r, _, _ in rows if r.ok and r.e2e_ms is not None]
+    waits = [w for r, w, _ in rows if r.ok]
+    return {
+        "requests": n,
+        "slo_attainment": met / n if n else 0.0,
+        "goodput_rps": met / duration_s if duration_s > 0 else 0.0,
+        "rejected": sum(1 for r, _, _ in rows if not r.ok),
+        "late": sum(1 for _, _, late in rows if late),
+        "queue_wait_ms": {"p50": _percentile(waits, 0.5), "p99": _percentile(waits, 0.99)},
+        "mean_latency_ms": sum(ok) / len(ok) if ok else 0.0,
+        "g": met / latency_s if latency_s > 0 else 0.0,
+    }
+
+
+def queue_figures(outcome: SimOutcome, duration_s: float, classes: Sequence[str] = ()) -> dict[str, Any]:
+    """Attainment, goodput, refusals, late dispatches, queue waits (p50/p99 of served requests), mean
+    latency of served requests and G (SLO-meeting requests per second of summed e2e latency, over
+    every request), overall and in ``by_class``."""
+    # Outcomes of runs without a router queue (e.g. slice dispatch) carry no waits: all zero.
+    waits = getattr(outcome, "queue_wait_ms", ()) or (0.0,) * len(outcome.results)
+    late = getattr(outcome, "late", ()) or (False,) * len(outcome.results)
+    rows = list(zip(outcome.results, waits, late, strict=True))
+    figures = _figures(rows, duration_s)
+    names = list(dict.fromkeys([*classes, *(r.class_name for r in outcome.results)]))
+    figures["by_class"] = {
+        name: _figures([row for row in rows if row[0].class_name == name], duration_s) for name in names
+    }
+    return figures
 
 
 # --------------------------------------------------------------------------- JSON
@@ -150,12 +213,14 @@ def point_to_dict(point: SweepPoint) -> dict[str, Any]:
     """One run's figures: ``policy``, ``rate``, ``slo_attainment`` (0-1), ``goodput`` (req/s), latencies, ...
 
     Every key of :meth:`bench.report.ClassReport.flat` for all requests, plus
-    ``rejected`` (no placement), ``duration_s`` (virtual makespan), ``preemptions``
+    ``queue_policy``, ``rejected`` (refused: no placement, shed, expired or late
+    with ``--late-policy reject``), ``duration_s`` (virtual makespan), ``preemptions``
     (engine preemptions, all instances), ``mean_busy_instances`` (``{"prefill", "decode",
     "neutral"}``: time-average number of instances holding work of that kind, see
     :class:`sim.cluster.SimStats`), ``calibration`` (the router's online calibration mode),
     ``prediction_error`` (:func:`bench.prediction.prediction_error` after the warm-up), ``classes``
-    (the same figures per SLO class) and ``sim`` (step and event counts). No
+    (the same figures per SLO class), ``sim`` (step and event counts) and :func:`queue_figures`'
+    ``late``, ``queue_wait_ms`` (p50/p99), ``mean_latency_ms``, ``g`` and ``by_class``. No
     wall-clock figure: the document is a pure function of the inputs.
     """
     overall = point.report.overall.flat()
@@ -164,6 +229,7 @@ def point_to_dict(point: SweepPoint) -> dict[str, Any]:
         del overall[key]
     doc: dict[str, Any] = {
         "policy": point.policy,
+        "queue_policy": point.queue_policy,
         "rate": point.rate,
         "slo_attainment": overall.pop("slo_attainment"),
         "goodput": point.report.overall.goodput_rps,
@@ -181,6 +247,10 @@ def point_to_dict(point: SweepPoint) -> dict[str, Any]:
     doc.update(overall)
     doc["calibration"] = point.calibration
     doc["prediction_error"] = dict(point.prediction_error)
+    for key in ("late", "queue_wait_ms", "mean_latency_ms", "g", "by_class"):
+        if key in point.queue:
+            doc[key] = point.queue[key]
+    doc["goodput_rps"] = point.report.overall.goodput_rps
     doc["classes"] = {c.name: c.flat() for c in point.report.classes}
     doc["sim"] = dataclasses.asdict(point.stats)
     return doc
@@ -244,18 +314,20 @@ def format_sweep_table(points: Sequence[SweepPoint]) -> str:
         return "(no runs)"
     class_names = [c.name for c in points[0].report.classes]
     per_class = len(class_names) > 1
-    header = ["rate/s", "policy", "reqs", "rejected", "errors", "attain"]
+    header = ["rate/s", "policy", "queue", "reqs", "rejected", "late", "errors", "attain"]
     if per_class:
         header += [f"{name}" for name in class_names]
-    header += ["goodput/s", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "E2E p99"]
+    header += ["goodput/s", "G", "wait p99", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "E2E p99"]
     rows = [header]
     for p in points:
         o = p.report.overall
         row = [
             f"{p.rate:g}",
             p.label,
+            p.queue_policy,
             str(o.requests),
             str(p.stats.rejected),
+            str(p.queue.get("late", 0)),
             str(o.errors),
             _pct(o.slo_attainment),
         ]
@@ -267,6 +339,8 @@ def format_sweep_table(points: Sequence[SweepPoint]) -> str:
             ]
         row += [
             f"{o.goodput_rps:.2f}",
+            f"{p.queue.get('g', 0.0):.3f}",
+            _ms(p.queue.get("queue_wait_ms", {}).get("p99")),
             _ms(o.ttft.p50_ms),
             _ms(o.ttft.p99_ms),
             _ms(o.tpot.p50_ms),
@@ -280,13 +354,16 @@ def format_sweep_table(points: Sequence[SweepPoint]) -> str:
         if n >= 2 and points[n - 1].rate != points[n - 2].rate:
             lines.append("")  # a blank line between rates
         cells = [
-            c.ljust(w) if k == 1 else c.rjust(w) for k, (c, w) in enumerate(zip(row, widths, strict=True))
+            c.ljust(w) if k in (1, 2) else c.rjust(w)
+            for k, (c, w) in enumerate(zip(row, widths, strict=True))
         ]
         lines.append("  ".join(cells).rstrip())
     lines.append("")
     lines.append(
         "attain: share of requests meeting every target of their class (rejected ones miss); "
-        "goodput: such requests per virtual second; latencies in ms over completed requests"
+        "goodput: such requests per virtual second; G: such requests per second of summed e2e latency; "
+        "late: dispatched from the router queue after their TTFT target was out of reach; "
+        "latencies (and queue wait) in ms over completed requests"
     )
     return "\n".join(lines)
 
@@ -296,7 +373,7 @@ def format_prediction_table(points: Sequence[SweepPoint]) -> str:
     header = ["rate/s", "policy", "attain", "TTFT err p50", "p90", "bias", "TPOT err p50", "p90", "bias"]
     rows = [header]
     for p in points:
-        row = [f"{p.rate:g}", p.label, _pct(p.report.overall.slo_attainment)]
+        row = [f"{p.rate:g}", _label(p), _pct(p.report.overall.slo_attainment)]
         for key in ("ttft", "tpot"):
             s = p.prediction_error.get(key, {})
             row += [_pct(s.get("median")), _pct(s.get("p90")), _pct(s.get("bias"))]
@@ -319,6 +396,10 @@ def format_prediction_table(points: Sequence[SweepPoint]) -> str:
 # --------------------------------------------------------------------------- PNG
 
 
+def _label(point: SweepPoint) -> str:
+    return point.label if point.queue_policy == "none" else f"{point.label}+{point.queue_policy}"
+
+
 def plot_sweep(path: str | Path, points: Sequence[SweepPoint], title: str = "slo-router simulate") -> None:
     """A PNG with SLO attainment and goodput against the arrival rate, one line per policy.
 
@@ -333,9 +414,9 @@ def plot_sweep(path: str | Path, points: Sequence[SweepPoint], title: str = "slo
         ) from exc
     fig = Figure(figsize=(12, 4.8), layout="constrained")
     attain_ax, goodput_ax = fig.subplots(1, 2)
-    policies = list(dict.fromkeys(p.label for p in points))
+    policies = list(dict.fromkeys(_label(p) for p in points))
     for k, policy in enumerate(policies):
-        mine = sorted((p for p in points if p.label == policy), key=lambda p: p.rate)
+        mine = sorted((p for p in points if _label(p) == policy), key=lambda p: p.rate)
         rates = [p.rate for p in mine]
         style = {"marker": "o", "color": f"C{k % 10}", "label": policy}
         attain_ax.plot(rates, [100.0 * p.report.overall.slo_attainment for p in mine], **style)

@@ -13,12 +13,17 @@
     └── SchedulingError               no placement for this request, now
         ├── EmptyClusterError         no instance at all, or none usable (all without status, stale
         │                             or unschedulable): the fleet or the CMS is down
-        └── NoInstanceError           usable instances exist but none passed a stage's filters
-                                      (typically: none is predicted to meet the SLO)
+        ├── NoInstanceError           usable instances exist but none passed a stage's filters
+        │                             (typically: none is predicted to meet the SLO)
+        ├── QueueFullError            the router queue is full and this request was the least valuable
+        ├── QueueTimeoutError         a request waited in the router queue past ``--max-queue-wait-ms``
+        └── LateError                 a queued request can no longer meet its TTFT target
+                                      (``--late-policy reject``)
 
 The gRPC service maps them in one place; the intended codes are
 ``InvalidRequestError`` → ``INVALID_ARGUMENT``, ``DuplicateRequestError`` →
-``ALREADY_EXISTS``, ``NoInstanceError`` → ``RESOURCE_EXHAUSTED``,
+``ALREADY_EXISTS``, ``NoInstanceError``, ``QueueFullError`` and ``QueueTimeoutError`` →
+``RESOURCE_EXHAUSTED``, ``LateError`` → ``DEADLINE_EXCEEDED``,
 ``EmptyClusterError`` and ``RetriesExhaustedError`` → ``UNAVAILABLE``
 (``ConfigError`` never reaches a request: it is raised at start-up). Every
 message says what to fix.
@@ -121,3 +126,15 @@ class NoInstanceError(SchedulingError):
         self.drops = dict(drops)
         self.misses = misses
         self.healthy_candidates = healthy_candidates
+
+
+class QueueFullError(SchedulingError):
+    """The router queue is full and this request was the least valuable one: it was shed."""
+
+
+class QueueTimeoutError(SchedulingError):
+    """A request waited in the router queue longer than ``max_queue_wait_ms``."""
+
+
+class LateError(SchedulingError):
+    """A queued request can no longer meet its TTFT target and ``late_policy`` is ``reject``."""

@@ -55,7 +55,13 @@ class ScheduleInput:
     """What the scheduler needs to know about one request.
 
     SLO fields are the request's own targets; 0 means "use the router's
-    default" (``SchedulerConfig.ttft_slo_ms`` / ``tpot_slo_ms``).
+    default" (``SchedulerConfig.ttft_slo_ms`` / ``tpot_slo_ms``), except
+    ``e2e_slo_ms`` where 0 means "no end-to-end target". A request with only an
+    e2e target gets TTFT and TPOT targets derived from it
+    (:func:`router.core.queue.resolve_targets`). Token counts use 0 for
+    "unknown". ``arrival_s`` (the caller's clock, same as ``now_s``) makes the
+    TTFT target the *remaining* budget at decision time; ``None`` schedules
+    against the whole target (as if the request had just arrived).
     """
 
     request_id: str
@@ -74,6 +80,12 @@ class ScheduleInput:
     expected_output_tokens: int = 0
     #: The request's own output limit in tokens; 0 = unknown.
     max_tokens: int = 0
+    #: Higher is more important (``GenerateRequest.priority``).
+    priority: int = 0
+    #: The request's class label (``GenerateRequest.slo_class``); "" = none.
+    slo_class: str = ""
+    #: When the request reached the router (s, the scheduler's clock); None = unknown.
+    arrival_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.prompt_tokens < 0:
@@ -85,3 +97,48 @@ class ScheduleInput:
             value = getattr(self, name)
             if not (value >= 0 and value != float("inf")):
                 raise InvalidRequestError(f"{name} must be finite and >= 0 (0 = router default), got {value}")
+
+    @property
+    def output_tokens_estimate(self) -> int:
+        """Expected generated tokens: ``expected_output_tokens``, else ``max_tokens``, else 0."""
+        return self.expected_output_tokens or self.max_tokens
+
+
+# --------------------------------------------------------------------------- targets
+
+
+@dataclass(frozen=True)
+class Targets:
+    """A request's targets in force (ms): TTFT (the remaining budget when ``arrival_s`` is known), TPOT, e2e (0 = none)."""
+
+    ttft_ms: float
+    tpot_ms: float
+    e2e_ms: float
+    #: The whole TTFT target, before subtracting the time already spent (ms).
+    full_ttft_ms: float
+
+
+def resolve_targets(
+    request: ScheduleInput, default_ttft_ms: float, default_tpot_ms: float, now_s: float | None = None
+) -> Targets:
+    """The TTFT and TPOT targets ``request`` is scheduled against.
+
+    Own targets win over the defaults. A request with only an e2e target gets
+    a TTFT target from it: what is left after its expected output tokens at
+    half the default TPOT, but at least a quarter of the e2e target and at most
+    the default TTFT. Its TPOT stays the default here; the pace its deadline
+    needs is packing's business (:func:`router.core.packing.packing_tpot_target_ms`).
+    With ``now_s`` and ``request.arrival_s`` the TTFT target is the budget
+    still left (may be <= 0: nothing can meet it).
+    """
+    e2e = request.e2e_slo_ms
+    if e2e > 0 and request.ttft_slo_ms == 0 and request.tpot_slo_ms == 0:
+        n = max(request.output_tokens_estimate, 1)
+        ttft = min(default_ttft_ms, max(e2e / 4.0, e2e - n * default_tpot_ms / 2.0))
+    else:
+        ttft = request.ttft_slo_ms or default_ttft_ms
+    tpot = request.tpot_slo_ms or default_tpot_ms
+    full = ttft
+    if now_s is not None and request.arrival_s is not None:
+        ttft -= (now_s - request.arrival_s) * 1e3
+    return Targets(ttft, tpot, e2e, full)

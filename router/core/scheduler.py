@@ -34,7 +34,7 @@ from router.core.plugins import DecisionContext, Metric, Policy
 from router.core.policies import build_policy
 from router.core.predictors import PredictorSet
 from router.core.registry import METRICS
-from router.core.request import ScheduleInput
+from router.core.request import ScheduleInput, Targets, resolve_targets
 from router.core.rng import ForkOnFirstDraw
 from router.core.view import ViewBuilder
 
@@ -99,19 +99,25 @@ class Scheduler:
         return self.views.build(snapshot, self.inflight, now_s)
 
     def context(
-        self, view: ClusterView, request: ScheduleInput | None, *, rng: random.Random | None = None
+        self,
+        view: ClusterView,
+        request: ScheduleInput | None,
+        now_s: float | None = None,
+        targets: Targets | None = None,
+        *,
+        rng: random.Random | None = None,
     ) -> DecisionContext:
-        """A decision context for ``request`` (``None``: metrics without a request, e.g. for observability)."""
-        ttft = (
-            request.ttft_slo_ms
-            if request is not None and request.ttft_slo_ms > 0
-            else self.config.ttft_slo_ms
-        )
-        tpot = (
-            request.tpot_slo_ms
-            if request is not None and request.tpot_slo_ms > 0
-            else self.config.tpot_slo_ms
-        )
+        """A decision context for ``request`` (``None``: metrics without a request, e.g. for observability).
+
+        The targets are :func:`~router.core.request.resolve_targets`'s (the
+        remaining TTFT budget when ``now_s`` and the request's arrival are known),
+        or ``targets`` when given (the router queue bounds them itself).
+        """
+        ttft, tpot = self.config.ttft_slo_ms, self.config.tpot_slo_ms
+        if request is not None and targets is None:
+            targets = resolve_targets(request, ttft, tpot, now_s)
+        if targets is not None:
+            ttft, tpot = targets.ttft_ms, targets.tpot_ms
         return DecisionContext(
             view,
             request,
@@ -130,6 +136,7 @@ class Scheduler:
         now_s: float,
         *,
         dry_run: bool = False,
+        targets: Targets | None = None,
     ) -> Decision:
         """Place ``request``; raises :class:`~router.core.errors.SchedulingError` when it cannot.
 
@@ -142,12 +149,12 @@ class Scheduler:
         else:
             view = self.view(view_or_snapshot, now_s)
         if not dry_run:
-            ctx = self.context(view, request)
+            ctx = self.context(view, request, now_s, targets)
             decision = chain.run(self.policy, ctx, now_s)
             ctx.commit()
         else:
             # Same draws as a real decision would see, without consuming them.
-            ctx = self.context(view, request, rng=ForkOnFirstDraw(self.rng))
+            ctx = self.context(view, request, now_s, targets, rng=ForkOnFirstDraw(self.rng))
             decision = chain.run(self.policy, ctx, now_s)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(

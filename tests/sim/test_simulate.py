@@ -232,8 +232,8 @@ def test_cli_smoke_prints_a_table_and_draws_a_png(tmp_path: Path, capsys: pytest
     assert "rate/s" in stdout and "TTFT p99" in stdout and "[6/6]" in stderr
     table = stdout.split("attain: share")[0]  # the policy table (the prediction-error table follows it)
     rows = [line.split() for line in table.splitlines() if line.split()[:1] in (["2"], ["5"])]
-    assert [(row[0], row[1], row[2]) for row in rows] == [
-        (rate, name, "40") for rate in ("2", "5") for name in POLICIES.split(",")
+    assert [(row[0], row[1], row[2], row[3]) for row in rows] == [
+        (rate, name, "edf", "40") for rate in ("2", "5") for name in POLICIES.split(",")
     ]
     assert png.read_bytes()[:4] == b"\x89PNG"
 

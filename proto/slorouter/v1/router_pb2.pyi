@@ -30,6 +30,7 @@ class GenerateRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _builtins.int
     SLO_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
+    SLO_CLASS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Optional; the router assigns one when empty. Must be unique among the
     requests in flight at this router.
@@ -39,6 +40,13 @@ class GenerateRequest(_message.Message):
     prompt: _builtins.str
     """Exactly one of prompt / prompt_token_ids is non-empty."""
     priority: _builtins.int
+    """Higher is more important: it orders the router queue (--queue-policy
+    priority) and decides which request a full queue sheds.
+    """
+    slo_class: _builtins.str
+    """Optional class label (letters, digits, '_', '.', '-'; at most 64 bytes);
+    the router's metrics are labelled by it (distinct labels are bounded).
+    """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -55,10 +63,11 @@ class GenerateRequest(_message.Message):
         sampling: _common_pb2.SamplingParams | None = ...,
         slo: _common_pb2.SloTarget | None = ...,
         priority: _builtins.int = ...,
+        slo_class: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling", "slo", b"slo"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["model", b"model", "priority", b"priority", "prompt", b"prompt", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling", "slo", b"slo"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["model", b"model", "priority", b"priority", "prompt", b"prompt", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling", "slo", b"slo", "slo_class", b"slo_class"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -105,6 +114,8 @@ class Usage(_message.Message):
     TPOT_MS_FIELD_NUMBER: _builtins.int
     E2E_MS_FIELD_NUMBER: _builtins.int
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    QUEUE_WAIT_MS_FIELD_NUMBER: _builtins.int
+    LATE_FIELD_NUMBER: _builtins.int
     prompt_tokens: _builtins.int
     completion_tokens: _builtins.int
     ttft_ms: _builtins.float
@@ -116,6 +127,12 @@ class Usage(_message.Message):
     """Prompt tokens the decode instance did not recompute (KV transferred from
     the prefill instance, or prefix-cached there).
     """
+    queue_wait_ms: _builtins.float
+    """Time the request waited in the router queue before it was dispatched."""
+    late: _builtins.bool
+    """It left the router queue when its TTFT target was already out of reach
+    (served best-effort under --late-policy serve): it counts as a miss.
+    """
     def __init__(
         self,
         *,
@@ -125,10 +142,12 @@ class Usage(_message.Message):
         tpot_ms: _builtins.float = ...,
         e2e_ms: _builtins.float = ...,
         cached_prompt_tokens: _builtins.int = ...,
+        queue_wait_ms: _builtins.float = ...,
+        late: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_prompt_tokens", b"cached_prompt_tokens", "completion_tokens", b"completion_tokens", "e2e_ms", b"e2e_ms", "prompt_tokens", b"prompt_tokens", "tpot_ms", b"tpot_ms", "ttft_ms", b"ttft_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_prompt_tokens", b"cached_prompt_tokens", "completion_tokens", b"completion_tokens", "e2e_ms", b"e2e_ms", "late", b"late", "prompt_tokens", b"prompt_tokens", "queue_wait_ms", b"queue_wait_ms", "tpot_ms", b"tpot_ms", "ttft_ms", b"ttft_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -281,9 +300,20 @@ class ScheduleResponse(_message.Message):
     TRACE_FIELD_NUMBER: _builtins.int
     POLICY_FIELD_NUMBER: _builtins.int
     MODE_FIELD_NUMBER: _builtins.int
+    QUEUED_FIELD_NUMBER: _builtins.int
+    QUEUE_POSITION_FIELD_NUMBER: _builtins.int
+    QUEUE_REASON_FIELD_NUMBER: _builtins.int
     policy: _builtins.str
     mode: _builtins.str
     """"pd" | "neutral" """
+    queued: _builtins.bool
+    """No instance may take the request now: Generate would queue it in the
+    router (prefill/decode/trace are then empty).
+    """
+    queue_position: _builtins.int
+    """Its 0-based place in the queue's order, when queued."""
+    queue_reason: _builtins.str
+    """Why it would wait (the best prediction against the bound), when queued."""
     @_builtins.property
     def prefill(self) -> Global___InstanceChoice:
         """In neutral mode both hold the same instance."""
@@ -302,10 +332,13 @@ class ScheduleResponse(_message.Message):
         trace: _abc.Iterable[Global___CandidateTrace] | None = ...,
         policy: _builtins.str = ...,
         mode: _builtins.str = ...,
+        queued: _builtins.bool = ...,
+        queue_position: _builtins.int = ...,
+        queue_reason: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["decode", b"decode", "prefill", b"prefill"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode", b"decode", "mode", b"mode", "policy", b"policy", "prefill", b"prefill", "trace", b"trace"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode", b"decode", "mode", b"mode", "policy", b"policy", "prefill", b"prefill", "queue_position", b"queue_position", "queue_reason", b"queue_reason", "queued", b"queued", "trace", b"trace"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

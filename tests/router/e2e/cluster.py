@@ -18,6 +18,7 @@ from cms.reader import open_reader
 from cms.server import CmsServer, start_cms_server
 from predictor import LatencyPredictor
 from router.core.config import SchedulerConfig
+from router.core.queue import QueueConfig
 from router.core.scheduler import Scheduler
 from router.core.slicing import SliceConfig
 from router.server import RouterServer, start_router_server
@@ -77,6 +78,7 @@ async def embedded_cluster(
     seed: int = 0,
     slice_config: SliceConfig | None = None,
     http: bool = False,
+    queue: QueueConfig | None = None,
 ) -> AsyncIterator[Cluster]:
     store = MemoryStore()
     cms = await start_cms_server(store, "127.0.0.1:0", lease_ttl_s=2.0)
@@ -116,6 +118,7 @@ async def embedded_cluster(
             service_config=service or ServiceConfig(max_retries=2, prefill_timeout_s=10, stream_timeout_s=30),
             slice_config=slice_config,
             http_listen="127.0.0.1:0" if http else "",
+            queue_config=queue,
         )
         channel = grpc.aio.insecure_channel(router.address)
         cluster = Cluster(cms, store, workers, engines, router, channel, router_pb2_grpc.RouterStub(channel))

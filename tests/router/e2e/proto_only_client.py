@@ -1,10 +1,11 @@
 """A Router client built from the .proto files alone (run as a script by the `up` test).
 
-    python proto_only_client.py GENERATED_DIR ROUTER_ADDR NUM_REQUESTS CONCURRENCY
+    python proto_only_client.py GENERATED_DIR ROUTER_ADDR NUM_REQUESTS CONCURRENCY [PROMPT_TOKENS]
 
 GENERATED_DIR holds modules generated from proto/slorouter/v1/*.proto by the
-test; nothing of the project is imported. Prints one JSON line with the
-outcome of every stream.
+test; nothing of the project is imported. PROMPT_TOKENS fixes every prompt's
+length (default: 16 to 315 tokens). Prints one JSON line with the outcome of
+every stream, and the error codes seen.
 """
 
 import asyncio
@@ -12,6 +13,7 @@ import json
 import sys
 
 GENERATED, TARGET, NUM, CONCURRENCY = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+PROMPT_TOKENS = int(sys.argv[5]) if len(sys.argv) > 5 else 0
 sys.path.insert(0, GENERATED)
 
 import grpc  # noqa: E402
@@ -24,7 +26,7 @@ async def one(stub, i):
     max_tokens = 8 + i % 24
     request = router_pb2.GenerateRequest(
         request_id=f"proto-only-{i}",
-        prompt_token_ids=[(i * 31 + k) % 250 + 1 for k in range(16 + (i * 37) % 300)],
+        prompt_token_ids=[(i * 31 + k) % 250 + 1 for k in range(PROMPT_TOKENS or 16 + (i * 37) % 300)],
         sampling=common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True),
     )
     problems = []
@@ -35,7 +37,7 @@ async def one(stub, i):
             messages.append(message)
             tokens += len(message.token_ids)
     except grpc.aio.AioRpcError as exc:
-        return {"ok": False, "problems": [f"{exc.code().name}: {exc.details()}"]}
+        return {"ok": False, "problems": [f"{exc.code().name}: {exc.details()}"], "code": exc.code().name}
     if tokens != max_tokens:
         problems.append(f"{tokens} tokens, wanted {max_tokens}")
     if not messages or not messages[0].HasField("route"):
@@ -69,6 +71,7 @@ async def main():
                 "total": len(results),
                 "ok": sum(r["ok"] for r in results),
                 "problems": [p for r in results for p in r["problems"]][:20],
+                "codes": sorted({r["code"] for r in results if "code" in r}),
             }
         )
     )

@@ -23,6 +23,7 @@ import httpx2 as httpx
 import openai
 import pytest
 
+from router.core.queue import QueueConfig
 from tests.router.e2e.cluster import Cluster, embedded_cluster
 from workers import vllm_process
 
@@ -152,7 +153,8 @@ async def test_stop_string_ends_the_completion() -> None:
 
 
 async def test_slo_headers_are_honoured_and_counted_per_class() -> None:
-    async with http_cluster(prefill=1, decode=1) as (_, client, base):
+    # Instant refusal (no router queue): the unmeetable request below is refused at once.
+    async with http_cluster(prefill=1, decode=1, queue=QueueConfig(queue_policy="none")) as (_, client, base):
         await client.completions.create(
             model=MODEL,
             prompt="x" * 32,

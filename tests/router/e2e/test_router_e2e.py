@@ -8,6 +8,7 @@ import grpc
 import pytest
 from slorouter.v1 import common_pb2, router_pb2
 
+from router.core.queue import QueueConfig
 from tests.router.e2e.cluster import collect, embedded_cluster, generate_request
 
 
@@ -217,12 +218,30 @@ async def test_empty_fleet_is_unavailable() -> None:
         assert "no instances" in (info.value.details() or "")
 
 
-async def test_unmeetable_slo_is_resource_exhausted() -> None:
-    async with embedded_cluster(prefill=1, decode=1) as cluster:
+async def test_unmeetable_slo_is_resource_exhausted_without_a_queue() -> None:
+    async with embedded_cluster(prefill=1, decode=1, queue=QueueConfig(queue_policy="none")) as cluster:
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await collect(cluster.stub, generate_request(2000, 4, ttft_ms=1.0))
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "prefill" in (info.value.details() or "")
+
+
+async def test_unmeetable_slo_is_served_late_by_the_default_queue() -> None:
+    async with embedded_cluster(prefill=1, decode=1) as cluster:
+        result = await collect(cluster.stub, generate_request(2000, 4, ttft_ms=1.0))
+        assert len(result.tokens) == 4
+        assert result.last.usage.late
+        assert result.last.usage.ttft_ms > 1.0
+
+
+async def test_unmeetable_slo_is_deadline_exceeded_with_late_policy_reject() -> None:
+    queue = QueueConfig(late_policy="reject")
+    async with embedded_cluster(prefill=1, decode=1, queue=queue) as cluster:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await collect(cluster.stub, generate_request(2000, 4, ttft_ms=1.0))
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        details = info.value.details() or ""
+        assert "TTFT target of 1 ms" in details and "best predicted TTFT" in details
 
 
 async def test_pd_usage_reports_the_prompt_tokens_the_decode_side_pulled() -> None:
@@ -232,3 +251,27 @@ async def test_pd_usage_reports_the_prompt_tokens_the_decode_side_pulled() -> No
     async with embedded_cluster(neutral=1) as cluster:
         result = await collect(cluster.stub, generate_request(200, 6))
         assert result.last.usage.cached_prompt_tokens == 0
+
+
+async def test_schedule_says_when_a_request_would_wait_in_the_queue() -> None:
+    async with embedded_cluster(prefill=1, decode=1) as cluster:
+        ready = await cluster.stub.Schedule(router_pb2.ScheduleRequest(request=generate_request(64, 4)))
+        assert not ready.queued and ready.prefill.instance_id == "prefill-0"
+        waits = await cluster.stub.Schedule(
+            router_pb2.ScheduleRequest(request=generate_request(2000, 4, ttft_ms=1.0))
+        )
+        assert waits.queued and waits.queue_position == 0
+        assert "predicted_ttft" in waits.queue_reason and not waits.prefill.instance_id
+
+
+async def test_slo_class_is_bounded() -> None:
+    async with embedded_cluster(prefill=1, decode=1) as cluster:
+        request = generate_request(64, 4)
+        request.slo_class = "x" * 65
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await collect(cluster.stub, request)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "slo_class" in (info.value.details() or "")
+        request.slo_class = "chat"
+        result = await collect(cluster.stub, request)
+        assert len(result.tokens) == 4 and not result.last.usage.late

@@ -1,0 +1,205 @@
+"""Admission: requests no instance can take now wait in the router queue, and leave it on events.
+
+:class:`Admission` wraps the :class:`~router.placement.Placer` with the pure
+:class:`~router.core.queue.RouterQueue`. ``place`` queues the request and
+offers the queue to the scheduler at once; a request that is not placed waits
+on a future. The queue is offered again only when something changed that could
+let an instance take a request — a new cluster view (the reader's listener), a
+request ending at the router (its in-flight load leaves), a cancel, a new
+arrival — plus one timer for the earliest moment an entry expires or turns late
+by the clock alone. There is no per-request polling loop: a pump is one
+synchronous pass, coalesced with ``call_soon``.
+
+``queue_policy=none`` bypasses all of it (the old instant refusal).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from router.core.errors import QueueFullError, RouterError
+from router.core.queue import QueueConfig, QueueEntry, QueuePolicy, RouterQueue, Verdict, offer
+from router.core.request import ScheduleInput
+from router.placement import PlacementRequest, Placer
+from router.route import Route
+from router.telemetry import RequestObserver
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """A placed request: its route, how long it waited in the router, and whether it left the queue late."""
+
+    route: Route
+    waited_s: float = 0.0
+    late: bool = False
+
+
+class Admission:
+    """Places requests through the router queue (see the module doc)."""
+
+    def __init__(
+        self,
+        placer: Placer,
+        config: QueueConfig,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        observer: RequestObserver | None = None,
+        max_failures: int = 8,
+    ) -> None:
+        self.placer = placer
+        self.config = config
+        sched = placer.scheduler.config
+        self.queue = RouterQueue(config, sched.ttft_slo_ms, sched.tpot_slo_ms)
+        self._clock = clock
+        self._observer = observer or RequestObserver()
+        self._max_failures = max_failures
+        self._pump_pending = False
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = float("inf")
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.config.policy is not QueuePolicy.NONE
+
+    # ------------------------------------------------------------------ the request side
+
+    async def place(self, req: PlacementRequest, *, exclude: frozenset[str] = frozenset()) -> Admitted:
+        """A route for ``req``: at once, after waiting in the queue, or a :class:`SchedulingError`."""
+        if not self.enabled:
+            return Admitted(self.placer.place(req, exclude=exclude))
+        loop = asyncio.get_running_loop()
+        self._loop = loop
+        now = self._clock()
+        request = self.placer.schedule_input(req, exclude=exclude)
+        self.queue.observe_arrival(request)
+        future: asyncio.Future[Admitted] = loop.create_future()
+        entry, shed = self.queue.push(request, now, token=future)
+        self._observer.queue_changed(request, +1)
+        for victim in shed:
+            self._shed(victim)
+        self._pump()
+        try:
+            return await future
+        except asyncio.CancelledError:
+            if self.queue.remove(req.request_id) is not None:
+                self._observer.queue_changed(entry.request, -1)
+                self.notify()
+            raise
+
+    def release(self, request_id: str) -> None:
+        """``request_id`` ended at the router: its load leaves, which may let a queued request go."""
+        self.placer.release(request_id)
+        if self.enabled and len(self.queue):
+            self.notify()
+
+    def notify(self) -> None:
+        """Something changed (view, in-flight load, queue): offer the queue once, soon."""
+        if self._pump_pending or not len(self.queue):
+            return
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        self._pump_pending = True
+        loop.call_soon(self._pump)
+
+    # ------------------------------------------------------------------ the pump
+
+    def _shed(self, victim: QueueEntry) -> None:
+        self._observer.queue_changed(victim.request, -1)
+        self._observer.queue_event("shed")
+        future: asyncio.Future[Admitted] = victim.token
+        if not future.done():
+            future.set_exception(
+                QueueFullError(
+                    f"the router queue is full ({self.config.max_queue_size} requests, --max-queue-size) and "
+                    f"request {victim.request_id!r} (priority {victim.request.priority}) was the least valuable; "
+                    "retry later or raise its priority"
+                )
+            )
+
+    def _pump(self) -> None:
+        self._pump_pending = False
+        if not len(self.queue):
+            return
+        try:
+            self._offer()
+        except Exception as exc:  # a bug must not leave clients waiting forever: fail what is queued
+            logger.exception("router queue pass failed; refusing the %d queued request(s)", len(self.queue))
+            for entry in list(self.queue.entries()):
+                self.queue.remove(entry.request_id)
+                self._observer.queue_changed(entry.request, -1)
+                if not entry.token.done():
+                    entry.token.set_exception(RouterError(f"router queue failure: {exc}"))
+
+    def _offer(self) -> None:
+        now = self._clock()
+        started = time.perf_counter()
+        for result in offer(
+            self.queue, self.placer.scheduler, self.placer.snapshot, now, max_failures=self._max_failures
+        ):
+            entry = result.entry
+            future: asyncio.Future[Admitted] = entry.token
+            if result.verdict in (Verdict.DISPATCH, Verdict.WAIT):
+                # The time of the decision that produced this verdict (the generator ran it since the last one).
+                self._observer.scheduled(time.perf_counter() - started)
+            started = time.perf_counter()
+            if result.verdict is Verdict.WAIT:
+                continue
+            if result.verdict is Verdict.LATE:
+                self._observer.queue_event("late")
+                continue
+            self._observer.queue_changed(entry.request, -1)
+            waited = now - entry.enqueued_s
+            if result.verdict is Verdict.DISPATCH:
+                assert result.decision is not None
+                if future.done():  # cancelled meanwhile: nothing may stay recorded for it
+                    continue
+                route = self.placer.commit(result.decision, now)
+                self._observer.queue_waited(waited)
+                future.set_result(Admitted(route, waited, entry.late))
+                continue
+            self._observer.queue_event("expired" if result.verdict is Verdict.EXPIRED else "rejected")
+            if not future.done() and result.error is not None:
+                future.set_exception(result.error)
+        self._arm_timer(now)
+
+    def _arm_timer(self, now: float) -> None:
+        """Wake at the first moment an entry expires or turns late without any other event."""
+        when = float("inf")
+        oldest = self.queue.oldest_enqueued_s()
+        if oldest is not None:
+            when = oldest + self.config.max_queue_wait_ms * 1e-3
+        earliest = self.queue.earliest_ttft_deadline_s()
+        if earliest is not None:
+            when = min(when, earliest)
+        loop = self._loop
+        if loop is None or when == float("inf"):
+            return
+        if self._timer is not None and self._timer_at <= when and not self._timer.cancelled():
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_at = when
+        self._timer = loop.call_later(max(when - now, 0.0) + 1e-3, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._timer_at = float("inf")
+        self._pump()
+
+    def position(self, request: ScheduleInput) -> int:
+        """Where ``request`` would stand in the queue now."""
+        return self.queue.position_of_new(request, self._clock())
+
+    def close(self) -> None:
+        """Cancel the timer (the server is stopping)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None

@@ -1,0 +1,635 @@
+"""The router queue: which waiting request goes next, which one is shed, and how much an instance may take.
+
+Pure and synchronous: every method takes ``now_s`` from the caller (the
+router's clock, or the simulator's virtual clock). The async waiting lives in
+the shell (:mod:`router.admission`); the simulator drives the same object in
+virtual time (:mod:`sim.cluster`).
+
+A request that no instance can take now waits here instead of being refused
+(``queue_policy`` ``none`` keeps the old instant refusal). Entries are *on
+time* (their TTFT target can still be met on the best instance) or *late*
+(it cannot; the caller found out by trying). On-time entries are offered to
+the scheduler in policy order:
+
+* ``fcfs`` — arrival order;
+* ``edf`` — earliest deadline first: the TTFT deadline (arrival + TTFT
+  target), or the completion deadline (arrival + e2e target) for a request
+  with only an e2e target;
+* ``priority`` — higher priority first, then the ``edf`` deadline.
+
+Late entries come after every on-time one, oldest first (``late_policy``
+``serve``), or are ended by the caller (``reject``).
+
+Under ``priority``, release control is per priority: a request counts only
+the entries and arrivals of its priority or higher, and yields to higher
+priorities (at most ``priority_headroom`` × their tightest target). Under
+``edf`` a request whose TTFT target is looser than the tightest recent one
+yields the same way: urgency stands in for priority.
+
+Release control (:meth:`RouterQueue.release_limit_ms`): an instance is offered
+work only while its predicted TTFT for the next request stays under the
+tightest TTFT budget among the on-time entries and the targets of the last
+``release_window_requests`` arrivals. So once the fleet is loaded past that
+budget, loose requests wait here (in deadline order) instead of in an engine's
+FCFS waiting list, and a tight request arriving later still finds short engine
+queues: the queue, not the engines, decides the order.
+
+Shedding (:meth:`RouterQueue.push` on a full queue): the least valuable entry
+goes: lowest priority, then late before on-time, then the one with the most
+slack (latest deadline), then the newest. It may be the newcomer.
+"""
+
+from __future__ import annotations
+
+import bisect
+import enum
+import math
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from fleet.snapshot import ClusterSnapshot
+from router.core.columns import ClusterView
+from router.core.decision import Decision
+from router.core.errors import (
+    ConfigError,
+    EmptyClusterError,
+    LateError,
+    NoInstanceError,
+    QueueTimeoutError,
+    SchedulingError,
+)
+from router.core.request import ScheduleInput, Stage, resolve_targets
+from router.core.scheduler import Scheduler
+
+
+class QueuePolicy(str, enum.Enum):
+    """How waiting requests are ordered (``none``: nothing waits; a request no instance takes is refused)."""
+
+    NONE = "none"
+    FCFS = "fcfs"
+    EDF = "edf"
+    PRIORITY = "priority"
+
+
+class LatePolicy(str, enum.Enum):
+    """What happens to a queued request that can no longer meet its TTFT target on any instance."""
+
+    SERVE = "serve"
+    REJECT = "reject"
+
+
+def _doc(doc: str, flag: str) -> dict[str, Any]:
+    return {"doc": doc, "flag": flag}
+
+
+@dataclass(frozen=True)
+class QueueConfig:
+    """The router queue's knobs (flags of ``slo-router router``/``up``; ``simulate`` takes the policy per run)."""
+
+    queue_policy: str = field(
+        default="edf",
+        metadata=_doc(
+            "order of requests waiting in the router: none (refuse at once), fcfs, edf or priority",
+            "--queue-policy",
+        ),
+    )
+    max_queue_size: int = field(
+        default=4096,
+        metadata=_doc(
+            "most requests waiting in the router; a full queue sheds the least valuable", "--max-queue-size"
+        ),
+    )
+    max_queue_wait_ms: float = field(
+        default=60000.0,
+        metadata=_doc(
+            "a request waiting longer than this (ms) is refused with RESOURCE_EXHAUSTED",
+            "--max-queue-wait-ms",
+        ),
+    )
+    late_policy: str = field(
+        default="serve",
+        metadata=_doc(
+            "a queued request that can no longer meet its TTFT target: serve it best-effort, or reject it "
+            "(DEADLINE_EXCEEDED)",
+            "--late-policy",
+        ),
+    )
+    release_window_requests: int = field(
+        default=64,
+        metadata=_doc(
+            "release control: the tightest TTFT target among this many latest arrivals caps what an "
+            "instance is offered (requests; 0 = queued requests only)",
+            "--release-window-requests",
+        ),
+    )
+
+    priority_headroom: float = field(
+        default=0.5,
+        metadata=_doc(
+            "a request yielding to more important traffic (higher priority under the priority policy; "
+            "any on-time request when it is late) goes only where the predicted TTFT stays under this "
+            "fraction of that traffic's tightest target (ratio)",
+            "--priority-headroom",
+        ),
+    )
+
+    def __post_init__(self) -> None:
+        def bad(name: str, why: str) -> ConfigError:
+            return ConfigError(f"{name}={getattr(self, name)!r}: {why}")
+
+        if not 0 < self.priority_headroom <= 1:
+            raise bad("priority_headroom", "must be within (0, 1]")
+        if self.queue_policy not in {p.value for p in QueuePolicy}:
+            raise bad("queue_policy", f"must be one of {', '.join(p.value for p in QueuePolicy)}")
+        if self.late_policy not in {p.value for p in LatePolicy}:
+            raise bad("late_policy", f"must be one of {', '.join(p.value for p in LatePolicy)}")
+        if not 1 <= self.max_queue_size <= 1_000_000:
+            raise bad("max_queue_size", "must be within 1..1000000 requests")
+        if not (self.max_queue_wait_ms > 0 and math.isfinite(self.max_queue_wait_ms)):
+            raise bad("max_queue_wait_ms", "must be a finite number of ms > 0")
+        if not 0 <= self.release_window_requests <= 100_000:
+            raise bad("release_window_requests", "must be within 0..100000")
+
+    @property
+    def policy(self) -> QueuePolicy:
+        return QueuePolicy(self.queue_policy)
+
+    @property
+    def late(self) -> LatePolicy:
+        return LatePolicy(self.late_policy)
+
+    @classmethod
+    def doc(cls, name: str) -> str:
+        """The one-line doc of field ``name``."""
+        for f in cls.__dataclass_fields__.values():
+            if f.name == name:
+                return str(f.metadata.get("doc", ""))
+        raise KeyError(name)
+
+    @classmethod
+    def flags(cls) -> dict[str, str]:
+        """Field name -> the command-line flag that sets it (``max_queue_size`` -> ``--max-queue-size``)."""
+        return {f.name: str(f.metadata["flag"]) for f in cls.__dataclass_fields__.values()}
+
+    @classmethod
+    def add_arguments(cls, parser: Any) -> None:
+        """One flag per field, helped by its doc."""
+        choices = {
+            "queue_policy": [p.value for p in QueuePolicy],
+            "late_policy": [p.value for p in LatePolicy],
+        }
+        kinds = {"int": int, "float": float}
+        for f in cls.__dataclass_fields__.values():
+            parser.add_argument(
+                f.metadata["flag"],
+                type=kinds.get(str(f.type), str),
+                default=f.default,
+                choices=choices.get(f.name),
+                help=f"{f.metadata['doc']} (default: %(default)s)",
+            )
+
+    @classmethod
+    def from_namespace(cls, ns: Any, **overrides: Any) -> QueueConfig:
+        """Build from parsed flags (missing attributes keep their defaults; ``overrides`` win)."""
+        values: dict[str, Any] = {}
+        for f in cls.__dataclass_fields__.values():
+            dest = str(f.metadata["flag"]).lstrip("-").replace("-", "_")
+            if hasattr(ns, dest):
+                values[f.name] = getattr(ns, dest)
+        values.update(overrides)
+        return cls(**values)
+
+
+@dataclass(eq=False)
+class QueueEntry:
+    """One waiting request. ``late`` flips once the caller finds its TTFT target out of reach."""
+
+    request: ScheduleInput
+    #: Arrival order at the queue (ties and FCFS).
+    seq: int
+    enqueued_s: float
+    #: The EDF deadline (s): TTFT deadline, or completion deadline for an e2e-only request.
+    deadline_s: float
+    #: Arrival + the whole TTFT target (s).
+    ttft_deadline_s: float
+    late: bool = False
+    #: Opaque slot for the caller (the shell's future, the simulator's index).
+    token: Any = None
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+
+class _Sorted:
+    """Keys kept sorted (bisect); membership by exact key."""
+
+    __slots__ = ("keys",)
+
+    def __init__(self) -> None:
+        self.keys: list[tuple[Any, ...]] = []
+
+    def add(self, key: tuple[Any, ...]) -> None:
+        bisect.insort(self.keys, key)
+
+    def discard(self, key: tuple[Any, ...]) -> None:
+        i = bisect.bisect_left(self.keys, key)
+        if i < len(self.keys) and self.keys[i] == key:
+            del self.keys[i]
+
+    def rank(self, key: tuple[Any, ...]) -> int:
+        return bisect.bisect_left(self.keys, key)
+
+
+class RouterQueue:
+    """Waiting requests under one :class:`QueueConfig` (see the module doc).
+
+    ``default_ttft_ms`` / ``default_tpot_ms`` are the scheduler's defaults
+    (deadlines of requests without their own targets). Not thread-safe; every
+    method is O(log n) plus a list shift, except shedding's O(log n) too.
+    """
+
+    def __init__(self, config: QueueConfig, default_ttft_ms: float, default_tpot_ms: float) -> None:
+        self.config = config
+        self.policy = config.policy
+        self.default_ttft_ms = default_ttft_ms
+        self.default_tpot_ms = default_tpot_ms
+        self._entries: dict[str, QueueEntry] = {}
+        self._order = _Sorted()  # on-time entries, policy order
+        self._late = _Sorted()  # late entries, by seq
+        self._value = _Sorted()  # every entry, least valuable first
+        self._budgets = _Sorted()  # on-time entries by TTFT deadline
+        self._waits = _Sorted()  # every entry by enqueue time
+        # (full TTFT target, priority) of the latest arrivals.
+        self._recent: deque[tuple[float, int]] = deque(maxlen=max(config.release_window_requests, 1))
+        # Under the priority policy: on-time TTFT deadlines per priority.
+        self._budgets_by_priority: dict[int, _Sorted] = {}
+        self._seq = 0
+
+    # ------------------------------------------------------------------ keys
+
+    def _order_key(self, e: QueueEntry) -> tuple[Any, ...]:
+        if self.policy is QueuePolicy.EDF:
+            return (e.deadline_s, e.seq)
+        if self.policy is QueuePolicy.PRIORITY:
+            return (-e.request.priority, e.deadline_s, e.seq)
+        return (e.seq,)
+
+    @staticmethod
+    def _value_key(e: QueueEntry) -> tuple[Any, ...]:
+        # Smallest is shed first: lowest priority, late before on time, most slack, newest.
+        return (e.request.priority, not e.late, -e.deadline_s, -e.seq)
+
+    def _index(self, e: QueueEntry) -> None:
+        self._value.add((*self._value_key(e), e.request_id))
+        self._waits.add((e.enqueued_s, e.seq, e.request_id))
+        if e.late:
+            self._late.add((e.seq, e.request_id))
+        else:
+            self._order.add((*self._order_key(e), e.request_id))
+            self._budgets.add((e.ttft_deadline_s, e.seq, e.request_id))
+            if self.policy is QueuePolicy.PRIORITY:
+                per = self._budgets_by_priority.setdefault(e.request.priority, _Sorted())
+                per.add((e.ttft_deadline_s, e.seq, e.request_id))
+
+    def _unindex(self, e: QueueEntry) -> None:
+        self._value.discard((*self._value_key(e), e.request_id))
+        self._waits.discard((e.enqueued_s, e.seq, e.request_id))
+        if e.late:
+            self._late.discard((e.seq, e.request_id))
+        else:
+            self._order.discard((*self._order_key(e), e.request_id))
+            self._budgets.discard((e.ttft_deadline_s, e.seq, e.request_id))
+            if self.policy is QueuePolicy.PRIORITY:
+                per = self._budgets_by_priority[e.request.priority]
+                per.discard((e.ttft_deadline_s, e.seq, e.request_id))
+                if not per.keys:
+                    del self._budgets_by_priority[e.request.priority]
+
+    # ------------------------------------------------------------------ queries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._entries
+
+    def get(self, request_id: str) -> QueueEntry | None:
+        return self._entries.get(request_id)
+
+    def entries(self) -> Iterator[QueueEntry]:
+        """Every entry in offer order: on-time ones in policy order, then late ones oldest first."""
+        # Keys are copied (cheap: references) so callers may change the queue while iterating;
+        # entries that left meanwhile are skipped.
+        for keys in (self._order.keys, self._late.keys):
+            for key in keys[:]:
+                entry = self._entries.get(key[-1])
+                if entry is not None:
+                    yield entry
+
+    def position(self, request_id: str) -> int:
+        """0-based place of a queued request in offer order."""
+        e = self._entries[request_id]
+        if e.late:
+            return len(self._order.keys) + self._late.rank((e.seq, request_id))
+        return self._order.rank((*self._order_key(e), request_id))
+
+    def position_of_new(self, request: ScheduleInput, now_s: float) -> int:
+        """Where ``request`` would enter if it were queued now (for the ``Schedule`` dry run)."""
+        probe = self._entry(request, now_s, self._seq)
+        return self._order.rank((*self._order_key(probe), request.request_id))
+
+    def deadlines(self, request: ScheduleInput, now_s: float) -> tuple[float, float]:
+        """(EDF deadline, TTFT deadline) of ``request`` in seconds on the caller's clock."""
+        arrival = request.arrival_s if request.arrival_s is not None else now_s
+        targets = resolve_targets(request, self.default_ttft_ms, self.default_tpot_ms)
+        ttft_deadline = arrival + targets.full_ttft_ms * 1e-3
+        only_e2e = request.e2e_slo_ms > 0 and request.ttft_slo_ms == 0 and request.tpot_slo_ms == 0
+        deadline = arrival + request.e2e_slo_ms * 1e-3 if only_e2e else ttft_deadline
+        return deadline, ttft_deadline
+
+    def _entry(self, request: ScheduleInput, now_s: float, seq: int) -> QueueEntry:
+        deadline, ttft_deadline = self.deadlines(request, now_s)
+        return QueueEntry(request, seq, now_s, deadline, ttft_deadline)
+
+    def release_limit_ms(
+        self, now_s: float, priority: int | None = None, target_ms: float | None = None
+    ) -> float:
+        """The TTFT an instance may be predicted to reach with its next request (ms; inf = no cap).
+
+        The tightest remaining budget among on-time entries and the tightest
+        target among the latest arrivals (see the module doc). Under the
+        ``priority`` policy, for a request of ``priority``: only entries and
+        arrivals of that priority or higher count, and every higher priority
+        present caps it at ``priority_headroom`` × its tightest target, so
+        lower-priority work leaves room for the higher class's next arrivals.
+        Under ``edf``, a request whose own TTFT target (``target_ms``) is looser
+        than the tightest recent one yields the same way: it is capped at
+        ``priority_headroom`` × that tightest target, urgency standing in for priority.
+        """
+        if self.policy is not QueuePolicy.PRIORITY or priority is None:
+            limit = math.inf
+            if self._budgets.keys:
+                limit = (self._budgets.keys[0][0] - now_s) * 1e3
+            if self.config.release_window_requests and self._recent:
+                tightest = min(target for target, _ in self._recent)
+                limit = min(limit, tightest)
+                if self.policy is QueuePolicy.EDF and target_ms is not None and tightest < target_ms:
+                    limit = min(limit, self.config.priority_headroom * tightest)
+            return limit
+        own = math.inf
+        higher = math.inf
+        for p, per in self._budgets_by_priority.items():
+            if p >= priority and per.keys:
+                budget = (per.keys[0][0] - now_s) * 1e3
+                own = min(own, budget)
+                if p > priority:
+                    higher = min(higher, budget)
+        if self.config.release_window_requests:
+            for target, p in self._recent:
+                if p >= priority:
+                    own = min(own, target)
+                    if p > priority:
+                        higher = min(higher, target)
+        return min(own, self.config.priority_headroom * higher)
+
+    def oldest_enqueued_s(self) -> float | None:
+        """When the longest-waiting entry was queued (for the wait bound's timer)."""
+        return self._waits.keys[0][0] if self._waits.keys else None
+
+    def earliest_ttft_deadline_s(self) -> float | None:
+        """The earliest TTFT deadline of an on-time entry (when it turns late without any event)."""
+        return self._budgets.keys[0][0] if self._budgets.keys else None
+
+    # ------------------------------------------------------------------ changes
+
+    def observe_arrival(self, request: ScheduleInput) -> None:
+        """Note a new request's full TTFT target for release control (every arrival, queued or not)."""
+        target = resolve_targets(request, self.default_ttft_ms, self.default_tpot_ms).full_ttft_ms
+        self._recent.append((target, request.priority))
+
+    def push(
+        self, request: ScheduleInput, now_s: float, token: Any = None
+    ) -> tuple[QueueEntry, list[QueueEntry]]:
+        """Queue ``request``; returns its entry and the entries shed to make room (possibly itself).
+
+        A shed entry is no longer queued. Raises ``ValueError`` for a request id already queued.
+        """
+        if request.request_id in self._entries:
+            raise ValueError(f"request {request.request_id!r} is already queued")
+        entry = self._entry(request, now_s, self._seq)
+        entry.token = token
+        self._seq += 1
+        self._entries[request.request_id] = entry
+        self._index(entry)
+        shed: list[QueueEntry] = []
+        while len(self._entries) > self.config.max_queue_size:
+            victim = self._entries[self._value.keys[0][-1]]
+            self.remove(victim.request_id)
+            shed.append(victim)
+        return entry, shed
+
+    def remove(self, request_id: str) -> QueueEntry | None:
+        """Take ``request_id`` out (dispatched, cancelled, expired, shed); ``None`` if it is not queued."""
+        entry = self._entries.pop(request_id, None)
+        if entry is not None:
+            self._unindex(entry)
+        return entry
+
+    def mark_late(self, request_id: str) -> None:
+        """``request_id`` can no longer meet its TTFT target: it moves behind every on-time entry."""
+        entry = self._entries[request_id]
+        if entry.late:
+            return
+        self._unindex(entry)
+        entry.late = True
+        self._index(entry)
+
+    def expire(self, now_s: float) -> list[QueueEntry]:
+        """Remove and return the entries that waited longer than ``max_queue_wait_ms``."""
+        out: list[QueueEntry] = []
+        limit = now_s - self.config.max_queue_wait_ms * 1e-3
+        while self._waits.keys and self._waits.keys[0][0] <= limit:
+            entry = self.remove(self._waits.keys[0][-1])
+            assert entry is not None
+            out.append(entry)
+        return out
+
+    def overdue(self, now_s: float) -> list[QueueEntry]:
+        """On-time entries whose TTFT deadline has passed (late by the clock alone), earliest first."""
+        out: list[QueueEntry] = []
+        for key in self._budgets.keys:
+            if key[0] > now_s:
+                break
+            out.append(self._entries[key[-1]])
+        return out
+
+
+# --------------------------------------------------------------------------- offering entries to the scheduler
+
+
+class Verdict(enum.Enum):
+    """What became of one entry offered to the scheduler."""
+
+    #: Placed: the caller records and runs ``decision``.
+    DISPATCH = "dispatch"
+    #: Still waiting (no instance may take it now).
+    WAIT = "wait"
+    #: Its TTFT target is out of reach; with ``late_policy=serve`` it stays queued as late.
+    LATE = "late"
+    #: Out of the queue and refused: ``error`` says why (late with ``late_policy=reject``, or no usable fleet).
+    REJECT = "reject"
+    #: Out of the queue: waited longer than ``max_queue_wait_ms``.
+    EXPIRED = "expired"
+
+
+@dataclass(frozen=True)
+class Offer:
+    """The outcome of offering ``entry`` at one moment."""
+
+    entry: QueueEntry
+    verdict: Verdict
+    decision: Decision | None = None
+    error: SchedulingError | None = None
+    #: Best predicted TTFT seen when the entry missed (ms; NaN when unknown) and its remaining budget (ms).
+    predicted_ttft_ms: float = math.nan
+    budget_ms: float = math.nan
+
+
+#: A late request's TPOT bound, as a fraction of its (or the default) TPOT target. Late work joins
+#: decode batches only while they stay clearly under the target, so it does not drag the on-time
+#: requests there over theirs (in simulation, 1.0 let late work cost more on-time misses than it saved).
+LATE_TPOT_FRACTION = 0.8
+
+
+def _best_ttft(exc: NoInstanceError) -> float:
+    if exc.stage not in (Stage.PREFILL.value, Stage.NEUTRAL.value):
+        return math.nan
+    for miss in exc.misses:
+        if miss.metric == "predicted_ttft" and miss.best == miss.best:
+            return miss.best
+    return math.nan
+
+
+def offer(
+    queue: RouterQueue,
+    scheduler: Scheduler,
+    source: Callable[[], ClusterView | ClusterSnapshot],
+    now_s: float,
+    *,
+    max_failures: int = 8,
+) -> Iterator[Offer]:
+    """Offer the queue's entries to ``scheduler`` in order at ``now_s``; yields what happened to each.
+
+    First the entries past ``max_queue_wait_ms`` leave (``EXPIRED``) and the
+    on-time ones past their TTFT deadline turn late. Then each entry is tried
+    with its TTFT bound = min(remaining budget, :meth:`RouterQueue.release_limit_ms`)
+    and its TPOT target. A late entry is served like the lowest class: its TTFT
+    bound is ``priority_headroom`` × the release limit, but at least twice its
+    own TTFT on an idle instance (so a request no instance could ever meet,
+    e.g. a 1 ms target, is still served once the fleet is nearly idle), and its
+    TPOT bound is :data:`LATE_TPOT_FRACTION` of its TPOT target; it goes only
+    where it does not push an instance past what on-time requests need. A miss
+    whose best predicted TTFT is already over the remaining budget makes the
+    entry late. ``source()`` is called for every attempt, so the caller must
+    record a ``DISPATCH`` before resuming the generator (the next attempt then
+    sees that load). Stops after ``max_failures`` entries in a row stay waiting
+    (a decision costs tens of microseconds; the rest face the same fleet).
+    Entries leave the queue here; the caller only acts on the verdicts.
+    """
+    late_reject = queue.config.late is LatePolicy.REJECT
+    for entry in queue.expire(now_s):
+        waited = (now_s - entry.enqueued_s) * 1e3
+        yield Offer(
+            entry,
+            Verdict.EXPIRED,
+            error=QueueTimeoutError(
+                f"request {entry.request_id!r} waited {waited:.0f} ms in the router queue without an instance "
+                f"able to take it (--max-queue-wait-ms {queue.config.max_queue_wait_ms:g}); add capacity or retry"
+            ),
+        )
+    for entry in queue.overdue(now_s):
+        budget = (entry.ttft_deadline_s - now_s) * 1e3
+        yield _late(queue, entry, late_reject, math.nan, budget)
+    failures = 0
+    seen: set[str] = set()
+    for entry in queue.entries():
+        if failures >= max_failures:
+            return
+        if entry.request_id in seen:  # turned late in this pass: once per pass is enough
+            continue
+        seen.add(entry.request_id)
+        request = entry.request
+        targets = resolve_targets(request, queue.default_ttft_ms, queue.default_tpot_ms, now_s)
+        limit = queue.release_limit_ms(now_s, request.priority, targets.full_ttft_ms)
+        if entry.late:
+            floor = _idle_floor_ms(scheduler, request)
+            if not math.isfinite(floor):  # no predictor: no TTFT threshold to bound
+                bound = targets.full_ttft_ms
+            elif math.isfinite(limit):
+                bound = max(queue.config.priority_headroom * limit, floor)
+            else:  # no on-time traffic to yield to
+                bound = max(targets.full_ttft_ms, floor)
+        else:
+            bound = min(targets.ttft_ms, limit)
+            if targets.ttft_ms <= 0:
+                yield _late(queue, entry, late_reject, math.nan, targets.ttft_ms)
+                continue
+        if entry.late:
+            late_tpot = LATE_TPOT_FRACTION * (request.tpot_slo_ms or queue.default_tpot_ms)
+            offered = replace(targets, ttft_ms=bound, tpot_ms=late_tpot)
+        else:
+            offered = replace(targets, ttft_ms=bound)
+        try:
+            decision = scheduler.schedule(source(), request, now_s, targets=offered)
+        except NoInstanceError as exc:
+            best = _best_ttft(exc)
+            if not entry.late and best == best and best >= targets.ttft_ms:
+                yield _late(queue, entry, late_reject, best, targets.ttft_ms)
+                continue
+            failures += 1
+            yield Offer(entry, Verdict.WAIT, error=exc, predicted_ttft_ms=best, budget_ms=targets.ttft_ms)
+            continue
+        except EmptyClusterError as exc:
+            queue.remove(entry.request_id)
+            yield Offer(entry, Verdict.REJECT, error=exc)
+            continue
+        failures = 0
+        queue.remove(entry.request_id)
+        yield Offer(entry, Verdict.DISPATCH, decision=decision, budget_ms=targets.ttft_ms)
+
+
+def _idle_floor_ms(scheduler: Scheduler, request: ScheduleInput) -> float:
+    predictors = scheduler.predictors
+    if predictors is None:
+        return math.inf
+    budget = scheduler.config.default_max_num_batched_tokens
+    return 2.0 * float(predictors.default.predict_ttft_ms(request.prompt_tokens, 0, 0, budget))
+
+
+def _late(
+    queue: RouterQueue, entry: QueueEntry, reject: bool, predicted_ms: float, budget_ms: float
+) -> Offer:
+    request = entry.request
+    target = resolve_targets(request, queue.default_ttft_ms, queue.default_tpot_ms).full_ttft_ms
+    if not reject:
+        queue.mark_late(entry.request_id)
+        return Offer(entry, Verdict.LATE, predicted_ttft_ms=predicted_ms, budget_ms=budget_ms)
+    queue.remove(entry.request_id)
+    predicted = (
+        f"best predicted TTFT {predicted_ms:.0f} ms"
+        if predicted_ms == predicted_ms
+        else "its deadline passed"
+    )
+    return Offer(
+        entry,
+        Verdict.REJECT,
+        error=LateError(
+            f"request {entry.request_id!r} cannot meet its TTFT target of {target:.0f} ms: {predicted} with "
+            f"{max(budget_ms, 0.0):.0f} ms of the target left (--late-policy reject; relax the target or retry later)"
+        ),
+        predicted_ttft_ms=predicted_ms,
+        budget_ms=budget_ms,
+    )

@@ -1,0 +1,132 @@
+"""The router shell's admission: requests wait on the queue and leave it on events, cancels and timers.
+
+Real scheduler, real snapshots; the snapshot source is a small object with the
+reader's ``snapshot()`` interface whose view the test swaps (as a CMS push would).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from fleet.snapshot import ClusterSnapshot
+from router.admission import Admission
+from router.core.config import SchedulerConfig
+from router.core.errors import QueueFullError, QueueTimeoutError
+from router.core.queue import QueueConfig
+from router.core.scheduler import Scheduler
+from router.placement import PlacementRequest, Placer
+from router.telemetry import RequestObserver
+from tests.router.core.helpers import inst, make_predictor, make_snapshot
+
+BUSY = make_snapshot(inst("p0", "prefill", prefill_tokens=40000), inst("d0", "decode"))
+IDLE = make_snapshot(inst("p0", "prefill"), inst("d0", "decode"))
+
+
+class Source:
+    """The reader interface the placer reads (``snapshot()``); the test installs views."""
+
+    def __init__(self, snapshot: ClusterSnapshot) -> None:
+        self.current = snapshot
+
+    def snapshot(self) -> ClusterSnapshot:
+        return self.current
+
+
+def make_admission(source: Source, **queue: object) -> tuple[Admission, RequestObserver]:
+    scheduler = Scheduler(SchedulerConfig(scheduling_policy="slo"), make_predictor(), random.Random(0))
+    observer = RequestObserver()
+    placer = Placer(scheduler, source, clock=lambda: 100.0, observer=observer)
+    return Admission(placer, QueueConfig(**queue), clock=lambda: 100.0, observer=observer), observer  # type: ignore[arg-type]
+
+
+def request(rid: str, *, ttft_ms: float = 300.0, priority: int = 0) -> PlacementRequest:
+    return PlacementRequest(
+        request_id=rid,
+        prompt_token_ids=(1,) * 256,
+        model="",
+        ttft_slo_ms=ttft_ms,
+        tpot_slo_ms=50.0,
+        priority=priority,
+        max_tokens=8,
+        slo_class="chat",
+        arrival_s=100.0,
+    )
+
+
+def gauge(observer: RequestObserver) -> float:
+    return sum(
+        sample.value
+        for metric in observer.queue_length.collect()
+        for sample in metric.samples
+        if sample.name == "slo_router_queue_requests"
+    )
+
+
+async def test_a_waiting_request_leaves_the_queue_when_a_new_view_arrives() -> None:
+    source = Source(BUSY)
+    admission, observer = make_admission(source)
+    task = asyncio.create_task(admission.place(request("a")))
+    await asyncio.sleep(0)
+    assert not task.done() and "a" in admission.queue and gauge(observer) == 1
+    source.current = IDLE
+    admission.notify()  # what the reader's listener does on a push
+    admitted = await asyncio.wait_for(task, 5)
+    assert admitted.route.prefill.instance_id == "p0" and admitted.late
+    assert len(admission.queue) == 0 and gauge(observer) == 0
+    assert len(admission.placer.scheduler.inflight) == 1  # recorded at dispatch
+    admission.release("a")
+    assert len(admission.placer.scheduler.inflight) == 0
+
+
+async def test_cancel_takes_a_queued_request_out_at_once() -> None:
+    admission, observer = make_admission(Source(BUSY))
+    task = asyncio.create_task(admission.place(request("a")))
+    await asyncio.sleep(0)
+    assert "a" in admission.queue
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert "a" not in admission.queue and gauge(observer) == 0
+    assert len(admission.placer.scheduler.inflight) == 0
+
+
+async def test_a_full_queue_sheds_the_least_valuable_request() -> None:
+    admission, observer = make_admission(Source(BUSY), max_queue_size=1)
+    low = asyncio.create_task(admission.place(request("low")))
+    await asyncio.sleep(0)
+    high = asyncio.create_task(admission.place(request("high", priority=5)))
+    with pytest.raises(QueueFullError, match="--max-queue-size"):
+        await asyncio.wait_for(low, 5)
+    assert not high.done() and "high" in admission.queue and gauge(observer) == 1
+    assert observer.registry.get_sample_value("slo_router_queue_events_total", {"event": "shed"}) == 1
+    high.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await high
+
+
+async def test_the_wait_bound_fires_without_any_other_event() -> None:
+    loop_clock = asyncio.get_running_loop().time
+    # Decode too loaded for the request's TPOT target: it waits on time, not late.
+    decode_busy = inst("d0", "decode", decode_requests=200, decode_tokens=400000)
+    source = Source(make_snapshot(inst("p0", "prefill"), decode_busy, taken_at_s=loop_clock()))
+    scheduler = Scheduler(SchedulerConfig(scheduling_policy="slo"), make_predictor(), random.Random(0))
+    placer = Placer(scheduler, source, clock=loop_clock)
+    admission = Admission(placer, QueueConfig(max_queue_wait_ms=50.0), clock=loop_clock)
+    req = request("a", ttft_ms=60000.0)  # on time for a minute: only the wait bound can end it
+    req = PlacementRequest(**{**req.__dict__, "arrival_s": loop_clock(), "tpot_slo_ms": 5.0})
+    with pytest.raises(QueueTimeoutError, match="--max-queue-wait-ms"):
+        await asyncio.wait_for(admission.place(req), 5)
+    assert len(admission.queue) == 0
+    admission.close()
+
+
+async def test_queue_none_refuses_at_once() -> None:
+    from router.core.errors import NoInstanceError
+
+    admission, _ = make_admission(Source(BUSY), queue_policy="none")
+    with pytest.raises(NoInstanceError):
+        await admission.place(request("a"))
+    assert len(admission.queue) == 0
