@@ -19,7 +19,8 @@ from slorouter.v1 import cms_pb2, router_pb2
 from fleet.snapshot import ClusterSnapshot
 from router.core.capacity import LoadTracker, estimate_instances
 from router.core.decision import Choice, Decision
-from router.core.errors import EmptyClusterError, InvalidRequestError
+from router.core.errors import EmptyClusterError, InvalidRequestError, SchedulingError
+from router.core.health import OutlierDetector
 from router.core.packing import expected_output_tokens, overpacked_mask
 from router.core.request import ScheduleInput, StageRestriction
 from router.core.scheduler import Scheduler
@@ -57,8 +58,10 @@ class Placer:
         *,
         clock: Callable[[], float] = time.monotonic,
         observer: RequestObserver | None = None,
+        health: OutlierDetector | None = None,
     ) -> None:
         self.scheduler = scheduler
+        self.health = health
         self._observer = observer
         self._source = source
         self._clock = clock
@@ -132,11 +135,39 @@ class Placer:
             )
         return snapshot
 
+    def _schedule(
+        self,
+        req: PlacementRequest,
+        now: float,
+        exclude: frozenset[str],
+        stages: StageRestriction = StageRestriction.ALL,
+        prompt_tokens: int | None = None,
+    ) -> Decision:
+        """A decision that avoids the instances the outlier detector ejected, unless only they remain.
+
+        Falling back to the ejected instances is Envoy's panic mode: evidence
+        narrows the choice but never empties a fleet that still has candidates.
+        """
+        snapshot = self._snapshot()
+        ejected = self.health.ejected(now) if self.health is not None else frozenset()
+        if ejected and not ejected <= exclude:
+            try:
+                return self.scheduler.schedule(
+                    snapshot,
+                    self._input(req, exclude=exclude | ejected, stages=stages, prompt_tokens=prompt_tokens),
+                    now,
+                )
+            except SchedulingError:
+                pass
+        return self.scheduler.schedule(
+            snapshot, self._input(req, exclude=exclude, stages=stages, prompt_tokens=prompt_tokens), now
+        )
+
     def place(self, req: PlacementRequest, *, exclude: frozenset[str] = frozenset()) -> Route:
         """Decide prefill and decode (or neutral) for ``req`` and record the dispatch."""
         now = self._clock()
         started = time.perf_counter()
-        decision = self.scheduler.schedule(self._snapshot(), self._input(req, exclude=exclude), now)
+        decision = self._schedule(req, now, exclude)
         self.scheduler.record(decision, now)
         self._observe_load(decision, now)
         if self._observer is not None:
@@ -156,11 +187,7 @@ class Placer:
         now = self._clock()
         self.scheduler.inflight.release(req.request_id, abandoned)
         context_tokens = len(req.prompt_token_ids) + generated_tokens
-        decision = self.scheduler.schedule(
-            self._snapshot(),
-            self._input(req, exclude=exclude, stages=StageRestriction.DECODE, prompt_tokens=context_tokens),
-            now,
-        )
+        decision = self._schedule(req, now, exclude, StageRestriction.DECODE, context_tokens)
         choice = decision.decode
         if choice is None:  # the core always fills decode for a decode-only request; be explicit anyway
             raise EmptyClusterError(f"no decode instance for request {req.request_id}")
@@ -221,13 +248,17 @@ class Placer:
         }
 
     def instance_counts(self) -> dict[tuple[str, str], int]:
-        """Instances by (role, health) in the current view, for the metrics endpoint."""
+        """Instances by (role, health) in the current view, for the metrics endpoint.
+
+        ``ejected``: usable as far as the view says, but ejected by the outlier detector.
+        """
         snapshot = self._source.snapshot()
         now = self._clock()
         staleness = self.scheduler.config.instance_staleness_s
+        ejected = self.health.ejected(now) if self.health is not None else frozenset()
         counts: dict[tuple[str, str], int] = {}
         for role in ("neutral", "prefill", "decode"):
-            for health in ("healthy", "unschedulable", "stale"):
+            for health in ("healthy", "unschedulable", "stale", "ejected"):
                 counts[(role, health)] = 0
         for record in snapshot.instances:
             role = _ROLE_NAMES.get(record.metadata.role, "neutral")
@@ -235,6 +266,8 @@ class Placer:
                 health = "stale"
             elif not record.status.schedulable:
                 health = "unschedulable"
+            elif record.instance_id in ejected:
+                health = "ejected"
             else:
                 health = "healthy"
             counts[(role, health)] += 1

@@ -12,7 +12,17 @@ from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 #: Top-level packages that make up the project (``slorouter`` is the generated protobuf code).
-PROJECT_PACKAGES = ("router", "predictor", "fleet", "cms", "workers", "sim", "bench", "openai_http", "slorouter")
+PROJECT_PACKAGES = (
+    "router",
+    "predictor",
+    "fleet",
+    "cms",
+    "workers",
+    "sim",
+    "bench",
+    "openai_http",
+    "slorouter",
+)
 
 
 def module_name(root: Path, path: Path) -> str:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from slorouter.v1 import common_pb2 as slorouter_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19slorouter/v1/router.proto\x12\x0cslorouter.v1\x1a\x19slorouter/v1/common.proto\"\xc6\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x06prompt\x18\x03 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\r\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.slorouter.v1.SamplingParams\x12$\n\x03slo\x18\x06 \x01(\x0b\x32\x17.slorouter.v1.SloTarget\x12\x10\n\x08priority\x18\x07 \x01(\x05\"\x8a\x01\n\tRouteInfo\x12\x1b\n\x13prefill_instance_id\x18\x01 \x01(\t\x12\x1a\n\x12\x64\x65\x63ode_instance_id\x18\x02 \x01(\t\x12\x19\n\x11predicted_ttft_ms\x18\x03 \x01(\x01\x12\x19\n\x11predicted_tpot_ms\x18\x04 \x01(\x01\x12\x0e\n\x06policy\x18\x05 \x01(\t\"\x89\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x0f\n\x07ttft_ms\x18\x03 \x01(\x01\x12\x0f\n\x07tpot_ms\x18\x04 \x01(\x01\x12\x0e\n\x06\x65\x32\x65_ms\x18\x05 \x01(\x01\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x06 \x01(\r\"\xbc\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12&\n\x05route\x18\x04 \x01(\x0b\x32\x17.slorouter.v1.RouteInfo\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12\"\n\x05usage\x18\x07 \x01(\x0b\x32\x13.slorouter.v1.Usage\"R\n\x0fScheduleRequest\x12.\n\x07request\x18\x01 \x01(\x0b\x32\x1d.slorouter.v1.GenerateRequest\x12\x0f\n\x07\x65xplain\x18\x02 \x01(\x08\"m\n\x0eInstanceChoice\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\x12\x19\n\x11predicted_ttft_ms\x18\x03 \x01(\x01\x12\x19\n\x11predicted_tpot_ms\x18\x04 \x01(\x01\"\x90\x01\n\x0e\x43\x61ndidateTrace\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\t\x12\x10\n\x08selected\x18\x03 \x01(\x08\x12\x12\n\ndropped_by\x18\x04 \x01(\t\x12\x19\n\x11predicted_ttft_ms\x18\x05 \x01(\x01\x12\x19\n\x11predicted_tpot_ms\x18\x06 \x01(\x01\"\xba\x01\n\x10ScheduleResponse\x12-\n\x07prefill\x18\x01 \x01(\x0b\x32\x1c.slorouter.v1.InstanceChoice\x12,\n\x06\x64\x65\x63ode\x18\x02 \x01(\x0b\x32\x1c.slorouter.v1.InstanceChoice\x12+\n\x05trace\x18\x03 \x03(\x0b\x32\x1c.slorouter.v1.CandidateTrace\x12\x0e\n\x06policy\x18\x04 \x01(\t\x12\x0c\n\x04mode\x18\x05 \x01(\t2\xa0\x01\n\x06Router\x12K\n\x08Generate\x12\x1d.slorouter.v1.GenerateRequest\x1a\x1e.slorouter.v1.GenerateResponse0\x01\x12I\n\x08Schedule\x12\x1d.slorouter.v1.ScheduleRequest\x1a\x1e.slorouter.v1.ScheduleResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19slorouter/v1/router.proto\x12\x0cslorouter.v1\x1a\x19slorouter/v1/common.proto\"\xc6\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x06prompt\x18\x03 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\r\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.slorouter.v1.SamplingParams\x12$\n\x03slo\x18\x06 \x01(\x0b\x32\x17.slorouter.v1.SloTarget\x12\x10\n\x08priority\x18\x07 \x01(\x05\"\x8a\x01\n\tRouteInfo\x12\x1b\n\x13prefill_instance_id\x18\x01 \x01(\t\x12\x1a\n\x12\x64\x65\x63ode_instance_id\x18\x02 \x01(\t\x12\x19\n\x11predicted_ttft_ms\x18\x03 \x01(\x01\x12\x19\n\x11predicted_tpot_ms\x18\x04 \x01(\x01\x12\x0e\n\x06policy\x18\x05 \x01(\t\"\x89\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x0f\n\x07ttft_ms\x18\x03 \x01(\x01\x12\x0f\n\x07tpot_ms\x18\x04 \x01(\x01\x12\x0e\n\x06\x65\x32\x65_ms\x18\x05 \x01(\x01\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x06 \x01(\r\"\xd7\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12&\n\x05route\x18\x04 \x01(\x0b\x32\x17.slorouter.v1.RouteInfo\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12\"\n\x05usage\x18\x07 \x01(\x0b\x32\x13.slorouter.v1.Usage\x12\x19\n\x11\x66irst_token_index\x18\x08 \x01(\r\"R\n\x0fScheduleRequest\x12.\n\x07request\x18\x01 \x01(\x0b\x32\x1d.slorouter.v1.GenerateRequest\x12\x0f\n\x07\x65xplain\x18\x02 \x01(\x08\"m\n\x0eInstanceChoice\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\x12\x19\n\x11predicted_ttft_ms\x18\x03 \x01(\x01\x12\x19\n\x11predicted_tpot_ms\x18\x04 \x01(\x01\"\x90\x01\n\x0e\x43\x61ndidateTrace\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\t\x12\x10\n\x08selected\x18\x03 \x01(\x08\x12\x12\n\ndropped_by\x18\x04 \x01(\t\x12\x19\n\x11predicted_ttft_ms\x18\x05 \x01(\x01\x12\x19\n\x11predicted_tpot_ms\x18\x06 \x01(\x01\"\xba\x01\n\x10ScheduleResponse\x12-\n\x07prefill\x18\x01 \x01(\x0b\x32\x1c.slorouter.v1.InstanceChoice\x12,\n\x06\x64\x65\x63ode\x18\x02 \x01(\x0b\x32\x1c.slorouter.v1.InstanceChoice\x12+\n\x05trace\x18\x03 \x03(\x0b\x32\x1c.slorouter.v1.CandidateTrace\x12\x0e\n\x06policy\x18\x04 \x01(\t\x12\x0c\n\x04mode\x18\x05 \x01(\t2\xa0\x01\n\x06Router\x12K\n\x08Generate\x12\x1d.slorouter.v1.GenerateRequest\x1a\x1e.slorouter.v1.GenerateResponse0\x01\x12I\n\x08Schedule\x12\x1d.slorouter.v1.ScheduleRequest\x1a\x1e.slorouter.v1.ScheduleResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,15 +39,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_USAGE']._serialized_start=413
   _globals['_USAGE']._serialized_end=550
   _globals['_GENERATERESPONSE']._serialized_start=553
-  _globals['_GENERATERESPONSE']._serialized_end=741
-  _globals['_SCHEDULEREQUEST']._serialized_start=743
-  _globals['_SCHEDULEREQUEST']._serialized_end=825
-  _globals['_INSTANCECHOICE']._serialized_start=827
-  _globals['_INSTANCECHOICE']._serialized_end=936
-  _globals['_CANDIDATETRACE']._serialized_start=939
-  _globals['_CANDIDATETRACE']._serialized_end=1083
-  _globals['_SCHEDULERESPONSE']._serialized_start=1086
-  _globals['_SCHEDULERESPONSE']._serialized_end=1272
-  _globals['_ROUTER']._serialized_start=1275
-  _globals['_ROUTER']._serialized_end=1435
+  _globals['_GENERATERESPONSE']._serialized_end=768
+  _globals['_SCHEDULEREQUEST']._serialized_start=770
+  _globals['_SCHEDULEREQUEST']._serialized_end=852
+  _globals['_INSTANCECHOICE']._serialized_start=854
+  _globals['_INSTANCECHOICE']._serialized_end=963
+  _globals['_CANDIDATETRACE']._serialized_start=966
+  _globals['_CANDIDATETRACE']._serialized_end=1110
+  _globals['_SCHEDULERESPONSE']._serialized_start=1113
+  _globals['_SCHEDULERESPONSE']._serialized_end=1299
+  _globals['_ROUTER']._serialized_start=1302
+  _globals['_ROUTER']._serialized_end=1462
 # @@protoc_insertion_point(module_scope)
