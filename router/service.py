@@ -327,9 +327,11 @@ class RouterService(router_pb2_grpc.RouterServicer):
             self._config.stream_timeout_s,
         )
         async for message, instance_id in stream:
+            index = len(progress.tokens)
             self._note_tokens(progress, message.token_ids)
             out = router_pb2.GenerateResponse(
                 request_id=req.request_id,
+                first_token_index=index,
                 token_ids=message.token_ids,
                 text=message.text,
                 finished=message.finished,
