@@ -9,9 +9,20 @@
   scale out without a CMS process in the path.
 
 Every reader hands out the last snapshot it has: :meth:`ClusterReader.snapshot`
-never blocks and never fails. When the source is lost the snapshot stays, its
-ages keep growing (``ClusterSnapshot.age_s``) and the router's staleness filter
-decides what is still usable; the reader recovers on its own.
+never blocks and never fails. When the source is lost (a broken stream, a store
+that does not answer) the snapshot stays, marked with
+``ClusterSnapshot.source_lost_at_s``: its status ages stop growing at the time
+of the last view, because the CMS's silence says nothing about the instances
+(static stability; the router stops using an instance only on evidence from
+its own calls). An instance that was already stale in the last view stays
+stale. The reader recovers on its own.
+
+When the source comes back it may know less than before (a restarted CMS with
+the memory store, a Redis that lost its data) until the agents re-register.
+For ``rewarm_s`` after a recovery, an instance of the last view that is
+missing from the new one (or has no status yet) is carried over as it was,
+so a CMS restart does not empty the fleet; once every instance is back, or
+the time is up, the new view is used as it is.
 
 A reader's snapshot ``version`` counts the snapshots it installed (1 for the
 first); it is local to the reader, so it keeps growing across CMS restarts.
@@ -47,12 +58,19 @@ class ClusterReader(abc.ABC):
     last attempt to reach the source succeeded.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, rewarm_s: float = 10.0) -> None:
+        if not rewarm_s >= 0:
+            raise ValueError(f"rewarm_s must be >= 0, got {rewarm_s}")
         self._snapshot = EMPTY_SNAPSHOT
         self._waiters: set[asyncio.Future[None]] = set()
         self._snapshot_listeners: list[Callable[[ClusterSnapshot], None]] = []
         self._listeners: list[Callable[[], None]] = []
         self.connected = False
+        self._rewarm_s = rewarm_s
+        #: After a recovery: the last view before the loss, and when carrying it over ends.
+        self._rewarm: tuple[ClusterSnapshot, float] | None = None
+        #: Times the source was lost (for metrics and tests).
+        self.losses = 0
 
     def add_snapshot_listener(self, listener: Callable[[ClusterSnapshot], None]) -> None:
         """Call ``listener(snapshot)`` with every new snapshot, synchronously, as it is installed.
@@ -70,8 +88,28 @@ class ClusterReader(abc.ABC):
         """The newest snapshot (``EMPTY_SNAPSHOT`` before the first one)."""
         return self._snapshot
 
+    @property
+    def source_lost(self) -> bool:
+        """Whether the snapshot handed out is the last view of a lost source (ages frozen)."""
+        return self._snapshot.source_lost_at_s is not None
+
+    def _lose(self) -> None:
+        """The source is gone: keep the last view with its ages frozen (see the module docstring)."""
+        self.connected = False
+        current = self._snapshot
+        if current.source_lost_at_s is None and current is not EMPTY_SNAPSHOT:
+            self.losses += 1
+            self._rewarm = None
+            self._snapshot = dataclasses.replace(current, source_lost_at_s=current.taken_at_s)
+
     def _install(self, snapshot: ClusterSnapshot) -> None:
-        self._snapshot = dataclasses.replace(snapshot, version=self._snapshot.version + 1)
+        previous = self._snapshot
+        now = snapshot.taken_at_s
+        if previous.source_lost_at_s is not None and self._rewarm is None and self._rewarm_s > 0:
+            self._rewarm = (previous, now + self._rewarm_s)
+        if self._rewarm is not None:
+            snapshot = self._carry_over(snapshot, now)
+        self._snapshot = dataclasses.replace(snapshot, version=previous.version + 1)
         self.connected = True
         for listener in self._snapshot_listeners:
             listener(self._snapshot)
@@ -99,6 +137,28 @@ class ClusterReader(abc.ABC):
                 fut.cancel()
         return True
 
+    def _carry_over(self, fresh: ClusterSnapshot, now: float) -> ClusterSnapshot:
+        """``fresh`` plus the instances of the pre-loss view it lacks, while re-warming."""
+        assert self._rewarm is not None
+        before, until = self._rewarm
+        if now >= until:
+            self._rewarm = None
+            return fresh
+        present = {r.instance_id: r for r in fresh.instances if r.status is not None}
+        carried = [
+            dataclasses.replace(r, status_age_s=before.age_s(r, now))
+            for r in before.instances
+            if r.status is not None and r.instance_id not in present
+        ]
+        if not carried:
+            self._rewarm = None
+            logger.info("cms reader: every instance is back in the view; re-warming done")
+            return fresh
+        carried_ids = {r.instance_id for r in carried}
+        records = tuple(r for r in fresh.instances if r.instance_id not in carried_ids) + tuple(carried)
+        # Carried statuses are as old as when the source was lost; hold every age still meanwhile.
+        return dataclasses.replace(fresh, instances=records, source_lost_at_s=fresh.taken_at_s)
+
     @abc.abstractmethod
     async def start(self) -> None: ...
 
@@ -123,8 +183,9 @@ class StoreClusterReader(ClusterReader):
         owned_store: CmsStore | None = None,
         min_interval_s: float = 0.02,
         refresh_s: float = 0.5,
+        rewarm_s: float = 10.0,
     ) -> None:
-        super().__init__()
+        super().__init__(rewarm_s=rewarm_s)
         self._owned_store = owned_store
         self._pump = ViewPump(store, min_interval_s=min_interval_s, refresh_s=refresh_s, name="cms reader")
         self._pump.add_listener(self._on_update)
@@ -132,7 +193,7 @@ class StoreClusterReader(ClusterReader):
 
     def _on_update(self, update: PumpUpdate) -> None:
         if isinstance(update, StoreUnavailableError):
-            self.connected = False  # keep the last snapshot; its ages keep growing
+            self._lose()  # keep the last snapshot, ages frozen
         else:
             self._install(update)
 
@@ -167,8 +228,9 @@ class GrpcClusterReader(ClusterReader):
         auth_token: str | None = None,
         backoff_max_s: float = 2.0,
         idle_timeout_s: float = 3.0,
+        rewarm_s: float = 10.0,
     ) -> None:
-        super().__init__()
+        super().__init__(rewarm_s=rewarm_s)
         if not idle_timeout_s > 0:
             raise ValueError(f"idle_timeout_s must be > 0, got {idle_timeout_s}")
         self.target = strip_grpc_scheme(target)
@@ -237,7 +299,7 @@ class GrpcClusterReader(ClusterReader):
             reason = f"{exc.code().name}: {exc.details()}"
         finally:
             call.cancel()
-        self.connected = False
+        self._lose()
         if not self._outage_logged:
             self._outage_logged = True
             if self._snapshot.version == 0:
@@ -261,23 +323,26 @@ def open_reader(
     cluster_name: str = "default",
     auth_token: str | None = None,
     backoff_max_s: float = 2.0,
+    rewarm_s: float = 10.0,
 ) -> ClusterReader:
     """A reader for ``memory`` (with ``store``), ``grpc://host:port`` or ``redis://host:port/db``.
 
     ``cluster_name`` selects the Redis namespace; ``auth_token`` is sent to a
-    gRPC CMS (reads do not need it). Call ``await reader.start()`` next.
+    gRPC CMS (reads do not need it); ``rewarm_s`` is how long instances of the
+    last view are carried over after the source comes back (see the module
+    docstring). Call ``await reader.start()`` next.
     """
     if spec == "memory":
         if store is None:
             raise ValueError(
                 "the 'memory' CMS reader needs the in-process store: open_reader('memory', store=...)"
             )
-        return StoreClusterReader(store)
+        return StoreClusterReader(store, rewarm_s=rewarm_s)
     if spec.startswith("grpc://"):
-        return GrpcClusterReader(spec, auth_token=auth_token, backoff_max_s=backoff_max_s)
+        return GrpcClusterReader(spec, auth_token=auth_token, backoff_max_s=backoff_max_s, rewarm_s=rewarm_s)
     if spec.startswith(("redis://", "rediss://", "unix://")):
         from cms.redis_store import RedisStore
 
         redis_store = RedisStore(spec, cluster_name=cluster_name)
-        return StoreClusterReader(redis_store, owned_store=redis_store)
+        return StoreClusterReader(redis_store, owned_store=redis_store, rewarm_s=rewarm_s)
     raise ValueError(f"CMS spec {spec!r} is not 'memory', 'grpc://host:port' or 'redis://host:port/db'")

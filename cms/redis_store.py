@@ -37,6 +37,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.client import PubSub
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from slorouter.v1 import cms_pb2
 
@@ -214,12 +215,15 @@ class RedisStore:
         self._version_key = self._prefix + "version"
         self._channel = self._prefix + "changes"
         # One quick retry lets a pooled connection that died with a Redis
-        # restart reconnect; anything longer is the caller's backoff.
+        # restart reconnect; anything longer is the caller's backoff. A
+        # timeout is not retried: a frozen Redis (SIGSTOP, a stuck host)
+        # answers a second attempt no better, and the caller must learn that
+        # the store is unavailable after one ``op_timeout_s``, not two.
         self._redis: aioredis.Redis = aioredis.Redis.from_url(
             url,
             socket_timeout=op_timeout_s,
             socket_connect_timeout=op_timeout_s,
-            retry=Retry(NoBackoff(), 1),
+            retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
         )
         self._register = self._redis.register_script(_REGISTER)
         self._report = self._redis.register_script(_REPORT)

@@ -3,13 +3,14 @@
 Not used by the service itself. :class:`RedisServer` *is* its URL (a ``str``
 subclass, ``redis://127.0.0.1:PORT/0``), so it can be handed to anything that
 takes a Redis URL, and it can be stopped and started again on the same port
-to simulate an outage. It runs without persistence: a restart comes back
+to simulate an outage, or paused (SIGSTOP) to simulate a frozen one. It runs without persistence: a restart comes back
 empty, like a Redis that lost its data.
 """
 
 from __future__ import annotations
 
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -118,8 +119,19 @@ class RedisServer(str):
         if proc is None:
             return
         if proc.poll() is None:
+            proc.send_signal(signal.SIGCONT)  # a paused server must be able to die
             proc.kill()
         proc.wait(timeout=timeout_s)
+
+    def pause(self) -> None:
+        """Freeze the server (SIGSTOP): connections stay open, nothing is answered."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """Thaw a paused server (SIGCONT)."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.send_signal(signal.SIGCONT)
 
     def restart(self) -> None:
         """Stop, then start again on the same port (empty: no persistence)."""

@@ -142,7 +142,12 @@ class Admission:
         now = self._clock()
         started = time.perf_counter()
         for result in offer(
-            self.queue, self.placer.scheduler, self.placer.snapshot, now, max_failures=self._max_failures
+            self.queue,
+            self.placer.scheduler,
+            self.placer.snapshot,
+            now,
+            max_failures=self._max_failures,
+            decide=self.placer.decide,
         ):
             entry = result.entry
             future: asyncio.Future[Admitted] = entry.token

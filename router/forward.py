@@ -11,13 +11,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Sequence
+import math
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
 
 import grpc
-from slorouter.v1 import common_pb2, worker_pb2
+from slorouter.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
+from router.core.health import OutlierDetector
 from router.pool import ChannelPool
 
 logger = logging.getLogger(__name__)
@@ -38,6 +41,18 @@ RETRYABLE_CODES = frozenset(
 )
 #: Codes a Decode returns when the kv handle can no longer be pulled: recompute instead.
 KV_GONE_CODES = frozenset({grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION})
+#: Codes that are evidence against the instance itself (it is down, hung or broken), which
+#: the outlier detector counts. An overloaded or draining worker (RESOURCE_EXHAUSTED, ABORTED)
+#: is healthy and says so; a client that went away is no evidence at all.
+EVIDENCE_CODES = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.UNIMPLEMENTED,
+    }
+)
 
 
 class LegError(Exception):
@@ -103,8 +118,13 @@ def _merge(batch: list[worker_pb2.WorkerTokens]) -> worker_pb2.WorkerTokens:
     )
 
 
+class FirstMessageTimeoutError(Exception):
+    """A worker call produced no first message within its first-message deadline."""
+
+
 async def _coalesced(
     call: grpc.aio.UnaryStreamCall[Any, worker_pb2.WorkerTokens],
+    first_timeout_s: float,
 ) -> AsyncIterator[worker_pb2.WorkerTokens]:
     """The messages of ``call``, merged when they arrive faster than the consumer takes them.
 
@@ -116,7 +136,12 @@ async def _coalesced(
     failure are delivered before the failure is raised.
     """
     # The first message goes straight through: no reader task yet, nothing to merge (TTFT path).
-    first = await call.read()
+    # Its deadline is a timer on this task (asyncio.timeout), not a task of its own.
+    try:
+        async with asyncio.timeout(first_timeout_s):
+            first = await call.read()
+    except TimeoutError as exc:
+        raise FirstMessageTimeoutError from exc
     if first is _EOF:
         return
     assert isinstance(first, worker_pb2.WorkerTokens)
@@ -163,12 +188,101 @@ async def _coalesced(
 
 
 class WorkerClient:
-    """Calls the Worker service of the instances a request is placed on."""
+    """Calls the Worker service of the instances a request is placed on.
 
-    def __init__(self, pool: ChannelPool, *, abort_timeout_s: float = 1.0) -> None:
+    Every call has two deadlines besides its own overall one: the channel
+    must be connected within ``connect_timeout_s`` (an endpoint that accepts
+    TCP connections but never completes the HTTP/2 handshake otherwise
+    holds a call for gRPC's 20 s connect deadline), and the first message
+    (a Prefill's response, a stream's first tokens) must arrive within
+    ``first_message_timeout_s``. Both surface as a retryable
+    ``UNAVAILABLE``/``DEADLINE_EXCEEDED`` :class:`LegError`, so a dead or hung
+    endpoint costs a request one bounded attempt of its retry budget.
+
+    With a ``health`` detector, every call's outcome is reported to it: a
+    first message is a success, a failure with a code in
+    :data:`EVIDENCE_CODES` (or a missed deadline) a failure, which may
+    eject the instance from placement (see :mod:`router.core.health`).
+    """
+
+    def __init__(
+        self,
+        pool: ChannelPool,
+        *,
+        abort_timeout_s: float = 1.0,
+        connect_timeout_s: float = 2.0,
+        first_message_timeout_s: float = 30.0,
+        health: OutlierDetector | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        for name, value in (
+            ("abort_timeout_s", abort_timeout_s),
+            ("connect_timeout_s", connect_timeout_s),
+            ("first_message_timeout_s", first_message_timeout_s),
+        ):
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
         self._pool = pool
         self._abort_timeout_s = abort_timeout_s
+        self._connect_timeout_s = connect_timeout_s
+        self._first_timeout_s = first_message_timeout_s
+        self.health = health
+        self._clock = clock
         self._background: set[asyncio.Task[None]] = set()
+
+    # ------------------------------------------------------------------ outcomes
+
+    def _succeeded(self, target: Target) -> None:
+        if self.health is not None:
+            self.health.success(target.instance_id, self._clock())
+
+    def _failed(self, error: LegError) -> LegError:
+        if self.health is not None and error.code in EVIDENCE_CODES:
+            self.health.failure(error.instance_id, self._clock(), f"{error.code.name}: {error.details}")
+        return error
+
+    async def _connected(self, target: Target) -> worker_pb2_grpc.WorkerAsyncStub:
+        """The stub of ``target`` once its channel is connected (fails fast, or after the connect deadline)."""
+        channel, stub = self._pool.entry(target.endpoint)
+        state = channel.get_state(try_to_connect=True)
+        if state is grpc.ChannelConnectivity.READY:
+            return stub
+        try:
+            async with asyncio.timeout(self._connect_timeout_s):
+                while state is not grpc.ChannelConnectivity.READY:
+                    if state is grpc.ChannelConnectivity.TRANSIENT_FAILURE:
+                        raise self._failed(
+                            LegError(
+                                target.instance_id,
+                                grpc.StatusCode.UNAVAILABLE,
+                                f"cannot connect to {target.endpoint} (connection failed; the worker is down "
+                                "or unreachable)",
+                            )
+                        )
+                    await channel.wait_for_state_change(state)
+                    state = channel.get_state(try_to_connect=True)
+        except TimeoutError:
+            raise self._failed(
+                LegError(
+                    target.instance_id,
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"no connection to {target.endpoint} within {self._connect_timeout_s:g} s "
+                    "(--worker-connect-timeout-s): the endpoint accepts but does not answer",
+                )
+            ) from None
+        return stub
+
+    def _first_message_error(self, target: Target) -> LegError:
+        return self._failed(
+            LegError(
+                target.instance_id,
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"no first message from {target.endpoint} within {self._first_timeout_s:g} s "
+                "(--worker-first-message-timeout-s): the worker is hung or overloaded",
+            )
+        )
+
+    # ------------------------------------------------------------------ calls
 
     async def prefill(
         self,
@@ -183,12 +297,18 @@ class WorkerClient:
         request = worker_pb2.PrefillRequest(
             request_id=request_id, prompt_token_ids=prompt_token_ids, sampling=sampling
         )
+        stub = await self._connected(target)
+        # A Prefill's response is its first message: the tighter deadline wins.
+        first_bound = self._first_timeout_s < timeout_s
         try:
-            response: worker_pb2.PrefillResponse = await self._pool.stub(target.endpoint).Prefill(
-                request, timeout=timeout_s
+            response: worker_pb2.PrefillResponse = await stub.Prefill(
+                request, timeout=min(timeout_s, self._first_timeout_s)
             )
         except grpc.aio.AioRpcError as exc:
-            raise _leg_error(target.instance_id, exc) from exc
+            if first_bound and exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise self._first_message_error(target) from exc
+            raise self._failed(_leg_error(target.instance_id, exc)) from exc
+        self._succeeded(target)
         return response
 
     async def stream(
@@ -200,17 +320,23 @@ class WorkerClient:
     ) -> AsyncIterator[worker_pb2.WorkerTokens]:
         """Stream a neutral ``Generate`` or a ``Decode``; failures surface as :class:`LegError`."""
         ledger.endpoints.add(target.endpoint)
-        stub = self._pool.stub(target.endpoint)
+        stub = await self._connected(target)
         call: grpc.aio.UnaryStreamCall[Any, worker_pb2.WorkerTokens]
         if isinstance(request, worker_pb2.DecodeRequest):
             call = stub.Decode(request, timeout=timeout_s)
         else:
             call = stub.Generate(request, timeout=timeout_s)
+        first = True
         try:
-            async for message in _coalesced(call):
+            async for message in _coalesced(call, self._first_timeout_s):
+                if first:
+                    first = False
+                    self._succeeded(target)
                 yield message
+        except FirstMessageTimeoutError as exc:
+            raise self._first_message_error(target) from exc
         except grpc.aio.AioRpcError as exc:
-            raise _leg_error(target.instance_id, exc) from exc
+            raise self._failed(_leg_error(target.instance_id, exc)) from exc
         finally:
             call.cancel()  # no-op once the stream ended; stops it when the consumer left early
 
@@ -224,7 +350,7 @@ class WorkerClient:
 
     async def _abort(self, endpoint: str, request_id: str) -> None:
         try:
-            await self._pool.stub(endpoint).Abort(
+            await self._pool.entry(endpoint)[1].Abort(
                 worker_pb2.AbortRequest(request_id=request_id), timeout=self._abort_timeout_s
             )
         except grpc.aio.AioRpcError as exc:

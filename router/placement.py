@@ -22,11 +22,13 @@ from slorouter.v1 import cms_pb2, router_pb2
 from fleet.snapshot import ClusterSnapshot
 from router.core.calibration import Calibrator, StepSample
 from router.core.capacity import LoadTracker, estimate_instances
+from router.core.columns import ClusterView
 from router.core.decision import Choice, Decision
-from router.core.errors import EmptyClusterError, InvalidRequestError, NoInstanceError
+from router.core.errors import EmptyClusterError, InvalidRequestError, NoInstanceError, SchedulingError
+from router.core.health import OutlierDetector
 from router.core.packing import expected_output_tokens, overpacked_mask
 from router.core.queue import RouterQueue
-from router.core.request import ScheduleInput, StageRestriction, resolve_targets
+from router.core.request import ScheduleInput, StageRestriction, Targets, resolve_targets
 from router.core.scheduler import Scheduler
 from router.route import Route, route_of
 from router.telemetry import RequestObserver
@@ -70,8 +72,10 @@ class Placer:
         *,
         clock: Callable[[], float] = time.monotonic,
         observer: RequestObserver | None = None,
+        health: OutlierDetector | None = None,
     ) -> None:
         self.scheduler = scheduler
+        self.health = health
         self._observer = observer
         self._source = source
         self._clock = clock
@@ -231,11 +235,50 @@ class Placer:
         if self._observer is not None:
             self._observer.calibration(calibration, snapshot, label)
 
+    def _schedule(
+        self,
+        req: PlacementRequest,
+        now: float,
+        exclude: frozenset[str],
+        stages: StageRestriction = StageRestriction.ALL,
+        prompt_tokens: int | None = None,
+    ) -> Decision:
+        """A decision for ``req`` over the newest snapshot (see :meth:`decide`)."""
+        return self.decide(
+            self._snapshot(),
+            self.schedule_input(req, exclude=exclude, stages=stages, prompt_tokens=prompt_tokens),
+            now,
+        )
+
+    def decide(
+        self,
+        view: ClusterView | ClusterSnapshot,
+        request: ScheduleInput,
+        now: float,
+        *,
+        targets: Targets | None = None,
+    ) -> Decision:
+        """A decision that avoids the instances the outlier detector ejected, unless only they remain.
+
+        Falling back to the ejected instances is Envoy's panic mode: evidence
+        narrows the choice but never empties a fleet that still has candidates.
+        The router queue decides through here too.
+        """
+        ejected = self.health.ejected(now) if self.health is not None else frozenset()
+        exclude = request.exclude_instance_ids
+        if ejected and not ejected <= exclude:
+            narrowed = dataclasses.replace(request, exclude_instance_ids=exclude | ejected)
+            try:
+                return self.scheduler.schedule(view, narrowed, now, targets=targets)
+            except SchedulingError:
+                pass
+        return self.scheduler.schedule(view, request, now, targets=targets)
+
     def place(self, req: PlacementRequest, *, exclude: frozenset[str] = frozenset()) -> Route:
         """Decide prefill and decode (or neutral) for ``req`` and record the dispatch."""
         now = self._clock()
         started = time.perf_counter()
-        decision = self.scheduler.schedule(self._snapshot(), self.schedule_input(req, exclude=exclude), now)
+        decision = self._schedule(req, now, exclude)
         self.scheduler.record(decision, now)
         self._observe_load(decision, now)
         if self._observer is not None:
@@ -255,13 +298,7 @@ class Placer:
         now = self._clock()
         self.scheduler.inflight.release(req.request_id, abandoned)
         context_tokens = len(req.prompt_token_ids) + generated_tokens
-        decision = self.scheduler.schedule(
-            self._snapshot(),
-            self.schedule_input(
-                req, exclude=exclude, stages=StageRestriction.DECODE, prompt_tokens=context_tokens
-            ),
-            now,
-        )
+        decision = self._schedule(req, now, exclude, StageRestriction.DECODE, context_tokens)
         choice = decision.decode
         if choice is None:  # the core always fills decode for a decode-only request; be explicit anyway
             raise EmptyClusterError(f"no decode instance for request {req.request_id}")
@@ -322,13 +359,17 @@ class Placer:
         }
 
     def instance_counts(self) -> dict[tuple[str, str], int]:
-        """Instances by (role, health) in the current view, for the metrics endpoint."""
+        """Instances by (role, health) in the current view, for the metrics endpoint.
+
+        ``ejected``: usable as far as the view says, but ejected by the outlier detector.
+        """
         snapshot = self._source.snapshot()
         now = self._clock()
         staleness = self.scheduler.config.instance_staleness_s
+        ejected = self.health.ejected(now) if self.health is not None else frozenset()
         counts: dict[tuple[str, str], int] = {}
         for role in ("neutral", "prefill", "decode"):
-            for health in ("healthy", "unschedulable", "stale"):
+            for health in ("healthy", "unschedulable", "stale", "ejected"):
                 counts[(role, health)] = 0
         for record in snapshot.instances:
             role = _ROLE_NAMES.get(record.metadata.role, "neutral")
@@ -336,6 +377,8 @@ class Placer:
                 health = "stale"
             elif not record.status.schedulable:
                 health = "unschedulable"
+            elif record.instance_id in ejected:
+                health = "ejected"
             else:
                 health = "healthy"
             counts[(role, health)] += 1

@@ -16,6 +16,12 @@ _CHANNEL_OPTIONS = (
     ("grpc.keepalive_timeout_ms", 5_000),
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.max_receive_message_length", 16 * 1024 * 1024),
+    # A worker that restarts on the same endpoint is reached again within a second or two
+    # (gRPC's default backoff grows to two minutes); a call never waits on it: the worker
+    # client fails fast while a channel is in TRANSIENT_FAILURE. (grpc.min_reconnect_backoff_ms
+    # is left alone: gRPC also takes it as the time one connection attempt may last.)
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2000),
 )
 
 
@@ -38,10 +44,14 @@ class ChannelPool:
         self._closing: set[asyncio.Task[None]] = set()
 
     def stub(self, endpoint: str) -> worker_pb2_grpc.WorkerAsyncStub:
+        return self.entry(endpoint)[1]
+
+    def entry(self, endpoint: str) -> tuple[grpc.aio.Channel, worker_pb2_grpc.WorkerAsyncStub]:
+        """The channel to ``endpoint`` and its stub (opened on first use)."""
         entry = self._channels.get(endpoint)
         if entry is not None:
             self._channels.move_to_end(endpoint)
-            return entry[1]
+            return entry
         channel = grpc.aio.insecure_channel(endpoint, options=_CHANNEL_OPTIONS)
         stub = worker_pb2_grpc.WorkerStub(channel)
         self._channels[endpoint] = (channel, stub)
@@ -51,7 +61,7 @@ class ChannelPool:
             task = asyncio.get_running_loop().create_task(old_channel.close(grace=self._grace_s))
             self._closing.add(task)
             task.add_done_callback(self._closing.discard)
-        return stub
+        return channel, stub
 
     def __len__(self) -> int:
         return len(self._channels)

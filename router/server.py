@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import random
 import signal
 import sys
@@ -27,6 +28,7 @@ from predictor import LatencyPredictor
 from router.admission import Admission
 from router.chat_template import ChatTemplate, FallbackChatTemplate, load_chat_template
 from router.core.config import SchedulerConfig, name_flags
+from router.core.health import OutlierConfig, OutlierDetector
 from router.core.predictors import PredictorSet
 from router.core.queue import QueueConfig
 from router.core.scheduler import Scheduler
@@ -112,6 +114,9 @@ async def start_router_server(
     http_listen: str = "",
     chat_template: ChatTemplate | None = None,
     queue_config: QueueConfig | None = None,
+    worker_connect_timeout_s: float = 2.0,
+    worker_first_message_timeout_s: float = 30.0,
+    outlier: OutlierConfig | None = None,
 ) -> RouterServer:
     """Serve the Router service on ``listen`` over ``reader``'s view; starts the reader too.
 
@@ -120,12 +125,21 @@ async def start_router_server(
     ``SERVING``. With ``http_listen`` (``HOST:PORT``), the OpenAI-compatible
     HTTP edge is served there as well, over the same service.
     ``queue_config`` defaults to :class:`QueueConfig`'s defaults (the ``edf``
-    router queue). Raises ``OSError`` when an address cannot be bound.
+    router queue). ``worker_*_timeout_s`` bound every worker call's connection and first
+    message; ``outlier`` says when failing instances are ejected from
+    placement (:mod:`router.core.health`). Raises ``OSError`` when an address
+    cannot be bound.
     """
     observer = observer or RequestObserver()
     pool = ChannelPool(max_channels=max_channels)
-    workers = WorkerClient(pool)
-    placer = Placer(scheduler, reader, observer=observer)
+    health = OutlierDetector(outlier)
+    workers = WorkerClient(
+        pool,
+        connect_timeout_s=worker_connect_timeout_s,
+        first_message_timeout_s=worker_first_message_timeout_s,
+        health=health,
+    )
+    placer = Placer(scheduler, reader, observer=observer, health=health)
     service_config = service_config or ServiceConfig()
     slicer = None
     if slice_config is not None:
@@ -158,6 +172,7 @@ async def start_router_server(
     observer.bind_gauges(
         placer.instance_counts,
         lambda: len(scheduler.inflight),
+        cms_lost=lambda: reader.source_lost,
         overpacked=placer.overpacked,
         desired=placer.desired_instances,
     )
@@ -321,6 +336,48 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="deadline of one decode stream (default: %(default)s)",
     )
     parser.add_argument(
+        "--worker-connect-timeout-s",
+        type=float,
+        default=2.0,
+        help="a worker's channel must connect within this long, else the attempt fails and the "
+        "instance is ejected for a while; an endpoint that accepts but never answers costs at most "
+        "this per attempt (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--worker-first-message-timeout-s",
+        type=float,
+        default=30.0,
+        help="a worker call (Prefill, Decode, Generate) must produce its first message within this "
+        "long, else the attempt fails and the instance is ejected for a while (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--outlier-consecutive-failures",
+        type=int,
+        default=OutlierConfig.consecutive_failures,
+        help="failed calls in a row (no connection, no first message, broken stream) that eject an "
+        "instance from placement (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--outlier-base-ejection-s",
+        type=float,
+        default=OutlierConfig.base_ejection_s,
+        help="first ejection time; it doubles each time the instance fails again on probation "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--outlier-max-ejection-s",
+        type=float,
+        default=OutlierConfig.max_ejection_s,
+        help="longest ejection (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--cms-rewarm-s",
+        type=float,
+        default=10.0,
+        help="after the CMS comes back, instances of the last view it does not list yet are kept "
+        "this long, so a restarted CMS does not empty the fleet (default: %(default)s)",
+    )
+    parser.add_argument(
         "--max-prompt-tokens", type=int, default=131072, help="longest prompt accepted (default: %(default)s)"
     )
     parser.add_argument(
@@ -390,6 +447,28 @@ def queue_config(args: argparse.Namespace) -> QueueConfig:
         raise ValueError(name_flags(str(exc), QueueConfig.flags())) from exc
 
 
+def outlier_config(args: argparse.Namespace) -> OutlierConfig:
+    """The outlier detection the ``--outlier-*`` flags describe (errors name the flag)."""
+    try:
+        return OutlierConfig(
+            consecutive_failures=args.outlier_consecutive_failures,
+            base_ejection_s=args.outlier_base_ejection_s,
+            max_ejection_s=args.outlier_max_ejection_s,
+        )
+    except ValueError as exc:
+        flag = str(exc).split(" ", 1)[0].replace("_", "-")
+        raise ValueError(f"--outlier-{flag}: {exc}") from None
+
+
+def _check_availability_flags(args: argparse.Namespace) -> None:
+    for flag in ("worker_connect_timeout_s", "worker_first_message_timeout_s"):
+        value = getattr(args, flag)
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"--{flag.replace('_', '-')} must be a finite number > 0, got {value!r}")
+    if not (math.isfinite(args.cms_rewarm_s) and args.cms_rewarm_s >= 0):
+        raise ValueError(f"--cms-rewarm-s must be a finite number >= 0, got {args.cms_rewarm_s!r}")
+
+
 @dataclass
 class RouterPlan:
     """Everything the router's flags describe, checked, with nothing started yet."""
@@ -401,6 +480,8 @@ class RouterPlan:
     #: ``--dispatch-mode slice``: the slice configuration (None: request dispatch).
     slice_config: SliceConfig | None = None
     queue: QueueConfig = field(default_factory=QueueConfig)
+    #: ``--outlier-*``: when failing instances are ejected from placement.
+    outlier: OutlierConfig = field(default_factory=OutlierConfig)
 
 
 def plan_from_args(args: argparse.Namespace) -> RouterPlan:
@@ -429,10 +510,14 @@ def plan_from_args(args: argparse.Namespace) -> RouterPlan:
     check_port("--metrics-port", args.metrics_port)
     if not args.cluster_name:
         raise ValueError("--cluster-name must not be empty")
+    _check_availability_flags(args)
+    outlier = outlier_config(args)
     slice_config = slice_config_from_args(args)
     predictors = build_predictors(args)
     tokenizer = load_tokenizer(args.tokenizer)
-    return RouterPlan(config, predictors, service_config, tokenizer, slice_config, queue_config(args))
+    return RouterPlan(
+        config, predictors, service_config, tokenizer, slice_config, queue_config(args), outlier
+    )
 
 
 async def start_from_args(args: argparse.Namespace, plan: RouterPlan | None = None) -> RouterServer:
@@ -451,7 +536,7 @@ async def start_from_args(args: argparse.Namespace, plan: RouterPlan | None = No
         reader = open_reader("memory", store=store)
         source = f"the embedded CMS on {cms.address}"
     else:
-        reader = open_reader(args.cms, cluster_name=args.cluster_name)
+        reader = open_reader(args.cms, cluster_name=args.cluster_name, rewarm_s=args.cms_rewarm_s)
         source = args.cms
     observer = RequestObserver()
     if args.metrics_port:
@@ -467,6 +552,9 @@ async def start_from_args(args: argparse.Namespace, plan: RouterPlan | None = No
             tokenizer=plan.tokenizer,
             observer=observer,
             source=source,
+            worker_connect_timeout_s=args.worker_connect_timeout_s,
+            worker_first_message_timeout_s=args.worker_first_message_timeout_s,
+            outlier=plan.outlier,
             slice_config=plan.slice_config,
             http_listen=args.http_listen,
             chat_template=load_chat_template(args.tokenizer),

@@ -360,9 +360,11 @@ class RouterService(router_pb2_grpc.RouterServicer):
             self._config.stream_timeout_s,
         )
         async for message, instance_id in stream:
+            index = len(progress.tokens)
             self._note_tokens(progress, message.token_ids)
             out = router_pb2.GenerateResponse(
                 request_id=req.request_id,
+                first_token_index=index,
                 token_ids=message.token_ids,
                 text=message.text,
                 finished=message.finished,
@@ -457,9 +459,11 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 self._config.prefill_timeout_s,
                 ledger,
             )
+            index = len(progress.tokens)
             self._note_tokens(progress, [response.first_token_id])
             first = router_pb2.GenerateResponse(
                 request_id=req.request_id,
+                first_token_index=index,
                 token_ids=[response.first_token_id],
                 text=response.text,
                 finished=response.finished,
@@ -477,12 +481,14 @@ class RouterService(router_pb2_grpc.RouterServicer):
         async for message in stream:
             if not message.token_ids and not message.finished:
                 continue
+            index = len(progress.tokens)
             self._note_tokens(progress, message.token_ids)
             progress.cached_prompt_tokens = max(
                 progress.cached_prompt_tokens, message.num_cached_prompt_tokens
             )
             first = router_pb2.GenerateResponse(
                 request_id=req.request_id,
+                first_token_index=index,
                 token_ids=message.token_ids,
                 text=message.text,
                 finished=message.finished,
@@ -523,11 +529,13 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 )
             try:
                 async for message in stream:
+                    index = len(progress.tokens)
                     self._note_tokens(progress, message.token_ids)
                     if message.num_cached_prompt_tokens:
                         progress.cached_prompt_tokens = message.num_cached_prompt_tokens
                     yield router_pb2.GenerateResponse(
                         request_id=req.request_id,
+                        first_token_index=index,
                         token_ids=message.token_ids,
                         text=message.text,
                         finished=message.finished,

@@ -166,6 +166,11 @@ class RequestObserver:
             registry=r,
         )
         self._classes: set[str] = set()
+        self.cms_lost = Gauge(
+            "slo_router_cms_lost",
+            "1 while the router routes on the last view of a CMS it lost (status ages frozen)",
+            registry=r,
+        )
 
     def bind_gauges(
         self,
@@ -174,6 +179,7 @@ class RequestObserver:
         *,
         overpacked: Callable[[], dict[str, float]] | None = None,
         desired: Callable[[], dict[str, int]] | None = None,
+        cms_lost: Callable[[], bool] | None = None,
     ) -> None:
         """Compute the gauges at scrape time from the router's live state.
 
@@ -183,6 +189,8 @@ class RequestObserver:
         """
         self._instance_source = instances
         self.inflight_entries.set_function(lambda: float(inflight()))
+        if cms_lost is not None:
+            self.cms_lost.set_function(lambda: float(cms_lost()))
         self._refresh_instances()
         if overpacked is not None or desired is not None:
             self.registry.register(_PackingCollector(overpacked, desired))

@@ -16,6 +16,13 @@ deregisters on shutdown.
 - ``admitted_request_ids`` are the engine's recent admissions, at most
   ``max_admitted_ids``; ``step_samples`` are the steps finished since the
   previous status, at most ``max_step_samples`` (the newest).
+- Engine liveness, not just agent liveness: an engine that holds work
+  (waiting or running requests) but has finished no step for
+  ``engine_stall_s`` is reported unschedulable, with the reason in
+  ``unschedulable_reason``, until its steps resume. The agent checks this on
+  a timer of its own, because a hung engine announces nothing; the heartbeat
+  keeps the CMS entry alive, so without this check a hung engine would keep
+  receiving traffic.
 - Nothing here raises into the worker: a failing sink is logged and skipped.
 """
 
@@ -23,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Callable
 from typing import Protocol
@@ -32,6 +40,9 @@ from slorouter.v1 import cms_pb2
 from workers.engine import Engine, EngineLoad, StepRecord
 
 logger = logging.getLogger(__name__)
+
+#: Longest ``unschedulable_reason`` a status carries (the agent writes it from a fixed template).
+MAX_REASON_CHARS = 200
 
 
 class StatusSink(Protocol):
@@ -75,14 +86,19 @@ def build_status(
     timestamp_ms: int,
     step_samples: tuple[StepRecord, ...] = (),
     max_admitted_ids: int = 256,
+    unschedulable_reason: str = "",
 ) -> cms_pb2.InstanceStatus:
-    """An ``InstanceStatus`` for ``load``; the admitted ids are cut to the newest ``max_admitted_ids``."""
+    """An ``InstanceStatus`` for ``load``; the admitted ids are cut to the newest ``max_admitted_ids``.
+
+    A non-empty ``unschedulable_reason`` makes the instance unschedulable whatever the engine says.
+    """
     admitted = load.recent_admitted_request_ids[-max_admitted_ids:] if max_admitted_ids > 0 else ()
     return cms_pb2.InstanceStatus(
         instance_id=instance_id,
         update_id=update_id,
         timestamp_ms=timestamp_ms,
-        schedulable=load.schedulable,
+        schedulable=load.schedulable and not unschedulable_reason,
+        unschedulable_reason=unschedulable_reason[:MAX_REASON_CHARS],
         num_waiting_requests=load.num_waiting_requests,
         num_running_requests=load.num_running_requests,
         num_uncomputed_prefill_tokens=load.num_uncomputed_prefill_tokens,
@@ -106,7 +122,9 @@ class StatusAgent:
     """Publishes an engine's load to a :class:`StatusSink`; see the module docstring.
 
     ``clock`` gives epoch seconds (status timestamps and the first update id);
-    coalescing uses the event loop's clock.
+    coalescing and the stall check use the event loop's clock.
+    ``engine_stall_s`` (0 = off) is how long an engine holding work may go
+    without finishing a step before it is reported unschedulable.
     """
 
     def __init__(
@@ -118,10 +136,13 @@ class StatusAgent:
         coalesce_s: float = 0.005,
         max_admitted_ids: int = 256,
         max_step_samples: int = 64,
+        engine_stall_s: float = 30.0,
         clock: Callable[[], float] = time.time,
     ) -> None:
         if coalesce_s < 0:
             raise ValueError(f"coalesce_s must be >= 0, got {coalesce_s}")
+        if not (math.isfinite(engine_stall_s) and engine_stall_s >= 0):
+            raise ValueError(f"engine_stall_s must be a finite number >= 0 (0 = off), got {engine_stall_s!r}")
         if max_admitted_ids < 0 or max_step_samples < 0:
             raise ValueError(
                 f"max_admitted_ids and max_step_samples must be >= 0, got {max_admitted_ids}, {max_step_samples}"
@@ -142,6 +163,15 @@ class StatusAgent:
         self._listening = False
         self._started = False
         self._stopping: asyncio.Task[None] | None = None
+        self._stall_s = engine_stall_s
+        self._stall_timer: asyncio.TimerHandle | None = None
+        #: The engine's step count when it last made progress (or had nothing to do), and when.
+        self._progress_steps = -1
+        self._progress_at = 0.0
+        #: Since when an engine marked stalled holds no work (None: it holds some, or is not marked).
+        self._idle_since: float | None = None
+        #: Why the engine is unschedulable as far as the agent can tell ("" = it is not stalled).
+        self._stall_reason = ""
         #: Statuses handed to the sink (for tests and metrics).
         self.published = 0
 
@@ -153,6 +183,11 @@ class StatusAgent:
     @property
     def sink(self) -> StatusSink:
         return self._sink
+
+    @property
+    def stall_reason(self) -> str:
+        """Why the engine is reported unschedulable by the stall check ("" while it makes progress)."""
+        return self._stall_reason
 
     async def start(self) -> None:
         """Start the sink, publish the current load and follow the engine. Returns at once."""
@@ -167,7 +202,10 @@ class StatusAgent:
         if not self._listening:
             self._listening = True
             self._engine.add_load_listener(self._on_change)
+        self._progress_at = self._loop.time()
         self._flush()
+        if self._stall_s > 0:
+            self._schedule_stall_check()
 
     async def stop(self) -> None:
         """Stop publishing and stop the sink (which deregisters). Idempotent."""
@@ -179,6 +217,9 @@ class StatusAgent:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        if self._stall_timer is not None:
+            self._stall_timer.cancel()
+            self._stall_timer = None
         try:
             await self._sink.stop()
         except Exception:
@@ -191,13 +232,90 @@ class StatusAgent:
         delay = max(0.0, self._last_publish_at + self._coalesce_s - self._loop.time())
         self._timer = self._loop.call_later(delay, self._flush)
 
-    def _flush(self) -> None:
+    # ------------------------------------------------------------------ engine liveness
+
+    def _schedule_stall_check(self) -> None:
+        assert self._loop is not None
+        # A few checks per stall period: a stall is noticed within 1.25 × engine_stall_s.
+        self._stall_timer = self._loop.call_later(min(1.0, self._stall_s / 4), self._check_stall)
+
+    def _check_stall(self) -> None:
+        self._stall_timer = None
+        if self._stopping is not None:
+            return
+        try:
+            before = self._stall_reason
+            load = self._engine.load()
+            self._note_progress(load)
+            if self._stall_reason != before:
+                if self._timer is not None:
+                    self._timer.cancel()
+                self._flush(force=True)
+        except Exception:
+            logger.exception("checking the engine's liveness failed; the worker keeps serving")
+        self._schedule_stall_check()
+
+    def _note_progress(self, load: EngineLoad) -> None:
+        """Update the stall verdict from ``load`` (called on every change and by the stall timer).
+
+        The verdict is lifted when a step finishes. An engine marked stalled
+        that then holds nothing (its requests were aborted, e.g. by the
+        router's first-message deadline) cannot show progress; after
+        ``engine_stall_s`` without work it is given the benefit of the doubt
+        and reported schedulable again, on probation: the next work it holds
+        without finishing a step marks it again.
+        """
+        if self._stall_s <= 0 or self._loop is None:
+            return
+        now = self._loop.time()
+        holding = load.num_waiting_requests + load.num_running_requests
+        if load.num_steps != self._progress_steps:
+            self._progress_steps = load.num_steps
+            self._progress_at = now
+            self._idle_since = None
+            if self._stall_reason:
+                logger.warning("engine steps resumed; schedulable again")
+                self._stall_reason = ""
+            return
+        if holding == 0:
+            if not self._stall_reason:
+                self._progress_at = now
+                return
+            if self._idle_since is None:
+                self._idle_since = now
+            if now - self._idle_since >= self._stall_s:
+                logger.warning(
+                    "engine marked stalled holds no work for %.1f s; schedulable again on probation",
+                    now - self._idle_since,
+                )
+                self._stall_reason = ""
+                self._progress_at = now
+                self._idle_since = None
+            return
+        self._idle_since = None
+        idle_s = now - self._progress_at
+        if idle_s >= self._stall_s:
+            if not self._stall_reason:
+                logger.warning(
+                    "engine stalled: no step for %.1f s while holding %d requests; reporting unschedulable",
+                    idle_s,
+                    holding,
+                )
+            self._stall_reason = (
+                f"engine stalled: no step finished for over {self._stall_s:g} s "
+                f"(--engine-stall-s) while holding {holding} requests"
+            )
+
+    # ------------------------------------------------------------------ publishing
+
+    def _flush(self, force: bool = False) -> None:
         self._timer = None
         if self._stopping is not None or self._loop is None:
             return
         try:
             load = self._engine.load()
-            if load == self._last_load:
+            self._note_progress(load)
+            if load == self._last_load and not force:
                 return
             samples = self._new_steps(load)
             self._update_id += 1
@@ -208,6 +326,7 @@ class StatusAgent:
                 timestamp_ms=int(self._clock() * 1000),
                 step_samples=samples,
                 max_admitted_ids=self._max_ids,
+                unschedulable_reason=self._stall_reason,
             )
             self._last_load = load
             self._last_status = status

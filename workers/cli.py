@@ -111,6 +111,13 @@ def register(subparsers: Any) -> None:
     worker.add_argument("--node-id", default="", help="failure domain: host id")
     worker.add_argument("--unit-id", default="", help="failure domain: unit id")
     worker.add_argument(
+        "--engine-stall-s",
+        type=float,
+        default=30.0,
+        help="an engine that holds requests but finishes no step for this long is reported "
+        "unschedulable (reason in its status) until its steps resume; 0 = off (default: %(default)s)",
+    )
+    worker.add_argument(
         "--shutdown-grace-s",
         type=float,
         default=5.0,
@@ -196,6 +203,8 @@ def check_worker_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--shutdown-grace-s {args.shutdown_grace_s}: must be a finite number >= 0")
     if not 0 <= args.metrics_port <= 65535:
         raise ValueError(f"--metrics-port {args.metrics_port}: must be a port 0-65535 (0 = off)")
+    if not (math.isfinite(args.engine_stall_s) and args.engine_stall_s >= 0):
+        raise ValueError(f"--engine-stall-s {args.engine_stall_s}: must be a finite number >= 0 (0 = off)")
 
 
 def run_worker(args: argparse.Namespace) -> int:
@@ -239,6 +248,7 @@ async def _serve(engine: Any, args: argparse.Namespace, identity: Any, token: st
             cms=args.cms,
             cms_auth_token=token,
             http_listen=args.http_listen,
+            engine_stall_s=args.engine_stall_s,
         )
     except (OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)

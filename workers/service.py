@@ -301,6 +301,7 @@ async def start_worker_server(
     heartbeat_interval_s: float = 0.5,
     cms_backoff_max_s: float = 5.0,
     http_listen: str = "",
+    engine_stall_s: float = 30.0,
 ) -> WorkerServer:
     """Start ``engine`` and serve it on ``listen`` (``HOST:PORT``; port 0 picks one).
 
@@ -310,10 +311,11 @@ async def start_worker_server(
     ``advertise_host`` is the host put into the registered endpoint (default:
     the listen host, or this machine's host name when listening on a
     wildcard address). ``agent_coalesce_s``, ``heartbeat_interval_s`` and
-    ``cms_backoff_max_s`` tune the agent. ``WorkerServer.stop()`` stops the agent, the server
-    and the engine. With ``http_listen`` (``HOST:PORT``) the engine is also
-    served over OpenAI's HTTP API (:mod:`workers.http_face`). Raises
-    ``OSError`` when an address cannot be bound.
+    ``cms_backoff_max_s`` tune the agent; ``engine_stall_s`` is how long an engine
+    holding work may finish no step before the agent reports it unschedulable (0 = off).
+    ``WorkerServer.stop()`` stops the agent, the server and the engine. With
+    ``http_listen`` (``HOST:PORT``) the engine is also served over OpenAI's HTTP
+    API (:mod:`workers.http_face`). Raises ``OSError`` when an address cannot be bound.
     """
     identity = identity if identity is not None else WorkerIdentity()
     host, _ = _split_listen(listen)
@@ -344,7 +346,9 @@ async def start_worker_server(
                 heartbeat_interval_s=heartbeat_interval_s,
                 backoff_max_s=cms_backoff_max_s,
             )
-            agent = StatusAgent(engine, metadata, sink, coalesce_s=agent_coalesce_s)
+            agent = StatusAgent(
+                engine, metadata, sink, coalesce_s=agent_coalesce_s, engine_stall_s=engine_stall_s
+            )
             await agent.start()
     except BaseException:
         await server.stop(None)

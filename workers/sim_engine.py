@@ -230,6 +230,9 @@ class SimEngine:
         self._held: dict[str, _Held] = {}
         self._listeners: list[Callable[[], None]] = []
         self._wake = asyncio.Event()
+        # Cleared by the stall() fault hook: the step loop waits on it between steps.
+        self._steps_allowed = asyncio.Event()
+        self._steps_allowed.set()
         self._task: asyncio.Task[None] | None = None
         # Mean lateness of the event loop's timers (seconds), subtracted from step sleeps.
         self._lateness_s = 0.0005
@@ -278,6 +281,25 @@ class SimEngine:
             self._pulls[rid] = True
         await self._kv_peer.close()
         self._changed()
+
+    # ------------------------------------------------------------------ fault injection
+
+    def stall(self) -> None:
+        """Fault injection: stop the step loop after the step in progress, as a hung engine would.
+
+        Admission keeps working (requests queue up, the load says so) and the
+        worker's agent keeps heart-beating, but no step finishes until
+        :meth:`resume`. Tests use it to check engine-liveness reporting.
+        """
+        self._steps_allowed.clear()
+
+    def resume(self) -> None:
+        """End a :meth:`stall`: steps run again from the current state."""
+        self._steps_allowed.set()
+
+    @property
+    def stalled(self) -> bool:
+        return not self._steps_allowed.is_set()
 
     async def generate(
         self, request_id: str, prompt_token_ids: tuple[int, ...], sampling: Sampling
@@ -498,6 +520,8 @@ class SimEngine:
         deadline: float | None = None
         try:
             while True:
+                if not self._steps_allowed.is_set():
+                    await self._steps_allowed.wait()
                 self._wake.clear()
                 step = self.core.schedule()
                 if step is None:

@@ -47,7 +47,7 @@ import math
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol
 
 from fleet.snapshot import ClusterSnapshot
 from router.core.columns import ClusterView
@@ -60,7 +60,7 @@ from router.core.errors import (
     QueueTimeoutError,
     SchedulingError,
 )
-from router.core.request import ScheduleInput, Stage, resolve_targets
+from router.core.request import ScheduleInput, Stage, Targets, resolve_targets
 from router.core.scheduler import Scheduler
 
 
@@ -485,6 +485,20 @@ class Verdict(enum.Enum):
     EXPIRED = "expired"
 
 
+class Decide(Protocol):
+    """What :func:`offer` decides with: :meth:`Scheduler.schedule`'s shape."""
+
+    def __call__(
+        self,
+        view: ClusterView | ClusterSnapshot,
+        request: ScheduleInput,
+        now: float,
+        /,
+        *,
+        targets: Targets | None = None,
+    ) -> Decision: ...
+
+
 @dataclass(frozen=True)
 class Offer:
     """The outcome of offering ``entry`` at one moment."""
@@ -520,6 +534,7 @@ def offer(
     now_s: float,
     *,
     max_failures: int = 8,
+    decide: Decide | None = None,
 ) -> Iterator[Offer]:
     """Offer the queue's entries to ``scheduler`` in order at ``now_s``; yields what happened to each.
 
@@ -538,7 +553,10 @@ def offer(
     sees that load). Stops after ``max_failures`` entries in a row stay waiting
     (a decision costs tens of microseconds; the rest face the same fleet).
     Entries leave the queue here; the caller only acts on the verdicts.
+    ``decide`` replaces ``scheduler.schedule`` for the decisions (the router
+    shell passes one that avoids ejected instances).
     """
+    schedule = scheduler.schedule if decide is None else decide
     late_reject = queue.config.late is LatePolicy.REJECT
     for entry in queue.expire(now_s):
         waited = (now_s - entry.enqueued_s) * 1e3
@@ -583,7 +601,7 @@ def offer(
         else:
             offered = replace(targets, ttft_ms=bound)
         try:
-            decision = scheduler.schedule(source(), request, now_s, targets=offered)
+            decision = schedule(source(), request, now_s, targets=offered)
         except NoInstanceError as exc:
             best = _best_ttft(exc)
             if not entry.late and best == best and best >= targets.ttft_ms:

@@ -90,12 +90,15 @@ class Scheduler:
         """The view a decision at ``now_s`` sees.
 
         Reconciles the in-flight account with ``snapshot`` (once per snapshot
-        object) and expires old entries first.
+        object) and expires old entries first. While the snapshot's source is
+        lost nothing expires: no status can confirm an entry, so the router's
+        own account (released when requests end) is the load it knows of.
         """
         if snapshot is not self._reconciled:
             self.inflight.reconcile(snapshot, self.views.table(snapshot).index)
             self._reconciled = snapshot
-        self.inflight.expire(now_s)
+        if snapshot.source_lost_at_s is None:
+            self.inflight.expire(now_s)
         return self.views.build(snapshot, self.inflight, now_s)
 
     def context(

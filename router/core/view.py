@@ -158,7 +158,7 @@ class ViewBuilder:
     def build(self, snapshot: ClusterSnapshot, inflight: InflightAccount | None, now_s: float) -> ClusterView:
         """The view of ``snapshot`` plus ``inflight`` at ``now_s`` (monotonic seconds, the snapshot's clock)."""
         table = self.table(snapshot)
-        elapsed = max(0.0, now_s - snapshot.taken_at_s)
+        elapsed = snapshot.elapsed_s(now_s)  # frozen while the CMS is lost (static stability)
         age = table.status_age_s + elapsed
         # The same float addition as in ``age``, and rounding is monotonic: the oldest age exactly.
         oldest = _oldest_status_age(table) + elapsed

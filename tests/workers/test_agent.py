@@ -202,3 +202,93 @@ async def test_bad_cms_token_does_not_affect_serving(start_worker: StartWorker) 
         assert server.agent is not None and not server.agent.sink.registered  # type: ignore[attr-defined]
     finally:
         await cms.stop(0)
+
+
+async def test_a_stalled_engine_is_reported_unschedulable_until_its_steps_resume() -> None:
+    engine = make_engine(speed_factor=5.0)
+    await engine.start()
+    sink = RecordingSink()
+    agent = await _agent(engine, sink, coalesce_s=0.001, engine_stall_s=0.2)
+    try:
+        await wait_for(lambda: len(sink.statuses) >= 1)
+        # Idle for longer than the stall bound: nothing held, so nothing is stalled.
+        await asyncio.sleep(0.3)
+        assert sink.statuses[-1].schedulable and agent.stall_reason == ""
+
+        engine.stall()
+        stream = engine.generate("r1", prompt(64), sampling(4))
+        first = asyncio.ensure_future(anext(stream))
+        await wait_for(lambda: not sink.statuses[-1].schedulable, timeout_s=5.0)
+        stalled = sink.statuses[-1]
+        assert (
+            "engine stalled" in stalled.unschedulable_reason
+            and "--engine-stall-s" in stalled.unschedulable_reason
+        )
+        assert stalled.num_waiting_requests + stalled.num_running_requests == 1
+        assert not first.done()  # really stalled: no token came out
+
+        engine.resume()
+        await first
+        await wait_for(lambda: sink.statuses[-1].schedulable, timeout_s=5.0)
+        assert sink.statuses[-1].unschedulable_reason == ""
+        await drain(stream)
+    finally:
+        engine.resume()
+        await agent.stop()
+        await engine.stop()
+
+
+async def test_engine_stall_check_can_be_turned_off() -> None:
+    engine = make_engine(speed_factor=5.0)
+    await engine.start()
+    sink = RecordingSink()
+    agent = await _agent(engine, sink, coalesce_s=0.001, engine_stall_s=0)
+    try:
+        engine.stall()
+        stream = engine.generate("r1", prompt(64), sampling(4))
+        first = asyncio.ensure_future(anext(stream))
+        await wait_for(
+            lambda: sink.statuses[-1].num_waiting_requests + sink.statuses[-1].num_running_requests == 1
+        )
+        await asyncio.sleep(0.3)
+        assert sink.statuses[-1].schedulable and agent.stall_reason == ""
+        engine.resume()
+        await first
+        await drain(stream)
+    finally:
+        engine.resume()
+        await agent.stop()
+        await engine.stop()
+
+
+async def test_a_stalled_engine_whose_work_was_aborted_is_schedulable_again_on_probation() -> None:
+    engine = make_engine(speed_factor=5.0)
+    await engine.start()
+    sink = RecordingSink()
+    agent = await _agent(engine, sink, coalesce_s=0.001, engine_stall_s=0.2)
+    try:
+        engine.stall()
+        stream = engine.generate("r1", prompt(64), sampling(4))
+        first = asyncio.ensure_future(anext(stream))
+        await wait_for(lambda: not sink.statuses[-1].schedulable, timeout_s=5.0)
+        marked = len(sink.statuses)
+        # The router gives up on it: the request is aborted and the engine holds nothing.
+        first.cancel()
+        await asyncio.gather(first, return_exceptions=True)
+        await stream.aclose()
+        await wait_for(lambda: engine.load().num_waiting_requests + engine.load().num_running_requests == 0)
+        # Still stalled, but nothing shows it any more: schedulable again after engine_stall_s idle.
+        await wait_for(lambda: sink.statuses[-1].schedulable, timeout_s=5.0)
+        assert not sink.statuses[marked - 1].schedulable
+        # New work that again finishes no step marks it again.
+        stream2 = engine.generate("r2", prompt(64), sampling(4))
+        second = asyncio.ensure_future(anext(stream2))
+        await wait_for(lambda: not sink.statuses[-1].schedulable, timeout_s=5.0)
+        engine.resume()
+        await second
+        await drain(stream2)
+        await wait_for(lambda: sink.statuses[-1].schedulable, timeout_s=5.0)
+    finally:
+        engine.resume()
+        await agent.stop()
+        await engine.stop()

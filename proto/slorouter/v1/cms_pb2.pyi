@@ -161,6 +161,7 @@ class InstanceStatus(_message.Message):
     NUM_USED_KV_TOKENS_FIELD_NUMBER: _builtins.int
     ADMITTED_REQUEST_IDS_FIELD_NUMBER: _builtins.int
     STEP_SAMPLES_FIELD_NUMBER: _builtins.int
+    UNSCHEDULABLE_REASON_FIELD_NUMBER: _builtins.int
     instance_id: _builtins.str
     update_id: _builtins.int
     """Increases with every real change; an equal or older id is a heartbeat."""
@@ -176,6 +177,11 @@ class InstanceStatus(_message.Message):
     num_decode_tokens: _builtins.int
     """Sum of the context lengths of those requests."""
     num_used_kv_tokens: _builtins.int
+    unschedulable_reason: _builtins.str
+    """Why the instance is not schedulable (empty when it is, or when it does
+    not say): e.g. "engine stalled: no step for 12.0 s with 3 requests".
+    Written by the worker from a fixed template, at most 256 bytes.
+    """
     @_builtins.property
     def admitted_request_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Requests the engine admitted recently (for in-flight reconciliation)."""
@@ -197,10 +203,11 @@ class InstanceStatus(_message.Message):
         num_used_kv_tokens: _builtins.int = ...,
         admitted_request_ids: _abc.Iterable[_builtins.str] | None = ...,
         step_samples: _abc.Iterable[Global___StepSample] | None = ...,
+        unschedulable_reason: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["admitted_request_ids", b"admitted_request_ids", "instance_id", b"instance_id", "num_decode_requests", b"num_decode_requests", "num_decode_tokens", b"num_decode_tokens", "num_running_requests", b"num_running_requests", "num_uncomputed_prefill_tokens", b"num_uncomputed_prefill_tokens", "num_used_kv_tokens", b"num_used_kv_tokens", "num_waiting_requests", b"num_waiting_requests", "schedulable", b"schedulable", "step_samples", b"step_samples", "timestamp_ms", b"timestamp_ms", "update_id", b"update_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["admitted_request_ids", b"admitted_request_ids", "instance_id", b"instance_id", "num_decode_requests", b"num_decode_requests", "num_decode_tokens", b"num_decode_tokens", "num_running_requests", b"num_running_requests", "num_uncomputed_prefill_tokens", b"num_uncomputed_prefill_tokens", "num_used_kv_tokens", b"num_used_kv_tokens", "num_waiting_requests", b"num_waiting_requests", "schedulable", b"schedulable", "step_samples", b"step_samples", "timestamp_ms", b"timestamp_ms", "unschedulable_reason", b"unschedulable_reason", "update_id", b"update_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

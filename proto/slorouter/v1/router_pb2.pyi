@@ -164,12 +164,19 @@ class GenerateResponse(_message.Message):
     FINISHED_FIELD_NUMBER: _builtins.int
     FINISH_REASON_FIELD_NUMBER: _builtins.int
     USAGE_FIELD_NUMBER: _builtins.int
+    FIRST_TOKEN_INDEX_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     text: _builtins.str
     """Text of these tokens; may be empty."""
     finished: _builtins.bool
     finish_reason: _builtins.str
     """"length" | "stop" | "abort"; set on the last message."""
+    first_token_index: _builtins.int
+    """Position of this message's first token in the completion (0 for the first
+    token). Each message continues exactly where the previous one ended, also
+    across a decode failover, so a client can check that no token was lost
+    or repeated: first_token_index == the number of tokens received before.
+    """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The new tokens of this message (several when the client fell behind)."""
@@ -192,10 +199,11 @@ class GenerateResponse(_message.Message):
         finished: _builtins.bool = ...,
         finish_reason: _builtins.str = ...,
         usage: Global___Usage | None = ...,
+        first_token_index: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["route", b"route", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "finished", b"finished", "request_id", b"request_id", "route", b"route", "text", b"text", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "finished", b"finished", "first_token_index", b"first_token_index", "request_id", b"request_id", "route", b"route", "text", b"text", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
