@@ -20,8 +20,11 @@ import grpc
 from grpc_health.v1 import health_pb2
 from slorouter.v1 import router_pb2, router_pb2_grpc
 
+from cms import limits
+from cms.auth import read_client_token
 from cms.reader import ClusterReader, open_reader
 from cms.serving import add_health_and_reflection, bind_server
+from cms.transport import ClientTls, ServerTls, client_tls_from_arg, server_tls_from_args
 from openai_http.app import DEFAULT_MAX_BODY_BYTES, HttpServer
 from predictor import LatencyPredictor
 from router.chat_template import ChatTemplate, FallbackChatTemplate, load_chat_template
@@ -107,17 +110,20 @@ async def start_router_server(
     slice_config: SliceConfig | None = None,
     http_listen: str = "",
     chat_template: ChatTemplate | None = None,
+    tls: ServerTls | None = None,
+    worker_tls: ClientTls | None = None,
 ) -> RouterServer:
     """Serve the Router service on ``listen`` over ``reader``'s view; starts the reader too.
 
     gRPC health reports ``NOT_SERVING`` until the reader delivers its first
     cluster view (``source`` names where it comes from, for the log), then
     ``SERVING``. With ``http_listen`` (``HOST:PORT``), the OpenAI-compatible
-    HTTP edge is served there as well, over the same service. Raises
-    ``OSError`` when an address cannot be bound.
+    HTTP edge is served there as well, over the same service. ``tls`` makes
+    the Router service TLS only; ``worker_tls`` makes the calls to workers TLS
+    (checked against its CA). Raises ``OSError`` when an address cannot be bound.
     """
     observer = observer or RequestObserver()
-    pool = ChannelPool(max_channels=max_channels)
+    pool = ChannelPool(max_channels=max_channels, tls=worker_tls)
     workers = WorkerClient(pool)
     placer = Placer(scheduler, reader, observer=observer)
     service_config = service_config or ServiceConfig()
@@ -139,7 +145,12 @@ async def start_router_server(
         observer=observer,
         slicer=slicer,
     )
-    server, port = await bind_server(listen)
+    server, port = await bind_server(
+        listen,
+        max_receive_bytes=limits.SERVING_MAX_MESSAGE_BYTES,
+        max_send_bytes=limits.SERVING_MAX_MESSAGE_BYTES,
+        tls=tls,
+    )
     router_pb2_grpc.add_RouterServicer_to_server(service, server)
     health_servicer = add_health_and_reflection(server, SERVICE_NAME)
     for name in (SERVICE_NAME, ""):
@@ -272,6 +283,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "/v1/models, /health, /metrics) here; off by default",
     )
     parser.add_argument("--cluster-name", default="default", help="Redis key namespace with --cms redis://")
+    parser.add_argument(
+        "--cms-auth-token-file",
+        default=None,
+        help="file holding the token to read a grpc:// CMS with (needed once the CMS has tokens); "
+        "with --cms memory, the tokens the embedded CMS accepts (one per line: TOKEN or NAME TOKEN)",
+    )
+    parser.add_argument(
+        "--tls-cert", default=None, help="serve the Router service over TLS with this PEM chain"
+    )
+    parser.add_argument("--tls-key", default=None, help="the private key (PEM) of --tls-cert")
+    parser.add_argument(
+        "--tls-ca",
+        default=None,
+        help="CA bundle (PEM): reach workers and a grpc:// CMS over TLS, checking them against it",
+    )
     parser.add_argument(
         "--ttft-profiling-data-path",
         default=str(DEFAULT_PROFILE_DIR / "ttft.json"),
@@ -419,19 +445,35 @@ async def start_from_args(args: argparse.Namespace, plan: RouterPlan | None = No
     """Build everything the flags describe and start serving."""
     plan = plan or plan_from_args(args)
     scheduler = Scheduler(plan.config, plan.predictors, random.Random(args.seed))
+    tls = server_tls_from_args(args.tls_cert, args.tls_key)
+    client_tls = client_tls_from_arg(args.tls_ca)
+    cms_token = None
+    if args.cms_auth_token_file:
+        try:
+            cms_token = read_client_token(Path(args.cms_auth_token_file))
+        except OSError as exc:
+            raise ValueError(f"--cms-auth-token-file: {exc}") from None
     owned: list[Any] = []
     if args.cms == "memory":
+        from cms.auth import TokenTable
+        from cms.cli import is_loopback
         from cms.memory import MemoryStore
         from cms.server import start_cms_server
 
+        tokens = TokenTable.from_file(Path(args.cms_auth_token_file)) if args.cms_auth_token_file else None
+        if tokens is None and not is_loopback(args.cms_listen):
+            raise ValueError(
+                f"--cms-listen {args.cms_listen} is not a loopback address: give --cms-auth-token-file "
+                "(the tokens the embedded CMS accepts)"
+            )
         store = MemoryStore()
-        cms = await start_cms_server(store, args.cms_listen)
+        cms = await start_cms_server(store, args.cms_listen, tokens=tokens, tls=tls)
         owned.append(cms)
         logger.info("embedded CMS listening on %s", cms.address)
         reader = open_reader("memory", store=store)
         source = f"the embedded CMS on {cms.address}"
     else:
-        reader = open_reader(args.cms, cluster_name=args.cluster_name)
+        reader = open_reader(args.cms, cluster_name=args.cluster_name, auth_token=cms_token, tls=client_tls)
         source = args.cms
     observer = RequestObserver()
     if args.metrics_port:
@@ -450,6 +492,8 @@ async def start_from_args(args: argparse.Namespace, plan: RouterPlan | None = No
             slice_config=plan.slice_config,
             http_listen=args.http_listen,
             chat_template=load_chat_template(args.tokenizer),
+            tls=tls,
+            worker_tls=client_tls,
         )
     except BaseException:
         for resource in reversed(owned):

@@ -14,12 +14,19 @@ from cms.memory import MemoryStore
 from cms.redis_store import RedisStore
 from cms.server import CmsServer, start_cms_server
 from cms.store import CmsStore
+from tests.cms import helpers
 
 #: Short leases keep the suite fast (every lease test polls with a bounded deadline), yet long
 #: enough that a starved event loop on a busy machine does not lapse a lease by accident.
 LEASE_TTL_S = 1.0
 
 _cluster_names = itertools.count()
+
+
+@pytest.fixture(autouse=True)
+def fresh_status_clock() -> None:
+    """Status timestamps of this test count from now (see ``helpers.make_status``)."""
+    helpers.reset_status_clock()
 
 
 @pytest.fixture(autouse=True)
