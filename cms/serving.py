@@ -11,9 +11,10 @@ traceback per request).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import grpc
@@ -61,13 +62,15 @@ async def _reject(request: _Malformed, context: grpc.aio.ServicerContext[Any, An
 def _guard(behavior: Callable[..., Any]) -> Callable[..., Any]:
     """``behavior`` with malformed requests refused before it runs."""
     if inspect.isasyncgenfunction(behavior):
-        # A coroutine that writes what the generator yields: the same work gRPC does for an
-        # async generator, so the guard adds no layer per message.
-        async def stream(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        # Still an async generator, so gRPC drives the stream (writes, flow control, shutdown)
+        # exactly as it does for the servicer's own generator.
+        async def stream(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
             if isinstance(request, _Malformed):
                 await _reject(request, context)
-            async for message in behavior(request, context):
-                await context.write(message)
+            # aclosing: when gRPC drops this generator, the servicer's own cleanup runs at once.
+            async with contextlib.aclosing(behavior(request, context)) as messages:
+                async for message in messages:
+                    yield message
 
         return stream
 
