@@ -20,6 +20,7 @@ The README's "Limits" table lists these constants; keep the two in step.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import re
 from collections.abc import Sequence
@@ -138,6 +139,18 @@ def check_slo(slo: common_pb2.SloTarget, field: str = "slo") -> None:
             raise FieldLimitError(
                 f"{field}.{name}: must be a finite number >= 0 (0 = default), got {value!r}"
             )
+
+
+def derived_id(base: str, suffix: str) -> str:
+    """A valid id made of an id and a suffix of id characters (e.g. a request's slice ``:s3``).
+
+    Stays within MAX_ID_BYTES: a base too long for the suffix is cut and a
+    digest of the whole base keeps derived ids of different bases apart.
+    """
+    if len(base) + len(suffix) <= MAX_ID_BYTES:
+        return base + suffix
+    digest = hashlib.blake2b(base.encode(), digest_size=8).hexdigest()
+    return f"{base[: MAX_ID_BYTES - len(suffix) - len(digest) - 1]}.{digest}{suffix}"
 
 
 def _check_prompt(text: str, ids: Sequence[int]) -> None:
