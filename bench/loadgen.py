@@ -99,6 +99,17 @@ class LoadConfig:
             raise ValueError(f"max_in_flight must be >= 1, got {self.max_in_flight}")
         if not self.target:
             raise ValueError("target must be HOST:PORT of a router, got an empty string")
+        if self.request_id_prefix:
+            # The ids the run makes must pass the router's id limits (cms/limits.py).
+            try:
+                limits.check_id(self.request_id_prefix, "request_id_prefix")
+            except limits.FieldLimitError as exc:
+                raise ValueError(str(exc)) from None
+            if len(self.request_id_prefix) > limits.MAX_ID_BYTES - 10:
+                raise ValueError(
+                    f"request_id_prefix must be at most {limits.MAX_ID_BYTES - 10} characters "
+                    "(room for the request number)"
+                )
 
 
 @dataclass(frozen=True)
