@@ -103,6 +103,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--target", default=DEFAULT_TARGET, help="router address HOST:PORT (default: %(default)s)"
     )
+    parser.add_argument("--tls-ca", default=None, help="CA bundle (PEM): reach the router over TLS")
     load = parser.add_mutually_exclusive_group()
     load.add_argument(
         "--rate",
@@ -259,6 +260,7 @@ def run(args: argparse.Namespace) -> int:
         plans = generate_requests(spec, rng=args.seed, num_requests=num_requests, duration_s=args.duration)
         config = LoadConfig(
             target=args.target,
+            tls_ca_file=args.tls_ca,
             concurrency=0 if spec.arrival.open_loop else spec.arrival.concurrency,
             duration_s=args.duration,
             request_timeout_s=args.timeout_s,

@@ -39,6 +39,8 @@ from slorouter.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 from bench.report import BAD_STREAM, RequestResult
 from bench.workload import RequestPlan, doc
+from cms import limits
+from cms.transport import client_tls_from_arg, message_size_options, open_channel
 
 #: Where ``slo-router bench`` sends requests by default (the router's usual loopback address).
 DEFAULT_TARGET = "127.0.0.1:50051"
@@ -61,6 +63,9 @@ class LoadConfig:
     """How to replay a plan. Times are seconds; bounds keep every run finite."""
 
     target: str = field(default=DEFAULT_TARGET, metadata=doc("router address, HOST:PORT"))
+    tls_ca_file: str | None = field(
+        default=None, metadata=doc("CA bundle (PEM) to reach the router over TLS; None = plaintext")
+    )
     concurrency: int = field(
         default=0, metadata=doc("closed loop with this many clients; 0 = open loop at planned offsets")
     )
@@ -94,6 +99,17 @@ class LoadConfig:
             raise ValueError(f"max_in_flight must be >= 1, got {self.max_in_flight}")
         if not self.target:
             raise ValueError("target must be HOST:PORT of a router, got an empty string")
+        if self.request_id_prefix:
+            # The ids the run makes must pass the router's id limits (cms/limits.py).
+            try:
+                limits.check_id(self.request_id_prefix, "request_id_prefix")
+            except limits.FieldLimitError as exc:
+                raise ValueError(str(exc)) from None
+            if len(self.request_id_prefix) > limits.MAX_ID_BYTES - 10:
+                raise ValueError(
+                    f"request_id_prefix must be at most {limits.MAX_ID_BYTES - 10} characters "
+                    "(room for the request number)"
+                )
 
 
 @dataclass(frozen=True)
@@ -397,7 +413,12 @@ async def run_load(
     """
     config = config or LoadConfig()
     own_channel = channel is None
-    chan = grpc.aio.insecure_channel(config.target) if channel is None else channel
+    if channel is None:
+        tls = client_tls_from_arg(config.tls_ca_file)
+        sizes = message_size_options(limits.SERVING_MAX_MESSAGE_BYTES, limits.SERVING_MAX_MESSAGE_BYTES)
+        chan = open_channel(config.target, sizes, tls=tls)
+    else:
+        chan = channel
     try:
         try:
             await asyncio.wait_for(chan.channel_ready(), timeout=config.connect_timeout_s)

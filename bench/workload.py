@@ -792,7 +792,13 @@ def iter_requests(
         if arrival.open_loop:
             gaps = arrival_rng.gamma(shape, scale, size=n)
             ends = np.cumsum(gaps)
-            offsets = base_s + ends - gaps  # the first request of a run arrives at 0
+            # The first request of a run arrives at 0. An exclusive prefix sum, not
+            # ``ends - gaps``: with very bursty gaps (shape 0.1: many near 0 next to
+            # huge ones) that subtraction rounds below the previous arrival.
+            offsets = np.empty(n)
+            offsets[0] = 0.0
+            offsets[1:] = ends[:-1]
+            offsets += base_s  # float addition is monotonic: the order survives
             base_s += float(ends[-1])
         else:
             offsets = np.zeros(n)

@@ -35,8 +35,11 @@ import grpc
 from slorouter.v1 import cms_pb2, cms_pb2_grpc
 from tenacity import RetryCallState
 
+from cms import limits
+from cms.auth import bearer
 from cms.backoff import channel_options, retrying, strip_grpc_scheme
 from cms.tasks import cancel_and_wait
+from cms.transport import ClientTls, message_size_options, open_channel
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +69,7 @@ class AgentWriter:
         rpc_timeout_s: float = 1.0,
         backoff_max_s: float = 5.0,
         clock: Callable[[], float] = time.time,
+        tls: ClientTls | None = None,
     ) -> None:
         for name, value in (
             ("heartbeat_interval_s", heartbeat_interval_s),
@@ -79,7 +83,10 @@ class AgentWriter:
         self.target = strip_grpc_scheme(target)
         self._metadata = cms_pb2.InstanceMetadata()
         self._metadata.CopyFrom(metadata)
-        self._call_metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else None
+        self._call_metadata = bearer(auth_token)
+        self._tls = tls
+        #: The registration epoch the CMS gave at the last registration (0 before).
+        self.epoch = 0
         self._heartbeat_interval_s = heartbeat_interval_s
         self._rpc_timeout_s = rpc_timeout_s
         self._backoff_max_s = backoff_max_s
@@ -121,7 +128,14 @@ class AgentWriter:
         self._loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
         self._wake = asyncio.Event()
-        self._channel = grpc.aio.insecure_channel(self.target, options=channel_options(self._backoff_max_s))
+        self._channel = open_channel(
+            self.target,
+            [
+                *channel_options(self._backoff_max_s),
+                *message_size_options(limits.CMS_MAX_RECEIVE_BYTES, limits.CMS_MAX_RECEIVE_BYTES),
+            ],
+            tls=self._tls,
+        )
         self._stub = cms_pb2_grpc.ClusterMetadataStub(self._channel)
         self._task = self._loop.create_task(self._run(), name=f"cms-agent:{self.instance_id}")
 
@@ -233,7 +247,12 @@ class AgentWriter:
         except grpc.aio.AioRpcError as exc:
             self.registered = False
             self.registrations_failed += 1
-            refused = exc.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAUTHENTICATED)
+            refused = exc.code() in (
+                grpc.StatusCode.INVALID_ARGUMENT,
+                grpc.StatusCode.UNAUTHENTICATED,
+                grpc.StatusCode.ALREADY_EXISTS,
+                grpc.StatusCode.PERMISSION_DENIED,
+            )
             if refused and not self._failing:  # once per outage, not once per retry
                 logger.error("agent %s: the CMS refuses to register it: %s", self.instance_id, exc.details())
             raise _Retry(f"RegisterInstance: {exc.code().name}: {exc.details()}") from exc
@@ -246,12 +265,14 @@ class AgentWriter:
             )
         self.registered = True
         self.registrations += 1
+        self.epoch = response.epoch
         self.lease_ttl_s = response.lease_ttl_ms / 1000.0 or None
         self._last_ok = self._loop.time()
 
     async def _report(self, status: cms_pb2.InstanceStatus) -> bool:
         """Send one status. ``False`` means "re-register, then send again"."""
         assert self._stub is not None and self._loop is not None
+        status.epoch = self.epoch  # statuses are ours (copied in publish); stamp the current epoch
         try:
             await self._stub.ReportStatus(
                 cms_pb2.ReportStatusRequest(status=status),

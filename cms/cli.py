@@ -12,8 +12,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from cms.auth import TokenTable
 from cms.server import DEFAULT_LISTEN, start_cms_server
 from cms.store import DEFAULT_LEASE_TTL_S, open_store
+from cms.transport import ServerTls, server_tls_from_args
 
 logger = logging.getLogger(__name__)
 
@@ -29,9 +31,12 @@ Stores:
                          loses nothing. Keys live under slorouter:{CLUSTER_NAME}:.
 
 An instance that neither reports nor heartbeats for --lease-ttl-s disappears from
-the view. With a token (--auth-token or --auth-token-file), RegisterInstance,
-ReportStatus and DeregisterInstance need 'authorization: Bearer <token>' metadata;
-reads never do. The default address is loopback only.
+the view. With tokens (--auth-token or --auth-token-file) every call, reads
+included, needs 'authorization: Bearer <token>' metadata. A token file holds one
+token per line, 'TOKEN' or 'NAME TOKEN' (a token per worker keeps one worker from
+writing another's entry: an instance id belongs to the token that registered it).
+The default address is loopback only; on any other address the CMS refuses to
+start without a token unless --insecure is given.
 """
 
 
@@ -68,13 +73,20 @@ def register(subparsers: Any) -> None:
         help="namespace of this cluster's keys in a shared Redis (default: %(default)s)",
     )
     token = parser.add_mutually_exclusive_group()
-    token.add_argument("--auth-token", metavar="T", help="require this bearer token on write RPCs")
+    token.add_argument("--auth-token", metavar="T", help="require this bearer token on every call")
     token.add_argument(
         "--auth-token-file",
         type=Path,
         metavar="F",
-        help="read the write token from this file (surrounding whitespace is ignored)",
+        help="the accepted tokens, one per line: TOKEN or NAME TOKEN (a token per worker)",
     )
+    parser.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow serving on a non-loopback address without a token (anyone who reaches it can write)",
+    )
+    parser.add_argument("--tls-cert", metavar="PEM", help="serve TLS with this certificate chain")
+    parser.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert")
     parser.add_argument(
         "--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port (0 = off)"
     )
@@ -84,19 +96,20 @@ def register(subparsers: Any) -> None:
     parser.set_defaults(func=run)
 
 
-def _token(args: argparse.Namespace) -> str | None:
+def _tokens(args: argparse.Namespace) -> TokenTable | None:
     if args.auth_token_file is not None:
-        text: str = args.auth_token_file.read_text().strip()
-        if not text:
-            raise ValueError(f"--auth-token-file {args.auth_token_file} is empty")
-        return text
-    if args.auth_token is not None and not args.auth_token.strip():
-        raise ValueError("--auth-token is empty")
-    token: str | None = args.auth_token
-    return token
+        try:
+            return TokenTable.from_file(args.auth_token_file)
+        except ValueError as exc:
+            raise ValueError(f"--auth-token-file: {exc}") from None
+    if args.auth_token is not None:
+        if not args.auth_token.strip():
+            raise ValueError("--auth-token is empty")
+        return TokenTable.single(args.auth_token.strip())
+    return None
 
 
-def _is_loopback(listen: str) -> bool:
+def is_loopback(listen: str) -> bool:
     host = listen.rpartition(":")[0].strip("[]")
     if host == "localhost":
         return True
@@ -106,7 +119,7 @@ def _is_loopback(listen: str) -> bool:
         return False
 
 
-async def _serve(args: argparse.Namespace, token: str | None) -> int:
+async def _serve(args: argparse.Namespace, tokens: TokenTable | None, tls: ServerTls | None) -> int:
     try:
         store = open_store(args.store, cluster_name=args.cluster_name)
     except ValueError as exc:
@@ -115,14 +128,15 @@ async def _serve(args: argparse.Namespace, token: str | None) -> int:
     try:
         try:
             server = await start_cms_server(
-                store, args.listen, auth_token=token, lease_ttl_s=args.lease_ttl_s
+                store, args.listen, tokens=tokens, lease_ttl_s=args.lease_ttl_s, tls=tls
             )
         except OSError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
-        if token is None and not _is_loopback(args.listen):
+        if tokens is None and not is_loopback(args.listen):
             logger.warning(
-                "serving on %s without an auth token: anyone who can reach it can write", args.listen
+                "serving on %s without an auth token (--insecure): anyone who can reach it can write",
+                args.listen,
             )
         if args.metrics_port:
             from cms.telemetry import serve_metrics
@@ -148,7 +162,7 @@ def store_label(spec: str) -> str:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        token = _token(args)
+        tokens = _tokens(args)
         if not (math.isfinite(args.lease_ttl_s) and args.lease_ttl_s > 0):
             raise ValueError(f"--lease-ttl-s must be a finite number > 0, got {args.lease_ttl_s}")
         host, sep, port = args.listen.rpartition(":")
@@ -160,9 +174,15 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--metrics-port {args.metrics_port}: must be a port 0-65535 (0 = off)")
         if args.store != "memory" and not args.store.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"--store {args.store!r}: expected memory or redis://HOST:PORT/DB")
+        if tokens is None and not args.insecure and not is_loopback(args.listen):
+            raise ValueError(
+                f"--listen {args.listen} is not a loopback address: give --auth-token-file "
+                "(or --insecure to let anyone who reaches it write)"
+            )
+        tls = server_tls_from_args(args.tls_cert, args.tls_key)
     except (OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     import uvloop  # the event loop policy is the entry point's business
 
-    return uvloop.run(_serve(args, token))
+    return uvloop.run(_serve(args, tokens, tls))

@@ -4,6 +4,11 @@
 
     CmsError                      root; never raised itself
     ├── InvalidArgumentError      malformed input; nothing was stored   → INVALID_ARGUMENT
+    │   └── ClockSkewError        a status timestamp too far in the future
+    ├── AlreadyExistsError        a live instance id registered again at
+    │                             another endpoint                      → ALREADY_EXISTS
+    ├── PermissionDeniedError     a write to an instance another
+    │                             credential owns                       → PERMISSION_DENIED
     ├── InstanceNotFoundError     a status or deregistration for an
     │                             instance that is not registered (or
     │                             whose lease lapsed): re-register      → NOT_FOUND
@@ -28,6 +33,18 @@ class InvalidArgumentError(CmsError):
     """A request field is malformed; the message names the field."""
 
 
+class ClockSkewError(InvalidArgumentError):
+    """A status whose ``timestamp_ms`` is further in the future than the CMS allows."""
+
+
+class AlreadyExistsError(CmsError):
+    """The instance id is live at another endpoint; it is free once its lease lapses or it deregisters."""
+
+
+class PermissionDeniedError(CmsError):
+    """The instance id belongs to another credential."""
+
+
 class InstanceNotFoundError(CmsError):
     """The instance is not registered (never was, deregistered, or its lease lapsed)."""
 
@@ -43,6 +60,8 @@ class StoreUnavailableError(CmsError):
 _CODES: dict[type[CmsError], grpc.StatusCode] = {
     InvalidArgumentError: grpc.StatusCode.INVALID_ARGUMENT,
     InstanceNotFoundError: grpc.StatusCode.NOT_FOUND,
+    AlreadyExistsError: grpc.StatusCode.ALREADY_EXISTS,
+    PermissionDeniedError: grpc.StatusCode.PERMISSION_DENIED,
     UnauthenticatedError: grpc.StatusCode.UNAUTHENTICATED,
     StoreUnavailableError: grpc.StatusCode.UNAVAILABLE,
 }

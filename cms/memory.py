@@ -15,10 +15,14 @@ from dataclasses import dataclass
 
 from slorouter.v1 import cms_pb2
 
-from cms.errors import InstanceNotFoundError, InvalidArgumentError
+from cms.errors import AlreadyExistsError, InstanceNotFoundError, InvalidArgumentError, PermissionDeniedError
 from cms.validation import (
+    check_clock_skew,
     check_lease_ttl,
+    endpoint_taken_message,
     kv_over_capacity_message,
+    not_owner_message,
+    status_age_s,
     validate_instance_id,
     validate_metadata,
     validate_status,
@@ -32,19 +36,29 @@ class _Entry:
     status: cms_pb2.InstanceStatus | None
     received_at_s: float
     expires_at_s: float
+    owner: str
+    #: The registration epoch; ``status_epoch`` is the one the stored status was accepted in.
+    epoch: int
+    status_epoch: int = 0
 
 
 class MemoryStore:
     """A :class:`cms.store.CmsStore` held in this process.
 
-    ``clock`` (monotonic seconds) measures leases and status ages and stamps
-    ``ClusterSnapshot.taken_at_s``; tests pass a fake one.
+    ``clock`` (monotonic seconds) measures leases and the time since a status
+    arrived, and stamps ``ClusterSnapshot.taken_at_s``; ``wall_clock`` (epoch
+    seconds) measures the age of a status's measurement and the clock skew of
+    its ``timestamp_ms``. Tests pass fake ones.
     """
 
-    def __init__(self, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, *, clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time
+    ) -> None:
         self._clock = clock
+        self._wall_clock = wall_clock
         self._entries: dict[str, _Entry] = {}
         self._version = 0
+        self._epochs = 0
         # One future per waiting reader, resolved on the next change. Futures
         # (unlike an Event created here) belong to whichever loop awaits them.
         self._waiters: set[asyncio.Future[None]] = set()
@@ -78,7 +92,11 @@ class MemoryStore:
         if dead:
             self._bump()
 
-    async def register(self, metadata: cms_pb2.InstanceMetadata, lease_ttl_s: float) -> None:
+    def _new_epoch(self) -> int:
+        self._epochs += 1
+        return self._epochs
+
+    async def register(self, metadata: cms_pb2.InstanceMetadata, lease_ttl_s: float, owner: str = "") -> int:
         validate_metadata(metadata)
         check_lease_ttl(lease_ttl_s)
         now = self._clock()
@@ -86,34 +104,53 @@ class MemoryStore:
         if entry is None:
             own = cms_pb2.InstanceMetadata()
             own.CopyFrom(metadata)
-            self._entries[metadata.instance_id] = _Entry(own, None, now, now + lease_ttl_s)
+            entry = _Entry(own, None, now, now + lease_ttl_s, owner, self._new_epoch())
+            self._entries[metadata.instance_id] = entry
             self._bump()
-            return
+            return entry.epoch
+        if entry.metadata.endpoint != metadata.endpoint:
+            raise AlreadyExistsError(endpoint_taken_message(metadata.instance_id, entry.metadata.endpoint))
+        if entry.owner != owner:
+            raise PermissionDeniedError(not_owner_message(metadata.instance_id))
         entry.expires_at_s = now + lease_ttl_s
+        entry.epoch = self._new_epoch()
         if entry.metadata != metadata:
             own = cms_pb2.InstanceMetadata()
             own.CopyFrom(metadata)
             entry.metadata = own
             self._bump()
+        return entry.epoch
 
-    async def report(self, status: cms_pb2.InstanceStatus, lease_ttl_s: float) -> bool:
+    async def report(self, status: cms_pb2.InstanceStatus, lease_ttl_s: float, owner: str = "") -> bool:
         validate_status(status)
         check_lease_ttl(lease_ttl_s)
+        check_clock_skew(status, int(self._wall_clock() * 1000))
         now = self._clock()
         entry = self._live(status.instance_id, now)
         if entry is None:
             raise InstanceNotFoundError(
                 f"instance {status.instance_id!r} is not registered (or its lease lapsed); register it again"
             )
+        if entry.owner != owner:
+            raise PermissionDeniedError(not_owner_message(status.instance_id))
+        if status.epoch and status.epoch != entry.epoch:
+            if status.epoch < entry.epoch:
+                return False  # from an earlier registration: it neither updates nor renews
+            raise InstanceNotFoundError(
+                f"instance {status.instance_id!r}: epoch {status.epoch} is not its registration; register it again"
+            )
         capacity = entry.metadata.kv_capacity_tokens
         if capacity and status.num_used_kv_tokens > capacity:
             raise InvalidArgumentError(kv_over_capacity_message(status.num_used_kv_tokens, capacity))
         entry.expires_at_s = now + lease_ttl_s
         stored = entry.status
-        if stored is None or status.update_id > stored.update_id:
+        if stored is None or entry.status_epoch != entry.epoch or status.update_id > stored.update_id:
+            # update ids are compared within one registration: a new one starts afresh, so a
+            # restarted worker (or a poisoned id from an earlier registration) never locks it out.
             own = cms_pb2.InstanceStatus()
             own.CopyFrom(status)
             entry.status = own
+            entry.status_epoch = entry.epoch
             entry.received_at_s = now
             self._bump()
             return True
@@ -130,23 +167,28 @@ class MemoryStore:
                 self._bump()
         return False
 
-    async def deregister(self, instance_id: str) -> bool:
+    async def deregister(self, instance_id: str, owner: str = "") -> bool:
         validate_instance_id(instance_id)
         entry = self._live(instance_id, self._clock())
         if entry is None:
             return False
+        if entry.owner != owner:
+            raise PermissionDeniedError(not_owner_message(instance_id))
         del self._entries[instance_id]
         self._bump()
         return True
 
     async def read_view(self) -> ClusterSnapshot:
         now = self._clock()
+        wall_ms = self._wall_clock() * 1000
         self._purge_expired(now)
         records = tuple(
             InstanceRecord(
                 metadata=e.metadata,
                 status=e.status,
-                status_age_s=max(0.0, now - e.received_at_s) if e.status is not None else 0.0,
+                status_age_s=status_age_s(now - e.received_at_s, wall_ms - e.status.timestamp_ms)
+                if e.status is not None
+                else 0.0,
             )
             for _, e in sorted(self._entries.items())
         )

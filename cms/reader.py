@@ -40,11 +40,14 @@ from collections.abc import Callable
 import grpc
 from slorouter.v1 import cms_pb2, cms_pb2_grpc
 
+from cms import limits
+from cms.auth import bearer
 from cms.backoff import channel_options, retrying, strip_grpc_scheme
 from cms.errors import StoreUnavailableError
 from cms.store import CmsStore, StoreReader
 from cms.tasks import cancel_and_wait
-from cms.view import PumpUpdate, ViewPump, view_to_snapshot
+from cms.transport import ClientTls, message_size_options, open_channel
+from cms.view import PumpUpdate, ViewAssembler, ViewPump, view_to_snapshot
 from fleet.snapshot import EMPTY_SNAPSHOT, ClusterSnapshot
 
 logger = logging.getLogger(__name__)
@@ -229,12 +232,14 @@ class GrpcClusterReader(ClusterReader):
         backoff_max_s: float = 2.0,
         idle_timeout_s: float = 3.0,
         rewarm_s: float = 10.0,
+        tls: ClientTls | None = None,
     ) -> None:
         super().__init__(rewarm_s=rewarm_s)
         if not idle_timeout_s > 0:
             raise ValueError(f"idle_timeout_s must be > 0, got {idle_timeout_s}")
         self.target = strip_grpc_scheme(target)
-        self._call_metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else None
+        self._call_metadata = bearer(auth_token)
+        self._tls = tls
         self._backoff_max_s = backoff_max_s
         self._idle_timeout_s = idle_timeout_s
         self._channel: grpc.aio.Channel | None = None
@@ -246,7 +251,14 @@ class GrpcClusterReader(ClusterReader):
     async def start(self) -> None:
         if self._task is not None or self._stopped:
             return
-        self._channel = grpc.aio.insecure_channel(self.target, options=channel_options(self._backoff_max_s))
+        self._channel = open_channel(
+            self.target,
+            [
+                *channel_options(self._backoff_max_s),
+                *message_size_options(limits.VIEW_MAX_MESSAGE_BYTES, limits.CMS_MAX_RECEIVE_BYTES),
+            ],
+            tls=self._tls,
+        )
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"cms-reader:{self.target}")
 
     async def stop(self) -> None:
@@ -278,6 +290,7 @@ class GrpcClusterReader(ClusterReader):
         stub = cms_pb2_grpc.ClusterMetadataStub(self._channel)
         call = stub.WatchClusterView(cms_pb2.GetClusterViewRequest(), metadata=self._call_metadata)
         self.streams_opened += 1
+        assembler = ViewAssembler()
         received = 0
         reason = "the stream ended"
         try:
@@ -290,7 +303,10 @@ class GrpcClusterReader(ClusterReader):
                 if view is grpc.aio.EOF:  # type: ignore[attr-defined]
                     break
                 assert isinstance(view, cms_pb2.ClusterView)
-                self._install(view_to_snapshot(view, taken_at_s=time.monotonic(), version=0))
+                whole = assembler.add(view)
+                if whole is None:
+                    continue  # a chunk: the view is complete with its last one
+                self._install(view_to_snapshot(whole, taken_at_s=time.monotonic(), version=0))
                 if self._outage_logged:
                     self._outage_logged = False
                     logger.info("cms reader %s: receiving views again", self.target)
@@ -324,13 +340,15 @@ def open_reader(
     auth_token: str | None = None,
     backoff_max_s: float = 2.0,
     rewarm_s: float = 10.0,
+    tls: ClientTls | None = None,
 ) -> ClusterReader:
     """A reader for ``memory`` (with ``store``), ``grpc://host:port`` or ``redis://host:port/db``.
 
     ``cluster_name`` selects the Redis namespace; ``auth_token`` is sent to a
-    gRPC CMS (reads do not need it); ``rewarm_s`` is how long instances of the
-    last view are carried over after the source comes back (see the module
-    docstring). Call ``await reader.start()`` next.
+    gRPC CMS (which needs it once it has tokens), ``tls`` makes that channel
+    TLS; ``rewarm_s`` is how long instances of the last view are carried over
+    after the source comes back (see the module docstring). Call
+    ``await reader.start()`` next.
     """
     if spec == "memory":
         if store is None:
@@ -339,7 +357,9 @@ def open_reader(
             )
         return StoreClusterReader(store, rewarm_s=rewarm_s)
     if spec.startswith("grpc://"):
-        return GrpcClusterReader(spec, auth_token=auth_token, backoff_max_s=backoff_max_s, rewarm_s=rewarm_s)
+        return GrpcClusterReader(
+            spec, auth_token=auth_token, backoff_max_s=backoff_max_s, rewarm_s=rewarm_s, tls=tls
+        )
     if spec.startswith(("redis://", "rediss://", "unix://")):
         from cms.redis_store import RedisStore
 

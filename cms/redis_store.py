@@ -4,11 +4,15 @@ Layout, every key under ``slorouter:{<cluster>}:`` (the braces make the
 cluster name a hash tag, so a cluster's keys share one Redis Cluster slot)::
 
     instances        SET   ids ever registered and not yet cleaned up (discovery index)
-    meta:<id>        HASH  pb = InstanceMetadata bytes, kv_cap = kv_capacity_tokens
+    meta:<id>        HASH  pb = InstanceMetadata bytes, kv_cap = kv_capacity_tokens,
+                           ep = endpoint, owner = principal that registered it,
+                           epoch = registration epoch
     status:<id>      HASH  pb = InstanceStatus bytes of the last accepted status,
-                           uid = its update_id, ts / sched = timestamp_ms / schedulable
+                           uid = its update_id, ep = the epoch it was accepted in,
+                           ts / sched = timestamp_ms / schedulable
                            as refreshed by heartbeats, recv_us = Redis TIME when last received
     version          INT   bumped on every change of the view
+    epochs           INT   the registration epoch counter
     changes          pub/sub channel; the new version is published on every bump
 
 Liveness is the key TTL: every register and report sets ``PEXPIRE`` on both
@@ -41,11 +45,21 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from slorouter.v1 import cms_pb2
 
-from cms.errors import InstanceNotFoundError, InvalidArgumentError, StoreUnavailableError
+from cms.errors import (
+    AlreadyExistsError,
+    InstanceNotFoundError,
+    InvalidArgumentError,
+    PermissionDeniedError,
+    StoreUnavailableError,
+)
 from cms.tasks import raise_if_cancelling
 from cms.validation import (
+    check_clock_skew,
     check_lease_ttl,
+    endpoint_taken_message,
     kv_over_capacity_message,
+    not_owner_message,
+    status_age_s,
     validate_instance_id,
     validate_metadata,
     validate_status,
@@ -73,37 +87,59 @@ local function now_us()
 end
 """
 
-# KEYS: instances, meta, status, version. ARGV: id, pb, kv_cap, ttl_ms, channel.
+# KEYS: instances, meta, status, version, epochs. ARGV: id, pb, kv_cap, ttl_ms, channel,
+# endpoint, owner. Returns {code, detail}: 1 registered (detail = epoch), -1 live at
+# another endpoint (detail = it), -2 owned by another principal.
 _REGISTER = (
     _LUA_GT
     + """
+local cur = redis.call('HMGET', KEYS[2], 'ep', 'owner', 'pb')
+if cur[3] then
+  if cur[1] and cur[1] ~= ARGV[6] then return {-1, cur[1]} end
+  if (cur[2] or '') ~= ARGV[7] then return {-2, ''} end
+end
 local changed = redis.call('SADD', KEYS[1], ARGV[1]) == 1
-if redis.call('HGET', KEYS[2], 'pb') ~= ARGV[2] then
-  redis.call('HSET', KEYS[2], 'pb', ARGV[2], 'kv_cap', ARGV[3])
+if not cur[3] then
+  -- a new registration (or one whose lease lapsed): nothing of the old one survives
+  redis.call('DEL', KEYS[3])
   changed = true
 end
+local epoch = redis.call('INCR', KEYS[5])
+if cur[3] ~= ARGV[2] then
+  redis.call('HSET', KEYS[2], 'pb', ARGV[2], 'kv_cap', ARGV[3], 'ep', ARGV[6], 'owner', ARGV[7])
+  changed = true
+end
+redis.call('HSET', KEYS[2], 'epoch', epoch)
 redis.call('PEXPIRE', KEYS[2], ARGV[4])
 redis.call('PEXPIRE', KEYS[3], ARGV[4])
 if changed then bump(KEYS[4], ARGV[5]) end
-return 1
+return {1, tostring(epoch)}
 """
 )
 
 # KEYS: meta, status, version. ARGV: pb, update_id, timestamp_ms, schedulable,
-# num_used_kv_tokens, ttl_ms, channel. Returns {code, detail}: 1 accepted,
-# 0 heartbeat, -1 not registered, -2 over KV capacity (detail = capacity).
+# num_used_kv_tokens, ttl_ms, channel, owner, epoch (0 = current). Returns {code, detail}:
+# 1 accepted, 0 heartbeat (or a status of an older epoch, dropped), -1 not registered,
+# -2 over KV capacity (detail = capacity), -3 owned by another principal, -4 unknown epoch.
 _REPORT = (
     _LUA_GT
     + """
-if redis.call('EXISTS', KEYS[1]) == 0 then return {-1, ''} end
-local cap = redis.call('HGET', KEYS[1], 'kv_cap')
+local meta = redis.call('HMGET', KEYS[1], 'kv_cap', 'owner', 'epoch', 'pb')
+if not meta[4] then return {-1, ''} end
+if (meta[2] or '') ~= ARGV[8] then return {-3, ''} end
+local epoch = meta[3] or '0'
+if ARGV[9] ~= '0' and ARGV[9] ~= epoch then
+  if gt(epoch, ARGV[9]) then return {0, ''} end
+  return {-4, ''}
+end
+local cap = meta[1]
 if cap and cap ~= '0' and gt(ARGV[5], cap) then return {-2, cap} end
-local cur = redis.call('HMGET', KEYS[2], 'uid', 'ts', 'sched')
+local cur = redis.call('HMGET', KEYS[2], 'uid', 'ts', 'sched', 'ep')
 local result = 0
 local changed = false
-if not cur[1] or gt(ARGV[2], cur[1]) then
+if not cur[1] or cur[4] ~= epoch or gt(ARGV[2], cur[1]) then
   redis.call('HSET', KEYS[2], 'pb', ARGV[1], 'uid', ARGV[2], 'ts', ARGV[3], 'sched', ARGV[4],
-             'recv_us', now_us())
+             'recv_us', now_us(), 'ep', epoch)
   result = 1
   changed = true
 elseif tonumber(ARGV[3]) >= tonumber(cur[2]) then
@@ -117,11 +153,13 @@ return {result, ''}
 """
 )
 
-# KEYS: instances, meta, status, version. ARGV: id, channel.
+# KEYS: instances, meta, status, version. ARGV: id, channel, owner. Returns 1 removed,
+# 0 not registered, -3 owned by another principal.
 _DEREGISTER = (
     _LUA_GT
     + """
 local existed = redis.call('EXISTS', KEYS[2])
+if existed == 1 and (redis.call('HGET', KEYS[2], 'owner') or '') ~= ARGV[3] then return -3 end
 redis.call('DEL', KEYS[2], KEYS[3])
 redis.call('SREM', KEYS[1], ARGV[1])
 if existed == 1 then bump(KEYS[4], ARGV[2]) end
@@ -213,6 +251,7 @@ class RedisStore:
         self._prefix = f"slorouter:{{{cluster_name}}}:"
         self._index_key = self._prefix + "instances"
         self._version_key = self._prefix + "version"
+        self._epochs_key = self._prefix + "epochs"
         self._channel = self._prefix + "changes"
         # One quick retry lets a pooled connection that died with a Redis
         # restart reconnect; anything longer is the caller's backoff. A
@@ -246,26 +285,40 @@ class RedisStore:
             raise_if_cancelling()
             raise StoreUnavailableError(f"Redis at {self.url} failed during {what}: {exc}") from exc
 
-    async def register(self, metadata: cms_pb2.InstanceMetadata, lease_ttl_s: float) -> None:
+    async def register(self, metadata: cms_pb2.InstanceMetadata, lease_ttl_s: float, owner: str = "") -> int:
         validate_metadata(metadata)
         check_lease_ttl(lease_ttl_s)
         iid = metadata.instance_id
-        await self._call(
+        code, detail = await self._call(
             "register",
             self._register,
-            [self._index_key, self.key("meta", iid), self.key("status", iid), self._version_key],
+            [
+                self._index_key,
+                self.key("meta", iid),
+                self.key("status", iid),
+                self._version_key,
+                self._epochs_key,
+            ],
             [
                 iid,
                 metadata.SerializeToString(deterministic=True),
                 str(metadata.kv_capacity_tokens),
                 _ttl_ms(lease_ttl_s),
                 self._channel,
+                metadata.endpoint,
+                owner,
             ],
         )
+        if code == -1:
+            raise AlreadyExistsError(endpoint_taken_message(iid, _text(detail)))
+        if code == -2:
+            raise PermissionDeniedError(not_owner_message(iid))
+        return int(detail)
 
-    async def report(self, status: cms_pb2.InstanceStatus, lease_ttl_s: float) -> bool:
+    async def report(self, status: cms_pb2.InstanceStatus, lease_ttl_s: float, owner: str = "") -> bool:
         validate_status(status)
         check_lease_ttl(lease_ttl_s)
+        check_clock_skew(status, int(time.time() * 1000))
         iid = status.instance_id
         code, detail = await self._call(
             "report",
@@ -279,17 +332,22 @@ class RedisStore:
                 str(status.num_used_kv_tokens),
                 _ttl_ms(lease_ttl_s),
                 self._channel,
+                owner,
+                str(status.epoch),
             ],
         )
-        if code == -1:
+        if code in (-1, -4):
             raise InstanceNotFoundError(
-                f"instance {iid!r} is not registered (or its lease lapsed); register it again"
+                f"instance {iid!r} is not registered (or its lease lapsed, or epoch {status.epoch} is not "
+                "its registration); register it again"
             )
         if code == -2:
             raise InvalidArgumentError(kv_over_capacity_message(status.num_used_kv_tokens, int(detail)))
+        if code == -3:
+            raise PermissionDeniedError(not_owner_message(iid))
         return bool(code == 1)
 
-    async def deregister(self, instance_id: str) -> bool:
+    async def deregister(self, instance_id: str, owner: str = "") -> bool:
         validate_instance_id(instance_id)
         existed = await self._call(
             "deregister",
@@ -300,8 +358,10 @@ class RedisStore:
                 self.key("status", instance_id),
                 self._version_key,
             ],
-            [instance_id, self._channel],
+            [instance_id, self._channel, owner],
         )
+        if existed == -3:
+            raise PermissionDeniedError(not_owner_message(instance_id))
         return bool(existed == 1)
 
     async def read_view(self) -> ClusterSnapshot:
@@ -322,7 +382,7 @@ class RedisStore:
                 status = cms_pb2.InstanceStatus.FromString(status_pb)
                 status.timestamp_ms = int(ts)
                 status.schedulable = sched == b"1"
-                age_s = max(0.0, (now_us - int(recv_us)) / 1e6)
+                age_s = status_age_s((now_us - int(recv_us)) / 1e6, now_us / 1000 - status.timestamp_ms)
             records.append(InstanceRecord(metadata=metadata, status=status, status_age_s=age_s))
         records.sort(key=lambda r: r.instance_id)
         self._known_version = int(raw[1])
@@ -395,6 +455,10 @@ def _published_version(message: dict[str, Any] | None) -> int:
         return int(message["data"])
     except (KeyError, TypeError, ValueError):
         return 1 << 62
+
+
+def _text(value: Any) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
 
 
 def _ttl_ms(lease_ttl_s: float) -> int:

@@ -4,9 +4,11 @@
 ``grpc.health.v1`` health service and server reflection beside it. It is what
 ``slo-router cms`` runs, what the embedded cluster runs, and what tests run.
 
-Writes (``RegisterInstance``, ``ReportStatus``, ``DeregisterInstance``) need
-``authorization: Bearer <token>`` metadata when a token is configured; reads
-never do. ``WatchClusterView`` streams come from one shared
+With tokens configured (:class:`~cms.auth.TokenTable`) every RPC, reads
+included, needs ``authorization: Bearer <token>`` metadata; the token's
+principal owns the instance ids it registers (see :mod:`cms.store`). A view
+larger than one message is sent in chunks (``ClusterView.chunk_count``), so
+a fleet of any size fits the gRPC message limit. ``WatchClusterView`` streams come from one shared
 :class:`~cms.view.ViewPump`: each watcher holds at most one pending view
 (latest wins), so a slow watcher costs one view of memory and never delays
 writers or other watchers.
@@ -15,7 +17,6 @@ writers or other watchers.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -25,11 +26,14 @@ import grpc
 from grpc_health.v1 import health_pb2
 from slorouter.v1 import cms_pb2, cms_pb2_grpc
 
-from cms.errors import CmsError, UnauthenticatedError, grpc_code
+from cms import limits
+from cms.auth import TokenTable
+from cms.errors import ClockSkewError, CmsError, InvalidArgumentError, UnauthenticatedError, grpc_code
 from cms.serving import add_health_and_reflection, bind_server
 from cms.store import DEFAULT_LEASE_TTL_S, CmsStore
-from cms.validation import check_lease_ttl, validate_instance_id
-from cms.view import LatestSlot, PumpUpdate, ViewPump, epoch_ms, snapshot_to_view
+from cms.transport import ServerTls
+from cms.validation import check_clock_skew, check_lease_ttl, validate_instance_id
+from cms.view import LatestSlot, PumpUpdate, ViewPump, chunk_view, epoch_ms, snapshot_to_view
 from fleet.snapshot import ClusterSnapshot
 
 logger = logging.getLogger(__name__)
@@ -42,6 +46,32 @@ _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
+class SkewStats:
+    """Clock skew of the statuses a CMS received (``timestamp_ms`` minus the CMS's clock).
+
+    ``ahead_ms``/``behind_ms`` are the largest skews either way since the last
+    :meth:`take` (a scrape); ``refused`` counts statuses refused for skew.
+    """
+
+    def __init__(self) -> None:
+        self.ahead_ms = 0
+        self.behind_ms = 0
+        self.last_ms = 0
+        self.refused = 0
+
+    def observe(self, skew_ms: int) -> None:
+        self.last_ms = skew_ms
+        if skew_ms > self.ahead_ms:
+            self.ahead_ms = skew_ms
+        if -skew_ms > self.behind_ms:
+            self.behind_ms = -skew_ms
+
+    def take(self) -> tuple[int, int]:
+        window = (self.ahead_ms, self.behind_ms)
+        self.ahead_ms = self.behind_ms = 0
+        return window
+
+
 class ClusterMetadataService(cms_pb2_grpc.ClusterMetadataServicer):
     """Maps the RPCs onto a :class:`~cms.store.CmsStore`; errors become status codes here."""
 
@@ -51,17 +81,22 @@ class ClusterMetadataService(cms_pb2_grpc.ClusterMetadataServicer):
         pump: ViewPump,
         *,
         lease_ttl_s: float,
-        auth_token: str | None,
+        tokens: TokenTable | None,
         max_watchers: int,
         clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+        view_chunk_bytes: int = limits.VIEW_CHUNK_BYTES,
     ) -> None:
         self._store = store
         self._pump = pump
         self._lease_ttl_s = lease_ttl_s
-        self._expected = f"Bearer {auth_token}".encode() if auth_token else None
+        self._tokens = tokens
         self._max_watchers = max_watchers
         self._clock = clock
+        self._wall_clock = wall_clock
+        self._chunk_bytes = view_chunk_bytes
         self._watchers: set[LatestSlot[object]] = set()
+        self.skew = SkewStats()
 
     @property
     def watchers(self) -> int:
@@ -72,16 +107,19 @@ class ClusterMetadataService(cms_pb2_grpc.ClusterMetadataServicer):
         for slot in self._watchers:
             slot.put(_CLOSED)
 
-    def _authorize(self, context: grpc.aio.ServicerContext[Any, Any]) -> None:
-        if self._expected is None:
-            return
+    def _authorize(self, context: grpc.aio.ServicerContext[Any, Any]) -> str:
+        """The caller's principal ("" when this CMS has no tokens)."""
+        if self._tokens is None:
+            return ""
         for key, value in context.invocation_metadata() or ():
             if key == "authorization":
-                given = value.encode() if isinstance(value, str) else bytes(value)
-                if hmac.compare_digest(given, self._expected):
-                    return
-                raise UnauthenticatedError("the authorization token is wrong; use the CMS's --auth-token")
-        raise UnauthenticatedError("this CMS needs 'authorization: Bearer <token>' metadata on writes")
+                principal = self._tokens.principal(value)
+                if principal is not None:
+                    return principal
+                raise UnauthenticatedError(
+                    "the authorization token is wrong; use a token of this CMS's --auth-token-file"
+                )
+        raise UnauthenticatedError("this CMS needs 'authorization: Bearer <token>' metadata on every call")
 
     @staticmethod
     async def _abort(context: grpc.aio.ServicerContext[Any, Any], exc: CmsError) -> NoReturn:
@@ -93,11 +131,11 @@ class ClusterMetadataService(cms_pb2_grpc.ClusterMetadataServicer):
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> cms_pb2.RegisterInstanceResponse:
         try:
-            self._authorize(context)
-            await self._store.register(request.metadata, self._lease_ttl_s)
+            owner = self._authorize(context)
+            epoch = await self._store.register(request.metadata, self._lease_ttl_s, owner)
         except CmsError as exc:
             await self._abort(context, exc)
-        return cms_pb2.RegisterInstanceResponse(lease_ttl_ms=round(self._lease_ttl_s * 1000))
+        return cms_pb2.RegisterInstanceResponse(lease_ttl_ms=round(self._lease_ttl_s * 1000), epoch=epoch)
 
     async def ReportStatus(
         self,
@@ -105,8 +143,14 @@ class ClusterMetadataService(cms_pb2_grpc.ClusterMetadataServicer):
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> cms_pb2.ReportStatusResponse:
         try:
-            self._authorize(context)
-            accepted = await self._store.report(request.status, self._lease_ttl_s)
+            owner = self._authorize(context)
+            try:
+                self.skew.observe(check_clock_skew(request.status, int(self._wall_clock() * 1000)))
+            except ClockSkewError:
+                self.skew.refused += 1
+                self.skew.observe(request.status.timestamp_ms - int(self._wall_clock() * 1000))
+                raise
+            accepted = await self._store.report(request.status, self._lease_ttl_s, owner)
         except CmsError as exc:
             await self._abort(context, exc)
         return cms_pb2.ReportStatusResponse(accepted=accepted)
@@ -117,15 +161,25 @@ class ClusterMetadataService(cms_pb2_grpc.ClusterMetadataServicer):
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> cms_pb2.DeregisterInstanceResponse:
         try:
-            self._authorize(context)
+            owner = self._authorize(context)
             validate_instance_id(request.instance_id)
-            removed = await self._store.deregister(request.instance_id)
+            removed = await self._store.deregister(request.instance_id, owner)
         except CmsError as exc:
             await self._abort(context, exc)
         return cms_pb2.DeregisterInstanceResponse(removed=removed)
 
-    def _to_view(self, snapshot: ClusterSnapshot, model: str) -> cms_pb2.ClusterView:
-        return snapshot_to_view(snapshot, now_s=self._clock(), generated_at_ms=epoch_ms(), model=model)
+    def _to_views(self, snapshot: ClusterSnapshot, model: str) -> list[cms_pb2.ClusterView]:
+        view = snapshot_to_view(snapshot, now_s=self._clock(), generated_at_ms=epoch_ms(), model=model)
+        return chunk_view(view, self._chunk_bytes)
+
+    def _check_read(
+        self, request: cms_pb2.GetClusterViewRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> None:
+        self._authorize(context)
+        try:
+            limits.check_text(request.model, "model", limits.MAX_NAME_BYTES)
+        except limits.FieldLimitError as exc:
+            raise InvalidArgumentError(str(exc)) from None
 
     async def GetClusterView(
         self,
@@ -133,16 +187,26 @@ class ClusterMetadataService(cms_pb2_grpc.ClusterMetadataServicer):
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> cms_pb2.ClusterView:
         try:
+            self._check_read(request, context)
             snapshot = await self._store.read_view()
+            views = self._to_views(snapshot, request.model)
+            if request.chunk_index >= len(views):
+                raise InvalidArgumentError(
+                    f"chunk_index: {request.chunk_index}; the view has {len(views)} chunk(s) now"
+                )
         except CmsError as exc:
             await self._abort(context, exc)
-        return self._to_view(snapshot, request.model)
+        return views[request.chunk_index]
 
     async def WatchClusterView(
         self,
         request: cms_pb2.GetClusterViewRequest,
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> AsyncIterator[cms_pb2.ClusterView]:
+        try:
+            self._check_read(request, context)
+        except CmsError as exc:
+            await self._abort(context, exc)
         if len(self._watchers) >= self._max_watchers:
             await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -164,7 +228,8 @@ class ClusterMetadataService(cms_pb2_grpc.ClusterMetadataServicer):
                 if isinstance(item, CmsError):
                     await self._abort(context, item)
                 assert isinstance(item, ClusterSnapshot)
-                yield self._to_view(item, request.model)
+                for view in self._to_views(item, request.model):
+                    yield view
         finally:
             self._pump.remove_listener(slot.put)
             self._watchers.discard(slot)
@@ -241,10 +306,13 @@ async def start_cms_server(
     listen: str = "127.0.0.1:0",
     *,
     auth_token: str | None = None,
+    tokens: TokenTable | None = None,
     lease_ttl_s: float = DEFAULT_LEASE_TTL_S,
     watch_min_interval_s: float = 0.02,
     watch_refresh_s: float = 0.5,
     max_watchers: int = 1024,
+    tls: ServerTls | None = None,
+    view_chunk_bytes: int = limits.VIEW_CHUNK_BYTES,
 ) -> CmsServer:
     """Serve ``store`` on ``listen`` (``HOST:PORT``; port 0 picks one) and return at once.
 
@@ -255,6 +323,9 @@ async def start_cms_server(
       without change (must be <= 1 s).
     - ``max_watchers``: concurrent ``WatchClusterView`` streams; more get
       ``RESOURCE_EXHAUSTED``.
+    - ``auth_token`` (one token, principal ``cluster``) or ``tokens`` (a
+      table, e.g. one per worker): required on every RPC when given.
+    - ``tls``: serve TLS only; ``view_chunk_bytes``: the size views are cut at.
 
     Raises ``OSError`` when the address cannot be bound.
     """
@@ -265,12 +336,30 @@ async def start_cms_server(
         raise ValueError(f"max_watchers must be >= 1, got {max_watchers}")
     if auth_token is not None and not auth_token.strip():
         raise ValueError("auth_token is empty; pass None to disable authentication")
+    if auth_token is not None and tokens is not None:
+        raise ValueError("give auth_token or tokens, not both")
+    if auth_token is not None:
+        tokens = TokenTable.single(auth_token)
+    if not 1024 <= view_chunk_bytes <= limits.VIEW_MAX_MESSAGE_BYTES - limits.max_instance_state_bytes():
+        raise ValueError(
+            f"view_chunk_bytes must leave room for one instance below the message limit, got {view_chunk_bytes}"
+        )
     host, _ = _split_listen(listen)
     pump = ViewPump(store, min_interval_s=watch_min_interval_s, refresh_s=watch_refresh_s)
     service = ClusterMetadataService(
-        store, pump, lease_ttl_s=lease_ttl_s, auth_token=auth_token, max_watchers=max_watchers
+        store,
+        pump,
+        lease_ttl_s=lease_ttl_s,
+        tokens=tokens,
+        max_watchers=max_watchers,
+        view_chunk_bytes=view_chunk_bytes,
     )
-    server, port = await bind_server(listen)
+    server, port = await bind_server(
+        listen,
+        max_receive_bytes=limits.CMS_MAX_RECEIVE_BYTES,
+        max_send_bytes=limits.VIEW_MAX_MESSAGE_BYTES,
+        tls=tls,
+    )
     cms_pb2_grpc.add_ClusterMetadataServicer_to_server(service, server)
     health_servicer = add_health_and_reflection(server, SERVICE_NAME)
     await server.start()
@@ -279,6 +368,10 @@ async def start_cms_server(
     pump.add_listener(cms._on_pump)
     await pump.start()
     logger.info(
-        "CMS serving on %s (lease %.1f s, auth %s)", cms.address, lease_ttl_s, "on" if auth_token else "off"
+        "CMS serving on %s (lease %.1f s, auth %s, tls %s)",
+        cms.address,
+        lease_ttl_s,
+        f"on, {len(tokens.entries)} token(s)" if tokens else "off",
+        "on" if tls else "off",
     )
     return cms

@@ -8,6 +8,18 @@ Rules every store follows (the conformance suite in ``tests/cms`` checks them):
 
 - Metadata and status are stored separately. Registering an id that exists
   replaces its metadata and keeps its last status.
+- An id is owned by the ``owner`` (the credential's principal) that
+  registered it: a register, report or deregister by another owner raises
+  :class:`~cms.errors.PermissionDeniedError`. Registering a live id at another
+  endpoint raises :class:`~cms.errors.AlreadyExistsError` (the id is free once
+  its lease lapses or it is deregistered).
+- Every registration starts a new epoch (returned; a store-wide counter, so
+  it never repeats). ``update_id`` is compared within one epoch: the first
+  status of an epoch is accepted whatever its id. A status stamped with an
+  older ``epoch`` is dropped (``False``, lease not renewed); 0 means "the
+  current one".
+- A status whose ``timestamp_ms`` is more than ``MAX_CLOCK_SKEW_MS`` ahead of
+  the store's wall clock raises :class:`~cms.errors.ClockSkewError`.
 - A status for an id that is not registered raises
   :class:`~cms.errors.InstanceNotFoundError`. A status whose ``update_id`` is
   newer than the stored one replaces it (``True`` is returned); otherwise it
@@ -17,8 +29,9 @@ Rules every store follows (the conformance suite in ``tests/cms`` checks them):
   ``schedulable`` back.
 - Every register and report renews the instance's lease for ``lease_ttl_s``;
   an instance whose lease lapses disappears; a deregistered one at once.
-- Status ages are measured on the store's clock from when it received the
-  status (heartbeats included), never from the worker's ``timestamp_ms``.
+- A status's age is the age of its measurement (store wall clock minus
+  ``timestamp_ms``), and never less than the time since the store received
+  it (heartbeats included).
 - The view ``version`` grows on every change of membership, metadata,
   accepted status or ``schedulable``. A heartbeat that only refreshes the
   timestamp does not bump it: watchers get fresh ages from the periodic push.
@@ -41,15 +54,15 @@ DEFAULT_LEASE_TTL_S = 5.0
 class StoreWriter(Protocol):
     """The agent side. Called by the servicer once per write RPC."""
 
-    async def register(self, metadata: cms_pb2.InstanceMetadata, lease_ttl_s: float) -> None:
-        """Register or re-register ``metadata.instance_id`` and renew its lease."""
+    async def register(self, metadata: cms_pb2.InstanceMetadata, lease_ttl_s: float, owner: str = "") -> int:
+        """Register or re-register ``metadata.instance_id``, renew its lease; the new epoch."""
         ...
 
-    async def report(self, status: cms_pb2.InstanceStatus, lease_ttl_s: float) -> bool:
+    async def report(self, status: cms_pb2.InstanceStatus, lease_ttl_s: float, owner: str = "") -> bool:
         """Store a status (``True``) or apply it as a heartbeat (``False``); renew the lease."""
         ...
 
-    async def deregister(self, instance_id: str) -> bool:
+    async def deregister(self, instance_id: str, owner: str = "") -> bool:
         """Remove an instance at once; ``False`` if it was not registered."""
         ...
 

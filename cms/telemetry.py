@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from slorouter.v1 import cms_pb2
 
@@ -24,7 +24,7 @@ class CmsCollector(Collector):
     def __init__(self, server: CmsServer) -> None:
         self._server = server
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         snapshot = self._server.pump.latest
         instances = GaugeMetricFamily(
             "slo_router_cms_instances", "Instances in the cluster view", labels=["role", "health"]
@@ -47,6 +47,21 @@ class CmsCollector(Collector):
         watchers = GaugeMetricFamily("slo_router_cms_watchers", "Open WatchClusterView streams")
         watchers.add_metric([], float(self._server.service.watchers))
         yield watchers
+        skew = self._server.service.skew
+        ahead_ms, behind_ms = skew.take()
+        skew_gauge = GaugeMetricFamily(
+            "slo_router_cms_status_clock_skew_seconds",
+            "Largest skew of status timestamps against the CMS clock since the last scrape",
+            labels=["direction"],
+        )
+        skew_gauge.add_metric(["ahead"], ahead_ms / 1000.0)
+        skew_gauge.add_metric(["behind"], behind_ms / 1000.0)
+        yield skew_gauge
+        refused = CounterMetricFamily(
+            "slo_router_cms_status_skew_refused", "Statuses refused because their timestamp was in the future"
+        )
+        refused.add_metric([], float(skew.refused))
+        yield refused
         up = GaugeMetricFamily("slo_router_cms_store_up", "1 when the last read of the store succeeded")
         up.add_metric([], 1.0 if snapshot is not None and self._server.pump.error is None else 0.0)
         yield up

@@ -15,14 +15,16 @@ import math
 
 from slorouter.v1 import cms_pb2
 
-from cms.errors import InvalidArgumentError
+from cms import limits
+from cms.errors import ClockSkewError, InvalidArgumentError
+from cms.limits import MAX_ADMITTED_REQUEST_IDS, MAX_STEP_SAMPLES, FieldLimitError
+
+__all__ = ["MAX_ADMITTED_REQUEST_IDS", "MAX_INSTANCE_ID_CHARS", "MAX_STEP_SAMPLES"]
 
 #: Longest accepted ``instance_id`` (it is part of Redis keys).
-MAX_INSTANCE_ID_CHARS = 256
-#: Most ``admitted_request_ids`` accepted in one status.
-MAX_ADMITTED_REQUEST_IDS = 1024
-#: Most ``step_samples`` accepted in one status.
-MAX_STEP_SAMPLES = 256
+MAX_INSTANCE_ID_CHARS = limits.MAX_ID_BYTES
+#: How far in the future a status's ``timestamp_ms`` may be (worker clock ahead of the CMS).
+MAX_CLOCK_SKEW_MS = 2000
 
 _ROLES = {
     cms_pb2.INSTANCE_ROLE_NEUTRAL: "NEUTRAL",
@@ -49,19 +51,18 @@ def parse_endpoint(endpoint: str) -> tuple[str, int]:
 
 
 def _check_instance_id(instance_id: str, field: str) -> None:
-    if not instance_id:
-        raise InvalidArgumentError(f"{field} must not be empty")
-    if len(instance_id) > MAX_INSTANCE_ID_CHARS:
-        raise InvalidArgumentError(
-            f"{field} is {len(instance_id)} characters long; the limit is {MAX_INSTANCE_ID_CHARS}"
-        )
+    try:
+        limits.check_id(instance_id, field)
+    except FieldLimitError as exc:
+        raise InvalidArgumentError(str(exc)) from None
 
 
 def validate_metadata(metadata: cms_pb2.InstanceMetadata) -> None:
     """Raise :class:`InvalidArgumentError` unless ``metadata`` can be registered."""
-    _check_instance_id(metadata.instance_id, "metadata.instance_id")
-    if not metadata.endpoint:
-        raise InvalidArgumentError("metadata.endpoint must not be empty; give the worker's host:port")
+    try:
+        limits.check_metadata(metadata)
+    except FieldLimitError as exc:
+        raise InvalidArgumentError(str(exc)) from None
     try:
         parse_endpoint(metadata.endpoint)
     except ValueError as exc:
@@ -80,22 +81,27 @@ def validate_instance_id(instance_id: str, field: str = "instance_id") -> None:
 
 def validate_status(status: cms_pb2.InstanceStatus) -> None:
     """Raise :class:`InvalidArgumentError` unless ``status`` is well formed on its own."""
-    _check_instance_id(status.instance_id, "status.instance_id")
-    if len(status.admitted_request_ids) > MAX_ADMITTED_REQUEST_IDS:
-        raise InvalidArgumentError(
-            f"status.admitted_request_ids has {len(status.admitted_request_ids)} entries; "
-            f"send at most {MAX_ADMITTED_REQUEST_IDS} (the most recent ones)"
+    try:
+        limits.check_status(status)
+    except FieldLimitError as exc:
+        raise InvalidArgumentError(str(exc)) from None
+
+
+def check_clock_skew(
+    status: cms_pb2.InstanceStatus, now_ms: int, max_skew_ms: int = MAX_CLOCK_SKEW_MS
+) -> int:
+    """The status's skew (``timestamp_ms - now_ms``); raise if it is too far in the future.
+
+    A timestamp ahead of the CMS's clock would make the status look fresher
+    than it is (and, in the past, made every later report look late).
+    """
+    skew = status.timestamp_ms - now_ms
+    if skew > max_skew_ms:
+        raise ClockSkewError(
+            f"status.timestamp_ms is {skew} ms ahead of this CMS's clock (the limit is {max_skew_ms} ms); "
+            "fix the worker's clock (NTP) rather than the timestamp"
         )
-    if len(status.step_samples) > MAX_STEP_SAMPLES:
-        raise InvalidArgumentError(
-            f"status.step_samples has {len(status.step_samples)} entries; "
-            f"send at most {MAX_STEP_SAMPLES} per status"
-        )
-    for i, sample in enumerate(status.step_samples):
-        if not math.isfinite(sample.duration_ms) or sample.duration_ms < 0:
-            raise InvalidArgumentError(
-                f"status.step_samples[{i}].duration_ms is {sample.duration_ms}; it must be finite and >= 0"
-            )
+    return skew
 
 
 def kv_over_capacity_message(used: int, capacity: int) -> str:
@@ -106,3 +112,27 @@ def check_lease_ttl(lease_ttl_s: float) -> None:
     """Raise ``ValueError`` for a lease that is not a positive number of seconds."""
     if not (math.isfinite(lease_ttl_s) and lease_ttl_s > 0):
         raise ValueError(f"lease_ttl_s must be a positive number of seconds, got {lease_ttl_s}")
+
+
+def status_age_s(since_received_s: float, measurement_age_ms: float) -> float:
+    """The age of a status: that of its measurement, never less than the time since it arrived.
+
+    A report that repeats an old measurement therefore stays as old as the
+    measurement, and a worker clock that runs behind makes its statuses look
+    older (visible as skew), never fresher.
+    """
+    return max(0.0, since_received_s, measurement_age_ms / 1000.0)
+
+
+def endpoint_taken_message(instance_id: str, endpoint: str) -> str:
+    return (
+        f"instance {instance_id!r} is registered at {endpoint} and its lease is live; "
+        "deregister it first, wait for its lease to lapse, or use another instance id"
+    )
+
+
+def not_owner_message(instance_id: str) -> str:
+    return (
+        f"instance {instance_id!r} was registered with another credential; "
+        "only that credential may write it (use the worker's own token)"
+    )

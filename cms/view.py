@@ -54,6 +54,75 @@ def snapshot_to_view(
     return view
 
 
+def chunk_view(view: cms_pb2.ClusterView, chunk_bytes: int) -> list[cms_pb2.ClusterView]:
+    """``view`` as one message, or cut into chunks of about ``chunk_bytes`` each.
+
+    Chunks share ``version`` and ``generated_at_ms`` and carry
+    ``chunk_index``/``chunk_count``; instances keep their order. One instance
+    is never split (the limits keep it far below ``chunk_bytes``).
+    """
+    if view.ByteSize() <= chunk_bytes:
+        return [view]
+    chunks: list[cms_pb2.ClusterView] = []
+    current = cms_pb2.ClusterView(version=view.version, generated_at_ms=view.generated_at_ms)
+    size = 0
+    for state in view.instances:
+        state_size = state.ByteSize() + 6  # the field tag and length prefix
+        if size and size + state_size > chunk_bytes:
+            chunks.append(current)
+            current = cms_pb2.ClusterView(version=view.version, generated_at_ms=view.generated_at_ms)
+            size = 0
+        current.instances.append(state)
+        size += state_size
+    chunks.append(current)
+    for i, chunk in enumerate(chunks):
+        chunk.chunk_index = i
+        chunk.chunk_count = len(chunks)
+    return chunks
+
+
+class ViewAssembler:
+    """Puts chunked views back together on the reader side.
+
+    :meth:`add` returns the whole view once its last chunk arrived (a view
+    sent in one message is returned at once), else None. A chunk that does
+    not continue the view being assembled (another version, a gap) drops
+    what was gathered; the next complete view replaces it.
+    """
+
+    def __init__(self, max_chunks: int = 4096) -> None:
+        self._max_chunks = max_chunks
+        self._parts: list[cms_pb2.ClusterView] = []
+
+    def add(self, chunk: cms_pb2.ClusterView) -> cms_pb2.ClusterView | None:
+        if chunk.chunk_count <= 1:
+            self._parts.clear()
+            return chunk
+        if chunk.chunk_count > self._max_chunks or chunk.chunk_index >= chunk.chunk_count:
+            self._parts.clear()
+            return None
+        if chunk.chunk_index == 0:
+            self._parts = [chunk]
+        elif (
+            not self._parts
+            or chunk.chunk_index != len(self._parts)
+            or chunk.version != self._parts[0].version
+            or chunk.generated_at_ms != self._parts[0].generated_at_ms
+            or chunk.chunk_count != self._parts[0].chunk_count
+        ):
+            self._parts.clear()
+            return None
+        else:
+            self._parts.append(chunk)
+        if len(self._parts) < chunk.chunk_count:
+            return None
+        whole = cms_pb2.ClusterView(version=chunk.version, generated_at_ms=chunk.generated_at_ms)
+        for part in self._parts:
+            whole.instances.extend(part.instances)
+        self._parts = []
+        return whole
+
+
 def view_to_snapshot(view: cms_pb2.ClusterView, *, taken_at_s: float, version: int) -> ClusterSnapshot:
     """A snapshot of a received ``view``; the view must not be mutated afterwards."""
     return ClusterSnapshot(

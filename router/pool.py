@@ -9,13 +9,16 @@ from collections import OrderedDict
 import grpc
 from slorouter.v1 import worker_pb2_grpc
 
+from cms import limits
+from cms.transport import ClientTls, message_size_options, open_channel
+
 logger = logging.getLogger(__name__)
 
 _CHANNEL_OPTIONS = (
     ("grpc.keepalive_time_ms", 20_000),
     ("grpc.keepalive_timeout_ms", 5_000),
     ("grpc.http2.max_pings_without_data", 0),
-    ("grpc.max_receive_message_length", 16 * 1024 * 1024),
+    *message_size_options(limits.SERVING_MAX_MESSAGE_BYTES, limits.SERVING_MAX_MESSAGE_BYTES),
     # A worker that restarts on the same endpoint is reached again within a second or two
     # (gRPC's default backoff grows to two minutes); a call never waits on it: the worker
     # client fails fast while a channel is in TRANSIENT_FAILURE. (grpc.min_reconnect_backoff_ms
@@ -33,10 +36,13 @@ class ChannelPool:
     on it can finish.
     """
 
-    def __init__(self, max_channels: int = 1024, close_grace_s: float = 30.0) -> None:
+    def __init__(
+        self, max_channels: int = 1024, close_grace_s: float = 30.0, *, tls: ClientTls | None = None
+    ) -> None:
         if max_channels < 1:
             raise ValueError(f"max_channels must be >= 1, got {max_channels}")
         self._max = max_channels
+        self._tls = tls
         self._grace_s = close_grace_s
         self._channels: OrderedDict[str, tuple[grpc.aio.Channel, worker_pb2_grpc.WorkerAsyncStub]] = (
             OrderedDict()
@@ -52,7 +58,7 @@ class ChannelPool:
         if entry is not None:
             self._channels.move_to_end(endpoint)
             return entry
-        channel = grpc.aio.insecure_channel(endpoint, options=_CHANNEL_OPTIONS)
+        channel = open_channel(endpoint, _CHANNEL_OPTIONS, tls=self._tls)
         stub = worker_pb2_grpc.WorkerStub(channel)
         self._channels[endpoint] = (channel, stub)
         while len(self._channels) > self._max:

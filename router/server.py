@@ -21,8 +21,11 @@ import grpc
 from grpc_health.v1 import health_pb2
 from slorouter.v1 import router_pb2, router_pb2_grpc
 
+from cms import limits
+from cms.auth import read_client_token
 from cms.reader import ClusterReader, open_reader
 from cms.serving import add_health_and_reflection, bind_server
+from cms.transport import ClientTls, ServerTls, client_tls_from_arg, server_tls_from_args
 from openai_http.app import DEFAULT_MAX_BODY_BYTES, HttpServer
 from predictor import LatencyPredictor
 from router.admission import Admission
@@ -117,6 +120,8 @@ async def start_router_server(
     worker_connect_timeout_s: float = 2.0,
     worker_first_message_timeout_s: float = 30.0,
     outlier: OutlierConfig | None = None,
+    tls: ServerTls | None = None,
+    worker_tls: ClientTls | None = None,
 ) -> RouterServer:
     """Serve the Router service on ``listen`` over ``reader``'s view; starts the reader too.
 
@@ -125,13 +130,14 @@ async def start_router_server(
     ``SERVING``. With ``http_listen`` (``HOST:PORT``), the OpenAI-compatible
     HTTP edge is served there as well, over the same service.
     ``queue_config`` defaults to :class:`QueueConfig`'s defaults (the ``edf``
-    router queue). ``worker_*_timeout_s`` bound every worker call's connection and first
-    message; ``outlier`` says when failing instances are ejected from
-    placement (:mod:`router.core.health`). Raises ``OSError`` when an address
-    cannot be bound.
+    router queue). ``worker_*_timeout_s`` bound every worker call's connection
+    and first message; ``outlier`` says when failing instances are ejected from
+    placement (:mod:`router.core.health`). ``tls`` makes the Router service
+    TLS only; ``worker_tls`` makes the calls to workers TLS (checked against
+    its CA). Raises ``OSError`` when an address cannot be bound.
     """
     observer = observer or RequestObserver()
-    pool = ChannelPool(max_channels=max_channels)
+    pool = ChannelPool(max_channels=max_channels, tls=worker_tls)
     health = OutlierDetector(outlier)
     workers = WorkerClient(
         pool,
@@ -162,7 +168,12 @@ async def start_router_server(
         slicer=slicer,
         admission=admission,
     )
-    server, port = await bind_server(listen)
+    server, port = await bind_server(
+        listen,
+        max_receive_bytes=limits.SERVING_MAX_MESSAGE_BYTES,
+        max_send_bytes=limits.SERVING_MAX_MESSAGE_BYTES,
+        tls=tls,
+    )
     router_pb2_grpc.add_RouterServicer_to_server(service, server)
     health_servicer = add_health_and_reflection(server, SERVICE_NAME)
     for name in (SERVICE_NAME, ""):
@@ -297,6 +308,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "/v1/models, /health, /metrics) here; off by default",
     )
     parser.add_argument("--cluster-name", default="default", help="Redis key namespace with --cms redis://")
+    parser.add_argument(
+        "--cms-auth-token-file",
+        default=None,
+        help="file holding the token to read a grpc:// CMS with (needed once the CMS has tokens); "
+        "with --cms memory, the tokens the embedded CMS accepts (one per line: TOKEN or NAME TOKEN)",
+    )
+    parser.add_argument(
+        "--tls-cert", default=None, help="serve the Router service over TLS with this PEM chain"
+    )
+    parser.add_argument("--tls-key", default=None, help="the private key (PEM) of --tls-cert")
+    parser.add_argument(
+        "--tls-ca",
+        default=None,
+        help="CA bundle (PEM): reach workers and a grpc:// CMS over TLS, checking them against it",
+    )
     parser.add_argument(
         "--ttft-profiling-data-path",
         default=str(DEFAULT_PROFILE_DIR / "ttft.json"),
@@ -524,19 +550,41 @@ async def start_from_args(args: argparse.Namespace, plan: RouterPlan | None = No
     """Build everything the flags describe and start serving."""
     plan = plan or plan_from_args(args)
     scheduler = Scheduler(plan.config, plan.predictors, random.Random(args.seed))
+    tls = server_tls_from_args(args.tls_cert, args.tls_key)
+    client_tls = client_tls_from_arg(args.tls_ca)
+    cms_token = None
+    if args.cms_auth_token_file:
+        try:
+            cms_token = read_client_token(Path(args.cms_auth_token_file))
+        except OSError as exc:
+            raise ValueError(f"--cms-auth-token-file: {exc}") from None
     owned: list[Any] = []
     if args.cms == "memory":
+        from cms.auth import TokenTable
+        from cms.cli import is_loopback
         from cms.memory import MemoryStore
         from cms.server import start_cms_server
 
+        tokens = TokenTable.from_file(Path(args.cms_auth_token_file)) if args.cms_auth_token_file else None
+        if tokens is None and not is_loopback(args.cms_listen):
+            raise ValueError(
+                f"--cms-listen {args.cms_listen} is not a loopback address: give --cms-auth-token-file "
+                "(the tokens the embedded CMS accepts)"
+            )
         store = MemoryStore()
-        cms = await start_cms_server(store, args.cms_listen)
+        cms = await start_cms_server(store, args.cms_listen, tokens=tokens, tls=tls)
         owned.append(cms)
         logger.info("embedded CMS listening on %s", cms.address)
-        reader = open_reader("memory", store=store)
+        reader = open_reader("memory", store=store, rewarm_s=args.cms_rewarm_s)
         source = f"the embedded CMS on {cms.address}"
     else:
-        reader = open_reader(args.cms, cluster_name=args.cluster_name, rewarm_s=args.cms_rewarm_s)
+        reader = open_reader(
+            args.cms,
+            cluster_name=args.cluster_name,
+            auth_token=cms_token,
+            tls=client_tls,
+            rewarm_s=args.cms_rewarm_s,
+        )
         source = args.cms
     observer = RequestObserver()
     if args.metrics_port:
@@ -559,6 +607,8 @@ async def start_from_args(args: argparse.Namespace, plan: RouterPlan | None = No
             http_listen=args.http_listen,
             chat_template=load_chat_template(args.tokenizer),
             queue_config=plan.queue,
+            tls=tls,
+            worker_tls=client_tls,
         )
     except BaseException:
         for resource in reversed(owned):

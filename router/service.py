@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import logging
 import math
-import re
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
@@ -27,6 +26,7 @@ from typing import Any
 import grpc
 from slorouter.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2
 
+from cms import limits
 from router.admission import Admission
 from router.core.decision import Choice
 from router.core.errors import (
@@ -93,36 +93,6 @@ def _error_code(exc: RouterError) -> grpc.StatusCode:
     if isinstance(exc, (EmptyClusterError, RetriesExhaustedError)):
         return grpc.StatusCode.UNAVAILABLE
     return grpc.StatusCode.INTERNAL
-
-
-def _check_slo(slo: common_pb2.SloTarget) -> None:
-    for name in ("ttft_ms", "tpot_ms", "e2e_ms"):
-        value = getattr(slo, name)
-        if not math.isfinite(value) or value < 0:
-            raise InvalidRequestError(f"slo.{name} must be a finite number >= 0 (0 = default), got {value!r}")
-
-
-_SLO_CLASS = re.compile(r"[A-Za-z0-9_.-]{0,64}")
-
-
-def _check_slo_class(label: str) -> None:
-    if not _SLO_CLASS.fullmatch(label):
-        raise InvalidRequestError(
-            f"slo_class must be at most 64 letters, digits, '_', '.' or '-', got {label[:80]!r}"
-        )
-
-
-def _check_sampling(sampling: common_pb2.SamplingParams) -> None:
-    if sampling.max_tokens == 0:
-        raise InvalidRequestError("sampling.max_tokens must be > 0")
-    if not math.isfinite(sampling.temperature) or sampling.temperature < 0:
-        raise InvalidRequestError(f"sampling.temperature must be >= 0, got {sampling.temperature!r}")
-    if not math.isfinite(sampling.top_p) or not 0 <= sampling.top_p <= 1:
-        raise InvalidRequestError(
-            f"sampling.top_p must be within [0, 1] (0 = default), got {sampling.top_p!r}"
-        )
-    if sampling.top_k < 0:
-        raise InvalidRequestError(f"sampling.top_k must be >= 0 (0 = default), got {sampling.top_k}")
 
 
 @dataclass
@@ -198,16 +168,13 @@ class RouterService(router_pb2_grpc.RouterServicer):
     # ------------------------------------------------------------------ validation
 
     def _prepare(self, request: router_pb2.GenerateRequest) -> PlacementRequest:
-        has_text = bool(request.prompt)
+        # The shared bounds first (Schedule and Generate alike, and the same ones the workers
+        # apply), so nothing oversized reaches the tokenizer, the scheduler or a worker.
+        try:
+            limits.check_generate_request(request)
+        except limits.FieldLimitError as exc:
+            raise InvalidRequestError(str(exc)) from None
         has_ids = len(request.prompt_token_ids) > 0
-        if has_text == has_ids:
-            raise InvalidRequestError(
-                "exactly one of prompt and prompt_token_ids must be non-empty"
-                + (" (both are set)" if has_text else " (neither is set)")
-            )
-        _check_sampling(request.sampling)
-        _check_slo(request.slo)
-        _check_slo_class(request.slo_class)
         self._placer.check_model(request.model)
         # The message's repeated field is used as is (it is never modified): no copy per request.
         prompt_ids: Sequence[int] = (
@@ -282,7 +249,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
             prepared = self._prepare(request)
         except RouterError as exc:
             self._observer.rejected(exc)
-            logger.info("rejected request %s: %s", request.request_id or "(no id)", exc)
+            # The id is the client's: log a bounded prefix of it, never the whole string.
+            logger.info("rejected request %r: %s", request.request_id[:64] or "(no id)", exc)
             raise
         request_id = prepared.request_id
         if request_id in self._active:

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import grpc
 from slorouter.v1 import cms_pb2, common_pb2, worker_pb2
 
+from cms import limits
 from fleet.snapshot import ClusterSnapshot, InstanceRecord
 from router.core.decision import Choice
 from router.core.errors import EmptyClusterError, NoInstanceError, RetriesExhaustedError
@@ -329,7 +330,8 @@ class SliceDispatcher:
             remaining = total - len(generated)
             slice_tokens = min(self.config.slice_tokens, remaining)
             target, key, request = await self.acquire(len(prompt_token_ids) + len(generated), slice_tokens)
-            slice_id = f"{request_id}#{slice_no}"
+            # Worker request ids follow the id limits too (cms/limits.py): ':' separates the slice.
+            slice_id = limits.derived_id(request_id, f":s{slice_no}")
             slice_no += 1
             ledger = LegLedger()
             part = common_pb2.SamplingParams()

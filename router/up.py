@@ -2,7 +2,9 @@
 
 The CMS (memory store) and the router run in this process; each sim worker
 runs in a child process of its own (``slo-router worker --engine sim``), so
-workers and router use both cores. Children die with this process: they get
+workers and router use both cores. Authentication is on: ``up`` makes a
+token per worker (so one worker cannot write another's CMS entry) and a
+cluster key for kv handles, in a private directory removed on exit. Children die with this process: they get
 SIGTERM on a clean shutdown and, on Linux, also when this process dies
 without one (``PR_SET_PDEATHSIG``), so nothing is left running.
 """
@@ -16,12 +18,15 @@ import ctypes
 import logging
 import math
 import random
+import shutil
 import signal
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cms.auth import TokenTable, new_token
 from cms.memory import MemoryStore
 from cms.reader import open_reader
 from cms.server import CmsServer, start_cms_server
@@ -74,12 +79,39 @@ class Cluster:
     cms: CmsServer
     router: RouterServer
     workers: list[WorkerProcess]
+    #: The private directory holding the tokens and the kv key (removed by ``stop``).
+    secrets_dir: Path | None = field(default=None)
 
     async def stop(self) -> None:
         """Router first (no new work), then the workers, then the CMS. Idempotent."""
         await self.router.stop(grace=2.0)
         await stop_workers(self.workers)
         await self.cms.stop(grace=0.5)
+        if self.secrets_dir is not None:
+            shutil.rmtree(self.secrets_dir, ignore_errors=True)
+
+
+class ClusterSecrets:
+    """A token per worker and the cluster's kv handle key, as files only this user can read."""
+
+    def __init__(self) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="slo-router-up-"))  # mode 0700
+        self.kv_key_file = self._write("kv.key", new_token())
+        self._tokens: dict[str, str] = {}
+
+    def _write(self, name: str, text: str) -> Path:
+        path = self.dir / name
+        path.touch(mode=0o600)
+        path.write_text(text + "\n", encoding="utf-8")
+        return path
+
+    def worker_token_file(self, instance_id: str) -> Path:
+        token = new_token()
+        self._tokens[f"worker.{instance_id}"] = token
+        return self._write(f"{instance_id}.token", token)
+
+    def table(self) -> TokenTable:
+        return TokenTable.of(self._tokens.items())
 
 
 async def stop_workers(workers: list[WorkerProcess], timeout_s: float = 10.0) -> None:
@@ -98,11 +130,19 @@ async def stop_workers(workers: list[WorkerProcess], timeout_s: float = 10.0) ->
 
 
 async def _spawn_worker(
-    instance_id: str, role: str, cms_address: str, profile: Path, extra: list[str]
+    instance_id: str,
+    role: str,
+    cms_address: str,
+    profile: Path,
+    extra: list[str],
+    token_file: Path,
+    secrets: ClusterSecrets,
 ) -> WorkerProcess:
     cmd = [
         sys.executable, "-m", "router.cli", "worker", "--engine", "sim", "--role", role,
         "--listen", "127.0.0.1:0", "--cms", cms_address, "--instance-id", instance_id,
+        "--cms-auth-token-file", str(token_file),
+        "--kv-key-file", str(secrets.kv_key_file),
         "--ttft-profiling-data-path", str(profile / "ttft.json"),
         "--tpot-profiling-data-path", str(profile / "tpot.json"),
         *extra,
@@ -184,15 +224,24 @@ def plan_cluster(args: argparse.Namespace) -> ClusterPlan:
 async def start_cluster(args: argparse.Namespace, plan: ClusterPlan | None = None) -> Cluster:
     """Start CMS, workers and router as the flags say; wait until the router sees every worker."""
     plan = plan or plan_cluster(args)
+    secrets = ClusterSecrets()
+    ids = [f"{role}-{i}" for role, i in plan.roles]
+    token_files = {iid: secrets.worker_token_file(iid) for iid in ids}
     store = MemoryStore()
-    cms = await start_cms_server(store, "127.0.0.1:0")
+    try:
+        cms = await start_cms_server(store, "127.0.0.1:0", tokens=secrets.table())
+    except BaseException:
+        shutil.rmtree(secrets.dir, ignore_errors=True)
+        raise
     workers: list[WorkerProcess] = []
     try:
         extra = ["--speed-factor", str(args.speed_factor), "--seed", str(args.seed)]
         if args.worker_http:
             extra += ["--http-listen", "127.0.0.1:0"]
-        for role, i in plan.roles:
-            workers.append(await _spawn_worker(f"{role}-{i}", role, cms.address, plan.profile, extra))
+        for (role, _), iid in zip(plan.roles, ids, strict=True):
+            workers.append(
+                await _spawn_worker(iid, role, cms.address, plan.profile, extra, token_files[iid], secrets)
+            )
         await asyncio.gather(*(_await_listening(w, args.start_timeout_s) for w in workers))
         scheduler = Scheduler(plan.config, plan.predictor, random.Random(args.seed))
         observer = RequestObserver()
@@ -216,8 +265,9 @@ async def start_cluster(args: argparse.Namespace, plan: ClusterPlan | None = Non
     except BaseException:
         await stop_workers(workers)
         await cms.stop(grace=0)
+        shutil.rmtree(secrets.dir, ignore_errors=True)
         raise
-    cluster = Cluster(cms, router, workers)
+    cluster = Cluster(cms, router, workers, secrets.dir)
     deadline = asyncio.get_running_loop().time() + args.start_timeout_s
     # The router's own view, not the store: traffic sent after this returns finds every worker.
     while not router.ready or _reporting(router) < len(workers):

@@ -37,6 +37,7 @@ from typing import Protocol
 
 from slorouter.v1 import cms_pb2
 
+from cms.transport import ClientTls
 from workers.engine import Engine, EngineLoad, StepRecord
 
 logger = logging.getLogger(__name__)
@@ -65,6 +66,7 @@ def make_cms_sink(
     auth_token: str | None = None,
     heartbeat_interval_s: float = 0.5,
     backoff_max_s: float = 5.0,
+    tls: ClientTls | None = None,
 ) -> StatusSink:
     """The CMS writer for ``target`` (``host:port`` or ``grpc://host:port``)."""
     from cms.agent import AgentWriter
@@ -75,6 +77,7 @@ def make_cms_sink(
         auth_token=auth_token,
         heartbeat_interval_s=heartbeat_interval_s,
         backoff_max_s=backoff_max_s,
+        tls=tls,
     )
 
 

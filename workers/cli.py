@@ -106,7 +106,23 @@ def register(subparsers: Any) -> None:
     worker.add_argument(
         "--cms", default=None, help="CMS address (host:port or grpc://host:port); none = no agent"
     )
-    worker.add_argument("--cms-auth-token-file", default=None, help="file holding the CMS write token")
+    worker.add_argument(
+        "--cms-auth-token-file",
+        default=None,
+        help="file holding this worker's CMS token (its own, or the cluster's)",
+    )
+    worker.add_argument(
+        "--tls-ca", default=None, help="CA bundle (PEM): reach the CMS and other workers over TLS"
+    )
+    worker.add_argument(
+        "--kv-key-file",
+        default=None,
+        help="the cluster's kv handle key: sign the handles this worker hands out and accept only signed ones",
+    )
+    worker.add_argument(
+        "--tls-cert", default=None, help="serve the Worker service over TLS with this PEM chain"
+    )
+    worker.add_argument("--tls-key", default=None, help="the private key (PEM) of --tls-cert")
     worker.add_argument("--instance-id", default="", help="instance id (default: worker-<endpoint>)")
     worker.add_argument("--node-id", default="", help="failure domain: host id")
     worker.add_argument("--unit-id", default="", help="failure domain: unit id")
@@ -208,6 +224,9 @@ def check_worker_args(args: argparse.Namespace) -> None:
 
 
 def run_worker(args: argparse.Namespace) -> int:
+    from cms.auth import read_client_token
+    from cms.transport import client_tls_from_arg, server_tls_from_args
+    from workers.kv_auth import KvSigner
     from workers.metadata import WorkerIdentity, WorkerRole
 
     try:
@@ -218,10 +237,21 @@ def run_worker(args: argparse.Namespace) -> int:
     token: str | None = None
     if args.cms_auth_token_file:
         try:
-            token = Path(args.cms_auth_token_file).read_text(encoding="utf-8").strip() or None
-        except OSError as exc:
+            token = read_client_token(Path(args.cms_auth_token_file))
+        except (OSError, ValueError) as exc:
             print(f"error: --cms-auth-token-file: {exc}", file=sys.stderr)
             return 2
+    try:
+        args.kv_signer = KvSigner.from_file(args.kv_key_file) if args.kv_key_file else None
+    except (OSError, ValueError) as exc:
+        print(f"error: --kv-key-file: {exc}", file=sys.stderr)
+        return 2
+    try:
+        args.server_tls = server_tls_from_args(args.tls_cert, args.tls_key)
+        args.cms_tls = client_tls_from_arg(args.tls_ca)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     try:
         engine = BACKENDS.load(args.engine).build_engine(args)
     except (BackendError, ValueError) as exc:
@@ -249,6 +279,9 @@ async def _serve(engine: Any, args: argparse.Namespace, identity: Any, token: st
             cms_auth_token=token,
             http_listen=args.http_listen,
             engine_stall_s=args.engine_stall_s,
+            kv_signer=args.kv_signer,
+            tls=args.server_tls,
+            cms_tls=args.cms_tls,
         )
     except (OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -30,6 +30,8 @@ from typing import Protocol
 import grpc
 from slorouter.v1 import worker_pb2, worker_pb2_grpc
 
+from cms import limits
+from cms.transport import ClientTls, message_size_options, open_channel
 from workers.engine import InvalidRequestError, KvHandleError
 
 logger = logging.getLogger(__name__)
@@ -108,11 +110,14 @@ class GrpcKvPeer:
     used is closed first); every call has a deadline.
     """
 
-    def __init__(self, *, timeout_s: float = 2.0, max_channels: int = 64) -> None:
+    def __init__(
+        self, *, timeout_s: float = 2.0, max_channels: int = 64, tls: ClientTls | None = None
+    ) -> None:
         if timeout_s <= 0 or max_channels < 1:
             raise ValueError(f"need timeout_s > 0 and max_channels >= 1, got {timeout_s}, {max_channels}")
         self._timeout_s = timeout_s
         self._max = max_channels
+        self._tls = tls
         self._channels: OrderedDict[str, tuple[grpc.aio.Channel, worker_pb2_grpc.WorkerAsyncStub]] = (
             OrderedDict()
         )
@@ -123,7 +128,11 @@ class GrpcKvPeer:
         if entry is not None:
             self._channels.move_to_end(endpoint)
             return entry[1]
-        channel = grpc.aio.insecure_channel(endpoint)
+        channel = open_channel(
+            endpoint,
+            message_size_options(limits.SERVING_MAX_MESSAGE_BYTES, limits.SERVING_MAX_MESSAGE_BYTES),
+            tls=self._tls,
+        )
         stub = worker_pb2_grpc.WorkerStub(channel)
         self._channels[endpoint] = (channel, stub)
         return stub

@@ -35,6 +35,9 @@ import numpy as np
 from slorouter.v1 import cms_pb2, common_pb2, worker_pb2, worker_pb2_grpc
 from tqdm import tqdm
 
+from cms import limits
+from cms.transport import message_size_options
+
 
 def _doc(text: str) -> dict[str, Any]:
     return {"doc": text}
@@ -216,7 +219,8 @@ async def profile_worker(
     now: Callable[[], datetime.datetime] = lambda: datetime.datetime.now(datetime.timezone.utc),
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Measure the worker at ``target`` (``host:port``); the TTFT and TPOT documents."""
-    async with grpc.aio.insecure_channel(target) as channel:
+    sizes = message_size_options(limits.SERVING_MAX_MESSAGE_BYTES, limits.SERVING_MAX_MESSAGE_BYTES)
+    async with grpc.aio.insecure_channel(target, options=sizes) as channel:
         stub: worker_pb2_grpc.WorkerAsyncStub = worker_pb2_grpc.WorkerStub(channel)
         info = await stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=plan.timeout_s)
         _check_fits(info, plan)

@@ -34,7 +34,9 @@ import grpc
 from grpc_health.v1 import health_pb2
 from slorouter.v1 import cms_pb2, common_pb2, worker_pb2, worker_pb2_grpc
 
+from cms import limits
 from cms.serving import add_health_and_reflection, bind_server
+from cms.transport import ClientTls, ServerTls
 from workers.engine import (
     DuplicateRequestError,
     EndpointAware,
@@ -50,6 +52,7 @@ from workers.engine import (
     TokenizingEngine,
     validate_request,
 )
+from workers.kv_auth import KvSigner
 from workers.metadata import WorkerIdentity, build_metadata
 from workers.tokenizer import SimpleTokenizer
 
@@ -106,12 +109,22 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         engine: Engine,
         metadata: cms_pb2.InstanceMetadata,
         tokenizer: TextTokenizer | None = None,
+        kv_signer: KvSigner | None = None,
     ) -> None:
         self._engine = engine
         self._metadata = metadata
+        self._kv_signer = kv_signer
         if tokenizer is None:
             tokenizer = engine.tokenizer if isinstance(engine, TokenizingEngine) else SimpleTokenizer()
         self._tokenizer = tokenizer
+
+    @staticmethod
+    def _check_bounds(request: Any) -> None:
+        """The shared field bounds (:mod:`cms.limits`), before anything reaches the engine."""
+        try:
+            limits.check_worker_request(request)
+        except limits.FieldLimitError as exc:
+            raise InvalidRequestError(str(exc)) from None
 
     def _prompt(self, token_ids: Any, text: str) -> tuple[int, ...]:
         if token_ids and text:
@@ -141,6 +154,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         :class:`~workers.engine.EngineError`; the caller aborts the request on
         the engine when it stops reading before the last delta.
         """
+        try:  # the shared field bounds (cms/limits.py) first, for the HTTP face too
+            limits.check_id(request_id, "request_id")
+            limits.check_text(text, "prompt", limits.MAX_PROMPT_TEXT_BYTES)
+            limits.check_token_ids(token_ids, "prompt_token_ids")
+            limits.check_sampling(sampling)
+        except limits.FieldLimitError as exc:
+            raise InvalidRequestError(str(exc)) from None
         prompt = self._prompt(token_ids, text)
         params = sampling_from_proto(sampling)
         validate_request(self._engine.info, request_id, prompt, params)
@@ -151,11 +171,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     ) -> None:
         rid = request.request_id
         try:
+            self._check_bounds(request)
             prompt = tuple(request.prompt_token_ids)
             generated = tuple(request.generated_token_ids)
             sampling = sampling_from_proto(request.sampling)
             validate_request(self._engine.info, rid, prompt, sampling, generated)
-            stream = self._engine.decode(rid, prompt, sampling, request.kv_handle, generated)
+            kv_handle = request.kv_handle
+            if self._kv_signer is not None:
+                kv_handle = self._kv_signer.open(rid, kv_handle)
+            stream = self._engine.decode(rid, prompt, sampling, kv_handle, generated)
             await self._stream(context, rid, len(prompt), stream)
         except EngineError as exc:
             await _abort(context, exc)
@@ -197,6 +221,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     ) -> worker_pb2.PrefillResponse:
         rid = request.request_id
         try:
+            self._check_bounds(request)
             prompt = self._prompt(request.prompt_token_ids, request.prompt)
             sampling = sampling_from_proto(request.sampling)
             validate_request(self._engine.info, rid, prompt, sampling)
@@ -207,19 +232,24 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 raise
         except EngineError as exc:
             await _abort(context, exc)
+        kv_handle = result.kv_handle
+        if self._kv_signer is not None:
+            kv_handle = self._kv_signer.sign(rid, kv_handle)
         return worker_pb2.PrefillResponse(
             request_id=rid,
             first_token_id=result.first_token_id,
             text=result.text,
-            kv_handle=result.kv_handle,
+            kv_handle=kv_handle,
             finished=result.finished,
             finish_reason=result.finish_reason,
             num_prompt_tokens=result.num_prompt_tokens or len(prompt),
         )
 
     async def Abort(self, request: worker_pb2.AbortRequest, context: _Context) -> worker_pb2.AbortResponse:
-        if not request.request_id:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: must not be empty")
+        try:
+            self._check_bounds(request)
+        except InvalidRequestError as exc:
+            await _abort(context, exc)
         return worker_pb2.AbortResponse(found=await self._engine.abort(request.request_id))
 
     async def GetInfo(
@@ -302,6 +332,9 @@ async def start_worker_server(
     cms_backoff_max_s: float = 5.0,
     http_listen: str = "",
     engine_stall_s: float = 30.0,
+    kv_signer: KvSigner | None = None,
+    tls: ServerTls | None = None,
+    cms_tls: ClientTls | None = None,
 ) -> WorkerServer:
     """Start ``engine`` and serve it on ``listen`` (``HOST:PORT``; port 0 picks one).
 
@@ -313,13 +346,26 @@ async def start_worker_server(
     wildcard address). ``agent_coalesce_s``, ``heartbeat_interval_s`` and
     ``cms_backoff_max_s`` tune the agent; ``engine_stall_s`` is how long an engine
     holding work may finish no step before the agent reports it unschedulable (0 = off).
-    ``WorkerServer.stop()`` stops the agent, the server and the engine. With
-    ``http_listen`` (``HOST:PORT``) the engine is also served over OpenAI's HTTP
-    API (:mod:`workers.http_face`). Raises ``OSError`` when an address cannot be bound.
+    ``kv_signer`` signs the kv handles this worker hands out and checks those it
+    is given (:mod:`workers.kv_auth`); ``tls`` serves TLS only; ``cms_tls``
+    reaches the CMS over TLS. ``WorkerServer.stop()`` stops the agent, the
+    server and the engine. With ``http_listen`` (``HOST:PORT``) the engine is
+    also served over OpenAI's HTTP API (:mod:`workers.http_face`). Raises
+    ``OSError`` when an address cannot be bound.
     """
     identity = identity if identity is not None else WorkerIdentity()
     host, _ = _split_listen(listen)
-    server, port = await bind_server(listen, [("grpc.max_receive_message_length", 64 * 1024 * 1024)])
+    server, port = await bind_server(
+        listen,
+        max_receive_bytes=limits.SERVING_MAX_MESSAGE_BYTES,
+        max_send_bytes=limits.SERVING_MAX_MESSAGE_BYTES,
+        tls=tls,
+    )
+    if kv_signer is None:
+        logger.warning(
+            "kv handles are not signed (no kv key): anyone who reaches this worker can make it call "
+            "Abort on an endpoint of their choosing; give --kv-key-file"
+        )
     if advertise_host is None:
         advertise_host = socket.gethostname() if host in _WILDCARD_HOSTS else host
     endpoint = f"{advertise_host}:{port}"
@@ -330,7 +376,7 @@ async def start_worker_server(
     try:
         # Only a started engine knows all its facts (vLLM sizes its KV cache while starting).
         metadata = build_metadata(engine.info, identity, endpoint)
-        servicer = WorkerServicer(engine, metadata, tokenizer)
+        servicer = WorkerServicer(engine, metadata, tokenizer, kv_signer)
         worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
         health_servicer = add_health_and_reflection(server, SERVICE_NAME)
         await server.start()
@@ -345,6 +391,7 @@ async def start_worker_server(
                 auth_token=cms_auth_token,
                 heartbeat_interval_s=heartbeat_interval_s,
                 backoff_max_s=cms_backoff_max_s,
+                tls=cms_tls,
             )
             agent = StatusAgent(
                 engine, metadata, sink, coalesce_s=agent_coalesce_s, engine_stall_s=engine_stall_s

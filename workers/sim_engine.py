@@ -760,4 +760,7 @@ def build_engine(args: argparse.Namespace) -> SimEngine:
     """The engine the flags describe; raises ValueError (bad flag) or ProfileError (bad profile)."""
     config = config_from_args(args)
     predictor = load_predictor(args.ttft_profiling_data_path, args.tpot_profiling_data_path)
-    return SimEngine(config, predictor, model=args.model or "sim")
+    from cms.transport import client_tls_from_arg  # --tls-ca: reach prefill peers over TLS
+
+    peer = GrpcKvPeer(tls=client_tls_from_arg(getattr(args, "tls_ca", None)))
+    return SimEngine(config, predictor, model=args.model or "sim", kv_peer=peer)

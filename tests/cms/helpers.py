@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -27,9 +28,27 @@ def make_metadata(instance_id: str = "p0", **fields: Any) -> cms_pb2.InstanceMet
     return cms_pb2.InstanceMetadata(instance_id=instance_id, **values)
 
 
+#: Status timestamps of a test are offsets from this "now" (reset before every test by the
+#: ``fresh_status_clock`` fixture), so ages stay small (a status's age is the age of its
+#: measurement) and offsets between statuses stay exact.
+T0_MS = int(time.time() * 1000)
+
+
+def reset_status_clock() -> None:
+    global T0_MS
+    T0_MS = int(time.time() * 1000)
+
+
+def now_offset_ms() -> int:
+    """The ``make_status`` timestamp offset that means "now"."""
+    return 1_000 + int(time.time() * 1000) - T0_MS
+
+
 def make_status(
     instance_id: str = "p0", update_id: int = 1, *, timestamp_ms: int = 1_000, **fields: Any
 ) -> cms_pb2.InstanceStatus:
+    """A status; ``timestamp_ms`` is an offset from ``T0_MS`` (the suite's "now")."""
+    timestamp_ms = T0_MS + timestamp_ms - 1_000  # read at call time: the fixture moves it
     values: dict[str, Any] = {"schedulable": True}
     values.update(fields)
     return cms_pb2.InstanceStatus(

@@ -114,7 +114,7 @@ async def test_process_serves_enforces_token_and_stops_cleanly(
             await stub.ReportStatus(
                 cms_pb2.ReportStatusRequest(status=make_status("p0", 1)), metadata=auth, timeout=5
             )
-            view = await stub.GetClusterView(cms_pb2.GetClusterViewRequest(), timeout=5)
+            view = await stub.GetClusterView(cms_pb2.GetClusterViewRequest(), metadata=auth, timeout=5)
             assert [s.metadata.instance_id for s in view.instances] == ["p0"]
         proc.send_signal(sig)
         _, err = proc.communicate(timeout=15)

@@ -146,7 +146,7 @@ async def test_cms_restart_over_redis_loses_no_registration(redis_server: RedisS
         await store.close()
 
 
-async def test_auth_refuses_bad_writes_and_allows_reads() -> None:
+async def test_auth_refuses_bad_calls_reads_included() -> None:
     store = MemoryStore()
     server = await start_cms_server(store, auth_token="s3cret")
     channel = grpc.aio.insecure_channel(server.address)
@@ -161,6 +161,7 @@ async def test_auth_refuses_bad_writes_and_allows_reads() -> None:
     try:
         for metadata in bad_tokens:
             writes = [
+                stub.GetClusterView(cms_pb2.GetClusterViewRequest(), metadata=metadata),
                 stub.RegisterInstance(
                     cms_pb2.RegisterInstanceRequest(metadata=make_metadata("p0")), metadata=metadata
                 ),
@@ -180,15 +181,19 @@ async def test_auth_refuses_bad_writes_and_allows_reads() -> None:
             cms_pb2.RegisterInstanceRequest(metadata=make_metadata("p0")), metadata=good
         )
         await stub.ReportStatus(cms_pb2.ReportStatusRequest(status=make_status("p0", 1)), metadata=good)
-        # Reads need no token.
-        view = await stub.GetClusterView(cms_pb2.GetClusterViewRequest())
+        # Reads need the token too.
+        view = await stub.GetClusterView(cms_pb2.GetClusterViewRequest(), metadata=good)
         assert [s.metadata.instance_id for s in view.instances] == ["p0"]
-        reader = open_reader(server.url)
+        anonymous = open_reader(server.url)
+        reader = open_reader(server.url, auth_token="s3cret")
+        await anonymous.start()
         await reader.start()
         try:
-            await eventually(lambda: len(reader.snapshot().instances) == 1, what="a token-less watch")
+            await eventually(lambda: len(reader.snapshot().instances) == 1, what="a watch with the token")
+            assert anonymous.snapshot().instances == ()  # refused, it never got a view
         finally:
             await reader.stop()
+            await anonymous.stop()
         removed = await stub.DeregisterInstance(
             cms_pb2.DeregisterInstanceRequest(instance_id="p0"), metadata=good
         )

@@ -14,7 +14,7 @@ from cms.server import CmsServer, start_cms_server
 from cms.store import CmsStore
 from cms.testing import RedisServer
 from fleet.snapshot import EMPTY_SNAPSHOT, ClusterSnapshot
-from tests.cms.helpers import eventually, make_metadata, make_status
+from tests.cms.helpers import eventually, make_metadata, make_status, now_offset_ms
 
 LONG = 30.0
 
@@ -85,10 +85,10 @@ async def test_snapshots_are_immutable_and_versions_grow(
     assert await reader.wait_for_version(reader.snapshot().version + 2, 5.0)
 
 
-async def test_ages_measured_from_receipt(reader_and_store: tuple[ClusterReader, CmsStore]) -> None:
+async def test_ages_grow_while_a_snapshot_is_held(reader_and_store: tuple[ClusterReader, CmsStore]) -> None:
     reader, store = reader_and_store
     await store.register(make_metadata("p0"), LONG)
-    await store.report(make_status("p0", 1, timestamp_ms=1), LONG)  # a wildly wrong worker clock
+    await store.report(make_status("p0", 1, timestamp_ms=now_offset_ms()), LONG)
     await eventually(lambda: _status_id(reader.snapshot(), "p0") == 1, what="the status")
     snap = reader.snapshot()
     record = snap.instances[0]

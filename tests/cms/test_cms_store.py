@@ -7,11 +7,18 @@ import asyncio
 import pytest
 from slorouter.v1 import cms_pb2
 
-from cms.errors import InstanceNotFoundError, InvalidArgumentError
+from cms.errors import (
+    AlreadyExistsError,
+    ClockSkewError,
+    InstanceNotFoundError,
+    InvalidArgumentError,
+    PermissionDeniedError,
+)
 from cms.memory import MemoryStore
 from cms.redis_store import RedisStore
 from cms.store import CmsStore, open_store
 from fleet.snapshot import ClusterSnapshot
+from tests.cms import helpers
 from tests.cms.helpers import DECODE, eventually, make_metadata, make_status
 
 TTL = 0.6
@@ -56,20 +63,21 @@ async def test_newer_update_id_replaces_whole_status(store: CmsStore) -> None:
 async def test_not_newer_update_id_is_a_heartbeat(store: CmsStore, update_id: int) -> None:
     await store.register(make_metadata("p0"), LONG_TTL)
     await store.report(make_status("p0", 7, timestamp_ms=1_000, num_waiting_requests=3), LONG_TTL)
-    beat = make_status("p0", update_id, timestamp_ms=5_000, schedulable=False, num_waiting_requests=99)
+    beat = make_status("p0", update_id, timestamp_ms=2_500, schedulable=False, num_waiting_requests=99)
     assert await store.report(beat, LONG_TTL) is False
     _, status, _ = await _only(store)
     assert status is not None
     # Only the timestamp and schedulable move; the load stays from update 7.
-    assert status == make_status("p0", 7, timestamp_ms=5_000, schedulable=False, num_waiting_requests=3)
+    assert status == make_status("p0", 7, timestamp_ms=2_500, schedulable=False, num_waiting_requests=3)
 
 
 async def test_late_heartbeat_cannot_roll_back_schedulable(store: CmsStore) -> None:
     await store.register(make_metadata("p0"), LONG_TTL)
-    await store.report(make_status("p0", 2, timestamp_ms=5_000, schedulable=False), LONG_TTL)
-    assert await store.report(make_status("p0", 2, timestamp_ms=4_000, schedulable=True), LONG_TTL) is False
+    await store.report(make_status("p0", 2, timestamp_ms=2_500, schedulable=False), LONG_TTL)
+    assert await store.report(make_status("p0", 2, timestamp_ms=2_000, schedulable=True), LONG_TTL) is False
     _, status, _ = await _only(store)
-    assert status is not None and status.timestamp_ms == 5_000 and not status.schedulable
+    expected = make_status("p0", 2, timestamp_ms=2_500).timestamp_ms
+    assert status is not None and status.timestamp_ms == expected and not status.schedulable
 
 
 async def test_update_ids_compare_as_full_uint64(store: CmsStore) -> None:
@@ -84,7 +92,7 @@ async def test_update_ids_compare_as_full_uint64(store: CmsStore) -> None:
 
 
 async def test_reregister_replaces_metadata_and_keeps_status(store: CmsStore) -> None:
-    await store.register(make_metadata("p0", endpoint="10.0.0.1:9000"), LONG_TTL)
+    await store.register(make_metadata("p0", endpoint="10.0.0.2:9001"), LONG_TTL)
     await store.report(make_status("p0", 4, num_decode_requests=2), LONG_TTL)
     moved = make_metadata("p0", endpoint="10.0.0.2:9001", role=DECODE, labels={"zone": "b"})
     await store.register(moved, LONG_TTL)
@@ -140,17 +148,16 @@ async def test_writes_renew_the_lease(store: CmsStore, renew: str) -> None:
             update_id += 1
             await store.report(make_status("p0", update_id), ttl)
         elif renew == "heartbeat":
-            await store.report(make_status("p0", 1, timestamp_ms=int(loop.time() * 1000)), ttl)
+            await store.report(make_status("p0", 1, timestamp_ms=helpers.now_offset_ms()), ttl)
         else:
             await store.register(make_metadata("p0"), ttl)
         assert [r.instance_id for r in (await store.read_view()).instances] == ["p0"]
         await asyncio.sleep(ttl / 8)
 
 
-async def test_status_age_counts_from_receipt_not_worker_clock(store: CmsStore) -> None:
+async def test_status_age_is_the_age_of_its_measurement(store: CmsStore) -> None:
     await store.register(make_metadata("p0"), LONG_TTL)
-    # A worker clock far in the past (or future) must not make the status look old (or new).
-    await store.report(make_status("p0", 1, timestamp_ms=1), LONG_TTL)
+    await store.report(make_status("p0", 1), LONG_TTL)
     _, _, age = await _only(store)
     assert 0 <= age < 1.0
 
@@ -158,9 +165,16 @@ async def test_status_age_counts_from_receipt_not_worker_clock(store: CmsStore) 
         return (await _only(store))[2] >= 0.2
 
     await eventually(aged, what="the status age to grow")
-    await store.report(make_status("p0", 1, timestamp_ms=2), LONG_TTL)  # heartbeat: fresh again
+    await store.report(
+        make_status("p0", 1, timestamp_ms=helpers.now_offset_ms()), LONG_TTL
+    )  # heartbeat: fresh again
     _, _, age = await _only(store)
     assert age < 0.2
+    # A report that repeats an old measurement (30 s old) stays as old as the measurement,
+    # although the store has just received it.
+    await store.report(make_status("p0", 2, timestamp_ms=1_000 - 30_000), LONG_TTL)
+    _, _, age = await _only(store)
+    assert age >= 30.0
 
 
 async def test_version_moves_on_changes_not_on_plain_heartbeats(store: CmsStore) -> None:
@@ -242,7 +256,8 @@ async def test_store_copies_what_it_is_given() -> None:
 
 async def test_memory_store_with_fake_clock_expires_and_ages_exactly() -> None:
     now = [100.0]
-    store = MemoryStore(clock=lambda: now[0])
+    wall0 = make_status("p0", 1).timestamp_ms / 1000
+    store = MemoryStore(clock=lambda: now[0], wall_clock=lambda: wall0 + now[0] - 100.0)
     await store.register(make_metadata("p0"), 2.0)
     await store.report(make_status("p0", 1), 2.0)
     now[0] = 101.5
@@ -250,7 +265,7 @@ async def test_memory_store_with_fake_clock_expires_and_ages_exactly() -> None:
     assert view.taken_at_s == 101.5
     assert view.instances[0].status_age_s == pytest.approx(1.5)
     assert view.age_s(view.instances[0], 103.0) == pytest.approx(3.0)
-    await store.report(make_status("p0", 1, timestamp_ms=2_000), 2.0)  # heartbeat at 101.5
+    await store.report(make_status("p0", 1, timestamp_ms=2_500), 2.0)  # heartbeat measured at 101.5
     now[0] = 103.4
     assert len((await store.read_view()).instances) == 1
     now[0] = 103.5
@@ -285,6 +300,7 @@ async def test_redis_layout_namespaced_separate_keys_with_ttl(redis_server: str)
         await store.report(make_status("p0", 1), 10.0)
         keys = sorted(k.decode() for k in await raw.keys("*"))
         assert keys == [
+            "slorouter:{alpha}:epochs",
             "slorouter:{alpha}:instances",
             "slorouter:{alpha}:meta:p0",
             "slorouter:{alpha}:status:p0",
@@ -321,3 +337,66 @@ async def test_redis_replicas_share_one_view_and_survive_restart(redis_server: s
     finally:
         await first.close()
         await second.close()
+
+
+async def test_a_live_id_cannot_move_to_another_endpoint(store: CmsStore) -> None:
+    await store.register(make_metadata("d0", endpoint="127.0.0.1:9000"), LONG_TTL)
+    with pytest.raises(AlreadyExistsError, match=r"127\.0\.0\.1:9000"):
+        await store.register(make_metadata("d0", endpoint="127.0.0.1:6666"), LONG_TTL)
+    (record,) = (await store.read_view()).instances
+    assert record.metadata.endpoint == "127.0.0.1:9000"
+    # Free again once its owner deregisters it.
+    assert await store.deregister("d0")
+    await store.register(make_metadata("d0", endpoint="127.0.0.1:6666"), LONG_TTL)
+    (record,) = (await store.read_view()).instances
+    assert record.metadata.endpoint == "127.0.0.1:6666"
+
+
+async def test_a_lapsed_id_is_free_for_another_owner(store: CmsStore) -> None:
+    await store.register(make_metadata("d0", endpoint="127.0.0.1:9000"), 0.2, owner="a")
+    await eventually(lambda: _no_instances(store), what="the lease to lapse")
+    await store.register(make_metadata("d0", endpoint="127.0.0.1:6666"), LONG_TTL, owner="b")
+    with pytest.raises(PermissionDeniedError):
+        await store.report(make_status("d0", 1), LONG_TTL, owner="a")
+
+
+async def _no_instances(store: CmsStore) -> bool:
+    return (await store.read_view()).instances == ()
+
+
+async def test_only_the_owner_writes_an_instance(store: CmsStore) -> None:
+    await store.register(make_metadata("d0"), LONG_TTL, owner="worker.d0")
+    await store.report(make_status("d0", 1), LONG_TTL, owner="worker.d0")
+    with pytest.raises(PermissionDeniedError, match="another credential"):
+        await store.register(make_metadata("d0"), LONG_TTL, owner="worker.p0")
+    with pytest.raises(PermissionDeniedError):
+        await store.report(make_status("d0", U64_MAX), LONG_TTL, owner="worker.p0")
+    with pytest.raises(PermissionDeniedError):
+        await store.deregister("d0", owner="worker.p0")
+    _, status, _ = await _only(store)
+    assert status is not None and status.update_id == 1
+    assert await store.deregister("d0", owner="worker.d0")
+
+
+async def test_a_reregistration_starts_a_new_epoch(store: CmsStore) -> None:
+    first = await store.register(make_metadata("d0"), LONG_TTL)
+    assert await store.report(make_status("d0", U64_MAX), LONG_TTL)  # poisoned
+    assert not await store.report(make_status("d0", 5, timestamp_ms=1_100), LONG_TTL)
+    second = await store.register(make_metadata("d0"), LONG_TTL)  # the worker restarted
+    assert second > first
+    assert await store.report(make_status("d0", 5, timestamp_ms=1_200, epoch=second), LONG_TTL)
+    assert await store.report(make_status("d0", 6, timestamp_ms=1_300, epoch=second), LONG_TTL)
+    # A late report of the old registration neither updates nor renews anything.
+    assert not await store.report(make_status("d0", U64_MAX, timestamp_ms=1_400, epoch=first), LONG_TTL)
+    _, status, _ = await _only(store)
+    assert status is not None and status.update_id == 6
+    with pytest.raises(InstanceNotFoundError, match="register it again"):
+        await store.report(make_status("d0", 7, epoch=second + 1000), LONG_TTL)
+
+
+async def test_a_timestamp_in_the_future_is_refused_as_clock_skew(store: CmsStore) -> None:
+    await store.register(make_metadata("d0"), LONG_TTL)
+    with pytest.raises(ClockSkewError, match="ahead of this CMS's clock"):
+        await store.report(make_status("d0", 1, timestamp_ms=1_000 + 60_000), LONG_TTL)
+    assert (await _only(store))[1] is None
+    assert await store.report(make_status("d0", 1, timestamp_ms=1_000 + 500), LONG_TTL)  # within the bound

@@ -162,11 +162,16 @@ class InstanceStatus(_message.Message):
     ADMITTED_REQUEST_IDS_FIELD_NUMBER: _builtins.int
     STEP_SAMPLES_FIELD_NUMBER: _builtins.int
     UNSCHEDULABLE_REASON_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
     instance_id: _builtins.str
     update_id: _builtins.int
-    """Increases with every real change; an equal or older id is a heartbeat."""
+    """Increases with every real change; an equal or older id is a heartbeat.
+    Compared only within one registration epoch.
+    """
     timestamp_ms: _builtins.int
-    """Epoch milliseconds on the worker when the status was taken."""
+    """Epoch milliseconds on the worker when the status was taken; more than
+    the CMS's skew bound in the future is refused.
+    """
     schedulable: _builtins.bool
     num_waiting_requests: _builtins.int
     num_running_requests: _builtins.int
@@ -181,6 +186,10 @@ class InstanceStatus(_message.Message):
     """Why the instance is not schedulable (empty when it is, or when it does
     not say): e.g. "engine stalled: no step for 12.0 s with 3 requests".
     Written by the worker from a fixed template, at most 256 bytes.
+    """
+    epoch: _builtins.int
+    """The registration epoch this status belongs to (RegisterInstanceResponse);
+    0 = the current one. A status of an older epoch is dropped.
     """
     @_builtins.property
     def admitted_request_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
@@ -204,10 +213,11 @@ class InstanceStatus(_message.Message):
         admitted_request_ids: _abc.Iterable[_builtins.str] | None = ...,
         step_samples: _abc.Iterable[Global___StepSample] | None = ...,
         unschedulable_reason: _builtins.str = ...,
+        epoch: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["admitted_request_ids", b"admitted_request_ids", "instance_id", b"instance_id", "num_decode_requests", b"num_decode_requests", "num_decode_tokens", b"num_decode_tokens", "num_running_requests", b"num_running_requests", "num_uncomputed_prefill_tokens", b"num_uncomputed_prefill_tokens", "num_used_kv_tokens", b"num_used_kv_tokens", "num_waiting_requests", b"num_waiting_requests", "schedulable", b"schedulable", "step_samples", b"step_samples", "timestamp_ms", b"timestamp_ms", "unschedulable_reason", b"unschedulable_reason", "update_id", b"update_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["admitted_request_ids", b"admitted_request_ids", "epoch", b"epoch", "instance_id", b"instance_id", "num_decode_requests", b"num_decode_requests", "num_decode_tokens", b"num_decode_tokens", "num_running_requests", b"num_running_requests", "num_uncomputed_prefill_tokens", b"num_uncomputed_prefill_tokens", "num_used_kv_tokens", b"num_used_kv_tokens", "num_waiting_requests", b"num_waiting_requests", "schedulable", b"schedulable", "step_samples", b"step_samples", "timestamp_ms", b"timestamp_ms", "unschedulable_reason", b"unschedulable_reason", "update_id", b"update_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -222,7 +232,9 @@ class InstanceState(_message.Message):
     STATUS_AGE_MS_FIELD_NUMBER: _builtins.int
     HAS_STATUS_FIELD_NUMBER: _builtins.int
     status_age_ms: _builtins.int
-    """Age of the status, measured by the CMS from when it accepted it."""
+    """Age of the status's measurement: CMS now - timestamp_ms, and never less
+    than the time since the CMS received it.
+    """
     has_status: _builtins.bool
     """False until the first status arrives."""
     @_builtins.property
@@ -252,10 +264,18 @@ class ClusterView(_message.Message):
     INSTANCES_FIELD_NUMBER: _builtins.int
     VERSION_FIELD_NUMBER: _builtins.int
     GENERATED_AT_MS_FIELD_NUMBER: _builtins.int
+    CHUNK_INDEX_FIELD_NUMBER: _builtins.int
+    CHUNK_COUNT_FIELD_NUMBER: _builtins.int
     version: _builtins.int
     """Increases whenever the view changes."""
     generated_at_ms: _builtins.int
     """Epoch milliseconds on the CMS when the view was taken."""
+    chunk_index: _builtins.int
+    """A view too large for one message is sent as chunk_count messages (same
+    version and generated_at_ms), chunk_index 0..chunk_count-1, each holding
+    a slice of the instances. 0 / 0 (or 0 / 1) = the whole view.
+    """
+    chunk_count: _builtins.int
     @_builtins.property
     def instances(self) -> _containers.RepeatedCompositeFieldContainer[Global___InstanceState]: ...
     def __init__(
@@ -264,10 +284,12 @@ class ClusterView(_message.Message):
         instances: _abc.Iterable[Global___InstanceState] | None = ...,
         version: _builtins.int = ...,
         generated_at_ms: _builtins.int = ...,
+        chunk_index: _builtins.int = ...,
+        chunk_count: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["generated_at_ms", b"generated_at_ms", "instances", b"instances", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_count", b"chunk_count", "chunk_index", b"chunk_index", "generated_at_ms", b"generated_at_ms", "instances", b"instances", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -298,15 +320,19 @@ class RegisterInstanceResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     LEASE_TTL_MS_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
     lease_ttl_ms: _builtins.int
+    epoch: _builtins.int
+    """The registration epoch this call started; stamp it on statuses."""
     def __init__(
         self,
         *,
         lease_ttl_ms: _builtins.int = ...,
+        epoch: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_ttl_ms", b"lease_ttl_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "lease_ttl_ms", b"lease_ttl_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -395,16 +421,23 @@ class GetClusterViewRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     MODEL_FIELD_NUMBER: _builtins.int
+    CHUNK_INDEX_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """Optional: only instances serving this model."""
+    chunk_index: _builtins.int
+    """GetClusterView only: which chunk of a view too large for one message
+    (see ClusterView.chunk_count); the version tells whether the view changed
+    between calls.
+    """
     def __init__(
         self,
         *,
         model: _builtins.str = ...,
+        chunk_index: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["model", b"model"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_index", b"chunk_index", "model", b"model"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -27,6 +27,9 @@ if _version_not_supported:
 
 class ClusterMetadataStub:
     """Cluster metadata service: agents beside the workers write, routers read.
+    Every string and repeated field has a bound (README, "Limits"); a request
+    over one is refused with INVALID_ARGUMENT naming the field. When the CMS has
+    tokens, every RPC (reads included) needs "authorization: Bearer <token>".
     """
 
     def __init__(self, channel):
@@ -64,10 +67,15 @@ class ClusterMetadataStub:
 
 class ClusterMetadataServicer:
     """Cluster metadata service: agents beside the workers write, routers read.
+    Every string and repeated field has a bound (README, "Limits"); a request
+    over one is refused with INVALID_ARGUMENT naming the field. When the CMS has
+    tokens, every RPC (reads included) needs "authorization: Bearer <token>".
     """
 
     def RegisterInstance(self, request, context):
-        """Registers (or re-registers, replacing the metadata) an instance.
+        """Registers (or re-registers, replacing the metadata) an instance. An id is
+        owned by the credential that registered it; moving a live id to another
+        endpoint is ALREADY_EXISTS until its lease lapses or it is deregistered.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -137,6 +145,9 @@ def add_ClusterMetadataServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class ClusterMetadata:
     """Cluster metadata service: agents beside the workers write, routers read.
+    Every string and repeated field has a bound (README, "Limits"); a request
+    over one is refused with INVALID_ARGUMENT naming the field. When the CMS has
+    tokens, every RPC (reads included) needs "authorization: Bearer <token>".
     """
 
     @staticmethod

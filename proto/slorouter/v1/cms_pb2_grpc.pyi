@@ -27,14 +27,21 @@ GRPC_GENERATED_VERSION: str
 GRPC_VERSION: str
 
 class ClusterMetadataStub:
-    """Cluster metadata service: agents beside the workers write, routers read."""
+    """Cluster metadata service: agents beside the workers write, routers read.
+    Every string and repeated field has a bound (README, "Limits"); a request
+    over one is refused with INVALID_ARGUMENT naming the field. When the CMS has
+    tokens, every RPC (reads included) needs "authorization: Bearer <token>".
+    """
 
     @_typing.overload
     def __new__(cls, channel: _grpc.Channel) -> _Self: ...
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> ClusterMetadataAsyncStub: ...
     RegisterInstance: _grpc.UnaryUnaryMultiCallable[_cms_pb2.RegisterInstanceRequest, _cms_pb2.RegisterInstanceResponse]
-    """Registers (or re-registers, replacing the metadata) an instance."""
+    """Registers (or re-registers, replacing the metadata) an instance. An id is
+    owned by the credential that registered it; moving a live id to another
+    endpoint is ALREADY_EXISTS until its lease lapses or it is deregistered.
+    """
     ReportStatus: _grpc.UnaryUnaryMultiCallable[_cms_pb2.ReportStatusRequest, _cms_pb2.ReportStatusResponse]
     """A status report; also serves as the heartbeat that renews the lease."""
     DeregisterInstance: _grpc.UnaryUnaryMultiCallable[_cms_pb2.DeregisterInstanceRequest, _cms_pb2.DeregisterInstanceResponse]
@@ -44,11 +51,18 @@ class ClusterMetadataStub:
 
 @_typing.type_check_only
 class ClusterMetadataAsyncStub(ClusterMetadataStub):
-    """Cluster metadata service: agents beside the workers write, routers read."""
+    """Cluster metadata service: agents beside the workers write, routers read.
+    Every string and repeated field has a bound (README, "Limits"); a request
+    over one is refused with INVALID_ARGUMENT naming the field. When the CMS has
+    tokens, every RPC (reads included) needs "authorization: Bearer <token>".
+    """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
     RegisterInstance: _aio.UnaryUnaryMultiCallable[_cms_pb2.RegisterInstanceRequest, _cms_pb2.RegisterInstanceResponse]  # type: ignore[assignment]
-    """Registers (or re-registers, replacing the metadata) an instance."""
+    """Registers (or re-registers, replacing the metadata) an instance. An id is
+    owned by the credential that registered it; moving a live id to another
+    endpoint is ALREADY_EXISTS until its lease lapses or it is deregistered.
+    """
     ReportStatus: _aio.UnaryUnaryMultiCallable[_cms_pb2.ReportStatusRequest, _cms_pb2.ReportStatusResponse]  # type: ignore[assignment]
     """A status report; also serves as the heartbeat that renews the lease."""
     DeregisterInstance: _aio.UnaryUnaryMultiCallable[_cms_pb2.DeregisterInstanceRequest, _cms_pb2.DeregisterInstanceResponse]  # type: ignore[assignment]
@@ -57,7 +71,11 @@ class ClusterMetadataAsyncStub(ClusterMetadataStub):
     """A full view on every change (coalesced) and at least once per second."""
 
 class ClusterMetadataServicer(metaclass=_abc_1.ABCMeta):
-    """Cluster metadata service: agents beside the workers write, routers read."""
+    """Cluster metadata service: agents beside the workers write, routers read.
+    Every string and repeated field has a bound (README, "Limits"); a request
+    over one is refused with INVALID_ARGUMENT naming the field. When the CMS has
+    tokens, every RPC (reads included) needs "authorization: Bearer <token>".
+    """
 
     @_abc_1.abstractmethod
     def RegisterInstance(
@@ -65,7 +83,10 @@ class ClusterMetadataServicer(metaclass=_abc_1.ABCMeta):
         request: _cms_pb2.RegisterInstanceRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_cms_pb2.RegisterInstanceResponse, _abc.Awaitable[_cms_pb2.RegisterInstanceResponse]]:
-        """Registers (or re-registers, replacing the metadata) an instance."""
+        """Registers (or re-registers, replacing the metadata) an instance. An id is
+        owned by the credential that registered it; moving a live id to another
+        endpoint is ALREADY_EXISTS until its lease lapses or it is deregistered.
+        """
 
     @_abc_1.abstractmethod
     def ReportStatus(
