@@ -11,6 +11,7 @@ parse the message, which every call pays anyway.
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -62,8 +63,8 @@ def main() -> list[Figure]:
     print("input limits: limits.check_generate_request per call, beside parsing the same message")
     for name, (request, rounds) in cases.items():
         wire = request.SerializeToString()
-        check_p50, check_p99 = _time_us(lambda r=request: limits.check_generate_request(r), rounds)
-        parse_p50, _ = _time_us(lambda w=wire: router_pb2.GenerateRequest.FromString(w), rounds)
+        check_p50, check_p99 = _time_us(functools.partial(limits.check_generate_request, request), rounds)
+        parse_p50, _ = _time_us(functools.partial(router_pb2.GenerateRequest.FromString, wire), rounds)
         print(
             f"  {name:<40} check p50 {check_p50:9.1f} µs  p99 {check_p99:9.1f} µs   "
             f"(parsing it: p50 {parse_p50:9.1f} µs)"
