@@ -6,12 +6,12 @@ import json
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.router.e2e.test_up_subprocess import CLIENT, REPO, _generate_stubs
+from tests.router.e2e.test_up_subprocess import CLIENT, _generate_stubs
+from tests.router.e2e.up_process import reap, start_up, wait_for_line
 
 BURST = 120
 PROMPT_TOKENS = (
@@ -20,25 +20,9 @@ PROMPT_TOKENS = (
 
 
 def _burst(gen: Path, *flags: str) -> dict[str, object]:
-    up = subprocess.Popen(
-        [sys.executable, "-m", "router.cli", "up", "--prefill", "2", "--decode", "2",
-         "--listen", "127.0.0.1:0", *flags],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
-    )  # fmt: skip
+    up = start_up("--prefill", "2", "--decode", "2", *flags)
     try:
-        address = ""
-        output: list[str] = []
-        deadline = time.monotonic() + 90
-        assert up.stdout is not None
-        while time.monotonic() < deadline:
-            line = up.stdout.readline()
-            if not line:
-                break
-            output.append(line)
-            if line.startswith("router listening on "):
-                address = line.split()[-1]
-                break
-        assert address, "slo-router up did not start:\n" + "".join(output)
+        address = wait_for_line(up, "router listening on ")
         client = subprocess.run(
             [sys.executable, str(CLIENT), str(gen), address, str(BURST), str(BURST), str(PROMPT_TOKENS)],
             capture_output=True, text=True, timeout=180, check=False,
@@ -49,11 +33,7 @@ def _burst(gen: Path, *flags: str) -> dict[str, object]:
         assert up.wait(timeout=30) == 0
         return summary
     finally:
-        if up.poll() is None:
-            up.kill()
-            up.wait()
-        if up.stdout is not None:
-            up.stdout.close()
+        reap(up)
 
 
 @pytest.mark.timeout(400)

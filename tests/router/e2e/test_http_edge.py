@@ -12,7 +12,6 @@ import json
 import re
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
@@ -25,6 +24,7 @@ import pytest
 
 from router.core.queue import QueueConfig
 from tests.router.e2e.cluster import Cluster, embedded_cluster
+from tests.router.e2e.up_process import reap, start_up, wait_for_line
 from workers import vllm_process
 
 MODEL = "sim"
@@ -284,34 +284,14 @@ async def test_client_disconnect_mid_stream_aborts_on_the_workers() -> None:
 @contextmanager
 def running_up(*args: str) -> Iterator[str]:
     """`slo-router up` in a subprocess with the HTTP edge on port 0; yields its base URL (``.../v1``)."""
-    up = subprocess.Popen(
-        [sys.executable, "-m", "router.cli", "up", *args, "--speed-factor", "20",
-         "--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
-    )  # fmt: skip
+    up = start_up(*args, "--speed-factor", "20")
     try:
-        base = ""
-        output: list[str] = []
-        deadline = time.monotonic() + 90
-        assert up.stdout is not None
-        while time.monotonic() < deadline:
-            line = up.stdout.readline()
-            if not line:
-                break
-            output.append(line)
-            if line.startswith("OpenAI-compatible HTTP API on "):
-                base = line.split()[-1]
-                break
-        assert base, "slo-router up did not print its HTTP address:\n" + "".join(output)
+        base = wait_for_line(up, "OpenAI-compatible HTTP API on ")
         yield base
         up.send_signal(signal.SIGTERM)
         assert up.wait(timeout=30) == 0
     finally:
-        if up.poll() is None:
-            up.kill()
-            up.wait()
-        if up.stdout is not None:
-            up.stdout.close()
+        reap(up)
 
 
 @pytest.mark.timeout(180)

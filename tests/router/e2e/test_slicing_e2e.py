@@ -19,6 +19,7 @@ from router.core.predictors import PredictorSet
 from router.core.slicing import SliceConfig
 from router.slicing import SliceDispatcher
 from tests.router.e2e.cluster import PREDICTOR, Cluster, collect, embedded_cluster, generate_request
+from tests.router.e2e.up_process import start_up, wait_for_line
 from workers.sim_engine import output_token, prompt_digest, request_key
 
 REPO = Path(__file__).resolve().parents[3]
@@ -144,25 +145,11 @@ async def _drive(address: str) -> list[tuple[router_pb2.GenerateRequest, list[in
 
 @pytest.mark.timeout(180)
 def test_up_neutral_2_slice_mode_streams_exactly_max_tokens() -> None:
-    up = subprocess.Popen(
-        [sys.executable, "-m", "router.cli", "up", "--neutral", "2", "--dispatch-mode", "slice",
-         "--slice-tokens", "16", "--speed-factor", "20", "--listen", "127.0.0.1:0"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
-    )  # fmt: skip
+    up = start_up(
+        "--neutral", "2", "--dispatch-mode", "slice", "--slice-tokens", "16", "--speed-factor", "20"
+    )
     try:
-        address = ""
-        output: list[str] = []
-        deadline = time.monotonic() + 90
-        assert up.stdout is not None
-        while time.monotonic() < deadline:
-            line = up.stdout.readline()
-            if not line:
-                break
-            output.append(line)
-            if line.startswith("router listening on "):
-                address = line.split()[-1]
-                break
-        assert address, "slo-router up did not start:\n" + "".join(output)
+        address = wait_for_line(up, "router listening on ")
         for request, tokens, reason in asyncio.run(_drive(address)):
             assert tokens == expected_tokens(request)
             assert len(tokens) == request.sampling.max_tokens  # 40..121 tokens: 3 to 8 slices each

@@ -7,12 +7,12 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[3]
+from tests.router.e2e.up_process import REPO, reap, start_up, wait_for_line
+
 CLIENT = Path(__file__).with_name("proto_only_client.py")
 
 
@@ -54,25 +54,9 @@ def _generate_stubs(out: Path) -> None:
 @pytest.mark.timeout(240)
 def test_up_serves_hundreds_of_streams_and_leaves_nothing_running(tmp_path: Path) -> None:
     _generate_stubs(tmp_path / "gen")
-    up = subprocess.Popen(
-        [sys.executable, "-m", "router.cli", "up", "--prefill", "2", "--decode", "2",
-         "--speed-factor", "20", "--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
-    )  # fmt: skip
+    up = start_up("--prefill", "2", "--decode", "2", "--speed-factor", "20")
     try:
-        address = ""
-        output: list[str] = []
-        deadline = time.monotonic() + 90
-        assert up.stdout is not None
-        while time.monotonic() < deadline:
-            line = up.stdout.readline()
-            if not line:
-                break
-            output.append(line)
-            if line.startswith("router listening on "):
-                address = line.split()[-1]
-                break
-        assert address, "slo-router up did not start:\n" + "".join(output)
+        address = wait_for_line(up, "router listening on ")
         children = _children(up.pid)
         assert len(children) == 4, children
 
@@ -88,11 +72,7 @@ def test_up_serves_hundreds_of_streams_and_leaves_nothing_running(tmp_path: Path
         up.send_signal(signal.SIGTERM)
         assert up.wait(timeout=30) == 0
     finally:
-        if up.poll() is None:
-            up.kill()
-            up.wait()
-        if up.stdout is not None:
-            up.stdout.close()
+        reap(up)
     for pid in children:
         assert not _alive(pid), f"worker process {pid} outlived slo-router up"
     host, port = address.rsplit(":", 1)
