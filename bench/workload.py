@@ -9,7 +9,7 @@ in virtual time, and both see exactly the same requests for a seed.
 
 Where a spec comes from (:func:`load_workload`):
 
-- a preset name: ``mixed`` (the default), ``mixed-priority`` (mixed + 20 % priority-10 chat), ``chat``, ``code``, ``summarize``, ``tiny``;
+- a preset name: ``mixed`` (the default), ``mixed-priority`` (mixed + 20 % priority-10 chat), ``chat``, ``code``, ``summarize``, ``tiny``, ``interactive-batch``;
 - a weighted mix of class presets: ``chat=0.7,code=0.3`` (weights are normalised);
 - a JSON or YAML file (``*.json``, ``*.yaml``, ``*.yml``); see :func:`parse_workload_dict`.
 
@@ -450,6 +450,24 @@ CLASS_PRESETS: Mapping[str, SloClass] = {
         output=LognormalLength(192.0, 0.8, 8, 1024),
         priority=10,
     ),
+    # Interactive assistant traffic beside a batch job (queue-management studies): people wait for
+    # the first token, so the TTFT target is tight.
+    "interactive": SloClass(
+        name="interactive",
+        share=0.5,
+        slo=SloTarget(ttft_ms=1000.0, tpot_ms=50.0),
+        prompt=LognormalLength(256.0, 0.8, 16, 2048),
+        output=LognormalLength(128.0, 0.7, 8, 512),
+    ),
+    # Offline batch work (summaries, evaluations): long outputs, only the whole answer matters, by a
+    # loose deadline.
+    "batch": SloClass(
+        name="batch",
+        share=0.5,
+        slo=SloTarget(e2e_ms=60000.0),
+        prompt=LognormalLength(512.0, 0.6, 32, 2048),
+        output=LognormalLength(640.0, 0.5, 64, 2048),
+    ),
     # Smoke tests: tiny requests that any fleet serves quickly.
     "tiny": SloClass(
         name="tiny",
@@ -470,6 +488,8 @@ WORKLOAD_PRESETS: Mapping[str, tuple[str, ...]] = {
     "summarize": ("summarize",),
     "tiny": ("tiny",),
     "codegen": ("codegen",),
+    # A tight interactive class beside a loose batch class, half and half.
+    "interactive-batch": ("interactive", "batch"),
 }
 
 DEFAULT_WORKLOAD = "mixed"

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from router.core.errors import QueueFullError, RouterError
+from router.core.errors import ConfigError, QueueFullError, RouterError
 from router.core.queue import QueueConfig, QueueEntry, QueuePolicy, RouterQueue, Verdict, offer
 from router.core.request import ScheduleInput
 from router.placement import PlacementRequest, Placer
@@ -52,6 +52,10 @@ class Admission:
         observer: RequestObserver | None = None,
         max_failures: int = 8,
     ) -> None:
+        if config.policy is QueuePolicy.QLM:
+            raise ConfigError(
+                "--queue-policy qlm runs in `slo-router simulate` only; the router serves fcfs, edf or priority"
+            )
         self.placer = placer
         self.config = config
         sched = placer.scheduler.config

@@ -468,9 +468,14 @@ def scheduler_config(args: argparse.Namespace, **overrides: Any) -> SchedulerCon
 def queue_config(args: argparse.Namespace) -> QueueConfig:
     """The router queue's config from the flags; errors name the flag (``--max-queue-size``)."""
     try:
-        return QueueConfig.from_namespace(args)
+        config = QueueConfig.from_namespace(args)
     except ValueError as exc:
         raise ValueError(name_flags(str(exc), QueueConfig.flags())) from exc
+    if config.queue_policy == "qlm":
+        raise ValueError(
+            "--queue-policy qlm: runs in `slo-router simulate` only; the router serves fcfs, edf or priority"
+        )
+    return config
 
 
 def outlier_config(args: argparse.Namespace) -> OutlierConfig:

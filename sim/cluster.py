@@ -105,6 +105,7 @@ from router.core.config import SchedulerConfig
 from router.core.decision import Decision
 from router.core.errors import EmptyClusterError, LateError, NoInstanceError
 from router.core.predictors import PredictorSet
+from router.core.qlm import Dispatch, InstanceModel, QlmConfig, QlmQueue, QlmRequest
 from router.core.queue import QueueConfig, QueuePolicy, RouterQueue, Verdict, offer
 from router.core.request import Mode, Role, ScheduleInput
 from router.core.scheduler import Scheduler
@@ -279,6 +280,9 @@ class SimStats:
     queued: int = 0
     late: int = 0
     shed: int = 0
+    #: Under the ``qlm`` queue policy: running requests evicted (and queued again), plan generator runs.
+    evicted: int = 0
+    plans: int = 0
 
 
 @dataclass(frozen=True)
@@ -306,6 +310,7 @@ class _Req:
         "error_code",
         "error_message",
         "first_s",
+        "idx",
         "late",
         "predicted_tpot_ms",
         "predicted_ttft_ms",
@@ -319,6 +324,7 @@ class _Req:
 
     def __init__(self) -> None:
         self.stage = _PENDING
+        self.idx = -1
         self.prefill = -1
         self.decode = -1
         self.resident = -1  # instance holding its resident decode leg (-1: none)
@@ -363,10 +369,16 @@ class _Simulation:
         fast_forward: bool,
         calibrator: Calibrator | None = None,
         queue: QueueConfig | None = None,
+        qlm: QlmConfig | None = None,
     ) -> None:
         self.fleet = fleet
         self.queue: RouterQueue | None = None
-        if queue is not None and queue.policy is not QueuePolicy.NONE:
+        #: The ``qlm`` policy's queue (then ``queue`` is None): it places, orders and evicts itself.
+        self.qlm: QlmQueue | None = None
+        self.evicted = 0
+        if queue is not None and queue.policy is QueuePolicy.QLM:
+            self.qlm = _make_qlm(fleet, scheduler, plans, queue, qlm or QlmConfig())
+        elif queue is not None and queue.policy is not QueuePolicy.NONE:
             defaults = scheduler.config
             self.queue = RouterQueue(queue, defaults.ttft_slo_ms, defaults.tpot_slo_ms)
         self.timer_at = math.inf
@@ -434,6 +446,8 @@ class _Simulation:
         self.heap: list[tuple[float, int, int, int]] = []
         self.seq = 0
         self.reqs = [_Req() for _ in plans]
+        for k, r in enumerate(self.reqs):
+            r.idx = k
         self.now = 0.0
         self.decisions = self.rejected = self.num_steps = self.kv_transfers = self.events = 0
 
@@ -461,6 +475,8 @@ class _Simulation:
                     self.timer_at = math.inf
                 if self.queue is not None and len(self.queue):
                     self._pump(t)
+                elif self.qlm is not None and len(self.qlm):
+                    self._qlm_pump(t)
             else:
                 t = arrivals[k]
                 self._busy_until(t)
@@ -478,6 +494,8 @@ class _Simulation:
             queued=self.queued,
             late=self.late,
             shed=self.shed,
+            evicted=self.evicted,
+            plans=0 if self.qlm is None else self.qlm.plans,
         )
         end = max(self.now, arrivals[-1] if arrivals else 0.0)
         self._account_busy()
@@ -732,12 +750,15 @@ class _Simulation:
             max_tokens=plan.max_tokens,
             priority=plan.priority,
             slo_class=plan.class_name,
-            arrival_s=None if self.queue is None else plan.arrival_s,
+            arrival_s=None if self.queue is None and self.qlm is None else plan.arrival_s,
         )
         if self.calibrator is not None:
             self._feed_calibration(now)
         if self.queue is not None:
             self._enqueue(idx, request, now)
+            return
+        if self.qlm is not None:
+            self._qlm_arrive(idx, request, now)
             return
         view = self._view(now)
         self.decisions += 1
@@ -828,6 +849,82 @@ class _Simulation:
             self.timer_at = when
             self._push(when + 1e-6, _QUEUE_TIMER, -1)
 
+    # ------------------------------------------------------------------ the qlm policy
+
+    def _qlm_arrive(self, idx: int, request: ScheduleInput, now: float) -> None:
+        qlm = self.qlm
+        assert qlm is not None
+        if qlm.push(request, now, token=idx) is None:
+            self.shed += 1
+            self.rejected += 1
+            self._fail(self.reqs[idx], "RESOURCE_EXHAUSTED", "the router queue is full", now)
+            return
+        self._qlm_pump(now)
+        if request.request_id in qlm:
+            self.queued += 1
+
+    def _qlm_pump(self, now: float) -> None:
+        """Request pulling, and eviction when enabled (the plan and load balancing happen in the queue)."""
+        qlm = self.qlm
+        assert qlm is not None
+
+        def evict(q: QlmRequest, i: int) -> int | None:
+            return self._qlm_evict(q, i, now)
+
+        for dispatch in qlm.pump(now, evict):
+            self._qlm_dispatch(dispatch, now)
+
+    def _qlm_evict(self, q: QlmRequest, i: int, now: float) -> int | None:
+        """Abort ``q`` on instance ``i``; the tokens it has returned so far in total (None: not running there)."""
+        idx: int = q.token
+        rid = str(idx)
+        core = self._settle(i, now)
+        generated = core.generated_tokens(rid)
+        if generated is None:
+            return None
+        core.abort(rid)
+        r = self.reqs[idx]
+        r.tokens = q.generated + generated  # returned to the client; the next run continues after them
+        self._resident(r, i, -1, 0)
+        r.stage = _PENDING
+        self.evicted += 1
+        self._changed(i, now)
+        return int(r.tokens)
+
+    def _qlm_dispatch(self, dispatch: Dispatch, now: float) -> None:
+        q = dispatch.request
+        idx = q.token
+        i = dispatch.instance
+        r = self.reqs[idx]
+        plan = self.plans[idx]
+        self.decisions += 1
+        if q.evictions == 0:
+            r.queue_wait_s = now - q.arrival_s
+        r.prefill = r.decode = i
+        limit = self.fleet.configs[i].max_model_len
+        if plan.prompt_tokens + plan.max_tokens > limit:
+            self._fail(
+                r,
+                "INVALID_ARGUMENT",
+                f"prompt ({plan.prompt_tokens}) + max_tokens ({plan.max_tokens}) exceeds max_model_len={limit}",
+                now,
+            )
+            return
+        # An evicted request runs again with its generated tokens as part of the prompt (recomputed).
+        spec = SimRequestSpec(str(idx), q.prompt_tokens, q.max_tokens, counts_as_decode=q.max_tokens > 1)
+        try:
+            self._settle(i, now).add(spec)
+        except EngineOverloadedError as exc:
+            self._fail(r, "RESOURCE_EXHAUSTED", f"instance {self.fleet.ids[i]}: {exc}", now)
+            return
+        except InvalidRequestError as exc:
+            self._fail(r, "INVALID_ARGUMENT", f"instance {self.fleet.ids[i]}: {exc}", now)
+            return
+        r.stage = _SERVING
+        if q.max_tokens > 1:
+            self._resident(r, i, +1, q.prompt_tokens + q.max_tokens)
+        self._changed(i, now)
+
     def _dispatch(self, idx: int, r: _Req, plan: RequestPlan, decision: Decision, now: float) -> None:
         assert decision.prefill is not None and decision.decode is not None
         index = self.fleet.index
@@ -873,8 +970,12 @@ class _Simulation:
         r.stage = _DONE
         r.done_s = now
         self._resident(r, r.resident, -1, 0)
+        if self.qlm is not None:
+            self.qlm.finished(str(r.idx), r.tokens)
 
     def _fail(self, r: _Req, code: str, message: str, now: float) -> None:
+        if self.qlm is not None:
+            self.qlm.finished(str(r.idx))
         self._resident(r, r.resident, -1, 0)
         r.stage = _DONE
         r.done_s = now
@@ -1005,6 +1106,7 @@ def simulate(
     reuse_static_memo: bool = True,
     fast_forward: bool = True,
     queue: QueueConfig | None = None,
+    qlm: QlmConfig | None = None,
 ) -> SimOutcome:
     """Run ``plans`` (open-loop, in arrival order) on ``fleet`` with the policy ``config`` names.
 
@@ -1013,7 +1115,8 @@ def simulate(
     starts empty. ``reuse_static_memo=False`` recomputes every cached column per
     decision and ``fast_forward=False`` steps every engine step (both slower;
     the results are the same). ``queue`` runs the router queue (``None`` or
-    policy ``none``: a request without a placement at arrival is rejected).
+    policy ``none``: a request without a placement at arrival is rejected);
+    ``qlm`` configures the ``qlm`` queue policy (default :class:`QlmConfig`).
     """
     if any(b.arrival_s < a.arrival_s for a, b in itertools.pairwise(plans)):
         raise ValueError("plans must be in arrival order")
@@ -1033,6 +1136,7 @@ def simulate(
         fast_forward=fast_forward,
         calibrator=calibrator,
         queue=queue,
+        qlm=qlm,
     )
     duration_s, stats = sim.run()
     results = sim.results()
@@ -1043,6 +1147,62 @@ def simulate(
         wall_s=time.perf_counter() - started,
         queue_wait_ms=tuple(r.queue_wait_s * 1e3 for r in sim.reqs),
         late=tuple(r.late for r in sim.reqs),
+    )
+
+
+#: Context tokens per running request assumed when sizing the qlm batch and its decode step when the
+#: workload gives no better figure.
+QLM_DEFAULT_CONTEXT = 1024
+
+
+class _Prefill:
+    """Predicted prefill seconds of an instance beside a full decode batch (cached per 16-token bucket)."""
+
+    def __init__(self, lp: LatencyPredictor, batch: int, context: float, budget: int) -> None:
+        self.lp, self.batch, self.context, self.budget = lp, batch, context, budget
+        self.cache: dict[int, float] = {}
+
+    def __call__(self, tokens: int) -> float:
+        key = tokens // 16
+        value = self.cache.get(key)
+        if value is None:
+            ms = self.lp.predict_ttft_ms((key + 1) * 16, self.batch, self.batch * self.context, self.budget)
+            value = self.cache[key] = float(ms) * 1e-3
+        return value
+
+
+def qlm_batch(lp: LatencyPredictor, tpot_ms: float, context: float, most: int) -> int:
+    """The largest decode batch (<= ``most``) whose predicted step stays under ``tpot_ms``; at least 1."""
+    best = 1
+    for b in range(1, most + 1):
+        if float(lp.predict_tpot_ms(b, b * context)) <= tpot_ms:
+            best = b
+        else:
+            break
+    return best
+
+
+def _make_qlm(
+    fleet: SimFleet, scheduler: Scheduler, plans: Sequence[RequestPlan], queue: QueueConfig, config: QlmConfig
+) -> QlmQueue:
+    """The qlm queue over ``fleet``: each instance's model from the router's predictor of its group."""
+    if any(role is not Role.NEUTRAL for role in fleet.roles):
+        raise FleetError("--queue-policies qlm needs a neutral fleet (--neutral N): it places whole requests")
+    defaults = scheduler.config
+    # Mean context of a running request: its prompt plus half its output (the workload's own figure).
+    context = (
+        sum(p.prompt_tokens + p.max_tokens / 2 for p in plans) / len(plans) if plans else QLM_DEFAULT_CONTEXT
+    )
+    models = []
+    for i in range(fleet.n):
+        lp = fleet.predictors.for_group(fleet.groups[i])
+        engine = fleet.configs[i]
+        batch = config.batch or qlm_batch(lp, defaults.tpot_slo_ms, context, engine.max_num_seqs)
+        step_s = float(lp.predict_tpot_ms(batch, batch * context)) * 1e-3
+        prefill = _Prefill(lp, batch, context, engine.max_num_batched_tokens)
+        models.append(InstanceModel(batch, step_s, prefill))
+    return QlmQueue(
+        config, models, defaults.ttft_slo_ms, defaults.tpot_slo_ms, max_queue_size=queue.max_queue_size
     )
 
 

@@ -402,6 +402,11 @@ class SimCore:
         req.phase = _Phase.DONE
         return req.num_computed
 
+    def generated_tokens(self, request_id: str) -> int | None:
+        """Tokens a waiting or running request has generated so far (kept across preemption); None if unknown."""
+        req = self._active.get(request_id)
+        return None if req is None else req.num_generated
+
     def is_active(self, request_id: str) -> bool:
         return request_id in self._active
 

@@ -71,6 +71,9 @@ class QueuePolicy(str, enum.Enum):
     FCFS = "fcfs"
     EDF = "edf"
     PRIORITY = "priority"
+    #: Request groups over per-instance virtual queues, with eviction (:mod:`router.core.qlm`); the
+    #: simulator runs it; :class:`RouterQueue` is not used then.
+    QLM = "qlm"
 
 
 class LatePolicy(str, enum.Enum):
@@ -91,7 +94,8 @@ class QueueConfig:
     queue_policy: str = field(
         default="edf",
         metadata=_doc(
-            "order of requests waiting in the router: none (refuse at once), fcfs, edf or priority",
+            "order of requests waiting in the router: none (refuse at once), fcfs, edf, priority or qlm "
+            "(request groups and virtual queues with eviction; simulate only)",
             "--queue-policy",
         ),
     )

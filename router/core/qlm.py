@@ -1,0 +1,875 @@
+"""QLM-style queue management: request groups, virtual queues, an RCT estimator, a plan generator, eviction.
+
+Pure and synchronous, like :mod:`router.core.queue`: every method takes ``now_s``
+from the caller (the router's clock or the simulator's virtual clock) and the
+caller carries out what it returns. Selected with ``--queue-policy qlm``.
+
+The pieces, and how they are adapted to this router:
+
+* **Request groups.** Waiting requests of the same model, SLO class, prompt
+  length bucket and output length bucket (buckets are powers of
+  ``--qlm-length-ratio``) share a group. The paper clusters the whole queue
+  with k-means and halves oversized clusters; here requests arrive one at a time
+  and groups that are already ordered must keep their identity, so the
+  clustering is an online grid over the same features and a group that reaches
+  its bound (``--qlm-group-factor`` × the instance batch) is closed and a new
+  one opened, which is the same split in arrival order. Inside a group
+  requests are served first come first served.
+* **Virtual queues.** One per instance: the order in which that instance pulls
+  groups. A group one of whose requests has been pulled is *started* and stays
+  on its instance (no preemptive migration, as in the paper).
+* **RCT estimator.** A request's output length is unknown; per SLO class the
+  estimator learns its mean and spread online from finished requests
+  (:class:`OutputStats`; before any, ``max_tokens`` stands for the mean). An
+  instance is ``batch`` slots each producing one token per decode step of
+  ``decode_step_s`` (its token throughput is ``batch / decode_step_s``), plus a
+  prefill time per request. A request's start is when a slot frees, in virtual
+  queue order behind the running requests (with one slot this is exactly the
+  paper's waiting time: the tokens ahead over the throughput). Each duration
+  has a mean and a spread; the check uses the ``--qlm-confidence`` quantile
+  and adds spreads along a slot linearly, an upper bound of the quantile of
+  the sum (lengths of one class move together, so the bound is not loose by
+  much), which keeps every estimate linear in the order, as the plan
+  generator's MILP needs. A request meets its deadline when its TTFT deadline
+  (or, for an e2e-only request, its completion deadline) is after the quantile
+  of its first-token (completion) time.
+* **Plan generator.** Orders and assigns the unstarted groups over the virtual
+  queues to maximise the requests of groups that meet their deadlines. The
+  default is a heuristic: earliest-deadline-first assignment to the queue
+  where the group finishes first (load balancing), with Moore–Hodgson's rule
+  (when a group would miss, drop the least valuable group placed before it
+  on that queue if that saves it; dropped groups go last). :func:`milp_plan`
+  solves the paper's position-assignment program exactly with
+  ``scipy.optimize.milp`` for small cases; the tests and ``python -m bench qlm``
+  measure the heuristic's gap to it. The plan is re-run only when, after an
+  arrival or an eviction, the estimator predicts a violation the current
+  plan did not already expect.
+* **LSOs.** Request pulling: an instance gets the next request of its virtual
+  queue's head group while it runs fewer than ``batch`` of ours. Load
+  balancing: the plan moves unstarted groups between virtual queues. Request
+  eviction (``--qlm-eviction on``): when the head group of a full instance
+  would miss its deadline waiting but would meet it if it started now, running
+  requests of looser e2e-only groups on that instance are evicted (loosest
+  first, at most ``--qlm-max-evictions`` times per request): the caller aborts
+  them and they are queued again with their generated tokens appended to the
+  prompt and ``max_tokens`` reduced by as many, so the client's stream loses
+  and repeats nothing. Only e2e-only requests are evicted: a request judged on
+  TTFT/TPOT streams to a reader, and a pause would break its TPOT.
+
+Not built: model swapping and warm start (one model per fleet here), GPU–CPU
+state swapping (the engines have no such operation).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import statistics
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from router.core.errors import ConfigError
+from router.core.request import ScheduleInput, resolve_targets
+
+
+def _doc(doc: str, flag: str) -> dict[str, Any]:
+    return {"doc": doc, "flag": flag}
+
+
+@dataclass(frozen=True)
+class QlmConfig:
+    """Knobs of the ``qlm`` queue policy (flags of ``slo-router simulate``)."""
+
+    batch: int = field(
+        default=0,
+        metadata=_doc(
+            "requests an instance runs from the virtual queue at once (0 = the largest decode batch whose "
+            "predicted step stays under the default TPOT target)",
+            "--qlm-batch",
+        ),
+    )
+    group_factor: int = field(
+        default=2,
+        metadata=_doc("a request group holds at most this many batches of requests", "--qlm-group-factor"),
+    )
+    length_ratio: float = field(
+        default=2.0,
+        metadata=_doc("prompt and output length buckets of one group span this ratio", "--qlm-length-ratio"),
+    )
+    confidence: float = field(
+        default=0.9,
+        metadata=_doc(
+            "a request counts as meeting its deadline when it does with at least this probability",
+            "--qlm-confidence",
+        ),
+    )
+    eviction: str = field(
+        default="on",
+        metadata=_doc(
+            "evict running loose requests for a tight group that would miss: on or off", "--qlm-eviction"
+        ),
+    )
+    max_evictions: int = field(
+        default=2, metadata=_doc("most times one request may be evicted", "--qlm-max-evictions")
+    )
+    solver: str = field(
+        default="heuristic",
+        metadata=_doc(
+            "plan generator: heuristic (EDF + Moore-Hodgson) or milp (scipy.optimize.milp, small queues only)",
+            "--qlm-solver",
+        ),
+    )
+    milp_max_groups: int = field(
+        default=12,
+        metadata=_doc(
+            "with --qlm-solver milp, more unstarted groups than this use the heuristic",
+            "--qlm-milp-max-groups",
+        ),
+    )
+
+    def __post_init__(self) -> None:
+        def bad(name: str, why: str) -> ConfigError:
+            return ConfigError(f"{name}={getattr(self, name)!r}: {why}")
+
+        if not 0 <= self.batch <= 4096:
+            raise bad("batch", "must be within 0..4096 requests")
+        if not 1 <= self.group_factor <= 64:
+            raise bad("group_factor", "must be within 1..64")
+        if not (1.0 < self.length_ratio <= 64.0):
+            raise bad("length_ratio", "must be within (1, 64]")
+        if not 0.5 <= self.confidence < 1.0:
+            raise bad("confidence", "must be within [0.5, 1)")
+        if self.eviction not in ("on", "off"):
+            raise bad("eviction", "must be on or off")
+        if not 0 <= self.max_evictions <= 16:
+            raise bad("max_evictions", "must be within 0..16")
+        if self.solver not in ("heuristic", "milp"):
+            raise bad("solver", "must be heuristic or milp")
+        if not 1 <= self.milp_max_groups <= 24:
+            raise bad("milp_max_groups", "must be within 1..24")
+
+    @property
+    def z(self) -> float:
+        return statistics.NormalDist().inv_cdf(self.confidence)
+
+    @classmethod
+    def flags(cls) -> dict[str, str]:
+        return {f.name: str(f.metadata["flag"]) for f in cls.__dataclass_fields__.values()}
+
+    @classmethod
+    def add_arguments(cls, parser: Any) -> None:
+        choices = {"eviction": ["on", "off"], "solver": ["heuristic", "milp"]}
+        kinds = {"int": int, "float": float}
+        for f in cls.__dataclass_fields__.values():
+            parser.add_argument(
+                f.metadata["flag"],
+                type=kinds.get(str(f.type), str),
+                default=f.default,
+                choices=choices.get(f.name),
+                help=f"{f.metadata['doc']} (default: %(default)s)",
+            )
+
+    @classmethod
+    def from_namespace(cls, ns: Any, **overrides: Any) -> QlmConfig:
+        values: dict[str, Any] = {}
+        for f in cls.__dataclass_fields__.values():
+            dest = str(f.metadata["flag"]).lstrip("-").replace("-", "_")
+            if hasattr(ns, dest):
+                values[f.name] = getattr(ns, dest)
+        values.update(overrides)
+        return cls(**values)
+
+
+# --------------------------------------------------------------------------- the RCT estimator's inputs
+
+
+class OutputStats:
+    """Output length (tokens) per SLO class, learned online (Welford; the count saturates so old traffic fades)."""
+
+    #: After this many observations each new one weighs 1/MEMORY.
+    MEMORY = 1000
+
+    def __init__(self) -> None:
+        self._stats: dict[str, list[float]] = {}
+
+    def observe(self, slo_class: str, output_tokens: int) -> None:
+        s = self._stats.setdefault(slo_class, [0.0, 0.0, 0.0])
+        n = min(s[0] + 1.0, float(self.MEMORY))
+        delta = output_tokens - s[1]
+        s[1] += delta / n
+        s[2] = max(s[2] + (delta * (output_tokens - s[1]) - s[2]) / n, 0.0)
+        s[0] = n
+
+    def estimate(self, slo_class: str, max_tokens: int) -> tuple[float, float]:
+        """(mean, standard deviation) of the output of a request of ``slo_class`` asking ``max_tokens``."""
+        s = self._stats.get(slo_class)
+        if s is None or s[0] < 2:
+            return float(max_tokens), 0.0
+        return min(s[1], float(max_tokens)), min(math.sqrt(s[2]), float(max_tokens))
+
+
+@dataclass(frozen=True)
+class InstanceModel:
+    """What the estimator knows of one instance: slots, decode step, prefill time."""
+
+    batch: int
+    #: Seconds per decode step with ``batch`` requests (each gets one token per step).
+    decode_step_s: float
+    #: Seconds to prefill a prompt of ``n`` tokens.
+    prefill_s: Callable[[int], float]
+
+    @property
+    def throughput_tps(self) -> float:
+        return self.batch / self.decode_step_s
+
+
+# --------------------------------------------------------------------------- requests and groups
+
+
+@dataclass(eq=False)
+class QlmRequest:
+    """One request under QLM. ``prompt_tokens``/``max_tokens`` describe what the next dispatch runs."""
+
+    request: ScheduleInput
+    arrival_s: float
+    #: The deadline the estimator checks (s): the TTFT deadline, or the completion one for e2e-only requests.
+    deadline_s: float
+    e2e_only: bool
+    prompt_tokens: int
+    max_tokens: int
+    #: Tokens already generated and returned before an eviction (appended to the prompt of the next run).
+    generated: int = 0
+    evictions: int = 0
+    token: Any = None
+    group: int = -1
+    instance: int = -1
+    dispatched_s: float = math.nan
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def resumed(self) -> bool:
+        """Evicted before: its first token already went out, only completion counts now."""
+        return self.generated > 0
+
+
+@dataclass(eq=False)
+class Group:
+    gid: int
+    key: tuple[Any, ...]
+    bound: int
+    members: deque[QlmRequest] = field(default_factory=deque)
+    #: The instance it started on (-1: not started; may move between virtual queues).
+    pinned: int = -1
+    closed: bool = False
+
+    @property
+    def deadline_s(self) -> float:
+        return min(m.deadline_s for m in self.members) if self.members else math.inf
+
+    @property
+    def e2e_only(self) -> bool:
+        return all(m.e2e_only for m in self.members)
+
+
+# --------------------------------------------------------------------------- the estimator
+
+
+@dataclass
+class _Slots:
+    """Free-at times (relative seconds) of an instance's slots: (mean, quantile) pairs."""
+
+    heap: list[tuple[float, float]]
+
+    @classmethod
+    def of(cls, batch: int, busy: Sequence[tuple[float, float]]) -> _Slots:
+        heap = [(0.0, 0.0)] * max(batch, 1)
+        heapq.heapify(heap)
+        # Entries are (quantile, mean): the heap orders on the pessimistic free time.
+        for mean, q in sorted(busy, key=lambda x: x[1]):
+            q0, m0 = heapq.heappop(heap)
+            heapq.heappush(heap, (q0 + q, m0 + mean))
+        return cls(heap)
+
+    def copy(self) -> _Slots:
+        return _Slots(list(self.heap))
+
+    def take(self, dur_mean: float, dur_q: float) -> tuple[float, float]:
+        """Start a request on the first free slot; its (mean, quantile) start."""
+        q0, m0 = heapq.heappop(self.heap)
+        heapq.heappush(self.heap, (q0 + dur_q, m0 + dur_mean))
+        return m0, q0
+
+    def finish_q(self) -> float:
+        return max(q for q, _ in self.heap)
+
+
+@dataclass(frozen=True)
+class GroupEstimate:
+    """The estimator's view of one group on one virtual queue (absolute seconds)."""
+
+    gid: int
+    start_mean_s: float
+    start_q_s: float
+    finish_mean_s: float
+    finish_q_s: float
+    #: Members predicted to meet their deadlines / all members.
+    meeting: int
+    size: int
+
+    @property
+    def meets(self) -> bool:
+        return self.meeting == self.size
+
+
+class Estimator:
+    """The RCT estimator: request durations from the instance model and output statistics."""
+
+    def __init__(self, stats: OutputStats, z: float) -> None:
+        self.stats = stats
+        self.z = z
+
+    def duration(self, model: InstanceModel, r: QlmRequest) -> tuple[float, float, float, float]:
+        """(prefill mean, prefill quantile, whole mean, whole quantile) seconds of running ``r`` to the end."""
+        mean, std = self.stats.estimate(r.request.slo_class, r.request.max_tokens)
+        remaining_mean = max(min(mean - r.generated, r.max_tokens), 1.0)
+        remaining_q = max(min(mean + self.z * std - r.generated, r.max_tokens), 1.0)
+        prefill = model.prefill_s(r.prompt_tokens)
+        return (
+            prefill,
+            prefill,
+            prefill + remaining_mean * model.decode_step_s,
+            prefill + remaining_q * model.decode_step_s,
+        )
+
+    def remaining(self, model: InstanceModel, r: QlmRequest, now_s: float) -> tuple[float, float]:
+        """(mean, quantile) seconds until running request ``r`` frees its slot (from its dispatch time)."""
+        _, _, whole_mean, whole_q = self.duration(model, r)
+        elapsed = max(now_s - r.dispatched_s, 0.0)
+        return max(whole_mean - elapsed, 0.0), max(whole_q - elapsed, 0.0)
+
+    def slots(self, model: InstanceModel, running: Sequence[QlmRequest], now_s: float) -> _Slots:
+        return _Slots.of(model.batch, [self.remaining(model, r, now_s) for r in running])
+
+    def place(self, model: InstanceModel, slots: _Slots, group: Group, now_s: float) -> GroupEstimate:
+        """Append ``group`` to ``slots`` (changed in place); its estimate."""
+        start_m = start_q = finish_m = finish_q = math.nan
+        meeting = 0
+        for k, r in enumerate(group.members):
+            _, pre_q, whole_m, whole_q = self.duration(model, r)
+            m0, q0 = slots.take(whole_m, whole_q)
+            if k == 0:
+                start_m, start_q = now_s + m0, now_s + q0
+            end_m, end_q = now_s + m0 + whole_m, now_s + q0 + whole_q
+            finish_m = end_m if k == 0 else max(finish_m, end_m)
+            finish_q = end_q if k == 0 else max(finish_q, end_q)
+            event = end_q if r.e2e_only or r.resumed else now_s + q0 + pre_q
+            if event <= r.deadline_s:
+                meeting += 1
+        return GroupEstimate(group.gid, start_m, start_q, finish_m, finish_q, meeting, len(group.members))
+
+    def queue(
+        self, model: InstanceModel, running: Sequence[QlmRequest], groups: Sequence[Group], now_s: float
+    ) -> list[GroupEstimate]:
+        """Every group of one virtual queue, in order behind ``running``."""
+        slots = self.slots(model, running, now_s)
+        return [self.place(model, slots, g, now_s) for g in groups]
+
+
+# --------------------------------------------------------------------------- the plan generator
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Group ids per virtual queue in order; the groups the plan expects to miss; requests expected on time."""
+
+    order: tuple[tuple[int, ...], ...]
+    late: frozenset[int]
+    meeting: int
+
+
+def heuristic_plan(
+    estimator: Estimator,
+    models: Sequence[InstanceModel],
+    running: Sequence[Sequence[QlmRequest]],
+    groups: Sequence[Group],
+    now_s: float,
+) -> Plan:
+    """EDF assignment to the queue where each group finishes first, with Moore–Hodgson's drop rule.
+
+    A started group (``pinned`` >= 0) may only go to its own queue, but is
+    ordered with the others (a tight group may go ahead of it; eviction then
+    makes room). A group that would miss on every queue it may use may
+    displace the least valuable (fewest requests) group placed before it on one
+    queue when that lets it meet: on one machine this rule maximises the number
+    of jobs on time; with weights and several machines it is a heuristic (its
+    gap to :func:`milp_plan` is measured in the tests and by ``python -m bench qlm``).
+    Dropped groups are still served, last, in deadline order.
+    """
+    n = len(models)
+    base = [estimator.slots(models[i], running[i], now_s) for i in range(n)]
+    placed: list[list[Group]] = [[] for _ in range(n)]
+    states = [b.copy() for b in base]
+    dropped: list[Group] = []
+
+    def allowed(g: Group) -> range:
+        return range(g.pinned, g.pinned + 1) if g.pinned >= 0 else range(n)
+
+    for group in sorted(groups, key=lambda g: (g.deadline_s, g.gid)):
+        best: tuple[float, int] | None = None
+        for i in allowed(group):
+            trial = states[i].copy()
+            est = estimator.place(models[i], trial, group, now_s)
+            if est.meets and (best is None or est.finish_q_s < best[0]):
+                best = (est.finish_q_s, i)
+        if best is not None:
+            i = best[1]
+            estimator.place(models[i], states[i], group, now_s)
+            placed[i].append(group)
+            continue
+        # Moore–Hodgson: give up the cheapest earlier group if that saves this one.
+        rescue: tuple[int, int, int] | None = None
+        for i in allowed(group):
+            for k, other in enumerate(placed[i]):
+                if len(other.members) >= len(group.members):
+                    continue
+                s = base[i].copy()
+                for j, g in enumerate(placed[i]):
+                    if j != k:
+                        estimator.place(models[i], s, g, now_s)
+                saved = estimator.place(models[i], s, group, now_s).meets
+                if saved and (rescue is None or len(other.members) < rescue[0]):
+                    rescue = (len(other.members), i, k)
+        if rescue is not None:
+            _, i, k = rescue
+            dropped.append(placed[i].pop(k))
+            placed[i].append(group)
+            s = base[i].copy()
+            for g in placed[i]:
+                estimator.place(models[i], s, g, now_s)
+            states[i] = s
+            continue
+        dropped.append(group)
+    for group in sorted(dropped, key=lambda g: (g.deadline_s, g.gid)):
+        i = min(allowed(group), key=lambda i: (states[i].finish_q(), i))
+        estimator.place(models[i], states[i], group, now_s)
+        placed[i].append(group)
+    order = tuple(tuple(g.gid for g in placed[i]) for i in range(n))
+    meeting, late = evaluate(estimator, models, running, {g.gid: g for g in groups}, order, now_s)
+    return Plan(order, late, meeting)
+
+
+def evaluate(
+    estimator: Estimator,
+    models: Sequence[InstanceModel],
+    running: Sequence[Sequence[QlmRequest]],
+    groups: dict[int, Group],
+    order: Sequence[Sequence[int]],
+    now_s: float,
+) -> tuple[int, frozenset[int]]:
+    """Requests of groups that meet (all members on time) under ``order``, and the groups that miss."""
+    meeting = 0
+    late: set[int] = set()
+    for i, gids in enumerate(order):
+        for est in estimator.queue(models[i], running[i], [groups[g] for g in gids], now_s):
+            if est.meets:
+                meeting += est.size
+            else:
+                late.add(est.gid)
+    return meeting, frozenset(late)
+
+
+def milp_plan(
+    estimator: Estimator,
+    models: Sequence[InstanceModel],
+    running: Sequence[Sequence[QlmRequest]],
+    groups: Sequence[Group],
+    now_s: float,
+) -> Plan:
+    """The position-assignment program (binary x[q,i,j]: group i at position j of queue q), solved exactly.
+
+    Exact for one-slot instances (``batch`` 1, where the estimator is the serial
+    sum of the durations ahead, the paper's waiting time): group i on queue q
+    takes ``dur[q,i]`` (the sum of its members' quantile durations) and meets
+    iff it starts by ``latest[q,i]`` (the tightest of its members' deadlines
+    minus their offsets in the group). Maximises the requests of groups that
+    meet; big-M constraints tie ``met[i]`` to its position's start. A started
+    group may only use its own queue. With more slots this is the serial
+    relaxation and :func:`evaluate` re-scores its order.
+    """
+    import numpy as np
+    from scipy.optimize import Bounds, LinearConstraint, milp
+
+    n_q, n_g = len(models), len(groups)
+    if n_g == 0:
+        return Plan(tuple(() for _ in models), frozenset(), 0)
+    free0 = [min(q for q, _ in estimator.slots(models[i], running[i], now_s).heap) for i in range(n_q)]
+    dur = np.zeros((n_q, n_g))
+    latest = np.zeros((n_q, n_g))
+    for q in range(n_q):
+        for i, g in enumerate(groups):
+            offset, tightest = 0.0, math.inf
+            for r in g.members:
+                _, pre_q, _, whole_q = estimator.duration(models[q], r)
+                event = offset + (whole_q if r.e2e_only or r.resumed else pre_q)
+                tightest = min(tightest, r.deadline_s - now_s - event)
+                offset += whole_q
+            dur[q, i], latest[q, i] = offset, tightest
+    n_j = n_g
+    nx = n_q * n_g * n_j
+    nv = nx + n_g
+
+    def xi(q: int, i: int, j: int) -> int:
+        return (q * n_g + i) * n_j + j
+
+    big = float(dur.sum() + max(free0) + np.abs(latest).max() + 1.0)
+    rows: list[Any] = []
+    lo: list[float] = []
+    hi: list[float] = []
+    upper = np.ones(nv)
+    for i, g in enumerate(groups):  # each group at one position, of its own queue if started
+        a = np.zeros(nv)
+        for q in range(n_q):
+            for j in range(n_j):
+                a[xi(q, i, j)] = 1
+                if g.pinned >= 0 and q != g.pinned:
+                    upper[xi(q, i, j)] = 0
+        rows.append(a)
+        lo.append(1)
+        hi.append(1)
+    for q in range(n_q):  # at most one group per position
+        for j in range(n_j):
+            a = np.zeros(nv)
+            for i in range(n_g):
+                a[xi(q, i, j)] = 1
+            rows.append(a)
+            lo.append(0)
+            hi.append(1)
+    for q in range(n_q):  # free0[q] + sum of durations before j - latest[q, i] <= M (2 - x[q,i,j] - met[i])
+        for j in range(n_j):
+            for i in range(n_g):
+                a = np.zeros(nv)
+                for k in range(j):
+                    for i2 in range(n_g):
+                        a[xi(q, i2, k)] += dur[q, i2]
+                a[xi(q, i, j)] += big
+                a[nx + i] += big
+                rows.append(a)
+                lo.append(-np.inf)
+                hi.append(2 * big + latest[q, i] - free0[q])
+    c = np.zeros(nv)
+    for i, g in enumerate(groups):
+        c[nx + i] = -float(len(g.members))
+    res = milp(
+        c,
+        constraints=LinearConstraint(np.array(rows), np.array(lo), np.array(hi)),
+        integrality=np.ones(nv),
+        bounds=Bounds(np.zeros(nv), upper),
+    )
+    if res.x is None:  # pragma: no cover - always feasible (every met = 0)
+        return heuristic_plan(estimator, models, running, groups, now_s)
+    x = np.rint(res.x).astype(int)
+    order = tuple(
+        tuple(groups[i].gid for j in range(n_j) for i in range(n_g) if x[xi(q, i, j)]) for q in range(n_q)
+    )
+    meeting, late = evaluate(estimator, models, running, {g.gid: g for g in groups}, order, now_s)
+    return Plan(order, late, meeting)
+
+
+# --------------------------------------------------------------------------- the queue
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """Run ``request`` on instance ``instance`` with ``request.prompt_tokens`` / ``request.max_tokens``."""
+
+    request: QlmRequest
+    instance: int
+
+
+#: The caller's eviction: abort ``request`` running on ``instance`` now; returns the tokens it has generated
+#: in total (so far, over all its runs), or None when it is no longer running there (finished meanwhile).
+Evict = Callable[[QlmRequest, int], "int | None"]
+
+
+class QlmQueue:
+    """Request groups over one virtual queue per instance (see the module doc)."""
+
+    def __init__(
+        self,
+        config: QlmConfig,
+        models: Sequence[InstanceModel],
+        default_ttft_ms: float,
+        default_tpot_ms: float,
+        *,
+        max_queue_size: int = 4096,
+    ) -> None:
+        if not models:
+            raise ConfigError("qlm needs at least one instance")
+        self.config = config
+        self.models = list(models)
+        self.default_ttft_ms = default_ttft_ms
+        self.default_tpot_ms = default_tpot_ms
+        self.max_queue_size = max_queue_size
+        self.stats = OutputStats()
+        self.estimator = Estimator(self.stats, config.z)
+        self.vqs: list[list[int]] = [[] for _ in models]
+        self.groups: dict[int, Group] = {}
+        self.open: dict[tuple[Any, ...], int] = {}
+        self.queued: dict[str, QlmRequest] = {}
+        self.running: list[dict[str, QlmRequest]] = [{} for _ in models]
+        self.expected_late: frozenset[int] = frozenset()
+        self._gid = 0
+        #: Counters: plan runs, evictions, groups opened.
+        self.plans = self.evictions = self.groups_made = 0
+
+    # ------------------------------------------------------------------ queries
+
+    def __len__(self) -> int:
+        return len(self.queued)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self.queued
+
+    def requests(self) -> Iterator[QlmRequest]:
+        """Every queued request, virtual queue by virtual queue, in order."""
+        for vq in self.vqs:
+            for gid in vq:
+                yield from self.groups[gid].members
+
+    def estimates(self, now_s: float) -> list[list[GroupEstimate]]:
+        return [
+            self.estimator.queue(self.models[i], list(self.running[i].values()), self._groups(i), now_s)
+            for i in range(len(self.models))
+        ]
+
+    def _groups(self, i: int) -> list[Group]:
+        return [self.groups[g] for g in self.vqs[i]]
+
+    # ------------------------------------------------------------------ arrivals
+
+    def _key(self, r: QlmRequest) -> tuple[Any, ...]:
+        ratio = math.log(self.config.length_ratio)
+        req = r.request
+        return (
+            req.model,
+            req.slo_class,
+            r.e2e_only,
+            int(math.log(max(r.prompt_tokens, 1)) / ratio),
+            int(math.log(max(r.max_tokens, 1)) / ratio),
+        )
+
+    def make(self, request: ScheduleInput, now_s: float, token: Any = None) -> QlmRequest:
+        arrival = request.arrival_s if request.arrival_s is not None else now_s
+        targets = resolve_targets(request, self.default_ttft_ms, self.default_tpot_ms)
+        only_e2e = request.e2e_slo_ms > 0 and request.ttft_slo_ms == 0 and request.tpot_slo_ms == 0
+        deadline = arrival + (request.e2e_slo_ms if only_e2e else targets.full_ttft_ms) * 1e-3
+        return QlmRequest(
+            request=request,
+            arrival_s=arrival,
+            deadline_s=deadline,
+            e2e_only=only_e2e,
+            prompt_tokens=request.prompt_tokens,
+            max_tokens=request.max_tokens,
+            token=token,
+        )
+
+    def push(self, request: ScheduleInput, now_s: float, token: Any = None) -> QlmRequest | None:
+        """Queue a new request; None when the queue is full (the caller refuses it).
+
+        Raises ``ValueError`` for an id already queued or running.
+        """
+        rid = request.request_id
+        if rid in self.queued or any(rid in run for run in self.running):
+            raise ValueError(f"request {rid!r} is already queued or running")
+        if len(self.queued) >= self.max_queue_size:
+            return None
+        r = self.make(request, now_s, token)
+        self._add(r, now_s, front=False)
+        return r
+
+    def _add(self, r: QlmRequest, now_s: float, *, front: bool, instance: int = -1) -> None:
+        key = self._key(r)
+        gid = self.open.get(key, -1)
+        group = self.groups.get(gid)
+        if group is not None and (group.closed or len(group.members) >= group.bound):
+            group.closed = True
+            group = None
+        if group is None:
+            group = self._new_group(key, now_s, instance)
+        if front:
+            group.members.appendleft(r)
+        else:
+            group.members.append(r)
+        r.group = group.gid
+        self.queued[r.request_id] = r
+        if len(group.members) >= group.bound:
+            group.closed = True
+        self._check(now_s)
+
+    def _new_group(self, key: tuple[Any, ...], now_s: float, instance: int) -> Group:
+        gid = self._gid
+        self._gid += 1
+        self.groups_made += 1
+        # Virtual queues take new groups first come first served, on the queue that frees first;
+        # the plan generator reorders when that misses a deadline. An evicted request's new group
+        # goes right behind the head of the queue it left.
+        if instance >= 0:
+            i = instance
+            self.vqs[i].insert(1 if self.vqs[i] else 0, gid)
+        else:
+            i = min(range(len(self.models)), key=lambda k: (self._backlog_q(k, now_s), k))
+            self.vqs[i].append(gid)
+        group = Group(gid, key, self.config.group_factor * max(self.models[i].batch, 1))
+        self.groups[gid] = group
+        self.open[key] = gid
+        return group
+
+    def _backlog_q(self, i: int, now_s: float) -> float:
+        s = self.estimator.slots(self.models[i], list(self.running[i].values()), now_s)
+        for g in self._groups(i):
+            self.estimator.place(self.models[i], s, g, now_s)
+        return s.finish_q()
+
+    def _check(self, now_s: float) -> None:
+        """Re-plan when the estimator predicts a violation the current plan does not already expect."""
+        late = {e.gid for ests in self.estimates(now_s) for e in ests if not e.meets}
+        if late - self.expected_late:
+            self.replan(now_s)
+
+    def replan(self, now_s: float) -> Plan:
+        self.plans += 1
+        n = len(self.models)
+        groups = [self.groups[g] for vq in self.vqs for g in vq]
+        running = [list(self.running[i].values()) for i in range(n)]
+        if self.config.solver == "milp" and len(groups) <= self.config.milp_max_groups:
+            plan = milp_plan(self.estimator, self.models, running, groups, now_s)
+        else:
+            plan = heuristic_plan(self.estimator, self.models, running, groups, now_s)
+        self.vqs = [list(o) for o in plan.order]
+        self.expected_late = plan.late
+        return plan
+
+    # ------------------------------------------------------------------ the LSOs
+
+    def pump(self, now_s: float, evict: Evict | None = None) -> list[Dispatch]:
+        """Pull requests into instances with free slots; evict for a tight head group when enabled."""
+        out: list[Dispatch] = []
+        for i in range(len(self.models)):
+            out.extend(self._pull(i, now_s))
+            evicting = evict is not None and self.config.eviction == "on" and bool(self.vqs[i])
+            if evicting and evict is not None and self._evict(i, now_s, evict):
+                out.extend(self._pull(i, now_s))
+        return out
+
+    def _pull(self, i: int, now_s: float) -> list[Dispatch]:
+        out: list[Dispatch] = []
+        vq = self.vqs[i]
+        while vq and len(self.running[i]) < self.models[i].batch:
+            group = self.groups[vq[0]]
+            if not group.members:
+                self._drop_group(i, group)
+                continue
+            r = group.members.popleft()
+            group.pinned = i
+            del self.queued[r.request_id]
+            r.instance, r.dispatched_s = i, now_s
+            self.running[i][r.request_id] = r
+            out.append(Dispatch(r, i))
+            if not group.members:
+                self._drop_group(i, group)
+        return out
+
+    def _drop_group(self, i: int, group: Group) -> None:
+        self.vqs[i].remove(group.gid)
+        del self.groups[group.gid]
+        if self.open.get(group.key) == group.gid:
+            del self.open[group.key]
+
+    def _evict(self, i: int, now_s: float, evict: Evict) -> bool:
+        head = self.groups[self.vqs[i][0]]
+        model = self.models[i]
+        if len(self.running[i]) < model.batch or not head.members:
+            return False
+        # Members that miss waiting but would meet if they started now.
+        waiting = self.estimator.queue(model, list(self.running[i].values()), [head], now_s)[0]
+        empty = self.estimator.place(model, _Slots.of(model.batch, []), head, now_s)
+        need = min(empty.meeting - waiting.meeting, len(head.members), model.batch)
+        if need <= 0:
+            return False
+        victims = sorted(
+            (
+                r
+                for r in self.running[i].values()
+                if r.e2e_only
+                and r.group != head.gid
+                and r.deadline_s > head.deadline_s
+                and r.evictions < self.config.max_evictions
+            ),
+            key=lambda r: (-r.deadline_s, r.request_id),
+        )[:need]
+        done = False
+        for r in victims:
+            total = evict(r, i)
+            if total is None:
+                continue
+            del self.running[i][r.request_id]
+            self.evictions += 1
+            done = True
+            kept = max(min(total, r.request.max_tokens - 1), r.generated)
+            r.generated = kept
+            r.prompt_tokens = r.request.prompt_tokens + kept
+            r.max_tokens = r.request.max_tokens - kept
+            r.evictions += 1
+            r.instance, r.dispatched_s = -1, math.nan
+            # Back into its open group (at the front: it is the oldest), or a new group behind the head.
+            self._add(r, now_s, front=True, instance=i)
+        return done
+
+    # ------------------------------------------------------------------ completions
+
+    def finished(self, request_id: str, output_tokens: int | None = None) -> QlmRequest | None:
+        """A dispatched request ended (``output_tokens``: its whole output, to learn from; None if it failed)."""
+        for run in self.running:
+            r = run.pop(request_id, None)
+            if r is not None:
+                if output_tokens is not None:
+                    self.stats.observe(r.request.slo_class, output_tokens)
+                return r
+        return None
+
+    def remove(self, request_id: str) -> QlmRequest | None:
+        """Take a queued request out (cancelled by the client); None if it is not queued."""
+        r = self.queued.pop(request_id, None)
+        if r is None:
+            return None
+        group = self.groups[r.group]
+        group.members.remove(r)
+        if not group.members:
+            for i, vq in enumerate(self.vqs):
+                if group.gid in vq:
+                    self._drop_group(i, group)
+                    break
+        return r
+
+    def check_invariants(self) -> None:
+        """Every queued request in exactly one group of exactly one virtual queue; bounds hold (tests)."""
+        seen: set[str] = set()
+        for vq in self.vqs:
+            for gid in vq:
+                group = self.groups[gid]
+                assert len(group.members) <= group.bound, "group over its bound"
+                for r in group.members:
+                    assert r.request_id not in seen, f"{r.request_id} twice"
+                    assert r.group == gid
+                    seen.add(r.request_id)
+        assert seen == set(self.queued), "queued requests and groups disagree"
+        in_vqs = [g for vq in self.vqs for g in vq]
+        assert len(in_vqs) == len(set(in_vqs)) and set(in_vqs) == set(self.groups)
+        for i, run in enumerate(self.running):
+            assert len(run) <= self.models[i].batch or self.models[i].batch == 0
+            assert not set(run) & seen
