@@ -17,6 +17,7 @@ from router.core.calibration import CALIBRATION_MODES
 from router.core.config import SchedulerConfig, name_flags
 from router.core.errors import ConfigError
 from router.core.policies import build_policy
+from router.core.qlm import QlmConfig
 from router.core.queue import QueueConfig
 from router.core.registry import POLICIES
 from sim import slicing
@@ -130,7 +131,9 @@ what is simulated: the router's scheduling core places every request at its arri
 
 router queue (--queue-policies, default edf): a request no instance may take at once waits in
   the router's queue (the same code as the router's --queue-policy) in virtual time instead of
-  being rejected; none rejects at once. Each policy runs with each queue policy.
+  being rejected; none rejects at once. Each policy runs with each queue policy. qlm (neutral
+  fleets) groups requests into per-instance virtual queues, places and orders them itself (the
+  --policies entry is not consulted) and evicts loose requests for tight ones (--qlm-*).
 
 output: a table per rate, policy and queue policy, then the prediction error of each run;
   --output writes JSON {{"meta": ..., "results": [one object per (policy, calibration, queue
@@ -280,6 +283,15 @@ def register(subparsers: Any) -> None:
     SchedulerConfig.add_arguments(cast(argparse.ArgumentParser, _SkipFlags(scheduler, _POLICY_FLAGS)))
     queue = parser.add_argument_group("router queue (as for the router; --queue-policies picks the policy)")
     QueueConfig.add_arguments(_SkipFlags(queue, frozenset({"--queue-policy"})))
+    qlm = parser.add_argument_group("qlm queue policy (request groups, virtual queues, eviction)")
+    QlmConfig.add_arguments(_SkipFlags(qlm, frozenset({"--qlm-eviction"})))
+    qlm.add_argument(
+        "--qlm-eviction",
+        default="on",
+        metavar="on|off|on,off",
+        help="evict running loose requests for a tight group that would miss; on,off runs qlm both ways "
+        "(qlm and qlm-noevict rows) (default: %(default)s)",
+    )
     parser.set_defaults(func=run)
 
 
@@ -367,6 +379,20 @@ def parse_policies(text: str, args: argparse.Namespace) -> list[PolicyChoice]:
     return choices
 
 
+def parse_qlm(args: argparse.Namespace) -> list[QlmConfig]:
+    """One qlm config per ``--qlm-eviction`` value; errors name the flag."""
+    values = [v.strip() for v in str(args.qlm_eviction).split(",") if v.strip()]
+    if not values or len(set(values)) != len(values) or any(v not in ("on", "off") for v in values):
+        raise ValueError(f"--qlm-eviction: expected on, off or on,off, got {args.qlm_eviction!r}")
+    configs: list[QlmConfig] = []
+    for value in values:
+        try:
+            configs.append(QlmConfig.from_namespace(args, eviction=value))
+        except ValueError as exc:
+            raise ValueError(name_flags(str(exc), QlmConfig.flags())) from exc
+    return configs
+
+
 def parse_queue_policies(text: str, args: argparse.Namespace) -> list[QueueConfig]:
     """``Q1,Q2,...``: one queue config per policy, the other queue flags applied to each."""
     queues: list[QueueConfig] = []
@@ -396,6 +422,7 @@ def run(args: argparse.Namespace) -> int:
         rates = parse_rates(args.rates)
         policies = parse_policies(args.policies, args)
         queues = parse_queue_policies(args.queue_policies, args)
+        qlm = parse_qlm(args)
         if args.num_requests < 1:
             raise ValueError(f"--num-requests must be >= 1, got {args.num_requests}")
         calibrations = parse_calibrations(args.calibrations)
@@ -445,10 +472,14 @@ def run(args: argparse.Namespace) -> int:
             calibrations=calibrations,
             warmup_requests=args.warmup_requests,
             queues=queues,
+            qlm=qlm,
         )
     except KeyboardInterrupt:
         print("\ninterrupted; no report written", file=sys.stderr)
         return 130
+    except FleetError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     print(title)
     print(format_sweep_table(points))
     print()
@@ -458,6 +489,8 @@ def run(args: argparse.Namespace) -> int:
     meta["warmup_requests"] = args.warmup_requests
     meta["queue_policies"] = [q.queue_policy for q in queues]
     meta["queue"] = dataclasses.asdict(queues[0]) | {"queue_policy": None}
+    if any(q.queue_policy == "qlm" for q in queues):
+        meta["qlm"] = [dataclasses.asdict(q) for q in qlm]
     if args.output:
         write_sweep_json(args.output, points, meta)
         print(f"wrote {args.output}", file=sys.stderr)

@@ -21,7 +21,8 @@ from bench.prediction import prediction_error
 from bench.report import BenchReport, PlotUnavailableError, RequestResult, slo_met, summarize
 from bench.workload import ArrivalProcess, WorkloadSpec, generate_requests, workload_to_dict
 from router.core.config import SchedulerConfig
-from router.core.queue import QueueConfig
+from router.core.qlm import QlmConfig
+from router.core.queue import QueueConfig, QueuePolicy
 from sim.cluster import SimFleet, SimOutcome, SimStats, simulate
 from sim.fleet import fleet_to_dict
 
@@ -98,6 +99,7 @@ def run_sweep(
     calibrations: Sequence[str] | None = None,
     warmup_requests: int = 0,
     queues: Sequence[QueueConfig] = (QueueConfig(queue_policy="none"),),
+    qlm: Sequence[QlmConfig] = (QlmConfig(),),
 ) -> list[SweepPoint]:
     """Every (rate, policy, calibration, queue policy) run, rate-major; ``on_run(point, done, total)``
     after each one.
@@ -105,13 +107,20 @@ def run_sweep(
     ``calibrations`` (default: each policy's own ``calibration``) runs every
     policy once per calibration mode; ``warmup_requests`` leaves the first
     requests of each run out of its prediction error; ``queues`` runs each
-    of those once per router-queue configuration.
+    of those once per router-queue configuration, and a ``qlm`` queue once per
+    ``qlm`` configuration (labelled ``qlm``, or ``qlm-noevict`` with eviction off).
     """
     if not workload.arrival.open_loop:
         raise ValueError("the simulator replays open-loop arrivals; convert the workload with open_loop()")
     points: list[SweepPoint] = []
     modes: Sequence[str | None] = list(calibrations) if calibrations else [None]
-    total = len(policies) * len(rates) * len(modes) * len(queues)
+    runs: list[tuple[QueueConfig, QlmConfig | None, str]] = []
+    for queue in queues:
+        if queue.policy is QueuePolicy.QLM:
+            runs.extend((queue, q, qlm_label(q)) for q in qlm)
+        else:
+            runs.append((queue, None, queue.queue_policy))
+    total = len(policies) * len(rates) * len(modes) * len(runs)
     for rate in rates:
         spec = workload.with_arrival(rate_per_s=rate)
         plans = generate_requests(spec, rng=seed, num_requests=num_requests)
@@ -120,8 +129,8 @@ def run_sweep(
                 config = (
                     policy.config if mode is None else dataclasses.replace(policy.config, calibration=mode)
                 )
-                for queue in queues:
-                    outcome = simulate(fleet, config, plans, seed=seed, queue=queue)
+                for queue, qlm_config, label in runs:
+                    outcome = simulate(fleet, config, plans, seed=seed, queue=queue, qlm=qlm_config)
                     point = _point(
                         policy.label,
                         rate,
@@ -129,7 +138,7 @@ def run_sweep(
                         outcome,
                         config.calibration,
                         warmup_requests,
-                        queue.queue_policy,
+                        label,
                     )
                     if len(modes) > 1:
                         point = dataclasses.replace(point, compare_calibrations=True)
@@ -137,6 +146,11 @@ def run_sweep(
                     if on_run is not None:
                         on_run(point, len(points), total)
     return points
+
+
+def qlm_label(config: QlmConfig) -> str:
+    """How a ``qlm`` run is named in tables: ``qlm``, or ``qlm-noevict`` with eviction off."""
+    return "qlm" if config.eviction == "on" else "qlm-noevict"
 
 
 def _point(

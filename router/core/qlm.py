@@ -62,6 +62,7 @@ state swapping (the engines have no such operation).
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 import statistics
@@ -186,20 +187,28 @@ class QlmConfig:
 
 
 class OutputStats:
-    """Output length (tokens) per SLO class, learned online (Welford; the count saturates so old traffic fades)."""
+    """Output length per SLO class, learned online from finished requests.
 
-    #: After this many observations each new one weighs 1/MEMORY.
+    What is learned is the fraction of ``max_tokens`` a request of the class
+    generates (mean and spread; Welford, with the count saturating at
+    :attr:`MEMORY` so old traffic fades). The paper fits the output length of
+    a group offline; the fraction is the same statistic made independent of
+    each request's own cap, which the router knows. Before a class has two
+    finished requests, a request is expected to use all of ``max_tokens``.
+    """
+
     MEMORY = 1000
 
     def __init__(self) -> None:
         self._stats: dict[str, list[float]] = {}
 
-    def observe(self, slo_class: str, output_tokens: int) -> None:
+    def observe(self, slo_class: str, output_tokens: int, max_tokens: int) -> None:
+        x = min(max(output_tokens / max(max_tokens, 1), 0.0), 1.0)
         s = self._stats.setdefault(slo_class, [0.0, 0.0, 0.0])
         n = min(s[0] + 1.0, float(self.MEMORY))
-        delta = output_tokens - s[1]
+        delta = x - s[1]
         s[1] += delta / n
-        s[2] = max(s[2] + (delta * (output_tokens - s[1]) - s[2]) / n, 0.0)
+        s[2] = max(s[2] + (delta * (x - s[1]) - s[2]) / n, 0.0)
         s[0] = n
 
     def estimate(self, slo_class: str, max_tokens: int) -> tuple[float, float]:
@@ -207,7 +216,7 @@ class OutputStats:
         s = self._stats.get(slo_class)
         if s is None or s[0] < 2:
             return float(max_tokens), 0.0
-        return min(s[1], float(max_tokens)), min(math.sqrt(s[2]), float(max_tokens))
+        return s[1] * max_tokens, math.sqrt(s[2]) * max_tokens
 
 
 @dataclass(frozen=True)
@@ -274,6 +283,11 @@ class Group:
     @property
     def e2e_only(self) -> bool:
         return all(m.e2e_only for m in self.members)
+
+    def urgency_s(self, now_s: float) -> float:
+        """The plan's EDF key: the earliest deadline still ahead of ``now_s``; past ones sort after all."""
+        ahead = [m.deadline_s for m in self.members if m.deadline_s > now_s]
+        return min(ahead) if ahead else math.inf
 
 
 # --------------------------------------------------------------------------- the estimator
@@ -398,6 +412,7 @@ def heuristic_plan(
     running: Sequence[Sequence[QlmRequest]],
     groups: Sequence[Group],
     now_s: float,
+    evictable: Callable[[QlmRequest, Group], bool] | None = None,
 ) -> Plan:
     """EDF assignment to the queue where each group finishes first, with Moore–Hodgson's drop rule.
 
@@ -408,7 +423,10 @@ def heuristic_plan(
     queue when that lets it meet: on one machine this rule maximises the number
     of jobs on time; with weights and several machines it is a heuristic (its
     gap to :func:`milp_plan` is measured in the tests and by ``python -m bench qlm``).
-    Dropped groups are still served, last, in deadline order.
+    Dropped groups are still served, last, in deadline order. With
+    ``evictable`` (eviction on), a group that misses behind the running
+    requests may still go where it meets once the running requests
+    ``evictable(request, group)`` are evicted: the plan counts on that LSO.
     """
     n = len(models)
     base = [estimator.slots(models[i], running[i], now_s) for i in range(n)]
@@ -419,39 +437,47 @@ def heuristic_plan(
     def allowed(g: Group) -> range:
         return range(g.pinned, g.pinned + 1) if g.pinned >= 0 else range(n)
 
-    for group in sorted(groups, key=lambda g: (g.deadline_s, g.gid)):
-        best: tuple[float, int] | None = None
+    for group in sorted(groups, key=lambda g: (g.urgency_s(now_s), g.gid)):
+        # (requests on time, -finish, queue): most requests on time, then the earliest finish.
+        best: tuple[int, float, int] = (0, -math.inf, -1)
         for i in allowed(group):
-            trial = states[i].copy()
-            est = estimator.place(models[i], trial, group, now_s)
-            if est.meets and (best is None or est.finish_q_s < best[0]):
-                best = (est.finish_q_s, i)
-        if best is not None:
-            i = best[1]
+            est = estimator.place(models[i], states[i].copy(), group, now_s)
+            best = max(best, (est.meeting, -est.finish_q_s, i))
+        if best[0] < len(group.members) and evictable is not None:
+            for i in allowed(group):
+                keep = [r for r in running[i] if not evictable(r, group)]
+                if len(keep) == len(running[i]):
+                    continue
+                trial = estimator.slots(models[i], keep, now_s)
+                for g in placed[i]:
+                    estimator.place(models[i], trial, g, now_s)
+                est = estimator.place(models[i], trial, group, now_s)
+                best = max(best, (est.meeting, -est.finish_q_s, i))
+        if best[0] < len(group.members):
+            # Moore–Hodgson: give up a smaller earlier group if that saves more of this one.
+            rescue: tuple[int, int, int] | None = None
+            for i in allowed(group):
+                for k, other in enumerate(placed[i]):
+                    s = base[i].copy()
+                    for j, g in enumerate(placed[i]):
+                        if j != k:
+                            estimator.place(models[i], s, g, now_s)
+                    gain = estimator.place(models[i], s, group, now_s).meeting - best[0] - len(other.members)
+                    if gain > 0 and (rescue is None or gain > rescue[0]):
+                        rescue = (gain, i, k)
+            if rescue is not None:
+                _, i, k = rescue
+                dropped.append(placed[i].pop(k))
+                placed[i].append(group)
+                s = base[i].copy()
+                for g in placed[i]:
+                    estimator.place(models[i], s, g, now_s)
+                states[i] = s
+                continue
+        if best[0] > 0:
+            i = best[2]
             estimator.place(models[i], states[i], group, now_s)
             placed[i].append(group)
-            continue
-        # Moore–Hodgson: give up the cheapest earlier group if that saves this one.
-        rescue: tuple[int, int, int] | None = None
-        for i in allowed(group):
-            for k, other in enumerate(placed[i]):
-                if len(other.members) >= len(group.members):
-                    continue
-                s = base[i].copy()
-                for j, g in enumerate(placed[i]):
-                    if j != k:
-                        estimator.place(models[i], s, g, now_s)
-                saved = estimator.place(models[i], s, group, now_s).meets
-                if saved and (rescue is None or len(other.members) < rescue[0]):
-                    rescue = (len(other.members), i, k)
-        if rescue is not None:
-            _, i, k = rescue
-            dropped.append(placed[i].pop(k))
-            placed[i].append(group)
-            s = base[i].copy()
-            for g in placed[i]:
-                estimator.place(models[i], s, g, now_s)
-            states[i] = s
             continue
         dropped.append(group)
     for group in sorted(dropped, key=lambda g: (g.deadline_s, g.gid)):
@@ -611,7 +637,10 @@ class QlmQueue:
         if not models:
             raise ConfigError("qlm needs at least one instance")
         self.config = config
+        self.base_models = list(models)
+        #: The models the estimator uses: each base model's decode step times the learned inefficiency.
         self.models = list(models)
+        self.inefficiency = [1.0] * len(models)
         self.default_ttft_ms = default_ttft_ms
         self.default_tpot_ms = default_tpot_ms
         self.max_queue_size = max_queue_size
@@ -622,7 +651,8 @@ class QlmQueue:
         self.open: dict[tuple[Any, ...], int] = {}
         self.queued: dict[str, QlmRequest] = {}
         self.running: list[dict[str, QlmRequest]] = [{} for _ in models]
-        self.expected_late: frozenset[int] = frozenset()
+        #: Per group: the requests the estimator expected to miss when the plan was made.
+        self.expected_missing: dict[int, int] = {}
         self._gid = 0
         #: Counters: plan runs, evictions, groups opened.
         self.plans = self.evictions = self.groups_made = 0
@@ -737,9 +767,12 @@ class QlmQueue:
 
     def _check(self, now_s: float) -> None:
         """Re-plan when the estimator predicts a violation the current plan does not already expect."""
-        late = {e.gid for ests in self.estimates(now_s) for e in ests if not e.meets}
-        if late - self.expected_late:
-            self.replan(now_s)
+        expected = self.expected_missing
+        for ests in self.estimates(now_s):
+            for e in ests:
+                if e.size - e.meeting > expected.get(e.gid, 0):
+                    self.replan(now_s)
+                    return
 
     def replan(self, now_s: float) -> Plan:
         self.plans += 1
@@ -749,9 +782,10 @@ class QlmQueue:
         if self.config.solver == "milp" and len(groups) <= self.config.milp_max_groups:
             plan = milp_plan(self.estimator, self.models, running, groups, now_s)
         else:
-            plan = heuristic_plan(self.estimator, self.models, running, groups, now_s)
+            evictable = self._evictable if self.config.eviction == "on" else None
+            plan = heuristic_plan(self.estimator, self.models, running, groups, now_s, evictable)
         self.vqs = [list(o) for o in plan.order]
-        self.expected_late = plan.late
+        self.expected_missing = {e.gid: e.size - e.meeting for ests in self.estimates(now_s) for e in ests}
         return plan
 
     # ------------------------------------------------------------------ the LSOs
@@ -790,26 +824,32 @@ class QlmQueue:
         if self.open.get(group.key) == group.gid:
             del self.open[group.key]
 
+    def _evictable(self, r: QlmRequest, group: Group) -> bool:
+        """May running ``r`` be evicted for ``group``: an e2e-only request of another, looser group."""
+        return (
+            r.e2e_only
+            and r.group != group.gid
+            and r.deadline_s > group.deadline_s
+            and r.evictions < self.config.max_evictions
+        )
+
     def _evict(self, i: int, now_s: float, evict: Evict) -> bool:
         head = self.groups[self.vqs[i][0]]
         model = self.models[i]
         if len(self.running[i]) < model.batch or not head.members:
             return False
         # Members that miss waiting but would meet if they started now.
-        waiting = self.estimator.queue(model, list(self.running[i].values()), [head], now_s)[0]
-        empty = self.estimator.place(model, _Slots.of(model.batch, []), head, now_s)
-        need = min(empty.meeting - waiting.meeting, len(head.members), model.batch)
+        running = list(self.running[i].values())
+        waiting = self.estimator.queue(model, running, [head], now_s)[0]
+        keep = [r for r in running if not self._evictable(r, head)]
+        if len(keep) == len(running):
+            return False
+        freed = self.estimator.queue(model, keep, [head], now_s)[0]
+        need = min(freed.meeting - waiting.meeting, len(head.members), model.batch)
         if need <= 0:
             return False
         victims = sorted(
-            (
-                r
-                for r in self.running[i].values()
-                if r.e2e_only
-                and r.group != head.gid
-                and r.deadline_s > head.deadline_s
-                and r.evictions < self.config.max_evictions
-            ),
+            (r for r in running if self._evictable(r, head)),
             key=lambda r: (-r.deadline_s, r.request_id),
         )[:need]
         done = False
@@ -832,15 +872,39 @@ class QlmQueue:
 
     # ------------------------------------------------------------------ completions
 
-    def finished(self, request_id: str, output_tokens: int | None = None) -> QlmRequest | None:
-        """A dispatched request ended (``output_tokens``: its whole output, to learn from; None if it failed)."""
-        for run in self.running:
+    def finished(
+        self, request_id: str, output_tokens: int | None = None, now_s: float | None = None
+    ) -> QlmRequest | None:
+        """A dispatched request ended; ``output_tokens`` (its whole output) and ``now_s`` teach the estimator.
+
+        None as ``output_tokens``: it failed, nothing to learn.
+        """
+        for i, run in enumerate(self.running):
             r = run.pop(request_id, None)
-            if r is not None:
-                if output_tokens is not None:
-                    self.stats.observe(r.request.slo_class, output_tokens)
-                return r
+            if r is None:
+                continue
+            if output_tokens is not None:
+                self.stats.observe(r.request.slo_class, output_tokens, r.request.max_tokens)
+                if now_s is not None:
+                    self._learn_inefficiency(i, r, output_tokens - r.generated, now_s)
+            return r
         return None
+
+    def _learn_inefficiency(self, i: int, r: QlmRequest, tokens: int, now_s: float) -> None:
+        """The paper's inefficiency factor: observed decode time per token over the modelled step, per instance.
+
+        Continuous batching mixes prefill chunks into decode steps and the
+        engine may preempt, so a token takes longer than a pure decode step;
+        an exponential average of the observed ratio scales the instance's
+        step (bounded to [0.5, 8]).
+        """
+        base = self.base_models[i]
+        elapsed = now_s - r.dispatched_s - base.prefill_s(r.prompt_tokens)
+        if tokens < 8 or not elapsed > 0:
+            return
+        ratio = min(max(elapsed / (tokens * base.decode_step_s), 0.5), 8.0)
+        eps = self.inefficiency[i] = 0.9 * self.inefficiency[i] + 0.1 * ratio
+        self.models[i] = dataclasses.replace(base, decode_step_s=base.decode_step_s * eps)
 
     def remove(self, request_id: str) -> QlmRequest | None:
         """Take a queued request out (cancelled by the client); None if it is not queued."""
