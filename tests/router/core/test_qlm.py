@@ -1,0 +1,287 @@
+"""The qlm queue policy's pure core: groups, virtual queues, the RCT estimator, the plan generator, eviction."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from router.core.errors import ConfigError
+from router.core.qlm import (
+    Estimator,
+    Group,
+    InstanceModel,
+    OutputStats,
+    QlmConfig,
+    QlmQueue,
+    QlmRequest,
+    evaluate,
+    heuristic_plan,
+    milp_plan,
+)
+from router.core.request import ScheduleInput
+
+STEP_S = 0.02
+
+
+def model(batch: int = 4, step_s: float = STEP_S) -> InstanceModel:
+    return InstanceModel(batch, step_s, lambda n: 0.05 + n * 1e-4)
+
+
+def tight(rid: str, arrival: float = 0.0, prompt: int = 100, out: int = 50) -> ScheduleInput:
+    return ScheduleInput(
+        request_id=rid,
+        prompt_tokens=prompt,
+        ttft_slo_ms=500.0,
+        tpot_slo_ms=50.0,
+        max_tokens=out,
+        slo_class="interactive",
+        arrival_s=arrival,
+    )
+
+
+def loose(rid: str, arrival: float = 0.0, prompt: int = 200, out: int = 1000) -> ScheduleInput:
+    return ScheduleInput(
+        request_id=rid,
+        prompt_tokens=prompt,
+        e2e_slo_ms=600_000.0,
+        max_tokens=out,
+        slo_class="batch",
+        arrival_s=arrival,
+    )
+
+
+def queue(n: int = 1, batch: int = 4, **kw: object) -> QlmQueue:
+    return QlmQueue(QlmConfig(**kw), [model(batch) for _ in range(n)], 6000.0, 50.0)  # type: ignore[arg-type]
+
+
+def test_config_bounds_name_the_field() -> None:
+    for kw in ({"group_factor": 0}, {"confidence": 1.0}, {"eviction": "maybe"}, {"solver": "lp"}, {"batch": -1}):
+        with pytest.raises(ConfigError, match=next(iter(kw))):
+            QlmConfig(**kw)  # type: ignore[arg-type]
+
+
+def test_output_stats_learn_the_fraction_of_max_tokens() -> None:
+    stats = OutputStats()
+    assert stats.estimate("c", 100) == (100.0, 0.0)  # nothing learned: all of max_tokens
+    for k in range(200):
+        stats.observe("c", 40 + (k % 2) * 20, 100)  # half use 40 %, half 60 %
+    mean, std = stats.estimate("c", 1000)
+    assert mean == pytest.approx(500.0, rel=0.02) and std == pytest.approx(100.0, rel=0.05)
+
+
+def test_requests_of_one_class_and_length_share_a_bounded_group() -> None:
+    q = queue(batch=2, group_factor=2)  # bound 4
+    for k in range(10):
+        q.push(loose(f"l{k}", out=1000), 0.0)
+    q.check_invariants()
+    sizes = sorted(len(g.members) for g in q.groups.values())
+    assert sum(sizes) == 10 and max(sizes) <= 4
+    # Another class never joins them.
+    q.push(tight("t0"), 0.0)
+    assert {g.key[1] for g in q.groups.values()} == {"batch", "interactive"}
+
+
+def test_pulling_fills_the_batch_in_virtual_queue_order() -> None:
+    q = queue(n=2, batch=2)
+    for k in range(6):
+        q.push(loose(f"l{k}"), 0.0)
+    out = q.pump(0.0)
+    assert len(out) == 4 and {d.instance for d in out} == {0, 1}
+    assert len(q) == 2
+    assert q.pump(0.0) == []  # full
+    q.finished(out[0].request.request_id, 1000, 5.0)
+    again = q.pump(5.0)
+    assert len(again) == 1 and again[0].instance == out[0].instance
+    q.check_invariants()
+
+
+def test_eviction_requeues_with_generated_tokens_appended() -> None:
+    q = queue(batch=2)
+    for k in range(2):
+        q.push(loose(f"l{k}", out=1000), 0.0)
+    running = q.pump(0.0)
+    assert len(running) == 2
+    q.push(tight("t0", arrival=1.0), 1.0)  # behind 2 × 1000 tokens: would wait ~20 s, target 500 ms
+    aborted: list[tuple[str, int]] = []
+
+    def evict(r: QlmRequest, instance: int) -> int:
+        aborted.append((r.request_id, instance))
+        return 37  # tokens it generated and returned so far
+
+    out = q.pump(1.0, evict)
+    assert len(aborted) == 1 and q.evictions == 1
+    assert [d.request.request_id for d in out] == ["t0"]
+    victim = q.queued[aborted[0][0]]
+    assert victim.generated == 37 and victim.evictions == 1
+    assert victim.prompt_tokens == 200 + 37 and victim.max_tokens == 1000 - 37
+    q.check_invariants()
+    # Without eviction the tight request waits.
+    q2 = queue(batch=2, eviction="off")
+    for k in range(2):
+        q2.push(loose(f"l{k}", out=1000), 0.0)
+    q2.pump(0.0)
+    q2.push(tight("t0", arrival=1.0), 1.0)
+    assert q2.pump(1.0, evict) == [] and len(aborted) == 1
+
+
+def test_tight_requests_are_never_evicted_and_eviction_is_bounded() -> None:
+    q = queue(batch=1, max_evictions=1)
+    q.push(tight("a", arrival=0.0), 0.0)
+    q.pump(0.0)
+    q.push(tight("b", arrival=0.0), 0.0)
+    assert q.pump(0.0, lambda r, i: pytest.fail("evicted a TTFT-judged request")) == []
+    q = queue(batch=1, max_evictions=1)
+    q.push(loose("l"), 0.0)
+    q.pump(0.0)
+    q.push(tight("t1", arrival=1.0), 1.0)
+    assert [d.request.request_id for d in q.pump(1.0, lambda r, i: 5)] == ["t1"]
+    q.finished("t1", 50, 3.0)
+    assert [d.request.request_id for d in q.pump(3.0, lambda r, i: 5)] == ["l"]
+    q.push(tight("t2", arrival=4.0), 4.0)
+    assert q.pump(4.0, lambda r, i: pytest.fail("evicted twice")) == []
+
+
+def test_plan_puts_a_tight_group_first_and_balances_queues() -> None:
+    q = queue(n=2, batch=1, eviction="off")
+    for k in range(4):
+        q.push(loose(f"l{k}", out=200, prompt=100 * (k + 1) ** 3), 0.0)
+    q.push(tight("t0"), 0.0)
+    assert q.plans >= 1
+    heads = [q.groups[vq[0]] for vq in q.vqs if vq]
+    assert any(g.key[1] == "interactive" for g in heads)
+    assert all(q.vqs)  # both virtual queues have work
+    q.check_invariants()
+
+
+def _random_case(rng: random.Random, n_groups: int, n_queues: int) -> tuple[list[InstanceModel], list[Group]]:
+    models = [model(1, rng.choice((0.01, 0.02))) for _ in range(n_queues)]
+    groups = []
+    for gid in range(n_groups):
+        size = rng.randint(1, 3)
+        deadline = rng.uniform(0.5, 12.0)
+        g = Group(gid, ("m", gid), 8)
+        for k in range(size):
+            sched = ScheduleInput(
+                request_id=f"{gid}.{k}", prompt_tokens=64, e2e_slo_ms=1.0, max_tokens=rng.randint(10, 120)
+            )
+            g.members.append(QlmRequest(sched, 0.0, deadline, True, 64, sched.max_tokens, group=gid))
+        groups.append(g)
+    return models, groups
+
+
+def test_heuristic_stays_close_to_the_milp_on_small_cases() -> None:
+    """The heuristic's gap to the exact program (one-slot instances, where the MILP is exact)."""
+    rng = random.Random(7)
+    est = Estimator(OutputStats(), 1.2816)
+    total_h = total_m = 0
+    worst = 0.0
+    for _ in range(40):
+        models, groups = _random_case(rng, rng.randint(2, 6), rng.randint(1, 2))
+        running: list[list[QlmRequest]] = [[] for _ in models]
+        h = heuristic_plan(est, models, running, groups, 0.0)
+        m = milp_plan(est, models, running, groups, 0.0)
+        # Both plans place every group exactly once.
+        for plan in (h, m):
+            assert sorted(g for o in plan.order for g in o) == [g.gid for g in groups]
+        assert m.meeting >= h.meeting  # the MILP is optimal for this model
+        total_h += h.meeting
+        total_m += m.meeting
+        if m.meeting:
+            worst = max(worst, 1 - h.meeting / m.meeting)
+    assert total_m > 0
+    assert total_h >= 0.9 * total_m, (total_h, total_m, worst)
+
+
+def test_milp_solver_runs_in_the_queue() -> None:
+    q = queue(n=2, batch=1, solver="milp", eviction="off")
+    for k in range(3):
+        q.push(loose(f"l{k}", out=100), 0.0)
+    q.push(tight("t0"), 0.0)
+    q.check_invariants()
+    assert q.plans >= 1
+
+
+# --------------------------------------------------------------------------- properties
+
+ops = st.lists(
+    st.tuples(
+        st.sampled_from(["tight", "loose", "pump", "finish", "cancel"]),
+        st.integers(0, 5),
+        st.integers(1, 4),
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=80, deadline=None)
+@given(ops=ops, batch=st.integers(1, 3), queues=st.integers(1, 3), eviction=st.booleans())
+def test_no_request_is_lost_or_dispatched_twice(
+    ops: list[tuple[str, int, int]], batch: int, queues: int, eviction: bool
+) -> None:
+    q = queue(n=queues, batch=batch, group_factor=1, eviction="on" if eviction else "off")
+    now = 0.0
+    pushed: set[str] = set()
+    running: dict[str, int] = {}  # request -> tokens returned so far
+    generated: dict[str, int] = {}
+    done: set[str] = set()
+    cancelled: set[str] = set()
+    seq = 0
+
+    def evict(r: QlmRequest, i: int) -> int:
+        assert r.request_id in running and r.instance == i
+        total = generated[r.request_id] + 3
+        generated[r.request_id] = total
+        del running[r.request_id]
+        return total
+
+    for op, a, b in ops:
+        now += 0.05 * b
+        if op in ("tight", "loose"):
+            rid = f"r{seq}"
+            seq += 1
+            make = tight if op == "tight" else loose
+            req = make(rid, arrival=now, out=20 * b + 5)
+            assert q.push(req, now) is not None
+            pushed.add(rid)
+            generated[rid] = 0
+        elif op == "pump":
+            for d in q.pump(now, evict):
+                rid = d.request.request_id
+                assert rid not in running and rid not in done, "dispatched twice"
+                # The run continues after the tokens already returned: nothing lost, nothing repeated.
+                assert d.request.generated == generated[rid]
+                assert d.request.max_tokens + d.request.generated == d.request.request.max_tokens
+                assert d.request.prompt_tokens == d.request.request.prompt_tokens + generated[rid]
+                running[rid] = d.instance
+        elif op == "finish" and running:
+            rid = sorted(running)[a % len(running)]
+            del running[rid]
+            done.add(rid)
+            q.finished(rid, 10, now)
+        elif op == "cancel" and len(q):
+            rid = sorted(r.request_id for r in q.requests())[a % len(q)]
+            assert q.remove(rid) is not None
+            cancelled.add(rid)
+        q.check_invariants()
+        queued = {r.request_id for r in q.requests()}
+        assert queued | set(running) | done | cancelled == pushed
+        assert len(queued) + len(running) + len(done) + len(cancelled) == len(pushed)
+        assert {rid for run in q.running for rid in run} == set(running)
+        for g in q.groups.values():
+            assert len(g.members) <= g.bound
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), n_groups=st.integers(1, 7), n_queues=st.integers(1, 3))
+def test_plans_place_every_group_once_and_score_consistently(seed: int, n_groups: int, n_queues: int) -> None:
+    models, groups = _random_case(random.Random(seed), n_groups, n_queues)
+    est = Estimator(OutputStats(), 1.0)
+    running: list[list[QlmRequest]] = [[] for _ in models]
+    plan = heuristic_plan(est, models, running, groups, 0.0)
+    assert sorted(g for o in plan.order for g in o) == [g.gid for g in groups]
+    meeting, late = evaluate(est, models, running, {g.gid: g for g in groups}, plan.order, 0.0)
+    assert (meeting, late) == (plan.meeting, plan.late)
+    assert 0 <= meeting <= sum(len(g.members) for g in groups)
