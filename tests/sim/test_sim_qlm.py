@@ -117,7 +117,18 @@ def test_cli_qlm_flag_errors_name_the_flag(
     flags: list[str], needle: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     code = main(
-        ["simulate", "--neutral", "1", "--queue-policies", "qlm", "--rates", "1", "--num-requests", "5", *flags]
+        [
+            "simulate",
+            "--neutral",
+            "1",
+            "--queue-policies",
+            "qlm",
+            "--rates",
+            "1",
+            "--num-requests",
+            "5",
+            *flags,
+        ]
     )
     assert code == 2
     assert needle in capsys.readouterr().err

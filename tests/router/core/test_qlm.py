@@ -58,9 +58,15 @@ def queue(n: int = 1, batch: int = 4, **kw: object) -> QlmQueue:
 
 
 def test_config_bounds_name_the_field() -> None:
-    for kw in ({"group_factor": 0}, {"confidence": 1.0}, {"eviction": "maybe"}, {"solver": "lp"}, {"batch": -1}):
+    for kw in (
+        {"group_factor": 0},
+        {"confidence": 1.0},
+        {"eviction": "maybe"},
+        {"solver": "lp"},
+        {"batch": -1},
+    ):
         with pytest.raises(ConfigError, match=next(iter(kw))):
-            QlmConfig(**kw)  # type: ignore[arg-type]
+            QlmConfig(**kw)
 
 
 def test_output_stats_learn_the_fraction_of_max_tokens() -> None:
