@@ -406,6 +406,14 @@ class Plan:
     meeting: int
 
 
+#: Moore–Hodgson's drop rule tries this many of the smallest earlier groups per queue.
+RESCUE_CANDIDATES = 4
+#: Plans over at most this many groups are then improved by insertion moves, at most this many passes
+#: (each pass costs groups x positions queue estimates: cheap for small plans only).
+LOCAL_SEARCH_GROUPS = 12
+LOCAL_SEARCH_PASSES = 2
+
+
 def heuristic_plan(
     estimator: Estimator,
     models: Sequence[InstanceModel],
@@ -423,7 +431,9 @@ def heuristic_plan(
     queue when that lets it meet: on one machine this rule maximises the number
     of jobs on time; with weights and several machines it is a heuristic (its
     gap to :func:`milp_plan` is measured in the tests and by ``python -m bench qlm``).
-    Dropped groups are still served, last, in deadline order. With
+    Dropped groups are still served, last, in deadline order. Plans of at most
+    :data:`LOCAL_SEARCH_GROUPS` groups are then improved by moving single
+    groups (:func:`_improve`). With
     ``evictable`` (eviction on), a group that misses behind the running
     requests may still go where it meets once the running requests
     ``evictable(request, group)`` are evicted: the plan counts on that LSO.
@@ -457,7 +467,10 @@ def heuristic_plan(
             # Moore–Hodgson: give up a smaller earlier group if that saves more of this one.
             rescue: tuple[int, int, int] | None = None
             for i in allowed(group):
-                for k, other in enumerate(placed[i]):
+                # The cheapest few candidates (fewest requests) bound the cost of a plan.
+                candidates = sorted(range(len(placed[i])), key=lambda k: (len(placed[i][k].members), k))
+                for k in candidates[:RESCUE_CANDIDATES]:
+                    other = placed[i][k]
                     s = base[i].copy()
                     for j, g in enumerate(placed[i]):
                         if j != k:
@@ -484,9 +497,61 @@ def heuristic_plan(
         i = min(allowed(group), key=lambda i: (states[i].finish_q(), i))
         estimator.place(models[i], states[i], group, now_s)
         placed[i].append(group)
+    if len(groups) <= LOCAL_SEARCH_GROUPS:
+        _improve(estimator, models, running, placed, allowed, now_s)
     order = tuple(tuple(g.gid for g in placed[i]) for i in range(n))
     meeting, late = evaluate(estimator, models, running, {g.gid: g for g in groups}, order, now_s)
     return Plan(order, late, meeting)
+
+
+def _improve(
+    estimator: Estimator,
+    models: Sequence[InstanceModel],
+    running: Sequence[Sequence[QlmRequest]],
+    placed: list[list[Group]],
+    allowed: Callable[[Group], range],
+    now_s: float,
+) -> None:
+    """Insertion local search: move one group to another position (any allowed queue) while that helps."""
+
+    def score(i: int, gs: Sequence[Group]) -> int:
+        return sum(e.meeting for e in estimator.queue(models[i], running[i], gs, now_s))
+
+    scores = [score(i, placed[i]) for i in range(len(models))]
+    for _ in range(LOCAL_SEARCH_PASSES):
+        moved = False
+        for src in range(len(models)):
+            k = 0
+            while k < len(placed[src]):
+                group = placed[src][k]
+                rest = placed[src][:k] + placed[src][k + 1 :]
+                rest_score = score(src, rest)
+                best: tuple[int, int, int] | None = None  # (gain, queue, position)
+                for dst in allowed(group):
+                    base = rest if dst == src else placed[dst]
+                    before = scores[src] + (0 if dst == src else scores[dst])
+                    for pos in range(len(base) + 1):
+                        if dst == src and pos == k:
+                            continue
+                        trial = [*base[:pos], group, *base[pos:]]
+                        after = score(dst, trial) + (0 if dst == src else rest_score)
+                        if after - before > 0 and (best is None or after - before > best[0]):
+                            best = (after - before, dst, pos)
+                if best is None:
+                    k += 1
+                    continue
+                _, dst, pos = best
+                if dst == src:
+                    placed[src] = [*rest[:pos], group, *rest[pos:]]
+                else:
+                    placed[src] = rest
+                    placed[dst] = [*placed[dst][:pos], group, *placed[dst][pos:]]
+                    scores[dst] = score(dst, placed[dst])
+                scores[src] = score(src, placed[src])
+                moved = True
+                k += 1
+        if not moved:
+            return
 
 
 def evaluate(
@@ -497,14 +562,13 @@ def evaluate(
     order: Sequence[Sequence[int]],
     now_s: float,
 ) -> tuple[int, frozenset[int]]:
-    """Requests of groups that meet (all members on time) under ``order``, and the groups that miss."""
+    """Requests on time under ``order``, and the groups with a member predicted late."""
     meeting = 0
     late: set[int] = set()
     for i, gids in enumerate(order):
         for est in estimator.queue(models[i], running[i], [groups[g] for g in gids], now_s):
-            if est.meets:
-                meeting += est.size
-            else:
+            meeting += est.meeting
+            if not est.meets:
                 late.add(est.gid)
     return meeting, frozenset(late)
 
@@ -520,10 +584,12 @@ def milp_plan(
 
     Exact for one-slot instances (``batch`` 1, where the estimator is the serial
     sum of the durations ahead, the paper's waiting time): group i on queue q
-    takes ``dur[q,i]`` (the sum of its members' quantile durations) and meets
-    iff it starts by ``latest[q,i]`` (the tightest of its members' deadlines
-    minus their offsets in the group). Maximises the requests of groups that
-    meet; big-M constraints tie ``met[i]`` to its position's start. A started
+    takes ``dur[q,i]`` (the sum of its members' quantile durations) and its
+    k-th member (groups run FCFS inside) is on time iff the group starts by
+    ``latest[q][i][k]`` (its deadline minus its offset in the group).
+    Maximises the requests on time (the paper minimises the groups' summed
+    penalty; counting requests is the objective this router reports); big-M
+    constraints tie each member's ``met`` to its group's start. A started
     group may only use its own queue. With more slots this is the serial
     relaxation and :func:`evaluate` re-scores its order.
     """
@@ -534,25 +600,28 @@ def milp_plan(
     if n_g == 0:
         return Plan(tuple(() for _ in models), frozenset(), 0)
     free0 = [min(q for q, _ in estimator.slots(models[i], running[i], now_s).heap) for i in range(n_q)]
+    # Per queue and group: its duration, and per member the latest group start that keeps it on time.
     dur = np.zeros((n_q, n_g))
-    latest = np.zeros((n_q, n_g))
+    latest: list[list[list[float]]] = [[[] for _ in range(n_g)] for _ in range(n_q)]
     for q in range(n_q):
         for i, g in enumerate(groups):
-            offset, tightest = 0.0, math.inf
+            offset = 0.0
             for r in g.members:
                 _, pre_q, _, whole_q = estimator.duration(models[q], r)
                 event = offset + (whole_q if r.e2e_only or r.resumed else pre_q)
-                tightest = min(tightest, r.deadline_s - now_s - event)
+                latest[q][i].append(r.deadline_s - now_s - event)
                 offset += whole_q
-            dur[q, i], latest[q, i] = offset, tightest
+            dur[q, i] = offset
+    members = [(i, k) for i, g in enumerate(groups) for k in range(len(g.members))]
     n_j = n_g
     nx = n_q * n_g * n_j
-    nv = nx + n_g
+    nv = nx + len(members)
 
     def xi(q: int, i: int, j: int) -> int:
         return (q * n_g + i) * n_j + j
 
-    big = float(dur.sum() + max(free0) + np.abs(latest).max() + 1.0)
+    spread = max(abs(v) for per_q in latest for per_g in per_q for v in per_g)
+    big = float(dur.sum() + max(free0) + spread + 1.0)
     rows: list[Any] = []
     lo: list[float] = []
     hi: list[float] = []
@@ -575,21 +644,23 @@ def milp_plan(
             rows.append(a)
             lo.append(0)
             hi.append(1)
-    for q in range(n_q):  # free0[q] + sum of durations before j - latest[q, i] <= M (2 - x[q,i,j] - met[i])
+    # Member m = (i, k) meets only if its group's start is early enough:
+    # free0[q] + sum of durations before j - latest[q][i][k] <= M (2 - x[q,i,j] - met[m]).
+    for q in range(n_q):
         for j in range(n_j):
-            for i in range(n_g):
-                a = np.zeros(nv)
-                for k in range(j):
-                    for i2 in range(n_g):
-                        a[xi(q, i2, k)] += dur[q, i2]
+            ahead = np.zeros(nv)
+            for k in range(j):
+                for i2 in range(n_g):
+                    ahead[xi(q, i2, k)] += dur[q, i2]
+            for m, (i, k) in enumerate(members):
+                a = ahead.copy()
                 a[xi(q, i, j)] += big
-                a[nx + i] += big
+                a[nx + m] += big
                 rows.append(a)
                 lo.append(-np.inf)
-                hi.append(2 * big + latest[q, i] - free0[q])
+                hi.append(2 * big + latest[q][i][k] - free0[q])
     c = np.zeros(nv)
-    for i, g in enumerate(groups):
-        c[nx + i] = -float(len(g.members))
+    c[nx:] = -1.0
     res = milp(
         c,
         constraints=LinearConstraint(np.array(rows), np.array(lo), np.array(hi)),
