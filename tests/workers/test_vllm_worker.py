@@ -26,6 +26,8 @@ import pytest
 from slorouter.v1 import cms_pb2, common_pb2, worker_pb2
 
 from predictor import LatencyPredictor
+from router.core.qlm import InstanceModel, QlmConfig, QlmQueue, QlmRequest
+from router.core.request import ScheduleInput
 from workers.vllm_process import VllmWorkerProcess, stop_workers
 
 from .helpers import Client, StreamResult, generate_request, read_stream
@@ -421,3 +423,80 @@ async def test_router_in_front_of_real_vllm_workers_streams_and_transfers_kv(clu
         assert tokens == reference.tokens
     finally:
         await router.stop(grace=0)
+
+
+async def test_qlm_eviction_on_vllm_requeues_with_the_generated_tokens(cluster: Cluster) -> None:
+    """The qlm queue evicts a loose request running on a real vLLM engine for a tight one, then resumes it.
+
+    One instance with a batch of 1: the loose request runs, a tight one arrives,
+    the queue's eviction aborts the loose one on the worker after the tokens the
+    client has received; the tight one runs; the loose one is pulled again and
+    continues with its generated tokens appended to the prompt (``Decode`` with
+    ``generated_token_ids`` and no KV handle: the engine recomputes). Greedy
+    decoding makes the whole output checkable against an uninterrupted run.
+    """
+    address = cluster.decode.address
+    prompt = random_prompt(30, seed=21)
+    reference = await generate(address, "ev-ref", prompt, 24)
+    queue = QlmQueue(QlmConfig(batch=1), [InstanceModel(1, 0.05, lambda n: 0.01)], 6000.0, 50.0)
+    queue.push(
+        ScheduleInput(
+            "ev-loose", len(prompt), e2e_slo_ms=600_000.0, max_tokens=24, slo_class="batch", arrival_s=0.0
+        ),
+        0.0,
+    )
+    (first,) = queue.pump(0.0)
+    assert first.request.request_id == "ev-loose"
+    received: list[int] = []
+    async with Client(address) as client:
+        call = client.stub.Generate(generate_request("ev-loose", prompt, 24, ignore_eos=True), timeout=60)
+        async for msg in call:
+            received.extend(msg.token_ids)
+            if len(received) >= 4:
+                break
+        tight_prompt = random_prompt(10, seed=22)
+        queue.push(
+            ScheduleInput(
+                "ev-tight",
+                10,
+                ttft_slo_ms=500.0,
+                tpot_slo_ms=50.0,
+                max_tokens=4,
+                slo_class="chat",
+                arrival_s=1.0,
+            ),
+            1.0,
+        )
+        evicted: list[str] = []
+
+        def evict(r: QlmRequest, instance: int) -> int:
+            evicted.append(r.request_id)
+            return len(received)  # what the client has: tokens still in flight are dropped and regenerated
+
+        dispatched = queue.pump(1.0, evict)
+        assert evicted == ["ev-loose"]
+        assert (await client.stub.Abort(worker_pb2.AbortRequest(request_id="ev-loose"), timeout=5)).found
+        call.cancel()
+        assert [d.request.request_id for d in dispatched] == ["ev-tight"]
+        tight = await generate(address, "ev-tight", tight_prompt, 4)
+        assert len(tight.tokens) == 4
+        queue.finished("ev-tight", len(tight.tokens), 2.0)
+        (resumed,) = queue.pump(2.0)
+        r = resumed.request
+        assert r.request_id == "ev-loose" and r.generated == len(received)
+        assert r.prompt_tokens == len(prompt) + len(received) and r.max_tokens == 24 - len(received)
+        rest = await read_stream(
+            client.stub.Decode(
+                worker_pb2.DecodeRequest(
+                    request_id="ev-loose",
+                    prompt_token_ids=prompt,
+                    sampling=common_pb2.SamplingParams(max_tokens=24, ignore_eos=True),
+                    generated_token_ids=received,
+                ),
+                timeout=60,
+            )
+        )
+    # Nothing lost, nothing repeated: exactly max_tokens tokens, the same as the uninterrupted run.
+    assert len(received) + len(rest.tokens) == 24
+    assert received + rest.tokens == reference.tokens
+    assert rest.finish_reason == "length"
