@@ -256,6 +256,8 @@ class RouterQueue:
     """
 
     def __init__(self, config: QueueConfig, default_ttft_ms: float, default_tpot_ms: float) -> None:
+        if config.policy is QueuePolicy.QLM:
+            raise ConfigError("queue_policy='qlm' is served by router.core.qlm.QlmQueue, not RouterQueue")
         self.config = config
         self.policy = config.policy
         self.default_ttft_ms = default_ttft_ms

@@ -291,3 +291,15 @@ def test_plans_place_every_group_once_and_score_consistently(seed: int, n_groups
     meeting, late = evaluate(est, models, running, {g.gid: g for g in groups}, plan.order, 0.0)
     assert (meeting, late) == (plan.meeting, plan.late)
     assert 0 <= meeting <= sum(len(g.members) for g in groups)
+
+
+def test_the_router_refuses_qlm_with_the_flag_named() -> None:
+    import argparse
+
+    from router.core.queue import QueueConfig, RouterQueue
+    from router.server import queue_config
+
+    with pytest.raises(ValueError, match="--queue-policy qlm"):
+        queue_config(argparse.Namespace(queue_policy="qlm"))
+    with pytest.raises(ConfigError, match="qlm"):
+        RouterQueue(QueueConfig(queue_policy="qlm"), 6000.0, 50.0)

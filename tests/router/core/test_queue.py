@@ -215,7 +215,8 @@ def test_offer_expires_waiters_and_refuses_on_an_empty_fleet() -> None:
 
 # --------------------------------------------------------------------------- properties
 
-POLICIES = [p.value for p in QueuePolicy if p is not QueuePolicy.NONE]
+# qlm has its own queue (router.core.qlm; tests/router/core/test_qlm.py).
+POLICIES = [p.value for p in QueuePolicy if p not in (QueuePolicy.NONE, QueuePolicy.QLM)]
 
 ops = st.lists(
     st.one_of(
