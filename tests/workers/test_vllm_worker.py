@@ -438,7 +438,8 @@ async def test_qlm_eviction_on_vllm_requeues_with_the_generated_tokens(cluster: 
     address = cluster.decode.address
     prompt = random_prompt(30, seed=21)
     reference = await generate(address, "ev-ref", prompt, 24)
-    queue = QlmQueue(QlmConfig(batch=1), [InstanceModel(1, 0.05, lambda n: 0.01)], 6000.0, 50.0)
+    # The estimator sees a slow instance (1 s per token): the tight request would wait ~20 s behind it.
+    queue = QlmQueue(QlmConfig(batch=1), [InstanceModel(1, 1.0, lambda n: 0.01)], 6000.0, 50.0)
     queue.push(
         ScheduleInput(
             "ev-loose", len(prompt), e2e_slo_ms=600_000.0, max_tokens=24, slo_class="batch", arrival_s=0.0
