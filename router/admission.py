@@ -20,13 +20,18 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from router.core.errors import ConfigError, QueueFullError, RouterError
+from router.core.qlm import QlmConfig
 from router.core.queue import QueueConfig, QueueEntry, QueuePolicy, RouterQueue, Verdict, offer
 from router.core.request import ScheduleInput
 from router.placement import PlacementRequest, Placer
 from router.route import Route
 from router.telemetry import RequestObserver
+
+if TYPE_CHECKING:
+    from router.qlm_admission import QlmAdmission
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +59,7 @@ class Admission:
     ) -> None:
         if config.policy is QueuePolicy.QLM:
             raise ConfigError(
-                "--queue-policy qlm runs in `slo-router simulate` only; the router serves fcfs, edf or priority"
+                "--queue-policy qlm is served by router.qlm_admission.QlmAdmission (make_admission)"
             )
         self.placer = placer
         self.config = config
@@ -97,7 +102,18 @@ class Admission:
                 self.notify()
             raise
 
-    def release(self, request_id: str) -> None:
+    def attach(self, request_id: str, tokens: Callable[[], int], stop: Callable[[], None]) -> None:
+        """Only the qlm policy evicts running requests (:meth:`QlmAdmission.attach`)."""
+        return None
+
+    async def resume(self, request_id: str) -> Admitted:  # pragma: no cover - never evicts
+        raise RouterError(f"request {request_id!r} was not evicted")
+
+    def dry_run_queue(self) -> RouterQueue | None:
+        """The queue the ``Schedule`` dry run reports a position in (None: nothing waits)."""
+        return self.queue if self.enabled else None
+
+    def release(self, request_id: str, output_tokens: int | None = None) -> None:
         """``request_id`` ended at the router: its load leaves, which may let a queued request go."""
         self.placer.release(request_id)
         if self.enabled and len(self.queue):
@@ -212,3 +228,19 @@ class Admission:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+
+
+def make_admission(
+    placer: Placer,
+    config: QueueConfig,
+    qlm: QlmConfig | None = None,
+    *,
+    clock: Callable[[], float] = time.monotonic,
+    observer: RequestObserver | None = None,
+) -> Admission | QlmAdmission:
+    """The admission ``config`` asks for: the router queue, or the qlm queue (``queue_policy`` qlm)."""
+    if config.policy is QueuePolicy.QLM:
+        from router.qlm_admission import QlmAdmission
+
+        return QlmAdmission(placer, config, qlm or QlmConfig(), clock=clock, observer=observer)
+    return Admission(placer, config, clock=clock, observer=observer)

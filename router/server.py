@@ -28,11 +28,12 @@ from cms.serving import add_health_and_reflection, bind_server
 from cms.transport import ClientTls, ServerTls, client_tls_from_arg, server_tls_from_args
 from openai_http.app import DEFAULT_MAX_BODY_BYTES, HttpServer
 from predictor import LatencyPredictor
-from router.admission import Admission
+from router.admission import Admission, make_admission
 from router.chat_template import ChatTemplate, FallbackChatTemplate, load_chat_template
 from router.core.config import SchedulerConfig, name_flags
 from router.core.health import OutlierConfig, OutlierDetector
 from router.core.predictors import PredictorSet
+from router.core.qlm import QlmConfig
 from router.core.queue import QueueConfig
 from router.core.scheduler import Scheduler
 from router.core.slicing import SliceConfig
@@ -40,6 +41,7 @@ from router.forward import WorkerClient
 from router.http_edge import RouterBackend, start_http_edge
 from router.placement import Placer
 from router.pool import ChannelPool
+from router.qlm_admission import QlmAdmission
 from router.service import RouterService, ServiceConfig
 from router.slicing import SliceDispatcher, slice_config_from_args
 from router.slicing import add_arguments as add_slice_arguments
@@ -60,7 +62,7 @@ class RouterServer:
     server: grpc.aio.Server
     service: RouterService
     scheduler: Scheduler
-    admission: Admission
+    admission: Admission | QlmAdmission
     reader: ClusterReader
     pool: ChannelPool
     workers: WorkerClient
@@ -117,6 +119,7 @@ async def start_router_server(
     http_listen: str = "",
     chat_template: ChatTemplate | None = None,
     queue_config: QueueConfig | None = None,
+    qlm_config: QlmConfig | None = None,
     worker_connect_timeout_s: float = 2.0,
     worker_first_message_timeout_s: float = 30.0,
     outlier: OutlierConfig | None = None,
@@ -130,7 +133,7 @@ async def start_router_server(
     ``SERVING``. With ``http_listen`` (``HOST:PORT``), the OpenAI-compatible
     HTTP edge is served there as well, over the same service.
     ``queue_config`` defaults to :class:`QueueConfig`'s defaults (the ``edf``
-    router queue). ``worker_*_timeout_s`` bound every worker call's connection
+    router queue; ``qlm_config`` tunes ``--queue-policy qlm``). ``worker_*_timeout_s`` bound every worker call's connection
     and first message; ``outlier`` says when failing instances are ejected from
     placement (:mod:`router.core.health`). ``tls`` makes the Router service
     TLS only; ``worker_tls`` makes the calls to workers TLS (checked against
@@ -157,7 +160,7 @@ async def start_router_server(
             profile_label=scheduler.config.profile_label,
             max_retries=service_config.max_retries,
         )
-    admission = Admission(placer, queue_config or QueueConfig(), observer=observer)
+    admission = make_admission(placer, queue_config or QueueConfig(), qlm_config, observer=observer)
     reader.add_listener(admission.notify)
     service = RouterService(
         placer,
@@ -343,6 +346,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     SchedulerConfig.add_arguments(parser)
     add_slice_arguments(parser)
     QueueConfig.add_arguments(parser)
+    QlmConfig.add_arguments(parser)
     parser.add_argument(
         "--max-retries",
         type=int,
@@ -471,11 +475,15 @@ def queue_config(args: argparse.Namespace) -> QueueConfig:
         config = QueueConfig.from_namespace(args)
     except ValueError as exc:
         raise ValueError(name_flags(str(exc), QueueConfig.flags())) from exc
-    if config.queue_policy == "qlm":
-        raise ValueError(
-            "--queue-policy qlm: runs in `slo-router simulate` only; the router serves fcfs, edf or priority"
-        )
     return config
+
+
+def qlm_config(args: argparse.Namespace) -> QlmConfig:
+    """The qlm queue policy's config from the ``--qlm-*`` flags; errors name the flag."""
+    try:
+        return QlmConfig.from_namespace(args)
+    except ValueError as exc:
+        raise ValueError(name_flags(str(exc), QlmConfig.flags())) from exc
 
 
 def outlier_config(args: argparse.Namespace) -> OutlierConfig:
@@ -511,6 +519,8 @@ class RouterPlan:
     #: ``--dispatch-mode slice``: the slice configuration (None: request dispatch).
     slice_config: SliceConfig | None = None
     queue: QueueConfig = field(default_factory=QueueConfig)
+    #: ``--qlm-*``: the qlm queue policy's knobs (used with ``--queue-policy qlm``).
+    qlm: QlmConfig = field(default_factory=QlmConfig)
     #: ``--outlier-*``: when failing instances are ejected from placement.
     outlier: OutlierConfig = field(default_factory=OutlierConfig)
 
@@ -547,7 +557,14 @@ def plan_from_args(args: argparse.Namespace) -> RouterPlan:
     predictors = build_predictors(args)
     tokenizer = load_tokenizer(args.tokenizer)
     return RouterPlan(
-        config, predictors, service_config, tokenizer, slice_config, queue_config(args), outlier
+        config,
+        predictors,
+        service_config,
+        tokenizer,
+        slice_config,
+        queue_config(args),
+        qlm_config(args),
+        outlier,
     )
 
 
@@ -612,6 +629,7 @@ async def start_from_args(args: argparse.Namespace, plan: RouterPlan | None = No
             http_listen=args.http_listen,
             chat_template=load_chat_template(args.tokenizer),
             queue_config=plan.queue,
+            qlm_config=plan.qlm,
             tls=tls,
             worker_tls=client_tls,
         )

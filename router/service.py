@@ -44,6 +44,7 @@ from router.core.queue import QueueConfig
 from router.core.request import Mode
 from router.forward import LegError, LegLedger, WorkerClient
 from router.placement import PlacementRequest, Placer
+from router.qlm_admission import QlmAdmission, RunHandle
 from router.route import Route
 from router.slicing import SliceDispatcher, slice_route
 from router.telemetry import RequestObserver
@@ -147,7 +148,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         clock: Callable[[], float] = time.monotonic,
         observer: RequestObserver | None = None,
         slicer: SliceDispatcher | None = None,
-        admission: Admission | None = None,
+        admission: Admission | QlmAdmission | None = None,
     ) -> None:
         self._slicer = slicer
         self._placer = placer
@@ -156,7 +157,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self._config = config
         self._clock = clock
         self._observer = observer or RequestObserver()
-        self._admission = admission or Admission(
+        self._admission: Admission | QlmAdmission = admission or Admission(
             placer, QueueConfig(queue_policy="none"), clock=clock, observer=self._observer
         )
         self._active: set[str] = set()
@@ -214,7 +215,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self, request: router_pb2.ScheduleRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> router_pb2.ScheduleResponse:
         try:
-            queue = self._admission.queue if self._admission.enabled else None
+            queue = self._admission.dry_run_queue()
             return self._placer.dry_run(self._prepare(request.request), queue, explain=request.explain)
         except RouterError as exc:
             await context.abort(_error_code(exc), str(exc))
@@ -278,7 +279,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
             raise
         finally:
             self._active.discard(request_id)
-            self._admission.release(request_id)
+            self._admission.release(request_id, len(progress.tokens) if finished else None)
             if not finished:
                 # Cancelled, deadline, or failed part-way: nothing may keep running for it.
                 self._workers.abort_all(request_id, ledger)
@@ -467,6 +468,17 @@ class RouterService(router_pb2_grpc.RouterServicer):
             prefill.instance_id, grpc.StatusCode.UNAVAILABLE, "stream ended before the first token"
         )
 
+    async def _resumed(
+        self, req: PlacementRequest, handle: RunHandle, progress: _Progress
+    ) -> tuple[Choice, bytes]:
+        """After an eviction: the instance the queue pulls the request to next, and no KV (recompute)."""
+        logger.info(
+            "request %s: evicted after %d tokens; waiting in the queue", req.request_id, len(progress.tokens)
+        )
+        admitted = await self._admission.resume(req.request_id)
+        progress.queue_wait_s += admitted.waited_s
+        return admitted.route.decode, b""
+
     async def _rest(
         self,
         req: PlacementRequest,
@@ -481,6 +493,14 @@ class RouterService(router_pb2_grpc.RouterServicer):
         kv_handle = started.kv_handle
         excluded: set[str] = set()
         failures = 0
+        # Under --queue-policy qlm the queue may evict this request while it streams: the leg is
+        # aborted, nothing more of it is relayed, and it continues from a new placement with the
+        # tokens the client has (see router.qlm_admission).
+        handle = self._admission.attach(
+            req.request_id,
+            lambda: len(progress.tokens),
+            lambda: self._workers.abort_all(req.request_id, ledger),
+        )
         while True:
             if stream is None:
                 stream = self._workers.stream(
@@ -497,6 +517,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 )
             try:
                 async for message in stream:
+                    if handle is not None and handle.evicted:
+                        continue  # the aborted leg's last messages: the client gets them from the next run
                     index = len(progress.tokens)
                     self._note_tokens(progress, message.token_ids)
                     if message.num_cached_prompt_tokens:
@@ -511,11 +533,18 @@ class RouterService(router_pb2_grpc.RouterServicer):
                     )
                     if message.finished:
                         return
+                if handle is not None and handle.evicted:
+                    stream = None
+                    target, kv_handle = await self._resumed(req, handle, progress)
+                    continue
                 raise LegError(
                     target.instance_id, grpc.StatusCode.UNAVAILABLE, "stream ended before finishing"
                 )
             except LegError as exc:
                 stream = None
+                if handle is not None and handle.evicted:
+                    target, kv_handle = await self._resumed(req, handle, progress)
+                    continue
                 if exc.kv_gone and kv_handle:
                     # The prefill side no longer holds the KV: recompute prompt + generated tokens.
                     logger.info(

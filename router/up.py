@@ -32,6 +32,7 @@ from cms.reader import open_reader
 from cms.server import CmsServer, start_cms_server
 from predictor import LatencyPredictor
 from router.core.config import SchedulerConfig
+from router.core.qlm import QlmConfig
 from router.core.queue import QueueConfig
 from router.core.scheduler import Scheduler
 from router.core.slicing import SliceConfig
@@ -41,6 +42,7 @@ from router.server import (
     RouterServer,
     check_address,
     check_port,
+    qlm_config,
     queue_config,
     scheduler_config,
     start_router_server,
@@ -190,6 +192,7 @@ class ClusterPlan:
     #: ``--dispatch-mode slice``: the slice configuration (None: request dispatch).
     slice_config: SliceConfig | None = None
     queue: QueueConfig = field(default_factory=QueueConfig)
+    qlm: QlmConfig = field(default_factory=QlmConfig)
 
 
 def plan_cluster(args: argparse.Namespace) -> ClusterPlan:
@@ -218,7 +221,7 @@ def plan_cluster(args: argparse.Namespace) -> ClusterPlan:
         roles = [("neutral", i) for i in range(args.neutral)]
     else:
         roles = [("prefill", i) for i in range(args.prefill)] + [("decode", i) for i in range(args.decode)]
-    return ClusterPlan(roles, profile, predictor, config, slice_config, queue)
+    return ClusterPlan(roles, profile, predictor, config, slice_config, queue, qlm_config(args))
 
 
 async def start_cluster(args: argparse.Namespace, plan: ClusterPlan | None = None) -> Cluster:
@@ -261,6 +264,7 @@ async def start_cluster(args: argparse.Namespace, plan: ClusterPlan | None = Non
             slice_config=plan.slice_config,
             http_listen=args.http_listen,
             queue_config=plan.queue,
+            qlm_config=plan.qlm,
         )
     except BaseException:
         await stop_workers(workers)
@@ -331,6 +335,7 @@ def register(subparsers: Any) -> None:
     SchedulerConfig.add_arguments(parser)
     add_slice_arguments(parser)
     QueueConfig.add_arguments(parser)
+    QlmConfig.add_arguments(parser)
     parser.set_defaults(func=run, scheduling_policy="slo")
 
 

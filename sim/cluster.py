@@ -105,7 +105,7 @@ from router.core.config import SchedulerConfig
 from router.core.decision import Decision
 from router.core.errors import EmptyClusterError, LateError, NoInstanceError
 from router.core.predictors import PredictorSet
-from router.core.qlm import Dispatch, InstanceModel, QlmConfig, QlmQueue, QlmRequest
+from router.core.qlm import DEFAULT_CONTEXT, Dispatch, QlmConfig, QlmQueue, QlmRequest, instance_model
 from router.core.queue import QueueConfig, QueuePolicy, RouterQueue, Verdict, offer
 from router.core.request import Mode, Role, ScheduleInput
 from router.core.scheduler import Scheduler
@@ -1150,44 +1150,6 @@ def simulate(
     )
 
 
-#: Context tokens per running request assumed when sizing the qlm batch and its decode step when the
-#: workload gives no better figure.
-QLM_DEFAULT_CONTEXT = 1024
-
-
-class _Prefill:
-    """Predicted prefill seconds of an instance beside a full decode batch (cached per 16-token bucket)."""
-
-    def __init__(self, lp: LatencyPredictor, batch: int, context: float, budget: int) -> None:
-        self.lp, self.batch, self.context, self.budget = lp, batch, context, budget
-        self.cache: dict[int, float] = {}
-
-    def __call__(self, tokens: int) -> float:
-        key = tokens // 16
-        value = self.cache.get(key)
-        if value is None:
-            ms = self.lp.predict_ttft_ms((key + 1) * 16, self.batch, self.batch * self.context, self.budget)
-            value = self.cache[key] = float(ms) * 1e-3
-        return value
-
-
-#: The qlm batch is sized so a pure decode step takes at most this fraction of the TPOT target: prefill
-#: chunks of the requests it pulls share the steps (in simulation, 1.0 put a third of the tight class over
-#: its TPOT target; 0.6 none).
-QLM_TPOT_HEADROOM = 0.6
-
-
-def qlm_batch(lp: LatencyPredictor, tpot_ms: float, context: float, most: int) -> int:
-    """The largest decode batch (<= ``most``) whose predicted step stays under the headroom of ``tpot_ms``."""
-    best = 1
-    for b in range(1, most + 1):
-        if float(lp.predict_tpot_ms(b, b * context)) <= QLM_TPOT_HEADROOM * tpot_ms:
-            best = b
-        else:
-            break
-    return best
-
-
 def _make_qlm(
     fleet: SimFleet, scheduler: Scheduler, plans: Sequence[RequestPlan], queue: QueueConfig, config: QlmConfig
 ) -> QlmQueue:
@@ -1197,16 +1159,17 @@ def _make_qlm(
     defaults = scheduler.config
     # Mean context of a running request: its prompt plus half its output (the workload's own figure).
     context = (
-        sum(p.prompt_tokens + p.max_tokens / 2 for p in plans) / len(plans) if plans else QLM_DEFAULT_CONTEXT
+        sum(p.prompt_tokens + p.max_tokens / 2 for p in plans) / len(plans) if plans else DEFAULT_CONTEXT
     )
     models = []
     for i in range(fleet.n):
         lp = fleet.predictors.for_group(fleet.groups[i])
         engine = fleet.configs[i]
-        batch = config.batch or qlm_batch(lp, defaults.tpot_slo_ms, context, engine.max_num_seqs)
-        step_s = float(lp.predict_tpot_ms(batch, batch * context)) * 1e-3
-        prefill = _Prefill(lp, batch, context, engine.max_num_batched_tokens)
-        models.append(InstanceModel(batch, step_s, prefill))
+        models.append(
+            instance_model(
+                lp, config, defaults.tpot_slo_ms, context, engine.max_num_seqs, engine.max_num_batched_tokens
+            )
+        )
     return QlmQueue(
         config, models, defaults.ttft_slo_ms, defaults.tpot_slo_ms, max_queue_size=queue.max_queue_size
     )

@@ -71,6 +71,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from predictor import LatencyPredictor
 from router.core.errors import ConfigError
 from router.core.request import ScheduleInput, resolve_targets
 
@@ -232,6 +233,57 @@ class InstanceModel:
     @property
     def throughput_tps(self) -> float:
         return self.batch / self.decode_step_s
+
+
+#: Context tokens per running request assumed when sizing an instance's batch and decode step (the
+#: simulator uses its workload's own mean instead).
+DEFAULT_CONTEXT = 1024
+
+#: The batch is sized so a pure decode step takes at most this fraction of the TPOT target: prefill
+#: chunks of the requests it pulls share the steps (in simulation, 1.0 put a third of the tight class over
+#: its TPOT target; 0.6 none).
+TPOT_HEADROOM = 0.6
+
+
+class _Prefill:
+    """Predicted prefill seconds beside a full decode batch (cached per 16-token bucket)."""
+
+    def __init__(self, lp: LatencyPredictor, batch: int, context: float, budget: int) -> None:
+        self.lp, self.batch, self.context, self.budget = lp, batch, context, budget
+        self.cache: dict[int, float] = {}
+
+    def __call__(self, tokens: int) -> float:
+        key = tokens // 16
+        value = self.cache.get(key)
+        if value is None:
+            ms = self.lp.predict_ttft_ms((key + 1) * 16, self.batch, self.batch * self.context, self.budget)
+            value = self.cache[key] = float(ms) * 1e-3
+        return value
+
+
+def batch_for(lp: LatencyPredictor, tpot_ms: float, context: float, most: int) -> int:
+    """The largest decode batch (<= ``most``) whose predicted step stays under the headroom of ``tpot_ms``."""
+    best = 1
+    for b in range(1, most + 1):
+        if float(lp.predict_tpot_ms(b, b * context)) <= TPOT_HEADROOM * tpot_ms:
+            best = b
+        else:
+            break
+    return best
+
+
+def instance_model(
+    lp: LatencyPredictor,
+    config: QlmConfig,
+    tpot_ms: float,
+    context: float = DEFAULT_CONTEXT,
+    most: int = 256,
+    budget: int = 2048,
+) -> InstanceModel:
+    """An instance's model from its profile: ``config.batch`` (or :func:`batch_for`) slots, step, prefill."""
+    batch = config.batch or batch_for(lp, tpot_ms, context, most)
+    step_s = float(lp.predict_tpot_ms(batch, batch * context)) * 1e-3
+    return InstanceModel(batch, step_s, _Prefill(lp, batch, context, budget))
 
 
 # --------------------------------------------------------------------------- requests and groups
