@@ -293,13 +293,14 @@ def test_plans_place_every_group_once_and_score_consistently(seed: int, n_groups
     assert 0 <= meeting <= sum(len(g.members) for g in groups)
 
 
-def test_the_router_refuses_qlm_with_the_flag_named() -> None:
+def test_router_qlm_flags_name_the_flag_and_router_queue_refuses_qlm() -> None:
     import argparse
 
     from router.core.queue import QueueConfig, RouterQueue
-    from router.server import queue_config
+    from router.server import qlm_config, queue_config
 
-    with pytest.raises(ValueError, match="--queue-policy qlm"):
-        queue_config(argparse.Namespace(queue_policy="qlm"))
+    assert queue_config(argparse.Namespace(queue_policy="qlm")).queue_policy == "qlm"
+    with pytest.raises(ValueError, match="--qlm-group-factor"):
+        qlm_config(argparse.Namespace(qlm_group_factor=0))
     with pytest.raises(ConfigError, match="qlm"):
         RouterQueue(QueueConfig(queue_policy="qlm"), 6000.0, 50.0)
