@@ -71,8 +71,8 @@ class QueuePolicy(str, enum.Enum):
     FCFS = "fcfs"
     EDF = "edf"
     PRIORITY = "priority"
-    #: Request groups over per-instance virtual queues, with eviction (:mod:`router.core.qlm`); the
-    #: simulator runs it; :class:`RouterQueue` is not used then.
+    #: Request groups over per-instance virtual queues, with eviction (:mod:`router.core.qlm`, driven by
+    #: :mod:`router.qlm_admission` and :mod:`sim.cluster`); :class:`RouterQueue` is not used then.
     QLM = "qlm"
 
 
@@ -95,7 +95,7 @@ class QueueConfig:
         default="edf",
         metadata=_doc(
             "order of requests waiting in the router: none (refuse at once), fcfs, edf, priority or qlm "
-            "(request groups and virtual queues with eviction; simulate only)",
+            "(request groups and virtual queues with eviction, neutral instances; --qlm-*)",
             "--queue-policy",
         ),
     )
