@@ -20,18 +20,13 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from router.core.errors import ConfigError, QueueFullError, RouterError
-from router.core.qlm import QlmConfig
 from router.core.queue import QueueConfig, QueueEntry, QueuePolicy, RouterQueue, Verdict, offer
 from router.core.request import ScheduleInput
 from router.placement import PlacementRequest, Placer
 from router.route import Route
 from router.telemetry import RequestObserver
-
-if TYPE_CHECKING:
-    from router.qlm_admission import QlmAdmission
 
 logger = logging.getLogger(__name__)
 
@@ -228,19 +223,3 @@ class Admission:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-
-
-def make_admission(
-    placer: Placer,
-    config: QueueConfig,
-    qlm: QlmConfig | None = None,
-    *,
-    clock: Callable[[], float] = time.monotonic,
-    observer: RequestObserver | None = None,
-) -> Admission | QlmAdmission:
-    """The admission ``config`` asks for: the router queue, or the qlm queue (``queue_policy`` qlm)."""
-    if config.policy is QueuePolicy.QLM:
-        from router.qlm_admission import QlmAdmission
-
-        return QlmAdmission(placer, config, qlm or QlmConfig(), clock=clock, observer=observer)
-    return Admission(placer, config, clock=clock, observer=observer)

@@ -26,16 +26,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from slorouter.v1 import cms_pb2
 
 from fleet.snapshot import ClusterSnapshot
-from router.admission import Admitted
+from router.admission import Admission, Admitted
 from router.core.errors import EmptyClusterError, QueueFullError, RouterError, SchedulingError
 from router.core.qlm import Dispatch, QlmConfig, QlmQueue, QlmRequest, instance_model
-from router.core.queue import QueueConfig
+from router.core.queue import QueueConfig, QueuePolicy
 from router.core.request import ScheduleInput, Targets
 from router.placement import PlacementRequest, Placer
 from router.route import Route
@@ -275,3 +276,17 @@ class QlmAdmission:
         logger.info("qlm: evicted %s from %s after %d tokens", r.request_id, self.ids[instance], tokens)
         self._observer.queue_changed(r.request, +1)
         return tokens
+
+
+def make_admission(
+    placer: Placer,
+    config: QueueConfig,
+    qlm: QlmConfig | None = None,
+    *,
+    clock: Callable[[], float] = time.monotonic,
+    observer: RequestObserver | None = None,
+) -> Admission | QlmAdmission:
+    """The admission ``config`` asks for: the router queue, or the qlm queue (``queue_policy`` qlm)."""
+    if config.policy is QueuePolicy.QLM:
+        return QlmAdmission(placer, config, qlm or QlmConfig(), clock=clock, observer=observer)
+    return Admission(placer, config, clock=clock, observer=observer)

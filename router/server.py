@@ -28,7 +28,7 @@ from cms.serving import add_health_and_reflection, bind_server
 from cms.transport import ClientTls, ServerTls, client_tls_from_arg, server_tls_from_args
 from openai_http.app import DEFAULT_MAX_BODY_BYTES, HttpServer
 from predictor import LatencyPredictor
-from router.admission import Admission, make_admission
+from router.admission import Admission
 from router.chat_template import ChatTemplate, FallbackChatTemplate, load_chat_template
 from router.core.config import SchedulerConfig, name_flags
 from router.core.health import OutlierConfig, OutlierDetector
@@ -41,7 +41,7 @@ from router.forward import WorkerClient
 from router.http_edge import RouterBackend, start_http_edge
 from router.placement import Placer
 from router.pool import ChannelPool
-from router.qlm_admission import QlmAdmission
+from router.qlm_admission import QlmAdmission, make_admission
 from router.service import RouterService, ServiceConfig
 from router.slicing import SliceDispatcher, slice_config_from_args
 from router.slicing import add_arguments as add_slice_arguments
