@@ -17,16 +17,13 @@ from __future__ import annotations
 import asyncio
 import random
 import signal
-import subprocess
-import sys
-import time
 from dataclasses import dataclass, field
 
 import grpc
 import pytest
 from slorouter.v1 import common_pb2, router_pb2, router_pb2_grpc
 
-from tests.router.e2e.test_up_subprocess import REPO
+from tests.router.e2e.up_process import reap, start_up, wait_for_line
 
 LOOSE, TIGHT = 12, 2
 LOOSE_PROMPT, LOOSE_OUT = 2000, 200
@@ -42,29 +39,8 @@ class Stream:
     gaps: int = 0  # messages whose first_token_index was not the tokens received before
 
 
-def _start(*flags: str) -> tuple[subprocess.Popen[str], str, list[str]]:
-    up = subprocess.Popen(
-        [sys.executable, "-m", "router.cli", "up", "--neutral", "1", "--listen", "127.0.0.1:0",
-         "--http-listen", "", *flags],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
-    )  # fmt: skip
-    output: list[str] = []
-    deadline = time.monotonic() + 90
-    assert up.stdout is not None
-    while time.monotonic() < deadline:
-        line = up.stdout.readline()
-        if not line:
-            break
-        output.append(line)
-        if line.startswith("router listening on "):
-            return up, line.split()[-1], output
-    up.kill()
-    up.wait()
-    raise AssertionError("slo-router up did not start:\n" + "".join(output))
-
-
 async def _generate(
-    stub: router_pb2_grpc.RouterStub,
+    stub: router_pb2_grpc.RouterAsyncStub,
     rid: str,
     prompt: list[int],
     max_tokens: int,
@@ -127,17 +103,17 @@ async def _scenario(address: str) -> tuple[list[Stream], list[Stream]]:
 
 
 def _run(*flags: str) -> tuple[list[Stream], list[Stream], str]:
-    up, address, output = _start(*flags)
+    """The scenario against a fresh ``up --neutral 1``; the streams and what ``up`` printed meanwhile."""
+    up = start_up("--neutral", "1", *flags)
     try:
+        address = wait_for_line(up, "router listening on ")
         loose, tight = asyncio.run(_scenario(address))
         up.send_signal(signal.SIGTERM)
         rest, _ = up.communicate(timeout=30)
         assert up.returncode == 0
-        return loose, tight, "".join(output) + rest
+        return loose, tight, rest
     finally:
-        if up.poll() is None:
-            up.kill()
-            up.wait()
+        reap(up)
 
 
 @pytest.mark.timeout(500)
