@@ -31,8 +31,10 @@ from slorouter.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, wo
 from bench.figures import Figure
 
 REPO = Path(__file__).resolve().parent.parent
-#: Sim worker speeds measured: the bundled profile in real time, and 20x faster (the hop is then the bottleneck).
-SPEED_FACTORS = (1.0, 20.0)
+#: Runs as (sim worker speed, the workers' --stream-interval-ms): the bundled profile in real time,
+#: 20x faster (the hop is then the bottleneck), and 20x faster with the workers merging the tokens
+#: of the steps within 5 ms into one message (fewer messages through every hop).
+RUNS = ((1.0, 0.0), (20.0, 0.0), (20.0, 5.0))
 STREAMS = 64
 REQUESTS = 192
 MAX_TOKENS = 128
@@ -101,9 +103,13 @@ class HopFigures:
     router_ttft_p50_ms: float
     #: CPU of the `up` process (router + embedded CMS) per forwarded message, at STREAMS streams.
     router_cpu_us_per_message: float
+    #: The same per request (MAX_TOKENS tokens).
+    router_cpu_ms_per_request: float
 
 
-async def _measure(router_addr: str, worker_addrs: list[str], speed: float, router_pid: int) -> HopFigures:
+async def _measure(
+    router_addr: str, worker_addrs: list[str], speed: float, interval_ms: float, router_pid: int
+) -> HopFigures:
     router_channel = grpc.aio.insecure_channel(router_addr)
     worker_channels = [grpc.aio.insecure_channel(a) for a in worker_addrs]
     router = router_pb2_grpc.RouterStub(router_channel)
@@ -128,7 +134,8 @@ async def _measure(router_addr: str, worker_addrs: list[str], speed: float, rout
         router_tps, router_batch, forwarded = await _throughput(via_router)
         router_cpu_s = _own_cpu_s(router_pid) - cpu0
         print(
-            f"{STREAMS} concurrent streams, {REQUESTS} requests x {MAX_TOKENS} tokens, sim speed x{speed:g}:"
+            f"{STREAMS} concurrent streams, {REQUESTS} requests x {MAX_TOKENS} tokens, sim speed x{speed:g}, "
+            f"worker --stream-interval-ms {interval_ms:g}:"
         )
         print(f"  direct to workers : {direct_tps:9.0f} tokens/s  ({direct_batch:.2f} tokens/message)")
         print(
@@ -147,7 +154,14 @@ async def _measure(router_addr: str, worker_addrs: list[str], speed: float, rout
         print(f"  TTFT direct : p50 {d50:6.2f} ms  p99 {_pct(direct_ttft, 0.99):6.2f} ms")
         print(f"  TTFT router : p50 {r50:6.2f} ms  p99 {_pct(router_ttft, 0.99):6.2f} ms")
         print(f"  added by the router hop: p50 {r50 - d50:+.2f} ms")
-        return HopFigures(direct_tps, router_tps, d50, r50, router_cpu_s / max(forwarded, 1) * 1e6)
+        return HopFigures(
+            direct_tps,
+            router_tps,
+            d50,
+            r50,
+            router_cpu_s / max(forwarded, 1) * 1e6,
+            router_cpu_s / REQUESTS * 1e3,
+        )
     finally:
         await router_channel.close(None)
         for channel in worker_channels:
@@ -155,12 +169,14 @@ async def _measure(router_addr: str, worker_addrs: list[str], speed: float, rout
 
 
 def main() -> list[Figure]:
-    runs = {speed: _run(speed) for speed in SPEED_FACTORS}
+    runs = {(speed, interval): _run(speed, interval) for speed, interval in RUNS}
     figures = []
-    for speed, hop in runs.items():
+    for (speed, interval), hop in runs.items():
         what = f"router hop, {STREAMS} streams, sim workers " + (
             "at the profile's real speed" if speed == 1.0 else f"{speed:g}x faster"
         )
+        if interval:
+            what += f", worker --stream-interval-ms {interval:g}"
         if hop is None:
             figures.append(Figure(what, "not measured: `slo-router up` did not start"))
             continue
@@ -169,22 +185,24 @@ def main() -> list[Figure]:
                 what,
                 f"{hop.router_tps:.0f} vs {hop.direct_tps:.0f} tokens/s direct "
                 f"(ratio {hop.router_tps / hop.direct_tps:.2f}); router + CMS CPU "
-                f"{hop.router_cpu_us_per_message:.0f} µs per forwarded message",
+                f"{hop.router_cpu_us_per_message:.0f} µs per forwarded message, "
+                f"{hop.router_cpu_ms_per_request:.1f} ms per request",
             )
         )
     added = [
         f"{hop.router_ttft_p50_ms - hop.direct_ttft_p50_ms:+.1f} ms (x{speed:g})"
-        for speed, hop in runs.items()
-        if hop is not None
+        for (speed, interval), hop in runs.items()
+        if hop is not None and not interval
     ]
     figures.append(Figure("TTFT added by the router hop, one stream", "p50 " + ", ".join(added)))
     return figures
 
 
-def _run(speed: float) -> HopFigures | None:
+def _run(speed: float, interval_ms: float) -> HopFigures | None:
     cmd = [
         sys.executable, "-m", "router.cli", "up", "--neutral", "2", "--listen", "127.0.0.1:0",
         "--speed-factor", str(speed), "--scheduling-policy", "load-balance", "--http-listen", "",
+        "--worker-stream-interval-ms", str(interval_ms),
     ]  # fmt: skip
     up = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=REPO)
     try:
@@ -199,7 +217,7 @@ def _run(speed: float) -> HopFigures | None:
         if not router_addr:
             print("slo-router up did not start; no figures")
             return None
-        return asyncio.run(_measure(router_addr, worker_addrs, speed, up.pid))
+        return asyncio.run(_measure(router_addr, worker_addrs, speed, interval_ms, up.pid))
     finally:
         up.terminate()
         up.wait(timeout=30)

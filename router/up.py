@@ -204,6 +204,11 @@ def plan_cluster(args: argparse.Namespace) -> ClusterPlan:
         raise ValueError("need --neutral K, or at least one --prefill and one --decode worker")
     if not (math.isfinite(args.speed_factor) and args.speed_factor > 0):
         raise ValueError(f"--speed-factor {args.speed_factor}: must be a finite number > 0")
+    interval = args.worker_stream_interval_ms
+    if not (math.isfinite(interval) and 0 <= interval <= 1000):
+        raise ValueError(
+            f"--worker-stream-interval-ms {interval}: must be a number of milliseconds within [0, 1000]"
+        )
     if not (math.isfinite(args.start_timeout_s) and args.start_timeout_s > 0):
         raise ValueError(f"--start-timeout-s {args.start_timeout_s}: must be a finite number > 0")
     if args.dispatch_mode == "slice" and not args.neutral:
@@ -241,6 +246,8 @@ async def start_cluster(args: argparse.Namespace, plan: ClusterPlan | None = Non
         extra = ["--speed-factor", str(args.speed_factor), "--seed", str(args.seed)]
         if args.worker_http:
             extra += ["--http-listen", "127.0.0.1:0"]
+        if args.worker_stream_interval_ms:
+            extra += ["--stream-interval-ms", str(args.worker_stream_interval_ms)]
         for (role, _), iid in zip(plan.roles, ids, strict=True):
             workers.append(
                 await _spawn_worker(iid, role, cms.address, plan.profile, extra, token_files[iid], secrets)
@@ -312,6 +319,13 @@ def register(subparsers: Any) -> None:
         "--worker-http",
         action="store_true",
         help="give every sim worker an OpenAI-compatible HTTP face too (for HTTP routers and benchmarks)",
+    )
+    parser.add_argument(
+        "--worker-stream-interval-ms",
+        type=float,
+        default=0.0,
+        help="the sim workers' --stream-interval-ms: space each stream's messages at least this far "
+        "apart, merging the tokens in between (default: %(default)s = one message per engine step)",
     )
     parser.add_argument(
         "--profile",

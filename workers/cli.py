@@ -134,6 +134,14 @@ def register(subparsers: Any) -> None:
         "unschedulable (reason in its status) until its steps resume; 0 = off (default: %(default)s)",
     )
     worker.add_argument(
+        "--stream-interval-ms",
+        type=float,
+        default=0.0,
+        help="space a stream's messages at least this far apart: the tokens of the engine steps in "
+        "between go out merged in the next message (fewer, larger messages for the router and the "
+        "client; the first token is never held); 0 = one message per step (default: %(default)s)",
+    )
+    worker.add_argument(
         "--shutdown-grace-s",
         type=float,
         default=5.0,
@@ -221,6 +229,10 @@ def check_worker_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--metrics-port {args.metrics_port}: must be a port 0-65535 (0 = off)")
     if not (math.isfinite(args.engine_stall_s) and args.engine_stall_s >= 0):
         raise ValueError(f"--engine-stall-s {args.engine_stall_s}: must be a finite number >= 0 (0 = off)")
+    if not (math.isfinite(args.stream_interval_ms) and 0 <= args.stream_interval_ms <= 1000):
+        raise ValueError(
+            f"--stream-interval-ms {args.stream_interval_ms}: must be a number of milliseconds within [0, 1000]"
+        )
 
 
 def run_worker(args: argparse.Namespace) -> int:
@@ -282,6 +294,7 @@ async def _serve(engine: Any, args: argparse.Namespace, identity: Any, token: st
             kv_signer=args.kv_signer,
             tls=args.server_tls,
             cms_tls=args.cms_tls,
+            stream_interval_s=args.stream_interval_ms / 1e3,
         )
     except (OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)

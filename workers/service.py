@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import socket
 from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -61,6 +62,9 @@ if TYPE_CHECKING:
     from workers.agent import StatusAgent
 
 logger = logging.getLogger(__name__)
+
+#: Upper bound of ``stream_interval_s`` (``--stream-interval-ms``): longer would starve a stream's reader.
+MAX_STREAM_INTERVAL_S = 1.0
 
 SERVICE_NAME: str = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 
@@ -110,7 +114,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         metadata: cms_pb2.InstanceMetadata,
         tokenizer: TextTokenizer | None = None,
         kv_signer: KvSigner | None = None,
+        stream_interval_s: float = 0.0,
     ) -> None:
+        if not (math.isfinite(stream_interval_s) and 0 <= stream_interval_s <= MAX_STREAM_INTERVAL_S):
+            raise ValueError(
+                f"stream_interval_s must be within [0, {MAX_STREAM_INTERVAL_S:g}] s, got {stream_interval_s!r}"
+            )
+        self._stream_interval_s = stream_interval_s
         self._engine = engine
         self._metadata = metadata
         self._kv_signer = kv_signer
@@ -189,9 +199,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     ) -> None:
         finished = False
         first = True
+        interval = self._stream_interval_s
+        loop = asyncio.get_running_loop()
         try:
             async for delta in stream:
                 finished = delta.finished
+                sent_at = loop.time()
                 await context.write(
                     worker_pb2.WorkerTokens(
                         request_id=request_id,
@@ -206,6 +219,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 first = False
                 if finished:
                     break
+                if interval:
+                    # Hold the next message until `interval` after this one: the engine merges the
+                    # tokens of the steps in between (DeltaCollector), so a fast engine sends fewer,
+                    # larger messages and every hop after it (router, client) handles fewer.
+                    wait = interval - (loop.time() - sent_at)
+                    if wait > 0:
+                        await asyncio.sleep(wait)
         except asyncio.CancelledError:
             # The client went away: its request must not keep running.
             if not finished:
@@ -335,6 +355,7 @@ async def start_worker_server(
     kv_signer: KvSigner | None = None,
     tls: ServerTls | None = None,
     cms_tls: ClientTls | None = None,
+    stream_interval_s: float = 0.0,
 ) -> WorkerServer:
     """Start ``engine`` and serve it on ``listen`` (``HOST:PORT``; port 0 picks one).
 
@@ -348,7 +369,9 @@ async def start_worker_server(
     holding work may finish no step before the agent reports it unschedulable (0 = off).
     ``kv_signer`` signs the kv handles this worker hands out and checks those it
     is given (:mod:`workers.kv_auth`); ``tls`` serves TLS only; ``cms_tls``
-    reaches the CMS over TLS. ``WorkerServer.stop()`` stops the agent, the
+    reaches the CMS over TLS. ``stream_interval_s`` > 0 spaces a stream's messages
+    at least that far apart (the first goes at once; tokens in between are merged
+    into the next). ``WorkerServer.stop()`` stops the agent, the
     server and the engine. With ``http_listen`` (``HOST:PORT``) the engine is
     also served over OpenAI's HTTP API (:mod:`workers.http_face`). Raises
     ``OSError`` when an address cannot be bound.
@@ -376,7 +399,7 @@ async def start_worker_server(
     try:
         # Only a started engine knows all its facts (vLLM sizes its KV cache while starting).
         metadata = build_metadata(engine.info, identity, endpoint)
-        servicer = WorkerServicer(engine, metadata, tokenizer, kv_signer)
+        servicer = WorkerServicer(engine, metadata, tokenizer, kv_signer, stream_interval_s)
         worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
         health_servicer = add_health_and_reflection(server, SERVICE_NAME)
         await server.start()

@@ -300,3 +300,24 @@ async def test_stop_is_graceful_and_idempotent(start_worker: StartWorker) -> Non
         await client.generate("a", prompt(8), 3)
     await asyncio.gather(server.stop(0.5), server.stop(0.5))
     await server.stop()
+
+
+async def test_stream_interval_merges_steps_into_fewer_messages(start_worker: StartWorker) -> None:
+    # Steps of well under a millisecond against a 100 ms interval: the 64 tokens must arrive in a
+    # few messages, every token exactly once and in order (the same tokens as one message per step).
+    plain = await start_worker(speed_factor=50.0)
+    spaced = await start_worker(speed_factor=50.0, server_kw={"stream_interval_s": 0.1})
+    async with Client(plain.address) as a, Client(spaced.address) as b:
+        every_step = await read_stream(
+            a.stub.Generate(generate_request("s", prompt(16), 64, ignore_eos=True))
+        )
+        merged = await read_stream(b.stub.Generate(generate_request("s", prompt(16), 64, ignore_eos=True)))
+    assert merged.tokens == every_step.tokens and len(merged.tokens) == 64
+    assert merged.text == every_step.text and merged.finish_reason == "length"
+    assert merged.messages < every_step.messages / 4, (merged.messages, every_step.messages)
+
+
+async def test_stream_interval_is_bounded(start_worker: StartWorker) -> None:
+    for bad in (-0.001, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="stream_interval_s"):
+            await start_worker(server_kw={"stream_interval_s": bad})
