@@ -126,18 +126,20 @@ async def bind_server(
     max_receive_bytes: int,
     max_send_bytes: int,
     tls: ServerTls | None = None,
+    reuse_port: bool = False,
 ) -> tuple[grpc.aio.Server, int]:
     """A new server bound to ``listen`` (``HOST:PORT``; port 0 picks one) and the port it got.
 
     Messages above ``max_receive_bytes`` are refused by gRPC with
     ``RESOURCE_EXHAUSTED`` before any handler runs. With ``tls`` the port
-    speaks TLS only.
+    speaks TLS only. ``reuse_port`` lets other processes listen on the same port
+    (``SO_REUSEPORT``; the kernel spreads connections over them).
 
     Raises ``OSError`` when the address cannot be bound (the server is stopped first).
     """
     server = grpc.aio.server(
         options=[
-            ("grpc.so_reuseport", 0),
+            ("grpc.so_reuseport", 1 if reuse_port else 0),
             *message_size_options(max_receive_bytes, max_send_bytes),
             *options,
         ],

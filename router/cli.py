@@ -52,6 +52,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     parser = build_parser()
     args = parser.parse_args(argv)
+    # The command line as given (``--processes`` starts more routers with the same flags).
+    args.argv = list(argv if argv is not None else sys.argv[1:])
     logging.basicConfig(
         level=getattr(logging, args.log_level),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

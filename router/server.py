@@ -125,6 +125,7 @@ async def start_router_server(
     outlier: OutlierConfig | None = None,
     tls: ServerTls | None = None,
     worker_tls: ClientTls | None = None,
+    reuse_port: bool = False,
 ) -> RouterServer:
     """Serve the Router service on ``listen`` over ``reader``'s view; starts the reader too.
 
@@ -176,6 +177,7 @@ async def start_router_server(
         max_receive_bytes=limits.SERVING_MAX_MESSAGE_BYTES,
         max_send_bytes=limits.SERVING_MAX_MESSAGE_BYTES,
         tls=tls,
+        reuse_port=reuse_port,
     )
     router_pb2_grpc.add_RouterServicer_to_server(service, server)
     health_servicer = add_health_and_reflection(server, SERVICE_NAME)
@@ -292,6 +294,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--listen", default=DEFAULT_LISTEN, help="HOST:PORT of the Router service (default: %(default)s)"
     )
+    parser.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        help="router processes accepting on --listen (SO_REUSEPORT; the kernel spreads connections "
+        "over them), sharing their in-flight account through shared memory; needs an external CMS "
+        "(--cms grpc://... or redis://...); the HTTP edge and --metrics-port stay on the first "
+        "(default: %(default)s)",
+    )
+    # Internal: set by the first process on the ones it starts (NAME:SLOT:PROCESSES of the segment).
+    parser.add_argument("--shared-inflight", default="", help=argparse.SUPPRESS)
     parser.add_argument(
         "--cms",
         default="memory",
@@ -544,6 +557,7 @@ def plan_from_args(args: argparse.Namespace) -> RouterPlan:
     except ValueError as exc:
         raise ValueError(name_flags(str(exc), {**SERVICE_FLAGS, **SchedulerConfig.flags()})) from exc
     check_address("--listen", args.listen)
+    check_processes(args)
     if args.cms == "memory":
         check_address("--cms-listen", args.cms_listen)
     elif not args.cms.startswith(("grpc://", "redis://", "rediss://", "unix://")):
@@ -566,6 +580,24 @@ def plan_from_args(args: argparse.Namespace) -> RouterPlan:
         qlm_config(args),
         outlier,
     )
+
+
+def check_processes(args: argparse.Namespace) -> None:
+    """``--processes`` and the internal ``--shared-inflight``; ``ValueError`` naming the flag."""
+    from router.shared_inflight import MAX_PROCESSES
+
+    if not 1 <= args.processes <= MAX_PROCESSES:
+        raise ValueError(f"--processes {args.processes}: must be within [1, {MAX_PROCESSES}]")
+    if args.processes > 1 and args.cms == "memory":
+        raise ValueError(
+            f"--processes {args.processes}: every router needs the same cluster view, and an embedded "
+            "CMS (--cms memory) lives in one of them: give --cms grpc://HOST:PORT or redis://..."
+        )
+    if args.shared_inflight:
+        name, _, rest = args.shared_inflight.partition(":")
+        slot, _, processes = rest.partition(":")
+        if not (name and slot.isdigit() and processes.isdigit() and 0 < int(slot) < int(processes)):
+            raise ValueError(f"--shared-inflight {args.shared_inflight!r}: expected NAME:SLOT:PROCESSES")
 
 
 async def start_from_args(args: argparse.Namespace, plan: RouterPlan | None = None) -> RouterServer:
@@ -632,6 +664,7 @@ async def start_from_args(args: argparse.Namespace, plan: RouterPlan | None = No
             qlm_config=plan.qlm,
             tls=tls,
             worker_tls=client_tls,
+            reuse_port=args.processes > 1 or bool(args.shared_inflight),
         )
     except BaseException:
         for resource in reversed(owned):
@@ -651,7 +684,14 @@ async def start_from_args(args: argparse.Namespace, plan: RouterPlan | None = No
 
 
 async def _serve(args: argparse.Namespace, plan: RouterPlan) -> int:
+    from router.processes import RouterProcesses
+
     server = await start_from_args(args, plan)
+    try:
+        group = await RouterProcesses.start(args, server)
+    except BaseException:
+        await server.stop(grace=0)
+        raise
     print(f"router listening on {server.address}", flush=True)
     if server.http is not None:
         print(f"OpenAI-compatible HTTP API on http://{server.http.address}/v1", flush=True)
@@ -661,7 +701,9 @@ async def _serve(args: argparse.Namespace, plan: RouterPlan) -> int:
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     logger.info("shutting down")
+    await group.stop()
     await server.stop(grace=5.0)
+    await group.close()
     return 0
 
 

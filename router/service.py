@@ -161,6 +161,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
             placer, QueueConfig(queue_policy="none"), clock=clock, observer=self._observer
         )
         self._active: set[str] = set()
+        #: With ``--processes N``: this process's slot, sent as ``slo-router-process`` trailing metadata.
+        self.process_label = ""
 
     @property
     def active_requests(self) -> int:
@@ -225,6 +227,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
     async def Generate(
         self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[router_pb2.GenerateResponse]:
+        if self.process_label:
+            context.set_trailing_metadata((("slo-router-process", self.process_label),))
         try:
             async with contextlib.aclosing(self.generate(request)) as messages:
                 async for message in messages:

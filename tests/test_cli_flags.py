@@ -35,6 +35,9 @@ CASES = [
     (["router", "--prefill-timeout-s", "0"], "--prefill-timeout-s"),
     (["router", "--max-prompt-tokens", "0"], "--max-prompt-tokens"),
     (["router", "--listen", "nowhere"], "--listen"),
+    (["router", "--processes", "0"], "--processes"),
+    (["router", "--processes", "2"], "--processes"),  # the embedded CMS is one process's
+    (["router", "--processes", "99", "--cms", "grpc://127.0.0.1:1"], "--processes"),
     (["router", "--cms-listen", "127.0.0.1:99999"], "--cms-listen"),
     (["router", "--cms", "tcp://x"], "--cms"),
     (["router", "--metrics-port", "70000"], "--metrics-port"),

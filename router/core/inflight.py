@@ -47,6 +47,7 @@ import numpy as np
 
 from fleet.snapshot import ClusterSnapshot, InstanceRecord
 from router.core.columns import (
+    INFLIGHT_ALL,
     INFLIGHT_DECODE_REQUESTS,
     INFLIGHT_DECODE_TOKENS,
     INFLIGHT_PREFILL_REQUESTS,
@@ -170,6 +171,9 @@ class InflightAccount:
         # version before the oldest.
         self._journal: deque[tuple[str, int]] = deque(maxlen=JOURNAL_LENGTH)
         self._journal_start = 0
+        # instance_id -> the summed rows other router processes dispatched there (--processes N);
+        # added to this account's own sums in every query (see :meth:`set_peers`).
+        self._peers: dict[str, tuple[int, ...]] = {}
 
     def _touch(self, instance_id: str, columns: int) -> None:
         if len(self._journal) == JOURNAL_LENGTH:
@@ -194,7 +198,47 @@ class InflightAccount:
         return changes
 
     def totals_row(self, instance_id: str) -> tuple[int, ...]:
-        """One instance's sums in :class:`~router.core.columns.InflightColumns` matrix-row order (zeros when none)."""
+        """One instance's sums in :class:`~router.core.columns.InflightColumns` matrix-row order (zeros when none).
+
+        Includes what peer router processes dispatched there (:meth:`set_peers`).
+        """
+        own = self.own_row(instance_id)
+        peer = self._peers.get(instance_id)
+        if peer is None:
+            return own
+        return tuple(a + b for a, b in zip(own, peer, strict=True))
+
+    def own_instances(self) -> list[str]:
+        """Instances this account itself holds load for (what a process publishes to its peers)."""
+        return list(self._totals.keys() | self._resident_totals.keys())
+
+    def set_peers(self, rows: Mapping[str, tuple[int, ...]]) -> int:
+        """Replace the load peer router processes dispatched, per instance (rows in :meth:`totals_row` order).
+
+        Every instance whose peer row changed is journalled, so cached views
+        update just those columns. Returns how many changed.
+        """
+        changed = 0
+        for instance_id in self._peers.keys() | rows.keys():
+            new = rows.get(instance_id)
+            if new is not None and not any(new):
+                new = None
+            if self._peers.get(instance_id) == new:
+                continue
+            if new is None:
+                del self._peers[instance_id]
+            else:
+                if len(new) != INFLIGHT_ROWS:
+                    raise ValueError(
+                        f"peer row of {instance_id!r} has {len(new)} values, expected {INFLIGHT_ROWS}"
+                    )
+                self._peers[instance_id] = new
+            self._touch(instance_id, INFLIGHT_ALL)
+            changed += 1
+        return changed
+
+    def own_row(self, instance_id: str) -> tuple[int, ...]:
+        """One instance's sums from this account's own dispatches only."""
         t = self._totals.get(instance_id)
         r = self._resident_totals.get(instance_id)
         resident = (r[0], r[1]) if r is not None else (0, 0)
@@ -213,7 +257,11 @@ class InflightAccount:
     def resident(self, instance_id: str) -> tuple[int, int]:
         """(resident decode legs, sum of their final tokens) of one instance."""
         r = self._resident_totals.get(instance_id)
-        return (r[0], r[1]) if r is not None else (0, 0)
+        own = (r[0], r[1]) if r is not None else (0, 0)
+        peer = self._peers.get(instance_id)
+        if peer is None:
+            return own
+        return own[0] + peer[-2], own[1] + peer[-1]
 
     # ------------------------------------------------------------------ queries
 
@@ -234,7 +282,9 @@ class InflightAccount:
         return tuple(self._by_request.get(request_id, {}).values())
 
     def totals(self, instance_id: str) -> InflightTotals:
-        """The in-flight sums of one instance (zeros when it has none)."""
+        """The in-flight sums of one instance (zeros when it has none), peer processes' included."""
+        if instance_id in self._peers:
+            return InflightTotals(*self.totals_row(instance_id)[:6])
         found = self._totals.get(instance_id)
         return found.frozen() if found is not None else InflightTotals()
 
@@ -244,7 +294,7 @@ class InflightAccount:
         Costs O(instances with entries); instances not in ``index`` are skipped.
         """
         cols = np.zeros((INFLIGHT_ROWS, n))
-        for instance_id in self._totals.keys() | self._resident_totals.keys():
+        for instance_id in self._totals.keys() | self._resident_totals.keys() | self._peers.keys():
             i = index.get(instance_id)
             if i is not None:
                 cols[:, i] = self.totals_row(instance_id)

@@ -1,0 +1,129 @@
+"""``slo-router router --processes N``: N router processes on one port.
+
+The first process (the one the user started) binds ``--listen`` with
+``SO_REUSEPORT``, creates the shared in-flight segment
+(:mod:`router.shared_inflight`) and starts N-1 more ``slo-router router``
+processes with the same flags, on the port it got, each with a slot of the
+segment. The kernel spreads new connections over the N listeners; a
+connection (and every call on it) stays with the process that accepted it.
+The HTTP edge and ``--metrics-port`` stay on the first process. Every
+process answers ``Generate`` with trailing metadata ``slo-router-process``
+(its slot), so a client can tell which one served it.
+
+Children die with the first process (``PR_SET_PDEATHSIG``) and get SIGTERM
+on a clean shutdown; a child's slot is cleared when it exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ctypes
+import logging
+import signal
+import sys
+from dataclasses import dataclass, field
+
+from router.server import RouterServer
+from router.shared_inflight import InflightSharing, SharedInflight
+
+logger = logging.getLogger(__name__)
+
+#: How long a started process may take to listen.
+START_TIMEOUT_S = 60.0
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+@dataclass
+class RouterProcesses:
+    """The other router processes this one started (none for N = 1), and the in-flight sharing."""
+
+    shared: SharedInflight | None = None
+    sharing: InflightSharing | None = None
+    children: list[asyncio.subprocess.Process] = field(default_factory=list)
+
+    @classmethod
+    async def start(cls, args: argparse.Namespace, server: RouterServer) -> RouterProcesses:
+        group = cls()
+        if args.shared_inflight:  # one of the N, started by the first
+            name, slot, processes = args.shared_inflight.split(":")
+            group.shared = SharedInflight(name, int(processes), int(slot))
+        elif args.processes > 1:
+            group.shared = SharedInflight(None, args.processes, 0, create=True)
+        else:
+            return group
+        server.service.process_label = str(group.shared.slot)
+        group.sharing = InflightSharing(group.shared, server.scheduler.inflight)
+        group.sharing.start()
+        if not args.shared_inflight:
+            try:
+                await group._spawn(args, server)
+            except BaseException:
+                await group.stop()
+                await group.close()
+                raise
+        return group
+
+    async def _spawn(self, args: argparse.Namespace, server: RouterServer) -> None:
+        assert self.shared is not None
+        argv: list[str] = list(getattr(args, "argv", None) or sys.argv[1:])
+        for slot in range(1, self.shared.processes):
+            cmd = [
+                sys.executable, "-m", "router.cli", *argv,
+                # argparse takes the last of a repeated flag: these override the user's.
+                "--listen", server.address, "--processes", "1",
+                "--shared-inflight", f"{self.shared.name}:{slot}:{self.shared.processes}",
+                "--http-listen", "", "--metrics-port", "0",
+            ]  # fmt: skip
+            child = await asyncio.create_subprocess_exec(
+                *cmd,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                preexec_fn=_die_with_parent,
+            )
+            self.children.append(child)
+        for slot, child in enumerate(self.children, start=1):
+            assert child.stdout is not None
+            try:
+                async with asyncio.timeout(START_TIMEOUT_S):
+                    while line := (await child.stdout.readline()).decode(errors="replace"):
+                        if line.startswith("router listening on "):
+                            break
+            except TimeoutError:
+                line = ""
+            if not line:
+                raise OSError(f"--processes: router process {slot} did not start (exit {child.returncode})")
+            print(f"router process {slot} (pid {child.pid}) listening on {server.address}", flush=True)
+
+    async def stop(self) -> None:
+        """Stop the processes this one started (SIGTERM, then SIGKILL after 10 s) and clear their slots."""
+        for child in self.children:
+            if child.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    child.send_signal(signal.SIGTERM)
+        for slot, child in enumerate(self.children, start=1):
+            try:
+                async with asyncio.timeout(10.0):
+                    await child.wait()
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    child.kill()
+                await child.wait()
+            if self.shared is not None:
+                self.shared.clear(slot)
+        self.children.clear()
+
+    async def close(self) -> None:
+        """Stop sharing and release the segment (the first process also removes it)."""
+        if self.sharing is not None:
+            await self.sharing.stop()
+            self.sharing = None
+        elif self.shared is not None:
+            self.shared.close()
+        self.shared = None
