@@ -23,6 +23,7 @@ import ctypes
 import logging
 import signal
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from router.server import RouterServer
@@ -50,29 +51,41 @@ class RouterProcesses:
 
     @classmethod
     async def start(cls, args: argparse.Namespace, server: RouterServer) -> RouterProcesses:
+        """``slo-router router``: join the segment of ``--shared-inflight``, or start the others."""
+        argv: list[str] = list(getattr(args, "argv", None) or sys.argv[1:])
+        return await cls.start_group(server, args.processes, argv, shared_inflight=args.shared_inflight)
+
+    @classmethod
+    async def start_group(
+        cls, server: RouterServer, processes: int, router_argv: Sequence[str], *, shared_inflight: str = ""
+    ) -> RouterProcesses:
+        """Share ``server``'s in-flight account; with ``processes`` > 1 start ``slo-router ROUTER_ARGV`` N-1 times.
+
+        ``router_argv`` starts with the ``router`` command; the listen address,
+        the segment, and HTTP and metrics off are appended to it.
+        """
         group = cls()
-        if args.shared_inflight:  # one of the N, started by the first
-            name, slot, processes = args.shared_inflight.split(":")
-            group.shared = SharedInflight(name, int(processes), int(slot))
-        elif args.processes > 1:
-            group.shared = SharedInflight(None, args.processes, 0, create=True)
+        if shared_inflight:  # one of the N, started by the first
+            name, slot, count = shared_inflight.split(":")
+            group.shared = SharedInflight(name, int(count), int(slot))
+        elif processes > 1:
+            group.shared = SharedInflight(None, processes, 0, create=True)
         else:
             return group
         server.service.process_label = str(group.shared.slot)
         group.sharing = InflightSharing(group.shared, server.scheduler.inflight)
         group.sharing.start()
-        if not args.shared_inflight:
+        if not shared_inflight:
             try:
-                await group._spawn(args, server)
+                await group._spawn(router_argv, server)
             except BaseException:
                 await group.stop()
                 await group.close()
                 raise
         return group
 
-    async def _spawn(self, args: argparse.Namespace, server: RouterServer) -> None:
+    async def _spawn(self, argv: Sequence[str], server: RouterServer) -> None:
         assert self.shared is not None
-        argv: list[str] = list(getattr(args, "argv", None) or sys.argv[1:])
         for slot in range(1, self.shared.processes):
             cmd = [
                 sys.executable, "-m", "router.cli", *argv,

@@ -36,6 +36,7 @@ from router.core.qlm import QlmConfig
 from router.core.queue import QueueConfig
 from router.core.scheduler import Scheduler
 from router.core.slicing import SliceConfig
+from router.processes import RouterProcesses
 from router.server import (
     DEFAULT_LISTEN,
     DEFAULT_PROFILE_DIR,
@@ -48,6 +49,7 @@ from router.server import (
     start_router_server,
 )
 from router.service import ServiceConfig
+from router.shared_inflight import MAX_PROCESSES
 from router.slicing import add_arguments as add_slice_arguments
 from router.slicing import slice_config_from_args
 from router.telemetry import RequestObserver
@@ -83,10 +85,14 @@ class Cluster:
     workers: list[WorkerProcess]
     #: The private directory holding the tokens and the kv key (removed by ``stop``).
     secrets_dir: Path | None = field(default=None)
+    #: ``--processes``: the other router processes and the shared in-flight account.
+    processes: RouterProcesses = field(default_factory=RouterProcesses)
 
     async def stop(self) -> None:
         """Router first (no new work), then the workers, then the CMS. Idempotent."""
+        await self.processes.stop()
         await self.router.stop(grace=2.0)
+        await self.processes.close()
         await stop_workers(self.workers)
         await self.cms.stop(grace=0.5)
         if self.secrets_dir is not None:
@@ -111,6 +117,12 @@ class ClusterSecrets:
         token = new_token()
         self._tokens[f"worker.{instance_id}"] = token
         return self._write(f"{instance_id}.token", token)
+
+    def router_token_file(self) -> Path:
+        """A token for the router processes ``--processes`` starts (they read the CMS over gRPC)."""
+        token = new_token()
+        self._tokens["router"] = token
+        return self._write("router.token", token)
 
     def table(self) -> TokenTable:
         return TokenTable.of(self._tokens.items())
@@ -204,6 +216,8 @@ def plan_cluster(args: argparse.Namespace) -> ClusterPlan:
         raise ValueError("need --neutral K, or at least one --prefill and one --decode worker")
     if not (math.isfinite(args.speed_factor) and args.speed_factor > 0):
         raise ValueError(f"--speed-factor {args.speed_factor}: must be a finite number > 0")
+    if not 1 <= args.processes <= MAX_PROCESSES:
+        raise ValueError(f"--processes {args.processes}: must be within [1, {MAX_PROCESSES}]")
     interval = args.worker_stream_interval_ms
     if not (math.isfinite(interval) and 0 <= interval <= 1000):
         raise ValueError(
@@ -235,6 +249,7 @@ async def start_cluster(args: argparse.Namespace, plan: ClusterPlan | None = Non
     secrets = ClusterSecrets()
     ids = [f"{role}-{i}" for role, i in plan.roles]
     token_files = {iid: secrets.worker_token_file(iid) for iid in ids}
+    router_token = secrets.router_token_file() if args.processes > 1 else None
     store = MemoryStore()
     try:
         cms = await start_cms_server(store, "127.0.0.1:0", tokens=secrets.table())
@@ -272,6 +287,7 @@ async def start_cluster(args: argparse.Namespace, plan: ClusterPlan | None = Non
             http_listen=args.http_listen,
             queue_config=plan.queue,
             qlm_config=plan.qlm,
+            reuse_port=args.processes > 1,
         )
     except BaseException:
         await stop_workers(workers)
@@ -279,6 +295,14 @@ async def start_cluster(args: argparse.Namespace, plan: ClusterPlan | None = Non
         shutil.rmtree(secrets.dir, ignore_errors=True)
         raise
     cluster = Cluster(cms, router, workers, secrets.dir)
+    if router_token is not None:
+        try:
+            cluster.processes = await RouterProcesses.start_group(
+                router, args.processes, _router_argv(args, plan, cms.address, router_token)
+            )
+        except BaseException:
+            await cluster.stop()
+            raise
     deadline = asyncio.get_running_loop().time() + args.start_timeout_s
     # The router's own view, not the store: traffic sent after this returns finds every worker.
     while not router.ready or _reporting(router) < len(workers):
@@ -287,6 +311,38 @@ async def start_cluster(args: argparse.Namespace, plan: ClusterPlan | None = Non
             raise RuntimeError("workers started but did not all register with the CMS in time")
         await asyncio.sleep(0.02)
     return cluster
+
+
+#: ``up`` flags the started ``slo-router router`` processes do not take (True: the flag takes a value).
+_UP_ONLY_FLAGS = {
+    "--prefill": True, "--decode": True, "--neutral": True, "--listen": True, "--http-listen": True,
+    "--worker-http": False, "--worker-stream-interval-ms": True, "--profile": True,
+    "--speed-factor": True, "--start-timeout-s": True, "--metrics-port": True, "--processes": True,
+}  # fmt: skip
+
+
+def _router_argv(args: argparse.Namespace, plan: ClusterPlan, cms_address: str, token_file: Path) -> list[str]:
+    """``slo-router router`` flags for the other ``--processes``: the embedded CMS over gRPC, the
+    profile, then every scheduling, queue and slicing flag of ``up`` as the user gave it."""
+    given: list[str] = list(getattr(args, "argv", None) or sys.argv[1:])[1:]  # without "up"
+    forwarded: list[str] = []
+    skip_value = False
+    for token in given:
+        if skip_value:
+            skip_value = False
+            continue
+        flag, eq, _ = token.partition("=")
+        if flag in _UP_ONLY_FLAGS:
+            skip_value = _UP_ONLY_FLAGS[flag] and not eq
+            continue
+        forwarded.append(token)
+    return [
+        "router", "--cms", f"grpc://{cms_address}", "--cms-auth-token-file", str(token_file),
+        "--ttft-profiling-data-path", str(plan.profile / "ttft.json"),
+        "--tpot-profiling-data-path", str(plan.profile / "tpot.json"),
+        "--scheduling-policy", args.scheduling_policy, "--seed", str(args.seed),
+        *forwarded,
+    ]  # fmt: skip
 
 
 def _reporting(router: RouterServer) -> int:
@@ -314,6 +370,14 @@ def register(subparsers: Any) -> None:
         default=DEFAULT_HTTP_LISTEN,
         metavar="HOST:PORT",
         help="the router's OpenAI-compatible HTTP API (default: %(default)s; '' turns it off)",
+    )
+    parser.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        help="router processes on --listen (SO_REUSEPORT), sharing their in-flight account; the "
+        "others read the embedded CMS over gRPC; the HTTP edge and --metrics-port stay on the first "
+        "(default: %(default)s)",
     )
     parser.add_argument(
         "--worker-http",

@@ -54,6 +54,7 @@ CASES = [
     (["up", "--speed-factor", "0"], "--speed-factor"),
     (["up", "--start-timeout-s", "-1"], "--start-timeout-s"),
     (["up", "--worker-stream-interval-ms", "-1"], "--worker-stream-interval-ms"),
+    (["up", "--processes", "0"], "--processes"),
     (["up", "--listen", "127.0.0.1"], "--listen"),
     (["up", "--metrics-port", "-2"], "--metrics-port"),
     (["up", "--dispatch-top-k", "0"], "--dispatch-top-k"),

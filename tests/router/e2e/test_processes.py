@@ -11,7 +11,7 @@ from pathlib import Path
 import grpc
 from slorouter.v1 import common_pb2, router_pb2, router_pb2_grpc
 
-from tests.faults.fleet import Fleet, wait_until_serving
+from tests.faults.fleet import Fleet, Proc, wait_until_serving
 
 CHANNELS = 16
 PER_CHANNEL = 3
@@ -50,40 +50,67 @@ def _gone(pids: list[int], timeout_s: float) -> bool:
     return True
 
 
-async def test_requests_spread_over_the_processes_and_none_is_lost(tmp_path: Path) -> None:
+def _lines(path: Path) -> list[str]:
+    return path.read_text().splitlines()
+
+
+async def _spread_and_stop(fleet: Fleet, proc: Proc, out: Path, address: str) -> None:
+    """48 requests over 16 connections: all complete, both processes serve; the second exits with the first."""
+    lines = _lines(out)
+    children = [
+        int(line.split("(pid ")[1].split(")")[0]) for line in lines if line.startswith("router process ")
+    ]
+    assert len(children) == 1, lines
+    await wait_until_serving(address)
+    # SO_REUSEPORT spreads connections, not calls: one channel per client connection.
+    channels = [
+        grpc.aio.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
+        for _ in range(CHANNELS)
+    ]
+    try:
+        stubs = [router_pb2_grpc.RouterStub(c) for c in channels]
+        results = await asyncio.gather(
+            *(_one(stubs[i % CHANNELS], f"p-{i}") for i in range(CHANNELS * PER_CHANNEL))
+        )
+    finally:
+        for channel in channels:
+            await channel.close()
+    assert [r[3] for r in results] == ["OK"] * len(results)
+    assert all(len(r[1]) == MAX_TOKENS and r[2] == 0 for r in results)
+    served_by = {r[0] for r in results}
+    assert served_by == {"0", "1"}, served_by
+    # The started process goes with the first one.
+    proc.signal(signal.SIGTERM)
+    assert proc.popen.wait(timeout=30) == 0
+    assert await asyncio.to_thread(_gone, children, 30.0)
+
+
+async def test_router_processes_spread_requests_and_lose_none(tmp_path: Path) -> None:
     fleet = Fleet(tmp_path)
     try:
         cms = fleet.cms()
         workers = [fleet.worker(f"neutral-{i}", "neutral", cms.address) for i in range(2)]
         fleet.wait_listening(*workers)
         router = fleet.router(f"grpc://{cms.address}", "--processes", "2")
-        children = [
-            int(line.split("(pid ")[1].split(")")[0])
-            for line in (tmp_path / "router.out").read_text().splitlines()
-            if line.startswith("router process ")
-        ]
-        assert len(children) == 1, (tmp_path / "router.out").read_text()
-        await wait_until_serving(router.address)
-        # SO_REUSEPORT spreads connections, not calls: one channel per client connection.
-        channels = [
-            grpc.aio.insecure_channel(router.address, options=[("grpc.use_local_subchannel_pool", 1)])
-            for _ in range(CHANNELS)
-        ]
-        try:
-            stubs = [router_pb2_grpc.RouterStub(c) for c in channels]
-            results = await asyncio.gather(
-                *(_one(stubs[i % CHANNELS], f"p-{i}") for i in range(CHANNELS * PER_CHANNEL))
-            )
-        finally:
-            for channel in channels:
-                await channel.close()
-        assert [r[3] for r in results] == ["OK"] * len(results)
-        assert all(len(r[1]) == MAX_TOKENS and r[2] == 0 for r in results)
-        served_by = {r[0] for r in results}
-        assert served_by == {"0", "1"}, served_by
-        # The started process goes with the first one.
-        router.signal(signal.SIGTERM)
-        assert router.popen.wait(timeout=30) == 0
-        assert await asyncio.to_thread(_gone, children, 30.0)
+        await _spread_and_stop(fleet, router, tmp_path / "router.out", router.address)
+    finally:
+        fleet.close()
+
+
+async def test_up_processes_spread_requests_and_lose_none(tmp_path: Path) -> None:
+    fleet = Fleet(tmp_path)
+    try:
+        up = fleet.spawn(
+            "up",
+            ["up", "--neutral", "2", "--processes", "2", "--speed-factor", "20", "--listen", "127.0.0.1:0",
+             "--http-listen", "", "--scheduling-policy", "load-balance", "--max-queue-size", "512"],
+        )  # fmt: skip
+        out = tmp_path / "up.out"
+        address = next(
+            line.split()[-1]
+            for line in out.read_text().splitlines()
+            if line.startswith("router listening on ")
+        )
+        await _spread_and_stop(fleet, up, out, address)
     finally:
         fleet.close()
