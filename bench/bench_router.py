@@ -31,10 +31,13 @@ from slorouter.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, wo
 from bench.figures import Figure
 
 REPO = Path(__file__).resolve().parent.parent
-#: Runs as (sim worker speed, the workers' --stream-interval-ms): the bundled profile in real time,
-#: 20x faster (the hop is then the bottleneck), and 20x faster with the workers merging the tokens
-#: of the steps within 5 ms into one message (fewer messages through every hop).
-RUNS = ((1.0, 0.0), (20.0, 0.0), (20.0, 5.0))
+#: Runs as (sim worker speed, the workers' --stream-interval-ms, router --processes): the bundled
+#: profile in real time, 20x faster (the hop is then the bottleneck), 20x faster with the workers
+#: merging the tokens of the steps within 5 ms into one message (fewer messages through every hop),
+#: and 20x faster with two router processes on the port.
+RUNS = ((1.0, 0.0, 1), (20.0, 0.0, 1), (20.0, 5.0, 1), (20.0, 0.0, 2))
+#: Client connections to the router with --processes > 1 (SO_REUSEPORT spreads connections, not calls).
+CLIENT_CONNECTIONS = 8
 STREAMS = 64
 REQUESTS = 192
 MAX_TOKENS = 128
@@ -108,16 +111,27 @@ class HopFigures:
 
 
 async def _measure(
-    router_addr: str, worker_addrs: list[str], speed: float, interval_ms: float, router_pid: int
+    router_addr: str,
+    worker_addrs: list[str],
+    speed: float,
+    interval_ms: float,
+    router_pids: list[int],
 ) -> HopFigures:
-    router_channel = grpc.aio.insecure_channel(router_addr)
+    # One connection per router process's share: a separate subchannel pool per channel.
+    router_channels = [
+        grpc.aio.insecure_channel(router_addr, options=[("grpc.use_local_subchannel_pool", 1)])
+        for _ in range(CLIENT_CONNECTIONS if len(router_pids) > 1 else 1)
+    ]
     worker_channels = [grpc.aio.insecure_channel(a) for a in worker_addrs]
-    router = router_pb2_grpc.RouterStub(router_channel)
+    routers = [router_pb2_grpc.RouterStub(c) for c in router_channels]
     workers = [worker_pb2_grpc.WorkerStub(c) for c in worker_channels]
+
+    def router_cpu_s() -> float:
+        return sum(_own_cpu_s(pid) for pid in router_pids)
 
     async def via_router(i: int, max_tokens: int) -> AsyncIterator[int]:
         request = router_pb2.GenerateRequest(prompt_token_ids=_prompt(i), sampling=_sampling(max_tokens))
-        async for message in router.Generate(request, timeout=120):
+        async for message in routers[i % len(routers)].Generate(request, timeout=120):
             yield len(message.token_ids)
 
     async def direct(i: int, max_tokens: int) -> AsyncIterator[int]:
@@ -130,12 +144,12 @@ async def _measure(
     try:
         await _throughput(direct)  # warm-up: channels, caches
         direct_tps, direct_batch, _ = await _throughput(direct)
-        cpu0 = _own_cpu_s(router_pid)
+        cpu0 = router_cpu_s()
         router_tps, router_batch, forwarded = await _throughput(via_router)
-        router_cpu_s = _own_cpu_s(router_pid) - cpu0
+        router_cpu = router_cpu_s() - cpu0
         print(
             f"{STREAMS} concurrent streams, {REQUESTS} requests x {MAX_TOKENS} tokens, sim speed x{speed:g}, "
-            f"worker --stream-interval-ms {interval_ms:g}:"
+            f"worker --stream-interval-ms {interval_ms:g}, router --processes {len(router_pids)}:"
         )
         print(f"  direct to workers : {direct_tps:9.0f} tokens/s  ({direct_batch:.2f} tokens/message)")
         print(
@@ -144,8 +158,8 @@ async def _measure(
         )
         # The `up` process holds the router and the CMS (which takes the workers' status reports).
         print(
-            f"  router (+CMS) CPU : {router_cpu_s / max(forwarded, 1) * 1e6:9.1f} µs per forwarded message, "
-            f"{router_cpu_s / REQUESTS * 1e3:.2f} ms per request"
+            f"  router (+CMS) CPU : {router_cpu / max(forwarded, 1) * 1e6:9.1f} µs per forwarded message, "
+            f"{router_cpu / REQUESTS * 1e3:.2f} ms per request"
         )
         direct_ttft = await _ttfts(direct)
         router_ttft = await _ttfts(via_router)
@@ -159,24 +173,25 @@ async def _measure(
             router_tps,
             d50,
             r50,
-            router_cpu_s / max(forwarded, 1) * 1e6,
-            router_cpu_s / REQUESTS * 1e3,
+            router_cpu / max(forwarded, 1) * 1e6,
+            router_cpu / REQUESTS * 1e3,
         )
     finally:
-        await router_channel.close(None)
-        for channel in worker_channels:
+        for channel in [*router_channels, *worker_channels]:
             await channel.close(None)
 
 
 def main() -> list[Figure]:
-    runs = {(speed, interval): _run(speed, interval) for speed, interval in RUNS}
+    runs = {(speed, interval, n): _run(speed, interval, n) for speed, interval, n in RUNS}
     figures = []
-    for (speed, interval), hop in runs.items():
+    for (speed, interval, processes), hop in runs.items():
         what = f"router hop, {STREAMS} streams, sim workers " + (
             "at the profile's real speed" if speed == 1.0 else f"{speed:g}x faster"
         )
         if interval:
             what += f", worker --stream-interval-ms {interval:g}"
+        if processes > 1:
+            what += f", router --processes {processes}"
         if hop is None:
             figures.append(Figure(what, "not measured: `slo-router up` did not start"))
             continue
@@ -191,24 +206,28 @@ def main() -> list[Figure]:
         )
     added = [
         f"{hop.router_ttft_p50_ms - hop.direct_ttft_p50_ms:+.1f} ms (x{speed:g})"
-        for (speed, interval), hop in runs.items()
-        if hop is not None and not interval
+        for (speed, interval, processes), hop in runs.items()
+        if hop is not None and not interval and processes == 1
     ]
     figures.append(Figure("TTFT added by the router hop, one stream", "p50 " + ", ".join(added)))
     return figures
 
 
-def _run(speed: float, interval_ms: float) -> HopFigures | None:
+def _run(speed: float, interval_ms: float, processes: int) -> HopFigures | None:
     cmd = [
         sys.executable, "-m", "router.cli", "up", "--neutral", "2", "--listen", "127.0.0.1:0",
         "--speed-factor", str(speed), "--scheduling-policy", "load-balance", "--http-listen", "",
-        "--worker-stream-interval-ms", str(interval_ms),
+        "--worker-stream-interval-ms", str(interval_ms), "--processes", str(processes),
     ]  # fmt: skip
     up = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=REPO)
     try:
         router_addr, worker_addrs = "", []
+        # The up process (router + CMS) and the router processes it started with --processes.
+        router_pids = [up.pid]
         assert up.stdout is not None
         for line in up.stdout:
+            if line.startswith("router process "):
+                router_pids.append(int(line.split("(pid ")[1].split(")")[0]))
             if line.startswith("workers: "):
                 worker_addrs = [part.split("@")[1].strip(", \n") for part in line[9:].split(", ")]
             if line.startswith("router listening on "):
@@ -217,7 +236,7 @@ def _run(speed: float, interval_ms: float) -> HopFigures | None:
         if not router_addr:
             print("slo-router up did not start; no figures")
             return None
-        return asyncio.run(_measure(router_addr, worker_addrs, speed, interval_ms, up.pid))
+        return asyncio.run(_measure(router_addr, worker_addrs, speed, interval_ms, router_pids))
     finally:
         up.terminate()
         up.wait(timeout=30)
