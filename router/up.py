@@ -321,7 +321,9 @@ _UP_ONLY_FLAGS = {
 }  # fmt: skip
 
 
-def _router_argv(args: argparse.Namespace, plan: ClusterPlan, cms_address: str, token_file: Path) -> list[str]:
+def _router_argv(
+    args: argparse.Namespace, plan: ClusterPlan, cms_address: str, token_file: Path
+) -> list[str]:
     """``slo-router router`` flags for the other ``--processes``: the embedded CMS over gRPC, the
     profile, then every scheduling, queue and slicing flag of ``up`` as the user gave it."""
     given: list[str] = list(getattr(args, "argv", None) or sys.argv[1:])[1:]  # without "up"
