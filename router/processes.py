@@ -48,6 +48,7 @@ class RouterProcesses:
     shared: SharedInflight | None = None
     sharing: InflightSharing | None = None
     children: list[asyncio.subprocess.Process] = field(default_factory=list)
+    _watchers: list[asyncio.Task[None]] = field(default_factory=list)
 
     @classmethod
     async def start(cls, args: argparse.Namespace, server: RouterServer) -> RouterProcesses:
@@ -113,9 +114,24 @@ class RouterProcesses:
             if not line:
                 raise OSError(f"--processes: router process {slot} did not start (exit {child.returncode})")
             print(f"router process {slot} (pid {child.pid}) listening on {server.address}", flush=True)
+            self._watchers.append(asyncio.get_running_loop().create_task(self._watch(slot, child)))
+
+    async def _watch(self, slot: int, child: asyncio.subprocess.Process) -> None:
+        """A process that exits on its own: its in-flight rows must not count any more."""
+        assert child.stdout is not None
+        while await child.stdout.readline():  # keep its pipe drained until it exits
+            pass
+        code = await child.wait()
+        if self.shared is not None:
+            self.shared.clear(slot)
+        logger.warning("router process %d (pid %d) exited with %s", slot, child.pid, code)
 
     async def stop(self) -> None:
         """Stop the processes this one started (SIGTERM, then SIGKILL after 10 s) and clear their slots."""
+        for watcher in self._watchers:
+            watcher.cancel()
+        await asyncio.gather(*self._watchers, return_exceptions=True)
+        self._watchers.clear()
         for child in self.children:
             if child.returncode is None:
                 with contextlib.suppress(ProcessLookupError):

@@ -84,7 +84,8 @@ class SharedInflight:
         ]
         if create:
             np.ndarray((segment_bytes(processes),), np.uint8, buffer=buf)[:] = 0
-        self._last_peer_rows: dict[int, dict[str, tuple[int, ...]]] = {}
+        # slot -> (sequence number read, its rows): a slot whose sequence did not move is not re-read.
+        self._last_peer_rows: dict[int, tuple[int, dict[str, tuple[int, ...]]]] = {}
         self._warned = False
 
     @property
@@ -113,16 +114,20 @@ class SharedInflight:
         header["count"] = 0
         header["seq"] += 1
 
-    def _read_slot(self, slot: int) -> dict[str, tuple[int, ...]] | None:
+    def _read_slot(self, slot: int) -> dict[str, tuple[int, ...]]:
+        """The rows of ``slot``; its previous rows while it is mid-write (or unchanged)."""
         header, table = self._headers[slot], self._rows[slot]
+        last = self._last_peer_rows.get(slot, (-1, {}))
         seq = int(header["seq"][0])
-        if seq % 2:
-            return None
+        if seq % 2 or seq == last[0]:
+            return last[1]
         count = min(int(header["count"][0]), MAX_ROWS)
         copy = table[:count].copy()
         if int(header["seq"][0]) != seq:
-            return None
-        return {bytes(r["id"]).decode(): tuple(int(v) for v in r["sums"]) for r in copy}
+            return last[1]
+        rows = {bytes(r["id"]).decode(): tuple(int(v) for v in r["sums"]) for r in copy}
+        self._last_peer_rows[slot] = (seq, rows)
+        return rows
 
     def peers(self) -> dict[str, tuple[int, ...]]:
         """The sum over the other processes' slots, per instance."""
@@ -130,12 +135,7 @@ class SharedInflight:
         for slot in range(self.processes):
             if slot == self.slot:
                 continue
-            rows = self._read_slot(slot)
-            if rows is None:  # mid-write: that peer's previous rows once more
-                rows = self._last_peer_rows.get(slot, {})
-            else:
-                self._last_peer_rows[slot] = rows
-            for instance_id, sums in rows.items():
+            for instance_id, sums in self._read_slot(slot).items():
                 acc = total.setdefault(instance_id, [0] * INFLIGHT_ROWS)
                 for i, v in enumerate(sums):
                     acc[i] += v
