@@ -26,7 +26,8 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from router.server import RouterServer
+from router.core.inflight import InflightAccount
+from router.service import RouterService
 from router.shared_inflight import InflightSharing, SharedInflight
 
 logger = logging.getLogger(__name__)
@@ -51,17 +52,29 @@ class RouterProcesses:
     _watchers: list[asyncio.Task[None]] = field(default_factory=list)
 
     @classmethod
-    async def start(cls, args: argparse.Namespace, server: RouterServer) -> RouterProcesses:
+    async def start(
+        cls, args: argparse.Namespace, address: str, service: RouterService, account: InflightAccount
+    ) -> RouterProcesses:
         """``slo-router router``: join the segment of ``--shared-inflight``, or start the others."""
         argv: list[str] = list(getattr(args, "argv", None) or sys.argv[1:])
-        return await cls.start_group(server, args.processes, argv, shared_inflight=args.shared_inflight)
+        return await cls.start_group(
+            address, service, account, args.processes, argv, shared_inflight=args.shared_inflight
+        )
 
     @classmethod
     async def start_group(
-        cls, server: RouterServer, processes: int, router_argv: Sequence[str], *, shared_inflight: str = ""
+        cls,
+        address: str,
+        service: RouterService,
+        account: InflightAccount,
+        processes: int,
+        router_argv: Sequence[str],
+        *,
+        shared_inflight: str = "",
     ) -> RouterProcesses:
-        """Share ``server``'s in-flight account; with ``processes`` > 1 start ``slo-router ROUTER_ARGV`` N-1 times.
+        """Share ``account`` (the scheduler's); with ``processes`` > 1 start ``slo-router ROUTER_ARGV`` N-1 times.
 
+        ``address`` is where this process's router listens (with ``SO_REUSEPORT``);
         ``router_argv`` starts with the ``router`` command; the listen address,
         the segment, and HTTP and metrics off are appended to it.
         """
@@ -73,25 +86,25 @@ class RouterProcesses:
             group.shared = SharedInflight(None, processes, 0, create=True)
         else:
             return group
-        server.service.process_label = str(group.shared.slot)
-        group.sharing = InflightSharing(group.shared, server.scheduler.inflight)
+        service.process_label = str(group.shared.slot)
+        group.sharing = InflightSharing(group.shared, account)
         group.sharing.start()
         if not shared_inflight:
             try:
-                await group._spawn(router_argv, server)
+                await group._spawn(router_argv, address)
             except BaseException:
                 await group.stop()
                 await group.close()
                 raise
         return group
 
-    async def _spawn(self, argv: Sequence[str], server: RouterServer) -> None:
+    async def _spawn(self, argv: Sequence[str], address: str) -> None:
         assert self.shared is not None
         for slot in range(1, self.shared.processes):
             cmd = [
                 sys.executable, "-m", "router.cli", *argv,
                 # argparse takes the last of a repeated flag: these override the user's.
-                "--listen", server.address, "--processes", "1",
+                "--listen", address, "--processes", "1",
                 "--shared-inflight", f"{self.shared.name}:{slot}:{self.shared.processes}",
                 "--http-listen", "", "--metrics-port", "0",
             ]  # fmt: skip
@@ -113,7 +126,7 @@ class RouterProcesses:
                 line = ""
             if not line:
                 raise OSError(f"--processes: router process {slot} did not start (exit {child.returncode})")
-            print(f"router process {slot} (pid {child.pid}) listening on {server.address}", flush=True)
+            print(f"router process {slot} (pid {child.pid}) listening on {address}", flush=True)
             self._watchers.append(asyncio.get_running_loop().create_task(self._watch(slot, child)))
 
     async def _watch(self, slot: int, child: asyncio.subprocess.Process) -> None:

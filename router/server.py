@@ -688,7 +688,7 @@ async def _serve(args: argparse.Namespace, plan: RouterPlan) -> int:
 
     server = await start_from_args(args, plan)
     try:
-        group = await RouterProcesses.start(args, server)
+        group = await RouterProcesses.start(args, server.address, server.service, server.scheduler.inflight)
     except BaseException:
         await server.stop(grace=0)
         raise

@@ -298,7 +298,11 @@ async def start_cluster(args: argparse.Namespace, plan: ClusterPlan | None = Non
     if router_token is not None:
         try:
             cluster.processes = await RouterProcesses.start_group(
-                router, args.processes, _router_argv(args, plan, cms.address, router_token)
+                router.address,
+                router.service,
+                router.scheduler.inflight,
+                args.processes,
+                _router_argv(args, plan, cms.address, router_token),
             )
         except BaseException:
             await cluster.stop()
