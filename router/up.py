@@ -330,7 +330,10 @@ def _router_argv(
 ) -> list[str]:
     """``slo-router router`` flags for the other ``--processes``: the embedded CMS over gRPC, the
     profile, then every scheduling, queue and slicing flag of ``up`` as the user gave it."""
-    given: list[str] = list(getattr(args, "argv", None) or sys.argv[1:])[1:]  # without "up"
+    argv: list[str] = list(getattr(args, "argv", None) or sys.argv[1:])
+    # Options before the command (--log-level) stay in front of it; "up" becomes "router".
+    at = argv.index("up") if "up" in argv else len(argv)
+    before, given = argv[:at], argv[at + 1 :]
     forwarded: list[str] = []
     skip_value = False
     for token in given:
@@ -343,7 +346,7 @@ def _router_argv(
             continue
         forwarded.append(token)
     return [
-        "router", "--cms", f"grpc://{cms_address}", "--cms-auth-token-file", str(token_file),
+        *before, "router", "--cms", f"grpc://{cms_address}", "--cms-auth-token-file", str(token_file),
         "--ttft-profiling-data-path", str(plan.profile / "ttft.json"),
         "--tpot-profiling-data-path", str(plan.profile / "tpot.json"),
         "--scheduling-policy", args.scheduling_policy, "--seed", str(args.seed),

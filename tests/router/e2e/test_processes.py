@@ -74,7 +74,7 @@ async def _spread_and_stop(fleet: Fleet, proc: Proc, out: Path, address: str) ->
         )
     finally:
         for channel in channels:
-            await channel.close()
+            await channel.close(None)
     assert [r[3] for r in results] == ["OK"] * len(results)
     assert all(len(r[1]) == MAX_TOKENS and r[2] == 0 for r in results)
     served_by = {r[0] for r in results}
@@ -114,3 +114,24 @@ async def test_up_processes_spread_requests_and_lose_none(tmp_path: Path) -> Non
         await _spread_and_stop(fleet, up, out, address)
     finally:
         fleet.close()
+
+
+def test_up_gives_its_router_processes_its_scheduling_flags_and_not_its_own() -> None:
+    from router.cli import build_parser
+    from router.up import _router_argv, plan_cluster
+
+    given = ["--log-level", "DEBUG", "up", "--neutral", "2", "--worker-http", "--processes=2",
+             "--max-queue-size", "9", "--speed-factor", "3", "--http-listen", "", "--tpot-slo", "40"]  # fmt: skip
+    args = build_parser().parse_args(given)
+    args.argv = given
+    plan = plan_cluster(args)
+    argv = _router_argv(args, plan, "127.0.0.1:7", Path("/secrets/router.token"))
+    assert argv[:3] == ["--log-level", "DEBUG", "router"]
+    assert argv[argv.index("--cms") + 1] == "grpc://127.0.0.1:7"
+    assert argv[argv.index("--ttft-profiling-data-path") + 1] == str(plan.profile / "ttft.json")
+    assert argv[-4:] == ["--max-queue-size", "9", "--tpot-slo", "40"]
+    for up_only in ("--neutral", "--worker-http", "--processes=2", "--speed-factor", "--http-listen"):
+        assert up_only not in argv
+    # What the router command makes of them.
+    routed = build_parser().parse_args(argv)
+    assert routed.command == "router" and routed.max_queue_size == 9 and routed.tpot_slo == 40
