@@ -425,6 +425,9 @@ async def test_router_in_front_of_real_vllm_workers_streams_and_transfers_kv(clu
         await router.stop(grace=0)
 
 
+LOOSE_TOKENS = 256
+
+
 async def test_qlm_eviction_on_vllm_requeues_with_the_generated_tokens(cluster: Cluster) -> None:
     """The qlm queue evicts a loose request running on a real vLLM engine for a tight one, then resumes it.
 
@@ -437,12 +440,19 @@ async def test_qlm_eviction_on_vllm_requeues_with_the_generated_tokens(cluster: 
     """
     address = cluster.decode.address
     prompt = random_prompt(30, seed=21)
-    reference = await generate(address, "ev-ref", prompt, 24)
+    # Long enough that the abort (sent a few milliseconds after the 4th token) lands mid-stream
+    # even on a fast CPU: the tiny model needs well over a second for 256 tokens.
+    reference = await generate(address, "ev-ref", prompt, LOOSE_TOKENS)
     # The estimator sees a slow instance (1 s per token): the tight request would wait ~20 s behind it.
     queue = QlmQueue(QlmConfig(batch=1), [InstanceModel(1, 1.0, lambda n: 0.01)], 6000.0, 50.0)
     queue.push(
         ScheduleInput(
-            "ev-loose", len(prompt), e2e_slo_ms=600_000.0, max_tokens=24, slo_class="batch", arrival_s=0.0
+            "ev-loose",
+            len(prompt),
+            e2e_slo_ms=600_000.0,
+            max_tokens=LOOSE_TOKENS,
+            slo_class="batch",
+            arrival_s=0.0,
         ),
         0.0,
     )
@@ -450,7 +460,9 @@ async def test_qlm_eviction_on_vllm_requeues_with_the_generated_tokens(cluster: 
     assert first.request.request_id == "ev-loose"
     received: list[int] = []
     async with Client(address) as client:
-        call = client.stub.Generate(generate_request("ev-loose", prompt, 24, ignore_eos=True), timeout=60)
+        call = client.stub.Generate(
+            generate_request("ev-loose", prompt, LOOSE_TOKENS, ignore_eos=True), timeout=60
+        )
         async for msg in call:
             received.extend(msg.token_ids)
             if len(received) >= 4:
@@ -485,19 +497,19 @@ async def test_qlm_eviction_on_vllm_requeues_with_the_generated_tokens(cluster: 
         (resumed,) = queue.pump(2.0)
         r = resumed.request
         assert r.request_id == "ev-loose" and r.generated == len(received)
-        assert r.prompt_tokens == len(prompt) + len(received) and r.max_tokens == 24 - len(received)
+        assert r.prompt_tokens == len(prompt) + len(received) and r.max_tokens == LOOSE_TOKENS - len(received)
         rest = await read_stream(
             client.stub.Decode(
                 worker_pb2.DecodeRequest(
                     request_id="ev-loose",
                     prompt_token_ids=prompt,
-                    sampling=common_pb2.SamplingParams(max_tokens=24, ignore_eos=True),
+                    sampling=common_pb2.SamplingParams(max_tokens=LOOSE_TOKENS, ignore_eos=True),
                     generated_token_ids=received,
                 ),
                 timeout=60,
             )
         )
     # Nothing lost, nothing repeated: exactly max_tokens tokens, the same as the uninterrupted run.
-    assert len(received) + len(rest.tokens) == 24
+    assert len(received) + len(rest.tokens) == LOOSE_TOKENS
     assert received + rest.tokens == reference.tokens
     assert rest.finish_reason == "length"
