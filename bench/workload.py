@@ -9,7 +9,8 @@ in virtual time, and both see exactly the same requests for a seed.
 
 Where a spec comes from (:func:`load_workload`):
 
-- a preset name: ``mixed`` (the default), ``mixed-priority`` (mixed + 20 % priority-10 chat), ``chat``, ``code``, ``summarize``, ``tiny``, ``interactive-batch``;
+- a preset name: ``mixed`` (the default), ``mixed-priority`` (mixed + 20 % priority-10 chat), ``chat``, ``code``, ``summarize``, ``tiny``, ``interactive-batch``,
+  ``code-chat`` (seed 000's code + chat mix);
 - a weighted mix of class presets: ``chat=0.7,code=0.3`` (weights are normalised);
 - a JSON or YAML file (``*.json``, ``*.yaml``, ``*.yml``); see :func:`parse_workload_dict`.
 
@@ -468,6 +469,25 @@ CLASS_PRESETS: Mapping[str, SloClass] = {
         prompt=LognormalLength(512.0, 0.6, 32, 2048),
         output=LognormalLength(640.0, 0.5, 64, 2048),
     ),
+    # Shaped like Python-Code-23k-ShareGPT (seed 000's code task): a short question, a few hundred
+    # tokens of code back, useful only when complete. Its e2e target is 10x the time one average
+    # request takes alone on the bundled 7B-on-2xV100 profile (about 6 s), as in seed 000.
+    "python-code": SloClass(
+        name="python-code",
+        share=0.5,
+        slo=SloTarget(e2e_ms=60000.0),
+        prompt=LognormalLength(160.0, 0.6, 16, 1024),
+        output=LognormalLength(320.0, 0.5, 32, 1536),
+    ),
+    # Shaped like ShareGPT_Vicuna_unfiltered (seed 000's chat task): wide prompt and answer lengths,
+    # judged on TTFT and TPOT (the paper's 10 s and 50 ms).
+    "sharegpt": SloClass(
+        name="sharegpt",
+        share=0.5,
+        slo=SloTarget(ttft_ms=10000.0, tpot_ms=50.0),
+        prompt=LognormalLength(256.0, 1.0, 8, 1536),
+        output=LognormalLength(224.0, 0.9, 8, 1536),
+    ),
     # Smoke tests: tiny requests that any fleet serves quickly.
     "tiny": SloClass(
         name="tiny",
@@ -490,6 +510,8 @@ WORKLOAD_PRESETS: Mapping[str, tuple[str, ...]] = {
     "codegen": ("codegen",),
     # A tight interactive class beside a loose batch class, half and half.
     "interactive-batch": ("interactive", "batch"),
+    # Seed 000's mix: code and chat in equal shares, each judged its own way.
+    "code-chat": ("python-code", "sharegpt"),
 }
 
 DEFAULT_WORKLOAD = "mixed"

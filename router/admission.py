@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from router.core.errors import ConfigError, QueueFullError, RouterError
 from router.core.queue import QueueConfig, QueueEntry, QueuePolicy, RouterQueue, Verdict, offer
 from router.core.request import ScheduleInput
+from router.core.sa import SAPlanner
 from router.placement import PlacementRequest, Placer
 from router.route import Route
 from router.telemetry import RequestObserver
@@ -59,7 +60,8 @@ class Admission:
         self.placer = placer
         self.config = config
         sched = placer.scheduler.config
-        self.queue = RouterQueue(config, sched.ttft_slo_ms, sched.tpot_slo_ms)
+        planner = SAPlanner(config) if config.policy is QueuePolicy.SA else None
+        self.queue = RouterQueue(config, sched.ttft_slo_ms, sched.tpot_slo_ms, planner)
         self._clock = clock
         self._observer = observer or RequestObserver()
         self._max_failures = max_failures
@@ -88,7 +90,11 @@ class Admission:
         self._observer.queue_changed(request, +1)
         for victim in shed:
             self._shed(victim)
-        self._pump()
+        if self.queue.planner is not None:
+            # sa: a burst arriving in one loop iteration is planned in one pass, not request by request.
+            self.notify()
+        else:
+            self._pump()
         try:
             return await future
         except asyncio.CancelledError:
@@ -111,6 +117,7 @@ class Admission:
     def release(self, request_id: str, output_tokens: int | None = None) -> None:
         """``request_id`` ended at the router: its load leaves, which may let a queued request go."""
         self.placer.release(request_id)
+        self.queue.finished(request_id)
         if self.enabled and len(self.queue):
             self.notify()
 
@@ -180,6 +187,7 @@ class Admission:
             if result.verdict is Verdict.DISPATCH:
                 assert result.decision is not None
                 if future.done():  # cancelled meanwhile: nothing may stay recorded for it
+                    self.queue.finished(entry.request_id)  # nor held as running by the sa policy
                     continue
                 route = self.placer.commit(result.decision, now)
                 self._observer.queue_waited(waited)

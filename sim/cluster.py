@@ -108,6 +108,7 @@ from router.core.predictors import PredictorSet
 from router.core.qlm import DEFAULT_CONTEXT, Dispatch, QlmConfig, QlmQueue, QlmRequest, instance_model
 from router.core.queue import QueueConfig, QueuePolicy, RouterQueue, Verdict, offer
 from router.core.request import Mode, Role, ScheduleInput
+from router.core.sa import SAPlanner, modeled_evaluation_s
 from router.core.scheduler import Scheduler
 from sim.engine import ProfileCostModel, ScheduledStep, SimConfig, SimCore, SimRequestSpec
 from sim.fastforward import DecodeRun, DecodeStepTimes
@@ -370,6 +371,7 @@ class _Simulation:
         calibrator: Calibrator | None = None,
         queue: QueueConfig | None = None,
         qlm: QlmConfig | None = None,
+        sa_search: str = "anneal",
     ) -> None:
         self.fleet = fleet
         self.queue: RouterQueue | None = None
@@ -380,7 +382,13 @@ class _Simulation:
             self.qlm = _make_qlm(fleet, scheduler, plans, queue, qlm or QlmConfig())
         elif queue is not None and queue.policy is not QueuePolicy.NONE:
             defaults = scheduler.config
-            self.queue = RouterQueue(queue, defaults.ttft_slo_ms, defaults.tpot_slo_ms)
+            planner = None
+            if queue.policy is QueuePolicy.SA:
+                # Deterministic: the run's seed, and the annealing budget on a modeled clock.
+                planner = SAPlanner(
+                    queue, seed=seed, modeled_evaluation_s=modeled_evaluation_s, search=sa_search
+                )
+            self.queue = RouterQueue(queue, defaults.ttft_slo_ms, defaults.tpot_slo_ms, planner)
         self.timer_at = math.inf
         self.queued = self.late = self.shed = 0
         self.scheduler = scheduler
@@ -661,6 +669,7 @@ class _Simulation:
             r.tokens = 1
             if not held:  # a one-token request: the prefill was all of it
                 self._finish(r, now)
+                self._ended(idx)
                 return
             r.stage = _TRANSFER
             delay = 0.0
@@ -674,6 +683,7 @@ class _Simulation:
         if finished:
             r.tokens += position + 1
             self._finish(r, now)
+            self._ended(idx)
 
     def _kv_ready(self, idx: int, now: float) -> None:
         """The KV of PD request ``idx`` reached its decode instance: free it on prefill, admit decode."""
@@ -697,6 +707,7 @@ class _Simulation:
         except EngineOverloadedError as exc:
             self.cores[d].release_held(rid)
             self._fail(r, "RESOURCE_EXHAUSTED", f"decode instance {self.fleet.ids[d]}: {exc}", now)
+            self._ended(idx)
         else:
             r.stage = _SERVING
         self._changed(d, now)
@@ -793,7 +804,13 @@ class _Simulation:
             self.shed += 1
             self.rejected += 1
             self._fail(self.reqs[victim.token], "RESOURCE_EXHAUSTED", "shed from a full router queue", now)
-        self._pump(now)
+        # Arrivals at the same instant are one burst: the sa policy plans them together (the
+        # router's admission coalesces a burst's passes with call_soon the same way).
+        burst = (
+            queue.planner is not None and idx + 1 < len(self.plans) and self.plans[idx + 1].arrival_s <= now
+        )
+        if not burst:
+            self._pump(now)
         if request.request_id in queue:
             self.queued += 1
 
@@ -940,6 +957,7 @@ class _Simulation:
                 f"prompt ({plan.prompt_tokens}) + max_tokens ({plan.max_tokens}) exceeds max_model_len={limit}",
                 now,
             )
+            self._ended(idx)
             return
         rid = str(idx)
         neutral = decision.mode is Mode.NEUTRAL
@@ -955,9 +973,11 @@ class _Simulation:
             self._settle(p, now).add(spec)
         except EngineOverloadedError as exc:
             self._fail(r, "RESOURCE_EXHAUSTED", f"instance {self.fleet.ids[p]}: {exc}", now)
+            self._ended(idx)
             return
         except InvalidRequestError as exc:
             self._fail(r, "INVALID_ARGUMENT", f"instance {self.fleet.ids[p]}: {exc}", now)
+            self._ended(idx)
             return
         r.stage = _SERVING if neutral else _PREFILL
         if not neutral and plan.max_tokens > 1 and d != p:
@@ -965,6 +985,11 @@ class _Simulation:
         if plan.max_tokens > 1:
             self._resident(r, d, +1, plan.prompt_tokens + plan.max_tokens)
         self._changed(p, now)
+
+    def _ended(self, idx: int) -> None:
+        """Dispatched request ``idx`` ended: the router queue hears of it (the sa policy's next batch)."""
+        if self.queue is not None:
+            self.queue.finished(str(idx))
 
     def _finish(self, r: _Req, now: float) -> None:
         r.stage = _DONE
@@ -1107,6 +1132,7 @@ def simulate(
     fast_forward: bool = True,
     queue: QueueConfig | None = None,
     qlm: QlmConfig | None = None,
+    sa_search: str = "anneal",
 ) -> SimOutcome:
     """Run ``plans`` (open-loop, in arrival order) on ``fleet`` with the policy ``config`` names.
 
@@ -1117,6 +1143,8 @@ def simulate(
     the results are the same). ``queue`` runs the router queue (``None`` or
     policy ``none``: a request without a placement at arrival is rejected);
     ``qlm`` configures the ``qlm`` queue policy (default :class:`QlmConfig`).
+    ``sa_search="exhaustive"`` makes the ``sa`` policy plan small queues by
+    exhaustive search (the reference its annealing is compared with).
     """
     if any(b.arrival_s < a.arrival_s for a, b in itertools.pairwise(plans)):
         raise ValueError("plans must be in arrival order")
@@ -1137,6 +1165,7 @@ def simulate(
         calibrator=calibrator,
         queue=queue,
         qlm=qlm,
+        sa_search=sa_search,
     )
     duration_s, stats = sim.run()
     results = sim.results()

@@ -8,7 +8,8 @@ and the plugins registered by name (:mod:`.registry`: :mod:`.metrics`,
 :mod:`.packing`: KV and TPOT over a request's life, the safety valve), the
 chain that runs them (:mod:`.chain`), the scheduler that ties them together
 (:mod:`.scheduler`), its config (:mod:`.config`), the router queue's ordering,
-shedding and release control (:mod:`.queue`), per-group predictors
+shedding and release control (:mod:`.queue`), the simulated-annealing
+release batches of its ``sa`` policy (:mod:`.sa`), per-group predictors
 (:mod:`.predictors`), the capacity model (:mod:`.capacity`) and the error tree
 (:mod:`.errors`). The same code runs in
 the gRPC router and in the virtual-time simulator (:mod:`sim`).

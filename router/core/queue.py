@@ -74,6 +74,8 @@ class QueuePolicy(str, enum.Enum):
     #: Request groups over per-instance virtual queues, with eviction (:mod:`router.core.qlm`, driven by
     #: :mod:`router.qlm_admission` and :mod:`sim.cluster`); :class:`RouterQueue` is not used then.
     QLM = "qlm"
+    #: Simulated-annealing priority mapping per instance (seed 000; :mod:`router.core.sa`).
+    SA = "sa"
 
 
 class LatePolicy(str, enum.Enum):
@@ -94,8 +96,9 @@ class QueueConfig:
     queue_policy: str = field(
         default="edf",
         metadata=_doc(
-            "order of requests waiting in the router: none (refuse at once), fcfs, edf, priority or qlm "
-            "(request groups and virtual queues with eviction, neutral instances; --qlm-*)",
+            "order of requests waiting in the router: none (refuse at once), fcfs, edf, priority, qlm "
+            "(request groups and virtual queues with eviction, neutral instances; --qlm-*) or sa "
+            "(simulated-annealing release batches per instance; --sa-*)",
             "--queue-policy",
         ),
     )
@@ -139,6 +142,43 @@ class QueueConfig:
         ),
     )
 
+    # The sa policy (router/core/sa.py): the paper's schedule (500, 100 moves per level, 0.95, 20:
+    # 6300 moves) in per mille of the starting plan's G. A run that cannot afford it within the
+    # budget keeps the temperatures and takes fewer moves per level (see the README's sa section).
+    sa_initial_temperature: float = field(
+        default=500.0,
+        metadata=_doc(
+            "sa: initial annealing temperature (per mille of the starting plan's G)",
+            "--sa-initial-temperature",
+        ),
+    )
+    sa_iterations: int = field(
+        default=100,
+        metadata=_doc("sa: moves tried per temperature level", "--sa-iterations"),
+    )
+    sa_decay: float = field(
+        default=0.95,
+        metadata=_doc("sa: the temperature is multiplied by this after each level (ratio)", "--sa-decay"),
+    )
+    sa_min_temperature: float = field(
+        default=20.0,
+        metadata=_doc("sa: annealing stops below this temperature", "--sa-min-temperature"),
+    )
+    sa_budget_ms: float = field(
+        default=0.8,
+        metadata=_doc(
+            "sa: time budget of one planning run (ms); a run that cannot afford the whole schedule takes fewer moves per temperature",
+            "--sa-budget-ms",
+        ),
+    )
+    sa_max_batch: int = field(
+        default=4,
+        metadata=_doc(
+            "sa: most requests released to an instance together; the next batch goes when they have all ended",
+            "--sa-max-batch",
+        ),
+    )
+
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ConfigError:
             return ConfigError(f"{name}={getattr(self, name)!r}: {why}")
@@ -155,6 +195,18 @@ class QueueConfig:
             raise bad("max_queue_wait_ms", "must be a finite number of ms > 0")
         if not 0 <= self.release_window_requests <= 100_000:
             raise bad("release_window_requests", "must be within 0..100000")
+        if not 0 < self.sa_initial_temperature <= 1e9:
+            raise bad("sa_initial_temperature", "must be within (0, 1e9]")
+        if not 0 < self.sa_min_temperature <= self.sa_initial_temperature:
+            raise bad("sa_min_temperature", "must be > 0 and at most sa_initial_temperature")
+        if not 0 < self.sa_decay < 1:
+            raise bad("sa_decay", "must be within (0, 1)")
+        if not 1 <= self.sa_iterations <= 1_000_000:
+            raise bad("sa_iterations", "must be within 1..1000000")
+        if not 0 < self.sa_budget_ms <= 10_000:
+            raise bad("sa_budget_ms", "must be within (0, 10000] ms")
+        if not 1 <= self.sa_max_batch <= 1024:
+            raise bad("sa_max_batch", "must be within 1..1024 requests")
 
     @property
     def policy(self) -> QueuePolicy:
@@ -255,7 +307,13 @@ class RouterQueue:
     method is O(log n) plus a list shift, except shedding's O(log n) too.
     """
 
-    def __init__(self, config: QueueConfig, default_ttft_ms: float, default_tpot_ms: float) -> None:
+    def __init__(
+        self,
+        config: QueueConfig,
+        default_ttft_ms: float,
+        default_tpot_ms: float,
+        planner: Planner | None = None,
+    ) -> None:
         if config.policy is QueuePolicy.QLM:
             raise ConfigError("queue_policy='qlm' is served by router.core.qlm.QlmQueue, not RouterQueue")
         self.config = config
@@ -273,6 +331,15 @@ class RouterQueue:
         # Under the priority policy: on-time TTFT deadlines per priority.
         self._budgets_by_priority: dict[int, _Sorted] = {}
         self._seq = 0
+        #: The sa policy's planner (:class:`router.core.sa.SAPlanner`; None under the other policies).
+        self.planner = planner
+        if self.policy is QueuePolicy.SA and planner is None:
+            raise ConfigError("queue_policy='sa' needs a planner: pass router.core.sa.SAPlanner(config)")
+
+    def finished(self, request_id: str) -> None:
+        """A dispatched request ended (the sa policy releases an instance's next batch once its batch has)."""
+        if self.planner is not None:
+            self.planner.finished(request_id)
 
     # ------------------------------------------------------------------ keys
 
@@ -505,6 +572,26 @@ class Decide(Protocol):
     ) -> Decision: ...
 
 
+class Planner(Protocol):
+    """A queue policy that decides releases itself (the sa policy: :class:`router.core.sa.SAPlanner`).
+
+    :func:`offer` hands it each pass after the expiry and lateness sweep; it
+    takes entries out of the queue and yields what became of them, like
+    :func:`offer`. ``finished`` is told when a request it released ends.
+    """
+
+    def offer(
+        self,
+        queue: RouterQueue,
+        scheduler: Scheduler,
+        source: Callable[[], ClusterView | ClusterSnapshot],
+        now_s: float,
+        schedule: Decide,
+    ) -> Iterator[Offer]: ...
+
+    def finished(self, request_id: str) -> None: ...
+
+
 @dataclass(frozen=True)
 class Offer:
     """The outcome of offering ``entry`` at one moment."""
@@ -577,6 +664,10 @@ def offer(
     for entry in queue.overdue(now_s):
         budget = (entry.ttft_deadline_s - now_s) * 1e3
         yield _late(queue, entry, late_reject, math.nan, budget)
+    if queue.planner is not None:
+        # The sa policy decides which requests go where and when (router/core/sa.py).
+        yield from queue.planner.offer(queue, scheduler, source, now_s, schedule)
+        return
     failures = 0
     seen: set[str] = set()
     for entry in queue.entries():

@@ -130,3 +130,33 @@ async def test_queue_none_refuses_at_once() -> None:
     with pytest.raises(NoInstanceError):
         await admission.place(request("a"))
     assert len(admission.queue) == 0
+
+
+async def test_sa_releases_a_burst_in_batches_as_the_previous_batch_ends() -> None:
+    # A burst in one loop iteration is planned in one pass; at most sa_max_batch requests are out at a
+    # time, and the next batch goes only when the router has seen every request of the last one end.
+    admission, observer = make_admission(Source(IDLE), queue_policy="sa", sa_max_batch=2)
+    tasks = {rid: asyncio.create_task(admission.place(request(rid, ttft_ms=60000.0))) for rid in "abcde"}
+    placed: list[list[str]] = []
+    seen: list[str] = []
+    for _ in range(3):
+        for _ in range(5):  # the coalesced pass runs within a few loop iterations
+            await asyncio.sleep(0)
+        done = sorted(rid for rid, t in tasks.items() if t.done() and rid not in seen)
+        placed.append(done)
+        seen.extend(done)
+        assert 1 <= len(done) <= 2
+        assert len(admission.queue) == 5 - len(seen)
+        for rid in done:
+            assert (await tasks[rid]).route.prefill.instance_id == "p0"
+        admission.release(done[0])
+        if len(done) == 2:
+            await asyncio.sleep(0)
+            # Half the batch has ended: nothing more goes yet.
+            assert not any(t.done() for rid, t in tasks.items() if rid not in seen)
+            admission.release(done[1])
+    assert sorted(seen) == list("abcde")  # each once
+    assert [len(b) for b in placed] == [2, 2, 1]
+    assert len(admission.queue) == 0 and gauge(observer) == 0
+    assert len(admission.placer.scheduler.inflight) == 0
+    assert admission.queue.planner.stats.runs >= 1

@@ -21,6 +21,7 @@ from router.core.queue import (
     offer,
 )
 from router.core.request import ScheduleInput, resolve_targets
+from router.core.sa import SAPlanner
 from tests.router.core.helpers import NOW, inst, make_request, make_scheduler, make_snapshot
 
 PROPS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -28,7 +29,9 @@ DEFAULT_TTFT, DEFAULT_TPOT = 6000.0, 50.0
 
 
 def make_queue(policy: str = "edf", **kw: Any) -> RouterQueue:
-    return RouterQueue(QueueConfig(queue_policy=policy, **kw), DEFAULT_TTFT, DEFAULT_TPOT)
+    config = QueueConfig(queue_policy=policy, **kw)
+    planner = SAPlanner(config) if config.policy is QueuePolicy.SA else None
+    return RouterQueue(config, DEFAULT_TTFT, DEFAULT_TPOT, planner)
 
 
 def req(rid: str, *, arrival: float = NOW, **kw: Any) -> ScheduleInput:

@@ -1,0 +1,850 @@
+"""Simulated-annealing priority mapping: the ``sa`` queue policy (seed 000).
+
+Per instance, the queued requests placed there are ordered and grouped into
+*release batches* by simulated annealing maximizing ``G = n / t``: ``n`` the
+requests predicted to meet their targets, ``t`` the sum of their predicted
+end-to-end latencies (seconds, the time they already waited included). A
+request with only an e2e target counts as met when its e2e latency is within
+it; any other request when its TTFT (waiting included) and TPOT are within
+theirs (and its e2e, if it has one too).
+
+Release batches stand in for the engine batches of the paper. The router
+cannot form engine batches: it can only decide *which* requests an instance
+gets and *when*. So the ``sa`` policy hands an instance one release batch at a
+time (at most ``sa_max_batch`` requests, sent together) and the next one only
+when every request of the previous batch has ended. Batch ``k`` then starts when
+batch ``k-1`` ends, which is the paper's waiting-time model (the wait of a
+request is the sum of the durations of the batches before it, a batch lasting
+as long as its slowest member), and the instance's own batching runs each
+release batch as one engine batch.
+
+The per-request predictions come from the router's latency profile rather than
+the paper's linear fit, in the fit's shape: a request of ``l`` prompt tokens and
+``o`` expected output tokens in a batch of ``b`` is predicted as if its batch
+peers had its lengths (prefill of ``b * l`` tokens; decode steps of ``b``
+requests holding ``b * (l + o / 2)`` tokens), so each request's cost is a
+function of ``b`` alone and is computed once per run, for every ``b`` up to the
+cap (see :func:`jobs_for`).
+
+The search (:func:`anneal`) is Algorithm 1 of the paper: two starting
+solutions (the queue order, and the order of smallest predicted e2e latency,
+both in full batches); if the latency order meets every target it is taken at
+once; otherwise the better start is annealed with three moves (squeeze a
+request into the previous batch, delay it into the next one, swap two
+requests), ``iterations`` moves per temperature, the temperature multiplied by
+``decay`` until it falls under ``min_temperature``. Adaptations, each for a
+reason given where it is made: temperatures are in per mille of the start's
+``G`` (the acceptance rule needs a unit independent of the workload's latency
+scale); a worse move is accepted with the Metropolis probability; the best
+solution seen is kept; a move that does not apply becomes a swap; the latency
+order's start takes its best uniform batch size, and when it meets every
+target its best split into batches (:func:`best_split`); a run that cannot
+afford the whole schedule within its time budget keeps the temperatures and
+takes fewer moves per level; the best solution is polished by hill climbing
+while the budget lasts (:func:`_polish`).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from fleet.snapshot import ClusterSnapshot
+from predictor.latency import LatencyPredictor
+from router.core.columns import ClusterView
+from router.core.errors import EmptyClusterError, NoInstanceError
+from router.core.queue import Decide, Offer, QueueConfig, QueueEntry, RouterQueue, Verdict
+from router.core.request import ScheduleInput, Targets, resolve_targets
+from router.core.scheduler import Scheduler
+
+#: Temperatures are in units of this fraction of the starting solution's G (per mille).
+TEMPERATURE_UNIT = 1e-3
+
+#: The budget's clock is read every this many moves (within a temperature level, so a level
+#: longer than the budget is cut short too).
+BUDGET_CHECK_MOVES = 8
+
+#: The share of a budget the annealing schedule is fitted to; the rest polishes its best solution.
+ANNEAL_SHARE = 0.8
+
+
+@dataclass(frozen=True)
+class AnnealParams:
+    """The annealing schedule (the paper's defaults: T0 500, Tthres 20, iter 100, tau 0.95)."""
+
+    initial_temperature: float = 500.0
+    iterations: int = 100
+    decay: float = 0.95
+    min_temperature: float = 20.0
+    #: Wall-clock budget of one run (s); None = the schedule alone bounds it.
+    budget_s: float | None = None
+
+    @property
+    def steps(self) -> int:
+        """Temperature levels the schedule visits."""
+        if self.initial_temperature < self.min_temperature:
+            return 0
+        return (
+            math.floor(math.log(self.min_temperature / self.initial_temperature) / math.log(self.decay)) + 1
+        )
+
+
+@dataclass(frozen=True)
+class Job:
+    """One queued request as the annealer sees it; lists are indexed by batch size ``b`` (index 0 unused).
+
+    ``slack_ms[b]``: the latest start of its batch (ms after the plan starts)
+    at which it still meets its targets in a batch of ``b`` (-inf: never, e.g.
+    its TPOT target fails at that size). ``cost_ms[b]``: its e2e latency when
+    its batch starts at once (waited so far + execution). ``exec_ms[b]``: its
+    execution time, which sets its batch's duration.
+    """
+
+    exec_ms: tuple[float, ...]
+    cost_ms: tuple[float, ...]
+    slack_ms: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """An order of jobs (indices into the job list) and its split into release batches."""
+
+    order: tuple[int, ...]
+    sizes: tuple[int, ...]
+    g: float
+    met: int
+    total_ms: float
+    #: Candidate solutions evaluated (both starts included).
+    evaluations: int = 0
+    #: The latency-ordered start met every target (no annealing ran).
+    early_exit: bool = False
+
+    def batches(self) -> list[tuple[int, ...]]:
+        """The release batches, first to last."""
+        out: list[tuple[int, ...]] = []
+        pos = 0
+        for b in self.sizes:
+            out.append(self.order[pos : pos + b])
+            pos += b
+        return out
+
+
+def evaluate(
+    jobs: Sequence[Job], order: Sequence[int], sizes: Sequence[int], start_ms: float = 0.0
+) -> tuple[float, int, float]:
+    """(G in requests/s, requests meeting their targets, summed e2e latency in ms) of a solution.
+
+    ``start_ms``: when the first batch can start (the instance is busy until then).
+    """
+    return _Columns.of(jobs, max(sizes, default=1)).evaluate(order, sizes, start_ms)
+
+
+class _Columns:
+    """The jobs' figures by batch size, then job (the annealer's hot loop reads them without attribute lookups)."""
+
+    __slots__ = ("cost", "exec", "slack")
+
+    def __init__(
+        self, exec_ms: list[list[float]], cost_ms: list[list[float]], slack_ms: list[list[float]]
+    ) -> None:
+        self.exec = exec_ms
+        self.cost = cost_ms
+        self.slack = slack_ms
+
+    @classmethod
+    def of(cls, jobs: Sequence[Job], cap: int) -> _Columns:
+        sizes = range(cap + 1)
+        return cls(
+            [[j.exec_ms[b] if b else 0.0 for j in jobs] for b in sizes],
+            [[j.cost_ms[b] if b else 0.0 for j in jobs] for b in sizes],
+            [[j.slack_ms[b] if b else 0.0 for j in jobs] for b in sizes],
+        )
+
+    def evaluate(
+        self, order: Sequence[int], sizes: Sequence[int], start_ms: float
+    ) -> tuple[float, int, float]:
+        wait = start_ms
+        met = 0
+        total = 0.0
+        pos = 0
+        exec_, cost, slack = self.exec, self.cost, self.slack
+        for b in sizes:
+            eb, cb, sb = exec_[b], cost[b], slack[b]
+            duration = 0.0
+            for i in order[pos : pos + b]:
+                e = eb[i]
+                if e > duration:
+                    duration = e
+                total += cb[i]
+                if sb[i] >= wait:
+                    met += 1
+            total += wait * b
+            wait += duration
+            pos += b
+        return (met * 1e3 / total if total > 0 else 0.0), met, total
+
+
+def full_batches(n: int, cap: int) -> tuple[int, ...]:
+    """Batch sizes of ``n`` requests in batches of ``cap`` (the last one holds the rest)."""
+    return tuple([cap] * (n // cap) + ([n % cap] if n % cap else []))
+
+
+def anneal(
+    jobs: Sequence[Job],
+    cap: int,
+    params: AnnealParams,
+    rng: random.Random,
+    *,
+    start_ms: float = 0.0,
+    clock: Callable[[], float] = time.perf_counter,
+    spent_s: float = 0.0,
+) -> Plan:
+    """The release order and batches of ``jobs`` maximizing G (Algorithm 1 of seed 000; see the module doc).
+
+    ``jobs`` are in queue order (the first starting solution). ``cap`` >= 1
+    bounds every batch. ``spent_s`` of ``params.budget_s`` went to costing the
+    jobs already; ``clock`` is read every :data:`BUDGET_CHECK_MOVES` moves. Deterministic for a given ``rng`` state when
+    ``params.budget_s`` is None.
+    """
+    n = len(jobs)
+    if n == 0:
+        return Plan((), (), 0.0, 0, 0.0)
+    if cap < 1:
+        raise ValueError(f"cap must be >= 1, got {cap}")
+    sizes0 = full_batches(n, cap)
+    columns = _Columns.of(jobs, cap)
+    evaluate_ = columns.evaluate
+    # Start 2: smallest predicted e2e latency first. The paper leaves its batch sizes open; it takes
+    # the uniform size (1..cap) with the best G, so a cap that breaks TPOT targets does not make the
+    # annealer climb out of full batches first.
+    by_latency = tuple(sorted(range(n), key=lambda i: (jobs[i].exec_ms[1], i)))
+    evaluations = 0
+    latency_start: tuple[tuple[int, ...], float, int, float] = ((), -1.0, 0, 0.0)
+    for b in range(cap, 0, -1):
+        sizes_b = full_batches(n, b)
+        g_b, met_b, total_b = evaluate_(by_latency, sizes_b, start_ms)
+        evaluations += 1
+        if g_b > latency_start[1]:
+            latency_start = (sizes_b, g_b, met_b, total_b)
+    sizes2, g, met, total = latency_start
+    if met == n:
+        # Every target met: only the summed latency can still improve, and for a fixed order the
+        # split into batches that minimizes it is found exactly (best_split). The paper's exit is
+        # exact with a cap of 1; with larger caps the latency order's best split can beat every
+        # uniform one by several percent of G.
+        split = best_split(columns, by_latency, cap, start_ms)
+        if split != sizes2:
+            g_s, met_s, total_s = evaluate_(by_latency, split, start_ms)
+            evaluations += 1
+            if met_s == n and g_s > g:
+                sizes2, g, total = split, g_s, total_s
+        return Plan(by_latency, sizes2, g, met, total, evaluations, early_exit=True)
+    # Start 1: the queue order in full batches.
+    fifo = tuple(range(n))
+    g1, met1, total1 = evaluate_(fifo, sizes0, start_ms)
+    evaluations += 1
+    order, sizes = (fifo, sizes0) if g1 > g else (by_latency, sizes2)
+    if g1 > g:
+        g, met, total = g1, met1, total1
+    best = Plan(order, sizes, g, met, total)
+    if n == 1:
+        return Plan(best.order, best.sizes, g, met, total, evaluations)
+    # The paper's acceptance rule compares raw G differences with temperatures in the hundreds; G
+    # is in requests/s (0.001..10 depending on the latency scale), so the raw rule would accept
+    # every worse move. Differences are taken in per mille of the start's G instead, which keeps
+    # the paper's temperatures meaningful: at T0=500 a move 10 % worse is accepted with p = 0.82,
+    # at Tthres=20 with p = 0.007.
+    unit = max(g, 1e-12) * TEMPERATURE_UNIT
+    cur_order = list(order)
+    cur_sizes = list(sizes)
+    cur_g = g
+    temperature = params.initial_temperature
+    started = clock()
+    deadline = None if params.budget_s is None else started + params.budget_s - spent_s
+    levels = params.steps
+    per_level = params.iterations
+    randrange = rng.randrange
+    rand = rng.random
+    level = in_level = moves = 0
+    fitted = False
+    while level < levels:
+        if deadline is not None and moves % BUDGET_CHECK_MOVES == 0 and moves:
+            now = clock()
+            if now >= deadline:
+                break
+            if not fitted:
+                # The schedule is fitted to the budget once the cost of a move is known: the same
+                # temperatures and decay, fewer moves per level, so a run that cannot afford the
+                # whole schedule still cools down to min_temperature instead of stopping while hot.
+                fitted = True
+                affordable = ANNEAL_SHARE * (deadline - now) / max((now - started) / moves, 1e-12)
+                left = levels - level
+                if left * per_level - in_level > affordable:
+                    per_level = max(1, int(affordable // left))
+                    in_level = min(in_level, per_level - 1)
+        cand_order = cur_order[:]
+        cand_sizes = cur_sizes[:]
+        _move(cand_order, cand_sizes, cap, randrange)
+        evaluations += 1
+        moves += 1
+        g_new, met_new, total_new = evaluate_(cand_order, cand_sizes, start_ms)
+        if g_new > cur_g or rand() < math.exp((g_new - cur_g) / unit / temperature):
+            cur_order, cur_sizes, cur_g = cand_order, cand_sizes, g_new
+            # The paper returns the last accepted solution; the best one seen is never worse.
+            if g_new > best.g:
+                best = Plan(tuple(cand_order), tuple(cand_sizes), g_new, met_new, total_new)
+        in_level += 1
+        if in_level >= per_level:
+            in_level = 0
+            level += 1
+            temperature *= params.decay
+    polished, spent = _polish(columns, best, cap, start_ms, deadline, clock)
+    return replace(polished, evaluations=evaluations + spent)
+
+
+def _polish(
+    columns: _Columns,
+    plan: Plan,
+    cap: int,
+    start_ms: float,
+    deadline: float | None,
+    clock: Callable[[], float],
+) -> tuple[Plan, int]:
+    """Steepest-free hill climbing from the annealer's best: first-improvement swaps, then the best split.
+
+    An adaptation: with the few hundred moves a short budget affords, the
+    annealer often ends one or two swaps short of a local optimum (the same
+    targets met, a larger summed latency). Runs while the budget lasts.
+    """
+    order = list(plan.order)
+    sizes = list(plan.sizes)
+    g, met, total = plan.g, plan.met, plan.total_ms
+    n = len(order)
+    batch_of = [k for k, b in enumerate(sizes) for _ in range(b)]
+    evaluations = 0
+    improved = True
+    while improved:
+        improved = False
+        if deadline is not None and clock() >= deadline:
+            break
+        split = best_split(columns, order, cap, start_ms)
+        if list(split) != sizes:
+            g_s, met_s, total_s = columns.evaluate(order, split, start_ms)
+            evaluations += 1
+            if g_s > g:
+                sizes = list(split)
+                batch_of = [k for k, b in enumerate(sizes) for _ in range(b)]
+                g, met, total = g_s, met_s, total_s
+        for i in range(n - 1):
+            for j in range(i + 1, n):
+                if batch_of[i] == batch_of[j]:
+                    continue  # order inside a batch does not matter
+                if deadline is not None and evaluations % BUDGET_CHECK_MOVES == 0 and clock() >= deadline:
+                    return Plan(tuple(order), tuple(sizes), g, met, total), evaluations
+                order[i], order[j] = order[j], order[i]
+                g_new, met_new, total_new = columns.evaluate(order, sizes, start_ms)
+                evaluations += 1
+                if g_new > g * (1 + 1e-12):
+                    g, met, total = g_new, met_new, total_new
+                    improved = True
+                else:
+                    order[i], order[j] = order[j], order[i]
+    return Plan(tuple(order), tuple(sizes), g, met, total), evaluations
+
+
+def best_split(columns: _Columns, order: Sequence[int], cap: int, start_ms: float = 0.0) -> tuple[int, ...]:
+    """The split of ``order`` into batches of at most ``cap`` with the smallest summed latency.
+
+    Every request still to go waits for each batch before it, so the cost of
+    the rest from position ``i`` on is ``(n - i) * wait + f(i)``; ``f`` comes
+    from the back in O(n * cap). A batch in which a member could not meet its
+    targets even without waiting (a TPOT target broken by the batch's size) is
+    left out; targets missed by waiting are the caller's to check.
+    """
+    n = len(order)
+    f = [0.0] * (n + 1)
+    choice = [0] * (n + 1)
+    for i in range(n - 1, -1, -1):
+        best = math.inf
+        for b in range(1, min(cap, n - i) + 1):
+            eb, cb, sb = columns.exec[b], columns.cost[b], columns.slack[b]
+            members = order[i : i + b]
+            if b > 1 and any(sb[j] < start_ms for j in members):
+                continue
+            duration = max(eb[j] for j in members)
+            value = sum(cb[j] for j in members) + (n - i - b) * duration + f[i + b]
+            if value < best:
+                best, choice[i] = value, b
+        f[i] = best
+    sizes: list[int] = []
+    i = 0
+    while i < n:
+        sizes.append(choice[i])
+        i += choice[i]
+    return tuple(sizes)
+
+
+def _move(order: list[int], sizes: list[int], cap: int, randrange: Callable[[int], int]) -> None:
+    """Apply one of the three moves in place (a squeeze or delay that does not apply becomes a swap)."""
+    n = len(order)
+    op = randrange(3)
+    p = randrange(n)
+    if op < 2 and len(sizes) > 0:
+        # The batch of position p and where it starts.
+        k = 0
+        start = 0
+        while start + sizes[k] <= p:
+            start += sizes[k]
+            k += 1
+        if op == 0 and k > 0 and sizes[k - 1] < cap:
+            # Squeeze into the previous batch: p trades places with the first of its batch (order
+            # inside a batch does not matter), which then becomes the previous batch's last.
+            order[p], order[start] = order[start], order[p]
+            sizes[k - 1] += 1
+            sizes[k] -= 1
+            if sizes[k] == 0:
+                del sizes[k]
+            return
+        if op == 1:
+            last = start + sizes[k] - 1
+            if k + 1 < len(sizes) and sizes[k + 1] < cap:
+                # Delay into the next batch: p becomes its batch's last, then the next batch's first.
+                order[p], order[last] = order[last], order[p]
+                sizes[k] -= 1
+                sizes[k + 1] += 1
+                if sizes[k] == 0:
+                    del sizes[k]
+                return
+            if k + 1 == len(sizes) and sizes[k] > 1:
+                # The last batch: the delayed request opens a new one.
+                order[p], order[last] = order[last], order[p]
+                sizes[k] -= 1
+                sizes.append(1)
+                return
+    # The paper's random swap (also the fallback: with a cap of 1 no squeeze or delay ever applies).
+    q = randrange(n - 1)
+    if q >= p:
+        q += 1
+    order[p], order[q] = order[q], order[p]
+
+
+def exhaustive(jobs: Sequence[Job], cap: int, *, start_ms: float = 0.0, limit: int = 8) -> Plan:
+    """The best solution over every ordered split of ``jobs`` into batches of at most ``cap`` (the reference).
+
+    Order inside a batch does not change G, so it enumerates ordered set
+    partitions (543,130 of them for 8 jobs and a cap of 4), depth-first with
+    the partial sums carried down. Raises ``ValueError`` above ``limit`` jobs.
+    """
+    n = len(jobs)
+    if n > limit:
+        raise ValueError(f"exhaustive search is for at most {limit} jobs, got {n}")
+    if n == 0:
+        return Plan((), (), 0.0, 0, 0.0)
+    best: list[tuple[float, int, float, tuple[tuple[int, ...], ...]]] = [(-1.0, 0, 0.0, ())]
+    count = [0]
+
+    def subsets(items: tuple[int, ...], size: int) -> list[tuple[int, ...]]:
+        if size == 0:
+            return [()]
+        if len(items) < size:
+            return []
+        head, rest = items[0], items[1:]
+        return [(head, *s) for s in subsets(rest, size - 1)] + subsets(rest, size)
+
+    def go(
+        left: tuple[int, ...], wait: float, met: int, total: float, batches: tuple[tuple[int, ...], ...]
+    ) -> None:
+        if not left:
+            count[0] += 1
+            g = met * 1e3 / total if total > 0 else 0.0
+            if g > best[0][0]:
+                best[0] = (g, met, total, batches)
+            return
+        for b in range(1, min(cap, len(left)) + 1):
+            for batch in subsets(left, b):
+                duration = 0.0
+                m = met
+                t = total
+                for i in batch:
+                    job = jobs[i]
+                    duration = max(duration, job.exec_ms[b])
+                    t += job.cost_ms[b] + wait
+                    if job.slack_ms[b] >= wait:
+                        m += 1
+                rest = tuple(i for i in left if i not in batch)
+                go(rest, wait + duration, m, t, (*batches, batch))
+
+    go(tuple(range(n)), start_ms, 0, 0.0, ())
+    g, met, total, batches = best[0]
+    order = tuple(i for batch in batches for i in batch)
+    return Plan(order, tuple(len(b) for b in batches), g, met, total, count[0])
+
+
+# --------------------------------------------------------------------------- the queue policy
+
+
+#: Expected output tokens of a request that states neither an expectation nor ``max_tokens``.
+UNKNOWN_OUTPUT_TOKENS = 128
+
+#: A plan is re-run when at least this fraction of its instance's queued requests changed
+#: (arrived or left other than by release) since it was made; smaller changes are patched in.
+REPLAN_FRACTION = 0.25
+
+#: How a planner searches (``exhaustive`` only up to EXHAUSTIVE_LIMIT requests per instance).
+SEARCHES = ("anneal", "exhaustive")
+EXHAUSTIVE_LIMIT = 8
+
+#: Placement for the ``sa`` policy asks the scheduler for the best instance with targets this loose:
+#: the annealer, not the TTFT bound, decides when a request goes.
+_RELAXED_MS = 1e12
+
+
+def jobs_for(
+    requests: Sequence[ScheduleInput],
+    predictor: LatencyPredictor,
+    cap: int,
+    now_s: float,
+    enqueued_s: Sequence[float],
+    default_ttft_ms: float,
+    default_tpot_ms: float,
+    max_num_batched_tokens: float,
+) -> list[Job]:
+    """The annealer's view of ``requests`` on an instance predicted by ``predictor`` (see the module doc).
+
+    Each request is costed for every batch size ``1..cap``: prefill of ``b``
+    prompts of its length (its TTFT once its batch starts), decode steps of
+    ``b`` requests of its lengths (its TPOT), prefill plus ``o - 1`` decode
+    steps (its execution time; the prefill emits the first token). The time it
+    has already waited (since ``arrival_s``, else since it was queued) counts.
+    """
+    n = len(requests)
+    if n == 0:
+        return []
+    prompt = np.array([float(max(r.prompt_tokens, 1)) for r in requests])
+    output = np.array([float(r.output_tokens_estimate or UNKNOWN_OUTPUT_TOKENS) for r in requests])
+    b = np.arange(1, cap + 1, dtype=np.float64)
+    batch = np.broadcast_to(b[None, :], (n, cap))
+    prefill = np.asarray(
+        predictor.predict_ttft_ms(prompt[:, None] * batch, 0.0, 0.0, float(max_num_batched_tokens)),
+        dtype=np.float64,
+    )
+    tpot = np.asarray(
+        predictor.predict_tpot_ms(batch, batch * (prompt + output / 2.0)[:, None]), dtype=np.float64
+    )
+    exec_ms = prefill + np.maximum(output - 1.0, 0.0)[:, None] * tpot
+    waited = np.empty(n)
+    e2e = np.empty(n)
+    e2e_only = np.empty(n, dtype=bool)
+    ttft_target = np.empty(n)
+    tpot_target = np.empty(n)
+    for i, r in enumerate(requests):
+        arrival = r.arrival_s if r.arrival_s is not None else enqueued_s[i]
+        waited[i] = max(now_s - arrival, 0.0) * 1e3
+        e2e[i] = r.e2e_slo_ms if r.e2e_slo_ms > 0 else math.inf
+        e2e_only[i] = r.e2e_slo_ms > 0 and r.ttft_slo_ms == 0 and r.tpot_slo_ms == 0
+        if not e2e_only[i]:
+            targets = resolve_targets(r, default_ttft_ms, default_tpot_ms)
+            ttft_target[i], tpot_target[i] = targets.full_ttft_ms, targets.tpot_ms
+        else:
+            ttft_target[i], tpot_target[i] = math.inf, math.inf
+    w = waited[:, None]
+    by_e2e = e2e[:, None] - w - exec_ms
+    by_ttft = np.where(tpot <= tpot_target[:, None], ttft_target[:, None] - w - prefill, -math.inf)
+    # e2e-only requests: their e2e; the others: TTFT and TPOT, and their e2e if they have one too.
+    slack = np.where(e2e_only[:, None], by_e2e, np.minimum(by_ttft, by_e2e))
+    head = np.zeros((n, 1))
+    exec_rows = np.hstack([head, exec_ms]).tolist()
+    cost_rows = np.hstack([head, exec_ms + w]).tolist()
+    slack_rows = np.hstack([np.full((n, 1), -math.inf), slack]).tolist()
+    return [
+        Job(tuple(e), tuple(c), tuple(sl)) for e, c, sl in zip(exec_rows, cost_rows, slack_rows, strict=True)
+    ]
+
+
+@dataclass
+class _InstancePlan:
+    """The release batches still to go on one instance (request ids), and what the plan was made of."""
+
+    batches: list[list[str]]
+    planned: set[str]
+    plan: Plan
+
+
+@dataclass
+class PlannerStats:
+    """What the ``sa`` policy did (for tests, the bench and the simulator's report)."""
+
+    runs: int = 0
+    early_exits: int = 0
+    evaluations: int = 0
+    patches: int = 0
+    batches_released: int = 0
+    #: Seconds spent annealing (wall clock, or the modeled clock in the simulator).
+    anneal_s: float = 0.0
+    last_plan: Plan | None = None
+
+
+class SAPlanner:
+    """The ``sa`` queue policy's state: placements, per-instance plans and the running release batch.
+
+    Driven by :func:`router.core.queue.offer` (the router's admission and the
+    simulator alike): each pass places new entries (the scheduler's choice with
+    relaxed targets: the instance is decided first, as in the paper's
+    multi-instance variant), and for every instance whose previous release
+    batch has ended hands out the next batch of its plan. A plan is re-run
+    only when the instance's queued requests changed materially
+    (:data:`REPLAN_FRACTION`), otherwise patched (leavers dropped, newcomers
+    appended), so the annealer runs per change of the queue, not per request.
+    ``finished`` is told when a released request ends (the router's release,
+    the simulator's completion).
+    """
+
+    def __init__(
+        self,
+        config: QueueConfig,
+        *,
+        seed: int = 0,
+        clock: Callable[[], float] = time.perf_counter,
+        modeled_evaluation_s: Callable[[int], float] | None = None,
+        search: str = "anneal",
+    ) -> None:
+        if search not in SEARCHES:
+            raise ValueError(f"search must be one of {', '.join(SEARCHES)}, got {search!r}")
+        #: ``exhaustive`` plans queues of up to :data:`EXHAUSTIVE_LIMIT` requests by exhaustive search
+        #: (the reference of the simulated comparison), larger ones by annealing.
+        self.search = search
+        self.config = config
+        self.cap = config.sa_max_batch
+        self.params = AnnealParams(
+            config.sa_initial_temperature,
+            config.sa_iterations,
+            config.sa_decay,
+            config.sa_min_temperature,
+            config.sa_budget_ms * 1e-3,
+        )
+        self.rng = random.Random(seed)
+        self._clock = clock
+        # The simulator's clock for the budget: the modeled cost of one evaluation of n jobs
+        # (deterministic, unlike the wall clock of a shared machine).
+        self._modeled = modeled_evaluation_s
+        self.assigned: dict[str, str] = {}
+        self.plans: dict[str, _InstancePlan] = {}
+        self.running: dict[str, set[str]] = {}
+        self._where: dict[str, str] = {}
+        self.stats = PlannerStats()
+
+    def finished(self, request_id: str) -> None:
+        """A request this policy released has ended: its instance may take the next batch once all have."""
+        instance = self._where.pop(request_id, None)
+        if instance is not None:
+            running = self.running.get(instance)
+            if running is not None:
+                running.discard(request_id)
+                if not running:
+                    del self.running[instance]
+
+    def busy(self, instance_id: str) -> bool:
+        return bool(self.running.get(instance_id))
+
+    def offer(
+        self,
+        queue: RouterQueue,
+        scheduler: Scheduler,
+        source: Callable[[], ClusterView | ClusterSnapshot],
+        now_s: float,
+        schedule: Decide,
+    ) -> Iterator[Offer]:
+        """One pass (see the class doc); entries leave the queue here, as in :func:`router.core.queue.offer`."""
+        entries = list(queue.entries())
+        if not entries:
+            return
+        present = {e.request_id for e in entries}
+        for rid in [rid for rid in self.assigned if rid not in present]:
+            del self.assigned[rid]
+        view = _as_view(scheduler, source(), now_s)
+        index = view.instances.index
+        groups: dict[str, list[QueueEntry]] = {}
+        for entry in entries:
+            instance = self.assigned.get(entry.request_id)
+            if instance is None or instance not in index:
+                targets = resolve_targets(entry.request, queue.default_ttft_ms, queue.default_tpot_ms, now_s)
+                try:
+                    decision = schedule(view, entry.request, now_s, targets=_relaxed(targets))
+                except NoInstanceError as exc:
+                    yield Offer(entry, Verdict.WAIT, error=exc)
+                    continue
+                except EmptyClusterError as exc:
+                    queue.remove(entry.request_id)
+                    yield Offer(entry, Verdict.REJECT, error=exc)
+                    continue
+                choice = decision.prefill or decision.decode
+                assert choice is not None
+                instance = choice.instance_id
+                self.assigned[entry.request_id] = instance
+            groups.setdefault(instance, []).append(entry)
+        for instance, group in groups.items():
+            if self.busy(instance):
+                continue
+            yield from self._release(queue, scheduler, source, now_s, schedule, view, instance, group)
+
+    def _release(
+        self,
+        queue: RouterQueue,
+        scheduler: Scheduler,
+        source: Callable[[], ClusterView | ClusterSnapshot],
+        now_s: float,
+        schedule: Decide,
+        view: ClusterView,
+        instance: str,
+        group: list[QueueEntry],
+    ) -> Iterator[Offer]:
+        state = self._plan(queue, scheduler, view, now_s, instance, group)
+        if not state.batches:
+            return
+        batch = state.batches.pop(0)
+        by_id = {e.request_id: e for e in group}
+        i = view.instances.index[instance]
+        role = view.instances.roles[i]
+        # Only this instance among those of its role: the decode leg of a disaggregated request may go anywhere.
+        others = frozenset(
+            iid
+            for j, iid in enumerate(view.instances.ids)
+            if view.instances.roles[j] == role and iid != instance
+        )
+        self.stats.batches_released += 1
+        for rid in batch:
+            state.planned.discard(rid)
+            entry = by_id.get(rid)
+            if entry is None:
+                continue
+            request = entry.request
+            pinned = replace(request, exclude_instance_ids=request.exclude_instance_ids | others)
+            targets = resolve_targets(request, queue.default_ttft_ms, queue.default_tpot_ms, now_s)
+            try:
+                decision = schedule(source(), pinned, now_s, targets=_relaxed(targets))
+            except NoInstanceError as exc:
+                # The instance cannot take it after all (ejected, full): placed again on the next pass.
+                self.assigned.pop(rid, None)
+                yield Offer(entry, Verdict.WAIT, error=exc, budget_ms=targets.ttft_ms)
+                continue
+            except EmptyClusterError as exc:
+                queue.remove(rid)
+                self.assigned.pop(rid, None)
+                yield Offer(entry, Verdict.REJECT, error=exc)
+                continue
+            queue.remove(rid)
+            self.assigned.pop(rid, None)
+            self.running.setdefault(instance, set()).add(rid)
+            self._where[rid] = instance
+            yield Offer(entry, Verdict.DISPATCH, decision=decision, budget_ms=targets.ttft_ms)
+        if not state.batches:
+            del self.plans[instance]
+
+    def _plan(
+        self,
+        queue: RouterQueue,
+        scheduler: Scheduler,
+        view: ClusterView,
+        now_s: float,
+        instance: str,
+        group: list[QueueEntry],
+    ) -> _InstancePlan:
+        ids = [e.request_id for e in group]
+        current = set(ids)
+        state = self.plans.get(instance)
+        if state is not None:
+            new = [rid for rid in ids if rid not in state.planned]
+            gone = state.planned - current
+            if not new and not gone:
+                return state
+            if (len(new) + len(gone)) < REPLAN_FRACTION * len(ids):
+                # A small change: the plan stands, leavers dropped and newcomers appended in queue order.
+                self.stats.patches += 1
+                state.batches = [
+                    kept for kept in ([r for r in b if r in current] for b in state.batches) if kept
+                ]
+                for k in range(0, len(new), self.cap):
+                    state.batches.append(new[k : k + self.cap])
+                state.planned = current
+                return state
+        predictors = scheduler.predictors
+        if predictors is None:
+            # No latency predictor: nothing to anneal with; queue order in full batches.
+            plan = Plan(tuple(range(len(ids))), full_batches(len(ids), self.cap), 0.0, 0, 0.0)
+        else:
+            i = view.instances.index[instance]
+            predictor = predictors.for_group(view.instances.groups[i])
+            costing = time.perf_counter()
+            jobs = jobs_for(
+                [e.request for e in group],
+                predictor,
+                self.cap,
+                now_s,
+                [e.enqueued_s for e in group],
+                queue.default_ttft_ms,
+                queue.default_tpot_ms,
+                float(view.instances.max_num_batched_tokens[i]),
+            )
+            # The budget covers the costing too (modeled in the simulator).
+            spent = time.perf_counter() - costing if self._modeled is None else modeled_costing_s(len(jobs))
+            plan = self._anneal(jobs, spent)
+        state = _InstancePlan([[ids[j] for j in batch] for batch in plan.batches()], current, plan)
+        self.plans[instance] = state
+        return state
+
+    def _anneal(self, jobs: list[Job], spent_s: float) -> Plan:
+        clock = self._clock if self._modeled is None else modeled_clock(self._modeled(len(jobs)))
+        started = clock()
+        if self.search == "exhaustive" and len(jobs) <= EXHAUSTIVE_LIMIT:
+            plan = exhaustive(jobs, self.cap)
+        else:
+            plan = anneal(jobs, self.cap, self.params, self.rng, clock=clock, spent_s=spent_s)
+        self.stats.anneal_s += clock() - started
+        self.stats.runs += 1
+        self.stats.early_exits += plan.early_exit
+        self.stats.evaluations += plan.evaluations
+        self.stats.last_plan = plan
+        return plan
+
+
+def _relaxed(targets: Targets) -> Targets:
+    return replace(targets, ttft_ms=_RELAXED_MS, tpot_ms=_RELAXED_MS)
+
+
+def _as_view(scheduler: Scheduler, source: ClusterView | ClusterSnapshot, now_s: float) -> ClusterView:
+    return source if isinstance(source, ClusterView) else scheduler.view(source, now_s)
+
+
+def modeled_clock(evaluation_s: float) -> Callable[[], float]:
+    """A clock for :func:`anneal` that counts moves instead of reading the time (deterministic).
+
+    anneal reads its clock at the start and then every :data:`BUDGET_CHECK_MOVES`
+    moves; each reading advances this one by that many evaluations of ``evaluation_s``.
+    """
+    ticks = [0.0]
+
+    def clock() -> float:
+        now = ticks[0]
+        ticks[0] += evaluation_s * BUDGET_CHECK_MOVES
+        return now
+
+    return clock
+
+
+def modeled_costing_s(n: int) -> float:
+    """The simulator's stand-in for the time :func:`jobs_for` takes for ``n`` requests (s; measured as below)."""
+    return 0.25e-3 + 3e-6 * n
+
+
+def modeled_evaluation_s(n: int) -> float:
+    """The simulator's stand-in for the wall clock: the cost of evaluating one solution of ``n`` jobs (s).
+
+    Measured on the development machine (thread CPU time of whole annealing
+    runs, polish included): about 1 µs per move plus 0.25 µs per job.
+    """
+    return 1.0e-6 + 0.25e-6 * n

@@ -1,0 +1,356 @@
+"""The sa queue policy's core: G, the annealer against a brute-force reference, its moves, costing, config."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+from collections.abc import Iterator, Sequence
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from router.core.errors import ConfigError
+from router.core.queue import QueueConfig
+from router.core.request import ScheduleInput
+from router.core.sa import (
+    BUDGET_CHECK_MOVES,
+    AnnealParams,
+    Job,
+    Plan,
+    _move,
+    anneal,
+    evaluate,
+    exhaustive,
+    full_batches,
+    jobs_for,
+)
+from tests.router.core.helpers import make_predictor
+
+PREDICTOR = make_predictor()
+
+INF = math.inf
+
+
+def job(exec_ms: Sequence[float], slack_ms: Sequence[float], waited_ms: float = 0.0) -> Job:
+    """A job from its execution time and slack per batch size 1..len(exec_ms)."""
+    return Job(
+        (0.0, *exec_ms),
+        (0.0, *(e + waited_ms for e in exec_ms)),
+        (-INF, *slack_ms),
+    )
+
+
+def compositions(n: int, cap: int) -> Iterator[tuple[int, ...]]:
+    """Every split of n into ordered parts of 1..cap."""
+    if n == 0:
+        yield ()
+        return
+    for first in range(1, min(cap, n) + 1):
+        for rest in compositions(n - first, cap):
+            yield (first, *rest)
+
+
+def brute_force(jobs: Sequence[Job], cap: int) -> float:
+    """The best G over every permutation and every batch split: the reference, independent of the module's search."""
+    best = 0.0
+    splits = list(compositions(len(jobs), cap))
+    for order in itertools.permutations(range(len(jobs))):
+        for sizes in splits:
+            best = max(best, evaluate(jobs, order, sizes)[0])
+    return best
+
+
+@st.composite
+def job_sets(draw: st.DrawFn, max_jobs: int = 6, max_cap: int = 4) -> tuple[list[Job], int]:
+    cap = draw(st.integers(1, max_cap))
+    n = draw(st.integers(1, max_jobs))
+    jobs = []
+    for _ in range(n):
+        base = draw(st.floats(100.0, 5000.0))
+        growth = draw(st.floats(0.0, 0.5))
+        exec_ms = [base * (1 + growth * (b - 1)) for b in range(1, cap + 1)]
+        target = draw(st.floats(200.0, 20000.0))
+        waited = draw(st.floats(0.0, 500.0))
+        tpot_fails_from = draw(st.integers(2, cap + 1))  # a chat request's TPOT may fail in big batches
+        slack = [target - waited - e if b < tpot_fails_from else -INF for b, e in enumerate(exec_ms, start=1)]
+        jobs.append(job(exec_ms, slack, waited))
+    return jobs, cap
+
+
+def check_plan(plan: Plan, jobs: Sequence[Job], cap: int) -> None:
+    assert sorted(plan.order) == list(range(len(jobs)))  # a permutation: nothing lost or repeated
+    assert sum(plan.sizes) == len(jobs)
+    assert all(1 <= b <= cap for b in plan.sizes)
+    g, met, total = evaluate(jobs, plan.order, plan.sizes)
+    assert g == pytest.approx(plan.g) and met == plan.met and total == pytest.approx(plan.total_ms)
+
+
+# --------------------------------------------------------------------------- G
+
+
+def test_g_counts_met_requests_per_second_of_summed_latency_waits_included() -> None:
+    # Batch size 1: B waits for A (1 s). A meets its 1.5 s slack, B (slack 0.5 s) does not.
+    jobs = [job([1000.0], [1500.0]), job([2000.0], [500.0])]
+    g, met, total = evaluate(jobs, (0, 1), (1, 1))
+    assert met == 1 and total == pytest.approx(1000.0 + 3000.0)
+    assert g == pytest.approx(1 / 4.0)
+    # Together in one batch of two nothing waits; the batch lasts as long as its slowest member.
+    jobs2 = [job([1000.0, 1200.0], [1500.0, 1500.0]), job([2000.0, 2400.0], [500.0, 500.0])]
+    assert evaluate(jobs2, (0, 1), (2,))[1:] == (2, pytest.approx(3600.0))
+    # A busy instance delays the first batch.
+    assert evaluate(jobs, (0, 1), (1, 1), start_ms=1600.0)[1] == 0
+
+
+def test_deferring_an_unreachable_request_raises_g() -> None:
+    # The paper's motivating case: serving the strict request first costs both.
+    strict = job([1000.0], [-1.0])  # cannot be met whatever the order
+    loose = job([1000.0], [500.0])  # met only if it goes first
+    other = job([1000.0], [5000.0])
+    jobs = [strict, loose, other]
+    plan = anneal(jobs, 1, AnnealParams(budget_s=None), random.Random(0))
+    assert plan.order[0] == 1 and plan.met == 2
+    assert plan.g == pytest.approx(brute_force(jobs, 1))
+
+
+def test_the_latency_order_is_taken_at_once_when_it_meets_every_target() -> None:
+    jobs = [job([3000.0], [20000.0]), job([1000.0], [20000.0]), job([2000.0], [20000.0])]
+    plan = anneal(jobs, 1, AnnealParams(budget_s=None), random.Random(0))
+    assert plan.early_exit and plan.order == (1, 2, 0) and plan.evaluations == 1
+
+
+def test_the_queue_order_start_wins_when_it_is_better() -> None:
+    # Shortest first misses the one tight request; queue order (tight first) meets all: no annealing needed
+    # to beat the latency order, and the result is never worse than the better start.
+    jobs = [job([2000.0], [0.0]), job([1000.0], [9000.0]), job([1000.0], [9000.0])]
+    fifo = evaluate(jobs, (0, 1, 2), (1, 1, 1))[0]
+    plan = anneal(jobs, 1, AnnealParams(iterations=1, budget_s=None), random.Random(0))
+    assert plan.g >= fifo and plan.met == 3
+
+
+@settings(max_examples=25, deadline=None)
+@given(job_sets(max_jobs=5))
+def test_exhaustive_matches_the_brute_force_reference(case: tuple[list[Job], int]) -> None:
+    jobs, cap = case
+    plan = exhaustive(jobs, cap)
+    check_plan(plan, jobs, cap)
+    assert plan.g == pytest.approx(brute_force(jobs, cap))
+
+
+@st.composite
+def queues(draw: st.DrawFn) -> tuple[list[Job], int]:
+    """A random small queue of code (e2e target) and chat (TTFT and TPOT targets) requests, costed by the predictor."""
+    cap = draw(st.integers(1, 4))
+    n = draw(st.integers(2, 7))
+    requests = []
+    for i in range(n):
+        waited = draw(st.floats(0.0, 5.0))
+        if draw(st.booleans()):
+            requests.append(
+                ScheduleInput(
+                    str(i),
+                    prompt_tokens=draw(st.integers(16, 1024)),
+                    e2e_slo_ms=draw(st.floats(5000.0, 60000.0)),
+                    max_tokens=draw(st.integers(32, 800)),
+                    arrival_s=-waited,
+                )
+            )
+        else:
+            requests.append(
+                ScheduleInput(
+                    str(i),
+                    prompt_tokens=draw(st.integers(8, 1536)),
+                    ttft_slo_ms=draw(st.floats(1000.0, 10000.0)),
+                    tpot_slo_ms=draw(st.sampled_from([30.0, 50.0, 100.0])),
+                    max_tokens=draw(st.integers(8, 800)),
+                    arrival_s=-waited,
+                )
+            )
+    return jobs_for(requests, PREDICTOR, cap, 0.0, [0.0] * n, 1000.0, 50.0, 2048.0), cap
+
+
+def eight_requests(cap: int, seed: int) -> list[Job]:
+    rng = random.Random(100 * cap + seed)
+    requests = []
+    for i in range(8):
+        if i % 2:
+            requests.append(
+                ScheduleInput(
+                    str(i),
+                    prompt_tokens=rng.randint(16, 1024),
+                    e2e_slo_ms=rng.uniform(5000.0, 40000.0),
+                    max_tokens=rng.randint(32, 600),
+                    arrival_s=0.0,
+                )
+            )
+        else:
+            requests.append(
+                ScheduleInput(
+                    str(i),
+                    prompt_tokens=rng.randint(8, 1536),
+                    ttft_slo_ms=rng.uniform(1000.0, 10000.0),
+                    tpot_slo_ms=50.0,
+                    max_tokens=rng.randint(8, 600),
+                    arrival_s=0.0,
+                )
+            )
+    return jobs_for(requests, PREDICTOR, cap, 0.0, [0.0] * 8, 1000.0, 50.0, 2048.0)
+
+
+def default_schedule() -> AnnealParams:
+    """The default schedule without the wall-clock budget (the outcome must not depend on the machine's load)."""
+    config = QueueConfig(queue_policy="sa")
+    return AnnealParams(
+        config.sa_initial_temperature, config.sa_iterations, config.sa_decay, config.sa_min_temperature, None
+    )
+
+
+@settings(max_examples=30, deadline=None)
+@given(queues(), st.integers(0, 2**16))
+def test_annealing_reaches_within_2_percent_of_exhaustive_search(
+    case: tuple[list[Job], int], seed: int
+) -> None:
+    jobs, cap = case
+    plan = anneal(jobs, cap, default_schedule(), random.Random(seed))
+    check_plan(plan, jobs, cap)
+    assert plan.g >= 0.98 * exhaustive(jobs, cap).g
+
+
+@pytest.mark.parametrize("cap", [1, 2, 4])
+def test_annealing_within_2_percent_of_exhaustive_on_eight_requests(cap: int) -> None:
+    for seed in range(2):
+        jobs = eight_requests(cap, seed)
+        plan = anneal(jobs, cap, default_schedule(), random.Random(seed))
+        assert plan.g >= 0.98 * exhaustive(jobs, cap).g
+
+
+@settings(max_examples=60, deadline=None)
+@given(job_sets(max_jobs=12), st.integers(0, 2**16))
+def test_anneal_returns_a_permutation_in_batches_under_the_cap(
+    case: tuple[list[Job], int], seed: int
+) -> None:
+    jobs, cap = case
+    plan = anneal(jobs, cap, AnnealParams(50.0, 5, 0.7, 5.0, None), random.Random(seed))
+    check_plan(plan, jobs, cap)
+    starts = (
+        evaluate(jobs, tuple(range(len(jobs))), full_batches(len(jobs), cap))[0],
+        evaluate(
+            jobs,
+            tuple(sorted(range(len(jobs)), key=lambda i: (jobs[i].cost_ms[min(cap, len(jobs))], i))),
+            full_batches(len(jobs), cap),
+        )[0],
+    )
+    assert plan.g >= max(starts) - 1e-12  # never worse than the better start
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(1, 30), st.integers(1, 6), st.integers(0, 2**16), st.integers(1, 200))
+def test_moves_keep_a_permutation_and_the_cap(n: int, cap: int, seed: int, moves: int) -> None:
+    rng = random.Random(seed)
+    order = list(range(n))
+    sizes = list(full_batches(n, cap))
+    for _ in range(moves if n > 1 else 0):
+        _move(order, sizes, cap, rng.randrange)
+        assert sorted(order) == list(range(n))
+        assert sum(sizes) == n and all(1 <= b <= cap for b in sizes)
+
+
+def test_the_same_seed_gives_the_same_plan() -> None:
+    rng = random.Random(5)
+    jobs = [job([rng.uniform(100, 3000)] * 2, [rng.uniform(-500, 8000)] * 2) for _ in range(15)]
+    params = AnnealParams(100.0, 10, 0.8, 5.0, None)
+    assert anneal(jobs, 2, params, random.Random(3)) == anneal(jobs, 2, params, random.Random(3))
+
+
+def test_the_budget_stops_a_run() -> None:
+    ticks = iter(range(10**6))
+    jobs = [job([100.0 * (i + 1)], [50.0 * i - 300.0]) for i in range(20)]
+    # A clock that advances one second per reading: the 1 s budget is spent at the first check.
+    plan = anneal(jobs, 1, AnnealParams(budget_s=1.0), random.Random(0), clock=lambda: float(next(ticks)))
+    assert plan.evaluations <= 2 + 2 * BUDGET_CHECK_MOVES  # the starts, one block of moves, one of polish
+    full = anneal(jobs, 1, AnnealParams(budget_s=None), random.Random(0))
+    assert full.evaluations >= 2 + AnnealParams().steps * AnnealParams().iterations  # the whole schedule
+
+
+def test_a_budget_bounds_the_moves() -> None:
+    # A modeled clock: each reading stands for BUDGET_CHECK_MOVES moves of 1 ms each, so a 200 ms
+    # budget affords about 200 of the default schedule's 6300 moves.
+    now = [0.0]
+
+    def clock() -> float:
+        value = now[0]
+        now[0] += 0.001 * BUDGET_CHECK_MOVES
+        return value
+
+    jobs = [job([100.0 * (i + 1)], [50.0 * i - 300.0]) for i in range(20)]
+    plan = anneal(jobs, 1, AnnealParams(budget_s=0.2), random.Random(0), clock=clock)
+    assert 100 <= plan.evaluations <= 250
+
+
+def test_exhaustive_refuses_large_queues() -> None:
+    with pytest.raises(ValueError, match="at most 8"):
+        exhaustive([job([1.0], [1.0])] * 9, 1)
+
+
+# --------------------------------------------------------------------------- costing requests
+
+
+def test_jobs_for_costs_each_request_per_batch_size() -> None:
+    predictor = make_predictor()
+    code = ScheduleInput("c", prompt_tokens=200, e2e_slo_ms=30000.0, max_tokens=300, arrival_s=0.0)
+    chat = ScheduleInput(
+        "h", prompt_tokens=400, ttft_slo_ms=10000.0, tpot_slo_ms=1.0, max_tokens=100, arrival_s=0.0
+    )
+    jobs = jobs_for([code, chat], predictor, 4, 2.0, [0.0, 0.0], 1000.0, 50.0, 2048.0)
+    c, h = jobs
+    # Larger batches take longer per request; waiting so far (2 s) is in the cost.
+    assert all(c.exec_ms[b] < c.exec_ms[b + 1] for b in range(1, 4))
+    assert c.cost_ms[1] == pytest.approx(c.exec_ms[1] + 2000.0)
+    # The code request is judged end to end.
+    assert c.slack_ms[2] == pytest.approx(30000.0 - 2000.0 - c.exec_ms[2])
+    # The chat request's 1 ms TPOT target is out of reach at every size: never met.
+    assert all(h.slack_ms[b] == -INF for b in range(1, 5))
+    loose = ScheduleInput("l", prompt_tokens=400, ttft_slo_ms=10000.0, tpot_slo_ms=500.0, max_tokens=100)
+    (lj,) = jobs_for([loose], predictor, 1, 2.0, [1.5], 1000.0, 50.0, 2048.0)
+    # Without an arrival time the wait counts from the enqueue time (0.5 s); TTFT = wait + prefill.
+    prefill = float(predictor.predict_ttft_ms(400, 0, 0, 2048))
+    assert lj.slack_ms[1] == pytest.approx(10000.0 - 500.0 - prefill)
+
+
+# --------------------------------------------------------------------------- config
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("sa_initial_temperature", 0.0),
+        ("sa_initial_temperature", math.inf),
+        ("sa_min_temperature", 0.0),
+        ("sa_min_temperature", 1000.0),  # above the initial temperature
+        ("sa_decay", 1.0),
+        ("sa_decay", 0.0),
+        ("sa_iterations", 0),
+        ("sa_budget_ms", 0.0),
+        ("sa_budget_ms", math.nan),
+        ("sa_max_batch", 0),
+        ("sa_max_batch", 5000),
+    ],
+)
+def test_sa_config_is_bounded(field: str, value: float) -> None:
+    with pytest.raises(ConfigError, match=field):
+        QueueConfig(queue_policy="sa", **{field: value})  # type: ignore[arg-type]
+
+
+def test_sa_flags_exist_for_every_field() -> None:
+    flags = QueueConfig.flags()
+    for name in ("initial_temperature", "iterations", "decay", "min_temperature", "budget_ms", "max_batch"):
+        assert flags[f"sa_{name}"] == "--sa-" + name.replace("_", "-")
+        assert QueueConfig.doc(f"sa_{name}")
+
+
+def test_the_sa_policy_needs_a_planner() -> None:
+    from router.core.queue import RouterQueue
+
+    with pytest.raises(ConfigError, match="planner"):
+        RouterQueue(QueueConfig(queue_policy="sa"), 1000.0, 50.0)
