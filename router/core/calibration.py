@@ -185,7 +185,8 @@ def fit_step_model(
     """Robust weighted least squares of ``observed_ms`` on ``features``; None when it cannot be fitted.
 
     One pass of outlier rejection: rows whose residual exceeds 4 scaled MADs
-    of the first fit's residuals are dropped and the rest refitted.
+    of the first fit's residuals (and at least 10 µs plus 0.1 % of the
+    observations' RMS) are dropped and the rest refitted.
     """
     w = np.ones(len(observed_ms)) if weights is None else weights
     keep = np.isfinite(observed_ms) & (w > 0)
@@ -198,7 +199,11 @@ def fit_step_model(
         coefs = np.asarray(solution, dtype=np.float64)
         residual = observed_ms - features @ coefs
         mad = float(np.median(np.abs(residual[keep] - np.median(residual[keep]))))
-        limit = 4.0 * 1.4826 * mad + 1e-6 * float(np.median(np.abs(observed_ms[keep])) + 1.0)
+        # The floor keeps rows off by a rounding error: when most rows fit exactly (a remainder
+        # that is 0 on every pure-decode step), the MAD is 0 and would reject every prefill row
+        # for a residual of a few microseconds, leaving their coefficients unfitted.
+        rms = float(np.sqrt(np.mean(np.square(observed_ms[keep]))))
+        limit = max(4.0 * 1.4826 * mad, 1e-3 * rms + 1e-2)
         keep = keep & (np.abs(residual) <= limit)
     return coefs
 
