@@ -20,6 +20,15 @@ the scheduler in policy order:
 Late entries come after every on-time one, oldest first (``late_policy``
 ``serve``), or are ended by the caller (``reject``).
 
+Hopeless entries turn late early (:class:`FleetDrain`): at every offer (so
+also right after a request is queued) each on-time entry's best case is the
+time the fleet needs to prefill what is queued in front of it, on top of the
+prefill backlog the engines already hold, at the fleet's full prefill rate,
+plus its own prefill on an idle instance. When even that misses its TTFT
+target (or its e2e target, with the fastest decode step for the remaining
+tokens), it is late at once instead of when its deadline passes: ``reject``
+refuses it then, and ``serve`` moves it behind the on-time entries at once.
+
 Under ``priority``, release control is per priority: a request counts only
 the entries and arrivals of its priority or higher, and yields to higher
 priorities (at most ``priority_headroom`` × their tightest target). Under
@@ -49,8 +58,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
+import numpy as np
+
 from fleet.snapshot import ClusterSnapshot
-from router.core.columns import ClusterView
+from router.core.calibration import Correction
+from router.core.columns import ClusterView, FloatArray, IntArray
 from router.core.decision import Decision
 from router.core.errors import (
     ConfigError,
@@ -60,7 +72,8 @@ from router.core.errors import (
     QueueTimeoutError,
     SchedulingError,
 )
-from router.core.request import ScheduleInput, Stage, Targets, resolve_targets
+from router.core.metrics import advanced_backlog
+from router.core.request import Role, ScheduleInput, Stage, Targets, resolve_targets
 from router.core.scheduler import Scheduler
 
 
@@ -516,6 +529,178 @@ class Offer:
     #: Best predicted TTFT seen when the entry missed (ms; NaN when unknown) and its remaining budget (ms).
     predicted_ttft_ms: float = math.nan
     budget_ms: float = math.nan
+    #: Set when the entry turned late early: its best case (see :class:`FleetDrain`) misses a target.
+    hopeless: Hopeless | None = None
+
+
+class FleetDrain:
+    """How fast the fleet can work off a queue, at one moment: the best case of a queued request.
+
+    A fluid model of the prefill side (prefill and neutral instances that are
+    schedulable): instance ``i`` holds a backlog it finishes at ``free_ms[i]``
+    (from now, at its full-chunk prefill rate) and then prefills ``rate[i]``
+    tokens per ms. The earliest a request can start its own prefill is when the
+    fleet has also prefilled every token queued in front of it, each instance
+    taking work the moment it is free (:meth:`start_ms`; ``0`` tokens ahead:
+    the first instance to be free). On top comes its own prefill on an idle
+    instance (:meth:`idle_ms`) and, for an e2e target, its remaining tokens at
+    the fastest decode step of a batch of one (:meth:`min_tpot_ms`). All of it
+    is calibrated when the scheduler calibrates (its TTFT/TPOT factors and
+    refit, as the metrics apply them), so a request is judged by the same
+    model that places it. Built once per offer pass (:meth:`of`).
+
+    It ignores what can only make things worse (decode batches beside the
+    prefill, KV limits, later arrivals that go first), so it is a best case up
+    to the order: it counts the entries in front in the queue's order, which
+    the scheduler follows unless one of them cannot be placed.
+    """
+
+    __slots__ = ("_breaks", "_cum_rate", "_cum_rate_free", "_free", "_idle", "_tpot")
+
+    def __init__(
+        self,
+        free_ms: FloatArray,
+        rate: FloatArray,
+        idle: Callable[[int], float],
+        min_tpot: Callable[[int], float],
+    ) -> None:
+        order = np.argsort(free_ms, kind="stable")
+        self._free = free_ms[order]
+        r = rate[order]
+        self._cum_rate = np.cumsum(r)
+        self._cum_rate_free = np.cumsum(r * self._free)
+        # Tokens the fleet has taken from the queue by the time instance k is free (k in free order).
+        self._breaks = self._cum_rate * self._free - self._cum_rate_free
+        self._idle = idle
+        self._tpot = min_tpot
+
+    @classmethod
+    def of(cls, scheduler: Scheduler, view: ClusterView, now_s: float) -> FleetDrain | None:
+        """The drain of ``view``'s fleet, or ``None`` without predictors or a prefill-capable instance."""
+        predictors = scheduler.predictors
+        if predictors is None:
+            return None
+        table = view.instances
+        prefill = np.flatnonzero(table.schedulable & (table.roles != int(Role.DECODE)))
+        decode = np.flatnonzero(table.schedulable & (table.roles != int(Role.PREFILL)))
+        if len(prefill) == 0 or len(decode) == 0:
+            return None
+        calibration = predictors.calibration
+        correction = None if calibration is None else calibration.correction(table.ids, table.groups)
+        budget = table.max_num_batched_tokens
+        key = ("queue_drain_parts", predictors)
+        parts: list[tuple[Any, IntArray]] | None = table.memo.get(key)
+        if parts is None:  # instances by profile predictor, once per table
+            by: dict[int, tuple[Any, list[int]]] = {}
+            for i, group in enumerate(table.groups):
+                lp = predictors.for_group(group)
+                by.setdefault(id(lp), (lp, []))[1].append(i)
+            parts = [(lp, np.asarray(ii, dtype=np.intp)) for lp, ii in by.values()]
+            table.memo[key] = parts
+        owner = np.empty(table.n, dtype=np.intp)
+        for k, (_, ii) in enumerate(parts):
+            owner[ii] = k
+
+        def per_instance(idx: IntArray, fn: Callable[[Any, IntArray], FloatArray]) -> FloatArray:
+            out = np.empty(len(idx))
+            for k, (lp, _) in enumerate(parts):
+                sel = np.flatnonzero(owner[idx] == k)
+                if len(sel):
+                    out[sel] = fn(lp, idx[sel])
+            return out
+
+        def calibrated_ttft(idx: IntArray, tokens: FloatArray) -> FloatArray:
+            profile = per_instance(idx, lambda lp, ii: lp.predict_ttft_ms(tokens[ii], 0.0, 0.0, budget[ii]))
+            if correction is None:
+                return profile
+            zeros = np.zeros(len(idx))
+            one = _subset(correction, idx)
+            return one.ttft_ms(profile, tokens[idx], zeros, zeros, budget[idx], zeros)
+
+        chunk_ms = calibrated_ttft(prefill, budget)
+        rate = budget[prefill] / np.maximum(chunk_ms, 1e-9)  # a profile of free steps: as good as instant
+        ctx = scheduler.context(view, None, now_s)
+        backlog = advanced_backlog(ctx)[prefill] + view.inflight.prefill_tokens[prefill]
+        free = backlog / rate
+        tpot_factor = 1.0 if correction is None else float(np.min(correction.tpot_factor[decode]))
+        idle_cache: dict[int, float] = {}
+        tpot_cache: dict[int, float] = {}
+
+        def idle(prompt: int) -> float:
+            found = idle_cache.get(prompt)
+            if found is None:
+                tokens = np.full(table.n, float(prompt))
+                found = idle_cache[prompt] = float(np.min(calibrated_ttft(prefill, tokens)))
+            return found
+
+        def min_tpot(context: int) -> float:
+            found = tpot_cache.get(context)
+            if found is None:
+                steps = per_instance(decode, lambda lp, ii: lp.predict_tpot_ms(np.ones(len(ii)), float(context)))
+                found = tpot_cache[context] = tpot_factor * float(np.min(steps))
+            return found
+
+        return cls(free, rate, idle, min_tpot)
+
+    def start_ms(self, tokens_ahead: float) -> float:
+        """The earliest a request can start its prefill with ``tokens_ahead`` queued tokens to go first (ms from now)."""
+        # Between instance k's free time and the next one's, the k + 1 first-free instances take
+        # sum(rate * (t - free)) tokens by time t: solve that for ``tokens_ahead``.
+        k = max(int(np.searchsorted(self._breaks, max(tokens_ahead, 0.0), side="right")), 1) - 1
+        return (max(tokens_ahead, 0.0) + float(self._cum_rate_free[k])) / float(self._cum_rate[k])
+
+    def idle_ms(self, prompt_tokens: int) -> float:
+        """``prompt_tokens``' prefill on the fastest idle instance (ms)."""
+        return self._idle(prompt_tokens)
+
+    def min_tpot_ms(self, context_tokens: int) -> float:
+        """The fastest decode step of a batch of one at ``context_tokens`` (ms)."""
+        return self._tpot(context_tokens)
+
+
+def _subset(correction: Correction, idx: IntArray) -> Correction:
+    return replace(
+        correction,
+        ttft_factor=correction.ttft_factor[idx],
+        tpot_factor=correction.tpot_factor[idx],
+        interleave_ms=correction.interleave_ms[idx],
+        coefs=None if correction.coefs is None else correction.coefs[idx],
+        has_fit=correction.has_fit[idx],
+    )
+
+
+@dataclass(frozen=True)
+class Hopeless:
+    """Why an entry cannot meet its targets even in the best case (see :class:`FleetDrain`)."""
+
+    #: Best-case TTFT from now (ms) and the TTFT budget left (ms).
+    predicted_ttft_ms: float
+    budget_ms: float
+    #: Best-case completion from arrival and the e2e target (ms); NaN when the TTFT is what fails.
+    predicted_e2e_ms: float = math.nan
+    e2e_ms: float = math.nan
+
+
+def hopeless(
+    drain: FleetDrain, request: ScheduleInput, targets: Targets, tokens_ahead: float, now_s: float
+) -> Hopeless | None:
+    """``request``'s best case with ``tokens_ahead`` queued in front of it misses its TTFT or e2e target."""
+    best_ttft = drain.start_ms(tokens_ahead) + drain.idle_ms(request.prompt_tokens)
+    if best_ttft > targets.ttft_ms:
+        return Hopeless(best_ttft, targets.ttft_ms)
+    if targets.e2e_ms > 0 and request.arrival_s is not None:
+        waited = (now_s - request.arrival_s) * 1e3
+        rest = max(request.output_tokens_estimate - 1, 0)
+        best_e2e = waited + best_ttft + rest * drain.min_tpot_ms(request.prompt_tokens)
+        if best_e2e > targets.e2e_ms:
+            return Hopeless(best_ttft, targets.ttft_ms, best_e2e, targets.e2e_ms)
+    return None
+
+
+#: An on-time request whose own prefill does not fit under the release limit may still go where its
+#: predicted TTFT is at most this many times its prefill on an idle instance (an instance with at most
+#: a quarter of that work ahead), rather than wait for its deadline to pass.
+IDLE_SLACK = 1.25
 
 
 #: A late request's TPOT bound, as a fraction of its (or the default) TPOT target. Late work joins
@@ -545,9 +730,13 @@ def offer(
     """Offer the queue's entries to ``scheduler`` in order at ``now_s``; yields what happened to each.
 
     First the entries past ``max_queue_wait_ms`` leave (``EXPIRED``) and the
-    on-time ones past their TTFT deadline turn late. Then each entry is tried
-    with its TTFT bound = min(remaining budget, :meth:`RouterQueue.release_limit_ms`)
-    and its TPOT target. A late entry is served like the lowest class: its TTFT
+    on-time ones past their TTFT deadline turn late. Then, in order, an on-time
+    entry whose best case behind the on-time entries offered before it misses
+    a target (:func:`hopeless`, on a :class:`FleetDrain` of the first view)
+    turns late at once; every other one is tried with its TTFT bound =
+    min(remaining budget, :meth:`RouterQueue.release_limit_ms`, raised to
+    :data:`IDLE_SLACK` × its own prefill on an idle instance when the release
+    limit alone would never let it go) and its TPOT target. A late entry is served like the lowest class: its TTFT
     bound is ``priority_headroom`` × the release limit, but at least twice its
     own TTFT on an idle instance (so a request no instance could ever meet,
     e.g. a 1 ms target, is still served once the fleet is nearly idle), and its
@@ -579,6 +768,9 @@ def offer(
         yield _late(queue, entry, late_reject, math.nan, budget)
     failures = 0
     seen: set[str] = set()
+    drain: FleetDrain | None = None
+    drained = False
+    ahead = 0.0  # prompt tokens of the on-time entries offered so far in this pass (in front of the next)
     for entry in queue.entries():
         if failures >= max_failures:
             return
@@ -587,9 +779,20 @@ def offer(
         seen.add(entry.request_id)
         request = entry.request
         targets = resolve_targets(request, queue.default_ttft_ms, queue.default_tpot_ms, now_s)
+        if not drained:
+            drained = True
+            first = source()
+            view = first if isinstance(first, ClusterView) else scheduler.view(first, now_s)
+            drain = FleetDrain.of(scheduler, view, now_s)
+        if not entry.late and drain is not None and targets.ttft_ms > 0:
+            why = hopeless(drain, request, targets, ahead, now_s)
+            if why is not None:  # late now rather than at its deadline
+                yield _late(queue, entry, late_reject, why.predicted_ttft_ms, why.budget_ms, why)
+                continue
+            ahead += request.prompt_tokens
         limit = queue.release_limit_ms(now_s, request.priority, targets.full_ttft_ms)
         if entry.late:
-            floor = _idle_floor_ms(scheduler, request)
+            floor = _idle_floor_ms(scheduler, request, drain)
             if not math.isfinite(floor):  # no predictor: no TTFT threshold to bound
                 bound = targets.full_ttft_ms
             elif math.isfinite(limit):
@@ -597,6 +800,11 @@ def offer(
             else:  # no on-time traffic to yield to
                 bound = max(targets.full_ttft_ms, floor)
         else:
+            if drain is not None and limit < targets.ttft_ms:
+                # A request whose own prefill cannot fit under the release limit (a long prompt
+                # yielding to tighter traffic) may still take a nearly idle instance: otherwise it
+                # would wait out its whole deadline and go late although the fleet had room.
+                limit = max(limit, IDLE_SLACK * drain.idle_ms(request.prompt_tokens))
             bound = min(targets.ttft_ms, limit)
             if targets.ttft_ms <= 0:
                 yield _late(queue, entry, late_reject, math.nan, targets.ttft_ms)
@@ -625,7 +833,9 @@ def offer(
         yield Offer(entry, Verdict.DISPATCH, decision=decision, budget_ms=targets.ttft_ms)
 
 
-def _idle_floor_ms(scheduler: Scheduler, request: ScheduleInput) -> float:
+def _idle_floor_ms(scheduler: Scheduler, request: ScheduleInput, drain: FleetDrain | None) -> float:
+    if drain is not None:  # calibrated, like the decisions
+        return 2.0 * drain.idle_ms(request.prompt_tokens)
     predictors = scheduler.predictors
     if predictors is None:
         return math.inf
@@ -634,26 +844,40 @@ def _idle_floor_ms(scheduler: Scheduler, request: ScheduleInput) -> float:
 
 
 def _late(
-    queue: RouterQueue, entry: QueueEntry, reject: bool, predicted_ms: float, budget_ms: float
+    queue: RouterQueue,
+    entry: QueueEntry,
+    reject: bool,
+    predicted_ms: float,
+    budget_ms: float,
+    why: Hopeless | None = None,
 ) -> Offer:
     request = entry.request
     target = resolve_targets(request, queue.default_ttft_ms, queue.default_tpot_ms).full_ttft_ms
     if not reject:
         queue.mark_late(entry.request_id)
-        return Offer(entry, Verdict.LATE, predicted_ttft_ms=predicted_ms, budget_ms=budget_ms)
+        return Offer(entry, Verdict.LATE, predicted_ttft_ms=predicted_ms, budget_ms=budget_ms, hopeless=why)
     queue.remove(entry.request_id)
-    predicted = (
-        f"best predicted TTFT {predicted_ms:.0f} ms"
-        if predicted_ms == predicted_ms
-        else "its deadline passed"
-    )
+    if why is not None and why.e2e_ms == why.e2e_ms:
+        message = (
+            f"request {entry.request_id!r} cannot meet its e2e target of {why.e2e_ms:.0f} ms: best predicted "
+            f"completion {why.predicted_e2e_ms:.0f} ms after arrival, behind the requests queued in front of it"
+        )
+    else:
+        if why is not None:
+            predicted = f"best predicted TTFT {predicted_ms:.0f} ms behind the requests queued in front of it"
+        elif predicted_ms == predicted_ms:
+            predicted = f"best predicted TTFT {predicted_ms:.0f} ms"
+        else:
+            predicted = "its deadline passed"
+        message = (
+            f"request {entry.request_id!r} cannot meet its TTFT target of {target:.0f} ms: {predicted} with "
+            f"{max(budget_ms, 0.0):.0f} ms of the target left"
+        )
     return Offer(
         entry,
         Verdict.REJECT,
-        error=LateError(
-            f"request {entry.request_id!r} cannot meet its TTFT target of {target:.0f} ms: {predicted} with "
-            f"{max(budget_ms, 0.0):.0f} ms of the target left (--late-policy reject; relax the target or retry later)"
-        ),
+        error=LateError(f"{message} (--late-policy reject; relax the target or retry later)"),
         predicted_ttft_ms=predicted_ms,
         budget_ms=budget_ms,
+        hopeless=why,
     )
