@@ -77,6 +77,11 @@ from router.core.request import Role, ScheduleInput, Stage, Targets, resolve_tar
 from router.core.scheduler import Scheduler
 
 
+#: How often (s) an offer pass judges every on-time entry for hopelessness, not only those it offers,
+#: when no request was queued meanwhile (a scan costs a few microseconds per entry).
+SCAN_INTERVAL_S = 0.1
+
+
 class QueuePolicy(str, enum.Enum):
     """How waiting requests are ordered (``none``: nothing waits; a request no instance takes is refused)."""
 
@@ -142,6 +147,16 @@ class QueueConfig:
         ),
     )
 
+    drain_window_ms: float = field(
+        default=10000.0,
+        metadata=_doc(
+            "hopeless requests turn late at once when the work queued in front of them, at the rate the "
+            "queue drained over up to this window while it held on-time requests, already misses their "
+            "target (ms; 0 = only at the fleet's full prefill rate)",
+            "--drain-window-ms",
+        ),
+    )
+
     priority_headroom: float = field(
         default=0.5,
         metadata=_doc(
@@ -168,6 +183,8 @@ class QueueConfig:
             raise bad("max_queue_wait_ms", "must be a finite number of ms > 0")
         if not 0 <= self.release_window_requests <= 100_000:
             raise bad("release_window_requests", "must be within 0..100000")
+        if not 0 <= self.drain_window_ms <= 3_600_000:
+            raise bad("drain_window_ms", "must be within 0..3600000 ms")
 
     @property
     def policy(self) -> QueuePolicy:
@@ -286,6 +303,12 @@ class RouterQueue:
         # Under the priority policy: on-time TTFT deadlines per priority.
         self._budgets_by_priority: dict[int, _Sorted] = {}
         self._seq = 0
+        # The queue's own drain: (time, prompt tokens) of dispatches, and since when on-time entries wait.
+        self._dispatched: deque[tuple[float, int]] = deque()
+        self._backlogged_since: float | None = None
+        # The last full hopeless scan of the queue (see offer): the push count then and when.
+        self._scanned_seq = -1
+        self._scanned_at = -math.inf
 
     # ------------------------------------------------------------------ keys
 
@@ -413,6 +436,44 @@ class RouterQueue:
                     if p > priority:
                         higher = min(higher, target)
         return min(own, self.config.priority_headroom * higher)
+
+    def note_backlog(self, now_s: float) -> None:
+        """At the end of an offer pass: whether on-time entries still wait (the drain rate is measured only then)."""
+        if not self._order.keys:
+            self._backlogged_since = None
+        elif self._backlogged_since is None:
+            self._backlogged_since = now_s
+
+    def scan_due(self, now_s: float) -> bool:
+        """Whether a full hopeless scan is due: a request was queued since the last one, or
+        :data:`SCAN_INTERVAL_S` passed."""
+        return self._seq != self._scanned_seq or now_s - self._scanned_at >= SCAN_INTERVAL_S
+
+    def scanned(self, now_s: float) -> None:
+        """A full hopeless scan ran at ``now_s``."""
+        self._scanned_seq = self._seq
+        self._scanned_at = now_s
+
+    def note_dispatch(self, now_s: float, prompt_tokens: int) -> None:
+        """An entry was dispatched at ``now_s`` (for the drain rate)."""
+        self._dispatched.append((now_s, prompt_tokens))
+        cutoff = now_s - self.config.drain_window_ms * 1e-3
+        while self._dispatched and self._dispatched[0][0] < cutoff:
+            self._dispatched.popleft()
+
+    def drain_rate(self, now_s: float) -> float | None:
+        """Prompt tokens per ms the queue dispatched while on-time entries waited, over up to
+        ``drain_window_ms`` (``None``: not backlogged for at least a tenth of the window, or no window)."""
+        window_ms = self.config.drain_window_ms
+        since = self._backlogged_since
+        if window_ms <= 0 or since is None:
+            return None
+        span_ms = min(window_ms, (now_s - since) * 1e3)
+        if span_ms < 0.1 * window_ms:
+            return None
+        start = now_s - span_ms * 1e-3
+        tokens = sum(n for t, n in self._dispatched if t >= start)
+        return max(tokens / span_ms, 1e-9)
 
     def oldest_enqueued_s(self) -> float | None:
         """When the longest-waiting entry was queued (for the wait bound's timer)."""
@@ -555,7 +616,7 @@ class FleetDrain:
     the scheduler follows unless one of them cannot be placed.
     """
 
-    __slots__ = ("_breaks", "_cum_rate", "_cum_rate_free", "_free", "_idle", "_tpot")
+    __slots__ = ("_breaks", "_cum_rate", "_cum_rate_free", "_free", "_idle", "_tpot", "queue_rate")
 
     def __init__(
         self,
@@ -563,7 +624,10 @@ class FleetDrain:
         rate: FloatArray,
         idle: Callable[[int], float],
         min_tpot: Callable[[int], float],
+        queue_rate: float | None = None,
     ) -> None:
+        #: Prompt tokens per ms the queue really drained at lately (:meth:`RouterQueue.drain_rate`), if known.
+        self.queue_rate = queue_rate
         order = np.argsort(free_ms, kind="stable")
         self._free = free_ms[order]
         r = rate[order]
@@ -575,7 +639,9 @@ class FleetDrain:
         self._tpot = min_tpot
 
     @classmethod
-    def of(cls, scheduler: Scheduler, view: ClusterView, now_s: float) -> FleetDrain | None:
+    def of(
+        cls, scheduler: Scheduler, view: ClusterView, now_s: float, queue_rate: float | None = None
+    ) -> FleetDrain | None:
         """The drain of ``view``'s fleet, or ``None`` without predictors or a prefill-capable instance."""
         predictors = scheduler.predictors
         if predictors is None:
@@ -609,41 +675,67 @@ class FleetDrain:
                     out[sel] = fn(lp, idx[sel])
             return out
 
-        def calibrated_ttft(idx: IntArray, tokens: FloatArray) -> FloatArray:
-            profile = per_instance(idx, lambda lp, ii: lp.predict_ttft_ms(tokens[ii], 0.0, 0.0, budget[ii]))
-            if correction is None:
-                return profile
-            zeros = np.zeros(len(idx))
-            one = _subset(correction, idx)
-            return one.ttft_ms(profile, tokens[idx], zeros, zeros, budget[idx], zeros)
-
-        chunk_ms = calibrated_ttft(prefill, budget)
+        # A full chunk on each prefill instance, as the profile and as calibrated: the calibration's
+        # ratio at a full chunk stands for it at any prompt (exact for the scale mode; close for
+        # refit, whose remainder is linear in the chunk).
+        profile = per_instance(prefill, lambda lp, ii: lp.predict_ttft_ms(budget[ii], 0.0, 0.0, budget[ii]))
+        chunk_ms = profile
+        if correction is not None:
+            zeros = np.zeros(len(prefill))
+            part = _subset(correction, prefill)
+            chunk_ms = part.ttft_ms(profile, budget[prefill], zeros, zeros, budget[prefill], zeros)
+        ratio = np.divide(chunk_ms, profile, out=np.ones(len(prefill)), where=profile > 0)
         rate = budget[prefill] / np.maximum(chunk_ms, 1e-9)  # a profile of free steps: as good as instant
         ctx = scheduler.context(view, None, now_s)
         backlog = advanced_backlog(ctx)[prefill] + view.inflight.prefill_tokens[prefill]
         free = backlog / rate
+        # Per profile predictor: the largest chunk budget and the smallest calibration ratio among its
+        # prefill instances (the fastest case), and whether it serves a decode instance.
         tpot_factor = 1.0 if correction is None else float(np.min(correction.tpot_factor[decode]))
+        prefill_parts: list[tuple[Any, float, float]] = []
+        decode_parts: list[Any] = []
+        for k, (lp, _) in enumerate(parts):
+            mine = owner[prefill] == k
+            if mine.any():
+                prefill_parts.append((lp, float(budget[prefill][mine].max()), float(ratio[mine].min())))
+            if (owner[decode] == k).any():
+                decode_parts.append(lp)
         idle_cache: dict[int, float] = {}
         tpot_cache: dict[int, float] = {}
 
         def idle(prompt: int) -> float:
             found = idle_cache.get(prompt)
             if found is None:
-                tokens = np.full(table.n, float(prompt))
-                found = idle_cache[prompt] = float(np.min(calibrated_ttft(prefill, tokens)))
+                found = idle_cache[prompt] = min(
+                    float(lp.predict_ttft_ms(float(prompt), 0.0, 0.0, m)) * r for lp, m, r in prefill_parts
+                )
             return found
 
         def min_tpot(context: int) -> float:
             found = tpot_cache.get(context)
             if found is None:
-                steps = per_instance(decode, lambda lp, ii: lp.predict_tpot_ms(np.ones(len(ii)), float(context)))
-                found = tpot_cache[context] = tpot_factor * float(np.min(steps))
+                found = tpot_cache[context] = tpot_factor * min(
+                    float(lp.predict_tpot_ms(1.0, float(context))) for lp in decode_parts
+                )
             return found
 
-        return cls(free, rate, idle, min_tpot)
+        return cls(free, rate, idle, min_tpot, queue_rate)
 
     def start_ms(self, tokens_ahead: float) -> float:
-        """The earliest a request can start its prefill with ``tokens_ahead`` queued tokens to go first (ms from now)."""
+        """When a request can start its prefill with ``tokens_ahead`` queued tokens to go first (ms from now).
+
+        The fleet's full prefill rate gives the earliest moment; with a measured
+        ``queue_rate`` the work ahead takes at least ``tokens_ahead / queue_rate``
+        (the queue has not been drained faster than that lately: release
+        control, decode capacity or the engines held it back).
+        """
+        fluid = self.fluid_start_ms(tokens_ahead)
+        if self.queue_rate is None or tokens_ahead <= 0:
+            return fluid
+        return max(fluid, tokens_ahead / self.queue_rate)
+
+    def fluid_start_ms(self, tokens_ahead: float) -> float:
+        """The earliest a request can start its prefill at the fleet's full prefill rate (ms from now)."""
         # Between instance k's free time and the next one's, the k + 1 first-free instances take
         # sum(rate * (t - free)) tokens by time t: solve that for ``tokens_ahead``.
         k = max(int(np.searchsorted(self._breaks, max(tokens_ahead, 0.0), side="right")), 1) - 1
@@ -766,24 +858,43 @@ def offer(
     for entry in queue.overdue(now_s):
         budget = (entry.ttft_deadline_s - now_s) * 1e3
         yield _late(queue, entry, late_reject, math.nan, budget)
+    queue.note_backlog(now_s)
     failures = 0
     seen: set[str] = set()
     drain: FleetDrain | None = None
     drained = False
     ahead = 0.0  # prompt tokens of the on-time entries offered so far in this pass (in front of the next)
+    scanning = False
     for entry in queue.entries():
-        if failures >= max_failures:
-            return
         if entry.request_id in seen:  # turned late in this pass: once per pass is enough
             continue
         seen.add(entry.request_id)
         request = entry.request
+        if failures >= max_failures:
+            # No more decisions in this pass, but the rest of the on-time entries are still judged
+            # against the work in front of them (no decision: a few array lookups each), so a new
+            # request deep in the queue is found hopeless when it arrives, not when it nears the head.
+            if drain is None or entry.late:  # late entries come last: the on-time ones are all judged
+                if scanning or drain is None:
+                    queue.scanned(now_s)
+                return
+            if not scanning:
+                if not queue.scan_due(now_s):
+                    return
+                scanning = True
+            targets = resolve_targets(request, queue.default_ttft_ms, queue.default_tpot_ms, now_s)
+            why = hopeless(drain, request, targets, ahead, now_s) if targets.ttft_ms > 0 else None
+            if why is not None:
+                yield _late(queue, entry, late_reject, why.predicted_ttft_ms, why.budget_ms, why)
+            else:
+                ahead += request.prompt_tokens
+            continue
         targets = resolve_targets(request, queue.default_ttft_ms, queue.default_tpot_ms, now_s)
         if not drained:
             drained = True
             first = source()
             view = first if isinstance(first, ClusterView) else scheduler.view(first, now_s)
-            drain = FleetDrain.of(scheduler, view, now_s)
+            drain = FleetDrain.of(scheduler, view, now_s, queue.drain_rate(now_s))
         if not entry.late and drain is not None and targets.ttft_ms > 0:
             why = hopeless(drain, request, targets, ahead, now_s)
             if why is not None:  # late now rather than at its deadline
@@ -830,7 +941,9 @@ def offer(
             continue
         failures = 0
         queue.remove(entry.request_id)
+        queue.note_dispatch(now_s, request.prompt_tokens)
         yield Offer(entry, Verdict.DISPATCH, decision=decision, budget_ms=targets.ttft_ms)
+    queue.scanned(now_s)  # every entry was judged
 
 
 def _idle_floor_ms(scheduler: Scheduler, request: ScheduleInput, drain: FleetDrain | None) -> float:
