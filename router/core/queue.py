@@ -20,14 +20,18 @@ the scheduler in policy order:
 Late entries come after every on-time one, oldest first (``late_policy``
 ``serve``), or are ended by the caller (``reject``).
 
-Hopeless entries turn late early (:class:`FleetDrain`): at every offer (so
-also right after a request is queued) each on-time entry's best case is the
-time the fleet needs to prefill what is queued in front of it, on top of the
-prefill backlog the engines already hold, at the fleet's full prefill rate,
-plus its own prefill on an idle instance. When even that misses its TTFT
-target (or its e2e target, with the fastest decode step for the remaining
-tokens), it is late at once instead of when its deadline passes: ``reject``
-refuses it then, and ``serve`` moves it behind the on-time entries at once.
+Hopeless entries turn late early (:class:`FleetDrain`, :func:`hopeless`):
+an offer pass judges each on-time entry, in order, by the time the fleet
+needs to prefill what is queued in front of it — on top of the backlog the
+engines already hold, at the fleet's full prefill rate, and no faster than the
+queue actually drained over the last ``drain_window_ms`` — plus its own
+prefill on an idle instance. When that misses its TTFT target (or its e2e
+target, with the fastest decode step for the remaining tokens), it is late at
+once instead of when its deadline passes: ``reject`` refuses it then, ``serve``
+moves it behind the on-time entries at once. Every entry is judged when a
+request was queued since the last full scan (so a newcomer is judged on
+arrival wherever it lands) and at least every :data:`SCAN_INTERVAL_S`; in
+between, only the entries a pass offers.
 
 Under ``priority``, release control is per priority: a request counts only
 the entries and arrivals of its priority or higher, and yields to higher
@@ -75,7 +79,6 @@ from router.core.errors import (
 from router.core.metrics import advanced_backlog
 from router.core.request import Role, ScheduleInput, Stage, Targets, resolve_targets
 from router.core.scheduler import Scheduler
-
 
 #: How often (s) an offer pass judges every on-time entry for hopelessness, not only those it offers,
 #: when no request was queued meanwhile (a scan costs a few microseconds per entry).
@@ -463,7 +466,7 @@ class RouterQueue:
 
     def drain_rate(self, now_s: float) -> float | None:
         """Prompt tokens per ms the queue dispatched while on-time entries waited, over up to
-        ``drain_window_ms`` (``None``: not backlogged for at least a tenth of the window, or no window)."""
+        ``drain_window_ms`` (``None``: no window, backlogged for under a tenth of it, or nothing dispatched)."""
         window_ms = self.config.drain_window_ms
         since = self._backlogged_since
         if window_ms <= 0 or since is None:
@@ -473,7 +476,9 @@ class RouterQueue:
             return None
         start = now_s - span_ms * 1e-3
         tokens = sum(n for t, n in self._dispatched if t >= start)
-        return max(tokens / span_ms, 1e-9)
+        # Nothing dispatched at all says the fleet stalled (stale statuses, a restart), not how fast it
+        # drains: no estimate then, rather than every waiting request judged hopeless.
+        return tokens / span_ms if tokens > 0 else None
 
     def oldest_enqueued_s(self) -> float | None:
         """When the longest-waiting entry was queued (for the wait bound's timer)."""
@@ -611,9 +616,12 @@ class FleetDrain:
     model that places it. Built once per offer pass (:meth:`of`).
 
     It ignores what can only make things worse (decode batches beside the
-    prefill, KV limits, later arrivals that go first), so it is a best case up
-    to the order: it counts the entries in front in the queue's order, which
-    the scheduler follows unless one of them cannot be placed.
+    prefill, KV limits, later arrivals that go first), so at the full rate it
+    is a best case up to the order: it counts the entries in front in the
+    queue's order, which the scheduler follows unless one of them cannot be
+    placed. ``queue_rate`` (measured, see :meth:`RouterQueue.drain_rate`) makes
+    it an estimate instead: the work ahead takes at least as long as the queue
+    took for as much work lately.
     """
 
     __slots__ = ("_breaks", "_cum_rate", "_cum_rate_free", "_free", "_idle", "_tpot", "queue_rate")

@@ -209,7 +209,7 @@ def test_early_late_verdicts_are_hopeless_in_the_model_and_nothing_is_lost_or_di
         view = s.view(snap, now)
         floor_drain = FleetDrain.of(s, view, now)
         assert floor_drain is not None
-        for result in offer(q, s, lambda: s.view(snap, now), now):
+        for result in offer(q, s, lambda: snap, now):
             rid = result.entry.request_id
             assert rid not in ended, f"{rid} left the queue twice"
             if result.verdict is Verdict.DISPATCH:
@@ -265,3 +265,53 @@ def test_drain_of_a_view_matches_the_snapshot_path() -> None:
     a = FleetDrain.of(s, view, NOW)
     assert a is not None
     assert a.start_ms(1000) > a.start_ms(0) > 0
+
+
+def test_new_request_deep_in_the_queue_is_judged_when_it_arrives() -> None:
+    """Offer passes stop deciding after ``max_failures`` waits, but a newcomer behind them is still
+    judged against the work in front of it; without a newcomer the full scan runs only every so often."""
+    q = make_queue("fcfs", late_policy="reject")
+    q.observe_arrival(req("chat", ttft_slo_ms=200.0))  # release limit for looser work: 100 ms
+    snap = _pd(prefill_tokens=2000)
+    s = make_scheduler()
+    for k in range(10):  # each waits: its prefill behind the backlog is over the limit
+        q.push(req(f"doc{k}", prompt_tokens=4000, ttft_slo_ms=60_000.0), NOW)
+    first = list(offer(q, s, lambda: snap, NOW, max_failures=2))
+    assert [r.verdict for r in first] == [Verdict.WAIT, Verdict.WAIT]
+    q.push(req("tight", prompt_tokens=256, ttft_slo_ms=2000.0), NOW)
+    results = list(offer(q, s, lambda: snap, NOW, max_failures=2))
+    assert [(r.entry.request_id, r.verdict) for r in results] == [
+        ("doc0", Verdict.WAIT),
+        ("doc1", Verdict.WAIT),
+        ("tight", Verdict.REJECT),
+    ]
+    assert results[-1].hopeless is not None and results[-1].predicted_ttft_ms > 2000.0
+    # Alone at the head of the same fleet it would have fitted: the work in front is what fails it.
+    alone = make_queue("fcfs", late_policy="reject")
+    alone.push(req("tight", prompt_tokens=256, ttft_slo_ms=2000.0), NOW)
+    assert [r.verdict for r in offer(alone, make_scheduler(), lambda: snap, NOW)] == [Verdict.DISPATCH]
+
+
+def test_drain_rate_is_measured_only_while_on_time_requests_wait() -> None:
+    q = make_queue("fcfs", drain_window_ms=1000.0)
+    assert q.drain_rate(NOW) is None
+    q.push(req("a", ttft_slo_ms=60_000.0), NOW)
+    q.note_backlog(NOW)
+    q.note_dispatch(NOW + 0.5, 4000)
+    assert q.drain_rate(NOW + 0.05) is None  # backlogged for under a tenth of the window
+    assert q.drain_rate(NOW + 1.0) == pytest.approx(4000 / 1000.0)  # tokens per ms over the window
+    assert q.drain_rate(NOW + 2.0) is None  # the dispatch left the window: a stall says nothing of the rate
+    q.remove("a")
+    q.note_backlog(NOW + 2.0)
+    assert q.drain_rate(NOW + 3.0) is None
+    off = make_queue("fcfs", drain_window_ms=0.0)
+    off.push(req("a", ttft_slo_ms=60_000.0), NOW)
+    off.note_backlog(NOW)
+    assert off.drain_rate(NOW + 5.0) is None
+
+
+def test_drain_window_is_bounded() -> None:
+    from router.core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="drain_window_ms"):
+        QueueConfig(drain_window_ms=-1.0)
