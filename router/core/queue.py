@@ -799,7 +799,8 @@ def hopeless(
 
 #: An on-time request whose own prefill does not fit under the release limit may still go where its
 #: predicted TTFT is at most this many times its prefill on an idle instance (an instance with at most
-#: a quarter of that work ahead), rather than wait for its deadline to pass.
+#: a quarter of that work ahead), rather than wait for its deadline to pass; like late work it then
+#: joins decode batches only under :data:`LATE_TPOT_FRACTION` of its TPOT target.
 IDLE_SLACK = 1.25
 
 
@@ -836,7 +837,8 @@ def offer(
     turns late at once; every other one is tried with its TTFT bound =
     min(remaining budget, :meth:`RouterQueue.release_limit_ms`, raised to
     :data:`IDLE_SLACK` × its own prefill on an idle instance when the release
-    limit alone would never let it go) and its TPOT target. A late entry is served like the lowest class: its TTFT
+    limit alone would never let it go, with the late TPOT bound then) and its
+    TPOT target. A late entry is served like the lowest class: its TTFT
     bound is ``priority_headroom`` × the release limit, but at least twice its
     own TTFT on an idle instance (so a request no instance could ever meet,
     e.g. a 1 ms target, is still served once the fleet is nearly idle), and its
@@ -910,6 +912,7 @@ def offer(
                 continue
             ahead += request.prompt_tokens
         limit = queue.release_limit_ms(now_s, request.priority, targets.full_ttft_ms)
+        yielding = False
         if entry.late:
             floor = _idle_floor_ms(scheduler, request, drain)
             if not math.isfinite(floor):  # no predictor: no TTFT threshold to bound
@@ -919,16 +922,19 @@ def offer(
             else:  # no on-time traffic to yield to
                 bound = max(targets.full_ttft_ms, floor)
         else:
-            if drain is not None and limit < targets.ttft_ms:
+            floor = IDLE_SLACK * drain.idle_ms(request.prompt_tokens) if drain is not None else 0.0
+            yielding = limit < floor and limit < targets.ttft_ms
+            if yielding:
                 # A request whose own prefill cannot fit under the release limit (a long prompt
-                # yielding to tighter traffic) may still take a nearly idle instance: otherwise it
-                # would wait out its whole deadline and go late although the fleet had room.
-                limit = max(limit, IDLE_SLACK * drain.idle_ms(request.prompt_tokens))
+                # yielding to tighter traffic) may still take a nearly idle instance, as late work
+                # does: otherwise it would wait out its whole deadline and go late although the
+                # fleet had room.
+                limit = floor
             bound = min(targets.ttft_ms, limit)
             if targets.ttft_ms <= 0:
                 yield _late(queue, entry, late_reject, math.nan, targets.ttft_ms)
                 continue
-        if entry.late:
+        if entry.late or yielding:
             late_tpot = LATE_TPOT_FRACTION * (request.tpot_slo_ms or queue.default_tpot_ms)
             offered = replace(targets, ttft_ms=bound, tpot_ms=late_tpot)
         else:

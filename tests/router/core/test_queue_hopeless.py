@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from router.core.columns import ClusterView
 from router.core.errors import LateError
-from router.core.queue import FleetDrain, QueueConfig, RouterQueue, Verdict, offer
+from router.core.queue import LATE_TPOT_FRACTION, FleetDrain, QueueConfig, RouterQueue, Verdict, offer
 from router.core.request import ScheduleInput, resolve_targets
 from tests.router.core.helpers import NOW, inst, make_request, make_scheduler, make_snapshot
 
@@ -145,6 +145,8 @@ def test_long_prompt_yielding_to_tight_traffic_takes_an_idle_instance() -> None:
     q.push(req("doc", prompt_tokens=1024, ttft_slo_ms=5000.0), NOW)  # 180 ms prefill when idle
     (result,) = list(offer(q, make_scheduler(), lambda: _pd(), NOW))
     assert result.verdict is Verdict.DISPATCH and not result.entry.late
+    assert result.decision is not None  # ... joining decode batches the way late work does
+    assert result.decision.context.tpot_slo_ms == pytest.approx(LATE_TPOT_FRACTION * DEFAULT_TPOT)
     q.push(req("doc2", prompt_tokens=1024, ttft_slo_ms=5000.0), NOW)
     (busy,) = list(offer(q, make_scheduler(), lambda: _pd(prefill_tokens=1024), NOW))
     assert busy.verdict is Verdict.WAIT  # not idle: it still yields
