@@ -624,7 +624,16 @@ class FleetDrain:
     took for as much work lately.
     """
 
-    __slots__ = ("_breaks", "_cum_rate", "_cum_rate_free", "_free", "_idle", "_tpot", "queue_rate")
+    __slots__ = (
+        "_breaks",
+        "_cum_rate",
+        "_cum_rate_free",
+        "_free",
+        "_idle",
+        "_tpot",
+        "idle_instances",
+        "queue_rate",
+    )
 
     def __init__(
         self,
@@ -645,6 +654,8 @@ class FleetDrain:
         self._breaks = self._cum_rate * self._free - self._cum_rate_free
         self._idle = idle
         self._tpot = min_tpot
+        #: Prefill instances without any backlog now.
+        self.idle_instances = int(np.count_nonzero(free_ms <= 0.0))
 
     @classmethod
     def of(
@@ -804,6 +815,10 @@ def hopeless(
 IDLE_SLACK = 1.25
 
 
+#: ... but only while at least this many prefill instances are idle (one stays free for tight work).
+SPARE_IDLE_INSTANCES = 2
+
+
 #: A late request's TPOT bound, as a fraction of its (or the default) TPOT target. Late work joins
 #: decode batches only while they stay clearly under the target, so it does not drag the on-time
 #: requests there over theirs (in simulation, 1.0 let late work cost more on-time misses than it saved).
@@ -837,8 +852,8 @@ def offer(
     turns late at once; every other one is tried with its TTFT bound =
     min(remaining budget, :meth:`RouterQueue.release_limit_ms`, raised to
     :data:`IDLE_SLACK` × its own prefill on an idle instance when the release
-    limit alone would never let it go, with the late TPOT bound then) and its
-    TPOT target. A late entry is served like the lowest class: its TTFT
+    limit alone would never let it go and :data:`SPARE_IDLE_INSTANCES` prefill
+    instances are idle, with the late TPOT bound then) and its TPOT target. A late entry is served like the lowest class: its TTFT
     bound is ``priority_headroom`` × the release limit, but at least twice its
     own TTFT on an idle instance (so a request no instance could ever meet,
     e.g. a 1 ms target, is still served once the fleet is nearly idle), and its
@@ -923,12 +938,17 @@ def offer(
                 bound = max(targets.full_ttft_ms, floor)
         else:
             floor = IDLE_SLACK * drain.idle_ms(request.prompt_tokens) if drain is not None else 0.0
-            yielding = limit < floor and limit < targets.ttft_ms
+            # A request whose own prefill cannot fit under the release limit (a long prompt yielding
+            # to tighter traffic) may still take a nearly idle instance while another one stays idle
+            # for the tight arrivals release control keeps room for, as late work does: otherwise it
+            # would wait out its whole deadline on a fleet with room to spare.
+            yielding = (
+                drain is not None
+                and limit < floor
+                and limit < targets.ttft_ms
+                and drain.idle_instances >= SPARE_IDLE_INSTANCES
+            )
             if yielding:
-                # A request whose own prefill cannot fit under the release limit (a long prompt
-                # yielding to tighter traffic) may still take a nearly idle instance, as late work
-                # does: otherwise it would wait out its whole deadline and go late although the
-                # fleet had room.
                 limit = floor
             bound = min(targets.ttft_ms, limit)
             if targets.ttft_ms <= 0:

@@ -138,18 +138,28 @@ def test_request_that_fits_on_an_idle_fleet_is_not_flagged() -> None:
 
 def test_long_prompt_yielding_to_tight_traffic_takes_an_idle_instance() -> None:
     """Release control caps a loose request at half the tightest recent target; a prompt whose own
-    prefill is over that cap still goes to an idle instance instead of waiting out its deadline."""
-    q = make_queue("edf")
-    q.observe_arrival(req("chat", ttft_slo_ms=200.0))  # cap for looser work: 0.5 * 200 = 100 ms
-    q.observe_arrival(req("doc", prompt_tokens=1024, ttft_slo_ms=5000.0))
-    q.push(req("doc", prompt_tokens=1024, ttft_slo_ms=5000.0), NOW)  # 180 ms prefill when idle
-    (result,) = list(offer(q, make_scheduler(), lambda: _pd(), NOW))
+    prefill is over that cap still goes to an idle instance while another one stays idle, instead of
+    waiting out its deadline."""
+
+    def fleet(p1_backlog: int) -> Any:
+        return make_snapshot(
+            inst("p0", "prefill"), inst("p1", "prefill", prefill_tokens=p1_backlog), inst("d0", "decode")
+        )
+
+    def one(snapshot: Any) -> Any:
+        q = make_queue("edf")
+        q.observe_arrival(req("chat", ttft_slo_ms=200.0))  # cap for looser work: 0.5 * 200 = 100 ms
+        q.observe_arrival(req("doc", prompt_tokens=1024, ttft_slo_ms=5000.0))
+        q.push(req("doc", prompt_tokens=1024, ttft_slo_ms=5000.0), NOW)  # 180 ms prefill when idle
+        (result,) = list(offer(q, make_scheduler(), lambda: snapshot, NOW))
+        return result
+
+    result = one(fleet(0))
     assert result.verdict is Verdict.DISPATCH and not result.entry.late
     assert result.decision is not None  # ... joining decode batches the way late work does
     assert result.decision.context.tpot_slo_ms == pytest.approx(LATE_TPOT_FRACTION * DEFAULT_TPOT)
-    q.push(req("doc2", prompt_tokens=1024, ttft_slo_ms=5000.0), NOW)
-    (busy,) = list(offer(q, make_scheduler(), lambda: _pd(prefill_tokens=1024), NOW))
-    assert busy.verdict is Verdict.WAIT  # not idle: it still yields
+    # The only idle instance is left to the tight traffic: it still yields.
+    assert one(fleet(1024)).verdict is Verdict.WAIT
 
 
 # --------------------------------------------------------------------------- properties
