@@ -47,6 +47,7 @@ CASES = [
     (["router", "--max-queue-size", "0"], "--max-queue-size"),
     (["router", "--max-queue-wait-ms", "0"], "--max-queue-wait-ms"),
     (["router", "--release-window-requests", "-1"], "--release-window-requests"),
+    (["router", "--drain-window-ms", "-1"], "--drain-window-ms"),
     (["up", "--priority-headroom", "2"], "--priority-headroom"),
     (["up", "--max-queue-size", "0"], "--max-queue-size"),
     (["up", "--tpot-slo", "-5"], "--tpot-slo"),

@@ -795,9 +795,14 @@ class Hopeless:
 def hopeless(
     drain: FleetDrain, request: ScheduleInput, targets: Targets, tokens_ahead: float, now_s: float
 ) -> Hopeless | None:
-    """``request``'s best case with ``tokens_ahead`` queued in front of it misses its TTFT or e2e target."""
+    """``request``'s best case with ``tokens_ahead`` queued in front of it misses its TTFT or e2e target.
+
+    A request with only an e2e target is judged by that target alone: the TTFT target derived from it
+    orders and places it, but missing it does not mean missing the SLO.
+    """
     best_ttft = drain.start_ms(tokens_ahead) + drain.idle_ms(request.prompt_tokens)
-    if best_ttft > targets.ttft_ms:
+    only_e2e = request.e2e_slo_ms > 0 and request.ttft_slo_ms == 0 and request.tpot_slo_ms == 0
+    if best_ttft > targets.ttft_ms and not only_e2e:
         return Hopeless(best_ttft, targets.ttft_ms)
     if targets.e2e_ms > 0 and request.arrival_s is not None:
         waited = (now_s - request.arrival_s) * 1e3

@@ -327,3 +327,17 @@ def test_drain_window_is_bounded() -> None:
 
     with pytest.raises(ConfigError, match="drain_window_ms"):
         QueueConfig(drain_window_ms=-1.0)
+
+
+def test_e2e_only_request_is_judged_by_its_e2e_target_not_the_derived_ttft() -> None:
+    s = make_scheduler()
+    q = make_queue("fcfs", late_policy="reject")
+    for k in range(8):  # seconds of prefill in front of the two requests below
+        q.push(req(f"big{k}", prompt_tokens=8000, ttft_slo_ms=120_000.0), NOW)
+    q.push(req("e2e", prompt_tokens=256, e2e_slo_ms=20_000.0, max_tokens=16), NOW)
+    q.push(req("ttft", prompt_tokens=256, ttft_slo_ms=6000.0), NOW)
+    drain = FleetDrain.of(s, s.view(_pd(), NOW), NOW)
+    assert drain is not None and 6000.0 < drain.start_ms(8 * 8000) < 19_000.0
+    verdicts = {r.entry.request_id: r.verdict for r in offer(q, s, lambda: _pd(), NOW, max_failures=1)}
+    assert verdicts.get("ttft") is Verdict.REJECT  # its own TTFT target is out of reach
+    assert "e2e" not in verdicts and "e2e" in q  # its derived 6 s TTFT too, but not its 20 s e2e target
