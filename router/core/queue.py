@@ -28,10 +28,10 @@ queue actually drained over the last ``drain_window_ms`` — plus its own
 prefill on an idle instance. When that misses its TTFT target (or its e2e
 target, with the fastest decode step for the remaining tokens), it is late at
 once instead of when its deadline passes: ``reject`` refuses it then, ``serve``
-moves it behind the on-time entries at once. Every entry is judged when a
-request was queued since the last full scan (so a newcomer is judged on
-arrival wherever it lands) and at least every :data:`SCAN_INTERVAL_S`; in
-between, only the entries a pass offers.
+moves it behind the on-time entries at once. Every pass judges the entries it
+offers and the ones queued since the last full scan (so a newcomer is judged
+on arrival wherever it lands); every entry is judged at least every
+:data:`SCAN_INTERVAL_S`.
 
 Under ``priority``, release control is per priority: a request counts only
 the entries and arrivals of its priority or higher, and yields to higher
@@ -80,8 +80,8 @@ from router.core.metrics import advanced_backlog
 from router.core.request import Role, ScheduleInput, Stage, Targets, resolve_targets
 from router.core.scheduler import Scheduler
 
-#: How often (s) an offer pass judges every on-time entry for hopelessness, not only those it offers,
-#: when no request was queued meanwhile (a scan costs a few microseconds per entry).
+#: How often (s) an offer pass judges every on-time entry for hopelessness, not only those it offers
+#: and those queued since the last scan (a full scan costs a few microseconds per entry).
 SCAN_INTERVAL_S = 0.1
 
 
@@ -310,8 +310,9 @@ class RouterQueue:
         self._dispatched: deque[tuple[float, int]] = deque()
         self._backlogged_since: float | None = None
         # The last full hopeless scan of the queue (see offer): the push count then and when.
-        self._scanned_seq = -1
         self._scanned_at = -math.inf
+        # Requests queued since the last full scan (judged on their own until the next one).
+        self._fresh: list[str] = []
 
     # ------------------------------------------------------------------ keys
 
@@ -448,14 +449,25 @@ class RouterQueue:
             self._backlogged_since = now_s
 
     def scan_due(self, now_s: float) -> bool:
-        """Whether a full hopeless scan is due: a request was queued since the last one, or
-        :data:`SCAN_INTERVAL_S` passed."""
-        return self._seq != self._scanned_seq or now_s - self._scanned_at >= SCAN_INTERVAL_S
+        """Whether a full hopeless scan is due (:data:`SCAN_INTERVAL_S` since the last one)."""
+        return now_s - self._scanned_at >= SCAN_INTERVAL_S
 
     def scanned(self, now_s: float) -> None:
-        """A full hopeless scan ran at ``now_s``."""
-        self._scanned_seq = self._seq
+        """A full hopeless scan ran at ``now_s``: every entry, fresh ones included, was judged."""
         self._scanned_at = now_s
+        self._fresh.clear()
+
+    def take_fresh(self) -> list[QueueEntry]:
+        """The on-time entries queued since the last full scan or the last call, in arrival order."""
+        out = [e for rid in self._fresh if (e := self._entries.get(rid)) is not None and not e.late]
+        self._fresh.clear()
+        return out
+
+    def tokens_before(self, entry: QueueEntry) -> int:
+        """Prompt tokens of the on-time entries ahead of on-time ``entry`` in offer order (O(position))."""
+        rank = self._order.rank((*self._order_key(entry), entry.request_id))
+        entries = self._entries
+        return sum(entries[key[-1]].request.prompt_tokens for key in self._order.keys[:rank])
 
     def note_dispatch(self, now_s: float, prompt_tokens: int) -> None:
         """An entry was dispatched at ``now_s`` (for the drain rate)."""
@@ -507,6 +519,7 @@ class RouterQueue:
         entry = self._entry(request, now_s, self._seq)
         entry.token = token
         self._seq += 1
+        self._fresh.append(request.request_id)
         self._entries[request.request_id] = entry
         self._index(entry)
         shed: list[QueueEntry] = []
@@ -894,6 +907,7 @@ def offer(
     drain: FleetDrain | None = None
     drained = False
     ahead = 0.0  # prompt tokens of the on-time entries offered so far in this pass (in front of the next)
+    dispatched = 0  # prompt tokens this pass dispatched
     scanning = False
     for entry in queue.entries():
         if entry.request_id in seen:  # turned late in this pass: once per pass is enough
@@ -904,12 +918,22 @@ def offer(
             # No more decisions in this pass, but the rest of the on-time entries are still judged
             # against the work in front of them (no decision: a few array lookups each), so a new
             # request deep in the queue is found hopeless when it arrives, not when it nears the head.
-            if drain is None or entry.late:  # late entries come last: the on-time ones are all judged
-                if scanning or drain is None:
-                    queue.scanned(now_s)
+            if drain is None or entry.late:  # late entries come last: every on-time one was judged
+                queue.scanned(now_s)
                 return
             if not scanning:
                 if not queue.scan_due(now_s):
+                    # Between full scans only the requests queued since are judged, each behind the
+                    # tokens in front of it in the queue plus those this pass already dispatched.
+                    for fresh in queue.take_fresh():
+                        if fresh.request_id in seen:
+                            continue
+                        r = fresh.request
+                        t = resolve_targets(r, queue.default_ttft_ms, queue.default_tpot_ms, now_s)
+                        front = dispatched + queue.tokens_before(fresh)
+                        why = hopeless(drain, r, t, front, now_s) if t.ttft_ms > 0 else None
+                        if why is not None:
+                            yield _late(queue, fresh, late_reject, why.predicted_ttft_ms, why.budget_ms, why)
                     return
                 scanning = True
             targets = resolve_targets(request, queue.default_ttft_ms, queue.default_tpot_ms, now_s)
@@ -922,9 +946,12 @@ def offer(
         targets = resolve_targets(request, queue.default_ttft_ms, queue.default_tpot_ms, now_s)
         if not drained:
             drained = True
-            first = source()
-            view = first if isinstance(first, ClusterView) else scheduler.view(first, now_s)
-            drain = FleetDrain.of(scheduler, view, now_s, queue.drain_rate(now_s))
+            try:
+                first = source()
+                view = first if isinstance(first, ClusterView) else scheduler.view(first, now_s)
+                drain = FleetDrain.of(scheduler, view, now_s, queue.drain_rate(now_s))
+            except SchedulingError:  # no fleet to judge by: the decision below reports it
+                drain = None
         if not entry.late and drain is not None and targets.ttft_ms > 0:
             why = hopeless(drain, request, targets, ahead, now_s)
             if why is not None:  # late now rather than at its deadline
@@ -981,6 +1008,7 @@ def offer(
         failures = 0
         queue.remove(entry.request_id)
         queue.note_dispatch(now_s, request.prompt_tokens)
+        dispatched += request.prompt_tokens
         yield Offer(entry, Verdict.DISPATCH, decision=decision, budget_ms=targets.ttft_ms)
     queue.scanned(now_s)  # every entry was judged
 

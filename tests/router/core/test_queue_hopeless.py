@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from router.core.columns import ClusterView
-from router.core.errors import LateError
+from router.core.errors import EmptyClusterError, LateError
 from router.core.queue import LATE_TPOT_FRACTION, FleetDrain, QueueConfig, RouterQueue, Verdict, offer
 from router.core.request import ScheduleInput, resolve_targets
 from tests.router.core.helpers import NOW, inst, make_request, make_scheduler, make_snapshot
@@ -341,3 +341,16 @@ def test_e2e_only_request_is_judged_by_its_e2e_target_not_the_derived_ttft() -> 
     verdicts = {r.entry.request_id: r.verdict for r in offer(q, s, lambda: _pd(), NOW, max_failures=1)}
     assert verdicts.get("ttft") is Verdict.REJECT  # its own TTFT target is out of reach
     assert "e2e" not in verdicts and "e2e" in q  # its derived 6 s TTFT too, but not its 20 s e2e target
+
+
+def test_empty_fleet_is_still_refused_as_unavailable() -> None:
+    """No fleet to build a drain from: the decision reports the empty cluster, as before."""
+
+    def empty() -> Any:
+        raise EmptyClusterError("no instances")
+
+    q = make_queue("edf")
+    q.push(req("r", ttft_slo_ms=5000.0), NOW)
+    (result,) = list(offer(q, make_scheduler(), empty, NOW))
+    assert result.verdict is Verdict.REJECT and isinstance(result.error, EmptyClusterError)
+    assert len(q) == 0
