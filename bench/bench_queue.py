@@ -10,6 +10,10 @@ Two figures per queue size and policy:
   loaded 16-instance fleet that can take one request: the expiry and lateness
   sweep, then scheduling decisions until one dispatches (each queued request
   costs a full ``Scheduler.schedule``; a pass stops after 8 misses in a row).
+- *hopeless scan* (``edf``): a pass on a fleet that takes nothing more, after
+  one new arrival: with a full scan (every queued request judged against the
+  work in front of it, at most every ``SCAN_INTERVAL_S``) and without (only
+  the newcomer judged). Both include the pass's 8 scheduling decisions.
 
 Each figure is printed twice: wall time (``perf_counter``) and the thread's CPU
 time (``thread_time``), which leaves out the time the process was not running:
@@ -28,7 +32,7 @@ from pathlib import Path
 from bench.bench_scheduler import fleet
 from predictor import LatencyPredictor
 from router.core.config import SchedulerConfig
-from router.core.queue import QueueConfig, RouterQueue, offer
+from router.core.queue import SCAN_INTERVAL_S, QueueConfig, RouterQueue, offer
 from router.core.request import ScheduleInput
 from router.core.scheduler import Scheduler
 
@@ -116,6 +120,38 @@ def bench_offer(policy: str, size: int) -> Figures:
     return _figures(samples, cpu)
 
 
+def bench_scan(size: int, full: bool) -> Figures:
+    rng = random.Random(size)
+    predictor = LatencyPredictor.from_files(PROFILE / "ttft.json", PROFILE / "tpot.json")
+    scheduler = Scheduler(SchedulerConfig(scheduling_policy="slo"), predictor, random.Random(0))
+    snapshot = fleet(16, seed=size)
+    queue = RouterQueue(QueueConfig(queue_policy="edf", max_queue_size=size + PASSES + 1), 6000.0, 50.0)
+    now = 1000.0
+
+    def loose(k: int) -> ScheduleInput:  # waits: a 1 ms target among the recent arrivals caps the fleet
+        return ScheduleInput(f"s-{k}", rng.randint(64, 2048), ttft_slo_ms=600_000.0, arrival_s=now)
+
+    for k in range(size):
+        queue.push(loose(k), now)
+    queue.observe_arrival(ScheduleInput("tight", 64, ttft_slo_ms=1.0))
+    for result in offer(queue, scheduler, lambda: snapshot, now):  # fill the fleet once
+        if result.decision is not None:
+            scheduler.record(result.decision, now)
+    samples: list[float] = []
+    cpu: list[float] = []
+    perf, thread = time.perf_counter, time.thread_time
+    for k in range(PASSES // 4):
+        now += SCAN_INTERVAL_S * 1.01 if full else 1e-4
+        queue.push(loose(size + k), now)
+        start, start_cpu = perf(), thread()
+        for result in offer(queue, scheduler, lambda: snapshot, now):
+            if result.decision is not None:
+                scheduler.record(result.decision, now)
+        samples.append(perf() - start)
+        cpu.append(thread() - start_cpu)
+    return _figures(samples, cpu)
+
+
 def _line(policy: str, size: int, f: Figures) -> str:
     wall50, wall99, cpu50, cpu99 = (x * 1e6 for x in f)
     return (
@@ -133,6 +169,10 @@ def main() -> None:
     for policy in POLICIES:
         for size in SIZES:
             print(_line(policy, size, bench_offer(policy, size)))
+    print("router queue: one offer pass after an arrival, fleet full, with / without a full hopeless scan")
+    for size in SIZES:
+        print(_line("full", size, bench_scan(size, True)))
+        print(_line("newcomer", size, bench_scan(size, False)))
 
 
 if __name__ == "__main__":

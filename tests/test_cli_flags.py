@@ -55,6 +55,7 @@ CASES = [
     (["up", "--sa-budget-ms", "0"], "--sa-budget-ms"),
     (["simulate", "--queue-policies", "fcfs,sa", "--sa-decay", "0"], "--sa-decay"),
     (["simulate", "--sa-iterations", "0"], "--sa-iterations"),
+    (["router", "--drain-window-ms", "-1"], "--drain-window-ms"),
     (["up", "--priority-headroom", "2"], "--priority-headroom"),
     (["up", "--max-queue-size", "0"], "--max-queue-size"),
     (["up", "--tpot-slo", "-5"], "--tpot-slo"),

@@ -20,6 +20,19 @@ the scheduler in policy order:
 Late entries come after every on-time one, oldest first (``late_policy``
 ``serve``), or are ended by the caller (``reject``).
 
+Hopeless entries turn late early (:class:`FleetDrain`, :func:`hopeless`):
+an offer pass judges each on-time entry, in order, by the time the fleet
+needs to prefill what is queued in front of it — on top of the backlog the
+engines already hold, at the fleet's full prefill rate, and no faster than the
+queue actually drained over the last ``drain_window_ms`` — plus its own
+prefill on an idle instance. When that misses its TTFT target (or its e2e
+target, with the fastest decode step for the remaining tokens), it is late at
+once instead of when its deadline passes: ``reject`` refuses it then, ``serve``
+moves it behind the on-time entries at once. Every pass judges the entries it
+offers and the ones queued since the last full scan (so a newcomer is judged
+on arrival wherever it lands); every entry is judged at least every
+:data:`SCAN_INTERVAL_S`.
+
 Under ``priority``, release control is per priority: a request counts only
 the entries and arrivals of its priority or higher, and yields to higher
 priorities (at most ``priority_headroom`` × their tightest target). Under
@@ -49,8 +62,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
+import numpy as np
+
 from fleet.snapshot import ClusterSnapshot
-from router.core.columns import ClusterView
+from router.core.calibration import Correction
+from router.core.columns import ClusterView, FloatArray, IntArray
 from router.core.decision import Decision
 from router.core.errors import (
     ConfigError,
@@ -60,8 +76,13 @@ from router.core.errors import (
     QueueTimeoutError,
     SchedulingError,
 )
-from router.core.request import ScheduleInput, Stage, Targets, resolve_targets
+from router.core.metrics import advanced_backlog
+from router.core.request import Role, ScheduleInput, Stage, Targets, resolve_targets
 from router.core.scheduler import Scheduler
+
+#: How often (s) an offer pass judges every on-time entry for hopelessness, not only those it offers
+#: and those queued since the last scan (a full scan costs a few microseconds per entry).
+SCAN_INTERVAL_S = 0.1
 
 
 class QueuePolicy(str, enum.Enum):
@@ -129,6 +150,16 @@ class QueueConfig:
             "release control: the tightest TTFT target among this many latest arrivals caps what an "
             "instance is offered (requests; 0 = queued requests only)",
             "--release-window-requests",
+        ),
+    )
+
+    drain_window_ms: float = field(
+        default=10000.0,
+        metadata=_doc(
+            "hopeless requests turn late at once when the work queued in front of them, at the rate the "
+            "queue drained over up to this window while it held on-time requests, already misses their "
+            "target (ms; 0 = only at the fleet's full prefill rate)",
+            "--drain-window-ms",
         ),
     )
 
@@ -207,6 +238,8 @@ class QueueConfig:
             raise bad("sa_budget_ms", "must be within (0, 10000] ms")
         if not 1 <= self.sa_max_batch <= 1024:
             raise bad("sa_max_batch", "must be within 1..1024 requests")
+        if not 0 <= self.drain_window_ms <= 3_600_000:
+            raise bad("drain_window_ms", "must be within 0..3600000 ms")
 
     @property
     def policy(self) -> QueuePolicy:
@@ -335,6 +368,13 @@ class RouterQueue:
         self.planner = planner
         if self.policy is QueuePolicy.SA and planner is None:
             raise ConfigError("queue_policy='sa' needs a planner: pass router.core.sa.SAPlanner(config)")
+        # The queue's own drain: (time, prompt tokens) of dispatches, and since when on-time entries wait.
+        self._dispatched: deque[tuple[float, int]] = deque()
+        self._backlogged_since: float | None = None
+        # The last full hopeless scan of the queue (see offer): the push count then and when.
+        self._scanned_at = -math.inf
+        # Requests queued since the last full scan (judged on their own until the next one).
+        self._fresh: list[str] = []
 
     def finished(self, request_id: str) -> None:
         """A dispatched request ended (the sa policy releases an instance's next batch once its batch has)."""
@@ -468,6 +508,57 @@ class RouterQueue:
                         higher = min(higher, target)
         return min(own, self.config.priority_headroom * higher)
 
+    def note_backlog(self, now_s: float) -> None:
+        """At the end of an offer pass: whether on-time entries still wait (the drain rate is measured only then)."""
+        if not self._order.keys:
+            self._backlogged_since = None
+        elif self._backlogged_since is None:
+            self._backlogged_since = now_s
+
+    def scan_due(self, now_s: float) -> bool:
+        """Whether a full hopeless scan is due (:data:`SCAN_INTERVAL_S` since the last one)."""
+        return now_s - self._scanned_at >= SCAN_INTERVAL_S
+
+    def scanned(self, now_s: float) -> None:
+        """A full hopeless scan ran at ``now_s``: every entry, fresh ones included, was judged."""
+        self._scanned_at = now_s
+        self._fresh.clear()
+
+    def take_fresh(self) -> list[QueueEntry]:
+        """The on-time entries queued since the last full scan or the last call, in arrival order."""
+        out = [e for rid in self._fresh if (e := self._entries.get(rid)) is not None and not e.late]
+        self._fresh.clear()
+        return out
+
+    def tokens_before(self, entry: QueueEntry) -> int:
+        """Prompt tokens of the on-time entries ahead of on-time ``entry`` in offer order (O(position))."""
+        rank = self._order.rank((*self._order_key(entry), entry.request_id))
+        entries = self._entries
+        return sum(entries[key[-1]].request.prompt_tokens for key in self._order.keys[:rank])
+
+    def note_dispatch(self, now_s: float, prompt_tokens: int) -> None:
+        """An entry was dispatched at ``now_s`` (for the drain rate)."""
+        self._dispatched.append((now_s, prompt_tokens))
+        cutoff = now_s - self.config.drain_window_ms * 1e-3
+        while self._dispatched and self._dispatched[0][0] < cutoff:
+            self._dispatched.popleft()
+
+    def drain_rate(self, now_s: float) -> float | None:
+        """Prompt tokens per ms the queue dispatched while on-time entries waited, over up to
+        ``drain_window_ms`` (``None``: no window, backlogged for under a tenth of it, or nothing dispatched)."""
+        window_ms = self.config.drain_window_ms
+        since = self._backlogged_since
+        if window_ms <= 0 or since is None:
+            return None
+        span_ms = min(window_ms, (now_s - since) * 1e3)
+        if span_ms < 0.1 * window_ms:
+            return None
+        start = now_s - span_ms * 1e-3
+        tokens = sum(n for t, n in self._dispatched if t >= start)
+        # Nothing dispatched at all says the fleet stalled (stale statuses, a restart), not how fast it
+        # drains: no estimate then, rather than every waiting request judged hopeless.
+        return tokens / span_ms if tokens > 0 else None
+
     def oldest_enqueued_s(self) -> float | None:
         """When the longest-waiting entry was queued (for the wait bound's timer)."""
         return self._waits.keys[0][0] if self._waits.keys else None
@@ -495,6 +586,7 @@ class RouterQueue:
         entry = self._entry(request, now_s, self._seq)
         entry.token = token
         self._seq += 1
+        self._fresh.append(request.request_id)
         self._entries[request.request_id] = entry
         self._index(entry)
         shed: list[QueueEntry] = []
@@ -603,6 +695,233 @@ class Offer:
     #: Best predicted TTFT seen when the entry missed (ms; NaN when unknown) and its remaining budget (ms).
     predicted_ttft_ms: float = math.nan
     budget_ms: float = math.nan
+    #: Set when the entry turned late early: its best case (see :class:`FleetDrain`) misses a target.
+    hopeless: Hopeless | None = None
+
+
+class FleetDrain:
+    """How fast the fleet can work off a queue, at one moment: the best case of a queued request.
+
+    A fluid model of the prefill side (prefill and neutral instances that are
+    schedulable): instance ``i`` holds a backlog it finishes at ``free_ms[i]``
+    (from now, at its full-chunk prefill rate) and then prefills ``rate[i]``
+    tokens per ms. The earliest a request can start its own prefill is when the
+    fleet has also prefilled every token queued in front of it, each instance
+    taking work the moment it is free (:meth:`start_ms`; ``0`` tokens ahead:
+    the first instance to be free). On top comes its own prefill on an idle
+    instance (:meth:`idle_ms`) and, for an e2e target, its remaining tokens at
+    the fastest decode step of a batch of one (:meth:`min_tpot_ms`). All of it
+    is calibrated when the scheduler calibrates (its TTFT/TPOT factors and
+    refit, as the metrics apply them), so a request is judged by the same
+    model that places it. Built once per offer pass (:meth:`of`).
+
+    It ignores what can only make things worse (decode batches beside the
+    prefill, KV limits, later arrivals that go first), so at the full rate it
+    is a best case up to the order: it counts the entries in front in the
+    queue's order, which the scheduler follows unless one of them cannot be
+    placed. ``queue_rate`` (measured, see :meth:`RouterQueue.drain_rate`) makes
+    it an estimate instead: the work ahead takes at least as long as the queue
+    took for as much work lately.
+    """
+
+    __slots__ = (
+        "_breaks",
+        "_cum_rate",
+        "_cum_rate_free",
+        "_free",
+        "_idle",
+        "_tpot",
+        "idle_instances",
+        "queue_rate",
+    )
+
+    def __init__(
+        self,
+        free_ms: FloatArray,
+        rate: FloatArray,
+        idle: Callable[[int], float],
+        min_tpot: Callable[[int], float],
+        queue_rate: float | None = None,
+    ) -> None:
+        #: Prompt tokens per ms the queue really drained at lately (:meth:`RouterQueue.drain_rate`), if known.
+        self.queue_rate = queue_rate
+        order = np.argsort(free_ms, kind="stable")
+        self._free = free_ms[order]
+        r = rate[order]
+        self._cum_rate = np.cumsum(r)
+        self._cum_rate_free = np.cumsum(r * self._free)
+        # Tokens the fleet has taken from the queue by the time instance k is free (k in free order).
+        self._breaks = self._cum_rate * self._free - self._cum_rate_free
+        self._idle = idle
+        self._tpot = min_tpot
+        #: Prefill instances without any backlog now.
+        self.idle_instances = int(np.count_nonzero(free_ms <= 0.0))
+
+    @classmethod
+    def of(
+        cls, scheduler: Scheduler, view: ClusterView, now_s: float, queue_rate: float | None = None
+    ) -> FleetDrain | None:
+        """The drain of ``view``'s fleet, or ``None`` without predictors or a prefill-capable instance."""
+        predictors = scheduler.predictors
+        if predictors is None:
+            return None
+        table = view.instances
+        prefill = np.flatnonzero(table.schedulable & (table.roles != int(Role.DECODE)))
+        decode = np.flatnonzero(table.schedulable & (table.roles != int(Role.PREFILL)))
+        if len(prefill) == 0 or len(decode) == 0:
+            return None
+        calibration = predictors.calibration
+        correction = None if calibration is None else calibration.correction(table.ids, table.groups)
+        budget = table.max_num_batched_tokens
+        key = ("queue_drain_parts", predictors)
+        parts: list[tuple[Any, IntArray]] | None = table.memo.get(key)
+        if parts is None:  # instances by profile predictor, once per table
+            by: dict[int, tuple[Any, list[int]]] = {}
+            for i, group in enumerate(table.groups):
+                lp = predictors.for_group(group)
+                by.setdefault(id(lp), (lp, []))[1].append(i)
+            parts = [(lp, np.asarray(ii, dtype=np.intp)) for lp, ii in by.values()]
+            table.memo[key] = parts
+        owner = np.empty(table.n, dtype=np.intp)
+        for k, (_, ii) in enumerate(parts):
+            owner[ii] = k
+
+        def per_instance(idx: IntArray, fn: Callable[[Any, IntArray], FloatArray]) -> FloatArray:
+            out = np.empty(len(idx))
+            for k, (lp, _) in enumerate(parts):
+                sel = np.flatnonzero(owner[idx] == k)
+                if len(sel):
+                    out[sel] = fn(lp, idx[sel])
+            return out
+
+        # A full chunk on each prefill instance, as the profile and as calibrated: the calibration's
+        # ratio at a full chunk stands for it at any prompt (exact for the scale mode; close for
+        # refit, whose remainder is linear in the chunk).
+        profile = per_instance(prefill, lambda lp, ii: lp.predict_ttft_ms(budget[ii], 0.0, 0.0, budget[ii]))
+        chunk_ms = profile
+        if correction is not None:
+            zeros = np.zeros(len(prefill))
+            part = _subset(correction, prefill)
+            chunk_ms = part.ttft_ms(profile, budget[prefill], zeros, zeros, budget[prefill], zeros)
+        ratio = np.divide(chunk_ms, profile, out=np.ones(len(prefill)), where=profile > 0)
+        rate = budget[prefill] / np.maximum(chunk_ms, 1e-9)  # a profile of free steps: as good as instant
+        ctx = scheduler.context(view, None, now_s)
+        backlog = advanced_backlog(ctx)[prefill] + view.inflight.prefill_tokens[prefill]
+        free = backlog / rate
+        # Per profile predictor: the largest chunk budget and the smallest calibration ratio among its
+        # prefill instances (the fastest case), and whether it serves a decode instance.
+        tpot_factor = 1.0 if correction is None else float(np.min(correction.tpot_factor[decode]))
+        prefill_parts: list[tuple[Any, float, float]] = []
+        decode_parts: list[Any] = []
+        for k, (lp, _) in enumerate(parts):
+            mine = owner[prefill] == k
+            if mine.any():
+                prefill_parts.append((lp, float(budget[prefill][mine].max()), float(ratio[mine].min())))
+            if (owner[decode] == k).any():
+                decode_parts.append(lp)
+        idle_cache: dict[int, float] = {}
+        tpot_cache: dict[int, float] = {}
+
+        def idle(prompt: int) -> float:
+            found = idle_cache.get(prompt)
+            if found is None:
+                found = idle_cache[prompt] = min(
+                    float(lp.predict_ttft_ms(float(prompt), 0.0, 0.0, m)) * r for lp, m, r in prefill_parts
+                )
+            return found
+
+        def min_tpot(context: int) -> float:
+            found = tpot_cache.get(context)
+            if found is None:
+                found = tpot_cache[context] = tpot_factor * min(
+                    float(lp.predict_tpot_ms(1.0, float(context))) for lp in decode_parts
+                )
+            return found
+
+        return cls(free, rate, idle, min_tpot, queue_rate)
+
+    def start_ms(self, tokens_ahead: float) -> float:
+        """When a request can start its prefill with ``tokens_ahead`` queued tokens to go first (ms from now).
+
+        The fleet's full prefill rate gives the earliest moment; with a measured
+        ``queue_rate`` the work ahead takes at least ``tokens_ahead / queue_rate``
+        (the queue has not been drained faster than that lately: release
+        control, decode capacity or the engines held it back).
+        """
+        fluid = self.fluid_start_ms(tokens_ahead)
+        if self.queue_rate is None or tokens_ahead <= 0:
+            return fluid
+        return max(fluid, tokens_ahead / self.queue_rate)
+
+    def fluid_start_ms(self, tokens_ahead: float) -> float:
+        """The earliest a request can start its prefill at the fleet's full prefill rate (ms from now)."""
+        # Between instance k's free time and the next one's, the k + 1 first-free instances take
+        # sum(rate * (t - free)) tokens by time t: solve that for ``tokens_ahead``.
+        k = max(int(np.searchsorted(self._breaks, max(tokens_ahead, 0.0), side="right")), 1) - 1
+        return (max(tokens_ahead, 0.0) + float(self._cum_rate_free[k])) / float(self._cum_rate[k])
+
+    def idle_ms(self, prompt_tokens: int) -> float:
+        """``prompt_tokens``' prefill on the fastest idle instance (ms)."""
+        return self._idle(prompt_tokens)
+
+    def min_tpot_ms(self, context_tokens: int) -> float:
+        """The fastest decode step of a batch of one at ``context_tokens`` (ms)."""
+        return self._tpot(context_tokens)
+
+
+def _subset(correction: Correction, idx: IntArray) -> Correction:
+    return replace(
+        correction,
+        ttft_factor=correction.ttft_factor[idx],
+        tpot_factor=correction.tpot_factor[idx],
+        interleave_ms=correction.interleave_ms[idx],
+        coefs=None if correction.coefs is None else correction.coefs[idx],
+        has_fit=correction.has_fit[idx],
+    )
+
+
+@dataclass(frozen=True)
+class Hopeless:
+    """Why an entry cannot meet its targets even in the best case (see :class:`FleetDrain`)."""
+
+    #: Best-case TTFT from now (ms) and the TTFT budget left (ms).
+    predicted_ttft_ms: float
+    budget_ms: float
+    #: Best-case completion from arrival and the e2e target (ms); NaN when the TTFT is what fails.
+    predicted_e2e_ms: float = math.nan
+    e2e_ms: float = math.nan
+
+
+def hopeless(
+    drain: FleetDrain, request: ScheduleInput, targets: Targets, tokens_ahead: float, now_s: float
+) -> Hopeless | None:
+    """``request``'s best case with ``tokens_ahead`` queued in front of it misses its TTFT or e2e target.
+
+    A request with only an e2e target is judged by that target alone: the TTFT target derived from it
+    orders and places it, but missing it does not mean missing the SLO.
+    """
+    best_ttft = drain.start_ms(tokens_ahead) + drain.idle_ms(request.prompt_tokens)
+    only_e2e = request.e2e_slo_ms > 0 and request.ttft_slo_ms == 0 and request.tpot_slo_ms == 0
+    if best_ttft > targets.ttft_ms and not only_e2e:
+        return Hopeless(best_ttft, targets.ttft_ms)
+    if targets.e2e_ms > 0 and request.arrival_s is not None:
+        waited = (now_s - request.arrival_s) * 1e3
+        rest = max(request.output_tokens_estimate - 1, 0)
+        best_e2e = waited + best_ttft + rest * drain.min_tpot_ms(request.prompt_tokens)
+        if best_e2e > targets.e2e_ms:
+            return Hopeless(best_ttft, targets.ttft_ms, best_e2e, targets.e2e_ms)
+    return None
+
+
+#: An on-time request whose own prefill does not fit under the release limit may still go where its
+#: predicted TTFT is at most this many times its prefill on an idle instance (an instance with at most
+#: a quarter of that work ahead), rather than wait for its deadline to pass; like late work it then
+#: joins decode batches only under :data:`LATE_TPOT_FRACTION` of its TPOT target.
+IDLE_SLACK = 1.25
+
+
+#: ... but only while at least this many prefill instances are idle (one stays free for tight work).
+SPARE_IDLE_INSTANCES = 2
 
 
 #: A late request's TPOT bound, as a fraction of its (or the default) TPOT target. Late work joins
@@ -632,9 +951,14 @@ def offer(
     """Offer the queue's entries to ``scheduler`` in order at ``now_s``; yields what happened to each.
 
     First the entries past ``max_queue_wait_ms`` leave (``EXPIRED``) and the
-    on-time ones past their TTFT deadline turn late. Then each entry is tried
-    with its TTFT bound = min(remaining budget, :meth:`RouterQueue.release_limit_ms`)
-    and its TPOT target. A late entry is served like the lowest class: its TTFT
+    on-time ones past their TTFT deadline turn late. Then, in order, an on-time
+    entry whose best case behind the on-time entries offered before it misses
+    a target (:func:`hopeless`, on a :class:`FleetDrain` of the first view)
+    turns late at once; every other one is tried with its TTFT bound =
+    min(remaining budget, :meth:`RouterQueue.release_limit_ms`, raised to
+    :data:`IDLE_SLACK` × its own prefill on an idle instance when the release
+    limit alone would never let it go and :data:`SPARE_IDLE_INSTANCES` prefill
+    instances are idle, with the late TPOT bound then) and its TPOT target. A late entry is served like the lowest class: its TTFT
     bound is ``priority_headroom`` × the release limit, but at least twice its
     own TTFT on an idle instance (so a request no instance could ever meet,
     e.g. a 1 ms target, is still served once the fleet is nearly idle), and its
@@ -664,23 +988,71 @@ def offer(
     for entry in queue.overdue(now_s):
         budget = (entry.ttft_deadline_s - now_s) * 1e3
         yield _late(queue, entry, late_reject, math.nan, budget)
+    queue.note_backlog(now_s)
     if queue.planner is not None:
         # The sa policy decides which requests go where and when (router/core/sa.py).
         yield from queue.planner.offer(queue, scheduler, source, now_s, schedule)
         return
     failures = 0
     seen: set[str] = set()
+    drain: FleetDrain | None = None
+    drained = False
+    ahead = 0.0  # prompt tokens of the on-time entries offered so far in this pass (in front of the next)
+    dispatched = 0  # prompt tokens this pass dispatched
+    scanning = False
     for entry in queue.entries():
-        if failures >= max_failures:
-            return
         if entry.request_id in seen:  # turned late in this pass: once per pass is enough
             continue
         seen.add(entry.request_id)
         request = entry.request
+        if failures >= max_failures:
+            # No more decisions in this pass, but the rest of the on-time entries are still judged
+            # against the work in front of them (no decision: a few array lookups each), so a new
+            # request deep in the queue is found hopeless when it arrives, not when it nears the head.
+            if drain is None or entry.late:  # late entries come last: every on-time one was judged
+                queue.scanned(now_s)
+                return
+            if not scanning:
+                if not queue.scan_due(now_s):
+                    # Between full scans only the requests queued since are judged, each behind the
+                    # tokens in front of it in the queue plus those this pass already dispatched.
+                    for fresh in queue.take_fresh():
+                        if fresh.request_id in seen:
+                            continue
+                        r = fresh.request
+                        t = resolve_targets(r, queue.default_ttft_ms, queue.default_tpot_ms, now_s)
+                        front = dispatched + queue.tokens_before(fresh)
+                        why = hopeless(drain, r, t, front, now_s) if t.ttft_ms > 0 else None
+                        if why is not None:
+                            yield _late(queue, fresh, late_reject, why.predicted_ttft_ms, why.budget_ms, why)
+                    return
+                scanning = True
+            targets = resolve_targets(request, queue.default_ttft_ms, queue.default_tpot_ms, now_s)
+            why = hopeless(drain, request, targets, ahead, now_s) if targets.ttft_ms > 0 else None
+            if why is not None:
+                yield _late(queue, entry, late_reject, why.predicted_ttft_ms, why.budget_ms, why)
+            else:
+                ahead += request.prompt_tokens
+            continue
         targets = resolve_targets(request, queue.default_ttft_ms, queue.default_tpot_ms, now_s)
+        if not drained:
+            drained = True
+            try:
+                first = source()
+                view = first if isinstance(first, ClusterView) else scheduler.view(first, now_s)
+                drain = FleetDrain.of(scheduler, view, now_s, queue.drain_rate(now_s))
+            except SchedulingError:  # no fleet to judge by: the decision below reports it
+                drain = None
+        if not entry.late and drain is not None and targets.ttft_ms > 0:
+            why = hopeless(drain, request, targets, ahead, now_s)
+            if why is not None:  # late now rather than at its deadline
+                yield _late(queue, entry, late_reject, why.predicted_ttft_ms, why.budget_ms, why)
+                continue
+            ahead += request.prompt_tokens
         limit = queue.release_limit_ms(now_s, request.priority, targets.full_ttft_ms)
+        yielding = False
         if entry.late:
-            floor = _idle_floor_ms(scheduler, request)
+            floor = _idle_floor_ms(scheduler, request, drain)
             if not math.isfinite(floor):  # no predictor: no TTFT threshold to bound
                 bound = targets.full_ttft_ms
             elif math.isfinite(limit):
@@ -688,11 +1060,24 @@ def offer(
             else:  # no on-time traffic to yield to
                 bound = max(targets.full_ttft_ms, floor)
         else:
+            floor = IDLE_SLACK * drain.idle_ms(request.prompt_tokens) if drain is not None else 0.0
+            # A request whose own prefill cannot fit under the release limit (a long prompt yielding
+            # to tighter traffic) may still take a nearly idle instance while another one stays idle
+            # for the tight arrivals release control keeps room for, as late work does: otherwise it
+            # would wait out its whole deadline on a fleet with room to spare.
+            yielding = (
+                drain is not None
+                and limit < floor
+                and limit < targets.ttft_ms
+                and drain.idle_instances >= SPARE_IDLE_INSTANCES
+            )
+            if yielding:
+                limit = floor
             bound = min(targets.ttft_ms, limit)
             if targets.ttft_ms <= 0:
                 yield _late(queue, entry, late_reject, math.nan, targets.ttft_ms)
                 continue
-        if entry.late:
+        if entry.late or yielding:
             late_tpot = LATE_TPOT_FRACTION * (request.tpot_slo_ms or queue.default_tpot_ms)
             offered = replace(targets, ttft_ms=bound, tpot_ms=late_tpot)
         else:
@@ -713,10 +1098,15 @@ def offer(
             continue
         failures = 0
         queue.remove(entry.request_id)
+        queue.note_dispatch(now_s, request.prompt_tokens)
+        dispatched += request.prompt_tokens
         yield Offer(entry, Verdict.DISPATCH, decision=decision, budget_ms=targets.ttft_ms)
+    queue.scanned(now_s)  # every entry was judged
 
 
-def _idle_floor_ms(scheduler: Scheduler, request: ScheduleInput) -> float:
+def _idle_floor_ms(scheduler: Scheduler, request: ScheduleInput, drain: FleetDrain | None) -> float:
+    if drain is not None:  # calibrated, like the decisions
+        return 2.0 * drain.idle_ms(request.prompt_tokens)
     predictors = scheduler.predictors
     if predictors is None:
         return math.inf
@@ -725,26 +1115,40 @@ def _idle_floor_ms(scheduler: Scheduler, request: ScheduleInput) -> float:
 
 
 def _late(
-    queue: RouterQueue, entry: QueueEntry, reject: bool, predicted_ms: float, budget_ms: float
+    queue: RouterQueue,
+    entry: QueueEntry,
+    reject: bool,
+    predicted_ms: float,
+    budget_ms: float,
+    why: Hopeless | None = None,
 ) -> Offer:
     request = entry.request
     target = resolve_targets(request, queue.default_ttft_ms, queue.default_tpot_ms).full_ttft_ms
     if not reject:
         queue.mark_late(entry.request_id)
-        return Offer(entry, Verdict.LATE, predicted_ttft_ms=predicted_ms, budget_ms=budget_ms)
+        return Offer(entry, Verdict.LATE, predicted_ttft_ms=predicted_ms, budget_ms=budget_ms, hopeless=why)
     queue.remove(entry.request_id)
-    predicted = (
-        f"best predicted TTFT {predicted_ms:.0f} ms"
-        if predicted_ms == predicted_ms
-        else "its deadline passed"
-    )
+    if why is not None and why.e2e_ms == why.e2e_ms:
+        message = (
+            f"request {entry.request_id!r} cannot meet its e2e target of {why.e2e_ms:.0f} ms: best predicted "
+            f"completion {why.predicted_e2e_ms:.0f} ms after arrival, behind the requests queued in front of it"
+        )
+    else:
+        if why is not None:
+            predicted = f"best predicted TTFT {predicted_ms:.0f} ms behind the requests queued in front of it"
+        elif predicted_ms == predicted_ms:
+            predicted = f"best predicted TTFT {predicted_ms:.0f} ms"
+        else:
+            predicted = "its deadline passed"
+        message = (
+            f"request {entry.request_id!r} cannot meet its TTFT target of {target:.0f} ms: {predicted} with "
+            f"{max(budget_ms, 0.0):.0f} ms of the target left"
+        )
     return Offer(
         entry,
         Verdict.REJECT,
-        error=LateError(
-            f"request {entry.request_id!r} cannot meet its TTFT target of {target:.0f} ms: {predicted} with "
-            f"{max(budget_ms, 0.0):.0f} ms of the target left (--late-policy reject; relax the target or retry later)"
-        ),
+        error=LateError(f"{message} (--late-policy reject; relax the target or retry later)"),
         predicted_ttft_ms=predicted_ms,
         budget_ms=budget_ms,
+        hopeless=why,
     )

@@ -1,0 +1,356 @@
+"""Hopeless requests turn late at once: the fleet drain's best case, early late verdicts, their properties."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from router.core.columns import ClusterView
+from router.core.errors import EmptyClusterError, LateError
+from router.core.queue import LATE_TPOT_FRACTION, FleetDrain, QueueConfig, RouterQueue, Verdict, offer
+from router.core.request import ScheduleInput, resolve_targets
+from tests.router.core.helpers import NOW, inst, make_request, make_scheduler, make_snapshot
+
+PROPS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+DEFAULT_TTFT, DEFAULT_TPOT = 6000.0, 50.0
+
+
+def make_queue(policy: str = "edf", **kw: Any) -> RouterQueue:
+    return RouterQueue(QueueConfig(queue_policy=policy, **kw), DEFAULT_TTFT, DEFAULT_TPOT)
+
+
+def req(rid: str, *, arrival: float = NOW, **kw: Any) -> ScheduleInput:
+    return make_request(rid, arrival_s=arrival, **kw)
+
+
+def _drain(snapshot: Any, now: float = NOW) -> FleetDrain:
+    s = make_scheduler()
+    drain = FleetDrain.of(s, s.view(snapshot, now), now)
+    assert drain is not None
+    return drain
+
+
+# --------------------------------------------------------------------------- the drain model
+
+
+def test_drain_start_is_the_first_free_instance_then_grows_with_the_work_ahead() -> None:
+    idle = make_snapshot(inst("p0", "prefill"), inst("p1", "prefill"), inst("d0", "decode"))
+    busy = make_snapshot(
+        inst("p0", "prefill", prefill_tokens=8192), inst("p1", "prefill"), inst("d0", "decode")
+    )
+    d_idle, d_busy = _drain(idle), _drain(busy)
+    assert d_idle.start_ms(0) == 0.0 and d_busy.start_ms(0) == 0.0  # p1 is free now
+    # Work ahead shares the two idle instances; with one busy, the first tokens go to p1 alone.
+    assert 0 < d_idle.start_ms(4096) < d_busy.start_ms(4096)
+    assert d_idle.start_ms(8192) == pytest.approx(2 * d_idle.start_ms(4096))
+    # The own prefill on an idle instance: the profile's (256 tokens: 60 ms in the worked profile).
+    assert d_idle.idle_ms(256) == pytest.approx(60.0)
+    assert d_idle.min_tpot_ms(256) > 0
+
+
+def test_no_drain_without_a_prefill_or_decode_side() -> None:
+    s = make_scheduler()
+    only_decode = make_snapshot(inst("d0", "decode"))
+    assert FleetDrain.of(s, s.view(only_decode, NOW), NOW) is None
+    no_predictors = make_scheduler("round-robin", predictors=None)
+    snap = make_snapshot(inst("p0", "prefill"), inst("d0", "decode"))
+    assert FleetDrain.of(no_predictors, no_predictors.view(snap, NOW), NOW) is None
+
+
+def _capacity(free: np.ndarray, rate: np.ndarray, t: float) -> float:
+    return float(np.sum(rate * np.maximum(t - free, 0.0)))
+
+
+@PROPS
+@given(
+    instances=st.lists(
+        st.tuples(st.floats(0.0, 5000.0), st.floats(0.5, 50.0)), min_size=1, max_size=6
+    ),  # (free at ms, tokens per ms)
+    ahead=st.floats(0.0, 200_000.0),
+)
+def test_drain_start_is_the_earliest_time_the_fleet_has_taken_the_work_ahead(
+    instances: list[tuple[float, float]], ahead: float
+) -> None:
+    """start_ms(A) is the smallest t with sum(rate * max(t - free, 0)) >= A (checked against bisection)."""
+    free = np.array([f for f, _ in instances])
+    rate = np.array([r for _, r in instances])
+    drain = FleetDrain(free, rate, lambda _p: 0.0, lambda _c: 0.0)
+    t = drain.start_ms(ahead)
+    assert t >= float(free.min()) - 1e-9
+    assert _capacity(free, rate, t) == pytest.approx(ahead, rel=1e-9, abs=1e-6)
+    lo, hi = float(free.min()), float(free.max()) + ahead / float(rate.sum()) + 1.0
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if _capacity(free, rate, mid) < ahead else (lo, mid)
+    assert t == pytest.approx(hi, rel=1e-6, abs=1e-6)
+    assert drain.start_ms(ahead + 1.0) >= t  # more work ahead never starts earlier
+
+
+# --------------------------------------------------------------------------- early late verdicts
+
+
+def _pd(prefill_tokens: int = 0) -> Any:
+    return make_snapshot(inst("p0", "prefill", prefill_tokens=prefill_tokens), inst("d0", "decode"))
+
+
+def test_request_behind_a_long_queue_turns_late_at_enqueue_not_at_its_deadline() -> None:
+    for late_policy, verdict in (("serve", Verdict.LATE), ("reject", Verdict.REJECT)):
+        q = make_queue("fcfs", late_policy=late_policy)
+        for k in range(6):
+            q.push(req(f"big{k}", prompt_tokens=8000, ttft_slo_ms=60_000.0), NOW)
+        q.push(req("tight", prompt_tokens=256, ttft_slo_ms=1000.0), NOW)
+        s = make_scheduler()
+        results = {r.entry.request_id: r for r in offer(q, s, lambda: _pd(), NOW)}
+        tight = results["tight"]
+        assert tight.verdict is verdict
+        assert tight.hopeless is not None
+        assert tight.predicted_ttft_ms > 1000.0 and tight.budget_ms == pytest.approx(1000.0)
+        if verdict is Verdict.REJECT:
+            assert isinstance(tight.error, LateError)
+            assert "TTFT target of 1000 ms" in str(tight.error) and "queued in front" in str(tight.error)
+            assert "tight" not in q
+        else:
+            entry = q.get("tight")
+            assert entry is not None and entry.late
+
+
+def test_e2e_target_out_of_reach_at_any_pace_turns_late_at_once() -> None:
+    q = make_queue("edf", late_policy="reject")
+    # 600 tokens at >= 10 ms a step (the worked profile) cannot finish within 2 s.
+    q.push(req("long", prompt_tokens=256, e2e_slo_ms=2000.0, max_tokens=600), NOW)
+    (result,) = list(offer(q, make_scheduler(), lambda: _pd(), NOW))
+    assert result.verdict is Verdict.REJECT and result.hopeless is not None
+    assert result.hopeless.predicted_e2e_ms > 2000.0
+    assert "e2e target of 2000 ms" in str(result.error)
+
+
+def test_request_that_fits_on_an_idle_fleet_is_not_flagged() -> None:
+    q = make_queue("edf", late_policy="reject")
+    q.push(req("ok", prompt_tokens=1024, ttft_slo_ms=500.0, e2e_slo_ms=20_000.0, max_tokens=100), NOW)
+    (result,) = list(offer(q, make_scheduler(), lambda: _pd(), NOW))
+    assert result.verdict is Verdict.DISPATCH and result.hopeless is None
+
+
+def test_long_prompt_yielding_to_tight_traffic_takes_an_idle_instance() -> None:
+    """Release control caps a loose request at half the tightest recent target; a prompt whose own
+    prefill is over that cap still goes to an idle instance while another one stays idle, instead of
+    waiting out its deadline."""
+
+    def fleet(p1_backlog: int) -> Any:
+        return make_snapshot(
+            inst("p0", "prefill"), inst("p1", "prefill", prefill_tokens=p1_backlog), inst("d0", "decode")
+        )
+
+    def one(snapshot: Any) -> Any:
+        q = make_queue("edf")
+        q.observe_arrival(req("chat", ttft_slo_ms=200.0))  # cap for looser work: 0.5 * 200 = 100 ms
+        q.observe_arrival(req("doc", prompt_tokens=1024, ttft_slo_ms=5000.0))
+        q.push(req("doc", prompt_tokens=1024, ttft_slo_ms=5000.0), NOW)  # 180 ms prefill when idle
+        (result,) = list(offer(q, make_scheduler(), lambda: snapshot, NOW))
+        return result
+
+    result = one(fleet(0))
+    assert result.verdict is Verdict.DISPATCH and not result.entry.late
+    assert result.decision is not None  # ... joining decode batches the way late work does
+    assert result.decision.context.tpot_slo_ms == pytest.approx(LATE_TPOT_FRACTION * DEFAULT_TPOT)
+    # The only idle instance is left to the tight traffic: it still yields.
+    assert one(fleet(1024)).verdict is Verdict.WAIT
+
+
+# --------------------------------------------------------------------------- properties
+
+requests = st.lists(
+    st.tuples(
+        st.sampled_from([64, 256, 1024, 4000]),  # prompt tokens
+        st.sampled_from([0.0, 150.0, 600.0, 3000.0]),  # TTFT target (0: default or e2e-derived)
+        st.sampled_from([0.0, 1500.0, 8000.0]),  # e2e target
+        st.sampled_from([16, 128, 600]),  # max tokens
+        st.integers(0, 2),  # priority
+        st.floats(0.0, 0.3),  # arrival step (s)
+    ),
+    min_size=1,
+    max_size=14,
+)
+
+
+@PROPS
+@given(
+    policy=st.sampled_from(["fcfs", "edf", "priority"]),
+    late_policy=st.sampled_from(["serve", "reject"]),
+    backlogs=st.lists(st.sampled_from([0, 512, 4096, 20000]), min_size=1, max_size=3),
+    script=requests,
+    passes=st.lists(st.floats(0.0, 1.0), min_size=1, max_size=4),
+)
+def test_early_late_verdicts_are_hopeless_in_the_model_and_nothing_is_lost_or_dispatched_twice(
+    policy: str,
+    late_policy: str,
+    backlogs: list[int],
+    script: list[tuple[int, float, float, int, int, float]],
+    passes: list[float],
+) -> None:
+    s = make_scheduler()
+    q = make_queue(policy, late_policy=late_policy, max_queue_wait_ms=30_000.0)
+    snap = make_snapshot(
+        *(inst(f"p{k}", "prefill", prefill_tokens=b) for k, b in enumerate(backlogs)), inst("d0", "decode")
+    )
+    now = NOW
+    pushed: list[str] = []
+    for k, (prompt, ttft, e2e, max_tokens, priority, step) in enumerate(script):
+        now += step
+        r = ScheduleInput(
+            f"r{k}",
+            prompt,
+            ttft_slo_ms=ttft,
+            e2e_slo_ms=e2e,
+            max_tokens=max_tokens,
+            priority=priority,
+            arrival_s=now,
+        )
+        q.observe_arrival(r)
+        _, shed = q.push(r, now)
+        assert not shed
+        pushed.append(r.request_id)
+    ended: dict[str, Verdict] = {}
+    for step in passes:
+        now += step
+        view = s.view(snap, now)
+        floor_drain = FleetDrain.of(s, view, now)
+        assert floor_drain is not None
+        for result in offer(q, s, lambda: snap, now):
+            rid = result.entry.request_id
+            assert rid not in ended, f"{rid} left the queue twice"
+            if result.verdict is Verdict.DISPATCH:
+                assert result.decision is not None
+                s.record(result.decision, now)
+            if result.verdict in (Verdict.DISPATCH, Verdict.REJECT, Verdict.EXPIRED):
+                ended[rid] = result.verdict
+                assert rid not in q
+            why = result.hopeless
+            if why is None:
+                continue
+            # Flagged hopeless: its best case misses a target in the model's own prediction ...
+            assert result.verdict is (Verdict.REJECT if late_policy == "reject" else Verdict.LATE)
+            ttft_miss = why.predicted_ttft_ms > why.budget_ms
+            e2e_miss = why.e2e_ms == why.e2e_ms and why.predicted_e2e_ms > why.e2e_ms
+            assert ttft_miss or e2e_miss
+            # ... that best case is at least its own prefill on the fastest idle instance ...
+            request = result.entry.request
+            assert why.predicted_ttft_ms >= floor_drain.idle_ms(request.prompt_tokens) - 1e-9
+            # ... and the budget is the one the request really has left now.
+            targets = resolve_targets(request, DEFAULT_TTFT, DEFAULT_TPOT, now)
+            assert why.budget_ms == pytest.approx(targets.ttft_ms)
+            if late_policy == "serve":
+                entry = q.get(rid)
+                assert entry is not None and entry.late
+        # Nothing lost: every request is still queued or ended exactly once.
+        queued = {e.request_id for e in q.entries()}
+        assert queued.isdisjoint(ended)
+        assert queued | set(ended) == set(pushed)
+        assert len(queued) == len(q)
+
+
+@PROPS
+@given(prompt=st.sampled_from([64, 256, 1024]), ttft=st.floats(300.0, 5000.0))
+def test_sole_request_that_fits_an_idle_fleet_is_never_hopeless(prompt: int, ttft: float) -> None:
+    s = make_scheduler()
+    snap = _pd()
+    drain = FleetDrain.of(s, s.view(snap, NOW), NOW)
+    assert drain is not None
+    q = make_queue("edf", late_policy="reject")
+    q.push(req("r", prompt_tokens=prompt, ttft_slo_ms=ttft), NOW)
+    (result,) = list(offer(q, s, lambda: snap, NOW))
+    assert result.hopeless is None
+    assert result.verdict is (Verdict.DISPATCH if drain.idle_ms(prompt) < ttft else Verdict.REJECT)
+    assert math.isfinite(drain.idle_ms(prompt))
+
+
+def test_drain_of_a_view_matches_the_snapshot_path() -> None:
+    s = make_scheduler()
+    snap = _pd(prefill_tokens=4096)
+    view = s.view(snap, NOW)
+    assert isinstance(view, ClusterView)
+    a = FleetDrain.of(s, view, NOW)
+    assert a is not None
+    assert a.start_ms(1000) > a.start_ms(0) > 0
+
+
+def test_new_request_deep_in_the_queue_is_judged_when_it_arrives() -> None:
+    """Offer passes stop deciding after ``max_failures`` waits, but a newcomer behind them is still
+    judged against the work in front of it; without a newcomer the full scan runs only every so often."""
+    q = make_queue("fcfs", late_policy="reject")
+    q.observe_arrival(req("chat", ttft_slo_ms=200.0))  # release limit for looser work: 100 ms
+    snap = _pd(prefill_tokens=2000)
+    s = make_scheduler()
+    for k in range(10):  # each waits: its prefill behind the backlog is over the limit
+        q.push(req(f"doc{k}", prompt_tokens=4000, ttft_slo_ms=60_000.0), NOW)
+    first = list(offer(q, s, lambda: snap, NOW, max_failures=2))
+    assert [r.verdict for r in first] == [Verdict.WAIT, Verdict.WAIT]
+    q.push(req("tight", prompt_tokens=256, ttft_slo_ms=2000.0), NOW)
+    results = list(offer(q, s, lambda: snap, NOW, max_failures=2))
+    assert [(r.entry.request_id, r.verdict) for r in results] == [
+        ("doc0", Verdict.WAIT),
+        ("doc1", Verdict.WAIT),
+        ("tight", Verdict.REJECT),
+    ]
+    assert results[-1].hopeless is not None and results[-1].predicted_ttft_ms > 2000.0
+    # Alone at the head of the same fleet it would have fitted: the work in front is what fails it.
+    alone = make_queue("fcfs", late_policy="reject")
+    alone.push(req("tight", prompt_tokens=256, ttft_slo_ms=2000.0), NOW)
+    assert [r.verdict for r in offer(alone, make_scheduler(), lambda: snap, NOW)] == [Verdict.DISPATCH]
+
+
+def test_drain_rate_is_measured_only_while_on_time_requests_wait() -> None:
+    q = make_queue("fcfs", drain_window_ms=1000.0)
+    assert q.drain_rate(NOW) is None
+    q.push(req("a", ttft_slo_ms=60_000.0), NOW)
+    q.note_backlog(NOW)
+    q.note_dispatch(NOW + 0.5, 4000)
+    assert q.drain_rate(NOW + 0.05) is None  # backlogged for under a tenth of the window
+    assert q.drain_rate(NOW + 1.0) == pytest.approx(4000 / 1000.0)  # tokens per ms over the window
+    assert q.drain_rate(NOW + 2.0) is None  # the dispatch left the window: a stall says nothing of the rate
+    q.remove("a")
+    q.note_backlog(NOW + 2.0)
+    assert q.drain_rate(NOW + 3.0) is None
+    off = make_queue("fcfs", drain_window_ms=0.0)
+    off.push(req("a", ttft_slo_ms=60_000.0), NOW)
+    off.note_backlog(NOW)
+    assert off.drain_rate(NOW + 5.0) is None
+
+
+def test_drain_window_is_bounded() -> None:
+    from router.core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="drain_window_ms"):
+        QueueConfig(drain_window_ms=-1.0)
+
+
+def test_e2e_only_request_is_judged_by_its_e2e_target_not_the_derived_ttft() -> None:
+    s = make_scheduler()
+    q = make_queue("fcfs", late_policy="reject")
+    for k in range(8):  # seconds of prefill in front of the two requests below
+        q.push(req(f"big{k}", prompt_tokens=8000, ttft_slo_ms=120_000.0), NOW)
+    q.push(req("e2e", prompt_tokens=256, e2e_slo_ms=20_000.0, max_tokens=16), NOW)
+    q.push(req("ttft", prompt_tokens=256, ttft_slo_ms=6000.0), NOW)
+    drain = FleetDrain.of(s, s.view(_pd(), NOW), NOW)
+    assert drain is not None and 6000.0 < drain.start_ms(8 * 8000) < 19_000.0
+    verdicts = {r.entry.request_id: r.verdict for r in offer(q, s, lambda: _pd(), NOW, max_failures=1)}
+    assert verdicts.get("ttft") is Verdict.REJECT  # its own TTFT target is out of reach
+    assert "e2e" not in verdicts and "e2e" in q  # its derived 6 s TTFT too, but not its 20 s e2e target
+
+
+def test_empty_fleet_is_still_refused_as_unavailable() -> None:
+    """No fleet to build a drain from: the decision reports the empty cluster, as before."""
+
+    def empty() -> Any:
+        raise EmptyClusterError("no instances")
+
+    q = make_queue("edf")
+    q.push(req("r", ttft_slo_ms=5000.0), NOW)
+    (result,) = list(offer(q, make_scheduler(), empty, NOW))
+    assert result.verdict is Verdict.REJECT and isinstance(result.error, EmptyClusterError)
+    assert len(q) == 0
