@@ -1059,10 +1059,15 @@ class _Simulation:
             run = runs[i]
             assert run is not None
             s = run.steps_done(now)
+            if s == len(run.ends) and not run.complete:
+                # The planned steps end right now and the event planning more has not run yet
+                # (another event of the same instant asked for a view first): plan them here.
+                run.extend()
             decode_tokens[i] = run.decode_tokens_at(s)
             used_kv[i] = run.used_kv_tokens_at(s)
             self.changed_at[i] = run.step_start(s)
-            self.run_next[i] = run.ends[s]
+            # A complete run ending right now: its end event applies it and refreshes the columns.
+            self.run_next[i] = run.ends[s] if s < len(run.ends) else np.inf
         rows = _readonly(load.copy())
         age = now - self.changed_at
         age *= self.busy  # idle instances: a heartbeat-fresh status
