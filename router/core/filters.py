@@ -27,6 +27,15 @@ Single-instance filters (in a stage's order):
   the prefill side is saturated, packing an existing decoder harder costs
   less than starving prefill. Decoders already holding decode work pass.
 
+* ``decode_idle`` — adaptive PD's prefill guard: keeps the instances
+  holding no decode work (``decode_batch_size == 0``, the router's in-flight
+  decode legs included) as long as any usable one exists; keeps every
+  instance when none does. A prefill chunk on a decoder shares its steps with
+  every co-resident decode (a step carrying a full chunk lasts several decode
+  steps), so prefill waits for an idle instance (or in the router queue)
+  rather than stall decoders; only a fleet whose every instance decodes
+  prefills on a decoder.
+
 Global filter (after them):
 
 * ``failover`` (``domain``) — drops every instance in the failure domain of a
@@ -228,6 +237,25 @@ class PrefillRoom:
 
     def apply(self, ctx: DecisionContext) -> FilterResult:
         return FilterResult(keep=prefill_room_mask(ctx))
+
+
+@dataclass(frozen=True, eq=False)
+class DecodeIdle:
+    """Keeps instances without decode work while any usable one exists (module doc)."""
+
+    relax_pass: int
+    label: str = "decode_idle"
+
+    def apply(self, ctx: DecisionContext) -> FilterResult:
+        idle = ctx.metric("decode_batch_size") == 0
+        if not np.count_nonzero(idle & ctx.usable()):
+            return FilterResult(keep=ctx.view.instances.all_true())
+        return FilterResult(keep=idle)
+
+
+@FILTERS.register("decode_idle")
+def _decode_idle(config: SchedulerConfig, params: Params) -> Filter:
+    return DecodeIdle(_relax_pass(params))
 
 
 @FILTERS.register("prefill_room")

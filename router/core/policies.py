@@ -236,34 +236,34 @@ _builtin("slo", _slo)
 def _adaptive_pd(config: SchedulerConfig) -> dict[str, Any]:
     return {
         "adaptive_pd": True,
+        # The promises hold in every pass, as under slo: a request no instance can take within its
+        # TTFT target (prefill), its TPOT target or its KV over life (decode) gets no placement and
+        # waits in the router queue (is refused without one). Placing it anyway in overload put
+        # prefill chunks on decoders and decode past its KV, stalling every co-resident decode
+        # (README, adaptive PD). Prefill goes to a decode-idle instance while one exists.
         "prefill": {
             "filters": [
                 *HEALTH,
                 {"name": "exclude_reserved", "reserve": "decode", "relax_pass": 2},
-                _ttft(droppable=True),
-                {
-                    "name": "metric_threshold",
-                    "metric": "decode_batch_size",
-                    "limit": 1,
-                    "relax_pass": 1,
-                    "label": "decode_idle",
-                },
+                _ttft(),
+                "decode_idle",
                 "failover",
             ],
             "selector": _lowest("predicted_ttft", "-reserved_prefill"),
         },
         # Decode is bin-packed, but only onto instances that keep their promises over the life of
         # their requests: TPOT now (admission) and at the γ horizon (bin-packing target), KV over
-        # life, and not over-packed. Pass 1 drops the packing constraints (the selector then opens
-        # a decode-idle instance, or spreads); pass 2 also the reserve and the valve.
+        # life, and not over-packed. Pass 1 drops the γ horizon (the selector then opens a
+        # decode-idle instance, or fills the fullest decoder still within the admission target);
+        # pass 2 also the reserve, the prefill-room guard and the valve.
         "decode": {
             "filters": [
                 *HEALTH,
                 {"name": "exclude_reserved", "reserve": "prefill", "relax_pass": 2},
                 _not_overpacked(relax_pass=2),
                 {"name": "prefill_room", "relax_pass": 2},
-                _kv_fits(config, droppable=True),
-                _tpot(droppable=True),
+                _kv_fits(config),
+                _tpot(),
                 _tpot_horizon(config, droppable=True),
                 "failover",
             ],

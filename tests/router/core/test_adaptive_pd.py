@@ -1,9 +1,13 @@
-"""Adaptive PD: reserves, prefill rules, decode bin-packing and its fallbacks, always an answer."""
+"""Adaptive PD: reserves, prefill rules, decode bin-packing and its fallbacks; targets it cannot keep refuse."""
 
 from __future__ import annotations
 
+import pytest
+
+from fleet.snapshot import InstanceRecord
 from router.core.adaptive_pd import ReserveElection
 from router.core.decision import Decision
+from router.core.errors import NoInstanceError
 from router.core.request import Mode
 from router.core.scheduler import Scheduler
 from tests.router.core.helpers import NOW, inst, make_request, make_scheduler, make_snapshot
@@ -138,14 +142,29 @@ def test_prefill_ties_go_to_the_reserved_prefill() -> None:
         assert d.prefill is not None and d.prefill.instance_id == reserves(s)[0]
 
 
-def test_prefill_threshold_is_droppable() -> None:
+def test_prefill_target_nobody_meets_refuses_instead_of_placing_anyway() -> None:
     s = apd(ttft_slo_ms=10)  # nobody meets 10 ms
     snap = make_snapshot(
         inst("a", prefill_tokens=2000), inst("b", prefill_tokens=100), inst("c", prefill_tokens=900)
     )
-    d = s.schedule(snap, make_request(), NOW)
-    assert d.prefill is not None and d.prefill.fallback_pass == 1
-    assert d.prefill.instance_id != reserves(s)[1]
+    # As under slo: no placement (the router queue holds the request, or it is refused).
+    with pytest.raises(NoInstanceError) as info:
+        s.schedule(snap, make_request(), NOW)
+    assert info.value.stage == "prefill"
+
+
+def test_prefill_waits_for_a_decode_idle_instance_rather_than_stall_a_decoder() -> None:
+    s = apd(ttft_slo_ms=500)
+    snap = make_snapshot(
+        inst("decoder1", decode_requests=3, decode_tokens=300),
+        inst("decoder2", decode_requests=2, decode_tokens=200),
+        inst("busy-idle", prefill_tokens=8000),  # decode-idle, but its backlog misses 500 ms
+    )
+    # The decoders would meet the TTFT target, but a chunk there stalls every co-resident decode.
+    with pytest.raises(NoInstanceError) as info:
+        s.schedule(snap, make_request(), NOW)
+    assert info.value.stage == "prefill"
+    assert "decode_idle" in str(info.value)
 
 
 def test_prefill_still_returns_when_every_instance_decodes() -> None:
@@ -155,9 +174,8 @@ def test_prefill_still_returns_when_every_instance_decodes() -> None:
         inst("b", decode_requests=1, decode_tokens=100, prefill_tokens=10),
     )
     d = s.schedule(snap, make_request(), NOW)
-    # Pass 1 drops the TTFT target and the decode-idle rule together (prefill capacity on a decoder
-    # beats a prefill queue the TTFT target cannot survive); the reserved decode stays out.
-    assert d.prefill is not None and d.prefill.fallback_pass == 1
+    # No instance is decode-idle: the guard keeps them all, the reserved decode stays out.
+    assert d.prefill is not None and d.prefill.fallback_pass == 0
     assert d.prefill.instance_id != reserves(s)[1]
 
 
@@ -200,7 +218,7 @@ def test_decode_ties_go_to_the_reserved_decode() -> None:
 
 
 def test_decode_fallback_converts_the_decode_idle_instance_with_the_lowest_ttft() -> None:
-    s = apd(tpot_slo_ms=14)
+    s = apd(tpot_slo_ms=22)
     snap = make_snapshot(
         inst("heavy1", decode_requests=16, decode_tokens=16000),
         inst("heavy2", decode_requests=12, decode_tokens=9000),
@@ -208,7 +226,8 @@ def test_decode_fallback_converts_the_decode_idle_instance_with_the_lowest_ttft(
         inst("idle-small-backlog", prefill_tokens=1000),
         inst("idle-none"),
     )
-    # A 1024-token prompt: even an idle instance predicts tpot(1, 1024) = 20.74 ms > 14, so nobody qualifies.
+    # A 1024-token prompt: an idle instance predicts tpot(1, 1024) = 20.74 ms, under the 22 ms target,
+    # but 22.0 ms at the γ horizon, over the bin-packing share (0.85 x 22): nobody passes pass 0.
     d = s.schedule(snap, make_request(prompt_tokens=1024), NOW)
     assert reserves(s) == ("idle-none", "heavy1")
     # Among the decode-idle candidates (the reserved prefill excluded), the lowest predicted TTFT.
@@ -216,15 +235,44 @@ def test_decode_fallback_converts_the_decode_idle_instance_with_the_lowest_ttft(
     assert d.decode.fallback_pass == 1
 
 
-def test_decode_fallback_without_idle_instances_keeps_filling_the_fullest_decoder() -> None:
-    # Nobody meets the target and no instance is decode-idle: opening a decoder is impossible, so the
-    # fullest decoder the safety valve still accepts takes it and the lightest can drain to prefill.
-    s = apd(tpot_slo_ms=5)
+def test_decode_target_nobody_meets_refuses_instead_of_placing_anyway() -> None:
+    s = apd(tpot_slo_ms=14)  # even an idle instance predicts 20.74 ms for a 1024-token prompt
     snap = make_snapshot(
-        inst("a", decode_requests=16, decode_tokens=16000),
-        inst("b", decode_requests=2, decode_tokens=300),
-        inst("c", decode_requests=9, decode_tokens=900),
+        inst("heavy", decode_requests=16, decode_tokens=16000), inst("a"), inst("b"), inst("c")
     )
+    with pytest.raises(NoInstanceError) as info:
+        s.schedule(snap, make_request(prompt_tokens=1024), NOW)
+    assert info.value.stage == "decode"
+
+
+def test_decode_never_packs_past_kv_over_life() -> None:
+    # Every decoder's KV would overflow over the life of its requests and no instance is idle: no
+    # pass places the request (the router queue holds it until a decoder frees KV).
+    s = apd(tpot_slo_ms=1000)
+    snap = make_snapshot(
+        inst("a", decode_requests=16, decode_tokens=16000, used_kv_tokens=96_000),
+        inst("b", decode_requests=2, decode_tokens=300, used_kv_tokens=96_000),
+        inst("c", decode_requests=9, decode_tokens=900, used_kv_tokens=96_000),
+    )
+    with pytest.raises(NoInstanceError) as info:
+        s.schedule(snap, make_request(max_tokens=100), NOW)
+    assert info.value.stage == "decode" and "kv_over_life" in str(info.value)
+
+
+def _decoding(instance_id: str, batch: int, tokens: int, *measured_ms: float) -> InstanceRecord:
+    record = inst(instance_id, decode_requests=batch, decode_tokens=tokens)
+    assert record.status is not None
+    for ms in measured_ms:
+        record.status.step_samples.add(num_decode_requests=batch, num_decode_tokens=tokens, duration_ms=ms)
+    return record
+
+
+def test_decode_fallback_without_idle_instances_keeps_filling_the_fullest_decoder() -> None:
+    # Every decoder meets the admission target (18.5 ms) but none the bin-packing share at the γ
+    # horizon, and no instance is decode-idle: opening a decoder is impossible, so the fullest
+    # decoder takes it and the lightest can drain to prefill.
+    s = apd(tpot_slo_ms=18.5)
+    snap = make_snapshot(_decoding("a", 6, 3000), _decoding("b", 2, 300), _decoding("c", 4, 900))
     d = s.schedule(snap, make_request(), NOW)
     prefill_reserve = reserves(s)[0]
     expected = "a" if prefill_reserve != "a" else "c"
@@ -232,14 +280,13 @@ def test_decode_fallback_without_idle_instances_keeps_filling_the_fullest_decode
 
 
 def test_decode_fallback_spreads_once_every_decoder_is_over_packed() -> None:
-    s = apd(tpot_slo_ms=5)
+    s = apd(tpot_slo_ms=18.5)
     snap = make_snapshot(
-        inst("a", decode_requests=16, decode_tokens=16000, used_kv_tokens=99_500),
-        inst("b", decode_requests=2, decode_tokens=300, used_kv_tokens=99_500),
-        inst("c", decode_requests=9, decode_tokens=900, used_kv_tokens=99_500),
+        _decoding("a", 6, 3000, 80.0), _decoding("b", 2, 300, 80.0), _decoding("c", 4, 900, 80.0)
     )
     d = s.schedule(snap, make_request(), NOW)
-    # The last pass also drops the reserve: the least packed decoder, whatever its reservation.
+    # The last pass also drops the reserve and the valve: the least packed decoder, whatever its
+    # reservation (still within the admission target and its KV over life).
     assert d.decode is not None and d.decode.instance_id == "b" and d.decode.fallback_pass == 2
 
 

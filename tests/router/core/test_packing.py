@@ -357,8 +357,10 @@ def test_a_deadline_no_instance_can_keep_does_not_tighten_packing() -> None:
 
 def _room(snapshot: ClusterSnapshot) -> dict[str, bool]:
     scheduler = make_scheduler("slo", enable_adaptive_pd=True)
-    decision = scheduler.schedule(snapshot, make_request("r", 100, max_tokens=50), NOW, dry_run=True)
-    ctx = decision.context
+    # The guard alone (a decision may refuse outright when no instance can prefill in time).
+    ctx = scheduler.context(scheduler.view(snapshot, NOW), make_request("r", 100, max_tokens=50), NOW)
+    for hook in scheduler.policy.hooks:
+        hook.prepare(ctx)
     return dict(zip(ctx.view.instances.ids, prefill_room_mask(ctx).tolist(), strict=True))
 
 
