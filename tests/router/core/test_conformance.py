@@ -30,6 +30,7 @@ FILTER_PARAMS: dict[str, dict[str, Any]] = {
     "metric_threshold": {"metric": "predicted_ttft", "slo": "ttft"},
     "exclude_reserved": {"reserve": "decode"},
     "prefill_room": {},
+    "decode_idle": {},
     "failover": {"domain": "node-unit"},
 }
 SELECTOR_PARAMS: dict[str, dict[str, Any]] = {

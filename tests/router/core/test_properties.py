@@ -115,9 +115,18 @@ def test_selected_instances_pass_every_filter_unless_a_fallback_ran(snap, reques
             assert outcome.relax[drop_any] != 0
 
 
+#: Adaptive PD's filters no fallback pass relaxes (besides health and failover).
+HARD_LIMITS = {
+    "metric_threshold:predicted_ttft",
+    "decode_idle",
+    "metric_threshold:predicted_tpot",
+    "kv_over_life",
+}
+
+
 @PROPS
 @given(fleets(), requests, inflight_ops, st.sampled_from(["instance", "node", "unit", "node-unit"]))
-def test_adaptive_pd_always_returns_while_any_healthy_instance_exists(snap, request, ops, domain) -> None:  # type: ignore[no-untyped-def]
+def test_adaptive_pd_returns_while_any_healthy_instance_keeps_the_targets(snap, request, ops, domain) -> None:  # type: ignore[no-untyped-def]
     s = scheduler(
         {"scheduling_policy": "slo", "enable_adaptive_pd": True, "failover_domain": domain}, snap, ops
     )
@@ -130,7 +139,11 @@ def test_adaptive_pd_always_returns_while_any_healthy_instance_exists(snap, requ
     assert isinstance(failover, GlobalFilter)
     healthy = usable & failover.apply_global(ctx, marked)
     result = try_schedule(s, snap, request)
-    if np.count_nonzero(healthy):
+    if np.count_nonzero(healthy) and isinstance(result, NoInstanceError):
+        # Refused only because a promise would break (TTFT of prefill; TPOT or KV over life of
+        # decode): the request waits in the router queue, as under slo.
+        assert HARD_LIMITS & set(result.drops), result
+    elif np.count_nonzero(healthy):
         assert isinstance(result, Decision), result
         assert result.prefill is not None and result.decode is not None
         for choice in (result.prefill, result.decode):
