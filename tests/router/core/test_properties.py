@@ -115,15 +115,6 @@ def test_selected_instances_pass_every_filter_unless_a_fallback_ran(snap, reques
             assert outcome.relax[drop_any] != 0
 
 
-#: Adaptive PD's filters no fallback pass relaxes (besides health and failover).
-HARD_LIMITS = {
-    "metric_threshold:predicted_ttft",
-    "decode_idle",
-    "metric_threshold:predicted_tpot",
-    "kv_over_life",
-}
-
-
 @PROPS
 @given(fleets(), requests, inflight_ops, st.sampled_from(["instance", "node", "unit", "node-unit"]))
 def test_adaptive_pd_returns_while_any_healthy_instance_keeps_the_targets(snap, request, ops, domain) -> None:  # type: ignore[no-untyped-def]
@@ -140,9 +131,18 @@ def test_adaptive_pd_returns_while_any_healthy_instance_keeps_the_targets(snap, 
     healthy = usable & failover.apply_global(ctx, marked)
     result = try_schedule(s, snap, request)
     if np.count_nonzero(healthy) and isinstance(result, NoInstanceError):
-        # Refused only because a promise would break (TTFT of prefill; TPOT or KV over life of
-        # decode): the request waits in the router queue, as under slo.
-        assert HARD_LIMITS & set(result.drops), result
+        # Refused only because every healthy instance would break a promise (prefill: its TTFT, or
+        # a chunk beside decode while a decode-idle instance exists; decode: its TPOT or KV over
+        # life): the request waits in the router queue, as under slo.
+        batch = ctx.metric("decode_batch_size")
+        if result.stage == "prefill":
+            idle_exists = bool(np.count_nonzero(usable & (batch == 0)))
+            kept = (ctx.metric("predicted_ttft") < ctx.ttft_slo_ms) & ((batch == 0) | (not idle_exists))
+        else:
+            kept = (ctx.metric("predicted_tpot") < ctx.tpot_slo_ms) & (
+                ctx.metric("kv_peak_projected") < s.config.kv_packing_headroom
+            )
+        assert not np.count_nonzero(kept & healthy), result
     elif np.count_nonzero(healthy):
         assert isinstance(result, Decision), result
         assert result.prefill is not None and result.decode is not None
