@@ -159,6 +159,7 @@ class _Stream:
         "predicted_tpot_ms",
         "predicted_ttft_ms",
         "prefill_instance_id",
+        "queue_wait_ms",
         "start",
         "tokens",
         "usage_tokens",
@@ -176,6 +177,7 @@ class _Stream:
         self.finished = False
         self.finish_reason = ""
         self.usage_tokens: int | None = None
+        self.queue_wait_ms = 0.0
         self.error_code: str | None = None
         self.error_message = ""
         self.violation = ""
@@ -206,6 +208,7 @@ class _Stream:
             self.finish_reason = msg.finish_reason
             if msg.HasField("usage"):
                 self.usage_tokens = msg.usage.completion_tokens
+                self.queue_wait_ms = msg.usage.queue_wait_ms
 
     def _violate(self, what: str) -> None:
         if not self.violation:
@@ -256,6 +259,7 @@ class _Stream:
             decode_instance_id=self.decode_instance_id,
             predicted_ttft_ms=self.predicted_ttft_ms,
             predicted_tpot_ms=self.predicted_tpot_ms,
+            queue_wait_ms=self.queue_wait_ms,
         )
 
 

@@ -46,12 +46,16 @@ def prediction_error(results: Sequence[RequestResult], *, skip_first: int = 0) -
     """``{"ttft": summary, "tpot": summary, "skipped": n}`` over successful requests.
 
     ``skip_first`` leaves out the requests with the lowest ``index`` (a warm-up
-    during which an online calibration is still learning).
+    during which an online calibration is still learning). The observed TTFT
+    is counted from the request's placement: the time it waited in the router
+    queue before (``queue_wait_ms``) is the queue's doing, not a prediction's.
     """
     ordered = sorted(results, key=lambda r: r.index)[max(0, skip_first) :]
     ok = [r for r in ordered if r.error_code is None]
     return {
-        "ttft": error_summary((r.predicted_ttft_ms, r.ttft_ms) for r in ok),
+        "ttft": error_summary(
+            (r.predicted_ttft_ms, None if r.ttft_ms is None else r.ttft_ms - r.queue_wait_ms) for r in ok
+        ),
         "tpot": error_summary((r.predicted_tpot_ms, r.tpot_ms) for r in ok),
         "skipped": len(results) - len(ordered),
     }

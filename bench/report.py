@@ -72,6 +72,8 @@ class RequestResult:
     decode_instance_id: str = ""
     predicted_ttft_ms: float | None = None
     predicted_tpot_ms: float | None = None
+    queue_wait_ms: float = 0.0
+    """Time spent in the router queue before placement (``usage.queue_wait_ms``); part of ``ttft_ms``."""
 
     @property
     def ok(self) -> bool:
@@ -399,6 +401,7 @@ def result_to_dict(r: RequestResult) -> dict[str, Any]:
         "decode_instance_id": r.decode_instance_id,
         "predicted_ttft_ms": r.predicted_ttft_ms,
         "predicted_tpot_ms": r.predicted_tpot_ms,
+        "queue_wait_ms": r.queue_wait_ms,
     }
 
 

@@ -1122,6 +1122,7 @@ class _Simulation:
                     decode_instance_id=ids[r.decode] if r.decode >= 0 else "",
                     predicted_ttft_ms=r.predicted_ttft_ms,
                     predicted_tpot_ms=r.predicted_tpot_ms,
+                    queue_wait_ms=r.queue_wait_s * 1e3,
                 )
             )
         return tuple(out)

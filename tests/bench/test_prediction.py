@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from bench.prediction import error_summary, format_prediction_error, prediction_error
@@ -43,3 +45,11 @@ def test_warm_up_and_failures_are_left_out() -> None:
     assert error["ttft"]["count"] == 1 and error["ttft"]["median"] == pytest.approx(0.2)
     assert error["tpot"]["bias"] == pytest.approx(0.1)
     assert "TTFT error median 20.0%" in format_prediction_error(error)
+
+
+def test_ttft_is_judged_from_the_placement_not_from_the_arrival() -> None:
+    # 2 s in the router queue, then 120 ms to the first token against 100 ms predicted at placement.
+    queued = dataclasses.replace(result(0, (100.0, 2120.0)), queue_wait_ms=2000.0)
+    error = prediction_error([queued])
+    assert error["ttft"]["median"] == pytest.approx(0.2)
+    assert error["ttft"]["bias"] == pytest.approx(0.2)
