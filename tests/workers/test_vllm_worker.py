@@ -463,10 +463,12 @@ async def test_qlm_eviction_on_vllm_requeues_with_the_generated_tokens(cluster: 
         call = client.stub.Generate(
             generate_request("ev-loose", prompt, LOOSE_TOKENS, ignore_eos=True), timeout=60
         )
-        async for msg in call:
+        # Read without leaving an `async for`: closing the iterator cancels the call, and the
+        # worker would then end the request itself before the eviction's Abort reaches it.
+        while len(received) < 4:
+            msg = await call.read()
+            assert msg is not grpc.aio.EOF, "the stream ended before the eviction"
             received.extend(msg.token_ids)
-            if len(received) >= 4:
-                break
         tight_prompt = random_prompt(10, seed=22)
         queue.push(
             ScheduleInput(
