@@ -70,10 +70,11 @@ import statistics
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from predictor import LatencyPredictor
 from router.core.errors import ConfigError
+from router.core.flagged import FlagFields
 from router.core.request import ScheduleInput, resolve_targets
 
 
@@ -82,8 +83,13 @@ def _doc(doc: str, flag: str) -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
-class QlmConfig:
+class QlmConfig(FlagFields):
     """Knobs of the ``qlm`` queue policy (flags of ``slo-router simulate``)."""
+
+    FLAG_CHOICES: ClassVar[dict[str, list[str]]] = {
+        "eviction": ["on", "off"],
+        "solver": ["heuristic", "milp"],
+    }
 
     batch: int = field(
         default=0,
@@ -156,33 +162,6 @@ class QlmConfig:
     @property
     def z(self) -> float:
         return statistics.NormalDist().inv_cdf(self.confidence)
-
-    @classmethod
-    def flags(cls) -> dict[str, str]:
-        return {f.name: str(f.metadata["flag"]) for f in cls.__dataclass_fields__.values()}
-
-    @classmethod
-    def add_arguments(cls, parser: Any) -> None:
-        choices = {"eviction": ["on", "off"], "solver": ["heuristic", "milp"]}
-        kinds = {"int": int, "float": float}
-        for f in cls.__dataclass_fields__.values():
-            parser.add_argument(
-                f.metadata["flag"],
-                type=kinds.get(str(f.type), str),
-                default=f.default,
-                choices=choices.get(f.name),
-                help=f"{f.metadata['doc']} (default: %(default)s)",
-            )
-
-    @classmethod
-    def from_namespace(cls, ns: Any, **overrides: Any) -> QlmConfig:
-        values: dict[str, Any] = {}
-        for f in cls.__dataclass_fields__.values():
-            dest = str(f.metadata["flag"]).lstrip("-").replace("-", "_")
-            if hasattr(ns, dest):
-                values[f.name] = getattr(ns, dest)
-        values.update(overrides)
-        return cls(**values)
 
 
 # --------------------------------------------------------------------------- the RCT estimator's inputs

@@ -60,7 +60,7 @@ import math
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
@@ -76,6 +76,7 @@ from router.core.errors import (
     QueueTimeoutError,
     SchedulingError,
 )
+from router.core.flagged import FlagFields
 from router.core.metrics import advanced_backlog
 from router.core.request import Role, ScheduleInput, Stage, Targets, resolve_targets
 from router.core.scheduler import Scheduler
@@ -111,8 +112,13 @@ def _doc(doc: str, flag: str) -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
-class QueueConfig:
+class QueueConfig(FlagFields):
     """The router queue's knobs (flags of ``slo-router router``/``up``; ``simulate`` takes the policy per run)."""
+
+    FLAG_CHOICES: ClassVar[dict[str, list[str]]] = {
+        "queue_policy": [p.value for p in QueuePolicy],
+        "late_policy": [p.value for p in LatePolicy],
+    }
 
     queue_policy: str = field(
         default="edf",
@@ -248,47 +254,6 @@ class QueueConfig:
     @property
     def late(self) -> LatePolicy:
         return LatePolicy(self.late_policy)
-
-    @classmethod
-    def doc(cls, name: str) -> str:
-        """The one-line doc of field ``name``."""
-        for f in cls.__dataclass_fields__.values():
-            if f.name == name:
-                return str(f.metadata.get("doc", ""))
-        raise KeyError(name)
-
-    @classmethod
-    def flags(cls) -> dict[str, str]:
-        """Field name -> the command-line flag that sets it (``max_queue_size`` -> ``--max-queue-size``)."""
-        return {f.name: str(f.metadata["flag"]) for f in cls.__dataclass_fields__.values()}
-
-    @classmethod
-    def add_arguments(cls, parser: Any) -> None:
-        """One flag per field, helped by its doc."""
-        choices = {
-            "queue_policy": [p.value for p in QueuePolicy],
-            "late_policy": [p.value for p in LatePolicy],
-        }
-        kinds = {"int": int, "float": float}
-        for f in cls.__dataclass_fields__.values():
-            parser.add_argument(
-                f.metadata["flag"],
-                type=kinds.get(str(f.type), str),
-                default=f.default,
-                choices=choices.get(f.name),
-                help=f"{f.metadata['doc']} (default: %(default)s)",
-            )
-
-    @classmethod
-    def from_namespace(cls, ns: Any, **overrides: Any) -> QueueConfig:
-        """Build from parsed flags (missing attributes keep their defaults; ``overrides`` win)."""
-        values: dict[str, Any] = {}
-        for f in cls.__dataclass_fields__.values():
-            dest = str(f.metadata["flag"]).lstrip("-").replace("-", "_")
-            if hasattr(ns, dest):
-                values[f.name] = getattr(ns, dest)
-        values.update(overrides)
-        return cls(**values)
 
 
 @dataclass(eq=False)
