@@ -231,12 +231,13 @@ def _wait_ready(url: str, process: subprocess.Popen[Any], timeout_s: float = 60.
 
 
 def _start_router(
-    spec: RouterSpec, cms: str, worker_urls: Sequence[str]
+    spec: RouterSpec, cms: str, worker_urls: Sequence[str], cms_token_file: str
 ) -> tuple[subprocess.Popen[Any], str]:
     port = _free_port()
     if spec.kind == "ours":
         cmd = [
             sys.executable, "-m", "router.cli", "--log-level", "WARNING", "router", "--cms", f"grpc://{cms}",
+            "--cms-auth-token-file", cms_token_file,
             "--listen", "127.0.0.1:0", "--http-listen", f"127.0.0.1:{port}", *spec.args,
         ]  # fmt: skip
     elif spec.kind == "vllm-router":
@@ -330,13 +331,13 @@ def _plot(rows: Sequence[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
-def _start_fleet() -> tuple[subprocess.Popen[str], str, list[str]]:
+def _start_fleet() -> tuple[subprocess.Popen[str], str, list[str], str]:
     cmd = [
         sys.executable, "-m", "router.cli", "up", "--neutral", str(WORKERS), "--worker-http",
         "--speed-factor", str(SPEED_FACTOR), "--seed", str(SEED), "--listen", "127.0.0.1:0", "--http-listen", "",
     ]  # fmt: skip
     up = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=REPO)
-    cms, urls = "", []
+    cms, urls, token_file = "", [], ""
     assert up.stdout is not None
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline:
@@ -345,11 +346,13 @@ def _start_fleet() -> tuple[subprocess.Popen[str], str, list[str]]:
             break
         if line.startswith("cms listening on "):
             cms = line.split()[-1]
+        if line.startswith("cms read token for other routers: "):
+            token_file = line.split()[-1]
         if line.startswith("worker HTTP APIs: "):
             urls = [part.split("@", 1)[1].removesuffix("/v1") for part in line[18:].strip().split(", ")]
         if line.startswith("router listening on "):
             break
-    return up, cms, urls
+    return up, cms, urls, token_file
 
 
 def main() -> list[Figure]:
@@ -366,7 +369,7 @@ def main() -> list[Figure]:
         f"fleet: {WORKERS} neutral sim workers (bundled 7B profile, x{SPEED_FACTOR:g}); workload: "
         f"mixed, poisson {RATE_PER_S:g} req/s for {DURATION_S:g} s = {len(plans)} requests, seed {SEED}"
     )
-    up, cms, urls = _start_fleet()
+    up, cms, urls, token_file = _start_fleet()
     rows: list[dict[str, Any]] = []
     details: dict[str, Any] = {}
     try:
@@ -374,7 +377,7 @@ def main() -> list[Figure]:
             print("the sim fleet did not start; no figures")
             return []
         for router in runnable:
-            process, url = _start_router(router, cms, urls)
+            process, url = _start_router(router, cms, urls, token_file)
             try:
                 if not _wait_ready(url, process):
                     print(f"{router.name}: did not become ready; skipped")

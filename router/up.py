@@ -87,6 +87,8 @@ class Cluster:
     secrets_dir: Path | None = field(default=None)
     #: ``--processes``: the other router processes and the shared in-flight account.
     processes: RouterProcesses = field(default_factory=RouterProcesses)
+    #: A CMS read token for routers started by hand against this cluster (``--cms-auth-token-file``).
+    router_token_file: Path | None = None
 
     async def stop(self) -> None:
         """Router first (no new work), then the workers, then the CMS. Idempotent."""
@@ -249,7 +251,8 @@ async def start_cluster(args: argparse.Namespace, plan: ClusterPlan | None = Non
     secrets = ClusterSecrets()
     ids = [f"{role}-{i}" for role, i in plan.roles]
     token_files = {iid: secrets.worker_token_file(iid) for iid in ids}
-    router_token = secrets.router_token_file() if args.processes > 1 else None
+    # One read token for routers beside the embedded one: --processes, and routers started by hand.
+    router_token = secrets.router_token_file()
     store = MemoryStore()
     try:
         cms = await start_cms_server(store, "127.0.0.1:0", tokens=secrets.table())
@@ -294,8 +297,8 @@ async def start_cluster(args: argparse.Namespace, plan: ClusterPlan | None = Non
         await cms.stop(grace=0)
         shutil.rmtree(secrets.dir, ignore_errors=True)
         raise
-    cluster = Cluster(cms, router, workers, secrets.dir)
-    if router_token is not None:
+    cluster = Cluster(cms, router, workers, secrets.dir, router_token_file=router_token)
+    if args.processes > 1:
         try:
             cluster.processes = await RouterProcesses.start_group(
                 router.address,
@@ -430,6 +433,7 @@ async def _serve(args: argparse.Namespace, plan: ClusterPlan) -> int:
     cluster = await start_cluster(args, plan)
     roles = ", ".join(f"{w.instance_id}@{w.address}" for w in cluster.workers)
     print(f"cms listening on {cluster.cms.address}", flush=True)
+    print(f"cms read token for other routers: {cluster.router_token_file}", flush=True)
     print(f"workers: {roles}", flush=True)
     print(
         f"workers are simulated: the sim engine takes its step times from profile {plan.profile.name} "
