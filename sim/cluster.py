@@ -341,6 +341,41 @@ class _Req:
         self.late = False
 
 
+def finished_result(
+    plan: RequestPlan,
+    *,
+    first_s: float,
+    done_s: float,
+    tokens: int,
+    error_code: str | None,
+    error_message: str,
+    **extra: Any,
+) -> RequestResult:
+    """What a client would have measured of a simulated request (times in virtual seconds; a
+    negative ``first_s`` means no token arrived). ``extra`` carries the instance ids and the like."""
+    ok = error_code is None
+    first = first_s if first_s >= 0 else None
+    tpot = None
+    if ok and first is not None and tokens >= 2:
+        tpot = (done_s - first) * 1000.0 / (tokens - 1)
+    return RequestResult(
+        index=plan.index,
+        class_name=plan.class_name,
+        slo=plan.slo,
+        prompt_tokens=plan.prompt_tokens,
+        max_tokens=plan.max_tokens,
+        completion_tokens=tokens,
+        start_s=plan.arrival_s,
+        ttft_ms=None if first is None else (first - plan.arrival_s) * 1000.0,
+        tpot_ms=tpot,
+        e2e_ms=(done_s - plan.arrival_s) * 1000.0,
+        error_code=error_code,
+        error_message=error_message,
+        finish_reason="length" if ok else "",
+        **extra,
+    )
+
+
 def _finite(value: float) -> float | None:
     return value if math.isfinite(value) else None
 
@@ -1098,26 +1133,14 @@ class _Simulation:
         for plan, r in zip(self.plans, self.reqs, strict=True):
             if r.stage != _DONE:  # cannot happen: every event is processed before results are read
                 raise RuntimeError(f"request {plan.index} did not finish (stage {r.stage})")
-            ok = r.error_code is None
-            first = r.first_s if r.first_s >= 0 else None
-            tpot = None
-            if ok and first is not None and r.tokens >= 2:
-                tpot = (r.done_s - first) * 1000.0 / (r.tokens - 1)
             out.append(
-                RequestResult(
-                    index=plan.index,
-                    class_name=plan.class_name,
-                    slo=plan.slo,
-                    prompt_tokens=plan.prompt_tokens,
-                    max_tokens=plan.max_tokens,
-                    completion_tokens=r.tokens,
-                    start_s=plan.arrival_s,
-                    ttft_ms=None if first is None else (first - plan.arrival_s) * 1000.0,
-                    tpot_ms=tpot,
-                    e2e_ms=(r.done_s - plan.arrival_s) * 1000.0,
+                finished_result(
+                    plan,
+                    first_s=r.first_s,
+                    done_s=r.done_s,
+                    tokens=r.tokens,
                     error_code=r.error_code,
                     error_message=r.error_message,
-                    finish_reason="length" if ok else "",
                     prefill_instance_id=ids[r.prefill] if r.prefill >= 0 else "",
                     decode_instance_id=ids[r.decode] if r.decode >= 0 else "",
                     predicted_ttft_ms=r.predicted_ttft_ms,

@@ -65,7 +65,7 @@ from router.core.slicing import (
     SliceRequest,
     SliceScheduler,
 )
-from sim.cluster import SimFleet, SimStats, simulate
+from sim.cluster import SimFleet, SimStats, finished_result, simulate
 from sim.engine import ProfileCostModel, ScheduledStep, SimCore, SimRequestSpec
 from sim.sweep import PolicyChoice, SweepPoint, _point, point_to_dict, sweep_meta
 from workers.engine import EngineOverloadedError, InvalidRequestError
@@ -314,27 +314,15 @@ class _SliceSimulation:
         for plan, r in zip(self.plans, self.reqs, strict=True):
             if r.done_s < 0:
                 raise RuntimeError(f"request {plan.index} did not finish")
-            ok = r.error_code is None
-            first = r.first_s if r.first_s >= 0 else None
-            tpot = None
-            if ok and first is not None and r.generated >= 2:
-                tpot = (r.done_s - first) * 1000.0 / (r.generated - 1)
             instance = ids[r.instance] if r.instance >= 0 else ""
             out.append(
-                RequestResult(
-                    index=plan.index,
-                    class_name=plan.class_name,
-                    slo=plan.slo,
-                    prompt_tokens=plan.prompt_tokens,
-                    max_tokens=plan.max_tokens,
-                    completion_tokens=r.generated,
-                    start_s=plan.arrival_s,
-                    ttft_ms=None if first is None else (first - plan.arrival_s) * 1000.0,
-                    tpot_ms=tpot,
-                    e2e_ms=(r.done_s - plan.arrival_s) * 1000.0,
+                finished_result(
+                    plan,
+                    first_s=r.first_s,
+                    done_s=r.done_s,
+                    tokens=r.generated,
                     error_code=r.error_code,
                     error_message=r.error_message,
-                    finish_reason="length" if ok else "",
                     prefill_instance_id=instance,
                     decode_instance_id=instance,
                 )
