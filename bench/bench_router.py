@@ -31,11 +31,24 @@ from slorouter.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, wo
 from bench.figures import Figure
 
 REPO = Path(__file__).resolve().parent.parent
-#: Runs as (sim worker speed, the workers' --stream-interval-ms, router --processes): the bundled
-#: profile in real time, 20x faster (the hop is then the bottleneck), 20x faster with the workers
-#: merging the tokens of the steps within 5 ms into one message (fewer messages through every hop),
-#: and 20x faster with two router processes on the port.
-RUNS = ((1.0, 0.0, 1), (20.0, 0.0, 1), (20.0, 5.0, 1), (20.0, 0.0, 2))
+#: Runs as (sim worker speed, the workers' --stream-interval-ms, router --processes, router
+#: --worker-streams, pinned): the bundled profile in real time, 20x faster (the hop is then the
+#: bottleneck) with the multiplexed worker streams and with one call per request, 20x faster with
+#: the workers merging the tokens of the steps within 5 ms into one message (fewer messages through
+#: every hop), 20x faster with two router processes on the port, and 20x faster with the router
+#: (and the embedded CMS) pinned to one core and the workers and this client to the other.
+RUNS = (
+    (1.0, 0.0, 1, "mux", False),
+    (1.0, 0.0, 1, "per-request", False),
+    (20.0, 0.0, 1, "mux", False),
+    (20.0, 0.0, 1, "per-request", False),
+    (20.0, 5.0, 1, "mux", False),
+    (20.0, 0.0, 2, "mux", False),
+    (20.0, 0.0, 1, "mux", True),
+    (20.0, 0.0, 1, "per-request", True),
+)
+#: The pinned runs: the router's process on ROUTER_CORE, the workers and this client on OTHER_CORE.
+ROUTER_CORE, OTHER_CORE = 0, 1
 #: Client connections to the router with --processes > 1 (SO_REUSEPORT spreads connections, not calls).
 CLIENT_CONNECTIONS = 8
 STREAMS = 64
@@ -181,17 +194,26 @@ async def _measure(
             await channel.close(None)
 
 
-def main() -> list[Figure]:
-    runs = {(speed, interval, n): _run(speed, interval, n) for speed, interval, n in RUNS}
+def _pin_process(pid: int, cores: set[int]) -> None:
+    """Pin every thread of ``pid`` (sched_setaffinity of a pid moves only its main thread)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        os.sched_setaffinity(int(tid), cores)
+
+
+def main(runs_wanted: tuple[tuple[float, float, int, str, bool], ...] = RUNS) -> list[Figure]:
+    runs = {run: _run(*run) for run in runs_wanted}
     figures = []
-    for (speed, interval, processes), hop in runs.items():
+    for (speed, interval, processes, streams, pinned), hop in runs.items():
         what = f"router hop, {STREAMS} streams, sim workers " + (
             "at the profile's real speed" if speed == 1.0 else f"{speed:g}x faster"
         )
+        what += f", --worker-streams {streams}"
         if interval:
             what += f", worker --stream-interval-ms {interval:g}"
         if processes > 1:
             what += f", router --processes {processes}"
+        if pinned:
+            what += ", router pinned to one core, workers and client to the other"
         if hop is None:
             figures.append(Figure(what, "not measured: `slo-router up` did not start"))
             continue
@@ -205,21 +227,35 @@ def main() -> list[Figure]:
             )
         )
     added = [
-        f"{hop.router_ttft_p50_ms - hop.direct_ttft_p50_ms:+.1f} ms (x{speed:g})"
-        for (speed, interval, processes), hop in runs.items()
-        if hop is not None and not interval and processes == 1
+        f"{hop.router_ttft_p50_ms - hop.direct_ttft_p50_ms:+.1f} ms (x{speed:g}, {streams})"
+        for (speed, interval, processes, streams, pinned), hop in runs.items()
+        if hop is not None and not interval and processes == 1 and not pinned
     ]
     figures.append(Figure("TTFT added by the router hop, one stream", "p50 " + ", ".join(added)))
     return figures
 
 
-def _run(speed: float, interval_ms: float, processes: int) -> HopFigures | None:
+def _run(speed: float, interval_ms: float, processes: int, streams: str, pinned: bool) -> HopFigures | None:
     cmd = [
         sys.executable, "-m", "router.cli", "up", "--neutral", "2", "--listen", "127.0.0.1:0",
         "--speed-factor", str(speed), "--scheduling-policy", "load-balance", "--http-listen", "",
         "--worker-stream-interval-ms", str(interval_ms), "--processes", str(processes),
+        "--worker-streams", streams,
     ]  # fmt: skip
-    up = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=REPO)
+    if pinned and len(os.sched_getaffinity(0)) < 2:
+        print("fewer than 2 cores: no pinned run")
+        return None
+    own_cores = os.sched_getaffinity(0)
+    # Pinned: up and the workers it spawns start on OTHER_CORE; once up listens, its threads
+    # (router + embedded CMS) move to ROUTER_CORE, and this process to OTHER_CORE.
+    up = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        cwd=REPO,
+        preexec_fn=(lambda: os.sched_setaffinity(0, {OTHER_CORE})) if pinned else None,
+    )
     try:
         router_addr, worker_addrs = "", []
         # The up process (router + CMS) and the router processes it started with --processes.
@@ -236,8 +272,17 @@ def _run(speed: float, interval_ms: float, processes: int) -> HopFigures | None:
         if not router_addr:
             print("slo-router up did not start; no figures")
             return None
+        if pinned:
+            _pin_process(up.pid, {ROUTER_CORE})
+            _pin_process(os.getpid(), {OTHER_CORE})
+            print(
+                f"pinned: router (+CMS) on core {ROUTER_CORE}, workers and this client on core {OTHER_CORE}"
+            )
+        print(f"router --worker-streams {streams}; load average {os.getloadavg()[0]:.1f}")
         return asyncio.run(_measure(router_addr, worker_addrs, speed, interval_ms, router_pids))
     finally:
+        if pinned:
+            _pin_process(os.getpid(), own_cores)
         up.terminate()
         up.wait(timeout=30)
         if up.stdout is not None:
@@ -245,4 +290,23 @@ def _run(speed: float, interval_ms: float, processes: int) -> HopFigures | None:
 
 
 if __name__ == "__main__":
-    main()
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.bench_router", description="the router hop's cost (default: every run)"
+    )
+    parser.add_argument("--speed", type=float, help="only runs at this sim speed")
+    parser.add_argument("--worker-streams", choices=("mux", "per-request"), help="only runs in this mode")
+    parser.add_argument("--pinned", action="store_true", help="only the pinned runs")
+    parser.add_argument("--unpinned", action="store_true", help="only the runs without pinning")
+    args = parser.parse_args()
+    main(
+        tuple(
+            run
+            for run in RUNS
+            if (args.speed is None or run[0] == args.speed)
+            and (args.worker_streams is None or run[3] == args.worker_streams)
+            and not (args.pinned and not run[4])
+            and not (args.unpinned and run[4])
+        )
+    )

@@ -51,6 +51,9 @@ MAX_TOKEN_IDS = 1 << 20
 MAX_OUTPUT_TOKENS = 1 << 20
 #: A kv handle as the router forwards it (the engine's handle plus its signature).
 MAX_KV_HANDLE_BYTES = 8192
+#: Legs running at once on one ``Worker.Streams`` stream (one router connection); a start
+#: beyond it fails that leg with RESOURCE_EXHAUSTED.
+MAX_STREAM_LEGS = 4096
 #: Request ids one status report may list.
 MAX_ADMITTED_REQUEST_IDS = 256
 #: Step samples one status report may carry.
@@ -203,6 +206,18 @@ def check_worker_request(
         check_text(request.prompt, "prompt", MAX_PROMPT_TEXT_BYTES)
         check_token_ids(request.prompt_token_ids, "prompt_token_ids")
     check_sampling(request.sampling)
+
+
+def check_stream_command(command: worker_pb2.StreamCommand) -> None:
+    """The bounds of one ``Worker.Streams`` command: the bounds of the request it carries."""
+    kind = command.WhichOneof("command")
+    if kind is None:
+        raise FieldLimitError("command: a StreamCommand must carry generate, decode or abort")
+    payload = getattr(command, kind)
+    try:
+        check_worker_request(payload)
+    except FieldLimitError as exc:
+        raise FieldLimitError(f"{kind}.{exc}") from None
 
 
 def check_metadata(metadata: cms_pb2.InstanceMetadata, field: str = "metadata") -> None:

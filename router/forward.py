@@ -21,6 +21,7 @@ import grpc
 from slorouter.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 from router.core.health import OutlierDetector
+from router.mux import MuxConnection
 from router.pool import ChannelPool
 
 logger = logging.getLogger(__name__)
@@ -53,6 +54,14 @@ EVIDENCE_CODES = frozenset(
         grpc.StatusCode.UNIMPLEMENTED,
     }
 )
+
+
+#: ``--worker-streams``: ``mux`` runs every leg to a worker on one ``Worker.Streams`` call per
+#: connection; ``per-request`` makes each leg its own ``Generate``/``Decode`` call.
+WORKER_STREAMS = ("mux", "per-request")
+#: After a worker answered ``Streams`` with UNIMPLEMENTED, ask it again after this long (it may
+#: have been upgraded on the same endpoint).
+NO_MUX_RETRY_S = 60.0
 
 
 class LegError(Exception):
@@ -214,7 +223,10 @@ class WorkerClient:
         first_message_timeout_s: float = 30.0,
         health: OutlierDetector | None = None,
         clock: Callable[[], float] = time.monotonic,
+        streams: str = "mux",
     ) -> None:
+        if streams not in WORKER_STREAMS:
+            raise ValueError(f"streams must be one of {', '.join(WORKER_STREAMS)}, got {streams!r}")
         for name, value in (
             ("abort_timeout_s", abort_timeout_s),
             ("connect_timeout_s", connect_timeout_s),
@@ -229,6 +241,11 @@ class WorkerClient:
         self.health = health
         self._clock = clock
         self._background: set[asyncio.Task[None]] = set()
+        self.streams = streams
+        #: The open ``Worker.Streams`` call per endpoint (``streams="mux"``).
+        self._muxes: dict[str, MuxConnection] = {}
+        #: Endpoints that answered ``Streams`` with UNIMPLEMENTED, and when (re-probed after a while).
+        self._no_mux: dict[str, float] = {}
 
     # ------------------------------------------------------------------ outcomes
 
@@ -318,9 +335,20 @@ class WorkerClient:
         timeout_s: float,
         ledger: LegLedger,
     ) -> AsyncIterator[worker_pb2.WorkerTokens]:
-        """Stream a neutral ``Generate`` or a ``Decode``; failures surface as :class:`LegError`."""
+        """Stream a neutral ``Generate`` or a ``Decode``; failures surface as :class:`LegError`.
+
+        With ``streams="mux"`` the leg runs on the endpoint's ``Worker.Streams`` call (one per
+        connection, see :mod:`router.mux`); a worker that does not offer it is served with the
+        per-request RPC (and asked again after :data:`NO_MUX_RETRY_S`).
+        """
         ledger.endpoints.add(target.endpoint)
         stub = await self._connected(target)
+        if self.streams == "mux":
+            connection = await self._mux(target)
+            if connection is not None:
+                async for message in self._mux_stream(connection, target, request, timeout_s):
+                    yield message
+                return
         call: grpc.aio.UnaryStreamCall[Any, worker_pb2.WorkerTokens]
         if isinstance(request, worker_pb2.DecodeRequest):
             call = stub.Decode(request, timeout=timeout_s)
@@ -340,6 +368,104 @@ class WorkerClient:
         finally:
             call.cancel()  # no-op once the stream ended; stops it when the consumer left early
 
+    async def _mux(self, target: Target) -> MuxConnection | None:
+        """The open ``Streams`` call to ``target`` (opened on first use); None: the worker lacks it."""
+        endpoint = target.endpoint
+        channel, stub = self._pool.entry(endpoint)
+        connection = self._muxes.get(endpoint)
+        if connection is None or connection.closed or connection.channel is not channel:
+            refused_at = self._no_mux.get(endpoint)
+            if refused_at is not None:
+                if self._clock() - refused_at < NO_MUX_RETRY_S:
+                    return None
+                del self._no_mux[endpoint]
+            connection = MuxConnection(channel, stub, endpoint, self._mux_closed)
+            self._muxes[endpoint] = connection
+        if connection.opened.done() and connection.opened.exception() is None:
+            return connection
+        try:
+            # The worker answers a new Streams call at once with an empty batch: its first message.
+            async with asyncio.timeout(self._first_timeout_s):
+                await asyncio.shield(connection.opened)
+        except TimeoutError:
+            await connection.close()
+            raise self._first_message_error(target) from None
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() is grpc.StatusCode.UNIMPLEMENTED:
+                logger.info("worker %s does not serve Worker.Streams: per-request calls", endpoint)
+                self._no_mux[endpoint] = self._clock()
+                return None
+            raise self._failed(_leg_error(target.instance_id, exc)) from exc
+        return connection
+
+    def _mux_closed(self, connection: MuxConnection) -> None:
+        if self._muxes.get(connection.endpoint) is connection:
+            del self._muxes[connection.endpoint]
+
+    async def _mux_stream(
+        self,
+        connection: MuxConnection,
+        target: Target,
+        request: worker_pb2.WorkerGenerateRequest | worker_pb2.DecodeRequest,
+        timeout_s: float,
+    ) -> AsyncIterator[worker_pb2.WorkerTokens]:
+        """One leg on ``connection``, with the per-request call's deadlines and outcomes."""
+        leg = connection.start(request)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        first = True
+        ended = False
+        try:
+            while True:
+                if not leg.ready.is_set():
+                    limit = deadline
+                    first_bound = first and loop.time() + self._first_timeout_s < deadline
+                    if first_bound:
+                        limit = loop.time() + self._first_timeout_s
+                    try:
+                        async with asyncio.timeout_at(limit):
+                            await leg.ready.wait()
+                    except TimeoutError:
+                        if first_bound:
+                            raise self._first_message_error(target) from None
+                        raise self._failed(
+                            LegError(
+                                target.instance_id, grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"
+                            )
+                        ) from None
+                message = leg.take()
+                if message is None:
+                    if leg.error is not None:
+                        ended = True
+                        code, details = leg.error
+                        raise self._failed(
+                            LegError(target.instance_id, code, details, kv_gone=code in KV_GONE_CODES)
+                        )
+                    leg.ready.clear()
+                    continue
+                if leg.error is None and not leg.finished:
+                    leg.ready.clear()
+                if first:
+                    first = False
+                    self._succeeded(target)
+                if message.finished:
+                    ended = True
+                yield message
+                if ended:
+                    return
+        finally:
+            if ended:
+                connection.release(leg)
+            else:  # the consumer left early, or a deadline passed: stop the leg on the worker
+                connection.abort(leg)
+
+    async def close(self) -> None:
+        """Close the ``Streams`` calls (shutdown; their legs fail UNAVAILABLE)."""
+        connections = list(self._muxes.values())
+        self._muxes.clear()
+        for connection in connections:
+            await connection.close()
+
     def abort_all(self, request_id: str, ledger: LegLedger) -> None:
         """Fire ``Abort`` at every endpoint that may hold the request (in the background)."""
         for endpoint in ledger.endpoints:
@@ -357,6 +483,7 @@ class WorkerClient:
             logger.debug("abort of %s on %s failed: %s", request_id, endpoint, exc.code().name)
 
     async def drain(self) -> None:
-        """Wait for background aborts still in flight (shutdown)."""
+        """Wait for background aborts still in flight, then close the ``Streams`` calls (shutdown)."""
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
+        await self.close()

@@ -37,7 +37,7 @@ from router.core.qlm import QlmConfig
 from router.core.queue import QueueConfig
 from router.core.scheduler import Scheduler
 from router.core.slicing import SliceConfig
-from router.forward import WorkerClient
+from router.forward import WORKER_STREAMS, WorkerClient
 from router.http_edge import RouterBackend, start_http_edge
 from router.placement import Placer
 from router.pool import ChannelPool
@@ -126,6 +126,7 @@ async def start_router_server(
     tls: ServerTls | None = None,
     worker_tls: ClientTls | None = None,
     reuse_port: bool = False,
+    worker_streams: str = "mux",
 ) -> RouterServer:
     """Serve the Router service on ``listen`` over ``reader``'s view; starts the reader too.
 
@@ -138,7 +139,9 @@ async def start_router_server(
     and first message; ``outlier`` says when failing instances are ejected from
     placement (:mod:`router.core.health`). ``tls`` makes the Router service
     TLS only; ``worker_tls`` makes the calls to workers TLS (checked against
-    its CA). Raises ``OSError`` when an address cannot be bound.
+    its CA). ``worker_streams`` (``mux``, ``per-request``) says how decode/generate legs reach
+    the workers (:data:`router.forward.WORKER_STREAMS`). Raises ``OSError`` when an address
+    cannot be bound.
     """
     observer = observer or RequestObserver()
     pool = ChannelPool(max_channels=max_channels, tls=worker_tls)
@@ -148,6 +151,7 @@ async def start_router_server(
         connect_timeout_s=worker_connect_timeout_s,
         first_message_timeout_s=worker_first_message_timeout_s,
         health=health,
+        streams=worker_streams,
     )
     placer = Placer(scheduler, reader, observer=observer, health=health)
     service_config = service_config or ServiceConfig()
@@ -290,6 +294,18 @@ def build_predictors(args: argparse.Namespace) -> PredictorSet:
     return PredictorSet(default, _profile_groups(args.profile_group))
 
 
+def add_worker_streams_argument(parser: argparse.ArgumentParser) -> None:
+    """``--worker-streams`` (shared by ``router`` and ``up``)."""
+    parser.add_argument(
+        "--worker-streams",
+        choices=WORKER_STREAMS,
+        default="mux",
+        help="mux: every request to a worker runs on one Worker.Streams call per connection, the "
+        "worker sending one message per engine step for all of them (a worker without that RPC is "
+        "served per request); per-request: one Generate/Decode call per request (default: %(default)s)",
+    )
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--listen", default=DEFAULT_LISTEN, help="HOST:PORT of the Router service (default: %(default)s)"
@@ -386,6 +402,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "instance is ejected for a while; an endpoint that accepts but never answers costs at most "
         "this per attempt (default: %(default)s)",
     )
+    add_worker_streams_argument(parser)
     parser.add_argument(
         "--worker-first-message-timeout-s",
         type=float,
@@ -665,6 +682,7 @@ async def start_from_args(args: argparse.Namespace, plan: RouterPlan | None = No
             tls=tls,
             worker_tls=client_tls,
             reuse_port=args.processes > 1 or bool(args.shared_inflight),
+            worker_streams=args.worker_streams,
         )
     except BaseException:
         for resource in reversed(owned):

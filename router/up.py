@@ -41,6 +41,7 @@ from router.server import (
     DEFAULT_LISTEN,
     DEFAULT_PROFILE_DIR,
     RouterServer,
+    add_worker_streams_argument,
     check_address,
     check_port,
     qlm_config,
@@ -291,6 +292,7 @@ async def start_cluster(args: argparse.Namespace, plan: ClusterPlan | None = Non
             queue_config=plan.queue,
             qlm_config=plan.qlm,
             reuse_port=args.processes > 1,
+            worker_streams=args.worker_streams,
         )
     except BaseException:
         await stop_workers(workers)
@@ -396,6 +398,7 @@ def register(subparsers: Any) -> None:
         action="store_true",
         help="give every sim worker an OpenAI-compatible HTTP face too (for HTTP routers and benchmarks)",
     )
+    add_worker_streams_argument(parser)
     parser.add_argument(
         "--worker-stream-interval-ms",
         type=float,

@@ -55,6 +55,7 @@ from workers.engine import (
 )
 from workers.kv_auth import KvSigner
 from workers.metadata import WorkerIdentity, build_metadata
+from workers.streams import StreamsSession
 from workers.tokenizer import SimpleTokenizer
 
 if TYPE_CHECKING:
@@ -182,17 +183,37 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         rid = request.request_id
         try:
             self._check_bounds(request)
-            prompt = tuple(request.prompt_token_ids)
-            generated = tuple(request.generated_token_ids)
-            sampling = sampling_from_proto(request.sampling)
-            validate_request(self._engine.info, rid, prompt, sampling, generated)
-            kv_handle = request.kv_handle
-            if self._kv_signer is not None:
-                kv_handle = self._kv_signer.open(rid, kv_handle)
-            stream = self._engine.decode(rid, prompt, sampling, kv_handle, generated)
-            await self._stream(context, rid, len(prompt), stream)
+            num_prompt, stream = self.open_decode(request)
+            await self._stream(context, rid, num_prompt, stream)
         except EngineError as exc:
             await _abort(context, exc)
+
+    def open_decode(self, request: worker_pb2.DecodeRequest) -> tuple[int, AsyncIterator[TokenDelta]]:
+        """Validate a decode request (bounds already checked) and hand it to the engine."""
+        rid = request.request_id
+        prompt = tuple(request.prompt_token_ids)
+        generated = tuple(request.generated_token_ids)
+        sampling = sampling_from_proto(request.sampling)
+        validate_request(self._engine.info, rid, prompt, sampling, generated)
+        kv_handle = request.kv_handle
+        if self._kv_signer is not None:
+            kv_handle = self._kv_signer.open(rid, kv_handle)
+        return len(prompt), self._engine.decode(rid, prompt, sampling, kv_handle, generated)
+
+    def _open_leg(self, command: worker_pb2.StreamCommand) -> tuple[int, AsyncIterator[TokenDelta]]:
+        if command.HasField("decode"):
+            return self.open_decode(command.decode)
+        request = command.generate
+        return self.open_generate(
+            request.request_id, request.prompt_token_ids, request.prompt, request.sampling
+        )
+
+    async def Streams(  # type: ignore[override]
+        self, request_iterator: Any, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> None:
+        """Many legs on one stream, one batch per flush (see :mod:`workers.streams`)."""
+        session = StreamsSession(self._engine, context, self._open_leg, status_for, self._stream_interval_s)
+        await session.run()
 
     async def _stream(
         self, context: _Context, request_id: str, num_prompt_tokens: int, stream: AsyncIterator[TokenDelta]

@@ -20,6 +20,117 @@ else:
 DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
+class StreamCommand(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STREAM_ID_FIELD_NUMBER: _builtins.int
+    GENERATE_FIELD_NUMBER: _builtins.int
+    DECODE_FIELD_NUMBER: _builtins.int
+    ABORT_FIELD_NUMBER: _builtins.int
+    stream_id: _builtins.int
+    """Chosen by the client, unique among the legs running on this stream; the
+    updates of the leg carry it (a request id may come back after an abort).
+    """
+    @_builtins.property
+    def generate(self) -> Global___WorkerGenerateRequest: ...
+    @_builtins.property
+    def decode(self) -> Global___DecodeRequest: ...
+    @_builtins.property
+    def abort(self) -> Global___AbortRequest:
+        """Stop the leg (its request is aborted on the engine); no update follows."""
+
+    def __init__(
+        self,
+        *,
+        stream_id: _builtins.int = ...,
+        generate: Global___WorkerGenerateRequest | None = ...,
+        decode: Global___DecodeRequest | None = ...,
+        abort: Global___AbortRequest | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["abort", b"abort", "command", b"command", "decode", b"decode", "generate", b"generate"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort", b"abort", "command", b"command", "decode", b"decode", "generate", b"generate", "stream_id", b"stream_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_command: _TypeAlias = _typing.Literal["generate", "decode", "abort"]  # noqa: Y015
+    _WhichOneofArgType_command: _TypeAlias = _typing.Literal["command", b"command"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_command) -> _WhichOneofReturnType_command | None: ...
+
+Global___StreamCommand: _TypeAlias = StreamCommand  # noqa: Y015
+
+@_typing.final
+class StreamUpdate(_message.Message):
+    """New tokens of one leg since its previous update (fields as in WorkerTokens),
+    or its error. A leg's last update has `finished` or a non-zero `error_code`.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STREAM_ID_FIELD_NUMBER: _builtins.int
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    TEXT_FIELD_NUMBER: _builtins.int
+    FINISHED_FIELD_NUMBER: _builtins.int
+    FINISH_REASON_FIELD_NUMBER: _builtins.int
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    NUM_CACHED_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    ERROR_CODE_FIELD_NUMBER: _builtins.int
+    ERROR_DETAILS_FIELD_NUMBER: _builtins.int
+    stream_id: _builtins.int
+    text: _builtins.str
+    finished: _builtins.bool
+    finish_reason: _builtins.str
+    num_prompt_tokens: _builtins.int
+    num_cached_prompt_tokens: _builtins.int
+    error_code: _builtins.int
+    """A gRPC status code (the one the per-request RPC would have ended with);
+    0 = no error.
+    """
+    error_details: _builtins.str
+    @_builtins.property
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        stream_id: _builtins.int = ...,
+        token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        text: _builtins.str = ...,
+        finished: _builtins.bool = ...,
+        finish_reason: _builtins.str = ...,
+        num_prompt_tokens: _builtins.int = ...,
+        num_cached_prompt_tokens: _builtins.int = ...,
+        error_code: _builtins.int = ...,
+        error_details: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error_code", b"error_code", "error_details", b"error_details", "finish_reason", b"finish_reason", "finished", b"finished", "num_cached_prompt_tokens", b"num_cached_prompt_tokens", "num_prompt_tokens", b"num_prompt_tokens", "stream_id", b"stream_id", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StreamUpdate: _TypeAlias = StreamUpdate  # noqa: Y015
+
+@_typing.final
+class StreamBatch(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    UPDATES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def updates(self) -> _containers.RepeatedCompositeFieldContainer[Global___StreamUpdate]:
+        """At most one update per leg."""
+
+    def __init__(
+        self,
+        *,
+        updates: _abc.Iterable[Global___StreamUpdate] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["updates", b"updates"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StreamBatch: _TypeAlias = StreamBatch  # noqa: Y015
+
+@_typing.final
 class WorkerGenerateRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

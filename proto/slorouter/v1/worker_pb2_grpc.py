@@ -61,6 +61,11 @@ class WorkerStub:
                 request_serializer=slorouter_dot_v1_dot_worker__pb2.GetInfoRequest.SerializeToString,
                 response_deserializer=slorouter_dot_v1_dot_cms__pb2.InstanceMetadata.FromString,
                 _registered_method=True)
+        self.Streams = channel.stream_stream(
+                '/slorouter.v1.Worker/Streams',
+                request_serializer=slorouter_dot_v1_dot_worker__pb2.StreamCommand.SerializeToString,
+                response_deserializer=slorouter_dot_v1_dot_worker__pb2.StreamBatch.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -102,6 +107,18 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Streams(self, request_iterator, context):
+        """Many requests' Generate/Decode legs on one long-lived stream (the router
+        opens one per worker connection): the client starts and aborts legs with
+        commands; the server first sends an empty batch (so a client can tell a
+        worker without this RPC, UNIMPLEMENTED, from a slow one), then per flush
+        ONE batch with the new tokens of every leg that produced some. Closing
+        the stream aborts every leg still running on it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -129,6 +146,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.GetInfo,
                     request_deserializer=slorouter_dot_v1_dot_worker__pb2.GetInfoRequest.FromString,
                     response_serializer=slorouter_dot_v1_dot_cms__pb2.InstanceMetadata.SerializeToString,
+            ),
+            'Streams': grpc.stream_stream_rpc_method_handler(
+                    servicer.Streams,
+                    request_deserializer=slorouter_dot_v1_dot_worker__pb2.StreamCommand.FromString,
+                    response_serializer=slorouter_dot_v1_dot_worker__pb2.StreamBatch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -267,6 +289,33 @@ class Worker:
             '/slorouter.v1.Worker/GetInfo',
             slorouter_dot_v1_dot_worker__pb2.GetInfoRequest.SerializeToString,
             slorouter_dot_v1_dot_cms__pb2.InstanceMetadata.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Streams(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/slorouter.v1.Worker/Streams',
+            slorouter_dot_v1_dot_worker__pb2.StreamCommand.SerializeToString,
+            slorouter_dot_v1_dot_worker__pb2.StreamBatch.FromString,
             options,
             channel_credentials,
             insecure,

@@ -44,6 +44,14 @@ class WorkerStub:
     """Stops a request on this instance and frees what it holds."""
     GetInfo: _grpc.UnaryUnaryMultiCallable[_worker_pb2.GetInfoRequest, _cms_pb2.InstanceMetadata]
     """The metadata this instance registers with the CMS."""
+    Streams: _grpc.StreamStreamMultiCallable[_worker_pb2.StreamCommand, _worker_pb2.StreamBatch]
+    """Many requests' Generate/Decode legs on one long-lived stream (the router
+    opens one per worker connection): the client starts and aborts legs with
+    commands; the server first sends an empty batch (so a client can tell a
+    worker without this RPC, UNIMPLEMENTED, from a slow one), then per flush
+    ONE batch with the new tokens of every leg that produced some. Closing
+    the stream aborts every leg still running on it.
+    """
 
 @_typing.type_check_only
 class WorkerAsyncStub(WorkerStub):
@@ -60,6 +68,14 @@ class WorkerAsyncStub(WorkerStub):
     """Stops a request on this instance and frees what it holds."""
     GetInfo: _aio.UnaryUnaryMultiCallable[_worker_pb2.GetInfoRequest, _cms_pb2.InstanceMetadata]  # type: ignore[assignment]
     """The metadata this instance registers with the CMS."""
+    Streams: _aio.StreamStreamMultiCallable[_worker_pb2.StreamCommand, _worker_pb2.StreamBatch]  # type: ignore[assignment]
+    """Many requests' Generate/Decode legs on one long-lived stream (the router
+    opens one per worker connection): the client starts and aborts legs with
+    commands; the server first sends an empty batch (so a client can tell a
+    worker without this RPC, UNIMPLEMENTED, from a slow one), then per flush
+    ONE batch with the new tokens of every leg that produced some. Closing
+    the stream aborts every leg still running on it.
+    """
 
 class WorkerServicer(metaclass=_abc_1.ABCMeta):
     """One engine instance (vLLM or the simulator). The router is its client."""
@@ -103,5 +119,19 @@ class WorkerServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_cms_pb2.InstanceMetadata, _abc.Awaitable[_cms_pb2.InstanceMetadata]]:
         """The metadata this instance registers with the CMS."""
+
+    @_abc_1.abstractmethod
+    def Streams(
+        self,
+        request_iterator: _MaybeAsyncIterator[_worker_pb2.StreamCommand],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_worker_pb2.StreamBatch], _abc.AsyncIterator[_worker_pb2.StreamBatch]]:
+        """Many requests' Generate/Decode legs on one long-lived stream (the router
+        opens one per worker connection): the client starts and aborts legs with
+        commands; the server first sends an empty batch (so a client can tell a
+        worker without this RPC, UNIMPLEMENTED, from a slow one), then per flush
+        ONE batch with the new tokens of every leg that produced some. Closing
+        the stream aborts every leg still running on it.
+        """
 
 def add_WorkerServicer_to_server(servicer: WorkerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -1,0 +1,253 @@
+"""The router's side of ``Worker.Streams``: one stream per worker connection, demultiplexed.
+
+A :class:`MuxConnection` holds one long-lived ``Streams`` call to a worker.
+Legs (a neutral ``Generate`` or a ``Decode``) are started on it with a
+command carrying a connection-unique ``stream_id``; one reader task takes the
+worker's batches (one per engine step, with the new tokens of every leg that
+produced some) and hands each update to its :class:`MuxLeg`, whose consumer
+(:meth:`router.forward.WorkerClient.stream`) turns what is pending into one
+``WorkerTokens`` message, as the per-request path's coalescing does.
+
+Backpressure: the reader never waits for a consumer (one slow client must not
+stall every other request on the connection). A leg merges what its consumer
+has not taken yet into one pending record, so it holds at most the request's
+own output; a leg whose pending tokens would pass ``limits.MAX_OUTPUT_TOKENS``
+(a worker sending more than any request may produce) fails with
+RESOURCE_EXHAUSTED and is aborted on the worker. The commands waiting to be
+written are at most two per leg (a start and an abort).
+
+Failure: when the call breaks (the worker was killed, its connection timed out
+on keepalive, the channel closed) every leg still on it fails with the call's
+status, exactly as each of their per-request calls would have; the connection
+is dropped and the next leg to that endpoint opens a new one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+from slorouter.v1 import worker_pb2, worker_pb2_grpc
+
+from cms import limits
+
+logger = logging.getLogger(__name__)
+
+_EOF: object = grpc.aio.EOF  # type: ignore[attr-defined]
+_CODES: dict[int, grpc.StatusCode] = {code.value[0]: code for code in grpc.StatusCode}
+
+
+class MuxLeg:
+    """One request's leg on a :class:`MuxConnection`: the merged updates its consumer has not taken."""
+
+    __slots__ = (
+        "cached",
+        "error",
+        "finish_reason",
+        "finished",
+        "num_prompt",
+        "num_tokens",
+        "ready",
+        "request_id",
+        "stream_id",
+        "text",
+        "token_ids",
+    )
+
+    def __init__(self, stream_id: int, request_id: str) -> None:
+        self.stream_id = stream_id
+        self.request_id = request_id
+        self.token_ids: list[int] = []
+        self.text: list[str] = []
+        self.finished = False
+        self.finish_reason = ""
+        self.num_prompt = 0
+        self.cached = 0
+        #: Tokens received in all (the bound of the pending record).
+        self.num_tokens = 0
+        #: (code, details) once the leg failed; raised after the tokens received before it.
+        self.error: tuple[grpc.StatusCode, str] | None = None
+        self.ready = asyncio.Event()
+
+    def take(self) -> worker_pb2.WorkerTokens | None:
+        """What arrived since the last call as one message (None: nothing but, maybe, an error)."""
+        if not (self.token_ids or self.finished or self.text or self.num_prompt or self.cached):
+            return None
+        message = worker_pb2.WorkerTokens(
+            request_id=self.request_id,
+            token_ids=self.token_ids,
+            text="".join(self.text) if self.text else "",
+            finished=self.finished,
+            finish_reason=self.finish_reason,
+            num_prompt_tokens=self.num_prompt,
+            num_cached_prompt_tokens=self.cached,
+        )
+        self.token_ids = []
+        self.text.clear()
+        self.num_prompt = 0
+        self.cached = 0
+        return message
+
+    def fail(self, code: grpc.StatusCode, details: str) -> None:
+        if self.error is None and not self.finished:
+            self.error = (code, details)
+            self.ready.set()
+
+
+class MuxConnection:
+    """One ``Worker.Streams`` call to an endpoint and the legs running on it."""
+
+    def __init__(
+        self,
+        channel: grpc.aio.Channel,
+        stub: worker_pb2_grpc.WorkerAsyncStub,
+        endpoint: str,
+        on_closed: Callable[[MuxConnection], None],
+    ) -> None:
+        self.channel = channel
+        self.endpoint = endpoint
+        self._stub = stub
+        self._on_closed = on_closed
+        self._legs: dict[int, MuxLeg] = {}
+        self._next_id = 0
+        self._outbox: deque[worker_pb2.StreamCommand] = deque()
+        self._outbox_ready = asyncio.Event()
+        self._call: Any = None
+        #: Done when the worker's first (empty) batch arrived; its exception when the call failed first.
+        self.opened: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        # Its failure is read by the legs waiting on it; there may be none left to read it.
+        self.opened.add_done_callback(lambda future: future.cancelled() or future.exception())
+        self.closed = False
+        self._task = asyncio.get_running_loop().create_task(self._run(), name=f"streams-{endpoint}")
+
+    def __len__(self) -> int:
+        return len(self._legs)
+
+    # ------------------------------------------------------------------ legs
+
+    def start(self, request: worker_pb2.WorkerGenerateRequest | worker_pb2.DecodeRequest) -> MuxLeg:
+        """Start a leg (the command is written in the background)."""
+        self._next_id += 1
+        sid = self._next_id
+        leg = MuxLeg(sid, request.request_id)
+        if self.closed:
+            leg.fail(grpc.StatusCode.UNAVAILABLE, f"the Streams call to {self.endpoint} is closed")
+            return leg
+        self._legs[sid] = leg
+        if isinstance(request, worker_pb2.DecodeRequest):
+            self._send(worker_pb2.StreamCommand(stream_id=sid, decode=request))
+        else:
+            self._send(worker_pb2.StreamCommand(stream_id=sid, generate=request))
+        return leg
+
+    def release(self, leg: MuxLeg) -> None:
+        """Forget a leg that ended (finished or failed on the worker's word): nothing to abort."""
+        self._legs.pop(leg.stream_id, None)
+
+    def abort(self, leg: MuxLeg) -> None:
+        """Stop a leg the consumer left before its end: the worker aborts its request."""
+        if self._legs.pop(leg.stream_id, None) is not None and not self.closed:
+            self._send(
+                worker_pb2.StreamCommand(
+                    stream_id=leg.stream_id, abort=worker_pb2.AbortRequest(request_id=leg.request_id)
+                )
+            )
+
+    def _send(self, command: worker_pb2.StreamCommand) -> None:
+        self._outbox.append(command)
+        self._outbox_ready.set()
+
+    # ------------------------------------------------------------------ the call
+
+    async def close(self) -> None:
+        """Cancel the call (every leg on it fails UNAVAILABLE) and wait for the reader to end."""
+        if self._call is not None:
+            self._call.cancel()
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+
+    async def _write(self, call: Any) -> None:
+        while True:
+            while self._outbox:
+                await call.write(self._outbox.popleft())
+            self._outbox_ready.clear()
+            await self._outbox_ready.wait()
+
+    async def _run(self) -> None:
+        call = self._call = self._stub.Streams()  # type: ignore[call-arg]  # written with call.write
+        writer: asyncio.Task[None] | None = None
+        failure: tuple[grpc.StatusCode, str] = (
+            grpc.StatusCode.UNAVAILABLE,
+            f"the worker at {self.endpoint} ended the Streams call",
+        )
+        try:
+            hello = await call.read()
+            if hello is _EOF:
+                raise grpc.aio.AioRpcError(
+                    grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), failure[1], ""
+                )
+            self.opened.set_result(None)
+            writer = asyncio.get_running_loop().create_task(self._write(call))
+            legs = self._legs
+            while (batch := await call.read()) is not _EOF:
+                for update in batch.updates:  # type: ignore[attr-defined]
+                    leg = legs.get(update.stream_id)
+                    if leg is None:  # aborted meanwhile
+                        continue
+                    if update.error_code:
+                        legs.pop(update.stream_id, None)
+                        code = _CODES.get(update.error_code, grpc.StatusCode.UNKNOWN)
+                        leg.fail(code, update.error_details)
+                        continue
+                    ids = update.token_ids
+                    if ids:
+                        leg.num_tokens += len(ids)
+                        if leg.num_tokens > limits.MAX_OUTPUT_TOKENS:
+                            self.abort(leg)
+                            leg.fail(
+                                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"token_ids: the worker sent {leg.num_tokens} tokens for one request; "
+                                f"the limit is {limits.MAX_OUTPUT_TOKENS}",
+                            )
+                            continue
+                        leg.token_ids.extend(ids)
+                    if update.text:
+                        leg.text.append(update.text)
+                    if update.num_prompt_tokens:
+                        leg.num_prompt = update.num_prompt_tokens
+                    if update.num_cached_prompt_tokens:
+                        leg.cached = update.num_cached_prompt_tokens
+                    if update.finished:
+                        legs.pop(update.stream_id, None)
+                        leg.finished = True
+                        leg.finish_reason = update.finish_reason
+                    leg.ready.set()
+        except grpc.aio.AioRpcError as exc:
+            failure = (exc.code(), exc.details() or "")
+            if not self.opened.done():
+                self.opened.set_exception(exc)
+        except asyncio.CancelledError:
+            failure = (grpc.StatusCode.UNAVAILABLE, f"the Streams call to {self.endpoint} was closed")
+            raise
+        finally:
+            self.closed = True
+            if writer is not None:
+                writer.cancel()
+                with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
+                    await writer
+            call.cancel()
+            if not self.opened.done():
+                self.opened.set_exception(
+                    grpc.aio.AioRpcError(failure[0], grpc.aio.Metadata(), grpc.aio.Metadata(), failure[1], "")
+                )
+            legs_left = list(self._legs.values())
+            self._legs.clear()
+            for leg in legs_left:
+                leg.fail(*failure)
+            self._on_closed(self)
