@@ -289,15 +289,14 @@ class WorkerClient:
             ) from None
         return stub
 
-    def _first_message_error(self, target: Target) -> LegError:
-        return self._failed(
-            LegError(
-                target.instance_id,
-                grpc.StatusCode.DEADLINE_EXCEEDED,
-                f"no first message from {target.endpoint} within {self._first_timeout_s:g} s "
-                "(--worker-first-message-timeout-s): the worker is hung or overloaded",
-            )
+    def _first_message_error(self, target: Target, *, report: bool = True) -> LegError:
+        error = LegError(
+            target.instance_id,
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            f"no first message from {target.endpoint} within {self._first_timeout_s:g} s "
+            "(--worker-first-message-timeout-s): the worker is hung or overloaded",
         )
+        return self._failed(error) if report else error
 
     # ------------------------------------------------------------------ calls
 
@@ -409,34 +408,31 @@ class WorkerClient:
         request: worker_pb2.WorkerGenerateRequest | worker_pb2.DecodeRequest,
         timeout_s: float,
     ) -> AsyncIterator[worker_pb2.WorkerTokens]:
-        """One leg on ``connection``, with the per-request call's deadlines and outcomes."""
+        """One leg on ``connection``, with the per-request call's deadlines and outcomes.
+
+        The deadlines are two timers per leg (not one per message): the first-message one,
+        cancelled by the first update, and the leg's overall one. Either fails the leg
+        locally (DEADLINE_EXCEEDED), after the tokens that arrived before it, and the leg is
+        then aborted on the worker.
+        """
         leg = connection.start(request)
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
+        deadline = loop.call_later(timeout_s, leg.expire, "Deadline Exceeded")
+        first_timer: asyncio.TimerHandle | None = None
+        if self._first_timeout_s < timeout_s:
+            first_timer = loop.call_later(
+                self._first_timeout_s, leg.expire, self._first_message_error(target, report=False).details
+            )
         first = True
         ended = False
         try:
             while True:
                 if not leg.ready.is_set():
-                    limit = deadline
-                    first_bound = first and loop.time() + self._first_timeout_s < deadline
-                    if first_bound:
-                        limit = loop.time() + self._first_timeout_s
-                    try:
-                        async with asyncio.timeout_at(limit):
-                            await leg.ready.wait()
-                    except TimeoutError:
-                        if first_bound:
-                            raise self._first_message_error(target) from None
-                        raise self._failed(
-                            LegError(
-                                target.instance_id, grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"
-                            )
-                        ) from None
+                    await leg.ready.wait()
                 message = leg.take()
                 if message is None:
                     if leg.error is not None:
-                        ended = True
+                        ended = not leg.expired
                         code, details = leg.error
                         raise self._failed(
                             LegError(target.instance_id, code, details, kv_gone=code in KV_GONE_CODES)
@@ -447,6 +443,8 @@ class WorkerClient:
                     leg.ready.clear()
                 if first:
                     first = False
+                    if first_timer is not None:
+                        first_timer.cancel()
                     self._succeeded(target)
                 if message.finished:
                     ended = True
@@ -454,6 +452,9 @@ class WorkerClient:
                 if ended:
                     return
         finally:
+            deadline.cancel()
+            if first_timer is not None:
+                first_timer.cancel()
             if ended:
                 connection.release(leg)
             else:  # the consumer left early, or a deadline passed: stop the leg on the worker

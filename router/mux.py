@@ -48,6 +48,7 @@ class MuxLeg:
     __slots__ = (
         "cached",
         "error",
+        "expired",
         "finish_reason",
         "finished",
         "num_prompt",
@@ -72,6 +73,8 @@ class MuxLeg:
         self.num_tokens = 0
         #: (code, details) once the leg failed; raised after the tokens received before it.
         self.error: tuple[grpc.StatusCode, str] | None = None
+        #: The error is a deadline of the router's (the worker still runs the leg: abort it).
+        self.expired = False
         self.ready = asyncio.Event()
 
     def take(self) -> worker_pb2.WorkerTokens | None:
@@ -92,6 +95,12 @@ class MuxLeg:
         self.num_prompt = 0
         self.cached = 0
         return message
+
+    def expire(self, details: str) -> None:
+        """A deadline passed (a timer of the consumer's): the leg fails DEADLINE_EXCEEDED."""
+        if self.error is None and not self.finished:
+            self.expired = True
+            self.fail(grpc.StatusCode.DEADLINE_EXCEEDED, details)
 
     def fail(self, code: grpc.StatusCode, details: str) -> None:
         if self.error is None and not self.finished:

@@ -25,7 +25,7 @@ CONNECT_TIMEOUT_S = 1.0  # Fleet.router's --worker-connect-timeout-s
 MAX_RETRIES = 2  # the router's default --max-retries
 
 
-async def _fleet(fleet: Fleet) -> tuple[str, str]:
+async def _fleet(fleet: Fleet, streams: str = "mux") -> tuple[str, str]:
     cms = fleet.cms("--store", "memory")
     workers = [
         fleet.worker("p0", "prefill", cms.address, speed=2.0),
@@ -33,7 +33,7 @@ async def _fleet(fleet: Fleet) -> tuple[str, str]:
         fleet.worker("d1", "decode", cms.address, speed=2.0),
     ]
     fleet.wait_listening(*workers)
-    router = fleet.router(f"grpc://{cms.address}", "--dispatch-top-k", "2")
+    router = fleet.router(f"grpc://{cms.address}", "--dispatch-top-k", "2", "--worker-streams", streams)
     await wait_for_instances(router.address, {"p0", "d0", "d1"})
     return cms.address, router.address
 
@@ -42,11 +42,18 @@ def _proc(fleet: Fleet, name: str):  # type: ignore[no-untyped-def]
     return next(p for p in fleet.procs if p.name == name)
 
 
+#: The router's --worker-streams: every decode leg on one Worker.Streams call per worker, or one call each.
+STREAMS = pytest.mark.parametrize("streams", ["mux", "per-request"])
+
+
 @pytest.mark.timeout(150)
-async def test_a_frozen_decode_worker_stops_getting_requests_and_gets_them_again(tmp_path: Path) -> None:
+@STREAMS
+async def test_a_frozen_decode_worker_stops_getting_requests_and_gets_them_again(
+    tmp_path: Path, streams: str
+) -> None:
     fleet = Fleet(tmp_path)
     try:
-        _, router_address = await _fleet(fleet)
+        _, router_address = await _fleet(fleet, streams)
         load = SteadyLoad(router_address, rate_hz=10)
         await load.start()
         await load.run_for(3.0)
@@ -75,12 +82,15 @@ async def test_a_frozen_decode_worker_stops_getting_requests_and_gets_them_again
 
 
 @pytest.mark.timeout(150)
-async def test_kill_9_of_a_decode_worker_mid_stream_loses_and_repeats_no_token(tmp_path: Path) -> None:
+@STREAMS
+async def test_kill_9_of_a_decode_worker_mid_stream_loses_and_repeats_no_token(
+    tmp_path: Path, streams: str
+) -> None:
     fleet = Fleet(tmp_path)
     max_tokens = 300
     prompt = list(range(1, 65))
     try:
-        _, router_address = await _fleet(fleet)
+        _, router_address = await _fleet(fleet, streams)
         async with grpc.aio.insecure_channel(router_address) as channel:
             stub = router_pb2_grpc.RouterStub(channel)
             track: dict[str, Outcome] = {}

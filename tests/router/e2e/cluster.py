@@ -79,6 +79,7 @@ async def embedded_cluster(
     slice_config: SliceConfig | None = None,
     http: bool = False,
     queue: QueueConfig | None = None,
+    worker_streams: str = "mux",
 ) -> AsyncIterator[Cluster]:
     store = MemoryStore()
     cms = await start_cms_server(store, "127.0.0.1:0", lease_ttl_s=2.0)
@@ -119,6 +120,7 @@ async def embedded_cluster(
             slice_config=slice_config,
             http_listen="127.0.0.1:0" if http else "",
             queue_config=queue,
+            worker_streams=worker_streams,
         )
         channel = grpc.aio.insecure_channel(router.address)
         cluster = Cluster(cms, store, workers, engines, router, channel, router_pb2_grpc.RouterStub(channel))

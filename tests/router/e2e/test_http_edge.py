@@ -254,8 +254,13 @@ async def test_models_and_health() -> None:
             assert response.status_code == 404 and "error" in response.json()
 
 
-async def test_client_disconnect_mid_stream_aborts_on_the_workers() -> None:
-    async with http_cluster(neutral=1, engine_overrides={"speed_factor": 1.0}) as (cluster, _client, base):
+@pytest.mark.parametrize("streams", ["mux", "per-request"])
+async def test_client_disconnect_mid_stream_aborts_on_the_workers(streams: str) -> None:
+    async with http_cluster(neutral=1, engine_overrides={"speed_factor": 1.0}, worker_streams=streams) as (
+        cluster,
+        _client,
+        base,
+    ):
         engine = cluster.engines["neutral-0"]
         async with httpx.AsyncClient(timeout=30) as http:
             body = {

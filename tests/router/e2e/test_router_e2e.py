@@ -11,6 +11,9 @@ from slorouter.v1 import common_pb2, router_pb2
 from router.core.queue import QueueConfig
 from tests.router.e2e.cluster import collect, embedded_cluster, generate_request
 
+#: The router's --worker-streams: legs on one Worker.Streams call per worker, or one call each.
+STREAMS = pytest.mark.parametrize("streams", ["mux", "per-request"])
+
 
 def check_stream(result, max_tokens: int) -> None:  # type: ignore[no-untyped-def]
     assert len(result.tokens) == max_tokens
@@ -24,8 +27,9 @@ def check_stream(result, max_tokens: int) -> None:  # type: ignore[no-untyped-de
 
 
 @pytest.mark.parametrize("policy", ["slo", "load-balance"])
-async def test_pd_concurrent_generate_all_complete(policy: str) -> None:
-    async with embedded_cluster(prefill=2, decode=2, policy=policy) as cluster:
+@STREAMS
+async def test_pd_concurrent_generate_all_complete(policy: str, streams: str) -> None:
+    async with embedded_cluster(prefill=2, decode=2, policy=policy, worker_streams=streams) as cluster:
         requests = [generate_request(32 + 8 * i, 12 + i % 5, request_id=f"r{i}") for i in range(40)]
         results = await asyncio.gather(*(collect(cluster.stub, r) for r in requests))
         prefill_used, decode_used = set(), set()
@@ -44,8 +48,9 @@ async def test_pd_concurrent_generate_all_complete(policy: str) -> None:
         assert cluster.router.service.active_requests == 0
 
 
-async def test_neutral_fleet_generates() -> None:
-    async with embedded_cluster(neutral=2) as cluster:
+@STREAMS
+async def test_neutral_fleet_generates(streams: str) -> None:
+    async with embedded_cluster(neutral=2, worker_streams=streams) as cluster:
         results = await asyncio.gather(*(collect(cluster.stub, generate_request(40, 20)) for _ in range(20)))
         for result in results:
             check_stream(result, 20)
@@ -103,8 +108,11 @@ async def test_schedule_matches_generate_decision() -> None:
         await background
 
 
-async def test_killing_a_decode_worker_mid_stream_loses_and_duplicates_nothing() -> None:
-    async with embedded_cluster(prefill=1, decode=2, engine_overrides={"speed_factor": 5.0}) as cluster:
+@STREAMS
+async def test_killing_a_decode_worker_mid_stream_loses_and_duplicates_nothing(streams: str) -> None:
+    async with embedded_cluster(
+        prefill=1, decode=2, engine_overrides={"speed_factor": 5.0}, worker_streams=streams
+    ) as cluster:
         request = generate_request(64, 120, request_id="survivor")
         expected = (await collect(cluster.stub, generate_request(64, 120, request_id="reference"))).tokens
         stream = cluster.stub.Generate(request, timeout=60)
@@ -124,8 +132,11 @@ async def test_killing_a_decode_worker_mid_stream_loses_and_duplicates_nothing()
         assert len(tokens) == 120
 
 
-async def test_client_cancel_aborts_on_the_workers() -> None:
-    async with embedded_cluster(prefill=1, decode=1, engine_overrides={"speed_factor": 2.0}) as cluster:
+@STREAMS
+async def test_client_cancel_aborts_on_the_workers(streams: str) -> None:
+    async with embedded_cluster(
+        prefill=1, decode=1, engine_overrides={"speed_factor": 2.0}, worker_streams=streams
+    ) as cluster:
         call = cluster.stub.Generate(generate_request(64, 2000, request_id="to-cancel"), timeout=60)
         received = 0
         async for message in call:
@@ -152,8 +163,11 @@ async def test_client_cancel_aborts_on_the_workers() -> None:
         assert len(cluster.router.scheduler.inflight) == 0
 
 
-async def test_deadline_aborts_on_the_workers() -> None:
-    async with embedded_cluster(neutral=1, engine_overrides={"speed_factor": 2.0}) as cluster:
+@STREAMS
+async def test_deadline_aborts_on_the_workers(streams: str) -> None:
+    async with embedded_cluster(
+        neutral=1, engine_overrides={"speed_factor": 2.0}, worker_streams=streams
+    ) as cluster:
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await collect(cluster.stub, generate_request(64, 3000), timeout_s=0.5)
         assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
