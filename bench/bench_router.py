@@ -16,6 +16,7 @@ Figures only; nothing is asserted.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import statistics
 import subprocess
@@ -197,7 +198,8 @@ async def _measure(
 def _pin_process(pid: int, cores: set[int]) -> None:
     """Pin every thread of ``pid`` (sched_setaffinity of a pid moves only its main thread)."""
     for tid in os.listdir(f"/proc/{pid}/task"):
-        os.sched_setaffinity(int(tid), cores)
+        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+            os.sched_setaffinity(int(tid), cores)
 
 
 def main(runs_wanted: tuple[tuple[float, float, int, str, bool], ...] = RUNS) -> list[Figure]:

@@ -155,6 +155,33 @@ async def test_generate_streams_exactly_max_tokens(cluster: Cluster) -> None:
     assert len(by_text.tokens) == 3
 
 
+async def test_streams_serves_many_legs_on_one_call_with_the_same_tokens(cluster: Cluster) -> None:
+    prompts = [random_prompt(30 + 5 * i, seed=40 + i) for i in range(4)]
+    async with Client(cluster.decode.address) as client:
+        call = client.stub.Streams()
+        hello = await call.read()
+        assert len(hello.updates) == 0
+        for i, prompt in enumerate(prompts):
+            request = generate_request(f"mux-{i}", prompt, 10, ignore_eos=True)
+            await call.write(worker_pb2.StreamCommand(stream_id=i + 1, generate=request))
+        tokens: dict[int, list[int]] = {i + 1: [] for i in range(4)}
+        finished: set[int] = set()
+        for _ in range(200):  # bounded: 4 legs x 10 tokens at most
+            if len(finished) == 4:
+                break
+            batch = await asyncio.wait_for(call.read(), 60)
+            for update in batch.updates:
+                assert update.error_code == 0, update.error_details
+                tokens[update.stream_id].extend(update.token_ids)
+                if update.finished:
+                    finished.add(update.stream_id)
+        call.cancel()
+    assert len(finished) == 4
+    for i, prompt in enumerate(prompts):
+        reference = await generate(cluster.decode.address, f"mux-ref-{i}", prompt, 10)
+        assert tokens[i + 1] == reference.tokens
+
+
 async def test_prefill_on_one_instance_and_decode_on_another_transfer_kv(cluster: Cluster) -> None:
     prompt = random_prompt(300, seed=2)
     before = kv_folders(cluster.shared_dir)
