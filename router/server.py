@@ -298,12 +298,20 @@ def add_worker_streams_argument(parser: argparse.ArgumentParser) -> None:
     """``--worker-streams`` (shared by ``router`` and ``up``)."""
     parser.add_argument(
         "--worker-streams",
-        choices=WORKER_STREAMS,
+        metavar="{" + ",".join(WORKER_STREAMS) + "}",
         default="mux",
         help="mux: every request to a worker runs on one Worker.Streams call per connection, the "
         "worker sending one message per engine step for all of them (a worker without that RPC is "
         "served per request); per-request: one Generate/Decode call per request (default: %(default)s)",
     )
+
+
+def check_worker_streams(args: argparse.Namespace) -> None:
+    """``--worker-streams`` names a mode (``ValueError`` naming the flag)."""
+    if args.worker_streams not in WORKER_STREAMS:
+        raise ValueError(
+            f"--worker-streams {args.worker_streams!r}: must be one of {', '.join(WORKER_STREAMS)}"
+        )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -583,6 +591,7 @@ def plan_from_args(args: argparse.Namespace) -> RouterPlan:
     if not args.cluster_name:
         raise ValueError("--cluster-name must not be empty")
     _check_availability_flags(args)
+    check_worker_streams(args)
     outlier = outlier_config(args)
     slice_config = slice_config_from_args(args)
     predictors = build_predictors(args)

@@ -44,6 +44,7 @@ from router.server import (
     add_worker_streams_argument,
     check_address,
     check_port,
+    check_worker_streams,
     qlm_config,
     queue_config,
     scheduler_config,
@@ -232,6 +233,7 @@ def plan_cluster(args: argparse.Namespace) -> ClusterPlan:
         raise ValueError("--dispatch-mode slice runs on neutral workers: add --neutral K")
     slice_config = slice_config_from_args(args)
     check_address("--listen", args.listen)
+    check_worker_streams(args)
     check_port("--metrics-port", args.metrics_port)
     config = scheduler_config(args)
     queue = queue_config(args)

@@ -36,6 +36,8 @@ CASES = [
     (["router", "--max-prompt-tokens", "0"], "--max-prompt-tokens"),
     (["router", "--listen", "nowhere"], "--listen"),
     (["router", "--processes", "0"], "--processes"),
+    (["router", "--worker-streams", "batched"], "--worker-streams"),
+    (["up", "--worker-streams", "batched"], "--worker-streams"),
     (["router", "--processes", "2"], "--processes"),  # the embedded CMS is one process's
     (["router", "--processes", "99", "--cms", "grpc://127.0.0.1:1"], "--processes"),
     (["router", "--cms-listen", "127.0.0.1:99999"], "--cms-listen"),
