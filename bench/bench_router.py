@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import httpx2 as httpx
 from slorouter.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 from bench.figures import Figure
@@ -195,6 +196,71 @@ async def _measure(
             await channel.close(None)
 
 
+#: The HTTP edge runs: --worker-streams modes, each twice, alternating (the machine is shared).
+EDGE_RUNS = ("mux", "per-request", "mux", "per-request")
+
+
+async def _edge_traffic(base: str, requests: int) -> int:
+    """REQUESTS streamed ``/v1/completions`` of MAX_TOKENS tokens, STREAMS at a time; SSE chunks received."""
+    gate = asyncio.Semaphore(STREAMS)
+    chunks = 0
+    limits = httpx.Limits(max_connections=STREAMS + 8)
+    async with httpx.AsyncClient(timeout=120, limits=limits) as http:
+
+        async def one(i: int) -> None:
+            nonlocal chunks
+            body = {
+                "model": "sim",
+                "prompt": _prompt(i),
+                "max_tokens": MAX_TOKENS,
+                "stream": True,
+                "ignore_eos": True,
+            }
+            async with gate, http.stream("POST", f"{base}/v1/completions", json=body) as response:
+                async for line in response.aiter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        chunks += 1
+
+        await asyncio.gather(*(one(i) for i in range(requests)))
+    return chunks
+
+
+def _edge(streams: str) -> tuple[float, float] | None:
+    """The `up` process's CPU per request and per SSE chunk through the HTTP edge (sim at real speed)."""
+    cmd = [
+        sys.executable, "-m", "router.cli", "up", "--neutral", "2", "--listen", "127.0.0.1:0",
+        "--http-listen", "127.0.0.1:0", "--scheduling-policy", "load-balance", "--worker-streams", streams,
+    ]  # fmt: skip
+    up = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=REPO)
+    try:
+        assert up.stdout is not None
+        base = ""
+        for line in up.stdout:
+            if line.startswith("OpenAI-compatible HTTP API on "):
+                base = line.split()[-1].removesuffix("/v1")
+                break
+        if not base:
+            print("slo-router up did not start; no figures")
+            return None
+        asyncio.run(_edge_traffic(base, STREAMS // 2))  # warm-up
+        load = os.getloadavg()[0]
+        cpu0 = _own_cpu_s(up.pid)
+        chunks = asyncio.run(_edge_traffic(base, REQUESTS))
+        cpu = _own_cpu_s(up.pid) - cpu0
+        print(
+            f"HTTP edge, {STREAMS} streams of {MAX_TOKENS} tokens (/v1/completions streamed), --worker-streams "
+            f"{streams}: up (+CMS) CPU {cpu / REQUESTS * 1e3:.2f} ms per request, {cpu / max(chunks, 1) * 1e6:.1f} "
+            f"µs per SSE chunk; load average {load:.1f}-{os.getloadavg()[0]:.1f}",
+            flush=True,
+        )
+        return cpu / REQUESTS * 1e3, cpu / max(chunks, 1) * 1e6
+    finally:
+        up.terminate()
+        up.wait(timeout=30)
+        if up.stdout is not None:
+            up.stdout.close()
+
+
 def _pin_process(pid: int, cores: set[int]) -> None:
     """Pin every thread of ``pid`` (sched_setaffinity of a pid moves only its main thread)."""
     for tid in os.listdir(f"/proc/{pid}/task"):
@@ -202,8 +268,16 @@ def _pin_process(pid: int, cores: set[int]) -> None:
             os.sched_setaffinity(int(tid), cores)
 
 
-def main(runs_wanted: tuple[tuple[float, float, int, str, bool], ...] = RUNS) -> list[Figure]:
+def main(
+    runs_wanted: tuple[tuple[float, float, int, str, bool], ...] = RUNS,
+    edge_runs: tuple[str, ...] = EDGE_RUNS,
+) -> list[Figure]:
     runs = {run: _run(*run) for run in runs_wanted}
+    edge: dict[str, list[tuple[float, float]]] = {}
+    for streams in edge_runs:
+        measured = _edge(streams)
+        if measured is not None:
+            edge.setdefault(streams, []).append(measured)
     figures = []
     for (speed, interval, processes, streams, pinned), hop in runs.items():
         what = f"router hop, {STREAMS} streams, sim workers " + (
@@ -234,6 +308,14 @@ def main(runs_wanted: tuple[tuple[float, float, int, str, bool], ...] = RUNS) ->
         if hop is not None and not interval and processes == 1 and not pinned
     ]
     figures.append(Figure("TTFT added by the router hop, one stream", "p50 " + ", ".join(added)))
+    for streams, samples in edge.items():
+        figures.append(
+            Figure(
+                f"HTTP edge, {STREAMS} streams of {MAX_TOKENS} tokens, sim at real speed, --worker-streams {streams}",
+                "up (+CMS) CPU "
+                + ", ".join(f"{ms:.1f} ms per request ({us:.0f} µs per SSE chunk)" for ms, us in samples),
+            )
+        )
     return figures
 
 
@@ -301,14 +383,19 @@ if __name__ == "__main__":
     parser.add_argument("--worker-streams", choices=("mux", "per-request"), help="only runs in this mode")
     parser.add_argument("--pinned", action="store_true", help="only the pinned runs")
     parser.add_argument("--unpinned", action="store_true", help="only the runs without pinning")
+    parser.add_argument("--edge", action="store_true", help="only the HTTP edge runs")
+    parser.add_argument("--no-edge", action="store_true", help="no HTTP edge runs")
     args = parser.parse_args()
     main(
-        tuple(
+        ()
+        if args.edge
+        else tuple(
             run
             for run in RUNS
             if (args.speed is None or run[0] == args.speed)
             and (args.worker_streams is None or run[3] == args.worker_streams)
             and not (args.pinned and not run[4])
             and not (args.unpinned and run[4])
-        )
+        ),
+        () if args.no_edge else tuple(m for m in EDGE_RUNS if args.worker_streams in (None, m)),
     )
