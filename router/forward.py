@@ -392,7 +392,10 @@ class WorkerClient:
         except grpc.aio.AioRpcError as exc:
             if exc.code() is grpc.StatusCode.UNIMPLEMENTED:
                 logger.info("worker %s does not serve Worker.Streams: per-request calls", endpoint)
-                self._no_mux[endpoint] = self._clock()
+                now = self._clock()
+                if len(self._no_mux) >= self._pool.max_channels:  # bounded like the channels
+                    self._no_mux = {e: t for e, t in self._no_mux.items() if now - t < NO_MUX_RETRY_S}
+                self._no_mux[endpoint] = now
                 return None
             raise self._failed(_leg_error(target.instance_id, exc)) from exc
         return connection

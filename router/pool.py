@@ -49,6 +49,10 @@ class ChannelPool:
         )
         self._closing: set[asyncio.Task[None]] = set()
 
+    @property
+    def max_channels(self) -> int:
+        return self._max
+
     def stub(self, endpoint: str) -> worker_pb2_grpc.WorkerAsyncStub:
         return self.entry(endpoint)[1]
 
