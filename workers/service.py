@@ -20,6 +20,10 @@ any other ``EngineError``      ``INTERNAL``
 A client that cancels a call aborts its request on the engine. Tokens a slow
 client has not taken yet are merged by the engine, so each message carries
 everything ready (see :class:`workers.engine.DeltaCollector`).
+
+``Streams`` carries many requests' generate/decode legs on one call, with one
+message per engine step for all of them (:mod:`workers.streams`); the router
+uses it by default, and ``Generate``/``Decode`` stay for every other client.
 """
 
 from __future__ import annotations
