@@ -251,7 +251,9 @@ async def test_a_slow_consumer_gets_merged_messages_not_a_queue(pool: ChannelPoo
         await worker.watcher.until(lambda: not worker.engine.core.has_unfinished, timeout_s=20)
         tokens, reason, messages = await _tokens(stream)
         assert len(first.token_ids) + len(tokens) == 200 and reason == "length"
-        assert messages <= 2  # what arrived before the engine finished, and its last batch
+        # Without merging this would be one message per step (about 199); the leg hands over what
+        # arrived while nobody read as one message, plus the few batches still on the wire.
+        assert messages <= 5
     finally:
         await client.close()
         await _stop(worker)
