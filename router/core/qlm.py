@@ -894,14 +894,35 @@ class QlmQueue:
     # ------------------------------------------------------------------ the LSOs
 
     def pump(self, now_s: float, evict: Evict | None = None) -> list[Dispatch]:
-        """Pull requests into instances with free slots; evict for a tight head group when enabled."""
+        """Pull requests into instances with free slots; evict for a tight head group when enabled.
+
+        Each instance first pulls from its own virtual queue; an instance
+        that still has free slots once its own queue is empty then pulls
+        from the others' (:meth:`_pull_other`), so no slot idles while a
+        request waits.
+        """
         out: list[Dispatch] = []
         for i in range(len(self.models)):
             out.extend(self._pull(i, now_s))
             evicting = evict is not None and self.config.eviction == "on" and bool(self.vqs[i])
             if evicting and evict is not None and self._evict(i, now_s, evict):
                 out.extend(self._pull(i, now_s))
+        for i in range(len(self.models)):
+            if not self.vqs[i]:
+                out.extend(self._pull_other(i, now_s))
         return out
+
+    def _take(self, i: int, src: int, group: Group, now_s: float) -> Dispatch:
+        """Run ``group``'s first member (its group is on virtual queue ``src``) on instance ``i``."""
+        r = group.members.popleft()
+        if src == i:
+            group.pinned = i
+        del self.queued[r.request_id]
+        r.instance, r.dispatched_s = i, now_s
+        self.running[i][r.request_id] = r
+        if not group.members:
+            self._drop_group(src, group)
+        return Dispatch(r, i)
 
     def _pull(self, i: int, now_s: float) -> list[Dispatch]:
         out: list[Dispatch] = []
@@ -911,14 +932,37 @@ class QlmQueue:
             if not group.members:
                 self._drop_group(i, group)
                 continue
-            r = group.members.popleft()
-            group.pinned = i
-            del self.queued[r.request_id]
-            r.instance, r.dispatched_s = i, now_s
-            self.running[i][r.request_id] = r
-            out.append(Dispatch(r, i))
-            if not group.members:
-                self._drop_group(i, group)
+            out.append(self._take(i, i, group, now_s))
+        return out
+
+    def _pull_other(self, i: int, now_s: float) -> list[Dispatch]:
+        """Request pulling across virtual queues: instance ``i``'s queue is empty but it has free slots.
+
+        The plan assigns groups to virtual queues from the estimator's view
+        at its last run, which is re-run only when a miss is predicted; in
+        between, requests finish earlier or later than estimated and one
+        instance can run dry while another's queue still waits (a burst of
+        one group lands on one queue). Leaving slots idle then can only
+        delay someone, so the idle instance takes the most urgent waiting
+        request elsewhere (earliest deadline still ahead, then queue
+        position): the paper's pulling, with the plan's order kept on every
+        queue. The group stays where the plan put it (its members pulled
+        here just leave it), so no group is split or reordered.
+        """
+        out: list[Dispatch] = []
+        while len(self.running[i]) < self.models[i].batch and self.queued:
+            best: tuple[float, int, int, int] | None = None  # (urgency, position, gid, queue)
+            for j, vq in enumerate(self.vqs):
+                for pos, gid in enumerate(vq):
+                    group = self.groups[gid]
+                    if group.members:
+                        key = (group.urgency_s(now_s), pos, gid, j)
+                        if best is None or key < best:
+                            best = key
+            if best is None:
+                break
+            _, _, gid, j = best
+            out.append(self._take(i, j, self.groups[gid], now_s))
         return out
 
     def _drop_group(self, i: int, group: Group) -> None:

@@ -104,6 +104,29 @@ def test_pulling_fills_the_batch_in_virtual_queue_order() -> None:
     q.check_invariants()
 
 
+def test_an_instance_with_an_empty_virtual_queue_pulls_from_the_others() -> None:
+    q = queue(n=2, batch=2)
+    for k in range(6):
+        q.push(loose(f"l{k}", arrival=0.001 * k), 0.0)
+    first = q.pump(0.0)
+    assert len(first) == 4 and len(q) == 2
+    # Instance 1's two requests end early; the waiting ones sit on instance 0's virtual queue (their
+    # group started there), yet instance 1 must not idle while they wait.
+    on_1 = [d.request.request_id for d in first if d.instance == 1]
+    for rid in on_1:
+        q.finished(rid, 1000, 1.0)
+    for i, vq in enumerate(q.vqs):
+        if i == 1:
+            q.vqs[0].extend(vq)
+            vq.clear()
+    waiting = [r.request_id for r in q.requests()]
+    again = q.pump(1.0)
+    assert sorted(d.instance for d in again) == [1, 1]
+    assert [d.request.request_id for d in again] == waiting  # in the virtual queue's order
+    assert len(q) == 0
+    q.check_invariants()
+
+
 def test_eviction_requeues_with_generated_tokens_appended() -> None:
     q = queue(batch=2)
     for k in range(2):
