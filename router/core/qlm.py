@@ -885,7 +885,12 @@ class QlmQueue:
         if self.config.solver == "milp" and len(groups) <= self.config.milp_max_groups:
             plan = milp_plan(self.estimator, self.models, running, groups, now_s)
         else:
-            evictable = self._evictable if self.config.eviction == "on" else None
+            evictable = None
+            if self.config.eviction == "on":
+
+                def evictable(r: QlmRequest, group: Group) -> bool:
+                    return self._evictable(r, group) and self._survives(r, group, now_s)
+
             plan = heuristic_plan(self.estimator, self.models, running, groups, now_s, evictable)
         self.vqs = [list(o) for o in plan.order]
         self.expected_missing = {e.gid: e.size - e.meeting for ests in self.estimates(now_s) for e in ests}
@@ -980,6 +985,36 @@ class QlmQueue:
             and r.evictions < self.config.max_evictions
         )
 
+    def _survives(self, r: QlmRequest, group: Group, now_s: float) -> bool:
+        """May evicting running ``r`` for ``group`` cost no request on time: does ``r`` still meet its deadline?
+
+        The evicted request queues again right behind ``group`` on its
+        instance and then recomputes its prompt and the tokens it generated
+        (a prefill of both) before decoding the rest: its completion is
+        estimated with ``group`` placed first on the slots of the other
+        running requests. The paper's plan weighs an evicted request's own
+        deadline; without this check an eviction that saves a tight request
+        can cost a loose one that was on time, which is no gain in requests on
+        time (in simulation at 14 req/s, a third of the evicted requests then
+        missed their own deadline). A request predicted to miss even if it is
+        left running may be evicted: no request on time is lost.
+        """
+        i = r.instance
+        if i < 0:
+            return False
+        model = self.models[i]
+        others = [x for x in self.running[i].values() if x is not r]
+        slots = self.estimator.slots(model, others, now_s)
+        self.estimator.place(model, slots, group, now_s)
+        _, rest_q = self.estimator.remaining(model, r, now_s)
+        done = max(now_s - r.dispatched_s - model.prefill_s(r.prompt_tokens), 0.0) / model.decode_step_s
+        again = model.prefill_s(r.prompt_tokens + int(done))
+        _, start_q = slots.take(0.0, 0.0)
+        if now_s + start_q + again + rest_q <= r.deadline_s:
+            return True
+        # A request predicted to miss its deadline even if left running loses nothing by it.
+        return now_s + rest_q > r.deadline_s
+
     def _evict(self, i: int, now_s: float, evict: Evict) -> bool:
         head = self.groups[self.vqs[i][0]]
         model = self.models[i]
@@ -987,18 +1022,16 @@ class QlmQueue:
             return False
         # Members that miss waiting but would meet if they started now.
         running = list(self.running[i].values())
-        waiting = self.estimator.queue(model, running, [head], now_s)[0]
-        keep = [r for r in running if not self._evictable(r, head)]
-        if len(keep) == len(running):
+        candidates = [r for r in running if self._evictable(r, head) and self._survives(r, head, now_s)]
+        if not candidates:
             return False
+        waiting = self.estimator.queue(model, running, [head], now_s)[0]
+        keep = [r for r in running if r not in candidates]
         freed = self.estimator.queue(model, keep, [head], now_s)[0]
         need = min(freed.meeting - waiting.meeting, len(head.members), model.batch)
         if need <= 0:
             return False
-        victims = sorted(
-            (r for r in running if self._evictable(r, head)),
-            key=lambda r: (-r.deadline_s, r.request_id),
-        )[:need]
+        victims = sorted(candidates, key=lambda r: (-r.deadline_s, r.request_id))[:need]
         done = False
         for r in victims:
             total = evict(r, i)

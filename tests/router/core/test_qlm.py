@@ -156,6 +156,42 @@ def test_eviction_requeues_with_generated_tokens_appended() -> None:
     assert q2.pump(1.0, evict) == [] and len(aborted) == 1
 
 
+def loose_by(rid: str, deadline_s: float, out: int = 1000) -> ScheduleInput:
+    return ScheduleInput(
+        request_id=rid,
+        prompt_tokens=200,
+        e2e_slo_ms=deadline_s * 1e3,
+        max_tokens=out,
+        slo_class="batch",
+        arrival_s=0.0,
+    )
+
+
+@pytest.mark.parametrize(
+    ("deadline_s", "evicted"),
+    [
+        (20.6, False),  # on time if left running (~20.1 s), late if it yields to the tight one (~21.2 s)
+        (40.0, True),  # on time either way
+        (15.0, True),  # late either way: evicting it loses no request on time
+    ],
+)
+def test_eviction_never_turns_the_evicted_request_into_a_miss(deadline_s: float, evicted: bool) -> None:
+    q = queue(batch=1)
+    q.push(loose_by("l", deadline_s), 0.0)
+    assert [d.request.request_id for d in q.pump(0.0)] == ["l"]
+    q.push(tight("t", arrival=1.0), 1.0)  # would wait ~19 s behind it, target 500 ms
+    aborted: list[str] = []
+
+    def evict(r: QlmRequest, instance: int) -> int:
+        aborted.append(r.request_id)
+        return 47
+
+    out = q.pump(1.0, evict)
+    assert aborted == (["l"] if evicted else [])
+    assert [d.request.request_id for d in out] == (["t"] if evicted else [])
+    q.check_invariants()
+
+
 def test_tight_requests_are_never_evicted_and_eviction_is_bounded() -> None:
     q = queue(batch=1, max_evictions=1)
     q.push(tight("a", arrival=0.0), 0.0)
