@@ -1,8 +1,9 @@
 """The ``qlm`` queue policy in the router: :class:`router.core.qlm.QlmQueue` driven by events, with live eviction.
 
 The same pure queue the simulator runs (:mod:`sim.cluster`). ``place`` puts a
-request in its group and pumps; the request's future resolves when its
-instance pulls it (it runs fewer than the batch of ours). The pump runs on
+request in its group and pumps; the request's future resolves when an
+instance pulls it (it runs fewer than the batch of ours, or more e2e-only ones
+within its KV cache, see :meth:`QlmQueue._room`). The pump runs on
 arrivals and on requests ending at the router, as :class:`router.admission.Admission`'s does.
 
 Eviction: once a request streams, the service lends the queue a
@@ -110,7 +111,10 @@ class QlmAdmission:
         for record in records:
             lp = predictors.for_group(record.metadata.labels.get(label, ""))
             budget = record.metadata.max_num_batched_tokens or sched.config.default_max_num_batched_tokens
-            models.append(instance_model(lp, self.qlm_config, sched.config.tpot_slo_ms, budget=budget))
+            kv = int(record.metadata.kv_capacity_tokens)
+            models.append(
+                instance_model(lp, self.qlm_config, sched.config.tpot_slo_ms, budget=budget, kv_tokens=kv)
+            )
         self.ids = tuple(r.metadata.instance_id for r in records)
         self.qlm = QlmQueue(
             self.qlm_config,

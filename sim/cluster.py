@@ -1225,7 +1225,13 @@ def _make_qlm(
         engine = fleet.configs[i]
         models.append(
             instance_model(
-                lp, config, defaults.tpot_slo_ms, context, engine.max_num_seqs, engine.max_num_batched_tokens
+                lp,
+                config,
+                defaults.tpot_slo_ms,
+                context,
+                engine.max_num_seqs,
+                engine.max_num_batched_tokens,
+                engine.kv_capacity_tokens,
             )
         )
     return QlmQueue(

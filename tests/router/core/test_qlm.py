@@ -363,3 +363,63 @@ def test_router_qlm_flags_name_the_flag_and_router_queue_refuses_qlm() -> None:
         qlm_config(argparse.Namespace(qlm_group_factor=0))
     with pytest.raises(ConfigError, match="qlm"):
         RouterQueue(QueueConfig(queue_policy="qlm"), 6000.0, 50.0)
+
+
+def roomy(batch: int = 2, most: int = 6, kv_tokens: int = 100_000, **kw: object) -> QlmQueue:
+    m = InstanceModel(batch, STEP_S, lambda n: 0.05 + n * 1e-4, most=most, kv_tokens=kv_tokens)
+    return QlmQueue(QlmConfig(**kw), [m], 6000.0, 50.0)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("deadline_s", "running"), [(25.0, 4), (600.0, 2)])
+def test_e2e_only_work_runs_beyond_the_batch_only_when_it_would_miss_at_the_batch(
+    deadline_s: float, running: int
+) -> None:
+    # Four 1000-token requests take 20 s each: two at a time, the last two end at ~40 s.
+    q = roomy()
+    for k in range(4):
+        q.push(loose_by(f"l{k}", deadline_s), 0.0)
+    assert len(q.pump(0.0)) == running
+    q.check_invariants()
+
+
+def test_nothing_runs_beyond_the_batch_beside_a_tpot_judged_request() -> None:
+    q = roomy()
+    q.push(tight("t"), 0.0)
+    for k in range(4):
+        q.push(loose_by(f"l{k}", 25.0), 0.0)
+    assert len(q.pump(0.0)) == 2
+    q = roomy(kv_tokens=3 * 1200 + 600)  # KV for three requests' prompts and outputs
+    for k in range(4):
+        q.push(loose_by(f"l{k}", 25.0), 0.0)
+    assert len(q.pump(0.0)) == 3
+
+
+def test_a_tight_request_evicts_the_work_beyond_the_batch_to_start() -> None:
+    q = roomy(most=3)
+    for k in range(2):
+        q.push(loose_by(f"l{k}", 600.0), 0.0)
+    assert len(q.pump(0.0)) == 2
+    q.push(loose_by("late", 25.0), 0.0)  # misses if it waits for a slot (~20 s): runs beyond the batch
+    assert len(q.pump(0.0)) == 1
+    q.push(tight("t", arrival=1.0), 1.0)
+    aborted: list[str] = []
+
+    def evict(r: QlmRequest, instance: int) -> int:
+        aborted.append(r.request_id)
+        return 47
+
+    out = q.pump(1.0, evict)
+    assert [d.request.request_id for d in out] == ["t"]
+    # Two go (the batch is 2: one slot for the tight request), the loosest; "late" would miss if evicted.
+    assert sorted(aborted) == ["l0", "l1"]
+    assert set(q.running[0]) == {"late", "t"}
+    q.check_invariants()
+
+
+def test_no_eviction_that_cannot_start_the_tight_request() -> None:
+    q = roomy()
+    for k in range(4):
+        q.push(loose_by(f"l{k}", 25.0), 0.0)
+    assert len(q.pump(0.0)) == 4  # two beyond the batch; each would miss if it queued again
+    q.push(tight("t", arrival=1.0), 1.0)
+    assert q.pump(1.0, lambda r, i: pytest.fail(f"evicted {r.request_id} for nothing")) == []
