@@ -46,12 +46,16 @@ The pieces, and how they are adapted to this router:
   arrival or an eviction, the estimator predicts a violation the current
   plan did not already expect.
 * **LSOs.** Request pulling: an instance gets the next request of its virtual
-  queue's head group while it runs fewer than ``batch`` of ours. Load
-  balancing: the plan moves unstarted groups between virtual queues. Request
-  eviction (``--qlm-eviction on``): when the head group of a full instance
-  would miss its deadline waiting but would meet it if it started now, running
-  requests of looser e2e-only groups on that instance are evicted (loosest
-  first, at most ``--qlm-max-evictions`` times per request): the caller aborts
+  queue's head group while it has room (:meth:`QlmQueue._room`: fewer than
+  ``batch`` of ours, or more e2e-only ones when nothing judged on TPOT is
+  there), and one whose virtual queue is empty pulls the most urgent request
+  waiting on the others. Load balancing: the plan moves unstarted groups
+  between virtual queues. Request eviction (``--qlm-eviction on``): when the
+  head group of a full instance would miss its deadline waiting but would
+  meet it if it started now, running requests of looser e2e-only groups on
+  that instance are evicted (loosest first, at most ``--qlm-max-evictions``
+  times per request, and only requests predicted to meet their own deadline
+  after it, or to miss it anyway: :meth:`QlmQueue._survives`): the caller aborts
   them and they are queued again with their generated tokens appended to the
   prompt and ``max_tokens`` reduced by as many, so the client's stream loses
   and repeats nothing. Only e2e-only requests are evicted: a request judged on
