@@ -955,9 +955,9 @@ class QlmQueue:
         cache, so nothing is preempted). The paper's instances pull while
         they have memory; the TPOT-safe batch is this router's adaptation
         for streams judged on TPOT, and holding e2e-only work to it left the
-        engines running a third fewer requests than the other queue
-        policies under overload (at 14 req/s in simulation, a fifth of the
-        instance time had only e2e-only requests running).
+        engines running a fifth fewer requests than ``edf`` under overload
+        (at 14 req/s in simulation, a fifth of the instance time had only
+        e2e-only requests running).
         """
         model = self.models[i]
         run = self.running[i]
