@@ -902,9 +902,20 @@ class QlmQueue:
         else:
             evictable = None
             if self.config.eviction == "on":
+                # The plan asks for every running request and every group it places: the group's start
+                # behind all running requests is computed once per (group, instance), a slightly
+                # pessimistic form of :meth:`_survives` (the victim's own slot counts as busy); the
+                # eviction itself uses the exact check.
+                starts: dict[tuple[int, int], float] = {}
 
                 def evictable(r: QlmRequest, group: Group) -> bool:
-                    return self._evictable(r, group) and self._survives(r, group, now_s)
+                    if not self._evictable(r, group) or r.instance < 0:
+                        return False
+                    key = (group.gid, r.instance)
+                    start_q = starts.get(key)
+                    if start_q is None:
+                        start_q = starts[key] = self._start_behind(r.instance, group, now_s)
+                    return self._survives(r, group, now_s, start_q=start_q)
 
             plan = heuristic_plan(self.estimator, self.models, running, groups, now_s, evictable)
         self.vqs = [list(o) for o in plan.order]
@@ -1047,6 +1058,7 @@ class QlmQueue:
         now_s: float,
         others: Sequence[QlmRequest] | None = None,
         before: Sequence[QlmRequest] = (),
+        start_q: float | None = None,
     ) -> bool:
         """May evicting running ``r`` for ``group`` cost no request on time: does ``r`` still meet its deadline?
 
@@ -1060,24 +1072,33 @@ class QlmQueue:
         was on time, which is no gain in requests on time (in simulation at
         14 req/s, a third of the evicted requests then missed their own
         deadline). A request predicted to miss even if it is left running may
-        be evicted: no request on time is lost.
+        be evicted: no request on time is lost. ``start_q``: the requeued
+        request's start (relative quantile), when the caller knows it.
         """
         i = r.instance
         if i < 0:
             return False
         model = self.models[i]
-        if others is None:
-            others = [x for x in self.running[i].values() if x is not r]
-        slots = self.estimator.slots(model, others, now_s)
-        self.estimator.place(model, slots, group, now_s)
-        for v in before:
-            slots.take(*self._restart(model, v, now_s))
-        _, start_q = slots.take(0.0, 0.0)
+        if start_q is None:
+            if others is None:
+                others = [x for x in self.running[i].values() if x is not r]
+            slots = self.estimator.slots(model, others, now_s)
+            self.estimator.place(model, slots, group, now_s)
+            for v in before:
+                slots.take(*self._restart(model, v, now_s))
+            _, start_q = slots.take(0.0, 0.0)
         _, whole_q = self._restart(model, r, now_s)
         if now_s + start_q + whole_q <= r.deadline_s:
             return True
         _, rest_q = self.estimator.remaining(model, r, now_s)
         return now_s + rest_q > r.deadline_s
+
+    def _start_behind(self, i: int, group: Group, now_s: float) -> float:
+        """When a request queued right behind ``group`` on instance ``i`` would start (relative quantile)."""
+        model = self.models[i]
+        slots = self.estimator.slots(model, list(self.running[i].values()), now_s)
+        self.estimator.place(model, slots, group, now_s)
+        return slots.take(0.0, 0.0)[1]
 
     def _evict(self, i: int, now_s: float, evict: Evict) -> bool:
         head = self.groups[self.vqs[i][0]]
