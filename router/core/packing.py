@@ -259,7 +259,8 @@ def _overpacked(ctx: DecisionContext, config: SchedulerConfig) -> FloatArray:
 def prefill_room_mask(ctx: DecisionContext) -> BoolArray:
     """Instances that may take new decode without starving adaptive PD's prefill side.
 
-    The reserved decode always passes (it is kept for decode). Another
+    The reserved decode always passes (it is kept for decode; for a request
+    that excludes it, a retry, every decode-idle instance passes). Another
     decode-idle instance passes when the decode set is below the size the
     placed demand calls for (``ctx.reserves.max_decoders``, see
     :class:`router.core.adaptive_pd.DecodeShare`) and at least
@@ -286,6 +287,10 @@ def prefill_room_mask(ctx: DecisionContext) -> BoolArray:
     if reserved >= 0:
         keep[reserved] = True
         decoders = decoders[decoders != reserved]
+        request = ctx.request
+        if request is not None and ctx.view.instances.ids[reserved] in request.exclude_instance_ids:
+            # A retry away from the reserved decode: a decode-idle instance stands in for it.
+            keep |= idle
     excess = len(decoders) + (1 if reserved >= 0 and not idle[reserved] else 0) - cap
     drain = int(excess) if excess > 0 else (1 if not np.count_nonzero(good) else 0)
     if drain and len(decoders) > 1:
