@@ -291,10 +291,13 @@ def prefill_room_mask(ctx: DecisionContext) -> BoolArray:
         if request is not None and ctx.view.instances.ids[reserved] in request.exclude_instance_ids:
             # A retry away from the reserved decode: a decode-idle instance stands in for it.
             keep |= idle
-    excess = len(decoders) + (1 if reserved >= 0 and not idle[reserved] else 0) - cap
-    drain = int(excess) if excess > 0 else (1 if not np.count_nonzero(good) else 0)
-    if drain and len(decoders) > 1:
+    reserved_decodes = reserved >= 0 and not idle[reserved]
+    excess = len(decoders) + int(reserved_decodes) - cap
+    if excess > 0:  # down to the reserved decode, or one decoder without it
+        drain = min(int(excess), len(decoders) - (0 if reserved_decodes else 1))
+    else:
+        drain = 1 if not np.count_nonzero(good) and len(decoders) > 1 else 0
+    if drain > 0:
         ranks = ctx.view.instances.id_rank[decoders]
-        lightest = decoders[np.lexsort((ranks, batch[decoders]))[: min(drain, len(decoders) - 1)]]
-        keep[lightest] = False
+        keep[decoders[np.lexsort((ranks, batch[decoders]))[:drain]]] = False
     return keep
