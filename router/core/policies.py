@@ -255,7 +255,10 @@ def _adaptive_pd(config: SchedulerConfig) -> dict[str, Any]:
         # their requests: TPOT now (admission) and at the γ horizon (bin-packing target), KV over
         # life, and not over-packed. Pass 1 drops the γ horizon (the selector then opens a
         # decode-idle instance, or fills the fullest decoder still within the admission target);
-        # pass 2 also the reserve, the prefill-room guard and the valve.
+        # pass 2 also the reserve and the valve. The prefill-room guard (and the decode-set size it
+        # applies, adaptive_pd.DecodeShare) holds in every pass: relaxed in overload, it opened
+        # decoders and fed the ones draining back to prefill, so the prefill side shrank on a fleet
+        # whose bottleneck was prefill (README, adaptive PD in overload); the request waits instead.
         "decode": {
             "filters": [
                 *HEALTH,
