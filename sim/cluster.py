@@ -506,6 +506,12 @@ class _Simulation:
                 self._account_busy()
             if heap and (k >= n or heap[0][0] <= arrivals[k]):
                 t, seq, kind, x = pop(heap)
+                if kind == _QUEUE_TIMER and not (self.queue is not None and len(self.queue)):
+                    # Set while requests waited, the queue has emptied since: nothing happens at t.
+                    # (Taking its time as an event stretched the run's span, and with it the
+                    # busy-instance means and goodput, by however long the timer was set ahead.)
+                    self.timer_at = math.inf
+                    continue
                 self._busy_until(t)
                 self.now = t
                 if kind == _STEP_END:

@@ -13,6 +13,19 @@ request's model, deterministic for a given view:
 * reserved prefill (a different instance) — prefer no decode load; then the
   smallest decode batch; then the smallest prefill backlog; then the lowest id.
 
+The decode set's size (:class:`DecodeShare`, Aladdin's worker-count model,
+seed 001, applied to one fleet instead of a fleet size): from the load it
+placed over the last minute, the instances prefill and decode keep busy (the
+throughput model of :mod:`router.core.capacity`), and of the usable instances
+the decode share of that demand may hold decode work, rounded (at least the
+whole decode demand while prefill's demand fits beside it). Only
+decode-idle instances prefill, so each decoder past that share is prefill
+capacity a saturated fleet lacks, and one short of it starves decode; in
+overload both sides are saturated and the split that serves the most is
+the one in proportion to their demands (the placed rate cancels out, so it
+holds while the fleet places less than arrives). The
+``prefill_room`` filter applies it.
+
 Loads include the router's in-flight dispatches. A reserve is re-elected at
 once — in the same decision — when it disappears from the view, becomes
 unschedulable or goes stale; with a single usable instance only the reserved
@@ -22,10 +35,21 @@ decode is held. Reserves are kept per model and changed only by committed
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import numpy as np
 
+from router.core.capacity import LoadShape, LoadTracker, decode_batch, role_demand
 from router.core.columns import BoolArray, InstanceTable
+from router.core.config import SchedulerConfig
+from router.core.packing import expected_output_tokens
 from router.core.plugins import DecisionContext, Reserves
+
+#: Placements :class:`DecodeShare` needs in its window before it sizes the decode set.
+MIN_OBSERVED = 20
+#: How often (s, the decisions' clock) :class:`DecodeShare` re-fits the throughput model.
+REFIT_S = 1.0
 
 
 def _still_usable(table: InstanceTable, usable: BoolArray, instance_id: str | None) -> int:
@@ -83,3 +107,76 @@ class ReserveElection:
         else:
             order = np.lexsort((rank, backlog, batch, batch > 0))
         return int(index[order[0]])
+
+
+class DecodeShare:
+    """A policy hook sizing adaptive PD's decode set by the demand placed (see the module doc).
+
+    Sets ``ctx.reserves.max_decoders`` (after :class:`ReserveElection`). The
+    demand is the model of :mod:`router.core.capacity` on the load observed
+    over ``window_s`` (each committed placement's prompt and expected output),
+    with the default profile, the TPOT target, the packing strictness and
+    threshold, and the median KV capacity of the usable instances.
+    """
+
+    def __init__(self, config: SchedulerConfig, window_s: float = 60.0) -> None:
+        self.config = config
+        self.load = LoadTracker(window_s)
+        self._fitted_at = -math.inf
+        #: (prefill, decode) instances the observed load keeps busy (None: not enough seen yet).
+        self.demand: tuple[float, float] | None = None
+
+    def prepare(self, ctx: DecisionContext) -> None:
+        request = ctx.request
+        now = ctx.view.now_s
+        if request is not None:
+            prompt = request.prompt_tokens
+            output = expected_output_tokens(request, self.config.packing_default_output_tokens)
+            ctx.on_commit(lambda: self.load.observe(now, prompt, output))
+        if ctx.predictors is None:
+            return
+        if now - self._fitted_at >= REFIT_S or now < self._fitted_at:
+            self._fitted_at = now
+            self.demand = self._fit(ctx, self.load.shape(now))
+        if self.demand is None:
+            return
+        usable = ctx.usable()
+        if request is not None and request.model:
+            usable = usable & ctx.view.instances.model_mask(request.model)
+        cap = decoder_cap(int(np.count_nonzero(usable)), *self.demand)
+        ctx.reserves = dataclasses.replace(ctx.reserves, max_decoders=float(cap))
+
+    def _fit(self, ctx: DecisionContext, shape: LoadShape) -> tuple[float, float] | None:
+        assert ctx.predictors is not None
+        if len(self.load) < MIN_OBSERVED or shape.rate <= 0:
+            return None
+        table = ctx.view.instances
+        capacity = table.kv_capacity_tokens[table.kv_capacity_tokens > 0]
+        config = self.config
+        predictor = ctx.predictors.default
+        batch, step_ms = decode_batch(
+            predictor,
+            shape,
+            tpot_target_ms=config.tpot_slo_ms,
+            strictness=config.tpot_packing_strictness,
+            threshold=config.tpot_binpack_threshold,
+            kv_capacity_tokens=float(np.median(capacity)) if len(capacity) else 65536.0,
+            kv_headroom=config.kv_packing_headroom,
+        )
+        return role_demand(predictor, shape, batch, step_ms)
+
+
+def decoder_cap(instances: int, prefill: float, decode: float) -> int:
+    """How many of ``instances`` may hold decode work when the load keeps ``prefill`` and ``decode``
+    instances busy: the decode share of the demand, rounded, and at least the whole decode demand
+    while the prefill demand fits beside it; within [1, instances]."""
+    if instances <= 0:
+        return 0
+    total = prefill + decode
+    if not total > 0:
+        return instances
+    cap = round(instances * decode / total)
+    whole = math.ceil(decode)
+    if whole + prefill <= instances:
+        cap = max(cap, whole)
+    return max(1, min(instances, cap))

@@ -82,6 +82,16 @@ def decode_batch(
     return best, best_step
 
 
+def role_demand(
+    predictor: LatencyPredictor, load: LoadShape, batch: int, step_ms: float
+) -> tuple[float, float]:
+    """Instances kept busy by ``load``: (prefill, decode), at full utilisation, decode batches of ``batch``
+    stepping ``step_ms`` (from :func:`decode_batch`)."""
+    prefill_s = float(predictor.ttft_profile.grid(max(load.mean_prompt_tokens, 1.0))) / 1000.0
+    decode_busy = load.rate * max(load.mean_output_tokens - 1.0, 0.0) * step_ms / 1000.0 / max(batch, 1)
+    return load.rate * prefill_s, decode_busy
+
+
 def estimate_instances(
     predictor: LatencyPredictor,
     load: LoadShape,
@@ -109,9 +119,8 @@ def estimate_instances(
         kv_capacity_tokens=kv_capacity_tokens,
         kv_headroom=kv_headroom,
     )
-    prefill_s = float(predictor.ttft_profile.grid(max(load.mean_prompt_tokens, 1.0))) / 1000.0
-    decode_busy = load.rate * max(load.mean_output_tokens - 1.0, 0.0) * step_ms / 1000.0 / batch
-    prefill_busy = load.rate * prefill_s / utilisation
+    prefill_busy, decode_busy = role_demand(predictor, load, batch, step_ms)
+    prefill_busy /= utilisation
     return InstanceEstimate(
         prefill=max(1, math.ceil(prefill_busy)),
         decode=max(1, math.ceil(decode_busy)),
@@ -151,6 +160,10 @@ class LoadTracker:
         self._output += output_tokens
         if self._first_s is None:
             self._first_s = now_s
+
+    def __len__(self) -> int:
+        """Observations held (those of the window as of the last :meth:`shape`)."""
+        return len(self._entries)
 
     def _trim(self, now_s: float) -> None:
         horizon = now_s - self.window_s

@@ -18,14 +18,17 @@ Single-instance filters (in a stage's order):
   (default ``metric_threshold:<metric>``).
 * ``exclude_reserved`` (``reserve: prefill|decode``) — drops adaptive PD's
   reserved instance of that kind.
-* ``prefill_room`` — adaptive PD's guard on opening decoders: drops a
-  decode-idle instance unless at least one *other* usable decode-idle
-  instance (not the reserved decode) predicts a TTFT for this prompt under
-  what the request needs (its TTFT target; for an e2e target, at most a
-  quarter of it: :func:`router.core.packing.ttft_need_ms`). Only decode-idle instances prefill under adaptive
-  PD, so each instance turned into a decoder is prefill capacity lost; when
-  the prefill side is saturated, packing an existing decoder harder costs
-  less than starving prefill. Decoders already holding decode work pass.
+* ``prefill_room`` — adaptive PD's guard on opening decoders
+  (:func:`router.core.packing.prefill_room_mask`): drops a decode-idle
+  instance (other than the reserved decode) unless the decode set is below
+  the size the placed demand calls for and two *other* usable decode-idle
+  instances predict a TTFT for this prompt under half of what the request
+  needs (its TTFT target; for an e2e target, at most a quarter of it:
+  :func:`router.core.packing.ttft_need_ms`), and drops the lightest decoders
+  while the decode set is over that size or the prefill side has no room, so
+  they drain. Only decode-idle instances prefill under adaptive PD, so each
+  instance turned into a decoder is prefill capacity lost; when the prefill
+  side is saturated, waiting for a decoder costs less than starving prefill.
 
 * ``decode_idle`` — adaptive PD's prefill guard: keeps the instances
   holding no decode work (``decode_batch_size == 0``, the router's in-flight

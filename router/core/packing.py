@@ -259,14 +259,19 @@ def _overpacked(ctx: DecisionContext, config: SchedulerConfig) -> FloatArray:
 def prefill_room_mask(ctx: DecisionContext) -> BoolArray:
     """Instances that may take new decode without starving adaptive PD's prefill side.
 
-    A decode-idle instance passes when at least :data:`OPEN_MARGIN` *other*
-    usable decode-idle instances (not the reserved decode) predict a TTFT for
-    this prompt under half of :func:`ttft_need_ms` (the half leaves room for
-    the prompts that arrive before the prefill side is looked at again). An
-    instance holding decode work passes, except when the prefill side has no
-    such room at all: then the lightest decoder (fewest decode requests, not
-    the reserved decode) gets no new decode, so it drains and returns to
-    prefill — consolidation without migration.
+    The reserved decode always passes (it is kept for decode; for a request
+    that excludes it, a retry, every decode-idle instance passes). Another
+    decode-idle instance passes when the decode set is below the size the
+    placed demand calls for (``ctx.reserves.max_decoders``, see
+    :class:`router.core.adaptive_pd.DecodeShare`) and at least
+    :data:`OPEN_MARGIN` *other* usable decode-idle instances (not the reserved
+    decode) predict a TTFT for this prompt under half of :func:`ttft_need_ms`
+    (the half leaves room for the prompts that arrive before the prefill side
+    is looked at again). An instance holding decode work passes, except the
+    lightest decoders (fewest decode requests, not the reserved decode) while
+    the decode set is over that size (as many as it is over), or the lightest
+    one when the prefill side has no room at all: they get no new decode, so
+    they drain and return to prefill — consolidation without migration.
     """
     batch = ctx.metric("decode_batch_size")
     idle = batch == 0
@@ -275,14 +280,24 @@ def prefill_room_mask(ctx: DecisionContext) -> BoolArray:
     reserved = ctx.reserves.decode
     if reserved >= 0:
         good[reserved] = False
+    decoders = np.flatnonzero(~idle & usable)
+    cap = ctx.reserves.max_decoders
     others = int(np.count_nonzero(good)) - good
-    keep: BoolArray = ~idle | (others >= OPEN_MARGIN)
-    if not np.count_nonzero(good):
-        decoders = np.flatnonzero(~idle & usable)
-        if reserved >= 0:
-            decoders = decoders[decoders != reserved]
-        if len(decoders) > 1:
-            ranks = ctx.view.instances.id_rank[decoders]
-            lightest = decoders[np.lexsort((ranks, batch[decoders]))[0]]
-            keep[lightest] = False
+    keep: BoolArray = ~idle | ((others >= OPEN_MARGIN) & (len(decoders) < cap))
+    if reserved >= 0:
+        keep[reserved] = True
+        decoders = decoders[decoders != reserved]
+        request = ctx.request
+        if request is not None and ctx.view.instances.ids[reserved] in request.exclude_instance_ids:
+            # A retry away from the reserved decode: a decode-idle instance stands in for it.
+            keep |= idle
+    reserved_decodes = reserved >= 0 and not idle[reserved]
+    excess = len(decoders) + int(reserved_decodes) - cap
+    if excess > 0:  # down to the reserved decode, or one decoder without it
+        drain = min(int(excess), len(decoders) - (0 if reserved_decodes else 1))
+    else:
+        drain = 1 if not np.count_nonzero(good) and len(decoders) > 1 else 0
+    if drain > 0:
+        ranks = ctx.view.instances.id_rank[decoders]
+        keep[decoders[np.lexsort((ranks, batch[decoders]))[:drain]]] = False
     return keep

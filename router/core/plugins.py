@@ -20,6 +20,7 @@ RNG are injected.
 from __future__ import annotations
 
 import enum
+import math
 import random
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -57,10 +58,12 @@ _LOAD = MetricScope.LOAD
 
 @dataclass(frozen=True)
 class Reserves:
-    """Adaptive PD's reserved instances as view indices (-1 = none)."""
+    """Adaptive PD's reserved instances as view indices (-1 = none), and the largest decode set the
+    demand it placed calls for (``max_decoders``; unbounded until it has seen enough load)."""
 
     prefill: int = -1
     decode: int = -1
+    max_decoders: float = math.inf
 
 
 NO_RESERVES = Reserves()

@@ -31,7 +31,7 @@ from router.core import filters as _filters  # noqa: F401  (registers the filter
 from router.core import metrics as _metrics  # noqa: F401  (registers the metrics)
 from router.core import packing as _packing  # noqa: F401  (registers the packing metrics)
 from router.core import selectors as _selectors  # noqa: F401  (registers the selectors)
-from router.core.adaptive_pd import ReserveElection
+from router.core.adaptive_pd import DecodeShare, ReserveElection
 from router.core.config import SchedulerConfig
 from router.core.errors import ConfigError, PolicyFileError
 from router.core.plugins import Filter, GlobalFilter, Policy, PolicyHook, StageSpec
@@ -97,7 +97,7 @@ def policy_from_dict(doc: Any, config: SchedulerConfig, where: str, default_name
     if missing:
         raise ConfigError(f"{where}: missing stage(s) {', '.join(missing)}")
     specs = {s: stage_from_dict(doc[s], config, f"{where}.{s}") for s in _STAGES if s in doc}
-    hooks: tuple[PolicyHook, ...] = (ReserveElection(),) if adaptive else ()
+    hooks: tuple[PolicyHook, ...] = (ReserveElection(), DecodeShare(config)) if adaptive else ()
     return Policy(
         name=str(doc.get("name", default_name)),
         prefill=specs["prefill"],
@@ -255,13 +255,16 @@ def _adaptive_pd(config: SchedulerConfig) -> dict[str, Any]:
         # their requests: TPOT now (admission) and at the γ horizon (bin-packing target), KV over
         # life, and not over-packed. Pass 1 drops the γ horizon (the selector then opens a
         # decode-idle instance, or fills the fullest decoder still within the admission target);
-        # pass 2 also the reserve, the prefill-room guard and the valve.
+        # pass 2 also the reserve and the valve. The prefill-room guard (and the decode-set size it
+        # applies, adaptive_pd.DecodeShare) holds in every pass: relaxed in overload, it opened
+        # decoders and fed the ones draining back to prefill, so the prefill side shrank on a fleet
+        # whose bottleneck was prefill (README, adaptive PD in overload); the request waits instead.
         "decode": {
             "filters": [
                 *HEALTH,
                 {"name": "exclude_reserved", "reserve": "prefill", "relax_pass": 2},
                 _not_overpacked(relax_pass=2),
-                {"name": "prefill_room", "relax_pass": 2},
+                {"name": "prefill_room"},
                 _kv_fits(config),
                 _tpot(),
                 _tpot_horizon(config, droppable=True),

@@ -60,3 +60,26 @@ def test_adaptive_pd_in_overload_queues_instead_of_stalling_its_decoders() -> No
     assert abs(bias) < 0.05, (
         f"TPOT prediction bias {bias:.1%}: something the predictor does not see runs on decoders"
     )
+
+
+def test_adaptive_pd_in_overload_keeps_the_prefill_side_it_needs() -> None:
+    # Longer than the test above, so the overload lasts: 2 + 2 instances at 10 req/s for 400
+    # requests. The last fallback pass used to relax the prefill-room guard, and decoders opened
+    # while the prefill side had room for a moment stayed decoders: 85.5 % against slo's 92.5 %.
+    # The guard now holds in every pass and the decode set is sized by the demand placed.
+    fleet = SimFleet(fleet_from_counts(prefill=2, decode=2))
+    policies = [PolicyChoice(n, SchedulerConfig(**policy_overrides(n))) for n in ("slo", SLO_ADAPTIVE_PD)]
+    points = run_sweep(
+        fleet,
+        open_loop(load_workload("mixed")),
+        policies,
+        [10.0],
+        num_requests=400,
+        seed=0,
+        queues=(QueueConfig(queue_policy="edf"),),
+    )
+    slo, apd = (next(p for p in points if p.policy == name) for name in ("slo", SLO_ADAPTIVE_PD))
+    assert apd.stats.preemptions == 0
+    assert apd.report.overall.slo_attainment >= slo.report.overall.slo_attainment - 0.01
+    # Never more instances holding decode work than slo's decode role has.
+    assert apd.stats.mean_busy_decode <= slo.stats.mean_busy_decode + 0.05

@@ -259,4 +259,6 @@ def test_an_adaptive_policy_file_needs_no_neutral_stage(tmp_path: Path) -> None:
         "decode: {filters: [schedulability], selector: adaptive_decode}\n"
     )
     policy = load_policy_file(write(tmp_path, text), SchedulerConfig())
-    assert policy.role_agnostic and policy.neutral is None and len(policy.hooks) == 1
+    assert (
+        policy.role_agnostic and policy.neutral is None and len(policy.hooks) == 2
+    )  # reserves, decode share

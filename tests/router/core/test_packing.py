@@ -11,7 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fleet.snapshot import ClusterSnapshot, InstanceRecord
+from router.core.adaptive_pd import DecodeShare, decoder_cap
 from router.core.capacity import LoadShape, decode_batch, estimate_instances
+from router.core.errors import NoInstanceError
 from router.core.inflight import InflightAccount
 from router.core.packing import expected_output_tokens, overpacked_mask, prefill_room_mask
 from router.core.request import ScheduleInput
@@ -355,8 +357,8 @@ def test_a_deadline_no_instance_can_keep_does_not_tighten_packing() -> None:
 # ----------------------------------------------------------------------------- adaptive PD's prefill room
 
 
-def _room(snapshot: ClusterSnapshot) -> dict[str, bool]:
-    scheduler = make_scheduler("slo", enable_adaptive_pd=True)
+def _room(snapshot: ClusterSnapshot, scheduler: Scheduler | None = None) -> dict[str, bool]:
+    scheduler = scheduler or make_scheduler("slo", enable_adaptive_pd=True)
     # The guard alone (a decision may refuse outright when no instance can prefill in time).
     ctx = scheduler.context(scheduler.view(snapshot, NOW), make_request("r", 100, max_tokens=50), NOW)
     for hook in scheduler.policy.hooks:
@@ -383,6 +385,61 @@ def test_prefill_room_drains_the_lightest_decoder_when_no_idle_instance_can_pref
     room = _room(make_snapshot(*decoders, *backlogged, inst("spare", decode_requests=5, decode_tokens=500)))
     assert not any(room[f"i{k}"] for k in range(3))
     assert room["heavy"] and room["spare"] and not room["light"]
+
+
+def test_decoder_cap_splits_the_fleet_in_proportion_to_the_demands() -> None:
+    assert decoder_cap(8, 3.5, 3.7) == 4  # overloaded: the decode share, rounded
+    assert decoder_cap(8, 4.4, 4.1) == 4
+    assert decoder_cap(8, 6.0, 3.0) == 3
+    assert decoder_cap(8, 1.0, 1.1) == 4  # light load: the share is more than decode needs
+    assert decoder_cap(8, 5.0, 1.2) == 2  # ... and at least its whole demand while prefill fits beside it
+    assert decoder_cap(2, 2.0, 0.01) == 1  # never below one
+    assert decoder_cap(3, 0.0, 5.0) == 3  # never above the fleet
+    assert decoder_cap(4, 0.0, 0.0) == 4  # nothing measured: no bound
+    assert decoder_cap(0, 1.0, 1.0) == 0
+
+
+def _sized(prompt: int, output: int, rate: float = 2.0) -> Scheduler:
+    """An adaptive PD scheduler whose decode-share hook has seen a minute of ``prompt``/``output`` load."""
+    scheduler = make_scheduler("slo", enable_adaptive_pd=True)
+    (share,) = [h for h in scheduler.policy.hooks if isinstance(h, DecodeShare)]
+    for k in range(int(60 * rate)):
+        share.load.observe(NOW - 60.0 + k / rate, prompt, output)
+    return scheduler
+
+
+def test_the_decode_set_grows_no_further_than_the_demand_it_serves_calls_for() -> None:
+    # Long prompts, short answers: the demand is nearly all prefill, so one decoder is the decode
+    # share of six instances. Two already decode: the lightest drains, and no decode-idle instance
+    # is opened although the prefill side has room (the old guard looked at the room only).
+    decoders = [
+        inst("d0", decode_requests=6, decode_tokens=600),
+        inst("d1", decode_requests=2, decode_tokens=200),
+    ]
+    idle = [inst(f"i{k}") for k in range(4)]
+    snapshot = make_snapshot(*decoders, *idle)
+    room = _room(snapshot, _sized(prompt=1000, output=2))
+    assert not any(room[f"i{k}"] for k in range(4))
+    assert [room["d0"], room["d1"]].count(True) == 1  # the reserved decode stays, the other drains
+    # Long answers: the decode share is larger than two, so an idle instance may open as before.
+    room = _room(snapshot, _sized(prompt=100, output=1000))
+    assert all(room[f"i{k}"] for k in range(4)) and room["d0"] and room["d1"]
+
+
+def test_decode_waits_rather_than_open_a_decoder_the_prefill_side_cannot_spare() -> None:
+    # No decoder keeps the TPOT target and the prefill side has one instance free: the
+    # last fallback pass used to convert one of them anyway (a decoder opened in overload, prefill
+    # capacity lost); the prefill-room guard now holds in every pass and the request waits.
+    scheduler = make_scheduler("slo", enable_adaptive_pd=True, tpot_slo_ms=30.0)
+    snapshot = make_snapshot(
+        inst("d0", decode_requests=40, decode_tokens=40_000),
+        inst("d1", decode_requests=30, decode_tokens=30_000),
+        inst("i0"),  # takes the prefill
+        *[inst(f"i{k}", prefill_tokens=60_000) for k in (1, 2)],
+    )
+    with pytest.raises(NoInstanceError) as info:
+        scheduler.schedule(snapshot, make_request("r", 100, max_tokens=50), NOW)
+    assert info.value.stage == "decode" and "prefill_room" in str(info.value)
 
 
 def test_packing_flags_are_checked_and_named() -> None:

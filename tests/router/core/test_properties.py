@@ -13,6 +13,7 @@ from fleet.snapshot import ClusterSnapshot
 from router.core.config import SchedulerConfig
 from router.core.decision import Decision
 from router.core.errors import EmptyClusterError, NoInstanceError, SchedulingError
+from router.core.packing import prefill_room_mask
 from router.core.plugins import GlobalFilter
 from router.core.registry import FILTERS, Params
 from router.core.request import ScheduleInput
@@ -122,6 +123,8 @@ def test_adaptive_pd_returns_while_any_healthy_instance_keeps_the_targets(snap, 
         {"scheduling_policy": "slo", "enable_adaptive_pd": True, "failover_domain": domain}, snap, ops
     )
     ctx = s.context(s.view(snap, NOW), request)
+    for hook in s.policy.hooks:  # the reserves the decision sees (nothing is committed)
+        hook.prepare(ctx)
     table = ctx.view.instances
     usable = ctx.usable()
     # Healthy: usable and outside the failure domain of every unschedulable or stale instance.
@@ -139,8 +142,11 @@ def test_adaptive_pd_returns_while_any_healthy_instance_keeps_the_targets(snap, 
             idle_exists = bool(np.count_nonzero(usable & (batch == 0)))
             kept = (ctx.metric("predicted_ttft") < ctx.ttft_slo_ms) & ((batch == 0) | (not idle_exists))
         else:
-            kept = (ctx.metric("predicted_tpot") < ctx.tpot_slo_ms) & (
-                ctx.metric("kv_peak_projected") < s.config.kv_packing_headroom
+            # ... or would turn a decode-idle instance the prefill side cannot spare into a decoder.
+            kept = (
+                (ctx.metric("predicted_tpot") < ctx.tpot_slo_ms)
+                & (ctx.metric("kv_peak_projected") < s.config.kv_packing_headroom)
+                & prefill_room_mask(ctx)
             )
         assert not np.count_nonzero(kept & healthy), result
     elif np.count_nonzero(healthy):
