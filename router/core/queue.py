@@ -1050,8 +1050,8 @@ def offer(
                 # Judged on the fleet as this attempt sees it (dispatches earlier in the pass count).
                 current = source()
                 seen_view = current if isinstance(current, ClusterView) else scheduler.view(current, now_s)
-                fresh = FleetDrain.of(scheduler, seen_view, now_s)
-                yielding = fresh is not None and fresh.free_within(limit) >= SPARE_IDLE_INSTANCES
+                now_drain = FleetDrain.of(scheduler, seen_view, now_s)
+                yielding = now_drain is not None and now_drain.free_within(limit) >= SPARE_IDLE_INSTANCES
             if yielding:
                 limit = floor
             bound = min(targets.ttft_ms, limit)
