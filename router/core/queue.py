@@ -50,7 +50,8 @@ tighter traffic are measured against the predictions themselves, so they must
 not stack on top of one another: a long prompt that yields takes a nearly idle
 instance while another prefill instance stays within the limit (not only
 while two are idle), and late or yielding work keeps its own TPOT target but
-takes only placements that pass every filter (see :func:`offer`).
+takes only placements that pass every filter (on neutral instances it keeps
+clear of the target instead; see :func:`offer`).
 
 Shedding (:meth:`RouterQueue.push` on a full queue): the least valuable entry
 goes: lowest priority, then late before on-time, then the one with the most
@@ -83,7 +84,7 @@ from router.core.errors import (
 )
 from router.core.flagged import FlagFields
 from router.core.metrics import advanced_backlog
-from router.core.request import Role, ScheduleInput, Stage, Targets, resolve_targets
+from router.core.request import Mode, Role, ScheduleInput, Stage, Targets, resolve_targets
 from router.core.scheduler import Scheduler
 
 #: How often (s) an offer pass judges every on-time entry for hopelessness, not only those it offers
@@ -899,6 +900,11 @@ IDLE_SLACK = 1.25
 SPARE_IDLE_INSTANCES = 2
 
 
+#: Late and yielding work placed on a neutral instance stays under this fraction of its TPOT target
+#: (see :func:`offer`; in simulation, 1.0 let it cost the on-time requests there more than it saved).
+LATE_TPOT_FRACTION = 0.8
+
+
 def _relaxed(decision: Decision) -> bool:
     """Whether a placement of ``decision`` came from a fallback pass (a droppable filter relaxed)."""
     return any(p is not None and p.fallback_pass > 0 for p in (decision.prefill, decision.decode))
@@ -942,7 +948,10 @@ def offer(
     nearly idle). Late and yielding entries keep their own TPOT target, but
     take only a placement that passed every filter: one from a fallback pass
     (KV over life or the safety valve relaxed) leaves them waiting, since
-    on-time work that cannot wait is what those passes are for. A miss
+    on-time work that cannot wait is what those passes are for. On a neutral
+    instance, where its prefill runs between the decode steps of the requests
+    there, such work is instead held to :data:`LATE_TPOT_FRACTION` of its TPOT
+    target (fallback passes allowed, as before). A miss
     whose best predicted TTFT is already over the remaining budget makes the
     entry late. ``source()`` is called for every attempt, so the caller must
     record a ``DISPATCH`` before resuming the generator (the next attempt then
@@ -1073,7 +1082,24 @@ def offer(
             queue.remove(entry.request_id)
             yield Offer(entry, Verdict.REJECT, error=exc)
             continue
-        if (entry.late or yielding) and _relaxed(decision):
+        if (entry.late or yielding) and decision.mode is Mode.NEUTRAL:
+            # On a neutral instance its prefill runs between the decode steps of every request there,
+            # which the TPOT prediction of the batch does not cover: such work keeps clear of the
+            # target (and takes what the fallback passes give, as before).
+            neutral = replace(offered, tpot_ms=LATE_TPOT_FRACTION * offered.tpot_ms)
+            try:
+                decision = schedule(source(), request, now_s, targets=neutral)
+            except NoInstanceError as exc:
+                failures += 1
+                yield Offer(
+                    entry,
+                    Verdict.WAIT,
+                    error=exc,
+                    predicted_ttft_ms=_best_ttft(exc),
+                    budget_ms=targets.ttft_ms,
+                )
+                continue
+        elif (entry.late or yielding) and _relaxed(decision):
             # Work that yields (late, or a long prompt past the release limit) takes only a placement
             # that keeps every promise; the fallback passes (KV over life, the safety valve dropped)
             # are for on-time work that cannot wait.

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from router.core.columns import ClusterView
 from router.core.errors import EmptyClusterError, LateError
-from router.core.queue import FleetDrain, QueueConfig, RouterQueue, Verdict, offer
+from router.core.queue import LATE_TPOT_FRACTION, FleetDrain, QueueConfig, RouterQueue, Verdict, offer
 from router.core.request import ScheduleInput, resolve_targets
 from tests.router.core.helpers import NOW, inst, make_request, make_scheduler, make_snapshot
 
@@ -200,6 +200,23 @@ def test_yielding_and_late_work_take_no_placement_that_relaxes_a_filter() -> Non
     (result,) = list(offer(late, s, lambda: roomy, NOW))
     assert result.verdict is Verdict.DISPATCH and result.decision is not None
     assert result.decision.decode is not None and result.decision.decode.fallback_pass == 0
+
+
+def test_late_work_on_a_neutral_instance_keeps_clear_of_its_tpot_target() -> None:
+    """On neutral instances a late request's prefill runs between the decode steps there: it is held to
+    LATE_TPOT_FRACTION of its TPOT target, where on a PD fleet it keeps the whole target."""
+    q = make_queue("edf")
+    q.push(req("old", prompt_tokens=256, ttft_slo_ms=1000.0), NOW)
+    q.mark_late("old")
+    (result,) = list(offer(q, make_scheduler(), lambda: make_snapshot(inst("n0"), inst("n1")), NOW))
+    assert result.verdict is Verdict.DISPATCH and result.decision is not None
+    assert result.decision.context.tpot_slo_ms == pytest.approx(LATE_TPOT_FRACTION * DEFAULT_TPOT)
+    q.push(req("pd", prompt_tokens=256, ttft_slo_ms=1000.0), NOW)
+    q.mark_late("pd")
+    pd = make_snapshot(inst("p0", "prefill"), inst("d0", "decode"))
+    (result,) = list(offer(q, make_scheduler(), lambda: pd, NOW))
+    assert result.verdict is Verdict.DISPATCH and result.decision is not None
+    assert result.decision.context.tpot_slo_ms == pytest.approx(DEFAULT_TPOT)
 
 
 # --------------------------------------------------------------------------- properties
