@@ -45,7 +45,13 @@ tightest TTFT budget among the on-time entries and the targets of the last
 ``release_window_requests`` arrivals. So once the fleet is loaded past that
 budget, loose requests wait here (in deadline order) instead of in an engine's
 FCFS waiting list, and a tight request arriving later still finds short engine
-queues: the queue, not the engines, decides the order.
+queues: the queue, not the engines, decides the order. The margins it keeps for
+tighter traffic are measured against the predictions themselves, so they must
+not stack on top of one another: a long prompt that yields takes a nearly idle
+instance while another prefill instance stays within the limit (not only
+while two are idle), and late or yielding work keeps its own TPOT target but
+takes only placements that pass every filter (on neutral instances it keeps
+clear of the target instead; see :func:`offer`).
 
 Shedding (:meth:`RouterQueue.push` on a full queue): the least valuable entry
 goes: lowest priority, then late before on-time, then the one with the most
@@ -78,7 +84,7 @@ from router.core.errors import (
 )
 from router.core.flagged import FlagFields
 from router.core.metrics import advanced_backlog
-from router.core.request import Role, ScheduleInput, Stage, Targets, resolve_targets
+from router.core.request import Mode, Role, ScheduleInput, Stage, Targets, resolve_targets
 from router.core.scheduler import Scheduler
 
 #: How often (s) an offer pass judges every on-time entry for hopelessness, not only those it offers
@@ -722,6 +728,10 @@ class FleetDrain:
         #: Prefill instances without any backlog now.
         self.idle_instances = int(np.count_nonzero(free_ms <= 0.0))
 
+    def free_within(self, ms: float) -> int:
+        """Prefill instances whose backlog is done within ``ms`` from now."""
+        return int(np.searchsorted(self._free, ms, side="right"))
+
     @classmethod
     def of(
         cls, scheduler: Scheduler, view: ClusterView, now_s: float, queue_rate: float | None = None
@@ -880,19 +890,24 @@ def hopeless(
 
 #: An on-time request whose own prefill does not fit under the release limit may still go where its
 #: predicted TTFT is at most this many times its prefill on an idle instance (an instance with at most
-#: a quarter of that work ahead), rather than wait for its deadline to pass; like late work it then
-#: joins decode batches only under :data:`LATE_TPOT_FRACTION` of its TPOT target.
+#: a quarter of that work ahead), rather than wait for its deadline to pass (it then *yields*: see
+#: :func:`offer` for what it may take).
 IDLE_SLACK = 1.25
 
 
-#: ... but only while at least this many prefill instances are idle (one stays free for tight work).
+#: ... but only while at least this many prefill instances finish their backlog within the release
+#: limit: the one it takes, and one that stays within it for the tighter work it yields to.
 SPARE_IDLE_INSTANCES = 2
 
 
-#: A late request's TPOT bound, as a fraction of its (or the default) TPOT target. Late work joins
-#: decode batches only while they stay clearly under the target, so it does not drag the on-time
-#: requests there over theirs (in simulation, 1.0 let late work cost more on-time misses than it saved).
+#: Late and yielding work placed on a neutral instance stays under this fraction of its TPOT target
+#: (see :func:`offer`; in simulation, 1.0 let it cost the on-time requests there more than it saved).
 LATE_TPOT_FRACTION = 0.8
+
+
+def _relaxed(decision: Decision) -> bool:
+    """Whether a placement of ``decision`` came from a fallback pass (a droppable filter relaxed)."""
+    return any(p is not None and p.fallback_pass > 0 for p in (decision.prefill, decision.decode))
 
 
 def _best_ttft(exc: NoInstanceError) -> float:
@@ -920,15 +935,23 @@ def offer(
     entry whose best case behind the on-time entries offered before it misses
     a target (:func:`hopeless`, on a :class:`FleetDrain` of the first view)
     turns late at once; every other one is tried with its TTFT bound =
-    min(remaining budget, :meth:`RouterQueue.release_limit_ms`, raised to
-    :data:`IDLE_SLACK` × its own prefill on an idle instance when the release
-    limit alone would never let it go and :data:`SPARE_IDLE_INSTANCES` prefill
-    instances are idle, with the late TPOT bound then) and its TPOT target. A late entry is served like the lowest class: its TTFT
-    bound is ``priority_headroom`` × the release limit, but at least twice its
-    own TTFT on an idle instance (so a request no instance could ever meet,
-    e.g. a 1 ms target, is still served once the fleet is nearly idle), and its
-    TPOT bound is :data:`LATE_TPOT_FRACTION` of its TPOT target; it goes only
-    where it does not push an instance past what on-time requests need. A miss
+    min(remaining budget, :meth:`RouterQueue.release_limit_ms`) and its TPOT
+    target. An on-time entry whose own prefill cannot fit under that release
+    limit *yields*: its bound is raised to :data:`IDLE_SLACK` × its own prefill
+    on an idle instance (a nearly idle instance) while at least
+    :data:`SPARE_IDLE_INSTANCES` prefill instances finish their backlog within
+    the release limit, judged on the view of that attempt (one for it, one
+    left for the tighter traffic). A late entry is served like the lowest
+    class: its TTFT bound is ``priority_headroom`` × the release limit, but at
+    least twice its own TTFT on an idle instance (so a request no instance
+    could ever meet, e.g. a 1 ms target, is still served once the fleet is
+    nearly idle). Late and yielding entries keep their own TPOT target, but
+    take only a placement that passed every filter: one from a fallback pass
+    (KV over life or the safety valve relaxed) leaves them waiting, since
+    on-time work that cannot wait is what those passes are for. On a neutral
+    instance, where its prefill runs between the decode steps of the requests
+    there, such work is instead held to :data:`LATE_TPOT_FRACTION` of its TPOT
+    target (fallback passes allowed, as before). A miss
     whose best predicted TTFT is already over the remaining budget makes the
     entry late. ``source()`` is called for every attempt, so the caller must
     record a ``DISPATCH`` before resuming the generator (the next attempt then
@@ -1016,6 +1039,7 @@ def offer(
             ahead += request.prompt_tokens
         limit = queue.release_limit_ms(now_s, request.priority, targets.full_ttft_ms)
         yielding = False
+        seen_view: ClusterView | None = None  # the view this attempt decides on, once fetched
         if entry.late:
             floor = _idle_floor_ms(scheduler, request, drain)
             if not math.isfinite(floor):  # no predictor: no TTFT threshold to bound
@@ -1030,25 +1054,22 @@ def offer(
             # to tighter traffic) may still take a nearly idle instance while another one stays idle
             # for the tight arrivals release control keeps room for, as late work does: otherwise it
             # would wait out its whole deadline on a fleet with room to spare.
-            yielding = (
-                drain is not None
-                and limit < floor
-                and limit < targets.ttft_ms
-                and drain.idle_instances >= SPARE_IDLE_INSTANCES
-            )
+            yielding = drain is not None and limit < floor and limit < targets.ttft_ms
+            if yielding:
+                # Judged on the fleet as this attempt sees it (dispatches earlier in the pass count).
+                current = source()
+                seen_view = current if isinstance(current, ClusterView) else scheduler.view(current, now_s)
+                now_drain = FleetDrain.of(scheduler, seen_view, now_s)
+                yielding = now_drain is not None and now_drain.free_within(limit) >= SPARE_IDLE_INSTANCES
             if yielding:
                 limit = floor
             bound = min(targets.ttft_ms, limit)
             if targets.ttft_ms <= 0:
                 yield _late(queue, entry, late_reject, math.nan, targets.ttft_ms)
                 continue
-        if entry.late or yielding:
-            late_tpot = LATE_TPOT_FRACTION * (request.tpot_slo_ms or queue.default_tpot_ms)
-            offered = replace(targets, ttft_ms=bound, tpot_ms=late_tpot)
-        else:
-            offered = replace(targets, ttft_ms=bound)
+        offered = replace(targets, ttft_ms=bound)
         try:
-            decision = schedule(source(), request, now_s, targets=offered)
+            decision = schedule(source() if seen_view is None else seen_view, request, now_s, targets=offered)
         except NoInstanceError as exc:
             best = _best_ttft(exc)
             if not entry.late and best == best and best >= targets.ttft_ms:
@@ -1060,6 +1081,30 @@ def offer(
         except EmptyClusterError as exc:
             queue.remove(entry.request_id)
             yield Offer(entry, Verdict.REJECT, error=exc)
+            continue
+        if (entry.late or yielding) and decision.mode is Mode.NEUTRAL:
+            # On a neutral instance its prefill runs between the decode steps of every request there,
+            # which the TPOT prediction of the batch does not cover: such work keeps clear of the
+            # target (and takes what the fallback passes give, as before).
+            neutral = replace(offered, tpot_ms=LATE_TPOT_FRACTION * offered.tpot_ms)
+            try:
+                decision = schedule(source(), request, now_s, targets=neutral)
+            except NoInstanceError as exc:
+                failures += 1
+                yield Offer(
+                    entry,
+                    Verdict.WAIT,
+                    error=exc,
+                    predicted_ttft_ms=_best_ttft(exc),
+                    budget_ms=targets.ttft_ms,
+                )
+                continue
+        elif (entry.late or yielding) and _relaxed(decision):
+            # Work that yields (late, or a long prompt past the release limit) takes only a placement
+            # that keeps every promise; the fallback passes (KV over life, the safety valve dropped)
+            # are for on-time work that cannot wait.
+            failures += 1
+            yield Offer(entry, Verdict.WAIT, budget_ms=targets.ttft_ms)
             continue
         failures = 0
         queue.remove(entry.request_id)

@@ -156,10 +156,67 @@ def test_long_prompt_yielding_to_tight_traffic_takes_an_idle_instance() -> None:
 
     result = one(fleet(0))
     assert result.verdict is Verdict.DISPATCH and not result.entry.late
-    assert result.decision is not None  # ... joining decode batches the way late work does
-    assert result.decision.context.tpot_slo_ms == pytest.approx(LATE_TPOT_FRACTION * DEFAULT_TPOT)
-    # The only idle instance is left to the tight traffic: it still yields.
+    assert result.decision is not None  # ... held to its own TPOT target, as any on-time request
+    assert result.decision.context.tpot_slo_ms == pytest.approx(DEFAULT_TPOT)
+    # The other instance is past the 100 ms limit (170 ms of backlog): it still yields.
     assert one(fleet(1024)).verdict is Verdict.WAIT
+    # A nearly idle instance is enough of a reserve: it goes although no other instance is idle (the
+    # old rule kept the only idle prefill instance empty, and so the engines idle near capacity).
+    assert _drain(fleet(256)).free_within(100.0) == 2 and _drain(fleet(256)).idle_instances == 1
+    busy = one(fleet(256))
+    assert busy.verdict is Verdict.DISPATCH and busy.decision is not None
+    assert busy.decision.prefill is not None and busy.decision.prefill.instance_id == "p0"
+
+
+def test_yielding_and_late_work_take_no_placement_that_relaxes_a_filter() -> None:
+    """The decoder's KV over life is past the headroom, so only a fallback pass places decode there:
+    an on-time request takes it (as plain slo would), late or yielding work waits instead."""
+    snap = make_snapshot(
+        inst("p0", "prefill"),
+        inst("p1", "prefill"),
+        inst("d0", "decode", meta={"kv_capacity_tokens": 2000}, used_kv_tokens=1500, decode_requests=2),
+    )
+    s = make_scheduler()
+    on_time = make_queue("edf")
+    on_time.push(req("chat", prompt_tokens=256, max_tokens=256, ttft_slo_ms=1000.0), NOW)
+    (result,) = list(offer(on_time, s, lambda: snap, NOW))
+    assert result.verdict is Verdict.DISPATCH
+    assert result.decision is not None and result.decision.decode is not None
+    assert result.decision.decode.fallback_pass == 1
+
+    late = make_queue("edf")
+    late.push(req("old", prompt_tokens=256, max_tokens=256, ttft_slo_ms=1000.0), NOW)
+    late.mark_late("old")
+    (result,) = list(offer(late, s, lambda: snap, NOW))
+    assert result.verdict is Verdict.WAIT and "old" in late
+
+    yielding = make_queue("edf")
+    yielding.observe_arrival(req("chat", ttft_slo_ms=200.0))  # cap for looser work: 100 ms
+    yielding.push(req("doc", prompt_tokens=1024, max_tokens=256, ttft_slo_ms=5000.0), NOW)
+    (result,) = list(offer(yielding, s, lambda: snap, NOW))
+    assert result.verdict is Verdict.WAIT and "doc" in yielding
+    # With room in the decoder's KV both go, without a relaxed filter.
+    roomy = make_snapshot(inst("p0", "prefill"), inst("p1", "prefill"), inst("d0", "decode"))
+    (result,) = list(offer(late, s, lambda: roomy, NOW))
+    assert result.verdict is Verdict.DISPATCH and result.decision is not None
+    assert result.decision.decode is not None and result.decision.decode.fallback_pass == 0
+
+
+def test_late_work_on_a_neutral_instance_keeps_clear_of_its_tpot_target() -> None:
+    """On neutral instances a late request's prefill runs between the decode steps there: it is held to
+    LATE_TPOT_FRACTION of its TPOT target, where on a PD fleet it keeps the whole target."""
+    q = make_queue("edf")
+    q.push(req("old", prompt_tokens=256, ttft_slo_ms=1000.0), NOW)
+    q.mark_late("old")
+    (result,) = list(offer(q, make_scheduler(), lambda: make_snapshot(inst("n0"), inst("n1")), NOW))
+    assert result.verdict is Verdict.DISPATCH and result.decision is not None
+    assert result.decision.context.tpot_slo_ms == pytest.approx(LATE_TPOT_FRACTION * DEFAULT_TPOT)
+    q.push(req("pd", prompt_tokens=256, ttft_slo_ms=1000.0), NOW)
+    q.mark_late("pd")
+    pd = make_snapshot(inst("p0", "prefill"), inst("d0", "decode"))
+    (result,) = list(offer(q, make_scheduler(), lambda: pd, NOW))
+    assert result.verdict is Verdict.DISPATCH and result.decision is not None
+    assert result.decision.context.tpot_slo_ms == pytest.approx(DEFAULT_TPOT)
 
 
 # --------------------------------------------------------------------------- properties
