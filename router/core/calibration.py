@@ -222,29 +222,67 @@ def _weighted_lstsq(
 
 
 def _median(values: FloatArray) -> float:
-    """``np.median`` of a 1-D array, bit for bit (the same partition and mean), at a fraction of its overhead.
+    """``np.median`` of a 1-D array, bit for bit, at a fraction of its overhead (see :func:`_median_of`)."""
+    return _median_of(values.copy())
 
-    The calibration takes several medians of a few hundred values per update,
-    where ``np.median``'s generic axis handling costs more than the partition.
+
+def _median_of(scratch: FloatArray) -> float:
+    """``np.median`` of a 1-D array that may be reordered (a temporary), bit for bit.
+
+    The same partition (the same kth as ``np.median``'s, the last element too: that is where a
+    NaN lands) and the same mean of the middle. The calibration takes several medians of a few
+    hundred values per update, where ``np.median``'s generic axis handling costs more than the
+    partition itself.
     """
-    n = len(values)
+    n = len(scratch)
     if n == 0:
-        return float(np.median(values))  # NaN and its warning, as before
+        return float(np.median(scratch))  # NaN and its warning, as np.median gives them
     half = n // 2
-    # The same kth as np.median's (the last element too: that is where a NaN lands).
-    part = np.partition(values, [half, -1] if n % 2 else [half - 1, half, -1])
-    last = float(part[-1])
+    scratch.partition([half, -1] if n % 2 else [half - 1, half, -1])
+    last = float(scratch[-1])
     if last != last:
         return last
-    middle = part[half : half + 1] if n % 2 else part[half - 1 : half + 1]
+    middle = scratch[half : half + 1] if n % 2 else scratch[half - 1 : half + 1]
     return float(np.add.reduce(middle) / len(middle))  # np.mean of the middle, as np.median takes it
 
 
-# Columns of a track's window. The first NUM_COEFS are the step's refit features (step_features,
-# computed once when the sample arrives rather than at every refit of the window holding it).
-_P, _B, _L = 0, 3, 4  # prefill tokens, decode batch, context tokens per decode request
+# Columns of a track's window. The first NUM_COEFS are the step's refit features (step_features),
+# then what the update takes of each step; all computed once when the step arrives rather than at
+# every update of the windows holding it (the same element-wise operations, so the same values).
+_P, _B, _L, _HAS_DECODE = 0, 3, 4, 5  # prefill tokens, decode batch, context per decode request, b>0
 _OBS, _PRE, _DEC, _TIME = 6, 7, 8, 9  # observed ms, profile prefill ms, profile decode ms, time (s)
-_COLUMNS = 10
+_TPOT_RATIO, _TTFT_RATIO = 10, 11  # observed / profile of a decode-only step, of a step with prefill
+_COLUMNS = 12
+# Flags of a track's window: a decode-only step (a TPOT sample), a step with prefill (a TTFT
+# sample), a step with both prefill and decode (its prefill ran between decode steps).
+_DECODE_ONLY, _WITH_PREFILL, _MIXED = 0, 1, 2
+_FLAGS = 3
+
+
+def _step_rows(
+    steps: FloatArray, pre: FloatArray, dec: FloatArray, now_s: float
+) -> tuple[FloatArray, BoolArray]:
+    """The window rows and flags of ``steps`` (n x: prefill, batch, tokens, ms) and their profile parts."""
+    n = len(steps)
+    rows = np.empty((n, _COLUMNS))
+    rows[:, :NUM_COEFS] = step_features(steps[:, 0], steps[:, 1], steps[:, 2])
+    obs = rows[:, _OBS]
+    obs[...] = steps[:, 3]
+    rows[:, _PRE] = pre
+    rows[:, _DEC] = dec
+    rows[:, _TIME] = now_s
+    p, b = steps[:, 0], steps[:, 1]
+    flags = np.empty((n, _FLAGS), dtype=bool)
+    decode_only = flags[:, _DECODE_ONLY]
+    decode_only[...] = (p == 0) & (b > 0) & (dec > 0)
+    with_prefill = flags[:, _WITH_PREFILL]
+    with_prefill[...] = (p > 0) & (pre + dec > 0)
+    flags[:, _MIXED] = (b > 0) & (p > 0)
+    rows[:, _TPOT_RATIO] = 0.0
+    np.divide(obs, dec, out=rows[:, _TPOT_RATIO], where=decode_only)
+    rows[:, _TTFT_RATIO] = 0.0
+    np.divide(obs, pre + dec, out=rows[:, _TTFT_RATIO], where=with_prefill)
+    return rows, flags
 
 
 class _Track:
@@ -254,6 +292,7 @@ class _Track:
         "buf",
         "coefs",
         "count",
+        "flags",
         "interleave_ms",
         "last_s",
         "pending",
@@ -265,8 +304,9 @@ class _Track:
     )
 
     def __init__(self, window: int) -> None:
-        # A ring of ``window`` rows (the _P ... _TIME columns); the first ``count`` rows are in use.
+        # A ring of ``window`` rows (the _P ... columns, and the flags); the first ``count`` are in use.
         self.buf = np.zeros((window, _COLUMNS))
+        self.flags = np.zeros((window, _FLAGS), dtype=bool)
         self.count = 0
         self.pos = 0
         self.pending = 0
@@ -278,14 +318,14 @@ class _Track:
         self.interleave_ms = 0.0
         self.coefs: FloatArray | None = None
 
-    def add(self, rows: FloatArray) -> None:
+    def add(self, rows: FloatArray, flags: BoolArray) -> None:
         window = len(self.buf)
-        new = rows[-window:]
-        pos, k = self.pos, len(new)
-        # Row after row from ``pos``, wrapping at the end of the ring.
+        pos, k = self.pos, min(len(rows), window)
+        # Row after row from ``pos`` (the last ``window`` of them), wrapping at the end of the ring.
         head = min(k, window - pos)
-        self.buf[pos : pos + head] = new[:head]
-        self.buf[: k - head] = new[head:]
+        for ring, new in ((self.buf, rows[-k:]), (self.flags, flags[-k:])):
+            ring[pos : pos + head] = new[:head]
+            ring[: k - head] = new[head:]
         self.pos = (pos + k) % window
         self.count = min(window, self.count + len(rows))
         self.pending += len(rows)
@@ -298,11 +338,37 @@ class _Track:
         """Drop samples older than ``cutoff_s``; True when any was dropped."""
         if self.count == 0 or float(np.min(self.rows()[:, _TIME])) >= cutoff_s:
             return False
-        kept = self.rows()[self.rows()[:, _TIME] >= cutoff_s]
+        fresh = self.rows()[:, _TIME] >= cutoff_s
+        kept = self.rows()[fresh]
         self.buf[: len(kept)] = kept
+        self.flags[: len(kept)] = self.flags[: self.count][fresh]
         self.count = len(kept)
         self.pos = self.count % len(self.buf)
         return True
+
+
+def _fit_with_prior(features: FloatArray, observed_ms: FloatArray, n: int, prior: float) -> FloatArray | None:
+    """``fit_step_model`` with weight 1 for the first ``n`` rows and ``prior`` (> 0) for the others.
+
+    The same coefficients as ``fit_step_model(features, observed_ms, weights)``, bit for bit,
+    with fewer array operations where every row is finite (a weight of 1 scales nothing).
+    """
+    weights = np.ones(len(observed_ms))
+    weights[n:] = prior
+    if len(observed_ms) < NUM_COEFS or not np.isfinite(observed_ms).all():
+        return fit_step_model(features, observed_ms, weights)
+    x = features.copy()
+    x[n:] *= np.sqrt(weights[n:])[:, None]
+    solution, *_ = np.linalg.lstsq(x, observed_ms, rcond=None)
+    coefs = np.asarray(solution, dtype=np.float64)
+    residual = observed_ms - features @ coefs
+    mad = _median_of(np.abs(residual - _median_of(residual.copy())))
+    rms = float(np.sqrt(np.add.reduce(np.square(observed_ms)) / len(observed_ms)))
+    limit = max(4.0 * 1.4826 * mad, 1e-3 * rms + 1e-2)
+    keep = np.abs(residual) <= limit
+    if keep.all() or np.count_nonzero(keep) < NUM_COEFS:
+        return coefs
+    return _weighted_lstsq(features, observed_ms, weights, keep, False)
 
 
 def _approach(current: float, target: float, config: CalibrationConfig) -> float:
@@ -436,40 +502,38 @@ class Calibrator:
         """
         if not self.enabled:
             return
-        valid: list[tuple[str, str, FloatArray]] = []
-        of_group: dict[str, list[int]] = {}
-        for instance_id, group, steps in batches:
+        todo = [batch for batch in batches if len(batch[2])]
+        if not todo:
+            return
+        steps = todo[0][2] if len(todo) == 1 else np.concatenate([batch[2] for batch in todo])
+        sizes = np.array([len(batch[2]) for batch in todo])
+        ok = np.isfinite(steps).all(axis=1) & (steps[:, 3] >= 0) & (steps[:, :3] >= 0).all(axis=1)
+        ok &= (steps[:, 0] > 0) | (steps[:, 1] > 0)
+        if not ok.all():
+            # Samples that cannot be right (negative, not finite, an empty step) are left out.
+            sizes = np.add.reduceat(ok, np.cumsum(sizes) - sizes)
+            steps = steps[ok]
             if len(steps) == 0:
-                continue
-            ok = np.isfinite(steps).all(axis=1) & (steps[:, 3] >= 0) & (steps[:, :3] >= 0).all(axis=1)
-            ok &= (steps[:, 0] > 0) | (steps[:, 1] > 0)
-            kept = steps if ok.all() else steps[ok]
-            if len(kept):
-                of_group.setdefault(group, []).append(len(valid))
-                valid.append((instance_id, group, kept))
-        predicted: list[tuple[FloatArray, FloatArray]] = [(_EMPTY, _EMPTY)] * len(valid)
-        for group, members in of_group.items():
-            steps = (
-                valid[members[0]][2] if len(members) == 1 else np.concatenate([valid[k][2] for k in members])
-            )
-            pre, dec = self._predict_step(group)(steps[:, 0], steps[:, 1], steps[:, 2])
-            start = 0
-            for k in members:
-                end = start + len(valid[k][2])
-                predicted[k] = (pre[start:end], dec[start:end])
-                start = end
-        for (instance_id, group, steps), (pre, dec) in zip(valid, predicted, strict=True):
-            self._record(instance_id, group, steps, pre, dec, now_s)
+                return
+        ends = np.cumsum(sizes).tolist()
+        of_group: dict[str, list[int]] = {}
+        for k, (_, group, _) in enumerate(todo):
+            of_group.setdefault(group, []).append(k)
+        if len(of_group) == 1:
+            pre, dec = self._predict_step(todo[0][1])(steps[:, 0], steps[:, 1], steps[:, 2])
+        else:
+            pre, dec = np.empty(len(steps)), np.empty(len(steps))
+            for group, members in of_group.items():
+                at = np.concatenate([np.arange(ends[k] - int(sizes[k]), ends[k]) for k in members])
+                pre[at], dec[at] = self._predict_step(group)(steps[at, 0], steps[at, 1], steps[at, 2])
+        rows, flags = _step_rows(steps, pre, dec, float(now_s))
+        start = 0
+        for (instance_id, group, _), end in zip(todo, ends, strict=True):
+            if end > start:
+                self._record(instance_id, group, rows[start:end], flags[start:end])
+            start = end
 
-    def _record(
-        self, instance_id: str, group: str, steps: FloatArray, pre: FloatArray, dec: FloatArray, now_s: float
-    ) -> None:
-        rows = np.empty((len(steps), _COLUMNS))
-        rows[:, :NUM_COEFS] = step_features(steps[:, 0], steps[:, 1], steps[:, 2])
-        rows[:, _OBS] = steps[:, 3]
-        rows[:, _PRE] = pre
-        rows[:, _DEC] = dec
-        rows[:, _TIME] = float(now_s)
+    def _record(self, instance_id: str, group: str, rows: FloatArray, flags: BoolArray) -> None:
         self._group_of[instance_id] = group
         self._dirty.add(instance_id)
         self._groups_dirty = True
@@ -478,7 +542,7 @@ class Calibrator:
             track = tracks.get(key)
             if track is None:
                 track = tracks[key] = _Track(window)
-            track.add(rows)
+            track.add(rows, flags)
             if track.pending >= self.config.update_every_samples:
                 self._update(track, group)
         self._check_drift(instance_id)
@@ -520,27 +584,26 @@ class Calibrator:
             track.coefs = None
             self.version += 1
             return
-        p, b, obs, pre, dec = rows[:, _P], rows[:, _B], rows[:, _OBS], rows[:, _PRE], rows[:, _DEC]
-        decode_only = (p == 0) & (b > 0) & (dec > 0)
-        with_prefill = (p > 0) & (pre + dec > 0)
+        flags = track.flags[: len(rows)]
+        decode_only, with_prefill = flags[:, _DECODE_ONLY], flags[:, _WITH_PREFILL]
         track.tpot_samples = int(np.count_nonzero(decode_only))
         track.ttft_samples = int(np.count_nonzero(with_prefill))
         if track.tpot_samples >= config.min_samples:
-            target = _median(obs[decode_only] / dec[decode_only])
+            target = _median_of(rows[decode_only, _TPOT_RATIO])
             track.tpot_factor = _approach(track.tpot_factor, target, config)
         if track.ttft_samples >= config.min_samples:
-            target = _median(obs[with_prefill] / (pre[with_prefill] + dec[with_prefill]))
+            target = _median_of(rows[with_prefill, _TTFT_RATIO])
             track.ttft_factor = _approach(track.ttft_factor, target, config)
         if track.ttft_samples < config.min_samples and track.tpot_samples >= config.min_samples:
             track.ttft_factor = track.tpot_factor  # one speed for the hardware until prefill is seen
         # Prefill time between decode steps, as observed: what the steps with a prefill chunk
         # took beyond their (calibrated) decode part, spread over every decode step. Measured,
         # not the profile's prefill cost times a factor that may not be learned yet.
-        decoding = b > 0
-        if decoding.any():
-            mixed = decoding & (p > 0)
-            extra = np.maximum(obs[mixed] - dec[mixed] * track.tpot_factor, 0.0)
-            track.interleave_ms = float(np.sum(extra)) / int(np.count_nonzero(decoding))
+        decoding = int(np.count_nonzero(rows[:, _HAS_DECODE]))
+        if decoding:
+            mixed = flags[:, _MIXED]
+            extra = np.maximum(rows[mixed, _OBS] - rows[mixed, _DEC] * track.tpot_factor, 0.0)
+            track.interleave_ms = float(np.sum(extra)) / decoding
         else:
             track.interleave_ms = 0.0
         if config.mode == "refit" and len(rows) >= config.refit_min_samples:
@@ -554,19 +617,23 @@ class Calibrator:
         # Pseudo steps on a grid spanning the window's range and a typical one: a direction the
         # window never explored (no prefill step in it, a single batch size) follows the scaled
         # profile instead of whatever the minimum-norm solution would give it.
-        p_max = max(float(np.max(rows[:, _P])), 2048.0)
-        b_max = max(float(np.max(rows[:, _B])), 32.0)
-        l_max = max(float(np.max(rows[:, _L])), 2048.0)
-        grid = _pseudo_steps(p_max, b_max, l_max)
+        maxima = rows[:, : _L + 1].max(axis=0)
+        grid = _pseudo_steps(
+            max(float(maxima[_P]), 2048.0), max(float(maxima[_B]), 32.0), max(float(maxima[_L]), 2048.0)
+        )
+        n, m = len(rows), len(grid)
+        features = np.empty((n + m, NUM_COEFS))
+        features[:n] = rows[:, :NUM_COEFS]
+        features[n:] = grid
         # The baseline: the prefill part at the TTFT factor, the decode part at the TPOT factor
         # (linear in the parts, so a linear truth leaves a linear remainder).
         scaled = rows[:, _PRE] * track.ttft_factor + rows[:, _DEC] * track.tpot_factor
-        features = np.concatenate([rows[:, :NUM_COEFS], grid])
-        observed = np.concatenate([rows[:, _OBS] - scaled, np.zeros(len(grid))])
+        observed = np.empty(n + m)
+        np.subtract(rows[:, _OBS], scaled, out=observed[:n])
+        observed[n:] = 0.0
         # The pseudo steps weigh prior_weight x the window in all.
-        prior = self.config.prior_weight * len(rows) / len(grid)
-        weights = np.concatenate([np.ones(len(rows)), np.full(len(grid), prior)])
-        return fit_step_model(features, observed, weights)
+        prior = self.config.prior_weight * n / m
+        return _fit_with_prior(features, observed, n, prior)
 
     def _check_drift(self, instance_id: str) -> None:
         track = self._instances.get(instance_id)
@@ -671,9 +738,6 @@ class Calibrator:
             )
         self._cache = (ids, self.version, result)
         return result
-
-
-_EMPTY: FloatArray = np.zeros(0)
 
 
 def _pseudo_steps(p_max: float, b_max: float, l_max: float) -> FloatArray:
