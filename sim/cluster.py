@@ -76,7 +76,10 @@ ways and compares):
 - idle engines are never stepped, and runs of identical pure-decode steps are
   fast-forwarded (:mod:`sim.fastforward`): planned from the engine's own
   cost model, seen by the router through computed columns, and applied to the
-  engine only when the run ends or the instance is touched.
+  engine only when the run ends or the instance is touched;
+- the calibration is fed only the instances with steps it has not seen (a
+  run's unfed steps are found by the end time of the first of them), in
+  instance order, all of one feed in one :meth:`Calibrator.observe_steps` call.
 """
 
 from __future__ import annotations
