@@ -76,7 +76,10 @@ ways and compares):
 - idle engines are never stepped, and runs of identical pure-decode steps are
   fast-forwarded (:mod:`sim.fastforward`): planned from the engine's own
   cost model, seen by the router through computed columns, and applied to the
-  engine only when the run ends or the instance is touched.
+  engine only when the run ends or the instance is touched;
+- the calibration is fed only the instances with steps it has not seen (a
+  run's unfed steps are found by the end time of the first of them), in
+  instance order, all of one feed in one :meth:`Calibrator.observe_steps` call.
 """
 
 from __future__ import annotations
@@ -99,7 +102,7 @@ from bench.report import RequestResult
 from bench.workload import RequestPlan
 from fleet.snapshot import ClusterSnapshot, InstanceRecord
 from predictor import LatencyPredictor
-from router.core.calibration import Calibrator, StepSample
+from router.core.calibration import Calibrator
 from router.core.columns import INFLIGHT_ROWS, ClusterView, InflightColumns, InstanceTable
 from router.core.config import SchedulerConfig
 from router.core.decision import Decision
@@ -429,10 +432,14 @@ class _Simulation:
         self.scheduler = scheduler
         #: The router's calibration, fed the engines' step samples before each decision (None: off).
         self.calibrator = calibrator
-        #: Per instance: step samples the router has not seen yet, and steps of the current
-        #: fast-forwarded run already fed.
-        self.pending_samples: list[list[StepSample]] = [[] for _ in range(fleet.n)]
+        #: Per instance: step samples the router has not seen yet (prefill tokens, decode batch,
+        #: decode tokens, ms), and steps of the current fast-forwarded run already fed.
+        self.pending_samples: list[list[tuple[int, int, int, float]]] = [[] for _ in range(fleet.n)]
         self.run_fed = [0] * fleet.n
+        #: Instances with pending samples, and per instance when the first step of its run not fed
+        #: yet ends (inf: none planned): a feed touches only the instances with something new.
+        self.pending_ids: set[int] = set()
+        self.feed_at = np.full(fleet.n, np.inf)
         self.expired_at = 0.0
         self.plans = plans
         self.reuse_static_memo = reuse_static_memo
@@ -607,6 +614,7 @@ class _Simulation:
             if run is not None:
                 self.runs[i] = run
                 self.run_event[i] = self._push(run.ends[-1], _RUN_END, i)
+                self._next_feed(i, run)
                 self._measure(i, (run.ends[0] - now) * 1e3)
                 self.run_next[i] = -np.inf  # the next view takes the run's columns
                 self.busy[i] = True
@@ -667,6 +675,7 @@ class _Simulation:
             return  # the run was materialized since this event was pushed
         if not run.complete:
             run.extend()
+            self._next_feed(i, run)
             self.run_event[i] = self._push(run.ends[-1], _RUN_END, i)
             return
         self._run_samples(i, run, len(run.ends))
@@ -688,13 +697,9 @@ class _Simulation:
         if self.calibrator is not None:
             pending = self.pending_samples[i]
             pending.append(
-                StepSample(
-                    step.num_prefill_tokens,
-                    step.num_decode_requests,
-                    step.num_decode_tokens,
-                    step.duration_ms,
-                )
+                (step.num_prefill_tokens, step.num_decode_requests, step.num_decode_tokens, step.duration_ms)
             )
+            self.pending_ids.add(i)
             if len(pending) > 4096:  # bounded: the router keeps a window of recent steps anyway
                 del pending[:-1024]
         for rid, position, finished, held in result.outputs:
@@ -765,25 +770,50 @@ class _Simulation:
             return
         fed = self.run_fed[i]
         if upto > fed:
-            durations = run._durations_ms
             batch = run.batch
+            first = run.step_tokens0 + fed * batch
             self.pending_samples[i].extend(
-                StepSample(0, batch, run.step_tokens0 + k * batch, durations[k]) for k in range(fed, upto)
+                zip(
+                    itertools.repeat(0),
+                    itertools.repeat(batch),
+                    range(first, first + (upto - fed) * batch, batch),
+                    run._durations_ms[fed:upto],
+                )
             )
-        self.run_fed[i] = 0 if final else max(fed, upto)
+            self.pending_ids.add(i)
+        if final:
+            self.run_fed[i] = 0
+            self.feed_at[i] = np.inf
+        else:
+            self.run_fed[i] = max(fed, upto)
+            self._next_feed(i, run)
+
+    def _next_feed(self, i: int, run: DecodeRun) -> None:
+        """Note when the first step of instance ``i``'s run not fed yet ends (call when that changes)."""
+        if self.calibrator is not None:
+            fed = self.run_fed[i]
+            self.feed_at[i] = run.ends[fed] if fed < len(run.ends) else np.inf
 
     def _feed_calibration(self, now: float) -> None:
         """What the agents' status pushes carry: every step finished since the last decision."""
         calibrator = self.calibrator
         assert calibrator is not None
-        ids, groups = self.fleet.ids, self.fleet.groups
-        for i, run in enumerate(self.runs):
-            if run is not None:
-                self._run_samples(i, run, run.steps_done(now), final=False)
-        for i, pending in enumerate(self.pending_samples):
-            if pending:
-                calibrator.observe(ids[i], groups[i], pending, now)
-                pending.clear()
+        runs = self.runs
+        # Runs with a step finished and not fed (feed_at is the end of the first such step).
+        for i in np.flatnonzero(self.feed_at <= now).tolist():
+            run = runs[i]
+            assert run is not None
+            self._run_samples(i, run, run.steps_done(now), final=False)
+        if self.pending_ids:
+            ids, groups, pending = self.fleet.ids, self.fleet.groups, self.pending_samples
+            # In instance order, as each instance's status push would be read.
+            batches = [
+                (ids[i], groups[i], np.array(pending[i], dtype=np.float64)) for i in sorted(self.pending_ids)
+            ]
+            for i in self.pending_ids:
+                pending[i].clear()
+            self.pending_ids.clear()
+            calibrator.observe_steps(batches, now)
         if now - self.expired_at >= 1.0:
             calibrator.expire(now)
             self.expired_at = now
@@ -1104,6 +1134,7 @@ class _Simulation:
                 # The planned steps end right now and the event planning more has not run yet
                 # (another event of the same instant asked for a view first): plan them here.
                 run.extend()
+                self._next_feed(i, run)
             decode_tokens[i] = run.decode_tokens_at(s)
             used_kv[i] = run.used_kv_tokens_at(s)
             self.changed_at[i] = run.step_start(s)

@@ -149,18 +149,17 @@ class CalibrationConfig:
 def step_features(prefill: FloatArray, batch: FloatArray, tokens: FloatArray) -> FloatArray:
     """The refit's design matrix, one row per step: ``[P, P>0, b·l, b, l, b>0]``."""
     has_decode = batch > 0
-    per_request = np.divide(tokens, batch, out=np.zeros_like(tokens), where=has_decode)
-    return np.stack(
-        [
-            prefill,
-            (prefill > 0).astype(np.float64),
-            tokens,
-            batch,
-            per_request,
-            has_decode.astype(np.float64),
-        ],
-        axis=-1,
-    )
+    # Filled column by column (the values np.stack of the columns would give, without its overhead).
+    out = np.empty((*np.shape(prefill), NUM_COEFS))
+    out[..., 0] = prefill
+    out[..., 1] = prefill > 0
+    out[..., 2] = tokens
+    out[..., 3] = batch
+    per_request = out[..., 4]
+    per_request[...] = 0.0
+    np.divide(tokens, batch, out=per_request, where=has_decode)
+    out[..., 5] = has_decode
+    return out
 
 
 def linear_step_ms(
@@ -190,22 +189,100 @@ def fit_step_model(
     """
     w = np.ones(len(observed_ms)) if weights is None else weights
     keep = np.isfinite(observed_ms) & (w > 0)
-    coefs: FloatArray | None = None
-    for _ in range(2):
-        if np.count_nonzero(keep) < NUM_COEFS:
-            return coefs
-        sw = np.sqrt(w[keep])
-        solution, *_ = np.linalg.lstsq(features[keep] * sw[:, None], observed_ms[keep] * sw, rcond=None)
-        coefs = np.asarray(solution, dtype=np.float64)
-        residual = observed_ms - features @ coefs
-        mad = float(np.median(np.abs(residual[keep] - np.median(residual[keep]))))
-        # The floor keeps rows off by a rounding error: when most rows fit exactly (a remainder
-        # that is 0 on every pure-decode step), the MAD is 0 and would reject every prefill row
-        # for a residual of a few microseconds, leaving their coefficients unfitted.
-        rms = float(np.sqrt(np.mean(np.square(observed_ms[keep]))))
-        limit = max(4.0 * 1.4826 * mad, 1e-3 * rms + 1e-2)
-        keep = keep & (np.abs(residual) <= limit)
-    return coefs
+    kept = int(np.count_nonzero(keep))
+    if kept < NUM_COEFS:
+        return None
+    coefs = _weighted_lstsq(features, observed_ms, w, keep, kept == len(keep))
+    residual = observed_ms - features @ coefs
+    mad = _median(np.abs(residual[keep] - _median(residual[keep])))
+    # The floor keeps rows off by a rounding error: when most rows fit exactly (a remainder
+    # that is 0 on every pure-decode step), the MAD is 0 and would reject every prefill row
+    # for a residual of a few microseconds, leaving their coefficients unfitted.
+    square = np.square(observed_ms[keep])
+    rms = float(np.sqrt(np.add.reduce(square) / len(square)))  # what np.mean computes, without its overhead
+    limit = max(4.0 * 1.4826 * mad, 1e-3 * rms + 1e-2)
+    refit = keep & (np.abs(residual) <= limit)
+    kept_now = int(np.count_nonzero(refit))
+    if kept_now == kept:
+        # No row rejected: the second solve would be the same system, so the same coefficients.
+        return coefs
+    if kept_now < NUM_COEFS:
+        return coefs
+    return _weighted_lstsq(features, observed_ms, w, refit, False)
+
+
+def _weighted_lstsq(
+    features: FloatArray, observed_ms: FloatArray, w: FloatArray, keep: BoolArray, every_row: bool
+) -> FloatArray:
+    """Least squares of the ``keep`` rows, each scaled by the square root of its weight."""
+    sw = np.sqrt(w[keep])
+    x, y = (features, observed_ms) if every_row else (features[keep], observed_ms[keep])
+    solution, *_ = np.linalg.lstsq(x * sw[:, None], y * sw, rcond=None)
+    return np.asarray(solution, dtype=np.float64)
+
+
+def _median(values: FloatArray) -> float:
+    """``np.median`` of a 1-D array, bit for bit, at a fraction of its overhead (see :func:`_median_of`)."""
+    return _median_of(values.copy())
+
+
+def _median_of(scratch: FloatArray) -> float:
+    """``np.median`` of a 1-D array that may be reordered (a temporary), bit for bit.
+
+    The same partition (the same kth as ``np.median``'s, the last element too: that is where a
+    NaN lands) and the same mean of the middle. The calibration takes several medians of a few
+    hundred values per update, where ``np.median``'s generic axis handling costs more than the
+    partition itself.
+    """
+    n = len(scratch)
+    if n == 0:
+        return float(np.median(scratch))  # NaN and its warning, as np.median gives them
+    half = n // 2
+    scratch.partition([half, -1] if n % 2 else [half - 1, half, -1])
+    last = float(scratch[-1])
+    if last != last:
+        return last
+    middle = scratch[half : half + 1] if n % 2 else scratch[half - 1 : half + 1]
+    return float(np.add.reduce(middle) / len(middle))  # np.mean of the middle, as np.median takes it
+
+
+# Columns of a track's window. The first NUM_COEFS are the step's refit features (step_features),
+# then what the update takes of each step; all computed once when the step arrives rather than at
+# every update of the windows holding it (the same element-wise operations, so the same values).
+_P, _B, _L, _HAS_DECODE = 0, 3, 4, 5  # prefill tokens, decode batch, context per decode request, b>0
+_OBS, _PRE, _DEC, _TIME = 6, 7, 8, 9  # observed ms, profile prefill ms, profile decode ms, time (s)
+_TPOT_RATIO, _TTFT_RATIO = 10, 11  # observed / profile of a decode-only step, of a step with prefill
+_COLUMNS = 12
+# Flags of a track's window: a decode-only step (a TPOT sample), a step with prefill (a TTFT
+# sample), a step with both prefill and decode (its prefill ran between decode steps).
+_DECODE_ONLY, _WITH_PREFILL, _MIXED = 0, 1, 2
+_FLAGS = 3
+
+
+def _step_rows(
+    steps: FloatArray, pre: FloatArray, dec: FloatArray, now_s: float
+) -> tuple[FloatArray, BoolArray]:
+    """The window rows and flags of ``steps`` (n x: prefill, batch, tokens, ms) and their profile parts."""
+    n = len(steps)
+    rows = np.empty((n, _COLUMNS))
+    rows[:, :NUM_COEFS] = step_features(steps[:, 0], steps[:, 1], steps[:, 2])
+    obs = rows[:, _OBS]
+    obs[...] = steps[:, 3]
+    rows[:, _PRE] = pre
+    rows[:, _DEC] = dec
+    rows[:, _TIME] = now_s
+    p, b = steps[:, 0], steps[:, 1]
+    flags = np.empty((n, _FLAGS), dtype=bool)
+    decode_only = flags[:, _DECODE_ONLY]
+    decode_only[...] = (p == 0) & (b > 0) & (dec > 0)
+    with_prefill = flags[:, _WITH_PREFILL]
+    with_prefill[...] = (p > 0) & (pre + dec > 0)
+    flags[:, _MIXED] = (b > 0) & (p > 0)
+    rows[:, _TPOT_RATIO] = 0.0
+    np.divide(obs, dec, out=rows[:, _TPOT_RATIO], where=decode_only)
+    rows[:, _TTFT_RATIO] = 0.0
+    np.divide(obs, pre + dec, out=rows[:, _TTFT_RATIO], where=with_prefill)
+    return rows, flags
 
 
 class _Track:
@@ -215,6 +292,7 @@ class _Track:
         "buf",
         "coefs",
         "count",
+        "flags",
         "interleave_ms",
         "last_s",
         "pending",
@@ -226,9 +304,9 @@ class _Track:
     )
 
     def __init__(self, window: int) -> None:
-        # Columns: prefill tokens, decode batch, decode tokens, observed ms, profile prefill ms,
-        # profile decode ms, time (s).
-        self.buf = np.zeros((window, 7))
+        # A ring of ``window`` rows (the _P ... columns, and the flags); the first ``count`` are in use.
+        self.buf = np.zeros((window, _COLUMNS))
+        self.flags = np.zeros((window, _FLAGS), dtype=bool)
         self.count = 0
         self.pos = 0
         self.pending = 0
@@ -240,27 +318,57 @@ class _Track:
         self.interleave_ms = 0.0
         self.coefs: FloatArray | None = None
 
-    def add(self, rows: FloatArray) -> None:
+    def add(self, rows: FloatArray, flags: BoolArray) -> None:
         window = len(self.buf)
-        for row in rows[-window:]:
-            self.buf[self.pos] = row
-            self.pos = (self.pos + 1) % window
+        pos, k = self.pos, min(len(rows), window)
+        # Row after row from ``pos`` (the last ``window`` of them), wrapping at the end of the ring.
+        head = min(k, window - pos)
+        for ring, new in ((self.buf, rows[-k:]), (self.flags, flags[-k:])):
+            ring[pos : pos + head] = new[:head]
+            ring[: k - head] = new[head:]
+        self.pos = (pos + k) % window
         self.count = min(window, self.count + len(rows))
         self.pending += len(rows)
-        self.last_s = max(self.last_s, float(rows[-1, 6]))
+        self.last_s = max(self.last_s, float(rows[-1, _TIME]))
 
     def rows(self) -> FloatArray:
         return self.buf[: self.count]
 
     def drop_older_than(self, cutoff_s: float) -> bool:
         """Drop samples older than ``cutoff_s``; True when any was dropped."""
-        if self.count == 0 or float(np.min(self.rows()[:, 6])) >= cutoff_s:
+        if self.count == 0 or float(np.min(self.rows()[:, _TIME])) >= cutoff_s:
             return False
-        kept = self.rows()[self.rows()[:, 6] >= cutoff_s]
+        fresh = self.rows()[:, _TIME] >= cutoff_s
+        kept = self.rows()[fresh]
         self.buf[: len(kept)] = kept
+        self.flags[: len(kept)] = self.flags[: self.count][fresh]
         self.count = len(kept)
         self.pos = self.count % len(self.buf)
         return True
+
+
+def _fit_with_prior(features: FloatArray, observed_ms: FloatArray, n: int, prior: float) -> FloatArray | None:
+    """``fit_step_model`` with weight 1 for the first ``n`` rows and ``prior`` (> 0) for the others.
+
+    The same coefficients as ``fit_step_model(features, observed_ms, weights)``, bit for bit,
+    with fewer array operations where every row is finite (a weight of 1 scales nothing).
+    """
+    weights = np.ones(len(observed_ms))
+    weights[n:] = prior
+    if len(observed_ms) < NUM_COEFS or not np.isfinite(observed_ms).all():
+        return fit_step_model(features, observed_ms, weights)
+    x = features.copy()
+    x[n:] *= np.sqrt(weights[n:])[:, None]
+    solution, *_ = np.linalg.lstsq(x, observed_ms, rcond=None)
+    coefs = np.asarray(solution, dtype=np.float64)
+    residual = observed_ms - features @ coefs
+    mad = _median_of(np.abs(residual - _median_of(residual.copy())))
+    rms = float(np.sqrt(np.add.reduce(np.square(observed_ms)) / len(observed_ms)))
+    limit = max(4.0 * 1.4826 * mad, 1e-3 * rms + 1e-2)
+    keep = np.abs(residual) <= limit
+    if keep.all() or np.count_nonzero(keep) < NUM_COEFS:
+        return coefs
+    return _weighted_lstsq(features, observed_ms, weights, keep, False)
 
 
 def _approach(current: float, target: float, config: CalibrationConfig) -> float:
@@ -357,6 +465,12 @@ class Calibrator:
         #: Bumped whenever a correction changes (tables cache their :class:`Correction` by it).
         self.version = 0
         self._cache: tuple[Sequence[str], int, Correction | None] | None = None
+        # The columns of the last correction built, and what changed since: instances whose
+        # track took or lost samples, and whether any group's did (rows falling back to their
+        # group then change too). A new correction for the same ids rewrites only those rows.
+        self._columns: _Columns | None = None
+        self._dirty: set[str] = set()
+        self._groups_dirty = False
 
     @property
     def enabled(self) -> bool:
@@ -368,27 +482,67 @@ class Calibrator:
         """Record ``samples`` (oldest first, each once) of ``instance_id`` in profile group ``group``."""
         if not self.enabled or not samples:
             return
-        arr = np.array(
+        steps = np.array(
             [
                 (s.num_prefill_tokens, s.num_decode_requests, s.num_decode_tokens, s.duration_ms)
                 for s in samples
             ],
             dtype=np.float64,
         )
-        ok = np.isfinite(arr).all(axis=1) & (arr[:, 3] >= 0) & (arr[:, :3] >= 0).all(axis=1)
-        ok &= (arr[:, 0] > 0) | (arr[:, 1] > 0)
-        arr = arr[ok]
-        if len(arr) == 0:
+        self.observe_steps(((instance_id, group, steps),), now_s)
+
+    def observe_steps(self, batches: Iterable[tuple[str, str, FloatArray]], now_s: float) -> None:
+        """:meth:`observe` of several instances at once, in order; each batch's steps as an array.
+
+        A batch is ``(instance_id, group, steps)`` with ``steps`` of shape ``(n, 4)``: prefill
+        tokens, decode batch, decode tokens, duration (ms), oldest first. The outcome is that of
+        one :meth:`observe` call per batch in the same order; the profile's predictions are
+        computed in one call per group (the step predictor is element-wise, so the values are
+        the same).
+        """
+        if not self.enabled:
             return
-        pre, dec = self._predict_step(group)(arr[:, 0], arr[:, 1], arr[:, 2])
-        rows = np.column_stack([arr, pre, dec, np.full(len(arr), float(now_s))])
+        todo = [batch for batch in batches if len(batch[2])]
+        if not todo:
+            return
+        steps = todo[0][2] if len(todo) == 1 else np.concatenate([batch[2] for batch in todo])
+        sizes = np.array([len(batch[2]) for batch in todo])
+        ok = np.isfinite(steps).all(axis=1) & (steps[:, 3] >= 0) & (steps[:, :3] >= 0).all(axis=1)
+        ok &= (steps[:, 0] > 0) | (steps[:, 1] > 0)
+        if not ok.all():
+            # Samples that cannot be right (negative, not finite, an empty step) are left out.
+            sizes = np.add.reduceat(ok, np.cumsum(sizes) - sizes)
+            steps = steps[ok]
+            if len(steps) == 0:
+                return
+        ends = np.cumsum(sizes).tolist()
+        of_group: dict[str, list[int]] = {}
+        for k, (_, group, _) in enumerate(todo):
+            of_group.setdefault(group, []).append(k)
+        if len(of_group) == 1:
+            pre, dec = self._predict_step(todo[0][1])(steps[:, 0], steps[:, 1], steps[:, 2])
+        else:
+            pre, dec = np.empty(len(steps)), np.empty(len(steps))
+            for group, members in of_group.items():
+                at = np.concatenate([np.arange(ends[k] - int(sizes[k]), ends[k]) for k in members])
+                pre[at], dec[at] = self._predict_step(group)(steps[at, 0], steps[at, 1], steps[at, 2])
+        rows, flags = _step_rows(steps, pre, dec, float(now_s))
+        start = 0
+        for (instance_id, group, _), end in zip(todo, ends, strict=True):
+            if end > start:
+                self._record(instance_id, group, rows[start:end], flags[start:end])
+            start = end
+
+    def _record(self, instance_id: str, group: str, rows: FloatArray, flags: BoolArray) -> None:
         self._group_of[instance_id] = group
+        self._dirty.add(instance_id)
+        self._groups_dirty = True
         window = self.config.window_samples
         for key, tracks in ((instance_id, self._instances), (group, self._groups)):
             track = tracks.get(key)
             if track is None:
                 track = tracks[key] = _Track(window)
-            track.add(rows)
+            track.add(rows, flags)
             if track.pending >= self.config.update_every_samples:
                 self._update(track, group)
         self._check_drift(instance_id)
@@ -398,6 +552,7 @@ class Calibrator:
         self._instances.pop(instance_id, None)
         self._group_of.pop(instance_id, None)
         self._drifted.pop(instance_id, None)
+        self._columns = None
         self.version += 1
 
     def expire(self, now_s: float) -> None:
@@ -407,6 +562,10 @@ class Calibrator:
         for key, track in (*self._instances.items(), *self._groups.items()):
             if track.drop_older_than(cutoff):
                 changed = True
+                if self._instances.get(key) is track:
+                    self._dirty.add(key)
+                else:
+                    self._groups_dirty = True
                 group = self._group_of.get(key, key)
                 self._update(track, group)
         if changed:
@@ -425,27 +584,26 @@ class Calibrator:
             track.coefs = None
             self.version += 1
             return
-        p, b, obs, pre, dec = rows[:, 0], rows[:, 1], rows[:, 3], rows[:, 4], rows[:, 5]
-        decode_only = (p == 0) & (b > 0) & (dec > 0)
-        with_prefill = (p > 0) & (pre + dec > 0)
+        flags = track.flags[: len(rows)]
+        decode_only, with_prefill = flags[:, _DECODE_ONLY], flags[:, _WITH_PREFILL]
         track.tpot_samples = int(np.count_nonzero(decode_only))
         track.ttft_samples = int(np.count_nonzero(with_prefill))
         if track.tpot_samples >= config.min_samples:
-            target = float(np.median(obs[decode_only] / dec[decode_only]))
+            target = _median_of(rows[decode_only, _TPOT_RATIO])
             track.tpot_factor = _approach(track.tpot_factor, target, config)
         if track.ttft_samples >= config.min_samples:
-            target = float(np.median(obs[with_prefill] / (pre[with_prefill] + dec[with_prefill])))
+            target = _median_of(rows[with_prefill, _TTFT_RATIO])
             track.ttft_factor = _approach(track.ttft_factor, target, config)
         if track.ttft_samples < config.min_samples and track.tpot_samples >= config.min_samples:
             track.ttft_factor = track.tpot_factor  # one speed for the hardware until prefill is seen
         # Prefill time between decode steps, as observed: what the steps with a prefill chunk
         # took beyond their (calibrated) decode part, spread over every decode step. Measured,
         # not the profile's prefill cost times a factor that may not be learned yet.
-        decoding = b > 0
-        if decoding.any():
-            mixed = decoding & (p > 0)
-            extra = np.maximum(obs[mixed] - dec[mixed] * track.tpot_factor, 0.0)
-            track.interleave_ms = float(np.sum(extra)) / int(np.count_nonzero(decoding))
+        decoding = int(np.count_nonzero(rows[:, _HAS_DECODE]))
+        if decoding:
+            mixed = flags[:, _MIXED]
+            extra = np.maximum(rows[mixed, _OBS] - rows[mixed, _DEC] * track.tpot_factor, 0.0)
+            track.interleave_ms = float(np.sum(extra)) / decoding
         else:
             track.interleave_ms = 0.0
         if config.mode == "refit" and len(rows) >= config.refit_min_samples:
@@ -456,29 +614,26 @@ class Calibrator:
 
     def _refit(self, rows: FloatArray, track: _Track) -> FloatArray | None:
         """Least squares of the scaled profile's remainder over the window, plus pseudo steps of remainder 0."""
-        p, b, t = rows[:, 0], rows[:, 1], rows[:, 2]
         # Pseudo steps on a grid spanning the window's range and a typical one: a direction the
         # window never explored (no prefill step in it, a single batch size) follows the scaled
         # profile instead of whatever the minimum-norm solution would give it.
-        p_max = max(float(np.max(p)), 2048.0)
-        b_max = max(float(np.max(b)), 32.0)
-        per_request = np.divide(t, b, out=np.zeros_like(t), where=b > 0)
-        l_max = max(float(np.max(per_request)), 2048.0)
-        p_grid = np.array([0.0, 16.0, p_max / 4.0, p_max / 2.0, p_max])
-        b_grid = np.array([0.0, 1.0, b_max / 4.0, b_max / 2.0, b_max])
-        l_grid = np.array([64.0, l_max / 2.0, l_max])
-        pg, bg, lg = (a.ravel() for a in np.meshgrid(p_grid, b_grid, l_grid, indexing="ij"))
-        live = (pg > 0) | (bg > 0)
-        pg, bg, tg = pg[live], bg[live], (bg * lg)[live]
+        maxima = rows[:, : _L + 1].max(axis=0)
+        grid = _pseudo_steps(
+            max(float(maxima[_P]), 2048.0), max(float(maxima[_B]), 32.0), max(float(maxima[_L]), 2048.0)
+        )
+        n, m = len(rows), len(grid)
+        features = np.empty((n + m, NUM_COEFS))
+        features[:n] = rows[:, :NUM_COEFS]
+        features[n:] = grid
         # The baseline: the prefill part at the TTFT factor, the decode part at the TPOT factor
         # (linear in the parts, so a linear truth leaves a linear remainder).
-        scaled = rows[:, 4] * track.ttft_factor + rows[:, 5] * track.tpot_factor
-        features = np.concatenate([step_features(p, b, t), step_features(pg, bg, tg)])
-        observed = np.concatenate([rows[:, 3] - scaled, np.zeros(len(pg))])
+        scaled = rows[:, _PRE] * track.ttft_factor + rows[:, _DEC] * track.tpot_factor
+        observed = np.empty(n + m)
+        np.subtract(rows[:, _OBS], scaled, out=observed[:n])
+        observed[n:] = 0.0
         # The pseudo steps weigh prior_weight x the window in all.
-        prior = self.config.prior_weight * len(rows) / len(pg)
-        weights = np.concatenate([np.ones(len(rows)), np.full(len(pg), prior)])
-        return fit_step_model(features, observed, weights)
+        prior = self.config.prior_weight * n / m
+        return _fit_with_prior(features, observed, n, prior)
 
     def _check_drift(self, instance_id: str) -> None:
         track = self._instances.get(instance_id)
@@ -540,37 +695,119 @@ class Calibrator:
         cached = self._cache
         if cached is not None and cached[0] is ids and cached[1] == self.version:
             return cached[2]
-        if groups is not None:
-            for instance_id, group in zip(ids, groups, strict=True):
-                self._group_of.setdefault(instance_id, group)
-        n = len(ids)
-        ttft = np.ones(n)
-        tpot = np.ones(n)
-        interleave = np.zeros(n)
-        coefs = np.zeros((n, NUM_COEFS))
-        has_fit = np.zeros(n, dtype=bool)
-        any_track = False
-        for i, instance_id in enumerate(ids):
-            track = self._effective(instance_id)
-            if track is None:
-                continue
-            any_track = True
-            ttft[i] = track.ttft_factor
-            tpot[i] = track.tpot_factor
-            interleave[i] = track.interleave_ms
-            if track.coefs is not None:
-                coefs[i] = track.coefs
-                has_fit[i] = True
+        columns = self._columns
+        if columns is None or columns.ids is not ids or columns.groups is not groups:
+            if groups is not None:
+                for instance_id, group in zip(ids, groups, strict=True):
+                    self._group_of.setdefault(instance_id, group)
+            columns = self._columns = _Columns(ids, groups)
+            rows: Iterable[int] = range(len(ids))
+        else:
+            # Only rows whose instance or group track changed since the last build differ.
+            changed: set[int] = set()
+            for instance_id in self._dirty:
+                changed.update(columns.index.get(instance_id, ()))
+            if self._groups_dirty:
+                changed.update(columns.from_group)
+            rows = changed
+        self._dirty.clear()
+        self._groups_dirty = False
+        min_samples = self.config.min_samples
+        for i in rows:
+            instance_id = ids[i]
+            track = self._instances.get(instance_id)
+            if track is not None and track.count >= min_samples:
+                columns.from_group.discard(i)
+            else:
+                columns.from_group.add(i)
+                track = self._groups.get(self._group_of.get(instance_id, ""))
+                if track is not None and track.count < min_samples:
+                    track = None
+            columns.set(i, track)
         result = None
-        if any_track:
+        if columns.tracked.any():
+            has_fit = columns.has_fit.copy()
             result = Correction(
-                ttft_factor=ttft,
-                tpot_factor=tpot,
-                interleave_ms=interleave,
-                coefs=coefs if has_fit.any() else None,
+                ttft_factor=columns.ttft.copy(),
+                tpot_factor=columns.tpot.copy(),
+                interleave_ms=columns.interleave.copy(),
+                coefs=columns.coefs.copy() if has_fit.any() else None,
                 has_fit=has_fit,
                 min_factor=self.config.min_factor,
                 max_factor=self.config.max_factor,
             )
         self._cache = (ids, self.version, result)
         return result
+
+
+def _pseudo_steps(p_max: float, b_max: float, l_max: float) -> FloatArray:
+    """The refit's pseudo steps (their features), on a grid up to the window's maxima; cached."""
+    key = (p_max, b_max, l_max)
+    features = _PSEUDO_STEPS.get(key)
+    if features is None:
+        p_grid = np.array([0.0, 16.0, p_max / 4.0, p_max / 2.0, p_max])
+        b_grid = np.array([0.0, 1.0, b_max / 4.0, b_max / 2.0, b_max])
+        l_grid = np.array([64.0, l_max / 2.0, l_max])
+        pg, bg, lg = (a.ravel() for a in np.meshgrid(p_grid, b_grid, l_grid, indexing="ij"))
+        live = (pg > 0) | (bg > 0)
+        features = step_features(pg[live], bg[live], (bg * lg)[live])
+        features.flags.writeable = False
+        if len(_PSEUDO_STEPS) >= 256:  # bounded: windows of ever new maxima start it over
+            _PSEUDO_STEPS.clear()
+        _PSEUDO_STEPS[key] = features
+    return features
+
+
+_PSEUDO_STEPS: dict[tuple[float, float, float], FloatArray] = {}
+
+
+class _Columns:
+    """The per-instance columns of the corrections of one ``ids`` sequence, rewritten row by row."""
+
+    __slots__ = (
+        "coefs",
+        "from_group",
+        "groups",
+        "has_fit",
+        "ids",
+        "index",
+        "interleave",
+        "tpot",
+        "tracked",
+        "ttft",
+    )
+
+    def __init__(self, ids: Sequence[str], groups: Iterable[str] | None) -> None:
+        n = len(ids)
+        self.ids = ids
+        self.groups = groups
+        self.index: dict[str, list[int]] = {}
+        for i, instance_id in enumerate(ids):
+            self.index.setdefault(instance_id, []).append(i)
+        self.ttft = np.ones(n)
+        self.tpot = np.ones(n)
+        self.interleave = np.zeros(n)
+        self.coefs = np.zeros((n, NUM_COEFS))
+        self.has_fit = np.zeros(n, dtype=bool)
+        self.tracked = np.zeros(n, dtype=bool)
+        #: Rows whose correction is their group's (too few samples of their own), or none.
+        self.from_group: set[int] = set()
+
+    def set(self, i: int, track: _Track | None) -> None:
+        """Row ``i`` from ``track`` (None: the profile's)."""
+        if track is None:
+            self.ttft[i] = self.tpot[i] = 1.0
+            self.interleave[i] = 0.0
+            self.coefs[i] = 0.0
+            self.has_fit[i] = self.tracked[i] = False
+            return
+        self.tracked[i] = True
+        self.ttft[i] = track.ttft_factor
+        self.tpot[i] = track.tpot_factor
+        self.interleave[i] = track.interleave_ms
+        if track.coefs is not None:
+            self.coefs[i] = track.coefs
+            self.has_fit[i] = True
+        else:
+            self.coefs[i] = 0.0
+            self.has_fit[i] = False

@@ -1,0 +1,190 @@
+"""The calibration's fast paths give exactly (bit for bit) what the plain computations give.
+
+The simulator's results must not move when the calibration gets faster, so these
+compare with ``==`` on the float bits, never with a tolerance.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from router.core.calibration import (
+    NUM_COEFS,
+    CalibrationConfig,
+    Calibrator,
+    Correction,
+    StepPredictor,
+    StepSample,
+    _fit_with_prior,
+    _median,
+    fit_step_model,
+)
+from router.core.columns import FloatArray
+
+
+def same_bits(a: FloatArray | None, b: FloatArray | None) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return (
+        a.shape == b.shape
+        and np.array_equal(a, b, equal_nan=True)
+        and np.array_equal(np.signbit(a), np.signbit(b))
+    )
+
+
+def same_correction(a: Correction | None, b: Correction | None) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return all(
+        same_bits(getattr(a, name), getattr(b, name))
+        for name in ("ttft_factor", "tpot_factor", "interleave_ms", "coefs")
+    ) and np.array_equal(a.has_fit, b.has_fit)
+
+
+def reference_fit(features: FloatArray, observed: FloatArray, weights: FloatArray) -> FloatArray | None:
+    """The robust fit written out plainly: two weighted solves, the second on the rows kept."""
+    keep = np.isfinite(observed) & (weights > 0)
+    coefs = None
+    for _ in range(2):
+        if np.count_nonzero(keep) < NUM_COEFS:
+            return coefs
+        sw = np.sqrt(weights[keep])
+        solution, *_ = np.linalg.lstsq(features[keep] * sw[:, None], observed[keep] * sw, rcond=None)
+        coefs = np.asarray(solution, dtype=np.float64)
+        residual = observed - features @ coefs
+        mad = float(np.median(np.abs(residual[keep] - np.median(residual[keep]))))
+        rms = float(np.sqrt(np.mean(np.square(observed[keep]))))
+        keep = keep & (np.abs(residual) <= max(4.0 * 1.4826 * mad, 1e-3 * rms + 1e-2))
+    return coefs
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.one_of(
+            st.sampled_from([0.0, -0.0, 1.0, 2.5, float("nan")]),
+            st.floats(min_value=-1e12, max_value=1e12),
+        ),
+        min_size=1,
+        max_size=300,
+    )
+)
+def test_median_is_numpys_bit_for_bit(values: list[float]) -> None:
+    array = np.array(values)
+    before = array.copy()
+    assert same_bits(np.array(_median(array)), np.array(float(np.median(array))))
+    assert same_bits(array, before)  # the caller's array is left as it was
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(min_value=0, max_value=80),
+    prior=st.floats(min_value=1e-3, max_value=50.0),
+    outliers=st.integers(min_value=0, max_value=5),
+    noise=st.sampled_from([0.0, 1e-6, 0.05]),
+    seed=st.integers(min_value=0, max_value=2**16),
+)
+def test_prior_weighted_fit_is_the_plain_fit(
+    n: int, prior: float, outliers: int, noise: float, seed: int
+) -> None:
+    rng = np.random.default_rng(seed)
+    m = 12
+    features = np.column_stack(
+        [rng.integers(0, 2048, n + m), rng.integers(0, 2, n + m), rng.random((n + m, 4)) * 100]
+    ).astype(np.float64)
+    observed = features @ rng.normal(size=NUM_COEFS) + noise * rng.normal(size=n + m)
+    observed[n:] = 0.0
+    if n:
+        observed[rng.integers(0, n, outliers)] += 500.0
+    weights = np.ones(n + m)
+    weights[n:] = prior
+    expected = reference_fit(features, observed, weights)
+    assert same_bits(fit_step_model(features, observed, weights), expected)
+    assert same_bits(_fit_with_prior(features, observed, n, prior), expected)
+
+
+def profile_step(group: str) -> StepPredictor:
+    slope = 0.05 if group == "a" else 0.08
+
+    def predict(prefill: FloatArray, batch: FloatArray, tokens: FloatArray) -> tuple[FloatArray, FloatArray]:
+        pre = np.where(prefill > 0, slope * prefill + 4.0, 0.0)
+        dec = np.where(batch > 0, 10.0 + 0.5 * batch + 0.001 * tokens, 0.0)
+        return pre, dec
+
+    return predict
+
+
+def random_samples(rng: random.Random, speed: float) -> list[StepSample]:
+    samples = []
+    for _ in range(rng.choice([1, 2, 3, 5, 9, 30])):
+        batch = rng.randint(0, 48)
+        prefill = rng.choice([0, 0, rng.randint(1, 4096)])
+        tokens = batch * rng.randint(16, 4096)
+        ms = (12.0 + 0.06 * prefill + 0.6 * batch + 0.0012 * tokens) * speed * (1 + 0.05 * rng.gauss(0, 1))
+        if rng.random() < 0.03:
+            ms *= 8  # a stalled step: an outlier the fit drops
+        if rng.random() < 0.01:
+            ms = -1.0  # not a valid sample: left out
+        samples.append(StepSample(prefill, batch, tokens, ms))
+    return samples
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(min_value=0, max_value=2**16), mode=st.sampled_from(["scale", "refit"]))
+def test_batched_observations_and_incremental_corrections_match_the_plain_ones(seed: int, mode: str) -> None:
+    """observe_steps for many instances equals one observe per instance; a correction rebuilt for
+    the changed rows only equals one built from scratch."""
+    rng = random.Random(seed)
+    config = CalibrationConfig(mode=mode, window_samples=64, refit_min_samples=24, stale_after_s=3.0)
+    batched = Calibrator(config, profile_step)
+    plain = Calibrator(config, profile_step)
+    ids = tuple(f"i{k}" for k in range(6))
+    groups = tuple("a" if k % 3 else "b" for k in range(6))
+    speeds = [rng.uniform(0.5, 2.0) for _ in ids]
+    now = 0.0
+    version = -1
+    for _ in range(120):
+        now += rng.choice([0.05, 0.3, 2.0])
+        fed = sorted(rng.sample(range(len(ids)), rng.randint(0, len(ids))))
+        batches = [(ids[k], groups[k], random_samples(rng, speeds[k])) for k in fed]
+        for instance_id, group, samples in batches:
+            plain.observe(instance_id, group, samples, now)
+        batched.observe_steps(
+            [
+                (
+                    instance_id,
+                    group,
+                    np.array(
+                        [
+                            (s.num_prefill_tokens, s.num_decode_requests, s.num_decode_tokens, s.duration_ms)
+                            for s in samples
+                        ],
+                        dtype=np.float64,
+                    ).reshape(-1, 4),
+                )
+                for instance_id, group, samples in batches
+            ],
+            now,
+        )
+        if rng.random() < 0.3:
+            plain.expire(now)
+            batched.expire(now)
+        if rng.random() < 0.02:
+            plain.forget(ids[0])
+            batched.forget(ids[0])
+        correction = batched.correction(ids, groups)
+        assert same_correction(correction, plain.correction(ids, groups))
+        if batched.version != version:
+            # A new correction, rewritten for the changed rows only: the same as one built from
+            # scratch (a copy asked with new ids and groups objects builds every row).
+            assert same_correction(correction, copy.deepcopy(batched).correction(list(ids), list(groups)))
+            version = batched.version
+        for instance_id in ids:
+            assert batched.factors(instance_id) == plain.factors(instance_id)
+            assert same_bits(batched.coefficients(instance_id), plain.coefficients(instance_id))
+        assert batched.take_drift_events() == plain.take_drift_events()
