@@ -13,7 +13,9 @@ Single-instance filters (in a stage's order):
   ``ttft_slo_dispatch_threshold``); likewise ``tpot``; ``tpot_packing`` is
   the TPOT a packed placement must keep over the request's life
   (:func:`router.core.packing.packing_tpot_target_ms`: the TPOT target, or
-  the pace an e2e-only request needs). A droppable threshold
+  the pace an e2e-only request needs); ``tpot_residents`` is the default TPOT
+  target (``--tpot-slo``), which the requests already on an instance are held
+  to (a status does not carry their own targets). A droppable threshold
   is skipped by the fallback pass. ``label`` names the use in traces
   (default ``metric_threshold:<metric>``).
 * ``exclude_reserved`` (``reserve: prefill|decode``) — drops adaptive PD's
@@ -153,12 +155,17 @@ class MetricThreshold:
     label: str
 
     default_output_tokens: int = 256
+    #: The TPOT target of the requests already on an instance (``slo: tpot_residents``): the default
+    #: one, since a status does not carry its requests' own targets.
+    residents_tpot_ms: float = 50.0
 
     def bound(self, ctx: DecisionContext) -> float:
         if self.limit is not None:
             return self.limit
         if self.slo == "tpot_packing":
             return packing_tpot_target_ms(ctx, self.default_output_tokens, self.factor) * self.factor
+        if self.slo == "tpot_residents":
+            return self.residents_tpot_ms * self.factor
         target = ctx.ttft_slo_ms if self.slo == "ttft" else ctx.tpot_slo_ms
         return target * self.factor
 
@@ -185,8 +192,10 @@ def _metric_threshold(config: SchedulerConfig, params: Params) -> Filter:
     slo = params.text("slo", "")
     if (limit is None) == (not slo):
         raise ConfigError(f"{params.where}: metric_threshold needs exactly one of 'limit' or 'slo'")
-    if slo and slo not in ("ttft", "tpot", "tpot_packing"):
-        raise ConfigError(f"{params.where}: 'slo' must be ttft, tpot or tpot_packing, got {slo!r}")
+    if slo and slo not in ("ttft", "tpot", "tpot_packing", "tpot_residents"):
+        raise ConfigError(
+            f"{params.where}: 'slo' must be ttft, tpot, tpot_packing or tpot_residents, got {slo!r}"
+        )
     default_factor = (
         config.ttft_slo_dispatch_threshold if slo == "ttft" else config.tpot_slo_dispatch_threshold
     )
@@ -201,6 +210,7 @@ def _metric_threshold(config: SchedulerConfig, params: Params) -> Filter:
         relax_pass=_relax_pass(params),
         label=params.text("label", f"metric_threshold:{metric}"),
         default_output_tokens=config.packing_default_output_tokens,
+        residents_tpot_ms=config.tpot_slo_ms,
     )
 
 

@@ -24,6 +24,8 @@ kv_peak_projected          (S.used_kv + S.uncomputed_prefill + L tokens         
                            + kv_growth_tokens + p + out) / kv_capacity_tokens
 decode_tokens_horizon      S.decode_tokens + L decode tokens + γ·kv_growth_tokens      load
 predicted_tpot_horizon     predict_tpot_ms(n + 1, decode_tokens_horizon + p + γ·out)   decision
+predicted_tpot_residents   0 where n = 0, else predicted_tpot + prefill_stall_ms /     decision
+                           max(kv_growth_tokens / n, 1) (see below)
 capacity_norm              ‖(n / binpack_max_batch, decode_tokens_horizon /            load
                            kv_capacity_tokens)‖₂
 overpacked                 1 when the instance's measured decode step exceeds          decision
@@ -47,6 +49,21 @@ Horizon. Aladdin bounds ``Σ(l_in + γ·l_out)`` by the context the TPOT target
 allows at the batch size; with the same sums, each resident request is taken
 γ of the way through its remaining output (and the new one γ through its
 whole output).
+
+Residents of a colocated instance. A neutral instance runs prefill chunks
+between the decode steps of the requests it holds, so a prompt placed there
+slows every one of them, not just by joining their batch: the prompts
+queued in its engine (``prefill_backlog_tokens``) and this one run as chunks
+(``prefill_stall_ms``: the prefill part of each chunk step) before they see
+many more tokens. ``predicted_tpot_residents`` spreads that stall over the
+residents' mean remaining output (the growth above, per decode request),
+on top of their decode step with the new request in the batch
+(``predicted_tpot``, which carries the measured interleaving of prompts yet
+to come). Dividing by the *remaining* output rather than the whole is the
+cautious side: a resident halfway through spreads the stall over twice as
+many gaps. The ``slo`` policy keeps it below the default TPOT target on its
+neutral stage (seed 003's TPOT filter, applied to the requests already
+there as well as to the new one).
 """
 
 from __future__ import annotations
@@ -213,6 +230,53 @@ def _predicted_tpot_horizon(ctx: DecisionContext, config: SchedulerConfig) -> Fl
         batch = batch + 1.0
         tokens = tokens + (ctx.prompt_tokens + config.tpot_packing_strictness * _out(ctx, config))
     return ctx.predictors.decode_step_ms(ctx.view.instances, batch, tokens)
+
+
+# ----------------------------------------------------------------------------- residents of a colocated instance
+
+
+def prefill_stall_ms(ctx: DecisionContext) -> FloatArray:
+    """Per instance: the prefill time its queued prompts and this request's prompt will put between
+    the next decode steps (the backlog ``prefill_backlog_tokens + p`` as full chunks and a tail,
+    each chunk's prefill part only; times the calibrated TTFT factor when there is one)."""
+    predictors = ctx.predictors
+    table = ctx.view.instances
+    if predictors is None:
+        return np.full(table.n, np.nan)
+    tokens = ctx.metric("prefill_backlog_tokens")
+    if ctx.request is not None:
+        tokens = tokens + float(ctx.prompt_tokens)
+    budget = table.max_num_batched_tokens
+    full = np.floor_divide(tokens, budget)
+    rest = tokens - full * budget
+    tail = np.where(rest > 0, predictors.prefill_step_ms(table, np.maximum(rest, 1.0)), 0.0)
+    stall: FloatArray = full * predictors.prefill_step_ms(table, budget) + tail
+    calibration = predictors.calibration
+    if calibration is not None:
+        correction = calibration.correction(table.ids, table.groups)
+        if correction is not None:
+            stall = stall * correction.ttft_factor
+    return stall
+
+
+@_register("predicted_tpot_residents", MetricScope.DECISION)
+def _predicted_tpot_residents(ctx: DecisionContext, config: SchedulerConfig) -> FloatArray:
+    """The TPOT the requests already decoding on an instance will see once this request joins it.
+
+    Their decode step with the request in the batch (``predicted_tpot``, which
+    already carries the measured interleaving of later prompts on a colocated
+    instance), plus the prefill chunks that are *known* to come next
+    (:func:`prefill_stall_ms`: the instance's prefill backlog and this prompt)
+    spread over the residents' remaining output (``kv_growth_tokens / n``, at
+    least one step). 0 where nothing decodes (no resident to slow down).
+    """
+    if ctx.predictors is None:
+        return np.full(ctx.view.n, np.nan)
+    batch = ctx.metric("decode_batch_size")
+    remaining = np.maximum(np.divide(ctx.metric("kv_growth_tokens"), np.maximum(batch, 1.0)), 1.0)
+    value = ctx.metric("predicted_tpot") + prefill_stall_ms(ctx) / remaining
+    out: FloatArray = np.where(batch > 0, value, 0.0)
+    return out
 
 
 # ----------------------------------------------------------------------------- best fit

@@ -208,6 +208,11 @@ def _tpot_horizon(config: SchedulerConfig, **extra: Any) -> dict[str, Any]:
     )
 
 
+def _residents(**extra: Any) -> dict[str, Any]:
+    """The TPOT of the requests already on a colocated instance, once this prompt joins them."""
+    return _tpot(metric="predicted_tpot_residents", slo="tpot_residents", label="tpot_residents", **extra)
+
+
 def _slo(config: SchedulerConfig) -> dict[str, Any]:
     # Decode also keeps KV over life and the safety valve, both droppable: when every instance
     # meeting the TPOT target is full or over-packed, the fallback places as plain slo would.
@@ -223,8 +228,17 @@ def _slo(config: SchedulerConfig) -> dict[str, Any]:
             ],
             "selector": _lowest("predicted_tpot"),
         },
+        # A colocated instance runs this prompt's prefill chunks between the decode steps of every
+        # request already there: besides its own TPOT, the placement must keep theirs.
         "neutral": {
-            "filters": [*HEALTH, _ttft(), _tpot(), _kv_fits(config, droppable=True), "failover"],
+            "filters": [
+                *HEALTH,
+                _ttft(),
+                _tpot(),
+                _residents(),
+                _kv_fits(config, droppable=True),
+                "failover",
+            ],
             "selector": _lowest("predicted_ttft", "predicted_tpot"),
         },
     }

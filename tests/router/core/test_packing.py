@@ -456,3 +456,53 @@ def test_packing_flags_are_checked_and_named() -> None:
     ):
         with pytest.raises(ConfigError, match=field):
             SchedulerConfig(**{field: value})
+
+
+# ----------------------------------------------------------------------------- residents of a colocated instance
+
+
+def _colocated(scheduler: Scheduler) -> ClusterSnapshot:
+    """Two neutral instances: "near-done" holds 4 decodes with 5 tokens left each (the router placed
+    them), "long" holds 12 decodes of unknown length (the default output left each)."""
+    for k in range(4):
+        scheduler.inflight.record(f"old{k}", None, "near-done", 95, NOW, final_tokens=105)
+    return make_snapshot(
+        inst("near-done", decode_requests=4, decode_tokens=400, admitted=[f"old{k}" for k in range(4)]),
+        inst("long", decode_requests=12, decode_tokens=1200),
+    )
+
+
+def test_slo_keeps_a_prompt_off_an_instance_whose_residents_it_would_push_over_their_tpot() -> None:
+    # The prompt's own TPOT fits both instances, and "near-done" predicts the lower TTFT (smaller
+    # batch); but its 180 ms prefill, spread over the 5 tokens its residents have left, takes them
+    # from about 15 ms to about 51 ms per token, over the 40 ms target. On "long" the same stall is
+    # spread over 256 tokens.
+    scheduler = make_scheduler("slo", tpot_slo_ms=40.0)
+    snapshot = _colocated(scheduler)
+    request = make_request(prompt_tokens=1024, max_tokens=64)
+    view = scheduler.view(snapshot, NOW)
+    ctx = scheduler.context(view, request, NOW)
+    near, long_ = view.instances.index["near-done"], view.instances.index["long"]
+    ttft, tpot = ctx.metric("predicted_ttft"), ctx.metric("predicted_tpot")
+    residents = ctx.metric("predicted_tpot_residents")
+    assert ttft[near] < ttft[long_] and tpot[near] < 40.0 and tpot[long_] < 40.0
+    assert residents[near] > 40.0 > residents[long_]
+    decision = scheduler.schedule(snapshot, request, NOW)
+    assert decision.instance_ids == ("long",)
+    assert {e.instance_id: e.dropped_by for e in decision.trace}["near-done"] == "tpot_residents"
+
+
+def test_residents_tpot_counts_the_backlog_and_the_prompt_and_nothing_without_residents() -> None:
+    scheduler = make_scheduler("slo")
+    snapshot = make_snapshot(
+        inst("idle"),
+        inst("busy", decode_requests=8, decode_tokens=800),
+        inst("queued", decode_requests=8, decode_tokens=800, prefill_tokens=1024),
+    )
+    view = scheduler.view(snapshot, NOW)
+    small = scheduler.context(view, make_request(prompt_tokens=128), NOW).metric("predicted_tpot_residents")
+    large = scheduler.context(view, make_request(prompt_tokens=1024), NOW).metric("predicted_tpot_residents")
+    i = view.instances.index
+    assert small[i["idle"]] == 0.0 == large[i["idle"]]  # nobody there to slow down
+    assert large[i["busy"]] > small[i["busy"]]  # a longer prompt stalls the residents longer
+    assert small[i["queued"]] > small[i["busy"]]  # and so do the chunks queued ahead of it
