@@ -7,7 +7,15 @@ from router.core.config import SchedulerConfig
 from router.core.queue import QueueConfig
 from sim.cluster import SimFleet
 from sim.fleet import fleet_from_counts
-from sim.sweep import SLO_ADAPTIVE_PD, PolicyChoice, open_loop, point_to_dict, policy_overrides, run_sweep
+from sim.sweep import (
+    SLO_ADAPTIVE_PD,
+    PolicyChoice,
+    SweepPoint,
+    open_loop,
+    point_to_dict,
+    policy_overrides,
+    run_sweep,
+)
 
 
 def test_adaptive_pd_packs_decode_without_preempting_and_reports_busy_instances() -> None:
@@ -35,11 +43,8 @@ def test_busy_instances_of_a_neutral_fleet_are_neutral() -> None:
     assert 0.0 < busy["neutral"] <= 3.0
 
 
-def test_adaptive_pd_in_overload_queues_instead_of_stalling_its_decoders() -> None:
-    # 2 + 2 instances serve `mixed` up to about 9-10 req/s: 10 req/s overloads them. Adaptive PD used
-    # to place every request at once (prefill chunks on decoders, decode past its KV over life):
-    # 82 % against slo's 93.6 %, 7 preemptions, TPOT under-predicted. Its targets now hold in every
-    # pass, so the router queue (edf, the simulate default) holds what the fleet cannot take yet.
+def _slo_and_adaptive_pd_at_10_per_s_on_2_plus_2(num_requests: int) -> tuple[SweepPoint, SweepPoint]:
+    """slo and adaptive PD on 2 + 2 instances at 10 req/s of `mixed` (an overload), router queue edf."""
     fleet = SimFleet(fleet_from_counts(prefill=2, decode=2))
     policies = [PolicyChoice(n, SchedulerConfig(**policy_overrides(n))) for n in ("slo", SLO_ADAPTIVE_PD)]
     points = run_sweep(
@@ -47,11 +52,20 @@ def test_adaptive_pd_in_overload_queues_instead_of_stalling_its_decoders() -> No
         open_loop(load_workload("mixed")),
         policies,
         [10.0],
-        num_requests=250,
+        num_requests=num_requests,
         seed=0,
         queues=(QueueConfig(queue_policy="edf"),),
     )
     slo, apd = (next(p for p in points if p.policy == name) for name in ("slo", SLO_ADAPTIVE_PD))
+    return slo, apd
+
+
+def test_adaptive_pd_in_overload_queues_instead_of_stalling_its_decoders() -> None:
+    # 2 + 2 instances serve `mixed` up to about 9-10 req/s: 10 req/s overloads them. Adaptive PD used
+    # to place every request at once (prefill chunks on decoders, decode past its KV over life):
+    # 82 % against slo's 93.6 %, 7 preemptions, TPOT under-predicted. Its targets now hold in every
+    # pass, so the router queue (edf, the simulate default) holds what the fleet cannot take yet.
+    slo, apd = _slo_and_adaptive_pd_at_10_per_s_on_2_plus_2(250)
     assert apd.stats.preemptions == 0
     assert apd.stats.queued > 0  # overload reaches the router queue instead of the engines
     # Within a point of slo (2-3 requests of 250; it was 11.6 points under).
@@ -67,18 +81,7 @@ def test_adaptive_pd_in_overload_keeps_the_prefill_side_it_needs() -> None:
     # requests. The last fallback pass used to relax the prefill-room guard, and decoders opened
     # while the prefill side had room for a moment stayed decoders: 85.5 % against slo's 92.5 %.
     # The guard now holds in every pass and the decode set is sized by the demand placed.
-    fleet = SimFleet(fleet_from_counts(prefill=2, decode=2))
-    policies = [PolicyChoice(n, SchedulerConfig(**policy_overrides(n))) for n in ("slo", SLO_ADAPTIVE_PD)]
-    points = run_sweep(
-        fleet,
-        open_loop(load_workload("mixed")),
-        policies,
-        [10.0],
-        num_requests=400,
-        seed=0,
-        queues=(QueueConfig(queue_policy="edf"),),
-    )
-    slo, apd = (next(p for p in points if p.policy == name) for name in ("slo", SLO_ADAPTIVE_PD))
+    slo, apd = _slo_and_adaptive_pd_at_10_per_s_on_2_plus_2(400)
     assert apd.stats.preemptions == 0
     assert apd.report.overall.slo_attainment >= slo.report.overall.slo_attainment - 0.01
     # Never more instances holding decode work than slo's decode role has.
