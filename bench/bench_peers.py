@@ -149,15 +149,7 @@ async def _one(client: httpx.AsyncClient, url: str, plan: RequestPlan, t0: float
     start = time.perf_counter()
 
     def result(**measured: Any) -> RequestResult:
-        return RequestResult(
-            index=plan.index,
-            class_name=plan.class_name,
-            slo=plan.slo,
-            prompt_tokens=plan.prompt_tokens,
-            max_tokens=plan.max_tokens,
-            start_s=start - t0,
-            **measured,
-        )
+        return RequestResult.of_plan(plan, start_s=start - t0, **measured)
 
     first: float | None = None
     last = start

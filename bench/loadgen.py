@@ -241,14 +241,10 @@ class _Stream:
             ttft_ms = (self.first_token - self.start) * 1e3
             if self.last_token is not None and self.tokens >= 2:
                 tpot_ms = (self.last_token - self.first_token) * 1e3 / (self.tokens - 1)
-        return RequestResult(
-            index=plan.index,
-            class_name=plan.class_name,
-            slo=plan.slo,
-            prompt_tokens=plan.prompt_tokens,
-            max_tokens=plan.max_tokens,
-            completion_tokens=self.tokens,
+        return RequestResult.of_plan(
+            plan,
             start_s=self.start - run_start,
+            completion_tokens=self.tokens,
             ttft_ms=ttft_ms,
             tpot_ms=tpot_ms,
             e2e_ms=None if self.end is None else (self.end - self.start) * 1e3,

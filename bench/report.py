@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.workload import SloTarget
+from bench.workload import RequestPlan, SloTarget
 
 #: Error code recorded when a stream completed but broke the Generate response contract.
 BAD_STREAM = "BAD_STREAM"
@@ -74,6 +74,19 @@ class RequestResult:
     predicted_tpot_ms: float | None = None
     queue_wait_ms: float = 0.0
     """Time spent in the router queue before placement (``usage.queue_wait_ms``); part of ``ttft_ms``."""
+
+    @classmethod
+    def of_plan(cls, plan: RequestPlan, *, start_s: float, **measured: Any) -> RequestResult:
+        """The result of planned request ``plan`` (its class, SLO and lengths), with what was measured."""
+        return cls(
+            index=plan.index,
+            class_name=plan.class_name,
+            slo=plan.slo,
+            prompt_tokens=plan.prompt_tokens,
+            max_tokens=plan.max_tokens,
+            start_s=start_s,
+            **measured,
+        )
 
     @property
     def ok(self) -> bool:

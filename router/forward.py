@@ -289,14 +289,18 @@ class WorkerClient:
             ) from None
         return stub
 
-    def _first_message_error(self, target: Target, *, report: bool = True) -> LegError:
-        error = LegError(
-            target.instance_id,
-            grpc.StatusCode.DEADLINE_EXCEEDED,
+    def _first_message_details(self, target: Target) -> str:
+        return (
             f"no first message from {target.endpoint} within {self._first_timeout_s:g} s "
-            "(--worker-first-message-timeout-s): the worker is hung or overloaded",
+            "(--worker-first-message-timeout-s): the worker is hung or overloaded"
         )
-        return self._failed(error) if report else error
+
+    def _first_message_error(self, target: Target) -> LegError:
+        return self._failed(
+            LegError(
+                target.instance_id, grpc.StatusCode.DEADLINE_EXCEEDED, self._first_message_details(target)
+            )
+        )
 
     # ------------------------------------------------------------------ calls
 
@@ -424,7 +428,7 @@ class WorkerClient:
         first_timer: asyncio.TimerHandle | None = None
         if self._first_timeout_s < timeout_s:
             first_timer = loop.call_later(
-                self._first_timeout_s, leg.expire, self._first_message_error(target, report=False).details
+                self._first_timeout_s, leg.expire, self._first_message_details(target)
             )
         first = True
         ended = False

@@ -361,14 +361,10 @@ def finished_result(
     tpot = None
     if ok and first is not None and tokens >= 2:
         tpot = (done_s - first) * 1000.0 / (tokens - 1)
-    return RequestResult(
-        index=plan.index,
-        class_name=plan.class_name,
-        slo=plan.slo,
-        prompt_tokens=plan.prompt_tokens,
-        max_tokens=plan.max_tokens,
-        completion_tokens=tokens,
+    return RequestResult.of_plan(
+        plan,
         start_s=plan.arrival_s,
+        completion_tokens=tokens,
         ttft_ms=None if first is None else (first - plan.arrival_s) * 1000.0,
         tpot_ms=tpot,
         e2e_ms=(done_s - plan.arrival_s) * 1000.0,
