@@ -154,8 +154,9 @@ class Admission:
             tpot_ms=None if tpot_s is None else tpot_s * 1e3,
             e2e_ms=e2e_s * 1e3,
         )
-        self.queue.note_outcome(req.request_id, met, None if tpot_s is None else tpot_s * 1e3)
-        self._observer.shed_limit(self.queue.shed_limit_ms() * 1e-3)
+        now = self._clock()
+        self.queue.note_outcome(req.request_id, met, now, None if tpot_s is None else tpot_s * 1e3)
+        self._observer.shed_limit(self.queue.shed_limit_ms(now) * 1e-3)
 
     def notify(self) -> None:
         """Something changed (view, in-flight load, queue): offer the queue once, soon."""

@@ -1090,7 +1090,7 @@ class _Simulation:
             error_code=r.error_code,
             error_message=r.error_message,
         )
-        queue.note_outcome(str(r.idx), slo_met(result), result.tpot_ms)
+        queue.note_outcome(str(r.idx), slo_met(result), r.done_s, result.tpot_ms)
 
     def _resident(self, r: _Req, i: int, sign: int, final_tokens: int) -> None:
         """Make request ``r``'s decode leg resident on ``i`` (+1), or end its residence (-1)."""

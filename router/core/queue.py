@@ -96,6 +96,8 @@ SHED_LIMIT_FLOOR_MS = 250.0
 SHED_DOWN = 0.9
 TPOT_WINDOW = 256
 SHED_IDS_MAX = 1_000_000
+#: Queue objective g sheds nothing once no request has missed its SLO for this long (s).
+SHED_MEMORY_S = 10.0
 
 #: How often (s) an offer pass judges every on-time entry for hopelessness, not only those it offers
 #: and those queued since the last scan (a full scan costs a few microseconds per entry).
@@ -404,20 +406,22 @@ class RouterQueue:
         # Queue objective g: the shedding limit (ms of predicted remaining latency), the requests it
         # refused (their outcomes do not steer it), and the latest measured TPOTs with their sum.
         self._shed_limit_ms = SHED_LIMIT_CEILING_MS
+        self._last_miss_s = -math.inf
         self._shed_ids: set[str] = set()
         self._tpots: deque[float] = deque()
         self._tpot_sum_ms = 0.0
 
     # ------------------------------------------------------------------ queue objective g
 
-    def note_outcome(self, request_id: str, met: bool, tpot_ms: float | None = None) -> None:
+    def note_outcome(self, request_id: str, met: bool, now_s: float, tpot_ms: float | None = None) -> None:
         """Request ``request_id`` ended (served, refused or failed); ``met``: it met every target of its
         SLO; ``tpot_ms``: its measured time per output token, when it streamed two or more tokens.
 
         Under queue objective g this steers the shedding limit (:meth:`shed_limit_ms`): a miss lowers it
         by :data:`SHED_DOWN`, a met request raises it by just enough that the limit holds still when
         ``shed_miss_target`` of the outcomes miss. Requests the limit refused do not count (they would
-        justify their own refusal). Other objectives keep nothing.
+        justify their own refusal). ``now_s``: when it ended (the limit lapses :data:`SHED_MEMORY_S`
+        after the last miss). Other objectives keep nothing.
         """
         if self.config.objective is not Objective.G:
             return
@@ -435,11 +439,17 @@ class RouterQueue:
             self._shed_limit_ms = min(SHED_LIMIT_CEILING_MS, self._shed_limit_ms * up)
         else:
             self._shed_limit_ms = max(SHED_LIMIT_FLOOR_MS, self._shed_limit_ms * SHED_DOWN)
+            self._last_miss_s = max(self._last_miss_s, now_s)
 
-    def shed_limit_ms(self) -> float:
+    def shed_limit_ms(self, now_s: float) -> float:
         """Queue objective g: requests predicted to need longer than this (ms) to finish are refused
-        while the fleet is short (``inf``: no limit, or another objective)."""
-        if self.config.objective is not Objective.G or self._shed_limit_ms >= SHED_LIMIT_CEILING_MS:
+        (``inf``: none are; under another objective, at the ceiling, or when no request missed its SLO
+        in the last :data:`SHED_MEMORY_S`, so a fleet whose overload ended sheds nothing at once)."""
+        if (
+            self.config.objective is not Objective.G
+            or self._shed_limit_ms >= SHED_LIMIT_CEILING_MS
+            or now_s - self._last_miss_s > SHED_MEMORY_S
+        ):
             return math.inf
         return self._shed_limit_ms
 
@@ -1044,6 +1054,7 @@ def overlong(
     request: ScheduleInput,
     targets: Targets,
     tokens_ahead: float,
+    now_s: float,
 ) -> Overlong | None:
     """Under queue objective g: whether ``request``, behind ``tokens_ahead`` queued prompt tokens, is
     predicted to need longer than the shedding limit (:meth:`RouterQueue.shed_limit_ms`) to finish.
@@ -1060,7 +1071,7 @@ def overlong(
     the textbook rule for a ratio objective, was measured first: without a capacity term it refuses
     long requests even on a lightly loaded fleet, 23 % attainment at half capacity.)
     """
-    limit = queue.shed_limit_ms()
+    limit = queue.shed_limit_ms(now_s)
     if not math.isfinite(limit) or request.priority > queue.lowest_priority():
         return None  # a more important request is never shed while a less important one waits
     best_ttft = drain.start_ms(tokens_ahead) + drain.idle_ms(request.prompt_tokens)
@@ -1162,10 +1173,6 @@ def offer(
         budget = (entry.ttft_deadline_s - now_s) * 1e3
         yield _late(queue, entry, late_reject, math.nan, budget)
     queue.note_backlog(now_s)
-    # Under objective g the fleet is short when a request queued before this moment still waits: then
-    # even a request an instance would take now is judged (it takes capacity the waiting ones need).
-    oldest = queue.oldest_enqueued_s()
-    short = for_g and oldest is not None and oldest < now_s
     if queue.planner is not None:
         # The sa policy decides which requests go where and when (router/core/sa.py).
         yield from queue.planner.offer(queue, scheduler, source, now_s, schedule)
@@ -1202,7 +1209,7 @@ def offer(
                         why = hopeless(drain, r, t, front, now_s) if t.ttft_ms > 0 else None
                         if why is not None:
                             yield _late(queue, fresh, late_reject, why.predicted_ttft_ms, why.budget_ms, why)
-                        elif for_g and (low := overlong(queue, drain, r, t, front)) is not None:
+                        elif for_g and (low := overlong(queue, drain, r, t, front, now_s)) is not None:
                             yield _shed(queue, fresh, low)
                     return
                 scanning = True
@@ -1210,7 +1217,7 @@ def offer(
             why = hopeless(drain, request, targets, ahead, now_s) if targets.ttft_ms > 0 else None
             if why is not None:
                 yield _late(queue, entry, late_reject, why.predicted_ttft_ms, why.budget_ms, why)
-            elif for_g and (low := overlong(queue, drain, request, targets, ahead)) is not None:
+            elif for_g and (low := overlong(queue, drain, request, targets, ahead, now_s)) is not None:
                 yield _shed(queue, entry, low)
             else:
                 ahead += request.prompt_tokens
@@ -1231,9 +1238,9 @@ def offer(
                 yield _late(queue, entry, late_reject, why.predicted_ttft_ms, why.budget_ms, why)
                 continue
             ahead += request.prompt_tokens
-        if short and not entry.late and drain is not None:
-            low = overlong(queue, drain, request, targets, in_front)
-            if low is not None:  # the fleet is short: the longest go first, even if placeable now
+        if for_g and not entry.late and drain is not None:
+            low = overlong(queue, drain, request, targets, in_front, now_s)
+            if low is not None:  # requests keep missing: the longest go first, even if placeable now
                 yield _shed(queue, entry, low)
                 continue
         limit = queue.release_limit_ms(now_s, request.priority, targets.full_ttft_ms)
@@ -1274,11 +1281,6 @@ def offer(
             if not entry.late and best == best and best >= targets.ttft_ms:
                 yield _late(queue, entry, late_reject, best, targets.ttft_ms)
                 continue
-            if for_g and not entry.late and drain is not None:
-                low = overlong(queue, drain, request, targets, in_front)
-                if low is not None:  # it would wait, and the fleet is short: the longest go first
-                    yield _shed(queue, entry, low)
-                    continue
             failures += 1
             yield Offer(entry, Verdict.WAIT, error=exc, predicted_ttft_ms=best, budget_ms=targets.ttft_ms)
             continue

@@ -14,6 +14,7 @@ from router.core.queue import (
     SHED_DOWN,
     SHED_LIMIT_CEILING_MS,
     SHED_LIMIT_FLOOR_MS,
+    SHED_MEMORY_S,
     QueueConfig,
     RouterQueue,
     Verdict,
@@ -38,7 +39,7 @@ def req(rid: str, **kw: Any) -> ScheduleInput:
 
 def missing(q: RouterQueue, n: int) -> None:
     for k in range(n):
-        q.note_outcome(f"done{k}", met=False)
+        q.note_outcome(f"done{k}", met=False, now_s=NOW)
 
 
 # --------------------------------------------------------------------------- configuration
@@ -61,40 +62,50 @@ def test_objective_fields_are_bounded(field: str, value: Any) -> None:
 
 def test_no_limit_until_requests_miss_and_none_again_once_they_meet() -> None:
     q = make_queue()
-    assert q.shed_limit_ms() == math.inf
-    q.note_outcome("a", met=False)
-    assert q.shed_limit_ms() == pytest.approx(SHED_LIMIT_CEILING_MS * SHED_DOWN)
+    assert q.shed_limit_ms(NOW) == math.inf
+    q.note_outcome("a", met=False, now_s=NOW)
+    assert q.shed_limit_ms(NOW) == pytest.approx(SHED_LIMIT_CEILING_MS * SHED_DOWN)
     missing(q, 200)
-    assert q.shed_limit_ms() == SHED_LIMIT_FLOOR_MS
+    assert q.shed_limit_ms(NOW) == SHED_LIMIT_FLOOR_MS
     for k in range(20_000):
-        q.note_outcome(f"ok{k}", met=True)
-    assert q.shed_limit_ms() == math.inf
+        q.note_outcome(f"ok{k}", met=True, now_s=NOW)
+    assert q.shed_limit_ms(NOW) == math.inf
+
+
+def test_the_limit_lapses_once_no_request_missed_for_a_while() -> None:
+    q = make_queue()
+    missing(q, 30)
+    assert q.shed_limit_ms(NOW) < 20_000.0
+    assert q.shed_limit_ms(NOW + SHED_MEMORY_S) < 20_000.0
+    assert q.shed_limit_ms(NOW + SHED_MEMORY_S + 0.1) == math.inf  # the overload ended: nothing shed
+    q.note_outcome("again", met=False, now_s=NOW + 60.0)  # a new miss: the learnt limit is back
+    assert q.shed_limit_ms(NOW + 60.0) < 20_000.0
 
 
 def test_other_objectives_keep_nothing() -> None:
     q = make_queue(objective="attainment")
     missing(q, 50)
-    q.note_outcome("x", met=True, tpot_ms=30.0)
-    assert q.shed_limit_ms() == math.inf and q.decode_ms_per_token() is None
+    q.note_outcome("x", met=True, now_s=NOW, tpot_ms=30.0)
+    assert q.shed_limit_ms(NOW) == math.inf and q.decode_ms_per_token() is None
 
 
 def test_requests_the_limit_refused_do_not_steer_it() -> None:
     q = make_queue()
     missing(q, 10)
-    before = q.shed_limit_ms()
+    before = q.shed_limit_ms(NOW)
     q.note_shed("victim")
-    q.note_outcome("victim", met=False)
-    assert q.shed_limit_ms() == before
-    q.note_outcome("victim", met=False)  # a second outcome of the same id is an ordinary one
-    assert q.shed_limit_ms() < before
+    q.note_outcome("victim", met=False, now_s=NOW)
+    assert q.shed_limit_ms(NOW) == before
+    q.note_outcome("victim", met=False, now_s=NOW)  # a second outcome of the same id is an ordinary one
+    assert q.shed_limit_ms(NOW) < before
 
 
 def test_decode_speed_is_the_mean_of_the_latest_served_requests() -> None:
     q = make_queue()
-    q.note_outcome("a", met=True, tpot_ms=20.0)
-    q.note_outcome("b", met=True, tpot_ms=40.0)
-    q.note_outcome("c", met=True, tpot_ms=None)  # one-token reply: no TPOT
-    q.note_outcome("d", met=True, tpot_ms=math.nan)
+    q.note_outcome("a", met=True, now_s=NOW, tpot_ms=20.0)
+    q.note_outcome("b", met=True, now_s=NOW, tpot_ms=40.0)
+    q.note_outcome("c", met=True, now_s=NOW, tpot_ms=None)  # one-token reply: no TPOT
+    q.note_outcome("d", met=True, now_s=NOW, tpot_ms=math.nan)
     assert q.decode_ms_per_token() == pytest.approx(30.0)
 
 
@@ -105,9 +116,9 @@ def test_limit_stays_in_range_and_moves_the_way_each_outcome_says(
 ) -> None:
     q = make_queue(shed_miss_target=target)
     for k, met in enumerate(outcomes):
-        before = q.shed_limit_ms()
-        q.note_outcome(str(k), met=met)
-        after = q.shed_limit_ms()
+        before = q.shed_limit_ms(NOW)
+        q.note_outcome(str(k), met=met, now_s=NOW)
+        after = q.shed_limit_ms(NOW)
         assert after == math.inf or SHED_LIMIT_FLOOR_MS <= after < SHED_LIMIT_CEILING_MS
         assert (after >= before) if met else (after <= before)
 
@@ -121,12 +132,12 @@ def test_limit_holds_still_when_misses_run_at_the_target(
     to where it was after every cycle (away from its bounds)."""
     q = make_queue(shed_miss_target=1.0 / (mets_per_miss + 1))
     missing(q, start_misses)
-    start = q.shed_limit_ms()
+    start = q.shed_limit_ms(NOW)
     for c in range(cycles):
-        q.note_outcome(f"m{c}", met=False)
+        q.note_outcome(f"m{c}", met=False, now_s=NOW)
         for k in range(mets_per_miss):
-            q.note_outcome(f"ok{c}-{k}", met=True)
-        assert q.shed_limit_ms() == pytest.approx(start, rel=1e-9)
+            q.note_outcome(f"ok{c}-{k}", met=True, now_s=NOW)
+        assert q.shed_limit_ms(NOW) == pytest.approx(start, rel=1e-9)
 
 
 # --------------------------------------------------------------------------- refusing the longest first
@@ -166,7 +177,7 @@ def test_without_misses_or_under_attainment_both_wait() -> None:
 def test_measured_decode_speed_sets_the_predicted_remaining_time() -> None:
     q = make_queue("fcfs")
     missing(q, 20)
-    q.note_outcome("fast", met=True, tpot_ms=1.0)  # 2000 tokens at 1 ms: within the limit
+    q.note_outcome("fast", met=True, now_s=NOW, tpot_ms=1.0)  # 2000 tokens at 1 ms: within the limit
     assert [r.verdict for r in _waiting_pair(q)] == [Verdict.WAIT, Verdict.WAIT]
 
 
@@ -187,12 +198,20 @@ def test_late_requests_are_refused_under_g_even_with_late_policy_serve() -> None
     assert result.verdict is Verdict.REJECT and "late" not in q
 
 
-def test_a_request_an_instance_takes_now_on_an_idle_fleet_is_not_shed() -> None:
+def test_while_requests_miss_even_a_request_an_instance_would_take_now_is_judged() -> None:
+    """Shedding spares capacity for the shorter requests, so it judges requests an instance would take
+    at once as well, until no request has missed for a while."""
+    idle = make_snapshot(inst("p0", "prefill"), inst("d0", "decode"))
+    long = {"prompt_tokens": 256, "ttft_slo_ms": 5000.0, "max_tokens": 200}  # ~10 s to finish
     q = make_queue("fcfs")
     missing(q, 100)
-    q.push(req("long", prompt_tokens=256, ttft_slo_ms=5000.0, max_tokens=200), NOW)  # ~10 s to finish
-    idle = make_snapshot(inst("p0", "prefill"), inst("d0", "decode"))
-    assert [r.verdict for r in offer(q, make_scheduler(), lambda: idle, NOW)] == [Verdict.DISPATCH]
+    q.push(make_request("now", arrival_s=NOW, **long), NOW)
+    (shed,) = list(offer(q, make_scheduler(), lambda: idle, NOW))
+    assert shed.verdict is Verdict.REJECT and isinstance(shed.error, ShedError)
+    later = NOW + SHED_MEMORY_S + 1.0
+    fresh = make_snapshot(inst("p0", "prefill"), inst("d0", "decode"), taken_at_s=later)
+    q.push(make_request("later", arrival_s=later, **long), later)
+    assert [r.verdict for r in offer(q, make_scheduler(), lambda: fresh, later)] == [Verdict.DISPATCH]
 
 
 # --------------------------------------------------------------------------- met or missed

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 
 import grpc
 import pytest
@@ -282,16 +283,16 @@ async def test_objective_g_refuses_late_requests_and_learns_from_how_calls_end()
     async with embedded_cluster(prefill=1, decode=1, queue=queue) as cluster:
         admission = cluster.router.admission
         assert isinstance(admission, Admission)
-        assert admission.queue.shed_limit_ms() == math.inf
+        assert admission.queue.shed_limit_ms(time.monotonic()) == math.inf
         for _ in range(3):
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await collect(cluster.stub, generate_request(2000, 4, ttft_ms=1.0))
             assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        assert admission.queue.shed_limit_ms() < math.inf
-        lowered = admission.queue.shed_limit_ms()
+        assert admission.queue.shed_limit_ms(time.monotonic()) < math.inf
+        lowered = admission.queue.shed_limit_ms(time.monotonic())
         result = await collect(cluster.stub, generate_request(64, 4))  # meets the 6 s / 50 ms defaults
         assert len(result.tokens) == 4
-        assert admission.queue.shed_limit_ms() > lowered
+        assert admission.queue.shed_limit_ms(time.monotonic()) > lowered
         assert admission.queue.decode_ms_per_token() is not None
 
 
