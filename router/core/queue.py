@@ -454,8 +454,11 @@ class RouterQueue:
         return self._shed_limit_ms
 
     def lowest_priority(self) -> int:
-        """The lowest priority queued (0 when the queue is empty)."""
-        return int(self._value.keys[0][0]) if self._value.keys else 0
+        """The lowest priority queued or among the latest arrivals (0 when there is neither)."""
+        queued = int(self._value.keys[0][0]) if self._value.keys else None
+        recent = min((p for _, p, _ in self._recent), default=None)
+        candidates = [p for p in (queued, recent) if p is not None]
+        return min(candidates) if candidates else 0
 
     def note_shed(self, request_id: str) -> None:
         """``request_id`` was refused by the shedding limit (its outcome will not steer the limit)."""
@@ -1058,7 +1061,7 @@ def overlong(
 ) -> Overlong | None:
     """Under queue objective g: whether ``request``, behind ``tokens_ahead`` queued prompt tokens, is
     predicted to need longer than the shedding limit (:meth:`RouterQueue.shed_limit_ms`) to finish.
-    Only requests of the lowest priority queued are shed.
+    Only requests of the lowest priority queued or among the latest arrivals are shed.
 
     Seed 000's G counts SLO-meeting requests per second of summed latency. When a fleet cannot serve
     every request in time, some must miss; a miss served late costs its whole latency and counts
@@ -1073,7 +1076,7 @@ def overlong(
     """
     limit = queue.shed_limit_ms(now_s)
     if not math.isfinite(limit) or request.priority > queue.lowest_priority():
-        return None  # a more important request is never shed while a less important one waits
+        return None  # a more important request is never shed while less important traffic comes
     best_ttft = drain.start_ms(tokens_ahead) + drain.idle_ms(request.prompt_tokens)
     tpot = queue.decode_ms_per_token()
     if tpot is None:

@@ -236,3 +236,12 @@ def test_slo_met_checks_the_targets_the_request_sets(
 ) -> None:
     ttft, tpot, e2e = measured
     assert slo_met(*targets, DEFAULT_TTFT, DEFAULT_TPOT, ttft_ms=ttft, tpot_ms=tpot, e2e_ms=e2e) is met
+
+
+def test_a_more_important_request_is_not_shed_while_less_important_traffic_arrives() -> None:
+    q = make_queue("priority")
+    missing(q, 20)
+    q.observe_arrival(req("chat", ttft_slo_ms=200.0))  # priority 0 traffic, lately
+    q.push(req("vip", prompt_tokens=4000, ttft_slo_ms=60_000.0, max_tokens=2000, priority=5), NOW)
+    verdicts = {r.entry.request_id: r.verdict for r in offer(q, make_scheduler(), _backlogged, NOW)}
+    assert verdicts == {"vip": Verdict.WAIT}
