@@ -21,8 +21,17 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from router.core.errors import ConfigError, QueueFullError, RouterError
-from router.core.queue import QueueConfig, QueueEntry, QueuePolicy, RouterQueue, Verdict, offer
+from router.core.errors import ConfigError, QueueFullError, RouterError, ShedError
+from router.core.queue import (
+    Objective,
+    QueueConfig,
+    QueueEntry,
+    QueuePolicy,
+    RouterQueue,
+    Verdict,
+    offer,
+    slo_met,
+)
 from router.core.request import ScheduleInput
 from router.core.sa import SAPlanner
 from router.placement import PlacementRequest, Placer
@@ -121,6 +130,34 @@ class Admission:
         if self.enabled and len(self.queue):
             self.notify()
 
+    def outcome(
+        self,
+        req: PlacementRequest,
+        *,
+        finished: bool,
+        ttft_s: float | None,
+        tpot_s: float | None,
+        e2e_s: float,
+    ) -> None:
+        """How ``req`` ended (``finished``: every token was streamed; times measured at the router): under
+        ``--queue-objective g`` the queue's shedding limit follows the misses."""
+        if not self.enabled or self.config.objective is not Objective.G:
+            return
+        sched = self.placer.scheduler.config
+        met = finished and slo_met(
+            req.ttft_slo_ms,
+            req.tpot_slo_ms,
+            req.e2e_slo_ms,
+            sched.ttft_slo_ms,
+            sched.tpot_slo_ms,
+            ttft_ms=None if ttft_s is None else ttft_s * 1e3,
+            tpot_ms=None if tpot_s is None else tpot_s * 1e3,
+            e2e_ms=e2e_s * 1e3,
+        )
+        now = self._clock()
+        self.queue.note_outcome(req.request_id, met, now, None if tpot_s is None else tpot_s * 1e3)
+        self._observer.shed_limit(self.queue.shed_limit_ms(now) * 1e-3)
+
     def notify(self) -> None:
         """Something changed (view, in-flight load, queue): offer the queue once, soon."""
         if self._pump_pending or not len(self.queue):
@@ -193,7 +230,11 @@ class Admission:
                 self._observer.queue_waited(waited)
                 future.set_result(Admitted(route, waited, entry.late))
                 continue
-            self._observer.queue_event("expired" if result.verdict is Verdict.EXPIRED else "rejected")
+            if result.verdict is Verdict.EXPIRED:
+                event = "expired"
+            else:
+                event = "overlong" if isinstance(result.error, ShedError) else "rejected"
+            self._observer.queue_event(event)
             if not future.done() and result.error is not None:
                 future.set_exception(result.error)
         self._arm_timer(now)

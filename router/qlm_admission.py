@@ -174,6 +174,18 @@ class QlmAdmission:
         handle.resumed = None
         return admitted
 
+    def outcome(
+        self,
+        req: PlacementRequest,
+        *,
+        finished: bool,
+        ttft_s: float | None,
+        tpot_s: float | None,
+        e2e_s: float,
+    ) -> None:
+        """The qlm policy has no queue objective: nothing to learn from how a request ended."""
+        return None
+
     def release(self, request_id: str, output_tokens: int | None = None) -> None:
         """``request_id`` ended at the router (``output_tokens``: its whole output when it completed)."""
         self.placer.release(request_id)

@@ -112,6 +112,12 @@ class _Progress:
     late: bool = False
 
 
+def _tpot_s(progress: _Progress) -> float | None:
+    """Seconds per output token after the first (None before two tokens)."""
+    first, last, n = progress.first_token_at, progress.last_token_at, len(progress.tokens)
+    return (last - first) / (n - 1) if first is not None and last is not None and n > 1 else None
+
+
 @dataclass
 class _Started:
     """A placed request whose first token exists: where it runs and how to continue it."""
@@ -283,6 +289,15 @@ class RouterService(router_pb2_grpc.RouterServicer):
             raise
         finally:
             self._active.discard(request_id)
+            self._admission.outcome(
+                prepared,
+                finished=finished,
+                ttft_s=None
+                if progress.first_token_at is None
+                else progress.first_token_at - progress.started,
+                tpot_s=_tpot_s(progress),
+                e2e_s=self._clock() - progress.started,
+            )
             self._admission.release(request_id, len(progress.tokens) if finished else None)
             if not finished:
                 # Cancelled, deadline, or failed part-way: nothing may keep running for it.
@@ -354,9 +369,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
             yield out
 
     def _completed(self, progress: _Progress) -> None:
-        first, last, n = progress.first_token_at, progress.last_token_at, len(progress.tokens)
-        tpot = (last - first) / (n - 1) if first is not None and last is not None and n > 1 else None
-        self._observer.completed(progress.route, tpot, self._clock() - progress.started)
+        self._observer.completed(progress.route, _tpot_s(progress), self._clock() - progress.started)
 
     def _usage(self, req: PlacementRequest, progress: _Progress) -> router_pb2.Usage:
         now = self._clock()

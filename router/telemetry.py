@@ -30,6 +30,7 @@ from router.core.errors import (
     QueueTimeoutError,
     RetriesExhaustedError,
     RouterError,
+    ShedError,
 )
 from router.core.request import ScheduleInput
 from router.route import Route
@@ -56,6 +57,8 @@ def _outcome_of(exc: RouterError) -> str:
         return "unavailable"
     if isinstance(exc, RetriesExhaustedError):
         return "retries_exhausted"
+    if isinstance(exc, ShedError):
+        return "shed_overlong"
     if isinstance(exc, QueueFullError):
         return "shed"
     if isinstance(exc, QueueTimeoutError):
@@ -161,10 +164,18 @@ class RequestObserver:
         )
         self.queue_events = Counter(
             "slo_router_queue_events",
-            "Router queue events: shed (full queue), late (TTFT target out of reach), expired, rejected",
+            "Router queue events: shed (full queue), late (TTFT target out of reach), expired, rejected, "
+            "overlong (refused under --queue-objective g)",
             ["event"],
             registry=r,
         )
+        self.queue_shed_limit = Gauge(
+            "slo_router_queue_shed_limit_seconds",
+            "--queue-objective g: requests predicted to take longer than this to finish are refused while "
+            "the fleet is short (+Inf: none are)",
+            registry=r,
+        )
+        self.queue_shed_limit.set(math.inf)
         self._classes: set[str] = set()
         self.cms_lost = Gauge(
             "slo_router_cms_lost",
@@ -217,6 +228,9 @@ class RequestObserver:
         """A request entered (+1) or left (-1) the router queue."""
         slo_class, priority = self._labels(request)
         self.queue_length.labels(slo_class=slo_class, priority=priority).inc(delta)
+
+    def shed_limit(self, seconds: float) -> None:
+        self.queue_shed_limit.set(seconds)
 
     def queue_event(self, event: str) -> None:
         self.queue_events.labels(event=event).inc()

@@ -98,7 +98,7 @@ from typing import Any
 import numpy as np
 from slorouter.v1 import cms_pb2
 
-from bench.report import RequestResult
+from bench.report import RequestResult, slo_met
 from bench.workload import RequestPlan
 from fleet.snapshot import ClusterSnapshot, InstanceRecord
 from predictor import LatencyPredictor
@@ -109,7 +109,7 @@ from router.core.decision import Decision
 from router.core.errors import EmptyClusterError, LateError, NoInstanceError
 from router.core.predictors import PredictorSet
 from router.core.qlm import DEFAULT_CONTEXT, Dispatch, QlmConfig, QlmQueue, QlmRequest, instance_model
-from router.core.queue import QueueConfig, QueuePolicy, RouterQueue, Verdict, offer
+from router.core.queue import Objective, QueueConfig, QueuePolicy, RouterQueue, Verdict, offer
 from router.core.request import Mode, Role, ScheduleInput
 from router.core.sa import SAPlanner, modeled_evaluation_s
 from router.core.scheduler import Scheduler
@@ -1064,6 +1064,7 @@ class _Simulation:
         self._resident(r, r.resident, -1, 0)
         if self.qlm is not None:
             self.qlm.finished(str(r.idx), r.tokens, now)
+        self._outcome(r)
 
     def _fail(self, r: _Req, code: str, message: str, now: float) -> None:
         if self.qlm is not None:
@@ -1073,6 +1074,23 @@ class _Simulation:
         r.done_s = now
         r.error_code = code
         r.error_message = message
+        self._outcome(r)
+
+    def _outcome(self, r: _Req) -> None:
+        """Tell the router queue how request ``r`` ended (queue objective g steers its shedding by the
+        misses), as the router's shell does when a call ends."""
+        queue = self.queue
+        if queue is None or queue.config.objective is not Objective.G:
+            return
+        result = finished_result(
+            self.plans[r.idx],
+            first_s=r.first_s,
+            done_s=r.done_s,
+            tokens=r.tokens,
+            error_code=r.error_code,
+            error_message=r.error_message,
+        )
+        queue.note_outcome(str(r.idx), slo_met(result), r.done_s, result.tpot_ms)
 
     def _resident(self, r: _Req, i: int, sign: int, final_tokens: int) -> None:
         """Make request ``r``'s decode leg resident on ``i`` (+1), or end its residence (-1)."""

@@ -22,7 +22,7 @@ from bench.report import BenchReport, PlotUnavailableError, RequestResult, slo_m
 from bench.workload import ArrivalProcess, WorkloadSpec, generate_requests, workload_to_dict
 from router.core.config import SchedulerConfig
 from router.core.qlm import QlmConfig
-from router.core.queue import QueueConfig, QueuePolicy
+from router.core.queue import Objective, QueueConfig, QueuePolicy
 from sim.cluster import SimFleet, SimOutcome, SimStats, simulate
 from sim.fleet import fleet_to_dict
 
@@ -119,7 +119,9 @@ def run_sweep(
         if queue.policy is QueuePolicy.QLM:
             runs.extend((queue, q, qlm_label(q)) for q in qlm)
         else:
-            runs.append((queue, None, queue.queue_policy))
+            # Labelled "edf+g" and the like under --queue-objective g.
+            suffix = "+g" if queue.objective is Objective.G else ""
+            runs.append((queue, None, queue.queue_policy + suffix))
     total = len(policies) * len(rates) * len(modes) * len(runs)
     for rate in rates:
         spec = workload.with_arrival(rate_per_s=rate)
@@ -227,7 +229,7 @@ def point_to_dict(point: SweepPoint) -> dict[str, Any]:
     """One run's figures: ``policy``, ``rate``, ``slo_attainment`` (0-1), ``goodput`` (req/s), latencies, ...
 
     Every key of :meth:`bench.report.ClassReport.flat` for all requests, plus
-    ``queue_policy``, ``rejected`` (refused: no placement, shed, expired or late
+    ``queue_policy`` (with ``+g`` under ``--queue-objective g``), ``rejected`` (refused: no placement, shed, expired or late
     with ``--late-policy reject``), ``duration_s`` (virtual makespan), ``preemptions``
     (engine preemptions, all instances), ``mean_busy_instances`` (``{"prefill", "decode",
     "neutral"}``: time-average number of instances holding work of that kind, see

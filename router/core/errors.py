@@ -136,5 +136,10 @@ class QueueTimeoutError(SchedulingError):
     """A request waited in the router queue longer than ``max_queue_wait_ms``."""
 
 
+class ShedError(QueueFullError):
+    """Shed by the router queue's objective (``queue_objective`` ``g``): the fleet is short and this
+    request is among the longest to serve."""
+
+
 class LateError(SchedulingError):
     """A queued request can no longer meet its TTFT target and ``late_policy`` is ``reject``."""

@@ -81,11 +81,23 @@ from router.core.errors import (
     NoInstanceError,
     QueueTimeoutError,
     SchedulingError,
+    ShedError,
 )
 from router.core.flagged import FlagFields
 from router.core.metrics import advanced_backlog
 from router.core.request import Mode, Role, ScheduleInput, Stage, Targets, resolve_targets
 from router.core.scheduler import Scheduler
+
+#: Queue objective g: the shedding limit's range (ms of predicted remaining latency; at the ceiling
+#: nothing is shed), its factor per miss, the served requests whose TPOT estimates the decode time, and
+#: the most refused ids remembered.
+SHED_LIMIT_CEILING_MS = 120_000.0
+SHED_LIMIT_FLOOR_MS = 250.0
+SHED_DOWN = 0.9
+TPOT_WINDOW = 256
+SHED_IDS_MAX = 1_000_000
+#: Queue objective g sheds nothing once no request has missed its SLO for this long (s).
+SHED_MEMORY_S = 10.0
 
 #: How often (s) an offer pass judges every on-time entry for hopelessness, not only those it offers
 #: and those queued since the last scan (a full scan costs a few microseconds per entry).
@@ -113,6 +125,15 @@ class LatePolicy(str, enum.Enum):
     REJECT = "reject"
 
 
+class Objective(str, enum.Enum):
+    """What the queue spends an overloaded fleet on (see :func:`worth_waiting`)."""
+
+    #: Every request that can still meet its targets waits for its turn.
+    ATTAINMENT = "attainment"
+    #: Seed 000's G: while requests miss their SLO, the longest ones are refused at once.
+    G = "g"
+
+
 def _doc(doc: str, flag: str) -> dict[str, Any]:
     return {"doc": doc, "flag": flag}
 
@@ -124,6 +145,7 @@ class QueueConfig(FlagFields):
     FLAG_CHOICES: ClassVar[dict[str, list[str]]] = {
         "queue_policy": [p.value for p in QueuePolicy],
         "late_policy": [p.value for p in LatePolicy],
+        "queue_objective": [o.value for o in Objective],
     }
 
     queue_policy: str = field(
@@ -154,6 +176,24 @@ class QueueConfig(FlagFields):
             "a queued request that can no longer meet its TTFT target: serve it best-effort, or reject it "
             "(DEADLINE_EXCEEDED)",
             "--late-policy",
+        ),
+    )
+    queue_objective: str = field(
+        default="attainment",
+        metadata=_doc(
+            "what an overloaded fleet is spent on: attainment (every request that can still meet its targets "
+            "waits its turn) or g (seed 000's G, SLO-meeting requests per second of summed latency: while more "
+            "than --shed-miss-target of the requests miss their SLO, the queue refuses at once the requests "
+            "with the longest predicted remaining latency, and refuses late ones)",
+            "--queue-objective",
+        ),
+    )
+    shed_miss_target: float = field(
+        default=0.05,
+        metadata=_doc(
+            "queue objective g: the longest requests are refused while more than this fraction of the "
+            "requests that were not refused that way miss their SLO (ratio)",
+            "--shed-miss-target",
         ),
     )
     release_window_requests: int = field(
@@ -232,6 +272,19 @@ class QueueConfig(FlagFields):
             raise bad("queue_policy", f"must be one of {', '.join(p.value for p in QueuePolicy)}")
         if self.late_policy not in {p.value for p in LatePolicy}:
             raise bad("late_policy", f"must be one of {', '.join(p.value for p in LatePolicy)}")
+        if self.queue_objective not in {o.value for o in Objective}:
+            raise bad("queue_objective", f"must be one of {', '.join(o.value for o in Objective)}")
+        if self.queue_objective == Objective.G.value and self.queue_policy not in (
+            QueuePolicy.FCFS.value,
+            QueuePolicy.EDF.value,
+            QueuePolicy.PRIORITY.value,
+        ):
+            raise bad(
+                "queue_objective",
+                "g needs a router queue that offers requests in order: fcfs, edf or priority",
+            )
+        if not 0.001 <= self.shed_miss_target <= 0.5:
+            raise bad("shed_miss_target", "must be within 0.001..0.5")
         if not 1 <= self.max_queue_size <= 1_000_000:
             raise bad("max_queue_size", "must be within 1..1000000 requests")
         if not (self.max_queue_wait_ms > 0 and math.isfinite(self.max_queue_wait_ms)):
@@ -260,6 +313,10 @@ class QueueConfig(FlagFields):
     @property
     def late(self) -> LatePolicy:
         return LatePolicy(self.late_policy)
+
+    @property
+    def objective(self) -> Objective:
+        return Objective(self.queue_objective)
 
 
 @dataclass(eq=False)
@@ -330,8 +387,8 @@ class RouterQueue:
         self._value = _Sorted()  # every entry, least valuable first
         self._budgets = _Sorted()  # on-time entries by TTFT deadline
         self._waits = _Sorted()  # every entry by enqueue time
-        # (full TTFT target, priority) of the latest arrivals.
-        self._recent: deque[tuple[float, int]] = deque(maxlen=max(config.release_window_requests, 1))
+        # (full TTFT target, priority, request id) of the latest arrivals.
+        self._recent: deque[tuple[float, int, str]] = deque(maxlen=max(config.release_window_requests, 1))
         # Under the priority policy: on-time TTFT deadlines per priority.
         self._budgets_by_priority: dict[int, _Sorted] = {}
         self._seq = 0
@@ -346,6 +403,72 @@ class RouterQueue:
         self._scanned_at = -math.inf
         # Requests queued since the last full scan (judged on their own until the next one).
         self._fresh: list[str] = []
+        # Queue objective g: the shedding limit (ms of predicted remaining latency), the requests it
+        # refused (their outcomes do not steer it), and the latest measured TPOTs with their sum.
+        self._shed_limit_ms = SHED_LIMIT_CEILING_MS
+        self._last_miss_s = -math.inf
+        self._shed_ids: set[str] = set()
+        self._tpots: deque[float] = deque()
+        self._tpot_sum_ms = 0.0
+
+    # ------------------------------------------------------------------ queue objective g
+
+    def note_outcome(self, request_id: str, met: bool, now_s: float, tpot_ms: float | None = None) -> None:
+        """Request ``request_id`` ended (served, refused or failed); ``met``: it met every target of its
+        SLO; ``tpot_ms``: its measured time per output token, when it streamed two or more tokens.
+
+        Under queue objective g this steers the shedding limit (:meth:`shed_limit_ms`): a miss lowers it
+        by :data:`SHED_DOWN`, a met request raises it by just enough that the limit holds still when
+        ``shed_miss_target`` of the outcomes miss. Requests the limit refused do not count (they would
+        justify their own refusal). ``now_s``: when it ended (the limit lapses :data:`SHED_MEMORY_S`
+        after the last miss). Other objectives keep nothing.
+        """
+        if self.config.objective is not Objective.G:
+            return
+        if request_id in self._shed_ids:
+            self._shed_ids.discard(request_id)
+            return
+        if tpot_ms is not None and math.isfinite(tpot_ms) and tpot_ms >= 0:
+            self._tpots.append(float(tpot_ms))
+            self._tpot_sum_ms += float(tpot_ms)
+            if len(self._tpots) > TPOT_WINDOW:
+                self._tpot_sum_ms -= self._tpots.popleft()
+        m = self.config.shed_miss_target
+        if met:
+            up = math.exp(m / (1.0 - m) * -math.log(SHED_DOWN))
+            self._shed_limit_ms = min(SHED_LIMIT_CEILING_MS, self._shed_limit_ms * up)
+        else:
+            self._shed_limit_ms = max(SHED_LIMIT_FLOOR_MS, self._shed_limit_ms * SHED_DOWN)
+            self._last_miss_s = max(self._last_miss_s, now_s)
+
+    def shed_limit_ms(self, now_s: float) -> float:
+        """Queue objective g: requests predicted to need longer than this (ms) to finish are refused
+        (``inf``: none are; under another objective, at the ceiling, or when no request missed its SLO
+        in the last :data:`SHED_MEMORY_S`, so a fleet whose overload ended sheds nothing at once)."""
+        if (
+            self.config.objective is not Objective.G
+            or self._shed_limit_ms >= SHED_LIMIT_CEILING_MS
+            or now_s - self._last_miss_s > SHED_MEMORY_S
+        ):
+            return math.inf
+        return self._shed_limit_ms
+
+    def lowest_priority(self) -> int:
+        """The lowest priority queued or among the latest arrivals (0 when there is neither)."""
+        queued = int(self._value.keys[0][0]) if self._value.keys else None
+        recent = min((p for _, p, _ in self._recent), default=None)
+        candidates = [p for p in (queued, recent) if p is not None]
+        return min(candidates) if candidates else 0
+
+    def note_shed(self, request_id: str) -> None:
+        """``request_id`` was refused by the shedding limit (its outcome will not steer the limit)."""
+        if len(self._shed_ids) >= SHED_IDS_MAX:  # outcomes never reported (a bug in the caller): forget
+            self._shed_ids.clear()
+        self._shed_ids.add(request_id)
+
+    def decode_ms_per_token(self) -> float | None:
+        """Mean measured TPOT of the latest :data:`TPOT_WINDOW` served requests (ms); ``None`` before any."""
+        return self._tpot_sum_ms / len(self._tpots) if self._tpots else None
 
     def finished(self, request_id: str) -> None:
         """A dispatched request ended (the sa policy releases an instance's next batch once its batch has)."""
@@ -458,7 +581,7 @@ class RouterQueue:
             if self._budgets.keys:
                 limit = (self._budgets.keys[0][0] - now_s) * 1e3
             if self.config.release_window_requests and self._recent:
-                tightest = min(target for target, _ in self._recent)
+                tightest = min(target for target, _, _ in self._recent)
                 limit = min(limit, tightest)
                 if self.policy is QueuePolicy.EDF and target_ms is not None and tightest < target_ms:
                     limit = min(limit, self.config.priority_headroom * tightest)
@@ -472,7 +595,7 @@ class RouterQueue:
                 if p > priority:
                     higher = min(higher, budget)
         if self.config.release_window_requests:
-            for target, p in self._recent:
+            for target, p, _ in self._recent:
                 if p >= priority:
                     own = min(own, target)
                     if p > priority:
@@ -543,7 +666,15 @@ class RouterQueue:
     def observe_arrival(self, request: ScheduleInput) -> None:
         """Note a new request's full TTFT target for release control (every arrival, queued or not)."""
         target = resolve_targets(request, self.default_ttft_ms, self.default_tpot_ms).full_ttft_ms
-        self._recent.append((target, request.priority))
+        self._recent.append((target, request.priority, request.request_id))
+
+    def forget_arrival(self, request_id: str) -> None:
+        """``request_id`` turned late: its target, out of reach, no longer caps what instances are offered
+        (else one request with an impossible target, say 1 ms, would hold every looser one back)."""
+        if any(rid == request_id for _, _, rid in self._recent):
+            kept = [r for r in self._recent if r[2] != request_id]
+            self._recent.clear()
+            self._recent.extend(kept)
 
     def push(
         self, request: ScheduleInput, now_s: float, token: Any = None
@@ -888,6 +1019,72 @@ def hopeless(
     return None
 
 
+def slo_met(
+    ttft_slo_ms: float,
+    tpot_slo_ms: float,
+    e2e_slo_ms: float,
+    default_ttft_ms: float,
+    default_tpot_ms: float,
+    *,
+    ttft_ms: float | None,
+    tpot_ms: float | None,
+    e2e_ms: float,
+) -> bool:
+    """Whether a completed request's measured times meet its SLO: each target it sets (0 = unset), or
+    the defaults for TTFT and TPOT when it sets none. A target with nothing measured (no first token;
+    TPOT of a one-token reply) is met only for TPOT."""
+    if ttft_slo_ms <= 0 and tpot_slo_ms <= 0 and e2e_slo_ms <= 0:
+        ttft_slo_ms, tpot_slo_ms = default_ttft_ms, default_tpot_ms
+    if ttft_slo_ms > 0 and (ttft_ms is None or ttft_ms > ttft_slo_ms):
+        return False
+    if tpot_slo_ms > 0 and tpot_ms is not None and tpot_ms > tpot_slo_ms:
+        return False
+    return not (e2e_slo_ms > 0 and e2e_ms > e2e_slo_ms)
+
+
+@dataclass(frozen=True)
+class Overlong:
+    """Why queue objective g refuses a request at once (see :func:`overlong`)."""
+
+    #: Its best-case time from now to its last token (ms), and the shedding limit it is over (ms).
+    remaining_ms: float
+    limit_ms: float
+
+
+def overlong(
+    queue: RouterQueue,
+    drain: FleetDrain,
+    request: ScheduleInput,
+    targets: Targets,
+    tokens_ahead: float,
+    now_s: float,
+) -> Overlong | None:
+    """Under queue objective g: whether ``request``, behind ``tokens_ahead`` queued prompt tokens, is
+    predicted to need longer than the shedding limit (:meth:`RouterQueue.shed_limit_ms`) to finish.
+    Only requests of the lowest priority queued or among the latest arrivals are shed.
+
+    Seed 000's G counts SLO-meeting requests per second of summed latency. When a fleet cannot serve
+    every request in time, some must miss; a miss served late costs its whole latency and counts
+    nothing, and a long request takes the capacity (decode slots, prefill time) of several short ones.
+    So under g the queue refuses, at once, the requests that would take longest (best-case TTFT behind
+    the queue plus the remaining tokens at the TPOT measured lately), as long as requests keep missing
+    their SLO (the limit moves with the misses, see :meth:`RouterQueue.note_outcome`). The paper orders
+    one engine's batch to raise G; a router serving a fleet past its capacity can only choose whom to
+    hand back early, and this is that choice. (Dinkelbach's test of each request against the G achieved,
+    the textbook rule for a ratio objective, was measured first: without a capacity term it refuses
+    long requests even on a lightly loaded fleet, 23 % attainment at half capacity.)
+    """
+    limit = queue.shed_limit_ms(now_s)
+    if not math.isfinite(limit) or request.priority > queue.lowest_priority():
+        return None  # a more important request is never shed while less important traffic comes
+    best_ttft = drain.start_ms(tokens_ahead) + drain.idle_ms(request.prompt_tokens)
+    tpot = queue.decode_ms_per_token()
+    if tpot is None:
+        tpot = targets.tpot_ms
+    remaining = best_ttft + max(request.output_tokens_estimate - 1, 0) * tpot
+    return Overlong(remaining, limit) if remaining > limit else None
+
+
 #: An on-time request whose own prefill does not fit under the release limit may still go where its
 #: predicted TTFT is at most this many times its prefill on an idle instance (an instance with at most
 #: a quarter of that work ahead), rather than wait for its deadline to pass (it then *yields*: see
@@ -962,7 +1159,9 @@ def offer(
     shell passes one that avoids ejected instances).
     """
     schedule = scheduler.schedule if decide is None else decide
-    late_reject = queue.config.late is LatePolicy.REJECT
+    for_g = queue.config.objective is Objective.G
+    # Under objective g a late request promises nothing met for more latency: it is refused.
+    late_reject = queue.config.late is LatePolicy.REJECT or for_g
     for entry in queue.expire(now_s):
         waited = (now_s - entry.enqueued_s) * 1e3
         yield Offer(
@@ -1013,12 +1212,16 @@ def offer(
                         why = hopeless(drain, r, t, front, now_s) if t.ttft_ms > 0 else None
                         if why is not None:
                             yield _late(queue, fresh, late_reject, why.predicted_ttft_ms, why.budget_ms, why)
+                        elif for_g and (low := overlong(queue, drain, r, t, front, now_s)) is not None:
+                            yield _shed(queue, fresh, low)
                     return
                 scanning = True
             targets = resolve_targets(request, queue.default_ttft_ms, queue.default_tpot_ms, now_s)
             why = hopeless(drain, request, targets, ahead, now_s) if targets.ttft_ms > 0 else None
             if why is not None:
                 yield _late(queue, entry, late_reject, why.predicted_ttft_ms, why.budget_ms, why)
+            elif for_g and (low := overlong(queue, drain, request, targets, ahead, now_s)) is not None:
+                yield _shed(queue, entry, low)
             else:
                 ahead += request.prompt_tokens
             continue
@@ -1031,12 +1234,18 @@ def offer(
                 drain = FleetDrain.of(scheduler, view, now_s, queue.drain_rate(now_s))
             except SchedulingError:  # no fleet to judge by: the decision below reports it
                 drain = None
+        in_front = ahead  # prompt tokens in front of this entry
         if not entry.late and drain is not None and targets.ttft_ms > 0:
             why = hopeless(drain, request, targets, ahead, now_s)
             if why is not None:  # late now rather than at its deadline
                 yield _late(queue, entry, late_reject, why.predicted_ttft_ms, why.budget_ms, why)
                 continue
             ahead += request.prompt_tokens
+        if for_g and not entry.late and drain is not None:
+            low = overlong(queue, drain, request, targets, in_front, now_s)
+            if low is not None:  # requests keep missing: the longest go first, even if placeable now
+                yield _shed(queue, entry, low)
+                continue
         limit = queue.release_limit_ms(now_s, request.priority, targets.full_ttft_ms)
         yielding = False
         seen_view: ClusterView | None = None  # the view this attempt decides on, once fetched
@@ -1114,6 +1323,20 @@ def offer(
     queue.scanned(now_s)  # every entry was judged
 
 
+def _shed(queue: RouterQueue, entry: QueueEntry, why: Overlong) -> Offer:
+    queue.remove(entry.request_id)
+    queue.note_shed(entry.request_id)
+    return Offer(
+        entry,
+        Verdict.REJECT,
+        error=ShedError(
+            f"request {entry.request_id!r} refused by the router queue (--queue-objective g): the fleet is "
+            f"short and its best predicted completion, {why.remaining_ms:.0f} ms from now, is over the "
+            f"{why.limit_ms:.0f} ms it now serves; retry later or with fewer max_tokens"
+        ),
+    )
+
+
 def _idle_floor_ms(scheduler: Scheduler, request: ScheduleInput, drain: FleetDrain | None) -> float:
     if drain is not None:  # calibrated, like the decisions
         return 2.0 * drain.idle_ms(request.prompt_tokens)
@@ -1134,6 +1357,7 @@ def _late(
 ) -> Offer:
     request = entry.request
     target = resolve_targets(request, queue.default_ttft_ms, queue.default_tpot_ms).full_ttft_ms
+    queue.forget_arrival(entry.request_id)
     if not reject:
         queue.mark_late(entry.request_id)
         return Offer(entry, Verdict.LATE, predicted_ttft_ms=predicted_ms, budget_ms=budget_ms, hopeless=why)

@@ -210,7 +210,14 @@ def _requests(draw: st.DrawFn) -> router_pb2.GenerateRequest:
 _OUTCOMES: list[grpc.StatusCode] = []
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+# derandomize: the guard below counts what this property drew, so the draw must not change from run to
+# run (with a random seed it sometimes drew fewer than 5 valid requests in 150 and failed).
+@settings(
+    max_examples=150,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
 @given(req=_requests())
 def test_schedule_and_generate_agree_on_what_is_invalid(
     fleet: Fleet, req: router_pb2.GenerateRequest

@@ -19,7 +19,7 @@ from router.core.queue import QueueConfig
 from router.core.scheduler import Scheduler
 from router.placement import PlacementRequest, Placer
 from router.telemetry import RequestObserver
-from tests.router.core.helpers import inst, make_predictor, make_snapshot
+from tests.router.core.helpers import inst, make_predictor, make_request, make_snapshot
 
 BUSY = make_snapshot(inst("p0", "prefill", prefill_tokens=40000), inst("d0", "decode"))
 IDLE = make_snapshot(inst("p0", "prefill"), inst("d0", "decode"))
@@ -160,3 +160,60 @@ async def test_sa_releases_a_burst_in_batches_as_the_previous_batch_ends() -> No
     assert len(admission.queue) == 0 and gauge(observer) == 0
     assert len(admission.placer.scheduler.inflight) == 0
     assert admission.queue.planner.stats.runs >= 1
+
+
+def long_request(rid: str) -> PlacementRequest:
+    return PlacementRequest(
+        request_id=rid,
+        prompt_token_ids=(1,) * 256,
+        model="",
+        ttft_slo_ms=60_000.0,
+        tpot_slo_ms=50.0,
+        max_tokens=2000,
+        slo_class="batch",
+        arrival_s=100.0,
+    )
+
+
+def counter(observer: RequestObserver, name: str, **labels: str) -> float:
+    return sum(
+        sample.value
+        for metric in observer.registry.collect()
+        for sample in metric.samples
+        if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
+    )
+
+
+async def test_objective_g_learns_from_outcomes_and_refuses_the_longest_waiting_request() -> None:
+    source = Source(BUSY)
+    admission, observer = make_admission(source, queue_policy="edf", queue_objective="g")
+    assert counter(observer, "slo_router_queue_shed_limit_seconds") == float("inf")
+    for k in range(20):  # requests that ended missing their SLO (TTFT 2 s against 300 ms)
+        admission.outcome(request(f"done{k}"), finished=True, ttft_s=2.0, tpot_s=0.01, e2e_s=2.1)
+    limit = counter(observer, "slo_router_queue_shed_limit_seconds")
+    assert 0 < limit < 20  # 120 s x 0.9^20 (the test's clock stands still: the misses stay recent)
+    # Tight traffic lately: release control keeps the busy instance for it, so the long request would wait.
+    admission.queue.observe_arrival(make_request("chat", ttft_slo_ms=200.0))
+    with pytest.raises(QueueFullError, match="--queue-objective g"):
+        await asyncio.wait_for(admission.place(long_request("long")), 5)
+    assert counter(observer, "slo_router_queue_events_total", event="overlong") == 1
+    assert "long" not in admission.queue
+    # The refusal's own outcome does not move the limit; a met request raises it a little.
+    admission.outcome(long_request("long"), finished=False, ttft_s=None, tpot_s=None, e2e_s=0.0)
+    assert counter(observer, "slo_router_queue_shed_limit_seconds") == limit
+    admission.outcome(request("fine"), finished=True, ttft_s=0.1, tpot_s=0.01, e2e_s=0.2)
+    assert counter(observer, "slo_router_queue_shed_limit_seconds") > limit
+
+
+async def test_objective_attainment_ignores_outcomes() -> None:
+    source = Source(BUSY)
+    admission, _ = make_admission(source, queue_policy="edf")
+    for k in range(20):
+        admission.outcome(request(f"done{k}"), finished=True, ttft_s=2.0, tpot_s=0.01, e2e_s=2.1)
+    admission.queue.observe_arrival(make_request("chat", ttft_slo_ms=200.0))
+    task = asyncio.create_task(admission.place(long_request("long")))
+    await asyncio.sleep(0)
+    assert not task.done() and "long" in admission.queue
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task

@@ -69,6 +69,34 @@ def test_edf_beats_instant_refusal_in_overload_and_is_deterministic() -> None:
     assert simulate(fleet, policy("slo"), plans, queue=EDF).results == edf.results
 
 
+def test_objective_g_sheds_the_longest_requests_in_overload_for_more_g() -> None:
+    """At twice this fleet's capacity: edf with objective g refuses requests (the longest, while others
+    miss) and ends with a higher G than edf serving every on-time request; every request is accounted
+    for, and a refusal names the objective."""
+    fleet = SimFleet(fleet_from_counts(prefill=2, decode=2))
+    spec = load_workload("mixed").with_arrival(rate_per_s=20.0)
+    plans = generate_requests(spec, rng=0, num_requests=300)
+    figures = {}
+    for objective in ("attainment", "g"):
+        queue = QueueConfig(queue_policy="edf", queue_objective=objective)
+        outcome = simulate(fleet, policy("slo"), plans, queue=queue)
+        assert len(outcome.results) == len(plans)
+        figures[objective] = (queue_figures(outcome, outcome.duration_s), outcome)
+    (attainment, _), (g, shed) = figures["attainment"], figures["g"]
+    assert g["g"] > attainment["g"]
+    refused = [r for r in shed.results if not r.ok]
+    assert any("--queue-objective g" in r.error_message for r in refused)
+    assert {r.error_code for r in refused} <= {"RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED"}
+    # The refused are the long ones: their mean output is above the served requests'.
+    served = [r for r in shed.results if r.ok]
+    shed_out = [
+        p.max_tokens
+        for p, r in zip(plans, shed.results, strict=True)
+        if "--queue-objective g" in r.error_message
+    ]
+    assert sum(shed_out) / len(shed_out) > sum(r.completion_tokens for r in served) / len(served)
+
+
 def test_priority_protects_the_higher_class() -> None:
     fleet = SimFleet(fleet_from_counts(prefill=2, decode=2))
     spec = load_workload("mixed-priority").with_arrival(rate_per_s=14.0)

@@ -411,3 +411,19 @@ def test_empty_fleet_is_still_refused_as_unavailable() -> None:
     (result,) = list(offer(q, make_scheduler(), empty, NOW))
     assert result.verdict is Verdict.REJECT and isinstance(result.error, EmptyClusterError)
     assert len(q) == 0
+
+
+@pytest.mark.parametrize("late_policy", ["serve", "reject"])
+def test_an_impossible_target_stops_capping_release_once_it_turns_late(late_policy: str) -> None:
+    """Release control keeps room for the tightest recent arrival; one whose target no instance can meet
+    (1 ms) must not hold every looser request back for the next window of arrivals."""
+    q = make_queue("edf", late_policy=late_policy)
+    q.observe_arrival(req("absurd", prompt_tokens=2000, ttft_slo_ms=1.0))
+    q.push(req("absurd", prompt_tokens=2000, ttft_slo_ms=1.0), NOW)
+    assert q.release_limit_ms(NOW) == pytest.approx(1.0)
+    list(offer(q, make_scheduler(), lambda: _pd(), NOW))
+    assert q.release_limit_ms(NOW) == math.inf
+    q.observe_arrival(req("next", ttft_slo_ms=6000.0))
+    q.push(req("next", ttft_slo_ms=6000.0), NOW)
+    verdicts = {r.entry.request_id: r.verdict for r in offer(q, make_scheduler(), lambda: _pd(), NOW)}
+    assert verdicts["next"] is Verdict.DISPATCH

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import math
+import time
 
 import grpc
 import pytest
 from slorouter.v1 import common_pb2, router_pb2
 
+from router.admission import Admission
 from router.core.queue import QueueConfig
 from tests.router.e2e.cluster import collect, embedded_cluster, generate_request
 
@@ -256,6 +259,41 @@ async def test_unmeetable_slo_is_deadline_exceeded_with_late_policy_reject() -> 
         assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         details = info.value.details() or ""
         assert "TTFT target of 1 ms" in details and "best predicted TTFT" in details
+
+
+@pytest.mark.parametrize("late_policy", ["serve", "reject"])
+async def test_requests_with_an_impossible_target_do_not_hold_the_next_ones_back(late_policy: str) -> None:
+    """Three calls asking for a 1 ms TTFT, then an ordinary one: it is served at once (it used to wait
+    out its whole 6 s deadline behind release control keeping room for the 1 ms target)."""
+    async with embedded_cluster(prefill=1, decode=1, queue=QueueConfig(late_policy=late_policy)) as cluster:
+        for _ in range(3):
+            try:
+                await collect(cluster.stub, generate_request(2000, 4, ttft_ms=1.0))
+            except grpc.aio.AioRpcError as exc:
+                assert late_policy == "reject" and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        result = await collect(cluster.stub, generate_request(64, 4))
+        assert len(result.tokens) == 4 and not result.last.usage.late
+        assert result.last.usage.queue_wait_ms < 1000.0
+
+
+async def test_objective_g_refuses_late_requests_and_learns_from_how_calls_end() -> None:
+    """Under --queue-objective g a late request is refused even with the default late policy (serve),
+    and the service tells the queue how every call ended: the misses lower the shedding limit."""
+    queue = QueueConfig(queue_objective="g")
+    async with embedded_cluster(prefill=1, decode=1, queue=queue) as cluster:
+        admission = cluster.router.admission
+        assert isinstance(admission, Admission)
+        assert admission.queue.shed_limit_ms(time.monotonic()) == math.inf
+        for _ in range(3):
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await collect(cluster.stub, generate_request(2000, 4, ttft_ms=1.0))
+            assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert admission.queue.shed_limit_ms(time.monotonic()) < math.inf
+        lowered = admission.queue.shed_limit_ms(time.monotonic())
+        result = await collect(cluster.stub, generate_request(64, 4))  # meets the 6 s / 50 ms defaults
+        assert len(result.tokens) == 4
+        assert admission.queue.shed_limit_ms(time.monotonic()) > lowered
+        assert admission.queue.decode_ms_per_token() is not None
 
 
 async def test_pd_usage_reports_the_prompt_tokens_the_decode_side_pulled() -> None:
