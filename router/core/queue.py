@@ -985,6 +985,10 @@ def offer(
     seen: set[str] = set()
     drain: FleetDrain | None = None
     drained = False
+    # The drain of the last view a yielding entry was judged on: attempts on the same state (no
+    # dispatch in between: the same table and in-flight columns, at the same ``now_s``) share it.
+    last_view: ClusterView | None = None
+    last_drain: FleetDrain | None = None
     ahead = 0.0  # prompt tokens of the on-time entries offered so far in this pass (in front of the next)
     dispatched = 0  # prompt tokens this pass dispatched
     scanning = False
@@ -1059,7 +1063,13 @@ def offer(
                 # Judged on the fleet as this attempt sees it (dispatches earlier in the pass count).
                 current = source()
                 seen_view = current if isinstance(current, ClusterView) else scheduler.view(current, now_s)
-                now_drain = FleetDrain.of(scheduler, seen_view, now_s)
+                if (
+                    last_view is None
+                    or last_view.instances is not seen_view.instances
+                    or last_view.inflight is not seen_view.inflight
+                ):
+                    last_view, last_drain = seen_view, FleetDrain.of(scheduler, seen_view, now_s)
+                now_drain = last_drain
                 yielding = now_drain is not None and now_drain.free_within(limit) >= SPARE_IDLE_INSTANCES
             if yielding:
                 limit = floor
