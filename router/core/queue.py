@@ -525,7 +525,12 @@ class RouterQueue:
         if span_ms < 0.1 * window_ms:
             return None
         start = now_s - span_ms * 1e-3
-        tokens = sum(n for t, n in self._dispatched if t >= start)
+        # The dispatches are in time order: only the newest ones, from the end (integers: the same sum).
+        tokens = 0
+        for t, n in reversed(self._dispatched):
+            if t < start:
+                break
+            tokens += n
         # Nothing dispatched at all says the fleet stalled (stale statuses, a restart), not how fast it
         # drains: no estimate then, rather than every waiting request judged hopeless.
         return tokens / span_ms if tokens > 0 else None
@@ -801,7 +806,7 @@ class FleetDrain:
             found = idle_cache.get(prompt)
             if found is None:
                 found = idle_cache[prompt] = min(
-                    float(lp.predict_ttft_ms(float(prompt), 0.0, 0.0, m)) * r for lp, m, r in prefill_parts
+                    _idle_prefill_ms(lp, prompt, m) * r for lp, m, r in prefill_parts
                 )
             return found
 
@@ -809,7 +814,7 @@ class FleetDrain:
             found = tpot_cache.get(context)
             if found is None:
                 found = tpot_cache[context] = tpot_factor * min(
-                    float(lp.predict_tpot_ms(1.0, float(context))) for lp in decode_parts
+                    _single_tpot_ms(lp, context) for lp in decode_parts
                 )
             return found
 
@@ -842,6 +847,35 @@ class FleetDrain:
     def min_tpot_ms(self, context_tokens: int) -> float:
         """The fastest decode step of a batch of one at ``context_tokens`` (ms)."""
         return self._tpot(context_tokens)
+
+
+#: The profile's predictions a drain asks for, kept across offer passes (a pass builds a new drain
+#: on every view, and judging the whole queue asks for every queued prompt length again). Keyed by
+#: the profile predictor object, which never changes its predictions; bounded: cleared when full.
+_PROFILE_MEMO: dict[tuple[Any, str, float, float], float] = {}
+_PROFILE_MEMO_MAX = 1 << 16
+
+
+def _idle_prefill_ms(lp: Any, prompt: int, budget: float) -> float:
+    """The profile's prefill of ``prompt`` tokens on an idle instance with chunk budget ``budget`` (ms)."""
+    key = (lp, "ttft", float(prompt), budget)
+    found = _PROFILE_MEMO.get(key)
+    if found is None:
+        if len(_PROFILE_MEMO) >= _PROFILE_MEMO_MAX:
+            _PROFILE_MEMO.clear()
+        found = _PROFILE_MEMO[key] = float(lp.predict_ttft_ms(float(prompt), 0.0, 0.0, budget))
+    return found
+
+
+def _single_tpot_ms(lp: Any, context: int) -> float:
+    """The profile's decode step of a batch of one at ``context`` tokens (ms)."""
+    key = (lp, "tpot", float(context), 1.0)
+    found = _PROFILE_MEMO.get(key)
+    if found is None:
+        if len(_PROFILE_MEMO) >= _PROFILE_MEMO_MAX:
+            _PROFILE_MEMO.clear()
+        found = _PROFILE_MEMO[key] = float(lp.predict_tpot_ms(1.0, float(context)))
+    return found
 
 
 def _subset(correction: Correction, idx: IntArray) -> Correction:
