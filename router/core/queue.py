@@ -777,7 +777,7 @@ class FleetDrain:
         # A full chunk on each prefill instance, as the profile and as calibrated: the calibration's
         # ratio at a full chunk stands for it at any prompt (exact for the scale mode; close for
         # refit, whose remainder is linear in the chunk).
-        profile = per_instance(prefill, lambda lp, ii: lp.predict_ttft_ms(budget[ii], 0.0, 0.0, budget[ii]))
+        profile = per_instance(prefill, lambda lp, ii: _full_chunk_profile_ms(lp, budget[ii]))
         chunk_ms = profile
         if correction is not None:
             zeros = np.zeros(len(prefill))
@@ -875,6 +875,26 @@ def _single_tpot_ms(lp: Any, context: int) -> float:
         if len(_PROFILE_MEMO) >= _PROFILE_MEMO_MAX:
             _PROFILE_MEMO.clear()
         found = _PROFILE_MEMO[key] = float(lp.predict_tpot_ms(1.0, float(context)))
+    return found
+
+
+_CHUNK_MEMO: dict[tuple[Any, str, bytes], FloatArray] = {}
+
+
+def _full_chunk_profile_ms(lp: Any, budget: FloatArray) -> FloatArray:
+    """The profile's full chunk (one chunk of ``budget`` tokens, no decode) per instance; memoized.
+
+    The same call on the same budgets as every pass made, kept across passes (the budgets of a
+    fleet rarely change). Read-only: callers copy it into their own arrays.
+    """
+    key = (lp, budget.dtype.str, budget.tobytes())
+    found = _CHUNK_MEMO.get(key)
+    if found is None:
+        if len(_CHUNK_MEMO) >= 256:  # bounded: fleets whose budgets keep changing start it over
+            _CHUNK_MEMO.clear()
+        found = np.array(lp.predict_ttft_ms(budget, 0.0, 0.0, budget), dtype=np.float64)
+        found.flags.writeable = False
+        _CHUNK_MEMO[key] = found
     return found
 
 
