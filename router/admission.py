@@ -60,7 +60,9 @@ class Admission:
         *,
         clock: Callable[[], float] = time.monotonic,
         observer: RequestObserver | None = None,
-        max_failures: int = 8,
+        # Consecutive waits that end a pass: 4, as the simulator offers its queue (it was 8 here; each
+        # wait is a full scheduling decision, and most passes end in waits near capacity).
+        max_failures: int = 4,
     ) -> None:
         if config.policy is QueuePolicy.QLM:
             raise ConfigError(

@@ -33,7 +33,7 @@ import numpy as np
 from router.core.columns import BoolArray, InstanceTable, IntArray
 from router.core.decision import Choice, Decision, StageOutcome
 from router.core.errors import EmptyClusterError, NoInstanceError, ThresholdMiss
-from router.core.plugins import DecisionContext, ExplainsMiss, Policy, StageSpec
+from router.core.plugins import DecisionContext, Policy, StageSpec
 from router.core.request import Mode, Role, Stage, StageRestriction
 
 EXCLUDED = "excluded"
@@ -221,7 +221,7 @@ def _failure(
     drops = {label: int(np.count_nonzero(first == k)) for k, label in enumerate(outcome.labels)}
     drops = {label: count for label, count in drops.items() if count}
     # Candidates that only thresholds stopped: what the policy could have used with a looser target.
-    thresholds = [f for f in spec.filters if isinstance(f, ExplainsMiss)]
+    thresholds = spec.explainers
     threshold_labels = {f.label for f in thresholds}
     eligible = candidates.copy()
     for label, keep in zip(outcome.labels, outcome.keeps, strict=True):

@@ -368,12 +368,16 @@ class StageSpec:
     labels: tuple[str, ...] = field(init=False, repr=False, compare=False)
     #: Every filter's relax pass, in ``labels`` order; global filters always apply (derived).
     relax: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    #: The single-instance filters that can explain a miss, in order (derived: a failed decision
+    #: reads them, and ``isinstance`` against a runtime-checkable protocol is slow per call).
+    explainers: tuple[ExplainsMiss, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         labels = tuple(f.label for f in self.filters) + tuple(g.label for g in self.global_filters)
         relax = tuple(f.relax_pass for f in self.filters) + (0,) * len(self.global_filters)
         object.__setattr__(self, "labels", labels)
         object.__setattr__(self, "relax", relax)
+        object.__setattr__(self, "explainers", tuple(f for f in self.filters if isinstance(f, ExplainsMiss)))
 
 
 @dataclass(frozen=True)

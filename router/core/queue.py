@@ -648,7 +648,12 @@ class RouterQueue:
         if span_ms < 0.1 * window_ms:
             return None
         start = now_s - span_ms * 1e-3
-        tokens = sum(n for t, n in self._dispatched if t >= start)
+        # The dispatches are in time order: only the newest ones, from the end (integers: the same sum).
+        tokens = 0
+        for t, n in reversed(self._dispatched):
+            if t < start:
+                break
+            tokens += n
         # Nothing dispatched at all says the fleet stalled (stale statuses, a restart), not how fast it
         # drains: no estimate then, rather than every waiting request judged hopeless.
         return tokens / span_ms if tokens > 0 else None
@@ -903,7 +908,7 @@ class FleetDrain:
         # A full chunk on each prefill instance, as the profile and as calibrated: the calibration's
         # ratio at a full chunk stands for it at any prompt (exact for the scale mode; close for
         # refit, whose remainder is linear in the chunk).
-        profile = per_instance(prefill, lambda lp, ii: lp.predict_ttft_ms(budget[ii], 0.0, 0.0, budget[ii]))
+        profile = per_instance(prefill, lambda lp, ii: _full_chunk_profile_ms(lp, budget[ii]))
         chunk_ms = profile
         if correction is not None:
             zeros = np.zeros(len(prefill))
@@ -932,7 +937,7 @@ class FleetDrain:
             found = idle_cache.get(prompt)
             if found is None:
                 found = idle_cache[prompt] = min(
-                    float(lp.predict_ttft_ms(float(prompt), 0.0, 0.0, m)) * r for lp, m, r in prefill_parts
+                    _idle_prefill_ms(lp, prompt, m) * r for lp, m, r in prefill_parts
                 )
             return found
 
@@ -940,7 +945,7 @@ class FleetDrain:
             found = tpot_cache.get(context)
             if found is None:
                 found = tpot_cache[context] = tpot_factor * min(
-                    float(lp.predict_tpot_ms(1.0, float(context))) for lp in decode_parts
+                    _single_tpot_ms(lp, context) for lp in decode_parts
                 )
             return found
 
@@ -973,6 +978,55 @@ class FleetDrain:
     def min_tpot_ms(self, context_tokens: int) -> float:
         """The fastest decode step of a batch of one at ``context_tokens`` (ms)."""
         return self._tpot(context_tokens)
+
+
+#: The profile's predictions a drain asks for, kept across offer passes (a pass builds a new drain
+#: on every view, and judging the whole queue asks for every queued prompt length again). Keyed by
+#: the profile predictor object, which never changes its predictions; bounded: cleared when full.
+_PROFILE_MEMO: dict[tuple[Any, str, float, float], float] = {}
+_PROFILE_MEMO_MAX = 1 << 16
+
+
+def _idle_prefill_ms(lp: Any, prompt: int, budget: float) -> float:
+    """The profile's prefill of ``prompt`` tokens on an idle instance with chunk budget ``budget`` (ms)."""
+    key = (lp, "ttft", float(prompt), budget)
+    found = _PROFILE_MEMO.get(key)
+    if found is None:
+        if len(_PROFILE_MEMO) >= _PROFILE_MEMO_MAX:
+            _PROFILE_MEMO.clear()
+        found = _PROFILE_MEMO[key] = float(lp.predict_ttft_ms(float(prompt), 0.0, 0.0, budget))
+    return found
+
+
+def _single_tpot_ms(lp: Any, context: int) -> float:
+    """The profile's decode step of a batch of one at ``context`` tokens (ms)."""
+    key = (lp, "tpot", float(context), 1.0)
+    found = _PROFILE_MEMO.get(key)
+    if found is None:
+        if len(_PROFILE_MEMO) >= _PROFILE_MEMO_MAX:
+            _PROFILE_MEMO.clear()
+        found = _PROFILE_MEMO[key] = float(lp.predict_tpot_ms(1.0, float(context)))
+    return found
+
+
+_CHUNK_MEMO: dict[tuple[Any, str, bytes], FloatArray] = {}
+
+
+def _full_chunk_profile_ms(lp: Any, budget: FloatArray) -> FloatArray:
+    """The profile's full chunk (one chunk of ``budget`` tokens, no decode) per instance; memoized.
+
+    The same call on the same budgets as every pass made, kept across passes (the budgets of a
+    fleet rarely change). Read-only: callers copy it into their own arrays.
+    """
+    key = (lp, budget.dtype.str, budget.tobytes())
+    found = _CHUNK_MEMO.get(key)
+    if found is None:
+        if len(_CHUNK_MEMO) >= 256:  # bounded: fleets whose budgets keep changing start it over
+            _CHUNK_MEMO.clear()
+        found = np.array(lp.predict_ttft_ms(budget, 0.0, 0.0, budget), dtype=np.float64)
+        found.flags.writeable = False
+        _CHUNK_MEMO[key] = found
+    return found
 
 
 def _subset(correction: Correction, idx: IntArray) -> Correction:
@@ -1184,6 +1238,10 @@ def offer(
     seen: set[str] = set()
     drain: FleetDrain | None = None
     drained = False
+    # The drain of the last view a yielding entry was judged on: attempts on the same state (no
+    # dispatch in between: the same table and in-flight columns, at the same ``now_s``) share it.
+    last_view: ClusterView | None = None
+    last_drain: FleetDrain | None = None
     ahead = 0.0  # prompt tokens of the on-time entries offered so far in this pass (in front of the next)
     dispatched = 0  # prompt tokens this pass dispatched
     scanning = False
@@ -1268,7 +1326,13 @@ def offer(
                 # Judged on the fleet as this attempt sees it (dispatches earlier in the pass count).
                 current = source()
                 seen_view = current if isinstance(current, ClusterView) else scheduler.view(current, now_s)
-                now_drain = FleetDrain.of(scheduler, seen_view, now_s)
+                if (
+                    last_view is None
+                    or last_view.instances is not seen_view.instances
+                    or last_view.inflight is not seen_view.inflight
+                ):
+                    last_view, last_drain = seen_view, FleetDrain.of(scheduler, seen_view, now_s)
+                now_drain = last_drain
                 yielding = now_drain is not None and now_drain.free_within(limit) >= SPARE_IDLE_INSTANCES
             if yielding:
                 limit = floor

@@ -427,3 +427,32 @@ def test_an_impossible_target_stops_capping_release_once_it_turns_late(late_poli
     q.push(req("next", ttft_slo_ms=6000.0), NOW)
     verdicts = {r.entry.request_id: r.verdict for r in offer(q, make_scheduler(), lambda: _pd(), NOW)}
     assert verdicts["next"] is Verdict.DISPATCH
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    gaps=st.lists(st.floats(min_value=0.0, max_value=0.4), min_size=1, max_size=60),
+    tokens=st.lists(st.integers(min_value=1, max_value=8192), min_size=60, max_size=60),
+    window_ms=st.floats(min_value=50.0, max_value=5000.0),
+    later=st.floats(min_value=0.0, max_value=3.0),
+)
+def test_drain_rate_sums_exactly_the_dispatches_inside_its_window(
+    gaps: list[float], tokens: list[int], window_ms: float, later: float
+) -> None:
+    q = make_queue("fcfs", drain_window_ms=window_ms)
+    q.push(req("a", ttft_slo_ms=60_000.0), NOW)
+    q.note_backlog(NOW)
+    dispatched: list[tuple[float, int]] = []
+    t = NOW
+    for gap, n in zip(gaps, tokens, strict=False):
+        t += gap
+        q.note_dispatch(t, n)
+        dispatched.append((t, n))
+    now = t + later
+    span_ms = min(window_ms, (now - NOW) * 1e3)
+    expected_tokens = sum(n for at, n in dispatched if at >= now - span_ms * 1e-3)
+    rate = q.drain_rate(now)
+    if span_ms < 0.1 * window_ms or expected_tokens == 0:
+        assert rate is None
+    else:
+        assert rate == expected_tokens / span_ms
