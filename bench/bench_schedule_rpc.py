@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import random
 import statistics
 import subprocess
 import sys
@@ -64,12 +63,13 @@ class FixedReader(ClusterReader):
 
 async def _serve(n: int) -> None:
     from router.core.config import SchedulerConfig
+    from router.core.rng import PeekableRandom
     from router.core.scheduler import Scheduler
     from router.server import start_router_server
 
     predictor = LatencyPredictor.from_files(PROFILE / "ttft.json", PROFILE / "tpot.json")
     config = SchedulerConfig(instance_staleness_s=1e9)
-    scheduler = Scheduler(config, predictor, random.Random(1))
+    scheduler = Scheduler(config, predictor, PeekableRandom(1))  # as the router builds it
     server = await start_router_server(FixedReader(n), scheduler, listen="127.0.0.1:0")
     print(f"listening {server.address}", flush=True)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until the parent closes stdin
