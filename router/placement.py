@@ -420,7 +420,7 @@ class Placer:
                     request,
                     now,
                     dry_run=True,
-                    targets=dataclasses.replace(targets, ttft_ms=bound),
+                    targets=Targets(bound, targets.tpot_ms, targets.e2e_ms, targets.full_ttft_ms),
                 )
             except NoInstanceError as exc:
                 return router_pb2.ScheduleResponse(
@@ -428,17 +428,12 @@ class Placer:
                 )
         else:
             decision = self.scheduler.schedule(self._snapshot(), request, now, dry_run=True)
-        response = router_pb2.ScheduleResponse(policy=decision.policy, mode=decision.mode.value)
-        for field_name, choice in (("prefill", decision.prefill), ("decode", decision.decode)):
-            if choice is not None:
-                getattr(response, field_name).CopyFrom(
-                    router_pb2.InstanceChoice(
-                        instance_id=choice.instance_id,
-                        endpoint=choice.endpoint,
-                        predicted_ttft_ms=_finite(choice.predicted_ttft_ms),
-                        predicted_tpot_ms=_finite(choice.predicted_tpot_ms),
-                    )
-                )
+        response = router_pb2.ScheduleResponse(
+            policy=decision.policy,
+            mode=decision.mode.value,
+            prefill=_instance_choice(decision.prefill),
+            decode=_instance_choice(decision.decode),
+        )
         if not explain:
             return response
         response.trace.extend(
@@ -460,6 +455,17 @@ _ROLE_NAMES = {
     cms_pb2.INSTANCE_ROLE_PREFILL: "prefill",
     cms_pb2.INSTANCE_ROLE_DECODE: "decode",
 }
+
+
+def _instance_choice(choice: Choice | None) -> router_pb2.InstanceChoice | None:
+    if choice is None:
+        return None
+    return router_pb2.InstanceChoice(
+        instance_id=choice.instance_id,
+        endpoint=choice.endpoint,
+        predicted_ttft_ms=_finite(choice.predicted_ttft_ms),
+        predicted_tpot_ms=_finite(choice.predicted_tpot_ms),
+    )
 
 
 def _finite(value: float) -> float:

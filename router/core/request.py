@@ -49,6 +49,8 @@ class StageRestriction(str, enum.Enum):
 
 # --------------------------------------------------------------------------- request and decision
 
+_INF = float("inf")
+
 
 @dataclass(frozen=True)
 class ScheduleInput:
@@ -88,15 +90,24 @@ class ScheduleInput:
     arrival_s: float | None = None
 
     def __post_init__(self) -> None:
+        # One comparison per field when all is well (built once per decision); the loops name the culprit.
         if self.prompt_tokens < 0:
             raise InvalidRequestError(f"prompt_tokens must be >= 0, got {self.prompt_tokens}")
-        for count in ("expected_output_tokens", "max_tokens"):
-            if getattr(self, count) < 0:
-                raise InvalidRequestError(f"{count} must be >= 0 (0 = unknown), got {getattr(self, count)}")
-        for name in ("ttft_slo_ms", "tpot_slo_ms", "e2e_slo_ms"):
-            value = getattr(self, name)
-            if not (value >= 0 and value != float("inf")):
-                raise InvalidRequestError(f"{name} must be finite and >= 0 (0 = router default), got {value}")
+        if self.expected_output_tokens < 0 or self.max_tokens < 0:
+            for count in ("expected_output_tokens", "max_tokens"):
+                if getattr(self, count) < 0:
+                    raise InvalidRequestError(
+                        f"{count} must be >= 0 (0 = unknown), got {getattr(self, count)}"
+                    )
+        if not (
+            0 <= self.ttft_slo_ms < _INF and 0 <= self.tpot_slo_ms < _INF and 0 <= self.e2e_slo_ms < _INF
+        ):
+            for name in ("ttft_slo_ms", "tpot_slo_ms", "e2e_slo_ms"):
+                value = getattr(self, name)
+                if not (value >= 0 and value != _INF):
+                    raise InvalidRequestError(
+                        f"{name} must be finite and >= 0 (0 = router default), got {value}"
+                    )
 
     @property
     def output_tokens_estimate(self) -> int:
