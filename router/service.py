@@ -81,6 +81,10 @@ class ServiceConfig:
             raise ValueError(f"max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}")
 
 
+#: The request id of a ``Schedule`` dry run whose request names none.
+_DRY_RUN_ID = "schedule-dry-run"
+
+
 def _error_code(exc: RouterError) -> grpc.StatusCode:
     """The one place router errors become gRPC status codes."""
     if isinstance(exc, InvalidRequestError):
@@ -176,7 +180,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
 
     # ------------------------------------------------------------------ validation
 
-    def _prepare(self, request: router_pb2.GenerateRequest) -> PlacementRequest:
+    def _prepare(self, request: router_pb2.GenerateRequest, *, dry_run: bool = False) -> PlacementRequest:
         # The shared bounds first (Schedule and Generate alike, and the same ones the workers
         # apply), so nothing oversized reaches the tokenizer, the scheduler or a worker.
         try:
@@ -208,8 +212,10 @@ class RouterService(router_pb2_grpc.RouterServicer):
             )
         e2e_only = e2e_ms > 0 and not ttft_ms and not tpot_ms
         return PlacementRequest(
-            # A random id (as uuid4().hex, 32 hex digits, without building a UUID object).
-            request_id=request.request_id or os.urandom(16).hex(),
+            # A random id (as uuid4().hex, 32 hex digits, without building a UUID object). A dry
+            # run records nothing under its id (the queue ranks by arrival order, not by id), so it
+            # needs none: no system call for it (os.urandom costs 1-13 µs here).
+            request_id=request.request_id or (_DRY_RUN_ID if dry_run else os.urandom(16).hex()),
             prompt_token_ids=prompt_ids,
             model=model,
             # With an e2e target the core derives what the request leaves unset (0).
@@ -229,7 +235,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
     ) -> router_pb2.ScheduleResponse:
         try:
             queue = self._admission.dry_run_queue()
-            return self._placer.dry_run(self._prepare(request.request), queue, explain=request.explain)
+            prepared = self._prepare(request.request, dry_run=True)
+            return self._placer.dry_run(prepared, queue, explain=request.explain)
         except RouterError as exc:
             await context.abort(_error_code(exc), str(exc))
 
