@@ -172,12 +172,17 @@ def _check_prompt(text: str, ids: Sequence[int]) -> None:
 
 def check_generate_request(request: router_pb2.GenerateRequest) -> None:
     """``Router.Generate`` and ``Router.Schedule``: everything that needs no cluster state."""
-    check_id(request.request_id, "request_id", allow_empty=True)
-    check_text(request.model, "model", MAX_NAME_BYTES)
+    # Checked once per request: the empty strings most requests carry skip the calls.
+    request_id, model, slo_class = request.request_id, request.model, request.slo_class
+    if request_id:
+        check_id(request_id, "request_id")
+    if model:
+        check_text(model, "model", MAX_NAME_BYTES)
     _check_prompt(request.prompt, request.prompt_token_ids)
     check_sampling(request.sampling)
     check_slo(request.slo)
-    check_slo_class(request.slo_class)
+    if slo_class:
+        check_slo_class(slo_class)
 
 
 def check_slo_class(label: str, field: str = "slo_class") -> None:

@@ -92,8 +92,11 @@ class _Column:
 
     def __post_init__(self) -> None:
         # Metrics are computed several times per decision: let ``compute`` be ``fn`` itself
-        # (an instance attribute wins over the method below), saving a call each time.
+        # (an instance attribute wins over the method below), saving a call each time; the same
+        # for ``compute_at`` when there is a one-instance form.
         object.__setattr__(self, "compute", self.fn)
+        if self.at is not None:
+            object.__setattr__(self, "compute_at", self.at)
 
     def compute(self, ctx: DecisionContext) -> FloatArray:
         return self.fn(ctx)
