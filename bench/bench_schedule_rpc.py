@@ -2,11 +2,15 @@
 
 A router serves in a child process over a fixed view of 256 and of 2,048
 loaded instances (the fleet of :mod:`bench.bench_scheduler`, kept fresh). This
-process calls, one at a time, the standard health ``Check``, ``Schedule``
-without ``explain`` and ``Schedule`` with ``explain`` (the per-candidate
-trace), and prints for each the mean wall time per call, the router process's
-CPU time per call (from ``/proc``), and both as a multiple of the health
-check's. Figures only; nothing is asserted.
+process calls it over one channel, one call at a time: the standard health
+``Check``, ``Schedule`` without ``explain`` and ``Schedule`` with ``explain``
+(the per-candidate trace), in rounds that run a block of each kind side by
+side (in alternating order), so that other work on the machine weighs on every
+kind alike. Per round and kind it takes the median wall time of a call and the
+router process's CPU time per call (every thread's, from ``/proc/PID/task/*/
+schedstat``, in ns); it prints the median over the rounds, and the range, of
+each as a multiple of the health check's in the same round. Figures only;
+nothing is asserted.
 
     python -m bench schedule_rpc
 """
@@ -14,8 +18,9 @@ check's. Figures only; nothing is asserted.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
-import random
+import statistics
 import subprocess
 import sys
 import time
@@ -35,10 +40,10 @@ from predictor import LatencyPredictor
 REPO = Path(__file__).resolve().parent.parent
 PROFILE = REPO / "profiling_data" / "qwen2.5-7b-2xv100-linear"
 SIZES = (256, 2048)
-#: Calls timed per row (the explained trace is slow at 2,048 instances: fewer of those).
-CALLS = 1000
-EXPLAIN_CALLS = 200
-_TICKS = os.sysconf("SC_CLK_TCK")
+#: Rounds, and calls of each kind per round (the explained trace is slow at 2,048 instances: fewer).
+ROUNDS = 15
+BLOCK = 100
+EXPLAIN_BLOCK = 20
 
 
 class FixedReader(ClusterReader):
@@ -58,30 +63,49 @@ class FixedReader(ClusterReader):
 
 async def _serve(n: int) -> None:
     from router.core.config import SchedulerConfig
+    from router.core.rng import PeekableRandom
     from router.core.scheduler import Scheduler
     from router.server import start_router_server
 
     predictor = LatencyPredictor.from_files(PROFILE / "ttft.json", PROFILE / "tpot.json")
     config = SchedulerConfig(instance_staleness_s=1e9)
-    scheduler = Scheduler(config, predictor, random.Random(1))
+    scheduler = Scheduler(config, predictor, PeekableRandom(1))  # as the router builds it
     server = await start_router_server(FixedReader(n), scheduler, listen="127.0.0.1:0")
     print(f"listening {server.address}", flush=True)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until the parent closes stdin
     await server.stop(grace=0)
 
 
-def _cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / _TICKS
+def _cpu_ns(pid: int) -> int:
+    """CPU time of every thread of process ``pid`` so far (ns; ``schedstat``, exact, unlike ``stat``'s ticks)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):  # a thread that ended since the listing
+            total += int((task / "schedstat").read_text().split()[0])
+    return total
 
 
-async def _time(call: Callable[[], Awaitable[object]], pid: int, calls: int = CALLS) -> tuple[float, float]:
-    for _ in range(30):  # warm-up
-        await call()
-    cpu0, t0 = _cpu_s(pid), time.perf_counter()
-    for _ in range(calls):
-        await call()
-    return (time.perf_counter() - t0) / calls * 1e6, (_cpu_s(pid) - cpu0) / calls * 1e6
+class _Row:
+    """One kind of call: per round, the median wall time of a call and the router CPU per call (µs)."""
+
+    def __init__(self, name: str, call: Callable[[], Awaitable[object]], calls: int) -> None:
+        self.name, self.call, self.calls = name, call, calls
+        self.wall: list[float] = []
+        self.cpu: list[float] = []
+
+    async def block(self, pid: int) -> None:
+        walls = []
+        cpu0 = _cpu_ns(pid)
+        for _ in range(self.calls):
+            t0 = time.perf_counter()
+            await self.call()
+            walls.append(time.perf_counter() - t0)
+        self.cpu.append((_cpu_ns(pid) - cpu0) / self.calls / 1e3)
+        self.wall.append(statistics.median(walls) * 1e6)
+
+
+def _spread(values: list[float]) -> str:
+    return f"{statistics.median(values):5.2f}x ({min(values):.2f}-{max(values):.2f})"
 
 
 async def _measure(address: str, pid: int, n: int) -> tuple[float, float, float, float]:
@@ -96,22 +120,32 @@ async def _measure(address: str, pid: int, n: int) -> tuple[float, float, float,
         explained = router_pb2.ScheduleRequest(request=request, explain=True)
         check = health_pb2.HealthCheckRequest(service="")
         rows = [
-            ("health Check", await _time(lambda: health.Check(check, timeout=10), pid)),
-            ("Schedule", await _time(lambda: router.Schedule(plain, timeout=10), pid)),
-            (
-                "Schedule explain",
-                await _time(lambda: router.Schedule(explained, timeout=10), pid, EXPLAIN_CALLS),
-            ),
+            _Row("health Check", lambda: health.Check(check, timeout=10), BLOCK),
+            _Row("Schedule", lambda: router.Schedule(plain, timeout=10), BLOCK),
+            _Row("Schedule explain", lambda: router.Schedule(explained, timeout=10), EXPLAIN_BLOCK),
         ]
-    base_wall, base_cpu = rows[0][1]
-    print(f"{n} instances, {CALLS} sequential calls each ({EXPLAIN_CALLS} with explain):")
-    for name, (wall, cpu) in rows:
+        for row in rows:  # warm-up
+            for _ in range(30):
+                await row.call()
+        for k in range(ROUNDS):
+            # Side by side, in alternating order: a change of load on the machine hits every kind alike.
+            for row in rows if k % 2 == 0 else rows[::-1]:
+                await row.block(pid)
+    base = rows[0]
+    print(
+        f"{n} instances: {ROUNDS} rounds of {BLOCK} calls of each kind ({EXPLAIN_BLOCK} with explain),"
+        " one at a time; median over the rounds (range):"
+    )
+    ratios = []
+    for row in rows:
+        wall = [w / b for w, b in zip(row.wall, base.wall, strict=True)]
+        cpu = [c / b for c, b in zip(row.cpu, base.cpu, strict=True)]
+        ratios.append((statistics.median(wall), statistics.median(cpu)))
         print(
-            f"  {name:<17} {wall:8.0f} µs/call ({wall / base_wall:5.2f}x)"
-            f"   router CPU {cpu:7.0f} µs/call ({cpu / base_cpu:5.2f}x)"
+            f"  {row.name:<17} wall {statistics.median(row.wall):7.0f} µs/call {_spread(wall)}"
+            f"   router CPU {statistics.median(row.cpu):7.0f} µs/call {_spread(cpu)}"
         )
-    (plain_wall, plain_cpu), (explain_wall, explain_cpu) = rows[1][1], rows[2][1]
-    return plain_wall / base_wall, plain_cpu / base_cpu, explain_wall / base_wall, explain_cpu / base_cpu
+    return ratios[1][0], ratios[1][1], ratios[2][0], ratios[2][1]
 
 
 def _run(n: int) -> tuple[float, float, float, float] | None:

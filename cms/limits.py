@@ -116,30 +116,33 @@ def check_token_ids(ids: Sequence[int], field: str) -> None:
 
 def check_sampling(sampling: common_pb2.SamplingParams, field: str = "sampling") -> None:
     """Every bound and value rule of ``SamplingParams`` (max_tokens is required)."""
-    if sampling.max_tokens == 0:
+    # Each field is read once: a read of a message field builds a Python value.
+    max_tokens, temperature, top_p = sampling.max_tokens, sampling.temperature, sampling.top_p
+    if max_tokens == 0:
         raise FieldLimitError(f"{field}.max_tokens: must be > 0")
-    if sampling.max_tokens > MAX_OUTPUT_TOKENS:
-        raise FieldLimitError(f"{field}.max_tokens: {sampling.max_tokens}; the limit is {MAX_OUTPUT_TOKENS}")
-    if not math.isfinite(sampling.temperature) or sampling.temperature < 0:
-        raise FieldLimitError(
-            f"{field}.temperature: must be a finite number >= 0, got {sampling.temperature!r}"
-        )
-    if not math.isfinite(sampling.top_p) or not 0 <= sampling.top_p <= 1:
-        raise FieldLimitError(f"{field}.top_p: must be within [0, 1] (0 = default), got {sampling.top_p!r}")
+    if max_tokens > MAX_OUTPUT_TOKENS:
+        raise FieldLimitError(f"{field}.max_tokens: {max_tokens}; the limit is {MAX_OUTPUT_TOKENS}")
+    if not math.isfinite(temperature) or temperature < 0:
+        raise FieldLimitError(f"{field}.temperature: must be a finite number >= 0, got {temperature!r}")
+    if not math.isfinite(top_p) or not 0 <= top_p <= 1:
+        raise FieldLimitError(f"{field}.top_p: must be within [0, 1] (0 = default), got {top_p!r}")
     if sampling.top_k < 0:
         raise FieldLimitError(f"{field}.top_k: must be >= 0 (0 = default), got {sampling.top_k}")
-    if len(sampling.stop) > MAX_STOP_STRINGS:
-        raise FieldLimitError(f"{field}.stop: {len(sampling.stop)} strings; the limit is {MAX_STOP_STRINGS}")
-    for i, stop in enumerate(sampling.stop):
+    stops = sampling.stop
+    if not stops:
+        return
+    if len(stops) > MAX_STOP_STRINGS:
+        raise FieldLimitError(f"{field}.stop: {len(stops)} strings; the limit is {MAX_STOP_STRINGS}")
+    for i, stop in enumerate(stops):
         if not stop:
             raise FieldLimitError(f"{field}.stop[{i}]: stop strings must not be empty")
         check_text(stop, f"{field}.stop[{i}]", MAX_STOP_BYTES)
 
 
 def check_slo(slo: common_pb2.SloTarget, field: str = "slo") -> None:
-    for name in ("ttft_ms", "tpot_ms", "e2e_ms"):
-        value = getattr(slo, name)
-        if not math.isfinite(value) or value < 0:
+    for name, value in (("ttft_ms", slo.ttft_ms), ("tpot_ms", slo.tpot_ms), ("e2e_ms", slo.e2e_ms)):
+        # (0 <= value < inf is false for NaN too: the common case costs one comparison)
+        if not 0 <= value < math.inf:
             raise FieldLimitError(
                 f"{field}.{name}: must be a finite number >= 0 (0 = default), got {value!r}"
             )
@@ -169,17 +172,22 @@ def _check_prompt(text: str, ids: Sequence[int]) -> None:
 
 def check_generate_request(request: router_pb2.GenerateRequest) -> None:
     """``Router.Generate`` and ``Router.Schedule``: everything that needs no cluster state."""
-    check_id(request.request_id, "request_id", allow_empty=True)
-    check_text(request.model, "model", MAX_NAME_BYTES)
+    # Checked once per request: the empty strings most requests carry skip the calls.
+    request_id, model, slo_class = request.request_id, request.model, request.slo_class
+    if request_id:
+        check_id(request_id, "request_id")
+    if model:
+        check_text(model, "model", MAX_NAME_BYTES)
     _check_prompt(request.prompt, request.prompt_token_ids)
     check_sampling(request.sampling)
     check_slo(request.slo)
-    check_slo_class(request.slo_class)
+    if slo_class:
+        check_slo_class(slo_class)
 
 
 def check_slo_class(label: str, field: str = "slo_class") -> None:
     """A class name for the queue's fairness and the per-class metrics (a Prometheus label)."""
-    if not _SLO_CLASS.fullmatch(label):
+    if label and not _SLO_CLASS.fullmatch(label):  # ("" is valid: no class)
         raise FieldLimitError(
             f"{field}: must be at most 64 letters, digits, '_', '.' or '-', got {label[:80]!r}"
         )

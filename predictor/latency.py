@@ -72,7 +72,7 @@ class LatencyPredictor:
         ``(D, max(T / D, 8))``.
         """
         if isinstance(decode_requests, _SCALAR_TYPES) and isinstance(decode_tokens, _SCALAR_TYPES):
-            return self._tpot_at(float(decode_requests), float(decode_tokens))
+            return self.tpot_ms_at(float(decode_requests), float(decode_tokens))
         scalar = np.ndim(decode_requests) == 0 and np.ndim(decode_tokens) == 0
         d, t = _as_float_arrays(decode_requests, decode_tokens)
         result = self.decode_step_ms(d, t)
@@ -94,7 +94,8 @@ class LatencyPredictor:
         """
         return self.tpot_profile.grid(decode_requests, np.maximum(decode_tokens / decode_requests, _MIN_TPR))
 
-    def _tpot_at(self, d: float, t: float) -> float:
+    def tpot_ms_at(self, d: float, t: float) -> float:
+        """:meth:`predict_tpot_ms` for two Python floats (no type dispatch: the one-instance hot path)."""
         if not (d > 0 and t > 0):
             return 0.0
         per_request = t / d
@@ -139,7 +140,7 @@ class LatencyPredictor:
         """
         args = (prefill_tokens, decode_requests, decode_tokens, max_num_batched_tokens)
         if all(isinstance(a, _SCALAR_TYPES) for a in args):
-            return self._ttft_at(*(float(a) for a in args))  # type: ignore[arg-type]
+            return self.ttft_ms_at(*(float(a) for a in args))  # type: ignore[arg-type]
         scalar = all(np.ndim(a) == 0 for a in args)
         p, d, t, m = _as_float_arrays(*args)
         ok = m > 0
@@ -192,10 +193,11 @@ class LatencyPredictor:
         result: FloatArray = full_chunks * full_step_ms + tail_cost
         return result
 
-    def _ttft_at(self, p: float, d: float, t: float, m: float) -> float:
+    def ttft_ms_at(self, p: float, d: float, t: float, m: float) -> float:
+        """:meth:`predict_ttft_ms` for four Python floats (no type dispatch: the one-instance hot path)."""
         if not m > 0:
             raise ValueError(f"max_num_batched_tokens must be > 0, got {m:g}")
-        step_decode = self._tpot_at(d, t)
+        step_decode = self.tpot_ms_at(d, t)
         backlog = p if (p >= 0.0 or p != p) else 0.0
         full_chunks = backlog // m
         remainder = backlog - full_chunks * m

@@ -83,7 +83,7 @@ class Admission:
 
     @property
     def enabled(self) -> bool:
-        return self.config.policy is not QueuePolicy.NONE
+        return self.queue.policy is not QueuePolicy.NONE  # (the queue keeps the enum: no lookup per call)
 
     # ------------------------------------------------------------------ the request side
 

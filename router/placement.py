@@ -62,6 +62,38 @@ class PlacementRequest:
     #: When the request reached the router (the placer's clock); None = not tracked.
     arrival_s: float | None = None
 
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        model: str,
+        ttft_slo_ms: float,
+        tpot_slo_ms: float,
+        priority: int = 0,
+        e2e_slo_ms: float = 0.0,
+        max_tokens: int = 0,
+        slo_class: str = "",
+        arrival_s: float | None = None,
+    ) -> None:
+        # Written out (the dataclass keeps it): one dict instead of 10 frozen attribute sets, for an
+        # object built once per request. The fields and defaults are the dataclass's (tested).
+        object.__setattr__(
+            self,
+            "__dict__",
+            {
+                "request_id": request_id,
+                "prompt_token_ids": prompt_token_ids,
+                "model": model,
+                "ttft_slo_ms": ttft_slo_ms,
+                "tpot_slo_ms": tpot_slo_ms,
+                "priority": priority,
+                "e2e_slo_ms": e2e_slo_ms,
+                "max_tokens": max_tokens,
+                "slo_class": slo_class,
+                "arrival_s": arrival_s,
+            },
+        )
+
 
 class Placer:
     """Places requests with ``scheduler`` over the snapshots of ``source``."""
@@ -420,7 +452,7 @@ class Placer:
                     request,
                     now,
                     dry_run=True,
-                    targets=dataclasses.replace(targets, ttft_ms=bound),
+                    targets=Targets(bound, targets.tpot_ms, targets.e2e_ms, targets.full_ttft_ms),
                 )
             except NoInstanceError as exc:
                 return router_pb2.ScheduleResponse(
@@ -428,17 +460,12 @@ class Placer:
                 )
         else:
             decision = self.scheduler.schedule(self._snapshot(), request, now, dry_run=True)
-        response = router_pb2.ScheduleResponse(policy=decision.policy, mode=decision.mode.value)
-        for field_name, choice in (("prefill", decision.prefill), ("decode", decision.decode)):
-            if choice is not None:
-                getattr(response, field_name).CopyFrom(
-                    router_pb2.InstanceChoice(
-                        instance_id=choice.instance_id,
-                        endpoint=choice.endpoint,
-                        predicted_ttft_ms=_finite(choice.predicted_ttft_ms),
-                        predicted_tpot_ms=_finite(choice.predicted_tpot_ms),
-                    )
-                )
+        response = router_pb2.ScheduleResponse(
+            policy=decision.policy,
+            mode=decision.mode.value,
+            prefill=_instance_choice(decision.prefill),
+            decode=_instance_choice(decision.decode),
+        )
         if not explain:
             return response
         response.trace.extend(
@@ -460,6 +487,17 @@ _ROLE_NAMES = {
     cms_pb2.INSTANCE_ROLE_PREFILL: "prefill",
     cms_pb2.INSTANCE_ROLE_DECODE: "decode",
 }
+
+
+def _instance_choice(choice: Choice | None) -> router_pb2.InstanceChoice | None:
+    if choice is None:
+        return None
+    return router_pb2.InstanceChoice(
+        instance_id=choice.instance_id,
+        endpoint=choice.endpoint,
+        predicted_ttft_ms=_finite(choice.predicted_ttft_ms),
+        predicted_tpot_ms=_finite(choice.predicted_tpot_ms),
+    )
 
 
 def _finite(value: float) -> float:

@@ -10,7 +10,6 @@ import argparse
 import asyncio
 import logging
 import math
-import random
 import signal
 import sys
 from dataclasses import dataclass, field
@@ -35,6 +34,7 @@ from router.core.health import OutlierConfig, OutlierDetector
 from router.core.predictors import PredictorSet
 from router.core.qlm import QlmConfig
 from router.core.queue import QueueConfig
+from router.core.rng import PeekableRandom
 from router.core.scheduler import Scheduler
 from router.core.slicing import SliceConfig
 from router.forward import WORKER_STREAMS, WorkerClient
@@ -629,7 +629,7 @@ def check_processes(args: argparse.Namespace) -> None:
 async def start_from_args(args: argparse.Namespace, plan: RouterPlan | None = None) -> RouterServer:
     """Build everything the flags describe and start serving."""
     plan = plan or plan_from_args(args)
-    scheduler = Scheduler(plan.config, plan.predictors, random.Random(args.seed))
+    scheduler = Scheduler(plan.config, plan.predictors, PeekableRandom(args.seed))
     tls = server_tls_from_args(args.tls_cert, args.tls_key)
     client_tls = client_tls_from_arg(args.tls_ca)
     cms_token = None

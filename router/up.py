@@ -17,7 +17,6 @@ import contextlib
 import ctypes
 import logging
 import math
-import random
 import shutil
 import signal
 import sys
@@ -34,6 +33,7 @@ from predictor import LatencyPredictor
 from router.core.config import SchedulerConfig
 from router.core.qlm import QlmConfig
 from router.core.queue import QueueConfig
+from router.core.rng import PeekableRandom
 from router.core.scheduler import Scheduler
 from router.core.slicing import SliceConfig
 from router.processes import RouterProcesses
@@ -274,7 +274,7 @@ async def start_cluster(args: argparse.Namespace, plan: ClusterPlan | None = Non
                 await _spawn_worker(iid, role, cms.address, plan.profile, extra, token_files[iid], secrets)
             )
         await asyncio.gather(*(_await_listening(w, args.start_timeout_s) for w in workers))
-        scheduler = Scheduler(plan.config, plan.predictor, random.Random(args.seed))
+        scheduler = Scheduler(plan.config, plan.predictor, PeekableRandom(args.seed))
         observer = RequestObserver()
         if args.metrics_port:
             from prometheus_client import start_http_server

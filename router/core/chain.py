@@ -64,6 +64,8 @@ def _plan(policy: Policy, table: InstanceTable, model: str) -> _Plan:
                 plan = _Plan(Mode.PD, prefill, decode, none, count)
             else:
                 plan = _Plan(Mode.NEUTRAL, none, none, base & (table.roles == Role.NEUTRAL), count)
+        for mask in (plan.prefill, plan.decode, plan.neutral):
+            mask.setflags(write=False)  # shared by every decision on this snapshot
         table.memo[key] = plan
     return plan
 
@@ -165,17 +167,39 @@ def _evaluate(
 def run_stage(ctx: DecisionContext, spec: StageSpec, stage: Stage, candidates: BoolArray) -> StageOutcome:
     """Filter ``candidates`` (a mask over the view) through ``spec`` and select; see the module doc."""
     labels, keeps, relax = _evaluate(ctx, spec)
-    everywhere = ctx.view.instances.all_true()
-    always = candidates
+    table = ctx.view.instances
+    everywhere = table.all_true()
+    fixed = []
     relaxed = []
     for keep, r in zip(keeps, relax, strict=True):
         if r:
             relaxed.append((r, keep))
         elif keep is not everywhere:  # (e.g. failover with nothing marked keeps everything)
+            fixed.append(keep)
+    # The masks that always apply are mostly the snapshot's own (candidates, health, failover):
+    # the same read-only array objects decision after decision, so their product is kept with the
+    # snapshot's columns (a read-only array cannot change: the same objects, the same values).
+    key = ("always", stage)
+    found: tuple[BoolArray, list[BoolArray], BoolArray, IntArray] | None = table.memo.get(key)
+    if (
+        found is not None
+        and found[0] is candidates
+        and len(found[1]) == len(fixed)
+        and all(a is b for a, b in zip(found[1], fixed, strict=True))
+    ):
+        always, nonzero = found[2], found[3]
+    else:
+        always = candidates
+        for keep in fixed:
             always = always & keep
+        nonzero = always.nonzero()[0]
+        if not candidates.flags.writeable and not any(keep.flags.writeable for keep in fixed):
+            always.setflags(write=False)
+            nonzero.setflags(write=False)
+            table.memo[key] = (candidates, fixed, always, nonzero)
     selected = -1
     fallback_pass = 0
-    survivors = always.nonzero()[0] if not relaxed else _apply_relaxable(always, relaxed, 0, everywhere)
+    survivors = nonzero if not relaxed else _apply_relaxable(always, relaxed, 0, everywhere)
     if len(survivors) == 0 and relaxed:
         for fallback_pass in sorted({r for r, _ in relaxed}):
             survivors = _apply_relaxable(always, relaxed, fallback_pass, everywhere)

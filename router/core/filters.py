@@ -94,9 +94,9 @@ class Schedulability:
         table = ctx.view.instances
         result: FilterResult | None = table.memo.get("schedulability")
         if result is None:
-            result = FilterResult(
-                keep=table.schedulable, mark=_marks(table, table.has_status & ~table.schedulable)
-            )
+            mark = _marks(table, table.has_status & ~table.schedulable)
+            mark.setflags(write=False)  # one per snapshot, shared by every decision
+            result = FilterResult(keep=table.schedulable, mark=mark)
             table.memo["schedulability"] = result
         return result
 
@@ -306,7 +306,23 @@ class Failover:
 
     def apply_global(self, ctx: DecisionContext, marked: BoolArray) -> BoolArray:
         table = ctx.view.instances
-        if marked is table.all_false() or not np.count_nonzero(marked):
+        if marked is table.all_false():
+            return table.all_true()
+        if marked.flags.writeable:
+            return self._keep(table, marked)
+        # Read-only marks are usually the snapshot's own (its unschedulable instances): the same
+        # array object decision after decision, so the verdict is kept with the snapshot's columns.
+        key = ("failover", self.domain)
+        found: tuple[BoolArray, BoolArray] | None = table.memo.get(key)
+        if found is not None and found[0] is marked:
+            return found[1]
+        keep = self._keep(table, marked)
+        keep.setflags(write=False)
+        table.memo[key] = (marked, keep)
+        return keep
+
+    def _keep(self, table: InstanceTable, marked: BoolArray) -> BoolArray:
+        if not np.count_nonzero(marked):
             return table.all_true()
         down = marked
         if self.domain in ("node", "node-unit"):

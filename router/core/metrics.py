@@ -92,8 +92,11 @@ class _Column:
 
     def __post_init__(self) -> None:
         # Metrics are computed several times per decision: let ``compute`` be ``fn`` itself
-        # (an instance attribute wins over the method below), saving a call each time.
+        # (an instance attribute wins over the method below), saving a call each time; the same
+        # for ``compute_at`` when there is a one-instance form.
         object.__setattr__(self, "compute", self.fn)
+        if self.at is not None:
+            object.__setattr__(self, "compute_at", self.at)
 
     def compute(self, ctx: DecisionContext) -> FloatArray:
         return self.fn(ctx)
@@ -145,13 +148,24 @@ def _nan(ctx: DecisionContext) -> FloatArray:
 
 
 def _correction(ctx: DecisionContext) -> Correction | None:
-    """The calibration of the view's instances, or None (calibration off, or no samples yet)."""
-    predictors = ctx.predictors
-    calibration = predictors.calibration if predictors is not None else None
-    if calibration is None:
-        return None
-    table = ctx.view.instances
-    return calibration.correction(table.ids, table.groups)
+    """The calibration of the view's instances, or None (calibration off, or no samples yet).
+
+    Looked up once per decision (several metrics and predictions ask).
+    """
+    found = ctx.cached(_correction)
+    if found is None:
+        predictors = ctx.predictors
+        calibration = predictors.calibration if predictors is not None else None
+        if calibration is None:
+            found = _NO_CORRECTION
+        else:
+            table = ctx.view.instances
+            found = calibration.correction(table.ids, table.groups) or _NO_CORRECTION
+        ctx.remember(_correction, found)
+    return None if found is _NO_CORRECTION else found
+
+
+_NO_CORRECTION = object()
 
 
 def _horizon_tokens(ctx: DecisionContext) -> float:
@@ -308,11 +322,11 @@ def _predicted_ttft_at(ctx: DecisionContext, i: int) -> float:
         return float("nan")
     table = ctx.view.instances
     lp = ctx.predictors.for_group(table.groups[i])
-    backlog = float(ctx.metric("prefill_backlog_tokens")[i]) + ctx.prompt_tokens
-    batch = float(ctx.metric("decode_batch_size")[i])
-    tokens = float(ctx.metric("decode_tokens")[i])
-    budget = float(table.max_num_batched_tokens[i])
-    value = lp.predict_ttft_ms(backlog, batch, tokens, budget)
+    backlog = ctx.metric("prefill_backlog_tokens").item(i) + ctx.prompt_tokens
+    batch = ctx.metric("decode_batch_size").item(i)
+    tokens = ctx.metric("decode_tokens").item(i)
+    budget = table.max_num_batched_tokens.item(i)
+    value = lp.ttft_ms_at(backlog, batch, tokens, budget)
     correction = _correction(ctx)
     if correction is None:
         return value
@@ -335,12 +349,12 @@ def _predicted_tpot_at(ctx: DecisionContext, i: int) -> float:
         return float("nan")
     lp = ctx.predictors.for_group(ctx.view.instances.groups[i])
     extra = 1.0 if ctx.request is not None else 0.0
-    batch = float(ctx.metric("decode_batch_size")[i]) + extra
-    tokens = float(ctx.metric("decode_tokens")[i]) + ctx.prompt_tokens
+    batch = ctx.metric("decode_batch_size").item(i) + extra
+    tokens = ctx.metric("decode_tokens").item(i) + ctx.prompt_tokens
     horizon = _horizon_tokens(ctx)
     if horizon > 0.0:
         tokens = tokens + horizon
-    value = lp.predict_tpot_ms(batch, tokens)
+    value = lp.tpot_ms_at(batch, tokens)
     correction = _correction(ctx)
     if correction is None:
         return value

@@ -545,6 +545,8 @@ class RouterQueue:
 
     def position_of_new(self, request: ScheduleInput, now_s: float) -> int:
         """Where ``request`` would enter if it were queued now (for the ``Schedule`` dry run)."""
+        if not self._order.keys:
+            return 0  # (first whatever its key)
         probe = self._entry(request, now_s, self._seq)
         return self._order.rank((*self._order_key(probe), request.request_id))
 

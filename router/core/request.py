@@ -49,6 +49,9 @@ class StageRestriction(str, enum.Enum):
 
 # --------------------------------------------------------------------------- request and decision
 
+_INF = float("inf")
+_set_attr = object.__setattr__
+
 
 @dataclass(frozen=True)
 class ScheduleInput:
@@ -87,16 +90,64 @@ class ScheduleInput:
     #: When the request reached the router (s, the scheduler's clock); None = unknown.
     arrival_s: float | None = None
 
+    def __init__(
+        self,
+        request_id: str,
+        prompt_tokens: int,
+        ttft_slo_ms: float = 0.0,
+        tpot_slo_ms: float = 0.0,
+        model: str = "",
+        exclude_instance_ids: frozenset[str] = frozenset(),
+        stages: StageRestriction = StageRestriction.ALL,
+        e2e_slo_ms: float = 0.0,
+        expected_output_tokens: int = 0,
+        max_tokens: int = 0,
+        priority: int = 0,
+        slo_class: str = "",
+        arrival_s: float | None = None,
+    ) -> None:
+        # Written out (the dataclass keeps it): one dict instead of 13 frozen attribute sets, for an
+        # object built once per decision. The fields and defaults are the dataclass's (tested).
+        _set_attr(
+            self,
+            "__dict__",
+            {
+                "request_id": request_id,
+                "prompt_tokens": prompt_tokens,
+                "ttft_slo_ms": ttft_slo_ms,
+                "tpot_slo_ms": tpot_slo_ms,
+                "model": model,
+                "exclude_instance_ids": exclude_instance_ids,
+                "stages": stages,
+                "e2e_slo_ms": e2e_slo_ms,
+                "expected_output_tokens": expected_output_tokens,
+                "max_tokens": max_tokens,
+                "priority": priority,
+                "slo_class": slo_class,
+                "arrival_s": arrival_s,
+            },
+        )
+        self.__post_init__()
+
     def __post_init__(self) -> None:
+        # One comparison per field when all is well (built once per decision); the loops name the culprit.
         if self.prompt_tokens < 0:
             raise InvalidRequestError(f"prompt_tokens must be >= 0, got {self.prompt_tokens}")
-        for count in ("expected_output_tokens", "max_tokens"):
-            if getattr(self, count) < 0:
-                raise InvalidRequestError(f"{count} must be >= 0 (0 = unknown), got {getattr(self, count)}")
-        for name in ("ttft_slo_ms", "tpot_slo_ms", "e2e_slo_ms"):
-            value = getattr(self, name)
-            if not (value >= 0 and value != float("inf")):
-                raise InvalidRequestError(f"{name} must be finite and >= 0 (0 = router default), got {value}")
+        if self.expected_output_tokens < 0 or self.max_tokens < 0:
+            for count in ("expected_output_tokens", "max_tokens"):
+                if getattr(self, count) < 0:
+                    raise InvalidRequestError(
+                        f"{count} must be >= 0 (0 = unknown), got {getattr(self, count)}"
+                    )
+        if not (
+            0 <= self.ttft_slo_ms < _INF and 0 <= self.tpot_slo_ms < _INF and 0 <= self.e2e_slo_ms < _INF
+        ):
+            for name in ("ttft_slo_ms", "tpot_slo_ms", "e2e_slo_ms"):
+                value = getattr(self, name)
+                if not (value >= 0 and value != _INF):
+                    raise InvalidRequestError(
+                        f"{name} must be finite and >= 0 (0 = router default), got {value}"
+                    )
 
     @property
     def output_tokens_estimate(self) -> int:

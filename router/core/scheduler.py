@@ -35,7 +35,7 @@ from router.core.policies import build_policy
 from router.core.predictors import PredictorSet
 from router.core.registry import METRICS
 from router.core.request import ScheduleInput, Targets, resolve_targets
-from router.core.rng import ForkOnFirstDraw
+from router.core.rng import dry_run_random
 from router.core.view import ViewBuilder
 
 logger = logging.getLogger(__name__)
@@ -47,7 +47,9 @@ class Scheduler:
     ``predictors`` is one :class:`~predictor.LatencyPredictor`, a
     :class:`~router.core.predictors.PredictorSet` (heterogeneous fleets), or
     ``None`` (then predictions are NaN: fine for load-based policies only).
-    ``rng`` is the only source of randomness. ``inflight`` and ``policy``
+    ``rng`` is the only source of randomness (a :class:`~router.core.rng.PeekableRandom`
+    makes dry runs cheaper: they read its next draws instead of copying its
+    state). ``inflight`` and ``policy``
     default to a fresh account and to the policy ``config`` names.
     """
 
@@ -157,7 +159,7 @@ class Scheduler:
             ctx.commit()
         else:
             # Same draws as a real decision would see, without consuming them.
-            ctx = self.context(view, request, now_s, targets, rng=ForkOnFirstDraw(self.rng))
+            ctx = self.context(view, request, now_s, targets, rng=dry_run_random(self.rng))
             decision = chain.run(self.policy, ctx, now_s)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(

@@ -83,6 +83,28 @@ def _best_ties(v: FloatArray, candidates: IntArray, highest: bool = False) -> In
     return ties
 
 
+def _ties(ctx: DecisionContext, metric: str, candidates: IntArray, highest: bool) -> IntArray:
+    """:func:`_best_ties` of ``metric`` at ``candidates``, kept for the next decision over the same arrays.
+
+    A load-scoped column and the stage's survivors are often the very same array
+    objects in the next decision (nothing changed in between). Metric columns are
+    never modified (the :class:`~router.core.plugins.Metric` contract) and shared
+    survivors are read-only, so the same objects give the same ties.
+    """
+    column = ctx.metric(metric)
+    if candidates.flags.writeable:  # (survivors of this decision only)
+        return _best_ties(column[candidates], candidates, highest)
+    memo = ctx.view.instances.memo
+    key = ("ties", metric, highest)
+    found: tuple[FloatArray, IntArray, IntArray] | None = memo.get(key)
+    if found is not None and found[0] is column and found[1] is candidates:
+        return found[2]
+    ties = _best_ties(column[candidates], candidates, highest)
+    ties.setflags(write=False)
+    memo[key] = (column, candidates, ties)
+    return ties
+
+
 def pick_lowest(ctx: DecisionContext, candidates: IntArray, keys: tuple[SortKey, ...], top_k: int = 1) -> int:
     """The lexicographic best of ``candidates`` (RNG among ties), or uniform among the ``top_k`` best."""
     if len(candidates) == 1:
@@ -90,7 +112,7 @@ def pick_lowest(ctx: DecisionContext, candidates: IntArray, keys: tuple[SortKey,
     if top_k <= 1:
         ties = candidates
         for key in keys:  # narrow to the ties of each key in turn
-            ties = _best_ties(ctx.metric(key.metric)[ties], ties, key.highest)
+            ties = _ties(ctx, key.metric, ties, key.highest)
             if len(ties) == 1:
                 return int(ties[0])
         return int(ties[ctx.rng.randrange(len(ties))])

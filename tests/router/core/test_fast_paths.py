@@ -18,9 +18,10 @@ from hypothesis import strategies as st
 from router.core.columns import INFLIGHT_ALL, ClusterView
 from router.core.decision import Choice, Decision
 from router.core.inflight import InflightAccount
-from router.core.request import Stage
+from router.core.request import ScheduleInput, Stage
 from router.core.scheduler import Scheduler
 from router.core.selectors import _best_ties
+from router.placement import PlacementRequest
 from tests.router.core.helpers import NOW, inst, make_predictor, make_request, make_scheduler, make_snapshot
 
 PROPS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -143,7 +144,7 @@ def test_highest_ties_are_the_lowest_ties_of_the_negation(values) -> None:  # ty
 
 
 def test_hand_written_inits_match_the_dataclass_fields() -> None:
-    for cls in (Choice, Decision, ClusterView):
+    for cls in (Choice, Decision, ClusterView, ScheduleInput, PlacementRequest):
         params = list(inspect.signature(cls.__init__).parameters.values())[1:]
         fields = [f for f in dataclasses.fields(cls) if f.init]
         assert [p.name for p in params] == [f.name for f in fields], cls
@@ -160,9 +161,14 @@ def test_hand_written_inits_match_the_dataclass_fields() -> None:
 
 
 @PROPS
-@given(st.integers(0, 2**31), st.sampled_from([False, True]))
-def test_decisions_on_a_loaded_fleet_match_a_scheduler_without_caches(seed, adaptive) -> None:  # type: ignore[no-untyped-def]
-    """Decisions with every cache warm equal decisions recomputed from scratch, step by step."""
+@given(st.integers(0, 2**31), st.sampled_from(["slo", "adaptive-pd", "load-balance", "least-requests"]))
+def test_decisions_on_a_loaded_fleet_match_a_scheduler_without_caches(seed, policy) -> None:  # type: ignore[no-untyped-def]
+    """Decisions with every cache warm equal decisions recomputed from scratch, step by step.
+
+    (Including what is kept across decisions: the survivors of the per-snapshot masks and a
+    lowest selector's ties while its load-scoped column stays the same.)
+    """
+    adaptive = policy == "adaptive-pd"
     rng = random.Random(seed)
     snap = make_snapshot(
         *(
@@ -178,7 +184,7 @@ def test_decisions_on_a_loaded_fleet_match_a_scheduler_without_caches(seed, adap
             for k in range(6)
         )
     )
-    warm = make_scheduler("slo", enable_adaptive_pd=adaptive, seed=seed)
+    warm = make_scheduler("slo" if adaptive else policy, enable_adaptive_pd=adaptive, seed=seed)
     now = NOW
     for k in range(12):
         request = make_request(f"r{k}", prompt_tokens=rng.randint(1, 2000))
@@ -187,6 +193,8 @@ def test_decisions_on_a_loaded_fleet_match_a_scheduler_without_caches(seed, adap
         if adaptive:
             cold.policy.hooks[0].reserved = dict(warm.policy.hooks[0].reserved)  # type: ignore[attr-defined]
         expected = cold.schedule(snap, request, now, dry_run=True)
+        # A dry run first: the real decision then finds what it kept (same snapshot, same load).
+        assert warm.schedule(snap, request, now, dry_run=True).instance_ids == expected.instance_ids
         decision = warm.schedule(snap, request, now)
         assert decision.instance_ids == expected.instance_ids
         assert decision.prefill == expected.prefill and decision.decode == expected.decode

@@ -6,6 +6,7 @@ import pytest
 
 from router.core.errors import EmptyClusterError, NoInstanceError
 from router.core.request import Mode, Stage, StageRestriction
+from router.core.rng import PeekableRandom
 from tests.router.core.helpers import NOW, inst, make_request, make_scheduler, make_snapshot
 
 PD_FLEET = make_snapshot(
@@ -236,9 +237,12 @@ def test_baselines_respect_schedulability_staleness_and_failover(policy: str) ->
 # ----------------------------------------------------------------------------- determinism and dry runs
 
 
-def test_dry_run_makes_the_same_decision_without_consuming_randomness() -> None:
+@pytest.mark.parametrize("peekable", [False, True])
+def test_dry_run_makes_the_same_decision_without_consuming_randomness(peekable: bool) -> None:
     snap = make_snapshot(inst("a"), inst("b"), inst("c"))  # all tied: the RNG decides
     s = make_scheduler("slo", seed=3)
+    if peekable:
+        s.rng = PeekableRandom(3)
     dry = [s.schedule(snap, make_request(f"r{k}"), NOW, dry_run=True).instance_ids for k in range(3)]
     assert len(set(dry)) == 1
     real = s.schedule(snap, make_request("r9"), NOW).instance_ids

@@ -17,6 +17,7 @@ from router.core.packing import prefill_room_mask
 from router.core.plugins import GlobalFilter
 from router.core.registry import FILTERS, Params
 from router.core.request import ScheduleInput
+from router.core.rng import PeekableRandom
 from router.core.scheduler import Scheduler
 from tests.router.core.helpers import NOW, inst, make_predictor, make_snapshot
 
@@ -77,9 +78,15 @@ policies = st.sampled_from(
 
 
 def scheduler(
-    config: dict[str, Any], snap: ClusterSnapshot, ops: list[tuple[int, int, int, bool]], seed: int = 0
+    config: dict[str, Any],
+    snap: ClusterSnapshot,
+    ops: list[tuple[int, int, int, bool]],
+    seed: int = 0,
+    *,
+    peekable: bool = False,
 ) -> Scheduler:
-    s = Scheduler(SchedulerConfig(**config), LP, random.Random(seed))
+    rng = PeekableRandom(seed) if peekable else random.Random(seed)
+    s = Scheduler(SchedulerConfig(**config), LP, rng)
     n = len(snap.instances)
     for k, (a, b, tokens, pd) in enumerate(ops):
         ida, idb = f"i{a % n}", f"i{b % n}"
@@ -181,11 +188,15 @@ def test_decisions_are_deterministic_for_a_fixed_seed(snap, reqs, ops, config, s
 
 
 @PROPS
-@given(fleets(), requests, inflight_ops, policies)
-def test_dry_run_predicts_the_real_decision(snap, request, ops, config) -> None:  # type: ignore[no-untyped-def]
-    s = scheduler(config, snap, ops, seed=4)
+@given(fleets(), requests, inflight_ops, policies, st.booleans())
+def test_dry_run_predicts_the_real_decision(snap, request, ops, config, peekable) -> None:  # type: ignore[no-untyped-def]
+    # Both random sources: a copy of a plain Random's state, and a PeekableRandom read ahead.
+    s = scheduler(config, snap, ops, seed=4, peekable=peekable)
     dry = try_schedule_dry(s, snap, request)
+    again = try_schedule_dry(s, snap, request)
     real = try_schedule(s, snap, request)
+    if isinstance(dry, Decision):
+        assert isinstance(again, Decision) and dry.instance_ids == again.instance_ids
     if isinstance(dry, Decision):
         assert isinstance(real, Decision) and dry.instance_ids == real.instance_ids
     else:
