@@ -128,6 +128,43 @@ def _worker_requests(stub: Any) -> OneRequest:
     return one
 
 
+def _streams_requests(connection: Any) -> OneRequest:
+    """Requests as legs of one ``Worker.Streams`` call (:class:`router.mux.MuxConnection`), as the router sends them."""
+    from slorouter.v1 import common_pb2, worker_pb2
+
+    sampling = common_pb2.SamplingParams(max_tokens=OUTPUT_TOKENS, ignore_eos=True)
+
+    async def one(i: int) -> tuple[int, float]:
+        start = time.perf_counter()
+        ttft = 0.0
+        n = 0
+        leg = connection.start(
+            worker_pb2.WorkerGenerateRequest(
+                request_id=f"streams-{i}", prompt_token_ids=_prompt(i), sampling=sampling
+            )
+        )
+        try:
+            while True:
+                await leg.ready.wait()
+                message = leg.take()
+                if message is None:
+                    if leg.error is not None:
+                        raise RuntimeError(f"leg {i} failed: {leg.error}")
+                    leg.ready.clear()
+                    continue
+                if not leg.finished:
+                    leg.ready.clear()
+                if n == 0:
+                    ttft = time.perf_counter() - start
+                n += len(message.token_ids)
+                if message.finished:
+                    return n, ttft
+        finally:
+            connection.release(leg)
+
+    return one
+
+
 async def _compare(model: Path, log_dir: Path) -> None:
     """Both halves, in the vLLM environment: start both engines, then alternate the measurements."""
     import grpc
