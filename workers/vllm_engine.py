@@ -633,8 +633,8 @@ class _Vllm:
 def _import_vllm() -> _Vllm:
     try:
         from vllm import SamplingParams
+        from vllm import envs as vllm_envs
         from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.envs import enable_envs_cache
         from vllm.exceptions import VLLMClientError
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
@@ -653,7 +653,8 @@ def _import_vllm() -> _Vllm:
         RequestOutputKind=RequestOutputKind,
         TokensPrompt=TokensPrompt,
         PrometheusStatLogger=PrometheusStatLogger,
-        enable_envs_cache=enable_envs_cache,
+        # Newer than some vLLM releases; without it the frontend reads the environment each time.
+        enable_envs_cache=getattr(vllm_envs, "enable_envs_cache", lambda: None),
         VLLMClientError=VLLMClientError,
         EngineDeadError=EngineDeadError,
         EngineGenerateError=EngineGenerateError,
