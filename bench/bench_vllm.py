@@ -17,8 +17,9 @@ Both engines start together and the sides take turns, three rounds, best
 round kept: other load on the machine then hits all sides alike. Each
 measurement starts :data:`IDLE_PAUSE_S` after the previous one: vLLM's model
 process keeps polling for work at full speed for a second after its last
-step (its shared-memory queue's busy loop), and both engines' model
-processes are bound to the same core, so without the pause a side would run
+step (its shared-memory queue's busy loop), and vLLM's CPU thread binding
+puts both engines' model processes on the same core (on a 2-core host: core
+0, core 1 is left to the frontends), so without the pause a side would run
 next to the other engine's poller.
 
 ``make bench`` runs :func:`main` in the main environment; the measuring
@@ -220,7 +221,7 @@ async def _compare(model: Path, log_dir: Path) -> None:
                 for concurrency, per_stream in WORKLOAD:
                     for side, one in sides.items():
                         # vLLM's model process polls for work for a second after its last
-                        # step, on the core both engines' model processes are bound to:
+                        # step, on the core both engines' model processes may be bound to:
                         # let the side that ran last go idle first.
                         await asyncio.sleep(IDLE_PAUSE_S)
                         figures = await _measure(one, concurrency, per_stream, index)
