@@ -4,14 +4,23 @@ Both sides run the same tiny random model (:mod:`workers.vllm_tiny_model`)
 with the same engine settings and the same workload: ``C`` concurrent
 streams, each running requests of a 64-token prompt and 128 output tokens
 (``ignore_eos``). "direct" calls ``AsyncLLM.generate`` in this process
-(token-id prompts, delta outputs); "worker" is ``slo-router worker --engine
-vllm`` in a subprocess, driven over gRPC from this process. The ratio
-worker/direct is what the wrapper (engine adapter, gRPC service and client)
-costs; on a small CPU host the client shares the cores with the engine, so
-the ratio includes its CPU time.
+(token-id prompts, delta outputs); the worker is ``slo-router worker --engine
+vllm`` in a subprocess, driven over gRPC from this process in two ways: as
+legs of one ``Worker.Streams`` call (:class:`router.mux.MuxConnection`, the
+path the router uses by default; one message per engine step for all legs)
+and with one ``Generate`` call per request (one message per request and
+step, what any other client uses). A ratio worker/direct is what the wrapper
+(engine adapter, gRPC service and client) costs; on a small CPU host the
+client shares the cores with the engine, so the ratio includes its CPU time.
 
-Both engines start together and the two sides take turns, two rounds, best
-round kept: other load on the machine then hits both sides alike.
+Both engines start together and the sides take turns, three rounds, best
+round kept: other load on the machine then hits all sides alike. Each
+measurement starts :data:`IDLE_PAUSE_S` after the previous one: vLLM's model
+process keeps polling for work at full speed for a second after its last
+step (its shared-memory queue's busy loop), and vLLM's CPU thread binding
+puts both engines' model processes on the same core (on a 2-core host: core
+0, core 1 is left to the frontends), so without the pause a side would run
+next to the other engine's poller.
 
 ``make bench`` runs :func:`main` in the main environment; the measuring
 itself runs in the vLLM environment (``.venv-vllm``, ``make vllm-venv``).
@@ -40,7 +49,9 @@ from bench.figures import Figure
 FIGURES_PREFIX = "bench-vllm-figures: "
 #: (concurrent streams, requests per stream)
 WORKLOAD: tuple[tuple[int, int], ...] = ((1, 4), (16, 2), (64, 1))
-ROUNDS = 2
+ROUNDS = 3
+#: Seconds between two measurements (see _compare).
+IDLE_PAUSE_S = 1.5
 PROMPT_TOKENS = 64
 OUTPUT_TOKENS = 128
 MAX_MODEL_LEN = 1024
@@ -128,11 +139,49 @@ def _worker_requests(stub: Any) -> OneRequest:
     return one
 
 
+def _streams_requests(connection: Any) -> OneRequest:
+    """Requests as legs of one ``Worker.Streams`` call (:class:`router.mux.MuxConnection`), as the router sends them."""
+    from slorouter.v1 import common_pb2, worker_pb2
+
+    sampling = common_pb2.SamplingParams(max_tokens=OUTPUT_TOKENS, ignore_eos=True)
+
+    async def one(i: int) -> tuple[int, float]:
+        start = time.perf_counter()
+        ttft = 0.0
+        n = 0
+        leg = connection.start(
+            worker_pb2.WorkerGenerateRequest(
+                request_id=f"streams-{i}", prompt_token_ids=_prompt(i), sampling=sampling
+            )
+        )
+        try:
+            while True:
+                await leg.ready.wait()
+                message = leg.take()
+                if message is None:
+                    if leg.error is not None:
+                        raise RuntimeError(f"leg {i} failed: {leg.error}")
+                    leg.ready.clear()
+                    continue
+                if not leg.finished:
+                    leg.ready.clear()
+                if n == 0:
+                    ttft = time.perf_counter() - start
+                n += len(message.token_ids)
+                if message.finished:
+                    return n, ttft
+        finally:
+            connection.release(leg)
+
+    return one
+
+
 async def _compare(model: Path, log_dir: Path) -> None:
     """Both halves, in the vLLM environment: start both engines, then alternate the measurements."""
     import grpc
     from slorouter.v1 import worker_pb2_grpc
 
+    from router.mux import MuxConnection
     from workers import vllm_env
     from workers.vllm_process import VllmWorkerProcess
 
@@ -156,9 +205,13 @@ async def _compare(model: Path, log_dir: Path) -> None:
         address = await asyncio.to_thread(worker.wait_ready)
         print(f"both engines ready after {time.perf_counter() - started:.0f} s", flush=True)
         async with grpc.aio.insecure_channel(address) as channel:
-            sides = {
+            stub = worker_pb2_grpc.WorkerStub(channel)
+            mux = MuxConnection(channel, stub, address, lambda _: None)
+            await mux.opened
+            sides: dict[str, OneRequest] = {
                 "direct": _direct_requests(llm),
-                "worker": _worker_requests(worker_pb2_grpc.WorkerStub(channel)),
+                "streams": _streams_requests(mux),
+                "generate": _worker_requests(stub),
             }
             for one in sides.values():
                 await one(10**6)  # warm-up
@@ -167,11 +220,16 @@ async def _compare(model: Path, log_dir: Path) -> None:
             for _ in range(ROUNDS):
                 for concurrency, per_stream in WORKLOAD:
                     for side, one in sides.items():
+                        # vLLM's model process polls for work for a second after its last
+                        # step, on the core both engines' model processes may be bound to:
+                        # let the side that ran last go idle first.
+                        await asyncio.sleep(IDLE_PAUSE_S)
                         figures = await _measure(one, concurrency, per_stream, index)
                         index += concurrency * per_stream
                         key = (side, concurrency)
                         if key not in best or figures.tokens_per_s > best[key].tokens_per_s:
                             best[key] = figures
+            await mux.close()
     finally:
         worker.terminate()  # both shut down at once
         if llm is not None:
@@ -179,21 +237,23 @@ async def _compare(model: Path, log_dir: Path) -> None:
         worker.stop()
     print(
         f"workload: {PROMPT_TOKENS}-token prompts, {OUTPUT_TOKENS} output tokens, tiny Llama (float32, "
-        f"eager, max_num_seqs {MAX_NUM_SEQS}); best of {ROUNDS} alternating rounds"
+        f"eager, max_num_seqs {MAX_NUM_SEQS}); best of {ROUNDS} alternating rounds; worker via "
+        "Worker.Streams (the router's path) and via Generate (one call per request)"
     )
     print(
         f"{'streams':>7} {'requests':>8} | {'direct tok/s':>12} {'TTFT p50':>9} | "
-        f"{'worker tok/s':>12} {'TTFT p50':>9} | {'worker/direct':>13}"
+        f"{'Streams tok/s':>13} {'TTFT p50':>9} {'ratio':>5} | {'Generate tok/s':>14} {'TTFT p50':>9} {'ratio':>5}"
     )
-    ratios = {}
+    ratios: dict[str, dict[int, float]] = {"streams": {}, "generate": {}}
     for concurrency, _ in WORKLOAD:
-        d, w = best[("direct", concurrency)], best[("worker", concurrency)]
-        ratio = w.tokens_per_s / d.tokens_per_s if d.tokens_per_s else float("nan")
-        ratios[concurrency] = round(ratio, 2)
-        print(
-            f"{concurrency:>7} {d.requests:>8} | {d.tokens_per_s:>12.0f} {d.ttft_p50_ms:>7.1f}ms | "
-            f"{w.tokens_per_s:>12.0f} {w.ttft_p50_ms:>7.1f}ms | {ratio:>13.2f}"
-        )
+        d = best[("direct", concurrency)]
+        row = f"{concurrency:>7} {d.requests:>8} | {d.tokens_per_s:>12.0f} {d.ttft_p50_ms:>7.1f}ms"
+        for side, width in (("streams", 13), ("generate", 14)):
+            w = best[(side, concurrency)]
+            ratio = w.tokens_per_s / d.tokens_per_s if d.tokens_per_s else float("nan")
+            ratios[side][concurrency] = round(ratio, 2)
+            row += f" | {w.tokens_per_s:>{width}.0f} {w.ttft_p50_ms:>7.1f}ms {ratio:>5.2f}"
+        print(row)
     # For the parent process (make bench), which writes the README row.
     print(FIGURES_PREFIX + json.dumps(ratios))
 
@@ -244,8 +304,13 @@ def main() -> list[Figure]:
         found = [line for line in proc.stdout.splitlines() if line.startswith(FIGURES_PREFIX)]
         if not found:
             return [Figure(what, "not measured: no figures in the benchmark's output")]
+        print(f"load average after: {os.getloadavg()[0]:.1f}")
         ratios = json.loads(found[-1].removeprefix(FIGURES_PREFIX))
-        return [Figure(what, "ratio " + " / ".join(f"{ratios[str(c)]:.2f}" for c, _ in WORKLOAD))]
+        text = "; ".join(
+            f"ratio {' / '.join(f'{ratios[side][str(c)]:.2f}' for c, _ in WORKLOAD)} ({label})"
+            for side, label in (("streams", "`Worker.Streams`"), ("generate", "`Generate`"))
+        )
+        return [Figure(what, text)]
 
 
 if __name__ == "__main__":

@@ -177,7 +177,9 @@ class VllmEngineConfig:
         # The per-step details (computed prompt tokens, decode batch, step time)
         # feed the step samples; without them only running/waiting/KV arrive.
         kwargs["enable_logging_iteration_details"] = True
-        kwargs["disable_log_stats"] = False
+        # vLLM's default stat loggers off: the engine start passes its own
+        # (see _stat_loggers), which keeps the engine's statistics on.
+        kwargs["disable_log_stats"] = True
         return kwargs
 
 
@@ -331,14 +333,18 @@ class VllmEngine:
         self._started = True
         vllm_env.apply_defaults()
         self._vllm = _import_vllm()
-        _silence_per_step_logs()
         engine_args = self._vllm.AsyncEngineArgs(**self._config.engine_kwargs())
-        stat_logger = _stat_logger_factory(self._vllm.StatLoggerBase, self._on_step)
         # Building the engine blocks for the whole model load (15-25 s on a
         # small CPU host); keep the event loop free meanwhile.
         self._llm = await asyncio.to_thread(
-            self._vllm.AsyncLLM.from_engine_args, engine_args, stat_loggers=[stat_logger]
+            self._vllm.AsyncLLM.from_engine_args,
+            engine_args,
+            stat_loggers=_stat_loggers(self._vllm, self._on_step),
         )
+        # vLLM reads its environment variables on every access (a getenv per
+        # output token) until this is called; its engine processes call it
+        # once they are up, its frontend does not. Nothing changes them later.
+        self._vllm.enable_envs_cache()
         vllm_config = self._llm.vllm_config
         cache = vllm_config.cache_config
         block_size = int(cache.block_size or 0)
@@ -617,7 +623,8 @@ class _Vllm:
     SamplingParams: Any
     RequestOutputKind: Any
     TokensPrompt: Any
-    StatLoggerBase: Any
+    PrometheusStatLogger: Any
+    enable_envs_cache: Callable[[], None]
     VLLMClientError: Any
     EngineDeadError: Any
     EngineGenerateError: Any
@@ -626,13 +633,14 @@ class _Vllm:
 def _import_vllm() -> _Vllm:
     try:
         from vllm import SamplingParams
+        from vllm import envs as vllm_envs
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.exceptions import VLLMClientError
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
         from vllm.v1.engine.async_llm import AsyncLLM
         from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
-        from vllm.v1.metrics.loggers import StatLoggerBase
+        from vllm.v1.metrics.loggers import PrometheusStatLogger
     except ImportError as e:
         raise EngineError(
             f"the vllm engine needs vLLM in this Python environment ({e}); install the 'vllm' extra "
@@ -644,27 +652,13 @@ def _import_vllm() -> _Vllm:
         SamplingParams=SamplingParams,
         RequestOutputKind=RequestOutputKind,
         TokensPrompt=TokensPrompt,
-        StatLoggerBase=StatLoggerBase,
+        PrometheusStatLogger=PrometheusStatLogger,
+        # Newer than some vLLM releases; without it the frontend reads the environment each time.
+        enable_envs_cache=getattr(vllm_envs, "enable_envs_cache", lambda: None),
         VLLMClientError=VLLMClientError,
         EngineDeadError=EngineDeadError,
         EngineGenerateError=EngineGenerateError,
     )
-
-
-class _DropIterationDetails(logging.Filter):
-    """Drops the INFO line vLLM's default stat logger writes for every engine step."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return record.funcName != "_log_iteration_details"
-
-
-def _silence_per_step_logs() -> None:
-    # Iteration details are switched on for the step samples, and vLLM's default
-    # logging stat logger then logs each step. A filter, unlike a level, survives
-    # vLLM re-applying its logging config while it builds the engine config.
-    stat_log = logging.getLogger("vllm.v1.metrics.loggers")
-    if not any(isinstance(f, _DropIterationDetails) for f in stat_log.filters):
-        stat_log.addFilter(_DropIterationDetails())
 
 
 def step_stats_from_vllm(scheduler_stats: Any) -> StepStats:
@@ -682,16 +676,29 @@ def step_stats_from_vllm(scheduler_stats: Any) -> StepStats:
     )
 
 
-def _stat_logger_factory(base: Any, on_step: Callable[[StepStats], None]) -> Callable[..., Any]:
-    """A per-engine stat-logger factory for ``AsyncLLM.from_engine_args(stat_loggers=[...])``.
+def _stat_loggers(vllm: _Vllm, on_step: Callable[[StepStats], None]) -> list[Any]:
+    """The stat loggers for ``AsyncLLM.from_engine_args(stat_loggers=...)``: one, feeding ``on_step``.
 
-    vLLM calls the logger's ``record`` from its output-handler task on the
-    event loop, once per engine step, after that step's outputs were queued.
+    vLLM calls ``record`` from its output-handler task on the event loop, once
+    per engine step, after that step's outputs were queued.
+
+    The engine runs with ``disable_log_stats`` (see
+    :meth:`VllmEngineConfig.engine_kwargs`), so vLLM adds none of its default
+    loggers but this one's presence keeps the engine's statistics on. Of the
+    defaults, the logging one would only log each step (the iteration details
+    this listener needs; its periodic summary needs an API server calling
+    ``do_log_stats``), and the Prometheus one fills metrics in this process's
+    default registry that nothing serves (the worker exports its own, see
+    :mod:`workers.telemetry` and :mod:`workers.http_face`). vLLM adds the
+    Prometheus logger unless a given logger is one; this listener is one by
+    class, without building any metric. Both cost the frontend per step and
+    per token, on the cores the engine needs.
     """
 
-    class _StepListener(base):  # type: ignore[misc]
-        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
-            self.engine_index = engine_index
+    class _StepListener(vllm.PrometheusStatLogger):  # type: ignore[misc,name-defined]
+        def __init__(self, vllm_config: Any, engine_indexes: list[int] | None = None) -> None:
+            # Deliberately not PrometheusStatLogger.__init__: no metrics are built.
+            self.engine_indexes = engine_indexes or [0]
 
         def record(
             self,
@@ -709,13 +716,19 @@ def _stat_logger_factory(base: Any, on_step: Callable[[StepStats], None]) -> Cal
                 return
             on_step(stats)
 
+        def record_sleep_state(self, sleep: int = 0, level: int = 0) -> None:
+            pass
+
+        def record_admission_rejection(self, reason: str) -> None:
+            pass
+
         def log_engine_initialized(self) -> None:
             pass
 
-    def factory(vllm_config: Any, engine_index: int = 0) -> Any:
-        return _StepListener(vllm_config, engine_index)
+        def log(self) -> None:
+            pass
 
-    return factory
+    return [_StepListener]
 
 
 # ---------------------------------------------------------------------- backend registry entry

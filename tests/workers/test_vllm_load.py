@@ -259,6 +259,8 @@ def test_flags_build_engine_args_and_kv_role_follows_the_worker_role() -> None:
     assert (kwargs["seed"], kwargs["block_size"], kwargs["tokenizer_mode"]) == (7, 128, "slow")
     assert kwargs["kv_transfer_config"]["kv_role"] == "kv_consumer"
     assert kwargs["enable_logging_iteration_details"] is True
+    # vLLM's default stat loggers are off; the engine passes its own step listener instead.
+    assert kwargs["disable_log_stats"] is True
     assert parse("--model", "m", "--kv-connector", "X", role="prefill").kv_connector == "X"
     assert (
         config_from_args(parse("--model", "m", "--kv-connector", "X", role="prefill")).kv_role

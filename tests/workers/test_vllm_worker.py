@@ -153,6 +153,8 @@ async def test_generate_streams_exactly_max_tokens(cluster: Cluster) -> None:
             client.stub.Generate(generate_request("gen-3", text=result.text, max_tokens=3))
         )
     assert len(by_text.tokens) == 3
+    # The engine's steps feed the load (see the status test) without a log line each.
+    assert "Iteration(" not in cluster.decode.log_path.read_text(errors="replace")
 
 
 async def test_streams_serves_many_legs_on_one_call_with_the_same_tokens(cluster: Cluster) -> None:
