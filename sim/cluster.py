@@ -1011,6 +1011,8 @@ class _Simulation:
 
     def _dispatch(self, idx: int, r: _Req, plan: RequestPlan, decision: Decision, now: float) -> None:
         assert decision.prefill is not None and decision.decode is not None
+        # The simulator keeps its own in-flight columns (no Scheduler.record): the hooks hear here.
+        self.scheduler.dispatched(decision, now)
         index = self.fleet.index
         p = r.prefill = index[decision.prefill.instance_id]
         d = r.decode = index[decision.decode.instance_id]
