@@ -22,6 +22,9 @@ kv_growth_tokens           tokens the resident decode requests will still add to
                            the KV (see below)
 kv_peak_projected          (S.used_kv + S.uncomputed_prefill + L tokens                decision
                            + kv_growth_tokens + p + out) / kv_capacity_tokens
+kv_life_tokens             the KV peak (tokens) over the life of the instance's        load
+                           requests, exact from each leg's progress (see "KV peak")
+kv_peak_exact              (kv_life_tokens + p + out) / kv_capacity_tokens             decision
 decode_tokens_horizon      S.decode_tokens + L decode tokens + γ·kv_growth_tokens      load
 predicted_tpot_horizon     predict_tpot_ms(n + 1, decode_tokens_horizon + p + γ·out)   decision
 predicted_tpot_residents   0 where n = 0, else predicted_tpot + prefill_stall_ms /     decision
@@ -44,6 +47,22 @@ which sums per-request footprint vectors over future iterations: the sum here
 is the value of that vector at the worst iteration when every request is
 still alive (all finishing together), an upper bound of its peak that needs
 no per-request state from the statuses.
+
+KV peak (adaptive PD). When the view carries every resident leg's progress
+(:class:`~router.core.columns.ResidentLegs`: the router's account updates each
+leg's context as it forwards the tokens, the simulator reads its engines),
+``kv_life_tokens`` is the peak exact for expected lengths: with K =
+S.used_kv + S.uncomputed_prefill + L tokens, the part of it the legs do not
+hold stays, each decode request the legs do not cover adds ``o`` and stays,
+the legs that decode already add their :func:`kv_peak_tokens`, and the legs
+not started yet and the new request (whose decoding starts after their
+prefill and KV transfer, a delay nobody knows) add their final length each.
+Without the legs (peer router processes publish only sums): K +
+kv_growth_tokens, every resident at its final length at once, which is never
+below the exact peak. Only adaptive PD holds decode to ``kv_peak_exact``:
+``slo`` and ``binpack`` keep ``kv_peak_projected`` (``slo`` drops it in its
+fallback pass, where the slack of the sums is what kept those placements from
+preempting; README, adaptive PD in overload).
 
 Horizon. Aladdin bounds ``Σ(l_in + γ·l_out)`` by the context the TPOT target
 allows at the batch size; with the same sums, each resident request is taken
@@ -73,7 +92,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from router.core.columns import BoolArray, FloatArray, InstanceTable
+from router.core.columns import BoolArray, FloatArray, InstanceTable, IntArray
 from router.core.config import SchedulerConfig
 from router.core.plugins import DecisionContext, Metric, MetricScope
 from router.core.registry import METRICS, Params
@@ -190,6 +209,41 @@ def _kv_growth_tokens(ctx: DecisionContext, config: SchedulerConfig) -> FloatArr
     return growth
 
 
+def kv_peak_tokens(n: int, instance: IntArray, context: FloatArray, remaining: FloatArray) -> FloatArray:
+    """Per instance, the peak over the legs' life of ``Σ_{i alive k steps ahead} (context_i + k)``.
+
+    Each leg ``i`` (on view index ``instance[i]``) holds ``context_i`` tokens
+    now, adds one per decode step and leaves after ``remaining_i`` more steps
+    (it still holds ``context_i + remaining_i`` at step ``remaining_i``). The
+    sum grows between two finishing points and drops at each, so its peak is
+    at a finishing point ``k = remaining_j``, where the legs alive are those
+    with ``remaining ≥ remaining_j``: with the legs of an instance sorted by
+    ``remaining`` (descending), the value at the m-th is the sum of the first
+    m contexts + m·remaining_m (ties: the last of equal ``remaining`` counts
+    them all). O(L log L) over all L legs, in a few array passes; 0 for an
+    instance without legs.
+    """
+    peak = np.zeros(n)
+    if len(instance) == 0:
+        return peak
+    order = np.lexsort((-remaining, instance))
+    legs = instance[order]
+    csum = np.cumsum(context[order])
+    starts = np.flatnonzero(np.concatenate(([True], legs[1:] != legs[:-1])))
+    lengths = np.diff(np.append(starts, len(legs)))
+    before = np.concatenate(([0.0], csum))[starts]
+    rank = np.arange(1, len(legs) + 1) - np.repeat(starts, lengths)
+    value = csum - np.repeat(before, lengths) + rank * remaining[order]
+    peak[legs[starts]] = np.maximum.reduceat(value, starts)
+    return peak
+
+
+def kv_all_alive_tokens(n: int, instance: IntArray, context: FloatArray, remaining: FloatArray) -> FloatArray:
+    """Per instance, ``Σ (context_i + remaining_i)``: every leg at its final length at once (≥ the peak)."""
+    total: FloatArray = np.bincount(instance, weights=context + remaining, minlength=n).astype(np.float64)
+    return total
+
+
 @_register("kv_peak_projected", MetricScope.DECISION)
 def _kv_peak_projected(ctx: DecisionContext, config: SchedulerConfig) -> FloatArray:
     table = ctx.view.instances
@@ -200,6 +254,54 @@ def _kv_peak_projected(ctx: DecisionContext, config: SchedulerConfig) -> FloatAr
         + ctx.metric("kv_growth_tokens")
     )
     if ctx.request is not None:
+        used = used + (ctx.prompt_tokens + _out(ctx, config))
+    capacity = table.kv_capacity_tokens
+    peak: FloatArray = np.divide(used, capacity, out=np.full(table.n, np.inf), where=capacity > 0)
+    return peak
+
+
+@_register("kv_life_tokens", MetricScope.LOAD)
+def _kv_life_tokens(ctx: DecisionContext, config: SchedulerConfig) -> FloatArray:
+    """The KV peak (tokens) over the life of what each instance holds, exact from the legs' progress.
+
+    See "KV peak" in the module doc. Load-scoped: the legs that decode already
+    advance one token a step together, so the peak of their sum does not move
+    while they run (each holds one more token a step and has one fewer to go);
+    it changes only when a leg is placed, starts or ends, which changes the
+    in-flight version (a progress update does not). Without the legs: the sums
+    (every resident at its final length at once).
+    """
+    table = ctx.view.instances
+    inflight = ctx.view.inflight
+    now = table.used_kv_tokens + table.uncomputed_prefill_tokens + inflight.tokens
+    residents = ctx.view.resident_legs()
+    if residents is None:
+        sums: FloatArray = now + ctx.metric("kv_growth_tokens")
+        return sums
+    # The rest of the KV (prefill of requests decoding elsewhere, legs placed without an expected
+    # length) stays as it is; a decode request the legs do not cover grows by the default output
+    # and is taken to stay. A leg that has not started yet (its prefill or KV transfer is under
+    # way) starts after a delay nobody knows, so it counts at its final length throughout (its
+    # peak whatever the delay).
+    n = table.n
+    instance, context, remaining, started = residents
+    legs = np.bincount(instance, minlength=n)
+    held = np.bincount(instance, weights=context, minlength=n)
+    uncovered = np.maximum(table.decode_requests + inflight.decode_requests - legs, 0.0)
+    waiting = ~started
+    pending = np.bincount(instance[waiting], weights=(context + remaining)[waiting], minlength=n)
+    used: FloatArray = now - held + pending + uncovered * config.packing_default_output_tokens
+    if np.any(started):
+        used = used + kv_peak_tokens(n, instance[started], context[started], remaining[started])
+    return used
+
+
+@_register("kv_peak_exact", MetricScope.DECISION)
+def _kv_peak_exact(ctx: DecisionContext, config: SchedulerConfig) -> FloatArray:
+    table = ctx.view.instances
+    used = ctx.metric("kv_life_tokens")
+    if ctx.request is not None:
+        # The new request also starts after its prefill: at its final length throughout.
         used = used + (ctx.prompt_tokens + _out(ctx, config))
     capacity = table.kv_capacity_tokens
     peak: FloatArray = np.divide(used, capacity, out=np.full(table.n, np.inf), where=capacity > 0)
