@@ -103,7 +103,14 @@ from bench.workload import RequestPlan
 from fleet.snapshot import ClusterSnapshot, InstanceRecord
 from predictor import LatencyPredictor
 from router.core.calibration import Calibrator
-from router.core.columns import INFLIGHT_ROWS, ClusterView, InflightColumns, InstanceTable, ResidentLegs
+from router.core.columns import (
+    INFLIGHT_ROWS,
+    ClusterView,
+    InflightColumns,
+    InstanceTable,
+    LegList,
+    ResidentLegs,
+)
 from router.core.config import SchedulerConfig
 from router.core.decision import Decision
 from router.core.errors import EmptyClusterError, LateError, NoInstanceError
@@ -1138,21 +1145,11 @@ class _Simulation:
         context: list[float] = []
         remaining: list[float] = []
         started: list[bool] = []
-        for i, legs in enumerate(self.resident_on):
-            if not legs:
-                continue
-            core = self.cores[i]
-            run = self.runs[i]
-            s = run.steps_done(now) if run is not None else 0
-            for idx, (prompt, final) in legs.items():
-                progress = core.decode_progress(str(idx))
-                if progress is None:
-                    cur, rem, decoding = prompt, final - prompt, False
-                else:
-                    cur, rem, decoding = progress[0] + s, progress[1] - s, progress[2]
+        for i in range(len(self.resident_on)):
+            for cur, rem, decoding in self._legs_on(i, now):
                 instance.append(i)
                 context.append(cur)
-                remaining.append(max(rem, 0))
+                remaining.append(rem)
                 started.append(decoding)
         found = ResidentLegs(
             np.array(instance, dtype=np.intp),
@@ -1162,6 +1159,23 @@ class _Simulation:
         )
         self.legs_cache = (key, found)
         return found
+
+    def _legs_on(self, i: int, now: float) -> LegList:
+        """Instance ``i``'s resident legs at ``now``: (context, output still to come, decoding) each."""
+        legs = self.resident_on[i]
+        if not legs:
+            return []
+        core = self.cores[i]
+        run = self.runs[i]
+        s = run.steps_done(now) if run is not None else 0
+        out: LegList = []
+        for idx, (prompt, final) in legs.items():
+            progress = core.decode_progress(str(idx))
+            if progress is None:
+                out.append((float(prompt), float(max(final - prompt, 0)), False))
+            else:
+                out.append((float(progress[0] + s), float(max(progress[1] - s, 0)), progress[2]))
+        return out
 
     def _inflight(self, i: int, sign: int, prompt_tokens: int) -> None:
         """Add (+1) or remove (-1) a decode leg of ``prompt_tokens`` on instance ``i``."""
@@ -1223,9 +1237,7 @@ class _Simulation:
             preempting=_readonly((now - self.last_preempt_s < AGENT_HEARTBEAT_S).astype(np.float64)),
         )
         # Built only when a decision reads them (adaptive PD's exact KV peak), as the router does.
-        return ClusterView(
-            table, self._inflight_columns(), now, age, residents=lambda: self._resident_legs(now)
-        )
+        return ClusterView(table, self._inflight_columns(), now, age, residents=_SimLegs(self, now))
 
     def _inflight_columns(self) -> InflightColumns:
         columns = self.inflight_columns
@@ -1257,6 +1269,22 @@ class _Simulation:
                 )
             )
         return tuple(out)
+
+
+class _SimLegs:
+    """The simulation's resident legs at one moment, as a view's :class:`ResidentSource`."""
+
+    __slots__ = ("now", "sim")
+
+    def __init__(self, sim: _Simulation, now: float) -> None:
+        self.sim = sim
+        self.now = now
+
+    def legs(self) -> ResidentLegs:
+        return self.sim._resident_legs(self.now)
+
+    def legs_on(self, index: int) -> LegList:
+        return self.sim._legs_on(index, self.now)
 
 
 def simulate(

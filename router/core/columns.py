@@ -8,9 +8,9 @@ router's in-flight account and the clock. Built by :mod:`router.core.view`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -201,6 +201,40 @@ class ResidentLegs(NamedTuple):
     started: BoolArray
 
 
+#: One instance's resident legs: (context now, output still expected, started) each.
+LegList = list[tuple[float, float, bool]]
+
+
+class ResidentSource(Protocol):
+    """Where a view's :class:`ResidentLegs` come from, built only when asked.
+
+    ``legs`` gives every leg; ``legs_on`` those of one view index (packing
+    updates one instance's peak after a change there). Either is None when the
+    source does not know every leg's progress.
+    """
+
+    def legs(self) -> ResidentLegs | None: ...
+
+    def legs_on(self, index: int) -> LegList | None: ...
+
+
+@dataclass(frozen=True)
+class StaticResidents:
+    """A :class:`ResidentSource` over legs known up front."""
+
+    known: ResidentLegs
+
+    def legs(self) -> ResidentLegs:
+        return self.known
+
+    def legs_on(self, index: int) -> LegList:
+        instance, context, remaining, started = self.known
+        mine = instance == index
+        return list(
+            zip(context[mine].tolist(), remaining[mine].tolist(), started[mine].tolist(), strict=True)
+        )
+
+
 @dataclass(frozen=True, eq=False)
 class ClusterView:
     """What one decision sees: the snapshot's columns, the in-flight columns and the clock.
@@ -214,8 +248,7 @@ class ClusterView:
     ``status_age_s`` among instances with a status (``-inf`` without any), so
     freshness checks can skip the column when every status is fresh.
     ``residents`` (optional) builds the :class:`ResidentLegs` on demand (only
-    adaptive PD's exact KV peak reads them, so other policies pay nothing);
-    call :meth:`resident_legs`.
+    adaptive PD's exact KV peak reads them, so other policies pay nothing).
     """
 
     instances: InstanceTable
@@ -225,7 +258,7 @@ class ClusterView:
     load_memo: dict[Any, Any] = field(default_factory=dict, repr=False)
     load_previous: LoadDelta | None = field(default=None, repr=False)
     oldest_status_age_s: float | None = field(default=None, repr=False)
-    residents: Callable[[], ResidentLegs | None] | None = field(default=None, repr=False)
+    residents: ResidentSource | None = field(default=None, repr=False)
 
     def __init__(
         self,
@@ -236,7 +269,7 @@ class ClusterView:
         load_memo: dict[Any, Any] | None = None,
         load_previous: LoadDelta | None = None,
         oldest_status_age_s: float | None = None,
-        residents: Callable[[], ResidentLegs | None] | None = None,
+        residents: ResidentSource | None = None,
     ) -> None:
         _set_attr(
             self,
@@ -260,4 +293,9 @@ class ClusterView:
     def resident_legs(self) -> ResidentLegs | None:
         """Every resident decode leg with its progress, or None when the view's source does not know them."""
         source = self.residents
-        return None if source is None else source()
+        return None if source is None else source.legs()
+
+    def resident_legs_on(self, index: int) -> LegList | None:
+        """The resident legs of view index ``index``, or None when the view's source does not know them."""
+        source = self.residents
+        return None if source is None else source.legs_on(index)

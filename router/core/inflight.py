@@ -167,6 +167,8 @@ class InflightAccount:
         self._resident_context: dict[str, int] = {}
         # instance_id -> [resident decode legs, sum of their final tokens]
         self._resident_totals: dict[str, list[int]] = {}
+        # instance_id -> its resident legs' request ids (an ordered set), for one instance's legs.
+        self._resident_on: dict[str, dict[str, None]] = {}
         self.version = 0
         # (request_id, instance_id) -> entry, in recording order (expiry walks it from the front).
         self._entries: dict[tuple[str, str], InflightEntry] = {}
@@ -304,6 +306,24 @@ class InflightAccount:
             instance, context, final, started = instance[keep], context[keep], final[keep], started[keep]
         return ResidentLegs(instance, context, np.maximum(final - context, 0.0), started)
 
+    def resident_legs_on(self, instance_id: str) -> list[tuple[int, int, bool]] | None:
+        """The resident legs of one instance as (context now, output still expected, started).
+
+        None when peer router processes hold residents (as :meth:`resident_legs`). Costs
+        O(legs on the instance): packing updates one instance's peak after a change there.
+        """
+        if any(row[-2] for row in self._peers.values()):
+            return None
+        ids = self._resident_on.get(instance_id)
+        if not ids:
+            return []
+        legs, contexts, entries = self._resident, self._resident_context, self._entries
+        out = []
+        for r in ids:
+            context = contexts[r]
+            out.append((context, max(legs[r][1] - context, 0), (r, instance_id) not in entries))
+        return out
+
     # ------------------------------------------------------------------ queries
 
     def __contains__(self, request_id: object) -> bool:
@@ -423,6 +443,7 @@ class InflightAccount:
             self._drop_resident(request_id)
         self._resident[request_id] = (instance_id, final_tokens, now_s)
         self._resident_context[request_id] = context_tokens
+        self._resident_on.setdefault(instance_id, {})[request_id] = None
         totals = self._resident_totals.setdefault(instance_id, [0, 0])
         totals[0] += 1
         totals[1] += final_tokens
@@ -434,6 +455,10 @@ class InflightAccount:
             return False
         self._resident_context.pop(request_id, None)
         instance_id, final_tokens, _ = found
+        on = self._resident_on[instance_id]
+        del on[request_id]
+        if not on:
+            del self._resident_on[instance_id]
         totals = self._resident_totals[instance_id]
         totals[0] -= 1
         totals[1] -= final_tokens

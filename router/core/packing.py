@@ -159,6 +159,9 @@ def packing_tpot_target_ms(ctx: DecisionContext, default_output_tokens: int, fac
     return paced / factor
 
 
+_At = Callable[[DecisionContext, SchedulerConfig, int], float]
+
+
 @dataclass(frozen=True, eq=False)
 class _PackingMetric:
     """A metric of this module: a function of the context and the scheduler config."""
@@ -172,11 +175,24 @@ class _PackingMetric:
         return self.fn(ctx, self.config)
 
 
+@dataclass(frozen=True, eq=False)
+class _UpdatedPackingMetric(_PackingMetric):
+    """A load-scoped metric of this module with a one-instance form: after a change of the in-flight
+    account only the instances it touched are recomputed (``DecisionContext`` calls ``at``)."""
+
+    one: _At
+
+    def at(self, ctx: DecisionContext, index: int) -> float:
+        return self.one(ctx, self.config, index)
+
+
 def _register(
-    name: str, scope: MetricScope
+    name: str, scope: MetricScope, at: _At | None = None
 ) -> Callable[[Callable[[DecisionContext, SchedulerConfig], FloatArray]], None]:
     def decorator(fn: Callable[[DecisionContext, SchedulerConfig], FloatArray]) -> None:
         def factory(config: SchedulerConfig, params: Params) -> Metric:
+            if at is not None:
+                return _UpdatedPackingMetric(name, scope, fn, config, at)
             return _PackingMetric(name, scope, fn, config)
 
         METRICS.register(name)(factory)
@@ -260,8 +276,35 @@ def _kv_peak_projected(ctx: DecisionContext, config: SchedulerConfig) -> FloatAr
     return peak
 
 
-@_register("kv_life_tokens", MetricScope.LOAD)
-def _kv_life_tokens(ctx: DecisionContext, config: SchedulerConfig) -> FloatArray:
+def _kv_life_at(ctx: DecisionContext, config: SchedulerConfig, i: int) -> float:
+    """``kv_life_tokens`` at view index ``i`` alone (the same value, from that instance's legs)."""
+    legs = ctx.view.resident_legs_on(i)
+    if legs is None:
+        return float(_kv_life_column(ctx, config)[i])
+    table = ctx.view.instances
+    inflight = ctx.view.inflight
+    now = float(table.used_kv_tokens[i] + table.uncomputed_prefill_tokens[i] + inflight.tokens[i])
+    held = pending = 0.0
+    running: list[tuple[float, float]] = []
+    for context, remaining, started in legs:
+        held += context
+        if started:
+            running.append((remaining, context))
+        else:
+            pending += context + remaining
+    uncovered = max(float(table.decode_requests[i] + inflight.decode_requests[i]) - len(legs), 0.0)
+    used = now - held + pending + uncovered * config.packing_default_output_tokens
+    if running:
+        running.sort(reverse=True)
+        total = peak = 0.0
+        for m, (remaining, context) in enumerate(running, start=1):
+            total += context
+            peak = max(peak, total + m * remaining)
+        used += peak
+    return used
+
+
+def _kv_life_column(ctx: DecisionContext, config: SchedulerConfig) -> FloatArray:
     """The KV peak (tokens) over the life of what each instance holds, exact from the legs' progress.
 
     See "KV peak" in the module doc. Load-scoped: the legs that decode already
@@ -294,6 +337,9 @@ def _kv_life_tokens(ctx: DecisionContext, config: SchedulerConfig) -> FloatArray
     if np.any(started):
         used = used + kv_peak_tokens(n, instance[started], context[started], remaining[started])
     return used
+
+
+_register("kv_life_tokens", MetricScope.LOAD, at=_kv_life_at)(_kv_life_column)
 
 
 @_register("kv_peak_exact", MetricScope.DECISION)

@@ -16,7 +16,7 @@ So a decision on an unchanged snapshot costs a few array operations here.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -29,8 +29,10 @@ from router.core.columns import (
     ClusterView,
     InflightColumns,
     InstanceTable,
+    LegList,
     LoadDelta,
     ResidentLegs,
+    ResidentSource,
 )
 from router.core.inflight import InflightAccount
 from router.core.request import Role
@@ -332,6 +334,23 @@ class ViewBuilder:
         )
 
 
-def _legs_of(inflight: InflightAccount, table: InstanceTable) -> Callable[[], ResidentLegs | None]:
+def _legs_of(inflight: InflightAccount, table: InstanceTable) -> ResidentSource:
     """The resident legs of ``inflight`` on ``table``'s instances, built when asked (see ``ClusterView``)."""
-    return lambda: inflight.resident_legs(table.index, table.n)
+    return _AccountLegs(inflight, table)
+
+
+class _AccountLegs:
+    """A :class:`ResidentSource` reading the in-flight account."""
+
+    __slots__ = ("inflight", "table")
+
+    def __init__(self, inflight: InflightAccount, table: InstanceTable) -> None:
+        self.inflight = inflight
+        self.table = table
+
+    def legs(self) -> ResidentLegs | None:
+        return self.inflight.resident_legs(self.table.index, self.table.n)
+
+    def legs_on(self, index: int) -> LegList | None:
+        found = self.inflight.resident_legs_on(self.table.ids[index])
+        return None if found is None else [(float(c), float(r), s) for c, r, s in found]

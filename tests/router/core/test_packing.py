@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from fleet.snapshot import ClusterSnapshot, InstanceRecord
 from router.core.adaptive_pd import DecodeShare, decoder_cap
 from router.core.capacity import LoadShape, decode_batch, estimate_instances
-from router.core.columns import ClusterView, ResidentLegs
+from router.core.columns import ClusterView, ResidentLegs, StaticResidents
 from router.core.errors import NoInstanceError
 from router.core.inflight import InflightAccount
 from router.core.packing import (
@@ -23,6 +23,7 @@ from router.core.packing import (
     overpacked_mask,
     prefill_room_mask,
 )
+from router.core.registry import METRICS
 from router.core.request import ScheduleInput
 from router.core.scheduler import Scheduler
 from tests.router.core.helpers import NOW, inst, make_predictor, make_request, make_scheduler, make_snapshot
@@ -183,7 +184,7 @@ def _with_legs(view: ClusterView, residents: list[tuple[int, int, int]], at: str
         np.array([float(o - g) for _, o, g in residents]),
         np.ones(len(residents), dtype=bool),
     )
-    return dataclasses.replace(view, residents=lambda: legs, load_memo={})
+    return dataclasses.replace(view, residents=StaticResidents(legs), load_memo={})
 
 
 def test_the_account_keeps_each_resident_legs_context_as_it_grows() -> None:
@@ -207,6 +208,8 @@ def test_the_account_keeps_each_resident_legs_context_as_it_grows() -> None:
             strict=True,
         )
     ) == [(1, 130.0, 270.0, False), (2, 50.0, 10.0, False)]
+    assert account.resident_legs_on("d") == [(130, 270, False)]
+    assert account.resident_legs_on("p") == []
     # Admitted by its decode instance: it decodes now.
     account.reconcile(make_snapshot(inst("d", "decode", admitted=["a"])))
     legs = account.resident_legs({"p": 0, "d": 1, "e": 2}, 3)
@@ -214,12 +217,15 @@ def test_the_account_keeps_each_resident_legs_context_as_it_grows() -> None:
         (1, True),
         (2, False),
     ]
+    assert account.resident_legs_on("d") == [(130, 270, True)]
     account.release("a")
     legs = account.resident_legs({"p": 0, "d": 1, "e": 2}, 3)
     assert legs is not None and legs.instance.tolist() == [2]
+    assert account.resident_legs_on("d") == []
     # Peers publish only sums: then no legs, and packing uses the sums.
     account.set_peers({"d": (1, 0, 0, 1, 10, 10, 1, 500)})
     assert account.resident_legs({"p": 0, "d": 1, "e": 2}, 3) is None
+    assert account.resident_legs_on("e") is None
 
 
 def _brute_peak(contexts: list[float], remaining: list[float]) -> float:
@@ -315,6 +321,35 @@ def test_the_exact_peak_admits_what_the_all_alive_bound_refused_and_it_fits_step
     assert binpacked is not None and binpacked.instance_id == "e"
 
 
+@PROPS
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 2), st.integers(0, 4000), st.integers(0, 300), st.booleans()), max_size=20
+    )
+)
+def test_one_instances_kv_life_equals_its_entry_in_the_column(legs: list[tuple[int, int, int, bool]]) -> None:
+    # After a change the router updates only the instances it touched (the metric's ``at``).
+    snapshot = make_snapshot(
+        *(
+            inst(f"d{k}", "decode", decode_requests=2, decode_tokens=900, used_kv_tokens=1200 + k)
+            for k in range(3)
+        )
+    )
+    scheduler = make_scheduler("slo", enable_adaptive_pd=True)
+    known = ResidentLegs(
+        np.array([g for g, _, _, _ in legs], dtype=np.intp),
+        np.array([float(c) for _, c, _, _ in legs]),
+        np.array([float(r) for _, _, r, _ in legs]),
+        np.array([s for _, _, _, s in legs], dtype=bool),
+    )
+    view = dataclasses.replace(scheduler.view(snapshot, NOW), residents=StaticResidents(known), load_memo={})
+    ctx = scheduler.context(view, None)
+    metric = METRICS.create("kv_life_tokens", scheduler.config)
+    column = metric.compute(ctx)
+    at = getattr(metric, "at")  # noqa: B009 (what DecisionContext looks up)
+    assert [at(ctx, i) for i in range(3)] == pytest.approx(column.tolist())
+
+
 def test_a_leg_not_decoding_yet_counts_at_its_final_length() -> None:
     # Its prefill elsewhere may end at any moment: it may still hold its whole KV when the others peak.
     snapshot, scheduler = _loaded_fleet([(1000, 1000, 950)] * 4)
@@ -327,7 +362,7 @@ def test_a_leg_not_decoding_yet_counts_at_its_final_length() -> None:
         np.array([50.0] * 4 + [3000.0]),
         np.array([True] * 4 + [False]),
     )
-    ctx = scheduler.context(dataclasses.replace(view, residents=lambda: legs, load_memo={}), None)
+    ctx = scheduler.context(dataclasses.replace(view, residents=StaticResidents(legs), load_memo={}), None)
     # The status holds the four (7800); the running four peak at 8000 together, the pending leg
     # adds its final 7000 whatever its delay (not the 4050 it would hold 50 steps after starting now).
     assert ctx.metric("kv_peak_exact")[d] * CAPACITY == pytest.approx(8000 + 7000)
