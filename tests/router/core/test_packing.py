@@ -350,6 +350,35 @@ def test_one_instances_kv_life_equals_its_entry_in_the_column(legs: list[tuple[i
     assert [at(ctx, i) for i in range(3)] == pytest.approx(column.tolist())
 
 
+def test_the_routers_kv_life_column_updated_after_a_change_equals_a_full_computation() -> None:
+    # The view builder hands the previous column over; only the instances the change touched are
+    # recomputed (from their legs alone).
+    scheduler = make_scheduler("slo", enable_adaptive_pd=True)
+    decoders = (inst(f"d{k}", "decode", meta={"kv_capacity_tokens": CAPACITY}) for k in range(12))
+    snapshot = make_snapshot(*decoders)
+    for k in range(12):
+        scheduler.inflight.record(f"r{k}", None, f"d{k}", 500 + 10 * k, NOW, final_tokens=900 + 10 * k)
+    scheduler.inflight.advance("r3", 531)  # the first token, from the prefill instance
+    before = scheduler.context(scheduler.view(snapshot, NOW), None).metric("kv_life_tokens").copy()
+    scheduler.inflight.record("late", None, "d5", 1000, NOW, final_tokens=1500)
+    scheduler.inflight.release("r7")
+    second = scheduler.view(snapshot, NOW)
+    assert second.load_previous is not None  # the incremental path
+    updated = scheduler.context(second, None).metric("kv_life_tokens")
+    full = METRICS.create("kv_life_tokens", scheduler.config).compute(scheduler.context(second, None))
+    assert updated.tolist() == pytest.approx(full.tolist())
+    assert [k for k in range(12) if updated[k] != pytest.approx(before[k])] == [5, 7]
+    # Progress alone changes no version: the column stays (a full computation on the same stale
+    # statuses would subtract tokens the statuses do not hold yet, so the kept value is the cautious one).
+    scheduler.inflight.advance("r4", 600)
+    third = scheduler.view(snapshot, NOW)
+    kept = scheduler.context(third, None).metric("kv_life_tokens")
+    assert kept.tolist() == updated.tolist()
+    assert np.all(
+        kept >= METRICS.create("kv_life_tokens", scheduler.config).compute(scheduler.context(third, None))
+    )
+
+
 def test_a_leg_not_decoding_yet_counts_at_its_final_length() -> None:
     # Its prefill elsewhere may end at any moment: it may still hold its whole KV when the others peak.
     snapshot, scheduler = _loaded_fleet([(1000, 1000, 950)] * 4)
