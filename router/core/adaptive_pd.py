@@ -63,14 +63,14 @@ def _still_usable(table: InstanceTable, usable: BoolArray, instance_id: str | No
 class ReserveElection:
     """A policy hook holding adaptive PD's reserves (see the module doc)."""
 
-    def dispatched(self, request: ScheduleInput, now_s: float) -> None:
-        """Nothing to do: the reserves change only with the decisions' commits."""
-
     def __init__(self) -> None:
         #: model -> (reserved prefill id, reserved decode id)
         self.reserved: dict[str, tuple[str | None, str | None]] = {}
         # Reserves rarely change: one Reserves object per pair of indices.
         self._reserves: dict[tuple[int, int], Reserves] = {}
+
+    def dispatched(self, request: ScheduleInput, now_s: float) -> None:
+        """Nothing to do: the reserves change only with the decisions' commits."""
 
     def prepare(self, ctx: DecisionContext) -> None:
         table = ctx.view.instances

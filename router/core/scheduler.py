@@ -185,9 +185,11 @@ class Scheduler:
         """Account ``decision``'s dispatch in the in-flight account (and tell the policy's hooks).
 
         ``prompt_tokens`` defaults to the request's (a decode re-placement of
-        prompt + generated tokens passes its own count).
+        prompt + generated tokens passes its own count; it is no new load, so
+        the hooks do not hear of it).
         """
-        self.dispatched(decision, now_s)
+        if prompt_tokens is None:
+            self.dispatched(decision, now_s)
         request = decision.context.request
         tokens = prompt_tokens
         if tokens is None:
