@@ -652,6 +652,8 @@ def test_the_decode_share_counts_dispatched_placements_not_decisions() -> None:
     decision = scheduler.schedule(snapshot, request, NOW)
     scheduler.record(decision, NOW)
     assert len(share.load) == 1
+    scheduler.record(decision, NOW, prompt_tokens=540)  # a decode re-placement: no new load
+    assert len(share.load) == 1
     scheduler.dispatched(decision, NOW + 1.0)  # a caller with its own in-flight account (the simulator)
     shape = share.load.shape(NOW + 1.0)
     assert len(share.load) == 2 and shape.mean_prompt_tokens == 500 and shape.mean_output_tokens == 100
