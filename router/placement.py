@@ -420,6 +420,10 @@ class Placer:
             counts[(role, health)] += 1
         return counts
 
+    def advance(self, request_id: str, context_tokens: int) -> None:
+        """Request ``request_id``'s decode leg holds ``context_tokens`` now (see ``InflightAccount.advance``)."""
+        self.scheduler.inflight.advance(request_id, context_tokens)
+
     def release(self, request_id: str) -> None:
         """The request ended at the router: its in-flight entries go."""
         self.scheduler.inflight.release(request_id)

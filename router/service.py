@@ -114,6 +114,9 @@ class _Progress:
     #: Time spent in the router queue (s) and whether the request left it already late.
     queue_wait_s: float = 0.0
     late: bool = False
+    #: The request and its prompt length, once validated (packing reads the resident leg's context).
+    request_id: str = ""
+    prompt_tokens: int = 0
 
 
 def _tpot_s(progress: _Progress) -> float | None:
@@ -276,6 +279,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
             logger.info("rejected request %r: %s", request.request_id[:64] or "(no id)", exc)
             raise
         request_id = prepared.request_id
+        progress.request_id = request_id
+        progress.prompt_tokens = len(prepared.prompt_token_ids)
         if request_id in self._active:
             self._observer.outcome("duplicate")
             raise DuplicateRequestError(
@@ -407,6 +412,9 @@ class RouterService(router_pb2_grpc.RouterServicer):
             progress.first_token_at = now
         progress.last_token_at = now
         progress.tokens.extend(token_ids)
+        if progress.request_id:
+            # The decode leg's KV holds the prompt and every token produced (packing's exact peak).
+            self._placer.advance(progress.request_id, progress.prompt_tokens + len(progress.tokens))
 
     async def _first_token(
         self,

@@ -103,7 +103,14 @@ from bench.workload import RequestPlan
 from fleet.snapshot import ClusterSnapshot, InstanceRecord
 from predictor import LatencyPredictor
 from router.core.calibration import Calibrator
-from router.core.columns import INFLIGHT_ROWS, ClusterView, InflightColumns, InstanceTable
+from router.core.columns import (
+    INFLIGHT_ROWS,
+    ClusterView,
+    InflightColumns,
+    InstanceTable,
+    LegList,
+    ResidentLegs,
+)
 from router.core.config import SchedulerConfig
 from router.core.decision import Decision
 from router.core.errors import EmptyClusterError, LateError, NoInstanceError
@@ -488,6 +495,11 @@ class _Simulation:
         self.busy_integral = [0.0, 0.0, 0.0]
         self.busy_since = 0.0
         self.inflight_columns: InflightColumns | None = None
+        # Per instance, its resident decode legs: request index -> (prompt tokens, final tokens).
+        self.resident_on: list[dict[int, tuple[int, int]]] = [{} for _ in range(n)]
+        # The legs of the last view, reused while nothing they depend on changed: (key, legs).
+        self.legs_version = 0
+        self.legs_cache: tuple[tuple[float, int, int], ResidentLegs] | None = None
         self.static_memo: dict[Any, Any] = {}
         self.heap: list[tuple[float, int, int, int]] = []
         self.seq = 0
@@ -639,6 +651,7 @@ class _Simulation:
 
     def _changed(self, i: int, now: float) -> None:
         """Instance ``i``'s load changed outside a step boundary; start a step if it was idle."""
+        self.legs_version += 1
         if self.steps[i] is None:
             self._start(i, now)
         else:
@@ -1006,11 +1019,13 @@ class _Simulation:
             return
         r.stage = _SERVING
         if q.max_tokens > 1:
-            self._resident(r, i, +1, q.prompt_tokens + q.max_tokens)
+            self._resident(r, i, +1, q.prompt_tokens + q.max_tokens, q.prompt_tokens)
         self._changed(i, now)
 
     def _dispatch(self, idx: int, r: _Req, plan: RequestPlan, decision: Decision, now: float) -> None:
         assert decision.prefill is not None and decision.decode is not None
+        # The simulator keeps its own in-flight columns (no Scheduler.record): the hooks hear here.
+        self.scheduler.dispatched(decision, now)
         index = self.fleet.index
         p = r.prefill = index[decision.prefill.instance_id]
         d = r.decode = index[decision.decode.instance_id]
@@ -1050,7 +1065,7 @@ class _Simulation:
         if not neutral and plan.max_tokens > 1 and d != p:
             self._inflight(d, +1, plan.prompt_tokens)
         if plan.max_tokens > 1:
-            self._resident(r, d, +1, plan.prompt_tokens + plan.max_tokens)
+            self._resident(r, d, +1, plan.prompt_tokens + plan.max_tokens, plan.prompt_tokens)
         self._changed(p, now)
 
     def _ended(self, idx: int) -> None:
@@ -1092,7 +1107,7 @@ class _Simulation:
         )
         queue.note_outcome(str(r.idx), slo_met(result), r.done_s, result.tpot_ms)
 
-    def _resident(self, r: _Req, i: int, sign: int, final_tokens: int) -> None:
+    def _resident(self, r: _Req, i: int, sign: int, final_tokens: int, prompt_tokens: int = 0) -> None:
         """Make request ``r``'s decode leg resident on ``i`` (+1), or end its residence (-1)."""
         if i < 0:
             return
@@ -1100,14 +1115,67 @@ class _Simulation:
         if sign > 0:
             r.resident = i
             r.resident_tokens = final_tokens
+            self.resident_on[i][r.idx] = (prompt_tokens, final_tokens)
         elif r.resident != i:
             return
         else:
             final_tokens = r.resident_tokens
             r.resident = -1
+            self.resident_on[i].pop(r.idx, None)
+        self.legs_version += 1
         m[6, i] += sign
         m[7, i] += sign * final_tokens
         self.inflight_columns = None
+
+    def _resident_legs(self, now: float) -> ResidentLegs:
+        """Every resident decode leg with its progress at ``now`` (packing's exact KV peak).
+
+        A leg its decode instance runs holds its context and generated tokens
+        (a fast-forwarded run adds one per step it has done, to every running
+        request); a leg not there yet (its prefill or KV transfer is under way)
+        holds its prompt, has its whole output ahead and has not started. The legs change only with
+        time, between events, or when a request is placed or ends: a queue pump's
+        many views of one instant share them.
+        """
+        key = (now, self.events, self.legs_version)
+        cached = self.legs_cache
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        instance: list[int] = []
+        context: list[float] = []
+        remaining: list[float] = []
+        started: list[bool] = []
+        for i in range(len(self.resident_on)):
+            for cur, rem, decoding in self._legs_on(i, now):
+                instance.append(i)
+                context.append(cur)
+                remaining.append(rem)
+                started.append(decoding)
+        found = ResidentLegs(
+            np.array(instance, dtype=np.intp),
+            np.array(context, dtype=np.float64),
+            np.array(remaining, dtype=np.float64),
+            np.array(started, dtype=bool),
+        )
+        self.legs_cache = (key, found)
+        return found
+
+    def _legs_on(self, i: int, now: float) -> LegList:
+        """Instance ``i``'s resident legs at ``now``: (context, output still to come, decoding) each."""
+        legs = self.resident_on[i]
+        if not legs:
+            return []
+        core = self.cores[i]
+        run = self.runs[i]
+        s = run.steps_done(now) if run is not None else 0
+        out: LegList = []
+        for idx, (prompt, final) in legs.items():
+            progress = core.decode_progress(str(idx))
+            if progress is None:
+                out.append((float(prompt), float(max(final - prompt, 0)), False))
+            else:
+                out.append((float(progress[0] + s), float(max(progress[1] - s, 0)), progress[2]))
+        return out
 
     def _inflight(self, i: int, sign: int, prompt_tokens: int) -> None:
         """Add (+1) or remove (-1) a decode leg of ``prompt_tokens`` on instance ``i``."""
@@ -1168,7 +1236,8 @@ class _Simulation:
             measured_decode_step_ms=_readonly(self.measured.copy()),
             preempting=_readonly((now - self.last_preempt_s < AGENT_HEARTBEAT_S).astype(np.float64)),
         )
-        return ClusterView(table, self._inflight_columns(), now, age)
+        # Built only when a decision reads them (adaptive PD's exact KV peak), as the router does.
+        return ClusterView(table, self._inflight_columns(), now, age, residents=_SimLegs(self, now))
 
     def _inflight_columns(self) -> InflightColumns:
         columns = self.inflight_columns
@@ -1200,6 +1269,22 @@ class _Simulation:
                 )
             )
         return tuple(out)
+
+
+class _SimLegs:
+    """The simulation's resident legs at one moment, as a view's :class:`ResidentSource`."""
+
+    __slots__ = ("now", "sim")
+
+    def __init__(self, sim: _Simulation, now: float) -> None:
+        self.sim = sim
+        self.now = now
+
+    def legs(self) -> ResidentLegs:
+        return self.sim._resident_legs(self.now)
+
+    def legs_on(self, index: int) -> LegList:
+        return self.sim._legs_on(index, self.now)
 
 
 def simulate(

@@ -407,6 +407,21 @@ class SimCore:
         req = self._active.get(request_id)
         return None if req is None else req.num_generated
 
+    def decode_progress(self, request_id: str) -> tuple[int, int, bool] | None:
+        """(tokens of context now, tokens still to generate, decoding) of a waiting or running request.
+
+        ``decoding``: its prefill is done (nothing left to compute but the token of the next step).
+        None if unknown.
+        """
+        req = self._active.get(request_id)
+        if req is None:
+            return None
+        return (
+            req.spec.num_context_tokens + req.num_generated,
+            req.spec.max_new_tokens - req.num_generated,
+            req.uncomputed_prefill == 0,
+        )
+
     def is_active(self, request_id: str) -> bool:
         return request_id in self._active
 

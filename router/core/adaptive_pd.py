@@ -45,6 +45,7 @@ from router.core.columns import BoolArray, InstanceTable
 from router.core.config import SchedulerConfig
 from router.core.packing import expected_output_tokens
 from router.core.plugins import DecisionContext, Reserves
+from router.core.request import ScheduleInput
 
 #: Placements :class:`DecodeShare` needs in its window before it sizes the decode set.
 MIN_OBSERVED = 20
@@ -67,6 +68,9 @@ class ReserveElection:
         self.reserved: dict[str, tuple[str | None, str | None]] = {}
         # Reserves rarely change: one Reserves object per pair of indices.
         self._reserves: dict[tuple[int, int], Reserves] = {}
+
+    def dispatched(self, request: ScheduleInput, now_s: float) -> None:
+        """Nothing to do: the reserves change only with the decisions' commits."""
 
     def prepare(self, ctx: DecisionContext) -> None:
         table = ctx.view.instances
@@ -114,7 +118,7 @@ class DecodeShare:
 
     Sets ``ctx.reserves.max_decoders`` (after :class:`ReserveElection`). The
     demand is the model of :mod:`router.core.capacity` on the load observed
-    over ``window_s`` (each committed placement's prompt and expected output),
+    over ``window_s`` (each dispatched placement's prompt and expected output),
     with the default profile, the TPOT target, the packing strictness and
     threshold, and the median KV capacity of the usable instances.
     """
@@ -126,13 +130,16 @@ class DecodeShare:
         #: (prefill, decode) instances the observed load keeps busy (None: not enough seen yet).
         self.demand: tuple[float, float] | None = None
 
+    def dispatched(self, request: ScheduleInput, now_s: float) -> None:
+        # Observed at dispatch, not on commit: the router queue drops committed decisions (a late
+        # or yielding request offered a fallback placement keeps waiting and is offered again),
+        # and counting each offer inflated the placed rate in overload several times over.
+        output = expected_output_tokens(request, self.config.packing_default_output_tokens)
+        self.load.observe(now_s, request.prompt_tokens, output)
+
     def prepare(self, ctx: DecisionContext) -> None:
         request = ctx.request
         now = ctx.view.now_s
-        if request is not None:
-            prompt = request.prompt_tokens
-            output = expected_output_tokens(request, self.config.packing_default_output_tokens)
-            ctx.on_commit(lambda: self.load.observe(now, prompt, output))
         if ctx.predictors is None:
             return
         if now - self._fitted_at >= REFIT_S or now < self._fitted_at:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -182,6 +182,59 @@ class LoadDelta(NamedTuple):
     changed: Mapping[int, int]
 
 
+class ResidentLegs(NamedTuple):
+    """Every resident decode leg of a view, one entry per leg (see :mod:`router.core.packing`).
+
+    ``instance`` is the leg's view index, ``context`` the tokens its KV holds
+    now (prompt + tokens produced so far), ``remaining`` the tokens it is
+    still expected to produce (≥ 0) and ``started`` whether it decodes on its
+    instance already (a leg whose prefill or KV transfer is still under way
+    starts after an unknown delay). A view carries a source of them only
+    when its builder knows every resident leg's progress (the router's
+    in-flight account, the simulator); without them packing falls back to the
+    sums of :class:`InflightColumns`.
+    """
+
+    instance: IntArray
+    context: FloatArray
+    remaining: FloatArray
+    started: BoolArray
+
+
+#: One instance's resident legs: (context now, output still expected, started) each.
+LegList = list[tuple[float, float, bool]]
+
+
+class ResidentSource(Protocol):
+    """Where a view's :class:`ResidentLegs` come from, built only when asked.
+
+    ``legs`` gives every leg; ``legs_on`` those of one view index (packing
+    updates one instance's peak after a change there). Either is None when the
+    source does not know every leg's progress.
+    """
+
+    def legs(self) -> ResidentLegs | None: ...
+
+    def legs_on(self, index: int) -> LegList | None: ...
+
+
+@dataclass(frozen=True)
+class StaticResidents:
+    """A :class:`ResidentSource` over legs known up front."""
+
+    known: ResidentLegs
+
+    def legs(self) -> ResidentLegs:
+        return self.known
+
+    def legs_on(self, index: int) -> LegList:
+        instance, context, remaining, started = self.known
+        mine = instance == index
+        return list(
+            zip(context[mine].tolist(), remaining[mine].tolist(), started[mine].tolist(), strict=True)
+        )
+
+
 @dataclass(frozen=True, eq=False)
 class ClusterView:
     """What one decision sees: the snapshot's columns, the in-flight columns and the clock.
@@ -194,6 +247,8 @@ class ClusterView:
     recomputed. ``oldest_status_age_s`` (optional) is the largest
     ``status_age_s`` among instances with a status (``-inf`` without any), so
     freshness checks can skip the column when every status is fresh.
+    ``residents`` (optional) builds the :class:`ResidentLegs` on demand (only
+    adaptive PD's exact KV peak reads them, so other policies pay nothing).
     """
 
     instances: InstanceTable
@@ -203,6 +258,7 @@ class ClusterView:
     load_memo: dict[Any, Any] = field(default_factory=dict, repr=False)
     load_previous: LoadDelta | None = field(default=None, repr=False)
     oldest_status_age_s: float | None = field(default=None, repr=False)
+    residents: ResidentSource | None = field(default=None, repr=False)
 
     def __init__(
         self,
@@ -213,6 +269,7 @@ class ClusterView:
         load_memo: dict[Any, Any] | None = None,
         load_previous: LoadDelta | None = None,
         oldest_status_age_s: float | None = None,
+        residents: ResidentSource | None = None,
     ) -> None:
         _set_attr(
             self,
@@ -225,9 +282,20 @@ class ClusterView:
                 "load_memo": {} if load_memo is None else load_memo,
                 "load_previous": load_previous,
                 "oldest_status_age_s": oldest_status_age_s,
+                "residents": residents,
             },
         )
 
     @property
     def n(self) -> int:
         return self.instances.n
+
+    def resident_legs(self) -> ResidentLegs | None:
+        """Every resident decode leg with its progress, or None when the view's source does not know them."""
+        source = self.residents
+        return None if source is None else source.legs()
+
+    def resident_legs_on(self, index: int) -> LegList | None:
+        """The resident legs of view index ``index``, or None when the view's source does not know them."""
+        source = self.residents
+        return None if source is None else source.legs_on(index)

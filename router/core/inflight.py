@@ -32,7 +32,10 @@ output it is expected to still generate) also enters the *resident* tally of
 its instance, which stays until the request ends at the router
 (:meth:`InflightAccount.release`) or ``resident_expiry_s`` passes — not at
 admission: packing (:mod:`router.core.packing`) needs the expected growth of
-every request living on an instance, which no status reports.
+every request living on an instance, which no status reports. The router
+forwards every token a request produces, so it also keeps each resident leg's
+context as it grows (:meth:`InflightAccount.advance`, no version change: only
+the exact KV peak reads it, per decision, through :meth:`resident_legs`).
 
 Not thread-safe: the router calls it from its event loop only.
 """
@@ -58,6 +61,7 @@ from router.core.columns import (
     INFLIGHT_ROWS,
     INFLIGHT_TOKENS,
     InflightColumns,
+    ResidentLegs,
 )
 
 _ENTRY = INFLIGHT_REQUESTS | INFLIGHT_TOKENS
@@ -136,6 +140,8 @@ class _Totals:
         )
 
 
+_NO_LEGS = ResidentLegs(np.zeros(0, dtype=np.intp), np.zeros(0), np.zeros(0), np.zeros(0, dtype=bool))
+
 #: How many recent changes :meth:`InflightAccount.changed_since` can describe.
 JOURNAL_LENGTH = 4096
 
@@ -157,8 +163,12 @@ class InflightAccount:
         self.resident_expiry_s = resident_expiry_s
         # request_id -> (instance_id, final tokens, recorded at), in recording order.
         self._resident: dict[str, tuple[str, int, float]] = {}
+        # request_id -> the resident leg's context now (prompt + tokens produced), see advance().
+        self._resident_context: dict[str, int] = {}
         # instance_id -> [resident decode legs, sum of their final tokens]
         self._resident_totals: dict[str, list[int]] = {}
+        # instance_id -> its resident legs' request ids (an ordered set), for one instance's legs.
+        self._resident_on: dict[str, dict[str, None]] = {}
         self.version = 0
         # (request_id, instance_id) -> entry, in recording order (expiry walks it from the front).
         self._entries: dict[tuple[str, str], InflightEntry] = {}
@@ -263,6 +273,57 @@ class InflightAccount:
             return own
         return own[0] + peer[-2], own[1] + peer[-1]
 
+    def advance(self, request_id: str, context_tokens: int) -> None:
+        """The resident leg of ``request_id`` holds ``context_tokens`` now (prompt + output so far).
+
+        Only ever grows the context; a request without a resident leg is ignored.
+        """
+        if request_id in self._resident and context_tokens > self._resident_context.get(request_id, 0):
+            self._resident_context[request_id] = context_tokens
+
+    def resident_legs(self, index: Mapping[str, int], n: int) -> ResidentLegs | None:
+        """Every resident leg on a view's instances: its context now and the output still expected.
+
+        None when peer router processes hold residents (they publish only sums), so packing falls
+        back to the sums. Costs O(resident legs).
+        """
+        if any(row[-2] for row in self._peers.values()):
+            return None
+        legs = self._resident
+        if not legs:
+            return _NO_LEGS
+        contexts = self._resident_context
+        instance = np.fromiter((index.get(v[0], -1) for v in legs.values()), dtype=np.intp, count=len(legs))
+        final = np.fromiter((v[1] for v in legs.values()), dtype=np.float64, count=len(legs))
+        context = np.fromiter((contexts[r] for r in legs), dtype=np.float64, count=len(legs))
+        # A leg starts decoding once its instance admits it (its in-flight decode entry leaves).
+        entries = self._entries
+        started = np.fromiter(
+            ((r, v[0]) not in entries for r, v in legs.items()), dtype=bool, count=len(legs)
+        )
+        keep = (instance >= 0) & (instance < n)
+        if not keep.all():
+            instance, context, final, started = instance[keep], context[keep], final[keep], started[keep]
+        return ResidentLegs(instance, context, np.maximum(final - context, 0.0), started)
+
+    def resident_legs_on(self, instance_id: str) -> list[tuple[int, int, bool]] | None:
+        """The resident legs of one instance as (context now, output still expected, started).
+
+        None when peer router processes hold residents (as :meth:`resident_legs`). Costs
+        O(legs on the instance): packing updates one instance's peak after a change there.
+        """
+        if any(row[-2] for row in self._peers.values()):
+            return None
+        ids = self._resident_on.get(instance_id)
+        if not ids:
+            return []
+        legs, contexts, entries = self._resident, self._resident_context, self._entries
+        out = []
+        for r in ids:
+            context = contexts[r]
+            out.append((context, max(legs[r][1] - context, 0), (r, instance_id) not in entries))
+        return out
+
     # ------------------------------------------------------------------ queries
 
     def __contains__(self, request_id: object) -> bool:
@@ -327,7 +388,7 @@ class InflightAccount:
         if final_tokens < 0:
             raise ValueError(f"final_tokens must be >= 0, got {final_tokens}")
         if decode_instance is not None and final_tokens > 0:
-            self._add_resident(request_id, decode_instance, final_tokens, now_s)
+            self._add_resident(request_id, decode_instance, final_tokens, now_s, prompt_tokens)
         if prefill_instance is not None and prefill_instance == decode_instance:
             self._add(request_id, prefill_instance, True, True, prompt_tokens, now_s)
             return
@@ -372,13 +433,17 @@ class InflightAccount:
             )
             self._touch(instance_id, _columns_of(True, prefill, decode))
 
-    def _add_resident(self, request_id: str, instance_id: str, final_tokens: int, now_s: float) -> None:
+    def _add_resident(
+        self, request_id: str, instance_id: str, final_tokens: int, now_s: float, context_tokens: int
+    ) -> None:
         old = self._resident.get(request_id)
         if old is not None:
             if old[0] == instance_id:
                 return  # idempotent: the same leg recorded twice
             self._drop_resident(request_id)
         self._resident[request_id] = (instance_id, final_tokens, now_s)
+        self._resident_context[request_id] = context_tokens
+        self._resident_on.setdefault(instance_id, {})[request_id] = None
         totals = self._resident_totals.setdefault(instance_id, [0, 0])
         totals[0] += 1
         totals[1] += final_tokens
@@ -388,7 +453,12 @@ class InflightAccount:
         found = self._resident.pop(request_id, None)
         if found is None:
             return False
+        self._resident_context.pop(request_id, None)
         instance_id, final_tokens, _ = found
+        on = self._resident_on[instance_id]
+        del on[request_id]
+        if not on:
+            del self._resident_on[instance_id]
         totals = self._resident_totals[instance_id]
         totals[0] -= 1
         totals[1] -= final_tokens

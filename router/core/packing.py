@@ -22,6 +22,9 @@ kv_growth_tokens           tokens the resident decode requests will still add to
                            the KV (see below)
 kv_peak_projected          (S.used_kv + S.uncomputed_prefill + L tokens                decision
                            + kv_growth_tokens + p + out) / kv_capacity_tokens
+kv_life_tokens             the KV peak (tokens) over the life of the instance's        load
+                           requests, exact from each leg's progress (see "KV peak")
+kv_peak_exact              (kv_life_tokens + p + out) / kv_capacity_tokens             decision
 decode_tokens_horizon      S.decode_tokens + L decode tokens + γ·kv_growth_tokens      load
 predicted_tpot_horizon     predict_tpot_ms(n + 1, decode_tokens_horizon + p + γ·out)   decision
 predicted_tpot_residents   0 where n = 0, else predicted_tpot + prefill_stall_ms /     decision
@@ -44,6 +47,22 @@ which sums per-request footprint vectors over future iterations: the sum here
 is the value of that vector at the worst iteration when every request is
 still alive (all finishing together), an upper bound of its peak that needs
 no per-request state from the statuses.
+
+KV peak (adaptive PD). When the view carries every resident leg's progress
+(:class:`~router.core.columns.ResidentLegs`: the router's account updates each
+leg's context as it forwards the tokens, the simulator reads its engines),
+``kv_life_tokens`` is the peak exact for expected lengths: with K =
+S.used_kv + S.uncomputed_prefill + L tokens, the part of it the legs do not
+hold stays, each decode request the legs do not cover adds ``o`` and stays,
+the legs that decode already add their :func:`kv_peak_tokens`, and the legs
+not started yet and the new request (whose decoding starts after their
+prefill and KV transfer, a delay nobody knows) add their final length each.
+Without the legs (peer router processes publish only sums): K +
+kv_growth_tokens, every resident at its final length at once, which is never
+below the exact peak. Only adaptive PD holds decode to ``kv_peak_exact``:
+``slo`` and ``binpack`` keep ``kv_peak_projected`` (``slo`` drops it in its
+fallback pass, where the slack of the sums is what kept those placements from
+preempting; README, adaptive PD in overload).
 
 Horizon. Aladdin bounds ``Σ(l_in + γ·l_out)`` by the context the TPOT target
 allows at the batch size; with the same sums, each resident request is taken
@@ -73,7 +92,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from router.core.columns import BoolArray, FloatArray, InstanceTable
+from router.core.columns import BoolArray, FloatArray, InstanceTable, IntArray
 from router.core.config import SchedulerConfig
 from router.core.plugins import DecisionContext, Metric, MetricScope
 from router.core.registry import METRICS, Params
@@ -140,6 +159,9 @@ def packing_tpot_target_ms(ctx: DecisionContext, default_output_tokens: int, fac
     return paced / factor
 
 
+_At = Callable[[DecisionContext, SchedulerConfig, int], float]
+
+
 @dataclass(frozen=True, eq=False)
 class _PackingMetric:
     """A metric of this module: a function of the context and the scheduler config."""
@@ -153,11 +175,24 @@ class _PackingMetric:
         return self.fn(ctx, self.config)
 
 
+@dataclass(frozen=True, eq=False)
+class _UpdatedPackingMetric(_PackingMetric):
+    """A load-scoped metric of this module with a one-instance form: after a change of the in-flight
+    account only the instances it touched are recomputed (``DecisionContext`` calls ``at``)."""
+
+    one: _At
+
+    def at(self, ctx: DecisionContext, index: int) -> float:
+        return self.one(ctx, self.config, index)
+
+
 def _register(
-    name: str, scope: MetricScope
+    name: str, scope: MetricScope, at: _At | None = None
 ) -> Callable[[Callable[[DecisionContext, SchedulerConfig], FloatArray]], None]:
     def decorator(fn: Callable[[DecisionContext, SchedulerConfig], FloatArray]) -> None:
         def factory(config: SchedulerConfig, params: Params) -> Metric:
+            if at is not None:
+                return _UpdatedPackingMetric(name, scope, fn, config, at)
             return _PackingMetric(name, scope, fn, config)
 
         METRICS.register(name)(factory)
@@ -190,6 +225,41 @@ def _kv_growth_tokens(ctx: DecisionContext, config: SchedulerConfig) -> FloatArr
     return growth
 
 
+def kv_peak_tokens(n: int, instance: IntArray, context: FloatArray, remaining: FloatArray) -> FloatArray:
+    """Per instance, the peak over the legs' life of ``Σ_{i alive k steps ahead} (context_i + k)``.
+
+    Each leg ``i`` (on view index ``instance[i]``) holds ``context_i`` tokens
+    now, adds one per decode step and leaves after ``remaining_i`` more steps
+    (it still holds ``context_i + remaining_i`` at step ``remaining_i``). The
+    sum grows between two finishing points and drops at each, so its peak is
+    at a finishing point ``k = remaining_j``, where the legs alive are those
+    with ``remaining ≥ remaining_j``: with the legs of an instance sorted by
+    ``remaining`` (descending), the value at the m-th is the sum of the first
+    m contexts + m·remaining_m (ties: the last of equal ``remaining`` counts
+    them all). O(L log L) over all L legs, in a few array passes; 0 for an
+    instance without legs.
+    """
+    peak = np.zeros(n)
+    if len(instance) == 0:
+        return peak
+    order = np.lexsort((-remaining, instance))
+    legs = instance[order]
+    csum = np.cumsum(context[order])
+    starts = np.flatnonzero(np.concatenate(([True], legs[1:] != legs[:-1])))
+    lengths = np.diff(np.append(starts, len(legs)))
+    before = np.concatenate(([0.0], csum))[starts]
+    rank = np.arange(1, len(legs) + 1) - np.repeat(starts, lengths)
+    value = csum - np.repeat(before, lengths) + rank * remaining[order]
+    peak[legs[starts]] = np.maximum.reduceat(value, starts)
+    return peak
+
+
+def kv_all_alive_tokens(n: int, instance: IntArray, context: FloatArray, remaining: FloatArray) -> FloatArray:
+    """Per instance, ``Σ (context_i + remaining_i)``: every leg at its final length at once (≥ the peak)."""
+    total: FloatArray = np.bincount(instance, weights=context + remaining, minlength=n).astype(np.float64)
+    return total
+
+
 @_register("kv_peak_projected", MetricScope.DECISION)
 def _kv_peak_projected(ctx: DecisionContext, config: SchedulerConfig) -> FloatArray:
     table = ctx.view.instances
@@ -200,6 +270,84 @@ def _kv_peak_projected(ctx: DecisionContext, config: SchedulerConfig) -> FloatAr
         + ctx.metric("kv_growth_tokens")
     )
     if ctx.request is not None:
+        used = used + (ctx.prompt_tokens + _out(ctx, config))
+    capacity = table.kv_capacity_tokens
+    peak: FloatArray = np.divide(used, capacity, out=np.full(table.n, np.inf), where=capacity > 0)
+    return peak
+
+
+def _kv_life_at(ctx: DecisionContext, config: SchedulerConfig, i: int) -> float:
+    """``kv_life_tokens`` at view index ``i`` alone (the same value, from that instance's legs)."""
+    legs = ctx.view.resident_legs_on(i)
+    if legs is None:
+        return float(_kv_life_column(ctx, config)[i])
+    table = ctx.view.instances
+    inflight = ctx.view.inflight
+    now = float(table.used_kv_tokens[i] + table.uncomputed_prefill_tokens[i] + inflight.tokens[i])
+    held = pending = 0.0
+    running: list[tuple[float, float]] = []
+    for context, remaining, started in legs:
+        held += context
+        if started:
+            running.append((remaining, context))
+        else:
+            pending += context + remaining
+    uncovered = max(float(table.decode_requests[i] + inflight.decode_requests[i]) - len(legs), 0.0)
+    used = now - held + pending + uncovered * config.packing_default_output_tokens
+    if running:
+        running.sort(reverse=True)
+        total = peak = 0.0
+        for m, (remaining, context) in enumerate(running, start=1):
+            total += context
+            peak = max(peak, total + m * remaining)
+        used += peak
+    return used
+
+
+def _kv_life_column(ctx: DecisionContext, config: SchedulerConfig) -> FloatArray:
+    """The KV peak (tokens) over the life of what each instance holds, exact from the legs' progress.
+
+    See "KV peak" in the module doc. Load-scoped: the legs that decode already
+    advance one token a step together, so the peak of their sum does not move
+    while they run (each holds one more token a step and has one fewer to go);
+    it changes only when a leg is placed, starts or ends, which changes the
+    in-flight version (a progress update does not). Without the legs: the sums
+    (every resident at its final length at once).
+    """
+    table = ctx.view.instances
+    inflight = ctx.view.inflight
+    now = table.used_kv_tokens + table.uncomputed_prefill_tokens + inflight.tokens
+    residents = ctx.view.resident_legs()
+    if residents is None:
+        sums: FloatArray = now + ctx.metric("kv_growth_tokens")
+        return sums
+    # The rest of the KV (prefill of requests decoding elsewhere, legs placed without an expected
+    # length) stays as it is; a decode request the legs do not cover grows by the default output
+    # and is taken to stay. A leg that has not started yet (its prefill or KV transfer is under
+    # way) starts after a delay nobody knows, so it counts at its final length throughout (its
+    # peak whatever the delay).
+    n = table.n
+    instance, context, remaining, started = residents
+    legs = np.bincount(instance, minlength=n)
+    held = np.bincount(instance, weights=context, minlength=n)
+    uncovered = np.maximum(table.decode_requests + inflight.decode_requests - legs, 0.0)
+    waiting = ~started
+    pending = np.bincount(instance[waiting], weights=(context + remaining)[waiting], minlength=n)
+    used: FloatArray = now - held + pending + uncovered * config.packing_default_output_tokens
+    if np.any(started):
+        used = used + kv_peak_tokens(n, instance[started], context[started], remaining[started])
+    return used
+
+
+_register("kv_life_tokens", MetricScope.LOAD, at=_kv_life_at)(_kv_life_column)
+
+
+@_register("kv_peak_exact", MetricScope.DECISION)
+def _kv_peak_exact(ctx: DecisionContext, config: SchedulerConfig) -> FloatArray:
+    table = ctx.view.instances
+    used = ctx.metric("kv_life_tokens")
+    if ctx.request is not None:
+        # The new request also starts after its prefill: at its final length throughout.
         used = used + (ctx.prompt_tokens + _out(ctx, config))
     capacity = table.kv_capacity_tokens
     peak: FloatArray = np.divide(used, capacity, out=np.full(table.n, np.inf), where=capacity > 0)

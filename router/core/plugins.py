@@ -352,9 +352,16 @@ class PolicyHook(Protocol):
     """Runs once per decision before any stage (e.g. adaptive PD's reserve election).
 
     May set ``ctx.reserves``; state changes go through ``ctx.on_commit``.
+    ``dispatched`` hears of each decision the caller really dispatched
+    (:meth:`router.core.scheduler.Scheduler.dispatched`): a committed decision
+    may still be dropped (the router queue keeps a late request waiting when
+    its placement came from a fallback pass), so load a hook measures belongs
+    there, not in a commit.
     """
 
     def prepare(self, ctx: DecisionContext) -> None: ...
+
+    def dispatched(self, request: ScheduleInput, now_s: float) -> None: ...
 
 
 @dataclass(frozen=True)

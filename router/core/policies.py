@@ -279,7 +279,10 @@ def _adaptive_pd(config: SchedulerConfig) -> dict[str, Any]:
                 {"name": "exclude_reserved", "reserve": "prefill", "relax_pass": 2},
                 _not_overpacked(relax_pass=2),
                 {"name": "prefill_room"},
-                _kv_fits(config),
+                # KV over life from each resident leg's progress (packing.kv_peak_exact): the sums'
+                # bound, every resident at its final length at once, refused the long prompts of
+                # overload that plain slo serves through its fallback pass (README, adaptive PD).
+                _kv_fits(config, metric="kv_peak_exact"),
                 _tpot(),
                 _tpot_horizon(config, droppable=True),
                 "failover",

@@ -173,12 +173,23 @@ class Scheduler:
             )
         return decision
 
+    def dispatched(self, decision: Decision, now_s: float) -> None:
+        """Tell the policy's hooks that ``decision`` was dispatched (:meth:`record` does it; a caller
+        keeping its own in-flight account, as the simulator does, calls it at dispatch)."""
+        request = decision.context.request
+        if request is not None:
+            for hook in self.policy.hooks:
+                hook.dispatched(request, now_s)
+
     def record(self, decision: Decision, now_s: float, prompt_tokens: int | None = None) -> None:
-        """Account ``decision``'s dispatch in the in-flight account.
+        """Account ``decision``'s dispatch in the in-flight account (and tell the policy's hooks).
 
         ``prompt_tokens`` defaults to the request's (a decode re-placement of
-        prompt + generated tokens passes its own count).
+        prompt + generated tokens passes its own count; it is no new load, so
+        the hooks do not hear of it).
         """
+        if prompt_tokens is None:
+            self.dispatched(decision, now_s)
         request = decision.context.request
         tokens = prompt_tokens
         if tokens is None:

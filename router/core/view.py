@@ -24,7 +24,16 @@ import numpy.typing as npt
 from slorouter.v1 import cms_pb2
 
 from fleet.snapshot import ClusterSnapshot
-from router.core.columns import INFLIGHT_ROWS, ClusterView, InflightColumns, InstanceTable, LoadDelta
+from router.core.columns import (
+    INFLIGHT_ROWS,
+    ClusterView,
+    InflightColumns,
+    InstanceTable,
+    LegList,
+    LoadDelta,
+    ResidentLegs,
+    ResidentSource,
+)
 from router.core.inflight import InflightAccount
 from router.core.request import Role
 
@@ -170,7 +179,16 @@ class ViewBuilder:
         changes = None
         if load is not None and load.account is inflight:
             if load.version == inflight.version:
-                return ClusterView(table, load.columns, now_s, age, load.memo, None, oldest)
+                return ClusterView(
+                    table,
+                    load.columns,
+                    now_s,
+                    age,
+                    load.memo,
+                    None,
+                    oldest,
+                    _legs_of(inflight, table),
+                )
             changes = inflight.changes_since(load.version)
         if load is not None and changes is not None and len(changes) <= max(8, table.n // 8):
             matrix = load.columns.matrix.copy()
@@ -187,7 +205,16 @@ class ViewBuilder:
             columns = inflight.columns(table.index, table.n)
         load = _Load._make((inflight, inflight.version, columns, {}))
         self._load = load
-        return ClusterView(table, columns, now_s, age, load.memo, previous, oldest)
+        return ClusterView(
+            table,
+            columns,
+            now_s,
+            age,
+            load.memo,
+            previous,
+            oldest,
+            _legs_of(inflight, table),
+        )
 
     def _no_inflight(self, table: InstanceTable) -> tuple[InflightColumns, dict[Any, Any]]:
         found: tuple[InflightColumns, dict[Any, Any]] | None = table.memo.get("no_inflight")
@@ -305,3 +332,25 @@ class ViewBuilder:
             running_requests=col["running_requests"],
             measured_decode_step_ms=measured,
         )
+
+
+def _legs_of(inflight: InflightAccount, table: InstanceTable) -> ResidentSource:
+    """The resident legs of ``inflight`` on ``table``'s instances, built when asked (see ``ClusterView``)."""
+    return _AccountLegs(inflight, table)
+
+
+class _AccountLegs:
+    """A :class:`ResidentSource` reading the in-flight account."""
+
+    __slots__ = ("inflight", "table")
+
+    def __init__(self, inflight: InflightAccount, table: InstanceTable) -> None:
+        self.inflight = inflight
+        self.table = table
+
+    def legs(self) -> ResidentLegs | None:
+        return self.inflight.resident_legs(self.table.index, self.table.n)
+
+    def legs_on(self, index: int) -> LegList | None:
+        found = self.inflight.resident_legs_on(self.table.ids[index])
+        return None if found is None else [(float(c), float(r), s) for c, r, s in found]

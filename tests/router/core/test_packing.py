@@ -13,9 +13,17 @@ from hypothesis import strategies as st
 from fleet.snapshot import ClusterSnapshot, InstanceRecord
 from router.core.adaptive_pd import DecodeShare, decoder_cap
 from router.core.capacity import LoadShape, decode_batch, estimate_instances
+from router.core.columns import ClusterView, ResidentLegs, StaticResidents
 from router.core.errors import NoInstanceError
 from router.core.inflight import InflightAccount
-from router.core.packing import expected_output_tokens, overpacked_mask, prefill_room_mask
+from router.core.packing import (
+    expected_output_tokens,
+    kv_all_alive_tokens,
+    kv_peak_tokens,
+    overpacked_mask,
+    prefill_room_mask,
+)
+from router.core.registry import METRICS
 from router.core.request import ScheduleInput
 from router.core.scheduler import Scheduler
 from tests.router.core.helpers import NOW, inst, make_predictor, make_request, make_scheduler, make_snapshot
@@ -165,6 +173,229 @@ def test_no_admitted_placement_exceeds_kv_over_the_requests_life(
         assert _life_peak(contexts, remaining) <= CAPACITY
     # The projection never under-states the life peak (it is the all-alive bound).
     assert ctx.metric("kv_peak_projected")[d] * CAPACITY >= _life_peak(contexts, remaining) - 1e-6
+
+
+def _with_legs(view: ClusterView, residents: list[tuple[int, int, int]], at: str = "d") -> ClusterView:
+    """``view`` with each resident's progress known (as the simulator gives it): legs on ``at``."""
+    d = view.instances.index[at]
+    legs = ResidentLegs(
+        np.full(len(residents), d, dtype=np.intp),
+        np.array([float(p + g) for p, _, g in residents]),
+        np.array([float(o - g) for _, o, g in residents]),
+        np.ones(len(residents), dtype=bool),
+    )
+    return dataclasses.replace(view, residents=StaticResidents(legs), load_memo={})
+
+
+def test_the_account_keeps_each_resident_legs_context_as_it_grows() -> None:
+    account = InflightAccount()
+    account.record("a", "p", "d", 100, NOW, final_tokens=400)
+    account.record("b", None, "e", 50, NOW, final_tokens=60)
+    account.record("c", "p", "d", 70, NOW)  # no expected length: not resident
+    version = account.version
+    account.advance("a", 130)
+    account.advance("a", 120)  # never shrinks
+    account.advance("c", 999)  # not resident: ignored
+    assert account.version == version  # progress is read per decision, not journalled
+    legs = account.resident_legs({"p": 0, "d": 1, "e": 2}, 3)
+    assert legs is not None
+    assert sorted(
+        zip(
+            legs.instance.tolist(),
+            legs.context.tolist(),
+            legs.remaining.tolist(),
+            legs.started.tolist(),
+            strict=True,
+        )
+    ) == [(1, 130.0, 270.0, False), (2, 50.0, 10.0, False)]
+    assert account.resident_legs_on("d") == [(130, 270, False)]
+    assert account.resident_legs_on("p") == []
+    # Admitted by its decode instance: it decodes now.
+    account.reconcile(make_snapshot(inst("d", "decode", admitted=["a"])))
+    legs = account.resident_legs({"p": 0, "d": 1, "e": 2}, 3)
+    assert legs is not None and sorted(zip(legs.instance.tolist(), legs.started.tolist(), strict=True)) == [
+        (1, True),
+        (2, False),
+    ]
+    assert account.resident_legs_on("d") == [(130, 270, True)]
+    account.release("a")
+    legs = account.resident_legs({"p": 0, "d": 1, "e": 2}, 3)
+    assert legs is not None and legs.instance.tolist() == [2]
+    assert account.resident_legs_on("d") == []
+    # Peers publish only sums: then no legs, and packing uses the sums.
+    account.set_peers({"d": (1, 0, 0, 1, 10, 10, 1, 500)})
+    assert account.resident_legs({"p": 0, "d": 1, "e": 2}, 3) is None
+    assert account.resident_legs_on("e") is None
+
+
+def _brute_peak(contexts: list[float], remaining: list[float]) -> float:
+    """Step by step: k steps ahead a leg still running (remaining ≥ k) holds context + k tokens."""
+    horizon = int(max(remaining, default=0))
+    return max(
+        sum(c + k for c, r in zip(contexts, remaining, strict=True) if r >= k) for k in range(horizon + 1)
+    )
+
+
+legs_strategy = st.lists(st.tuples(st.integers(0, 3), st.integers(0, 4000), st.integers(0, 300)), max_size=25)
+
+
+@PROPS
+@given(legs_strategy)
+def test_exact_kv_peak_equals_the_step_by_step_growth_and_stays_under_the_all_alive_bound(
+    legs: list[tuple[int, int, int]],
+) -> None:
+    n = 4
+    instance = np.array([g for g, _, _ in legs], dtype=np.intp)
+    context = np.array([float(c) for _, c, _ in legs])
+    remaining = np.array([float(r) for _, _, r in legs])
+    peak = kv_peak_tokens(n, instance, context, remaining)
+    bound = kv_all_alive_tokens(n, instance, context, remaining)
+    for i in range(n):
+        mine = [(c, r) for g, c, r in legs if g == i]
+        brute = _brute_peak([float(c) for c, _ in mine], [float(r) for _, r in mine]) if mine else 0.0
+        assert peak[i] == pytest.approx(brute)
+        assert peak[i] <= bound[i] + 1e-9
+
+
+@PROPS
+@given(residents_strategy, st.integers(1, 3000), st.integers(2, 1500))
+def test_the_exact_peak_admits_no_placement_that_exceeds_kv_over_the_requests_life(
+    residents: list[tuple[int, int, int]], prompt: int, out: int
+) -> None:
+    snapshot, scheduler = _loaded_fleet(residents)
+    sums = dataclasses.replace(scheduler.view(snapshot, NOW), residents=None, load_memo={})
+    exact = _with_legs(sums, residents)
+    d = sums.instances.index["d"]
+    request = make_request("new", prompt, max_tokens=out)
+    peak = scheduler.context(exact, request).metric("kv_peak_exact")[d]
+    bound = scheduler.context(sums, request).metric("kv_peak_exact")[d]
+    # Without the legs the exact peak is the sums' bound; slo's metric keeps the sums either way.
+    assert bound == scheduler.context(sums, request).metric("kv_peak_projected")[d]
+    assert scheduler.context(exact, request).metric("kv_peak_projected")[d] == bound
+    contexts = [p + g for p, _, g in residents] + [prompt]
+    remaining = [o - g for _, o, g in residents] + [out]
+    assert peak <= bound + 1e-9
+    assert peak * CAPACITY >= _life_peak(contexts, remaining) - 1e-6
+    if peak < scheduler.config.kv_packing_headroom:
+        assert _life_peak(contexts, remaining) <= CAPACITY
+
+
+def test_the_exact_peak_admits_what_the_all_alive_bound_refused_and_it_fits_step_by_step() -> None:
+    # 4 residents 50 tokens from the end (1950 tokens each) and 4 early in their answers (1100 each,
+    # 900 to go): 12,200 tokens now. All alive at their final length they would hold 16,000, so a
+    # 2500 + 800 request is refused by the bound (19,300 > 0.95 × 20,000). The old four leave after
+    # 50 steps: the residents peak at 12,600 then, and with the new request at its full 3300 from
+    # the start (its decoding starts after its prefill, whenever that is) at 15,900, well inside.
+    residents = [(1000, 1000, 950)] * 4 + [(1000, 1000, 100)] * 4
+    snapshot, scheduler = _loaded_fleet(residents)
+    snapshot = make_snapshot(*snapshot.instances, inst("e", "decode", meta={"kv_capacity_tokens": CAPACITY}))
+    sums = dataclasses.replace(scheduler.view(snapshot, NOW), residents=None, load_memo={})
+    exact = _with_legs(sums, residents)
+    d = sums.instances.index["d"]
+    request = make_request("new", 2500, max_tokens=800)
+    assert scheduler.context(sums, request).metric("kv_peak_exact")[d] > 0.95
+    assert scheduler.context(exact, request).metric("kv_peak_exact")[d] == pytest.approx(15_900 / CAPACITY)
+    assert scheduler.context(exact, request).metric("kv_peak_projected")[d] > 0.95
+    contexts = [float(p + g) for p, _, g in residents]
+    remaining = [float(o - g) for _, o, g in residents]
+
+    # Step by step, whenever the new request starts decoding (a delay of 0 to 900 steps), it fits.
+    def life(delay: int) -> float:
+        return max(
+            sum(c + k for c, r in zip(contexts, remaining, strict=True) if r >= k)
+            + (2500.0 + max(k - delay, 0) if k <= delay + 800 else 0.0)
+            for k in range(1801)
+        )
+
+    worst = max(life(delay) for delay in (0, 25, 50, 100, 900))
+    assert worst <= 15_900 <= CAPACITY
+    # Adaptive PD follows: on the sums no decoder keeps KV over life (e is held for prefill room), with
+    # the legs it packs onto d; binpack (and slo) keep the sums' bound either way and open e.
+    _, apd = _loaded_fleet(residents, "adaptive-pd")
+    with pytest.raises(NoInstanceError) as refused:
+        apd.schedule(sums, request, NOW, dry_run=True)
+    assert refused.value.stage == "decode" and refused.value.drops["kv_over_life"] == 1
+    packed = apd.schedule(exact, request, NOW, dry_run=True).decode
+    assert packed is not None and packed.instance_id == "d"
+    binpacked = scheduler.schedule(exact, request, NOW).decode
+    assert binpacked is not None and binpacked.instance_id == "e"
+
+
+@PROPS
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 2), st.integers(0, 4000), st.integers(0, 300), st.booleans()), max_size=20
+    )
+)
+def test_one_instances_kv_life_equals_its_entry_in_the_column(legs: list[tuple[int, int, int, bool]]) -> None:
+    # After a change the router updates only the instances it touched (the metric's ``at``).
+    snapshot = make_snapshot(
+        *(
+            inst(f"d{k}", "decode", decode_requests=2, decode_tokens=900, used_kv_tokens=1200 + k)
+            for k in range(3)
+        )
+    )
+    scheduler = make_scheduler("slo", enable_adaptive_pd=True)
+    known = ResidentLegs(
+        np.array([g for g, _, _, _ in legs], dtype=np.intp),
+        np.array([float(c) for _, c, _, _ in legs]),
+        np.array([float(r) for _, _, r, _ in legs]),
+        np.array([s for _, _, _, s in legs], dtype=bool),
+    )
+    view = dataclasses.replace(scheduler.view(snapshot, NOW), residents=StaticResidents(known), load_memo={})
+    ctx = scheduler.context(view, None)
+    metric = METRICS.create("kv_life_tokens", scheduler.config)
+    column = metric.compute(ctx)
+    at = getattr(metric, "at")  # noqa: B009 (what DecisionContext looks up)
+    assert [at(ctx, i) for i in range(3)] == pytest.approx(column.tolist())
+
+
+def test_the_routers_kv_life_column_updated_after_a_change_equals_a_full_computation() -> None:
+    # The view builder hands the previous column over; only the instances the change touched are
+    # recomputed (from their legs alone).
+    scheduler = make_scheduler("slo", enable_adaptive_pd=True)
+    decoders = (inst(f"d{k}", "decode", meta={"kv_capacity_tokens": CAPACITY}) for k in range(12))
+    snapshot = make_snapshot(*decoders)
+    for k in range(12):
+        scheduler.inflight.record(f"r{k}", None, f"d{k}", 500 + 10 * k, NOW, final_tokens=900 + 10 * k)
+    scheduler.inflight.advance("r3", 531)  # the first token, from the prefill instance
+    before = scheduler.context(scheduler.view(snapshot, NOW), None).metric("kv_life_tokens").copy()
+    scheduler.inflight.record("late", None, "d5", 1000, NOW, final_tokens=1500)
+    scheduler.inflight.release("r7")
+    second = scheduler.view(snapshot, NOW)
+    assert second.load_previous is not None  # the incremental path
+    updated = scheduler.context(second, None).metric("kv_life_tokens")
+    full = METRICS.create("kv_life_tokens", scheduler.config).compute(scheduler.context(second, None))
+    assert updated.tolist() == pytest.approx(full.tolist())
+    assert [k for k in range(12) if updated[k] != pytest.approx(before[k])] == [5, 7]
+    # Progress alone changes no version: the column stays (a full computation on the same stale
+    # statuses would subtract tokens the statuses do not hold yet, so the kept value is the cautious one).
+    scheduler.inflight.advance("r4", 600)
+    third = scheduler.view(snapshot, NOW)
+    kept = scheduler.context(third, None).metric("kv_life_tokens")
+    assert kept.tolist() == updated.tolist()
+    assert np.all(
+        kept >= METRICS.create("kv_life_tokens", scheduler.config).compute(scheduler.context(third, None))
+    )
+
+
+def test_a_leg_not_decoding_yet_counts_at_its_final_length() -> None:
+    # Its prefill elsewhere may end at any moment: it may still hold its whole KV when the others peak.
+    snapshot, scheduler = _loaded_fleet([(1000, 1000, 950)] * 4)
+    scheduler.inflight.record("pending", "p", "d", 4000, NOW, final_tokens=7000)  # in flight: 4000 tokens
+    view = scheduler.view(snapshot, NOW)
+    d = view.instances.index["d"]
+    legs = ResidentLegs(
+        np.array([d] * 5, dtype=np.intp),
+        np.array([1950.0] * 4 + [4000.0]),
+        np.array([50.0] * 4 + [3000.0]),
+        np.array([True] * 4 + [False]),
+    )
+    ctx = scheduler.context(dataclasses.replace(view, residents=StaticResidents(legs), load_memo={}), None)
+    # The status holds the four (7800); the running four peak at 8000 together, the pending leg
+    # adds its final 7000 whatever its delay (not the 4050 it would hold 50 steps after starting now).
+    assert ctx.metric("kv_peak_exact")[d] * CAPACITY == pytest.approx(8000 + 7000)
+    assert ctx.metric("kv_life_tokens")[d] == pytest.approx(8000 + 7000)
 
 
 def test_kv_over_life_refuses_a_decoder_that_would_overflow_later_and_admits_one_that_fits() -> None:
@@ -406,6 +637,26 @@ def _sized(prompt: int, output: int, rate: float = 2.0) -> Scheduler:
     for k in range(int(60 * rate)):
         share.load.observe(NOW - 60.0 + k / rate, prompt, output)
     return scheduler
+
+
+def test_the_decode_share_counts_dispatched_placements_not_decisions() -> None:
+    # The router queue re-offers a late request whose placement came from a fallback pass and keeps
+    # it waiting: that decision is committed but never dispatched, and must not count as load.
+    scheduler = make_scheduler("slo", enable_adaptive_pd=True)
+    (share,) = [h for h in scheduler.policy.hooks if isinstance(h, DecodeShare)]
+    snapshot = make_snapshot(inst("a"), inst("b"), inst("c"))
+    request = make_request("r", 500, max_tokens=100)
+    for _ in range(5):
+        scheduler.schedule(snapshot, request, NOW)
+    assert len(share.load) == 0
+    decision = scheduler.schedule(snapshot, request, NOW)
+    scheduler.record(decision, NOW)
+    assert len(share.load) == 1
+    scheduler.record(decision, NOW, prompt_tokens=540)  # a decode re-placement: no new load
+    assert len(share.load) == 1
+    scheduler.dispatched(decision, NOW + 1.0)  # a caller with its own in-flight account (the simulator)
+    shape = share.load.shape(NOW + 1.0)
+    assert len(share.load) == 2 and shape.mean_prompt_tokens == 500 and shape.mean_output_tokens == 100
 
 
 def test_the_decode_set_grows_no_further_than_the_demand_it_serves_calls_for() -> None:
