@@ -498,6 +498,12 @@ async def test_qlm_eviction_on_vllm_requeues_with_the_generated_tokens(cluster: 
             msg = await call.read()
             assert msg is not grpc.aio.EOF, "the stream ended before the eviction"
             received.extend(msg.token_ids)
+        # The abort goes out at once: the engine keeps generating meanwhile (a token a millisecond or
+        # two on this model), and a queue pass in between could let the whole request finish first on a
+        # fast machine (it did once in CI). The queue's bookkeeping below does not touch the worker, so
+        # its place before or after the call changes nothing it checks.
+        assert (await client.stub.Abort(worker_pb2.AbortRequest(request_id="ev-loose"), timeout=5)).found
+        call.cancel()
         tight_prompt = random_prompt(10, seed=22)
         queue.push(
             ScheduleInput(
@@ -519,8 +525,6 @@ async def test_qlm_eviction_on_vllm_requeues_with_the_generated_tokens(cluster: 
 
         dispatched = queue.pump(1.0, evict)
         assert evicted == ["ev-loose"]
-        assert (await client.stub.Abort(worker_pb2.AbortRequest(request_id="ev-loose"), timeout=5)).found
-        call.cancel()
         assert [d.request.request_id for d in dispatched] == ["ev-tight"]
         tight = await generate(address, "ev-tight", tight_prompt, 4)
         assert len(tight.tokens) == 4
