@@ -241,9 +241,6 @@ def _failure(
         return EmptyClusterError(
             _describe_unusable(ctx, candidates, f"{stage} instance"), instances=n, usable=0
         )
-    first = outcome.first_drop(every_filter=True)
-    drops = {label: int(np.count_nonzero(first == k)) for k, label in enumerate(outcome.labels)}
-    drops = {label: count for label, count in drops.items() if count}
     # Candidates that only thresholds stopped: what the policy could have used with a looser target.
     thresholds = spec.explainers
     threshold_labels = {f.label for f in thresholds}
@@ -252,30 +249,43 @@ def _failure(
         if label not in threshold_labels:
             eligible &= keep
     eligible_index = eligible.nonzero()[0]
-    misses = []
-    for f in thresholds:
-        metric, best, limit = f.explain_miss(ctx, eligible_index)
-        misses.append(ThresholdMiss(f.label, metric, best, limit))
-    parts = [
-        f"no {stage} instance for request {ctx.request.request_id if ctx.request else ''!r}: {n} candidate(s)"
-    ]
-    if drops:
-        parts.append("dropped first by " + ", ".join(f"{label} {count}" for label, count in drops.items()))
-    for miss in misses:
-        if miss.best == miss.best:
-            parts.append(f"best {miss.metric} {miss.best:.1f} vs limit {miss.limit:.1f}")
-    if len(eligible_index) and misses:
-        parts.append(
-            "no instance is predicted to meet the target: relax the request's SLO or the dispatch thresholds, "
-            "add capacity, or retry later"
-        )
-    else:
-        parts.append("every candidate is excluded, unhealthy or in a failed failure domain; check the fleet")
-    return NoInstanceError(
-        "; ".join(parts),
+    misses = tuple(ThresholdMiss(f.label, *f.explain_miss(ctx, eligible_index)) for f in thresholds)
+    request_id = ctx.request.request_id if ctx.request else ""
+
+    # The drop counts and the text are built when read: a decision that leaves a queued request
+    # waiting reads only the misses (see NoInstanceError).
+    def drops() -> dict[str, int]:
+        first = outcome.first_drop(every_filter=True)
+        counts = {label: int(np.count_nonzero(first == k)) for k, label in enumerate(outcome.labels)}
+        return {label: count for label, count in counts.items() if count}
+
+    def message() -> str:
+        parts = [f"no {stage} instance for request {request_id!r}: {n} candidate(s)"]
+        dropped = error.drops
+        if dropped:
+            parts.append(
+                "dropped first by " + ", ".join(f"{label} {count}" for label, count in dropped.items())
+            )
+        for miss in misses:
+            if miss.best == miss.best:
+                parts.append(f"best {miss.metric} {miss.best:.1f} vs limit {miss.limit:.1f}")
+        if len(eligible_index) and misses:
+            parts.append(
+                "no instance is predicted to meet the target: relax the request's SLO or the dispatch "
+                "thresholds, add capacity, or retry later"
+            )
+        else:
+            parts.append(
+                "every candidate is excluded, unhealthy or in a failed failure domain; check the fleet"
+            )
+        return "; ".join(parts)
+
+    error = NoInstanceError(
+        message,
         stage=stage,
         candidates=n,
         drops=drops,
-        misses=tuple(misses),
+        misses=misses,
         healthy_candidates=len(eligible_index),
     )
+    return error
