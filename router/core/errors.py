@@ -31,7 +31,7 @@ message says what to fix.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 
@@ -109,11 +109,14 @@ class NoInstanceError(SchedulingError):
     limit) and ``healthy_candidates`` (candidates dropped only by threshold
     filters, i.e. capacity exists but cannot meet the target).
 
-    ``message`` and ``drops`` may be given as functions that build them: they
-    run the first time they are read (``str(error)``, ``error.args``,
-    ``error.drops``). The router queue's decisions that leave their request
-    waiting raise this error thousands of times a minute and read only
-    ``misses``; the text and drop counts are for the errors that reach a client.
+    ``message`` and ``drops`` may be given as functions that build them, and
+    the misses as ``lazy_misses`` (the number of threshold filters and a
+    function giving the miss of the k-th): they run the first time they are read
+    (``str(error)``, ``error.args``, ``error.drops``, ``error.misses``;
+    :meth:`iter_misses` builds them one at a time). The router queue's
+    decisions that leave their request waiting raise this error thousands of
+    times a minute and read only the first miss of one metric; the text, the
+    drop counts and the other misses are for the errors that reach a client.
     """
 
     def __init__(
@@ -125,6 +128,7 @@ class NoInstanceError(SchedulingError):
         drops: Mapping[str, int] | Callable[[], Mapping[str, int]],
         misses: tuple[ThresholdMiss, ...] = (),
         healthy_candidates: int = 0,
+        lazy_misses: tuple[int, Callable[[int], ThresholdMiss]] | None = None,
     ) -> None:
         if callable(message):
             super().__init__()
@@ -140,8 +144,32 @@ class NoInstanceError(SchedulingError):
             self._make_drops = drops
         else:
             self._drops = dict(drops)
-        self.misses = misses
+        self._misses = list(misses)
+        self._miss_count = len(misses)
+        self._make_miss: Callable[[int], ThresholdMiss] | None = None
+        if lazy_misses is not None:
+            self._miss_count, self._make_miss = lazy_misses
+            self._misses = []
         self.healthy_candidates = healthy_candidates
+
+    def iter_misses(self) -> Iterator[ThresholdMiss]:
+        """The misses in filter order, each built only when the iteration reaches it."""
+        k = 0
+        while k < self._miss_count:
+            if k == len(self._misses):
+                make = self._make_miss
+                assert make is not None
+                self._misses.append(make(k))
+            yield self._misses[k]
+            k += 1
+
+    @property
+    def misses(self) -> tuple[ThresholdMiss, ...]:
+        """Per threshold filter, in order: the best value against its limit."""
+        if len(self._misses) < self._miss_count:
+            for _ in self.iter_misses():
+                pass
+        return tuple(self._misses)
 
     def _render(self) -> None:
         make = self._message
