@@ -137,28 +137,47 @@ def _choice(ctx: DecisionContext, outcome: StageOutcome) -> Choice:
 
 
 def _evaluate(
-    ctx: DecisionContext, spec: StageSpec
+    ctx: DecisionContext, spec: StageSpec, candidates: BoolArray
 ) -> tuple[tuple[str, ...], list[BoolArray], tuple[int, ...]]:
-    """Every filter's label, keep-mask over the view and relax pass, in chain order."""
+    """Every filter's label, keep-mask over the view and relax pass, in chain order.
+
+    Once the candidates that pass every filter applied so far in all passes
+    (relax pass 0) are none, no pass can keep one: the stage fails whatever
+    the later filters say. A later filter that marks nothing for failover
+    (``StageSpec.markless``) is then not applied; its keep-mask is all true,
+    so it drops no candidate first (each was dropped by an earlier one) and
+    the failure reads the same. A decision that leaves a queued request
+    waiting mostly fails on its TTFT, before the TPOT, residents and KV
+    thresholds, which no longer compute their predictions for it.
+    """
     keeps: list[BoolArray] = []
     labels, relax = spec.labels, spec.relax
     request = ctx.request
+    table = ctx.view.instances
+    alive: BoolArray | None = candidates  # None: nothing survives every pass
     if request is not None and request.exclude_instance_ids:
-        table = ctx.view.instances
         keep = np.ones(table.n, dtype=bool)
         for instance_id in request.exclude_instance_ids:
             i = table.index.get(instance_id)
             if i is not None:
                 keep[i] = False
         keeps.append(keep)
+        alive = alive & keep
         labels, relax = (EXCLUDED, *labels), (0, *relax)
-    no_marks = ctx.view.instances.all_false()
+    no_marks = table.all_false()
     marked = no_marks
-    for f in spec.filters:
+    everywhere = table.all_true()
+    for f, markless, r in zip(spec.filters, spec.markless, spec.relax, strict=False):
+        if markless and (alive is None or not alive.any()):
+            alive = None
+            keeps.append(everywhere)
+            continue
         keep, mark = f.apply(ctx)
         keeps.append(keep)
         if mark is not None and mark is not no_marks:
             marked = mark if marked is no_marks else marked | mark
+        if r == 0 and alive is not None:
+            alive = alive & keep
     for g in spec.global_filters:
         keeps.append(g.apply_global(ctx, marked))
     return labels, keeps, relax
@@ -166,7 +185,7 @@ def _evaluate(
 
 def run_stage(ctx: DecisionContext, spec: StageSpec, stage: Stage, candidates: BoolArray) -> StageOutcome:
     """Filter ``candidates`` (a mask over the view) through ``spec`` and select; see the module doc."""
-    labels, keeps, relax = _evaluate(ctx, spec)
+    labels, keeps, relax = _evaluate(ctx, spec, candidates)
     table = ctx.view.instances
     everywhere = table.all_true()
     fixed = []
@@ -241,9 +260,6 @@ def _failure(
         return EmptyClusterError(
             _describe_unusable(ctx, candidates, f"{stage} instance"), instances=n, usable=0
         )
-    first = outcome.first_drop(every_filter=True)
-    drops = {label: int(np.count_nonzero(first == k)) for k, label in enumerate(outcome.labels)}
-    drops = {label: count for label, count in drops.items() if count}
     # Candidates that only thresholds stopped: what the policy could have used with a looser target.
     thresholds = spec.explainers
     threshold_labels = {f.label for f in thresholds}
@@ -252,30 +268,48 @@ def _failure(
         if label not in threshold_labels:
             eligible &= keep
     eligible_index = eligible.nonzero()[0]
-    misses = []
-    for f in thresholds:
-        metric, best, limit = f.explain_miss(ctx, eligible_index)
-        misses.append(ThresholdMiss(f.label, metric, best, limit))
-    parts = [
-        f"no {stage} instance for request {ctx.request.request_id if ctx.request else ''!r}: {n} candidate(s)"
-    ]
-    if drops:
-        parts.append("dropped first by " + ", ".join(f"{label} {count}" for label, count in drops.items()))
-    for miss in misses:
-        if miss.best == miss.best:
-            parts.append(f"best {miss.metric} {miss.best:.1f} vs limit {miss.limit:.1f}")
-    if len(eligible_index) and misses:
-        parts.append(
-            "no instance is predicted to meet the target: relax the request's SLO or the dispatch thresholds, "
-            "add capacity, or retry later"
-        )
-    else:
-        parts.append("every candidate is excluded, unhealthy or in a failed failure domain; check the fleet")
-    return NoInstanceError(
-        "; ".join(parts),
+
+    def miss(k: int) -> ThresholdMiss:
+        f = thresholds[k]
+        return ThresholdMiss(f.label, *f.explain_miss(ctx, eligible_index))
+
+    request_id = ctx.request.request_id if ctx.request else ""
+
+    # The drop counts and the text are built when read: a decision that leaves a queued request
+    # waiting reads only the misses (see NoInstanceError).
+    def drops() -> dict[str, int]:
+        first = outcome.first_drop(every_filter=True)
+        counts = {label: int(np.count_nonzero(first == k)) for k, label in enumerate(outcome.labels)}
+        return {label: count for label, count in counts.items() if count}
+
+    def message() -> str:
+        parts = [f"no {stage} instance for request {request_id!r}: {n} candidate(s)"]
+        dropped = error.drops
+        misses = error.misses
+        if dropped:
+            parts.append(
+                "dropped first by " + ", ".join(f"{label} {count}" for label, count in dropped.items())
+            )
+        for miss in misses:
+            if miss.best == miss.best:
+                parts.append(f"best {miss.metric} {miss.best:.1f} vs limit {miss.limit:.1f}")
+        if len(eligible_index) and thresholds:
+            parts.append(
+                "no instance is predicted to meet the target: relax the request's SLO or the dispatch "
+                "thresholds, add capacity, or retry later"
+            )
+        else:
+            parts.append(
+                "every candidate is excluded, unhealthy or in a failed failure domain; check the fleet"
+            )
+        return "; ".join(parts)
+
+    error = NoInstanceError(
+        message,
         stage=stage,
         candidates=n,
         drops=drops,
-        misses=tuple(misses),
         healthy_candidates=len(eligible_index),
+        lazy_misses=(len(thresholds), miss),
     )
+    return error

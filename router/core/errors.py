@@ -31,7 +31,7 @@ message says what to fix.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 
@@ -108,24 +108,127 @@ class NoInstanceError(SchedulingError):
     applied), ``misses`` (per threshold filter: the best value against its
     limit) and ``healthy_candidates`` (candidates dropped only by threshold
     filters, i.e. capacity exists but cannot meet the target).
+
+    ``message`` and ``drops`` may be given as functions that build them, and
+    the misses as ``lazy_misses`` (the number of threshold filters and a
+    function giving the miss of the k-th): they run the first time they are read
+    (``str(error)``, ``error.args``, ``error.drops``, ``error.misses``;
+    :meth:`iter_misses` builds them one at a time). The router queue's
+    decisions that leave their request waiting raise this error thousands of
+    times a minute and read only the first miss of one metric; the text, the
+    drop counts and the other misses are for the errors that reach a client.
     """
 
     def __init__(
         self,
-        message: str,
+        message: str | Callable[[], str],
         *,
         stage: str,
         candidates: int,
-        drops: Mapping[str, int],
+        drops: Mapping[str, int] | Callable[[], Mapping[str, int]],
         misses: tuple[ThresholdMiss, ...] = (),
         healthy_candidates: int = 0,
+        lazy_misses: tuple[int, Callable[[int], ThresholdMiss]] | None = None,
     ) -> None:
-        super().__init__(message)
+        if callable(message):
+            super().__init__()
+            self._message: Callable[[], str] | None = message
+        else:
+            super().__init__(message)
+            self._message = None
         self.stage = stage
         self.candidates = candidates
-        self.drops = dict(drops)
-        self.misses = misses
+        self._drops: dict[str, int] | None = None
+        self._make_drops: Callable[[], Mapping[str, int]] | None = None
+        if callable(drops):
+            self._make_drops = drops
+        else:
+            self._drops = dict(drops)
+        self._misses = list(misses)
+        self._miss_count = len(misses)
+        self._make_miss: Callable[[int], ThresholdMiss] | None = None
+        if lazy_misses is not None:
+            self._miss_count, self._make_miss = lazy_misses
+            self._misses = []
         self.healthy_candidates = healthy_candidates
+
+    def iter_misses(self) -> Iterator[ThresholdMiss]:
+        """The misses in filter order, each built only when the iteration reaches it."""
+        k = 0
+        while k < self._miss_count:
+            if k == len(self._misses):
+                make = self._make_miss
+                assert make is not None
+                self._misses.append(make(k))
+            yield self._misses[k]
+            k += 1
+
+    @property
+    def misses(self) -> tuple[ThresholdMiss, ...]:
+        """Per threshold filter, in order: the best value against its limit."""
+        if len(self._misses) < self._miss_count:
+            for _ in self.iter_misses():
+                pass
+        return tuple(self._misses)
+
+    def _render(self) -> None:
+        make = self._message
+        if make is not None:
+            self._message = None
+            BaseException.args.__set__(self, (make(),))  # type: ignore[attr-defined]
+
+    @property
+    def args(self) -> tuple[object, ...]:
+        self._render()
+        return BaseException.args.__get__(self)  # type: ignore[attr-defined,no-any-return]
+
+    @args.setter
+    def args(self, value: tuple[object, ...]) -> None:
+        self._message = None
+        BaseException.args.__set__(self, value)  # type: ignore[attr-defined]
+
+    def __str__(self) -> str:
+        self._render()
+        return super().__str__()
+
+    def __repr__(self) -> str:
+        self._render()
+        return super().__repr__()
+
+    def __reduce__(self) -> tuple[object, ...]:
+        self._render()
+        return (
+            _rebuild_no_instance,
+            (str(self), self.stage, self.candidates, self.drops, self.misses, self.healthy_candidates),
+        )
+
+    @property
+    def drops(self) -> dict[str, int]:
+        found = self._drops
+        if found is None:
+            make = self._make_drops
+            assert make is not None
+            self._make_drops = None
+            found = self._drops = dict(make())
+        return found
+
+
+def _rebuild_no_instance(
+    message: str,
+    stage: str,
+    candidates: int,
+    drops: Mapping[str, int],
+    misses: tuple[ThresholdMiss, ...],
+    healthy_candidates: int,
+) -> NoInstanceError:
+    return NoInstanceError(
+        message,
+        stage=stage,
+        candidates=candidates,
+        drops=drops,
+        misses=misses,
+        healthy_candidates=healthy_candidates,
+    )
 
 
 class QueueFullError(SchedulingError):

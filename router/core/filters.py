@@ -56,6 +56,7 @@ fallback pass ``k`` on); ``droppable: true`` is ``relax_pass: 1``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 
@@ -158,6 +159,8 @@ class MetricThreshold:
     #: The TPOT target of the requests already on an instance (``slo: tpot_residents``): the default
     #: one, since a status does not carry its requests' own targets.
     residents_tpot_ms: float = 50.0
+    #: It never marks an instance for failover (the chain may skip it once no candidate can survive).
+    marks: ClassVar[bool] = False
 
     def bound(self, ctx: DecisionContext) -> float:
         if self.limit is not None:

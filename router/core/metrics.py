@@ -286,16 +286,40 @@ def _full_chunk_ms(table: InstanceTable, predictors: PredictorSet) -> FloatArray
 
 
 def advanced_backlog(ctx: DecisionContext) -> FloatArray:
-    """S.num_uncomputed_prefill_tokens advanced to ``now`` by the step model (see the module doc)."""
+    """S.num_uncomputed_prefill_tokens advanced to ``now`` by the step model (see the module doc).
+
+    It reads the snapshot's columns, the status ages and the calibration, not
+    the request: the decisions of one router queue pass (the same view object,
+    so the same age column) and the pass's fleet drain share one result, kept
+    with the table for the last (ages, predictors, correction) it was asked
+    for. Read-only (callers add to it into new arrays).
+    """
     table = ctx.view.instances
     status_backlog = table.uncomputed_prefill_tokens
-    if ctx.predictors is None:
+    predictors = ctx.predictors
+    if predictors is None:
         return status_backlog
-    model = _step_model(table, ctx.predictors)
+    model = _step_model(table, predictors)
     if len(model.index) == 0:
         return status_backlog
-    elapsed_ms = ctx.view.status_age_s[model.index] * _THOUSAND
+    ages = ctx.view.status_age_s
     correction = _correction(ctx)
+    found: tuple[FloatArray, PredictorSet, Correction | None, FloatArray] | None = table.memo.get(_ADVANCED)
+    if found is not None and found[0] is ages and found[1] is predictors and found[2] is correction:
+        return found[3]
+    out = _advance(status_backlog, model, ages, correction)
+    out.setflags(write=False)
+    table.memo[_ADVANCED] = (ages, predictors, correction, out)  # (the keys held: their ids stay theirs)
+    return out
+
+
+_ADVANCED = "advanced_backlog"
+
+
+def _advance(
+    status_backlog: FloatArray, model: _StepModel, ages: FloatArray, correction: Correction | None
+) -> FloatArray:
+    elapsed_ms = ages[model.index] * _THOUSAND
     if correction is not None:  # a slower engine has done less of its backlog by now
         elapsed_ms = elapsed_ms / correction.ttft_factor[model.index]
     done = np.minimum(elapsed_ms, model.full_ms) * model.full_rate

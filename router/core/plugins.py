@@ -378,6 +378,9 @@ class StageSpec:
     #: The single-instance filters that can explain a miss, in order (derived: a failed decision
     #: reads them, and ``isinstance`` against a runtime-checkable protocol is slow per call).
     explainers: tuple[ExplainsMiss, ...] = field(init=False, repr=False, compare=False)
+    #: Per single-instance filter: it never marks for failover (its class says ``marks = False``), so
+    #: the chain may skip it once no candidate can survive (derived; see ``chain._evaluate``).
+    markless: tuple[bool, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         labels = tuple(f.label for f in self.filters) + tuple(g.label for g in self.global_filters)
@@ -385,6 +388,7 @@ class StageSpec:
         object.__setattr__(self, "labels", labels)
         object.__setattr__(self, "relax", relax)
         object.__setattr__(self, "explainers", tuple(f for f in self.filters if isinstance(f, ExplainsMiss)))
+        object.__setattr__(self, "markless", tuple(getattr(f, "marks", True) is False for f in self.filters))
 
 
 @dataclass(frozen=True)

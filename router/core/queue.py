@@ -1166,7 +1166,7 @@ def _relaxed(decision: Decision) -> bool:
 def _best_ttft(exc: NoInstanceError) -> float:
     if exc.stage not in (Stage.PREFILL.value, Stage.NEUTRAL.value):
         return math.nan
-    for miss in exc.misses:
+    for miss in exc.iter_misses():  # (the other thresholds' misses are not built)
         if miss.metric == "predicted_ttft" and miss.best == miss.best:
             return miss.best
     return math.nan

@@ -27,6 +27,7 @@ from fleet.snapshot import ClusterSnapshot
 from router.core.columns import (
     INFLIGHT_ROWS,
     ClusterView,
+    FloatArray,
     InflightColumns,
     InstanceTable,
     LegList,
@@ -135,6 +136,14 @@ class _Load(NamedTuple):
     memo: dict[Any, Any]
 
 
+class _LastView(NamedTuple):
+    view: ClusterView
+    instances: InstanceTable
+    account: InflightAccount | None
+    version: int
+    now_s: float
+
+
 class ViewBuilder:
     """Builds views for one scheduler, caching per snapshot and per in-flight version.
 
@@ -153,6 +162,9 @@ class ViewBuilder:
         self._metas: dict[str, tuple[cms_pb2.InstanceMetadata, _Meta]] = {}
         self._last_layout: _Layout | None = None
         self._load: _Load | None = None
+        #: The last view built and what it was built from; the status ages of the last (table, now_s).
+        self._last_view: _LastView | None = None
+        self._ages: tuple[InstanceTable, float, FloatArray, float] | None = None
 
     def table(self, snapshot: ClusterSnapshot) -> InstanceTable:
         """The per-snapshot columns (rebuilt only when handed a different snapshot object)."""
@@ -165,12 +177,47 @@ class ViewBuilder:
         return table
 
     def build(self, snapshot: ClusterSnapshot, inflight: InflightAccount | None, now_s: float) -> ClusterView:
-        """The view of ``snapshot`` plus ``inflight`` at ``now_s`` (monotonic seconds, the snapshot's clock)."""
+        """The view of ``snapshot`` plus ``inflight`` at ``now_s`` (monotonic seconds, the snapshot's clock).
+
+        Asked again for the same snapshot, account version and ``now_s`` (the
+        decisions of one router queue pass), it returns the same view object:
+        the same inputs give the same columns, and values a decision derives
+        from the view alone (:func:`~router.core.metrics.advanced_backlog`)
+        are then computed once for all of them.
+        """
+        last = self._last_view
+        if (
+            last is not None
+            and last.now_s == now_s
+            and last.instances.snapshot is snapshot
+            and last.account is inflight
+            and (inflight is None or last.version == inflight.version)
+        ):
+            return last.view
         table = self.table(snapshot)
-        elapsed = snapshot.elapsed_s(now_s)  # frozen while the CMS is lost (static stability)
-        age = table.status_age_s + elapsed
-        # The same float addition as in ``age``, and rounding is monotonic: the oldest age exactly.
-        oldest = _oldest_status_age(table) + elapsed
+        ages = self._ages
+        if ages is not None and ages[0] is table and ages[1] == now_s:
+            age, oldest = ages[2], ages[3]
+        else:
+            elapsed = snapshot.elapsed_s(now_s)  # frozen while the CMS is lost (static stability)
+            age = _readonly(table.status_age_s + elapsed)
+            # The same float addition as in ``age``, and rounding is monotonic: the oldest age exactly.
+            oldest = _oldest_status_age(table) + elapsed
+            self._ages = (table, now_s, age, oldest)
+        view = self._build(table, inflight, now_s, age, oldest)
+        self._last_view = _LastView(
+            view, view.instances, inflight, -1 if inflight is None else inflight.version, now_s
+        )
+        return view
+
+    def _build(
+        self,
+        table: InstanceTable,
+        inflight: InflightAccount | None,
+        now_s: float,
+        age: FloatArray,
+        oldest: float,
+    ) -> ClusterView:
         if inflight is None:
             columns, load_memo = self._no_inflight(table)
             return ClusterView(table, columns, now_s, age, load_memo, None, oldest)
