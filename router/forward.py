@@ -367,13 +367,14 @@ class WorkerClient:
                     first_timer = loop.call_later(
                         self._first_timeout_s, leg.expire, self._first_message_details(target)
                     )
-                ready = leg.ready
                 first = True
                 ended = False
                 try:
                     while True:
-                        if not ready.is_set():
-                            await ready.wait()
+                        if not leg.ready:
+                            waiter = leg.waiter = loop.create_future()
+                            await waiter
+                            leg.waiter = None
                         tokens = leg.take()
                         if tokens is None:
                             if leg.error is not None:
@@ -382,10 +383,10 @@ class WorkerClient:
                                 raise self._failed(
                                     LegError(target.instance_id, code, details, kv_gone=code in KV_GONE_CODES)
                                 )
-                            ready.clear()
+                            leg.ready = False
                             continue
                         if leg.error is None and not leg.finished:
-                            ready.clear()
+                            leg.ready = False
                         if first:
                             first = False
                             if first_timer is not None:

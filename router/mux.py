@@ -96,6 +96,7 @@ class MuxLeg:
         "stream_id",
         "text",
         "token_ids",
+        "waiter",
     )
 
     def __init__(self, stream_id: int, request_id: str) -> None:
@@ -113,7 +114,12 @@ class MuxLeg:
         self.error: tuple[grpc.StatusCode, str] | None = None
         #: The error is a deadline of the router's (the worker still runs the leg: abort it).
         self.expired = False
-        self.ready = asyncio.Event()
+        #: Something to take (or an error): the consumer does not wait.
+        self.ready = False
+        #: The consumer's wait, while it waits. A bare future rather than an ``asyncio.Event``:
+        #: ``Event.wait`` looks the running loop up on every call (a ``getpid`` system call in
+        #: CPython's check), once per token.
+        self.waiter: asyncio.Future[None] | None = None
 
     def take(self) -> Tokens | None:
         """What arrived since the last call as one record (None: nothing but, maybe, an error)."""
@@ -145,7 +151,14 @@ class MuxLeg:
     def fail(self, code: grpc.StatusCode, details: str) -> None:
         if self.error is None and not self.finished:
             self.error = (code, details)
-            self.ready.set()
+            self.notify()
+
+    def notify(self) -> None:
+        """Wake the consumer: there is something to take."""
+        self.ready = True
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
 
 class MuxConnection:
@@ -276,7 +289,10 @@ class MuxConnection:
                         legs.pop(update.stream_id, None)
                         leg.finished = True
                         leg.finish_reason = update.finish_reason
-                    leg.ready.set()
+                    leg.ready = True  # leg.notify(), inline (once per token)
+                    waiter = leg.waiter
+                    if waiter is not None and not waiter.done():
+                        waiter.set_result(None)
         except grpc.aio.AioRpcError as exc:
             failure = (exc.code(), exc.details() or "")
             if not self.opened.done():
