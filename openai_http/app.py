@@ -7,10 +7,16 @@ before the response starts, so a request refused at placement gets a proper
 HTTP status (400/429/503) rather than an error inside a 200 stream; a failure
 after the first piece becomes an ``error`` event followed by ``[DONE]``.
 
-A client that goes away cancels its request: for a stream, Starlette cancels
-the response task; for a plain response, a watcher on the connection cancels
-the collection. Either way the backend's generator is closed at once, which
-is where the backend releases what the request held.
+The two completion routes are served on the ASGI interface itself, in front
+of the Starlette app that serves the rest: a streamed completion sends one
+chunk per backend piece, and every layer between the piece and uvicorn's
+``send`` (Starlette's response machinery and its middleware each wrap ``send``
+in a coroutine of their own) was paid once per token.
+
+A client that goes away cancels its request: a watcher on the connection
+cancels the stream, or the collection of a plain response. Either way the
+backend's generator is closed at once, which is where the backend releases
+what the request held.
 
 :class:`HttpServer` runs uvicorn on the caller's event loop (next to a gRPC
 server), on a socket it binds itself (so port 0 works and the bound port is
@@ -24,16 +30,16 @@ import contextlib
 import socket
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncGenerator, Iterator, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any, Protocol
 
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from openai_http.protocol import (
     ApiError,
@@ -52,20 +58,41 @@ from openai_http.protocol import (
 
 #: Largest request body accepted (bytes).
 DEFAULT_MAX_BODY_BYTES = 8 << 20
+#: The routes served on ASGI directly (POST only; other methods get Starlette's 405).
+_COMPLETION_PATHS = {"/v1/completions": Kind.COMPLETION, "/v1/chat/completions": Kind.CHAT}
 #: Status logged for a request whose client went away before the response.
 CLIENT_CLOSED = 499
 
 
-@dataclass(frozen=True)
-class Piece:
-    """Some new text of a completion. The first piece may carry response headers; the last, the usage."""
+#: The event that ends a stream.
+_DONE = b"data: [DONE]\n\n"
+#: The headers of a piece that carries none.
+_NO_HEADERS: Mapping[str, str] = MappingProxyType({})
 
-    text: str
-    finished: bool = False
-    #: "length" | "stop" | ... ; set on the last piece.
-    finish_reason: str = ""
-    usage: Usage | None = None
-    headers: Mapping[str, str] = field(default_factory=dict)
+
+class Piece:
+    """Some new text of a completion. The first piece may carry response headers; the last, the usage.
+
+    A plain slotted class (one is built per token): a frozen dataclass's ``__init__``
+    cost several times as much.
+    """
+
+    __slots__ = ("finish_reason", "finished", "headers", "text", "usage")
+
+    def __init__(
+        self,
+        text: str,
+        finished: bool = False,
+        finish_reason: str = "",
+        usage: Usage | None = None,
+        headers: Mapping[str, str] = _NO_HEADERS,
+    ) -> None:
+        self.text = text
+        self.finished = finished
+        #: "length" | "stop" | ... ; set on the last piece.
+        self.finish_reason = finish_reason
+        self.usage = usage
+        self.headers = headers
 
 
 class Backend(Protocol):
@@ -121,20 +148,100 @@ async def _until_disconnect(receive: Receive) -> None:
         pass
 
 
-class _EventStream(StreamingResponse):
-    """Server-sent events; closes the backend's generator however the response ends."""
+class _EventStream(Response):
+    """Server-sent events, sent on the ASGI interface one chunk per piece.
+
+    Closes the backend's generator however the response ends; a watcher on the
+    connection cancels the stream when the client goes away (uvicorn's ``send``
+    drops what is sent after a disconnect without a word, so nothing else would
+    stop it).
+    """
+
+    media_type = "text/event-stream"
 
     def __init__(
-        self, events: AsyncIterator[bytes], pieces: AsyncGenerator[Piece, None], headers: Mapping[str, str]
-    ):
-        super().__init__(events, media_type="text/event-stream", headers=dict(headers))
+        self,
+        parsed: ParsedRequest,
+        pieces: AsyncGenerator[Piece, None],
+        first: Piece,
+        response_id: str,
+        created: int,
+        model: str,
+    ) -> None:
+        self.status_code = 200
+        self.background = None
+        self.init_headers(first.headers)
+        self._parsed = parsed
         self._pieces = pieces
+        self._first = first
+        self._id = response_id
+        self._created = created
+        self._model = model
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        streaming = True
+        client_gone = False
+
+        async def watch() -> None:
+            nonlocal client_gone
+            await _until_disconnect(receive)
+            if streaming:
+                client_gone = True
+                task.cancel()
+
+        watcher = asyncio.get_running_loop().create_task(watch())
         try:
-            await super().__call__(scope, receive, send)
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            await self._stream(send)  # ends the response
+            streaming = False
+        except asyncio.CancelledError:
+            if not client_gone:
+                raise
+            task.uncancel()  # the client went away: the response ends here
         finally:
+            streaming = False
+            watcher.cancel()
             await _close(self._pieces)
+
+    async def _stream(self, send: Send) -> None:
+        parsed, first = self._parsed, self._first
+        kind, include_usage = parsed.kind, parsed.include_usage
+        response_id, created, model = self._id, self._created, self._model
+        body = sse(
+            chunk_body(
+                kind,
+                response_id,
+                created,
+                model,
+                first.text,
+                first.finish_reason if first.finished else None,
+                first=True,
+                include_usage=include_usage,
+            )
+        )
+        await send({"type": "http.response.body", "body": body, "more_body": True})
+        encode = ChunkEncoder(kind, response_id, created, model, include_usage=include_usage).encode
+        last = first
+        # The last piece's chunk goes out with the end of the stream, in one write.
+        tail = b""
+        try:
+            async for piece in self._pieces:
+                last = piece
+                if piece.finished:
+                    tail = encode(piece.text, piece.finish_reason)
+                elif piece.text:
+                    body = encode(piece.text, None)
+                    await send({"type": "http.response.body", "body": body, "more_body": True})
+        except ApiError as exc:
+            body = tail + sse(exc.body()) + _DONE
+            await send({"type": "http.response.body", "body": body, "more_body": False})
+            return
+        if include_usage:
+            usage = last.usage or Usage(0, 0)
+            tail += sse(usage_chunk_body(kind, response_id, created, model, usage))
+        await send({"type": "http.response.body", "body": tail + _DONE, "more_body": False})
 
 
 async def _close(pieces: AsyncGenerator[Piece, None]) -> None:
@@ -156,7 +263,9 @@ class OpenAIApp:
         self._backend = backend
         self._max_body_bytes = max_body_bytes
         self._created = int(time.time())
-        self.app = Starlette(
+        #: The ASGI application.
+        self.app: ASGIApp = self._asgi
+        self._starlette = Starlette(
             routes=[
                 Route("/v1/completions", self._completions, methods=["POST"]),
                 Route("/v1/chat/completions", self._chat, methods=["POST"]),
@@ -167,6 +276,16 @@ class OpenAIApp:
             ],
             exception_handlers={404: self._not_found, 405: self._not_allowed},
         )
+
+    async def _asgi(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The completion routes straight on ASGI (see the module's docstring); the rest through Starlette."""
+        if scope["type"] == "http" and scope["method"] == "POST":
+            kind = _COMPLETION_PATHS.get(scope["path"])
+            if kind is not None:
+                response = await self._serve(Request(scope, receive), kind)
+                await response(scope, receive, send)
+                return
+        await self._starlette(scope, receive, send)
 
     async def _not_found(self, request: Request, exc: Exception) -> Response:
         return error_response(ApiError(404, f"no route {request.url.path}"))
@@ -209,8 +328,7 @@ class OpenAIApp:
         model = parsed.model or (self._backend.models() or [("", 0)])[0][0]
         created = int(time.time())
         if parsed.stream:
-            events = self._events(parsed, pieces, first, response_id, created, model)
-            return _EventStream(events, pieces, first.headers)
+            return _EventStream(parsed, pieces, first, response_id, created, model)
         collector = asyncio.ensure_future(self._collect(pieces, first))
         watcher = asyncio.ensure_future(_until_disconnect(request.receive))
         try:
@@ -243,48 +361,6 @@ class OpenAIApp:
         if not last.finished:
             raise ApiError(502, "the completion ended without a finish reason")
         return "".join(texts), last
-
-    async def _events(
-        self,
-        parsed: ParsedRequest,
-        pieces: AsyncGenerator[Piece, None],
-        first: Piece,
-        response_id: str,
-        created: int,
-        model: str,
-    ) -> AsyncIterator[bytes]:
-        kind, include_usage = parsed.kind, parsed.include_usage
-
-        def chunk(piece: Piece, is_first: bool) -> bytes:  # the first chunk (chat: with the role)
-            return sse(
-                chunk_body(
-                    kind,
-                    response_id,
-                    created,
-                    model,
-                    piece.text,
-                    piece.finish_reason if piece.finished else None,
-                    first=is_first,
-                    include_usage=include_usage,
-                )
-            )
-
-        yield chunk(first, True)
-        encoder = ChunkEncoder(kind, response_id, created, model, include_usage=include_usage)
-        last = first
-        try:
-            async for piece in pieces:
-                if piece.text or piece.finished:
-                    yield encoder.encode(piece.text, piece.finish_reason if piece.finished else None)
-                last = piece
-        except ApiError as exc:
-            yield sse(exc.body())
-            yield sse("[DONE]")
-            return
-        if include_usage:
-            usage = last.usage or Usage(0, 0)
-            yield sse(usage_chunk_body(kind, response_id, created, model, usage))
-        yield sse("[DONE]")
 
 
 # ---------------------------------------------------------------------- serving
@@ -333,6 +409,7 @@ class HttpServer:
         self.address = f"{host}:{port}"
         config = uvicorn.Config(
             self._app,
+            interface="asgi3",
             lifespan="off",
             log_level="warning",
             access_log=False,

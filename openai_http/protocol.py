@@ -19,6 +19,7 @@ import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from json.encoder import encode_basestring_ascii as _json_string
 from typing import Any
 
 from slorouter.v1 import common_pb2
@@ -384,8 +385,10 @@ class ChunkEncoder:
         self._tail = encoded[reason_at + len('"\\u0000REASON\\u0000"') :].encode() + b"\n\n"
 
     def encode(self, text: str, finish_reason: str | None) -> bytes:
-        reason = b"null" if not finish_reason else json.dumps(finish_reason).encode()
-        return self._head + json.dumps(text).encode() + self._middle + reason + self._tail
+        # What json.dumps does with a str under its defaults (ensure_ascii), minus its Python
+        # layers: the C string encoder straight away.
+        reason = b"null" if not finish_reason else _json_string(finish_reason).encode()
+        return b"".join((self._head, _json_string(text).encode(), self._middle, reason, self._tail))
 
 
 def usage_chunk_body(kind: Kind, response_id: str, created: int, model: str, usage: Usage) -> dict[str, Any]:

@@ -21,7 +21,7 @@ import grpc
 from slorouter.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 from router.core.health import OutlierDetector
-from router.mux import MuxConnection
+from router.mux import MuxConnection, Tokens
 from router.pool import ChannelPool
 
 logger = logging.getLogger(__name__)
@@ -107,6 +107,10 @@ class LegLedger:
 
     endpoints: set[str] = field(default_factory=set)
 
+
+#: What a leg's stream yields: the per-request call's messages, or a multiplexed leg's records
+#: (the same fields).
+LegTokens = worker_pb2.WorkerTokens | Tokens
 
 #: The end-of-stream marker ``call.read()`` returns (missing from the type stubs).
 _EOF: object = grpc.aio.EOF  # type: ignore[attr-defined]
@@ -337,7 +341,7 @@ class WorkerClient:
         request: worker_pb2.WorkerGenerateRequest | worker_pb2.DecodeRequest,
         timeout_s: float,
         ledger: LegLedger,
-    ) -> AsyncIterator[worker_pb2.WorkerTokens]:
+    ) -> AsyncIterator[LegTokens]:
         """Stream a neutral ``Generate`` or a ``Decode``; failures surface as :class:`LegError`.
 
         With ``streams="mux"`` the leg runs on the endpoint's ``Worker.Streams`` call (one per
@@ -349,9 +353,58 @@ class WorkerClient:
         if self.streams == "mux":
             connection = await self._mux(target)
             if connection is not None:
-                async for message in self._mux_stream(connection, target, request, timeout_s):
-                    yield message
-                return
+                # The leg's loop is here rather than in a generator of its own: every generator
+                # between the worker's message and the client is one more hop per token.
+                leg = connection.start(request)
+                # The deadlines are two timers per leg (not one per message): the first-message
+                # one, cancelled by the first update, and the leg's overall one. Either fails the
+                # leg locally (DEADLINE_EXCEEDED), after the tokens that arrived before it, and
+                # the leg is then aborted on the worker.
+                loop = asyncio.get_running_loop()
+                deadline = loop.call_later(timeout_s, leg.expire, "Deadline Exceeded")
+                first_timer: asyncio.TimerHandle | None = None
+                if self._first_timeout_s < timeout_s:
+                    first_timer = loop.call_later(
+                        self._first_timeout_s, leg.expire, self._first_message_details(target)
+                    )
+                first = True
+                ended = False
+                try:
+                    while True:
+                        if not leg.ready:
+                            waiter = leg.waiter = loop.create_future()
+                            await waiter
+                            leg.waiter = None
+                        tokens = leg.take()
+                        if tokens is None:
+                            if leg.error is not None:
+                                ended = not leg.expired
+                                code, details = leg.error
+                                raise self._failed(
+                                    LegError(target.instance_id, code, details, kv_gone=code in KV_GONE_CODES)
+                                )
+                            leg.ready = False
+                            continue
+                        if leg.error is None and not leg.finished:
+                            leg.ready = False
+                        if first:
+                            first = False
+                            if first_timer is not None:
+                                first_timer.cancel()
+                            self._succeeded(target)
+                        if tokens.finished:
+                            ended = True
+                        yield tokens
+                        if ended:
+                            return
+                finally:
+                    deadline.cancel()
+                    if first_timer is not None:
+                        first_timer.cancel()
+                    if ended:
+                        connection.release(leg)
+                    else:  # the consumer left early, or a deadline passed: stop the leg on the worker
+                        connection.abort(leg)
         call: grpc.aio.UnaryStreamCall[Any, worker_pb2.WorkerTokens]
         if isinstance(request, worker_pb2.DecodeRequest):
             call = stub.Decode(request, timeout=timeout_s)
@@ -407,65 +460,6 @@ class WorkerClient:
     def _mux_closed(self, connection: MuxConnection) -> None:
         if self._muxes.get(connection.endpoint) is connection:
             del self._muxes[connection.endpoint]
-
-    async def _mux_stream(
-        self,
-        connection: MuxConnection,
-        target: Target,
-        request: worker_pb2.WorkerGenerateRequest | worker_pb2.DecodeRequest,
-        timeout_s: float,
-    ) -> AsyncIterator[worker_pb2.WorkerTokens]:
-        """One leg on ``connection``, with the per-request call's deadlines and outcomes.
-
-        The deadlines are two timers per leg (not one per message): the first-message one,
-        cancelled by the first update, and the leg's overall one. Either fails the leg
-        locally (DEADLINE_EXCEEDED), after the tokens that arrived before it, and the leg is
-        then aborted on the worker.
-        """
-        leg = connection.start(request)
-        loop = asyncio.get_running_loop()
-        deadline = loop.call_later(timeout_s, leg.expire, "Deadline Exceeded")
-        first_timer: asyncio.TimerHandle | None = None
-        if self._first_timeout_s < timeout_s:
-            first_timer = loop.call_later(
-                self._first_timeout_s, leg.expire, self._first_message_details(target)
-            )
-        first = True
-        ended = False
-        try:
-            while True:
-                if not leg.ready.is_set():
-                    await leg.ready.wait()
-                message = leg.take()
-                if message is None:
-                    if leg.error is not None:
-                        ended = not leg.expired
-                        code, details = leg.error
-                        raise self._failed(
-                            LegError(target.instance_id, code, details, kv_gone=code in KV_GONE_CODES)
-                        )
-                    leg.ready.clear()
-                    continue
-                if leg.error is None and not leg.finished:
-                    leg.ready.clear()
-                if first:
-                    first = False
-                    if first_timer is not None:
-                        first_timer.cancel()
-                    self._succeeded(target)
-                if message.finished:
-                    ended = True
-                yield message
-                if ended:
-                    return
-        finally:
-            deadline.cancel()
-            if first_timer is not None:
-                first_timer.cancel()
-            if ended:
-                connection.release(leg)
-            else:  # the consumer left early, or a deadline passed: stop the leg on the worker
-                connection.abort(leg)
 
     async def close(self) -> None:
         """Close the ``Streams`` calls (shutdown; their legs fail UNAVAILABLE)."""

@@ -290,24 +290,17 @@ class RouterBackend:
             "e2e": slo.e2e_ms,
         }
         label = self._metrics.label(slo.slo_class)
-        first = True
         try:
             async with contextlib.aclosing(self._service.generate(message)) as stream:
                 async for out in stream:
-                    if first:
+                    piece = Piece(out.text, out.finished, out.finish_reason)
+                    if out.route is not None:  # the first step
                         self._metrics.accepted(label, targets)
-                    usage = None
-                    if out.finished:
-                        usage = Usage(out.usage.prompt_tokens, out.usage.completion_tokens)
+                        piece.headers = _route_headers(out.route)
+                    if out.finished and out.usage is not None:
+                        piece.usage = Usage(out.usage.prompt_tokens, out.usage.completion_tokens)
                         self._metrics.completed(label, targets, out.usage)
-                    yield Piece(
-                        text=out.text,
-                        finished=out.finished,
-                        finish_reason=out.finish_reason,
-                        usage=usage,
-                        headers=_route_headers(out.route) if first else {},
-                    )
-                    first = False
+                    yield piece
         except (RouterError, LegError) as exc:
             raise ApiError(http_status(exc), str(exc)) from exc
 

@@ -6,7 +6,8 @@ command carrying a connection-unique ``stream_id``; one reader task takes the
 worker's batches (one per engine step, with the new tokens of every leg that
 produced some) and hands each update to its :class:`MuxLeg`, whose consumer
 (:meth:`router.forward.WorkerClient.stream`) turns what is pending into one
-``WorkerTokens`` message, as the per-request path's coalescing does.
+:class:`Tokens` record (the fields of a ``WorkerTokens`` message), as the
+per-request path's coalescing does.
 
 Backpressure: the reader never waits for a consumer (one slow client must not
 stall every other request on the connection). A leg merges what its consumer
@@ -42,6 +43,43 @@ _EOF: object = grpc.aio.EOF  # type: ignore[attr-defined]
 _CODES: dict[int, grpc.StatusCode] = {code.value[0]: code for code in grpc.StatusCode}
 
 
+class Tokens:
+    """What a leg produced since its consumer's previous take (the fields of ``WorkerTokens``).
+
+    A plain record rather than a ``WorkerTokens`` message: the router only reads it (the
+    service copies what it forwards), and building a protobuf message per token, then
+    reading its fields back through wrappers, was a measurable share of the token path.
+    """
+
+    __slots__ = (
+        "finish_reason",
+        "finished",
+        "num_cached_prompt_tokens",
+        "num_prompt_tokens",
+        "request_id",
+        "text",
+        "token_ids",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        token_ids: list[int],
+        text: str,
+        finished: bool,
+        finish_reason: str,
+        num_prompt_tokens: int,
+        num_cached_prompt_tokens: int,
+    ) -> None:
+        self.request_id = request_id
+        self.token_ids = token_ids
+        self.text = text
+        self.finished = finished
+        self.finish_reason = finish_reason
+        self.num_prompt_tokens = num_prompt_tokens
+        self.num_cached_prompt_tokens = num_cached_prompt_tokens
+
+
 class MuxLeg:
     """One request's leg on a :class:`MuxConnection`: the merged updates its consumer has not taken."""
 
@@ -58,6 +96,7 @@ class MuxLeg:
         "stream_id",
         "text",
         "token_ids",
+        "waiter",
     )
 
     def __init__(self, stream_id: int, request_id: str) -> None:
@@ -75,23 +114,30 @@ class MuxLeg:
         self.error: tuple[grpc.StatusCode, str] | None = None
         #: The error is a deadline of the router's (the worker still runs the leg: abort it).
         self.expired = False
-        self.ready = asyncio.Event()
+        #: Something to take (or an error): the consumer does not wait.
+        self.ready = False
+        #: The consumer's wait, while it waits. A bare future rather than an ``asyncio.Event``:
+        #: ``Event.wait`` looks the running loop up on every call (a ``getpid`` system call in
+        #: CPython's check), once per token.
+        self.waiter: asyncio.Future[None] | None = None
 
-    def take(self) -> worker_pb2.WorkerTokens | None:
-        """What arrived since the last call as one message (None: nothing but, maybe, an error)."""
-        if not (self.token_ids or self.finished or self.text or self.num_prompt or self.cached):
+    def take(self) -> Tokens | None:
+        """What arrived since the last call as one record (None: nothing but, maybe, an error)."""
+        text = self.text
+        if not (self.token_ids or self.finished or text or self.num_prompt or self.cached):
             return None
-        message = worker_pb2.WorkerTokens(
-            request_id=self.request_id,
-            token_ids=self.token_ids,
-            text="".join(self.text) if self.text else "",
-            finished=self.finished,
-            finish_reason=self.finish_reason,
-            num_prompt_tokens=self.num_prompt,
-            num_cached_prompt_tokens=self.cached,
+        message = Tokens(
+            self.request_id,
+            self.token_ids,
+            (text[0] if len(text) == 1 else "".join(text)) if text else "",
+            self.finished,
+            self.finish_reason,
+            self.num_prompt,
+            self.cached,
         )
         self.token_ids = []
-        self.text.clear()
+        if text:
+            self.text = []
         self.num_prompt = 0
         self.cached = 0
         return message
@@ -105,7 +151,14 @@ class MuxLeg:
     def fail(self, code: grpc.StatusCode, details: str) -> None:
         if self.error is None and not self.finished:
             self.error = (code, details)
-            self.ready.set()
+            self.notify()
+
+    def notify(self) -> None:
+        """Wake the consumer: there is something to take."""
+        self.ready = True
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
 
 class MuxConnection:
@@ -236,7 +289,10 @@ class MuxConnection:
                         legs.pop(update.stream_id, None)
                         leg.finished = True
                         leg.finish_reason = update.finish_reason
-                    leg.ready.set()
+                    leg.ready = True  # leg.notify(), inline (once per token)
+                    waiter = leg.waiter
+                    if waiter is not None and not waiter.done():
+                        waiter.set_result(None)
         except grpc.aio.AioRpcError as exc:
             failure = (exc.code(), exc.details() or "")
             if not self.opened.done():

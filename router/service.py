@@ -42,7 +42,7 @@ from router.core.errors import (
 )
 from router.core.queue import QueueConfig
 from router.core.request import Mode
-from router.forward import LegError, LegLedger, WorkerClient
+from router.forward import LegError, LegLedger, LegTokens, WorkerClient
 from router.placement import PlacementRequest, Placer
 from router.qlm_admission import QlmAdmission, RunHandle
 from router.route import Route
@@ -125,16 +125,72 @@ def _tpot_s(progress: _Progress) -> float | None:
     return (last - first) / (n - 1) if first is not None and last is not None and n > 1 else None
 
 
+class Generated:
+    """One step of a request's output: the fields of a ``GenerateResponse``, as a plain record.
+
+    :meth:`RouterService.generate` yields these; the gRPC ``Generate`` turns each
+    into a message (:meth:`message`), the HTTP edge reads them as they are. A
+    protobuf message built per token only to have its fields read back was a
+    measurable share of the edge's token path.
+    """
+
+    __slots__ = (
+        "finish_reason",
+        "finished",
+        "first_token_index",
+        "request_id",
+        "route",
+        "text",
+        "token_ids",
+        "usage",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        first_token_index: int,
+        token_ids: Sequence[int],
+        text: str,
+        finished: bool,
+        finish_reason: str,
+    ) -> None:
+        self.request_id = request_id
+        self.first_token_index = first_token_index
+        self.token_ids = token_ids
+        self.text = text
+        self.finished = finished
+        self.finish_reason = finish_reason
+        #: Set on the first step.
+        self.route: router_pb2.RouteInfo | None = None
+        #: Set on the last step.
+        self.usage: router_pb2.Usage | None = None
+
+    def message(self) -> router_pb2.GenerateResponse:
+        out = router_pb2.GenerateResponse(
+            request_id=self.request_id,
+            first_token_index=self.first_token_index,
+            token_ids=self.token_ids,
+            text=self.text,
+            finished=self.finished,
+            finish_reason=self.finish_reason,
+        )
+        if self.route is not None:
+            out.route.CopyFrom(self.route)
+        if self.usage is not None:
+            out.usage.CopyFrom(self.usage)
+        return out
+
+
 @dataclass
 class _Started:
     """A placed request whose first token exists: where it runs and how to continue it."""
 
     route: Route
-    first: router_pb2.GenerateResponse
+    first: Generated
     #: PD: the prefill's KV handle for the decode leg.
     kv_handle: bytes = b""
     #: Neutral: the still-open Generate stream on the instance.
-    stream: AsyncIterator[worker_pb2.WorkerTokens] | None = None
+    stream: AsyncIterator[LegTokens] | None = None
 
 
 def _route_info(route: Route) -> router_pb2.RouteInfo:
@@ -253,16 +309,14 @@ class RouterService(router_pb2_grpc.RouterServicer):
         try:
             async with contextlib.aclosing(self.generate(request)) as messages:
                 async for message in messages:
-                    yield message
+                    yield message.message()
         except RouterError as exc:
             await context.abort(_error_code(exc), str(exc))
         except LegError as exc:
             # The worker refused the request itself (not an instance failure): pass its verdict on.
             await context.abort(exc.code, f"worker {exc.instance_id}: {exc.details}")
 
-    async def generate(
-        self, request: router_pb2.GenerateRequest
-    ) -> AsyncGenerator[router_pb2.GenerateResponse, None]:
+    async def generate(self, request: router_pb2.GenerateRequest) -> AsyncGenerator[Generated, None]:
         """Run one request end to end; the path every front door (gRPC, HTTP) shares.
 
         Raises :class:`RouterError` when the request is refused or fails, and
@@ -290,7 +344,11 @@ class RouterService(router_pb2_grpc.RouterServicer):
         ledger = LegLedger()
         finished = False
         try:
-            async for message in self._run(prepared, request.sampling, ledger, progress):
+            if self._slicer is not None:
+                source = self._run_sliced(self._slicer, prepared, request.sampling, progress)
+            else:
+                source = self._run(prepared, request.sampling, ledger, progress)
+            async for message in source:
                 finished = message.finished
                 yield message
             self._completed(progress)
@@ -320,40 +378,13 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 # Cancelled, deadline, or failed part-way: nothing may keep running for it.
                 self._workers.abort_all(request_id, ledger)
 
-    async def _run(
-        self,
-        req: PlacementRequest,
-        sampling: common_pb2.SamplingParams,
-        ledger: LegLedger,
-        progress: _Progress,
-    ) -> AsyncIterator[router_pb2.GenerateResponse]:
-        if self._slicer is not None:
-            async for message in self._run_sliced(self._slicer, req, sampling, progress):
-                yield message
-            return
-        started = await self._first_token(req, sampling, ledger, progress)
-        first = started.first
-        first.route.CopyFrom(_route_info(started.route))
-        progress.route = started.route
-        if progress.first_token_at is not None:
-            self._observer.first_token(started.route, progress.first_token_at - progress.started)
-        if first.finished:
-            first.usage.CopyFrom(self._usage(req, progress))
-            yield first
-            return
-        yield first
-        async for message in self._rest(req, sampling, started, ledger, progress):
-            if message.finished:
-                message.usage.CopyFrom(self._usage(req, progress))
-            yield message
-
     async def _run_sliced(
         self,
         slicer: SliceDispatcher,
         req: PlacementRequest,
         sampling: common_pb2.SamplingParams,
         progress: _Progress,
-    ) -> AsyncIterator[router_pb2.GenerateResponse]:
+    ) -> AsyncIterator[Generated]:
         """``--dispatch-mode slice``: the dispatcher serves the request slice by slice; one stream out."""
         first = True
         stream = slicer.stream(
@@ -367,22 +398,22 @@ class RouterService(router_pb2_grpc.RouterServicer):
         async for message, instance_id in stream:
             index = len(progress.tokens)
             self._note_tokens(progress, message.token_ids)
-            out = router_pb2.GenerateResponse(
-                request_id=req.request_id,
-                first_token_index=index,
-                token_ids=message.token_ids,
-                text=message.text,
-                finished=message.finished,
-                finish_reason=message.finish_reason,
+            out = Generated(
+                req.request_id,
+                index,
+                message.token_ids,
+                message.text,
+                message.finished,
+                message.finish_reason,
             )
             if first:
                 first = False
                 progress.route = slice_route(instance_id)
-                out.route.CopyFrom(_route_info(progress.route))
+                out.route = _route_info(progress.route)
                 if progress.first_token_at is not None:
                     self._observer.first_token(progress.route, progress.first_token_at - progress.started)
             if message.finished:
-                out.usage.CopyFrom(self._usage(req, progress))
+                out.usage = self._usage(req, progress)
             yield out
 
     def _completed(self, progress: _Progress) -> None:
@@ -467,13 +498,13 @@ class RouterService(router_pb2_grpc.RouterServicer):
             )
             index = len(progress.tokens)
             self._note_tokens(progress, [response.first_token_id])
-            first = router_pb2.GenerateResponse(
-                request_id=req.request_id,
-                first_token_index=index,
-                token_ids=[response.first_token_id],
-                text=response.text,
-                finished=response.finished,
-                finish_reason=response.finish_reason,
+            first = Generated(
+                req.request_id,
+                index,
+                [response.first_token_id],
+                response.text,
+                response.finished,
+                response.finish_reason,
             )
             return _Started(route, first, kv_handle=response.kv_handle)
         stream = self._workers.stream(
@@ -492,13 +523,13 @@ class RouterService(router_pb2_grpc.RouterServicer):
             progress.cached_prompt_tokens = max(
                 progress.cached_prompt_tokens, message.num_cached_prompt_tokens
             )
-            first = router_pb2.GenerateResponse(
-                request_id=req.request_id,
-                first_token_index=index,
-                token_ids=message.token_ids,
-                text=message.text,
-                finished=message.finished,
-                finish_reason=message.finish_reason,
+            first = Generated(
+                req.request_id,
+                index,
+                message.token_ids,
+                message.text,
+                message.finished,
+                message.finish_reason,
             )
             return _Started(route, first, stream=stream)
         raise LegError(
@@ -516,15 +547,30 @@ class RouterService(router_pb2_grpc.RouterServicer):
         progress.queue_wait_s += admitted.waited_s
         return admitted.route.decode, b""
 
-    async def _rest(
+    async def _run(
         self,
         req: PlacementRequest,
         sampling: common_pb2.SamplingParams,
-        started: _Started,
         ledger: LegLedger,
         progress: _Progress,
-    ) -> AsyncIterator[router_pb2.GenerateResponse]:
-        """Stream everything after the first token; re-place decode when its instance fails."""
+    ) -> AsyncIterator[Generated]:
+        """Place the request, stream its first token, then the rest; re-place decode when its instance fails.
+
+        One generator from the placement to the last token: each generator between the
+        worker's message and the client is one more hop per token.
+        """
+        started = await self._first_token(req, sampling, ledger, progress)
+        first = started.first
+        first.route = _route_info(started.route)
+        progress.route = started.route
+        if progress.first_token_at is not None:
+            self._observer.first_token(started.route, progress.first_token_at - progress.started)
+        if first.finished:
+            first.usage = self._usage(req, progress)
+            yield first
+            return
+        yield first
+        request_id = req.request_id
         stream = started.stream
         target: Choice = started.route.decode
         kv_handle = started.kv_handle
@@ -560,16 +606,19 @@ class RouterService(router_pb2_grpc.RouterServicer):
                     self._note_tokens(progress, message.token_ids)
                     if message.num_cached_prompt_tokens:
                         progress.cached_prompt_tokens = message.num_cached_prompt_tokens
-                    yield router_pb2.GenerateResponse(
-                        request_id=req.request_id,
-                        first_token_index=index,
-                        token_ids=message.token_ids,
-                        text=message.text,
-                        finished=message.finished,
-                        finish_reason=message.finish_reason,
+                    out = Generated(
+                        request_id,
+                        index,
+                        message.token_ids,
+                        message.text,
+                        message.finished,
+                        message.finish_reason,
                     )
-                    if message.finished:
+                    if out.finished:
+                        out.usage = self._usage(req, progress)
+                        yield out
                         return
+                    yield out
                 if handle is not None and handle.evicted:
                     stream = None
                     target, kv_handle = await self._resumed(req, handle, progress)

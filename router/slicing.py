@@ -55,7 +55,8 @@ from router.core.slicing import (
     SliceRequest,
     SliceScheduler,
 )
-from router.forward import LegError, LegLedger, WorkerClient
+from router.forward import LegError, LegLedger, LegTokens, WorkerClient
+from router.mux import Tokens
 from router.placement import SnapshotSource
 from router.route import Route
 
@@ -316,7 +317,7 @@ class SliceDispatcher:
         generated: list[int],
         workers: WorkerClient,
         timeout_s: float,
-    ) -> AsyncIterator[tuple[worker_pb2.WorkerTokens, str]]:
+    ) -> AsyncIterator[tuple[LegTokens, str]]:
         """Serve a request slice by slice; yields each worker message and the instance it came from.
 
         ``generated`` is the caller's list of the tokens so far (the caller
@@ -370,10 +371,15 @@ class SliceDispatcher:
                         yield message, target.instance_id
                         return
                     if message.token_ids:
-                        carry = worker_pb2.WorkerTokens()
-                        carry.CopyFrom(message)
-                        carry.finished = False
-                        carry.finish_reason = ""
+                        carry = Tokens(
+                            message.request_id,
+                            list(message.token_ids),
+                            message.text,
+                            False,
+                            "",
+                            message.num_prompt_tokens,
+                            message.num_cached_prompt_tokens,
+                        )
                         yield carry, target.instance_id
                     break
                 else:
