@@ -127,6 +127,8 @@ class MuxConnection:
         self._outbox: deque[worker_pb2.StreamCommand] = deque()
         self._outbox_ready = asyncio.Event()
         self._call: Any = None
+        #: The worker reads several commands per message (it said so in its first batch).
+        self._batch_commands = False
         #: Done when the worker's first (empty) batch arrived; its exception when the call failed first.
         self.opened: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         # Its failure is read by the legs waiting on it; there may be none left to read it.
@@ -182,9 +184,22 @@ class MuxConnection:
             await self._task
 
     async def _write(self, call: Any) -> None:
+        outbox = self._outbox
         while True:
-            while self._outbox:
-                await call.write(self._outbox.popleft())
+            while outbox:
+                message = outbox.popleft()
+                if outbox and self._batch_commands:
+                    # What queued meanwhile goes in the same message: one gRPC message to
+                    # write and read, and the legs of a burst reach the engine together.
+                    size = message.ByteSize()
+                    batched = []
+                    while outbox and len(batched) < limits.MAX_STREAM_BATCHED_COMMANDS:
+                        size += outbox[0].ByteSize()
+                        if size > limits.STREAM_COMMANDS_BATCH_BYTES:
+                            break
+                        batched.append(outbox.popleft())
+                    message.batched.extend(batched)
+                await call.write(message)
             self._outbox_ready.clear()
             await self._outbox_ready.wait()
 
@@ -201,6 +216,7 @@ class MuxConnection:
                 raise grpc.aio.AioRpcError(
                     grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), failure[1], ""
                 )
+            self._batch_commands = bool(hello.accepts_batched_commands)  # type: ignore[attr-defined]
             self.opened.set_result(None)
             writer = asyncio.get_running_loop().create_task(self._write(call))
             legs = self._legs

