@@ -192,7 +192,7 @@ class MuxConnection:
                     # What queued meanwhile goes in the same message: one gRPC message to
                     # write and read, and the legs of a burst reach the engine together.
                     size = message.ByteSize()
-                    batched = []
+                    batched: list[worker_pb2.StreamCommand] = []
                     while outbox and len(batched) < limits.MAX_STREAM_BATCHED_COMMANDS:
                         size += outbox[0].ByteSize()
                         if size > limits.STREAM_COMMANDS_BATCH_BYTES:
