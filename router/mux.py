@@ -8,6 +8,11 @@ produced some) and hands each update to its :class:`MuxLeg`, whose consumer
 (:meth:`router.forward.WorkerClient.stream`) turns what is pending into one
 ``WorkerTokens`` message, as the per-request path's coalescing does.
 
+Commands queued while the writer was busy (a burst of requests started in
+one loop iteration) go out as one message (``StreamCommand.batched``) when the
+worker's first batch offers it: one message to write and read instead of one
+per leg, and the worker hands the burst to its engine at once.
+
 Backpressure: the reader never waits for a consumer (one slow client must not
 stall every other request on the connection). A leg merges what its consumer
 has not taken yet into one pending record, so it holds at most the request's

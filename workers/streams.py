@@ -8,6 +8,11 @@ commands on one long-lived stream per connection, and this side sends, per
 flush, ONE :class:`~slorouter.v1.worker_pb2.StreamBatch` holding the new
 tokens of every leg that produced some.
 
+Commands: a message may carry several (``StreamCommand.batched``, offered in
+the first batch); they apply in order in one loop iteration, so the legs a
+client started together begin their engine requests together (see
+:meth:`StreamsSession._message`).
+
 How a flush is cut: each leg has a task that drains its engine stream into
 a per-leg pending record and wakes the writer. The engine's step loop hands
 out the deltas of one step together (the tasks wake in the same loop
