@@ -67,10 +67,18 @@ class Figures:
     tokens: int
     seconds: float
     ttft_p50_ms: float
+    #: CPU seconds during the measurement: this process (client, or the direct engine's
+    #: frontend) and the worker's main process (its frontend: gRPC service + vLLM's AsyncLLM;
+    #: vLLM's engine core and model processes are its children and not counted).
+    client_cpu_s: float = 0.0
+    worker_cpu_s: float = 0.0
 
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def cpu_us_per_token(self, cpu_s: float) -> float:
+        return cpu_s / self.tokens * 1e6 if self.tokens else 0.0
 
 
 def _prompt(i: int) -> list[int]:
@@ -78,7 +86,18 @@ def _prompt(i: int) -> list[int]:
     return [4 + (i * 7919 + j * 104729) % 996 for j in range(PROMPT_TOKENS)]
 
 
-async def _measure(one_request: OneRequest, concurrency: int, per_stream: int, first_index: int) -> Figures:
+def _process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of one process (Linux ``/proc``; 0 elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _measure(
+    one_request: OneRequest, concurrency: int, per_stream: int, first_index: int, worker_pid: int = 0
+) -> Figures:
     ttfts: list[float] = []
     tokens: list[int] = []
 
@@ -88,11 +107,18 @@ async def _measure(one_request: OneRequest, concurrency: int, per_stream: int, f
             tokens.append(n)
             ttfts.append(ttft)
 
+    client_cpu, worker_cpu = time.process_time(), _process_cpu_s(worker_pid)
     start = time.perf_counter()
     await asyncio.gather(*(stream(first_index + s * per_stream) for s in range(concurrency)))
     elapsed = time.perf_counter() - start
     return Figures(
-        concurrency, concurrency * per_stream, sum(tokens), elapsed, statistics.median(ttfts) * 1000
+        concurrency,
+        concurrency * per_stream,
+        sum(tokens),
+        elapsed,
+        statistics.median(ttfts) * 1000,
+        client_cpu_s=time.process_time() - client_cpu,
+        worker_cpu_s=_process_cpu_s(worker_pid) - worker_cpu,
     )
 
 
@@ -224,7 +250,7 @@ async def _compare(model: Path, log_dir: Path) -> None:
                         # step, on the core both engines' model processes may be bound to:
                         # let the side that ran last go idle first.
                         await asyncio.sleep(IDLE_PAUSE_S)
-                        figures = await _measure(one, concurrency, per_stream, index)
+                        figures = await _measure(one, concurrency, per_stream, index, worker.proc.pid)
                         index += concurrency * per_stream
                         key = (side, concurrency)
                         if key not in best or figures.tokens_per_s > best[key].tokens_per_s:
@@ -253,6 +279,19 @@ async def _compare(model: Path, log_dir: Path) -> None:
             ratio = w.tokens_per_s / d.tokens_per_s if d.tokens_per_s else float("nan")
             ratios[side][concurrency] = round(ratio, 2)
             row += f" | {w.tokens_per_s:>{width}.0f} {w.ttft_p50_ms:>7.1f}ms {ratio:>5.2f}"
+        print(row)
+    # Where the CPU goes (of the best rounds above): per output token, this process
+    # (direct: AsyncLLM's frontend; worker sides: the gRPC client) and the worker's frontend.
+    print("CPU µs per output token (this process + the worker's frontend; engine processes not counted):")
+    print(
+        f"{'streams':>7} | {'direct':>8} | {'Streams client':>14} {'worker':>7} | {'Generate client':>15} {'worker':>7}"
+    )
+    for concurrency, _ in WORKLOAD:
+        d = best[("direct", concurrency)]
+        row = f"{concurrency:>7} | {d.cpu_us_per_token(d.client_cpu_s):>8.0f}"
+        for side, width in (("streams", 14), ("generate", 15)):
+            w = best[(side, concurrency)]
+            row += f" | {w.cpu_us_per_token(w.client_cpu_s):>{width}.0f} {w.cpu_us_per_token(w.worker_cpu_s):>7.0f}"
         print(row)
     # For the parent process (make bench), which writes the README row.
     print(FIGURES_PREFIX + json.dumps(ratios))

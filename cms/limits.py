@@ -54,6 +54,10 @@ MAX_KV_HANDLE_BYTES = 8192
 #: Legs running at once on one ``Worker.Streams`` stream (one router connection); a start
 #: beyond it fails that leg with RESOURCE_EXHAUSTED.
 MAX_STREAM_LEGS = 4096
+#: Commands one ``Worker.Streams`` message may carry in ``batched``; a client also keeps
+#: such a message below :data:`STREAM_COMMANDS_BATCH_BYTES` (a larger command goes alone).
+MAX_STREAM_BATCHED_COMMANDS = 256
+STREAM_COMMANDS_BATCH_BYTES = 1 << 20
 #: Request ids one status report may list.
 MAX_ADMITTED_REQUEST_IDS = 256
 #: Step samples one status report may carry.
@@ -214,6 +218,19 @@ def check_worker_request(
         check_text(request.prompt, "prompt", MAX_PROMPT_TEXT_BYTES)
         check_token_ids(request.prompt_token_ids, "prompt_token_ids")
     check_sampling(request.sampling)
+
+
+def check_stream_message(message: worker_pb2.StreamCommand) -> None:
+    """The bounds of one ``Worker.Streams`` message as a whole: its ``batched`` commands (each
+    command is checked with :func:`check_stream_command`)."""
+    if len(message.batched) > MAX_STREAM_BATCHED_COMMANDS:
+        raise FieldLimitError(
+            f"batched: {len(message.batched)} commands in one message; the limit is {MAX_STREAM_BATCHED_COMMANDS}"
+        )
+    if any(command.batched for command in message.batched):
+        raise FieldLimitError(
+            "batched: a batched command carries batched commands of its own; nest one level only"
+        )
 
 
 def check_stream_command(command: worker_pb2.StreamCommand) -> None:

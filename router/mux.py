@@ -9,6 +9,11 @@ produced some) and hands each update to its :class:`MuxLeg`, whose consumer
 :class:`Tokens` record (the fields of a ``WorkerTokens`` message), as the
 per-request path's coalescing does.
 
+Commands queued while the writer was busy (a burst of requests started in
+one loop iteration) go out as one message (``StreamCommand.batched``) when the
+worker's first batch offers it: one message to write and read instead of one
+per leg, and the worker hands the burst to its engine at once.
+
 Backpressure: the reader never waits for a consumer (one slow client must not
 stall every other request on the connection). A leg merges what its consumer
 has not taken yet into one pending record, so it holds at most the request's
@@ -180,6 +185,8 @@ class MuxConnection:
         self._outbox: deque[worker_pb2.StreamCommand] = deque()
         self._outbox_ready = asyncio.Event()
         self._call: Any = None
+        #: The worker reads several commands per message (it said so in its first batch).
+        self._batch_commands = False
         #: Done when the worker's first (empty) batch arrived; its exception when the call failed first.
         self.opened: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         # Its failure is read by the legs waiting on it; there may be none left to read it.
@@ -235,9 +242,22 @@ class MuxConnection:
             await self._task
 
     async def _write(self, call: Any) -> None:
+        outbox = self._outbox
         while True:
-            while self._outbox:
-                await call.write(self._outbox.popleft())
+            while outbox:
+                message = outbox.popleft()
+                if outbox and self._batch_commands:
+                    # What queued meanwhile goes in the same message: one gRPC message to
+                    # write and read, and the legs of a burst reach the engine together.
+                    size = message.ByteSize()
+                    batched: list[worker_pb2.StreamCommand] = []
+                    while outbox and len(batched) < limits.MAX_STREAM_BATCHED_COMMANDS:
+                        size += outbox[0].ByteSize()
+                        if size > limits.STREAM_COMMANDS_BATCH_BYTES:
+                            break
+                        batched.append(outbox.popleft())
+                    message.batched.extend(batched)
+                await call.write(message)
             self._outbox_ready.clear()
             await self._outbox_ready.wait()
 
@@ -254,6 +274,7 @@ class MuxConnection:
                 raise grpc.aio.AioRpcError(
                     grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), failure[1], ""
                 )
+            self._batch_commands = bool(hello.accepts_batched_commands)  # type: ignore[attr-defined]
             self.opened.set_result(None)
             writer = asyncio.get_running_loop().create_task(self._write(call))
             legs = self._legs

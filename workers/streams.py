@@ -8,6 +8,11 @@ commands on one long-lived stream per connection, and this side sends, per
 flush, ONE :class:`~slorouter.v1.worker_pb2.StreamBatch` holding the new
 tokens of every leg that produced some.
 
+Commands: a message may carry several (``StreamCommand.batched``, offered in
+the first batch); they apply in order in one loop iteration, so the legs a
+client started together begin their engine requests together (see
+:meth:`StreamsSession._message`).
+
 How a flush is cut: each leg has a task that drains its engine stream into
 a per-leg pending record and wakes the writer. The engine's step loop hands
 out the deltas of one step together (the tasks wake in the same loop
@@ -97,7 +102,8 @@ class StreamsSession:
 
     async def run(self) -> None:
         """Serve the call until the client closes it (or cancels: every leg is aborted then)."""
-        await self._context.write(worker_pb2.StreamBatch())  # "this worker serves Streams"
+        # "This worker serves Streams", and reads several commands per message.
+        await self._context.write(worker_pb2.StreamBatch(accepts_batched_commands=True))
         reader = asyncio.get_running_loop().create_task(self._read())
         try:
             await self._write_loop()
@@ -116,14 +122,41 @@ class StreamsSession:
 
     async def _read(self) -> None:
         try:
-            while (command := await self._context.read()) is not _EOF:
-                assert isinstance(command, worker_pb2.StreamCommand)
-                self._command(command)
+            while (message := await self._context.read()) is not _EOF:
+                assert isinstance(message, worker_pb2.StreamCommand)
+                self._message(message)
         except grpc.aio.AioRpcError as exc:  # the call broke: the writer ends with it
             logger.debug("Streams: reading commands failed: %s", exc.code().name)
         finally:
             self._reading = False
             self._ready.set()
+
+    def _message(self, message: worker_pb2.StreamCommand) -> None:
+        """One message's commands, in order, in this loop iteration.
+
+        The legs they start begin their engine requests together in the next
+        iteration, so the legs of a burst a client wrote as one message reach
+        the engine before it starts its next step (one at a time, the first
+        would start a step alone and the others wait for the next).
+        """
+        if not message.batched:
+            self._command(message)
+            return
+        try:
+            limits.check_stream_message(message)
+        except limits.FieldLimitError as exc:
+            problem = str(exc)
+        else:
+            problem = ""
+        commands = list(message.batched)
+        if message.WhichOneof("command") is not None:
+            commands.insert(0, message)
+        for command in commands:
+            if problem and command.WhichOneof("command") != "abort":
+                # Aborts still apply (they only stop legs); no leg starts from such a message.
+                self._fail(command.stream_id, grpc.StatusCode.INVALID_ARGUMENT, problem)
+            else:
+                self._command(command)
 
     def _command(self, command: worker_pb2.StreamCommand) -> None:
         sid = command.stream_id

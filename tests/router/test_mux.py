@@ -32,13 +32,41 @@ class _Target:
     endpoint: str
 
 
-class CountingServicer(WorkerServicer):
-    """The real servicer, counting the streaming RPCs it serves (``old``: no Streams, as before it existed)."""
+class _CountingContext:
+    """A Streams call's server context that counts the messages it reads (and can hide batching)."""
 
-    def __init__(self, *args: Any, old: bool = False) -> None:
+    def __init__(self, context: Any, servicer: CountingServicer) -> None:
+        self._context = context
+        self._servicer = servicer
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._context, name)
+
+    async def read(self) -> Any:
+        message = await self._context.read()
+        if isinstance(message, worker_pb2.StreamCommand):
+            self._servicer.messages.append(len(message.batched) + (message.WhichOneof("command") is not None))
+        return message
+
+    async def write(self, batch: worker_pb2.StreamBatch) -> None:
+        if self._servicer.unbatched:
+            batch.accepts_batched_commands = False  # as a worker from before batched commands
+        await self._context.write(batch)
+
+
+class CountingServicer(WorkerServicer):
+    """The real servicer, counting the streaming RPCs it serves (``old``: no Streams, as before it existed).
+
+    ``messages``: the commands each Streams message carried; ``unbatched``: the worker does not
+    offer batched commands (as one built before they existed).
+    """
+
+    def __init__(self, *args: Any, old: bool = False, unbatched: bool = False) -> None:
         super().__init__(*args)
         self.calls: collections.Counter[str] = collections.Counter()
         self.old = old
+        self.unbatched = unbatched
+        self.messages: list[int] = []
 
     async def Generate(self, request: Any, context: Any) -> None:  # type: ignore[override]
         self.calls["Generate"] += 1
@@ -48,7 +76,7 @@ class CountingServicer(WorkerServicer):
         self.calls["Streams"] += 1
         if self.old:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not implemented!")
-        await super().Streams(request_iterator, context)
+        await super().Streams(request_iterator, _CountingContext(context, self))
 
 
 class HungStreams(worker_pb2_grpc.WorkerServicer):
@@ -70,13 +98,13 @@ class Worker:
     watcher: LoadWatcher
 
 
-async def _worker(*, old: bool = False, **engine_overrides: Any) -> Worker:
+async def _worker(*, old: bool = False, unbatched: bool = False, **engine_overrides: Any) -> Worker:
     engine = make_engine(**engine_overrides)
     await engine.start()
     server = grpc.aio.server()
     port = server.add_insecure_port("127.0.0.1:0")
     metadata = build_metadata(engine.info, WorkerIdentity(instance_id="w"), f"127.0.0.1:{port}")
-    servicer = CountingServicer(engine, metadata, old=old)
+    servicer = CountingServicer(engine, metadata, old=old, unbatched=unbatched)
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     await server.start()
     return Worker(engine, servicer, server, _Target("w", f"127.0.0.1:{port}"), LoadWatcher(engine))
@@ -133,6 +161,33 @@ async def test_legs_get_exactly_max_tokens_on_one_call_per_connection(
             assert worker.servicer.calls == {"Streams": 1}
         else:
             assert worker.servicer.calls == {"Generate": 16}
+    finally:
+        await client.close()
+        await _stop(worker)
+
+
+@pytest.mark.parametrize("unbatched", [False, True])
+async def test_legs_started_together_go_out_in_one_message_when_the_worker_offers_it(
+    pool: ChannelPool, unbatched: bool
+) -> None:
+    worker = await _worker(unbatched=unbatched)
+    client = WorkerClient(pool)
+    try:
+        tokens, _, _ = await _tokens(client.stream(worker.target, _generate("first", 3), 30.0, LegLedger()))
+        assert len(tokens) == 3 and worker.servicer.messages == [1]
+        # Sixteen legs started in one loop iteration (a burst of requests).
+        results = await asyncio.gather(
+            *(
+                _tokens(client.stream(worker.target, _generate(f"b{i}", 5 + i), 30.0, LegLedger()))
+                for i in range(16)
+            )
+        )
+        assert [len(tokens) for tokens, _, _ in results] == [5 + i for i in range(16)]
+        if unbatched:  # one command per message, as before
+            assert worker.servicer.messages == [1] * 17
+        else:
+            assert worker.servicer.messages == [1, 16]
+        assert worker.servicer.calls == {"Streams": 1}
     finally:
         await client.close()
         await _stop(worker)

@@ -128,6 +128,62 @@ async def test_bad_commands_fail_their_leg_only(start_worker: StartWorker) -> No
         assert len(legs.tokens[3]) == 4
 
 
+async def test_commands_batched_in_one_message_apply_in_order(start_worker: StartWorker) -> None:
+    server = await start_worker()
+    watcher = LoadWatcher(server.engine)
+    async with Client(server.address) as client:
+        call = client.stub.Streams()
+        hello = await call.read()
+        assert hello.accepts_batched_commands
+        # A message carrying its own command and more; the leg started third is aborted
+        # by a later command of the same message, before it produced anything.
+        message = start(1, "b1", 16, 5)
+        message.batched.extend(
+            [
+                start(2, "b2", 24, 7),
+                start(3, "b3", 24, 3000),
+                worker_pb2.StreamCommand(stream_id=3, abort=worker_pb2.AbortRequest(request_id="b3")),
+            ]
+        )
+        await call.write(message)
+        # A message with no command of its own, only batched ones (its stream id means nothing).
+        await call.write(worker_pb2.StreamCommand(batched=[start(4, "b4", 8, 2), start(5, "b5", 8, 3)]))
+        legs = Legs()
+        await read_until(call, legs, {1, 2, 4, 5})
+        await watcher.until(lambda: not server.engine.core.has_unfinished)
+        call.cancel()
+    assert legs.errors == {}
+    assert {sid: len(legs.tokens[sid]) for sid in (1, 2, 4, 5)} == {1: 5, 2: 7, 4: 2, 5: 3}
+    assert legs.prompt_tokens == {1: 16, 2: 24, 4: 8, 5: 8}
+    assert 3 not in legs.tokens and 3 not in legs.errors  # aborted: no update follows
+    assert server.engine.load().num_used_kv_tokens == 0
+
+
+async def test_a_message_beyond_the_batch_bounds_starts_no_leg(start_worker: StartWorker) -> None:
+    server = await start_worker()
+    watcher = LoadWatcher(server.engine)
+    async with Client(server.address) as client:
+        call = client.stub.Streams()
+        await call.read()
+        nested = start(2, "n2", 8, 4)
+        nested.batched.append(start(3, "n3", 8, 4))
+        await call.write(worker_pb2.StreamCommand(batched=[start(1, "n1", 8, 4), nested]))
+        n = limits.MAX_STREAM_BATCHED_COMMANDS + 1
+        await call.write(worker_pb2.StreamCommand(batched=[start(10 + i, f"m{i}", 4, 2) for i in range(n)]))
+        await call.write(start(1000, "after", 8, 4))  # the stream still serves
+        legs = Legs()
+        sids = {1, 2} | {10 + i for i in range(n)} | {1000}
+        await read_until(call, legs, sids)
+        await watcher.until(lambda: not server.engine.core.has_unfinished)
+        call.cancel()
+    invalid = grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert set(legs.errors) == sids - {1000}
+    assert all(code == invalid and "batched" in details for code, details in legs.errors.values())
+    assert "nest" in legs.errors[1][1] and str(limits.MAX_STREAM_BATCHED_COMMANDS) in legs.errors[10][1]
+    assert 3 not in legs.errors and len(legs.tokens[1000]) == 4
+    assert not any(legs.tokens.get(sid) for sid in sids - {1000})
+
+
 async def test_stopping_the_worker_ends_the_call(start_worker: StartWorker) -> None:
     server: WorkerServer = await start_worker()
     async with Client(server.address) as client:

@@ -131,7 +131,13 @@ async def test_workers_register_what_vllm_resolved(cluster: Cluster) -> None:
     assert info.max_num_batched_tokens > 0
     # VLLM_CPU_KVCACHE_SPACE=1 (GiB) / 2 KiB of KV per token of this model.
     assert info.kv_capacity_tokens == 2**30 // (2 * 2 * 2 * 64 * 4)
+    # The worker prints its address before its agent's first registration lands (a few ms).
     state = await instance_state(cluster.cms.address, cluster.decode.address)
+    for _ in range(100):
+        if state is not None:
+            break
+        await asyncio.sleep(0.05)
+        state = await instance_state(cluster.cms.address, cluster.decode.address)
     assert state is not None
     assert state.metadata.instance_id == "d0"
     assert state.metadata.role == cms_pb2.INSTANCE_ROLE_DECODE

@@ -27,6 +27,7 @@ class StreamCommand(_message.Message):
     GENERATE_FIELD_NUMBER: _builtins.int
     DECODE_FIELD_NUMBER: _builtins.int
     ABORT_FIELD_NUMBER: _builtins.int
+    BATCHED_FIELD_NUMBER: _builtins.int
     stream_id: _builtins.int
     """Chosen by the client, unique among the legs running on this stream; the
     updates of the leg carry it (a request id may come back after an abort).
@@ -39,6 +40,15 @@ class StreamCommand(_message.Message):
     def abort(self) -> Global___AbortRequest:
         """Stop the leg (its request is aborted on the engine); no update follows."""
 
+    @_builtins.property
+    def batched(self) -> _containers.RepeatedCompositeFieldContainer[Global___StreamCommand]:
+        """More commands in the same message, applied in order after this one (which
+        may then carry no command of its own): a client writes the commands it has
+        queued as one message, so the legs a burst starts reach the engine
+        together. Only to a worker whose first batch set accepts_batched_commands;
+        a batched command carries no batched commands itself.
+        """
+
     def __init__(
         self,
         *,
@@ -46,10 +56,11 @@ class StreamCommand(_message.Message):
         generate: Global___WorkerGenerateRequest | None = ...,
         decode: Global___DecodeRequest | None = ...,
         abort: Global___AbortRequest | None = ...,
+        batched: _abc.Iterable[Global___StreamCommand] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["abort", b"abort", "command", b"command", "decode", b"decode", "generate", b"generate"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort", b"abort", "command", b"command", "decode", b"decode", "generate", b"generate", "stream_id", b"stream_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort", b"abort", "batched", b"batched", "command", b"command", "decode", b"decode", "generate", b"generate", "stream_id", b"stream_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_command: _TypeAlias = _typing.Literal["generate", "decode", "abort"]  # noqa: Y015
     _WhichOneofArgType_command: _TypeAlias = _typing.Literal["command", b"command"]  # noqa: Y015
@@ -113,6 +124,9 @@ class StreamBatch(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     UPDATES_FIELD_NUMBER: _builtins.int
+    ACCEPTS_BATCHED_COMMANDS_FIELD_NUMBER: _builtins.int
+    accepts_batched_commands: _builtins.bool
+    """Set in the first (empty) batch by a worker that reads StreamCommand.batched."""
     @_builtins.property
     def updates(self) -> _containers.RepeatedCompositeFieldContainer[Global___StreamUpdate]:
         """At most one update per leg."""
@@ -121,10 +135,11 @@ class StreamBatch(_message.Message):
         self,
         *,
         updates: _abc.Iterable[Global___StreamUpdate] | None = ...,
+        accepts_batched_commands: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["updates", b"updates"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepts_batched_commands", b"accepts_batched_commands", "updates", b"updates"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
