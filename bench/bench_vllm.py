@@ -180,17 +180,21 @@ def _streams_requests(connection: Any) -> OneRequest:
                 request_id=f"streams-{i}", prompt_token_ids=_prompt(i), sampling=sampling
             )
         )
+        loop = asyncio.get_running_loop()
         try:
-            while True:
-                await leg.ready.wait()
+            while True:  # how router.forward.WorkerClient.stream waits on a leg
+                if not leg.ready:
+                    waiter = leg.waiter = loop.create_future()
+                    await waiter
+                    leg.waiter = None
                 message = leg.take()
                 if message is None:
                     if leg.error is not None:
                         raise RuntimeError(f"leg {i} failed: {leg.error}")
-                    leg.ready.clear()
+                    leg.ready = False
                     continue
                 if not leg.finished:
-                    leg.ready.clear()
+                    leg.ready = False
                 if n == 0:
                     ttft = time.perf_counter() - start
                 n += len(message.token_ids)
