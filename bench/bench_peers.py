@@ -6,7 +6,8 @@ in turn in front of those same workers and replays the same seeded workload
 through it over the OpenAI HTTP API:
 
 * this router (``slo-router router --http-listen``, reading the fleet from the
-  CMS) with its ``slo`` policy and its ``load-balance`` queue policy;
+  CMS) with its ``slo`` policy (queue policy ``edf``, the default; then ``qlm``
+  and ``sa``) and its ``load-balance`` policy;
 * ``vllm-router`` (PyPI, Rust) with ``round_robin`` and ``power_of_two``
   (load polled from the workers' ``/get_load``);
 * ``smg`` (PyPI, Rust; the successor of ``sglang-router``) with ``least_load``
@@ -73,6 +74,10 @@ class RouterSpec:
 
 ROUTERS: tuple[RouterSpec, ...] = (
     RouterSpec("slo-router slo", "ours", ("--scheduling-policy", "slo")),
+    # The queue policies beyond the default edf that run on a neutral fleet of this workload (no
+    # priorities in it, so ``priority`` would order as edf does).
+    RouterSpec("slo-router slo+qlm", "ours", ("--scheduling-policy", "slo", "--queue-policy", "qlm")),
+    RouterSpec("slo-router slo+sa", "ours", ("--scheduling-policy", "slo", "--queue-policy", "sa")),
     RouterSpec("slo-router load-balance", "ours", ("--scheduling-policy", "load-balance")),
     RouterSpec("vllm-router round_robin", "vllm-router", ("--policy", "round_robin")),
     RouterSpec("vllm-router power_of_two", "vllm-router", ("--policy", "power_of_two")),

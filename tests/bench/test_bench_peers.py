@@ -45,3 +45,18 @@ def test_readme_figures_compare_the_best_of_each_side_and_name_every_cpu_figure(
     # Each of this router's policies by name (the cheapest one alone read as if it were slo's).
     assert cpu.measured == "slo-router slo 28.1 ms, load-balance 26.0 ms; peers 8.0-9.7 ms"
     assert bench_peers._figures(rows[:2]) == []
+
+
+def test_every_configuration_of_this_router_is_one_the_router_command_accepts() -> None:
+    from router.cli import build_parser
+
+    parser = build_parser()
+    ours = [r for r in bench_peers.ROUTERS if r.kind == "ours"]
+    assert {"slo-router slo", "slo-router slo+qlm", "slo-router slo+sa"} <= {r.name for r in ours}
+    for spec in ours:
+        args = parser.parse_args(
+            ["router", "--cms", "grpc://127.0.0.1:1", "--http-listen", "127.0.0.1:0", *spec.args]
+        )
+        assert args.scheduling_policy in ("slo", "load-balance")
+        if "--queue-policy" in spec.args:
+            assert args.queue_policy == spec.args[spec.args.index("--queue-policy") + 1]
