@@ -28,6 +28,7 @@ from router.core.decision import Choice, Decision
 from router.core.errors import EmptyClusterError, InvalidRequestError, NoInstanceError, SchedulingError
 from router.core.health import OutlierDetector
 from router.core.packing import expected_output_tokens, overpacked_mask
+from router.core.plugins import Policy
 from router.core.queue import RouterQueue
 from router.core.request import ScheduleInput, StageRestriction, Targets, resolve_targets
 from router.core.scheduler import Scheduler
@@ -293,6 +294,7 @@ class Placer:
         now: float,
         *,
         targets: Targets | None = None,
+        policy: Policy | None = None,
     ) -> Decision:
         """A decision that avoids the instances the outlier detector ejected, unless only they remain.
 
@@ -305,10 +307,10 @@ class Placer:
         if ejected and not ejected <= exclude:
             narrowed = dataclasses.replace(request, exclude_instance_ids=exclude | ejected)
             try:
-                return self.scheduler.schedule(view, narrowed, now, targets=targets)
+                return self.scheduler.schedule(view, narrowed, now, targets=targets, policy=policy)
             except SchedulingError:
                 pass
-        return self.scheduler.schedule(view, request, now, targets=targets)
+        return self.scheduler.schedule(view, request, now, targets=targets, policy=policy)
 
     def place(self, req: PlacementRequest, *, exclude: frozenset[str] = frozenset()) -> Route:
         """Decide prefill and decode (or neutral) for ``req`` and record the dispatch."""

@@ -36,6 +36,7 @@ from slorouter.v1 import cms_pb2
 from fleet.snapshot import ClusterSnapshot
 from router.admission import Admission, Admitted
 from router.core.errors import EmptyClusterError, QueueFullError, RouterError, SchedulingError
+from router.core.policies import health_only
 from router.core.qlm import Dispatch, QlmConfig, QlmQueue, QlmRequest, instance_model
 from router.core.queue import QueueConfig, QueuePolicy
 from router.core.request import ScheduleInput, Targets
@@ -88,6 +89,10 @@ class QlmAdmission:
         self._handles: dict[str, RunHandle] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pump_pending = False
+        # The plan chose the instance: its dispatch checks only that the instance can take work.
+        # (The scheduler's own policy would also apply thresholds no target relaxes, such as the
+        # TPOT of the requests already there, and refuse a request the plan had placed.)
+        self._dispatch_policy = health_only(placer.scheduler.config, "qlm-dispatch")
 
     # ------------------------------------------------------------------ set-up
 
@@ -272,7 +277,7 @@ class QlmAdmission:
         request: ScheduleInput = self.placer.schedule_input(
             req, exclude=others, prompt_tokens=r.prompt_tokens
         )
-        decision = self.placer.decide(snapshot, request, now, targets=_ANY)
+        decision = self.placer.decide(snapshot, request, now, targets=_ANY, policy=self._dispatch_policy)
         return self.placer.commit(decision, now)
 
     def _evict(self, r: QlmRequest, instance: int) -> int | None:

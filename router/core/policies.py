@@ -181,6 +181,17 @@ def _load_balance(config: SchedulerConfig) -> dict[str, Any]:
 _builtin("load-balance", _load_balance)
 
 
+def health_only(config: SchedulerConfig, name: str) -> Policy:
+    """A policy that checks only that an instance can take work (schedulable, fresh, not failing).
+
+    For a queue that chose the instance itself (``--queue-policy qlm``): the SLO thresholds
+    are its planner's job, and one that refused the chosen instance would refuse a request
+    the plan had already placed.
+    """
+    stage = {"filters": [*HEALTH, "failover"], "selector": _lowest("predicted_ttft")}
+    return policy_from_dict({"name": name, **{s: stage for s in _STAGES}}, config, f"policy {name!r}")
+
+
 def _kv_fits(config: SchedulerConfig, **extra: Any) -> dict[str, Any]:
     """KV over the life of the instance's requests (and this one) within the headroom."""
     return {

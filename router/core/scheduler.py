@@ -142,25 +142,29 @@ class Scheduler:
         *,
         dry_run: bool = False,
         targets: Targets | None = None,
+        policy: Policy | None = None,
     ) -> Decision:
         """Place ``request``; raises :class:`~router.core.errors.SchedulingError` when it cannot.
 
         A snapshot goes through :meth:`view` at ``now_s``; a prebuilt view is
         used as it is (its own ``now_s`` decides status ages). Nothing is
         recorded in the in-flight account: call :meth:`record` at dispatch.
+        ``policy`` replaces the scheduler's own for this decision (a queue that
+        chose the instance itself checks only its health).
         """
+        policy = self.policy if policy is None else policy
         if isinstance(view_or_snapshot, ClusterView):
             view = view_or_snapshot
         else:
             view = self.view(view_or_snapshot, now_s)
         if not dry_run:
             ctx = self.context(view, request, now_s, targets)
-            decision = chain.run(self.policy, ctx, now_s)
+            decision = chain.run(policy, ctx, now_s)
             ctx.commit()
         else:
             # Same draws as a real decision would see, without consuming them.
             ctx = self.context(view, request, now_s, targets, rng=dry_run_random(self.rng))
-            decision = chain.run(self.policy, ctx, now_s)
+            decision = chain.run(policy, ctx, now_s)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(
                 "request %s: %s %s prefill=%s decode=%s%s",

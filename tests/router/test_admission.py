@@ -217,3 +217,27 @@ async def test_objective_attainment_ignores_outcomes() -> None:
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
+
+
+async def test_qlm_dispatches_to_the_instance_its_plan_chose_even_where_slo_thresholds_would_refuse() -> None:
+    """The qlm plan chose the instance: its dispatch checks health, not the scheduler's SLO thresholds.
+
+    One neutral instance whose running requests are already past the residents' TPOT target: the
+    ``slo`` policy's own decision refuses any new prompt there (``tpot_residents``), which made the
+    router answer a request the qlm plan had placed with RESOURCE_EXHAUSTED.
+    """
+    from router.core.errors import NoInstanceError
+    from router.core.qlm import QlmConfig
+    from router.qlm_admission import QlmAdmission
+
+    crowded = make_snapshot(inst("n0", "neutral", decode_requests=180, decode_tokens=360000))
+    scheduler = Scheduler(SchedulerConfig(scheduling_policy="slo"), make_predictor(), random.Random(0))
+    placer = Placer(scheduler, Source(crowded), clock=lambda: 100.0)  # type: ignore[arg-type]
+    with pytest.raises(NoInstanceError, match="tpot_residents"):
+        placer.place(request("direct", ttft_ms=60000.0))
+    admission = QlmAdmission(placer, QueueConfig(queue_policy="qlm"), QlmConfig(), clock=lambda: 100.0)  # type: ignore[arg-type]
+    admitted = await asyncio.wait_for(admission.place(request("a", ttft_ms=60000.0)), 5)
+    assert admitted.route.prefill.instance_id == "n0"
+    assert len(placer.scheduler.inflight) == 1  # recorded at dispatch, like any placement
+    admission.release("a")
+    assert len(placer.scheduler.inflight) == 0
