@@ -153,7 +153,9 @@ class QueueConfig(FlagFields):
         metadata=_doc(
             "order of requests waiting in the router: none (refuse at once), fcfs, edf, priority, qlm "
             "(request groups and virtual queues with eviction, neutral instances; --qlm-*) or sa "
-            "(simulated-annealing release batches per instance; --sa-*)",
+            "(simulated-annealing release batches per instance, for bursts of queued work: an "
+            "instance gets its next batch only when the last one ended, so near capacity it idles "
+            "behind each batch's longest request; --sa-*)",
             "--queue-policy",
         ),
     )
