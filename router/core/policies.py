@@ -188,8 +188,8 @@ def health_only(config: SchedulerConfig, name: str) -> Policy:
     are its planner's job, and one that refused the chosen instance would refuse a request
     the plan had already placed.
     """
-    stage = {"filters": [*HEALTH, "failover"], "selector": _lowest("predicted_ttft")}
-    return policy_from_dict({"name": name, **{s: stage for s in _STAGES}}, config, f"policy {name!r}")
+    stages = _same_everywhere([*HEALTH, "failover"], _lowest("predicted_ttft"))
+    return policy_from_dict({"name": name, **stages}, config, f"policy {name!r}")
 
 
 def _kv_fits(config: SchedulerConfig, **extra: Any) -> dict[str, Any]:

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from bench import bench_peers
+from router.cli import build_parser
 
 
 @pytest.mark.parametrize("kind", ["vllm-router", "smg"])
@@ -48,8 +49,6 @@ def test_readme_figures_compare_the_best_of_each_side_and_name_every_cpu_figure(
 
 
 def test_every_configuration_of_this_router_is_one_the_router_command_accepts() -> None:
-    from router.cli import build_parser
-
     parser = build_parser()
     ours = [r for r in bench_peers.ROUTERS if r.kind == "ours"]
     assert {"slo-router slo", "slo-router slo+qlm", "slo-router slo+sa"} <= {r.name for r in ours}

@@ -14,10 +14,12 @@ import pytest
 from fleet.snapshot import ClusterSnapshot
 from router.admission import Admission
 from router.core.config import SchedulerConfig
-from router.core.errors import QueueFullError, QueueTimeoutError
+from router.core.errors import NoInstanceError, QueueFullError, QueueTimeoutError
+from router.core.qlm import QlmConfig
 from router.core.queue import QueueConfig
 from router.core.scheduler import Scheduler
 from router.placement import PlacementRequest, Placer
+from router.qlm_admission import QlmAdmission
 from router.telemetry import RequestObserver
 from tests.router.core.helpers import inst, make_predictor, make_request, make_snapshot
 
@@ -226,10 +228,6 @@ async def test_qlm_dispatches_to_the_instance_its_plan_chose_even_where_slo_thre
     ``slo`` policy's own decision refuses any new prompt there (``tpot_residents``), which made the
     router answer a request the qlm plan had placed with RESOURCE_EXHAUSTED.
     """
-    from router.core.errors import NoInstanceError
-    from router.core.qlm import QlmConfig
-    from router.qlm_admission import QlmAdmission
-
     crowded = make_snapshot(inst("n0", "neutral", decode_requests=180, decode_tokens=360000))
     scheduler = Scheduler(SchedulerConfig(scheduling_policy="slo"), make_predictor(), random.Random(0))
     placer = Placer(scheduler, Source(crowded), clock=lambda: 100.0)  # type: ignore[arg-type]
