@@ -15,6 +15,7 @@ the decode instance generates — it can only change if the decode read them.
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import time
 from collections.abc import Iterator
@@ -142,6 +143,32 @@ async def test_workers_register_what_vllm_resolved(cluster: Cluster) -> None:
     assert state.metadata.instance_id == "d0"
     assert state.metadata.role == cms_pb2.INSTANCE_ROLE_DECODE
     assert state.metadata.block_size == CPU_BLOCK_SIZE
+
+
+def test_workers_and_their_engines_run_in_their_own_process_group_within_the_callers_session(
+    cluster: Cluster,
+) -> None:
+    # Its own group: stop() can SIGKILL vLLM's engine processes with it. The caller's session:
+    # a session of its own would be a separate scheduler autogroup (see VllmWorkerProcess).
+    for worker in (cluster.prefill, cluster.decode):
+        pid = worker.proc.pid
+        assert os.getpgid(pid) == pid
+        assert os.getsid(pid) == os.getsid(0)
+        assert len(_members_of_group(pid)) >= 2  # the worker and at least vLLM's engine core
+
+
+def _members_of_group(pgid: int) -> list[int]:
+    """Processes whose process group is ``pgid`` (Linux ``/proc``)."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:  # ended since the listing
+                continue
+            if int(fields[2]) == pgid:
+                members.append(int(entry.name))
+    return members
 
 
 async def test_generate_streams_exactly_max_tokens(cluster: Cluster) -> None:
