@@ -37,11 +37,7 @@ START_TIMEOUT_S = 60.0
 _PR_SET_PDEATHSIG = 1
 
 
-def die_with_parent() -> None:
-    """``preexec_fn`` for a child process: SIGTERM it when this process dies (Linux; elsewhere a no-op).
-
-    Runs in the child between fork and exec.
-    """
+def _die_with_parent() -> None:  # runs in the child between fork and exec
     with contextlib.suppress(Exception):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
@@ -116,7 +112,7 @@ class RouterProcesses:
                 *cmd,
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.PIPE,
-                preexec_fn=die_with_parent,
+                preexec_fn=_die_with_parent,
             )
             self.children.append(child)
         for slot, child in enumerate(self.children, start=1):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import ctypes
 import logging
 import math
 import shutil
@@ -35,7 +36,7 @@ from router.core.queue import QueueConfig
 from router.core.rng import PeekableRandom
 from router.core.scheduler import Scheduler
 from router.core.slicing import SliceConfig
-from router.processes import RouterProcesses, die_with_parent
+from router.processes import RouterProcesses
 from router.server import (
     DEFAULT_LISTEN,
     DEFAULT_PROFILE_DIR,
@@ -58,6 +59,13 @@ from router.telemetry import RequestObserver
 logger = logging.getLogger(__name__)
 
 DEFAULT_HTTP_LISTEN = "127.0.0.1:8000"
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 @dataclass
@@ -158,7 +166,7 @@ async def _spawn_worker(
         *extra,
     ]  # fmt: skip
     process = await asyncio.create_subprocess_exec(
-        *cmd, stdout=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL, preexec_fn=die_with_parent
+        *cmd, stdout=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL, preexec_fn=_die_with_parent
     )
     return WorkerProcess(instance_id, role, process)
 
