@@ -167,17 +167,25 @@ def _evaluate(
     no_marks = table.all_false()
     marked = no_marks
     everywhere = table.all_true()
+    # The relax-pass-0 keeps not yet folded into ``alive``: it is only read before a markless
+    # filter, so a chain without one (e.g. load-balance) never computes it.
+    unfolded: list[BoolArray] = []
     for f, markless, r in zip(spec.filters, spec.markless, spec.relax, strict=False):
-        if markless and (alive is None or not alive.any()):
-            alive = None
-            keeps.append(everywhere)
-            continue
+        if markless:
+            if alive is not None:
+                for keep in unfolded:
+                    alive = alive & keep
+                unfolded.clear()
+            if alive is None or not alive.any():
+                alive = None
+                keeps.append(everywhere)
+                continue
         keep, mark = f.apply(ctx)
         keeps.append(keep)
         if mark is not None and mark is not no_marks:
             marked = mark if marked is no_marks else marked | mark
         if r == 0 and alive is not None:
-            alive = alive & keep
+            unfolded.append(keep)
     for g in spec.global_filters:
         keeps.append(g.apply_global(ctx, marked))
     return labels, keeps, relax

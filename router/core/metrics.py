@@ -65,7 +65,6 @@ from router.core.columns import (
     INFLIGHT_DECODE_TOKENS,
     FloatArray,
     InstanceTable,
-    IntArray,
 )
 from router.core.config import SchedulerConfig
 from router.core.plugins import DecisionContext, Metric, MetricScope
@@ -232,47 +231,60 @@ def _decode_step_ms(ctx: DecisionContext) -> FloatArray:
 
 @dataclass(frozen=True)
 class _StepModel:
-    """Per-snapshot schedule of the status backlogs (only instances with one)."""
+    """The schedule of the status backlogs, one entry per instance, in the status age's units.
 
-    index: IntArray  # instances with a backlog
-    backlog: FloatArray  # their S.num_uncomputed_prefill_tokens
-    full_ms: FloatArray  # time to run all full chunks
-    full_rate: FloatArray  # tokens per ms during full chunks (0 when they take no time)
-    tail_ms: FloatArray  # time of the last partial chunk
+    Times are in seconds of status age and rates in tokens per second of it,
+    with the calibration's TTFT factor folded in (a slower engine runs its
+    chunks longer), so that advancing to an age column is a few whole-column
+    operations with no gather and no scatter. An instance without a backlog has
+    zeros throughout, which advance it to zero.
+    """
+
+    any_backlog: bool  # some instance has S.num_uncomputed_prefill_tokens > 0
+    backlog: FloatArray  # S.num_uncomputed_prefill_tokens less the tokens that take no time
+    full_s: FloatArray  # age by which every full chunk has run
+    full_rate: FloatArray  # tokens per second during the full chunks (0 when they take no time)
+    tail_s: FloatArray  # how long the last partial chunk runs
     tail_rate: FloatArray
-    instant: FloatArray  # tokens the profile says take no time at all
-    any_instant: bool  # instant is not all zero (it is with any profile that takes time)
 
 
-def _step_model(table: InstanceTable, predictors: PredictorSet) -> _StepModel:
+def _step_model(table: InstanceTable, predictors: PredictorSet, correction: Correction | None) -> _StepModel:
+    """The schedule for ``table`` under ``predictors`` and ``correction``; cached per snapshot.
+
+    Kept with the table for the last calibration it was asked for (a refit makes a
+    new :class:`Correction`; the decisions between two refits share one model).
+    """
     key = ("step_model", predictors)
-    model: _StepModel | None = table.memo.get(key)
-    if model is not None:
+    found: tuple[Correction | None, _StepModel] | None = table.memo.get(key)
+    if found is not None and found[0] is correction:
+        return found[1]
+    p0 = table.uncomputed_prefill_tokens
+    if not np.count_nonzero(p0 > 0):
+        model = _StepModel(False, p0, p0, p0, p0, p0)
+        table.memo[key] = (correction, model)
         return model
-    index = np.flatnonzero(table.uncomputed_prefill_tokens > 0)
     decode = predictors.decode_step_ms(table, table.decode_requests, table.decode_tokens)
     m = table.max_num_batched_tokens
-    full_chunk = _full_chunk_ms(table, predictors)
-    p0 = table.uncomputed_prefill_tokens
     n_full = np.floor_divide(p0, m)
     rest = p0 - n_full * m
-    tail_chunk = np.where(rest > 0, predictors.prefill_step_ms(table, rest) + decode, 0.0)
-    full_one = full_chunk + decode
-    zero = np.zeros(table.n)
-    full_rate = np.divide(m, full_one, out=zero.copy(), where=full_one > 0)
-    tail_rate = np.divide(rest, tail_chunk, out=zero.copy(), where=tail_chunk > 0)
+    has = p0 > 0
+    tail_chunk = np.where(has & (rest > 0), predictors.prefill_step_ms(table, rest) + decode, 0.0)
+    full_one = np.where(has, _full_chunk_ms(table, predictors) + decode, 0.0)
     instant = np.where(full_one > 0, 0.0, n_full * m) + np.where(tail_chunk > 0, 0.0, rest)
+    # ms of engine time per second of age: 1000, or 1000 / factor on a slower engine.
+    speed = np.full(table.n, 1000.0) if correction is None else 1000.0 / correction.ttft_factor
+    zero = np.zeros(table.n)
     model = _StepModel(
-        index=index,
-        backlog=p0[index],
-        full_ms=(n_full * full_one)[index],
-        full_rate=full_rate[index],
-        tail_ms=tail_chunk[index],
-        tail_rate=tail_rate[index],
-        instant=instant[index],
-        any_instant=bool(np.count_nonzero(instant[index])),
+        any_backlog=True,
+        backlog=np.where(has, p0 - instant, 0.0),
+        full_s=np.where(has, n_full * full_one / speed, 0.0),
+        full_rate=np.divide(m * speed, full_one, out=zero.copy(), where=full_one > 0),
+        tail_s=tail_chunk / speed,
+        tail_rate=np.divide(rest * speed, tail_chunk, out=zero.copy(), where=tail_chunk > 0),
     )
-    table.memo[key] = model
+    for column in (model.backlog, model.full_s, model.full_rate, model.tail_s, model.tail_rate):
+        column.setflags(write=False)
+    table.memo[key] = (correction, model)
     return model
 
 
@@ -299,36 +311,35 @@ def advanced_backlog(ctx: DecisionContext) -> FloatArray:
     predictors = ctx.predictors
     if predictors is None:
         return status_backlog
-    model = _step_model(table, predictors)
-    if len(model.index) == 0:
+    correction = _correction(ctx)
+    model = _step_model(table, predictors, correction)
+    if not model.any_backlog:
         return status_backlog
     ages = ctx.view.status_age_s
-    correction = _correction(ctx)
-    found: tuple[FloatArray, PredictorSet, Correction | None, FloatArray] | None = table.memo.get(_ADVANCED)
-    if found is not None and found[0] is ages and found[1] is predictors and found[2] is correction:
-        return found[3]
-    out = _advance(status_backlog, model, ages, correction)
+    found: tuple[FloatArray, _StepModel, FloatArray] | None = table.memo.get(_ADVANCED)
+    if found is not None and found[0] is ages and found[1] is model:
+        return found[2]
+    out = _advance(model, ages)
     out.setflags(write=False)
-    table.memo[_ADVANCED] = (ages, predictors, correction, out)  # (the keys held: their ids stay theirs)
+    table.memo[_ADVANCED] = (ages, model, out)  # (the keys held: their ids stay theirs)
     return out
 
 
 _ADVANCED = "advanced_backlog"
 
 
-def _advance(
-    status_backlog: FloatArray, model: _StepModel, ages: FloatArray, correction: Correction | None
-) -> FloatArray:
-    elapsed_ms = ages[model.index] * _THOUSAND
-    if correction is not None:  # a slower engine has done less of its backlog by now
-        elapsed_ms = elapsed_ms / correction.ttft_factor[model.index]
-    done = np.minimum(elapsed_ms, model.full_ms) * model.full_rate
-    if model.any_instant:  # (0 + x is x: skipped when there is nothing instant)
-        done = model.instant + done
-    done += np.minimum(np.maximum(elapsed_ms - model.full_ms, _ZERO), model.tail_ms) * model.tail_rate
-    out = status_backlog.copy()
-    out[model.index] = np.maximum(model.backlog - done, _ZERO)
-    return out
+def _advance(model: _StepModel, ages: FloatArray) -> FloatArray:
+    """What each backlog has left after ``ages``: full chunks, then the last chunk, then nothing.
+
+    An instance without a status has an infinite age and no backlog: its entries
+    are all zero, and so is what it has left (no ``inf * 0`` arises: each
+    product takes a ``minimum`` with a zero first).
+    """
+    done = np.minimum(ages, model.full_s) * model.full_rate
+    tail = np.maximum(ages - model.full_s, _ZERO)
+    done += np.minimum(tail, model.tail_s, out=tail) * model.tail_rate
+    np.subtract(model.backlog, done, out=done)
+    return np.maximum(done, _ZERO, out=done)  # type: ignore[no-any-return]
 
 
 @_register("prefill_backlog_tokens", MetricScope.DECISION)
