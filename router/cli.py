@@ -16,6 +16,8 @@ import os
 import sys
 from collections.abc import Sequence
 
+from router.lifetime import die_with_parent_if_asked
+
 #: Modules that contribute subcommands, in the order ``--help`` lists them.
 SUBCOMMAND_MODULES: tuple[str, ...] = (
     "predictor.cli",
@@ -47,9 +49,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    # gRPC core logs INFO lines (e.g. about fork) unless told otherwise; must be set before it loads.
+def grpc_environment() -> None:
+    """gRPC core's settings for every ``slo-router`` process; they must be set before it loads.
+
+    - ``GRPC_VERBOSITY=ERROR``: no INFO lines from the core (e.g. about fork).
+    - ``GRPC_ENABLE_FORK_SUPPORT=0``: no fork handlers. With them, the core runs code in a child
+      forked from a process with gRPC's threads (``--processes`` and ``up`` start their children
+      from the event loop, which forks): seen here as a child that aborted before it could exec
+      (``ev_epoll1_linux.cc: Check failed: next_worker->state == KICKED``), or crashed (SIGSEGV),
+      about one start in ten under load, and the parent's CMS connection closed. Every child this
+      software forks execs at once and never uses the parent's gRPC state, which is all that
+      fork support is for.
+
+    A value the user set is kept.
+    """
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+    os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    die_with_parent_if_asked()  # a process `up` or `--processes` started ends with its parent
+    grpc_environment()
     parser = build_parser()
     args = parser.parse_args(argv)
     # The command line as given (``--processes`` starts more routers with the same flags).

@@ -10,7 +10,7 @@ The HTTP edge and ``--metrics-port`` stay on the first process. Every
 process answers ``Generate`` with trailing metadata ``slo-router-process``
 (its slot), so a client can tell which one served it.
 
-Children die with the first process (``PR_SET_PDEATHSIG``) and get SIGTERM
+Children die with the first process (``PR_SET_PDEATHSIG``, :mod:`router.lifetime`) and get SIGTERM
 on a clean shutdown; a child's slot is cleared when it exits.
 """
 
@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import ctypes
 import logging
 import signal
 import sys
@@ -27,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from router.core.inflight import InflightAccount
+from router.lifetime import child_env
 from router.service import RouterService
 from router.shared_inflight import InflightSharing, SharedInflight
 
@@ -34,12 +34,6 @@ logger = logging.getLogger(__name__)
 
 #: How long a started process may take to listen.
 START_TIMEOUT_S = 60.0
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 @dataclass
@@ -112,7 +106,7 @@ class RouterProcesses:
                 *cmd,
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.PIPE,
-                preexec_fn=_die_with_parent,
+                env=child_env(),  # (:mod:`router.lifetime`: no preexec_fn in a threaded process)
             )
             self.children.append(child)
         for slot, child in enumerate(self.children, start=1):

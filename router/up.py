@@ -6,7 +6,7 @@ workers and router use both cores. Authentication is on: ``up`` makes a
 token per worker (so one worker cannot write another's CMS entry) and a
 cluster key for kv handles, in a private directory removed on exit. Children die with this process: they get
 SIGTERM on a clean shutdown and, on Linux, also when this process dies
-without one (``PR_SET_PDEATHSIG``), so nothing is left running.
+without one (``PR_SET_PDEATHSIG``, :mod:`router.lifetime`), so nothing is left running.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import ctypes
 import logging
 import math
 import shutil
@@ -36,6 +35,7 @@ from router.core.queue import QueueConfig
 from router.core.rng import PeekableRandom
 from router.core.scheduler import Scheduler
 from router.core.slicing import SliceConfig
+from router.lifetime import child_env
 from router.processes import RouterProcesses
 from router.server import (
     DEFAULT_LISTEN,
@@ -59,13 +59,6 @@ from router.telemetry import RequestObserver
 logger = logging.getLogger(__name__)
 
 DEFAULT_HTTP_LISTEN = "127.0.0.1:8000"
-
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 @dataclass
@@ -166,7 +159,7 @@ async def _spawn_worker(
         *extra,
     ]  # fmt: skip
     process = await asyncio.create_subprocess_exec(
-        *cmd, stdout=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL, preexec_fn=_die_with_parent
+        *cmd, stdout=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL, env=child_env()
     )
     return WorkerProcess(instance_id, role, process)
 

@@ -135,3 +135,24 @@ def test_up_gives_its_router_processes_its_scheduling_flags_and_not_its_own() ->
     # What the router command makes of them.
     routed = build_parser().parse_args(argv)
     assert routed.command == "router" and routed.max_queue_size == 9 and routed.tpot_slo == 40
+
+
+async def test_router_processes_end_when_the_first_is_killed(tmp_path: Path) -> None:
+    # No clean shutdown: the kernel's parent-death signal (router.lifetime) ends the started process.
+    fleet = Fleet(tmp_path)
+    try:
+        cms = fleet.cms()
+        worker = fleet.worker("neutral-0", "neutral", cms.address)
+        fleet.wait_listening(worker)
+        router = fleet.router(f"grpc://{cms.address}", "--processes", "2")
+        lines = _lines(tmp_path / "router.out")
+        children = [
+            int(line.split("(pid ")[1].split(")")[0]) for line in lines if line.startswith("router process ")
+        ]
+        assert len(children) == 1, lines
+        assert not await asyncio.to_thread(_gone, children, 0.0)
+        router.signal(signal.SIGKILL)
+        router.popen.wait(timeout=30)
+        assert await asyncio.to_thread(_gone, children, 30.0)
+    finally:
+        fleet.close()
