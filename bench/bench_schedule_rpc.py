@@ -2,7 +2,7 @@
 
 A router serves in a child process over a fixed view of 256 and of 2,048
 loaded instances (the fleet of :mod:`bench.bench_scheduler`, kept fresh), on
-uvloop as ``slo-router router`` serves (uvloop makes every call cheaper, the
+uvloop and with the gRPC settings of ``slo-router router`` (uvloop makes every call cheaper, the
 health check too, so the ratios come out higher than on asyncio's loop). This
 process calls it over one channel, one call at a time: the standard health
 ``Check``, ``Schedule`` without ``explain`` and ``Schedule`` with ``explain``
@@ -38,6 +38,7 @@ from bench.figures import Figure
 from cms.reader import ClusterReader
 from fleet.snapshot import ClusterSnapshot
 from predictor import LatencyPredictor
+from router.cli import grpc_environment
 
 REPO = Path(__file__).resolve().parent.parent
 PROFILE = REPO / "profiling_data" / "qwen2.5-7b-2xv100-linear"
@@ -151,9 +152,11 @@ async def _measure(address: str, pid: int, n: int) -> tuple[float, float, float,
 
 
 def _run(n: int) -> tuple[float, float, float, float] | None:
+    env = dict(os.environ)
+    grpc_environment(env)  # gRPC's settings as `slo-router router` has them (read when gRPC loads)
     child = subprocess.Popen(
         [sys.executable, "-m", "bench.bench_schedule_rpc", "--serve", str(n)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO,
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO, env=env,
     )  # fmt: skip
     try:
         assert child.stdout is not None
@@ -191,7 +194,6 @@ def main() -> list[Figure]:
 
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--serve":
-        os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
         import uvloop  # the event loop `slo-router router` serves on (router.server.run)
 
         uvloop.run(_serve(int(sys.argv[2])))

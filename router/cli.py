@@ -14,7 +14,7 @@ import importlib
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import MutableMapping, Sequence
 
 from router.lifetime import die_with_parent_if_asked
 
@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def grpc_environment() -> None:
+def grpc_environment(env: MutableMapping[str, str] = os.environ) -> None:
     """gRPC core's settings for every ``slo-router`` process; they must be set before it loads.
 
     - ``GRPC_VERBOSITY=ERROR``: no INFO lines from the core (e.g. about fork).
@@ -61,10 +61,10 @@ def grpc_environment() -> None:
       software forks execs at once and never uses the parent's gRPC state, which is all that
       fork support is for.
 
-    A value the user set is kept.
+    A value the user set is kept. ``env``: this process's environment, or a child's to be.
     """
-    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
-    os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
+    env.setdefault("GRPC_VERBOSITY", "ERROR")
+    env.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
