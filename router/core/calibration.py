@@ -413,12 +413,15 @@ class Correction:
         tokens: FloatArray,
         budget: FloatArray,
         decode_ms: FloatArray,
+        full_chunk_ms: FloatArray | None = None,
     ) -> FloatArray:
         """Calibrated TTFT of a chunk schedule (``decode_ms``: the profile's decode part of each chunk).
 
         Scale: the profile times the TTFT factor. Refit: each chunk's prefill part times the
         TTFT factor, its decode part times the TPOT factor (the baseline the remainder was
-        fitted against), plus the fitted remainder of every chunk.
+        fitted against), plus the fitted remainder of every chunk. ``full_chunk_ms``: the
+        remainder of a full chunk, :meth:`full_chunk_remainder_ms` of these columns, when the
+        caller keeps it (it does not depend on the backlog).
         """
         scaled: FloatArray = profile_ms * self.ttft_factor
         if self.coefs is None:
@@ -428,12 +431,19 @@ class Correction:
         zero = np.zeros_like(backlog)
         decode_part = np.where(backlog > 0, n_full + (rest > 0), zero) * decode_ms
         baseline = (profile_ms - decode_part) * self.ttft_factor + decode_part * self.tpot_factor
-        full = linear_step_ms(self.coefs, budget, batch, tokens)
+        full = self.full_chunk_remainder_ms(budget, batch, tokens) if full_chunk_ms is None else full_chunk_ms
         tail = np.where(rest > 0, linear_step_ms(self.coefs, rest, batch, tokens), zero)
         fitted = baseline + np.where(backlog > 0, n_full * full + tail, zero)
         fitted = np.clip(fitted, profile_ms * self.min_factor, profile_ms * self.max_factor)
         out: FloatArray = np.where(self.has_fit, fitted, scaled)
         return out
+
+    def full_chunk_remainder_ms(
+        self, budget: FloatArray, batch: FloatArray, tokens: FloatArray
+    ) -> FloatArray:
+        """The refit's remainder of a full chunk of ``budget`` tokens beside the decode batch (refit only)."""
+        assert self.coefs is not None
+        return linear_step_ms(self.coefs, budget, batch, tokens)
 
     def tpot_ms(self, profile_ms: FloatArray, batch: FloatArray, tokens: FloatArray) -> FloatArray:
         """Calibrated TPOT of a decode step at ``(batch, tokens)``, plus the interleaved prefill time."""

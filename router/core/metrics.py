@@ -416,14 +416,38 @@ def _predicted_ttft(ctx: DecisionContext) -> FloatArray:
     correction = _correction(ctx)
     if correction is None:
         return values
+    batch, tokens = ctx.metric("decode_batch_size"), ctx.metric("decode_tokens")
     return correction.ttft_ms(
         values,
         backlog,
-        ctx.metric("decode_batch_size"),
-        ctx.metric("decode_tokens"),
+        batch,
+        tokens,
         table.max_num_batched_tokens,
         step,
+        _full_chunk_remainder(ctx, correction, batch, tokens),
     )
+
+
+def _full_chunk_remainder(
+    ctx: DecisionContext, correction: Correction, batch: FloatArray, tokens: FloatArray
+) -> FloatArray | None:
+    """The refit's remainder of a full chunk (None without a refit), kept with the view's load.
+
+    It reads the decode load and the calibration, not the request: every decision on the same
+    load (the requests of one router queue pass) shares it.
+    """
+    if correction.coefs is None:
+        return None
+    memo = ctx.view.load_memo
+    found: tuple[Correction, FloatArray, FloatArray, FloatArray] | None = memo.get(_FULL_REMAINDER)
+    if found is not None and found[0] is correction and found[1] is batch and found[2] is tokens:
+        return found[3]
+    full = correction.full_chunk_remainder_ms(ctx.view.instances.max_num_batched_tokens, batch, tokens)
+    memo[_FULL_REMAINDER] = (correction, batch, tokens, full)  # (the keys held: their ids stay theirs)
+    return full
+
+
+_FULL_REMAINDER = "refit_full_chunk_remainder"
 
 
 @_register("predicted_tpot", MetricScope.DECISION)
