@@ -139,7 +139,6 @@ def _at(
 # 0-d operands: a ufunc resolves them faster than a Python float, with the same values.
 _ZERO = np.array(0.0)
 _ONE = np.array(1.0)
-_THOUSAND = np.array(1000.0)
 
 
 def _nan(ctx: DecisionContext) -> FloatArray:
@@ -240,7 +239,6 @@ class _StepModel:
     zeros throughout, which advance it to zero.
     """
 
-    any_backlog: bool  # some instance has S.num_uncomputed_prefill_tokens > 0
     backlog: FloatArray  # S.num_uncomputed_prefill_tokens less the tokens that take no time
     full_s: FloatArray  # age by which every full chunk has run
     full_rate: FloatArray  # tokens per second during the full chunks (0 when they take no time)
@@ -248,26 +246,27 @@ class _StepModel:
     tail_rate: FloatArray
 
 
-def _step_model(table: InstanceTable, predictors: PredictorSet, correction: Correction | None) -> _StepModel:
-    """The schedule for ``table`` under ``predictors`` and ``correction``; cached per snapshot.
+def _step_model(
+    table: InstanceTable, predictors: PredictorSet, correction: Correction | None
+) -> _StepModel | None:
+    """The schedule for ``table`` under ``predictors`` and ``correction`` (None: no backlog anywhere).
 
     Kept with the table for the last calibration it was asked for (a refit makes a
     new :class:`Correction`; the decisions between two refits share one model).
     """
     key = ("step_model", predictors)
-    found: tuple[Correction | None, _StepModel] | None = table.memo.get(key)
+    found: tuple[Correction | None, _StepModel | None] | None = table.memo.get(key)
     if found is not None and found[0] is correction:
         return found[1]
     p0 = table.uncomputed_prefill_tokens
-    if not np.count_nonzero(p0 > 0):
-        model = _StepModel(False, p0, p0, p0, p0, p0)
-        table.memo[key] = (correction, model)
-        return model
+    has = p0 > 0
+    if not has.any():
+        table.memo[key] = (correction, None)
+        return None
     decode = predictors.decode_step_ms(table, table.decode_requests, table.decode_tokens)
     m = table.max_num_batched_tokens
     n_full = np.floor_divide(p0, m)
     rest = p0 - n_full * m
-    has = p0 > 0
     tail_chunk = np.where(has & (rest > 0), predictors.prefill_step_ms(table, rest) + decode, 0.0)
     full_one = np.where(has, _full_chunk_ms(table, predictors) + decode, 0.0)
     instant = np.where(full_one > 0, 0.0, n_full * m) + np.where(tail_chunk > 0, 0.0, rest)
@@ -275,7 +274,6 @@ def _step_model(table: InstanceTable, predictors: PredictorSet, correction: Corr
     speed = np.full(table.n, 1000.0) if correction is None else 1000.0 / correction.ttft_factor
     zero = np.zeros(table.n)
     model = _StepModel(
-        any_backlog=True,
         backlog=np.where(has, p0 - instant, 0.0),
         full_s=np.where(has, n_full * full_one / speed, 0.0),
         full_rate=np.divide(m * speed, full_one, out=zero.copy(), where=full_one > 0),
@@ -313,7 +311,7 @@ def advanced_backlog(ctx: DecisionContext) -> FloatArray:
         return status_backlog
     correction = _correction(ctx)
     model = _step_model(table, predictors, correction)
-    if not model.any_backlog:
+    if model is None:
         return status_backlog
     ages = ctx.view.status_age_s
     found: tuple[FloatArray, _StepModel, FloatArray] | None = table.memo.get(_ADVANCED)
