@@ -13,8 +13,11 @@ step, what any other client uses). A ratio worker/direct is what the wrapper
 (engine adapter, gRPC service and client) costs; on a small CPU host the
 client shares the cores with the engine, so the ratio includes its CPU time.
 
-Both engines start together and the sides take turns, three rounds, best
-round kept: other load on the machine then hits all sides alike. Each
+Both engines start together and the sides take turns, three rounds: other
+load on the machine then hits all sides alike. Tokens/s is the best round's;
+TTFT p50 is the median over every round's requests (a burst of 16 requests
+per round gives 32 first tokens, too few for a median that holds still from
+one round to the next: one round's p50 moved by ±10 ms between runs). Each
 measurement starts :data:`IDLE_PAUSE_S` after the previous one: vLLM's model
 process keeps polling for work at full speed for a second after its last
 step (its shared-memory queue's busy loop), and vLLM's CPU thread binding
@@ -67,6 +70,8 @@ class Figures:
     tokens: int
     seconds: float
     ttft_p50_ms: float
+    #: Every request's time to its first token (ms).
+    ttfts_ms: tuple[float, ...] = ()
     #: CPU seconds during the measurement: this process (client, or the direct engine's
     #: frontend) and the worker's main process (its frontend: gRPC service + vLLM's AsyncLLM;
     #: vLLM's engine core and model processes are its children and not counted).
@@ -117,6 +122,7 @@ async def _measure(
         sum(tokens),
         elapsed,
         statistics.median(ttfts) * 1000,
+        tuple(t * 1000 for t in ttfts),
         client_cpu_s=time.process_time() - client_cpu,
         worker_cpu_s=_process_cpu_s(worker_pid) - worker_cpu,
     )
@@ -246,6 +252,7 @@ async def _compare(model: Path, log_dir: Path) -> None:
             for one in sides.values():
                 await one(10**6)  # warm-up
             best: dict[tuple[str, int], Figures] = {}
+            ttfts: dict[tuple[str, int], list[float]] = {}
             index = 0
             for _ in range(ROUNDS):
                 for concurrency, per_stream in WORKLOAD:
@@ -257,6 +264,7 @@ async def _compare(model: Path, log_dir: Path) -> None:
                         figures = await _measure(one, concurrency, per_stream, index, worker.proc.pid)
                         index += concurrency * per_stream
                         key = (side, concurrency)
+                        ttfts.setdefault(key, []).extend(figures.ttfts_ms)
                         if key not in best or figures.tokens_per_s > best[key].tokens_per_s:
                             best[key] = figures
             await mux.close()
@@ -267,23 +275,37 @@ async def _compare(model: Path, log_dir: Path) -> None:
         worker.stop()
     print(
         f"workload: {PROMPT_TOKENS}-token prompts, {OUTPUT_TOKENS} output tokens, tiny Llama (float32, "
-        f"eager, max_num_seqs {MAX_NUM_SEQS}); best of {ROUNDS} alternating rounds; worker via "
-        "Worker.Streams (the router's path) and via Generate (one call per request)"
+        f"eager, max_num_seqs {MAX_NUM_SEQS}); {ROUNDS} alternating rounds: tokens/s of the best round, "
+        "TTFT p50 over every round's requests; worker via Worker.Streams (the router's path) and via "
+        "Generate (one call per request)"
     )
+
+    def ttft_p50(side: str, concurrency: int) -> float:
+        return statistics.median(ttfts[(side, concurrency)])
+
     print(
         f"{'streams':>7} {'requests':>8} | {'direct tok/s':>12} {'TTFT p50':>9} | "
         f"{'Streams tok/s':>13} {'TTFT p50':>9} {'ratio':>5} | {'Generate tok/s':>14} {'TTFT p50':>9} {'ratio':>5}"
     )
     ratios: dict[str, dict[int, float]] = {"streams": {}, "generate": {}}
+    added: dict[str, dict[int, float]] = {"streams": {}, "generate": {}}
     for concurrency, _ in WORKLOAD:
         d = best[("direct", concurrency)]
-        row = f"{concurrency:>7} {d.requests:>8} | {d.tokens_per_s:>12.0f} {d.ttft_p50_ms:>7.1f}ms"
+        direct_ttft = ttft_p50("direct", concurrency)
+        row = f"{concurrency:>7} {d.requests:>8} | {d.tokens_per_s:>12.0f} {direct_ttft:>7.1f}ms"
         for side, width in (("streams", 13), ("generate", 14)):
             w = best[(side, concurrency)]
             ratio = w.tokens_per_s / d.tokens_per_s if d.tokens_per_s else float("nan")
             ratios[side][concurrency] = round(ratio, 2)
-            row += f" | {w.tokens_per_s:>{width}.0f} {w.ttft_p50_ms:>7.1f}ms {ratio:>5.2f}"
+            ttft = ttft_p50(side, concurrency)
+            added[side][concurrency] = round(ttft - direct_ttft, 1)
+            row += f" | {w.tokens_per_s:>{width}.0f} {ttft:>7.1f}ms {ratio:>5.2f}"
         print(row)
+    at = " / ".join(str(c) for c, _ in WORKLOAD)
+    per_side = "; ".join(
+        f"{side} {' / '.join(f'{added[side][c]:+.1f}' for c, _ in WORKLOAD)} ms" for side in added
+    )
+    print(f"TTFT p50 added (worker - direct) at {at} streams: {per_side}")
     # Where the CPU goes (of the best rounds above): per output token, this process
     # (direct: AsyncLLM's frontend; worker sides: the gRPC client) and the worker's frontend.
     print("CPU µs per output token (this process + the worker's frontend; engine processes not counted):")
@@ -298,7 +320,7 @@ async def _compare(model: Path, log_dir: Path) -> None:
             row += f" | {w.cpu_us_per_token(w.client_cpu_s):>{width}.0f} {w.cpu_us_per_token(w.worker_cpu_s):>7.0f}"
         print(row)
     # For the parent process (make bench), which writes the README row.
-    print(FIGURES_PREFIX + json.dumps(ratios))
+    print(FIGURES_PREFIX + json.dumps({"ratio": ratios, "ttft_added_ms": added}))
 
 
 def _compare_main(model: str, log_dir: str) -> int:
@@ -348,9 +370,11 @@ def main() -> list[Figure]:
         if not found:
             return [Figure(what, "not measured: no figures in the benchmark's output")]
         print(f"load average after: {os.getloadavg()[0]:.1f}")
-        ratios = json.loads(found[-1].removeprefix(FIGURES_PREFIX))
+        figures = json.loads(found[-1].removeprefix(FIGURES_PREFIX))
+        ratios, added = figures["ratio"], figures["ttft_added_ms"]
         text = "; ".join(
-            f"ratio {' / '.join(f'{ratios[side][str(c)]:.2f}' for c, _ in WORKLOAD)} ({label})"
+            f"ratio {' / '.join(f'{ratios[side][str(c)]:.2f}' for c, _ in WORKLOAD)}, TTFT p50 added "
+            f"{' / '.join(f'{added[side][str(c)]:+.1f}' for c, _ in WORKLOAD)} ms ({label})"
             for side, label in (("streams", "`Worker.Streams`"), ("generate", "`Generate`"))
         )
         return [Figure(what, text)]

@@ -38,6 +38,9 @@ async def test_both_worker_clients_read_every_token_of_every_request() -> None:
                     assert figures.requests == 8
                     assert figures.tokens == 8 * OUTPUT_TOKENS
                     assert figures.ttft_p50_ms > 0
+                    # Every request's first-token time, for the median over all rounds.
+                    assert len(figures.ttfts_ms) == 8 and min(figures.ttfts_ms) > 0
+                    assert sorted(figures.ttfts_ms)[3] <= figures.ttft_p50_ms <= sorted(figures.ttfts_ms)[4]
             finally:
                 await mux.close()
     finally:
