@@ -312,7 +312,8 @@ def main(
         figures.append(
             Figure(
                 f"HTTP edge, {STREAMS} streams of {MAX_TOKENS} tokens, sim at real speed, --worker-streams {streams}",
-                "up (+CMS) CPU "
+                "up (+CMS) CPU"
+                + (f", {len(samples)} runs: " if len(samples) > 1 else " ")
                 + ", ".join(f"{ms:.1f} ms per request ({us:.0f} µs per SSE chunk)" for ms, us in samples),
             )
         )
