@@ -5,8 +5,9 @@ loaded instances (the fleet of :mod:`bench.bench_scheduler`, kept fresh), on
 uvloop and with the gRPC settings of ``slo-router router`` (uvloop makes every call cheaper, the
 health check too, so the ratios come out higher than on asyncio's loop). This
 process calls it over one channel, one call at a time: the standard health
-``Check``, ``Schedule`` without ``explain`` and ``Schedule`` with ``explain``
-(the per-candidate trace), in rounds that run a block of each kind side by
+``Check``, ``Schedule`` without ``explain``, ``Schedule`` with ``explain``
+(the per-candidate trace) and with ``explain_top`` 8 (the trace cut to the 8
+most telling candidates per stage), in rounds that run a block of each kind side by
 side (in alternating order), so that other work on the machine weighs on every
 kind alike. Per round and kind it takes the median wall time of a call and the
 router process's CPU time per call (every thread's, from ``/proc/PID/task/*/
@@ -47,6 +48,8 @@ SIZES = (256, 2048)
 ROUNDS = 15
 BLOCK = 100
 EXPLAIN_BLOCK = 20
+#: ``ScheduleRequest.explain_top`` of the fourth kind of call.
+TOP = 8
 
 
 class FixedReader(ClusterReader):
@@ -111,7 +114,7 @@ def _spread(values: list[float]) -> str:
     return f"{statistics.median(values):5.2f}x ({min(values):.2f}-{max(values):.2f})"
 
 
-async def _measure(address: str, pid: int, n: int) -> tuple[float, float, float, float]:
+async def _measure(address: str, pid: int, n: int) -> tuple[float, ...]:
     async with grpc.aio.insecure_channel(address) as channel:
         health = health_pb2_grpc.HealthStub(channel)
         router = router_pb2_grpc.RouterStub(channel)
@@ -121,11 +124,13 @@ async def _measure(address: str, pid: int, n: int) -> tuple[float, float, float,
         )
         plain = router_pb2.ScheduleRequest(request=request)
         explained = router_pb2.ScheduleRequest(request=request, explain=True)
+        top = router_pb2.ScheduleRequest(request=request, explain_top=TOP)
         check = health_pb2.HealthCheckRequest(service="")
         rows = [
             _Row("health Check", lambda: health.Check(check, timeout=10), BLOCK),
             _Row("Schedule", lambda: router.Schedule(plain, timeout=10), BLOCK),
             _Row("Schedule explain", lambda: router.Schedule(explained, timeout=10), EXPLAIN_BLOCK),
+            _Row(f"explain_top {TOP}", lambda: router.Schedule(top, timeout=10), BLOCK),
         ]
         for row in rows:  # warm-up
             for _ in range(30):
@@ -148,10 +153,10 @@ async def _measure(address: str, pid: int, n: int) -> tuple[float, float, float,
             f"  {row.name:<17} wall {statistics.median(row.wall):7.0f} µs/call {_spread(wall)}"
             f"   router CPU {statistics.median(row.cpu):7.0f} µs/call {_spread(cpu)}"
         )
-    return ratios[1][0], ratios[1][1], ratios[2][0], ratios[2][1]
+    return ratios[1][0], ratios[1][1], ratios[2][0], ratios[2][1], ratios[3][0], ratios[3][1]
 
 
-def _run(n: int) -> tuple[float, float, float, float] | None:
+def _run(n: int) -> tuple[float, ...] | None:
     env = dict(os.environ)
     grpc_environment(env)  # gRPC's settings as `slo-router router` has them (read when gRPC loads)
     child = subprocess.Popen(
@@ -185,9 +190,13 @@ def main() -> list[Figure]:
         if ratios is None:
             figures.append(Figure(what, "not measured: the router did not start"))
             continue
-        wall, cpu, explain_wall, explain_cpu = ratios
+        wall, cpu, explain_wall, explain_cpu, top_wall, top_cpu = ratios
         figures.append(
-            Figure(what, f"{wall:.2f}x / {cpu:.2f}x; with `explain` {explain_wall:.1f}x / {explain_cpu:.1f}x")
+            Figure(
+                what,
+                f"{wall:.2f}x / {cpu:.2f}x; with `explain` {explain_wall:.1f}x / {explain_cpu:.1f}x,"
+                f" with `explain_top` {TOP} {top_wall:.1f}x / {top_cpu:.1f}x",
+            )
         )
     return figures
 

@@ -431,13 +431,20 @@ class Placer:
         self.scheduler.inflight.release(request_id)
 
     def dry_run(
-        self, req: PlacementRequest, queue: RouterQueue | None = None, *, explain: bool = False
+        self,
+        req: PlacementRequest,
+        queue: RouterQueue | None = None,
+        *,
+        explain: bool = False,
+        explain_top: int = 0,
     ) -> router_pb2.ScheduleResponse:
         """The decision ``place`` would make now, with its trace when ``explain``; nothing recorded.
 
         The trace has one entry per candidate of every evaluated stage, so it
         costs time in proportion to the fleet; the decision itself does not
-        build it (:attr:`~router.core.decision.Decision.trace` is lazy). With
+        build it (:attr:`~router.core.decision.Decision.trace` is lazy).
+        ``explain_top`` > 0 keeps the trace to that many candidates per stage,
+        the most telling first (:meth:`~router.core.decision.Decision.trace_top`). With
         the router ``queue`` the request is tried as the queue would offer it
         (TTFT bound capped by the release limit); when no instance may take it,
         the response says it would be queued and where, instead of an error.
@@ -483,7 +490,7 @@ class Placer:
                 predicted_ttft_ms=_finite(entry.predicted_ttft_ms),
                 predicted_tpot_ms=_finite(entry.predicted_tpot_ms),
             )
-            for entry in decision.trace
+            for entry in decision.trace_top(explain_top)
         )
         return response
 

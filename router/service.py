@@ -295,7 +295,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
         try:
             queue = self._admission.dry_run_queue()
             prepared = self._prepare(request.request, dry_run=True)
-            return self._placer.dry_run(prepared, queue, explain=request.explain)
+            top = request.explain_top
+            return self._placer.dry_run(prepared, queue, explain=request.explain or top > 0, explain_top=top)
         except RouterError as exc:
             await context.abort(_error_code(exc), str(exc))
 

@@ -14,7 +14,7 @@ from typing import NamedTuple
 import numpy as np
 import numpy.typing as npt
 
-from router.core.columns import BoolArray, IntArray
+from router.core.columns import BoolArray, FloatArray, IntArray
 from router.core.plugins import DecisionContext
 from router.core.request import Mode, Stage
 
@@ -184,6 +184,20 @@ class Decision:
     @cached_property
     def trace(self) -> tuple[TraceEntry, ...]:
         """Every candidate of every evaluated stage, in stage then view order (built on first access)."""
+        return self._trace(0)
+
+    def trace_top(self, limit: int) -> tuple[TraceEntry, ...]:
+        """At most ``limit`` candidates per evaluated stage, the most telling first (0: :attr:`trace`).
+
+        Per stage: the selected candidate, then the candidates that passed the
+        most filters (survivors, then those dropped by a later filter of the
+        chain: the near misses), each group by the stage's prediction (TTFT;
+        the decode stage: TPOT), lowest first, NaN last; ties in view order.
+        Only these entries are built, so a large fleet's answer stays small.
+        """
+        return self.trace if limit <= 0 else self._trace(limit)
+
+    def _trace(self, limit: int) -> tuple[TraceEntry, ...]:
         ctx = self.context
         ids = ctx.view.instances.ids
         ttft = ctx.metric_or_nan("predicted_ttft")
@@ -191,8 +205,13 @@ class Decision:
         computed = ctx.computed_metrics()
         entries: list[TraceEntry] = []
         for outcome in self.outcomes:
+            candidates = outcome.candidates
             drops = outcome.first_drop()
-            for pos, i in enumerate(outcome.candidates.tolist()):
+            positions = (
+                range(len(candidates)) if limit <= 0 else _most_telling(outcome, drops, ttft, tpot, limit)
+            )
+            for pos in positions:
+                i = int(candidates[pos])
                 k = int(drops[pos])
                 entries.append(
                     TraceEntry(
@@ -206,3 +225,21 @@ class Decision:
                     )
                 )
         return tuple(entries)
+
+
+def _most_telling(
+    outcome: StageOutcome,
+    drops: npt.NDArray[np.int64],
+    ttft: FloatArray,
+    tpot: FloatArray,
+    limit: int,
+) -> list[int]:
+    """Positions in ``outcome.candidates`` of the ``limit`` entries :meth:`Decision.trace_top` keeps, in order."""
+    candidates = outcome.candidates
+    # How far each candidate got in the chain: the index of the filter that dropped it, or past the end.
+    depth = np.where(drops < 0, len(outcome.labels), drops)
+    prediction = (tpot if outcome.stage is Stage.DECODE else ttft)[candidates]
+    prediction = np.where(np.isnan(prediction), np.inf, prediction)
+    # np.lexsort: the last key sorts first, and it is stable (view order breaks the remaining ties).
+    order = np.lexsort((prediction, -depth, candidates != outcome.selected))
+    return [int(pos) for pos in order[:limit]]

@@ -215,9 +215,16 @@ class ScheduleRequest(_message.Message):
 
     REQUEST_FIELD_NUMBER: _builtins.int
     EXPLAIN_FIELD_NUMBER: _builtins.int
+    EXPLAIN_TOP_FIELD_NUMBER: _builtins.int
     explain: _builtins.bool
     """Fill ScheduleResponse.trace (every candidate of every evaluated stage).
     Off by default: the trace costs time proportional to the fleet size.
+    """
+    explain_top: _builtins.int
+    """Trace at most this many candidates per stage (0: every candidate, in view
+    order): the selected one first, then those that passed the most filters,
+    the lowest predicted TTFT first (decode stage: predicted TPOT). Set alone,
+    it asks for the trace too.
     """
     @_builtins.property
     def request(self) -> Global___GenerateRequest: ...
@@ -226,10 +233,11 @@ class ScheduleRequest(_message.Message):
         *,
         request: Global___GenerateRequest | None = ...,
         explain: _builtins.bool = ...,
+        explain_top: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["request", b"request"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["explain", b"explain", "request", b"request"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["explain", b"explain", "explain_top", b"explain_top", "request", b"request"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

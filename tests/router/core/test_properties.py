@@ -281,3 +281,34 @@ def test_slo_never_places_above_a_non_droppable_threshold(snap, request, config)
         ctx = result.context
         assert result.decode.predicted_ttft_ms < ctx.ttft_slo_ms * s.config.ttft_slo_dispatch_threshold
         assert result.decode.predicted_tpot_ms < ctx.tpot_slo_ms * s.config.tpot_slo_dispatch_threshold
+
+
+@PROPS
+@given(fleets(), requests, inflight_ops, policies, st.integers(1, 9))
+def test_trace_top_is_the_head_of_the_full_trace_in_its_order(snap, request, ops, config, limit) -> None:  # type: ignore[no-untyped-def]
+    s = scheduler(config, snap, ops)
+    result = try_schedule(s, snap, request)
+    if isinstance(result, SchedulingError):
+        return
+    full = result.trace
+    top = result.trace_top(limit)
+    assert result.trace_top(0) == full
+    for outcome in result.outcomes:
+        stage_full = [e for e in full if e.stage is outcome.stage]
+        stage_top = [e for e in top if e.stage is outcome.stage]
+        assert len(stage_top) == min(limit, len(stage_full))
+        # Its entries are the full trace's, selected one first.
+        assert all(e in stage_full for e in stage_top)
+        assert stage_top[0].selected
+        # The order, computed independently: the selected one, then survivors, then the candidates
+        # a later filter dropped, each by the stage's prediction (NaN last), ties in view order.
+        labels = list(outcome.labels)
+
+        def key(pos_entry: tuple[int, Any], labels: list[str] = labels, stage: Any = outcome.stage) -> Any:
+            pos, e = pos_entry
+            depth = len(labels) if not e.dropped_by else labels.index(e.dropped_by)
+            value = e.predicted_tpot_ms if stage.value == "decode" else e.predicted_ttft_ms
+            return (not e.selected, -depth, value if value == value else float("inf"), pos)
+
+        expected = [e for _, e in sorted(enumerate(stage_full), key=key)[:limit]]
+        assert stage_top == expected

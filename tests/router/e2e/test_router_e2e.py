@@ -103,6 +103,13 @@ async def test_schedule_matches_generate_decision() -> None:
         selected = {t.stage: t.instance_id for t in dry.trace if t.selected}
         assert selected == {"prefill": dry.prefill.instance_id, "decode": dry.decode.instance_id}
         assert dry.prefill.predicted_ttft_ms > 0
+        # explain_top alone asks for the trace, cut to the selected candidate of each stage.
+        top = await cluster.stub.Schedule(router_pb2.ScheduleRequest(request=request, explain_top=1))
+        assert [(t.stage, t.instance_id) for t in top.trace] == [
+            ("prefill", dry.prefill.instance_id),
+            ("decode", dry.decode.instance_id),
+        ]
+        assert all(t.selected for t in top.trace)
         # Nothing was recorded by the dry run.
         assert "probe" not in cluster.router.scheduler.inflight
         result = await collect(cluster.stub, request)
