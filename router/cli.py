@@ -25,6 +25,7 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "workers.cli",
     "router.server",
     "router.up",
+    "router.schedule_cli",
     "router.calibrate",
     "bench.cli",
     "sim.cli",
