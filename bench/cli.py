@@ -27,6 +27,7 @@ from bench.workload import (
     load_workload,
     workload_to_dict,
 )
+from cms.transport import target_error
 from router.core.config import name_flags
 
 #: Requests planned when neither --num-requests nor --duration is given.
@@ -222,9 +223,9 @@ def _usage_error(exc: Exception) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    host, sep, port = args.target.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
-        print(f"error: --target {args.target!r}: expected the router's HOST:PORT", file=sys.stderr)
+    bad_target = target_error(args.target, "router")
+    if bad_target is not None:
+        print(f"error: {bad_target}", file=sys.stderr)
         return 2
     # The arrival flags, before they are merged into the workload (whose own errors name its file).
     if args.rate is not None and not (math.isfinite(args.rate) and args.rate > 0):

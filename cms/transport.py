@@ -69,6 +69,14 @@ def server_tls_from_args(cert: str | None, key: str | None) -> ServerTls | None:
         raise ValueError(f"--tls-cert/--tls-key: {exc}") from None
 
 
+def target_error(target: str, whose: str) -> str | None:
+    """What is wrong with a ``--target`` flag as typed (``HOST:PORT`` of ``whose`` server), or None."""
+    host, sep, port = target.removeprefix("grpc://").rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
+        return f"--target {target!r}: expected the {whose}'s HOST:PORT"
+    return None
+
+
 def client_tls_from_arg(ca: str | None) -> ClientTls | None:
     if ca is None:
         return None

@@ -25,7 +25,7 @@ from google.protobuf import json_format
 from slorouter.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 from cms import limits
-from cms.transport import client_tls_from_arg, message_size_options, open_channel
+from cms.transport import client_tls_from_arg, message_size_options, open_channel, target_error
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 #: Above this many candidates per stage ``--top`` is the whole trace anyway (``--explain``).
@@ -81,9 +81,9 @@ def register(subparsers: Any) -> None:
 
 def _check(args: argparse.Namespace) -> str | None:
     """The first flag out of bounds, as an error message naming it."""
-    host, sep, port = args.target.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
-        return f"--target {args.target!r}: expected the router's HOST:PORT"
+    bad_target = target_error(args.target, "router")
+    if bad_target is not None:
+        return bad_target
     if args.prompt is None and not 1 <= args.prompt_tokens <= limits.MAX_TOKEN_IDS:
         return f"--prompt-tokens {args.prompt_tokens}: must be within [1, {limits.MAX_TOKEN_IDS}]"
     if args.prompt is not None and not args.prompt:

@@ -351,13 +351,14 @@ def run_tiny_model(args: argparse.Namespace) -> int:
 
 
 def run_profile(args: argparse.Namespace) -> int:
+    from cms.transport import target_error
     from predictor.fit import write_coefficients
     from predictor.profile import load_tpot_profile, load_ttft_profile
     from workers.profile import ProfilePlan, profile_worker, write_profiles
 
-    host, sep, port = args.target.removeprefix("grpc://").rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
-        print(f"error: --target {args.target!r}: expected the worker's HOST:PORT", file=sys.stderr)
+    bad_target = target_error(args.target, "worker")
+    if bad_target is not None:
+        print(f"error: {bad_target}", file=sys.stderr)
         return 2
     try:
         plan = ProfilePlan(
