@@ -6,8 +6,8 @@ nothing is recorded or sent to a worker. It prints the chosen instance of
 each stage with its predicted TTFT and TPOT; with ``--top N`` (or
 ``--explain``, every candidate) also, per stage, the candidates the decision
 weighed: which filter dropped each and what was predicted there. When no
-instance may take the request now, it says where in the router queue the
-request would wait, and why. ``--json`` prints the response as it came.
+instance may take the request now, it says how many queued requests it would
+wait behind, and why. ``--json`` prints the response as it came.
 
     slo-router schedule --prompt-tokens 3000 --max-tokens 256 --ttft-ms 1000 --top 5
 """
@@ -27,6 +27,20 @@ from slorouter.v1 import common_pb2, router_pb2, router_pb2_grpc
 from cms import limits
 from cms.transport import client_tls_from_arg, message_size_options, open_channel, target_error
 
+DESCRIPTION = """\
+Ask a running router where a request would go now, and why: a dry run of its
+decision (Router.Schedule) with the same policy, cluster view, in-flight load
+and queue its next Generate would meet. Nothing is recorded or sent to a worker.
+
+It prints the chosen instance of each stage with its predicted TTFT and TPOT;
+with --top N (or --explain: every candidate) also, per stage, the candidates the
+decision weighed, which filter dropped each and what was predicted there. When
+no instance may take the request now, it says how many queued requests it would
+wait behind, and why. --json prints the ScheduleResponse as it came.
+
+example:
+  slo-router schedule --prompt-tokens 3000 --max-tokens 256 --ttft-ms 1000 --top 5
+"""
 DEFAULT_TARGET = "127.0.0.1:50051"
 #: Above this many candidates per stage ``--top`` is the whole trace anyway (``--explain``).
 MAX_TOP = 4096
@@ -36,7 +50,7 @@ def register(subparsers: Any) -> None:
     parser: argparse.ArgumentParser = subparsers.add_parser(
         "schedule",
         help="ask a running router where a request would go now, and why (a dry run; nothing is sent)",
-        description=__doc__,
+        description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
