@@ -26,6 +26,7 @@ from slorouter.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 from cms import limits
 from cms.transport import client_tls_from_arg, message_size_options, open_channel, target_error
+from router.server import DEFAULT_LISTEN
 
 DESCRIPTION = """\
 Ask a running router where a request would go now, and why: a dry run of its
@@ -41,7 +42,7 @@ wait behind, and why. --json prints the ScheduleResponse as it came.
 example:
   slo-router schedule --prompt-tokens 3000 --max-tokens 256 --ttft-ms 1000 --top 5
 """
-DEFAULT_TARGET = "127.0.0.1:50051"
+DEFAULT_TARGET = DEFAULT_LISTEN  # where `slo-router router` and `up` listen by default
 #: Above this many candidates per stage ``--top`` is the whole trace anyway (``--explain``).
 MAX_TOP = 4096
 

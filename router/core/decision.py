@@ -205,14 +205,15 @@ class Decision:
         computed = ctx.computed_metrics()
         entries: list[TraceEntry] = []
         for outcome in self.outcomes:
-            candidates = outcome.candidates
             drops = outcome.first_drop()
+            # Python ints once per stage: indexing the arrays per entry costs more on a large fleet.
+            candidates, firsts = outcome.candidates.tolist(), drops.tolist()
             positions = (
                 range(len(candidates)) if limit <= 0 else _most_telling(outcome, drops, ttft, tpot, limit)
             )
             for pos in positions:
-                i = int(candidates[pos])
-                k = int(drops[pos])
+                i = candidates[pos]
+                k = firsts[pos]
                 entries.append(
                     TraceEntry(
                         instance_id=ids[i],
