@@ -783,13 +783,43 @@ class RequestPlan:
     token_id_high: int = 256
     ignore_eos: bool = True
     priority: int = 0
+    output_tokens: int | None = None
+    """Tokens the engine really generates before it stops (end of sequence); ``None``: it
+    runs to ``max_tokens``. Ground truth for the engine only: nothing a router or a policy
+    sees may read it (a client sends ``max_tokens``, never its answer's length)."""
+    hash_ids: tuple[int, ...] = ()
+    """Prefix-block ids, one per ``prefix_block_tokens`` tokens of the prompt from its start
+    (a trace's ``hash_ids``): equal ids give equal token blocks, so a prefix cache sees the
+    reuse. Tokens past the last block come from ``prompt_seed``."""
+    prefix_block_tokens: int = 512
+    """Tokens per entry of ``hash_ids``."""
+
+    @property
+    def true_output_tokens(self) -> int:
+        """What the engine generates: ``output_tokens`` capped by ``max_tokens``."""
+        if self.output_tokens is None:
+            return self.max_tokens
+        return min(self.output_tokens, self.max_tokens)
 
     def prompt_token_ids(self) -> list[int]:
-        """The prompt, ``prompt_tokens`` ids in ``token_id_low..token_id_high-1``."""
-        rng = np.random.default_rng(self.prompt_seed)
-        ids: list[int] = rng.integers(
-            self.token_id_low, self.token_id_high, size=self.prompt_tokens, dtype=np.int64
-        ).tolist()
+        """The prompt, ``prompt_tokens`` ids in ``token_id_low..token_id_high-1``.
+
+        Each entry of ``hash_ids`` covers the next ``prefix_block_tokens`` tokens with ids drawn
+        from that hash id alone, so two prompts sharing their first k hash ids share their
+        first k blocks token for token; the rest is drawn from ``prompt_seed``.
+        """
+        low, high, block = self.token_id_low, self.token_id_high, self.prefix_block_tokens
+        ids: list[int] = []
+        for hash_id in self.hash_ids:
+            if len(ids) >= self.prompt_tokens:
+                break
+            take = min(block, self.prompt_tokens - len(ids))
+            rng = np.random.default_rng((0x5EED, hash_id))
+            ids.extend(rng.integers(low, high, size=block, dtype=np.int64)[:take].tolist())
+        rest = self.prompt_tokens - len(ids)
+        if rest > 0:
+            rng = np.random.default_rng(self.prompt_seed)
+            ids.extend(rng.integers(low, high, size=rest, dtype=np.int64).tolist())
         return ids
 
 

@@ -21,6 +21,7 @@ from bench.workload import (
     ArrivalSpec,
     FixedLength,
     LognormalLength,
+    RequestPlan,
     SloClass,
     SloTarget,
     UniformLength,
@@ -395,3 +396,16 @@ def test_arrivals_never_go_backwards_however_bursty(burstiness: float, rate: flo
     arrivals = [p.arrival_s for p in generate_requests(spec, rng=seed, num_requests=3000)]
     assert arrivals[0] == 0.0
     assert all(b >= a for a, b in itertools.pairwise(arrivals))
+
+
+def test_equal_hash_ids_give_equal_prompt_blocks() -> None:
+    """Two plans sharing their first hash ids share those blocks token for token, and only those."""
+    slo = SloTarget(ttft_ms=None, tpot_ms=None)
+    a = RequestPlan(0, 0.0, "c", 40, 8, slo, prompt_seed=1, hash_ids=(7, 9), prefix_block_tokens=16)
+    b = RequestPlan(1, 0.0, "c", 36, 8, slo, prompt_seed=2, hash_ids=(7, 3), prefix_block_tokens=16)
+    ids_a, ids_b = a.prompt_token_ids(), b.prompt_token_ids()
+    assert (len(ids_a), len(ids_b)) == (40, 36)
+    assert ids_a[:16] == ids_b[:16]
+    assert ids_a[16:32] != ids_b[16:32]
+    assert a.true_output_tokens == 8
+    assert RequestPlan(2, 0.0, "c", 4, 8, slo, prompt_seed=3, output_tokens=3).true_output_tokens == 3
