@@ -68,15 +68,19 @@ workload file (YAML shown; JSON has the same keys):
                                                              # or {{process: closed, concurrency: 16}}
   token_id_low: 0          # prompt token ids are drawn uniformly from [low, high)
   token_id_high: 256
+  model: ""                # GenerateRequest.model (bench only: simulate refuses it)
   classes:
     - name: chat
       share: 0.8
-      ttft_ms: 800         # omit or null: no target
+      ttft_ms: 800         # omit or null: no target (tpot_ms, e2e_ms alike)
       tpot_ms: 40
       prompt: lognormal(384,1.0,16,4096)   # or fixed(N), uniform(MIN,MAX), or a mapping
-      output: uniform(32,512)
+      output: uniform(32,512)  # the answer's true length (the engine stops there)
+      max_tokens: 1024     # the cap each request sends; omit: output's largest value
+      ignore_eos: true     # false: an engine with eos_probability > 0 may stop earlier
+      priority: 0          # GenerateRequest.priority
     - preset: code         # start from a class preset, override what you need
-      share: 0.2
+      share: 0.2           # (targets it does not name keep the preset's; null removes one)
       e2e_ms: 3000
 
 arrivals: --rate R is a Poisson process at R req/s; with --burstiness B the gaps are

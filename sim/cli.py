@@ -439,6 +439,11 @@ def run(args: argparse.Namespace) -> int:
             rates = [workload.arrival.rate_per_s] if args.rates is None else parse_rates(args.rates)
         else:
             workload = open_loop(load_workload(args.workload), args.burstiness)
+            if workload.model:
+                raise WorkloadError(
+                    f"workload {args.workload}: 'model' ({workload.model!r}) is not simulated (a simulated "
+                    "fleet serves any model); remove it from the file for simulate"
+                )
             rates = parse_rates(args.rates or DEFAULT_RATES)
         if args.num_requests is None:
             args.num_requests = DEFAULT_NUM_REQUESTS
