@@ -12,6 +12,7 @@ from typing import Any, cast
 
 from bench.report import PlotUnavailableError
 from bench.workload import DEFAULT_WORKLOAD, WorkloadError, load_workload
+from fleet.flags import error_line
 from predictor import ProfileError
 from router.core.calibration import CALIBRATION_MODES
 from router.core.config import SchedulerConfig, name_flags
@@ -412,7 +413,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         spec = _fleet(args)
     except (FleetError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(error_line(exc), file=sys.stderr)
         return 2
     if args.print_fleet:
         print(json.dumps(fleet_to_dict(spec), indent=2))
@@ -430,7 +431,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--warmup-requests must be in [0, --num-requests), got {args.warmup_requests}")
         fleet = SimFleet(spec, profile_label=policies[0].config.profile_label)
     except (WorkloadError, ProfileError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(error_line(exc), file=sys.stderr)
         return 2
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         print(
@@ -478,7 +479,7 @@ def run(args: argparse.Namespace) -> int:
         print("\ninterrupted; no report written", file=sys.stderr)
         return 130
     except FleetError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(error_line(exc), file=sys.stderr)
         return 2
     print(title)
     print(format_sweep_table(points))
@@ -498,7 +499,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             plot_sweep(args.plot, points, title=title.removeprefix("slo-router simulate: "))
         except PlotUnavailableError as exc:
-            print(f"error: {exc}", file=sys.stderr)
+            print(error_line(exc), file=sys.stderr)
             return 2
         print(f"wrote {args.plot}", file=sys.stderr)
     return 0
