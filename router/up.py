@@ -28,6 +28,7 @@ from cms.auth import TokenTable, new_token
 from cms.memory import MemoryStore
 from cms.reader import open_reader
 from cms.server import CmsServer, start_cms_server
+from fleet.flags import check_listen, check_metrics_port, error_line, split_host_port
 from predictor import LatencyPredictor
 from router.core.config import SchedulerConfig
 from router.core.qlm import QlmConfig
@@ -42,8 +43,6 @@ from router.server import (
     DEFAULT_PROFILE_DIR,
     RouterServer,
     add_worker_streams_argument,
-    check_address,
-    check_port,
     check_worker_streams,
     qlm_config,
     queue_config,
@@ -225,9 +224,12 @@ def plan_cluster(args: argparse.Namespace) -> ClusterPlan:
     if args.dispatch_mode == "slice" and not args.neutral:
         raise ValueError("--dispatch-mode slice runs on neutral workers: add --neutral K")
     slice_config = slice_config_from_args(args)
-    check_address("--listen", args.listen)
+    split_host_port("--listen", args.listen)
+    if args.http_listen:
+        split_host_port("--http-listen", args.http_listen)
     check_worker_streams(args)
-    check_port("--metrics-port", args.metrics_port)
+    if not 0 <= args.metrics_port <= 65535:
+        raise ValueError(f"--metrics-port {args.metrics_port}: must be a port 0-65535 (0 = off)")
     config = scheduler_config(args)
     queue = queue_config(args)
     profile = Path(args.profile)
@@ -238,6 +240,11 @@ def plan_cluster(args: argparse.Namespace) -> ClusterPlan:
         roles = [("neutral", i) for i in range(args.neutral)]
     else:
         roles = [("prefill", i) for i in range(args.prefill)] + [("decode", i) for i in range(args.decode)]
+    # Last: the addresses are free now (a mistaken flag above is reported as itself first).
+    check_listen("--listen", args.listen)
+    if args.http_listen:
+        check_listen("--http-listen", args.http_listen)
+    check_metrics_port("--metrics-port", args.metrics_port, "127.0.0.1")
     return ClusterPlan(roles, profile, predictor, config, slice_config, queue, qlm_config(args))
 
 
@@ -471,7 +478,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         plan = plan_cluster(args)
     except ValueError as exc:  # ProfileError included: it names the file and the entry
-        print(f"error: {exc}", file=sys.stderr)
+        print(error_line(exc), file=sys.stderr)
         return 2
     try:
         import uvloop
@@ -482,5 +489,5 @@ def run(args: argparse.Namespace) -> int:
     try:
         return asyncio.run(_serve(args, plan))
     except (ValueError, OSError, RuntimeError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(error_line(exc), file=sys.stderr)
         return 2

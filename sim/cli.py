@@ -13,6 +13,7 @@ from typing import Any, cast
 from bench.report import PlotUnavailableError
 from bench.traces import Trace, add_trace_arguments, is_trace, load_trace, trace_options
 from bench.workload import DEFAULT_WORKLOAD, RequestPlan, WorkloadError, WorkloadSpec, load_workload
+from fleet.flags import error_line
 from predictor import ProfileError
 from router.core.calibration import CALIBRATION_MODES
 from router.core.config import SchedulerConfig, name_flags
@@ -424,7 +425,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         spec = _fleet(args)
     except (FleetError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(error_line(exc), file=sys.stderr)
         return 2
     if args.print_fleet:
         print(json.dumps(fleet_to_dict(spec), indent=2))
@@ -457,7 +458,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--warmup-requests must be in [0, --num-requests), got {args.warmup_requests}")
         fleet = SimFleet(spec, profile_label=policies[0].config.profile_label)
     except (WorkloadError, ProfileError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(error_line(exc), file=sys.stderr)
         return 2
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         print(
@@ -526,7 +527,7 @@ def run(args: argparse.Namespace) -> int:
         print("\ninterrupted; no report written", file=sys.stderr)
         return 130
     except FleetError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(error_line(exc), file=sys.stderr)
         return 2
     print(title)
     print(format_sweep_table(points))
@@ -557,7 +558,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             plot_sweep(args.plot, points, title=title.removeprefix("slo-router simulate: "))
         except PlotUnavailableError as exc:
-            print(f"error: {exc}", file=sys.stderr)
+            print(error_line(exc), file=sys.stderr)
             return 2
         print(f"wrote {args.plot}", file=sys.stderr)
     return 0
