@@ -26,6 +26,7 @@ from cms.reader import ClusterReader, open_reader
 from cms.serving import add_health_and_reflection, bind_server
 from cms.transport import ClientTls, ServerTls, client_tls_from_arg, server_tls_from_args
 from openai_http.app import DEFAULT_MAX_BODY_BYTES, HttpServer
+from openai_http.bounded import EdgeLimits
 from predictor import LatencyPredictor
 from router.admission import Admission
 from router.chat_template import ChatTemplate, FallbackChatTemplate, load_chat_template
@@ -38,7 +39,7 @@ from router.core.rng import PeekableRandom
 from router.core.scheduler import Scheduler
 from router.core.slicing import SliceConfig
 from router.forward import WORKER_STREAMS, WorkerClient
-from router.http_edge import RouterBackend, start_http_edge
+from router.http_edge import RouterBackend, add_http_edge_arguments, edge_limits_from_args, start_http_edge
 from router.placement import Placer
 from router.pool import ChannelPool
 from router.qlm_admission import QlmAdmission, make_admission
@@ -127,6 +128,7 @@ async def start_router_server(
     worker_tls: ClientTls | None = None,
     reuse_port: bool = False,
     worker_streams: str = "mux",
+    http_limits: EdgeLimits | None = None,
 ) -> RouterServer:
     """Serve the Router service on ``listen`` over ``reader``'s view; starts the reader too.
 
@@ -229,7 +231,9 @@ async def start_router_server(
             registry=observer.registry,
         )
         try:
-            router.http = await start_http_edge(backend, http_listen, max_body_bytes=DEFAULT_MAX_BODY_BYTES)
+            router.http = await start_http_edge(
+                backend, http_listen, max_body_bytes=DEFAULT_MAX_BODY_BYTES, limits=http_limits
+            )
         except BaseException:
             await router.stop(grace=0)
             raise
@@ -347,6 +351,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
         "/v1/models, /health, /metrics) here; off by default",
     )
+    add_http_edge_arguments(parser)
     parser.add_argument("--cluster-name", default="default", help="Redis key namespace with --cms redis://")
     parser.add_argument(
         "--cms-auth-token-file",
@@ -561,6 +566,8 @@ class RouterPlan:
     qlm: QlmConfig = field(default_factory=QlmConfig)
     #: ``--outlier-*``: when failing instances are ejected from placement.
     outlier: OutlierConfig = field(default_factory=OutlierConfig)
+    #: ``--http-*``: the HTTP edge's connection bounds.
+    http_limits: EdgeLimits = field(default_factory=EdgeLimits)
 
 
 def plan_from_args(args: argparse.Namespace) -> RouterPlan:
@@ -605,6 +612,7 @@ def plan_from_args(args: argparse.Namespace) -> RouterPlan:
         queue_config(args),
         qlm_config(args),
         outlier,
+        edge_limits_from_args(args),
     )
 
 
@@ -692,6 +700,7 @@ async def start_from_args(args: argparse.Namespace, plan: RouterPlan | None = No
             worker_tls=client_tls,
             reuse_port=args.processes > 1 or bool(args.shared_inflight),
             worker_streams=args.worker_streams,
+            http_limits=plan.http_limits,
         )
     except BaseException:
         for resource in reversed(owned):

@@ -28,6 +28,7 @@ from cms.auth import TokenTable, new_token
 from cms.memory import MemoryStore
 from cms.reader import open_reader
 from cms.server import CmsServer, start_cms_server
+from openai_http.bounded import EdgeLimits
 from predictor import LatencyPredictor
 from router.core.config import SchedulerConfig
 from router.core.qlm import QlmConfig
@@ -35,6 +36,7 @@ from router.core.queue import QueueConfig
 from router.core.rng import PeekableRandom
 from router.core.scheduler import Scheduler
 from router.core.slicing import SliceConfig
+from router.http_edge import add_http_edge_arguments, edge_limits_from_args
 from router.lifetime import child_env
 from router.processes import RouterProcesses
 from router.server import (
@@ -202,6 +204,8 @@ class ClusterPlan:
     slice_config: SliceConfig | None = None
     queue: QueueConfig = field(default_factory=QueueConfig)
     qlm: QlmConfig = field(default_factory=QlmConfig)
+    #: ``--http-*``: the HTTP edge's connection bounds.
+    http_limits: EdgeLimits = field(default_factory=EdgeLimits)
 
 
 def plan_cluster(args: argparse.Namespace) -> ClusterPlan:
@@ -238,7 +242,9 @@ def plan_cluster(args: argparse.Namespace) -> ClusterPlan:
         roles = [("neutral", i) for i in range(args.neutral)]
     else:
         roles = [("prefill", i) for i in range(args.prefill)] + [("decode", i) for i in range(args.decode)]
-    return ClusterPlan(roles, profile, predictor, config, slice_config, queue, qlm_config(args))
+    return ClusterPlan(
+        roles, profile, predictor, config, slice_config, queue, qlm_config(args), edge_limits_from_args(args)
+    )
 
 
 async def start_cluster(args: argparse.Namespace, plan: ClusterPlan | None = None) -> Cluster:
@@ -288,6 +294,7 @@ async def start_cluster(args: argparse.Namespace, plan: ClusterPlan | None = Non
             qlm_config=plan.qlm,
             reuse_port=args.processes > 1,
             worker_streams=args.worker_streams,
+            http_limits=plan.http_limits,
         )
     except BaseException:
         await stop_workers(workers)
@@ -322,6 +329,8 @@ _UP_ONLY_FLAGS = {
     "--prefill": True, "--decode": True, "--neutral": True, "--listen": True, "--http-listen": True,
     "--worker-http": False, "--worker-stream-interval-ms": True, "--profile": True,
     "--speed-factor": True, "--start-timeout-s": True, "--metrics-port": True, "--processes": True,
+    "--http-max-header-bytes": True, "--http-max-headers": True, "--http-header-timeout-s": True,
+    "--http-idle-timeout-s": True, "--http-max-connections": True,
 }  # fmt: skip
 
 
@@ -394,6 +403,7 @@ def register(subparsers: Any) -> None:
         help="give every sim worker an OpenAI-compatible HTTP face too (for HTTP routers and benchmarks)",
     )
     add_worker_streams_argument(parser)
+    add_http_edge_arguments(parser)
     parser.add_argument(
         "--worker-stream-interval-ms",
         type=float,
