@@ -104,7 +104,8 @@ class ClusterSecrets:
     def __init__(self) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="slo-router-up-"))  # mode 0700
         self.kv_key_file = self._write("kv.key", new_token())
-        self._tokens: dict[str, str] = {}
+        #: principal -> (token, scope)
+        self._tokens: dict[str, tuple[str, str]] = {}
 
     def _write(self, name: str, text: str) -> Path:
         path = self.dir / name
@@ -113,18 +114,19 @@ class ClusterSecrets:
         return path
 
     def worker_token_file(self, instance_id: str) -> Path:
+        """A token that may write this worker's own instance id and no other."""
         token = new_token()
-        self._tokens[f"worker.{instance_id}"] = token
+        self._tokens[f"worker.{instance_id}"] = (token, f"write:{instance_id}")
         return self._write(f"{instance_id}.token", token)
 
     def router_token_file(self) -> Path:
-        """A token for the router processes ``--processes`` starts (they read the CMS over gRPC)."""
+        """A read-only token: for the routers ``--processes`` starts and routers started by hand."""
         token = new_token()
-        self._tokens["router"] = token
+        self._tokens["router"] = (token, "read")
         return self._write("router.token", token)
 
     def table(self) -> TokenTable:
-        return TokenTable.of(self._tokens.items())
+        return TokenTable.of((name, token, scope) for name, (token, scope) in self._tokens.items())
 
 
 async def stop_workers(workers: list[WorkerProcess], timeout_s: float = 10.0) -> None:

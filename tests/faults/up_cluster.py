@@ -37,6 +37,10 @@ class UpCluster:
     cms: str
     log: Path
     lines: dict[str, str]
+    #: The read-only CMS token ``up`` prints for other routers.
+    read_token_file: Path
+    #: instance id -> worker address.
+    workers: dict[str, str]
     #: Lines of stdout after start (read by a thread so the pipe never fills).
     out: list[str] = field(default_factory=list)
 
@@ -76,7 +80,13 @@ def up_cluster(tmp: Path, *extra: str, nofile: int = 0, timeout_s: float = 90.0)
         )  # fmt: skip
     reader: threading.Thread | None = None
     try:
-        prefixes = ["cms listening on", "router listening on", "OpenAI-compatible HTTP API on"]
+        prefixes = [
+            "cms listening on",
+            "cms read token for other routers:",
+            "workers:",
+            "router listening on",
+            "OpenAI-compatible HTTP API on",
+        ]
         lines = wait_for_lines(popen, prefixes, timeout_s)
         if len(lines) < len(prefixes):
             raise AssertionError(f"up did not start: {log.read_text()[-3000:]}")
@@ -88,6 +98,8 @@ def up_cluster(tmp: Path, *extra: str, nofile: int = 0, timeout_s: float = 90.0)
             cms=lines["cms listening on"].split()[-1],
             log=log,
             lines=lines,
+            read_token_file=Path(lines["cms read token for other routers:"].split()[-1]),
+            workers=dict(w.split("@", 1) for w in lines["workers:"].split(" ", 1)[1].split(", ")),
         )
 
         def drain() -> None:
