@@ -127,6 +127,7 @@ async def bind_server(
     max_send_bytes: int,
     tls: ServerTls | None = None,
     reuse_port: bool = False,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),  # type: ignore[type-arg]
 ) -> tuple[grpc.aio.Server, int]:
     """A new server bound to ``listen`` (``HOST:PORT``; port 0 picks one) and the port it got.
 
@@ -143,7 +144,7 @@ async def bind_server(
             *message_size_options(max_receive_bytes, max_send_bytes),
             *options,
         ],
-        interceptors=[MalformedRequestGuard()],
+        interceptors=[*interceptors, MalformedRequestGuard()],
     )
     try:
         if tls is not None:

@@ -37,12 +37,19 @@ class ChannelPool:
     """
 
     def __init__(
-        self, max_channels: int = 1024, close_grace_s: float = 30.0, *, tls: ClientTls | None = None
+        self,
+        max_channels: int = 1024,
+        close_grace_s: float = 30.0,
+        *,
+        tls: ClientTls | None = None,
+        call_token: str | None = None,
     ) -> None:
         if max_channels < 1:
             raise ValueError(f"max_channels must be >= 1, got {max_channels}")
         self._max = max_channels
         self._tls = tls
+        #: The worker token every call carries (``--worker-auth-token-file``; cms.call_auth).
+        self._call_token = call_token
         self._grace_s = close_grace_s
         self._channels: OrderedDict[str, tuple[grpc.aio.Channel, worker_pb2_grpc.WorkerAsyncStub]] = (
             OrderedDict()
@@ -62,7 +69,7 @@ class ChannelPool:
         if entry is not None:
             self._channels.move_to_end(endpoint)
             return entry
-        channel = open_channel(endpoint, _CHANNEL_OPTIONS, tls=self._tls)
+        channel = open_channel(endpoint, _CHANNEL_OPTIONS, tls=self._tls, call_token=self._call_token)
         stub = worker_pb2_grpc.WorkerStub(channel)
         self._channels[endpoint] = (channel, stub)
         while len(self._channels) > self._max:

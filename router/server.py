@@ -22,6 +22,7 @@ from slorouter.v1 import router_pb2, router_pb2_grpc
 
 from cms import limits
 from cms.auth import read_client_token
+from cms.call_auth import read_worker_token
 from cms.reader import ClusterReader, open_reader
 from cms.serving import add_health_and_reflection, bind_server
 from cms.transport import ClientTls, ServerTls, client_tls_from_arg, server_tls_from_args
@@ -129,6 +130,7 @@ async def start_router_server(
     reuse_port: bool = False,
     worker_streams: str = "mux",
     http_limits: EdgeLimits | None = None,
+    worker_token: str | None = None,
 ) -> RouterServer:
     """Serve the Router service on ``listen`` over ``reader``'s view; starts the reader too.
 
@@ -146,7 +148,8 @@ async def start_router_server(
     cannot be bound.
     """
     observer = observer or RequestObserver()
-    pool = ChannelPool(max_channels=max_channels, tls=worker_tls)
+    # With worker_token every call to a worker carries it (cms.call_auth; workers refuse without it).
+    pool = ChannelPool(max_channels=max_channels, tls=worker_tls, call_token=worker_token)
     health = OutlierDetector(outlier)
     workers = WorkerClient(
         pool,
@@ -358,6 +361,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="file holding the token to read a grpc:// CMS with (needed once the CMS has tokens); "
         "with --cms memory, the tokens the embedded CMS accepts (one per line: TOKEN or NAME TOKEN)",
+    )
+    parser.add_argument(
+        "--worker-auth-token-file",
+        default=None,
+        help="file holding the cluster's worker token: every call to a worker carries it (workers "
+        "given the same file refuse Prefill/Generate/Decode/Streams/Abort without it)",
     )
     parser.add_argument(
         "--tls-cert", default=None, help="serve the Router service over TLS with this PEM chain"
@@ -640,6 +649,7 @@ async def start_from_args(args: argparse.Namespace, plan: RouterPlan | None = No
     scheduler = Scheduler(plan.config, plan.predictors, PeekableRandom(args.seed))
     tls = server_tls_from_args(args.tls_cert, args.tls_key)
     client_tls = client_tls_from_arg(args.tls_ca)
+    worker_token = read_worker_token(args.worker_auth_token_file)
     cms_token = None
     if args.cms_auth_token_file:
         try:
@@ -701,6 +711,7 @@ async def start_from_args(args: argparse.Namespace, plan: RouterPlan | None = No
             reuse_port=args.processes > 1 or bool(args.shared_inflight),
             worker_streams=args.worker_streams,
             http_limits=plan.http_limits,
+            worker_token=worker_token,
         )
     except BaseException:
         for resource in reversed(owned):

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from cms.auth import TokenTable, new_token
+from cms.call_auth import read_worker_token
 from cms.memory import MemoryStore
 from cms.reader import open_reader
 from cms.server import CmsServer, start_cms_server
@@ -104,6 +105,7 @@ class ClusterSecrets:
     def __init__(self) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="slo-router-up-"))  # mode 0700
         self.kv_key_file = self._write("kv.key", new_token())
+        self.worker_call_token = self.worker_call_token_file()
         #: principal -> (token, scope)
         self._tokens: dict[str, tuple[str, str]] = {}
 
@@ -118,6 +120,10 @@ class ClusterSecrets:
         token = new_token()
         self._tokens[f"worker.{instance_id}"] = (token, f"write:{instance_id}")
         return self._write(f"{instance_id}.token", token)
+
+    def worker_call_token_file(self) -> Path:
+        """The worker token: the router's (and workers') calls to workers carry it (cms.call_auth)."""
+        return self._write("worker-call.token", new_token())
 
     def router_token_file(self) -> Path:
         """A read-only token: for the routers ``--processes`` starts and routers started by hand."""
@@ -155,6 +161,7 @@ async def _spawn_worker(
 ) -> WorkerProcess:
     cmd = [
         sys.executable, "-m", "router.cli", "worker", "--engine", "sim", "--role", role,
+        "--worker-auth-token-file", str(secrets.worker_call_token),
         "--listen", "127.0.0.1:0", "--cms", cms_address, "--instance-id", instance_id,
         "--cms-auth-token-file", str(token_file),
         "--kv-key-file", str(secrets.kv_key_file),
@@ -297,6 +304,7 @@ async def start_cluster(args: argparse.Namespace, plan: ClusterPlan | None = Non
             reuse_port=args.processes > 1,
             worker_streams=args.worker_streams,
             http_limits=plan.http_limits,
+            worker_token=read_worker_token(str(secrets.worker_call_token)),
         )
     except BaseException:
         await stop_workers(workers)
@@ -311,7 +319,7 @@ async def start_cluster(args: argparse.Namespace, plan: ClusterPlan | None = Non
                 router.service,
                 router.scheduler.inflight,
                 args.processes,
-                _router_argv(args, plan, cms.address, router_token),
+                _router_argv(args, plan, cms.address, router_token, secrets.worker_call_token),
             )
         except BaseException:
             await cluster.stop()
@@ -337,7 +345,7 @@ _UP_ONLY_FLAGS = {
 
 
 def _router_argv(
-    args: argparse.Namespace, plan: ClusterPlan, cms_address: str, token_file: Path
+    args: argparse.Namespace, plan: ClusterPlan, cms_address: str, token_file: Path, worker_token_file: Path
 ) -> list[str]:
     """``slo-router router`` flags for the other ``--processes``: the embedded CMS over gRPC, the
     profile, then every scheduling, queue and slicing flag of ``up`` as the user gave it."""
@@ -358,6 +366,7 @@ def _router_argv(
         forwarded.append(token)
     return [
         *before, "router", "--cms", f"grpc://{cms_address}", "--cms-auth-token-file", str(token_file),
+        "--worker-auth-token-file", str(worker_token_file),
         "--ttft-profiling-data-path", str(plan.profile / "ttft.json"),
         "--tpot-profiling-data-path", str(plan.profile / "tpot.json"),
         "--scheduling-policy", args.scheduling_policy, "--seed", str(args.seed),

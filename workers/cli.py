@@ -120,6 +120,13 @@ def register(subparsers: Any) -> None:
         help="the cluster's kv handle key: sign the handles this worker hands out and accept only signed ones",
     )
     worker.add_argument(
+        "--worker-auth-token-file",
+        default=None,
+        help="the cluster's worker token: Prefill, Generate, Decode, Streams and Abort need it "
+        "(UNAUTHENTICATED without), and this worker's own calls to other workers carry it; give the "
+        "router the same file",
+    )
+    worker.add_argument(
         "--tls-cert", default=None, help="serve the Worker service over TLS with this PEM chain"
     )
     worker.add_argument("--tls-key", default=None, help="the private key (PEM) of --tls-cert")
@@ -237,6 +244,7 @@ def check_worker_args(args: argparse.Namespace) -> None:
 
 def run_worker(args: argparse.Namespace) -> int:
     from cms.auth import read_client_token
+    from cms.call_auth import read_worker_token
     from cms.transport import client_tls_from_arg, server_tls_from_args
     from workers.kv_auth import KvSigner
     from workers.metadata import WorkerIdentity, WorkerRole
@@ -257,6 +265,11 @@ def run_worker(args: argparse.Namespace) -> int:
         args.kv_signer = KvSigner.from_file(args.kv_key_file) if args.kv_key_file else None
     except (OSError, ValueError) as exc:
         print(f"error: --kv-key-file: {exc}", file=sys.stderr)
+        return 2
+    try:
+        args.worker_token = read_worker_token(args.worker_auth_token_file)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     try:
         args.server_tls = server_tls_from_args(args.tls_cert, args.tls_key)
@@ -295,6 +308,7 @@ async def _serve(engine: Any, args: argparse.Namespace, identity: Any, token: st
             tls=args.server_tls,
             cms_tls=args.cms_tls,
             stream_interval_s=args.stream_interval_ms / 1e3,
+            worker_token=args.worker_token,
         )
     except (OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
