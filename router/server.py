@@ -42,7 +42,13 @@ from router.core.slicing import SliceConfig
 from router.forward import WORKER_STREAMS, WorkerClient
 from router.http_edge import RouterBackend, add_http_edge_arguments, edge_limits_from_args, start_http_edge
 from router.placement import Placer
-from router.pool import ChannelPool
+from router.pool import (
+    DEFAULT_KEEPALIVE_S,
+    DEFAULT_KEEPALIVE_TIMEOUT_S,
+    ChannelPool,
+    add_keepalive_arguments,
+    keepalive_from_args,
+)
 from router.qlm_admission import QlmAdmission, make_admission
 from router.service import RouterService, ServiceConfig
 from router.slicing import SliceDispatcher, slice_config_from_args
@@ -131,6 +137,7 @@ async def start_router_server(
     worker_streams: str = "mux",
     http_limits: EdgeLimits | None = None,
     worker_token: str | None = None,
+    worker_keepalive: tuple[float, float] = (DEFAULT_KEEPALIVE_S, DEFAULT_KEEPALIVE_TIMEOUT_S),
 ) -> RouterServer:
     """Serve the Router service on ``listen`` over ``reader``'s view; starts the reader too.
 
@@ -149,7 +156,13 @@ async def start_router_server(
     """
     observer = observer or RequestObserver()
     # With worker_token every call to a worker carries it (cms.call_auth; workers refuse without it).
-    pool = ChannelPool(max_channels=max_channels, tls=worker_tls, call_token=worker_token)
+    pool = ChannelPool(
+        max_channels=max_channels,
+        tls=worker_tls,
+        call_token=worker_token,
+        keepalive_s=worker_keepalive[0],
+        keepalive_timeout_s=worker_keepalive[1],
+    )
     health = OutlierDetector(outlier)
     workers = WorkerClient(
         pool,
@@ -425,6 +438,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "this per attempt (default: %(default)s)",
     )
     add_worker_streams_argument(parser)
+    add_keepalive_arguments(parser)
     parser.add_argument(
         "--worker-first-message-timeout-s",
         type=float,
@@ -607,6 +621,7 @@ def plan_from_args(args: argparse.Namespace) -> RouterPlan:
     if not args.cluster_name:
         raise ValueError("--cluster-name must not be empty")
     _check_availability_flags(args)
+    keepalive_from_args(args)
     check_worker_streams(args)
     outlier = outlier_config(args)
     slice_config = slice_config_from_args(args)
@@ -712,6 +727,7 @@ async def start_from_args(args: argparse.Namespace, plan: RouterPlan | None = No
             worker_streams=args.worker_streams,
             http_limits=plan.http_limits,
             worker_token=worker_token,
+            worker_keepalive=keepalive_from_args(args),
         )
     except BaseException:
         for resource in reversed(owned):

@@ -39,6 +39,12 @@ from router.core.scheduler import Scheduler
 from router.core.slicing import SliceConfig
 from router.http_edge import add_http_edge_arguments, edge_limits_from_args
 from router.lifetime import child_env
+from router.pool import (
+    DEFAULT_KEEPALIVE_S,
+    DEFAULT_KEEPALIVE_TIMEOUT_S,
+    add_keepalive_arguments,
+    keepalive_from_args,
+)
 from router.processes import RouterProcesses
 from router.server import (
     DEFAULT_LISTEN,
@@ -215,6 +221,8 @@ class ClusterPlan:
     qlm: QlmConfig = field(default_factory=QlmConfig)
     #: ``--http-*``: the HTTP edge's connection bounds.
     http_limits: EdgeLimits = field(default_factory=EdgeLimits)
+    #: ``--worker-keepalive-s``, ``--worker-keepalive-timeout-s``.
+    worker_keepalive: tuple[float, float] = (DEFAULT_KEEPALIVE_S, DEFAULT_KEEPALIVE_TIMEOUT_S)
 
 
 def plan_cluster(args: argparse.Namespace) -> ClusterPlan:
@@ -252,7 +260,15 @@ def plan_cluster(args: argparse.Namespace) -> ClusterPlan:
     else:
         roles = [("prefill", i) for i in range(args.prefill)] + [("decode", i) for i in range(args.decode)]
     return ClusterPlan(
-        roles, profile, predictor, config, slice_config, queue, qlm_config(args), edge_limits_from_args(args)
+        roles,
+        profile,
+        predictor,
+        config,
+        slice_config,
+        queue,
+        qlm_config(args),
+        edge_limits_from_args(args),
+        keepalive_from_args(args),
     )
 
 
@@ -305,6 +321,7 @@ async def start_cluster(args: argparse.Namespace, plan: ClusterPlan | None = Non
             worker_streams=args.worker_streams,
             http_limits=plan.http_limits,
             worker_token=read_worker_token(str(secrets.worker_call_token)),
+            worker_keepalive=plan.worker_keepalive,
         )
     except BaseException:
         await stop_workers(workers)
@@ -415,6 +432,7 @@ def register(subparsers: Any) -> None:
     )
     add_worker_streams_argument(parser)
     add_http_edge_arguments(parser)
+    add_keepalive_arguments(parser)
     parser.add_argument(
         "--worker-stream-interval-ms",
         type=float,

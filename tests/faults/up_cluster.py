@@ -194,3 +194,13 @@ def wait_serving(router: str, timeout_s: float = 30.0) -> None:
                 break
             time.sleep(0.1)
     raise AssertionError(f"the router did not serve within {timeout_s} s: {last}")
+
+
+def child_pid(cluster: UpCluster, instance_id: str) -> int:
+    """The pid of ``up``'s worker process for ``instance_id``."""
+    children = Path(f"/proc/{cluster.popen.pid}/task/{cluster.popen.pid}/children").read_text().split()
+    for pid in children:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        if b"--instance-id" in argv and argv[argv.index(b"--instance-id") + 1] == instance_id.encode():
+            return int(pid)
+    raise AssertionError(f"no worker process for {instance_id} among {children}")
