@@ -180,7 +180,12 @@ class MetricThreshold:
     def apply(self, ctx: DecisionContext) -> FilterResult:
         keep = ctx.metric(self.metric) < self.bound(ctx)
         if self.empty_passes:
-            keep = keep | (ctx.metric("num_requests") == 0)
+            empty = (
+                (ctx.metric("num_requests") == 0)
+                & (ctx.metric("decode_batch_size") == 0)
+                & (ctx.metric("kv_usage_projected") == 0)
+            )
+            keep = keep | empty
         return FilterResult._make((keep, None))
 
     def explain_miss(self, ctx: DecisionContext, candidates: IntArray) -> tuple[str, float, float]:
