@@ -439,8 +439,9 @@ def min_remaining_started(ctx: DecisionContext) -> FloatArray:
     if legs is None:
         batch = ctx.metric("decode_batch_size")
         mean = np.divide(ctx.metric("kv_growth_tokens"), batch, out=np.full(n, np.inf), where=batch > 0)
-        return np.maximum(mean, 1.0)
-    out = np.full(n, np.inf)
+        floored: FloatArray = np.maximum(mean, 1.0)
+        return floored
+    out: FloatArray = np.full(n, np.inf)
     started = legs.started
     if np.any(started):
         np.minimum.at(out, legs.instance[started], np.maximum(legs.remaining[started], 1.0))
