@@ -263,7 +263,11 @@ def register(subparsers: Any) -> None:
             "Estimate the instances a workload needs at an arrival rate with the throughput model of the "
             "profile, then confirm and refine the estimate with the simulator (the router's scheduling core "
             "on the sim engine model): the printed fleet meets --attainment, one instance fewer of any role "
-            "misses it."
+            "misses it. Requests are not queued: a request no instance may take counts as a miss. With "
+            "--policy binpack (Aladdin, seed 001) that is the paper's 'open a new bin': a request its "
+            "constraints refuse everywhere makes the search add an instance; the plan also prints "
+            "Aladdin's worker-count model (Eq. 7, workers = ceil(k5 x rate + c5)) fitted over the "
+            "planned fleet's run."
         ),
     )
     parser.add_argument(
