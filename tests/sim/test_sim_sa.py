@@ -68,7 +68,9 @@ def test_sa_hands_the_next_request_over_as_soon_as_a_slot_frees(cap: int) -> Non
     # Every dispatch after the first ones coincides with an end on the instance (a slot freed then).
     ends = sorted(e for _, e in spans)
     first = min(s for s, _ in spans)
-    assert first == pytest.approx(0.025, abs=1e-5)  # the request pool (--sa-pool-ms 25) collects the burst first
+    assert first == pytest.approx(
+        0.025, abs=1e-5
+    )  # the request pool (--sa-pool-ms 25) collects the burst first
     later = [s for s, _ in spans if s > first]
     assert later and all(any(abs(s - e) < 1e-6 for e in ends) for s in later)
     if cap > 1:

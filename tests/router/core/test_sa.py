@@ -372,7 +372,10 @@ def test_preassignment_takes_the_largest_remaining_memory_and_resets_when_none_h
     where = preassign([100.0] * 3, [[True, True]] * 3, [9000.0, 1000.0], [9000.0, 9000.0], [1, 0], [1, 1])
     assert where == [1, 0, 1]
     # A request no instance may take gets -1; eligibility is per request.
-    assert preassign([1.0, 1.0], [[False, False], [False, True]], [5.0, 1.0], [5.0, 5.0], [0, 0], [9, 9]) == [-1, 1]
+    assert preassign([1.0, 1.0], [[False, False], [False, True]], [5.0, 1.0], [5.0, 5.0], [0, 0], [9, 9]) == [
+        -1,
+        1,
+    ]
 
 
 @given(
@@ -381,7 +384,9 @@ def test_preassignment_takes_the_largest_remaining_memory_and_resets_when_none_h
     slots=st.integers(1, 4),
 )
 @settings(max_examples=60, deadline=None)
-def test_preassignment_never_overfills_an_iteration(needs: list[float], free: list[float], slots: int) -> None:
+def test_preassignment_never_overfills_an_iteration(
+    needs: list[float], free: list[float], slots: int
+) -> None:
     from router.core.sa import preassign
 
     m = len(free)
