@@ -126,8 +126,12 @@ what is simulated: the router's scheduling core places every request at its arri
   chunked prefill, KV blocks with preemption, step times from its profile); PD requests
   prefill on P, hold the KV, move it to D at the KV bandwidth and decode there. A request
   with no placement (e.g. slo predicts a miss everywhere) is rejected (RESOURCE_EXHAUSTED)
-  and misses its SLO. Not simulated: network/RPC latency besides the KV transfer, worker
-  failures and retries, EOS before max_tokens.
+  and misses its SLO. Output lengths: a request carries only its max_tokens cap; the engine
+  stops it at its true length (the workload's output distribution, the trace's, or an EOS
+  drawn with eos_probability when the class has ignore_eos: false), and policies that need a
+  length use an online estimate learned from finished requests (--oracle-lengths: the truth,
+  for ablations). Not simulated: network/RPC latency besides the KV transfer, worker
+  failures and retries.
 
 router queue (--queue-policies, default edf): a request no instance may take at once waits in
   the router's queue (the same code as the router's --queue-policy) in virtual time instead of
@@ -277,6 +281,12 @@ def register(subparsers: Any) -> None:
         "--plot", metavar="FILE.png", help="write attainment and goodput vs rate (needs matplotlib)"
     )
     sweep.add_argument("--no-progress", action="store_true", help="do not report each run on stderr")
+    sweep.add_argument(
+        "--oracle-lengths",
+        action="store_true",
+        help="ablation: give policies each request's true output length (default: an online estimate "
+        "learned from finished requests; every row is then labelled POLICY/oracle)",
+    )
     slicing.add_arguments(parser)
 
     scheduler = parser.add_argument_group("scheduler (as for the router; --policies picks the policy)")
@@ -443,6 +453,7 @@ def run(args: argparse.Namespace) -> int:
     title = (
         f"slo-router simulate: {spec.describe()}; workload {workload.name} "
         f"({workload.arrival.describe().split(',')[0]}), {args.num_requests} requests per run, seed {args.seed}"
+        + (", ORACLE output lengths (ablation)" if args.oracle_lengths else "")
     )
     print(title, file=sys.stderr)
 
@@ -473,6 +484,7 @@ def run(args: argparse.Namespace) -> int:
             warmup_requests=args.warmup_requests,
             queues=queues,
             qlm=qlm,
+            oracle_lengths=args.oracle_lengths,
         )
     except KeyboardInterrupt:
         print("\ninterrupted; no report written", file=sys.stderr)
@@ -486,6 +498,7 @@ def run(args: argparse.Namespace) -> int:
     print(format_prediction_table(points))
     meta = sweep_meta(fleet, workload, policies, rates, num_requests=args.num_requests, seed=args.seed)
     meta["calibrations"] = calibrations
+    meta["oracle_lengths"] = args.oracle_lengths
     meta["warmup_requests"] = args.warmup_requests
     meta["queue_policies"] = [q.queue_policy for q in queues]
     meta["queue"] = dataclasses.asdict(queues[0]) | {"queue_policy": None}

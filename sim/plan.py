@@ -91,7 +91,7 @@ def load_shape(plans: list[RequestPlan], rate: float) -> LoadShape:
     return LoadShape(
         rate=rate,
         mean_prompt_tokens=sum(p.prompt_tokens for p in plans) / n,
-        mean_output_tokens=sum(p.max_tokens for p in plans) / n,
+        mean_output_tokens=sum(p.true_output_tokens for p in plans) / n,
     )
 
 

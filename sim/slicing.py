@@ -243,9 +243,9 @@ class _SliceSimulation:
                 r = self.reqs[idx]
                 rid = f"{idx}.{self.slices}"
                 self.slices += 1
-                spec = SimRequestSpec(
-                    rid, sr.context_tokens, sr.slice_tokens, counts_as_decode=sr.slice_tokens > 1
-                )
+                # The slice is planned by its cap; the engine stops at the answer's true end.
+                new_tokens = max(min(sr.slice_tokens, self.plans[idx].true_output_tokens - r.generated), 1)
+                spec = SimRequestSpec(rid, sr.context_tokens, new_tokens, counts_as_decode=new_tokens > 1)
                 try:
                     core.add(spec)
                 except (EngineOverloadedError, InvalidRequestError) as exc:
@@ -287,9 +287,9 @@ class _SliceSimulation:
             if not finished:
                 continue
             del self.slice_of[rid]
-            r.generated += sr.slice_tokens
+            r.generated += position + 1
             r.last_s = now
-            if r.generated >= self.plans[idx].max_tokens:
+            if r.generated >= self.plans[idx].true_output_tokens:
                 r.done_s = now
             else:
                 self._to_pool(idx, now)
