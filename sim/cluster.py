@@ -448,8 +448,13 @@ class _Simulation:
             planner = None
             if queue.policy is QueuePolicy.SA:
                 # Deterministic: the run's seed, and the annealing budget on a modeled clock.
+                seqs = {iid: c.max_num_seqs for iid, c in zip(fleet.ids, fleet.configs, strict=True)}
                 planner = SAPlanner(
-                    queue, seed=seed, modeled_evaluation_s=modeled_evaluation_s, search=sa_search
+                    queue,
+                    seed=seed,
+                    modeled_evaluation_s=modeled_evaluation_s,
+                    search=sa_search,
+                    slots=seqs.__getitem__,
                 )
             self.queue = RouterQueue(queue, defaults.ttft_slo_ms, defaults.tpot_slo_ms, planner)
         self.timer_at = math.inf
@@ -976,13 +981,8 @@ class _Simulation:
                 code = "UNAVAILABLE"
             self._fail(r, code, str(error), now)
         # The next moment an entry expires or turns late with no other event.
-        when = math.inf
-        oldest = queue.oldest_enqueued_s()
-        if oldest is not None:
-            when = oldest + queue.config.max_queue_wait_ms * 1e-3
-        earliest = queue.earliest_ttft_deadline_s()
-        if earliest is not None:
-            when = min(when, earliest)
+        wake = queue.wake_s()
+        when = math.inf if wake is None else wake
         if when < self.timer_at:
             self.timer_at = when
             self._push(when + 1e-6, _QUEUE_TIMER, -1)
@@ -1116,7 +1116,8 @@ class _Simulation:
     def _ended(self, idx: int) -> None:
         """Dispatched request ``idx`` ended: the router queue hears of it (the sa policy's next batch)."""
         if self.queue is not None:
-            self.queue.finished(str(idx))
+            r = self.reqs[idx]
+            self.queue.finished(str(idx), None if r.error_code else int(r.tokens))
 
     def _finish(self, r: _Req, now: float) -> None:
         r.stage = _DONE
