@@ -23,6 +23,7 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "predictor.cli",
     "cms.cli",
     "workers.cli",
+    "workers.stock_agent",
     "router.server",
     "router.up",
     "router.schedule_cli",

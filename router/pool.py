@@ -14,7 +14,7 @@ from cms.transport import ClientTls, message_size_options, open_channel
 
 logger = logging.getLogger(__name__)
 
-_CHANNEL_OPTIONS = (
+CHANNEL_OPTIONS = (
     ("grpc.keepalive_time_ms", 20_000),
     ("grpc.keepalive_timeout_ms", 5_000),
     ("grpc.http2.max_pings_without_data", 0),
@@ -53,6 +53,11 @@ class ChannelPool:
     def max_channels(self) -> int:
         return self._max
 
+    @property
+    def tls(self) -> ClientTls | None:
+        """The TLS settings of the channels (None: plaintext)."""
+        return self._tls
+
     def stub(self, endpoint: str) -> worker_pb2_grpc.WorkerAsyncStub:
         return self.entry(endpoint)[1]
 
@@ -62,7 +67,7 @@ class ChannelPool:
         if entry is not None:
             self._channels.move_to_end(endpoint)
             return entry
-        channel = open_channel(endpoint, _CHANNEL_OPTIONS, tls=self._tls)
+        channel = open_channel(endpoint, CHANNEL_OPTIONS, tls=self._tls)
         stub = worker_pb2_grpc.WorkerStub(channel)
         self._channels[endpoint] = (channel, stub)
         while len(self._channels) > self._max:
