@@ -172,6 +172,9 @@ async def start_router_server(
         health=health,
         streams=worker_streams,
     )
+    tokenizer = tokenizer or load_tokenizer(None)
+    # vLLM's gRPC service returns token ids only: its legs' text comes from the router's tokenizer.
+    workers.vllm.set_decoder(tokenizer.decode)
     placer = Placer(scheduler, reader, observer=observer, health=health)
     service_config = service_config or ServiceConfig()
     slicer = None
@@ -189,7 +192,7 @@ async def start_router_server(
     service = RouterService(
         placer,
         workers,
-        tokenizer or load_tokenizer(None),
+        tokenizer,
         service_config,
         observer=observer,
         slicer=slicer,
