@@ -100,6 +100,7 @@ from slorouter.v1 import cms_pb2
 
 from bench.report import RequestResult, slo_met
 from bench.workload import RequestPlan
+from fleet.prefix import id_block_hashes
 from fleet.snapshot import ClusterSnapshot, InstanceRecord
 from predictor import LatencyPredictor
 from router.core.calibration import Calibrator
@@ -115,6 +116,7 @@ from router.core.config import SchedulerConfig
 from router.core.decision import Decision
 from router.core.errors import EmptyClusterError, LateError, NoInstanceError
 from router.core.predictors import PredictorSet
+from router.core.prefix import ExactPrefixIndex, PrefixRouting
 from router.core.qlm import DEFAULT_CONTEXT, Dispatch, QlmConfig, QlmQueue, QlmRequest, instance_model
 from router.core.queue import Objective, QueueConfig, QueuePolicy, RouterQueue, Verdict, offer
 from router.core.request import Mode, Role, ScheduleInput
@@ -310,6 +312,9 @@ class SimOutcome:
     #: Per planned request: time waited in the router queue (ms) and whether it left the queue late.
     queue_wait_ms: tuple[float, ...] = ()
     late: tuple[bool, ...] = ()
+    #: Prompt tokens the engines found in their prefix caches over those they looked up (None:
+    #: no prefix caching in the run).
+    cache_hit_rate: float | None = None
 
 
 class _Req:
@@ -413,6 +418,7 @@ class _Simulation:
         queue: QueueConfig | None = None,
         qlm: QlmConfig | None = None,
         sa_search: str = "anneal",
+        prefix_block_tokens: int = 0,
     ) -> None:
         self.fleet = fleet
         self.queue: RouterQueue | None = None
@@ -452,6 +458,8 @@ class _Simulation:
         #: Step times of instances whose decode runs may be fast-forwarded (None: always stepped).
         self.times: list[DecodeStepTimes | None] = []
         for i, (config, lp) in enumerate(zip(fleet.configs, fleet.instance_truths, strict=True)):
+            if prefix_block_tokens and config.prefix_cache_block_tokens != prefix_block_tokens:
+                config = dataclasses.replace(config, prefix_cache_block_tokens=prefix_block_tokens)
             if config.noise > 0 or config.kv_slowdown > 0:
                 # Planning steps ahead would draw the noise out of order: these engines are always stepped.
                 rng = random.Random((config.seed * 1_000_003 + seed) * 65_537 + i)
@@ -508,6 +516,14 @@ class _Simulation:
             r.idx = k
         self.now = 0.0
         self.decisions = self.rejected = self.num_steps = self.kv_transfers = self.events = 0
+        # Prefix caching: each plan's chained block hashes (empty without engine caching or hash ids),
+        # and the router's exact index when it is fed the engines' KV events.
+        block = prefix_block_tokens
+        self.block_hashes: list[tuple[int, ...]] = [
+            id_block_hashes(p.hash_ids, p.prompt_tokens, block) if block and p.hash_ids else () for p in plans
+        ]
+        prefix = scheduler.prefix
+        self.exact_index = prefix if isinstance(prefix, ExactPrefixIndex) else None
 
     # ------------------------------------------------------------------ the loop
 
@@ -842,6 +858,7 @@ class _Simulation:
             priority=plan.priority,
             slo_class=plan.class_name,
             arrival_s=None if self.queue is None and self.qlm is None else plan.arrival_s,
+            prefix_hashes=self.block_hashes[idx] if self.scheduler.prefix is not None else (),
         )
         if self.calibrator is not None:
             self._feed_calibration(now)
@@ -1008,7 +1025,13 @@ class _Simulation:
             )
             return
         # An evicted request runs again with its generated tokens as part of the prompt (recomputed).
-        spec = SimRequestSpec(str(idx), q.prompt_tokens, q.max_tokens, counts_as_decode=q.max_tokens > 1)
+        spec = SimRequestSpec(
+            str(idx),
+            q.prompt_tokens,
+            q.max_tokens,
+            counts_as_decode=q.max_tokens > 1,
+            block_hashes=self.block_hashes[idx] if q.prompt_tokens == plan.prompt_tokens else (),
+        )
         try:
             self._settle(i, now).add(spec)
         except EngineOverloadedError as exc:
@@ -1043,13 +1066,23 @@ class _Simulation:
             return
         rid = str(idx)
         neutral = decision.mode is Mode.NEUTRAL
+        hashes = self.block_hashes[idx]
         if neutral:
             spec = SimRequestSpec(
-                rid, plan.prompt_tokens, plan.max_tokens, counts_as_decode=plan.max_tokens > 1
+                rid,
+                plan.prompt_tokens,
+                plan.max_tokens,
+                counts_as_decode=plan.max_tokens > 1,
+                block_hashes=hashes,
             )
         else:
             spec = SimRequestSpec(
-                rid, plan.prompt_tokens, 1, hold_kv=plan.max_tokens > 1, counts_as_decode=False
+                rid,
+                plan.prompt_tokens,
+                1,
+                hold_kv=plan.max_tokens > 1,
+                counts_as_decode=False,
+                block_hashes=hashes,
             )
         try:
             self._settle(p, now).add(spec)
@@ -1194,10 +1227,16 @@ class _Simulation:
         uncomputed, decode_requests, decode_tokens, used_kv, waiting, running = load
         cores = self.cores
         runs = self.runs
+        exact = self.exact_index
         for i in self.dirty:
             if runs[i] is not None:
                 self.run_next[i] = -np.inf
             core = cores[i]
+            if exact is not None:
+                # What the engine's KV-event stream carries to the router (instantaneous, as pushes are).
+                events, _ = core.drain_kv_events()
+                if events:
+                    exact.apply(self.fleet.ids[i], [(e.kind.value, e.block_hashes) for e in events])
             uncomputed[i] = core.num_uncomputed_prefill_tokens
             decode_requests[i] = core.num_decode_requests
             decode_tokens[i] = core.num_decode_tokens
@@ -1246,6 +1285,11 @@ class _Simulation:
         return columns
 
     # ------------------------------------------------------------------ results
+
+    def cache_hit_rate(self) -> float:
+        """The fleet's prefix-cache hit rate: cached prompt tokens over prompt tokens looked up."""
+        queried = sum(core.cache_query_tokens for core in self.cores)
+        return sum(core.cache_hit_tokens for core in self.cores) / queried if queried else 0.0
 
     def results(self) -> tuple[RequestResult, ...]:
         out = []
@@ -1298,6 +1342,7 @@ def simulate(
     queue: QueueConfig | None = None,
     qlm: QlmConfig | None = None,
     sa_search: str = "anneal",
+    engine_prefix_cache: bool = True,
 ) -> SimOutcome:
     """Run ``plans`` (open-loop, in arrival order) on ``fleet`` with the policy ``config`` names.
 
@@ -1310,6 +1355,13 @@ def simulate(
     ``qlm`` configures the ``qlm`` queue policy (default :class:`QlmConfig`).
     ``sa_search="exhaustive"`` makes the ``sa`` policy plan small queues by
     exhaustive search (the reference its annealing is compared with).
+
+    Prefix caching: when the plans carry prefix-block ids (``RequestPlan.hash_ids``) and
+    ``engine_prefix_cache`` is on, every engine caches prompt KV in blocks of the plans'
+    ``prefix_block_tokens`` (content-addressed by the chained hash of the block ids, which
+    stand for the tokens), and the router hashes prompts the same way. Its knowledge of the
+    caches follows ``config.prefix_cache_routing``: ``auto`` and ``exact`` read the engines' KV
+    events, ``approximate`` its own dispatches, ``off`` charges every prompt in full.
     """
     if any(b.arrival_s < a.arrival_s for a, b in itertools.pairwise(plans)):
         raise ValueError("plans must be in arrival order")
@@ -1318,7 +1370,12 @@ def simulate(
     if config.calibration != "off":
         # A fresh set per run: the calibration (the scheduler attaches it) is the run's state.
         predictors = PredictorSet(fleet.predictors.default, fleet.predictors.groups)
+    block = prefix_cache_block(plans, fleet) if engine_prefix_cache else 0
+    if block:
+        config = dataclasses.replace(config, prefix_block_tokens=block)  # hashed as the engines cache
     scheduler = Scheduler(config, predictors, random.Random(seed))
+    if block and config.prefix_cache_routing in (PrefixRouting.AUTO.value, PrefixRouting.EXACT.value):
+        scheduler.use_exact_prefix_index()
     calibrator = predictors.calibration
     sim = _Simulation(
         fleet,
@@ -1331,6 +1388,7 @@ def simulate(
         queue=queue,
         qlm=qlm,
         sa_search=sa_search,
+        prefix_block_tokens=block,
     )
     duration_s, stats = sim.run()
     results = sim.results()
@@ -1341,7 +1399,25 @@ def simulate(
         wall_s=time.perf_counter() - started,
         queue_wait_ms=tuple(r.queue_wait_s * 1e3 for r in sim.reqs),
         late=tuple(r.late for r in sim.reqs),
+        cache_hit_rate=sim.cache_hit_rate() if block else None,
     )
+
+
+def prefix_cache_block(plans: Sequence[RequestPlan], fleet: SimFleet) -> int:
+    """The prefix-cache block of a run: the plans' ``prefix_block_tokens`` (0 when no plan has hash ids)."""
+    blocks = {p.prefix_block_tokens for p in plans if p.hash_ids}
+    if not blocks:
+        return 0
+    if len(blocks) > 1:
+        raise ValueError(f"the plans mix prefix blocks of {sorted(blocks)} tokens; one size per run")
+    block = blocks.pop()
+    for config in fleet.configs:
+        if block % config.block_size:
+            raise FleetError(
+                f"prefix blocks of {block} tokens (the workload's) are not whole KV blocks of "
+                f"--block-size {config.block_size}; pick a block size that divides {block}"
+            )
+    return block
 
 
 def _make_qlm(
