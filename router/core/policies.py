@@ -377,3 +377,21 @@ _builtin(
     "power-of-two",
     _same_everywhere([*HEALTH, "failover"], {"name": "power_of_two", "metric": "num_requests"}),
 )
+
+
+def _cache_affinity(config: SchedulerConfig) -> dict[str, Any]:
+    """Pure cache affinity, the baseline prefix-aware ``slo`` is measured against: the prompt goes
+    where the router knows the longest cached prefix, ties to the fewest requests; no SLO filter.
+    Decode (PD) has no prompt to reuse: fewest requests."""
+    affinity = {
+        "filters": [*HEALTH, "failover"],
+        "selector": _lowest("-cached_prompt_tokens", "num_requests"),
+    }
+    return {
+        "prefill": affinity,
+        "decode": {"filters": [*HEALTH, "failover"], "selector": _lowest("num_requests")},
+        "neutral": affinity,
+    }
+
+
+_builtin("cache-affinity", _cache_affinity)
