@@ -218,6 +218,7 @@ class SimEngine:
             kv_capacity_tokens=self._config.kv_capacity_tokens,
             block_size=self._config.block_size,
             max_model_len=self._config.max_model_len,
+            max_num_seqs=self._config.max_num_seqs,
         )
         self._tokenizer = SimpleTokenizer()
         # Pulls from other instances go over their Worker service unless told otherwise.
