@@ -15,6 +15,7 @@ from typing import Any
 from bench.loadgen import DEFAULT_TARGET, LoadConfig, LoadError, LoadResult, ProgressBar, run_load
 from bench.prediction import format_prediction_error, prediction_error
 from bench.report import BenchReport, PlotUnavailableError, format_table, plot_report, summarize, write_json
+from bench.traces import add_trace_arguments, is_trace, load_trace, trace_options
 from bench.workload import (
     CLASS_PRESETS,
     DEFAULT_WORKLOAD,
@@ -68,15 +69,19 @@ workload file (YAML shown; JSON has the same keys):
                                                              # or {{process: closed, concurrency: 16}}
   token_id_low: 0          # prompt token ids are drawn uniformly from [low, high)
   token_id_high: 256
+  model: ""                # GenerateRequest.model (bench only: simulate refuses it)
   classes:
     - name: chat
       share: 0.8
-      ttft_ms: 800         # omit or null: no target
+      ttft_ms: 800         # omit or null: no target (tpot_ms, e2e_ms alike)
       tpot_ms: 40
       prompt: lognormal(384,1.0,16,4096)   # or fixed(N), uniform(MIN,MAX), or a mapping
-      output: uniform(32,512)
+      output: uniform(32,512)  # the answer's true length (the engine stops there)
+      max_tokens: 1024     # the cap each request sends; omit: output's largest value
+      ignore_eos: true     # false: an engine with eos_probability > 0 may stop earlier
+      priority: 0          # GenerateRequest.priority
     - preset: code         # start from a class preset, override what you need
-      share: 0.2
+      share: 0.2           # (targets it does not name keep the preset's; null removes one)
       e2e_ms: 3000
 
 arrivals: --rate R is a Poisson process at R req/s; with --burstiness B the gaps are
@@ -180,6 +185,7 @@ def register(subparsers: Any) -> None:
         action="store_true",
         help="print the resolved workload as JSON (a starting point for a file) and exit",
     )
+    add_trace_arguments(parser)
     parser.set_defaults(func=run)
 
 
@@ -238,8 +244,17 @@ def run(args: argparse.Namespace) -> int:
     if args.concurrency is not None and args.concurrency < 1:
         print(error_line(f"--concurrency {args.concurrency}: must be >= 1"), file=sys.stderr)
         return 2
+    trace = None
     try:
-        spec = resolve_workload(args)
+        if is_trace(args.workload):
+            if args.concurrency is not None or args.burstiness is not None:
+                raise WorkloadError("a trace replays its own arrivals: drop --concurrency and --burstiness")
+            trace = load_trace(args.workload, trace_options(args))
+            spec = trace.workload()
+            if args.model:
+                spec = dataclasses.replace(spec, model=args.model)
+        else:
+            spec = resolve_workload(args)
     except (WorkloadError, ValueError) as exc:
         print(error_line(exc), file=sys.stderr)
         return 2
@@ -254,12 +269,19 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     num_requests = args.num_requests
-    if num_requests is None and args.duration is None:
+    if num_requests is None and args.duration is None and trace is None:
         num_requests = DEFAULT_NUM_REQUESTS
     if num_requests is None and not spec.arrival.open_loop:
         num_requests = CLOSED_LOOP_PLAN_CAP
     try:
-        plans = generate_requests(spec, rng=args.seed, num_requests=num_requests, duration_s=args.duration)
+        if trace is not None:
+            plans = trace.plans(num_requests, rate=args.rate)
+            if args.duration is not None:
+                plans = [p for p in plans if p.arrival_s < args.duration]
+        else:
+            plans = generate_requests(
+                spec, rng=args.seed, num_requests=num_requests, duration_s=args.duration
+            )
         config = LoadConfig(
             target=args.target,
             tls_ca_file=args.tls_ca,

@@ -225,9 +225,9 @@ class _Stream:
         plan = self.plan
         if not self.finished:
             self._violate("the stream ended without a finished message")
-        elif self.finish_reason != "stop" and self.tokens != plan.max_tokens:
+        elif self.finish_reason != "stop" and self.tokens != sent_max_tokens(plan):
             self._violate(
-                f"{self.tokens} tokens received, max_tokens is {plan.max_tokens} "
+                f"{self.tokens} tokens received, max_tokens is {sent_max_tokens(plan)} "
                 f"(finish_reason {self.finish_reason!r})"
             )
         if self.usage_tokens is not None and self.usage_tokens != self.tokens:
@@ -265,13 +265,24 @@ class _Stream:
         )
 
 
+def sent_max_tokens(plan: RequestPlan) -> int:
+    """The ``sampling.max_tokens`` sent for ``plan``.
+
+    With ``ignore_eos`` the engine must produce exactly the plan's answer length, and a real
+    engine can only be told that through ``max_tokens``: so that is what is sent (the router then
+    sees the length as the request's cap, a limit of live benchmarking the simulator does not
+    have). Without it the plan's cap is sent and the engine stops at its own EOS.
+    """
+    return plan.true_output_tokens if plan.ignore_eos else plan.max_tokens
+
+
 def build_request(plan: RequestPlan, config: LoadConfig) -> router_pb2.GenerateRequest:
     """The ``GenerateRequest`` of one planned request (SLO targets of ``None`` are sent as 0)."""
     return router_pb2.GenerateRequest(
         request_id=f"{config.request_id_prefix}{plan.index}" if config.request_id_prefix else "",
         model=config.model,
         prompt_token_ids=plan.prompt_token_ids(),
-        sampling=common_pb2.SamplingParams(max_tokens=plan.max_tokens, ignore_eos=plan.ignore_eos),
+        sampling=common_pb2.SamplingParams(max_tokens=sent_max_tokens(plan), ignore_eos=plan.ignore_eos),
         slo=common_pb2.SloTarget(
             ttft_ms=plan.slo.ttft_ms or 0.0, tpot_ms=plan.slo.tpot_ms or 0.0, e2e_ms=plan.slo.e2e_ms or 0.0
         ),

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from cms.auth import TokenTable
-from cms.server import DEFAULT_LISTEN, start_cms_server
+from cms.server import DEFAULT_LISTEN, DEFAULT_MAX_INSTANCES_PER_TOKEN, start_cms_server
 from cms.store import DEFAULT_LEASE_TTL_S, open_store
 from cms.transport import ServerTls, server_tls_from_args
 from fleet.flags import check_listen, check_metrics_port, error_line, read_flag_file, split_host_port
@@ -79,7 +79,17 @@ def register(subparsers: Any) -> None:
         "--auth-token-file",
         type=Path,
         metavar="F",
-        help="the accepted tokens, one per line: TOKEN or NAME TOKEN (a token per worker)",
+        help="the accepted tokens, one per line: TOKEN, NAME TOKEN or NAME TOKEN SCOPE; SCOPE is read "
+        "(routers: read the view only), write:ID[,ID...] (a worker: write only these instance ids) or "
+        "write (the default: any id it owns)",
+    )
+    parser.add_argument(
+        "--max-instances-per-token",
+        type=int,
+        default=DEFAULT_MAX_INSTANCES_PER_TOKEN,
+        metavar="N",
+        help="live instance ids one token may have registered at once; one more is RESOURCE_EXHAUSTED "
+        "(default: %(default)s)",
     )
     parser.add_argument(
         "--insecure",
@@ -130,7 +140,12 @@ async def _serve(args: argparse.Namespace, tokens: TokenTable | None, tls: Serve
     try:
         try:
             server = await start_cms_server(
-                store, args.listen, tokens=tokens, lease_ttl_s=args.lease_ttl_s, tls=tls
+                store,
+                args.listen,
+                tokens=tokens,
+                lease_ttl_s=args.lease_ttl_s,
+                tls=tls,
+                max_instances_per_token=args.max_instances_per_token,
             )
         except OSError as exc:
             print(error_line(exc), file=sys.stderr)
@@ -168,6 +183,10 @@ def run(args: argparse.Namespace) -> int:
         if not (math.isfinite(args.lease_ttl_s) and args.lease_ttl_s > 0):
             raise ValueError(f"--lease-ttl-s must be a finite number > 0, got {args.lease_ttl_s}")
         split_host_port("--listen", args.listen)
+        if not 1 <= args.max_instances_per_token <= 1_000_000:
+            raise ValueError(
+                f"--max-instances-per-token must be within [1, 1000000], got {args.max_instances_per_token}"
+            )
         if args.store != "memory" and not args.store.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"--store {args.store!r}: expected memory or redis://HOST:PORT/DB")
         if tokens is None and not args.insecure and not is_loopback(args.listen):

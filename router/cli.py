@@ -25,6 +25,7 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "cms.cli",
     "cms.keys",
     "workers.cli",
+    "workers.stock_agent",
     "router.server",
     "router.up",
     "router.schedule_cli",

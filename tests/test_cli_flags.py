@@ -57,7 +57,7 @@ CASES = [
     (["router", "--sa-decay", "1.5"], "--sa-decay"),
     (["router", "--sa-min-temperature", "900"], "--sa-min-temperature"),
     (["up", "--sa-initial-temperature", "-1"], "--sa-initial-temperature"),
-    (["up", "--queue-policy", "sa", "--sa-max-batch", "0"], "--sa-max-batch"),
+    (["up", "--queue-policy", "sa", "--sa-max-batch", "-1"], "--sa-max-batch"),
     (["up", "--sa-budget-ms", "0"], "--sa-budget-ms"),
     (["simulate", "--queue-policies", "fcfs,sa", "--sa-decay", "0"], "--sa-decay"),
     (["simulate", "--sa-iterations", "0"], "--sa-iterations"),

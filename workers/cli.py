@@ -129,6 +129,13 @@ def register(subparsers: Any) -> None:
         help="the cluster's kv handle key: sign the handles this worker hands out and accept only signed ones",
     )
     worker.add_argument(
+        "--worker-auth-token-file",
+        default=None,
+        help="the cluster's worker token: Prefill, Generate, Decode, Streams and Abort need it "
+        "(UNAUTHENTICATED without), and this worker's own calls to other workers carry it; give the "
+        "router the same file",
+    )
+    worker.add_argument(
         "--tls-cert", default=None, help="serve the Worker service over TLS with this PEM chain"
     )
     worker.add_argument("--tls-key", default=None, help="the private key (PEM) of --tls-cert")
@@ -244,6 +251,7 @@ def check_worker_args(args: argparse.Namespace) -> None:
 
 def run_worker(args: argparse.Namespace) -> int:
     from cms.auth import read_client_token_text
+    from cms.call_auth import read_worker_token
     from cms.transport import client_tls_from_arg, server_tls_from_args
     from workers.kv_auth import KvSigner
     from workers.metadata import WorkerIdentity, WorkerRole
@@ -271,6 +279,11 @@ def run_worker(args: argparse.Namespace) -> int:
                 args.kv_signer = KvSigner(key.strip())
             except ValueError as exc:
                 raise ValueError(f"--kv-key-file {args.kv_key_file}: {exc}") from None
+    except ValueError as exc:
+        print(error_line(exc), file=sys.stderr)
+        return 2
+    try:
+        args.worker_token = read_worker_token(args.worker_auth_token_file)
     except ValueError as exc:
         print(error_line(exc), file=sys.stderr)
         return 2
@@ -320,6 +333,7 @@ async def _serve(engine: Any, args: argparse.Namespace, identity: Any, token: st
             tls=args.server_tls,
             cms_tls=args.cms_tls,
             stream_interval_s=args.stream_interval_ms / 1e3,
+            worker_token=args.worker_token,
         )
     except (OSError, ValueError) as exc:
         print(error_line(exc), file=sys.stderr)

@@ -35,7 +35,12 @@ class SchedulerConfig:
     scheduling_policy: str = field(
         default="load-balance",
         metadata=_doc(
-            "registered policy: load-balance, slo, binpack, round-robin, random, least-requests or power-of-two",
+            "registered policy: load-balance, slo, binpack, round-robin, random, least-requests or "
+            "power-of-two. binpack (Aladdin, seed 001) packs requests onto the fullest instances whose "
+            "TTFT, TPOT at the packing horizon, prefill-vs-ATGT slack and KV over life constraints all "
+            "hold; a request none admits waits in the router queue (run it with --queue-policy fcfs or "
+            "edf; with none it is refused), so use it to keep instances free for scale-down (see slo-router "
+            "plan), not to raise attainment on a fixed fleet, where slo does as well",
             "--scheduling-policy",
         ),
     )

@@ -306,15 +306,42 @@ def _adaptive_pd(config: SchedulerConfig) -> dict[str, Any]:
 _builtin("adaptive-pd", _adaptive_pd)
 
 
+def _atgt_slack(config: SchedulerConfig, **extra: Any) -> dict[str, Any]:
+    """Aladdin's (d): this prompt's prefill within θ of the least ATGT slack of the residents."""
+    return {
+        "name": "metric_threshold",
+        "metric": "prefill_over_atgt_slack",
+        "limit": config.tpot_binpack_threshold,
+        "label": "atgt_slack",
+        **extra,
+    }
+
+
 def _binpack(config: SchedulerConfig) -> dict[str, Any]:
-    """Aladdin's placement: best fit by capacity_norm among instances meeting every constraint."""
-    packed = {
+    """Aladdin's placement (seed 001, Algorithm 1): best fit by capacity_norm among the instances that
+    meet every constraint, the constraints held as constraints.
+
+    (b) TPOT at the γ horizon within θ of the target (``tpot_horizon``), (c)
+    TTFT (``predicted_ttft``), (d) on a colocated instance the prompt's
+    prefill within θ of the residents' ATGT slack (``atgt_slack``), (e) KV
+    over the life of the instance's requests (``kv_over_life``). None is
+    droppable: when no instance meets them the request gets no placement and
+    waits in the router queue (refused at once with ``--queue-policy none``),
+    where the paper's scheduler would open a new bin. An instance holding no
+    request is that new bin and passes every constraint (``empty_passes``):
+    a request only an empty instance can take is served alone there rather
+    than waiting for ever. Only the safety valve (``overpacked``: measured
+    over target or preempting) is relaxed, in pass 2, when nothing else is
+    left. ``slo`` keeps the same checks droppable (placing anyway in
+    overload), which is why the two differ in overload and not below it.
+    """
+    hard = {"empty_passes": True}
+    decode = {
         "filters": [
             *HEALTH,
             _not_overpacked(relax_pass=2),
-            _kv_fits(config, droppable=True),
-            _tpot(droppable=True),
-            _tpot_horizon(config, droppable=True),
+            _kv_fits(config, **hard),
+            _tpot_horizon(config, **hard),
             "failover",
         ],
         "selector": "binpack",
@@ -322,21 +349,21 @@ def _binpack(config: SchedulerConfig) -> dict[str, Any]:
     neutral = {
         "filters": [
             *HEALTH,
-            _ttft(droppable=True),
+            _ttft(**hard),
             _not_overpacked(relax_pass=2),
-            _kv_fits(config, droppable=True),
-            _tpot(droppable=True),
-            _tpot_horizon(config, droppable=True),
+            _kv_fits(config, **hard),
+            _tpot_horizon(config, **hard),
+            _atgt_slack(config, **hard),
             "failover",
         ],
         "selector": "binpack",
     }
     return {
         "prefill": {
-            "filters": [*HEALTH, _ttft(droppable=True), "failover"],
+            "filters": [*HEALTH, _ttft(**hard), "failover"],
             "selector": _lowest("predicted_ttft"),
         },
-        "decode": packed,
+        "decode": decode,
         "neutral": neutral,
     }
 
