@@ -313,10 +313,20 @@ def _token_cases(tmp: Path) -> list[tuple[list[str], str, Path]]:
             "--cms-auth-token-file",
             garbled,
         ),
+        (
+            ["worker", "--listen", free, "--worker-auth-token-file", str(missing)],
+            "--worker-auth-token-file",
+            missing,
+        ),
+        (
+            ["router", "--listen", free, "--cms", "127.0.0.1:1", "--worker-auth-token-file", str(empty)],
+            "--worker-auth-token-file",
+            empty,
+        ),
     ]
 
 
-@pytest.mark.parametrize("case", range(8))
+@pytest.mark.parametrize("case", range(10))
 def test_a_bad_secret_file_is_one_line_naming_the_flag(
     case: int, tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
 ) -> None:
