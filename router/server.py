@@ -314,7 +314,19 @@ def _profile_groups(values: list[str]) -> dict[str, LatencyPredictor]:
 
 def build_predictors(args: argparse.Namespace) -> PredictorSet:
     """The default profile from the two paths, plus one per ``--profile-group``."""
-    default = LatencyPredictor.from_files(args.ttft_profiling_data_path, args.tpot_profiling_data_path)
+    ttft, tpot = args.ttft_profiling_data_path, args.tpot_profiling_data_path
+    profile = getattr(args, "profile", None)
+    if profile:  # --profile DIR, the form `up` and `plan` take: both files of one directory
+        if ttft or tpot:
+            raise ValueError(
+                f"--profile {profile}: give either --profile or --ttft-/--tpot-profiling-data-path, not both"
+            )
+        if not Path(profile).is_dir():
+            raise ValueError(f"--profile {profile}: not a directory (it needs ttft.json and tpot.json)")
+        ttft, tpot = Path(profile) / "ttft.json", Path(profile) / "tpot.json"
+    default = LatencyPredictor.from_files(
+        ttft or DEFAULT_PROFILE_DIR / "ttft.json", tpot or DEFAULT_PROFILE_DIR / "tpot.json"
+    )
     return PredictorSet(default, _profile_groups(args.profile_group))
 
 
@@ -395,14 +407,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="CA bundle (PEM): reach workers and a grpc:// CMS over TLS, checking them against it",
     )
     parser.add_argument(
+        "--profile",
+        default=None,
+        metavar="DIR",
+        help="profile directory (ttft.json + tpot.json, e.g. from `slo-router profile`) to predict every "
+        "instance with (default: the bundled Qwen2.5-7B profile)",
+    )
+    parser.add_argument(
         "--ttft-profiling-data-path",
-        default=str(DEFAULT_PROFILE_DIR / "ttft.json"),
-        help="TTFT profile JSON (default: the bundled Qwen2.5-7B profile)",
+        default=None,
+        help="TTFT profile JSON, instead of --profile (default: the bundled Qwen2.5-7B profile's)",
     )
     parser.add_argument(
         "--tpot-profiling-data-path",
-        default=str(DEFAULT_PROFILE_DIR / "tpot.json"),
-        help="TPOT profile JSON (default: the bundled Qwen2.5-7B profile)",
+        default=None,
+        help="TPOT profile JSON, instead of --profile (default: the bundled Qwen2.5-7B profile's)",
     )
     parser.add_argument(
         "--profile-group",
@@ -506,7 +525,8 @@ def register(subparsers: Any) -> None:
         ),
     )
     add_arguments(parser)
-    parser.set_defaults(func=run)
+    # slo, as `up`, `plan` and `make run` use: a router started by hand behaves as the one `up` starts.
+    parser.set_defaults(func=run, scheduling_policy="slo")
 
 
 #: ServiceConfig fields set by the router's own flags (the SLO defaults come from SchedulerConfig's).

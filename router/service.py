@@ -162,6 +162,7 @@ class Generated:
         "finish_reason",
         "finished",
         "first_token_index",
+        "late",
         "request_id",
         "route",
         "text",
@@ -186,6 +187,9 @@ class Generated:
         self.finish_reason = finish_reason
         #: Set on the first step.
         self.route: router_pb2.RouteInfo | None = None
+        #: On the first step: the request left the router queue late (its TTFT target was out of
+        #: reach); known before any token, so the HTTP edge can say so in a response header.
+        self.late = False
         #: Set on the last step.
         self.usage: router_pb2.Usage | None = None
 
@@ -435,6 +439,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 first = False
                 progress.route = slice_route(instance_id)
                 out.route = _route_info(progress.route)
+                out.late = progress.late
                 if progress.first_token_at is not None:
                     self._observer.first_token(progress.route, progress.first_token_at - progress.started)
             if message.finished:
@@ -594,6 +599,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         started = await self._first_token(req, sampling, ledger, progress)
         first = started.first
         first.route = _route_info(started.route)
+        first.late = progress.late
         progress.route = started.route
         if progress.first_token_at is not None:
             self._observer.first_token(started.route, progress.first_token_at - progress.started)

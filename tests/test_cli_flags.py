@@ -313,10 +313,20 @@ def _token_cases(tmp: Path) -> list[tuple[list[str], str, Path]]:
             "--cms-auth-token-file",
             garbled,
         ),
+        (
+            ["worker", "--listen", free, "--worker-auth-token-file", str(missing)],
+            "--worker-auth-token-file",
+            missing,
+        ),
+        (
+            ["router", "--listen", free, "--cms", "127.0.0.1:1", "--worker-auth-token-file", str(empty)],
+            "--worker-auth-token-file",
+            empty,
+        ),
     ]
 
 
-@pytest.mark.parametrize("case", range(8))
+@pytest.mark.parametrize("case", range(10))
 def test_a_bad_secret_file_is_one_line_naming_the_flag(
     case: int, tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -349,3 +359,50 @@ def test_the_cms_flag_takes_the_same_forms_on_router_and_worker(
             code = main([command, "--listen", taken, "--cms", form])
             err = capsys.readouterr().err
             assert code == 2 and err.startswith(f"error: --listen {taken}: address already in use"), err
+
+
+# --------------------------------------------------------------------------- --help matches behaviour
+
+COMMANDS = [
+    "predict", "cms", "keys", "worker", "router", "up", "schedule", "calibrate",
+    "bench", "simulate", "plan", "profile", "vllm-tiny-model",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_help_is_for_a_terminal_and_not_about_this_checkout(
+    command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as done:
+        main([command, "--help"])
+    assert done.value.code == 0
+    text = capsys.readouterr().out
+    assert str(ROOT) not in text  # a default shown as this machine's absolute path
+    for markup in ("``", ":class:", ":mod:", ":func:", ":meth:"):
+        assert markup not in text, (command, markup)
+
+
+def test_help_lists_every_queue_policy_simulate_accepts(capsys: pytest.CaptureFixture[str]) -> None:
+    from router.core.queue import QueuePolicy
+
+    with pytest.raises(SystemExit):
+        main(["simulate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    listed = text[text.index("--queue-policies Q1,Q2,... router") :][:400]
+    for policy in QueuePolicy:
+        assert policy.value in listed, policy
+
+
+def test_the_router_and_up_default_to_the_same_policy(capsys: pytest.CaptureFixture[str]) -> None:
+    for command in ("router", "up", "plan"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        assert "(default: slo)" in text, command
+
+
+def test_the_python_floor_is_the_one_the_code_needs() -> None:
+    import tomllib  # 3.11: the floor below is true
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    assert project["requires-python"] == ">=3.11"

@@ -667,12 +667,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--ttft-profiling-data-path",
         default=str(DEFAULT_PROFILE_DIR / "ttft.json"),
-        help="TTFT profile JSON (or a directory holding ttft.json) the step times follow (default: %(default)s)",
+        help="TTFT profile JSON (or a directory holding ttft.json) the step times follow "
+        "(default: the bundled Qwen2.5-7B profile's)",
     )
     g.add_argument(
         "--tpot-profiling-data-path",
         default=str(DEFAULT_PROFILE_DIR / "tpot.json"),
-        help="TPOT profile JSON (or a directory holding tpot.json) (default: %(default)s)",
+        help="TPOT profile JSON (or a directory holding tpot.json) (default: the bundled Qwen2.5-7B profile's)",
     )
     ints = (
         ("--max-num-batched-tokens", d.max_num_batched_tokens, "token budget of one step"),
