@@ -59,6 +59,7 @@ from router.core.errors import (
     QueueTimeoutError,
     RetriesExhaustedError,
     RouterError,
+    UnmeetableError,
 )
 from router.forward import LegError
 from router.service import RouterService, ServiceConfig
@@ -171,7 +172,7 @@ def http_status(exc: RouterError | LegError) -> int:
         return 400
     if isinstance(exc, DuplicateRequestError):
         return 409
-    if isinstance(exc, (NoInstanceError, QueueFullError, QueueTimeoutError)):
+    if isinstance(exc, (NoInstanceError, QueueFullError, QueueTimeoutError, UnmeetableError)):
         return 429
     if isinstance(exc, LateError):
         return 504

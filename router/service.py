@@ -39,6 +39,7 @@ from router.core.errors import (
     QueueTimeoutError,
     RetriesExhaustedError,
     RouterError,
+    UnmeetableError,
 )
 from router.core.queue import QueueConfig
 from router.core.request import Mode
@@ -91,7 +92,7 @@ def _error_code(exc: RouterError) -> grpc.StatusCode:
         return grpc.StatusCode.INVALID_ARGUMENT
     if isinstance(exc, DuplicateRequestError):
         return grpc.StatusCode.ALREADY_EXISTS
-    if isinstance(exc, (NoInstanceError, QueueFullError, QueueTimeoutError)):
+    if isinstance(exc, (NoInstanceError, QueueFullError, QueueTimeoutError, UnmeetableError)):
         return grpc.StatusCode.RESOURCE_EXHAUSTED
     if isinstance(exc, LateError):
         return grpc.StatusCode.DEADLINE_EXCEEDED

@@ -31,6 +31,7 @@ from router.core.errors import (
     RetriesExhaustedError,
     RouterError,
     ShedError,
+    UnmeetableError,
 )
 from router.core.request import ScheduleInput
 from router.route import Route
@@ -65,6 +66,8 @@ def _outcome_of(exc: RouterError) -> str:
         return "queue_timeout"
     if isinstance(exc, LateError):
         return "late_rejected"
+    if isinstance(exc, UnmeetableError):
+        return "unmeetable"
     return "error"
 
 
