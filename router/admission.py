@@ -340,6 +340,16 @@ class Admission:
         """Where ``request`` would stand in the queue now."""
         return self.queue.position_of_new(request, self._clock())
 
+    def refuse_queued(self, error: RouterError) -> None:
+        """Fail every queued request with ``error`` now (shutdown); arrivals after this are the caller's."""
+        for entry in list(self.queue.entries()):
+            if self.queue.remove(entry.request_id) is None:
+                continue
+            self._observer.queue_changed(entry.request, -1)
+            future: asyncio.Future[Admitted] = entry.token
+            if not future.done():
+                future.set_exception(error)
+
     def close(self) -> None:
         """Cancel the timer (the server is stopping)."""
         if self._timer is not None:

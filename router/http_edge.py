@@ -59,6 +59,7 @@ from router.core.errors import (
     QueueTimeoutError,
     RetriesExhaustedError,
     RouterError,
+    ShuttingDownError,
     UnmeetableError,
 )
 from router.forward import LegError
@@ -176,7 +177,7 @@ def http_status(exc: RouterError | LegError) -> int:
         return 429
     if isinstance(exc, LateError):
         return 504
-    if isinstance(exc, (EmptyClusterError, RetriesExhaustedError)):
+    if isinstance(exc, (EmptyClusterError, RetriesExhaustedError, ShuttingDownError)):
         return 503
     return 500
 
@@ -275,6 +276,8 @@ class RouterBackend:
         return sorted(lengths.items())
 
     def health(self) -> str | None:
+        if self._service.draining:
+            return "the router is shutting down (draining): send requests elsewhere"
         counts = self._instance_counts()
         if any(n for (_, health), n in counts.items() if health == "healthy"):
             return None

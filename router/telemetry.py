@@ -31,6 +31,7 @@ from router.core.errors import (
     RetriesExhaustedError,
     RouterError,
     ShedError,
+    ShuttingDownError,
     UnmeetableError,
 )
 from router.core.request import ScheduleInput
@@ -68,6 +69,8 @@ def _outcome_of(exc: RouterError) -> str:
         return "late_rejected"
     if isinstance(exc, UnmeetableError):
         return "unmeetable"
+    if isinstance(exc, ShuttingDownError):
+        return "shutting_down"
     return "error"
 
 

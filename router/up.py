@@ -50,14 +50,17 @@ from router.server import (
     DEFAULT_LISTEN,
     DEFAULT_PROFILE_DIR,
     RouterServer,
+    add_drain_argument,
     add_worker_streams_argument,
     check_address,
+    check_drain_timeout,
     check_port,
     check_worker_streams,
     qlm_config,
     queue_config,
     scheduler_config,
     start_router_server,
+    wait_for_signals,
 )
 from router.service import ServiceConfig
 from router.shared_inflight import MAX_PROCESSES
@@ -94,10 +97,10 @@ class Cluster:
     #: A CMS read token for routers started by hand against this cluster (``--cms-auth-token-file``).
     router_token_file: Path | None = None
 
-    async def stop(self) -> None:
-        """Router first (no new work), then the workers, then the CMS. Idempotent."""
+    async def stop(self, drain_timeout_s: float = 0.0, force: asyncio.Event | None = None) -> None:
+        """Router first (it drains: :meth:`RouterServer.drain`), then the workers, then the CMS. Idempotent."""
         await self.processes.stop()
-        await self.router.stop(grace=2.0)
+        await self.router.stop(grace=2.0, drain_timeout_s=drain_timeout_s, force=force)
         await self.processes.close()
         await stop_workers(self.workers)
         await self.cms.stop(grace=0.5)
@@ -248,6 +251,7 @@ def plan_cluster(args: argparse.Namespace) -> ClusterPlan:
     slice_config = slice_config_from_args(args)
     check_address("--listen", args.listen)
     check_worker_streams(args)
+    check_drain_timeout(args)
     check_port("--metrics-port", args.metrics_port)
     config = scheduler_config(args)
     queue = queue_config(args)
@@ -433,6 +437,7 @@ def register(subparsers: Any) -> None:
     add_worker_streams_argument(parser)
     add_http_edge_arguments(parser)
     add_keepalive_arguments(parser)
+    add_drain_argument(parser)
     parser.add_argument(
         "--worker-stream-interval-ms",
         type=float,
@@ -492,14 +497,10 @@ async def _serve(args: argparse.Namespace, plan: ClusterPlan) -> int:
         f"TPOT {plan.config.tpot_slo_ms:g} ms (a request's own SLO wins)",
         flush=True,
     )
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     drains = [asyncio.ensure_future(_drain_stdout(w)) for w in cluster.workers]
-    await stop.wait()
-    print("shutting down", flush=True)
-    await cluster.stop()
+    force = await wait_for_signals()
+    print(f"shutting down (draining for up to {args.drain_timeout_s:g} s)", flush=True)
+    await cluster.stop(args.drain_timeout_s, force)
     for task in drains:
         task.cancel()
     await asyncio.gather(*drains, return_exceptions=True)

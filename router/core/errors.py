@@ -10,6 +10,7 @@
     ├── InvalidRequestError (ValueError)  a request is malformed: the client must fix it
     ├── DuplicateRequestError         a request id that is already in flight
     ├── RetriesExhaustedError         every attempt on a worker failed
+    ├── ShuttingDownError             the router is draining (SIGTERM): retry on another replica
     └── SchedulingError               no placement for this request, now
         ├── EmptyClusterError         no instance at all, or none usable (all without status, stale
         │                             or unschedulable): the fleet or the CMS is down
@@ -234,6 +235,11 @@ def _rebuild_no_instance(
 
 class QueueFullError(SchedulingError):
     """The router queue is full and this request was the least valuable one: it was shed."""
+
+
+class ShuttingDownError(RouterError):
+    """The router is shutting down (SIGTERM): a request not yet running, or one still running at the
+    end of ``--drain-timeout-s``. Retryable: another router replica takes it."""
 
 
 class UnmeetableError(SchedulingError):
