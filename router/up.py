@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import os
 import shutil
 import signal
 import sys
@@ -108,11 +109,57 @@ class Cluster:
             shutil.rmtree(self.secrets_dir, ignore_errors=True)
 
 
+#: Prefix of ``up``'s secrets directories in the temporary directory.
+SECRETS_PREFIX = "slo-router-up-"
+#: The file in a secrets directory naming the pid of the ``up`` that made it.
+OWNER_FILE = "owner.pid"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
+
+
+def remove_stale_secrets(tmp: Path | None = None) -> list[Path]:
+    """Remove secrets directories whose ``up`` died without cleaning up (kill -9); the removed ones.
+
+    Only this user's directories (the only ones it can remove anyway), only those whose
+    ``owner.pid`` names a process that no longer exists; a directory without a readable owner
+    file is left alone (it may be one being written right now).
+    """
+    removed: list[Path] = []
+    base = Path(tmp or tempfile.gettempdir())
+    uid = os.getuid()
+    for path in base.glob(SECRETS_PREFIX + "*"):
+        try:
+            if not path.is_dir() or path.is_symlink() or path.stat().st_uid != uid:
+                continue
+            pid = int((path / OWNER_FILE).read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if pid > 0 and not _alive(pid):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
 class ClusterSecrets:
-    """A token per worker and the cluster's kv handle key, as files only this user can read."""
+    """A token per worker and the cluster's kv handle key, as files only this user can read.
+
+    The directory names its owner (``owner.pid``) so that the next ``up`` removes it when this
+    one dies without cleaning up (:func:`remove_stale_secrets`).
+    """
 
     def __init__(self) -> None:
-        self.dir = Path(tempfile.mkdtemp(prefix="slo-router-up-"))  # mode 0700
+        for stale in remove_stale_secrets():
+            logger.info("removed %s, left behind by an up that died", stale)
+        self.dir = Path(tempfile.mkdtemp(prefix=SECRETS_PREFIX))  # mode 0700
+        self._write(OWNER_FILE, str(os.getpid()))
         self.kv_key_file = self._write("kv.key", new_token())
         self.worker_call_token = self.worker_call_token_file()
         #: principal -> (token, scope)
