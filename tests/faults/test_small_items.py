@@ -91,3 +91,41 @@ def test_refusals_are_counted_in_the_metrics(tmp_path: Path) -> None:
             text = response.read().decode()
         assert re.search(r'slo_router_requests_total\{outcome="unmeetable"\} 1\.0', text), text[:3000]
         assert re.search(r'slo_router_http_refused_connections_total\{reason="too_many_headers"\} 1\.0', text)
+
+
+def test_a_burst_of_4000_calls_is_answered_by_the_router_not_cancelled_by_grpc_core(tmp_path: Path) -> None:
+    import asyncio
+    from collections import Counter
+
+    import grpc
+    from slorouter.v1 import router_pb2_grpc
+
+    with up_cluster(tmp_path) as cluster:
+        wait_serving(cluster.router)
+
+        async def burst() -> Counter[str]:
+            codes: Counter[str] = Counter()
+            async with grpc.aio.insecure_channel(cluster.router) as channel:
+                stub = router_pb2_grpc.RouterStub(channel)
+
+                async def one(i: int) -> None:
+                    try:
+                        async for _ in stub.Generate(small_request(f"burst-{i}"), timeout=60):
+                            pass
+                        codes["OK"] += 1
+                    except grpc.aio.AioRpcError as exc:
+                        codes[exc.code().name] += 1
+
+                await asyncio.gather(*(one(i) for i in range(4000)))
+            return codes
+
+        codes = asyncio.run(burst())
+        assert codes["CANCELLED"] == 0, codes
+        with urllib.request.urlopen(f"http://{cluster.http}/metrics", timeout=5) as response:
+            text = response.read().decode()
+        counted = sum(
+            float(m.group(2))
+            for m in re.finditer(r'slo_router_requests_total\{outcome="([a-z_]+)"\} ([0-9.e+]+)', text)
+            if m.group(1) != "ok"
+        )
+        assert counted == sum(n for code, n in codes.items() if code != "OK"), (codes, counted)
