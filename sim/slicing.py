@@ -260,7 +260,7 @@ class _SliceSimulation:
         if self.steps[i] is None:
             self._step(i, now)
 
-    def _start_slice(self, i: int, key: int, sr: SliceRequest, now: float) -> None:
+    def _start_slice(self, i: int, key: int, sr: SliceRequest, now: float, cached: int = 0) -> None:
         core = self.cores[i]
         instance = self.ids[i]
         idx = int(sr.key)  # type: ignore[call-overload]
@@ -269,7 +269,9 @@ class _SliceSimulation:
         self.slices += 1
         # The slice is planned by its cap; the engine stops at the answer's true end.
         new_tokens = max(min(sr.slice_tokens, self.plans[idx].true_output_tokens - r.generated), 1)
-        spec = SimRequestSpec(rid, sr.context_tokens, new_tokens, counts_as_decode=new_tokens > 1)
+        spec = SimRequestSpec(
+            rid, sr.context_tokens, new_tokens, num_cached_tokens=cached, counts_as_decode=new_tokens > 1
+        )
         try:
             core.add(spec)
         except (EngineOverloadedError, InvalidRequestError) as exc:
@@ -279,7 +281,7 @@ class _SliceSimulation:
             self.sched.finish(instance, key, sr, now * 1000.0)
             return
         if r.generated > 0:
-            self.recomputed += sr.context_tokens
+            self.recomputed += sr.context_tokens - cached
         r.instance = i
         self.slice_of[rid] = (idx, sr, key)
 
@@ -316,20 +318,30 @@ class _SliceSimulation:
             del self.slice_of[rid]
             r.generated += position + 1
             r.last_s = now
+            produced = position + 1
             if r.generated >= self.plans[idx].true_output_tokens:
                 r.done_s = now
-                self.sched.finish(self.ids[i], key, sr, now * 1000.0)
+                self.sched.finish(self.ids[i], key, sr, now * 1000.0, produced)
             elif not self.config.resume_at_once:  # the paper's way: back to the pool
                 self._to_pool(idx, now)
-                self.sched.finish(self.ids[i], key, sr, now * 1000.0)
+                self.sched.finish(self.ids[i], key, sr, now * 1000.0, produced)
             else:
                 # The next slice is placed at once (SliceScheduler.resume): the stream never waits
                 # for a schedule point between its slices.
                 target, new_key, batch = self.sched.resume(
-                    self.ids[i], key, sr, self._slice(idx), now * 1000.0
+                    self.ids[i], key, sr, self._slice(idx), now * 1000.0, produced
                 )
                 j = self.index[target]
-                self._start_slice(j, new_key, batch.requests[0], now)
+                following = batch.requests[0]
+                cached = 0
+                if j == i and self.config.prefix_cache:
+                    # Its blocks were freed this very step and are still in the engine's prefix
+                    # cache; only the last partial block (and the token just sampled) is computed.
+                    block = self.fleet.configs[i].block_size
+                    cached = min(
+                        (following.context_tokens - 1) // block * block, following.context_tokens - 1
+                    )
+                self._start_slice(j, new_key, following, now, cached)
                 if j != i:
                     started.add(j)
             freed = True

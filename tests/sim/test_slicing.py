@@ -35,7 +35,9 @@ def test_every_request_gets_all_its_tokens_and_resumes_recompute_the_context(
 ) -> None:
     work = plans()
     # Fixed slice length (the adaptive one is tested apart).
-    config = SliceConfig(slice_tokens=slice_tokens, overlap_batches=overlap, recompute_share=None)
+    config = SliceConfig(
+        slice_tokens=slice_tokens, overlap_batches=overlap, recompute_share=None, prefix_cache=False
+    )
     outcome = simulate_slices(fleet(3), work, config, seed=1)
     assert [r.completion_tokens for r in outcome.results] == [p.true_output_tokens for p in work]
     assert all(r.ok and r.ttft_ms is not None and r.ttft_ms > 0 for r in outcome.results)
