@@ -637,6 +637,35 @@ def slice_length(
     return max(1, min(length, remaining_tokens))
 
 
+# --------------------------------------------------------------------------- when slices pay
+
+
+#: Preemptions per request under request dispatch from which slice dispatch is chosen (``auto``).
+SLICE_WHEN_PREEMPTIONS_PER_REQUEST = 1.0
+
+
+def slices_pay(preemptions: int, requests: int) -> bool:
+    """Whether slice dispatch beats request dispatch on a fleet, from what request dispatch did there.
+
+    On continuous-batching engines request dispatch already returns each
+    answer as it ends and batches at the iteration level, so the paper's
+    gains over static batching are not there to take; what slices still
+    buy is a KV plan that holds. Where the engines run out of KV, request
+    dispatch lets them over-commit and preempt: the preempted requests are
+    recomputed whole, often more than once, while slices plan their KV and
+    never preempt, at the price of re-prefilling a context per slice (mostly
+    served from the prefix cache when the slice resumes where it was) and of
+    a schedule point's wait for a first slice. Measured on the simulator
+    (``docs/papers-aladdin-scls.md``, the regime table) slices paid in
+    throughput wherever request dispatch preempted at least once per request
+    on average, and lost (0.85-0.97x throughput, lower attainment through
+    the first slice's wait) where the KV held or preemptions were rare.
+    """
+    if requests <= 0:
+        return False
+    return preemptions / requests >= SLICE_WHEN_PREEMPTIONS_PER_REQUEST
+
+
 # --------------------------------------------------------------------------- the whole cycle
 
 
