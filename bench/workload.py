@@ -618,7 +618,9 @@ def _parse_class(doc: Any, where: str) -> SloClass:
     if not isinstance(doc, Mapping):
         raise WorkloadError(f"{where}: a class must be a mapping, got {type(doc).__name__}")
     _check_keys(doc, _CLASS_KEYS, where)
-    base = SloClass()
+    # A class written from scratch has no target it does not name ("omit or null: no target");
+    # one started from a preset keeps the preset's targets it does not override.
+    base = SloClass(slo=SloTarget())
     if "preset" in doc:
         preset = doc["preset"]
         if preset not in CLASS_PRESETS:
@@ -682,9 +684,10 @@ def parse_workload_dict(doc: Any, source: str = "<workload>") -> WorkloadSpec:
     Keys: ``name``, ``classes`` (a list of class mappings, required), ``arrival``
     (``process``, ``rate_per_s``, ``burstiness`` or ``cv``, ``concurrency``), ``token_id_low``,
     ``token_id_high``, ``model``. A class mapping has ``name`` or ``preset`` (start from
-    a class preset and override), ``share``, ``ttft_ms``, ``tpot_ms``, ``e2e_ms`` (null
-    for no target), ``prompt`` and ``output`` (see :func:`parse_length`),
-    ``ignore_eos``, ``priority``.
+    a class preset and override), ``share``, ``ttft_ms``, ``tpot_ms``, ``e2e_ms`` (omitted
+    or null: no target; with a preset, omitted keeps the preset's), ``prompt`` and ``output``
+    (see :func:`parse_length`; ``output`` is the answer's true length), ``max_tokens`` (the cap
+    a request sends), ``ignore_eos``, ``priority``.
     """
     if not isinstance(doc, Mapping):
         raise WorkloadError(f"{source}: the workload must be a mapping, got {type(doc).__name__}")

@@ -50,6 +50,7 @@ from fleet.snapshot import ClusterSnapshot, InstanceRecord
 from router.core.decision import Choice
 from router.core.errors import EmptyClusterError, NoInstanceError, RetriesExhaustedError
 from router.core.predictors import PredictorSet
+from router.core.protocols import dial_endpoint
 from router.core.request import Mode, Stage
 from router.core.slicing import (
     DEFAULT_SLICE_TOKENS,
@@ -249,7 +250,9 @@ class SliceDispatcher:
             self._next_at = now + self.config.min_interval_ms * 1e-3
             return
         for r in records:
-            self._endpoints[r.metadata.instance_id] = r.metadata.endpoint
+            self._endpoints[r.metadata.instance_id] = dial_endpoint(
+                r.metadata.endpoint, r.metadata.worker_protocol
+            )
         sched = self._scheduler(records)
         # New slices join the pool; slices cancelled while waiting in it leave it here.
         sched.pool = [r for r in [*sched.pool, *self._pending] if self._live(r)]

@@ -34,6 +34,7 @@ from bench.workload import (
     generate_requests,
     load_workload,
 )
+from fleet.flags import error_line
 from predictor import ProfileError
 from router.core.capacity import InstanceEstimate, LoadShape, estimate_instances
 from router.core.config import SchedulerConfig
@@ -328,6 +329,15 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if not (math.isfinite(args.attainment) and 0 < args.attainment <= 100):
+        # Checked as typed: 150 is not a share of 1.5, it is a percentage out of range.
+        print(
+            error_line(
+                f"--attainment {args.attainment:g}: must be a percentage within (0, 100] (or a share within (0, 1])"
+            ),
+            file=sys.stderr,
+        )
+        return 2
     target = args.attainment / 100.0 if args.attainment > 1 else args.attainment
     try:
         config = SchedulerConfig(**policy_overrides(args.policy))
@@ -335,7 +345,7 @@ def run(args: argparse.Namespace) -> int:
         workload = load_workload(args.workload)
     except (ConfigError, WorkloadError) as exc:
         flag = "--workload" if isinstance(exc, WorkloadError) else "--policy"
-        print(f"error: {flag}: {exc}", file=sys.stderr)
+        print(error_line(f"{flag}: {exc}"), file=sys.stderr)
         return 2
 
     def progress(counts: tuple[int, int, int], value: float) -> None:
@@ -366,7 +376,7 @@ def run(args: argparse.Namespace) -> int:
             queue_policy=queue_policy,
         )
     except (PlanError, FleetError, ProfileError, WorkloadError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(error_line(exc), file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(result.to_dict()))

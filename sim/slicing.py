@@ -56,6 +56,7 @@ import numpy as np
 
 from bench.report import RequestResult
 from bench.workload import RequestPlan, WorkloadSpec, generate_requests
+from fleet.flags import error_line
 from router.core.request import Role
 from router.core.slicing import (
     DEFAULT_SLICE_TOKENS,
@@ -684,7 +685,7 @@ def run_cli(
         if "slice" in modes and any(role is not Role.NEUTRAL for role in fleet.roles):
             raise ValueError("--dispatch-modes slice needs a neutral fleet: use --neutral K")
     except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(error_line(exc), file=sys.stderr)
         return 2
     try:
         points = run_dispatch_sweep(

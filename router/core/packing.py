@@ -62,7 +62,7 @@ kv_growth_tokens, every resident at its final length at once, which is never
 below the exact peak. Only adaptive PD holds decode to ``kv_peak_exact``:
 ``slo`` and ``binpack`` keep ``kv_peak_projected`` (``slo`` drops it in its
 fallback pass, where the slack of the sums is what kept those placements from
-preempting; README, adaptive PD in overload).
+preempting; docs/results.md, adaptive PD in overload).
 
 Horizon. Aladdin bounds ``Σ(l_in + γ·l_out)`` by the context the TPOT target
 allows at the batch size; with the same sums, each resident request is taken

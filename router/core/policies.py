@@ -265,7 +265,7 @@ def _adaptive_pd(config: SchedulerConfig) -> dict[str, Any]:
         # TTFT target (prefill), its TPOT target or its KV over life (decode) gets no placement and
         # waits in the router queue (is refused without one). Placing it anyway in overload put
         # prefill chunks on decoders and decode past its KV, stalling every co-resident decode
-        # (README, adaptive PD). Prefill goes to a decode-idle instance while one exists.
+        # (docs/user-guide.md, packing). Prefill goes to a decode-idle instance while one exists.
         "prefill": {
             "filters": [
                 *HEALTH,
@@ -283,7 +283,7 @@ def _adaptive_pd(config: SchedulerConfig) -> dict[str, Any]:
         # pass 2 also the reserve and the valve. The prefill-room guard (and the decode-set size it
         # applies, adaptive_pd.DecodeShare) holds in every pass: relaxed in overload, it opened
         # decoders and fed the ones draining back to prefill, so the prefill side shrank on a fleet
-        # whose bottleneck was prefill (README, adaptive PD in overload); the request waits instead.
+        # whose bottleneck was prefill (docs/results.md, adaptive PD in overload); the request waits instead.
         "decode": {
             "filters": [
                 *HEALTH,
@@ -292,7 +292,7 @@ def _adaptive_pd(config: SchedulerConfig) -> dict[str, Any]:
                 {"name": "prefill_room"},
                 # KV over life from each resident leg's progress (packing.kv_peak_exact): the sums'
                 # bound, every resident at its final length at once, refused the long prompts of
-                # overload that plain slo serves through its fallback pass (README, adaptive PD).
+                # overload that plain slo serves through its fallback pass (docs/user-guide.md, packing).
                 _kv_fits(config, metric="kv_peak_exact"),
                 _tpot(),
                 _tpot_horizon(config, droppable=True),
@@ -379,3 +379,21 @@ _builtin(
     "power-of-two",
     _same_everywhere([*HEALTH, "failover"], {"name": "power_of_two", "metric": "num_requests"}),
 )
+
+
+def _cache_affinity(config: SchedulerConfig) -> dict[str, Any]:
+    """Pure cache affinity, the baseline prefix-aware ``slo`` is measured against: the prompt goes
+    where the router knows the longest cached prefix, ties to the fewest requests; no SLO filter.
+    Decode (PD) has no prompt to reuse: fewest requests."""
+    affinity = {
+        "filters": [*HEALTH, "failover"],
+        "selector": _lowest("-cached_prompt_tokens", "num_requests"),
+    }
+    return {
+        "prefill": affinity,
+        "decode": {"filters": [*HEALTH, "failover"], "selector": _lowest("num_requests")},
+        "neutral": affinity,
+    }
+
+
+_builtin("cache-affinity", _cache_affinity)

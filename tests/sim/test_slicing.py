@@ -160,7 +160,7 @@ def test_cli_one_batch_at_a_time(tmp_path: Path, capsys: pytest.CaptureFixture[s
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (("--dispatch-modes", "request,sliced"), "--dispatch-modes: 'sliced'"),
+        (("--dispatch-modes", "request,sliced"), "--dispatch-modes request,sliced: 'sliced'"),
         (("--dispatch-modes", "slice", "--slice-tokens", "0"), "--slice-tokens"),
         (("--dispatch-modes", "slice", "--slice-interval-ms", "-5"), "--slice-interval-ms"),
     ],
