@@ -1226,17 +1226,21 @@ class _Simulation:
         context: list[float] = []
         remaining: list[float] = []
         started: list[bool] = []
+        generated: list[float] = []
         for i in range(len(self.resident_on)):
-            for cur, rem, decoding in self._legs_on(i, now):
+            prompts = [prompt for prompt, _ in self.resident_on[i].values()]
+            for (cur, rem, decoding), prompt in zip(self._legs_on(i, now), prompts, strict=True):
                 instance.append(i)
                 context.append(cur)
                 remaining.append(rem)
                 started.append(decoding)
+                generated.append(max(cur - prompt, 0.0))
         found = ResidentLegs(
             np.array(instance, dtype=np.intp),
             np.array(context, dtype=np.float64),
             np.array(remaining, dtype=np.float64),
             np.array(started, dtype=bool),
+            np.array(generated, dtype=np.float64),
         )
         self.legs_cache = (key, found)
         return found
