@@ -9,9 +9,10 @@ bursts of ``--burst`` requests every ``--period-s`` seconds, the requests of a
 burst ``--gap-ms`` apart (0: the same instant). Request lengths and SLO classes
 come from the workload file, drawn with ``--seed``; every run sees the same
 plan. Each row is one queue policy: ``fcfs`` (least-requests placement, arrival
-order: what an engine's own FCFS gives), ``edf`` (least-requests placement,
-earliest deadline first: the QLM paper's EDF baseline), ``slo`` (this router's
-default: the ``slo`` policy and its default queue), then the paper's policy.
+order, no request held: every engine's own FCFS, as vLLM behind a balancer), ``fcfs``
+(the ``slo`` placement policy, the router queue in arrival order), ``edf`` (the ``slo``
+policy and its default queue, earliest deadline first: this router's default, ``slo``,
+and the QLM paper's EDF baseline), then the paper's policy.
 Figures: attainment, G (seed 000's objective: met requests per second of summed
 latency), throughput (completed requests per second of makespan), engine
 preemptions, and the policy's own counters. Means over ``--seeds`` plans.
@@ -41,7 +42,7 @@ from sim.sweep import policy_overrides, queue_figures
 WAIT_MS = 3_600_000.0
 
 #: The rows: (label, placement policy, queue policy, qlm eviction).
-BASELINES = (("fcfs", "least-requests", "fcfs"), ("edf", "least-requests", "edf"), ("slo", "slo", "edf"))
+BASELINES = (("lr", "least-requests", "fcfs"), ("fcfs", "slo", "fcfs"), ("edf", "slo", "edf"))
 
 
 def plans_for(args: argparse.Namespace, seed: int) -> list[RequestPlan]:
