@@ -1077,7 +1077,7 @@ class QlmQueue:
 
     def _refresh(self, i: int) -> None:
         base = self.base_models[i]
-        batch = max(int(round(self.batch_seen[i])), 1)
+        batch = max(round(self.batch_seen[i]), 1)
         pure = base.decode_step_s
         if base.step_s is not None:
             pure = base.step_s(batch, batch * self.context_seen[i])
