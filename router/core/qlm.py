@@ -1019,7 +1019,15 @@ class QlmQueue:
             return True
         context = held + self._tokens(r)
         step = model.step_s(len(run) + 1, context) * self.inefficiency[i]
-        tpots = [self._tpot_ms(x) for x in (*run, r) if not x.e2e_only]
+        # TPOT-judged requests waiting in this instance's virtual queue will join this batch: it must
+        # not grow past their step either, or a tight stream could start only after the whole batch
+        # drained (head-of-line blocking by the batch's own speed).
+        waiting = [
+            g.members[0]
+            for g in (self.groups.get(gid) for gid in self.vqs[i])
+            if g is not None and g.members and not g.key[2]
+        ]
+        tpots = [self._tpot_ms(x) for x in (*run, r, *waiting) if not x.e2e_only]
         if tpots and step * 1e3 > TPOT_HEADROOM * min(tpots):
             return False
         if now_s is not None:
@@ -1042,6 +1050,20 @@ class QlmQueue:
             return total  # not running: all of it
         done = max(now_s - x.dispatched_s, 0.0) / max(step_s, 1e-6)
         return max(total - done, 1.0)
+
+    def _room_wait(self, i: int, r: QlmRequest, now_s: float) -> float:
+        """Seconds until ``r`` may be pulled on instance ``i``: running requests end in the order the
+        estimator expects (at its confidence) until the rest leaves ``r`` room."""
+        model = self.models[i]
+        ends = sorted(
+            (self.estimator.remaining(model, x, now_s)[1], x.request_id) for x in self.running[i].values()
+        )
+        gone: set[str] = set()
+        for end, rid in ends:
+            gone.add(rid)
+            if self._room(i, r, frozenset(gone), now_s):
+                return end
+        return ends[-1][0] if ends else 0.0
 
     def _tpot_ms(self, r: QlmRequest) -> float:
         return resolve_targets(r.request, self.default_ttft_ms, self.default_tpot_ms).tpot_ms
@@ -1207,14 +1229,14 @@ class QlmQueue:
         )
         if not evictable:
             return False
-        # The head's first request: on time only if it starts now?
-        one = Group(-1, head.key, 1, deque([first]))
-        waiting = self.estimator.queue(model, running, [one], now_s)[0]
-        if waiting.meets:
-            return False
-        alone = self.estimator.queue(model, [], [one], now_s)[0]
-        if not alone.meets:
-            return False  # it misses even on an empty instance: evicting cannot save it
+        # The head's first request: on time only if it starts now? It waits until enough running
+        # requests end for it to fit (KV room, and the step its TPOT target allows).
+        _, pre_q, _, whole_q = self.estimator.duration(model, first)
+        event = whole_q if first.e2e_only or first.resumed else pre_q
+        if now_s + event > first.deadline_s:
+            return False  # it misses even if it starts now: evicting cannot save it
+        if now_s + self._room_wait(i, first, now_s) + event <= first.deadline_s:
+            return False  # it meets its deadline waiting
         victims: list[QlmRequest] = []
         gone: set[str] = set()
         for r in evictable:
