@@ -867,7 +867,12 @@ class QlmQueue:
         key = self._key(r)
         gid = self.open.get(key, -1)
         group = self.groups.get(gid)
-        if group is not None and (group.closed or len(group.members) >= group.bound):
+        if group is not None and (
+            group.closed or len(group.members) >= group.bound or self.expected_missing.get(group.gid, 0) > 0
+        ):
+            # Full, or expected late by the plan (its members missed or will miss): a newcomer opens
+            # a fresh group the plan can still put where it meets its deadline, instead of inheriting
+            # a late group's place at the back.
             group.closed = True
             group = None
         if group is None:

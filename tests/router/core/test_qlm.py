@@ -429,3 +429,26 @@ def test_no_eviction_that_cannot_save_the_tight_request() -> None:
     assert len(q.pump(0.0)) == 2
     q.push(loose_by("hopeless", 0.5), 1.0)  # misses even on an empty instance (1000 tokens x 20 ms)
     assert q.pump(1.0, lambda r, i: pytest.fail(f"evicted {r.request_id} for nothing")) == []
+
+
+def test_a_newcomer_does_not_join_a_group_the_plan_expects_late() -> None:
+    # Grouping (Algorithm 1) keeps like requests together, but a group the plan expects to miss is
+    # closed: a newcomer opens a fresh group the plan can still place where it meets its deadline.
+    q = queue(n=1, batch=4)
+    q.push(loose("a"), 0.0)
+    gid = q.queued["a"].group
+    q.push(loose("b"), 0.0)
+    assert q.queued["b"].group == gid  # same class and lengths: one group
+    q.expected_missing[gid] = 1
+    q.push(loose("c"), 0.0)
+    assert q.queued["c"].group != gid
+    q.check_invariants()
+
+
+def test_a_group_holds_delta_average_batches() -> None:
+    q = queue(n=1, batch=3, group_factor=4, eviction="off")
+    for k in range(13):
+        q.push(loose(f"l{k}"), 0.0)
+    sizes = sorted(len(g.members) for g in q.groups.values())
+    assert max(sizes) == 12  # delta (4) x the batch (3)
+    q.check_invariants()
