@@ -185,13 +185,18 @@ class StockEngineAgent:
         #: The latest status published (for tests and logs).
         self.last_status: cms_pb2.InstanceStatus | None = None
 
-    async def wait_for_engine(self) -> None:
-        """Return once the engine answers ``HealthCheck`` healthy; ``TimeoutError`` after ``--engine-wait-s``."""
+    async def wait_for_engine(self, stop: asyncio.Event | None = None) -> bool:
+        """True once the engine answers ``HealthCheck`` healthy, False when ``stop`` is set first.
+
+        ``TimeoutError`` after ``--engine-wait-s``.
+        """
         deadline = time.monotonic() + self.config.engine_wait_s
         while True:
             reason = await self._health_reason()
             if not reason:
-                return
+                return True
+            if stop is not None and stop.is_set():
+                return False
             if time.monotonic() >= deadline:
                 raise TimeoutError(
                     f"engine {self.config.engine} not healthy within {self.config.engine_wait_s:g} s "
@@ -292,7 +297,9 @@ class StockEngineAgent:
         """Wait for the engine, register, poll until ``stop`` is set, deregister."""
         from cms.agent import AgentWriter
 
-        await self.wait_for_engine()
+        if not await self.wait_for_engine(stop):
+            await self.close()
+            return
         metadata = await self.metadata()
         self._writer = AgentWriter(
             self.config.cms,
