@@ -72,7 +72,7 @@ test: system-deps $(STAMP) $(VLLM_STAMP) proto-check lint typecheck
 run: $(STAMP)
 	scripts/demo.sh
 
-## bench: print the speed figures (no assertions) and write the README speed table (python -m bench --no-readme: do not)
+## bench: print the speed figures (no assertions) and write the speed table of docs/results.md (python -m bench --no-readme: do not)
 bench: $(STAMP) $(VLLM_STAMP) peers-venv
 	$(PY) -m bench
 

@@ -15,7 +15,7 @@ can grow past a fixed size: a status report is at most
 ``MAX_ADMITTED_REQUEST_IDS * MAX_ID_BYTES`` of ids plus a bounded number of
 step samples, and the CMS sends views larger than one message in chunks.
 
-The README's "Limits" table lists these constants; keep the two in step.
+The limits table of docs/security-and-failures.md lists these constants; keep the two in step.
 """
 
 from __future__ import annotations

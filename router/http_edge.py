@@ -30,19 +30,23 @@ completed requests met all their targets.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import re
-from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.registry import Collector
 from slorouter.v1 import common_pb2, router_pb2
 
 from fleet.snapshot import ClusterSnapshot
 from openai_http.app import HttpServer, OpenAIApp, Piece
+from openai_http.bounded import EdgeLimits, EdgeStats, default_max_connections
 from openai_http.protocol import ApiError, ParsedRequest, Usage
 from router.chat_template import ChatTemplate
 from router.core.errors import (
@@ -247,6 +251,13 @@ class RouterBackend:
         self._defaults = defaults
         self._registry = registry
         self._metrics = EdgeMetrics(registry)
+        self._edge_stats_registered = False
+
+    def register_edge_stats(self, stats: EdgeStats) -> None:
+        """Export the connection bounds' refusals next to the edge's other metrics (once)."""
+        if not self._edge_stats_registered:
+            self._registry.register(EdgeCollector(stats))
+            self._edge_stats_registered = True
 
     def render_chat(self, messages: Sequence[Mapping[str, str]]) -> str:
         try:
@@ -305,8 +316,112 @@ class RouterBackend:
             raise ApiError(http_status(exc), str(exc)) from exc
 
 
-async def start_http_edge(backend: RouterBackend, listen: str, *, max_body_bytes: int) -> HttpServer:
-    """Serve ``backend`` on ``listen`` (``HOST:PORT``; port 0 picks one). Raises ``OSError`` when taken."""
-    server = HttpServer(OpenAIApp(backend, max_body_bytes=max_body_bytes).app, listen)
+def add_http_edge_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``--http-*`` bounds of the HTTP edge's connections (shared by ``router`` and ``up``)."""
+    defaults = EdgeLimits()
+    parser.add_argument(
+        "--http-max-header-bytes",
+        type=int,
+        default=defaults.max_header_bytes,
+        help="largest HTTP request head (request line + headers) in bytes; a larger one gets 431 at "
+        "once, before it is parsed (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--http-max-headers",
+        type=int,
+        default=defaults.max_headers,
+        help="most header lines in one HTTP request; more get 431 (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--http-header-timeout-s",
+        type=float,
+        default=defaults.header_timeout_s,
+        help="a started HTTP request head must arrive within this long, else 408 and close "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--http-idle-timeout-s",
+        type=float,
+        default=defaults.idle_timeout_s,
+        help="an HTTP connection with no request in progress (new or kept alive) is closed after this "
+        "long (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--http-max-connections",
+        type=int,
+        default=0,
+        help="open HTTP connections at most; one more is closed when accepted. 0 = half the process's "
+        f"open-file limit minus 64 (now {default_max_connections()}), so gRPC keeps descriptors "
+        "(default: %(default)s)",
+    )
+
+
+#: ``EdgeLimits`` fields and the flags that set them.
+_EDGE_FLAGS = {
+    "max_header_bytes": "--http-max-header-bytes",
+    "max_headers": "--http-max-headers",
+    "header_timeout_s": "--http-header-timeout-s",
+    "idle_timeout_s": "--http-idle-timeout-s",
+    "max_connections": "--http-max-connections",
+}
+
+
+def edge_limits_from_args(args: argparse.Namespace) -> EdgeLimits:
+    """The ``--http-*`` bounds, checked; ``ValueError`` naming the flag."""
+    values = {name: getattr(args, flag[2:].replace("-", "_")) for name, flag in _EDGE_FLAGS.items()}
+    try:
+        return EdgeLimits(**values)
+    except ValueError as exc:
+        text = str(exc)
+        for name, flag in _EDGE_FLAGS.items():
+            if text.startswith(name):
+                raise ValueError(flag + text[len(name) :]) from None
+        raise
+
+
+class EdgeCollector(Collector):
+    """Exports the HTTP edge's connection refusals (:class:`EdgeStats`) on the router's registry."""
+
+    def __init__(self, stats: EdgeStats) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterable[Metric]:
+        refused = CounterMetricFamily(
+            "slo_router_http_refused_connections",
+            "HTTP connections refused by the edge's bounds, by reason",
+            labels=["reason"],
+        )
+        for reason, count in sorted(self._stats.refused.items()):
+            refused.add_metric([reason], count)
+        yield refused
+        yield GaugeMetricFamily(
+            "slo_router_http_open_connections",
+            "HTTP connections open now",
+            value=self._stats.open_connections,
+        )
+
+
+async def start_http_edge(
+    backend: RouterBackend,
+    listen: str,
+    *,
+    max_body_bytes: int,
+    limits: EdgeLimits | None = None,
+    graceful_shutdown_s: float = 2.0,
+) -> HttpServer:
+    """Serve ``backend`` on ``listen`` (``HOST:PORT``; port 0 picks one). Raises ``OSError`` when taken.
+
+    ``limits`` bound the connections (:mod:`openai_http.bounded`); what they refuse is
+    counted on the backend's registry.
+    """
+    stats = EdgeStats()
+    server = HttpServer(
+        OpenAIApp(backend, max_body_bytes=max_body_bytes).app,
+        listen,
+        limits=limits,
+        stats=stats,
+        graceful_shutdown_s=graceful_shutdown_s,
+    )
+    backend.register_edge_stats(stats)
     await server.start()
     return server

@@ -21,11 +21,14 @@ from grpc_health.v1 import health_pb2
 from slorouter.v1 import router_pb2, router_pb2_grpc
 
 from cms import limits
-from cms.auth import read_client_token
+from cms.auth import read_client_token, read_client_token_text
+from cms.call_auth import read_worker_token
 from cms.reader import ClusterReader, open_reader
 from cms.serving import add_health_and_reflection, bind_server
 from cms.transport import ClientTls, ServerTls, client_tls_from_arg, server_tls_from_args
+from fleet.flags import check_listen, check_metrics_port, cms_target, error_line, read_flag_file
 from openai_http.app import DEFAULT_MAX_BODY_BYTES, HttpServer
+from openai_http.bounded import EdgeLimits
 from predictor import LatencyPredictor
 from router.admission import Admission
 from router.chat_template import ChatTemplate, FallbackChatTemplate, load_chat_template
@@ -38,9 +41,15 @@ from router.core.rng import PeekableRandom
 from router.core.scheduler import Scheduler
 from router.core.slicing import SliceConfig
 from router.forward import WORKER_STREAMS, WorkerClient
-from router.http_edge import RouterBackend, start_http_edge
+from router.http_edge import RouterBackend, add_http_edge_arguments, edge_limits_from_args, start_http_edge
 from router.placement import Placer
-from router.pool import ChannelPool
+from router.pool import (
+    DEFAULT_KEEPALIVE_S,
+    DEFAULT_KEEPALIVE_TIMEOUT_S,
+    ChannelPool,
+    add_keepalive_arguments,
+    keepalive_from_args,
+)
 from router.qlm_admission import QlmAdmission, make_admission
 from router.service import RouterService, ServiceConfig
 from router.slicing import SliceDispatcher, slice_config_from_args
@@ -127,6 +136,9 @@ async def start_router_server(
     worker_tls: ClientTls | None = None,
     reuse_port: bool = False,
     worker_streams: str = "mux",
+    http_limits: EdgeLimits | None = None,
+    worker_token: str | None = None,
+    worker_keepalive: tuple[float, float] = (DEFAULT_KEEPALIVE_S, DEFAULT_KEEPALIVE_TIMEOUT_S),
 ) -> RouterServer:
     """Serve the Router service on ``listen`` over ``reader``'s view; starts the reader too.
 
@@ -144,7 +156,14 @@ async def start_router_server(
     cannot be bound.
     """
     observer = observer or RequestObserver()
-    pool = ChannelPool(max_channels=max_channels, tls=worker_tls)
+    # With worker_token every call to a worker carries it (cms.call_auth; workers refuse without it).
+    pool = ChannelPool(
+        max_channels=max_channels,
+        tls=worker_tls,
+        call_token=worker_token,
+        keepalive_s=worker_keepalive[0],
+        keepalive_timeout_s=worker_keepalive[1],
+    )
     health = OutlierDetector(outlier)
     workers = WorkerClient(
         pool,
@@ -232,7 +251,9 @@ async def start_router_server(
             registry=observer.registry,
         )
         try:
-            router.http = await start_http_edge(backend, http_listen, max_body_bytes=DEFAULT_MAX_BODY_BYTES)
+            router.http = await start_http_edge(
+                backend, http_listen, max_body_bytes=DEFAULT_MAX_BODY_BYTES, limits=http_limits
+            )
         except BaseException:
             await router.stop(grace=0)
             raise
@@ -350,12 +371,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
         "/v1/models, /health, /metrics) here; off by default",
     )
+    add_http_edge_arguments(parser)
     parser.add_argument("--cluster-name", default="default", help="Redis key namespace with --cms redis://")
     parser.add_argument(
         "--cms-auth-token-file",
         default=None,
         help="file holding the token to read a grpc:// CMS with (needed once the CMS has tokens); "
         "with --cms memory, the tokens the embedded CMS accepts (one per line: TOKEN or NAME TOKEN)",
+    )
+    parser.add_argument(
+        "--worker-auth-token-file",
+        default=None,
+        help="file holding the cluster's worker token: every call to a worker carries it (workers "
+        "given the same file refuse Prefill/Generate/Decode/Streams/Abort without it)",
     )
     parser.add_argument(
         "--tls-cert", default=None, help="serve the Router service over TLS with this PEM chain"
@@ -414,6 +442,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "this per attempt (default: %(default)s)",
     )
     add_worker_streams_argument(parser)
+    add_keepalive_arguments(parser)
     parser.add_argument(
         "--worker-first-message-timeout-s",
         type=float,
@@ -564,6 +593,8 @@ class RouterPlan:
     qlm: QlmConfig = field(default_factory=QlmConfig)
     #: ``--outlier-*``: when failing instances are ejected from placement.
     outlier: OutlierConfig = field(default_factory=OutlierConfig)
+    #: ``--http-*``: the HTTP edge's connection bounds.
+    http_limits: EdgeLimits = field(default_factory=EdgeLimits)
 
 
 def plan_from_args(args: argparse.Namespace) -> RouterPlan:
@@ -584,31 +615,69 @@ def plan_from_args(args: argparse.Namespace) -> RouterPlan:
         )
     except ValueError as exc:
         raise ValueError(name_flags(str(exc), {**SERVICE_FLAGS, **SchedulerConfig.flags()})) from exc
-    check_address("--listen", args.listen)
     check_processes(args)
+    check_address("--listen", args.listen)
     if args.cms == "memory":
         check_address("--cms-listen", args.cms_listen)
-    elif not args.cms.startswith(("grpc://", "redis://", "rediss://", "unix://")):
-        raise ValueError(f"--cms {args.cms!r}: expected memory, grpc://HOST:PORT or redis://HOST:PORT/DB")
+    elif not args.cms.startswith(("redis://", "rediss://", "unix://")):
+        try:
+            args.cms = cms_target("--cms", args.cms)  # HOST:PORT and grpc://HOST:PORT alike
+        except ValueError:
+            raise ValueError(
+                f"--cms {args.cms}: expected memory, HOST:PORT (grpc://HOST:PORT) or redis://HOST:PORT/DB"
+            ) from None
+    if args.http_listen:
+        check_address("--http-listen", args.http_listen)
     check_port("--metrics-port", args.metrics_port)
+    check_cms_token_file(args)
     if not args.cluster_name:
         raise ValueError("--cluster-name must not be empty")
     _check_availability_flags(args)
+    keepalive_from_args(args)
     check_worker_streams(args)
     outlier = outlier_config(args)
     slice_config = slice_config_from_args(args)
     predictors = build_predictors(args)
     tokenizer = load_tokenizer(args.tokenizer)
-    return RouterPlan(
-        config,
-        predictors,
-        service_config,
-        tokenizer,
-        slice_config,
-        queue_config(args),
-        qlm_config(args),
-        outlier,
-    )
+    queue, qlm = queue_config(args), qlm_config(args)
+    edge = edge_limits_from_args(args)
+    check_addresses_free(args)
+    return RouterPlan(config, predictors, service_config, tokenizer, slice_config, queue, qlm, outlier, edge)
+
+
+def check_addresses_free(args: argparse.Namespace) -> None:
+    """Every address this router will listen on can be bound now; ``ValueError`` naming the flag.
+
+    Last of the checks, so a mistaken flag is reported as itself even when a port is also taken.
+    """
+    if not args.shared_inflight:  # a process --processes started: the first one already listens there
+        check_listen("--listen", args.listen)
+    if args.cms == "memory":
+        check_listen("--cms-listen", args.cms_listen)
+    if args.http_listen:
+        check_listen("--http-listen", args.http_listen)
+    check_metrics_port("--metrics-port", args.metrics_port, args.metrics_host)
+
+
+def check_cms_token_file(args: argparse.Namespace) -> None:
+    """``--cms-auth-token-file`` can be read and holds what its use needs; ``ValueError`` naming it.
+
+    With ``--cms memory`` it is the embedded CMS's token file (``NAME TOKEN`` lines), else the
+    token this router reads a CMS with.
+    """
+    from cms.auth import TokenTable
+
+    path = args.cms_auth_token_file
+    if not path:
+        return
+    text = read_flag_file("--cms-auth-token-file", path)
+    try:
+        if args.cms == "memory":
+            TokenTable.parse(text, "")
+        else:
+            read_client_token_text(text, "")
+    except ValueError as exc:
+        raise ValueError(f"--cms-auth-token-file {path}: {exc}") from None
 
 
 def check_processes(args: argparse.Namespace) -> None:
@@ -635,6 +704,7 @@ async def start_from_args(args: argparse.Namespace, plan: RouterPlan | None = No
     scheduler = Scheduler(plan.config, plan.predictors, PeekableRandom(args.seed))
     tls = server_tls_from_args(args.tls_cert, args.tls_key)
     client_tls = client_tls_from_arg(args.tls_ca)
+    worker_token = read_worker_token(args.worker_auth_token_file)
     cms_token = None
     if args.cms_auth_token_file:
         try:
@@ -695,6 +765,9 @@ async def start_from_args(args: argparse.Namespace, plan: RouterPlan | None = No
             worker_tls=client_tls,
             reuse_port=args.processes > 1 or bool(args.shared_inflight),
             worker_streams=args.worker_streams,
+            http_limits=plan.http_limits,
+            worker_token=worker_token,
+            worker_keepalive=keepalive_from_args(args),
         )
     except BaseException:
         for resource in reversed(owned):
@@ -741,7 +814,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         plan = plan_from_args(args)
     except ValueError as exc:  # ProfileError included: it names the file and the entry
-        print(f"error: {exc}", file=sys.stderr)
+        print(error_line(exc), file=sys.stderr)
         return 2
     try:
         import uvloop
@@ -752,5 +825,5 @@ def run(args: argparse.Namespace) -> int:
     try:
         return asyncio.run(_serve(args, plan))
     except (ValueError, OSError) as exc:  # an address that cannot be bound: say which
-        print(f"error: {exc}", file=sys.stderr)
+        print(error_line(exc), file=sys.stderr)
         return 2

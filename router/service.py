@@ -100,6 +100,30 @@ def _error_code(exc: RouterError) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
+#: The finish reason a worker gives a request it aborted.
+_ABORT = "abort"
+
+
+def _unrequested_abort(instance_id: str, tokens: int) -> LegError:
+    """A worker ended a leg with finish reason "abort" that the router did not abort.
+
+    Someone else cut it (an ``Abort`` from another client, an operator, the engine): for the
+    client that is a failure of the instance, never a normal finish. As a retryable
+    ``LegError`` it is retried (before the first token) or resumed token-exact elsewhere.
+    """
+    return LegError(
+        instance_id,
+        grpc.StatusCode.UNAVAILABLE,
+        f"the worker aborted the request after {tokens} tokens without the router asking",
+    )
+
+
+async def _close_stream(stream: AsyncIterator[Any]) -> None:
+    close = getattr(stream, "aclose", None)
+    if close is not None:
+        await close()
+
+
 @dataclass
 class _Progress:
     """What a request has produced so far (for re-placement and usage)."""
@@ -425,6 +449,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
         first = progress.first_token_at if progress.first_token_at is not None else now
         last = progress.last_token_at if progress.last_token_at is not None else first
         n = len(progress.tokens)
+        # Called once, when the stream finishes: the answer's length teaches the length predictor.
+        self._placer.lengths.observe(req.slo_class, len(req.prompt_token_ids), n)
         return router_pb2.Usage(
             prompt_tokens=len(req.prompt_token_ids),
             completion_tokens=n,
@@ -497,6 +523,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 self._config.prefill_timeout_s,
                 ledger,
             )
+            if response.finished and response.finish_reason == _ABORT:
+                raise _unrequested_abort(prefill.instance_id, len(progress.tokens))
             index = len(progress.tokens)
             self._note_tokens(progress, [response.first_token_id])
             first = Generated(
@@ -519,6 +547,9 @@ class RouterService(router_pb2_grpc.RouterServicer):
         async for message in stream:
             if not message.token_ids and not message.finished:
                 continue
+            if message.finished and message.finish_reason == _ABORT:
+                await _close_stream(stream)
+                raise _unrequested_abort(prefill.instance_id, len(progress.tokens))
             index = len(progress.tokens)
             self._note_tokens(progress, message.token_ids)
             progress.cached_prompt_tokens = max(
@@ -603,6 +634,15 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 async for message in stream:
                     if handle is not None and handle.evicted:
                         continue  # the aborted leg's last messages: the client gets them from the next run
+                    if message.finished and message.finish_reason == _ABORT:
+                        # Not asked for by the router (its own aborts end the leg above or close
+                        # the request): keep this message's tokens, resume the rest elsewhere.
+                        if message.token_ids:
+                            index = len(progress.tokens)
+                            self._note_tokens(progress, message.token_ids)
+                            yield Generated(request_id, index, message.token_ids, message.text, False, "")
+                        await _close_stream(stream)
+                        raise _unrequested_abort(target.instance_id, len(progress.tokens))
                     index = len(progress.tokens)
                     self._note_tokens(progress, message.token_ids)
                     if message.num_cached_prompt_tokens:

@@ -25,9 +25,12 @@ from pathlib import Path
 from typing import Any
 
 from cms.auth import TokenTable, new_token
+from cms.call_auth import read_worker_token
 from cms.memory import MemoryStore
 from cms.reader import open_reader
 from cms.server import CmsServer, start_cms_server
+from fleet.flags import check_listen, check_metrics_port, error_line, split_host_port
+from openai_http.bounded import EdgeLimits
 from predictor import LatencyPredictor
 from router.core.config import SchedulerConfig
 from router.core.qlm import QlmConfig
@@ -35,15 +38,20 @@ from router.core.queue import QueueConfig
 from router.core.rng import PeekableRandom
 from router.core.scheduler import Scheduler
 from router.core.slicing import SliceConfig
+from router.http_edge import add_http_edge_arguments, edge_limits_from_args
 from router.lifetime import child_env
+from router.pool import (
+    DEFAULT_KEEPALIVE_S,
+    DEFAULT_KEEPALIVE_TIMEOUT_S,
+    add_keepalive_arguments,
+    keepalive_from_args,
+)
 from router.processes import RouterProcesses
 from router.server import (
     DEFAULT_LISTEN,
     DEFAULT_PROFILE_DIR,
     RouterServer,
     add_worker_streams_argument,
-    check_address,
-    check_port,
     check_worker_streams,
     qlm_config,
     queue_config,
@@ -102,7 +110,9 @@ class ClusterSecrets:
     def __init__(self) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="slo-router-up-"))  # mode 0700
         self.kv_key_file = self._write("kv.key", new_token())
-        self._tokens: dict[str, str] = {}
+        self.worker_call_token = self.worker_call_token_file()
+        #: principal -> (token, scope)
+        self._tokens: dict[str, tuple[str, str]] = {}
 
     def _write(self, name: str, text: str) -> Path:
         path = self.dir / name
@@ -111,18 +121,23 @@ class ClusterSecrets:
         return path
 
     def worker_token_file(self, instance_id: str) -> Path:
+        """A token that may write this worker's own instance id and no other."""
         token = new_token()
-        self._tokens[f"worker.{instance_id}"] = token
+        self._tokens[f"worker.{instance_id}"] = (token, f"write:{instance_id}")
         return self._write(f"{instance_id}.token", token)
 
+    def worker_call_token_file(self) -> Path:
+        """The worker token: the router's (and workers') calls to workers carry it (cms.call_auth)."""
+        return self._write("worker-call.token", new_token())
+
     def router_token_file(self) -> Path:
-        """A token for the router processes ``--processes`` starts (they read the CMS over gRPC)."""
+        """A read-only token: for the routers ``--processes`` starts and routers started by hand."""
         token = new_token()
-        self._tokens["router"] = token
+        self._tokens["router"] = (token, "read")
         return self._write("router.token", token)
 
     def table(self) -> TokenTable:
-        return TokenTable.of(self._tokens.items())
+        return TokenTable.of((name, token, scope) for name, (token, scope) in self._tokens.items())
 
 
 async def stop_workers(workers: list[WorkerProcess], timeout_s: float = 10.0) -> None:
@@ -151,6 +166,7 @@ async def _spawn_worker(
 ) -> WorkerProcess:
     cmd = [
         sys.executable, "-m", "router.cli", "worker", "--engine", "sim", "--role", role,
+        "--worker-auth-token-file", str(secrets.worker_call_token),
         "--listen", "127.0.0.1:0", "--cms", cms_address, "--instance-id", instance_id,
         "--cms-auth-token-file", str(token_file),
         "--kv-key-file", str(secrets.kv_key_file),
@@ -202,6 +218,10 @@ class ClusterPlan:
     slice_config: SliceConfig | None = None
     queue: QueueConfig = field(default_factory=QueueConfig)
     qlm: QlmConfig = field(default_factory=QlmConfig)
+    #: ``--http-*``: the HTTP edge's connection bounds.
+    http_limits: EdgeLimits = field(default_factory=EdgeLimits)
+    #: ``--worker-keepalive-s``, ``--worker-keepalive-timeout-s``.
+    worker_keepalive: tuple[float, float] = (DEFAULT_KEEPALIVE_S, DEFAULT_KEEPALIVE_TIMEOUT_S)
 
 
 def plan_cluster(args: argparse.Namespace) -> ClusterPlan:
@@ -225,9 +245,12 @@ def plan_cluster(args: argparse.Namespace) -> ClusterPlan:
     if args.dispatch_mode == "slice" and not args.neutral:
         raise ValueError("--dispatch-mode slice runs on neutral workers: add --neutral K")
     slice_config = slice_config_from_args(args)
-    check_address("--listen", args.listen)
+    split_host_port("--listen", args.listen)
+    if args.http_listen:
+        split_host_port("--http-listen", args.http_listen)
     check_worker_streams(args)
-    check_port("--metrics-port", args.metrics_port)
+    if not 0 <= args.metrics_port <= 65535:
+        raise ValueError(f"--metrics-port {args.metrics_port}: must be a port 0-65535 (0 = off)")
     config = scheduler_config(args)
     queue = queue_config(args)
     profile = Path(args.profile)
@@ -238,7 +261,23 @@ def plan_cluster(args: argparse.Namespace) -> ClusterPlan:
         roles = [("neutral", i) for i in range(args.neutral)]
     else:
         roles = [("prefill", i) for i in range(args.prefill)] + [("decode", i) for i in range(args.decode)]
-    return ClusterPlan(roles, profile, predictor, config, slice_config, queue, qlm_config(args))
+    edge, keepalive = edge_limits_from_args(args), keepalive_from_args(args)
+    # Last: the addresses are free now (a mistaken flag above is reported as itself first).
+    check_listen("--listen", args.listen)
+    if args.http_listen:
+        check_listen("--http-listen", args.http_listen)
+    check_metrics_port("--metrics-port", args.metrics_port, "127.0.0.1")
+    return ClusterPlan(
+        roles,
+        profile,
+        predictor,
+        config,
+        slice_config,
+        queue,
+        qlm_config(args),
+        edge,
+        keepalive,
+    )
 
 
 async def start_cluster(args: argparse.Namespace, plan: ClusterPlan | None = None) -> Cluster:
@@ -288,6 +327,9 @@ async def start_cluster(args: argparse.Namespace, plan: ClusterPlan | None = Non
             qlm_config=plan.qlm,
             reuse_port=args.processes > 1,
             worker_streams=args.worker_streams,
+            http_limits=plan.http_limits,
+            worker_token=read_worker_token(str(secrets.worker_call_token)),
+            worker_keepalive=plan.worker_keepalive,
         )
     except BaseException:
         await stop_workers(workers)
@@ -302,7 +344,7 @@ async def start_cluster(args: argparse.Namespace, plan: ClusterPlan | None = Non
                 router.service,
                 router.scheduler.inflight,
                 args.processes,
-                _router_argv(args, plan, cms.address, router_token),
+                _router_argv(args, plan, cms.address, router_token, secrets.worker_call_token),
             )
         except BaseException:
             await cluster.stop()
@@ -322,11 +364,13 @@ _UP_ONLY_FLAGS = {
     "--prefill": True, "--decode": True, "--neutral": True, "--listen": True, "--http-listen": True,
     "--worker-http": False, "--worker-stream-interval-ms": True, "--profile": True,
     "--speed-factor": True, "--start-timeout-s": True, "--metrics-port": True, "--processes": True,
+    "--http-max-header-bytes": True, "--http-max-headers": True, "--http-header-timeout-s": True,
+    "--http-idle-timeout-s": True, "--http-max-connections": True,
 }  # fmt: skip
 
 
 def _router_argv(
-    args: argparse.Namespace, plan: ClusterPlan, cms_address: str, token_file: Path
+    args: argparse.Namespace, plan: ClusterPlan, cms_address: str, token_file: Path, worker_token_file: Path
 ) -> list[str]:
     """``slo-router router`` flags for the other ``--processes``: the embedded CMS over gRPC, the
     profile, then every scheduling, queue and slicing flag of ``up`` as the user gave it."""
@@ -347,6 +391,7 @@ def _router_argv(
         forwarded.append(token)
     return [
         *before, "router", "--cms", f"grpc://{cms_address}", "--cms-auth-token-file", str(token_file),
+        "--worker-auth-token-file", str(worker_token_file),
         "--ttft-profiling-data-path", str(plan.profile / "ttft.json"),
         "--tpot-profiling-data-path", str(plan.profile / "tpot.json"),
         "--scheduling-policy", args.scheduling_policy, "--seed", str(args.seed),
@@ -394,6 +439,8 @@ def register(subparsers: Any) -> None:
         help="give every sim worker an OpenAI-compatible HTTP face too (for HTTP routers and benchmarks)",
     )
     add_worker_streams_argument(parser)
+    add_http_edge_arguments(parser)
+    add_keepalive_arguments(parser)
     parser.add_argument(
         "--worker-stream-interval-ms",
         type=float,
@@ -471,7 +518,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         plan = plan_cluster(args)
     except ValueError as exc:  # ProfileError included: it names the file and the entry
-        print(f"error: {exc}", file=sys.stderr)
+        print(error_line(exc), file=sys.stderr)
         return 2
     try:
         import uvloop
@@ -482,5 +529,5 @@ def run(args: argparse.Namespace) -> int:
     try:
         return asyncio.run(_serve(args, plan))
     except (ValueError, OSError, RuntimeError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(error_line(exc), file=sys.stderr)
         return 2

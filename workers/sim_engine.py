@@ -762,5 +762,8 @@ def build_engine(args: argparse.Namespace) -> SimEngine:
     predictor = load_predictor(args.ttft_profiling_data_path, args.tpot_profiling_data_path)
     from cms.transport import client_tls_from_arg  # --tls-ca: reach prefill peers over TLS
 
-    peer = GrpcKvPeer(tls=client_tls_from_arg(getattr(args, "tls_ca", None)))
+    peer = GrpcKvPeer(
+        tls=client_tls_from_arg(getattr(args, "tls_ca", None)),
+        call_token=getattr(args, "worker_token", None),
+    )
     return SimEngine(config, predictor, model=args.model or "sim", kv_peer=peer)
