@@ -55,8 +55,6 @@ from typing import Any
 
 import grpc
 from slorouter.v1 import cms_pb2
-from smg_grpc_proto.generated import vllm_engine_pb2 as vllm_pb2
-from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vllm_pb2_grpc
 
 from cms.transport import ClientTls
 from router.core.protocols import VLLM_GRPC
@@ -172,6 +170,8 @@ class StockEngineAgent:
     def __init__(
         self, config: AgentConfig, *, auth_token: str | None = None, cms_tls: ClientTls | None = None
     ) -> None:
+        from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vllm_pb2_grpc
+
         config.check()
         self.config = config
         self._auth_token = auth_token
@@ -206,6 +206,8 @@ class StockEngineAgent:
 
     async def metadata(self) -> cms_pb2.InstanceMetadata:
         """What the CMS registers, from ``GetModelInfo``, ``GetServerInfo`` and ``GetLoads``."""
+        from smg_grpc_proto.generated import vllm_engine_pb2 as vllm_pb2
+
         timeout = self.config.probe_timeout_s * 5
         model = await self._stub.GetModelInfo(vllm_pb2.GetModelInfoRequest(), timeout=timeout)
         server = await self._stub.GetServerInfo(vllm_pb2.GetServerInfoRequest(), timeout=timeout)
@@ -234,7 +236,9 @@ class StockEngineAgent:
         )
 
     async def _health_reason(self) -> str:
-        """ "" when the engine answers ``HealthCheck`` healthy, else why not."""
+        """Empty when the engine answers ``HealthCheck`` healthy, else why not."""
+        from smg_grpc_proto.generated import vllm_engine_pb2 as vllm_pb2
+
         try:
             reply = await self._stub.HealthCheck(
                 vllm_pb2.HealthCheckRequest(), timeout=self.config.probe_timeout_s
@@ -249,6 +253,8 @@ class StockEngineAgent:
 
     async def poll_once(self) -> cms_pb2.InstanceStatus:
         """Probe the engine once and publish its status (unschedulable with the reason when it fails)."""
+        from smg_grpc_proto.generated import vllm_engine_pb2 as vllm_pb2
+
         now_ms = int(time.time() * 1000)
         reason = await self._health_reason()
         loads: Any = None
