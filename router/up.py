@@ -283,6 +283,12 @@ def plan_cluster(args: argparse.Namespace) -> ClusterPlan:
         raise ValueError("need --neutral K, or at least one --prefill and one --decode worker")
     if not (math.isfinite(args.speed_factor) and args.speed_factor > 0):
         raise ValueError(f"--speed-factor {args.speed_factor}: must be a finite number > 0")
+    prefix_block = getattr(args, "prefix_cache_block_tokens", 0)
+    if not 0 <= prefix_block <= 1 << 20 or prefix_block % 16:
+        raise ValueError(
+            f"--prefix-cache-block-tokens {prefix_block}: must be 0 (off) or a multiple of "
+            "the sim workers' block size 16, at most 1048576"
+        )
     if not 1 <= args.processes <= MAX_PROCESSES:
         raise ValueError(f"--processes {args.processes}: must be within [1, {MAX_PROCESSES}]")
     interval = args.worker_stream_interval_ms
@@ -352,6 +358,8 @@ async def start_cluster(args: argparse.Namespace, plan: ClusterPlan | None = Non
             extra += ["--http-listen", "127.0.0.1:0"]
         if args.worker_stream_interval_ms:
             extra += ["--stream-interval-ms", str(args.worker_stream_interval_ms)]
+        if getattr(args, "prefix_cache_block_tokens", 0):
+            extra += ["--prefix-cache-block-tokens", str(args.prefix_cache_block_tokens)]
         for (role, _), iid in zip(plan.roles, ids, strict=True):
             workers.append(
                 await _spawn_worker(iid, role, cms.address, plan.profile, extra, token_files[iid], secrets)
@@ -417,6 +425,7 @@ _UP_ONLY_FLAGS = {
     "--speed-factor": True, "--start-timeout-s": True, "--metrics-port": True, "--processes": True,
     "--http-max-header-bytes": True, "--http-max-headers": True, "--http-header-timeout-s": True,
     "--http-idle-timeout-s": True, "--http-max-connections": True,
+    "--prefix-cache-block-tokens": True,
 }  # fmt: skip
 
 
@@ -513,6 +522,13 @@ def register(subparsers: Any) -> None:
         help="sim workers run this many times faster than the profile (default: %(default)s)",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the scheduler and the workers")
+    parser.add_argument(
+        "--prefix-cache-block-tokens",
+        type=int,
+        default=0,
+        help="the sim workers' prefix cache: tokens per cached block, a multiple of their block size (16); "
+        "0 = no prefix caching (default: %(default)s)",
+    )
     parser.add_argument(
         "--metrics-port", type=int, default=0, help="serve the router's Prometheus metrics here"
     )

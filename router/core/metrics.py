@@ -17,6 +17,7 @@ num_waiting_requests       S.num_waiting_requests + L requests                  
 num_requests               S.num_waiting_requests + S.num_running_requests             load
                            + L requests (a request counts once per instance)
 decode_step_ms             predicted latency of one decode step at the current load    load
+prompt_compute_tokens      p - c: the prompt tokens the instance would compute         decision
 cached_prompt_tokens       c = the prompt's leading tokens the instance's prefix cache  decision
                            holds, as the router knows it (at most p - 1; 0 without
                            a prefix source or prefix hashes)
@@ -407,6 +408,23 @@ def _cached_prompt_tokens(ctx: DecisionContext) -> FloatArray:
     if request is None or source is None or not request.prefix_hashes:
         return _no_cache(table)
     return cached_tokens_column(source, table.ids, table.index, request.prefix_hashes, request.prompt_tokens)
+
+
+@_register("prompt_compute_tokens", MetricScope.DECISION)
+def _prompt_compute_tokens(ctx: DecisionContext) -> FloatArray:
+    """``p - c``: the prompt tokens the instance would compute (``p`` everywhere without cache knowledge)."""
+    prompt = _prompt_to_compute(ctx)
+    if isinstance(prompt, float):
+        table = ctx.view.instances
+        key = ("prompt_column", prompt)
+        found: FloatArray | None = table.memo.get(key)
+        if found is None:
+            found = np.full(table.n, prompt)
+            found.setflags(write=False)
+            if len(table.memo) < 4096:
+                table.memo[key] = found
+        return found
+    return prompt
 
 
 def _prompt_to_compute(ctx: DecisionContext) -> float | FloatArray:
