@@ -29,6 +29,7 @@ from bench.workload import (
     workload_to_dict,
 )
 from cms.transport import target_error
+from fleet.flags import error_line
 from router.core.config import name_flags
 
 #: Requests planned when neither --num-requests nor --duration is given.
@@ -224,24 +225,24 @@ FLAG_OF_FIELD: dict[str, str] = {
 
 
 def _usage_error(exc: Exception) -> int:
-    print(f"error: {name_flags(str(exc), FLAG_OF_FIELD)}", file=sys.stderr)
+    print(error_line(f"{name_flags(str(exc), FLAG_OF_FIELD)}"), file=sys.stderr)
     return 2
 
 
 def run(args: argparse.Namespace) -> int:
     bad_target = target_error(args.target, "router")
     if bad_target is not None:
-        print(f"error: {bad_target}", file=sys.stderr)
+        print(error_line(bad_target), file=sys.stderr)
         return 2
     # The arrival flags, before they are merged into the workload (whose own errors name its file).
     if args.rate is not None and not (math.isfinite(args.rate) and args.rate > 0):
-        print(f"error: --rate {args.rate}: must be a finite number > 0 (requests/s)", file=sys.stderr)
+        print(error_line(f"--rate {args.rate}: must be a finite number > 0 (requests/s)"), file=sys.stderr)
         return 2
     if args.burstiness is not None and not (math.isfinite(args.burstiness) and args.burstiness > 0):
-        print(f"error: --burstiness {args.burstiness}: must be a finite number > 0", file=sys.stderr)
+        print(error_line(f"--burstiness {args.burstiness}: must be a finite number > 0"), file=sys.stderr)
         return 2
     if args.concurrency is not None and args.concurrency < 1:
-        print(f"error: --concurrency {args.concurrency}: must be >= 1", file=sys.stderr)
+        print(error_line(f"--concurrency {args.concurrency}: must be >= 1"), file=sys.stderr)
         return 2
     trace = None
     try:
@@ -255,7 +256,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             spec = resolve_workload(args)
     except (WorkloadError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(error_line(exc), file=sys.stderr)
         return 2
     if args.print_workload:
         print(json.dumps(workload_to_dict(spec), indent=2))
@@ -308,7 +309,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         outcome = _run_event_loop(plans, config, bar)
     except LoadError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(error_line(exc), file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("\ninterrupted; no report written", file=sys.stderr)
@@ -340,7 +341,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             plot_report(args.plot, report, outcome.results)
         except PlotUnavailableError as exc:
-            print(f"error: {exc}", file=sys.stderr)
+            print(error_line(exc), file=sys.stderr)
             return 2
         print(f"wrote {args.plot}", file=sys.stderr)
     return 0

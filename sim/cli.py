@@ -13,6 +13,7 @@ from typing import Any, cast
 from bench.report import PlotUnavailableError
 from bench.traces import Trace, add_trace_arguments, is_trace, load_trace, trace_options
 from bench.workload import DEFAULT_WORKLOAD, RequestPlan, WorkloadError, WorkloadSpec, load_workload
+from fleet.flags import error_line
 from predictor import ProfileError
 from router.core.calibration import CALIBRATION_MODES
 from router.core.config import SchedulerConfig, name_flags
@@ -25,7 +26,6 @@ from sim import slicing
 from sim.cluster import SimFleet
 from sim.engine import SimConfig
 from sim.fleet import (
-    BUNDLED_PROFILES,
     DEFAULT_PROFILE,
     FleetError,
     FleetSpec,
@@ -94,7 +94,7 @@ fleet (one of):
                                    engine: {{kv_capacity_tokens: 131072, noise: 0.05}}
   default: --prefill {DEFAULT_FLEET[0]} --decode {DEFAULT_FLEET[1]} on {DEFAULT_PROFILE}
   A PROFILE is a directory with ttft.json and tpot.json, or a bundled name under
-  {BUNDLED_PROFILES}. The router predicts each group with the group's own profile.
+  profiling_data/ of the checkout. The router predicts each group with the group's own profile.
   Engine knobs are the sim worker's (SimConfig fields): the "sim engine" flags set them for
   every group, a fleet file may override any of them per group (speed_factor makes a group
   run faster than the profile the router predicts it with: a mis-profiled group).
@@ -246,7 +246,8 @@ def register(subparsers: Any) -> None:
         "--queue-policies",
         default=DEFAULT_QUEUE_POLICIES,
         metavar="Q1,Q2,...",
-        help="router queue policies to compare with each policy: none (refuse at once), fcfs, edf, priority "
+        help="router queue policies to compare with each policy: none (refuse at once), fcfs, edf, priority, "
+        "sa (simulated-annealing release batches), qlm (virtual queues with eviction; neutral fleets) "
         "(default: %(default)s)",
     )
     sweep.add_argument(
@@ -424,7 +425,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         spec = _fleet(args)
     except (FleetError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(error_line(exc), file=sys.stderr)
         return 2
     if args.print_fleet:
         print(json.dumps(fleet_to_dict(spec), indent=2))
@@ -457,7 +458,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--warmup-requests must be in [0, --num-requests), got {args.warmup_requests}")
         fleet = SimFleet(spec, profile_label=policies[0].config.profile_label)
     except (WorkloadError, ProfileError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(error_line(exc), file=sys.stderr)
         return 2
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         print(
@@ -526,7 +527,7 @@ def run(args: argparse.Namespace) -> int:
         print("\ninterrupted; no report written", file=sys.stderr)
         return 130
     except FleetError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(error_line(exc), file=sys.stderr)
         return 2
     print(title)
     print(format_sweep_table(points))
@@ -557,7 +558,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             plot_sweep(args.plot, points, title=title.removeprefix("slo-router simulate: "))
         except PlotUnavailableError as exc:
-            print(f"error: {exc}", file=sys.stderr)
+            print(error_line(exc), file=sys.stderr)
             return 2
         print(f"wrote {args.plot}", file=sys.stderr)
     return 0

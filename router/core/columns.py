@@ -202,6 +202,8 @@ class ResidentLegs(NamedTuple):
     context: FloatArray
     remaining: FloatArray
     started: BoolArray
+    #: Output tokens each leg has produced so far (None when the source does not know its prompt).
+    generated: FloatArray | None = None
 
 
 #: One instance's resident legs: (context now, output still expected, started) each.
@@ -231,7 +233,7 @@ class StaticResidents:
         return self.known
 
     def legs_on(self, index: int) -> LegList:
-        instance, context, remaining, started = self.known
+        instance, context, remaining, started = self.known[:4]
         mine = instance == index
         return list(
             zip(context[mine].tolist(), remaining[mine].tolist(), started[mine].tolist(), strict=True)
