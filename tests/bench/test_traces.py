@@ -180,3 +180,11 @@ def test_bench_replays_the_same_trace_through_a_router(
     # Classes that ignore EOS ask a live engine for exactly the trace's answer length.
     sent = sorted((len(r.prompt_token_ids), r.sampling.max_tokens) for r in servicer.received)
     assert sent == sorted((p.prompt_tokens, p.true_output_tokens) for p in plans)
+
+
+def test_slice_dispatch_refuses_a_trace_rather_than_replaying_something_else(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    args = ["simulate", "--workload", f"trace:{AZURE}", "--neutral", "1", "--dispatch-modes", "slice"]
+    assert main([*args, "--no-progress"]) == 2
+    assert "replays synthetic workloads only" in capsys.readouterr().err
