@@ -170,6 +170,11 @@ SHAPE_CASES = [
     (["bench", "--rate", "-1"], "--rate -1: "),
     (["cms", "--lease-ttl-s", "0"], "--lease-ttl-s 0: "),
     (["keys", "unused-dir", "--workers", "p0,,d0"], "--workers p0,,d0: "),
+    (["profile", "--target", "127.0.0.1:1", "--out", "unused-dir", "--tokens", "5,5"], "--tokens 5,5: "),
+    (
+        ["profile", "--target", "127.0.0.1:1", "--out", "unused-dir", "--decode-tokens", "2"],
+        "--decode-tokens 2: ",
+    ),
     (["keys", "unused-dir", "--workers", "router"], "--workers router: "),
 ]
 
