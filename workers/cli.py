@@ -390,7 +390,10 @@ def run_tiny_model(args: argparse.Namespace) -> int:
             print(error_line(exc), file=sys.stderr)
             return 1
     print(f"wrote a tiny random-weight model into {out}")
-    print(f"serve it with: slo-router worker --engine vllm --model {out} --dtype float32")
+    print(
+        f"serve it with: slo-router worker --engine vllm --model {out} --dtype float32 --enforce-eager "
+        "(from .venv-vllm; the CMS and router flags: docs/operator-guide.md, 'A vLLM worker end to end')"
+    )
     return 0
 
 
