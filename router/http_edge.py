@@ -63,6 +63,8 @@ from router.core.errors import (
     QueueTimeoutError,
     RetriesExhaustedError,
     RouterError,
+    ShuttingDownError,
+    UnmeetableError,
 )
 from router.forward import LegError
 from router.service import RouterService, ServiceConfig
@@ -175,11 +177,11 @@ def http_status(exc: RouterError | LegError) -> int:
         return 400
     if isinstance(exc, DuplicateRequestError):
         return 409
-    if isinstance(exc, (NoInstanceError, QueueFullError, QueueTimeoutError)):
+    if isinstance(exc, (NoInstanceError, QueueFullError, QueueTimeoutError, UnmeetableError)):
         return 429
     if isinstance(exc, LateError):
         return 504
-    if isinstance(exc, (EmptyClusterError, RetriesExhaustedError)):
+    if isinstance(exc, (EmptyClusterError, RetriesExhaustedError, ShuttingDownError)):
         return 503
     return 500
 
@@ -283,6 +285,8 @@ class RouterBackend:
         return sorted(lengths.items())
 
     def health(self) -> str | None:
+        if self._service.draining:
+            return "the router is shutting down (draining): send requests elsewhere"
         counts = self._instance_counts()
         if any(n for (_, health), n in counts.items() if health == "healthy"):
             return None

@@ -366,6 +366,7 @@ class VllmEngine:
             kv_capacity_tokens=num_blocks * block_size,
             block_size=block_size,
             max_model_len=int(vllm_config.model_config.max_model_len),
+            max_num_seqs=int(vllm_config.scheduler_config.max_num_seqs),
         )
         self._book.kv_capacity_tokens = self._info.kv_capacity_tokens
         self._tokenizer.tokenizer = self._llm.tokenizer
