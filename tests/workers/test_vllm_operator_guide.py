@@ -22,6 +22,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -88,8 +89,8 @@ def test_the_operator_guide_vllm_path_works_as_written(tmp_path: Path) -> None:
     require_vllm_env()
     ports = {p: str(_free_port()) for p in ("7100", "7301", "50051", "8000")}
     model = tmp_path / "tiny-model"
-    worker_tmp = tmp_path / "worker-tmp"
-    worker_tmp.mkdir()
+    # The worker's own temporary directory, short: vLLM's socket paths must fit in 107 bytes.
+    worker_tmp = Path(tempfile.mkdtemp(prefix="vg-", dir="/tmp"))
     if shutil.which("curl") is None:
         pytest.skip("the guide's request is a curl command, and curl is not installed")
     env = {
@@ -142,4 +143,5 @@ def test_the_operator_guide_vllm_path_works_as_written(tmp_path: Path) -> None:
                 proc.wait()
     # vLLM's socket files went with the worker (they went into its temporary directory before).
     left = [p for p in worker_tmp.rglob("*") if p.is_socket()]
+    shutil.rmtree(worker_tmp, ignore_errors=True)
     assert left == [], left
