@@ -319,7 +319,7 @@ async def _compare(model: Path, log_dir: Path) -> None:
             w = best[(side, concurrency)]
             row += f" | {w.cpu_us_per_token(w.client_cpu_s):>{width}.0f} {w.cpu_us_per_token(w.worker_cpu_s):>7.0f}"
         print(row)
-    # For the parent process (make bench), which writes the README row.
+    # For the parent process (make bench), which writes the speed-table row.
     print(FIGURES_PREFIX + json.dumps({"ratio": ratios, "ttft_added_ms": added}))
 
 

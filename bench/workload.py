@@ -322,10 +322,19 @@ class SloClass:
     )
     output: LengthDist = field(
         default=LognormalLength(192.0, 0.8, 8, 1024),
-        metadata=doc("output length (max_tokens) distribution in tokens"),
+        metadata=doc(
+            "length of the answer the engine really generates, in tokens (never shown to the router)"
+        ),
+    )
+    max_tokens: int | None = field(
+        default=None,
+        metadata=doc(
+            "the cap a client sends (sampling.max_tokens); omit or null: the output distribution's largest value"
+        ),
     )
     ignore_eos: bool = field(
-        default=True, metadata=doc("ask the engine to generate exactly max_tokens tokens")
+        default=True,
+        metadata=doc("the engine ignores its own EOS (eos_probability): answers have the output length"),
     )
     priority: int = field(
         default=0, metadata=doc("GenerateRequest.priority sent with every request of the class")
@@ -335,11 +344,18 @@ class SloClass:
         if not isinstance(self.name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]+", self.name):
             raise WorkloadError(f"class name must be letters, digits, '_', '.', '-', got {self.name!r}")
         _check_positive(f"class {self.name!r}: share", self.share)
+        if self.max_tokens is not None:
+            _check_int(f"class {self.name!r}: max_tokens", self.max_tokens, minimum=1)
+
+    @property
+    def cap_tokens(self) -> int:
+        """The ``max_tokens`` a request of the class carries: ``max_tokens``, else the output's largest value."""
+        return self.max_tokens if self.max_tokens is not None else self.output.bounds[1]
 
     def describe(self) -> str:
         return (
             f"{self.name}: share {self.share:g}, SLO {self.slo.describe()}, prompt {self.prompt.describe()}, "
-            f"output {self.output.describe()}"
+            f"output {self.output.describe()}, max_tokens {self.cap_tokens}"
         )
 
 
@@ -574,7 +590,19 @@ class WorkloadSpec:
 # --------------------------------------------------------------------------- parsing
 
 _CLASS_KEYS = frozenset(
-    {"name", "preset", "share", "ttft_ms", "tpot_ms", "e2e_ms", "prompt", "output", "ignore_eos", "priority"}
+    {
+        "name",
+        "preset",
+        "share",
+        "ttft_ms",
+        "tpot_ms",
+        "e2e_ms",
+        "prompt",
+        "output",
+        "max_tokens",
+        "ignore_eos",
+        "priority",
+    }
 )
 _ARRIVAL_KEYS = frozenset({*(f.name for f in dataclasses.fields(ArrivalSpec)), "cv"})
 _WORKLOAD_KEYS = frozenset({"name", "classes", "arrival", "token_id_low", "token_id_high", "model"})
@@ -590,7 +618,9 @@ def _parse_class(doc: Any, where: str) -> SloClass:
     if not isinstance(doc, Mapping):
         raise WorkloadError(f"{where}: a class must be a mapping, got {type(doc).__name__}")
     _check_keys(doc, _CLASS_KEYS, where)
-    base = SloClass()
+    # A class written from scratch has no target it does not name ("omit or null: no target");
+    # one started from a preset keeps the preset's targets it does not override.
+    base = SloClass(slo=SloTarget())
     if "preset" in doc:
         preset = doc["preset"]
         if preset not in CLASS_PRESETS:
@@ -599,7 +629,9 @@ def _parse_class(doc: Any, where: str) -> SloClass:
     elif "name" not in doc:
         raise WorkloadError(f"{where}: a class needs a 'name' (or a 'preset' to start from)")
     slo_changes = {k: doc[k] for k in ("ttft_ms", "tpot_ms", "e2e_ms") if k in doc}
-    changes: dict[str, Any] = {k: doc[k] for k in ("name", "share", "ignore_eos", "priority") if k in doc}
+    changes: dict[str, Any] = {
+        k: doc[k] for k in ("name", "share", "max_tokens", "ignore_eos", "priority") if k in doc
+    }
     if "ignore_eos" in changes and not isinstance(changes["ignore_eos"], bool):
         raise WorkloadError(f"{where}: ignore_eos must be true or false, got {changes['ignore_eos']!r}")
     if "priority" in changes:
@@ -652,9 +684,10 @@ def parse_workload_dict(doc: Any, source: str = "<workload>") -> WorkloadSpec:
     Keys: ``name``, ``classes`` (a list of class mappings, required), ``arrival``
     (``process``, ``rate_per_s``, ``burstiness`` or ``cv``, ``concurrency``), ``token_id_low``,
     ``token_id_high``, ``model``. A class mapping has ``name`` or ``preset`` (start from
-    a class preset and override), ``share``, ``ttft_ms``, ``tpot_ms``, ``e2e_ms`` (null
-    for no target), ``prompt`` and ``output`` (see :func:`parse_length`),
-    ``ignore_eos``, ``priority``.
+    a class preset and override), ``share``, ``ttft_ms``, ``tpot_ms``, ``e2e_ms`` (omitted
+    or null: no target; with a preset, omitted keeps the preset's), ``prompt`` and ``output``
+    (see :func:`parse_length`; ``output`` is the answer's true length), ``max_tokens`` (the cap
+    a request sends), ``ignore_eos``, ``priority``.
     """
     if not isinstance(doc, Mapping):
         raise WorkloadError(f"{source}: the workload must be a mapping, got {type(doc).__name__}")
@@ -699,6 +732,7 @@ def workload_to_dict(spec: WorkloadSpec) -> dict[str, Any]:
                 "e2e_ms": c.slo.e2e_ms,
                 "prompt": _length_to_dict(c.prompt),
                 "output": _length_to_dict(c.output),
+                "max_tokens": c.max_tokens,
                 "ignore_eos": c.ignore_eos,
                 "priority": c.priority,
             }
@@ -878,6 +912,7 @@ def iter_requests(
         prompts = np.stack([c.prompt.sample(length_rng, n) for c in spec.classes])
         outputs = np.stack([c.output.sample(length_rng, n) for c in spec.classes])
         seeds = seed_rng.integers(0, 2**63 - 1, size=n, dtype=np.int64)
+        caps = [c.cap_tokens for c in spec.classes]
         for j in range(n):
             if index >= max_requests:
                 return
@@ -888,7 +923,8 @@ def iter_requests(
                 arrival_s=float(offsets[j]),
                 class_name=cls.name,
                 prompt_tokens=int(prompts[k, j]),
-                max_tokens=int(outputs[k, j]),
+                max_tokens=caps[k],
+                output_tokens=min(int(outputs[k, j]), caps[k]),
                 slo=cls.slo,
                 prompt_seed=int(seeds[j]),
                 token_id_low=spec.token_id_low,
@@ -936,10 +972,13 @@ def plan_summary(plans: list[RequestPlan]) -> dict[str, Any]:
     """Counts and token totals of a plan, per class (for reports and logs)."""
     per_class: dict[str, dict[str, int]] = {}
     for p in plans:
-        entry = per_class.setdefault(p.class_name, {"requests": 0, "prompt_tokens": 0, "max_tokens": 0})
+        entry = per_class.setdefault(
+            p.class_name, {"requests": 0, "prompt_tokens": 0, "max_tokens": 0, "output_tokens": 0}
+        )
         entry["requests"] += 1
         entry["prompt_tokens"] += p.prompt_tokens
         entry["max_tokens"] += p.max_tokens
+        entry["output_tokens"] += p.true_output_tokens
     return {
         "requests": len(plans),
         "last_arrival_s": max((p.arrival_s for p in plans), default=0.0),

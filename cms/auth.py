@@ -142,11 +142,11 @@ class TokenTable:
     def parse(cls, text: str, source: str = "token file") -> TokenTable:
         pairs = []
         for number, line in enumerate(text.splitlines(), 1):
-            parsed = _parse_line(line, f"{source} line {number}")
+            parsed = _parse_line(line, f"{source} line {number}".strip())
             if parsed is not None:
                 pairs.append(parsed)
         if not pairs:
-            raise ValueError(f"{source} holds no token")
+            raise ValueError(f"{source} holds no token".strip())
         return cls.of(pairs)
 
     @classmethod
@@ -174,11 +174,16 @@ class TokenTable:
 
 def read_client_token(path: Path) -> str:
     """The token in a client token file (``TOKEN`` or ``NAME TOKEN`` on its first token line)."""
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        parsed = _parse_line(line, f"{path} line {number}")
+    return read_client_token_text(path.read_text(encoding="utf-8"), str(path))
+
+
+def read_client_token_text(text: str, source: str) -> str:
+    """The token of a client token file's text; ``ValueError`` naming ``source`` and the line."""
+    for number, line in enumerate(text.splitlines(), 1):
+        parsed = _parse_line(line, f"{source} line {number}".strip())
         if parsed is not None:
             return parsed[1]
-    raise ValueError(f"{path} holds no token")
+    raise ValueError(f"{source} holds no token".strip())
 
 
 def bearer(token: str | None) -> tuple[tuple[str, str], ...] | None:

@@ -5,7 +5,7 @@ explicitly (:func:`message_size_options`; the bounds are in :mod:`cms.limits`).
 A server given a certificate and key (``--tls-cert``/``--tls-key``) speaks TLS
 only; a client given a CA bundle (``--tls-ca``) opens a TLS channel that
 checks the server against it. Without them traffic is plaintext, which is
-meant for loopback and trusted networks (see the README's security model).
+meant for loopback and trusted networks (see docs/security-and-failures.md).
 """
 
 from __future__ import annotations

@@ -145,7 +145,7 @@ class Admission:
     def release(self, request_id: str, output_tokens: int | None = None) -> None:
         """``request_id`` ended at the router: its load leaves, which may let a queued request go."""
         self.placer.release(request_id)
-        self.queue.finished(request_id)
+        self.queue.finished(request_id, output_tokens)
         if self.enabled and len(self.queue):
             self.notify()
 
@@ -314,13 +314,8 @@ class Admission:
 
     def _arm_timer(self, now: float) -> None:
         """Wake at the first moment an entry expires or turns late without any other event."""
-        when = float("inf")
-        oldest = self.queue.oldest_enqueued_s()
-        if oldest is not None:
-            when = oldest + self.config.max_queue_wait_ms * 1e-3
-        earliest = self.queue.earliest_ttft_deadline_s()
-        if earliest is not None:
-            when = min(when, earliest)
+        wake = self.queue.wake_s()
+        when = float("inf") if wake is None else wake
         loop = self._loop
         if loop is None or when == float("inf"):
             return

@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from fleet.flags import error_line
 from predictor import LatencyPredictor, ProfileError
 from predictor.fit import write_coefficients
 from predictor.profile import load_tpot_profile, load_ttft_profile
@@ -265,7 +266,7 @@ def run(args: argparse.Namespace) -> int:
         tpot_doc = json.loads((base_dir / "tpot.json").read_text(encoding="utf-8"))
         base = LatencyPredictor.from_files(base_dir / "ttft.json", base_dir / "tpot.json")
     except (OSError, json.JSONDecodeError, ProfileError) as exc:
-        print(f"error: --profile {base_dir}: {exc}", file=sys.stderr)
+        print(error_line(f"--profile {base_dir}: {exc}"), file=sys.stderr)
         return 2
     source: str = args.source
     try:
@@ -279,7 +280,7 @@ def run(args: argparse.Namespace) -> int:
             ttft_doc, tpot_doc = scaled_profile(ttft_doc, tpot_doc, factors)
             how = "the router's calibration factors"
     except CalibrateError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(error_line(exc), file=sys.stderr)
         return 2
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     note = (
@@ -299,7 +300,7 @@ def run(args: argparse.Namespace) -> int:
             out, load_ttft_profile(out / "ttft.json"), load_tpot_profile(out / "tpot.json")
         )
     except (OSError, ProfileError) as exc:
-        print(f"error: --out {out}: {exc}", file=sys.stderr)
+        print(error_line(f"--out {out}: {exc}"), file=sys.stderr)
         return 2
     print(
         f"wrote {out / 'ttft.json'}, {out / 'tpot.json'} and {coefficients} "

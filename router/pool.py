@@ -78,6 +78,16 @@ _CHANNEL_OPTIONS = (
     ("grpc.max_reconnect_backoff_ms", 2000),
 )
 
+#: Channels to engines this project does not serve (vLLM's own gRPC server): keepalive only
+#: while calls are open, since a stock server's default ping policy answers pings on an idle
+#: connection with GOAWAY ``too_many_pings``.
+CHANNEL_OPTIONS = (
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.http2.max_pings_without_data", 0),
+    *_CHANNEL_OPTIONS,
+)
+
 
 class ChannelPool:
     """One channel per worker endpoint, at most ``max_channels`` open (least recently used goes first).
@@ -113,6 +123,11 @@ class ChannelPool:
     @property
     def max_channels(self) -> int:
         return self._max
+
+    @property
+    def tls(self) -> ClientTls | None:
+        """The TLS settings of the channels (None: plaintext)."""
+        return self._tls
 
     def stub(self, endpoint: str) -> worker_pb2_grpc.WorkerAsyncStub:
         return self.entry(endpoint)[1]

@@ -21,11 +21,12 @@ from grpc_health.v1 import health_pb2
 from slorouter.v1 import router_pb2, router_pb2_grpc
 
 from cms import limits
-from cms.auth import read_client_token
+from cms.auth import read_client_token, read_client_token_text
 from cms.call_auth import read_worker_token
 from cms.reader import ClusterReader, open_reader
 from cms.serving import add_health_and_reflection, bind_server
 from cms.transport import ClientTls, ServerTls, client_tls_from_arg, server_tls_from_args
+from fleet.flags import check_listen, check_metrics_port, cms_target, error_line, read_flag_file
 from openai_http.app import DEFAULT_MAX_BODY_BYTES, HttpServer
 from openai_http.bounded import EdgeLimits
 from predictor import LatencyPredictor
@@ -212,6 +213,9 @@ async def start_router_server(
         health=health,
         streams=worker_streams,
     )
+    tokenizer = tokenizer or load_tokenizer(None)
+    # vLLM's gRPC service returns token ids only: its legs' text comes from the router's tokenizer.
+    workers.vllm.set_decoder(tokenizer.decode)
     placer = Placer(scheduler, reader, observer=observer, health=health)
     service_config = service_config or ServiceConfig()
     slicer = None
@@ -229,7 +233,7 @@ async def start_router_server(
     service = RouterService(
         placer,
         workers,
-        tokenizer or load_tokenizer(None),
+        tokenizer,
         service_config,
         observer=observer,
         slicer=slicer,
@@ -693,13 +697,21 @@ def plan_from_args(args: argparse.Namespace) -> RouterPlan:
         )
     except ValueError as exc:
         raise ValueError(name_flags(str(exc), {**SERVICE_FLAGS, **SchedulerConfig.flags()})) from exc
-    check_address("--listen", args.listen)
     check_processes(args)
+    check_address("--listen", args.listen)
     if args.cms == "memory":
         check_address("--cms-listen", args.cms_listen)
-    elif not args.cms.startswith(("grpc://", "redis://", "rediss://", "unix://")):
-        raise ValueError(f"--cms {args.cms!r}: expected memory, grpc://HOST:PORT or redis://HOST:PORT/DB")
+    elif not args.cms.startswith(("redis://", "rediss://", "unix://")):
+        try:
+            args.cms = cms_target("--cms", args.cms)  # HOST:PORT and grpc://HOST:PORT alike
+        except ValueError:
+            raise ValueError(
+                f"--cms {args.cms}: expected memory, HOST:PORT (grpc://HOST:PORT) or redis://HOST:PORT/DB"
+            ) from None
+    if args.http_listen:
+        check_address("--http-listen", args.http_listen)
     check_port("--metrics-port", args.metrics_port)
+    check_cms_token_file(args)
     if not args.cluster_name:
         raise ValueError("--cluster-name must not be empty")
     _check_availability_flags(args)
@@ -710,17 +722,45 @@ def plan_from_args(args: argparse.Namespace) -> RouterPlan:
     slice_config = slice_config_from_args(args)
     predictors = build_predictors(args)
     tokenizer = load_tokenizer(args.tokenizer)
-    return RouterPlan(
-        config,
-        predictors,
-        service_config,
-        tokenizer,
-        slice_config,
-        queue_config(args),
-        qlm_config(args),
-        outlier,
-        edge_limits_from_args(args),
-    )
+    queue, qlm = queue_config(args), qlm_config(args)
+    edge = edge_limits_from_args(args)
+    check_addresses_free(args)
+    return RouterPlan(config, predictors, service_config, tokenizer, slice_config, queue, qlm, outlier, edge)
+
+
+def check_addresses_free(args: argparse.Namespace) -> None:
+    """Every address this router will listen on can be bound now; ``ValueError`` naming the flag.
+
+    Last of the checks, so a mistaken flag is reported as itself even when a port is also taken.
+    """
+    if not args.shared_inflight:  # a process --processes started: the first one already listens there
+        check_listen("--listen", args.listen)
+    if args.cms == "memory":
+        check_listen("--cms-listen", args.cms_listen)
+    if args.http_listen:
+        check_listen("--http-listen", args.http_listen)
+    check_metrics_port("--metrics-port", args.metrics_port, args.metrics_host)
+
+
+def check_cms_token_file(args: argparse.Namespace) -> None:
+    """``--cms-auth-token-file`` can be read and holds what its use needs; ``ValueError`` naming it.
+
+    With ``--cms memory`` it is the embedded CMS's token file (``NAME TOKEN`` lines), else the
+    token this router reads a CMS with.
+    """
+    from cms.auth import TokenTable
+
+    path = args.cms_auth_token_file
+    if not path:
+        return
+    text = read_flag_file("--cms-auth-token-file", path)
+    try:
+        if args.cms == "memory":
+            TokenTable.parse(text, "")
+        else:
+            read_client_token_text(text, "")
+    except ValueError as exc:
+        raise ValueError(f"--cms-auth-token-file {path}: {exc}") from None
 
 
 def check_processes(args: argparse.Namespace) -> None:
@@ -853,7 +893,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         plan = plan_from_args(args)
     except ValueError as exc:  # ProfileError included: it names the file and the entry
-        print(f"error: {exc}", file=sys.stderr)
+        print(error_line(exc), file=sys.stderr)
         return 2
     try:
         import uvloop
@@ -864,5 +904,5 @@ def run(args: argparse.Namespace) -> int:
     try:
         return asyncio.run(_serve(args, plan))
     except (ValueError, OSError) as exc:  # an address that cannot be bound: say which
-        print(f"error: {exc}", file=sys.stderr)
+        print(error_line(exc), file=sys.stderr)
         return 2

@@ -497,6 +497,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
         first = progress.first_token_at if progress.first_token_at is not None else now
         last = progress.last_token_at if progress.last_token_at is not None else first
         n = len(progress.tokens)
+        # Called once, when the stream finishes: the answer's length teaches the length predictor.
+        self._placer.lengths.observe(req.slo_class, len(req.prompt_token_ids), n)
         return router_pb2.Usage(
             prompt_tokens=len(req.prompt_token_ids),
             completion_tokens=n,

@@ -30,6 +30,7 @@ from cms.call_auth import read_worker_token
 from cms.memory import MemoryStore
 from cms.reader import open_reader
 from cms.server import CmsServer, start_cms_server
+from fleet.flags import check_listen, check_metrics_port, error_line, split_host_port
 from openai_http.bounded import EdgeLimits
 from predictor import LatencyPredictor
 from router.core.config import SchedulerConfig
@@ -53,9 +54,7 @@ from router.server import (
     RouterServer,
     add_drain_argument,
     add_worker_streams_argument,
-    check_address,
     check_drain_timeout,
-    check_port,
     check_worker_streams,
     qlm_config,
     queue_config,
@@ -296,10 +295,13 @@ def plan_cluster(args: argparse.Namespace) -> ClusterPlan:
     if args.dispatch_mode == "slice" and not args.neutral:
         raise ValueError("--dispatch-mode slice runs on neutral workers: add --neutral K")
     slice_config = slice_config_from_args(args)
-    check_address("--listen", args.listen)
+    split_host_port("--listen", args.listen)
+    if args.http_listen:
+        split_host_port("--http-listen", args.http_listen)
     check_worker_streams(args)
     check_drain_timeout(args)
-    check_port("--metrics-port", args.metrics_port)
+    if not 0 <= args.metrics_port <= 65535:
+        raise ValueError(f"--metrics-port {args.metrics_port}: must be a port 0-65535 (0 = off)")
     config = scheduler_config(args)
     queue = queue_config(args)
     profile = Path(args.profile)
@@ -310,6 +312,12 @@ def plan_cluster(args: argparse.Namespace) -> ClusterPlan:
         roles = [("neutral", i) for i in range(args.neutral)]
     else:
         roles = [("prefill", i) for i in range(args.prefill)] + [("decode", i) for i in range(args.decode)]
+    edge, keepalive = edge_limits_from_args(args), keepalive_from_args(args)
+    # Last: the addresses are free now (a mistaken flag above is reported as itself first).
+    check_listen("--listen", args.listen)
+    if args.http_listen:
+        check_listen("--http-listen", args.http_listen)
+    check_metrics_port("--metrics-port", args.metrics_port, "127.0.0.1")
     return ClusterPlan(
         roles,
         profile,
@@ -318,8 +326,8 @@ def plan_cluster(args: argparse.Namespace) -> ClusterPlan:
         slice_config,
         queue,
         qlm_config(args),
-        edge_limits_from_args(args),
-        keepalive_from_args(args),
+        edge,
+        keepalive,
     )
 
 
@@ -558,7 +566,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         plan = plan_cluster(args)
     except ValueError as exc:  # ProfileError included: it names the file and the entry
-        print(f"error: {exc}", file=sys.stderr)
+        print(error_line(exc), file=sys.stderr)
         return 2
     try:
         import uvloop
@@ -569,5 +577,5 @@ def run(args: argparse.Namespace) -> int:
     try:
         return asyncio.run(_serve(args, plan))
     except (ValueError, OSError, RuntimeError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(error_line(exc), file=sys.stderr)
         return 2

@@ -59,9 +59,19 @@ reported) is a PD request's decode leg: counted on the decode instance from
 the decision until that instance admits it after the KV transfer, as
 :class:`router.core.inflight.InflightAccount` would.
 
+Output lengths (no oracle). A request carries what a client sends: ``max_tokens`` (a cap),
+its class, priority and SLO. The engine stops it at its true length
+(``RequestPlan.true_output_tokens``: the workload's output distribution or the trace's
+length, and with ``ignore_eos`` off an EOS drawn with the generating instance's
+``eos_probability``, as the sim worker does). Policies that need a length get
+``ScheduleInput.expected_output_tokens`` from a :class:`router.core.lengths.LengthPredictor`
+fed only the lengths of requests that have finished, and the resident decode legs' remaining
+output is that predictor's conditional estimate, never the engine's counter.
+``oracle_lengths=True`` (``--oracle-lengths``) hands policies the true length instead, for
+ablations only.
+
 Simplifications: no network or RPC latency besides the KV transfer; no
-retries or failover (every worker stays healthy); outputs always run to
-``max_tokens`` (the workload's ``ignore_eos``); the router's tokenizer is exact
+retries or failover (every worker stays healthy); the router's tokenizer is exact
 (``prompt_tokens`` is what the engine sees); a held KV is always pulled right
 after its transfer (``kv_hold_timeout_s`` never fires).
 
@@ -100,6 +110,7 @@ from slorouter.v1 import cms_pb2
 
 from bench.report import RequestResult, slo_met
 from bench.workload import RequestPlan
+from fleet.prefix import id_block_hashes
 from fleet.snapshot import ClusterSnapshot, InstanceRecord
 from predictor import LatencyPredictor
 from router.core.calibration import Calibrator
@@ -114,7 +125,9 @@ from router.core.columns import (
 from router.core.config import SchedulerConfig
 from router.core.decision import Decision
 from router.core.errors import EmptyClusterError, LateError, NoInstanceError
+from router.core.lengths import LengthConfig, LengthPredictor
 from router.core.predictors import PredictorSet
+from router.core.prefix import ExactPrefixIndex, PrefixRouting
 from router.core.qlm import DEFAULT_CONTEXT, Dispatch, QlmConfig, QlmQueue, QlmRequest, instance_model
 from router.core.queue import Objective, QueueConfig, QueuePolicy, RouterQueue, Verdict, offer
 from router.core.request import Mode, Role, ScheduleInput
@@ -124,6 +137,7 @@ from sim.engine import ProfileCostModel, ScheduledStep, SimConfig, SimCore, SimR
 from sim.fastforward import DecodeRun, DecodeStepTimes
 from sim.fleet import FleetError, FleetSpec
 from workers.engine import EngineOverloadedError, InvalidRequestError
+from workers.sim_engine import eos_position
 
 #: Seconds between two agent heartbeats; a heartbeat resets a status's age (not its content).
 AGENT_HEARTBEAT_S = 1.0
@@ -310,6 +324,9 @@ class SimOutcome:
     #: Per planned request: time waited in the router queue (ms) and whether it left the queue late.
     queue_wait_ms: tuple[float, ...] = ()
     late: tuple[bool, ...] = ()
+    #: Prompt tokens the engines found in their prefix caches over those they looked up (None:
+    #: no prefix caching in the run).
+    cache_hit_rate: float | None = None
 
 
 class _Req:
@@ -320,9 +337,11 @@ class _Req:
         "done_s",
         "error_code",
         "error_message",
+        "expected",
         "first_s",
         "idx",
         "late",
+        "out",
         "predicted_tpot_ms",
         "predicted_ttft_ms",
         "prefill",
@@ -339,7 +358,7 @@ class _Req:
         self.prefill = -1
         self.decode = -1
         self.resident = -1  # instance holding its resident decode leg (-1: none)
-        self.resident_tokens = 0
+        self.resident_tokens = 0.0
         self.first_s = -1.0
         self.done_s = -1.0
         self.tokens = 0
@@ -349,6 +368,9 @@ class _Req:
         self.predicted_tpot_ms: float | None = None
         self.queue_wait_s = 0.0
         self.late = False
+        #: Output tokens the router expects (its estimate at arrival) and the engine's true length.
+        self.expected = 0
+        self.out = 0
 
 
 def finished_result(
@@ -413,8 +435,14 @@ class _Simulation:
         queue: QueueConfig | None = None,
         qlm: QlmConfig | None = None,
         sa_search: str = "anneal",
+        oracle_lengths: bool = False,
+        lengths: LengthConfig | None = None,
+        prefix_block_tokens: int = 0,
     ) -> None:
         self.fleet = fleet
+        #: What the router learns of output lengths (from finished requests only).
+        self.lengths = LengthPredictor(lengths)
+        self.oracle_lengths = oracle_lengths
         self.queue: RouterQueue | None = None
         #: The ``qlm`` policy's queue (then ``queue`` is None): it places, orders and evicts itself.
         self.qlm: QlmQueue | None = None
@@ -426,8 +454,13 @@ class _Simulation:
             planner = None
             if queue.policy is QueuePolicy.SA:
                 # Deterministic: the run's seed, and the annealing budget on a modeled clock.
+                seqs = {iid: c.max_num_seqs for iid, c in zip(fleet.ids, fleet.configs, strict=True)}
                 planner = SAPlanner(
-                    queue, seed=seed, modeled_evaluation_s=modeled_evaluation_s, search=sa_search
+                    queue,
+                    seed=seed,
+                    modeled_evaluation_s=modeled_evaluation_s,
+                    search=sa_search,
+                    slots=seqs.__getitem__,
                 )
             self.queue = RouterQueue(queue, defaults.ttft_slo_ms, defaults.tpot_slo_ms, planner)
         self.timer_at = math.inf
@@ -452,6 +485,8 @@ class _Simulation:
         #: Step times of instances whose decode runs may be fast-forwarded (None: always stepped).
         self.times: list[DecodeStepTimes | None] = []
         for i, (config, lp) in enumerate(zip(fleet.configs, fleet.instance_truths, strict=True)):
+            if prefix_block_tokens and config.prefix_cache_block_tokens != prefix_block_tokens:
+                config = dataclasses.replace(config, prefix_cache_block_tokens=prefix_block_tokens)
             if config.noise > 0 or config.kv_slowdown > 0:
                 # Planning steps ahead would draw the noise out of order: these engines are always stepped.
                 rng = random.Random((config.seed * 1_000_003 + seed) * 65_537 + i)
@@ -496,7 +531,9 @@ class _Simulation:
         self.busy_since = 0.0
         self.inflight_columns: InflightColumns | None = None
         # Per instance, its resident decode legs: request index -> (prompt tokens, final tokens).
-        self.resident_on: list[dict[int, tuple[int, int]]] = [{} for _ in range(n)]
+        self.resident_on: list[dict[int, tuple[int, float]]] = [{} for _ in range(n)]
+        #: When each instance's resident legs were last re-estimated (see _reestimate_residents).
+        self.refreshed_at = np.zeros(n)
         # The legs of the last view, reused while nothing they depend on changed: (key, legs).
         self.legs_version = 0
         self.legs_cache: tuple[tuple[float, int, int], ResidentLegs] | None = None
@@ -508,6 +545,14 @@ class _Simulation:
             r.idx = k
         self.now = 0.0
         self.decisions = self.rejected = self.num_steps = self.kv_transfers = self.events = 0
+        # Prefix caching: each plan's chained block hashes (empty without engine caching or hash ids),
+        # and the router's exact index when it is fed the engines' KV events.
+        block = prefix_block_tokens
+        self.block_hashes: list[tuple[int, ...]] = [
+            id_block_hashes(p.hash_ids, p.prompt_tokens, block) if block and p.hash_ids else () for p in plans
+        ]
+        prefix = scheduler.prefix
+        self.exact_index = prefix if isinstance(prefix, ExactPrefixIndex) else None
 
     # ------------------------------------------------------------------ the loop
 
@@ -753,7 +798,7 @@ class _Simulation:
         spec = SimRequestSpec(
             request_id=rid,
             num_context_tokens=plan.prompt_tokens + 1,
-            max_new_tokens=plan.max_tokens - 1,
+            max_new_tokens=r.out - 1,
             num_cached_tokens=plan.prompt_tokens,
             counts_as_decode=True,
         )
@@ -832,16 +877,22 @@ class _Simulation:
     def _arrive(self, idx: int, now: float) -> None:
         plan = self.plans[idx]
         r = self.reqs[idx]
+        if self.oracle_lengths:
+            r.expected = self._true_length(idx, 0)
+        else:
+            r.expected = self.lengths.estimate(plan.class_name, plan.prompt_tokens, plan.max_tokens).tokens
         request = ScheduleInput(
             request_id=str(idx),
             prompt_tokens=plan.prompt_tokens,
             ttft_slo_ms=plan.slo.ttft_ms or 0.0,
             tpot_slo_ms=plan.slo.tpot_ms or 0.0,
             e2e_slo_ms=plan.slo.e2e_ms or 0.0,
+            expected_output_tokens=r.expected,
             max_tokens=plan.max_tokens,
             priority=plan.priority,
             slo_class=plan.class_name,
             arrival_s=None if self.queue is None and self.qlm is None else plan.arrival_s,
+            prefix_hashes=self.block_hashes[idx] if self.scheduler.prefix is not None else (),
         )
         if self.calibrator is not None:
             self._feed_calibration(now)
@@ -866,6 +917,18 @@ class _Simulation:
         finally:
             self._keep_static(view)
         self._dispatch(idx, r, plan, decision, now)
+
+    def _true_length(self, idx: int, i: int) -> int:
+        """Tokens request ``idx`` really generates when instance ``i`` generates it (engine truth)."""
+        plan = self.plans[idx]
+        n = plan.true_output_tokens
+        p = self.fleet.configs[i].eos_probability
+        if p > 0.0 and not plan.ignore_eos:
+            # The sim worker's draw (geometric, from the request's own seed), so both engines agree.
+            eos = eos_position(plan.prompt_seed & 0xFFFF_FFFF_FFFF_FFFF, p)
+            if eos is not None:
+                n = min(n, eos + 1)
+        return max(n, 1)
 
     def _keep_static(self, view: ClusterView) -> None:
         if self.reuse_static_memo:
@@ -935,13 +998,8 @@ class _Simulation:
                 code = "UNAVAILABLE"
             self._fail(r, code, str(error), now)
         # The next moment an entry expires or turns late with no other event.
-        when = math.inf
-        oldest = queue.oldest_enqueued_s()
-        if oldest is not None:
-            when = oldest + queue.config.max_queue_wait_ms * 1e-3
-        earliest = queue.earliest_ttft_deadline_s()
-        if earliest is not None:
-            when = min(when, earliest)
+        wake = queue.wake_s()
+        when = math.inf if wake is None else wake
         if when < self.timer_at:
             self.timer_at = when
             self._push(when + 1e-6, _QUEUE_TIMER, -1)
@@ -1007,8 +1065,18 @@ class _Simulation:
                 now,
             )
             return
-        # An evicted request runs again with its generated tokens as part of the prompt (recomputed).
-        spec = SimRequestSpec(str(idx), q.prompt_tokens, q.max_tokens, counts_as_decode=q.max_tokens > 1)
+        if q.evictions == 0:
+            r.out = self._true_length(idx, i)
+        # An evicted request runs again with its generated tokens as part of the prompt (recomputed);
+        # the engine stops at the answer's true end, which the cap left to it may not reach.
+        new_tokens = max(min(q.max_tokens, r.out - q.generated), 1)
+        spec = SimRequestSpec(
+            str(idx),
+            q.prompt_tokens,
+            new_tokens,
+            counts_as_decode=new_tokens > 1,
+            block_hashes=self.block_hashes[idx] if q.prompt_tokens == plan.prompt_tokens else (),
+        )
         try:
             self._settle(i, now).add(spec)
         except EngineOverloadedError as exc:
@@ -1018,8 +1086,9 @@ class _Simulation:
             self._fail(r, "INVALID_ARGUMENT", f"instance {self.fleet.ids[i]}: {exc}", now)
             return
         r.stage = _SERVING
-        if q.max_tokens > 1:
-            self._resident(r, i, +1, q.prompt_tokens + q.max_tokens, q.prompt_tokens)
+        if new_tokens > 1:
+            expected = max(r.expected - q.generated, 1)
+            self._resident(r, i, +1, q.prompt_tokens + expected, q.prompt_tokens)
         self._changed(i, now)
 
     def _dispatch(self, idx: int, r: _Req, plan: RequestPlan, decision: Decision, now: float) -> None:
@@ -1043,13 +1112,20 @@ class _Simulation:
             return
         rid = str(idx)
         neutral = decision.mode is Mode.NEUTRAL
+        out = r.out = self._true_length(idx, d)
+        hashes = self.block_hashes[idx]
+        # Engine truth below (the engine ends a one-token answer at its first token, so a PD
+        # prefill then holds no KV); the router's resident leg is costed by its own estimate.
         if neutral:
-            spec = SimRequestSpec(
-                rid, plan.prompt_tokens, plan.max_tokens, counts_as_decode=plan.max_tokens > 1
-            )
+            spec = SimRequestSpec(rid, plan.prompt_tokens, out, counts_as_decode=out > 1, block_hashes=hashes)
         else:
             spec = SimRequestSpec(
-                rid, plan.prompt_tokens, 1, hold_kv=plan.max_tokens > 1, counts_as_decode=False
+                rid,
+                plan.prompt_tokens,
+                1,
+                hold_kv=out > 1,
+                counts_as_decode=False,
+                block_hashes=hashes,
             )
         try:
             self._settle(p, now).add(spec)
@@ -1062,20 +1138,23 @@ class _Simulation:
             self._ended(idx)
             return
         r.stage = _SERVING if neutral else _PREFILL
-        if not neutral and plan.max_tokens > 1 and d != p:
+        if not neutral and out > 1 and d != p:
             self._inflight(d, +1, plan.prompt_tokens)
-        if plan.max_tokens > 1:
-            self._resident(r, d, +1, plan.prompt_tokens + plan.max_tokens, plan.prompt_tokens)
+        if out > 1:
+            self._resident(r, d, +1, plan.prompt_tokens + r.expected, plan.prompt_tokens)
         self._changed(p, now)
 
     def _ended(self, idx: int) -> None:
         """Dispatched request ``idx`` ended: the router queue hears of it (the sa policy's next batch)."""
         if self.queue is not None:
-            self.queue.finished(str(idx))
+            r = self.reqs[idx]
+            self.queue.finished(str(idx), None if r.error_code else int(r.tokens))
 
     def _finish(self, r: _Req, now: float) -> None:
         r.stage = _DONE
         r.done_s = now
+        plan = self.plans[r.idx]
+        self.lengths.observe(plan.class_name, plan.prompt_tokens, r.tokens)
         self._resident(r, r.resident, -1, 0)
         if self.qlm is not None:
             self.qlm.finished(str(r.idx), r.tokens, now)
@@ -1107,7 +1186,7 @@ class _Simulation:
         )
         queue.note_outcome(str(r.idx), slo_met(result), r.done_s, result.tpot_ms)
 
-    def _resident(self, r: _Req, i: int, sign: int, final_tokens: int, prompt_tokens: int = 0) -> None:
+    def _resident(self, r: _Req, i: int, sign: int, final_tokens: float, prompt_tokens: int = 0) -> None:
         """Make request ``r``'s decode leg resident on ``i`` (+1), or end its residence (-1)."""
         if i < 0:
             return
@@ -1169,12 +1248,23 @@ class _Simulation:
         run = self.runs[i]
         s = run.steps_done(now) if run is not None else 0
         out: LegList = []
+        plans = self.plans
         for idx, (prompt, final) in legs.items():
             progress = core.decode_progress(str(idx))
             if progress is None:
                 out.append((float(prompt), float(max(final - prompt, 0)), False))
+                continue
+            context = progress[0] + s
+            if self.oracle_lengths:
+                remaining = float(max(progress[1] - s, 0))
             else:
-                out.append((float(progress[0] + s), float(max(progress[1] - s, 0)), progress[2]))
+                # What the router can know: the tokens streamed so far, and its length predictor.
+                plan = plans[idx]
+                generated = context - plan.prompt_tokens
+                remaining = self.lengths.remaining(
+                    plan.class_name, plan.prompt_tokens, generated, plan.max_tokens
+                )
+            out.append((float(context), remaining, progress[2]))
         return out
 
     def _inflight(self, i: int, sign: int, prompt_tokens: int) -> None:
@@ -1194,10 +1284,18 @@ class _Simulation:
         uncomputed, decode_requests, decode_tokens, used_kv, waiting, running = load
         cores = self.cores
         runs = self.runs
+        if not self.oracle_lengths:
+            self._reestimate_residents(now)
+        exact = self.exact_index
         for i in self.dirty:
             if runs[i] is not None:
                 self.run_next[i] = -np.inf
             core = cores[i]
+            if exact is not None:
+                # What the engine's KV-event stream carries to the router (instantaneous, as pushes are).
+                events, _ = core.drain_kv_events()
+                if events:
+                    exact.apply(self.fleet.ids[i], [(e.kind.value, e.block_hashes) for e in events])
             uncomputed[i] = core.num_uncomputed_prefill_tokens
             decode_requests[i] = core.num_decode_requests
             decode_tokens[i] = core.num_decode_tokens
@@ -1239,6 +1337,38 @@ class _Simulation:
         # Built only when a decision reads them (adaptive PD's exact KV peak), as the router does.
         return ClusterView(table, self._inflight_columns(), now, age, residents=_SimLegs(self, now))
 
+    def _reestimate_residents(self, now: float) -> None:
+        """Refresh the router's expected final length of the resident legs of changed instances.
+
+        A leg enters with ``prompt + estimate`` as its final length; one that outlives its
+        estimate would leave the sums saying it is done (no growth left). The router sees the
+        tokens streamed, so on each status push (an instance's load changed) and heartbeat it
+        re-estimates each leg as what it holds plus the predictor's conditional remaining output.
+        """
+        due = set(self.dirty)
+        stale = self.refreshed_at <= now - AGENT_HEARTBEAT_S
+        if stale.any():
+            due.update(np.flatnonzero(stale).tolist())
+        m = self.inflight
+        reqs = self.reqs
+        for i in due:
+            self.refreshed_at[i] = now
+            legs = self.resident_on[i]
+            if not legs:
+                continue
+            total = 0.0
+            for (idx, (prompt, _)), (context, remaining, _started) in zip(
+                list(legs.items()), self._legs_on(i, now), strict=True
+            ):
+                final = context + remaining
+                legs[idx] = (prompt, final)
+                reqs[idx].resident_tokens = final
+                total += final
+            if total != m[7, i]:
+                m[7, i] = total
+                self.inflight_columns = None
+                self.legs_version += 1
+
     def _inflight_columns(self) -> InflightColumns:
         columns = self.inflight_columns
         if columns is None:
@@ -1246,6 +1376,11 @@ class _Simulation:
         return columns
 
     # ------------------------------------------------------------------ results
+
+    def cache_hit_rate(self) -> float:
+        """The fleet's prefix-cache hit rate: cached prompt tokens over prompt tokens looked up."""
+        queried = sum(core.cache_query_tokens for core in self.cores)
+        return sum(core.cache_hit_tokens for core in self.cores) / queried if queried else 0.0
 
     def results(self) -> tuple[RequestResult, ...]:
         out = []
@@ -1298,6 +1433,8 @@ def simulate(
     queue: QueueConfig | None = None,
     qlm: QlmConfig | None = None,
     sa_search: str = "anneal",
+    oracle_lengths: bool = False,
+    engine_prefix_cache: bool = True,
 ) -> SimOutcome:
     """Run ``plans`` (open-loop, in arrival order) on ``fleet`` with the policy ``config`` names.
 
@@ -1310,6 +1447,15 @@ def simulate(
     ``qlm`` configures the ``qlm`` queue policy (default :class:`QlmConfig`).
     ``sa_search="exhaustive"`` makes the ``sa`` policy plan small queues by
     exhaustive search (the reference its annealing is compared with).
+    ``oracle_lengths=True`` gives policies each request's true output length (an ablation; by
+    default they get an online estimate learned from finished requests).
+
+    Prefix caching: when the plans carry prefix-block ids (``RequestPlan.hash_ids``) and
+    ``engine_prefix_cache`` is on, every engine caches prompt KV in blocks of the plans'
+    ``prefix_block_tokens`` (content-addressed by the chained hash of the block ids, which
+    stand for the tokens), and the router hashes prompts the same way. Its knowledge of the
+    caches follows ``config.prefix_cache_routing``: ``auto`` and ``exact`` read the engines' KV
+    events, ``approximate`` its own dispatches, ``off`` charges every prompt in full.
     """
     if any(b.arrival_s < a.arrival_s for a, b in itertools.pairwise(plans)):
         raise ValueError("plans must be in arrival order")
@@ -1318,7 +1464,12 @@ def simulate(
     if config.calibration != "off":
         # A fresh set per run: the calibration (the scheduler attaches it) is the run's state.
         predictors = PredictorSet(fleet.predictors.default, fleet.predictors.groups)
+    block = prefix_cache_block(plans, fleet) if engine_prefix_cache else 0
+    if block:
+        config = dataclasses.replace(config, prefix_block_tokens=block)  # hashed as the engines cache
     scheduler = Scheduler(config, predictors, random.Random(seed))
+    if block and config.prefix_cache_routing in (PrefixRouting.AUTO.value, PrefixRouting.EXACT.value):
+        scheduler.use_exact_prefix_index()
     calibrator = predictors.calibration
     sim = _Simulation(
         fleet,
@@ -1331,6 +1482,8 @@ def simulate(
         queue=queue,
         qlm=qlm,
         sa_search=sa_search,
+        oracle_lengths=oracle_lengths,
+        prefix_block_tokens=block,
     )
     duration_s, stats = sim.run()
     results = sim.results()
@@ -1341,7 +1494,25 @@ def simulate(
         wall_s=time.perf_counter() - started,
         queue_wait_ms=tuple(r.queue_wait_s * 1e3 for r in sim.reqs),
         late=tuple(r.late for r in sim.reqs),
+        cache_hit_rate=sim.cache_hit_rate() if block else None,
     )
+
+
+def prefix_cache_block(plans: Sequence[RequestPlan], fleet: SimFleet) -> int:
+    """The prefix-cache block of a run: the plans' ``prefix_block_tokens`` (0 when no plan has hash ids)."""
+    blocks = {p.prefix_block_tokens for p in plans if p.hash_ids}
+    if not blocks:
+        return 0
+    if len(blocks) > 1:
+        raise ValueError(f"the plans mix prefix blocks of {sorted(blocks)} tokens; one size per run")
+    block = blocks.pop()
+    for config in fleet.configs:
+        if block % config.block_size:
+            raise FleetError(
+                f"prefix blocks of {block} tokens (the workload's) are not whole KV blocks of "
+                f"--block-size {config.block_size}; pick a block size that divides {block}"
+            )
+    return block
 
 
 def _make_qlm(
@@ -1351,10 +1522,9 @@ def _make_qlm(
     if any(role is not Role.NEUTRAL for role in fleet.roles):
         raise FleetError("--queue-policies qlm needs a neutral fleet (--neutral N): it places whole requests")
     defaults = scheduler.config
-    # Mean context of a running request: its prompt plus half its output (the workload's own figure).
-    context = (
-        sum(p.prompt_tokens + p.max_tokens / 2 for p in plans) / len(plans) if plans else DEFAULT_CONTEXT
-    )
+    # Mean context of a running request: the router's constant, as the live router sizes it (the
+    # run's own mean would be a figure from the future).
+    context = DEFAULT_CONTEXT
     models = []
     for i in range(fleet.n):
         lp = fleet.predictors.for_group(fleet.groups[i])

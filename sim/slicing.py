@@ -56,14 +56,17 @@ import numpy as np
 
 from bench.report import RequestResult
 from bench.workload import RequestPlan, WorkloadSpec, generate_requests
+from fleet.flags import error_line
 from router.core.request import Role
 from router.core.slicing import (
     DEFAULT_SLICE_TOKENS,
+    InstanceModels,
     MemoryModel,
     ServingTimeModel,
     SliceConfig,
     SliceRequest,
     SliceScheduler,
+    slice_length,
 )
 from sim.cluster import SimFleet, SimStats, finished_result, simulate
 from sim.engine import ProfileCostModel, ScheduledStep, SimCore, SimRequestSpec
@@ -142,22 +145,35 @@ class _SliceSimulation:
             rng = random.Random((engine.seed * 1_000_003 + seed) * 65_537 + i)
             cost = ProfileCostModel(lp, speed_factor=engine.speed_factor, noise=engine.noise, rng=rng)
             self.cores.append(SimCore(engine, cost))
-        first = fleet.configs[0]
-        self.serving = ServingTimeModel(
-            # The dispatcher's model: the router's predictor, not the engines' ground truth.
-            fleet.predictors.for_group(fleet.groups[0]),
-            max_num_batched_tokens=first.max_num_batched_tokens,
-            max_batch=min(c.max_num_seqs for c in fleet.configs),
-            max_context_tokens=first.max_model_len,
-        )
-        self.memory = MemoryModel(
-            kv_capacity_tokens=min(c.kv_capacity_tokens for c in fleet.configs),
-            block_size=max(c.block_size for c in fleet.configs),
-            headroom=config.kv_headroom,
-            max_batch=min(c.max_num_seqs for c in fleet.configs),
-        )
+        # The dispatcher's models, one per instance: the router's predictor of the instance's profile
+        # group (not the engines' ground truth) and the instance's own engine limits.
+        models: dict[str, InstanceModels] = {}
+        shared: dict[tuple[str, int, int, int, int, int], ServingTimeModel] = {}
+        for iid, group, c in zip(fleet.ids, fleet.groups, fleet.configs, strict=True):
+            shape = (group, c.max_num_batched_tokens, c.max_num_seqs, c.max_model_len, 0, 0)
+            serving = shared.get(shape)
+            if serving is None:
+                serving = ServingTimeModel(
+                    fleet.predictors.for_group(group),
+                    max_num_batched_tokens=c.max_num_batched_tokens,
+                    max_batch=c.max_num_seqs,
+                    max_context_tokens=c.max_model_len,
+                )
+                shared[shape] = serving
+            memory = MemoryModel(
+                kv_capacity_tokens=c.kv_capacity_tokens,
+                block_size=c.block_size,
+                headroom=config.kv_headroom,
+                max_batch=c.max_num_seqs,
+            )
+            models[iid] = InstanceModels(serving, memory)
         self.ids = list(fleet.ids)
-        self.sched = SliceScheduler(config, self.serving, self.memory, self.ids)
+        self.index = {iid: k for k, iid in enumerate(self.ids)}
+        first = models[self.ids[0]]
+        self.sched = SliceScheduler(config, first.serving, first.memory, self.ids)
+        self.sched.set_models(models)
+        self.serving = self.sched.models(min(self.ids)).serving
+        self.preempted = [0] * n
         self.steps: list[ScheduledStep | None] = [None] * n
         self.busy = [0.0] * n
         self.last_busy = [0.0] * n
@@ -211,15 +227,18 @@ class _SliceSimulation:
         self._to_pool(idx, now)
 
     def _to_pool(self, idx: int, now: float) -> None:
-        plan = self.plans[idx]
-        r = self.reqs[idx]
-        remaining = plan.max_tokens - r.generated
-        self.sched.add(
-            SliceRequest(idx, plan.prompt_tokens + r.generated, min(self.config.slice_tokens, remaining))
-        )
+        self.sched.add(self._slice(idx))
         if not self.tick_pending:
             self.tick_pending = True
             self._push(max(now, self.next_tick_s), _TICK, 0)
+
+    def _slice(self, idx: int) -> SliceRequest:
+        """The request's next slice: its context now and the tokens this slice may generate."""
+        plan = self.plans[idx]
+        r = self.reqs[idx]
+        context = plan.prompt_tokens + r.generated
+        length = slice_length(context, plan.max_tokens - r.generated, self.serving, self.config)
+        return SliceRequest(idx, context, length)
 
     def _tick(self, now: float) -> None:
         self.tick_pending = False
@@ -235,31 +254,35 @@ class _SliceSimulation:
 
     def _admit(self, i: int, now: float) -> None:
         """Hand instance ``i``'s engine the queued batches it can take now."""
-        core = self.cores[i]
         instance = self.ids[i]
-        for key, batch in self.sched.admit(instance):
+        for key, batch in self.sched.admit(instance, now * 1000.0):
             for sr in batch.requests:
-                idx = int(sr.key)  # type: ignore[call-overload]
-                r = self.reqs[idx]
-                rid = f"{idx}.{self.slices}"
-                self.slices += 1
-                spec = SimRequestSpec(
-                    rid, sr.context_tokens, sr.slice_tokens, counts_as_decode=sr.slice_tokens > 1
-                )
-                try:
-                    core.add(spec)
-                except (EngineOverloadedError, InvalidRequestError) as exc:
-                    overloaded = isinstance(exc, EngineOverloadedError)
-                    code = "RESOURCE_EXHAUSTED" if overloaded else "INVALID_ARGUMENT"
-                    self._fail(idx, code, f"instance {instance}: {exc}", now)
-                    self.sched.finish(instance, key, sr)
-                    continue
-                if r.generated > 0:
-                    self.recomputed += sr.context_tokens
-                r.instance = i
-                self.slice_of[rid] = (idx, sr, key)
+                self._start_slice(i, key, sr, now)
         if self.steps[i] is None:
             self._step(i, now)
+
+    def _start_slice(self, i: int, key: int, sr: SliceRequest, now: float) -> None:
+        core = self.cores[i]
+        instance = self.ids[i]
+        idx = int(sr.key)  # type: ignore[call-overload]
+        r = self.reqs[idx]
+        rid = f"{idx}.{self.slices}"
+        self.slices += 1
+        # The slice is planned by its cap; the engine stops at the answer's true end.
+        new_tokens = max(min(sr.slice_tokens, self.plans[idx].true_output_tokens - r.generated), 1)
+        spec = SimRequestSpec(rid, sr.context_tokens, new_tokens, counts_as_decode=new_tokens > 1)
+        try:
+            core.add(spec)
+        except (EngineOverloadedError, InvalidRequestError) as exc:
+            overloaded = isinstance(exc, EngineOverloadedError)
+            code = "RESOURCE_EXHAUSTED" if overloaded else "INVALID_ARGUMENT"
+            self._fail(idx, code, f"instance {instance}: {exc}", now)
+            self.sched.finish(instance, key, sr, now * 1000.0)
+            return
+        if r.generated > 0:
+            self.recomputed += sr.context_tokens
+        r.instance = i
+        self.slice_of[rid] = (idx, sr, key)
 
     def _step(self, i: int, now: float) -> None:
         step = self.cores[i].schedule()
@@ -275,7 +298,12 @@ class _SliceSimulation:
         self.busy[i] += step.duration_ms * 1e-3
         self.last_busy[i] = now
         result = self.cores[i].finish_step(step)
+        preempted = self.cores[i].num_preemptions
+        if preempted > self.preempted[i]:
+            self.preempted[i] = preempted
+            self.sched.preempted(self.ids[i])
         freed = False
+        started: set[int] = set()
         for rid, position, finished, _held in result.outputs:
             idx, sr, key = self.slice_of[rid]
             r = self.reqs[idx]
@@ -287,18 +315,32 @@ class _SliceSimulation:
             if not finished:
                 continue
             del self.slice_of[rid]
-            r.generated += sr.slice_tokens
+            r.generated += position + 1
             r.last_s = now
-            if r.generated >= self.plans[idx].max_tokens:
+            if r.generated >= self.plans[idx].true_output_tokens:
                 r.done_s = now
-            else:
+                self.sched.finish(self.ids[i], key, sr, now * 1000.0)
+            elif not self.config.resume_at_once:  # the paper's way: back to the pool
                 self._to_pool(idx, now)
-            self.sched.finish(self.ids[i], key, sr)
+                self.sched.finish(self.ids[i], key, sr, now * 1000.0)
+            else:
+                # The next slice is placed at once (SliceScheduler.resume): the stream never waits
+                # for a schedule point between its slices.
+                target, new_key, batch = self.sched.resume(
+                    self.ids[i], key, sr, self._slice(idx), now * 1000.0
+                )
+                j = self.index[target]
+                self._start_slice(j, new_key, batch.requests[0], now)
+                if j != i:
+                    started.add(j)
             freed = True
         if freed:
             self._admit(i, now)
         if self.steps[i] is None:
             self._step(i, now)
+        for j in started:
+            if self.steps[j] is None:
+                self._step(j, now)
 
     def _fail(self, idx: int, code: str, message: str, now: float) -> None:
         r = self.reqs[idx]
@@ -594,7 +636,7 @@ def run_cli(
         if "slice" in modes and any(role is not Role.NEUTRAL for role in fleet.roles):
             raise ValueError("--dispatch-modes slice needs a neutral fleet: use --neutral K")
     except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(error_line(exc), file=sys.stderr)
         return 2
     try:
         points = run_dispatch_sweep(

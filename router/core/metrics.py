@@ -17,13 +17,24 @@ num_waiting_requests       S.num_waiting_requests + L requests                  
 num_requests               S.num_waiting_requests + S.num_running_requests             load
                            + L requests (a request counts once per instance)
 decode_step_ms             predicted latency of one decode step at the current load    load
-predicted_ttft             predict_ttft_ms(prefill_backlog_tokens + p,                 decision
+cached_prompt_tokens       c = the prompt's leading tokens the instance's prefix cache  decision
+                           holds, as the router knows it (at most p - 1; 0 without
+                           a prefix source or prefix hashes)
+predicted_ttft             predict_ttft_ms(prefill_backlog_tokens + p - c,             decision
                            decode_batch_size, decode_tokens, M)
 predicted_tpot             predict_tpot_ms(decode_batch_size + 1,                      decision
                            decode_tokens + p + o / 2)
 reserved_prefill           1 for adaptive PD's reserved-prefill instance, else 0       decision
 reserved_decode            1 for adaptive PD's reserved-decode instance, else 0        decision
 =========================  ==========================================================  =========
+
+Prefix caching: an engine computes only the part of a prompt its cache does
+not hold, so ``predicted_ttft`` charges ``p - c`` at each instance (the status
+backlog already counts only what the engine will compute, and the in-flight
+prefill tokens only the uncached part of each dispatch). A hit therefore wins
+the lowest-TTFT choice exactly when the tokens it saves outweigh the queue
+in front of it, with no affinity weight. ``predicted_tpot`` still counts the
+whole prompt: a cached prefix is context like any other.
 
 The "+1" of ``predicted_tpot`` is the request being placed; metrics computed
 without a request (``ctx.request is None``, e.g. for observability) add
@@ -69,6 +80,7 @@ from router.core.columns import (
 from router.core.config import SchedulerConfig
 from router.core.plugins import DecisionContext, Metric, MetricScope
 from router.core.predictors import PredictorSet
+from router.core.prefix import cached_tokens_column
 from router.core.registry import METRICS, Params
 
 
@@ -347,6 +359,35 @@ def _prefill_backlog_tokens(ctx: DecisionContext) -> FloatArray:
     return backlog + inflight.prefill_tokens if inflight.instances_with_entries else backlog
 
 
+# ----------------------------------------------------------------------------- prefix cache
+
+
+def _no_cache(table: InstanceTable) -> FloatArray:
+    found: FloatArray | None = table.memo.get("no_cached_tokens")
+    if found is None:
+        found = np.zeros(table.n)
+        found.setflags(write=False)
+        table.memo["no_cached_tokens"] = found
+    return found
+
+
+@_register("cached_prompt_tokens", MetricScope.DECISION)
+def _cached_prompt_tokens(ctx: DecisionContext) -> FloatArray:
+    request, source = ctx.request, ctx.prefix
+    table = ctx.view.instances
+    if request is None or source is None or not request.prefix_hashes:
+        return _no_cache(table)
+    return cached_tokens_column(source, table.ids, table.index, request.prefix_hashes, request.prompt_tokens)
+
+
+def _prompt_to_compute(ctx: DecisionContext) -> float | FloatArray:
+    """The prompt tokens each instance would compute: ``p`` (a scalar) without cache knowledge, else ``p - c``."""
+    request = ctx.request
+    if request is None or ctx.prefix is None or not request.prefix_hashes:
+        return ctx.prompt_tokens
+    return ctx.prompt_tokens - ctx.metric("cached_prompt_tokens")
+
+
 # ----------------------------------------------------------------------------- predictions
 
 
@@ -355,7 +396,10 @@ def _predicted_ttft_at(ctx: DecisionContext, i: int) -> float:
         return float("nan")
     table = ctx.view.instances
     lp = ctx.predictors.for_group(table.groups[i])
-    backlog = ctx.metric("prefill_backlog_tokens").item(i) + ctx.prompt_tokens
+    prompt = _prompt_to_compute(ctx)
+    backlog = ctx.metric("prefill_backlog_tokens").item(i) + (
+        prompt if isinstance(prompt, float) else prompt.item(i)
+    )
     batch = ctx.metric("decode_batch_size").item(i)
     tokens = ctx.metric("decode_tokens").item(i)
     budget = table.max_num_batched_tokens.item(i)
@@ -404,7 +448,7 @@ def _predicted_ttft(ctx: DecisionContext) -> FloatArray:
     if predictors is None:
         return _nan(ctx)
     table = ctx.view.instances
-    backlog = ctx.metric("prefill_backlog_tokens") + ctx.prompt_tokens
+    backlog = ctx.metric("prefill_backlog_tokens") + _prompt_to_compute(ctx)
     step = ctx.metric("decode_step_ms")
     full_chunk = _full_chunk_ms(table, predictors)
     if ctx.prompt_tokens > 0:  # then every backlog is > 0: the leaner path gives the same values

@@ -62,7 +62,7 @@ kv_growth_tokens, every resident at its final length at once, which is never
 below the exact peak. Only adaptive PD holds decode to ``kv_peak_exact``:
 ``slo`` and ``binpack`` keep ``kv_peak_projected`` (``slo`` drops it in its
 fallback pass, where the slack of the sums is what kept those placements from
-preempting; README, adaptive PD in overload).
+preempting; docs/results.md, adaptive PD in overload).
 
 Horizon. Aladdin bounds ``Σ(l_in + γ·l_out)`` by the context the TPOT target
 allows at the batch size; with the same sums, each resident request is taken
@@ -425,6 +425,57 @@ def _predicted_tpot_residents(ctx: DecisionContext, config: SchedulerConfig) -> 
     value = ctx.metric("predicted_tpot") + prefill_stall_ms(ctx) / remaining
     out: FloatArray = np.where(batch > 0, value, 0.0)
     return out
+
+
+def min_remaining_started(ctx: DecisionContext) -> FloatArray:
+    """Per instance, the least output still expected of a leg that decodes there (inf: none does).
+
+    From each resident leg's progress when the view has them; without them
+    (peer router processes publish only sums) the residents' mean remaining
+    output (``kv_growth_tokens / n``), inf where nothing decodes.
+    """
+    n = ctx.view.n
+    legs = ctx.view.resident_legs()
+    if legs is None:
+        batch = ctx.metric("decode_batch_size")
+        mean = np.divide(ctx.metric("kv_growth_tokens"), batch, out=np.full(n, np.inf), where=batch > 0)
+        floored: FloatArray = np.maximum(mean, 1.0)
+        return floored
+    out: FloatArray = np.full(n, np.inf)
+    started = legs.started
+    if np.any(started):
+        np.minimum.at(out, legs.instance[started], np.maximum(legs.remaining[started], 1.0))
+    return out
+
+
+@_register("prefill_over_atgt_slack", MetricScope.DECISION)
+def _prefill_over_atgt_slack(ctx: DecisionContext, config: SchedulerConfig) -> FloatArray:
+    """Aladdin's constraint (d) as a ratio: the prefill this prompt puts on a colocated instance over
+    the ATGT slack of its most exposed ongoing decode (kept below θ by the ``binpack`` policy).
+
+    The paper bounds the new prompts' prefill time by θ times the least
+    slack any ongoing request has saved against the ATGT target (prefill
+    preempts their decode). A router does not time each leg's past tokens,
+    so the slack taken here is the one a leg will still save over the output
+    it is predicted to have left, at the decode step it will run at with this
+    request in the batch: ``r_min · (T_dec − predicted_tpot)``. That is the
+    paper's condition for a leg whose past tokens ran exactly at the target
+    (saved slack zero, its worst case), so it never admits a prefill the
+    leg's ATGT cannot absorb; a leg that outran its predicted length has its
+    remaining output re-predicted (Algorithm 2), not taken as zero. Numerator:
+    :func:`prefill_stall_ms` (the queued prompts and this one, as the engine
+    chunks them). 0 where nothing decodes; inf where the step alone already
+    misses the target.
+    """
+    if ctx.predictors is None:
+        return np.full(ctx.view.n, np.nan)
+    stall = prefill_stall_ms(ctx)
+    spare = config.tpot_slo_ms - ctx.metric("predicted_tpot")
+    remaining = min_remaining_started(ctx)
+    slack = remaining * spare
+    ratio: FloatArray = np.divide(stall, slack, out=np.full(ctx.view.n, np.inf), where=slack > 0)
+    ratio[np.isinf(remaining)] = 0.0
+    return ratio
 
 
 # ----------------------------------------------------------------------------- best fit

@@ -36,6 +36,7 @@ from router.core.columns import (
     ResidentSource,
 )
 from router.core.inflight import InflightAccount
+from router.core.protocols import dial_endpoint
 from router.core.request import Role
 
 _ROLE_BY_PROTO = {
@@ -277,7 +278,7 @@ class ViewBuilder:
             return cached[1]
         meta = _Meta(
             md.instance_id,
-            md.endpoint,
+            dial_endpoint(md.endpoint, md.worker_protocol),
             md.model,
             md.node_id,
             md.unit_id,
