@@ -69,8 +69,12 @@ def test_a_128_mib_header_gets_431_at_once_and_grpc_is_unaffected(tmp_path: Path
         assert elapsed < 1.0, f"431 came after {elapsed:.2f} s"
         assert len(probes.results) >= 10
         assert not probes.failed, probes.failed
-        # A small request's latency is tens of ms; a stalled loop showed seconds (4.9 s at 64 MB).
-        assert probes.slowest_s < 1.0, f"a gRPC probe took {probes.slowest_s:.2f} s"
+        # A small request's latency is tens of ms; a stalled loop showed seconds (4.9 s at 64 MB,
+        # about 18 s at 128 MB). The bound leaves room for a machine shared with other work.
+        print(
+            f"431 after {elapsed:.3f} s; slowest of {len(probes.results)} gRPC probes {probes.slowest_s:.3f} s"
+        )
+        assert probes.slowest_s < 2.5, f"a gRPC probe took {probes.slowest_s:.2f} s"
         # The edge still serves normal requests.
         body = json.dumps({"prompt": "hello", "max_tokens": 2}).encode()
         req = urllib.request.Request(
