@@ -5,11 +5,16 @@
 command nothing made them. It writes, into ``DIR``:
 
 - ``cms.tokens``: the CMS's token file (``cms --auth-token-file``), one
-  ``NAME TOKEN`` line per token below;
+  ``NAME TOKEN SCOPE`` line per token below;
 - ``ID.token`` per worker id: that worker's token (``worker
-  --cms-auth-token-file``). Its principal is ``worker.ID``, so the CMS gives
-  the id to that token only and one worker cannot write another's entry;
-- ``router.token``: a token for routers, which read the cluster view;
+  --cms-auth-token-file``), scope ``write:ID``: it may register and report for
+  that id and no other, so one worker cannot write another's entry nor add
+  instances of its own making;
+- ``router.token``: a token for routers, scope ``read``: it reads the cluster
+  view and can write nothing;
+- ``worker.token``: the worker token (``--worker-auth-token-file`` on the
+  router and every worker): workers refuse Prefill/Generate/Decode/Streams/Abort
+  without it (:mod:`cms.call_auth`);
 - ``kv.key``: the key every worker signs and checks kv handles with
   (``worker --kv-key-file``).
 
@@ -37,7 +42,7 @@ _ID = re.compile(r"[A-Za-z0-9._:-]{1,57}")
 #: At most this many workers in one directory (each is one file and one line of cms.tokens).
 MAX_WORKERS = 1024
 #: File names this command writes besides the per-worker ones; a worker id may not collide.
-_RESERVED = {"router", "cms", "kv"}
+_RESERVED = {"router", "cms", "kv", "worker"}
 
 
 def worker_ids(text: str) -> list[str]:
@@ -78,6 +83,7 @@ def write_secrets(directory: Path, ids: list[str], *, force: bool = False) -> di
         "cms": directory / "cms.tokens",
         "router": directory / "router.token",
         "kv": directory / "kv.key",
+        "worker": directory / "worker.token",
     }
     paths.update({iid: directory / f"{iid}.token" for iid in ids})
     if not force:
@@ -86,14 +92,15 @@ def write_secrets(directory: Path, ids: list[str], *, force: bool = False) -> di
             raise FileExistsError(f"{', '.join(taken)} already exist (--force replaces them)")
     tokens = {iid: new_token() for iid in ids}
     router_token = new_token()
-    lines = ["# slo-router cms --auth-token-file: one 'NAME TOKEN' per line"]
-    lines += [f"worker.{iid} {token}" for iid, token in tokens.items()]
-    lines.append(f"router {router_token}")
+    lines = ["# slo-router cms --auth-token-file: one 'NAME TOKEN SCOPE' per line"]
+    lines += [f"worker.{iid} {token} write:{iid}" for iid, token in tokens.items()]
+    lines.append(f"router {router_token} read")
     _write(paths["cms"], "\n".join(lines) + "\n", force=force)
     for iid, token in tokens.items():
         _write(paths[iid], token + "\n", force=force)
     _write(paths["router"], router_token + "\n", force=force)
     _write(paths["kv"], new_token() + "\n", force=force)
+    _write(paths["worker"], new_token() + "\n", force=force)
     return paths
 
 
@@ -120,16 +127,19 @@ def run(args: argparse.Namespace) -> int:
         return os.path.join(args.dir, name)
 
     kv = shown("kv.key")
-    print(f"wrote {len(ids) + 3} secrets into {args.dir} (directory 0700, files 0600):")
+    worker_token = shown("worker.token")
+    print(f"wrote {len(ids) + 4} secrets into {args.dir} (directory 0700, files 0600):")
     print(
         f"  slo-router cms    --auth-token-file {shown('cms.tokens')}        (every token below, one per line)"
     )
     for iid in ids:
         print(
             f"  slo-router worker --instance-id {iid} --cms-auth-token-file {shown(iid + '.token')} "
-            f"--kv-key-file {kv}"
+            f"--kv-key-file {kv} --worker-auth-token-file {worker_token}"
         )
-    print(f"  slo-router router --cms-auth-token-file {shown('router.token')}")
+    print(
+        f"  slo-router router --cms-auth-token-file {shown('router.token')} --worker-auth-token-file {worker_token}"
+    )
     return 0
 
 

@@ -97,6 +97,7 @@ def test_the_readme_hand_run_block_works_as_written(tmp_path: Path) -> None:
         "kv.key",
         "p0.token",
         "router.token",
+        "worker.token",
     ]
     assert all(p.stat().st_mode & 0o777 == 0o600 for p in secrets.iterdir())
     assert (
