@@ -876,7 +876,7 @@ class QlmQueue:
             group.closed = True
             group = None
         if group is None:
-            group = self._new_group(key, now_s, instance)
+            group = self._new_group(key, now_s, instance, r.deadline_s)
         if front:
             group.members.appendleft(r)
         else:
@@ -887,19 +887,32 @@ class QlmQueue:
             group.closed = True
         self._check(now_s)
 
-    def _new_group(self, key: tuple[Any, ...], now_s: float, instance: int) -> Group:
+    def _new_group(
+        self, key: tuple[Any, ...], now_s: float, instance: int, deadline_s: float = math.inf
+    ) -> Group:
         gid = self._gid
         self._gid += 1
         self.groups_made += 1
-        # Virtual queues take new groups first come first served, on the queue that frees first;
-        # the plan generator reorders when that misses a deadline. An evicted request's new group
+        # A new group goes to the queue that frees first, in deadline order among its groups
+        # (the plan generator's own first step, EDF, taken at insertion): the paper queues new groups
+        # first come first served and reorders when its estimator predicts a violation, but this
+        # router's estimator sees a queue's head waiting for KV and TPOT room only approximately, and a
+        # tight group appended behind loose ones that cannot be pulled missed before any re-plan.
+        # The plan generator still reorders on a predicted violation. An evicted request's new group
         # goes right behind the head of the queue it left.
         if instance >= 0:
             i = instance
             self.vqs[i].insert(1 if self.vqs[i] else 0, gid)
         else:
             i = min(range(len(self.models)), key=lambda k: (self._backlog_q(k, now_s), k))
-            self.vqs[i].append(gid)
+            vq = self.vqs[i]
+            at = len(vq)
+            for k, other in enumerate(vq):
+                g = self.groups[other]
+                if g.members and g.deadline_s > deadline_s:
+                    at = k
+                    break
+            vq.insert(at, gid)
         group = Group(gid, key, self.config.group_factor * max(self.models[i].batch, 1))
         self.groups[gid] = group
         self.open[key] = gid
