@@ -20,6 +20,7 @@ from typing import Protocol
 import numpy as np
 from slorouter.v1 import cms_pb2, router_pb2
 
+from fleet.prefix import token_block_hashes
 from fleet.snapshot import ClusterSnapshot
 from router.core.calibration import Calibrator
 from router.core.capacity import LoadTracker, estimate_instances
@@ -27,6 +28,7 @@ from router.core.columns import ClusterView, FloatArray
 from router.core.decision import Choice, Decision
 from router.core.errors import EmptyClusterError, InvalidRequestError, NoInstanceError, SchedulingError
 from router.core.health import OutlierDetector
+from router.core.lengths import LengthPredictor
 from router.core.packing import expected_output_tokens, overpacked_mask
 from router.core.plugins import Policy
 from router.core.queue import RouterQueue
@@ -116,6 +118,9 @@ class Placer:
         self._limits: tuple[ClusterSnapshot, frozenset[str], dict[str, int], int] | None = None
         #: The load placed over the last minute (for ``desired_instances``).
         self.load = LoadTracker()
+        #: Output lengths learned from the requests that finished here (the policies' length estimate;
+        #: a client sends only max_tokens).
+        self.lengths = LengthPredictor()
         predictors = scheduler.predictors
         #: The scheduler's online calibration, fed the workers' step samples from each new view.
         self.calibration: Calibrator | None = predictors.calibration if predictors is not None else None
@@ -177,7 +182,16 @@ class Placer:
         stages: StageRestriction = StageRestriction.ALL,
         prompt_tokens: int | None = None,
     ) -> ScheduleInput:
-        """What the scheduling core sees of ``req``."""
+        """What the scheduling core sees of ``req``.
+
+        With a prefix source the prompt's block hashes go with it (:mod:`fleet.prefix`), so the
+        prediction charges only the tokens each instance's cache lacks; a re-placement of decode
+        (its own ``prompt_tokens``) computes no prompt and carries none.
+        """
+        prefix = self.scheduler.prefix
+        hashes: tuple[int, ...] = ()
+        if prefix is not None and prompt_tokens is None:
+            hashes = token_block_hashes(req.prompt_token_ids, prefix.block_tokens)
         return ScheduleInput(
             request_id=req.request_id,
             prompt_tokens=len(req.prompt_token_ids) if prompt_tokens is None else prompt_tokens,
@@ -187,10 +201,14 @@ class Placer:
             exclude_instance_ids=exclude,
             stages=stages,
             e2e_slo_ms=req.e2e_slo_ms,
+            expected_output_tokens=self.lengths.estimate(
+                req.slo_class, len(req.prompt_token_ids), req.max_tokens
+            ).tokens,
             max_tokens=req.max_tokens,
             priority=req.priority,
             slo_class=req.slo_class,
             arrival_s=req.arrival_s,
+            prefix_hashes=hashes,
         )
 
     def snapshot(self) -> ClusterSnapshot:

@@ -110,6 +110,7 @@ from slorouter.v1 import cms_pb2
 
 from bench.report import RequestResult, slo_met
 from bench.workload import RequestPlan
+from fleet.prefix import id_block_hashes
 from fleet.snapshot import ClusterSnapshot, InstanceRecord
 from predictor import LatencyPredictor
 from router.core.calibration import Calibrator
@@ -126,6 +127,7 @@ from router.core.decision import Decision
 from router.core.errors import EmptyClusterError, LateError, NoInstanceError
 from router.core.lengths import LengthConfig, LengthPredictor
 from router.core.predictors import PredictorSet
+from router.core.prefix import ExactPrefixIndex, PrefixRouting
 from router.core.qlm import DEFAULT_CONTEXT, Dispatch, QlmConfig, QlmQueue, QlmRequest, instance_model
 from router.core.queue import Objective, QueueConfig, QueuePolicy, RouterQueue, Verdict, offer
 from router.core.request import Mode, Role, ScheduleInput
@@ -257,6 +259,7 @@ class SimFleet:
             "kv_capacity_tokens": _readonly(
                 np.array([c.kv_capacity_tokens for c in configs], dtype=np.float64)
             ),
+            "max_num_seqs": _readonly(np.array([c.max_num_seqs for c in configs], dtype=np.float64)),
             "has_status": ones,
             "schedulable": ones,
         }
@@ -276,6 +279,7 @@ class SimFleet:
                 block_size=config.block_size,
                 labels={profile_label: group},
                 max_model_len=config.max_model_len,
+                max_num_seqs=config.max_num_seqs,
             )
             records.append(InstanceRecord(metadata=metadata, status=None, status_age_s=math.inf))
         return ClusterSnapshot(instances=tuple(records), taken_at_s=0.0)
@@ -322,6 +326,9 @@ class SimOutcome:
     #: Per planned request: time waited in the router queue (ms) and whether it left the queue late.
     queue_wait_ms: tuple[float, ...] = ()
     late: tuple[bool, ...] = ()
+    #: Prompt tokens the engines found in their prefix caches over those they looked up (None:
+    #: no prefix caching in the run).
+    cache_hit_rate: float | None = None
 
 
 class _Req:
@@ -432,6 +439,7 @@ class _Simulation:
         sa_search: str = "anneal",
         oracle_lengths: bool = False,
         lengths: LengthConfig | None = None,
+        prefix_block_tokens: int = 0,
     ) -> None:
         self.fleet = fleet
         #: What the router learns of output lengths (from finished requests only).
@@ -479,6 +487,8 @@ class _Simulation:
         #: Step times of instances whose decode runs may be fast-forwarded (None: always stepped).
         self.times: list[DecodeStepTimes | None] = []
         for i, (config, lp) in enumerate(zip(fleet.configs, fleet.instance_truths, strict=True)):
+            if prefix_block_tokens and config.prefix_cache_block_tokens != prefix_block_tokens:
+                config = dataclasses.replace(config, prefix_cache_block_tokens=prefix_block_tokens)
             if config.noise > 0 or config.kv_slowdown > 0:
                 # Planning steps ahead would draw the noise out of order: these engines are always stepped.
                 rng = random.Random((config.seed * 1_000_003 + seed) * 65_537 + i)
@@ -537,6 +547,14 @@ class _Simulation:
             r.idx = k
         self.now = 0.0
         self.decisions = self.rejected = self.num_steps = self.kv_transfers = self.events = 0
+        # Prefix caching: each plan's chained block hashes (empty without engine caching or hash ids),
+        # and the router's exact index when it is fed the engines' KV events.
+        block = prefix_block_tokens
+        self.block_hashes: list[tuple[int, ...]] = [
+            id_block_hashes(p.hash_ids, p.prompt_tokens, block) if block and p.hash_ids else () for p in plans
+        ]
+        prefix = scheduler.prefix
+        self.exact_index = prefix if isinstance(prefix, ExactPrefixIndex) else None
 
     # ------------------------------------------------------------------ the loop
 
@@ -876,6 +894,7 @@ class _Simulation:
             priority=plan.priority,
             slo_class=plan.class_name,
             arrival_s=None if self.queue is None and self.qlm is None else plan.arrival_s,
+            prefix_hashes=self.block_hashes[idx] if self.scheduler.prefix is not None else (),
         )
         if self.calibrator is not None:
             self._feed_calibration(now)
@@ -1053,7 +1072,13 @@ class _Simulation:
         # An evicted request runs again with its generated tokens as part of the prompt (recomputed);
         # the engine stops at the answer's true end, which the cap left to it may not reach.
         new_tokens = max(min(q.max_tokens, r.out - q.generated), 1)
-        spec = SimRequestSpec(str(idx), q.prompt_tokens, new_tokens, counts_as_decode=new_tokens > 1)
+        spec = SimRequestSpec(
+            str(idx),
+            q.prompt_tokens,
+            new_tokens,
+            counts_as_decode=new_tokens > 1,
+            block_hashes=self.block_hashes[idx] if q.prompt_tokens == plan.prompt_tokens else (),
+        )
         try:
             self._settle(i, now).add(spec)
         except EngineOverloadedError as exc:
@@ -1090,12 +1115,20 @@ class _Simulation:
         rid = str(idx)
         neutral = decision.mode is Mode.NEUTRAL
         out = r.out = self._true_length(idx, d)
+        hashes = self.block_hashes[idx]
         # Engine truth below (the engine ends a one-token answer at its first token, so a PD
         # prefill then holds no KV); the router's resident leg is costed by its own estimate.
         if neutral:
-            spec = SimRequestSpec(rid, plan.prompt_tokens, out, counts_as_decode=out > 1)
+            spec = SimRequestSpec(rid, plan.prompt_tokens, out, counts_as_decode=out > 1, block_hashes=hashes)
         else:
-            spec = SimRequestSpec(rid, plan.prompt_tokens, 1, hold_kv=out > 1, counts_as_decode=False)
+            spec = SimRequestSpec(
+                rid,
+                plan.prompt_tokens,
+                1,
+                hold_kv=out > 1,
+                counts_as_decode=False,
+                block_hashes=hashes,
+            )
         try:
             self._settle(p, now).add(spec)
         except EngineOverloadedError as exc:
@@ -1193,17 +1226,21 @@ class _Simulation:
         context: list[float] = []
         remaining: list[float] = []
         started: list[bool] = []
+        generated: list[float] = []
         for i in range(len(self.resident_on)):
-            for cur, rem, decoding in self._legs_on(i, now):
+            prompts = [prompt for prompt, _ in self.resident_on[i].values()]
+            for (cur, rem, decoding), prompt in zip(self._legs_on(i, now), prompts, strict=True):
                 instance.append(i)
                 context.append(cur)
                 remaining.append(rem)
                 started.append(decoding)
+                generated.append(max(cur - prompt, 0.0))
         found = ResidentLegs(
             np.array(instance, dtype=np.intp),
             np.array(context, dtype=np.float64),
             np.array(remaining, dtype=np.float64),
             np.array(started, dtype=bool),
+            np.array(generated, dtype=np.float64),
         )
         self.legs_cache = (key, found)
         return found
@@ -1255,10 +1292,16 @@ class _Simulation:
         runs = self.runs
         if not self.oracle_lengths:
             self._reestimate_residents(now)
+        exact = self.exact_index
         for i in self.dirty:
             if runs[i] is not None:
                 self.run_next[i] = -np.inf
             core = cores[i]
+            if exact is not None:
+                # What the engine's KV-event stream carries to the router (instantaneous, as pushes are).
+                events, _ = core.drain_kv_events()
+                if events:
+                    exact.apply(self.fleet.ids[i], [(e.kind.value, e.block_hashes) for e in events])
             uncomputed[i] = core.num_uncomputed_prefill_tokens
             decode_requests[i] = core.num_decode_requests
             decode_tokens[i] = core.num_decode_tokens
@@ -1340,6 +1383,11 @@ class _Simulation:
 
     # ------------------------------------------------------------------ results
 
+    def cache_hit_rate(self) -> float:
+        """The fleet's prefix-cache hit rate: cached prompt tokens over prompt tokens looked up."""
+        queried = sum(core.cache_query_tokens for core in self.cores)
+        return sum(core.cache_hit_tokens for core in self.cores) / queried if queried else 0.0
+
     def results(self) -> tuple[RequestResult, ...]:
         out = []
         ids = self.fleet.ids
@@ -1392,6 +1440,7 @@ def simulate(
     qlm: QlmConfig | None = None,
     sa_search: str = "anneal",
     oracle_lengths: bool = False,
+    engine_prefix_cache: bool = True,
 ) -> SimOutcome:
     """Run ``plans`` (open-loop, in arrival order) on ``fleet`` with the policy ``config`` names.
 
@@ -1406,6 +1455,13 @@ def simulate(
     exhaustive search (the reference its annealing is compared with).
     ``oracle_lengths=True`` gives policies each request's true output length (an ablation; by
     default they get an online estimate learned from finished requests).
+
+    Prefix caching: when the plans carry prefix-block ids (``RequestPlan.hash_ids``) and
+    ``engine_prefix_cache`` is on, every engine caches prompt KV in blocks of the plans'
+    ``prefix_block_tokens`` (content-addressed by the chained hash of the block ids, which
+    stand for the tokens), and the router hashes prompts the same way. Its knowledge of the
+    caches follows ``config.prefix_cache_routing``: ``auto`` and ``exact`` read the engines' KV
+    events, ``approximate`` its own dispatches, ``off`` charges every prompt in full.
     """
     if any(b.arrival_s < a.arrival_s for a, b in itertools.pairwise(plans)):
         raise ValueError("plans must be in arrival order")
@@ -1414,7 +1470,12 @@ def simulate(
     if config.calibration != "off":
         # A fresh set per run: the calibration (the scheduler attaches it) is the run's state.
         predictors = PredictorSet(fleet.predictors.default, fleet.predictors.groups)
+    block = prefix_cache_block(plans, fleet) if engine_prefix_cache else 0
+    if block:
+        config = dataclasses.replace(config, prefix_block_tokens=block)  # hashed as the engines cache
     scheduler = Scheduler(config, predictors, random.Random(seed))
+    if block and config.prefix_cache_routing in (PrefixRouting.AUTO.value, PrefixRouting.EXACT.value):
+        scheduler.use_exact_prefix_index()
     calibrator = predictors.calibration
     sim = _Simulation(
         fleet,
@@ -1428,6 +1489,7 @@ def simulate(
         qlm=qlm,
         sa_search=sa_search,
         oracle_lengths=oracle_lengths,
+        prefix_block_tokens=block,
     )
     duration_s, stats = sim.run()
     results = sim.results()
@@ -1438,7 +1500,25 @@ def simulate(
         wall_s=time.perf_counter() - started,
         queue_wait_ms=tuple(r.queue_wait_s * 1e3 for r in sim.reqs),
         late=tuple(r.late for r in sim.reqs),
+        cache_hit_rate=sim.cache_hit_rate() if block else None,
     )
+
+
+def prefix_cache_block(plans: Sequence[RequestPlan], fleet: SimFleet) -> int:
+    """The prefix-cache block of a run: the plans' ``prefix_block_tokens`` (0 when no plan has hash ids)."""
+    blocks = {p.prefix_block_tokens for p in plans if p.hash_ids}
+    if not blocks:
+        return 0
+    if len(blocks) > 1:
+        raise ValueError(f"the plans mix prefix blocks of {sorted(blocks)} tokens; one size per run")
+    block = blocks.pop()
+    for config in fleet.configs:
+        if block % config.block_size:
+            raise FleetError(
+                f"prefix blocks of {block} tokens (the workload's) are not whole KV blocks of "
+                f"--block-size {config.block_size}; pick a block size that divides {block}"
+            )
+    return block
 
 
 def _make_qlm(

@@ -47,7 +47,7 @@ from __future__ import annotations
 import enum
 import math
 import random
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
@@ -109,6 +109,20 @@ class SimConfig:
         default=256, metadata=_doc("how many recently admitted request ids the load reports")
     )
     max_recent_steps: int = field(default=32, metadata=_doc("how many recent step samples the load reports"))
+    prefix_cache_block_tokens: int = field(
+        default=0,
+        metadata=_doc(
+            "tokens per prefix-cache block (a multiple of block_size); 0 = no prefix caching. "
+            "KV of full prompt blocks stays cached by content after its request ends, LRU-evicted"
+        ),
+    )
+    max_kv_events: int = field(
+        default=65536,
+        metadata=_doc(
+            "bound on the prefix-cache events kept for a reader; past it they are dropped and "
+            "the reader resynchronises from the cache's contents"
+        ),
+    )
 
     def __post_init__(self) -> None:
         positive_ints = (
@@ -121,6 +135,7 @@ class SimConfig:
             "kv_bytes_per_token",
             "max_recent_admitted_ids",
             "max_recent_steps",
+            "max_kv_events",
         )
         for name in positive_ints:
             value = getattr(self, name)
@@ -140,6 +155,16 @@ class SimConfig:
             raise ValueError(
                 f"max_num_seqs ({self.max_num_seqs}) must not exceed max_num_batched_tokens "
                 f"({self.max_num_batched_tokens}): every running decode needs one token of the step budget"
+            )
+        if (
+            isinstance(self.prefix_cache_block_tokens, bool)
+            or not isinstance(self.prefix_cache_block_tokens, int)
+            or self.prefix_cache_block_tokens < 0
+            or self.prefix_cache_block_tokens % self.block_size
+        ):
+            raise ValueError(
+                f"prefix_cache_block_tokens must be 0 (off) or a positive multiple of block_size ({self.block_size}), "
+                f"got {self.prefix_cache_block_tokens!r}"
             )
         if self.kv_capacity_tokens < self.block_size:
             raise ValueError(
@@ -235,6 +260,25 @@ class SimRequestSpec:
     hold_kv: bool = False
     #: Whether the load counts the request among decode requests (it will decode here).
     counts_as_decode: bool = True
+    #: Chained content hashes of the prompt's full prefix-cache blocks, in order
+    #: (:mod:`fleet.prefix`; ``SimConfig.prefix_cache_block_tokens`` tokens each). Empty: nothing of the
+    #: prompt is looked up in or stored into the prefix cache.
+    block_hashes: tuple[int, ...] = ()
+
+
+class KvEventKind(str, enum.Enum):
+    """What happened to cached prefix blocks (the kinds of vLLM's ``KvCacheEvent``)."""
+
+    STORED = "stored"
+    REMOVED = "removed"
+    CLEARED = "cleared"
+
+
+class KvEvent(NamedTuple):
+    """Blocks that entered (``STORED``) or left (``REMOVED``) the prefix cache, or all of it left."""
+
+    kind: KvEventKind
+    block_hashes: tuple[int, ...] = ()
 
 
 class TokenOutput(NamedTuple):
@@ -267,6 +311,8 @@ class _Request:
     """Mutable scheduling state of one request (private to the core)."""
 
     __slots__ = (
+        "cached",
+        "discount",
         "num_blocks",
         "num_computed",
         "num_generated",
@@ -282,6 +328,11 @@ class _Request:
         self.num_generated = 0
         self.num_blocks = 0
         self.phase = _Phase.WAITING
+        #: Hashes of the prefix-cache blocks it references, a prefix of ``spec.block_hashes``.
+        self.cached: list[int] = []
+        #: While waiting: the tokens the prefix cache is expected to spare it (the load reports
+        #: them as not to compute); 0 once its lookup ran.
+        self.discount = 0
         if spec.num_cached_tokens > 0:
             # At least one token must be computed to sample the next one.
             self.num_computed = min(spec.num_cached_tokens, self.num_tokens - 1)
@@ -293,7 +344,8 @@ class _Request:
 
     @property
     def uncomputed_prefill(self) -> int:
-        return self.prefill_target - self.num_computed if self.num_computed < self.prefill_target else 0
+        left = self.prefill_target - self.num_computed - self.discount
+        return left if left > 0 else 0
 
 
 @dataclass(frozen=True)
@@ -336,6 +388,19 @@ class SimCore:
         self._num_steps = 0
         self._num_preemptions = 0
         self._step_pending = False
+        # Prefix cache (off when prefix_cache_block_tokens is 0). A cached block is a run of ``_kpb`` KV
+        # blocks named by its chained hash; ``_ref`` counts the requests referencing each one
+        # (0: evictable, then it is also in ``_lru``, oldest first). Evictable blocks count as free:
+        # ``_free_blocks`` = blocks no request references; the empty ones are those beyond the
+        # evictable ones, and allocating past them evicts the least recently used.
+        self._pbt = config.prefix_cache_block_tokens
+        self._kpb = config.prefix_cache_block_tokens // config.block_size
+        self._ref: dict[int, int] = {}
+        self._lru: OrderedDict[int, None] = OrderedDict()
+        self._events: deque[KvEvent] = deque()
+        self._events_lost = False
+        self._query_tokens = 0
+        self._hit_tokens = 0
 
     # ------------------------------------------------------------------ requests
 
@@ -369,8 +434,14 @@ class SimCore:
                 f"request {rid!r} needs {longest} tokens of KV but the cache holds "
                 f"{self._total_blocks * self._bs}; lower max_tokens or shorten the prompt"
             )
+        if spec.block_hashes and self._pbt and len(spec.block_hashes) * self._pbt > spec.num_context_tokens:
+            raise InvalidRequestError(
+                f"request {rid!r}: {len(spec.block_hashes)} prefix blocks of {self._pbt} tokens do not fit in "
+                f"its {spec.num_context_tokens} context tokens; hash only the prompt's full blocks"
+            )
         self.release_held(rid)
         req = _Request(spec)
+        req.discount = self._peek(req)
         self._active[rid] = req
         self._waiting.append(req)
         self._recent_admitted.append(rid)
@@ -397,8 +468,7 @@ class SimCore:
         req = self._held.pop(request_id, None)
         if req is None:
             return None
-        self._free_blocks += req.num_blocks
-        req.num_blocks = 0
+        self._free(req)
         req.phase = _Phase.DONE
         return req.num_computed
 
@@ -464,7 +534,7 @@ class SimCore:
                 preempted += 1
                 if victim is req:
                     return False
-            self._free_blocks -= need
+            self._take(need)
             req.num_blocks += need
             return True
 
@@ -493,12 +563,37 @@ class SimCore:
             preempted == 0 and budget > 0 and self._waiting and len(self._running) < self.config.max_num_seqs
         ):
             req = self._waiting[0]
-            n = min(req.prefill_target - req.num_computed, budget) if req.uncomputed_prefill else 1
-            need = self._blocks_for(req.num_computed + n) - req.num_blocks
-            if need > self._free_blocks:
-                break
-            self._waiting.popleft()
-            self._free_blocks -= need
+            hits = self._match(req)
+            if hits:
+                # Take the cached prefix, as vLLM does when it schedules a waiting request: its
+                # blocks are referenced (no longer evictable) and count as computed.
+                hit_tokens = len(hits) * self._pbt
+                start = max(req.num_computed, hit_tokens)
+                revived = sum(1 for h in hits if self._ref[h] == 0) * self._kpb
+                n = min(req.prefill_target - start, budget)
+                need = self._blocks_for(start + n) - len(hits) * self._kpb
+                if need + revived > self._free_blocks:
+                    break
+                self._waiting.popleft()
+                self._uncomputed -= req.uncomputed_prefill
+                self._lookup(req, len(hits))
+                for h in hits:
+                    self._reference(h)
+                req.cached = list(hits)
+                req.num_blocks = len(hits) * self._kpb
+                req.num_computed = start
+                self._uncomputed += req.uncomputed_prefill
+            else:
+                n = min(req.prefill_target - req.num_computed, budget) if req.uncomputed_prefill else 1
+                need = self._blocks_for(req.num_computed + n) - req.num_blocks
+                if need > self._free_blocks:
+                    break
+                self._waiting.popleft()
+                if self._pbt:
+                    self._uncomputed -= req.uncomputed_prefill
+                    self._lookup(req, 0)
+                    self._uncomputed += req.uncomputed_prefill
+            self._take(need)
             req.num_blocks += need
             req.phase = _Phase.RUNNING
             self._running.append(req)
@@ -543,6 +638,8 @@ class SimCore:
                 continue
             self._uncomputed -= req.uncomputed_prefill
             req.num_computed += n
+            if self._pbt and len(req.cached) < len(req.spec.block_hashes):
+                self._publish(req)
             if req.num_computed < req.num_tokens:
                 self._uncomputed += req.uncomputed_prefill
                 continue
@@ -619,7 +716,48 @@ class SimCore:
             recent_admitted_request_ids=tuple(self._recent_admitted),
             recent_steps=tuple(self._recent_steps),
             num_steps=self._num_steps,
+            prefix_cache_query_tokens=self._query_tokens,
+            prefix_cache_hit_tokens=self._hit_tokens,
         )
+
+    # ------------------------------------------------------------------ prefix cache
+
+    @property
+    def prefix_block_tokens(self) -> int:
+        """Tokens per prefix-cache block (0: prefix caching off)."""
+        return self._pbt
+
+    @property
+    def cache_hit_rate(self) -> float:
+        """Prompt tokens found in the prefix cache over prompt tokens looked up, since the start (0 before any)."""
+        return self._hit_tokens / self._query_tokens if self._query_tokens else 0.0
+
+    @property
+    def cache_query_tokens(self) -> int:
+        return self._query_tokens
+
+    @property
+    def cache_hit_tokens(self) -> int:
+        return self._hit_tokens
+
+    def cached_block_hashes(self) -> frozenset[int]:
+        """Every block hash the prefix cache holds now (in use or evictable): the truth an index mirrors."""
+        return frozenset(self._ref)
+
+    def drain_kv_events(self) -> tuple[list[KvEvent], bool]:
+        """The cache events since the last call, oldest first, and whether some were lost.
+
+        When events were lost (more than ``max_kv_events`` piled up unread) the list starts with
+        a ``CLEARED`` event followed by one ``STORED`` event of the whole cache, so a reader that
+        applies the list in order ends up with the cache's contents either way.
+        """
+        events = list(self._events)
+        self._events.clear()
+        lost = self._events_lost
+        if lost:
+            self._events_lost = False
+            events = [KvEvent(KvEventKind.CLEARED), KvEvent(KvEventKind.STORED, tuple(self._ref))]
+        return events, lost
 
     def check_invariants(self) -> None:
         """Recompute every counter from scratch and raise AssertionError on a mismatch (tests)."""
@@ -632,8 +770,19 @@ class SimCore:
         decoding = [r for r in reqs if r.spec.counts_as_decode]
         assert len(decoding) == self._decode_requests, "decode requests"
         assert sum(r.num_tokens for r in decoding) == self._decode_tokens, "decode tokens"
-        used = sum(r.num_blocks for r in reqs) + sum(r.num_blocks for r in self._held.values())
+        holders = [*reqs, *self._held.values()]
+        refs: dict[int, int] = {}
+        for r in holders:
+            assert list(r.spec.block_hashes[: len(r.cached)]) == r.cached, "cached blocks are a prefix"
+            assert r.num_blocks >= len(r.cached) * self._kpb
+            for h in r.cached:
+                refs[h] = refs.get(h, 0) + 1
+        assert all(self._ref.get(h) == c for h, c in refs.items()), "prefix-cache reference counts"
+        assert {h for h, c in self._ref.items() if c == 0} == set(self._lru), "evictable blocks"
+        private = sum(r.num_blocks - len(r.cached) * self._kpb for r in holders)
+        used = private + len(refs) * self._kpb
         assert used == self._total_blocks - self._free_blocks, "KV blocks"
+        assert self._free_blocks >= len(self._lru) * self._kpb, "evictable blocks exceed free blocks"
         assert 0 <= self._free_blocks <= self._total_blocks
         for r in reqs:
             assert 0 <= r.num_computed <= r.num_tokens
@@ -645,14 +794,107 @@ class SimCore:
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self._bs)
 
+    # ------------------------------------------------------------------ prefix cache internals
+
+    def _match(self, req: _Request) -> tuple[int, ...]:
+        """The leading block hashes of a waiting request the cache holds (at least one token left to compute)."""
+        hashes = req.spec.block_hashes
+        if not self._pbt or not hashes or req.spec.num_cached_tokens or req.num_computed:
+            return ()
+        ref = self._ref
+        limit = min(len(hashes), (req.num_tokens - 1) // self._pbt)
+        k = 0
+        while k < limit and hashes[k] in ref:
+            k += 1
+        return hashes[:k]
+
+    def _peek(self, req: _Request) -> int:
+        """Tokens the cache would spare ``req`` if it were scheduled now (what the load discounts)."""
+        return len(self._match(req)) * self._pbt
+
+    def _lookup(self, req: _Request, hit_blocks: int) -> None:
+        """Count a prefix-cache lookup of ``req`` (vLLM's queries and hits, in tokens)."""
+        req.discount = 0
+        if req.spec.num_cached_tokens:
+            return  # a decode continuing from pulled KV asks the cache nothing
+        self._query_tokens += req.spec.num_context_tokens
+        self._hit_tokens += hit_blocks * self._pbt
+
+    def _reference(self, h: int) -> None:
+        count = self._ref[h]
+        if count == 0:
+            del self._lru[h]
+            self._free_blocks -= self._kpb
+        self._ref[h] = count + 1
+
+    def _take(self, n: int) -> None:
+        """Allocate ``n`` free blocks, evicting least recently used cached blocks past the empty ones."""
+        lru = self._lru
+        if lru:
+            empty = self._free_blocks - len(lru) * self._kpb
+            if n > empty:
+                evicted: list[int] = []
+                while n > empty:
+                    h, _ = lru.popitem(last=False)
+                    del self._ref[h]
+                    evicted.append(h)
+                    empty += self._kpb
+                self._event(KvEvent(KvEventKind.REMOVED, tuple(evicted)))
+        self._free_blocks -= n
+
+    def _free(self, req: _Request) -> None:
+        """Give back every block ``req`` references: private ones at once, cached ones to the LRU.
+
+        Its cached blocks go to the LRU's recent end last block first, so a prompt's tail is
+        evicted before its head (the head is what other requests share), as vLLM frees them.
+        """
+        shared = len(req.cached) * self._kpb
+        self._free_blocks += req.num_blocks - shared
+        for h in reversed(req.cached):
+            count = self._ref[h] - 1
+            self._ref[h] = count
+            if count == 0:
+                self._lru[h] = None
+                self._free_blocks += self._kpb
+        req.cached = []
+        req.num_blocks = 0
+
+    def _publish(self, req: _Request) -> None:
+        """Name the prompt blocks ``req`` has finished computing by their hash (the cache keeps them).
+
+        A block someone else computed meanwhile is shared instead: ``req``'s own copy is freed.
+        """
+        hashes = req.spec.block_hashes
+        cached = req.cached
+        stored: list[int] = []
+        j = len(cached)
+        while j < len(hashes) and (j + 1) * self._pbt <= req.num_computed:
+            h = hashes[j]
+            if h in self._ref:
+                self._reference(h)
+                self._free_blocks += self._kpb
+            else:
+                self._ref[h] = 1
+                stored.append(h)
+            cached.append(h)
+            j += 1
+        if stored:
+            self._event(KvEvent(KvEventKind.STORED, tuple(stored)))
+
+    def _event(self, event: KvEvent) -> None:
+        if len(self._events) >= self.config.max_kv_events:
+            self._events.clear()
+            self._events_lost = True
+        self._events.append(event)
+
     def _preempt(self, req: _Request) -> None:
         self._running.remove(req)
         self._uncomputed -= req.uncomputed_prefill
-        self._free_blocks += req.num_blocks
-        req.num_blocks = 0
+        self._free(req)
         req.num_computed = 0
         req.prefill_target = req.num_tokens
         req.phase = _Phase.WAITING
+        req.discount = self._peek(req)
         self._uncomputed += req.uncomputed_prefill
         self._waiting.appendleft(req)
 
@@ -666,6 +908,5 @@ class SimCore:
             req.phase = _Phase.HELD
             self._held[req.spec.request_id] = req
             return
-        self._free_blocks += req.num_blocks
-        req.num_blocks = 0
+        self._free(req)
         req.phase = _Phase.DONE

@@ -246,7 +246,7 @@ class DecodeRun:
             req.num_computed = computed
             req.num_tokens += s
             req.num_generated += s
-        core._free_blocks -= allocated
+        core._take(allocated)  # (past the empty blocks it evicts cached prefixes, as stepping would)
         core._decode_tokens += s * self.counted
         core._num_steps += s
         recent = core._recent_steps

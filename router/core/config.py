@@ -19,6 +19,7 @@ from typing import Any
 
 from router.core.calibration import CALIBRATION_MODES
 from router.core.errors import ConfigError
+from router.core.prefix import PREFIX_ROUTING_MODES
 from router.core.registry import METRICS, POLICIES
 
 FAILOVER_DOMAINS = ("instance", "node", "unit", "node-unit")
@@ -35,7 +36,12 @@ class SchedulerConfig:
     scheduling_policy: str = field(
         default="load-balance",
         metadata=_doc(
-            "registered policy: load-balance, slo, binpack, round-robin, random, least-requests or power-of-two",
+            "registered policy: load-balance, slo, binpack, round-robin, random, least-requests or "
+            "power-of-two. binpack (Aladdin, seed 001) packs requests onto the fullest instances whose "
+            "TTFT, TPOT at the packing horizon, prefill-vs-ATGT slack and KV over life constraints all "
+            "hold; a request none admits waits in the router queue (run it with --queue-policy fcfs or "
+            "edf; with none it is refused), so use it to keep instances free for scale-down (see slo-router "
+            "plan), not to raise attainment on a fixed fleet, where slo does as well",
             "--scheduling-policy",
         ),
     )
@@ -180,6 +186,15 @@ class SchedulerConfig:
             "--binpack-max-batch",
         ),
     )
+    binpack_theta: float = field(
+        default=0.7,
+        metadata=_doc(
+            "binpack: Aladdin's theta, the share of the TPOT target its packing horizon (b) and of the "
+            "residents' ATGT slack its prefill (d) may use (ratio in (0, 1]); below 1 to absorb output-length "
+            "prediction error",
+            "--binpack-theta",
+        ),
+    )
     overpacked_tpot_factor: float = field(
         default=1.0,
         metadata=_doc(
@@ -193,6 +208,32 @@ class SchedulerConfig:
         metadata=_doc(
             "online calibration of the predictions from the workers' step samples: off, scale or refit",
             "--calibration",
+        ),
+    )
+    prefix_cache_routing: str = field(
+        default="auto",
+        metadata=_doc(
+            "what the router knows of the instances' prefix caches, for predicting TTFT from the tokens "
+            "still to compute: exact (the engines' KV events), approximate (its own routing history), "
+            "off (every prompt charged in full), auto (exact where the engines publish events, else "
+            "approximate)",
+            "--prefix-cache-routing",
+        ),
+    )
+    prefix_block_tokens: int = field(
+        default=256,
+        metadata=_doc(
+            "tokens per prefix block the router hashes prompts in; with exact routing it must equal the "
+            "engines' prefix-cache block",
+            "--prefix-block-tokens",
+        ),
+    )
+    prefix_index_max_blocks: int = field(
+        default=65536,
+        metadata=_doc(
+            "bound on the prefix-block hashes the router keeps per instance (memory: this many entries "
+            "times the instances)",
+            "--prefix-index-max-blocks",
         ),
     )
     policy_config_path: str | None = field(
@@ -217,6 +258,7 @@ class SchedulerConfig:
             "ttft_slo_dispatch_threshold",
             "tpot_slo_dispatch_threshold",
             "tpot_binpack_threshold",
+            "binpack_theta",
             "kv_packing_headroom",
             "overpacked_tpot_factor",
         ):
@@ -235,6 +277,8 @@ class SchedulerConfig:
             raise bad("kv_packing_headroom", "must be <= 1 (a fraction of the KV capacity)")
         if self.packing_default_output_tokens < 1:
             raise bad("packing_default_output_tokens", "must be >= 1 token")
+        if self.binpack_theta > 1.0:
+            raise bad("binpack_theta", "must be within (0, 1]")
         if self.binpack_max_batch < 1:
             raise bad("binpack_max_batch", "must be >= 1 request")
         if self.dispatch_top_k < 1:
@@ -255,6 +299,12 @@ class SchedulerConfig:
             raise bad("profile_label", "must not be empty")
         if self.calibration not in CALIBRATION_MODES:
             raise bad("calibration", f"must be one of {', '.join(CALIBRATION_MODES)}")
+        if self.prefix_cache_routing not in PREFIX_ROUTING_MODES:
+            raise bad("prefix_cache_routing", f"must be one of {', '.join(PREFIX_ROUTING_MODES)}")
+        if not 1 <= self.prefix_block_tokens <= 1 << 20:
+            raise bad("prefix_block_tokens", "must be within [1, 1048576] tokens")
+        if not 1 <= self.prefix_index_max_blocks <= 1 << 24:
+            raise bad("prefix_index_max_blocks", "must be within [1, 16777216] blocks")
 
     @classmethod
     def doc(cls, name: str) -> str:
@@ -283,7 +333,11 @@ class SchedulerConfig:
                 )
                 continue
             kind: Any = {"float": float, "int": int, "float | None": float}.get(str(f.type), str)
-            choices = {"failover_domain": FAILOVER_DOMAINS, "calibration": CALIBRATION_MODES}.get(f.name)
+            choices = {
+                "failover_domain": FAILOVER_DOMAINS,
+                "calibration": CALIBRATION_MODES,
+                "prefix_cache_routing": PREFIX_ROUTING_MODES,
+            }.get(f.name)
             parser.add_argument(flag, type=kind, default=f.default, choices=choices, help=help_text)
 
     @classmethod

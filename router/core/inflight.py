@@ -97,6 +97,8 @@ class InflightEntry:
     decode: bool
     prompt_tokens: int
     recorded_at_s: float
+    #: Prompt tokens expected in the instance's prefix cache: its prefill leg counts only the rest.
+    cached_tokens: int = 0
 
 
 class _Totals:
@@ -124,7 +126,7 @@ class _Totals:
             self.tokens = max(0, self.tokens + sign * p)
         if prefill:
             self.prefill_requests = max(0, self.prefill_requests + sign)
-            self.prefill_tokens = max(0, self.prefill_tokens + sign * p)
+            self.prefill_tokens = max(0, self.prefill_tokens + sign * (p - entry.cached_tokens))
         if decode:
             self.decode_requests = max(0, self.decode_requests + sign)
             self.decode_tokens = max(0, self.decode_tokens + sign * p)
@@ -165,6 +167,8 @@ class InflightAccount:
         self._resident: dict[str, tuple[str, int, float]] = {}
         # request_id -> the resident leg's context now (prompt + tokens produced), see advance().
         self._resident_context: dict[str, int] = {}
+        #: The context each resident leg started from (its prompt): what it has produced is the rest.
+        self._resident_prompt: dict[str, int] = {}
         # instance_id -> [resident decode legs, sum of their final tokens]
         self._resident_totals: dict[str, list[int]] = {}
         # instance_id -> its resident legs' request ids (an ordered set), for one instance's legs.
@@ -301,10 +305,15 @@ class InflightAccount:
         started = np.fromiter(
             ((r, v[0]) not in entries for r, v in legs.items()), dtype=bool, count=len(legs)
         )
+        prompts = self._resident_prompt
+        prompt = np.fromiter((prompts.get(r, contexts[r]) for r in legs), dtype=np.float64, count=len(legs))
         keep = (instance >= 0) & (instance < n)
         if not keep.all():
             instance, context, final, started = instance[keep], context[keep], final[keep], started[keep]
-        return ResidentLegs(instance, context, np.maximum(final - context, 0.0), started)
+            prompt = prompt[keep]
+        return ResidentLegs(
+            instance, context, np.maximum(final - context, 0.0), started, np.maximum(context - prompt, 0.0)
+        )
 
     def resident_legs_on(self, instance_id: str) -> list[tuple[int, int, bool]] | None:
         """The resident legs of one instance as (context now, output still expected, started).
@@ -371,12 +380,15 @@ class InflightAccount:
         prompt_tokens: int,
         now_s: float,
         final_tokens: int = 0,
+        cached_prefill_tokens: int = 0,
     ) -> None:
         """Account a dispatch: a prefill leg on ``prefill_instance`` and a decode leg on ``decode_instance``.
 
         ``final_tokens`` (> 0) makes the decode leg resident on its instance
         until the request ends: the tokens its KV reaches at the end (context +
         expected output still to come); 0 = unknown (not resident).
+        ``cached_prefill_tokens`` of the prompt are expected in the prefill
+        instance's prefix cache: its prefill leg counts only the rest.
 
         Neutral mode passes the same instance twice (one entry with both legs);
         a decode-only re-placement passes ``prefill_instance=None``. Recording
@@ -389,16 +401,24 @@ class InflightAccount:
             raise ValueError(f"final_tokens must be >= 0, got {final_tokens}")
         if decode_instance is not None and final_tokens > 0:
             self._add_resident(request_id, decode_instance, final_tokens, now_s, prompt_tokens)
+        cached = min(max(cached_prefill_tokens, 0), prompt_tokens)
         if prefill_instance is not None and prefill_instance == decode_instance:
-            self._add(request_id, prefill_instance, True, True, prompt_tokens, now_s)
+            self._add(request_id, prefill_instance, True, True, prompt_tokens, now_s, cached)
             return
         if prefill_instance is not None:
-            self._add(request_id, prefill_instance, True, False, prompt_tokens, now_s)
+            self._add(request_id, prefill_instance, True, False, prompt_tokens, now_s, cached)
         if decode_instance is not None:
             self._add(request_id, decode_instance, False, True, prompt_tokens, now_s)
 
     def _add(
-        self, request_id: str, instance_id: str, prefill: bool, decode: bool, tokens: int, now_s: float
+        self,
+        request_id: str,
+        instance_id: str,
+        prefill: bool,
+        decode: bool,
+        tokens: int,
+        now_s: float,
+        cached: int = 0,
     ) -> None:
         if self._reported(request_id, instance_id):
             return
@@ -417,6 +437,7 @@ class InflightAccount:
                 old.decode or decode,
                 old.prompt_tokens,
                 old.recorded_at_s,
+                old.cached_tokens,
             )
             self._entries[key] = entry
             self._by_request[request_id][instance_id] = entry
@@ -424,7 +445,7 @@ class InflightAccount:
             self._totals[instance_id].add(entry, +1, new_entry=False, prefill=add_prefill, decode=add_decode)
             self._touch(instance_id, _columns_of(False, add_prefill, add_decode))
         else:
-            entry = InflightEntry(request_id, instance_id, prefill, decode, tokens, now_s)
+            entry = InflightEntry(request_id, instance_id, prefill, decode, tokens, now_s, cached)
             self._entries[key] = entry
             self._by_request.setdefault(request_id, {})[instance_id] = entry
             self._by_instance.setdefault(instance_id, {})[request_id] = entry
@@ -443,6 +464,7 @@ class InflightAccount:
             self._drop_resident(request_id)
         self._resident[request_id] = (instance_id, final_tokens, now_s)
         self._resident_context[request_id] = context_tokens
+        self._resident_prompt[request_id] = context_tokens
         self._resident_on.setdefault(instance_id, {})[request_id] = None
         totals = self._resident_totals.setdefault(instance_id, [0, 0])
         totals[0] += 1
@@ -454,6 +476,7 @@ class InflightAccount:
         if found is None:
             return False
         self._resident_context.pop(request_id, None)
+        self._resident_prompt.pop(request_id, None)
         instance_id, final_tokens, _ = found
         on = self._resident_on[instance_id]
         del on[request_id]

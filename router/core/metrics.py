@@ -17,13 +17,25 @@ num_waiting_requests       S.num_waiting_requests + L requests                  
 num_requests               S.num_waiting_requests + S.num_running_requests             load
                            + L requests (a request counts once per instance)
 decode_step_ms             predicted latency of one decode step at the current load    load
-predicted_ttft             predict_ttft_ms(prefill_backlog_tokens + p,                 decision
+prompt_compute_tokens      p - c: the prompt tokens the instance would compute         decision
+cached_prompt_tokens       c = the prompt's leading tokens the instance's prefix cache  decision
+                           holds, as the router knows it (at most p - 1; 0 without
+                           a prefix source or prefix hashes)
+predicted_ttft             predict_ttft_ms(prefill_backlog_tokens + p - c,             decision
                            decode_batch_size, decode_tokens, M)
 predicted_tpot             predict_tpot_ms(decode_batch_size + 1,                      decision
                            decode_tokens + p + o / 2)
 reserved_prefill           1 for adaptive PD's reserved-prefill instance, else 0       decision
 reserved_decode            1 for adaptive PD's reserved-decode instance, else 0        decision
 =========================  ==========================================================  =========
+
+Prefix caching: an engine computes only the part of a prompt its cache does
+not hold, so ``predicted_ttft`` charges ``p - c`` at each instance (the status
+backlog already counts only what the engine will compute, and the in-flight
+prefill tokens only the uncached part of each dispatch). A hit therefore wins
+the lowest-TTFT choice exactly when the tokens it saves outweigh the queue
+in front of it, with no affinity weight. ``predicted_tpot`` still counts the
+whole prompt: a cached prefix is context like any other.
 
 The "+1" of ``predicted_tpot`` is the request being placed; metrics computed
 without a request (``ctx.request is None``, e.g. for observability) add
@@ -69,6 +81,7 @@ from router.core.columns import (
 from router.core.config import SchedulerConfig
 from router.core.plugins import DecisionContext, Metric, MetricScope
 from router.core.predictors import PredictorSet
+from router.core.prefix import cached_tokens_column
 from router.core.registry import METRICS, Params
 
 
@@ -225,6 +238,35 @@ def _decode_step_ms(ctx: DecisionContext) -> FloatArray:
     )
 
 
+@_register("slot_wait_ms", MetricScope.LOAD)
+def _slot_wait_ms(ctx: DecisionContext) -> FloatArray:
+    """How long a new request waits for a running slot before its prefill can start (ms).
+
+    An engine runs at most ``max_num_seqs`` requests; the rest wait in its queue. A new request
+    needs ``running + ahead + 1 - max_num_seqs`` of the running ones to finish first (``ahead``:
+    the engine's waiting requests and the router's dispatches not yet admitted), and only
+    decoding requests finish: with ``d`` of them holding on average ``R`` more tokens
+    (``kv_growth_tokens / d``, the router's length estimates), one finishes about every
+    ``R / d`` decode steps. 0 where a slot is free or the cap is unknown. Without it a capped
+    engine's TTFT was predicted as if every request started at once (a p90 error of 1,400-2,000 %
+    at ``--max-num-seqs 4``), and the ``slo`` policy admitted requests the engine then held back.
+    """
+    table = ctx.view.instances
+    cap = table.max_num_seqs
+    zero = np.zeros(table.n)
+    if cap is None:
+        return zero
+    need = table.running_requests + table.waiting_requests + ctx.view.inflight.requests + 1.0 - cap
+    if not (need > 0).any():
+        return zero
+    batch = ctx.metric("decode_batch_size")
+    decoders = np.maximum(batch, 1.0)
+    remaining = np.maximum(ctx.metric("kv_growth_tokens") / decoders, 1.0)
+    steps_per_finish = remaining / decoders
+    wait: FloatArray = np.where(need > 0, need * steps_per_finish * ctx.metric("decode_step_ms"), 0.0)
+    return wait
+
+
 # ----------------------------------------------------------------------------- prefill backlog
 
 
@@ -347,6 +389,52 @@ def _prefill_backlog_tokens(ctx: DecisionContext) -> FloatArray:
     return backlog + inflight.prefill_tokens if inflight.instances_with_entries else backlog
 
 
+# ----------------------------------------------------------------------------- prefix cache
+
+
+def _no_cache(table: InstanceTable) -> FloatArray:
+    found: FloatArray | None = table.memo.get("no_cached_tokens")
+    if found is None:
+        found = np.zeros(table.n)
+        found.setflags(write=False)
+        table.memo["no_cached_tokens"] = found
+    return found
+
+
+@_register("cached_prompt_tokens", MetricScope.DECISION)
+def _cached_prompt_tokens(ctx: DecisionContext) -> FloatArray:
+    request, source = ctx.request, ctx.prefix
+    table = ctx.view.instances
+    if request is None or source is None or not request.prefix_hashes:
+        return _no_cache(table)
+    return cached_tokens_column(source, table.ids, table.index, request.prefix_hashes, request.prompt_tokens)
+
+
+@_register("prompt_compute_tokens", MetricScope.DECISION)
+def _prompt_compute_tokens(ctx: DecisionContext) -> FloatArray:
+    """``p - c``: the prompt tokens the instance would compute (``p`` everywhere without cache knowledge)."""
+    prompt = _prompt_to_compute(ctx)
+    if isinstance(prompt, float):
+        table = ctx.view.instances
+        key = ("prompt_column", prompt)
+        found: FloatArray | None = table.memo.get(key)
+        if found is None:
+            found = np.full(table.n, prompt)
+            found.setflags(write=False)
+            if len(table.memo) < 4096:
+                table.memo[key] = found
+        return found
+    return prompt
+
+
+def _prompt_to_compute(ctx: DecisionContext) -> float | FloatArray:
+    """The prompt tokens each instance would compute: ``p`` (a scalar) without cache knowledge, else ``p - c``."""
+    request = ctx.request
+    if request is None or ctx.prefix is None or not request.prefix_hashes:
+        return ctx.prompt_tokens
+    return ctx.prompt_tokens - ctx.metric("cached_prompt_tokens")
+
+
 # ----------------------------------------------------------------------------- predictions
 
 
@@ -355,25 +443,32 @@ def _predicted_ttft_at(ctx: DecisionContext, i: int) -> float:
         return float("nan")
     table = ctx.view.instances
     lp = ctx.predictors.for_group(table.groups[i])
-    backlog = ctx.metric("prefill_backlog_tokens").item(i) + ctx.prompt_tokens
+    prompt = _prompt_to_compute(ctx)
+    backlog = ctx.metric("prefill_backlog_tokens").item(i) + (
+        prompt if isinstance(prompt, float) else prompt.item(i)
+    )
     batch = ctx.metric("decode_batch_size").item(i)
     tokens = ctx.metric("decode_tokens").item(i)
     budget = table.max_num_batched_tokens.item(i)
     value = lp.ttft_ms_at(backlog, batch, tokens, budget)
+    wait = ctx.metric("slot_wait_ms").item(i) if table.max_num_seqs is not None else 0.0
     correction = _correction(ctx)
     if correction is None:
-        return value
+        return value + wait
     one = correction.at(i)
     decode = ctx.metric("decode_step_ms")[i : i + 1]
-    return float(
-        one.ttft_ms(
-            np.array([value]),
-            np.array([backlog]),
-            np.array([batch]),
-            np.array([tokens]),
-            np.array([budget]),
-            decode,
-        )[0]
+    return (
+        float(
+            one.ttft_ms(
+                np.array([value]),
+                np.array([backlog]),
+                np.array([batch]),
+                np.array([tokens]),
+                np.array([budget]),
+                decode,
+            )[0]
+        )
+        + wait
     )
 
 
@@ -404,7 +499,7 @@ def _predicted_ttft(ctx: DecisionContext) -> FloatArray:
     if predictors is None:
         return _nan(ctx)
     table = ctx.view.instances
-    backlog = ctx.metric("prefill_backlog_tokens") + ctx.prompt_tokens
+    backlog = ctx.metric("prefill_backlog_tokens") + _prompt_to_compute(ctx)
     step = ctx.metric("decode_step_ms")
     full_chunk = _full_chunk_ms(table, predictors)
     if ctx.prompt_tokens > 0:  # then every backlog is > 0: the leaner path gives the same values
@@ -412,18 +507,23 @@ def _predicted_ttft(ctx: DecisionContext) -> FloatArray:
     else:
         values = predictors.chunked_prefill_ms(table, backlog, step, full_chunk)
     correction = _correction(ctx)
-    if correction is None:
-        return values
-    batch, tokens = ctx.metric("decode_batch_size"), ctx.metric("decode_tokens")
-    return correction.ttft_ms(
-        values,
-        backlog,
-        batch,
-        tokens,
-        table.max_num_batched_tokens,
-        step,
-        _full_chunk_remainder(ctx, correction, batch, tokens),
-    )
+    if correction is not None:
+        batch, tokens = ctx.metric("decode_batch_size"), ctx.metric("decode_tokens")
+        values = correction.ttft_ms(
+            values,
+            backlog,
+            batch,
+            tokens,
+            table.max_num_batched_tokens,
+            step,
+            _full_chunk_remainder(ctx, correction, batch, tokens),
+        )
+    if table.max_num_seqs is not None:
+        # A full engine holds the request back until a running one finishes (see slot_wait_ms).
+        wait = ctx.metric("slot_wait_ms")
+        if wait.any():
+            values = values + wait
+    return values
 
 
 def _full_chunk_remainder(

@@ -30,6 +30,7 @@ import numpy as np
 
 from router.core.columns import INFLIGHT_ALL, BoolArray, ClusterView, FloatArray, IntArray
 from router.core.predictors import PredictorSet
+from router.core.prefix import PrefixSource
 from router.core.request import ScheduleInput, Stage
 
 T = TypeVar("T")
@@ -88,6 +89,7 @@ class DecisionContext:
         "_values",
         "max_status_age_s",
         "predictors",
+        "prefix",
         "prompt_tokens",
         "request",
         "reserves",
@@ -108,6 +110,7 @@ class DecisionContext:
         ttft_slo_ms: float,
         tpot_slo_ms: float,
         max_status_age_s: float,
+        prefix: PrefixSource | None = None,
     ) -> None:
         self.view = view
         self.request = request
@@ -120,6 +123,8 @@ class DecisionContext:
         self.tpot_slo_ms = tpot_slo_ms
         self.max_status_age_s = max_status_age_s
         self.reserves = NO_RESERVES
+        #: What the router knows of the instances' prefix caches (None: prompts are charged in full).
+        self.prefix = prefix
         self._metrics = metrics
         self._values: dict[str, FloatArray] = {}
         self._memo: dict[Any, Any] = {}

@@ -230,7 +230,7 @@ class QueueConfig(FlagFields):
 
     # The sa policy (router/core/sa.py): the paper's schedule (500, 100 moves per level, 0.95, 20:
     # 6300 moves) in per mille of the starting plan's G. A run that cannot afford it within the
-    # budget keeps the temperatures and takes fewer moves per level (see the README's sa section).
+    # budget keeps the temperatures and takes fewer moves per level (see docs/user-guide.md, the sa section).
     sa_initial_temperature: float = field(
         default=500.0,
         metadata=_doc(

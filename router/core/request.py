@@ -89,6 +89,9 @@ class ScheduleInput:
     slo_class: str = ""
     #: When the request reached the router (s, the scheduler's clock); None = unknown.
     arrival_s: float | None = None
+    #: Chained hashes of the prompt's full prefix-cache blocks (:mod:`fleet.prefix`), hashed the way
+    #: the scheduler's prefix source holds them; empty = the prompt is charged in full everywhere.
+    prefix_hashes: tuple[int, ...] = ()
 
     def __init__(
         self,
@@ -105,6 +108,7 @@ class ScheduleInput:
         priority: int = 0,
         slo_class: str = "",
         arrival_s: float | None = None,
+        prefix_hashes: tuple[int, ...] = (),
     ) -> None:
         # Written out (the dataclass keeps it): one dict instead of 13 frozen attribute sets, for an
         # object built once per decision. The fields and defaults are the dataclass's (tested).
@@ -125,6 +129,7 @@ class ScheduleInput:
                 "priority": priority,
                 "slo_class": slo_class,
                 "arrival_s": arrival_s,
+                "prefix_hashes": prefix_hashes,
             },
         )
         self.__post_init__()

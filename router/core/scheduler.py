@@ -33,6 +33,7 @@ from router.core.packing import expected_output_tokens
 from router.core.plugins import DecisionContext, Metric, Policy
 from router.core.policies import build_policy
 from router.core.predictors import PredictorSet
+from router.core.prefix import ApproximatePrefixIndex, ExactPrefixIndex, PrefixRouting
 from router.core.registry import METRICS
 from router.core.request import ScheduleInput, Targets, resolve_targets
 from router.core.rng import dry_run_random
@@ -87,6 +88,24 @@ class Scheduler:
             profile_label=config.profile_label,
         )
         self._reconciled: ClusterSnapshot | None = None
+        #: What the router knows of the instances' prefix caches (None: off). ``auto`` starts
+        #: approximate; a caller with an event stream calls :meth:`use_exact_prefix_index`.
+        self.prefix: ApproximatePrefixIndex | ExactPrefixIndex | None = None
+        mode = PrefixRouting(config.prefix_cache_routing)
+        if mode is PrefixRouting.EXACT:
+            self.use_exact_prefix_index()
+        elif mode is not PrefixRouting.OFF:
+            self.prefix = ApproximatePrefixIndex(
+                config.prefix_block_tokens, max_blocks_per_instance=config.prefix_index_max_blocks
+            )
+
+    def use_exact_prefix_index(self) -> ExactPrefixIndex:
+        """Switch to an index fed by the engines' KV events (the caller feeds it) and return it."""
+        index = ExactPrefixIndex(
+            self.config.prefix_block_tokens, max_blocks_per_instance=self.config.prefix_index_max_blocks
+        )
+        self.prefix = index
+        return index
 
     def view(self, snapshot: ClusterSnapshot, now_s: float) -> ClusterView:
         """The view a decision at ``now_s`` sees.
@@ -132,6 +151,7 @@ class Scheduler:
             ttft_slo_ms=ttft,
             tpot_slo_ms=tpot,
             max_status_age_s=self.config.instance_staleness_s,
+            prefix=self.prefix,
         )
 
     def schedule(
@@ -184,6 +204,12 @@ class Scheduler:
         if request is not None:
             for hook in self.policy.hooks:
                 hook.dispatched(request, now_s)
+            prefix = self.prefix
+            if prefix is not None and request.prefix_hashes and decision.prefill is not None:
+                table = decision.context.view.instances
+                i = table.index.get(decision.prefill.instance_id)
+                capacity = float(table.kv_capacity_tokens[i]) if i is not None else 0.0
+                prefix.dispatched(decision.prefill.instance_id, request.prefix_hashes, capacity)
 
     def record(self, decision: Decision, now_s: float, prompt_tokens: int | None = None) -> None:
         """Account ``decision``'s dispatch in the in-flight account (and tell the policy's hooks).
@@ -200,6 +226,9 @@ class Scheduler:
             tokens = request.prompt_tokens if request is not None else 0
         # The decode leg stays resident until the request ends, with the KV it is expected to reach.
         final = tokens + expected_output_tokens(request, self.config.packing_default_output_tokens)
+        cached = 0
+        if prompt_tokens is None and decision.prefill is not None:
+            cached = cached_at(decision.context, decision.prefill.instance_id)
         self.inflight.record(
             decision.request_id,
             decision.prefill.instance_id if decision.prefill is not None else None,
@@ -207,4 +236,14 @@ class Scheduler:
             tokens,
             now_s,
             final_tokens=final if request is not None else 0,
+            cached_prefill_tokens=cached,
         )
+
+
+def cached_at(ctx: DecisionContext, instance_id: str) -> int:
+    """The prompt tokens ``ctx``'s decision counted as cached at ``instance_id`` (0 when it counted none)."""
+    values = ctx.computed_metrics().get("cached_prompt_tokens")
+    i = ctx.view.instances.index.get(instance_id)
+    if values is None or i is None:
+        return 0
+    return int(values[i])

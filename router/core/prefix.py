@@ -1,0 +1,321 @@
+"""What the router knows of each instance's prefix cache: an index of block hashes per instance.
+
+An engine with prefix caching keeps the KV of a prompt's full blocks under a
+chained hash (:mod:`fleet.prefix`), so a new prompt needs computing only past
+its longest run of leading blocks the instance still holds. The router's
+prediction charges only those tokens (``cached_prompt_tokens`` and
+``predicted_ttft`` in :mod:`router.core.metrics`). The index answers one
+question per decision — for this prompt's block hashes, how many leading
+blocks does each instance hold — from one of two sources behind one
+interface, :class:`PrefixSource`:
+
+- :class:`ExactPrefixIndex`: fed the engines' own cache events (blocks
+  stored, blocks removed, all cleared — the kinds of vLLM's
+  ``SubscribeKvEvents`` stream; the sim engine emits the same kinds,
+  :meth:`sim.engine.SimCore.drain_kv_events`), so it holds what each engine
+  holds;
+- :class:`ApproximatePrefixIndex`: for engines that publish no events, the
+  router's own routing history: the blocks it sent to each instance, aged by
+  LRU within the instance's KV capacity. It misses what the engine evicted
+  early (KV pressure) and keeps what it has not heard of being evicted, the
+  way SGLang's and vLLM router's ``cache_aware`` radix trees do.
+
+Bounded: each instance keeps at most ``max_blocks_per_instance`` hashes (the
+least recently used go first) and the index at most ``max_instances``
+instances (the least recently touched go first), so memory is at most
+``max_instances * max_blocks_per_instance`` entries whatever the traffic.
+
+Cost: a lookup walks the prompt's hashes once, intersecting per-block
+bitsets of the instances holding each block (one Python int per block, a
+bit per instance), and stops when no instance holds the prefix so far: a
+32k-token prompt in 512-token blocks over 256 instances is 64 dictionary
+reads and big-int ANDs, whatever the fleet size.
+
+Pure and synchronous like the rest of the core: callers feed it (the router
+shell from its event stream or its dispatches, the simulator from its
+engines), and nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Protocol
+
+import numpy as np
+
+from router.core.columns import FloatArray
+
+#: Default bound on the hashes kept per instance (2M tokens of KV in 32-token blocks).
+DEFAULT_MAX_BLOCKS_PER_INSTANCE = 65536
+#: Default bound on the instances the index keeps.
+DEFAULT_MAX_INSTANCES = 4096
+
+
+class PrefixRouting(str, enum.Enum):
+    """Where the router's knowledge of the instances' caches comes from (``--prefix-cache-routing``)."""
+
+    #: Exact where the engines publish cache events, else approximate.
+    AUTO = "auto"
+    EXACT = "exact"
+    APPROXIMATE = "approximate"
+    #: No cache in the prediction (every prompt charged in full, as before prefix caching).
+    OFF = "off"
+
+
+PREFIX_ROUTING_MODES = tuple(m.value for m in PrefixRouting)
+
+
+class PrefixSource(Protocol):
+    """What a decision asks of the router's cache knowledge.
+
+    ``block_tokens`` is the granularity of the hashes it holds (a request's
+    ``prefix_hashes`` must be hashed the same way). :meth:`matched_blocks` is
+    called once per decision that has hashes; :meth:`dispatched` when a
+    request's prefill is sent to an instance (real decisions only).
+    """
+
+    name: str
+    block_tokens: int
+
+    def matched_blocks(self, hashes: Sequence[int]) -> Mapping[str, int]:
+        """Instance id -> how many of ``hashes``' leading blocks it holds (instances holding none left out)."""
+        ...
+
+    def dispatched(self, instance_id: str, hashes: Sequence[int], capacity_tokens: float) -> None:
+        """A prompt with ``hashes`` was sent to ``instance_id`` (whose KV holds ``capacity_tokens``)."""
+        ...
+
+
+class BlockIndex:
+    """Per instance, an LRU set of block hashes; per hash, a bitset of the instances holding it.
+
+    ``max_blocks_per_instance`` and ``max_instances`` bound the memory (see the module doc).
+    """
+
+    def __init__(
+        self,
+        block_tokens: int,
+        *,
+        max_blocks_per_instance: int = DEFAULT_MAX_BLOCKS_PER_INSTANCE,
+        max_instances: int = DEFAULT_MAX_INSTANCES,
+    ) -> None:
+        if block_tokens <= 0:
+            raise ValueError(f"block_tokens must be > 0, got {block_tokens}")
+        if max_blocks_per_instance <= 0:
+            raise ValueError(f"max_blocks_per_instance must be > 0, got {max_blocks_per_instance}")
+        if max_instances <= 0:
+            raise ValueError(f"max_instances must be > 0, got {max_instances}")
+        self.block_tokens = block_tokens
+        self.max_blocks_per_instance = max_blocks_per_instance
+        self.max_instances = max_instances
+        self._slot: OrderedDict[str, int] = OrderedDict()  # instance -> slot, least recently touched first
+        self._ids: list[str] = []  # slot -> instance ("" when free)
+        self._free_slots: list[int] = []
+        self._blocks: list[OrderedDict[int, None]] = []  # slot -> its hashes, least recently used first
+        self._holders: dict[int, int] = {}  # hash -> bitset of slots holding it
+
+    # ------------------------------------------------------------------ reading
+
+    def matched_blocks(self, hashes: Sequence[int]) -> dict[str, int]:
+        """Instance id -> leading blocks of ``hashes`` it holds (only instances holding >= 1)."""
+        holders = self._holders
+        if not hashes or not holders:
+            return {}
+        alive = holders.get(hashes[0], 0)
+        if not alive:
+            return {}
+        found: dict[str, int] = {}
+        ids = self._ids
+        depth = len(hashes)
+        for j in range(1, len(hashes)):
+            nxt = alive & holders.get(hashes[j], 0)
+            if nxt != alive:
+                _record(alive & ~nxt, j, ids, found)
+                alive = nxt
+                if not alive:
+                    return found
+        _record(alive, depth, ids, found)
+        return found
+
+    def blocks_of(self, instance_id: str) -> frozenset[int]:
+        slot = self._slot.get(instance_id)
+        return frozenset() if slot is None else frozenset(self._blocks[slot])
+
+    def instances(self) -> tuple[str, ...]:
+        return tuple(self._slot)
+
+    @property
+    def num_entries(self) -> int:
+        """(instance, hash) pairs held: the index's memory, in entries."""
+        return sum(len(b) for b in self._blocks)
+
+    # ------------------------------------------------------------------ writing
+
+    def add(self, instance_id: str, hashes: Iterable[int], *, limit: int | None = None) -> None:
+        """``instance_id`` holds ``hashes`` (each becomes its most recently used, in the order given).
+
+        Past ``limit`` (and always past ``max_blocks_per_instance``) its least recently used go.
+        """
+        slot = self._touch(instance_id)
+        bit = 1 << slot
+        blocks = self._blocks[slot]
+        holders = self._holders
+        for h in hashes:
+            if h in blocks:
+                blocks.move_to_end(h)
+            else:
+                blocks[h] = None
+                holders[h] = holders.get(h, 0) | bit
+        cap = self.max_blocks_per_instance if limit is None else min(limit, self.max_blocks_per_instance)
+        cap = max(cap, 1)
+        while len(blocks) > cap:
+            h, _ = blocks.popitem(last=False)
+            self._drop_bit(h, bit)
+
+    def remove(self, instance_id: str, hashes: Iterable[int]) -> None:
+        """``instance_id`` no longer holds ``hashes`` (unknown ones are ignored)."""
+        slot = self._slot.get(instance_id)
+        if slot is None:
+            return
+        bit = 1 << slot
+        blocks = self._blocks[slot]
+        for h in hashes:
+            if h in blocks:
+                del blocks[h]
+                self._drop_bit(h, bit)
+
+    def clear(self, instance_id: str) -> None:
+        """``instance_id`` holds nothing (its slot is kept)."""
+        slot = self._slot.get(instance_id)
+        if slot is None:
+            return
+        bit = 1 << slot
+        for h in self._blocks[slot]:
+            self._drop_bit(h, bit)
+        self._blocks[slot].clear()
+
+    def forget(self, instance_id: str) -> None:
+        """Drop ``instance_id`` altogether (it left the fleet)."""
+        if instance_id not in self._slot:
+            return
+        self.clear(instance_id)
+        slot = self._slot.pop(instance_id)
+        self._ids[slot] = ""
+        self._free_slots.append(slot)
+
+    def retain(self, instance_ids: Iterable[str]) -> None:
+        """Forget every instance not in ``instance_ids`` (the fleet now)."""
+        keep = set(instance_ids)
+        for instance_id in [i for i in self._slot if i not in keep]:
+            self.forget(instance_id)
+
+    # ------------------------------------------------------------------ internals
+
+    def _touch(self, instance_id: str) -> int:
+        slot = self._slot.get(instance_id)
+        if slot is not None:
+            self._slot.move_to_end(instance_id)
+            return slot
+        if len(self._slot) >= self.max_instances:
+            self.forget(next(iter(self._slot)))
+        if self._free_slots:
+            slot = self._free_slots.pop()
+            self._ids[slot] = instance_id
+        else:
+            slot = len(self._ids)
+            self._ids.append(instance_id)
+            self._blocks.append(OrderedDict())
+        self._slot[instance_id] = slot
+        return slot
+
+    def _drop_bit(self, h: int, bit: int) -> None:
+        rest = self._holders.get(h, 0) & ~bit
+        if rest:
+            self._holders[h] = rest
+        else:
+            self._holders.pop(h, None)
+
+
+def _record(bits: int, depth: int, ids: list[str], found: dict[str, int]) -> None:
+    while bits:
+        low = bits & -bits
+        found[ids[low.bit_length() - 1]] = depth
+        bits ^= low
+
+
+class ApproximatePrefixIndex(BlockIndex):
+    """The router's routing history: the blocks it sent to each instance, LRU within its KV capacity.
+
+    A dispatched prompt's blocks become the instance's most recently used,
+    its first block last, so under pressure a prompt's tail ages out before
+    the head other prompts share (as an engine frees a finished request's
+    blocks, tail first). The instance keeps at most its KV capacity in blocks.
+    """
+
+    name = "approximate"
+
+    def dispatched(self, instance_id: str, hashes: Sequence[int], capacity_tokens: float) -> None:
+        limit = None
+        if np.isfinite(capacity_tokens) and capacity_tokens > 0:
+            limit = int(capacity_tokens // self.block_tokens)
+        self.add(instance_id, reversed(hashes), limit=limit)
+
+
+class KvEventKind(str, enum.Enum):
+    """The kinds of cache event an engine reports (vLLM's ``BlockStored``, ``BlockRemoved``,
+    ``AllBlocksCleared``; :class:`sim.engine.KvEventKind` has the same values)."""
+
+    STORED = "stored"
+    REMOVED = "removed"
+    CLEARED = "cleared"
+
+
+class ExactPrefixIndex(BlockIndex):
+    """What each engine reported it holds, from its cache events (dispatches teach it nothing).
+
+    :meth:`apply` takes one instance's events in the order the engine emitted
+    them. A reader that lost events (a gap in the stream, a reconnect) calls
+    :meth:`clear` and replays the engine's full contents as one ``STORED``
+    event, which is what the sim engine's drain hands over after an overflow.
+    """
+
+    name = "exact"
+
+    def dispatched(self, instance_id: str, hashes: Sequence[int], capacity_tokens: float) -> None:
+        return None
+
+    def apply(self, instance_id: str, events: Iterable[tuple[str, Sequence[int]]]) -> None:
+        """Apply ``(kind, block hashes)`` events of one instance, oldest first (``kind``: a
+        :class:`KvEventKind` value)."""
+        for kind, hashes in events:
+            if kind == "stored":
+                self.add(instance_id, hashes)
+            elif kind == "removed":
+                self.remove(instance_id, hashes)
+            elif kind == "cleared":
+                self.clear(instance_id)
+            else:
+                raise ValueError(f"unknown KV event kind {kind!r}; use stored, removed or cleared")
+
+
+def cached_tokens_column(
+    source: PrefixSource,
+    ids: Sequence[str],
+    index: Mapping[str, int],
+    hashes: Sequence[int],
+    prompt_tokens: int,
+) -> FloatArray:
+    """Per view instance, the prompt tokens its cache holds (at most ``prompt_tokens - 1``: the
+    engine computes at least the last token to sample the first output)."""
+    out = np.zeros(len(ids))
+    found = source.matched_blocks(hashes)
+    if found:
+        ceiling = max(prompt_tokens - 1, 0)
+        per = source.block_tokens
+        for instance_id, blocks in found.items():
+            i = index.get(instance_id)
+            if i is not None:
+                out[i] = min(blocks * per, ceiling)
+    return out

@@ -1,0 +1,177 @@
+"""The sim engine's prefix cache: hits, LRU eviction under KV pressure, and the KV events an index mirrors."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fleet.prefix import id_block_hashes
+from router.core.prefix import ExactPrefixIndex
+from sim.engine import KvEventKind, SimConfig, SimCore, SimRequestSpec
+
+
+class _FlatCost:
+    """Every step costs 1 ms: these tests are about what is computed, not how long it takes."""
+
+    def step_ms(self, num_prefill_tokens: int, num_decode_requests: int, num_decode_tokens: int) -> float:
+        return 1.0
+
+
+def _core(kv_blocks: int = 64, *, block: int = 4, prefix: int = 8, budget: int = 64) -> SimCore:
+    config = SimConfig(
+        max_num_batched_tokens=budget,
+        kv_capacity_tokens=kv_blocks * block,
+        block_size=block,
+        max_model_len=min(kv_blocks * block, 256),
+        max_num_seqs=8,
+        prefix_cache_block_tokens=prefix,
+    )
+    return SimCore(config, _FlatCost())
+
+
+def _spec(rid: str, ids: list[int], prompt: int, out: int = 2, block: int = 8) -> SimRequestSpec:
+    return SimRequestSpec(rid, prompt, out, block_hashes=id_block_hashes(ids, prompt, block))
+
+
+def _run(core: SimCore, index: ExactPrefixIndex | None = None, limit: int = 10_000) -> list[int]:
+    """Step until idle; the prefill tokens each step computed."""
+    computed = []
+    for _ in range(limit):
+        step = core.schedule()
+        if step is None:
+            break
+        computed.append(step.num_prefill_tokens)
+        core.finish_step(step)
+        core.check_invariants()
+        if index is not None:
+            events, _ = core.drain_kv_events()
+            index.apply("e", [(e.kind.value, e.block_hashes) for e in events])
+    return computed
+
+
+def test_a_repeated_prefix_is_computed_once_and_counted_as_a_hit() -> None:
+    core = _core()
+    core.add(_spec("a", [1, 2, 3], 30))  # blocks 1, 2, 3 (24 tokens) + 6 more
+    assert sum(_run(core)) == 30
+    assert core.cache_hit_rate == 0.0
+    core.add(_spec("b", [1, 2, 9], 30))  # shares blocks 1 and 2: 16 tokens cached
+    assert core.num_uncomputed_prefill_tokens == 14  # the load reports what is left to compute
+    assert sum(_run(core)) == 14
+    assert core.cache_hit_tokens == 16 and core.cache_query_tokens == 60
+    assert core.cache_hit_rate == pytest.approx(16 / 60)
+    # A fully cached prompt still computes its last token (to sample the first output).
+    core.add(_spec("c", [1, 2, 3, 4], 32))
+    assert sum(_run(core)) == 8  # 24 cached of 32: block 4 was never computed
+
+
+def test_lru_eviction_under_kv_pressure_takes_the_least_recently_freed_tail_first() -> None:
+    core = _core(kv_blocks=12)  # 48 tokens: 6 prefix blocks of 8
+    core.add(_spec("a", [1, 2], 16, out=1))
+    _run(core)
+    core.add(_spec("b", [3, 4], 16, out=1))
+    _run(core)
+    assert core.cached_block_hashes() == frozenset(
+        id_block_hashes([1, 2], 16, 8) + id_block_hashes([3, 4], 16, 8)
+    )
+    # c needs 32 tokens: 8 KV blocks > 4 empty ones, so 2 cached blocks go: a's (older), tail first.
+    core.add(_spec("c", [5, 6, 7, 8], 32, out=1))
+    events: list[tuple[str, tuple[int, ...]]] = []
+    for _ in range(100):
+        step = core.schedule()
+        if step is None:
+            break
+        core.finish_step(step)
+        drained, _ = core.drain_kv_events()
+        events.extend((e.kind.value, e.block_hashes) for e in drained)
+    removed = [h for kind, hs in events if kind == KvEventKind.REMOVED.value for h in hs]
+    a = id_block_hashes([1, 2], 16, 8)
+    assert removed[:2] == [a[1], a[0]]
+    assert set(id_block_hashes([3, 4], 16, 8)) <= core.cached_block_hashes()
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    kv_blocks=st.integers(16, 48),
+    n=st.integers(1, 25),
+    abort_every=st.integers(0, 5),
+)
+def test_property_invariants_hold_and_the_exact_index_mirrors_the_engine(
+    seed: int, kv_blocks: int, n: int, abort_every: int
+) -> None:
+    """Random prompts from a small tree of shared prefixes, under KV pressure, with aborts and
+    PD holds: counters stay consistent, every prefill computes exactly its uncached part, and an
+    index fed only the engine's events holds exactly the engine's cached blocks."""
+    rng = random.Random(seed)
+    core = _core(kv_blocks=kv_blocks, budget=16)
+    index = ExactPrefixIndex(8)
+    for k in range(n):
+        depth = rng.randint(1, 5)
+        ids = [rng.randint(0, 2) * 10 + j for j in range(depth)]  # three prefix families
+        prompt = min(depth * 8 + rng.randint(0, 7), core.config.max_model_len - 4)
+        spec = SimRequestSpec(
+            str(k),
+            prompt,
+            rng.randint(1, 3),
+            block_hashes=id_block_hashes(ids, prompt, 8),
+            hold_kv=rng.random() < 0.2,
+        )
+        core.add(spec)
+        core.check_invariants()
+        for _ in range(rng.randint(0, 4)):
+            step = core.schedule()
+            if step is None:
+                break
+            core.finish_step(step)
+            core.check_invariants()
+        if abort_every and k % abort_every == 0:
+            core.abort(str(rng.randint(0, k)))
+            core.check_invariants()
+        if rng.random() < 0.3:
+            core.release_held(str(rng.randint(0, k)))
+        events, _ = core.drain_kv_events()
+        index.apply("e", [(e.kind.value, e.block_hashes) for e in events])
+        assert index.blocks_of("e") == core.cached_block_hashes()
+    _run(core, index)
+    assert index.blocks_of("e") == core.cached_block_hashes()
+    assert 0.0 <= core.cache_hit_rate <= 1.0
+    assert core.cache_hit_tokens <= core.cache_query_tokens
+
+
+def test_lost_events_resynchronise_the_reader() -> None:
+    core = SimCore(
+        SimConfig(
+            kv_capacity_tokens=1024,
+            block_size=4,
+            max_model_len=256,
+            max_num_batched_tokens=64,
+            max_num_seqs=8,
+            prefix_cache_block_tokens=8,
+            max_kv_events=2,
+        ),
+        _FlatCost(),
+    )
+    index = ExactPrefixIndex(8)
+    index.add("e", [12345])  # stale knowledge the resync must wipe
+    for k in range(5):
+        core.add(_spec(str(k), [k * 10, k * 10 + 1], 16, out=1))
+        _run(core)
+    events, lost = core.drain_kv_events()
+    assert lost and events[0].kind is KvEventKind.CLEARED
+    index.apply("e", [(e.kind.value, e.block_hashes) for e in events])
+    assert index.blocks_of("e") == core.cached_block_hashes()
+
+
+def test_config_names_a_bad_prefix_block() -> None:
+    with pytest.raises(
+        ValueError, match=r"prefix_cache_block_tokens must be 0 \(off\) or a positive multiple"
+    ):
+        SimConfig(block_size=16, prefix_cache_block_tokens=24)
+    core = _core()
+    from workers.engine import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="prefix blocks"):
+        core.add(SimRequestSpec("x", 10, 1, block_hashes=(1, 2)))
