@@ -13,8 +13,9 @@ workers behind OpenAI-compatible faces, peers from ``.venv-peers``) with two cha
 
 Routers: this router's ``slo`` with ``--prefix-cache-routing approximate`` (its routing history:
 the live router gets no KV events yet) and with ``off``; vLLM router's and SMG's
-``cache_aware`` (router-side radix trees), and their ``power_of_two``; vLLM router's
-``consistent_hash`` (by session header; without one it hashes the request) where offered.
+``cache_aware`` (router-side radix trees), SMG's ``prefix_hash``, the consistent hashing both
+offer (``consistent_hash`` / ``consistent_hashing``), and SMG's ``power_of_two`` as a
+cache-blind reference.
 
 Each router gets a fresh fleet (cold caches), so none inherits another's cache. Per router it
 prints the usual table plus the fleet's prefix-cache hit rate over its run (from the workers'
@@ -62,8 +63,9 @@ ROUTERS: tuple[peers.RouterSpec, ...] = (
     ),
     peers.RouterSpec("vllm-router cache_aware", "vllm-router", ("--policy", "cache_aware")),
     peers.RouterSpec("vllm-router consistent_hash", "vllm-router", ("--policy", "consistent_hash")),
-    peers.RouterSpec("vllm-router power_of_two", "vllm-router", ("--policy", "power_of_two")),
     peers.RouterSpec("smg cache_aware", "smg", ("--policy", "cache_aware")),
+    peers.RouterSpec("smg prefix_hash", "smg", ("--policy", "prefix_hash")),
+    peers.RouterSpec("smg consistent_hashing", "smg", ("--policy", "consistent_hashing")),
     peers.RouterSpec("smg power_of_two", "smg", ("--policy", "power_of_two")),
 )
 
