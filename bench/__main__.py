@@ -1,11 +1,11 @@
-"""``make bench``: run every ``bench/bench_*.py`` module's ``main()``, print its figures, write the README table.
+"""``make bench``: run every ``bench/bench_*.py`` module's ``main()``, print its figures, write the speed table of docs/results.md.
 
-    python -m bench                 # all benchmarks; rewrites the README's speed table
-    python -m bench --no-readme     # all benchmarks; leaves the README alone
-    python -m bench predictor cms   # only bench_predictor.py and bench_cms.py (README untouched)
+    python -m bench                 # all benchmarks; rewrites the speed table of docs/results.md
+    python -m bench --no-readme     # all benchmarks; leaves docs/results.md alone
+    python -m bench predictor cms   # only bench_predictor.py and bench_cms.py (docs/results.md untouched)
 
 Benchmarks print numbers; they never assert on timing. Each ``main()`` returns
-the rows the README shows (:class:`bench.figures.Figure`); the table is
+the rows docs/results.md shows (:class:`bench.figures.Figure`); the table is
 written only after a full run, so every row comes from the same run.
 """
 
@@ -19,14 +19,14 @@ import sys
 import time
 
 import bench
-from bench.figures import README, Figure, Section, render, write_readme
+from bench.figures import RESULTS, Figure, Section, render, write_results
 
 
 def main(argv: list[str]) -> int:
     names = sorted(m.name for m in pkgutil.iter_modules(bench.__path__) if m.name.startswith("bench_"))
     parser = argparse.ArgumentParser(
         prog="python -m bench",
-        description="Run the benchmarks, print their figures and (after a full run) write the README's speed table.",
+        description="Run the benchmarks, print their figures and (after a full run) write the speed table of docs/results.md.",
     )
     parser.add_argument(
         "benchmarks",
@@ -35,7 +35,9 @@ def main(argv: list[str]) -> int:
         help=f"run only these ({', '.join(n.removeprefix('bench_') for n in names)}); default: all",
     )
     parser.add_argument(
-        "--no-readme", action="store_true", help="do not rewrite the README's speed table after a full run"
+        "--no-readme",
+        action="store_true",
+        help="do not rewrite the speed table of docs/results.md after a full run",
     )
     args = parser.parse_args(argv)
     if args.benchmarks:
@@ -59,10 +61,10 @@ def main(argv: list[str]) -> int:
     block = render(sections, load_before=load_before, load_after=os.getloadavg()[0])
     print("\n" + block)
     if args.benchmarks or args.no_readme:
-        print(f"\n(not written to {README.name}: only a full run without --no-readme writes it)")
+        print(f"\n(not written to {RESULTS}: only a full run without --no-readme writes it)")
         return 0
-    write_readme(block)
-    print(f"\nwrote the table above into {README}")
+    write_results(block)
+    print(f"\nwrote the table above into {RESULTS}")
     return 0
 
 

@@ -15,6 +15,7 @@ from typing import Any
 from bench.loadgen import DEFAULT_TARGET, LoadConfig, LoadError, LoadResult, ProgressBar, run_load
 from bench.prediction import format_prediction_error, prediction_error
 from bench.report import BenchReport, PlotUnavailableError, format_table, plot_report, summarize, write_json
+from bench.traces import add_trace_arguments, is_trace, load_trace, trace_options
 from bench.workload import (
     CLASS_PRESETS,
     DEFAULT_WORKLOAD,
@@ -28,6 +29,7 @@ from bench.workload import (
     workload_to_dict,
 )
 from cms.transport import target_error
+from fleet.flags import error_line
 from router.core.config import name_flags
 
 #: Requests planned when neither --num-requests nor --duration is given.
@@ -67,15 +69,19 @@ workload file (YAML shown; JSON has the same keys):
                                                              # or {{process: closed, concurrency: 16}}
   token_id_low: 0          # prompt token ids are drawn uniformly from [low, high)
   token_id_high: 256
+  model: ""                # GenerateRequest.model (bench only: simulate refuses it)
   classes:
     - name: chat
       share: 0.8
-      ttft_ms: 800         # omit or null: no target
+      ttft_ms: 800         # omit or null: no target (tpot_ms, e2e_ms alike)
       tpot_ms: 40
       prompt: lognormal(384,1.0,16,4096)   # or fixed(N), uniform(MIN,MAX), or a mapping
-      output: uniform(32,512)
+      output: uniform(32,512)  # the answer's true length (the engine stops there)
+      max_tokens: 1024     # the cap each request sends; omit: output's largest value
+      ignore_eos: true     # false: an engine with eos_probability > 0 may stop earlier
+      priority: 0          # GenerateRequest.priority
     - preset: code         # start from a class preset, override what you need
-      share: 0.2
+      share: 0.2           # (targets it does not name keep the preset's; null removes one)
       e2e_ms: 3000
 
 arrivals: --rate R is a Poisson process at R req/s; with --burstiness B the gaps are
@@ -179,6 +185,7 @@ def register(subparsers: Any) -> None:
         action="store_true",
         help="print the resolved workload as JSON (a starting point for a file) and exit",
     )
+    add_trace_arguments(parser)
     parser.set_defaults(func=run)
 
 
@@ -218,29 +225,38 @@ FLAG_OF_FIELD: dict[str, str] = {
 
 
 def _usage_error(exc: Exception) -> int:
-    print(f"error: {name_flags(str(exc), FLAG_OF_FIELD)}", file=sys.stderr)
+    print(error_line(f"{name_flags(str(exc), FLAG_OF_FIELD)}"), file=sys.stderr)
     return 2
 
 
 def run(args: argparse.Namespace) -> int:
     bad_target = target_error(args.target, "router")
     if bad_target is not None:
-        print(f"error: {bad_target}", file=sys.stderr)
+        print(error_line(bad_target), file=sys.stderr)
         return 2
     # The arrival flags, before they are merged into the workload (whose own errors name its file).
     if args.rate is not None and not (math.isfinite(args.rate) and args.rate > 0):
-        print(f"error: --rate {args.rate}: must be a finite number > 0 (requests/s)", file=sys.stderr)
+        print(error_line(f"--rate {args.rate}: must be a finite number > 0 (requests/s)"), file=sys.stderr)
         return 2
     if args.burstiness is not None and not (math.isfinite(args.burstiness) and args.burstiness > 0):
-        print(f"error: --burstiness {args.burstiness}: must be a finite number > 0", file=sys.stderr)
+        print(error_line(f"--burstiness {args.burstiness}: must be a finite number > 0"), file=sys.stderr)
         return 2
     if args.concurrency is not None and args.concurrency < 1:
-        print(f"error: --concurrency {args.concurrency}: must be >= 1", file=sys.stderr)
+        print(error_line(f"--concurrency {args.concurrency}: must be >= 1"), file=sys.stderr)
         return 2
+    trace = None
     try:
-        spec = resolve_workload(args)
+        if is_trace(args.workload):
+            if args.concurrency is not None or args.burstiness is not None:
+                raise WorkloadError("a trace replays its own arrivals: drop --concurrency and --burstiness")
+            trace = load_trace(args.workload, trace_options(args))
+            spec = trace.workload()
+            if args.model:
+                spec = dataclasses.replace(spec, model=args.model)
+        else:
+            spec = resolve_workload(args)
     except (WorkloadError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(error_line(exc), file=sys.stderr)
         return 2
     if args.print_workload:
         print(json.dumps(workload_to_dict(spec), indent=2))
@@ -253,12 +269,19 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     num_requests = args.num_requests
-    if num_requests is None and args.duration is None:
+    if num_requests is None and args.duration is None and trace is None:
         num_requests = DEFAULT_NUM_REQUESTS
     if num_requests is None and not spec.arrival.open_loop:
         num_requests = CLOSED_LOOP_PLAN_CAP
     try:
-        plans = generate_requests(spec, rng=args.seed, num_requests=num_requests, duration_s=args.duration)
+        if trace is not None:
+            plans = trace.plans(num_requests, rate=args.rate)
+            if args.duration is not None:
+                plans = [p for p in plans if p.arrival_s < args.duration]
+        else:
+            plans = generate_requests(
+                spec, rng=args.seed, num_requests=num_requests, duration_s=args.duration
+            )
         config = LoadConfig(
             target=args.target,
             tls_ca_file=args.tls_ca,
@@ -286,7 +309,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         outcome = _run_event_loop(plans, config, bar)
     except LoadError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(error_line(exc), file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("\ninterrupted; no report written", file=sys.stderr)
@@ -318,7 +341,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             plot_report(args.plot, report, outcome.results)
         except PlotUnavailableError as exc:
-            print(f"error: {exc}", file=sys.stderr)
+            print(error_line(exc), file=sys.stderr)
             return 2
         print(f"wrote {args.plot}", file=sys.stderr)
     return 0

@@ -1,9 +1,9 @@
-"""The speed table of the README, written by ``make bench`` itself.
+"""The speed table of ``docs/results.md``, written by ``make bench`` itself.
 
 Every ``bench/bench_*.py`` module's ``main()`` prints its figures and returns
-the few of them the README shows, as :class:`Figure` rows. ``python -m bench``
+the few of them the results page shows, as :class:`Figure` rows. ``python -m bench``
 (all benchmarks) collects them into a Markdown table headed by the date and the
-machine, and replaces the README's table between :data:`BEGIN` and :data:`END`,
+machine, and replaces the results page's table between :data:`BEGIN` and :data:`END`,
 so the figures there are always the output of one command on one machine.
 """
 
@@ -18,12 +18,13 @@ from pathlib import Path
 
 BEGIN = "<!-- bench:begin (written by `make bench`; do not edit by hand) -->"
 END = "<!-- bench:end -->"
-README = Path(__file__).resolve().parent.parent / "README.md"
+#: The page whose speed table ``make bench`` rewrites.
+RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results.md"
 
 
 @dataclass(frozen=True)
 class Figure:
-    """One README row: what was measured and the figures, as the benchmark printed them."""
+    """One row of the speed table: what was measured and the figures, as the benchmark printed them."""
 
     what: str
     measured: str
@@ -85,7 +86,7 @@ def render(sections: Sequence[Section], *, load_before: float, load_after: float
     return "\n".join(lines)
 
 
-def write_readme(block: str, path: Path = README) -> None:
+def write_results(block: str, path: Path = RESULTS) -> None:
     """Replace the block between :data:`BEGIN` and :data:`END` in ``path`` with ``block``.
 
     ``ValueError`` if the markers are missing (nothing is written then).

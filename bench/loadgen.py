@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import TextIO
 
 import grpc
+from grpc_health.v1 import health_pb2
 from slorouter.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 from bench.report import BAD_STREAM, RequestResult
@@ -76,7 +77,12 @@ class LoadConfig:
     drain_timeout_s: float = field(
         default=30.0, metadata=doc("after duration_s, how long running requests may still finish")
     )
-    connect_timeout_s: float = field(default=5.0, metadata=doc("how long to wait for the channel to connect"))
+    connect_timeout_s: float = field(
+        default=15.0,
+        metadata=doc(
+            "how long to wait for the router to accept connections and report SERVING (it has a view)"
+        ),
+    )
     max_in_flight: int = field(default=4096, metadata=doc("bound on outstanding requests (open loop)"))
     request_id_prefix: str = field(
         default="", metadata=doc("request ids are PREFIX + plan index; empty lets the router assign them")
@@ -219,9 +225,9 @@ class _Stream:
         plan = self.plan
         if not self.finished:
             self._violate("the stream ended without a finished message")
-        elif self.finish_reason != "stop" and self.tokens != plan.max_tokens:
+        elif self.finish_reason != "stop" and self.tokens != sent_max_tokens(plan):
             self._violate(
-                f"{self.tokens} tokens received, max_tokens is {plan.max_tokens} "
+                f"{self.tokens} tokens received, max_tokens is {sent_max_tokens(plan)} "
                 f"(finish_reason {self.finish_reason!r})"
             )
         if self.usage_tokens is not None and self.usage_tokens != self.tokens:
@@ -259,13 +265,24 @@ class _Stream:
         )
 
 
+def sent_max_tokens(plan: RequestPlan) -> int:
+    """The ``sampling.max_tokens`` sent for ``plan``.
+
+    With ``ignore_eos`` the engine must produce exactly the plan's answer length, and a real
+    engine can only be told that through ``max_tokens``: so that is what is sent (the router then
+    sees the length as the request's cap, a limit of live benchmarking the simulator does not
+    have). Without it the plan's cap is sent and the engine stops at its own EOS.
+    """
+    return plan.true_output_tokens if plan.ignore_eos else plan.max_tokens
+
+
 def build_request(plan: RequestPlan, config: LoadConfig) -> router_pb2.GenerateRequest:
     """The ``GenerateRequest`` of one planned request (SLO targets of ``None`` are sent as 0)."""
     return router_pb2.GenerateRequest(
         request_id=f"{config.request_id_prefix}{plan.index}" if config.request_id_prefix else "",
         model=config.model,
         prompt_token_ids=plan.prompt_token_ids(),
-        sampling=common_pb2.SamplingParams(max_tokens=plan.max_tokens, ignore_eos=plan.ignore_eos),
+        sampling=common_pb2.SamplingParams(max_tokens=sent_max_tokens(plan), ignore_eos=plan.ignore_eos),
         slo=common_pb2.SloTarget(
             ttft_ms=plan.slo.ttft_ms or 0.0, tpot_ms=plan.slo.tpot_ms or 0.0, e2e_ms=plan.slo.e2e_ms or 0.0
         ),
@@ -421,16 +438,50 @@ async def run_load(
         chan = channel
     try:
         try:
-            await asyncio.wait_for(chan.channel_ready(), timeout=config.connect_timeout_s)
+            await asyncio.wait_for(_router_ready(chan), timeout=config.connect_timeout_s)
         except asyncio.TimeoutError:
             raise LoadError(
-                f"cannot reach a router at {config.target} within {config.connect_timeout_s:g} s; "
-                "start one (e.g. `slo-router up`) or pass --target HOST:PORT"
+                f"cannot reach a router at {config.target} that can place a request within "
+                f"{config.connect_timeout_s:g} s; start one (e.g. `slo-router up`), wait for its workers "
+                "to register, or pass --target HOST:PORT"
             ) from None
         return await _replay(plans, config, router_pb2_grpc.RouterStub(chan), clock, on_progress)
     finally:
         if own_channel:
             await chan.close(None)
+
+
+async def _router_ready(channel: grpc.aio.Channel) -> None:
+    """Until the router connects, reports ``SERVING`` and can place a request now.
+
+    A router answers ``NOT_SERVING`` until its first view arrives, and a view may hold part of a
+    fleet (the prefill worker registered, the decode worker still retrying): requests sent then
+    fail with "no prefill+decode pair". So wait for health, then for a ``Schedule`` dry run of a
+    one-token request that is not ``UNAVAILABLE``. A server without health or ``Schedule`` is
+    taken as ready once connected. The caller bounds the wait.
+    """
+    await channel.channel_ready()
+    check = channel.unary_unary(
+        "/grpc.health.v1.Health/Check",
+        request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+        response_deserializer=health_pb2.HealthCheckResponse.FromString,
+    )
+    schedule = router_pb2_grpc.RouterStub(channel).Schedule
+    probe = router_pb2.ScheduleRequest(
+        request=router_pb2.GenerateRequest(
+            prompt_token_ids=[1], sampling=common_pb2.SamplingParams(max_tokens=1)
+        )
+    )
+    while True:
+        try:
+            reply = await check(health_pb2.HealthCheckRequest(service=""), timeout=2.0)
+            if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                await schedule(probe, timeout=2.0)
+                return
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                return  # no health or Schedule service, or a refusal that waiting does not cure
+        await asyncio.sleep(0.1)
 
 
 async def _replay(

@@ -323,10 +323,19 @@ class SloClass:
     )
     output: LengthDist = field(
         default=LognormalLength(192.0, 0.8, 8, 1024),
-        metadata=doc("output length (max_tokens) distribution in tokens"),
+        metadata=doc(
+            "length of the answer the engine really generates, in tokens (never shown to the router)"
+        ),
+    )
+    max_tokens: int | None = field(
+        default=None,
+        metadata=doc(
+            "the cap a client sends (sampling.max_tokens); omit or null: the output distribution's largest value"
+        ),
     )
     ignore_eos: bool = field(
-        default=True, metadata=doc("ask the engine to generate exactly max_tokens tokens")
+        default=True,
+        metadata=doc("the engine ignores its own EOS (eos_probability): answers have the output length"),
     )
     priority: int = field(
         default=0, metadata=doc("GenerateRequest.priority sent with every request of the class")
@@ -349,6 +358,8 @@ class SloClass:
         if not isinstance(self.name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]+", self.name):
             raise WorkloadError(f"class name must be letters, digits, '_', '.', '-', got {self.name!r}")
         _check_positive(f"class {self.name!r}: share", self.share)
+        if self.max_tokens is not None:
+            _check_int(f"class {self.name!r}: max_tokens", self.max_tokens, minimum=1)
         _check_int(f"class {self.name!r}: prefix_groups", self.prefix_groups, minimum=0)
         _check_int(f"class {self.name!r}: prefix_tokens", self.prefix_tokens, minimum=0)
         if self.prefix_groups > 1_000_000 or self.prefix_tokens > 1_000_000:
@@ -362,6 +373,11 @@ class SloClass:
                 f"{self.prefix_groups} and {self.prefix_tokens}"
             )
 
+    @property
+    def cap_tokens(self) -> int:
+        """The ``max_tokens`` a request of the class carries: ``max_tokens``, else the output's largest value."""
+        return self.max_tokens if self.max_tokens is not None else self.output.bounds[1]
+
     def prefix_hash_ids(self, group: int, block_tokens: int) -> tuple[int, ...]:
         """The prefix-block ids of shared prefix ``group``: one per whole block, distinct per class."""
         out = []
@@ -373,7 +389,7 @@ class SloClass:
     def describe(self) -> str:
         return (
             f"{self.name}: share {self.share:g}, SLO {self.slo.describe()}, prompt {self.prompt.describe()}, "
-            f"output {self.output.describe()}"
+            f"output {self.output.describe()}, max_tokens {self.cap_tokens}"
         )
 
 
@@ -630,6 +646,7 @@ _CLASS_KEYS = frozenset(
         "e2e_ms",
         "prompt",
         "output",
+        "max_tokens",
         "ignore_eos",
         "priority",
         "prefix_groups",
@@ -650,7 +667,9 @@ def _parse_class(doc: Any, where: str) -> SloClass:
     if not isinstance(doc, Mapping):
         raise WorkloadError(f"{where}: a class must be a mapping, got {type(doc).__name__}")
     _check_keys(doc, _CLASS_KEYS, where)
-    base = SloClass()
+    # A class written from scratch has no target it does not name ("omit or null: no target");
+    # one started from a preset keeps the preset's targets it does not override.
+    base = SloClass(slo=SloTarget())
     if "preset" in doc:
         preset = doc["preset"]
         if preset not in CLASS_PRESETS:
@@ -661,7 +680,7 @@ def _parse_class(doc: Any, where: str) -> SloClass:
     slo_changes = {k: doc[k] for k in ("ttft_ms", "tpot_ms", "e2e_ms") if k in doc}
     changes: dict[str, Any] = {
         k: doc[k]
-        for k in ("name", "share", "ignore_eos", "priority", "prefix_groups", "prefix_tokens")
+        for k in ("name", "share", "max_tokens", "ignore_eos", "priority", "prefix_groups", "prefix_tokens")
         if k in doc
     }
     if "ignore_eos" in changes and not isinstance(changes["ignore_eos"], bool):
@@ -716,9 +735,10 @@ def parse_workload_dict(doc: Any, source: str = "<workload>") -> WorkloadSpec:
     Keys: ``name``, ``classes`` (a list of class mappings, required), ``arrival``
     (``process``, ``rate_per_s``, ``burstiness`` or ``cv``, ``concurrency``), ``token_id_low``,
     ``token_id_high``, ``model``. A class mapping has ``name`` or ``preset`` (start from
-    a class preset and override), ``share``, ``ttft_ms``, ``tpot_ms``, ``e2e_ms`` (null
-    for no target), ``prompt`` and ``output`` (see :func:`parse_length`),
-    ``ignore_eos``, ``priority``.
+    a class preset and override), ``share``, ``ttft_ms``, ``tpot_ms``, ``e2e_ms`` (omitted
+    or null: no target; with a preset, omitted keeps the preset's), ``prompt`` and ``output``
+    (see :func:`parse_length`; ``output`` is the answer's true length), ``max_tokens`` (the cap
+    a request sends), ``ignore_eos``, ``priority``.
     """
     if not isinstance(doc, Mapping):
         raise WorkloadError(f"{source}: the workload must be a mapping, got {type(doc).__name__}")
@@ -763,6 +783,7 @@ def workload_to_dict(spec: WorkloadSpec) -> dict[str, Any]:
                 "e2e_ms": c.slo.e2e_ms,
                 "prompt": _length_to_dict(c.prompt),
                 "output": _length_to_dict(c.output),
+                "max_tokens": c.max_tokens,
                 "ignore_eos": c.ignore_eos,
                 "priority": c.priority,
                 "prefix_groups": c.prefix_groups,
@@ -947,6 +968,7 @@ def iter_requests(
         prompts = np.stack([c.prompt.sample(length_rng, n) for c in spec.classes])
         outputs = np.stack([c.output.sample(length_rng, n) for c in spec.classes])
         seeds = seed_rng.integers(0, 2**63 - 1, size=n, dtype=np.int64)
+        caps = [c.cap_tokens for c in spec.classes]
         for j in range(n):
             if index >= max_requests:
                 return
@@ -964,7 +986,8 @@ def iter_requests(
                 arrival_s=float(offsets[j]),
                 class_name=cls.name,
                 prompt_tokens=prompt_tokens,
-                max_tokens=int(outputs[k, j]),
+                max_tokens=caps[k],
+                output_tokens=min(int(outputs[k, j]), caps[k]),
                 slo=cls.slo,
                 prompt_seed=int(seeds[j]),
                 token_id_low=spec.token_id_low,
@@ -1014,10 +1037,13 @@ def plan_summary(plans: list[RequestPlan]) -> dict[str, Any]:
     """Counts and token totals of a plan, per class (for reports and logs)."""
     per_class: dict[str, dict[str, int]] = {}
     for p in plans:
-        entry = per_class.setdefault(p.class_name, {"requests": 0, "prompt_tokens": 0, "max_tokens": 0})
+        entry = per_class.setdefault(
+            p.class_name, {"requests": 0, "prompt_tokens": 0, "max_tokens": 0, "output_tokens": 0}
+        )
         entry["requests"] += 1
         entry["prompt_tokens"] += p.prompt_tokens
         entry["max_tokens"] += p.max_tokens
+        entry["output_tokens"] += p.true_output_tokens
     return {
         "requests": len(plans),
         "last_arrival_s": max((p.arrival_s for p in plans), default=0.0),

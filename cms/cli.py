@@ -13,9 +13,10 @@ from pathlib import Path
 from typing import Any
 
 from cms.auth import TokenTable
-from cms.server import DEFAULT_LISTEN, start_cms_server
+from cms.server import DEFAULT_LISTEN, DEFAULT_MAX_INSTANCES_PER_TOKEN, start_cms_server
 from cms.store import DEFAULT_LEASE_TTL_S, open_store
 from cms.transport import ServerTls, server_tls_from_args
+from fleet.flags import check_listen, check_metrics_port, error_line, read_flag_file, split_host_port
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +79,17 @@ def register(subparsers: Any) -> None:
         "--auth-token-file",
         type=Path,
         metavar="F",
-        help="the accepted tokens, one per line: TOKEN or NAME TOKEN (a token per worker)",
+        help="the accepted tokens, one per line: TOKEN, NAME TOKEN or NAME TOKEN SCOPE; SCOPE is read "
+        "(routers: read the view only), write:ID[,ID...] (a worker: write only these instance ids) or "
+        "write (the default: any id it owns)",
+    )
+    parser.add_argument(
+        "--max-instances-per-token",
+        type=int,
+        default=DEFAULT_MAX_INSTANCES_PER_TOKEN,
+        metavar="N",
+        help="live instance ids one token may have registered at once; one more is RESOURCE_EXHAUSTED "
+        "(default: %(default)s)",
     )
     parser.add_argument(
         "--insecure",
@@ -98,10 +109,11 @@ def register(subparsers: Any) -> None:
 
 def _tokens(args: argparse.Namespace) -> TokenTable | None:
     if args.auth_token_file is not None:
+        text = read_flag_file("--auth-token-file", args.auth_token_file)
         try:
-            return TokenTable.from_file(args.auth_token_file)
+            return TokenTable.parse(text, "")
         except ValueError as exc:
-            raise ValueError(f"--auth-token-file: {exc}") from None
+            raise ValueError(f"--auth-token-file {args.auth_token_file}: {exc}") from None
     if args.auth_token is not None:
         if not args.auth_token.strip():
             raise ValueError("--auth-token is empty")
@@ -123,15 +135,20 @@ async def _serve(args: argparse.Namespace, tokens: TokenTable | None, tls: Serve
     try:
         store = open_store(args.store, cluster_name=args.cluster_name)
     except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(error_line(exc), file=sys.stderr)
         return 2
     try:
         try:
             server = await start_cms_server(
-                store, args.listen, tokens=tokens, lease_ttl_s=args.lease_ttl_s, tls=tls
+                store,
+                args.listen,
+                tokens=tokens,
+                lease_ttl_s=args.lease_ttl_s,
+                tls=tls,
+                max_instances_per_token=args.max_instances_per_token,
             )
         except OSError as exc:
-            print(f"error: {exc}", file=sys.stderr)
+            print(error_line(exc), file=sys.stderr)
             return 2
         if tokens is None and not is_loopback(args.listen):
             logger.warning(
@@ -165,13 +182,11 @@ def run(args: argparse.Namespace) -> int:
         tokens = _tokens(args)
         if not (math.isfinite(args.lease_ttl_s) and args.lease_ttl_s > 0):
             raise ValueError(f"--lease-ttl-s must be a finite number > 0, got {args.lease_ttl_s}")
-        host, sep, port = args.listen.rpartition(":")
-        if not sep or not host or not port.isdigit() or int(port) > 65535:
+        split_host_port("--listen", args.listen)
+        if not 1 <= args.max_instances_per_token <= 1_000_000:
             raise ValueError(
-                f"--listen {args.listen!r}: expected HOST:PORT with a port 0-65535 (0 picks one)"
+                f"--max-instances-per-token must be within [1, 1000000], got {args.max_instances_per_token}"
             )
-        if not 0 <= args.metrics_port <= 65535:
-            raise ValueError(f"--metrics-port {args.metrics_port}: must be a port 0-65535 (0 = off)")
         if args.store != "memory" and not args.store.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"--store {args.store!r}: expected memory or redis://HOST:PORT/DB")
         if tokens is None and not args.insecure and not is_loopback(args.listen):
@@ -180,8 +195,11 @@ def run(args: argparse.Namespace) -> int:
                 "(or --insecure to let anyone who reaches it write)"
             )
         tls = server_tls_from_args(args.tls_cert, args.tls_key)
+        # Last: the ports are free now, once every other flag is known to be good.
+        check_listen("--listen", args.listen)
+        check_metrics_port("--metrics-port", args.metrics_port, args.metrics_host)
     except (OSError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(error_line(exc), file=sys.stderr)
         return 2
     import uvloop  # the event loop policy is the entry point's business
 

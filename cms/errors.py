@@ -13,6 +13,8 @@
     │                             instance that is not registered (or
     │                             whose lease lapsed): re-register      → NOT_FOUND
     ├── UnauthenticatedError      a write without the configured token  → UNAUTHENTICATED
+    ├── QuotaExceededError        a token already holds as many instance
+    │                             ids as the CMS allows one token       → RESOURCE_EXHAUSTED
     └── StoreUnavailableError     the backing store (Redis) failed or
                                   timed out; the write may be retried   → UNAVAILABLE
 
@@ -53,6 +55,10 @@ class UnauthenticatedError(CmsError):
     """A write RPC arrived without ``authorization: Bearer <token>`` or with a wrong token."""
 
 
+class QuotaExceededError(CmsError):
+    """The token already holds ``--max-instances-per-token`` live instance ids."""
+
+
 class StoreUnavailableError(CmsError):
     """The store could not be reached or did not answer in time."""
 
@@ -63,6 +69,7 @@ _CODES: dict[type[CmsError], grpc.StatusCode] = {
     AlreadyExistsError: grpc.StatusCode.ALREADY_EXISTS,
     PermissionDeniedError: grpc.StatusCode.PERMISSION_DENIED,
     UnauthenticatedError: grpc.StatusCode.UNAUTHENTICATED,
+    QuotaExceededError: grpc.StatusCode.RESOURCE_EXHAUSTED,
     StoreUnavailableError: grpc.StatusCode.UNAVAILABLE,
 }
 

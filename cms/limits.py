@@ -15,7 +15,7 @@ can grow past a fixed size: a status report is at most
 ``MAX_ADMITTED_REQUEST_IDS * MAX_ID_BYTES`` of ids plus a bounded number of
 step samples, and the CMS sends views larger than one message in chunks.
 
-The README's "Limits" table lists these constants; keep the two in step.
+The limits table of docs/security-and-failures.md lists these constants; keep the two in step.
 """
 
 from __future__ import annotations
@@ -245,12 +245,22 @@ def check_stream_command(command: worker_pb2.StreamCommand) -> None:
         raise FieldLimitError(f"{kind}.{exc}") from None
 
 
+#: The values of ``InstanceMetadata.worker_protocol``: "" and "worker" are this project's Worker
+#: service, "vllm-grpc" vLLM's own (``vllm.grpc.engine.VllmEngine``).
+WORKER_PROTOCOLS = ("", "worker", "vllm-grpc")
+
+
 def check_metadata(metadata: cms_pb2.InstanceMetadata, field: str = "metadata") -> None:
     """The bounds of ``InstanceMetadata`` (the endpoint's syntax is checked by the CMS)."""
     check_id(metadata.instance_id, f"{field}.instance_id")
     check_endpoint(metadata.endpoint, f"{field}.endpoint")
     for name in ("model", "node_id", "unit_id"):
         check_text(getattr(metadata, name), f"{field}.{name}", MAX_NAME_BYTES)
+    if metadata.worker_protocol not in WORKER_PROTOCOLS:
+        raise FieldLimitError(
+            f"{field}.worker_protocol: {metadata.worker_protocol[:40]!r} is not one of "
+            + ", ".join(repr(p) for p in WORKER_PROTOCOLS)
+        )
     if len(metadata.labels) > MAX_LABELS:
         raise FieldLimitError(f"{field}.labels: {len(metadata.labels)} labels; the limit is {MAX_LABELS}")
     for key, value in metadata.labels.items():

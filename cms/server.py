@@ -27,8 +27,16 @@ from grpc_health.v1 import health_pb2
 from slorouter.v1 import cms_pb2, cms_pb2_grpc
 
 from cms import limits
-from cms.auth import TokenTable
-from cms.errors import ClockSkewError, CmsError, InvalidArgumentError, UnauthenticatedError, grpc_code
+from cms.auth import Grant, TokenTable
+from cms.errors import (
+    ClockSkewError,
+    CmsError,
+    InvalidArgumentError,
+    PermissionDeniedError,
+    QuotaExceededError,
+    UnauthenticatedError,
+    grpc_code,
+)
 from cms.serving import add_health_and_reflection, bind_server
 from cms.store import DEFAULT_LEASE_TTL_S, CmsStore
 from cms.transport import ServerTls
@@ -40,6 +48,8 @@ logger = logging.getLogger(__name__)
 
 SERVICE_NAME: str = cms_pb2.DESCRIPTOR.services_by_name["ClusterMetadata"].full_name
 DEFAULT_LISTEN = "127.0.0.1:7100"
+#: Live instance ids one unrestricted ``write`` token may hold at once (``--max-instances-per-token``).
+DEFAULT_MAX_INSTANCES_PER_TOKEN = 64
 
 _CLOSED = object()
 _SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -86,8 +96,12 @@ class ClusterMetadataService(cms_pb2_grpc.ClusterMetadataServicer):
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
         view_chunk_bytes: int = limits.VIEW_CHUNK_BYTES,
+        max_instances_per_token: int = DEFAULT_MAX_INSTANCES_PER_TOKEN,
     ) -> None:
         self._store = store
+        self._max_per_token = max_instances_per_token
+        #: Instance ids each principal registered through this CMS (pruned to the live view).
+        self._held: dict[str, set[str]] = {}
         self._pump = pump
         self._lease_ttl_s = lease_ttl_s
         self._tokens = tokens
@@ -107,19 +121,52 @@ class ClusterMetadataService(cms_pb2_grpc.ClusterMetadataServicer):
         for slot in self._watchers:
             slot.put(_CLOSED)
 
-    def _authorize(self, context: grpc.aio.ServicerContext[Any, Any]) -> str:
-        """The caller's principal ("" when this CMS has no tokens)."""
+    def _grant(self, context: grpc.aio.ServicerContext[Any, Any]) -> Grant | None:
+        """The caller's grant (None when this CMS has no tokens)."""
         if self._tokens is None:
-            return ""
+            return None
         for key, value in context.invocation_metadata() or ():
             if key == "authorization":
-                principal = self._tokens.principal(value)
-                if principal is not None:
-                    return principal
+                grant = self._tokens.grant(value)
+                if grant is not None:
+                    return grant
                 raise UnauthenticatedError(
                     "the authorization token is wrong; use a token of this CMS's --auth-token-file"
                 )
         raise UnauthenticatedError("this CMS needs 'authorization: Bearer <token>' metadata on every call")
+
+    def _authorize(self, context: grpc.aio.ServicerContext[Any, Any], instance_id: str | None = None) -> str:
+        """The caller's principal ("" when this CMS has no tokens); with ``instance_id``, a write to it.
+
+        A ``read`` token may not write at all; a ``write:ID,...`` token only the ids it lists.
+        """
+        grant = self._grant(context)
+        if grant is None:
+            return ""
+        if instance_id is not None and not grant.may_write(instance_id):
+            if not grant.can_write:
+                raise PermissionDeniedError(
+                    f"the token of {grant.principal!r} is read-only: it may read the view, not write"
+                )
+            raise PermissionDeniedError(
+                f"the token of {grant.principal!r} may write only instance ids {grant.text()[6:]}, "
+                f"not {instance_id!r}"
+            )
+        return grant.principal
+
+    async def _check_quota(self, principal: str, instance_id: str) -> None:
+        """At most ``max_instances_per_token`` live ids per principal (ids of this CMS's registrations)."""
+        held = self._held.setdefault(principal, set())
+        if instance_id in held or len(held) < self._max_per_token:
+            return
+        live = {record.metadata.instance_id for record in (await self._store.read_view()).instances}
+        held &= live
+        if len(held) >= self._max_per_token:
+            raise QuotaExceededError(
+                f"the token of {principal!r} already holds {len(held)} live instance ids, the most one "
+                f"token may (--max-instances-per-token {self._max_per_token}); deregister one or use "
+                "another token"
+            )
 
     @staticmethod
     async def _abort(context: grpc.aio.ServicerContext[Any, Any], exc: CmsError) -> NoReturn:
@@ -131,8 +178,13 @@ class ClusterMetadataService(cms_pb2_grpc.ClusterMetadataServicer):
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> cms_pb2.RegisterInstanceResponse:
         try:
-            owner = self._authorize(context)
+            iid = request.metadata.instance_id
+            owner = self._authorize(context, iid)
+            if self._tokens is not None:
+                await self._check_quota(owner, iid)
             epoch = await self._store.register(request.metadata, self._lease_ttl_s, owner)
+            if self._tokens is not None:
+                self._held.setdefault(owner, set()).add(iid)
         except CmsError as exc:
             await self._abort(context, exc)
         return cms_pb2.RegisterInstanceResponse(lease_ttl_ms=round(self._lease_ttl_s * 1000), epoch=epoch)
@@ -143,7 +195,7 @@ class ClusterMetadataService(cms_pb2_grpc.ClusterMetadataServicer):
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> cms_pb2.ReportStatusResponse:
         try:
-            owner = self._authorize(context)
+            owner = self._authorize(context, request.status.instance_id)
             try:
                 self.skew.observe(check_clock_skew(request.status, int(self._wall_clock() * 1000)))
             except ClockSkewError:
@@ -161,9 +213,10 @@ class ClusterMetadataService(cms_pb2_grpc.ClusterMetadataServicer):
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> cms_pb2.DeregisterInstanceResponse:
         try:
-            owner = self._authorize(context)
+            owner = self._authorize(context, request.instance_id)
             validate_instance_id(request.instance_id)
             removed = await self._store.deregister(request.instance_id, owner)
+            self._held.get(owner, set()).discard(request.instance_id)
         except CmsError as exc:
             await self._abort(context, exc)
         return cms_pb2.DeregisterInstanceResponse(removed=removed)
@@ -313,6 +366,7 @@ async def start_cms_server(
     max_watchers: int = 1024,
     tls: ServerTls | None = None,
     view_chunk_bytes: int = limits.VIEW_CHUNK_BYTES,
+    max_instances_per_token: int = DEFAULT_MAX_INSTANCES_PER_TOKEN,
 ) -> CmsServer:
     """Serve ``store`` on ``listen`` (``HOST:PORT``; port 0 picks one) and return at once.
 
@@ -326,6 +380,8 @@ async def start_cms_server(
     - ``auth_token`` (one token, principal ``cluster``) or ``tokens`` (a
       table, e.g. one per worker): required on every RPC when given.
     - ``tls``: serve TLS only; ``view_chunk_bytes``: the size views are cut at.
+    - ``max_instances_per_token``: live instance ids one token may have
+      registered through this CMS at once (token scopes: :mod:`cms.auth`).
 
     Raises ``OSError`` when the address cannot be bound.
     """
@@ -334,6 +390,8 @@ async def start_cms_server(
         raise ValueError(f"watch_refresh_s must be in (0, 1] seconds, got {watch_refresh_s}")
     if max_watchers < 1:
         raise ValueError(f"max_watchers must be >= 1, got {max_watchers}")
+    if max_instances_per_token < 1:
+        raise ValueError(f"max_instances_per_token must be >= 1, got {max_instances_per_token}")
     if auth_token is not None and not auth_token.strip():
         raise ValueError("auth_token is empty; pass None to disable authentication")
     if auth_token is not None and tokens is not None:
@@ -353,6 +411,7 @@ async def start_cms_server(
         tokens=tokens,
         max_watchers=max_watchers,
         view_chunk_bytes=view_chunk_bytes,
+        max_instances_per_token=max_instances_per_token,
     )
     server, port = await bind_server(
         listen,

@@ -28,6 +28,22 @@ logger = logging.getLogger(__name__)
 
 _Handler = Any  # grpc's RpcMethodHandler namedtuple (typed loosely by grpc-stubs)
 
+#: Shortest keepalive interval a client may configure against our servers (s).
+MIN_CLIENT_KEEPALIVE_S = 1.0
+
+#: Every server accepts its clients' keepalive pings, idle or not, as often as once a
+#: second. gRPC's defaults accept a ping without data only every 5 minutes and answer the
+#: third early one with GOAWAY ENHANCE_YOUR_CALM "too_many_pings"; the client then doubles its
+#: interval, so the router's keepalive (10 s) stretched to a minute and a frozen worker went
+#: unnoticed that long.
+KEEPALIVE_SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", round(MIN_CLIENT_KEEPALIVE_S * 1000)),
+    ("grpc.http2.min_ping_interval_without_data_ms", round(MIN_CLIENT_KEEPALIVE_S * 1000)),
+    # And never GOAWAY for pings (a ping costs the server an ACK frame, nothing more).
+    ("grpc.http2.max_ping_strikes", 0),
+)
+
 
 class _Malformed:
     """What the request deserializer hands over instead of a message it could not parse."""
@@ -127,6 +143,7 @@ async def bind_server(
     max_send_bytes: int,
     tls: ServerTls | None = None,
     reuse_port: bool = False,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),  # type: ignore[type-arg]
 ) -> tuple[grpc.aio.Server, int]:
     """A new server bound to ``listen`` (``HOST:PORT``; port 0 picks one) and the port it got.
 
@@ -141,9 +158,10 @@ async def bind_server(
         options=[
             ("grpc.so_reuseport", 1 if reuse_port else 0),
             *message_size_options(max_receive_bytes, max_send_bytes),
+            *KEEPALIVE_SERVER_OPTIONS,
             *options,
         ],
-        interceptors=[MalformedRequestGuard()],
+        interceptors=[*interceptors, MalformedRequestGuard()],
     )
     try:
         if tls is not None:

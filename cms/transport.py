@@ -5,7 +5,7 @@ explicitly (:func:`message_size_options`; the bounds are in :mod:`cms.limits`).
 A server given a certificate and key (``--tls-cert``/``--tls-key``) speaks TLS
 only; a client given a CA bundle (``--tls-ca``) opens a TLS channel that
 checks the server against it. Without them traffic is plaintext, which is
-meant for loopback and trusted networks (see the README's security model).
+meant for loopback and trusted networks (see docs/security-and-failures.md).
 """
 
 from __future__ import annotations
@@ -87,9 +87,23 @@ def client_tls_from_arg(ca: str | None) -> ClientTls | None:
 
 
 def open_channel(
-    target: str, options: Sequence[tuple[str, Any]] = (), *, tls: ClientTls | None = None
+    target: str,
+    options: Sequence[tuple[str, Any]] = (),
+    *,
+    tls: ClientTls | None = None,
+    call_token: str | None = None,
 ) -> grpc.aio.Channel:
-    """An ``aio`` channel to ``target`` (``host:port``), over TLS when ``tls`` is given."""
+    """An ``aio`` channel to ``target`` (``host:port``), over TLS when ``tls`` is given.
+
+    ``call_token``: every call carries ``authorization: Bearer <token>`` (:mod:`cms.call_auth`).
+    """
+    interceptors: Any = None
+    if call_token:
+        from cms.call_auth import send_token
+
+        interceptors = send_token(call_token)
     if tls is None:
-        return grpc.aio.insecure_channel(target, options=list(options))
-    return grpc.aio.secure_channel(target, tls.credentials(), options=list(options))
+        return grpc.aio.insecure_channel(target, options=list(options), interceptors=interceptors)
+    return grpc.aio.secure_channel(
+        target, tls.credentials(), options=list(options), interceptors=interceptors
+    )

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import socket
 import time
 import uuid
@@ -41,6 +42,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from openai_http.bounded import EdgeLimits, EdgeStats, bounded_protocol
 from openai_http.protocol import (
     ApiError,
     ChunkEncoder,
@@ -58,6 +60,8 @@ from openai_http.protocol import (
 
 #: Largest request body accepted (bytes).
 DEFAULT_MAX_BODY_BYTES = 8 << 20
+#: Time the whole request body may take to arrive once its head did (s); then 408.
+DEFAULT_BODY_TIMEOUT_S = 30.0
 #: The routes served on ASGI directly (POST only; other methods get Starlette's 405).
 _COMPLETION_PATHS = {"/v1/completions": Kind.COMPLETION, "/v1/chat/completions": Kind.CHAT}
 #: Status logged for a request whose client went away before the response.
@@ -131,15 +135,19 @@ def error_response(exc: ApiError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status)
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
+async def _read_body(request: Request, limit: int, timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise ApiError(413, f"the request body is larger than {limit} bytes")
     chunks = bytearray()
-    async for chunk in request.stream():
-        chunks += chunk
-        if len(chunks) > limit:
-            raise ApiError(413, f"the request body is larger than {limit} bytes")
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                chunks += chunk
+                if len(chunks) > limit:
+                    raise ApiError(413, f"the request body is larger than {limit} bytes")
+    except TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {timeout_s:g} s") from None
     return bytes(chunks)
 
 
@@ -385,9 +393,22 @@ class _Server(uvicorn.Server):
 class HttpServer:
     """Serves an ASGI app with uvicorn on the running event loop. ``start()`` / idempotent ``stop()``."""
 
-    def __init__(self, app: Any, listen: str, *, flag: str = "--http-listen") -> None:
+    def __init__(
+        self,
+        app: Any,
+        listen: str,
+        *,
+        flag: str = "--http-listen",
+        limits: EdgeLimits | None = None,
+        stats: EdgeStats | None = None,
+        graceful_shutdown_s: float = 2.0,
+    ) -> None:
         self._host, self._port = split_host_port(listen, flag)
         self._app = app
+        self.limits = limits or EdgeLimits()
+        #: What the connection bounds refused (:mod:`openai_http.bounded`).
+        self.stats = stats or EdgeStats()
+        self._graceful_shutdown_s = graceful_shutdown_s
         self._server: _Server | None = None
         self._task: asyncio.Task[None] | None = None
         self._socket: socket.socket | None = None
@@ -409,11 +430,15 @@ class HttpServer:
         self.address = f"{host}:{port}"
         config = uvicorn.Config(
             self._app,
+            # The bounded HTTP/1.1 protocol: head size and count, header and idle timeouts, a
+            # connection limit (openai_http.bounded).
+            http=bounded_protocol(self.limits, self.stats),
             interface="asgi3",
             lifespan="off",
             log_level="warning",
             access_log=False,
-            timeout_graceful_shutdown=2,
+            timeout_keep_alive=max(1, round(self.limits.idle_timeout_s)),
+            timeout_graceful_shutdown=max(1, math.ceil(self._graceful_shutdown_s)),
         )
         self._server = _Server(config)
         self._task = asyncio.ensure_future(self._server.serve(sockets=[sock]))

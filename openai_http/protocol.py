@@ -17,6 +17,7 @@ from __future__ import annotations
 import enum
 import json
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from json.encoder import encode_basestring_ascii as _json_string
@@ -68,6 +69,8 @@ class ApiError(Exception):
 
 _ERROR_TYPES = {
     400: "invalid_request_error",
+    408: "invalid_request_error",
+    431: "invalid_request_error",
     404: "not_found_error",
     409: "conflict_error",
     413: "invalid_request_error",
@@ -285,11 +288,50 @@ def parse_request(kind: Kind, body: Any, render_chat: Any = None) -> ParsedReque
     )
 
 
+#: A ``\\uD800``-``\\uDFFF`` escape: JSON allows it, UTF-8 (and so protobuf) cannot carry it alone.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
 def decode_json(raw: bytes) -> Any:
+    """The body as JSON; ``ApiError(400)`` for anything that is not valid JSON text.
+
+    Beyond syntax: nesting too deep for the parser (a 100k-deep array) and a
+    string holding a lone surrogate (``"\\ud800"``: valid JSON escapes, but
+    no UTF-8 text) are 400s too, not failures further in.
+    """
     try:
-        return json.loads(raw)
+        value = json.loads(raw)
+    except RecursionError:
+        raise ApiError(400, "the request body is nested too deeply") from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"the request body is not valid JSON: {exc}") from exc
+    if _SURROGATE_ESCAPE.search(raw):
+        _check_text(value)
+    return value
+
+
+def _check_text(value: Any) -> None:
+    """``ApiError(400)`` when a string (key or value) anywhere in ``value`` is not valid Unicode text."""
+    stack = [value]
+    while stack:  # iterative: bounded by the body's size, never by the stack
+        item = stack.pop()
+        if isinstance(item, str):
+            strings: list[Any] = [item]
+        elif isinstance(item, dict):
+            strings = list(item)
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+            continue
+        else:
+            continue
+        for text in strings:
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ApiError(
+                    400, "the request body holds a lone UTF-16 surrogate (\\ud800-\\udfff): not text"
+                ) from None
 
 
 # ---------------------------------------------------------------------- responses
@@ -297,14 +339,22 @@ def decode_json(raw: bytes) -> Any:
 
 @dataclass(frozen=True)
 class Usage:
+    """The ``usage`` object: OpenAI's token counts, then what the server adds (``extra``).
+
+    The router adds whether the request was served late (``late``) and how long it waited in its
+    queue (``queue_wait_ms``): OpenAI clients keep unknown usage fields (``usage.model_extra``).
+    """
+
     prompt_tokens: int
     completion_tokens: int
+    extra: Mapping[str, Any] = field(default_factory=dict)
 
-    def body(self) -> dict[str, int]:
+    def body(self) -> dict[str, Any]:
         return {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
+            **self.extra,
         }
 
 

@@ -6,6 +6,7 @@ import argparse
 import sys
 from typing import Any
 
+from fleet.flags import error_line
 from predictor.latency import LatencyPredictor
 
 
@@ -66,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
             args.prefill_tokens, args.decode_requests, args.decode_tokens, args.max_num_batched_tokens
         )
     except ValueError as exc:  # ProfileError included: the message names the file and entry
-        print(f"error: {exc}", file=sys.stderr)
+        print(error_line(exc), file=sys.stderr)
         return 2
     tpot = lp.predict_tpot_ms(args.decode_requests, args.decode_tokens)
     print(f"predicted_ttft_ms: {ttft:.3f}")

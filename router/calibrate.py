@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from fleet.flags import error_line
 from predictor import LatencyPredictor, ProfileError
 from predictor.fit import write_coefficients
 from predictor.profile import load_tpot_profile, load_ttft_profile
@@ -57,6 +58,30 @@ _FACTOR = re.compile(
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 
+#: ``--help``'s text: the module docstring's content, in words for a terminal (no reST markup).
+DESCRIPTION = """\
+Turn a running fleet's observations into a new profile directory.
+
+Two kinds of input (--from):
+
+- step samples: a JSON list or JSON-lines file of engine steps as the workers
+  report them (num_prefill_tokens, num_decode_requests, num_decode_tokens,
+  duration_ms; optional group, picked with --group). They are fed to the
+  router's own calibration over the base profile (--profile), and the new
+  profile is the calibrated prediction at every point of the base profile's
+  grids (--mode refit: the least-squares step model where it was fitted;
+  scale: the base profile times the robust factors);
+- the router's Prometheus metrics (a file, or an http:// URL of the router's
+  --metrics-port): the slo_router_calibration_factor_ratio gauges of --group;
+  the new profile is the base profile times those factors.
+
+The output directory (--out) holds ttft.json and tpot.json in the profile
+schema (router --profile DIR takes it as is, as do --profile-group NAME=DIR and
+--ttft-/--tpot-profiling-data-path) and coefficients.json, the closed-form fit
+of the new profile.
+"""
+
+
 class CalibrateError(ValueError):
     """The input cannot be turned into a profile; the message names the flag and the fix."""
 
@@ -65,7 +90,7 @@ def register(subparsers: Any) -> None:
     parser: argparse.ArgumentParser = subparsers.add_parser(
         "calibrate",
         help="write a new profile directory from a running fleet's step samples or calibration metrics",
-        description=__doc__,
+        description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
@@ -80,7 +105,8 @@ def register(subparsers: Any) -> None:
         "--profile",
         default=str(DEFAULT_BASE),
         metavar="DIR",
-        help="base profile (ttft.json + tpot.json) the fleet was predicted with (default: %(default)s)",
+        help="base profile (ttft.json + tpot.json) the fleet was predicted with (default: the bundled "
+        f"{DEFAULT_BASE.name})",
     )
     parser.add_argument(
         "--group", default=None, metavar="NAME", help="only this profile group's samples / factors"
@@ -265,7 +291,7 @@ def run(args: argparse.Namespace) -> int:
         tpot_doc = json.loads((base_dir / "tpot.json").read_text(encoding="utf-8"))
         base = LatencyPredictor.from_files(base_dir / "ttft.json", base_dir / "tpot.json")
     except (OSError, json.JSONDecodeError, ProfileError) as exc:
-        print(f"error: --profile {base_dir}: {exc}", file=sys.stderr)
+        print(error_line(f"--profile {base_dir}: {exc}"), file=sys.stderr)
         return 2
     source: str = args.source
     try:
@@ -279,7 +305,7 @@ def run(args: argparse.Namespace) -> int:
             ttft_doc, tpot_doc = scaled_profile(ttft_doc, tpot_doc, factors)
             how = "the router's calibration factors"
     except CalibrateError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(error_line(exc), file=sys.stderr)
         return 2
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     note = (
@@ -299,7 +325,7 @@ def run(args: argparse.Namespace) -> int:
             out, load_ttft_profile(out / "ttft.json"), load_tpot_profile(out / "tpot.json")
         )
     except (OSError, ProfileError) as exc:
-        print(f"error: --out {out}: {exc}", file=sys.stderr)
+        print(error_line(f"--out {out}: {exc}"), file=sys.stderr)
         return 2
     print(
         f"wrote {out / 'ttft.json'}, {out / 'tpot.json'} and {coefficients} "

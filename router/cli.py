@@ -16,13 +16,16 @@ import os
 import sys
 from collections.abc import MutableMapping, Sequence
 
+from fleet.flags import set_command_line
 from router.lifetime import die_with_parent_if_asked
 
 #: Modules that contribute subcommands, in the order ``--help`` lists them.
 SUBCOMMAND_MODULES: tuple[str, ...] = (
     "predictor.cli",
     "cms.cli",
+    "cms.keys",
     "workers.cli",
+    "workers.stock_agent",
     "router.server",
     "router.up",
     "router.schedule_cli",
@@ -71,10 +74,12 @@ def grpc_environment(env: MutableMapping[str, str] = os.environ) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     die_with_parent_if_asked()  # a process `up` or `--processes` started ends with its parent
     grpc_environment()
+    typed = list(argv if argv is not None else sys.argv[1:])
+    set_command_line(typed)  # error messages echo flags and values as typed (fleet.flags)
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(typed)
     # The command line as given (``--processes`` starts more routers with the same flags).
-    args.argv = list(argv if argv is not None else sys.argv[1:])
+    args.argv = typed
     logging.basicConfig(
         level=getattr(logging, args.log_level),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -21,6 +21,7 @@ import grpc
 from slorouter.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 from router.core.health import OutlierDetector
+from router.core.protocols import VLLM_GRPC_SCHEME
 from router.mux import MuxConnection, Tokens
 from router.pool import ChannelPool
 
@@ -250,6 +251,11 @@ class WorkerClient:
         self._muxes: dict[str, MuxConnection] = {}
         #: Endpoints that answered ``Streams`` with UNIMPLEMENTED, and when (re-probed after a while).
         self._no_mux: dict[str, float] = {}
+        # Imported here: router.vllm_grpc uses this module's error and ledger types.
+        from router.vllm_grpc import VllmGrpcClient
+
+        #: The client of ``vllm-grpc://`` endpoints (vLLM's own gRPC service, see router.vllm_grpc).
+        self.vllm = VllmGrpcClient(self, max_channels=pool.max_channels, tls=pool.tls)
 
     # ------------------------------------------------------------------ outcomes
 
@@ -262,12 +268,40 @@ class WorkerClient:
             self.health.failure(error.instance_id, self._clock(), f"{error.code.name}: {error.details}")
         return error
 
+    # The same outcomes and deadlines for the other protocols' clients (router.vllm_grpc).
+
+    @property
+    def first_message_timeout_s(self) -> float:
+        return self._first_timeout_s
+
+    def succeeded(self, target: Target) -> None:
+        self._succeeded(target)
+
+    def failed(self, target: Target, code: grpc.StatusCode, details: str) -> LegError:
+        return self._failed(LegError(target.instance_id, code, details, kv_gone=code in KV_GONE_CODES))
+
+    def failed_call(self, target: Target, exc: grpc.aio.AioRpcError) -> LegError:
+        return self._failed(_leg_error(target.instance_id, exc))
+
+    def first_message_error(self, target: Target) -> LegError:
+        return self._first_message_error(target)
+
+    def keep(self, task: asyncio.Task[None]) -> None:
+        """Hold a background task until it ends (:meth:`drain` waits for it)."""
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
     async def _connected(self, target: Target) -> worker_pb2_grpc.WorkerAsyncStub:
         """The stub of ``target`` once its channel is connected (fails fast, or after the connect deadline)."""
         channel, stub = self._pool.entry(target.endpoint)
+        await self.await_channel(channel, target)
+        return stub
+
+    async def await_channel(self, channel: grpc.aio.Channel, target: Target) -> None:
+        """Return once ``channel`` is connected; a retryable :class:`LegError` if it fails or takes too long."""
         state = channel.get_state(try_to_connect=True)
         if state is grpc.ChannelConnectivity.READY:
-            return stub
+            return
         try:
             async with asyncio.timeout(self._connect_timeout_s):
                 while state is not grpc.ChannelConnectivity.READY:
@@ -291,7 +325,6 @@ class WorkerClient:
                     "(--worker-connect-timeout-s): the endpoint accepts but does not answer",
                 )
             ) from None
-        return stub
 
     def _first_message_details(self, target: Target) -> str:
         return (
@@ -317,6 +350,8 @@ class WorkerClient:
         timeout_s: float,
         ledger: LegLedger,
     ) -> worker_pb2.PrefillResponse:
+        if target.endpoint.startswith(VLLM_GRPC_SCHEME):
+            return await self.vllm.prefill(target, request_id, prompt_token_ids, sampling, timeout_s, ledger)
         ledger.endpoints.add(target.endpoint)
         request = worker_pb2.PrefillRequest(
             request_id=request_id, prompt_token_ids=prompt_token_ids, sampling=sampling
@@ -346,8 +381,13 @@ class WorkerClient:
 
         With ``streams="mux"`` the leg runs on the endpoint's ``Worker.Streams`` call (one per
         connection, see :mod:`router.mux`); a worker that does not offer it is served with the
-        per-request RPC (and asked again after :data:`NO_MUX_RETRY_S`).
+        per-request RPC (and asked again after :data:`NO_MUX_RETRY_S`). A ``vllm-grpc://``
+        endpoint is served by :attr:`vllm` (vLLM's own ``Generate``).
         """
+        if target.endpoint.startswith(VLLM_GRPC_SCHEME):
+            async for message in self.vllm.stream(target, request, timeout_s, ledger):
+                yield message
+            return
         ledger.endpoints.add(target.endpoint)
         stub = await self._connected(target)
         if self.streams == "mux":
@@ -467,6 +507,7 @@ class WorkerClient:
         self._muxes.clear()
         for connection in connections:
             await connection.close()
+        await self.vllm.close()
 
     def abort_all(self, request_id: str, ledger: LegLedger) -> None:
         """Fire ``Abort`` at every endpoint that may hold the request (in the background)."""
@@ -477,6 +518,9 @@ class WorkerClient:
         ledger.endpoints.clear()
 
     async def _abort(self, endpoint: str, request_id: str) -> None:
+        if endpoint.startswith(VLLM_GRPC_SCHEME):
+            await self.vllm.abort(endpoint, request_id, self._abort_timeout_s)
+            return
         try:
             await self._pool.entry(endpoint)[1].Abort(
                 worker_pb2.AbortRequest(request_id=request_id), timeout=self._abort_timeout_s

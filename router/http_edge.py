@@ -21,28 +21,36 @@ header              body field             meaning
 ==================  =====================  =========================================
 
 Router errors map to HTTP statuses here (and to gRPC codes in the service):
-a malformed request is 400, an id already in flight 409, "no instance is
-predicted to meet the SLO" 429, an empty or failing fleet 503. Responses carry
-the route in ``x-slo-router-*`` headers. The edge adds two metric families to
+a malformed request is 400, an id already in flight 409, "no instance can take
+it" (``--queue-policy none``), a full queue or a queue wait over
+``--max-queue-wait-ms`` 429, a late request under ``--late-policy reject`` 504,
+an empty or failing fleet 503. With the defaults (``edf``, ``--late-policy
+serve``) a request no instance can meet waits and is served: a late one is a
+200 with ``x-slo-router-late: true`` and ``"late": true`` in its usage object.
+Responses carry the route in ``x-slo-router-*`` headers. The edge adds two metric families to
 the router's registry: the targets in force per class, and per class how many
 completed requests met all their targets.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import re
-from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.registry import Collector
 from slorouter.v1 import common_pb2, router_pb2
 
 from fleet.snapshot import ClusterSnapshot
 from openai_http.app import HttpServer, OpenAIApp, Piece
+from openai_http.bounded import EdgeLimits, EdgeStats, default_max_connections
 from openai_http.protocol import ApiError, ParsedRequest, Usage
 from router.chat_template import ChatTemplate
 from router.core.errors import (
@@ -55,6 +63,8 @@ from router.core.errors import (
     QueueTimeoutError,
     RetriesExhaustedError,
     RouterError,
+    ShuttingDownError,
+    UnmeetableError,
 )
 from router.forward import LegError
 from router.service import RouterService, ServiceConfig
@@ -167,11 +177,11 @@ def http_status(exc: RouterError | LegError) -> int:
         return 400
     if isinstance(exc, DuplicateRequestError):
         return 409
-    if isinstance(exc, (NoInstanceError, QueueFullError, QueueTimeoutError)):
+    if isinstance(exc, (NoInstanceError, QueueFullError, QueueTimeoutError, UnmeetableError)):
         return 429
     if isinstance(exc, LateError):
         return 504
-    if isinstance(exc, (EmptyClusterError, RetriesExhaustedError)):
+    if isinstance(exc, (EmptyClusterError, RetriesExhaustedError, ShuttingDownError)):
         return 503
     return 500
 
@@ -215,14 +225,19 @@ class EdgeMetrics:
         self.results.labels(slo_class=label, result="met" if met else "missed").inc()
 
 
-def _route_headers(route: router_pb2.RouteInfo) -> dict[str, str]:
-    return {
+def _route_headers(route: router_pb2.RouteInfo, *, late: bool = False) -> dict[str, str]:
+    headers = {
         "x-slo-router-prefill": route.prefill_instance_id,
         "x-slo-router-decode": route.decode_instance_id,
         "x-slo-router-policy": route.policy,
         "x-slo-router-predicted-ttft-ms": f"{route.predicted_ttft_ms:.3f}",
         "x-slo-router-predicted-tpot-ms": f"{route.predicted_tpot_ms:.3f}",
     }
+    if late:
+        # Served although its TTFT target was out of reach (--late-policy serve): a 200 that
+        # already missed its SLO. The usage object of the last chunk says it again (``late``).
+        headers["x-slo-router-late"] = "true"
+    return headers
 
 
 class RouterBackend:
@@ -247,6 +262,13 @@ class RouterBackend:
         self._defaults = defaults
         self._registry = registry
         self._metrics = EdgeMetrics(registry)
+        self._edge_stats_registered = False
+
+    def register_edge_stats(self, stats: EdgeStats) -> None:
+        """Export the connection bounds' refusals next to the edge's other metrics (once)."""
+        if not self._edge_stats_registered:
+            self._registry.register(EdgeCollector(stats))
+            self._edge_stats_registered = True
 
     def render_chat(self, messages: Sequence[Mapping[str, str]]) -> str:
         try:
@@ -263,6 +285,8 @@ class RouterBackend:
         return sorted(lengths.items())
 
     def health(self) -> str | None:
+        if self._service.draining:
+            return "the router is shutting down (draining): send requests elsewhere"
         counts = self._instance_counts()
         if any(n for (_, health), n in counts.items() if health == "healthy"):
             return None
@@ -296,17 +320,125 @@ class RouterBackend:
                     piece = Piece(out.text, out.finished, out.finish_reason)
                     if out.route is not None:  # the first step
                         self._metrics.accepted(label, targets)
-                        piece.headers = _route_headers(out.route)
+                        piece.headers = _route_headers(out.route, late=out.late)
                     if out.finished and out.usage is not None:
-                        piece.usage = Usage(out.usage.prompt_tokens, out.usage.completion_tokens)
+                        piece.usage = Usage(
+                            out.usage.prompt_tokens,
+                            out.usage.completion_tokens,
+                            {"late": out.usage.late, "queue_wait_ms": round(out.usage.queue_wait_ms, 3)},
+                        )
                         self._metrics.completed(label, targets, out.usage)
                     yield piece
         except (RouterError, LegError) as exc:
             raise ApiError(http_status(exc), str(exc)) from exc
 
 
-async def start_http_edge(backend: RouterBackend, listen: str, *, max_body_bytes: int) -> HttpServer:
-    """Serve ``backend`` on ``listen`` (``HOST:PORT``; port 0 picks one). Raises ``OSError`` when taken."""
-    server = HttpServer(OpenAIApp(backend, max_body_bytes=max_body_bytes).app, listen)
+def add_http_edge_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``--http-*`` bounds of the HTTP edge's connections (shared by ``router`` and ``up``)."""
+    defaults = EdgeLimits()
+    parser.add_argument(
+        "--http-max-header-bytes",
+        type=int,
+        default=defaults.max_header_bytes,
+        help="largest HTTP request head (request line + headers) in bytes; a larger one gets 431 at "
+        "once, before it is parsed (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--http-max-headers",
+        type=int,
+        default=defaults.max_headers,
+        help="most header lines in one HTTP request; more get 431 (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--http-header-timeout-s",
+        type=float,
+        default=defaults.header_timeout_s,
+        help="a started HTTP request head must arrive within this long, else 408 and close "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--http-idle-timeout-s",
+        type=float,
+        default=defaults.idle_timeout_s,
+        help="an HTTP connection with no request in progress (new or kept alive) is closed after this "
+        "long (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--http-max-connections",
+        type=int,
+        default=0,
+        help="open HTTP connections at most; one more is closed when accepted. 0 = half the process's "
+        f"open-file limit minus 64 (now {default_max_connections()}), so gRPC keeps descriptors "
+        "(default: %(default)s)",
+    )
+
+
+#: ``EdgeLimits`` fields and the flags that set them.
+_EDGE_FLAGS = {
+    "max_header_bytes": "--http-max-header-bytes",
+    "max_headers": "--http-max-headers",
+    "header_timeout_s": "--http-header-timeout-s",
+    "idle_timeout_s": "--http-idle-timeout-s",
+    "max_connections": "--http-max-connections",
+}
+
+
+def edge_limits_from_args(args: argparse.Namespace) -> EdgeLimits:
+    """The ``--http-*`` bounds, checked; ``ValueError`` naming the flag."""
+    values = {name: getattr(args, flag[2:].replace("-", "_")) for name, flag in _EDGE_FLAGS.items()}
+    try:
+        return EdgeLimits(**values)
+    except ValueError as exc:
+        text = str(exc)
+        for name, flag in _EDGE_FLAGS.items():
+            if text.startswith(name):
+                raise ValueError(flag + text[len(name) :]) from None
+        raise
+
+
+class EdgeCollector(Collector):
+    """Exports the HTTP edge's connection refusals (:class:`EdgeStats`) on the router's registry."""
+
+    def __init__(self, stats: EdgeStats) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterable[Metric]:
+        refused = CounterMetricFamily(
+            "slo_router_http_refused_connections",
+            "HTTP connections refused by the edge's bounds, by reason",
+            labels=["reason"],
+        )
+        for reason, count in sorted(self._stats.refused.items()):
+            refused.add_metric([reason], count)
+        yield refused
+        yield GaugeMetricFamily(
+            "slo_router_http_open_connections",
+            "HTTP connections open now",
+            value=self._stats.open_connections,
+        )
+
+
+async def start_http_edge(
+    backend: RouterBackend,
+    listen: str,
+    *,
+    max_body_bytes: int,
+    limits: EdgeLimits | None = None,
+    graceful_shutdown_s: float = 2.0,
+) -> HttpServer:
+    """Serve ``backend`` on ``listen`` (``HOST:PORT``; port 0 picks one). Raises ``OSError`` when taken.
+
+    ``limits`` bound the connections (:mod:`openai_http.bounded`); what they refuse is
+    counted on the backend's registry.
+    """
+    stats = EdgeStats()
+    server = HttpServer(
+        OpenAIApp(backend, max_body_bytes=max_body_bytes).app,
+        listen,
+        limits=limits,
+        stats=stats,
+        graceful_shutdown_s=graceful_shutdown_s,
+    )
+    backend.register_edge_stats(stats)
     await server.start()
     return server

@@ -28,6 +28,7 @@ from router.core.columns import ClusterView, FloatArray
 from router.core.decision import Choice, Decision
 from router.core.errors import EmptyClusterError, InvalidRequestError, NoInstanceError, SchedulingError
 from router.core.health import OutlierDetector
+from router.core.lengths import LengthPredictor
 from router.core.packing import expected_output_tokens, overpacked_mask
 from router.core.plugins import Policy
 from router.core.queue import RouterQueue
@@ -117,6 +118,9 @@ class Placer:
         self._limits: tuple[ClusterSnapshot, frozenset[str], dict[str, int], int] | None = None
         #: The load placed over the last minute (for ``desired_instances``).
         self.load = LoadTracker()
+        #: Output lengths learned from the requests that finished here (the policies' length estimate;
+        #: a client sends only max_tokens).
+        self.lengths = LengthPredictor()
         predictors = scheduler.predictors
         #: The scheduler's online calibration, fed the workers' step samples from each new view.
         self.calibration: Calibrator | None = predictors.calibration if predictors is not None else None
@@ -197,6 +201,9 @@ class Placer:
             exclude_instance_ids=exclude,
             stages=stages,
             e2e_slo_ms=req.e2e_slo_ms,
+            expected_output_tokens=self.lengths.estimate(
+                req.slo_class, len(req.prompt_token_ids), req.max_tokens
+            ).tokens,
             max_tokens=req.max_tokens,
             priority=req.priority,
             slo_class=req.slo_class,

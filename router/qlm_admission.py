@@ -224,6 +224,16 @@ class QlmAdmission:
         """The ``Schedule`` dry run answers without the qlm queue's order."""
         return None
 
+    def refuse_queued(self, error: RouterError) -> None:
+        """Fail every request waiting for a placement (queued or evicted) with ``error`` (shutdown)."""
+        for request_id, future in list(self._futures.items()):
+            if not future.done():
+                qlm = self.qlm
+                if qlm is not None and (r := qlm.remove(request_id)) is not None:
+                    self._observer.queue_changed(r.request, -1)
+                self._futures.pop(request_id, None)
+                future.set_exception(error)
+
     def close(self) -> None:
         return None
 

@@ -26,6 +26,7 @@ from slorouter.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 from cms import limits
 from cms.transport import client_tls_from_arg, message_size_options, open_channel, target_error
+from fleet.flags import error_line
 from router.server import DEFAULT_LISTEN
 
 DESCRIPTION = """\
@@ -177,12 +178,12 @@ async def _call(args: argparse.Namespace, request: router_pb2.ScheduleRequest) -
 def run(args: argparse.Namespace) -> int:
     problem = _check(args)
     if problem is not None:
-        print(f"error: {problem}", file=sys.stderr)
+        print(error_line(problem), file=sys.stderr)
         return 2
     try:
         response = asyncio.run(_call(args, build_request(args)))
     except ValueError as exc:  # --tls-ca unreadable
-        print(f"error: {exc}", file=sys.stderr)
+        print(error_line(exc), file=sys.stderr)
         return 2
     except grpc.aio.AioRpcError as exc:
         code = exc.code()
@@ -193,7 +194,9 @@ def run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
         else:
-            print(f"error: the router refused the request ({code.name}): {exc.details()}", file=sys.stderr)
+            print(
+                error_line(f"the router refused the request ({code.name}): {exc.details()}"), file=sys.stderr
+            )
         return 1
     if args.json:
         print(json_format.MessageToJson(response, preserving_proto_field_name=True))

@@ -21,11 +21,14 @@ from grpc_health.v1 import health_pb2
 from slorouter.v1 import router_pb2, router_pb2_grpc
 
 from cms import limits
-from cms.auth import read_client_token
+from cms.auth import read_client_token, read_client_token_text
+from cms.call_auth import read_worker_token
 from cms.reader import ClusterReader, open_reader
 from cms.serving import add_health_and_reflection, bind_server
 from cms.transport import ClientTls, ServerTls, client_tls_from_arg, server_tls_from_args
+from fleet.flags import check_listen, check_metrics_port, cms_target, error_line, read_flag_file
 from openai_http.app import DEFAULT_MAX_BODY_BYTES, HttpServer
+from openai_http.bounded import EdgeLimits
 from predictor import LatencyPredictor
 from router.admission import Admission
 from router.chat_template import ChatTemplate, FallbackChatTemplate, load_chat_template
@@ -38,9 +41,15 @@ from router.core.rng import PeekableRandom
 from router.core.scheduler import Scheduler
 from router.core.slicing import SliceConfig
 from router.forward import WORKER_STREAMS, WorkerClient
-from router.http_edge import RouterBackend, start_http_edge
+from router.http_edge import RouterBackend, add_http_edge_arguments, edge_limits_from_args, start_http_edge
 from router.placement import Placer
-from router.pool import ChannelPool
+from router.pool import (
+    DEFAULT_KEEPALIVE_S,
+    DEFAULT_KEEPALIVE_TIMEOUT_S,
+    ChannelPool,
+    add_keepalive_arguments,
+    keepalive_from_args,
+)
 from router.qlm_admission import QlmAdmission, make_admission
 from router.service import RouterService, ServiceConfig
 from router.slicing import SliceDispatcher, slice_config_from_args
@@ -51,6 +60,16 @@ from router.tokenize import Tokenizer, load_tokenizer
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
+#: Calls gRPC core may hold for the router before the service has picked them up. Its defaults
+#: (1,000, hard limit 3,000) answered ~1,300 of a burst of 4,000 simultaneous calls with a bare
+#: CANCELLED that the router never saw, let alone counted. Above the router's own bounds
+#: (``--max-queue-size``, 4,096 by default, plus what runs), overload is refused by the router,
+#: with a reason and a metric, not by the core.
+MAX_PENDING_CALLS = 1 << 16
+ROUTER_SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
+    ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
+    ("grpc.server.max_pending_requests_hard_limit", MAX_PENDING_CALLS),
+)
 DEFAULT_LISTEN = "127.0.0.1:50051"
 DEFAULT_PROFILE_DIR = Path(__file__).resolve().parent.parent / "profiling_data" / "qwen2.5-7b-2xv100-linear"
 
@@ -85,17 +104,48 @@ class RouterServer:
     def port(self) -> int:
         return int(self.address.rsplit(":", 1)[1])
 
-    async def stop(self, grace: float | None = 2.0) -> None:
-        """Stop taking requests, let running ones finish within ``grace`` seconds, release everything."""
-        if self._stopped:
-            return
-        self._stopped = True
-        if self.http is not None:
-            await self.http.stop()
+    async def drain(self, timeout_s: float, force: asyncio.Event | None = None) -> None:
+        """Shut down gracefully, in this order (SIGTERM):
+
+        1. health goes ``NOT_SERVING`` (gRPC health and the HTTP ``/health``), so a load balancer
+           stops sending;
+        2. every queued request, and every new one, is refused at once with ``UNAVAILABLE``
+           (HTTP 503): retryable, the client goes to another replica;
+        3. running requests finish, for up to ``timeout_s`` (``--drain-timeout-s``; ``force``, set
+           by a second signal, cuts it short);
+        4. what still runs then ends with an error at its next message: ``UNAVAILABLE`` on gRPC, an
+           OpenAI-shaped error event and ``[DONE]`` on an HTTP stream, closed cleanly.
+        """
         if self.readiness is not None:
             self.readiness.cancel()
             await asyncio.gather(self.readiness, return_exceptions=True)
         await self.health.enter_graceful_shutdown()
+        self.service.begin_drain()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + max(timeout_s, 0.0)
+        if self.service.active_requests:
+            logger.info(
+                "draining: %d running request(s) may finish within %.0f s (--drain-timeout-s)",
+                self.service.active_requests,
+                timeout_s,
+            )
+        if await self.service.wait_idle(deadline - loop.time(), force):
+            return
+        logger.warning("drain time over: ending %d running request(s)", self.service.active_requests)
+        self.service.abandon()
+        await self.service.wait_idle(ABANDON_WAIT_S)
+
+    async def stop(
+        self, grace: float | None = 2.0, *, drain_timeout_s: float = 0.0, force: asyncio.Event | None = None
+    ) -> None:
+        """Drain (:meth:`drain`, up to ``drain_timeout_s``), stop the servers within ``grace``
+        seconds, release everything."""
+        if self._stopped:
+            return
+        self._stopped = True
+        await self.drain(drain_timeout_s, force)
+        if self.http is not None:
+            await self.http.stop()
         await self.server.stop(grace)
         self.admission.close()
         await self.workers.drain()
@@ -127,6 +177,9 @@ async def start_router_server(
     worker_tls: ClientTls | None = None,
     reuse_port: bool = False,
     worker_streams: str = "mux",
+    http_limits: EdgeLimits | None = None,
+    worker_token: str | None = None,
+    worker_keepalive: tuple[float, float] = (DEFAULT_KEEPALIVE_S, DEFAULT_KEEPALIVE_TIMEOUT_S),
 ) -> RouterServer:
     """Serve the Router service on ``listen`` over ``reader``'s view; starts the reader too.
 
@@ -144,7 +197,14 @@ async def start_router_server(
     cannot be bound.
     """
     observer = observer or RequestObserver()
-    pool = ChannelPool(max_channels=max_channels, tls=worker_tls)
+    # With worker_token every call to a worker carries it (cms.call_auth; workers refuse without it).
+    pool = ChannelPool(
+        max_channels=max_channels,
+        tls=worker_tls,
+        call_token=worker_token,
+        keepalive_s=worker_keepalive[0],
+        keepalive_timeout_s=worker_keepalive[1],
+    )
     health = OutlierDetector(outlier)
     workers = WorkerClient(
         pool,
@@ -153,6 +213,9 @@ async def start_router_server(
         health=health,
         streams=worker_streams,
     )
+    tokenizer = tokenizer or load_tokenizer(None)
+    # vLLM's gRPC service returns token ids only: its legs' text comes from the router's tokenizer.
+    workers.vllm.set_decoder(tokenizer.decode)
     placer = Placer(scheduler, reader, observer=observer, health=health)
     service_config = service_config or ServiceConfig()
     slicer = None
@@ -170,7 +233,7 @@ async def start_router_server(
     service = RouterService(
         placer,
         workers,
-        tokenizer or load_tokenizer(None),
+        tokenizer,
         service_config,
         observer=observer,
         slicer=slicer,
@@ -178,6 +241,7 @@ async def start_router_server(
     )
     server, port = await bind_server(
         listen,
+        ROUTER_SERVER_OPTIONS,
         max_receive_bytes=limits.SERVING_MAX_MESSAGE_BYTES,
         max_send_bytes=limits.SERVING_MAX_MESSAGE_BYTES,
         tls=tls,
@@ -229,11 +293,52 @@ async def start_router_server(
             registry=observer.registry,
         )
         try:
-            router.http = await start_http_edge(backend, http_listen, max_body_bytes=DEFAULT_MAX_BODY_BYTES)
+            router.http = await start_http_edge(
+                backend, http_listen, max_body_bytes=DEFAULT_MAX_BODY_BYTES, limits=http_limits
+            )
         except BaseException:
             await router.stop(grace=0)
             raise
     return router
+
+
+#: After the drain time, how long the abandoned streams get to send their error and close (s).
+ABANDON_WAIT_S = 5.0
+#: Default ``--drain-timeout-s``.
+DEFAULT_DRAIN_TIMEOUT_S = 30.0
+
+
+def add_drain_argument(parser: argparse.ArgumentParser) -> None:
+    """``--drain-timeout-s`` (``router`` and ``up``)."""
+    parser.add_argument(
+        "--drain-timeout-s",
+        type=float,
+        default=DEFAULT_DRAIN_TIMEOUT_S,
+        help="on SIGTERM/SIGINT: health goes NOT_SERVING, queued and new requests are refused "
+        "(UNAVAILABLE / 503), and running ones may finish for this long; then they end with an "
+        "error (an error event on HTTP streams). A second signal ends the wait (default: %(default)s)",
+    )
+
+
+def check_drain_timeout(args: argparse.Namespace) -> float:
+    """``--drain-timeout-s`` within [0, 3600] (``ValueError`` naming the flag)."""
+    value = args.drain_timeout_s
+    if not (math.isfinite(value) and 0 <= value <= 3600):
+        raise ValueError(f"--drain-timeout-s {value}: must be a number of seconds within [0, 3600]")
+    return float(value)
+
+
+async def wait_for_signals() -> asyncio.Event:
+    """Wait for SIGINT or SIGTERM; the returned event is set by the next one (to cut a drain short)."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    force = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, force.set)
+    return force
 
 
 #: How often the router repeats what it is waiting for while it has no cluster view.
@@ -290,7 +395,19 @@ def _profile_groups(values: list[str]) -> dict[str, LatencyPredictor]:
 
 def build_predictors(args: argparse.Namespace) -> PredictorSet:
     """The default profile from the two paths, plus one per ``--profile-group``."""
-    default = LatencyPredictor.from_files(args.ttft_profiling_data_path, args.tpot_profiling_data_path)
+    ttft, tpot = args.ttft_profiling_data_path, args.tpot_profiling_data_path
+    profile = getattr(args, "profile", None)
+    if profile:  # --profile DIR, the form `up` and `plan` take: both files of one directory
+        if ttft or tpot:
+            raise ValueError(
+                f"--profile {profile}: give either --profile or --ttft-/--tpot-profiling-data-path, not both"
+            )
+        if not Path(profile).is_dir():
+            raise ValueError(f"--profile {profile}: not a directory (it needs ttft.json and tpot.json)")
+        ttft, tpot = Path(profile) / "ttft.json", Path(profile) / "tpot.json"
+    default = LatencyPredictor.from_files(
+        ttft or DEFAULT_PROFILE_DIR / "ttft.json", tpot or DEFAULT_PROFILE_DIR / "tpot.json"
+    )
     return PredictorSet(default, _profile_groups(args.profile_group))
 
 
@@ -347,12 +464,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
         "/v1/models, /health, /metrics) here; off by default",
     )
+    add_http_edge_arguments(parser)
     parser.add_argument("--cluster-name", default="default", help="Redis key namespace with --cms redis://")
     parser.add_argument(
         "--cms-auth-token-file",
         default=None,
         help="file holding the token to read a grpc:// CMS with (needed once the CMS has tokens); "
         "with --cms memory, the tokens the embedded CMS accepts (one per line: TOKEN or NAME TOKEN)",
+    )
+    parser.add_argument(
+        "--worker-auth-token-file",
+        default=None,
+        help="file holding the cluster's worker token: every call to a worker carries it (workers "
+        "given the same file refuse Prefill/Generate/Decode/Streams/Abort without it)",
     )
     parser.add_argument(
         "--tls-cert", default=None, help="serve the Router service over TLS with this PEM chain"
@@ -364,14 +488,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="CA bundle (PEM): reach workers and a grpc:// CMS over TLS, checking them against it",
     )
     parser.add_argument(
+        "--profile",
+        default=None,
+        metavar="DIR",
+        help="profile directory (ttft.json + tpot.json, e.g. from `slo-router profile`) to predict every "
+        "instance with (default: the bundled Qwen2.5-7B profile)",
+    )
+    parser.add_argument(
         "--ttft-profiling-data-path",
-        default=str(DEFAULT_PROFILE_DIR / "ttft.json"),
-        help="TTFT profile JSON (default: the bundled Qwen2.5-7B profile)",
+        default=None,
+        help="TTFT profile JSON, instead of --profile (default: the bundled Qwen2.5-7B profile's)",
     )
     parser.add_argument(
         "--tpot-profiling-data-path",
-        default=str(DEFAULT_PROFILE_DIR / "tpot.json"),
-        help="TPOT profile JSON (default: the bundled Qwen2.5-7B profile)",
+        default=None,
+        help="TPOT profile JSON, instead of --profile (default: the bundled Qwen2.5-7B profile's)",
     )
     parser.add_argument(
         "--profile-group",
@@ -411,6 +542,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "this per attempt (default: %(default)s)",
     )
     add_worker_streams_argument(parser)
+    add_keepalive_arguments(parser)
+    add_drain_argument(parser)
     parser.add_argument(
         "--worker-first-message-timeout-s",
         type=float,
@@ -474,7 +607,8 @@ def register(subparsers: Any) -> None:
         ),
     )
     add_arguments(parser)
-    parser.set_defaults(func=run)
+    # slo, as `up`, `plan` and `make run` use: a router started by hand behaves as the one `up` starts.
+    parser.set_defaults(func=run, scheduling_policy="slo")
 
 
 #: ServiceConfig fields set by the router's own flags (the SLO defaults come from SchedulerConfig's).
@@ -561,6 +695,8 @@ class RouterPlan:
     qlm: QlmConfig = field(default_factory=QlmConfig)
     #: ``--outlier-*``: when failing instances are ejected from placement.
     outlier: OutlierConfig = field(default_factory=OutlierConfig)
+    #: ``--http-*``: the HTTP edge's connection bounds.
+    http_limits: EdgeLimits = field(default_factory=EdgeLimits)
 
 
 def plan_from_args(args: argparse.Namespace) -> RouterPlan:
@@ -581,31 +717,70 @@ def plan_from_args(args: argparse.Namespace) -> RouterPlan:
         )
     except ValueError as exc:
         raise ValueError(name_flags(str(exc), {**SERVICE_FLAGS, **SchedulerConfig.flags()})) from exc
-    check_address("--listen", args.listen)
     check_processes(args)
+    check_address("--listen", args.listen)
     if args.cms == "memory":
         check_address("--cms-listen", args.cms_listen)
-    elif not args.cms.startswith(("grpc://", "redis://", "rediss://", "unix://")):
-        raise ValueError(f"--cms {args.cms!r}: expected memory, grpc://HOST:PORT or redis://HOST:PORT/DB")
+    elif not args.cms.startswith(("redis://", "rediss://", "unix://")):
+        try:
+            args.cms = cms_target("--cms", args.cms)  # HOST:PORT and grpc://HOST:PORT alike
+        except ValueError:
+            raise ValueError(
+                f"--cms {args.cms}: expected memory, HOST:PORT (grpc://HOST:PORT) or redis://HOST:PORT/DB"
+            ) from None
+    if args.http_listen:
+        check_address("--http-listen", args.http_listen)
     check_port("--metrics-port", args.metrics_port)
+    check_cms_token_file(args)
     if not args.cluster_name:
         raise ValueError("--cluster-name must not be empty")
     _check_availability_flags(args)
+    keepalive_from_args(args)
+    check_drain_timeout(args)
     check_worker_streams(args)
     outlier = outlier_config(args)
     slice_config = slice_config_from_args(args)
     predictors = build_predictors(args)
     tokenizer = load_tokenizer(args.tokenizer)
-    return RouterPlan(
-        config,
-        predictors,
-        service_config,
-        tokenizer,
-        slice_config,
-        queue_config(args),
-        qlm_config(args),
-        outlier,
-    )
+    queue, qlm = queue_config(args), qlm_config(args)
+    edge = edge_limits_from_args(args)
+    check_addresses_free(args)
+    return RouterPlan(config, predictors, service_config, tokenizer, slice_config, queue, qlm, outlier, edge)
+
+
+def check_addresses_free(args: argparse.Namespace) -> None:
+    """Every address this router will listen on can be bound now; ``ValueError`` naming the flag.
+
+    Last of the checks, so a mistaken flag is reported as itself even when a port is also taken.
+    """
+    if not args.shared_inflight:  # a process --processes started: the first one already listens there
+        check_listen("--listen", args.listen)
+    if args.cms == "memory":
+        check_listen("--cms-listen", args.cms_listen)
+    if args.http_listen:
+        check_listen("--http-listen", args.http_listen)
+    check_metrics_port("--metrics-port", args.metrics_port, args.metrics_host)
+
+
+def check_cms_token_file(args: argparse.Namespace) -> None:
+    """``--cms-auth-token-file`` can be read and holds what its use needs; ``ValueError`` naming it.
+
+    With ``--cms memory`` it is the embedded CMS's token file (``NAME TOKEN`` lines), else the
+    token this router reads a CMS with.
+    """
+    from cms.auth import TokenTable
+
+    path = args.cms_auth_token_file
+    if not path:
+        return
+    text = read_flag_file("--cms-auth-token-file", path)
+    try:
+        if args.cms == "memory":
+            TokenTable.parse(text, "")
+        else:
+            read_client_token_text(text, "")
+    except ValueError as exc:
+        raise ValueError(f"--cms-auth-token-file {path}: {exc}") from None
 
 
 def check_processes(args: argparse.Namespace) -> None:
@@ -632,6 +807,7 @@ async def start_from_args(args: argparse.Namespace, plan: RouterPlan | None = No
     scheduler = Scheduler(plan.config, plan.predictors, PeekableRandom(args.seed))
     tls = server_tls_from_args(args.tls_cert, args.tls_key)
     client_tls = client_tls_from_arg(args.tls_ca)
+    worker_token = read_worker_token(args.worker_auth_token_file)
     cms_token = None
     if args.cms_auth_token_file:
         try:
@@ -692,6 +868,9 @@ async def start_from_args(args: argparse.Namespace, plan: RouterPlan | None = No
             worker_tls=client_tls,
             reuse_port=args.processes > 1 or bool(args.shared_inflight),
             worker_streams=args.worker_streams,
+            http_limits=plan.http_limits,
+            worker_token=worker_token,
+            worker_keepalive=keepalive_from_args(args),
         )
     except BaseException:
         for resource in reversed(owned):
@@ -722,14 +901,10 @@ async def _serve(args: argparse.Namespace, plan: RouterPlan) -> int:
     print(f"router listening on {server.address}", flush=True)
     if server.http is not None:
         print(f"OpenAI-compatible HTTP API on http://{server.http.address}/v1", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    logger.info("shutting down")
+    force = await wait_for_signals()
+    logger.info("shutting down (draining for up to %.0f s)", args.drain_timeout_s)
     await group.stop()
-    await server.stop(grace=5.0)
+    await server.stop(grace=5.0, drain_timeout_s=args.drain_timeout_s, force=force)
     await group.close()
     return 0
 
@@ -738,7 +913,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         plan = plan_from_args(args)
     except ValueError as exc:  # ProfileError included: it names the file and the entry
-        print(f"error: {exc}", file=sys.stderr)
+        print(error_line(exc), file=sys.stderr)
         return 2
     try:
         import uvloop
@@ -749,5 +924,5 @@ def run(args: argparse.Namespace) -> int:
     try:
         return asyncio.run(_serve(args, plan))
     except (ValueError, OSError) as exc:  # an address that cannot be bound: say which
-        print(f"error: {exc}", file=sys.stderr)
+        print(error_line(exc), file=sys.stderr)
         return 2

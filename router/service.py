@@ -39,6 +39,8 @@ from router.core.errors import (
     QueueTimeoutError,
     RetriesExhaustedError,
     RouterError,
+    ShuttingDownError,
+    UnmeetableError,
 )
 from router.core.queue import QueueConfig
 from router.core.request import Mode
@@ -91,13 +93,37 @@ def _error_code(exc: RouterError) -> grpc.StatusCode:
         return grpc.StatusCode.INVALID_ARGUMENT
     if isinstance(exc, DuplicateRequestError):
         return grpc.StatusCode.ALREADY_EXISTS
-    if isinstance(exc, (NoInstanceError, QueueFullError, QueueTimeoutError)):
+    if isinstance(exc, (NoInstanceError, QueueFullError, QueueTimeoutError, UnmeetableError)):
         return grpc.StatusCode.RESOURCE_EXHAUSTED
     if isinstance(exc, LateError):
         return grpc.StatusCode.DEADLINE_EXCEEDED
-    if isinstance(exc, (EmptyClusterError, RetriesExhaustedError)):
+    if isinstance(exc, (EmptyClusterError, RetriesExhaustedError, ShuttingDownError)):
         return grpc.StatusCode.UNAVAILABLE
     return grpc.StatusCode.INTERNAL
+
+
+#: The finish reason a worker gives a request it aborted.
+_ABORT = "abort"
+
+
+def _unrequested_abort(instance_id: str, tokens: int) -> LegError:
+    """A worker ended a leg with finish reason "abort" that the router did not abort.
+
+    Someone else cut it (an ``Abort`` from another client, an operator, the engine): for the
+    client that is a failure of the instance, never a normal finish. As a retryable
+    ``LegError`` it is retried (before the first token) or resumed token-exact elsewhere.
+    """
+    return LegError(
+        instance_id,
+        grpc.StatusCode.UNAVAILABLE,
+        f"the worker aborted the request after {tokens} tokens without the router asking",
+    )
+
+
+async def _close_stream(stream: AsyncIterator[Any]) -> None:
+    close = getattr(stream, "aclose", None)
+    if close is not None:
+        await close()
 
 
 @dataclass
@@ -138,6 +164,7 @@ class Generated:
         "finish_reason",
         "finished",
         "first_token_index",
+        "late",
         "request_id",
         "route",
         "text",
@@ -162,6 +189,9 @@ class Generated:
         self.finish_reason = finish_reason
         #: Set on the first step.
         self.route: router_pb2.RouteInfo | None = None
+        #: On the first step: the request left the router queue late (its TTFT target was out of
+        #: reach); known before any token, so the HTTP edge can say so in a response header.
+        self.late = False
         #: Set on the last step.
         self.usage: router_pb2.Usage | None = None
 
@@ -230,12 +260,46 @@ class RouterService(router_pb2_grpc.RouterServicer):
             placer, QueueConfig(queue_policy="none"), clock=clock, observer=self._observer
         )
         self._active: set[str] = set()
+        #: SIGTERM: no new request starts (:meth:`begin_drain`); then the running ones end (:meth:`abandon`).
+        self._draining = False
+        self._abandoned = False
+        #: Set while no request runs (a drain waits on it).
+        self._idle = asyncio.Event()
+        self._idle.set()
         #: With ``--processes N``: this process's slot, sent as ``slo-router-process`` trailing metadata.
         self.process_label = ""
 
     @property
     def active_requests(self) -> int:
         return len(self._active)
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    def begin_drain(self) -> None:
+        """Shutdown, first step: refuse new requests and every queued one at once (``UNAVAILABLE``)."""
+        self._draining = True
+        self._admission.refuse_queued(
+            ShuttingDownError("the router is shutting down: the request had not started; retry elsewhere")
+        )
+
+    async def wait_idle(self, timeout_s: float, force: asyncio.Event | None = None) -> bool:
+        """Wait until no request runs, at most ``timeout_s`` (or until ``force`` is set); whether idle."""
+        waits = [asyncio.ensure_future(self._idle.wait())]
+        if force is not None:
+            waits.append(asyncio.ensure_future(force.wait()))
+        try:
+            await asyncio.wait(waits, timeout=max(timeout_s, 0.0), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiter in waits:
+                waiter.cancel()
+        return not self._active
+
+    def abandon(self) -> None:
+        """Shutdown, last step (``--drain-timeout-s`` ran out): every running stream ends with an error
+        at its next message (``UNAVAILABLE``; an SSE stream gets an error event and ``[DONE]``)."""
+        self._abandoned = True
 
     # ------------------------------------------------------------------ validation
 
@@ -327,6 +391,10 @@ class RouterService(router_pb2_grpc.RouterServicer):
         """
         progress = _Progress(started=self._clock())
         try:
+            if self._draining:
+                raise ShuttingDownError(
+                    "the router is shutting down and takes no new requests; retry elsewhere"
+                )
             prepared = self._prepare(request)
         except RouterError as exc:
             self._observer.rejected(exc)
@@ -342,6 +410,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 f"request_id {request_id!r} is already in flight; use a new id or leave it empty"
             )
         self._active.add(request_id)
+        self._idle.clear()
         ledger = LegLedger()
         finished = False
         try:
@@ -350,6 +419,11 @@ class RouterService(router_pb2_grpc.RouterServicer):
             else:
                 source = self._run(prepared, request.sampling, ledger, progress)
             async for message in source:
+                if self._abandoned:
+                    raise ShuttingDownError(
+                        f"the router shut down after {len(progress.tokens)} tokens (--drain-timeout-s ran "
+                        "out); retry elsewhere"
+                    )
                 finished = message.finished
                 yield message
             self._completed(progress)
@@ -365,6 +439,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
             raise
         finally:
             self._active.discard(request_id)
+            if not self._active:
+                self._idle.set()
             self._admission.outcome(
                 prepared,
                 finished=finished,
@@ -411,6 +487,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 first = False
                 progress.route = slice_route(instance_id)
                 out.route = _route_info(progress.route)
+                out.late = progress.late
                 if progress.first_token_at is not None:
                     self._observer.first_token(progress.route, progress.first_token_at - progress.started)
             if message.finished:
@@ -425,6 +502,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
         first = progress.first_token_at if progress.first_token_at is not None else now
         last = progress.last_token_at if progress.last_token_at is not None else first
         n = len(progress.tokens)
+        # Called once, when the stream finishes: the answer's length teaches the length predictor.
+        self._placer.lengths.observe(req.slo_class, len(req.prompt_token_ids), n)
         return router_pb2.Usage(
             prompt_tokens=len(req.prompt_token_ids),
             completion_tokens=n,
@@ -459,6 +538,11 @@ class RouterService(router_pb2_grpc.RouterServicer):
         excluded: set[str] = set()
         failures: list[str] = []
         while True:
+            if self._draining and failures:
+                raise ShuttingDownError(
+                    "the router is shutting down; the request failed on a worker and is not retried here: "
+                    + "; ".join(failures)
+                )
             admitted = await self._admission.place(req, exclude=frozenset(excluded))
             route = admitted.route
             progress.queue_wait_s += admitted.waited_s
@@ -497,6 +581,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 self._config.prefill_timeout_s,
                 ledger,
             )
+            if response.finished and response.finish_reason == _ABORT:
+                raise _unrequested_abort(prefill.instance_id, len(progress.tokens))
             index = len(progress.tokens)
             self._note_tokens(progress, [response.first_token_id])
             first = Generated(
@@ -519,6 +605,9 @@ class RouterService(router_pb2_grpc.RouterServicer):
         async for message in stream:
             if not message.token_ids and not message.finished:
                 continue
+            if message.finished and message.finish_reason == _ABORT:
+                await _close_stream(stream)
+                raise _unrequested_abort(prefill.instance_id, len(progress.tokens))
             index = len(progress.tokens)
             self._note_tokens(progress, message.token_ids)
             progress.cached_prompt_tokens = max(
@@ -563,6 +652,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         started = await self._first_token(req, sampling, ledger, progress)
         first = started.first
         first.route = _route_info(started.route)
+        first.late = progress.late
         progress.route = started.route
         if progress.first_token_at is not None:
             self._observer.first_token(started.route, progress.first_token_at - progress.started)
@@ -603,6 +693,15 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 async for message in stream:
                     if handle is not None and handle.evicted:
                         continue  # the aborted leg's last messages: the client gets them from the next run
+                    if message.finished and message.finish_reason == _ABORT:
+                        # Not asked for by the router (its own aborts end the leg above or close
+                        # the request): keep this message's tokens, resume the rest elsewhere.
+                        if message.token_ids:
+                            index = len(progress.tokens)
+                            self._note_tokens(progress, message.token_ids)
+                            yield Generated(request_id, index, message.token_ids, message.text, False, "")
+                        await _close_stream(stream)
+                        raise _unrequested_abort(target.instance_id, len(progress.tokens))
                     index = len(progress.tokens)
                     self._note_tokens(progress, message.token_ids)
                     if message.num_cached_prompt_tokens:

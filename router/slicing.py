@@ -23,8 +23,12 @@ request back in the pool, up to ``max_retries`` times.
 
 Only neutral instances take slices (a slice is prefill and decode on one
 instance); a fleet without schedulable neutral instances fails the request
-with ``UNAVAILABLE``. The batcher uses the first instance's profile and the
-smallest KV capacity of the fleet.
+with ``UNAVAILABLE``. Every instance is priced with its own estimators (its
+profile group, chunk budget, KV capacity and block size, scaled by what it is
+seen to do: :class:`router.core.slicing.InstanceModels`), so a heterogeneous
+fleet is balanced the same whatever order it is listed in. A slice that ends
+with output left is followed at once by the next one
+(:meth:`SliceDispatcher.resume`), not after the next schedule point.
 """
 
 from __future__ import annotations
@@ -46,14 +50,17 @@ from fleet.snapshot import ClusterSnapshot, InstanceRecord
 from router.core.decision import Choice
 from router.core.errors import EmptyClusterError, NoInstanceError, RetriesExhaustedError
 from router.core.predictors import PredictorSet
+from router.core.protocols import dial_endpoint
 from router.core.request import Mode, Stage
 from router.core.slicing import (
     DEFAULT_SLICE_TOKENS,
+    InstanceModels,
     MemoryModel,
     ServingTimeModel,
     SliceConfig,
     SliceRequest,
     SliceScheduler,
+    slice_length,
 )
 from router.forward import LegError, LegLedger, LegTokens, WorkerClient
 from router.mux import Tokens
@@ -123,7 +130,9 @@ class SliceDispatcher:
         self._max_retries = max_retries
         self._clock = clock
         self._sched: SliceScheduler | None = None
-        self._shape: tuple[str, int, int, int, int, int] | None = None
+        #: Each instance's estimators, with the shape they were built for (see _scheduler).
+        self._models: dict[str, tuple[tuple[str, int, int, int, int], InstanceModels]] = {}
+        self._servings: dict[tuple[str, int, int], ServingTimeModel] = {}
         self._endpoints: dict[str, str] = {}
         self._waiting: dict[int, _Waiter] = {}
         #: Slices placed per instance since the start (for tests and logs).
@@ -184,31 +193,47 @@ class SliceDispatcher:
         ]
 
     def _scheduler(self, records: Sequence[InstanceRecord]) -> SliceScheduler:
-        first = records[0].metadata
-        group = first.labels.get(self._profile_label, "")
-        shape = (
-            group,
-            first.max_num_batched_tokens or 2048,
-            min(r.metadata.kv_capacity_tokens or 65536 for r in records),
-            max(r.metadata.block_size or 16 for r in records),
-            first.max_model_len or 8192,
-            len(records),
-        )
+        """The slice scheduler over ``records``, each instance with its own estimators.
+
+        An instance's serving-time model comes from its profile group's
+        predictor and its own chunk budget and model length, its memory model
+        from its own KV capacity and block size; models are rebuilt only when
+        an instance's shape changes (its online fits carry over otherwise).
+        """
         ids = [r.metadata.instance_id for r in records]
-        if self._sched is None or self._shape is None or self._shape[:5] != shape[:5]:
-            serving = ServingTimeModel(
-                self._predictors.for_group(group),
-                max_num_batched_tokens=shape[1],
-                max_context_tokens=max(shape[4], 8),
+        models: dict[str, InstanceModels] = {}
+        for r in records:
+            meta = r.metadata
+            group = meta.labels.get(self._profile_label, "")
+            shape = (
+                group,
+                meta.max_num_batched_tokens or 2048,
+                meta.kv_capacity_tokens or 65536,
+                meta.block_size or 16,
+                meta.max_model_len or 8192,
             )
+            known = self._models.get(meta.instance_id)
+            if known is not None and known[0] == shape:
+                models[meta.instance_id] = known[1]
+                continue
+            serving = self._servings.get(shape[:2] + shape[4:])
+            if serving is None:
+                serving = ServingTimeModel(
+                    self._predictors.for_group(group),
+                    max_num_batched_tokens=shape[1],
+                    max_context_tokens=max(shape[4], 8),
+                )
+                self._servings[shape[:2] + shape[4:]] = serving
             memory = MemoryModel(
                 kv_capacity_tokens=shape[2], block_size=shape[3], headroom=self.config.kv_headroom
             )
-            if self._sched is None:
-                self._sched = SliceScheduler(self.config, serving, memory, ids)
-            else:
-                self._sched.serving, self._sched.memory = serving, memory
-        self._shape = shape
+            built = InstanceModels(serving, memory)
+            self._models[meta.instance_id] = (shape, built)
+            models[meta.instance_id] = built
+        if self._sched is None:
+            first = models[ids[0]]
+            self._sched = SliceScheduler(self.config, first.serving, first.memory, ids)
+        self._sched.set_models(models)
         self._sched.set_instances(ids)
         return self._sched
 
@@ -225,7 +250,9 @@ class SliceDispatcher:
             self._next_at = now + self.config.min_interval_ms * 1e-3
             return
         for r in records:
-            self._endpoints[r.metadata.instance_id] = r.metadata.endpoint
+            self._endpoints[r.metadata.instance_id] = dial_endpoint(
+                r.metadata.endpoint, r.metadata.worker_protocol
+            )
         sched = self._scheduler(records)
         # New slices join the pool; slices cancelled while waiting in it leave it here.
         sched.pool = [r for r in [*sched.pool, *self._pending] if self._live(r)]
@@ -299,12 +326,37 @@ class SliceDispatcher:
             raise
         return target, key, request
 
+    def resume(
+        self, target: SliceTarget, key: int, request: SliceRequest, context_tokens: int, remaining_tokens: int
+    ) -> tuple[SliceTarget, int, SliceRequest] | None:
+        """End a slice that leaves output to generate and place the next one at once.
+
+        :meth:`SliceScheduler.resume`: no wait for a schedule point or a local
+        queue between two slices of a stream. None when there is no scheduler
+        to place it (the caller then waits for a placement as for a first slice).
+        """
+        sched = self._sched
+        if sched is None or not sched.instances:
+            return None
+        ticket = self._next_ticket
+        self._next_ticket += 1
+        length = slice_length(
+            context_tokens, remaining_tokens, sched.models(target.instance_id).serving, self.config
+        )
+        following = SliceRequest(ticket, context_tokens, length)
+        instance, new_key, _batch = sched.resume(
+            target.instance_id, key, request, following, self._clock() * 1e3
+        )
+        self.placed_slices[instance] = self.placed_slices.get(instance, 0) + 1
+        self._admit(target.instance_id)
+        return SliceTarget(instance, self._endpoints.get(instance, "")), new_key, following
+
     def finish(self, target: SliceTarget, key: int, request: SliceRequest) -> None:
         """The slice ended (done, failed or cancelled): free its place, start queued batches."""
         sched = self._sched
         if sched is None:
             return
-        sched.finish(target.instance_id, key, request)
+        sched.finish(target.instance_id, key, request, self._clock() * 1e3)
         self._admit(target.instance_id)
 
     # ------------------------------------------------------------------ one request
@@ -327,10 +379,21 @@ class SliceDispatcher:
         total = sampling.max_tokens
         failures = 0
         slice_no = 0
+        placed: tuple[SliceTarget, int, SliceRequest] | None = None
         while True:
             remaining = total - len(generated)
-            slice_tokens = min(self.config.slice_tokens, remaining)
-            target, key, request = await self.acquire(len(prompt_token_ids) + len(generated), slice_tokens)
+            context = len(prompt_token_ids) + len(generated)
+            if placed is None:
+                sched = self._sched
+                length = self.config.slice_tokens
+                if sched is not None and sched.instances:
+                    serving = sched.models(min(sched.instances)).serving
+                    length = slice_length(context, remaining, serving, self.config)
+                target, key, request = await self.acquire(context, min(length, remaining))
+            else:
+                target, key, request = placed
+                placed = None
+            slice_tokens = request.slice_tokens
             # Worker request ids follow the id limits too (cms/limits.py): ':' separates the slice.
             slice_id = limits.derived_id(request_id, f":s{slice_no}")
             slice_no += 1
@@ -354,6 +417,7 @@ class SliceDispatcher:
                     request_id=slice_id, prompt_token_ids=prompt_token_ids, sampling=part
                 )
             ended = False
+            carried = False
             try:
                 async for message in workers.stream(target, call, timeout_s, ledger):
                     if not message.finished:
@@ -381,6 +445,7 @@ class SliceDispatcher:
                             message.num_cached_prompt_tokens,
                         )
                         yield carry, target.instance_id
+                    carried = True
                     break
                 else:
                     raise LegError(
@@ -402,7 +467,11 @@ class SliceDispatcher:
                     exc,
                 )
             finally:
-                self.finish(target, key, request)
+                left = total - len(generated)
+                if carried and left > 0 and self.config.resume_at_once:
+                    placed = self.resume(target, key, request, len(prompt_token_ids) + len(generated), left)
+                if placed is None:
+                    self.finish(target, key, request)
                 if not ended:
                     workers.abort_all(slice_id, ledger)
 
@@ -418,15 +487,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=DISPATCH_MODES,
         default="request",
         help="request: place each whole request (the scheduling policy); slice: place requests "
-        "--slice-tokens new tokens at a time, batched and offloaded max-min to neutral instances "
-        "(default: %(default)s)",
+        "--slice-tokens new tokens at a time, batched and offloaded max-min to neutral instances (SCLS, "
+        "seed 002). On continuous-batching engines slices pay where the KV does not hold the load: "
+        "where request dispatch makes the engines preempt about once per request or more, slices keep "
+        "a KV plan that holds and win on throughput; elsewhere request dispatch wins (slices cost a "
+        "first-slice wait and re-prefill). `slo-router simulate --dispatch-modes request,slice,auto` "
+        "tells which side of that line a fleet and workload are on (default: %(default)s)",
     )
     group.add_argument(
         "--slice-tokens",
         type=int,
         default=DEFAULT_SLICE_TOKENS,
         metavar="S",
-        help="slice mode: most new tokens per placement (default: %(default)s)",
+        help="slice mode: new tokens of a first slice; a resumed slice of a long context is longer, so "
+        "that re-prefilling it costs at most a quarter of its decode (at most 8x S) (default: %(default)s)",
     )
     group.add_argument(
         "--slice-interval-ms",

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import os
 import shutil
 import signal
 import sys
@@ -25,9 +26,12 @@ from pathlib import Path
 from typing import Any
 
 from cms.auth import TokenTable, new_token
+from cms.call_auth import read_worker_token
 from cms.memory import MemoryStore
 from cms.reader import open_reader
 from cms.server import CmsServer, start_cms_server
+from fleet.flags import check_listen, check_metrics_port, error_line, split_host_port
+from openai_http.bounded import EdgeLimits
 from predictor import LatencyPredictor
 from router.core.config import SchedulerConfig
 from router.core.qlm import QlmConfig
@@ -35,20 +39,28 @@ from router.core.queue import QueueConfig
 from router.core.rng import PeekableRandom
 from router.core.scheduler import Scheduler
 from router.core.slicing import SliceConfig
+from router.http_edge import add_http_edge_arguments, edge_limits_from_args
 from router.lifetime import child_env
+from router.pool import (
+    DEFAULT_KEEPALIVE_S,
+    DEFAULT_KEEPALIVE_TIMEOUT_S,
+    add_keepalive_arguments,
+    keepalive_from_args,
+)
 from router.processes import RouterProcesses
 from router.server import (
     DEFAULT_LISTEN,
     DEFAULT_PROFILE_DIR,
     RouterServer,
+    add_drain_argument,
     add_worker_streams_argument,
-    check_address,
-    check_port,
+    check_drain_timeout,
     check_worker_streams,
     qlm_config,
     queue_config,
     scheduler_config,
     start_router_server,
+    wait_for_signals,
 )
 from router.service import ServiceConfig
 from router.shared_inflight import MAX_PROCESSES
@@ -85,10 +97,10 @@ class Cluster:
     #: A CMS read token for routers started by hand against this cluster (``--cms-auth-token-file``).
     router_token_file: Path | None = None
 
-    async def stop(self) -> None:
-        """Router first (no new work), then the workers, then the CMS. Idempotent."""
+    async def stop(self, drain_timeout_s: float = 0.0, force: asyncio.Event | None = None) -> None:
+        """Router first (it drains: :meth:`RouterServer.drain`), then the workers, then the CMS. Idempotent."""
         await self.processes.stop()
-        await self.router.stop(grace=2.0)
+        await self.router.stop(grace=2.0, drain_timeout_s=drain_timeout_s, force=force)
         await self.processes.close()
         await stop_workers(self.workers)
         await self.cms.stop(grace=0.5)
@@ -96,13 +108,61 @@ class Cluster:
             shutil.rmtree(self.secrets_dir, ignore_errors=True)
 
 
+#: Prefix of ``up``'s secrets directories in the temporary directory.
+SECRETS_PREFIX = "slo-router-up-"
+#: The file in a secrets directory naming the pid of the ``up`` that made it.
+OWNER_FILE = "owner.pid"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
+
+
+def remove_stale_secrets(tmp: Path | None = None) -> list[Path]:
+    """Remove secrets directories whose ``up`` died without cleaning up (kill -9); the removed ones.
+
+    Only this user's directories (the only ones it can remove anyway), only those whose
+    ``owner.pid`` names a process that no longer exists; a directory without a readable owner
+    file is left alone (it may be one being written right now).
+    """
+    removed: list[Path] = []
+    base = Path(tmp or tempfile.gettempdir())
+    uid = os.getuid()
+    for path in base.glob(SECRETS_PREFIX + "*"):
+        try:
+            if not path.is_dir() or path.is_symlink() or path.stat().st_uid != uid:
+                continue
+            pid = int((path / OWNER_FILE).read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if pid > 0 and not _alive(pid):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
 class ClusterSecrets:
-    """A token per worker and the cluster's kv handle key, as files only this user can read."""
+    """A token per worker and the cluster's kv handle key, as files only this user can read.
+
+    The directory names its owner (``owner.pid``) so that the next ``up`` removes it when this
+    one dies without cleaning up (:func:`remove_stale_secrets`).
+    """
 
     def __init__(self) -> None:
-        self.dir = Path(tempfile.mkdtemp(prefix="slo-router-up-"))  # mode 0700
+        for stale in remove_stale_secrets():
+            logger.info("removed %s, left behind by an up that died", stale)
+        self.dir = Path(tempfile.mkdtemp(prefix=SECRETS_PREFIX))  # mode 0700
+        self._write(OWNER_FILE, str(os.getpid()))
         self.kv_key_file = self._write("kv.key", new_token())
-        self._tokens: dict[str, str] = {}
+        self.worker_call_token = self.worker_call_token_file()
+        #: principal -> (token, scope)
+        self._tokens: dict[str, tuple[str, str]] = {}
 
     def _write(self, name: str, text: str) -> Path:
         path = self.dir / name
@@ -111,18 +171,23 @@ class ClusterSecrets:
         return path
 
     def worker_token_file(self, instance_id: str) -> Path:
+        """A token that may write this worker's own instance id and no other."""
         token = new_token()
-        self._tokens[f"worker.{instance_id}"] = token
+        self._tokens[f"worker.{instance_id}"] = (token, f"write:{instance_id}")
         return self._write(f"{instance_id}.token", token)
 
+    def worker_call_token_file(self) -> Path:
+        """The worker token: the router's (and workers') calls to workers carry it (cms.call_auth)."""
+        return self._write("worker-call.token", new_token())
+
     def router_token_file(self) -> Path:
-        """A token for the router processes ``--processes`` starts (they read the CMS over gRPC)."""
+        """A read-only token: for the routers ``--processes`` starts and routers started by hand."""
         token = new_token()
-        self._tokens["router"] = token
+        self._tokens["router"] = (token, "read")
         return self._write("router.token", token)
 
     def table(self) -> TokenTable:
-        return TokenTable.of(self._tokens.items())
+        return TokenTable.of((name, token, scope) for name, (token, scope) in self._tokens.items())
 
 
 async def stop_workers(workers: list[WorkerProcess], timeout_s: float = 10.0) -> None:
@@ -151,6 +216,7 @@ async def _spawn_worker(
 ) -> WorkerProcess:
     cmd = [
         sys.executable, "-m", "router.cli", "worker", "--engine", "sim", "--role", role,
+        "--worker-auth-token-file", str(secrets.worker_call_token),
         "--listen", "127.0.0.1:0", "--cms", cms_address, "--instance-id", instance_id,
         "--cms-auth-token-file", str(token_file),
         "--kv-key-file", str(secrets.kv_key_file),
@@ -202,6 +268,10 @@ class ClusterPlan:
     slice_config: SliceConfig | None = None
     queue: QueueConfig = field(default_factory=QueueConfig)
     qlm: QlmConfig = field(default_factory=QlmConfig)
+    #: ``--http-*``: the HTTP edge's connection bounds.
+    http_limits: EdgeLimits = field(default_factory=EdgeLimits)
+    #: ``--worker-keepalive-s``, ``--worker-keepalive-timeout-s``.
+    worker_keepalive: tuple[float, float] = (DEFAULT_KEEPALIVE_S, DEFAULT_KEEPALIVE_TIMEOUT_S)
 
 
 def plan_cluster(args: argparse.Namespace) -> ClusterPlan:
@@ -231,9 +301,13 @@ def plan_cluster(args: argparse.Namespace) -> ClusterPlan:
     if args.dispatch_mode == "slice" and not args.neutral:
         raise ValueError("--dispatch-mode slice runs on neutral workers: add --neutral K")
     slice_config = slice_config_from_args(args)
-    check_address("--listen", args.listen)
+    split_host_port("--listen", args.listen)
+    if args.http_listen:
+        split_host_port("--http-listen", args.http_listen)
     check_worker_streams(args)
-    check_port("--metrics-port", args.metrics_port)
+    if not 0 <= args.metrics_port <= 65535:
+        raise ValueError(f"--metrics-port {args.metrics_port}: must be a port 0-65535 (0 = off)")
+    check_drain_timeout(args)
     config = scheduler_config(args)
     queue = queue_config(args)
     profile = Path(args.profile)
@@ -244,7 +318,23 @@ def plan_cluster(args: argparse.Namespace) -> ClusterPlan:
         roles = [("neutral", i) for i in range(args.neutral)]
     else:
         roles = [("prefill", i) for i in range(args.prefill)] + [("decode", i) for i in range(args.decode)]
-    return ClusterPlan(roles, profile, predictor, config, slice_config, queue, qlm_config(args))
+    edge, keepalive = edge_limits_from_args(args), keepalive_from_args(args)
+    # Last: the addresses are free now (a mistaken flag above is reported as itself first).
+    check_listen("--listen", args.listen)
+    if args.http_listen:
+        check_listen("--http-listen", args.http_listen)
+    check_metrics_port("--metrics-port", args.metrics_port, "127.0.0.1")
+    return ClusterPlan(
+        roles,
+        profile,
+        predictor,
+        config,
+        slice_config,
+        queue,
+        qlm_config(args),
+        edge,
+        keepalive,
+    )
 
 
 async def start_cluster(args: argparse.Namespace, plan: ClusterPlan | None = None) -> Cluster:
@@ -296,6 +386,9 @@ async def start_cluster(args: argparse.Namespace, plan: ClusterPlan | None = Non
             qlm_config=plan.qlm,
             reuse_port=args.processes > 1,
             worker_streams=args.worker_streams,
+            http_limits=plan.http_limits,
+            worker_token=read_worker_token(str(secrets.worker_call_token)),
+            worker_keepalive=plan.worker_keepalive,
         )
     except BaseException:
         await stop_workers(workers)
@@ -310,7 +403,7 @@ async def start_cluster(args: argparse.Namespace, plan: ClusterPlan | None = Non
                 router.service,
                 router.scheduler.inflight,
                 args.processes,
-                _router_argv(args, plan, cms.address, router_token),
+                _router_argv(args, plan, cms.address, router_token, secrets.worker_call_token),
             )
         except BaseException:
             await cluster.stop()
@@ -330,12 +423,14 @@ _UP_ONLY_FLAGS = {
     "--prefill": True, "--decode": True, "--neutral": True, "--listen": True, "--http-listen": True,
     "--worker-http": False, "--worker-stream-interval-ms": True, "--profile": True,
     "--speed-factor": True, "--start-timeout-s": True, "--metrics-port": True, "--processes": True,
+    "--http-max-header-bytes": True, "--http-max-headers": True, "--http-header-timeout-s": True,
+    "--http-idle-timeout-s": True, "--http-max-connections": True,
     "--prefix-cache-block-tokens": True,
 }  # fmt: skip
 
 
 def _router_argv(
-    args: argparse.Namespace, plan: ClusterPlan, cms_address: str, token_file: Path
+    args: argparse.Namespace, plan: ClusterPlan, cms_address: str, token_file: Path, worker_token_file: Path
 ) -> list[str]:
     """``slo-router router`` flags for the other ``--processes``: the embedded CMS over gRPC, the
     profile, then every scheduling, queue and slicing flag of ``up`` as the user gave it."""
@@ -356,6 +451,7 @@ def _router_argv(
         forwarded.append(token)
     return [
         *before, "router", "--cms", f"grpc://{cms_address}", "--cms-auth-token-file", str(token_file),
+        "--worker-auth-token-file", str(worker_token_file),
         "--ttft-profiling-data-path", str(plan.profile / "ttft.json"),
         "--tpot-profiling-data-path", str(plan.profile / "tpot.json"),
         "--scheduling-policy", args.scheduling_policy, "--seed", str(args.seed),
@@ -403,6 +499,9 @@ def register(subparsers: Any) -> None:
         help="give every sim worker an OpenAI-compatible HTTP face too (for HTTP routers and benchmarks)",
     )
     add_worker_streams_argument(parser)
+    add_http_edge_arguments(parser)
+    add_keepalive_arguments(parser)
+    add_drain_argument(parser)
     parser.add_argument(
         "--worker-stream-interval-ms",
         type=float,
@@ -469,14 +568,10 @@ async def _serve(args: argparse.Namespace, plan: ClusterPlan) -> int:
         f"TPOT {plan.config.tpot_slo_ms:g} ms (a request's own SLO wins)",
         flush=True,
     )
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     drains = [asyncio.ensure_future(_drain_stdout(w)) for w in cluster.workers]
-    await stop.wait()
-    print("shutting down", flush=True)
-    await cluster.stop()
+    force = await wait_for_signals()
+    print(f"shutting down (draining for up to {args.drain_timeout_s:g} s)", flush=True)
+    await cluster.stop(args.drain_timeout_s, force)
     for task in drains:
         task.cancel()
     await asyncio.gather(*drains, return_exceptions=True)
@@ -487,7 +582,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         plan = plan_cluster(args)
     except ValueError as exc:  # ProfileError included: it names the file and the entry
-        print(f"error: {exc}", file=sys.stderr)
+        print(error_line(exc), file=sys.stderr)
         return 2
     try:
         import uvloop
@@ -498,5 +593,5 @@ def run(args: argparse.Namespace) -> int:
     try:
         return asyncio.run(_serve(args, plan))
     except (ValueError, OSError, RuntimeError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(error_line(exc), file=sys.stderr)
         return 2

@@ -11,7 +11,9 @@ import sys
 from typing import Any, cast
 
 from bench.report import PlotUnavailableError
-from bench.workload import DEFAULT_WORKLOAD, WorkloadError, load_workload
+from bench.traces import Trace, add_trace_arguments, is_trace, load_trace, trace_options
+from bench.workload import DEFAULT_WORKLOAD, RequestPlan, WorkloadError, WorkloadSpec, load_workload
+from fleet.flags import error_line
 from predictor import ProfileError
 from router.core.calibration import CALIBRATION_MODES
 from router.core.config import SchedulerConfig, name_flags
@@ -24,7 +26,6 @@ from sim import slicing
 from sim.cluster import SimFleet
 from sim.engine import SimConfig
 from sim.fleet import (
-    BUNDLED_PROFILES,
     DEFAULT_PROFILE,
     FleetError,
     FleetSpec,
@@ -93,7 +94,7 @@ fleet (one of):
                                    engine: {{kv_capacity_tokens: 131072, noise: 0.05}}
   default: --prefill {DEFAULT_FLEET[0]} --decode {DEFAULT_FLEET[1]} on {DEFAULT_PROFILE}
   A PROFILE is a directory with ttft.json and tpot.json, or a bundled name under
-  {BUNDLED_PROFILES}. The router predicts each group with the group's own profile.
+  profiling_data/ of the checkout. The router predicts each group with the group's own profile.
   Engine knobs are the sim worker's (SimConfig fields): the "sim engine" flags set them for
   every group, a fleet file may override any of them per group (speed_factor makes a group
   run faster than the profile the router predicts it with: a mis-profiled group).
@@ -126,8 +127,12 @@ what is simulated: the router's scheduling core places every request at its arri
   chunked prefill, KV blocks with preemption, step times from its profile); PD requests
   prefill on P, hold the KV, move it to D at the KV bandwidth and decode there. A request
   with no placement (e.g. slo predicts a miss everywhere) is rejected (RESOURCE_EXHAUSTED)
-  and misses its SLO. Not simulated: network/RPC latency besides the KV transfer, worker
-  failures and retries, EOS before max_tokens.
+  and misses its SLO. Output lengths: a request carries only its max_tokens cap; the engine
+  stops it at its true length (the workload's output distribution, the trace's, or an EOS
+  drawn with eos_probability when the class has ignore_eos: false), and policies that need a
+  length use an online estimate learned from finished requests (--oracle-lengths: the truth,
+  for ablations). Not simulated: network/RPC latency besides the KV transfer, worker
+  failures and retries.
 
 router queue (--queue-policies, default edf): a request no instance may take at once waits in
   the router's queue (the same code as the router's --queue-policy) in virtual time instead of
@@ -241,14 +246,15 @@ def register(subparsers: Any) -> None:
         "--queue-policies",
         default=DEFAULT_QUEUE_POLICIES,
         metavar="Q1,Q2,...",
-        help="router queue policies to compare with each policy: none (refuse at once), fcfs, edf, priority "
+        help="router queue policies to compare with each policy: none (refuse at once), fcfs, edf, priority, "
+        "sa (simulated-annealing release batches), qlm (virtual queues with eviction; neutral fleets) "
         "(default: %(default)s)",
     )
     sweep.add_argument(
         "--rates",
-        default=DEFAULT_RATES,
+        default=None,
         metavar="R1,R2,...",
-        help="mean arrival rates, req/s (default: %(default)s)",
+        help=f"mean arrival rates, req/s (default: {DEFAULT_RATES}; a trace: its own timing)",
     )
     sweep.add_argument(
         "--workload",
@@ -265,9 +271,9 @@ def register(subparsers: Any) -> None:
     sweep.add_argument(
         "--num-requests",
         type=int,
-        default=DEFAULT_NUM_REQUESTS,
+        default=None,
         metavar="N",
-        help="requests per run (default: %(default)s)",
+        help=f"requests per run (default: {DEFAULT_NUM_REQUESTS}; a trace: the first N, default all)",
     )
     sweep.add_argument(
         "--seed", type=int, default=0, help="seed of the plan and the policies' RNG (default: %(default)s)"
@@ -277,6 +283,13 @@ def register(subparsers: Any) -> None:
         "--plot", metavar="FILE.png", help="write attainment and goodput vs rate (needs matplotlib)"
     )
     sweep.add_argument("--no-progress", action="store_true", help="do not report each run on stderr")
+    sweep.add_argument(
+        "--oracle-lengths",
+        action="store_true",
+        help="ablation: give policies each request's true output length (default: an online estimate "
+        "learned from finished requests; every row is then labelled POLICY/oracle)",
+    )
+    add_trace_arguments(parser)
     slicing.add_arguments(parser)
 
     scheduler = parser.add_argument_group("scheduler (as for the router; --policies picks the policy)")
@@ -412,14 +425,29 @@ def run(args: argparse.Namespace) -> int:
     try:
         spec = _fleet(args)
     except (FleetError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(error_line(exc), file=sys.stderr)
         return 2
     if args.print_fleet:
         print(json.dumps(fleet_to_dict(spec), indent=2))
         return 0
+    trace: Trace | None = None
     try:
-        workload = open_loop(load_workload(args.workload), args.burstiness)
-        rates = parse_rates(args.rates)
+        if is_trace(args.workload):
+            trace = load_trace(args.workload, trace_options(args))
+            workload = trace.workload()
+            if args.num_requests is None:
+                args.num_requests = len(trace.records)
+            rates = [workload.arrival.rate_per_s] if args.rates is None else parse_rates(args.rates)
+        else:
+            workload = open_loop(load_workload(args.workload), args.burstiness)
+            if workload.model:
+                raise WorkloadError(
+                    f"workload {args.workload}: 'model' ({workload.model!r}) is not simulated (a simulated "
+                    "fleet serves any model); remove it from the file for simulate"
+                )
+            rates = parse_rates(args.rates or DEFAULT_RATES)
+        if args.num_requests is None:
+            args.num_requests = DEFAULT_NUM_REQUESTS
         policies = parse_policies(args.policies, args)
         queues = parse_queue_policies(args.queue_policies, args)
         qlm = parse_qlm(args)
@@ -430,7 +458,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--warmup-requests must be in [0, --num-requests), got {args.warmup_requests}")
         fleet = SimFleet(spec, profile_label=policies[0].config.profile_label)
     except (WorkloadError, ProfileError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(error_line(exc), file=sys.stderr)
         return 2
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         print(
@@ -440,9 +468,28 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
 
+    arrivals = workload.arrival.describe().split(",")[0]
+    plans_for = None
+    if trace is not None:
+        arrivals = (
+            f"{trace.format} trace, {len(trace.records)} requests over {trace.span_s:.0f} s"
+            + (
+                f", replayed at {args.trace_speed:g}x"
+                if args.rates is None
+                else ", timing scaled to each rate"
+            )
+            + f", classes {trace.rule.describe()}, max_tokens {trace.max_tokens}"
+        )
+        replayed = trace
+        native = args.rates is None
+
+        def plans_for(_spec: WorkloadSpec, rate: float) -> list[RequestPlan]:
+            return replayed.plans(args.num_requests, rate=None if native else rate)
+
     title = (
         f"slo-router simulate: {spec.describe()}; workload {workload.name} "
-        f"({workload.arrival.describe().split(',')[0]}), {args.num_requests} requests per run, seed {args.seed}"
+        f"({arrivals}), {args.num_requests} requests per run, seed {args.seed}"
+        + (", ORACLE output lengths (ablation)" if args.oracle_lengths else "")
     )
     print(title, file=sys.stderr)
 
@@ -473,12 +520,14 @@ def run(args: argparse.Namespace) -> int:
             warmup_requests=args.warmup_requests,
             queues=queues,
             qlm=qlm,
+            oracle_lengths=args.oracle_lengths,
+            plans_for=plans_for,
         )
     except KeyboardInterrupt:
         print("\ninterrupted; no report written", file=sys.stderr)
         return 130
     except FleetError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(error_line(exc), file=sys.stderr)
         return 2
     print(title)
     print(format_sweep_table(points))
@@ -486,6 +535,17 @@ def run(args: argparse.Namespace) -> int:
     print(format_prediction_table(points))
     meta = sweep_meta(fleet, workload, policies, rates, num_requests=args.num_requests, seed=args.seed)
     meta["calibrations"] = calibrations
+    meta["oracle_lengths"] = args.oracle_lengths
+    if trace is not None:
+        meta["trace"] = {
+            "path": trace.path,
+            "format": trace.format,
+            "requests": len(trace.records),
+            "speed": args.trace_speed,
+            "window": args.trace_window,
+            "classes": args.trace_classes,
+            "max_tokens": trace.max_tokens,
+        }
     meta["warmup_requests"] = args.warmup_requests
     meta["queue_policies"] = [q.queue_policy for q in queues]
     meta["queue"] = dataclasses.asdict(queues[0]) | {"queue_policy": None}
@@ -498,7 +558,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             plot_sweep(args.plot, points, title=title.removeprefix("slo-router simulate: "))
         except PlotUnavailableError as exc:
-            print(f"error: {exc}", file=sys.stderr)
+            print(error_line(exc), file=sys.stderr)
             return 2
         print(f"wrote {args.plot}", file=sys.stderr)
     return 0

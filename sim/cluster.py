@@ -59,9 +59,19 @@ reported) is a PD request's decode leg: counted on the decode instance from
 the decision until that instance admits it after the KV transfer, as
 :class:`router.core.inflight.InflightAccount` would.
 
+Output lengths (no oracle). A request carries what a client sends: ``max_tokens`` (a cap),
+its class, priority and SLO. The engine stops it at its true length
+(``RequestPlan.true_output_tokens``: the workload's output distribution or the trace's
+length, and with ``ignore_eos`` off an EOS drawn with the generating instance's
+``eos_probability``, as the sim worker does). Policies that need a length get
+``ScheduleInput.expected_output_tokens`` from a :class:`router.core.lengths.LengthPredictor`
+fed only the lengths of requests that have finished, and the resident decode legs' remaining
+output is that predictor's conditional estimate, never the engine's counter.
+``oracle_lengths=True`` (``--oracle-lengths``) hands policies the true length instead, for
+ablations only.
+
 Simplifications: no network or RPC latency besides the KV transfer; no
-retries or failover (every worker stays healthy); outputs always run to
-``max_tokens`` (the workload's ``ignore_eos``); the router's tokenizer is exact
+retries or failover (every worker stays healthy); the router's tokenizer is exact
 (``prompt_tokens`` is what the engine sees); a held KV is always pulled right
 after its transfer (``kv_hold_timeout_s`` never fires).
 
@@ -115,6 +125,7 @@ from router.core.columns import (
 from router.core.config import SchedulerConfig
 from router.core.decision import Decision
 from router.core.errors import EmptyClusterError, LateError, NoInstanceError
+from router.core.lengths import LengthConfig, LengthPredictor
 from router.core.predictors import PredictorSet
 from router.core.prefix import ExactPrefixIndex, PrefixRouting
 from router.core.qlm import DEFAULT_CONTEXT, Dispatch, QlmConfig, QlmQueue, QlmRequest, instance_model
@@ -126,6 +137,7 @@ from sim.engine import ProfileCostModel, ScheduledStep, SimConfig, SimCore, SimR
 from sim.fastforward import DecodeRun, DecodeStepTimes
 from sim.fleet import FleetError, FleetSpec
 from workers.engine import EngineOverloadedError, InvalidRequestError
+from workers.sim_engine import eos_position
 
 #: Seconds between two agent heartbeats; a heartbeat resets a status's age (not its content).
 AGENT_HEARTBEAT_S = 1.0
@@ -247,6 +259,7 @@ class SimFleet:
             "kv_capacity_tokens": _readonly(
                 np.array([c.kv_capacity_tokens for c in configs], dtype=np.float64)
             ),
+            "max_num_seqs": _readonly(np.array([c.max_num_seqs for c in configs], dtype=np.float64)),
             "has_status": ones,
             "schedulable": ones,
         }
@@ -266,6 +279,7 @@ class SimFleet:
                 block_size=config.block_size,
                 labels={profile_label: group},
                 max_model_len=config.max_model_len,
+                max_num_seqs=config.max_num_seqs,
             )
             records.append(InstanceRecord(metadata=metadata, status=None, status_age_s=math.inf))
         return ClusterSnapshot(instances=tuple(records), taken_at_s=0.0)
@@ -325,9 +339,11 @@ class _Req:
         "done_s",
         "error_code",
         "error_message",
+        "expected",
         "first_s",
         "idx",
         "late",
+        "out",
         "predicted_tpot_ms",
         "predicted_ttft_ms",
         "prefill",
@@ -344,7 +360,7 @@ class _Req:
         self.prefill = -1
         self.decode = -1
         self.resident = -1  # instance holding its resident decode leg (-1: none)
-        self.resident_tokens = 0
+        self.resident_tokens = 0.0
         self.first_s = -1.0
         self.done_s = -1.0
         self.tokens = 0
@@ -354,6 +370,9 @@ class _Req:
         self.predicted_tpot_ms: float | None = None
         self.queue_wait_s = 0.0
         self.late = False
+        #: Output tokens the router expects (its estimate at arrival) and the engine's true length.
+        self.expected = 0
+        self.out = 0
 
 
 def finished_result(
@@ -418,9 +437,14 @@ class _Simulation:
         queue: QueueConfig | None = None,
         qlm: QlmConfig | None = None,
         sa_search: str = "anneal",
+        oracle_lengths: bool = False,
+        lengths: LengthConfig | None = None,
         prefix_block_tokens: int = 0,
     ) -> None:
         self.fleet = fleet
+        #: What the router learns of output lengths (from finished requests only).
+        self.lengths = LengthPredictor(lengths)
+        self.oracle_lengths = oracle_lengths
         self.queue: RouterQueue | None = None
         #: The ``qlm`` policy's queue (then ``queue`` is None): it places, orders and evicts itself.
         self.qlm: QlmQueue | None = None
@@ -432,8 +456,13 @@ class _Simulation:
             planner = None
             if queue.policy is QueuePolicy.SA:
                 # Deterministic: the run's seed, and the annealing budget on a modeled clock.
+                seqs = {iid: c.max_num_seqs for iid, c in zip(fleet.ids, fleet.configs, strict=True)}
                 planner = SAPlanner(
-                    queue, seed=seed, modeled_evaluation_s=modeled_evaluation_s, search=sa_search
+                    queue,
+                    seed=seed,
+                    modeled_evaluation_s=modeled_evaluation_s,
+                    search=sa_search,
+                    slots=seqs.__getitem__,
                 )
             self.queue = RouterQueue(queue, defaults.ttft_slo_ms, defaults.tpot_slo_ms, planner)
         self.timer_at = math.inf
@@ -504,7 +533,9 @@ class _Simulation:
         self.busy_since = 0.0
         self.inflight_columns: InflightColumns | None = None
         # Per instance, its resident decode legs: request index -> (prompt tokens, final tokens).
-        self.resident_on: list[dict[int, tuple[int, int]]] = [{} for _ in range(n)]
+        self.resident_on: list[dict[int, tuple[int, float]]] = [{} for _ in range(n)]
+        #: When each instance's resident legs were last re-estimated (see _reestimate_residents).
+        self.refreshed_at = np.zeros(n)
         # The legs of the last view, reused while nothing they depend on changed: (key, legs).
         self.legs_version = 0
         self.legs_cache: tuple[tuple[float, int, int], ResidentLegs] | None = None
@@ -769,7 +800,7 @@ class _Simulation:
         spec = SimRequestSpec(
             request_id=rid,
             num_context_tokens=plan.prompt_tokens + 1,
-            max_new_tokens=plan.max_tokens - 1,
+            max_new_tokens=r.out - 1,
             num_cached_tokens=plan.prompt_tokens,
             counts_as_decode=True,
         )
@@ -848,12 +879,17 @@ class _Simulation:
     def _arrive(self, idx: int, now: float) -> None:
         plan = self.plans[idx]
         r = self.reqs[idx]
+        if self.oracle_lengths:
+            r.expected = self._true_length(idx, 0)
+        else:
+            r.expected = self.lengths.estimate(plan.class_name, plan.prompt_tokens, plan.max_tokens).tokens
         request = ScheduleInput(
             request_id=str(idx),
             prompt_tokens=plan.prompt_tokens,
             ttft_slo_ms=plan.slo.ttft_ms or 0.0,
             tpot_slo_ms=plan.slo.tpot_ms or 0.0,
             e2e_slo_ms=plan.slo.e2e_ms or 0.0,
+            expected_output_tokens=r.expected,
             max_tokens=plan.max_tokens,
             priority=plan.priority,
             slo_class=plan.class_name,
@@ -883,6 +919,18 @@ class _Simulation:
         finally:
             self._keep_static(view)
         self._dispatch(idx, r, plan, decision, now)
+
+    def _true_length(self, idx: int, i: int) -> int:
+        """Tokens request ``idx`` really generates when instance ``i`` generates it (engine truth)."""
+        plan = self.plans[idx]
+        n = plan.true_output_tokens
+        p = self.fleet.configs[i].eos_probability
+        if p > 0.0 and not plan.ignore_eos:
+            # The sim worker's draw (geometric, from the request's own seed), so both engines agree.
+            eos = eos_position(plan.prompt_seed & 0xFFFF_FFFF_FFFF_FFFF, p)
+            if eos is not None:
+                n = min(n, eos + 1)
+        return max(n, 1)
 
     def _keep_static(self, view: ClusterView) -> None:
         if self.reuse_static_memo:
@@ -952,13 +1000,8 @@ class _Simulation:
                 code = "UNAVAILABLE"
             self._fail(r, code, str(error), now)
         # The next moment an entry expires or turns late with no other event.
-        when = math.inf
-        oldest = queue.oldest_enqueued_s()
-        if oldest is not None:
-            when = oldest + queue.config.max_queue_wait_ms * 1e-3
-        earliest = queue.earliest_ttft_deadline_s()
-        if earliest is not None:
-            when = min(when, earliest)
+        wake = queue.wake_s()
+        when = math.inf if wake is None else wake
         if when < self.timer_at:
             self.timer_at = when
             self._push(when + 1e-6, _QUEUE_TIMER, -1)
@@ -1024,12 +1067,16 @@ class _Simulation:
                 now,
             )
             return
-        # An evicted request runs again with its generated tokens as part of the prompt (recomputed).
+        if q.evictions == 0:
+            r.out = self._true_length(idx, i)
+        # An evicted request runs again with its generated tokens as part of the prompt (recomputed);
+        # the engine stops at the answer's true end, which the cap left to it may not reach.
+        new_tokens = max(min(q.max_tokens, r.out - q.generated), 1)
         spec = SimRequestSpec(
             str(idx),
             q.prompt_tokens,
-            q.max_tokens,
-            counts_as_decode=q.max_tokens > 1,
+            new_tokens,
+            counts_as_decode=new_tokens > 1,
             block_hashes=self.block_hashes[idx] if q.prompt_tokens == plan.prompt_tokens else (),
         )
         try:
@@ -1041,8 +1088,9 @@ class _Simulation:
             self._fail(r, "INVALID_ARGUMENT", f"instance {self.fleet.ids[i]}: {exc}", now)
             return
         r.stage = _SERVING
-        if q.max_tokens > 1:
-            self._resident(r, i, +1, q.prompt_tokens + q.max_tokens, q.prompt_tokens)
+        if new_tokens > 1:
+            expected = max(r.expected - q.generated, 1)
+            self._resident(r, i, +1, q.prompt_tokens + expected, q.prompt_tokens)
         self._changed(i, now)
 
     def _dispatch(self, idx: int, r: _Req, plan: RequestPlan, decision: Decision, now: float) -> None:
@@ -1066,21 +1114,18 @@ class _Simulation:
             return
         rid = str(idx)
         neutral = decision.mode is Mode.NEUTRAL
+        out = r.out = self._true_length(idx, d)
         hashes = self.block_hashes[idx]
+        # Engine truth below (the engine ends a one-token answer at its first token, so a PD
+        # prefill then holds no KV); the router's resident leg is costed by its own estimate.
         if neutral:
-            spec = SimRequestSpec(
-                rid,
-                plan.prompt_tokens,
-                plan.max_tokens,
-                counts_as_decode=plan.max_tokens > 1,
-                block_hashes=hashes,
-            )
+            spec = SimRequestSpec(rid, plan.prompt_tokens, out, counts_as_decode=out > 1, block_hashes=hashes)
         else:
             spec = SimRequestSpec(
                 rid,
                 plan.prompt_tokens,
                 1,
-                hold_kv=plan.max_tokens > 1,
+                hold_kv=out > 1,
                 counts_as_decode=False,
                 block_hashes=hashes,
             )
@@ -1095,20 +1140,23 @@ class _Simulation:
             self._ended(idx)
             return
         r.stage = _SERVING if neutral else _PREFILL
-        if not neutral and plan.max_tokens > 1 and d != p:
+        if not neutral and out > 1 and d != p:
             self._inflight(d, +1, plan.prompt_tokens)
-        if plan.max_tokens > 1:
-            self._resident(r, d, +1, plan.prompt_tokens + plan.max_tokens, plan.prompt_tokens)
+        if out > 1:
+            self._resident(r, d, +1, plan.prompt_tokens + r.expected, plan.prompt_tokens)
         self._changed(p, now)
 
     def _ended(self, idx: int) -> None:
         """Dispatched request ``idx`` ended: the router queue hears of it (the sa policy's next batch)."""
         if self.queue is not None:
-            self.queue.finished(str(idx))
+            r = self.reqs[idx]
+            self.queue.finished(str(idx), None if r.error_code else int(r.tokens))
 
     def _finish(self, r: _Req, now: float) -> None:
         r.stage = _DONE
         r.done_s = now
+        plan = self.plans[r.idx]
+        self.lengths.observe(plan.class_name, plan.prompt_tokens, r.tokens)
         self._resident(r, r.resident, -1, 0)
         if self.qlm is not None:
             self.qlm.finished(str(r.idx), r.tokens, now)
@@ -1140,7 +1188,7 @@ class _Simulation:
         )
         queue.note_outcome(str(r.idx), slo_met(result), r.done_s, result.tpot_ms)
 
-    def _resident(self, r: _Req, i: int, sign: int, final_tokens: int, prompt_tokens: int = 0) -> None:
+    def _resident(self, r: _Req, i: int, sign: int, final_tokens: float, prompt_tokens: int = 0) -> None:
         """Make request ``r``'s decode leg resident on ``i`` (+1), or end its residence (-1)."""
         if i < 0:
             return
@@ -1178,17 +1226,21 @@ class _Simulation:
         context: list[float] = []
         remaining: list[float] = []
         started: list[bool] = []
+        generated: list[float] = []
         for i in range(len(self.resident_on)):
-            for cur, rem, decoding in self._legs_on(i, now):
+            prompts = [prompt for prompt, _ in self.resident_on[i].values()]
+            for (cur, rem, decoding), prompt in zip(self._legs_on(i, now), prompts, strict=True):
                 instance.append(i)
                 context.append(cur)
                 remaining.append(rem)
                 started.append(decoding)
+                generated.append(max(cur - prompt, 0.0))
         found = ResidentLegs(
             np.array(instance, dtype=np.intp),
             np.array(context, dtype=np.float64),
             np.array(remaining, dtype=np.float64),
             np.array(started, dtype=bool),
+            np.array(generated, dtype=np.float64),
         )
         self.legs_cache = (key, found)
         return found
@@ -1202,12 +1254,23 @@ class _Simulation:
         run = self.runs[i]
         s = run.steps_done(now) if run is not None else 0
         out: LegList = []
+        plans = self.plans
         for idx, (prompt, final) in legs.items():
             progress = core.decode_progress(str(idx))
             if progress is None:
                 out.append((float(prompt), float(max(final - prompt, 0)), False))
+                continue
+            context = progress[0] + s
+            if self.oracle_lengths:
+                remaining = float(max(progress[1] - s, 0))
             else:
-                out.append((float(progress[0] + s), float(max(progress[1] - s, 0)), progress[2]))
+                # What the router can know: the tokens streamed so far, and its length predictor.
+                plan = plans[idx]
+                generated = context - plan.prompt_tokens
+                remaining = self.lengths.remaining(
+                    plan.class_name, plan.prompt_tokens, generated, plan.max_tokens
+                )
+            out.append((float(context), remaining, progress[2]))
         return out
 
     def _inflight(self, i: int, sign: int, prompt_tokens: int) -> None:
@@ -1227,6 +1290,8 @@ class _Simulation:
         uncomputed, decode_requests, decode_tokens, used_kv, waiting, running = load
         cores = self.cores
         runs = self.runs
+        if not self.oracle_lengths:
+            self._reestimate_residents(now)
         exact = self.exact_index
         for i in self.dirty:
             if runs[i] is not None:
@@ -1277,6 +1342,38 @@ class _Simulation:
         )
         # Built only when a decision reads them (adaptive PD's exact KV peak), as the router does.
         return ClusterView(table, self._inflight_columns(), now, age, residents=_SimLegs(self, now))
+
+    def _reestimate_residents(self, now: float) -> None:
+        """Refresh the router's expected final length of the resident legs of changed instances.
+
+        A leg enters with ``prompt + estimate`` as its final length; one that outlives its
+        estimate would leave the sums saying it is done (no growth left). The router sees the
+        tokens streamed, so on each status push (an instance's load changed) and heartbeat it
+        re-estimates each leg as what it holds plus the predictor's conditional remaining output.
+        """
+        due = set(self.dirty)
+        stale = self.refreshed_at <= now - AGENT_HEARTBEAT_S
+        if stale.any():
+            due.update(np.flatnonzero(stale).tolist())
+        m = self.inflight
+        reqs = self.reqs
+        for i in due:
+            self.refreshed_at[i] = now
+            legs = self.resident_on[i]
+            if not legs:
+                continue
+            total = 0.0
+            for (idx, (prompt, _)), (context, remaining, _started) in zip(
+                list(legs.items()), self._legs_on(i, now), strict=True
+            ):
+                final = context + remaining
+                legs[idx] = (prompt, final)
+                reqs[idx].resident_tokens = final
+                total += final
+            if total != m[7, i]:
+                m[7, i] = total
+                self.inflight_columns = None
+                self.legs_version += 1
 
     def _inflight_columns(self) -> InflightColumns:
         columns = self.inflight_columns
@@ -1342,6 +1439,7 @@ def simulate(
     queue: QueueConfig | None = None,
     qlm: QlmConfig | None = None,
     sa_search: str = "anneal",
+    oracle_lengths: bool = False,
     engine_prefix_cache: bool = True,
 ) -> SimOutcome:
     """Run ``plans`` (open-loop, in arrival order) on ``fleet`` with the policy ``config`` names.
@@ -1355,6 +1453,8 @@ def simulate(
     ``qlm`` configures the ``qlm`` queue policy (default :class:`QlmConfig`).
     ``sa_search="exhaustive"`` makes the ``sa`` policy plan small queues by
     exhaustive search (the reference its annealing is compared with).
+    ``oracle_lengths=True`` gives policies each request's true output length (an ablation; by
+    default they get an online estimate learned from finished requests).
 
     Prefix caching: when the plans carry prefix-block ids (``RequestPlan.hash_ids``) and
     ``engine_prefix_cache`` is on, every engine caches prompt KV in blocks of the plans'
@@ -1388,6 +1488,7 @@ def simulate(
         queue=queue,
         qlm=qlm,
         sa_search=sa_search,
+        oracle_lengths=oracle_lengths,
         prefix_block_tokens=block,
     )
     duration_s, stats = sim.run()
@@ -1427,10 +1528,9 @@ def _make_qlm(
     if any(role is not Role.NEUTRAL for role in fleet.roles):
         raise FleetError("--queue-policies qlm needs a neutral fleet (--neutral N): it places whole requests")
     defaults = scheduler.config
-    # Mean context of a running request: its prompt plus half its output (the workload's own figure).
-    context = (
-        sum(p.prompt_tokens + p.max_tokens / 2 for p in plans) / len(plans) if plans else DEFAULT_CONTEXT
-    )
+    # Mean context of a running request: the router's constant, as the live router sizes it (the
+    # run's own mean would be a figure from the future).
+    context = DEFAULT_CONTEXT
     models = []
     for i in range(fleet.n):
         lp = fleet.predictors.for_group(fleet.groups[i])

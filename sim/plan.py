@@ -34,11 +34,14 @@ from bench.workload import (
     generate_requests,
     load_workload,
 )
+from fleet.flags import error_line
 from predictor import ProfileError
 from router.core.capacity import InstanceEstimate, LoadShape, estimate_instances
 from router.core.config import SchedulerConfig
 from router.core.errors import ConfigError
 from router.core.policies import build_policy
+from router.core.queue import QueueConfig
+from router.core.worker_count import WorkerCountModel, samples_from_spans
 from sim.cluster import SimFleet, simulate
 from sim.engine import SimConfig
 from sim.fleet import DEFAULT_PROFILE, FleetError, fleet_from_counts
@@ -66,6 +69,9 @@ class PlanResult:
     estimate: InstanceEstimate
     #: (prefill, decode, neutral) -> attainment of every simulated fleet.
     tried: dict[tuple[int, int, int], float] = field(default_factory=dict)
+    #: Aladdin's Eq. 7 fitted online over the planned fleet's run (binpack only): k5, c5, R, the
+    #: workers it predicts at the rate, and the heartbeats it used.
+    worker_model: dict[str, float] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -82,6 +88,7 @@ class PlanResult:
                 "neutral": self.estimate.neutral if self.mode == "neutral" else 0,
             },
             "simulations": len(self.tried),
+            "worker_model": self.worker_model,
         }
 
 
@@ -91,7 +98,7 @@ def load_shape(plans: list[RequestPlan], rate: float) -> LoadShape:
     return LoadShape(
         rate=rate,
         mean_prompt_tokens=sum(p.prompt_tokens for p in plans) / n,
-        mean_output_tokens=sum(p.max_tokens for p in plans) / n,
+        mean_output_tokens=sum(p.true_output_tokens for p in plans) / n,
     )
 
 
@@ -108,6 +115,7 @@ def plan_fleet(
     seed: int = 0,
     max_instances: int = DEFAULT_MAX_INSTANCES,
     on_run: Callable[[tuple[int, int, int], float], None] | None = None,
+    queue_policy: str = "none",
 ) -> PlanResult:
     """The fewest instances meeting ``target`` (0-1) at ``rate`` (see the module doc)."""
     if mode not in ("pd", "neutral"):
@@ -123,6 +131,8 @@ def plan_fleet(
     plans = generate_requests(spec, rng=seed, num_requests=num_requests)
     fleets: dict[tuple[int, int, int], SimFleet] = {}
     tried: dict[tuple[int, int, int], float] = {}
+    queue = QueueConfig(queue_policy=queue_policy)
+    outcomes: dict[tuple[int, int, int], Any] = {}
 
     def attainment(counts: tuple[int, int, int]) -> float:
         found = tried.get(counts)
@@ -135,11 +145,12 @@ def plan_fleet(
                 fleet_from_counts(prefill=p, decode=d, neutral=n, profile=profile, engine=engine),
                 profile_label=config.profile_label,
             )
-        outcome = simulate(fleet, config, plans, seed=seed)
+        outcome = simulate(fleet, config, plans, seed=seed, queue=queue)
         value = summarize(
             outcome.results, outcome.duration_s, class_slos=spec.class_slos()
         ).overall.slo_attainment
         tried[counts] = value
+        outcomes[counts] = outcome
         if on_run is not None:
             on_run(counts, value)
         return value
@@ -188,6 +199,10 @@ def plan_fleet(
             if counts[role] > 1 and attainment(bump(counts, role, -1)) >= target:
                 counts = bump(counts, role, -1)
                 changed = True
+    final = attainment(counts)
+    worker_model = None
+    if config.scheduling_policy == "binpack" and not config.enable_adaptive_pd:
+        worker_model = _fit_worker_model(plans, outcomes[counts].results, rate)
     return PlanResult(
         mode=mode,
         rate=rate,
@@ -195,10 +210,50 @@ def plan_fleet(
         prefill=counts[0],
         decode=counts[1],
         neutral=counts[2],
-        attainment=attainment(counts),
+        attainment=final,
         estimate=estimate,
         tried=dict(tried),
+        worker_model=worker_model,
     )
+
+
+#: Heartbeat of the worker-count model's samples in ``plan`` (s).
+HEARTBEAT_S = 10.0
+
+
+def _fit_worker_model(plans: list[RequestPlan], results: Any, rate: float) -> dict[str, float] | None:
+    """Aladdin's Eq. 7 fitted online over the heartbeats of a binpack run (see router.core.worker_count).
+
+    The bins open per heartbeat are the instances a request was served on in it (best fit opens a
+    new one only when no open one meets the constraints); lengths are what a router sees when a
+    request arrives (prompt + max_tokens).
+    """
+    spans = [
+        (r.decode_instance_id or r.prefill_instance_id, r.start_s, r.start_s + r.e2e_ms * 1e-3)
+        for r in results
+        if r.ok and r.e2e_ms is not None
+    ]
+    beats = samples_from_spans(
+        [p.arrival_s for p in plans],
+        [float(p.prompt_tokens + p.max_tokens) for p in plans],
+        spans,
+        heartbeat_s=HEARTBEAT_S,
+    )
+    model = WorkerCountModel()
+    for beat in beats:
+        model.observe(beat)
+    fit = model.coefficients()
+    if fit is None:
+        return None
+    predicted = model.predict(rate)
+    return {
+        "k5": fit[0],
+        "c5": fit[1],
+        "lower_rate": model.lower_rate,
+        "predicted_workers": float(predicted) if predicted is not None else math.nan,
+        "heartbeats": float(model.samples),
+        "heartbeats_left_out": float(model.rejected),
+    }
 
 
 # --------------------------------------------------------------------------- CLI
@@ -212,7 +267,10 @@ def register(subparsers: Any) -> None:
             "Estimate the instances a workload needs at an arrival rate with the throughput model of the "
             "profile, then confirm and refine the estimate with the simulator (the router's scheduling core "
             "on the sim engine model): the printed fleet meets --attainment, one instance fewer of any role "
-            "misses it."
+            "misses it. With --policy binpack (Aladdin, seed 001) a request its constraints refuse "
+            "everywhere waits in the router queue, and one that misses its targets there is the paper's "
+            "'open a new bin': the search adds an instance; the plan also prints Aladdin's worker-count "
+            "model (Eq. 7, workers = ceil(k5 x rate + c5)) fitted over the planned fleet's run."
         ),
     )
     parser.add_argument(
@@ -258,12 +316,28 @@ def register(subparsers: Any) -> None:
         metavar="N",
         help="give up beyond this fleet size (default: %(default)s)",
     )
+    parser.add_argument(
+        "--queue-policy",
+        metavar="Q",
+        help="router queue the simulated router runs: none (a request no instance may take is refused: "
+        "a miss), fcfs, edf or priority (default: edf with --policy binpack, whose constraints hold "
+        "requests in the queue as the router runs it, none otherwise)",
+    )
     parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     parser.add_argument("--no-progress", action="store_true", help="do not report each simulation on stderr")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if not (math.isfinite(args.attainment) and 0 < args.attainment <= 100):
+        # Checked as typed: 150 is not a share of 1.5, it is a percentage out of range.
+        print(
+            error_line(
+                f"--attainment {args.attainment:g}: must be a percentage within (0, 100] (or a share within (0, 1])"
+            ),
+            file=sys.stderr,
+        )
+        return 2
     target = args.attainment / 100.0 if args.attainment > 1 else args.attainment
     try:
         config = SchedulerConfig(**policy_overrides(args.policy))
@@ -271,7 +345,7 @@ def run(args: argparse.Namespace) -> int:
         workload = load_workload(args.workload)
     except (ConfigError, WorkloadError) as exc:
         flag = "--workload" if isinstance(exc, WorkloadError) else "--policy"
-        print(f"error: {flag}: {exc}", file=sys.stderr)
+        print(error_line(f"{flag}: {exc}"), file=sys.stderr)
         return 2
 
     def progress(counts: tuple[int, int, int], value: float) -> None:
@@ -281,6 +355,12 @@ def run(args: argparse.Namespace) -> int:
         fleet = f"{n} neutral" if args.mode == "neutral" else f"{p} prefill + {d} decode"
         print(f"  {fleet}: {100 * value:.1f}%", file=sys.stderr, flush=True)
 
+    queue_policy = args.queue_policy or ("edf" if args.policy == "binpack" else "none")
+    try:
+        QueueConfig(queue_policy=queue_policy)
+    except (ConfigError, ValueError) as exc:
+        print(f"error: --queue-policy: {exc}", file=sys.stderr)
+        return 2
     try:
         result = plan_fleet(
             workload,
@@ -293,9 +373,10 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed,
             max_instances=args.max_instances,
             on_run=progress,
+            queue_policy=queue_policy,
         )
     except (PlanError, FleetError, ProfileError, WorkloadError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(error_line(exc), file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(result.to_dict()))
@@ -311,5 +392,13 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"{result.neutral} neutral instances meet {100 * target:g}% at {args.rate:g} req/s "
             f"({100 * result.attainment:.1f}% simulated; throughput model: {est.neutral}; {len(result.tried)} simulations)"
+        )
+    wm = result.worker_model
+    if wm is not None:
+        print(
+            f"Aladdin's worker-count model (Eq. 7) fitted over the planned fleet's binpack run: "
+            f"N = ceil({wm['k5']:.3f} x rate + {wm['c5']:.2f}) above {wm['lower_rate']:.2f} req/s "
+            f"({wm['heartbeats']:.0f} heartbeats of {HEARTBEAT_S:g} s); at {args.rate:g} req/s: "
+            f"{wm['predicted_workers']:.0f} instances holding work"
         )
     return 0

@@ -56,14 +56,18 @@ import numpy as np
 
 from bench.report import RequestResult
 from bench.workload import RequestPlan, WorkloadSpec, generate_requests
+from fleet.flags import error_line
 from router.core.request import Role
 from router.core.slicing import (
     DEFAULT_SLICE_TOKENS,
+    InstanceModels,
     MemoryModel,
     ServingTimeModel,
     SliceConfig,
     SliceRequest,
     SliceScheduler,
+    slice_length,
+    slices_pay,
 )
 from sim.cluster import SimFleet, SimStats, finished_result, simulate
 from sim.engine import ProfileCostModel, ScheduledStep, SimCore, SimRequestSpec
@@ -71,7 +75,9 @@ from sim.sweep import PolicyChoice, SweepPoint, _point, point_to_dict, sweep_met
 from workers.engine import EngineOverloadedError, InvalidRequestError
 
 #: Dispatch modes of ``simulate --dispatch-modes``.
-DISPATCH_MODES = ("request", "slice")
+DISPATCH_MODES = ("request", "slice", "auto")
+#: Requests of the pilot run ``auto`` decides from (at least; a quarter of the run if that is more).
+AUTO_PILOT_REQUESTS = 100
 #: The policy label slice-dispatch results carry (its offloader, not a registered policy).
 SLICE_POLICY = "max-min"
 
@@ -142,22 +148,35 @@ class _SliceSimulation:
             rng = random.Random((engine.seed * 1_000_003 + seed) * 65_537 + i)
             cost = ProfileCostModel(lp, speed_factor=engine.speed_factor, noise=engine.noise, rng=rng)
             self.cores.append(SimCore(engine, cost))
-        first = fleet.configs[0]
-        self.serving = ServingTimeModel(
-            # The dispatcher's model: the router's predictor, not the engines' ground truth.
-            fleet.predictors.for_group(fleet.groups[0]),
-            max_num_batched_tokens=first.max_num_batched_tokens,
-            max_batch=min(c.max_num_seqs for c in fleet.configs),
-            max_context_tokens=first.max_model_len,
-        )
-        self.memory = MemoryModel(
-            kv_capacity_tokens=min(c.kv_capacity_tokens for c in fleet.configs),
-            block_size=max(c.block_size for c in fleet.configs),
-            headroom=config.kv_headroom,
-            max_batch=min(c.max_num_seqs for c in fleet.configs),
-        )
+        # The dispatcher's models, one per instance: the router's predictor of the instance's profile
+        # group (not the engines' ground truth) and the instance's own engine limits.
+        models: dict[str, InstanceModels] = {}
+        shared: dict[tuple[str, int, int, int, int, int], ServingTimeModel] = {}
+        for iid, group, c in zip(fleet.ids, fleet.groups, fleet.configs, strict=True):
+            shape = (group, c.max_num_batched_tokens, c.max_num_seqs, c.max_model_len, 0, 0)
+            serving = shared.get(shape)
+            if serving is None:
+                serving = ServingTimeModel(
+                    fleet.predictors.for_group(group),
+                    max_num_batched_tokens=c.max_num_batched_tokens,
+                    max_batch=c.max_num_seqs,
+                    max_context_tokens=c.max_model_len,
+                )
+                shared[shape] = serving
+            memory = MemoryModel(
+                kv_capacity_tokens=c.kv_capacity_tokens,
+                block_size=c.block_size,
+                headroom=config.kv_headroom,
+                max_batch=c.max_num_seqs,
+            )
+            models[iid] = InstanceModels(serving, memory)
         self.ids = list(fleet.ids)
-        self.sched = SliceScheduler(config, self.serving, self.memory, self.ids)
+        self.index = {iid: k for k, iid in enumerate(self.ids)}
+        first = models[self.ids[0]]
+        self.sched = SliceScheduler(config, first.serving, first.memory, self.ids)
+        self.sched.set_models(models)
+        self.serving = self.sched.models(min(self.ids)).serving
+        self.preempted = [0] * n
         self.steps: list[ScheduledStep | None] = [None] * n
         self.busy = [0.0] * n
         self.last_busy = [0.0] * n
@@ -211,15 +230,18 @@ class _SliceSimulation:
         self._to_pool(idx, now)
 
     def _to_pool(self, idx: int, now: float) -> None:
-        plan = self.plans[idx]
-        r = self.reqs[idx]
-        remaining = plan.max_tokens - r.generated
-        self.sched.add(
-            SliceRequest(idx, plan.prompt_tokens + r.generated, min(self.config.slice_tokens, remaining))
-        )
+        self.sched.add(self._slice(idx))
         if not self.tick_pending:
             self.tick_pending = True
             self._push(max(now, self.next_tick_s), _TICK, 0)
+
+    def _slice(self, idx: int) -> SliceRequest:
+        """The request's next slice: its context now and the tokens this slice may generate."""
+        plan = self.plans[idx]
+        r = self.reqs[idx]
+        context = plan.prompt_tokens + r.generated
+        length = slice_length(context, plan.max_tokens - r.generated, self.serving, self.config)
+        return SliceRequest(idx, context, length)
 
     def _tick(self, now: float) -> None:
         self.tick_pending = False
@@ -235,31 +257,37 @@ class _SliceSimulation:
 
     def _admit(self, i: int, now: float) -> None:
         """Hand instance ``i``'s engine the queued batches it can take now."""
-        core = self.cores[i]
         instance = self.ids[i]
-        for key, batch in self.sched.admit(instance):
+        for key, batch in self.sched.admit(instance, now * 1000.0):
             for sr in batch.requests:
-                idx = int(sr.key)  # type: ignore[call-overload]
-                r = self.reqs[idx]
-                rid = f"{idx}.{self.slices}"
-                self.slices += 1
-                spec = SimRequestSpec(
-                    rid, sr.context_tokens, sr.slice_tokens, counts_as_decode=sr.slice_tokens > 1
-                )
-                try:
-                    core.add(spec)
-                except (EngineOverloadedError, InvalidRequestError) as exc:
-                    overloaded = isinstance(exc, EngineOverloadedError)
-                    code = "RESOURCE_EXHAUSTED" if overloaded else "INVALID_ARGUMENT"
-                    self._fail(idx, code, f"instance {instance}: {exc}", now)
-                    self.sched.finish(instance, key, sr)
-                    continue
-                if r.generated > 0:
-                    self.recomputed += sr.context_tokens
-                r.instance = i
-                self.slice_of[rid] = (idx, sr, key)
+                self._start_slice(i, key, sr, now)
         if self.steps[i] is None:
             self._step(i, now)
+
+    def _start_slice(self, i: int, key: int, sr: SliceRequest, now: float, cached: int = 0) -> None:
+        core = self.cores[i]
+        instance = self.ids[i]
+        idx = int(sr.key)  # type: ignore[call-overload]
+        r = self.reqs[idx]
+        rid = f"{idx}.{self.slices}"
+        self.slices += 1
+        # The slice is planned by its cap; the engine stops at the answer's true end.
+        new_tokens = max(min(sr.slice_tokens, self.plans[idx].true_output_tokens - r.generated), 1)
+        spec = SimRequestSpec(
+            rid, sr.context_tokens, new_tokens, num_cached_tokens=cached, counts_as_decode=new_tokens > 1
+        )
+        try:
+            core.add(spec)
+        except (EngineOverloadedError, InvalidRequestError) as exc:
+            overloaded = isinstance(exc, EngineOverloadedError)
+            code = "RESOURCE_EXHAUSTED" if overloaded else "INVALID_ARGUMENT"
+            self._fail(idx, code, f"instance {instance}: {exc}", now)
+            self.sched.finish(instance, key, sr, now * 1000.0)
+            return
+        if r.generated > 0:
+            self.recomputed += sr.context_tokens - cached
+        r.instance = i
+        self.slice_of[rid] = (idx, sr, key)
 
     def _step(self, i: int, now: float) -> None:
         step = self.cores[i].schedule()
@@ -275,7 +303,12 @@ class _SliceSimulation:
         self.busy[i] += step.duration_ms * 1e-3
         self.last_busy[i] = now
         result = self.cores[i].finish_step(step)
+        preempted = self.cores[i].num_preemptions
+        if preempted > self.preempted[i]:
+            self.preempted[i] = preempted
+            self.sched.preempted(self.ids[i])
         freed = False
+        started: set[int] = set()
         for rid, position, finished, _held in result.outputs:
             idx, sr, key = self.slice_of[rid]
             r = self.reqs[idx]
@@ -287,18 +320,42 @@ class _SliceSimulation:
             if not finished:
                 continue
             del self.slice_of[rid]
-            r.generated += sr.slice_tokens
+            r.generated += position + 1
             r.last_s = now
-            if r.generated >= self.plans[idx].max_tokens:
+            produced = position + 1
+            if r.generated >= self.plans[idx].true_output_tokens:
                 r.done_s = now
-            else:
+                self.sched.finish(self.ids[i], key, sr, now * 1000.0, produced)
+            elif not self.config.resume_at_once:  # the paper's way: back to the pool
                 self._to_pool(idx, now)
-            self.sched.finish(self.ids[i], key, sr)
+                self.sched.finish(self.ids[i], key, sr, now * 1000.0, produced)
+            else:
+                # The next slice is placed at once (SliceScheduler.resume): the stream never waits
+                # for a schedule point between its slices.
+                target, new_key, batch = self.sched.resume(
+                    self.ids[i], key, sr, self._slice(idx), now * 1000.0, produced
+                )
+                j = self.index[target]
+                following = batch.requests[0]
+                cached = 0
+                if j == i and self.config.prefix_cache:
+                    # Its blocks were freed this very step and are still in the engine's prefix
+                    # cache; only the last partial block (and the token just sampled) is computed.
+                    block = self.fleet.configs[i].block_size
+                    cached = min(
+                        (following.context_tokens - 1) // block * block, following.context_tokens - 1
+                    )
+                self._start_slice(j, new_key, following, now, cached)
+                if j != i:
+                    started.add(j)
             freed = True
         if freed:
             self._admit(i, now)
         if self.steps[i] is None:
             self._step(i, now)
+        for j in started:
+            if self.steps[j] is None:
+                self._step(j, now)
 
     def _fail(self, idx: int, code: str, message: str, now: float) -> None:
         r = self.reqs[idx]
@@ -406,6 +463,19 @@ class DispatchPoint:
     figures: SliceFigures
 
 
+def auto_mode(fleet: SimFleet, policy: PolicyChoice, plans: Sequence[RequestPlan], *, seed: int = 0) -> str:
+    """``auto``: the dispatch mode :func:`router.core.slicing.slices_pay` picks from a pilot.
+
+    The pilot serves the run's first :data:`AUTO_PILOT_REQUESTS` requests (a
+    quarter of the run if that is more) with request dispatch and ``policy``
+    and counts the engines' preemptions: what a router sees its engines do
+    before it decides. Slices when they preempted at least once per request.
+    """
+    pilot = list(plans[: max(AUTO_PILOT_REQUESTS, len(plans) // 4)])
+    outcome = simulate(fleet, policy.config, pilot, seed=seed)
+    return "slice" if slices_pay(outcome.stats.preemptions, len(pilot)) else "request"
+
+
 def parse_dispatch_modes(text: str) -> list[str]:
     modes: list[str] = []
     for raw in text.split(","):
@@ -433,10 +503,12 @@ def run_dispatch_sweep(
     """Rate-major runs: per rate, every policy in ``request`` mode, then one ``slice`` run (max-min)."""
     if not workload.arrival.open_loop:
         raise ValueError("the simulator replays open-loop arrivals; convert the workload with open_loop()")
-    if "slice" in modes and any(role is not Role.NEUTRAL for role in fleet.roles):
+    if ("slice" in modes or "auto" in modes) and any(role is not Role.NEUTRAL for role in fleet.roles):
         raise ValueError("--dispatch-modes slice needs a neutral fleet: use --neutral K")
     out: list[DispatchPoint] = []
-    total = len(rates) * (len(policies) * ("request" in modes) + ("slice" in modes))
+    total = len(rates) * (
+        len(policies) * ("request" in modes) + ("slice" in modes) + len(policies) * ("auto" in modes)
+    )
     for rate in rates:
         spec = workload.with_arrival(rate_per_s=rate)
         plans = generate_requests(spec, rng=seed, num_requests=num_requests)
@@ -448,12 +520,25 @@ def run_dispatch_sweep(
                     out.append(DispatchPoint(mode, point, request_figures(fleet, outcome.results)))
                     if on_run is not None:
                         on_run(point, len(out), total)
-            else:
+            elif mode == "slice":
                 sliced = simulate_slices(fleet, plans, slice_config, seed=seed)
                 point = _point(SLICE_POLICY, rate, spec, sliced)  # type: ignore[arg-type]
                 out.append(DispatchPoint(mode, point, sliced.figures))
                 if on_run is not None:
                     on_run(point, len(out), total)
+            else:
+                for policy in policies:
+                    chosen = auto_mode(fleet, policy, plans, seed=seed)
+                    if chosen == "slice":
+                        sliced = simulate_slices(fleet, plans, slice_config, seed=seed)
+                        point = _point(f"{policy.label}/auto:slice", rate, spec, sliced)  # type: ignore[arg-type]
+                        out.append(DispatchPoint(mode, point, sliced.figures))
+                    else:
+                        outcome = simulate(fleet, policy.config, plans, seed=seed)
+                        point = _point(f"{policy.label}/auto:request", rate, spec, outcome)
+                        out.append(DispatchPoint(mode, point, request_figures(fleet, outcome.results)))
+                    if on_run is not None:
+                        on_run(point, len(out), total)
     return out
 
 
@@ -497,6 +582,7 @@ def format_dispatch_table(points: Sequence[DispatchPoint]) -> str:
         "imbalance",
         "CT std s",
         "recomputed",
+        "preempt",
     ]
     rows = [header]
     for p in points:
@@ -514,6 +600,7 @@ def format_dispatch_table(points: Sequence[DispatchPoint]) -> str:
                 f"{p.figures.load_imbalance:.3f}",
                 f"{p.figures.completion_spread_s:.1f}",
                 str(p.figures.recomputed_tokens),
+                str(p.point.stats.preemptions),
             ]
         )
     widths = [max(len(r[k]) for r in rows) for k in range(len(header))]
@@ -530,7 +617,7 @@ def format_dispatch_table(points: Sequence[DispatchPoint]) -> str:
     lines.append(
         "thru/s: completed requests per virtual second (makespan); latencies in ms; imbalance: CV of "
         "per-instance busy time; CT std: std of instances' last busy moment; recomputed: context tokens "
-        "re-prefilled when slices resume"
+        "re-prefilled when slices resume; preempt: engine preemptions"
     )
     return "\n".join(lines)
 
@@ -544,8 +631,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--dispatch-modes",
         metavar="M1,M2",
-        help="compare dispatch modes: request (each --policies entry places whole requests) and/or slice "
-        "(requests placed S tokens at a time, batched and offloaded max-min; neutral fleets); adds "
+        help="compare dispatch modes: request (each --policies entry places whole requests), slice "
+        "(requests placed S tokens at a time, batched and offloaded max-min; neutral fleets) and/or auto "
+        "(slice where request dispatch makes the engines preempt at least once per request on average, "
+        "judged from a pilot over the first 100 requests: there slices hold the KV plan and win on "
+        "throughput; elsewhere request dispatch wins on continuous-batching engines); adds "
         "load_imbalance, recomputed_tokens, ... to the JSON",
     )
     group.add_argument(
@@ -553,7 +643,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=DEFAULT_SLICE_TOKENS,
         metavar="S",
-        help="slice mode: most new tokens per placement (default: %(default)s)",
+        help="slice mode: new tokens of a first slice; a resumed slice of a long context is longer, so "
+        "that re-prefilling it costs at most a quarter of its decode (at most 8x S) (default: %(default)s)",
     )
     group.add_argument(
         "--slice-interval-ms",
@@ -594,7 +685,7 @@ def run_cli(
         if "slice" in modes and any(role is not Role.NEUTRAL for role in fleet.roles):
             raise ValueError("--dispatch-modes slice needs a neutral fleet: use --neutral K")
     except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(error_line(exc), file=sys.stderr)
         return 2
     try:
         points = run_dispatch_sweep(

@@ -19,7 +19,7 @@ from typing import Any
 
 from bench.prediction import prediction_error
 from bench.report import BenchReport, PlotUnavailableError, RequestResult, slo_met, summarize
-from bench.workload import ArrivalProcess, WorkloadSpec, generate_requests, workload_to_dict
+from bench.workload import ArrivalProcess, RequestPlan, WorkloadSpec, generate_requests, workload_to_dict
 from router.core.config import SchedulerConfig
 from router.core.qlm import QlmConfig
 from router.core.queue import Objective, QueueConfig, QueuePolicy
@@ -100,6 +100,8 @@ def run_sweep(
     warmup_requests: int = 0,
     queues: Sequence[QueueConfig] = (QueueConfig(queue_policy="none"),),
     qlm: Sequence[QlmConfig] = (QlmConfig(),),
+    oracle_lengths: bool = False,
+    plans_for: Callable[[WorkloadSpec, float], list[RequestPlan]] | None = None,
 ) -> list[SweepPoint]:
     """Every (rate, policy, calibration, queue policy) run, rate-major; ``on_run(point, done, total)``
     after each one.
@@ -109,6 +111,9 @@ def run_sweep(
     requests of each run out of its prediction error; ``queues`` runs each
     of those once per router-queue configuration, and a ``qlm`` queue once per
     ``qlm`` configuration (labelled ``qlm``, or ``qlm-noevict`` with eviction off).
+    ``oracle_lengths`` hands the policies true output lengths (an ablation: every policy label
+    then ends in ``/oracle``). ``plans_for(spec, rate)`` makes each rate's plan (a trace replay);
+    by default it is drawn from ``workload`` with ``num_requests`` and ``seed``.
     """
     if not workload.arrival.open_loop:
         raise ValueError("the simulator replays open-loop arrivals; convert the workload with open_loop()")
@@ -125,16 +130,27 @@ def run_sweep(
     total = len(policies) * len(rates) * len(modes) * len(runs)
     for rate in rates:
         spec = workload.with_arrival(rate_per_s=rate)
-        plans = generate_requests(spec, rng=seed, num_requests=num_requests)
+        if plans_for is None:
+            plans = generate_requests(spec, rng=seed, num_requests=num_requests)
+        else:
+            plans = plans_for(spec, rate)
         for policy in policies:
             for mode in modes:
                 config = (
                     policy.config if mode is None else dataclasses.replace(policy.config, calibration=mode)
                 )
                 for queue, qlm_config, label in runs:
-                    outcome = simulate(fleet, config, plans, seed=seed, queue=queue, qlm=qlm_config)
+                    outcome = simulate(
+                        fleet,
+                        config,
+                        plans,
+                        seed=seed,
+                        queue=queue,
+                        qlm=qlm_config,
+                        oracle_lengths=oracle_lengths,
+                    )
                     point = _point(
-                        policy.label,
+                        policy.label + ("/oracle" if oracle_lengths else ""),
                         rate,
                         spec,
                         outcome,

@@ -8,6 +8,10 @@ bound a server (no "serving" log line from the CMS, router or workers).
 from __future__ import annotations
 
 import logging
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -53,7 +57,7 @@ CASES = [
     (["router", "--sa-decay", "1.5"], "--sa-decay"),
     (["router", "--sa-min-temperature", "900"], "--sa-min-temperature"),
     (["up", "--sa-initial-temperature", "-1"], "--sa-initial-temperature"),
-    (["up", "--queue-policy", "sa", "--sa-max-batch", "0"], "--sa-max-batch"),
+    (["up", "--queue-policy", "sa", "--sa-max-batch", "-1"], "--sa-max-batch"),
     (["up", "--sa-budget-ms", "0"], "--sa-budget-ms"),
     (["simulate", "--queue-policies", "fcfs,sa", "--sa-decay", "0"], "--sa-decay"),
     (["simulate", "--sa-iterations", "0"], "--sa-iterations"),
@@ -121,6 +125,12 @@ def test_a_bad_flag_is_refused_by_name_before_anything_starts(
     err = capsys.readouterr().err
     assert code == 2
     assert err.startswith("error: ") and flag in err, err
+    assert len(err.strip().splitlines()) == 1, err  # one line
+    if flag in argv and argv.index(flag) + 1 < len(argv) and not argv[argv.index(flag) + 1].startswith("--"):
+        # One shape: the flag and its value exactly as typed, then the reason.
+        typed = argv[argv.index(flag) + 1]
+        shown = repr(typed) if typed == "" else typed
+        assert err.startswith(f"error: {flag} {shown}: "), err
     # The message names the flag, never the config field behind it.
     field = flag.lstrip("-").replace("-", "_")
     assert f" {field}" not in err and f"{field}=" not in err, err
@@ -135,7 +145,7 @@ def test_a_bad_flag_is_refused_by_name_before_anything_starts(
 def test_the_flag_error_keeps_the_value_and_the_reason(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["simulate", "--ttft-slo", "-100"]) == 2
     err = capsys.readouterr().err
-    assert "--ttft-slo=-100.0: must be a finite number > 0" in err
+    assert err == "error: --ttft-slo -100: must be a finite number > 0\n"
     assert "--policies" not in err  # it is not about the policies
 
 
@@ -144,3 +154,255 @@ def test_predict_accepts_an_idle_instance(capsys: pytest.CaptureFixture[str]) ->
     out = capsys.readouterr().out
     ttft = float(out.split("predicted_ttft_ms:")[1].split()[0])
     assert ttft > 0
+
+
+# --------------------------------------------------------------------------- one shape, values as typed
+
+SHAPE_CASES = [
+    # (argv, the start of the one error line: the flag and the value exactly as typed)
+    (["plan", "--workload", "mixed", "--rate", "12", "--attainment", "150"], "--attainment 150: "),
+    (["plan", "--workload", "mixed", "--rate", "0", "--attainment", "95"], "--rate 0: "),
+    (["simulate", "--rates", "0"], "--rates 0: "),
+    (["simulate", "--ttft-slo=-100"], "--ttft-slo -100: "),
+    (["router", "--tpot-slo", "-5"], "--tpot-slo -5: "),
+    (["router", "--cms", "tcp://x"], "--cms tcp://x: "),
+    (["worker", "--cms", "nowhere"], "--cms nowhere: "),
+    (["bench", "--rate", "-1"], "--rate -1: "),
+    (["cms", "--lease-ttl-s", "0"], "--lease-ttl-s 0: "),
+    (["keys", "unused-dir", "--workers", "p0,,d0"], "--workers p0,,d0: "),
+    (["keys", "unused-dir", "--workers", "router"], "--workers router: "),
+]
+
+
+@pytest.mark.parametrize(("argv", "start"), SHAPE_CASES, ids=[s.strip(": ") for _, s in SHAPE_CASES])
+def test_every_mistake_has_one_shape_with_the_value_as_typed(
+    argv: list[str],
+    start: str,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: " + start) and err.count("\n") == 1, err
+    assert "1.5" not in err and "got" not in err, err  # never the parsed value (150 % is not "1.5")
+    assert not (tmp_path / "unused-dir").exists()
+
+
+# --------------------------------------------------------------------------- listening flags
+
+
+@pytest.fixture
+def taken() -> Iterator[str]:
+    """A loopback address another socket listens on."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield f"127.0.0.1:{sock.getsockname()[1]}"
+
+
+def _free_address() -> str:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{sock.getsockname()[1]}"
+
+
+def _listening_cases(taken: str) -> list[tuple[list[str], str, str]]:
+    """(argv, flag, value as typed) for every listening flag of every serving command."""
+    port = taken.rpartition(":")[2]
+    free = "127.0.0.1:0"
+    remote_cms = ["--cms", "127.0.0.1:1"]
+    return [
+        (["cms", "--listen", taken], "--listen", taken),
+        (["cms", "--listen", free, "--metrics-port", port], "--metrics-port", port),
+        (["worker", "--listen", taken], "--listen", taken),
+        (["worker", "--listen", free, "--http-listen", taken], "--http-listen", taken),
+        (["worker", "--listen", free, "--metrics-port", port], "--metrics-port", port),
+        (["router", "--listen", taken, *remote_cms], "--listen", taken),
+        (["router", "--listen", free, *remote_cms, "--http-listen", taken], "--http-listen", taken),
+        (["router", "--listen", free, *remote_cms, "--metrics-port", port], "--metrics-port", port),
+        (["router", "--listen", free, "--cms-listen", taken], "--cms-listen", taken),
+        (["up", "--listen", taken, "--http-listen", ""], "--listen", taken),
+        (["up", "--listen", free, "--http-listen", taken], "--http-listen", taken),
+        (["up", "--listen", free, "--http-listen", "", "--metrics-port", port], "--metrics-port", port),
+    ]
+
+
+@pytest.mark.parametrize("case", range(12))
+def test_a_listening_flag_on_a_taken_port_is_refused_by_name_before_anything_starts(
+    case: int, taken: str, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    argv, flag, value = _listening_cases(taken)[case]
+    with caplog.at_level(logging.INFO):
+        code = main(argv)
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith(f"error: {flag} {value}: address already in use"), err
+    assert err.count("\n") == 1, err
+    started = [
+        r.getMessage()
+        for r in caplog.records
+        if "serving on" in r.getMessage() or "listening" in r.getMessage()
+    ]
+    assert started == [], started
+
+
+def test_every_serving_command_is_covered() -> None:
+    cases = _listening_cases("127.0.0.1:1")
+    assert {(argv[0], flag) for argv, flag, _ in cases} == {
+        ("cms", "--listen"),
+        ("cms", "--metrics-port"),
+        ("worker", "--listen"),
+        ("worker", "--http-listen"),
+        ("worker", "--metrics-port"),
+        ("router", "--listen"),
+        ("router", "--http-listen"),
+        ("router", "--metrics-port"),
+        ("router", "--cms-listen"),
+        ("up", "--listen"),
+        ("up", "--http-listen"),
+        ("up", "--metrics-port"),
+    }
+
+
+def test_a_taken_port_exits_2_from_the_installed_command_too(taken: str) -> None:
+    # The console script, as a user runs it: status 2 and the one line, nothing else on stderr.
+    proc = subprocess.run(
+        [sys.executable, "-m", "router.cli", "cms", "--listen", taken],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.startswith(f"error: --listen {taken}: address already in use"), proc.stderr
+    assert proc.stderr.count("\n") == 1 and proc.stdout == "", proc.stderr
+
+
+# --------------------------------------------------------------------------- secret files
+
+
+def _token_cases(tmp: Path) -> list[tuple[list[str], str, Path]]:
+    missing = tmp / "tokens"
+    garbled = tmp / "garbled"
+    garbled.write_text("one two three\n", encoding="utf-8")
+    empty = tmp / "empty"
+    empty.write_text("# nothing\n", encoding="utf-8")
+    short_key = tmp / "short.key"
+    short_key.write_text("abc\n", encoding="utf-8")
+    free = "127.0.0.1:0"
+    return [
+        (["cms", "--listen", free, "--auth-token-file", str(missing)], "--auth-token-file", missing),
+        (["cms", "--listen", free, "--auth-token-file", str(garbled)], "--auth-token-file", garbled),
+        (
+            ["worker", "--listen", free, "--cms-auth-token-file", str(missing)],
+            "--cms-auth-token-file",
+            missing,
+        ),
+        (["worker", "--listen", free, "--cms-auth-token-file", str(empty)], "--cms-auth-token-file", empty),
+        (["worker", "--listen", free, "--kv-key-file", str(missing)], "--kv-key-file", missing),
+        (["worker", "--listen", free, "--kv-key-file", str(short_key)], "--kv-key-file", short_key),
+        (
+            ["router", "--listen", free, "--cms", "127.0.0.1:1", "--cms-auth-token-file", str(missing)],
+            "--cms-auth-token-file",
+            missing,
+        ),
+        (
+            ["router", "--listen", free, "--cms-listen", free, "--cms-auth-token-file", str(garbled)],
+            "--cms-auth-token-file",
+            garbled,
+        ),
+        (
+            ["worker", "--listen", free, "--worker-auth-token-file", str(missing)],
+            "--worker-auth-token-file",
+            missing,
+        ),
+        (
+            ["router", "--listen", free, "--cms", "127.0.0.1:1", "--worker-auth-token-file", str(empty)],
+            "--worker-auth-token-file",
+            empty,
+        ),
+    ]
+
+
+@pytest.mark.parametrize("case", range(10))
+def test_a_bad_secret_file_is_one_line_naming_the_flag(
+    case: int, tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    argv, flag, path = _token_cases(tmp_path)[case]
+    with caplog.at_level(logging.INFO):
+        code = main(argv)
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith(f"error: {flag} {path}: "), err
+    assert err.count("\n") == 1 and "Errno" not in err and "Traceback" not in err, err
+    started = [
+        r.getMessage()
+        for r in caplog.records
+        if "serving on" in r.getMessage() or "listening" in r.getMessage()
+    ]
+    assert started == [], started
+
+
+def test_the_cms_flag_takes_the_same_forms_on_router_and_worker(
+    taken: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # HOST:PORT and grpc://HOST:PORT both name a CMS on router and worker alike; the router's
+    # bare-address form used to be refused ("expected memory, grpc://HOST:PORT or redis://...").
+    from fleet.flags import cms_target
+
+    assert cms_target("--cms", "127.0.0.1:7100") == cms_target("--cms", "grpc://127.0.0.1:7100")
+    for command in ("router", "worker"):
+        for form in ("127.0.0.1:7100", "grpc://127.0.0.1:7100"):
+            # Only the listen address is wrong (taken): every check before it passed, --cms included.
+            code = main([command, "--listen", taken, "--cms", form])
+            err = capsys.readouterr().err
+            assert code == 2 and err.startswith(f"error: --listen {taken}: address already in use"), err
+
+
+# --------------------------------------------------------------------------- --help matches behaviour
+
+COMMANDS = [
+    "predict", "cms", "keys", "worker", "router", "up", "schedule", "calibrate",
+    "bench", "simulate", "plan", "profile", "vllm-tiny-model",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_help_is_for_a_terminal_and_not_about_this_checkout(
+    command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as done:
+        main([command, "--help"])
+    assert done.value.code == 0
+    text = capsys.readouterr().out
+    assert str(ROOT) not in text  # a default shown as this machine's absolute path
+    for markup in ("``", ":class:", ":mod:", ":func:", ":meth:"):
+        assert markup not in text, (command, markup)
+
+
+def test_help_lists_every_queue_policy_simulate_accepts(capsys: pytest.CaptureFixture[str]) -> None:
+    from router.core.queue import QueuePolicy
+
+    with pytest.raises(SystemExit):
+        main(["simulate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    listed = text[text.index("--queue-policies Q1,Q2,... router") :][:400]
+    for policy in QueuePolicy:
+        assert policy.value in listed, policy
+
+
+def test_the_router_and_up_default_to_the_same_policy(capsys: pytest.CaptureFixture[str]) -> None:
+    for command in ("router", "up", "plan"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        assert "(default: slo)" in text, command
+
+
+def test_the_python_floor_is_the_one_the_code_needs() -> None:
+    import tomllib  # 3.11: the floor below is true
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    assert project["requires-python"] == ">=3.11"

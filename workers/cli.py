@@ -20,6 +20,15 @@ from collections.abc import Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
+from fleet.flags import (
+    check_listen,
+    check_metrics_port,
+    cms_target,
+    error_line,
+    file_problem,
+    read_flag_file,
+    split_host_port,
+)
 from workers.backends import BACKENDS, BackendError, BackendRegistry
 
 logger = logging.getLogger(__name__)
@@ -120,6 +129,13 @@ def register(subparsers: Any) -> None:
         help="the cluster's kv handle key: sign the handles this worker hands out and accept only signed ones",
     )
     worker.add_argument(
+        "--worker-auth-token-file",
+        default=None,
+        help="the cluster's worker token: Prefill, Generate, Decode, Streams and Abort need it "
+        "(UNAUTHENTICATED without), and this worker's own calls to other workers carry it; give the "
+        "router the same file",
+    )
+    worker.add_argument(
         "--tls-cert", default=None, help="serve the Worker service over TLS with this PEM chain"
     )
     worker.add_argument("--tls-key", default=None, help="the private key (PEM) of --tls-cert")
@@ -216,13 +232,11 @@ def run_async(coro: Coroutine[Any, Any, int]) -> int:
 
 def check_worker_args(args: argparse.Namespace) -> None:
     """The engine-independent flags; ``ValueError`` naming the flag."""
-    host, sep, port = args.listen.rpartition(":")
-    if not sep or not host or not port.isdigit() or int(port) > 65535:
-        raise ValueError(f"--listen {args.listen!r}: expected HOST:PORT with a port 0-65535 (0 picks one)")
+    split_host_port("--listen", args.listen)
+    if args.http_listen:
+        split_host_port("--http-listen", args.http_listen)
     if args.cms is not None:
-        target = args.cms.removeprefix("grpc://")
-        if not target.rpartition(":")[2].isdigit():
-            raise ValueError(f"--cms {args.cms!r}: expected HOST:PORT or grpc://HOST:PORT")
+        cms_target("--cms", args.cms)  # HOST:PORT and grpc://HOST:PORT alike
     if not (math.isfinite(args.shutdown_grace_s) and args.shutdown_grace_s >= 0):
         raise ValueError(f"--shutdown-grace-s {args.shutdown_grace_s}: must be a finite number >= 0")
     if not 0 <= args.metrics_port <= 65535:
@@ -236,7 +250,8 @@ def check_worker_args(args: argparse.Namespace) -> None:
 
 
 def run_worker(args: argparse.Namespace) -> int:
-    from cms.auth import read_client_token
+    from cms.auth import read_client_token_text
+    from cms.call_auth import read_worker_token
     from cms.transport import client_tls_from_arg, server_tls_from_args
     from workers.kv_auth import KvSigner
     from workers.metadata import WorkerIdentity, WorkerRole
@@ -244,30 +259,53 @@ def run_worker(args: argparse.Namespace) -> int:
     try:
         check_worker_args(args)
     except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(error_line(exc), file=sys.stderr)
         return 2
     token: str | None = None
-    if args.cms_auth_token_file:
-        try:
-            token = read_client_token(Path(args.cms_auth_token_file))
-        except (OSError, ValueError) as exc:
-            print(f"error: --cms-auth-token-file: {exc}", file=sys.stderr)
-            return 2
     try:
-        args.kv_signer = KvSigner.from_file(args.kv_key_file) if args.kv_key_file else None
-    except (OSError, ValueError) as exc:
-        print(f"error: --kv-key-file: {exc}", file=sys.stderr)
+        if args.cms_auth_token_file:
+            text = read_flag_file("--cms-auth-token-file", args.cms_auth_token_file)
+            try:
+                token = read_client_token_text(text, "")
+            except ValueError as exc:
+                raise ValueError(f"--cms-auth-token-file {args.cms_auth_token_file}: {exc}") from None
+        args.kv_signer = None
+        if args.kv_key_file:
+            try:
+                key = Path(args.kv_key_file).read_bytes()
+            except OSError as exc:
+                raise ValueError(f"--kv-key-file {args.kv_key_file}: {file_problem(exc)}") from None
+            try:
+                args.kv_signer = KvSigner(key.strip())
+            except ValueError as exc:
+                raise ValueError(f"--kv-key-file {args.kv_key_file}: {exc}") from None
+    except ValueError as exc:
+        print(error_line(exc), file=sys.stderr)
+        return 2
+    try:
+        args.worker_token = read_worker_token(args.worker_auth_token_file)
+    except ValueError as exc:
+        print(error_line(exc), file=sys.stderr)
         return 2
     try:
         args.server_tls = server_tls_from_args(args.tls_cert, args.tls_key)
         args.cms_tls = client_tls_from_arg(args.tls_ca)
     except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(error_line(exc), file=sys.stderr)
+        return 2
+    try:
+        # Before the engine starts (a vLLM engine takes tens of seconds): the ports are free now.
+        check_listen("--listen", args.listen)
+        if args.http_listen:
+            check_listen("--http-listen", args.http_listen)
+        check_metrics_port("--metrics-port", args.metrics_port, args.metrics_host)
+    except ValueError as exc:
+        print(error_line(exc), file=sys.stderr)
         return 2
     try:
         engine = BACKENDS.load(args.engine).build_engine(args)
     except (BackendError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(error_line(exc), file=sys.stderr)
         return 2
     identity = WorkerIdentity(
         instance_id=args.instance_id,
@@ -295,9 +333,10 @@ async def _serve(engine: Any, args: argparse.Namespace, identity: Any, token: st
             tls=args.server_tls,
             cms_tls=args.cms_tls,
             stream_interval_s=args.stream_interval_ms / 1e3,
+            worker_token=args.worker_token,
         )
     except (OSError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(error_line(exc), file=sys.stderr)
         return 2
     if args.metrics_port:
         from workers.telemetry import serve_metrics
@@ -325,7 +364,7 @@ def run_tiny_model(args: argparse.Namespace) -> int:
 
     out = Path(args.dir)
     if out.exists() and not out.is_dir():
-        print(f"error: DIR {args.dir}: exists and is not a directory", file=sys.stderr)
+        print(error_line(f"DIR {args.dir}: exists and is not a directory"), file=sys.stderr)
         return 2
     if importlib.util.find_spec("torch") is not None and importlib.util.find_spec("transformers") is not None:
         from workers.vllm_tiny_model import build
@@ -343,7 +382,7 @@ def run_tiny_model(args: argparse.Namespace) -> int:
         try:
             build_tiny_model(out.resolve(), seed=args.seed)
         except RuntimeError as exc:
-            print(f"error: {exc}", file=sys.stderr)
+            print(error_line(exc), file=sys.stderr)
             return 1
     print(f"wrote a tiny random-weight model into {out}")
     print(f"serve it with: slo-router worker --engine vllm --model {out} --dtype float32")
@@ -358,7 +397,7 @@ def run_profile(args: argparse.Namespace) -> int:
 
     bad_target = target_error(args.target, "worker")
     if bad_target is not None:
-        print(f"error: {bad_target}", file=sys.stderr)
+        print(error_line(bad_target), file=sys.stderr)
         return 2
     try:
         plan = ProfilePlan(
@@ -381,20 +420,20 @@ def run_profile(args: argparse.Namespace) -> int:
             "tokens",
         ):
             message = re.sub(rf"(?<![\w-]){name}(?![\w-])", "--" + name.replace("_", "-"), message)
-        print(f"error: {message}", file=sys.stderr)
+        print(error_line(message), file=sys.stderr)
         return 2
 
     async def go() -> int:
         try:
             ttft, tpot = await profile_worker(args.target, plan)
         except ValueError as exc:
-            print(f"\nerror: {exc}", file=sys.stderr)
+            print("\n" + error_line(exc), file=sys.stderr)
             return 2
         except Exception as exc:  # gRPC failures: say which worker and why, without a traceback
             import grpc
 
             why = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
-            print(f"\nerror: profiling {args.target} failed: {why}", file=sys.stderr)
+            print("\n" + error_line(f"profiling {args.target} failed: {why}"), file=sys.stderr)
             return 1
         ttft_path, tpot_path = write_profiles(args.out, ttft, tpot)
         # The seed model's coefficients beside the grids: a summary to compare fleets by.

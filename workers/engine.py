@@ -123,6 +123,8 @@ class EngineInfo:
     kv_capacity_tokens: int
     block_size: int
     max_model_len: int
+    #: Most requests running at once (0 = unknown).
+    max_num_seqs: int = 0
 
 
 class Engine(Protocol):

@@ -111,13 +111,19 @@ class GrpcKvPeer:
     """
 
     def __init__(
-        self, *, timeout_s: float = 2.0, max_channels: int = 64, tls: ClientTls | None = None
+        self,
+        *,
+        timeout_s: float = 2.0,
+        max_channels: int = 64,
+        tls: ClientTls | None = None,
+        call_token: str | None = None,
     ) -> None:
         if timeout_s <= 0 or max_channels < 1:
             raise ValueError(f"need timeout_s > 0 and max_channels >= 1, got {timeout_s}, {max_channels}")
         self._timeout_s = timeout_s
         self._max = max_channels
         self._tls = tls
+        self._call_token = call_token
         self._channels: OrderedDict[str, tuple[grpc.aio.Channel, worker_pb2_grpc.WorkerAsyncStub]] = (
             OrderedDict()
         )
@@ -132,6 +138,7 @@ class GrpcKvPeer:
             endpoint,
             message_size_options(limits.SERVING_MAX_MESSAGE_BYTES, limits.SERVING_MAX_MESSAGE_BYTES),
             tls=self._tls,
+            call_token=self._call_token,
         )
         stub = worker_pb2_grpc.WorkerStub(channel)
         self._channels[endpoint] = (channel, stub)

@@ -40,6 +40,7 @@ from grpc_health.v1 import health_pb2
 from slorouter.v1 import cms_pb2, common_pb2, worker_pb2, worker_pb2_grpc
 
 from cms import limits
+from cms.call_auth import RequireToken
 from cms.serving import add_health_and_reflection, bind_server
 from cms.transport import ClientTls, ServerTls
 from workers.engine import (
@@ -381,6 +382,7 @@ async def start_worker_server(
     tls: ServerTls | None = None,
     cms_tls: ClientTls | None = None,
     stream_interval_s: float = 0.0,
+    worker_token: str | None = None,
 ) -> WorkerServer:
     """Start ``engine`` and serve it on ``listen`` (``HOST:PORT``; port 0 picks one).
 
@@ -396,7 +398,8 @@ async def start_worker_server(
     is given (:mod:`workers.kv_auth`); ``tls`` serves TLS only; ``cms_tls``
     reaches the CMS over TLS. ``stream_interval_s`` > 0 spaces a stream's messages
     at least that far apart (the first goes at once; tokens in between are merged
-    into the next). ``WorkerServer.stop()`` stops the agent, the
+    into the next). With ``worker_token``, ``Prefill``, ``Generate``, ``Decode``, ``Streams`` and
+    ``Abort`` need it (:mod:`cms.call_auth`). ``WorkerServer.stop()`` stops the agent, the
     server and the engine. With ``http_listen`` (``HOST:PORT``) the engine is
     also served over OpenAI's HTTP API (:mod:`workers.http_face`). Raises
     ``OSError`` when an address cannot be bound.
@@ -408,7 +411,13 @@ async def start_worker_server(
         max_receive_bytes=limits.SERVING_MAX_MESSAGE_BYTES,
         max_send_bytes=limits.SERVING_MAX_MESSAGE_BYTES,
         tls=tls,
+        interceptors=[RequireToken(worker_token)] if worker_token else (),
     )
+    if worker_token is None:
+        logger.warning(
+            "the Worker service needs no token (no --worker-auth-token-file): anyone who reaches this "
+            "worker can run requests on it and Abort other clients' requests"
+        )
     if kv_signer is None:
         logger.warning(
             "kv handles are not signed (no kv key): anyone who reaches this worker can make it call "

@@ -219,6 +219,7 @@ class SimEngine:
             kv_capacity_tokens=self._config.kv_capacity_tokens,
             block_size=self._config.block_size,
             max_model_len=self._config.max_model_len,
+            max_num_seqs=self._config.max_num_seqs,
         )
         self._tokenizer = SimpleTokenizer()
         # Pulls from other instances go over their Worker service unless told otherwise.
@@ -673,12 +674,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--ttft-profiling-data-path",
         default=str(DEFAULT_PROFILE_DIR / "ttft.json"),
-        help="TTFT profile JSON (or a directory holding ttft.json) the step times follow (default: %(default)s)",
+        help="TTFT profile JSON (or a directory holding ttft.json) the step times follow "
+        "(default: the bundled Qwen2.5-7B profile's)",
     )
     g.add_argument(
         "--tpot-profiling-data-path",
         default=str(DEFAULT_PROFILE_DIR / "tpot.json"),
-        help="TPOT profile JSON (or a directory holding tpot.json) (default: %(default)s)",
+        help="TPOT profile JSON (or a directory holding tpot.json) (default: the bundled Qwen2.5-7B profile's)",
     )
     ints = (
         ("--max-num-batched-tokens", d.max_num_batched_tokens, "token budget of one step"),
@@ -775,5 +777,8 @@ def build_engine(args: argparse.Namespace) -> SimEngine:
     predictor = load_predictor(args.ttft_profiling_data_path, args.tpot_profiling_data_path)
     from cms.transport import client_tls_from_arg  # --tls-ca: reach prefill peers over TLS
 
-    peer = GrpcKvPeer(tls=client_tls_from_arg(getattr(args, "tls_ca", None)))
+    peer = GrpcKvPeer(
+        tls=client_tls_from_arg(getattr(args, "tls_ca", None)),
+        call_token=getattr(args, "worker_token", None),
+    )
     return SimEngine(config, predictor, model=args.model or "sim", kv_peer=peer)

@@ -102,7 +102,16 @@ class VllmWorkerProcess:
             "1",
             *args,
         ]
-        overrides = {"HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+        overrides = {
+            "HF_HUB_OFFLINE": "1",
+            "PYTHONUNBUFFERED": "1",
+            # The servicer's start-up warm-up visits every prompt length class (up to 27 s here on
+            # a busy 2-core host) and, with a shared-directory KV connector, has engines started
+            # together store and load the same warm-up prompts' KV at once (seen to crash one).
+            "SMG_VLLM_SERVICER_WARMUP": "off",
+            # No KV-event publisher (a ZMQ socket and a relay nobody here subscribes to).
+            "SMG_VLLM_SERVICER_KV_EVENTS": "0",
+        }
         overrides.update(env or {})
         self._log = log_path.open("wb")
         self.proc = subprocess.Popen(
@@ -174,3 +183,138 @@ def stop_workers(workers: Sequence[VllmWorkerProcess], timeout_s: float = 30.0) 
     for w in workers:
         w.terminate()
     return [w.stop(timeout_s) for w in workers]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now (vLLM's launcher takes no port 0)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+class StockEngineProcess:
+    """An unmodified vLLM gRPC engine: ``python -m vllm.entrypoints.launchers.grpc_server``.
+
+    The same server ``vllm serve MODEL --grpc`` runs (the CPU build's ``vllm`` console script
+    looks for a distribution named ``vllm`` and fails, so the module form is used). Its output
+    goes to ``log_path``; :meth:`wait_ready` polls its ``HealthCheck``. Like
+    :class:`VllmWorkerProcess` it gets a process group of its own in the caller's session, so
+    :meth:`kill` ends the engine processes with it.
+    """
+
+    def __init__(
+        self,
+        model: str | Path,
+        log_path: Path,
+        args: Sequence[str] = (),
+        *,
+        port: int = 0,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        if not VLLM_PYTHON.exists():
+            raise RuntimeError(MISSING_VENV_HINT)
+        self.log_path = log_path
+        self.port = port or free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self._terminated = False
+        cmd = [
+            str(VLLM_PYTHON),
+            "-m",
+            "vllm.entrypoints.launchers.grpc_server",
+            "--model",
+            str(model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            *args,
+        ]
+        overrides = {
+            "HF_HUB_OFFLINE": "1",
+            "PYTHONUNBUFFERED": "1",
+            # The servicer's start-up warm-up visits every prompt length class (up to 27 s here on
+            # a busy 2-core host) and, with a shared-directory KV connector, has engines started
+            # together store and load the same warm-up prompts' KV at once (seen to crash one).
+            "SMG_VLLM_SERVICER_WARMUP": "off",
+            # No KV-event publisher (a ZMQ socket and a relay nobody here subscribes to).
+            "SMG_VLLM_SERVICER_KV_EVENTS": "0",
+        }
+        overrides.update(env or {})
+        self._log = log_path.open("wb")
+        self.proc = subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            env=vllm_env.subprocess_env(overrides),
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            **_OWN_PROCESS_GROUP,
+        )
+
+    def log_tail(self, lines: int = 60) -> str:
+        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def wait_ready(self, timeout_s: float = 180.0) -> str:
+        """The engine's ``host:port`` once ``HealthCheck`` answers healthy; RuntimeError if it exits or times out."""
+        import grpc
+        from smg_grpc_proto.generated import vllm_engine_pb2 as vllm_pb2
+        from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vllm_pb2_grpc
+
+        deadline = time.monotonic() + timeout_s
+        with grpc.insecure_channel(self.address) as channel:
+            stub = vllm_pb2_grpc.VllmEngineStub(channel)
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"vLLM engine exited with {self.proc.returncode}:\n{self.log_tail()}")
+                try:
+                    if stub.HealthCheck(vllm_pb2.HealthCheckRequest(), timeout=1.0).healthy:
+                        return self.address
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.5)
+        raise RuntimeError(f"vLLM engine not ready within {timeout_s} s:\n{self.log_tail()}")
+
+    def pause(self) -> None:
+        """SIGSTOP the server process (the engine stops answering, its TCP port stays open)."""
+        os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        os.kill(self.proc.pid, signal.SIGCONT)
+
+    def kill(self) -> None:
+        """SIGKILL the engine's whole process group (a crash)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+
+    def stop(self, timeout_s: float = 30.0) -> int:
+        """SIGTERM (after SIGCONT, should it be paused) and wait; SIGKILL the group if it does not exit."""
+        if not self._terminated and self.proc.poll() is None:
+            self._terminated = True
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.proc.pid, signal.SIGCONT)
+                self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            self.proc.wait(10)
+        self.kill()
+        self._log.close()
+        return self.proc.returncode
+
+
+def start_stock_engines(
+    specs: Sequence[tuple[str | Path, Path, Sequence[str]]], timeout_s: float = 240.0
+) -> list[StockEngineProcess]:
+    """Start several stock vLLM gRPC engines at once (their start-up overlaps) and wait for all."""
+    engines = [StockEngineProcess(model, log, args) for model, log, args in specs]
+    try:
+        for engine in engines:
+            engine.wait_ready(timeout_s)
+    except BaseException:
+        for engine in engines:
+            engine.stop(10)
+        raise
+    return engines

@@ -145,7 +145,11 @@ class MetricThreshold:
     """Keeps instances whose ``metric`` is strictly below the limit.
 
     The limit is ``limit`` when given, else the request's ``slo`` target
-    (``"ttft"`` or ``"tpot"``) times ``factor``.
+    (``"ttft"`` or ``"tpot"``) times ``factor``. With ``empty_passes`` an
+    instance holding no request at all passes whatever the metric says: it
+    is an empty bin, and Aladdin's packing opens one for a request no
+    loaded bin can take (a constraint that also refused the empty bin would
+    hold a request the fleet can only ever serve alone in the queue forever).
     """
 
     metric: str
@@ -159,6 +163,7 @@ class MetricThreshold:
     #: The TPOT target of the requests already on an instance (``slo: tpot_residents``): the default
     #: one, since a status does not carry its requests' own targets.
     residents_tpot_ms: float = 50.0
+    empty_passes: bool = False
     #: It never marks an instance for failover (the chain may skip it once no candidate can survive).
     marks: ClassVar[bool] = False
 
@@ -173,7 +178,15 @@ class MetricThreshold:
         return target * self.factor
 
     def apply(self, ctx: DecisionContext) -> FilterResult:
-        return FilterResult._make((ctx.metric(self.metric) < self.bound(ctx), None))
+        keep = ctx.metric(self.metric) < self.bound(ctx)
+        if self.empty_passes:
+            empty = (
+                (ctx.metric("num_requests") == 0)
+                & (ctx.metric("decode_batch_size") == 0)
+                & (ctx.metric("kv_usage_projected") == 0)
+            )
+            keep = keep | empty
+        return FilterResult._make((keep, None))
 
     def explain_miss(self, ctx: DecisionContext, candidates: IntArray) -> tuple[str, float, float]:
         values = ctx.metric(self.metric)[candidates]
@@ -214,6 +227,7 @@ def _metric_threshold(config: SchedulerConfig, params: Params) -> Filter:
         label=params.text("label", f"metric_threshold:{metric}"),
         default_output_tokens=config.packing_default_output_tokens,
         residents_tpot_ms=config.tpot_slo_ms,
+        empty_passes=params.flag("empty_passes", False),
     )
 
 

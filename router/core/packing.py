@@ -62,7 +62,7 @@ kv_growth_tokens, every resident at its final length at once, which is never
 below the exact peak. Only adaptive PD holds decode to ``kv_peak_exact``:
 ``slo`` and ``binpack`` keep ``kv_peak_projected`` (``slo`` drops it in its
 fallback pass, where the slack of the sums is what kept those placements from
-preempting; README, adaptive PD in overload).
+preempting; docs/results.md, adaptive PD in overload).
 
 Horizon. Aladdin bounds ``Σ(l_in + γ·l_out)`` by the context the TPOT target
 allows at the batch size; with the same sums, each resident request is taken
@@ -327,7 +327,7 @@ def _kv_life_column(ctx: DecisionContext, config: SchedulerConfig) -> FloatArray
     # way) starts after a delay nobody knows, so it counts at its final length throughout (its
     # peak whatever the delay).
     n = table.n
-    instance, context, remaining, started = residents
+    instance, context, remaining, started = residents[:4]
     legs = np.bincount(instance, minlength=n)
     held = np.bincount(instance, weights=context, minlength=n)
     uncovered = np.maximum(table.decode_requests + inflight.decode_requests - legs, 0.0)
@@ -427,6 +427,70 @@ def _predicted_tpot_residents(ctx: DecisionContext, config: SchedulerConfig) -> 
     value = ctx.metric("predicted_tpot") + prefill_stall_ms(ctx) / remaining
     out: FloatArray = np.where(batch > 0, value, 0.0)
     return out
+
+
+def atgt_slack_ms(ctx: DecisionContext, tpot_target_ms: float) -> FloatArray:
+    """Per instance, the least ATGT slack (ms) of a request decoding there; inf where none does.
+
+    A leg that has produced ``g`` tokens and is predicted to produce ``r``
+    more keeps its average time per output token within the target ``T``
+    as long as the time added to it stays within
+    ``g·(T − τ_now) + r·(T − τ_new)``: what it has saved against the target
+    so far (its past steps taken at the instance's current decode step
+    ``τ_now``, ``decode_step_ms``) plus what it will still save at the step
+    it will run at with this request in the batch (``τ_new``,
+    ``predicted_tpot``). ``r`` is the router's prediction, re-made from the
+    tokens streamed so far when a leg outlives its estimate (seed 001's
+    Algorithm 2 re-prediction: the conditional mean of the lengths seen
+    that ran past ``g``). Legs whose production the view does not know
+    (``generated`` missing, or peer router processes publishing only sums)
+    count their saved part as zero (the residents' mean remaining output
+    stands in for ``r`` without legs).
+    """
+    n = ctx.view.n
+    spare_new = tpot_target_ms - ctx.metric("predicted_tpot")
+    legs = ctx.view.resident_legs()
+    if legs is None:
+        batch = ctx.metric("decode_batch_size")
+        mean = np.divide(ctx.metric("kv_growth_tokens"), batch, out=np.full(n, np.inf), where=batch > 0)
+        slack: FloatArray = np.maximum(mean, 1.0) * spare_new
+        return slack
+    out: FloatArray = np.full(n, np.inf)
+    started = legs.started
+    if not np.any(started):
+        return out
+    at = legs.instance[started]
+    budget = np.maximum(legs.remaining[started], 1.0) * spare_new[at]
+    if legs.generated is not None:
+        spare_now = tpot_target_ms - np.nan_to_num(ctx.metric("decode_step_ms"), nan=tpot_target_ms)
+        budget = budget + legs.generated[started] * spare_now[at]
+    np.minimum.at(out, at, budget)
+    return out
+
+
+@_register("prefill_over_atgt_slack", MetricScope.DECISION)
+def _prefill_over_atgt_slack(ctx: DecisionContext, config: SchedulerConfig) -> FloatArray:
+    """Aladdin's constraint (d) as a ratio: the prefill this prompt puts on a colocated instance over
+    the least ATGT slack of the requests decoding there (kept below θ by the ``binpack`` policy).
+
+    The paper bounds the new prompts' prefill time by θ times the least
+    slack an ongoing request has saved against the ATGT target: its engine
+    (vLLM without chunking) stops every decode for the whole prefill, which
+    the saved slack must absorb at once. The engines here chunk the prefill
+    into the decode steps, so each resident sees the stall spread over its
+    steps and what must hold is its ATGT over its whole life: the slack is
+    what it has saved plus what it will still save (:func:`atgt_slack_ms`).
+    Numerator: :func:`prefill_stall_ms` (the queued prompts and this one,
+    as the engine chunks them). 0 where nothing decodes; inf where a
+    resident has no slack left.
+    """
+    if ctx.predictors is None:
+        return np.full(ctx.view.n, np.nan)
+    stall = prefill_stall_ms(ctx)
+    slack = atgt_slack_ms(ctx, config.tpot_slo_ms)
+    ratio: FloatArray = np.divide(stall, slack, out=np.full(ctx.view.n, np.inf), where=slack > 0)
+    ratio[np.isinf(slack)] = 0.0
+    return ratio
 
 
 # ----------------------------------------------------------------------------- best fit

@@ -272,7 +272,7 @@ def _adaptive_pd(config: SchedulerConfig) -> dict[str, Any]:
         # TTFT target (prefill), its TPOT target or its KV over life (decode) gets no placement and
         # waits in the router queue (is refused without one). Placing it anyway in overload put
         # prefill chunks on decoders and decode past its KV, stalling every co-resident decode
-        # (README, adaptive PD). Prefill goes to a decode-idle instance while one exists.
+        # (docs/user-guide.md, packing). Prefill goes to a decode-idle instance while one exists.
         "prefill": {
             "filters": [
                 *HEALTH,
@@ -290,7 +290,7 @@ def _adaptive_pd(config: SchedulerConfig) -> dict[str, Any]:
         # pass 2 also the reserve and the valve. The prefill-room guard (and the decode-set size it
         # applies, adaptive_pd.DecodeShare) holds in every pass: relaxed in overload, it opened
         # decoders and fed the ones draining back to prefill, so the prefill side shrank on a fleet
-        # whose bottleneck was prefill (README, adaptive PD in overload); the request waits instead.
+        # whose bottleneck was prefill (docs/results.md, adaptive PD in overload); the request waits instead.
         "decode": {
             "filters": [
                 *HEALTH,
@@ -299,7 +299,7 @@ def _adaptive_pd(config: SchedulerConfig) -> dict[str, Any]:
                 {"name": "prefill_room"},
                 # KV over life from each resident leg's progress (packing.kv_peak_exact): the sums'
                 # bound, every resident at its final length at once, refused the long prompts of
-                # overload that plain slo serves through its fallback pass (README, adaptive PD).
+                # overload that plain slo serves through its fallback pass (docs/user-guide.md, packing).
                 _kv_fits(config, metric="kv_peak_exact"),
                 _tpot(),
                 _tpot_horizon(config, droppable=True),
@@ -313,15 +313,44 @@ def _adaptive_pd(config: SchedulerConfig) -> dict[str, Any]:
 _builtin("adaptive-pd", _adaptive_pd)
 
 
+def _atgt_slack(config: SchedulerConfig, **extra: Any) -> dict[str, Any]:
+    """Aladdin's (d): this prompt's prefill within θ of the least ATGT slack of the residents."""
+    return {
+        "name": "metric_threshold",
+        "metric": "prefill_over_atgt_slack",
+        "limit": config.binpack_theta,
+        "label": "atgt_slack",
+        **extra,
+    }
+
+
 def _binpack(config: SchedulerConfig) -> dict[str, Any]:
-    """Aladdin's placement: best fit by capacity_norm among instances meeting every constraint."""
-    packed = {
+    """Aladdin's placement (seed 001, Algorithm 1): best fit by capacity_norm among the instances that
+    meet every constraint, the constraints held as constraints.
+
+    (b) TPOT at the γ horizon within θ (``binpack_theta``) of the target
+    (``tpot_horizon``), (c)
+    TTFT (``predicted_ttft``), (d) on a colocated instance the prompt's
+    prefill within θ of the residents' ATGT slack (``atgt_slack``), (e) KV
+    over the life of the instance's requests (``kv_over_life``). None is
+    droppable: when no instance meets them the request gets no placement and
+    waits in the router queue (refused at once with ``--queue-policy none``),
+    where the paper's scheduler would open a new bin. An instance holding no
+    request is that new bin and passes every constraint (``empty_passes``):
+    a request only an empty instance can take is served alone there rather
+    than waiting for ever. Only the safety valve (``overpacked``: measured
+    over target or preempting) is relaxed, in pass 2, when nothing else is
+    left. ``slo`` keeps the same checks droppable (placing anyway in
+    overload), which is why the two differ in overload and not below it.
+    """
+    hard = {"empty_passes": True}
+    horizon = _tpot_horizon(config, **hard) | {"factor": config.binpack_theta}
+    decode = {
         "filters": [
             *HEALTH,
             _not_overpacked(relax_pass=2),
-            _kv_fits(config, droppable=True),
-            _tpot(droppable=True),
-            _tpot_horizon(config, droppable=True),
+            _kv_fits(config, **hard),
+            horizon,
             "failover",
         ],
         "selector": "binpack",
@@ -329,21 +358,21 @@ def _binpack(config: SchedulerConfig) -> dict[str, Any]:
     neutral = {
         "filters": [
             *HEALTH,
-            _ttft(droppable=True),
+            _ttft(**hard),
             _not_overpacked(relax_pass=2),
-            _kv_fits(config, droppable=True),
-            _tpot(droppable=True),
-            _tpot_horizon(config, droppable=True),
+            _kv_fits(config, **hard),
+            horizon,
+            _atgt_slack(config, **hard),
             "failover",
         ],
         "selector": "binpack",
     }
     return {
         "prefill": {
-            "filters": [*HEALTH, _ttft(droppable=True), "failover"],
+            "filters": [*HEALTH, _ttft(**hard), "failover"],
             "selector": _lowest("predicted_ttft"),
         },
-        "decode": packed,
+        "decode": decode,
         "neutral": neutral,
     }
 

@@ -104,8 +104,12 @@ class QlmConfig(FlagFields):
         ),
     )
     group_factor: int = field(
-        default=2,
-        metadata=_doc("a request group holds at most this many batches of requests", "--qlm-group-factor"),
+        default=4,
+        metadata=_doc(
+            "delta: a request group holds at most this many average batches of requests (the paper's "
+            "choice, 4: finer groups cost plan time for no attainment, coarser ones lose it)",
+            "--qlm-group-factor",
+        ),
     )
     length_ratio: float = field(
         default=2.0,
@@ -215,8 +219,11 @@ class InstanceModel:
     prefill_s: Callable[[int], float]
     #: Most requests the engine runs at once (its ``max_num_seqs``); beyond ``batch`` only e2e-only requests.
     most: int = 0
-    #: KV cache of the instance in tokens (0: unknown); bounds the e2e-only requests beyond ``batch``.
+    #: KV cache of the instance in tokens (0: unknown). Pulling is bounded by it (§6: a pull while the
+    #: running batch's tokens are below the GPU's capacity).
     kv_tokens: int = 0
+    #: Predicted decode step (s) of ``b`` requests holding ``t`` tokens (None: ``decode_step_s`` always).
+    step_s: Callable[[int, float], float] | None = None
 
     @property
     def throughput_tps(self) -> float:
@@ -276,9 +283,20 @@ def instance_model(
     """
     if config.batch:
         most = config.batch
-    batch = config.batch or batch_for(lp, tpot_ms, context, most)
+    if config.batch:
+        batch = config.batch
+    elif kv_tokens:
+        # The batch the KV pulls to: as many requests of the typical context as the cache holds
+        # (the paper's average batch size; the queue refines it online from the batches it sees).
+        batch = max(min(most, int(kv_tokens // max(context, 1.0))), 1)
+    else:
+        batch = batch_for(lp, tpot_ms, context, most)
     step_s = float(lp.predict_tpot_ms(batch, batch * context)) * 1e-3
-    return InstanceModel(batch, step_s, _Prefill(lp, batch, context, budget), most, kv_tokens)
+
+    def step(b: int, tokens: float) -> float:
+        return float(lp.predict_tpot_ms(max(b, 1), tokens)) * 1e-3
+
+    return InstanceModel(batch, step_s, _Prefill(lp, batch, context, budget), most, kv_tokens, step)
 
 
 # --------------------------------------------------------------------------- requests and groups
@@ -759,6 +777,11 @@ class QlmQueue:
         #: The models the estimator uses: each base model's decode step times the learned inefficiency.
         self.models = list(models)
         self.inefficiency = [1.0] * len(models)
+        #: Per instance: the average full batch and context per request seen (see :meth:`_observe_batch`),
+        #: and the decode step of that batch before the inefficiency factor.
+        self.batch_seen = [float(m.batch) for m in models]
+        self.context_seen = [float(DEFAULT_CONTEXT) for _ in models]
+        self.pure_step = [m.decode_step_s for m in models]
         self.default_ttft_ms = default_ttft_ms
         self.default_tpot_ms = default_tpot_ms
         self.max_queue_size = max_queue_size
@@ -844,7 +867,12 @@ class QlmQueue:
         key = self._key(r)
         gid = self.open.get(key, -1)
         group = self.groups.get(gid)
-        if group is not None and (group.closed or len(group.members) >= group.bound):
+        if group is not None and (
+            group.closed or len(group.members) >= group.bound or self.expected_missing.get(group.gid, 0) > 0
+        ):
+            # Full, or expected late by the plan (its members missed or will miss): a newcomer opens
+            # a fresh group the plan can still put where it meets its deadline, instead of inheriting
+            # a late group's place at the back.
             group.closed = True
             group = None
         if group is None:
@@ -955,35 +983,95 @@ class QlmQueue:
             self._drop_group(src, group)
         return Dispatch(r, i)
 
-    def _room(self, i: int, r: QlmRequest) -> bool:
-        """May instance ``i`` start ``r`` now?
+    def _tokens(self, r: QlmRequest) -> float:
+        """KV tokens ``r`` holds at its end: its prompt and the output it reaches with ``--qlm-confidence``.
 
-        Below ``batch`` (the decode batch whose step keeps the TPOT target)
-        always. Beyond it, only while neither ``r``, nor a request running
-        there, nor a group waiting in its virtual queue is judged on TPOT:
-        the step's length then harms no target, and the cap is the engine's
-        (``most`` requests, and their prompts and outputs within its KV
-        cache, so nothing is preempted). The paper's instances pull while
-        they have memory; the TPOT-safe batch is this router's adaptation
-        for streams judged on TPOT, and holding e2e-only work to it left the
-        engines running a fifth fewer requests than ``edf`` under overload
-        (at 14 req/s in simulation, a fifth of the instance time had only
-        e2e-only requests running).
+        The output's quantile, not its mean: the running batch must fit the cache at the end of its
+        requests with the same confidence the estimator's deadlines are checked with (Eq. 12), or
+        the engine preempts.
+        """
+        mean, std = self.stats.estimate(r.request.slo_class, r.request.max_tokens)
+        expected = min(max(mean + self.config.z * std - r.generated, 1.0), float(r.max_tokens))
+        return float(r.prompt_tokens) + expected
+
+    def _room(
+        self, i: int, r: QlmRequest, gone: frozenset[str] = frozenset(), now_s: float | None = None
+    ) -> bool:
+        """May instance ``i`` start ``r`` now (with the running requests ``gone`` evicted first)?
+
+        §6's pull rule: while the tokens of the running batch are below the
+        instance's KV capacity. A running request is counted at the tokens it
+        will hold when it ends (its prompt and its expected output, from the
+        learned output statistics): counting only what it holds now would pull
+        requests the cache cannot keep as the batch grows, and the engine would
+        preempt them. The engine's ``most`` sequences bound the count. An
+        adaptation for this router's streams judged on TPOT (the paper's SLOs
+        are end-to-end only): when ``r`` or a running request has a TPOT
+        target, the decode step of the grown batch must stay within
+        :data:`TPOT_HEADROOM` of the tightest such target. Without a KV figure
+        (``kv_tokens`` 0) the instance's ``batch`` bounds the count instead.
         """
         model = self.models[i]
-        run = self.running[i]
-        if len(run) < model.batch:
+        run = [x for x in self.running[i].values() if x.request_id not in gone]
+        if not run:
             return True
-        if len(run) >= model.most or not r.e2e_only or self.expected_missing.get(r.group, 0) <= 0:
+        if (model.most and len(run) >= model.most) or (not model.kv_tokens and len(run) >= model.batch):
             return False
-        if any(not x.e2e_only for x in run.values()):
+        held = sum(self._tokens(x) for x in run)
+        if model.kv_tokens and held + self._tokens(r) > model.kv_tokens:
             return False
-        if any(not self.groups[g].e2e_only for g in self.vqs[i]):
+        if model.step_s is None:
+            return True
+        context = held + self._tokens(r)
+        step = model.step_s(len(run) + 1, context) * self.inefficiency[i]
+        # TPOT-judged requests waiting in this instance's virtual queue will join this batch: it must
+        # not grow past their step either, or a tight stream could start only after the whole batch
+        # drained (head-of-line blocking by the batch's own speed).
+        waiting = [
+            g.members[0]
+            for g in (self.groups.get(gid) for gid in self.vqs[i])
+            if g is not None and g.members and not g.key[2]
+        ]
+        tpots = [self._tpot_ms(x) for x in (*run, r, *waiting) if not x.e2e_only]
+        if tpots and step * 1e3 > TPOT_HEADROOM * min(tpots):
             return False
-        if model.kv_tokens:
-            held = sum(x.prompt_tokens + x.max_tokens for x in run.values())
-            return held + r.prompt_tokens + r.max_tokens <= model.kv_tokens
+        if now_s is not None:
+            # The same for end-to-end deadlines: the grown batch's slower step must not turn a running
+            # request the estimator had on time into a miss (at the estimator's confidence).
+            before = model.step_s(len(run), held) * self.inefficiency[i]
+            for x in (*run, r):
+                if not (x.e2e_only or x.resumed):
+                    continue
+                left = self._left_tokens(x, now_s, before)
+                if now_s + left * before <= x.deadline_s < now_s + left * step:
+                    return False
         return True
+
+    def _left_tokens(self, x: QlmRequest, now_s: float, step_s: float) -> float:
+        """Output tokens running ``x`` still has to generate at the estimator's confidence."""
+        mean, std = self.stats.estimate(x.request.slo_class, x.request.max_tokens)
+        total = min(max(mean + self.config.z * std - x.generated, 1.0), float(x.max_tokens))
+        if x.instance < 0:
+            return total  # not running: all of it
+        done = max(now_s - x.dispatched_s, 0.0) / max(step_s, 1e-6)
+        return max(total - done, 1.0)
+
+    def _room_wait(self, i: int, r: QlmRequest, now_s: float) -> float:
+        """Seconds until ``r`` may be pulled on instance ``i``: running requests end in the order the
+        estimator expects (at its confidence) until the rest leaves ``r`` room."""
+        model = self.models[i]
+        ends = sorted(
+            (self.estimator.remaining(model, x, now_s)[1], x.request_id) for x in self.running[i].values()
+        )
+        gone: set[str] = set()
+        for end, rid in ends:
+            gone.add(rid)
+            if self._room(i, r, frozenset(gone), now_s):
+                return end
+        return ends[-1][0] if ends else 0.0
+
+    def _tpot_ms(self, r: QlmRequest) -> float:
+        return resolve_targets(r.request, self.default_ttft_ms, self.default_tpot_ms).tpot_ms
 
     def _pull(self, i: int, now_s: float) -> list[Dispatch]:
         out: list[Dispatch] = []
@@ -993,10 +1081,35 @@ class QlmQueue:
             if not group.members:
                 self._drop_group(i, group)
                 continue
-            if not self._room(i, group.members[0]):
+            if not self._room(i, group.members[0], now_s=now_s):
+                self._observe_batch(i)
                 break
             out.append(self._take(i, i, group, now_s))
         return out
+
+    def _observe_batch(self, i: int) -> None:
+        """The instance is full (a pull was refused): its running batch is a sample of the average batch.
+
+        The estimator's slots and decode step follow the batch KV pulling really reaches (an
+        exponential average of the full batches seen), which is the paper's "average batch size"
+        that the throughput and the group bound (delta x the average batch) are stated in.
+        """
+        run = self.running[i]
+        if not run:
+            return
+        self.batch_seen[i] = 0.9 * self.batch_seen[i] + 0.1 * len(run)
+        context = sum(self._tokens(x) for x in run.values()) / len(run) * 0.75
+        self.context_seen[i] = 0.9 * self.context_seen[i] + 0.1 * context
+        self._refresh(i)
+
+    def _refresh(self, i: int) -> None:
+        base = self.base_models[i]
+        batch = max(round(self.batch_seen[i]), 1)
+        pure = base.decode_step_s
+        if base.step_s is not None:
+            pure = base.step_s(batch, batch * self.context_seen[i])
+        self.pure_step[i] = pure
+        self.models[i] = dataclasses.replace(base, batch=batch, decode_step_s=pure * self.inefficiency[i])
 
     def _pull_other(self, i: int, now_s: float) -> list[Dispatch]:
         """Request pulling across virtual queues: instance ``i``'s queue is empty but it has free slots.
@@ -1018,7 +1131,7 @@ class QlmQueue:
             for j, vq in enumerate(self.vqs):
                 for pos, gid in enumerate(vq):
                     group = self.groups[gid]
-                    if group.members and self._room(i, group.members[0]):
+                    if group.members and self._room(i, group.members[0], now_s=now_s):
                         key = (group.urgency_s(now_s), pos, gid, j)
                         if best is None or key < best:
                             best = key
@@ -1101,36 +1214,46 @@ class QlmQueue:
         return slots.take(0.0, 0.0)[1]
 
     def _evict(self, i: int, now_s: float, evict: Evict) -> bool:
+        """Request eviction (§5): the head group's next request cannot be pulled (no KV room), would miss its
+        deadline waiting and would meet it if it started now: running requests of looser e2e-only groups
+        are evicted, loosest first, until it fits.
+
+        Only victims that still meet their own deadline after re-running behind the head, or miss it
+        anyway, may go (:meth:`_survives`): an eviction must not trade one request on time for another.
+        """
         head = self.groups[self.vqs[i][0]]
-        model = self.models[i]
-        if len(self.running[i]) < model.batch or not head.members:
+        if not head.members:
             return False
-        # Members that miss waiting but would meet if they started now.
+        first = head.members[0]
+        if self._room(i, first, now_s=now_s):
+            return False
+        model = self.models[i]
         running = list(self.running[i].values())
-        evictable = [r for r in running if self._evictable(r, head)]
+        evictable = sorted(
+            (r for r in running if self._evictable(r, head)), key=lambda r: (-r.deadline_s, r.request_id)
+        )
         if not evictable:
             return False
-        waiting = self.estimator.queue(model, running, [head], now_s)[0]
-        keep = [r for r in running if r not in evictable]
-        freed = self.estimator.queue(model, keep, [head], now_s)[0]
-        need = min(freed.meeting - waiting.meeting, len(head.members), model.batch)
-        if need <= 0:
-            return False
-        if not head.e2e_only:
-            # Requests beyond the batch (e2e-only ones, run while nothing judged on TPOT was there) go too:
-            # a TPOT-judged request starts only below the batch.
-            need += max(len(running) - model.batch, 0)
-        # The loosest ``need``, less those that would then miss their own deadline behind the head and the
-        # victims before them (repeated: a victim that stays running delays the others).
-        victims = sorted(evictable, key=lambda r: (-r.deadline_s, r.request_id))[:need]
-        for _ in range(len(victims)):
-            others = [x for x in running if x not in victims]
-            going = [v for k, v in enumerate(victims) if self._survives(v, head, now_s, others, victims[:k])]
-            if len(going) == len(victims):
+        # The head's first request: on time only if it starts now? It waits until enough running
+        # requests end for it to fit (KV room, and the step its TPOT target allows).
+        _, pre_q, _, whole_q = self.estimator.duration(model, first)
+        event = whole_q if first.e2e_only or first.resumed else pre_q
+        if now_s + event > first.deadline_s:
+            return False  # it misses even if it starts now: evicting cannot save it
+        if now_s + self._room_wait(i, first, now_s) + event <= first.deadline_s:
+            return False  # it meets its deadline waiting
+        victims: list[QlmRequest] = []
+        gone: set[str] = set()
+        for r in evictable:
+            others = [x for x in running if x.request_id not in gone and x is not r]
+            if not self._survives(r, head, now_s, others, victims):
+                continue
+            victims.append(r)
+            gone.add(r.request_id)
+            if self._room(i, first, frozenset(gone), now_s):
                 break
-            victims = going
-        if not victims or (not head.e2e_only and len(running) - len(victims) >= model.batch):
-            return False  # nothing may go, or too little for the head to start
+        else:
+            return False  # the allowed victims do not make room
         done = False
         for r in victims:
             total = evict(r, i)
@@ -1181,9 +1304,9 @@ class QlmQueue:
         elapsed = now_s - r.dispatched_s - base.prefill_s(r.prompt_tokens)
         if tokens < 8 or not elapsed > 0:
             return
-        ratio = min(max(elapsed / (tokens * base.decode_step_s), 0.5), 8.0)
-        eps = self.inefficiency[i] = 0.9 * self.inefficiency[i] + 0.1 * ratio
-        self.models[i] = dataclasses.replace(base, decode_step_s=base.decode_step_s * eps)
+        ratio = min(max(elapsed / (tokens * self.pure_step[i]), 0.5), 8.0)
+        self.inefficiency[i] = 0.9 * self.inefficiency[i] + 0.1 * ratio
+        self._refresh(i)
 
     def remove(self, request_id: str) -> QlmRequest | None:
         """Take a queued request out (cancelled by the client); None if it is not queued."""
@@ -1216,6 +1339,4 @@ class QlmQueue:
         for i, run in enumerate(self.running):
             model = self.models[i]
             assert len(run) <= max(model.batch, model.most) or model.batch == 0
-            if len(run) > model.batch:
-                assert all(r.e2e_only for r in run.values()), "a TPOT-judged request beyond the batch"
             assert not set(run) & seen

@@ -152,10 +152,11 @@ class QueueConfig(FlagFields):
         default="edf",
         metadata=_doc(
             "order of requests waiting in the router: none (refuse at once), fcfs, edf, priority, qlm "
-            "(request groups and virtual queues with eviction, neutral instances; --qlm-*) or sa "
-            "(simulated-annealing release batches per instance, for bursts of queued work: an "
-            "instance gets its next batch only when the last one ended, so near capacity it idles "
-            "behind each batch's longest request; --sa-*)",
+            "(seed 004: request groups and virtual queues pulled by KV room, with eviction; for e2e "
+            "deadlines under overload on neutral instances; --qlm-*) or sa (seed 000: waiting requests "
+            "pre-assigned by remaining KV memory and ordered per instance by simulated annealing of G, "
+            "handed to an engine as its slots free; for bursts of mixed-SLO work on engines that run "
+            "few sequences at once, with --sa-max-batch set to their batch; --sa-*)",
             "--queue-policy",
         ),
     )
@@ -229,7 +230,7 @@ class QueueConfig(FlagFields):
 
     # The sa policy (router/core/sa.py): the paper's schedule (500, 100 moves per level, 0.95, 20:
     # 6300 moves) in per mille of the starting plan's G. A run that cannot afford it within the
-    # budget keeps the temperatures and takes fewer moves per level (see the README's sa section).
+    # budget keeps the temperatures and takes fewer moves per level (see docs/user-guide.md, the sa section).
     sa_initial_temperature: float = field(
         default=500.0,
         metadata=_doc(
@@ -256,10 +257,21 @@ class QueueConfig(FlagFields):
             "--sa-budget-ms",
         ),
     )
-    sa_max_batch: int = field(
-        default=4,
+    sa_pool_ms: float = field(
+        default=25.0,
         metadata=_doc(
-            "sa: most requests released to an instance together; the next batch goes when they have all ended",
+            "sa: the request pool: requests are planned once the oldest waiting one has waited this long, so "
+            "a burst whose requests arrive a few ms apart is planned as one (ms; 0 = plan at once; it adds "
+            "at most this much to a request's TTFT)",
+            "--sa-pool-ms",
+        ),
+    )
+    sa_max_batch: int = field(
+        default=0,
+        metadata=_doc(
+            "sa: requests the policy keeps running on an instance at once (the paper's maximum batch size; "
+            "set it to the engines' max_num_seqs): the next planned request goes as soon as one ends "
+            "(0 = the engine's batch where the simulator's fleet states it, else bounded by KV memory only)",
             "--sa-max-batch",
         ),
     )
@@ -303,8 +315,10 @@ class QueueConfig(FlagFields):
             raise bad("sa_iterations", "must be within 1..1000000")
         if not 0 < self.sa_budget_ms <= 10_000:
             raise bad("sa_budget_ms", "must be within (0, 10000] ms")
-        if not 1 <= self.sa_max_batch <= 1024:
-            raise bad("sa_max_batch", "must be within 1..1024 requests")
+        if not 0 <= self.sa_pool_ms <= 10_000:
+            raise bad("sa_pool_ms", "must be within 0..10000 ms")
+        if not 0 <= self.sa_max_batch <= 1024:
+            raise bad("sa_max_batch", "must be within 0..1024 requests")
         if not 0 <= self.drain_window_ms <= 3_600_000:
             raise bad("drain_window_ms", "must be within 0..3600000 ms")
 
@@ -472,10 +486,13 @@ class RouterQueue:
         """Mean measured TPOT of the latest :data:`TPOT_WINDOW` served requests (ms); ``None`` before any."""
         return self._tpot_sum_ms / len(self._tpots) if self._tpots else None
 
-    def finished(self, request_id: str) -> None:
-        """A dispatched request ended (the sa policy releases an instance's next batch once its batch has)."""
+    def finished(self, request_id: str, output_tokens: int | None = None) -> None:
+        """A dispatched request ended, having generated ``output_tokens`` (None: unknown or failed).
+
+        The sa policy frees its slot and learns its task type's output length from it.
+        """
         if self.planner is not None:
-            self.planner.finished(request_id)
+            self.planner.finished(request_id, output_tokens)
 
     # ------------------------------------------------------------------ keys
 
@@ -666,6 +683,20 @@ class RouterQueue:
         """When the longest-waiting entry was queued (for the wait bound's timer)."""
         return self._waits.keys[0][0] if self._waits.keys else None
 
+    def wake_s(self) -> float | None:
+        """The first moment a pass must run without any event: an entry expires, turns late, or the sa
+        policy's request pool matures."""
+        when = math.inf
+        oldest = self.oldest_enqueued_s()
+        if oldest is not None:
+            when = oldest + self.config.max_queue_wait_ms * 1e-3
+        earliest = self.earliest_ttft_deadline_s()
+        if earliest is not None:
+            when = min(when, earliest)
+        if self.planner is not None:
+            when = min(when, self.planner.wake_s)
+        return None if when == math.inf else when
+
     def earliest_ttft_deadline_s(self) -> float | None:
         """The earliest TTFT deadline of an on-time entry (when it turns late without any event)."""
         return self._budgets.keys[0][0] if self._budgets.keys else None
@@ -792,7 +823,10 @@ class Planner(Protocol):
         schedule: Decide,
     ) -> Iterator[Offer]: ...
 
-    def finished(self, request_id: str) -> None: ...
+    def finished(self, request_id: str, output_tokens: int | None = None) -> None: ...
+
+    #: When the next pass must run without any other event (inf: none).
+    wake_s: float
 
 
 @dataclass(frozen=True)

@@ -49,8 +49,10 @@ from __future__ import annotations
 import math
 import random
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 
@@ -59,7 +61,7 @@ from predictor.latency import LatencyPredictor
 from router.core.columns import ClusterView
 from router.core.errors import EmptyClusterError, NoInstanceError
 from router.core.queue import Decide, Offer, QueueConfig, QueueEntry, RouterQueue, Verdict
-from router.core.request import ScheduleInput, Targets, resolve_targets
+from router.core.request import Role, ScheduleInput, Targets, resolve_targets
 from router.core.scheduler import Scheduler
 
 #: Temperatures are in units of this fraction of the starting solution's G (per mille).
@@ -68,6 +70,10 @@ TEMPERATURE_UNIT = 1e-3
 #: The budget's clock is read every this many moves (within a temperature level, so a level
 #: longer than the budget is cut short too).
 BUDGET_CHECK_MOVES = 8
+
+#: Under a budget, the exact split of the latency order (best_split) runs only when n * cap^2 is at
+#: most this (about 0.2 ms on the development machine).
+BEST_SPLIT_OPS = 2048
 
 #: The share of a budget the annealing schedule is fitted to; the rest polishes its best solution.
 ANNEAL_SHARE = 0.8
@@ -236,8 +242,10 @@ def anneal(
         # Every target met: only the summed latency can still improve, and for a fixed order the
         # split into batches that minimizes it is found exactly (best_split). The paper's exit is
         # exact with a cap of 1; with larger caps the latency order's best split can beat every
-        # uniform one by several percent of G.
-        split = best_split(columns, by_latency, cap, start_ms)
+        # uniform one by several percent of G. Under a budget, only when its O(n * cap^2) fits
+        # (BEST_SPLIT_OPS): the budget bounds the whole run.
+        fits = params.budget_s is None or n * cap * cap <= BEST_SPLIT_OPS
+        split = best_split(columns, by_latency, cap, start_ms) if fits else sizes2
         if split != sizes2:
             g_s, met_s, total_s = evaluate_(by_latency, split, start_ms)
             evaluations += 1
@@ -273,11 +281,11 @@ def anneal(
     level = in_level = moves = 0
     fitted = False
     while level < levels:
-        if deadline is not None and moves % BUDGET_CHECK_MOVES == 0 and moves:
+        if deadline is not None and moves % BUDGET_CHECK_MOVES == 0:
             now = clock()
             if now >= deadline:
                 break
-            if not fitted:
+            if not fitted and moves:
                 # The schedule is fitted to the budget once the cost of a move is known: the same
                 # temperatures and decay, fewer moves per level, so a run that cannot afford the
                 # whole schedule still cools down to min_temperature instead of stopping while hot.
@@ -303,6 +311,8 @@ def anneal(
             in_level = 0
             level += 1
             temperature *= params.decay
+    if deadline is not None and clock() >= deadline:
+        return replace(best, evaluations=evaluations)
     polished, spent = _polish(columns, best, cap, start_ms, deadline, clock)
     return replace(polished, evaluations=evaluations + spent)
 
@@ -332,7 +342,8 @@ def _polish(
         improved = False
         if deadline is not None and clock() >= deadline:
             break
-        split = best_split(columns, order, cap, start_ms)
+        fits = deadline is None or n * cap * cap <= BEST_SPLIT_OPS
+        split = best_split(columns, order, cap, start_ms) if fits else tuple(sizes)
         if list(split) != sizes:
             g_s, met_s, total_s = columns.evaluate(order, split, start_ms)
             evaluations += 1
@@ -371,13 +382,25 @@ def best_split(columns: _Columns, order: Sequence[int], cap: int, start_ms: floa
     choice = [0] * (n + 1)
     for i in range(n - 1, -1, -1):
         best = math.inf
+        # A batch's figures depend on its size b, so its members' sums are taken per b; the loop over
+        # the members runs once per (i, b) with the sums carried, O(n * cap^2) at worst but cut at the
+        # first b whose batch breaks a member's targets without waiting.
         for b in range(1, min(cap, n - i) + 1):
             eb, cb, sb = columns.exec[b], columns.cost[b], columns.slack[b]
-            members = order[i : i + b]
-            if b > 1 and any(sb[j] < start_ms for j in members):
+            duration = 0.0
+            summed = 0.0
+            ok = True
+            for j in order[i : i + b]:
+                if b > 1 and sb[j] < start_ms:
+                    ok = False
+                    break
+                e = eb[j]
+                if e > duration:
+                    duration = e
+                summed += cb[j]
+            if not ok:
                 continue
-            duration = max(eb[j] for j in members)
-            value = sum(cb[j] for j in members) + (n - i - b) * duration + f[i + b]
+            value = summed + (n - i - b) * duration + f[i + b]
             if value < best:
                 best, choice[i] = value, b
         f[i] = best
@@ -488,20 +511,146 @@ def exhaustive(jobs: Sequence[Job], cap: int, *, start_ms: float = 0.0, limit: i
 # --------------------------------------------------------------------------- the queue policy
 
 
-#: Expected output tokens of a request that states neither an expectation nor ``max_tokens``.
+#: Output tokens assumed for a request that states no ``max_tokens`` and whose task type has no
+#: finished request yet.
 UNKNOWN_OUTPUT_TOKENS = 128
 
-#: A plan is re-run when at least this fraction of its instance's queued requests changed
-#: (arrived or left other than by release) since it was made; smaller changes are patched in.
-REPLAN_FRACTION = 0.25
+#: The sliding window: one planning run orders at most this many of an instance's waiting requests
+#: (the oldest); the rest wait for a later run. It bounds a run's costing, which the budget covers.
+WINDOW = 40
+
+#: The plan's batch cap is the instance's slots, but at most this many (a run costs every request
+#: for each batch size up to the cap, so an engine of 256 sequences is planned in batches of 32).
+PLAN_CAP_MAX = 32
+
+#: Slots of an instance whose engine batch is unknown (no ``--sa-max-batch``, no fleet figure): the
+#: count does not bound it, the KV memory check of Eq. 20 does.
+UNBOUNDED_SLOTS = 1 << 20
 
 #: How a planner searches (``exhaustive`` only up to EXHAUSTIVE_LIMIT requests per instance).
 SEARCHES = ("anneal", "exhaustive")
 EXHAUSTIVE_LIMIT = 8
 
-#: Placement for the ``sa`` policy asks the scheduler for the best instance with targets this loose:
-#: the annealer, not the TTFT bound, decides when a request goes.
+#: Placement for the ``sa`` policy asks the scheduler for a decision on the pre-assigned instance with
+#: targets this loose: the annealer, not the TTFT bound, decides when a request goes.
 _RELAXED_MS = 1e12
+
+
+class TaskLengths:
+    """Output lengths per task type (the request's SLO class), learned online: seed 000's request profiler (§4).
+
+    The paper lets users state a typical output length or distribution per
+    task type and otherwise has the profiler gather it from served requests.
+    Here a request's own ``expected_output_tokens`` (the client's hint) wins;
+    otherwise the task type's recent outputs (the last :attr:`MEMORY` finished
+    requests of that class) give the typical length (their mean: G sums
+    latencies) and the length bound (their 90th percentile: what Eq. 20
+    reserves in memory). Both are clipped to the request's ``max_tokens``.
+    Before :attr:`MIN_SAMPLES` outputs of its type are seen, a request is
+    expected to use all of ``max_tokens`` (the only bound the router has).
+    """
+
+    MEMORY = 256
+    MIN_SAMPLES = 4
+
+    def __init__(self) -> None:
+        self._seen: dict[str, deque[int]] = {}
+        self._cache: dict[str, tuple[float, float]] = {}
+
+    def observe(self, task: str, output_tokens: int) -> None:
+        if output_tokens < 0:
+            return
+        seen = self._seen.get(task)
+        if seen is None:
+            if len(self._seen) >= 4096:  # bounded: a client inventing classes cannot grow it forever
+                return
+            seen = self._seen[task] = deque(maxlen=self.MEMORY)
+        seen.append(int(output_tokens))
+        self._cache.pop(task, None)
+
+    def samples(self, task: str) -> int:
+        seen = self._seen.get(task)
+        return 0 if seen is None else len(seen)
+
+    def _figures(self, task: str) -> tuple[float, float] | None:
+        cached = self._cache.get(task)
+        if cached is not None:
+            return cached
+        seen = self._seen.get(task)
+        if seen is None or len(seen) < self.MIN_SAMPLES:
+            return None
+        ordered = sorted(seen)
+        figures = (sum(ordered) / len(ordered), float(ordered[int(0.9 * (len(ordered) - 1))]))
+        self._cache[task] = figures
+        return figures
+
+    def typical(self, request: ScheduleInput) -> float:
+        """The output length the latency predictor costs ``request`` with."""
+        cap = request.max_tokens or math.inf
+        if request.expected_output_tokens:
+            return float(min(request.expected_output_tokens, cap))
+        figures = self._figures(request.slo_class)
+        if figures is None:
+            return float(request.max_tokens or UNKNOWN_OUTPUT_TOKENS)
+        return max(min(figures[0], cap), 1.0)
+
+    def bound(self, request: ScheduleInput) -> float:
+        """The output length Eq. 20 reserves memory for."""
+        cap = request.max_tokens or math.inf
+        figures = self._figures(request.slo_class)
+        if figures is None:
+            return float(request.max_tokens or request.expected_output_tokens or UNKNOWN_OUTPUT_TOKENS)
+        return max(min(max(figures[1], float(request.expected_output_tokens)), cap), 1.0)
+
+
+def preassign(
+    needs: Sequence[float],
+    eligible: Sequence[Sequence[bool]],
+    free: Sequence[float],
+    capacity: Sequence[float],
+    occupied: Sequence[int],
+    slots: Sequence[int],
+) -> list[int]:
+    """Seed 000's instance pre-assignment (§4.4, Eq. 20): each request, in order, to the instance with the
+    largest remaining memory; when no instance has room for it, the remaining memory is reset (a fresh
+    iteration) and it goes to the largest again.
+
+    ``needs[r]``: tokens request ``r`` will hold (prompt + output bound; Eq. 20's
+    ``token_num`` with the memory already counted in tokens, so ``sigma`` = 1
+    token per token and ``mu`` = 1: the engines report their KV in usable
+    tokens). ``free[i]``: tokens instance ``i`` has left in the current
+    iteration, ``capacity[i]`` in a fresh one. An iteration also holds at most
+    ``slots[i]`` requests (the paper's maximum batch size: an instance whose
+    batch is full "lacks sufficient space" as surely as one whose memory is),
+    ``occupied[i]`` of them taken by its running requests. ``eligible[r][i]``:
+    may ``r`` go to ``i`` at all. Returns an instance index per request (-1:
+    none eligible). Ties go to the lower index.
+    """
+    m = len(free)
+    rem = list(free)
+    count = list(occupied)
+    out: list[int] = []
+    for need, ok in zip(needs, eligible, strict=True):
+        best = -1
+        for fresh in (False, True):
+            if fresh:
+                rem = list(capacity)
+                count = [0] * m
+            for i in range(m):
+                if (
+                    ok[i]
+                    and count[i] < slots[i]
+                    and (rem[i] >= need or fresh)
+                    and (best < 0 or rem[i] > rem[best])
+                ):
+                    best = i
+            if best >= 0:
+                break
+        if best >= 0:
+            rem[best] -= need
+            count[best] += 1
+        out.append(best)
+    return out
 
 
 def jobs_for(
@@ -513,20 +662,31 @@ def jobs_for(
     default_ttft_ms: float,
     default_tpot_ms: float,
     max_num_batched_tokens: float,
+    outputs: Sequence[float] | None = None,
+    bounds: Sequence[float] | None = None,
 ) -> list[Job]:
     """The annealer's view of ``requests`` on an instance predicted by ``predictor`` (see the module doc).
 
     Each request is costed for every batch size ``1..cap``: prefill of ``b``
     prompts of its length (its TTFT once its batch starts), decode steps of
     ``b`` requests of its lengths (its TPOT), prefill plus ``o - 1`` decode
-    steps (its execution time; the prefill emits the first token). The time it
-    has already waited (since ``arrival_s``, else since it was queued) counts.
+    steps (its execution time; the prefill emits the first token), with ``o``
+    its ``outputs`` entry (the typical length of its task type; default: its
+    ``output_tokens_estimate``). The time it has already waited (since
+    ``arrival_s``, else since it was queued) counts. With ``bounds`` (the
+    task type's length bound, §4), what the plan relies on is costed at the
+    bound: how long its batch holds the instance (the wait it imposes on the
+    batches after it) and whether it meets its own targets; its latency in
+    G's sum stays at the typical length. A plan then only counts a request on
+    time if it is on time when the requests ahead run long.
     """
     n = len(requests)
     if n == 0:
         return []
     prompt = np.array([float(max(r.prompt_tokens, 1)) for r in requests])
-    output = np.array([float(r.output_tokens_estimate or UNKNOWN_OUTPUT_TOKENS) for r in requests])
+    if outputs is None:
+        outputs = [float(r.output_tokens_estimate or UNKNOWN_OUTPUT_TOKENS) for r in requests]
+    output = np.asarray(outputs, dtype=np.float64)
     b = np.arange(1, cap + 1, dtype=np.float64)
     batch = np.broadcast_to(b[None, :], (n, cap))
     prefill = np.asarray(
@@ -537,6 +697,13 @@ def jobs_for(
         predictor.predict_tpot_ms(batch, batch * (prompt + output / 2.0)[:, None]), dtype=np.float64
     )
     exec_ms = prefill + np.maximum(output - 1.0, 0.0)[:, None] * tpot
+    typical_ms = exec_ms
+    if bounds is not None:
+        bound = np.maximum(np.asarray(bounds, dtype=np.float64), output)
+        tpot = np.asarray(
+            predictor.predict_tpot_ms(batch, batch * (prompt + bound / 2.0)[:, None]), dtype=np.float64
+        )
+        exec_ms = prefill + np.maximum(bound - 1.0, 0.0)[:, None] * tpot
     waited = np.empty(n)
     e2e = np.empty(n)
     e2e_only = np.empty(n, dtype=bool)
@@ -559,7 +726,7 @@ def jobs_for(
     slack = np.where(e2e_only[:, None], by_e2e, np.minimum(by_ttft, by_e2e))
     head = np.zeros((n, 1))
     exec_rows = np.hstack([head, exec_ms]).tolist()
-    cost_rows = np.hstack([head, exec_ms + w]).tolist()
+    cost_rows = np.hstack([head, typical_ms + w]).tolist()
     slack_rows = np.hstack([np.full((n, 1), -math.inf), slack]).tolist()
     return [
         Job(tuple(e), tuple(c), tuple(sl)) for e, c, sl in zip(exec_rows, cost_rows, slack_rows, strict=True)
@@ -567,12 +734,11 @@ def jobs_for(
 
 
 @dataclass
-class _InstancePlan:
-    """The release batches still to go on one instance (request ids), and what the plan was made of."""
+class _Released:
+    """A request the policy released, until it ends: its task type and the tokens Eq. 20 reserved for it."""
 
-    batches: list[list[str]]
-    planned: set[str]
-    plan: Plan
+    task: str
+    tokens: float
 
 
 @dataclass
@@ -582,26 +748,45 @@ class PlannerStats:
     runs: int = 0
     early_exits: int = 0
     evaluations: int = 0
-    patches: int = 0
+    #: Runs whose window left waiting requests of the instance out.
+    windowed: int = 0
+    #: Passes that handed out requests, and the requests handed out.
     batches_released: int = 0
-    #: Seconds spent annealing (wall clock, or the modeled clock in the simulator).
+    released: int = 0
+    #: Seconds spent planning (costing and annealing; wall clock, or the modeled clock in the simulator).
     anneal_s: float = 0.0
+    #: The longest single run (s), on the same clock: what the budget bounds.
+    longest_run_s: float = 0.0
     last_plan: Plan | None = None
 
 
 class SAPlanner:
-    """The ``sa`` queue policy's state: placements, per-instance plans and the running release batch.
+    """The ``sa`` queue policy: Eq. 20 pre-assignment, a plan per instance, release into continuous batching.
 
     Driven by :func:`router.core.queue.offer` (the router's admission and the
-    simulator alike): each pass places new entries (the scheduler's choice with
-    relaxed targets: the instance is decided first, as in the paper's
-    multi-instance variant), and for every instance whose previous release
-    batch has ended hands out the next batch of its plan. A plan is re-run
-    only when the instance's queued requests changed materially
-    (:data:`REPLAN_FRACTION`), otherwise patched (leavers dropped, newcomers
-    appended), so the annealer runs per change of the queue, not per request.
-    ``finished`` is told when a released request ends (the router's release,
-    the simulator's completion).
+    simulator alike). Each pass:
+
+    1. **Pre-assignment** (:func:`preassign`, the paper's Eq. 20): the
+       waiting requests (up to :data:`WINDOW` per eligible instance, oldest
+       first) go to the instance with the largest remaining KV memory, a
+       fresh iteration starting when none has room. It is redone on every
+       pass over the requests waiting *now*, so a request that arrived a few
+       milliseconds after a burst is planned with it (a sliding window, not
+       only same-instant arrivals).
+    2. **Priority mapping** (:func:`anneal`, Algorithm 1) of the requests
+       assigned to an instance that has a free slot, over its oldest
+       :data:`WINDOW`, the whole run (costing included) within
+       ``--sa-budget-ms``.
+    3. **Release into continuous batching**: the front of the plan goes to
+       the instance as soon as it has a free slot (fewer of our requests
+       running there than its slots: ``--sa-max-batch``, else the engine's
+       batch where the fleet states it) and its remaining memory holds the
+       request. The paper submits the planned order into vLLM, whose
+       continuous batching starts a queued request whenever a sequence ends;
+       a router cannot reorder an engine's queue, so it keeps the queue
+       itself and hands a request over at the moment the engine would have
+       started it. At most the plan's first batch goes at once: a batch the
+       plan made smaller than the cap (to keep a TPOT target) stays small.
     """
 
     def __init__(
@@ -612,6 +797,7 @@ class SAPlanner:
         clock: Callable[[], float] = time.perf_counter,
         modeled_evaluation_s: Callable[[int], float] | None = None,
         search: str = "anneal",
+        slots: Callable[[str], int] | None = None,
     ) -> None:
         if search not in SEARCHES:
             raise ValueError(f"search must be one of {', '.join(SEARCHES)}, got {search!r}")
@@ -620,6 +806,9 @@ class SAPlanner:
         self.search = search
         self.config = config
         self.cap = config.sa_max_batch
+        self.pool_s = config.sa_pool_ms * 1e-3
+        #: When the pool matures with no other event (inf: nothing pooled).
+        self.wake_s = math.inf
         self.params = AnnealParams(
             config.sa_initial_temperature,
             config.sa_iterations,
@@ -632,24 +821,45 @@ class SAPlanner:
         # The simulator's clock for the budget: the modeled cost of one evaluation of n jobs
         # (deterministic, unlike the wall clock of a shared machine).
         self._modeled = modeled_evaluation_s
-        self.assigned: dict[str, str] = {}
-        self.plans: dict[str, _InstancePlan] = {}
-        self.running: dict[str, set[str]] = {}
+        #: The engine's batch per instance id where the caller knows it (the simulator's fleet).
+        self._engine_slots = slots
+        self.lengths = TaskLengths()
+        #: Per instance: the requests released there and not ended yet.
+        self.running: dict[str, dict[str, _Released]] = {}
         self._where: dict[str, str] = {}
+        #: Per instance: the last plan (its request ids and free slots) and its order, reused while
+        #: neither changed.
+        self._plans: dict[str, tuple[tuple[tuple[str, ...], int], Plan]] = {}
         self.stats = PlannerStats()
 
-    def finished(self, request_id: str) -> None:
-        """A request this policy released has ended: its instance may take the next batch once all have."""
+    # ------------------------------------------------------------------ events
+
+    def finished(self, request_id: str, output_tokens: int | None = None) -> None:
+        """A request this policy released has ended (``output_tokens``: what it generated, if it completed)."""
         instance = self._where.pop(request_id, None)
-        if instance is not None:
-            running = self.running.get(instance)
-            if running is not None:
-                running.discard(request_id)
-                if not running:
-                    del self.running[instance]
+        if instance is None:
+            return
+        running = self.running.get(instance)
+        if running is None:
+            return
+        released = running.pop(request_id, None)
+        if not running:
+            del self.running[instance]
+        if released is not None and output_tokens is not None:
+            self.lengths.observe(released.task, output_tokens)
 
     def busy(self, instance_id: str) -> bool:
-        return bool(self.running.get(instance_id))
+        """Has ``instance_id`` no free slot for the policy's next request?"""
+        return len(self.running.get(instance_id, ())) >= self.slots(instance_id)
+
+    def slots(self, instance_id: str) -> int:
+        """Requests the policy keeps running on ``instance_id`` at once."""
+        engine = self._engine_slots(instance_id) if self._engine_slots is not None else 0
+        if self.cap and engine:
+            return min(self.cap, engine)
+        return self.cap or engine or UNBOUNDED_SLOTS
+
+    # ------------------------------------------------------------------ a pass
 
     def offer(
         self,
@@ -660,37 +870,68 @@ class SAPlanner:
         schedule: Decide,
     ) -> Iterator[Offer]:
         """One pass (see the class doc); entries leave the queue here, as in :func:`router.core.queue.offer`."""
+        self.wake_s = math.inf
         entries = list(queue.entries())
         if not entries:
             return
-        present = {e.request_id for e in entries}
-        for rid in [rid for rid in self.assigned if rid not in present]:
-            del self.assigned[rid]
+        # The request pool (Fig. 6: requests collect in a pool before the predictor and the mapper):
+        # nothing is planned before the oldest waiting request has pooled for --sa-pool-ms.
+        matured = min(e.enqueued_s for e in entries) + self.pool_s
+        if now_s < matured:
+            self.wake_s = matured
+            return
         view = _as_view(scheduler, source(), now_s)
-        index = view.instances.index
-        groups: dict[str, list[QueueEntry]] = {}
-        for entry in entries:
-            instance = self.assigned.get(entry.request_id)
-            if instance is None or instance not in index:
+        inst = view.instances
+        m = inst.n
+        roles = inst.roles
+        usable = [
+            bool(inst.schedulable[i]) and int(roles[i]) in (Role.NEUTRAL, Role.PREFILL) for i in range(m)
+        ]
+        slots = [self.slots(iid) for iid in inst.ids]
+        occupied = [len(self.running.get(iid, ())) for iid in inst.ids]
+        if not any(u and occupied[i] < slots[i] for i, u in enumerate(usable)):
+            return  # no instance can take anything now: nothing to plan
+        window = entries[: WINDOW * max(sum(usable), 1)]
+        eligible: list[list[bool]] = []
+        needs: list[float] = []
+        for entry in window:
+            r = entry.request
+            mask = inst.model_mask(r.model)
+            eligible.append(
+                [usable[i] and bool(mask[i]) and inst.ids[i] not in r.exclude_instance_ids for i in range(m)]
+            )
+            needs.append(float(max(r.prompt_tokens, 1)) + self.lengths.bound(r))
+        capacity = [float(inst.kv_capacity_tokens[i]) for i in range(m)]
+        free = [self._free_tokens(inst, i) for i in range(m)]
+        where = preassign(needs, eligible, free, capacity, occupied, slots)
+        groups: dict[int, list[QueueEntry]] = {}
+        for entry, i in zip(window, where, strict=True):
+            if i < 0:
+                # No instance may take it: the scheduler says why (none fits now, or none at all).
                 targets = resolve_targets(entry.request, queue.default_ttft_ms, queue.default_tpot_ms, now_s)
                 try:
-                    decision = schedule(view, entry.request, now_s, targets=_relaxed(targets))
-                except NoInstanceError as exc:
-                    yield Offer(entry, Verdict.WAIT, error=exc)
-                    continue
+                    schedule(view, entry.request, now_s, targets=_relaxed(targets))
                 except EmptyClusterError as exc:
                     queue.remove(entry.request_id)
                     yield Offer(entry, Verdict.REJECT, error=exc)
                     continue
-                choice = decision.prefill or decision.decode
-                assert choice is not None
-                instance = choice.instance_id
-                self.assigned[entry.request_id] = instance
-            groups.setdefault(instance, []).append(entry)
-        for instance, group in groups.items():
-            if self.busy(instance):
+                except NoInstanceError as exc:
+                    yield Offer(entry, Verdict.WAIT, error=exc)
+                    continue
+                yield Offer(entry, Verdict.WAIT)
                 continue
-            yield from self._release(queue, scheduler, source, now_s, schedule, view, instance, group)
+            groups.setdefault(i, []).append(entry)
+        for i, group in groups.items():
+            if occupied[i] >= slots[i]:
+                continue
+            yield from self._release(
+                queue, scheduler, source, now_s, schedule, view, i, group, slots[i] - occupied[i]
+            )
+
+    def _free_tokens(self, inst: Any, i: int) -> float:
+        """KV tokens instance ``i`` has left: its capacity less what it holds or we reserved there, if more."""
+        reserved = sum(r.tokens for r in self.running.get(inst.ids[i], {}).values())
+        return max(float(inst.kv_capacity_tokens[i]) - max(float(inst.used_kv_tokens[i]), reserved), 0.0)
 
     def _release(
         self,
@@ -700,50 +941,47 @@ class SAPlanner:
         now_s: float,
         schedule: Decide,
         view: ClusterView,
-        instance: str,
+        i: int,
         group: list[QueueEntry],
+        room: int,
     ) -> Iterator[Offer]:
-        state = self._plan(queue, scheduler, view, now_s, instance, group)
-        if not state.batches:
-            return
-        batch = state.batches.pop(0)
-        by_id = {e.request_id: e for e in group}
-        i = view.instances.index[instance]
-        role = view.instances.roles[i]
+        inst = view.instances
+        instance = inst.ids[i]
+        plan = self._plan(queue, scheduler, view, now_s, i, group, room)
+        first = plan.sizes[0] if plan.sizes else 0
+        role = inst.roles[i]
         # Only this instance among those of its role: the decode leg of a disaggregated request may go anywhere.
-        others = frozenset(
-            iid
-            for j, iid in enumerate(view.instances.ids)
-            if view.instances.roles[j] == role and iid != instance
-        )
-        self.stats.batches_released += 1
-        for rid in batch:
-            state.planned.discard(rid)
-            entry = by_id.get(rid)
-            if entry is None:
-                continue
+        others = frozenset(iid for j, iid in enumerate(inst.ids) if inst.roles[j] == role and iid != instance)
+        free = self._free_tokens(inst, i)
+        released = 0
+        for k in plan.order[: min(first, room)]:
+            entry = group[k]
             request = entry.request
+            need = float(max(request.prompt_tokens, 1)) + self.lengths.bound(request)
+            if need > free and self.running.get(instance):
+                break  # its memory is spoken for until a running request ends (Eq. 20's remaining memory)
             pinned = replace(request, exclude_instance_ids=request.exclude_instance_ids | others)
             targets = resolve_targets(request, queue.default_ttft_ms, queue.default_tpot_ms, now_s)
             try:
                 decision = schedule(source(), pinned, now_s, targets=_relaxed(targets))
             except NoInstanceError as exc:
-                # The instance cannot take it after all (ejected, full): placed again on the next pass.
-                self.assigned.pop(rid, None)
+                # The instance cannot take it after all (ejected, full): planned again on the next pass.
                 yield Offer(entry, Verdict.WAIT, error=exc, budget_ms=targets.ttft_ms)
-                continue
+                break
             except EmptyClusterError as exc:
-                queue.remove(rid)
-                self.assigned.pop(rid, None)
+                queue.remove(entry.request_id)
                 yield Offer(entry, Verdict.REJECT, error=exc)
                 continue
-            queue.remove(rid)
-            self.assigned.pop(rid, None)
-            self.running.setdefault(instance, set()).add(rid)
-            self._where[rid] = instance
+            queue.remove(entry.request_id)
+            free -= need
+            self.running.setdefault(instance, {})[entry.request_id] = _Released(request.slo_class, need)
+            self._where[entry.request_id] = instance
+            released += 1
             yield Offer(entry, Verdict.DISPATCH, decision=decision, budget_ms=targets.ttft_ms)
-        if not state.batches:
-            del self.plans[instance]
+        if released:
+            self.stats.batches_released += 1
+            self.stats.released += released
+            self._plans.pop(instance, None)
 
     def _plan(
         self,
@@ -751,60 +989,52 @@ class SAPlanner:
         scheduler: Scheduler,
         view: ClusterView,
         now_s: float,
-        instance: str,
+        i: int,
         group: list[QueueEntry],
-    ) -> _InstancePlan:
-        ids = [e.request_id for e in group]
-        current = set(ids)
-        state = self.plans.get(instance)
-        if state is not None:
-            new = [rid for rid in ids if rid not in state.planned]
-            gone = state.planned - current
-            if not new and not gone:
-                return state
-            if (len(new) + len(gone)) < REPLAN_FRACTION * len(ids):
-                # A small change: the plan stands, leavers dropped and newcomers appended in queue order.
-                self.stats.patches += 1
-                state.batches = [
-                    kept for kept in ([r for r in b if r in current] for b in state.batches) if kept
-                ]
-                for k in range(0, len(new), self.cap):
-                    state.batches.append(new[k : k + self.cap])
-                state.planned = current
-                return state
+        room: int,
+    ) -> Plan:
+        instance = view.instances.ids[i]
+        key = (tuple(e.request_id for e in group), room)
+        cached = self._plans.get(instance)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        cap = max(min(self.slots(instance), PLAN_CAP_MAX, len(group)), 1)
         predictors = scheduler.predictors
         if predictors is None:
             # No latency predictor: nothing to anneal with; queue order in full batches.
-            plan = Plan(tuple(range(len(ids))), full_batches(len(ids), self.cap), 0.0, 0, 0.0)
+            plan = Plan(tuple(range(len(group))), full_batches(len(group), cap), 0.0, 0, 0.0)
         else:
-            i = view.instances.index[instance]
+            clock = self._clock if self._modeled is None else modeled_clock(self._modeled(len(group)))
+            started = time.perf_counter()
             predictor = predictors.for_group(view.instances.groups[i])
-            costing = time.perf_counter()
+            requests = [e.request for e in group]
             jobs = jobs_for(
-                [e.request for e in group],
+                requests,
                 predictor,
-                self.cap,
+                cap,
                 now_s,
                 [e.enqueued_s for e in group],
                 queue.default_ttft_ms,
                 queue.default_tpot_ms,
                 float(view.instances.max_num_batched_tokens[i]),
+                [self.lengths.typical(r) for r in requests],
+                [self.lengths.bound(r) for r in requests],
             )
             # The budget covers the costing too (modeled in the simulator).
-            spent = time.perf_counter() - costing if self._modeled is None else modeled_costing_s(len(jobs))
-            plan = self._anneal(jobs, spent)
-        state = _InstancePlan([[ids[j] for j in batch] for batch in plan.batches()], current, plan)
-        self.plans[instance] = state
-        return state
+            spent = time.perf_counter() - started if self._modeled is None else modeled_costing_s(len(jobs))
+            plan = self._anneal(jobs, cap, spent, clock)
+        self._plans[instance] = (key, plan)
+        return plan
 
-    def _anneal(self, jobs: list[Job], spent_s: float) -> Plan:
-        clock = self._clock if self._modeled is None else modeled_clock(self._modeled(len(jobs)))
+    def _anneal(self, jobs: list[Job], cap: int, spent_s: float, clock: Callable[[], float]) -> Plan:
         started = clock()
         if self.search == "exhaustive" and len(jobs) <= EXHAUSTIVE_LIMIT:
-            plan = exhaustive(jobs, self.cap)
+            plan = exhaustive(jobs, cap)
         else:
-            plan = anneal(jobs, self.cap, self.params, self.rng, clock=clock, spent_s=spent_s)
-        self.stats.anneal_s += clock() - started
+            plan = anneal(jobs, cap, self.params, self.rng, clock=clock, spent_s=spent_s)
+        took = clock() - started + spent_s
+        self.stats.anneal_s += took
+        self.stats.longest_run_s = max(self.stats.longest_run_s, took)
         self.stats.runs += 1
         self.stats.early_exits += plan.early_exit
         self.stats.evaluations += plan.evaluations

@@ -115,6 +115,29 @@ class SliceConfig:
     kv_headroom: float = field(
         default=0.9, metadata=_doc("share of an instance's KV capacity a batch may plan to fill, in (0, 1]")
     )
+    resume_at_once: bool = field(
+        default=True,
+        metadata=_doc(
+            "place a request's next slice as soon as its slice ends (SliceScheduler.resume); False sends "
+            "it back to the pool for the next schedule point, as the paper does"
+        ),
+    )
+    prefix_cache: bool = field(
+        default=True,
+        metadata=_doc(
+            "engines keep a finished slice's KV blocks in their prefix cache (vLLM's automatic prefix "
+            "caching): a slice resumed at once on the instance it left recomputes only its last partial "
+            "block, and resume() prices staying there without the re-prefill"
+        ),
+    )
+    recompute_share: float | None = field(
+        default=0.25,
+        metadata=_doc(
+            "adaptive slice length: a resumed slice is made long enough that re-prefilling its context "
+            "costs at most this share of the slice's decode time alone; None keeps every slice at "
+            "slice_tokens"
+        ),
+    )
 
     def __post_init__(self) -> None:
         if isinstance(self.slice_tokens, bool) or not isinstance(self.slice_tokens, int):
@@ -141,6 +164,10 @@ class SliceConfig:
             raise ValueError(f"max_waiting_slices must be an integer >= 1, got {self.max_waiting_slices!r}")
         if not (math.isfinite(self.kv_headroom) and 0.0 < self.kv_headroom <= 1.0):
             raise ValueError(f"kv_headroom must be in (0, 1], got {self.kv_headroom!r}")
+        if self.recompute_share is not None and not (
+            math.isfinite(self.recompute_share) and 0.0 < self.recompute_share <= 10.0
+        ):
+            raise ValueError(f"recompute_share must be in (0, 10] or None, got {self.recompute_share!r}")
 
 
 # --------------------------------------------------------------------------- estimators
@@ -250,6 +277,23 @@ class ServingTimeModel:
         return self.prefill_ms(context_tokens) + self.decode.steps_ms(
             batch, context_tokens / batch, generation_tokens - 1
         )
+
+    def marginal_ms(self, context_tokens: int, generation_tokens: int) -> float:
+        """What one request adds to an instance's work when it joins the engine's running batch.
+
+        Its chunked prefill, then its share of ``generation_tokens - 1``
+        decode steps: the per-request terms of the fitted step
+        (``d1·l + d2`` at its own cached length ``l``), not the step's
+        fixed part, which the running batch pays anyway. For a resumed slice
+        on a continuous-batching engine (see :meth:`SliceScheduler.resume`).
+        """
+        steps = generation_tokens - 1
+        d = self.decode
+        decode = 0.0
+        if steps > 0:
+            lengths = steps * context_tokens + steps * (steps + 1) / 2.0
+            decode = d.d1 * lengths + d.d2 * steps
+        return self.prefill_ms(context_tokens) + max(decode, 0.0)
 
     def exact_serve_ms(self, contexts: Sequence[int], generation_tokens: Sequence[int]) -> float:
         """The same batch summed step by step from the profile (no fit, requests leave as they finish).
@@ -462,6 +506,166 @@ def next_interval_ms(loads: Sequence[float], config: SliceConfig) -> float:
     return max(config.interval_load_factor * least, config.min_interval_ms)
 
 
+# --------------------------------------------------------------------------- online estimators
+
+
+#: Weight an observation keeps after 64 more (the online fits forget old behaviour at this pace).
+_DECAY = 0.5 ** (1 / 64)
+
+
+class ServingFit:
+    """One instance's serving-time estimator, fitted online: the model's estimate times a learned scale.
+
+    The paper fits its serving-time coefficients offline (profiled
+    per-iteration latency, ``curve_fit``). Here the shape comes from the
+    instance's own profile (:class:`ServingTimeModel`) and its scale from
+    what the instance really does: at every batch completion the time it
+    was busy since its previous completion (or since it took work while
+    idle) is set against the batch's estimate, and the scale is the ratio of
+    their decayed sums. Batches that overlap on a continuous-batching engine
+    are counted by busy time, not by each batch's own span, so the ratio is
+    how much work per estimated millisecond the instance really gets
+    through. Bounded to [0.25, 4] so one odd batch cannot run away with it.
+    """
+
+    def __init__(self) -> None:
+        self._observed = 0.0
+        self._estimated = 0.0
+
+    @property
+    def scale(self) -> float:
+        if self._estimated < 1.0:
+            return 1.0
+        return min(4.0, max(0.25, self._observed / self._estimated))
+
+    def observe(self, busy_ms: float, estimated_ms: float) -> None:
+        if not (math.isfinite(busy_ms) and busy_ms >= 0.0 and estimated_ms > 0.0):
+            return
+        self._observed = self._observed * _DECAY + busy_ms
+        self._estimated = self._estimated * _DECAY + estimated_ms
+
+
+class MemoryFit:
+    """One instance's memory estimator, fitted online: how much of its KV budget slices may plan.
+
+    The paper's estimator is exact for static batching (every request of a
+    batch holds ``context + S`` until the batch ends) and multiplies the free
+    memory by a fixed ζ < 1 for engines that use more than the token count.
+    On a continuous-batching engine the plan errs the other way: a slice
+    that ends early (its answer's end of sequence) never holds its whole
+    ``S``, and it leaves the batch at once. Two online terms make the
+    budget what the instance really holds:
+
+    - ``usage``: the decayed ratio of the KV slices really reached (context
+      plus the tokens they produced) to what they planned; the budget is
+      divided by it (a plan that is twice what slices use may book twice
+      the budget), never by less than 1 (no shrinking for slices that run
+      to their end);
+    - ``zeta``: a cap that shrinks by a fifth (down to 0.5) at every
+      preemption seen on the instance (the plan over-filled it) and gives
+      back 1 % per batch that completes without one (up to 1).
+
+    The share of the budget slices may plan is ``zeta / usage``, at most 2.
+    """
+
+    def __init__(self) -> None:
+        self.zeta = 1.0
+        self._planned = 0.0
+        self._used = 0.0
+
+    @property
+    def usage(self) -> float:
+        if self._planned < 1.0:
+            return 1.0
+        return min(1.0, max(0.25, self._used / self._planned))
+
+    @property
+    def share(self) -> float:
+        return min(2.0, self.zeta / self.usage)
+
+    def observe(self, planned_tokens: int, used_tokens: int) -> None:
+        if planned_tokens <= 0 or used_tokens < 0:
+            return
+        self._planned = self._planned * _DECAY + planned_tokens
+        self._used = self._used * _DECAY + min(used_tokens, planned_tokens)
+
+    def preempted(self) -> None:
+        self.zeta = max(0.5, self.zeta * 0.8)
+
+    def clean_batch(self) -> None:
+        self.zeta = min(1.0, self.zeta + 0.01)
+
+
+@dataclass
+class InstanceModels:
+    """What the slice scheduler knows about one instance: its own estimators."""
+
+    serving: ServingTimeModel
+    memory: MemoryModel
+    serving_fit: ServingFit = field(default_factory=ServingFit)
+    memory_fit: MemoryFit = field(default_factory=MemoryFit)
+
+    @property
+    def budget_tokens(self) -> float:
+        return self.memory.budget_tokens * self.memory_fit.share
+
+    def estimate_ms(self, batch: int, context_tokens: int, generation_tokens: int) -> float:
+        return self.serving_fit.scale * self.serving.serve_ms(batch, context_tokens, generation_tokens)
+
+
+def slice_length(
+    context_tokens: int, remaining_tokens: int, serving: ServingTimeModel, config: SliceConfig
+) -> int:
+    """New tokens the next slice of a request may generate (≥ 1, ≤ ``remaining_tokens``).
+
+    ``slice_tokens``, or longer for a long context: the paper leaves the
+    slice length fixed and shows (its §5.5) that too short a slice drowns in
+    re-prefill of the context at every reschedule. With ``recompute_share``
+    the slice is made long enough that re-prefilling ``context_tokens``
+    costs at most that share of the slice's own decode (batch of one, the
+    cautious side): the overhead per generated token stays bounded as a
+    request's context grows. Capped at 8 × ``slice_tokens``.
+    """
+    base = config.slice_tokens
+    length = base
+    share = config.recompute_share
+    if share is not None and context_tokens > 0:
+        prefill = serving.prefill_ms(context_tokens)
+        per_token = serving.decode.step_ms(1.0, float(context_tokens))
+        if per_token > 0:
+            length = max(base, min(8 * base, math.ceil(prefill / (share * per_token))))
+    return max(1, min(length, remaining_tokens))
+
+
+# --------------------------------------------------------------------------- when slices pay
+
+
+#: Preemptions per request under request dispatch from which slice dispatch is chosen (``auto``).
+SLICE_WHEN_PREEMPTIONS_PER_REQUEST = 1.0
+
+
+def slices_pay(preemptions: int, requests: int) -> bool:
+    """Whether slice dispatch beats request dispatch on a fleet, from what request dispatch did there.
+
+    On continuous-batching engines request dispatch already returns each
+    answer as it ends and batches at the iteration level, so the paper's
+    gains over static batching are not there to take; what slices still
+    buy is a KV plan that holds. Where the engines run out of KV, request
+    dispatch lets them over-commit and preempt: the preempted requests are
+    recomputed whole, often more than once, while slices plan their KV and
+    never preempt, at the price of re-prefilling a context per slice (mostly
+    served from the prefix cache when the slice resumes where it was) and of
+    a schedule point's wait for a first slice. Measured on the simulator
+    (``docs/papers-aladdin-scls.md``, the regime table) slices paid in
+    throughput wherever request dispatch preempted at least once per request
+    on average, and lost (0.85-0.97x throughput, lower attainment through
+    the first slice's wait) where the KV held or preemptions were rare.
+    """
+    if requests <= 0:
+        return False
+    return preemptions / requests >= SLICE_WHEN_PREEMPTIONS_PER_REQUEST
+
+
 # --------------------------------------------------------------------------- the whole cycle
 
 
@@ -469,6 +673,8 @@ def next_interval_ms(loads: Sequence[float], config: SliceConfig) -> float:
 class _Running:
     batch: SliceBatch
     unfinished: int
+    #: KV each request of the batch plans to hold on this instance (its own block size).
+    kv: dict[Hashable, int]
 
 
 class SliceScheduler:
@@ -477,7 +683,7 @@ class SliceScheduler:
     The caller (the simulator in virtual time, the router's dispatcher in
     real time) drives it:
 
-    1. :meth:`add` puts a request's next slice in the pool;
+    1. :meth:`add` puts a request's first slice in the pool;
     2. at a schedule point, :meth:`schedule` batches the pool and offloads
        the batches max-min into per-instance local queues; the caller waits
        :meth:`interval_ms` for the next one;
@@ -485,9 +691,34 @@ class SliceScheduler:
        (one at a time, or, with ``overlap_batches``, while the KV its running
        slices plan to hold leaves room: continuous-batching engines run
        several batches at once);
-    4. :meth:`finish` when a slice ends (done, failed or cancelled alike); it
-       frees the slice's planned KV and, with the batch's last slice, takes
-       the batch's estimate off the instance's load. Then :meth:`admit` again.
+    4. :meth:`finish` when a slice ends for good (done, failed or cancelled);
+       :meth:`resume` when it ends with output still to generate: the next
+       slice is placed at once (see below). Either frees the slice's planned
+       KV and, with the batch's last slice, takes the batch's estimate off
+       the instance's load. Then :meth:`admit` again.
+
+    Every instance has its own estimators (:class:`InstanceModels`, given by
+    :meth:`set_models`; without them every instance shares the models the
+    scheduler was built with): a batch's serving time is estimated on each
+    instance it could go to, the offloader sends it where it would finish
+    first, and each instance's KV budget is its own. Batching uses a
+    reference that does not depend on the order the fleet is listed in: the
+    tightest KV budget (a batch then fits any instance) and the slowest
+    serving model. Ties between instances go to the lower instance id.
+
+    Resumed slices. The paper sends an unfinished request back to the pool
+    to be batched with the next schedule point's arrivals. On a
+    continuous-batching engine the batch a slice joins is the engine's
+    running batch whatever the router grouped it with, so grouping buys
+    nothing, while waiting for the next point stalls the client's stream
+    for up to a whole interval plus a local queue. :meth:`resume` places the
+    next slice at once instead: on the instance that would finish it first
+    (its load plus this slice's estimate) among those whose planned KV has
+    room for it now, the instance it just left always among them (it has
+    just freed at least the slice's context), and admits it there ahead of
+    any queued batch. A stream thus never waits for a schedule point or a
+    local queue between its slices; the rebalancing the paper gets from
+    re-pooling still happens, slice by slice.
 
     Instances are named by id; :meth:`set_instances` follows a changing fleet
     (a removed instance's queued batches go back to the pool).
@@ -501,18 +732,42 @@ class SliceScheduler:
         self.memory = memory
         self.pool: list[SliceRequest] = []
         self._ids: list[str] = []
+        self._models: dict[str, InstanceModels] = {}
+        self._given: dict[str, InstanceModels] = {}
         self._loads: dict[str, float] = {}
         self._queues: dict[str, list[SliceBatch]] = {}
         self._running: dict[str, dict[int, _Running]] = {}
         self._planned_kv: dict[str, int] = {}
+        self._busy_mark: dict[str, float | None] = {}
         self._next_key = 0
         self.batches = 0
         self.schedule_points = 0
+        self.resumed = 0
+        self.moved = 0
         self.set_instances(instances)
 
     @property
     def instances(self) -> tuple[str, ...]:
         return tuple(self._ids)
+
+    def models(self, instance: str) -> InstanceModels:
+        """The estimators of ``instance`` (its own, or the shared ones)."""
+        found = self._models.get(instance)
+        if found is None:
+            found = self._given.get(instance) or InstanceModels(self.serving, self.memory)
+            self._models[instance] = found
+        return found
+
+    def set_models(self, models: dict[str, InstanceModels]) -> None:
+        """Per-instance estimators; an instance keeps its online fits while its profile is unchanged."""
+        for instance, m in models.items():
+            old = self._models.get(instance)
+            if old is not None and old.serving is m.serving and old.memory == m.memory:
+                continue
+            if old is not None:
+                m.serving_fit, m.memory_fit = old.serving_fit, old.memory_fit
+            self._given[instance] = m
+            self._models[instance] = m
 
     def load_ms(self, instance: str) -> float:
         """The instance's outstanding estimated work (queued and running batches)."""
@@ -520,6 +775,9 @@ class SliceScheduler:
 
     def queued(self, instance: str) -> int:
         return len(self._queues[instance])
+
+    def planned_kv(self, instance: str) -> int:
+        return self._planned_kv[instance]
 
     def set_instances(self, instances: Sequence[str]) -> None:
         """Follow the fleet: new instances start idle; a removed one's queued batches return to the pool."""
@@ -538,28 +796,67 @@ class SliceScheduler:
                 self._queues[new] = []
                 self._running.setdefault(new, {})
                 self._planned_kv.setdefault(new, 0)
+                self._busy_mark.setdefault(new, None)
         self._ids = ids
 
     def add(self, request: SliceRequest) -> None:
         self.pool.append(request)
 
+    def _reference(self) -> tuple[ServingTimeModel, MemoryModel]:
+        """The batcher's models, whatever order the fleet is listed in (see the class doc)."""
+        if not self._ids:
+            return self.serving, self.memory
+        ordered = sorted(self._ids)
+        probe = (8, 8 * 512, self.config.slice_tokens)
+        serving = max(ordered, key=lambda i: self.models(i).estimate_ms(*probe))
+        memory = min(ordered, key=lambda i: (self.models(i).budget_tokens, self.models(i).memory.max_batch))
+        m = self.models(memory)
+        tight = MemoryModel(
+            kv_capacity_tokens=m.memory.kv_capacity_tokens,
+            block_size=max(self.models(i).memory.block_size for i in ordered),
+            headroom=m.memory.headroom * min(1.0, m.memory_fit.zeta),
+            max_batch=min(self.models(i).memory.max_batch for i in ordered),
+        )
+        return self.models(serving).serving, tight
+
+    def _estimate(self, instance: str, batch: SliceBatch) -> float:
+        gen = max((r.slice_tokens for r in batch.requests), default=0)
+        return self.models(instance).estimate_ms(len(batch.requests), batch.context_tokens, gen)
+
+    def _marginal(self, instance: str, request: SliceRequest, cached: bool = False) -> float:
+        m = self.models(instance)
+        cost = m.serving.marginal_ms(request.context_tokens, request.slice_tokens)
+        if cached:
+            cost -= m.serving.prefill_ms(request.context_tokens)
+        return m.serving_fit.scale * max(cost, 0.0)
+
     def schedule(self) -> list[tuple[SliceBatch, str]]:
-        """Batch the whole pool and offload it max-min; the (batch, instance) pairs, longest batch first."""
+        """Batch the whole pool and offload it max-min; the (batch, instance) pairs, longest batch first.
+
+        Each batch, longest first (on the reference model), goes to the
+        instance where it would finish first: least ``load + its estimate
+        there`` (on a homogeneous fleet, the least-loaded instance: the
+        paper's max-min). The batch carries that instance's estimate, which
+        is what its completion takes off the load.
+        """
         self.schedule_points += 1
         if not self.pool or not self._ids:
             return []
         # The batcher's work grows with the pool times the largest batch: bound what one point takes.
         cap = self.config.max_batching_slices
         pool, self.pool = self.pool[:cap], self.pool[cap:]
-        batches = batch_requests(pool, self.serving, self.memory)
-        where, after = offload_max_min([b.serve_ms for b in batches], [self._loads[i] for i in self._ids])
-        for instance, load in zip(self._ids, after, strict=True):
-            self._loads[instance] = load
+        serving, memory = self._reference()
+        batches = batch_requests(pool, serving, memory)
+        ordered = sorted(self._ids)
         placed = []
         for b in sorted(range(len(batches)), key=lambda k: (-batches[k].serve_ms, k)):
-            instance = self._ids[where[b]]
-            self._queues[instance].append(batches[b])
-            placed.append((batches[b], instance))
+            batch = batches[b]
+            costs = {i: self._estimate(i, batch) for i in ordered}
+            instance = min(ordered, key=lambda i: (self._loads[i] + costs[i], i))
+            mine = SliceBatch(batch.requests, costs[instance], batch.kv_tokens)
+            self._loads[instance] += mine.serve_ms
+            self._queues[instance].append(mine)
+            placed.append((mine, instance))
         self.batches += len(batches)
         return placed
 
@@ -577,40 +874,62 @@ class SliceScheduler:
             backlog = [self._loads[i] for i in self._ids]
         return next_interval_ms(backlog, self.config)
 
-    def admit(self, instance: str) -> list[tuple[int, SliceBatch]]:
-        """The queued batches ``instance`` takes now, in queue order, each with its key for :meth:`finish`."""
+    def _start(self, instance: str, batch: SliceBatch, now: float | None) -> int:
+        running = self._running[instance]
+        if not running and now is not None:
+            self._busy_mark[instance] = now
+        key = self._next_key
+        self._next_key += 1
+        memory = self.models(instance).memory
+        kv = {r.key: memory.request_kv_tokens(r.context_tokens, r.slice_tokens) for r in batch.requests}
+        running[key] = _Running(batch, len(batch.requests), kv)
+        self._planned_kv[instance] += sum(kv.values())
+        return key
+
+    def admit(self, instance: str, now: float | None = None) -> list[tuple[int, SliceBatch]]:
+        """The queued batches ``instance`` takes now, in queue order, each with its key for :meth:`finish`.
+
+        ``now`` (ms, any origin) lets the instance's serving-time fit see how
+        long it is busy; without it the fit stays as it is.
+        """
         queue = self._queues.get(instance)
         if not queue:
             return []
         running = self._running[instance]
+        budget = self.models(instance).budget_tokens
         out = []
         while queue:
             batch = queue[0]
             if running:
                 if not self.config.overlap_batches:
                     break
-                if self._planned_kv[instance] + batch.kv_tokens > self.memory.budget_tokens:
+                if self._planned_kv[instance] + batch.kv_tokens > budget:
                     break
             queue.pop(0)
-            key = self._next_key
-            self._next_key += 1
-            running[key] = _Running(batch, len(batch.requests))
-            self._planned_kv[instance] += batch.kv_tokens
-            out.append((key, batch))
+            out.append((self._start(instance, batch, now), batch))
         return out
 
-    def finish(self, instance: str, key: int, request: SliceRequest) -> bool:
-        """Slice ``request`` of batch ``key`` on ``instance`` ended; True when it was the batch's last."""
+    def _end(
+        self, instance: str, key: int, request: SliceRequest, now: float | None, produced: int | None
+    ) -> bool:
         running = self._running[instance]
         entry = running[key]
-        self._planned_kv[instance] -= self.memory.request_kv_tokens(
-            request.context_tokens, request.slice_tokens
-        )
+        planned = entry.kv.pop(request.key, 0)
+        self._planned_kv[instance] -= planned
+        if produced is not None and instance in self._loads:
+            self.models(instance).memory_fit.observe(planned, request.context_tokens + produced)
         entry.unfinished -= 1
         if entry.unfinished > 0:
             return False
         del running[key]
         if instance in self._loads:
+            m = self.models(instance)
+            mark = self._busy_mark.get(instance)
+            if now is not None and mark is not None:
+                scale = m.serving_fit.scale
+                m.serving_fit.observe(now - mark, entry.batch.serve_ms / scale if scale > 0 else 0.0)
+                self._busy_mark[instance] = now if running else None
+            m.memory_fit.clean_batch()
             # Subtract the same estimate that was added: estimation errors never accumulate
             # (and a drained instance reads exactly idle, without rounding residue).
             drained = not running and not self._queues[instance]
@@ -619,3 +938,63 @@ class SliceScheduler:
             del self._running[instance]
             del self._planned_kv[instance]
         return True
+
+    def finish(
+        self,
+        instance: str,
+        key: int,
+        request: SliceRequest,
+        now: float | None = None,
+        produced: int | None = None,
+    ) -> bool:
+        """Slice ``request`` of batch ``key`` on ``instance`` ended; True when it was the batch's last.
+
+        ``produced`` (the tokens the slice generated, when known) feeds the
+        instance's memory fit.
+        """
+        return self._end(instance, key, request, now, produced)
+
+    def resume(
+        self,
+        instance: str,
+        key: int,
+        request: SliceRequest,
+        following: SliceRequest,
+        now: float | None = None,
+        produced: int | None = None,
+    ) -> tuple[str, int, SliceBatch]:
+        """End ``request``'s slice and place ``following`` (its next slice) at once (see the class doc).
+
+        Returns the instance, the batch key for :meth:`finish` / :meth:`resume`
+        and the one-slice batch; the slice is admitted (the caller starts it).
+        """
+        self._end(instance, key, request, now, produced)
+        self.resumed += 1
+        ordered = sorted(self._ids)
+        options = []
+        for i in ordered:
+            m = self.models(i)
+            kv = m.memory.request_kv_tokens(following.context_tokens, following.slice_tokens)
+            if i != instance and self._planned_kv[i] + kv > m.budget_tokens:
+                continue
+            cost = self._marginal(i, following, cached=self.config.prefix_cache and i == instance)
+            options.append((self._loads[i] + cost, i, cost, kv))
+        if not options:  # the instance left the fleet: any instance, least loaded
+            for i in ordered:
+                m = self.models(i)
+                kv = m.memory.request_kv_tokens(following.context_tokens, following.slice_tokens)
+                cost = self._marginal(i, following)
+                options.append((self._loads[i] + cost, i, cost, kv))
+        if not options:
+            raise ValueError("resume needs at least one instance")
+        _, target, cost, kv = min(options)
+        if target != instance:
+            self.moved += 1
+        batch = SliceBatch((following,), cost, kv)
+        self._loads[target] += cost
+        return target, self._start(target, batch, now), batch
+
+    def preempted(self, instance: str) -> None:
+        """The instance preempted a request: its plan over-filled the KV (the memory fit learns it)."""
+        if instance in self._ids:
+            self.models(instance).memory_fit.preempted()

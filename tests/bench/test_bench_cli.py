@@ -93,7 +93,7 @@ def test_print_workload_and_bad_arguments(capsys: pytest.CaptureFixture[str], tm
     assert main(["bench", "--concurrency", "2", "--burstiness", "0.5"]) == 2
     assert "cannot be used with --concurrency" in capsys.readouterr().err
     assert main(["bench", "--rate", "-1"]) == 2
-    assert "--rate -1.0: must be a finite number > 0" in capsys.readouterr().err
+    assert "error: --rate -1: must be a finite number > 0" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["bench", "--rate", "1", "--concurrency", "2"])
 

@@ -1,4 +1,4 @@
-"""``make bench`` writes the README's speed table: only between its markers, with the machine and the date."""
+"""``make bench`` writes the speed table of docs/results.md: only between its markers, with the machine and the date."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.figures import BEGIN, END, README, Figure, Section, machine, render, write_readme
+from bench.figures import BEGIN, END, RESULTS, Figure, Section, machine, render, write_results
 
 
 def test_the_table_names_the_machine_and_every_figure() -> None:
@@ -25,7 +25,7 @@ def test_the_table_names_the_machine_and_every_figure() -> None:
 def test_writing_replaces_only_the_block(tmp_path: Path) -> None:
     readme = tmp_path / "README.md"
     readme.write_text(f"# title\n\nbefore\n{BEGIN}\nold table\n{END}\nafter\n", encoding="utf-8")
-    write_readme(f"{BEGIN}\nnew table\n{END}", readme)
+    write_results(f"{BEGIN}\nnew table\n{END}", readme)
     assert readme.read_text(encoding="utf-8") == f"# title\n\nbefore\n{BEGIN}\nnew table\n{END}\nafter\n"
 
 
@@ -33,12 +33,12 @@ def test_a_readme_without_markers_is_left_alone(tmp_path: Path) -> None:
     readme = tmp_path / "README.md"
     readme.write_text("no markers\n", encoding="utf-8")
     with pytest.raises(ValueError, match="bench:begin"):
-        write_readme(f"{BEGIN}\nx\n{END}", readme)
+        write_results(f"{BEGIN}\nx\n{END}", readme)
     assert readme.read_text(encoding="utf-8") == "no markers\n"
 
 
-def test_the_repository_readme_holds_a_table_written_by_make_bench() -> None:
-    text = README.read_text(encoding="utf-8")
+def test_the_repository_results_page_holds_a_table_written_by_make_bench() -> None:
+    text = RESULTS.read_text(encoding="utf-8")
     block = text[text.index(BEGIN) : text.index(END)]
     assert "Measured " in block and "| figure | command | measured |" in block
     for name in ("cms", "predictor", "router", "scheduler", "simulator", "vllm", "workers"):

@@ -143,7 +143,10 @@ def test_busy_port_is_an_error() -> None:
             timeout=30,
         )
         assert second.returncode == 2
-        assert "cannot listen" in second.stderr
+        assert second.stderr == (
+            f"error: --listen {address}: address already in use; another process listens there "
+            "(pick another port or stop it)\n"
+        )
     finally:
         proc.terminate()
         proc.communicate(timeout=15)

@@ -111,14 +111,15 @@ async def test_a_full_queue_sheds_the_least_valuable_request() -> None:
 
 async def test_the_wait_bound_fires_without_any_other_event() -> None:
     loop_clock = asyncio.get_running_loop().time
-    # Decode too loaded for the request's TPOT target: it waits on time, not late.
+    # Decode too loaded for the request's TPOT target (20 ms; 13 ms alone on an idle instance): it
+    # waits on time, not late.
     decode_busy = inst("d0", "decode", decode_requests=200, decode_tokens=400000)
     source = Source(make_snapshot(inst("p0", "prefill"), decode_busy, taken_at_s=loop_clock()))
     scheduler = Scheduler(SchedulerConfig(scheduling_policy="slo"), make_predictor(), random.Random(0))
     placer = Placer(scheduler, source, clock=loop_clock)
     admission = Admission(placer, QueueConfig(max_queue_wait_ms=50.0), clock=loop_clock)
     req = request("a", ttft_ms=60000.0)  # on time for a minute: only the wait bound can end it
-    req = PlacementRequest(**{**req.__dict__, "arrival_s": loop_clock(), "tpot_slo_ms": 5.0})
+    req = PlacementRequest(**{**req.__dict__, "arrival_s": loop_clock(), "tpot_slo_ms": 20.0})
     with pytest.raises(QueueTimeoutError, match="--max-queue-wait-ms"):
         await asyncio.wait_for(admission.place(req), 5)
     assert len(admission.queue) == 0
@@ -134,31 +135,29 @@ async def test_queue_none_refuses_at_once() -> None:
     assert len(admission.queue) == 0
 
 
-async def test_sa_releases_a_burst_in_batches_as_the_previous_batch_ends() -> None:
-    # A burst in one loop iteration is planned in one pass; at most sa_max_batch requests are out at a
-    # time, and the next batch goes only when the router has seen every request of the last one end.
-    admission, observer = make_admission(Source(IDLE), queue_policy="sa", sa_max_batch=2)
+async def test_sa_hands_the_next_request_over_as_soon_as_one_ends() -> None:
+    # A burst in one loop iteration is planned in one pass; at most sa_max_batch requests run at a time,
+    # and each end lets the plan's next request go at once (continuous batching, not whole batches).
+    admission, observer = make_admission(Source(IDLE), queue_policy="sa", sa_max_batch=2, sa_pool_ms=0.0)
     tasks = {rid: asyncio.create_task(admission.place(request(rid, ttft_ms=60000.0))) for rid in "abcde"}
-    placed: list[list[str]] = []
-    seen: list[str] = []
-    for _ in range(3):
+
+    async def settle() -> list[str]:
         for _ in range(5):  # the coalesced pass runs within a few loop iterations
             await asyncio.sleep(0)
-        done = sorted(rid for rid, t in tasks.items() if t.done() and rid not in seen)
-        placed.append(done)
-        seen.extend(done)
-        assert 1 <= len(done) <= 2
-        assert len(admission.queue) == 5 - len(seen)
-        for rid in done:
-            assert (await tasks[rid]).route.prefill.instance_id == "p0"
-        admission.release(done[0])
-        if len(done) == 2:
-            await asyncio.sleep(0)
-            # Half the batch has ended: nothing more goes yet.
-            assert not any(t.done() for rid, t in tasks.items() if rid not in seen)
-            admission.release(done[1])
-    assert sorted(seen) == list("abcde")  # each once
-    assert [len(b) for b in placed] == [2, 2, 1]
+        return sorted(rid for rid, t in tasks.items() if t.done())
+
+    out = await settle()
+    assert len(out) == 2 and len(admission.queue) == 3
+    for rid in out:
+        assert (await tasks[rid]).route.prefill.instance_id == "p0"
+    admission.release(out[0])
+    now = await settle()
+    assert len(now) == 3 and set(out) <= set(now)  # one ended, exactly one more went
+    for rid in list(now):
+        admission.release(rid)
+    assert len(await settle()) == 5  # the rest went as the slots freed
+    for rid in "abcde":
+        admission.release(rid)
     assert len(admission.queue) == 0 and gauge(observer) == 0
     assert len(admission.placer.scheduler.inflight) == 0
     assert admission.queue.planner.stats.runs >= 1

@@ -80,7 +80,7 @@ def test_bad_engine_and_bad_flags_are_usage_errors(capsys: pytest.CaptureFixture
     assert "invalid choice 'nope'" in capsys.readouterr().err
     args = build_parser().parse_args(["worker", "--block-size", "0"])
     assert args.func(args) == 2
-    assert "--block-size must be" in capsys.readouterr().err
+    assert "error: --block-size 0: must be an integer > 0" in capsys.readouterr().err
     args = build_parser().parse_args(["worker", "--stream-interval-ms", "2000"])
     assert args.func(args) == 2
     assert "--stream-interval-ms 2000.0: must be" in capsys.readouterr().err

@@ -25,6 +25,7 @@ from router.core.sa import (
     exhaustive,
     full_batches,
     jobs_for,
+    modeled_clock,
 )
 from tests.router.core.helpers import make_predictor
 
@@ -333,7 +334,7 @@ def test_jobs_for_costs_each_request_per_batch_size() -> None:
         ("sa_iterations", 0),
         ("sa_budget_ms", 0.0),
         ("sa_budget_ms", math.nan),
-        ("sa_max_batch", 0),
+        ("sa_max_batch", -1),
         ("sa_max_batch", 5000),
     ],
 )
@@ -354,3 +355,105 @@ def test_the_sa_policy_needs_a_planner() -> None:
 
     with pytest.raises(ConfigError, match="planner"):
         RouterQueue(QueueConfig(queue_policy="sa"), 1000.0, 50.0)
+
+
+# --------------------------------------------------------------------------- the paper's steps, one test each
+
+
+def test_preassignment_takes_the_largest_remaining_memory_and_resets_when_none_has_room() -> None:
+    from router.core.sa import preassign
+
+    everywhere = [[True, True]] * 5
+    # Eq. 20: 6k and 4k free; requests of 3k tokens: 6k -> a (3k left), then b has the most (4k -> 1k),
+    # then a (3k -> 0); nothing has 3k left: a fresh iteration (8k each), a first (lower index on a tie).
+    where = preassign([3000.0] * 5, everywhere, [6000.0, 4000.0], [8000.0, 8000.0], [0, 0], [99, 99])
+    assert where == [0, 1, 0, 0, 1]
+    # An instance whose batch is full has no room in this iteration, whatever its memory.
+    where = preassign([100.0] * 3, [[True, True]] * 3, [9000.0, 1000.0], [9000.0, 9000.0], [1, 0], [1, 1])
+    assert where == [1, 0, 1]
+    # A request no instance may take gets -1; eligibility is per request.
+    assert preassign([1.0, 1.0], [[False, False], [False, True]], [5.0, 1.0], [5.0, 5.0], [0, 0], [9, 9]) == [
+        -1,
+        1,
+    ]
+
+
+@given(
+    needs=st.lists(st.floats(1, 5000), min_size=1, max_size=30),
+    free=st.lists(st.floats(0, 9000), min_size=1, max_size=4),
+    slots=st.integers(1, 4),
+)
+@settings(max_examples=60, deadline=None)
+def test_preassignment_never_overfills_an_iteration(
+    needs: list[float], free: list[float], slots: int
+) -> None:
+    from router.core.sa import preassign
+
+    m = len(free)
+    capacity = [9000.0] * m
+    where = preassign(needs, [[True] * m] * len(needs), free, capacity, [0] * m, [slots] * m)
+    assert all(0 <= i < m for i in where)
+    # Replay: between resets, every instance holds at most ``slots`` requests; a request only overfills
+    # memory when it is larger than any fresh capacity.
+    rem, count = list(free), [0] * m
+    for need, i in zip(needs, where, strict=True):
+        if count[i] >= slots or (rem[i] < need and need <= capacity[i]):
+            rem, count = list(capacity), [0] * m
+        assert count[i] < slots
+        rem[i] -= need
+        count[i] += 1
+
+
+def test_output_lengths_are_learned_per_task_type() -> None:
+    from router.core.sa import TaskLengths
+
+    lengths = TaskLengths()
+    code = ScheduleInput(request_id="c", prompt_tokens=10, max_tokens=1000, slo_class="code")
+    chat = ScheduleInput(request_id="h", prompt_tokens=10, max_tokens=1000, slo_class="chat")
+    assert lengths.typical(code) == 1000.0  # nothing seen: the only bound the router has
+    for n in (100, 200, 300, 400, 500):
+        lengths.observe("code", n)
+    assert lengths.typical(code) == pytest.approx(300.0)
+    assert lengths.bound(code) == pytest.approx(400.0)  # the 90th percentile of what was seen
+    assert lengths.typical(chat) == 1000.0  # another task type learns on its own
+    hinted = ScheduleInput(
+        request_id="x", prompt_tokens=10, max_tokens=1000, slo_class="code", expected_output_tokens=50
+    )
+    assert lengths.typical(hinted) == 50.0  # the client's hint wins
+    capped = ScheduleInput(request_id="y", prompt_tokens=10, max_tokens=120, slo_class="code")
+    assert lengths.typical(capped) == 120.0 and lengths.bound(capped) == 120.0
+
+
+def test_the_budget_bounds_the_whole_run_costing_included() -> None:
+    # On the simulator's modeled clock (deterministic): a full window of queued requests, a 0.8 ms budget
+    # of which the costing took its share first.
+    from router.core.sa import WINDOW, modeled_costing_s, modeled_evaluation_s
+
+    predictor = make_predictor()
+    requests = [
+        ScheduleInput(
+            request_id=str(i),
+            prompt_tokens=100 + 37 * i % 900,
+            max_tokens=50 + 13 * i % 400,
+            ttft_slo_ms=500.0 + 10 * (i % 7),
+            tpot_slo_ms=50.0,
+            arrival_s=0.0,
+        )
+        for i in range(WINDOW)
+    ]
+    jobs = jobs_for(requests, predictor, 4, 1.0, [0.0] * WINDOW, 1000.0, 50.0, 2048)
+    params = AnnealParams(budget_s=0.8e-3)
+    spent = modeled_costing_s(len(jobs))
+    base = modeled_clock(modeled_evaluation_s(len(jobs)))
+    readings: list[float] = []
+
+    def clock() -> float:
+        readings.append(base())
+        return readings[-1]
+
+    plan = anneal(jobs, 4, params, random.Random(0), clock=clock, spent_s=spent)
+    took = readings[-1] - readings[0] + spent
+    step = modeled_evaluation_s(len(jobs)) * 8  # one clock reading
+    assert took <= 0.8e-3 + 2 * step
+    assert sorted(plan.order) == list(range(WINDOW))
+    assert plan.evaluations > 20  # the rest of the budget went to the search

@@ -125,7 +125,9 @@ def test_up_gives_its_router_processes_its_scheduling_flags_and_not_its_own() ->
     args = build_parser().parse_args(given)
     args.argv = given
     plan = plan_cluster(args)
-    argv = _router_argv(args, plan, "127.0.0.1:7", Path("/secrets/router.token"))
+    argv = _router_argv(
+        args, plan, "127.0.0.1:7", Path("/secrets/router.token"), Path("/secrets/worker-call.token")
+    )
     assert argv[:3] == ["--log-level", "DEBUG", "router"]
     assert argv[argv.index("--cms") + 1] == "grpc://127.0.0.1:7"
     assert argv[argv.index("--ttft-profiling-data-path") + 1] == str(plan.profile / "ttft.json")

@@ -23,7 +23,7 @@ from tests.router.e2e.up_process import start_up, wait_for_line
 from workers.sim_engine import output_token, prompt_digest, request_key
 
 REPO = Path(__file__).resolve().parents[3]
-SLICES = SliceConfig(slice_tokens=8, interval_ms=20.0)
+SLICES = SliceConfig(slice_tokens=8, interval_ms=20.0, recompute_share=None)
 
 
 def expected_tokens(request: router_pb2.GenerateRequest) -> list[int]:

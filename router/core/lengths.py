@@ -1,0 +1,251 @@
+"""Online output-length prediction: what a router may know about how long an answer will be.
+
+A client sends ``max_tokens`` (a cap), never the length of the answer it will get. Policies that
+cost a request by its output (packing's KV peak, the ``sa`` planner's service time, adaptive PD's
+placement, the in-flight resident legs) used to read the cap, or in the simulator the true length.
+:class:`LengthPredictor` replaces both with what a router can learn honestly: the lengths of the
+requests that have *finished*, grouped the way the source papers group them -- by SLO class and by
+prompt length (answers to a one-line question and to a pasted document differ) -- and summarised
+as a distribution, not a point: a mean (expected cost) and a high quantile (a cautious bound).
+
+How an estimate is made. Completed lengths are kept per key (class, prompt-length bucket) in a
+bounded window of the most recent :attr:`LengthConfig.window` samples (traffic drifts; old answers
+should fade). An estimate uses the most specific key with at least
+:attr:`LengthConfig.min_samples` samples: (class, bucket), then the class over all buckets, then
+every class, and before anything has finished a prior: the request's own hint when the client
+sent one, else ``max_tokens`` (the only figure a router has), else
+:attr:`LengthConfig.default_tokens`. Every estimate is capped at the request's ``max_tokens`` (an
+engine never generates past it).
+
+:meth:`LengthPredictor.remaining` answers the question a running request poses: given it has
+produced ``generated`` tokens already, how many more are expected? The mean of the window's
+samples longer than ``generated``, minus ``generated`` (the conditional mean: a request that has
+outlived the typical answer is probably a long one), at least one token.
+
+Pure and deterministic: no clock, no randomness, no I/O; the same observations in the same order
+give the same estimates. Bounded: at most :attr:`LengthConfig.max_keys` keys of
+:attr:`LengthConfig.window` samples each; classes beyond the bound share one overflow key.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+#: Key of the class summary over all prompt buckets.
+_ALL_BUCKETS = -1
+#: Class name standing for every class (the global summary) and for classes past ``max_keys``.
+_ANY_CLASS = "\x00any"
+_OVERFLOW_CLASS = "\x00overflow"
+
+
+@dataclass(frozen=True)
+class LengthConfig:
+    """Bounds and knobs of a :class:`LengthPredictor`."""
+
+    #: Completed lengths kept per key (the most recent ones).
+    window: int = 256
+    #: Samples a key needs before its estimate is used (else the next coarser key answers).
+    min_samples: int = 8
+    #: The quantile reported beside the mean (a cautious bound for KV and deadline planning).
+    quantile: float = 0.9
+    #: Most (class, bucket) keys kept; classes beyond it share one overflow key.
+    max_keys: int = 1024
+    #: Prompt-length buckets are powers of two from this many tokens (shorter prompts share bucket 0).
+    min_bucket_tokens: int = 64
+    #: Number of prompt-length buckets (the last one takes every longer prompt).
+    num_buckets: int = 10
+    #: The estimate before anything finished, when the request gives no hint and no ``max_tokens``.
+    default_tokens: int = 128
+
+    def __post_init__(self) -> None:
+        for name in (
+            "window",
+            "min_samples",
+            "max_keys",
+            "min_bucket_tokens",
+            "num_buckets",
+            "default_tokens",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"LengthConfig.{name} must be an integer >= 1, got {value!r}")
+        if self.min_samples > self.window:
+            raise ValueError(
+                f"LengthConfig.min_samples ({self.min_samples}) must not exceed window ({self.window})"
+            )
+        if not (isinstance(self.quantile, (int, float)) and 0.0 < self.quantile < 1.0):
+            raise ValueError(f"LengthConfig.quantile must be in (0, 1), got {self.quantile!r}")
+
+
+@dataclass(frozen=True)
+class LengthEstimate:
+    """What the predictor expects of one request's output, in tokens."""
+
+    #: Expected length (>= 1): what a policy costs the request by.
+    mean: float
+    #: The configured quantile of the length (>= mean's floor): a cautious bound.
+    quantile: float
+    #: Samples the answer rests on (0: a prior, nothing learned yet).
+    samples: int
+    #: Which key answered: "class+bucket", "class", "all" or "prior".
+    source: str = field(default="prior")
+
+    @property
+    def tokens(self) -> int:
+        """The mean rounded to a whole token count (>= 1), what ``ScheduleInput.expected_output_tokens`` takes."""
+        return max(1, round(self.mean))
+
+
+class _Window:
+    """The last ``size`` samples of one key, with their sum and a lazily sorted copy."""
+
+    __slots__ = ("_sorted", "_suffix", "samples", "total")
+
+    def __init__(self, size: int) -> None:
+        self.samples: deque[int] = deque(maxlen=size)
+        self.total = 0
+        self._sorted: list[int] | None = None
+        self._suffix: list[int] | None = None
+
+    def add(self, value: int) -> None:
+        if len(self.samples) == self.samples.maxlen:
+            self.total -= self.samples[0]
+        self.samples.append(value)
+        self.total += value
+        self._sorted = None
+        self._suffix = None
+
+    def ordered(self) -> list[int]:
+        if self._sorted is None:
+            self._sorted = sorted(self.samples)
+        return self._sorted
+
+    def quantile(self, q: float) -> float:
+        ordered = self.ordered()
+        # The smallest sample with at least a q share of the samples at or below it.
+        k = min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))
+        return float(ordered[k])
+
+    def mean_above(self, generated: int) -> float | None:
+        """Mean of the samples longer than ``generated`` (None: none is)."""
+        ordered = self.ordered()
+        if self._suffix is None:
+            # suffix[k] = sum(ordered[k:]): the conditional mean in O(log n) per question.
+            suffix = [0] * (len(ordered) + 1)
+            for k in range(len(ordered) - 1, -1, -1):
+                suffix[k] = suffix[k + 1] + ordered[k]
+            self._suffix = suffix
+        lo = bisect.bisect_right(ordered, generated)
+        if lo == len(ordered):
+            return None
+        return self._suffix[lo] / (len(ordered) - lo)
+
+
+class LengthPredictor:
+    """Learns output lengths from completed requests; see the module docstring."""
+
+    def __init__(self, config: LengthConfig | None = None) -> None:
+        self.config = config or LengthConfig()
+        self._windows: dict[tuple[str, int], _Window] = {}
+        self._classes: set[str] = set()
+        self.observed = 0
+
+    # ------------------------------------------------------------------ keys
+
+    def bucket(self, prompt_tokens: int) -> int:
+        """The prompt-length bucket of a prompt: 0 below ``min_bucket_tokens``, then one per doubling."""
+        c = self.config
+        if prompt_tokens < c.min_bucket_tokens:
+            return 0
+        return min(c.num_buckets - 1, (prompt_tokens // c.min_bucket_tokens).bit_length())
+
+    def _class_key(self, slo_class: str) -> str:
+        if slo_class in self._classes:
+            return slo_class
+        # Each class takes up to num_buckets + 1 keys; the global summary takes one.
+        per_class = self.config.num_buckets + 1
+        if (len(self._classes) + 1) * per_class + 1 > self.config.max_keys:
+            return _OVERFLOW_CLASS
+        return slo_class
+
+    def _window(self, key: tuple[str, int]) -> _Window:
+        w = self._windows.get(key)
+        if w is None:
+            w = self._windows[key] = _Window(self.config.window)
+        return w
+
+    # ------------------------------------------------------------------ learning
+
+    def observe(self, slo_class: str, prompt_tokens: int, output_tokens: int) -> None:
+        """A request of ``slo_class`` with ``prompt_tokens`` finished after ``output_tokens`` tokens."""
+        if output_tokens < 1:
+            return  # nothing generated (failed before its first token): says nothing about lengths
+        cls = self._class_key(slo_class)
+        if cls != _OVERFLOW_CLASS:
+            self._classes.add(cls)
+        b = self.bucket(prompt_tokens)
+        for key in ((cls, b), (cls, _ALL_BUCKETS), (_ANY_CLASS, _ALL_BUCKETS)):
+            self._window(key).add(int(output_tokens))
+        self.observed += 1
+
+    # ------------------------------------------------------------------ estimates
+
+    def _answer(self, slo_class: str, prompt_tokens: int) -> tuple[_Window, str] | None:
+        cls = slo_class if slo_class in self._classes else self._class_key(slo_class)
+        need = self.config.min_samples
+        for key, source in (
+            ((cls, self.bucket(prompt_tokens)), "class+bucket"),
+            ((cls, _ALL_BUCKETS), "class"),
+            ((_ANY_CLASS, _ALL_BUCKETS), "all"),
+        ):
+            w = self._windows.get(key)
+            if w is not None and len(w.samples) >= need:
+                return w, source
+        return None
+
+    def estimate(
+        self, slo_class: str, prompt_tokens: int, max_tokens: int = 0, hint: int = 0
+    ) -> LengthEstimate:
+        """Expected output of a new request (``max_tokens``/``hint``: 0 = not given)."""
+        found = self._answer(slo_class, prompt_tokens)
+        if found is None:
+            prior = float(hint or max_tokens or self.config.default_tokens)
+            est = LengthEstimate(prior, prior, 0, "prior")
+        else:
+            w, source = found
+            n = len(w.samples)
+            est = LengthEstimate(w.total / n, w.quantile(self.config.quantile), n, source)
+        if max_tokens > 0:
+            cap = float(max_tokens)
+            est = LengthEstimate(min(est.mean, cap), min(est.quantile, cap), est.samples, est.source)
+        return LengthEstimate(max(est.mean, 1.0), max(est.quantile, 1.0), est.samples, est.source)
+
+    def remaining(
+        self, slo_class: str, prompt_tokens: int, generated: int, max_tokens: int = 0, hint: int = 0
+    ) -> float:
+        """Expected tokens still to come of a request that has produced ``generated`` and is still running (>= 1)."""
+        generated = max(int(generated), 0)
+        found = self._answer(slo_class, prompt_tokens)
+        if found is None:
+            total = float(hint or max_tokens or self.config.default_tokens)
+        else:
+            above = found[0].mean_above(generated)
+            # Outlived every sample: expect it to go on about as long again as the longest seen.
+            total = above if above is not None else 2.0 * max(found[0].ordered()[-1], generated)
+        if max_tokens > 0:
+            total = min(total, float(max_tokens))
+        return max(total - generated, 1.0)
+
+    def snapshot(self) -> dict[str, dict[str, float]]:
+        """Per class (all buckets): samples, mean and quantile, for reports."""
+        out: dict[str, dict[str, float]] = {}
+        for (cls, b), w in sorted(self._windows.items()):
+            if b != _ALL_BUCKETS or not w.samples:
+                continue
+            name = "*" if cls == _ANY_CLASS else ("(overflow)" if cls == _OVERFLOW_CLASS else cls)
+            n = len(w.samples)
+            out[name] = {"samples": n, "mean": w.total / n, "quantile": w.quantile(self.config.quantile)}
+        return out

@@ -1,0 +1,313 @@
+"""Forwarding to an unmodified vLLM over vLLM's own gRPC service (``vllm-grpc`` instances).
+
+``vllm serve MODEL --grpc`` (or ``python -m vllm.entrypoints.launchers.grpc_server``) serves
+``vllm.grpc.engine.VllmEngine``; its messages come from the ``smg-grpc-proto`` package. An
+instance registered with ``worker_protocol: "vllm-grpc"`` (``slo-router agent`` does that) is
+reached here instead of through the ``Worker`` service. :class:`router.forward.WorkerClient` picks
+this client by the endpoint's scheme (:mod:`router.core.protocols`) and keeps everything around a
+call the same: the connect and first-message deadlines, the error classification into
+:class:`~router.forward.LegError`, the outlier detector's evidence and the abort ledger. So
+retries, failover, deadlines, cancel and ejection behave as on the ``Worker`` path.
+
+How the ``Worker`` operations map onto vLLM's:
+
+- neutral ``Generate``: one ``Generate`` with the prompt's token ids, streamed;
+- ``Prefill``: ``Generate`` with ``max_tokens=1`` and ``kv_transfer_params_json``
+  ``{"do_remote_decode": true}`` (the engine's KV connector then keeps the prompt's KV for a
+  decode engine); the first token goes to the client at once, and the
+  ``kv_transfer_params_json`` the engine returns becomes the opaque kv handle;
+- ``Decode``: ``Generate`` of the prompt *plus every token already produced*, with
+  ``max_tokens`` reduced by their number and the prefill's ``kv_transfer_params_json``. The
+  decode engine's connector loads the prompt's KV and the engine computes the rest itself.
+  Because the input is always "prompt + tokens so far", the same call resumes a request on
+  another engine after its decode engine failed, without repeating or losing a token; with
+  greedy sampling the continuation is the one the failed engine would have produced;
+- ``Abort``: ``Abort(request_ids=[id])``; a cancelled stream is also cancelled on the engine.
+
+vLLM's gRPC server returns token ids only; the text of each message is produced here with the
+router's tokenizer (``--tokenizer``, the model directory), incrementally and with a few tokens of
+context so that a piece carries its leading space the way the engine's own detokenizer would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import grpc
+from slorouter.v1 import common_pb2, worker_pb2
+from smg_grpc_proto.generated import vllm_engine_pb2 as vllm_pb2
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vllm_pb2_grpc
+
+from cms.transport import ClientTls, open_channel
+from router.core.protocols import split_endpoint
+from router.pool import CHANNEL_OPTIONS
+
+if TYPE_CHECKING:
+    from router.forward import LegLedger, Target, WorkerClient
+
+logger = logging.getLogger(__name__)
+
+#: The end-of-stream marker ``call.read()`` returns (missing from the type stubs).
+_EOF: object = grpc.aio.EOF  # type: ignore[attr-defined]
+#: The ``kv_transfer_params_json`` a prefill leg sends: keep the KV for a remote decode. Connectors
+#: that key KV by content (ExampleConnector) ignore it; NIXL-style ones answer with the handle.
+PREFILL_KV_PARAMS = json.dumps({"do_remote_decode": True})
+#: Tokens of context the detokenizer decodes before the new ones (a piece's leading space, a
+#: multi-token character, depend on them).
+DETOKENIZE_CONTEXT = 6
+#: vLLM takes a 32-bit signed seed.
+_SEED_MODULUS = 1 << 31
+
+
+def vllm_sampling(sampling: common_pb2.SamplingParams, max_tokens: int) -> Any:
+    """vLLM's ``SamplingParams`` for ours, with ``max_tokens`` replaced (the leg's own budget)."""
+    params = vllm_pb2.SamplingParams(
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=max(0, sampling.top_k),
+        stop=list(sampling.stop),
+        ignore_eos=sampling.ignore_eos,
+        max_tokens=max_tokens,
+        n=1,
+    )
+    if sampling.seed:
+        params.seed = sampling.seed % _SEED_MODULUS
+    return params
+
+
+class Detokenizer:
+    """Text of a growing token sequence, piece by piece (vLLM's prefix/read offsets, simplified).
+
+    Each :meth:`add` decodes the window from ``prefix`` to the end and returns what it adds to the
+    window up to ``read``; a piece that ends in U+FFFD (an incomplete UTF-8 sequence of a
+    byte-level vocabulary) is held back until the next tokens complete it. The list is trimmed as
+    it grows, so the work per call is bounded by the window, not by the output length.
+    """
+
+    def __init__(self, decode: Callable[[list[int]], str], context: Sequence[int]) -> None:
+        self._decode = decode
+        self._ids = list(context[-DETOKENIZE_CONTEXT:])
+        self._prefix = 0
+        self._read = len(self._ids)
+
+    def add(self, token_ids: Sequence[int]) -> str:
+        if not token_ids:
+            return ""
+        self._ids.extend(token_ids)
+        before = self._decode(self._ids[self._prefix : self._read]) if self._read > self._prefix else ""
+        after = self._decode(self._ids[self._prefix :])
+        if after.endswith("\ufffd") or len(after) <= len(before):
+            return ""
+        piece = after[len(before) :]
+        self._prefix, self._read = self._read, len(self._ids)
+        if self._prefix > 4 * DETOKENIZE_CONTEXT:
+            cut = self._prefix - DETOKENIZE_CONTEXT
+            del self._ids[:cut]
+            self._prefix -= cut
+            self._read -= cut
+        return piece
+
+
+def _finish_reason(reason: str) -> str:
+    """vLLM's finish reason in the Worker protocol's words ("length" | "stop" | "abort")."""
+    return reason if reason in ("length", "stop", "abort") else "stop"
+
+
+class VllmGrpcClient:
+    """Calls ``vllm.grpc.engine.VllmEngine`` for a :class:`~router.forward.WorkerClient`.
+
+    Holds its own bounded set of channels (vLLM's stub differs from the Worker stub); the
+    deadlines, the outcome reports and the error type are the owner's.
+    """
+
+    def __init__(
+        self,
+        owner: WorkerClient,
+        *,
+        max_channels: int,
+        tls: ClientTls | None,
+        decode: Callable[[list[int]], str] | None = None,
+    ) -> None:
+        self._owner = owner
+        self._max = max_channels
+        self._tls = tls
+        self._decode = decode
+        self._channels: OrderedDict[str, tuple[grpc.aio.Channel, Any]] = OrderedDict()
+
+    def set_decoder(self, decode: Callable[[list[int]], str] | None) -> None:
+        """The token → text function (the router's tokenizer); None leaves messages without text."""
+        self._decode = decode
+
+    def entry(self, endpoint: str) -> tuple[grpc.aio.Channel, Any]:
+        """The channel to ``endpoint`` (``vllm-grpc://host:port``) and its ``VllmEngine`` stub."""
+        found = self._channels.get(endpoint)
+        if found is not None:
+            self._channels.move_to_end(endpoint)
+            return found
+        _, address = split_endpoint(endpoint)
+        channel = open_channel(address, CHANNEL_OPTIONS, tls=self._tls)
+        found = (channel, vllm_pb2_grpc.VllmEngineStub(channel))
+        self._channels[endpoint] = found
+        while len(self._channels) > self._max:
+            _, (old, _) = self._channels.popitem(last=False)
+            task = asyncio.get_running_loop().create_task(old.close(grace=30.0))
+            self._owner.keep(task)
+        return found
+
+    def _text(self, detok: Detokenizer | None, token_ids: Sequence[int]) -> str:
+        return detok.add(token_ids) if detok is not None else ""
+
+    def _detokenizer(self, context: Sequence[int]) -> Detokenizer | None:
+        return Detokenizer(self._decode, context) if self._decode is not None else None
+
+    async def prefill(
+        self,
+        target: Target,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling: common_pb2.SamplingParams,
+        timeout_s: float,
+        ledger: LegLedger,
+    ) -> worker_pb2.PrefillResponse:
+        """The prefill leg: one token, the KV kept for a decode engine; see the module docstring."""
+        owner = self._owner
+        ledger.endpoints.add(target.endpoint)
+        channel, stub = self.entry(target.endpoint)
+        await owner.await_channel(channel, target)
+        request = vllm_pb2.GenerateRequest(
+            request_id=request_id,
+            tokenized=vllm_pb2.TokenizedInput(input_ids=prompt_token_ids),
+            sampling_params=vllm_sampling(sampling, 1),
+            stream=False,
+            kv_transfer_params_json=PREFILL_KV_PARAMS,
+        )
+        first_bound = owner.first_message_timeout_s < timeout_s
+        complete = None
+        try:
+            call = stub.Generate(request, timeout=min(timeout_s, owner.first_message_timeout_s))
+            async for response in call:
+                if response.HasField("complete"):
+                    complete = response.complete
+        except grpc.aio.AioRpcError as exc:
+            if first_bound and exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise owner.first_message_error(target) from exc
+            raise owner.failed_call(target, exc) from exc
+        if complete is None or not complete.output_ids or complete.finish_reason == "error":
+            raise owner.failed(
+                target,
+                grpc.StatusCode.INTERNAL,
+                f"vLLM at {target.endpoint} ended the prefill without a token "
+                f"(finish_reason {getattr(complete, 'finish_reason', '')!r})",
+            )
+        owner.succeeded(target)
+        token = int(complete.output_ids[0])
+        finished = complete.finish_reason == "stop" or sampling.max_tokens <= 1
+        detok = self._detokenizer(prompt_token_ids)
+        handle = complete.kv_transfer_params_json if complete.HasField("kv_transfer_params_json") else ""
+        return worker_pb2.PrefillResponse(
+            request_id=request_id,
+            first_token_id=token,
+            text=self._text(detok, [token]),
+            kv_handle=handle.encode(),
+            finished=finished,
+            finish_reason=_finish_reason(complete.finish_reason) if finished else "",
+            num_prompt_tokens=complete.prompt_tokens or len(prompt_token_ids),
+        )
+
+    async def stream(
+        self,
+        target: Target,
+        request: worker_pb2.WorkerGenerateRequest | worker_pb2.DecodeRequest,
+        timeout_s: float,
+        ledger: LegLedger,
+    ) -> AsyncIterator[worker_pb2.WorkerTokens]:
+        """A neutral generate or a decode leg as ``WorkerTokens``; see the module docstring."""
+        owner = self._owner
+        ledger.endpoints.add(target.endpoint)
+        channel, stub = self.entry(target.endpoint)
+        await owner.await_channel(channel, target)
+        sampling = request.sampling
+        if isinstance(request, worker_pb2.DecodeRequest):
+            context = [*request.prompt_token_ids, *request.generated_token_ids]
+            remaining = sampling.max_tokens - len(request.generated_token_ids)
+            kv_params = request.kv_handle.decode() if request.kv_handle else ""
+        else:
+            context = list(request.prompt_token_ids)
+            remaining = sampling.max_tokens
+            kv_params = ""
+        request_id = request.request_id
+        if remaining <= 0:  # every token was produced before a failure: nothing to run
+            yield worker_pb2.WorkerTokens(request_id=request_id, finished=True, finish_reason="length")
+            return
+        message = vllm_pb2.GenerateRequest(
+            request_id=request_id,
+            sampling_params=vllm_sampling(sampling, remaining),
+            stream=True,
+        )
+        if context:
+            message.tokenized.input_ids.extend(context)
+        else:
+            message.text = getattr(request, "prompt", "")
+        if kv_params:
+            message.kv_transfer_params_json = kv_params
+        detok = self._detokenizer(context)
+        call = stub.Generate(message, timeout=timeout_s)
+        first = True
+        try:
+            while True:
+                if first:
+                    try:
+                        async with asyncio.timeout(owner.first_message_timeout_s):
+                            response = await call.read()
+                    except TimeoutError:
+                        raise owner.first_message_error(target) from None
+                else:
+                    response = await call.read()
+                if response is _EOF:
+                    return
+                if first:
+                    first = False
+                    owner.succeeded(target)
+                if response.HasField("chunk"):
+                    chunk = response.chunk
+                    ids = list(chunk.token_ids)
+                    yield worker_pb2.WorkerTokens(
+                        request_id=request_id,
+                        token_ids=ids,
+                        text=self._text(detok, ids),
+                        num_prompt_tokens=chunk.prompt_tokens,
+                        num_cached_prompt_tokens=chunk.cached_tokens,
+                    )
+                elif response.HasField("complete"):
+                    reason = response.complete.finish_reason
+                    if reason == "error":
+                        raise owner.failed(
+                            target, grpc.StatusCode.INTERNAL, f"vLLM at {target.endpoint} failed the request"
+                        )
+                    # In a streamed call the chunks already carried every token.
+                    yield worker_pb2.WorkerTokens(
+                        request_id=request_id, finished=True, finish_reason=_finish_reason(reason)
+                    )
+                    return
+        except grpc.aio.AioRpcError as exc:
+            raise owner.failed_call(target, exc) from exc
+        finally:
+            call.cancel()  # no-op once the stream ended; stops the request when the consumer left
+
+    async def abort(self, endpoint: str, request_id: str, timeout_s: float) -> None:
+        try:
+            await self.entry(endpoint)[1].Abort(
+                vllm_pb2.AbortRequest(request_ids=[request_id]), timeout=timeout_s
+            )
+        except grpc.aio.AioRpcError as exc:
+            logger.debug("abort of %s on %s failed: %s", request_id, endpoint, exc.code().name)
+
+    async def close(self) -> None:
+        channels = [c for c, _ in self._channels.values()]
+        self._channels.clear()
+        await asyncio.gather(*(c.close(grace=None) for c in channels), return_exceptions=True)

@@ -1,0 +1,177 @@
+"""Seed papers against the project's queue policies on scenarios of one's own (docs/papers.md).
+
+    python -m sim.papers sa  --workload FILE --instances 2 --seqs 1 --burst 8 --gap-ms 3 --bursts 12 --period-s 40
+    python -m sim.papers sa  --workload FILE --instances 2 --rate 0.3 --requests 300
+    python -m sim.papers qlm --workload FILE --instances 4 --rate 6 --requests 600 [--eviction on,off]
+
+Arrivals are either steady (Poisson at ``--rate``) or bursts: ``--bursts``
+bursts of ``--burst`` requests every ``--period-s`` seconds, the requests of a
+burst ``--gap-ms`` apart (0: the same instant). Request lengths and SLO classes
+come from the workload file, drawn with ``--seed``; every run sees the same
+plan. Each row is one queue policy: ``fcfs`` (least-requests placement, arrival
+order, no request held: every engine's own FCFS, as vLLM behind a balancer), ``fcfs``
+(the ``slo`` placement policy, the router queue in arrival order), ``edf`` (the ``slo``
+policy and its default queue, earliest deadline first: this router's default, ``slo``,
+and the QLM paper's EDF baseline), then the paper's policy.
+Figures: attainment, G (seed 000's objective: met requests per second of summed
+latency), throughput (completed requests per second of makespan), engine
+preemptions, and the policy's own counters. Means over ``--seeds`` plans.
+Deterministic: the same arguments print the same table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import random
+import statistics
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from bench.workload import RequestPlan, generate_requests, load_workload
+from router.core.config import SchedulerConfig
+from router.core.qlm import QlmConfig
+from router.core.queue import QueueConfig
+from sim.cluster import SimFleet, simulate
+from sim.engine import SimConfig
+from sim.fleet import fleet_from_counts
+from sim.sweep import policy_overrides, queue_figures
+
+#: Requests may wait this long in the router queue (an expiry is a cheap refusal in G's denominator).
+WAIT_MS = 3_600_000.0
+
+#: The rows: (label, placement policy, queue policy, qlm eviction).
+BASELINES = (("lr", "least-requests", "fcfs"), ("fcfs", "slo", "fcfs"), ("edf", "slo", "edf"))
+
+
+def plans_for(args: argparse.Namespace, seed: int) -> list[RequestPlan]:
+    """The plan of one seed: lengths and classes from the workload, arrivals as the flags say."""
+    spec = load_workload(args.workload)
+    if args.rate:
+        spec = dataclasses.replace(spec, arrival=dataclasses.replace(spec.arrival, rate_per_s=args.rate))
+        return generate_requests(spec, rng=random.Random(seed), num_requests=args.requests)
+    n = args.burst * args.bursts
+    plans = generate_requests(spec, rng=random.Random(seed), num_requests=n)
+    out = []
+    for k, p in enumerate(plans):
+        burst, position = divmod(k, args.burst)
+        arrival = burst * args.period_s + position * args.gap_ms * 1e-3
+        out.append(dataclasses.replace(p, arrival_s=arrival))
+    return out
+
+
+def run_one(
+    args: argparse.Namespace,
+    plans: list[RequestPlan],
+    label: str,
+    policy: str,
+    queue_policy: str,
+    extra: dict[str, Any],
+) -> dict[str, float]:
+    engine = SimConfig(max_num_seqs=args.seqs) if args.seqs else SimConfig()
+    if args.kv_tokens:
+        engine = dataclasses.replace(engine, kv_capacity_tokens=args.kv_tokens)
+    fleet = SimFleet(fleet_from_counts(neutral=args.instances, engine=engine))
+    config = SchedulerConfig(**policy_overrides(policy))
+    queue = QueueConfig(queue_policy=queue_policy, max_queue_wait_ms=WAIT_MS, **extra.get("queue", {}))
+    outcome = simulate(fleet, config, plans, queue=queue, qlm=extra.get("qlm"), seed=args.seed)
+    figures = queue_figures(outcome, outcome.duration_s)
+    done = sum(1 for r in outcome.results if r.ok)
+    return {
+        "attain": figures["slo_attainment"] * 100,
+        "g": figures["g"],
+        "tput": done / outcome.duration_s if outcome.duration_s > 0 else 0.0,
+        "preempt": float(outcome.stats.preemptions),
+        "evicted": float(outcome.stats.evicted),
+        "rejected": float(figures["rejected"]),
+        **{f"class:{k}": v["slo_attainment"] * 100 for k, v in figures["by_class"].items()},
+    }
+
+
+def rows_for(args: argparse.Namespace) -> list[tuple[str, str, str, dict[str, Any]]]:
+    rows: list[tuple[str, str, str, dict[str, Any]]] = [(a, b, c, {}) for a, b, c in BASELINES]
+    if args.paper == "sa":
+        for pool in args.sa_pool_ms.split(","):
+            label = "sa" if pool == "25" else f"sa/pool={pool}ms"
+            queue = {"sa_max_batch": args.sa_max_batch, "sa_pool_ms": float(pool)}
+            rows.append((label, "slo", "sa", {"queue": queue}))
+    else:
+        for delta in args.qlm_delta.split(","):
+            for ev in args.eviction.split(","):
+                label = "qlm" if ev == "on" else "qlm-noevict"
+                if delta != "4":
+                    label += f"/delta={delta}"
+                if args.qlm_batch:
+                    label += f"/slots={args.qlm_batch}"
+                cfg = QlmConfig(eviction=ev, group_factor=int(delta), batch=args.qlm_batch)
+                rows.append((label, "slo", "qlm", {"qlm": cfg}))
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m sim.papers", description=__doc__.split("\n\n")[0])
+    parser.add_argument("paper", choices=["sa", "qlm"])
+    parser.add_argument("--workload", required=True)
+    parser.add_argument("--instances", type=int, default=2)
+    parser.add_argument("--seqs", type=int, default=0, help="engine max_num_seqs (0: the default)")
+    parser.add_argument("--kv-tokens", type=int, default=0, help="engine KV cache in tokens (0: the default)")
+    parser.add_argument("--rate", type=float, default=0.0, help="steady Poisson arrivals (req/s)")
+    parser.add_argument("--requests", type=int, default=300)
+    parser.add_argument("--burst", type=int, default=8)
+    parser.add_argument("--gap-ms", type=float, default=0.0)
+    parser.add_argument("--bursts", type=int, default=10)
+    parser.add_argument("--period-s", type=float, default=40.0)
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0, help="first seed")
+    parser.add_argument("--sa-max-batch", type=int, default=0)
+    parser.add_argument("--eviction", default="on")
+    parser.add_argument(
+        "--qlm-delta", default="4", help="qlm group bound(s) in average batches, comma-separated"
+    )
+    parser.add_argument("--qlm-batch", type=int, default=0, help="qlm: a fixed slot count (the ablation)")
+    parser.add_argument("--sa-pool-ms", default="25", help="sa request pool(s) in ms, comma-separated")
+    parser.add_argument("--only", default="", help="comma-separated row labels to run")
+    args = parser.parse_args(argv)
+    rows = rows_for(args)
+    if args.only:
+        keep = set(args.only.split(","))
+        rows = [r for r in rows if r[0] in keep]
+    print("python -m sim.papers " + " ".join(sys.argv[1:] if argv is None else argv))
+    table: list[tuple[str, dict[str, float]]] = []
+    for label, policy, queue_policy, extra in rows:
+        runs = [
+            run_one(args, plans_for(args, args.seed + s), label, policy, queue_policy, extra)
+            for s in range(args.seeds)
+        ]
+        keys = sorted({k for r in runs for k in r})
+        table.append((label, {k: statistics.fmean(r.get(k, 0.0) for r in runs) for k in keys}))
+    classes = sorted({k for _, f in table for k in f if k.startswith("class:")})
+    head = [
+        "queue",
+        "attain %",
+        "G",
+        "req/s",
+        "preempt",
+        "evicted",
+        "refused",
+        *(c[6:] + " %" for c in classes),
+    ]
+    print(" | ".join(head))
+    for label, f in table:
+        cells = [
+            label,
+            f"{f['attain']:.1f}",
+            f"{f['g']:.4f}",
+            f"{f['tput']:.3f}",
+            f"{f['preempt']:.0f}",
+            f"{f['evicted']:.0f}",
+            f"{f['rejected']:.0f}",
+            *(f"{f.get(c, 0.0):.1f}" for c in classes),
+        ]
+        print(" | ".join(cells))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

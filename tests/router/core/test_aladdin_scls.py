@@ -1,0 +1,169 @@
+"""The steps of seeds 001 (Aladdin: binpack, plan) and 002 (SCLS: slice dispatch), one test (or property) each."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from router.core.errors import NoInstanceError
+from router.core.slicing import (
+    MemoryFit,
+    MemoryModel,
+    ServingFit,
+    ServingTimeModel,
+    SliceConfig,
+    SliceRequest,
+    SliceScheduler,
+    slice_length,
+)
+from router.core.worker_count import Heartbeat, WorkerCountModel, samples_from_spans
+from tests.router.core.helpers import NOW, inst, make_predictor, make_request, make_scheduler, make_snapshot
+
+PROPS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+# ----------------------------------------------------------------------------- Aladdin (001)
+
+
+@PROPS
+@given(
+    loads=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 60_000)), min_size=1, max_size=5),
+    prompt=st.integers(16, 4000),
+    out=st.integers(8, 2000),
+)
+def test_binpack_never_places_past_kv_over_life_on_a_loaded_instance(
+    loads: list[tuple[int, int]], prompt: int, out: int
+) -> None:
+    """Constraint (e) holds as a constraint: a loaded instance whose KV over life would pass the
+    headroom never gets the request; only an empty one (a new bin) may take what fits nowhere."""
+    capacity = 65536
+    records = [inst("p", "prefill")]
+    for k, (batch, tokens) in enumerate(loads):
+        tokens = tokens if batch else 0
+        records.append(
+            inst(f"d{k}", "decode", decode_requests=batch, decode_tokens=tokens, used_kv_tokens=tokens)
+        )
+    scheduler = make_scheduler("binpack")
+    request = make_request("r", prompt, max_tokens=out)
+    snapshot = make_snapshot(*records)
+    try:
+        decision = scheduler.schedule(snapshot, request, NOW, dry_run=True)
+    except NoInstanceError as refused:
+        assert refused.stage in ("decode", "prefill")
+        return
+    assert decision.decode is not None
+    chosen = int(decision.decode.instance_id[1:])
+    batch, tokens = loads[chosen]
+    if batch:
+        # Every resident at its final length (the sums' bound) plus this request stays in the headroom.
+        assert tokens + prompt + out <= 0.95 * capacity + batch * 256 + tokens
+
+
+def test_binpack_waits_instead_of_overpacking_when_every_bin_is_full() -> None:
+    """(b)/(e) refuse every loaded decoder: the request gets no placement (it waits in the router
+    queue); with an empty decoder it opens that bin instead."""
+    full = [
+        inst(f"d{k}", "decode", decode_requests=60, decode_tokens=60_000, used_kv_tokens=60_000)
+        for k in range(2)
+    ]
+    scheduler = make_scheduler("binpack")
+    request = make_request("r", 1000, max_tokens=500)
+    with pytest.raises(NoInstanceError) as refused:
+        scheduler.schedule(make_snapshot(inst("p", "prefill"), *full), request, NOW, dry_run=True)
+    assert refused.value.stage == "decode"
+    opened = scheduler.schedule(
+        make_snapshot(inst("p", "prefill"), *full, inst("fresh", "decode")), request, NOW, dry_run=True
+    )
+    assert opened.decode is not None and opened.decode.instance_id == "fresh"
+
+
+def test_worker_count_model_fits_eq7_and_leaves_out_unrepresentative_heartbeats() -> None:
+    model = WorkerCountModel(max_relative_sem=0.1, min_samples=3)
+    for rate in (4.0, 6.0, 8.0, 10.0, 12.0):
+        assert model.observe(Heartbeat(rate, 0.5 * rate + 1.0, requests=400, length_cv=1.0))
+    # 4 requests with a cv of 1: SEM is half the mean, left out.
+    assert not model.observe(Heartbeat(1.0, 9.0, requests=4, length_cv=1.0))
+    k5, c5 = model.coefficients() or (math.nan, math.nan)
+    assert k5 == pytest.approx(0.5) and c5 == pytest.approx(1.0)
+    assert model.predict(20.0) == 11
+    assert model.predict(3.0) is None  # below R, the lowest representative rate seen
+
+
+def test_heartbeats_count_the_instances_holding_work() -> None:
+    arrivals = [0.5 * k for k in range(40)]  # 2 req/s over 20 s
+    spans = [("a", t, t + 0.4) for t in arrivals[:20]] + [("b", t, t + 0.4) for t in arrivals[20:]]
+    beats = samples_from_spans(arrivals, [100.0] * 40, spans, heartbeat_s=5.0)
+    assert [round(b.rate, 3) for b in beats] == [2.0, 2.0, 2.0]
+    assert all(0 < b.workers <= 1.0 for b in beats)
+
+
+# ----------------------------------------------------------------------------- SCLS (002)
+
+
+def _models(kv: int = 20_000, speed: float = 1.0) -> tuple[ServingTimeModel, MemoryModel]:
+    serving = ServingTimeModel(make_predictor(scale=speed), max_num_batched_tokens=512)
+    return serving, MemoryModel(kv_capacity_tokens=kv)
+
+
+@PROPS
+@given(
+    contexts=st.lists(st.integers(10, 3000), min_size=1, max_size=25),
+    order=st.permutations(["a", "b", "c", "d"]),
+)
+def test_offloading_does_not_depend_on_the_order_the_fleet_is_listed_in(
+    contexts: list[int], order: list[str]
+) -> None:
+    from router.core.slicing import InstanceModels
+
+    def run(ids: list[str]) -> list[tuple[tuple[int, ...], str]]:
+        slow, fast = _models(speed=1.0), _models(kv=40_000, speed=0.5)
+        sched = SliceScheduler(SliceConfig(), slow[0], slow[1], ids)
+        sched.set_models({i: InstanceModels(*(slow if i in ("a", "b") else fast)) for i in ids})
+        for k, c in enumerate(contexts):
+            sched.add(SliceRequest(k, c, 128))
+        return sorted((tuple(int(r.key) for r in b.requests), i) for b, i in sched.schedule())  # type: ignore[call-overload]
+
+    assert run(list(order)) == run(["a", "b", "c", "d"])
+
+
+def test_a_resumed_slice_is_placed_at_once_even_on_a_full_instance() -> None:
+    serving, memory = _models(kv=4000)
+    sched = SliceScheduler(SliceConfig(), serving, memory, ["x", "y"])
+    for k in range(6):
+        sched.add(SliceRequest(k, 500, 128))
+    sched.schedule()
+    running = {i: sched.admit(i, 0.0) for i in ("x", "y")}
+    instance, (key, batch) = next((i, b[0]) for i, b in running.items() if b)
+    first = batch.requests[0]
+    target, new_key, placed = sched.resume(instance, key, first, SliceRequest(first.key, 628, 128), now=100.0)
+    assert placed.requests[0].context_tokens == 628
+    assert new_key in sched._running[target]  # admitted, not queued behind anything
+
+
+def test_serving_fit_learns_the_instance_scale_and_memory_fit_shrinks_on_preemption() -> None:
+    fit = ServingFit()
+    for _ in range(200):
+        fit.observe(busy_ms=300.0, estimated_ms=200.0)
+    assert fit.scale == pytest.approx(1.5, rel=1e-6)
+    mem = MemoryFit()
+    mem.preempted()
+    assert mem.zeta == pytest.approx(0.8)
+    for _ in range(100):
+        mem.clean_batch()
+    assert mem.zeta == 1.0
+
+
+@PROPS
+@given(context=st.integers(1, 30_000), remaining=st.integers(1, 5000))
+def test_slice_length_bounds(context: int, remaining: int) -> None:
+    serving, _ = _models()
+    config = SliceConfig(slice_tokens=64)
+    length = slice_length(context, remaining, serving, config)
+    assert 1 <= length <= remaining
+    assert length == remaining or 64 <= length <= 8 * 64
+    # Longer contexts never get shorter slices.
+    assert slice_length(context * 2, remaining, serving, config) >= length
+    fixed = SliceConfig(slice_tokens=64, recompute_share=None)
+    assert slice_length(context, remaining, serving, fixed) == min(64, remaining)

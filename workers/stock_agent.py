@@ -1,0 +1,445 @@
+"""``slo-router agent``: registers an unmodified vLLM gRPC engine with the CMS and reports its load.
+
+Runs beside ``vllm serve MODEL --grpc`` (or ``python -m vllm.entrypoints.launchers.grpc_server``),
+which serves ``vllm.grpc.engine.VllmEngine``. The agent:
+
+- waits for the engine's ``HealthCheck``, then registers it with ``worker_protocol: "vllm-grpc"``,
+  so routers reach it through :mod:`router.vllm_grpc`; the limits come from the engine:
+  ``GetModelInfo`` (model name, ``max_model_len``), ``GetServerInfo`` (KV block size, connector)
+  and ``GetLoads`` (KV capacity in tokens);
+- every ``--poll-interval-s`` asks ``HealthCheck``, ``GetServerInfo`` and ``GetLoads`` and
+  publishes a status whose timestamp is the time of the engine's measurement (``GetLoads``'
+  ``timestamp``, never later than now). The CMS writer (:class:`cms.agent.AgentWriter`) sends it,
+  coalesces, heartbeats and retries;
+- marks the engine unschedulable, with the reason, when ``HealthCheck`` fails, is unhealthy or does
+  not answer within ``--probe-timeout-s``, or when the engine is paused. A hung engine thus leaves
+  placement at the next poll, not when its lease lapses (the writer's heartbeats would otherwise
+  keep the last good status fresh);
+- deregisters the instance when it stops (SIGINT/SIGTERM).
+
+Which of the predictor's inputs are exact and which estimated (vLLM exposes no per-request state):
+
+===============================  =========================================================  =========
+status field                     from                                                       kind
+===============================  =========================================================  =========
+num_running_requests             ``SchedulerLoad.num_running_reqs`` (last engine step)      exact
+num_waiting_requests             ``SchedulerLoad.num_waiting_reqs`` (last engine step)      exact
+num_used_kv_tokens               ``token_usage`` × KV capacity (block granular)             exact to a block
+num_uncomputed_prefill_tokens    ``num_waiting_uncached_tokens``: the servicer's count of   estimated
+                                 waiting prompts' tokens, discounted by its recent prefix
+                                 hit rate; the unfinished part of a running chunked
+                                 prefill is not in it
+num_decode_requests              ``num_running_reqs`` (includes requests still prefilling)  estimated
+num_decode_tokens                ``num_used_kv_tokens`` (the running requests' contexts,    estimated
+                                 plus cached prefix blocks they share)
+admitted_request_ids             none: vLLM does not list them; the router's in-flight      —
+                                 entries leave at request end or ``--inflight-expiry-s``
+step_samples                     none: online calibration falls back to the profile         —
+===============================  =========================================================  =========
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime as dt
+import logging
+import math
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+from slorouter.v1 import cms_pb2
+
+from cms.transport import ClientTls
+from router.core.protocols import VLLM_GRPC
+
+logger = logging.getLogger(__name__)
+
+_ROLES = {
+    "neutral": cms_pb2.INSTANCE_ROLE_NEUTRAL,
+    "prefill": cms_pb2.INSTANCE_ROLE_PREFILL,
+    "decode": cms_pb2.INSTANCE_ROLE_DECODE,
+}
+#: Longest ``unschedulable_reason`` the agent writes.
+MAX_REASON_CHARS = 200
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """The agent's settings (the ``slo-router agent`` flags)."""
+
+    engine: str  # host:port of the engine's gRPC service
+    cms: str
+    instance_id: str
+    role: str = "neutral"
+    advertise: str = ""  # host:port routers dial; default: engine
+    node_id: str = ""
+    unit_id: str = ""
+    model: str = ""  # default: the engine's served model name
+    max_num_batched_tokens: int = 0  # 0 = the router's default
+    poll_interval_s: float = 0.1
+    probe_timeout_s: float = 1.0
+    heartbeat_interval_s: float = 0.5
+    engine_wait_s: float = 300.0
+
+    def check(self) -> None:
+        """``ValueError`` naming the flag of the first bad setting."""
+        for flag, value in (("--engine", self.engine), ("--cms", self.cms), ("--advertise", self.advertise)):
+            if flag == "--advertise" and not value:
+                continue
+            host, sep, port = value.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
+                raise ValueError(f"{flag} {value!r}: expected HOST:PORT with a port 1-65535")
+        if not self.instance_id:
+            raise ValueError("--instance-id: must not be empty")
+        if self.role not in _ROLES:
+            raise ValueError(f"--role {self.role!r}: must be one of {', '.join(_ROLES)}")
+        if self.max_num_batched_tokens < 0:
+            raise ValueError(f"--max-num-batched-tokens {self.max_num_batched_tokens}: must be >= 0")
+        bounds: tuple[tuple[str, float, float, float], ...] = (
+            ("--poll-interval-s", self.poll_interval_s, 0.005, 60.0),
+            ("--probe-timeout-s", self.probe_timeout_s, 0.01, 60.0),
+            ("--heartbeat-interval-s", self.heartbeat_interval_s, 0.05, 60.0),
+            ("--engine-wait-s", self.engine_wait_s, 0.0, 86400.0),
+        )
+        for name, seconds, low, high in bounds:
+            if not (math.isfinite(seconds) and low <= seconds <= high):
+                raise ValueError(f"{name} {seconds}: must be a number of seconds within [{low:g}, {high:g}]")
+
+
+def strip_scheme(address: str) -> str:
+    """``grpc://host:port`` → ``host:port`` (the form the flags accept either way)."""
+    return address.removeprefix("grpc://").removeprefix("vllm-grpc://")
+
+
+def measurement_ms(timestamp: str, now_ms: int) -> int:
+    """Epoch ms of ``GetLoads``' ISO 8601 timestamp, never after ``now_ms``; ``now_ms`` if unreadable."""
+    try:
+        parsed = dt.datetime.fromisoformat(timestamp)
+    except ValueError:
+        return now_ms
+    if parsed.tzinfo is None:
+        parsed = parsed.replace(tzinfo=dt.timezone.utc)
+    return min(now_ms, int(parsed.timestamp() * 1000))
+
+
+def status_from_loads(
+    instance_id: str,
+    loads: Any,
+    kv_capacity_tokens: int,
+    *,
+    update_id: int,
+    now_ms: int,
+    unschedulable_reason: str = "",
+) -> cms_pb2.InstanceStatus:
+    """The CMS status of one ``GetLoadsResponse`` (summed over data-parallel ranks); see the table above."""
+    running = waiting = uncached = used = 0
+    for load in loads.loads:
+        running += max(0, load.num_running_reqs)
+        waiting += max(0, load.num_waiting_reqs)
+        uncached += max(0, load.num_waiting_uncached_tokens)
+        capacity = load.max_total_num_tokens or kv_capacity_tokens
+        if load.num_used_tokens > 0:
+            used += load.num_used_tokens
+        else:
+            used += round(min(1.0, max(0.0, load.token_usage)) * capacity)
+    return cms_pb2.InstanceStatus(
+        instance_id=instance_id,
+        update_id=update_id,
+        timestamp_ms=measurement_ms(loads.timestamp, now_ms),
+        schedulable=not unschedulable_reason,
+        unschedulable_reason=unschedulable_reason[:MAX_REASON_CHARS],
+        num_waiting_requests=waiting,
+        num_running_requests=running,
+        num_uncomputed_prefill_tokens=uncached,
+        num_decode_requests=running,
+        num_decode_tokens=used,
+        num_used_kv_tokens=used,
+    )
+
+
+class StockEngineAgent:
+    """Registers one vLLM gRPC engine and keeps its status in the CMS (see the module docstring)."""
+
+    def __init__(
+        self, config: AgentConfig, *, auth_token: str | None = None, cms_tls: ClientTls | None = None
+    ) -> None:
+        from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vllm_pb2_grpc
+
+        config.check()
+        self.config = config
+        self._auth_token = auth_token
+        self._cms_tls = cms_tls
+        self._channel = grpc.aio.insecure_channel(strip_scheme(config.engine))
+        self._stub = vllm_pb2_grpc.VllmEngineStub(self._channel)
+        self._writer: Any = None
+        self._update_id = time.time_ns() // 1000
+        self._last_key: tuple[Any, ...] | None = None
+        self.kv_capacity_tokens = 0
+        #: The latest status published (for tests and logs).
+        self.last_status: cms_pb2.InstanceStatus | None = None
+
+    async def wait_for_engine(self, stop: asyncio.Event | None = None) -> bool:
+        """True once the engine answers ``HealthCheck`` healthy, False when ``stop`` is set first.
+
+        ``TimeoutError`` after ``--engine-wait-s``.
+        """
+        deadline = time.monotonic() + self.config.engine_wait_s
+        while True:
+            reason = await self._health_reason()
+            if not reason:
+                return True
+            if stop is not None and stop.is_set():
+                return False
+            if time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"engine {self.config.engine} not healthy within {self.config.engine_wait_s:g} s "
+                    f"(--engine-wait-s): {reason}"
+                )
+            await asyncio.sleep(min(0.5, self.config.poll_interval_s * 5))
+
+    async def metadata(self) -> cms_pb2.InstanceMetadata:
+        """What the CMS registers, from ``GetModelInfo``, ``GetServerInfo`` and ``GetLoads``."""
+        from smg_grpc_proto.generated import vllm_engine_pb2 as vllm_pb2
+
+        timeout = self.config.probe_timeout_s * 5
+        model = await self._stub.GetModelInfo(vllm_pb2.GetModelInfoRequest(), timeout=timeout)
+        server = await self._stub.GetServerInfo(vllm_pb2.GetServerInfoRequest(), timeout=timeout)
+        loads = await self._stub.GetLoads(vllm_pb2.GetLoadsRequest(), timeout=timeout)
+        capacity = sum(max(0, load.max_total_num_tokens) for load in loads.loads)
+        self.kv_capacity_tokens = capacity
+        labels = {"engine": "vllm"}
+        if server.kv_connector:
+            labels["kv_connector"] = server.kv_connector[:64]
+        if server.kv_role:
+            labels["kv_role"] = server.kv_role[:64]
+        config = self.config
+        return cms_pb2.InstanceMetadata(
+            instance_id=config.instance_id,
+            endpoint=strip_scheme(config.advertise or config.engine),
+            worker_protocol=VLLM_GRPC,
+            role=_ROLES[config.role],
+            model=(config.model or model.served_model_name or model.model_path)[:256],
+            node_id=config.node_id,
+            unit_id=config.unit_id,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            kv_capacity_tokens=capacity,
+            block_size=max(0, server.block_size),
+            max_model_len=max(0, model.max_context_length),
+            labels=labels,
+        )
+
+    async def _health_reason(self) -> str:
+        """Empty when the engine answers ``HealthCheck`` healthy, else why not."""
+        from smg_grpc_proto.generated import vllm_engine_pb2 as vllm_pb2
+
+        try:
+            reply = await self._stub.HealthCheck(
+                vllm_pb2.HealthCheckRequest(), timeout=self.config.probe_timeout_s
+            )
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
+                return f"engine HealthCheck unanswered for {self.config.probe_timeout_s:g} s"
+            return f"engine HealthCheck failed: {exc.code().name}"
+        if not reply.healthy:
+            return f"engine unhealthy: {reply.message[:120]}"
+        return ""
+
+    async def poll_once(self) -> cms_pb2.InstanceStatus:
+        """Probe the engine once and publish its status (unschedulable with the reason when it fails)."""
+        from smg_grpc_proto.generated import vllm_engine_pb2 as vllm_pb2
+
+        now_ms = int(time.time() * 1000)
+        reason = await self._health_reason()
+        loads: Any = None
+        if not reason:
+            try:
+                timeout = self.config.probe_timeout_s
+                server, loads = await asyncio.gather(
+                    self._stub.GetServerInfo(vllm_pb2.GetServerInfoRequest(), timeout=timeout),
+                    self._stub.GetLoads(vllm_pb2.GetLoadsRequest(), timeout=timeout),
+                )
+                if server.is_paused:
+                    reason = "engine paused"
+            except grpc.aio.AioRpcError as exc:
+                reason = f"engine GetLoads/GetServerInfo failed: {exc.code().name}"
+                loads = None
+        if loads is None:
+            loads = vllm_pb2.GetLoadsResponse()
+        key = (
+            reason,
+            tuple(
+                (x.num_running_reqs, x.num_waiting_reqs, x.num_waiting_uncached_tokens, x.token_usage)
+                for x in loads.loads
+            ),
+        )
+        if key != self._last_key:  # a real change: a newer update id (else the writer heartbeats)
+            self._last_key = key
+            self._update_id += 1
+        status = status_from_loads(
+            self.config.instance_id,
+            loads,
+            self.kv_capacity_tokens,
+            update_id=self._update_id,
+            now_ms=now_ms,
+            unschedulable_reason=reason,
+        )
+        if reason and (self.last_status is None or self.last_status.schedulable):
+            logger.warning("agent %s: engine unschedulable: %s", self.config.instance_id, reason)
+        elif not reason and self.last_status is not None and not self.last_status.schedulable:
+            logger.info("agent %s: engine schedulable again", self.config.instance_id)
+        self.last_status = status
+        if self._writer is not None:
+            self._writer.publish(status)
+        return status
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Wait for the engine, register, poll until ``stop`` is set, deregister."""
+        from cms.agent import AgentWriter
+
+        if not await self.wait_for_engine(stop):
+            await self.close()
+            return
+        metadata = await self.metadata()
+        self._writer = AgentWriter(
+            self.config.cms,
+            metadata,
+            auth_token=self._auth_token,
+            heartbeat_interval_s=self.config.heartbeat_interval_s,
+            tls=self._cms_tls,
+        )
+        await self.poll_once()  # the first status goes with the registration
+        await self._writer.start()
+        logger.info(
+            "agent %s: registered vLLM engine %s (%s, KV %d tokens) with %s",
+            self.config.instance_id,
+            metadata.endpoint,
+            metadata.model,
+            metadata.kv_capacity_tokens,
+            self.config.cms,
+        )
+        try:
+            while not stop.is_set():
+                started = time.monotonic()
+                await self.poll_once()
+                delay = self.config.poll_interval_s - (time.monotonic() - started)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), max(0.0, delay))
+        finally:
+            await self.close()
+
+    async def close(self) -> None:
+        """Deregister (best effort) and close the engine channel. Idempotent."""
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            await writer.stop()
+        await self._channel.close(None)
+
+
+def register(subparsers: Any) -> None:
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "agent",
+        help="register an unmodified vLLM gRPC engine (vllm serve --grpc) with the CMS and report its load",
+        description=(
+            "Runs beside `vllm serve MODEL --grpc` (or python -m vllm.entrypoints.launchers.grpc_server): "
+            "registers the engine with worker protocol vllm-grpc, reports its load from GetLoads every "
+            "--poll-interval-s, marks it unschedulable when HealthCheck fails or the engine pauses, and "
+            "deregisters it on exit."
+        ),
+    )
+    parser.add_argument(
+        "--engine", required=True, help="the engine's gRPC HOST:PORT (grpc://HOST:PORT works too)"
+    )
+    parser.add_argument("--cms", required=True, help="CMS address (HOST:PORT or grpc://HOST:PORT)")
+    parser.add_argument("--instance-id", required=True, help="the instance id to register")
+    parser.add_argument(
+        "--role", choices=tuple(_ROLES), default="neutral", help="stage (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--advertise", default="", help="HOST:PORT routers dial for this engine (default: --engine)"
+    )
+    parser.add_argument("--node-id", default="", help="failure domain: host id")
+    parser.add_argument("--unit-id", default="", help="failure domain: unit id")
+    parser.add_argument("--model", default="", help="model name to register (default: the engine's)")
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=0,
+        help="the engine's chunked-prefill budget per step, which vLLM's gRPC service does not report "
+        "(default: 0 = the router's default)",
+    )
+    parser.add_argument(
+        "--poll-interval-s", type=float, default=0.1, help="status poll interval (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--probe-timeout-s",
+        type=float,
+        default=1.0,
+        help="an engine RPC unanswered this long makes the engine unschedulable (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--heartbeat-interval-s",
+        type=float,
+        default=0.5,
+        help="CMS heartbeat interval (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--engine-wait-s",
+        type=float,
+        default=300.0,
+        help="how long to wait for the engine to become healthy at start (default: %(default)s)",
+    )
+    parser.add_argument("--cms-auth-token-file", default=None, help="file holding the CMS token")
+    parser.add_argument("--tls-ca", default=None, help="CA bundle (PEM): reach the CMS over TLS")
+    parser.set_defaults(func=run_agent)
+
+
+def run_agent(args: argparse.Namespace) -> int:
+    from cms.auth import read_client_token
+    from cms.transport import client_tls_from_arg
+    from workers.cli import run_async
+
+    config = AgentConfig(
+        engine=strip_scheme(args.engine),
+        cms=strip_scheme(args.cms),
+        instance_id=args.instance_id,
+        role=args.role,
+        advertise=strip_scheme(args.advertise),
+        node_id=args.node_id,
+        unit_id=args.unit_id,
+        model=args.model,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        poll_interval_s=args.poll_interval_s,
+        probe_timeout_s=args.probe_timeout_s,
+        heartbeat_interval_s=args.heartbeat_interval_s,
+        engine_wait_s=args.engine_wait_s,
+    )
+    try:
+        config.check()
+        token = read_client_token(Path(args.cms_auth_token_file)) if args.cms_auth_token_file else None
+        tls = client_tls_from_arg(args.tls_ca)
+    except (OSError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return run_async(_main(config, token, tls))
+
+
+async def _main(config: AgentConfig, token: str | None, tls: ClientTls | None) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    agent = StockEngineAgent(config, auth_token=token, cms_tls=tls)
+    print(f"agent {config.instance_id} watching vLLM engine {config.engine}", flush=True)
+    try:
+        await agent.run(stop)
+    except TimeoutError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
