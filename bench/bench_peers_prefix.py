@@ -17,7 +17,8 @@ the live router gets no KV events yet) and with ``off``; vLLM router's and SMG's
 offer (``consistent_hash`` / ``consistent_hashing``), and SMG's ``power_of_two`` as a
 cache-blind reference.
 
-Each router gets a fresh fleet (cold caches), so none inherits another's cache. Per router it
+Each router gets a fresh fleet (cold caches), so none inherits another's cache.
+``BENCH_PEERS_ONLY=text`` runs only the routers whose name contains ``text`` (e.g. ``slo-router``). Per router it
 prints the usual table plus the fleet's prefix-cache hit rate over its run (from the workers'
 counters). Figures only; nothing is asserted.
 """
@@ -27,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import os
 import re
 import time
 from collections.abc import Sequence
@@ -91,7 +93,10 @@ def main() -> list[Figure]:
     spec = dataclasses.replace(spec, classes=(dataclasses.replace(spec.classes[0], prefix_groups=GROUPS),))
     plans = [p for p in iter_requests(spec, peers.SEED, max_requests=10_000) if p.arrival_s < DURATION_S]
     runnable = []
+    only = os.environ.get("BENCH_PEERS_ONLY", "")
     for router in ROUTERS:
+        if only and only not in router.name:
+            continue
         why = peers.peer_missing(router.kind)
         if why is None:
             runnable.append(router)
