@@ -22,6 +22,7 @@ from router.core.calibration import (
     StepSample,
     _fit_with_prior,
     _median,
+    _Track,
     fit_step_model,
 )
 from router.core.columns import FloatArray
@@ -44,6 +45,15 @@ def same_correction(a: Correction | None, b: Correction | None) -> bool:
         same_bits(getattr(a, name), getattr(b, name))
         for name in ("ttft_factor", "tpot_factor", "interleave_ms", "coefs")
     ) and np.array_equal(a.has_fit, b.has_fit)
+
+
+def same_track(a: _Track, b: _Track) -> bool:
+    return (
+        (a.count, a.ttft_factor, a.tpot_factor, a.interleave_ms, a.ttft_samples, a.tpot_samples)
+        == (b.count, b.ttft_factor, b.tpot_factor, b.interleave_ms, b.ttft_samples, b.tpot_samples)
+        and same_bits(a.coefs, b.coefs)
+        and same_bits(a.rows(), b.rows())
+    )
 
 
 def reference_fit(features: FloatArray, observed: FloatArray, weights: FloatArray) -> FloatArray | None:
@@ -137,12 +147,15 @@ def random_samples(rng: random.Random, speed: float) -> list[StepSample]:
 @settings(max_examples=25, deadline=None)
 @given(seed=st.integers(min_value=0, max_value=2**16), mode=st.sampled_from(["scale", "refit"]))
 def test_batched_observations_and_incremental_corrections_match_the_plain_ones(seed: int, mode: str) -> None:
-    """observe_steps for many instances equals one observe per instance; a correction rebuilt for
-    the changed rows only equals one built from scratch."""
+    """observe_steps for many instances updates each instance's track as one observe per instance
+    does, and each group's track once over all its instances' samples of the call (as one observe
+    of them all); a correction rebuilt for the changed rows only equals one built from scratch."""
     rng = random.Random(seed)
     config = CalibrationConfig(mode=mode, window_samples=64, refit_min_samples=24, stale_after_s=3.0)
     batched = Calibrator(config, profile_step)
     plain = Calibrator(config, profile_step)
+    # Fed one observe per group and call, with the samples of all its instances in the call.
+    plain_groups = Calibrator(config, profile_step)
     ids = tuple(f"i{k}" for k in range(6))
     groups = tuple("a" if k % 3 else "b" for k in range(6))
     speeds = [rng.uniform(0.5, 2.0) for _ in ids]
@@ -154,6 +167,9 @@ def test_batched_observations_and_incremental_corrections_match_the_plain_ones(s
         batches = [(ids[k], groups[k], random_samples(rng, speeds[k])) for k in fed]
         for instance_id, group, samples in batches:
             plain.observe(instance_id, group, samples, now)
+        for group in sorted(set(groups)):
+            together = [s for _, g, samples in batches if g == group for s in samples]
+            plain_groups.observe(f"all-{group}", group, together, now)
         batched.observe_steps(
             [
                 (
@@ -173,18 +189,20 @@ def test_batched_observations_and_incremental_corrections_match_the_plain_ones(s
         )
         if rng.random() < 0.3:
             plain.expire(now)
+            plain_groups.expire(now)
             batched.expire(now)
         if rng.random() < 0.02:
             plain.forget(ids[0])
             batched.forget(ids[0])
         correction = batched.correction(ids, groups)
-        assert same_correction(correction, plain.correction(ids, groups))
+        for key, track in batched._instances.items():
+            assert same_track(track, plain._instances[key])
+        assert batched._groups.keys() == plain_groups._groups.keys()
+        for key, track in batched._groups.items():
+            assert same_track(track, plain_groups._groups[key])
         if batched.version != version:
             # A new correction, rewritten for the changed rows only: the same as one built from
             # scratch (a copy asked with new ids and groups objects builds every row).
             assert same_correction(correction, copy.deepcopy(batched).correction(list(ids), list(groups)))
             version = batched.version
-        for instance_id in ids:
-            assert batched.factors(instance_id) == plain.factors(instance_id)
-            assert same_bits(batched.coefficients(instance_id), plain.coefficients(instance_id))
         assert batched.take_drift_events() == plain.take_drift_events()
