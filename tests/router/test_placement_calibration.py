@@ -1,4 +1,8 @@
-"""The router feeds every view's step samples to the calibration in one call, as one call per status would."""
+"""The router feeds every view's step samples to the calibration in one call.
+
+Each instance learns what one call per status would teach it; each profile group learns what one
+call per view with all its instances' samples would (the group is refitted once per view).
+"""
 
 from __future__ import annotations
 
@@ -57,28 +61,36 @@ def test_one_call_per_view_learns_what_one_call_per_status_learns() -> None:
     predictors = scheduler.predictors
     assert predictors is not None
     reference = Calibrator(CalibrationConfig(mode="refit"), predictors.step_predictor)
+    group_reference = Calibrator(CalibrationConfig(mode="refit"), predictors.step_predictor)
     updates = dict.fromkeys((i for i, _ in ids), 0)
     for view in range(150):
         clock[0] = NOW + view * 0.02
         records = []
+        by_group: dict[str, list[StepSample]] = {}
         for instance_id, group in ids:
             if rng.random() < 0.7:  # otherwise the same status again: its samples are in already
                 updates[instance_id] += 1
                 samples = _samples(rng)
                 if samples:
                     reference.observe(instance_id, group, samples, clock[0])
+                    by_group.setdefault(group, []).extend(samples)
                 record = _record(instance_id, group, updates[instance_id], samples)
             else:
                 record = _record(instance_id, group, updates[instance_id], [])
             records.append(record)
+        for group, together in by_group.items():
+            group_reference.observe(f"all-{group}", group, together, clock[0])
         source.current = make_snapshot(*records, taken_at_s=clock[0], version=view + 1)
         placer.snapshot()
     # Every instance, and one never seen that falls back to its profile group's correction.
     table_ids, groups = [*(i for i, _ in ids), "e"], [*(g for _, g in ids), "g1"]
-    ours_all, theirs_all = calibration.correction(table_ids, groups), reference.correction(table_ids, groups)
-    assert ours_all is not None and theirs_all is not None
+    ours_all = calibration.correction(table_ids, groups)
+    theirs_all = reference.correction(table_ids[:-1], groups[:-1])
+    from_group = group_reference.correction(table_ids[-1:], groups[-1:])
+    assert ours_all is not None and theirs_all is not None and from_group is not None
     for name in ("ttft_factor", "tpot_factor", "interleave_ms", "coefs", "has_fit"):
-        assert np.array_equal(getattr(ours_all, name), getattr(theirs_all, name)), name
+        theirs = np.concatenate([getattr(theirs_all, name), getattr(from_group, name)])
+        assert np.array_equal(getattr(ours_all, name), theirs), name
     for instance_id, _ in ids:
         assert calibration.num_samples(instance_id) == reference.num_samples(instance_id) > 0
         assert calibration.factors(instance_id) == reference.factors(instance_id)
