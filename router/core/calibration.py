@@ -350,6 +350,90 @@ class _Track:
         return True
 
 
+#: Columns of a window row whose products with the features make the refit's normal equations.
+_GRAM_COLUMNS = np.array([*range(NUM_COEFS), _OBS, _PRE, _DEC])
+
+
+def _gram_of(rows: FloatArray) -> FloatArray:
+    """X^T [X | obs | pre | dec] of window rows (X: their refit features).
+
+    X^T y of the refit follows for any factors: y = obs - pre·ttft - dec·tpot is linear in them.
+    Computed from the window at each refit rather than kept as rows come and go: one product
+    of a (window x 6) by a (window x 9) matrix costs less than the bookkeeping of an
+    incremental sum, and keeps the result independent of how the samples arrived (one call or
+    several: the same window, the same bits) with no rounding accumulating over an hour.
+    """
+    x = rows[:, :NUM_COEFS]
+    out: FloatArray = x.T @ rows[:, _GRAM_COLUMNS]
+    return out
+
+
+def _solve_normal(a: FloatArray, b: FloatArray) -> FloatArray | None:
+    """The solution of ``a @ x = b`` (``a`` symmetric positive definite), equilibrated; None if singular.
+
+    The features differ in scale by 10^5 (tokens beside 0/1 indicators); scaling rows and
+    columns by 1/sqrt(diag) keeps the solve's rounding at the conditioning of the correlations.
+    """
+    diag = np.diagonal(a)
+    if not (diag > 0).all():
+        return None
+    d = 1.0 / np.sqrt(diag)
+    try:
+        x = np.linalg.solve(a * d[:, None] * d[None, :], b * d)
+    except np.linalg.LinAlgError:
+        return None
+    out = np.asarray(x * d, dtype=np.float64)
+    return out if np.isfinite(out).all() else None
+
+
+def _fit_normal(
+    window_gram: FloatArray,
+    rows: FloatArray,
+    grid: FloatArray,
+    grid_gram: FloatArray,
+    ttft_factor: float,
+    tpot_factor: float,
+    prior: float,
+) -> FloatArray | None:
+    """:func:`_fit_with_prior` of the refit's system, solved from the normal equations the track keeps.
+
+    The same robust fit (one pass dropping residuals beyond 4 scaled MADs, the same floor), but
+    the first solve takes the window's X^T X and X^T y (:func:`_gram_of`, plus the pseudo
+    steps' cached X^T X times their weight) instead of a least-squares (SVD) solve over every
+    row, and the second subtracts the dropped rows from them. Equal to the from-scratch fit
+    within rounding (tests/router/core/test_calibration_exact.py), not bit for bit; None when
+    the normal equations are singular (the caller then solves from scratch).
+    """
+    n = len(rows)
+    gram = window_gram[:, :NUM_COEFS] + prior * grid_gram
+    xty = window_gram[:, NUM_COEFS] - ttft_factor * window_gram[:, NUM_COEFS + 1]
+    xty -= tpot_factor * window_gram[:, NUM_COEFS + 2]
+    coefs = _solve_normal(gram, xty)
+    if coefs is None:
+        return None
+    features = rows[:, :NUM_COEFS]
+    observed = rows[:, _OBS] - rows[:, _PRE] * ttft_factor - rows[:, _DEC] * tpot_factor
+    residual = np.empty(n + len(grid))
+    np.subtract(observed, features @ coefs, out=residual[:n])
+    np.negative(grid @ coefs, out=residual[n:])
+    mad = _median_of(np.abs(residual - _median_of(residual.copy())))
+    rms = float(np.sqrt(np.add.reduce(np.square(observed)) / len(residual)))
+    limit = max(4.0 * 1.4826 * mad, 1e-3 * rms + 1e-2)
+    dropped = np.abs(residual) > limit
+    num_dropped = int(np.count_nonzero(dropped))
+    if num_dropped == 0 or len(residual) - num_dropped < NUM_COEFS:
+        return coefs
+    # The dropped rows leave the normal equations (a pseudo step with its weight; its y is 0).
+    window_out, grid_out = dropped[:n], dropped[n:]
+    out_x = features[window_out]
+    gram = gram - out_x.T @ out_x
+    xty = xty - out_x.T @ observed[window_out]
+    if grid_out.any():
+        g = grid[grid_out]
+        gram -= prior * (g.T @ g)
+    return _solve_normal(gram, xty)
+
+
 def _fit_with_prior(features: FloatArray, observed_ms: FloatArray, n: int, prior: float) -> FloatArray | None:
     """``fit_step_model`` with weight 1 for the first ``n`` rows and ``prior`` (> 0) for the others.
 
@@ -651,10 +735,14 @@ class Calibrator:
         # window never explored (no prefill step in it, a single batch size) follows the scaled
         # profile instead of whatever the minimum-norm solution would give it.
         maxima = rows[:, : _L + 1].max(axis=0)
-        grid = _pseudo_steps(
+        grid, grid_gram = _pseudo_steps(
             max(float(maxima[_P]), 2048.0), max(float(maxima[_B]), 32.0), max(float(maxima[_L]), 2048.0)
         )
         n, m = len(rows), len(grid)
+        prior = self.config.prior_weight * n / m
+        fast = _fit_normal(_gram_of(rows), rows, grid, grid_gram, track.ttft_factor, track.tpot_factor, prior)
+        if fast is not None:
+            return fast
         features = np.empty((n + m, NUM_COEFS))
         features[:n] = rows[:, :NUM_COEFS]
         features[n:] = grid
@@ -665,7 +753,6 @@ class Calibrator:
         np.subtract(rows[:, _OBS], scaled, out=observed[:n])
         observed[n:] = 0.0
         # The pseudo steps weigh prior_weight x the window in all.
-        prior = self.config.prior_weight * n / m
         return _fit_with_prior(features, observed, n, prior)
 
     def _check_drift(self, instance_id: str) -> None:
@@ -773,11 +860,11 @@ class Calibrator:
         return result
 
 
-def _pseudo_steps(p_max: float, b_max: float, l_max: float) -> FloatArray:
-    """The refit's pseudo steps (their features), on a grid up to the window's maxima; cached."""
+def _pseudo_steps(p_max: float, b_max: float, l_max: float) -> tuple[FloatArray, FloatArray]:
+    """The refit's pseudo steps (their features) on a grid up to the window's maxima, and their X^T X; cached."""
     key = (p_max, b_max, l_max)
-    features = _PSEUDO_STEPS.get(key)
-    if features is None:
+    cached = _PSEUDO_STEPS.get(key)
+    if cached is None:
         p_grid = np.array([0.0, 16.0, p_max / 4.0, p_max / 2.0, p_max])
         b_grid = np.array([0.0, 1.0, b_max / 4.0, b_max / 2.0, b_max])
         l_grid = np.array([64.0, l_max / 2.0, l_max])
@@ -785,13 +872,15 @@ def _pseudo_steps(p_max: float, b_max: float, l_max: float) -> FloatArray:
         live = (pg > 0) | (bg > 0)
         features = step_features(pg[live], bg[live], (bg * lg)[live])
         features.flags.writeable = False
+        gram = features.T @ features
+        gram.flags.writeable = False
         if len(_PSEUDO_STEPS) >= 256:  # bounded: windows of ever new maxima start it over
             _PSEUDO_STEPS.clear()
-        _PSEUDO_STEPS[key] = features
-    return features
+        cached = _PSEUDO_STEPS[key] = (features, gram)
+    return cached
 
 
-_PSEUDO_STEPS: dict[tuple[float, float, float], FloatArray] = {}
+_PSEUDO_STEPS: dict[tuple[float, float, float], tuple[FloatArray, FloatArray]] = {}
 
 
 class _Columns:

@@ -20,8 +20,12 @@ from router.core.calibration import (
     Correction,
     StepPredictor,
     StepSample,
+    _fit_normal,
     _fit_with_prior,
+    _gram_of,
     _median,
+    _pseudo_steps,
+    _step_rows,
     _Track,
     fit_step_model,
 )
@@ -116,6 +120,47 @@ def test_prior_weighted_fit_is_the_plain_fit(
     expected = reference_fit(features, observed, weights)
     assert same_bits(fit_step_model(features, observed, weights), expected)
     assert same_bits(_fit_with_prior(features, observed, n, prior), expected)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    n=st.integers(min_value=NUM_COEFS, max_value=256),
+    prefill_share=st.sampled_from([0.0, 0.1, 0.5, 1.0]),
+    outliers=st.sampled_from([0.0, 0.05, 0.2]),
+    noise=st.sampled_from([0.0, 0.02, 0.2]),
+    factors=st.tuples(st.floats(min_value=0.3, max_value=3.0), st.floats(min_value=0.3, max_value=3.0)),
+    seed=st.integers(min_value=0, max_value=2**16),
+)
+def test_normal_equation_refit_is_the_least_squares_refit_within_rounding(
+    n: int, prefill_share: float, outliers: float, noise: float, factors: tuple[float, float], seed: int
+) -> None:
+    """The refit solved from the window's normal equations (what the calibration runs) predicts
+    what the least-squares fit over every row (``_fit_with_prior``) predicts, to 1e-6 of the
+    step times, on windows of every shape: pure decode, pure prefill, mixed, with stalls."""
+    rng = random.Random(seed)
+    steps = []
+    for _ in range(n):
+        prefill = rng.randint(16, 8192) if rng.random() < prefill_share else 0
+        batch = rng.randint(0 if prefill else 1, 64)
+        tokens = batch * rng.randint(64, 4096)
+        ms = (12.0 + 0.04 * prefill + 0.6 * batch + 2e-5 * tokens) * rng.uniform(1 - noise, 1 + noise)
+        if rng.random() < outliers:
+            ms *= 8  # a stalled step
+        steps.append((prefill, batch, tokens, ms))
+    array = np.array(steps, dtype=np.float64)
+    pre, dec = profile_step("a")(array[:, 0], array[:, 1], array[:, 2])
+    rows, _ = _step_rows(array, pre, dec, 0.0)
+    maxima = rows[:, :5].max(axis=0)
+    grid, grid_gram = _pseudo_steps(max(maxima[0], 2048.0), max(maxima[3], 32.0), max(maxima[4], 2048.0))
+    prior = 0.1 * n / len(grid)
+    ttft, tpot = factors
+    fast = _fit_normal(_gram_of(rows), rows, grid, grid_gram, ttft, tpot, prior)
+    features = np.concatenate([rows[:, :NUM_COEFS], grid])
+    observed = np.concatenate([rows[:, 6] - pre * ttft - dec * tpot, np.zeros(len(grid))])
+    plain = _fit_with_prior(features, observed, n, prior)
+    assert fast is not None and plain is not None
+    scale = float(np.abs(observed).max()) + 1.0
+    np.testing.assert_allclose(features @ fast, features @ plain, rtol=0, atol=1e-6 * scale)
 
 
 def profile_step(group: str) -> StepPredictor:
