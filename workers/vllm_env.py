@@ -51,6 +51,8 @@ def subprocess_env(overrides: Mapping[str, str] | None = None) -> dict[str, str]
 
 #: Where vLLM creates its inter-process sockets (ZeroMQ ``ipc://`` files, one per channel).
 RPC_BASE_PATH = "VLLM_RPC_BASE_PATH"
+#: The longest path a Unix socket may have (``sizeof(sockaddr_un.sun_path)`` - 1 on Linux).
+IPC_PATH_MAX = 107
 #: The socket directories this process made (so a second engine gets its own, and only these are removed).
 _OWN_RPC_DIRS: set[str] = set()
 
@@ -66,7 +68,11 @@ def private_rpc_dir() -> Path | None:
     current = os.environ.get(RPC_BASE_PATH)
     if current is not None and current not in _OWN_RPC_DIRS:
         return None
-    path = tempfile.mkdtemp(prefix="slo-router-vllm-ipc-")  # mode 0700
+    # A socket's path must fit sockaddr_un (107 bytes): the directory, "/", a 36-character uuid.
+    base = tempfile.gettempdir()
+    if len(base) + len("/slo-vllm-ipc-XXXXXXXX/") + 36 > IPC_PATH_MAX and os.path.isdir("/tmp"):
+        base = "/tmp"
+    path = tempfile.mkdtemp(prefix="slo-vllm-ipc-", dir=base)  # mode 0700
     _OWN_RPC_DIRS.add(path)
     os.environ[RPC_BASE_PATH] = path
     return Path(path)
