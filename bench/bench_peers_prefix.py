@@ -13,10 +13,12 @@ workers behind OpenAI-compatible faces, peers from ``.venv-peers``) with two cha
 
 Routers: this router's ``slo`` with ``--prefix-cache-routing approximate`` (its routing history:
 the live router gets no KV events yet) and with ``off``; vLLM router's and SMG's
-``cache_aware`` (router-side radix trees), and their ``power_of_two``; vLLM router's
-``consistent_hash`` (by session header; without one it hashes the request) where offered.
+``cache_aware`` (router-side radix trees), SMG's ``prefix_hash``, the consistent hashing both
+offer (``consistent_hash`` / ``consistent_hashing``), and SMG's ``power_of_two`` as a
+cache-blind reference.
 
-Each router gets a fresh fleet (cold caches), so none inherits another's cache. Per router it
+Each router gets a fresh fleet (cold caches), so none inherits another's cache.
+``BENCH_PEERS_ONLY=text`` runs only the routers whose name contains ``text`` (e.g. ``slo-router``). Per router it
 prints the usual table plus the fleet's prefix-cache hit rate over its run (from the workers'
 counters). Figures only; nothing is asserted.
 """
@@ -26,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import os
 import re
 import time
 from collections.abc import Sequence
@@ -62,8 +65,9 @@ ROUTERS: tuple[peers.RouterSpec, ...] = (
     ),
     peers.RouterSpec("vllm-router cache_aware", "vllm-router", ("--policy", "cache_aware")),
     peers.RouterSpec("vllm-router consistent_hash", "vllm-router", ("--policy", "consistent_hash")),
-    peers.RouterSpec("vllm-router power_of_two", "vllm-router", ("--policy", "power_of_two")),
     peers.RouterSpec("smg cache_aware", "smg", ("--policy", "cache_aware")),
+    peers.RouterSpec("smg prefix_hash", "smg", ("--policy", "prefix_hash")),
+    peers.RouterSpec("smg consistent_hashing", "smg", ("--policy", "consistent_hashing")),
     peers.RouterSpec("smg power_of_two", "smg", ("--policy", "power_of_two")),
 )
 
@@ -89,7 +93,10 @@ def main() -> list[Figure]:
     spec = dataclasses.replace(spec, classes=(dataclasses.replace(spec.classes[0], prefix_groups=GROUPS),))
     plans = [p for p in iter_requests(spec, peers.SEED, max_requests=10_000) if p.arrival_s < DURATION_S]
     runnable = []
+    only = os.environ.get("BENCH_PEERS_ONLY", "")
     for router in ROUTERS:
+        if only and only not in router.name:
+            continue
         why = peers.peer_missing(router.kind)
         if why is None:
             runnable.append(router)

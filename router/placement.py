@@ -448,6 +448,10 @@ class Placer:
         """The request ended at the router: its in-flight entries go."""
         self.scheduler.inflight.release(request_id)
 
+    def confirm(self, request_id: str, instance_id: str) -> None:
+        """``instance_id`` is running the request now (see ``InflightAccount.confirm``)."""
+        self.scheduler.inflight.confirm(request_id, instance_id, int(time.time() * 1000))
+
     def dry_run(
         self,
         req: PlacementRequest,

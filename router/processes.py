@@ -176,8 +176,9 @@ class RouterProcesses:
             else:
                 logger.warning("router process %d (pid %d) did not start again", slot, child.pid)
 
-    async def stop(self) -> None:
-        """Stop the processes this one started (SIGTERM, then SIGKILL after 10 s) and clear their slots."""
+    async def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop the processes this one started (SIGTERM: each drains, see ``--drain-timeout-s``; SIGKILL
+        after ``timeout_s``) and clear their slots."""
         for watcher in self._watchers:
             watcher.cancel()
         await asyncio.gather(*self._watchers, return_exceptions=True)
@@ -188,7 +189,7 @@ class RouterProcesses:
                     child.send_signal(signal.SIGTERM)
         for slot, child in enumerate(self.children, start=1):
             try:
-                async with asyncio.timeout(10.0):
+                async with asyncio.timeout(timeout_s):
                     await child.wait()
             except TimeoutError:
                 with contextlib.suppress(ProcessLookupError):

@@ -136,14 +136,18 @@ class RouterServer:
         await self.service.wait_idle(ABANDON_WAIT_S)
 
     async def stop(
-        self, grace: float | None = 2.0, *, drain_timeout_s: float = 0.0, force: asyncio.Event | None = None
+        self,
+        grace: float | None = 2.0,
+        *,
+        drain_timeout_s: float | None = None,
+        force: asyncio.Event | None = None,
     ) -> None:
-        """Drain (:meth:`drain`, up to ``drain_timeout_s``), stop the servers within ``grace``
-        seconds, release everything."""
+        """Drain (:meth:`drain`, up to ``drain_timeout_s``; default ``grace``), stop the servers within
+        ``grace`` seconds, release everything."""
         if self._stopped:
             return
         self._stopped = True
-        await self.drain(drain_timeout_s, force)
+        await self.drain(drain_timeout_s if drain_timeout_s is not None else (grace or 0.0), force)
         if self.http is not None:
             await self.http.stop()
         await self.server.stop(grace)
@@ -903,8 +907,11 @@ async def _serve(args: argparse.Namespace, plan: RouterPlan) -> int:
         print(f"OpenAI-compatible HTTP API on http://{server.http.address}/v1", flush=True)
     force = await wait_for_signals()
     logger.info("shutting down (draining for up to %.0f s)", args.drain_timeout_s)
-    await group.stop()
-    await server.stop(grace=5.0, drain_timeout_s=args.drain_timeout_s, force=force)
+    # The other processes drain as this one does, at the same time (each got SIGTERM).
+    await asyncio.gather(
+        group.stop(timeout_s=args.drain_timeout_s + ABANDON_WAIT_S + 10.0),
+        server.stop(grace=5.0, drain_timeout_s=args.drain_timeout_s, force=force),
+    )
     await group.close()
     return 0
 

@@ -42,6 +42,7 @@ from router.core.errors import (
     ShuttingDownError,
     UnmeetableError,
 )
+from router.core.protocols import VLLM_GRPC_SCHEME
 from router.core.queue import QueueConfig
 from router.core.request import Mode
 from router.forward import LegError, LegLedger, LegTokens, WorkerClient
@@ -494,6 +495,11 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 out.usage = self._usage(req, progress)
             yield out
 
+    def _confirm(self, target: Choice, request_id: str) -> None:
+        """A stock vLLM engine (no admitted ids in its status) runs the request now: see Placer.confirm."""
+        if target.endpoint.startswith(VLLM_GRPC_SCHEME):
+            self._placer.confirm(request_id, target.instance_id)
+
     def _completed(self, progress: _Progress) -> None:
         self._observer.completed(progress.route, _tpot_s(progress), self._clock() - progress.started)
 
@@ -583,6 +589,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
             )
             if response.finished and response.finish_reason == _ABORT:
                 raise _unrequested_abort(prefill.instance_id, len(progress.tokens))
+            self._confirm(prefill, req.request_id)
             index = len(progress.tokens)
             self._note_tokens(progress, [response.first_token_id])
             first = Generated(
@@ -608,6 +615,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
             if message.finished and message.finish_reason == _ABORT:
                 await _close_stream(stream)
                 raise _unrequested_abort(prefill.instance_id, len(progress.tokens))
+            self._confirm(prefill, req.request_id)
             index = len(progress.tokens)
             self._note_tokens(progress, message.token_ids)
             progress.cached_prompt_tokens = max(
@@ -689,10 +697,14 @@ class RouterService(router_pb2_grpc.RouterServicer):
                     self._config.stream_timeout_s,
                     ledger,
                 )
+            confirmed = False
             try:
                 async for message in stream:
                     if handle is not None and handle.evicted:
                         continue  # the aborted leg's last messages: the client gets them from the next run
+                    if not confirmed:
+                        confirmed = True
+                        self._confirm(target, request_id)
                     if message.finished and message.finish_reason == _ABORT:
                         # Not asked for by the router (its own aborts end the leg above or close
                         # the request): keep this message's tokens, resume the rest elsewhere.

@@ -97,10 +97,14 @@ class Cluster:
     #: A CMS read token for routers started by hand against this cluster (``--cms-auth-token-file``).
     router_token_file: Path | None = None
 
-    async def stop(self, drain_timeout_s: float = 0.0, force: asyncio.Event | None = None) -> None:
-        """Router first (it drains: :meth:`RouterServer.drain`), then the workers, then the CMS. Idempotent."""
-        await self.processes.stop()
-        await self.router.stop(grace=2.0, drain_timeout_s=drain_timeout_s, force=force)
+    async def stop(self, drain_timeout_s: float | None = None, force: asyncio.Event | None = None) -> None:
+        """Router first (it drains: :meth:`RouterServer.drain`; the other ``--processes`` at the same
+        time), then the workers, then the CMS. Idempotent."""
+        drain = 2.0 if drain_timeout_s is None else drain_timeout_s
+        await asyncio.gather(
+            self.processes.stop(timeout_s=drain + 15.0),
+            self.router.stop(grace=2.0, drain_timeout_s=drain, force=force),
+        )
         await self.processes.close()
         await stop_workers(self.workers)
         await self.cms.stop(grace=0.5)

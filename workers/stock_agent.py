@@ -32,8 +32,9 @@ num_uncomputed_prefill_tokens    ``num_waiting_uncached_tokens``: the servicer's
 num_decode_requests              ``num_running_reqs`` (includes requests still prefilling)  estimated
 num_decode_tokens                ``num_used_kv_tokens`` (the running requests' contexts,    estimated
                                  plus cached prefix blocks they share)
-admitted_request_ids             none: vLLM does not list them; the router's in-flight      —
-                                 entries leave at request end or ``--inflight-expiry-s``
+admitted_request_ids             none: vLLM does not list them; the router confirms an      —
+                                 in-flight entry at the request's first output and drops
+                                 it at the next status measured after that
 step_samples                     none: online calibration falls back to the profile         —
 ===============================  =========================================================  =========
 """

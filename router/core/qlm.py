@@ -13,27 +13,29 @@ The pieces, and how they are adapted to this router:
   with k-means and halves oversized clusters; here requests arrive one at a time
   and groups that are already ordered must keep their identity, so the
   clustering is an online grid over the same features and a group that reaches
-  its bound (``--qlm-group-factor`` × the instance batch) is closed and a new
-  one opened, which is the same split in arrival order. Inside a group
-  requests are served first come first served.
+  its bound (delta = ``--qlm-group-factor`` x the instance's average batch;
+  4, the paper's choice) is closed and a new one opened, which is the same split
+  in arrival order. A group the plan expects late takes no newcomers. Inside a
+  group requests are served first come first served.
 * **Virtual queues.** One per instance: the order in which that instance pulls
-  groups. A group one of whose requests has been pulled is *started* and stays
-  on its instance (no preemptive migration, as in the paper).
+  groups. A new group goes in deadline order (the plan generator's EDF step,
+  taken at insertion) on the queue that frees first. A group one of whose
+  requests has been pulled is *started* and stays on its instance (no
+  preemptive migration, as in the paper).
 * **RCT estimator.** A request's output length is unknown; per SLO class the
   estimator learns its mean and spread online from finished requests
   (:class:`OutputStats`; before any, ``max_tokens`` stands for the mean). An
-  instance is ``batch`` slots each producing one token per decode step of
-  ``decode_step_s`` (its token throughput is ``batch / decode_step_s``), plus a
-  prefill time per request. A request's start is when a slot frees, in virtual
-  queue order behind the running requests (with one slot this is exactly the
-  paper's waiting time: the tokens ahead over the throughput). Each duration
-  has a mean and a spread; the check uses the ``--qlm-confidence`` quantile
-  and adds spreads along a slot linearly, an upper bound of the quantile of
-  the sum (lengths of one class move together, so the bound is not loose by
-  much), which keeps every estimate linear in the order, as the plan
-  generator's MILP needs. A request meets its deadline when its TTFT deadline
-  (or, for an e2e-only request, its completion deadline) is after the quantile
-  of its first-token (completion) time.
+  instance is ``batch`` slots (its average full batch, learned from the
+  batches KV pulling reaches) each producing one token per decode step of
+  ``decode_step_s`` (that batch's predicted step times the learned
+  inefficiency factor, Eq. 4's epsilon), plus a prefill time per request: its
+  token throughput is ``batch / decode_step_s`` and a request's start is when
+  a slot frees, in virtual queue order, which is Eq. 2's tokens ahead over the
+  throughput. Each duration has a mean and a spread; the check uses the
+  ``--qlm-confidence`` quantile (Eq. 12's Delta) and adds spreads along a slot
+  linearly. A request meets its deadline when its TTFT deadline (or, for an
+  e2e-only request, its completion deadline) is after the quantile of its
+  first-token (completion) time.
 * **Plan generator.** Orders and assigns the unstarted groups over the virtual
   queues to maximise the requests of groups that meet their deadlines. The
   default is a heuristic: earliest-deadline-first assignment to the queue
@@ -41,25 +43,28 @@ The pieces, and how they are adapted to this router:
   (when a group would miss, drop the least valuable group placed before it
   on that queue if that saves it; dropped groups go last). :func:`milp_plan`
   solves the paper's position-assignment program exactly with
-  ``scipy.optimize.milp`` for small cases; the tests and ``python -m bench qlm``
-  measure the heuristic's gap to it. The plan is re-run only when, after an
+  ``scipy.optimize.milp`` for small cases. The plan is re-run when, after an
   arrival or an eviction, the estimator predicts a violation the current
   plan did not already expect.
-* **LSOs.** Request pulling: an instance gets the next request of its virtual
-  queue's head group while it has room (:meth:`QlmQueue._room`: fewer than
-  ``batch`` of ours, or more e2e-only ones when nothing judged on TPOT is
-  there), and one whose virtual queue is empty pulls the most urgent request
-  waiting on the others. Load balancing: the plan moves unstarted groups
-  between virtual queues. Request eviction (``--qlm-eviction on``): when the
-  head group of a full instance would miss its deadline waiting but would
-  meet it if it started now, running requests of looser e2e-only groups on
-  that instance are evicted (loosest first, at most ``--qlm-max-evictions``
+* **LSOs.** Request pulling (§5, §6): an instance pulls the next request of
+  its virtual queue's head group while the tokens its running batch will hold
+  at their end (prompt and output at the estimator's confidence) stay within
+  its KV cache and its engine's sequence cap (:meth:`QlmQueue._room`); for
+  streams judged on TPOT (this router's adaptation: the paper's SLOs are
+  end-to-end) also while the grown batch's predicted step keeps the tightest
+  TPOT target running or waiting in that queue. An instance whose virtual
+  queue is empty pulls the most urgent request waiting on the others. Load
+  balancing: the plan moves unstarted groups between virtual queues. Request
+  eviction (``--qlm-eviction on``): when the head group's next request cannot
+  be pulled, would miss its deadline waiting for room and would meet it if it
+  started now, running requests of looser e2e-only groups on that instance
+  are evicted, loosest first, until it fits (at most ``--qlm-max-evictions``
   times per request, and only requests predicted to meet their own deadline
-  after it, or to miss it anyway: :meth:`QlmQueue._survives`): the caller aborts
-  them and they are queued again with their generated tokens appended to the
-  prompt and ``max_tokens`` reduced by as many, so the client's stream loses
-  and repeats nothing. Only e2e-only requests are evicted: a request judged on
-  TTFT/TPOT streams to a reader, and a pause would break its TPOT.
+  after it, or to miss it anyway: :meth:`QlmQueue._survives`): the caller
+  aborts them and they are queued again with their generated tokens appended
+  to the prompt and ``max_tokens`` reduced by as many, so the client's stream
+  loses and repeats nothing. Only e2e-only requests are evicted: a request
+  judged on TTFT/TPOT streams to a reader, and a pause would break its TPOT.
 
 Not built: model swapping and warm start (one model per fleet here), GPU–CPU
 state swapping (the engines have no such operation).
@@ -98,8 +103,9 @@ class QlmConfig(FlagFields):
     batch: int = field(
         default=0,
         metadata=_doc(
-            "requests an instance runs from the virtual queue at once (0 = the largest decode batch whose "
-            "predicted step stays under the default TPOT target)",
+            "a fixed count of requests an instance runs from its virtual queue at once (0 = none: an instance "
+            "pulls while its running batch's tokens fit its KV cache, as seed 004 does, and, for streams "
+            "judged on TPOT, while the grown batch's step keeps their target)",
             "--qlm-batch",
         ),
     )
@@ -876,7 +882,7 @@ class QlmQueue:
             group.closed = True
             group = None
         if group is None:
-            group = self._new_group(key, now_s, instance)
+            group = self._new_group(key, now_s, instance, r.deadline_s)
         if front:
             group.members.appendleft(r)
         else:
@@ -887,19 +893,32 @@ class QlmQueue:
             group.closed = True
         self._check(now_s)
 
-    def _new_group(self, key: tuple[Any, ...], now_s: float, instance: int) -> Group:
+    def _new_group(
+        self, key: tuple[Any, ...], now_s: float, instance: int, deadline_s: float = math.inf
+    ) -> Group:
         gid = self._gid
         self._gid += 1
         self.groups_made += 1
-        # Virtual queues take new groups first come first served, on the queue that frees first;
-        # the plan generator reorders when that misses a deadline. An evicted request's new group
+        # A new group goes to the queue that frees first, in deadline order among its groups
+        # (the plan generator's own first step, EDF, taken at insertion): the paper queues new groups
+        # first come first served and reorders when its estimator predicts a violation, but this
+        # router's estimator sees a queue's head waiting for KV and TPOT room only approximately, and a
+        # tight group appended behind loose ones that cannot be pulled missed before any re-plan.
+        # The plan generator still reorders on a predicted violation. An evicted request's new group
         # goes right behind the head of the queue it left.
         if instance >= 0:
             i = instance
             self.vqs[i].insert(1 if self.vqs[i] else 0, gid)
         else:
             i = min(range(len(self.models)), key=lambda k: (self._backlog_q(k, now_s), k))
-            self.vqs[i].append(gid)
+            vq = self.vqs[i]
+            at = len(vq)
+            for k, other in enumerate(vq):
+                g = self.groups[other]
+                if g.members and g.deadline_s > deadline_s:
+                    at = k
+                    break
+            vq.insert(at, gid)
         group = Group(gid, key, self.config.group_factor * max(self.models[i].batch, 1))
         self.groups[gid] = group
         self.open[key] = gid

@@ -129,3 +129,9 @@ def test_sigterm_under_load_drains_and_ends_every_stream_cleanly(tmp_path: Path)
             assert set(error) >= {"message", "type", "code"} and error["code"] == 503, error
             assert DRAIN_S - 0.5 < float(o["ended_at"]) - sigterm_at < DRAIN_S + 6.0, o["ended_at"]  # type: ignore[arg-type]
         assert "Traceback" not in cluster.tail(20000)
+        ends = sorted(float(o["ended_at"]) - sigterm_at for o in long_streams)  # type: ignore[arg-type]
+        refusals = sorted(float(o["ended_at"]) - sigterm_at for o in refused)  # type: ignore[arg-type]
+        print(
+            f"{len(refused)} queued requests refused {refusals[0]:.2f}-{refusals[-1]:.2f} s after SIGTERM; "
+            f"long streams ended with the error event {ends[0]:.2f}-{ends[-1]:.2f} s after it (drain {DRAIN_S:g} s)"
+        )

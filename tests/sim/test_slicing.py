@@ -204,5 +204,5 @@ def test_a_heterogeneous_fleet_is_served_the_same_whatever_order_it_is_listed_in
     runs = []
     for text in (f"neutral=2:{slow},neutral=2:{fast}", f"neutral=2:{fast},neutral=2:{slow}"):
         outcome = simulate_slices(SimFleet(parse_fleet(text, engine=ENGINE)), work, SliceConfig(), seed=2)
-        runs.append((outcome.duration_s, sorted(r.e2e_ms for r in outcome.results)))
+        runs.append((outcome.duration_s, sorted(r.e2e_ms or 0.0 for r in outcome.results)))
     assert runs[0] == runs[1]

@@ -214,7 +214,7 @@ def test_plan_puts_a_tight_group_first_and_balances_queues() -> None:
     for k in range(4):
         q.push(loose(f"l{k}", out=200, prompt=100 * (k + 1) ** 3), 0.0)
     q.push(tight("t0"), 0.0)
-    assert q.plans >= 1
+    q.replan(0.0)
     heads = [q.groups[vq[0]] for vq in q.vqs if vq]
     assert any(g.key[1] == "interactive" for g in heads)
     assert all(q.vqs)  # both virtual queues have work
@@ -265,6 +265,7 @@ def test_milp_solver_runs_in_the_queue() -> None:
     for k in range(3):
         q.push(loose(f"l{k}", out=100), 0.0)
     q.push(tight("t0"), 0.0)
+    q.replan(0.0)
     q.check_invariants()
     assert q.plans >= 1
 
@@ -451,4 +452,15 @@ def test_a_group_holds_delta_average_batches() -> None:
         q.push(loose(f"l{k}"), 0.0)
     sizes = sorted(len(g.members) for g in q.groups.values())
     assert max(sizes) == 12  # delta (4) x the batch (3)
+    q.check_invariants()
+
+
+def test_a_new_group_is_queued_in_deadline_order() -> None:
+    # The plan generator's first step (EDF) taken at insertion: a tight group does not queue behind
+    # loose ones that may not be pullable for a while, even before any re-plan.
+    q = queue(n=1, batch=1, eviction="off")
+    for k in range(3):
+        q.push(loose(f"l{k}", out=200, prompt=100 * (k + 1) ** 3), 0.0)
+    q.push(tight("t0"), 0.0)
+    assert q.groups[q.vqs[0][0]].key[1] == "interactive"
     q.check_invariants()

@@ -342,3 +342,28 @@ async def test_slo_class_is_bounded() -> None:
         request.slo_class = "chat"
         result = await collect(cluster.stub, request)
         assert len(result.tokens) == 4 and not result.last.usage.late
+
+
+async def test_prompts_sharing_a_prefix_go_where_it_is_cached() -> None:
+    """Live router, approximate prefix source: it hashes each prompt, learns where it sent it, and
+    sends the next prompt with the same prefix there, where the sim worker's cache serves it."""
+    async with embedded_cluster(
+        neutral=3,
+        engine_overrides={"prefix_cache_block_tokens": 16},
+        scheduler_overrides={"prefix_cache_routing": "approximate", "prefix_block_tokens": 64},
+    ) as cluster:
+        where: dict[int, set[str]] = {0: set(), 1: set(), 2: set()}
+        for k in range(9):
+            family = k % 3
+            prefix = [(family * 31 + 7 * i) % 250 + 1 for i in range(512)]
+            tail = [(k * 13 + i) % 250 + 1 for i in range(40)]
+            request = router_pb2.GenerateRequest(
+                prompt_token_ids=prefix + tail,
+                sampling=common_pb2.SamplingParams(max_tokens=4, ignore_eos=True),
+            )
+            result = await collect(cluster.stub, request)
+            check_stream(result, 4)
+            where[family].add(result.first.route.prefill_instance_id)
+        assert all(len(instances) == 1 for instances in where.values()), where
+        hits = sum(e.load().prefix_cache_hit_tokens for e in cluster.engines.values())
+        assert hits == 6 * 512  # every repeat found its whole 512-token prefix
