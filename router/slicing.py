@@ -487,15 +487,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=DISPATCH_MODES,
         default="request",
         help="request: place each whole request (the scheduling policy); slice: place requests "
-        "--slice-tokens new tokens at a time, batched and offloaded max-min to neutral instances "
-        "(default: %(default)s)",
+        "--slice-tokens new tokens at a time, batched and offloaded max-min to neutral instances (SCLS, "
+        "seed 002). On continuous-batching engines slices pay where the KV does not hold the load: "
+        "where request dispatch makes the engines preempt about once per request or more, slices keep "
+        "a KV plan that holds and win on throughput; elsewhere request dispatch wins (slices cost a "
+        "first-slice wait and re-prefill). `slo-router simulate --dispatch-modes request,slice,auto` "
+        "tells which side of that line a fleet and workload are on (default: %(default)s)",
     )
     group.add_argument(
         "--slice-tokens",
         type=int,
         default=DEFAULT_SLICE_TOKENS,
         metavar="S",
-        help="slice mode: most new tokens per placement (default: %(default)s)",
+        help="slice mode: new tokens of a first slice; a resumed slice of a long context is longer, so "
+        "that re-prefilling it costs at most a quarter of its decode (at most 8x S) (default: %(default)s)",
     )
     group.add_argument(
         "--slice-interval-ms",

@@ -259,6 +259,7 @@ class SimFleet:
             "kv_capacity_tokens": _readonly(
                 np.array([c.kv_capacity_tokens for c in configs], dtype=np.float64)
             ),
+            "max_num_seqs": _readonly(np.array([c.max_num_seqs for c in configs], dtype=np.float64)),
             "has_status": ones,
             "schedulable": ones,
         }
@@ -278,6 +279,7 @@ class SimFleet:
                 block_size=config.block_size,
                 labels={profile_label: group},
                 max_model_len=config.max_model_len,
+                max_num_seqs=config.max_num_seqs,
             )
             records.append(InstanceRecord(metadata=metadata, status=None, status_age_s=math.inf))
         return ClusterSnapshot(instances=tuple(records), taken_at_s=0.0)
@@ -1224,17 +1226,21 @@ class _Simulation:
         context: list[float] = []
         remaining: list[float] = []
         started: list[bool] = []
+        generated: list[float] = []
         for i in range(len(self.resident_on)):
-            for cur, rem, decoding in self._legs_on(i, now):
+            prompts = [prompt for prompt, _ in self.resident_on[i].values()]
+            for (cur, rem, decoding), prompt in zip(self._legs_on(i, now), prompts, strict=True):
                 instance.append(i)
                 context.append(cur)
                 remaining.append(rem)
                 started.append(decoding)
+                generated.append(max(cur - prompt, 0.0))
         found = ResidentLegs(
             np.array(instance, dtype=np.intp),
             np.array(context, dtype=np.float64),
             np.array(remaining, dtype=np.float64),
             np.array(started, dtype=bool),
+            np.array(generated, dtype=np.float64),
         )
         self.legs_cache = (key, found)
         return found

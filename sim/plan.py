@@ -40,6 +40,7 @@ from router.core.capacity import InstanceEstimate, LoadShape, estimate_instances
 from router.core.config import SchedulerConfig
 from router.core.errors import ConfigError
 from router.core.policies import build_policy
+from router.core.queue import QueueConfig
 from router.core.worker_count import WorkerCountModel, samples_from_spans
 from sim.cluster import SimFleet, simulate
 from sim.engine import SimConfig
@@ -114,6 +115,7 @@ def plan_fleet(
     seed: int = 0,
     max_instances: int = DEFAULT_MAX_INSTANCES,
     on_run: Callable[[tuple[int, int, int], float], None] | None = None,
+    queue_policy: str = "none",
 ) -> PlanResult:
     """The fewest instances meeting ``target`` (0-1) at ``rate`` (see the module doc)."""
     if mode not in ("pd", "neutral"):
@@ -129,6 +131,7 @@ def plan_fleet(
     plans = generate_requests(spec, rng=seed, num_requests=num_requests)
     fleets: dict[tuple[int, int, int], SimFleet] = {}
     tried: dict[tuple[int, int, int], float] = {}
+    queue = QueueConfig(queue_policy=queue_policy)
     outcomes: dict[tuple[int, int, int], Any] = {}
 
     def attainment(counts: tuple[int, int, int]) -> float:
@@ -142,7 +145,7 @@ def plan_fleet(
                 fleet_from_counts(prefill=p, decode=d, neutral=n, profile=profile, engine=engine),
                 profile_label=config.profile_label,
             )
-        outcome = simulate(fleet, config, plans, seed=seed)
+        outcome = simulate(fleet, config, plans, seed=seed, queue=queue)
         value = summarize(
             outcome.results, outcome.duration_s, class_slos=spec.class_slos()
         ).overall.slo_attainment
@@ -264,11 +267,10 @@ def register(subparsers: Any) -> None:
             "Estimate the instances a workload needs at an arrival rate with the throughput model of the "
             "profile, then confirm and refine the estimate with the simulator (the router's scheduling core "
             "on the sim engine model): the printed fleet meets --attainment, one instance fewer of any role "
-            "misses it. Requests are not queued: a request no instance may take counts as a miss. With "
-            "--policy binpack (Aladdin, seed 001) that is the paper's 'open a new bin': a request its "
-            "constraints refuse everywhere makes the search add an instance; the plan also prints "
-            "Aladdin's worker-count model (Eq. 7, workers = ceil(k5 x rate + c5)) fitted over the "
-            "planned fleet's run."
+            "misses it. With --policy binpack (Aladdin, seed 001) a request its constraints refuse "
+            "everywhere waits in the router queue, and one that misses its targets there is the paper's "
+            "'open a new bin': the search adds an instance; the plan also prints Aladdin's worker-count "
+            "model (Eq. 7, workers = ceil(k5 x rate + c5)) fitted over the planned fleet's run."
         ),
     )
     parser.add_argument(
@@ -314,6 +316,13 @@ def register(subparsers: Any) -> None:
         metavar="N",
         help="give up beyond this fleet size (default: %(default)s)",
     )
+    parser.add_argument(
+        "--queue-policy",
+        metavar="Q",
+        help="router queue the simulated router runs: none (a request no instance may take is refused: "
+        "a miss), fcfs, edf or priority (default: edf with --policy binpack, whose constraints hold "
+        "requests in the queue as the router runs it, none otherwise)",
+    )
     parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     parser.add_argument("--no-progress", action="store_true", help="do not report each simulation on stderr")
     parser.set_defaults(func=run)
@@ -346,6 +355,12 @@ def run(args: argparse.Namespace) -> int:
         fleet = f"{n} neutral" if args.mode == "neutral" else f"{p} prefill + {d} decode"
         print(f"  {fleet}: {100 * value:.1f}%", file=sys.stderr, flush=True)
 
+    queue_policy = args.queue_policy or ("edf" if args.policy == "binpack" else "none")
+    try:
+        QueueConfig(queue_policy=queue_policy)
+    except (ConfigError, ValueError) as exc:
+        print(f"error: --queue-policy: {exc}", file=sys.stderr)
+        return 2
     try:
         result = plan_fleet(
             workload,
@@ -358,6 +373,7 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed,
             max_instances=args.max_instances,
             on_run=progress,
+            queue_policy=queue_policy,
         )
     except (PlanError, FleetError, ProfileError, WorkloadError) as exc:
         print(error_line(exc), file=sys.stderr)

@@ -67,6 +67,7 @@ from router.core.slicing import (
     SliceRequest,
     SliceScheduler,
     slice_length,
+    slices_pay,
 )
 from sim.cluster import SimFleet, SimStats, finished_result, simulate
 from sim.engine import ProfileCostModel, ScheduledStep, SimCore, SimRequestSpec
@@ -74,7 +75,9 @@ from sim.sweep import PolicyChoice, SweepPoint, _point, point_to_dict, sweep_met
 from workers.engine import EngineOverloadedError, InvalidRequestError
 
 #: Dispatch modes of ``simulate --dispatch-modes``.
-DISPATCH_MODES = ("request", "slice")
+DISPATCH_MODES = ("request", "slice", "auto")
+#: Requests of the pilot run ``auto`` decides from (at least; a quarter of the run if that is more).
+AUTO_PILOT_REQUESTS = 100
 #: The policy label slice-dispatch results carry (its offloader, not a registered policy).
 SLICE_POLICY = "max-min"
 
@@ -261,7 +264,7 @@ class _SliceSimulation:
         if self.steps[i] is None:
             self._step(i, now)
 
-    def _start_slice(self, i: int, key: int, sr: SliceRequest, now: float) -> None:
+    def _start_slice(self, i: int, key: int, sr: SliceRequest, now: float, cached: int = 0) -> None:
         core = self.cores[i]
         instance = self.ids[i]
         idx = int(sr.key)  # type: ignore[call-overload]
@@ -270,7 +273,9 @@ class _SliceSimulation:
         self.slices += 1
         # The slice is planned by its cap; the engine stops at the answer's true end.
         new_tokens = max(min(sr.slice_tokens, self.plans[idx].true_output_tokens - r.generated), 1)
-        spec = SimRequestSpec(rid, sr.context_tokens, new_tokens, counts_as_decode=new_tokens > 1)
+        spec = SimRequestSpec(
+            rid, sr.context_tokens, new_tokens, num_cached_tokens=cached, counts_as_decode=new_tokens > 1
+        )
         try:
             core.add(spec)
         except (EngineOverloadedError, InvalidRequestError) as exc:
@@ -280,7 +285,7 @@ class _SliceSimulation:
             self.sched.finish(instance, key, sr, now * 1000.0)
             return
         if r.generated > 0:
-            self.recomputed += sr.context_tokens
+            self.recomputed += sr.context_tokens - cached
         r.instance = i
         self.slice_of[rid] = (idx, sr, key)
 
@@ -317,20 +322,30 @@ class _SliceSimulation:
             del self.slice_of[rid]
             r.generated += position + 1
             r.last_s = now
+            produced = position + 1
             if r.generated >= self.plans[idx].true_output_tokens:
                 r.done_s = now
-                self.sched.finish(self.ids[i], key, sr, now * 1000.0)
+                self.sched.finish(self.ids[i], key, sr, now * 1000.0, produced)
             elif not self.config.resume_at_once:  # the paper's way: back to the pool
                 self._to_pool(idx, now)
-                self.sched.finish(self.ids[i], key, sr, now * 1000.0)
+                self.sched.finish(self.ids[i], key, sr, now * 1000.0, produced)
             else:
                 # The next slice is placed at once (SliceScheduler.resume): the stream never waits
                 # for a schedule point between its slices.
                 target, new_key, batch = self.sched.resume(
-                    self.ids[i], key, sr, self._slice(idx), now * 1000.0
+                    self.ids[i], key, sr, self._slice(idx), now * 1000.0, produced
                 )
                 j = self.index[target]
-                self._start_slice(j, new_key, batch.requests[0], now)
+                following = batch.requests[0]
+                cached = 0
+                if j == i and self.config.prefix_cache:
+                    # Its blocks were freed this very step and are still in the engine's prefix
+                    # cache; only the last partial block (and the token just sampled) is computed.
+                    block = self.fleet.configs[i].block_size
+                    cached = min(
+                        (following.context_tokens - 1) // block * block, following.context_tokens - 1
+                    )
+                self._start_slice(j, new_key, following, now, cached)
                 if j != i:
                     started.add(j)
             freed = True
@@ -448,6 +463,19 @@ class DispatchPoint:
     figures: SliceFigures
 
 
+def auto_mode(fleet: SimFleet, policy: PolicyChoice, plans: Sequence[RequestPlan], *, seed: int = 0) -> str:
+    """``auto``: the dispatch mode :func:`router.core.slicing.slices_pay` picks from a pilot.
+
+    The pilot serves the run's first :data:`AUTO_PILOT_REQUESTS` requests (a
+    quarter of the run if that is more) with request dispatch and ``policy``
+    and counts the engines' preemptions: what a router sees its engines do
+    before it decides. Slices when they preempted at least once per request.
+    """
+    pilot = list(plans[: max(AUTO_PILOT_REQUESTS, len(plans) // 4)])
+    outcome = simulate(fleet, policy.config, pilot, seed=seed)
+    return "slice" if slices_pay(outcome.stats.preemptions, len(pilot)) else "request"
+
+
 def parse_dispatch_modes(text: str) -> list[str]:
     modes: list[str] = []
     for raw in text.split(","):
@@ -475,10 +503,12 @@ def run_dispatch_sweep(
     """Rate-major runs: per rate, every policy in ``request`` mode, then one ``slice`` run (max-min)."""
     if not workload.arrival.open_loop:
         raise ValueError("the simulator replays open-loop arrivals; convert the workload with open_loop()")
-    if "slice" in modes and any(role is not Role.NEUTRAL for role in fleet.roles):
+    if ("slice" in modes or "auto" in modes) and any(role is not Role.NEUTRAL for role in fleet.roles):
         raise ValueError("--dispatch-modes slice needs a neutral fleet: use --neutral K")
     out: list[DispatchPoint] = []
-    total = len(rates) * (len(policies) * ("request" in modes) + ("slice" in modes))
+    total = len(rates) * (
+        len(policies) * ("request" in modes) + ("slice" in modes) + len(policies) * ("auto" in modes)
+    )
     for rate in rates:
         spec = workload.with_arrival(rate_per_s=rate)
         plans = generate_requests(spec, rng=seed, num_requests=num_requests)
@@ -490,12 +520,25 @@ def run_dispatch_sweep(
                     out.append(DispatchPoint(mode, point, request_figures(fleet, outcome.results)))
                     if on_run is not None:
                         on_run(point, len(out), total)
-            else:
+            elif mode == "slice":
                 sliced = simulate_slices(fleet, plans, slice_config, seed=seed)
                 point = _point(SLICE_POLICY, rate, spec, sliced)  # type: ignore[arg-type]
                 out.append(DispatchPoint(mode, point, sliced.figures))
                 if on_run is not None:
                     on_run(point, len(out), total)
+            else:
+                for policy in policies:
+                    chosen = auto_mode(fleet, policy, plans, seed=seed)
+                    if chosen == "slice":
+                        sliced = simulate_slices(fleet, plans, slice_config, seed=seed)
+                        point = _point(f"{policy.label}/auto:slice", rate, spec, sliced)  # type: ignore[arg-type]
+                        out.append(DispatchPoint(mode, point, sliced.figures))
+                    else:
+                        outcome = simulate(fleet, policy.config, plans, seed=seed)
+                        point = _point(f"{policy.label}/auto:request", rate, spec, outcome)
+                        out.append(DispatchPoint(mode, point, request_figures(fleet, outcome.results)))
+                    if on_run is not None:
+                        on_run(point, len(out), total)
     return out
 
 
@@ -539,6 +582,7 @@ def format_dispatch_table(points: Sequence[DispatchPoint]) -> str:
         "imbalance",
         "CT std s",
         "recomputed",
+        "preempt",
     ]
     rows = [header]
     for p in points:
@@ -556,6 +600,7 @@ def format_dispatch_table(points: Sequence[DispatchPoint]) -> str:
                 f"{p.figures.load_imbalance:.3f}",
                 f"{p.figures.completion_spread_s:.1f}",
                 str(p.figures.recomputed_tokens),
+                str(p.point.stats.preemptions),
             ]
         )
     widths = [max(len(r[k]) for r in rows) for k in range(len(header))]
@@ -572,7 +617,7 @@ def format_dispatch_table(points: Sequence[DispatchPoint]) -> str:
     lines.append(
         "thru/s: completed requests per virtual second (makespan); latencies in ms; imbalance: CV of "
         "per-instance busy time; CT std: std of instances' last busy moment; recomputed: context tokens "
-        "re-prefilled when slices resume"
+        "re-prefilled when slices resume; preempt: engine preemptions"
     )
     return "\n".join(lines)
 
@@ -586,8 +631,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--dispatch-modes",
         metavar="M1,M2",
-        help="compare dispatch modes: request (each --policies entry places whole requests) and/or slice "
-        "(requests placed S tokens at a time, batched and offloaded max-min; neutral fleets); adds "
+        help="compare dispatch modes: request (each --policies entry places whole requests), slice "
+        "(requests placed S tokens at a time, batched and offloaded max-min; neutral fleets) and/or auto "
+        "(slice where request dispatch makes the engines preempt at least once per request on average, "
+        "judged from a pilot over the first 100 requests: there slices hold the KV plan and win on "
+        "throughput; elsewhere request dispatch wins on continuous-batching engines); adds "
         "load_imbalance, recomputed_tokens, ... to the JSON",
     )
     group.add_argument(
@@ -595,7 +643,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=DEFAULT_SLICE_TOKENS,
         metavar="S",
-        help="slice mode: most new tokens per placement (default: %(default)s)",
+        help="slice mode: new tokens of a first slice; a resumed slice of a long context is longer, so "
+        "that re-prefilling it costs at most a quarter of its decode (at most 8x S) (default: %(default)s)",
     )
     group.add_argument(
         "--slice-interval-ms",

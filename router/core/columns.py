@@ -76,6 +76,9 @@ class InstanceTable:
     #: 1 where the instance reports recent preemptions, else 0. Optional: ``None`` when the source
     #: does not report them (the safety valve then reads KV saturation instead).
     preempting: FloatArray | None = None
+    #: Most requests each engine runs at once (``inf`` where unknown); beyond it a new request
+    #: waits for a running one to finish before its prefill starts. Optional: ``None`` = unknown.
+    max_num_seqs: FloatArray | None = None
 
     @property
     def n(self) -> int:
@@ -199,6 +202,8 @@ class ResidentLegs(NamedTuple):
     context: FloatArray
     remaining: FloatArray
     started: BoolArray
+    #: Output tokens each leg has produced so far (None when the source does not know its prompt).
+    generated: FloatArray | None = None
 
 
 #: One instance's resident legs: (context now, output still expected, started) each.
@@ -228,7 +233,7 @@ class StaticResidents:
         return self.known
 
     def legs_on(self, index: int) -> LegList:
-        instance, context, remaining, started = self.known
+        instance, context, remaining, started = self.known[:4]
         mine = instance == index
         return list(
             zip(context[mine].tolist(), remaining[mine].tolist(), started[mine].tolist(), strict=True)

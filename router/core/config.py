@@ -186,6 +186,15 @@ class SchedulerConfig:
             "--binpack-max-batch",
         ),
     )
+    binpack_theta: float = field(
+        default=0.7,
+        metadata=_doc(
+            "binpack: Aladdin's theta, the share of the TPOT target its packing horizon (b) and of the "
+            "residents' ATGT slack its prefill (d) may use (ratio in (0, 1]); below 1 to absorb output-length "
+            "prediction error",
+            "--binpack-theta",
+        ),
+    )
     overpacked_tpot_factor: float = field(
         default=1.0,
         metadata=_doc(
@@ -249,6 +258,7 @@ class SchedulerConfig:
             "ttft_slo_dispatch_threshold",
             "tpot_slo_dispatch_threshold",
             "tpot_binpack_threshold",
+            "binpack_theta",
             "kv_packing_headroom",
             "overpacked_tpot_factor",
         ):
@@ -267,6 +277,8 @@ class SchedulerConfig:
             raise bad("kv_packing_headroom", "must be <= 1 (a fraction of the KV capacity)")
         if self.packing_default_output_tokens < 1:
             raise bad("packing_default_output_tokens", "must be >= 1 token")
+        if self.binpack_theta > 1.0:
+            raise bad("binpack_theta", "must be within (0, 1]")
         if self.binpack_max_batch < 1:
             raise bad("binpack_max_batch", "must be >= 1 request")
         if self.dispatch_top_k < 1:

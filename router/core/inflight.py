@@ -170,6 +170,8 @@ class InflightAccount:
         self._resident: dict[str, tuple[str, int, float]] = {}
         # request_id -> the resident leg's context now (prompt + tokens produced), see advance().
         self._resident_context: dict[str, int] = {}
+        #: The context each resident leg started from (its prompt): what it has produced is the rest.
+        self._resident_prompt: dict[str, int] = {}
         # instance_id -> [resident decode legs, sum of their final tokens]
         self._resident_totals: dict[str, list[int]] = {}
         # instance_id -> its resident legs' request ids (an ordered set), for one instance's legs.
@@ -311,10 +313,15 @@ class InflightAccount:
         started = np.fromiter(
             ((r, v[0]) not in entries for r, v in legs.items()), dtype=bool, count=len(legs)
         )
+        prompts = self._resident_prompt
+        prompt = np.fromiter((prompts.get(r, contexts[r]) for r in legs), dtype=np.float64, count=len(legs))
         keep = (instance >= 0) & (instance < n)
         if not keep.all():
             instance, context, final, started = instance[keep], context[keep], final[keep], started[keep]
-        return ResidentLegs(instance, context, np.maximum(final - context, 0.0), started)
+            prompt = prompt[keep]
+        return ResidentLegs(
+            instance, context, np.maximum(final - context, 0.0), started, np.maximum(context - prompt, 0.0)
+        )
 
     def resident_legs_on(self, instance_id: str) -> list[tuple[int, int, bool]] | None:
         """The resident legs of one instance as (context now, output still expected, started).
@@ -465,6 +472,7 @@ class InflightAccount:
             self._drop_resident(request_id)
         self._resident[request_id] = (instance_id, final_tokens, now_s)
         self._resident_context[request_id] = context_tokens
+        self._resident_prompt[request_id] = context_tokens
         self._resident_on.setdefault(instance_id, {})[request_id] = None
         totals = self._resident_totals.setdefault(instance_id, [0, 0])
         totals[0] += 1
@@ -476,6 +484,7 @@ class InflightAccount:
         if found is None:
             return False
         self._resident_context.pop(request_id, None)
+        self._resident_prompt.pop(request_id, None)
         instance_id, final_tokens, _ = found
         on = self._resident_on[instance_id]
         del on[request_id]

@@ -327,7 +327,7 @@ def _kv_life_column(ctx: DecisionContext, config: SchedulerConfig) -> FloatArray
     # way) starts after a delay nobody knows, so it counts at its final length throughout (its
     # peak whatever the delay).
     n = table.n
-    instance, context, remaining, started = residents
+    instance, context, remaining, started = residents[:4]
     legs = np.bincount(instance, minlength=n)
     held = np.bincount(instance, weights=context, minlength=n)
     uncovered = np.maximum(table.decode_requests + inflight.decode_requests - legs, 0.0)
@@ -386,14 +386,16 @@ def _predicted_tpot_horizon(ctx: DecisionContext, config: SchedulerConfig) -> Fl
 def prefill_stall_ms(ctx: DecisionContext) -> FloatArray:
     """Per instance: the prefill time its queued prompts and this request's prompt will put between
     the next decode steps (the backlog ``prefill_backlog_tokens + p`` as full chunks and a tail,
-    each chunk's prefill part only; times the calibrated TTFT factor when there is one)."""
+    each chunk's prefill part only; times the calibrated TTFT factor when there is one). ``p`` is the
+    uncached part of the prompt there (``prompt_compute_tokens``)."""
     predictors = ctx.predictors
     table = ctx.view.instances
     if predictors is None:
         return np.full(table.n, np.nan)
     tokens = ctx.metric("prefill_backlog_tokens")
     if ctx.request is not None:
-        tokens = tokens + float(ctx.prompt_tokens)
+        # Only what the instance would compute: a cached prefix puts no chunk between decode steps.
+        tokens = tokens + ctx.metric("prompt_compute_tokens")
     budget = table.max_num_batched_tokens
     full = np.floor_divide(tokens, budget)
     rest = tokens - full * budget
@@ -427,54 +429,67 @@ def _predicted_tpot_residents(ctx: DecisionContext, config: SchedulerConfig) -> 
     return out
 
 
-def min_remaining_started(ctx: DecisionContext) -> FloatArray:
-    """Per instance, the least output still expected of a leg that decodes there (inf: none does).
+def atgt_slack_ms(ctx: DecisionContext, tpot_target_ms: float) -> FloatArray:
+    """Per instance, the least ATGT slack (ms) of a request decoding there; inf where none does.
 
-    From each resident leg's progress when the view has them; without them
-    (peer router processes publish only sums) the residents' mean remaining
-    output (``kv_growth_tokens / n``), inf where nothing decodes.
+    A leg that has produced ``g`` tokens and is predicted to produce ``r``
+    more keeps its average time per output token within the target ``T``
+    as long as the time added to it stays within
+    ``g·(T − τ_now) + r·(T − τ_new)``: what it has saved against the target
+    so far (its past steps taken at the instance's current decode step
+    ``τ_now``, ``decode_step_ms``) plus what it will still save at the step
+    it will run at with this request in the batch (``τ_new``,
+    ``predicted_tpot``). ``r`` is the router's prediction, re-made from the
+    tokens streamed so far when a leg outlives its estimate (seed 001's
+    Algorithm 2 re-prediction: the conditional mean of the lengths seen
+    that ran past ``g``). Legs whose production the view does not know
+    (``generated`` missing, or peer router processes publishing only sums)
+    count their saved part as zero (the residents' mean remaining output
+    stands in for ``r`` without legs).
     """
     n = ctx.view.n
+    spare_new = tpot_target_ms - ctx.metric("predicted_tpot")
     legs = ctx.view.resident_legs()
     if legs is None:
         batch = ctx.metric("decode_batch_size")
         mean = np.divide(ctx.metric("kv_growth_tokens"), batch, out=np.full(n, np.inf), where=batch > 0)
-        floored: FloatArray = np.maximum(mean, 1.0)
-        return floored
+        slack: FloatArray = np.maximum(mean, 1.0) * spare_new
+        return slack
     out: FloatArray = np.full(n, np.inf)
     started = legs.started
-    if np.any(started):
-        np.minimum.at(out, legs.instance[started], np.maximum(legs.remaining[started], 1.0))
+    if not np.any(started):
+        return out
+    at = legs.instance[started]
+    budget = np.maximum(legs.remaining[started], 1.0) * spare_new[at]
+    if legs.generated is not None:
+        spare_now = tpot_target_ms - np.nan_to_num(ctx.metric("decode_step_ms"), nan=tpot_target_ms)
+        budget = budget + legs.generated[started] * spare_now[at]
+    np.minimum.at(out, at, budget)
     return out
 
 
 @_register("prefill_over_atgt_slack", MetricScope.DECISION)
 def _prefill_over_atgt_slack(ctx: DecisionContext, config: SchedulerConfig) -> FloatArray:
     """Aladdin's constraint (d) as a ratio: the prefill this prompt puts on a colocated instance over
-    the ATGT slack of its most exposed ongoing decode (kept below θ by the ``binpack`` policy).
+    the least ATGT slack of the requests decoding there (kept below θ by the ``binpack`` policy).
 
     The paper bounds the new prompts' prefill time by θ times the least
-    slack any ongoing request has saved against the ATGT target (prefill
-    preempts their decode). A router does not time each leg's past tokens,
-    so the slack taken here is the one a leg will still save over the output
-    it is predicted to have left, at the decode step it will run at with this
-    request in the batch: ``r_min · (T_dec − predicted_tpot)``. That is the
-    paper's condition for a leg whose past tokens ran exactly at the target
-    (saved slack zero, its worst case), so it never admits a prefill the
-    leg's ATGT cannot absorb; a leg that outran its predicted length has its
-    remaining output re-predicted (Algorithm 2), not taken as zero. Numerator:
-    :func:`prefill_stall_ms` (the queued prompts and this one, as the engine
-    chunks them). 0 where nothing decodes; inf where the step alone already
-    misses the target.
+    slack an ongoing request has saved against the ATGT target: its engine
+    (vLLM without chunking) stops every decode for the whole prefill, which
+    the saved slack must absorb at once. The engines here chunk the prefill
+    into the decode steps, so each resident sees the stall spread over its
+    steps and what must hold is its ATGT over its whole life: the slack is
+    what it has saved plus what it will still save (:func:`atgt_slack_ms`).
+    Numerator: :func:`prefill_stall_ms` (the queued prompts and this one,
+    as the engine chunks them). 0 where nothing decodes; inf where a
+    resident has no slack left.
     """
     if ctx.predictors is None:
         return np.full(ctx.view.n, np.nan)
     stall = prefill_stall_ms(ctx)
-    spare = config.tpot_slo_ms - ctx.metric("predicted_tpot")
-    remaining = min_remaining_started(ctx)
-    slack = remaining * spare
+    slack = atgt_slack_ms(ctx, config.tpot_slo_ms)
     ratio: FloatArray = np.divide(stall, slack, out=np.full(ctx.view.n, np.inf), where=slack > 0)
-    ratio[np.isinf(remaining)] = 0.0
+    ratio[np.isinf(slack)] = 0.0
     return ratio
 
 

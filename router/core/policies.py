@@ -228,7 +228,14 @@ def _slo(config: SchedulerConfig) -> dict[str, Any]:
     # Decode also keeps KV over life and the safety valve, both droppable: when every instance
     # meeting the TPOT target is full or over-packed, the fallback places as plain slo would.
     return {
-        "prefill": {"filters": [*HEALTH, _ttft(), "failover"], "selector": _lowest("predicted_ttft")},
+        # Among the instances that meet the TTFT target, the prompt goes where it costs the fleet the
+        # least work (its longest cached prefix), then the lowest TTFT: spreading a prefix over the
+        # fleet to shave a TTFT already within target spends the capacity later requests need. Without
+        # cache knowledge every instance computes the whole prompt, and the TTFT decides as before.
+        "prefill": {
+            "filters": [*HEALTH, _ttft(), "failover"],
+            "selector": _lowest("prompt_compute_tokens", "predicted_ttft"),
+        },
         "decode": {
             "filters": [
                 *HEALTH,
@@ -250,7 +257,7 @@ def _slo(config: SchedulerConfig) -> dict[str, Any]:
                 _kv_fits(config, droppable=True),
                 "failover",
             ],
-            "selector": _lowest("predicted_ttft", "predicted_tpot"),
+            "selector": _lowest("prompt_compute_tokens", "predicted_ttft", "predicted_tpot"),
         },
     }
 
@@ -311,7 +318,7 @@ def _atgt_slack(config: SchedulerConfig, **extra: Any) -> dict[str, Any]:
     return {
         "name": "metric_threshold",
         "metric": "prefill_over_atgt_slack",
-        "limit": config.tpot_binpack_threshold,
+        "limit": config.binpack_theta,
         "label": "atgt_slack",
         **extra,
     }
@@ -321,7 +328,8 @@ def _binpack(config: SchedulerConfig) -> dict[str, Any]:
     """Aladdin's placement (seed 001, Algorithm 1): best fit by capacity_norm among the instances that
     meet every constraint, the constraints held as constraints.
 
-    (b) TPOT at the γ horizon within θ of the target (``tpot_horizon``), (c)
+    (b) TPOT at the γ horizon within θ (``binpack_theta``) of the target
+    (``tpot_horizon``), (c)
     TTFT (``predicted_ttft``), (d) on a colocated instance the prompt's
     prefill within θ of the residents' ATGT slack (``atgt_slack``), (e) KV
     over the life of the instance's requests (``kv_over_life``). None is
@@ -336,12 +344,13 @@ def _binpack(config: SchedulerConfig) -> dict[str, Any]:
     overload), which is why the two differ in overload and not below it.
     """
     hard = {"empty_passes": True}
+    horizon = _tpot_horizon(config, **hard) | {"factor": config.binpack_theta}
     decode = {
         "filters": [
             *HEALTH,
             _not_overpacked(relax_pass=2),
             _kv_fits(config, **hard),
-            _tpot_horizon(config, **hard),
+            horizon,
             "failover",
         ],
         "selector": "binpack",
@@ -352,7 +361,7 @@ def _binpack(config: SchedulerConfig) -> dict[str, Any]:
             _ttft(**hard),
             _not_overpacked(relax_pass=2),
             _kv_fits(config, **hard),
-            _tpot_horizon(config, **hard),
+            horizon,
             _atgt_slack(config, **hard),
             "failover",
         ],

@@ -122,6 +122,14 @@ class SliceConfig:
             "it back to the pool for the next schedule point, as the paper does"
         ),
     )
+    prefix_cache: bool = field(
+        default=True,
+        metadata=_doc(
+            "engines keep a finished slice's KV blocks in their prefix cache (vLLM's automatic prefix "
+            "caching): a slice resumed at once on the instance it left recomputes only its last partial "
+            "block, and resume() prices staying there without the re-prefill"
+        ),
+    )
     recompute_share: float | None = field(
         default=0.25,
         metadata=_doc(
@@ -538,17 +546,48 @@ class ServingFit:
 
 
 class MemoryFit:
-    """One instance's memory estimator, fitted online: the share of its KV budget slices may plan.
+    """One instance's memory estimator, fitted online: how much of its KV budget slices may plan.
 
-    The paper multiplies the free memory by a fixed ζ < 1 for engines whose
-    real use exceeds the token count (fragmentation). Here ζ is learned: a
-    preemption seen on the instance means the plan over-filled it, so ζ
-    shrinks by a fifth (down to 0.5); every batch that completes without one
-    gives back 1 % (up to 1). Block rounding is in :class:`MemoryModel`.
+    The paper's estimator is exact for static batching (every request of a
+    batch holds ``context + S`` until the batch ends) and multiplies the free
+    memory by a fixed ζ < 1 for engines that use more than the token count.
+    On a continuous-batching engine the plan errs the other way: a slice
+    that ends early (its answer's end of sequence) never holds its whole
+    ``S``, and it leaves the batch at once. Two online terms make the
+    budget what the instance really holds:
+
+    - ``usage``: the decayed ratio of the KV slices really reached (context
+      plus the tokens they produced) to what they planned; the budget is
+      divided by it (a plan that is twice what slices use may book twice
+      the budget), never by less than 1 (no shrinking for slices that run
+      to their end);
+    - ``zeta``: a cap that shrinks by a fifth (down to 0.5) at every
+      preemption seen on the instance (the plan over-filled it) and gives
+      back 1 % per batch that completes without one (up to 1).
+
+    The share of the budget slices may plan is ``zeta / usage``, at most 2.
     """
 
     def __init__(self) -> None:
         self.zeta = 1.0
+        self._planned = 0.0
+        self._used = 0.0
+
+    @property
+    def usage(self) -> float:
+        if self._planned < 1.0:
+            return 1.0
+        return min(1.0, max(0.25, self._used / self._planned))
+
+    @property
+    def share(self) -> float:
+        return min(2.0, self.zeta / self.usage)
+
+    def observe(self, planned_tokens: int, used_tokens: int) -> None:
+        if planned_tokens <= 0 or used_tokens < 0:
+            return
+        self._planned = self._planned * _DECAY + planned_tokens
+        self._used = self._used * _DECAY + min(used_tokens, planned_tokens)
 
     def preempted(self) -> None:
         self.zeta = max(0.5, self.zeta * 0.8)
@@ -568,7 +607,7 @@ class InstanceModels:
 
     @property
     def budget_tokens(self) -> float:
-        return self.memory.budget_tokens * self.memory_fit.zeta
+        return self.memory.budget_tokens * self.memory_fit.share
 
     def estimate_ms(self, batch: int, context_tokens: int, generation_tokens: int) -> float:
         return self.serving_fit.scale * self.serving.serve_ms(batch, context_tokens, generation_tokens)
@@ -596,6 +635,35 @@ def slice_length(
         if per_token > 0:
             length = max(base, min(8 * base, math.ceil(prefill / (share * per_token))))
     return max(1, min(length, remaining_tokens))
+
+
+# --------------------------------------------------------------------------- when slices pay
+
+
+#: Preemptions per request under request dispatch from which slice dispatch is chosen (``auto``).
+SLICE_WHEN_PREEMPTIONS_PER_REQUEST = 1.0
+
+
+def slices_pay(preemptions: int, requests: int) -> bool:
+    """Whether slice dispatch beats request dispatch on a fleet, from what request dispatch did there.
+
+    On continuous-batching engines request dispatch already returns each
+    answer as it ends and batches at the iteration level, so the paper's
+    gains over static batching are not there to take; what slices still
+    buy is a KV plan that holds. Where the engines run out of KV, request
+    dispatch lets them over-commit and preempt: the preempted requests are
+    recomputed whole, often more than once, while slices plan their KV and
+    never preempt, at the price of re-prefilling a context per slice (mostly
+    served from the prefix cache when the slice resumes where it was) and of
+    a schedule point's wait for a first slice. Measured on the simulator
+    (``docs/papers-aladdin-scls.md``, the regime table) slices paid in
+    throughput wherever request dispatch preempted at least once per request
+    on average, and lost (0.85-0.97x throughput, lower attainment through
+    the first slice's wait) where the KV held or preemptions were rare.
+    """
+    if requests <= 0:
+        return False
+    return preemptions / requests >= SLICE_WHEN_PREEMPTIONS_PER_REQUEST
 
 
 # --------------------------------------------------------------------------- the whole cycle
@@ -746,7 +814,7 @@ class SliceScheduler:
         tight = MemoryModel(
             kv_capacity_tokens=m.memory.kv_capacity_tokens,
             block_size=max(self.models(i).memory.block_size for i in ordered),
-            headroom=m.memory.headroom * m.memory_fit.zeta,
+            headroom=m.memory.headroom * min(1.0, m.memory_fit.zeta),
             max_batch=min(self.models(i).memory.max_batch for i in ordered),
         )
         return self.models(serving).serving, tight
@@ -755,9 +823,12 @@ class SliceScheduler:
         gen = max((r.slice_tokens for r in batch.requests), default=0)
         return self.models(instance).estimate_ms(len(batch.requests), batch.context_tokens, gen)
 
-    def _marginal(self, instance: str, request: SliceRequest) -> float:
+    def _marginal(self, instance: str, request: SliceRequest, cached: bool = False) -> float:
         m = self.models(instance)
-        return m.serving_fit.scale * m.serving.marginal_ms(request.context_tokens, request.slice_tokens)
+        cost = m.serving.marginal_ms(request.context_tokens, request.slice_tokens)
+        if cached:
+            cost -= m.serving.prefill_ms(request.context_tokens)
+        return m.serving_fit.scale * max(cost, 0.0)
 
     def schedule(self) -> list[tuple[SliceBatch, str]]:
         """Batch the whole pool and offload it max-min; the (batch, instance) pairs, longest batch first.
@@ -838,10 +909,15 @@ class SliceScheduler:
             out.append((self._start(instance, batch, now), batch))
         return out
 
-    def _end(self, instance: str, key: int, request: SliceRequest, now: float | None) -> bool:
+    def _end(
+        self, instance: str, key: int, request: SliceRequest, now: float | None, produced: int | None
+    ) -> bool:
         running = self._running[instance]
         entry = running[key]
-        self._planned_kv[instance] -= entry.kv.pop(request.key, 0)
+        planned = entry.kv.pop(request.key, 0)
+        self._planned_kv[instance] -= planned
+        if produced is not None and instance in self._loads:
+            self.models(instance).memory_fit.observe(planned, request.context_tokens + produced)
         entry.unfinished -= 1
         if entry.unfinished > 0:
             return False
@@ -863,9 +939,20 @@ class SliceScheduler:
             del self._planned_kv[instance]
         return True
 
-    def finish(self, instance: str, key: int, request: SliceRequest, now: float | None = None) -> bool:
-        """Slice ``request`` of batch ``key`` on ``instance`` ended; True when it was the batch's last."""
-        return self._end(instance, key, request, now)
+    def finish(
+        self,
+        instance: str,
+        key: int,
+        request: SliceRequest,
+        now: float | None = None,
+        produced: int | None = None,
+    ) -> bool:
+        """Slice ``request`` of batch ``key`` on ``instance`` ended; True when it was the batch's last.
+
+        ``produced`` (the tokens the slice generated, when known) feeds the
+        instance's memory fit.
+        """
+        return self._end(instance, key, request, now, produced)
 
     def resume(
         self,
@@ -874,13 +961,14 @@ class SliceScheduler:
         request: SliceRequest,
         following: SliceRequest,
         now: float | None = None,
+        produced: int | None = None,
     ) -> tuple[str, int, SliceBatch]:
         """End ``request``'s slice and place ``following`` (its next slice) at once (see the class doc).
 
         Returns the instance, the batch key for :meth:`finish` / :meth:`resume`
         and the one-slice batch; the slice is admitted (the caller starts it).
         """
-        self._end(instance, key, request, now)
+        self._end(instance, key, request, now, produced)
         self.resumed += 1
         ordered = sorted(self._ids)
         options = []
@@ -889,7 +977,7 @@ class SliceScheduler:
             kv = m.memory.request_kv_tokens(following.context_tokens, following.slice_tokens)
             if i != instance and self._planned_kv[i] + kv > m.budget_tokens:
                 continue
-            cost = self._marginal(i, following)
+            cost = self._marginal(i, following, cached=self.config.prefix_cache and i == instance)
             options.append((self._loads[i] + cost, i, cost, kv))
         if not options:  # the instance left the fleet: any instance, least loaded
             for i in ordered:

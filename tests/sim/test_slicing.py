@@ -35,7 +35,9 @@ def test_every_request_gets_all_its_tokens_and_resumes_recompute_the_context(
 ) -> None:
     work = plans()
     # Fixed slice length (the adaptive one is tested apart).
-    config = SliceConfig(slice_tokens=slice_tokens, overlap_batches=overlap, recompute_share=None)
+    config = SliceConfig(
+        slice_tokens=slice_tokens, overlap_batches=overlap, recompute_share=None, prefix_cache=False
+    )
     outcome = simulate_slices(fleet(3), work, config, seed=1)
     assert [r.completion_tokens for r in outcome.results] == [p.true_output_tokens for p in work]
     assert all(r.ok and r.ttft_ms is not None and r.ttft_ms > 0 for r in outcome.results)
@@ -178,3 +180,29 @@ def test_cli_refuses_slices_on_a_pd_fleet(capsys: pytest.CaptureFixture[str]) ->
     )  # fmt: skip
     assert code == 2
     assert "neutral" in stderr
+
+
+def test_auto_picks_slices_where_request_dispatch_thrashes_and_requests_elsewhere() -> None:
+    from router.core.config import SchedulerConfig
+    from sim.slicing import auto_mode
+    from sim.sweep import PolicyChoice
+
+    policy = PolicyChoice("least-requests", SchedulerConfig(scheduling_policy="least-requests"))
+    spec = load_workload("mixed").with_arrival(rate_per_s=4.0)
+    work = list(generate_requests(spec, rng=0, num_requests=120))
+    tight = SimFleet(fleet_from_counts(neutral=4, engine=SimConfig(kv_capacity_tokens=8192)))
+    roomy = SimFleet(fleet_from_counts(neutral=4, engine=SimConfig(kv_capacity_tokens=65536)))
+    assert auto_mode(tight, policy, work) == "slice"
+    assert auto_mode(roomy, policy, work) == "request"
+
+
+def test_a_heterogeneous_fleet_is_served_the_same_whatever_order_it_is_listed_in() -> None:
+    from sim.fleet import parse_fleet
+
+    work = plans(rate=8.0, count=80)
+    slow, fast = "qwen2.5-7b-2xv100-linear", "qwen2.5-7b-2xv100-linear-x4"
+    runs = []
+    for text in (f"neutral=2:{slow},neutral=2:{fast}", f"neutral=2:{fast},neutral=2:{slow}"):
+        outcome = simulate_slices(SimFleet(parse_fleet(text, engine=ENGINE)), work, SliceConfig(), seed=2)
+        runs.append((outcome.duration_s, sorted(r.e2e_ms or 0.0 for r in outcome.results)))
+    assert runs[0] == runs[1]

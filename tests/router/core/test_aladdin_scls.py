@@ -167,3 +167,54 @@ def test_slice_length_bounds(context: int, remaining: int) -> None:
     assert slice_length(context * 2, remaining, serving, config) >= length
     fixed = SliceConfig(slice_tokens=64, recompute_share=None)
     assert slice_length(context, remaining, serving, fixed) == min(64, remaining)
+
+
+@PROPS
+@given(
+    legs=st.lists(
+        st.tuples(st.integers(16, 2000), st.integers(0, 800), st.integers(1, 800)), min_size=1, max_size=10
+    ),
+    prompt=st.integers(16, 8000),
+)
+def test_constraint_d_is_the_least_whole_life_atgt_slack_of_the_residents(
+    legs: list[tuple[int, int, int]], prompt: int
+) -> None:
+    """(d): the prefill this prompt puts on a colocated instance over the least slack any resident
+    has (saved so far at the current step, plus still to save at the step with this request), checked
+    leg by leg; a resident whose slack it would exceed is the one that keeps the request off."""
+    import dataclasses
+
+    import numpy as np
+
+    from router.core.columns import ResidentLegs, StaticResidents
+
+    tokens = sum(p + g for p, g, _ in legs)
+    scheduler = make_scheduler("binpack", tpot_slo_ms=60.0, ttft_slo_ms=60_000.0)
+    snapshot = make_snapshot(
+        inst("n", "neutral", decode_requests=len(legs), decode_tokens=tokens, used_kv_tokens=tokens),
+        inst("m", "neutral"),
+    )
+    view = scheduler.view(snapshot, NOW)
+    n = view.instances.index["n"]
+    known = ResidentLegs(
+        np.full(len(legs), n, dtype=np.intp),
+        np.array([float(p + g) for p, g, _ in legs]),
+        np.array([float(r) for _, _, r in legs]),
+        np.ones(len(legs), dtype=bool),
+        np.array([float(g) for _, g, _ in legs]),
+    )
+    view = dataclasses.replace(view, residents=StaticResidents(known), load_memo={})
+    ctx = scheduler.context(view, make_request("new", prompt, max_tokens=64))
+    ratio = float(ctx.metric("prefill_over_atgt_slack")[n])
+    step_now = float(ctx.metric("decode_step_ms")[n])
+    step_new = float(ctx.metric("predicted_tpot")[n])
+    from router.core.packing import prefill_stall_ms
+
+    stall = float(prefill_stall_ms(ctx)[n])
+    slacks = [g * (60.0 - step_now) + max(r, 1) * (60.0 - step_new) for _, g, r in legs]
+    least = min(slacks)
+    if least > 0:
+        assert ratio == pytest.approx(stall / least, rel=1e-9)
+    else:
+        assert ratio == math.inf
+    assert float(ctx.metric("prefill_over_atgt_slack")[view.instances.index["m"]]) == 0.0  # nothing decodes
