@@ -57,6 +57,9 @@ workload spec (--workload):
   a preset name         {", ".join(WORKLOAD_PRESETS)} (default: {DEFAULT_WORKLOAD})
   a weighted mix        chat=0.7,code=0.3   (class presets, weights normalised)
   a JSON or YAML file   my-workload.yaml
+  a trace               trace:FILE  (Azure CSV, raw Azure CSV or Mooncake JSONL; its own timing
+                        unless --rate; --trace-speed, --trace-window, --trace-classes; see
+                        docs/real-traces.md)
 
 class presets (lengths in tokens; lognormal(median,sigma,min,max) is clipped to [min,max]):
 {_presets_help()}

@@ -117,7 +117,8 @@ policies (--policies): a registered policy ({", ".join(POLICIES.names())}),
   {SLO_ADAPTIVE_PD} (the slo policy with --enable-adaptive-pd: every instance may take
   either role per request), or a policy YAML file (--policy-config format).
 
-workload: as for `slo-router bench --workload` (presets, class mixes, JSON/YAML files);
+workload: as for `slo-router bench --workload` (presets, class mixes, JSON/YAML files, trace:FILE);
+  a trace replays its own timing unless --rates is given (then its gaps are scaled to each rate);
   --rates sets the mean arrival rate of each run, the workload's burstiness (or --burstiness)
   shapes the gaps, and a closed-loop workload is replayed as Poisson arrivals.
 
@@ -506,6 +507,13 @@ def run(args: argparse.Namespace) -> int:
         )
 
     if args.dispatch_modes is not None:
+        if trace is not None:
+            print(
+                "error: --dispatch-modes (slice-level dispatch) replays synthetic workloads only; "
+                "drop it or use a preset/file workload",
+                file=sys.stderr,
+            )
+            return 2
         return slicing.run_cli(args, fleet, workload, policies, rates, title, progress)
     try:
         points = run_sweep(

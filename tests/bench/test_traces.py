@@ -161,3 +161,30 @@ def test_simulate_cli_names_a_bad_trace(tmp_path: Path, capsys: pytest.CaptureFi
     path.write_text("arrived_at,num_prefill_tokens,num_decode_tokens\n0,1,-3\n")
     assert main(["simulate", "--workload", f"trace:{path}", "--neutral", "1", "--no-progress"]) == 2
     assert "x.csv:2: field 'num_decode_tokens'" in capsys.readouterr().err
+
+
+def test_bench_replays_the_same_trace_through_a_router(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tests.bench.fake_router import FakeRouter, fake_router_in_thread
+
+    servicer = FakeRouter(token_delay_s=0.0)
+    out = tmp_path / "bench.json"
+    args = ["--workload", f"trace:{AZURE}", "--num-requests", "12", "--trace-speed", "1000", "--no-progress"]
+    with fake_router_in_thread(servicer) as address:
+        code = main(["bench", "--target", address, *args, "--output", str(out)])
+    assert code == 0
+    plans = load_trace(f"trace:{AZURE}", TraceOptions(speed=1000.0)).plans(12)
+    doc = json.loads(out.read_text(encoding="utf-8"))
+    assert doc["overall"]["requests"] == 12 and doc["overall"]["errors"] == 0
+    # Classes that ignore EOS ask a live engine for exactly the trace's answer length.
+    sent = sorted((len(r.prompt_token_ids), r.sampling.max_tokens) for r in servicer.received)
+    assert sent == sorted((p.prompt_tokens, p.true_output_tokens) for p in plans)
+
+
+def test_slice_dispatch_refuses_a_trace_rather_than_replaying_something_else(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    args = ["simulate", "--workload", f"trace:{AZURE}", "--neutral", "1", "--dispatch-modes", "slice"]
+    assert main([*args, "--no-progress"]) == 2
+    assert "replays synthetic workloads only" in capsys.readouterr().err
