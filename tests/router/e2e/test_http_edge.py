@@ -23,7 +23,7 @@ import openai
 import pytest
 
 from router.core.queue import QueueConfig
-from tests.router.e2e.cluster import Cluster, embedded_cluster
+from tests.router.e2e.cluster import Cluster, collect, embedded_cluster, generate_request
 from tests.router.e2e.up_process import reap, start_up, wait_for_line
 from workers import vllm_process
 
@@ -195,14 +195,54 @@ async def test_route_is_reported_in_headers() -> None:
         assert raw.headers["x-slo-router-policy"] == "slo"
 
 
+def _late_target_ms(cluster: Cluster, prompt_tokens: int = 2000) -> str:
+    """A TTFT target an idle instance meets (1.2x its prefill), but not behind a :func:`_blocker`."""
+    scheduler = cluster.router.scheduler
+    assert scheduler.predictors is not None
+    budget = scheduler.config.default_max_num_batched_tokens
+    return f"{1.2 * float(scheduler.predictors.default.predict_ttft_ms(prompt_tokens, 0, 0, budget)):.1f}"
+
+
+async def _serving(cluster: Cluster) -> None:
+    """Until the router's view holds both instances with a status (bounded)."""
+    for _ in range(400):
+        if sum(1 for r in cluster.router.reader.snapshot().instances if r.status is not None) >= 2:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("the instances never reached the router's view")
+
+
+async def _blocker(cluster: Cluster) -> asyncio.Future[Any]:
+    """Long prefills on the one prefill instance (engines at the profile's speed: ~1 s of work)."""
+    task = asyncio.gather(
+        *(collect(cluster.stub, generate_request(4000, 2, ttft_ms=60_000.0)) for _ in range(2))
+    )
+    await asyncio.sleep(0.05)
+    return task
+
+
+#: Engines at the profile's speed, so a blocker's prefill lasts while the late requests arrive.
+_PROFILE_SPEED = {"speed_factor": 1.0}
+
+
 async def test_a_late_request_under_the_defaults_is_a_200_that_says_it_is_late() -> None:
-    # The defaults (edf queue, --late-policy serve): a TTFT target no instance can meet is served
-    # anyway, behind on-time work. The client must be able to tell: a header before the first
-    # byte of the body, and the usage object (streamed: the usage chunk).
-    async with http_cluster(prefill=1, decode=1) as (cluster, client, base):
+    # The defaults (edf queue, --late-policy serve): a TTFT target that can no longer be met once
+    # the request waits behind other work is served anyway, behind on-time work. The client must
+    # be able to tell: a header before the first byte of the body, and the usage object (streamed:
+    # the usage chunk). (A target no idle instance could meet is refused at arrival: 429.)
+    async with http_cluster(prefill=1, decode=1, engine_overrides=_PROFILE_SPEED) as (cluster, client, base):
+        await _serving(cluster)
+        with pytest.raises(openai.APIStatusError) as info:
+            await client.completions.create(
+                model=MODEL, prompt="y" * 2000, max_tokens=4, extra_headers={"x-slo-ttft-ms": "1"}
+            )
+        assert info.value.status_code == 429 and "below the best prediction" in str(info.value)
+        target = _late_target_ms(cluster)
+        blocker = await _blocker(cluster)
         raw = await client.completions.with_raw_response.create(
-            model=MODEL, prompt="y" * 2000, max_tokens=4, extra_headers={"x-slo-ttft-ms": "1"}
+            model=MODEL, prompt="y" * 2000, max_tokens=4, extra_headers={"x-slo-ttft-ms": target}
         )
+        await blocker
         assert raw.http_response.status_code == 200
         assert raw.headers["x-slo-router-late"] == "true"
         completion = raw.parse()
@@ -210,16 +250,18 @@ async def test_a_late_request_under_the_defaults_is_a_200_that_says_it_is_late()
         assert completion.usage.model_extra["late"] is True
         assert completion.usage.model_extra["queue_wait_ms"] >= 0
 
+        blocker = await _blocker(cluster)
         stream = await client.completions.with_raw_response.create(
             model=MODEL,
             prompt="y" * 2000,
             max_tokens=4,
             stream=True,
             stream_options={"include_usage": True},
-            extra_headers={"x-slo-ttft-ms": "1"},
+            extra_headers={"x-slo-ttft-ms": target},
         )
         assert stream.headers["x-slo-router-late"] == "true"
         usages = [chunk.usage async for chunk in stream.parse() if chunk.usage is not None]
+        await blocker
         assert (
             len(usages) == 1 and usages[0].model_extra is not None and usages[0].model_extra["late"] is True
         )
@@ -236,11 +278,21 @@ async def test_a_late_request_under_the_defaults_is_a_200_that_says_it_is_late()
 
 async def test_late_policy_reject_is_a_504_naming_the_times() -> None:
     queue = QueueConfig(late_policy="reject")
-    async with http_cluster(prefill=1, decode=1, queue=queue) as (cluster, client, _base):
+    async with http_cluster(prefill=1, decode=1, queue=queue, engine_overrides=_PROFILE_SPEED) as (
+        cluster,
+        client,
+        _base,
+    ):
+        await _serving(cluster)
+        blocker = await _blocker(cluster)
         with pytest.raises(openai.APIStatusError) as info:
             await client.completions.create(
-                model=MODEL, prompt="y" * 2000, max_tokens=4, extra_headers={"x-slo-ttft-ms": "1"}
+                model=MODEL,
+                prompt="y" * 2000,
+                max_tokens=4,
+                extra_headers={"x-slo-ttft-ms": _late_target_ms(cluster)},
             )
+        await blocker
         assert info.value.status_code == 504
         assert "--late-policy reject" in str(info.value) and "ms" in str(info.value)
         await _no_request_left(cluster)
