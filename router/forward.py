@@ -14,16 +14,17 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol, cast
+from typing import Any, cast
 
 import grpc
 from slorouter.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 from router.core.health import OutlierDetector
 from router.core.protocols import VLLM_GRPC_SCHEME
+from router.legs import LegLedger, Target
 from router.mux import MuxConnection, Tokens
 from router.pool import ChannelPool
+from router.vllm_grpc import VllmGrpcClient
 
 logger = logging.getLogger(__name__)
 
@@ -90,23 +91,6 @@ class LegError(Exception):
 def _leg_error(instance_id: str, exc: grpc.aio.AioRpcError) -> LegError:
     code = exc.code()
     return LegError(instance_id, code, exc.details() or "", kv_gone=code in KV_GONE_CODES)
-
-
-class Target(Protocol):
-    """Where a leg runs (a scheduler :class:`~router.core.decision.Choice` is one)."""
-
-    @property
-    def instance_id(self) -> str: ...
-
-    @property
-    def endpoint(self) -> str: ...
-
-
-@dataclass
-class LegLedger:
-    """Worker endpoints that may hold state for a request (to abort on cancel)."""
-
-    endpoints: set[str] = field(default_factory=set)
 
 
 #: What a leg's stream yields: the per-request call's messages, or a multiplexed leg's records
@@ -251,9 +235,6 @@ class WorkerClient:
         self._muxes: dict[str, MuxConnection] = {}
         #: Endpoints that answered ``Streams`` with UNIMPLEMENTED, and when (re-probed after a while).
         self._no_mux: dict[str, float] = {}
-        # Imported here: router.vllm_grpc uses this module's error and ledger types.
-        from router.vllm_grpc import VllmGrpcClient
-
         #: The client of ``vllm-grpc://`` endpoints (vLLM's own gRPC service, see router.vllm_grpc).
         self.vllm = VllmGrpcClient(self, max_channels=pool.max_channels, tls=pool.tls)
 

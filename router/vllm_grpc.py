@@ -37,7 +37,7 @@ import json
 import logging
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
 from slorouter.v1 import common_pb2, worker_pb2
@@ -46,10 +46,8 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vllm_pb2_grpc
 
 from cms.transport import ClientTls, open_channel
 from router.core.protocols import split_endpoint
+from router.legs import LegLedger, LegOwner, Target
 from router.pool import CHANNEL_OPTIONS
-
-if TYPE_CHECKING:
-    from router.forward import LegLedger, Target, WorkerClient
 
 logger = logging.getLogger(__name__)
 
@@ -128,7 +126,7 @@ class VllmGrpcClient:
 
     def __init__(
         self,
-        owner: WorkerClient,
+        owner: LegOwner,
         *,
         max_channels: int,
         tls: ClientTls | None,
