@@ -271,7 +271,7 @@ class QueueConfig(FlagFields):
         metadata=_doc(
             "sa: requests the policy keeps running on an instance at once (the paper's maximum batch size; "
             "set it to the engines' max_num_seqs): the next planned request goes as soon as one ends "
-            "(0 = the engine's batch where the simulator's fleet states it, else bounded by KV memory only)",
+            "(0 = the engine's max_num_seqs as its instance reports it, else bounded by KV memory only)",
             "--sa-max-batch",
         ),
     )
