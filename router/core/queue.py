@@ -156,7 +156,7 @@ class QueueConfig(FlagFields):
             "deadlines under overload on neutral instances; --qlm-*) or sa (seed 000: waiting requests "
             "pre-assigned by remaining KV memory and ordered per instance by simulated annealing of G, "
             "handed to an engine as its slots free; for bursts of mixed-SLO work on engines that run "
-            "few sequences at once, with --sa-max-batch set to their batch; --sa-*)",
+            "one sequence at a time; --sa-*)",
             "--queue-policy",
         ),
     )
