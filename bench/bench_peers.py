@@ -328,10 +328,12 @@ def _plot(rows: Sequence[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
-def _start_fleet() -> tuple[subprocess.Popen[str], str, list[str], str]:
+def _start_fleet(extra: Sequence[str] = ()) -> tuple[subprocess.Popen[str], str, list[str], str]:
+    """``slo-router up`` with sim workers behind HTTP faces (``extra``: more ``up`` flags)."""
     cmd = [
         sys.executable, "-m", "router.cli", "up", "--neutral", str(WORKERS), "--worker-http",
         "--speed-factor", str(SPEED_FACTOR), "--seed", str(SEED), "--listen", "127.0.0.1:0", "--http-listen", "",
+        *extra,
     ]  # fmt: skip
     up = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=REPO)
     cms, urls, token_file = "", [], ""

@@ -20,6 +20,7 @@ from pathlib import Path
 from slorouter.v1 import cms_pb2
 
 from bench.figures import Figure
+from fleet.prefix import id_block_hashes
 from fleet.snapshot import ClusterSnapshot, InstanceRecord
 from predictor import LatencyPredictor
 from router.core.config import SchedulerConfig
@@ -97,6 +98,64 @@ def measure(n: int, adaptive: bool, lp: LatencyPredictor, decisions: int) -> tup
     return _percentiles(samples)
 
 
+#: The long-prompt rows: a 32k-token prompt, hashed in 512-token prefix blocks (64 hashes).
+LONG_PROMPT_TOKENS = 32768
+PREFIX_BLOCK = 512
+
+
+def measure_long_prompt(n: int, lp: LatencyPredictor, decisions: int, routing: str) -> tuple[float, float]:
+    """Decision latency for 32k-token prompts: ``slo`` with ``--prefix-cache-routing routing``.
+
+    With ``approximate`` the index first learns 8 prompt families (each 48 shared blocks then 16
+    of its own) sent to every instance in turn, then every decision looks up a prompt of one of
+    them (its hashes computed outside the timed call, as the router does before scheduling) and
+    is dispatched, so the index keeps learning. ``off`` is today's decision on the same prompts.
+    """
+    config = SchedulerConfig(
+        scheduling_policy="slo",
+        ttft_slo_ms=60000,
+        tpot_slo_ms=200,
+        prefix_cache_routing=routing,
+        prefix_block_tokens=PREFIX_BLOCK,
+    )
+    scheduler = Scheduler(config, lp, random.Random(1))
+    snapshot = fleet(n, seed=n)
+    rng = random.Random(3)
+    blocks = LONG_PROMPT_TOKENS // PREFIX_BLOCK
+
+    def prompt_hashes(family: int, own: int) -> tuple[int, ...]:
+        ids = [family * 1000 + j for j in range(48)] + [10**6 + own * 100 + j for j in range(blocks - 48)]
+        return id_block_hashes(ids, LONG_PROMPT_TOKENS, PREFIX_BLOCK)
+
+    if scheduler.prefix is not None:
+        ids = [r.metadata.instance_id for r in snapshot.instances]
+        for k, instance_id in enumerate(ids):
+            scheduler.prefix.dispatched(instance_id, prompt_hashes(k % 8, k), 10_000_000)
+    pending: deque[str] = deque()
+    samples = []
+    now = 1000.0
+    for k in range(decisions + 100):
+        hashes = prompt_hashes(rng.randrange(8), rng.randrange(1 << 20)) if routing != "off" else ()
+        request = ScheduleInput(f"req-{k}", prompt_tokens=LONG_PROMPT_TOKENS, prefix_hashes=hashes)
+        start = time.perf_counter_ns()
+        try:
+            decision = scheduler.schedule(snapshot, request, now)
+        except NoInstanceError:
+            decision = None
+        if decision is not None:
+            scheduler.dispatched(decision, now)  # the index learns at dispatch: part of the decision's cost
+        elapsed = time.perf_counter_ns() - start
+        if decision is not None:
+            scheduler.record(decision, now, prompt_tokens=LONG_PROMPT_TOKENS)
+            pending.append(request.request_id)
+        if len(pending) > 32:
+            scheduler.inflight.release(pending.popleft())
+        now += 0.0005
+        if k >= 100:
+            samples.append(elapsed / 1e3)
+    return _percentiles(samples)
+
+
 def table_build_ms(n: int) -> tuple[float, float]:
     """Median cost of the per-snapshot columns: a first snapshot, and a new one with the same metadata."""
     first: list[float] = []
@@ -124,6 +183,18 @@ def main() -> list[Figure]:
             print(
                 f"  {n:5d} instances  {name:18s} p50 {p50:8.1f} us   p99 {p99:8.1f} us   ({decisions} decisions)"
             )
+    print(
+        f"32k-token prompt ({LONG_PROMPT_TOKENS} tokens, {PREFIX_BLOCK}-token prefix blocks), slo, 256 instances"
+    )
+    long_rows = {}
+    for routing in ("off", "approximate"):
+        long_rows[routing] = measure_long_prompt(256, lp, 1500, routing)
+        p50, p99 = long_rows[routing]
+        print(
+            f"    prefix-cache-routing {routing:12s} p50 {p50:8.1f} us   p99 {p99:8.1f} us   (1500 decisions)"
+        )
+    ratio = long_rows["approximate"][0] / long_rows["off"][0]
+    print(f"    cache-aware / today's decision: {ratio:.2f}x (p50)")
     print("per-snapshot columns (paid once per new snapshot, not per decision)")
     for n in SIZES:
         first, again = table_build_ms(n)
@@ -140,6 +211,10 @@ def main() -> list[Figure]:
     return [
         Figure(f"scheduling decision, {sizes} instances, `slo`", measured(by_policy[False])),
         Figure("same with adaptive PD", measured(by_policy[True])),
+        Figure(
+            "32k-token prompt at 256 instances, `slo` with prefix-cache routing against without",
+            f"p50 {long_rows['approximate'][0]:.0f} / {long_rows['off'][0]:.0f} µs ({ratio:.2f}x)",
+        ),
     ]
 
 

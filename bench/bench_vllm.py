@@ -334,7 +334,16 @@ def _compare_main(model: str, log_dir: str) -> int:
 
 
 def main() -> list[Figure]:
-    """``make bench``: build the tiny model and run :func:`_compare` in the vLLM environment."""
+    """``make bench``: the wrapper worker vs ``AsyncLLM`` (:func:`worker_main`), then the stock engine path."""
+    from bench import vllm_stock
+
+    figures = worker_main()
+    print("\n--- stock vLLM gRPC engine (vllm serve --grpc) through the router ---", flush=True)
+    return figures + vllm_stock.main()
+
+
+def worker_main() -> list[Figure]:
+    """Build the tiny model and run :func:`_compare` in the vLLM environment."""
     from workers.vllm_env import subprocess_env
     from workers.vllm_process import MISSING_VENV_HINT, REPO, VLLM_PYTHON, build_tiny_model, vllm_env_ready
 

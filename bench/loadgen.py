@@ -441,7 +441,7 @@ async def run_load(
             await asyncio.wait_for(_router_ready(chan), timeout=config.connect_timeout_s)
         except asyncio.TimeoutError:
             raise LoadError(
-                f"cannot reach a router at {config.target} with instances in its view within "
+                f"cannot reach a router at {config.target} that can place a request within "
                 f"{config.connect_timeout_s:g} s; start one (e.g. `slo-router up`), wait for its workers "
                 "to register, or pass --target HOST:PORT"
             ) from None
@@ -452,11 +452,13 @@ async def run_load(
 
 
 async def _router_ready(channel: grpc.aio.Channel) -> None:
-    """Until the channel connects and the router's health says ``SERVING`` (it has a cluster view).
+    """Until the router connects, reports ``SERVING`` and can place a request now.
 
-    A router answers ``NOT_SERVING`` until its first view arrives; requests sent before it would fail
-    (no instance). A server without the health service is taken as ready once connected. The caller
-    bounds the wait.
+    A router answers ``NOT_SERVING`` until its first view arrives, and a view may hold part of a
+    fleet (the prefill worker registered, the decode worker still retrying): requests sent then
+    fail with "no prefill+decode pair". So wait for health, then for a ``Schedule`` dry run of a
+    one-token request that is not ``UNAVAILABLE``. A server without health or ``Schedule`` is
+    taken as ready once connected. The caller bounds the wait.
     """
     await channel.channel_ready()
     check = channel.unary_unary(
@@ -464,15 +466,21 @@ async def _router_ready(channel: grpc.aio.Channel) -> None:
         request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
         response_deserializer=health_pb2.HealthCheckResponse.FromString,
     )
+    schedule = router_pb2_grpc.RouterStub(channel).Schedule
+    probe = router_pb2.ScheduleRequest(
+        request=router_pb2.GenerateRequest(
+            prompt_token_ids=[1], sampling=common_pb2.SamplingParams(max_tokens=1)
+        )
+    )
     while True:
         try:
             reply = await check(health_pb2.HealthCheckRequest(service=""), timeout=2.0)
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.NOT_FOUND):
-                return
-        else:
             if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                await schedule(probe, timeout=2.0)
                 return
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                return  # no health or Schedule service, or a refusal that waiting does not cure
         await asyncio.sleep(0.1)
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import hashlib
 import json
 import math
 import random
@@ -339,6 +340,19 @@ class SloClass:
     priority: int = field(
         default=0, metadata=doc("GenerateRequest.priority sent with every request of the class")
     )
+    prefix_groups: int = field(
+        default=0,
+        metadata=doc(
+            "shared prefixes (system prompts, documents) the class's prompts start with, one drawn per "
+            "request; 0 = none"
+        ),
+    )
+    prefix_tokens: int = field(
+        default=0,
+        metadata=doc(
+            "tokens of the shared prefix, before the prompt's own tokens (whole 512-token blocks are reusable)"
+        ),
+    )
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]+", self.name):
@@ -346,11 +360,31 @@ class SloClass:
         _check_positive(f"class {self.name!r}: share", self.share)
         if self.max_tokens is not None:
             _check_int(f"class {self.name!r}: max_tokens", self.max_tokens, minimum=1)
+        _check_int(f"class {self.name!r}: prefix_groups", self.prefix_groups, minimum=0)
+        _check_int(f"class {self.name!r}: prefix_tokens", self.prefix_tokens, minimum=0)
+        if self.prefix_groups > 1_000_000 or self.prefix_tokens > 1_000_000:
+            raise WorkloadError(
+                f"class {self.name!r}: prefix_groups and prefix_tokens must be <= 1000000, got "
+                f"{self.prefix_groups} and {self.prefix_tokens}"
+            )
+        if (self.prefix_groups > 0) != (self.prefix_tokens > 0):
+            raise WorkloadError(
+                f"class {self.name!r}: give prefix_groups and prefix_tokens together (both > 0), got "
+                f"{self.prefix_groups} and {self.prefix_tokens}"
+            )
 
     @property
     def cap_tokens(self) -> int:
         """The ``max_tokens`` a request of the class carries: ``max_tokens``, else the output's largest value."""
         return self.max_tokens if self.max_tokens is not None else self.output.bounds[1]
+
+    def prefix_hash_ids(self, group: int, block_tokens: int) -> tuple[int, ...]:
+        """The prefix-block ids of shared prefix ``group``: one per whole block, distinct per class."""
+        out = []
+        for j in range(self.prefix_tokens // block_tokens):
+            digest = hashlib.blake2b(f"{self.name}/{group}/{j}".encode(), digest_size=7).digest()
+            out.append(int.from_bytes(digest, "little"))
+        return tuple(out)
 
     def describe(self) -> str:
         return (
@@ -512,6 +546,17 @@ CLASS_PRESETS: Mapping[str, SloClass] = {
         prompt=UniformLength(16, 64),
         output=FixedLength(16),
     ),
+    # An assistant behind a few long system prompts (tools, instructions, a RAG document): 3 kB-token
+    # shared prefixes out of 8, then the user's own turn. Prefix-cache heavy.
+    "shared-prefix": SloClass(
+        name="shared-prefix",
+        share=1.0,
+        slo=SloTarget(ttft_ms=1000.0, tpot_ms=50.0),
+        prompt=LognormalLength(256.0, 0.8, 16, 2048),
+        output=LognormalLength(128.0, 0.8, 8, 1024),
+        prefix_groups=8,
+        prefix_tokens=3072,
+    ),
 }
 
 #: Workload presets: name -> class presets (with their default shares).
@@ -528,6 +573,8 @@ WORKLOAD_PRESETS: Mapping[str, tuple[str, ...]] = {
     "interactive-batch": ("interactive", "batch"),
     # Seed 000's mix: code and chat in equal shares, each judged its own way.
     "code-chat": ("python-code", "sharegpt"),
+    # Prompts behind shared system prompts (prefix caching pays).
+    "prefix-heavy": ("shared-prefix",),
 }
 
 DEFAULT_WORKLOAD = "mixed"
@@ -602,6 +649,8 @@ _CLASS_KEYS = frozenset(
         "max_tokens",
         "ignore_eos",
         "priority",
+        "prefix_groups",
+        "prefix_tokens",
     }
 )
 _ARRIVAL_KEYS = frozenset({*(f.name for f in dataclasses.fields(ArrivalSpec)), "cv"})
@@ -630,7 +679,9 @@ def _parse_class(doc: Any, where: str) -> SloClass:
         raise WorkloadError(f"{where}: a class needs a 'name' (or a 'preset' to start from)")
     slo_changes = {k: doc[k] for k in ("ttft_ms", "tpot_ms", "e2e_ms") if k in doc}
     changes: dict[str, Any] = {
-        k: doc[k] for k in ("name", "share", "max_tokens", "ignore_eos", "priority") if k in doc
+        k: doc[k]
+        for k in ("name", "share", "max_tokens", "ignore_eos", "priority", "prefix_groups", "prefix_tokens")
+        if k in doc
     }
     if "ignore_eos" in changes and not isinstance(changes["ignore_eos"], bool):
         raise WorkloadError(f"{where}: ignore_eos must be true or false, got {changes['ignore_eos']!r}")
@@ -735,6 +786,8 @@ def workload_to_dict(spec: WorkloadSpec) -> dict[str, Any]:
                 "max_tokens": c.max_tokens,
                 "ignore_eos": c.ignore_eos,
                 "priority": c.priority,
+                "prefix_groups": c.prefix_groups,
+                "prefix_tokens": c.prefix_tokens,
             }
             for c in spec.classes
         ],
@@ -793,6 +846,9 @@ def load_workload(spec: str | None = None) -> WorkloadSpec:
 
 
 # --------------------------------------------------------------------------- plans
+
+#: Tokens per prefix-block id of a synthetic shared prefix (Mooncake's block).
+PREFIX_BLOCK_TOKENS = 512
 
 
 @dataclass(frozen=True, slots=True)
@@ -918,11 +974,18 @@ def iter_requests(
                 return
             k = int(choice[j])
             cls = spec.classes[k]
+            prompt_tokens = int(prompts[k, j])
+            hash_ids: tuple[int, ...] = ()
+            if cls.prefix_groups:
+                # The shared prefix comes first; the group from the request's own seed (no new stream).
+                group = int(seeds[j]) % cls.prefix_groups
+                hash_ids = cls.prefix_hash_ids(group, PREFIX_BLOCK_TOKENS)
+                prompt_tokens += cls.prefix_tokens
             yield RequestPlan(
                 index=index,
                 arrival_s=float(offsets[j]),
                 class_name=cls.name,
-                prompt_tokens=int(prompts[k, j]),
+                prompt_tokens=prompt_tokens,
                 max_tokens=caps[k],
                 output_tokens=min(int(outputs[k, j]), caps[k]),
                 slo=cls.slo,
@@ -931,6 +994,8 @@ def iter_requests(
                 token_id_high=spec.token_id_high,
                 ignore_eos=cls.ignore_eos,
                 priority=cls.priority,
+                hash_ids=hash_ids,
+                prefix_block_tokens=PREFIX_BLOCK_TOKENS,
             )
             index += 1
 

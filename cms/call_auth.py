@@ -23,7 +23,8 @@ from typing import Any
 
 import grpc
 
-from cms.auth import read_client_token
+from cms.auth import read_client_token_text
+from fleet.flags import file_problem
 
 _Handler = Any  # grpc's RpcMethodHandler namedtuple
 
@@ -38,9 +39,11 @@ def read_worker_token(path: str | None, flag: str = "--worker-auth-token-file") 
     if not path:
         return None
     try:
-        return read_client_token(Path(path))
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{flag}: {exc}") from None
+        return read_client_token_text(Path(path).read_text(encoding="utf-8"), "")
+    except OSError as exc:
+        raise ValueError(f"{flag} {path}: {file_problem(exc)}") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{flag} {path}: {exc}") from None
 
 
 def _refusal(message: str) -> Callable[..., Any]:

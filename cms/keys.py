@@ -6,10 +6,14 @@ command nothing made them. It writes, into ``DIR``:
 
 - ``cms.tokens``: the CMS's token file (``cms --auth-token-file``), one
   ``NAME TOKEN`` line per token below;
-- ``ID.token`` per worker id: that worker's token (``worker
-  --cms-auth-token-file``). Its principal is ``worker.ID``, so the CMS gives
-  the id to that token only and one worker cannot write another's entry;
-- ``router.token``: a token for routers, which read the cluster view;
+- ``ID.token`` per worker id: that worker's CMS token (``worker
+  --cms-auth-token-file``), scoped ``write:ID``: it may register and report
+  for that id only, so one worker cannot write another's entry;
+- ``router.token``: a ``read`` token for routers (``router
+  --cms-auth-token-file``): they read the cluster view and write nothing;
+- ``worker-call.token``: the worker token (``--worker-auth-token-file`` on the
+  router and on every worker): workers refuse calls that start, run or abort
+  work without it;
 - ``kv.key``: the key every worker signs and checks kv handles with
   (``worker --kv-key-file``).
 
@@ -37,7 +41,7 @@ _ID = re.compile(r"[A-Za-z0-9._:-]{1,57}")
 #: At most this many workers in one directory (each is one file and one line of cms.tokens).
 MAX_WORKERS = 1024
 #: File names this command writes besides the per-worker ones; a worker id may not collide.
-_RESERVED = {"router", "cms", "kv"}
+_RESERVED = {"router", "cms", "kv", "worker-call"}
 
 
 def worker_ids(text: str) -> list[str]:
@@ -77,6 +81,7 @@ def write_secrets(directory: Path, ids: list[str], *, force: bool = False) -> di
     paths = {
         "cms": directory / "cms.tokens",
         "router": directory / "router.token",
+        "worker-call": directory / "worker-call.token",
         "kv": directory / "kv.key",
     }
     paths.update({iid: directory / f"{iid}.token" for iid in ids})
@@ -86,13 +91,14 @@ def write_secrets(directory: Path, ids: list[str], *, force: bool = False) -> di
             raise FileExistsError(f"{', '.join(taken)} already exist (--force replaces them)")
     tokens = {iid: new_token() for iid in ids}
     router_token = new_token()
-    lines = ["# slo-router cms --auth-token-file: one 'NAME TOKEN' per line"]
-    lines += [f"worker.{iid} {token}" for iid, token in tokens.items()]
-    lines.append(f"router {router_token}")
+    lines = ["# slo-router cms --auth-token-file: one 'NAME TOKEN SCOPE' per line"]
+    lines += [f"worker.{iid} {token} write:{iid}" for iid, token in tokens.items()]
+    lines.append(f"router {router_token} read")
     _write(paths["cms"], "\n".join(lines) + "\n", force=force)
     for iid, token in tokens.items():
         _write(paths[iid], token + "\n", force=force)
     _write(paths["router"], router_token + "\n", force=force)
+    _write(paths["worker-call"], new_token() + "\n", force=force)
     _write(paths["kv"], new_token() + "\n", force=force)
     return paths
 
@@ -119,17 +125,19 @@ def run(args: argparse.Namespace) -> int:
     def shown(name: str) -> str:  # the path as the user will type it: DIR as given, then the file
         return os.path.join(args.dir, name)
 
-    kv = shown("kv.key")
-    print(f"wrote {len(ids) + 3} secrets into {args.dir} (directory 0700, files 0600):")
+    kv, call = shown("kv.key"), shown("worker-call.token")
     print(
-        f"  slo-router cms    --auth-token-file {shown('cms.tokens')}        (every token below, one per line)"
+        f"wrote {len(ids) + 4} secrets into {args.dir} (directory 0700, files 0600); the flags that take them:"
     )
+    print(f"  slo-router cms    --auth-token-file {shown('cms.tokens')}")
     for iid in ids:
         print(
             f"  slo-router worker --instance-id {iid} --cms-auth-token-file {shown(iid + '.token')} "
-            f"--kv-key-file {kv}"
+            f"--kv-key-file {kv} --worker-auth-token-file {call}"
         )
-    print(f"  slo-router router --cms-auth-token-file {shown('router.token')}")
+    print(
+        f"  slo-router router --cms-auth-token-file {shown('router.token')} --worker-auth-token-file {call}"
+    )
     return 0
 
 
@@ -139,8 +147,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="write the tokens and key the pieces run by hand need",
         description=(
             "Write every secret a cluster started piece by piece needs into DIR: the CMS's token "
-            "file (cms.tokens), one token per worker id (ID.token), a router read token "
-            "(router.token) and the key workers sign kv handles with (kv.key). DIR is made "
+            "file (cms.tokens), one token per worker id (ID.token, allowed to write that id only), a "
+            "read-only router token (router.token), the token workers require of calls that run work "
+            "(worker-call.token) and the key workers sign kv handles with (kv.key). DIR is made "
             "owner-only (0700), every file 0600. Prints which flag of which command takes which file."
         ),
     )

@@ -40,6 +40,8 @@ KEEPALIVE_SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_recv_ping_interval_without_data_ms", round(MIN_CLIENT_KEEPALIVE_S * 1000)),
     ("grpc.http2.min_ping_interval_without_data_ms", round(MIN_CLIENT_KEEPALIVE_S * 1000)),
+    # And never GOAWAY for pings (a ping costs the server an ACK frame, nothing more).
+    ("grpc.http2.max_ping_strikes", 0),
 )
 
 

@@ -38,7 +38,7 @@ _WITH_VALUE = re.compile(
     r"^(?P<flag>--[A-Za-z0-9][\w-]*)(?:=| )(?P<value>'[^']*'|\"[^\"]*\"|\S+?): (?P<why>.+)$", re.S
 )
 #: ``--flag must be X, got VALUE`` (and ``--flag is empty``-like sentences without a value).
-_GOT = re.compile(r"^(?P<flag>--[A-Za-z0-9][\w-]*) (?P<why>.+?),? got (?P<value>\S+)$", re.S)
+_GOT = re.compile(r"^(?P<flag>--[A-Za-z0-9][\w-]*) (?P<why>.+?),? got (?P<value>\S+|\[[^\]]*\])$", re.S)
 #: A reason ending in the value it is about (``..., got '0'``).
 _GOT_TAIL = re.compile(r",? got (\S+)$")
 #: ``--flag: reason`` (a file flag whose problem is its content or absence).
@@ -88,6 +88,8 @@ def _is_option(word: str) -> bool:
 def _same(shown: str, typed: str) -> bool:
     if shown == typed:
         return True
+    if shown.startswith("[") and shown.endswith("]"):  # a parsed list: [5, 5] is "5,5" as typed
+        return shown[1:-1].replace(" ", "").replace("'", "") == typed.replace(" ", "")
     try:
         return float(shown) == float(typed)
     except ValueError:

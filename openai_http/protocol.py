@@ -339,14 +339,22 @@ def _check_text(value: Any) -> None:
 
 @dataclass(frozen=True)
 class Usage:
+    """The ``usage`` object: OpenAI's token counts, then what the server adds (``extra``).
+
+    The router adds whether the request was served late (``late``) and how long it waited in its
+    queue (``queue_wait_ms``): OpenAI clients keep unknown usage fields (``usage.model_extra``).
+    """
+
     prompt_tokens: int
     completion_tokens: int
+    extra: Mapping[str, Any] = field(default_factory=dict)
 
-    def body(self) -> dict[str, int]:
+    def body(self) -> dict[str, Any]:
         return {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
+            **self.extra,
         }
 
 

@@ -21,8 +21,17 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from router.core.errors import ConfigError, QueueFullError, RouterError, ShedError
+from router.arrival import ArrivalCheck
+from router.core.errors import (
+    ConfigError,
+    QueueFullError,
+    QueueTimeoutError,
+    RouterError,
+    SchedulingError,
+    ShedError,
+)
 from router.core.queue import (
+    FleetDrain,
     Objective,
     QueueConfig,
     QueueEntry,
@@ -39,6 +48,10 @@ from router.route import Route
 from router.telemetry import RequestObserver
 
 logger = logging.getLogger(__name__)
+
+#: Least time between two sweeps of the late entries for ones that cannot start before their
+#: wait limit (:meth:`Admission._refuse_beyond_wait`); each sweep is one pass over the queue.
+LATE_SWEEP_INTERVAL_S = 0.25
 
 
 @dataclass(frozen=True)
@@ -80,6 +93,8 @@ class Admission:
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = float("inf")
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._arrival = ArrivalCheck(placer.scheduler, placer.snapshot)
+        self._last_sweep = -float("inf")
 
     @property
     def enabled(self) -> bool:
@@ -95,6 +110,8 @@ class Admission:
         self._loop = loop
         now = self._clock()
         request = self.placer.schedule_input(req, exclude=exclude)
+        # A target no idle instance could meet is refused now, not after the wait limit.
+        self._arrival.check(request, now)
         self.queue.observe_arrival(request)
         future: asyncio.Future[Admitted] = loop.create_future()
         entry, shed = self.queue.push(request, now, token=future)
@@ -239,7 +256,61 @@ class Admission:
             self._observer.queue_event(event)
             if not future.done() and result.error is not None:
                 future.set_exception(result.error)
+        if len(self.queue):
+            self._refuse_beyond_wait(now)
         self._arm_timer(now)
+
+    def _refuse_beyond_wait(self, now: float) -> None:
+        """Late entries whose best case starts only after their wait limit are refused now.
+
+        Every on-time entry goes before any late one, and late ones go in the queue's order, so a
+        late entry starts its prefill only once the fleet has prefilled the work queued in front
+        of it now: :meth:`FleetDrain.start_ms` of those tokens (at the fleet's full prefill rate,
+        or the rate the queue really drained at lately when slower) predicts its wait (later
+        on-time arrivals that go first only add to it). An entry whose remaining wait
+        (``--max-queue-wait-ms`` minus what it waited) is shorter would be refused at the limit
+        anyway: it is refused at once, so the client learns it now (under a 4x overload most
+        refusals came only after the full 60 s) and the backlog left when a burst ends is only
+        what can still be served. One pass over the queue, at most every
+        :data:`LATE_SWEEP_INTERVAL_S`.
+        """
+        if now - self._last_sweep < LATE_SWEEP_INTERVAL_S:
+            return
+        self._last_sweep = now
+        entries = list(self.queue.entries())  # offer order: on-time entries first, then the late ones
+        if not any(e.late for e in entries):
+            return
+        try:
+            scheduler = self.placer.scheduler
+            view = scheduler.view(self.placer.snapshot(), now)
+            drain = FleetDrain.of(scheduler, view, now, self.queue.drain_rate(now))
+        except SchedulingError:
+            return
+        if drain is None:
+            return
+        limit_ms = self.config.max_queue_wait_ms
+        ahead = 0  # prompt tokens of the entries still queued in front of this one
+        for entry in entries:
+            if not entry.late:
+                ahead += entry.request.prompt_tokens
+                continue
+            remaining_ms = limit_ms - (now - entry.enqueued_s) * 1e3
+            start_ms = drain.start_ms(ahead)
+            if start_ms <= remaining_ms or self.queue.remove(entry.request_id) is None:
+                ahead += entry.request.prompt_tokens
+                continue
+            self._observer.queue_changed(entry.request, -1)
+            self._observer.queue_event("refused_early")
+            future: asyncio.Future[Admitted] = entry.token
+            if not future.done():
+                future.set_exception(
+                    QueueTimeoutError(
+                        f"request {entry.request_id!r} cannot start for at least {start_ms:.0f} ms (the "
+                        f"work queued before it), past the {max(remaining_ms, 0.0):.0f} ms it may still wait "
+                        f"in the router queue (--max-queue-wait-ms {limit_ms:g}): refused now rather than at "
+                        "the limit; retry later or add capacity"
+                    )
+                )
 
     def _arm_timer(self, now: float) -> None:
         """Wake at the first moment an entry expires or turns late without any other event."""
@@ -263,6 +334,16 @@ class Admission:
     def position(self, request: ScheduleInput) -> int:
         """Where ``request`` would stand in the queue now."""
         return self.queue.position_of_new(request, self._clock())
+
+    def refuse_queued(self, error: RouterError) -> None:
+        """Fail every queued request with ``error`` now (shutdown); arrivals after this are the caller's."""
+        for entry in list(self.queue.entries()):
+            if self.queue.remove(entry.request_id) is None:
+                continue
+            self._observer.queue_changed(entry.request, -1)
+            future: asyncio.Future[Admitted] = entry.token
+            if not future.done():
+                future.set_exception(error)
 
     def close(self) -> None:
         """Cancel the timer (the server is stopping)."""

@@ -58,6 +58,30 @@ _FACTOR = re.compile(
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 
+#: ``--help``'s text: the module docstring's content, in words for a terminal (no reST markup).
+DESCRIPTION = """\
+Turn a running fleet's observations into a new profile directory.
+
+Two kinds of input (--from):
+
+- step samples: a JSON list or JSON-lines file of engine steps as the workers
+  report them (num_prefill_tokens, num_decode_requests, num_decode_tokens,
+  duration_ms; optional group, picked with --group). They are fed to the
+  router's own calibration over the base profile (--profile), and the new
+  profile is the calibrated prediction at every point of the base profile's
+  grids (--mode refit: the least-squares step model where it was fitted;
+  scale: the base profile times the robust factors);
+- the router's Prometheus metrics (a file, or an http:// URL of the router's
+  --metrics-port): the slo_router_calibration_factor_ratio gauges of --group;
+  the new profile is the base profile times those factors.
+
+The output directory (--out) holds ttft.json and tpot.json in the profile
+schema (router --profile DIR takes it as is, as do --profile-group NAME=DIR and
+--ttft-/--tpot-profiling-data-path) and coefficients.json, the closed-form fit
+of the new profile.
+"""
+
+
 class CalibrateError(ValueError):
     """The input cannot be turned into a profile; the message names the flag and the fix."""
 
@@ -66,7 +90,7 @@ def register(subparsers: Any) -> None:
     parser: argparse.ArgumentParser = subparsers.add_parser(
         "calibrate",
         help="write a new profile directory from a running fleet's step samples or calibration metrics",
-        description=__doc__,
+        description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
@@ -81,7 +105,8 @@ def register(subparsers: Any) -> None:
         "--profile",
         default=str(DEFAULT_BASE),
         metavar="DIR",
-        help="base profile (ttft.json + tpot.json) the fleet was predicted with (default: %(default)s)",
+        help="base profile (ttft.json + tpot.json) the fleet was predicted with (default: the bundled "
+        f"{DEFAULT_BASE.name})",
     )
     parser.add_argument(
         "--group", default=None, metavar="NAME", help="only this profile group's samples / factors"

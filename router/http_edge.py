@@ -21,9 +21,13 @@ header              body field             meaning
 ==================  =====================  =========================================
 
 Router errors map to HTTP statuses here (and to gRPC codes in the service):
-a malformed request is 400, an id already in flight 409, "no instance is
-predicted to meet the SLO" 429, an empty or failing fleet 503. Responses carry
-the route in ``x-slo-router-*`` headers. The edge adds two metric families to
+a malformed request is 400, an id already in flight 409, "no instance can take
+it" (``--queue-policy none``), a full queue or a queue wait over
+``--max-queue-wait-ms`` 429, a late request under ``--late-policy reject`` 504,
+an empty or failing fleet 503. With the defaults (``edf``, ``--late-policy
+serve``) a request no instance can meet waits and is served: a late one is a
+200 with ``x-slo-router-late: true`` and ``"late": true`` in its usage object.
+Responses carry the route in ``x-slo-router-*`` headers. The edge adds two metric families to
 the router's registry: the targets in force per class, and per class how many
 completed requests met all their targets.
 """
@@ -59,6 +63,8 @@ from router.core.errors import (
     QueueTimeoutError,
     RetriesExhaustedError,
     RouterError,
+    ShuttingDownError,
+    UnmeetableError,
 )
 from router.forward import LegError
 from router.service import RouterService, ServiceConfig
@@ -171,11 +177,11 @@ def http_status(exc: RouterError | LegError) -> int:
         return 400
     if isinstance(exc, DuplicateRequestError):
         return 409
-    if isinstance(exc, (NoInstanceError, QueueFullError, QueueTimeoutError)):
+    if isinstance(exc, (NoInstanceError, QueueFullError, QueueTimeoutError, UnmeetableError)):
         return 429
     if isinstance(exc, LateError):
         return 504
-    if isinstance(exc, (EmptyClusterError, RetriesExhaustedError)):
+    if isinstance(exc, (EmptyClusterError, RetriesExhaustedError, ShuttingDownError)):
         return 503
     return 500
 
@@ -219,14 +225,19 @@ class EdgeMetrics:
         self.results.labels(slo_class=label, result="met" if met else "missed").inc()
 
 
-def _route_headers(route: router_pb2.RouteInfo) -> dict[str, str]:
-    return {
+def _route_headers(route: router_pb2.RouteInfo, *, late: bool = False) -> dict[str, str]:
+    headers = {
         "x-slo-router-prefill": route.prefill_instance_id,
         "x-slo-router-decode": route.decode_instance_id,
         "x-slo-router-policy": route.policy,
         "x-slo-router-predicted-ttft-ms": f"{route.predicted_ttft_ms:.3f}",
         "x-slo-router-predicted-tpot-ms": f"{route.predicted_tpot_ms:.3f}",
     }
+    if late:
+        # Served although its TTFT target was out of reach (--late-policy serve): a 200 that
+        # already missed its SLO. The usage object of the last chunk says it again (``late``).
+        headers["x-slo-router-late"] = "true"
+    return headers
 
 
 class RouterBackend:
@@ -274,6 +285,8 @@ class RouterBackend:
         return sorted(lengths.items())
 
     def health(self) -> str | None:
+        if self._service.draining:
+            return "the router is shutting down (draining): send requests elsewhere"
         counts = self._instance_counts()
         if any(n for (_, health), n in counts.items() if health == "healthy"):
             return None
@@ -307,9 +320,13 @@ class RouterBackend:
                     piece = Piece(out.text, out.finished, out.finish_reason)
                     if out.route is not None:  # the first step
                         self._metrics.accepted(label, targets)
-                        piece.headers = _route_headers(out.route)
+                        piece.headers = _route_headers(out.route, late=out.late)
                     if out.finished and out.usage is not None:
-                        piece.usage = Usage(out.usage.prompt_tokens, out.usage.completion_tokens)
+                        piece.usage = Usage(
+                            out.usage.prompt_tokens,
+                            out.usage.completion_tokens,
+                            {"late": out.usage.late, "queue_wait_ms": round(out.usage.queue_wait_ms, 3)},
+                        )
                         self._metrics.completed(label, targets, out.usage)
                     yield piece
         except (RouterError, LegError) as exc:

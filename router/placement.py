@@ -20,6 +20,7 @@ from typing import Protocol
 import numpy as np
 from slorouter.v1 import cms_pb2, router_pb2
 
+from fleet.prefix import token_block_hashes
 from fleet.snapshot import ClusterSnapshot
 from router.core.calibration import Calibrator
 from router.core.capacity import LoadTracker, estimate_instances
@@ -181,7 +182,16 @@ class Placer:
         stages: StageRestriction = StageRestriction.ALL,
         prompt_tokens: int | None = None,
     ) -> ScheduleInput:
-        """What the scheduling core sees of ``req``."""
+        """What the scheduling core sees of ``req``.
+
+        With a prefix source the prompt's block hashes go with it (:mod:`fleet.prefix`), so the
+        prediction charges only the tokens each instance's cache lacks; a re-placement of decode
+        (its own ``prompt_tokens``) computes no prompt and carries none.
+        """
+        prefix = self.scheduler.prefix
+        hashes: tuple[int, ...] = ()
+        if prefix is not None and prompt_tokens is None:
+            hashes = token_block_hashes(req.prompt_token_ids, prefix.block_tokens)
         return ScheduleInput(
             request_id=req.request_id,
             prompt_tokens=len(req.prompt_token_ids) if prompt_tokens is None else prompt_tokens,
@@ -198,6 +208,7 @@ class Placer:
             priority=req.priority,
             slo_class=req.slo_class,
             arrival_s=req.arrival_s,
+            prefix_hashes=hashes,
         )
 
     def snapshot(self) -> ClusterSnapshot:
@@ -436,6 +447,10 @@ class Placer:
     def release(self, request_id: str) -> None:
         """The request ended at the router: its in-flight entries go."""
         self.scheduler.inflight.release(request_id)
+
+    def confirm(self, request_id: str, instance_id: str) -> None:
+        """``instance_id`` is running the request now (see ``InflightAccount.confirm``)."""
+        self.scheduler.inflight.confirm(request_id, instance_id, int(time.time() * 1000))
 
     def dry_run(
         self,

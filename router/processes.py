@@ -11,7 +11,8 @@ process answers ``Generate`` with trailing metadata ``slo-router-process``
 (its slot), so a client can tell which one served it.
 
 Children die with the first process (``PR_SET_PDEATHSIG``, :mod:`router.lifetime`) and get SIGTERM
-on a clean shutdown; a child's slot is cleared when it exits.
+on a clean shutdown; a child's slot is cleared when it exits, and a child that exits on its own is
+started again with backoff (0.5 s, doubling to 30 s while it keeps dying young).
 """
 
 from __future__ import annotations
@@ -34,6 +35,11 @@ logger = logging.getLogger(__name__)
 
 #: How long a started process may take to listen.
 START_TIMEOUT_S = 60.0
+#: A process that exited is started again after this long, doubling while it keeps dying young.
+RESPAWN_BACKOFF_S = 0.5
+RESPAWN_MAX_BACKOFF_S = 30.0
+#: A process that ran this long before exiting is restarted after the first backoff again.
+RESPAWN_HEALTHY_S = 60.0
 
 
 @dataclass
@@ -92,49 +98,87 @@ class RouterProcesses:
                 raise
         return group
 
+    def _command(self, argv: Sequence[str], address: str, slot: int) -> list[str]:
+        assert self.shared is not None
+        return [
+            sys.executable, "-m", "router.cli", *argv,
+            # argparse takes the last of a repeated flag: these override the user's.
+            "--listen", address, "--processes", "1",
+            "--shared-inflight", f"{self.shared.name}:{slot}:{self.shared.processes}",
+            "--http-listen", "", "--metrics-port", "0",
+        ]  # fmt: skip
+
+    @staticmethod
+    async def _exec(cmd: Sequence[str]) -> asyncio.subprocess.Process:
+        return await asyncio.create_subprocess_exec(
+            *cmd,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            env=child_env(),  # (:mod:`router.lifetime`: no preexec_fn in a threaded process)
+        )
+
+    @staticmethod
+    async def _listening(child: asyncio.subprocess.Process) -> bool:
+        assert child.stdout is not None
+        try:
+            async with asyncio.timeout(START_TIMEOUT_S):
+                while line := (await child.stdout.readline()).decode(errors="replace"):
+                    if line.startswith("router listening on "):
+                        return True
+        except TimeoutError:
+            pass
+        return False
+
     async def _spawn(self, argv: Sequence[str], address: str) -> None:
         assert self.shared is not None
         for slot in range(1, self.shared.processes):
-            cmd = [
-                sys.executable, "-m", "router.cli", *argv,
-                # argparse takes the last of a repeated flag: these override the user's.
-                "--listen", address, "--processes", "1",
-                "--shared-inflight", f"{self.shared.name}:{slot}:{self.shared.processes}",
-                "--http-listen", "", "--metrics-port", "0",
-            ]  # fmt: skip
-            child = await asyncio.create_subprocess_exec(
-                *cmd,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE,
-                env=child_env(),  # (:mod:`router.lifetime`: no preexec_fn in a threaded process)
-            )
-            self.children.append(child)
+            self.children.append(await self._exec(self._command(argv, address, slot)))
         for slot, child in enumerate(self.children, start=1):
-            assert child.stdout is not None
-            try:
-                async with asyncio.timeout(START_TIMEOUT_S):
-                    while line := (await child.stdout.readline()).decode(errors="replace"):
-                        if line.startswith("router listening on "):
-                            break
-            except TimeoutError:
-                line = ""
-            if not line:
+            if not await self._listening(child):
                 raise OSError(f"--processes: router process {slot} did not start (exit {child.returncode})")
             print(f"router process {slot} (pid {child.pid}) listening on {address}", flush=True)
-            self._watchers.append(asyncio.get_running_loop().create_task(self._watch(slot, child)))
+            cmd = self._command(argv, address, slot)
+            self._watchers.append(asyncio.get_running_loop().create_task(self._watch(slot, child, cmd)))
 
-    async def _watch(self, slot: int, child: asyncio.subprocess.Process) -> None:
-        """A process that exits on its own: its in-flight rows must not count any more."""
-        assert child.stdout is not None
-        while await child.stdout.readline():  # keep its pipe drained until it exits
-            pass
-        code = await child.wait()
-        if self.shared is not None:
-            self.shared.clear(slot)
-        logger.warning("router process %d (pid %d) exited with %s", slot, child.pid, code)
+    async def _watch(self, slot: int, child: asyncio.subprocess.Process, cmd: Sequence[str]) -> None:
+        """Keep slot ``slot`` served: a process that exits on its own is started again, with backoff.
 
-    async def stop(self) -> None:
-        """Stop the processes this one started (SIGTERM, then SIGKILL after 10 s) and clear their slots."""
+        Its in-flight rows stop counting at once. The restart waits
+        :data:`RESPAWN_BACKOFF_S` (doubling up to :data:`RESPAWN_MAX_BACKOFF_S` while it keeps
+        dying young, back to the start after it ran :data:`RESPAWN_HEALTHY_S`), so a process that
+        cannot start does not spin. Cancelled by :meth:`stop`.
+        """
+        loop = asyncio.get_running_loop()
+        backoff = RESPAWN_BACKOFF_S
+        while True:
+            started = loop.time()
+            assert child.stdout is not None
+            while await child.stdout.readline():  # keep its pipe drained until it exits
+                pass
+            code = await child.wait()
+            if self.shared is not None:
+                self.shared.clear(slot)
+            if loop.time() - started >= RESPAWN_HEALTHY_S:
+                backoff = RESPAWN_BACKOFF_S
+            logger.warning(
+                "router process %d (pid %d) exited with %s; starting it again in %.1f s",
+                slot,
+                child.pid,
+                code,
+                backoff,
+            )
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, RESPAWN_MAX_BACKOFF_S)
+            child = await self._exec(cmd)
+            self.children[slot - 1] = child
+            if await self._listening(child):
+                logger.warning("router process %d started again (pid %d)", slot, child.pid)
+            else:
+                logger.warning("router process %d (pid %d) did not start again", slot, child.pid)
+
+    async def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop the processes this one started (SIGTERM: each drains, see ``--drain-timeout-s``; SIGKILL
+        after ``timeout_s``) and clear their slots."""
         for watcher in self._watchers:
             watcher.cancel()
         await asyncio.gather(*self._watchers, return_exceptions=True)
@@ -145,7 +189,7 @@ class RouterProcesses:
                     child.send_signal(signal.SIGTERM)
         for slot, child in enumerate(self.children, start=1):
             try:
-                async with asyncio.timeout(10.0):
+                async with asyncio.timeout(timeout_s):
                     await child.wait()
             except TimeoutError:
                 with contextlib.suppress(ProcessLookupError):

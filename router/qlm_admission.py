@@ -35,6 +35,7 @@ from slorouter.v1 import cms_pb2
 
 from fleet.snapshot import ClusterSnapshot
 from router.admission import Admission, Admitted
+from router.arrival import ArrivalCheck
 from router.core.errors import EmptyClusterError, QueueFullError, RouterError, SchedulingError
 from router.core.policies import health_only
 from router.core.qlm import Dispatch, QlmConfig, QlmQueue, QlmRequest, instance_model
@@ -93,6 +94,7 @@ class QlmAdmission:
         # (The scheduler's own policy would also apply thresholds no target relaxes, such as the
         # TPOT of the requests already there, and refuse a request the plan had placed.)
         self._dispatch_policy = health_only(placer.scheduler.config, "qlm-dispatch")
+        self._arrival = ArrivalCheck(placer.scheduler, placer.snapshot)
 
     # ------------------------------------------------------------------ set-up
 
@@ -142,6 +144,8 @@ class QlmAdmission:
         now = self._clock()
         qlm = self._queue(self.placer.snapshot())
         request = self.placer.schedule_input(req, exclude=exclude)
+        # A target no idle instance could meet is refused now (router.arrival), not after waiting.
+        self._arrival.check(request, now)
         future: asyncio.Future[Admitted] = loop.create_future()
         if qlm.push(request, now, token=future) is None:
             self._observer.queue_event("shed")
@@ -223,6 +227,16 @@ class QlmAdmission:
     def dry_run_queue(self) -> None:
         """The ``Schedule`` dry run answers without the qlm queue's order."""
         return None
+
+    def refuse_queued(self, error: RouterError) -> None:
+        """Fail every request waiting for a placement (queued or evicted) with ``error`` (shutdown)."""
+        for request_id, future in list(self._futures.items()):
+            if not future.done():
+                qlm = self.qlm
+                if qlm is not None and (r := qlm.remove(request_id)) is not None:
+                    self._observer.queue_changed(r.request, -1)
+                self._futures.pop(request_id, None)
+                future.set_exception(error)
 
     def close(self) -> None:
         return None

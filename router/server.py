@@ -60,6 +60,16 @@ from router.tokenize import Tokenizer, load_tokenizer
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
+#: Calls gRPC core may hold for the router before the service has picked them up. Its defaults
+#: (1,000, hard limit 3,000) answered ~1,300 of a burst of 4,000 simultaneous calls with a bare
+#: CANCELLED that the router never saw, let alone counted. Above the router's own bounds
+#: (``--max-queue-size``, 4,096 by default, plus what runs), overload is refused by the router,
+#: with a reason and a metric, not by the core.
+MAX_PENDING_CALLS = 1 << 16
+ROUTER_SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
+    ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
+    ("grpc.server.max_pending_requests_hard_limit", MAX_PENDING_CALLS),
+)
 DEFAULT_LISTEN = "127.0.0.1:50051"
 DEFAULT_PROFILE_DIR = Path(__file__).resolve().parent.parent / "profiling_data" / "qwen2.5-7b-2xv100-linear"
 
@@ -94,17 +104,52 @@ class RouterServer:
     def port(self) -> int:
         return int(self.address.rsplit(":", 1)[1])
 
-    async def stop(self, grace: float | None = 2.0) -> None:
-        """Stop taking requests, let running ones finish within ``grace`` seconds, release everything."""
-        if self._stopped:
-            return
-        self._stopped = True
-        if self.http is not None:
-            await self.http.stop()
+    async def drain(self, timeout_s: float, force: asyncio.Event | None = None) -> None:
+        """Shut down gracefully, in this order (SIGTERM):
+
+        1. health goes ``NOT_SERVING`` (gRPC health and the HTTP ``/health``), so a load balancer
+           stops sending;
+        2. every queued request, and every new one, is refused at once with ``UNAVAILABLE``
+           (HTTP 503): retryable, the client goes to another replica;
+        3. running requests finish, for up to ``timeout_s`` (``--drain-timeout-s``; ``force``, set
+           by a second signal, cuts it short);
+        4. what still runs then ends with an error at its next message: ``UNAVAILABLE`` on gRPC, an
+           OpenAI-shaped error event and ``[DONE]`` on an HTTP stream, closed cleanly.
+        """
         if self.readiness is not None:
             self.readiness.cancel()
             await asyncio.gather(self.readiness, return_exceptions=True)
         await self.health.enter_graceful_shutdown()
+        self.service.begin_drain()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + max(timeout_s, 0.0)
+        if self.service.active_requests:
+            logger.info(
+                "draining: %d running request(s) may finish within %.0f s (--drain-timeout-s)",
+                self.service.active_requests,
+                timeout_s,
+            )
+        if await self.service.wait_idle(deadline - loop.time(), force):
+            return
+        logger.warning("drain time over: ending %d running request(s)", self.service.active_requests)
+        self.service.abandon()
+        await self.service.wait_idle(ABANDON_WAIT_S)
+
+    async def stop(
+        self,
+        grace: float | None = 2.0,
+        *,
+        drain_timeout_s: float | None = None,
+        force: asyncio.Event | None = None,
+    ) -> None:
+        """Drain (:meth:`drain`, up to ``drain_timeout_s``; default ``grace``), stop the servers within
+        ``grace`` seconds, release everything."""
+        if self._stopped:
+            return
+        self._stopped = True
+        await self.drain(drain_timeout_s if drain_timeout_s is not None else (grace or 0.0), force)
+        if self.http is not None:
+            await self.http.stop()
         await self.server.stop(grace)
         self.admission.close()
         await self.workers.drain()
@@ -200,6 +245,7 @@ async def start_router_server(
     )
     server, port = await bind_server(
         listen,
+        ROUTER_SERVER_OPTIONS,
         max_receive_bytes=limits.SERVING_MAX_MESSAGE_BYTES,
         max_send_bytes=limits.SERVING_MAX_MESSAGE_BYTES,
         tls=tls,
@@ -260,6 +306,45 @@ async def start_router_server(
     return router
 
 
+#: After the drain time, how long the abandoned streams get to send their error and close (s).
+ABANDON_WAIT_S = 5.0
+#: Default ``--drain-timeout-s``.
+DEFAULT_DRAIN_TIMEOUT_S = 30.0
+
+
+def add_drain_argument(parser: argparse.ArgumentParser) -> None:
+    """``--drain-timeout-s`` (``router`` and ``up``)."""
+    parser.add_argument(
+        "--drain-timeout-s",
+        type=float,
+        default=DEFAULT_DRAIN_TIMEOUT_S,
+        help="on SIGTERM/SIGINT: health goes NOT_SERVING, queued and new requests are refused "
+        "(UNAVAILABLE / 503), and running ones may finish for this long; then they end with an "
+        "error (an error event on HTTP streams). A second signal ends the wait (default: %(default)s)",
+    )
+
+
+def check_drain_timeout(args: argparse.Namespace) -> float:
+    """``--drain-timeout-s`` within [0, 3600] (``ValueError`` naming the flag)."""
+    value = args.drain_timeout_s
+    if not (math.isfinite(value) and 0 <= value <= 3600):
+        raise ValueError(f"--drain-timeout-s {value}: must be a number of seconds within [0, 3600]")
+    return float(value)
+
+
+async def wait_for_signals() -> asyncio.Event:
+    """Wait for SIGINT or SIGTERM; the returned event is set by the next one (to cut a drain short)."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    force = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, force.set)
+    return force
+
+
 #: How often the router repeats what it is waiting for while it has no cluster view.
 WAITING_LOG_INTERVAL_S = 10.0
 
@@ -314,7 +399,19 @@ def _profile_groups(values: list[str]) -> dict[str, LatencyPredictor]:
 
 def build_predictors(args: argparse.Namespace) -> PredictorSet:
     """The default profile from the two paths, plus one per ``--profile-group``."""
-    default = LatencyPredictor.from_files(args.ttft_profiling_data_path, args.tpot_profiling_data_path)
+    ttft, tpot = args.ttft_profiling_data_path, args.tpot_profiling_data_path
+    profile = getattr(args, "profile", None)
+    if profile:  # --profile DIR, the form `up` and `plan` take: both files of one directory
+        if ttft or tpot:
+            raise ValueError(
+                f"--profile {profile}: give either --profile or --ttft-/--tpot-profiling-data-path, not both"
+            )
+        if not Path(profile).is_dir():
+            raise ValueError(f"--profile {profile}: not a directory (it needs ttft.json and tpot.json)")
+        ttft, tpot = Path(profile) / "ttft.json", Path(profile) / "tpot.json"
+    default = LatencyPredictor.from_files(
+        ttft or DEFAULT_PROFILE_DIR / "ttft.json", tpot or DEFAULT_PROFILE_DIR / "tpot.json"
+    )
     return PredictorSet(default, _profile_groups(args.profile_group))
 
 
@@ -395,14 +492,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="CA bundle (PEM): reach workers and a grpc:// CMS over TLS, checking them against it",
     )
     parser.add_argument(
+        "--profile",
+        default=None,
+        metavar="DIR",
+        help="profile directory (ttft.json + tpot.json, e.g. from `slo-router profile`) to predict every "
+        "instance with (default: the bundled Qwen2.5-7B profile)",
+    )
+    parser.add_argument(
         "--ttft-profiling-data-path",
-        default=str(DEFAULT_PROFILE_DIR / "ttft.json"),
-        help="TTFT profile JSON (default: the bundled Qwen2.5-7B profile)",
+        default=None,
+        help="TTFT profile JSON, instead of --profile (default: the bundled Qwen2.5-7B profile's)",
     )
     parser.add_argument(
         "--tpot-profiling-data-path",
-        default=str(DEFAULT_PROFILE_DIR / "tpot.json"),
-        help="TPOT profile JSON (default: the bundled Qwen2.5-7B profile)",
+        default=None,
+        help="TPOT profile JSON, instead of --profile (default: the bundled Qwen2.5-7B profile's)",
     )
     parser.add_argument(
         "--profile-group",
@@ -443,6 +547,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_worker_streams_argument(parser)
     add_keepalive_arguments(parser)
+    add_drain_argument(parser)
     parser.add_argument(
         "--worker-first-message-timeout-s",
         type=float,
@@ -506,7 +611,8 @@ def register(subparsers: Any) -> None:
         ),
     )
     add_arguments(parser)
-    parser.set_defaults(func=run)
+    # slo, as `up`, `plan` and `make run` use: a router started by hand behaves as the one `up` starts.
+    parser.set_defaults(func=run, scheduling_policy="slo")
 
 
 #: ServiceConfig fields set by the router's own flags (the SLO defaults come from SchedulerConfig's).
@@ -634,6 +740,7 @@ def plan_from_args(args: argparse.Namespace) -> RouterPlan:
         raise ValueError("--cluster-name must not be empty")
     _check_availability_flags(args)
     keepalive_from_args(args)
+    check_drain_timeout(args)
     check_worker_streams(args)
     outlier = outlier_config(args)
     slice_config = slice_config_from_args(args)
@@ -798,14 +905,13 @@ async def _serve(args: argparse.Namespace, plan: RouterPlan) -> int:
     print(f"router listening on {server.address}", flush=True)
     if server.http is not None:
         print(f"OpenAI-compatible HTTP API on http://{server.http.address}/v1", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    logger.info("shutting down")
-    await group.stop()
-    await server.stop(grace=5.0)
+    force = await wait_for_signals()
+    logger.info("shutting down (draining for up to %.0f s)", args.drain_timeout_s)
+    # The other processes drain as this one does, at the same time (each got SIGTERM).
+    await asyncio.gather(
+        group.stop(timeout_s=args.drain_timeout_s + ABANDON_WAIT_S + 10.0),
+        server.stop(grace=5.0, drain_timeout_s=args.drain_timeout_s, force=force),
+    )
     await group.close()
     return 0
 

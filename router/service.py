@@ -39,7 +39,10 @@ from router.core.errors import (
     QueueTimeoutError,
     RetriesExhaustedError,
     RouterError,
+    ShuttingDownError,
+    UnmeetableError,
 )
+from router.core.protocols import VLLM_GRPC_SCHEME
 from router.core.queue import QueueConfig
 from router.core.request import Mode
 from router.forward import LegError, LegLedger, LegTokens, WorkerClient
@@ -91,11 +94,11 @@ def _error_code(exc: RouterError) -> grpc.StatusCode:
         return grpc.StatusCode.INVALID_ARGUMENT
     if isinstance(exc, DuplicateRequestError):
         return grpc.StatusCode.ALREADY_EXISTS
-    if isinstance(exc, (NoInstanceError, QueueFullError, QueueTimeoutError)):
+    if isinstance(exc, (NoInstanceError, QueueFullError, QueueTimeoutError, UnmeetableError)):
         return grpc.StatusCode.RESOURCE_EXHAUSTED
     if isinstance(exc, LateError):
         return grpc.StatusCode.DEADLINE_EXCEEDED
-    if isinstance(exc, (EmptyClusterError, RetriesExhaustedError)):
+    if isinstance(exc, (EmptyClusterError, RetriesExhaustedError, ShuttingDownError)):
         return grpc.StatusCode.UNAVAILABLE
     return grpc.StatusCode.INTERNAL
 
@@ -162,6 +165,7 @@ class Generated:
         "finish_reason",
         "finished",
         "first_token_index",
+        "late",
         "request_id",
         "route",
         "text",
@@ -186,6 +190,9 @@ class Generated:
         self.finish_reason = finish_reason
         #: Set on the first step.
         self.route: router_pb2.RouteInfo | None = None
+        #: On the first step: the request left the router queue late (its TTFT target was out of
+        #: reach); known before any token, so the HTTP edge can say so in a response header.
+        self.late = False
         #: Set on the last step.
         self.usage: router_pb2.Usage | None = None
 
@@ -254,12 +261,46 @@ class RouterService(router_pb2_grpc.RouterServicer):
             placer, QueueConfig(queue_policy="none"), clock=clock, observer=self._observer
         )
         self._active: set[str] = set()
+        #: SIGTERM: no new request starts (:meth:`begin_drain`); then the running ones end (:meth:`abandon`).
+        self._draining = False
+        self._abandoned = False
+        #: Set while no request runs (a drain waits on it).
+        self._idle = asyncio.Event()
+        self._idle.set()
         #: With ``--processes N``: this process's slot, sent as ``slo-router-process`` trailing metadata.
         self.process_label = ""
 
     @property
     def active_requests(self) -> int:
         return len(self._active)
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    def begin_drain(self) -> None:
+        """Shutdown, first step: refuse new requests and every queued one at once (``UNAVAILABLE``)."""
+        self._draining = True
+        self._admission.refuse_queued(
+            ShuttingDownError("the router is shutting down: the request had not started; retry elsewhere")
+        )
+
+    async def wait_idle(self, timeout_s: float, force: asyncio.Event | None = None) -> bool:
+        """Wait until no request runs, at most ``timeout_s`` (or until ``force`` is set); whether idle."""
+        waits = [asyncio.ensure_future(self._idle.wait())]
+        if force is not None:
+            waits.append(asyncio.ensure_future(force.wait()))
+        try:
+            await asyncio.wait(waits, timeout=max(timeout_s, 0.0), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiter in waits:
+                waiter.cancel()
+        return not self._active
+
+    def abandon(self) -> None:
+        """Shutdown, last step (``--drain-timeout-s`` ran out): every running stream ends with an error
+        at its next message (``UNAVAILABLE``; an SSE stream gets an error event and ``[DONE]``)."""
+        self._abandoned = True
 
     # ------------------------------------------------------------------ validation
 
@@ -351,6 +392,10 @@ class RouterService(router_pb2_grpc.RouterServicer):
         """
         progress = _Progress(started=self._clock())
         try:
+            if self._draining:
+                raise ShuttingDownError(
+                    "the router is shutting down and takes no new requests; retry elsewhere"
+                )
             prepared = self._prepare(request)
         except RouterError as exc:
             self._observer.rejected(exc)
@@ -366,6 +411,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 f"request_id {request_id!r} is already in flight; use a new id or leave it empty"
             )
         self._active.add(request_id)
+        self._idle.clear()
         ledger = LegLedger()
         finished = False
         try:
@@ -374,6 +420,11 @@ class RouterService(router_pb2_grpc.RouterServicer):
             else:
                 source = self._run(prepared, request.sampling, ledger, progress)
             async for message in source:
+                if self._abandoned:
+                    raise ShuttingDownError(
+                        f"the router shut down after {len(progress.tokens)} tokens (--drain-timeout-s ran "
+                        "out); retry elsewhere"
+                    )
                 finished = message.finished
                 yield message
             self._completed(progress)
@@ -389,6 +440,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
             raise
         finally:
             self._active.discard(request_id)
+            if not self._active:
+                self._idle.set()
             self._admission.outcome(
                 prepared,
                 finished=finished,
@@ -435,11 +488,17 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 first = False
                 progress.route = slice_route(instance_id)
                 out.route = _route_info(progress.route)
+                out.late = progress.late
                 if progress.first_token_at is not None:
                     self._observer.first_token(progress.route, progress.first_token_at - progress.started)
             if message.finished:
                 out.usage = self._usage(req, progress)
             yield out
+
+    def _confirm(self, target: Choice, request_id: str) -> None:
+        """A stock vLLM engine (no admitted ids in its status) runs the request now: see Placer.confirm."""
+        if target.endpoint.startswith(VLLM_GRPC_SCHEME):
+            self._placer.confirm(request_id, target.instance_id)
 
     def _completed(self, progress: _Progress) -> None:
         self._observer.completed(progress.route, _tpot_s(progress), self._clock() - progress.started)
@@ -485,6 +544,11 @@ class RouterService(router_pb2_grpc.RouterServicer):
         excluded: set[str] = set()
         failures: list[str] = []
         while True:
+            if self._draining and failures:
+                raise ShuttingDownError(
+                    "the router is shutting down; the request failed on a worker and is not retried here: "
+                    + "; ".join(failures)
+                )
             admitted = await self._admission.place(req, exclude=frozenset(excluded))
             route = admitted.route
             progress.queue_wait_s += admitted.waited_s
@@ -525,6 +589,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
             )
             if response.finished and response.finish_reason == _ABORT:
                 raise _unrequested_abort(prefill.instance_id, len(progress.tokens))
+            self._confirm(prefill, req.request_id)
             index = len(progress.tokens)
             self._note_tokens(progress, [response.first_token_id])
             first = Generated(
@@ -550,6 +615,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
             if message.finished and message.finish_reason == _ABORT:
                 await _close_stream(stream)
                 raise _unrequested_abort(prefill.instance_id, len(progress.tokens))
+            self._confirm(prefill, req.request_id)
             index = len(progress.tokens)
             self._note_tokens(progress, message.token_ids)
             progress.cached_prompt_tokens = max(
@@ -594,6 +660,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         started = await self._first_token(req, sampling, ledger, progress)
         first = started.first
         first.route = _route_info(started.route)
+        first.late = progress.late
         progress.route = started.route
         if progress.first_token_at is not None:
             self._observer.first_token(started.route, progress.first_token_at - progress.started)
@@ -630,10 +697,14 @@ class RouterService(router_pb2_grpc.RouterServicer):
                     self._config.stream_timeout_s,
                     ledger,
                 )
+            confirmed = False
             try:
                 async for message in stream:
                     if handle is not None and handle.evicted:
                         continue  # the aborted leg's last messages: the client gets them from the next run
+                    if not confirmed:
+                        confirmed = True
+                        self._confirm(target, request_id)
                     if message.finished and message.finish_reason == _ABORT:
                         # Not asked for by the router (its own aborts end the leg above or close
                         # the request): keep this message's tokens, resume the rest elsewhere.

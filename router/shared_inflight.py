@@ -34,7 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from multiprocessing import shared_memory
+from multiprocessing import resource_tracker, shared_memory
 
 import numpy as np
 
@@ -71,6 +71,11 @@ class SharedInflight:
         self.slot = slot
         self._shm = shared_memory.SharedMemory(name=name, create=create, size=segment_bytes(processes))
         self._owner = create
+        if not create:
+            # Python (< 3.13) registers an attached segment with this process's resource tracker,
+            # which unlinks it when this process dies: one killed router would take the segment
+            # from every other one (and its restart would find none). Only the creator owns it.
+            resource_tracker.unregister(self._shm._name, "shared_memory")  # type: ignore[attr-defined]
         if self._shm.size < segment_bytes(processes):
             self._shm.close()
             raise ValueError(f"shared in-flight segment {name!r} is too small for {processes} processes")

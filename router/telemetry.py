@@ -31,6 +31,8 @@ from router.core.errors import (
     RetriesExhaustedError,
     RouterError,
     ShedError,
+    ShuttingDownError,
+    UnmeetableError,
 )
 from router.core.request import ScheduleInput
 from router.route import Route
@@ -65,6 +67,10 @@ def _outcome_of(exc: RouterError) -> str:
         return "queue_timeout"
     if isinstance(exc, LateError):
         return "late_rejected"
+    if isinstance(exc, UnmeetableError):
+        return "unmeetable"
+    if isinstance(exc, ShuttingDownError):
+        return "shutting_down"
     return "error"
 
 

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import os
 import shutil
 import signal
 import sys
@@ -51,12 +52,15 @@ from router.server import (
     DEFAULT_LISTEN,
     DEFAULT_PROFILE_DIR,
     RouterServer,
+    add_drain_argument,
     add_worker_streams_argument,
+    check_drain_timeout,
     check_worker_streams,
     qlm_config,
     queue_config,
     scheduler_config,
     start_router_server,
+    wait_for_signals,
 )
 from router.service import ServiceConfig
 from router.shared_inflight import MAX_PROCESSES
@@ -93,10 +97,14 @@ class Cluster:
     #: A CMS read token for routers started by hand against this cluster (``--cms-auth-token-file``).
     router_token_file: Path | None = None
 
-    async def stop(self) -> None:
-        """Router first (no new work), then the workers, then the CMS. Idempotent."""
-        await self.processes.stop()
-        await self.router.stop(grace=2.0)
+    async def stop(self, drain_timeout_s: float | None = None, force: asyncio.Event | None = None) -> None:
+        """Router first (it drains: :meth:`RouterServer.drain`; the other ``--processes`` at the same
+        time), then the workers, then the CMS. Idempotent."""
+        drain = 2.0 if drain_timeout_s is None else drain_timeout_s
+        await asyncio.gather(
+            self.processes.stop(timeout_s=drain + 15.0),
+            self.router.stop(grace=2.0, drain_timeout_s=drain, force=force),
+        )
         await self.processes.close()
         await stop_workers(self.workers)
         await self.cms.stop(grace=0.5)
@@ -104,11 +112,57 @@ class Cluster:
             shutil.rmtree(self.secrets_dir, ignore_errors=True)
 
 
+#: Prefix of ``up``'s secrets directories in the temporary directory.
+SECRETS_PREFIX = "slo-router-up-"
+#: The file in a secrets directory naming the pid of the ``up`` that made it.
+OWNER_FILE = "owner.pid"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
+
+
+def remove_stale_secrets(tmp: Path | None = None) -> list[Path]:
+    """Remove secrets directories whose ``up`` died without cleaning up (kill -9); the removed ones.
+
+    Only this user's directories (the only ones it can remove anyway), only those whose
+    ``owner.pid`` names a process that no longer exists; a directory without a readable owner
+    file is left alone (it may be one being written right now).
+    """
+    removed: list[Path] = []
+    base = Path(tmp or tempfile.gettempdir())
+    uid = os.getuid()
+    for path in base.glob(SECRETS_PREFIX + "*"):
+        try:
+            if not path.is_dir() or path.is_symlink() or path.stat().st_uid != uid:
+                continue
+            pid = int((path / OWNER_FILE).read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if pid > 0 and not _alive(pid):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
 class ClusterSecrets:
-    """A token per worker and the cluster's kv handle key, as files only this user can read."""
+    """A token per worker and the cluster's kv handle key, as files only this user can read.
+
+    The directory names its owner (``owner.pid``) so that the next ``up`` removes it when this
+    one dies without cleaning up (:func:`remove_stale_secrets`).
+    """
 
     def __init__(self) -> None:
-        self.dir = Path(tempfile.mkdtemp(prefix="slo-router-up-"))  # mode 0700
+        for stale in remove_stale_secrets():
+            logger.info("removed %s, left behind by an up that died", stale)
+        self.dir = Path(tempfile.mkdtemp(prefix=SECRETS_PREFIX))  # mode 0700
+        self._write(OWNER_FILE, str(os.getpid()))
         self.kv_key_file = self._write("kv.key", new_token())
         self.worker_call_token = self.worker_call_token_file()
         #: principal -> (token, scope)
@@ -233,6 +287,12 @@ def plan_cluster(args: argparse.Namespace) -> ClusterPlan:
         raise ValueError("need --neutral K, or at least one --prefill and one --decode worker")
     if not (math.isfinite(args.speed_factor) and args.speed_factor > 0):
         raise ValueError(f"--speed-factor {args.speed_factor}: must be a finite number > 0")
+    prefix_block = getattr(args, "prefix_cache_block_tokens", 0)
+    if not 0 <= prefix_block <= 1 << 20 or prefix_block % 16:
+        raise ValueError(
+            f"--prefix-cache-block-tokens {prefix_block}: must be 0 (off) or a multiple of "
+            "the sim workers' block size 16, at most 1048576"
+        )
     if not 1 <= args.processes <= MAX_PROCESSES:
         raise ValueError(f"--processes {args.processes}: must be within [1, {MAX_PROCESSES}]")
     interval = args.worker_stream_interval_ms
@@ -251,6 +311,7 @@ def plan_cluster(args: argparse.Namespace) -> ClusterPlan:
     check_worker_streams(args)
     if not 0 <= args.metrics_port <= 65535:
         raise ValueError(f"--metrics-port {args.metrics_port}: must be a port 0-65535 (0 = off)")
+    check_drain_timeout(args)
     config = scheduler_config(args)
     queue = queue_config(args)
     profile = Path(args.profile)
@@ -301,6 +362,8 @@ async def start_cluster(args: argparse.Namespace, plan: ClusterPlan | None = Non
             extra += ["--http-listen", "127.0.0.1:0"]
         if args.worker_stream_interval_ms:
             extra += ["--stream-interval-ms", str(args.worker_stream_interval_ms)]
+        if getattr(args, "prefix_cache_block_tokens", 0):
+            extra += ["--prefix-cache-block-tokens", str(args.prefix_cache_block_tokens)]
         for (role, _), iid in zip(plan.roles, ids, strict=True):
             workers.append(
                 await _spawn_worker(iid, role, cms.address, plan.profile, extra, token_files[iid], secrets)
@@ -366,6 +429,7 @@ _UP_ONLY_FLAGS = {
     "--speed-factor": True, "--start-timeout-s": True, "--metrics-port": True, "--processes": True,
     "--http-max-header-bytes": True, "--http-max-headers": True, "--http-header-timeout-s": True,
     "--http-idle-timeout-s": True, "--http-max-connections": True,
+    "--prefix-cache-block-tokens": True,
 }  # fmt: skip
 
 
@@ -441,6 +505,7 @@ def register(subparsers: Any) -> None:
     add_worker_streams_argument(parser)
     add_http_edge_arguments(parser)
     add_keepalive_arguments(parser)
+    add_drain_argument(parser)
     parser.add_argument(
         "--worker-stream-interval-ms",
         type=float,
@@ -461,6 +526,13 @@ def register(subparsers: Any) -> None:
         help="sim workers run this many times faster than the profile (default: %(default)s)",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the scheduler and the workers")
+    parser.add_argument(
+        "--prefix-cache-block-tokens",
+        type=int,
+        default=0,
+        help="the sim workers' prefix cache: tokens per cached block, a multiple of their block size (16); "
+        "0 = no prefix caching (default: %(default)s)",
+    )
     parser.add_argument(
         "--metrics-port", type=int, default=0, help="serve the router's Prometheus metrics here"
     )
@@ -500,14 +572,10 @@ async def _serve(args: argparse.Namespace, plan: ClusterPlan) -> int:
         f"TPOT {plan.config.tpot_slo_ms:g} ms (a request's own SLO wins)",
         flush=True,
     )
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     drains = [asyncio.ensure_future(_drain_stdout(w)) for w in cluster.workers]
-    await stop.wait()
-    print("shutting down", flush=True)
-    await cluster.stop()
+    force = await wait_for_signals()
+    print(f"shutting down (draining for up to {args.drain_timeout_s:g} s)", flush=True)
+    await cluster.stop(args.drain_timeout_s, force)
     for task in drains:
         task.cancel()
     await asyncio.gather(*drains, return_exceptions=True)

@@ -26,7 +26,6 @@ from sim import slicing
 from sim.cluster import SimFleet
 from sim.engine import SimConfig
 from sim.fleet import (
-    BUNDLED_PROFILES,
     DEFAULT_PROFILE,
     FleetError,
     FleetSpec,
@@ -95,7 +94,7 @@ fleet (one of):
                                    engine: {{kv_capacity_tokens: 131072, noise: 0.05}}
   default: --prefill {DEFAULT_FLEET[0]} --decode {DEFAULT_FLEET[1]} on {DEFAULT_PROFILE}
   A PROFILE is a directory with ttft.json and tpot.json, or a bundled name under
-  {BUNDLED_PROFILES}. The router predicts each group with the group's own profile.
+  profiling_data/ of the checkout. The router predicts each group with the group's own profile.
   Engine knobs are the sim worker's (SimConfig fields): the "sim engine" flags set them for
   every group, a fleet file may override any of them per group (speed_factor makes a group
   run faster than the profile the router predicts it with: a mis-profiled group).
@@ -247,7 +246,8 @@ def register(subparsers: Any) -> None:
         "--queue-policies",
         default=DEFAULT_QUEUE_POLICIES,
         metavar="Q1,Q2,...",
-        help="router queue policies to compare with each policy: none (refuse at once), fcfs, edf, priority "
+        help="router queue policies to compare with each policy: none (refuse at once), fcfs, edf, priority, "
+        "sa (simulated-annealing release batches), qlm (virtual queues with eviction; neutral fleets) "
         "(default: %(default)s)",
     )
     sweep.add_argument(

@@ -259,6 +259,7 @@ class SimFleet:
             "kv_capacity_tokens": _readonly(
                 np.array([c.kv_capacity_tokens for c in configs], dtype=np.float64)
             ),
+            "max_num_seqs": _readonly(np.array([c.max_num_seqs for c in configs], dtype=np.float64)),
             "has_status": ones,
             "schedulable": ones,
         }
@@ -278,6 +279,7 @@ class SimFleet:
                 block_size=config.block_size,
                 labels={profile_label: group},
                 max_model_len=config.max_model_len,
+                max_num_seqs=config.max_num_seqs,
             )
             records.append(InstanceRecord(metadata=metadata, status=None, status_age_s=math.inf))
         return ClusterSnapshot(instances=tuple(records), taken_at_s=0.0)

@@ -716,6 +716,8 @@ class SimCore:
             recent_admitted_request_ids=tuple(self._recent_admitted),
             recent_steps=tuple(self._recent_steps),
             num_steps=self._num_steps,
+            prefix_cache_query_tokens=self._query_tokens,
+            prefix_cache_hit_tokens=self._hit_tokens,
         )
 
     # ------------------------------------------------------------------ prefix cache

@@ -9,9 +9,10 @@ bursts of ``--burst`` requests every ``--period-s`` seconds, the requests of a
 burst ``--gap-ms`` apart (0: the same instant). Request lengths and SLO classes
 come from the workload file, drawn with ``--seed``; every run sees the same
 plan. Each row is one queue policy: ``fcfs`` (least-requests placement, arrival
-order: what an engine's own FCFS gives), ``edf`` (least-requests placement,
-earliest deadline first: the QLM paper's EDF baseline), ``slo`` (this router's
-default: the ``slo`` policy and its default queue), then the paper's policy.
+order, no request held: every engine's own FCFS, as vLLM behind a balancer), ``fcfs``
+(the ``slo`` placement policy, the router queue in arrival order), ``edf`` (the ``slo``
+policy and its default queue, earliest deadline first: this router's default, ``slo``,
+and the QLM paper's EDF baseline), then the paper's policy.
 Figures: attainment, G (seed 000's objective: met requests per second of summed
 latency), throughput (completed requests per second of makespan), engine
 preemptions, and the policy's own counters. Means over ``--seeds`` plans.
@@ -41,7 +42,7 @@ from sim.sweep import policy_overrides, queue_figures
 WAIT_MS = 3_600_000.0
 
 #: The rows: (label, placement policy, queue policy, qlm eviction).
-BASELINES = (("fcfs", "least-requests", "fcfs"), ("edf", "least-requests", "edf"), ("slo", "slo", "edf"))
+BASELINES = (("lr", "least-requests", "fcfs"), ("fcfs", "slo", "fcfs"), ("edf", "slo", "edf"))
 
 
 def plans_for(args: argparse.Namespace, seed: int) -> list[RequestPlan]:
@@ -91,16 +92,20 @@ def run_one(
 def rows_for(args: argparse.Namespace) -> list[tuple[str, str, str, dict[str, Any]]]:
     rows: list[tuple[str, str, str, dict[str, Any]]] = [(a, b, c, {}) for a, b, c in BASELINES]
     if args.paper == "sa":
-        rows.append(("sa", "slo", "sa", {"queue": {"sa_max_batch": args.sa_max_batch}}))
+        for pool in args.sa_pool_ms.split(","):
+            label = "sa" if pool == "25" else f"sa/pool={pool}ms"
+            queue = {"sa_max_batch": args.sa_max_batch, "sa_pool_ms": float(pool)}
+            rows.append((label, "slo", "sa", {"queue": queue}))
     else:
-        for ev in args.eviction.split(","):
-            label = "qlm" if ev == "on" else "qlm-noevict"
-            cfg = (
-                QlmConfig(eviction=ev, group_factor=args.qlm_delta)
-                if args.qlm_delta
-                else QlmConfig(eviction=ev)
-            )
-            rows.append((label, "slo", "qlm", {"qlm": cfg}))
+        for delta in args.qlm_delta.split(","):
+            for ev in args.eviction.split(","):
+                label = "qlm" if ev == "on" else "qlm-noevict"
+                if delta != "4":
+                    label += f"/delta={delta}"
+                if args.qlm_batch:
+                    label += f"/slots={args.qlm_batch}"
+                cfg = QlmConfig(eviction=ev, group_factor=int(delta), batch=args.qlm_batch)
+                rows.append((label, "slo", "qlm", {"qlm": cfg}))
     return rows
 
 
@@ -121,7 +126,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="first seed")
     parser.add_argument("--sa-max-batch", type=int, default=0)
     parser.add_argument("--eviction", default="on")
-    parser.add_argument("--qlm-delta", type=int, default=0, help="qlm group bound in batches (0: default)")
+    parser.add_argument(
+        "--qlm-delta", default="4", help="qlm group bound(s) in average batches, comma-separated"
+    )
+    parser.add_argument("--qlm-batch", type=int, default=0, help="qlm: a fixed slot count (the ablation)")
+    parser.add_argument("--sa-pool-ms", default="25", help="sa request pool(s) in ms, comma-separated")
     parser.add_argument("--only", default="", help="comma-separated row labels to run")
     args = parser.parse_args(argv)
     rows = rows_for(args)

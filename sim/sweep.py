@@ -56,6 +56,8 @@ class SweepPoint:
     queue_policy: str = "none"
     #: Router-queue and G figures, overall and per class (:func:`queue_figures`).
     queue: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    #: The fleet's prefix-cache hit rate (None: no prefix caching in the run).
+    cache_hit_rate: float | None = None
 
     @property
     def label(self) -> str:
@@ -191,6 +193,7 @@ def _point(
         prediction_error=prediction_error(outcome.results, skip_first=warmup_requests),
         queue_policy=queue_policy,
         queue=queue_figures(outcome, report.duration_s, spec.class_names()),
+        cache_hit_rate=getattr(outcome, "cache_hit_rate", None),
     )
 
 
@@ -278,6 +281,7 @@ def point_to_dict(point: SweepPoint) -> dict[str, Any]:
     }
     doc.update(overall)
     doc["calibration"] = point.calibration
+    doc["cache_hit_rate"] = point.cache_hit_rate
     doc["prediction_error"] = dict(point.prediction_error)
     for key in ("late", "queue_wait_ms", "mean_latency_ms", "g", "by_class"):
         if key in point.queue:
@@ -350,6 +354,9 @@ def format_sweep_table(points: Sequence[SweepPoint]) -> str:
     if per_class:
         header += [f"{name}" for name in class_names]
     header += ["goodput/s", "G", "wait p99", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "E2E p99"]
+    caching = any(p.cache_hit_rate is not None for p in points)
+    if caching:
+        header.append("hit rate")
     rows = [header]
     for p in points:
         o = p.report.overall
@@ -379,6 +386,8 @@ def format_sweep_table(points: Sequence[SweepPoint]) -> str:
             _ms(o.tpot.p99_ms),
             _ms(o.e2e.p99_ms),
         ]
+        if caching:
+            row.append(_pct(p.cache_hit_rate))
         rows.append(row)
     widths = [max(len(r[k]) for r in rows) for k in range(len(header))]
     lines = []
@@ -396,6 +405,7 @@ def format_sweep_table(points: Sequence[SweepPoint]) -> str:
         "goodput: such requests per virtual second; G: such requests per second of summed e2e latency; "
         "late: dispatched from the router queue after their TTFT target was out of reach; "
         "latencies (and queue wait) in ms over completed requests"
+        + ("; hit rate: prompt tokens the engines found in their prefix caches" if caching else "")
     )
     return "\n".join(lines)
 

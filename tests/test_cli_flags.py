@@ -170,6 +170,11 @@ SHAPE_CASES = [
     (["bench", "--rate", "-1"], "--rate -1: "),
     (["cms", "--lease-ttl-s", "0"], "--lease-ttl-s 0: "),
     (["keys", "unused-dir", "--workers", "p0,,d0"], "--workers p0,,d0: "),
+    (["profile", "--target", "127.0.0.1:1", "--out", "unused-dir", "--tokens", "5,5"], "--tokens 5,5: "),
+    (
+        ["profile", "--target", "127.0.0.1:1", "--out", "unused-dir", "--decode-tokens", "2"],
+        "--decode-tokens 2: ",
+    ),
     (["keys", "unused-dir", "--workers", "router"], "--workers router: "),
 ]
 
@@ -313,10 +318,20 @@ def _token_cases(tmp: Path) -> list[tuple[list[str], str, Path]]:
             "--cms-auth-token-file",
             garbled,
         ),
+        (
+            ["worker", "--listen", free, "--worker-auth-token-file", str(missing)],
+            "--worker-auth-token-file",
+            missing,
+        ),
+        (
+            ["router", "--listen", free, "--cms", "127.0.0.1:1", "--worker-auth-token-file", str(empty)],
+            "--worker-auth-token-file",
+            empty,
+        ),
     ]
 
 
-@pytest.mark.parametrize("case", range(8))
+@pytest.mark.parametrize("case", range(10))
 def test_a_bad_secret_file_is_one_line_naming_the_flag(
     case: int, tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -349,3 +364,104 @@ def test_the_cms_flag_takes_the_same_forms_on_router_and_worker(
             code = main([command, "--listen", taken, "--cms", form])
             err = capsys.readouterr().err
             assert code == 2 and err.startswith(f"error: --listen {taken}: address already in use"), err
+
+
+# --------------------------------------------------------------------------- --help matches behaviour
+
+COMMANDS = [
+    "predict", "cms", "keys", "worker", "router", "up", "schedule", "calibrate",
+    "bench", "simulate", "plan", "profile", "vllm-tiny-model",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_help_is_for_a_terminal_and_not_about_this_checkout(
+    command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as done:
+        main([command, "--help"])
+    assert done.value.code == 0
+    text = capsys.readouterr().out
+    assert str(ROOT) not in text  # a default shown as this machine's absolute path
+    for markup in ("``", ":class:", ":mod:", ":func:", ":meth:"):
+        assert markup not in text, (command, markup)
+
+
+def test_help_lists_every_queue_policy_simulate_accepts(capsys: pytest.CaptureFixture[str]) -> None:
+    from router.core.queue import QueuePolicy
+
+    with pytest.raises(SystemExit):
+        main(["simulate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    listed = text[text.index("--queue-policies Q1,Q2,... router") :][:400]
+    for policy in QueuePolicy:
+        assert policy.value in listed, policy
+
+
+def test_the_router_and_up_default_to_the_same_policy(capsys: pytest.CaptureFixture[str]) -> None:
+    for command in ("router", "up", "plan"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        assert "(default: slo)" in text, command
+
+
+def test_the_python_floor_is_the_one_the_code_needs() -> None:
+    import tomllib  # 3.11: the floor below is true
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    assert project["requires-python"] == ">=3.11"
+
+
+# --------------------------------------------------------------------------- fleet.flags, directly
+
+
+@pytest.mark.parametrize(
+    ("message", "argv", "expected"),
+    [
+        # Each shape the config objects and commands raise, restated with the value as typed.
+        ("--ttft-slo=-100.0: must be > 0", ["router", "--ttft-slo", "-100"], "--ttft-slo -100: must be > 0"),
+        ("--rate 0.0: must be > 0", ["bench", "--rate=0"], "--rate 0: must be > 0"),
+        ("--lease-ttl-s must be > 0, got 0.0", ["cms", "--lease-ttl-s", "0"], "--lease-ttl-s 0: must be > 0"),
+        ("--cms 'x': expected HOST:PORT", ["router", "--cms", "x"], "--cms x: expected HOST:PORT"),
+        ("--tokens: bad, got '5,5'", ["profile", "--tokens", "5,5"], "--tokens 5,5: bad"),
+        # argparse's prefixes: the flag as the user typed it.
+        ("--attainment 150.0: out of range", ["plan", "--att", "150"], "--att 150: out of range"),
+        # A value the command line does not hold keeps its own (not some other use of the flag).
+        ("--profile-group a=x: bad", ["router", "--profile-group", "b=y"], "--profile-group a=x: bad"),
+        # A repeated flag: the use the message is about.
+        (
+            "--profile-group a=x: bad",
+            ["r", "--profile-group", "a=x", "--profile-group", "b=y"],
+            "--profile-group a=x: bad",
+        ),
+        # A switch has no value; a message naming no flag passes through.
+        ("--insecure: not with TLS", ["cms", "--insecure", "--listen", "x"], "--insecure: not with TLS"),
+        (
+            "need --neutral K, or a --prefill and a --decode",
+            ["up"],
+            "need --neutral K, or a --prefill and a --decode",
+        ),
+    ],
+)
+def test_restate_gives_one_shape(message: str, argv: list[str], expected: str) -> None:
+    from fleet.flags import restate
+
+    assert restate(message, argv) == expected
+
+
+def test_check_listen_binds_only_what_it_must(taken: str) -> None:
+    from fleet.flags import check_listen, check_metrics_port
+
+    check_listen("--listen", "127.0.0.1:0")  # the kernel picks: always free
+    check_listen("--listen", _free_address())
+    with pytest.raises(ValueError, match=rf"^--listen {taken}: address already in use"):
+        check_listen("--listen", taken)
+    with pytest.raises(ValueError, match=r"^--listen 127\.0\.0\.1: expected HOST:PORT"):
+        check_listen("--listen", "127.0.0.1")
+    port = int(taken.rpartition(":")[2])
+    check_metrics_port("--metrics-port", 0, "127.0.0.1")  # off
+    with pytest.raises(
+        ValueError, match=rf"^--metrics-port {port}: address already in use \(on 127\.0\.0\.1\)"
+    ):
+        check_metrics_port("--metrics-port", port, "127.0.0.1")

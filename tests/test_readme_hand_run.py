@@ -58,6 +58,7 @@ def test_the_block_uses_keys_and_every_secret_it_writes() -> None:
         "--cms-auth-token-file secrets/d0.token",
         "--cms-auth-token-file secrets/router.token",
         "--kv-key-file secrets/kv.key",
+        "--worker-auth-token-file secrets/worker-call.token",
     ):
         assert needed in block
 
@@ -97,6 +98,7 @@ def test_the_readme_hand_run_block_works_as_written(tmp_path: Path) -> None:
         "kv.key",
         "p0.token",
         "router.token",
+        "worker-call.token",
     ]
     assert all(p.stat().st_mode & 0o777 == 0o600 for p in secrets.iterdir())
     assert (

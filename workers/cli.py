@@ -195,6 +195,11 @@ def register(subparsers: Any) -> None:
     prof.add_argument("--decode-tokens", type=int, default=16, help="output tokens per TPOT request")
     prof.add_argument("--max-token-id", type=int, default=999, help="prompt ids are drawn from 1..this")
     prof.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    prof.add_argument(
+        "--worker-auth-token-file",
+        default=None,
+        help="the cluster's worker token, for a worker started with --worker-auth-token-file",
+    )
     prof.set_defaults(func=run_profile)
 
     tiny: argparse.ArgumentParser = subparsers.add_parser(
@@ -385,11 +390,15 @@ def run_tiny_model(args: argparse.Namespace) -> int:
             print(error_line(exc), file=sys.stderr)
             return 1
     print(f"wrote a tiny random-weight model into {out}")
-    print(f"serve it with: slo-router worker --engine vllm --model {out} --dtype float32")
+    print(
+        f"serve it with: slo-router worker --engine vllm --model {out} --dtype float32 --enforce-eager "
+        "(from .venv-vllm; the CMS and router flags: docs/operator-guide.md, 'A vLLM worker end to end')"
+    )
     return 0
 
 
 def run_profile(args: argparse.Namespace) -> int:
+    from cms.call_auth import read_worker_token
     from cms.transport import target_error
     from predictor.fit import write_coefficients
     from predictor.profile import load_tpot_profile, load_ttft_profile
@@ -419,13 +428,20 @@ def run_profile(args: argparse.Namespace) -> int:
             "repeats",
             "tokens",
         ):
-            message = re.sub(rf"(?<![\w-]){name}(?![\w-])", "--" + name.replace("_", "-"), message)
+            # The field opens the message; the same word later is prose ("gaps between tokens").
+            message = re.sub(rf"^{name}(?![\w-])", "--" + name.replace("_", "-"), message)
         print(error_line(message), file=sys.stderr)
+        return 2
+
+    try:
+        call_token = read_worker_token(args.worker_auth_token_file)
+    except ValueError as exc:
+        print(error_line(exc), file=sys.stderr)
         return 2
 
     async def go() -> int:
         try:
-            ttft, tpot = await profile_worker(args.target, plan)
+            ttft, tpot = await profile_worker(args.target, plan, call_token=call_token)
         except ValueError as exc:
             print("\n" + error_line(exc), file=sys.stderr)
             return 2

@@ -102,6 +102,16 @@ class EngineLoad:
     # Steps finished since the engine started; lets a reader tell two loads
     # apart whose bounded windows happen to look the same.
     num_steps: int = 0
+    # Prefix cache, since the engine started (vLLM's prefix_cache_queries / _hits counters):
+    # prompt tokens looked up, and those found cached. Both 0 without prefix caching.
+    prefix_cache_query_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
+
+    @property
+    def cache_hit_rate(self) -> float:
+        """Cached prompt tokens over prompt tokens looked up (0 before any lookup)."""
+        q = self.prefix_cache_query_tokens
+        return self.prefix_cache_hit_tokens / q if q else 0.0
 
 
 @dataclass(frozen=True)
@@ -113,6 +123,8 @@ class EngineInfo:
     kv_capacity_tokens: int
     block_size: int
     max_model_len: int
+    #: Most requests running at once (0 = unknown).
+    max_num_seqs: int = 0
 
 
 class Engine(Protocol):

@@ -109,6 +109,24 @@ class WorkerBackend:
             ("vllm:gpu_cache_usage_perc", "KV cache usage (1 = full); the older name.", usage),
         ):
             lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge", f"{name}{label} {value!r}"]
+        load = self._engine.load()
+        for name, help_text, count in (
+            (
+                "vllm:prefix_cache_queries",
+                "Prompt tokens looked up in the prefix cache.",
+                load.prefix_cache_query_tokens,
+            ),
+            (
+                "vllm:prefix_cache_hits",
+                "Prompt tokens found in the prefix cache.",
+                load.prefix_cache_hit_tokens,
+            ),
+        ):
+            lines += [
+                f"# HELP {name}_total {help_text}",
+                f"# TYPE {name}_total counter",
+                f"{name}_total{label} {float(count)!r}",
+            ]
         return ("\n".join(lines) + "\n").encode(), _CONTENT_TYPE
 
     async def get_load(self, request: Request) -> Response:

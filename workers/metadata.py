@@ -65,4 +65,5 @@ def build_metadata(info: EngineInfo, identity: WorkerIdentity, endpoint: str) ->
         block_size=info.block_size,
         labels=dict(identity.labels),
         max_model_len=info.max_model_len,
+        max_num_seqs=info.max_num_seqs,
     )

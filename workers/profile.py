@@ -30,13 +30,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-import grpc
 import numpy as np
 from slorouter.v1 import cms_pb2, common_pb2, worker_pb2, worker_pb2_grpc
 from tqdm import tqdm
 
 from cms import limits
-from cms.transport import message_size_options
+from cms.transport import message_size_options, open_channel
 
 
 def _doc(text: str) -> dict[str, Any]:
@@ -217,10 +216,14 @@ async def profile_worker(
     *,
     progress_stream: TextIO | None = None,
     now: Callable[[], datetime.datetime] = lambda: datetime.datetime.now(datetime.timezone.utc),
+    call_token: str | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Measure the worker at ``target`` (``host:port``); the TTFT and TPOT documents."""
+    """Measure the worker at ``target`` (``host:port``); the TTFT and TPOT documents.
+
+    ``call_token``: the worker token (``--worker-auth-token-file``) a worker started with one requires.
+    """
     sizes = message_size_options(limits.SERVING_MAX_MESSAGE_BYTES, limits.SERVING_MAX_MESSAGE_BYTES)
-    async with grpc.aio.insecure_channel(target, options=sizes) as channel:
+    async with open_channel(target, sizes, call_token=call_token) as channel:
         stub: worker_pb2_grpc.WorkerAsyncStub = worker_pb2_grpc.WorkerStub(channel)
         info = await stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=plan.timeout_s)
         _check_fits(info, plan)

@@ -33,6 +33,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 
+from fleet.prefix import token_block_hashes
 from predictor import LatencyPredictor
 from sim.engine import ProfileCostModel, SimConfig, SimCore, SimRequestSpec, StepResult
 from workers.engine import (
@@ -218,6 +219,7 @@ class SimEngine:
             kv_capacity_tokens=self._config.kv_capacity_tokens,
             block_size=self._config.block_size,
             max_model_len=self._config.max_model_len,
+            max_num_seqs=self._config.max_num_seqs,
         )
         self._tokenizer = SimpleTokenizer()
         # Pulls from other instances go over their Worker service unless told otherwise.
@@ -406,6 +408,11 @@ class SimEngine:
             return stream
         if request_id in self._held:
             self._drop_held(request_id)
+        pbt = self._config.prefix_cache_block_tokens
+        hashes: tuple[int, ...] = ()
+        if pbt and kind is not _Kind.DECODE:
+            # Content addresses of the prompt's full blocks: what the cache looks up and stores.
+            hashes = token_block_hashes(prompt_token_ids, pbt)
         spec = SimRequestSpec(
             request_id=request_id,
             num_context_tokens=len(prompt_token_ids) + len(generated),
@@ -413,6 +420,7 @@ class SimEngine:
             num_cached_tokens=cached,
             hold_kv=kind is _Kind.PREFILL and stream.total > 1,
             counts_as_decode=kind is _Kind.DECODE or (kind is _Kind.GENERATE and remaining > 1),
+            block_hashes=hashes,
         )
         self.core.add(spec)
         self._streams[request_id] = stream
@@ -666,12 +674,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--ttft-profiling-data-path",
         default=str(DEFAULT_PROFILE_DIR / "ttft.json"),
-        help="TTFT profile JSON (or a directory holding ttft.json) the step times follow (default: %(default)s)",
+        help="TTFT profile JSON (or a directory holding ttft.json) the step times follow "
+        "(default: the bundled Qwen2.5-7B profile's)",
     )
     g.add_argument(
         "--tpot-profiling-data-path",
         default=str(DEFAULT_PROFILE_DIR / "tpot.json"),
-        help="TPOT profile JSON (or a directory holding tpot.json) (default: %(default)s)",
+        help="TPOT profile JSON (or a directory holding tpot.json) (default: the bundled Qwen2.5-7B profile's)",
     )
     ints = (
         ("--max-num-batched-tokens", d.max_num_batched_tokens, "token budget of one step"),
@@ -685,6 +694,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             "waiting-queue bound; beyond it requests are refused",
         ),
         ("--seed", d.seed, "seed of the step-time noise"),
+        (
+            "--prefix-cache-block-tokens",
+            d.prefix_cache_block_tokens,
+            "tokens per prefix-cache block (a multiple of --block-size); 0 = no prefix caching",
+        ),
         (
             "--kv-bytes-per-token",
             d.kv_bytes_per_token,
@@ -741,6 +755,7 @@ def _sim_config(args: argparse.Namespace) -> SimConfig:
         kv_bytes_per_token=args.kv_bytes_per_token,
         kv_bandwidth_gbps=args.kv_bandwidth_gbps,
         kv_hold_timeout_s=args.kv_hold_timeout_s,
+        prefix_cache_block_tokens=args.prefix_cache_block_tokens,
     )
 
 

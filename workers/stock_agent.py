@@ -32,8 +32,9 @@ num_uncomputed_prefill_tokens    ``num_waiting_uncached_tokens``: the servicer's
 num_decode_requests              ``num_running_reqs`` (includes requests still prefilling)  estimated
 num_decode_tokens                ``num_used_kv_tokens`` (the running requests' contexts,    estimated
                                  plus cached prefix blocks they share)
-admitted_request_ids             none: vLLM does not list them; the router's in-flight      —
-                                 entries leave at request end or ``--inflight-expiry-s``
+admitted_request_ids             none: vLLM does not list them; the router confirms an      —
+                                 in-flight entry at the request's first output and drops
+                                 it at the next status measured after that
 step_samples                     none: online calibration falls back to the profile         —
 ===============================  =========================================================  =========
 """
@@ -55,8 +56,6 @@ from typing import Any
 
 import grpc
 from slorouter.v1 import cms_pb2
-from smg_grpc_proto.generated import vllm_engine_pb2 as vllm_pb2
-from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vllm_pb2_grpc
 
 from cms.transport import ClientTls
 from router.core.protocols import VLLM_GRPC
@@ -172,6 +171,8 @@ class StockEngineAgent:
     def __init__(
         self, config: AgentConfig, *, auth_token: str | None = None, cms_tls: ClientTls | None = None
     ) -> None:
+        from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vllm_pb2_grpc
+
         config.check()
         self.config = config
         self._auth_token = auth_token
@@ -185,13 +186,18 @@ class StockEngineAgent:
         #: The latest status published (for tests and logs).
         self.last_status: cms_pb2.InstanceStatus | None = None
 
-    async def wait_for_engine(self) -> None:
-        """Return once the engine answers ``HealthCheck`` healthy; ``TimeoutError`` after ``--engine-wait-s``."""
+    async def wait_for_engine(self, stop: asyncio.Event | None = None) -> bool:
+        """True once the engine answers ``HealthCheck`` healthy, False when ``stop`` is set first.
+
+        ``TimeoutError`` after ``--engine-wait-s``.
+        """
         deadline = time.monotonic() + self.config.engine_wait_s
         while True:
             reason = await self._health_reason()
             if not reason:
-                return
+                return True
+            if stop is not None and stop.is_set():
+                return False
             if time.monotonic() >= deadline:
                 raise TimeoutError(
                     f"engine {self.config.engine} not healthy within {self.config.engine_wait_s:g} s "
@@ -201,6 +207,8 @@ class StockEngineAgent:
 
     async def metadata(self) -> cms_pb2.InstanceMetadata:
         """What the CMS registers, from ``GetModelInfo``, ``GetServerInfo`` and ``GetLoads``."""
+        from smg_grpc_proto.generated import vllm_engine_pb2 as vllm_pb2
+
         timeout = self.config.probe_timeout_s * 5
         model = await self._stub.GetModelInfo(vllm_pb2.GetModelInfoRequest(), timeout=timeout)
         server = await self._stub.GetServerInfo(vllm_pb2.GetServerInfoRequest(), timeout=timeout)
@@ -229,7 +237,9 @@ class StockEngineAgent:
         )
 
     async def _health_reason(self) -> str:
-        """ "" when the engine answers ``HealthCheck`` healthy, else why not."""
+        """Empty when the engine answers ``HealthCheck`` healthy, else why not."""
+        from smg_grpc_proto.generated import vllm_engine_pb2 as vllm_pb2
+
         try:
             reply = await self._stub.HealthCheck(
                 vllm_pb2.HealthCheckRequest(), timeout=self.config.probe_timeout_s
@@ -244,6 +254,8 @@ class StockEngineAgent:
 
     async def poll_once(self) -> cms_pb2.InstanceStatus:
         """Probe the engine once and publish its status (unschedulable with the reason when it fails)."""
+        from smg_grpc_proto.generated import vllm_engine_pb2 as vllm_pb2
+
         now_ms = int(time.time() * 1000)
         reason = await self._health_reason()
         loads: Any = None
@@ -292,7 +304,9 @@ class StockEngineAgent:
         """Wait for the engine, register, poll until ``stop`` is set, deregister."""
         from cms.agent import AgentWriter
 
-        await self.wait_for_engine()
+        if not await self.wait_for_engine(stop):
+            await self.close()
+            return
         metadata = await self.metadata()
         self._writer = AgentWriter(
             self.config.cms,

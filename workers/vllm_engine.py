@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import contextlib
 import hashlib
 import importlib.util
@@ -41,6 +42,7 @@ import logging
 import sys
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from workers import vllm_env
@@ -293,6 +295,7 @@ class VllmEngine:
         self._has_connector = bool(config.kv_connector)
         self._started = False
         self._stopping = False
+        self._rpc_dir: Path | None = None
         self._warned_no_connector = False
         # Aborts that may have reached vLLM before the request did (see _outputs).
         self._abort_requested: set[str] = set()
@@ -333,6 +336,9 @@ class VllmEngine:
             return
         self._started = True
         vllm_env.apply_defaults()
+        # vLLM's socket files go into a directory of this engine's, removed when it stops.
+        self._rpc_dir = vllm_env.private_rpc_dir()
+        atexit.register(vllm_env.remove_rpc_dir, self._rpc_dir)  # also when stop() never runs
         self._vllm = _import_vllm()
         engine_args = self._vllm.AsyncEngineArgs(**self._config.engine_kwargs())
         # Building the engine blocks for the whole model load (15-25 s on a
@@ -360,6 +366,7 @@ class VllmEngine:
             kv_capacity_tokens=num_blocks * block_size,
             block_size=block_size,
             max_model_len=int(vllm_config.model_config.max_model_len),
+            max_num_seqs=int(vllm_config.scheduler_config.max_num_seqs),
         )
         self._book.kv_capacity_tokens = self._info.kv_capacity_tokens
         self._tokenizer.tokenizer = self._llm.tokenizer
@@ -397,6 +404,7 @@ class VllmEngine:
                 handler.cancel()
                 await asyncio.wait([handler])
             await asyncio.to_thread(llm.shutdown)
+        vllm_env.remove_rpc_dir(self._rpc_dir)
         self._changed()
 
     async def generate(

@@ -10,7 +10,10 @@ with :func:`subprocess_env` instead of reading ``os.environ`` themselves.
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from collections.abc import Mapping
+from pathlib import Path
 
 #: Defaults for vLLM's own variables; an exported value is never overridden.
 VLLM_ENV_DEFAULTS: Mapping[str, str] = {
@@ -44,3 +47,38 @@ def subprocess_env(overrides: Mapping[str, str] | None = None) -> dict[str, str]
     if overrides:
         env.update(overrides)
     return env
+
+
+#: Where vLLM creates its inter-process sockets (ZeroMQ ``ipc://`` files, one per channel).
+RPC_BASE_PATH = "VLLM_RPC_BASE_PATH"
+#: The longest path a Unix socket may have (``sizeof(sockaddr_un.sun_path)`` - 1 on Linux).
+IPC_PATH_MAX = 107
+#: The socket directories this process made (so a second engine gets its own, and only these are removed).
+_OWN_RPC_DIRS: set[str] = set()
+
+
+def private_rpc_dir() -> Path | None:
+    """A fresh owner-only directory for the next engine's sockets, exported as ``VLLM_RPC_BASE_PATH``.
+
+    vLLM names each socket ``<VLLM_RPC_BASE_PATH>/<uuid>`` (the temporary directory by default) and
+    leaves the files behind: about seven per engine start. Giving each engine a directory of its
+    own lets :func:`remove_rpc_dir` take them all away when the engine stops. Returns None, and
+    changes nothing, when the operator exported ``VLLM_RPC_BASE_PATH`` themselves.
+    """
+    current = os.environ.get(RPC_BASE_PATH)
+    if current is not None and current not in _OWN_RPC_DIRS:
+        return None
+    # A socket's path must fit sockaddr_un (107 bytes): the directory, "/", a 36-character uuid.
+    base = tempfile.gettempdir()
+    if len(base) + len("/slo-vllm-ipc-XXXXXXXX/") + 36 > IPC_PATH_MAX and os.path.isdir("/tmp"):
+        base = "/tmp"
+    path = tempfile.mkdtemp(prefix="slo-vllm-ipc-", dir=base)  # mode 0700
+    _OWN_RPC_DIRS.add(path)
+    os.environ[RPC_BASE_PATH] = path
+    return Path(path)
+
+
+def remove_rpc_dir(path: Path | None) -> None:
+    """Remove a directory :func:`private_rpc_dir` made, with the sockets in it (None: nothing)."""
+    if path is not None and str(path) in _OWN_RPC_DIRS:
+        shutil.rmtree(path, ignore_errors=True)

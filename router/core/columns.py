@@ -76,6 +76,9 @@ class InstanceTable:
     #: 1 where the instance reports recent preemptions, else 0. Optional: ``None`` when the source
     #: does not report them (the safety valve then reads KV saturation instead).
     preempting: FloatArray | None = None
+    #: Most requests each engine runs at once (``inf`` where unknown); beyond it a new request
+    #: waits for a running one to finish before its prefill starts. Optional: ``None`` = unknown.
+    max_num_seqs: FloatArray | None = None
 
     @property
     def n(self) -> int:

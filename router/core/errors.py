@@ -10,6 +10,7 @@
     ├── InvalidRequestError (ValueError)  a request is malformed: the client must fix it
     ├── DuplicateRequestError         a request id that is already in flight
     ├── RetriesExhaustedError         every attempt on a worker failed
+    ├── ShuttingDownError             the router is draining (SIGTERM): retry on another replica
     └── SchedulingError               no placement for this request, now
         ├── EmptyClusterError         no instance at all, or none usable (all without status, stale
         │                             or unschedulable): the fleet or the CMS is down
@@ -17,12 +18,13 @@
         │                             (typically: none is predicted to meet the SLO)
         ├── QueueFullError            the router queue is full and this request was the least valuable
         ├── QueueTimeoutError         a request waited in the router queue past ``--max-queue-wait-ms``
+        ├── UnmeetableError           a target below the idle-instance best case (refused at arrival)
         └── LateError                 a queued request can no longer meet its TTFT target
                                       (``--late-policy reject``)
 
 The gRPC service maps them in one place; the intended codes are
 ``InvalidRequestError`` → ``INVALID_ARGUMENT``, ``DuplicateRequestError`` →
-``ALREADY_EXISTS``, ``NoInstanceError``, ``QueueFullError`` and ``QueueTimeoutError`` →
+``ALREADY_EXISTS``, ``NoInstanceError``, ``QueueFullError``, ``QueueTimeoutError`` and ``UnmeetableError`` →
 ``RESOURCE_EXHAUSTED``, ``LateError`` → ``DEADLINE_EXCEEDED``,
 ``EmptyClusterError`` and ``RetriesExhaustedError`` → ``UNAVAILABLE``
 (``ConfigError`` never reaches a request: it is raised at start-up). Every
@@ -233,6 +235,15 @@ def _rebuild_no_instance(
 
 class QueueFullError(SchedulingError):
     """The router queue is full and this request was the least valuable one: it was shed."""
+
+
+class ShuttingDownError(RouterError):
+    """The router is shutting down (SIGTERM): a request not yet running, or one still running at the
+    end of ``--drain-timeout-s``. Retryable: another router replica takes it."""
+
+
+class UnmeetableError(SchedulingError):
+    """A target below the best prediction for the request on an idle instance: refused at arrival."""
 
 
 class QueueTimeoutError(SchedulingError):

@@ -15,6 +15,9 @@ An entry leaves when
   (:meth:`InflightAccount.reconcile`) — each instance's entry separately, so a
   request admitted by its prefill instance keeps its decode entry until the
   decode instance admits it too;
+* that instance lists no admitted ids (a stock vLLM engine) and its status was
+  measured after the router saw the instance running the request
+  (:meth:`InflightAccount.confirm`);
 * the request ends at the router (:meth:`InflightAccount.release`), for all
   its instances or one;
 * it is ``expiry_s`` old (:meth:`InflightAccount.expire`).
@@ -185,6 +188,11 @@ class InflightAccount:
         # version before the oldest.
         self._journal: deque[tuple[str, int]] = deque(maxlen=JOURNAL_LENGTH)
         self._journal_start = 0
+        # (request_id, instance_id) -> epoch ms at which the instance was seen running the request
+        # (its first output), for instances that list no admitted ids (see :meth:`confirm`).
+        self._confirmed: dict[tuple[str, str], int] = {}
+        # instance_id -> how many of its entries are confirmed (reconcile looks only at those).
+        self._confirmed_on: dict[str, int] = {}
         # instance_id -> the summed rows other router processes dispatched there (--processes N);
         # added to this account's own sums in every query (see :meth:`set_peers`).
         self._peers: dict[str, tuple[int, ...]] = {}
@@ -490,10 +498,31 @@ class InflightAccount:
         self._touch(instance_id, _RESIDENT)
         return True
 
+    def confirm(self, request_id: str, instance_id: str, at_ms: int) -> None:
+        """The instance was seen running the request at epoch ms ``at_ms`` (its first output arrived).
+
+        For engines whose status lists no admitted request ids (a stock vLLM behind
+        ``slo-router agent``): the entry then leaves at the first reconciled status of that
+        instance measured at or after ``at_ms``, which counts the request itself. Without it the
+        entry would stay until the request ends or expires, counted twice meanwhile. Confirming an
+        entry that does not exist, or twice, changes nothing.
+        """
+        key = (request_id, instance_id)
+        if key not in self._entries or key in self._confirmed:
+            return
+        self._confirmed[key] = at_ms
+        self._confirmed_on[instance_id] = self._confirmed_on.get(instance_id, 0) + 1
+
     def _remove(self, entry: InflightEntry) -> None:
         key = (entry.request_id, entry.instance_id)
         if self._entries.pop(key, None) is None:
             return
+        if self._confirmed.pop(key, None) is not None:
+            left = self._confirmed_on[entry.instance_id] - 1
+            if left:
+                self._confirmed_on[entry.instance_id] = left
+            else:
+                del self._confirmed_on[entry.instance_id]
         by_request = self._by_request[entry.request_id]
         del by_request[entry.instance_id]
         if not by_request:
@@ -551,7 +580,8 @@ class InflightAccount:
         return removed
 
     def reconcile(self, snapshot: ClusterSnapshot, positions: Mapping[str, int] | None = None) -> int:
-        """Drop every entry whose instance's status lists its request as admitted; returns how many.
+        """Drop every entry whose instance's status lists its request as admitted, or was measured
+        after the entry was confirmed (:meth:`confirm`); returns how many.
 
         Costs O(instances with entries) when ``positions`` (instance id → index
         in ``snapshot.instances``, e.g. a view's ``InstanceTable.index``) is
@@ -566,6 +596,15 @@ class InflightAccount:
             record = self._record(instance_id)
             if record is None or record.status is None:
                 continue
+            if instance_id in self._confirmed_on:
+                measured_ms = record.status.timestamp_ms
+                for request_id, entry in list(self._by_instance[instance_id].items()):
+                    at_ms = self._confirmed.get((request_id, instance_id))
+                    if at_ms is not None and measured_ms >= at_ms:
+                        self._remove(entry)
+                        removed += 1
+                if instance_id not in self._by_instance:
+                    continue
             admitted = record.status.admitted_request_ids
             if not admitted:
                 continue

@@ -17,6 +17,7 @@ num_waiting_requests       S.num_waiting_requests + L requests                  
 num_requests               S.num_waiting_requests + S.num_running_requests             load
                            + L requests (a request counts once per instance)
 decode_step_ms             predicted latency of one decode step at the current load    load
+prompt_compute_tokens      p - c: the prompt tokens the instance would compute         decision
 cached_prompt_tokens       c = the prompt's leading tokens the instance's prefix cache  decision
                            holds, as the router knows it (at most p - 1; 0 without
                            a prefix source or prefix hashes)
@@ -237,6 +238,35 @@ def _decode_step_ms(ctx: DecisionContext) -> FloatArray:
     )
 
 
+@_register("slot_wait_ms", MetricScope.LOAD)
+def _slot_wait_ms(ctx: DecisionContext) -> FloatArray:
+    """How long a new request waits for a running slot before its prefill can start (ms).
+
+    An engine runs at most ``max_num_seqs`` requests; the rest wait in its queue. A new request
+    needs ``running + ahead + 1 - max_num_seqs`` of the running ones to finish first (``ahead``:
+    the engine's waiting requests and the router's dispatches not yet admitted), and only
+    decoding requests finish: with ``d`` of them holding on average ``R`` more tokens
+    (``kv_growth_tokens / d``, the router's length estimates), one finishes about every
+    ``R / d`` decode steps. 0 where a slot is free or the cap is unknown. Without it a capped
+    engine's TTFT was predicted as if every request started at once (a p90 error of 1,400-2,000 %
+    at ``--max-num-seqs 4``), and the ``slo`` policy admitted requests the engine then held back.
+    """
+    table = ctx.view.instances
+    cap = table.max_num_seqs
+    zero = np.zeros(table.n)
+    if cap is None:
+        return zero
+    need = table.running_requests + table.waiting_requests + ctx.view.inflight.requests + 1.0 - cap
+    if not (need > 0).any():
+        return zero
+    batch = ctx.metric("decode_batch_size")
+    decoders = np.maximum(batch, 1.0)
+    remaining = np.maximum(ctx.metric("kv_growth_tokens") / decoders, 1.0)
+    steps_per_finish = remaining / decoders
+    wait: FloatArray = np.where(need > 0, need * steps_per_finish * ctx.metric("decode_step_ms"), 0.0)
+    return wait
+
+
 # ----------------------------------------------------------------------------- prefill backlog
 
 
@@ -380,6 +410,23 @@ def _cached_prompt_tokens(ctx: DecisionContext) -> FloatArray:
     return cached_tokens_column(source, table.ids, table.index, request.prefix_hashes, request.prompt_tokens)
 
 
+@_register("prompt_compute_tokens", MetricScope.DECISION)
+def _prompt_compute_tokens(ctx: DecisionContext) -> FloatArray:
+    """``p - c``: the prompt tokens the instance would compute (``p`` everywhere without cache knowledge)."""
+    prompt = _prompt_to_compute(ctx)
+    if isinstance(prompt, float):
+        table = ctx.view.instances
+        key = ("prompt_column", prompt)
+        found: FloatArray | None = table.memo.get(key)
+        if found is None:
+            found = np.full(table.n, prompt)
+            found.setflags(write=False)
+            if len(table.memo) < 4096:
+                table.memo[key] = found
+        return found
+    return prompt
+
+
 def _prompt_to_compute(ctx: DecisionContext) -> float | FloatArray:
     """The prompt tokens each instance would compute: ``p`` (a scalar) without cache knowledge, else ``p - c``."""
     request = ctx.request
@@ -404,20 +451,24 @@ def _predicted_ttft_at(ctx: DecisionContext, i: int) -> float:
     tokens = ctx.metric("decode_tokens").item(i)
     budget = table.max_num_batched_tokens.item(i)
     value = lp.ttft_ms_at(backlog, batch, tokens, budget)
+    wait = ctx.metric("slot_wait_ms").item(i) if table.max_num_seqs is not None else 0.0
     correction = _correction(ctx)
     if correction is None:
-        return value
+        return value + wait
     one = correction.at(i)
     decode = ctx.metric("decode_step_ms")[i : i + 1]
-    return float(
-        one.ttft_ms(
-            np.array([value]),
-            np.array([backlog]),
-            np.array([batch]),
-            np.array([tokens]),
-            np.array([budget]),
-            decode,
-        )[0]
+    return (
+        float(
+            one.ttft_ms(
+                np.array([value]),
+                np.array([backlog]),
+                np.array([batch]),
+                np.array([tokens]),
+                np.array([budget]),
+                decode,
+            )[0]
+        )
+        + wait
     )
 
 
@@ -456,18 +507,23 @@ def _predicted_ttft(ctx: DecisionContext) -> FloatArray:
     else:
         values = predictors.chunked_prefill_ms(table, backlog, step, full_chunk)
     correction = _correction(ctx)
-    if correction is None:
-        return values
-    batch, tokens = ctx.metric("decode_batch_size"), ctx.metric("decode_tokens")
-    return correction.ttft_ms(
-        values,
-        backlog,
-        batch,
-        tokens,
-        table.max_num_batched_tokens,
-        step,
-        _full_chunk_remainder(ctx, correction, batch, tokens),
-    )
+    if correction is not None:
+        batch, tokens = ctx.metric("decode_batch_size"), ctx.metric("decode_tokens")
+        values = correction.ttft_ms(
+            values,
+            backlog,
+            batch,
+            tokens,
+            table.max_num_batched_tokens,
+            step,
+            _full_chunk_remainder(ctx, correction, batch, tokens),
+        )
+    if table.max_num_seqs is not None:
+        # A full engine holds the request back until a running one finishes (see slot_wait_ms).
+        wait = ctx.metric("slot_wait_ms")
+        if wait.any():
+            values = values + wait
+    return values
 
 
 def _full_chunk_remainder(

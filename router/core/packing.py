@@ -386,14 +386,16 @@ def _predicted_tpot_horizon(ctx: DecisionContext, config: SchedulerConfig) -> Fl
 def prefill_stall_ms(ctx: DecisionContext) -> FloatArray:
     """Per instance: the prefill time its queued prompts and this request's prompt will put between
     the next decode steps (the backlog ``prefill_backlog_tokens + p`` as full chunks and a tail,
-    each chunk's prefill part only; times the calibrated TTFT factor when there is one)."""
+    each chunk's prefill part only; times the calibrated TTFT factor when there is one). ``p`` is the
+    uncached part of the prompt there (``prompt_compute_tokens``)."""
     predictors = ctx.predictors
     table = ctx.view.instances
     if predictors is None:
         return np.full(table.n, np.nan)
     tokens = ctx.metric("prefill_backlog_tokens")
     if ctx.request is not None:
-        tokens = tokens + float(ctx.prompt_tokens)
+        # Only what the instance would compute: a cached prefix puts no chunk between decode steps.
+        tokens = tokens + ctx.metric("prompt_compute_tokens")
     budget = table.max_num_batched_tokens
     full = np.floor_divide(tokens, budget)
     rest = tokens - full * budget

@@ -228,7 +228,14 @@ def _slo(config: SchedulerConfig) -> dict[str, Any]:
     # Decode also keeps KV over life and the safety valve, both droppable: when every instance
     # meeting the TPOT target is full or over-packed, the fallback places as plain slo would.
     return {
-        "prefill": {"filters": [*HEALTH, _ttft(), "failover"], "selector": _lowest("predicted_ttft")},
+        # Among the instances that meet the TTFT target, the prompt goes where it costs the fleet the
+        # least work (its longest cached prefix), then the lowest TTFT: spreading a prefix over the
+        # fleet to shave a TTFT already within target spends the capacity later requests need. Without
+        # cache knowledge every instance computes the whole prompt, and the TTFT decides as before.
+        "prefill": {
+            "filters": [*HEALTH, _ttft(), "failover"],
+            "selector": _lowest("prompt_compute_tokens", "predicted_ttft"),
+        },
         "decode": {
             "filters": [
                 *HEALTH,
@@ -250,7 +257,7 @@ def _slo(config: SchedulerConfig) -> dict[str, Any]:
                 _kv_fits(config, droppable=True),
                 "failover",
             ],
-            "selector": _lowest("predicted_ttft", "predicted_tpot"),
+            "selector": _lowest("prompt_compute_tokens", "predicted_ttft", "predicted_tpot"),
         },
     }
 

@@ -83,8 +83,11 @@ class PrefixSource(Protocol):
         """Instance id -> how many of ``hashes``' leading blocks it holds (instances holding none left out)."""
         ...
 
-    def dispatched(self, instance_id: str, hashes: Sequence[int], capacity_tokens: float) -> None:
-        """A prompt with ``hashes`` was sent to ``instance_id`` (whose KV holds ``capacity_tokens``)."""
+    def dispatched(
+        self, instance_id: str, hashes: Sequence[int], capacity_tokens: float, private_tokens: int = 0
+    ) -> None:
+        """A prompt with ``hashes`` was sent to ``instance_id`` (whose KV holds ``capacity_tokens``);
+        ``private_tokens`` more of its KV (the unshared tail, the output) are its own."""
         ...
 
 
@@ -252,15 +255,33 @@ class ApproximatePrefixIndex(BlockIndex):
     its first block last, so under pressure a prompt's tail ages out before
     the head other prompts share (as an engine frees a finished request's
     blocks, tail first). The instance keeps at most its KV capacity in blocks.
+
+    The request's own KV (the prompt past its last full block, its output)
+    takes room in the engine too while it runs, pushing cached blocks out: it
+    enters the LRU as placeholder blocks that match no prompt, newest of all,
+    and ages out like the rest.
     """
 
     name = "approximate"
 
-    def dispatched(self, instance_id: str, hashes: Sequence[int], capacity_tokens: float) -> None:
+    def __init__(self, block_tokens: int, **bounds: int) -> None:
+        super().__init__(block_tokens, **bounds)
+        self._placeholder = 0
+
+    def dispatched(
+        self, instance_id: str, hashes: Sequence[int], capacity_tokens: float, private_tokens: int = 0
+    ) -> None:
         limit = None
         if np.isfinite(capacity_tokens) and capacity_tokens > 0:
             limit = int(capacity_tokens // self.block_tokens)
-        self.add(instance_id, reversed(hashes), limit=limit)
+        blocks = min(max(private_tokens, 0) // self.block_tokens, self.max_blocks_per_instance)
+        # Placeholders: odd-width ints no 64-bit chained hash equals (Python hashes fit in 64 bits).
+        first = self._placeholder
+        self._placeholder += blocks
+        own = range((1 << 64) + first, (1 << 64) + first + blocks)
+        self.add(instance_id, [*reversed(hashes), *own], limit=limit)
+        for h in own:  # they hold room in the LRU, never a match: no holder bit needed
+            self._holders.pop(h, None)
 
 
 class KvEventKind(str, enum.Enum):
@@ -283,7 +304,9 @@ class ExactPrefixIndex(BlockIndex):
 
     name = "exact"
 
-    def dispatched(self, instance_id: str, hashes: Sequence[int], capacity_tokens: float) -> None:
+    def dispatched(
+        self, instance_id: str, hashes: Sequence[int], capacity_tokens: float, private_tokens: int = 0
+    ) -> None:
         return None
 
     def apply(self, instance_id: str, events: Iterable[tuple[str, Sequence[int]]]) -> None:

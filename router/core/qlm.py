@@ -13,27 +13,29 @@ The pieces, and how they are adapted to this router:
   with k-means and halves oversized clusters; here requests arrive one at a time
   and groups that are already ordered must keep their identity, so the
   clustering is an online grid over the same features and a group that reaches
-  its bound (``--qlm-group-factor`` × the instance batch) is closed and a new
-  one opened, which is the same split in arrival order. Inside a group
-  requests are served first come first served.
+  its bound (delta = ``--qlm-group-factor`` x the instance's average batch;
+  4, the paper's choice) is closed and a new one opened, which is the same split
+  in arrival order. A group the plan expects late takes no newcomers. Inside a
+  group requests are served first come first served.
 * **Virtual queues.** One per instance: the order in which that instance pulls
-  groups. A group one of whose requests has been pulled is *started* and stays
-  on its instance (no preemptive migration, as in the paper).
+  groups. A new group goes in deadline order (the plan generator's EDF step,
+  taken at insertion) on the queue that frees first. A group one of whose
+  requests has been pulled is *started* and stays on its instance (no
+  preemptive migration, as in the paper).
 * **RCT estimator.** A request's output length is unknown; per SLO class the
   estimator learns its mean and spread online from finished requests
   (:class:`OutputStats`; before any, ``max_tokens`` stands for the mean). An
-  instance is ``batch`` slots each producing one token per decode step of
-  ``decode_step_s`` (its token throughput is ``batch / decode_step_s``), plus a
-  prefill time per request. A request's start is when a slot frees, in virtual
-  queue order behind the running requests (with one slot this is exactly the
-  paper's waiting time: the tokens ahead over the throughput). Each duration
-  has a mean and a spread; the check uses the ``--qlm-confidence`` quantile
-  and adds spreads along a slot linearly, an upper bound of the quantile of
-  the sum (lengths of one class move together, so the bound is not loose by
-  much), which keeps every estimate linear in the order, as the plan
-  generator's MILP needs. A request meets its deadline when its TTFT deadline
-  (or, for an e2e-only request, its completion deadline) is after the quantile
-  of its first-token (completion) time.
+  instance is ``batch`` slots (its average full batch, learned from the
+  batches KV pulling reaches) each producing one token per decode step of
+  ``decode_step_s`` (that batch's predicted step times the learned
+  inefficiency factor, Eq. 4's epsilon), plus a prefill time per request: its
+  token throughput is ``batch / decode_step_s`` and a request's start is when
+  a slot frees, in virtual queue order, which is Eq. 2's tokens ahead over the
+  throughput. Each duration has a mean and a spread; the check uses the
+  ``--qlm-confidence`` quantile (Eq. 12's Delta) and adds spreads along a slot
+  linearly. A request meets its deadline when its TTFT deadline (or, for an
+  e2e-only request, its completion deadline) is after the quantile of its
+  first-token (completion) time.
 * **Plan generator.** Orders and assigns the unstarted groups over the virtual
   queues to maximise the requests of groups that meet their deadlines. The
   default is a heuristic: earliest-deadline-first assignment to the queue
@@ -41,25 +43,28 @@ The pieces, and how they are adapted to this router:
   (when a group would miss, drop the least valuable group placed before it
   on that queue if that saves it; dropped groups go last). :func:`milp_plan`
   solves the paper's position-assignment program exactly with
-  ``scipy.optimize.milp`` for small cases; the tests and ``python -m bench qlm``
-  measure the heuristic's gap to it. The plan is re-run only when, after an
+  ``scipy.optimize.milp`` for small cases. The plan is re-run when, after an
   arrival or an eviction, the estimator predicts a violation the current
   plan did not already expect.
-* **LSOs.** Request pulling: an instance gets the next request of its virtual
-  queue's head group while it has room (:meth:`QlmQueue._room`: fewer than
-  ``batch`` of ours, or more e2e-only ones when nothing judged on TPOT is
-  there), and one whose virtual queue is empty pulls the most urgent request
-  waiting on the others. Load balancing: the plan moves unstarted groups
-  between virtual queues. Request eviction (``--qlm-eviction on``): when the
-  head group of a full instance would miss its deadline waiting but would
-  meet it if it started now, running requests of looser e2e-only groups on
-  that instance are evicted (loosest first, at most ``--qlm-max-evictions``
+* **LSOs.** Request pulling (§5, §6): an instance pulls the next request of
+  its virtual queue's head group while the tokens its running batch will hold
+  at their end (prompt and output at the estimator's confidence) stay within
+  its KV cache and its engine's sequence cap (:meth:`QlmQueue._room`); for
+  streams judged on TPOT (this router's adaptation: the paper's SLOs are
+  end-to-end) also while the grown batch's predicted step keeps the tightest
+  TPOT target running or waiting in that queue. An instance whose virtual
+  queue is empty pulls the most urgent request waiting on the others. Load
+  balancing: the plan moves unstarted groups between virtual queues. Request
+  eviction (``--qlm-eviction on``): when the head group's next request cannot
+  be pulled, would miss its deadline waiting for room and would meet it if it
+  started now, running requests of looser e2e-only groups on that instance
+  are evicted, loosest first, until it fits (at most ``--qlm-max-evictions``
   times per request, and only requests predicted to meet their own deadline
-  after it, or to miss it anyway: :meth:`QlmQueue._survives`): the caller aborts
-  them and they are queued again with their generated tokens appended to the
-  prompt and ``max_tokens`` reduced by as many, so the client's stream loses
-  and repeats nothing. Only e2e-only requests are evicted: a request judged on
-  TTFT/TPOT streams to a reader, and a pause would break its TPOT.
+  after it, or to miss it anyway: :meth:`QlmQueue._survives`): the caller
+  aborts them and they are queued again with their generated tokens appended
+  to the prompt and ``max_tokens`` reduced by as many, so the client's stream
+  loses and repeats nothing. Only e2e-only requests are evicted: a request
+  judged on TTFT/TPOT streams to a reader, and a pause would break its TPOT.
 
 Not built: model swapping and warm start (one model per fleet here), GPU–CPU
 state swapping (the engines have no such operation).
@@ -98,14 +103,19 @@ class QlmConfig(FlagFields):
     batch: int = field(
         default=0,
         metadata=_doc(
-            "requests an instance runs from the virtual queue at once (0 = the largest decode batch whose "
-            "predicted step stays under the default TPOT target)",
+            "a fixed count of requests an instance runs from its virtual queue at once (0 = none: an instance "
+            "pulls while its running batch's tokens fit its KV cache, as seed 004 does, and, for streams "
+            "judged on TPOT, while the grown batch's step keeps their target)",
             "--qlm-batch",
         ),
     )
     group_factor: int = field(
-        default=2,
-        metadata=_doc("a request group holds at most this many batches of requests", "--qlm-group-factor"),
+        default=4,
+        metadata=_doc(
+            "delta: a request group holds at most this many average batches of requests (the paper's "
+            "choice, 4: finer groups cost plan time for no attainment, coarser ones lose it)",
+            "--qlm-group-factor",
+        ),
     )
     length_ratio: float = field(
         default=2.0,
@@ -215,8 +225,11 @@ class InstanceModel:
     prefill_s: Callable[[int], float]
     #: Most requests the engine runs at once (its ``max_num_seqs``); beyond ``batch`` only e2e-only requests.
     most: int = 0
-    #: KV cache of the instance in tokens (0: unknown); bounds the e2e-only requests beyond ``batch``.
+    #: KV cache of the instance in tokens (0: unknown). Pulling is bounded by it (§6: a pull while the
+    #: running batch's tokens are below the GPU's capacity).
     kv_tokens: int = 0
+    #: Predicted decode step (s) of ``b`` requests holding ``t`` tokens (None: ``decode_step_s`` always).
+    step_s: Callable[[int, float], float] | None = None
 
     @property
     def throughput_tps(self) -> float:
@@ -276,9 +289,20 @@ def instance_model(
     """
     if config.batch:
         most = config.batch
-    batch = config.batch or batch_for(lp, tpot_ms, context, most)
+    if config.batch:
+        batch = config.batch
+    elif kv_tokens:
+        # The batch the KV pulls to: as many requests of the typical context as the cache holds
+        # (the paper's average batch size; the queue refines it online from the batches it sees).
+        batch = max(min(most, int(kv_tokens // max(context, 1.0))), 1)
+    else:
+        batch = batch_for(lp, tpot_ms, context, most)
     step_s = float(lp.predict_tpot_ms(batch, batch * context)) * 1e-3
-    return InstanceModel(batch, step_s, _Prefill(lp, batch, context, budget), most, kv_tokens)
+
+    def step(b: int, tokens: float) -> float:
+        return float(lp.predict_tpot_ms(max(b, 1), tokens)) * 1e-3
+
+    return InstanceModel(batch, step_s, _Prefill(lp, batch, context, budget), most, kv_tokens, step)
 
 
 # --------------------------------------------------------------------------- requests and groups
@@ -759,6 +783,11 @@ class QlmQueue:
         #: The models the estimator uses: each base model's decode step times the learned inefficiency.
         self.models = list(models)
         self.inefficiency = [1.0] * len(models)
+        #: Per instance: the average full batch and context per request seen (see :meth:`_observe_batch`),
+        #: and the decode step of that batch before the inefficiency factor.
+        self.batch_seen = [float(m.batch) for m in models]
+        self.context_seen = [float(DEFAULT_CONTEXT) for _ in models]
+        self.pure_step = [m.decode_step_s for m in models]
         self.default_ttft_ms = default_ttft_ms
         self.default_tpot_ms = default_tpot_ms
         self.max_queue_size = max_queue_size
@@ -844,11 +873,16 @@ class QlmQueue:
         key = self._key(r)
         gid = self.open.get(key, -1)
         group = self.groups.get(gid)
-        if group is not None and (group.closed or len(group.members) >= group.bound):
+        if group is not None and (
+            group.closed or len(group.members) >= group.bound or self.expected_missing.get(group.gid, 0) > 0
+        ):
+            # Full, or expected late by the plan (its members missed or will miss): a newcomer opens
+            # a fresh group the plan can still put where it meets its deadline, instead of inheriting
+            # a late group's place at the back.
             group.closed = True
             group = None
         if group is None:
-            group = self._new_group(key, now_s, instance)
+            group = self._new_group(key, now_s, instance, r.deadline_s)
         if front:
             group.members.appendleft(r)
         else:
@@ -859,19 +893,32 @@ class QlmQueue:
             group.closed = True
         self._check(now_s)
 
-    def _new_group(self, key: tuple[Any, ...], now_s: float, instance: int) -> Group:
+    def _new_group(
+        self, key: tuple[Any, ...], now_s: float, instance: int, deadline_s: float = math.inf
+    ) -> Group:
         gid = self._gid
         self._gid += 1
         self.groups_made += 1
-        # Virtual queues take new groups first come first served, on the queue that frees first;
-        # the plan generator reorders when that misses a deadline. An evicted request's new group
+        # A new group goes to the queue that frees first, in deadline order among its groups
+        # (the plan generator's own first step, EDF, taken at insertion): the paper queues new groups
+        # first come first served and reorders when its estimator predicts a violation, but this
+        # router's estimator sees a queue's head waiting for KV and TPOT room only approximately, and a
+        # tight group appended behind loose ones that cannot be pulled missed before any re-plan.
+        # The plan generator still reorders on a predicted violation. An evicted request's new group
         # goes right behind the head of the queue it left.
         if instance >= 0:
             i = instance
             self.vqs[i].insert(1 if self.vqs[i] else 0, gid)
         else:
             i = min(range(len(self.models)), key=lambda k: (self._backlog_q(k, now_s), k))
-            self.vqs[i].append(gid)
+            vq = self.vqs[i]
+            at = len(vq)
+            for k, other in enumerate(vq):
+                g = self.groups[other]
+                if g.members and g.deadline_s > deadline_s:
+                    at = k
+                    break
+            vq.insert(at, gid)
         group = Group(gid, key, self.config.group_factor * max(self.models[i].batch, 1))
         self.groups[gid] = group
         self.open[key] = gid
@@ -955,35 +1002,95 @@ class QlmQueue:
             self._drop_group(src, group)
         return Dispatch(r, i)
 
-    def _room(self, i: int, r: QlmRequest) -> bool:
-        """May instance ``i`` start ``r`` now?
+    def _tokens(self, r: QlmRequest) -> float:
+        """KV tokens ``r`` holds at its end: its prompt and the output it reaches with ``--qlm-confidence``.
 
-        Below ``batch`` (the decode batch whose step keeps the TPOT target)
-        always. Beyond it, only while neither ``r``, nor a request running
-        there, nor a group waiting in its virtual queue is judged on TPOT:
-        the step's length then harms no target, and the cap is the engine's
-        (``most`` requests, and their prompts and outputs within its KV
-        cache, so nothing is preempted). The paper's instances pull while
-        they have memory; the TPOT-safe batch is this router's adaptation
-        for streams judged on TPOT, and holding e2e-only work to it left the
-        engines running a fifth fewer requests than ``edf`` under overload
-        (at 14 req/s in simulation, a fifth of the instance time had only
-        e2e-only requests running).
+        The output's quantile, not its mean: the running batch must fit the cache at the end of its
+        requests with the same confidence the estimator's deadlines are checked with (Eq. 12), or
+        the engine preempts.
+        """
+        mean, std = self.stats.estimate(r.request.slo_class, r.request.max_tokens)
+        expected = min(max(mean + self.config.z * std - r.generated, 1.0), float(r.max_tokens))
+        return float(r.prompt_tokens) + expected
+
+    def _room(
+        self, i: int, r: QlmRequest, gone: frozenset[str] = frozenset(), now_s: float | None = None
+    ) -> bool:
+        """May instance ``i`` start ``r`` now (with the running requests ``gone`` evicted first)?
+
+        §6's pull rule: while the tokens of the running batch are below the
+        instance's KV capacity. A running request is counted at the tokens it
+        will hold when it ends (its prompt and its expected output, from the
+        learned output statistics): counting only what it holds now would pull
+        requests the cache cannot keep as the batch grows, and the engine would
+        preempt them. The engine's ``most`` sequences bound the count. An
+        adaptation for this router's streams judged on TPOT (the paper's SLOs
+        are end-to-end only): when ``r`` or a running request has a TPOT
+        target, the decode step of the grown batch must stay within
+        :data:`TPOT_HEADROOM` of the tightest such target. Without a KV figure
+        (``kv_tokens`` 0) the instance's ``batch`` bounds the count instead.
         """
         model = self.models[i]
-        run = self.running[i]
-        if len(run) < model.batch:
+        run = [x for x in self.running[i].values() if x.request_id not in gone]
+        if not run:
             return True
-        if len(run) >= model.most or not r.e2e_only or self.expected_missing.get(r.group, 0) <= 0:
+        if (model.most and len(run) >= model.most) or (not model.kv_tokens and len(run) >= model.batch):
             return False
-        if any(not x.e2e_only for x in run.values()):
+        held = sum(self._tokens(x) for x in run)
+        if model.kv_tokens and held + self._tokens(r) > model.kv_tokens:
             return False
-        if any(not self.groups[g].e2e_only for g in self.vqs[i]):
+        if model.step_s is None:
+            return True
+        context = held + self._tokens(r)
+        step = model.step_s(len(run) + 1, context) * self.inefficiency[i]
+        # TPOT-judged requests waiting in this instance's virtual queue will join this batch: it must
+        # not grow past their step either, or a tight stream could start only after the whole batch
+        # drained (head-of-line blocking by the batch's own speed).
+        waiting = [
+            g.members[0]
+            for g in (self.groups.get(gid) for gid in self.vqs[i])
+            if g is not None and g.members and not g.key[2]
+        ]
+        tpots = [self._tpot_ms(x) for x in (*run, r, *waiting) if not x.e2e_only]
+        if tpots and step * 1e3 > TPOT_HEADROOM * min(tpots):
             return False
-        if model.kv_tokens:
-            held = sum(x.prompt_tokens + x.max_tokens for x in run.values())
-            return held + r.prompt_tokens + r.max_tokens <= model.kv_tokens
+        if now_s is not None:
+            # The same for end-to-end deadlines: the grown batch's slower step must not turn a running
+            # request the estimator had on time into a miss (at the estimator's confidence).
+            before = model.step_s(len(run), held) * self.inefficiency[i]
+            for x in (*run, r):
+                if not (x.e2e_only or x.resumed):
+                    continue
+                left = self._left_tokens(x, now_s, before)
+                if now_s + left * before <= x.deadline_s < now_s + left * step:
+                    return False
         return True
+
+    def _left_tokens(self, x: QlmRequest, now_s: float, step_s: float) -> float:
+        """Output tokens running ``x`` still has to generate at the estimator's confidence."""
+        mean, std = self.stats.estimate(x.request.slo_class, x.request.max_tokens)
+        total = min(max(mean + self.config.z * std - x.generated, 1.0), float(x.max_tokens))
+        if x.instance < 0:
+            return total  # not running: all of it
+        done = max(now_s - x.dispatched_s, 0.0) / max(step_s, 1e-6)
+        return max(total - done, 1.0)
+
+    def _room_wait(self, i: int, r: QlmRequest, now_s: float) -> float:
+        """Seconds until ``r`` may be pulled on instance ``i``: running requests end in the order the
+        estimator expects (at its confidence) until the rest leaves ``r`` room."""
+        model = self.models[i]
+        ends = sorted(
+            (self.estimator.remaining(model, x, now_s)[1], x.request_id) for x in self.running[i].values()
+        )
+        gone: set[str] = set()
+        for end, rid in ends:
+            gone.add(rid)
+            if self._room(i, r, frozenset(gone), now_s):
+                return end
+        return ends[-1][0] if ends else 0.0
+
+    def _tpot_ms(self, r: QlmRequest) -> float:
+        return resolve_targets(r.request, self.default_ttft_ms, self.default_tpot_ms).tpot_ms
 
     def _pull(self, i: int, now_s: float) -> list[Dispatch]:
         out: list[Dispatch] = []
@@ -993,10 +1100,35 @@ class QlmQueue:
             if not group.members:
                 self._drop_group(i, group)
                 continue
-            if not self._room(i, group.members[0]):
+            if not self._room(i, group.members[0], now_s=now_s):
+                self._observe_batch(i)
                 break
             out.append(self._take(i, i, group, now_s))
         return out
+
+    def _observe_batch(self, i: int) -> None:
+        """The instance is full (a pull was refused): its running batch is a sample of the average batch.
+
+        The estimator's slots and decode step follow the batch KV pulling really reaches (an
+        exponential average of the full batches seen), which is the paper's "average batch size"
+        that the throughput and the group bound (delta x the average batch) are stated in.
+        """
+        run = self.running[i]
+        if not run:
+            return
+        self.batch_seen[i] = 0.9 * self.batch_seen[i] + 0.1 * len(run)
+        context = sum(self._tokens(x) for x in run.values()) / len(run) * 0.75
+        self.context_seen[i] = 0.9 * self.context_seen[i] + 0.1 * context
+        self._refresh(i)
+
+    def _refresh(self, i: int) -> None:
+        base = self.base_models[i]
+        batch = max(round(self.batch_seen[i]), 1)
+        pure = base.decode_step_s
+        if base.step_s is not None:
+            pure = base.step_s(batch, batch * self.context_seen[i])
+        self.pure_step[i] = pure
+        self.models[i] = dataclasses.replace(base, batch=batch, decode_step_s=pure * self.inefficiency[i])
 
     def _pull_other(self, i: int, now_s: float) -> list[Dispatch]:
         """Request pulling across virtual queues: instance ``i``'s queue is empty but it has free slots.
@@ -1018,7 +1150,7 @@ class QlmQueue:
             for j, vq in enumerate(self.vqs):
                 for pos, gid in enumerate(vq):
                     group = self.groups[gid]
-                    if group.members and self._room(i, group.members[0]):
+                    if group.members and self._room(i, group.members[0], now_s=now_s):
                         key = (group.urgency_s(now_s), pos, gid, j)
                         if best is None or key < best:
                             best = key
@@ -1101,36 +1233,46 @@ class QlmQueue:
         return slots.take(0.0, 0.0)[1]
 
     def _evict(self, i: int, now_s: float, evict: Evict) -> bool:
+        """Request eviction (§5): the head group's next request cannot be pulled (no KV room), would miss its
+        deadline waiting and would meet it if it started now: running requests of looser e2e-only groups
+        are evicted, loosest first, until it fits.
+
+        Only victims that still meet their own deadline after re-running behind the head, or miss it
+        anyway, may go (:meth:`_survives`): an eviction must not trade one request on time for another.
+        """
         head = self.groups[self.vqs[i][0]]
-        model = self.models[i]
-        if len(self.running[i]) < model.batch or not head.members:
+        if not head.members:
             return False
-        # Members that miss waiting but would meet if they started now.
+        first = head.members[0]
+        if self._room(i, first, now_s=now_s):
+            return False
+        model = self.models[i]
         running = list(self.running[i].values())
-        evictable = [r for r in running if self._evictable(r, head)]
+        evictable = sorted(
+            (r for r in running if self._evictable(r, head)), key=lambda r: (-r.deadline_s, r.request_id)
+        )
         if not evictable:
             return False
-        waiting = self.estimator.queue(model, running, [head], now_s)[0]
-        keep = [r for r in running if r not in evictable]
-        freed = self.estimator.queue(model, keep, [head], now_s)[0]
-        need = min(freed.meeting - waiting.meeting, len(head.members), model.batch)
-        if need <= 0:
-            return False
-        if not head.e2e_only:
-            # Requests beyond the batch (e2e-only ones, run while nothing judged on TPOT was there) go too:
-            # a TPOT-judged request starts only below the batch.
-            need += max(len(running) - model.batch, 0)
-        # The loosest ``need``, less those that would then miss their own deadline behind the head and the
-        # victims before them (repeated: a victim that stays running delays the others).
-        victims = sorted(evictable, key=lambda r: (-r.deadline_s, r.request_id))[:need]
-        for _ in range(len(victims)):
-            others = [x for x in running if x not in victims]
-            going = [v for k, v in enumerate(victims) if self._survives(v, head, now_s, others, victims[:k])]
-            if len(going) == len(victims):
+        # The head's first request: on time only if it starts now? It waits until enough running
+        # requests end for it to fit (KV room, and the step its TPOT target allows).
+        _, pre_q, _, whole_q = self.estimator.duration(model, first)
+        event = whole_q if first.e2e_only or first.resumed else pre_q
+        if now_s + event > first.deadline_s:
+            return False  # it misses even if it starts now: evicting cannot save it
+        if now_s + self._room_wait(i, first, now_s) + event <= first.deadline_s:
+            return False  # it meets its deadline waiting
+        victims: list[QlmRequest] = []
+        gone: set[str] = set()
+        for r in evictable:
+            others = [x for x in running if x.request_id not in gone and x is not r]
+            if not self._survives(r, head, now_s, others, victims):
+                continue
+            victims.append(r)
+            gone.add(r.request_id)
+            if self._room(i, first, frozenset(gone), now_s):
                 break
-            victims = going
-        if not victims or (not head.e2e_only and len(running) - len(victims) >= model.batch):
-            return False  # nothing may go, or too little for the head to start
+        else:
+            return False  # the allowed victims do not make room
         done = False
         for r in victims:
             total = evict(r, i)
@@ -1181,9 +1323,9 @@ class QlmQueue:
         elapsed = now_s - r.dispatched_s - base.prefill_s(r.prompt_tokens)
         if tokens < 8 or not elapsed > 0:
             return
-        ratio = min(max(elapsed / (tokens * base.decode_step_s), 0.5), 8.0)
-        eps = self.inefficiency[i] = 0.9 * self.inefficiency[i] + 0.1 * ratio
-        self.models[i] = dataclasses.replace(base, decode_step_s=base.decode_step_s * eps)
+        ratio = min(max(elapsed / (tokens * self.pure_step[i]), 0.5), 8.0)
+        self.inefficiency[i] = 0.9 * self.inefficiency[i] + 0.1 * ratio
+        self._refresh(i)
 
     def remove(self, request_id: str) -> QlmRequest | None:
         """Take a queued request out (cancelled by the client); None if it is not queued."""
@@ -1216,6 +1358,4 @@ class QlmQueue:
         for i, run in enumerate(self.running):
             model = self.models[i]
             assert len(run) <= max(model.batch, model.most) or model.batch == 0
-            if len(run) > model.batch:
-                assert all(r.e2e_only for r in run.values()), "a TPOT-judged request beyond the batch"
             assert not set(run) & seen

@@ -663,6 +663,7 @@ def jobs_for(
     default_tpot_ms: float,
     max_num_batched_tokens: float,
     outputs: Sequence[float] | None = None,
+    bounds: Sequence[float] | None = None,
 ) -> list[Job]:
     """The annealer's view of ``requests`` on an instance predicted by ``predictor`` (see the module doc).
 
@@ -672,7 +673,12 @@ def jobs_for(
     steps (its execution time; the prefill emits the first token), with ``o``
     its ``outputs`` entry (the typical length of its task type; default: its
     ``output_tokens_estimate``). The time it has already waited (since
-    ``arrival_s``, else since it was queued) counts.
+    ``arrival_s``, else since it was queued) counts. With ``bounds`` (the
+    task type's length bound, §4), what the plan relies on is costed at the
+    bound: how long its batch holds the instance (the wait it imposes on the
+    batches after it) and whether it meets its own targets; its latency in
+    G's sum stays at the typical length. A plan then only counts a request on
+    time if it is on time when the requests ahead run long.
     """
     n = len(requests)
     if n == 0:
@@ -691,6 +697,13 @@ def jobs_for(
         predictor.predict_tpot_ms(batch, batch * (prompt + output / 2.0)[:, None]), dtype=np.float64
     )
     exec_ms = prefill + np.maximum(output - 1.0, 0.0)[:, None] * tpot
+    typical_ms = exec_ms
+    if bounds is not None:
+        bound = np.maximum(np.asarray(bounds, dtype=np.float64), output)
+        tpot = np.asarray(
+            predictor.predict_tpot_ms(batch, batch * (prompt + bound / 2.0)[:, None]), dtype=np.float64
+        )
+        exec_ms = prefill + np.maximum(bound - 1.0, 0.0)[:, None] * tpot
     waited = np.empty(n)
     e2e = np.empty(n)
     e2e_only = np.empty(n, dtype=bool)
@@ -713,7 +726,7 @@ def jobs_for(
     slack = np.where(e2e_only[:, None], by_e2e, np.minimum(by_ttft, by_e2e))
     head = np.zeros((n, 1))
     exec_rows = np.hstack([head, exec_ms]).tolist()
-    cost_rows = np.hstack([head, exec_ms + w]).tolist()
+    cost_rows = np.hstack([head, typical_ms + w]).tolist()
     slack_rows = np.hstack([np.full((n, 1), -math.inf), slack]).tolist()
     return [
         Job(tuple(e), tuple(c), tuple(sl)) for e, c, sl in zip(exec_rows, cost_rows, slack_rows, strict=True)
@@ -1005,6 +1018,7 @@ class SAPlanner:
                 queue.default_tpot_ms,
                 float(view.instances.max_num_batched_tokens[i]),
                 [self.lengths.typical(r) for r in requests],
+                [self.lengths.bound(r) for r in requests],
             )
             # The budget covers the costing too (modeled in the simulator).
             spent = time.perf_counter() - started if self._modeled is None else modeled_costing_s(len(jobs))

@@ -209,7 +209,9 @@ class Scheduler:
                 table = decision.context.view.instances
                 i = table.index.get(decision.prefill.instance_id)
                 capacity = float(table.kv_capacity_tokens[i]) if i is not None else 0.0
-                prefix.dispatched(decision.prefill.instance_id, request.prefix_hashes, capacity)
+                private = request.prompt_tokens - len(request.prefix_hashes) * prefix.block_tokens
+                private += expected_output_tokens(request, self.config.packing_default_output_tokens)
+                prefix.dispatched(decision.prefill.instance_id, request.prefix_hashes, capacity, private)
 
     def record(self, decision: Decision, now_s: float, prompt_tokens: int | None = None) -> None:
         """Account ``decision``'s dispatch in the in-flight account (and tell the policy's hooks).

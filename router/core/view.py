@@ -84,6 +84,7 @@ class _Meta(NamedTuple):
     role: int
     budget: int
     kv_capacity: int
+    max_num_seqs: int
 
 
 class _Layout(NamedTuple):
@@ -103,6 +104,7 @@ class _Layout(NamedTuple):
     id_rank: npt.NDArray[np.intp]
     max_num_batched_tokens: npt.NDArray[np.float64]
     kv_capacity_tokens: npt.NDArray[np.float64]
+    max_num_seqs: npt.NDArray[np.float64]
 
 
 def _codes(values: Sequence[str]) -> np.ndarray[Any, np.dtype[np.intp]]:
@@ -286,6 +288,7 @@ class ViewBuilder:
             int(_ROLE_BY_PROTO.get(md.role, Role.NEUTRAL)),
             md.max_num_batched_tokens or self.default_max_num_batched_tokens,
             md.kv_capacity_tokens,
+            md.max_num_seqs,
         )
         self._metas[md.instance_id] = (md, meta)
         return meta
@@ -321,6 +324,9 @@ class ViewBuilder:
             ),
             kv_capacity_tokens=_readonly(
                 np.fromiter((m.kv_capacity for m in metas), dtype=np.float64, count=n)
+            ),
+            max_num_seqs=_readonly(
+                np.fromiter((m.max_num_seqs or np.inf for m in metas), dtype=np.float64, count=n)
             ),
         )
         self._last_layout = layout
@@ -379,6 +385,7 @@ class ViewBuilder:
             waiting_requests=col["waiting_requests"],
             running_requests=col["running_requests"],
             measured_decode_step_ms=measured,
+            max_num_seqs=layout.max_num_seqs,
         )
 
 

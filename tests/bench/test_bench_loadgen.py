@@ -307,3 +307,16 @@ def test_progress_bar_follows_completions_not_the_sending_window() -> None:
         == "[########..] 60/80 done, 20 in flight, 0 errors, 21.0 s (sending over; waiting for the last ones)"
     )
     assert last == "[##########] 80/80 done, 0 in flight, 0 errors, 30.0 s"
+
+
+async def test_a_router_that_cannot_place_a_request_yet_is_waited_for_not_sent_to() -> None:
+    # Half a PD fleet (the decode worker has not registered yet): the router is up and its health
+    # says SERVING, but every request would fail "no prefill+decode pair". The bench waits for a
+    # fleet that can serve, within its connect timeout, and sends nothing meanwhile.
+    from tests.router.e2e.cluster import embedded_cluster
+
+    plans = generate_requests(WorkloadSpec(name="t", classes=(make_class("c"),)), rng=1, num_requests=2)
+    async with embedded_cluster(prefill=1) as cluster:
+        with pytest.raises(LoadError, match="can place a request"):
+            await run_load(plans, LoadConfig(target=cluster.router.address, connect_timeout_s=1.0))
+        assert cluster.router.service.active_requests == 0

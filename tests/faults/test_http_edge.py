@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.faults.up_cluster import grpc_probes, up_cluster, wait_serving
+from tests.faults.up_cluster import UpCluster, grpc_probes, up_cluster, wait_serving
 
 
 def _address(http: str) -> tuple[str, int]:
@@ -58,26 +58,28 @@ def _send_huge_header(http: str, total_bytes: int, budget_s: float) -> tuple[byt
     return answer, time.monotonic() - started
 
 
-def test_a_128_mib_header_gets_431_at_once_and_grpc_is_unaffected(tmp_path: Path) -> None:
-    with up_cluster(tmp_path) as cluster:
-        wait_serving(cluster.router)
-        with grpc_probes(cluster.router) as probes:
-            time.sleep(0.5)
-            answer, elapsed = _send_huge_header(cluster.http, 128 << 20, budget_s=8.0)
-            time.sleep(1.0)
-        assert answer.startswith(b"HTTP/1.1 431"), (answer[:200], elapsed, cluster.tail())
-        assert elapsed < 1.0, f"431 came after {elapsed:.2f} s"
-        assert len(probes.results) >= 10
-        assert not probes.failed, probes.failed
-        # A small request's latency is tens of ms; a stalled loop showed seconds (4.9 s at 64 MB).
-        assert probes.slowest_s < 1.0, f"a gRPC probe took {probes.slowest_s:.2f} s"
-        # The edge still serves normal requests.
-        body = json.dumps({"prompt": "hello", "max_tokens": 2}).encode()
-        req = urllib.request.Request(
-            f"http://{cluster.http}/v1/completions", body, {"content-type": "application/json"}
-        )
-        with urllib.request.urlopen(req, timeout=10) as response:
-            assert response.status == 200
+def test_a_128_mib_header_gets_431_at_once_and_grpc_is_unaffected(shared_up: UpCluster) -> None:
+    cluster = shared_up
+    wait_serving(cluster.router)
+    with grpc_probes(cluster.router) as probes:
+        time.sleep(0.5)
+        answer, elapsed = _send_huge_header(cluster.http, 128 << 20, budget_s=8.0)
+        time.sleep(1.0)
+    assert answer.startswith(b"HTTP/1.1 431"), (answer[:200], elapsed, cluster.tail())
+    assert elapsed < 1.0, f"431 came after {elapsed:.2f} s"
+    assert len(probes.results) >= 10
+    assert not probes.failed, probes.failed
+    # A small request's latency is tens of ms; a stalled loop showed seconds (4.9 s at 64 MB,
+    # about 18 s at 128 MB). The bound leaves room for a machine shared with other work.
+    print(f"431 after {elapsed:.3f} s; slowest of {len(probes.results)} gRPC probes {probes.slowest_s:.3f} s")
+    assert probes.slowest_s < 2.5, f"a gRPC probe took {probes.slowest_s:.2f} s"
+    # The edge still serves normal requests.
+    body = json.dumps({"prompt": "hello", "max_tokens": 2}).encode()
+    req = urllib.request.Request(
+        f"http://{cluster.http}/v1/completions", body, {"content-type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=10) as response:
+        assert response.status == 200
 
 
 def _closed(sock: socket.socket) -> bool:
@@ -136,20 +138,20 @@ def _post(http: str, raw: bytes) -> tuple[int, dict[str, object]]:
         return exc.code, json.loads(exc.read())
 
 
-def test_lone_surrogates_and_deep_nesting_are_400_not_500(tmp_path: Path) -> None:
-    with up_cluster(tmp_path) as cluster:
-        wait_serving(cluster.router)
-        cases = {
-            "lone surrogate in the prompt": b'{"prompt": "a\\ud800b", "max_tokens": 2}',
-            "lone surrogate in a key": b'{"prompt": "a", "max_tokens": 2, "slo": {"\\udfff": 1}}',
-            "100k-deep array": b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
-            "100k-deep object": b'{"prompt": "a", "x": ' + b'{"a":' * 100_000 + b"1" + b"}" * 100_001,
-        }
-        for name, raw in cases.items():
-            status, body = _post(cluster.http, raw)
-            assert status == 400, (name, status, body)
-            assert isinstance(body.get("error"), dict), (name, body)
-        # A real surrogate pair is text, and fine.
-        status, body = _post(cluster.http, b'{"prompt": "\\ud83d\\ude00", "max_tokens": 2}')
-        assert status == 200, body
-        assert "Traceback" not in cluster.tail()
+def test_lone_surrogates_and_deep_nesting_are_400_not_500(shared_up: UpCluster) -> None:
+    cluster = shared_up
+    wait_serving(cluster.router)
+    cases = {
+        "lone surrogate in the prompt": b'{"prompt": "a\\ud800b", "max_tokens": 2}',
+        "lone surrogate in a key": b'{"prompt": "a", "max_tokens": 2, "slo": {"\\udfff": 1}}',
+        "100k-deep array": b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+        "100k-deep object": b'{"prompt": "a", "x": ' + b'{"a":' * 100_000 + b"1" + b"}" * 100_001,
+    }
+    for name, raw in cases.items():
+        status, body = _post(cluster.http, raw)
+        assert status == 400, (name, status, body)
+        assert isinstance(body.get("error"), dict), (name, body)
+    # A real surrogate pair is text, and fine.
+    status, body = _post(cluster.http, b'{"prompt": "\\ud83d\\ude00", "max_tokens": 2}')
+    assert status == 200, body
+    assert "Traceback" not in cluster.tail()

@@ -58,7 +58,7 @@ def test_a_sigstopped_decode_worker_is_found_within_the_keepalive_bound(tmp_path
     with up_cluster(tmp_path, *flags) as cluster:
         wait_serving(cluster.router)
         # An idle fleet for a while: pings every 2 s must not draw GOAWAY (too_many_pings).
-        time.sleep(3 * KEEPALIVE_S)
+        time.sleep(2 * KEEPALIVE_S)
         wait_serving(cluster.router, timeout_s=5)
         stopped: list[int] = []
 

@@ -44,8 +44,8 @@ class UpCluster:
     #: Lines of stdout after start (read by a thread so the pipe never fills).
     out: list[str] = field(default_factory=list)
 
-    def tail(self) -> str:
-        return self.log.read_text(errors="replace")[-3000:]
+    def tail(self, chars: int = 3000) -> str:
+        return self.log.read_text(errors="replace")[-chars:]
 
     def terminate(self, timeout_s: float = 30.0) -> int:
         """SIGTERM, and wait (bounded) for the exit code."""

@@ -175,3 +175,35 @@ def test_config_names_a_bad_prefix_block() -> None:
 
     with pytest.raises(InvalidRequestError, match="prefix blocks"):
         core.add(SimRequestSpec("x", 10, 1, block_hashes=(1, 2)))
+
+
+def test_simulate_reports_the_fleet_hit_rate_and_cache_aware_slo_reuses_more() -> None:
+    """A shared-prefix workload on a small fleet under KV pressure: every arm caches in the engines,
+    only the router's knowledge differs. Knowing the caches (either source) raises the hit rate."""
+    import dataclasses
+
+    from bench.workload import generate_requests, load_workload
+    from router.core.config import SchedulerConfig
+    from sim.cluster import SimFleet, simulate
+    from sim.fleet import fleet_from_counts
+    from sim.sweep import _point, format_sweep_table, point_to_dict
+
+    spec = load_workload("prefix-heavy").with_arrival(rate_per_s=4.0)
+    spec = dataclasses.replace(spec, classes=(dataclasses.replace(spec.classes[0], prefix_groups=24),))
+    plans = generate_requests(spec, rng=3, num_requests=200)
+    assert all(p.hash_ids for p in plans)
+    fleet = SimFleet(fleet_from_counts(neutral=2, engine=SimConfig(kv_capacity_tokens=32768)))
+    rates = {}
+    for routing in ("off", "exact", "approximate"):
+        config = SchedulerConfig(scheduling_policy="slo", prefix_cache_routing=routing, calibration="off")
+        outcome = simulate(fleet, config, plans)
+        assert outcome.cache_hit_rate is not None
+        rates[routing] = outcome.cache_hit_rate
+        point = _point("slo", 4.0, spec, outcome)
+        assert point_to_dict(point)["cache_hit_rate"] == outcome.cache_hit_rate
+        assert "hit rate" in format_sweep_table([point])
+    assert rates["exact"] > rates["off"] + 0.05
+    assert rates["approximate"] > rates["off"] + 0.05
+    # Engines without prefix caching: no hit rate at all.
+    plain = simulate(fleet, SchedulerConfig(scheduling_policy="slo"), plans, engine_prefix_cache=False)
+    assert plain.cache_hit_rate is None

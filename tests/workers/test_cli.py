@@ -182,3 +182,35 @@ def test_vllm_tiny_model_writes_a_model_directory(tmp_path: Path, capsys: pytest
     config = json.loads((out / "config.json").read_text(encoding="utf-8"))
     assert config["num_hidden_layers"] == 2 and config["vocab_size"] == 1000
     assert (out / "model.safetensors").stat().st_size > 0 and (out / "tokenizer.json").exists()
+
+
+async def test_profile_sends_the_worker_token_a_secured_worker_requires(tmp_path: Path) -> None:
+    # A worker started with --worker-auth-token-file (as `slo-router keys` sets fleets up) refuses
+    # Generate without the token: profile must send it, and says why when it is missing.
+    from workers.service import start_worker_server
+
+    from .helpers import make_engine
+
+    token_file = tmp_path / "worker-call.token"
+    token_file.write_text("s3cret-token\n", encoding="utf-8")
+    server = await start_worker_server(make_engine(speed_factor=20.0), worker_token="s3cret-token")
+    small = ["--tokens", "64", "--batch-sizes", "1", "--tokens-per-request", "32", "--repeats", "1"]
+    try:
+
+        async def profile(*extra: str) -> tuple[int, str]:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "router.cli", "profile", "--target", server.address,
+                "--out", str(tmp_path / "out"), *small, "--decode-tokens", "4", *extra,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            )  # fmt: skip
+            _, err = await asyncio.wait_for(proc.communicate(), 60)
+            assert proc.returncode is not None
+            return proc.returncode, err.decode()
+
+        code, err = await profile()
+        assert code == 1 and "UNAUTHENTICATED" in err, err
+        code, err = await profile("--worker-auth-token-file", str(token_file))
+        assert code == 0, err
+    finally:
+        await server.stop(0)
+    assert (tmp_path / "out" / "ttft.json").exists()

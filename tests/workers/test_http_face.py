@@ -106,6 +106,19 @@ async def test_load_endpoints_follow_the_engine(start_worker: StartWorker) -> No
             await asyncio.sleep(0.01)
 
 
+async def test_metrics_count_prefix_cache_hits_as_vllm_does(start_worker: StartWorker) -> None:
+    worker = http_worker(start_worker, speed_factor=50.0, prefix_cache_block_tokens=32)
+    async with worker as (_s, _c, base), httpx.AsyncClient(timeout=30) as http:
+        shared = "s" * 128
+        for tail in ("abc" * 20, "xyz" * 20):
+            body = {"model": "sim", "prompt": shared + tail, "max_tokens": 2, "ignore_eos": True}
+            assert (await http.post(f"{base}/v1/completions", json=body)).status_code == 200
+        text = (await http.get(f"{base}/metrics")).text
+    # The byte tokenizer: one token per character; the second prompt finds the 128 shared ones.
+    assert _gauge(text, "vllm:prefix_cache_queries_total") == 2 * 188
+    assert _gauge(text, "vllm:prefix_cache_hits_total") == 128
+
+
 @pytest.mark.parametrize(
     ("body", "status"),
     [

@@ -214,3 +214,24 @@ async def test_lone_request_timing_matches_the_profile() -> None:
 def test_output_tokens_are_printable_ascii() -> None:
     key = request_key(3, b"x" * 16)
     assert all(32 <= output_token(key, i) < 127 for i in range(200))
+
+
+async def test_prefix_cache_reuses_a_shared_prompt_prefix_and_reports_it() -> None:
+    e = make_engine(prefix_cache_block_tokens=32, block_size=16)
+    await e.start()
+    try:
+        shared = prompt(96)
+        first = await drain(e.generate("p1", shared + prompt(40, 100), sampling(4)))
+        assert e.load().prefix_cache_hit_tokens == 0
+        second = await drain(e.generate("p2", shared + prompt(40, 200), sampling(4)))
+        load = e.load()
+        # The 96 shared tokens are three whole 32-token blocks; the rest differs.
+        assert load.prefix_cache_hit_tokens == 96
+        assert load.prefix_cache_query_tokens == 2 * 136
+        assert load.cache_hit_rate == pytest.approx(96 / 272)
+        assert len(first[0]) == len(second[0]) == 4  # the output does not change
+        # Prefill: computes only the uncached part (steps report the prefill tokens they ran).
+        prefills = [s.num_prefill_tokens for s in load.recent_steps if s.num_prefill_tokens]
+        assert prefills[-1] == 136 - 96
+    finally:
+        await e.stop()

@@ -41,7 +41,8 @@ from workers.vllm_process import StockEngineProcess, start_stock_engines
 
 from .vllm_support import CmsThread, build_tiny_model, random_prompt, require_vllm_env
 
-pytestmark = pytest.mark.vllm
+# The fixture starts three engines at once: about 30-60 s on an idle 2-core host, minutes on a busy one.
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 PREDICTOR = LatencyPredictor.from_files(DEFAULT_PROFILE_DIR / "ttft.json", DEFAULT_PROFILE_DIR / "tpot.json")
 SLO_ROUTER = Path(sys.executable).parent / "slo-router"
@@ -115,7 +116,9 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StockFleet]:
     engines = dict(
         zip(
             names,
-            start_stock_engines([(model, root / f"engine-{n}.log", _engine_args(kv_dir)) for n in names]),
+            start_stock_engines(
+                [(model, root / f"engine-{n}.log", _engine_args(kv_dir)) for n in names], timeout_s=600
+            ),
             strict=True,
         )
     )

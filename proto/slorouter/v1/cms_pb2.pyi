@@ -76,6 +76,7 @@ class InstanceMetadata(_message.Message):
     LABELS_FIELD_NUMBER: _builtins.int
     MAX_MODEL_LEN_FIELD_NUMBER: _builtins.int
     WORKER_PROTOCOL_FIELD_NUMBER: _builtins.int
+    MAX_NUM_SEQS_FIELD_NUMBER: _builtins.int
     instance_id: _builtins.str
     endpoint: _builtins.str
     """"host:port" of the instance's Worker service."""
@@ -94,6 +95,10 @@ class InstanceMetadata(_message.Message):
     service; "vllm-grpc" = vLLM's own gRPC service (vllm.grpc.engine.VllmEngine,
     an unmodified `vllm serve --grpc`), registered by `slo-router agent`.
     """
+    max_num_seqs: _builtins.int
+    """Most requests the engine runs at once (a request waits for a slot beyond
+    it); 0 = unknown.
+    """
     @_builtins.property
     def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
     def __init__(
@@ -111,10 +116,11 @@ class InstanceMetadata(_message.Message):
         labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         max_model_len: _builtins.int = ...,
         worker_protocol: _builtins.str = ...,
+        max_num_seqs: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "endpoint", b"endpoint", "instance_id", b"instance_id", "kv_capacity_tokens", b"kv_capacity_tokens", "labels", b"labels", "max_model_len", b"max_model_len", "max_num_batched_tokens", b"max_num_batched_tokens", "model", b"model", "node_id", b"node_id", "role", b"role", "unit_id", b"unit_id", "worker_protocol", b"worker_protocol"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "endpoint", b"endpoint", "instance_id", b"instance_id", "kv_capacity_tokens", b"kv_capacity_tokens", "labels", b"labels", "max_model_len", b"max_model_len", "max_num_batched_tokens", b"max_num_batched_tokens", "max_num_seqs", b"max_num_seqs", "model", b"model", "node_id", b"node_id", "role", b"role", "unit_id", b"unit_id", "worker_protocol", b"worker_protocol"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

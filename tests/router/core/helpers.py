@@ -79,11 +79,12 @@ def make_status(
     used_kv_tokens: int = 0,
     admitted: Iterable[str] = (),
     update_id: int = 1,
+    timestamp_ms: int = 0,
 ) -> cms_pb2.InstanceStatus:
     return cms_pb2.InstanceStatus(
         instance_id=instance_id,
         update_id=update_id,
-        timestamp_ms=0,
+        timestamp_ms=timestamp_ms,
         schedulable=schedulable,
         num_waiting_requests=waiting,
         num_running_requests=running,

@@ -93,7 +93,12 @@ def test_metric_conformance(name: str, with_request: bool) -> None:
         )
     # Instances without a status carry no load (predictions and projections with a request add it).
     new = ctx.view.instances.index["new"]
-    with_the_request = ("kv_peak_projected", "kv_peak_exact", "predicted_tpot_horizon")
+    with_the_request = (
+        "kv_peak_projected",
+        "kv_peak_exact",
+        "predicted_tpot_horizon",
+        "prompt_compute_tokens",
+    )
     if name not in ("predicted_ttft", "predicted_tpot", "kv_usage_projected") and not (
         with_request and name in with_the_request
     ):

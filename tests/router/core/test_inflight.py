@@ -100,6 +100,34 @@ def test_reconcile_removes_each_leg_when_its_own_instance_admits_the_request() -
     assert acc.is_empty()
 
 
+def test_a_confirmed_entry_leaves_at_the_first_status_measured_after_the_confirmation() -> None:
+    # A stock vLLM engine lists no admitted ids: the router confirms it saw the request running.
+    acc = InflightAccount()
+    acc.record("r1", "P", "D", 100, now_s=1.0)
+    acc.confirm("r1", "D", at_ms=5_000)
+    acc.confirm("r1", "D", at_ms=9_000)  # twice: the first time holds
+    acc.confirm("nope", "D", at_ms=1)  # no such entry: nothing
+    older = make_snapshot(inst("P", "prefill", timestamp_ms=6_000), inst("D", "decode", timestamp_ms=4_999))
+    assert acc.reconcile(older) == 0
+    assert totals(acc, "D") == (1, 0, 0, 1, 100, 100)
+    newer = make_snapshot(inst("P", "prefill", timestamp_ms=6_000), inst("D", "decode", timestamp_ms=5_000))
+    assert acc.reconcile(newer) == 1
+    assert totals(acc, "D") == (0, 0, 0, 0, 0, 0)
+    # The unconfirmed prefill entry stays until its own admission, release or expiry.
+    assert totals(acc, "P") == (1, 1, 100, 0, 0, 100)
+    assert acc.release("r1") == 1 and acc.is_empty()
+
+
+def test_release_of_a_confirmed_entry_forgets_the_confirmation() -> None:
+    acc = InflightAccount()
+    acc.record("r1", "A", "A", 10, now_s=1.0)
+    acc.confirm("r1", "A", at_ms=5_000)
+    acc.release("r1")
+    acc.record("r1", "A", "A", 10, now_s=2.0)  # the id again (a new request): not confirmed
+    assert acc.reconcile(make_snapshot(inst("A", timestamp_ms=9_000))) == 0
+    assert totals(acc, "A") == (1, 1, 10, 1, 10, 10)
+
+
 def test_a_leg_is_not_recorded_on_an_instance_that_already_reports_the_request() -> None:
     acc = InflightAccount()
     acc.reconcile(make_snapshot(inst("A", admitted=["r1"]), inst("B")))

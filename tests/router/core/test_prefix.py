@@ -122,19 +122,25 @@ def test_predicted_ttft_charges_only_the_uncached_tokens_hand_computed() -> None
     assert ttft_off[0] == ttft_off[1] == ttft[1]
 
 
-def test_a_hit_stops_winning_when_the_queue_outweighs_the_saving() -> None:
-    # a holds 768 of 1000 tokens but has 2000 tokens of backlog: 2232 tokens to compute there
-    # against 1000 on idle b, so b wins; with a 100-token backlog a wins (332 against 1000).
+def test_a_hit_wins_while_it_meets_the_target_and_stops_when_the_queue_outweighs_it() -> None:
+    # a holds 768 of 1000 tokens. With a 100-token backlog it computes 332 tokens (72 ms) against
+    # 1000 on idle b (177 ms): a. With 2000 tokens of backlog it computes 2232 (369 ms), past the
+    # 300 ms TTFT target, so the filter drops it and b takes the prompt. Within the target the hit
+    # wins even when b would be faster: the prompt costs the fleet the least work there.
     hashes = token_block_hashes(list(range(1000)), 256)
-    for backlog, winner in ((2000, "b"), (100, "a")):
+    for backlog, target, winner in ((100, 300.0, "a"), (2000, 300.0, "b"), (2000, 6000.0, "a")):
         s = make_scheduler(
-            "slo", calibration="off", prefix_cache_routing="approximate", prefix_block_tokens=256
+            "slo",
+            calibration="off",
+            prefix_cache_routing="approximate",
+            prefix_block_tokens=256,
+            ttft_slo_ms=target,
         )
         assert s.prefix is not None
         s.prefix.dispatched("a", hashes, 100_000)
         snap = make_snapshot(inst("a", prefill_tokens=backlog), inst("b"))
         decision = s.schedule(snap, make_request(prompt_tokens=1000, prefix_hashes=hashes), NOW)
-        assert decision.prefill is not None and decision.prefill.instance_id == winner
+        assert decision.prefill is not None and decision.prefill.instance_id == winner, (backlog, target)
 
 
 def test_dispatch_teaches_the_approximate_index_and_inflight_counts_only_uncached_tokens() -> None:

@@ -195,6 +195,57 @@ async def test_route_is_reported_in_headers() -> None:
         assert raw.headers["x-slo-router-policy"] == "slo"
 
 
+async def test_a_late_request_under_the_defaults_is_a_200_that_says_it_is_late() -> None:
+    # The defaults (edf queue, --late-policy serve): a TTFT target no instance can meet is served
+    # anyway, behind on-time work. The client must be able to tell: a header before the first
+    # byte of the body, and the usage object (streamed: the usage chunk).
+    async with http_cluster(prefill=1, decode=1) as (cluster, client, base):
+        raw = await client.completions.with_raw_response.create(
+            model=MODEL, prompt="y" * 2000, max_tokens=4, extra_headers={"x-slo-ttft-ms": "1"}
+        )
+        assert raw.http_response.status_code == 200
+        assert raw.headers["x-slo-router-late"] == "true"
+        completion = raw.parse()
+        assert completion.usage is not None and completion.usage.model_extra is not None
+        assert completion.usage.model_extra["late"] is True
+        assert completion.usage.model_extra["queue_wait_ms"] >= 0
+
+        stream = await client.completions.with_raw_response.create(
+            model=MODEL,
+            prompt="y" * 2000,
+            max_tokens=4,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_headers={"x-slo-ttft-ms": "1"},
+        )
+        assert stream.headers["x-slo-router-late"] == "true"
+        usages = [chunk.usage async for chunk in stream.parse() if chunk.usage is not None]
+        assert (
+            len(usages) == 1 and usages[0].model_extra is not None and usages[0].model_extra["late"] is True
+        )
+
+        # An on-time request says the opposite, in the same places.
+        ok = await client.completions.with_raw_response.create(model=MODEL, prompt="hi", max_tokens=2)
+        assert "x-slo-router-late" not in ok.headers
+        usage = ok.parse().usage
+        assert usage is not None and usage.model_extra is not None and usage.model_extra["late"] is False
+        text = await _metrics(base)
+        assert _sample(text, "slo_router_slo_requests_total", slo_class="default", result="missed") == 2
+        await _no_request_left(cluster)
+
+
+async def test_late_policy_reject_is_a_504_naming_the_times() -> None:
+    queue = QueueConfig(late_policy="reject")
+    async with http_cluster(prefill=1, decode=1, queue=queue) as (cluster, client, _base):
+        with pytest.raises(openai.APIStatusError) as info:
+            await client.completions.create(
+                model=MODEL, prompt="y" * 2000, max_tokens=4, extra_headers={"x-slo-ttft-ms": "1"}
+            )
+        assert info.value.status_code == 504
+        assert "--late-policy reject" in str(info.value) and "ms" in str(info.value)
+        await _no_request_left(cluster)
+
+
 @pytest.mark.parametrize(
     ("body", "headers", "param"),
     [

@@ -250,22 +250,19 @@ async def test_unmeetable_slo_is_resource_exhausted_without_a_queue() -> None:
         assert "prefill" in (info.value.details() or "")
 
 
-async def test_unmeetable_slo_is_served_late_by_the_default_queue() -> None:
-    async with embedded_cluster(prefill=1, decode=1) as cluster:
-        result = await collect(cluster.stub, generate_request(2000, 4, ttft_ms=1.0))
-        assert len(result.tokens) == 4
-        assert result.last.usage.late
-        assert result.last.usage.ttft_ms > 1.0
-
-
-async def test_unmeetable_slo_is_deadline_exceeded_with_late_policy_reject() -> None:
-    queue = QueueConfig(late_policy="reject")
-    async with embedded_cluster(prefill=1, decode=1, queue=queue) as cluster:
-        with pytest.raises(grpc.aio.AioRpcError) as info:
-            await collect(cluster.stub, generate_request(2000, 4, ttft_ms=1.0))
-        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        details = info.value.details() or ""
-        assert "TTFT target of 1 ms" in details and "best predicted TTFT" in details
+@pytest.mark.parametrize("late_policy", ["serve", "reject"])
+async def test_an_unmeetable_slo_is_refused_at_arrival_with_the_reason(late_policy: str) -> None:
+    """A 1 ms TTFT (or TPOT) target is below the best prediction on an idle instance: no queueing can
+    meet it, so it is refused at once, whatever the late policy (it used to wait or be served late)."""
+    async with embedded_cluster(prefill=1, decode=1, queue=QueueConfig(late_policy=late_policy)) as cluster:
+        for slo in ({"ttft_ms": 1.0}, {"tpot_ms": 1.0}):
+            started = time.monotonic()
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await collect(cluster.stub, generate_request(2000, 4, **slo))
+            assert time.monotonic() - started < 1.0
+            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            details = info.value.details() or ""
+            assert "target 1 ms is below the best prediction" in details, details
 
 
 @pytest.mark.parametrize("late_policy", ["serve", "reject"])
@@ -277,7 +274,7 @@ async def test_requests_with_an_impossible_target_do_not_hold_the_next_ones_back
             try:
                 await collect(cluster.stub, generate_request(2000, 4, ttft_ms=1.0))
             except grpc.aio.AioRpcError as exc:
-                assert late_policy == "reject" and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED  # refused at arrival
         result = await collect(cluster.stub, generate_request(64, 4))
         assert len(result.tokens) == 4 and not result.last.usage.late
         assert result.last.usage.queue_wait_ms < 1000.0
@@ -287,14 +284,25 @@ async def test_objective_g_refuses_late_requests_and_learns_from_how_calls_end()
     """Under --queue-objective g a late request is refused even with the default late policy (serve),
     and the service tells the queue how every call ended: the misses lower the shedding limit."""
     queue = QueueConfig(queue_objective="g")
-    async with embedded_cluster(prefill=1, decode=1, queue=queue) as cluster:
+    # Engines at the profile's speed: the blocker's prefill (~0.5 s) is still running when the
+    # others arrive.
+    engine = {"speed_factor": 1.0}
+    async with embedded_cluster(prefill=1, decode=1, queue=queue, engine_overrides=engine) as cluster:
         admission = cluster.router.admission
         assert isinstance(admission, Admission)
         assert admission.queue.shed_limit_ms(time.monotonic()) == math.inf
+        scheduler = cluster.router.scheduler
+        assert scheduler.predictors is not None
+        budget = scheduler.config.default_max_num_batched_tokens
+        idle_ms = float(scheduler.predictors.default.predict_ttft_ms(2000, 0, 0, budget))
+        blocker = asyncio.ensure_future(collect(cluster.stub, generate_request(4000, 2, ttft_ms=60_000.0)))
+        await asyncio.sleep(0.05)
         for _ in range(3):
+            # Meetable on an idle instance, hopeless behind the blocker: late, and refused under g.
             with pytest.raises(grpc.aio.AioRpcError) as info:
-                await collect(cluster.stub, generate_request(2000, 4, ttft_ms=1.0))
+                await collect(cluster.stub, generate_request(2000, 4, ttft_ms=1.2 * idle_ms))
             assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        await blocker
         assert admission.queue.shed_limit_ms(time.monotonic()) < math.inf
         lowered = admission.queue.shed_limit_ms(time.monotonic())
         result = await collect(cluster.stub, generate_request(64, 4))  # meets the 6 s / 50 ms defaults
@@ -334,3 +342,28 @@ async def test_slo_class_is_bounded() -> None:
         request.slo_class = "chat"
         result = await collect(cluster.stub, request)
         assert len(result.tokens) == 4 and not result.last.usage.late
+
+
+async def test_prompts_sharing_a_prefix_go_where_it_is_cached() -> None:
+    """Live router, approximate prefix source: it hashes each prompt, learns where it sent it, and
+    sends the next prompt with the same prefix there, where the sim worker's cache serves it."""
+    async with embedded_cluster(
+        neutral=3,
+        engine_overrides={"prefix_cache_block_tokens": 16},
+        scheduler_overrides={"prefix_cache_routing": "approximate", "prefix_block_tokens": 64},
+    ) as cluster:
+        where: dict[int, set[str]] = {0: set(), 1: set(), 2: set()}
+        for k in range(9):
+            family = k % 3
+            prefix = [(family * 31 + 7 * i) % 250 + 1 for i in range(512)]
+            tail = [(k * 13 + i) % 250 + 1 for i in range(40)]
+            request = router_pb2.GenerateRequest(
+                prompt_token_ids=prefix + tail,
+                sampling=common_pb2.SamplingParams(max_tokens=4, ignore_eos=True),
+            )
+            result = await collect(cluster.stub, request)
+            check_stream(result, 4)
+            where[family].add(result.first.route.prefill_instance_id)
+        assert all(len(instances) == 1 for instances in where.values()), where
+        hits = sum(e.load().prefix_cache_hit_tokens for e in cluster.engines.values())
+        assert hits == 6 * 512  # every repeat found its whole 512-token prefix

@@ -1,0 +1,114 @@
+"""The pure parts of the vLLM gRPC protocol: endpoints, the detokenizer, the agent's status and flags."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from slorouter.v1 import cms_pb2, common_pb2
+from smg_grpc_proto.generated import vllm_engine_pb2 as vllm_pb2
+
+from cms import limits
+from router.core.protocols import VLLM_GRPC, WORKER, dial_endpoint, split_endpoint
+from router.tokenize import load_tokenizer
+from router.vllm_grpc import Detokenizer, vllm_sampling
+from workers.stock_agent import AgentConfig, measurement_ms, status_from_loads
+
+
+def test_endpoints_carry_the_protocol_and_worker_endpoints_stay_bare() -> None:
+    assert dial_endpoint("h:1", "") == "h:1"
+    assert dial_endpoint("h:1", WORKER) == "h:1"
+    assert dial_endpoint("h:1", VLLM_GRPC) == "vllm-grpc://h:1"
+    assert split_endpoint("vllm-grpc://h:1") == (VLLM_GRPC, "h:1")
+    assert split_endpoint("h:1") == (WORKER, "h:1")
+
+
+def test_the_cms_refuses_an_unknown_worker_protocol() -> None:
+    md = cms_pb2.InstanceMetadata(instance_id="a", endpoint="h:1", worker_protocol="http")
+    with pytest.raises(limits.FieldLimitError, match="worker_protocol"):
+        limits.check_metadata(md)
+    md.worker_protocol = VLLM_GRPC
+    limits.check_metadata(md)
+
+
+class _Bytes:
+    """A byte-level vocabulary: token i is byte i, decoded as UTF-8 with replacement (like BPE)."""
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+@given(st.text(min_size=0, max_size=40), st.text(min_size=1, max_size=60), st.integers(1, 5))
+def test_detokenized_pieces_add_up_to_the_continuations_text(prefix: str, text: str, step: int) -> None:
+    tok = _Bytes()
+    context = list(prefix.encode())
+    ids = list(text.encode())
+    detok = Detokenizer(tok.decode, context)
+    pieces = [detok.add(ids[i : i + step]) for i in range(0, len(ids), step)]
+    # No piece ends inside a character; together they are the text (held-back bytes are released).
+    assert "".join(pieces) == text
+    assert all("\ufffd" not in p for p in pieces)
+
+
+def test_word_level_pieces_carry_their_leading_space() -> None:
+    tok = load_tokenizer(None)
+    prompt = tok.encode("hello world")
+    out = tok.encode(" again and again")
+    detok = Detokenizer(tok.decode, prompt)
+    assert "".join(detok.add([t]) for t in out) == tok.decode(prompt + out)[len(tok.decode(prompt)) :]
+
+
+def test_sampling_keeps_the_requests_fields_with_the_legs_budget() -> None:
+    ours = common_pb2.SamplingParams(max_tokens=100, temperature=0.5, top_p=0.9, top_k=5, seed=(1 << 40) + 3)
+    ours.stop.append("x")
+    theirs = vllm_sampling(ours, 7)
+    assert theirs.max_tokens == 7 and theirs.top_k == 5 and list(theirs.stop) == ["x"]
+    assert theirs.HasField("temperature") and abs(theirs.temperature - 0.5) < 1e-6
+    assert 0 <= theirs.seed < 1 << 31
+
+
+def test_status_from_loads_sums_ranks_and_dates_the_measurement() -> None:
+    loads = vllm_pb2.GetLoadsResponse(timestamp="2026-01-01T00:00:00+00:00")
+    loads.loads.add(
+        num_running_reqs=3,
+        num_waiting_reqs=2,
+        token_usage=0.25,
+        max_total_num_tokens=1000,
+        num_waiting_uncached_tokens=300,
+    )
+    loads.loads.add(num_running_reqs=1, num_waiting_reqs=0, token_usage=0.5, max_total_num_tokens=1000)
+    now_ms = 1_900_000_000_000
+    status = status_from_loads("v", loads, 2000, update_id=7, now_ms=now_ms)
+    assert (status.num_running_requests, status.num_waiting_requests) == (4, 2)
+    assert status.num_used_kv_tokens == 250 + 500
+    assert status.num_uncomputed_prefill_tokens == 300
+    assert status.schedulable and status.update_id == 7
+    assert status.timestamp_ms == 1_767_225_600_000
+    sick = status_from_loads(
+        "v", loads, 2000, update_id=8, now_ms=now_ms, unschedulable_reason="engine paused"
+    )
+    assert not sick.schedulable and sick.unschedulable_reason == "engine paused"
+
+
+def test_a_measurement_is_never_dated_in_the_future_nor_unreadable() -> None:
+    assert measurement_ms("2099-01-01T00:00:00+00:00", 5) == 5
+    assert measurement_ms("not a time", 9) == 9
+
+
+@pytest.mark.parametrize(
+    ("change", "flag"),
+    [
+        ({"engine": "nohost"}, "--engine"),
+        ({"cms": "h:0"}, "--cms"),
+        ({"instance_id": ""}, "--instance-id"),
+        ({"role": "both"}, "--role"),
+        ({"poll_interval_s": 0.0}, "--poll-interval-s"),
+        ({"probe_timeout_s": float("nan")}, "--probe-timeout-s"),
+        ({"advertise": "x"}, "--advertise"),
+        ({"max_num_batched_tokens": -1}, "--max-num-batched-tokens"),
+    ],
+)
+def test_agent_flags_are_checked_by_name(change: dict[str, object], flag: str) -> None:
+    base: dict[str, object] = {"engine": "127.0.0.1:1", "cms": "127.0.0.1:2", "instance_id": "v"}
+    with pytest.raises(ValueError, match=flag):
+        AgentConfig(**{**base, **change}).check()  # type: ignore[arg-type]
