@@ -21,7 +21,7 @@ from slorouter.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 from router.core.health import OutlierDetector
 from router.core.protocols import VLLM_GRPC_SCHEME
-from router.legs import LegLedger, Target
+from router.legs import LegLedger, Target, ready_batches
 from router.mux import MuxConnection, Tokens
 from router.pool import ChannelPool
 from router.vllm_grpc import VllmGrpcClient
@@ -147,42 +147,9 @@ async def _coalesced(
     if first.finished:
         return
 
-    pending: list[worker_pb2.WorkerTokens] = []
-    ready = asyncio.Event()
-    done = False
-    failure: BaseException | None = None
-
-    async def pump() -> None:
-        nonlocal done, failure
-        try:
-            while (message := await call.read()) is not _EOF:
-                pending.append(cast(worker_pb2.WorkerTokens, message))
-                ready.set()
-        except grpc.aio.AioRpcError as exc:
-            failure = exc
-        finally:
-            done = True
-            ready.set()
-
-    reader = asyncio.get_running_loop().create_task(pump())
-    try:
-        while True:
-            if not pending and not done:
-                ready.clear()
-                await ready.wait()
-            if pending:
-                batch = pending[:]
-                pending.clear()
-                yield _merge(batch)
-                continue
-            if failure is not None:
-                raise failure
-            return
-    finally:
-        if not reader.done():
-            reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await reader
+    async with contextlib.aclosing(ready_batches(call)) as batches:
+        async for batch in batches:
+            yield _merge(cast(list[worker_pb2.WorkerTokens], batch))
 
 
 class WorkerClient:

@@ -10,8 +10,10 @@ error type, background tasks — through :class:`LegOwner`, so they depend on th
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import grpc
 
@@ -31,6 +33,57 @@ class LegLedger:
     """Worker endpoints that may hold state for a request (to abort on cancel)."""
 
     endpoints: set[str] = field(default_factory=set)
+
+
+#: The end-of-stream marker ``call.read()`` returns (missing from the type stubs).
+_EOF: object = grpc.aio.EOF  # type: ignore[attr-defined]
+
+
+async def ready_batches(call: Any) -> AsyncGenerator[list[Any], None]:
+    """The rest of a server stream, as lists of the messages that arrived while the consumer worked.
+
+    A reader task drains ``call``; each step of the consumer takes everything it read meanwhile,
+    so a consumer that falls behind gets one batch instead of one message at a time (the list
+    holds at most what the stream sent). Messages that arrived before an upstream failure are
+    delivered before its ``grpc.aio.AioRpcError`` is raised. Use it under
+    ``contextlib.aclosing`` so the reader stops as soon as the consumer does.
+    """
+    pending: list[Any] = []
+    ready = asyncio.Event()
+    done = False
+    failure: grpc.aio.AioRpcError | None = None
+
+    async def pump() -> None:
+        nonlocal done, failure
+        try:
+            while (message := await call.read()) is not _EOF:
+                pending.append(message)
+                ready.set()
+        except grpc.aio.AioRpcError as exc:
+            failure = exc
+        finally:
+            done = True
+            ready.set()
+
+    reader = asyncio.get_running_loop().create_task(pump())
+    try:
+        while True:
+            if not pending and not done:
+                ready.clear()
+                await ready.wait()
+            if pending:
+                batch = pending[:]
+                pending.clear()
+                yield batch
+                continue
+            if failure is not None:
+                raise failure
+            return
+    finally:
+        if not reader.done():
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reader
 
 
 class LegOwner(Protocol):

@@ -46,7 +46,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vllm_pb2_grpc
 
 from cms.transport import ClientTls, open_channel
 from router.core.protocols import split_endpoint
-from router.legs import LegLedger, LegOwner, Target
+from router.legs import LegLedger, LegOwner, Target, ready_batches
 from router.pool import CHANNEL_OPTIONS
 
 logger = logging.getLogger(__name__)
@@ -306,45 +306,16 @@ class VllmGrpcClient:
             call.cancel()
             raise
 
-        pending: list[Any] = []
-        ready = asyncio.Event()
-        done = False
-        failure: grpc.aio.AioRpcError | None = None
-
-        async def pump() -> None:
-            nonlocal done, failure
-            try:
-                while (item := await call.read()) is not _EOF:
-                    pending.append(item)
-                    ready.set()
-            except grpc.aio.AioRpcError as exc:
-                failure = exc
-            finally:
-                done = True
-                ready.set()
-
-        reader = asyncio.get_running_loop().create_task(pump())
         try:
-            while True:
-                if not pending and not done:
-                    ready.clear()
-                    await ready.wait()
-                if pending:
-                    batch = pending[:]
-                    pending.clear()
+            async with contextlib.aclosing(ready_batches(call)) as batches:
+                async for batch in batches:
                     out = merged(batch)
                     yield out
                     if out.finished:
                         return
-                    continue
-                if failure is not None:
-                    raise owner.failed_call(target, failure)
-                return
+        except grpc.aio.AioRpcError as exc:
+            raise owner.failed_call(target, exc) from exc
         finally:
-            if not reader.done():
-                reader.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await reader
             call.cancel()  # no-op once the stream ended; stops the request when the consumer left
 
     async def abort(self, endpoint: str, request_id: str, timeout_s: float) -> None:
