@@ -228,7 +228,7 @@ def _wait_ready(url: str, process: subprocess.Popen[Any], timeout_s: float = 60.
 
 
 def _start_router(
-    spec: RouterSpec, cms: str, worker_urls: Sequence[str], cms_token_file: str
+    spec: RouterSpec, cms: str, worker_urls: Sequence[str], cms_token_file: str, worker_token_file: str = ""
 ) -> tuple[subprocess.Popen[Any], str]:
     port = _free_port()
     if spec.kind == "ours":
@@ -237,6 +237,8 @@ def _start_router(
             "--cms-auth-token-file", cms_token_file,
             "--listen", "127.0.0.1:0", "--http-listen", f"127.0.0.1:{port}", *spec.args,
         ]  # fmt: skip
+        if worker_token_file:  # the workers ask their callers for it (slo-router up's worker token)
+            cmd += ["--worker-auth-token-file", worker_token_file]
     elif spec.kind == "vllm-router":
         cmd = [
             str(PEER_VENV / "bin" / "vllm-router"), "--host", "127.0.0.1", "--port", str(port),
@@ -328,7 +330,7 @@ def _plot(rows: Sequence[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
-def _start_fleet(extra: Sequence[str] = ()) -> tuple[subprocess.Popen[str], str, list[str], str]:
+def _start_fleet(extra: Sequence[str] = ()) -> tuple[subprocess.Popen[str], str, list[str], str, str]:
     """``slo-router up`` with sim workers behind HTTP faces (``extra``: more ``up`` flags)."""
     cmd = [
         sys.executable, "-m", "router.cli", "up", "--neutral", str(WORKERS), "--worker-http",
@@ -336,7 +338,7 @@ def _start_fleet(extra: Sequence[str] = ()) -> tuple[subprocess.Popen[str], str,
         *extra,
     ]  # fmt: skip
     up = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=REPO)
-    cms, urls, token_file = "", [], ""
+    cms, urls, token_file, worker_token_file = "", [], "", ""
     assert up.stdout is not None
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline:
@@ -347,11 +349,13 @@ def _start_fleet(extra: Sequence[str] = ()) -> tuple[subprocess.Popen[str], str,
             cms = line.split()[-1]
         if line.startswith("cms read token for other routers: "):
             token_file = line.split()[-1]
+        if line.startswith("worker token for other routers: "):
+            worker_token_file = line.split()[-1]
         if line.startswith("worker HTTP APIs: "):
             urls = [part.split("@", 1)[1].removesuffix("/v1") for part in line[18:].strip().split(", ")]
         if line.startswith("router listening on "):
             break
-    return up, cms, urls, token_file
+    return up, cms, urls, token_file, worker_token_file
 
 
 def main() -> list[Figure]:
@@ -368,7 +372,7 @@ def main() -> list[Figure]:
         f"fleet: {WORKERS} neutral sim workers (bundled 7B profile, x{SPEED_FACTOR:g}); workload: "
         f"mixed, poisson {RATE_PER_S:g} req/s for {DURATION_S:g} s = {len(plans)} requests, seed {SEED}"
     )
-    up, cms, urls, token_file = _start_fleet()
+    up, cms, urls, token_file, worker_token_file = _start_fleet()
     rows: list[dict[str, Any]] = []
     details: dict[str, Any] = {}
     try:
@@ -376,7 +380,7 @@ def main() -> list[Figure]:
             print("the sim fleet did not start; no figures")
             return []
         for router in runnable:
-            process, url = _start_router(router, cms, urls, token_file)
+            process, url = _start_router(router, cms, urls, token_file, worker_token_file)
             try:
                 if not _wait_ready(url, process):
                     print(f"{router.name}: did not become ready; skipped")

@@ -18,7 +18,7 @@ offer (``consistent_hash`` / ``consistent_hashing``), and SMG's ``power_of_two``
 cache-blind reference.
 
 Each router gets a fresh fleet (cold caches), so none inherits another's cache.
-``BENCH_PEERS_ONLY=text`` runs only the routers whose name contains ``text`` (e.g. ``slo-router``). Per router it
+``BENCH_PEERS_ONLY=a,b`` runs only the routers whose name contains ``a`` or ``b`` (e.g. ``slo-router``). Per router it
 prints the usual table plus the fleet's prefix-cache hit rate over its run (from the workers'
 counters). Figures only; nothing is asserted.
 """
@@ -92,10 +92,13 @@ def main() -> list[Figure]:
     spec = load_workload("prefix-heavy").with_arrival(rate_per_s=RATE_PER_S)
     spec = dataclasses.replace(spec, classes=(dataclasses.replace(spec.classes[0], prefix_groups=GROUPS),))
     plans = [p for p in iter_requests(spec, peers.SEED, max_requests=10_000) if p.arrival_s < DURATION_S]
+    # The sim workers behind HTTP generate to max_tokens (no EOS): each request asks for its own
+    # answer's length, so the work is the workload's output distribution, not the class's cap.
+    plans = [dataclasses.replace(p, max_tokens=p.true_output_tokens) for p in plans]
     runnable = []
-    only = os.environ.get("BENCH_PEERS_ONLY", "")
+    only = [part for part in os.environ.get("BENCH_PEERS_ONLY", "").split(",") if part]
     for router in ROUTERS:
-        if only and only not in router.name:
+        if only and not any(part in router.name for part in only):
             continue
         why = peers.peer_missing(router.kind)
         if why is None:
@@ -110,12 +113,14 @@ def main() -> list[Figure]:
     rows: list[dict[str, Any]] = []
     details: dict[str, Any] = {}
     for router in runnable:
-        up, cms, urls, token_file = peers._start_fleet(("--prefix-cache-block-tokens", str(WORKER_BLOCK)))
+        up, cms, urls, token_file, worker_token = peers._start_fleet(
+            ("--prefix-cache-block-tokens", str(WORKER_BLOCK))
+        )
         try:
             if not cms or len(urls) != peers.WORKERS:
                 print(f"{router.name}: the sim fleet did not start; skipped")
                 continue
-            process, url = peers._start_router(router, cms, urls, token_file)
+            process, url = peers._start_router(router, cms, urls, token_file, worker_token)
             try:
                 if not peers._wait_ready(url, process):
                     print(f"{router.name}: did not become ready; skipped")

@@ -32,6 +32,7 @@ import socket
 import time
 import uuid
 from collections.abc import AsyncGenerator, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from types import MappingProxyType
 from typing import Any, Protocol
 
@@ -72,6 +73,23 @@ CLIENT_CLOSED = 499
 _DONE = b"data: [DONE]\n\n"
 #: The headers of a piece that carries none.
 _NO_HEADERS: Mapping[str, str] = MappingProxyType({})
+
+
+#: Bodies larger than this are decoded and checked on the parser thread, not on the event loop.
+OFFLOAD_PARSE_BYTES = 256 << 10
+_PARSER: ThreadPoolExecutor | None = None
+
+
+def _parser() -> ThreadPoolExecutor:
+    """One thread for large bodies: several at once queue behind each other, not beside the loop."""
+    global _PARSER
+    if _PARSER is None:
+        _PARSER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="http-parse")
+    return _PARSER
+
+
+def _parse(kind: Kind, raw: bytes, render_chat: Any) -> ParsedRequest:
+    return parse_request(kind, decode_json(raw), render_chat)
 
 
 class Piece:
@@ -323,7 +341,15 @@ class OpenAIApp:
     async def _serve(self, request: Request, kind: Kind) -> Response:
         try:
             raw = await _read_body(request, self._max_body_bytes)
-            parsed = parse_request(kind, decode_json(raw), self._backend.render_chat)
+            if len(raw) > OFFLOAD_PARSE_BYTES:
+                # Decoding and checking a large body (a 7 MB list of token ids: ~0.5 s) would hold
+                # the event loop the gRPC service shares; one parser thread takes it, and the loop
+                # keeps turning except while JSON's C scanner holds the interpreter.
+                parsed = await asyncio.get_running_loop().run_in_executor(
+                    _parser(), _parse, kind, raw, self._backend.render_chat
+                )
+            else:
+                parsed = parse_request(kind, decode_json(raw), self._backend.render_chat)
             pieces = self._backend.generate(parsed, request.headers)
             try:
                 first = await anext(pieces)

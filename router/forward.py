@@ -14,16 +14,17 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol, cast
+from typing import Any, cast
 
 import grpc
 from slorouter.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 from router.core.health import OutlierDetector
 from router.core.protocols import VLLM_GRPC_SCHEME
+from router.legs import LegLedger, Target, ready_batches
 from router.mux import MuxConnection, Tokens
 from router.pool import ChannelPool
+from router.vllm_grpc import VllmGrpcClient
 
 logger = logging.getLogger(__name__)
 
@@ -92,23 +93,6 @@ def _leg_error(instance_id: str, exc: grpc.aio.AioRpcError) -> LegError:
     return LegError(instance_id, code, exc.details() or "", kv_gone=code in KV_GONE_CODES)
 
 
-class Target(Protocol):
-    """Where a leg runs (a scheduler :class:`~router.core.decision.Choice` is one)."""
-
-    @property
-    def instance_id(self) -> str: ...
-
-    @property
-    def endpoint(self) -> str: ...
-
-
-@dataclass
-class LegLedger:
-    """Worker endpoints that may hold state for a request (to abort on cancel)."""
-
-    endpoints: set[str] = field(default_factory=set)
-
-
 #: What a leg's stream yields: the per-request call's messages, or a multiplexed leg's records
 #: (the same fields).
 LegTokens = worker_pb2.WorkerTokens | Tokens
@@ -163,42 +147,9 @@ async def _coalesced(
     if first.finished:
         return
 
-    pending: list[worker_pb2.WorkerTokens] = []
-    ready = asyncio.Event()
-    done = False
-    failure: BaseException | None = None
-
-    async def pump() -> None:
-        nonlocal done, failure
-        try:
-            while (message := await call.read()) is not _EOF:
-                pending.append(cast(worker_pb2.WorkerTokens, message))
-                ready.set()
-        except grpc.aio.AioRpcError as exc:
-            failure = exc
-        finally:
-            done = True
-            ready.set()
-
-    reader = asyncio.get_running_loop().create_task(pump())
-    try:
-        while True:
-            if not pending and not done:
-                ready.clear()
-                await ready.wait()
-            if pending:
-                batch = pending[:]
-                pending.clear()
-                yield _merge(batch)
-                continue
-            if failure is not None:
-                raise failure
-            return
-    finally:
-        if not reader.done():
-            reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await reader
+    async with contextlib.aclosing(ready_batches(call)) as batches:
+        async for batch in batches:
+            yield _merge(cast(list[worker_pb2.WorkerTokens], batch))
 
 
 class WorkerClient:
@@ -251,9 +202,6 @@ class WorkerClient:
         self._muxes: dict[str, MuxConnection] = {}
         #: Endpoints that answered ``Streams`` with UNIMPLEMENTED, and when (re-probed after a while).
         self._no_mux: dict[str, float] = {}
-        # Imported here: router.vllm_grpc uses this module's error and ledger types.
-        from router.vllm_grpc import VllmGrpcClient
-
         #: The client of ``vllm-grpc://`` endpoints (vLLM's own gRPC service, see router.vllm_grpc).
         self.vllm = VllmGrpcClient(self, max_channels=pool.max_channels, tls=pool.tls)
 

@@ -21,9 +21,9 @@ header              body field             meaning
 ==================  =====================  =========================================
 
 Router errors map to HTTP statuses here (and to gRPC codes in the service):
-a malformed request is 400, an id already in flight 409, "no instance can take
-it" (``--queue-policy none``), a full queue or a queue wait over
-``--max-queue-wait-ms`` 429, a late request under ``--late-policy reject`` 504,
+a malformed request is 400, an id already in flight 409, a target no idle
+instance could meet, "no instance can take it" (``--queue-policy none``), a
+full queue or a queue wait over ``--max-queue-wait-ms`` 429, a late request under ``--late-policy reject`` 504,
 an empty or failing fleet 503. With the defaults (``edf``, ``--late-policy
 serve``) a request no instance can meet waits and is served: a late one is a
 200 with ``x-slo-router-late: true`` and ``"late": true`` in its usage object.

@@ -45,7 +45,8 @@ from router.core.errors import (
 from router.core.protocols import VLLM_GRPC_SCHEME
 from router.core.queue import QueueConfig
 from router.core.request import Mode
-from router.forward import LegError, LegLedger, LegTokens, WorkerClient
+from router.forward import LegError, LegTokens, WorkerClient
+from router.legs import LegLedger
 from router.placement import PlacementRequest, Placer
 from router.qlm_admission import QlmAdmission, RunHandle
 from router.route import Route

@@ -62,7 +62,8 @@ from router.core.slicing import (
     SliceScheduler,
     slice_length,
 )
-from router.forward import LegError, LegLedger, LegTokens, WorkerClient
+from router.forward import LegError, LegTokens, WorkerClient
+from router.legs import LegLedger
 from router.mux import Tokens
 from router.placement import SnapshotSource
 from router.route import Route
@@ -75,7 +76,7 @@ DISPATCH_MODES = ("request", "slice")
 
 @dataclass(frozen=True)
 class SliceTarget:
-    """Where one slice runs (satisfies :class:`router.forward.Target`)."""
+    """Where one slice runs (satisfies :class:`router.legs.Target`)."""
 
     instance_id: str
     endpoint: str

@@ -96,6 +96,8 @@ class Cluster:
     processes: RouterProcesses = field(default_factory=RouterProcesses)
     #: A CMS read token for routers started by hand against this cluster (``--cms-auth-token-file``).
     router_token_file: Path | None = None
+    #: The token the workers ask of their callers, for routers started by hand (``--worker-auth-token-file``).
+    worker_token_file: Path | None = None
 
     async def stop(self, drain_timeout_s: float | None = None, force: asyncio.Event | None = None) -> None:
         """Router first (it drains: :meth:`RouterServer.drain`; the other ``--processes`` at the same
@@ -399,7 +401,14 @@ async def start_cluster(args: argparse.Namespace, plan: ClusterPlan | None = Non
         await cms.stop(grace=0)
         shutil.rmtree(secrets.dir, ignore_errors=True)
         raise
-    cluster = Cluster(cms, router, workers, secrets.dir, router_token_file=router_token)
+    cluster = Cluster(
+        cms,
+        router,
+        workers,
+        secrets.dir,
+        router_token_file=router_token,
+        worker_token_file=secrets.worker_call_token,
+    )
     if args.processes > 1:
         try:
             cluster.processes = await RouterProcesses.start_group(
@@ -551,6 +560,7 @@ async def _serve(args: argparse.Namespace, plan: ClusterPlan) -> int:
     roles = ", ".join(f"{w.instance_id}@{w.address}" for w in cluster.workers)
     print(f"cms listening on {cluster.cms.address}", flush=True)
     print(f"cms read token for other routers: {cluster.router_token_file}", flush=True)
+    print(f"worker token for other routers: {cluster.worker_token_file}", flush=True)
     print(f"workers: {roles}", flush=True)
     print(
         f"workers are simulated: the sim engine takes its step times from profile {plan.profile.name} "

@@ -32,11 +32,12 @@ context so that a piece carries its leading space the way the engine's own detok
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
 from slorouter.v1 import common_pb2, worker_pb2
@@ -45,10 +46,8 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vllm_pb2_grpc
 
 from cms.transport import ClientTls, open_channel
 from router.core.protocols import split_endpoint
+from router.legs import LegLedger, LegOwner, Target, ready_batches
 from router.pool import CHANNEL_OPTIONS
-
-if TYPE_CHECKING:
-    from router.forward import LegLedger, Target, WorkerClient
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +126,7 @@ class VllmGrpcClient:
 
     def __init__(
         self,
-        owner: WorkerClient,
+        owner: LegOwner,
         *,
         max_channels: int,
         tls: ClientTls | None,
@@ -257,32 +256,18 @@ class VllmGrpcClient:
             message.kv_transfer_params_json = kv_params
         detok = self._detokenizer(context)
         call = stub.Generate(message, timeout=timeout_s)
-        first = True
-        try:
-            while True:
-                if first:
-                    try:
-                        async with asyncio.timeout(owner.first_message_timeout_s):
-                            response = await call.read()
-                    except TimeoutError:
-                        raise owner.first_message_error(target) from None
-                else:
-                    response = await call.read()
-                if response is _EOF:
-                    return
-                if first:
-                    first = False
-                    owner.succeeded(target)
+
+        def merged(batch: list[Any]) -> worker_pb2.WorkerTokens:
+            """One message for every response that arrived meanwhile (chunks, then maybe the end)."""
+            ids: list[int] = []
+            out = worker_pb2.WorkerTokens(request_id=request_id)
+            for response in batch:
                 if response.HasField("chunk"):
                     chunk = response.chunk
-                    ids = list(chunk.token_ids)
-                    yield worker_pb2.WorkerTokens(
-                        request_id=request_id,
-                        token_ids=ids,
-                        text=self._text(detok, ids),
-                        num_prompt_tokens=chunk.prompt_tokens,
-                        num_cached_prompt_tokens=chunk.cached_tokens,
-                    )
+                    ids.extend(chunk.token_ids)
+                    if not out.num_prompt_tokens:
+                        out.num_prompt_tokens = chunk.prompt_tokens
+                    out.num_cached_prompt_tokens = max(out.num_cached_prompt_tokens, chunk.cached_tokens)
                 elif response.HasField("complete"):
                     reason = response.complete.finish_reason
                     if reason == "error":
@@ -290,10 +275,44 @@ class VllmGrpcClient:
                             target, grpc.StatusCode.INTERNAL, f"vLLM at {target.endpoint} failed the request"
                         )
                     # In a streamed call the chunks already carried every token.
-                    yield worker_pb2.WorkerTokens(
-                        request_id=request_id, finished=True, finish_reason=_finish_reason(reason)
-                    )
-                    return
+                    out.finished = True
+                    out.finish_reason = _finish_reason(reason)
+                    break
+            out.token_ids.extend(ids)
+            out.text = self._text(detok, ids)
+            return out
+
+        # The first response goes straight through (the TTFT path); after it a reader task drains the
+        # stream and each step of the consumer takes everything that arrived meanwhile as one
+        # message, as the Worker path does (router.forward._coalesced): when the client or the
+        # router falls behind, the ready tokens go out together instead of one message each.
+        try:
+            try:
+                async with asyncio.timeout(owner.first_message_timeout_s):
+                    response = await call.read()
+            except TimeoutError:
+                raise owner.first_message_error(target) from None
+            if response is _EOF:
+                return
+            owner.succeeded(target)
+            first = merged([response])
+            yield first
+            if first.finished:
+                return
+        except grpc.aio.AioRpcError as exc:
+            call.cancel()
+            raise owner.failed_call(target, exc) from exc
+        except BaseException:
+            call.cancel()
+            raise
+
+        try:
+            async with contextlib.aclosing(ready_batches(call)) as batches:
+                async for batch in batches:
+                    out = merged(batch)
+                    yield out
+                    if out.finished:
+                        return
         except grpc.aio.AioRpcError as exc:
             raise owner.failed_call(target, exc) from exc
         finally:

@@ -456,13 +456,8 @@ class _Simulation:
             planner = None
             if queue.policy is QueuePolicy.SA:
                 # Deterministic: the run's seed, and the annealing budget on a modeled clock.
-                seqs = {iid: c.max_num_seqs for iid, c in zip(fleet.ids, fleet.configs, strict=True)}
                 planner = SAPlanner(
-                    queue,
-                    seed=seed,
-                    modeled_evaluation_s=modeled_evaluation_s,
-                    search=sa_search,
-                    slots=seqs.__getitem__,
+                    queue, seed=seed, modeled_evaluation_s=modeled_evaluation_s, search=sa_search
                 )
             self.queue = RouterQueue(queue, defaults.ttft_slo_ms, defaults.tpot_slo_ms, planner)
         self.timer_at = math.inf

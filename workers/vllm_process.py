@@ -11,9 +11,11 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -241,6 +243,11 @@ class StockEngineProcess:
             # No KV-event publisher (a ZMQ socket and a relay nobody here subscribes to).
             "SMG_VLLM_SERVICER_KV_EVENTS": "0",
         }
+        # vLLM leaves its ZeroMQ socket files behind: give them a directory removed at stop().
+        self._rpc_dir = tempfile.mkdtemp(
+            prefix="slo-vllm-ipc-", dir="/tmp" if os.path.isdir("/tmp") else None
+        )
+        overrides[vllm_env.RPC_BASE_PATH] = self._rpc_dir
         overrides.update(env or {})
         self._log = log_path.open("wb")
         self.proc = subprocess.Popen(
@@ -302,6 +309,7 @@ class StockEngineProcess:
             self.proc.wait(10)
         self.kill()
         self._log.close()
+        shutil.rmtree(self._rpc_dir, ignore_errors=True)
         return self.proc.returncode
 
 

@@ -156,7 +156,7 @@ class QueueConfig(FlagFields):
             "deadlines under overload on neutral instances; --qlm-*) or sa (seed 000: waiting requests "
             "pre-assigned by remaining KV memory and ordered per instance by simulated annealing of G, "
             "handed to an engine as its slots free; for bursts of mixed-SLO work on engines that run "
-            "few sequences at once, with --sa-max-batch set to their batch; --sa-*)",
+            "one sequence at a time; --sa-*)",
             "--queue-policy",
         ),
     )
@@ -271,7 +271,7 @@ class QueueConfig(FlagFields):
         metadata=_doc(
             "sa: requests the policy keeps running on an instance at once (the paper's maximum batch size; "
             "set it to the engines' max_num_seqs): the next planned request goes as soon as one ends "
-            "(0 = the engine's batch where the simulator's fleet states it, else bounded by KV memory only)",
+            "(0 = the engine's max_num_seqs as its instance reports it, else bounded by KV memory only)",
             "--sa-max-batch",
         ),
     )

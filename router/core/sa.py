@@ -852,9 +852,13 @@ class SAPlanner:
         """Has ``instance_id`` no free slot for the policy's next request?"""
         return len(self.running.get(instance_id, ())) >= self.slots(instance_id)
 
-    def slots(self, instance_id: str) -> int:
-        """Requests the policy keeps running on ``instance_id`` at once."""
+    def slots(self, instance_id: str, reported: float = math.inf) -> int:
+        """Requests the policy keeps running on ``instance_id`` at once: ``--sa-max-batch``, else the
+        engine's batch (``reported``: its ``max_num_seqs`` as the instance's metadata states it, or the
+        simulator's fleet figure), the smaller of the two when both are known."""
         engine = self._engine_slots(instance_id) if self._engine_slots is not None else 0
+        if not engine and math.isfinite(reported) and reported > 0:
+            engine = int(reported)
         if self.cap and engine:
             return min(self.cap, engine)
         return self.cap or engine or UNBOUNDED_SLOTS
@@ -887,7 +891,10 @@ class SAPlanner:
         usable = [
             bool(inst.schedulable[i]) and int(roles[i]) in (Role.NEUTRAL, Role.PREFILL) for i in range(m)
         ]
-        slots = [self.slots(iid) for iid in inst.ids]
+        seqs = inst.max_num_seqs
+        slots = [
+            self.slots(iid, math.inf if seqs is None else float(seqs[i])) for i, iid in enumerate(inst.ids)
+        ]
         occupied = [len(self.running.get(iid, ())) for iid in inst.ids]
         if not any(u and occupied[i] < slots[i] for i, u in enumerate(usable)):
             return  # no instance can take anything now: nothing to plan
@@ -998,7 +1005,9 @@ class SAPlanner:
         cached = self._plans.get(instance)
         if cached is not None and cached[0] == key:
             return cached[1]
-        cap = max(min(self.slots(instance), PLAN_CAP_MAX, len(group)), 1)
+        seqs = view.instances.max_num_seqs
+        reported = math.inf if seqs is None else float(seqs[i])
+        cap = max(min(self.slots(instance, reported), PLAN_CAP_MAX, len(group)), 1)
         predictors = scheduler.predictors
         if predictors is None:
             # No latency predictor: nothing to anneal with; queue order in full batches.

@@ -656,7 +656,7 @@ def slices_pay(preemptions: int, requests: int) -> bool:
     never preempt, at the price of re-prefilling a context per slice (mostly
     served from the prefix cache when the slice resumes where it was) and of
     a schedule point's wait for a first slice. Measured on the simulator
-    (``docs/papers-aladdin-scls.md``, the regime table) slices paid in
+    (``docs/papers.md``, the regime table) slices paid in
     throughput wherever request dispatch preempted at least once per request
     on average, and lost (0.85-0.97x throughput, lower attainment through
     the first slice's wait) where the KV held or preemptions were rare.

@@ -111,9 +111,11 @@ def test_sigterm_under_load_drains_and_ends_every_stream_cleanly(tmp_path: Path)
         code = cluster.popen.wait(30)
         assert code == 0, cluster.tail()
         # Queued requests: refused at once, retryable.
-        refused = [o for o in queued if o["code"] == "UNAVAILABLE"]
+        # (One already running when the signal came may still be cut at the drain's end on a slow host.)
+        refused = [o for o in queued if "had not started" in str(o.get("details", ""))]
         assert len(refused) >= 5, queued
         for o in refused:
+            assert o["code"] == "UNAVAILABLE", o
             assert float(o["ended_at"]) - sigterm_at < 1.0, o  # type: ignore[arg-type]
         assert all(o["code"] in ("OK", "UNAVAILABLE") for o in queued), queued
         # Short streams finished normally within the drain.

@@ -19,7 +19,8 @@ import pytest
 from slorouter.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 from router.core.health import OutlierConfig, OutlierDetector
-from router.forward import LegError, LegLedger, WorkerClient
+from router.forward import LegError, WorkerClient
+from router.legs import LegLedger
 from router.pool import ChannelPool
 from router.server import add_arguments, start_from_args
 

@@ -195,13 +195,44 @@ async def test_route_is_reported_in_headers() -> None:
         assert raw.headers["x-slo-router-policy"] == "slo"
 
 
+#: On a colocated instance a 4-token answer to a long prompt carries its own prefill in its TPOT
+#: (about 220 ms a token for 3000 tokens): under the default 50 ms it would wait for no instance.
+LOOSE_TPOT = {"x-slo-tpot-ms": "1000"}
+#: A 2000-token prompt's target: above what an idle instance does (about 270 ms on the bundled
+#: profile; a target below that is refused at arrival, 429), far below the wait behind the backlog.
+LATE_TARGET = {**LOOSE_TPOT, "x-slo-ttft-ms": "600"}
+
+
+async def _backlog(client: openai.AsyncOpenAI, cluster: Cluster, n: int) -> list[asyncio.Task[Any]]:
+    """``n`` long prompts with a loose target, placed: seconds of prefill ahead of the next request."""
+    tasks = [
+        asyncio.create_task(
+            client.completions.create(
+                model=MODEL,
+                prompt="z" * 3000,
+                max_tokens=4,
+                extra_headers={**LOOSE_TPOT, "x-slo-ttft-ms": "60000"},
+            )
+        )
+        for _ in range(n)
+    ]
+    deadline = time.monotonic() + 10
+    while cluster.router.service.active_requests < n:
+        assert time.monotonic() < deadline, "the backlog did not reach the router"
+        await asyncio.sleep(0.01)
+    return tasks
+
+
 async def test_a_late_request_under_the_defaults_is_a_200_that_says_it_is_late() -> None:
-    # The defaults (edf queue, --late-policy serve): a TTFT target no instance can meet is served
-    # anyway, behind on-time work. The client must be able to tell: a header before the first
-    # byte of the body, and the usage object (streamed: the usage chunk).
-    async with http_cluster(prefill=1, decode=1) as (cluster, client, base):
+    # The defaults (edf queue, --late-policy serve): a request whose TTFT target the queue in front
+    # of it puts out of reach is served anyway, behind on-time work. The client must be able to
+    # tell: a header before the first byte of the body, and the usage object (streamed: the usage
+    # chunk).
+    # Engines at the profile's own speed: the backlog really takes the seconds the queue predicts.
+    async with http_cluster(neutral=1, engine_overrides={"speed_factor": 1.0}) as (cluster, client, base):
+        backlog = await _backlog(client, cluster, 6)
         raw = await client.completions.with_raw_response.create(
-            model=MODEL, prompt="y" * 2000, max_tokens=4, extra_headers={"x-slo-ttft-ms": "1"}
+            model=MODEL, prompt="y" * 2000, max_tokens=4, extra_headers=LATE_TARGET
         )
         assert raw.http_response.status_code == 200
         assert raw.headers["x-slo-router-late"] == "true"
@@ -209,40 +240,59 @@ async def test_a_late_request_under_the_defaults_is_a_200_that_says_it_is_late()
         assert completion.usage is not None and completion.usage.model_extra is not None
         assert completion.usage.model_extra["late"] is True
         assert completion.usage.model_extra["queue_wait_ms"] >= 0
+        await asyncio.gather(*backlog)
+        text = await _metrics(base)
+        assert _sample(text, "slo_router_slo_requests_total", slo_class="default", result="missed") >= 1
+        await _no_request_left(cluster)
 
+    # An on-time request says the opposite, in the same places.
+    async with http_cluster(neutral=1) as (cluster, client, base):
+        ok = await client.completions.with_raw_response.create(model=MODEL, prompt="hi", max_tokens=2)
+        assert "x-slo-router-late" not in ok.headers
+        usage = ok.parse().usage
+        assert usage is not None and usage.model_extra is not None and usage.model_extra["late"] is False
+
+    # Streamed: the header, and the usage chunk.
+    async with http_cluster(neutral=1, engine_overrides={"speed_factor": 1.0}) as (cluster, client, base):
+        backlog = await _backlog(client, cluster, 6)
         stream = await client.completions.with_raw_response.create(
             model=MODEL,
             prompt="y" * 2000,
             max_tokens=4,
             stream=True,
             stream_options={"include_usage": True},
-            extra_headers={"x-slo-ttft-ms": "1"},
+            extra_headers=LATE_TARGET,
         )
         assert stream.headers["x-slo-router-late"] == "true"
         usages = [chunk.usage async for chunk in stream.parse() if chunk.usage is not None]
         assert (
             len(usages) == 1 and usages[0].model_extra is not None and usages[0].model_extra["late"] is True
         )
-
-        # An on-time request says the opposite, in the same places.
-        ok = await client.completions.with_raw_response.create(model=MODEL, prompt="hi", max_tokens=2)
-        assert "x-slo-router-late" not in ok.headers
-        usage = ok.parse().usage
-        assert usage is not None and usage.model_extra is not None and usage.model_extra["late"] is False
-        text = await _metrics(base)
-        assert _sample(text, "slo_router_slo_requests_total", slo_class="default", result="missed") == 2
+        await asyncio.gather(*backlog)
         await _no_request_left(cluster)
 
 
-async def test_late_policy_reject_is_a_504_naming_the_times() -> None:
+async def test_late_policy_reject_is_a_504_naming_the_times_and_an_impossible_target_a_429() -> None:
     queue = QueueConfig(late_policy="reject")
-    async with http_cluster(prefill=1, decode=1, queue=queue) as (cluster, client, _base):
+    async with http_cluster(neutral=1, queue=queue, engine_overrides={"speed_factor": 1.0}) as (
+        cluster,
+        client,
+        _base,
+    ):
+        backlog = await _backlog(client, cluster, 6)
         with pytest.raises(openai.APIStatusError) as info:
             await client.completions.create(
-                model=MODEL, prompt="y" * 2000, max_tokens=4, extra_headers={"x-slo-ttft-ms": "1"}
+                model=MODEL, prompt="y" * 2000, max_tokens=4, extra_headers=LATE_TARGET
             )
         assert info.value.status_code == 504
         assert "--late-policy reject" in str(info.value) and "ms" in str(info.value)
+        await asyncio.gather(*backlog)
+        # A target even an idle instance misses is refused at arrival, whatever the late policy.
+        with pytest.raises(openai.RateLimitError) as refused:
+            await client.completions.create(
+                model=MODEL, prompt="y" * 2000, max_tokens=4, extra_headers={"x-slo-ttft-ms": "1"}
+            )
+        assert "idle instance" in str(refused.value)
         await _no_request_left(cluster)
 
 
