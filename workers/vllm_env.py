@@ -57,6 +57,25 @@ IPC_PATH_MAX = 107
 _OWN_RPC_DIRS: set[str] = set()
 
 
+#: The prefix of a socket directory's name; ``mkdtemp`` appends 8 random characters.
+_RPC_DIR_PREFIX = "slo-vllm-ipc-"
+#: Characters of vLLM's socket file name inside the directory (a uuid4).
+_SOCKET_NAME_CHARS = 36
+
+
+def new_rpc_dir() -> str:
+    """A new owner-only directory (mode 0700) for one engine's ZeroMQ sockets; the caller removes it.
+
+    In the temporary directory, unless a socket path there would not fit ``sockaddr_un``
+    (:data:`IPC_PATH_MAX` bytes: the directory, "/", a uuid), then in ``/tmp``.
+    """
+    base = tempfile.gettempdir()
+    name_chars = len(_RPC_DIR_PREFIX) + 8  # mkdtemp's random suffix is 8 characters
+    if len(base) + 1 + name_chars + 1 + _SOCKET_NAME_CHARS > IPC_PATH_MAX and os.path.isdir("/tmp"):
+        base = "/tmp"
+    return tempfile.mkdtemp(prefix=_RPC_DIR_PREFIX, dir=base)
+
+
 def private_rpc_dir() -> Path | None:
     """A fresh owner-only directory for the next engine's sockets, exported as ``VLLM_RPC_BASE_PATH``.
 
@@ -68,11 +87,7 @@ def private_rpc_dir() -> Path | None:
     current = os.environ.get(RPC_BASE_PATH)
     if current is not None and current not in _OWN_RPC_DIRS:
         return None
-    # A socket's path must fit sockaddr_un (107 bytes): the directory, "/", a 36-character uuid.
-    base = tempfile.gettempdir()
-    if len(base) + len("/slo-vllm-ipc-XXXXXXXX/") + 36 > IPC_PATH_MAX and os.path.isdir("/tmp"):
-        base = "/tmp"
-    path = tempfile.mkdtemp(prefix="slo-vllm-ipc-", dir=base)  # mode 0700
+    path = new_rpc_dir()
     _OWN_RPC_DIRS.add(path)
     os.environ[RPC_BASE_PATH] = path
     return Path(path)

@@ -15,7 +15,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -107,12 +106,6 @@ class VllmWorkerProcess:
         overrides = {
             "HF_HUB_OFFLINE": "1",
             "PYTHONUNBUFFERED": "1",
-            # The servicer's start-up warm-up visits every prompt length class (up to 27 s here on
-            # a busy 2-core host) and, with a shared-directory KV connector, has engines started
-            # together store and load the same warm-up prompts' KV at once (seen to crash one).
-            "SMG_VLLM_SERVICER_WARMUP": "off",
-            # No KV-event publisher (a ZMQ socket and a relay nobody here subscribes to).
-            "SMG_VLLM_SERVICER_KV_EVENTS": "0",
         }
         overrides.update(env or {})
         self._log = log_path.open("wb")
@@ -244,9 +237,7 @@ class StockEngineProcess:
             "SMG_VLLM_SERVICER_KV_EVENTS": "0",
         }
         # vLLM leaves its ZeroMQ socket files behind: give them a directory removed at stop().
-        self._rpc_dir = tempfile.mkdtemp(
-            prefix="slo-vllm-ipc-", dir="/tmp" if os.path.isdir("/tmp") else None
-        )
+        self._rpc_dir = vllm_env.new_rpc_dir()
         overrides[vllm_env.RPC_BASE_PATH] = self._rpc_dir
         overrides.update(env or {})
         self._log = log_path.open("wb")
