@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -395,7 +396,10 @@ def test_a_tpot_judged_request_keeps_the_batch_whose_step_holds_its_target() -> 
     q.push(tight("t"), 0.0)
     for k in range(5):
         q.push(loose_by(f"l{k}", 600.0), 0.0)
-    assert len(q.pump(0.0)) == 3  # 3 x 10 ms <= 0.6 x 50 ms; a fourth would make 40 ms
+    # 3 x 10 ms <= 0.6 x 50 ms; a fourth would make 40 ms. Of the three, one seat stays free for the
+    # next stream (the stream reserve: one arrived lately), so the stream and one e2e request run.
+    out = q.pump(0.0)
+    assert [d.request.request_id for d in out] == ["t", "l0"]
     q.check_invariants()
 
 
@@ -463,4 +467,78 @@ def test_a_new_group_is_queued_in_deadline_order() -> None:
         q.push(loose(f"l{k}", out=200, prompt=100 * (k + 1) ** 3), 0.0)
     q.push(tight("t0"), 0.0)
     assert q.groups[q.vqs[0][0]].key[1] == "interactive"
+    q.check_invariants()
+
+
+def stepped(kv_tokens: int = 100_000, most: int = 64, per_request_s: float = 0.01) -> InstanceModel:
+    """An instance whose decode step grows ``per_request_s`` a running request (KV-roomy by default)."""
+    return InstanceModel(
+        2,
+        STEP_S,
+        lambda n: 0.05 + n * 1e-4,
+        most=most,
+        kv_tokens=kv_tokens,
+        step_s=lambda b, t: per_request_s * b,
+    )
+
+
+def test_a_stream_due_before_the_head_is_pulled_first_and_keeps_its_room() -> None:
+    # A TTFT-judged request queued behind a group of e2e requests (as a stale plan may leave it) is
+    # pulled before them while its deadline is ahead and earlier than theirs; while it cannot start,
+    # no e2e request takes the room it waits for.
+    q = QlmQueue(QlmConfig(eviction="off"), [stepped()], 6000.0, 50.0)
+    for k in range(3):
+        q.push(loose_by(f"l{k}", 600.0), 0.0)
+    q.push(tight("t"), 0.0)
+    q.vqs[0].sort(key=lambda gid: q.groups[gid].key[1] == "interactive")  # the stream at the back
+    assert q.groups[q.vqs[0][-1]].key[1] == "interactive"
+    out = q.pump(0.0)
+    assert out[0].request.request_id == "t"
+    q.check_invariants()
+
+
+def test_an_instance_takes_a_stream_its_own_instance_cannot_start() -> None:
+    # Instance 0's batch is at the step its stream allows (0.6 x 50 ms = 30 ms, 10 ms a request); the
+    # stream queued there would wait for a request to end, past its TTFT deadline: instance 1, whose
+    # own queue still holds e2e work, starts it now.
+    q = QlmQueue(QlmConfig(eviction="off"), [stepped(), stepped()], 6000.0, 50.0)
+    for k in range(3):
+        q.push(loose_by(f"a{k}", 600.0), 0.0)
+    q.vqs = [[g for vq in q.vqs for g in vq], []]
+    first = q.pump(0.0)
+    assert {d.instance for d in first} == {0}
+    q.push(tight("t", arrival=0.0), 0.0)
+    q.push(loose_by("b0", 900.0), 0.0)
+    stream = next(gid for gid, g in q.groups.items() if g.key[1] == "interactive")
+    for vq in q.vqs:
+        if stream in vq:
+            vq.remove(stream)
+    q.vqs[0].insert(0, stream)
+    q.vqs[1] = [gid for gid in q.groups if gid != stream and gid not in q.vqs[0]]
+    out = q.pump(0.1)
+    assert [(d.request.request_id, d.instance) for d in out if d.request.request_id == "t"] == [("t", 1)]
+    q.check_invariants()
+
+
+def test_e2e_pulls_leave_the_room_the_expected_streams_need() -> None:
+    # Little's law: 20 streams in the last 30 s, each running ~0.85 s (prefill, 40 tokens of 20 ms),
+    # keep about half a sequence running at once; an e2e request is pulled only while the batch grown
+    # by it and by that reserve (one sequence, rounded up) keeps the streams' step.
+    m = stepped(per_request_s=0.002)  # 0.6 x 50 ms allows 15 requests
+    q = QlmQueue(QlmConfig(eviction="off"), [m], 6000.0, 50.0)
+    for k in range(20):
+        q.push(loose_by(f"l{k}", 600.0), 0.0)
+    assert len(q.pump(0.0)) == 20  # no stream seen: KV and the engine's cap bound e2e work, not a step
+    q = QlmQueue(QlmConfig(eviction="off"), [m], 6000.0, 50.0)
+    for k in range(20):
+        t = k * 0.5
+        r = q.push(tight(f"t{k}", arrival=t, out=40), t)
+        assert r is not None
+        q.remove(r.request_id)  # only their arrivals matter here
+    seqs, tokens = q.stream_reserve(0, 10.0)
+    assert seqs > 0.5 and tokens == pytest.approx(seqs * 140.0)
+    for k in range(20):
+        q.push(loose_by(f"l{k}", 600.0), 10.0)
+    # The streams' step (15 requests) less the reserve: without it 15 e2e requests would fill the batch.
+    assert len(q.pump(10.0)) == 15 - math.ceil(seqs)
     q.check_invariants()
