@@ -38,10 +38,10 @@ import grpc
 from grpc_health.v1 import health_pb2
 from slorouter.v1 import common_pb2, router_pb2, router_pb2_grpc
 
-from bench.report import BAD_STREAM, RequestResult
-from bench.workload import RequestPlan, doc
 from cms import limits
 from cms.transport import client_tls_from_arg, message_size_options, open_channel
+from workload.report import BAD_STREAM, RequestResult
+from workload.spec import RequestPlan, doc
 
 #: Where ``slo-router bench`` sends requests by default (the router's usual loopback address).
 DEFAULT_TARGET = "127.0.0.1:50051"

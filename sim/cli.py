@@ -10,9 +10,6 @@ import math
 import sys
 from typing import Any, cast
 
-from bench.report import PlotUnavailableError
-from bench.traces import Trace, add_trace_arguments, is_trace, load_trace, trace_options
-from bench.workload import DEFAULT_WORKLOAD, RequestPlan, WorkloadError, WorkloadSpec, load_workload
 from fleet.flags import error_line
 from predictor import ProfileError
 from router.core.calibration import CALIBRATION_MODES
@@ -47,6 +44,9 @@ from sim.sweep import (
     sweep_meta,
     write_sweep_json,
 )
+from workload.report import PlotUnavailableError
+from workload.spec import DEFAULT_WORKLOAD, RequestPlan, WorkloadError, WorkloadSpec, load_workload
+from workload.traces import Trace, add_trace_arguments, is_trace, load_trace, trace_options
 
 DEFAULT_POLICIES = f"round-robin,random,least-requests,power-of-two,load-balance,slo,{SLO_ADAPTIVE_PD}"
 DEFAULT_RATES = "2,4,8"

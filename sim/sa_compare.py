@@ -30,7 +30,6 @@ import statistics
 import sys
 from collections.abc import Sequence
 
-from bench.workload import RequestPlan, generate_requests, load_workload
 from router.core.config import SchedulerConfig
 from router.core.queue import QueueConfig
 from router.core.request import ScheduleInput
@@ -49,6 +48,7 @@ from sim.cluster import SimFleet, simulate
 from sim.engine import SimConfig
 from sim.fleet import fleet_from_counts
 from sim.sweep import queue_figures
+from workload.spec import RequestPlan, generate_requests, load_workload
 
 #: No queued request of a burst may expire (an expiry is a cheap refusal in G's denominator).
 WAIT_MS = 3_600_000.0

@@ -20,7 +20,7 @@ places each whole request at its arrival), ``slice`` is :func:`simulate_slices`:
   prefills all of it again (the engine model has no prefix cache), which is
   what ``recomputed_tokens`` counts.
 
-Figures beyond :func:`bench.report.summarize`: ``load_imbalance`` is the
+Figures beyond :func:`workload.report.summarize`: ``load_imbalance`` is the
 coefficient of variation (population std / mean) of per-instance busy time,
 the time an instance's engine had work; ``completion_spread_s`` the standard
 deviation of the instances' last busy moment (the seed paper's
@@ -54,8 +54,6 @@ from typing import Any
 
 import numpy as np
 
-from bench.report import RequestResult
-from bench.workload import RequestPlan, WorkloadSpec, generate_requests
 from fleet.flags import error_line
 from router.core.request import Role
 from router.core.slicing import (
@@ -73,6 +71,8 @@ from sim.cluster import SimFleet, SimStats, finished_result, simulate
 from sim.engine import ProfileCostModel, ScheduledStep, SimCore, SimRequestSpec
 from sim.sweep import PolicyChoice, SweepPoint, _point, point_to_dict, sweep_meta
 from workers.engine import EngineOverloadedError, InvalidRequestError
+from workload.report import RequestResult
+from workload.spec import RequestPlan, WorkloadSpec, generate_requests
 
 #: Dispatch modes of ``simulate --dispatch-modes``.
 DISPATCH_MODES = ("request", "slice", "auto")

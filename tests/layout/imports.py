@@ -20,6 +20,7 @@ PROJECT_PACKAGES = (
     "workers",
     "sim",
     "bench",
+    "workload",
     "openai_http",
     "slorouter",
 )
