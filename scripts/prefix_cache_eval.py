@@ -19,10 +19,10 @@ from pathlib import Path
 
 import numpy as np
 
+from engine.model import SimConfig
 from router.core.config import SchedulerConfig
 from router.core.queue import QueueConfig
 from sim.cluster import SimFleet, simulate
-from sim.engine import SimConfig
 from sim.fleet import fleet_from_counts
 from workload.report import slo_met
 from workload.spec import RequestPlan, SloTarget, generate_requests, load_workload

@@ -10,6 +10,7 @@ import math
 import sys
 from typing import Any, cast
 
+from engine.model import SimConfig
 from fleet.flags import error_line
 from predictor import ProfileError
 from router.core.calibration import CALIBRATION_MODES
@@ -21,7 +22,6 @@ from router.core.queue import QueueConfig
 from router.core.registry import POLICIES
 from sim import slicing
 from sim.cluster import SimFleet
-from sim.engine import SimConfig
 from sim.fleet import (
     DEFAULT_PROFILE,
     FleetError,

@@ -108,6 +108,8 @@ from typing import Any
 import numpy as np
 from slorouter.v1 import cms_pb2
 
+from engine.interface import EngineOverloadedError, InvalidRequestError
+from engine.model import ProfileCostModel, ScheduledStep, SimConfig, SimCore, SimRequestSpec
 from fleet.prefix import id_block_hashes
 from fleet.snapshot import ClusterSnapshot, InstanceRecord
 from predictor import LatencyPredictor
@@ -131,10 +133,8 @@ from router.core.queue import Objective, QueueConfig, QueuePolicy, RouterQueue, 
 from router.core.request import Mode, Role, ScheduleInput
 from router.core.sa import SAPlanner, modeled_evaluation_s
 from router.core.scheduler import Scheduler
-from sim.engine import ProfileCostModel, ScheduledStep, SimConfig, SimCore, SimRequestSpec
 from sim.fastforward import DecodeRun, DecodeStepTimes
 from sim.fleet import FleetError, FleetSpec
-from workers.engine import EngineOverloadedError, InvalidRequestError
 from workers.sim_engine import eos_position
 from workload.report import RequestResult, slo_met
 from workload.spec import RequestPlan

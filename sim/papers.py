@@ -29,11 +29,11 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from engine.model import SimConfig
 from router.core.config import SchedulerConfig
 from router.core.qlm import QlmConfig
 from router.core.queue import QueueConfig
 from sim.cluster import SimFleet, simulate
-from sim.engine import SimConfig
 from sim.fleet import fleet_from_counts
 from sim.sweep import policy_overrides, queue_figures
 from workload.spec import RequestPlan, generate_requests, load_workload

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.model import SimConfig
 from fleet.flags import error_line
 from predictor import ProfileError
 from router.core.capacity import InstanceEstimate, LoadShape, estimate_instances
@@ -34,7 +35,6 @@ from router.core.policies import build_policy
 from router.core.queue import QueueConfig
 from router.core.worker_count import WorkerCountModel, samples_from_spans
 from sim.cluster import SimFleet, simulate
-from sim.engine import SimConfig
 from sim.fleet import DEFAULT_PROFILE, FleetError, fleet_from_counts
 from sim.sweep import SLO_ADAPTIVE_PD, open_loop, policy_overrides
 from workload.report import summarize

@@ -30,6 +30,7 @@ import statistics
 import sys
 from collections.abc import Sequence
 
+from engine.model import SimConfig
 from router.core.config import SchedulerConfig
 from router.core.queue import QueueConfig
 from router.core.request import ScheduleInput
@@ -45,7 +46,6 @@ from router.core.sa import (
     modeled_evaluation_s,
 )
 from sim.cluster import SimFleet, simulate
-from sim.engine import SimConfig
 from sim.fleet import fleet_from_counts
 from sim.sweep import queue_figures
 from workload.spec import RequestPlan, generate_requests, load_workload

@@ -1,8 +1,8 @@
-"""The ``sim`` backend: :class:`SimEngine` runs :class:`sim.engine.SimCore` in real time.
+"""The ``sim`` backend: :class:`SimEngine` runs :class:`engine.model.SimCore` in real time.
 
 The step loop asks the core for a step, sleeps its duration and applies it,
 then turns the tokens the step produced into token ids and text and hands
-them to each request's :class:`workers.engine.DeltaCollector`.
+them to each request's :class:`engine.interface.DeltaCollector`.
 
 Output tokens are a pure function of the request (sampling seed, prompt,
 position), never of the engine or of timing, so a ``Prefill`` on one sim
@@ -10,7 +10,7 @@ worker followed by a ``Decode`` on another yields exactly the tokens a
 ``Generate`` on one would. With ``eos_probability > 0`` the position of the
 EOS token is drawn the same way (geometric, from the request's seed), and
 ``ignore_eos`` skips it. Token ids are printable ASCII bytes of the built-in
-tokenizer (:mod:`workers.tokenizer`), so the text is readable.
+tokenizer (:mod:`engine.tokenizer`), so the text is readable.
 
 This module is also the ``sim`` entry of the backend registry
 (:mod:`workers.backends`): :func:`add_arguments` and :func:`build_engine`.
@@ -33,10 +33,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 
-from fleet.prefix import token_block_hashes
-from predictor import LatencyPredictor
-from sim.engine import ProfileCostModel, SimConfig, SimCore, SimRequestSpec, StepResult
-from workers.engine import (
+from engine.interface import (
     DeltaCollector,
     DuplicateRequestError,
     EngineInfo,
@@ -49,8 +46,11 @@ from workers.engine import (
     TokenDelta,
     validate_request,
 )
+from engine.model import ProfileCostModel, SimConfig, SimCore, SimRequestSpec, StepResult
+from engine.tokenizer import EOS_TOKEN_ID, IncrementalDecoder, SimpleTokenizer
+from fleet.prefix import token_block_hashes
+from predictor import LatencyPredictor
 from workers.kv_transfer import GrpcKvPeer, KvPeer, SimKvHandle
-from workers.tokenizer import EOS_TOKEN_ID, IncrementalDecoder, SimpleTokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -188,7 +188,7 @@ class _Held:
 
 
 class SimEngine:
-    """A simulated engine with profile-driven step times; implements :class:`workers.engine.Engine`."""
+    """A simulated engine with profile-driven step times; implements :class:`engine.interface.Engine`."""
 
     def __init__(
         self,

@@ -21,6 +21,7 @@ PROJECT_PACKAGES = (
     "sim",
     "bench",
     "workload",
+    "engine",
     "openai_http",
     "slorouter",
 )

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+from engine.interface import EngineInfo
+from engine.model import SimConfig
 from router.core.queue import QueueConfig
 from sim.cluster import SimFleet, SimOutcome, simulate
-from sim.engine import SimConfig
 from sim.fleet import fleet_from_counts
 from tests.sim.test_simulate import policy
-from workers.engine import EngineInfo
 from workers.metadata import WorkerIdentity, build_metadata
 from workload.prediction import prediction_error
 from workload.spec import generate_requests, load_workload

@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
+from engine.model import SimConfig
 from sim.cluster import SimFleet, simulate
-from sim.engine import SimConfig
 from sim.fleet import fleet_from_counts
 from sim.sweep import SLO_ADAPTIVE_PD
 from tests.sim.test_simulate import policy

@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from engine.model import KvEventKind, SimConfig, SimCore, SimRequestSpec
 from fleet.prefix import id_block_hashes
 from router.core.prefix import ExactPrefixIndex
-from sim.engine import KvEventKind, SimConfig, SimCore, SimRequestSpec
 
 
 class _FlatCost:
@@ -171,7 +171,7 @@ def test_config_names_a_bad_prefix_block() -> None:
     ):
         SimConfig(block_size=16, prefix_cache_block_tokens=24)
     core = _core()
-    from workers.engine import InvalidRequestError
+    from engine.interface import InvalidRequestError
 
     with pytest.raises(InvalidRequestError, match="prefix blocks"):
         core.add(SimRequestSpec("x", 10, 1, block_hashes=(1, 2)))

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from engine.model import SimConfig
 from router.cli import main
 from router.core.qlm import QlmConfig
 from router.core.queue import QueueConfig
 from sim.cluster import SimFleet, SimOutcome, simulate
-from sim.engine import SimConfig
 from sim.fleet import FleetError, fleet_from_counts
 from tests.sim.test_simulate import policy
 from workload.report import slo_met

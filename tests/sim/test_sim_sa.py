@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from engine.model import SimConfig
 from router.cli import main
 from router.core.queue import QueueConfig
 from sim.cluster import SimFleet, SimOutcome, simulate
-from sim.engine import SimConfig
 from sim.fleet import fleet_from_counts
 from sim.sweep import queue_figures
 from tests.sim.test_simulate import policy

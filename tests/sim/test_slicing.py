@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from engine.model import SimConfig
 from router.cli import main
 from router.core.slicing import SliceConfig
 from sim.cluster import SimFleet
-from sim.engine import SimConfig
 from sim.fleet import fleet_from_counts
 from sim.slicing import request_figures, simulate_slices
 from workload.spec import generate_requests, load_workload
