@@ -110,6 +110,7 @@ from slorouter.v1 import cms_pb2
 
 from engine.interface import EngineOverloadedError, InvalidRequestError
 from engine.model import ProfileCostModel, ScheduledStep, SimConfig, SimCore, SimRequestSpec
+from engine.outputs import eos_position
 from fleet.prefix import id_block_hashes
 from fleet.snapshot import ClusterSnapshot, InstanceRecord
 from predictor import LatencyPredictor
@@ -135,7 +136,6 @@ from router.core.sa import SAPlanner, modeled_evaluation_s
 from router.core.scheduler import Scheduler
 from sim.fastforward import DecodeRun, DecodeStepTimes
 from sim.fleet import FleetError, FleetSpec
-from workers.sim_engine import eos_position
 from workload.report import RequestResult, slo_met
 from workload.spec import RequestPlan
 

@@ -14,9 +14,10 @@ from engine.interface import (
     InvalidRequestError,
     KvHandleError,
 )
+from engine.outputs import eos_position, output_token, prompt_digest, request_key
 from engine.tokenizer import EOS_TOKEN_ID, SimpleTokenizer
 from workers.kv_transfer import SimKvHandle
-from workers.sim_engine import SimEngine, eos_position, output_token, prompt_digest, request_key
+from workers.sim_engine import SimEngine
 
 from .helpers import PREDICTOR, LoadWatcher, drain, make_engine, prompt, sampling
 
