@@ -398,7 +398,7 @@ async def _tick(
     while not stop.is_set():
         try:
             await asyncio.wait_for(stop.wait(), timeout=interval_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             on_progress(run.progress())
 
 
@@ -439,7 +439,7 @@ async def run_load(
     try:
         try:
             await asyncio.wait_for(_router_ready(chan), timeout=config.connect_timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise LoadError(
                 f"cannot reach a router at {config.target} that can place a request within "
                 f"{config.connect_timeout_s:g} s; start one (e.g. `slo-router up`), wait for its workers "
