@@ -207,7 +207,22 @@ def _out(ctx: DecisionContext, config: SchedulerConfig) -> float:
 # ----------------------------------------------------------------------------- KV over life
 
 
-@_register("kv_growth_tokens", MetricScope.LOAD)
+def _kv_growth_at(ctx: DecisionContext, config: SchedulerConfig, i: int) -> float:
+    """``kv_growth_tokens`` at view index ``i`` alone: the column's float operations in the same
+    order on Python floats (IEEE doubles, as numpy's), so the same value."""
+    table = ctx.view.instances
+    inflight = ctx.view.inflight
+    n = table.decode_requests.item(i) + inflight.decode_requests.item(i)
+    context = table.decode_tokens.item(i) + inflight.decode_tokens.item(i)
+    known = inflight.resident_requests.item(i)
+    covered = known if known <= n else n
+    final = inflight.resident_tokens.item(i) * (covered / known if known > 0 else 0.0)
+    context_covered = context * (covered / n if n > 0 else 0.0)
+    grown = final - context_covered
+    return (0.0 if grown < 0.0 else grown) + (n - covered) * config.packing_default_output_tokens
+
+
+@_register("kv_growth_tokens", MetricScope.LOAD, at=_kv_growth_at)
 def _kv_growth_tokens(ctx: DecisionContext, config: SchedulerConfig) -> FloatArray:
     table = ctx.view.instances
     inflight = ctx.view.inflight
