@@ -253,9 +253,9 @@ def _slot_wait_ms(ctx: DecisionContext) -> FloatArray:
     """
     table = ctx.view.instances
     cap = table.max_num_seqs
+    if cap is None or _uncapped(table):
+        return _no_cache(table)  # (the table's shared read-only zeros)
     zero = np.zeros(table.n)
-    if cap is None:
-        return zero
     need = table.running_requests + table.waiting_requests + ctx.view.inflight.requests + 1.0 - cap
     if not (need > 0).any():
         return zero
@@ -265,6 +265,15 @@ def _slot_wait_ms(ctx: DecisionContext) -> FloatArray:
     steps_per_finish = remaining / decoders
     wait: FloatArray = np.where(need > 0, need * steps_per_finish * ctx.metric("decode_step_ms"), 0.0)
     return wait
+
+
+def _uncapped(table: InstanceTable) -> bool:
+    """No instance of ``table`` states a ``max_num_seqs`` (kept with the table): no slot wait anywhere."""
+    found: bool | None = table.memo.get("uncapped")
+    if found is None:
+        cap = table.max_num_seqs
+        found = table.memo["uncapped"] = cap is None or not bool(np.isfinite(cap).any())
+    return found
 
 
 # ----------------------------------------------------------------------------- prefill backlog
