@@ -119,9 +119,11 @@ policies (--policies): a registered policy ({", ".join(POLICIES.names())}),
   either role per request), or a policy YAML file (--policy-config format).
 
 workload: as for `slo-router bench --workload` (presets, class mixes, JSON/YAML files, trace:FILE);
-  a trace replays its own timing unless --rates is given (then its gaps are scaled to each rate);
-  --rates sets the mean arrival rate of each run, the workload's burstiness (or --burstiness)
-  shapes the gaps, and a closed-loop workload is replayed as Poisson arrivals.
+  a trace replays its own timing unless --rates is given (then its gaps are scaled to each rate;
+  --burstiness is refused, as in bench); --rates sets the mean arrival rate of each run, the
+  workload's burstiness (or --burstiness) shapes the gaps, and a closed-loop workload is replayed
+  as Poisson arrivals. The same workload, --seed, --num-requests and rate give the same requests
+  as `slo-router bench` (same arrival times, prompts, caps and answer lengths).
 
 what is simulated: the router's scheduling core places every request at its arrival on the
   live load of the simulated instances (status pushed on every change, as the agents do);
@@ -430,6 +432,8 @@ def load_source(args: argparse.Namespace) -> tuple[WorkloadSpec, Trace | None, l
     """
     trace: Trace | None = None
     if is_trace(args.workload):
+        if args.burstiness is not None:  # as `bench` says: the trace's own gaps are replayed, only rescaled
+            raise WorkloadError("a trace replays its own arrivals: drop --burstiness")
         trace = load_trace(args.workload, trace_options(args))
         workload = trace.workload()
         if args.num_requests is None:

@@ -156,6 +156,12 @@ def test_prefix_blocks_mean_the_same_in_both(tmp_path: Path, case: str) -> None:
     assert shared > 20  # prompts really share prefix blocks
 
 
+@pytest.mark.parametrize("command", ["bench", "simulate"])
+def test_both_refuse_to_reshape_a_trace(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([command, "--workload", f"trace:{TRACE}", "--burstiness", "0.5"]) == 2
+    assert "a trace replays its own arrivals: drop" in capsys.readouterr().err
+
+
 def test_bench_sends_the_planned_requests(tmp_path: Path) -> None:
     """``slo-router bench`` for real, against a loopback router: what arrives is simulate's plan."""
     flags = ["--workload", "mixed", "--seed", "4", "--num-requests", "40"]
