@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -218,3 +219,197 @@ def test_constraint_d_is_the_least_whole_life_atgt_slack_of_the_residents(
     else:
         assert ratio == math.inf
     assert float(ctx.metric("prefill_over_atgt_slack")[view.instances.index["m"]]) == 0.0  # nothing decodes
+
+
+# ----------------------------------------------------------------------------- Aladdin (001): each request's own need
+
+
+def _ctx_with_legs(scheduler, snapshot, request, legs_of):  # type: ignore[no-untyped-def]
+    """A decision context of ``request`` whose view carries the resident legs ``legs_of(view)``."""
+    import dataclasses
+
+    from router.core.columns import StaticResidents
+
+    view = scheduler.view(snapshot, NOW)
+    known = legs_of(view)
+    if known is not None:
+        view = dataclasses.replace(view, residents=StaticResidents(known), load_memo={})
+    return scheduler.context(view, request)
+
+
+def test_an_e2e_request_is_paced_by_its_length_bound_when_an_instance_can_keep_that_pace() -> None:
+    """Paced by the mean, every answer longer than the mean misses; the bound (the predictor's high
+    quantile) sets the pace when an idle instance can keep it, the mean when it cannot, and the
+    time already spent in the router queue comes off the deadline."""
+    from router.core.packing import packing_tpot_target_ms
+
+    scheduler = make_scheduler("binpack", tpot_slo_ms=50.0)
+    snapshot = make_snapshot(inst("n", "neutral"))
+
+    def target(**kw):  # type: ignore[no-untyped-def]
+        request = make_request("r", 256, e2e_slo_ms=4000.0, expected_output_tokens=64, **kw)
+        ctx = _ctx_with_legs(scheduler, snapshot, request, lambda view: None)
+        ttft = float(np.nanmin(ctx.metric("predicted_ttft")))
+        return packing_tpot_target_ms(ctx, 256, 0.7), ttft
+
+    value, ttft = target(output_tokens_bound=200)
+    assert value == pytest.approx((4000.0 - ttft) / 199 / 0.7)
+    # A bound whose pace no instance keeps (batch 1 of the worked profile: ~15 ms): the mean's pace,
+    # here looser than 0.7 x 50 ms, so the TPOT target itself.
+    value, _ = target(output_tokens_bound=400)
+    assert value == 50.0
+    # Two seconds in the queue: half the deadline left, the bound's pace is out of reach, the mean's is not.
+    value, ttft = target(output_tokens_bound=200, arrival_s=NOW - 2.0)
+    assert value == pytest.approx((2000.0 - ttft) / 63 / 0.7)
+
+
+def test_binpack_keeps_a_residents_tighter_need_when_placing_a_looser_request() -> None:
+    """(b) holds for every request the instance holds: a chat request whose own target the fullest
+    decoder meets goes elsewhere when a resident there must keep a faster pace."""
+    from router.core.columns import ResidentLegs
+
+    scheduler = make_scheduler("binpack", tpot_slo_ms=50.0)
+    snapshot = make_snapshot(
+        inst("p", "prefill"),
+        inst("full", "decode", decode_requests=8, decode_tokens=4000, used_kv_tokens=4000),
+        inst("light", "decode", decode_requests=2, decode_tokens=1000, used_kv_tokens=1000),
+    )
+    request = make_request("chat", 256, expected_output_tokens=100)
+
+    def legs(need: float):  # type: ignore[no-untyped-def]
+        def of(view):  # type: ignore[no-untyped-def]
+            at = view.instances.index["full"]
+            return ResidentLegs(
+                np.full(8, at, dtype=np.intp),
+                np.full(8, 500.0),
+                np.full(8, 100.0),
+                np.ones(8, dtype=bool),
+                np.zeros(8),
+                np.full(8, need),
+            )
+
+        return of
+
+    loose = _ctx_with_legs(scheduler, snapshot, request, legs(math.inf))
+    tight = _ctx_with_legs(scheduler, snapshot, request, legs(20.0))
+    full = loose.view.instances.index["full"]
+    horizon = float(loose.metric("predicted_tpot_horizon")[full])
+    assert float(loose.metric("tpot_horizon_over_need")[full]) == pytest.approx(horizon / 50.0)
+    assert float(tight.metric("tpot_horizon_over_need")[full]) == pytest.approx(horizon / 20.0)
+    picked = scheduler.schedule(loose.view, request, NOW, dry_run=True).decode
+    assert picked is not None and picked.instance_id == "full"  # best fit: the fullest that meets (b)
+    picked = scheduler.schedule(tight.view, request, NOW, dry_run=True).decode
+    assert picked is not None and picked.instance_id == "light"
+
+
+@PROPS
+@given(
+    legs=st.lists(
+        st.tuples(st.integers(0, 2), st.integers(16, 3000), st.integers(1, 500), st.floats(5.0, 200.0)),
+        max_size=12,
+    ),
+    own_tpot=st.sampled_from([0.0, 30.0, 80.0]),
+)
+def test_the_horizon_is_held_to_the_least_need_of_everyone_on_the_instance(
+    legs: list[tuple[int, int, int, float]], own_tpot: float
+) -> None:
+    """Property of (b): per instance, the ratio is the γ-horizon TPOT over the least of this request's
+    need and its residents' recorded needs; residents never loosen it; binpack places only where it
+    is below θ (or on an empty instance)."""
+    from router.core.columns import ResidentLegs
+    from router.core.packing import resident_tpot_need_ms
+
+    scheduler = make_scheduler("binpack", tpot_slo_ms=50.0)
+    records = [inst("p", "prefill")]
+    for k in range(3):
+        mine = [(c, r) for i, c, r, _ in legs if i == k]
+        tokens = sum(c for c, _ in mine)
+        records.append(
+            inst(f"d{k}", "decode", decode_requests=len(mine), decode_tokens=tokens, used_kv_tokens=tokens)
+        )
+    snapshot = make_snapshot(*records)
+    request = make_request("r", 300, tpot_slo_ms=own_tpot, expected_output_tokens=120)
+
+    def of(view):  # type: ignore[no-untyped-def]
+        index = view.instances.index
+        return ResidentLegs(
+            np.array([index[f"d{i}"] for i, _, _, _ in legs], dtype=np.intp),
+            np.array([float(c) for _, c, _, _ in legs]),
+            np.array([float(r) for _, _, r, _ in legs]),
+            np.ones(len(legs), dtype=bool),
+            np.zeros(len(legs)),
+            np.array([need for _, _, _, need in legs]),
+        )
+
+    ctx = _ctx_with_legs(scheduler, snapshot, request, of)
+    bare = _ctx_with_legs(scheduler, snapshot, request, lambda view: None)
+    own = resident_tpot_need_ms(ctx, scheduler.config)
+    ratio = ctx.metric("tpot_horizon_over_need")
+    horizon = ctx.metric("predicted_tpot_horizon")
+    for k in range(3):
+        i = ctx.view.instances.index[f"d{k}"]
+        needs = [need for j, _, _, need in legs if j == k]
+        assert ratio[i] == pytest.approx(horizon[i] / min([own, *needs]), rel=1e-9)
+        assert ratio[i] >= float(bare.metric("tpot_horizon_over_need")[i]) - 1e-12
+    try:
+        decision = scheduler.schedule(ctx.view, request, NOW, dry_run=True)
+    except NoInstanceError:
+        return  # every decoder refused by some constraint: the request waits
+    assert decision.decode is not None
+    i = ctx.view.instances.index[decision.decode.instance_id]
+    empty = not any(j == int(decision.decode.instance_id[1:]) for j, _, _, _ in legs)
+    assert ratio[i] < scheduler.config.binpack_theta or empty
+
+
+def test_the_inflight_account_keeps_each_resident_legs_need_until_it_ends() -> None:
+    from router.core.inflight import InflightAccount
+
+    account = InflightAccount()
+    account.record("a", "p", "d", 100, NOW, final_tokens=300, tpot_need_ms=21.5)
+    account.record("b", "p", "d", 100, NOW, final_tokens=300)
+    legs = account.resident_legs({"p": 0, "d": 1}, 2)
+    assert legs is not None and legs.tpot_need_ms is not None
+    assert sorted(legs.tpot_need_ms.tolist()) == [21.5, math.inf]
+    account.release("a")
+    legs = account.resident_legs({"p": 0, "d": 1}, 2)
+    assert legs is not None and legs.tpot_need_ms is not None and legs.tpot_need_ms.tolist() == [math.inf]
+    with pytest.raises(ValueError, match="tpot_need_ms"):
+        account.record("c", "p", "d", 100, NOW, final_tokens=300, tpot_need_ms=-1.0)
+
+
+def test_constraint_d_takes_each_residents_own_need() -> None:
+    """(d) with recorded needs: a resident paced tighter than the TPOT target has less slack."""
+    from router.core.columns import ResidentLegs
+
+    scheduler = make_scheduler("binpack", tpot_slo_ms=60.0, ttft_slo_ms=60_000.0)
+    snapshot = make_snapshot(inst("n", "neutral", decode_requests=1, decode_tokens=600, used_kv_tokens=600))
+
+    def with_need(need: float):  # type: ignore[no-untyped-def]
+        def of(view):  # type: ignore[no-untyped-def]
+            return ResidentLegs(
+                np.zeros(1, dtype=np.intp),
+                np.array([600.0]),
+                np.array([200.0]),
+                np.ones(1, dtype=bool),
+                np.array([100.0]),
+                np.array([need]),
+            )
+
+        return of
+
+    request = make_request("new", 2000, max_tokens=64)
+    loose = _ctx_with_legs(scheduler, snapshot, request, with_need(math.inf))
+    tight = _ctx_with_legs(scheduler, snapshot, request, with_need(30.0))
+    step_now = float(loose.metric("decode_step_ms")[0])
+    step_new = float(loose.metric("predicted_tpot")[0])
+    from router.core.packing import atgt_slack_ms
+
+    assert float(atgt_slack_ms(loose, 60.0)[0]) == pytest.approx(
+        100 * (60 - step_now) + 200 * (60 - step_new)
+    )
+    assert float(atgt_slack_ms(tight, 60.0)[0]) == pytest.approx(
+        100 * (30 - step_now) + 200 * (30 - step_new)
+    )
+    assert float(tight.metric("prefill_over_atgt_slack")[0]) > float(
+        loose.metric("prefill_over_atgt_slack")[0]
+    )
