@@ -26,7 +26,15 @@ from cms.call_auth import read_worker_token
 from cms.reader import ClusterReader, open_reader
 from cms.serving import add_health_and_reflection, bind_server
 from cms.transport import ClientTls, ServerTls, client_tls_from_arg, server_tls_from_args
-from fleet.flags import check_listen, check_metrics_port, cms_target, error_line, read_flag_file
+from fleet.flags import (
+    check_listen,
+    check_metrics_port,
+    check_port_range,
+    cms_target,
+    error_line,
+    read_flag_file,
+    split_host_port,
+)
 from openai_http.app import DEFAULT_MAX_BODY_BYTES, HttpServer
 from openai_http.bounded import EdgeLimits
 from predictor import LatencyPredictor
@@ -624,19 +632,6 @@ SERVICE_FLAGS: dict[str, str] = {
 }
 
 
-def check_address(flag: str, value: str) -> None:
-    """``HOST:PORT`` with a port in 0..65535, else ``ValueError`` naming ``flag``."""
-    host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or int(port) > 65535:
-        raise ValueError(f"{flag} {value!r}: expected HOST:PORT with a port 0-65535, e.g. 127.0.0.1:50051")
-
-
-def check_port(flag: str, value: int) -> None:
-    """A TCP port 0..65535 (0 = off / any), else ``ValueError`` naming ``flag``."""
-    if not 0 <= value <= 65535:
-        raise ValueError(f"{flag} {value}: must be a port 0-65535 (0 = off)")
-
-
 def scheduler_config(args: argparse.Namespace, **overrides: Any) -> SchedulerConfig:
     """The scheduler's config from the flags; errors name the flag (``--ttft-slo``), not the field."""
     try:
@@ -722,9 +717,9 @@ def plan_from_args(args: argparse.Namespace) -> RouterPlan:
     except ValueError as exc:
         raise ValueError(name_flags(str(exc), {**SERVICE_FLAGS, **SchedulerConfig.flags()})) from exc
     check_processes(args)
-    check_address("--listen", args.listen)
+    split_host_port("--listen", args.listen)
     if args.cms == "memory":
-        check_address("--cms-listen", args.cms_listen)
+        split_host_port("--cms-listen", args.cms_listen)
     elif not args.cms.startswith(("redis://", "rediss://", "unix://")):
         try:
             args.cms = cms_target("--cms", args.cms)  # HOST:PORT and grpc://HOST:PORT alike
@@ -733,8 +728,8 @@ def plan_from_args(args: argparse.Namespace) -> RouterPlan:
                 f"--cms {args.cms}: expected memory, HOST:PORT (grpc://HOST:PORT) or redis://HOST:PORT/DB"
             ) from None
     if args.http_listen:
-        check_address("--http-listen", args.http_listen)
-    check_port("--metrics-port", args.metrics_port)
+        split_host_port("--http-listen", args.http_listen)
+    check_port_range("--metrics-port", args.metrics_port)
     check_cms_token_file(args)
     if not args.cluster_name:
         raise ValueError("--cluster-name must not be empty")
