@@ -413,3 +413,63 @@ def test_constraint_d_takes_each_residents_own_need() -> None:
     assert float(tight.metric("prefill_over_atgt_slack")[0]) > float(
         loose.metric("prefill_over_atgt_slack")[0]
     )
+
+
+# ----------------------------------------------------------------------------- SCLS (002): admission on a continuous-batching engine
+
+
+def _one_batch_queued(split: bool) -> tuple[SliceScheduler, list[int]]:
+    """One instance of 10,000 KV tokens (budget 9,000) running a 4,000-token slice, and a queued batch of
+    four 2,000-token slices (8,000 KV tokens: it does not fit whole, two of its slices do)."""
+    serving, memory = _models(kv=10_000)
+    sched = SliceScheduler(SliceConfig(split_batches=split), serving, memory, ["x"])
+    sched.add(SliceRequest("big", 3_872, 128))
+    sched.schedule()
+    ((key, _),) = sched.admit("x", 0.0)
+    for k in range(4):
+        sched.add(SliceRequest(k, 1_872, 128))
+    sched.schedule()
+    return sched, [key]
+
+
+def test_a_queued_batch_starts_slice_by_slice_as_kv_frees_on_a_continuous_batching_engine() -> None:
+    """The slices of a queued batch that fit the instance's planned KV start at once (the engine merges
+    them into its running batch); the rest stays at the queue's head with its share of the estimate."""
+    sched, _ = _one_batch_queued(split=True)
+    load = sched.load_ms("x")
+    admitted = sched.admit("x", 1.0)
+    assert sum(len(b.requests) for b in sched._queues["x"]) + 2 == 4
+    assert [len(b.requests) for _, b in admitted] == [2]
+    assert sched.planned_kv("x") == 4_000 + 2 * 2_000
+    assert sched.planned_kv("x") <= sched.models("x").budget_tokens
+    assert sched.load_ms("x") == pytest.approx(load)  # the parts' estimates sum to the batch's
+    whole, _ = _one_batch_queued(split=False)
+    assert whole.admit("x", 1.0) == []  # the batch waits whole: the engine runs one slice meanwhile
+
+
+@PROPS
+@given(
+    running=st.integers(0, 8_000),
+    slices=st.lists(st.integers(16, 3_000), min_size=1, max_size=12),
+)
+def test_admission_never_plans_past_the_budget_while_something_runs(running: int, slices: list[int]) -> None:
+    """Packing invariant of admission: with slices running, what is admitted keeps the planned KV
+    within the instance's budget; the estimate the ledger holds is never lost by splitting."""
+    serving, memory = _models(kv=10_000)
+    sched = SliceScheduler(SliceConfig(), serving, memory, ["x"])
+    if running:
+        sched.add(SliceRequest("run", running, 64))
+        sched.schedule()
+        sched.admit("x", 0.0)
+    for k, context in enumerate(slices):
+        sched.add(SliceRequest(k, context, 128))
+    sched.schedule()
+    before = sched.load_ms("x")
+    was_running = bool(running)
+    admitted = sched.admit("x", 1.0)
+    if was_running:
+        assert sched.planned_kv("x") <= sched.models("x").budget_tokens
+    assert sched.load_ms("x") == pytest.approx(before)
+    started = sum(len(b.requests) for _, b in admitted)
+    queued = sum(len(b.requests) for b in sched._queues["x"])
+    assert started + queued == len(slices)
