@@ -473,3 +473,14 @@ def test_admission_never_plans_past_the_budget_while_something_runs(running: int
     started = sum(len(b.requests) for _, b in admitted)
     queued = sum(len(b.requests) for b in sched._queues["x"])
     assert started + queued == len(slices)
+
+
+def test_slices_pay_from_about_one_preemption_per_ten_requests() -> None:
+    """auto's rule: slices where request dispatch preempts once per ten requests or more (with batches
+    admitted slice by slice, slices kept >= 0.95x the throughput there on every measured fleet)."""
+    from router.core.slicing import slices_pay
+
+    assert slices_pay(10, 100)
+    assert slices_pay(250, 100)
+    assert not slices_pay(9, 100)
+    assert not slices_pay(0, 0)
