@@ -149,7 +149,11 @@ def packing_tpot_target_ms(ctx: DecisionContext, default_output_tokens: int, fac
     as packing tighter for it would only open fresh instances for requests
     that miss anyway.
     """
-    target = ctx.tpot_slo_ms
+    return _paced(ctx, ctx.tpot_slo_ms, default_output_tokens, factor)
+
+
+def _paced(ctx: DecisionContext, target: float, default_output_tokens: int, factor: float) -> float:
+    """:func:`packing_tpot_target_ms` with ``target`` as the TPOT target in force."""
     request = ctx.request
     if request is None or request.e2e_slo_ms <= 0 or request.tpot_slo_ms > 0:
         return target
@@ -187,11 +191,16 @@ def resident_tpot_need_ms(ctx: DecisionContext, config: SchedulerConfig) -> floa
     over θ. Later placements on that instance are held to θ times the least of
     these (``tpot_horizon_over_need``): Aladdin's constraint (b) keeps the
     ATGT of every request a worker holds, not only of the one being placed.
-    0 without a request.
+    The target is the request's own (``tpot_slo_ms``, else the router's
+    ``--tpot-slo``), not the one the decision ran with: the router queue
+    places late work under a fraction of it as a margin of that placement,
+    which is no need of the request's. 0 without a request.
     """
-    if ctx.request is None:
+    request = ctx.request
+    if request is None:
         return 0.0
-    return packing_tpot_target_ms(ctx, config.packing_default_output_tokens, config.binpack_theta)
+    target = request.tpot_slo_ms or config.tpot_slo_ms
+    return _paced(ctx, target, config.packing_default_output_tokens, config.binpack_theta)
 
 
 _At = Callable[[DecisionContext, SchedulerConfig, int], float]
@@ -449,7 +458,9 @@ def _tpot_horizon_over_need(ctx: DecisionContext, config: SchedulerConfig) -> Fl
     horizon = ctx.metric("predicted_tpot_horizon")
     need = residents_tpot_need(ctx, config.tpot_slo_ms)
     if ctx.request is not None:
-        need = np.minimum(need, resident_tpot_need_ms(ctx, config))
+        # The newcomer at the target this decision runs with (the router queue's margin included).
+        own = packing_tpot_target_ms(ctx, config.packing_default_output_tokens, config.binpack_theta)
+        need = np.minimum(need, own)
     ratio: FloatArray = np.divide(horizon, need, out=np.full(ctx.view.n, np.inf), where=need > 0)
     return ratio
 

@@ -484,3 +484,19 @@ def test_slices_pay_from_about_one_preemption_per_ten_requests() -> None:
     assert slices_pay(250, 100)
     assert not slices_pay(9, 100)
     assert not slices_pay(0, 0)
+
+
+def test_a_residents_recorded_need_is_its_own_target_not_the_queues_margin() -> None:
+    """The router queue places late work under 0.8 of its TPOT target on a neutral instance (a margin of
+    that placement); what the resident leg records, and later placements keep, is its own target."""
+    from router.core.packing import packing_tpot_target_ms, resident_tpot_need_ms
+    from router.core.request import resolve_targets
+
+    scheduler = make_scheduler("binpack", tpot_slo_ms=50.0)
+    view = scheduler.view(make_snapshot(inst("n", "neutral")), NOW)
+    request = make_request("late", 256, expected_output_tokens=100)
+    targets = resolve_targets(request, 1000.0, 50.0)
+    margin = type(targets)(targets.ttft_ms, 40.0, targets.e2e_ms, targets.full_ttft_ms)
+    ctx = scheduler.context(view, request, NOW, margin)
+    assert packing_tpot_target_ms(ctx, 256, 0.7) == 40.0
+    assert resident_tpot_need_ms(ctx, scheduler.config) == 50.0
