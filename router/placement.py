@@ -192,6 +192,7 @@ class Placer:
         hashes: tuple[int, ...] = ()
         if prefix is not None and prompt_tokens is None:
             hashes = token_block_hashes(req.prompt_token_ids, prefix.block_tokens)
+        lengths = self.lengths.estimate(req.slo_class, len(req.prompt_token_ids), req.max_tokens)
         return ScheduleInput(
             request_id=req.request_id,
             prompt_tokens=len(req.prompt_token_ids) if prompt_tokens is None else prompt_tokens,
@@ -201,9 +202,8 @@ class Placer:
             exclude_instance_ids=exclude,
             stages=stages,
             e2e_slo_ms=req.e2e_slo_ms,
-            expected_output_tokens=self.lengths.estimate(
-                req.slo_class, len(req.prompt_token_ids), req.max_tokens
-            ).tokens,
+            expected_output_tokens=lengths.tokens,
+            output_tokens_bound=lengths.bound_tokens,
             max_tokens=req.max_tokens,
             priority=req.priority,
             slo_class=req.slo_class,

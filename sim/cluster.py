@@ -127,6 +127,7 @@ from router.core.config import SchedulerConfig
 from router.core.decision import Decision
 from router.core.errors import EmptyClusterError, LateError, NoInstanceError
 from router.core.lengths import LengthConfig, LengthPredictor
+from router.core.packing import resident_tpot_need_ms
 from router.core.predictors import PredictorSet
 from router.core.prefix import ExactPrefixIndex, PrefixRouting
 from router.core.qlm import DEFAULT_CONTEXT, Dispatch, QlmConfig, QlmQueue, QlmRequest, instance_model
@@ -352,6 +353,7 @@ class _Req:
         "resident_tokens",
         "stage",
         "tokens",
+        "tpot_need_ms",
     )
 
     def __init__(self) -> None:
@@ -373,6 +375,8 @@ class _Req:
         #: Output tokens the router expects (its estimate at arrival) and the engine's true length.
         self.expected = 0
         self.out = 0
+        #: The TPOT its resident leg must keep (packing.resident_tpot_need_ms at its placement; 0 = none).
+        self.tpot_need_ms = 0.0
 
 
 def finished_result(
@@ -875,9 +879,11 @@ class _Simulation:
         plan = self.plans[idx]
         r = self.reqs[idx]
         if self.oracle_lengths:
-            r.expected = self._true_length(idx, 0)
+            r.expected = bound = self._true_length(idx, 0)
         else:
-            r.expected = self.lengths.estimate(plan.class_name, plan.prompt_tokens, plan.max_tokens).tokens
+            estimate = self.lengths.estimate(plan.class_name, plan.prompt_tokens, plan.max_tokens)
+            r.expected = estimate.tokens
+            bound = estimate.bound_tokens
         request = ScheduleInput(
             request_id=str(idx),
             prompt_tokens=plan.prompt_tokens,
@@ -885,6 +891,7 @@ class _Simulation:
             tpot_slo_ms=plan.slo.tpot_ms or 0.0,
             e2e_slo_ms=plan.slo.e2e_ms or 0.0,
             expected_output_tokens=r.expected,
+            output_tokens_bound=bound,
             max_tokens=plan.max_tokens,
             priority=plan.priority,
             slo_class=plan.class_name,
@@ -1097,6 +1104,7 @@ class _Simulation:
         d = r.decode = index[decision.decode.instance_id]
         r.predicted_ttft_ms = _finite(decision.prefill.predicted_ttft_ms)
         r.predicted_tpot_ms = _finite(decision.decode.predicted_tpot_ms)
+        r.tpot_need_ms = resident_tpot_need_ms(decision.context, self.scheduler.config)
         limit = min(self.fleet.configs[p].max_model_len, self.fleet.configs[d].max_model_len)
         if plan.prompt_tokens + plan.max_tokens > limit:
             self._fail(
@@ -1222,20 +1230,25 @@ class _Simulation:
         remaining: list[float] = []
         started: list[bool] = []
         generated: list[float] = []
+        need: list[float] = []
+        reqs = self.reqs
         for i in range(len(self.resident_on)):
-            prompts = [prompt for prompt, _ in self.resident_on[i].values()]
-            for (cur, rem, decoding), prompt in zip(self._legs_on(i, now), prompts, strict=True):
+            on = self.resident_on[i]
+            prompts = [prompt for prompt, _ in on.values()]
+            for (cur, rem, decoding), prompt, idx in zip(self._legs_on(i, now), prompts, on, strict=True):
                 instance.append(i)
                 context.append(cur)
                 remaining.append(rem)
                 started.append(decoding)
                 generated.append(max(cur - prompt, 0.0))
+                need.append(reqs[idx].tpot_need_ms or np.inf)
         found = ResidentLegs(
             np.array(instance, dtype=np.intp),
             np.array(context, dtype=np.float64),
             np.array(remaining, dtype=np.float64),
             np.array(started, dtype=bool),
             np.array(generated, dtype=np.float64),
+            np.array(need, dtype=np.float64),
         )
         self.legs_cache = (key, found)
         return found
