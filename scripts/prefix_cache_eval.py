@@ -76,7 +76,10 @@ def ceiling(path: Path, windows: list[tuple[float, float]], caches: list[int]) -
     def prefill_ms(tokens: np.ndarray) -> np.ndarray:
         # linear inside the profile and past its end (the profile is linear in the prompt)
         slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
-        return np.where(tokens <= xs[-1], np.interp(tokens, xs, ys), ys[-1] + slope * (tokens - xs[-1]))
+        out: np.ndarray = np.where(
+            tokens <= xs[-1], np.interp(tokens, xs, ys), ys[-1] + slope * (tokens - xs[-1])
+        )
+        return out
 
     block = MOONCAKE_BLOCK_TOKENS
     print(
