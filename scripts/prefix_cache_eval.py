@@ -66,7 +66,7 @@ def ceiling(path: Path, windows: list[tuple[float, float]], caches: list[int]) -
     """Print the reuse a trace offers per window and cache size (see the module docstring)."""
     from collections import OrderedDict
 
-    from bench.traces import MOONCAKE_BLOCK_TOKENS, read_trace
+    from workload.traces import MOONCAKE_BLOCK_TOKENS, read_trace
 
     _, records = read_trace(path)
     profile = json.loads((Path(__file__).resolve().parents[1] / PROFILE / "ttft.json").read_text())
