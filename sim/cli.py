@@ -20,6 +20,7 @@ from router.core.policies import build_policy
 from router.core.qlm import QlmConfig
 from router.core.queue import QueueConfig
 from router.core.registry import POLICIES
+from router.core.request import Role
 from sim import slicing
 from sim.cluster import SimFleet
 from sim.fleet import (
@@ -35,6 +36,7 @@ from sim.sweep import (
     SLO_ADAPTIVE_PD,
     PolicyChoice,
     SweepPoint,
+    format_desired_table,
     format_prediction_table,
     format_sweep_table,
     open_loop,
@@ -541,6 +543,10 @@ def run(args: argparse.Namespace) -> int:
     print(format_sweep_table(points))
     print()
     print(format_prediction_table(points))
+    desired = format_desired_table(points, pd=not all(r is Role.NEUTRAL for r in fleet.roles))
+    if desired:
+        print()
+        print(desired)
     meta = sweep_meta(fleet, workload, policies, rates, num_requests=args.num_requests, seed=args.seed)
     meta["calibrations"] = calibrations
     meta["oracle_lengths"] = args.oracle_lengths

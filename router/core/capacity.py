@@ -150,6 +150,7 @@ def instance_rates(
     kv_capacity_tokens: float = 65536.0,
     kv_headroom: float = 0.95,
     chunk_tokens: int = 2048,
+    prefill_utilisation: float = 0.8,
 ) -> InstanceRates:
     """An instance's service rates for a load of these mean lengths, at the TPOT target.
 
@@ -164,11 +165,14 @@ def instance_rates(
     * prefill: a prefill instance with work queued runs full chunks of the engine's step budget,
       ``chunk_tokens / ttft(chunk_tokens)`` prompt tokens a second (a request's ``ttft(prompt)``
       alone would charge each prompt the step's fixed cost: 40-75 % too many prefill instances
-      on chat at 24-36 req/s);
+      on chat at 24-36 req/s), at most ``prefill_utilisation`` of the time: the rest is the
+      queueing the TTFT target absorbs (the utilisation cap of :func:`estimate_instances`);
     * decode: the batch ``B`` with the highest ``B / step(B)`` whose step at ``B`` requests of the
       mean-life context meets ``tpot_target_ms`` and whose mean-life KV fits ``kv_headroom`` of
       the capacity.
     """
+    if not 0 < prefill_utilisation <= 1:
+        raise ValueError(f"prefill_utilisation must be within (0, 1], got {prefill_utilisation}")
     chunk = max(int(chunk_tokens), 1)
     prefill_ms = max(float(predictor.ttft_profile.grid(float(chunk))), 1e-6)
     context = max(mean_prompt_tokens + 0.5 * mean_output_tokens, 1.0)
@@ -184,7 +188,7 @@ def instance_rates(
         if b / step > best_rate:
             best_rate, best, best_step = b / step, b, step
     return InstanceRates(
-        prefill_tokens_per_s=chunk / prefill_ms * 1000.0,
+        prefill_tokens_per_s=prefill_utilisation * chunk / prefill_ms * 1000.0,
         decode_tokens_per_s=best_rate * 1000.0,
         decode_batch=best,
         decode_step_ms=best_step,

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 from router.core.capacity import InstanceRates, LoadShape, fluid_demand
 
-#: Weight a sample keeps after 256 more.
-_DECAY = 0.5 ** (1 / 256)
+#: Samples after which a sample's weight has halved (the default decay).
+HALF_LIFE = 256
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,12 @@ class WorkerCountModel:
     """``N_w = ⌈k5·r + c5⌉`` for ``r ≥ R``, by decayed least squares over accepted heartbeats."""
 
     def __init__(
-        self, *, max_relative_sem: float = 0.1, min_samples: int = 4, min_rate_spread: float = 0.0
+        self,
+        *,
+        max_relative_sem: float = 0.1,
+        min_samples: int = 4,
+        min_rate_spread: float = 0.0,
+        half_life: int = HALF_LIFE,
     ) -> None:
         if not (math.isfinite(max_relative_sem) and max_relative_sem > 0):
             raise ValueError(f"max_relative_sem must be a finite number > 0, got {max_relative_sem!r}")
@@ -54,8 +59,11 @@ class WorkerCountModel:
             raise ValueError(f"min_samples must be >= 2, got {min_samples}")
         if not (math.isfinite(min_rate_spread) and min_rate_spread >= 0):
             raise ValueError(f"min_rate_spread must be a finite number >= 0, got {min_rate_spread!r}")
+        if half_life < 1:
+            raise ValueError(f"half_life must be >= 1, got {half_life}")
         self.max_relative_sem = max_relative_sem
         self.min_samples = min_samples
+        self._decay = 0.5 ** (1 / half_life)
         #: Below this coefficient of variation of the sampled rates the fit is proportional (c5 = 0).
         self.min_rate_spread = min_rate_spread
         self._w = self._x = self._y = self._xx = self._xy = 0.0
@@ -74,7 +82,7 @@ class WorkerCountModel:
         if not (math.isfinite(beat.rate) and math.isfinite(beat.workers)) or not self.representative(beat):
             self.rejected += 1
             return False
-        d = _DECAY
+        d = self._decay
         self._w = self._w * d + 1.0
         self._x = self._x * d + beat.rate
         self._y = self._y * d + beat.workers
@@ -193,7 +201,10 @@ class DesiredInstances:
     Each role's ``(rate, workers)`` samples feed a :class:`WorkerCountModel` (decayed least
     squares, the SEM rule); :meth:`desired` evaluates ``⌈k5·r + c5⌉`` at the rate of the last
     window. A heartbeat in which more than a tenth of the requests had no learned length yet
-    (the prior, ``max_tokens``) is left out: it would charge the warm-up's caps as load.
+    (the prior, ``max_tokens``) is left out: it would charge the warm-up's caps as load. The fit
+    forgets at ``half_life`` heartbeats (a minute by default, the window the rate is read over):
+    Aladdin fits on history, but the lengths a router learns early are those of the answers that
+    finished first, the short ones, and a workload changes.
 
     Pure and synchronous; bounded (one open heartbeat, three running sums per role).
     """
@@ -207,6 +218,7 @@ class DesiredInstances:
         max_relative_sem: float = 0.1,
         min_samples: int = 4,
         min_rate_spread: float = 0.25,
+        half_life: int = 6,
     ) -> None:
         if not (math.isfinite(heartbeat_s) and heartbeat_s > 0):
             raise ValueError(f"heartbeat_s must be a finite number > 0, got {heartbeat_s!r}")
@@ -217,7 +229,10 @@ class DesiredInstances:
         self.default_tpot_ms = default_tpot_ms
         self.models = {
             role: WorkerCountModel(
-                max_relative_sem=max_relative_sem, min_samples=min_samples, min_rate_spread=min_rate_spread
+                max_relative_sem=max_relative_sem,
+                min_samples=min_samples,
+                min_rate_spread=min_rate_spread,
+                half_life=half_life,
             )
             for role in ("prefill", "decode", "neutral")
         }
