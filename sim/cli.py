@@ -509,14 +509,7 @@ def run(args: argparse.Namespace) -> int:
         )
 
     if args.dispatch_modes is not None:
-        if trace is not None:
-            print(
-                "error: --dispatch-modes (slice-level dispatch) replays synthetic workloads only; "
-                "drop it or use a preset/file workload",
-                file=sys.stderr,
-            )
-            return 2
-        return slicing.run_cli(args, fleet, workload, policies, rates, title, progress)
+        return slicing.run_cli(args, fleet, workload, policies, rates, title, progress, plans_for=plans_for)
     try:
         points = run_sweep(
             fleet,
