@@ -72,7 +72,8 @@ from router.core.slicing import (
 from sim.cluster import SimFleet, SimStats, finished_result, simulate
 from sim.sweep import PolicyChoice, SweepPoint, _point, point_to_dict, sweep_meta
 from workload.report import RequestResult
-from workload.spec import RequestPlan, WorkloadSpec, generate_requests
+from workload.sequence import request_sequence
+from workload.spec import RequestPlan, WorkloadSpec
 
 #: Dispatch modes of ``simulate --dispatch-modes``.
 DISPATCH_MODES = ("request", "slice", "auto")
@@ -516,7 +517,7 @@ def run_dispatch_sweep(
     for rate in rates:
         spec = workload.with_arrival(rate_per_s=rate)
         if plans_for is None:
-            plans = generate_requests(spec, rng=seed, num_requests=num_requests)
+            plans = request_sequence(workload, seed=seed, num_requests=num_requests, rate=rate)
         else:
             plans = plans_for(spec, rate)
         for mode in modes:

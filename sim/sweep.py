@@ -25,7 +25,8 @@ from sim.cluster import SimFleet, SimOutcome, SimStats, simulate
 from sim.fleet import fleet_to_dict
 from workload.prediction import prediction_error
 from workload.report import BenchReport, PlotUnavailableError, RequestResult, slo_met, summarize
-from workload.spec import ArrivalProcess, RequestPlan, WorkloadSpec, generate_requests, workload_to_dict
+from workload.sequence import request_sequence, shape_arrivals
+from workload.spec import RequestPlan, WorkloadSpec, workload_to_dict
 
 #: The spelling of the ``slo`` policy with adaptive PD (``--enable-adaptive-pd``) in policy lists.
 SLO_ADAPTIVE_PD = "slo+adaptive-pd"
@@ -82,14 +83,11 @@ def policy_overrides(name: str) -> dict[str, Any]:
 
 
 def open_loop(spec: WorkloadSpec, burstiness: float | None = None) -> WorkloadSpec:
-    """``spec`` with an open-loop arrival process (closed loop becomes Poisson; ``burstiness`` applies gamma)."""
-    arrival = spec.arrival
-    if arrival.process is ArrivalProcess.CLOSED:
-        arrival = dataclasses.replace(arrival, process=ArrivalProcess.POISSON, burstiness=1.0)
-    if burstiness is not None:
-        process = ArrivalProcess.POISSON if burstiness == 1.0 else ArrivalProcess.GAMMA
-        arrival = dataclasses.replace(arrival, process=process, burstiness=burstiness)
-    return dataclasses.replace(spec, arrival=arrival)
+    """``spec`` with an open-loop arrival process (closed loop becomes Poisson; ``burstiness`` applies gamma).
+
+    The rule is :func:`workload.sequence.shape_arrivals`, the one ``slo-router bench`` applies to its flags.
+    """
+    return shape_arrivals(spec, burstiness=burstiness, open_loop=True)
 
 
 def run_sweep(
@@ -117,8 +115,9 @@ def run_sweep(
     of those once per router-queue configuration, and a ``qlm`` queue once per
     ``qlm`` configuration (labelled ``qlm``, or ``qlm-noevict`` with eviction off).
     ``oracle_lengths`` hands the policies true output lengths (an ablation: every policy label
-    then ends in ``/oracle``). ``plans_for(spec, rate)`` makes each rate's plan (a trace replay);
-    by default it is drawn from ``workload`` with ``num_requests`` and ``seed``.
+    then ends in ``/oracle``). ``plans_for(spec, rate)`` makes each rate's plan (``slo-router simulate``
+    passes :func:`sim.cli.run_plans`); by default it is
+    :func:`workload.sequence.request_sequence` of ``workload`` with ``num_requests`` and ``seed``.
     """
     if not workload.arrival.open_loop:
         raise ValueError("the simulator replays open-loop arrivals; convert the workload with open_loop()")
@@ -136,7 +135,7 @@ def run_sweep(
     for rate in rates:
         spec = workload.with_arrival(rate_per_s=rate)
         if plans_for is None:
-            plans = generate_requests(spec, rng=seed, num_requests=num_requests)
+            plans = request_sequence(workload, seed=seed, num_requests=num_requests, rate=rate)
         else:
             plans = plans_for(spec, rate)
         for policy in policies:
