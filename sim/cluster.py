@@ -115,6 +115,7 @@ from fleet.prefix import id_block_hashes
 from fleet.snapshot import ClusterSnapshot, InstanceRecord
 from predictor import LatencyPredictor
 from router.core.calibration import Calibrator
+from router.core.capacity import InstanceRates, LoadShape, LoadTracker, instance_rates
 from router.core.columns import (
     INFLIGHT_ROWS,
     ClusterView,
@@ -135,6 +136,7 @@ from router.core.queue import Objective, QueueConfig, QueuePolicy, RouterQueue, 
 from router.core.request import Mode, Role, ScheduleInput
 from router.core.sa import SAPlanner, modeled_evaluation_s
 from router.core.scheduler import Scheduler
+from router.core.worker_count import Desired, DesiredInstances
 from sim.fastforward import DecodeRun, DecodeStepTimes
 from sim.fleet import FleetError, FleetSpec
 from workload.report import RequestResult, slo_met
@@ -330,6 +332,8 @@ class SimOutcome:
     #: Prompt tokens the engines found in their prefix caches over those they looked up (None:
     #: no prefix caching in the run).
     cache_hit_rate: float | None = None
+    #: ``slo_router_desired_instances`` as the router would export it at the last arrival.
+    desired: Desired | None = None
 
 
 class _Req:
@@ -449,6 +453,11 @@ class _Simulation:
         #: What the router learns of output lengths (from finished requests only).
         self.lengths = LengthPredictor(lengths)
         self.oracle_lengths = oracle_lengths
+        #: The autoscaling signal as the router computes it (``slo_router_desired_instances``):
+        #: the last minute's load, and Eq. 7 fitted over its heartbeats; read at the last arrival.
+        self.placed = LoadTracker()
+        self.demand = DesiredInstances(self._instance_rates, default_tpot_ms=scheduler.config.tpot_slo_ms)
+        self.desired: Desired | None = None
         self.queue: RouterQueue | None = None
         #: The ``qlm`` policy's queue (then ``queue`` is None): it places, orders and evicts itself.
         self.qlm: QlmQueue | None = None
@@ -593,6 +602,8 @@ class _Simulation:
                 self.now = t
                 self._arrive(k, t)
                 k += 1
+                if k == n:
+                    self.desired = self.demand.desired(t, self.placed.shape(t))
             self.events += 1
         stats = SimStats(
             decisions=self.decisions,
@@ -884,6 +895,12 @@ class _Simulation:
             estimate = self.lengths.estimate(plan.class_name, plan.prompt_tokens, plan.max_tokens)
             r.expected = estimate.tokens
             bound = estimate.bound_tokens
+        if self.oracle_lengths:
+            mean, learned = float(r.expected), True
+        else:
+            mean, learned = estimate.mean, estimate.samples > 0
+        self.placed.observe(now, plan.prompt_tokens, r.expected)
+        self.demand.observe(now, plan.prompt_tokens, mean, learned=learned, tpot_ms=plan.slo.tpot_ms or 0.0)
         request = ScheduleInput(
             request_id=str(idx),
             prompt_tokens=plan.prompt_tokens,
@@ -921,6 +938,23 @@ class _Simulation:
         finally:
             self._keep_static(view)
         self._dispatch(idx, r, plan, decision, now)
+
+    def _instance_rates(self, load: LoadShape, tpot_target_ms: float) -> InstanceRates:
+        """One instance's service rates for ``load``, as the router's ``Placer`` computes them."""
+        configs = self.fleet.configs
+        kv = sorted(c.kv_capacity_tokens for c in configs)
+        chunks = sorted(c.max_num_batched_tokens for c in configs)
+        predictors = self.scheduler.predictors
+        assert predictors is not None
+        return instance_rates(
+            predictors.default,
+            mean_prompt_tokens=load.mean_prompt_tokens,
+            mean_output_tokens=load.mean_output_tokens,
+            tpot_target_ms=tpot_target_ms,
+            kv_capacity_tokens=float(kv[len(kv) // 2]) if kv else 65536.0,
+            kv_headroom=self.scheduler.config.kv_packing_headroom,
+            chunk_tokens=chunks[len(chunks) // 2] if chunks else 2048,
+        )
 
     def _true_length(self, idx: int, i: int) -> int:
         """Tokens request ``idx`` really generates when instance ``i`` generates it (engine truth)."""
@@ -1509,6 +1543,7 @@ def simulate(
         queue_wait_ms=tuple(r.queue_wait_s * 1e3 for r in sim.reqs),
         late=tuple(r.late for r in sim.reqs),
         cache_hit_rate=sim.cache_hit_rate() if block else None,
+        desired=sim.desired,
     )
 
 
