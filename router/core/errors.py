@@ -7,6 +7,8 @@
     │   ├── UnknownPluginError        a metric/filter/selector/policy name is not registered
     │   └── PolicyFileError           a ``--policy-config`` YAML file cannot be used
     ├── DuplicatePluginError          two plugins registered under one name (a programming error)
+    ├── IllegalTransitionError        a request's phase asked to make a move the lifecycle forbids
+    │                                 (a programming error; :mod:`router.core.lifecycle`)
     ├── InvalidRequestError (ValueError)  a request is malformed: the client must fix it
     ├── DuplicateRequestError         a request id that is already in flight
     ├── RetriesExhaustedError         every attempt on a worker failed
@@ -55,6 +57,10 @@ class PolicyFileError(ConfigError):
 
 class DuplicatePluginError(RouterError):
     """Two plugins of one kind were registered under the same name."""
+
+
+class IllegalTransitionError(RouterError):
+    """A request's phase was asked to make a move :data:`router.core.lifecycle.TRANSITIONS` forbids."""
 
 
 class InvalidRequestError(RouterError, ValueError):
