@@ -27,20 +27,15 @@ import grpc
 from slorouter.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2
 
 from cms import limits
-from router.admission import Admission
+from router.admission import Admission, RunHandle
 from router.core.decision import Choice
 from router.core.errors import (
     DuplicateRequestError,
-    EmptyClusterError,
     InvalidRequestError,
-    LateError,
-    NoInstanceError,
-    QueueFullError,
-    QueueTimeoutError,
     RetriesExhaustedError,
     RouterError,
     ShuttingDownError,
-    UnmeetableError,
+    status_name,
 )
 from router.core.lifecycle import Phase, RequestState
 from router.core.protocols import VLLM_GRPC_SCHEME
@@ -49,7 +44,6 @@ from router.core.request import Mode
 from router.forward import LegError, LegTokens, WorkerClient
 from router.legs import LegLedger
 from router.placement import PlacementRequest, Placer
-from router.qlm_admission import QlmAdmission, RunHandle
 from router.route import Route
 from router.slicing import SliceDispatcher, slice_route
 from router.telemetry import RequestObserver
@@ -91,18 +85,11 @@ _DRY_RUN_ID = "schedule-dry-run"
 
 
 def _error_code(exc: RouterError) -> grpc.StatusCode:
-    """The one place router errors become gRPC status codes."""
-    if isinstance(exc, InvalidRequestError):
-        return grpc.StatusCode.INVALID_ARGUMENT
-    if isinstance(exc, DuplicateRequestError):
-        return grpc.StatusCode.ALREADY_EXISTS
-    if isinstance(exc, (NoInstanceError, QueueFullError, QueueTimeoutError, UnmeetableError)):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED
-    if isinstance(exc, LateError):
-        return grpc.StatusCode.DEADLINE_EXCEEDED
-    if isinstance(exc, (EmptyClusterError, RetriesExhaustedError, ShuttingDownError)):
-        return grpc.StatusCode.UNAVAILABLE
-    return grpc.StatusCode.INTERNAL
+    """Router errors as gRPC status codes (the mapping itself: :func:`router.core.errors.status_name`)."""
+    return _STATUS[status_name(exc)]
+
+
+_STATUS = {code.name: code for code in grpc.StatusCode}
 
 
 #: The finish reason a worker gives a request it aborted.
@@ -225,7 +212,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         clock: Callable[[], float] = time.monotonic,
         observer: RequestObserver | None = None,
         slicer: SliceDispatcher | None = None,
-        admission: Admission | QlmAdmission | None = None,
+        admission: Admission | None = None,
     ) -> None:
         self._slicer = slicer
         self._placer = placer
@@ -234,7 +221,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self._config = config
         self._clock = clock
         self._observer = observer or RequestObserver()
-        self._admission: Admission | QlmAdmission = admission or Admission(
+        self._admission: Admission = admission or Admission(
             placer, QueueConfig(queue_policy="none"), clock=clock, observer=self._observer
         )
         self._active: set[str] = set()
@@ -668,7 +655,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         failures = 0
         # Under --queue-policy qlm the queue may evict this request while it streams: the leg is
         # aborted, nothing more of it is relayed, and it continues from a new placement with the
-        # tokens the client has (see router.qlm_admission).
+        # tokens the client has (see router.admission).
         handle = self._admission.attach(
             req.request_id,
             lambda: len(progress.tokens),

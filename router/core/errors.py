@@ -55,6 +55,25 @@ class PolicyFileError(ConfigError):
     """A ``--policy-config`` YAML file cannot be loaded; the message names the file and the entry."""
 
 
+def status_name(exc: RouterError) -> str:
+    """The gRPC status code (its name) a router error is answered with: the one mapping.
+
+    The router's service answers with ``grpc.StatusCode[status_name(exc)]``; the simulator
+    records the same name as a request's error code.
+    """
+    if isinstance(exc, InvalidRequestError):
+        return "INVALID_ARGUMENT"
+    if isinstance(exc, DuplicateRequestError):
+        return "ALREADY_EXISTS"
+    if isinstance(exc, (NoInstanceError, QueueFullError, QueueTimeoutError, UnmeetableError)):
+        return "RESOURCE_EXHAUSTED"
+    if isinstance(exc, LateError):
+        return "DEADLINE_EXCEEDED"
+    if isinstance(exc, (EmptyClusterError, RetriesExhaustedError, ShuttingDownError)):
+        return "UNAVAILABLE"
+    return "INTERNAL"
+
+
 class DuplicatePluginError(RouterError):
     """Two plugins of one kind were registered under the same name."""
 
