@@ -38,8 +38,8 @@ import httpx2 as httpx
 
 from bench import bench_peers as peers
 from bench.figures import Figure
-from bench.report import report_to_dict, summarize
-from bench.workload import iter_requests, load_workload
+from workload.report import report_to_dict, summarize
+from workload.spec import iter_requests, load_workload
 
 RATE_PER_S = 8.0
 DURATION_S = 40.0

@@ -15,11 +15,11 @@ from __future__ import annotations
 import time
 
 from bench.figures import Figure
-from bench.report import summarize
-from bench.workload import generate_requests, load_workload
 from router.core.config import SchedulerConfig
 from sim.cluster import SimFleet, simulate
 from sim.fleet import fleet_from_counts
+from workload.report import summarize
+from workload.spec import generate_requests, load_workload
 
 PREFILL = DECODE = 128
 NUM_REQUESTS = 50_000

@@ -13,10 +13,19 @@ import time
 from typing import Any
 
 from bench.loadgen import DEFAULT_TARGET, LoadConfig, LoadError, LoadResult, ProgressBar, run_load
-from bench.prediction import format_prediction_error, prediction_error
-from bench.report import BenchReport, PlotUnavailableError, format_table, plot_report, summarize, write_json
-from bench.traces import add_trace_arguments, is_trace, load_trace, trace_options
-from bench.workload import (
+from cms.transport import target_error
+from fleet.flags import error_line
+from router.core.config import name_flags
+from workload.prediction import format_prediction_error, prediction_error
+from workload.report import (
+    BenchReport,
+    PlotUnavailableError,
+    format_table,
+    plot_report,
+    summarize,
+    write_json,
+)
+from workload.spec import (
     CLASS_PRESETS,
     DEFAULT_WORKLOAD,
     WORKLOAD_PRESETS,
@@ -28,9 +37,7 @@ from bench.workload import (
     load_workload,
     workload_to_dict,
 )
-from cms.transport import target_error
-from fleet.flags import error_line
-from router.core.config import name_flags
+from workload.traces import add_trace_arguments, is_trace, load_trace, trace_options
 
 #: Requests planned when neither --num-requests nor --duration is given.
 DEFAULT_NUM_REQUESTS = 200

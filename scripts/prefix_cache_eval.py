@@ -19,13 +19,13 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.report import slo_met
-from bench.workload import RequestPlan, SloTarget, generate_requests, load_workload
+from engine.model import SimConfig
 from router.core.config import SchedulerConfig
 from router.core.queue import QueueConfig
 from sim.cluster import SimFleet, simulate
-from sim.engine import SimConfig
 from sim.fleet import fleet_from_counts
+from workload.report import slo_met
+from workload.spec import RequestPlan, SloTarget, generate_requests, load_workload
 
 ARMS = (("slo", "off"), ("slo", "exact"), ("slo", "approximate"), ("cache-affinity", "exact"))
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake-conversation.jsonl"

@@ -10,9 +10,7 @@ import math
 import sys
 from typing import Any, cast
 
-from bench.report import PlotUnavailableError
-from bench.traces import Trace, add_trace_arguments, is_trace, load_trace, trace_options
-from bench.workload import DEFAULT_WORKLOAD, RequestPlan, WorkloadError, WorkloadSpec, load_workload
+from engine.model import SimConfig
 from fleet.flags import error_line
 from predictor import ProfileError
 from router.core.calibration import CALIBRATION_MODES
@@ -25,7 +23,6 @@ from router.core.queue import QueueConfig
 from router.core.registry import POLICIES
 from sim import slicing
 from sim.cluster import SimFleet
-from sim.engine import SimConfig
 from sim.fleet import (
     DEFAULT_PROFILE,
     FleetError,
@@ -48,6 +45,9 @@ from sim.sweep import (
     sweep_meta,
     write_sweep_json,
 )
+from workload.report import PlotUnavailableError
+from workload.spec import DEFAULT_WORKLOAD, RequestPlan, WorkloadError, WorkloadSpec, load_workload
+from workload.traces import Trace, add_trace_arguments, is_trace, load_trace, trace_options
 
 DEFAULT_POLICIES = f"round-robin,random,least-requests,power-of-two,load-balance,slo,{SLO_ADAPTIVE_PD}"
 DEFAULT_RATES = "2,4,8"

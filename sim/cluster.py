@@ -108,8 +108,9 @@ from typing import Any
 import numpy as np
 from slorouter.v1 import cms_pb2
 
-from bench.report import RequestResult, slo_met
-from bench.workload import RequestPlan
+from engine.interface import EngineOverloadedError, InvalidRequestError
+from engine.model import ProfileCostModel, ScheduledStep, SimConfig, SimCore, SimRequestSpec
+from engine.outputs import eos_position
 from fleet.prefix import id_block_hashes
 from fleet.snapshot import ClusterSnapshot, InstanceRecord
 from predictor import LatencyPredictor
@@ -145,11 +146,10 @@ from router.core.qlm import QlmConfig
 from router.core.queue import QueueConfig
 from router.core.request import Mode, Role, ScheduleInput, Targets
 from router.core.scheduler import Scheduler
-from sim.engine import ProfileCostModel, ScheduledStep, SimConfig, SimCore, SimRequestSpec
 from sim.fastforward import DecodeRun, DecodeStepTimes
 from sim.fleet import FleetError, FleetSpec
-from workers.engine import EngineOverloadedError, InvalidRequestError
-from workers.sim_engine import eos_position
+from workload.report import RequestResult, slo_met
+from workload.spec import RequestPlan
 
 #: Seconds between two agent heartbeats; a heartbeat resets a status's age (not its content).
 AGENT_HEARTBEAT_S = 1.0

@@ -25,15 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.report import summarize
-from bench.workload import (
-    DEFAULT_WORKLOAD,
-    RequestPlan,
-    WorkloadError,
-    WorkloadSpec,
-    generate_requests,
-    load_workload,
-)
+from engine.model import SimConfig
 from fleet.flags import error_line
 from predictor import ProfileError
 from router.core.capacity import InstanceEstimate, LoadShape, estimate_instances
@@ -43,9 +35,17 @@ from router.core.policies import build_policy
 from router.core.queue import QueueConfig
 from router.core.worker_count import WorkerCountModel, samples_from_spans
 from sim.cluster import SimFleet, simulate
-from sim.engine import SimConfig
 from sim.fleet import DEFAULT_PROFILE, FleetError, fleet_from_counts
 from sim.sweep import SLO_ADAPTIVE_PD, open_loop, policy_overrides
+from workload.report import summarize
+from workload.spec import (
+    DEFAULT_WORKLOAD,
+    RequestPlan,
+    WorkloadError,
+    WorkloadSpec,
+    generate_requests,
+    load_workload,
+)
 
 DEFAULT_NUM_REQUESTS = 600
 DEFAULT_MAX_INSTANCES = 64

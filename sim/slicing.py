@@ -11,7 +11,7 @@ places each whole request at its arrival), ``slice`` is :func:`simulate_slices`:
   later (adaptive unless ``--slice-interval-ms`` fixes it);
 - an instance serves its local queue one batch at a time, as the workers of
   slice-level scheduling do: the batch's requests are added to the instance's
-  :class:`sim.engine.SimCore` (the same engine model request-level dispatch
+  :class:`engine.model.SimCore` (the same engine model request-level dispatch
   steps) with ``max_new_tokens = min(S, tokens still to generate)``; when its
   last request ends its slice the batch's estimate leaves the ledger and the
   next batch starts;
@@ -20,7 +20,7 @@ places each whole request at its arrival), ``slice`` is :func:`simulate_slices`:
   prefills all of it again (the engine model has no prefix cache), which is
   what ``recomputed_tokens`` counts.
 
-Figures beyond :func:`bench.report.summarize`: ``load_imbalance`` is the
+Figures beyond :func:`workload.report.summarize`: ``load_imbalance`` is the
 coefficient of variation (population std / mean) of per-instance busy time,
 the time an instance's engine had work; ``completion_spread_s`` the standard
 deviation of the instances' last busy moment (the seed paper's
@@ -54,8 +54,8 @@ from typing import Any
 
 import numpy as np
 
-from bench.report import RequestResult
-from bench.workload import RequestPlan, WorkloadSpec, generate_requests
+from engine.interface import EngineOverloadedError, InvalidRequestError
+from engine.model import ProfileCostModel, ScheduledStep, SimCore, SimRequestSpec
 from fleet.flags import error_line
 from router.core.request import Role
 from router.core.slicing import (
@@ -70,9 +70,9 @@ from router.core.slicing import (
     slices_pay,
 )
 from sim.cluster import SimFleet, SimStats, finished_result, simulate
-from sim.engine import ProfileCostModel, ScheduledStep, SimCore, SimRequestSpec
 from sim.sweep import PolicyChoice, SweepPoint, _point, point_to_dict, sweep_meta
-from workers.engine import EngineOverloadedError, InvalidRequestError
+from workload.report import RequestResult
+from workload.spec import RequestPlan, WorkloadSpec, generate_requests
 
 #: Dispatch modes of ``simulate --dispatch-modes``.
 DISPATCH_MODES = ("request", "slice", "auto")

@@ -3,7 +3,7 @@
 For each rate the workload's plan is generated once (same seed), and every
 policy replays that same plan on a fresh copy of the fleet, so policies are
 compared on identical requests. Each run is summarised with
-:func:`bench.report.summarize`, the function ``slo-router bench`` uses, over the
+:func:`workload.report.summarize`, the function ``slo-router bench`` uses, over the
 run's virtual makespan (first arrival to last token).
 """
 
@@ -17,15 +17,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.prediction import prediction_error
-from bench.report import BenchReport, PlotUnavailableError, RequestResult, slo_met, summarize
-from bench.workload import ArrivalProcess, RequestPlan, WorkloadSpec, generate_requests, workload_to_dict
 from router.core.config import SchedulerConfig
 from router.core.dispatchers import reads_qlm_config
 from router.core.qlm import QlmConfig
 from router.core.queue import Objective, QueueConfig
 from sim.cluster import SimFleet, SimOutcome, SimStats, simulate
 from sim.fleet import fleet_to_dict
+from workload.prediction import prediction_error
+from workload.report import BenchReport, PlotUnavailableError, RequestResult, slo_met, summarize
+from workload.spec import ArrivalProcess, RequestPlan, WorkloadSpec, generate_requests, workload_to_dict
 
 #: The spelling of the ``slo`` policy with adaptive PD (``--enable-adaptive-pd``) in policy lists.
 SLO_ADAPTIVE_PD = "slo+adaptive-pd"
@@ -50,7 +50,7 @@ class SweepPoint:
     wall_s: float
     #: The router's online calibration in this run (off, scale, refit).
     calibration: str = "off"
-    #: :func:`bench.prediction.prediction_error` of the run (after the warm-up).
+    #: :func:`workload.prediction.prediction_error` of the run (after the warm-up).
     prediction_error: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     #: Whether the sweep compared calibrations (the label then names this one).
     compare_calibrations: bool = False
@@ -248,13 +248,13 @@ def queue_figures(outcome: SimOutcome, duration_s: float, classes: Sequence[str]
 def point_to_dict(point: SweepPoint) -> dict[str, Any]:
     """One run's figures: ``policy``, ``rate``, ``slo_attainment`` (0-1), ``goodput`` (req/s), latencies, ...
 
-    Every key of :meth:`bench.report.ClassReport.flat` for all requests, plus
+    Every key of :meth:`workload.report.ClassReport.flat` for all requests, plus
     ``queue_policy`` (with ``+g`` under ``--queue-objective g``), ``rejected`` (refused: no placement, shed, expired or late
     with ``--late-policy reject``), ``duration_s`` (virtual makespan), ``preemptions``
     (engine preemptions, all instances), ``mean_busy_instances`` (``{"prefill", "decode",
     "neutral"}``: time-average number of instances holding work of that kind, see
     :class:`sim.cluster.SimStats`), ``calibration`` (the router's online calibration mode),
-    ``prediction_error`` (:func:`bench.prediction.prediction_error` after the warm-up), ``classes``
+    ``prediction_error`` (:func:`workload.prediction.prediction_error` after the warm-up), ``classes``
     (the same figures per SLO class), ``sim`` (step and event counts) and :func:`queue_figures`'
     ``late``, ``queue_wait_ms`` (p50/p99), ``mean_latency_ms``, ``g`` and ``by_class``. No
     wall-clock figure: the document is a pure function of the inputs.

@@ -12,7 +12,7 @@ interface, :class:`PrefixSource`:
 - :class:`ExactPrefixIndex`: fed the engines' own cache events (blocks
   stored, blocks removed, all cleared — the kinds of vLLM's
   ``SubscribeKvEvents`` stream; the sim engine emits the same kinds,
-  :meth:`sim.engine.SimCore.drain_kv_events`), so it holds what each engine
+  :meth:`engine.model.SimCore.drain_kv_events`), so it holds what each engine
   holds;
 - :class:`ApproximatePrefixIndex`: for engines that publish no events, the
   router's own routing history: the blocks it sent to each instance, aged by
@@ -286,7 +286,7 @@ class ApproximatePrefixIndex(BlockIndex):
 
 class KvEventKind(str, enum.Enum):
     """The kinds of cache event an engine reports (vLLM's ``BlockStored``, ``BlockRemoved``,
-    ``AllBlocksCleared``; :class:`sim.engine.KvEventKind` has the same values)."""
+    ``AllBlocksCleared``; :class:`engine.model.KvEventKind` has the same values)."""
 
     STORED = "stored"
     REMOVED = "removed"

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from bench.workload import RequestPlan, SloTarget
+from engine.model import SimConfig
 from fleet.snapshot import ClusterSnapshot
 from router.admission import Admission
 from router.core.columns import ClusterView
@@ -44,10 +44,10 @@ from router.core.scheduler import Scheduler
 from router.placement import PlacementRequest, Placer
 from router.telemetry import RequestObserver
 from sim.cluster import SimFleet, simulate
-from sim.engine import SimConfig
 from sim.fleet import fleet_from_counts
 from tests.router.core.helpers import inst, make_predictor, make_snapshot
 from tests.sim.test_simulate import policy
+from workload.spec import RequestPlan, SloTarget
 
 NAMES = DISPATCHERS.names()
 WAITING = [n for n in NAMES if n != "none"]

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from bench.prediction import prediction_error
-from bench.workload import generate_requests, load_workload
+from engine.interface import EngineInfo
+from engine.model import SimConfig
 from router.core.queue import QueueConfig
 from sim.cluster import SimFleet, SimOutcome, simulate
-from sim.engine import SimConfig
 from sim.fleet import fleet_from_counts
 from tests.sim.test_simulate import policy
-from workers.engine import EngineInfo
 from workers.metadata import WorkerIdentity, build_metadata
+from workload.prediction import prediction_error
+from workload.spec import generate_requests, load_workload
 
 
 def _run(queue_policy: str) -> SimOutcome:

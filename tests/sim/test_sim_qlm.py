@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from bench.report import slo_met
-from bench.workload import RequestPlan, SloTarget
+from engine.model import SimConfig
 from router.cli import main
 from router.core.qlm import QlmConfig
 from router.core.queue import QueueConfig
 from sim.cluster import SimFleet, SimOutcome, simulate
-from sim.engine import SimConfig
 from sim.fleet import fleet_from_counts
 from tests.sim.test_simulate import policy
+from workload.report import slo_met
+from workload.spec import RequestPlan, SloTarget
 
 TIGHT = SloTarget(ttft_ms=800.0, tpot_ms=100.0)
 LOOSE = SloTarget(e2e_ms=600_000.0)

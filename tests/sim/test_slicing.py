@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from bench.workload import generate_requests, load_workload
+from engine.model import SimConfig
 from router.cli import main
 from router.core.slicing import SliceConfig
 from sim.cluster import SimFleet
-from sim.engine import SimConfig
 from sim.fleet import fleet_from_counts
 from sim.slicing import request_figures, simulate_slices
+from workload.spec import generate_requests, load_workload
 
 ENGINE = SimConfig(kv_capacity_tokens=32768, max_num_seqs=64)
 
@@ -87,8 +87,8 @@ def test_slice_dispatch_needs_a_neutral_fleet() -> None:
 
 def test_request_figures_take_the_union_of_service_intervals() -> None:
     f = fleet(2)
-    from bench.report import RequestResult
-    from bench.workload import SloTarget
+    from workload.report import RequestResult
+    from workload.spec import SloTarget
 
     def result(start: float, e2e_s: float, instance: str) -> RequestResult:
         return RequestResult(

@@ -21,14 +21,14 @@ import random
 import pytest
 
 from bench.loadgen import LoadConfig, run_load
-from bench.report import RequestResult, slo_met
-from bench.workload import RequestPlan, SloTarget
 from router.core.dispatch import DISPATCHERS
 from router.core.queue import QueueConfig
 from sim.cluster import SimFleet, simulate
 from sim.fleet import fleet_from_counts
 from tests.router.e2e.cluster import embedded_cluster, sim_config
 from tests.sim.test_simulate import policy
+from workload.report import RequestResult, slo_met
+from workload.spec import RequestPlan, SloTarget
 
 #: Largest difference in SLO attainment (fraction of requests) between the live run and the simulator.
 TOLERANCE = 0.15
