@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from fleet.snapshot import ClusterSnapshot
@@ -182,17 +182,16 @@ class Admission:
         future: asyncio.Future[Admitted] = loop.create_future()
         self._waiting[rid] = future
         try:
-            actions = dispatcher.handle(Arrival(request, future), now, self.fleet)
+            self._carry(dispatcher.handle(Arrival(request, future), now, self.fleet), now)
         except Exception as exc:
             # This request is answered here; a bug must not leave the others waiting either.
             self._waiting.pop(rid, None)
-            if isinstance(exc, RouterError):
+            if isinstance(exc, RouterError) and not future.done():
                 raise
             logger.exception("dispatcher failed on an arrival; refusing the waiting request(s)")
             failure = RouterError(f"router queue failure: {exc}")
             self._carry(dispatcher.refuse_all(failure), now)
             raise failure from exc
-        self._carry(actions, now)
         self._arm_timer(now)
         if dispatcher.coalesce_arrivals:
             self.notify()  # a burst arriving in one loop iteration is offered in one pass
@@ -310,16 +309,16 @@ class Admission:
     def _run(self, event: Event, now: float) -> None:
         """Hand ``event`` to the dispatcher and carry out its actions; a failing pass refuses what waits."""
         try:
-            actions = self.dispatcher.handle(event, now, self.fleet)
+            self._carry(self.dispatcher.handle(event, now, self.fleet), now)
         except Exception as exc:  # a bug must not leave clients waiting forever
             logger.exception(
                 "dispatcher pass failed; refusing the %d waiting request(s)", len(self.dispatcher)
             )
-            actions = self.dispatcher.refuse_all(RouterError(f"router queue failure: {exc}"))
-        self._carry(actions, now)
+            self._carry(self.dispatcher.refuse_all(RouterError(f"router queue failure: {exc}")), now)
         self._arm_timer(now)
 
-    def _carry(self, actions: list[Action], now: float) -> None:
+    def _carry(self, actions: Iterable[Action], now: float) -> None:
+        """Carry out each action before taking the next (a dispatch is recorded before the next decision)."""
         observer = self.observer
         for action in actions:
             delta = waiting_delta(action)
@@ -348,7 +347,8 @@ class Admission:
         decision = action.decision
         assert decision is not None
         if future is None or future.done():  # cancelled meanwhile: nothing may stay recorded for it
-            self.dispatcher.handle(Completion(rid), now, self.fleet)
+            for _ in self.dispatcher.handle(Completion(rid), now, self.fleet):
+                pass
             return
         route = self.placer.commit(decision, now)
         self.observer.queue_waited(action.waited_s)

@@ -946,10 +946,11 @@ class _Simulation:
         """Hand ``event`` to the dispatcher and carry out its actions, as the router's driver does."""
         if self.calibrator is not None and isinstance(event, (ViewChanged, Timer)) and len(self.dispatcher):
             self._feed_calibration(now)
-        actions = self.dispatcher.handle(event, now, self.lent)
-        self.lent.keep_last()
-        for action in actions:
+        # Each action is carried out before the next is taken: a dispatch lands on its engine (and
+        # so in the next view) before the pass makes its next decision.
+        for action in self.dispatcher.handle(event, now, self.lent):
             self._carry(action, now)
+        self.lent.keep_last()
         # The next moment the dispatcher asks to be woken with no other event.
         wake = self.dispatcher.wake_s()
         when = math.inf if wake is None else wake

@@ -30,6 +30,7 @@ is that sum, and nothing else.
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -185,8 +186,11 @@ class Dispatcher(Protocol):
     #: defers the pass an :class:`Arrival` asks for to the end of the moment.
     coalesce_arrivals: bool
 
-    def handle(self, event: Event, now: float, fleet: Fleet) -> list[Action]:
+    def handle(self, event: Event, now: float, fleet: Fleet) -> Iterable[Action]:
         """Take ``event`` at ``now`` and return what the driver must do, in order.
+
+        The driver carries out each action before taking the next (a pass may be a generator
+        that decides as it goes) and takes them all.
 
         :class:`Arrival` (unless ``coalesce_arrivals``), :class:`ViewChanged` and :class:`Timer`
         run a pass and may dispatch; :class:`Completion`, :class:`Cancel` and :class:`Served` only

@@ -282,12 +282,13 @@ def test_ordering_dispatchers_release_in_their_order(name: str) -> None:
         req = ScheduleInput(
             rid, 256, ttft_slo_ms=ttft, tpot_slo_ms=1000.0, priority=priority, arrival_s=100.0
         )
-        waiting += sum(waiting_delta(a) for a in dispatcher.handle(Arrival(req, rid), 100.0, fleet))
+        waiting += sum(waiting_delta(a) for a in list(dispatcher.handle(Arrival(req, rid), 100.0, fleet)))
     assert waiting == len(dispatcher) == len(ARRIVALS)
     order: list[str] = []
     for step in range(len(ARRIVALS)):
-        fleet.budget = 1
-        actions = dispatcher.handle(ViewChanged(), 100.0 + 0.001 * step, fleet)
+        fleet.budget = 1  # a request ended: room for one more
+        list(dispatcher.handle(Completion(f"earlier-{step}"), 100.0 + 0.001 * step, fleet))
+        actions = list(dispatcher.handle(ViewChanged(), 100.0 + 0.001 * step, fleet))
         order += [a.request_id for a in actions if a.outcome is Outcome.DISPATCH]
     assert order == ORDERS[name]
 
@@ -302,7 +303,7 @@ def one_placed(name: str, fleet: OnePerPass) -> Any:
     )
     fleet.budget = 1
     first = ScheduleInput("first", 256, ttft_slo_ms=60_000.0, tpot_slo_ms=1000.0, arrival_s=100.0)
-    dispatcher.handle(Arrival(first, "first"), 100.0, fleet)
+    list(dispatcher.handle(Arrival(first, "first"), 100.0, fleet))
     fleet.budget = 0
     return dispatcher
 
@@ -313,14 +314,14 @@ def test_cancel_takes_a_request_out_and_a_completion_of_an_unknown_one_is_harmle
     dispatcher = one_placed(name, fleet)
     waiting = len(dispatcher)
     req = ScheduleInput("x", 256, ttft_slo_ms=60_000.0, tpot_slo_ms=1000.0, arrival_s=100.0)
-    actions: list[Action] = dispatcher.handle(Arrival(req, "x"), 100.0, fleet)
+    actions: list[Action] = list(dispatcher.handle(Arrival(req, "x"), 100.0, fleet))
     assert [a.outcome for a in actions] == [Outcome.QUEUED]
-    left = dispatcher.handle(Cancel("x"), 100.0, fleet)
+    left = list(dispatcher.handle(Cancel("x"), 100.0, fleet))
     assert [a.outcome for a in left] == [Outcome.LEFT] and len(dispatcher) == waiting
-    assert dispatcher.handle(Cancel("x"), 100.0, fleet) == []
-    assert dispatcher.handle(Completion("nobody", 3), 100.0, fleet) == []
+    assert list(dispatcher.handle(Cancel("x"), 100.0, fleet)) == []
+    assert list(dispatcher.handle(Completion("nobody", 3), 100.0, fleet)) == []
     fleet.budget = 10
-    later = dispatcher.handle(ViewChanged(), 100.1, fleet)
+    later = list(dispatcher.handle(ViewChanged(), 100.1, fleet))
     assert "x" not in {a.request_id for a in later}  # the cancelled one never comes back
 
 
@@ -330,8 +331,109 @@ def test_refuse_all_answers_every_waiting_request_with_the_error(name: str) -> N
     dispatcher = one_placed(name, fleet)
     for k in range(3):
         req = ScheduleInput(f"r{k}", 256, ttft_slo_ms=60_000.0, tpot_slo_ms=1000.0, arrival_s=100.0)
-        dispatcher.handle(Arrival(req, k), 100.0, fleet)
+        list(dispatcher.handle(Arrival(req, k), 100.0, fleet))
     error = RouterError("stopping")
     refused = dispatcher.refuse_all(error)
     assert {"r0", "r1", "r2"} <= {a.request_id for a in refused}
     assert all(a.outcome is Outcome.REFUSE and a.error is error for a in refused) and len(dispatcher) == 0
+
+
+# ---------------------------------------------------------------------- incremental dispatch
+
+
+class Views:
+    """A fleet over a real scheduler whose current snapshot the test sets; decisions are counted."""
+
+    def __init__(self, snapshot: ClusterSnapshot) -> None:
+        self._scheduler = Scheduler(
+            SchedulerConfig(scheduling_policy="slo"), make_predictor(), random.Random(0)
+        )
+        self.current = snapshot
+        self.decisions = 0
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self._scheduler
+
+    def view(self) -> ClusterView | ClusterSnapshot:
+        return self.current
+
+    def snapshot(self) -> ClusterSnapshot:
+        return self.current
+
+    def decide(
+        self,
+        view: ClusterView | ClusterSnapshot,
+        request: ScheduleInput,
+        now: float,
+        *,
+        targets: Targets | None = None,
+        policy: Policy | None = None,
+    ) -> Decision:
+        self.decisions += 1
+        return self._scheduler.schedule(view, request, now, targets=targets, policy=policy)
+
+    def evict(self, request_id: str) -> int | None:
+        return None
+
+
+@pytest.mark.parametrize("name", sorted(ORDERS))
+def test_a_view_whose_loads_only_grew_costs_no_decision_after_a_blocked_pass(name: str) -> None:
+    def loaded(tokens: int, *, version: int) -> ClusterSnapshot:
+        return make_snapshot(inst("n0", "neutral", prefill_tokens=tokens), version=version)
+
+    dispatcher = make_dispatcher(DispatchSetup(QueueConfig(queue_policy=name), 10_000.0, 1000.0))
+    fleet = Views(loaded(60_000, version=1))
+    req = ScheduleInput("a", 256, ttft_slo_ms=3000.0, tpot_slo_ms=1000.0, arrival_s=100.0)
+    first = [x.outcome for x in list(dispatcher.handle(Arrival(req, "a"), 100.0, fleet))]
+    assert first[0] is Outcome.QUEUED and Outcome.DISPATCH not in first and len(dispatcher) == 1
+    tried = fleet.decisions
+    fleet.current = loaded(70_000, version=2)  # more load: nothing it could unblock
+    assert list(dispatcher.handle(ViewChanged(), 100.01, fleet)) == []
+    assert fleet.decisions == tried
+    fleet.current = loaded(0, version=3)  # the backlog drained: the request goes
+    placed = list(dispatcher.handle(ViewChanged(), 100.02, fleet))
+    assert [x.outcome for x in placed] == [Outcome.DISPATCH] and fleet.decisions > tried
+
+
+class Logged(OnePerPass):
+    """:class:`OnePerPass` that logs each decision, so a test sees what came before it."""
+
+    def __init__(self, log: list[str]) -> None:
+        super().__init__()
+        self.log = log
+
+    def decide(
+        self,
+        view: ClusterView | ClusterSnapshot,
+        request: ScheduleInput,
+        now: float,
+        *,
+        targets: Targets | None = None,
+        policy: Policy | None = None,
+    ) -> Decision:
+        self.log.append(f"decide {request.request_id}")
+        return super().decide(view, request, now, targets=targets, policy=policy)
+
+
+@pytest.mark.parametrize("name", sorted(ORDERS))
+def test_each_dispatch_is_carried_out_before_the_next_decision(name: str) -> None:
+    """The next decision of a pass must see the load of the dispatch before it: a driver records a
+    ``DISPATCH`` as it takes it, and the pass decides the next request only after that."""
+    log: list[str] = []
+    fleet = Logged(log)
+    dispatcher = make_dispatcher(
+        DispatchSetup(QueueConfig(queue_policy=name, max_queue_wait_ms=600_000.0), 10_000.0, 1000.0)
+    )
+    for rid, priority, ttft in ARRIVALS:
+        req = ScheduleInput(
+            rid, 256, ttft_slo_ms=ttft, tpot_slo_ms=1000.0, priority=priority, arrival_s=100.0
+        )
+        list(dispatcher.handle(Arrival(req, rid), 100.0, fleet))
+    fleet.budget = len(ARRIVALS)
+    list(dispatcher.handle(Completion("earlier"), 100.0, fleet))
+    log.clear()
+    for action in dispatcher.handle(ViewChanged(), 100.001, fleet):
+        if action.outcome is Outcome.DISPATCH:
+            log.append(f"carry {action.request_id}")
+    assert log == [x for rid in ORDERS[name] for x in (f"decide {rid}", f"carry {rid}")]
