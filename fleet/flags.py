@@ -210,10 +210,15 @@ def check_listen(flag: str, value: str) -> None:
     check_bindable(flag, value, host, port)
 
 
-def check_metrics_port(flag: str, port: int, host: str) -> None:
-    """``--metrics-port`` (0 = off) on ``--metrics-host``: a port, and free to bind now."""
+def check_port_range(flag: str, port: int) -> None:
+    """A TCP port 0-65535 (0 = off); ``ValueError`` naming ``flag``."""
     if not 0 <= port <= 65535:
         raise ValueError(f"{flag} {port}: must be a port 0-65535 (0 = off)")
+
+
+def check_metrics_port(flag: str, port: int, host: str) -> None:
+    """``--metrics-port`` (0 = off) on ``--metrics-host``: a port, and free to bind now."""
+    check_port_range(flag, port)
     if port:
         check_bindable(flag, str(port), host, port, where=f" (on {host})")
 
