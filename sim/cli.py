@@ -254,7 +254,8 @@ def register(subparsers: Any) -> None:
         default=DEFAULT_QUEUE_POLICIES,
         metavar="Q1,Q2,...",
         help="router queue policies to compare with each policy: none (refuse at once), fcfs, edf, priority, "
-        "sa (simulated-annealing release batches), qlm (virtual queues with eviction; neutral fleets) "
+        "sa (bursts of mixed-SLO work on engines of 1-2 sequences), qlm (e2e deadlines in overload; "
+        "neutral fleets) "
         "(default: %(default)s)",
     )
     sweep.add_argument(

@@ -153,10 +153,11 @@ class QueueConfig(FlagFields):
         metadata=_doc(
             "order of requests waiting in the router: none (refuse at once), fcfs, edf, priority, qlm "
             "(seed 004: request groups and virtual queues pulled by KV room, with eviction; for e2e "
-            "deadlines under overload on neutral instances; --qlm-*) or sa (seed 000: waiting requests "
-            "pre-assigned by remaining KV memory and ordered per instance by simulated annealing of G, "
-            "handed to an engine as its slots free; for bursts of mixed-SLO work on engines that run "
-            "one sequence at a time; --sa-*)",
+            "deadlines under overload on neutral instances, TTFT-judged streams beside them keep their "
+            "room; --qlm-*) or sa (seed 000: waiting requests dealt by deadline to the instance with the "
+            "most KV memory left and ordered per instance by simulated annealing of G, handed to an "
+            "engine as its slots free; for bursts of mixed-SLO work on engines that run one or two "
+            "sequences at a time; --sa-*)",
             "--queue-policy",
         ),
     )
