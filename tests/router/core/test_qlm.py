@@ -284,11 +284,15 @@ ops = st.lists(
 
 
 @settings(max_examples=80, deadline=None)
-@given(ops=ops, batch=st.integers(1, 3), queues=st.integers(1, 3), eviction=st.booleans())
+@given(ops=ops, batch=st.integers(1, 3), queues=st.integers(1, 3), eviction=st.booleans(), kv=st.booleans())
 def test_no_request_is_lost_or_dispatched_twice(
-    ops: list[tuple[str, int, int]], batch: int, queues: int, eviction: bool
+    ops: list[tuple[str, int, int]], batch: int, queues: int, eviction: bool, kv: bool
 ) -> None:
     q = queue(n=queues, batch=batch, group_factor=1, eviction="on" if eviction else "off")
+    if kv:
+        # KV- and step-bounded instances: the stream rules (reserve, urgent pulls) are in play.
+        models = [stepped(kv_tokens=2000, most=6, per_request_s=0.006) for _ in range(queues)]
+        q = QlmQueue(QlmConfig(group_factor=1, eviction="on" if eviction else "off"), models, 6000.0, 50.0)
     now = 0.0
     pushed: set[str] = set()
     running: dict[str, int] = {}  # request -> tokens returned so far
