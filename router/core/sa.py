@@ -1078,7 +1078,8 @@ def deal_order(entries: Sequence[QueueEntry], now_s: float) -> list[int]:
     deadline, the free slot's plan holds the most urgent requests, and the
     urgent requests of a burst are spread over the instances instead of
     wherever arrival order put them (2-sequence engines, 10-request bursts:
-    G 0.1157 -> 0.1167, docs/papers.md). Ties: queue order.
+    G 0.1554 -> 0.1610 and 0.1155 -> 0.1166 on two workloads, docs/papers.md).
+    Ties: queue order.
     """
     return sorted(
         range(len(entries)), key=lambda k: (entries[k].deadline_s < now_s, entries[k].deadline_s, k)
