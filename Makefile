@@ -12,7 +12,7 @@ VLLM_GRPC_SERVER := smg-grpc-servicer==0.14.1
 PEERS_VENV  := .venv-peers
 PEERS_STAMP := $(PEERS_VENV)/.installed
 PEER_WHEELS := vllm-router==0.1.17 smg==1.13.0
-PACKAGES := router openai_http predictor fleet cms workers sim bench
+PACKAGES := router openai_http predictor fleet cms workers sim bench workload engine
 PKG_DIRS  = $(wildcard $(PACKAGES))
 
 .PHONY: test run lint typecheck proto proto-check bench system-deps venv vllm-venv peers-venv clean

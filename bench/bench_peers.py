@@ -46,8 +46,8 @@ from typing import Any
 import httpx2 as httpx
 
 from bench.figures import Figure
-from bench.report import BenchReport, RequestResult, report_to_dict, summarize
-from bench.workload import RequestPlan, iter_requests, load_workload
+from workload.report import BenchReport, RequestResult, report_to_dict, summarize
+from workload.spec import RequestPlan, iter_requests, load_workload
 
 REPO = Path(__file__).resolve().parent.parent
 PEER_VENV = REPO / ".venv-peers"

@@ -25,11 +25,11 @@ from dataclasses import replace
 from pathlib import Path
 
 from bench.figures import Figure
-from bench.workload import generate_requests, load_workload
 from predictor import LatencyPredictor
 from router.core.queue import QueueConfig
 from router.core.request import ScheduleInput
 from router.core.sa import AnnealParams, anneal, jobs_for
+from workload.spec import generate_requests, load_workload
 
 PROFILE = Path(__file__).resolve().parent.parent / "profiling_data" / "qwen2.5-7b-2xv100-linear"
 SIZES = (10, 20, 40)

@@ -24,9 +24,9 @@ from typing import Any
 from slorouter.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 from bench.figures import Figure
+from engine.interface import Sampling
+from engine.model import ProfileCostModel, SimConfig, SimCore, SimRequestSpec
 from predictor import LatencyPredictor
-from sim.engine import ProfileCostModel, SimConfig, SimCore, SimRequestSpec
-from workers.engine import Sampling
 from workers.sim_engine import DEFAULT_PROFILE_DIR, SimEngine
 
 _PREDICTOR = LatencyPredictor.from_files(DEFAULT_PROFILE_DIR / "ttft.json", DEFAULT_PROFILE_DIR / "tpot.json")

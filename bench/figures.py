@@ -69,7 +69,7 @@ def machine() -> str:
 
 def render(sections: Sequence[Section], *, load_before: float, load_after: float) -> str:
     """The Markdown block (markers included) for ``sections``."""
-    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     total = sum(s.seconds for s in sections)
     lines = [
         BEGIN,

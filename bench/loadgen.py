@@ -38,10 +38,10 @@ import grpc
 from grpc_health.v1 import health_pb2
 from slorouter.v1 import common_pb2, router_pb2, router_pb2_grpc
 
-from bench.report import BAD_STREAM, RequestResult
-from bench.workload import RequestPlan, doc
 from cms import limits
 from cms.transport import client_tls_from_arg, message_size_options, open_channel
+from workload.report import BAD_STREAM, RequestResult
+from workload.spec import RequestPlan, doc
 
 #: Where ``slo-router bench`` sends requests by default (the router's usual loopback address).
 DEFAULT_TARGET = "127.0.0.1:50051"
@@ -398,7 +398,7 @@ async def _tick(
     while not stop.is_set():
         try:
             await asyncio.wait_for(stop.wait(), timeout=interval_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             on_progress(run.progress())
 
 
@@ -439,7 +439,7 @@ async def run_load(
     try:
         try:
             await asyncio.wait_for(_router_ready(chan), timeout=config.connect_timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise LoadError(
                 f"cannot reach a router at {config.target} that can place a request within "
                 f"{config.connect_timeout_s:g} s; start one (e.g. `slo-router up`), wait for its workers "

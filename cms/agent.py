@@ -176,7 +176,7 @@ class AgentWriter:
             self._wake.clear()
             try:
                 await asyncio.wait_for(self._wake.wait(), due)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 return
 
     async def _run(self) -> None:

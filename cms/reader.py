@@ -297,7 +297,7 @@ class GrpcClusterReader(ClusterReader):
             while True:
                 try:
                     view = await asyncio.wait_for(call.read(), self._idle_timeout_s)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     reason = f"no view for {self._idle_timeout_s:.1f} s"
                     break
                 if view is grpc.aio.EOF:  # type: ignore[attr-defined]

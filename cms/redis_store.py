@@ -281,7 +281,7 @@ class RedisStore:
             raise StoreUnavailableError("the Redis store is closed")
         try:
             return await script(keys=keys, args=args)
-        except (RedisError, OSError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, RedisError, OSError) as exc:
             raise_if_cancelling()
             raise StoreUnavailableError(f"Redis at {self.url} failed during {what}: {exc}") from exc
 
@@ -433,7 +433,7 @@ class RedisStore:
                 if newest > after_version:
                     self._known_version = max(self._known_version, newest)
                     return
-        except (RedisError, OSError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, RedisError, OSError) as exc:
             raise_if_cancelling()
             logger.debug("watching %s for changes failed: %s", self.url, exc)
             await self._drop_subscription()

@@ -307,7 +307,7 @@ def run(args: argparse.Namespace) -> int:
     except CalibrateError as exc:
         print(error_line(exc), file=sys.stderr)
         return 2
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     note = (
         f" Recalibrated by `slo-router calibrate` from {how} of {source} over {base_dir.name} "
         f"(TTFT x{factors[0]:.3f}, TPOT x{factors[1]:.3f})."

@@ -44,6 +44,6 @@ def load_tokenizer(path: str | Path | None) -> Tokenizer:
     """The tokenizer at ``path`` (a ``tokenizer.json`` or a directory holding one), else the built-in one."""
     if path:
         return HfTokenizer(path)
-    from workers.tokenizer import SimpleTokenizer
+    from engine.tokenizer import SimpleTokenizer
 
     return SimpleTokenizer()

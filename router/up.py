@@ -204,7 +204,7 @@ async def stop_workers(workers: list[WorkerProcess], timeout_s: float = 10.0) ->
     for worker in workers:
         try:
             await asyncio.wait_for(worker.process.wait(), timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             logger.warning("worker %s did not stop in %.0f s; killing it", worker.instance_id, timeout_s)
             with contextlib.suppress(ProcessLookupError):
                 worker.process.kill()
@@ -251,7 +251,7 @@ async def _await_listening(worker: WorkerProcess, timeout_s: float) -> None:
             if text.startswith("worker listening on "):
                 worker.address = text.rsplit(" ", 1)[1]
                 return
-    except asyncio.TimeoutError as exc:
+    except TimeoutError as exc:
         raise RuntimeError(f"worker {worker.instance_id} did not start within {timeout_s:.0f} s") from exc
 
 

@@ -1,4 +1,4 @@
-"""Fast-forwarding runs of identical pure-decode steps of a :class:`sim.engine.SimCore`.
+"""Fast-forwarding runs of identical pure-decode steps of a :class:`engine.model.SimCore`.
 
 Most steps of a busy decode instance look alike: nothing waits, nothing is
 being prefilled, every running request gets one token, and no request
@@ -38,9 +38,9 @@ from bisect import bisect_right
 
 import numpy as np
 
+from engine.interface import StepRecord
+from engine.model import ProfileCostModel, SimCore
 from predictor import LatencyPredictor
-from sim.engine import ProfileCostModel, SimCore
-from workers.engine import StepRecord
 
 #: Runs shorter than this are stepped normally (planning costs about as much as a few steps).
 MIN_RUN_STEPS = 4

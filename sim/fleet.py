@@ -2,7 +2,7 @@
 
 A fleet is a list of *groups*. Every instance of a group has the same role
 (``prefill``, ``decode`` or ``neutral``), runs the ``sim`` engine model
-(:class:`sim.engine.SimCore`) with the same :class:`sim.engine.SimConfig`,
+(:class:`engine.model.SimCore`) with the same :class:`engine.model.SimConfig`,
 and steps at the speed of the group's TTFT/TPOT profile. The router predicts
 with the same profile: the group's name is the instance's profile group
 (:class:`router.core.predictors.PredictorSet`), so heterogeneous fleets are
@@ -47,7 +47,7 @@ A profile is a directory holding ``ttft.json`` and ``tpot.json``: a path
 (relative to the working directory, or to the fleet file), or the name of a
 bundled profile under ``profiling_data/``. The engine fields of a file (and the
 engine flags of the command line, which are the file's base) are those of
-:class:`sim.engine.SimConfig`.
+:class:`engine.model.SimConfig`.
 
 A fleet is either neutral (only ``neutral`` groups) or disaggregated (at least
 one ``prefill`` and one ``decode`` group, no ``neutral`` one): the router would
@@ -67,8 +67,8 @@ from typing import Any
 
 import yaml
 
+from engine.model import SimConfig
 from router.core.request import Role
-from sim.engine import SimConfig
 
 #: The bundled profiles (the repository's ``profiling_data/``).
 BUNDLED_PROFILES = Path(__file__).resolve().parent.parent / "profiling_data"

@@ -29,14 +29,14 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from bench.workload import RequestPlan, generate_requests, load_workload
+from engine.model import SimConfig
 from router.core.config import SchedulerConfig
 from router.core.qlm import QlmConfig
 from router.core.queue import QueueConfig
 from sim.cluster import SimFleet, simulate
-from sim.engine import SimConfig
 from sim.fleet import fleet_from_counts
 from sim.sweep import policy_overrides, queue_figures
+from workload.spec import RequestPlan, generate_requests, load_workload
 
 #: Requests may wait this long in the router queue (an expiry is a cheap refusal in G's denominator).
 WAIT_MS = 3_600_000.0

@@ -30,7 +30,7 @@ import statistics
 import sys
 from collections.abc import Sequence
 
-from bench.workload import RequestPlan, generate_requests, load_workload
+from engine.model import SimConfig
 from router.core.config import SchedulerConfig
 from router.core.queue import QueueConfig
 from router.core.request import ScheduleInput
@@ -46,9 +46,9 @@ from router.core.sa import (
     modeled_evaluation_s,
 )
 from sim.cluster import SimFleet, simulate
-from sim.engine import SimConfig
 from sim.fleet import fleet_from_counts
 from sim.sweep import queue_figures
+from workload.spec import RequestPlan, generate_requests, load_workload
 
 #: No queued request of a burst may expire (an expiry is a cheap refusal in G's denominator).
 WAIT_MS = 3_600_000.0

@@ -38,7 +38,7 @@ from typing import Protocol
 from slorouter.v1 import cms_pb2
 
 from cms.transport import ClientTls
-from workers.engine import Engine, EngineLoad, StepRecord
+from engine.interface import Engine, EngineLoad, StepRecord
 
 logger = logging.getLogger(__name__)
 

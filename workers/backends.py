@@ -6,7 +6,7 @@ A backend is a module with two functions:
   backend's own flags (the worker's common flags — ``--role``, ``--listen``,
   ``--cms``, ... — are already there; ``args.role`` is ``"prefill"``,
   ``"decode"`` or ``"neutral"``);
-- ``build_engine(args: argparse.Namespace) -> workers.engine.Engine`` builds
+- ``build_engine(args: argparse.Namespace) -> engine.interface.Engine`` builds
   the engine, not started (the server starts it). A bad flag raises
   ``ValueError`` naming it.
 
@@ -22,7 +22,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Protocol, cast
 
-from workers.engine import Engine
+from engine.interface import Engine
 
 
 class BackendError(Exception):

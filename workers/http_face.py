@@ -30,9 +30,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from openai_http.app import HttpServer, OpenAIApp, Piece
-from openai_http.protocol import ApiError, ParsedRequest, Usage
-from workers.engine import (
+from engine.interface import (
     DuplicateRequestError,
     Engine,
     EngineError,
@@ -41,6 +39,8 @@ from workers.engine import (
     InvalidRequestError,
     TokenDelta,
 )
+from openai_http.app import HttpServer, OpenAIApp, Piece
+from openai_http.protocol import ApiError, ParsedRequest, Usage
 
 _CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

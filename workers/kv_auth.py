@@ -21,7 +21,7 @@ import hashlib
 import hmac
 from pathlib import Path
 
-from workers.engine import InvalidRequestError
+from engine.interface import InvalidRequestError
 
 _MAGIC = b"srkv1"
 _MAC_BYTES = 32

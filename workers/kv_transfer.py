@@ -32,7 +32,7 @@ from slorouter.v1 import worker_pb2, worker_pb2_grpc
 
 from cms import limits
 from cms.transport import ClientTls, message_size_options, open_channel
-from workers.engine import InvalidRequestError, KvHandleError
+from engine.interface import InvalidRequestError, KvHandleError
 
 logger = logging.getLogger(__name__)
 

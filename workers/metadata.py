@@ -8,7 +8,7 @@ from typing import Any
 
 from slorouter.v1 import cms_pb2
 
-from workers.engine import EngineInfo
+from engine.interface import EngineInfo
 
 
 class WorkerRole(enum.Enum):

@@ -215,7 +215,7 @@ async def profile_worker(
     plan: ProfilePlan,
     *,
     progress_stream: TextIO | None = None,
-    now: Callable[[], datetime.datetime] = lambda: datetime.datetime.now(datetime.timezone.utc),
+    now: Callable[[], datetime.datetime] = lambda: datetime.datetime.now(datetime.UTC),
     call_token: str | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Measure the worker at ``target`` (``host:port``); the TTFT and TPOT documents.

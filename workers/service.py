@@ -1,11 +1,11 @@
-"""The Worker gRPC service over an :class:`workers.engine.Engine`, and a way to run it.
+"""The Worker gRPC service over an :class:`engine.interface.Engine`, and a way to run it.
 
 :func:`start_worker_server` binds a ``grpc.aio`` server with the Worker
 service, the standard ``grpc.health.v1`` health service and server
 reflection, starts the engine and (when given a CMS address) the status
 agent, and returns a :class:`WorkerServer`.
 
-Errors: the engine's exception tree (:mod:`workers.engine`) is mapped to gRPC
+Errors: the engine's exception tree (:mod:`engine.interface`) is mapped to gRPC
 status codes in :func:`status_for`, the one place that does so:
 
 =============================  ======================
@@ -19,7 +19,7 @@ any other ``EngineError``      ``INTERNAL``
 
 A client that cancels a call aborts its request on the engine. Tokens a slow
 client has not taken yet are merged by the engine, so each message carries
-everything ready (see :class:`workers.engine.DeltaCollector`).
+everything ready (see :class:`engine.interface.DeltaCollector`).
 
 ``Streams`` carries many requests' generate/decode legs on one call, with one
 message per engine step for all of them (:mod:`workers.streams`); the router
@@ -43,7 +43,7 @@ from cms import limits
 from cms.call_auth import RequireToken
 from cms.serving import add_health_and_reflection, bind_server
 from cms.transport import ClientTls, ServerTls
-from workers.engine import (
+from engine.interface import (
     DuplicateRequestError,
     EndpointAware,
     Engine,
@@ -58,10 +58,10 @@ from workers.engine import (
     TokenizingEngine,
     validate_request,
 )
+from engine.tokenizer import SimpleTokenizer
 from workers.kv_auth import KvSigner
 from workers.metadata import WorkerIdentity, build_metadata
 from workers.streams import StreamsSession
-from workers.tokenizer import SimpleTokenizer
 
 if TYPE_CHECKING:
     from openai_http.app import HttpServer
@@ -167,7 +167,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         """Validate a generate request and hand it to the engine: (prompt tokens, the delta stream).
 
         The path the gRPC ``Generate`` and the HTTP face share. Raises
-        :class:`~workers.engine.EngineError`; the caller aborts the request on
+        :class:`~engine.interface.EngineError`; the caller aborts the request on
         the engine when it stops reading before the last delta.
         """
         try:  # the shared field bounds (cms/limits.py) first, for the HTTP face too

@@ -1,16 +1,16 @@
-"""The ``sim`` backend: :class:`SimEngine` runs :class:`sim.engine.SimCore` in real time.
+"""The ``sim`` backend: :class:`SimEngine` runs :class:`engine.model.SimCore` in real time.
 
 The step loop asks the core for a step, sleeps its duration and applies it,
 then turns the tokens the step produced into token ids and text and hands
-them to each request's :class:`workers.engine.DeltaCollector`.
+them to each request's :class:`engine.interface.DeltaCollector`.
 
 Output tokens are a pure function of the request (sampling seed, prompt,
-position), never of the engine or of timing, so a ``Prefill`` on one sim
+position; :mod:`engine.outputs`), never of the engine or of timing, so a ``Prefill`` on one sim
 worker followed by a ``Decode`` on another yields exactly the tokens a
 ``Generate`` on one would. With ``eos_probability > 0`` the position of the
 EOS token is drawn the same way (geometric, from the request's seed), and
 ``ignore_eos`` skips it. Token ids are printable ASCII bytes of the built-in
-tokenizer (:mod:`workers.tokenizer`), so the text is readable.
+tokenizer (:mod:`engine.tokenizer`), so the text is readable.
 
 This module is also the ``sim`` entry of the backend registry
 (:mod:`workers.backends`): :func:`add_arguments` and :func:`build_engine`.
@@ -22,21 +22,15 @@ import argparse
 import asyncio
 import dataclasses
 import enum
-import hashlib
 import logging
-import math
 import random
 import re
 import secrets
-import struct
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 
-from fleet.prefix import token_block_hashes
-from predictor import LatencyPredictor
-from sim.engine import ProfileCostModel, SimConfig, SimCore, SimRequestSpec, StepResult
-from workers.engine import (
+from engine.interface import (
     DeltaCollector,
     DuplicateRequestError,
     EngineInfo,
@@ -49,16 +43,14 @@ from workers.engine import (
     TokenDelta,
     validate_request,
 )
+from engine.model import ProfileCostModel, SimConfig, SimCore, SimRequestSpec, StepResult
+from engine.outputs import eos_position, output_length, output_token, prompt_digest, request_key
+from engine.tokenizer import EOS_TOKEN_ID, IncrementalDecoder, SimpleTokenizer
+from fleet.prefix import token_block_hashes
+from predictor import LatencyPredictor
 from workers.kv_transfer import GrpcKvPeer, KvPeer, SimKvHandle
-from workers.tokenizer import EOS_TOKEN_ID, IncrementalDecoder, SimpleTokenizer
 
 logger = logging.getLogger(__name__)
-
-_MASK64 = (1 << 64) - 1
-_EOS_SALT = 0x5EED_E05E_0F5E_0000
-# Output tokens are drawn from these bytes: letters weighted roughly like
-# English, spaces and a little punctuation, all single-byte UTF-8.
-_ALPHABET = tuple(b"etaoinshrdlucmfwypvbgkjqxz etaoinshrdlu      ,.")
 
 #: How far a late step loop (a busy event loop, a descheduled process) may shorten the
 #: following steps to get back onto the profile's timeline; longer stalls are lost time.
@@ -68,50 +60,6 @@ _MAX_LATENESS_S = 0.002
 
 #: Where the bundled default profiles live (the repository's profiling_data/).
 DEFAULT_PROFILE_DIR = Path(__file__).resolve().parent.parent / "profiling_data" / "qwen2.5-7b-2xv100-linear"
-
-
-def _mix64(x: int) -> int:
-    """splitmix64's finaliser: a fast, well-spread 64-bit hash of an integer."""
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
-
-def prompt_digest(prompt_token_ids: Sequence[int]) -> bytes:
-    """A 16-byte digest of a prompt's token ids."""
-    return hashlib.blake2b(
-        struct.pack(f"<{len(prompt_token_ids)}I", *prompt_token_ids), digest_size=16
-    ).digest()
-
-
-def request_key(seed: int, digest: bytes) -> int:
-    """The 64-bit key every output token of a request derives from."""
-    h = hashlib.blake2b(digest, digest_size=8, key=(seed & _MASK64).to_bytes(8, "little"))
-    return int.from_bytes(h.digest(), "little")
-
-
-def output_token(key: int, position: int) -> int:
-    """The (non-EOS) token id at ``position`` (0-based) of a request's output."""
-    return _ALPHABET[_mix64(key ^ (position * 0xD1B54A32D192ED03 & _MASK64)) % len(_ALPHABET)]
-
-
-def eos_position(key: int, eos_probability: float) -> int | None:
-    """Index of the request's EOS token, geometric with ``eos_probability``; None when EOS never comes."""
-    if eos_probability <= 0.0:
-        return None
-    if eos_probability >= 1.0:
-        return 0
-    u = (_mix64(key ^ _EOS_SALT) + 0.5) / 2.0**64
-    return int(math.log(u) / math.log1p(-eos_probability))
-
-
-def output_length(key: int, sampling: Sampling, eos_probability: float) -> tuple[int, str]:
-    """Tokens the request produces in total and why it ends (``"length"`` or ``"stop"``), stop strings aside."""
-    eos = None if sampling.ignore_eos else eos_position(key, eos_probability)
-    if eos is not None and eos + 1 <= sampling.max_tokens:
-        return eos + 1, "stop"
-    return sampling.max_tokens, "length"
 
 
 class _Kind(enum.Enum):
@@ -188,7 +136,7 @@ class _Held:
 
 
 class SimEngine:
-    """A simulated engine with profile-driven step times; implements :class:`workers.engine.Engine`."""
+    """A simulated engine with profile-driven step times; implements :class:`engine.interface.Engine`."""
 
     def __init__(
         self,

@@ -131,7 +131,7 @@ def measurement_ms(timestamp: str, now_ms: int) -> int:
     except ValueError:
         return now_ms
     if parsed.tzinfo is None:
-        parsed = parsed.replace(tzinfo=dt.timezone.utc)
+        parsed = parsed.replace(tzinfo=dt.UTC)
     return min(now_ms, int(parsed.timestamp() * 1000))
 
 

@@ -39,7 +39,7 @@ import grpc
 from slorouter.v1 import worker_pb2
 
 from cms import limits
-from workers.engine import Engine, EngineError, InvalidRequestError, TokenDelta
+from engine.interface import Engine, EngineError, InvalidRequestError, TokenDelta
 
 logger = logging.getLogger(__name__)
 

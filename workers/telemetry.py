@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from workers.engine import Engine
+from engine.interface import Engine
 
 _GAUGES = (
     ("num_waiting_requests", "slo_router_worker_waiting_requests", "Requests waiting to be scheduled"),

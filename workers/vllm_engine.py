@@ -1,4 +1,4 @@
-"""The ``vllm`` engine backend: vLLM's ``AsyncLLM`` in this process, behind :class:`workers.engine.Engine`.
+"""The ``vllm`` engine backend: vLLM's ``AsyncLLM`` in this process, behind :class:`engine.interface.Engine`.
 
 ``slo-router worker --engine vllm --model PATH_OR_NAME ...`` serves a real
 vLLM engine. Requests go to vLLM as token ids (``TokensPrompt``). Load comes
@@ -45,8 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from workers import vllm_env
-from workers.engine import (
+from engine.interface import (
     DuplicateRequestError,
     EngineError,
     EngineInfo,
@@ -58,6 +57,7 @@ from workers.engine import (
     TokenDelta,
     validate_request,
 )
+from workers import vllm_env
 from workers.vllm_load import LoadBook, StepStats
 
 logger = logging.getLogger(__name__)
@@ -281,7 +281,7 @@ class _VllmTokenizer:
 
 
 class VllmEngine:
-    """vLLM's ``AsyncLLM`` behind the :class:`workers.engine.Engine` interface."""
+    """vLLM's ``AsyncLLM`` behind the :class:`engine.interface.Engine` interface."""
 
     def __init__(self, config: VllmEngineConfig) -> None:
         self._config = config

@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from workers.engine import EngineLoad, StepRecord
+from engine.interface import EngineLoad, StepRecord
 
 
 @dataclass(frozen=True)

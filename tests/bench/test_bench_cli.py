@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from bench.workload import load_workload
 from router.cli import main
 from tests.bench.fake_router import FAIL_EXHAUSTED, FAIL_MIDSTREAM, FakeRouter, fake_router_in_thread
+from workload.spec import load_workload
 
 
 def test_bench_command_prints_the_table_and_writes_json_and_png(

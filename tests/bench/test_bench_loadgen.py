@@ -20,16 +20,6 @@ from bench.loadgen import (
     build_request,
     run_load,
 )
-from bench.report import BAD_STREAM, summarize
-from bench.workload import (
-    ArrivalProcess,
-    FixedLength,
-    SloClass,
-    SloTarget,
-    UniformLength,
-    WorkloadSpec,
-    generate_requests,
-)
 from tests.bench.fake_router import (
     FAIL_EXHAUSTED,
     FAIL_MIDSTREAM,
@@ -39,6 +29,16 @@ from tests.bench.fake_router import (
     STOP_EARLY,
     FakeRouter,
     start_fake_router,
+)
+from workload.report import BAD_STREAM, summarize
+from workload.spec import (
+    ArrivalProcess,
+    FixedLength,
+    SloClass,
+    SloTarget,
+    UniformLength,
+    WorkloadSpec,
+    generate_requests,
 )
 
 LOOSE = SloTarget(ttft_ms=60_000.0, tpot_ms=60_000.0, e2e_ms=60_000.0)

@@ -20,6 +20,8 @@ PROJECT_PACKAGES = (
     "workers",
     "sim",
     "bench",
+    "workload",
+    "engine",
     "openai_http",
     "slorouter",
 )
@@ -121,3 +123,26 @@ def cycles(graph: Mapping[str, set[str]]) -> list[list[str]]:
                 if len(component) > 1:
                     found.append(sorted(component))
     return found
+
+
+def unit_of(module: str, units: Iterable[str]) -> str | None:
+    """The longest of ``units`` that is ``module`` or a dotted prefix of it (``router.core`` before ``router``)."""
+    best: str | None = None
+    for unit in units:
+        if (module == unit or module.startswith(unit + ".")) and (best is None or len(unit) > len(best)):
+            best = unit
+    return best
+
+
+def package_edges(graph: Mapping[str, set[str]], units: Iterable[str]) -> dict[tuple[str, str], list[str]]:
+    """(importing unit, imported unit) -> the module imports behind that edge, for edges between units."""
+    names = tuple(units)
+    edges: dict[tuple[str, str], list[str]] = {}
+    for module, targets in graph.items():
+        source = unit_of(module, names)
+        for target in sorted(targets):
+            dest = unit_of(target, names)
+            if source is None or dest is None or source == dest:
+                continue
+            edges.setdefault((source, dest), []).append(f"{module} imports {target}")
+    return edges

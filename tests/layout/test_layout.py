@@ -27,6 +27,8 @@ CORE_FORBIDDEN = (
     "workers",
     "sim",
     "bench",
+    "engine",  # the engine model is what the core predicts, never what it reads
+    "workload",
     "router",  # the shell: service, server, placement, forward, pool, telemetry, ...
 )
 CORE_ALLOWED_PREFIXES = ("router.core",)

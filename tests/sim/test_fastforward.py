@@ -7,8 +7,8 @@ from pathlib import Path
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
+from engine.model import SimConfig, SimCore, SimRequestSpec
 from predictor import LatencyPredictor
-from sim.engine import SimConfig, SimCore, SimRequestSpec
 from sim.fastforward import MIN_RUN_STEPS, DecodeRun, DecodeStepTimes
 
 PROFILE = Path(__file__).resolve().parents[2] / "profiling_data" / "qwen2.5-7b-2xv100-linear"

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from engine.model import SimConfig
 from router.core.request import Role
 from sim.cluster import SimFleet
-from sim.engine import SimConfig
 from sim.fleet import (
     BUNDLED_PROFILES,
     DEFAULT_PROFILE,

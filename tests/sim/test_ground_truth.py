@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from bench.prediction import prediction_error
-from bench.workload import generate_requests, load_workload
+from engine.model import ProfileCostModel, SimConfig, SimCore, SimRequestSpec
 from router.cli import main
 from router.core.config import SchedulerConfig
 from sim.cluster import SimFleet, simulate
-from sim.engine import ProfileCostModel, SimConfig, SimCore, SimRequestSpec
 from sim.fleet import BUNDLED_PROFILES, DEFAULT_PROFILE, fleet_from_counts, parse_fleet, parse_fleet_dict
 from sim.sweep import policy_overrides
+from workload.prediction import prediction_error
+from workload.spec import generate_requests, load_workload
 
 LLAMA = "llama3-70b-4xh100-roofline"
 

@@ -6,12 +6,12 @@ import dataclasses
 
 import pytest
 
-from bench.workload import generate_requests, load_workload, parse_workload_dict
+from engine.model import SimConfig
 from sim.cluster import SimFleet, simulate
-from sim.engine import SimConfig
 from sim.fleet import fleet_from_counts
 from sim.sweep import SLO_ADAPTIVE_PD
 from tests.sim.test_simulate import policy
+from workload.spec import generate_requests, load_workload, parse_workload_dict
 
 
 def _chat(n: int, rate: float = 6.0, seed: int = 3) -> list:  # type: ignore[type-arg]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from bench.workload import load_workload
 from router.core.config import SchedulerConfig
 from router.core.queue import QueueConfig
 from sim.cluster import SimFleet
@@ -16,6 +15,7 @@ from sim.sweep import (
     policy_overrides,
     run_sweep,
 )
+from workload.spec import load_workload
 
 
 def test_adaptive_pd_packs_decode_without_preempting_and_reports_busy_instances() -> None:

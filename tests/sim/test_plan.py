@@ -6,14 +6,14 @@ import json
 
 import pytest
 
-from bench.report import summarize
-from bench.workload import generate_requests, load_workload
 from router.cli import main
 from router.core.config import SchedulerConfig
 from sim.cluster import SimFleet, simulate
 from sim.fleet import fleet_from_counts
 from sim.plan import PlanError, plan_fleet
 from sim.sweep import open_loop, policy_overrides
+from workload.report import summarize
+from workload.spec import generate_requests, load_workload
 
 RATE = 16.0
 REQUESTS = 200

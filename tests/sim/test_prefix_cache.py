@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from engine.model import KvEventKind, SimConfig, SimCore, SimRequestSpec
 from fleet.prefix import id_block_hashes
 from router.core.prefix import ExactPrefixIndex
-from sim.engine import KvEventKind, SimConfig, SimCore, SimRequestSpec
 
 
 class _FlatCost:
@@ -171,7 +171,7 @@ def test_config_names_a_bad_prefix_block() -> None:
     ):
         SimConfig(block_size=16, prefix_cache_block_tokens=24)
     core = _core()
-    from workers.engine import InvalidRequestError
+    from engine.interface import InvalidRequestError
 
     with pytest.raises(InvalidRequestError, match="prefix blocks"):
         core.add(SimRequestSpec("x", 10, 1, block_hashes=(1, 2)))
@@ -182,11 +182,11 @@ def test_simulate_reports_the_fleet_hit_rate_and_cache_aware_slo_reuses_more() -
     only the router's knowledge differs. Knowing the caches (either source) raises the hit rate."""
     import dataclasses
 
-    from bench.workload import generate_requests, load_workload
     from router.core.config import SchedulerConfig
     from sim.cluster import SimFleet, simulate
     from sim.fleet import fleet_from_counts
     from sim.sweep import _point, format_sweep_table, point_to_dict
+    from workload.spec import generate_requests, load_workload
 
     spec = load_workload("prefix-heavy").with_arrival(rate_per_s=4.0)
     spec = dataclasses.replace(spec, classes=(dataclasses.replace(spec.classes[0], prefix_groups=24),))

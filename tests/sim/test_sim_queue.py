@@ -7,14 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from bench.report import slo_met, summarize
-from bench.workload import RequestPlan, SloTarget, generate_requests, load_workload
 from router.cli import main
 from router.core.queue import QueueConfig
 from sim.cluster import SimFleet, simulate
 from sim.fleet import fleet_from_counts
 from sim.sweep import queue_figures
 from tests.sim.test_simulate import CHAT, make_plan, policy
+from workload.report import slo_met, summarize
+from workload.spec import RequestPlan, SloTarget, generate_requests, load_workload
 
 NONE = QueueConfig(queue_policy="none")
 EDF = QueueConfig(queue_policy="edf")

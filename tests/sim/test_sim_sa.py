@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from bench.workload import RequestPlan, generate_requests, load_workload
+from engine.model import SimConfig
 from router.cli import main
 from router.core.queue import QueueConfig
 from sim.cluster import SimFleet, SimOutcome, simulate
-from sim.engine import SimConfig
 from sim.fleet import fleet_from_counts
 from sim.sweep import queue_figures
 from tests.sim.test_simulate import policy
+from workload.spec import RequestPlan, generate_requests, load_workload
 
 #: Long enough that nothing of a 40-request burst expires in the queue (an expiry would count as a
 #: cheap refusal in G's denominator).

@@ -7,8 +7,6 @@ from pathlib import Path
 
 import pytest
 
-from bench.report import summarize
-from bench.workload import RequestPlan, SloTarget, generate_requests, load_workload
 from predictor import LatencyPredictor
 from router.cli import main
 from router.core.config import SchedulerConfig
@@ -22,6 +20,8 @@ from sim.fleet import (
     parse_fleet_dict,
 )
 from sim.sweep import SLO_ADAPTIVE_PD, policy_overrides
+from workload.report import summarize
+from workload.spec import RequestPlan, SloTarget, generate_requests, load_workload
 
 QWEN = BUNDLED_PROFILES / DEFAULT_PROFILE
 CHAT = SloTarget(ttft_ms=1000.0, tpot_ms=50.0)

@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from bench.workload import generate_requests, load_workload
+from engine.model import SimConfig
 from router.cli import main
 from router.core.slicing import SliceConfig
 from sim.cluster import SimFleet
-from sim.engine import SimConfig
 from sim.fleet import fleet_from_counts
 from sim.slicing import request_figures, simulate_slices
+from workload.spec import generate_requests, load_workload
 
 ENGINE = SimConfig(kv_capacity_tokens=32768, max_num_seqs=64)
 
@@ -26,6 +26,20 @@ def fleet(n: int = 2) -> SimFleet:
 def plans(rate: float = 6.0, count: int = 60) -> list:  # type: ignore[type-arg]
     spec = load_workload("codegen").with_arrival(rate_per_s=rate)
     return list(generate_requests(spec, rng=3, num_requests=count))
+
+
+def test_cli_slices_a_trace_replay(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Slice-level dispatch replays a trace like every other policy: the trace's own requests (its
+    # first 40, lengths and all), gaps scaled to the rate.
+    trace = Path(__file__).parents[1] / "data" / "traces" / "azure-conv-2023-head300.csv"
+    out = tmp_path / "sim.json"
+    code, stdout, _ = run(
+        capsys, "--neutral", "2", "--workload", f"trace:{trace}", "--num-requests", "40", "--rates", "4",
+        "--no-progress", "--policies", "round-robin", "--dispatch-modes", "request,slice", "--output", str(out),
+    )  # fmt: skip
+    assert code == 0, stdout
+    doc = json.loads(out.read_text())
+    assert [(r["dispatch_mode"], r["completed"]) for r in doc["results"]] == [("request", 40), ("slice", 40)]
 
 
 @pytest.mark.parametrize("overlap", [True, False])
@@ -87,8 +101,8 @@ def test_slice_dispatch_needs_a_neutral_fleet() -> None:
 
 def test_request_figures_take_the_union_of_service_intervals() -> None:
     f = fleet(2)
-    from bench.report import RequestResult
-    from bench.workload import SloTarget
+    from workload.report import RequestResult
+    from workload.spec import SloTarget
 
     def result(start: float, e2e_s: float, instance: str) -> RequestResult:
         return RequestResult(

@@ -11,9 +11,9 @@ from typing import Any
 import grpc
 from slorouter.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
+from engine.interface import Sampling, TokenDelta
+from engine.model import SimConfig
 from predictor import LatencyPredictor
-from sim.engine import SimConfig
-from workers.engine import Sampling, TokenDelta
 from workers.sim_engine import DEFAULT_PROFILE_DIR, SimEngine
 
 PREDICTOR = LatencyPredictor.from_files(DEFAULT_PROFILE_DIR / "ttft.json", DEFAULT_PROFILE_DIR / "tpot.json")

@@ -35,7 +35,7 @@ def test_registry_loads_backends_by_name_and_refuses_duplicates() -> None:
     with pytest.raises(BackendError, match="install ghost"):
         broken.load("ghost")
     lacking = BackendRegistry()
-    lacking.register(BackendSpec("tok", "workers.tokenizer", "not a backend"))
+    lacking.register(BackendSpec("tok", "engine.tokenizer", "not a backend"))
     with pytest.raises(BackendError, match="lacks add_arguments, build_engine"):
         lacking.load("tok")
 

@@ -13,10 +13,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from slorouter.v1 import cms_pb2, common_pb2, worker_pb2
 
+from engine.tokenizer import SimpleTokenizer
 from workers.kv_transfer import SimKvHandle
 from workers.metadata import WorkerIdentity, WorkerRole
 from workers.service import SERVICE_NAME
-from workers.tokenizer import SimpleTokenizer
 
 from .conftest import StartWorker
 from .helpers import PREDICTOR, Client, LoadWatcher, generate_request, prompt, read_stream

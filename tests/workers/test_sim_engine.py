@@ -8,10 +8,16 @@ import statistics
 
 import pytest
 
-from workers.engine import DuplicateRequestError, EngineShuttingDownError, InvalidRequestError, KvHandleError
+from engine.interface import (
+    DuplicateRequestError,
+    EngineShuttingDownError,
+    InvalidRequestError,
+    KvHandleError,
+)
+from engine.outputs import eos_position, output_token, prompt_digest, request_key
+from engine.tokenizer import EOS_TOKEN_ID, SimpleTokenizer
 from workers.kv_transfer import SimKvHandle
-from workers.sim_engine import SimEngine, eos_position, output_token, prompt_digest, request_key
-from workers.tokenizer import EOS_TOKEN_ID, SimpleTokenizer
+from workers.sim_engine import SimEngine
 
 from .helpers import PREDICTOR, LoadWatcher, drain, make_engine, prompt, sampling
 

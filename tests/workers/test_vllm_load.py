@@ -8,8 +8,8 @@ import importlib.util
 
 import pytest
 
+from engine.interface import EngineLoad, InvalidRequestError
 from workers.backends import BackendError
-from workers.engine import EngineLoad, InvalidRequestError
 from workers.vllm_engine import (
     VllmEngine,
     VllmEngineConfig,

@@ -16,6 +16,7 @@ from slorouter.v1 import common_pb2, router_pb2, router_pb2_grpc
 from cms.memory import MemoryStore
 from cms.reader import open_reader
 from cms.server import CmsServer, start_cms_server
+from engine.model import SimConfig
 from predictor import LatencyPredictor
 from router.core.config import SchedulerConfig
 from router.core.queue import QueueConfig
@@ -23,7 +24,6 @@ from router.core.scheduler import Scheduler
 from router.core.slicing import SliceConfig
 from router.server import RouterServer, start_router_server
 from router.service import ServiceConfig
-from sim.engine import SimConfig
 from workers.kv_transfer import GrpcKvPeer
 from workers.metadata import WorkerIdentity, WorkerRole
 from workers.service import WorkerServer, start_worker_server

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
+from engine.tokenizer import SimpleTokenizer
 from router.tokenize import HfTokenizer, load_tokenizer
-from workers.tokenizer import SimpleTokenizer
 
 
 def _train(directory: Path) -> Path:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.report import (
+from workload.report import (
     BAD_STREAM,
     PlotUnavailableError,
     RequestResult,
@@ -20,7 +20,7 @@ from bench.report import (
     summarize,
     write_json,
 )
-from bench.workload import SloTarget
+from workload.spec import SloTarget
 
 CHAT = SloTarget(ttft_ms=100.0, tpot_ms=10.0)
 CODE = SloTarget(e2e_ms=1000.0)

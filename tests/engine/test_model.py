@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sim.engine import ProfileCostModel, SimConfig, SimCore, SimRequestSpec, StepResult
+from engine.interface import DuplicateRequestError, EngineOverloadedError, InvalidRequestError
+from engine.model import ProfileCostModel, SimConfig, SimCore, SimRequestSpec, StepResult
 from tests.workers.helpers import PREDICTOR
-from workers.engine import DuplicateRequestError, EngineOverloadedError, InvalidRequestError
 
 
 def make_core(**overrides: object) -> SimCore:

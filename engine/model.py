@@ -51,14 +51,14 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
-from predictor import LatencyPredictor
-from workers.engine import (
+from engine.interface import (
     DuplicateRequestError,
     EngineLoad,
     EngineOverloadedError,
     InvalidRequestError,
     StepRecord,
 )
+from predictor import LatencyPredictor
 
 
 def _doc(text: str) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bench.loadgen import LoadConfig
-from bench.workload import (
+from workload.spec import (
     CLASS_PRESETS,
     WORKLOAD_PRESETS,
     ArrivalProcess,

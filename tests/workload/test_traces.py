@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from bench.traces import TraceOptions, load_trace, parse_class_rule, parse_window, read_trace
-from bench.workload import WorkloadError
 from router.cli import main
 from sim.cluster import SimFleet, simulate
 from sim.fleet import fleet_from_counts
 from tests.sim.test_simulate import policy
+from workload.spec import WorkloadError
+from workload.traces import TraceOptions, load_trace, parse_class_rule, parse_window, read_trace
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "traces"
 AZURE = DATA / "azure-conv-2023-head300.csv"

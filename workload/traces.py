@@ -11,7 +11,7 @@ first line:
   ``output_length`` and optionally ``hash_ids`` (one id per 512-token prefix block: equal ids
   are equal blocks, so a prefix cache sees the trace's real reuse).
 
-Each record becomes a :class:`bench.workload.RequestPlan`: the trace's prompt length, its output
+Each record becomes a :class:`workload.spec.RequestPlan`: the trace's prompt length, its output
 length as the engine's *true* length (``output_tokens``, never shown to a router), a
 ``max_tokens`` cap the same for every request (:attr:`TraceOptions.max_tokens`, by default the
 longest output of the trace: a client does not know its answer's length), and its arrival time,
@@ -20,7 +20,7 @@ K times faster). With ``rate`` the timing is scaled so the mean rate is ``rate``
 Classes (SLO targets and priority) come from a rule (:func:`parse_class_rule`): the trace
 carries none.
 
-Every problem is a :class:`bench.workload.WorkloadError` naming the file, the line and the field.
+Every problem is a :class:`workload.spec.WorkloadError` naming the file, the line and the field.
 Reading is bounded: at most :data:`MAX_TRACE_REQUESTS` records and :data:`MAX_LINE_BYTES` a line.
 """
 
@@ -38,7 +38,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.workload import (
+from workload.spec import (
     CLASS_PRESETS,
     ArrivalSpec,
     RequestPlan,

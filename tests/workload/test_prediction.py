@@ -6,9 +6,9 @@ import dataclasses
 
 import pytest
 
-from bench.prediction import error_summary, format_prediction_error, prediction_error
-from bench.report import RequestResult
-from bench.workload import SloTarget
+from workload.prediction import error_summary, format_prediction_error, prediction_error
+from workload.report import RequestResult
+from workload.spec import SloTarget
 
 
 def result(index: int, ttft: tuple[float | None, float | None], ok: bool = True) -> RequestResult:

@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.workload import RequestPlan, SloTarget
+from workload.spec import RequestPlan, SloTarget
 
 #: Error code recorded when a stream completed but broke the Generate response contract.
 BAD_STREAM = "BAD_STREAM"

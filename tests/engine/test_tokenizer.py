@@ -4,8 +4,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from workers import tokenizer
-from workers.tokenizer import EOS_TOKEN_ID, VOCAB_SIZE, IncrementalDecoder, SimpleTokenizer
+from engine import tokenizer
+from engine.tokenizer import EOS_TOKEN_ID, VOCAB_SIZE, IncrementalDecoder, SimpleTokenizer
 
 
 def test_bytes_are_ids_and_specials_decode_to_nothing() -> None:

@@ -9,12 +9,12 @@ from typing import Any
 import pytest
 import yaml
 
-from bench.report import slo_met, summarize
-from bench.workload import ArrivalProcess, SloTarget, generate_requests, parse_workload_dict
 from router.cli import main
 from sim.cluster import SimFleet, simulate
 from sim.fleet import fleet_from_counts
 from tests.sim.test_simulate import policy
+from workload.report import slo_met, summarize
+from workload.spec import ArrivalProcess, SloTarget, generate_requests, parse_workload_dict
 
 
 def one(cls: dict[str, Any], **top: Any) -> dict[str, Any]:
@@ -111,7 +111,7 @@ def test_the_help_example_file_loads_and_means_what_it_says(tmp_path: Path) -> N
     text = "\n".join(line[2:] for line in EPILOG[start:end].splitlines())
     path = tmp_path / "help.yaml"
     path.write_text(text)
-    from bench.workload import load_workload
+    from workload.spec import load_workload
 
     spec = load_workload(str(path))
     chat, code = spec.classes

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.report import RequestResult
+from workload.report import RequestResult
 
 
 def error_summary(pairs: Iterable[tuple[float | None, float | None]]) -> dict[str, Any]:
