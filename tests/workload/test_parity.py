@@ -5,15 +5,22 @@ then ``bench``'s own planning (:func:`bench.cli.load_source`, :func:`bench.cli.p
 what ``bench.cli.run`` replays) and ``simulate``'s (:func:`sim.cli.load_source`,
 :func:`sim.cli.run_plans`, what ``sim.cli.run`` hands the sweep) make the plans. They must agree
 request for request on everything a run replays: arrival time, class, SLO, priority, prompt (its
-length and its token ids), ``max_tokens``, the answer's true length, and the prefix blocks. One
-case also runs ``bench`` for real against a loopback router and checks what went over the wire.
+length and its token ids), ``max_tokens``, the answer's true length, and the prefix blocks.
+
+Then what ``bench`` puts on the wire: against sim engines (``--engine sim``, the default) the
+router is told what ``simulate`` tells it, the plan's cap, and the answer still ends at its true
+length, by a stop string the sim engine's output first contains there; a loopback router over sim
+workers (PD and neutral) streams every answer at exactly its planned length.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +28,11 @@ import pytest
 
 import bench.cli
 import sim.cli
-from bench.loadgen import sent_max_tokens
+from engine.outputs import output_text, prompt_digest, request_key
 from fleet.prefix import id_block_hashes, token_block_hashes
 from router.cli import build_parser, main
 from tests.bench.fake_router import FakeRouter, fake_router_in_thread
+from tests.router.e2e.cluster import embedded_cluster
 from workload.spec import RequestPlan
 
 BURSTY = ("--burstiness", "0.5")
@@ -162,7 +170,8 @@ def test_both_refuse_to_reshape_a_trace(command: str, capsys: pytest.CaptureFixt
     assert "a trace replays its own arrivals: drop" in capsys.readouterr().err
 
 
-def test_bench_sends_the_planned_requests(tmp_path: Path) -> None:
+@pytest.mark.parametrize("engine", ["sim", "vllm"])
+def test_bench_sends_the_planned_requests(tmp_path: Path, engine: str) -> None:
     """``slo-router bench`` for real, against a loopback router: what arrives is simulate's plan."""
     flags = ["--workload", "mixed", "--seed", "4", "--num-requests", "40"]
     planned = simulate_plans([*flags, "--rates", "400"])
@@ -170,17 +179,111 @@ def test_bench_sends_the_planned_requests(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     with fake_router_in_thread(servicer) as address:
         live = ["--target", address, "--rate", "400", "--request-id-prefix", "r-", "--no-progress"]
-        code = main(["bench", *flags, *live, "--output", str(out)])
+        code = main(["bench", *flags, *live, "--engine", engine, "--output", str(out)])
     assert code == 0
     assert json.loads(out.read_text())["meta"]["issued"] == len(planned)
     received = {int(r.request_id.removeprefix("r-")): r for r in servicer.received}
     assert sorted(received) == [p.index for p in planned]
+    shorter = 0
     for plan in planned:
         got = received[plan.index]
         assert list(got.prompt_token_ids) == plan.prompt_token_ids()
         assert got.slo_class == plan.class_name
         assert got.priority == plan.priority
         assert got.sampling.ignore_eos == plan.ignore_eos
-        # The one difference in replay, not in the plan: a live engine is told the answer's length
-        # through max_tokens when it must ignore EOS; the simulator's router sees the plan's cap.
-        assert got.sampling.max_tokens == sent_max_tokens(plan)
+        length = plan.true_output_tokens
+        shorter += length < plan.max_tokens
+        if engine == "sim":
+            # The router sees what simulate gives it, the cap; the answer's length travels only as
+            # a stop string that the sim engine's output first contains at that length.
+            assert got.sampling.max_tokens == plan.max_tokens
+            if length < plan.max_tokens:
+                (stop,) = got.sampling.stop
+                text = output_text(request_key(0, prompt_digest(plan.prompt_token_ids())), plan.max_tokens)
+                assert text.find(stop) + len(stop) == length
+            else:
+                assert not got.sampling.stop
+        else:
+            # A real model can only be told a length through max_tokens (with ignore_eos).
+            assert got.sampling.max_tokens == (length if plan.ignore_eos else plan.max_tokens)
+            assert not got.sampling.stop
+    assert shorter > len(planned) // 2  # the cap and the length really differ
+
+
+@contextmanager
+def cluster_in_thread(**kwargs: Any) -> Iterator[str]:
+    """A router over sim workers (:func:`embedded_cluster`) on its own event loop in a thread, so
+    the synchronous ``slo-router bench`` can drive it; yields the router's address."""
+    loop = asyncio.new_event_loop()
+    ready = threading.Event()
+    address: list[str] = []
+    failure: list[BaseException] = []
+    stop: asyncio.Event | None = None
+
+    async def serve() -> None:
+        nonlocal stop
+        stop = asyncio.Event()
+        async with embedded_cluster(**kwargs) as cluster:
+            address.append(cluster.router.address)
+            ready.set()
+            await stop.wait()
+
+    def run() -> None:
+        try:
+            loop.run_until_complete(serve())
+        except BaseException as exc:  # reported to the test below
+            failure.append(exc)
+            ready.set()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        assert ready.wait(timeout=60), "the cluster did not start"
+        assert not failure, failure
+        yield address[0]
+    finally:
+        if stop is not None:
+            loop.call_soon_threadsafe(stop.set)
+        thread.join(timeout=60)
+        loop.close()
+
+
+#: Sim workers fast enough for a short test, and large enough for the mixed preset's caps.
+FAST_ENGINES = {"speed_factor": 50.0, "max_model_len": 8192, "kv_capacity_tokens": 131072}
+
+
+@pytest.mark.parametrize(
+    ("mode", "engine"),
+    [("pd", "sim"), ("neutral", "sim"), ("neutral", "vllm")],
+    ids=["pd", "neutral", "vllm"],
+)
+def test_a_live_router_streams_each_answer_at_its_planned_length(
+    tmp_path: Path, mode: str, engine: str
+) -> None:
+    """Over a real router and sim workers, every answer has exactly the plan's length, and its
+    finish reason and usage say how it ended: ``--engine sim`` sends the cap, so an answer shorter
+    than it ends on the stop string ("stop"); ``--engine vllm`` sends the length ("length")."""
+    flags = ["--workload", "mixed", "--seed", "2", "--num-requests", "24", "--rate", "12"]
+    planned = bench_plans(flags)
+    roles = {"prefill": 1, "decode": 1} if mode == "pd" else {"neutral": 2}
+    out = tmp_path / "bench.json"
+    with cluster_in_thread(policy="load-balance", engine_overrides=FAST_ENGINES, **roles) as address:
+        live = ["--target", address, "--engine", engine, "--no-progress", "--output", str(out)]
+        assert main(["bench", *flags, *live]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["meta"]["engine"] == engine
+    assert doc["overall"]["errors"] == 0, doc["overall"]  # usage agreed with the stream, etc.
+    results = {r["index"]: r for r in doc["requests"]}
+    assert sorted(results) == [p.index for p in planned]
+    stopped = 0
+    for plan in planned:
+        r = results[plan.index]
+        assert r["completion_tokens"] == plan.true_output_tokens
+        shorter = plan.true_output_tokens < plan.max_tokens
+        stopped += shorter
+        assert r["finish_reason"] == ("stop" if shorter and engine == "sim" else "length")
+        if mode == "pd":
+            assert r["prefill_instance_id"] == "prefill-0" and r["decode_instance_id"] == "decode-0"
+    assert stopped > len(planned) // 2
+    # Judged as before: attainment, goodput and tokens from the measured streams.
+    assert doc["overall"]["completion_tokens"] == sum(p.true_output_tokens for p in planned)

@@ -171,6 +171,8 @@ def test_bench_replays_the_same_trace_through_a_router(
     servicer = FakeRouter(token_delay_s=0.0)
     out = tmp_path / "bench.json"
     args = ["--workload", f"trace:{AZURE}", "--num-requests", "12", "--trace-speed", "1000", "--no-progress"]
+    # The fake router is not a sim engine (its tokens are its own): run bench as for a real model.
+    args += ["--engine", "vllm"]
     with fake_router_in_thread(servicer) as address:
         code = main(["bench", "--target", address, *args, "--output", str(out)])
     assert code == 0
