@@ -28,12 +28,13 @@ import pytest
 
 import bench.cli
 import sim.cli
+from bench.loadgen import LoadConfig, build_request
 from engine.outputs import output_text, prompt_digest, request_key
 from fleet.prefix import id_block_hashes, token_block_hashes
 from router.cli import build_parser, main
 from tests.bench.fake_router import FakeRouter, fake_router_in_thread
 from tests.router.e2e.cluster import embedded_cluster
-from workload.spec import RequestPlan
+from workload.spec import RequestPlan, SloTarget
 
 BURSTY = ("--burstiness", "0.5")
 TRACE = Path(__file__).resolve().parents[1] / "data" / "traces" / "mooncake-conversation-head300.jsonl"
@@ -287,3 +288,28 @@ def test_a_live_router_streams_each_answer_at_its_planned_length(
     assert stopped > len(planned) // 2
     # Judged as before: attainment, goodput and tokens from the measured streams.
     assert doc["overall"]["completion_tokens"] == sum(p.true_output_tokens for p in planned)
+
+
+async def test_a_decode_failover_keeps_the_planned_length() -> None:
+    """The stop string travels with the request: killing the decode worker mid-answer, the router
+    resumes on the other decoder with the tokens so far, and the answer still ends at its planned
+    length, not at the cap the router was given."""
+    plan = RequestPlan(0, 0.0, "c", 64, 400, SloTarget(), prompt_seed=5, output_tokens=150)
+    request = build_request(plan, LoadConfig(engine="sim"))
+    assert request.sampling.max_tokens == 400 and len(request.sampling.stop) == 1
+    async with embedded_cluster(prefill=1, decode=2, engine_overrides={"speed_factor": 5.0}) as cluster:
+        tokens: list[int] = []
+        last = None
+        killed = False
+        async for message in cluster.stub.Generate(request, timeout=60):
+            if message.HasField("route"):
+                decoder = message.route.decode_instance_id
+            tokens.extend(message.token_ids)
+            last = message
+            if not killed and len(tokens) >= 10:
+                await cluster.kill_worker(decoder)
+                killed = True
+    assert killed and last is not None
+    key = request_key(0, prompt_digest(plan.prompt_token_ids()))
+    assert bytes(tokens).decode() == output_text(key, 150)
+    assert last.finished and last.finish_reason == "stop" and last.usage.completion_tokens == 150
