@@ -29,9 +29,13 @@ import pytest
 import bench.cli
 import sim.cli
 from bench.loadgen import LoadConfig, build_request
+from engine.model import SimConfig
 from engine.outputs import output_text, prompt_digest, request_key
 from fleet.prefix import id_block_hashes, token_block_hashes
 from router.cli import build_parser, main
+from router.core.config import SchedulerConfig
+from sim.cluster import SimFleet, simulate
+from sim.fleet import fleet_from_counts
 from tests.bench.fake_router import FakeRouter, fake_router_in_thread
 from tests.router.e2e.cluster import embedded_cluster
 from workload.spec import RequestPlan, SloTarget
@@ -288,6 +292,31 @@ def test_a_live_router_streams_each_answer_at_its_planned_length(
     assert stopped > len(planned) // 2
     # Judged as before: attainment, goodput and tokens from the measured streams.
     assert doc["overall"]["completion_tokens"] == sum(p.true_output_tokens for p in planned)
+
+
+def test_an_eos_ends_the_same_answers_live_and_simulated(tmp_path: Path) -> None:
+    """Classes without ``ignore_eos`` on engines with an ``eos_probability``: the simulator draws
+    each EOS as the sim worker does (from the prompt's tokens and the seed bench sends), so live and
+    simulated runs cut the same answers at the same token."""
+    path = tmp_path / "parity.yaml"
+    path.write_text(WORKLOAD_FILE)
+    flags = ["--workload", str(path), "--seed", "5", "--num-requests", "24", "--rate", "12"]
+    planned = bench_plans(flags)
+    eos = 0.01
+    fleet = SimFleet(fleet_from_counts(neutral=2, engine=SimConfig(eos_probability=eos)))
+    outcome = simulate(fleet, SchedulerConfig(scheduling_policy="load-balance"), planned, seed=0)
+    simulated = {r.index: r.completion_tokens for r in outcome.results}
+    out = tmp_path / "bench.json"
+    engines = {**FAST_ENGINES, "eos_probability": eos}
+    with cluster_in_thread(policy="load-balance", engine_overrides=engines, neutral=2) as address:
+        live = ["--target", address, "--no-progress", "--output", str(out)]
+        assert main(["bench", *flags, *live]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["overall"]["errors"] == 0
+    streamed = {r["index"]: r["completion_tokens"] for r in doc["requests"]}
+    assert streamed == simulated
+    cut = [p for p in planned if streamed[p.index] < p.true_output_tokens]
+    assert cut and all(not p.ignore_eos for p in cut)  # some answers really ended at an EOS
 
 
 async def test_a_decode_failover_keeps_the_planned_length() -> None:
