@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from slorouter.v1 import router_pb2
 
 import bench.cli
 import sim.cli
@@ -342,3 +343,38 @@ async def test_a_decode_failover_keeps_the_planned_length() -> None:
     key = request_key(0, prompt_digest(plan.prompt_token_ids()))
     assert bytes(tokens).decode() == output_text(key, 150)
     assert last.finished and last.finish_reason == "stop" and last.usage.completion_tokens == 150
+
+
+async def test_the_router_decides_the_same_with_or_without_the_stop_string() -> None:
+    """A stop string is no length hint: once the length predictor has samples, the dry run of a
+    request decides and predicts the same with bench's stop string as without it, while a cap the
+    router does read (max_tokens 2) changes the prediction."""
+    plans = bench_plans(["--workload", "mixed", "--seed", "8", "--num-requests", "12"])
+    config = LoadConfig(engine="sim")
+    async with embedded_cluster(neutral=2, engine_overrides=FAST_ENGINES) as cluster:
+        for plan in plans[:10]:  # answers the predictor learns from
+            async for _ in cluster.stub.Generate(build_request(plan, config), timeout=60):
+                pass
+        probe = build_request(plans[10], config)
+        assert probe.sampling.stop and probe.sampling.max_tokens > 2
+        bare, short = router_pb2.GenerateRequest(), router_pb2.GenerateRequest()
+        bare.CopyFrom(probe)
+        del bare.sampling.stop[:]
+        short.CopyFrom(bare)
+        short.sampling.max_tokens = 2
+
+        async def dry(request: router_pb2.GenerateRequest) -> router_pb2.ScheduleResponse:
+            reply: router_pb2.ScheduleResponse = await cluster.stub.Schedule(
+                router_pb2.ScheduleRequest(request=request, explain=True), timeout=10
+            )
+            return reply
+
+        for _ in range(20):  # until the view holds still over the four calls (workers report every 0.2 s)
+            first, without, capped, again = [await dry(r) for r in (probe, bare, short, probe)]
+            if first == again:
+                break
+            await asyncio.sleep(0.3)
+        else:
+            raise AssertionError("the router's view never held still over four dry runs")
+    assert without == first
+    assert capped != first
