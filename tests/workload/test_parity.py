@@ -278,12 +278,20 @@ def test_a_live_router_streams_each_answer_at_its_planned_length(
         assert main(["bench", *flags, *live]) == 0
     doc = json.loads(out.read_text())
     assert doc["meta"]["engine"] == engine
-    assert doc["overall"]["errors"] == 0, doc["overall"]  # usage agreed with the stream, etc.
     results = {r["index"]: r for r in doc["requests"]}
     assert sorted(results) == [p.index for p in planned]
+    # No error but refusals at arrival: among others, usage agreed with the stream and the length
+    # with the plan. (Before any answer has finished the router costs a request by its cap, as in
+    # simulate: a 4 s e2e target may look out of reach then.)
+    refused = {i for i, r in results.items() if r["error_code"] == "RESOURCE_EXHAUSTED" and not r["ttft_ms"]}
+    assert doc["overall"]["errors"] == len(refused) <= len(planned) // 4, doc["overall"][
+        "first_error_by_code"
+    ]
     stopped = 0
     for plan in planned:
         r = results[plan.index]
+        if plan.index in refused:
+            continue
         assert r["completion_tokens"] == plan.true_output_tokens
         shorter = plan.true_output_tokens < plan.max_tokens
         stopped += shorter
@@ -292,7 +300,8 @@ def test_a_live_router_streams_each_answer_at_its_planned_length(
             assert r["prefill_instance_id"] == "prefill-0" and r["decode_instance_id"] == "decode-0"
     assert stopped > len(planned) // 2
     # Judged as before: attainment, goodput and tokens from the measured streams.
-    assert doc["overall"]["completion_tokens"] == sum(p.true_output_tokens for p in planned)
+    completed = sum(p.true_output_tokens for p in planned if p.index not in refused)
+    assert doc["overall"]["completion_tokens"] == completed
 
 
 def test_an_eos_ends_the_same_answers_live_and_simulated(tmp_path: Path) -> None:
@@ -306,17 +315,20 @@ def test_an_eos_ends_the_same_answers_live_and_simulated(tmp_path: Path) -> None
     eos = 0.01
     fleet = SimFleet(fleet_from_counts(neutral=2, engine=SimConfig(eos_probability=eos)))
     outcome = simulate(fleet, SchedulerConfig(scheduling_policy="load-balance"), planned, seed=0)
-    simulated = {r.index: r.completion_tokens for r in outcome.results}
+    simulated = {r.index: r.completion_tokens for r in outcome.results if r.ok}
     out = tmp_path / "bench.json"
     engines = {**FAST_ENGINES, "eos_probability": eos}
     with cluster_in_thread(policy="load-balance", engine_overrides=engines, neutral=2) as address:
         live = ["--target", address, "--no-progress", "--output", str(out)]
         assert main(["bench", *flags, *live]) == 0
     doc = json.loads(out.read_text())
-    assert doc["overall"]["errors"] == 0
-    streamed = {r["index"]: r["completion_tokens"] for r in doc["requests"]}
-    assert streamed == simulated
-    cut = [p for p in planned if streamed[p.index] < p.true_output_tokens]
+    streamed = {r["index"]: r["completion_tokens"] for r in doc["requests"] if r["error_code"] is None}
+    # Either run may refuse a request at arrival (each predicts with its own clock); the rest agree.
+    assert {r["error_code"] for r in doc["requests"]} <= {None, "RESOURCE_EXHAUSTED"}
+    both = streamed.keys() & simulated.keys()
+    assert len(both) >= 0.75 * len(planned)
+    assert {i: streamed[i] for i in both} == {i: simulated[i] for i in both}
+    cut = [p for p in planned if p.index in both and streamed[p.index] < p.true_output_tokens]
     assert cut and all(not p.ignore_eos for p in cut)  # some answers really ended at an EOS
 
 
