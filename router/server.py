@@ -39,7 +39,7 @@ from fleet.flags import (
 from openai_http.app import DEFAULT_MAX_BODY_BYTES, HttpServer
 from openai_http.bounded import EdgeLimits
 from predictor import LatencyPredictor
-from router.admission import Admission
+from router.admission import Admission, make_admission
 from router.chat_template import ChatTemplate, FallbackChatTemplate, load_chat_template
 from router.core.config import SchedulerConfig, name_flags
 from router.core.health import OutlierConfig, OutlierDetector
@@ -59,7 +59,6 @@ from router.pool import (
     add_keepalive_arguments,
     keepalive_from_args,
 )
-from router.qlm_admission import QlmAdmission, make_admission
 from router.service import RouterService, ServiceConfig
 from router.slicing import SliceDispatcher, slice_config_from_args
 from router.slicing import add_arguments as add_slice_arguments
@@ -91,7 +90,7 @@ class RouterServer:
     server: grpc.aio.Server
     service: RouterService
     scheduler: Scheduler
-    admission: Admission | QlmAdmission
+    admission: Admission
     reader: ClusterReader
     pool: ChannelPool
     workers: WorkerClient
