@@ -500,8 +500,12 @@ def run_dispatch_sweep(
     num_requests: int,
     seed: int = 0,
     on_run: Callable[[SweepPoint, int, int], None] | None = None,
+    plans_for: Callable[[WorkloadSpec, float], list[RequestPlan]] | None = None,
 ) -> list[DispatchPoint]:
-    """Rate-major runs: per rate, every policy in ``request`` mode, then one ``slice`` run (max-min)."""
+    """Rate-major runs: per rate, every policy in ``request`` mode, then one ``slice`` run (max-min).
+
+    ``plans_for(spec, rate)`` makes each rate's plan (a trace replay) instead of drawing it.
+    """
     if not workload.arrival.open_loop:
         raise ValueError("the simulator replays open-loop arrivals; convert the workload with open_loop()")
     if ("slice" in modes or "auto" in modes) and any(role is not Role.NEUTRAL for role in fleet.roles):
@@ -512,7 +516,10 @@ def run_dispatch_sweep(
     )
     for rate in rates:
         spec = workload.with_arrival(rate_per_s=rate)
-        plans = request_sequence(workload, seed=seed, num_requests=num_requests, rate=rate)
+        if plans_for is None:
+            plans = request_sequence(workload, seed=seed, num_requests=num_requests, rate=rate)
+        else:
+            plans = plans_for(spec, rate)
         for mode in modes:
             if mode == "request":
                 for policy in policies:
@@ -671,6 +678,8 @@ def run_cli(
     rates: Sequence[float],
     title: str,
     progress: Callable[[SweepPoint, int, int], None],
+    *,
+    plans_for: Callable[[WorkloadSpec, float], list[RequestPlan]] | None = None,
 ) -> int:
     """``simulate --dispatch-modes ...``: run, print the table, write ``--output``."""
     try:
@@ -700,6 +709,7 @@ def run_cli(
             num_requests=args.num_requests,
             seed=args.seed,
             on_run=progress,
+            plans_for=plans_for,
         )
     except KeyboardInterrupt:
         print("\ninterrupted; no report written", file=sys.stderr)

@@ -251,7 +251,22 @@ def _out(ctx: DecisionContext, config: SchedulerConfig) -> float:
 # ----------------------------------------------------------------------------- KV over life
 
 
-@_register("kv_growth_tokens", MetricScope.LOAD)
+def _kv_growth_at(ctx: DecisionContext, config: SchedulerConfig, i: int) -> float:
+    """``kv_growth_tokens`` at view index ``i`` alone: the column's float operations in the same
+    order on Python floats (IEEE doubles, as numpy's), so the same value."""
+    table = ctx.view.instances
+    inflight = ctx.view.inflight
+    n = table.decode_requests.item(i) + inflight.decode_requests.item(i)
+    context = table.decode_tokens.item(i) + inflight.decode_tokens.item(i)
+    known = inflight.resident_requests.item(i)
+    covered = known if known <= n else n
+    final = inflight.resident_tokens.item(i) * (covered / known if known > 0 else 0.0)
+    context_covered = context * (covered / n if n > 0 else 0.0)
+    grown = final - context_covered
+    return (0.0 if grown < 0.0 else grown) + (n - covered) * config.packing_default_output_tokens
+
+
+@_register("kv_growth_tokens", MetricScope.LOAD, at=_kv_growth_at)
 def _kv_growth_tokens(ctx: DecisionContext, config: SchedulerConfig) -> FloatArray:
     table = ctx.view.instances
     inflight = ctx.view.inflight
@@ -307,17 +322,24 @@ def kv_all_alive_tokens(n: int, instance: IntArray, context: FloatArray, remaini
 @_register("kv_peak_projected", MetricScope.DECISION)
 def _kv_peak_projected(ctx: DecisionContext, config: SchedulerConfig) -> FloatArray:
     table = ctx.view.instances
-    used = (
-        table.used_kv_tokens
-        + table.uncomputed_prefill_tokens
-        + ctx.view.inflight.tokens
-        + ctx.metric("kv_growth_tokens")
-    )
+    # The load's part reads the snapshot and the in-flight account only: kept with the view's load
+    # (the same sum, so the same values as summing it per decision).
+    growth = ctx.metric("kv_growth_tokens")
+    memo = ctx.view.load_memo
+    found: tuple[FloatArray, FloatArray] | None = memo.get(_KV_LOAD)
+    if found is not None and found[0] is growth:
+        used = found[1]
+    else:
+        used = table.used_kv_tokens + table.uncomputed_prefill_tokens + ctx.view.inflight.tokens + growth
+        memo[_KV_LOAD] = (growth, used)
     if ctx.request is not None:
         used = used + (ctx.prompt_tokens + _out(ctx, config))
     capacity = table.kv_capacity_tokens
     peak: FloatArray = np.divide(used, capacity, out=np.full(table.n, np.inf), where=capacity > 0)
     return peak
+
+
+_KV_LOAD = "kv_peak_projected_load"
 
 
 def _kv_life_at(ctx: DecisionContext, config: SchedulerConfig, i: int) -> float:
@@ -622,7 +644,17 @@ def overpacked_mask(table: InstanceTable, tpot_target_ms: float, factor: float) 
 
 @_register("overpacked", MetricScope.DECISION)
 def _overpacked(ctx: DecisionContext, config: SchedulerConfig) -> FloatArray:
-    return overpacked_mask(ctx.view.instances, ctx.tpot_slo_ms, config.overpacked_tpot_factor)
+    # A function of the snapshot and the request's TPOT target: kept with the snapshot's columns
+    # per target (read-only: every decision on the snapshot shares it).
+    table = ctx.view.instances
+    key = ("overpacked", ctx.tpot_slo_ms, config.overpacked_tpot_factor)
+    mask: FloatArray | None = table.memo.get(key)
+    if mask is None:
+        mask = overpacked_mask(table, ctx.tpot_slo_ms, config.overpacked_tpot_factor)
+        mask.setflags(write=False)
+        if len(table.memo) < 4096:  # targets come from requests: bounded
+            table.memo[key] = mask
+    return mask
 
 
 # ----------------------------------------------------------------------------- adaptive PD's prefill room
