@@ -922,6 +922,7 @@ class _Simulation:
             e2e_slo_ms=plan.slo.e2e_ms or 0.0,
             expected_output_tokens=r.expected,
             output_tokens_bound=bound,
+            output_tokens_prior=not learned,
             max_tokens=plan.max_tokens,
             priority=plan.priority,
             slo_class=plan.class_name,
