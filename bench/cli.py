@@ -25,19 +25,18 @@ from workload.report import (
     summarize,
     write_json,
 )
+from workload.sequence import request_sequence, shape_arrivals
 from workload.spec import (
     CLASS_PRESETS,
     DEFAULT_WORKLOAD,
     WORKLOAD_PRESETS,
-    ArrivalProcess,
     RequestPlan,
     WorkloadError,
     WorkloadSpec,
-    generate_requests,
     load_workload,
     workload_to_dict,
 )
-from workload.traces import add_trace_arguments, is_trace, load_trace, trace_options
+from workload.traces import Trace, add_trace_arguments, is_trace, load_trace, trace_options
 
 #: Requests planned when neither --num-requests nor --duration is given.
 DEFAULT_NUM_REQUESTS = 200
@@ -200,26 +199,44 @@ def register(subparsers: Any) -> None:
 
 
 def resolve_workload(args: argparse.Namespace) -> WorkloadSpec:
-    """The workload of ``--workload`` with the arrival flags applied."""
-    spec = load_workload(args.workload)
-    arrival = spec.arrival
-    if args.concurrency is not None:
-        if args.burstiness is not None:
-            raise WorkloadError(
-                "--burstiness shapes open-loop arrivals; it cannot be used with --concurrency"
-            )
-        arrival = dataclasses.replace(arrival, process=ArrivalProcess.CLOSED, concurrency=args.concurrency)
-    else:
-        if args.rate is not None:
-            arrival = dataclasses.replace(arrival, rate_per_s=args.rate)
-            if arrival.process is ArrivalProcess.CLOSED:
-                arrival = dataclasses.replace(arrival, process=ArrivalProcess.POISSON, burstiness=1.0)
-        if args.burstiness is not None:
-            process = ArrivalProcess.POISSON if args.burstiness == 1.0 else ArrivalProcess.GAMMA
-            arrival = dataclasses.replace(arrival, process=process, burstiness=args.burstiness)
+    """The workload of ``--workload`` with the arrival flags applied (the rule ``simulate`` uses too)."""
+    spec = shape_arrivals(
+        load_workload(args.workload), rate=args.rate, burstiness=args.burstiness, concurrency=args.concurrency
+    )
     if args.model:
         spec = dataclasses.replace(spec, model=args.model)
-    return dataclasses.replace(spec, arrival=arrival)
+    return spec
+
+
+def load_source(args: argparse.Namespace) -> tuple[WorkloadSpec, Trace | None]:
+    """The workload of ``--workload`` with the arrival flags applied, and the trace it came from (if any)."""
+    if not is_trace(args.workload):
+        return resolve_workload(args), None
+    if args.concurrency is not None or args.burstiness is not None:
+        raise WorkloadError("a trace replays its own arrivals: drop --concurrency and --burstiness")
+    trace = load_trace(args.workload, trace_options(args))
+    spec = trace.workload()
+    if args.model:
+        spec = dataclasses.replace(spec, model=args.model)
+    return spec, trace
+
+
+def plan_requests(args: argparse.Namespace, spec: WorkloadSpec, trace: Trace | None) -> list[RequestPlan]:
+    """The requests ``bench`` sends: :func:`workload.sequence.request_sequence`, the function
+    ``simulate`` plans with, so the same workload, seed and rate give the same requests on both."""
+    num_requests = args.num_requests
+    if num_requests is None and args.duration is None and trace is None:
+        num_requests = DEFAULT_NUM_REQUESTS
+    if num_requests is None and not spec.arrival.open_loop:
+        num_requests = CLOSED_LOOP_PLAN_CAP
+    # The rate is already in a workload's arrival process; a trace is rescaled to it here.
+    return request_sequence(
+        spec if trace is None else trace,
+        seed=args.seed,
+        num_requests=num_requests,
+        rate=args.rate if trace is not None else None,
+        duration_s=args.duration,
+    )
 
 
 #: Config and workload fields behind bench's flags: errors name the flag the user typed.
@@ -254,17 +271,8 @@ def run(args: argparse.Namespace) -> int:
     if args.concurrency is not None and args.concurrency < 1:
         print(error_line(f"--concurrency {args.concurrency}: must be >= 1"), file=sys.stderr)
         return 2
-    trace = None
     try:
-        if is_trace(args.workload):
-            if args.concurrency is not None or args.burstiness is not None:
-                raise WorkloadError("a trace replays its own arrivals: drop --concurrency and --burstiness")
-            trace = load_trace(args.workload, trace_options(args))
-            spec = trace.workload()
-            if args.model:
-                spec = dataclasses.replace(spec, model=args.model)
-        else:
-            spec = resolve_workload(args)
+        spec, trace = load_source(args)
     except (WorkloadError, ValueError) as exc:
         print(error_line(exc), file=sys.stderr)
         return 2
@@ -278,20 +286,8 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    num_requests = args.num_requests
-    if num_requests is None and args.duration is None and trace is None:
-        num_requests = DEFAULT_NUM_REQUESTS
-    if num_requests is None and not spec.arrival.open_loop:
-        num_requests = CLOSED_LOOP_PLAN_CAP
     try:
-        if trace is not None:
-            plans = trace.plans(num_requests, rate=args.rate)
-            if args.duration is not None:
-                plans = [p for p in plans if p.arrival_s < args.duration]
-        else:
-            plans = generate_requests(
-                spec, rng=args.seed, num_requests=num_requests, duration_s=args.duration
-            )
+        plans = plan_requests(args, spec, trace)
         config = LoadConfig(
             target=args.target,
             tls_ca_file=args.tls_ca,

@@ -8,6 +8,7 @@ import importlib.util
 import json
 import math
 import sys
+from collections.abc import Callable
 from typing import Any, cast
 
 from engine.model import SimConfig
@@ -21,6 +22,7 @@ from router.core.policies import build_policy
 from router.core.qlm import QlmConfig
 from router.core.queue import QueueConfig
 from router.core.registry import POLICIES
+from router.core.request import Role
 from sim import slicing
 from sim.cluster import SimFleet
 from sim.fleet import (
@@ -36,9 +38,9 @@ from sim.sweep import (
     SLO_ADAPTIVE_PD,
     PolicyChoice,
     SweepPoint,
+    format_desired_table,
     format_prediction_table,
     format_sweep_table,
-    open_loop,
     plot_sweep,
     policy_overrides,
     run_sweep,
@@ -46,6 +48,7 @@ from sim.sweep import (
     write_sweep_json,
 )
 from workload.report import PlotUnavailableError
+from workload.sequence import request_sequence, shape_arrivals
 from workload.spec import DEFAULT_WORKLOAD, RequestPlan, WorkloadError, WorkloadSpec, load_workload
 from workload.traces import Trace, add_trace_arguments, is_trace, load_trace, trace_options
 
@@ -119,9 +122,11 @@ policies (--policies): a registered policy ({", ".join(POLICIES.names())}),
   either role per request), or a policy YAML file (--policy-config format).
 
 workload: as for `slo-router bench --workload` (presets, class mixes, JSON/YAML files, trace:FILE);
-  a trace replays its own timing unless --rates is given (then its gaps are scaled to each rate);
-  --rates sets the mean arrival rate of each run, the workload's burstiness (or --burstiness)
-  shapes the gaps, and a closed-loop workload is replayed as Poisson arrivals.
+  a trace replays its own timing unless --rates is given (then its gaps are scaled to each rate;
+  --burstiness is refused, as in bench); --rates sets the mean arrival rate of each run, the
+  workload's burstiness (or --burstiness) shapes the gaps, and a closed-loop workload is replayed
+  as Poisson arrivals. The same workload, --seed, --num-requests and rate give the same requests
+  as `slo-router bench` (same arrival times, prompts, caps and answer lengths).
 
 what is simulated: the router's scheduling core places every request at its arrival on the
   live load of the simulated instances (status pushed on every change, as the agents do);
@@ -423,6 +428,50 @@ def parse_queue_policies(text: str, args: argparse.Namespace) -> list[QueueConfi
     return queues
 
 
+def load_source(args: argparse.Namespace) -> tuple[WorkloadSpec, Trace | None, list[float]]:
+    """The workload (open loop), the trace it came from (if ``--workload trace:FILE``) and the rates.
+
+    Also settles ``args.num_requests`` (a trace's length, else :data:`DEFAULT_NUM_REQUESTS`).
+    """
+    trace: Trace | None = None
+    if is_trace(args.workload):
+        if args.burstiness is not None:  # as `bench` says: the trace's own gaps are replayed, only rescaled
+            raise WorkloadError("a trace replays its own arrivals: drop --burstiness")
+        trace = load_trace(args.workload, trace_options(args))
+        workload = trace.workload()
+        if args.num_requests is None:
+            args.num_requests = len(trace.records)
+        rates = [workload.arrival.rate_per_s] if args.rates is None else parse_rates(args.rates)
+    else:
+        workload = shape_arrivals(load_workload(args.workload), burstiness=args.burstiness, open_loop=True)
+        if workload.model:
+            raise WorkloadError(
+                f"workload {args.workload}: 'model' ({workload.model!r}) is not simulated (a simulated "
+                "fleet serves any model); remove it from the file for simulate"
+            )
+        rates = parse_rates(args.rates or DEFAULT_RATES)
+    if args.num_requests is None:
+        args.num_requests = DEFAULT_NUM_REQUESTS
+    return workload, trace, rates
+
+
+def run_plans(
+    args: argparse.Namespace, workload: WorkloadSpec, trace: Trace | None
+) -> Callable[[WorkloadSpec, float], list[RequestPlan]]:
+    """Each rate's requests, as :func:`sim.sweep.run_sweep` asks for them: the function ``slo-router
+    bench`` plans with (:func:`workload.sequence.request_sequence`), so the same workload, seed and
+    rate give the same requests on both. A trace keeps its own timing unless ``--rates`` is given."""
+    source: WorkloadSpec | Trace = workload if trace is None else trace
+    native = trace is not None and args.rates is None
+
+    def plans(_spec: WorkloadSpec, rate: float) -> list[RequestPlan]:
+        return request_sequence(
+            source, seed=args.seed, num_requests=args.num_requests, rate=None if native else rate
+        )
+
+    return plans
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         spec = _fleet(args)
@@ -432,24 +481,8 @@ def run(args: argparse.Namespace) -> int:
     if args.print_fleet:
         print(json.dumps(fleet_to_dict(spec), indent=2))
         return 0
-    trace: Trace | None = None
     try:
-        if is_trace(args.workload):
-            trace = load_trace(args.workload, trace_options(args))
-            workload = trace.workload()
-            if args.num_requests is None:
-                args.num_requests = len(trace.records)
-            rates = [workload.arrival.rate_per_s] if args.rates is None else parse_rates(args.rates)
-        else:
-            workload = open_loop(load_workload(args.workload), args.burstiness)
-            if workload.model:
-                raise WorkloadError(
-                    f"workload {args.workload}: 'model' ({workload.model!r}) is not simulated (a simulated "
-                    "fleet serves any model); remove it from the file for simulate"
-                )
-            rates = parse_rates(args.rates or DEFAULT_RATES)
-        if args.num_requests is None:
-            args.num_requests = DEFAULT_NUM_REQUESTS
+        workload, trace, rates = load_source(args)
         policies = parse_policies(args.policies, args)
         queues = parse_queue_policies(args.queue_policies, args)
         qlm = parse_qlm(args)
@@ -471,7 +504,6 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
     arrivals = workload.arrival.describe().split(",")[0]
-    plans_for = None
     if trace is not None:
         arrivals = (
             f"{trace.format} trace, {len(trace.records)} requests over {trace.span_s:.0f} s"
@@ -482,12 +514,6 @@ def run(args: argparse.Namespace) -> int:
             )
             + f", classes {trace.rule.describe()}, max_tokens {trace.max_tokens}"
         )
-        replayed = trace
-        native = args.rates is None
-
-        def plans_for(_spec: WorkloadSpec, rate: float) -> list[RequestPlan]:
-            return replayed.plans(args.num_requests, rate=None if native else rate)
-
     title = (
         f"slo-router simulate: {spec.describe()}; workload {workload.name} "
         f"({arrivals}), {args.num_requests} requests per run, seed {args.seed}"
@@ -508,14 +534,16 @@ def run(args: argparse.Namespace) -> int:
         )
 
     if args.dispatch_modes is not None:
-        if trace is not None:
-            print(
-                "error: --dispatch-modes (slice-level dispatch) replays synthetic workloads only; "
-                "drop it or use a preset/file workload",
-                file=sys.stderr,
-            )
-            return 2
-        return slicing.run_cli(args, fleet, workload, policies, rates, title, progress)
+        return slicing.run_cli(
+            args,
+            fleet,
+            workload,
+            policies,
+            rates,
+            title,
+            progress,
+            plans_for=run_plans(args, workload, trace),
+        )
     try:
         points = run_sweep(
             fleet,
@@ -530,7 +558,7 @@ def run(args: argparse.Namespace) -> int:
             queues=queues,
             qlm=qlm,
             oracle_lengths=args.oracle_lengths,
-            plans_for=plans_for,
+            plans_for=run_plans(args, workload, trace),
         )
     except KeyboardInterrupt:
         print("\ninterrupted; no report written", file=sys.stderr)
@@ -542,6 +570,10 @@ def run(args: argparse.Namespace) -> int:
     print(format_sweep_table(points))
     print()
     print(format_prediction_table(points))
+    desired = format_desired_table(points, pd=not all(r is Role.NEUTRAL for r in fleet.roles))
+    if desired:
+        print()
+        print(desired)
     meta = sweep_meta(fleet, workload, policies, rates, num_requests=args.num_requests, seed=args.seed)
     meta["calibrations"] = calibrations
     meta["oracle_lengths"] = args.oracle_lengths

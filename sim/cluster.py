@@ -115,6 +115,7 @@ from fleet.prefix import id_block_hashes
 from fleet.snapshot import ClusterSnapshot, InstanceRecord
 from predictor import LatencyPredictor
 from router.core.calibration import Calibrator
+from router.core.capacity import InstanceRates, LoadShape, LoadTracker, instance_rates
 from router.core.columns import (
     INFLIGHT_ROWS,
     ClusterView,
@@ -139,6 +140,7 @@ from router.core.dispatch import (
 )
 from router.core.errors import LateError, SchedulingError, status_name
 from router.core.lengths import LengthConfig, LengthPredictor
+from router.core.packing import resident_tpot_need_ms
 from router.core.plugins import Policy
 from router.core.predictors import PredictorSet
 from router.core.prefix import ExactPrefixIndex, PrefixRouting
@@ -146,6 +148,7 @@ from router.core.qlm import QlmConfig
 from router.core.queue import QueueConfig
 from router.core.request import Mode, Role, ScheduleInput, Targets
 from router.core.scheduler import Scheduler
+from router.core.worker_count import Desired, DesiredInstances
 from sim.fastforward import DecodeRun, DecodeStepTimes
 from sim.fleet import FleetError, FleetSpec
 from workload.report import RequestResult, slo_met
@@ -341,6 +344,8 @@ class SimOutcome:
     #: Prompt tokens the engines found in their prefix caches over those they looked up (None:
     #: no prefix caching in the run).
     cache_hit_rate: float | None = None
+    #: ``slo_router_desired_instances`` as the router would export it at the last arrival.
+    desired: Desired | None = None
 
 
 class _Req:
@@ -364,6 +369,7 @@ class _Req:
         "resident_tokens",
         "stage",
         "tokens",
+        "tpot_need_ms",
         "waiting",
     )
 
@@ -388,6 +394,8 @@ class _Req:
         #: Output tokens the router expects (its estimate at arrival) and the engine's true length.
         self.expected = 0
         self.out = 0
+        #: The TPOT its resident leg must keep (packing.resident_tpot_need_ms at its placement; 0 = none).
+        self.tpot_need_ms = 0.0
 
 
 def finished_result(
@@ -460,6 +468,11 @@ class _Simulation:
         #: What the router learns of output lengths (from finished requests only).
         self.lengths = LengthPredictor(lengths)
         self.oracle_lengths = oracle_lengths
+        #: The autoscaling signal as the router computes it (``slo_router_desired_instances``):
+        #: the last minute's load, and Eq. 7 fitted over its heartbeats; read at the last arrival.
+        self.placed = LoadTracker()
+        self.demand = DesiredInstances(self._instance_rates, default_tpot_ms=scheduler.config.tpot_slo_ms)
+        self.desired: Desired | None = None
         defaults = scheduler.config
         #: The dispatcher the router would run (router.core.dispatch), driven here in virtual time;
         #: deterministic (the run's seed, and sa's annealing budget on a modeled clock).
@@ -603,6 +616,8 @@ class _Simulation:
                 self.now = t
                 self._arrive(k, t)
                 k += 1
+                if k == n:
+                    self.desired = self.demand.desired(t, self.placed.shape(t))
             self.events += 1
         stats = SimStats(
             decisions=self.decisions,
@@ -886,9 +901,17 @@ class _Simulation:
         plan = self.plans[idx]
         r = self.reqs[idx]
         if self.oracle_lengths:
-            r.expected = self._true_length(idx, 0)
+            r.expected = bound = self._true_length(idx, 0)
         else:
-            r.expected = self.lengths.estimate(plan.class_name, plan.prompt_tokens, plan.max_tokens).tokens
+            estimate = self.lengths.estimate(plan.class_name, plan.prompt_tokens, plan.max_tokens)
+            r.expected = estimate.tokens
+            bound = estimate.bound_tokens
+        if self.oracle_lengths:
+            mean, learned = float(r.expected), True
+        else:
+            mean, learned = estimate.mean, estimate.samples > 0
+        self.placed.observe(now, plan.prompt_tokens, r.expected)
+        self.demand.observe(now, plan.prompt_tokens, mean, learned=learned, tpot_ms=plan.slo.tpot_ms or 0.0)
         request = ScheduleInput(
             request_id=str(idx),
             prompt_tokens=plan.prompt_tokens,
@@ -896,6 +919,7 @@ class _Simulation:
             tpot_slo_ms=plan.slo.tpot_ms or 0.0,
             e2e_slo_ms=plan.slo.e2e_ms or 0.0,
             expected_output_tokens=r.expected,
+            output_tokens_bound=bound,
             max_tokens=plan.max_tokens,
             priority=plan.priority,
             slo_class=plan.class_name,
@@ -921,6 +945,23 @@ class _Simulation:
                 self._handle(ViewChanged(), now)
         if r.waiting:
             self.queued += 1
+
+    def _instance_rates(self, load: LoadShape, tpot_target_ms: float) -> InstanceRates:
+        """One instance's service rates for ``load``, as the router's ``Placer`` computes them."""
+        configs = self.fleet.configs
+        kv = sorted(c.kv_capacity_tokens for c in configs)
+        chunks = sorted(c.max_num_batched_tokens for c in configs)
+        predictors = self.scheduler.predictors
+        assert predictors is not None
+        return instance_rates(
+            predictors.default,
+            mean_prompt_tokens=load.mean_prompt_tokens,
+            mean_output_tokens=load.mean_output_tokens,
+            tpot_target_ms=tpot_target_ms,
+            kv_capacity_tokens=float(kv[len(kv) // 2]) if kv else 65536.0,
+            kv_headroom=self.scheduler.config.kv_packing_headroom,
+            chunk_tokens=chunks[len(chunks) // 2] if chunks else 2048,
+        )
 
     def _true_length(self, idx: int, i: int) -> int:
         """Tokens request ``idx`` really generates when instance ``i`` generates it (engine truth)."""
@@ -1020,6 +1061,7 @@ class _Simulation:
             return
         r.predicted_ttft_ms = _finite(decision.prefill.predicted_ttft_ms)
         r.predicted_tpot_ms = _finite(decision.decode.predicted_tpot_ms)
+        r.tpot_need_ms = resident_tpot_need_ms(decision.context, self.scheduler.config)
         limit = min(self.fleet.configs[p].max_model_len, self.fleet.configs[d].max_model_len)
         if plan.prompt_tokens + plan.max_tokens > limit:
             self._fail(
@@ -1156,20 +1198,25 @@ class _Simulation:
         remaining: list[float] = []
         started: list[bool] = []
         generated: list[float] = []
+        need: list[float] = []
+        reqs = self.reqs
         for i in range(len(self.resident_on)):
-            prompts = [prompt for prompt, _ in self.resident_on[i].values()]
-            for (cur, rem, decoding), prompt in zip(self._legs_on(i, now), prompts, strict=True):
+            on = self.resident_on[i]
+            prompts = [prompt for prompt, _ in on.values()]
+            for (cur, rem, decoding), prompt, idx in zip(self._legs_on(i, now), prompts, on, strict=True):
                 instance.append(i)
                 context.append(cur)
                 remaining.append(rem)
                 started.append(decoding)
                 generated.append(max(cur - prompt, 0.0))
+                need.append(reqs[idx].tpot_need_ms or np.inf)
         found = ResidentLegs(
             np.array(instance, dtype=np.intp),
             np.array(context, dtype=np.float64),
             np.array(remaining, dtype=np.float64),
             np.array(started, dtype=bool),
             np.array(generated, dtype=np.float64),
+            np.array(need, dtype=np.float64),
         )
         self.legs_cache = (key, found)
         return found
@@ -1473,6 +1520,7 @@ def simulate(
         queue_wait_ms=tuple(r.queue_wait_s * 1e3 for r in sim.reqs),
         late=tuple(r.late for r in sim.reqs),
         cache_hit_rate=sim.cache_hit_rate() if block else None,
+        desired=sim.desired,
     )
 
 

@@ -21,11 +21,13 @@ from router.core.config import SchedulerConfig
 from router.core.dispatchers import reads_qlm_config
 from router.core.qlm import QlmConfig
 from router.core.queue import Objective, QueueConfig
+from router.core.worker_count import Desired
 from sim.cluster import SimFleet, SimOutcome, SimStats, simulate
 from sim.fleet import fleet_to_dict
 from workload.prediction import prediction_error
 from workload.report import BenchReport, PlotUnavailableError, RequestResult, slo_met, summarize
-from workload.spec import ArrivalProcess, RequestPlan, WorkloadSpec, generate_requests, workload_to_dict
+from workload.sequence import request_sequence, shape_arrivals
+from workload.spec import RequestPlan, WorkloadSpec, workload_to_dict
 
 #: The spelling of the ``slo`` policy with adaptive PD (``--enable-adaptive-pd``) in policy lists.
 SLO_ADAPTIVE_PD = "slo+adaptive-pd"
@@ -59,6 +61,8 @@ class SweepPoint:
     queue: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     #: The fleet's prefix-cache hit rate (None: no prefix caching in the run).
     cache_hit_rate: float | None = None
+    #: ``slo_router_desired_instances`` as the router would export it at the run's last arrival.
+    desired: Desired | None = None
 
     @property
     def label(self) -> str:
@@ -80,14 +84,11 @@ def policy_overrides(name: str) -> dict[str, Any]:
 
 
 def open_loop(spec: WorkloadSpec, burstiness: float | None = None) -> WorkloadSpec:
-    """``spec`` with an open-loop arrival process (closed loop becomes Poisson; ``burstiness`` applies gamma)."""
-    arrival = spec.arrival
-    if arrival.process is ArrivalProcess.CLOSED:
-        arrival = dataclasses.replace(arrival, process=ArrivalProcess.POISSON, burstiness=1.0)
-    if burstiness is not None:
-        process = ArrivalProcess.POISSON if burstiness == 1.0 else ArrivalProcess.GAMMA
-        arrival = dataclasses.replace(arrival, process=process, burstiness=burstiness)
-    return dataclasses.replace(spec, arrival=arrival)
+    """``spec`` with an open-loop arrival process (closed loop becomes Poisson; ``burstiness`` applies gamma).
+
+    The rule is :func:`workload.sequence.shape_arrivals`, the one ``slo-router bench`` applies to its flags.
+    """
+    return shape_arrivals(spec, burstiness=burstiness, open_loop=True)
 
 
 def run_sweep(
@@ -115,8 +116,9 @@ def run_sweep(
     of those once per router-queue configuration, and a ``qlm`` queue once per
     ``qlm`` configuration (labelled ``qlm``, or ``qlm-noevict`` with eviction off).
     ``oracle_lengths`` hands the policies true output lengths (an ablation: every policy label
-    then ends in ``/oracle``). ``plans_for(spec, rate)`` makes each rate's plan (a trace replay);
-    by default it is drawn from ``workload`` with ``num_requests`` and ``seed``.
+    then ends in ``/oracle``). ``plans_for(spec, rate)`` makes each rate's plan (``slo-router simulate``
+    passes :func:`sim.cli.run_plans`); by default it is
+    :func:`workload.sequence.request_sequence` of ``workload`` with ``num_requests`` and ``seed``.
     """
     if not workload.arrival.open_loop:
         raise ValueError("the simulator replays open-loop arrivals; convert the workload with open_loop()")
@@ -134,7 +136,7 @@ def run_sweep(
     for rate in rates:
         spec = workload.with_arrival(rate_per_s=rate)
         if plans_for is None:
-            plans = generate_requests(spec, rng=seed, num_requests=num_requests)
+            plans = request_sequence(workload, seed=seed, num_requests=num_requests, rate=rate)
         else:
             plans = plans_for(spec, rate)
         for policy in policies:
@@ -195,6 +197,7 @@ def _point(
         queue_policy=queue_policy,
         queue=queue_figures(outcome, report.duration_s, spec.class_names()),
         cache_hit_rate=getattr(outcome, "cache_hit_rate", None),
+        desired=getattr(outcome, "desired", None),
     )
 
 
@@ -283,6 +286,8 @@ def point_to_dict(point: SweepPoint) -> dict[str, Any]:
     doc.update(overall)
     doc["calibration"] = point.calibration
     doc["cache_hit_rate"] = point.cache_hit_rate
+    if point.desired is not None:
+        doc["desired_instances"] = dataclasses.asdict(point.desired)
     doc["prediction_error"] = dict(point.prediction_error)
     for key in ("late", "queue_wait_ms", "mean_latency_ms", "g", "by_class"):
         if key in point.queue:
@@ -432,6 +437,26 @@ def format_prediction_table(points: Sequence[SweepPoint]) -> str:
     lines.append(
         f"prediction error over successful requests after the first {skipped} (warm-up); "
         "bias > 0: slower than predicted"
+    )
+    return "\n".join(lines)
+
+
+def format_desired_table(points: Sequence[SweepPoint], pd: bool) -> str:
+    """Per run: ``slo_router_desired_instances`` at its last arrival (what an autoscaler would read)."""
+    rows = [p for p in points if p.desired is not None]
+    if not rows:
+        return ""
+    head = "prefill  decode" if pd else "neutral"
+    lines = [f"rate/s  policy{'':14}  {head}  from"]
+    for p in rows:
+        d = p.desired
+        assert d is not None
+        counts = f"{d.prefill:>7}  {d.decode:>6}" if pd else f"{d.neutral:>7}"
+        source = f"Eq. 7 over {d.heartbeats} heartbeats" if d.fitted else "the last minute's fluid demand"
+        lines.append(f"{p.rate:>6g}  {_label(p):<20}  {counts}  {source}")
+    lines.append(
+        "slo_router_desired_instances at the last arrival: Aladdin's Eq. 7 fitted online over 10 s "
+        "heartbeats of the placed load (router/core/worker_count.py)"
     )
     return "\n".join(lines)
 

@@ -11,6 +11,8 @@ them (see ``docs/layers.md``).
   arrival processes, prefixes) and :func:`workload.spec.generate_requests`,
   which turns a spec and a seed into the request plan.
 - :mod:`workload.traces`: replaying a recorded trace (CSV/JSONL) as a plan.
+- :mod:`workload.sequence`: the request sequence of a run, the one function
+  ``bench`` and ``simulate`` both plan with (same workload and seed, same requests).
 - :mod:`workload.report`: per-request results and their summary (attainment,
   goodput, latency percentiles), tables, JSON and plots.
 - :mod:`workload.prediction`: how far the router's predicted latencies were
