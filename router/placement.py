@@ -23,17 +23,19 @@ from slorouter.v1 import cms_pb2, router_pb2
 from fleet.prefix import token_block_hashes
 from fleet.snapshot import ClusterSnapshot
 from router.core.calibration import Calibrator
-from router.core.capacity import LoadTracker, estimate_instances
+from router.core.capacity import InstanceRates, LoadShape, LoadTracker, instance_rates
 from router.core.columns import ClusterView, FloatArray
 from router.core.decision import Choice, Decision
 from router.core.errors import EmptyClusterError, InvalidRequestError, NoInstanceError, SchedulingError
 from router.core.health import OutlierDetector
 from router.core.lengths import LengthPredictor
+from router.core.lifecycle import Phase, RequestState
 from router.core.packing import expected_output_tokens, overpacked_mask
 from router.core.plugins import Policy
 from router.core.queue import RouterQueue
 from router.core.request import ScheduleInput, StageRestriction, Targets, resolve_targets
 from router.core.scheduler import Scheduler
+from router.core.worker_count import DesiredInstances
 from router.route import Route, route_of
 from router.telemetry import RequestObserver
 
@@ -118,6 +120,8 @@ class Placer:
         self._limits: tuple[ClusterSnapshot, frozenset[str], dict[str, int], int] | None = None
         #: The load placed over the last minute (for ``desired_instances``).
         self.load = LoadTracker()
+        #: Aladdin's Eq. 7 per role, fitted from the heartbeats of that load (``desired_instances``).
+        self.demand = DesiredInstances(self._instance_rates, default_tpot_ms=scheduler.config.tpot_slo_ms)
         #: Output lengths learned from the requests that finished here (the policies' length estimate;
         #: a client sends only max_tokens).
         self.lengths = LengthPredictor()
@@ -192,6 +196,7 @@ class Placer:
         hashes: tuple[int, ...] = ()
         if prefix is not None and prompt_tokens is None:
             hashes = token_block_hashes(req.prompt_token_ids, prefix.block_tokens)
+        lengths = self.lengths.estimate(req.slo_class, len(req.prompt_token_ids), req.max_tokens)
         return ScheduleInput(
             request_id=req.request_id,
             prompt_tokens=len(req.prompt_token_ids) if prompt_tokens is None else prompt_tokens,
@@ -201,9 +206,8 @@ class Placer:
             exclude_instance_ids=exclude,
             stages=stages,
             e2e_slo_ms=req.e2e_slo_ms,
-            expected_output_tokens=self.lengths.estimate(
-                req.slo_class, len(req.prompt_token_ids), req.max_tokens
-            ).tokens,
+            expected_output_tokens=lengths.tokens,
+            output_tokens_bound=lengths.bound_tokens,
             max_tokens=req.max_tokens,
             priority=req.priority,
             slo_class=req.slo_class,
@@ -344,8 +348,11 @@ class Placer:
     def _observe_load(self, decision: Decision, now: float) -> None:
         request = decision.context.request
         if request is not None:
-            out = expected_output_tokens(request, self.scheduler.config.packing_default_output_tokens)
-            self.load.observe(now, request.prompt_tokens, out)
+            est = self.lengths.estimate(request.slo_class, request.prompt_tokens, request.max_tokens)
+            self.load.observe(now, request.prompt_tokens, est.tokens)
+            self.demand.observe(
+                now, request.prompt_tokens, est.mean, learned=est.samples > 0, tpot_ms=request.tpot_slo_ms
+            )
 
     def place_decode(
         self, req: PlacementRequest, generated_tokens: int, *, exclude: frozenset[str], abandoned: str
@@ -382,36 +389,43 @@ class Placer:
         values = overpacked_mask(table, config.tpot_slo_ms, config.overpacked_tpot_factor)
         return dict(zip(table.ids, values.tolist(), strict=True))
 
+    def _instance_rates(self, load: LoadShape, tpot_target_ms: float) -> InstanceRates:
+        """One instance's service rates for ``load`` (the fleet's median KV capacity and step budget)."""
+        predictors = self.scheduler.predictors
+        assert predictors is not None
+        instances = self._source.snapshot().instances
+        capacities = sorted(r.metadata.kv_capacity_tokens for r in instances if r.metadata.kv_capacity_tokens)
+        chunks = sorted(
+            r.metadata.max_num_batched_tokens for r in instances if r.metadata.max_num_batched_tokens
+        )
+        return instance_rates(
+            predictors.default,
+            mean_prompt_tokens=load.mean_prompt_tokens,
+            mean_output_tokens=load.mean_output_tokens,
+            tpot_target_ms=tpot_target_ms,
+            kv_capacity_tokens=float(capacities[len(capacities) // 2]) if capacities else 65536.0,
+            kv_headroom=self.scheduler.config.kv_packing_headroom,
+            chunk_tokens=chunks[len(chunks) // 2] if chunks else 2048,
+        )
+
     def desired_instances(self) -> dict[str, int]:
-        """Instances per role the throughput model says the load of the last minute needs.
+        """Instances per role the load of the last minute needs: Aladdin's Eq. 7 fitted online over
+        the heartbeats of the placed load (:class:`router.core.worker_count.DesiredInstances`).
 
         PD fleets (prefill- and decode-role instances registered) report
         ``prefill`` and ``decode``, others ``neutral``; the other roles are 0.
         Empty when the router has no latency profile.
         """
-        predictors = self.scheduler.predictors
-        if predictors is None:
+        if self.scheduler.predictors is None:
             return {}
-        snapshot = self._source.snapshot()
-        roles = {r.metadata.role for r in snapshot.instances}
-        capacities = sorted(
-            r.metadata.kv_capacity_tokens for r in snapshot.instances if r.metadata.kv_capacity_tokens
-        )
-        config = self.scheduler.config
-        estimate = estimate_instances(
-            predictors.default,
-            self.load.shape(self._clock()),
-            tpot_target_ms=config.tpot_slo_ms,
-            strictness=config.tpot_packing_strictness,
-            threshold=config.tpot_binpack_threshold,
-            kv_capacity_tokens=float(capacities[len(capacities) // 2]) if capacities else 65536.0,
-            kv_headroom=config.kv_packing_headroom,
-        )
+        roles = {r.metadata.role for r in self._source.snapshot().instances}
+        now = self._clock()
+        want = self.demand.desired(now, self.load.shape(now))
         pd = cms_pb2.INSTANCE_ROLE_PREFILL in roles and cms_pb2.INSTANCE_ROLE_DECODE in roles
         return {
-            "prefill": estimate.prefill if pd else 0,
-            "decode": estimate.decode if pd else 0,
-            "neutral": 0 if pd else estimate.neutral,
+            "prefill": want.prefill if pd else 0,
+            "decode": want.decode if pd else 0,
+            "neutral": 0 if pd else want.neutral,
         }
 
     def instance_counts(self) -> dict[tuple[str, str], int]:
@@ -473,6 +487,8 @@ class Placer:
         """
         now = self._clock()
         request = self.schedule_input(req)
+        # The request's lifecycle as Generate would start it: it answers which phase it would be in.
+        state = RequestState(req.request_id, started=now, prompt_tokens=request.prompt_tokens)
         if queue is not None:
             targets = resolve_targets(request, queue.default_ttft_ms, queue.default_tpot_ms, now)
             bound = min(targets.ttft_ms, queue.release_limit_ms(now, request.priority, targets.full_ttft_ms))
@@ -491,11 +507,13 @@ class Placer:
                 )
             except NoInstanceError as exc:
                 return router_pb2.ScheduleResponse(
-                    queued=True, queue_position=position, queue_reason=str(exc)
+                    queued=True, queue_position=position, queue_reason=str(exc), phase=state.phase.value
                 )
         else:
             decision = self.scheduler.schedule(self._snapshot(), request, now, dry_run=True)
+        state.to(Phase.PLACED)
         response = router_pb2.ScheduleResponse(
+            phase=state.phase.value,
             policy=decision.policy,
             mode=decision.mode.value,
             prefill=_instance_choice(decision.prefill),

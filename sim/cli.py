@@ -16,11 +16,13 @@ from fleet.flags import error_line
 from predictor import ProfileError
 from router.core.calibration import CALIBRATION_MODES
 from router.core.config import SchedulerConfig, name_flags
+from router.core.dispatchers import reads_qlm_config
 from router.core.errors import ConfigError
 from router.core.policies import build_policy
 from router.core.qlm import QlmConfig
 from router.core.queue import QueueConfig
 from router.core.registry import POLICIES
+from router.core.request import Role
 from sim import slicing
 from sim.cluster import SimFleet
 from sim.fleet import (
@@ -36,6 +38,7 @@ from sim.sweep import (
     SLO_ADAPTIVE_PD,
     PolicyChoice,
     SweepPoint,
+    format_desired_table,
     format_prediction_table,
     format_sweep_table,
     plot_sweep,
@@ -531,14 +534,16 @@ def run(args: argparse.Namespace) -> int:
         )
 
     if args.dispatch_modes is not None:
-        if trace is not None:
-            print(
-                "error: --dispatch-modes (slice-level dispatch) replays synthetic workloads only; "
-                "drop it or use a preset/file workload",
-                file=sys.stderr,
-            )
-            return 2
-        return slicing.run_cli(args, fleet, workload, policies, rates, title, progress)
+        return slicing.run_cli(
+            args,
+            fleet,
+            workload,
+            policies,
+            rates,
+            title,
+            progress,
+            plans_for=run_plans(args, workload, trace),
+        )
     try:
         points = run_sweep(
             fleet,
@@ -565,6 +570,10 @@ def run(args: argparse.Namespace) -> int:
     print(format_sweep_table(points))
     print()
     print(format_prediction_table(points))
+    desired = format_desired_table(points, pd=not all(r is Role.NEUTRAL for r in fleet.roles))
+    if desired:
+        print()
+        print(desired)
     meta = sweep_meta(fleet, workload, policies, rates, num_requests=args.num_requests, seed=args.seed)
     meta["calibrations"] = calibrations
     meta["oracle_lengths"] = args.oracle_lengths
@@ -581,7 +590,7 @@ def run(args: argparse.Namespace) -> int:
     meta["warmup_requests"] = args.warmup_requests
     meta["queue_policies"] = [q.queue_policy for q in queues]
     meta["queue"] = dataclasses.asdict(queues[0]) | {"queue_policy": None}
-    if any(q.queue_policy == "qlm" for q in queues):
+    if any(reads_qlm_config(q.queue_policy) for q in queues):
         meta["qlm"] = [dataclasses.asdict(q) for q in qlm]
     if args.output:
         write_sweep_json(args.output, points, meta)

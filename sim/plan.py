@@ -2,8 +2,10 @@
 
 Two steps, after Aladdin's worker-count prediction (seed 001):
 
-1. the throughput model (:mod:`router.core.capacity`) estimates the counts
-   from the workload's mean lengths and the profile;
+1. the capacity model the router's autoscaling signal comes from
+   (``slo_router_desired_instances``: Aladdin's Eq. 7 fitted over heartbeats of
+   the load, :class:`router.core.worker_count.DesiredInstances`) estimates the
+   counts from the workload's requests and the profile;
 2. the simulator (:mod:`sim.cluster`, the router's own scheduling core on the
    sim engine model, in virtual time) confirms and refines them: while the
    fleet misses the target, add one instance of the role whose addition helps
@@ -21,19 +23,19 @@ import argparse
 import json
 import math
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from engine.model import SimConfig
 from fleet.flags import error_line
-from predictor import ProfileError
-from router.core.capacity import InstanceEstimate, LoadShape, estimate_instances
+from predictor import LatencyPredictor, ProfileError
+from router.core.capacity import InstanceEstimate, InstanceRates, LoadShape, instance_rates
 from router.core.config import SchedulerConfig
 from router.core.errors import ConfigError
 from router.core.policies import build_policy
 from router.core.queue import QueueConfig
-from router.core.worker_count import WorkerCountModel, samples_from_spans
+from router.core.worker_count import DesiredInstances, WorkerCountModel, samples_from_spans
 from sim.cluster import SimFleet, simulate
 from sim.fleet import DEFAULT_PROFILE, FleetError, fleet_from_counts
 from sim.sweep import SLO_ADAPTIVE_PD, open_loop, policy_overrides
@@ -46,6 +48,7 @@ from workload.spec import (
     generate_requests,
     load_workload,
 )
+from workload.traces import add_trace_arguments, is_trace, load_trace, trace_options
 
 DEFAULT_NUM_REQUESTS = 600
 DEFAULT_MAX_INSTANCES = 64
@@ -102,6 +105,47 @@ def load_shape(plans: list[RequestPlan], rate: float) -> LoadShape:
     )
 
 
+def capacity_estimate(
+    plans: list[RequestPlan],
+    rate: float,
+    config: SchedulerConfig,
+    predictor: LatencyPredictor,
+    engine: SimConfig,
+) -> InstanceEstimate:
+    """The search's starting point: the router's autoscaling signal for this workload.
+
+    The same :class:`DesiredInstances` the router exports ``slo_router_desired_instances`` from
+    (Aladdin's Eq. 7 fitted over heartbeats of the placed load), fed the plan's requests in arrival
+    order with their output lengths as history (a planner's past traffic; the simulated router
+    itself still learns them online), and read at ``rate``.
+    """
+
+    def rates(load: LoadShape, tpot_ms: float) -> InstanceRates:
+        return instance_rates(
+            predictor,
+            mean_prompt_tokens=load.mean_prompt_tokens,
+            mean_output_tokens=load.mean_output_tokens,
+            tpot_target_ms=tpot_ms,
+            kv_capacity_tokens=float(engine.kv_capacity_tokens),
+            kv_headroom=config.kv_packing_headroom,
+            chunk_tokens=engine.max_num_batched_tokens,
+        )
+
+    model = DesiredInstances(rates, default_tpot_ms=config.tpot_slo_ms)
+    for p in plans:
+        model.observe(p.arrival_s, p.prompt_tokens, float(p.true_output_tokens), tpot_ms=p.slo.tpot_ms or 0.0)
+    shape = load_shape(plans, rate)
+    want = model.desired(plans[-1].arrival_s if plans else 0.0, shape)
+    fluid = rates(shape, config.tpot_slo_ms)
+    return InstanceEstimate(
+        prefill=want.prefill,
+        decode=want.decode,
+        neutral=want.neutral,
+        decode_batch=fluid.decode_batch,
+        decode_step_ms=fluid.decode_step_ms,
+    )
+
+
 def plan_fleet(
     workload: WorkloadSpec,
     rate: float,
@@ -116,6 +160,7 @@ def plan_fleet(
     max_instances: int = DEFAULT_MAX_INSTANCES,
     on_run: Callable[[tuple[int, int, int], float], None] | None = None,
     queue_policy: str = "none",
+    requests: Sequence[RequestPlan] | None = None,
 ) -> PlanResult:
     """The fewest instances meeting ``target`` (0-1) at ``rate`` (see the module doc)."""
     if mode not in ("pd", "neutral"):
@@ -128,7 +173,14 @@ def plan_fleet(
         raise PlanError(f"--num-requests must be >= 1, got {num_requests}")
     engine = engine if engine is not None else SimConfig()
     spec = open_loop(workload).with_arrival(rate_per_s=rate)
-    plans = generate_requests(spec, rng=seed, num_requests=num_requests)
+    # A trace's requests come ready (its own gaps scaled to the rate); a workload's are drawn.
+    plans = (
+        list(requests)
+        if requests is not None
+        else generate_requests(spec, rng=seed, num_requests=num_requests)
+    )
+    if not plans:
+        raise PlanError("the workload holds no requests")
     fleets: dict[tuple[int, int, int], SimFleet] = {}
     tried: dict[tuple[int, int, int], float] = {}
     queue = QueueConfig(queue_policy=queue_policy)
@@ -156,15 +208,7 @@ def plan_fleet(
         return value
 
     probe = SimFleet(fleet_from_counts(neutral=1, profile=profile, engine=engine))
-    estimate = estimate_instances(
-        probe.predictors.default,
-        load_shape(plans, rate),
-        tpot_target_ms=config.tpot_slo_ms,
-        strictness=config.tpot_packing_strictness,
-        threshold=config.tpot_binpack_threshold,
-        kv_capacity_tokens=float(engine.kv_capacity_tokens),
-        kv_headroom=config.kv_packing_headroom,
-    )
+    estimate = capacity_estimate(plans, rate, config, probe.predictors.default, engine)
     if max_instances < (2 if mode == "pd" else 1):
         raise PlanError(f"--max-instances must allow one instance per role, got {max_instances}")
     roles = (0, 1) if mode == "pd" else (2,)
@@ -264,8 +308,9 @@ def register(subparsers: Any) -> None:
         "plan",
         help="the fewest prefill/decode (or neutral) instances that meet an attainment target at a rate",
         description=(
-            "Estimate the instances a workload needs at an arrival rate with the throughput model of the "
-            "profile, then confirm and refine the estimate with the simulator (the router's scheduling core "
+            "Estimate the instances a workload needs at an arrival rate with the capacity model behind the "
+            "router's slo_router_desired_instances signal (Aladdin's Eq. 7 fitted over heartbeats of the load) "
+            "and the profile, then confirm and refine the estimate with the simulator (the router's scheduling core "
             "on the sim engine model): the printed fleet meets --attainment, one instance fewer of any role "
             "misses it. With --policy binpack (Aladdin, seed 001) a request its constraints refuse "
             "everywhere waits in the router queue, and one that misses its targets there is the paper's "
@@ -323,6 +368,7 @@ def register(subparsers: Any) -> None:
         "a miss), fcfs, edf or priority (default: edf with --policy binpack, whose constraints hold "
         "requests in the queue as the router runs it, none otherwise)",
     )
+    add_trace_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     parser.add_argument("--no-progress", action="store_true", help="do not report each simulation on stderr")
     parser.set_defaults(func=run)
@@ -342,7 +388,13 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = SchedulerConfig(**policy_overrides(args.policy))
         build_policy(config)
-        workload = load_workload(args.workload)
+        requests: list[RequestPlan] | None = None
+        if is_trace(args.workload):
+            trace = load_trace(args.workload, trace_options(args))
+            workload = trace.workload()
+            requests = trace.plans(args.num_requests, args.rate)
+        else:
+            workload = load_workload(args.workload)
     except (ConfigError, WorkloadError) as exc:
         flag = "--workload" if isinstance(exc, WorkloadError) else "--policy"
         print(error_line(f"{flag}: {exc}"), file=sys.stderr)
@@ -374,6 +426,7 @@ def run(args: argparse.Namespace) -> int:
             max_instances=args.max_instances,
             on_run=progress,
             queue_policy=queue_policy,
+            requests=requests,
         )
     except (PlanError, FleetError, ProfileError, WorkloadError) as exc:
         print(error_line(exc), file=sys.stderr)
@@ -385,13 +438,13 @@ def run(args: argparse.Namespace) -> int:
     if result.mode == "pd":
         print(
             f"{result.prefill} prefill + {result.decode} decode instances meet {100 * target:g}% at {args.rate:g} req/s "
-            f"({100 * result.attainment:.1f}% simulated; throughput model: {est.prefill} + {est.decode}; "
+            f"({100 * result.attainment:.1f}% simulated; capacity model: {est.prefill} + {est.decode}; "
             f"{len(result.tried)} simulations)"
         )
     else:
         print(
             f"{result.neutral} neutral instances meet {100 * target:g}% at {args.rate:g} req/s "
-            f"({100 * result.attainment:.1f}% simulated; throughput model: {est.neutral}; {len(result.tried)} simulations)"
+            f"({100 * result.attainment:.1f}% simulated; capacity model: {est.neutral}; {len(result.tried)} simulations)"
         )
     wm = result.worker_model
     if wm is not None:

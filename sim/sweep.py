@@ -18,8 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from router.core.config import SchedulerConfig
+from router.core.dispatchers import reads_qlm_config
 from router.core.qlm import QlmConfig
-from router.core.queue import Objective, QueueConfig, QueuePolicy
+from router.core.queue import Objective, QueueConfig
+from router.core.worker_count import Desired
 from sim.cluster import SimFleet, SimOutcome, SimStats, simulate
 from sim.fleet import fleet_to_dict
 from workload.prediction import prediction_error
@@ -59,6 +61,8 @@ class SweepPoint:
     queue: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     #: The fleet's prefix-cache hit rate (None: no prefix caching in the run).
     cache_hit_rate: float | None = None
+    #: ``slo_router_desired_instances`` as the router would export it at the run's last arrival.
+    desired: Desired | None = None
 
     @property
     def label(self) -> str:
@@ -122,7 +126,7 @@ def run_sweep(
     modes: Sequence[str | None] = list(calibrations) if calibrations else [None]
     runs: list[tuple[QueueConfig, QlmConfig | None, str]] = []
     for queue in queues:
-        if queue.policy is QueuePolicy.QLM:
+        if reads_qlm_config(queue.queue_policy):
             runs.extend((queue, q, qlm_label(q)) for q in qlm)
         else:
             # Labelled "edf+g" and the like under --queue-objective g.
@@ -193,6 +197,7 @@ def _point(
         queue_policy=queue_policy,
         queue=queue_figures(outcome, report.duration_s, spec.class_names()),
         cache_hit_rate=getattr(outcome, "cache_hit_rate", None),
+        desired=getattr(outcome, "desired", None),
     )
 
 
@@ -281,6 +286,8 @@ def point_to_dict(point: SweepPoint) -> dict[str, Any]:
     doc.update(overall)
     doc["calibration"] = point.calibration
     doc["cache_hit_rate"] = point.cache_hit_rate
+    if point.desired is not None:
+        doc["desired_instances"] = dataclasses.asdict(point.desired)
     doc["prediction_error"] = dict(point.prediction_error)
     for key in ("late", "queue_wait_ms", "mean_latency_ms", "g", "by_class"):
         if key in point.queue:
@@ -430,6 +437,26 @@ def format_prediction_table(points: Sequence[SweepPoint]) -> str:
     lines.append(
         f"prediction error over successful requests after the first {skipped} (warm-up); "
         "bias > 0: slower than predicted"
+    )
+    return "\n".join(lines)
+
+
+def format_desired_table(points: Sequence[SweepPoint], pd: bool) -> str:
+    """Per run: ``slo_router_desired_instances`` at its last arrival (what an autoscaler would read)."""
+    rows = [p for p in points if p.desired is not None]
+    if not rows:
+        return ""
+    head = "prefill  decode" if pd else "neutral"
+    lines = [f"rate/s  policy{'':14}  {head}  from"]
+    for p in rows:
+        d = p.desired
+        assert d is not None
+        counts = f"{d.prefill:>7}  {d.decode:>6}" if pd else f"{d.neutral:>7}"
+        source = f"Eq. 7 over {d.heartbeats} heartbeats" if d.fitted else "the last minute's fluid demand"
+        lines.append(f"{p.rate:>6g}  {_label(p):<20}  {counts}  {source}")
+    lines.append(
+        "slo_router_desired_instances at the last arrival: Aladdin's Eq. 7 fitted online over 10 s "
+        "heartbeats of the placed load (router/core/worker_count.py)"
     )
     return "\n".join(lines)
 

@@ -130,6 +130,78 @@ def estimate_instances(
     )
 
 
+@dataclass(frozen=True)
+class InstanceRates:
+    """What one instance serves per second at the SLO: prompt tokens (as a prefill instance) and
+    output tokens (as a decoder), and the decode batch and step behind the second figure."""
+
+    prefill_tokens_per_s: float
+    decode_tokens_per_s: float
+    decode_batch: int
+    decode_step_ms: float
+
+
+def instance_rates(
+    predictor: LatencyPredictor,
+    *,
+    mean_prompt_tokens: float,
+    mean_output_tokens: float,
+    tpot_target_ms: float,
+    kv_capacity_tokens: float = 65536.0,
+    kv_headroom: float = 0.95,
+    chunk_tokens: int = 2048,
+    prefill_utilisation: float = 0.8,
+) -> InstanceRates:
+    """An instance's service rates for a load of these mean lengths, at the TPOT target.
+
+    The fluid counterpart of :func:`decode_batch` that the autoscaling signal uses
+    (:class:`router.core.worker_count.DesiredInstances`): where :func:`decode_batch` keeps the
+    packing's margins (the TPOT projected to the packing horizon under ``threshold`` of the target,
+    the KV at the end of every request's life), a fleet in steady state holds its requests at
+    every point of their lives, so the KV a decoder holds on average is the prompt plus half the
+    output, and its steps may take the whole target. Measured against ``slo-router plan`` those
+    margins doubled the decoders a bimodal mix was said to need (issue 30).
+
+    * prefill: a prefill instance with work queued runs full chunks of the engine's step budget,
+      ``chunk_tokens / ttft(chunk_tokens)`` prompt tokens a second (a request's ``ttft(prompt)``
+      alone would charge each prompt the step's fixed cost: 40-75 % too many prefill instances
+      on chat at 24-36 req/s), at most ``prefill_utilisation`` of the time: the rest is the
+      queueing the TTFT target absorbs (the utilisation cap of :func:`estimate_instances`);
+    * decode: the batch ``B`` with the highest ``B / step(B)`` whose step at ``B`` requests of the
+      mean-life context meets ``tpot_target_ms`` and whose mean-life KV fits ``kv_headroom`` of
+      the capacity.
+    """
+    if not 0 < prefill_utilisation <= 1:
+        raise ValueError(f"prefill_utilisation must be within (0, 1], got {prefill_utilisation}")
+    chunk = max(int(chunk_tokens), 1)
+    prefill_ms = max(float(predictor.ttft_profile.grid(float(chunk))), 1e-6)
+    context = max(mean_prompt_tokens + 0.5 * mean_output_tokens, 1.0)
+    best_rate = 0.0
+    best = 1
+    best_step = max(float(predictor.predict_tpot_ms(1.0, context)), 1e-6)
+    for b in range(1, MAX_BATCH + 1):
+        if b > 1 and b * context > kv_headroom * kv_capacity_tokens:
+            break
+        step = max(float(predictor.predict_tpot_ms(float(b), b * context)), 1e-6)
+        if b > 1 and step > tpot_target_ms:
+            break
+        if b / step > best_rate:
+            best_rate, best, best_step = b / step, b, step
+    return InstanceRates(
+        prefill_tokens_per_s=prefill_utilisation * chunk / prefill_ms * 1000.0,
+        decode_tokens_per_s=best_rate * 1000.0,
+        decode_batch=best,
+        decode_step_ms=best_step,
+    )
+
+
+def fluid_demand(load: LoadShape, rates: InstanceRates) -> tuple[float, float]:
+    """Instances ``load`` keeps busy at ``rates``: (prefill, decode), fractional."""
+    prefill = load.rate * load.mean_prompt_tokens / max(rates.prefill_tokens_per_s, 1e-9)
+    decode = load.rate * load.mean_output_tokens / max(rates.decode_tokens_per_s, 1e-9)
+    return prefill, decode
+
+
 class LoadTracker:
     """The load the router has seen over the last ``window_s`` seconds, as a :class:`LoadShape`.
 

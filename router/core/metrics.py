@@ -67,6 +67,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -238,33 +239,55 @@ def _decode_step_ms(ctx: DecisionContext) -> FloatArray:
     )
 
 
+#: Harmonic numbers H_0..H_4096 (``H[n] = 1 + 1/2 + ... + 1/n``): the expected order statistics of
+#: memoryless remaining lengths in :func:`_slot_wait_ms`.
+_HARMONIC = np.concatenate(([0.0], np.cumsum(1.0 / np.arange(1, 4097))))
+
+
 @_register("slot_wait_ms", MetricScope.LOAD)
 def _slot_wait_ms(ctx: DecisionContext) -> FloatArray:
     """How long a new request waits for a running slot before its prefill can start (ms).
 
     An engine runs at most ``max_num_seqs`` requests; the rest wait in its queue. A new request
-    needs ``running + ahead + 1 - max_num_seqs`` of the running ones to finish first (``ahead``:
-    the engine's waiting requests and the router's dispatches not yet admitted), and only
-    decoding requests finish: with ``d`` of them holding on average ``R`` more tokens
-    (``kv_growth_tokens / d``, the router's length estimates), one finishes about every
-    ``R / d`` decode steps. 0 where a slot is free or the cap is unknown. Without it a capped
-    engine's TTFT was predicted as if every request started at once (a p90 error of 1,400-2,000 %
-    at ``--max-num-seqs 4``), and the ``slo`` policy admitted requests the engine then held back.
+    needs ``k = running + ahead + 1 - max_num_seqs`` completions first (``ahead``: the engine's
+    waiting requests and the router's dispatches not yet admitted). The router knows only the
+    mean of the running requests' remaining output (``R``: ``kv_growth_tokens`` over the ``s``
+    running, from its learned length estimates), not which ends first, so it takes the remaining
+    lengths as memoryless with that mean: the j-th completion among ``s`` comes after
+    ``R·(H_s - H_{s-j})`` decode steps (``H`` the harmonic numbers; the first after ``R/s``, the
+    last after ``R·H_s``, not ``R``), and each completion beyond the ``s`` running ones is a
+    request admitted since, one per ``R / max_num_seqs`` steps. 0 where a slot is free or the cap
+    is unknown. Spacing the completions evenly (``k·R/s``) left a TTFT bias of +68 to +120 % on
+    two engines capped at 4 (``docs/real-traces.md``, "Capped engines"); this model, -4 to +3 %.
     """
     table = ctx.view.instances
     cap = table.max_num_seqs
+    if cap is None or _uncapped(table):
+        return _no_cache(table)  # (the table's shared read-only zeros)
     zero = np.zeros(table.n)
-    if cap is None:
-        return zero
     need = table.running_requests + table.waiting_requests + ctx.view.inflight.requests + 1.0 - cap
     if not (need > 0).any():
         return zero
     batch = ctx.metric("decode_batch_size")
-    decoders = np.maximum(batch, 1.0)
-    remaining = np.maximum(ctx.metric("kv_growth_tokens") / decoders, 1.0)
-    steps_per_finish = remaining / decoders
-    wait: FloatArray = np.where(need > 0, need * steps_per_finish * ctx.metric("decode_step_ms"), 0.0)
+    running = np.clip(np.maximum(table.running_requests, batch), 1.0, np.maximum(cap, 1.0))
+    remaining = np.maximum(ctx.metric("kv_growth_tokens") / np.maximum(batch, 1.0), 1.0)
+    top = len(_HARMONIC) - 1
+    s = np.minimum(running, top).astype(np.int64)
+    first = np.minimum(np.maximum(need, 0.0), s).astype(np.int64)
+    steps = remaining * (_HARMONIC[s] - _HARMONIC[s - first]) + np.maximum(
+        need - s, 0.0
+    ) * remaining / np.maximum(cap, 1.0)
+    wait: FloatArray = np.where(need > 0, steps * ctx.metric("decode_step_ms"), 0.0)
     return wait
+
+
+def _uncapped(table: InstanceTable) -> bool:
+    """No instance of ``table`` states a ``max_num_seqs`` (kept with the table): no slot wait anywhere."""
+    found: bool | None = table.memo.get("uncapped")
+    if found is None:
+        cap = table.max_num_seqs
+        found = table.memo["uncapped"] = cap is None or not bool(np.isfinite(cap).any())
+    return found
 
 
 # ----------------------------------------------------------------------------- prefill backlog
@@ -546,6 +569,7 @@ def _full_chunk_remainder(
 
 
 _FULL_REMAINDER = "refit_full_chunk_remainder"
+_BATCH_CELLS = "predicted_tpot_batch_cells"
 
 
 @_register("predicted_tpot", MetricScope.DECISION)
@@ -554,15 +578,35 @@ def _predicted_tpot(ctx: DecisionContext) -> FloatArray:
         return _nan(ctx)
     batch = ctx.metric("decode_batch_size")
     tokens = ctx.metric("decode_tokens")
+    lp = None
     if ctx.request is not None:
-        batch = batch + _ONE
+        lp = ctx.predictors.only(ctx.view.instances)
+        if lp is not None and ctx.prompt_tokens > 0:
+            # The batches with this request are the load's: they and their cells on the profile's
+            # batch axis are kept with the load (every decision on it reads the same ones).
+            memo = ctx.view.load_memo
+            found: tuple[FloatArray, Any, FloatArray, Any] | None = memo.get(_BATCH_CELLS)
+            if found is not None and found[0] is batch and found[1] is lp:
+                batch, cells = found[2], found[3]
+            else:
+                current = batch
+                batch = batch + _ONE
+                cells = lp.decode_batch_cells(batch)
+                for array in (batch, *cells):
+                    array.setflags(write=False)
+                memo[_BATCH_CELLS] = (current, lp, batch, cells)
+        else:
+            batch = batch + _ONE
         tokens = tokens + ctx.prompt_tokens
         horizon = _horizon_tokens(ctx)
         if horizon > 0.0:
             tokens = tokens + horizon
     if ctx.request is not None and ctx.prompt_tokens > 0:
         # batch >= 1 and tokens > 0 everywhere: the leaner path gives the same values
-        values = ctx.predictors.busy_decode_step_ms(ctx.view.instances, batch, tokens)
+        if lp is not None:
+            values = lp.busy_decode_step_ms_cells(batch, cells, tokens)
+        else:
+            values = ctx.predictors.busy_decode_step_ms(ctx.view.instances, batch, tokens)
     else:
         values = ctx.predictors.decode_step_ms(ctx.view.instances, batch, tokens)
     correction = _correction(ctx)

@@ -22,11 +22,13 @@ Pure and synchronous; ``slo-router plan`` feeds it from simulated runs
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-#: Weight a sample keeps after 256 more.
-_DECAY = 0.5 ** (1 / 256)
+from router.core.capacity import InstanceRates, LoadShape, fluid_demand
+
+#: Samples after which a sample's weight has halved (the default decay).
+HALF_LIFE = 256
 
 
 @dataclass(frozen=True)
@@ -43,13 +45,27 @@ class Heartbeat:
 class WorkerCountModel:
     """``N_w = ⌈k5·r + c5⌉`` for ``r ≥ R``, by decayed least squares over accepted heartbeats."""
 
-    def __init__(self, *, max_relative_sem: float = 0.1, min_samples: int = 4) -> None:
+    def __init__(
+        self,
+        *,
+        max_relative_sem: float = 0.1,
+        min_samples: int = 4,
+        min_rate_spread: float = 0.0,
+        half_life: int = HALF_LIFE,
+    ) -> None:
         if not (math.isfinite(max_relative_sem) and max_relative_sem > 0):
             raise ValueError(f"max_relative_sem must be a finite number > 0, got {max_relative_sem!r}")
         if min_samples < 2:
             raise ValueError(f"min_samples must be >= 2, got {min_samples}")
+        if not (math.isfinite(min_rate_spread) and min_rate_spread >= 0):
+            raise ValueError(f"min_rate_spread must be a finite number >= 0, got {min_rate_spread!r}")
+        if half_life < 1:
+            raise ValueError(f"half_life must be >= 1, got {half_life}")
         self.max_relative_sem = max_relative_sem
         self.min_samples = min_samples
+        self._decay = 0.5 ** (1 / half_life)
+        #: Below this coefficient of variation of the sampled rates the fit is proportional (c5 = 0).
+        self.min_rate_spread = min_rate_spread
         self._w = self._x = self._y = self._xx = self._xy = 0.0
         self.samples = 0
         self.rejected = 0
@@ -66,7 +82,7 @@ class WorkerCountModel:
         if not (math.isfinite(beat.rate) and math.isfinite(beat.workers)) or not self.representative(beat):
             self.rejected += 1
             return False
-        d = _DECAY
+        d = self._decay
         self._w = self._w * d + 1.0
         self._x = self._x * d + beat.rate
         self._y = self._y * d + beat.workers
@@ -83,8 +99,10 @@ class WorkerCountModel:
         w = self._w
         var = self._xx / w - (self._x / w) ** 2
         mean_x, mean_y = self._x / w, self._y / w
-        if var <= 1e-12 * max(1.0, mean_x * mean_x):
-            # One rate only: the line through the origin and the mean (workers proportional to load).
+        if var <= (self.min_rate_spread * mean_x) ** 2 + 1e-12:
+            # One rate only, or rates too close for a slope (a steady load's heartbeats differ by
+            # their Poisson noise, and a slope fitted to noise can come out negative): the line
+            # through the origin and the mean, workers proportional to load.
             return (mean_y / mean_x if mean_x > 0 else 0.0), 0.0
         k5 = (self._xy / w - mean_x * mean_y) / var
         return k5, mean_y - k5 * mean_x
@@ -144,3 +162,159 @@ def samples_from_spans(
         workers = sum(min(1.0, v / heartbeat_s) for v in busy[k].values())
         out.append(Heartbeat(c / heartbeat_s, workers, c, cv))
     return out
+
+
+# --------------------------------------------------------------------------- the autoscaling signal
+
+
+#: Rates an instance serves for a load shape and a TPOT target (ms): see ``capacity.instance_rates``.
+RatesFn = Callable[[LoadShape, float], InstanceRates]
+
+
+@dataclass(frozen=True)
+class Desired:
+    """Instances per role the load needs (what ``slo_router_desired_instances`` exports).
+
+    ``fitted`` says whether Eq. 7 answered (fitted, and the rate at or above its ``R``); otherwise
+    the counts are the fluid demand of the last window's load, rounded up.
+    """
+
+    prefill: int
+    decode: int
+    neutral: int
+    fitted: bool
+    #: Heartbeats Eq. 7 was fitted on, and those the SEM rule (or unlearned lengths) left out.
+    heartbeats: int = 0
+    left_out: int = 0
+
+
+class DesiredInstances:
+    """Aladdin's Eq. 7 per role, fitted online from the load a router places.
+
+    Adapted to a router: Aladdin counts the bins its best-fit packing opens; a router running
+    another policy has no such count (an idle instance under ``slo`` still holds a request or
+    two), so a heartbeat's "workers" per role is the load's fluid demand instead, the bins a
+    perfect packing of that heartbeat's work would fill: the prompt tokens that arrived over the
+    prompt tokens a prefill instance computes in the heartbeat, and the output tokens they are
+    expected to generate (the router's learned length estimate, never the true length) over
+    what a decoder generates at the TPOT target (:func:`router.core.capacity.instance_rates`).
+    Each role's ``(rate, workers)`` samples feed a :class:`WorkerCountModel` (decayed least
+    squares, the SEM rule); :meth:`desired` evaluates ``⌈k5·r + c5⌉`` at the rate of the last
+    window. A heartbeat in which more than a tenth of the requests had no learned length yet
+    (the prior, ``max_tokens``) is left out: it would charge the warm-up's caps as load. The fit
+    forgets at ``half_life`` heartbeats (a minute by default, the window the rate is read over):
+    Aladdin fits on history, but the lengths a router learns early are those of the answers that
+    finished first, the short ones, and a workload changes.
+
+    Pure and synchronous; bounded (one open heartbeat, three running sums per role).
+    """
+
+    def __init__(
+        self,
+        rates: RatesFn,
+        *,
+        heartbeat_s: float = 10.0,
+        default_tpot_ms: float = 50.0,
+        max_relative_sem: float = 0.1,
+        min_samples: int = 4,
+        min_rate_spread: float = 0.25,
+        half_life: int = 6,
+    ) -> None:
+        if not (math.isfinite(heartbeat_s) and heartbeat_s > 0):
+            raise ValueError(f"heartbeat_s must be a finite number > 0, got {heartbeat_s!r}")
+        if not (math.isfinite(default_tpot_ms) and default_tpot_ms > 0):
+            raise ValueError(f"default_tpot_ms must be a finite number > 0, got {default_tpot_ms!r}")
+        self._rates = rates
+        self.heartbeat_s = heartbeat_s
+        self.default_tpot_ms = default_tpot_ms
+        self.models = {
+            role: WorkerCountModel(
+                max_relative_sem=max_relative_sem,
+                min_samples=min_samples,
+                min_rate_spread=min_rate_spread,
+                half_life=half_life,
+            )
+            for role in ("prefill", "decode", "neutral")
+        }
+        self._beat: int | None = None
+        self._reset()
+
+    def _reset(self) -> None:
+        self._n = 0
+        self._unlearned = 0
+        self._prompt = 0.0
+        self._output = 0.0
+        self._len = 0.0
+        self._len2 = 0.0
+        self._tpot = math.inf
+
+    def observe(
+        self,
+        now_s: float,
+        prompt_tokens: int,
+        output_tokens: float,
+        *,
+        learned: bool = True,
+        tpot_ms: float = 0.0,
+    ) -> None:
+        """One placed request: its prompt, its expected output (``learned``: from finished requests,
+        not the prior) and its TPOT target (0: none, the default applies)."""
+        self._advance(now_s)
+        self._n += 1
+        self._unlearned += 0 if learned else 1
+        self._prompt += prompt_tokens
+        self._output += output_tokens
+        length = float(prompt_tokens) + float(output_tokens)
+        self._len += length
+        self._len2 += length * length
+        if tpot_ms > 0:
+            self._tpot = min(self._tpot, tpot_ms)
+
+    def _advance(self, now_s: float) -> None:
+        beat = int(now_s // self.heartbeat_s) if math.isfinite(now_s) else 0
+        if self._beat is None:
+            self._beat = beat
+        elif beat > self._beat:
+            self._close()
+            self._beat = beat
+            self._reset()
+
+    def _close(self) -> None:
+        n = self._n
+        if n == 0:
+            return
+        shape = LoadShape(n / self.heartbeat_s, self._prompt / n, self._output / n)
+        mean = self._len / n
+        cv = math.sqrt(max(self._len2 / n - mean * mean, 0.0)) / mean if mean > 0 else math.inf
+        if self._unlearned > 0.1 * n:
+            cv = math.inf  # not representative: the SEM rule leaves it out
+        rates = self._rates(shape, self._tpot if math.isfinite(self._tpot) else self.default_tpot_ms)
+        prefill, decode = fluid_demand(shape, rates)
+        for role, workers in (("prefill", prefill), ("decode", decode), ("neutral", prefill + decode)):
+            self.models[role].observe(Heartbeat(shape.rate, workers, n, cv))
+
+    def desired(self, now_s: float, load: LoadShape) -> Desired:
+        """Instances per role for ``load`` (the last window's: its rate and mean lengths)."""
+        self._advance(now_s)
+        if load.rate <= 0:
+            return Desired(0, 0, 0, False)
+        fits = {role: m.predict(load.rate) for role, m in self.models.items()}
+        model = self.models["decode"]
+        if all(v is not None for v in fits.values()):
+            return Desired(
+                int(fits["prefill"] or 0),
+                int(fits["decode"] or 0),
+                int(fits["neutral"] or 0),
+                True,
+                model.samples,
+                model.rejected,
+            )
+        prefill, decode = fluid_demand(load, self._rates(load, self.default_tpot_ms))
+        return Desired(
+            max(1, math.ceil(prefill - 1e-9)),
+            max(1, math.ceil(decode - 1e-9)),
+            max(1, math.ceil(prefill + decode - 1e-9)),
+            False,
+            model.samples,
+            model.rejected,
+        )

@@ -25,12 +25,14 @@ def _run(queue_policy: str) -> SimOutcome:
 def test_ttft_prediction_sees_the_sequence_cap() -> None:
     # Before the slot wait was predicted: TTFT error p50 2,991 %, p90 4,676 %, bias +2,867 % (the
     # prediction assumed every request starts at once), the router queue never held a request and
-    # fcfs and edf gave bit-identical runs.
+    # fcfs and edf gave bit-identical runs. With completions spaced evenly (k·R/s steps for the
+    # k-th of s running): bias +68 to +120 % (the k-th of s memoryless remaining lengths ends
+    # after R·(H_s - H_(s-k)) steps, later than k·R/s).
     edf, fcfs = _run("edf"), _run("fcfs")
     for outcome in (edf, fcfs):
         ttft = prediction_error(outcome.results)["ttft"]
-        assert ttft["p90"] < 3.0, ttft
-        assert ttft["bias"] < 1.5, ttft
+        assert ttft["p90"] < 1.5, ttft
+        assert abs(ttft["bias"]) < 0.25, ttft
         assert outcome.stats.queued > 0  # a full fleet now holds requests in the router queue
     assert edf.results != fcfs.results
 

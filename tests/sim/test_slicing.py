@@ -28,6 +28,20 @@ def plans(rate: float = 6.0, count: int = 60) -> list:  # type: ignore[type-arg]
     return list(generate_requests(spec, rng=3, num_requests=count))
 
 
+def test_cli_slices_a_trace_replay(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Slice-level dispatch replays a trace like every other policy: the trace's own requests (its
+    # first 40, lengths and all), gaps scaled to the rate.
+    trace = Path(__file__).parents[1] / "data" / "traces" / "azure-conv-2023-head300.csv"
+    out = tmp_path / "sim.json"
+    code, stdout, _ = run(
+        capsys, "--neutral", "2", "--workload", f"trace:{trace}", "--num-requests", "40", "--rates", "4",
+        "--no-progress", "--policies", "round-robin", "--dispatch-modes", "request,slice", "--output", str(out),
+    )  # fmt: skip
+    assert code == 0, stdout
+    doc = json.loads(out.read_text())
+    assert [(r["dispatch_mode"], r["completed"]) for r in doc["results"]] == [("request", 40), ("slice", 40)]
+
+
 @pytest.mark.parametrize("overlap", [True, False])
 @pytest.mark.parametrize("slice_tokens", [16, 128])
 def test_every_request_gets_all_its_tokens_and_resumes_recompute_the_context(

@@ -1,0 +1,96 @@
+"""The autoscaling signal's model: Aladdin's Eq. 7 per role, fitted online over heartbeats of placed load."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from router.core.capacity import InstanceRates, LoadShape, fluid_demand, instance_rates
+from router.core.worker_count import DesiredInstances, Heartbeat, WorkerCountModel
+from tests.router.core.helpers import make_predictor
+
+#: An instance computes 10,000 prompt tokens and generates 1,000 output tokens a second.
+RATES = InstanceRates(
+    prefill_tokens_per_s=10_000.0, decode_tokens_per_s=1_000.0, decode_batch=50, decode_step_ms=50.0
+)
+
+
+def _fixed(load: LoadShape, tpot_ms: float) -> InstanceRates:
+    return RATES
+
+
+def _feed(
+    model: DesiredInstances, rate: float, seconds: float, *, start: float = 0.0, learned: bool = True
+) -> float:
+    """``rate`` requests/s of 1,000-token prompts and 100-token answers (alternating 50 / 150)."""
+    n = int(rate * seconds)
+    for k in range(n):
+        model.observe(start + k / rate, 1000, 50.0 if k % 2 else 150.0, learned=learned)
+    return start + n / rate
+
+
+def test_the_fit_is_the_fluid_demand_of_the_load_and_answers_at_the_current_rate() -> None:
+    model = DesiredInstances(_fixed, heartbeat_s=10.0)
+    end = _feed(model, 30.0, 120.0)  # 30 req/s: 3 prefill instances (30k tokens/s), 3 decoders
+    want = model.desired(end, LoadShape(30.0, 1000.0, 100.0))
+    assert want.fitted and want.heartbeats >= 10
+    assert (want.prefill, want.decode, want.neutral) == (3, 3, 6)
+    # The same fit read at a higher rate: Eq. 7 extrapolates the line (k5 = 0.1 per req/s).
+    high = model.desired(end, LoadShape(55.0, 1000.0, 100.0))
+    assert (high.prefill, high.decode, high.neutral) == (6, 6, 11)
+    assert model.desired(end, LoadShape(0.0, 0.0, 0.0)).prefill == 0  # no load, nothing wanted
+
+
+def test_heartbeats_before_lengths_are_learned_are_left_out() -> None:
+    model = DesiredInstances(_fixed, heartbeat_s=10.0)
+    end = _feed(model, 30.0, 60.0, learned=False)  # the prior (max_tokens) would be charged as load
+    want = model.desired(end, LoadShape(30.0, 1000.0, 100.0))
+    assert not want.fitted and want.heartbeats == 0 and want.left_out >= 5
+    # Unfitted, it answers with the last window's fluid demand, rounded up.
+    assert (want.prefill, want.decode) == (3, 3)
+
+
+def test_rates_too_close_for_a_slope_give_a_proportional_fit() -> None:
+    model = WorkerCountModel(min_samples=3, min_rate_spread=0.25)
+    for rate, workers in ((10.0, 2.2), (10.5, 1.9), (9.5, 2.1), (10.2, 1.8)):
+        model.observe(Heartbeat(rate, workers, 400, 0.5))
+    k5, c5 = model.coefficients() or (math.nan, math.nan)
+    # Noise alone would fit a negative slope here; the proportional line goes through the mean.
+    assert c5 == 0.0 and k5 == pytest.approx(8.0 / 40.2, rel=1e-3)  # (decayed weights)
+
+
+def test_instance_rates_decode_batch_meets_the_target_and_fits_the_kv() -> None:
+    predictor = make_predictor()
+    for target in (30.0, 50.0, 80.0):
+        r = instance_rates(
+            predictor,
+            mean_prompt_tokens=500,
+            mean_output_tokens=200,
+            tpot_target_ms=target,
+            kv_capacity_tokens=65536,
+        )
+        assert r.decode_batch == 1 or r.decode_step_ms <= target
+        assert r.decode_batch * 600 <= 0.95 * 65536 or r.decode_batch == 1
+        assert r.decode_tokens_per_s == pytest.approx(1000.0 * r.decode_batch / r.decode_step_ms)
+    loose = instance_rates(predictor, mean_prompt_tokens=500, mean_output_tokens=200, tpot_target_ms=80.0)
+    tight = instance_rates(predictor, mean_prompt_tokens=500, mean_output_tokens=200, tpot_target_ms=30.0)
+    assert loose.decode_tokens_per_s >= tight.decode_tokens_per_s
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rate=st.floats(0.5, 200.0),
+    prompt=st.floats(1.0, 8000.0),
+    output=st.floats(1.0, 2000.0),
+    scale=st.floats(1.0, 4.0),
+)
+def test_fluid_demand_is_linear_in_the_rate_and_never_negative(
+    rate: float, prompt: float, output: float, scale: float
+) -> None:
+    base = fluid_demand(LoadShape(rate, prompt, output), RATES)
+    more = fluid_demand(LoadShape(rate * scale, prompt, output), RATES)
+    assert min(base) >= 0
+    assert more[0] == pytest.approx(base[0] * scale) and more[1] == pytest.approx(base[1] * scale)
