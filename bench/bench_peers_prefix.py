@@ -18,6 +18,9 @@ offer (``consistent_hash`` / ``consistent_hashing``), and SMG's ``power_of_two``
 cache-blind reference.
 
 Each router gets a fresh fleet (cold caches), so none inherits another's cache.
+``BENCH_OURS_ARGS="--flag value ..."`` adds flags to this router's command line (to see which
+of its predictions holds requests back), and this router's rows end with its own account of the
+run from its ``/metrics`` (requests by outcome, router-queue waits and events).
 ``BENCH_PEERS_ONLY=a,b`` runs only the routers whose name contains ``a`` or ``b`` (e.g. ``slo-router``). Per router it
 prints the usual table plus the fleet's prefix-cache hit rate over its run (from the workers'
 counters). Figures only; nothing is asserted.
@@ -88,6 +91,22 @@ def cache_counters(urls: Sequence[str]) -> tuple[float, float]:
     return queries, hits
 
 
+_DIAGNOSIS = re.compile(
+    r"^(slo_router_queue_events_total|slo_router_calibration_factor|slo_router_queue_wait_seconds_(?:count|sum)"
+    r"|slo_router_requests_total)(\{[^}]*\})? ([0-9.eE+-]+)$",
+    re.M,
+)
+
+
+def print_router_diagnosis(port: int) -> None:
+    """This router's own account of the run: why requests waited (its queue's events), how long, and
+    how much slower than their profiles its calibration found the workers."""
+    with httpx.Client(timeout=10.0) as client:
+        text = client.get(f"http://127.0.0.1:{port}/metrics").text
+    found = [f"{name}{labels or ''}={float(value):g}" for name, labels, value in _DIAGNOSIS.findall(text)]
+    print(f"{'':<26}router: " + ", ".join(found), flush=True)
+
+
 def main() -> list[Figure]:
     spec = load_workload("prefix-heavy").with_arrival(rate_per_s=RATE_PER_S)
     spec = dataclasses.replace(spec, classes=(dataclasses.replace(spec.classes[0], prefix_groups=GROUPS),))
@@ -120,6 +139,12 @@ def main() -> list[Figure]:
             if not cms or len(urls) != peers.WORKERS:
                 print(f"{router.name}: the sim fleet did not start; skipped")
                 continue
+            metrics_port = peers._free_port() if router.kind == "ours" else 0
+            if metrics_port:
+                extra = tuple(os.environ.get("BENCH_OURS_ARGS", "").split())
+                router = dataclasses.replace(
+                    router, args=(*router.args, *extra, "--metrics-port", str(metrics_port))
+                )
             process, url = peers._start_router(router, cms, urls, token_file, worker_token)
             try:
                 if not peers._wait_ready(url, process):
@@ -131,6 +156,8 @@ def main() -> list[Figure]:
                 results, window = asyncio.run(peers.replay(url + "/v1/completions", plans))
                 cpu = peers._cpu_s(process.pid) - cpu0
                 after = cache_counters(urls)
+                if metrics_port:
+                    print_router_diagnosis(metrics_port)
             finally:
                 peers._stop(process)
         finally:

@@ -88,7 +88,7 @@ def _routed(stub: Any) -> OneRequest:
 
 async def _measure(
     one: OneRequest, concurrency: int, per_stream: int, first: int
-) -> tuple[float, list[float]]:
+) -> tuple[float, list[float], int]:
     tokens: list[int] = []
     ttfts: list[float] = []
 
@@ -100,7 +100,13 @@ async def _measure(
 
     start = time.perf_counter()
     await asyncio.gather(*(stream(first + s * per_stream) for s in range(concurrency)))
-    return sum(tokens) / (time.perf_counter() - start), ttfts
+    return sum(tokens) / (time.perf_counter() - start), ttfts, sum(tokens)
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (Linux ``/proc``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _wait_line(path: Path, marker: str, proc: subprocess.Popen[bytes], timeout_s: float) -> str:
@@ -177,6 +183,7 @@ async def _run(root: Path) -> dict[str, Any]:
             "load-balance",
         )
         _wait_line(router_log, "health: SERVING", router, 60)
+        print(f"router pid {router.pid}", flush=True)
         async with (
             grpc.aio.insecure_channel(engine.address) as engine_channel,
             grpc.aio.insecure_channel(f"127.0.0.1:{router_port}") as router_channel,
@@ -189,14 +196,21 @@ async def _run(root: Path) -> dict[str, Any]:
                 await one(10**6)  # warm-up
             best: dict[tuple[str, int], float] = {}
             ttfts: dict[tuple[str, int], list[float]] = {}
+            # The router process's CPU seconds and the tokens it relayed, per side and concurrency:
+            # on a shared host the wall-clock ratio is noisy, CPU per token much less so.
+            cpu: dict[tuple[str, int], float] = {}
+            relayed: dict[tuple[str, int], int] = {}
             index = 0
             for _ in range(ROUNDS):
                 for concurrency, per_stream in WORKLOAD:
                     for side, one in sides.items():
                         await asyncio.sleep(IDLE_PAUSE_S)
-                        rate, times = await _measure(one, concurrency, per_stream, index)
-                        index += concurrency * per_stream
+                        before = _cpu_s(router.pid)
+                        rate, times, tokens = await _measure(one, concurrency, per_stream, index)
                         key = (side, concurrency)
+                        cpu[key] = cpu.get(key, 0.0) + _cpu_s(router.pid) - before
+                        relayed[key] = relayed.get(key, 0) + tokens
+                        index += concurrency * per_stream
                         best[key] = max(best.get(key, 0.0), rate)
                         ttfts.setdefault(key, []).extend(times)
     finally:
@@ -212,7 +226,9 @@ async def _run(root: Path) -> dict[str, Any]:
     for concurrency, per_stream in WORKLOAD:
         d, r = best[("direct", concurrency)], best[("router", concurrency)]
         dt, rt = (statistics.median(ttfts[(s, concurrency)]) for s in ("direct", "router"))
-        rows.append((concurrency, concurrency * per_stream, d, dt, r, rt))
+        per_k = 1000 * cpu[("router", concurrency)] / max(1, relayed[("router", concurrency)])
+        idle_k = 1000 * cpu[("direct", concurrency)] / max(1, relayed[("direct", concurrency)])
+        rows.append((concurrency, concurrency * per_stream, d, dt, r, rt, per_k, idle_k))
     return {"rows": rows}
 
 
@@ -239,19 +255,23 @@ def main() -> list[Figure]:
         "every round's requests; router = slo-router router (own process) → vLLM's gRPC"
     )
     print(
-        f"{'streams':>7} {'requests':>8} | {'direct tok/s':>12} {'TTFT p50':>9} | {'router tok/s':>12} {'TTFT p50':>9} {'ratio':>5}"
+        f"{'streams':>7} {'requests':>8} | {'direct tok/s':>12} {'TTFT p50':>9} | {'router tok/s':>12} "
+        f"{'TTFT p50':>9} {'ratio':>5} | {'router CPU ms/1k tok':>20} {'(idle)':>6}"
     )
-    ratios, added = [], []
-    for concurrency, requests, d, dt, r, rt in result["rows"]:
+    ratios, added, cpu = [], [], []
+    for concurrency, requests, d, dt, r, rt, per_k, idle_k in result["rows"]:
         ratio = r / d if d else float("nan")
         ratios.append(ratio)
         added.append(rt - dt)
+        cpu.append(per_k)
         print(
-            f"{concurrency:>7} {requests:>8} | {d:>12.0f} {dt:>7.1f}ms | {r:>12.0f} {rt:>7.1f}ms {ratio:>5.2f}"
+            f"{concurrency:>7} {requests:>8} | {d:>12.0f} {dt:>7.1f}ms | {r:>12.0f} {rt:>7.1f}ms {ratio:>5.2f} | "
+            f"{per_k * 1000:>20.0f} {idle_k * 1000:>6.0f}"
         )
     text = (
         f"ratio {' / '.join(f'{x:.2f}' for x in ratios)}, TTFT p50 added "
-        f"{' / '.join(f'{x:+.1f}' for x in added)} ms"
+        f"{' / '.join(f'{x:+.1f}' for x in added)} ms, router CPU "
+        f"{' / '.join(f'{x * 1000:.0f}' for x in cpu)} ms per 1,000 tokens"
     )
     print(text)
     return [Figure(what, text)]

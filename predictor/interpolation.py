@@ -174,16 +174,29 @@ class Grid2D:
             xa, ya = np.broadcast_arrays(xa, ya)
         if xa.ndim == 0:
             return self(xa.reshape(1), ya.reshape(1)).reshape(())
+        i, wx = self.x_cells(xa)
+        return self.with_x_cells(i, wx, ya)  # (fresh arrays: no copy needed)
+
+    def x_cells(self, xa: FloatArray) -> tuple[npt.NDArray[np.intp], FloatArray]:
+        """The x axis's part of :meth:`__call__` at the float64 array ``xa``: each point's cell and weight.
+
+        A caller evaluating many ``y`` at the same ``x`` (the router: the same decode batches,
+        every request's own context) keeps them and calls :meth:`with_x_cells`.
+        """
+        x_axis = self._x_axis
+        if x_axis is None:
+            return np.zeros(xa.shape, dtype=np.intp), np.zeros(xa.shape)
+        i = x_axis.inner.searchsorted(xa, "right")
+        wx = xa - x_axis.lower[i]
+        wx /= x_axis.width[i]
+        return i, wx
+
+    def with_x_cells(self, i: npt.NDArray[np.intp], wx: FloatArray, ya: FloatArray) -> FloatArray:
+        """:meth:`__call__` from :meth:`x_cells`'s ``(i, wx)`` and the float64 array ``ya`` of the same
+        shape; ``wx`` is overwritten (pass a copy to keep it). The same values as ``self(x, ya)``."""
         # As in Grid1D.__call__: cell lookups inlined, temporaries updated in place, and
         # z00 * (ux * uy) + z01 * (ux * wy) + z10 * (wx * uy) + z11 * (wx * wy) summed in that order.
         z00, z01, z10, z11 = self._corners
-        x_axis = self._x_axis
-        if x_axis is not None:
-            i = x_axis.inner.searchsorted(xa, "right")
-            wx = xa - x_axis.lower[i]
-            wx /= x_axis.width[i]
-        else:
-            i, wx = np.zeros(xa.shape, dtype=np.intp), np.zeros(xa.shape)
         y_axis = self._y_axis
         if y_axis is not None:
             j = y_axis.inner.searchsorted(ya, "right")

@@ -94,6 +94,22 @@ class LatencyPredictor:
         """
         return self.tpot_profile.grid(decode_requests, np.maximum(decode_tokens / decode_requests, _MIN_TPR))
 
+    def busy_decode_step_ms_cells(
+        self,
+        decode_requests: FloatArray,
+        cells: tuple[npt.NDArray[np.intp], FloatArray],
+        decode_tokens: FloatArray,
+    ) -> FloatArray:
+        """:meth:`busy_decode_step_ms` with ``cells`` = ``decode_batch_cells(decode_requests)`` kept by the
+        caller (the same batches, decision after decision): the same values, without the batch lookup."""
+        i, wx = cells
+        per_request = np.maximum(decode_tokens / decode_requests, _MIN_TPR)
+        return self.tpot_profile.grid.with_x_cells(i, wx.copy(), per_request)
+
+    def decode_batch_cells(self, decode_requests: FloatArray) -> tuple[npt.NDArray[np.intp], FloatArray]:
+        """The TPOT profile's batch-axis cells of ``decode_requests`` (see :meth:`busy_decode_step_ms_cells`)."""
+        return self.tpot_profile.grid.x_cells(decode_requests)
+
     def tpot_ms_at(self, d: float, t: float) -> float:
         """:meth:`predict_tpot_ms` for two Python floats (no type dispatch: the one-instance hot path)."""
         if not (d > 0 and t > 0):

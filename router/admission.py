@@ -1,16 +1,24 @@
-"""Admission: requests no instance can take now wait in the router queue, and leave it on events.
+"""The router's asyncio driver: it carries out what the dispatcher decides (:mod:`router.core.dispatch`).
 
-:class:`Admission` wraps the :class:`~router.placement.Placer` with the pure
-:class:`~router.core.queue.RouterQueue`. ``place`` queues the request and
-offers the queue to the scheduler at once; a request that is not placed waits
-on a future. The queue is offered again only when something changed that could
-let an instance take a request — a new cluster view (the reader's listener), a
-request ending at the router (its in-flight load leaves), a cancel, a new
-arrival — plus one timer for the earliest moment an entry expires or turns late
-by the clock alone. There is no per-request polling loop: a pump is one
-synchronous pass, coalesced with ``call_soon``.
+:class:`Admission` owns one :class:`~router.core.dispatch.Dispatcher` (built by
+name from ``--queue-policy``) and never asks which one it is. ``place``
+hands the dispatcher an :class:`~router.core.dispatch.Arrival` and waits on a
+future until an action answers it: ``DISPATCH`` (the decision is recorded in
+the in-flight account and the route returned), ``REFUSE`` (its error raised),
+or, for a request the dispatcher stopped while it streamed (``EVICT``), a new
+placement that :meth:`resume` waits for. The dispatcher is asked again only
+when something changed that could let an instance take a request — a new
+cluster view (the reader's listener), a request ending at the router, a
+cancel — plus one timer at the moment it asks to be woken. There is no
+per-request polling loop: a pass is one synchronous call, coalesced with
+``call_soon``.
 
-``queue_policy=none`` bypasses all of it (the old instant refusal).
+A dispatcher that never waits (``none``) answers an arrival at once: no
+future, no queue.
+
+What is router-only (the simulator's driver, :mod:`sim.cluster`, has no
+clients): a running request is stopped through the :class:`RunHandle` the
+service lends (:meth:`attach`).
 """
 
 from __future__ import annotations
@@ -18,40 +26,38 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 
-from router.arrival import ArrivalCheck
-from router.core.errors import (
-    ConfigError,
-    QueueFullError,
-    QueueTimeoutError,
-    RouterError,
-    SchedulingError,
-    ShedError,
+from fleet.snapshot import ClusterSnapshot
+from router.core.columns import ClusterView
+from router.core.decision import Decision
+from router.core.dispatch import (
+    Action,
+    Arrival,
+    Cancel,
+    Completion,
+    Dispatcher,
+    DispatchSetup,
+    Event,
+    Outcome,
+    Served,
+    Timer,
+    ViewChanged,
+    make_dispatcher,
+    waiting_delta,
 )
-from router.core.queue import (
-    FleetDrain,
-    Objective,
-    QueueConfig,
-    QueueEntry,
-    QueuePolicy,
-    RouterQueue,
-    Verdict,
-    offer,
-    slo_met,
-)
-from router.core.request import ScheduleInput
-from router.core.sa import SAPlanner
+from router.core.errors import RouterError
+from router.core.plugins import Policy
+from router.core.qlm import QlmConfig
+from router.core.queue import QueueConfig, RouterQueue, slo_met
+from router.core.request import ScheduleInput, Targets
+from router.core.scheduler import Scheduler
 from router.placement import PlacementRequest, Placer
 from router.route import Route
 from router.telemetry import RequestObserver
 
 logger = logging.getLogger(__name__)
-
-#: Least time between two sweeps of the late entries for ones that cannot start before their
-#: wait limit (:meth:`Admission._refuse_beyond_wait`); each sweep is one pass over the queue.
-LATE_SWEEP_INTERVAL_S = 0.25
 
 
 @dataclass(frozen=True)
@@ -63,91 +69,179 @@ class Admitted:
     late: bool = False
 
 
+@dataclass
+class RunHandle:
+    """What the service lends the driver for one streaming request, so a dispatcher can stop it."""
+
+    #: Tokens the client has received so far.
+    tokens: Callable[[], int]
+    #: Stop the worker leg (fire-and-forget ``Abort``).
+    stop: Callable[[], None]
+    #: Set by an eviction; cleared when the request resumes.
+    evicted: bool = False
+    resumed: asyncio.Future[Admitted] | None = field(default=None, repr=False)
+
+
+class _RouterFleet:
+    """The :class:`~router.core.dispatch.Fleet` the router lends its dispatcher: the placer's view and decisions."""
+
+    def __init__(self, admission: Admission) -> None:
+        self._admission = admission
+        self._placer = admission.placer
+        self._observer = admission.observer
+        #: Placement decisions made for the dispatcher (each a full pass of the filters and selectors).
+        self.decisions = 0
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self._placer.scheduler
+
+    def view(self) -> ClusterView | ClusterSnapshot:
+        return self._placer.snapshot()
+
+    def snapshot(self) -> ClusterSnapshot:
+        return self._placer.snapshot()
+
+    def decide(
+        self,
+        view: ClusterView | ClusterSnapshot,
+        request: ScheduleInput,
+        now: float,
+        *,
+        targets: Targets | None = None,
+        policy: Policy | None = None,
+    ) -> Decision:
+        started = time.perf_counter()
+        self.decisions += 1
+        try:
+            return self._placer.decide(view, request, now, targets=targets, policy=policy)
+        finally:
+            self._observer.scheduled(time.perf_counter() - started)
+
+    def evict(self, request_id: str) -> int | None:
+        return self._admission._evict(request_id)
+
+
 class Admission:
-    """Places requests through the router queue (see the module doc)."""
+    """Places requests through a dispatcher (see the module doc)."""
 
     def __init__(
         self,
         placer: Placer,
         config: QueueConfig,
+        qlm: QlmConfig | None = None,
         *,
         clock: Callable[[], float] = time.monotonic,
         observer: RequestObserver | None = None,
-        # Consecutive waits that end a pass: 4, as the simulator offers its queue (it was 8 here; each
-        # wait is a full scheduling decision, and most passes end in waits near capacity).
-        max_failures: int = 4,
+        dispatcher: Dispatcher | None = None,
     ) -> None:
-        if config.policy is QueuePolicy.QLM:
-            raise ConfigError(
-                "--queue-policy qlm is served by router.qlm_admission.QlmAdmission (make_admission)"
-            )
         self.placer = placer
         self.config = config
         sched = placer.scheduler.config
-        planner = SAPlanner(config) if config.policy is QueuePolicy.SA else None
-        self.queue = RouterQueue(config, sched.ttft_slo_ms, sched.tpot_slo_ms, planner)
+        self.dispatcher = dispatcher or make_dispatcher(
+            DispatchSetup(config, sched.ttft_slo_ms, sched.tpot_slo_ms, qlm or QlmConfig())
+        )
         self._clock = clock
-        self._observer = observer or RequestObserver()
-        self._max_failures = max_failures
+        self.observer = observer or RequestObserver()
+        self.fleet = _RouterFleet(self)
+        #: Requests waiting for a placement (first or resumed): their futures, by request id.
+        self._waiting: dict[str, asyncio.Future[Admitted]] = {}
+        self._handles: dict[str, RunHandle] = {}
         self._pump_pending = False
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = float("inf")
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._arrival = ArrivalCheck(placer.scheduler, placer.snapshot)
-        self._last_sweep = -float("inf")
 
     @property
     def enabled(self) -> bool:
-        return self.queue.policy is not QueuePolicy.NONE  # (the queue keeps the enum: no lookup per call)
+        """Whether requests may wait (the dispatcher is not ``none``)."""
+        return self.dispatcher.waits
+
+    @property
+    def queue(self) -> RouterQueue | None:
+        """The router queue of the dispatcher, when it has one (tests and the dry run read it)."""
+        return self.dispatcher.dry_run_queue()
 
     # ------------------------------------------------------------------ the request side
 
     async def place(self, req: PlacementRequest, *, exclude: frozenset[str] = frozenset()) -> Admitted:
-        """A route for ``req``: at once, after waiting in the queue, or a :class:`SchedulingError`."""
-        if not self.enabled:
-            return Admitted(self.placer.place(req, exclude=exclude))
-        loop = asyncio.get_running_loop()
-        self._loop = loop
+        """A route for ``req``: at once, after waiting, or a :class:`~router.core.errors.SchedulingError`."""
         now = self._clock()
         request = self.placer.schedule_input(req, exclude=exclude)
-        # A target no idle instance could meet is refused now, not after the wait limit.
-        self._arrival.check(request, now)
-        self.queue.observe_arrival(request)
+        dispatcher = self.dispatcher
+        if not dispatcher.waits:
+            # Answered at once: one action for this arrival, no future.
+            (action,) = dispatcher.handle(Arrival(request), now, self.fleet)
+            if action.decision is None:
+                assert action.error is not None
+                raise action.error
+            return Admitted(self.placer.commit(action.decision, now))
+        loop = asyncio.get_running_loop()
+        self._loop = loop
+        rid = req.request_id
         future: asyncio.Future[Admitted] = loop.create_future()
-        entry, shed = self.queue.push(request, now, token=future)
-        self._observer.queue_changed(request, +1)
-        for victim in shed:
-            self._shed(victim)
-        if self.queue.planner is not None:
-            # sa: a burst arriving in one loop iteration is planned in one pass, not request by request.
-            self.notify()
-        else:
-            self._pump()
+        self._waiting[rid] = future
+        try:
+            self._carry(dispatcher.handle(Arrival(request, future), now, self.fleet), now)
+        except Exception as exc:
+            # This request is answered here; a bug must not leave the others waiting either.
+            self._waiting.pop(rid, None)
+            if isinstance(exc, RouterError) and not future.done():
+                raise
+            logger.exception("dispatcher failed on an arrival; refusing the waiting request(s)")
+            failure = RouterError(f"router queue failure: {exc}")
+            self._carry(dispatcher.refuse_all(failure), now)
+            raise failure from exc
+        self._arm_timer(now)
+        if dispatcher.coalesce_arrivals:
+            self.notify()  # a burst arriving in one loop iteration is offered in one pass
+        return await self._wait(rid, future)
+
+    async def _wait(self, request_id: str, future: asyncio.Future[Admitted]) -> Admitted:
         try:
             return await future
         except asyncio.CancelledError:
-            if self.queue.remove(req.request_id) is not None:
-                self._observer.queue_changed(entry.request, -1)
-                self.notify()
+            if self._waiting.get(request_id) is future:
+                del self._waiting[request_id]
+            self._run(Cancel(request_id), self._clock())
+            self.notify()
             raise
 
-    def attach(self, request_id: str, tokens: Callable[[], int], stop: Callable[[], None]) -> None:
-        """Only the qlm policy evicts running requests (:meth:`QlmAdmission.attach`)."""
-        return None
+    def attach(
+        self, request_id: str, tokens: Callable[[], int], stop: Callable[[], None]
+    ) -> RunHandle | None:
+        """The service's handle on a streaming request, for a dispatcher that stops running ones."""
+        if not self.dispatcher.waits:
+            return None
+        handle = RunHandle(tokens, stop)
+        self._handles[request_id] = handle
+        return handle
 
-    async def resume(self, request_id: str) -> Admitted:  # pragma: no cover - never evicts
-        raise RouterError(f"request {request_id!r} was not evicted")
+    async def resume(self, request_id: str) -> Admitted:
+        """After an eviction: wait until the dispatcher places ``request_id`` again; its new route."""
+        handle = self._handles[request_id]
+        if handle.resumed is None:
+            raise RouterError(f"request {request_id!r} was not evicted")
+        admitted = await self._wait(request_id, handle.resumed)
+        handle.evicted = False
+        handle.resumed = None
+        return admitted
 
     def dry_run_queue(self) -> RouterQueue | None:
         """The queue the ``Schedule`` dry run reports a position in (None: nothing waits)."""
-        return self.queue if self.enabled else None
+        return self.dispatcher.dry_run_queue()
 
     def release(self, request_id: str, output_tokens: int | None = None) -> None:
-        """``request_id`` ended at the router: its load leaves, which may let a queued request go."""
+        """``request_id`` ended at the router: its load leaves, which may let a waiting request go."""
         self.placer.release(request_id)
-        self.queue.finished(request_id, output_tokens)
-        if self.enabled and len(self.queue):
-            self.notify()
+        if not self.dispatcher.waits:
+            return
+        self._handles.pop(request_id, None)
+        future = self._waiting.pop(request_id, None)
+        if future is not None and not future.done():
+            future.cancel()
+        self._run(Completion(request_id, output_tokens), self._clock())
+        self.notify()
 
     def outcome(
         self,
@@ -158,10 +252,11 @@ class Admission:
         tpot_s: float | None,
         e2e_s: float,
     ) -> None:
-        """How ``req`` ended (``finished``: every token was streamed; times measured at the router): under
-        ``--queue-objective g`` the queue's shedding limit follows the misses."""
-        if not self.enabled or self.config.objective is not Objective.G:
-            return
+        """How ``req`` ended (``finished``: every token was streamed; times measured at the router)."""
+        now = self._clock()
+        dispatcher = self.dispatcher
+        if dispatcher.shed_limit_ms(now) is None:
+            return  # nothing steers by it
         sched = self.placer.scheduler.config
         met = finished and slo_met(
             req.ttft_slo_ms,
@@ -173,13 +268,14 @@ class Admission:
             tpot_ms=None if tpot_s is None else tpot_s * 1e3,
             e2e_ms=e2e_s * 1e3,
         )
-        now = self._clock()
-        self.queue.note_outcome(req.request_id, met, now, None if tpot_s is None else tpot_s * 1e3)
-        self._observer.shed_limit(self.queue.shed_limit_ms(now) * 1e-3)
+        self._run(Served(req.request_id, met, None if tpot_s is None else tpot_s * 1e3), now)
+        limit = dispatcher.shed_limit_ms(now)
+        if limit is not None:
+            self.observer.shed_limit(limit * 1e-3)
 
     def notify(self) -> None:
-        """Something changed (view, in-flight load, queue): offer the queue once, soon."""
-        if self._pump_pending or not len(self.queue):
+        """Something changed (view, in-flight load, queue): ask the dispatcher once, soon."""
+        if self._pump_pending or not len(self.dispatcher):
             return
         loop = self._loop
         if loop is None or loop.is_closed():
@@ -187,134 +283,96 @@ class Admission:
         self._pump_pending = True
         loop.call_soon(self._pump)
 
-    # ------------------------------------------------------------------ the pump
+    def refuse_queued(self, error: RouterError) -> None:
+        """Fail every waiting request with ``error`` now (shutdown); arrivals after this are the caller's."""
+        self._carry(self.dispatcher.refuse_all(error), self._clock())
 
-    def _shed(self, victim: QueueEntry) -> None:
-        self._observer.queue_changed(victim.request, -1)
-        self._observer.queue_event("shed")
-        future: asyncio.Future[Admitted] = victim.token
-        if not future.done():
-            future.set_exception(
-                QueueFullError(
-                    f"the router queue is full ({self.config.max_queue_size} requests, --max-queue-size) and "
-                    f"request {victim.request_id!r} (priority {victim.request.priority}) was the least valuable; "
-                    "retry later or raise its priority"
-                )
-            )
+    def close(self) -> None:
+        """Cancel the timer (the server is stopping)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    # ------------------------------------------------------------------ carrying out
 
     def _pump(self) -> None:
         self._pump_pending = False
-        if not len(self.queue):
-            return
-        try:
-            self._offer()
-        except Exception as exc:  # a bug must not leave clients waiting forever: fail what is queued
-            logger.exception("router queue pass failed; refusing the %d queued request(s)", len(self.queue))
-            for entry in list(self.queue.entries()):
-                self.queue.remove(entry.request_id)
-                self._observer.queue_changed(entry.request, -1)
-                if not entry.token.done():
-                    entry.token.set_exception(RouterError(f"router queue failure: {exc}"))
+        if len(self.dispatcher):
+            self._run(ViewChanged(), self._clock())
 
-    def _offer(self) -> None:
-        now = self._clock()
-        started = time.perf_counter()
-        for result in offer(
-            self.queue,
-            self.placer.scheduler,
-            self.placer.snapshot,
-            now,
-            max_failures=self._max_failures,
-            decide=self.placer.decide,
-        ):
-            entry = result.entry
-            future: asyncio.Future[Admitted] = entry.token
-            if result.verdict in (Verdict.DISPATCH, Verdict.WAIT):
-                # The time of the decision that produced this verdict (the generator ran it since the last one).
-                self._observer.scheduled(time.perf_counter() - started)
-            started = time.perf_counter()
-            if result.verdict is Verdict.WAIT:
-                continue
-            if result.verdict is Verdict.LATE:
-                self._observer.queue_event("late")
-                continue
-            self._observer.queue_changed(entry.request, -1)
-            waited = now - entry.enqueued_s
-            if result.verdict is Verdict.DISPATCH:
-                assert result.decision is not None
-                if future.done():  # cancelled meanwhile: nothing may stay recorded for it
-                    self.queue.finished(entry.request_id)  # nor held as running by the sa policy
-                    continue
-                route = self.placer.commit(result.decision, now)
-                self._observer.queue_waited(waited)
-                future.set_result(Admitted(route, waited, entry.late))
-                continue
-            if result.verdict is Verdict.EXPIRED:
-                event = "expired"
-            else:
-                event = "overlong" if isinstance(result.error, ShedError) else "rejected"
-            self._observer.queue_event(event)
-            if not future.done() and result.error is not None:
-                future.set_exception(result.error)
-        if len(self.queue):
-            self._refuse_beyond_wait(now)
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._timer_at = float("inf")
+        if len(self.dispatcher):
+            self._run(Timer(), self._clock())
+
+    def _run(self, event: Event, now: float) -> None:
+        """Hand ``event`` to the dispatcher and carry out its actions; a failing pass refuses what waits."""
+        try:
+            self._carry(self.dispatcher.handle(event, now, self.fleet), now)
+        except Exception as exc:  # a bug must not leave clients waiting forever
+            logger.exception(
+                "dispatcher pass failed; refusing the %d waiting request(s)", len(self.dispatcher)
+            )
+            self._carry(self.dispatcher.refuse_all(RouterError(f"router queue failure: {exc}")), now)
         self._arm_timer(now)
 
-    def _refuse_beyond_wait(self, now: float) -> None:
-        """Late entries whose best case starts only after their wait limit are refused now.
+    def _carry(self, actions: Iterable[Action], now: float) -> None:
+        """Carry out each action before taking the next (a dispatch is recorded before the next decision)."""
+        observer = self.observer
+        for action in actions:
+            delta = waiting_delta(action)
+            if delta:
+                observer.queue_changed(action.request, delta)
+            outcome = action.outcome
+            if outcome is Outcome.DISPATCH:
+                self._dispatched(action, now)
+            elif outcome is Outcome.REFUSE:
+                if action.event:
+                    observer.queue_event(action.event)
+                future = self._waiting.pop(action.request_id, None)
+                if future is not None and not future.done() and action.error is not None:
+                    future.set_exception(action.error)
+            elif outcome is Outcome.LATE:
+                observer.queue_event(action.event)
+            elif outcome is Outcome.EVICT:
+                observer.queue_event(action.event)
+                handle = self._handles.get(action.request_id)
+                if handle is not None and handle.resumed is not None:
+                    self._waiting[action.request_id] = handle.resumed
 
-        Every on-time entry goes before any late one, and late ones go in the queue's order, so a
-        late entry starts its prefill only once the fleet has prefilled the work queued in front
-        of it now: :meth:`FleetDrain.start_ms` of those tokens (at the fleet's full prefill rate,
-        or the rate the queue really drained at lately when slower) predicts its wait (later
-        on-time arrivals that go first only add to it). An entry whose remaining wait
-        (``--max-queue-wait-ms`` minus what it waited) is shorter would be refused at the limit
-        anyway: it is refused at once, so the client learns it now (under a 4x overload most
-        refusals came only after the full 60 s) and the backlog left when a burst ends is only
-        what can still be served. One pass over the queue, at most every
-        :data:`LATE_SWEEP_INTERVAL_S`.
-        """
-        if now - self._last_sweep < LATE_SWEEP_INTERVAL_S:
+    def _dispatched(self, action: Action, now: float) -> None:
+        rid = action.request_id
+        future = self._waiting.pop(rid, None)
+        decision = action.decision
+        assert decision is not None
+        if future is None or future.done():  # cancelled meanwhile: nothing may stay recorded for it
+            for _ in self.dispatcher.handle(Completion(rid), now, self.fleet):
+                pass
             return
-        self._last_sweep = now
-        entries = list(self.queue.entries())  # offer order: on-time entries first, then the late ones
-        if not any(e.late for e in entries):
-            return
-        try:
-            scheduler = self.placer.scheduler
-            view = scheduler.view(self.placer.snapshot(), now)
-            drain = FleetDrain.of(scheduler, view, now, self.queue.drain_rate(now))
-        except SchedulingError:
-            return
-        if drain is None:
-            return
-        limit_ms = self.config.max_queue_wait_ms
-        ahead = 0  # prompt tokens of the entries still queued in front of this one
-        for entry in entries:
-            if not entry.late:
-                ahead += entry.request.prompt_tokens
-                continue
-            remaining_ms = limit_ms - (now - entry.enqueued_s) * 1e3
-            start_ms = drain.start_ms(ahead)
-            if start_ms <= remaining_ms or self.queue.remove(entry.request_id) is None:
-                ahead += entry.request.prompt_tokens
-                continue
-            self._observer.queue_changed(entry.request, -1)
-            self._observer.queue_event("refused_early")
-            future: asyncio.Future[Admitted] = entry.token
-            if not future.done():
-                future.set_exception(
-                    QueueTimeoutError(
-                        f"request {entry.request_id!r} cannot start for at least {start_ms:.0f} ms (the "
-                        f"work queued before it), past the {max(remaining_ms, 0.0):.0f} ms it may still wait "
-                        f"in the router queue (--max-queue-wait-ms {limit_ms:g}): refused now rather than at "
-                        "the limit; retry later or add capacity"
-                    )
-                )
+        route = self.placer.commit(decision, now)
+        self.observer.queue_waited(action.waited_s)
+        future.set_result(Admitted(route, action.waited_s, action.late))
+
+    def _evict(self, request_id: str) -> int | None:
+        """The dispatcher stops ``request_id`` (see :meth:`Fleet.evict`); the tokens its client has."""
+        handle = self._handles.get(request_id)
+        loop = self._loop
+        if handle is None or handle.evicted or loop is None:
+            return None  # not streaming yet (or already being evicted): nothing to keep, leave it
+        tokens = handle.tokens()
+        if tokens <= 0:
+            return None
+        handle.evicted = True
+        handle.resumed = loop.create_future()
+        handle.stop()
+        self.placer.release(request_id)
+        logger.info("%s: evicted %s after %d tokens", self.dispatcher.name, request_id, tokens)
+        return tokens
 
     def _arm_timer(self, now: float) -> None:
-        """Wake at the first moment an entry expires or turns late without any other event."""
-        wake = self.queue.wake_s()
+        """Wake at the moment the dispatcher asked for, if no other event comes first."""
+        wake = self.dispatcher.wake_s()
         when = float("inf") if wake is None else wake
         loop = self._loop
         if loop is None or when == float("inf"):
@@ -326,27 +384,14 @@ class Admission:
         self._timer_at = when
         self._timer = loop.call_later(max(when - now, 0.0) + 1e-3, self._on_timer)
 
-    def _on_timer(self) -> None:
-        self._timer = None
-        self._timer_at = float("inf")
-        self._pump()
 
-    def position(self, request: ScheduleInput) -> int:
-        """Where ``request`` would stand in the queue now."""
-        return self.queue.position_of_new(request, self._clock())
-
-    def refuse_queued(self, error: RouterError) -> None:
-        """Fail every queued request with ``error`` now (shutdown); arrivals after this are the caller's."""
-        for entry in list(self.queue.entries()):
-            if self.queue.remove(entry.request_id) is None:
-                continue
-            self._observer.queue_changed(entry.request, -1)
-            future: asyncio.Future[Admitted] = entry.token
-            if not future.done():
-                future.set_exception(error)
-
-    def close(self) -> None:
-        """Cancel the timer (the server is stopping)."""
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+def make_admission(
+    placer: Placer,
+    config: QueueConfig,
+    qlm: QlmConfig | None = None,
+    *,
+    clock: Callable[[], float] = time.monotonic,
+    observer: RequestObserver | None = None,
+) -> Admission:
+    """The router's driver over the dispatcher ``config.queue_policy`` names."""
+    return Admission(placer, config, qlm, clock=clock, observer=observer)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -75,6 +76,76 @@ async def ready_batches(call: Any) -> AsyncGenerator[list[Any], None]:
                 batch = pending[:]
                 pending.clear()
                 yield batch
+                continue
+            if failure is not None:
+                raise failure
+            return
+    finally:
+        if not reader.done():
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reader
+
+
+async def paced_batches(call: Any, interval_s: float) -> AsyncGenerator[list[Any], None]:
+    """Like :func:`ready_batches`, and at most one batch per ``interval_s`` while the stream runs.
+
+    For an upstream that sends one message per token per engine step (vLLM's ``Generate``):
+    relaying each as a message of its own costs the router a gRPC write (a ``sendmsg``, a wake-up
+    of gRPC's poller) per token and per stream, which on a small host takes the cores the engine
+    needs. Here a batch that is ready less than ``interval_s`` after the previous one was taken
+    waits for the rest of the interval, collecting what arrives meanwhile; the end of the stream
+    (or its failure) is delivered at once. So a message is at most ``interval_s`` late and the
+    write rate per stream is at most ``1 / interval_s``. ``interval_s`` 0 is :func:`ready_batches`'s
+    behaviour. One future per wait (no :class:`asyncio.Event`, no timeout task): this runs per token.
+    """
+    loop = asyncio.get_running_loop()
+    pending: list[Any] = []
+    waiter: asyncio.Future[None] | None = None
+    holding = False
+    done = False
+    failure: grpc.aio.AioRpcError | None = None
+
+    def wake() -> None:
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def pump() -> None:
+        nonlocal done, failure
+        try:
+            while (message := await call.read()) is not _EOF:
+                pending.append(message)
+                if not holding:
+                    wake()
+        except grpc.aio.AioRpcError as exc:
+            failure = exc
+        finally:
+            done = True
+            wake()
+
+    reader = loop.create_task(pump())
+    taken = -math.inf
+    try:
+        while True:
+            if not pending and not done:
+                waiter = loop.create_future()
+                await waiter
+            if pending and not done and interval_s > 0:
+                delay = taken + interval_s - loop.time()
+                if delay > 0:
+                    holding = True
+                    waiter = loop.create_future()
+                    timer = loop.call_later(delay, wake)
+                    try:
+                        await waiter
+                    finally:
+                        timer.cancel()
+                        holding = False
+            if pending:
+                batch = pending[:]
+                pending.clear()
+                yield batch
+                taken = loop.time()
                 continue
             if failure is not None:
                 raise failure

@@ -29,6 +29,7 @@ from router.core.decision import Choice, Decision
 from router.core.errors import EmptyClusterError, InvalidRequestError, NoInstanceError, SchedulingError
 from router.core.health import OutlierDetector
 from router.core.lengths import LengthPredictor
+from router.core.lifecycle import Phase, RequestState
 from router.core.packing import expected_output_tokens, overpacked_mask
 from router.core.plugins import Policy
 from router.core.queue import RouterQueue
@@ -195,6 +196,7 @@ class Placer:
         hashes: tuple[int, ...] = ()
         if prefix is not None and prompt_tokens is None:
             hashes = token_block_hashes(req.prompt_token_ids, prefix.block_tokens)
+        lengths = self.lengths.estimate(req.slo_class, len(req.prompt_token_ids), req.max_tokens)
         return ScheduleInput(
             request_id=req.request_id,
             prompt_tokens=len(req.prompt_token_ids) if prompt_tokens is None else prompt_tokens,
@@ -204,9 +206,9 @@ class Placer:
             exclude_instance_ids=exclude,
             stages=stages,
             e2e_slo_ms=req.e2e_slo_ms,
-            expected_output_tokens=self.lengths.estimate(
-                req.slo_class, len(req.prompt_token_ids), req.max_tokens
-            ).tokens,
+            expected_output_tokens=lengths.tokens,
+            output_tokens_bound=lengths.bound_tokens,
+            output_tokens_prior=lengths.samples == 0,
             max_tokens=req.max_tokens,
             priority=req.priority,
             slo_class=req.slo_class,
@@ -486,6 +488,8 @@ class Placer:
         """
         now = self._clock()
         request = self.schedule_input(req)
+        # The request's lifecycle as Generate would start it: it answers which phase it would be in.
+        state = RequestState(req.request_id, started=now, prompt_tokens=request.prompt_tokens)
         if queue is not None:
             targets = resolve_targets(request, queue.default_ttft_ms, queue.default_tpot_ms, now)
             bound = min(targets.ttft_ms, queue.release_limit_ms(now, request.priority, targets.full_ttft_ms))
@@ -504,11 +508,13 @@ class Placer:
                 )
             except NoInstanceError as exc:
                 return router_pb2.ScheduleResponse(
-                    queued=True, queue_position=position, queue_reason=str(exc)
+                    queued=True, queue_position=position, queue_reason=str(exc), phase=state.phase.value
                 )
         else:
             decision = self.scheduler.schedule(self._snapshot(), request, now, dry_run=True)
+        state.to(Phase.PLACED)
         response = router_pb2.ScheduleResponse(
+            phase=state.phase.value,
             policy=decision.policy,
             mode=decision.mode.value,
             prefill=_instance_choice(decision.prefill),

@@ -20,35 +20,30 @@ import math
 import os
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
 from slorouter.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2
 
 from cms import limits
-from router.admission import Admission
+from router.admission import Admission, RunHandle
 from router.core.decision import Choice
 from router.core.errors import (
     DuplicateRequestError,
-    EmptyClusterError,
     InvalidRequestError,
-    LateError,
-    NoInstanceError,
-    QueueFullError,
-    QueueTimeoutError,
     RetriesExhaustedError,
     RouterError,
     ShuttingDownError,
-    UnmeetableError,
+    status_name,
 )
+from router.core.lifecycle import Phase, RequestState
 from router.core.protocols import VLLM_GRPC_SCHEME
 from router.core.queue import QueueConfig
 from router.core.request import Mode
 from router.forward import LegError, LegTokens, WorkerClient
 from router.legs import LegLedger
 from router.placement import PlacementRequest, Placer
-from router.qlm_admission import QlmAdmission, RunHandle
 from router.route import Route
 from router.slicing import SliceDispatcher, slice_route
 from router.telemetry import RequestObserver
@@ -90,18 +85,11 @@ _DRY_RUN_ID = "schedule-dry-run"
 
 
 def _error_code(exc: RouterError) -> grpc.StatusCode:
-    """The one place router errors become gRPC status codes."""
-    if isinstance(exc, InvalidRequestError):
-        return grpc.StatusCode.INVALID_ARGUMENT
-    if isinstance(exc, DuplicateRequestError):
-        return grpc.StatusCode.ALREADY_EXISTS
-    if isinstance(exc, (NoInstanceError, QueueFullError, QueueTimeoutError, UnmeetableError)):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED
-    if isinstance(exc, LateError):
-        return grpc.StatusCode.DEADLINE_EXCEEDED
-    if isinstance(exc, (EmptyClusterError, RetriesExhaustedError, ShuttingDownError)):
-        return grpc.StatusCode.UNAVAILABLE
-    return grpc.StatusCode.INTERNAL
+    """Router errors as gRPC status codes (the mapping itself: :func:`router.core.errors.status_name`)."""
+    return _STATUS[status_name(exc)]
+
+
+_STATUS = {code.name: code for code in grpc.StatusCode}
 
 
 #: The finish reason a worker gives a request it aborted.
@@ -126,31 +114,6 @@ async def _close_stream(stream: AsyncIterator[Any]) -> None:
     close = getattr(stream, "aclose", None)
     if close is not None:
         await close()
-
-
-@dataclass
-class _Progress:
-    """What a request has produced so far (for re-placement and usage)."""
-
-    started: float
-    tokens: list[int] = field(default_factory=list)
-    route: Route | None = None
-    #: Prompt tokens the instance producing the tokens did not recompute (reported by the worker).
-    cached_prompt_tokens: int = 0
-    first_token_at: float | None = None
-    last_token_at: float | None = None
-    #: Time spent in the router queue (s) and whether the request left it already late.
-    queue_wait_s: float = 0.0
-    late: bool = False
-    #: The request and its prompt length, once validated (packing reads the resident leg's context).
-    request_id: str = ""
-    prompt_tokens: int = 0
-
-
-def _tpot_s(progress: _Progress) -> float | None:
-    """Seconds per output token after the first (None before two tokens)."""
-    first, last, n = progress.first_token_at, progress.last_token_at, len(progress.tokens)
-    return (last - first) / (n - 1) if first is not None and last is not None and n > 1 else None
 
 
 class Generated:
@@ -249,7 +212,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         clock: Callable[[], float] = time.monotonic,
         observer: RequestObserver | None = None,
         slicer: SliceDispatcher | None = None,
-        admission: Admission | QlmAdmission | None = None,
+        admission: Admission | None = None,
     ) -> None:
         self._slicer = slicer
         self._placer = placer
@@ -258,7 +221,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self._config = config
         self._clock = clock
         self._observer = observer or RequestObserver()
-        self._admission: Admission | QlmAdmission = admission or Admission(
+        self._admission: Admission = admission or Admission(
             placer, QueueConfig(queue_policy="none"), clock=clock, observer=self._observer
         )
         self._active: set[str] = set()
@@ -391,7 +354,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         metrics. Callers close the iterator (``contextlib.aclosing``) so that a
         client that goes away releases the accounting and aborts the worker legs.
         """
-        progress = _Progress(started=self._clock())
+        progress = RequestState(started=self._clock(), listener=self._observer.phase_changed)
         try:
             if self._draining:
                 raise ShuttingDownError(
@@ -399,6 +362,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 )
             prepared = self._prepare(request)
         except RouterError as exc:
+            progress.end(Phase.FAILED)
             self._observer.rejected(exc)
             # The id is the client's: log a bounded prefix of it, never the whole string.
             logger.info("rejected request %r: %s", request.request_id[:64] or "(no id)", exc)
@@ -407,6 +371,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         progress.request_id = request_id
         progress.prompt_tokens = len(prepared.prompt_token_ids)
         if request_id in self._active:
+            progress.end(Phase.FAILED)
             self._observer.outcome("duplicate")
             raise DuplicateRequestError(
                 f"request_id {request_id!r} is already in flight; use a new id or leave it empty"
@@ -427,29 +392,32 @@ class RouterService(router_pb2_grpc.RouterServicer):
                         "out); retry elsewhere"
                     )
                 finished = message.finished
+                if finished:
+                    progress.end(Phase.DONE)
                 yield message
             self._completed(progress)
         except RouterError as exc:
             self._observer.rejected(exc)
-            logger.info("request %s failed: %s", request_id, exc)
+            logger.info("request %s failed while %s: %s", request_id, progress.phase.value, exc)
             raise
         except LegError:
             self._observer.outcome("worker_error")
             raise
         except (asyncio.CancelledError, GeneratorExit):
+            progress.end(Phase.CANCELLED)
             self._observer.outcome("cancelled")
             raise
         finally:
+            # Whatever ended it otherwise (a worker's refusal, a router error) failed it.
+            progress.end(Phase.FAILED)
             self._active.discard(request_id)
             if not self._active:
                 self._idle.set()
             self._admission.outcome(
                 prepared,
                 finished=finished,
-                ttft_s=None
-                if progress.first_token_at is None
-                else progress.first_token_at - progress.started,
-                tpot_s=_tpot_s(progress),
+                ttft_s=progress.ttft_s,
+                tpot_s=progress.tpot_s,
                 e2e_s=self._clock() - progress.started,
             )
             self._admission.release(request_id, len(progress.tokens) if finished else None)
@@ -462,7 +430,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         slicer: SliceDispatcher,
         req: PlacementRequest,
         sampling: common_pb2.SamplingParams,
-        progress: _Progress,
+        progress: RequestState,
     ) -> AsyncIterator[Generated]:
         """``--dispatch-mode slice``: the dispatcher serves the request slice by slice; one stream out."""
         first = True
@@ -470,7 +438,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
             req.request_id,
             tuple(req.prompt_token_ids),
             sampling,
-            progress.tokens,
+            progress,
             self._workers,
             self._config.stream_timeout_s,
         )
@@ -501,10 +469,10 @@ class RouterService(router_pb2_grpc.RouterServicer):
         if target.endpoint.startswith(VLLM_GRPC_SCHEME):
             self._placer.confirm(request_id, target.instance_id)
 
-    def _completed(self, progress: _Progress) -> None:
-        self._observer.completed(progress.route, _tpot_s(progress), self._clock() - progress.started)
+    def _completed(self, progress: RequestState) -> None:
+        self._observer.completed(progress.route, progress.tpot_s, self._clock() - progress.started)
 
-    def _usage(self, req: PlacementRequest, progress: _Progress) -> router_pb2.Usage:
+    def _usage(self, req: PlacementRequest, progress: RequestState) -> router_pb2.Usage:
         now = self._clock()
         first = progress.first_token_at if progress.first_token_at is not None else now
         last = progress.last_token_at if progress.last_token_at is not None else first
@@ -522,14 +490,10 @@ class RouterService(router_pb2_grpc.RouterServicer):
             late=progress.late,
         )
 
-    def _note_tokens(self, progress: _Progress, token_ids: Sequence[int]) -> None:
+    def _note_tokens(self, progress: RequestState, token_ids: Sequence[int]) -> None:
         if not token_ids:
             return
-        now = self._clock()
-        if progress.first_token_at is None:
-            progress.first_token_at = now
-        progress.last_token_at = now
-        progress.tokens.extend(token_ids)
+        progress.add_tokens(token_ids, self._clock())
         if progress.request_id:
             # The decode leg's KV holds the prompt and every token produced (packing's exact peak).
             self._placer.advance(progress.request_id, progress.prompt_tokens + len(progress.tokens))
@@ -539,7 +503,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         req: PlacementRequest,
         sampling: common_pb2.SamplingParams,
         ledger: LegLedger,
-        progress: _Progress,
+        progress: RequestState,
     ) -> _Started:
         """Place the request and get its first token, trying other instances when one fails."""
         excluded: set[str] = set()
@@ -554,11 +518,16 @@ class RouterService(router_pb2_grpc.RouterServicer):
             route = admitted.route
             progress.queue_wait_s += admitted.waited_s
             progress.late = progress.late or admitted.late
+            progress.route = route
+            progress.to(Phase.PLACED)
             try:
                 return await self._start(route, req, sampling, ledger, progress)
             except LegError as exc:
                 if not exc.retryable:
                     raise
+                # Failed before its first token: pause, and wait for another placement.
+                progress.pause(f"{exc.instance_id} failed before the first token")
+                progress.requeue()
                 failures.append(str(exc))
                 excluded.add(exc.instance_id)
                 self._admission.release(req.request_id)
@@ -576,9 +545,10 @@ class RouterService(router_pb2_grpc.RouterServicer):
         req: PlacementRequest,
         sampling: common_pb2.SamplingParams,
         ledger: LegLedger,
-        progress: _Progress,
+        progress: RequestState,
     ) -> _Started:
         prefill = route.prefill
+        progress.to(Phase.PREFILLING)
         if route.mode is Mode.PD:
             response = await self._workers.prefill(
                 prefill,
@@ -593,6 +563,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
             self._confirm(prefill, req.request_id)
             index = len(progress.tokens)
             self._note_tokens(progress, [response.first_token_id])
+            if not response.finished:
+                progress.to(Phase.TRANSFERRING)
             first = Generated(
                 req.request_id,
                 index,
@@ -622,6 +594,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
             progress.cached_prompt_tokens = max(
                 progress.cached_prompt_tokens, message.num_cached_prompt_tokens
             )
+            if not message.finished:
+                progress.to(Phase.DECODING)
             first = Generated(
                 req.request_id,
                 index,
@@ -636,14 +610,17 @@ class RouterService(router_pb2_grpc.RouterServicer):
         )
 
     async def _resumed(
-        self, req: PlacementRequest, handle: RunHandle, progress: _Progress
+        self, req: PlacementRequest, handle: RunHandle, progress: RequestState
     ) -> tuple[Choice, bytes]:
         """After an eviction: the instance the queue pulls the request to next, and no KV (recompute)."""
         logger.info(
             "request %s: evicted after %d tokens; waiting in the queue", req.request_id, len(progress.tokens)
         )
+        progress.pause("evicted by the queue")
+        progress.requeue()
         admitted = await self._admission.resume(req.request_id)
         progress.queue_wait_s += admitted.waited_s
+        progress.to(Phase.PLACED)
         return admitted.route.decode, b""
 
     async def _run(
@@ -651,7 +628,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         req: PlacementRequest,
         sampling: common_pb2.SamplingParams,
         ledger: LegLedger,
-        progress: _Progress,
+        progress: RequestState,
     ) -> AsyncIterator[Generated]:
         """Place the request, stream its first token, then the rest; re-place decode when its instance fails.
 
@@ -678,7 +655,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         failures = 0
         # Under --queue-policy qlm the queue may evict this request while it streams: the leg is
         # aborted, nothing more of it is relayed, and it continues from a new placement with the
-        # tokens the client has (see router.qlm_admission).
+        # tokens the client has (see router.admission).
         handle = self._admission.attach(
             req.request_id,
             lambda: len(progress.tokens),
@@ -686,6 +663,9 @@ class RouterService(router_pb2_grpc.RouterServicer):
         )
         while True:
             if stream is None:
+                if progress.phase is Phase.PLACED:
+                    # Resumed: on a KV still held it decodes at once, else it recomputes its context.
+                    progress.to(Phase.DECODING if kv_handle else Phase.PREFILLING)
                 stream = self._workers.stream(
                     target,
                     worker_pb2.DecodeRequest(
@@ -706,6 +686,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
                     if not confirmed:
                         confirmed = True
                         self._confirm(target, request_id)
+                        progress.advance(Phase.DECODING)
                     if message.finished and message.finish_reason == _ABORT:
                         # Not asked for by the router (its own aborts end the leg above or close
                         # the request): keep this message's tokens, resume the rest elsewhere.
@@ -750,6 +731,9 @@ class RouterService(router_pb2_grpc.RouterServicer):
                         "request %s: KV gone (%s); recomputing on %s", req.request_id, exc, target.instance_id
                     )
                     kv_handle = b""
+                    progress.pause("the KV was gone")
+                    progress.requeue()
+                    progress.to(Phase.PLACED)
                     continue
                 if not exc.retryable:
                     raise
@@ -767,6 +751,9 @@ class RouterService(router_pb2_grpc.RouterServicer):
                     target.instance_id,
                     exc,
                 )
+                progress.pause(f"decode on {exc.instance_id} failed")
+                progress.requeue()
                 target = self._placer.place_decode(
                     req, len(progress.tokens), exclude=frozenset(excluded), abandoned=exc.instance_id
                 )
+                progress.to(Phase.PLACED)

@@ -34,6 +34,7 @@ from router.core.errors import (
     ShuttingDownError,
     UnmeetableError,
 )
+from router.core.lifecycle import Phase
 from router.core.request import ScheduleInput
 from router.route import Route
 
@@ -162,6 +163,14 @@ class RequestObserver:
             ["slo_class", "priority"],
             registry=r,
         )
+        self.phases = Gauge(
+            "slo_router_requests_in_phase",
+            "Requests the router serves now, by the phase of their lifecycle (router.core.lifecycle)",
+            ["phase"],
+            registry=r,
+        )
+        # One child per live phase, bound once: a move costs two increments, no label lookup.
+        self._phase_gauges = {p: self.phases.labels(phase=p.value) for p in Phase if not p.terminal}
         self.queue_wait = Histogram(
             "slo_router_queue_wait_seconds",
             "Time a dispatched request waited in the router queue",
@@ -249,6 +258,14 @@ class RequestObserver:
 
     def rejected(self, exc: RouterError) -> None:
         self.outcome(_outcome_of(exc))
+
+    def phase_changed(self, old: Phase, new: Phase) -> None:
+        """A request moved ``old`` -> ``new`` (``old is new``: it was just created in ``new``)."""
+        gauges = self._phase_gauges
+        if old is not new and old in gauges:
+            gauges[old].dec()
+        if new in gauges:
+            gauges[new].inc()
 
     def retried(self, phase: str) -> None:
         self.retries.labels(phase=phase).inc()

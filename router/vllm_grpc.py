@@ -46,7 +46,8 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vllm_pb2_grpc
 
 from cms.transport import ClientTls, open_channel
 from router.core.protocols import split_endpoint
-from router.legs import LegLedger, LegOwner, Target, ready_batches
+from router.legs import LegLedger, LegOwner, Target, paced_batches
+from router.mux import Tokens
 from router.pool import CHANNEL_OPTIONS
 
 logger = logging.getLogger(__name__)
@@ -59,6 +60,9 @@ PREFILL_KV_PARAMS = json.dumps({"do_remote_decode": True})
 #: Tokens of context the detokenizer decodes before the new ones (a piece's leading space, a
 #: multi-token character, depend on them).
 DETOKENIZE_CONTEXT = 6
+#: The default of ``--vllm-stream-interval-ms``: a vLLM leg's tokens reach the client at most this
+#: late, in at most one message per stream per interval (see :func:`router.legs.paced_batches`).
+DEFAULT_STREAM_INTERVAL_S = 0.005
 #: vLLM takes a 32-bit signed seed.
 _SEED_MODULUS = 1 << 31
 
@@ -131,8 +135,10 @@ class VllmGrpcClient:
         max_channels: int,
         tls: ClientTls | None,
         decode: Callable[[list[int]], str] | None = None,
+        stream_interval_s: float = DEFAULT_STREAM_INTERVAL_S,
     ) -> None:
         self._owner = owner
+        self.stream_interval_s = stream_interval_s
         self._max = max_channels
         self._tls = tls
         self._decode = decode
@@ -224,8 +230,8 @@ class VllmGrpcClient:
         request: worker_pb2.WorkerGenerateRequest | worker_pb2.DecodeRequest,
         timeout_s: float,
         ledger: LegLedger,
-    ) -> AsyncIterator[worker_pb2.WorkerTokens]:
-        """A neutral generate or a decode leg as ``WorkerTokens``; see the module docstring."""
+    ) -> AsyncIterator[Tokens | worker_pb2.WorkerTokens]:
+        """A neutral generate or a decode leg as :class:`~router.mux.Tokens`; see the module docstring."""
         owner = self._owner
         ledger.endpoints.add(target.endpoint)
         channel, stub = self.entry(target.endpoint)
@@ -241,7 +247,7 @@ class VllmGrpcClient:
             kv_params = ""
         request_id = request.request_id
         if remaining <= 0:  # every token was produced before a failure: nothing to run
-            yield worker_pb2.WorkerTokens(request_id=request_id, finished=True, finish_reason="length")
+            yield Tokens(request_id, [], "", True, "length", 0, 0)
             return
         message = vllm_pb2.GenerateRequest(
             request_id=request_id,
@@ -257,30 +263,35 @@ class VllmGrpcClient:
         detok = self._detokenizer(context)
         call = stub.Generate(message, timeout=timeout_s)
 
-        def merged(batch: list[Any]) -> worker_pb2.WorkerTokens:
-            """One message for every response that arrived meanwhile (chunks, then maybe the end)."""
+        def merged(batch: list[Any]) -> Tokens:
+            """One record for every response that arrived meanwhile (chunks, then maybe the end).
+
+            A plain record, not a ``WorkerTokens`` message: the service only reads its fields.
+            """
             ids: list[int] = []
-            out = worker_pb2.WorkerTokens(request_id=request_id)
+            prompt = cached = 0
+            finished = False
+            reason = ""
             for response in batch:
-                if response.HasField("chunk"):
+                kind = response.WhichOneof("response")
+                if kind == "chunk":
                     chunk = response.chunk
                     ids.extend(chunk.token_ids)
-                    if not out.num_prompt_tokens:
-                        out.num_prompt_tokens = chunk.prompt_tokens
-                    out.num_cached_prompt_tokens = max(out.num_cached_prompt_tokens, chunk.cached_tokens)
-                elif response.HasField("complete"):
+                    if not prompt:
+                        prompt = chunk.prompt_tokens
+                    cached = max(cached, chunk.cached_tokens)
+                elif kind == "complete":
                     reason = response.complete.finish_reason
                     if reason == "error":
                         raise owner.failed(
                             target, grpc.StatusCode.INTERNAL, f"vLLM at {target.endpoint} failed the request"
                         )
                     # In a streamed call the chunks already carried every token.
-                    out.finished = True
-                    out.finish_reason = _finish_reason(reason)
+                    finished = True
+                    reason = _finish_reason(reason)
                     break
-            out.token_ids.extend(ids)
-            out.text = self._text(detok, ids)
-            return out
+            text = detok.add(ids) if detok is not None and ids else ""
+            return Tokens(request_id, ids, text, finished, reason, prompt, cached)
 
         # The first response goes straight through (the TTFT path); after it a reader task drains the
         # stream and each step of the consumer takes everything that arrived meanwhile as one
@@ -307,7 +318,7 @@ class VllmGrpcClient:
             raise
 
         try:
-            async with contextlib.aclosing(ready_batches(call)) as batches:
+            async with contextlib.aclosing(paced_batches(call, self.stream_interval_s)) as batches:
                 async for batch in batches:
                     out = merged(batch)
                     yield out

@@ -3,6 +3,14 @@ against pure cache affinity, on a shared-prefix workload or the Mooncake convers
 
     python scripts/prefix_cache_eval.py synthetic --rate 8 --neutral 4 --requests 1000 --groups 48
     python scripts/prefix_cache_eval.py mooncake --scale 1.0 --neutral 8 --requests 1500
+    python scripts/prefix_cache_eval.py ceiling --cache-tokens 2097152,8388608
+
+``ceiling`` asks what any router could get from the trace's reuse, before routing: per window of
+the trace, the hit rate of one infinite cache and of one LRU cache of the fleet's whole KV (every
+turn of a conversation on the instance that holds its history, never a miss from placement), the
+median request's cached share, the time since a conversation's history (more than its first block) was last sent, and the zero-queue TTFT p50
+ratio those hits give on the default profile (each prompt's prefill on its uncached tokens only,
+against its full prompt): the best a cache-aware TTFT p50 can be when queueing does not set it.
 
 Prints TTFT p50/p90, SLO attainment and the fleet's prefix-cache hit rate per arm (``simulate``
 with the router queue ``edf`` and the default calibration). ``mooncake`` reads
@@ -28,6 +36,7 @@ from workload.report import slo_met
 from workload.spec import RequestPlan, SloTarget, generate_requests, load_workload
 
 ARMS = (("slo", "off"), ("slo", "exact"), ("slo", "approximate"), ("cache-affinity", "exact"))
+PROFILE = Path("profiling_data") / "qwen2.5-7b-2xv100-linear"
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake-conversation.jsonl"
 
 
@@ -53,18 +62,86 @@ def mooncake(path: Path, n: int, scale: float) -> list[RequestPlan]:
     return plans
 
 
+def ceiling(path: Path, windows: list[tuple[float, float]], caches: list[int]) -> None:
+    """Print the reuse a trace offers per window and cache size (see the module docstring)."""
+    from collections import OrderedDict
+
+    from workload.traces import MOONCAKE_BLOCK_TOKENS, read_trace
+
+    _, records = read_trace(path)
+    profile = json.loads((Path(__file__).resolve().parents[1] / PROFILE / "ttft.json").read_text())
+    xs = np.array([r["tokens_num"] for r in profile["results"]], dtype=float)
+    ys = np.array([r["p50"] for r in profile["results"]], dtype=float)
+
+    def prefill_ms(tokens: np.ndarray) -> np.ndarray:
+        # linear inside the profile and past its end (the profile is linear in the prompt)
+        slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+        out: np.ndarray = np.where(
+            tokens <= xs[-1], np.interp(tokens, xs, ys), ys[-1] + slope * (tokens - xs[-1])
+        )
+        return out
+
+    block = MOONCAKE_BLOCK_TOKENS
+    print(
+        f"{'window s':>11s} {'reqs':>6s} {'cache tokens':>12s} {'hit':>6s} {'median req':>10s} "
+        f"{'TTFT p50 ratio':>14s} {'history gap p50/p90 s':>22s}"
+    )
+    for start, end in windows:
+        rows = [r for r in records if start <= r.arrival_s < end]
+        for cap in caches:
+            lru: OrderedDict[tuple[int, ...], None] = OrderedDict()
+            last: dict[tuple[int, ...], float] = {}
+            cached, prompt, gaps = [], [], []
+            for r in rows:
+                keys = [tuple(r.hash_ids[: i + 1]) for i in range(len(r.hash_ids))]
+                k = 0
+                for key in keys:
+                    if key not in lru:
+                        break
+                    k += 1
+                if k > 1:  # a conversation's history, not only the first block every prompt shares
+                    gaps.append(r.arrival_s - last[keys[k - 1]])
+                for key in keys:
+                    lru[key] = None
+                    lru.move_to_end(key)
+                    last[key] = r.arrival_s
+                while cap and len(lru) > cap // block:
+                    lru.popitem(last=False)
+                cached.append(min(k * block, r.prompt_tokens))
+                prompt.append(r.prompt_tokens)
+            c, p = np.array(cached, dtype=float), np.array(prompt, dtype=float)
+            ratio = np.percentile(prefill_ms(p - c), 50) / np.percentile(prefill_ms(p), 50)
+            g = np.percentile(gaps, [50, 90]) if gaps else (0.0, 0.0)
+            print(
+                f"{start:5.0f}:{end:<5.0f} {len(rows):6d} {cap or 'inf':>12} {100 * c.sum() / p.sum():5.1f}% "
+                f"{100 * np.median(c / p):9.1f}% {ratio:14.2f} {g[0]:10.0f} / {g[1]:<7.0f}"
+            )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("workload", choices=("synthetic", "mooncake"))
+    parser.add_argument("workload", choices=("synthetic", "mooncake", "ceiling"))
     parser.add_argument("--rate", type=float, default=8.0, help="synthetic: arrivals per second")
     parser.add_argument("--groups", type=int, default=48, help="synthetic: shared prefixes")
     parser.add_argument("--scale", type=float, default=1.0, help="mooncake: arrival-time factor")
     parser.add_argument("--trace", type=Path, default=TRACE)
     parser.add_argument("--neutral", type=int, default=4, help="neutral sim instances")
     parser.add_argument("--requests", type=int, default=1000)
+    parser.add_argument(
+        "--windows",
+        default="0:600,1800:2400,0:3600",
+        help="ceiling: trace windows START:END (s), comma-separated",
+    )
+    parser.add_argument(
+        "--cache-tokens", default="2097152,8388608,0", help="ceiling: fleet KV sizes in tokens (0 = infinite)"
+    )
     args = parser.parse_args()
+    if args.workload == "ceiling":
+        windows = [(float(a), float(b)) for a, b in (w.split(":") for w in args.windows.split(","))]
+        ceiling(args.trace, windows, [int(c) for c in args.cache_tokens.split(",")])
+        return
     if args.workload == "synthetic":
         spec = load_workload("prefix-heavy").with_arrival(rate_per_s=args.rate)
         spec = dataclasses.replace(

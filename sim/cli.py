@@ -16,6 +16,7 @@ from fleet.flags import error_line
 from predictor import ProfileError
 from router.core.calibration import CALIBRATION_MODES
 from router.core.config import SchedulerConfig, name_flags
+from router.core.dispatchers import reads_qlm_config
 from router.core.errors import ConfigError
 from router.core.policies import build_policy
 from router.core.qlm import QlmConfig
@@ -589,7 +590,7 @@ def run(args: argparse.Namespace) -> int:
     meta["warmup_requests"] = args.warmup_requests
     meta["queue_policies"] = [q.queue_policy for q in queues]
     meta["queue"] = dataclasses.asdict(queues[0]) | {"queue_policy": None}
-    if any(q.queue_policy == "qlm" for q in queues):
+    if any(reads_qlm_config(q.queue_policy) for q in queues):
         meta["qlm"] = [dataclasses.asdict(q) for q in qlm]
     if args.output:
         write_sweep_json(args.output, points, meta)

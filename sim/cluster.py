@@ -110,7 +110,7 @@ from slorouter.v1 import cms_pb2
 
 from engine.interface import EngineOverloadedError, InvalidRequestError
 from engine.model import ProfileCostModel, ScheduledStep, SimConfig, SimCore, SimRequestSpec
-from engine.outputs import eos_position
+from engine.outputs import eos_position, prompt_digest, request_key
 from fleet.prefix import id_block_hashes
 from fleet.snapshot import ClusterSnapshot, InstanceRecord
 from predictor import LatencyPredictor
@@ -126,14 +126,27 @@ from router.core.columns import (
 )
 from router.core.config import SchedulerConfig
 from router.core.decision import Decision
-from router.core.errors import EmptyClusterError, LateError, NoInstanceError
+from router.core.dispatch import (
+    Action,
+    Arrival,
+    Completion,
+    DispatchSetup,
+    Event,
+    Outcome,
+    Served,
+    Timer,
+    ViewChanged,
+    make_dispatcher,
+)
+from router.core.errors import LateError, SchedulingError, status_name
 from router.core.lengths import LengthConfig, LengthPredictor
+from router.core.packing import resident_tpot_need_ms
+from router.core.plugins import Policy
 from router.core.predictors import PredictorSet
 from router.core.prefix import ExactPrefixIndex, PrefixRouting
-from router.core.qlm import DEFAULT_CONTEXT, Dispatch, QlmConfig, QlmQueue, QlmRequest, instance_model
-from router.core.queue import Objective, QueueConfig, QueuePolicy, RouterQueue, Verdict, offer
-from router.core.request import Mode, Role, ScheduleInput
-from router.core.sa import SAPlanner, modeled_evaluation_s
+from router.core.qlm import QlmConfig
+from router.core.queue import QueueConfig
+from router.core.request import Mode, Role, ScheduleInput, Targets
 from router.core.scheduler import Scheduler
 from router.core.worker_count import Desired, DesiredInstances
 from sim.fastforward import DecodeRun, DecodeStepTimes
@@ -356,10 +369,14 @@ class _Req:
         "resident_tokens",
         "stage",
         "tokens",
+        "tpot_need_ms",
+        "waiting",
     )
 
     def __init__(self) -> None:
         self.stage = _PENDING
+        #: Waiting for the dispatcher (queued, or evicted and not yet placed again).
+        self.waiting = False
         self.idx = -1
         self.prefill = -1
         self.decode = -1
@@ -377,6 +394,8 @@ class _Req:
         #: Output tokens the router expects (its estimate at arrival) and the engine's true length.
         self.expected = 0
         self.out = 0
+        #: The TPOT its resident leg must keep (packing.resident_tpot_need_ms at its placement; 0 = none).
+        self.tpot_need_ms = 0.0
 
 
 def finished_result(
@@ -454,21 +473,22 @@ class _Simulation:
         self.placed = LoadTracker()
         self.demand = DesiredInstances(self._instance_rates, default_tpot_ms=scheduler.config.tpot_slo_ms)
         self.desired: Desired | None = None
-        self.queue: RouterQueue | None = None
-        #: The ``qlm`` policy's queue (then ``queue`` is None): it places, orders and evicts itself.
-        self.qlm: QlmQueue | None = None
+        defaults = scheduler.config
+        #: The dispatcher the router would run (router.core.dispatch), driven here in virtual time;
+        #: deterministic (the run's seed, and sa's annealing budget on a modeled clock).
+        self.dispatcher = make_dispatcher(
+            DispatchSetup(
+                queue or QueueConfig(queue_policy="none"),
+                defaults.ttft_slo_ms,
+                defaults.tpot_slo_ms,
+                qlm or QlmConfig(),
+                seed=seed,
+                sa_search=sa_search,
+                modeled_clock=True,
+            )
+        )
+        self.lent = _Lent(self)
         self.evicted = 0
-        if queue is not None and queue.policy is QueuePolicy.QLM:
-            self.qlm = _make_qlm(fleet, scheduler, plans, queue, qlm or QlmConfig())
-        elif queue is not None and queue.policy is not QueuePolicy.NONE:
-            defaults = scheduler.config
-            planner = None
-            if queue.policy is QueuePolicy.SA:
-                # Deterministic: the run's seed, and the annealing budget on a modeled clock.
-                planner = SAPlanner(
-                    queue, seed=seed, modeled_evaluation_s=modeled_evaluation_s, search=sa_search
-                )
-            self.queue = RouterQueue(queue, defaults.ttft_slo_ms, defaults.tpot_slo_ms, planner)
         self.timer_at = math.inf
         self.queued = self.late = self.shed = 0
         self.scheduler = scheduler
@@ -549,6 +569,8 @@ class _Simulation:
         self.reqs = [_Req() for _ in plans]
         for k, r in enumerate(self.reqs):
             r.idx = k
+        # Each request's output key (engine.outputs.request_key), made once when an EOS is drawn.
+        self.output_keys: dict[int, int] = {}
         self.now = 0.0
         self.decisions = self.rejected = self.num_steps = self.kv_transfers = self.events = 0
         # Prefix caching: each plan's chained block hashes (empty without engine caching or hash ids),
@@ -572,7 +594,7 @@ class _Simulation:
                 self._account_busy()
             if heap and (k >= n or heap[0][0] <= arrivals[k]):
                 t, seq, kind, x = pop(heap)
-                if kind == _QUEUE_TIMER and not (self.queue is not None and len(self.queue)):
+                if kind == _QUEUE_TIMER and not len(self.dispatcher):
                     # Set while requests waited, the queue has emptied since: nothing happens at t.
                     # (Taking its time as an event stretched the run's span, and with it the
                     # busy-instance means and goodput, by however long the timer was set ahead.)
@@ -588,10 +610,8 @@ class _Simulation:
                     self._run_end(x, seq, t)
                 else:
                     self.timer_at = math.inf
-                if self.queue is not None and len(self.queue):
-                    self._pump(t)
-                elif self.qlm is not None and len(self.qlm):
-                    self._qlm_pump(t)
+                if len(self.dispatcher):
+                    self._handle(Timer() if kind == _QUEUE_TIMER else ViewChanged(), t)
             else:
                 t = arrivals[k]
                 self._busy_until(t)
@@ -612,7 +632,7 @@ class _Simulation:
             late=self.late,
             shed=self.shed,
             evicted=self.evicted,
-            plans=0 if self.qlm is None else self.qlm.plans,
+            plans=self.dispatcher.counters().get("plans", 0),
         )
         end = max(self.now, arrivals[-1] if arrivals else 0.0)
         self._account_busy()
@@ -777,7 +797,6 @@ class _Simulation:
             r.tokens = 1
             if not held:  # a one-token request: the prefill was all of it
                 self._finish(r, now)
-                self._ended(idx)
                 return
             r.stage = _TRANSFER
             delay = 0.0
@@ -791,7 +810,6 @@ class _Simulation:
         if finished:
             r.tokens += position + 1
             self._finish(r, now)
-            self._ended(idx)
 
     def _kv_ready(self, idx: int, now: float) -> None:
         """The KV of PD request ``idx`` reached its decode instance: free it on prefill, admit decode."""
@@ -815,7 +833,6 @@ class _Simulation:
         except EngineOverloadedError as exc:
             self.cores[d].release_held(rid)
             self._fail(r, "RESOURCE_EXHAUSTED", f"decode instance {self.fleet.ids[d]}: {exc}", now)
-            self._ended(idx)
         else:
             r.stage = _SERVING
         self._changed(d, now)
@@ -886,14 +903,15 @@ class _Simulation:
         plan = self.plans[idx]
         r = self.reqs[idx]
         if self.oracle_lengths:
-            r.expected = self._true_length(idx, 0)
+            r.expected = bound = self._true_length(idx, 0)
         else:
-            r.expected = self.lengths.estimate(plan.class_name, plan.prompt_tokens, plan.max_tokens).tokens
+            estimate = self.lengths.estimate(plan.class_name, plan.prompt_tokens, plan.max_tokens)
+            r.expected = estimate.tokens
+            bound = estimate.bound_tokens
         if self.oracle_lengths:
             mean, learned = float(r.expected), True
         else:
-            est = self.lengths.estimate(plan.class_name, plan.prompt_tokens, plan.max_tokens)
-            mean, learned = est.mean, est.samples > 0
+            mean, learned = estimate.mean, estimate.samples > 0
         self.placed.observe(now, plan.prompt_tokens, r.expected)
         self.demand.observe(now, plan.prompt_tokens, mean, learned=learned, tpot_ms=plan.slo.tpot_ms or 0.0)
         request = ScheduleInput(
@@ -903,35 +921,33 @@ class _Simulation:
             tpot_slo_ms=plan.slo.tpot_ms or 0.0,
             e2e_slo_ms=plan.slo.e2e_ms or 0.0,
             expected_output_tokens=r.expected,
+            output_tokens_bound=bound,
+            output_tokens_prior=not learned,
             max_tokens=plan.max_tokens,
             priority=plan.priority,
             slo_class=plan.class_name,
-            arrival_s=None if self.queue is None and self.qlm is None else plan.arrival_s,
+            arrival_s=plan.arrival_s if self.dispatcher.waits else None,
             prefix_hashes=self.block_hashes[idx] if self.scheduler.prefix is not None else (),
         )
         if self.calibrator is not None:
             self._feed_calibration(now)
-        if self.queue is not None:
-            self._enqueue(idx, request, now)
-            return
-        if self.qlm is not None:
-            self._qlm_arrive(idx, request, now)
-            return
-        view = self._view(now)
-        self.decisions += 1
+        dispatcher = self.dispatcher
         try:
-            decision = self.scheduler.schedule(view, request, now)
-        except NoInstanceError as exc:
+            self._handle(Arrival(request, idx), now)
+        except (
+            SchedulingError
+        ) as exc:  # the dispatcher cannot take it at all (e.g. qlm without neutral instances)
             self.rejected += 1
-            self._fail(r, "RESOURCE_EXHAUSTED", str(exc), now)
+            self._fail(r, status_name(exc), str(exc), now)
             return
-        except EmptyClusterError as exc:
-            self.rejected += 1
-            self._fail(r, "UNAVAILABLE", str(exc), now)
-            return
-        finally:
-            self._keep_static(view)
-        self._dispatch(idx, r, plan, decision, now)
+        if dispatcher.coalesce_arrivals:
+            # Arrivals at the same instant are one burst, offered in one pass (the router's driver
+            # coalesces a burst's passes with call_soon the same way).
+            burst = idx + 1 < len(self.plans) and self.plans[idx + 1].arrival_s <= now
+            if not burst:
+                self._handle(ViewChanged(), now)
+        if r.waiting:
+            self.queued += 1
 
     def _instance_rates(self, load: LoadShape, tpot_target_ms: float) -> InstanceRates:
         """One instance's service rates for ``load``, as the router's ``Placer`` computes them."""
@@ -956,8 +972,13 @@ class _Simulation:
         n = plan.true_output_tokens
         p = self.fleet.configs[i].eos_probability
         if p > 0.0 and not plan.ignore_eos:
-            # The sim worker's draw (geometric, from the request's own seed), so both engines agree.
-            eos = eos_position(plan.prompt_seed & 0xFFFF_FFFF_FFFF_FFFF, p)
+            # The sim worker's draw, keyed as the worker keys it: by the prompt's tokens and the
+            # sampling seed, 0 as `slo-router bench` sends it. So a live run over sim workers ends
+            # each answer where this one does (tests/workload/test_parity.py).
+            key = self.output_keys.get(idx)
+            if key is None:
+                key = self.output_keys[idx] = request_key(0, prompt_digest(plan.prompt_token_ids()))
+            eos = eos_position(key, p)
             if eos is not None:
                 n = min(n, eos + 1)
         return max(n, 1)
@@ -968,160 +989,73 @@ class _Simulation:
                 if key not in self.static_memo and _static_key(key):
                     self.static_memo[key] = value
 
-    # ------------------------------------------------------------------ the router queue
+    # ------------------------------------------------------------------ the dispatcher's actions
 
-    def _enqueue(self, idx: int, request: ScheduleInput, now: float) -> None:
-        queue = self.queue
-        assert queue is not None
-        queue.observe_arrival(request)
-        _, shed = queue.push(request, now, token=idx)
-        for victim in shed:
-            self.shed += 1
-            self.rejected += 1
-            self._fail(self.reqs[victim.token], "RESOURCE_EXHAUSTED", "shed from a full router queue", now)
-        # Arrivals at the same instant are one burst: the sa policy plans them together (the
-        # router's admission coalesces a burst's passes with call_soon the same way).
-        burst = (
-            queue.planner is not None and idx + 1 < len(self.plans) and self.plans[idx + 1].arrival_s <= now
-        )
-        if not burst:
-            self._pump(now)
-        if request.request_id in queue:
-            self.queued += 1
-
-    def _pump(self, now: float) -> None:
-        """Offer the queue to the scheduler, as the router's admission does on an event."""
-        queue = self.queue
-        assert queue is not None
-        if self.calibrator is not None and len(queue):
+    def _handle(self, event: Event, now: float) -> None:
+        """Hand ``event`` to the dispatcher and carry out its actions, as the router's driver does."""
+        if self.calibrator is not None and isinstance(event, (ViewChanged, Timer)) and len(self.dispatcher):
             self._feed_calibration(now)
-        views: list[ClusterView] = []
-
-        def source() -> ClusterView:
-            view = self._view(now)
-            views.append(view)
-            return view
-
-        for result in offer(queue, self.scheduler, source, now, max_failures=4):
-            if views:
-                self._keep_static(views.pop())
-            entry = result.entry
-            idx = entry.token
-            r = self.reqs[idx]
-            if result.verdict is Verdict.WAIT:
-                continue
-            if result.verdict is Verdict.LATE:
-                self.late += 1
-                continue
-            r.queue_wait_s = now - entry.enqueued_s
-            if result.verdict is Verdict.DISPATCH:
-                assert result.decision is not None
-                self.decisions += 1
-                r.late = entry.late
-                self._dispatch(idx, r, self.plans[idx], result.decision, now)
-                continue
-            self.rejected += 1
-            error = result.error
-            code = "RESOURCE_EXHAUSTED"
-            if isinstance(error, LateError):
-                code = "DEADLINE_EXCEEDED"
-                self.late += 1
-            elif isinstance(error, EmptyClusterError):
-                code = "UNAVAILABLE"
-            self._fail(r, code, str(error), now)
-        # The next moment an entry expires or turns late with no other event.
-        wake = queue.wake_s()
+        # Each action is carried out before the next is taken: a dispatch lands on its engine (and
+        # so in the next view) before the pass makes its next decision.
+        for action in self.dispatcher.handle(event, now, self.lent):
+            self._carry(action, now)
+        self.lent.keep_last()
+        # The next moment the dispatcher asks to be woken with no other event.
+        wake = self.dispatcher.wake_s()
         when = math.inf if wake is None else wake
         if when < self.timer_at:
             self.timer_at = when
             self._push(when + 1e-6, _QUEUE_TIMER, -1)
 
-    # ------------------------------------------------------------------ the qlm policy
-
-    def _qlm_arrive(self, idx: int, request: ScheduleInput, now: float) -> None:
-        qlm = self.qlm
-        assert qlm is not None
-        if qlm.push(request, now, token=idx) is None:
-            self.shed += 1
+    def _carry(self, action: Action, now: float) -> None:
+        idx: int = action.token
+        r = self.reqs[idx]
+        outcome = action.outcome
+        if outcome is Outcome.QUEUED:
+            r.waiting = True
+        elif outcome is Outcome.LATE:
+            self.late += 1
+        elif outcome is Outcome.EVICT:
+            r.waiting = True
+            self.evicted += 1
+        elif outcome is Outcome.DISPATCH:
+            r.waiting = False
+            assert action.decision is not None
+            if r.tokens == 0:
+                r.queue_wait_s = action.waited_s
+            r.late = action.late
+            self._dispatch(idx, r, self.plans[idx], action.decision, now)
+        elif outcome is Outcome.REFUSE:
+            r.waiting = False
             self.rejected += 1
-            self._fail(self.reqs[idx], "RESOURCE_EXHAUSTED", "the router queue is full", now)
-            return
-        self._qlm_pump(now)
-        if request.request_id in qlm:
-            self.queued += 1
+            r.queue_wait_s = action.waited_s
+            error = action.error
+            assert error is not None
+            if action.event == "shed":
+                self.shed += 1
+            if isinstance(error, LateError):
+                self.late += 1
+            self._fail(r, status_name(error), str(error), now)
+        else:  # LEFT: no client of the simulator cancels
+            r.waiting = False
 
-    def _qlm_pump(self, now: float) -> None:
-        """Request pulling, and eviction when enabled (the plan and load balancing happen in the queue)."""
-        qlm = self.qlm
-        assert qlm is not None
-
-        def evict(q: QlmRequest, i: int) -> int | None:
-            return self._qlm_evict(q, i, now)
-
-        for dispatch in qlm.pump(now, evict):
-            self._qlm_dispatch(dispatch, now)
-
-    def _qlm_evict(self, q: QlmRequest, i: int, now: float) -> int | None:
-        """Abort ``q`` on instance ``i``; the tokens it has returned so far in total (None: not running there)."""
-        idx: int = q.token
+    def _evict(self, idx: int, now: float) -> int | None:
+        """Abort running request ``idx`` (the dispatcher preempts it); the tokens it has returned in total."""
+        r = self.reqs[idx]
+        if r.stage != _SERVING:
+            return None
+        i = r.decode
         rid = str(idx)
         core = self._settle(i, now)
         generated = core.generated_tokens(rid)
         if generated is None:
             return None
         core.abort(rid)
-        r = self.reqs[idx]
-        r.tokens = q.generated + generated  # returned to the client; the next run continues after them
+        r.tokens += generated  # returned to the client; the next run continues after them
         self._resident(r, i, -1, 0)
         r.stage = _PENDING
-        self.evicted += 1
         self._changed(i, now)
         return int(r.tokens)
-
-    def _qlm_dispatch(self, dispatch: Dispatch, now: float) -> None:
-        q = dispatch.request
-        idx = q.token
-        i = dispatch.instance
-        r = self.reqs[idx]
-        plan = self.plans[idx]
-        self.decisions += 1
-        if q.evictions == 0:
-            r.queue_wait_s = now - q.arrival_s
-        r.prefill = r.decode = i
-        limit = self.fleet.configs[i].max_model_len
-        if plan.prompt_tokens + plan.max_tokens > limit:
-            self._fail(
-                r,
-                "INVALID_ARGUMENT",
-                f"prompt ({plan.prompt_tokens}) + max_tokens ({plan.max_tokens}) exceeds max_model_len={limit}",
-                now,
-            )
-            return
-        if q.evictions == 0:
-            r.out = self._true_length(idx, i)
-        # An evicted request runs again with its generated tokens as part of the prompt (recomputed);
-        # the engine stops at the answer's true end, which the cap left to it may not reach.
-        new_tokens = max(min(q.max_tokens, r.out - q.generated), 1)
-        spec = SimRequestSpec(
-            str(idx),
-            q.prompt_tokens,
-            new_tokens,
-            counts_as_decode=new_tokens > 1,
-            block_hashes=self.block_hashes[idx] if q.prompt_tokens == plan.prompt_tokens else (),
-        )
-        try:
-            self._settle(i, now).add(spec)
-        except EngineOverloadedError as exc:
-            self._fail(r, "RESOURCE_EXHAUSTED", f"instance {self.fleet.ids[i]}: {exc}", now)
-            return
-        except InvalidRequestError as exc:
-            self._fail(r, "INVALID_ARGUMENT", f"instance {self.fleet.ids[i]}: {exc}", now)
-            return
-        r.stage = _SERVING
-        if new_tokens > 1:
-            expected = max(r.expected - q.generated, 1)
-            self._resident(r, i, +1, q.prompt_tokens + expected, q.prompt_tokens)
-        self._changed(i, now)
 
     def _dispatch(self, idx: int, r: _Req, plan: RequestPlan, decision: Decision, now: float) -> None:
         assert decision.prefill is not None and decision.decode is not None
@@ -1130,8 +1064,12 @@ class _Simulation:
         index = self.fleet.index
         p = r.prefill = index[decision.prefill.instance_id]
         d = r.decode = index[decision.decode.instance_id]
+        if r.tokens:
+            self._resume(idx, r, plan, d, now)
+            return
         r.predicted_ttft_ms = _finite(decision.prefill.predicted_ttft_ms)
         r.predicted_tpot_ms = _finite(decision.decode.predicted_tpot_ms)
+        r.tpot_need_ms = resident_tpot_need_ms(decision.context, self.scheduler.config)
         limit = min(self.fleet.configs[p].max_model_len, self.fleet.configs[d].max_model_len)
         if plan.prompt_tokens + plan.max_tokens > limit:
             self._fail(
@@ -1140,7 +1078,6 @@ class _Simulation:
                 f"prompt ({plan.prompt_tokens}) + max_tokens ({plan.max_tokens}) exceeds max_model_len={limit}",
                 now,
             )
-            self._ended(idx)
             return
         rid = str(idx)
         neutral = decision.mode is Mode.NEUTRAL
@@ -1163,11 +1100,9 @@ class _Simulation:
             self._settle(p, now).add(spec)
         except EngineOverloadedError as exc:
             self._fail(r, "RESOURCE_EXHAUSTED", f"instance {self.fleet.ids[p]}: {exc}", now)
-            self._ended(idx)
             return
         except InvalidRequestError as exc:
             self._fail(r, "INVALID_ARGUMENT", f"instance {self.fleet.ids[p]}: {exc}", now)
-            self._ended(idx)
             return
         r.stage = _SERVING if neutral else _PREFILL
         if not neutral and out > 1 and d != p:
@@ -1176,11 +1111,28 @@ class _Simulation:
             self._resident(r, d, +1, plan.prompt_tokens + r.expected, plan.prompt_tokens)
         self._changed(p, now)
 
-    def _ended(self, idx: int) -> None:
-        """Dispatched request ``idx`` ended: the router queue hears of it (the sa policy's next batch)."""
-        if self.queue is not None:
-            r = self.reqs[idx]
-            self.queue.finished(str(idx), None if r.error_code else int(r.tokens))
+    def _resume(self, idx: int, r: _Req, plan: RequestPlan, i: int, now: float) -> None:
+        """Run evicted request ``idx`` again on (neutral) instance ``i``: the lifecycle's resume.
+
+        Its prompt and the tokens returned so far are recomputed; the engine stops at the answer's
+        true end, which the cap left to it may not reach.
+        """
+        rid = str(idx)
+        prompt = plan.prompt_tokens + r.tokens
+        new_tokens = max(min(plan.max_tokens - r.tokens, r.out - r.tokens), 1)
+        spec = SimRequestSpec(rid, prompt, new_tokens, counts_as_decode=new_tokens > 1)
+        try:
+            self._settle(i, now).add(spec)
+        except EngineOverloadedError as exc:
+            self._fail(r, "RESOURCE_EXHAUSTED", f"instance {self.fleet.ids[i]}: {exc}", now)
+            return
+        except InvalidRequestError as exc:
+            self._fail(r, "INVALID_ARGUMENT", f"instance {self.fleet.ids[i]}: {exc}", now)
+            return
+        r.stage = _SERVING
+        if new_tokens > 1:
+            self._resident(r, i, +1, prompt + max(r.expected - r.tokens, 1), prompt)
+        self._changed(i, now)
 
     def _finish(self, r: _Req, now: float) -> None:
         r.stage = _DONE
@@ -1188,26 +1140,23 @@ class _Simulation:
         plan = self.plans[r.idx]
         self.lengths.observe(plan.class_name, plan.prompt_tokens, r.tokens)
         self._resident(r, r.resident, -1, 0)
-        if self.qlm is not None:
-            self.qlm.finished(str(r.idx), r.tokens, now)
+        self._handle(Completion(str(r.idx), int(r.tokens)), now)
         self._outcome(r)
 
     def _fail(self, r: _Req, code: str, message: str, now: float) -> None:
-        if self.qlm is not None:
-            self.qlm.finished(str(r.idx))
         self._resident(r, r.resident, -1, 0)
         r.stage = _DONE
         r.done_s = now
         r.error_code = code
         r.error_message = message
+        self._handle(Completion(str(r.idx)), now)
         self._outcome(r)
 
     def _outcome(self, r: _Req) -> None:
-        """Tell the router queue how request ``r`` ended (queue objective g steers its shedding by the
-        misses), as the router's shell does when a call ends."""
-        queue = self.queue
-        if queue is None or queue.config.objective is not Objective.G:
-            return
+        """Tell the dispatcher how request ``r`` ended (queue objective g steers its shedding by the
+        misses), as the router's driver does when a call ends."""
+        if self.dispatcher.shed_limit_ms(r.done_s) is None:
+            return  # nothing steers by it
         result = finished_result(
             self.plans[r.idx],
             first_s=r.first_s,
@@ -1216,7 +1165,7 @@ class _Simulation:
             error_code=r.error_code,
             error_message=r.error_message,
         )
-        queue.note_outcome(str(r.idx), slo_met(result), r.done_s, result.tpot_ms)
+        self._handle(Served(str(r.idx), slo_met(result), result.tpot_ms), r.done_s)
 
     def _resident(self, r: _Req, i: int, sign: int, final_tokens: float, prompt_tokens: int = 0) -> None:
         """Make request ``r``'s decode leg resident on ``i`` (+1), or end its residence (-1)."""
@@ -1257,20 +1206,25 @@ class _Simulation:
         remaining: list[float] = []
         started: list[bool] = []
         generated: list[float] = []
+        need: list[float] = []
+        reqs = self.reqs
         for i in range(len(self.resident_on)):
-            prompts = [prompt for prompt, _ in self.resident_on[i].values()]
-            for (cur, rem, decoding), prompt in zip(self._legs_on(i, now), prompts, strict=True):
+            on = self.resident_on[i]
+            prompts = [prompt for prompt, _ in on.values()]
+            for (cur, rem, decoding), prompt, idx in zip(self._legs_on(i, now), prompts, on, strict=True):
                 instance.append(i)
                 context.append(cur)
                 remaining.append(rem)
                 started.append(decoding)
                 generated.append(max(cur - prompt, 0.0))
+                need.append(reqs[idx].tpot_need_ms or np.inf)
         found = ResidentLegs(
             np.array(instance, dtype=np.intp),
             np.array(context, dtype=np.float64),
             np.array(remaining, dtype=np.float64),
             np.array(started, dtype=bool),
             np.array(generated, dtype=np.float64),
+            np.array(need, dtype=np.float64),
         )
         self.legs_cache = (key, found)
         return found
@@ -1442,6 +1396,49 @@ class _Simulation:
         return tuple(out)
 
 
+class _Lent:
+    """The :class:`~router.core.dispatch.Fleet` the simulator lends its dispatcher: views of the
+    virtual fleet now, decisions by the router's own scheduler (counted), and preemption."""
+
+    def __init__(self, sim: _Simulation) -> None:
+        self.sim = sim
+        self._last: ClusterView | None = None
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.sim.scheduler
+
+    def view(self) -> ClusterView:
+        self.keep_last()
+        view = self._last = self.sim._view(self.sim.now)
+        return view
+
+    def keep_last(self) -> None:
+        """Carry the static memo of the last view built to the next one (see ``STATIC_MEMO_KEYS``)."""
+        if self._last is not None:
+            self.sim._keep_static(self._last)
+            self._last = None
+
+    def snapshot(self) -> ClusterSnapshot:
+        snapshot: ClusterSnapshot = self.sim.fleet.static_columns["snapshot"]
+        return snapshot
+
+    def decide(
+        self,
+        view: ClusterView | ClusterSnapshot,
+        request: ScheduleInput,
+        now: float,
+        *,
+        targets: Targets | None = None,
+        policy: Policy | None = None,
+    ) -> Decision:
+        self.sim.decisions += 1
+        return self.sim.scheduler.schedule(view, request, now, targets=targets, policy=policy)
+
+    def evict(self, request_id: str) -> int | None:
+        return self.sim._evict(int(request_id), self.sim.now)
+
+
 class _SimLegs:
     """The simulation's resident legs at one moment, as a view's :class:`ResidentSource`."""
 
@@ -1550,36 +1547,6 @@ def prefix_cache_block(plans: Sequence[RequestPlan], fleet: SimFleet) -> int:
                 f"--block-size {config.block_size}; pick a block size that divides {block}"
             )
     return block
-
-
-def _make_qlm(
-    fleet: SimFleet, scheduler: Scheduler, plans: Sequence[RequestPlan], queue: QueueConfig, config: QlmConfig
-) -> QlmQueue:
-    """The qlm queue over ``fleet``: each instance's model from the router's predictor of its group."""
-    if any(role is not Role.NEUTRAL for role in fleet.roles):
-        raise FleetError("--queue-policies qlm needs a neutral fleet (--neutral N): it places whole requests")
-    defaults = scheduler.config
-    # Mean context of a running request: the router's constant, as the live router sizes it (the
-    # run's own mean would be a figure from the future).
-    context = DEFAULT_CONTEXT
-    models = []
-    for i in range(fleet.n):
-        lp = fleet.predictors.for_group(fleet.groups[i])
-        engine = fleet.configs[i]
-        models.append(
-            instance_model(
-                lp,
-                config,
-                defaults.tpot_slo_ms,
-                context,
-                engine.max_num_seqs,
-                engine.max_num_batched_tokens,
-                engine.kv_capacity_tokens,
-            )
-        )
-    return QlmQueue(
-        config, models, defaults.ttft_slo_ms, defaults.tpot_slo_ms, max_queue_size=queue.max_queue_size
-    )
 
 
 def stats_to_dict(stats: SimStats) -> dict[str, int]:

@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from router.core.config import SchedulerConfig
+from router.core.dispatchers import reads_qlm_config
 from router.core.qlm import QlmConfig
-from router.core.queue import Objective, QueueConfig, QueuePolicy
+from router.core.queue import Objective, QueueConfig
 from router.core.worker_count import Desired
 from sim.cluster import SimFleet, SimOutcome, SimStats, simulate
 from sim.fleet import fleet_to_dict
@@ -125,7 +126,7 @@ def run_sweep(
     modes: Sequence[str | None] = list(calibrations) if calibrations else [None]
     runs: list[tuple[QueueConfig, QlmConfig | None, str]] = []
     for queue in queues:
-        if queue.policy is QueuePolicy.QLM:
+        if reads_qlm_config(queue.queue_policy):
             runs.extend((queue, q, qlm_label(q)) for q in qlm)
         else:
             # Labelled "edf+g" and the like under --queue-objective g.

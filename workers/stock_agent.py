@@ -35,7 +35,10 @@ num_decode_tokens                ``num_used_kv_tokens`` (the running requests' c
 admitted_request_ids             none: vLLM does not list them; the router confirms an      —
                                  in-flight entry at the request's first output and drops
                                  it at the next status measured after that
-step_samples                     none: online calibration falls back to the profile         —
+step_samples                     one decode step per poll, estimated from ``gen_throughput`` estimated
+                                 and the running requests over the servicer's 2 s window
+                                 (:class:`DecodeStepEstimate`; ``--step-estimate off``:
+                                 none, and calibration keeps the profile)
 ===============================  =========================================================  =========
 """
 
@@ -45,6 +48,7 @@ import argparse
 import asyncio
 import contextlib
 import datetime as dt
+import itertools
 import logging
 import math
 import signal
@@ -88,6 +92,7 @@ class AgentConfig:
     probe_timeout_s: float = 1.0
     heartbeat_interval_s: float = 0.5
     engine_wait_s: float = 300.0
+    step_estimate: bool = True  # --step-estimate: decode-step samples from GetLoads for calibration
 
     def check(self) -> None:
         """``ValueError`` naming the flag of the first bad setting."""
@@ -138,8 +143,12 @@ def status_from_loads(
     update_id: int,
     now_ms: int,
     unschedulable_reason: str = "",
+    step_sample: Any = None,
 ) -> cms_pb2.InstanceStatus:
-    """The CMS status of one ``GetLoadsResponse`` (summed over data-parallel ranks); see the table above."""
+    """The CMS status of one ``GetLoadsResponse`` (summed over data-parallel ranks); see the table above.
+
+    ``step_sample`` (a :class:`DecodeStepEstimate` result) goes into ``step_samples``.
+    """
     running = waiting = uncached = used = 0
     for load in loads.loads:
         running += max(0, load.num_running_reqs)
@@ -162,7 +171,71 @@ def status_from_loads(
         num_decode_requests=running,
         num_decode_tokens=used,
         num_used_kv_tokens=used,
+        step_samples=[step_sample] if step_sample is not None else [],
     )
+
+
+#: The window over which vLLM's servicer counts ``gen_throughput`` (tokens streamed over the last
+#: 2 s, divided by 2: ``smg_grpc_servicer.vllm.loads.THROUGHPUT_WINDOW``).
+THROUGHPUT_WINDOW_S = 2.0
+
+
+class DecodeStepEstimate:
+    """A decode-step sample for online calibration, estimated from ``GetLoads`` polls.
+
+    vLLM reports no engine steps, so without this the router's calibration has nothing to fit
+    and a stock engine is predicted by the profile alone (measured elsewhere, on other
+    hardware or another load). What ``GetLoads`` does give: ``gen_throughput`` G, the tokens the
+    servicer streamed over the last :data:`THROUGHPUT_WINDOW_S` seconds W, divided by W; and, at
+    every poll, the running requests R. An engine step of duration d with R running requests
+    streams R tokens, so over the window the tokens are sum(R_i) and the time-average of R is
+    sum(R_i d_i) / W: their ratio, mean(R) / G, is the mean step time weighted by batch (idle time,
+    R = 0, drops out). The sample's batch is the mean R over the polls with R > 0, its context the
+    mean KV tokens in use over those polls, its prefill tokens 0: a decode step with the prefill
+    chunks that ran between decode steps folded in, which is what a stream's TPOT sees. Estimated:
+    R is sampled per poll, W is the servicer's clock; a sample is made only once the polls span
+    the whole window (G undercounts until the servicer has streamed for W).
+    """
+
+    def __init__(self, window_s: float = THROUGHPUT_WINDOW_S) -> None:
+        self.window_s = window_s
+        #: (monotonic time, running requests, KV tokens used) per poll, oldest first.
+        self._polls: list[tuple[float, int, int]] = []
+        self._started: float | None = None
+
+    def observe(self, now_s: float, running: int, used_tokens: int, gen_throughput: float) -> Any:
+        """Record one poll; the ``StepSample`` estimated for the window ending now, or None."""
+        if self._started is None:
+            self._started = now_s
+        polls = self._polls
+        polls.append((now_s, max(0, running), max(0, used_tokens)))
+        cutoff = now_s - self.window_s
+        drop = 0
+        while drop < len(polls) and polls[drop][0] < cutoff:
+            drop += 1
+        del polls[:drop]
+        if now_s - self._started < self.window_s or not (
+            math.isfinite(gen_throughput) and gen_throughput > 0
+        ):
+            return None
+        # Time-weighted mean of R over the window (each poll's R holds until the next poll).
+        weighted = 0.0
+        for (t0, r0, _), (t1, _, _) in itertools.pairwise(polls):
+            weighted += r0 * (t1 - t0)
+        covered = polls[-1][0] - polls[0][0]
+        busy = [(r, u) for _, r, u in polls if r > 0]
+        if covered <= 0 or not busy or weighted <= 0:
+            return None
+        mean_running = weighted / covered
+        step_ms = 1000.0 * mean_running / gen_throughput
+        batch = sum(r for r, _ in busy) / len(busy)
+        context = sum(u for _, u in busy) / len(busy)
+        return cms_pb2.StepSample(
+            num_prefill_tokens=0,
+            num_decode_requests=max(1, round(batch)),
+            num_decode_tokens=round(context),
+            duration_ms=step_ms,
+        )
 
 
 class StockEngineAgent:
@@ -182,6 +255,7 @@ class StockEngineAgent:
         self._writer: Any = None
         self._update_id = time.time_ns() // 1000
         self._last_key: tuple[Any, ...] | None = None
+        self._steps = DecodeStepEstimate() if config.step_estimate else None
         self.kv_capacity_tokens = 0
         #: The latest status published (for tests and logs).
         self.last_status: cms_pb2.InstanceStatus | None = None
@@ -280,7 +354,16 @@ class StockEngineAgent:
                 for x in loads.loads
             ),
         )
-        if key != self._last_key:  # a real change: a newer update id (else the writer heartbeats)
+        sample = None
+        if self._steps is not None and not reason:
+            sample = self._steps.observe(
+                time.monotonic(),
+                sum(max(0, x.num_running_reqs) for x in loads.loads),
+                sum(round(min(1.0, max(0.0, x.token_usage)) * self.kv_capacity_tokens) for x in loads.loads),
+                sum(max(0.0, x.gen_throughput) for x in loads.loads),
+            )
+        if key != self._last_key or sample is not None:
+            # A real change (or a new step sample): a newer update id (else the writer heartbeats).
             self._last_key = key
             self._update_id += 1
         status = status_from_loads(
@@ -290,6 +373,7 @@ class StockEngineAgent:
             update_id=self._update_id,
             now_ms=now_ms,
             unschedulable_reason=reason,
+            step_sample=sample,
         )
         if reason and (self.last_status is None or self.last_status.schedulable):
             logger.warning("agent %s: engine unschedulable: %s", self.config.instance_id, reason)
@@ -396,6 +480,14 @@ def register(subparsers: Any) -> None:
         default=300.0,
         help="how long to wait for the engine to become healthy at start (default: %(default)s)",
     )
+    parser.add_argument(
+        "--step-estimate",
+        choices=("on", "off"),
+        default="on",
+        help="on: each status carries a decode-step sample estimated from GetLoads' generation "
+        "throughput and the running requests, so the router's online calibration corrects the "
+        "profile for this engine; off: no samples (the profile as is) (default: %(default)s)",
+    )
     parser.add_argument("--cms-auth-token-file", default=None, help="file holding the CMS token")
     parser.add_argument("--tls-ca", default=None, help="CA bundle (PEM): reach the CMS over TLS")
     parser.set_defaults(func=run_agent)
@@ -420,6 +512,7 @@ def run_agent(args: argparse.Namespace) -> int:
         probe_timeout_s=args.probe_timeout_s,
         heartbeat_interval_s=args.heartbeat_interval_s,
         engine_wait_s=args.engine_wait_s,
+        step_estimate=args.step_estimate == "on",
     )
     try:
         config.check()

@@ -204,6 +204,10 @@ class ResidentLegs(NamedTuple):
     started: BoolArray
     #: Output tokens each leg has produced so far (None when the source does not know its prompt).
     generated: FloatArray | None = None
+    #: The TPOT each leg must keep on its instance, ms (its own TPOT target, or the pace its e2e
+    #: deadline needs: :func:`router.core.packing.resident_tpot_need_ms`); inf where it was not
+    #: recorded. None when the source records none.
+    tpot_need_ms: FloatArray | None = None
 
 
 #: One instance's resident legs: (context now, output still expected, started) each.

@@ -7,6 +7,8 @@
     │   ├── UnknownPluginError        a metric/filter/selector/policy name is not registered
     │   └── PolicyFileError           a ``--policy-config`` YAML file cannot be used
     ├── DuplicatePluginError          two plugins registered under one name (a programming error)
+    ├── IllegalTransitionError        a request's phase asked to make a move the lifecycle forbids
+    │                                 (a programming error; :mod:`router.core.lifecycle`)
     ├── InvalidRequestError (ValueError)  a request is malformed: the client must fix it
     ├── DuplicateRequestError         a request id that is already in flight
     ├── RetriesExhaustedError         every attempt on a worker failed
@@ -53,8 +55,31 @@ class PolicyFileError(ConfigError):
     """A ``--policy-config`` YAML file cannot be loaded; the message names the file and the entry."""
 
 
+def status_name(exc: RouterError) -> str:
+    """The gRPC status code (its name) a router error is answered with: the one mapping.
+
+    The router's service answers with ``grpc.StatusCode[status_name(exc)]``; the simulator
+    records the same name as a request's error code.
+    """
+    if isinstance(exc, InvalidRequestError):
+        return "INVALID_ARGUMENT"
+    if isinstance(exc, DuplicateRequestError):
+        return "ALREADY_EXISTS"
+    if isinstance(exc, (NoInstanceError, QueueFullError, QueueTimeoutError, UnmeetableError)):
+        return "RESOURCE_EXHAUSTED"
+    if isinstance(exc, LateError):
+        return "DEADLINE_EXCEEDED"
+    if isinstance(exc, (EmptyClusterError, RetriesExhaustedError, ShuttingDownError)):
+        return "UNAVAILABLE"
+    return "INTERNAL"
+
+
 class DuplicatePluginError(RouterError):
     """Two plugins of one kind were registered under the same name."""
+
+
+class IllegalTransitionError(RouterError):
+    """A request's phase was asked to make a move :data:`router.core.lifecycle.TRANSITIONS` forbids."""
 
 
 class InvalidRequestError(RouterError, ValueError):

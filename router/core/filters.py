@@ -60,7 +60,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from router.core.columns import BoolArray, InstanceTable, IntArray
+from router.core.columns import BoolArray, FloatArray, InstanceTable, IntArray
 from router.core.config import FAILOVER_DOMAINS, SchedulerConfig
 from router.core.errors import ConfigError
 from router.core.packing import packing_tpot_target_ms, prefill_room_mask
@@ -139,6 +139,11 @@ def _staleness(config: SchedulerConfig, params: Params) -> Filter:
 
 # ----------------------------------------------------------------------------- thresholds
 
+#: The threshold masks kept with a load (see ``MetricThreshold.apply``): the key's tag, and how many
+#: entries a load memo takes before new masks are computed per decision only.
+_KEEP = "threshold_keep"
+_KEEP_MEMO_MAX = 1024
+
 
 @dataclass(frozen=True, eq=False)
 class MetricThreshold:
@@ -178,7 +183,23 @@ class MetricThreshold:
         return target * self.factor
 
     def apply(self, ctx: DecisionContext) -> FilterResult:
-        keep = ctx.metric(self.metric) < self.bound(ctx)
+        values = ctx.metric(self.metric)
+        bound = self.bound(ctx)
+        if not self.empty_passes:
+            # A column that outlives the decision (snapshot- or load-scoped, the same object) under
+            # the same bound gives the same mask: kept with the load, read-only, so the chain can
+            # also reuse its product with the other fixed masks.
+            memo = ctx.view.load_memo
+            key = (_KEEP, self.metric, bound)
+            found: tuple[FloatArray, BoolArray] | None = memo.get(key)
+            if found is not None and found[0] is values:
+                return FilterResult._make((found[1], None))
+            keep = values < bound
+            keep.setflags(write=False)
+            if len(memo) < _KEEP_MEMO_MAX:
+                memo[key] = (values, keep)
+            return FilterResult._make((keep, None))
+        keep = values < bound
         if self.empty_passes:
             empty = (
                 (ctx.metric("num_requests") == 0)

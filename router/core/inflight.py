@@ -172,6 +172,8 @@ class InflightAccount:
         self._resident_context: dict[str, int] = {}
         #: The context each resident leg started from (its prompt): what it has produced is the rest.
         self._resident_prompt: dict[str, int] = {}
+        # request_id -> the TPOT its resident leg must keep (ms), when the dispatch said (see record()).
+        self._resident_need: dict[str, float] = {}
         # instance_id -> [resident decode legs, sum of their final tokens]
         self._resident_totals: dict[str, list[int]] = {}
         # instance_id -> its resident legs' request ids (an ordered set), for one instance's legs.
@@ -315,12 +317,19 @@ class InflightAccount:
         )
         prompts = self._resident_prompt
         prompt = np.fromiter((prompts.get(r, contexts[r]) for r in legs), dtype=np.float64, count=len(legs))
+        needs = self._resident_need
+        need = np.fromiter((needs.get(r, np.inf) for r in legs), dtype=np.float64, count=len(legs))
         keep = (instance >= 0) & (instance < n)
         if not keep.all():
             instance, context, final, started = instance[keep], context[keep], final[keep], started[keep]
-            prompt = prompt[keep]
+            prompt, need = prompt[keep], need[keep]
         return ResidentLegs(
-            instance, context, np.maximum(final - context, 0.0), started, np.maximum(context - prompt, 0.0)
+            instance,
+            context,
+            np.maximum(final - context, 0.0),
+            started,
+            np.maximum(context - prompt, 0.0),
+            need,
         )
 
     def resident_legs_on(self, instance_id: str) -> list[tuple[int, int, bool]] | None:
@@ -389,12 +398,15 @@ class InflightAccount:
         now_s: float,
         final_tokens: int = 0,
         cached_prefill_tokens: int = 0,
+        tpot_need_ms: float = 0.0,
     ) -> None:
         """Account a dispatch: a prefill leg on ``prefill_instance`` and a decode leg on ``decode_instance``.
 
         ``final_tokens`` (> 0) makes the decode leg resident on its instance
         until the request ends: the tokens its KV reaches at the end (context +
         expected output still to come); 0 = unknown (not resident).
+        ``tpot_need_ms`` (> 0) is the TPOT that resident leg must keep on its
+        instance (packing holds later placements there to it); 0 = unknown.
         ``cached_prefill_tokens`` of the prompt are expected in the prefill
         instance's prefix cache: its prefill leg counts only the rest.
 
@@ -407,8 +419,12 @@ class InflightAccount:
             raise ValueError(f"prompt_tokens must be >= 0, got {prompt_tokens}")
         if final_tokens < 0:
             raise ValueError(f"final_tokens must be >= 0, got {final_tokens}")
+        if not tpot_need_ms >= 0:
+            raise ValueError(f"tpot_need_ms must be >= 0 (0 = unknown), got {tpot_need_ms}")
         if decode_instance is not None and final_tokens > 0:
             self._add_resident(request_id, decode_instance, final_tokens, now_s, prompt_tokens)
+            if tpot_need_ms > 0 and request_id in self._resident:
+                self._resident_need[request_id] = tpot_need_ms
         cached = min(max(cached_prefill_tokens, 0), prompt_tokens)
         if prefill_instance is not None and prefill_instance == decode_instance:
             self._add(request_id, prefill_instance, True, True, prompt_tokens, now_s, cached)
@@ -485,6 +501,7 @@ class InflightAccount:
             return False
         self._resident_context.pop(request_id, None)
         self._resident_prompt.pop(request_id, None)
+        self._resident_need.pop(request_id, None)
         instance_id, final_tokens, _ = found
         on = self._resident_on[instance_id]
         del on[request_id]

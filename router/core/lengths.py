@@ -98,6 +98,11 @@ class LengthEstimate:
         """The mean rounded to a whole token count (>= 1), what ``ScheduleInput.expected_output_tokens`` takes."""
         return max(1, round(self.mean))
 
+    @property
+    def bound_tokens(self) -> int:
+        """The quantile rounded up to a whole token count, at least :attr:`tokens`: ``ScheduleInput.output_tokens_bound``."""
+        return max(self.tokens, math.ceil(self.quantile))
+
 
 class _Window:
     """The last ``size`` samples of one key, with their sum and a lazily sorted copy."""

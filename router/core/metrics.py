@@ -67,6 +67,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -261,9 +262,9 @@ def _slot_wait_ms(ctx: DecisionContext) -> FloatArray:
     """
     table = ctx.view.instances
     cap = table.max_num_seqs
+    if cap is None or _uncapped(table):
+        return _no_cache(table)  # (the table's shared read-only zeros)
     zero = np.zeros(table.n)
-    if cap is None:
-        return zero
     need = table.running_requests + table.waiting_requests + ctx.view.inflight.requests + 1.0 - cap
     if not (need > 0).any():
         return zero
@@ -278,6 +279,15 @@ def _slot_wait_ms(ctx: DecisionContext) -> FloatArray:
     ) * remaining / np.maximum(cap, 1.0)
     wait: FloatArray = np.where(need > 0, steps * ctx.metric("decode_step_ms"), 0.0)
     return wait
+
+
+def _uncapped(table: InstanceTable) -> bool:
+    """No instance of ``table`` states a ``max_num_seqs`` (kept with the table): no slot wait anywhere."""
+    found: bool | None = table.memo.get("uncapped")
+    if found is None:
+        cap = table.max_num_seqs
+        found = table.memo["uncapped"] = cap is None or not bool(np.isfinite(cap).any())
+    return found
 
 
 # ----------------------------------------------------------------------------- prefill backlog
@@ -559,6 +569,7 @@ def _full_chunk_remainder(
 
 
 _FULL_REMAINDER = "refit_full_chunk_remainder"
+_BATCH_CELLS = "predicted_tpot_batch_cells"
 
 
 @_register("predicted_tpot", MetricScope.DECISION)
@@ -567,15 +578,35 @@ def _predicted_tpot(ctx: DecisionContext) -> FloatArray:
         return _nan(ctx)
     batch = ctx.metric("decode_batch_size")
     tokens = ctx.metric("decode_tokens")
+    lp = None
     if ctx.request is not None:
-        batch = batch + _ONE
+        lp = ctx.predictors.only(ctx.view.instances)
+        if lp is not None and ctx.prompt_tokens > 0:
+            # The batches with this request are the load's: they and their cells on the profile's
+            # batch axis are kept with the load (every decision on it reads the same ones).
+            memo = ctx.view.load_memo
+            found: tuple[FloatArray, Any, FloatArray, Any] | None = memo.get(_BATCH_CELLS)
+            if found is not None and found[0] is batch and found[1] is lp:
+                batch, cells = found[2], found[3]
+            else:
+                current = batch
+                batch = batch + _ONE
+                cells = lp.decode_batch_cells(batch)
+                for array in (batch, *cells):
+                    array.setflags(write=False)
+                memo[_BATCH_CELLS] = (current, lp, batch, cells)
+        else:
+            batch = batch + _ONE
         tokens = tokens + ctx.prompt_tokens
         horizon = _horizon_tokens(ctx)
         if horizon > 0.0:
             tokens = tokens + horizon
     if ctx.request is not None and ctx.prompt_tokens > 0:
         # batch >= 1 and tokens > 0 everywhere: the leaner path gives the same values
-        values = ctx.predictors.busy_decode_step_ms(ctx.view.instances, batch, tokens)
+        if lp is not None:
+            values = lp.busy_decode_step_ms_cells(batch, cells, tokens)
+        else:
+            values = ctx.predictors.busy_decode_step_ms(ctx.view.instances, batch, tokens)
     else:
         values = ctx.predictors.decode_step_ms(ctx.view.instances, batch, tokens)
     correction = _correction(ctx)

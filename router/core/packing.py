@@ -130,33 +130,77 @@ def packing_tpot_target_ms(ctx: DecisionContext, default_output_tokens: int, fac
 
     The request's TPOT target in force. A request judged only end to end (an
     e2e target, no TPOT target of its own) must also keep the pace that
-    finishes its expected output in time, ``(e2e − TTFT) / (out − 1)`` with
-    the lowest predicted TTFT of the decision (without predictions:
-    ``min(TTFT target, e2e / 4)``); that pace already holds the slack, so it
-    is not scaled down again by ``factor`` (the result is ``min(target,
-    pace / factor)``). A pace even an idle instance cannot keep (batch 1, the
-    default profile) is a lost cause: such a request keeps the TPOT target in
-    force, as packing tighter for it would only open fresh instances for
-    requests that miss anyway.
+    finishes its output in time: ``(e2e − waited − TTFT) / (out − 1)``, with
+    ``waited`` the time it has spent in the router queue (when its arrival is
+    known) and ``TTFT`` the lowest predicted TTFT of the decision (without
+    predictions: ``min(TTFT target, e2e / 4)``). That pace already holds the
+    slack, so it is not scaled down again by ``factor`` (the result is
+    ``min(target, pace / factor)``).
+
+    ``out`` is the cautious bound of the output (``output_tokens_bound``, the
+    length predictor's high quantile) when an instance can keep the pace it
+    needs, else the expected length. Paced by the mean, best fit packs such a
+    request as tight as its *typical* answer allows, and every answer longer
+    than the mean -- half of a skewed length distribution -- misses, however
+    many instances the fleet has (``plan --policy binpack`` then never reaches
+    a high target). A pace even an idle instance cannot keep (batch 1, the
+    default profile) is a lost cause for that length: the next, shorter length
+    is tried, and with none left the request keeps the TPOT target in force,
+    as packing tighter for it would only open fresh instances for requests
+    that miss anyway.
     """
-    target = ctx.tpot_slo_ms
+    return _paced(ctx, ctx.tpot_slo_ms, default_output_tokens, factor)
+
+
+def _paced(ctx: DecisionContext, target: float, default_output_tokens: int, factor: float) -> float:
+    """:func:`packing_tpot_target_ms` with ``target`` as the TPOT target in force."""
     request = ctx.request
     if request is None or request.e2e_slo_ms <= 0 or request.tpot_slo_ms > 0:
         return target
-    out = expected_output_tokens(request, default_output_tokens)
-    ttft = ttft_need_ms(ctx)
+    expected = expected_output_tokens(request, default_output_tokens)
+    lengths = [expected]
+    if request.output_tokens_bound > expected:
+        lengths.insert(0, request.output_tokens_bound)
+    ttft = max(ttft_need_ms(ctx), 0.0)
     if ctx.predictors is not None:
         predicted = ctx.metric("predicted_ttft")
         if len(predicted) and not np.all(np.isnan(predicted)):
-            ttft = min(ttft, float(np.nanmin(predicted)))
-    paced = (request.e2e_slo_ms - ttft) / max(out - 1, 1)
-    if paced >= target * factor:
-        return target
-    if ctx.predictors is not None:
-        idle = ctx.predictors.default.predict_tpot_ms(1.0, ctx.prompt_tokens + out)
-        if not paced > idle:
+            ttft = float(np.nanmin(predicted))
+    left = request.e2e_slo_ms
+    if request.arrival_s is not None:
+        left -= max(ctx.view.now_s - request.arrival_s, 0.0) * 1e3
+    for out in lengths:
+        paced = (left - ttft) / max(out - 1, 1)
+        if paced >= target * factor:
             return target
-    return paced / factor
+        if ctx.predictors is not None:
+            idle = ctx.predictors.default.predict_tpot_ms(1.0, ctx.prompt_tokens + out)
+            if not paced > idle:
+                continue
+        elif not paced > 0:
+            continue
+        return paced / factor
+    return target
+
+
+def resident_tpot_need_ms(ctx: DecisionContext, config: SchedulerConfig) -> float:
+    """The TPOT the request of ``ctx`` must keep where it decodes: recorded with its resident leg.
+
+    :func:`packing_tpot_target_ms` at the bin-packing share θ
+    (``binpack_theta``): its TPOT target, or the pace its e2e deadline needs
+    over θ. Later placements on that instance are held to θ times the least of
+    these (``tpot_horizon_over_need``): Aladdin's constraint (b) keeps the
+    ATGT of every request a worker holds, not only of the one being placed.
+    The target is the request's own (``tpot_slo_ms``, else the router's
+    ``--tpot-slo``), not the one the decision ran with: the router queue
+    places late work under a fraction of it as a margin of that placement,
+    which is no need of the request's. 0 without a request.
+    """
+    request = ctx.request
+    if request is None:
+        return 0.0
+    target = request.tpot_slo_ms or config.tpot_slo_ms
+    return _paced(ctx, target, config.packing_default_output_tokens, config.binpack_theta)
 
 
 _At = Callable[[DecisionContext, SchedulerConfig, int], float]
@@ -207,7 +251,22 @@ def _out(ctx: DecisionContext, config: SchedulerConfig) -> float:
 # ----------------------------------------------------------------------------- KV over life
 
 
-@_register("kv_growth_tokens", MetricScope.LOAD)
+def _kv_growth_at(ctx: DecisionContext, config: SchedulerConfig, i: int) -> float:
+    """``kv_growth_tokens`` at view index ``i`` alone: the column's float operations in the same
+    order on Python floats (IEEE doubles, as numpy's), so the same value."""
+    table = ctx.view.instances
+    inflight = ctx.view.inflight
+    n = table.decode_requests.item(i) + inflight.decode_requests.item(i)
+    context = table.decode_tokens.item(i) + inflight.decode_tokens.item(i)
+    known = inflight.resident_requests.item(i)
+    covered = known if known <= n else n
+    final = inflight.resident_tokens.item(i) * (covered / known if known > 0 else 0.0)
+    context_covered = context * (covered / n if n > 0 else 0.0)
+    grown = final - context_covered
+    return (0.0 if grown < 0.0 else grown) + (n - covered) * config.packing_default_output_tokens
+
+
+@_register("kv_growth_tokens", MetricScope.LOAD, at=_kv_growth_at)
 def _kv_growth_tokens(ctx: DecisionContext, config: SchedulerConfig) -> FloatArray:
     table = ctx.view.instances
     inflight = ctx.view.inflight
@@ -263,17 +322,24 @@ def kv_all_alive_tokens(n: int, instance: IntArray, context: FloatArray, remaini
 @_register("kv_peak_projected", MetricScope.DECISION)
 def _kv_peak_projected(ctx: DecisionContext, config: SchedulerConfig) -> FloatArray:
     table = ctx.view.instances
-    used = (
-        table.used_kv_tokens
-        + table.uncomputed_prefill_tokens
-        + ctx.view.inflight.tokens
-        + ctx.metric("kv_growth_tokens")
-    )
+    # The load's part reads the snapshot and the in-flight account only: kept with the view's load
+    # (the same sum, so the same values as summing it per decision).
+    growth = ctx.metric("kv_growth_tokens")
+    memo = ctx.view.load_memo
+    found: tuple[FloatArray, FloatArray] | None = memo.get(_KV_LOAD)
+    if found is not None and found[0] is growth:
+        used = found[1]
+    else:
+        used = table.used_kv_tokens + table.uncomputed_prefill_tokens + ctx.view.inflight.tokens + growth
+        memo[_KV_LOAD] = (growth, used)
     if ctx.request is not None:
         used = used + (ctx.prompt_tokens + _out(ctx, config))
     capacity = table.kv_capacity_tokens
     peak: FloatArray = np.divide(used, capacity, out=np.full(table.n, np.inf), where=capacity > 0)
     return peak
+
+
+_KV_LOAD = "kv_peak_projected_load"
 
 
 def _kv_life_at(ctx: DecisionContext, config: SchedulerConfig, i: int) -> float:
@@ -380,6 +446,47 @@ def _predicted_tpot_horizon(ctx: DecisionContext, config: SchedulerConfig) -> Fl
     return ctx.predictors.decode_step_ms(ctx.view.instances, batch, tokens)
 
 
+def residents_tpot_need(ctx: DecisionContext, default_ms: float) -> FloatArray:
+    """Per instance, the least TPOT need of the resident legs there (ms): a leg that recorded none
+    counts at ``default_ms``; inf where no leg is known (none there, or the view knows no legs)."""
+    n = ctx.view.n
+    out: FloatArray = np.full(n, np.inf)
+    legs = ctx.view.resident_legs()
+    if legs is None or len(legs.instance) == 0:
+        return out
+    need = legs.tpot_need_ms
+    if need is None:
+        need = np.full(len(legs.instance), default_ms)
+    else:
+        need = np.where(np.isfinite(need) & (need > 0), need, default_ms)
+    np.minimum.at(out, legs.instance, need)
+    return out
+
+
+@_register("tpot_horizon_over_need", MetricScope.DECISION)
+def _tpot_horizon_over_need(ctx: DecisionContext, config: SchedulerConfig) -> FloatArray:
+    """Aladdin's constraint (b) for every request an instance would hold: the TPOT at the γ horizon
+    (``predicted_tpot_horizon``) over the least TPOT need among the residents and this request
+    (:func:`resident_tpot_need_ms`); the ``binpack`` policy keeps it below θ.
+
+    The paper's workers hold requests of one ATGT target, so bounding the batch
+    by that target protects all of them; here requests carry their own targets
+    (a chat TPOT, a code answer's deadline pace), and a placement checked only
+    against the newcomer's target would slow a resident with a tighter one past
+    its own -- best fit then fills the instances an e2e-judged request was paced
+    on with looser chat until it misses. Residents whose need was not recorded
+    (peer router processes publish sums only) count at the router's TPOT target.
+    """
+    horizon = ctx.metric("predicted_tpot_horizon")
+    need = residents_tpot_need(ctx, config.tpot_slo_ms)
+    if ctx.request is not None:
+        # The newcomer at the target this decision runs with (the router queue's margin included).
+        own = packing_tpot_target_ms(ctx, config.packing_default_output_tokens, config.binpack_theta)
+        need = np.minimum(need, own)
+    ratio: FloatArray = np.divide(horizon, need, out=np.full(ctx.view.n, np.inf), where=need > 0)
+    return ratio
+
+
 # ----------------------------------------------------------------------------- residents of a colocated instance
 
 
@@ -445,12 +552,14 @@ def atgt_slack_ms(ctx: DecisionContext, tpot_target_ms: float) -> FloatArray:
     that ran past ``g``). Legs whose production the view does not know
     (``generated`` missing, or peer router processes publishing only sums)
     count their saved part as zero (the residents' mean remaining output
-    stands in for ``r`` without legs).
+    stands in for ``r`` without legs). ``T`` is each leg's recorded TPOT need
+    (its own target, or the pace its e2e deadline needs:
+    :func:`resident_tpot_need_ms`), ``tpot_target_ms`` where none was recorded.
     """
     n = ctx.view.n
-    spare_new = tpot_target_ms - ctx.metric("predicted_tpot")
     legs = ctx.view.resident_legs()
     if legs is None:
+        spare_new = tpot_target_ms - ctx.metric("predicted_tpot")
         batch = ctx.metric("decode_batch_size")
         mean = np.divide(ctx.metric("kv_growth_tokens"), batch, out=np.full(n, np.inf), where=batch > 0)
         slack: FloatArray = np.maximum(mean, 1.0) * spare_new
@@ -460,10 +569,17 @@ def atgt_slack_ms(ctx: DecisionContext, tpot_target_ms: float) -> FloatArray:
     if not np.any(started):
         return out
     at = legs.instance[started]
-    budget = np.maximum(legs.remaining[started], 1.0) * spare_new[at]
+    target: FloatArray | float = tpot_target_ms
+    if legs.tpot_need_ms is not None:
+        # Each leg against the TPOT it must keep (its own target or deadline pace), as recorded.
+        need = legs.tpot_need_ms[started]
+        target = np.where(np.isfinite(need) & (need > 0), need, tpot_target_ms)
+    step_new = ctx.metric("predicted_tpot")[at]
+    budget = np.maximum(legs.remaining[started], 1.0) * (target - step_new)
     if legs.generated is not None:
-        spare_now = tpot_target_ms - np.nan_to_num(ctx.metric("decode_step_ms"), nan=tpot_target_ms)
-        budget = budget + legs.generated[started] * spare_now[at]
+        step_now = ctx.metric("decode_step_ms")[at]
+        spare_now = np.where(np.isnan(step_now), 0.0, target - step_now)
+        budget = budget + legs.generated[started] * spare_now
     np.minimum.at(out, at, budget)
     return out
 
@@ -528,7 +644,17 @@ def overpacked_mask(table: InstanceTable, tpot_target_ms: float, factor: float) 
 
 @_register("overpacked", MetricScope.DECISION)
 def _overpacked(ctx: DecisionContext, config: SchedulerConfig) -> FloatArray:
-    return overpacked_mask(ctx.view.instances, ctx.tpot_slo_ms, config.overpacked_tpot_factor)
+    # A function of the snapshot and the request's TPOT target: kept with the snapshot's columns
+    # per target (read-only: every decision on the snapshot shares it).
+    table = ctx.view.instances
+    key = ("overpacked", ctx.tpot_slo_ms, config.overpacked_tpot_factor)
+    mask: FloatArray | None = table.memo.get(key)
+    if mask is None:
+        mask = overpacked_mask(table, ctx.tpot_slo_ms, config.overpacked_tpot_factor)
+        mask.setflags(write=False)
+        if len(table.memo) < 4096:  # targets come from requests: bounded
+            table.memo[key] = mask
+    return mask
 
 
 # ----------------------------------------------------------------------------- adaptive PD's prefill room

@@ -328,8 +328,10 @@ def _binpack(config: SchedulerConfig) -> dict[str, Any]:
     """Aladdin's placement (seed 001, Algorithm 1): best fit by capacity_norm among the instances that
     meet every constraint, the constraints held as constraints.
 
-    (b) TPOT at the γ horizon within θ (``binpack_theta``) of the target
-    (``tpot_horizon``), (c)
+    (b) TPOT at the γ horizon within θ (``binpack_theta``) of the least TPOT
+    need of the requests the instance would hold, this one and its residents
+    (``tpot_horizon``: each request's own target, or the pace its e2e deadline
+    needs for the high quantile of its predicted length), (c)
     TTFT (``predicted_ttft``), (d) on a colocated instance the prompt's
     prefill within θ of the residents' ATGT slack (``atgt_slack``), (e) KV
     over the life of the instance's requests (``kv_over_life``). None is
@@ -344,7 +346,15 @@ def _binpack(config: SchedulerConfig) -> dict[str, Any]:
     overload), which is why the two differ in overload and not below it.
     """
     hard = {"empty_passes": True}
-    horizon = _tpot_horizon(config, **hard) | {"factor": config.binpack_theta}
+    # (b) for every request the instance would hold: the γ-horizon TPOT within θ of the least TPOT
+    # need of its residents and of this request (packing.tpot_horizon_over_need).
+    horizon = {
+        "name": "metric_threshold",
+        "metric": "tpot_horizon_over_need",
+        "limit": config.binpack_theta,
+        "label": "tpot_horizon",
+        **hard,
+    }
     decode = {
         "filters": [
             *HEALTH,

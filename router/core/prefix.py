@@ -294,20 +294,59 @@ class KvEventKind(str, enum.Enum):
 
 
 class ExactPrefixIndex(BlockIndex):
-    """What each engine reported it holds, from its cache events (dispatches teach it nothing).
+    """What each engine reported it holds, from its cache events, plus what is on its way there.
 
     :meth:`apply` takes one instance's events in the order the engine emitted
     them. A reader that lost events (a gap in the stream, a reconnect) calls
     :meth:`clear` and replays the engine's full contents as one ``STORED``
     event, which is what the sim engine's drain hands over after an overflow.
+
+    Dispatched, not yet reported: an engine reports a prompt's blocks only
+    once it has scheduled the prompt, so for the time a request waits in the
+    engine's queue the events say nothing of it, and a second request with
+    the same prefix arriving meanwhile would be sent anywhere (computing the
+    prefix twice, on two instances). :meth:`dispatched` therefore marks the
+    blocks it sent as *pending* on that instance; a lookup counts pending
+    blocks as held. A pending block becomes real when the engine's ``STORED``
+    names it, and goes when ``REMOVED`` or ``CLEARED`` does. Blocks of a
+    request the engine never schedules (aborted, refused) linger only until
+    newer dispatches push them out: each instance keeps at most its KV
+    capacity (and ``max_blocks_per_instance``) in pending blocks, least
+    recently dispatched first out.
     """
 
     name = "exact"
 
+    def __init__(self, block_tokens: int, **bounds: int) -> None:
+        super().__init__(block_tokens, **bounds)
+        self._pending: dict[int, OrderedDict[int, None]] = {}  # slot -> dispatched, not yet reported
+        self._pending_holders: dict[int, int] = {}  # hash -> bitset of slots it is pending on
+
     def dispatched(
         self, instance_id: str, hashes: Sequence[int], capacity_tokens: float, private_tokens: int = 0
     ) -> None:
-        return None
+        if not hashes:
+            return
+        slot = self._touch(instance_id)
+        bit = 1 << slot
+        held = self._blocks[slot]
+        pending = self._pending.setdefault(slot, OrderedDict())
+        holders = self._pending_holders
+        for h in hashes:
+            if h in held:
+                continue
+            if h in pending:
+                pending.move_to_end(h)
+            else:
+                pending[h] = None
+                holders[h] = holders.get(h, 0) | bit
+        cap = self.max_blocks_per_instance
+        if np.isfinite(capacity_tokens) and capacity_tokens > 0:
+            cap = min(cap, int(capacity_tokens // self.block_tokens))
+        cap = max(cap, 1)
+        while len(pending) > cap:
+            h, _ = pending.popitem(last=False)
+            self._unpend(h, bit)
 
     def apply(self, instance_id: str, events: Iterable[tuple[str, Sequence[int]]]) -> None:
         """Apply ``(kind, block hashes)`` events of one instance, oldest first (``kind``: a
@@ -315,12 +354,73 @@ class ExactPrefixIndex(BlockIndex):
         for kind, hashes in events:
             if kind == "stored":
                 self.add(instance_id, hashes)
+                self._settle(instance_id, hashes)
             elif kind == "removed":
                 self.remove(instance_id, hashes)
+                self._settle(instance_id, hashes)
             elif kind == "cleared":
                 self.clear(instance_id)
             else:
                 raise ValueError(f"unknown KV event kind {kind!r}; use stored, removed or cleared")
+
+    def clear(self, instance_id: str) -> None:
+        """``instance_id`` holds nothing, reported or pending (its slot is kept)."""
+        super().clear(instance_id)
+        slot = self._slot.get(instance_id)
+        if slot is not None:
+            bit = 1 << slot
+            for h in self._pending.pop(slot, {}):
+                self._unpend(h, bit)
+
+    def matched_blocks(self, hashes: Sequence[int]) -> dict[str, int]:
+        extra = self._pending_holders
+        if not extra:
+            return super().matched_blocks(hashes)
+        holders = self._holders
+        if not hashes:
+            return {}
+        alive = holders.get(hashes[0], 0) | extra.get(hashes[0], 0)
+        if not alive:
+            return {}
+        found: dict[str, int] = {}
+        ids = self._ids
+        for j in range(1, len(hashes)):
+            h = hashes[j]
+            nxt = alive & (holders.get(h, 0) | extra.get(h, 0))
+            if nxt != alive:
+                _record(alive & ~nxt, j, ids, found)
+                alive = nxt
+                if not alive:
+                    return found
+        _record(alive, len(hashes), ids, found)
+        return found
+
+    def pending_of(self, instance_id: str) -> frozenset[int]:
+        """The hashes dispatched to ``instance_id`` that its engine has not reported yet."""
+        slot = self._slot.get(instance_id)
+        return frozenset(self._pending.get(slot, ())) if slot is not None else frozenset()
+
+    @property
+    def num_entries(self) -> int:
+        return super().num_entries + sum(len(p) for p in self._pending.values())
+
+    def _settle(self, instance_id: str, hashes: Sequence[int]) -> None:
+        slot = self._slot.get(instance_id)
+        pending = self._pending.get(slot) if slot is not None else None
+        if not pending or slot is None:
+            return
+        bit = 1 << slot
+        for h in hashes:
+            if h in pending:
+                del pending[h]
+                self._unpend(h, bit)
+
+    def _unpend(self, h: int, bit: int) -> None:
+        rest = self._pending_holders.get(h, 0) & ~bit
+        if rest:
+            self._pending_holders[h] = rest
+        else:
+            self._pending_holders.pop(h, None)
 
 
 def cached_tokens_column(

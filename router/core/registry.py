@@ -33,6 +33,7 @@ _BUILTIN_MODULES = (
     "router.core.filters",
     "router.core.selectors",
     "router.core.policies",
+    "router.core.dispatchers",
 )
 
 

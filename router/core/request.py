@@ -92,6 +92,14 @@ class ScheduleInput:
     #: Chained hashes of the prompt's full prefix-cache blocks (:mod:`fleet.prefix`), hashed the way
     #: the scheduler's prefix source holds them; empty = the prompt is charged in full everywhere.
     prefix_hashes: tuple[int, ...] = ()
+    #: A cautious bound on the output (the length predictor's high quantile, at least the expected
+    #: length); 0 = unknown. Packing paces a request judged only end to end by it, so that the
+    #: answers longer than the mean still finish in time (:func:`router.core.packing.packing_tpot_target_ms`).
+    output_tokens_bound: int = 0
+    #: True when ``expected_output_tokens`` is only the length predictor's prior (the request's
+    #: ``max_tokens`` or a default, nothing learned of its class yet): a guess to plan with, never
+    #: grounds to refuse the request as hopeless (:mod:`router.core.arrival`).
+    output_tokens_prior: bool = False
 
     def __init__(
         self,
@@ -109,6 +117,8 @@ class ScheduleInput:
         slo_class: str = "",
         arrival_s: float | None = None,
         prefix_hashes: tuple[int, ...] = (),
+        output_tokens_bound: int = 0,
+        output_tokens_prior: bool = False,
     ) -> None:
         # Written out (the dataclass keeps it): one dict instead of 13 frozen attribute sets, for an
         # object built once per decision. The fields and defaults are the dataclass's (tested).
@@ -130,6 +140,8 @@ class ScheduleInput:
                 "slo_class": slo_class,
                 "arrival_s": arrival_s,
                 "prefix_hashes": prefix_hashes,
+                "output_tokens_bound": output_tokens_bound,
+                "output_tokens_prior": output_tokens_prior,
             },
         )
         self.__post_init__()
@@ -138,8 +150,8 @@ class ScheduleInput:
         # One comparison per field when all is well (built once per decision); the loops name the culprit.
         if self.prompt_tokens < 0:
             raise InvalidRequestError(f"prompt_tokens must be >= 0, got {self.prompt_tokens}")
-        if self.expected_output_tokens < 0 or self.max_tokens < 0:
-            for count in ("expected_output_tokens", "max_tokens"):
+        if self.expected_output_tokens < 0 or self.max_tokens < 0 or self.output_tokens_bound < 0:
+            for count in ("expected_output_tokens", "max_tokens", "output_tokens_bound"):
                 if getattr(self, count) < 0:
                     raise InvalidRequestError(
                         f"{count} must be >= 0 (0 = unknown), got {getattr(self, count)}"

@@ -29,7 +29,7 @@ from router.core.config import SchedulerConfig
 from router.core.decision import Decision
 from router.core.errors import ConfigError
 from router.core.inflight import InflightAccount
-from router.core.packing import expected_output_tokens
+from router.core.packing import expected_output_tokens, resident_tpot_need_ms
 from router.core.plugins import DecisionContext, Metric, Policy
 from router.core.policies import build_policy
 from router.core.predictors import PredictorSet
@@ -239,6 +239,7 @@ class Scheduler:
             now_s,
             final_tokens=final if request is not None else 0,
             cached_prefill_tokens=cached,
+            tpot_need_ms=resident_tpot_need_ms(decision.context, self.config),
         )
 
 

@@ -168,6 +168,8 @@ class ViewBuilder:
         #: The last view built and what it was built from; the status ages of the last (table, now_s).
         self._last_view: _LastView | None = None
         self._ages: tuple[InstanceTable, float, FloatArray, float] | None = None
+        #: What the last table was built from (see ``_build_table``'s incremental path).
+        self._rows: _Rows | None = None
 
     def table(self, snapshot: ClusterSnapshot) -> InstanceTable:
         """The per-snapshot columns (rebuilt only when handed a different snapshot object)."""
@@ -337,29 +339,38 @@ class ViewBuilder:
     def _build_table(self, snapshot: ClusterSnapshot) -> InstanceTable:
         records = snapshot.instances
         n = len(records)
-        layout = self._layout(tuple(self._meta(r.metadata) for r in records))
-        rows = [
-            _NO_STATUS
-            if (st := r.status) is None
-            else (
-                1,
-                st.schedulable,
-                st.num_uncomputed_prefill_tokens,
-                st.num_decode_requests,
-                st.num_decode_tokens,
-                st.num_used_kv_tokens,
-                st.num_waiting_requests,
-                st.num_running_requests,
-            )
-            for r in records
-        ]
-        numbers = np.array(rows, dtype=np.float64).reshape(n, len(_STATUS))
-        col = {name: _readonly(np.ascontiguousarray(numbers[:, k])) for k, name in enumerate(_STATUS)}
-        has_status = _readonly(col["has_status"] > 0)
-        measured = _readonly(
-            np.fromiter((_measured_decode_step_ms(r.status) for r in records), dtype=np.float64, count=n)
-        )
+        statuses = [r.status for r in records]
+        metadatas = [r.metadata for r in records]
         ages = np.fromiter((r.status_age_s for r in records), dtype=np.float64, count=n)
+        rows = self._rows
+        changed: list[int] | None = None
+        if rows is not None and len(rows.statuses) == n and rows.metadatas == metadatas:
+            # The same metadata objects in the same order (list equality tries identity first): the
+            # layout holds; only the rows whose status object changed are read again.
+            changed = [i for i, (a, b) in enumerate(zip(statuses, rows.statuses, strict=True)) if a is not b]
+            if len(changed) > n // 4:
+                changed = None
+        if changed is not None and rows is not None:
+            # Incremental: copy the previous columns and rewrite the touched rows in place. The
+            # values written are those a full build computes, so the table is the same either way.
+            layout = rows.layout
+            numbers = rows.numbers.copy()
+            measured = rows.measured.copy()
+            for i in changed:
+                numbers[i] = _status_row(statuses[i])
+                measured[i] = _measured_decode_step_ms(statuses[i])
+        else:
+            layout = self._layout(tuple(self._meta(md) for md in metadatas))
+            numbers = np.array([_status_row(st) for st in statuses], dtype=np.float64).reshape(
+                n, len(_STATUS)
+            )
+            measured = np.fromiter(
+                (_measured_decode_step_ms(st) for st in statuses), dtype=np.float64, count=n
+            )
+        self._rows = _Rows(layout, statuses, metadatas, numbers, measured)
+        columns = numbers.T.copy()  # one row per status counter, each contiguous
+        col = {name: _readonly(columns[k]) for k, name in enumerate(_STATUS)}
+        has_status = _readonly(col["has_status"] > 0)
         return InstanceTable(
             snapshot=snapshot,
             ids=layout.ids,
@@ -384,9 +395,39 @@ class ViewBuilder:
             used_kv_tokens=col["used_kv_tokens"],
             waiting_requests=col["waiting_requests"],
             running_requests=col["running_requests"],
-            measured_decode_step_ms=measured,
+            measured_decode_step_ms=_readonly(measured),
             max_num_seqs=layout.max_num_seqs,
         )
+
+
+def _status_row(st: cms_pb2.InstanceStatus | None) -> tuple[int, ...]:
+    """One instance's status counters in ``_STATUS`` order (the zero row without a status)."""
+    if st is None:
+        return _NO_STATUS
+    return (
+        1,
+        st.schedulable,
+        st.num_uncomputed_prefill_tokens,
+        st.num_decode_requests,
+        st.num_decode_tokens,
+        st.num_used_kv_tokens,
+        st.num_waiting_requests,
+        st.num_running_requests,
+    )
+
+
+class _Rows(NamedTuple):
+    """What the last table was built from, so the next snapshot rewrites only the rows that changed.
+
+    ``numbers`` holds the status counters one row per instance (``_STATUS`` order), ``measured``
+    the measured decode step; both are private copies (the table's columns are read-only copies).
+    """
+
+    layout: _Layout
+    statuses: list[cms_pb2.InstanceStatus | None]
+    metadatas: list[cms_pb2.InstanceMetadata]
+    numbers: FloatArray
+    measured: FloatArray
 
 
 def _legs_of(inflight: InflightAccount, table: InstanceTable) -> ResidentSource:

@@ -73,3 +73,28 @@ def test_hot_path_methods_equal_the_scalar_predictions(
         lp.predict_ttft_ms(*row) for row in rows
     ]
     assert step.tolist() == [lp.predict_tpot_ms(row[1], row[2]) for row in rows]
+
+
+@settings(max_examples=200, deadline=None)
+@given(grids_2d(), st.data())
+def test_grid2d_kept_x_cells_give_the_same_values(grid: Grid2D, data: st.DataObject) -> None:
+    # The router keeps the batch axis's cells with the load and evaluates every request's context
+    # against them: the values must be the full evaluation's, bit for bit, and the cells unchanged.
+    xs = data.draw(_points)
+    xa = np.array(xs)
+    i, wx = grid.x_cells(xa)
+    kept = wx.copy()
+    for _ in range(2):
+        ys = np.array(data.draw(st.lists(_values, min_size=len(xs), max_size=len(xs))))
+        assert grid.with_x_cells(i, wx.copy(), ys).tolist() == grid(xa, ys).tolist()
+    assert wx.tolist() == kept.tolist()
+    lp = LatencyPredictor(
+        TtftProfile(Grid1D(np.array([1.0, 2.0]), np.array([1.0, 2.0])), "t"), TpotProfile(grid, "p")
+    )
+    batch = np.abs(xa) + 1.0
+    tokens = np.abs(np.array(data.draw(st.lists(_values, min_size=len(xs), max_size=len(xs))))) + 1.0
+    cells = lp.decode_batch_cells(batch)
+    assert (
+        lp.busy_decode_step_ms_cells(batch, cells, tokens).tolist()
+        == lp.busy_decode_step_ms(batch, tokens).tolist()
+    )

@@ -19,7 +19,6 @@ from router.core.qlm import QlmConfig
 from router.core.queue import QueueConfig
 from router.core.scheduler import Scheduler
 from router.placement import PlacementRequest, Placer
-from router.qlm_admission import QlmAdmission
 from router.telemetry import RequestObserver
 from tests.router.core.helpers import inst, make_predictor, make_request, make_snapshot
 
@@ -132,7 +131,7 @@ async def test_queue_none_refuses_at_once() -> None:
     admission, _ = make_admission(Source(BUSY), queue_policy="none")
     with pytest.raises(NoInstanceError):
         await admission.place(request("a"))
-    assert len(admission.queue) == 0
+    assert admission.queue is None and len(admission.dispatcher) == 0
 
 
 async def test_sa_hands_the_next_request_over_as_soon_as_one_ends() -> None:
@@ -232,7 +231,7 @@ async def test_qlm_dispatches_to_the_instance_its_plan_chose_even_where_slo_thre
     placer = Placer(scheduler, Source(crowded), clock=lambda: 100.0)  # type: ignore[arg-type]
     with pytest.raises(NoInstanceError, match="tpot_residents"):
         placer.place(request("direct", ttft_ms=60000.0))
-    admission = QlmAdmission(placer, QueueConfig(queue_policy="qlm"), QlmConfig(), clock=lambda: 100.0)  # type: ignore[arg-type]
+    admission = Admission(placer, QueueConfig(queue_policy="qlm"), QlmConfig(), clock=lambda: 100.0)  # type: ignore[arg-type]
     admitted = await asyncio.wait_for(admission.place(request("a", ttft_ms=60000.0)), 5)
     assert admitted.route.prefill.instance_id == "n0"
     assert len(placer.scheduler.inflight) == 1  # recorded at dispatch, like any placement

@@ -12,7 +12,7 @@ from cms import limits
 from router.core.protocols import VLLM_GRPC, WORKER, dial_endpoint, split_endpoint
 from router.tokenize import load_tokenizer
 from router.vllm_grpc import Detokenizer, vllm_sampling
-from workers.stock_agent import AgentConfig, measurement_ms, status_from_loads
+from workers.stock_agent import AgentConfig, DecodeStepEstimate, measurement_ms, status_from_loads
 
 
 def test_endpoints_carry_the_protocol_and_worker_endpoints_stay_bare() -> None:
@@ -112,3 +112,73 @@ def test_agent_flags_are_checked_by_name(change: dict[str, object], flag: str) -
     base: dict[str, object] = {"engine": "127.0.0.1:1", "cms": "127.0.0.1:2", "instance_id": "v"}
     with pytest.raises(ValueError, match=flag):
         AgentConfig(**{**base, **change}).check()  # type: ignore[arg-type]
+
+
+def _engine_timeline(
+    batches: list[tuple[int, float, float]], poll_s: float, estimate: DecodeStepEstimate
+) -> list[float]:
+    """Run a fake engine's steps and poll it as the agent does; the estimated step times (ms).
+
+    ``batches``: (running requests R, step duration d in s, how long the phase lasts in s), R = 0
+    for idle. Each step streams R tokens at its end; ``gen_throughput`` is what vLLM's servicer
+    reports: the tokens streamed over the last 2 s, divided by 2.
+    """
+    streamed: list[tuple[float, int]] = []  # (time, tokens)
+    phases: list[tuple[float, float, int, float]] = []  # (start, end, R, d)
+    t = 0.0
+    for running, step_s, length in batches:
+        phases.append((t, t + length, running, step_s))
+        end = t + length
+        if running:
+            s = t + step_s
+            while s <= end:
+                streamed.append((s, running))
+                s += step_s
+        t = end
+    out: list[float] = []
+    now = 0.0
+    while now <= t:
+        running = next((r for a, b, r, _ in phases if a <= now < b), 0)
+        window = [n for at, n in streamed if now - 2.0 < at <= now]
+        sample = estimate.observe(now, running, running * 100, sum(window) / 2.0)
+        if sample is not None:
+            out.append(sample.duration_ms)
+        now += poll_s
+    return out
+
+
+@given(st.integers(1, 64), st.floats(0.002, 0.2))
+def test_the_decode_step_estimate_recovers_a_steady_engines_step_time(running: int, step_s: float) -> None:
+    samples = _engine_timeline([(running, step_s, 4.0)], 0.1, DecodeStepEstimate())
+    assert samples
+    for ms in samples[-5:]:
+        # The window holds a whole number of steps: up to one step's tokens of the 2 s are cut.
+        assert abs(ms - step_s * 1e3) <= step_s * 1e3 * (0.02 + step_s / 2.0), (ms, step_s)
+
+
+@given(st.integers(1, 64), st.floats(0.002, 0.05), st.floats(0.5, 0.9))
+def test_idle_time_drops_out_of_the_decode_step_estimate(running: int, step_s: float, idle: float) -> None:
+    # A batch, an idle stretch, the batch again: the last samples' windows hold the idle stretch
+    # and the estimate is still the busy step time (not inflated by the idle share of the window).
+    samples = _engine_timeline(
+        [(running, step_s, 3.0), (0, 0.0, idle), (running, step_s, 1.0)], 0.1, DecodeStepEstimate()
+    )
+    assert samples
+    for ms in samples[-3:]:
+        # Each busy/idle edge costs up to a step of tokens and a poll interval of sampled R.
+        assert abs(ms - step_s * 1e3) <= step_s * 1e3 * 0.2 + 2 * step_s * 1e3 * step_s / 0.5, (ms, step_s)
+
+
+def test_no_decode_step_estimate_before_the_window_fills_or_when_idle() -> None:
+    estimate = DecodeStepEstimate()
+    assert _engine_timeline([(8, 0.01, 1.5)], 0.1, estimate) == []  # the first 2 s: G undercounts
+    assert _engine_timeline([(0, 0.0, 5.0)], 0.1, DecodeStepEstimate()) == []  # nothing streamed
+
+
+def test_the_status_carries_the_step_sample() -> None:
+    sample = cms_pb2.StepSample(num_decode_requests=4, num_decode_tokens=800, duration_ms=12.5)
+    status = status_from_loads(
+        "v", vllm_pb2.GetLoadsResponse(), 1000, update_id=1, now_ms=5, step_sample=sample
+    )
+    assert list(status.step_samples) == [sample]
+    assert not status_from_loads("v", vllm_pb2.GetLoadsResponse(), 1000, update_id=1, now_ms=5).step_samples

@@ -9,7 +9,7 @@ from router.cli import main
 from router.core.qlm import QlmConfig
 from router.core.queue import QueueConfig
 from sim.cluster import SimFleet, SimOutcome, simulate
-from sim.fleet import FleetError, fleet_from_counts
+from sim.fleet import fleet_from_counts
 from tests.sim.test_simulate import policy
 from workload.report import slo_met
 from workload.spec import RequestPlan, SloTarget
@@ -71,9 +71,11 @@ def test_qlm_is_deterministic_and_serves_everything() -> None:
 
 
 def test_qlm_needs_a_neutral_fleet() -> None:
+    # As in the router: every request is refused UNAVAILABLE, saying qlm needs neutral instances.
     fleet = SimFleet(fleet_from_counts(prefill=1, decode=1))
-    with pytest.raises(FleetError, match="neutral"):
-        simulate(fleet, policy("slo"), tight_behind_loose(), queue=QLM)
+    outcome = simulate(fleet, policy("slo"), tight_behind_loose(), queue=QLM)
+    assert outcome.results and all(r.error_code == "UNAVAILABLE" for r in outcome.results)
+    assert "neutral" in outcome.results[0].error_message
 
 
 def test_cli_prints_qlm_and_its_ablation(capsys: pytest.CaptureFixture[str]) -> None:

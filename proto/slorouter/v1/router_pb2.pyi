@@ -319,6 +319,7 @@ class ScheduleResponse(_message.Message):
     QUEUED_FIELD_NUMBER: _builtins.int
     QUEUE_POSITION_FIELD_NUMBER: _builtins.int
     QUEUE_REASON_FIELD_NUMBER: _builtins.int
+    PHASE_FIELD_NUMBER: _builtins.int
     policy: _builtins.str
     mode: _builtins.str
     """"pd" | "neutral" """
@@ -330,6 +331,10 @@ class ScheduleResponse(_message.Message):
     """Its 0-based place in the queue's order, when queued."""
     queue_reason: _builtins.str
     """Why it would wait (the best prediction against the bound), when queued."""
+    phase: _builtins.str
+    """The lifecycle phase Generate would leave the request in now (router.core.lifecycle):
+    "queued" (it waits in the router queue) or "placed" (prefill/decode above).
+    """
     @_builtins.property
     def prefill(self) -> Global___InstanceChoice:
         """In neutral mode both hold the same instance."""
@@ -351,10 +356,11 @@ class ScheduleResponse(_message.Message):
         queued: _builtins.bool = ...,
         queue_position: _builtins.int = ...,
         queue_reason: _builtins.str = ...,
+        phase: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["decode", b"decode", "prefill", b"prefill"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode", b"decode", "mode", b"mode", "policy", b"policy", "prefill", b"prefill", "queue_position", b"queue_position", "queue_reason", b"queue_reason", "queued", b"queued", "trace", b"trace"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode", b"decode", "mode", b"mode", "phase", b"phase", "policy", b"policy", "prefill", b"prefill", "queue_position", b"queue_position", "queue_reason", b"queue_reason", "queued", b"queued", "trace", b"trace"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

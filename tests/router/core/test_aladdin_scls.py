@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -218,3 +219,284 @@ def test_constraint_d_is_the_least_whole_life_atgt_slack_of_the_residents(
     else:
         assert ratio == math.inf
     assert float(ctx.metric("prefill_over_atgt_slack")[view.instances.index["m"]]) == 0.0  # nothing decodes
+
+
+# ----------------------------------------------------------------------------- Aladdin (001): each request's own need
+
+
+def _ctx_with_legs(scheduler, snapshot, request, legs_of):  # type: ignore[no-untyped-def]
+    """A decision context of ``request`` whose view carries the resident legs ``legs_of(view)``."""
+    import dataclasses
+
+    from router.core.columns import StaticResidents
+
+    view = scheduler.view(snapshot, NOW)
+    known = legs_of(view)
+    if known is not None:
+        view = dataclasses.replace(view, residents=StaticResidents(known), load_memo={})
+    return scheduler.context(view, request)
+
+
+def test_an_e2e_request_is_paced_by_its_length_bound_when_an_instance_can_keep_that_pace() -> None:
+    """Paced by the mean, every answer longer than the mean misses; the bound (the predictor's high
+    quantile) sets the pace when an idle instance can keep it, the mean when it cannot, and the
+    time already spent in the router queue comes off the deadline."""
+    from router.core.packing import packing_tpot_target_ms
+
+    scheduler = make_scheduler("binpack", tpot_slo_ms=50.0)
+    snapshot = make_snapshot(inst("n", "neutral"))
+
+    def target(**kw):  # type: ignore[no-untyped-def]
+        request = make_request("r", 256, e2e_slo_ms=4000.0, expected_output_tokens=64, **kw)
+        ctx = _ctx_with_legs(scheduler, snapshot, request, lambda view: None)
+        ttft = float(np.nanmin(ctx.metric("predicted_ttft")))
+        return packing_tpot_target_ms(ctx, 256, 0.7), ttft
+
+    value, ttft = target(output_tokens_bound=200)
+    assert value == pytest.approx((4000.0 - ttft) / 199 / 0.7)
+    # A bound whose pace no instance keeps (batch 1 of the worked profile: ~15 ms): the mean's pace,
+    # here looser than 0.7 x 50 ms, so the TPOT target itself.
+    value, _ = target(output_tokens_bound=400)
+    assert value == 50.0
+    # Two seconds in the queue: half the deadline left, the bound's pace is out of reach, the mean's is not.
+    value, ttft = target(output_tokens_bound=200, arrival_s=NOW - 2.0)
+    assert value == pytest.approx((2000.0 - ttft) / 63 / 0.7)
+
+
+def test_binpack_keeps_a_residents_tighter_need_when_placing_a_looser_request() -> None:
+    """(b) holds for every request the instance holds: a chat request whose own target the fullest
+    decoder meets goes elsewhere when a resident there must keep a faster pace."""
+    from router.core.columns import ResidentLegs
+
+    scheduler = make_scheduler("binpack", tpot_slo_ms=50.0)
+    snapshot = make_snapshot(
+        inst("p", "prefill"),
+        inst("full", "decode", decode_requests=8, decode_tokens=4000, used_kv_tokens=4000),
+        inst("light", "decode", decode_requests=2, decode_tokens=1000, used_kv_tokens=1000),
+    )
+    request = make_request("chat", 256, expected_output_tokens=100)
+
+    def legs(need: float):  # type: ignore[no-untyped-def]
+        def of(view):  # type: ignore[no-untyped-def]
+            at = view.instances.index["full"]
+            return ResidentLegs(
+                np.full(8, at, dtype=np.intp),
+                np.full(8, 500.0),
+                np.full(8, 100.0),
+                np.ones(8, dtype=bool),
+                np.zeros(8),
+                np.full(8, need),
+            )
+
+        return of
+
+    loose = _ctx_with_legs(scheduler, snapshot, request, legs(math.inf))
+    tight = _ctx_with_legs(scheduler, snapshot, request, legs(20.0))
+    full = loose.view.instances.index["full"]
+    horizon = float(loose.metric("predicted_tpot_horizon")[full])
+    assert float(loose.metric("tpot_horizon_over_need")[full]) == pytest.approx(horizon / 50.0)
+    assert float(tight.metric("tpot_horizon_over_need")[full]) == pytest.approx(horizon / 20.0)
+    picked = scheduler.schedule(loose.view, request, NOW, dry_run=True).decode
+    assert picked is not None and picked.instance_id == "full"  # best fit: the fullest that meets (b)
+    picked = scheduler.schedule(tight.view, request, NOW, dry_run=True).decode
+    assert picked is not None and picked.instance_id == "light"
+
+
+@PROPS
+@given(
+    legs=st.lists(
+        st.tuples(st.integers(0, 2), st.integers(16, 3000), st.integers(1, 500), st.floats(5.0, 200.0)),
+        max_size=12,
+    ),
+    own_tpot=st.sampled_from([0.0, 30.0, 80.0]),
+)
+def test_the_horizon_is_held_to_the_least_need_of_everyone_on_the_instance(
+    legs: list[tuple[int, int, int, float]], own_tpot: float
+) -> None:
+    """Property of (b): per instance, the ratio is the γ-horizon TPOT over the least of this request's
+    need and its residents' recorded needs; residents never loosen it; binpack places only where it
+    is below θ (or on an empty instance)."""
+    from router.core.columns import ResidentLegs
+    from router.core.packing import resident_tpot_need_ms
+
+    scheduler = make_scheduler("binpack", tpot_slo_ms=50.0)
+    records = [inst("p", "prefill")]
+    for k in range(3):
+        mine = [(c, r) for i, c, r, _ in legs if i == k]
+        tokens = sum(c for c, _ in mine)
+        records.append(
+            inst(f"d{k}", "decode", decode_requests=len(mine), decode_tokens=tokens, used_kv_tokens=tokens)
+        )
+    snapshot = make_snapshot(*records)
+    request = make_request("r", 300, tpot_slo_ms=own_tpot, expected_output_tokens=120)
+
+    def of(view):  # type: ignore[no-untyped-def]
+        index = view.instances.index
+        return ResidentLegs(
+            np.array([index[f"d{i}"] for i, _, _, _ in legs], dtype=np.intp),
+            np.array([float(c) for _, c, _, _ in legs]),
+            np.array([float(r) for _, _, r, _ in legs]),
+            np.ones(len(legs), dtype=bool),
+            np.zeros(len(legs)),
+            np.array([need for _, _, _, need in legs]),
+        )
+
+    ctx = _ctx_with_legs(scheduler, snapshot, request, of)
+    bare = _ctx_with_legs(scheduler, snapshot, request, lambda view: None)
+    own = resident_tpot_need_ms(ctx, scheduler.config)
+    ratio = ctx.metric("tpot_horizon_over_need")
+    horizon = ctx.metric("predicted_tpot_horizon")
+    for k in range(3):
+        i = ctx.view.instances.index[f"d{k}"]
+        needs = [need for j, _, _, need in legs if j == k]
+        assert ratio[i] == pytest.approx(horizon[i] / min([own, *needs]), rel=1e-9)
+        assert ratio[i] >= float(bare.metric("tpot_horizon_over_need")[i]) - 1e-12
+    try:
+        decision = scheduler.schedule(ctx.view, request, NOW, dry_run=True)
+    except NoInstanceError:
+        return  # every decoder refused by some constraint: the request waits
+    assert decision.decode is not None
+    i = ctx.view.instances.index[decision.decode.instance_id]
+    empty = not any(j == int(decision.decode.instance_id[1:]) for j, _, _, _ in legs)
+    assert ratio[i] < scheduler.config.binpack_theta or empty
+
+
+def test_the_inflight_account_keeps_each_resident_legs_need_until_it_ends() -> None:
+    from router.core.inflight import InflightAccount
+
+    account = InflightAccount()
+    account.record("a", "p", "d", 100, NOW, final_tokens=300, tpot_need_ms=21.5)
+    account.record("b", "p", "d", 100, NOW, final_tokens=300)
+    legs = account.resident_legs({"p": 0, "d": 1}, 2)
+    assert legs is not None and legs.tpot_need_ms is not None
+    assert sorted(legs.tpot_need_ms.tolist()) == [21.5, math.inf]
+    account.release("a")
+    legs = account.resident_legs({"p": 0, "d": 1}, 2)
+    assert legs is not None and legs.tpot_need_ms is not None and legs.tpot_need_ms.tolist() == [math.inf]
+    with pytest.raises(ValueError, match="tpot_need_ms"):
+        account.record("c", "p", "d", 100, NOW, final_tokens=300, tpot_need_ms=-1.0)
+
+
+def test_constraint_d_takes_each_residents_own_need() -> None:
+    """(d) with recorded needs: a resident paced tighter than the TPOT target has less slack."""
+    from router.core.columns import ResidentLegs
+
+    scheduler = make_scheduler("binpack", tpot_slo_ms=60.0, ttft_slo_ms=60_000.0)
+    snapshot = make_snapshot(inst("n", "neutral", decode_requests=1, decode_tokens=600, used_kv_tokens=600))
+
+    def with_need(need: float):  # type: ignore[no-untyped-def]
+        def of(view):  # type: ignore[no-untyped-def]
+            return ResidentLegs(
+                np.zeros(1, dtype=np.intp),
+                np.array([600.0]),
+                np.array([200.0]),
+                np.ones(1, dtype=bool),
+                np.array([100.0]),
+                np.array([need]),
+            )
+
+        return of
+
+    request = make_request("new", 2000, max_tokens=64)
+    loose = _ctx_with_legs(scheduler, snapshot, request, with_need(math.inf))
+    tight = _ctx_with_legs(scheduler, snapshot, request, with_need(30.0))
+    step_now = float(loose.metric("decode_step_ms")[0])
+    step_new = float(loose.metric("predicted_tpot")[0])
+    from router.core.packing import atgt_slack_ms
+
+    assert float(atgt_slack_ms(loose, 60.0)[0]) == pytest.approx(
+        100 * (60 - step_now) + 200 * (60 - step_new)
+    )
+    assert float(atgt_slack_ms(tight, 60.0)[0]) == pytest.approx(
+        100 * (30 - step_now) + 200 * (30 - step_new)
+    )
+    assert float(tight.metric("prefill_over_atgt_slack")[0]) > float(
+        loose.metric("prefill_over_atgt_slack")[0]
+    )
+
+
+# ----------------------------------------------------------------------------- SCLS (002): admission on a continuous-batching engine
+
+
+def _one_batch_queued(split: bool) -> tuple[SliceScheduler, list[int]]:
+    """One instance of 10,000 KV tokens (budget 9,000) running a 4,000-token slice, and a queued batch of
+    four 2,000-token slices (8,000 KV tokens: it does not fit whole, two of its slices do)."""
+    serving, memory = _models(kv=10_000)
+    sched = SliceScheduler(SliceConfig(split_batches=split), serving, memory, ["x"])
+    sched.add(SliceRequest("big", 3_872, 128))
+    sched.schedule()
+    ((key, _),) = sched.admit("x", 0.0)
+    for k in range(4):
+        sched.add(SliceRequest(k, 1_872, 128))
+    sched.schedule()
+    return sched, [key]
+
+
+def test_a_queued_batch_starts_slice_by_slice_as_kv_frees_on_a_continuous_batching_engine() -> None:
+    """The slices of a queued batch that fit the instance's planned KV start at once (the engine merges
+    them into its running batch); the rest stays at the queue's head with its share of the estimate."""
+    sched, _ = _one_batch_queued(split=True)
+    load = sched.load_ms("x")
+    admitted = sched.admit("x", 1.0)
+    assert sum(len(b.requests) for b in sched._queues["x"]) + 2 == 4
+    assert [len(b.requests) for _, b in admitted] == [2]
+    assert sched.planned_kv("x") == 4_000 + 2 * 2_000
+    assert sched.planned_kv("x") <= sched.models("x").budget_tokens
+    assert sched.load_ms("x") == pytest.approx(load)  # the parts' estimates sum to the batch's
+    whole, _ = _one_batch_queued(split=False)
+    assert whole.admit("x", 1.0) == []  # the batch waits whole: the engine runs one slice meanwhile
+
+
+@PROPS
+@given(
+    running=st.integers(0, 8_000),
+    slices=st.lists(st.integers(16, 3_000), min_size=1, max_size=12),
+)
+def test_admission_never_plans_past_the_budget_while_something_runs(running: int, slices: list[int]) -> None:
+    """Packing invariant of admission: with slices running, what is admitted keeps the planned KV
+    within the instance's budget; the estimate the ledger holds is never lost by splitting."""
+    serving, memory = _models(kv=10_000)
+    sched = SliceScheduler(SliceConfig(), serving, memory, ["x"])
+    if running:
+        sched.add(SliceRequest("run", running, 64))
+        sched.schedule()
+        sched.admit("x", 0.0)
+    for k, context in enumerate(slices):
+        sched.add(SliceRequest(k, context, 128))
+    sched.schedule()
+    before = sched.load_ms("x")
+    was_running = bool(running)
+    admitted = sched.admit("x", 1.0)
+    if was_running:
+        assert sched.planned_kv("x") <= sched.models("x").budget_tokens
+    assert sched.load_ms("x") == pytest.approx(before)
+    started = sum(len(b.requests) for _, b in admitted)
+    queued = sum(len(b.requests) for b in sched._queues["x"])
+    assert started + queued == len(slices)
+
+
+def test_slices_pay_from_about_one_preemption_per_ten_requests() -> None:
+    """auto's rule: slices where request dispatch preempts once per ten requests or more (with batches
+    admitted slice by slice, slices kept >= 0.95x the throughput there on every measured fleet)."""
+    from router.core.slicing import slices_pay
+
+    assert slices_pay(10, 100)
+    assert slices_pay(250, 100)
+    assert not slices_pay(9, 100)
+    assert not slices_pay(0, 0)
+
+
+def test_a_residents_recorded_need_is_its_own_target_not_the_queues_margin() -> None:
+    """The router queue places late work under 0.8 of its TPOT target on a neutral instance (a margin of
+    that placement); what the resident leg records, and later placements keep, is its own target."""
+    from router.core.packing import packing_tpot_target_ms, resident_tpot_need_ms
+    from router.core.request import resolve_targets
+
+    scheduler = make_scheduler("binpack", tpot_slo_ms=50.0)
+    view = scheduler.view(make_snapshot(inst("n", "neutral")), NOW)
+    request = make_request("late", 256, expected_output_tokens=100)
+    targets = resolve_targets(request, 1000.0, 50.0)
+    margin = type(targets)(targets.ttft_ms, 40.0, targets.e2e_ms, targets.full_ttft_ms)
+    ctx = scheduler.context(view, request, NOW, margin)
+    assert packing_tpot_target_ms(ctx, 256, 0.7) == 40.0
+    assert resident_tpot_need_ms(ctx, scheduler.config) == 50.0

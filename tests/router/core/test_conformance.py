@@ -98,6 +98,7 @@ def test_metric_conformance(name: str, with_request: bool) -> None:
         "kv_peak_exact",
         "predicted_tpot_horizon",
         "prompt_compute_tokens",
+        "tpot_horizon_over_need",
     )
     if name not in ("predicted_ttft", "predicted_tpot", "kv_usage_projected") and not (
         with_request and name in with_the_request

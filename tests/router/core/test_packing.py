@@ -757,3 +757,34 @@ def test_residents_tpot_counts_the_backlog_and_the_prompt_and_nothing_without_re
     assert small[i["idle"]] == 0.0 == large[i["idle"]]  # nobody there to slow down
     assert large[i["busy"]] > small[i["busy"]]  # a longer prompt stalls the residents longer
     assert small[i["queued"]] > small[i["busy"]]  # and so do the chunks queued ahead of it
+
+
+@PROPS
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 40), st.integers(0, 60_000), st.integers(0, 40), st.integers(0, 90_000)),
+        min_size=1,
+        max_size=8,
+    ),
+    st.lists(st.tuples(st.integers(0, 7), st.integers(1, 5000), st.integers(0, 3000)), max_size=12),
+)
+def test_one_instances_kv_growth_equals_its_entry_in_the_column_exactly(
+    statuses: list[tuple[int, int, int, int]], legs: list[tuple[int, int, int]]
+) -> None:
+    # The load-scoped update recomputes only the touched instances with ``at``: it must give the
+    # column's very values (decisions compare them), not values within a tolerance.
+    snapshot = make_snapshot(
+        *(
+            inst(f"d{k}", "decode", decode_requests=b, decode_tokens=t, used_kv_tokens=min(u, 90_000))
+            for k, (b, t, _, u) in enumerate(statuses)
+        )
+    )
+    scheduler = make_scheduler("slo")
+    for j, (k, tokens, output) in enumerate(legs):
+        if k < len(statuses):
+            scheduler.inflight.record(f"r{j}", None, f"d{k}", tokens, NOW, final_tokens=tokens + output)
+    ctx = scheduler.context(scheduler.view(snapshot, NOW), None)
+    metric = METRICS.create("kv_growth_tokens", scheduler.config)
+    column = metric.compute(ctx)
+    at = getattr(metric, "at")  # noqa: B009 (what DecisionContext looks up)
+    assert [at(ctx, i) for i in range(len(statuses))] == column.tolist()

@@ -77,14 +77,77 @@ def test_approximate_index_keeps_the_most_recent_prompts_within_the_kv_capacity(
     assert index.blocks_of("a") == frozenset({1, 2, 7})
     assert index.matched_blocks([1, 2, 3]) == {"a": 2}
     exact = ExactPrefixIndex(100)
-    exact.dispatched("a", first, 400)
-    assert exact.matched_blocks(first) == {}  # routing history teaches the exact index nothing
     exact.apply("a", [("stored", (1, 2)), ("stored", (3,)), ("removed", (2,))])
     assert exact.matched_blocks(first) == {"a": 1}
     exact.apply("a", [("cleared", ())])
     assert exact.matched_blocks(first) == {}
     with pytest.raises(ValueError, match="unknown KV event kind"):
         exact.apply("a", [("moved", (1,))])
+
+
+def test_exact_index_counts_dispatched_blocks_until_the_engine_reports_them() -> None:
+    exact = ExactPrefixIndex(100)
+    exact.dispatched("a", [1, 2, 3], capacity_tokens=1000)
+    # Sent, not yet scheduled by the engine: a second prompt with this prefix follows it to "a".
+    assert exact.matched_blocks([1, 2, 3, 4]) == {"a": 3}
+    assert exact.pending_of("a") == {1, 2, 3} and exact.blocks_of("a") == frozenset()
+    exact.apply("a", [("stored", (1, 2))])  # reported: real, no longer pending
+    assert exact.pending_of("a") == {3} and exact.blocks_of("a") == {1, 2}
+    assert exact.matched_blocks([1, 2, 3]) == {"a": 3}
+    exact.apply("a", [("removed", (2, 3))])  # evicted (or never to be stored): gone either way
+    assert exact.matched_blocks([1, 2, 3]) == {"a": 1} and exact.pending_of("a") == frozenset()
+    exact.dispatched("b", [1, 5], capacity_tokens=1000)
+    exact.apply("b", [("cleared", ())])
+    assert exact.matched_blocks([1, 5]) == {"a": 1}
+    # A dispatch adds nothing the engine already reported.
+    exact.dispatched("a", [1], capacity_tokens=1000)
+    assert exact.pending_of("a") == frozenset()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(["dispatched", "stored", "removed", "cleared"]),
+            st.integers(0, 3),
+            st.lists(st.integers(0, 12), max_size=8),
+        ),
+        max_size=60,
+    ),
+    query=st.lists(st.integers(0, 12), min_size=1, max_size=10),
+    cap_blocks=st.integers(1, 6),
+)
+def test_exact_index_is_reported_plus_pending_and_stays_bounded(
+    ops: list[tuple[str, int, list[int]]], query: list[int], cap_blocks: int
+) -> None:
+    exact = ExactPrefixIndex(16, max_blocks_per_instance=64)
+    reported: dict[str, set[int]] = {}
+    pending: dict[str, list[int]] = {}  # least recently dispatched first
+    for kind, who, hashes in ops:
+        name = f"i{who}"
+        held, waiting = reported.setdefault(name, set()), pending.setdefault(name, [])
+        if kind == "dispatched":
+            exact.dispatched(name, hashes, capacity_tokens=16 * cap_blocks)
+            for h in hashes:
+                if h not in held:
+                    if h in waiting:
+                        waiting.remove(h)
+                    waiting.append(h)
+            del waiting[: max(0, len(waiting) - cap_blocks)]
+        elif kind == "cleared":
+            exact.apply(name, [("cleared", ())])
+            held.clear()
+            waiting.clear()
+        else:
+            exact.apply(name, [(kind, hashes)])
+            (held.update if kind == "stored" else held.difference_update)(hashes)
+            waiting[:] = [h for h in waiting if h not in hashes]
+        # Pending never outgrows the instance's KV capacity in blocks, nor the per-instance bound.
+        assert all(len(exact.pending_of(i)) <= cap_blocks for i in exact.instances())
+        assert exact.pending_of(name) == set(waiting)
+        assert exact.blocks_of(name) == held
+    contents = {i: reported.get(i, set()) | set(pending.get(i, [])) for i in exact.instances()}
+    assert exact.matched_blocks(query) == _naive_match(contents, query)
 
 
 def test_predicted_ttft_charges_only_the_uncached_tokens_hand_computed() -> None:

@@ -37,6 +37,9 @@ async def test_router_metrics_count_outcomes_latencies_and_prediction_error() ->
         assert _value(text, 'slo_router_instances{health="healthy",role="prefill"}') == 1
         assert _value(text, 'slo_router_instances{health="healthy",role="decode"}') == 1
         assert _value(text, "slo_router_inflight_entries") == 0
+        # Every request ended: none is left in a live phase of its lifecycle.
+        for phase in ("queued", "placed", "prefilling", "transferring", "decoding", "paused"):
+            assert _value(text, f'slo_router_requests_in_phase{{phase="{phase}"}}') == 0
         # Packing: nobody is over-packed by 5 small requests; the load of the last minute needs a fleet.
         assert _value(text, 'slo_router_instance_overpacked{instance="decode-0"}') == 0
         assert _value(text, 'slo_router_instance_overpacked{instance="prefill-0"}') == 0

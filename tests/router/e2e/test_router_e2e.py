@@ -324,10 +324,11 @@ async def test_schedule_says_when_a_request_would_wait_in_the_queue() -> None:
     async with embedded_cluster(prefill=1, decode=1) as cluster:
         ready = await cluster.stub.Schedule(router_pb2.ScheduleRequest(request=generate_request(64, 4)))
         assert not ready.queued and ready.prefill.instance_id == "prefill-0"
+        assert ready.phase == "placed"
         waits = await cluster.stub.Schedule(
             router_pb2.ScheduleRequest(request=generate_request(2000, 4, ttft_ms=1.0))
         )
-        assert waits.queued and waits.queue_position == 0
+        assert waits.queued and waits.queue_position == 0 and waits.phase == "queued"
         assert "predicted_ttft" in waits.queue_reason and not waits.prefill.instance_id
 
 

@@ -13,6 +13,9 @@ the profile of each instance's group, calibrated when the scheduler calibrates),
 so a request refused here is one the queue would also have judged hopeless,
 only later. The drain is built once per cluster view (the idle predictions do
 not depend on load), so an arrival costs a few predictor lookups.
+
+Every waiting dispatcher applies it to its arrivals (:mod:`router.core.dispatchers`), under
+both drivers: the simulator refuses what the router refuses.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from fleet.snapshot import ClusterSnapshot
+from router.core.columns import ClusterView
 from router.core.errors import SchedulingError, UnmeetableError
 from router.core.queue import FleetDrain
 from router.core.request import ScheduleInput, resolve_targets
@@ -29,21 +33,22 @@ from router.core.scheduler import Scheduler
 class ArrivalCheck:
     """Refuses (:class:`UnmeetableError`) a request whose targets are below the idle-instance best case."""
 
-    def __init__(self, scheduler: Scheduler, snapshot: Callable[[], ClusterSnapshot]) -> None:
+    def __init__(self, scheduler: Scheduler, source: Callable[[], ClusterView | ClusterSnapshot]) -> None:
         self._scheduler = scheduler
-        self._snapshot = snapshot
-        self._cached: tuple[ClusterSnapshot, FleetDrain | None] | None = None
+        self._source = source
+        self._cached: tuple[ClusterView | ClusterSnapshot, FleetDrain | None] | None = None
 
     def _drain(self, now_s: float) -> FleetDrain | None:
-        snapshot = self._snapshot()
+        source = self._source()
         cached = self._cached
-        if cached is not None and cached[0] is snapshot:
+        if cached is not None and cached[0] is source:
             return cached[1]
         try:
-            drain = FleetDrain.of(self._scheduler, self._scheduler.view(snapshot, now_s), now_s)
+            view = self._scheduler.view(source, now_s) if isinstance(source, ClusterSnapshot) else source
+            drain = FleetDrain.of(self._scheduler, view, now_s)
         except SchedulingError:  # no fleet to judge by: placement reports that itself
             drain = None
-        self._cached = (snapshot, drain)
+        self._cached = (source, drain)
         return drain
 
     def check(self, request: ScheduleInput, now_s: float) -> None:
@@ -70,7 +75,9 @@ class ArrivalCheck:
                 "raise the target"
             )
         if targets.e2e_ms > 0:
-            rest = max(request.output_tokens_estimate - 1, 0)
+            # Before anything is learned of the class, the expected length is the request's cap: a
+            # long max_tokens on a short answer is common, so only the prefill is certain then.
+            rest = 0 if request.output_tokens_prior else max(request.output_tokens_estimate - 1, 0)
             best = idle_ttft + rest * min_tpot
             if best > targets.e2e_ms:
                 raise UnmeetableError(
