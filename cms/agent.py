@@ -44,6 +44,10 @@ from cms.transport import ClientTls, message_size_options, open_channel
 logger = logging.getLogger(__name__)
 
 
+#: google.rpc.Code value -> grpc.StatusCode (ReportStatusOutcome.code).
+_STATUS_CODES: dict[int, grpc.StatusCode] = {code.value[0]: code for code in grpc.StatusCode}
+
+
 class _Retry(Exception):
     """One attempt failed in a way that backing off and trying again may fix."""
 
@@ -56,7 +60,8 @@ class AgentWriter:
 
     Counters (for tests and metrics): ``registrations`` (successful
     RegisterInstance calls), ``registrations_failed``, ``reports_sent``
-    (successful ReportStatus calls, heartbeats included), ``reports_failed``.
+    (successful reports, heartbeats included), ``reports_failed``; ``batched`` (whether
+    the CMS offers ``ReportStatuses``; it falls back to ``ReportStatus`` on ``UNIMPLEMENTED``).
     """
 
     def __init__(
@@ -97,6 +102,8 @@ class AgentWriter:
         self.registrations_failed = 0
         self.reports_sent = 0
         self.reports_failed = 0
+        #: Whether the CMS offers ReportStatuses (None until the first report tells).
+        self.batched: bool | None = None
         #: Lease the CMS granted at the last registration, in seconds (None before).
         self.lease_ttl_s: float | None = None
 
@@ -269,33 +276,64 @@ class AgentWriter:
         self.lease_ttl_s = response.lease_ttl_ms / 1000.0 or None
         self._last_ok = self._loop.time()
 
-    async def _report(self, status: cms_pb2.InstanceStatus) -> bool:
-        """Send one status. ``False`` means "re-register, then send again"."""
-        assert self._stub is not None and self._loop is not None
-        status.epoch = self.epoch  # statuses are ours (copied in publish); stamp the current epoch
+    async def _call_report(self, status: cms_pb2.InstanceStatus) -> tuple[grpc.StatusCode, str]:
+        """Send one status; the call's code and details (``OK`` when stored or taken as a heartbeat).
+
+        Uses ``ReportStatuses`` while the CMS offers it and ``ReportStatus`` once it answered
+        ``UNIMPLEMENTED`` (a CMS older than the batched call), for the rest of this writer's life.
+        """
+        assert self._stub is not None
         try:
+            if self.batched is not False:
+                try:
+                    response = await self._stub.ReportStatuses(
+                        cms_pb2.ReportStatusesRequest(statuses=[status]),
+                        timeout=self._rpc_timeout_s,
+                        metadata=self._call_metadata,
+                    )
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+                        raise
+                    logger.info(
+                        "agent %s: the CMS has no ReportStatuses; using ReportStatus", self.instance_id
+                    )
+                    self.batched = False
+                else:
+                    self.batched = True
+                    if len(response.outcomes) != 1:
+                        return grpc.StatusCode.INTERNAL, f"{len(response.outcomes)} outcomes for one status"
+                    outcome = response.outcomes[0]
+                    return _STATUS_CODES.get(outcome.code, grpc.StatusCode.UNKNOWN), outcome.message
             await self._stub.ReportStatus(
                 cms_pb2.ReportStatusRequest(status=status),
                 timeout=self._rpc_timeout_s,
                 metadata=self._call_metadata,
             )
         except grpc.aio.AioRpcError as exc:
-            code = exc.code()
+            return exc.code(), exc.details() or ""
+        return grpc.StatusCode.OK, ""
+
+    async def _report(self, status: cms_pb2.InstanceStatus) -> bool:
+        """Send one status. ``False`` means "re-register, then send again"."""
+        assert self._loop is not None
+        status.epoch = self.epoch  # statuses are ours (copied in publish); stamp the current epoch
+        code, details = await self._call_report(status)
+        if code != grpc.StatusCode.OK:
             self.reports_failed += 1
             if code == grpc.StatusCode.NOT_FOUND:
                 self.registered = False
                 return False
             if code == grpc.StatusCode.INVALID_ARGUMENT:
                 # Sending it again cannot help: drop it and keep going.
-                logger.error("agent %s: the CMS rejected a status: %s", self.instance_id, exc.details())
+                logger.error("agent %s: the CMS rejected a status: %s", self.instance_id, details)
                 if self._pending is status:
                     self._pending = None
                 if self._last is not None and self._last.update_id == status.update_id:
                     self._last = None
                 return True
             if code == grpc.StatusCode.UNAUTHENTICATED and not self._failing:
-                logger.error("agent %s: %s", self.instance_id, exc.details())
-            raise _Retry(f"ReportStatus: {code.name}: {exc.details()}") from exc
+                logger.error("agent %s: %s", self.instance_id, details)
+            raise _Retry(f"ReportStatus: {code.name}: {details}")
         self.reports_sent += 1
         self._last_ok = self._loop.time()
         if self._pending is status:

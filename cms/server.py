@@ -40,7 +40,7 @@ from cms.errors import (
 from cms.serving import add_health_and_reflection, bind_server
 from cms.store import DEFAULT_LEASE_TTL_S, CmsStore
 from cms.transport import ServerTls
-from cms.validation import check_clock_skew, check_lease_ttl, validate_instance_id
+from cms.validation import check_clock_skew, check_lease_ttl, validate_instance_id, validate_status
 from cms.view import LatestSlot, PumpUpdate, ViewPump, chunk_view, epoch_ms, snapshot_to_view
 from fleet.snapshot import ClusterSnapshot
 
@@ -206,6 +206,55 @@ class ClusterMetadataService(cms_pb2_grpc.ClusterMetadataServicer):
         except CmsError as exc:
             await self._abort(context, exc)
         return cms_pb2.ReportStatusResponse(accepted=accepted)
+
+    async def ReportStatuses(
+        self,
+        request: cms_pb2.ReportStatusesRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> cms_pb2.ReportStatusesResponse:
+        """Many ReportStatus calls in one: the per-call cost (HTTP/2 frames, the servicer's task,
+        the token check) is paid once per batch rather than once per status.
+
+        All or nothing up to the store: the size bound, the token's scope over every instance id,
+        each status's fields and its clock skew are checked before any status is stored, so a batch
+        with one foreign id or one malformed status stores none of it. The store's own outcome
+        (NOT_FOUND after a lapsed lease, an older epoch, a heartbeat) is per status, as separate
+        ReportStatus calls would have had it.
+        """
+        outcomes: list[cms_pb2.ReportStatusOutcome] = []
+        try:
+            statuses = request.statuses
+            if len(statuses) > limits.MAX_REPORT_BATCH:
+                raise InvalidArgumentError(
+                    f"statuses: {len(statuses)} statuses in one ReportStatuses call; the limit is "
+                    f"{limits.MAX_REPORT_BATCH}"
+                )
+            grant_owner = self._authorize(context)
+            for status in statuses:
+                self._authorize(context, status.instance_id)
+            now_ms = int(self._wall_clock() * 1000)
+            for i, status in enumerate(statuses):
+                try:
+                    validate_status(status)
+                    self.skew.observe(check_clock_skew(status, now_ms))
+                except ClockSkewError as exc:
+                    self.skew.refused += 1
+                    self.skew.observe(status.timestamp_ms - now_ms)
+                    raise ClockSkewError(f"statuses[{i}]: {exc}") from None
+                except InvalidArgumentError as exc:
+                    raise InvalidArgumentError(f"statuses[{i}]: {exc}") from None
+            for status in statuses:
+                try:
+                    accepted = await self._store.report(status, self._lease_ttl_s, grant_owner)
+                    outcomes.append(cms_pb2.ReportStatusOutcome(accepted=accepted))
+                except CmsError as exc:
+                    if grpc_code(exc) == grpc.StatusCode.UNAVAILABLE:
+                        raise  # the store is down: the whole call may be retried
+                    code = grpc_code(exc).value[0]
+                    outcomes.append(cms_pb2.ReportStatusOutcome(code=code, message=str(exc)))
+        except CmsError as exc:
+            await self._abort(context, exc)
+        return cms_pb2.ReportStatusesResponse(outcomes=outcomes)
 
     async def DeregisterInstance(
         self,

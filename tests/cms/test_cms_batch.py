@@ -1,0 +1,189 @@
+"""ReportStatuses: many statuses per call, the same auth, bounds and store semantics as ReportStatus.
+
+Real CMS gRPC servers on 127.0.0.1 port 0; the fallback case serves the service without the
+batched method, as a CMS from before it does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+from slorouter.v1 import cms_pb2, cms_pb2_grpc
+
+from cms import limits
+from cms.agent import AgentWriter
+from cms.auth import TokenTable
+from cms.memory import MemoryStore
+from cms.server import SERVICE_NAME, CmsServer, start_cms_server
+from tests.cms.helpers import eventually, make_metadata, make_status
+
+ADMIN = "admin-token-0123456789abcdef0123"
+NODE = "node-a-token-0123456789abcdef012"
+TOKENS = TokenTable.of([("node-a", NODE, "write:a0,a1"), ("admin", ADMIN)])
+
+
+def _bearer(token: str) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {token}"),)
+
+
+@pytest.fixture
+async def cms() -> AsyncIterator[tuple[MemoryStore, CmsServer]]:
+    store = MemoryStore()
+    server = await start_cms_server(store, tokens=TOKENS, lease_ttl_s=5.0)
+    yield store, server
+    await server.stop(0)
+
+
+async def _view(stub: cms_pb2_grpc.ClusterMetadataAsyncStub) -> dict[str, cms_pb2.InstanceState]:
+    view = await stub.GetClusterView(cms_pb2.GetClusterViewRequest(), metadata=_bearer(ADMIN), timeout=5)
+    return {state.metadata.instance_id: state for state in view.instances}
+
+
+async def _register(stub: cms_pb2_grpc.ClusterMetadataAsyncStub, token: str, *ids: str) -> None:
+    for iid in ids:
+        await stub.RegisterInstance(
+            cms_pb2.RegisterInstanceRequest(metadata=make_metadata(iid)), metadata=_bearer(token), timeout=5
+        )
+
+
+async def test_batch_is_stored_and_visible_in_the_view(cms: tuple[MemoryStore, CmsServer]) -> None:
+    _, server = cms
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        stub = cms_pb2_grpc.ClusterMetadataStub(channel)
+        await _register(stub, NODE, "a0", "a1")
+        response = await stub.ReportStatuses(
+            cms_pb2.ReportStatusesRequest(
+                statuses=[
+                    make_status("a0", 7, num_running_requests=3),
+                    make_status("a1", 9, num_waiting_requests=2),
+                ]
+            ),
+            metadata=_bearer(NODE),
+            timeout=5,
+        )
+        assert [(o.accepted, o.code) for o in response.outcomes] == [(True, 0), (True, 0)]
+        view = await _view(stub)
+        assert view["a0"].has_status and view["a0"].status.update_id == 7
+        assert view["a0"].status.num_running_requests == 3
+        assert view["a1"].status.update_id == 9 and view["a1"].status.num_waiting_requests == 2
+        # Same store semantics as ReportStatus: an id that is not newer is a heartbeat, and an
+        # unregistered instance gets NOT_FOUND for its own status only.
+        await _register(stub, ADMIN, "z9")
+        await stub.DeregisterInstance(
+            cms_pb2.DeregisterInstanceRequest(instance_id="z9"), metadata=_bearer(ADMIN), timeout=5
+        )
+        response = await stub.ReportStatuses(
+            cms_pb2.ReportStatusesRequest(statuses=[make_status("a0", 7), make_status("z9", 1)]),
+            metadata=_bearer(ADMIN),
+            timeout=5,
+        )
+        # a0 belongs to node-a: the admin token may write any id, but the store refuses another owner.
+        codes = [grpc.StatusCode.PERMISSION_DENIED.value[0], grpc.StatusCode.NOT_FOUND.value[0]]
+        assert [o.code for o in response.outcomes] == codes
+        assert "register it again" in response.outcomes[1].message
+        response = await stub.ReportStatuses(
+            cms_pb2.ReportStatusesRequest(statuses=[make_status("a0", 7)]), metadata=_bearer(NODE), timeout=5
+        )
+        assert [(o.accepted, o.code) for o in response.outcomes] == [(False, 0)]
+
+
+async def test_one_foreign_id_refuses_the_whole_batch(cms: tuple[MemoryStore, CmsServer]) -> None:
+    _, server = cms
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        stub = cms_pb2_grpc.ClusterMetadataStub(channel)
+        await _register(stub, NODE, "a0")
+        await _register(stub, ADMIN, "b0")
+        batch = cms_pb2.ReportStatusesRequest(statuses=[make_status("a0", 5), make_status("b0", 5)])
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.ReportStatuses(batch, metadata=_bearer(NODE), timeout=5)
+        assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "'b0'" in (refused.value.details() or "")
+        view = await _view(stub)
+        assert not view["a0"].has_status and not view["b0"].has_status  # nothing of it was stored
+
+
+async def test_malformed_status_refuses_the_whole_batch_naming_it(cms: tuple[MemoryStore, CmsServer]) -> None:
+    _, server = cms
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        stub = cms_pb2_grpc.ClusterMetadataStub(channel)
+        await _register(stub, NODE, "a0", "a1")
+        bad = make_status("a1", 5, admitted_request_ids=["r"] * (limits.MAX_ADMITTED_REQUEST_IDS + 1))
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.ReportStatuses(
+                cms_pb2.ReportStatusesRequest(statuses=[make_status("a0", 5), bad]),
+                metadata=_bearer(NODE),
+                timeout=5,
+            )
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert (refused.value.details() or "").startswith("statuses[1]: ")
+        assert "admitted_request_ids" in (refused.value.details() or "")
+        assert not (await _view(stub))["a0"].has_status
+
+
+async def test_oversize_batch_is_refused_naming_the_field(cms: tuple[MemoryStore, CmsServer]) -> None:
+    _, server = cms
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        stub = cms_pb2_grpc.ClusterMetadataStub(channel)
+        await _register(stub, NODE, "a0")
+        statuses = [make_status("a0", k) for k in range(1, limits.MAX_REPORT_BATCH + 2)]
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.ReportStatuses(
+                cms_pb2.ReportStatusesRequest(statuses=statuses), metadata=_bearer(NODE), timeout=5
+            )
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        details = refused.value.details() or ""
+        assert details.startswith("statuses: ") and str(limits.MAX_REPORT_BATCH) in details
+        assert not (await _view(stub))["a0"].has_status
+        full = await stub.ReportStatuses(
+            cms_pb2.ReportStatusesRequest(statuses=statuses[: limits.MAX_REPORT_BATCH]),
+            metadata=_bearer(NODE),
+            timeout=5,
+        )
+        assert len(full.outcomes) == limits.MAX_REPORT_BATCH  # the bound itself is accepted
+
+
+def _without_batch(service: cms_pb2_grpc.ClusterMetadataServicer) -> grpc.GenericRpcHandler:
+    """The unary methods of the service as a CMS from before ReportStatuses served them."""
+    pairs = {
+        "RegisterInstance": (cms_pb2.RegisterInstanceRequest, cms_pb2.RegisterInstanceResponse),
+        "ReportStatus": (cms_pb2.ReportStatusRequest, cms_pb2.ReportStatusResponse),
+        "DeregisterInstance": (cms_pb2.DeregisterInstanceRequest, cms_pb2.DeregisterInstanceResponse),
+        "GetClusterView": (cms_pb2.GetClusterViewRequest, cms_pb2.ClusterView),
+    }
+    handlers = {
+        name: grpc.unary_unary_rpc_method_handler(
+            getattr(service, name),
+            request_deserializer=request.FromString,
+            response_serializer=response.SerializeToString,
+        )
+        for name, (request, response) in pairs.items()
+    }
+    return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
+
+
+async def test_agent_uses_the_batch_and_falls_back_to_unary_on_an_old_cms() -> None:
+    store = MemoryStore()
+    new = await start_cms_server(store, lease_ttl_s=5.0)
+    old = grpc.aio.server()
+    old.add_generic_rpc_handlers((_without_batch(new.service),))
+    port = old.add_insecure_port("127.0.0.1:0")
+    await old.start()
+    try:
+        for target, batched in ((new.address, True), (f"127.0.0.1:{port}", False)):
+            iid = "new0" if batched else "old0"
+            agent = AgentWriter(target, make_metadata(iid), heartbeat_interval_s=0.1, rpc_timeout_s=2.0)
+            async with agent:
+                agent.publish(make_status(iid, 3, num_running_requests=4))
+
+                async def stored(iid: str = iid) -> bool:
+                    record = (await store.read_view()).by_id().get(iid)
+                    return record is not None and record.status is not None and record.status.update_id == 3
+
+                await eventually(stored, timeout_s=10)
+                assert agent.batched is batched
+                assert agent.reports_sent >= 1 and agent.reports_failed == 0
+    finally:
+        await old.stop(0)
+        await new.stop(0)
