@@ -6,7 +6,8 @@ batched method, as a CMS from before it does.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import grpc
 import pytest
@@ -17,6 +18,7 @@ from cms.agent import AgentWriter
 from cms.auth import TokenTable
 from cms.memory import MemoryStore
 from cms.server import SERVICE_NAME, CmsServer, start_cms_server
+from cms.store import CmsStore
 from tests.cms.helpers import eventually, make_metadata, make_status
 
 ADMIN = "admin-token-0123456789abcdef0123"
@@ -144,9 +146,9 @@ async def test_oversize_batch_is_refused_naming_the_field(cms: tuple[MemoryStore
         assert len(full.outcomes) == limits.MAX_REPORT_BATCH  # the bound itself is accepted
 
 
-def _without_batch(service: cms_pb2_grpc.ClusterMetadataServicer) -> grpc.GenericRpcHandler:
+def _without_batch(service: cms_pb2_grpc.ClusterMetadataServicer) -> Any:
     """The unary methods of the service as a CMS from before ReportStatuses served them."""
-    pairs = {
+    pairs: dict[str, tuple[Any, Any]] = {
         "RegisterInstance": (cms_pb2.RegisterInstanceRequest, cms_pb2.RegisterInstanceResponse),
         "ReportStatus": (cms_pb2.ReportStatusRequest, cms_pb2.ReportStatusResponse),
         "DeregisterInstance": (cms_pb2.DeregisterInstanceRequest, cms_pb2.DeregisterInstanceResponse),
@@ -163,6 +165,14 @@ def _without_batch(service: cms_pb2_grpc.ClusterMetadataServicer) -> grpc.Generi
     return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
 
 
+def _stored(store: MemoryStore, iid: str, update_id: int) -> Callable[[], Awaitable[bool]]:
+    async def check() -> bool:
+        record = (await store.read_view()).by_id().get(iid)
+        return record is not None and record.status is not None and record.status.update_id == update_id
+
+    return check
+
+
 async def test_agent_uses_the_batch_and_falls_back_to_unary_on_an_old_cms() -> None:
     store = MemoryStore()
     new = await start_cms_server(store, lease_ttl_s=5.0)
@@ -177,13 +187,33 @@ async def test_agent_uses_the_batch_and_falls_back_to_unary_on_an_old_cms() -> N
             async with agent:
                 agent.publish(make_status(iid, 3, num_running_requests=4))
 
-                async def stored(iid: str = iid) -> bool:
-                    record = (await store.read_view()).by_id().get(iid)
-                    return record is not None and record.status is not None and record.status.update_id == 3
-
-                await eventually(stored, timeout_s=10)
+                found: bool = await eventually(_stored(store, iid, 3), timeout_s=10)
+                assert found
                 assert agent.batched is batched
                 assert agent.reports_sent >= 1 and agent.reports_failed == 0
     finally:
         await old.stop(0)
         await new.stop(0)
+
+
+async def test_batch_on_each_store(store: CmsStore) -> None:
+    """Memory and Redis alike: a batch larger than the store-write concurrency lands whole."""
+    server = await start_cms_server(store, lease_ttl_s=5.0)
+    try:
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            stub = cms_pb2_grpc.ClusterMetadataStub(channel)
+            ids = [f"s{k}" for k in range(100)]
+            for iid in ids:
+                await stub.RegisterInstance(
+                    cms_pb2.RegisterInstanceRequest(metadata=make_metadata(iid)), timeout=5
+                )
+            statuses = [make_status(iid, 11 + k) for k, iid in enumerate(ids)]
+            response = await stub.ReportStatuses(cms_pb2.ReportStatusesRequest(statuses=statuses), timeout=10)
+            assert (
+                all(o.accepted and o.code == 0 for o in response.outcomes) and len(response.outcomes) == 100
+            )
+            view = await stub.GetClusterView(cms_pb2.GetClusterViewRequest(), timeout=5)
+            got = {s.metadata.instance_id: s.status.update_id for s in view.instances}
+            assert got == {iid: 11 + k for k, iid in enumerate(ids)}
+    finally:
+        await server.stop(0)
