@@ -6,6 +6,7 @@ batched method, as a CMS from before it does.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -14,7 +15,7 @@ import pytest
 from slorouter.v1 import cms_pb2, cms_pb2_grpc
 
 from cms import limits
-from cms.agent import AgentWriter
+from cms.agent import AgentWriter, StatusBatcher
 from cms.auth import TokenTable
 from cms.memory import MemoryStore
 from cms.server import SERVICE_NAME, CmsServer, start_cms_server
@@ -217,3 +218,48 @@ async def test_batch_on_each_store(store: CmsStore) -> None:
             assert got == {iid: 11 + k for k, iid in enumerate(ids)}
     finally:
         await server.stop(0)
+
+
+async def test_writers_sharing_a_batcher_send_together_and_fall_back() -> None:
+    store = MemoryStore()
+    new = await start_cms_server(store, lease_ttl_s=5.0)
+    old = grpc.aio.server()
+    old.add_generic_rpc_handlers((_without_batch(new.service),))
+    port = old.add_insecure_port("127.0.0.1:0")
+    await old.start()
+    try:
+        async with grpc.aio.insecure_channel(new.address) as channel:
+            await _register(cms_pb2_grpc.ClusterMetadataStub(channel), ADMIN, *[f"n{k}" for k in range(3)])
+        for target, batched in ((new.address, True), (f"127.0.0.1:{port}", False)):
+            batcher = StatusBatcher(target, rpc_timeout_s=2.0)
+            try:
+                # Three reports made together leave in one call (the batcher has no timer: the
+                # call goes once the loop runs it, by when all three are queued).
+                results = await asyncio.gather(
+                    *(batcher.report(make_status(f"n{k}", 20 + k)) for k in range(3))
+                )
+                assert results == [(grpc.StatusCode.OK, "")] * 3
+                assert batcher.batched is batched
+                assert (batcher.calls, batcher.statuses) == ((1, 3) if batched else (0, 0))
+                missing = await batcher.report(make_status("never-registered", 1))
+                assert missing[0] == grpc.StatusCode.NOT_FOUND
+            finally:
+                await batcher.close()
+        # Writers on one batcher: each registers itself, their statuses share the connection.
+        batcher = StatusBatcher(new.address, rpc_timeout_s=2.0)
+        writers = [AgentWriter(new.address, make_metadata(f"w{k}"), batcher=batcher) for k in range(4)]
+        try:
+            for k, writer in enumerate(writers):
+                await writer.start()
+                writer.publish(make_status(f"w{k}", 5))
+            for k in range(4):
+                found: bool = await eventually(_stored(store, f"w{k}", 5), timeout_s=10)
+                assert found
+            assert batcher.statuses >= 4 and all(w.batched for w in writers)
+        finally:
+            for writer in writers:
+                await writer.stop()
+            await batcher.close()
+    finally:
+        await old.stop(0)
+        await new.stop(0)
