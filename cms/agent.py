@@ -52,13 +52,18 @@ class _Retry(Exception):
     """One attempt failed in a way that backing off and trying again may fix."""
 
 
+#: Bytes of statuses one ReportStatuses call of a StatusBatcher carries at most: half the CMS's
+#: message limit, so a batch always fits whatever else the message holds.
+BATCH_BYTES = limits.CMS_MAX_RECEIVE_BYTES // 2
+
+
 class StatusBatcher:
     """One connection that carries the statuses of many :class:`AgentWriter` s (e.g. every
     instance on a node) to the CMS, many per ``ReportStatuses`` call.
 
     A writer's :meth:`report` joins the next call; a call leaves as soon as the previous one
     returned (no timer: under load the batches grow by themselves, idle a status goes alone),
-    with at most ``limits.MAX_REPORT_BATCH`` statuses. Each writer gets its own status's outcome,
+    with at most ``limits.MAX_REPORT_BATCH`` statuses and :data:`BATCH_BYTES` bytes. Each writer gets its own status's outcome,
     so re-registration after ``NOT_FOUND`` stays the writer's business. Against a CMS without
     ``ReportStatuses`` (``UNIMPLEMENTED``) it sends one ``ReportStatus`` per status from then on.
     All writers sharing it use its token, so that token must allow writing all their ids.
@@ -114,8 +119,7 @@ class StatusBatcher:
     async def _flush(self) -> None:
         stub = self._open()
         while self._queue:
-            batch = self._queue[: limits.MAX_REPORT_BATCH]
-            del self._queue[: len(batch)]
+            batch = self._take()
             try:
                 results = await self._send(stub, [status for status, _ in batch])
             except BaseException as exc:  # closed, or a bug: no writer may wait for ever
@@ -132,6 +136,18 @@ class StatusBatcher:
             for (_, future), result in zip(batch, results, strict=True):
                 if not future.done():
                     future.set_result(result)
+
+    def _take(self) -> list[tuple[cms_pb2.InstanceStatus, asyncio.Future[tuple[grpc.StatusCode, str]]]]:
+        """The next batch: at most MAX_REPORT_BATCH statuses and BATCH_BYTES bytes (at least one)."""
+        count = size = 0
+        for status, _ in self._queue:
+            size += status.ByteSize() + 8  # the repeated field's tag and length
+            if count and (count >= limits.MAX_REPORT_BATCH or size > BATCH_BYTES):
+                break
+            count += 1
+        batch = self._queue[:count]
+        del self._queue[:count]
+        return batch
 
     async def _send(
         self, stub: cms_pb2_grpc.ClusterMetadataAsyncStub, statuses: list[cms_pb2.InstanceStatus]

@@ -263,3 +263,22 @@ async def test_writers_sharing_a_batcher_send_together_and_fall_back() -> None:
     finally:
         await old.stop(0)
         await new.stop(0)
+
+
+async def test_batcher_splits_by_bytes_below_the_message_limit() -> None:
+    store = MemoryStore()
+    server = await start_cms_server(store, lease_ttl_s=5.0)
+    batcher = StatusBatcher(server.address, rpc_timeout_s=5.0)
+    try:
+        ids = [f"big{k}" for k in range(24)]
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            await _register(cms_pb2_grpc.ClusterMetadataStub(channel), ADMIN, *ids)
+        long_ids = ["r" * limits.MAX_ID_BYTES] * limits.MAX_ADMITTED_REQUEST_IDS  # ~66 KB a status
+        statuses = [make_status(iid, 2, admitted_request_ids=long_ids) for iid in ids]
+        assert sum(s.ByteSize() for s in statuses) > limits.CMS_MAX_RECEIVE_BYTES  # one call would not fit
+        results = await asyncio.gather(*(batcher.report(s) for s in statuses))
+        assert results == [(grpc.StatusCode.OK, "")] * len(ids)
+        assert batcher.calls >= 2 and batcher.statuses == len(ids)
+    finally:
+        await batcher.close()
+        await server.stop(0)
