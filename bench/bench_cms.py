@@ -1,4 +1,4 @@
-"""CMS speed: ReportStatus calls/s per store with concurrent agents, and status → watcher latency.
+"""CMS speed: ReportStatus calls/s, ReportStatuses and StatusBatcher statuses/s, status → watcher latency.
 
 For each store (memory, and a throwaway loopback redis-server) a real CMS
 process is started with ``slo-router cms``; the clients run in this process.
@@ -26,6 +26,7 @@ import grpc
 from slorouter.v1 import cms_pb2, cms_pb2_grpc
 
 from bench.figures import Figure
+from cms.agent import StatusBatcher
 from cms.memory import MemoryStore
 from cms.redis_store import RedisStore
 from cms.store import CmsStore
@@ -33,6 +34,10 @@ from cms.testing import RedisServer, find_redis_server
 
 ROOT = Path(__file__).resolve().parent.parent
 AGENTS = 32
+#: ReportStatuses row: this many agent connections, each carrying the statuses of BATCH instances.
+BATCH_AGENTS = 8
+BATCH = 128
+INGEST_GOAL = 20_000
 THROUGHPUT_S = 3.0
 LATENCY_SAMPLES = 120
 BACKGROUND_AGENTS = 16
@@ -126,6 +131,87 @@ async def _throughput(address: str) -> tuple[float, float]:
             await channel.close(None)
 
 
+async def _batched_throughput(address: str) -> tuple[float, float]:
+    """Statuses/s through ReportStatuses with BATCH_AGENTS connections of BATCH instances each; p50 RTT (ms).
+
+    Every call carries one fresh status (a new update_id) per instance, built per call, so the
+    client's cost of making statuses is in the figure too.
+    """
+    channels = [grpc.aio.insecure_channel(address) for _ in range(BATCH_AGENTS)]
+    stubs = [cms_pb2_grpc.ClusterMetadataStub(c) for c in channels]
+    rtts: list[float] = []
+    failed: list[str] = []
+    try:
+        for a, stub in enumerate(stubs):
+            for k in range(BATCH):
+                await stub.RegisterInstance(
+                    cms_pb2.RegisterInstanceRequest(metadata=_metadata(f"bt{a}-{k}")), timeout=5
+                )
+        stop_at = time.perf_counter() + THROUGHPUT_S
+
+        async def agent(a: int, stub: cms_pb2_grpc.ClusterMetadataAsyncStub) -> int:
+            sent = 0
+            update_id = 0
+            while time.perf_counter() < stop_at:
+                update_id += 1
+                request = cms_pb2.ReportStatusesRequest(
+                    statuses=[_status(f"bt{a}-{k}", update_id) for k in range(BATCH)]
+                )
+                start = time.perf_counter()
+                try:
+                    response = await stub.ReportStatuses(request, timeout=10)
+                except grpc.aio.AioRpcError as exc:  # e.g. a Redis timeout on a starved host
+                    failed.append(exc.code().name)
+                    continue
+                rtts.append(time.perf_counter() - start)
+                sent += sum(1 for outcome in response.outcomes if outcome.code == 0)
+            return sent
+
+        began = time.perf_counter()
+        counts = await asyncio.gather(*(agent(a, s) for a, s in enumerate(stubs)))
+        elapsed = time.perf_counter() - began
+        if failed:
+            print(f"  ({len(failed)} ReportStatuses calls failed, not counted: {sorted(set(failed))})")
+        return sum(counts) / elapsed, statistics.median(rtts) * 1000 if rtts else float("nan")
+    finally:
+        for channel in channels:
+            await channel.close(None)
+
+
+async def _batcher_throughput(address: str) -> tuple[float, float]:
+    """Statuses/s through the agent's StatusBatcher: BATCH_AGENTS batchers (connections), each
+    shared by BATCH instances that report again as soon as their last status was answered; and
+    the mean statuses per call (the batches form by themselves, there is no timer)."""
+    batchers = [StatusBatcher(address, rpc_timeout_s=10.0) for _ in range(BATCH_AGENTS)]
+    try:
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = cms_pb2_grpc.ClusterMetadataStub(channel)
+            for a in range(BATCH_AGENTS):
+                for k in range(BATCH):
+                    await stub.RegisterInstance(
+                        cms_pb2.RegisterInstanceRequest(metadata=_metadata(f"sb{a}-{k}")), timeout=5
+                    )
+        stop_at = time.perf_counter() + THROUGHPUT_S
+
+        async def instance(batcher: StatusBatcher, iid: str) -> int:
+            sent = 0
+            while time.perf_counter() < stop_at:
+                code, _ = await batcher.report(_status(iid, sent + 1))
+                sent += code == grpc.StatusCode.OK
+            return sent
+
+        began = time.perf_counter()
+        counts = await asyncio.gather(
+            *(instance(b, f"sb{a}-{k}") for a, b in enumerate(batchers) for k in range(BATCH))
+        )
+        elapsed = time.perf_counter() - began
+        calls = sum(b.calls for b in batchers)
+        return sum(counts) / elapsed, sum(b.statuses for b in batchers) / max(calls, 1)
+    finally:
+        for batcher in batchers:
+            await batcher.close()
+
+
 async def _latency(address: str, loaded: bool) -> tuple[float, float, float]:
     """Milliseconds from sending an accepted ReportStatus to a watcher holding the view with it.
 
@@ -211,15 +297,37 @@ async def _direct_store(store: CmsStore) -> float:
         await store.close()
 
 
-def _run_store(label: str, spec: str, direct: CmsStore) -> tuple[float, float, float, float]:
-    """Prints the store's figures; returns calls/s with AGENTS agents, the idle latency p50, p99 (ms)
-    and the store's own ingest (statuses/s in-process, no gRPC)."""
+def _run_store(label: str, spec: str, direct: CmsStore) -> tuple[float, float, float, float, float, float]:
+    """Prints the store's figures; returns calls/s with AGENTS agents, the idle latency p50, p99 (ms),
+    the store's own ingest (statuses/s in-process, no gRPC) statuses/s through ReportStatuses and
+    through the agent's StatusBatcher."""
     ingest = asyncio.run(_direct_store(direct))
     print(f"{label}: store.report in-process, 1 caller: {ingest:9.0f} calls/s", flush=True)
     with _cms_process(spec) as address:
         rate, rtt = asyncio.run(_throughput(address))
         print(
             f"{label}: ReportStatus over gRPC, {AGENTS} concurrent agents: {rate:9.0f} calls/s (rtt p50 {rtt:.2f} ms)"
+        )
+        try:
+            batched, batch_rtt = asyncio.run(_batched_throughput(address))
+        except grpc.aio.AioRpcError as exc:  # registering 1,024 instances failed, e.g. a starved Redis
+            print(f"{label}: ReportStatuses row not measured: {exc.code().name}: {exc.details()}", flush=True)
+            batched, batch_rtt = float("nan"), float("nan")
+        print(
+            f"{label}: ReportStatuses over gRPC, {BATCH_AGENTS} agents x {BATCH} statuses per call: "
+            f"{batched:9.0f} status/s (rtt p50 {batch_rtt:.2f} ms)"
+            + (f"; goal >= {INGEST_GOAL} status/s (memory store)" if label == "memory" else ""),
+            flush=True,
+        )
+        try:
+            through, per_call = asyncio.run(_batcher_throughput(address))
+        except grpc.aio.AioRpcError as exc:  # registering 1,024 instances failed, e.g. a starved Redis
+            print(f"{label}: StatusBatcher row not measured: {exc.code().name}: {exc.details()}", flush=True)
+            through, per_call = float("nan"), float("nan")
+        print(
+            f"{label}: StatusBatcher (agent side), {BATCH_AGENTS} connections x {BATCH} instances: "
+            f"{through:9.0f} status/s ({per_call:.0f} statuses per call)",
+            flush=True,
         )
         idle = (0.0, 0.0)
         for loaded in (False, True):
@@ -236,7 +344,7 @@ def _run_store(label: str, spec: str, direct: CmsStore) -> tuple[float, float, f
                 f"  (ReportStatus rtt p50 {rtt:.2f} ms)",
                 flush=True,
             )
-    return rate, idle[0], idle[1], ingest
+    return rate, idle[0], idle[1], ingest, batched, through
 
 
 def main() -> list[Figure]:
@@ -250,8 +358,8 @@ def main() -> list[Figure]:
                 f"{memory[0]:.0f} calls/s (Redis: not measured, no redis-server)",
             ),
             Figure(
-                "status ingest, one CMS, memory store: over gRPC / the store alone",
-                f"{memory[0]:.0f} / {memory[3]:.0f} status/s; goal ≥ 20,000 status/s",
+                "status ingest, one CMS, memory store: ReportStatuses / StatusBatcher / ReportStatus / the store alone",
+                f"{memory[4]:.0f} / {memory[5]:.0f} / {memory[0]:.0f} / {memory[3]:.0f} status/s; goal ≥ 20,000 status/s",
             ),
             Figure(
                 "status accepted → watcher updated, idle, memory",
@@ -266,8 +374,12 @@ def main() -> list[Figure]:
             f"{memory[0]:.0f} / {red[0]:.0f} calls/s",
         ),
         Figure(
-            "status ingest, one CMS, memory store: over gRPC / the store alone",
-            f"{memory[0]:.0f} / {memory[3]:.0f} status/s; goal ≥ 20,000 status/s",
+            "status ingest, one CMS, memory store: ReportStatuses / StatusBatcher / ReportStatus / the store alone",
+            f"{memory[4]:.0f} / {memory[5]:.0f} / {memory[0]:.0f} / {memory[3]:.0f} status/s; goal ≥ 20,000 status/s",
+        ),
+        Figure(
+            f"ReportStatuses, {BATCH_AGENTS} agents x {BATCH} statuses per call, Redis",
+            f"{red[4]:.0f} status/s",
         ),
         Figure(
             "status accepted → watcher updated, idle, memory / Redis",

@@ -250,7 +250,7 @@ def main() -> list[Figure]:
             f"{measured(by_policy[True])}; goal p99 ≤ {' / '.join(f'{1.5 * g:.0f}' for g in P99_GOALS_US)} µs",
         ),
         Figure(
-            f"view refresh at {SIZES[-1]} instances: an update touching {UPDATE_TOUCHES} instances (every status new)",
+            f"view refresh at {SIZES[-1]} instances: an update touching {UPDATE_TOUCHES} instances (in parentheses: every status new)",
             f"{refresh[SIZES[-1]][2]:.2f} ms ({refresh[SIZES[-1]][1]:.1f} ms); goal ≤ 1 ms",
         ),
         Figure(

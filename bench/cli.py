@@ -12,7 +12,7 @@ import sys
 import time
 from typing import Any
 
-from bench.loadgen import DEFAULT_TARGET, LoadConfig, LoadError, LoadResult, ProgressBar, run_load
+from bench.loadgen import DEFAULT_TARGET, ENGINES, LoadConfig, LoadError, LoadResult, ProgressBar, run_load
 from cms.transport import target_error
 from fleet.flags import error_line
 from router.core.config import name_flags
@@ -98,6 +98,19 @@ gamma with shape B (mean 1/R, coefficient of variation 1/sqrt(B): B<1 burstier,
 B>1 smoother); --concurrency C is a closed loop of C clients. The flags override
 the workload file's arrival section. Default: Poisson at 2 req/s.
 
+answer lengths (--engine): each request's answer has its planned length (the class's output
+distribution, or the trace's), and the router is not told it: it sees the cap (max_tokens),
+as in `slo-router simulate`, and learns lengths from the answers that finished.
+  sim   (default; the workers of `slo-router up`) max_tokens is the cap; a sim engine's output is
+        a pure function of the request, so bench adds a stop string that first occurs in it at
+        the planned length: the engine stops there and reports finish_reason "stop" (the router
+        passes stop strings through and never reads them). An answer longer than planned (or
+        shorter, in an ignore_eos class) is a BAD_STREAM error: against a real model, pass
+        --engine vllm.
+  vllm  a real model's output cannot be steered: an ignore_eos class sends its planned length
+        as max_tokens (the router then sees the length as the cap, which simulate never gives
+        it); other classes send the cap and the model stops at its own EOS.
+
 attainment: a request meets its SLO when it completed without error and TTFT <=
 ttft_ms, mean TPOT <= tpot_ms and e2e <= e2e_ms, for each target its class sets.
 Goodput counts requests (and their output tokens) per second that met their SLO.
@@ -120,6 +133,13 @@ def register(subparsers: Any) -> None:
         "--target", default=DEFAULT_TARGET, help="router address HOST:PORT (default: %(default)s)"
     )
     parser.add_argument("--tls-ca", default=None, help="CA bundle (PEM): reach the router over TLS")
+    parser.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default=LoadConfig.engine,
+        help="the fleet's engine, which decides how an answer is made to end at its planned length "
+        "(see 'answer lengths' below; default: %(default)s)",
+    )
     load = parser.add_mutually_exclusive_group()
     load.add_argument(
         "--rate",
@@ -290,6 +310,7 @@ def run(args: argparse.Namespace) -> int:
         plans = plan_requests(args, spec, trace)
         config = LoadConfig(
             target=args.target,
+            engine=args.engine,
             tls_ca_file=args.tls_ca,
             concurrency=0 if spec.arrival.open_loop else spec.arrival.concurrency,
             duration_s=args.duration,
@@ -307,7 +328,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
     title = (
-        f"slo-router bench: {spec.name}, {spec.arrival.describe()}, seed {args.seed}, target {args.target}"
+        f"slo-router bench: {spec.name}, {spec.arrival.describe()}, seed {args.seed}, target {args.target}, "
+        f"engine {args.engine}"
     )
     print(title, file=sys.stderr)
     bar = None if args.no_progress else ProgressBar(sys.stderr)
@@ -327,6 +349,7 @@ def run(args: argparse.Namespace) -> int:
     meta = {
         "title": title,
         "target": args.target,
+        "engine": args.engine,
         "seed": args.seed,
         "started_at": started_at,
         "workload": workload_to_dict(spec),

@@ -9,10 +9,22 @@ stream on the client side:
 - TPOT: mean gap per token after the first, ``(t_last_token - t_first_token) / (n - 1)``;
 - e2e: from sending to the end of the stream (or to the error).
 
+What a request carries depends on the fleet's engine (:attr:`LoadConfig.engine`). An answer's
+length is the plan's (``RequestPlan.true_output_tokens``), and the router must not be told it: a
+client sends a cap. Against ``sim`` engines, whose output is a pure function of the request
+(:mod:`engine.outputs`), every request sends the plan's cap as ``max_tokens`` and a stop string
+that first occurs in the sim engine's output exactly at the planned length
+(:func:`engine.outputs.stop_string_at`): the engine stops there as any engine stops on a stop
+string, finishing ``"stop"``, while the router, which passes sampling parameters through and never
+reads a stop string, sees what ``slo-router simulate`` gives it -- the cap. A real model's output
+cannot be steered that way, so against ``vllm`` an ``ignore_eos`` request sends its planned length
+as ``max_tokens`` (the router then sees the length as the cap) and the others the plan's cap.
+
 Every stream is checked against the response contract: the first message carries
 the route, the last one has ``finished`` set and nothing follows it, the token
-count equals ``max_tokens`` unless the finish reason is ``stop``, and ``usage``
-(when present) agrees with the tokens received. A stream that breaks it is
+count equals ``max_tokens`` unless the finish reason is ``stop``, ``usage``
+(when present) agrees with the tokens received, and against ``sim`` engines the answer
+has its planned length (shorter only at an EOS, without ``ignore_eos``). A stream that breaks it is
 recorded as an error with code ``BAD_STREAM``; a failed call with its gRPC status
 code name; a failure inside the client with ``CLIENT_ERROR`` (and a logged traceback).
 
@@ -40,6 +52,7 @@ from slorouter.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 from cms import limits
 from cms.transport import client_tls_from_arg, message_size_options, open_channel
+from engine.outputs import prompt_digest, request_key, stop_string_at
 from workload.report import BAD_STREAM, RequestResult
 from workload.spec import RequestPlan, doc
 
@@ -51,6 +64,9 @@ CANCELLED = "CANCELLED"
 
 #: Error code of a request that failed inside the client (a bug or a local resource problem).
 CLIENT_ERROR = "CLIENT_ERROR"
+
+#: The engines ``LoadConfig.engine`` knows: how a request is made to end at its planned length.
+ENGINES = ("sim", "vllm")
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +80,13 @@ class LoadConfig:
     """How to replay a plan. Times are seconds; bounds keep every run finite."""
 
     target: str = field(default=DEFAULT_TARGET, metadata=doc("router address, HOST:PORT"))
+    engine: str = field(
+        default="sim",
+        metadata=doc(
+            "the fleet's engine: 'sim' sends the cap and a stop string at the planned length; "
+            "'vllm' sends the planned length as max_tokens (ignore_eos classes)"
+        ),
+    )
     tls_ca_file: str | None = field(
         default=None, metadata=doc("CA bundle (PEM) to reach the router over TLS; None = plaintext")
     )
@@ -91,6 +114,8 @@ class LoadConfig:
     progress_interval_s: float = field(default=0.5, metadata=doc("how often on_progress is called"))
 
     def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         if self.concurrency < 0:
             raise ValueError(f"concurrency must be >= 0 (0 = open loop), got {self.concurrency}")
         for name in ("request_timeout_s", "connect_timeout_s", "progress_interval_s"):
@@ -154,6 +179,7 @@ class _Stream:
     __slots__ = (
         "decode_instance_id",
         "end",
+        "engine",
         "error_code",
         "error_message",
         "finish_reason",
@@ -166,14 +192,19 @@ class _Stream:
         "predicted_ttft_ms",
         "prefill_instance_id",
         "queue_wait_ms",
+        "sampling",
         "start",
         "tokens",
         "usage_tokens",
         "violation",
     )
 
-    def __init__(self, plan: RequestPlan, start: float) -> None:
+    def __init__(
+        self, plan: RequestPlan, sampling: common_pb2.SamplingParams, engine: str, start: float
+    ) -> None:
         self.plan = plan
+        self.sampling = sampling
+        self.engine = engine
         self.start = start
         self.end: float | None = None
         self.first_token: float | None = None
@@ -222,14 +253,20 @@ class _Stream:
 
     def check_end(self) -> None:
         """Contract checks that need the whole stream (called when it ended without an error status)."""
-        plan = self.plan
+        plan, max_tokens = self.plan, self.sampling.max_tokens
         if not self.finished:
             self._violate("the stream ended without a finished message")
-        elif self.finish_reason != "stop" and self.tokens != sent_max_tokens(plan):
+        elif self.finish_reason != "stop" and self.tokens != max_tokens:
             self._violate(
-                f"{self.tokens} tokens received, max_tokens is {sent_max_tokens(plan)} "
+                f"{self.tokens} tokens received, max_tokens is {max_tokens} "
                 f"(finish_reason {self.finish_reason!r})"
             )
+        elif self.engine == "sim" and (
+            self.tokens > plan.true_output_tokens
+            or (plan.ignore_eos and self.tokens != plan.true_output_tokens)
+        ):
+            # A sim engine ends the answer at its planned length (earlier only at an EOS).
+            self._violate(_not_a_sim_engine(self.tokens, plan.true_output_tokens))
         if self.usage_tokens is not None and self.usage_tokens != self.tokens:
             self._violate(f"usage.completion_tokens is {self.usage_tokens}, {self.tokens} tokens received")
         if self.violation:
@@ -265,24 +302,53 @@ class _Stream:
         )
 
 
-def sent_max_tokens(plan: RequestPlan) -> int:
-    """The ``sampling.max_tokens`` sent for ``plan``.
+def _not_a_sim_engine(received: int, planned: int) -> str:
+    return (
+        f"{received} tokens received, the answer's planned length is {planned}: the engine did not "
+        "stop at the sim engine's stop string (a real model's output differs; against a vLLM fleet "
+        "run bench with --engine vllm)"
+    )
 
-    With ``ignore_eos`` the engine must produce exactly the plan's answer length, and a real
-    engine can only be told that through ``max_tokens``: so that is what is sent (the router then
-    sees the length as the request's cap, a limit of live benchmarking the simulator does not
-    have). Without it the plan's cap is sent and the engine stops at its own EOS.
+
+def sent_sampling(
+    plan: RequestPlan, engine: str = "sim", prompt_token_ids: list[int] | None = None
+) -> common_pb2.SamplingParams:
+    """The ``sampling`` sent for ``plan`` to a fleet of ``engine`` engines.
+
+    The engine must end the answer at the plan's length (``true_output_tokens``; earlier only at
+    its own EOS when the plan does not ``ignore_eos``) while the router sees only what a client
+    sends. ``sim``: the plan's cap as ``max_tokens``, and when the answer is shorter than the cap,
+    a stop string that first occurs in the sim engine's output at the planned length (the output
+    is a pure function of the prompt and the seed, 0 here: :mod:`engine.outputs`). ``vllm``: a
+    real model's output cannot be steered, and the only way to tell it a length is ``max_tokens``
+    with ``ignore_eos``: so an ``ignore_eos`` plan sends its length as ``max_tokens`` (the router
+    then sees the length as the cap, a limit of live benchmarking on real engines the simulator
+    does not have), the others their cap (the model stops at its own EOS).
     """
-    return plan.true_output_tokens if plan.ignore_eos else plan.max_tokens
+    if engine == "vllm":
+        max_tokens = plan.true_output_tokens if plan.ignore_eos else plan.max_tokens
+        return common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=plan.ignore_eos)
+    if engine != "sim":
+        raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+    length = plan.true_output_tokens
+    if length >= plan.max_tokens:
+        return common_pb2.SamplingParams(max_tokens=plan.max_tokens, ignore_eos=plan.ignore_eos)
+    ids = plan.prompt_token_ids() if prompt_token_ids is None else prompt_token_ids
+    stop = stop_string_at(request_key(0, prompt_digest(ids)), length, max_chars=limits.MAX_STOP_BYTES)
+    if stop is None:
+        # No short enough stop string (never seen in practice): the length goes out as the cap.
+        return common_pb2.SamplingParams(max_tokens=length, ignore_eos=plan.ignore_eos)
+    return common_pb2.SamplingParams(max_tokens=plan.max_tokens, ignore_eos=plan.ignore_eos, stop=[stop])
 
 
 def build_request(plan: RequestPlan, config: LoadConfig) -> router_pb2.GenerateRequest:
     """The ``GenerateRequest`` of one planned request (SLO targets of ``None`` are sent as 0)."""
+    prompt = plan.prompt_token_ids()
     return router_pb2.GenerateRequest(
         request_id=f"{config.request_id_prefix}{plan.index}" if config.request_id_prefix else "",
         model=config.model,
-        prompt_token_ids=plan.prompt_token_ids(),
-        sampling=common_pb2.SamplingParams(max_tokens=sent_max_tokens(plan), ignore_eos=plan.ignore_eos),
+        prompt_token_ids=prompt,
+        sampling=sent_sampling(plan, config.engine, prompt),
         slo=common_pb2.SloTarget(
             ttft_ms=plan.slo.ttft_ms or 0.0, tpot_ms=plan.slo.tpot_ms or 0.0, e2e_ms=plan.slo.e2e_ms or 0.0
         ),
@@ -329,7 +395,7 @@ class _Run:
 
     async def one(self, plan: RequestPlan) -> None:
         request = build_request(plan, self.config)
-        stream = _Stream(plan, self.clock())
+        stream = _Stream(plan, request.sampling, self.config.engine, self.clock())
         self.streams.append(stream)
         call = self.stub.Generate(request, timeout=self.config.request_timeout_s)
         try:

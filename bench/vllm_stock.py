@@ -7,7 +7,10 @@ worker comparison (``C`` concurrent streams of 64-token prompts and 128 output t
 ``ignore_eos``) runs two ways, alternating, :data:`ROUNDS` rounds: "direct" calls the engine's
 ``VllmEngine.Generate``; "router" calls ``Router.Generate``. Tokens/s is the best round's, TTFT p50
 the median over every round. The ratio router/direct is what the router hop costs (on a small
-host the router shares the cores with the engine and the client). Figures only, no assertions.
+host the router shares the cores with the engine and the client). The router process's CPU
+seconds (user + system, from ``/proc``) over its rounds, per 1,000 tokens relayed, is printed
+beside them: on a shared host wall-clock ratios swing with the neighbours' load, CPU per token
+much less. Figures only, no assertions.
 """
 
 from __future__ import annotations

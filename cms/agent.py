@@ -44,8 +44,159 @@ from cms.transport import ClientTls, message_size_options, open_channel
 logger = logging.getLogger(__name__)
 
 
+#: google.rpc.Code value -> grpc.StatusCode (ReportStatusOutcome.code).
+_STATUS_CODES: dict[int, grpc.StatusCode] = {code.value[0]: code for code in grpc.StatusCode}
+
+
 class _Retry(Exception):
     """One attempt failed in a way that backing off and trying again may fix."""
+
+
+#: Bytes of statuses one ReportStatuses call of a StatusBatcher carries at most: half the CMS's
+#: message limit, so a batch always fits whatever else the message holds.
+BATCH_BYTES = limits.CMS_MAX_RECEIVE_BYTES // 2
+
+
+class StatusBatcher:
+    """One connection that carries the statuses of many :class:`AgentWriter` s (e.g. every
+    instance on a node) to the CMS, many per ``ReportStatuses`` call.
+
+    A writer's :meth:`report` joins the next call; a call leaves as soon as the previous one
+    returned (no timer: under load the batches grow by themselves, idle a status goes alone),
+    with at most ``limits.MAX_REPORT_BATCH`` statuses and :data:`BATCH_BYTES` bytes. Each writer gets its own status's outcome,
+    so re-registration after ``NOT_FOUND`` stays the writer's business. Against a CMS without
+    ``ReportStatuses`` (``UNIMPLEMENTED``) it sends one ``ReportStatus`` per status from then on.
+    All writers sharing it use its token, so that token must allow writing all their ids.
+    """
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        auth_token: str | None = None,
+        rpc_timeout_s: float = 1.0,
+        backoff_max_s: float = 5.0,
+        tls: ClientTls | None = None,
+    ) -> None:
+        if not rpc_timeout_s > 0:
+            raise ValueError(f"rpc_timeout_s must be > 0, got {rpc_timeout_s}")
+        self.target = strip_grpc_scheme(target)
+        self._call_metadata = bearer(auth_token)
+        self._rpc_timeout_s = rpc_timeout_s
+        self._backoff_max_s = backoff_max_s
+        self._tls = tls
+        #: Whether the CMS offers ReportStatuses (None until the first call tells).
+        self.batched: bool | None = None
+        #: ReportStatuses calls made, and the statuses they carried (for tests and metrics).
+        self.calls = 0
+        self.statuses = 0
+        self._queue: list[tuple[cms_pb2.InstanceStatus, asyncio.Future[tuple[grpc.StatusCode, str]]]] = []
+        self._flusher: asyncio.Task[None] | None = None
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: cms_pb2_grpc.ClusterMetadataAsyncStub | None = None
+
+    def _open(self) -> cms_pb2_grpc.ClusterMetadataAsyncStub:
+        if self._stub is None:
+            self._channel = open_channel(
+                self.target,
+                [
+                    *channel_options(self._backoff_max_s),
+                    *message_size_options(limits.CMS_MAX_RECEIVE_BYTES, limits.CMS_MAX_RECEIVE_BYTES),
+                ],
+                tls=self._tls,
+            )
+            self._stub = cms_pb2_grpc.ClusterMetadataStub(self._channel)
+        return self._stub
+
+    async def report(self, status: cms_pb2.InstanceStatus) -> tuple[grpc.StatusCode, str]:
+        """Send ``status`` with the next batch; its code and details (``OK`` when stored or a heartbeat)."""
+        future: asyncio.Future[tuple[grpc.StatusCode, str]] = asyncio.get_running_loop().create_future()
+        self._queue.append((status, future))
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.get_running_loop().create_task(self._flush(), name="cms-status-batcher")
+        return await asyncio.shield(future)
+
+    async def _flush(self) -> None:
+        stub = self._open()
+        while self._queue:
+            batch = self._take()
+            try:
+                results = await self._send(stub, [status for status, _ in batch])
+            except BaseException as exc:  # closed, or a bug: no writer may wait for ever
+                code = (
+                    grpc.StatusCode.CANCELLED
+                    if isinstance(exc, asyncio.CancelledError)
+                    else grpc.StatusCode.INTERNAL
+                )
+                for _, future in [*batch, *self._queue]:
+                    if not future.done():
+                        future.set_result((code, f"the status batcher stopped: {exc!r}"))
+                self._queue.clear()
+                raise
+            for (_, future), result in zip(batch, results, strict=True):
+                if not future.done():
+                    future.set_result(result)
+
+    def _take(self) -> list[tuple[cms_pb2.InstanceStatus, asyncio.Future[tuple[grpc.StatusCode, str]]]]:
+        """The next batch: at most MAX_REPORT_BATCH statuses and BATCH_BYTES bytes (at least one)."""
+        count = size = 0
+        for status, _ in self._queue:
+            size += status.ByteSize() + 8  # the repeated field's tag and length
+            if count and (count >= limits.MAX_REPORT_BATCH or size > BATCH_BYTES):
+                break
+            count += 1
+        batch = self._queue[:count]
+        del self._queue[:count]
+        return batch
+
+    async def _send(
+        self, stub: cms_pb2_grpc.ClusterMetadataAsyncStub, statuses: list[cms_pb2.InstanceStatus]
+    ) -> list[tuple[grpc.StatusCode, str]]:
+        if self.batched is not False:
+            try:
+                response = await stub.ReportStatuses(
+                    cms_pb2.ReportStatusesRequest(statuses=statuses),
+                    timeout=self._rpc_timeout_s,
+                    metadata=self._call_metadata,
+                )
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+                    return [(exc.code(), exc.details() or "")] * len(statuses)
+                logger.info("CMS at %s has no ReportStatuses; using ReportStatus", self.target)
+                self.batched = False
+            else:
+                self.batched = True
+                self.calls += 1
+                self.statuses += len(statuses)
+                if len(response.outcomes) != len(statuses):
+                    return [
+                        (grpc.StatusCode.INTERNAL, "the CMS answered a batch with the wrong count")
+                    ] * len(statuses)
+                return [
+                    (_STATUS_CODES.get(o.code, grpc.StatusCode.UNKNOWN), o.message) for o in response.outcomes
+                ]
+        results = []
+        for status in statuses:
+            try:
+                await stub.ReportStatus(
+                    cms_pb2.ReportStatusRequest(status=status),
+                    timeout=self._rpc_timeout_s,
+                    metadata=self._call_metadata,
+                )
+            except grpc.aio.AioRpcError as exc:
+                results.append((exc.code(), exc.details() or ""))
+            else:
+                results.append((grpc.StatusCode.OK, ""))
+        return results
+
+    async def close(self) -> None:
+        """Stop sending (waiting writers get ``CANCELLED``) and close the connection. Idempotent."""
+        flusher, self._flusher = self._flusher, None
+        if flusher is not None:
+            await cancel_and_wait(flusher)
+        channel, self._channel, self._stub = self._channel, None, None
+        if channel is not None:
+            await channel.close(None)
 
 
 class AgentWriter:
@@ -56,7 +207,12 @@ class AgentWriter:
 
     Counters (for tests and metrics): ``registrations`` (successful
     RegisterInstance calls), ``registrations_failed``, ``reports_sent``
-    (successful ReportStatus calls, heartbeats included), ``reports_failed``.
+    (successful reports, heartbeats included), ``reports_failed``; ``batched`` (whether
+    the CMS offers ``ReportStatuses``; it falls back to ``ReportStatus`` on ``UNIMPLEMENTED``).
+
+    With a shared ``batcher`` (:class:`StatusBatcher`, owned and closed by the caller) its
+    statuses travel with those of the other writers on the batcher's connection and token;
+    registration, heartbeat timing and deregistration stay this writer's.
     """
 
     def __init__(
@@ -70,6 +226,7 @@ class AgentWriter:
         backoff_max_s: float = 5.0,
         clock: Callable[[], float] = time.time,
         tls: ClientTls | None = None,
+        batcher: StatusBatcher | None = None,
     ) -> None:
         for name, value in (
             ("heartbeat_interval_s", heartbeat_interval_s),
@@ -85,6 +242,7 @@ class AgentWriter:
         self._metadata.CopyFrom(metadata)
         self._call_metadata = bearer(auth_token)
         self._tls = tls
+        self._batcher = batcher
         #: The registration epoch the CMS gave at the last registration (0 before).
         self.epoch = 0
         self._heartbeat_interval_s = heartbeat_interval_s
@@ -97,6 +255,8 @@ class AgentWriter:
         self.registrations_failed = 0
         self.reports_sent = 0
         self.reports_failed = 0
+        #: Whether the CMS offers ReportStatuses (None until the first report tells).
+        self.batched: bool | None = None
         #: Lease the CMS granted at the last registration, in seconds (None before).
         self.lease_ttl_s: float | None = None
 
@@ -269,33 +429,68 @@ class AgentWriter:
         self.lease_ttl_s = response.lease_ttl_ms / 1000.0 or None
         self._last_ok = self._loop.time()
 
-    async def _report(self, status: cms_pb2.InstanceStatus) -> bool:
-        """Send one status. ``False`` means "re-register, then send again"."""
-        assert self._stub is not None and self._loop is not None
-        status.epoch = self.epoch  # statuses are ours (copied in publish); stamp the current epoch
+    async def _call_report(self, status: cms_pb2.InstanceStatus) -> tuple[grpc.StatusCode, str]:
+        """Send one status; the call's code and details (``OK`` when stored or taken as a heartbeat).
+
+        Uses ``ReportStatuses`` while the CMS offers it and ``ReportStatus`` once it answered
+        ``UNIMPLEMENTED`` (a CMS older than the batched call), for the rest of this writer's life.
+        """
+        assert self._stub is not None
+        if self._batcher is not None:
+            code, details = await self._batcher.report(status)
+            self.batched = self._batcher.batched
+            return code, details
         try:
+            if self.batched is not False:
+                try:
+                    response = await self._stub.ReportStatuses(
+                        cms_pb2.ReportStatusesRequest(statuses=[status]),
+                        timeout=self._rpc_timeout_s,
+                        metadata=self._call_metadata,
+                    )
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+                        raise
+                    logger.info(
+                        "agent %s: the CMS has no ReportStatuses; using ReportStatus", self.instance_id
+                    )
+                    self.batched = False
+                else:
+                    self.batched = True
+                    if len(response.outcomes) != 1:
+                        return grpc.StatusCode.INTERNAL, f"{len(response.outcomes)} outcomes for one status"
+                    outcome = response.outcomes[0]
+                    return _STATUS_CODES.get(outcome.code, grpc.StatusCode.UNKNOWN), outcome.message
             await self._stub.ReportStatus(
                 cms_pb2.ReportStatusRequest(status=status),
                 timeout=self._rpc_timeout_s,
                 metadata=self._call_metadata,
             )
         except grpc.aio.AioRpcError as exc:
-            code = exc.code()
+            return exc.code(), exc.details() or ""
+        return grpc.StatusCode.OK, ""
+
+    async def _report(self, status: cms_pb2.InstanceStatus) -> bool:
+        """Send one status. ``False`` means "re-register, then send again"."""
+        assert self._loop is not None
+        status.epoch = self.epoch  # statuses are ours (copied in publish); stamp the current epoch
+        code, details = await self._call_report(status)
+        if code != grpc.StatusCode.OK:
             self.reports_failed += 1
             if code == grpc.StatusCode.NOT_FOUND:
                 self.registered = False
                 return False
             if code == grpc.StatusCode.INVALID_ARGUMENT:
                 # Sending it again cannot help: drop it and keep going.
-                logger.error("agent %s: the CMS rejected a status: %s", self.instance_id, exc.details())
+                logger.error("agent %s: the CMS rejected a status: %s", self.instance_id, details)
                 if self._pending is status:
                     self._pending = None
                 if self._last is not None and self._last.update_id == status.update_id:
                     self._last = None
                 return True
             if code == grpc.StatusCode.UNAUTHENTICATED and not self._failing:
-                logger.error("agent %s: %s", self.instance_id, exc.details())
-            raise _Retry(f"ReportStatus: {code.name}: {exc.details()}") from exc
+                logger.error("agent %s: %s", self.instance_id, details)
+            raise _Retry(f"ReportStatus: {code.name}: {details}")
         self.reports_sent += 1
         self._last_ok = self._loop.time()
         if self._pending is status:

@@ -62,6 +62,8 @@ STREAM_COMMANDS_BATCH_BYTES = 1 << 20
 MAX_ADMITTED_REQUEST_IDS = 256
 #: Step samples one status report may carry.
 MAX_STEP_SAMPLES = 256
+#: Statuses one ReportStatuses call may carry (the call must also fit CMS_MAX_RECEIVE_BYTES).
+MAX_REPORT_BATCH = 512
 #: Largest message a CMS accepts (a status or a registration is a few hundred KB at most).
 CMS_MAX_RECEIVE_BYTES = 1 << 20
 #: Largest message of the Router and Worker services (a prompt of MAX_TOKEN_IDS ids fits).

@@ -40,7 +40,7 @@ from cms.errors import (
 from cms.serving import add_health_and_reflection, bind_server
 from cms.store import DEFAULT_LEASE_TTL_S, CmsStore
 from cms.transport import ServerTls
-from cms.validation import check_clock_skew, check_lease_ttl, validate_instance_id
+from cms.validation import check_clock_skew, check_lease_ttl, validate_instance_id, validate_status
 from cms.view import LatestSlot, PumpUpdate, ViewPump, chunk_view, epoch_ms, snapshot_to_view
 from fleet.snapshot import ClusterSnapshot
 
@@ -50,6 +50,10 @@ SERVICE_NAME: str = cms_pb2.DESCRIPTOR.services_by_name["ClusterMetadata"].full_
 DEFAULT_LISTEN = "127.0.0.1:7100"
 #: Live instance ids one unrestricted ``write`` token may hold at once (``--max-instances-per-token``).
 DEFAULT_MAX_INSTANCES_PER_TOKEN = 64
+#: Store writes all ReportStatuses calls together keep in flight: enough to overlap Redis round
+#: trips, well below the Redis client's pool of 100 connections (which a 512-status batch would
+#: otherwise exhaust on its own).
+BATCH_STORE_CONCURRENCY = 32
 
 _CLOSED = object()
 _SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -111,6 +115,7 @@ class ClusterMetadataService(cms_pb2_grpc.ClusterMetadataServicer):
         self._chunk_bytes = view_chunk_bytes
         self._watchers: set[LatestSlot[object]] = set()
         self.skew = SkewStats()
+        self._batch_slots = asyncio.Semaphore(BATCH_STORE_CONCURRENCY)
 
     @property
     def watchers(self) -> int:
@@ -206,6 +211,68 @@ class ClusterMetadataService(cms_pb2_grpc.ClusterMetadataServicer):
         except CmsError as exc:
             await self._abort(context, exc)
         return cms_pb2.ReportStatusResponse(accepted=accepted)
+
+    async def ReportStatuses(
+        self,
+        request: cms_pb2.ReportStatusesRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> cms_pb2.ReportStatusesResponse:
+        """Many ReportStatus calls in one: the per-call cost (HTTP/2 frames, the servicer's task,
+        the token check) is paid once per batch rather than once per status.
+
+        All or nothing up to the store: the size bound, the token's scope over every instance id,
+        each status's fields and its clock skew are checked before any status is stored, so a batch
+        with one foreign id or one malformed status stores none of it. The store's own outcome
+        (NOT_FOUND after a lapsed lease, an older epoch, a heartbeat) is per status, as separate
+        ReportStatus calls would have had it.
+        """
+        try:
+            statuses = request.statuses
+            if len(statuses) > limits.MAX_REPORT_BATCH:
+                raise InvalidArgumentError(
+                    f"statuses: {len(statuses)} statuses in one ReportStatuses call; the limit is "
+                    f"{limits.MAX_REPORT_BATCH}"
+                )
+            owner = self._authorize(context)
+            for status in statuses:
+                self._authorize(context, status.instance_id)
+            now_ms = int(self._wall_clock() * 1000)
+            for i, status in enumerate(statuses):
+                try:
+                    validate_status(status)
+                    self.skew.observe(check_clock_skew(status, now_ms))
+                except ClockSkewError as exc:
+                    self.skew.refused += 1
+                    self.skew.observe(status.timestamp_ms - now_ms)
+                    raise ClockSkewError(f"statuses[{i}]: {exc}") from None
+                except InvalidArgumentError as exc:
+                    raise InvalidArgumentError(f"statuses[{i}]: {exc}") from None
+            # Concurrently (at most BATCH_STORE_CONCURRENCY in flight), as separate ReportStatus
+            # calls would run: a Redis store overlaps the round trips (one after another a batch
+            # of 128 waits for 128 of them); a memory store runs them one after another anyway. Two statuses of one instance in a batch resolve
+            # by update_id, as two concurrent calls would.
+            results = await asyncio.gather(*(self._report_one(status, owner) for status in statuses))
+            for result in results:
+                if isinstance(result, CmsError):
+                    raise result  # the store is down: the whole call may be retried
+            outcomes = [result for result in results if not isinstance(result, CmsError)]
+        except CmsError as exc:
+            await self._abort(context, exc)
+        return cms_pb2.ReportStatusesResponse(outcomes=outcomes)
+
+    async def _report_one(
+        self, status: cms_pb2.InstanceStatus, owner: str
+    ) -> cms_pb2.ReportStatusOutcome | CmsError:
+        """One status of a batch: its outcome, or the store's UNAVAILABLE error (which ends the call)."""
+        try:
+            async with self._batch_slots:
+                accepted = await self._store.report(status, self._lease_ttl_s, owner)
+        except CmsError as exc:
+            code = grpc_code(exc)
+            if code == grpc.StatusCode.UNAVAILABLE:
+                return exc
+            return cms_pb2.ReportStatusOutcome(code=code.value[0], message=str(exc))
+        return cms_pb2.ReportStatusOutcome(accepted=accepted)
 
     async def DeregisterInstance(
         self,

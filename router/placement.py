@@ -208,6 +208,7 @@ class Placer:
             e2e_slo_ms=req.e2e_slo_ms,
             expected_output_tokens=lengths.tokens,
             output_tokens_bound=lengths.bound_tokens,
+            output_tokens_prior=lengths.samples == 0,
             max_tokens=req.max_tokens,
             priority=req.priority,
             slo_class=req.slo_class,

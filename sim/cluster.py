@@ -110,7 +110,7 @@ from slorouter.v1 import cms_pb2
 
 from engine.interface import EngineOverloadedError, InvalidRequestError
 from engine.model import ProfileCostModel, ScheduledStep, SimConfig, SimCore, SimRequestSpec
-from engine.outputs import eos_position
+from engine.outputs import eos_position, prompt_digest, request_key
 from fleet.prefix import id_block_hashes
 from fleet.snapshot import ClusterSnapshot, InstanceRecord
 from predictor import LatencyPredictor
@@ -569,6 +569,8 @@ class _Simulation:
         self.reqs = [_Req() for _ in plans]
         for k, r in enumerate(self.reqs):
             r.idx = k
+        # Each request's output key (engine.outputs.request_key), made once when an EOS is drawn.
+        self.output_keys: dict[int, int] = {}
         self.now = 0.0
         self.decisions = self.rejected = self.num_steps = self.kv_transfers = self.events = 0
         # Prefix caching: each plan's chained block hashes (empty without engine caching or hash ids),
@@ -920,6 +922,7 @@ class _Simulation:
             e2e_slo_ms=plan.slo.e2e_ms or 0.0,
             expected_output_tokens=r.expected,
             output_tokens_bound=bound,
+            output_tokens_prior=not learned,
             max_tokens=plan.max_tokens,
             priority=plan.priority,
             slo_class=plan.class_name,
@@ -969,8 +972,13 @@ class _Simulation:
         n = plan.true_output_tokens
         p = self.fleet.configs[i].eos_probability
         if p > 0.0 and not plan.ignore_eos:
-            # The sim worker's draw (geometric, from the request's own seed), so both engines agree.
-            eos = eos_position(plan.prompt_seed & 0xFFFF_FFFF_FFFF_FFFF, p)
+            # The sim worker's draw, keyed as the worker keys it: by the prompt's tokens and the
+            # sampling seed, 0 as `slo-router bench` sends it. So a live run over sim workers ends
+            # each answer where this one does (tests/workload/test_parity.py).
+            key = self.output_keys.get(idx)
+            if key is None:
+                key = self.output_keys[idx] = request_key(0, prompt_digest(plan.prompt_token_ids()))
+            eos = eos_position(key, p)
             if eos is not None:
                 n = min(n, eos + 1)
         return max(n, 1)

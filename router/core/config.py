@@ -38,10 +38,14 @@ class SchedulerConfig:
         metadata=_doc(
             "registered policy: load-balance, slo, binpack, round-robin, random, least-requests or "
             "power-of-two. binpack (Aladdin, seed 001) packs requests onto the fullest instances whose "
-            "TTFT, TPOT at the packing horizon, prefill-vs-ATGT slack and KV over life constraints all "
-            "hold; a request none admits waits in the router queue (run it with --queue-policy fcfs or "
-            "edf; with none it is refused), so use it to keep instances free for scale-down (see slo-router "
-            "plan), not to raise attainment on a fixed fleet, where slo does as well",
+            "TTFT, TPOT at the packing horizon (for every request there: each keeps its own target, or the "
+            "pace its e2e deadline needs for a long answer), prefill-vs-ATGT slack and KV over life "
+            "constraints all hold; a request none admits waits in the router queue (run it with "
+            "--queue-policy fcfs or edf; with none it is refused). Use it where the KV is short (it keeps "
+            "its KV plan: a tenth of the preemptions or fewer) or to keep instances free for scale-down on "
+            "e2e-judged traffic (see slo-router plan); on a fixed fleet slo does as well, and for "
+            "TPOT-judged traffic it holds decoders at theta of the target, needing more instances than "
+            "least-requests",
             "--scheduling-policy",
         ),
     )

@@ -2,7 +2,8 @@
 
 Pure and synchronous, like :mod:`router.core.queue`: every method takes ``now_s``
 from the caller (the router's clock or the simulator's virtual clock) and the
-caller carries out what it returns: :mod:`router.qlm_admission` in the router,
+caller carries out what it returns, through the ``qlm`` dispatcher
+(:mod:`router.core.dispatchers`): :mod:`router.admission` in the router,
 :mod:`sim.cluster` in the simulator. Selected with ``--queue-policy qlm``.
 
 The pieces, and how they are adapted to this router:

@@ -112,7 +112,7 @@ class QueuePolicy(str, enum.Enum):
     EDF = "edf"
     PRIORITY = "priority"
     #: Request groups over per-instance virtual queues, with eviction (:mod:`router.core.qlm`, driven by
-    #: :mod:`router.qlm_admission` and :mod:`sim.cluster`); :class:`RouterQueue` is not used then.
+    #: the `qlm` dispatcher of :mod:`router.core.dispatchers`); :class:`RouterQueue` is not used then.
     QLM = "qlm"
     #: Simulated-annealing priority mapping per instance (seed 000; :mod:`router.core.sa`).
     SA = "sa"

@@ -96,6 +96,10 @@ class ScheduleInput:
     #: length); 0 = unknown. Packing paces a request judged only end to end by it, so that the
     #: answers longer than the mean still finish in time (:func:`router.core.packing.packing_tpot_target_ms`).
     output_tokens_bound: int = 0
+    #: True when ``expected_output_tokens`` is only the length predictor's prior (the request's
+    #: ``max_tokens`` or a default, nothing learned of its class yet): a guess to plan with, never
+    #: grounds to refuse the request as hopeless (:mod:`router.core.arrival`).
+    output_tokens_prior: bool = False
 
     def __init__(
         self,
@@ -114,6 +118,7 @@ class ScheduleInput:
         arrival_s: float | None = None,
         prefix_hashes: tuple[int, ...] = (),
         output_tokens_bound: int = 0,
+        output_tokens_prior: bool = False,
     ) -> None:
         # Written out (the dataclass keeps it): one dict instead of 13 frozen attribute sets, for an
         # object built once per decision. The fields and defaults are the dataclass's (tested).
@@ -136,6 +141,7 @@ class ScheduleInput:
                 "arrival_s": arrival_s,
                 "prefix_hashes": prefix_hashes,
                 "output_tokens_bound": output_tokens_bound,
+                "output_tokens_prior": output_tokens_prior,
             },
         )
         self.__post_init__()

@@ -123,6 +123,8 @@ def test_help_documents_the_workload_spec(capsys: pytest.CaptureFixture[str]) ->
         "lognormal(384,1,16,4096)",
         "burstiness",
         "goodput",
+        "answer lengths (--engine)",
+        "a real model's output cannot be steered",
     ):
         assert fragment in text
 

@@ -141,7 +141,12 @@ async def test_closed_loop_with_a_step_clock_gives_exact_latencies(router: tuple
     assert report.overall.ttft.p99_ms == pytest.approx(1.0)
 
 
-async def test_stream_contract_violations_and_midstream_errors(router: tuple[FakeRouter, str]) -> None:
+@pytest.mark.parametrize("engine", ["vllm", "sim"])
+async def test_stream_contract_violations_and_midstream_errors(
+    router: tuple[FakeRouter, str], engine: str
+) -> None:
+    """The fake router is no sim engine: an ``ignore_eos`` answer it stops early is fine from a real
+    model (``vllm``) and a broken promise from a sim fleet (``sim``: the answer has its planned length)."""
     _, address = router
     spec = WorkloadSpec(
         name="t",
@@ -153,11 +158,15 @@ async def test_stream_contract_violations_and_midstream_errors(router: tuple[Fak
         ),
     ).with_arrival(process=ArrivalProcess.CLOSED, concurrency=4)
     plans = generate_requests(spec, rng=2, num_requests=40)
-    outcome = await run_load(plans, LoadConfig(target=address, concurrency=4))
+    outcome = await run_load(plans, LoadConfig(target=address, concurrency=4, engine=engine))
     assert len(outcome.results) == 40
     for r in outcome.results:
         if r.class_name == "short":
             assert r.error_code == BAD_STREAM and "4 tokens received, max_tokens is 5" in r.error_message
+        elif r.class_name == "stop" and engine == "sim":
+            assert r.error_code == BAD_STREAM and r.finish_reason == "stop" and r.completion_tokens == 2
+            assert "2 tokens received, the answer's planned length is 5" in r.error_message
+            assert "--engine vllm" in r.error_message
         elif r.class_name == "stop":
             assert r.error_code is None and r.finish_reason == "stop" and r.completion_tokens == 2
         elif r.class_name == "noroute":
@@ -169,11 +178,12 @@ async def test_stream_contract_violations_and_midstream_errors(router: tuple[Fak
     counts = {
         name: sum(r.class_name == name for r in outcome.results) for name in ("short", "noroute", "midstream")
     }
+    stopped = sum(r.class_name == "stop" for r in outcome.results) if engine == "sim" else 0
     assert report.overall.errors_by_code == {
-        BAD_STREAM: counts["short"] + counts["noroute"],
+        BAD_STREAM: counts["short"] + counts["noroute"] + stopped,
         "UNAVAILABLE": counts["midstream"],
     }
-    assert report.by_class()["stop"].slo_attainment == 1.0
+    assert report.by_class()["stop"].slo_attainment == (0.0 if engine == "sim" else 1.0)
 
 
 async def test_deadline_and_duration_cap_bound_the_run(router: tuple[FakeRouter, str]) -> None:

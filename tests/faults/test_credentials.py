@@ -39,6 +39,7 @@ def test_up_read_token_reads_and_is_refused_every_write(shared_up: UpCluster) ->
         assert set(real) == {"prefill-0", "decode-0"}
         fake = cms_pb2.RegisterInstanceRequest(metadata=make_metadata("fake-prefill", endpoint="127.0.0.1:1"))
         status = cms_pb2.ReportStatusRequest(status=real["prefill-0"].status)
+        batch = cms_pb2.ReportStatusesRequest(statuses=[real["prefill-0"].status])
         writes = {
             "register a new id": lambda: stub.RegisterInstance(fake, metadata=read, timeout=5),
             "re-register a real id": lambda: stub.RegisterInstance(
@@ -47,6 +48,7 @@ def test_up_read_token_reads_and_is_refused_every_write(shared_up: UpCluster) ->
                 timeout=5,
             ),
             "report for a real id": lambda: stub.ReportStatus(status, metadata=read, timeout=5),
+            "batch-report for a real id": lambda: stub.ReportStatuses(batch, metadata=read, timeout=5),
             "deregister a real id": lambda: stub.DeregisterInstance(
                 cms_pb2.DeregisterInstanceRequest(instance_id="decode-0"), metadata=read, timeout=5
             ),
@@ -64,6 +66,12 @@ def test_up_read_token_reads_and_is_refused_every_write(shared_up: UpCluster) ->
                     cms_pb2.DeregisterInstanceRequest(instance_id="decode-0"), metadata=worker, timeout=5
                 )
             )
+            == grpc.StatusCode.PERMISSION_DENIED
+        )
+        # ... nor a batch that carries another instance's status beside its own.
+        both = cms_pb2.ReportStatusesRequest(statuses=[real["prefill-0"].status, real["decode-0"].status])
+        assert (
+            _code(lambda: stub.ReportStatuses(both, metadata=worker, timeout=5))
             == grpc.StatusCode.PERMISSION_DENIED
         )
         view = stub.GetClusterView(cms_pb2.GetClusterViewRequest(), metadata=read, timeout=5)

@@ -76,6 +76,8 @@ def _cms_methods() -> list[Method]:
          cms_pb2.RegisterInstanceRequest(metadata=make_metadata("p0", labels={"a": "b"})).SerializeToString()),
         ("/slorouter.v1.ClusterMetadata/ReportStatus", False,
          cms_pb2.ReportStatusRequest(status=make_status("d0", 7, admitted_request_ids=["r1"])).SerializeToString()),
+        ("/slorouter.v1.ClusterMetadata/ReportStatuses", False,
+         cms_pb2.ReportStatusesRequest(statuses=[make_status("d0", 7), make_status("p0", 3)]).SerializeToString()),
         ("/slorouter.v1.ClusterMetadata/DeregisterInstance", False,
          cms_pb2.DeregisterInstanceRequest(instance_id="p0").SerializeToString()),
         ("/slorouter.v1.ClusterMetadata/GetClusterView", False, cms_pb2.GetClusterViewRequest(model="sim").SerializeToString()),

@@ -207,3 +207,36 @@ def test_simulate_reports_the_fleet_hit_rate_and_cache_aware_slo_reuses_more() -
     # Engines without prefix caching: no hit rate at all.
     plain = simulate(fleet, SchedulerConfig(scheduling_policy="slo"), plans, engine_prefix_cache=False)
     assert plain.cache_hit_rate is None
+
+
+def test_exact_routing_sends_a_burst_with_one_prefix_after_the_first_before_any_event() -> None:
+    """Six prompts with one 4,096-token prefix arrive 1 ms apart on an idle fleet: no
+    engine has scheduled the first when the others are placed, so only the dispatched-but-not-yet-
+    reported blocks (the exact index's pending ones) can tell the router where the prefix is going.
+    They follow it to one instance, which computes the prefix once (without the pending blocks
+    they spread over all four instances and the hit rate is 0.33)."""
+    from router.core.config import SchedulerConfig
+    from sim.cluster import SimFleet, simulate
+    from sim.fleet import fleet_from_counts
+    from workload.spec import RequestPlan, SloTarget
+
+    shared = tuple(range(8))  # 8 blocks of 512 tokens
+    plans = [
+        RequestPlan(
+            index=i,
+            arrival_s=0.001 * i,
+            class_name="burst",
+            prompt_tokens=4096 + 100,
+            max_tokens=256,
+            slo=SloTarget(ttft_ms=5000.0, tpot_ms=200.0),
+            prompt_seed=i,
+            hash_ids=(*shared, 100 + i),
+        )
+        for i in range(6)
+    ]
+    fleet = SimFleet(fleet_from_counts(neutral=4, engine=SimConfig(kv_capacity_tokens=65536)))
+    config = SchedulerConfig(scheduling_policy="slo", prefix_cache_routing="exact", calibration="off")
+    outcome = simulate(fleet, config, plans)
+    assert all(r.error_code is None for r in outcome.results)
+    assert len({r.prefill_instance_id for r in outcome.results}) == 1
+    assert outcome.cache_hit_rate is not None and outcome.cache_hit_rate > 0.7

@@ -14,7 +14,14 @@ from engine.interface import (
     InvalidRequestError,
     KvHandleError,
 )
-from engine.outputs import eos_position, output_token, prompt_digest, request_key
+from engine.outputs import (
+    eos_position,
+    output_text,
+    output_token,
+    prompt_digest,
+    request_key,
+    stop_string_at,
+)
 from engine.tokenizer import EOS_TOKEN_ID, SimpleTokenizer
 from workers.kv_transfer import SimKvHandle
 from workers.sim_engine import SimEngine
@@ -241,3 +248,31 @@ async def test_prefix_cache_reuses_a_shared_prompt_prefix_and_reports_it() -> No
         assert prefills[-1] == 136 - 96
     finally:
         await e.stop()
+
+
+@pytest.mark.parametrize("length", [1, 2, 9, 40, 133])
+async def test_the_planned_stop_string_ends_every_path_at_the_planned_length(
+    engine: SimEngine, length: int
+) -> None:
+    """``slo-router bench`` sends a sim fleet the cap and :func:`stop_string_at`: a Generate, a
+    Prefill + Decode and a Decode resumed from any prefix (failover) all end at ``length``."""
+    p, cap = prompt(30, length), 200
+    key = request_key(0, prompt_digest(p))
+    stop = stop_string_at(key, length, max_chars=256)
+    assert stop is not None
+    planned = sampling(cap, stop=(stop,), ignore_eos=True)
+    tokens, text, reason, _ = await drain(engine.generate("g", p, planned))
+    assert len(tokens) == length and reason == "stop"
+    assert tokens == [output_token(key, i) for i in range(length)]
+    assert text == output_text(key, length)[: length - len(stop)]
+    first = await engine.prefill("p", p, planned)
+    if length == 1:
+        assert first.finished and first.finish_reason == "stop"
+    else:
+        assert not first.finished
+        rest = (await drain(engine.decode("p", p, planned, first.kv_handle, (first.first_token_id,))))[0]
+        assert [first.first_token_id, *rest] == tokens
+    # Resumed with the tokens so far, also when the stop string straddles the resume point.
+    for done in sorted({1, length // 2, length - 2, length - 1} & set(range(1, length))):
+        resumed = await drain(engine.decode(f"r{done}", p, planned, b"", tuple(tokens[:done])))
+        assert tokens[:done] + resumed[0] == tokens and resumed[2] == "stop"

@@ -455,3 +455,78 @@ class GetClusterViewRequest(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetClusterViewRequest: _TypeAlias = GetClusterViewRequest  # noqa: Y015
+
+@_typing.final
+class ReportStatusesRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STATUSES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def statuses(self) -> _containers.RepeatedCompositeFieldContainer[Global___InstanceStatus]: ...
+    def __init__(
+        self,
+        *,
+        statuses: _abc.Iterable[Global___InstanceStatus] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["statuses", b"statuses"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReportStatusesRequest: _TypeAlias = ReportStatusesRequest  # noqa: Y015
+
+@_typing.final
+class ReportStatusOutcome(_message.Message):
+    """What happened to one status of a ReportStatusesRequest."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ACCEPTED_FIELD_NUMBER: _builtins.int
+    CODE_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    accepted: _builtins.bool
+    """As ReportStatusResponse.accepted: true when the status replaced the stored one."""
+    code: _builtins.int
+    """A google.rpc.Code value: 0 (OK) when stored or taken as a heartbeat;
+    otherwise the code ReportStatus would have failed with (5 = NOT_FOUND:
+    re-register, then send again).
+    """
+    message: _builtins.str
+    """Why, when code is not 0."""
+    def __init__(
+        self,
+        *,
+        accepted: _builtins.bool = ...,
+        code: _builtins.int = ...,
+        message: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted", b"accepted", "code", b"code", "message", b"message"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReportStatusOutcome: _TypeAlias = ReportStatusOutcome  # noqa: Y015
+
+@_typing.final
+class ReportStatusesResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OUTCOMES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def outcomes(self) -> _containers.RepeatedCompositeFieldContainer[Global___ReportStatusOutcome]:
+        """One per status, in the order of the request."""
+
+    def __init__(
+        self,
+        *,
+        outcomes: _abc.Iterable[Global___ReportStatusOutcome] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["outcomes", b"outcomes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReportStatusesResponse: _TypeAlias = ReportStatusesResponse  # noqa: Y015

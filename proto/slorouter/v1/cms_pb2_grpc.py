@@ -63,6 +63,11 @@ class ClusterMetadataStub:
                 request_serializer=slorouter_dot_v1_dot_cms__pb2.GetClusterViewRequest.SerializeToString,
                 response_deserializer=slorouter_dot_v1_dot_cms__pb2.ClusterView.FromString,
                 _registered_method=True)
+        self.ReportStatuses = channel.unary_unary(
+                '/slorouter.v1.ClusterMetadata/ReportStatuses',
+                request_serializer=slorouter_dot_v1_dot_cms__pb2.ReportStatusesRequest.SerializeToString,
+                response_deserializer=slorouter_dot_v1_dot_cms__pb2.ReportStatusesResponse.FromString,
+                _registered_method=True)
 
 
 class ClusterMetadataServicer:
@@ -107,6 +112,18 @@ class ClusterMetadataServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportStatuses(self, request, context):
+        """Many status reports in one call (at most 512), for one connection that
+        carries the statuses of many instances. Each status is handled exactly as
+        ReportStatus would handle it. The caller's token must allow writing every
+        instance id in the batch and every status must be well formed, else the
+        whole call is refused and nothing is stored; after that each status gets
+        its own outcome (e.g. NOT_FOUND for one whose lease lapsed).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ClusterMetadataServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -134,6 +151,11 @@ def add_ClusterMetadataServicer_to_server(servicer, server):
                     servicer.WatchClusterView,
                     request_deserializer=slorouter_dot_v1_dot_cms__pb2.GetClusterViewRequest.FromString,
                     response_serializer=slorouter_dot_v1_dot_cms__pb2.ClusterView.SerializeToString,
+            ),
+            'ReportStatuses': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportStatuses,
+                    request_deserializer=slorouter_dot_v1_dot_cms__pb2.ReportStatusesRequest.FromString,
+                    response_serializer=slorouter_dot_v1_dot_cms__pb2.ReportStatusesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -275,6 +297,33 @@ class ClusterMetadata:
             '/slorouter.v1.ClusterMetadata/WatchClusterView',
             slorouter_dot_v1_dot_cms__pb2.GetClusterViewRequest.SerializeToString,
             slorouter_dot_v1_dot_cms__pb2.ClusterView.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportStatuses(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/slorouter.v1.ClusterMetadata/ReportStatuses',
+            slorouter_dot_v1_dot_cms__pb2.ReportStatusesRequest.SerializeToString,
+            slorouter_dot_v1_dot_cms__pb2.ReportStatusesResponse.FromString,
             options,
             channel_credentials,
             insecure,

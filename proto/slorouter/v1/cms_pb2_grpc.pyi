@@ -48,6 +48,14 @@ class ClusterMetadataStub:
     GetClusterView: _grpc.UnaryUnaryMultiCallable[_cms_pb2.GetClusterViewRequest, _cms_pb2.ClusterView]
     WatchClusterView: _grpc.UnaryStreamMultiCallable[_cms_pb2.GetClusterViewRequest, _cms_pb2.ClusterView]
     """A full view on every change (coalesced) and at least once per second."""
+    ReportStatuses: _grpc.UnaryUnaryMultiCallable[_cms_pb2.ReportStatusesRequest, _cms_pb2.ReportStatusesResponse]
+    """Many status reports in one call (at most 512), for one connection that
+    carries the statuses of many instances. Each status is handled exactly as
+    ReportStatus would handle it. The caller's token must allow writing every
+    instance id in the batch and every status must be well formed, else the
+    whole call is refused and nothing is stored; after that each status gets
+    its own outcome (e.g. NOT_FOUND for one whose lease lapsed).
+    """
 
 @_typing.type_check_only
 class ClusterMetadataAsyncStub(ClusterMetadataStub):
@@ -69,6 +77,14 @@ class ClusterMetadataAsyncStub(ClusterMetadataStub):
     GetClusterView: _aio.UnaryUnaryMultiCallable[_cms_pb2.GetClusterViewRequest, _cms_pb2.ClusterView]  # type: ignore[assignment]
     WatchClusterView: _aio.UnaryStreamMultiCallable[_cms_pb2.GetClusterViewRequest, _cms_pb2.ClusterView]  # type: ignore[assignment]
     """A full view on every change (coalesced) and at least once per second."""
+    ReportStatuses: _aio.UnaryUnaryMultiCallable[_cms_pb2.ReportStatusesRequest, _cms_pb2.ReportStatusesResponse]  # type: ignore[assignment]
+    """Many status reports in one call (at most 512), for one connection that
+    carries the statuses of many instances. Each status is handled exactly as
+    ReportStatus would handle it. The caller's token must allow writing every
+    instance id in the batch and every status must be well formed, else the
+    whole call is refused and nothing is stored; after that each status gets
+    its own outcome (e.g. NOT_FOUND for one whose lease lapsed).
+    """
 
 class ClusterMetadataServicer(metaclass=_abc_1.ABCMeta):
     """Cluster metadata service: agents beside the workers write, routers read.
@@ -117,5 +133,19 @@ class ClusterMetadataServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_cms_pb2.ClusterView], _abc.AsyncIterator[_cms_pb2.ClusterView]]:
         """A full view on every change (coalesced) and at least once per second."""
+
+    @_abc_1.abstractmethod
+    def ReportStatuses(
+        self,
+        request: _cms_pb2.ReportStatusesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_cms_pb2.ReportStatusesResponse, _abc.Awaitable[_cms_pb2.ReportStatusesResponse]]:
+        """Many status reports in one call (at most 512), for one connection that
+        carries the statuses of many instances. Each status is handled exactly as
+        ReportStatus would handle it. The caller's token must allow writing every
+        instance id in the batch and every status must be well formed, else the
+        whole call is refused and nothing is stored; after that each status gets
+        its own outcome (e.g. NOT_FOUND for one whose lease lapsed).
+        """
 
 def add_ClusterMetadataServicer_to_server(servicer: ClusterMetadataServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
