@@ -46,6 +46,8 @@ from router.telemetry import RequestObserver
 from sim.cluster import SimFleet, simulate
 from sim.fleet import fleet_from_counts
 from tests.router.core.helpers import inst, make_predictor, make_snapshot
+from tests.router.test_admission import gauge
+from tests.router.test_admission import request as admission_request
 from tests.sim.test_simulate import policy
 from workload.spec import RequestPlan, SloTarget
 
@@ -85,26 +87,8 @@ def router_driver(name: str, source: Source, **queue: Any) -> tuple[Admission, R
 
 
 def request(rid: str, *, ttft_ms: float = 60_000.0, priority: int = 0) -> PlacementRequest:
-    return PlacementRequest(
-        request_id=rid,
-        prompt_token_ids=(1,) * 256,
-        model="",
-        ttft_slo_ms=ttft_ms,
-        tpot_slo_ms=50.0,
-        priority=priority,
-        max_tokens=8,
-        slo_class="chat",
-        arrival_s=100.0,
-    )
-
-
-def waiting_gauge(observer: RequestObserver) -> float:
-    return sum(
-        s.value
-        for m in observer.queue_length.collect()
-        for s in m.samples
-        if s.name == "slo_router_queue_requests"
-    )
+    """The admission tests' request, with a TTFT target loose enough that only the order decides."""
+    return admission_request(rid, ttft_ms=ttft_ms, priority=priority)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -132,7 +116,7 @@ async def test_router_driver_answers_every_request_once_and_leaves_nothing_behin
     for task in tasks.values():
         exc = task.exception()
         assert exc is None or status_name(exc) in REFUSAL_CODES  # type: ignore[arg-type]
-    assert len(admission.dispatcher) == 0 and waiting_gauge(observer) == 0
+    assert len(admission.dispatcher) == 0 and gauge(observer) == 0
     assert len(placer.scheduler.inflight) == 0
 
 
@@ -149,12 +133,12 @@ async def test_router_driver_cancel_while_waiting_leaves_no_trace(name: str) -> 
         if not task.done():
             break
     rid, waiting = list(held.items())[-1]
-    assert not waiting.done() and waiting_gauge(observer) >= 1
-    before = waiting_gauge(observer)
+    assert not waiting.done() and gauge(observer) >= 1
+    before = gauge(observer)
     waiting.cancel()
     with pytest.raises(asyncio.CancelledError):
         await waiting
-    assert waiting_gauge(observer) == before - 1
+    assert gauge(observer) == before - 1
     # Whatever the others became, ending them leaves nothing waiting and nothing recorded.
     for other, task in held.items():
         if task.done() and not task.cancelled() and task.exception() is None:
@@ -162,7 +146,7 @@ async def test_router_driver_cancel_while_waiting_leaves_no_trace(name: str) -> 
         elif not task.done():
             task.cancel()
     await asyncio.gather(*held.values(), return_exceptions=True)
-    assert waiting_gauge(observer) == 0 and len(admission.dispatcher) == 0
+    assert gauge(observer) == 0 and len(admission.dispatcher) == 0
     assert len(admission.placer.scheduler.inflight) == 0 and rid not in admission.placer.scheduler.inflight
 
 
@@ -184,7 +168,7 @@ async def test_none_refuses_at_once_with_placements_error() -> None:
     admission, observer = router_driver("none", Source(BUSY))
     with pytest.raises(NoInstanceError) as info:
         await admission.place(request("a", ttft_ms=300.0))
-    assert status_name(info.value) == "RESOURCE_EXHAUSTED" and waiting_gauge(observer) == 0
+    assert status_name(info.value) == "RESOURCE_EXHAUSTED" and gauge(observer) == 0
 
 
 # ---------------------------------------------------------------------- the simulator's driver
