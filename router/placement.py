@@ -23,7 +23,7 @@ from slorouter.v1 import cms_pb2, router_pb2
 from fleet.prefix import token_block_hashes
 from fleet.snapshot import ClusterSnapshot
 from router.core.calibration import Calibrator
-from router.core.capacity import InstanceRates, LoadShape, LoadTracker, instance_rates
+from router.core.capacity import InstanceRates, LoadShape, LoadTracker, fleet_instance_rates
 from router.core.columns import ClusterView, FloatArray
 from router.core.decision import Choice, Decision
 from router.core.errors import EmptyClusterError, InvalidRequestError, NoInstanceError, SchedulingError
@@ -395,18 +395,14 @@ class Placer:
         predictors = self.scheduler.predictors
         assert predictors is not None
         instances = self._source.snapshot().instances
-        capacities = sorted(r.metadata.kv_capacity_tokens for r in instances if r.metadata.kv_capacity_tokens)
-        chunks = sorted(
-            r.metadata.max_num_batched_tokens for r in instances if r.metadata.max_num_batched_tokens
-        )
-        return instance_rates(
+        return fleet_instance_rates(
             predictors.default,
             mean_prompt_tokens=load.mean_prompt_tokens,
             mean_output_tokens=load.mean_output_tokens,
             tpot_target_ms=tpot_target_ms,
-            kv_capacity_tokens=float(capacities[len(capacities) // 2]) if capacities else 65536.0,
+            kv_capacities=[r.metadata.kv_capacity_tokens for r in instances],
+            chunk_budgets=[r.metadata.max_num_batched_tokens for r in instances],
             kv_headroom=self.scheduler.config.kv_packing_headroom,
-            chunk_tokens=chunks[len(chunks) // 2] if chunks else 2048,
         )
 
     def desired_instances(self) -> dict[str, int]:

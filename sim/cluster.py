@@ -115,7 +115,7 @@ from fleet.prefix import id_block_hashes
 from fleet.snapshot import ClusterSnapshot, InstanceRecord
 from predictor import LatencyPredictor
 from router.core.calibration import Calibrator
-from router.core.capacity import InstanceRates, LoadShape, LoadTracker, instance_rates
+from router.core.capacity import InstanceRates, LoadShape, LoadTracker, fleet_instance_rates
 from router.core.columns import (
     INFLIGHT_ROWS,
     ClusterView,
@@ -952,18 +952,16 @@ class _Simulation:
     def _instance_rates(self, load: LoadShape, tpot_target_ms: float) -> InstanceRates:
         """One instance's service rates for ``load``, as the router's ``Placer`` computes them."""
         configs = self.fleet.configs
-        kv = sorted(c.kv_capacity_tokens for c in configs)
-        chunks = sorted(c.max_num_batched_tokens for c in configs)
         predictors = self.scheduler.predictors
         assert predictors is not None
-        return instance_rates(
+        return fleet_instance_rates(
             predictors.default,
             mean_prompt_tokens=load.mean_prompt_tokens,
             mean_output_tokens=load.mean_output_tokens,
             tpot_target_ms=tpot_target_ms,
-            kv_capacity_tokens=float(kv[len(kv) // 2]) if kv else 65536.0,
+            kv_capacities=[c.kv_capacity_tokens for c in configs],
+            chunk_budgets=[c.max_num_batched_tokens for c in configs],
             kv_headroom=self.scheduler.config.kv_packing_headroom,
-            chunk_tokens=chunks[len(chunks) // 2] if chunks else 2048,
         )
 
     def _true_length(self, idx: int, i: int) -> int:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from predictor import LatencyPredictor
@@ -139,6 +140,32 @@ class InstanceRates:
     decode_tokens_per_s: float
     decode_batch: int
     decode_step_ms: float
+
+
+def fleet_instance_rates(
+    predictor: LatencyPredictor,
+    *,
+    mean_prompt_tokens: float,
+    mean_output_tokens: float,
+    tpot_target_ms: float,
+    kv_capacities: Sequence[int],
+    chunk_budgets: Sequence[int],
+    kv_headroom: float,
+) -> InstanceRates:
+    """:func:`instance_rates` of a fleet's typical instance: the median KV capacity and step budget
+    of those that report one (the defaults where none does). The router's autoscaling signal and
+    the simulator's both size instances this way."""
+    kv = sorted(c for c in kv_capacities if c)
+    chunks = sorted(c for c in chunk_budgets if c)
+    return instance_rates(
+        predictor,
+        mean_prompt_tokens=mean_prompt_tokens,
+        mean_output_tokens=mean_output_tokens,
+        tpot_target_ms=tpot_target_ms,
+        kv_capacity_tokens=float(kv[len(kv) // 2]) if kv else 65536.0,
+        kv_headroom=kv_headroom,
+        chunk_tokens=chunks[len(chunks) // 2] if chunks else 2048,
+    )
 
 
 def instance_rates(
