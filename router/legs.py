@@ -87,7 +87,46 @@ async def ready_batches(call: Any) -> AsyncGenerator[list[Any], None]:
                 await reader
 
 
-async def paced_batches(call: Any, interval_s: float) -> AsyncGenerator[list[Any], None]:
+#: The longest a paced relay holds a stream's tokens however many streams share the budget
+#: (:class:`RelayPacer`): about the time between two frames of a screen, so a reader sees a stream
+#: as steady while the router's writes stay bounded.
+MAX_RELAY_HOLD_S = 0.05
+
+
+class RelayPacer:
+    """How long a paced relay (:func:`paced_batches`) holds a stream's tokens, for all its streams.
+
+    ``min_interval_s`` (``--vllm-stream-interval-ms``) is the hold of one stream; with
+    ``messages_per_s`` (``--vllm-stream-messages-per-s``) > 0 it is stretched so that the streams
+    running together write about that many messages per second: ``active / messages_per_s``, at
+    most :data:`MAX_RELAY_HOLD_S`. The router's cost on this path is per message (a gRPC write is a
+    ``sendmsg`` and wake-ups of gRPC's poller and the event loop), so a fixed interval lets its
+    CPU grow with the number of streams until it takes the cores the engines need; a budget keeps
+    the write rate flat and lets each message carry more tokens instead. A few streams keep the
+    short interval. ``min_interval_s`` 0 turns pacing off altogether.
+    """
+
+    __slots__ = ("active", "messages_per_s", "min_interval_s")
+
+    def __init__(self, min_interval_s: float, messages_per_s: float = 0.0) -> None:
+        if not (math.isfinite(min_interval_s) and min_interval_s >= 0):
+            raise ValueError(f"min_interval_s must be a finite number >= 0, got {min_interval_s!r}")
+        if not (math.isfinite(messages_per_s) and messages_per_s >= 0):
+            raise ValueError(f"messages_per_s must be a finite number >= 0, got {messages_per_s!r}")
+        self.min_interval_s = min_interval_s
+        self.messages_per_s = messages_per_s
+        #: Paced streams running now (past their first message).
+        self.active = 0
+
+    def interval_s(self) -> float:
+        """The hold now: see the class docstring."""
+        base = self.min_interval_s
+        if base <= 0 or self.messages_per_s <= 0:
+            return base
+        return max(base, min(MAX_RELAY_HOLD_S, self.active / self.messages_per_s))
+
+
+async def paced_batches(call: Any, interval_s: float | RelayPacer) -> AsyncGenerator[list[Any], None]:
     """Like :func:`ready_batches`, and at most one batch per ``interval_s`` while the stream runs.
 
     For an upstream that sends one message per token per engine step (vLLM's ``Generate``):
@@ -97,8 +136,11 @@ async def paced_batches(call: Any, interval_s: float) -> AsyncGenerator[list[Any
     waits for the rest of the interval, collecting what arrives meanwhile; the end of the stream
     (or its failure) is delivered at once. So a message is at most ``interval_s`` late and the
     write rate per stream is at most ``1 / interval_s``. ``interval_s`` 0 is :func:`ready_batches`'s
-    behaviour. One future per wait (no :class:`asyncio.Event`, no timeout task): this runs per token.
+    behaviour. A :class:`RelayPacer` instead of a number stretches the interval with the number of
+    streams it paces. One future per wait (no :class:`asyncio.Event`, no timeout task): this runs
+    per token.
     """
+    pacer = interval_s if isinstance(interval_s, RelayPacer) else RelayPacer(interval_s)
     loop = asyncio.get_running_loop()
     pending: list[Any] = []
     waiter: asyncio.Future[None] | None = None
@@ -125,13 +167,14 @@ async def paced_batches(call: Any, interval_s: float) -> AsyncGenerator[list[Any
 
     reader = loop.create_task(pump())
     taken = -math.inf
+    pacer.active += 1
     try:
         while True:
             if not pending and not done:
                 waiter = loop.create_future()
                 await waiter
-            if pending and not done and interval_s > 0:
-                delay = taken + interval_s - loop.time()
+            if pending and not done and pacer.min_interval_s > 0:
+                delay = taken + pacer.interval_s() - loop.time()
                 if delay > 0:
                     holding = True
                     waiter = loop.create_future()
@@ -151,6 +194,7 @@ async def paced_batches(call: Any, interval_s: float) -> AsyncGenerator[list[Any
                 raise failure
             return
     finally:
+        pacer.active -= 1
         if not reader.done():
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -51,6 +51,7 @@ from router.core.scheduler import Scheduler
 from router.core.slicing import SliceConfig
 from router.forward import WORKER_STREAMS, WorkerClient
 from router.http_edge import RouterBackend, add_http_edge_arguments, edge_limits_from_args, start_http_edge
+from router.legs import MAX_RELAY_HOLD_S
 from router.placement import Placer
 from router.pool import (
     DEFAULT_KEEPALIVE_S,
@@ -64,7 +65,7 @@ from router.slicing import SliceDispatcher, slice_config_from_args
 from router.slicing import add_arguments as add_slice_arguments
 from router.telemetry import RequestObserver
 from router.tokenize import Tokenizer, load_tokenizer
-from router.vllm_grpc import DEFAULT_STREAM_INTERVAL_S
+from router.vllm_grpc import DEFAULT_STREAM_INTERVAL_S, DEFAULT_STREAM_MESSAGES_PER_S
 
 logger = logging.getLogger(__name__)
 
@@ -191,6 +192,7 @@ async def start_router_server(
     reuse_port: bool = False,
     worker_streams: str = "mux",
     vllm_stream_interval_s: float = DEFAULT_STREAM_INTERVAL_S,
+    vllm_stream_messages_per_s: float = DEFAULT_STREAM_MESSAGES_PER_S,
     http_limits: EdgeLimits | None = None,
     worker_token: str | None = None,
     worker_keepalive: tuple[float, float] = (DEFAULT_KEEPALIVE_S, DEFAULT_KEEPALIVE_TIMEOUT_S),
@@ -207,8 +209,9 @@ async def start_router_server(
     placement (:mod:`router.core.health`). ``tls`` makes the Router service
     TLS only; ``worker_tls`` makes the calls to workers TLS (checked against
     its CA). ``worker_streams`` (``mux``, ``per-request``) says how decode/generate legs reach
-    the workers (:data:`router.forward.WORKER_STREAMS`); ``vllm_stream_interval_s`` paces the relay of a
-    stock vLLM engine's tokens (:func:`router.legs.paced_batches`). Raises ``OSError`` when an address
+    the workers (:data:`router.forward.WORKER_STREAMS`); ``vllm_stream_interval_s`` and
+    ``vllm_stream_messages_per_s`` pace the relay of a stock vLLM engine's tokens
+    (:class:`router.legs.RelayPacer`). Raises ``OSError`` when an address
     cannot be bound.
     """
     observer = observer or RequestObserver()
@@ -231,7 +234,7 @@ async def start_router_server(
     tokenizer = tokenizer or load_tokenizer(None)
     # vLLM's gRPC service returns token ids only: its legs' text comes from the router's tokenizer.
     workers.vllm.set_decoder(tokenizer.decode)
-    workers.vllm.stream_interval_s = vllm_stream_interval_s
+    workers.vllm.set_pacing(vllm_stream_interval_s, vllm_stream_messages_per_s)
     placer = Placer(scheduler, reader, observer=observer, health=health)
     service_config = service_config or ServiceConfig()
     slicer = None
@@ -429,6 +432,8 @@ def build_predictors(args: argparse.Namespace) -> PredictorSet:
 
 #: The bound of ``--vllm-stream-interval-ms``: beyond it the pacing would be a TPOT of its own.
 MAX_VLLM_STREAM_INTERVAL_MS = 100.0
+#: The bound of ``--vllm-stream-messages-per-s`` (a budget that large never stretches the interval).
+MAX_VLLM_STREAM_MESSAGES_PER_S = 1e6
 
 
 def add_worker_streams_argument(parser: argparse.ArgumentParser) -> None:
@@ -451,6 +456,17 @@ def add_worker_streams_argument(parser: argparse.ArgumentParser) -> None:
         "the first token at once), which cuts the router's CPU per token; 0 relays each message as "
         f"it comes (0-{MAX_VLLM_STREAM_INTERVAL_MS:g}, default: %(default)g)",
     )
+    parser.add_argument(
+        "--vllm-stream-messages-per-s",
+        type=float,
+        default=DEFAULT_STREAM_MESSAGES_PER_S,
+        metavar="N",
+        help="with many stock-vLLM streams, stretch --vllm-stream-interval-ms so that all of them "
+        "together get about N messages per second from this router process (each token at most "
+        f"{MAX_RELAY_HOLD_S * 1e3:g} ms late): the router's CPU then stays flat as streams are added "
+        f"instead of taking the engines' cores; 0 keeps the interval fixed (0-{MAX_VLLM_STREAM_MESSAGES_PER_S:g}, "
+        "default: %(default)g)",
+    )
 
 
 def check_worker_streams(args: argparse.Namespace) -> None:
@@ -463,6 +479,11 @@ def check_worker_streams(args: argparse.Namespace) -> None:
     if not (math.isfinite(interval) and 0 <= interval <= MAX_VLLM_STREAM_INTERVAL_MS):
         raise ValueError(
             f"--vllm-stream-interval-ms {interval:g}: must be 0-{MAX_VLLM_STREAM_INTERVAL_MS:g} milliseconds"
+        )
+    budget = args.vllm_stream_messages_per_s
+    if not (math.isfinite(budget) and 0 <= budget <= MAX_VLLM_STREAM_MESSAGES_PER_S):
+        raise ValueError(
+            f"--vllm-stream-messages-per-s {budget:g}: must be 0-{MAX_VLLM_STREAM_MESSAGES_PER_S:g} messages per second"
         )
 
 
@@ -891,6 +912,7 @@ async def start_from_args(args: argparse.Namespace, plan: RouterPlan | None = No
             reuse_port=args.processes > 1 or bool(args.shared_inflight),
             worker_streams=args.worker_streams,
             vllm_stream_interval_s=args.vllm_stream_interval_ms / 1e3,
+            vllm_stream_messages_per_s=args.vllm_stream_messages_per_s,
             http_limits=plan.http_limits,
             worker_token=worker_token,
             worker_keepalive=keepalive_from_args(args),

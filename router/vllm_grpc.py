@@ -46,7 +46,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vllm_pb2_grpc
 
 from cms.transport import ClientTls, open_channel
 from router.core.protocols import split_endpoint
-from router.legs import LegLedger, LegOwner, Target, paced_batches
+from router.legs import LegLedger, LegOwner, RelayPacer, Target, paced_batches
 from router.mux import Tokens
 from router.pool import CHANNEL_OPTIONS
 
@@ -63,6 +63,9 @@ DETOKENIZE_CONTEXT = 6
 #: The default of ``--vllm-stream-interval-ms``: a vLLM leg's tokens reach the client at most this
 #: late, in at most one message per stream per interval (see :func:`router.legs.paced_batches`).
 DEFAULT_STREAM_INTERVAL_S = 0.005
+#: The default of ``--vllm-stream-messages-per-s``: the write budget over all paced vLLM streams of
+#: a router process, which stretches the interval when many streams run (:class:`RelayPacer`).
+DEFAULT_STREAM_MESSAGES_PER_S = 2000.0
 #: vLLM takes a 32-bit signed seed.
 _SEED_MODULUS = 1 << 31
 
@@ -136,13 +139,19 @@ class VllmGrpcClient:
         tls: ClientTls | None,
         decode: Callable[[list[int]], str] | None = None,
         stream_interval_s: float = DEFAULT_STREAM_INTERVAL_S,
+        stream_messages_per_s: float = DEFAULT_STREAM_MESSAGES_PER_S,
     ) -> None:
         self._owner = owner
-        self.stream_interval_s = stream_interval_s
+        #: Paces every stream this client relays (one budget for all of them).
+        self.pacer = RelayPacer(stream_interval_s, stream_messages_per_s)
         self._max = max_channels
         self._tls = tls
         self._decode = decode
         self._channels: OrderedDict[str, tuple[grpc.aio.Channel, Any]] = OrderedDict()
+
+    def set_pacing(self, interval_s: float, messages_per_s: float) -> None:
+        """``--vllm-stream-interval-ms`` and ``--vllm-stream-messages-per-s`` (see :class:`RelayPacer`)."""
+        self.pacer = RelayPacer(interval_s, messages_per_s)
 
     def set_decoder(self, decode: Callable[[list[int]], str] | None) -> None:
         """The token → text function (the router's tokenizer); None leaves messages without text."""
@@ -318,7 +327,7 @@ class VllmGrpcClient:
             raise
 
         try:
-            async with contextlib.aclosing(paced_batches(call, self.stream_interval_s)) as batches:
+            async with contextlib.aclosing(paced_batches(call, self.pacer)) as batches:
                 async for batch in batches:
                     out = merged(batch)
                     yield out

@@ -4,7 +4,8 @@ A loopback gRPC server streams byte messages on a schedule the test sets (like v
 ``Generate``: one message per token per engine step); the client reads the call through
 :func:`paced_batches`. Checked: nothing lost, reordered or duplicated; at most one batch per
 interval while the stream runs; the end of the stream is not held back; messages that arrived
-before an upstream failure come before the error.
+before an upstream failure come before the error; a shared :class:`RelayPacer` stretches the
+interval with the number of streams it paces, within its bounds.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ from typing import Any
 
 import grpc
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from router.legs import paced_batches
+from router.legs import MAX_RELAY_HOLD_S, RelayPacer, paced_batches
 
 _METHOD = "/test.Paced/Stream"
 
@@ -54,7 +57,7 @@ def _call(channel: grpc.aio.Channel, count: int, gap_ms: int, fail: bool = False
     return stub(f"{count},{gap_ms},{int(fail)}".encode(), timeout=30)
 
 
-async def _drain(call: Any, interval_s: float) -> tuple[list[list[bytes]], list[float]]:
+async def _drain(call: Any, interval_s: float | RelayPacer) -> tuple[list[list[bytes]], list[float]]:
     batches: list[list[bytes]] = []
     taken: list[float] = []
     async with contextlib.aclosing(paced_batches(call, interval_s)) as stream:
@@ -113,4 +116,74 @@ async def test_a_consumer_that_leaves_stops_the_reader(channel: grpc.aio.Channel
     await asyncio.sleep(0)
     readers = [t for t in asyncio.all_tasks() if "pump" in repr(t.get_coro())]
     assert readers == []
+    call.cancel()
+
+
+def test_the_pacer_stretches_the_interval_with_the_streams_it_paces() -> None:
+    pacer = RelayPacer(0.005, 2000)
+    held = []
+    for active in (0, 1, 10, 16, 64, 100, 10_000):
+        pacer.active = active
+        held.append(pacer.interval_s())
+    # A few streams keep the short interval; many share the budget; no token waits past the bound.
+    assert held == pytest.approx([0.005, 0.005, 0.005, 0.008, 0.032, MAX_RELAY_HOLD_S, MAX_RELAY_HOLD_S])
+    fixed = RelayPacer(0.005, 0)
+    fixed.active = 500
+    assert fixed.interval_s() == 0.005
+    off = RelayPacer(0.0, 2000)
+    off.active = 500
+    assert off.interval_s() == 0.0
+
+
+@given(
+    st.floats(0, 0.1),
+    st.floats(0, 1e6),
+    st.lists(st.integers(0, 100_000), min_size=2, max_size=8),
+)
+def test_the_pacers_interval_is_bounded_and_grows_with_the_streams(
+    minimum: float, budget: float, counts: list[int]
+) -> None:
+    pacer = RelayPacer(minimum, budget)
+    held = []
+    for active in sorted(counts):
+        pacer.active = active
+        held.append(pacer.interval_s())
+    assert all(h == minimum for h in held) if minimum == 0 or budget == 0 else True
+    assert all(minimum <= h <= max(minimum, MAX_RELAY_HOLD_S) for h in held)
+    assert held == sorted(held)
+
+
+@pytest.mark.parametrize("bad", [(-0.001, 10.0), (0.005, -1.0), (float("nan"), 1.0), (0.005, float("inf"))])
+def test_the_pacer_refuses_a_negative_or_unbounded_setting(bad: tuple[float, float]) -> None:
+    with pytest.raises(ValueError, match=r"min_interval_s|messages_per_s"):
+        RelayPacer(*bad)
+
+
+async def test_streams_sharing_a_budget_send_fewer_messages_each(channel: grpc.aio.Channel) -> None:
+    # 20 streams of 40 messages 5 ms apart on one pacer (5 ms, 400 messages/s), which holds each
+    # stream's tokens 50 ms (20 / 400 s, the bound), beside 20 streams on a fixed 5 ms interval at
+    # the same time (same server, same host load): the budgeted streams send far fewer batches.
+    # Nothing is lost or reordered, and the pacer counts no stream once they ended.
+    shared = RelayPacer(0.005, 400)
+    fixed = RelayPacer(0.005, 0)
+    results = await asyncio.gather(
+        *(_drain(_call(channel, 40, 5), shared) for _ in range(20)),
+        *(_drain(_call(channel, 40, 5), fixed) for _ in range(20)),
+    )
+    for batches, _ in results:
+        assert [m for b in batches for m in b] == [str(i).encode() for i in range(40)]
+    budgeted = sum(len(batches) for batches, _ in results[:20])
+    spaced = sum(len(batches) for batches, _ in results[20:])
+    assert budgeted < spaced / 2, (budgeted, spaced)
+    assert shared.active == 0
+
+
+async def test_a_consumer_that_leaves_is_no_longer_counted_by_the_pacer(channel: grpc.aio.Channel) -> None:
+    pacer = RelayPacer(0.005, 100)
+    call = _call(channel, 1000, 5)
+    async with contextlib.aclosing(paced_batches(call, pacer)) as stream:
+        async for _ in stream:
+            assert pacer.active == 1
+            break
+    assert pacer.active == 0
     call.cancel()
