@@ -106,13 +106,13 @@ def _self_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-async def _direct_one(stub: Any, i: int) -> tuple[int, int, float]:
+async def _direct_one(stub: Any, i: int, output_tokens: int) -> tuple[int, int, float]:
     from smg_grpc_proto.generated import vllm_engine_pb2 as vllm_pb2
 
     request = vllm_pb2.GenerateRequest(
         request_id=f"direct-{i}",
         tokenized=vllm_pb2.TokenizedInput(input_ids=_prompt(i)),
-        sampling_params=vllm_pb2.SamplingParams(temperature=0.0, max_tokens=OUTPUT_TOKENS, ignore_eos=True),
+        sampling_params=vllm_pb2.SamplingParams(temperature=0.0, max_tokens=output_tokens, ignore_eos=True),
         stream=True,
     )
     start = time.perf_counter()
@@ -127,13 +127,13 @@ async def _direct_one(stub: Any, i: int) -> tuple[int, int, float]:
     return n, messages, ttft
 
 
-async def _routed_one(stub: Any, i: int) -> tuple[int, int, float]:
+async def _routed_one(stub: Any, i: int, output_tokens: int) -> tuple[int, int, float]:
     from slorouter.v1 import common_pb2, router_pb2
 
     request = router_pb2.GenerateRequest(
         request_id=f"router-{i}",
         prompt_token_ids=_prompt(i),
-        sampling=common_pb2.SamplingParams(max_tokens=OUTPUT_TOKENS, ignore_eos=True),
+        sampling=common_pb2.SamplingParams(max_tokens=output_tokens, ignore_eos=True),
     )
     start = time.perf_counter()
     ttft = 0.0
@@ -281,7 +281,7 @@ async def _run(options: argparse.Namespace, root: Path) -> dict[str, dict[int, C
             channels.append(channel)
             sides[name] = (proc, router_pb2_grpc.RouterStub(channel), _routed_one)
         for _, stub, one in sides.values():
-            await one(stub, 10**7)  # warm-up
+            await one(stub, 10**7, options.output_tokens)  # warm-up
         index = 0
         for round_index in range(options.rounds):
             order = list(sides.items())
@@ -297,7 +297,7 @@ async def _run(options: argparse.Namespace, root: Path) -> dict[str, dict[int, C
                         base: int, stub: Any = stub, one: Any = one, counts: list[Any] = counts
                     ) -> None:
                         for k in range(options.per_stream):
-                            counts.append(await one(stub, base + k))
+                            counts.append(await one(stub, base + k, options.output_tokens))
 
                     idle_before = {n: _cpu_s(p.pid) for n, (p, _) in routers.items() if n != name}
                     router_before = _cpu_s(proc.pid) if proc is not None else 0.0
@@ -358,6 +358,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--per-stream", type=int, default=1, help="requests per stream per round (default: 1)"
     )
+    parser.add_argument(
+        "--output-tokens", type=int, default=OUTPUT_TOKENS, help="tokens per request (default: %(default)s)"
+    )
     parser.add_argument("--pause-s", type=float, default=1.0, help="idle pause before each run (default: 1)")
     parser.add_argument(
         "--engine",
@@ -376,6 +379,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--streams {options.streams!r}: expected integers separated by commas")
     if options.engine != "real" and not options.engine.startswith("synthetic"):
         parser.error(f"--engine {options.engine!r}: expected real or synthetic:STEP_MS")
+    if not 1 <= options.output_tokens <= 900:
+        parser.error(f"--output-tokens {options.output_tokens}: must be within 1-900")
     if options.rounds < 1 or options.per_stream < 1 or any(s < 1 or s > 256 for s in options.streams):
         parser.error("--rounds and --per-stream must be ≥ 1 and each of --streams within 1-256")
     options.agent_dir = Path(options.agent_dir).resolve()

@@ -7,14 +7,19 @@ which serves ``vllm.grpc.engine.VllmEngine``. The agent:
   so routers reach it through :mod:`router.vllm_grpc`; the limits come from the engine:
   ``GetModelInfo`` (model name, ``max_model_len``), ``GetServerInfo`` (KV block size, connector)
   and ``GetLoads`` (KV capacity in tokens);
-- every ``--poll-interval-s`` asks ``HealthCheck``, ``GetServerInfo`` and ``GetLoads`` and
-  publishes a status whose timestamp is the time of the engine's measurement (``GetLoads``'
-  ``timestamp``, never later than now). The CMS writer (:class:`cms.agent.AgentWriter`) sends it,
-  coalesces, heartbeats and retries;
-- marks the engine unschedulable, with the reason, when ``HealthCheck`` fails, is unhealthy or does
-  not answer within ``--probe-timeout-s``, or when the engine is paused. A hung engine thus leaves
-  placement at the next poll, not when its lease lapses (the writer's heartbeats would otherwise
-  keep the last good status fresh);
+- every ``--poll-interval-s`` asks ``GetLoads`` and publishes a status whose timestamp is the time
+  of the engine's measurement (``GetLoads``' ``timestamp``, never later than now). The CMS writer
+  (:class:`cms.agent.AgentWriter`) sends it, coalesces, heartbeats and retries;
+- every ``--health-interval-s`` (and at every poll while the engine is unschedulable) asks
+  ``HealthCheck`` and ``GetServerInfo`` too, in the same round trip as ``GetLoads``. The engine's
+  gRPC server answers these in the process that also writes every token of every stream, on the
+  cores the engine computes on: three calls per poll where one carries the load was a cost for
+  nothing, since health and pause change rarely;
+- marks the engine unschedulable, with the reason, when ``GetLoads`` or ``HealthCheck`` fails, is
+  unhealthy or does not answer within ``--probe-timeout-s``, or when the engine is paused. A hung
+  engine thus leaves placement at the next poll, not when its lease lapses (the writer's
+  heartbeats would otherwise keep the last good status fresh); an engine whose core died while its
+  server still answers ``GetLoads`` leaves within ``--health-interval-s``;
 - deregisters the instance when it stops (SIGINT/SIGTERM).
 
 Which of the predictor's inputs are exact and which estimated (vLLM exposes no per-request state):
@@ -89,6 +94,7 @@ class AgentConfig:
     model: str = ""  # default: the engine's served model name
     max_num_batched_tokens: int = 0  # 0 = the router's default
     poll_interval_s: float = 0.1
+    health_interval_s: float = 1.0  # HealthCheck and GetServerInfo at most this often while healthy
     probe_timeout_s: float = 1.0
     heartbeat_interval_s: float = 0.5
     engine_wait_s: float = 300.0
@@ -110,6 +116,7 @@ class AgentConfig:
             raise ValueError(f"--max-num-batched-tokens {self.max_num_batched_tokens}: must be >= 0")
         bounds: tuple[tuple[str, float, float, float], ...] = (
             ("--poll-interval-s", self.poll_interval_s, 0.005, 60.0),
+            ("--health-interval-s", self.health_interval_s, 0.0, 60.0),
             ("--probe-timeout-s", self.probe_timeout_s, 0.01, 60.0),
             ("--heartbeat-interval-s", self.heartbeat_interval_s, 0.05, 60.0),
             ("--engine-wait-s", self.engine_wait_s, 0.0, 86400.0),
@@ -238,6 +245,10 @@ class DecodeStepEstimate:
         )
 
 
+async def _no_reason() -> str:
+    return ""
+
+
 class StockEngineAgent:
     """Registers one vLLM gRPC engine and keeps its status in the CMS (see the module docstring)."""
 
@@ -256,6 +267,8 @@ class StockEngineAgent:
         self._update_id = time.time_ns() // 1000
         self._last_key: tuple[Any, ...] | None = None
         self._steps = DecodeStepEstimate() if config.step_estimate else None
+        #: When HealthCheck and GetServerInfo were last asked (monotonic; they ride along with GetLoads).
+        self._health_at = -math.inf
         self.kv_capacity_tokens = 0
         #: The latest status published (for tests and logs).
         self.last_status: cms_pb2.InstanceStatus | None = None
@@ -331,20 +344,35 @@ class StockEngineAgent:
         from smg_grpc_proto.generated import vllm_engine_pb2 as vllm_pb2
 
         now_ms = int(time.time() * 1000)
-        reason = await self._health_reason()
+        timeout = self.config.probe_timeout_s
+        started = time.monotonic()
+        healthy = self.last_status is not None and self.last_status.schedulable
+        probe = not healthy or started - self._health_at >= self.config.health_interval_s
+        reason = ""
         loads: Any = None
+        server: Any = None
+        calls: list[Any] = [self._stub.GetLoads(vllm_pb2.GetLoadsRequest(), timeout=timeout)]
+        if probe:
+            self._health_at = started
+            calls.append(self._stub.GetServerInfo(vllm_pb2.GetServerInfoRequest(), timeout=timeout))
+        results = await asyncio.gather(
+            *calls, self._health_reason() if probe else _no_reason(), return_exceptions=True
+        )
+        reason = results[-1] if isinstance(results[-1], str) else "engine HealthCheck failed"
         if not reason:
-            try:
-                timeout = self.config.probe_timeout_s
-                server, loads = await asyncio.gather(
-                    self._stub.GetServerInfo(vllm_pb2.GetServerInfoRequest(), timeout=timeout),
-                    self._stub.GetLoads(vllm_pb2.GetLoadsRequest(), timeout=timeout),
-                )
-                if server.is_paused:
+            for result in results[:-1]:
+                if isinstance(result, grpc.aio.AioRpcError):
+                    reason = f"engine GetLoads/GetServerInfo failed: {result.code().name}"
+                    break
+                if isinstance(result, BaseException):
+                    raise result
+            else:
+                loads = results[0]
+                server = results[1] if probe else None
+                if server is not None and server.is_paused:
                     reason = "engine paused"
-            except grpc.aio.AioRpcError as exc:
-                reason = f"engine GetLoads/GetServerInfo failed: {exc.code().name}"
-                loads = None
+        if reason:
+            loads = None
         if loads is None:
             loads = vllm_pb2.GetLoadsResponse()
         key = (
@@ -463,6 +491,14 @@ def register(subparsers: Any) -> None:
         "--poll-interval-s", type=float, default=0.1, help="status poll interval (default: %(default)s)"
     )
     parser.add_argument(
+        "--health-interval-s",
+        type=float,
+        default=1.0,
+        help="ask the engine's HealthCheck and GetServerInfo (paused?) at most this often while it is "
+        "healthy; GetLoads goes every --poll-interval-s and a failed or unanswered one makes the engine "
+        "unschedulable at once (default: %(default)s)",
+    )
+    parser.add_argument(
         "--probe-timeout-s",
         type=float,
         default=1.0,
@@ -509,6 +545,7 @@ def run_agent(args: argparse.Namespace) -> int:
         model=args.model,
         max_num_batched_tokens=args.max_num_batched_tokens,
         poll_interval_s=args.poll_interval_s,
+        health_interval_s=args.health_interval_s,
         probe_timeout_s=args.probe_timeout_s,
         heartbeat_interval_s=args.heartbeat_interval_s,
         engine_wait_s=args.engine_wait_s,

@@ -104,6 +104,7 @@ def test_a_measurement_is_never_dated_in_the_future_nor_unreadable() -> None:
         ({"role": "both"}, "--role"),
         ({"poll_interval_s": 0.0}, "--poll-interval-s"),
         ({"probe_timeout_s": float("nan")}, "--probe-timeout-s"),
+        ({"health_interval_s": -1.0}, "--health-interval-s"),
         ({"advertise": "x"}, "--advertise"),
         ({"max_num_batched_tokens": -1}, "--max-num-batched-tokens"),
     ],
