@@ -176,7 +176,7 @@ def _evaluate(
                 for keep in unfolded:
                     alive = alive & keep
                 unfolded.clear()
-            if alive is None or not alive.any():
+            if alive is None or not np.count_nonzero(alive):  # (ndarray.any costs ~10x more)
                 alive = None
                 keeps.append(everywhere)
                 continue

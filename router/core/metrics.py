@@ -225,9 +225,7 @@ def _num_requests(ctx: DecisionContext) -> FloatArray:
 def _kv_usage_projected(ctx: DecisionContext) -> FloatArray:
     table = ctx.view.instances
     used = table.used_kv_tokens + table.uncomputed_prefill_tokens + ctx.view.inflight.tokens
-    capacity = table.kv_capacity_tokens
-    usage: FloatArray = np.divide(used, capacity, out=np.full(table.n, np.inf), where=capacity > 0)
-    return usage
+    return table.over_kv_capacity(used, np.inf)
 
 
 @_register("decode_step_ms", MetricScope.LOAD, INFLIGHT_DECODE_REQUESTS | INFLIGHT_DECODE_TOKENS)
@@ -266,7 +264,7 @@ def _slot_wait_ms(ctx: DecisionContext) -> FloatArray:
         return _no_cache(table)  # (the table's shared read-only zeros)
     zero = np.zeros(table.n)
     need = table.running_requests + table.waiting_requests + ctx.view.inflight.requests + 1.0 - cap
-    if not (need > 0).any():
+    if not np.count_nonzero(need > 0):
         return zero
     batch = ctx.metric("decode_batch_size")
     running = np.clip(np.maximum(table.running_requests, batch), 1.0, np.maximum(cap, 1.0))
@@ -325,7 +323,7 @@ def _step_model(
         return found[1]
     p0 = table.uncomputed_prefill_tokens
     has = p0 > 0
-    if not has.any():
+    if not np.count_nonzero(has):
         table.memo[key] = (correction, None)
         return None
     decode = predictors.decode_step_ms(table, table.decode_requests, table.decode_tokens)
@@ -544,7 +542,7 @@ def _predicted_ttft(ctx: DecisionContext) -> FloatArray:
     if table.max_num_seqs is not None:
         # A full engine holds the request back until a running one finishes (see slot_wait_ms).
         wait = ctx.metric("slot_wait_ms")
-        if wait.any():
+        if np.count_nonzero(wait):  # (NaN counts as nonzero, as for .any())
             values = values + wait
     return values
 

@@ -333,10 +333,8 @@ def _kv_peak_projected(ctx: DecisionContext, config: SchedulerConfig) -> FloatAr
         used = table.used_kv_tokens + table.uncomputed_prefill_tokens + ctx.view.inflight.tokens + growth
         memo[_KV_LOAD] = (growth, used)
     if ctx.request is not None:
-        used = used + (ctx.prompt_tokens + _out(ctx, config))
-    capacity = table.kv_capacity_tokens
-    peak: FloatArray = np.divide(used, capacity, out=np.full(table.n, np.inf), where=capacity > 0)
-    return peak
+        used = used + np.array(ctx.prompt_tokens + _out(ctx, config))  # (0-d: a cheaper operand)
+    return table.over_kv_capacity(used, np.inf)
 
 
 _KV_LOAD = "kv_peak_projected_load"
@@ -414,10 +412,8 @@ def _kv_peak_exact(ctx: DecisionContext, config: SchedulerConfig) -> FloatArray:
     used = ctx.metric("kv_life_tokens")
     if ctx.request is not None:
         # The new request also starts after its prefill: at its final length throughout.
-        used = used + (ctx.prompt_tokens + _out(ctx, config))
-    capacity = table.kv_capacity_tokens
-    peak: FloatArray = np.divide(used, capacity, out=np.full(table.n, np.inf), where=capacity > 0)
-    return peak
+        used = used + np.array(ctx.prompt_tokens + _out(ctx, config))  # (0-d: a cheaper operand)
+    return table.over_kv_capacity(used, np.inf)
 
 
 # ----------------------------------------------------------------------------- TPOT at the horizon
@@ -617,10 +613,7 @@ def _capacity_norm(ctx: DecisionContext, config: SchedulerConfig) -> FloatArray:
     """Aladdin's load of a bin: batch and γ-weighted context, each as a share of the instance's room."""
     table = ctx.view.instances
     batch = ctx.metric("decode_batch_size") / float(config.binpack_max_batch)
-    capacity = table.kv_capacity_tokens
-    context = np.divide(
-        ctx.metric("decode_tokens_horizon"), capacity, out=np.zeros(table.n), where=capacity > 0
-    )
+    context = table.over_kv_capacity(ctx.metric("decode_tokens_horizon"), 0.0)
     norm: FloatArray = np.hypot(batch, context)
     return norm
 
