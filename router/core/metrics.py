@@ -414,12 +414,7 @@ def _prefill_backlog_tokens(ctx: DecisionContext) -> FloatArray:
 
 
 def _no_cache(table: InstanceTable) -> FloatArray:
-    found: FloatArray | None = table.memo.get("no_cached_tokens")
-    if found is None:
-        found = np.zeros(table.n)
-        found.setflags(write=False)
-        table.memo["no_cached_tokens"] = found
-    return found
+    return table.constant(0.0)
 
 
 @_register("cached_prompt_tokens", MetricScope.DECISION)
@@ -436,15 +431,7 @@ def _prompt_compute_tokens(ctx: DecisionContext) -> FloatArray:
     """``p - c``: the prompt tokens the instance would compute (``p`` everywhere without cache knowledge)."""
     prompt = _prompt_to_compute(ctx)
     if isinstance(prompt, float):
-        table = ctx.view.instances
-        key = ("prompt_column", prompt)
-        found: FloatArray | None = table.memo.get(key)
-        if found is None:
-            found = np.full(table.n, prompt)
-            found.setflags(write=False)
-            if len(table.memo) < 4096:
-                table.memo[key] = found
-        return found
+        return ctx.view.instances.constant(prompt)
     return prompt
 
 
@@ -464,10 +451,12 @@ def _predicted_ttft_at(ctx: DecisionContext, i: int) -> float:
         return float("nan")
     table = ctx.view.instances
     lp = ctx.predictors.for_group(table.groups[i])
-    prompt = _prompt_to_compute(ctx)
-    backlog = ctx.metric("prefill_backlog_tokens").item(i) + (
-        prompt if isinstance(prompt, float) else prompt.item(i)
-    )
+    request = ctx.request
+    prompt = ctx.prompt_tokens
+    if request is not None and ctx.prefix is not None and request.prefix_hashes:
+        # ``_prompt_to_compute`` at one instance: the same subtraction, without the column's.
+        prompt = prompt - ctx.metric("cached_prompt_tokens").item(i)
+    backlog = ctx.metric("prefill_backlog_tokens").item(i) + prompt
     batch = ctx.metric("decode_batch_size").item(i)
     tokens = ctx.metric("decode_tokens").item(i)
     budget = table.max_num_batched_tokens.item(i)
@@ -619,6 +608,8 @@ def _predicted_tpot(ctx: DecisionContext) -> FloatArray:
 def _indicator(ctx: DecisionContext, index: int) -> FloatArray:
     # Reserves rarely change: one read-only column per reserved index and snapshot.
     table = ctx.view.instances
+    if index < 0:
+        return table.constant(0.0)
     key = ("indicator", index)
     out: FloatArray | None = table.memo.get(key)
     if out is None:
