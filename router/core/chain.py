@@ -209,7 +209,9 @@ def run_stage(ctx: DecisionContext, spec: StageSpec, stage: Stage, candidates: B
     # (The masks are compared by id: the memo holds them, so no other live array has their ids.)
     key = ("always", stage)
     ids = tuple(map(id, fixed))
-    found: tuple[BoolArray, tuple[int, ...], list[BoolArray], BoolArray, IntArray] | None = table.memo.get(key)
+    found: tuple[BoolArray, tuple[int, ...], list[BoolArray], BoolArray, IntArray] | None = table.memo.get(
+        key
+    )
     if found is not None and found[0] is candidates and found[1] == ids:
         always, nonzero = found[3], found[4]
     else:
