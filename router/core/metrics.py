@@ -559,43 +559,55 @@ _FULL_REMAINDER = "refit_full_chunk_remainder"
 _BATCH_CELLS = "predicted_tpot_batch_cells"
 
 
+def decode_step_with_request_ms(
+    ctx: DecisionContext, predictors: PredictorSet, tokens: FloatArray
+) -> tuple[FloatArray, FloatArray]:
+    """Per instance, the profile's decode step with this request in the batch, and that batch: at
+    ``(decode_batch_size + 1, tokens)``, for ``tokens`` > 0 everywhere (not checked).
+
+    The batch is then >= 1 and the context > 0, so the leaner busy path gives the values of
+    ``predictors.decode_step_ms``. The batches with the request are the load's: they and their
+    cells on the profile's batch axis are kept with the load (every decision on it, and each
+    prediction of one decision at this batch, reads the same ones).
+    """
+    batch = ctx.metric("decode_batch_size")
+    table = ctx.view.instances
+    lp = predictors.only(table)
+    if lp is None:
+        with_request = batch + _ONE
+        return predictors.busy_decode_step_ms(table, with_request, tokens), with_request
+    memo = ctx.view.load_memo
+    found: tuple[FloatArray, Any, FloatArray, Any] | None = memo.get(_BATCH_CELLS)
+    if found is not None and found[0] is batch and found[1] is lp:
+        with_request, cells = found[2], found[3]
+    else:
+        with_request = batch + _ONE
+        cells = lp.decode_batch_cells(with_request)
+        for array in (with_request, *cells):
+            array.setflags(write=False)
+        memo[_BATCH_CELLS] = (batch, lp, with_request, cells)
+    return lp.busy_decode_step_ms_cells(with_request, cells, tokens), with_request
+
+
 @_register("predicted_tpot", MetricScope.DECISION)
 def _predicted_tpot(ctx: DecisionContext) -> FloatArray:
-    if ctx.predictors is None:
+    predictors = ctx.predictors
+    if predictors is None:
         return _nan(ctx)
     batch = ctx.metric("decode_batch_size")
     tokens = ctx.metric("decode_tokens")
-    lp = None
     if ctx.request is not None:
-        lp = ctx.predictors.only(ctx.view.instances)
-        if lp is not None and ctx.prompt_tokens > 0:
-            # The batches with this request are the load's: they and their cells on the profile's
-            # batch axis are kept with the load (every decision on it reads the same ones).
-            memo = ctx.view.load_memo
-            found: tuple[FloatArray, Any, FloatArray, Any] | None = memo.get(_BATCH_CELLS)
-            if found is not None and found[0] is batch and found[1] is lp:
-                batch, cells = found[2], found[3]
-            else:
-                current = batch
-                batch = batch + _ONE
-                cells = lp.decode_batch_cells(batch)
-                for array in (batch, *cells):
-                    array.setflags(write=False)
-                memo[_BATCH_CELLS] = (current, lp, batch, cells)
-        else:
-            batch = batch + _ONE
-        tokens = tokens + ctx.prompt_tokens
         horizon = _horizon_tokens(ctx)
+        tokens = tokens + ctx.prompt_tokens
         if horizon > 0.0:
             tokens = tokens + horizon
-    if ctx.request is not None and ctx.prompt_tokens > 0:
-        # batch >= 1 and tokens > 0 everywhere: the leaner path gives the same values
-        if lp is not None:
-            values = lp.busy_decode_step_ms_cells(batch, cells, tokens)
+        if ctx.prompt_tokens > 0:
+            values, batch = decode_step_with_request_ms(ctx, predictors, tokens)
         else:
-            values = ctx.predictors.busy_decode_step_ms(ctx.view.instances, batch, tokens)
+            batch = batch + _ONE
+            values = predictors.decode_step_ms(ctx.view.instances, batch, tokens)
     else:
-        values = ctx.predictors.decode_step_ms(ctx.view.instances, batch, tokens)
+        values = predictors.decode_step_ms(ctx.view.instances, batch, tokens)
     correction = _correction(ctx)
     if correction is None:
         return values

@@ -94,6 +94,7 @@ import numpy as np
 
 from router.core.columns import BoolArray, FloatArray, InstanceTable, IntArray
 from router.core.config import SchedulerConfig
+from router.core.metrics import decode_step_with_request_ms
 from router.core.plugins import DecisionContext, Metric, MetricScope
 from router.core.registry import METRICS, Params
 from router.core.request import ScheduleInput
@@ -347,7 +348,8 @@ def _kv_life_at(ctx: DecisionContext, config: SchedulerConfig, i: int) -> float:
         return float(_kv_life_column(ctx, config)[i])
     table = ctx.view.instances
     inflight = ctx.view.inflight
-    now = float(table.used_kv_tokens[i] + table.uncomputed_prefill_tokens[i] + inflight.tokens[i])
+    # (Python floats from .item: the same IEEE sums as numpy's scalars, without their overhead.)
+    now = table.used_kv_tokens.item(i) + table.uncomputed_prefill_tokens.item(i) + inflight.tokens.item(i)
     held = pending = 0.0
     running: list[tuple[float, float]] = []
     for context, remaining, started in legs:
@@ -356,7 +358,7 @@ def _kv_life_at(ctx: DecisionContext, config: SchedulerConfig, i: int) -> float:
             running.append((remaining, context))
         else:
             pending += context + remaining
-    uncovered = max(float(table.decode_requests[i] + inflight.decode_requests[i]) - len(legs), 0.0)
+    uncovered = max(table.decode_requests.item(i) + inflight.decode_requests.item(i) - len(legs), 0.0)
     used = now - held + pending + uncovered * config.packing_default_output_tokens
     if running:
         running.sort(reverse=True)
@@ -437,8 +439,11 @@ def _predicted_tpot_horizon(ctx: DecisionContext, config: SchedulerConfig) -> Fl
     batch = ctx.metric("decode_batch_size")
     tokens = ctx.metric("decode_tokens_horizon")
     if ctx.request is not None:
+        # (A 0-d operand: a cheaper addition than with a Python float, the same sums.)
+        tokens = tokens + np.array(ctx.prompt_tokens + config.tpot_packing_strictness * _out(ctx, config))
+        if ctx.prompt_tokens > 0:  # every context > 0: the busy path, with the load's batch cells
+            return decode_step_with_request_ms(ctx, ctx.predictors, tokens)[0]
         batch = batch + 1.0
-        tokens = tokens + (ctx.prompt_tokens + config.tpot_packing_strictness * _out(ctx, config))
     return ctx.predictors.decode_step_ms(ctx.view.instances, batch, tokens)
 
 
