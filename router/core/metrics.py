@@ -197,7 +197,7 @@ def _decode_step_ms_at(ctx: DecisionContext, i: int) -> float:
     if ctx.predictors is None:
         return float("nan")
     lp = ctx.predictors.for_group(ctx.view.instances.groups[i])
-    return lp.predict_tpot_ms(ctx.metric("decode_batch_size").item(i), ctx.metric("decode_tokens").item(i))
+    return lp.tpot_ms_at(ctx.metric("decode_batch_size").item(i), ctx.metric("decode_tokens").item(i))
 
 
 @_register("decode_batch_size", MetricScope.LOAD)
@@ -509,11 +509,17 @@ def _predicted_ttft(ctx: DecisionContext) -> FloatArray:
     if predictors is None:
         return _nan(ctx)
     table = ctx.view.instances
-    backlog = ctx.metric("prefill_backlog_tokens") + _prompt_to_compute(ctx)
+    prompt = _prompt_to_compute(ctx)
+    # (A 0-d operand: a cheaper addition than with a Python float, the same sums.)
+    backlog = ctx.metric("prefill_backlog_tokens") + (
+        np.array(prompt) if isinstance(prompt, float) else prompt
+    )
     step = ctx.metric("decode_step_ms")
     full_chunk = _full_chunk_ms(table, predictors)
     if ctx.prompt_tokens > 0:  # then every backlog is > 0: the leaner path gives the same values
-        values = predictors.positive_chunked_prefill_ms(table, backlog, step, full_chunk + step)
+        values = predictors.positive_chunked_prefill_ms(
+            table, backlog, step, _full_step_ms(ctx, full_chunk, step)
+        )
     else:
         values = predictors.chunked_prefill_ms(table, backlog, step, full_chunk)
     correction = _correction(ctx)
@@ -534,6 +540,21 @@ def _predicted_ttft(ctx: DecisionContext) -> FloatArray:
         if np.count_nonzero(wait):  # (NaN counts as nonzero, as for .any())
             values = values + wait
     return values
+
+
+def _full_step_ms(ctx: DecisionContext, full_chunk: FloatArray, step: FloatArray) -> FloatArray:
+    """``full_chunk + step`` (a step carrying a full chunk and the decode batch), kept with the load:
+    both are the same objects for every decision on it."""
+    memo = ctx.view.load_memo
+    found: tuple[FloatArray, FloatArray, FloatArray] | None = memo.get(_FULL_STEP)
+    if found is not None and found[0] is full_chunk and found[1] is step:
+        return found[2]
+    total = full_chunk + step
+    memo[_FULL_STEP] = (full_chunk, step, total)  # (the keys held: their ids stay theirs)
+    return total
+
+
+_FULL_STEP = "full_step_ms"
 
 
 def _full_chunk_remainder(
@@ -598,9 +619,10 @@ def _predicted_tpot(ctx: DecisionContext) -> FloatArray:
     tokens = ctx.metric("decode_tokens")
     if ctx.request is not None:
         horizon = _horizon_tokens(ctx)
-        tokens = tokens + ctx.prompt_tokens
+        # (0-d operands: cheaper additions than with Python floats, the same sums in the same order.)
+        tokens = tokens + np.array(ctx.prompt_tokens)
         if horizon > 0.0:
-            tokens = tokens + horizon
+            tokens += np.array(horizon)
         if ctx.prompt_tokens > 0:
             values, batch = decode_step_with_request_ms(ctx, predictors, tokens)
         else:
