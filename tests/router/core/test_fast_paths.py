@@ -19,7 +19,7 @@ from fleet.snapshot import ClusterSnapshot
 from router.core.columns import INFLIGHT_ALL, ClusterView
 from router.core.decision import Choice, Decision
 from router.core.inflight import InflightAccount
-from router.core.request import ScheduleInput, Stage
+from router.core.request import ScheduleInput, Stage, Targets
 from router.core.scheduler import Scheduler
 from router.core.selectors import _best_ties
 from router.placement import PlacementRequest
@@ -145,7 +145,7 @@ def test_highest_ties_are_the_lowest_ties_of_the_negation(values) -> None:  # ty
 
 
 def test_hand_written_inits_match_the_dataclass_fields() -> None:
-    for cls in (Choice, Decision, ClusterView, ScheduleInput, PlacementRequest):
+    for cls in (Choice, Decision, ClusterView, ScheduleInput, PlacementRequest, Targets):
         params = list(inspect.signature(cls.__init__).parameters.values())[1:]
         fields = [f for f in dataclasses.fields(cls) if f.init]
         assert [p.name for p in params] == [f.name for f in fields], cls
