@@ -440,7 +440,7 @@ def _prompt_to_compute(ctx: DecisionContext) -> float | FloatArray:
     request = ctx.request
     if request is None or ctx.prefix is None or not request.prefix_hashes:
         return ctx.prompt_tokens
-    return ctx.prompt_tokens - ctx.metric("cached_prompt_tokens")
+    return np.array(ctx.prompt_tokens) - ctx.metric("cached_prompt_tokens")  # (0-d: cheaper, the same)
 
 
 # ----------------------------------------------------------------------------- predictions
