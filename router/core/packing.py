@@ -678,11 +678,12 @@ def prefill_room_mask(ctx: DecisionContext) -> BoolArray:
     batch = ctx.metric("decode_batch_size")
     idle = batch == 0
     usable = ctx.usable()
-    good = idle & usable & (ctx.metric("predicted_ttft") < 0.5 * ttft_need_ms(ctx))
+    # (A 0-d operand and ``nonzero()[0]`` below: cheaper numpy calls, the same values.)
+    good = idle & usable & (ctx.metric("predicted_ttft") < np.array(0.5 * ttft_need_ms(ctx)))
     reserved = ctx.reserves.decode
     if reserved >= 0:
         good[reserved] = False
-    decoders = np.flatnonzero(~idle & usable)
+    decoders = (~idle & usable).nonzero()[0]
     cap = ctx.reserves.max_decoders
     others = int(np.count_nonzero(good)) - good
     keep: BoolArray = ~idle | ((others >= OPEN_MARGIN) & (len(decoders) < cap))
