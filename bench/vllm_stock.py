@@ -35,6 +35,8 @@ IDLE_PAUSE_S = 1.5
 PROMPT_TOKENS = 64
 OUTPUT_TOKENS = 128
 MAX_NUM_SEQS = 64
+#: A CPU engine starts in about 25 s on an idle 2-core host and took over 3 minutes on a busy one.
+ENGINE_WAIT_S = 600.0
 
 OneRequest = Callable[[int], Awaitable[tuple[int, float]]]
 
@@ -157,7 +159,7 @@ async def _run(root: Path) -> dict[str, Any]:
 
     try:
         started = time.perf_counter()
-        await asyncio.to_thread(engine.wait_ready)
+        await asyncio.to_thread(engine.wait_ready, ENGINE_WAIT_S)
         print(f"engine ready after {time.perf_counter() - started:.0f} s", flush=True)
         cms_port, router_port = free_port(), free_port()
         cms, cms_log = start("cms", "cms", "--listen", f"127.0.0.1:{cms_port}")

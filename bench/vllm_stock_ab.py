@@ -170,8 +170,8 @@ class _Synthetic:
                 cwd=REPO,
             )
 
-    def wait_ready(self) -> None:
-        _wait_line(self.log, "synthetic vLLM engine on", self.proc, 60)
+    def wait_ready(self, timeout_s: float = 60.0) -> None:
+        _wait_line(self.log, "synthetic vLLM engine on", self.proc, timeout_s)
 
 
 def _parse_variant(text: str) -> tuple[str, Path, list[str]]:
@@ -228,7 +228,7 @@ async def _run(options: argparse.Namespace, root: Path) -> dict[str, dict[int, C
 
     cells: dict[str, dict[int, Cell]] = {}
     try:
-        await asyncio.to_thread(engine.wait_ready)
+        await asyncio.to_thread(engine.wait_ready, 600.0)
         engine_pids = _tree_pids(engine.proc.pid)
         cms_port = free_port()
         cms, cms_log = start("cms", REPO, "cms", "--listen", f"127.0.0.1:{cms_port}")
