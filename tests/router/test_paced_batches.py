@@ -160,15 +160,16 @@ def test_the_pacer_refuses_a_negative_or_unbounded_setting(bad: tuple[float, flo
 
 
 async def test_streams_sharing_a_budget_send_fewer_messages_each(channel: grpc.aio.Channel) -> None:
-    # 20 streams of 40 messages 5 ms apart on one pacer (5 ms, 400 messages/s), which holds each
+    # 20 streams of 40 messages 10 ms apart on one pacer (5 ms, 400 messages/s), which holds each
     # stream's tokens 50 ms (20 / 400 s, the bound), beside 20 streams on a fixed 5 ms interval at
-    # the same time (same server, same host load): the budgeted streams send far fewer batches.
+    # the same time (same server, same host load): the fixed ones send about one batch per message
+    # (they come further apart than the interval), the budgeted ones about one per 50 ms.
     # Nothing is lost or reordered, and the pacer counts no stream once they ended.
     shared = RelayPacer(0.005, 400)
     fixed = RelayPacer(0.005, 0)
     results = await asyncio.gather(
-        *(_drain(_call(channel, 40, 5), shared) for _ in range(20)),
-        *(_drain(_call(channel, 40, 5), fixed) for _ in range(20)),
+        *(_drain(_call(channel, 40, 10), shared) for _ in range(20)),
+        *(_drain(_call(channel, 40, 10), fixed) for _ in range(20)),
     )
     for batches, _ in results:
         assert [m for b in batches for m in b] == [str(i).encode() for i in range(40)]
