@@ -463,7 +463,8 @@ def add_worker_streams_argument(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="with many stock-vLLM streams, stretch --vllm-stream-interval-ms so that all of them "
         "together get about N messages per second from this router process (each token at most "
-        f"{MAX_RELAY_HOLD_S * 1e3:g} ms late): the router's CPU then stays flat as streams are added "
+        f"{MAX_RELAY_HOLD_S * 1e3:g} ms late, or --vllm-stream-interval-ms if longer): the router's CPU "
+        "then stays flat as streams are added "
         f"instead of taking the engines' cores; 0 keeps the interval fixed (0-{MAX_VLLM_STREAM_MESSAGES_PER_S:g}, "
         "default: %(default)g)",
     )
