@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from slorouter.v1 import cms_pb2, common_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2 as vllm_pb2
@@ -148,6 +148,8 @@ def _engine_timeline(
     return out
 
 
+# No per-example deadline: the simulated timeline is a few thousand steps, slow on a busy host.
+@settings(deadline=None)
 @given(st.integers(1, 64), st.floats(0.002, 0.2))
 def test_the_decode_step_estimate_recovers_a_steady_engines_step_time(running: int, step_s: float) -> None:
     samples = _engine_timeline([(running, step_s, 4.0)], 0.1, DecodeStepEstimate())
@@ -157,6 +159,8 @@ def test_the_decode_step_estimate_recovers_a_steady_engines_step_time(running: i
         assert abs(ms - step_s * 1e3) <= step_s * 1e3 * (0.02 + step_s / 2.0), (ms, step_s)
 
 
+# No per-example deadline: the simulated timeline is a few thousand steps, slow on a busy host.
+@settings(deadline=None)
 @given(st.integers(1, 64), st.floats(0.002, 0.05), st.floats(0.5, 0.9))
 def test_idle_time_drops_out_of_the_decode_step_estimate(running: int, step_s: float, idle: float) -> None:
     # A batch, an idle stretch, the batch again: the last samples' windows hold the idle stretch
