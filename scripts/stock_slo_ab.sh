@@ -33,10 +33,12 @@ engine 18852 4 y.log
 bg cms-est.log cms --listen 127.0.0.1:18860
 bg cms-off.log cms --listen 127.0.0.1:18861
 sleep 3
-bg agent-x-est.log agent --engine 127.0.0.1:18851 --cms 127.0.0.1:18860 --instance-id x32
-bg agent-y-est.log agent --engine 127.0.0.1:18852 --cms 127.0.0.1:18860 --instance-id y4
-bg agent-x-off.log agent --engine 127.0.0.1:18851 --cms 127.0.0.1:18861 --instance-id x32 --step-estimate off
-bg agent-y-off.log agent --engine 127.0.0.1:18852 --cms 127.0.0.1:18861 --instance-id y4 --step-estimate off
+# The engines took over 5 minutes to start on a busy host: the agents wait as long as the script.
+wait_s=(--engine-wait-s 900)
+bg agent-x-est.log agent --engine 127.0.0.1:18851 --cms 127.0.0.1:18860 --instance-id x32 "${wait_s[@]}"
+bg agent-y-est.log agent --engine 127.0.0.1:18852 --cms 127.0.0.1:18860 --instance-id y4 "${wait_s[@]}"
+bg agent-x-off.log agent --engine 127.0.0.1:18851 --cms 127.0.0.1:18861 --instance-id x32 --step-estimate off "${wait_s[@]}"
+bg agent-y-off.log agent --engine 127.0.0.1:18852 --cms 127.0.0.1:18861 --instance-id y4 --step-estimate off "${wait_s[@]}"
 common=(--profile "$PROFILE" --tokenizer "$MODEL")
 bg router-slo-est.log router --cms grpc://127.0.0.1:18860 --listen 127.0.0.1:18870 "${common[@]}" --scheduling-policy slo
 bg router-slo.log router --cms grpc://127.0.0.1:18861 --listen 127.0.0.1:18871 "${common[@]}" --scheduling-policy slo
