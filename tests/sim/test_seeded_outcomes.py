@@ -124,16 +124,18 @@ SCENARIOS: dict[
     ),
 }
 
-#: Digests recorded on the code before the speed work (see the module doc).
+#: Digests recorded on the code before the speed work (see the module doc). The edf and priority
+#: scenarios were re-recorded on main at 84f1169 (a prior length is no grounds to find a request
+#: hopeless), which moved them before any of the speed work met them.
 RECORDED: dict[str, str] = {
     "azure-trace-slo": "54d0341f0320da9b66ae45cf",
     "mooncake-trace-least-requests": "e0a791d545d8f3433089aa03",
     "neutral-round-robin-small-kv": "b09a0d9881e1caaa521995eb",
-    "neutral-slo-edf": "fb070c01eea473e2cce75815",
+    "neutral-slo-edf": "8d9184188dc1ce4b167e35ce",
     "neutral-slo-eos": "2e48ccdebc5800304813941d",
     "neutral-slo-fcfs-capped": "570d45b01279a65ed22d81b3",
     "neutral-slo-prefix": "d9e58a1e670dd4d07ee140df",
-    "neutral-slo-priority": "dac8b911c4f69496eb6c7278",
+    "neutral-slo-priority": "34740eea1b2bca18f1409c82",
     "neutral-slo-qlm": "408ecb8f61ee7afa86c380c6",
     "neutral-slo-sa": "314557fe7a0c68385faecbfa",
     "pd-adaptive": "6c0daa4f54af67d8fce492a0",
