@@ -53,7 +53,7 @@ done
 sleep 5
 run() { # name port rate seed
   local out="$OUT/r$3-s$4-$1"
-  "$B" bench --target "127.0.0.1:$2" --workload "$WORKLOAD" --rate "$3" --duration "$DURATION" --seed "$4" \
+  "$B" bench --engine vllm --target "127.0.0.1:$2" --workload "$WORKLOAD" --rate "$3" --duration "$DURATION" --seed "$4" \
     --output "$out.json" --no-progress > "$out.txt" 2>&1
   python3 - "$out.json" "$1" "$3" "$4" <<'PY' | tee -a "$OUT/summary.txt"
 import json, os, sys
