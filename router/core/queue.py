@@ -363,12 +363,15 @@ class QueueEntry:
 class Refusal:
     """A queued entry's failed placement attempt, kept so the next pass repeats it only if it could succeed.
 
-    ``epoch`` is the :class:`LoadWatch` epoch of the fleet it failed on, ``bound_ms`` the TTFT bound it
-    was offered with, ``late`` / ``yielding`` how it was offered (see :func:`offer`). The predicted
-    TTFT and the error are those of the failed decision (the skipped attempt reports them again).
+    ``epoch`` is the :class:`LoadWatch` epoch of the fleet it failed on, ``at_ms`` when (ms on the
+    caller's clock), ``bound_ms`` the TTFT bound it was offered (ms from then), ``late`` /
+    ``yielding`` how it was offered (see :func:`offer`). The predicted TTFT (the best over the
+    instances, NaN when the miss did not say) and the error are those of the failed decision (a
+    skipped attempt reports them again).
     """
 
     epoch: int
+    at_ms: float
     bound_ms: float
     late: bool
     yielding: bool
@@ -378,15 +381,30 @@ class Refusal:
     matched: Mapping[str, int] | None = None
 
     def holds(
-        self, epoch: int, bound_ms: float, late: bool, yielding: bool, matched: Mapping[str, int] | None
+        self,
+        epoch: int,
+        now_ms: float,
+        bound_ms: float,
+        late: bool,
+        yielding: bool,
+        matched: Mapping[str, int] | None,
     ) -> bool:
-        """Whether an attempt now is certain to fail again (see :class:`LoadWatch` for why)."""
-        if not (
-            epoch == self.epoch
-            and late == self.late
-            and yielding == self.yielding
-            and bound_ms <= self.bound_ms
-        ):
+        """Whether an attempt at ``now_ms`` with TTFT bound ``bound_ms`` is certain to fail again.
+
+        In the same load epoch every instance's predicted free moment is where it was or later
+        (:class:`LoadWatch`), so a prediction of TTFT from now falls by at most the time that
+        passed. The attempt fails again if its bound, as a moment, is no later than the one that
+        failed (``now + bound <= at + bound then``: a release limit of fixed length is a later
+        moment as time passes, and may let it through), or if the best TTFT predicted then, less
+        the time since, is still over the bound now: the moment the entry could first fit is its
+        own wake-up, and no pass offers it before.
+        """
+        if epoch != self.epoch or late != self.late or yielding != self.yielding:
+            return False
+        same_or_tighter = now_ms + bound_ms <= self.at_ms + self.bound_ms
+        best = self.predicted_ttft_ms
+        too_slow = best == best and best - (now_ms - self.at_ms) > bound_ms
+        if not (same_or_tighter or too_slow):
             return False
         if matched is None:
             return True
@@ -1583,18 +1601,26 @@ def offer(
         matched: Mapping[str, int] | None = None
         if epoch is not None and scheduler.prefix is not None and request.prefix_hashes:
             matched = scheduler.prefix.matched_blocks(request.prefix_hashes)
-        if epoch is not None and memo is not None and memo.holds(epoch, bound, entry.late, yielding, matched):
+        if (
+            epoch is not None
+            and memo is not None
+            and memo.holds(epoch, now_s * 1e3, bound, entry.late, yielding, matched)
+        ):
+            # Certain to be refused again. What the decision would also say is whether an on-time
+            # entry is late now (its best predicted TTFT past its budget): certain when the best
+            # predicted then, less the time since, is past it; otherwise unknown (the load may have
+            # grown), and the decision is made after all.
             best = memo.predicted_ttft_ms
-            if not entry.late and best == best and best >= targets.ttft_ms:
+            if entry.late or best != best:
+                failures += 1
+                yield Offer(entry, Verdict.WAIT, error=memo.error, budget_ms=targets.ttft_ms)
+                continue
+            best -= now_s * 1e3 - memo.at_ms
+            if best >= targets.ttft_ms:
                 yield _late(queue, entry, late_reject, best, targets.ttft_ms)
                 continue
-            failures += 1
-            yield Offer(
-                entry, Verdict.WAIT, error=memo.error, predicted_ttft_ms=best, budget_ms=targets.ttft_ms
-            )
-            continue
 
-        memo_key = (epoch, bound, yielding, matched)
+        memo_key = (epoch, now_s * 1e3, bound, yielding, matched)
         # On a fleet of neutral instances only, late and yielding work lands on a neutral instance
         # whatever the decision, where it is held to the tighter TPOT below: it is decided with that
         # target at once (one decision, the one the second would have been) instead of twice.
@@ -1604,18 +1630,25 @@ def offer(
             offered = replace(offered, tpot_ms=LATE_TPOT_FRACTION * offered.tpot_ms)
         if epoch is not None and matched is None:
             easier = next(
-                (a for a in refused_here if _no_easier(request, offered, entry.late, yielding, a)), None
+                (
+                    a
+                    for a in refused_here
+                    if _no_easier(request, offered, now_s * 1e3, entry.late, yielding, a)
+                ),
+                None,
             )
             if easier is not None:
-                # An easier request was refused earlier in this pass on a fleet no heavier (its best
-                # TTFT is at most this one's: past this one's budget, this one is late).
+                # An easier request was refused earlier in this pass on a fleet no heavier. Its best
+                # predicted TTFT is at most this one's: past this one's budget, this one is late;
+                # otherwise whether it is late is unknown unless it is already late.
                 if not entry.late and easier.best == easier.best and easier.best >= targets.ttft_ms:
                     yield _late(queue, entry, late_reject, easier.best, targets.ttft_ms)
                     continue
-                failures += 1
-                _remember(entry, memo_key, easier.best, easier.error)
-                yield Offer(entry, Verdict.WAIT, error=easier.error, budget_ms=targets.ttft_ms)
-                continue
+                if entry.late or easier.best != easier.best:
+                    failures += 1
+                    _remember(entry, memo_key, easier.best, easier.error)
+                    yield Offer(entry, Verdict.WAIT, error=easier.error, budget_ms=targets.ttft_ms)
+                    continue
         try:
             decision = schedule(source() if seen_view is None else seen_view, request, now_s, targets=offered)
         except NoInstanceError as exc:
@@ -1625,7 +1658,7 @@ def offer(
                 continue
             failures += 1
             _remember(entry, memo_key, best, exc)
-            refused_here.append(_Refused(request, offered, entry.late, yielding, best, exc))
+            refused_here.append(_Refused(request, offered, now_s * 1e3, entry.late, yielding, best, exc))
             yield Offer(entry, Verdict.WAIT, error=exc, predicted_ttft_ms=best, budget_ms=targets.ttft_ms)
             continue
         except EmptyClusterError as exc:
@@ -1659,7 +1692,7 @@ def offer(
             # are for on-time work that cannot wait.
             failures += 1
             _remember(entry, memo_key)
-            refused_here.append(_Refused(request, offered, entry.late, yielding, math.nan, None))
+            refused_here.append(_Refused(request, offered, now_s * 1e3, entry.late, yielding, math.nan, None))
             yield Offer(entry, Verdict.WAIT, budget_ms=targets.ttft_ms)
             continue
         failures = 0
@@ -1676,14 +1709,18 @@ class _Refused:
 
     request: ScheduleInput
     targets: Targets
+    #: When it was made (ms on the caller's clock).
+    at_ms: float
     late: bool
     yielding: bool
     best: float
     error: SchedulingError | None
 
 
-def _no_easier(request: ScheduleInput, offered: Targets, late: bool, yielding: bool, a: _Refused) -> bool:
-    """Whether ``request``, offered ``offered``, is certain to be refused
+def _no_easier(
+    request: ScheduleInput, offered: Targets, at_ms: float, late: bool, yielding: bool, a: _Refused
+) -> bool:
+    """Whether ``request``, offered ``offered`` at ``at_ms``, is certain to be refused
     wherever ``a`` was: offered the same way, no easier in anything a decision reads (prompt, output
     estimate and bound, max tokens, targets, deadline), with nothing that may favour one instance for
     it alone (a prefix, excluded instances). Decisions are monotone in each of these."""
@@ -1709,7 +1746,7 @@ def _no_easier(request: ScheduleInput, offered: Targets, late: bool, yielding: b
         and request.max_tokens >= r.max_tokens
         and (request.expected_output_tokens or 0) >= (r.expected_output_tokens or 0)
         and (request.output_tokens_bound or 0) >= (r.output_tokens_bound or 0)
-        and offered.ttft_ms <= a.targets.ttft_ms
+        and offered.ttft_ms + at_ms <= a.targets.ttft_ms + a.at_ms
         and offered.tpot_ms <= a.targets.tpot_ms
     ):
         return False
@@ -1722,15 +1759,15 @@ def _no_easier(request: ScheduleInput, offered: Targets, late: bool, yielding: b
 
 def _remember(
     entry: QueueEntry,
-    key: tuple[int | None, float, bool, Mapping[str, int] | None],
+    key: tuple[int | None, float, float, bool, Mapping[str, int] | None],
     best: float = math.nan,
     error: SchedulingError | None = None,
 ) -> None:
-    """Keep ``entry``'s failed attempt (``key``: the epoch, bound, yielding flag and matched blocks it
-    was made with) for the next pass, when incremental dispatch is on (an epoch is given)."""
-    epoch, bound, yielding, matched = key
+    """Keep ``entry``'s failed attempt (``key``: the epoch, time, bound, yielding flag and matched
+    blocks it was made with) for the next pass, when incremental dispatch is on (an epoch is given)."""
+    epoch, at_ms, bound, yielding, matched = key
     if epoch is not None:
-        entry.refusal = Refusal(epoch, bound, entry.late, yielding, best, error, matched)
+        entry.refusal = Refusal(epoch, at_ms, bound, entry.late, yielding, best, error, matched)
 
 
 def _shed(queue: RouterQueue, entry: QueueEntry, why: Overlong) -> Offer:

@@ -46,33 +46,28 @@ def _placements(out: SimOutcome) -> list[tuple[str, float, str | None]]:
 
 
 def test_exact_incremental_places_as_the_full_pass() -> None:
-    """edf, 4 instances at 9 req/s (queued, near capacity): the same request on the same instance
-    after the same wait, every one, with fewer decisions."""
-    full = _run("edf", "off", rate=9.0, seed=0, instances=4, duration_s=30.0)
-    exact = _run("edf", "exact", rate=9.0, seed=0, instances=4, duration_s=30.0)
+    """fcfs, 3 instances at 12 req/s (overloaded: most requests wait, many turn late): the same
+    request on the same instance after the same wait, every one, with fewer decisions."""
+    full = _run("fcfs", "off", rate=12.0, seed=1, instances=3, duration_s=30.0)
+    exact = _run("fcfs", "exact", rate=12.0, seed=1, instances=3, duration_s=30.0)
     assert _placements(exact) == _placements(full)
     assert exact.stats.decisions < full.stats.decisions
     assert exact.stats.queued > 0  # requests did wait: the memo was used
-    on = _run("edf", "on", rate=9.0, seed=0, instances=4, duration_s=30.0)
-    assert on.stats.decisions < exact.stats.decisions  # the tolerances save more
 
 
-@settings(max_examples=4, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=5, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(
     policy=st.sampled_from(["edf", "fcfs", "priority"]),
-    rate=st.sampled_from([5.0, 8.0, 11.0]),
+    rate=st.sampled_from([5.0, 8.0, 11.0, 14.0]),
     seed=st.integers(0, 1000),
     instances=st.integers(2, 4),
 )
-def test_incremental_serves_as_well_as_the_full_pass(
-    policy: str, rate: float, seed: int, instances: int
-) -> None:
-    """On seeded runs nobody tuned for: no more decisions, attainment within 2 points, every request
-    answered once (placed or refused) in both."""
-    full = _run(policy, "off", rate=rate, seed=seed, instances=instances, duration_s=12.0)
-    inc = _run(policy, "on", rate=rate, seed=seed, instances=instances, duration_s=12.0)
+def test_incremental_places_as_the_full_pass(policy: str, rate: float, seed: int, instances: int) -> None:
+    """On seeded runs nobody tuned for, with the watch's tolerances on: the same placements at the
+    same times as the full pass, and no more decisions."""
+    full = _run(policy, "off", rate=rate, seed=seed, instances=instances, duration_s=10.0)
+    inc = _run(policy, "on", rate=rate, seed=seed, instances=instances, duration_s=10.0)
     assert inc.stats.decisions <= full.stats.decisions
-    assert len(inc.results) == len(full.results)
+    assert _placements(inc) == _placements(full)
     a_full = summarize(full.results, full.duration_s).overall.slo_attainment
-    a_inc = summarize(inc.results, inc.duration_s).overall.slo_attainment
-    assert a_inc >= a_full - 0.02, (a_inc, a_full)
+    assert summarize(inc.results, inc.duration_s).overall.slo_attainment == a_full
