@@ -504,7 +504,9 @@ def test_a_residents_recorded_need_is_its_own_target_not_the_queues_margin() -> 
 
 @PROPS
 @given(ratios=st.lists(st.floats(0.0, 5.0), min_size=1, max_size=600), start=st.floats(0.05, 2.0))
-def test_learned_theta_stays_within_its_bounds_and_moves_by_bounded_steps(ratios: list[float], start: float) -> None:
+def test_learned_theta_stays_within_its_bounds_and_moves_by_bounded_steps(
+    ratios: list[float], start: float
+) -> None:
     from router.core import packing
 
     fit = packing.ThetaFit(start)
