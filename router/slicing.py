@@ -39,7 +39,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -141,6 +141,10 @@ class SliceDispatcher:
         self.placed_slices: dict[str, int] = {}
         #: Slices that arrived since the last schedule point.
         self._pending: list[SliceRequest] = []
+        #: Running slices' progress by ticket: the prompt's length and the request's tokens so far
+        #: (the list the caller appends each relayed message to). The scheduler books a running
+        #: slice's KV from it (SliceScheduler.committed_kv), as the simulator does from its engines.
+        self._running: dict[int, tuple[int, Sequence[int]]] = {}
         self._next_ticket = 0
         self._next_at = 0.0
         self._wake = asyncio.Event()
@@ -235,6 +239,7 @@ class SliceDispatcher:
         if self._sched is None:
             first = models[ids[0]]
             self._sched = SliceScheduler(self.config, first.serving, first.memory, ids)
+            self._sched.progress = self._context_now
         self._sched.set_models(models)
         self._sched.set_instances(ids)
         return self._sched
@@ -265,6 +270,10 @@ class SliceDispatcher:
             self._admit(instance)
         if sched.pool:
             self._wake.set()
+
+    def _context_now(self, key: Hashable) -> int | None:
+        found = self._running.get(int(key))  # type: ignore[call-overload]
+        return None if found is None else found[0] + len(found[1])
 
     def _live(self, request: SliceRequest) -> bool:
         waiter = self._waiting.get(int(request.key))  # type: ignore[call-overload]
@@ -398,6 +407,7 @@ class SliceDispatcher:
                 target, key, request = placed
                 placed = None
             slice_tokens = request.slice_tokens
+            self._running[int(request.key)] = (len(prompt_token_ids), generated)  # type: ignore[call-overload]
             state.to(Phase.PLACED)
             state.to(Phase.PREFILLING)
             # Worker request ids follow the id limits too (cms/limits.py): ':' separates the slice.
@@ -479,6 +489,7 @@ class SliceDispatcher:
                     exc,
                 )
             finally:
+                self._running.pop(int(request.key), None)  # type: ignore[call-overload]
                 left = total - len(generated)
                 if carried and left > 0 and self.config.resume_at_once:
                     placed = self.resume(target, key, request, len(prompt_token_ids) + len(generated), left)

@@ -120,10 +120,21 @@ class SliceOutcome:
 
 
 class _Req:
-    __slots__ = ("done_s", "error_code", "error_message", "first_s", "generated", "instance", "last_s")
+    __slots__ = (
+        "done_s",
+        "error_code",
+        "error_message",
+        "first_s",
+        "generated",
+        "in_slice",
+        "instance",
+        "last_s",
+    )
 
     def __init__(self) -> None:
         self.generated = 0
+        #: Tokens the running slice has produced so far (its progress).
+        self.in_slice = 0
         self.first_s = -1.0
         self.last_s = -1.0
         self.done_s = -1.0
@@ -176,6 +187,9 @@ class _SliceSimulation:
         first = models[self.ids[0]]
         self.sched = SliceScheduler(config, first.serving, first.memory, self.ids)
         self.sched.set_models(models)
+        # The engines' progress, as the router reads it from the tokens it relays: a running slice's
+        # context now is its prompt and every token its request has produced.
+        self.sched.progress = self._context_now
         self.serving = self.sched.models(min(self.ids)).serving
         self.preempted = [0] * n
         self.steps: list[ScheduledStep | None] = [None] * n
@@ -191,6 +205,11 @@ class _SliceSimulation:
         self.now = 0.0
         self.recomputed = self.slices = self.num_steps = self.events = 0
         self.gaps_ms: list[float] = []
+
+    def _context_now(self, key: object) -> int | None:
+        idx = int(key)  # type: ignore[call-overload]
+        r = self.reqs[idx]
+        return int(self.plans[idx].prompt_tokens + r.generated + r.in_slice)
 
     def _push(self, t: float, kind: int, x: int) -> None:
         heapq.heappush(self.heap, (t, self.seq, kind, x))
@@ -319,8 +338,10 @@ class _SliceSimulation:
                 elif r.last_s >= 0:
                     self.gaps_ms.append((now - r.last_s) * 1000.0)
             if not finished:
+                r.in_slice = position + 1
                 continue
             del self.slice_of[rid]
+            r.in_slice = 0
             r.generated += position + 1
             r.last_s = now
             produced = position + 1

@@ -61,7 +61,7 @@ Pure and synchronous: no I/O, no clock, no globals.
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -579,6 +579,8 @@ class MemoryFit:
         self.zeta = 1.0
         self._planned = 0.0
         self._used = 0.0
+        self._slice = 0.0
+        self._grown = 0.0
 
     @property
     def usage(self) -> float:
@@ -595,6 +597,19 @@ class MemoryFit:
             return
         self._planned = self._planned * _DECAY + planned_tokens
         self._used = self._used * _DECAY + min(used_tokens, planned_tokens)
+
+    @property
+    def growth(self) -> float:
+        """The decayed share of their slice length slices really generate (1 before any ended)."""
+        if self._slice < 1.0:
+            return 1.0
+        return min(1.0, max(0.05, self._grown / self._slice))
+
+    def observe_growth(self, slice_tokens: int, produced: int) -> None:
+        if slice_tokens <= 0 or produced < 0:
+            return
+        self._slice = self._slice * _DECAY + slice_tokens
+        self._grown = self._grown * _DECAY + min(produced, slice_tokens)
 
     def preempted(self) -> None:
         self.zeta = max(0.5, self.zeta * 0.8)
@@ -677,6 +692,29 @@ def slices_pay(preemptions: int, requests: int) -> bool:
 # --------------------------------------------------------------------------- the whole cycle
 
 
+def kv_peak_of(held: Sequence[tuple[float, float]]) -> float:
+    """The peak over time of the KV of slices ``(tokens held now, steps to their end)``.
+
+    Each slice adds a token a step and leaves at its end, so the sum rises
+    between two ends and falls at each: its peak is at an end ``k`` (or now),
+    where the slices alive are those with at least ``k`` steps to go. Sorted
+    by steps to go (longest first), the value at the m-th is the first m
+    slices' tokens plus m times its steps (ties: the last of them counts them
+    all). O(n log n).
+    """
+    if not held:
+        return 0.0
+    ordered = sorted(held, key=lambda h: -h[1])
+    peak = now = sum(h[0] for h in ordered)  # now: every slice alive, nothing added yet
+    total = 0.0
+    for m, (tokens, steps) in enumerate(ordered, start=1):
+        total += tokens
+        if m < len(ordered) and ordered[m][1] == steps:
+            continue
+        peak = max(peak, total + m * steps)
+    return max(peak, now)
+
+
 @dataclass
 class _Running:
     batch: SliceBatch
@@ -748,6 +786,10 @@ class SliceScheduler:
         self._planned_kv: dict[str, int] = {}
         self._busy_mark: dict[str, float | None] = {}
         self._next_key = 0
+        #: The driver's reader of a running slice's context now (prompt + every token produced so
+        #: far, by request key; None: unknown). With it the KV a running slice will still add is
+        #: counted from its progress (:meth:`committed_kv`); without it, whole from its start.
+        self.progress: Callable[[Hashable], int | None] | None = None
         self.batches = 0
         self.schedule_points = 0
         self.resumed = 0
@@ -786,6 +828,56 @@ class SliceScheduler:
 
     def planned_kv(self, instance: str) -> int:
         return self._planned_kv[instance]
+
+    def budget_kv(self, instance: str) -> float:
+        """The KV ``instance``'s slices may book: with the driver's progress, the headroom times the
+        preemption cap ζ (the running slices' expected growth is in :meth:`committed_kv`); without
+        it, the budget scaled by how much of their booking slices really use
+        (:attr:`InstanceModels.budget_tokens`)."""
+        m = self.models(instance)
+        if self.progress is None:
+            return m.budget_tokens
+        return m.memory.budget_tokens * min(1.0, m.memory_fit.zeta)
+
+    def committed_kv(self, instance: str) -> float:
+        """The KV ``instance``'s running slices will hold at their peak, from their progress.
+
+        The paper's memory model is static batching's: every request of a
+        batch holds its context plus the whole slice ``S`` until the batch
+        ends, so a batch is booked at ``Σ(context + S)``. On a
+        continuous-batching engine the slices of an instance started at
+        different times and each grows by a token a step: a slice half way
+        through holds half its ``S`` and leaves first. Booked whole from its
+        start, the plan kept the engines at about 85 % of their KV where
+        answers are long (resumed slices of long contexts run up to 8 S), and
+        lost throughput to request dispatch (``interactive-batch``, 0.85×).
+        With the driver's progress (:attr:`progress`) the booking is the
+        exact peak over the running slices' remaining steps (the sum over the
+        slices still alive at each slice's end: :func:`kv_peak_of`), at most
+        the whole booking; slices whose progress is unknown count whole.
+        Slices admitted next count at their whole ``context + S`` from now
+        (their start waits for their prefill, a delay nobody knows).
+        """
+        read = self.progress
+        running = self._running.get(instance)
+        if read is None or not running:
+            return float(self._planned_kv.get(instance, 0))
+        growth = self.models(instance).memory_fit.growth
+        held: list[tuple[float, float]] = []
+        for entry in running.values():
+            for r in entry.batch.requests:
+                planned = entry.kv.get(r.key)
+                if planned is None:
+                    continue  # ended
+                now = read(r.key)
+                final = r.context_tokens + r.slice_tokens
+                if now is None or now < r.context_tokens:
+                    held.append((float(planned), 0.0))
+                    continue
+                # The blocks' rounding stays with the slice to its end.
+                now = min(now, final)
+                held.append((float(now + planned - final), float(final - now) * growth))
+        return kv_peak_of(held)
 
     def set_instances(self, instances: Sequence[str]) -> None:
         """Follow the fleet: new instances start idle; a removed one's queued batches return to the pool."""
@@ -904,15 +996,14 @@ class SliceScheduler:
         if not queue:
             return []
         running = self._running[instance]
-        models = self.models(instance)
-        budget = models.budget_tokens
+        budget = self.budget_kv(instance)
         out = []
         while queue:
             batch = queue[0]
             if running:
                 if not self.config.overlap_batches:
                     break
-                room = budget - self._planned_kv[instance]
+                room = budget - self.committed_kv(instance)
                 if batch.kv_tokens > room:
                     head = self._split(instance, batch, room) if self.config.split_batches else None
                     if head is None:
@@ -963,7 +1054,9 @@ class SliceScheduler:
         planned = entry.kv.pop(request.key, 0)
         self._planned_kv[instance] -= planned
         if produced is not None and instance in self._loads:
-            self.models(instance).memory_fit.observe(planned, request.context_tokens + produced)
+            fit = self.models(instance).memory_fit
+            fit.observe(planned, request.context_tokens + produced)
+            fit.observe_growth(request.slice_tokens, produced)
         entry.unfinished -= 1
         if entry.unfinished > 0:
             return False
@@ -1021,7 +1114,7 @@ class SliceScheduler:
         for i in ordered:
             m = self.models(i)
             kv = m.memory.request_kv_tokens(following.context_tokens, following.slice_tokens)
-            if i != instance and self._planned_kv[i] + kv > m.budget_tokens:
+            if i != instance and self.committed_kv(i) + kv > self.budget_kv(i):
                 continue
             cost = self._marginal(i, following, cached=self.config.prefix_cache and i == instance)
             options.append((self._loads[i] + cost, i, cost, kv))
