@@ -61,7 +61,7 @@ Pure and synchronous: no I/O, no clock, no globals.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -633,6 +633,91 @@ class InstanceModels:
 
     def estimate_ms(self, batch: int, context_tokens: int, generation_tokens: int) -> float:
         return self.serving_fit.scale * self.serving.serve_ms(batch, context_tokens, generation_tokens)
+
+
+@dataclass(frozen=True)
+class InstanceShape:
+    """What an instance's estimators are built from: its profile group and its engine's limits."""
+
+    group: str
+    max_num_batched_tokens: int = 2048
+    kv_capacity_tokens: int = 65536
+    block_size: int = 16
+    max_model_len: int = 8192
+    max_num_seqs: int = 256
+
+
+class ModelBook:
+    """Each instance's estimators (:class:`InstanceModels`), built from its :class:`InstanceShape`.
+
+    One builder for both drivers (the router reads the shapes from the
+    instances' metadata, the simulator from its engines' configs): the
+    serving-time model comes from the profile group's predictor and the
+    instance's chunk budget, model length and batch limit (shared by every
+    instance of the same shape: fitting it is the costly part), the memory
+    model from its own KV capacity and block size. An instance keeps its
+    models, and so its online fits, while its shape is unchanged.
+    """
+
+    def __init__(self, predictor_for: Callable[[str], LatencyPredictor], config: SliceConfig) -> None:
+        self._predictor_for = predictor_for
+        self._config = config
+        self._servings: dict[tuple[str, int, int, int], ServingTimeModel] = {}
+        self._built: dict[str, tuple[InstanceShape, InstanceModels]] = {}
+
+    def models(self, shapes: Mapping[str, InstanceShape]) -> dict[str, InstanceModels]:
+        """The models of every instance in ``shapes`` (instance id -> shape), in its order."""
+        out: dict[str, InstanceModels] = {}
+        for instance, shape in shapes.items():
+            known = self._built.get(instance)
+            if known is not None and known[0] == shape:
+                out[instance] = known[1]
+                continue
+            key = (shape.group, shape.max_num_batched_tokens, shape.max_model_len, shape.max_num_seqs)
+            serving = self._servings.get(key)
+            if serving is None:
+                serving = ServingTimeModel(
+                    self._predictor_for(shape.group),
+                    max_num_batched_tokens=shape.max_num_batched_tokens,
+                    max_batch=shape.max_num_seqs,
+                    max_context_tokens=max(shape.max_model_len, 8),
+                )
+                self._servings[key] = serving
+            memory = MemoryModel(
+                kv_capacity_tokens=shape.kv_capacity_tokens,
+                block_size=shape.block_size,
+                headroom=self._config.kv_headroom,
+                max_batch=shape.max_num_seqs,
+            )
+            built = InstanceModels(serving, memory)
+            self._built[instance] = (shape, built)
+            out[instance] = built
+        return out
+
+
+# --------------------------------------------------------------------------- flags
+
+
+def add_slice_arguments(group: Any, *, interval_help: str) -> None:
+    """``--slice-tokens`` and ``--slice-interval-ms`` (the router, ``up`` and ``simulate`` share them)."""
+    group.add_argument(
+        "--slice-tokens",
+        type=int,
+        default=DEFAULT_SLICE_TOKENS,
+        metavar="S",
+        help="slice mode: new tokens of a first slice; a resumed slice of a long context is longer, so "
+        "that re-prefilling it costs at most a quarter of its decode (at most 8x S) (default: %(default)s)",
+    )
+    group.add_argument("--slice-interval-ms", type=float, metavar="MS", help=interval_help)
+
+
+def slice_config_of(slice_tokens: int, interval_ms: float | None, **extra: Any) -> SliceConfig:
+    """:class:`SliceConfig` from the flags' values; a ``ValueError`` names the flag as typed."""
+    try:
+        return SliceConfig(slice_tokens=slice_tokens, interval_ms=interval_ms, **extra)
+    except ValueError as exc:
+        flag = "--slice-tokens" if "slice_tokens" in str(exc) else "--slice-interval-ms"
+        raise ValueError(f"{flag}: {exc}") from None
 
 
 def slice_length(
