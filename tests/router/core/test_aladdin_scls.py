@@ -528,14 +528,17 @@ def test_learned_theta_falls_when_requests_miss_their_tpot_and_rises_when_they_h
     teach nothing."""
     from router.core.packing import THETA_EVERY, ThetaFit
 
-    missing = ThetaFit(0.7)
+    fit = ThetaFit(0.7)
     for _ in range(THETA_EVERY * 4):
-        missing.observe(60.0, 50.0)  # 1.2 × the target
-    assert missing.updates == 4 and missing.theta < 0.7 * 0.9**3
-    roomy = ThetaFit(0.7)
-    for _ in range(THETA_EVERY * 4):
-        roomy.observe(30.0, 50.0)
-    assert roomy.updates == 4 and roomy.theta > 0.7 * 1.04**4
+        fit.observe(30.0, 50.0)
+    assert fit.updates == 4 and fit.theta > 0.7 * 1.04**4  # room: loosened
+    loosened = fit.theta
+    for _ in range(THETA_EVERY * 2):
+        fit.observe(60.0, 50.0)  # 1.2 × the target
+    assert fit.theta < loosened * 0.9**1.5  # misses: tightened at once (the high quantile)
+    for _ in range(THETA_EVERY * 20):
+        fit.observe(60.0, 50.0)
+    assert fit.theta == 0.7  # never below the configured θ (misses it does not cause)
     judged_end_to_end = ThetaFit(0.7)
     for _ in range(THETA_EVERY * 4):
         judged_end_to_end.observe(300.0, 0.0)
@@ -543,7 +546,7 @@ def test_learned_theta_falls_when_requests_miss_their_tpot_and_rises_when_they_h
     # In closed loop (the TPOT requests get grows with θ) it settles where the target is just met: a
     # horizon 10 % optimistic settles at 1 / 1.1, one 20 % pessimistic at 1 / 0.8 (capped at 1.25).
     for bias, want in ((1.1, 1 / 1.1), (0.8, 1.25)):
-        loop = ThetaFit(0.7)
+        loop = ThetaFit(0.5)
         for _ in range(THETA_EVERY * 40):
             loop.observe(bias * loop.theta * 50.0, 50.0)
         assert loop.theta == pytest.approx(want, rel=0.02)
