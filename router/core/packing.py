@@ -202,7 +202,8 @@ def resident_tpot_need_ms(ctx: DecisionContext, config: SchedulerConfig) -> floa
     if request is None:
         return 0.0
     target = request.tpot_slo_ms or config.tpot_slo_ms
-    return _paced(ctx, target, config.packing_default_output_tokens, config.binpack_theta)
+    # Over the θ in force (the learned one): (b) then holds the horizon to θ × need = the pace itself.
+    return _paced(ctx, target, config.packing_default_output_tokens, live_theta(ctx, config))
 
 
 class ThetaFit:
@@ -568,12 +569,13 @@ def _tpot_horizon_over_need(ctx: DecisionContext, config: SchedulerConfig) -> Fl
     need = residents_tpot_need(ctx, config.tpot_slo_ms)
     if ctx.request is not None:
         # The newcomer at the target this decision runs with (the router queue's margin included).
-        own = packing_tpot_target_ms(ctx, config.packing_default_output_tokens, config.binpack_theta)
+        own = packing_tpot_target_ms(ctx, config.packing_default_output_tokens, live_theta(ctx, config))
         need = np.minimum(need, own)
     ratio: FloatArray = np.divide(horizon, need, out=np.full(ctx.view.n, np.inf), where=need > 0)
     theta = live_theta(ctx, config)
     if theta != config.binpack_theta:
-        # The filter keeps the ratio below --binpack-theta: scaled so that it holds the learned θ.
+        # The filter keeps the ratio below --binpack-theta: scaled so that it holds the learned θ. A
+        # need paced by a deadline is that pace over θ (resident_tpot_need_ms), so it stays the pace.
         ratio = ratio * (config.binpack_theta / theta)
     return ratio
 
