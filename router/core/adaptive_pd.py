@@ -35,7 +35,6 @@ decode is held. Reserves are kept per model and changed only by committed
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import numpy as np
@@ -100,7 +99,7 @@ class ReserveElection:
         eligible = usable.copy()
         if other >= 0:
             eligible[other] = False
-        index = np.flatnonzero(eligible)
+        index = eligible.nonzero()[0]  # (np.flatnonzero's result, with a cheaper call)
         if len(index) == 0:
             return -1
         backlog = ctx.metric("prefill_backlog_tokens")[index]
@@ -151,7 +150,8 @@ class DecodeShare:
         if request is not None and request.model:
             usable = usable & ctx.view.instances.model_mask(request.model)
         cap = decoder_cap(int(np.count_nonzero(usable)), *self.demand)
-        ctx.reserves = dataclasses.replace(ctx.reserves, max_decoders=float(cap))
+        held = ctx.reserves  # (built directly: dataclasses.replace costs several times more per decision)
+        ctx.reserves = Reserves(held.prefill, held.decode, float(cap))
 
     def _fit(self, ctx: DecisionContext, shape: LoadShape) -> tuple[float, float] | None:
         assert ctx.predictors is not None

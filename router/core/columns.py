@@ -31,6 +31,10 @@ _set_attr = object.__setattr__
 
 # --------------------------------------------------------------------------- the view
 
+#: How many entries a table's memo may hold before :meth:`InstanceTable.constant` stops keeping
+#: new columns (the values come from requests' prompts: bounded).
+_MEMO_CONSTANTS_MAX = 4096
+
 
 @dataclass(frozen=True, eq=False)
 class InstanceTable:
@@ -101,6 +105,43 @@ class InstanceTable:
             mask.setflags(write=False)
             self.memo["all_false"] = mask
         return mask
+
+    def constant(self, value: float) -> FloatArray:
+        """A shared read-only column holding ``value`` (finite) at every instance.
+
+        Kept with the snapshot (up to a bound), and known as constant: a selector
+        ranking by it sees every candidate tie without comparing (:meth:`is_constant`).
+        """
+        key = ("constant", value)
+        column: FloatArray | None = self.memo.get(key)
+        if column is None:
+            column = np.full(self.n, value)
+            column.setflags(write=False)
+            if len(self.memo) < _MEMO_CONSTANTS_MAX:
+                self.memo[key] = column
+                self.memo[("constant_id", id(column))] = column  # (held: the id stays its own)
+        return column
+
+    def is_constant(self, column: FloatArray) -> bool:
+        """``column`` is one of :meth:`constant`'s (the same value everywhere)."""
+        return self.memo.get(("constant_id", id(column))) is column
+
+    def over_kv_capacity(self, values: FloatArray, empty: float) -> FloatArray:
+        """``values / kv_capacity_tokens`` per instance, ``empty`` where an instance states no capacity.
+
+        On a fleet where every instance states one (the usual case) this is one
+        division: ``np.divide`` with ``where=`` and a filled ``out`` costs ten
+        times more on a small fleet, and gives the same quotients where it divides.
+        """
+        capacity = self.kv_capacity_tokens
+        everywhere: bool | None = self.memo.get("kv_capacity_everywhere")
+        if everywhere is None:
+            everywhere = self.memo["kv_capacity_everywhere"] = bool(np.count_nonzero(capacity > 0) == self.n)
+        if everywhere:
+            quotient: FloatArray = values / capacity
+            return quotient
+        out: FloatArray = np.divide(values, capacity, out=np.full(self.n, empty), where=capacity > 0)
+        return out
 
     def model_mask(self, model: str) -> BoolArray:
         """Instances that serve ``model``: all of them for ``""``, else those naming it or naming none."""

@@ -194,7 +194,9 @@ class MetricThreshold:
             found: tuple[FloatArray, BoolArray] | None = memo.get(key)
             if found is not None and found[0] is values:
                 return FilterResult._make((found[1], None))
-            keep = values < bound
+            keep = values < np.array(bound)  # (a 0-d operand: cheaper than a Python float, same mask)
+            if ctx.decision_only(self.metric, values):
+                return FilterResult._make((keep, None))  # (no later decision can reuse it)
             keep.setflags(write=False)
             if len(memo) < _KEEP_MEMO_MAX:
                 memo[key] = (values, keep)

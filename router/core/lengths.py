@@ -216,17 +216,18 @@ class LengthPredictor:
     ) -> LengthEstimate:
         """Expected output of a new request (``max_tokens``/``hint``: 0 = not given)."""
         found = self._answer(slo_class, prompt_tokens)
+        # (One estimate built, at the end: it is asked for once per placement.)
         if found is None:
-            prior = float(hint or max_tokens or self.config.default_tokens)
-            est = LengthEstimate(prior, prior, 0, "prior")
+            mean = quantile = float(hint or max_tokens or self.config.default_tokens)
+            samples, source = 0, "prior"
         else:
             w, source = found
-            n = len(w.samples)
-            est = LengthEstimate(w.total / n, w.quantile(self.config.quantile), n, source)
+            samples = len(w.samples)
+            mean, quantile = w.total / samples, w.quantile(self.config.quantile)
         if max_tokens > 0:
             cap = float(max_tokens)
-            est = LengthEstimate(min(est.mean, cap), min(est.quantile, cap), est.samples, est.source)
-        return LengthEstimate(max(est.mean, 1.0), max(est.quantile, 1.0), est.samples, est.source)
+            mean, quantile = min(mean, cap), min(quantile, cap)
+        return LengthEstimate(max(mean, 1.0), max(quantile, 1.0), samples, source)
 
     def remaining(
         self, slo_class: str, prompt_tokens: int, generated: int, max_tokens: int = 0, hint: int = 0

@@ -197,7 +197,7 @@ def _decode_step_ms_at(ctx: DecisionContext, i: int) -> float:
     if ctx.predictors is None:
         return float("nan")
     lp = ctx.predictors.for_group(ctx.view.instances.groups[i])
-    return lp.predict_tpot_ms(ctx.metric("decode_batch_size").item(i), ctx.metric("decode_tokens").item(i))
+    return lp.tpot_ms_at(ctx.metric("decode_batch_size").item(i), ctx.metric("decode_tokens").item(i))
 
 
 @_register("decode_batch_size", MetricScope.LOAD)
@@ -225,9 +225,7 @@ def _num_requests(ctx: DecisionContext) -> FloatArray:
 def _kv_usage_projected(ctx: DecisionContext) -> FloatArray:
     table = ctx.view.instances
     used = table.used_kv_tokens + table.uncomputed_prefill_tokens + ctx.view.inflight.tokens
-    capacity = table.kv_capacity_tokens
-    usage: FloatArray = np.divide(used, capacity, out=np.full(table.n, np.inf), where=capacity > 0)
-    return usage
+    return table.over_kv_capacity(used, np.inf)
 
 
 @_register("decode_step_ms", MetricScope.LOAD, INFLIGHT_DECODE_REQUESTS | INFLIGHT_DECODE_TOKENS)
@@ -266,7 +264,7 @@ def _slot_wait_ms(ctx: DecisionContext) -> FloatArray:
         return _no_cache(table)  # (the table's shared read-only zeros)
     zero = np.zeros(table.n)
     need = table.running_requests + table.waiting_requests + ctx.view.inflight.requests + 1.0 - cap
-    if not (need > 0).any():
+    if not np.count_nonzero(need > 0):
         return zero
     batch = ctx.metric("decode_batch_size")
     running = np.clip(np.maximum(table.running_requests, batch), 1.0, np.maximum(cap, 1.0))
@@ -325,7 +323,7 @@ def _step_model(
         return found[1]
     p0 = table.uncomputed_prefill_tokens
     has = p0 > 0
-    if not has.any():
+    if not np.count_nonzero(has):
         table.memo[key] = (correction, None)
         return None
     decode = predictors.decode_step_ms(table, table.decode_requests, table.decode_tokens)
@@ -416,12 +414,7 @@ def _prefill_backlog_tokens(ctx: DecisionContext) -> FloatArray:
 
 
 def _no_cache(table: InstanceTable) -> FloatArray:
-    found: FloatArray | None = table.memo.get("no_cached_tokens")
-    if found is None:
-        found = np.zeros(table.n)
-        found.setflags(write=False)
-        table.memo["no_cached_tokens"] = found
-    return found
+    return table.constant(0.0)
 
 
 @_register("cached_prompt_tokens", MetricScope.DECISION)
@@ -438,15 +431,7 @@ def _prompt_compute_tokens(ctx: DecisionContext) -> FloatArray:
     """``p - c``: the prompt tokens the instance would compute (``p`` everywhere without cache knowledge)."""
     prompt = _prompt_to_compute(ctx)
     if isinstance(prompt, float):
-        table = ctx.view.instances
-        key = ("prompt_column", prompt)
-        found: FloatArray | None = table.memo.get(key)
-        if found is None:
-            found = np.full(table.n, prompt)
-            found.setflags(write=False)
-            if len(table.memo) < 4096:
-                table.memo[key] = found
-        return found
+        return ctx.view.instances.constant(prompt)
     return prompt
 
 
@@ -455,7 +440,7 @@ def _prompt_to_compute(ctx: DecisionContext) -> float | FloatArray:
     request = ctx.request
     if request is None or ctx.prefix is None or not request.prefix_hashes:
         return ctx.prompt_tokens
-    return ctx.prompt_tokens - ctx.metric("cached_prompt_tokens")
+    return np.array(ctx.prompt_tokens) - ctx.metric("cached_prompt_tokens")  # (0-d: cheaper, the same)
 
 
 # ----------------------------------------------------------------------------- predictions
@@ -466,10 +451,12 @@ def _predicted_ttft_at(ctx: DecisionContext, i: int) -> float:
         return float("nan")
     table = ctx.view.instances
     lp = ctx.predictors.for_group(table.groups[i])
-    prompt = _prompt_to_compute(ctx)
-    backlog = ctx.metric("prefill_backlog_tokens").item(i) + (
-        prompt if isinstance(prompt, float) else prompt.item(i)
-    )
+    request = ctx.request
+    prompt = ctx.prompt_tokens
+    if request is not None and ctx.prefix is not None and request.prefix_hashes:
+        # ``_prompt_to_compute`` at one instance: the same subtraction, without the column's.
+        prompt = prompt - ctx.metric("cached_prompt_tokens").item(i)
+    backlog = ctx.metric("prefill_backlog_tokens").item(i) + prompt
     batch = ctx.metric("decode_batch_size").item(i)
     tokens = ctx.metric("decode_tokens").item(i)
     budget = table.max_num_batched_tokens.item(i)
@@ -522,11 +509,17 @@ def _predicted_ttft(ctx: DecisionContext) -> FloatArray:
     if predictors is None:
         return _nan(ctx)
     table = ctx.view.instances
-    backlog = ctx.metric("prefill_backlog_tokens") + _prompt_to_compute(ctx)
+    prompt = _prompt_to_compute(ctx)
+    # (A 0-d operand: a cheaper addition than with a Python float, the same sums.)
+    backlog = ctx.metric("prefill_backlog_tokens") + (
+        np.array(prompt) if isinstance(prompt, float) else prompt
+    )
     step = ctx.metric("decode_step_ms")
     full_chunk = _full_chunk_ms(table, predictors)
     if ctx.prompt_tokens > 0:  # then every backlog is > 0: the leaner path gives the same values
-        values = predictors.positive_chunked_prefill_ms(table, backlog, step, full_chunk + step)
+        values = predictors.positive_chunked_prefill_ms(
+            table, backlog, step, _full_step_ms(ctx, full_chunk, step)
+        )
     else:
         values = predictors.chunked_prefill_ms(table, backlog, step, full_chunk)
     correction = _correction(ctx)
@@ -544,9 +537,24 @@ def _predicted_ttft(ctx: DecisionContext) -> FloatArray:
     if table.max_num_seqs is not None:
         # A full engine holds the request back until a running one finishes (see slot_wait_ms).
         wait = ctx.metric("slot_wait_ms")
-        if wait.any():
+        if np.count_nonzero(wait):  # (NaN counts as nonzero, as for .any())
             values = values + wait
     return values
+
+
+def _full_step_ms(ctx: DecisionContext, full_chunk: FloatArray, step: FloatArray) -> FloatArray:
+    """``full_chunk + step`` (a step carrying a full chunk and the decode batch), kept with the load:
+    both are the same objects for every decision on it."""
+    memo = ctx.view.load_memo
+    found: tuple[FloatArray, FloatArray, FloatArray] | None = memo.get(_FULL_STEP)
+    if found is not None and found[0] is full_chunk and found[1] is step:
+        return found[2]
+    total = full_chunk + step
+    memo[_FULL_STEP] = (full_chunk, step, total)  # (the keys held: their ids stay theirs)
+    return total
+
+
+_FULL_STEP = "full_step_ms"
 
 
 def _full_chunk_remainder(
@@ -572,43 +580,56 @@ _FULL_REMAINDER = "refit_full_chunk_remainder"
 _BATCH_CELLS = "predicted_tpot_batch_cells"
 
 
+def decode_step_with_request_ms(
+    ctx: DecisionContext, predictors: PredictorSet, tokens: FloatArray
+) -> tuple[FloatArray, FloatArray]:
+    """Per instance, the profile's decode step with this request in the batch, and that batch: at
+    ``(decode_batch_size + 1, tokens)``, for ``tokens`` > 0 everywhere (not checked).
+
+    The batch is then >= 1 and the context > 0, so the leaner busy path gives the values of
+    ``predictors.decode_step_ms``. The batches with the request are the load's: they and their
+    cells on the profile's batch axis are kept with the load (every decision on it, and each
+    prediction of one decision at this batch, reads the same ones).
+    """
+    batch = ctx.metric("decode_batch_size")
+    table = ctx.view.instances
+    lp = predictors.only(table)
+    if lp is None:
+        with_request = batch + _ONE
+        return predictors.busy_decode_step_ms(table, with_request, tokens), with_request
+    memo = ctx.view.load_memo
+    found: tuple[FloatArray, Any, FloatArray, Any] | None = memo.get(_BATCH_CELLS)
+    if found is not None and found[0] is batch and found[1] is lp:
+        with_request, cells = found[2], found[3]
+    else:
+        with_request = batch + _ONE
+        cells = lp.decode_batch_cells(with_request)
+        for array in (with_request, *cells):
+            array.setflags(write=False)
+        memo[_BATCH_CELLS] = (batch, lp, with_request, cells)
+    return lp.busy_decode_step_ms_cells(with_request, cells, tokens), with_request
+
+
 @_register("predicted_tpot", MetricScope.DECISION)
 def _predicted_tpot(ctx: DecisionContext) -> FloatArray:
-    if ctx.predictors is None:
+    predictors = ctx.predictors
+    if predictors is None:
         return _nan(ctx)
     batch = ctx.metric("decode_batch_size")
     tokens = ctx.metric("decode_tokens")
-    lp = None
     if ctx.request is not None:
-        lp = ctx.predictors.only(ctx.view.instances)
-        if lp is not None and ctx.prompt_tokens > 0:
-            # The batches with this request are the load's: they and their cells on the profile's
-            # batch axis are kept with the load (every decision on it reads the same ones).
-            memo = ctx.view.load_memo
-            found: tuple[FloatArray, Any, FloatArray, Any] | None = memo.get(_BATCH_CELLS)
-            if found is not None and found[0] is batch and found[1] is lp:
-                batch, cells = found[2], found[3]
-            else:
-                current = batch
-                batch = batch + _ONE
-                cells = lp.decode_batch_cells(batch)
-                for array in (batch, *cells):
-                    array.setflags(write=False)
-                memo[_BATCH_CELLS] = (current, lp, batch, cells)
+        horizon = _horizon_tokens(ctx)
+        # (0-d operands: cheaper additions than with Python floats, the same sums in the same order.)
+        tokens = tokens + np.array(ctx.prompt_tokens)
+        if horizon > 0.0:
+            tokens += np.array(horizon)
+        if ctx.prompt_tokens > 0:
+            values, batch = decode_step_with_request_ms(ctx, predictors, tokens)
         else:
             batch = batch + _ONE
-        tokens = tokens + ctx.prompt_tokens
-        horizon = _horizon_tokens(ctx)
-        if horizon > 0.0:
-            tokens = tokens + horizon
-    if ctx.request is not None and ctx.prompt_tokens > 0:
-        # batch >= 1 and tokens > 0 everywhere: the leaner path gives the same values
-        if lp is not None:
-            values = lp.busy_decode_step_ms_cells(batch, cells, tokens)
-        else:
-            values = ctx.predictors.busy_decode_step_ms(ctx.view.instances, batch, tokens)
+            values = predictors.decode_step_ms(ctx.view.instances, batch, tokens)
     else:
-        values = ctx.predictors.decode_step_ms(ctx.view.instances, batch, tokens)
+        values = predictors.decode_step_ms(ctx.view.instances, batch, tokens)
     correction = _correction(ctx)
     if correction is None:
         return values
@@ -621,6 +642,8 @@ def _predicted_tpot(ctx: DecisionContext) -> FloatArray:
 def _indicator(ctx: DecisionContext, index: int) -> FloatArray:
     # Reserves rarely change: one read-only column per reserved index and snapshot.
     table = ctx.view.instances
+    if index < 0:
+        return table.constant(0.0)
     key = ("indicator", index)
     out: FloatArray | None = table.memo.get(key)
     if out is None:

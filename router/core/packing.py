@@ -96,6 +96,7 @@ import numpy as np
 
 from router.core.columns import BoolArray, FloatArray, InstanceTable, IntArray
 from router.core.config import SchedulerConfig
+from router.core.metrics import decode_step_with_request_ms
 from router.core.plugins import DecisionContext, Metric, MetricScope
 from router.core.registry import METRICS, Params
 from router.core.request import ScheduleInput
@@ -421,10 +422,8 @@ def _kv_peak_projected(ctx: DecisionContext, config: SchedulerConfig) -> FloatAr
         used = table.used_kv_tokens + table.uncomputed_prefill_tokens + ctx.view.inflight.tokens + growth
         memo[_KV_LOAD] = (growth, used)
     if ctx.request is not None:
-        used = used + (ctx.prompt_tokens + _out(ctx, config))
-    capacity = table.kv_capacity_tokens
-    peak: FloatArray = np.divide(used, capacity, out=np.full(table.n, np.inf), where=capacity > 0)
-    return peak
+        used = used + np.array(ctx.prompt_tokens + _out(ctx, config))  # (0-d: a cheaper operand)
+    return table.over_kv_capacity(used, np.inf)
 
 
 _KV_LOAD = "kv_peak_projected_load"
@@ -437,7 +436,8 @@ def _kv_life_at(ctx: DecisionContext, config: SchedulerConfig, i: int) -> float:
         return float(_kv_life_column(ctx, config)[i])
     table = ctx.view.instances
     inflight = ctx.view.inflight
-    now = float(table.used_kv_tokens[i] + table.uncomputed_prefill_tokens[i] + inflight.tokens[i])
+    # (Python floats from .item: the same IEEE sums as numpy's scalars, without their overhead.)
+    now = table.used_kv_tokens.item(i) + table.uncomputed_prefill_tokens.item(i) + inflight.tokens.item(i)
     held = pending = 0.0
     running: list[tuple[float, float]] = []
     for context, remaining, started in legs:
@@ -446,7 +446,7 @@ def _kv_life_at(ctx: DecisionContext, config: SchedulerConfig, i: int) -> float:
             running.append((remaining, context))
         else:
             pending += context + remaining
-    uncovered = max(float(table.decode_requests[i] + inflight.decode_requests[i]) - len(legs), 0.0)
+    uncovered = max(table.decode_requests.item(i) + inflight.decode_requests.item(i) - len(legs), 0.0)
     used = now - held + pending + uncovered * config.packing_default_output_tokens
     if running:
         running.sort(reverse=True)
@@ -502,10 +502,8 @@ def _kv_peak_exact(ctx: DecisionContext, config: SchedulerConfig) -> FloatArray:
     used = ctx.metric("kv_life_tokens")
     if ctx.request is not None:
         # The new request also starts after its prefill: at its final length throughout.
-        used = used + (ctx.prompt_tokens + _out(ctx, config))
-    capacity = table.kv_capacity_tokens
-    peak: FloatArray = np.divide(used, capacity, out=np.full(table.n, np.inf), where=capacity > 0)
-    return peak
+        used = used + np.array(ctx.prompt_tokens + _out(ctx, config))  # (0-d: a cheaper operand)
+    return table.over_kv_capacity(used, np.inf)
 
 
 # ----------------------------------------------------------------------------- TPOT at the horizon
@@ -529,8 +527,11 @@ def _predicted_tpot_horizon(ctx: DecisionContext, config: SchedulerConfig) -> Fl
     batch = ctx.metric("decode_batch_size")
     tokens = ctx.metric("decode_tokens_horizon")
     if ctx.request is not None:
+        # (A 0-d operand: a cheaper addition than with a Python float, the same sums.)
+        tokens = tokens + np.array(ctx.prompt_tokens + config.tpot_packing_strictness * _out(ctx, config))
+        if ctx.prompt_tokens > 0:  # every context > 0: the busy path, with the load's batch cells
+            return decode_step_with_request_ms(ctx, ctx.predictors, tokens)[0]
         batch = batch + 1.0
-        tokens = tokens + (ctx.prompt_tokens + config.tpot_packing_strictness * _out(ctx, config))
     return ctx.predictors.decode_step_ms(ctx.view.instances, batch, tokens)
 
 
@@ -710,10 +711,7 @@ def _capacity_norm(ctx: DecisionContext, config: SchedulerConfig) -> FloatArray:
     """Aladdin's load of a bin: batch and γ-weighted context, each as a share of the instance's room."""
     table = ctx.view.instances
     batch = ctx.metric("decode_batch_size") / float(config.binpack_max_batch)
-    capacity = table.kv_capacity_tokens
-    context = np.divide(
-        ctx.metric("decode_tokens_horizon"), capacity, out=np.zeros(table.n), where=capacity > 0
-    )
+    context = table.over_kv_capacity(ctx.metric("decode_tokens_horizon"), 0.0)
     norm: FloatArray = np.hypot(batch, context)
     return norm
 
@@ -773,11 +771,12 @@ def prefill_room_mask(ctx: DecisionContext) -> BoolArray:
     batch = ctx.metric("decode_batch_size")
     idle = batch == 0
     usable = ctx.usable()
-    good = idle & usable & (ctx.metric("predicted_ttft") < 0.5 * ttft_need_ms(ctx))
+    # (A 0-d operand and ``nonzero()[0]`` below: cheaper numpy calls, the same values.)
+    good = idle & usable & (ctx.metric("predicted_ttft") < np.array(0.5 * ttft_need_ms(ctx)))
     reserved = ctx.reserves.decode
     if reserved >= 0:
         good[reserved] = False
-    decoders = np.flatnonzero(~idle & usable)
+    decoders = (~idle & usable).nonzero()[0]
     cap = ctx.reserves.max_decoders
     others = int(np.count_nonzero(good)) - good
     keep: BoolArray = ~idle | ((others >= OPEN_MARGIN) & (len(decoders) < cap))

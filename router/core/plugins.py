@@ -171,6 +171,12 @@ class DecisionContext:
                 return values
         return metric.compute(self)
 
+    def decision_only(self, name: str, values: FloatArray) -> bool:
+        """``values`` (metric ``name``'s column) was computed for this decision alone: a
+        decision-scoped metric's own new array, which no later decision will see again (a shared
+        column is read-only)."""
+        return self._metrics[name].scope is _DECISION and values.flags.writeable
+
     def metric_at(self, name: str, index: int) -> float:
         """Metric ``name`` at one instance, without computing the whole column when it is not cached.
 

@@ -92,9 +92,11 @@ def _ties(ctx: DecisionContext, metric: str, candidates: IntArray, highest: bool
     survivors are read-only, so the same objects give the same ties.
     """
     column = ctx.metric(metric)
+    memo = ctx.view.instances.memo
+    if memo.get(("constant_id", id(column))) is column:  # (InstanceTable.is_constant, inlined)
+        return candidates  # the same value everywhere: every candidate ties
     if candidates.flags.writeable:  # (survivors of this decision only)
         return _best_ties(column[candidates], candidates, highest)
-    memo = ctx.view.instances.memo
     key = ("ties", metric, highest)
     found: tuple[FloatArray, IntArray, IntArray] | None = memo.get(key)
     if found is not None and found[0] is column and found[1] is candidates:
@@ -278,8 +280,12 @@ def _first_by_rank(ctx: DecisionContext, ties: IntArray) -> int:
 
 def _lexicographic_ties(ctx: DecisionContext, candidates: IntArray, keys: tuple[SortKey, ...]) -> IntArray:
     ties = candidates
+    table = ctx.view.instances
     for key in keys:
-        ties = _best_ties(ctx.metric(key.metric)[ties], ties, key.highest)
+        column = ctx.metric(key.metric)
+        if table.is_constant(column):
+            continue  # every candidate ties
+        ties = _best_ties(column[ties], ties, key.highest)
         if len(ties) == 1:
             break
     return ties

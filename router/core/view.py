@@ -205,7 +205,7 @@ class ViewBuilder:
             age, oldest = ages[2], ages[3]
         else:
             elapsed = snapshot.elapsed_s(now_s)  # frozen while the CMS is lost (static stability)
-            age = _readonly(table.status_age_s + elapsed)
+            age = _readonly(table.status_age_s + np.array(elapsed))  # (0-d: cheaper, the same sums)
             # The same float addition as in ``age``, and rounding is monotonic: the oldest age exactly.
             oldest = _oldest_status_age(table) + elapsed
             self._ages = (table, now_s, age, oldest)

@@ -15,10 +15,11 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from fleet.snapshot import ClusterSnapshot
 from router.core.columns import INFLIGHT_ALL, ClusterView
 from router.core.decision import Choice, Decision
 from router.core.inflight import InflightAccount
-from router.core.request import ScheduleInput, Stage
+from router.core.request import ScheduleInput, Stage, Targets
 from router.core.scheduler import Scheduler
 from router.core.selectors import _best_ties
 from router.placement import PlacementRequest
@@ -144,7 +145,7 @@ def test_highest_ties_are_the_lowest_ties_of_the_negation(values) -> None:  # ty
 
 
 def test_hand_written_inits_match_the_dataclass_fields() -> None:
-    for cls in (Choice, Decision, ClusterView, ScheduleInput, PlacementRequest):
+    for cls in (Choice, Decision, ClusterView, ScheduleInput, PlacementRequest, Targets):
         params = list(inspect.signature(cls.__init__).parameters.values())[1:]
         fields = [f for f in dataclasses.fields(cls) if f.init]
         assert [p.name for p in params] == [f.name for f in fields], cls
@@ -205,3 +206,113 @@ def test_decisions_on_a_loaded_fleet_match_a_scheduler_without_caches(seed, poli
         if k % 3 == 2:
             warm.inflight.release(f"r{k - 2}")
         now += 0.01
+
+
+# ----------------------------------------------------------------------------- cheaper numpy forms
+
+_fleets = st.lists(
+    st.tuples(
+        st.sampled_from(["prefill", "decode", "neutral"]),
+        st.integers(0, 40),  # decode requests
+        st.integers(0, 2000),  # tokens per decode request
+        st.sampled_from([0, 0, 300, 5000]),  # status prefill backlog
+        st.sampled_from([0, 50_000, 200_000]),  # KV capacity (0: not stated)
+        st.integers(0, 150_000),  # KV used
+    ),
+    min_size=1,
+    max_size=12,
+)
+
+
+def _fleet_snapshot(rows) -> ClusterSnapshot:  # type: ignore[no-untyped-def]
+    return make_snapshot(
+        *(
+            inst(
+                f"i{k:02d}",
+                role,
+                decode_requests=batch,
+                decode_tokens=batch * per,
+                prefill_tokens=backlog,
+                used_kv_tokens=used,
+                meta={"kv_capacity_tokens": capacity, "max_num_batched_tokens": 512},
+            )
+            for k, (role, batch, per, backlog, capacity, used) in enumerate(rows)
+        )
+    )
+
+
+@PROPS
+@given(
+    _fleets, st.lists(st.sampled_from([0.0, 1.5, 7e4, float("nan"), float("inf")]), min_size=12, max_size=12)
+)
+def test_division_by_kv_capacity_equals_the_guarded_division(rows, values) -> None:  # type: ignore[no-untyped-def]
+    table = make_scheduler("slo").views.table(_fleet_snapshot(rows))
+    v = np.array(values[: table.n])
+    for empty in (np.inf, 0.0):
+        expected = np.divide(
+            v, table.kv_capacity_tokens, out=np.full(table.n, empty), where=table.kv_capacity_tokens > 0
+        )
+        assert np.array_equal(table.over_kv_capacity(v, empty), expected, equal_nan=True)
+
+
+@PROPS
+@given(st.integers(1, 10), st.floats(0.0, 1e6), st.sampled_from([False, True]))
+def test_a_constant_column_ties_every_candidate_as_the_comparison_does(n, value, read_only) -> None:  # type: ignore[no-untyped-def]
+    s = make_scheduler("slo")
+    snap = make_snapshot(*(inst(f"i{k}") for k in range(n)))
+    table = s.views.table(snap)
+    column = table.constant(value)
+    assert table.is_constant(column) and table.constant(value) is column
+    assert not table.is_constant(column.copy())
+    candidates = np.arange(0, n, 2)
+    if read_only:
+        candidates.setflags(write=False)
+    ctx = s.context(s.view(snap, NOW), make_request())
+    ctx._values["prompt_compute_tokens"] = column  # (the metric's own cached column)
+    from router.core.selectors import _ties
+
+    assert _ties(ctx, "prompt_compute_tokens", candidates, False).tolist() == (
+        _best_ties(column[candidates], candidates).tolist()
+    )
+
+
+@PROPS
+@given(_fleets, st.integers(1, 6000), st.integers(0, 900), st.sampled_from(["slo", "adaptive-pd"]))
+def test_predictions_with_the_request_equal_the_general_decode_step(rows, prompt, output, policy) -> None:  # type: ignore[no-untyped-def]
+    """The busy path (with the load's batch cells) equals ``decode_step_ms`` at (batch + 1, tokens)."""
+    adaptive = policy == "adaptive-pd"
+    s = make_scheduler("slo", enable_adaptive_pd=adaptive, calibration="off")
+    snap = _fleet_snapshot(rows)
+    s.inflight.record("old", None, f"i{len(rows) - 1:02d}", 700, now_s=NOW, final_tokens=900)
+    request = make_request(prompt_tokens=prompt, expected_output_tokens=output)
+    for _ in range(2):  # the second decision on the same load reads the kept batch cells
+        ctx = s.context(s.view(snap, NOW), request)
+        table = ctx.view.instances
+        assert ctx.predictors is not None
+        batch = ctx.metric("decode_batch_size") + 1.0
+        tokens = ctx.metric("decode_tokens") + float(prompt)
+        if output:
+            tokens = tokens + 0.5 * output
+        expected = ctx.predictors.decode_step_ms(table, batch, tokens)
+        assert np.array_equal(ctx.metric("predicted_tpot"), expected)
+        strict = s.config.tpot_packing_strictness
+        horizon = ctx.metric("decode_tokens_horizon") + (float(prompt) + strict * float(output or 256))
+        expected_horizon = ctx.predictors.decode_step_ms(table, batch, horizon)
+        assert np.array_equal(ctx.metric("predicted_tpot_horizon"), expected_horizon)
+
+
+@PROPS
+@given(_fleets, st.integers(1, 6000), st.integers(0, 3))
+def test_one_instance_ttft_with_a_prefix_hit_equals_the_column(rows, prompt, hit_blocks) -> None:  # type: ignore[no-untyped-def]
+    s = make_scheduler("slo", prefix_cache_routing="approximate", prefix_block_tokens=16, calibration="off")
+    snap = _fleet_snapshot(rows)
+    hashes = tuple(range(1, min(prompt // 16, 6) + 1))
+    assert s.prefix is not None
+    if hashes and hit_blocks:
+        s.prefix.dispatched("i00", hashes[:hit_blocks], 1e9)
+    request = make_request(prompt_tokens=prompt, prefix_hashes=hashes)
+    column_ctx = s.context(s.view(snap, NOW), request)
+    column = column_ctx.metric("predicted_ttft")
+    for i in range(len(rows)):
+        one = s.context(s.view(snap, NOW), request)  # a fresh context: no column cached yet
+        assert one.metric_at("predicted_ttft", i) == column[i]

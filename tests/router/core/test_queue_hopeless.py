@@ -12,7 +12,15 @@ from hypothesis import strategies as st
 
 from router.core.columns import ClusterView
 from router.core.errors import EmptyClusterError, LateError
-from router.core.queue import LATE_TPOT_FRACTION, FleetDrain, QueueConfig, RouterQueue, Verdict, offer
+from router.core.queue import (
+    LATE_TPOT_FRACTION,
+    FleetDrain,
+    QueueConfig,
+    RouterQueue,
+    Verdict,
+    hopeless,
+    offer,
+)
 from router.core.request import ScheduleInput, resolve_targets
 from tests.router.core.helpers import NOW, inst, make_request, make_scheduler, make_snapshot
 
@@ -456,3 +464,17 @@ def test_drain_rate_sums_exactly_the_dispatches_inside_its_window(
         assert rate is None
     else:
         assert rate == expected_tokens / span_ms
+
+
+def test_a_prior_length_does_not_make_an_e2e_request_hopeless() -> None:
+    """4,000 tokens cannot be decoded within 2 s, but a length that is only the cap (nothing of the class
+    ended yet) is no grounds to give up: only the prefill is certain, as in the arrival check."""
+    s = make_scheduler()
+    snap = _pd()
+    drain = FleetDrain.of(s, s.view(snap, NOW), NOW)
+    assert drain is not None
+    for prior, hopeless_expected in ((False, True), (True, False)):
+        request = req("r", prompt_tokens=256, e2e_slo_ms=2000.0, max_tokens=4000, output_tokens_prior=prior)
+        targets = resolve_targets(request, DEFAULT_TTFT, DEFAULT_TPOT, NOW)
+        why = hopeless(drain, request, targets, 0.0, NOW)
+        assert (why is not None) is hopeless_expected

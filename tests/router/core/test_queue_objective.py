@@ -245,3 +245,16 @@ def test_a_more_important_request_is_not_shed_while_less_important_traffic_arriv
     q.push(req("vip", prompt_tokens=4000, ttft_slo_ms=60_000.0, max_tokens=2000, priority=5), NOW)
     verdicts = {r.entry.request_id: r.verdict for r in offer(q, make_scheduler(), _backlogged, NOW)}
     assert verdicts == {"vip": Verdict.WAIT}
+
+
+def test_a_prior_length_is_no_grounds_to_shed() -> None:
+    """Before any answer of its class ended, a request's length is only its cap: the long request of
+    the pair is no longer known to be long, so neither is shed (both wait for the backlog)."""
+    q = make_queue("fcfs")
+    missing(q, 20)
+    q.observe_arrival(req("chat", ttft_slo_ms=200.0))
+    q.push(
+        req("long", prompt_tokens=4000, ttft_slo_ms=60_000.0, max_tokens=2000, output_tokens_prior=True), NOW
+    )
+    results = list(offer(q, make_scheduler(), _backlogged, NOW))
+    assert [r.verdict for r in results] == [Verdict.WAIT] and "long" in q
