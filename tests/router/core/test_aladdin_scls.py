@@ -600,7 +600,7 @@ def test_a_running_slice_is_booked_from_its_progress_so_another_fits_beside_it()
         sched.schedule()
         assert sum(len(b.requests) for _, b in sched.admit("x", 0.0)) == 2
         if at is not None:
-            sched.progress = at.get
+            sched.progress = lambda key, at=at: at.get(str(key))
         assert sched.committed_kv("x") <= sched.planned_kv("x")
         sched.add(SliceRequest("next", 2_300, 128))
         sched.schedule()
