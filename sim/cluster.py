@@ -463,6 +463,7 @@ class _Simulation:
         oracle_lengths: bool = False,
         lengths: LengthConfig | None = None,
         prefix_block_tokens: int = 0,
+        incremental_dispatch: str = "on",
     ) -> None:
         self.fleet = fleet
         #: What the router learns of output lengths (from finished requests only).
@@ -485,6 +486,7 @@ class _Simulation:
                 seed=seed,
                 sa_search=sa_search,
                 modeled_clock=True,
+                incremental=incremental_dispatch,
             )
         )
         self.lent = _Lent(self)
@@ -1491,6 +1493,7 @@ def simulate(
     sa_search: str = "anneal",
     oracle_lengths: bool = False,
     engine_prefix_cache: bool = True,
+    incremental_dispatch: str = "on",
 ) -> SimOutcome:
     """Run ``plans`` (open-loop, in arrival order) on ``fleet`` with the policy ``config`` names.
 
@@ -1505,6 +1508,9 @@ def simulate(
     exhaustive search (the reference its annealing is compared with).
     ``oracle_lengths=True`` gives policies each request's true output length (an ablation; by
     default they get an online estimate learned from finished requests).
+    ``incremental_dispatch="off"`` offers every waiting request to placement on every pass (the
+    reference incremental dispatch is compared with: :class:`router.core.queue.LoadWatch`);
+    ``"exact"`` turns off the watch's jitter tolerances.
 
     Prefix caching: when the plans carry prefix-block ids (``RequestPlan.hash_ids``) and
     ``engine_prefix_cache`` is on, every engine caches prompt KV in blocks of the plans'
@@ -1543,6 +1549,7 @@ def simulate(
         sa_search=sa_search,
         oracle_lengths=oracle_lengths,
         prefix_block_tokens=block,
+        incremental_dispatch=incremental_dispatch,
     )
     duration_s, stats = sim.run()
     results = sim.results()
