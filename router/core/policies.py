@@ -405,11 +405,13 @@ _builtin(
 
 def _cache_affinity(config: SchedulerConfig) -> dict[str, Any]:
     """Pure cache affinity, the baseline prefix-aware ``slo`` is measured against: the prompt goes
-    where the router knows the longest cached prefix, ties to the fewest requests; no SLO filter.
-    Decode (PD) has no prompt to reuse: fewest requests."""
+    where the router knows the longest cached prefix beyond what most instances hold
+    (``cache_affinity_tokens``: a prefix common to the fleet, or a fleet whose load has run out of
+    balance, leaves the choice to load), ties to the fewest requests; no SLO filter. Decode (PD)
+    has no prompt to reuse: fewest requests."""
     affinity = {
         "filters": [*HEALTH, "failover"],
-        "selector": _lowest("-cached_prompt_tokens", "num_requests"),
+        "selector": _lowest("-cache_affinity_tokens", "num_requests"),
     }
     return {
         "prefill": affinity,
