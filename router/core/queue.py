@@ -85,6 +85,7 @@ from router.core.errors import (
 )
 from router.core.flagged import FlagFields
 from router.core.metrics import advanced_backlog
+from router.core.prefix import PrefixSource, best_cached_tokens
 from router.core.request import Mode, Role, ScheduleInput, Stage, Targets, resolve_targets
 from router.core.scheduler import Scheduler
 
@@ -1078,6 +1079,7 @@ class FleetDrain:
         "free_by_index",
         "idle_instances",
         "prefill_index",
+        "prefix",
         "queue_rate",
     )
 
@@ -1089,6 +1091,7 @@ class FleetDrain:
         min_tpot: Callable[[int], float],
         queue_rate: float | None = None,
         prefill_index: IntArray | None = None,
+        prefix: PrefixSource | None = None,
     ) -> None:
         #: The view indices of the prefill-capable instances, and when each is free (ms from now).
         self.prefill_index: IntArray = (
@@ -1097,6 +1100,8 @@ class FleetDrain:
         self.free_by_index = free_ms
         #: Prompt tokens per ms the queue really drained at lately (:meth:`RouterQueue.drain_rate`), if known.
         self.queue_rate = queue_rate
+        #: The router's knowledge of the instances' prefix caches (None: off), for :meth:`compute_tokens`.
+        self.prefix = prefix
         order = np.argsort(free_ms, kind="stable")
         self._free = free_ms[order]
         r = rate[order]
@@ -1194,7 +1199,7 @@ class FleetDrain:
                 )
             return found
 
-        return cls(free, rate, idle, min_tpot, queue_rate, prefill)
+        return cls(free, rate, idle, min_tpot, queue_rate, prefill, scheduler.prefix)
 
     def start_ms(self, tokens_ahead: float) -> float:
         """When a request can start its prefill with ``tokens_ahead`` queued tokens to go first (ms from now).
@@ -1215,6 +1220,13 @@ class FleetDrain:
         # sum(rate * (t - free)) tokens by time t: solve that for ``tokens_ahead``.
         k = max(int(np.searchsorted(self._breaks, max(tokens_ahead, 0.0), side="right")), 1) - 1
         return (max(tokens_ahead, 0.0) + float(self._cum_rate_free[k])) / float(self._cum_rate[k])
+
+    def compute_tokens(self, request: ScheduleInput) -> int:
+        """The prompt tokens ``request`` must prefill at best: its prompt less the longest prefix the
+        router knows an instance's cache to hold (the whole prompt without prefix knowledge)."""
+        return request.prompt_tokens - best_cached_tokens(
+            self.prefix, request.prefix_hashes, request.prompt_tokens
+        )
 
     def idle_ms(self, prompt_tokens: int) -> float:
         """``prompt_tokens``' prefill on the fastest idle instance (ms)."""
@@ -1305,7 +1317,7 @@ def hopeless(
     A request with only an e2e target is judged by that target alone: the TTFT target derived from it
     orders and places it, but missing it does not mean missing the SLO.
     """
-    best_ttft = drain.start_ms(tokens_ahead) + drain.idle_ms(request.prompt_tokens)
+    best_ttft = drain.start_ms(tokens_ahead) + drain.idle_ms(drain.compute_tokens(request))
     only_e2e = request.e2e_slo_ms > 0 and request.ttft_slo_ms == 0 and request.tpot_slo_ms == 0
     if best_ttft > targets.ttft_ms and not only_e2e:
         return Hopeless(best_ttft, targets.ttft_ms)
@@ -1577,7 +1589,7 @@ def offer(
             else:  # no on-time traffic to yield to
                 bound = max(targets.full_ttft_ms, floor)
         else:
-            floor = IDLE_SLACK * drain.idle_ms(request.prompt_tokens) if drain is not None else 0.0
+            floor = IDLE_SLACK * drain.idle_ms(drain.compute_tokens(request)) if drain is not None else 0.0
             # A request whose own prefill cannot fit under the release limit (a long prompt yielding
             # to tighter traffic) may still take a nearly idle instance while another one stays idle
             # for the tight arrivals release control keeps room for, as late work does: otherwise it
@@ -1790,7 +1802,7 @@ def _shed(queue: RouterQueue, entry: QueueEntry, why: Overlong) -> Offer:
 
 def _idle_floor_ms(scheduler: Scheduler, request: ScheduleInput, drain: FleetDrain | None) -> float:
     if drain is not None:  # calibrated, like the decisions
-        return 2.0 * drain.idle_ms(request.prompt_tokens)
+        return 2.0 * drain.idle_ms(drain.compute_tokens(request))
     predictors = scheduler.predictors
     if predictors is None:
         return math.inf
