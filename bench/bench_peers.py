@@ -238,8 +238,15 @@ def _start_router(
     """Start one router; ``metrics_port`` (this router only): serve its Prometheus metrics there."""
     port = _free_port()
     if spec.kind == "ours":
+        # BENCH_OURS_DIAG=1: the router runs under scripts/prefix_queue_diag.py, which prints why its
+        # queued requests waited when it stops.
+        launch = (
+            [str(REPO / "scripts" / "prefix_queue_diag.py")]
+            if os.environ.get("BENCH_OURS_DIAG")
+            else ["-m", "router.cli"]
+        )
         cmd = [
-            sys.executable, "-m", "router.cli", "--log-level", "WARNING", "router", "--cms", f"grpc://{cms}",
+            sys.executable, *launch, "--log-level", "WARNING", "router", "--cms", f"grpc://{cms}",
             "--cms-auth-token-file", cms_token_file,
             "--listen", "127.0.0.1:0", "--http-listen", f"127.0.0.1:{port}", *spec.args,
         ]  # fmt: skip
