@@ -129,7 +129,7 @@ SCENARIOS: dict[
 #: hopeless), which moved them before any of the speed work met them.
 RECORDED: dict[str, str] = {
     "azure-trace-slo": "54d0341f0320da9b66ae45cf",
-    "mooncake-trace-least-requests": "2c4c981c7d8129a8cdb79342",
+    "mooncake-trace-least-requests": "a4e832afe7176fdc6c54d52b",
     "neutral-round-robin-small-kv": "de766bb7b4107794c605d611",
     "neutral-slo-edf": "35af947bce08c19b15ce9738",
     "neutral-slo-eos": "6e0550fc4aa7b1a521e5d17b",
