@@ -73,7 +73,9 @@ def test_eviction_pays_off_under_end_to_end_deadlines_alone() -> None:
     assert on.stats.evicted >= 1
     assert all(slo_met(on.results[i]) for i in tight)
     assert not any(slo_met(off.results[i]) for i in tight)
-    assert all(slo_met(r) and r.completion_tokens == p.max_tokens for r, p in zip(on.results, plans, strict=True))
+    assert all(
+        slo_met(r) and r.completion_tokens == p.max_tokens for r, p in zip(on.results, plans, strict=True)
+    )
 
 
 def test_qlm_is_deterministic_and_serves_everything() -> None:
