@@ -48,6 +48,7 @@ import enum
 import math
 import random
 from collections import OrderedDict, deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
@@ -492,6 +493,26 @@ class SimCore:
             req.uncomputed_prefill == 0,
         )
 
+    def decode_progress_many(self, request_ids: Iterable[str]) -> list[tuple[int, int, bool] | None]:
+        """:meth:`decode_progress` of each of ``request_ids`` (the same values, one call for many)."""
+        active = self._active
+        out: list[tuple[int, int, bool] | None] = []
+        for request_id in request_ids:
+            req = active.get(request_id)
+            if req is None:
+                out.append(None)
+                continue
+            spec = req.spec
+            generated = req.num_generated
+            out.append(
+                (
+                    spec.num_context_tokens + generated,
+                    spec.max_new_tokens - generated,
+                    req.prefill_target - req.num_computed - req.discount <= 0,
+                )
+            )
+        return out
+
     def is_active(self, request_id: str) -> bool:
         return request_id in self._active
 
@@ -626,10 +647,12 @@ class SimCore:
             _entries=tuple(scheduled.items()),
         )
 
-    def finish_step(self, step: ScheduledStep) -> StepResult:
+    def finish_step(self, step: ScheduledStep, *, ends_only: bool = False) -> StepResult:
         """Apply a scheduled step: computed tokens advance, finished contexts sample one token each.
 
-        Requests aborted since :meth:`schedule` are skipped.
+        Requests aborted since :meth:`schedule` are skipped. ``ends_only``: report only each
+        request's first and last token (what the virtual-time simulator reads; the engine's state
+        is the same either way, and a large batch's step then makes no tuple per request).
         """
         self._step_pending = False
         outputs: list[TokenOutput] = []
@@ -648,7 +671,8 @@ class SimCore:
             if req.spec.counts_as_decode:
                 self._decode_tokens += 1
             if req.num_generated < req.spec.max_new_tokens:
-                outputs.append(TokenOutput(req.spec.request_id, req.num_generated - 1, False, False))
+                if not ends_only or req.num_generated == 1:
+                    outputs.append(TokenOutput(req.spec.request_id, req.num_generated - 1, False, False))
                 continue
             hold = req.spec.hold_kv
             outputs.append(TokenOutput(req.spec.request_id, req.num_generated - 1, True, hold))

@@ -191,6 +191,14 @@ class Grid2D:
         wx /= x_axis.width[i]
         return i, wx
 
+    def x_cell_at(self, x: float) -> tuple[int, float]:
+        """:meth:`x_cells` at one point (a Python float): its cell and weight, the same values."""
+        x_axis = self._x_axis
+        if x_axis is None:
+            return 0, 0.0
+        i = bisect_right(x_axis.inner_list, x)
+        return i, (x - x_axis.lower_list[i]) / x_axis.width_list[i]
+
     def with_x_cells(self, i: npt.NDArray[np.intp], wx: FloatArray, ya: FloatArray) -> FloatArray:
         """:meth:`__call__` from :meth:`x_cells`'s ``(i, wx)`` and the float64 array ``ya`` of the same
         shape; ``wx`` is overwritten (pass a copy to keep it). The same values as ``self(x, ya)``."""

@@ -463,6 +463,7 @@ class _Simulation:
         oracle_lengths: bool = False,
         lengths: LengthConfig | None = None,
         prefix_block_tokens: int = 0,
+        incremental_dispatch: str = "on",
     ) -> None:
         self.fleet = fleet
         #: What the router learns of output lengths (from finished requests only).
@@ -485,6 +486,7 @@ class _Simulation:
                 seed=seed,
                 sa_search=sa_search,
                 modeled_clock=True,
+                incremental=incremental_dispatch,
             )
         )
         self.lent = _Lent(self)
@@ -567,6 +569,12 @@ class _Simulation:
         self.heap: list[tuple[float, int, int, int]] = []
         self.seq = 0
         self.reqs = [_Req() for _ in plans]
+        # Per request, what the engines and the length predictor are asked by (made once).
+        self.rids = [str(k) for k in range(len(plans))]
+        self.class_of = [p.class_name for p in plans]
+        self.prompt_of = [p.prompt_tokens for p in plans]
+        self.cap_of = [p.max_tokens for p in plans]
+        self.bucket_of = [self.lengths.bucket(p.prompt_tokens) for p in plans]
         for k, r in enumerate(self.reqs):
             r.idx = k
         # Each request's output key (engine.outputs.request_key), made once when an EOS is drawn.
@@ -770,7 +778,7 @@ class _Simulation:
     def _step_end(self, i: int, now: float) -> None:
         step = self.steps[i]
         assert step is not None
-        result = self.cores[i].finish_step(step)
+        result = self.cores[i].finish_step(step, ends_only=True)
         self.steps[i] = None
         if step.num_decode_requests > 0:
             self._measure(i, step.duration_ms)
@@ -886,10 +894,15 @@ class _Simulation:
         if self.pending_ids:
             ids, groups, pending = self.fleet.ids, self.fleet.groups, self.pending_samples
             # In instance order, as each instance's status push would be read.
-            batches = [
-                (ids[i], groups[i], np.array(pending[i], dtype=np.float64)) for i in sorted(self.pending_ids)
-            ]
-            for i in self.pending_ids:
+            order = sorted(self.pending_ids)
+            # One array for every instance's samples, each batch a slice of it.
+            steps = np.array([row for i in order for row in pending[i]], dtype=np.float64)
+            batches = []
+            start = 0
+            for i in order:
+                end = start + len(pending[i])
+                batches.append((ids[i], groups[i], steps[start:end]))
+                start = end
                 pending[i].clear()
             self.pending_ids.clear()
             calibrator.observe_steps(batches, now)
@@ -1232,27 +1245,36 @@ class _Simulation:
         legs = self.resident_on[i]
         if not legs:
             return []
-        core = self.cores[i]
         run = self.runs[i]
         s = run.steps_done(now) if run is not None else 0
+        rids = self.rids
+        progress = self.cores[i].decode_progress_many([rids[idx] for idx in legs])
         out: LegList = []
-        plans = self.plans
-        for idx, (prompt, final) in legs.items():
-            progress = core.decode_progress(str(idx))
-            if progress is None:
+        if self.oracle_lengths:
+            for (prompt, final), found in zip(legs.values(), progress, strict=True):
+                if found is None:
+                    out.append((float(prompt), float(max(final - prompt, 0)), False))
+                else:
+                    out.append((float(found[0] + s), float(max(found[1] - s, 0)), found[2]))
+            return out
+        # What the router can know: the tokens streamed so far, and its length predictor (asked
+        # once for all the legs that are running).
+        classes, buckets, prompts, caps = self.class_of, self.bucket_of, self.prompt_of, self.cap_of
+        running = [idx for idx, found in zip(legs, progress, strict=True) if found is not None]
+        generated = [found[0] + s - prompts[idx] for idx, found in zip(legs, progress, strict=True) if found]
+        remaining = iter(
+            self.lengths.remaining_many(
+                [classes[idx] for idx in running],
+                [buckets[idx] for idx in running],
+                generated,
+                [caps[idx] for idx in running],
+            )
+        )
+        for (prompt, final), found in zip(legs.values(), progress, strict=True):
+            if found is None:
                 out.append((float(prompt), float(max(final - prompt, 0)), False))
-                continue
-            context = progress[0] + s
-            if self.oracle_lengths:
-                remaining = float(max(progress[1] - s, 0))
             else:
-                # What the router can know: the tokens streamed so far, and its length predictor.
-                plan = plans[idx]
-                generated = context - plan.prompt_tokens
-                remaining = self.lengths.remaining(
-                    plan.class_name, plan.prompt_tokens, generated, plan.max_tokens
-                )
-            out.append((float(context), remaining, progress[2]))
+                out.append((float(found[0] + s), next(remaining), found[2]))
         return out
 
     def _inflight(self, i: int, sign: int, prompt_tokens: int) -> None:
@@ -1466,6 +1488,7 @@ def simulate(
     sa_search: str = "anneal",
     oracle_lengths: bool = False,
     engine_prefix_cache: bool = True,
+    incremental_dispatch: str = "on",
 ) -> SimOutcome:
     """Run ``plans`` (open-loop, in arrival order) on ``fleet`` with the policy ``config`` names.
 
@@ -1480,6 +1503,9 @@ def simulate(
     exhaustive search (the reference its annealing is compared with).
     ``oracle_lengths=True`` gives policies each request's true output length (an ablation; by
     default they get an online estimate learned from finished requests).
+    ``incremental_dispatch="off"`` offers every waiting request to placement on every pass (the
+    reference incremental dispatch is compared with: :class:`router.core.queue.LoadWatch`);
+    ``"exact"`` turns off the watch's jitter tolerances.
 
     Prefix caching: when the plans carry prefix-block ids (``RequestPlan.hash_ids``) and
     ``engine_prefix_cache`` is on, every engine caches prompt KV in blocks of the plans'
@@ -1515,6 +1541,7 @@ def simulate(
         sa_search=sa_search,
         oracle_lengths=oracle_lengths,
         prefix_block_tokens=block,
+        incremental_dispatch=incremental_dispatch,
     )
     duration_s, stats = sim.run()
     results = sim.results()

@@ -320,6 +320,18 @@ class _Track:
 
     def add(self, rows: FloatArray, flags: BoolArray) -> None:
         window = len(self.buf)
+        n = len(rows)
+        pos = self.pos
+        if n <= window - pos:
+            # The common case, rows that fit before the ring's end: one copy per ring (what the
+            # general case below does then, without its empty second copy).
+            self.buf[pos : pos + n] = rows
+            self.flags[pos : pos + n] = flags
+            self.pos = (pos + n) % window
+            self.count = min(window, self.count + n)
+            self.pending += n
+            self.last_s = max(self.last_s, float(rows[-1, _TIME]))
+            return
         k = min(len(rows), window)
         # Row after row from ``pos`` (the last ``window`` of them), wrapping at the end of the ring.
         # Each row lands where adding the rows one call at a time would leave it, so the ring (and
@@ -350,8 +362,10 @@ class _Track:
         return True
 
 
-#: Columns of a window row whose products with the features make the refit's normal equations.
-_GRAM_COLUMNS = np.array([*range(NUM_COEFS), _OBS, _PRE, _DEC])
+#: Columns of a window row whose products with the features make the refit's normal equations
+#: (the features, then _OBS, _PRE, _DEC: the first nine, so a slice, not a copy).
+_GRAM_COLUMNS = slice(0, _DEC + 1)
+assert (NUM_COEFS, _OBS, _PRE, _DEC) == (6, 6, 7, 8)
 
 
 def _gram_of(rows: FloatArray) -> FloatArray:
@@ -734,7 +748,7 @@ class Calibrator:
         # Pseudo steps on a grid spanning the window's range and a typical one: a direction the
         # window never explored (no prefill step in it, a single batch size) follows the scaled
         # profile instead of whatever the minimum-norm solution would give it.
-        maxima = rows[:, : _L + 1].max(axis=0)
+        maxima = np.maximum.reduce(rows[:, : _L + 1], axis=0)  # ndarray.max without its wrapper
         grid, grid_gram = _pseudo_steps(
             max(float(maxima[_P]), 2048.0), max(float(maxima[_B]), 32.0), max(float(maxima[_L]), 2048.0)
         )

@@ -32,6 +32,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 #: Key of the class summary over all prompt buckets.
@@ -137,16 +138,20 @@ class _Window:
     def mean_above(self, generated: int) -> float | None:
         """Mean of the samples longer than ``generated`` (None: none is)."""
         ordered = self.ordered()
+        lo = bisect.bisect_right(ordered, generated)
+        if lo == len(ordered):
+            return None
+        return self.suffix_sums()[lo] / (len(ordered) - lo)
+
+    def suffix_sums(self) -> list[int]:
+        """``suffix[k] = sum(ordered[k:])``: the conditional mean in O(log n) per question."""
         if self._suffix is None:
-            # suffix[k] = sum(ordered[k:]): the conditional mean in O(log n) per question.
+            ordered = self.ordered()
             suffix = [0] * (len(ordered) + 1)
             for k in range(len(ordered) - 1, -1, -1):
                 suffix[k] = suffix[k + 1] + ordered[k]
             self._suffix = suffix
-        lo = bisect.bisect_right(ordered, generated)
-        if lo == len(ordered):
-            return None
-        return self._suffix[lo] / (len(ordered) - lo)
+        return self._suffix
 
 
 class LengthPredictor:
@@ -199,10 +204,13 @@ class LengthPredictor:
     # ------------------------------------------------------------------ estimates
 
     def _answer(self, slo_class: str, prompt_tokens: int) -> tuple[_Window, str] | None:
+        return self._answer_bucket(slo_class, self.bucket(prompt_tokens))
+
+    def _answer_bucket(self, slo_class: str, bucket: int) -> tuple[_Window, str] | None:
         cls = slo_class if slo_class in self._classes else self._class_key(slo_class)
         need = self.config.min_samples
         for key, source in (
-            ((cls, self.bucket(prompt_tokens)), "class+bucket"),
+            ((cls, bucket), "class+bucket"),
             ((cls, _ALL_BUCKETS), "class"),
             ((_ANY_CLASS, _ALL_BUCKETS), "all"),
         ):
@@ -244,6 +252,49 @@ class LengthPredictor:
         if max_tokens > 0:
             total = min(total, float(max_tokens))
         return max(total - generated, 1.0)
+
+    def remaining_many(
+        self,
+        slo_classes: Sequence[str],
+        buckets: Sequence[int],
+        generated: Sequence[int],
+        max_tokens: Sequence[int],
+    ) -> list[float]:
+        """:meth:`remaining` of many running requests at once (no hints), the same values.
+
+        ``buckets``: each request's :meth:`bucket` of its prompt (a caller asking about the same
+        requests again and again computes it once). A status push re-estimates every resident
+        leg of an instance; looking each key's window up once per call instead of once per leg
+        is most of the saving (the simulator asks this for every leg of every instance it refreshes).
+        """
+        out: list[float] = []
+        found: dict[tuple[str, int], tuple[list[int], list[int]] | None] = {}
+        default = float(self.config.default_tokens)
+        bisect_right = bisect.bisect_right
+        for cls, b, gen, cap in zip(slo_classes, buckets, generated, max_tokens, strict=True):
+            key = (cls, b)
+            if key in found:
+                answer = found[key]
+            else:
+                window = self._answer_bucket(cls, b)
+                answer = None if window is None else (window[0].ordered(), window[0].suffix_sums())
+                found[key] = answer
+            if gen < 0:
+                gen = 0
+            if answer is None:
+                total = float(cap or default)
+            else:
+                ordered, suffix = answer
+                lo = bisect_right(ordered, gen)
+                if lo == len(ordered):
+                    total = 2.0 * max(ordered[-1], gen)
+                else:
+                    total = suffix[lo] / (len(ordered) - lo)
+            if cap > 0 and total > cap:
+                total = float(cap)
+            rest = total - gen
+            out.append(rest if rest > 1.0 else 1.0)
+        return out
 
     def snapshot(self) -> dict[str, dict[str, float]]:
         """Per class (all buckets): samples, mean and quantile, for reports."""

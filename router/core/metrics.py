@@ -70,7 +70,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
+from predictor import LatencyPredictor
 from router.core.calibration import Correction
 from router.core.columns import (
     INFLIGHT_ALL,
@@ -603,11 +605,36 @@ def decode_step_with_request_ms(
         with_request, cells = found[2], found[3]
     else:
         with_request = batch + _ONE
-        cells = lp.decode_batch_cells(with_request)
+        cells = _updated_batch_cells(ctx, lp, with_request)
+        if cells is None:
+            cells = lp.decode_batch_cells(with_request)
         for array in (with_request, *cells):
             array.setflags(write=False)
         memo[_BATCH_CELLS] = (batch, lp, with_request, cells)
     return lp.busy_decode_step_ms_cells(with_request, cells, tokens), with_request
+
+
+def _updated_batch_cells(
+    ctx: DecisionContext, lp: LatencyPredictor, with_request: FloatArray
+) -> tuple[npt.NDArray[np.intp], FloatArray] | None:
+    """The previous load's batch cells with the entries of the instances whose in-flight decode
+    requests changed recomputed (None: no previous load's cells to start from).
+
+    Elsewhere the batch is the previous load's (same snapshot, same in-flight decode requests),
+    so its cell is too; at a changed instance ``Grid2D.x_cell_at`` gives what ``x_cells`` would.
+    """
+    previous = ctx.view.load_previous
+    if previous is None:
+        return None
+    found: tuple[FloatArray, Any, FloatArray, Any] | None = previous.memo.get(_BATCH_CELLS)
+    if found is None or found[1] is not lp:
+        return None
+    cell, weight = found[3][0].copy(), found[3][1].copy()
+    grid = lp.tpot_profile.grid
+    for i, mask in previous.changed.items():
+        if mask & INFLIGHT_DECODE_REQUESTS:
+            cell[i], weight[i] = grid.x_cell_at(with_request.item(i))
+    return cell, weight
 
 
 @_register("predicted_tpot", MetricScope.DECISION)

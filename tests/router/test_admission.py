@@ -194,6 +194,9 @@ async def test_objective_g_learns_from_outcomes_and_refuses_the_longest_waiting_
     assert 0 < limit < 20  # 120 s x 0.9^20 (the test's clock stands still: the misses stay recent)
     # Tight traffic lately: release control keeps the busy instance for it, so the long request would wait.
     admission.queue.observe_arrival(make_request("chat", ttft_slo_ms=200.0))
+    # Its class is known to answer at length (a prior length, the cap alone, would be no grounds to shed).
+    for _ in range(admission.placer.lengths.config.min_samples):
+        admission.placer.lengths.observe("batch", 256, 2000)
     with pytest.raises(QueueFullError, match="--queue-objective g"):
         await asyncio.wait_for(admission.place(long_request("long")), 5)
     assert counter(observer, "slo_router_queue_events_total", event="overlong") == 1

@@ -285,7 +285,13 @@ def test_predictions_with_the_request_equal_the_general_decode_step(rows, prompt
     snap = _fleet_snapshot(rows)
     s.inflight.record("old", None, f"i{len(rows) - 1:02d}", 700, now_s=NOW, final_tokens=900)
     request = make_request(prompt_tokens=prompt, expected_output_tokens=output)
-    for _ in range(2):  # the second decision on the same load reads the kept batch cells
+    for k in range(4):
+        # The second decision on a load reads the kept batch cells; a load that changed updates
+        # the previous load's cells at the instances whose decode requests changed.
+        if k == 2:
+            s.inflight.record("new", None, "i00", 300, now_s=NOW, final_tokens=400)
+        elif k == 3:
+            s.inflight.release("old")
         ctx = s.context(s.view(snap, NOW), request)
         table = ctx.view.instances
         assert ctx.predictors is not None
@@ -316,3 +322,12 @@ def test_one_instance_ttft_with_a_prefix_hit_equals_the_column(rows, prompt, hit
     for i in range(len(rows)):
         one = s.context(s.view(snap, NOW), request)  # a fresh context: no column cached yet
         assert one.metric_at("predicted_ttft", i) == column[i]
+
+
+@PROPS
+@given(st.lists(st.floats(-5.0, 600.0), min_size=1, max_size=20))
+def test_one_batch_cell_equals_the_array_lookup(batches) -> None:  # type: ignore[no-untyped-def]
+    grid = make_predictor().tpot_profile.grid
+    cells, weights = grid.x_cells(np.array(batches))
+    for x, i, w in zip(batches, cells.tolist(), weights.tolist(), strict=True):
+        assert grid.x_cell_at(x) == (i, w)

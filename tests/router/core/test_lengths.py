@@ -109,3 +109,29 @@ def test_config_is_checked() -> None:
         LengthConfig(window=4, min_samples=8)
     with pytest.raises(ValueError, match="quantile"):
         LengthConfig(quantile=1.0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    observations,
+    st.lists(
+        st.tuples(
+            st.sampled_from(["chat", "code", "new"]),
+            st.integers(0, 20_000),
+            st.integers(0, 5_000),
+            st.integers(0, 4096),
+        ),
+        max_size=30,
+    ),
+)
+def test_remaining_many_is_remaining_of_each(
+    obs: list[tuple[str, int, int]], legs: list[tuple[str, int, int, int]]
+) -> None:
+    lp = _fed(obs)
+    many = lp.remaining_many(
+        [c for c, _, _, _ in legs],
+        [lp.bucket(p) for _, p, _, _ in legs],
+        [g for _, _, g, _ in legs],
+        [m for _, _, _, m in legs],
+    )
+    assert many == [lp.remaining(c, p, g, m) for c, p, g, m in legs]
