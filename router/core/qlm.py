@@ -183,81 +183,23 @@ class QlmConfig(FlagFields):
 
 
 class OutputStats:
-    """Output length per SLO class, learned online from finished requests, in the order they started.
+    """Output length per SLO class, learned online from finished requests.
 
     What is learned is the fraction of ``max_tokens`` a request of the class
     generates (mean and spread; Welford, with the count saturating at
     :attr:`MEMORY` so old traffic fades). The paper fits the output length of
     a group offline; the fraction is the same statistic made independent of
-    each request's own cap, which the router knows. Before a class has
-    :attr:`MIN_SAMPLES` outputs learned, a request is expected to use all of ``max_tokens``.
-
-    **Learned by cohort, not by finish order.** The requests that finish first
-    are the short ones: learning each output as it ends, the first minutes of a
-    run see only the short end of the distribution (in simulation, 45 reports
-    learned at a mean of 0.14 of ``max_tokens`` against a true 0.36), KV pulling
-    trusts that quantile and the engine preempts. So a request's output is
-    counted only once every request of its class that started before it has
-    ended (:meth:`started` records the order; a request that fails or leaves
-    is :meth:`forget`-ten). The sample is then every output of a prefix of the
-    starts, with no bias towards short answers; the price is that learning
-    waits for the longest request of a cohort.
+    each request's own cap, which the router knows. Before a class has two
+    finished requests, a request is expected to use all of ``max_tokens``.
     """
 
     MEMORY = 1000
-    #: Outputs a class needs before its learned figures are used (fewer: ``max_tokens``). A cohort's first
-    #: few outputs give a spread too noisy to size a KV-full batch by.
-    MIN_SAMPLES = 16
-    #: Requests per class awaiting their cohort (bounded: beyond it the oldest is dropped unlearned).
-    PENDING_MAX = 65536
 
     def __init__(self) -> None:
         self._stats: dict[str, list[float]] = {}
-        #: Per class, the started requests in start order: [request id, ended, fraction or None].
-        self._pending: dict[str, deque[list[Any]]] = {}
-        self._entry: dict[str, tuple[str, list[Any]]] = {}
 
-    def started(self, slo_class: str, request_id: str) -> None:
-        """``request_id`` of ``slo_class`` started (its first start; later ones are ignored)."""
-        if request_id in self._entry:
-            return
-        pending = self._pending.setdefault(slo_class, deque())
-        if len(pending) >= self.PENDING_MAX:
-            dropped = pending.popleft()
-            self._entry.pop(dropped[0], None)
-        entry: list[Any] = [request_id, False, None]
-        pending.append(entry)
-        self._entry[request_id] = (slo_class, entry)
-        self._drain(slo_class)
-
-    def forget(self, request_id: str) -> None:
-        """``request_id`` ended without an output to learn (failed, cancelled): it holds no cohort back."""
-        found = self._entry.get(request_id)
-        if found is not None:
-            found[1][1] = True
-            self._drain(found[0])
-
-    def observe(
-        self, slo_class: str, output_tokens: int, max_tokens: int, request_id: str | None = None
-    ) -> None:
-        """A request ended with ``output_tokens``; learned now, or once its cohort has ended if it was :meth:`started`."""
+    def observe(self, slo_class: str, output_tokens: int, max_tokens: int) -> None:
         x = min(max(output_tokens / max(max_tokens, 1), 0.0), 1.0)
-        found = None if request_id is None else self._entry.get(request_id)
-        if found is None:
-            self._learn(slo_class, x)
-            return
-        found[1][1], found[1][2] = True, x
-        self._drain(found[0])
-
-    def _drain(self, slo_class: str) -> None:
-        pending = self._pending.get(slo_class)
-        while pending and pending[0][1]:
-            rid, _, x = pending.popleft()
-            self._entry.pop(rid, None)
-            if x is not None:
-                self._learn(slo_class, x)
-
-    def _learn(self, slo_class: str, x: float) -> None:
         s = self._stats.setdefault(slo_class, [0.0, 0.0, 0.0])
         n = min(s[0] + 1.0, float(self.MEMORY))
         delta = x - s[1]
@@ -268,7 +210,7 @@ class OutputStats:
     def estimate(self, slo_class: str, max_tokens: int) -> tuple[float, float]:
         """(mean, standard deviation) of the output of a request of ``slo_class`` asking ``max_tokens``."""
         s = self._stats.get(slo_class)
-        if s is None or s[0] < self.MIN_SAMPLES:
+        if s is None or s[0] < 2:
             return float(max_tokens), 0.0
         return s[1] * max_tokens, math.sqrt(s[2]) * max_tokens
 
@@ -1149,7 +1091,6 @@ class QlmQueue:
         del self.queued[r.request_id]
         r.instance, r.dispatched_s = i, now_s
         self.running[i][r.request_id] = r
-        self.stats.started(r.request.slo_class, r.request_id)
         if not group.members:
             self._drop_group(src, group)
         return Dispatch(r, i)
@@ -1499,10 +1440,8 @@ class QlmQueue:
             r = run.pop(request_id, None)
             if r is None:
                 continue
-            if output_tokens is None:
-                self.stats.forget(request_id)
-            else:
-                self.stats.observe(r.request.slo_class, output_tokens, r.request.max_tokens, request_id)
+            if output_tokens is not None:
+                self.stats.observe(r.request.slo_class, output_tokens, r.request.max_tokens)
                 if now_s is not None:
                     self._learn_inefficiency(i, r, output_tokens - r.generated, now_s)
             return r
@@ -1529,7 +1468,6 @@ class QlmQueue:
         r = self.queued.pop(request_id, None)
         if r is None:
             return None
-        self.stats.forget(request_id)
         group = self.groups[r.group]
         group.members.remove(r)
         if not group.members:

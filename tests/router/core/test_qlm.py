@@ -79,34 +79,6 @@ def test_output_stats_learn_the_fraction_of_max_tokens() -> None:
     assert mean == pytest.approx(500.0, rel=0.02) and std == pytest.approx(100.0, rel=0.05)
 
 
-def test_output_stats_learn_by_cohort_so_short_answers_finishing_first_bias_nothing() -> None:
-    # 40 requests start together; half will answer 10 % of max_tokens, half 90 %. The short ones end
-    # first: learned in finish order the class would look short until the long ones end, and KV pulling
-    # sized by that quantile overfills the cache (the engine preempts).
-    stats = OutputStats()
-    for k in range(40):
-        stats.started("c", f"r{k}")
-    for k in range(0, 40, 2):
-        stats.observe("c", 10, 100, f"r{k}")  # the short half ends (even starts)
-    assert stats.estimate("c", 100) == (100.0, 0.0)  # nothing learned: r1 (long) still runs
-    for k in range(1, 40, 2):
-        stats.observe("c", 90, 100, f"r{k}")
-    mean, _ = stats.estimate("c", 100)
-    assert mean == pytest.approx(50.0, rel=0.01)
-
-
-def test_a_failed_request_holds_no_cohort_back_and_a_restart_keeps_its_place() -> None:
-    stats = OutputStats()
-    for k in range(20):
-        stats.started("c", f"r{k}")
-    stats.started("c", "r0")  # started again after an eviction: still the first of its cohort
-    stats.forget("r0")  # then it failed: nothing to learn from it
-    for k in range(1, 20):
-        stats.observe("c", 50, 100, f"r{k}")
-    assert stats.estimate("c", 100) == (50.0, 0.0)
-    assert not stats._pending["c"] and not stats._entry  # bounded: nothing left behind
-
-
 def test_the_rct_estimator_waits_the_tokens_ahead_over_the_throughput() -> None:
     # §2.4 Insight 1 / Eq. 2: a request's wait is the output tokens ahead of it over the instance's token
     # throughput (batch / decode step); its completion adds its own prefill and decode (Eq. 4).
