@@ -228,15 +228,30 @@ def _wait_ready(url: str, process: subprocess.Popen[Any], timeout_s: float = 60.
 
 
 def _start_router(
-    spec: RouterSpec, cms: str, worker_urls: Sequence[str], cms_token_file: str, worker_token_file: str = ""
+    spec: RouterSpec,
+    cms: str,
+    worker_urls: Sequence[str],
+    cms_token_file: str,
+    worker_token_file: str = "",
+    metrics_port: int = 0,
 ) -> tuple[subprocess.Popen[Any], str]:
+    """Start one router; ``metrics_port`` (this router only): serve its Prometheus metrics there."""
     port = _free_port()
     if spec.kind == "ours":
+        # BENCH_OURS_DIAG=1: the router runs under scripts/prefix_queue_diag.py, which prints why its
+        # queued requests waited when it stops.
+        launch = (
+            [str(REPO / "scripts" / "prefix_queue_diag.py")]
+            if os.environ.get("BENCH_OURS_DIAG")
+            else ["-m", "router.cli"]
+        )
         cmd = [
-            sys.executable, "-m", "router.cli", "--log-level", "WARNING", "router", "--cms", f"grpc://{cms}",
+            sys.executable, *launch, "--log-level", "WARNING", "router", "--cms", f"grpc://{cms}",
             "--cms-auth-token-file", cms_token_file,
             "--listen", "127.0.0.1:0", "--http-listen", f"127.0.0.1:{port}", *spec.args,
         ]  # fmt: skip
+        if metrics_port:
+            cmd += ["--metrics-port", str(metrics_port), "--metrics-host", "127.0.0.1"]
         if worker_token_file:  # the workers ask their callers for it (slo-router up's worker token)
             cmd += ["--worker-auth-token-file", worker_token_file]
     elif spec.kind == "vllm-router":
@@ -268,7 +283,22 @@ def _stop(process: subprocess.Popen[Any]) -> None:
             process.wait()
 
 
-def _row(name: str, report: BenchReport, cpu_ms: float) -> dict[str, Any]:
+def placement_decisions(metrics_port: int) -> float | None:
+    """How many placement decisions this router has made (its ``slo_router_schedule_latency_seconds``
+    count: one per decision, a queue pass's refused attempts included); None when unreadable."""
+    try:
+        text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).text
+    except httpx.HTTPError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("slo_router_schedule_latency_seconds_count"):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+def _row(
+    name: str, report: BenchReport, cpu_ms: float, decisions_per_placed: float | None = None
+) -> dict[str, Any]:
     o = report.overall
     return {
         "router": name,
@@ -282,6 +312,7 @@ def _row(name: str, report: BenchReport, cpu_ms: float) -> dict[str, Any]:
         "tpot_p99_ms": o.tpot.p99_ms,
         "output_tokens_per_s": o.output_tokens_per_s,
         "router_cpu_ms_per_request": cpu_ms,
+        "decisions_per_placed": decisions_per_placed,
     }
 
 
@@ -292,7 +323,7 @@ def _fmt(value: float | None, spec: str) -> str:
 def print_table(rows: Sequence[dict[str, Any]]) -> None:
     print(
         f"{'router':<26}{'SLO met':>8}{'goodput':>9}{'TTFT p50':>10}{'p99':>8}{'TPOT p50':>10}{'p99':>7}"
-        f"{'tok/s':>8}{'CPU/req':>9}{'errors':>7}"
+        f"{'tok/s':>8}{'CPU/req':>9}{'errors':>7}{'dec/placed':>11}"
     )
     for r in rows:
         print(
@@ -300,6 +331,7 @@ def print_table(rows: Sequence[dict[str, Any]]) -> None:
             f"{_fmt(r['ttft_p50_ms'], '8.0f')}ms{_fmt(r['ttft_p99_ms'], '6.0f')}ms"
             f"{_fmt(r['tpot_p50_ms'], '8.1f')}ms{_fmt(r['tpot_p99_ms'], '5.1f')}ms"
             f"{r['output_tokens_per_s']:8.0f}{r['router_cpu_ms_per_request']:7.2f}ms{r['errors']:7d}"
+            f"{_fmt(r.get('decisions_per_placed'), '11.2f')}"
         )
 
 
@@ -380,19 +412,27 @@ def main() -> list[Figure]:
             print("the sim fleet did not start; no figures")
             return []
         for router in runnable:
-            process, url = _start_router(router, cms, urls, token_file, worker_token_file)
+            metrics_port = _free_port() if router.kind == "ours" else 0
+            process, url = _start_router(router, cms, urls, token_file, worker_token_file, metrics_port)
+            decisions = None
             try:
                 if not _wait_ready(url, process):
                     print(f"{router.name}: did not become ready; skipped")
                     continue
                 time.sleep(1.5)  # let load polling and the workers settle
+                before = placement_decisions(metrics_port) if metrics_port else None
                 cpu0 = _cpu_s(process.pid)
                 results, window = asyncio.run(replay(url + "/v1/completions", plans))
                 cpu = _cpu_s(process.pid) - cpu0
+                after = placement_decisions(metrics_port) if metrics_port else None
+                if before is not None and after is not None:
+                    decisions = after - before
             finally:
                 _stop(process)
             report = summarize(results, window, class_slos=spec.class_slos())
-            rows.append(_row(router.name, report, cpu / max(1, len(results)) * 1e3))
+            placed = sum(1 for r in results if r.error_code is None)
+            per_placed = None if decisions is None else decisions / max(placed, 1)
+            rows.append(_row(router.name, report, cpu / max(1, len(results)) * 1e3, per_placed))
             details[router.name] = report_to_dict(report)
             print_table(rows[-1:])
             time.sleep(2.0)  # the fleet drains before the next router

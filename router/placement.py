@@ -30,7 +30,7 @@ from router.core.errors import EmptyClusterError, InvalidRequestError, NoInstanc
 from router.core.health import OutlierDetector
 from router.core.lengths import LengthPredictor
 from router.core.lifecycle import Phase, RequestState
-from router.core.packing import expected_output_tokens, overpacked_mask
+from router.core.packing import ThetaFit, expected_output_tokens, overpacked_mask
 from router.core.plugins import Policy
 from router.core.queue import RouterQueue
 from router.core.request import ScheduleInput, StageRestriction, Targets, resolve_targets
@@ -126,6 +126,12 @@ class Placer:
         #: a client sends only max_tokens).
         self.lengths = LengthPredictor()
         predictors = scheduler.predictors
+        config = scheduler.config
+        learn = config.scheduling_policy == "binpack" and config.binpack_theta_adapt
+        if predictors is not None and predictors.theta is None and learn:
+            predictors.theta = ThetaFit(config.binpack_theta)
+        #: Aladdin's θ learned from the finished requests' TPOT (binpack; None: fixed; service feeds it).
+        self.theta: ThetaFit | None = predictors.theta if predictors is not None else None
         #: The scheduler's online calibration, fed the workers' step samples from each new view.
         self.calibration: Calibrator | None = predictors.calibration if predictors is not None else None
         self._fed: ClusterSnapshot | None = None

@@ -479,6 +479,10 @@ class RouterService(router_pb2_grpc.RouterServicer):
         n = len(progress.tokens)
         # Called once, when the stream finishes: the answer's length teaches the length predictor.
         self._placer.lengths.observe(req.slo_class, len(req.prompt_token_ids), n)
+        theta = self._placer.theta
+        if theta is not None and n > 1:
+            # binpack's θ learns from the TPOT each answer got against its target (none if e2e-judged).
+            theta.observe((last - first) / (n - 1) * 1e3, req.tpot_slo_ms)
         return router_pb2.Usage(
             prompt_tokens=len(req.prompt_token_ids),
             completion_tokens=n,

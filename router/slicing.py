@@ -39,7 +39,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -54,13 +54,13 @@ from router.core.predictors import PredictorSet
 from router.core.protocols import dial_endpoint
 from router.core.request import Mode, Stage
 from router.core.slicing import (
-    DEFAULT_SLICE_TOKENS,
-    InstanceModels,
-    MemoryModel,
-    ServingTimeModel,
+    InstanceShape,
+    ModelBook,
     SliceConfig,
     SliceRequest,
     SliceScheduler,
+    add_slice_arguments,
+    slice_config_of,
     slice_length,
 )
 from router.forward import LegError, LegTokens, WorkerClient
@@ -132,15 +132,18 @@ class SliceDispatcher:
         self._max_retries = max_retries
         self._clock = clock
         self._sched: SliceScheduler | None = None
-        #: Each instance's estimators, with the shape they were built for (see _scheduler).
-        self._models: dict[str, tuple[tuple[str, int, int, int, int], InstanceModels]] = {}
-        self._servings: dict[tuple[str, int, int], ServingTimeModel] = {}
+        #: Each instance's estimators, kept while its shape holds (see _scheduler).
+        self._book = ModelBook(predictors.for_group, config)
         self._endpoints: dict[str, str] = {}
         self._waiting: dict[int, _Waiter] = {}
         #: Slices placed per instance since the start (for tests and logs).
         self.placed_slices: dict[str, int] = {}
         #: Slices that arrived since the last schedule point.
         self._pending: list[SliceRequest] = []
+        #: Running slices' progress by ticket: the prompt's length and the request's tokens so far
+        #: (the list the caller appends each relayed message to). The scheduler books a running
+        #: slice's KV from it (SliceScheduler.committed_kv), as the simulator does from its engines.
+        self._running: dict[int, tuple[int, Sequence[int]]] = {}
         self._next_ticket = 0
         self._next_at = 0.0
         self._wake = asyncio.Event()
@@ -195,46 +198,25 @@ class SliceDispatcher:
         ]
 
     def _scheduler(self, records: Sequence[InstanceRecord]) -> SliceScheduler:
-        """The slice scheduler over ``records``, each instance with its own estimators.
-
-        An instance's serving-time model comes from its profile group's
-        predictor and its own chunk budget and model length, its memory model
-        from its own KV capacity and block size; models are rebuilt only when
-        an instance's shape changes (its online fits carry over otherwise).
-        """
+        """The slice scheduler over ``records``, each instance with its own estimators
+        (:class:`ModelBook`: from its profile group and its own engine limits, kept while they hold)."""
         ids = [r.metadata.instance_id for r in records]
-        models: dict[str, InstanceModels] = {}
+        shapes = {}
         for r in records:
             meta = r.metadata
-            group = meta.labels.get(self._profile_label, "")
-            shape = (
-                group,
-                meta.max_num_batched_tokens or 2048,
-                meta.kv_capacity_tokens or 65536,
-                meta.block_size or 16,
-                meta.max_model_len or 8192,
+            shapes[meta.instance_id] = InstanceShape(
+                meta.labels.get(self._profile_label, ""),
+                max_num_batched_tokens=meta.max_num_batched_tokens or 2048,
+                kv_capacity_tokens=meta.kv_capacity_tokens or 65536,
+                block_size=meta.block_size or 16,
+                max_model_len=meta.max_model_len or 8192,
+                max_num_seqs=meta.max_num_seqs or 256,
             )
-            known = self._models.get(meta.instance_id)
-            if known is not None and known[0] == shape:
-                models[meta.instance_id] = known[1]
-                continue
-            serving = self._servings.get(shape[:2] + shape[4:])
-            if serving is None:
-                serving = ServingTimeModel(
-                    self._predictors.for_group(group),
-                    max_num_batched_tokens=shape[1],
-                    max_context_tokens=max(shape[4], 8),
-                )
-                self._servings[shape[:2] + shape[4:]] = serving
-            memory = MemoryModel(
-                kv_capacity_tokens=shape[2], block_size=shape[3], headroom=self.config.kv_headroom
-            )
-            built = InstanceModels(serving, memory)
-            self._models[meta.instance_id] = (shape, built)
-            models[meta.instance_id] = built
+        models = self._book.models(shapes)
         if self._sched is None:
             first = models[ids[0]]
             self._sched = SliceScheduler(self.config, first.serving, first.memory, ids)
+            self._sched.progress = self._context_now
         self._sched.set_models(models)
         self._sched.set_instances(ids)
         return self._sched
@@ -265,6 +247,10 @@ class SliceDispatcher:
             self._admit(instance)
         if sched.pool:
             self._wake.set()
+
+    def _context_now(self, key: Hashable) -> int | None:
+        found = self._running.get(int(key))  # type: ignore[call-overload]
+        return None if found is None else found[0] + len(found[1])
 
     def _live(self, request: SliceRequest) -> bool:
         waiter = self._waiting.get(int(request.key))  # type: ignore[call-overload]
@@ -398,6 +384,7 @@ class SliceDispatcher:
                 target, key, request = placed
                 placed = None
             slice_tokens = request.slice_tokens
+            self._running[int(request.key)] = (len(prompt_token_ids), generated)  # type: ignore[call-overload]
             state.to(Phase.PLACED)
             state.to(Phase.PREFILLING)
             # Worker request ids follow the id limits too (cms/limits.py): ':' separates the slice.
@@ -479,6 +466,7 @@ class SliceDispatcher:
                     exc,
                 )
             finally:
+                self._running.pop(int(request.key), None)  # type: ignore[call-overload]
                 left = total - len(generated)
                 if carried and left > 0 and self.config.resume_at_once:
                     placed = self.resume(target, key, request, len(prompt_token_ids) + len(generated), left)
@@ -509,19 +497,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "counts the engines' preemptions under request dispatch, which an instance's status does not "
         "carry, and which stop once slices run (default: %(default)s)",
     )
-    group.add_argument(
-        "--slice-tokens",
-        type=int,
-        default=DEFAULT_SLICE_TOKENS,
-        metavar="S",
-        help="slice mode: new tokens of a first slice; a resumed slice of a long context is longer, so "
-        "that re-prefilling it costs at most a quarter of its decode (at most 8x S) (default: %(default)s)",
-    )
-    group.add_argument(
-        "--slice-interval-ms",
-        type=float,
-        metavar="MS",
-        help="slice mode: fixed time between schedule points (default: adaptive, "
+    add_slice_arguments(
+        group,
+        interval_help="slice mode: fixed time between schedule points (default: adaptive, "
         "max(0.5 x queued work of the least-loaded instance, 200 ms))",
     )
 
@@ -530,8 +508,4 @@ def slice_config_from_args(args: argparse.Namespace) -> SliceConfig | None:
     """The slice configuration the flags ask for, or ``None`` for request dispatch; errors name the flag."""
     if args.dispatch_mode != "slice":
         return None
-    try:
-        return SliceConfig(slice_tokens=args.slice_tokens, interval_ms=args.slice_interval_ms)
-    except ValueError as exc:
-        flag = "--slice-tokens" if "slice_tokens" in str(exc) else "--slice-interval-ms"
-        raise ValueError(f"{flag}: {exc}") from None
+    return slice_config_of(args.slice_tokens, args.slice_interval_ms)

@@ -89,7 +89,14 @@ ways and compares):
   engine only when the run ends or the instance is touched;
 - the calibration is fed only the instances with steps it has not seen (a
   run's unfed steps are found by the end time of the first of them), in
-  instance order, all of one feed in one :meth:`Calibrator.observe_steps` call.
+  instance order, all of one feed in one :meth:`Calibrator.observe_steps` call
+  (one sample array, each instance's batch a slice of it);
+- an instance's resident legs are re-estimated with one engine call
+  (``SimCore.decode_progress_many``) and one length-predictor call
+  (``LengthPredictor.remaining_many``), and a stepped engine reports only the
+  first and last token of each request (``finish_step(ends_only=True)``), the
+  only ones the simulation reads. ``tests/sim/test_seeded_outcomes.py`` holds
+  per-request digests of 15 seeded runs recorded before these changes.
 """
 
 from __future__ import annotations
@@ -140,7 +147,7 @@ from router.core.dispatch import (
 )
 from router.core.errors import LateError, SchedulingError, status_name
 from router.core.lengths import LengthConfig, LengthPredictor
-from router.core.packing import resident_tpot_need_ms
+from router.core.packing import ThetaFit, resident_tpot_need_ms
 from router.core.plugins import Policy
 from router.core.predictors import PredictorSet
 from router.core.prefix import ExactPrefixIndex, PrefixRouting
@@ -463,6 +470,7 @@ class _Simulation:
         oracle_lengths: bool = False,
         lengths: LengthConfig | None = None,
         prefix_block_tokens: int = 0,
+        incremental_dispatch: str = "on",
     ) -> None:
         self.fleet = fleet
         #: What the router learns of output lengths (from finished requests only).
@@ -485,6 +493,7 @@ class _Simulation:
                 seed=seed,
                 sa_search=sa_search,
                 modeled_clock=True,
+                incremental=incremental_dispatch,
             )
         )
         self.lent = _Lent(self)
@@ -1148,6 +1157,11 @@ class _Simulation:
         r.done_s = now
         plan = self.plans[r.idx]
         self.lengths.observe(plan.class_name, plan.prompt_tokens, r.tokens)
+        theta = self.scheduler.predictors.theta if self.scheduler.predictors is not None else None
+        if theta is not None and r.tokens >= 2 and r.first_s >= 0:
+            # As the router's service does: the TPOT target in force, none for an e2e-judged request.
+            target = plan.slo.tpot_ms or (0.0 if plan.slo.e2e_ms else self.scheduler.config.tpot_slo_ms)
+            theta.observe((now - r.first_s) * 1e3 / (r.tokens - 1), target)
         self._resident(r, r.resident, -1, 0)
         self._handle(Completion(str(r.idx), int(r.tokens)), now)
         self._outcome(r)
@@ -1486,6 +1500,7 @@ def simulate(
     sa_search: str = "anneal",
     oracle_lengths: bool = False,
     engine_prefix_cache: bool = True,
+    incremental_dispatch: str = "on",
 ) -> SimOutcome:
     """Run ``plans`` (open-loop, in arrival order) on ``fleet`` with the policy ``config`` names.
 
@@ -1500,6 +1515,9 @@ def simulate(
     exhaustive search (the reference its annealing is compared with).
     ``oracle_lengths=True`` gives policies each request's true output length (an ablation; by
     default they get an online estimate learned from finished requests).
+    ``incremental_dispatch="off"`` offers every waiting request to placement on every pass (the
+    reference incremental dispatch is compared with: :class:`router.core.queue.LoadWatch`);
+    ``"exact"`` turns off the watch's jitter tolerances.
 
     Prefix caching: when the plans carry prefix-block ids (``RequestPlan.hash_ids``) and
     ``engine_prefix_cache`` is on, every engine caches prompt KV in blocks of the plans'
@@ -1512,9 +1530,12 @@ def simulate(
         raise ValueError("plans must be in arrival order")
     started = time.perf_counter()
     predictors = fleet.predictors
-    if config.calibration != "off":
-        # A fresh set per run: the calibration (the scheduler attaches it) is the run's state.
+    learn_theta = config.scheduling_policy == "binpack" and config.binpack_theta_adapt
+    if config.calibration != "off" or learn_theta:
+        # A fresh set per run: the calibration (the scheduler attaches it) and θ are the run's state.
         predictors = PredictorSet(fleet.predictors.default, fleet.predictors.groups)
+    if learn_theta:
+        predictors.theta = ThetaFit(config.binpack_theta)
     block = prefix_cache_block(plans, fleet) if engine_prefix_cache else 0
     if block:
         config = dataclasses.replace(config, prefix_block_tokens=block)  # hashed as the engines cache
@@ -1535,6 +1556,7 @@ def simulate(
         sa_search=sa_search,
         oracle_lengths=oracle_lengths,
         prefix_block_tokens=block,
+        incremental_dispatch=incremental_dispatch,
     )
     duration_s, stats = sim.run()
     results = sim.results()

@@ -48,9 +48,11 @@ BASELINES = (("lr", "least-requests", "fcfs"), ("fcfs", "slo", "fcfs"), ("edf", 
 def plans_for(args: argparse.Namespace, seed: int) -> list[RequestPlan]:
     """The plan of one seed: lengths and classes from the workload, arrivals as the flags say."""
     spec = load_workload(args.workload)
-    if args.rate:
+    if args.rate and not args.burst_class:
         spec = dataclasses.replace(spec, arrival=dataclasses.replace(spec.arrival, rate_per_s=args.rate))
         return generate_requests(spec, rng=random.Random(seed), num_requests=args.requests)
+    if args.burst_class:
+        return _burst_class(args, spec, seed)
     n = args.burst * args.bursts
     plans = generate_requests(spec, rng=random.Random(seed), num_requests=n)
     out = []
@@ -59,6 +61,32 @@ def plans_for(args: argparse.Namespace, seed: int) -> list[RequestPlan]:
         arrival = burst * args.period_s + position * args.gap_ms * 1e-3
         out.append(dataclasses.replace(p, arrival_s=arrival))
     return out
+
+
+def _burst_class(args: argparse.Namespace, spec: Any, seed: int) -> list[RequestPlan]:
+    """QLM's head-of-line setting: ``--burst-class`` arrives in bursts (``--burst`` every ``--period-s``, from
+    0 s, ``--bursts`` of them), the other classes steadily (Poisson at ``--rate``) over the same span."""
+    span = args.bursts * args.period_s
+    rng = random.Random(seed)
+    plans: list[RequestPlan] = []
+    steady = [c for c in spec.classes if c.name != args.burst_class]
+    bursty = [c for c in spec.classes if c.name == args.burst_class]
+    if not bursty or not steady:
+        raise SystemExit(f"--burst-class {args.burst_class!r}: the workload needs that class and another")
+    rest = dataclasses.replace(
+        spec, classes=tuple(steady), arrival=dataclasses.replace(spec.arrival, rate_per_s=args.rate)
+    )
+    for p in generate_requests(rest, rng=rng, num_requests=max(int(args.rate * span * 2), 1)):
+        if p.arrival_s < span:
+            plans.append(p)
+    jobs = dataclasses.replace(spec, classes=tuple(bursty))
+    for n, p in enumerate(generate_requests(jobs, rng=rng, num_requests=args.burst * args.bursts)):
+        k = n // args.burst
+        plans.append(
+            dataclasses.replace(p, arrival_s=k * args.period_s + (n % args.burst) * args.gap_ms * 1e-3)
+        )
+    plans.sort(key=lambda p: p.arrival_s)
+    return [dataclasses.replace(p, index=k) for k, p in enumerate(plans)]
 
 
 def run_one(
@@ -122,6 +150,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--gap-ms", type=float, default=0.0)
     parser.add_argument("--bursts", type=int, default=10)
     parser.add_argument("--period-s", type=float, default=40.0)
+    parser.add_argument(
+        "--burst-class",
+        default="",
+        help="this class arrives in bursts (--burst every --period-s), the others steadily at --rate",
+    )
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0, help="first seed")
     parser.add_argument("--sa-max-batch", type=int, default=0)

@@ -59,13 +59,13 @@ from engine.model import ProfileCostModel, ScheduledStep, SimCore, SimRequestSpe
 from fleet.flags import error_line
 from router.core.request import Role
 from router.core.slicing import (
-    DEFAULT_SLICE_TOKENS,
-    InstanceModels,
-    MemoryModel,
-    ServingTimeModel,
+    InstanceShape,
+    ModelBook,
     SliceConfig,
     SliceRequest,
     SliceScheduler,
+    add_slice_arguments,
+    slice_config_of,
     slice_length,
     slices_pay,
 )
@@ -120,10 +120,21 @@ class SliceOutcome:
 
 
 class _Req:
-    __slots__ = ("done_s", "error_code", "error_message", "first_s", "generated", "instance", "last_s")
+    __slots__ = (
+        "done_s",
+        "error_code",
+        "error_message",
+        "first_s",
+        "generated",
+        "in_slice",
+        "instance",
+        "last_s",
+    )
 
     def __init__(self) -> None:
         self.generated = 0
+        #: Tokens the running slice has produced so far (its progress).
+        self.in_slice = 0
         self.first_s = -1.0
         self.last_s = -1.0
         self.done_s = -1.0
@@ -151,31 +162,28 @@ class _SliceSimulation:
             self.cores.append(SimCore(engine, cost))
         # The dispatcher's models, one per instance: the router's predictor of the instance's profile
         # group (not the engines' ground truth) and the instance's own engine limits.
-        models: dict[str, InstanceModels] = {}
-        shared: dict[tuple[str, int, int, int, int, int], ServingTimeModel] = {}
-        for iid, group, c in zip(fleet.ids, fleet.groups, fleet.configs, strict=True):
-            shape = (group, c.max_num_batched_tokens, c.max_num_seqs, c.max_model_len, 0, 0)
-            serving = shared.get(shape)
-            if serving is None:
-                serving = ServingTimeModel(
-                    fleet.predictors.for_group(group),
+        book = ModelBook(fleet.predictors.for_group, config)
+        models = book.models(
+            {
+                iid: InstanceShape(
+                    group,
                     max_num_batched_tokens=c.max_num_batched_tokens,
-                    max_batch=c.max_num_seqs,
-                    max_context_tokens=c.max_model_len,
+                    kv_capacity_tokens=c.kv_capacity_tokens,
+                    block_size=c.block_size,
+                    max_model_len=c.max_model_len,
+                    max_num_seqs=c.max_num_seqs,
                 )
-                shared[shape] = serving
-            memory = MemoryModel(
-                kv_capacity_tokens=c.kv_capacity_tokens,
-                block_size=c.block_size,
-                headroom=config.kv_headroom,
-                max_batch=c.max_num_seqs,
-            )
-            models[iid] = InstanceModels(serving, memory)
+                for iid, group, c in zip(fleet.ids, fleet.groups, fleet.configs, strict=True)
+            }
+        )
         self.ids = list(fleet.ids)
         self.index = {iid: k for k, iid in enumerate(self.ids)}
         first = models[self.ids[0]]
         self.sched = SliceScheduler(config, first.serving, first.memory, self.ids)
         self.sched.set_models(models)
+        # The engines' progress, as the router reads it from the tokens it relays: a running slice's
+        # context now is its prompt and every token its request has produced.
+        self.sched.progress = self._context_now
         self.serving = self.sched.models(min(self.ids)).serving
         self.preempted = [0] * n
         self.steps: list[ScheduledStep | None] = [None] * n
@@ -191,6 +199,11 @@ class _SliceSimulation:
         self.now = 0.0
         self.recomputed = self.slices = self.num_steps = self.events = 0
         self.gaps_ms: list[float] = []
+
+    def _context_now(self, key: object) -> int | None:
+        idx = int(key)  # type: ignore[call-overload]
+        r = self.reqs[idx]
+        return int(self.plans[idx].prompt_tokens + r.generated + r.in_slice)
 
     def _push(self, t: float, kind: int, x: int) -> None:
         heapq.heappush(self.heap, (t, self.seq, kind, x))
@@ -319,8 +332,10 @@ class _SliceSimulation:
                 elif r.last_s >= 0:
                     self.gaps_ms.append((now - r.last_s) * 1000.0)
             if not finished:
+                r.in_slice = position + 1
                 continue
             del self.slice_of[rid]
+            r.in_slice = 0
             r.generated += position + 1
             r.last_s = now
             produced = position + 1
@@ -647,19 +662,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "wins on continuous-batching engines, 0.91-0.97x for slices); adds "
         "load_imbalance, recomputed_tokens, ... to the JSON",
     )
-    group.add_argument(
-        "--slice-tokens",
-        type=int,
-        default=DEFAULT_SLICE_TOKENS,
-        metavar="S",
-        help="slice mode: new tokens of a first slice; a resumed slice of a long context is longer, so "
-        "that re-prefilling it costs at most a quarter of its decode (at most 8x S) (default: %(default)s)",
-    )
-    group.add_argument(
-        "--slice-interval-ms",
-        type=float,
-        metavar="MS",
-        help="slice mode: fixed time between schedule points (default: adaptive, "
+    add_slice_arguments(
+        group,
+        interval_help="slice mode: fixed time between schedule points (default: adaptive, "
         "max(0.5 x least instance load, 200 ms))",
     )
     group.add_argument(
@@ -684,15 +689,9 @@ def run_cli(
     """``simulate --dispatch-modes ...``: run, print the table, write ``--output``."""
     try:
         modes = parse_dispatch_modes(args.dispatch_modes)
-        try:
-            config = SliceConfig(
-                slice_tokens=args.slice_tokens,
-                interval_ms=args.slice_interval_ms,
-                overlap_batches=not args.slice_one_batch_at_a_time,
-            )
-        except ValueError as exc:
-            flag = "--slice-tokens" if "slice_tokens" in str(exc) else "--slice-interval-ms"
-            raise ValueError(f"{flag}: {exc}") from None
+        config = slice_config_of(
+            args.slice_tokens, args.slice_interval_ms, overlap_batches=not args.slice_one_batch_at_a_time
+        )
         if "slice" in modes and any(role is not Role.NEUTRAL for role in fleet.roles):
             raise ValueError("--dispatch-modes slice needs a neutral fleet: use --neutral K")
     except ValueError as exc:

@@ -60,12 +60,15 @@ class ArrivalCheck:
         targets = resolve_targets(request, config.ttft_slo_ms, config.tpot_slo_ms)
         prompt = request.prompt_tokens
         only_e2e = request.e2e_slo_ms > 0 and request.ttft_slo_ms == 0 and request.tpot_slo_ms == 0
-        idle_ttft = drain.idle_ms(prompt)
+        # A prompt mostly cached somewhere costs only its uncached part there (the best case).
+        compute = drain.compute_tokens(request)
+        idle_ttft = drain.idle_ms(compute)
         if not only_e2e and idle_ttft > targets.ttft_ms:
+            cached = f", {prompt - compute} of them cached" if compute < prompt else ""
             raise UnmeetableError(
                 f"TTFT target {targets.ttft_ms:g} ms is below the best prediction for this request on an "
-                f"idle instance ({idle_ttft:.1f} ms for its {prompt}-token prompt): no instance can meet it; "
-                "raise the target or shorten the prompt"
+                f"idle instance ({idle_ttft:.1f} ms for its {prompt}-token prompt{cached}): no instance can "
+                "meet it; raise the target or shorten the prompt"
             )
         min_tpot = drain.min_tpot_ms(prompt)
         if not only_e2e and min_tpot > targets.tpot_ms:

@@ -229,6 +229,30 @@ def fluid_demand(load: LoadShape, rates: InstanceRates) -> tuple[float, float]:
     return prefill, decode
 
 
+#: Decoders are staffed for the concurrency a Poisson load reaches this often (the 95th percentile of
+#: a normal): see :func:`decode_staffing`.
+DECODE_STAFFING_Z = 1.645
+
+
+def decode_staffing(decode_fluid: float, batch: int, z: float = DECODE_STAFFING_Z) -> float:
+    """Decoders a load needs when its concurrency varies: ``(m + z·√m) / B``.
+
+    ``decode_fluid`` is :func:`fluid_demand`'s decoders (``m / B``, with ``m``
+    the mean number of requests decoding at once, by Little's law) and ``B``
+    the batch one decoder keeps at the TPOT target. Under Poisson arrivals the
+    number decoding at once varies by about ``√m``, and a decoder set sized
+    for the mean is over its batch half the time: the TPOT target or the KV
+    breaks then (the square-root staffing rule of queueing; Aladdin's Eq. 7
+    carries it in ``c5``, the workers a load needs beyond proportion). The
+    prefill side needs no term of its own: its queue absorbs the spread within
+    the TTFT target (``prefill_utilisation``).
+    """
+    if not (decode_fluid > 0 and batch > 0):
+        return max(decode_fluid, 0.0)
+    mean = decode_fluid * batch
+    return (mean + z * math.sqrt(mean)) / batch
+
+
 class LoadTracker:
     """The load the router has seen over the last ``window_s`` seconds, as a :class:`LoadShape`.
 

@@ -199,6 +199,15 @@ class SchedulerConfig:
             "--binpack-theta",
         ),
     )
+    binpack_theta_adapt: bool = field(
+        default=True,
+        metadata=_doc(
+            "binpack: learn theta online from the finished requests' realized TPOT against their targets "
+            "(Aladdin's theta adapts to the output-length prediction error), starting from --binpack-theta; "
+            "off: --binpack-theta fixed",
+            "--binpack-theta-adapt",
+        ),
+    )
     overpacked_tpot_factor: float = field(
         default=1.0,
         metadata=_doc(

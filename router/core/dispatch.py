@@ -242,6 +242,11 @@ class DispatchSetup:
     seed: int = 0
     sa_search: str = "anneal"
     modeled_clock: bool = False
+    #: Incremental dispatch (:class:`router.core.queue.LoadWatch`): a waiting request refused on the
+    #: fleet as it is is not offered again until an instance got lighter. ``on``: with the watch's
+    #: tolerances (calibration and measured-step jitter); ``exact``: without them; ``off``: the full
+    #: pass (the reference the equivalence tests compare with).
+    incremental: str = "on"
 
 
 DISPATCHERS: Registry[Dispatcher] = Registry("dispatcher")

@@ -38,6 +38,7 @@ from router.core.dispatch import (
     ViewChanged,
 )
 from router.core.errors import (
+    ConfigError,
     EmptyClusterError,
     QueueFullError,
     QueueTimeoutError,
@@ -48,7 +49,7 @@ from router.core.errors import (
 )
 from router.core.policies import health_only
 from router.core.qlm import DEFAULT_CONTEXT, QlmQueue, QlmRequest, instance_model
-from router.core.queue import FleetDrain, Objective, QueueEntry, RouterQueue, Verdict, offer
+from router.core.queue import FleetDrain, LoadWatch, Objective, QueueEntry, RouterQueue, Verdict, offer
 from router.core.registry import Params
 from router.core.request import Role, Targets
 from router.core.sa import SAPlanner, modeled_evaluation_s
@@ -159,6 +160,16 @@ class Queued:
         self._blocked: tuple[tuple[str, ...], npt.NDArray[np.float64]] | None = None
         #: Passes run and passes skipped because nothing could have changed (see :meth:`_worth_a_pass`).
         self.passes = self.skipped = 0
+        #: Incremental dispatch (:class:`~router.core.queue.LoadWatch`): an entry refused on the fleet
+        #: as it is now is not offered to placement again until some instance got lighter or its bound
+        #: looser. None: every pass offers every entry it reaches (the full pass, for comparison).
+        self.watch: LoadWatch | None = None
+        if setup.incremental == "on":
+            self.watch = LoadWatch()
+        elif setup.incremental == "exact":
+            self.watch = LoadWatch(calibration_epoch_s=0.0, measured_tolerance=0.0)
+        elif setup.incremental != "off":
+            raise ConfigError(f"incremental dispatch must be on, exact or off, got {setup.incremental!r}")
 
     def __len__(self) -> int:
         return len(self.queue)
@@ -197,6 +208,10 @@ class Queued:
         if isinstance(event, Completion):
             queue.finished(event.request_id, event.output_tokens)
             self._blocked = None  # its load leaves (the next view may not show it yet)
+            if self.watch is not None:
+                # Nor may the watch see it (a fleet whose room is not all in the view's columns):
+                # every waiting request is worth one more try.
+                self.watch.invalidate()
             return []
         if isinstance(event, Served):
             if queue.config.objective is Objective.G:
@@ -212,7 +227,23 @@ class Queued:
         return self._pass(now, fleet)
 
     def counters(self) -> dict[str, int]:
-        return {"passes": self.passes, "skipped_passes": self.skipped}
+        out = {"passes": self.passes, "skipped_passes": self.skipped}
+        if self.watch is not None:
+            out["load_epochs"] = self.watch.epoch
+        return out
+
+    def _epoch(self, fleet: Fleet, now: float) -> int | None:
+        """The :class:`LoadWatch` epoch of the fleet now (None: incremental dispatch is off, or no fleet)."""
+        watch = self.watch
+        if watch is None:
+            return None
+        try:
+            source = fleet.view()
+            view = fleet.scheduler.view(source, now) if isinstance(source, ClusterSnapshot) else source
+        except SchedulingError:
+            watch.invalidate()
+            return None
+        return watch.observe(fleet.scheduler, view, now)
 
     def _load(self, fleet: Fleet, now: float) -> tuple[tuple[str, ...], npt.NDArray[np.float64]]:
         source = fleet.view()
@@ -271,8 +302,15 @@ class Queued:
         except SchedulingError:
             before = None
         placed = False
+        epoch = self._epoch(fleet, now)
         for result in offer(
-            self.queue, fleet.scheduler, fleet.view, now, max_failures=MAX_FAILURES, decide=fleet.decide
+            self.queue,
+            fleet.scheduler,
+            fleet.view,
+            now,
+            max_failures=MAX_FAILURES,
+            decide=fleet.decide,
+            epoch=epoch,
         ):
             entry = result.entry
             verdict = result.verdict
@@ -303,6 +341,10 @@ class Queued:
             yield Action(
                 Outcome.REFUSE, entry.request, entry.token, error=result.error, event=event, waited_s=waited
             )
+        if placed and len(self.queue):
+            # The pass's own dispatches made the fleet heavier: the entries it refused after them are
+            # judged against the fleet as it is now.
+            self._epoch(fleet, now)
         if len(self.queue):
             yield from self._refuse_beyond_wait(now, fleet)
         self._blocked = None if placed or not len(self.queue) else before

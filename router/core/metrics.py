@@ -21,6 +21,8 @@ prompt_compute_tokens      p - c: the prompt tokens the instance would compute  
 cached_prompt_tokens       c = the prompt's leading tokens the instance's prefix cache  decision
                            holds, as the router knows it (at most p - 1; 0 without
                            a prefix source or prefix hashes)
+cache_affinity_tokens      c - median c over the schedulable instances (at least 0;    decision
+                           0 everywhere when the load is imbalanced)
 predicted_ttft             predict_ttft_ms(prefill_backlog_tokens + p - c,             decision
                            decode_batch_size, decode_tokens, M)
 predicted_tpot             predict_tpot_ms(decode_batch_size + 1,                      decision
@@ -426,6 +428,39 @@ def _cached_prompt_tokens(ctx: DecisionContext) -> FloatArray:
     if request is None or source is None or not request.prefix_hashes:
         return _no_cache(table)
     return cached_tokens_column(source, table.ids, table.index, request.prefix_hashes, request.prompt_tokens)
+
+
+#: Pure cache affinity's load-imbalance guard (as SMG's and vLLM router's ``cache_aware``): when the
+#: busiest schedulable instance holds more than this many requests over the least busy one and more
+#: than this factor of it, the prompt goes by load alone.
+AFFINITY_IMBALANCE_REQUESTS = 32.0
+AFFINITY_IMBALANCE_FACTOR = 1.5
+
+
+@_register("cache_affinity_tokens", MetricScope.DECISION)
+def _cache_affinity_tokens(ctx: DecisionContext) -> FloatArray:
+    """The cached prefix an instance holds *beyond* what most of the fleet holds (``c`` minus the
+    median ``c`` over the schedulable instances, at least 0); 0 everywhere when the load is imbalanced
+    (see :data:`AFFINITY_IMBALANCE_REQUESTS`). What pure cache affinity (``cache-affinity``) chases.
+
+    Raw ``c`` makes affinity pile up: when every prompt starts with the same block (a system prompt,
+    Mooncake's first block), the first instance to take one holds that block for every later prompt
+    and takes them all. A prefix most instances hold gives no instance an edge, so the tie goes to
+    load; and a prefix only a few hold stops attracting once their load runs away from the rest, as
+    the peers' cache-aware policies do with their balance thresholds.
+    """
+    cached = ctx.metric("cached_prompt_tokens")
+    table = ctx.view.instances
+    live = table.schedulable
+    if not cached.any() or not live.any():
+        return cached
+    load = ctx.metric("num_requests")[live]
+    low, high = float(np.min(load)), float(np.max(load))
+    if high - low > AFFINITY_IMBALANCE_REQUESTS and high > AFFINITY_IMBALANCE_FACTOR * low:
+        return _no_cache(table)
+    common = float(np.median(cached[live]))
+    out: FloatArray = np.maximum(cached - common, 0.0)
+    return out
 
 
 @_register("prompt_compute_tokens", MetricScope.DECISION)

@@ -14,12 +14,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from predictor import LatencyPredictor
 from router.core.calibration import Calibrator, StepPredictor
 from router.core.columns import FloatArray, InstanceTable, IntArray
+
+if TYPE_CHECKING:
+    from router.core.packing import ThetaFit
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +41,8 @@ class PredictorSet:
         self.groups = dict(groups or {})
         #: Online calibration of this set's predictions (None: the profiles as they are).
         self.calibration: Calibrator | None = None
+        #: Aladdin's θ learned online (router.core.packing.ThetaFit; None: --binpack-theta fixed).
+        self.theta: ThetaFit | None = None
         self._warned: set[str] = set()
         # The parts of the last table asked about (decisions ask several times per table).
         self._last_table: InstanceTable | None = None

@@ -442,3 +442,17 @@ def cached_tokens_column(
             if i is not None:
                 out[i] = min(blocks * per, ceiling)
     return out
+
+
+def best_cached_tokens(source: PrefixSource | None, hashes: Sequence[int], prompt_tokens: int) -> int:
+    """The most of a prompt any instance's cache holds, as the router knows it (at most
+    ``prompt_tokens - 1``; 0 without a source or hashes): the best case of its prefill, for the judges
+    of a request before any placement (the arrival check, the router queue's hopeless test). A
+    prompt mostly cached costs little prefill where it is cached, so judging it as uncached would
+    refuse or turn late a request the fleet can serve in time."""
+    if source is None or not hashes:
+        return 0
+    found = source.matched_blocks(hashes)
+    if not found:
+        return 0
+    return min(max(found.values()) * source.block_tokens, max(prompt_tokens - 1, 0))

@@ -64,7 +64,7 @@ import bisect
 import enum
 import math
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, Protocol
 
@@ -85,6 +85,7 @@ from router.core.errors import (
 )
 from router.core.flagged import FlagFields
 from router.core.metrics import advanced_backlog
+from router.core.prefix import PrefixSource, best_cached_tokens
 from router.core.request import Mode, Role, ScheduleInput, Stage, Targets, resolve_targets
 from router.core.scheduler import Scheduler
 
@@ -154,10 +155,11 @@ class QueueConfig(FlagFields):
             "order of requests waiting in the router: none (refuse at once), fcfs, edf, priority, qlm "
             "(seed 004: request groups and virtual queues pulled by KV room, with eviction; for e2e "
             "deadlines under overload on neutral instances, TTFT-judged streams beside them keep their "
-            "room; --qlm-*) or sa (seed 000: waiting requests dealt by deadline to the instance with the "
+            "room; its eviction pays where long batch jobs hold every sequence of an engine while "
+            "short deadline work arrives; --qlm-*) or sa (seed 000: waiting requests dealt by deadline to the instance with the "
             "most KV memory left and ordered per instance by simulated annealing of G, handed to an "
             "engine as its slots free; for bursts of mixed-SLO work on engines that run one or two "
-            "sequences at a time; --sa-*)",
+            "sequences at a time, not for engines of four or more, where it gains nothing; --sa-*)",
             "--queue-policy",
         ),
     )
@@ -351,10 +353,208 @@ class QueueEntry:
     late: bool = False
     #: Opaque slot for the caller (the shell's future, the simulator's index).
     token: Any = None
+    #: Its last failed placement attempt (see :class:`Refusal`), or None.
+    refusal: Refusal | None = None
 
     @property
     def request_id(self) -> str:
         return self.request.request_id
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """A queued entry's failed placement attempt, kept so the next pass repeats it only if it could succeed.
+
+    ``epoch`` is the :class:`LoadWatch` epoch of the fleet it failed on, ``at_ms`` when (ms on the
+    caller's clock), ``bound_ms`` the TTFT bound it was offered (ms from then), ``late`` /
+    ``yielding`` how it was offered (see :func:`offer`). The predicted TTFT (the best over the
+    instances, NaN when the miss did not say) and the error are those of the failed decision (a
+    skipped attempt reports them again).
+    """
+
+    epoch: int
+    at_ms: float
+    bound_ms: float
+    late: bool
+    yielding: bool
+    predicted_ttft_ms: float = math.nan
+    error: SchedulingError | None = None
+    #: With prefix-aware placement: the prompt blocks each instance's cache held for it then.
+    matched: Mapping[str, int] | None = None
+
+    def holds(
+        self,
+        epoch: int,
+        now_ms: float,
+        bound_ms: float,
+        late: bool,
+        yielding: bool,
+        matched: Mapping[str, int] | None,
+    ) -> bool:
+        """Whether an attempt at ``now_ms`` with TTFT bound ``bound_ms`` is certain to fail again.
+
+        In the same load epoch every instance's predicted free moment is where it was or later
+        (:class:`LoadWatch`), so a prediction of TTFT from now falls by at most the time that
+        passed. The attempt fails again if its bound, as a moment, is no later than the one that
+        failed (``now + bound <= at + bound then``: a release limit of fixed length is a later
+        moment as time passes, and may let it through), or if the best TTFT predicted then, less
+        the time since, is still over the bound now: the moment the entry could first fit is its
+        own wake-up, and no pass offers it before.
+        """
+        if epoch != self.epoch or late != self.late or yielding != self.yielding:
+            return False
+        same_or_tighter = now_ms + bound_ms <= self.at_ms + self.bound_ms
+        best = self.predicted_ttft_ms
+        too_slow = best == best and best - (now_ms - self.at_ms) > bound_ms
+        if not (same_or_tighter or too_slow):
+            return False
+        if matched is None:
+            return True
+        # A cache that now holds more of its prompt somewhere makes that instance faster for it.
+        before = self.matched or {}
+        return all(n <= before.get(instance_id, 0) for instance_id, n in matched.items())
+
+
+#: Time a prefill instance's predicted free moment may move earlier (ms) and still count as the
+#: same load: the step model's own rounding (see :class:`LoadWatch`).
+FREE_AT_TOLERANCE_MS = 1e-6
+
+
+#: Relative fall of an instance's measured decode step that counts as lighter (see :class:`LoadWatch`).
+MEASURED_TOLERANCE = 0.02
+
+
+#: Least time between two moves of a :class:`LoadWatch` epoch for a changed calibration (s). The
+#: calibration is fed on every status and moves a little each time, both ways; a refused request
+#: that only a faster calibration lets through is tried again within this long. (Every change moving
+#: the epoch made nearly every pass a new epoch.)
+CALIBRATION_EPOCH_S = 0.25
+
+
+class LoadWatch:
+    """Tells when the fleet got lighter somewhere: the epoch a refused entry must see change to be tried again.
+
+    Incremental dispatch. A placement that failed failed on load: every instance was too loaded for
+    the entry's targets (its TTFT bound, its TPOT, KV), or took it only on a fallback pass that a
+    late or yielding entry may not use. The decision is monotone in both: more load on any instance
+    (more decode requests or tokens, more KV, more queued or in-flight work, a status gone stale)
+    never lets a refused request through, and neither does a tighter target. So an entry refused at
+    epoch ``e`` with bound ``b`` is certain to be refused again while the epoch is still ``e`` and its
+    bound is at most ``b`` (:meth:`Refusal.holds`): the pass counts it as refused without a decision.
+
+    What moves the epoch: any per-instance load column (the status's decode requests and tokens, KV
+    used, waiting and running requests, measured decode step, preempting flag, and every in-flight
+    column, residents included) lower than the heaviest seen since the last move; an instance turning
+    schedulable or reporting; the instance set changing; the calibration changing, at most every
+    :data:`CALIBRATION_EPOCH_S`; and a prefill instance whose *predicted free moment* (now + the time to prefill its
+    backlog, advanced and in flight, at its calibrated rate: :class:`FleetDrain`) came earlier.
+
+    Why the free moment, not the backlog's tokens: the router advances a status's backlog by the step
+    model as the status ages, so the backlog in tokens falls with every step and every millisecond
+    while nothing has changed. A request's predicted TTFT on an instance is (free moment - now) plus
+    its own prefill, and its TTFT budget is (deadline - now): both fall by the time that passed, so a
+    request that missed on an instance whose free moment did not move still misses. Targets that only
+    tighten with time (the TTFT budget, an e2e deadline's pace) keep the bound at most what it was;
+    what loosens a bound (the release limit rising as a tight entry leaves, a calibration moving the
+    idle-prefill floor) is caught by comparing bounds or by the calibration's version.
+
+    Prefix-aware placement adds one way to get lighter that is the request's own: a dispatch warms a
+    cache, and an instance that now holds more of its prompt prefills it faster. A refusal keeps the
+    blocks each instance held of the entry's prompt (:attr:`Refusal.matched`) and holds only while
+    none holds more.
+    """
+
+    __slots__ = ("_base", "_calibration", "calibration_epoch_s", "epoch", "measured_tolerance", "moves")
+
+    def __init__(
+        self, calibration_epoch_s: float = CALIBRATION_EPOCH_S, measured_tolerance: float = MEASURED_TOLERANCE
+    ) -> None:
+        #: The two tolerances (0 and 0: every change that could let a request through moves the epoch).
+        self.calibration_epoch_s = calibration_epoch_s
+        self.measured_tolerance = measured_tolerance
+        self.epoch = 0
+        #: The calibration's version at the last move it caused, and when.
+        self._calibration: tuple[int, float] = (-1, -math.inf)
+        #: Moves of the epoch, by reason (for reports and tests).
+        self.moves: dict[str, int] = {}
+        self._base: tuple[Any, FloatArray, FloatArray, FloatArray] | None = None
+
+    def _move(self, why: str, base: tuple[Any, FloatArray, FloatArray, FloatArray] | None) -> int:
+        self.epoch += 1
+        self.moves[why] = self.moves.get(why, 0) + 1
+        self._base = base
+        return self.epoch
+
+    def invalidate(self) -> None:
+        """Something the watch cannot see changed (a placement policy's state): every entry is tried again."""
+        self._move("other", None)
+
+    def observe(self, scheduler: Scheduler, view: ClusterView, now_s: float) -> int:
+        """The epoch for the fleet of ``view`` at ``now_s`` (moved if it is lighter anywhere than before)."""
+        table = view.instances
+        key = table.ids
+        zeros = np.zeros(table.n)
+        step = table.measured_decode_step_ms
+        measured = zeros if step is None else np.nan_to_num(step, nan=0.0)
+        total = table.waiting_requests + table.running_requests
+        cap = table.max_num_seqs
+        requests: tuple[FloatArray, ...] = (total,)
+        if cap is not None and bool((total + view.inflight.requests + 1.0 > cap).any()):
+            # Where no instance is at its sequence cap the decisions read waiting and running requests
+            # only as their sum (a request moving from waiting to running is no lighter load); at the
+            # cap, more of them running means shorter slot waits (metrics.slot_wait): each counts.
+            requests = (total, table.waiting_requests, -table.running_requests)
+        load = np.vstack(
+            (
+                table.decode_requests,
+                table.decode_tokens,
+                table.used_kv_tokens,
+                *requests,
+                zeros if table.preempting is None else table.preempting,
+                -table.schedulable.astype(np.float64),
+                -table.has_status.astype(np.float64),
+                view.inflight.matrix,
+            )
+        )
+        drain = FleetDrain.of(scheduler, view, now_s)
+        if drain is None:
+            free_at = table.uncomputed_prefill_tokens + view.inflight.prefill_tokens
+        else:
+            free_at = np.full(table.n, now_s * 1e3)
+            free_at[drain.prefill_index] += drain.free_by_index
+        # The measured decode step moves with every step; it matters only against a TPOT threshold
+        # (metrics.overpacked), so only a fall by more than MEASURED_TOLERANCE counts.
+        signature = (key, free_at, load, measured)
+        predictors = scheduler.predictors
+        calibration = None if predictors is None else predictors.calibration
+        if (
+            calibration is not None
+            and calibration.version != self._calibration[0]
+            and now_s - self._calibration[1] >= self.calibration_epoch_s
+        ):
+            self._calibration = (calibration.version, now_s)
+            return self._move("calibration", signature)
+        base = self._base
+        if base is None or base[0] != key:
+            return self._move("fleet", signature)
+        if load.shape != base[2].shape:
+            return self._move("fleet", signature)
+        lighter = (load < base[2]).any(axis=1)
+        if lighter.any():
+            return self._move(f"load{int(np.flatnonzero(lighter)[0])}", signature)
+        if (free_at < base[1] - FREE_AT_TOLERANCE_MS).any():
+            return self._move("prefill", signature)
+        if (measured < base[3] * (1.0 - self.measured_tolerance)).any():
+            return self._move("step", signature)
+        # Not lighter anywhere: compare the next view with the heaviest of the two (so small moves
+        # within the tolerance cannot add up unseen).
+        self._base = (
+            key,
+            np.maximum(base[1], free_at),
+            np.maximum(base[2], load),
+            np.maximum(base[3], measured),
+        )
+        return self.epoch
 
 
 class _Sorted:
@@ -877,7 +1077,10 @@ class FleetDrain:
         "_free",
         "_idle",
         "_tpot",
+        "free_by_index",
         "idle_instances",
+        "prefill_index",
+        "prefix",
         "queue_rate",
     )
 
@@ -888,9 +1091,18 @@ class FleetDrain:
         idle: Callable[[int], float],
         min_tpot: Callable[[int], float],
         queue_rate: float | None = None,
+        prefill_index: IntArray | None = None,
+        prefix: PrefixSource | None = None,
     ) -> None:
+        #: The view indices of the prefill-capable instances, and when each is free (ms from now).
+        self.prefill_index: IntArray = (
+            np.arange(len(free_ms), dtype=np.intp) if prefill_index is None else prefill_index
+        )
+        self.free_by_index = free_ms
         #: Prompt tokens per ms the queue really drained at lately (:meth:`RouterQueue.drain_rate`), if known.
         self.queue_rate = queue_rate
+        #: The router's knowledge of the instances' prefix caches (None: off), for :meth:`compute_tokens`.
+        self.prefix = prefix
         order = np.argsort(free_ms, kind="stable")
         self._free = free_ms[order]
         r = rate[order]
@@ -988,7 +1200,7 @@ class FleetDrain:
                 )
             return found
 
-        return cls(free, rate, idle, min_tpot, queue_rate)
+        return cls(free, rate, idle, min_tpot, queue_rate, prefill, scheduler.prefix)
 
     def start_ms(self, tokens_ahead: float) -> float:
         """When a request can start its prefill with ``tokens_ahead`` queued tokens to go first (ms from now).
@@ -1009,6 +1221,13 @@ class FleetDrain:
         # sum(rate * (t - free)) tokens by time t: solve that for ``tokens_ahead``.
         k = max(int(np.searchsorted(self._breaks, max(tokens_ahead, 0.0), side="right")), 1) - 1
         return (max(tokens_ahead, 0.0) + float(self._cum_rate_free[k])) / float(self._cum_rate[k])
+
+    def compute_tokens(self, request: ScheduleInput) -> int:
+        """The prompt tokens ``request`` must prefill at best: its prompt less the longest prefix the
+        router knows an instance's cache to hold (the whole prompt without prefix knowledge)."""
+        return request.prompt_tokens - best_cached_tokens(
+            self.prefix, request.prefix_hashes, request.prompt_tokens
+        )
 
     def idle_ms(self, prompt_tokens: int) -> float:
         """``prompt_tokens``' prefill on the fastest idle instance (ms)."""
@@ -1099,7 +1318,7 @@ def hopeless(
     A request with only an e2e target is judged by that target alone: the TTFT target derived from it
     orders and places it, but missing it does not mean missing the SLO.
     """
-    best_ttft = drain.start_ms(tokens_ahead) + drain.idle_ms(request.prompt_tokens)
+    best_ttft = drain.start_ms(tokens_ahead) + drain.idle_ms(drain.compute_tokens(request))
     only_e2e = request.e2e_slo_ms > 0 and request.ttft_slo_ms == 0 and request.tpot_slo_ms == 0
     if best_ttft > targets.ttft_ms and not only_e2e:
         return Hopeless(best_ttft, targets.ttft_ms)
@@ -1221,6 +1440,7 @@ def offer(
     *,
     max_failures: int = 8,
     decide: Decide | None = None,
+    epoch: int | None = None,
 ) -> Iterator[Offer]:
     """Offer the queue's entries to ``scheduler`` in order at ``now_s``; yields what happened to each.
 
@@ -1254,6 +1474,11 @@ def offer(
     Entries leave the queue here; the caller only acts on the verdicts.
     ``decide`` replaces ``scheduler.schedule`` for the decisions (the router
     shell passes one that avoids ejected instances).
+
+    ``epoch`` (a :class:`LoadWatch` epoch of the fleet now) turns on incremental dispatch: an entry
+    whose last attempt failed in the same epoch, with a bound no looser and offered the same way
+    (:meth:`Refusal.holds`), is counted as waiting again without a decision, exactly as that attempt
+    would have ended (a wait, or late when its best predicted TTFT is now past its budget).
     """
     schedule = scheduler.schedule if decide is None else decide
     for_g = queue.config.objective is Objective.G
@@ -1287,6 +1512,10 @@ def offer(
     last_drain: FleetDrain | None = None
     ahead = 0.0  # prompt tokens of the on-time entries offered so far in this pass (in front of the next)
     dispatched = 0  # prompt tokens this pass dispatched
+    only_neutral = False  # whether every schedulable instance is neutral (read with the first view)
+    # Incremental dispatch: the attempts this pass's decisions refused (a request no easier than one
+    # of them is refused too: the fleet only got heavier since, by this pass's own dispatches).
+    refused_here: list[_Refused] = []
     scanning = False
     for entry in queue.entries():
         if entry.request_id in seen:  # turned late in this pass: once per pass is enough
@@ -1333,6 +1562,8 @@ def offer(
                 first = source()
                 view = first if isinstance(first, ClusterView) else scheduler.view(first, now_s)
                 drain = FleetDrain.of(scheduler, view, now_s, queue.drain_rate(now_s))
+                table = view.instances
+                only_neutral = bool((table.roles[table.schedulable] == int(Role.NEUTRAL)).all())
             except SchedulingError:  # no fleet to judge by: the decision below reports it
                 drain = None
         in_front = ahead  # prompt tokens in front of this entry
@@ -1359,7 +1590,7 @@ def offer(
             else:  # no on-time traffic to yield to
                 bound = max(targets.full_ttft_ms, floor)
         else:
-            floor = IDLE_SLACK * drain.idle_ms(request.prompt_tokens) if drain is not None else 0.0
+            floor = IDLE_SLACK * drain.idle_ms(drain.compute_tokens(request)) if drain is not None else 0.0
             # A request whose own prefill cannot fit under the release limit (a long prompt yielding
             # to tighter traffic) may still take a nearly idle instance while another one stays idle
             # for the tight arrivals release control keeps room for, as late work does: otherwise it
@@ -1383,7 +1614,58 @@ def offer(
             if targets.ttft_ms <= 0:
                 yield _late(queue, entry, late_reject, math.nan, targets.ttft_ms)
                 continue
+        memo = entry.refusal
+        matched: Mapping[str, int] | None = None
+        if epoch is not None and scheduler.prefix is not None and request.prefix_hashes:
+            matched = scheduler.prefix.matched_blocks(request.prefix_hashes)
+        if (
+            epoch is not None
+            and memo is not None
+            and memo.holds(epoch, now_s * 1e3, bound, entry.late, yielding, matched)
+        ):
+            # Certain to be refused again. What the decision would also say is whether an on-time
+            # entry is late now (its best predicted TTFT past its budget): certain when the best
+            # predicted then, less the time since, is past it; otherwise unknown (the load may have
+            # grown), and the decision is made after all.
+            best = memo.predicted_ttft_ms
+            if entry.late or best != best:
+                failures += 1
+                yield Offer(entry, Verdict.WAIT, error=memo.error, budget_ms=targets.ttft_ms)
+                continue
+            best -= now_s * 1e3 - memo.at_ms
+            if best >= targets.ttft_ms:
+                yield _late(queue, entry, late_reject, best, targets.ttft_ms)
+                continue
+
+        memo_key = (epoch, now_s * 1e3, bound, yielding, matched)
+        # On a fleet of neutral instances only, late and yielding work lands on a neutral instance
+        # whatever the decision, where it is held to the tighter TPOT below: it is decided with that
+        # target at once (one decision, the one the second would have been) instead of twice.
+        direct = (entry.late or yielding) and only_neutral
         offered = replace(targets, ttft_ms=bound)
+        if direct:
+            offered = replace(offered, tpot_ms=LATE_TPOT_FRACTION * offered.tpot_ms)
+        if epoch is not None and matched is None:
+            easier = next(
+                (
+                    a
+                    for a in refused_here
+                    if _no_easier(request, offered, now_s * 1e3, entry.late, yielding, a)
+                ),
+                None,
+            )
+            if easier is not None:
+                # An easier request was refused earlier in this pass on a fleet no heavier. Its best
+                # predicted TTFT is at most this one's: past this one's budget, this one is late;
+                # otherwise whether it is late is unknown unless it is already late.
+                if not entry.late and easier.best == easier.best and easier.best >= targets.ttft_ms:
+                    yield _late(queue, entry, late_reject, easier.best, targets.ttft_ms)
+                    continue
+                if entry.late or easier.best != easier.best:
+                    failures += 1
+                    _remember(entry, memo_key, easier.best, easier.error)
+                    yield Offer(entry, Verdict.WAIT, error=easier.error, budget_ms=targets.ttft_ms)
+                    continue
         try:
             decision = schedule(source() if seen_view is None else seen_view, request, now_s, targets=offered)
         except NoInstanceError as exc:
@@ -1392,13 +1674,17 @@ def offer(
                 yield _late(queue, entry, late_reject, best, targets.ttft_ms)
                 continue
             failures += 1
+            _remember(entry, memo_key, best, exc)
+            refused_here.append(_Refused(request, offered, now_s * 1e3, entry.late, yielding, best, exc))
             yield Offer(entry, Verdict.WAIT, error=exc, predicted_ttft_ms=best, budget_ms=targets.ttft_ms)
             continue
         except EmptyClusterError as exc:
             queue.remove(entry.request_id)
             yield Offer(entry, Verdict.REJECT, error=exc)
             continue
-        if (entry.late or yielding) and decision.mode is Mode.NEUTRAL:
+        if direct:
+            pass
+        elif (entry.late or yielding) and decision.mode is Mode.NEUTRAL:
             # On a neutral instance its prefill runs between the decode steps of every request there,
             # which the TPOT prediction of the batch does not cover: such work keeps clear of the
             # target (and takes what the fallback passes give, as before).
@@ -1407,6 +1693,8 @@ def offer(
                 decision = schedule(source(), request, now_s, targets=neutral)
             except NoInstanceError as exc:
                 failures += 1
+                # (No late check on this miss, as before: remembered without its best TTFT.)
+                _remember(entry, memo_key, error=exc)
                 yield Offer(
                     entry,
                     Verdict.WAIT,
@@ -1420,6 +1708,8 @@ def offer(
             # that keeps every promise; the fallback passes (KV over life, the safety valve dropped)
             # are for on-time work that cannot wait.
             failures += 1
+            _remember(entry, memo_key)
+            refused_here.append(_Refused(request, offered, now_s * 1e3, entry.late, yielding, math.nan, None))
             yield Offer(entry, Verdict.WAIT, budget_ms=targets.ttft_ms)
             continue
         failures = 0
@@ -1428,6 +1718,73 @@ def offer(
         dispatched += request.prompt_tokens
         yield Offer(entry, Verdict.DISPATCH, decision=decision, budget_ms=targets.ttft_ms)
     queue.scanned(now_s)  # every entry was judged
+
+
+@dataclass(frozen=True, slots=True)
+class _Refused:
+    """A failed attempt of an offer pass: the request, the targets it was offered, how, and the miss."""
+
+    request: ScheduleInput
+    targets: Targets
+    #: When it was made (ms on the caller's clock).
+    at_ms: float
+    late: bool
+    yielding: bool
+    best: float
+    error: SchedulingError | None
+
+
+def _no_easier(
+    request: ScheduleInput, offered: Targets, at_ms: float, late: bool, yielding: bool, a: _Refused
+) -> bool:
+    """Whether ``request``, offered ``offered`` at ``at_ms``, is certain to be refused
+    wherever ``a`` was: offered the same way, no easier in anything a decision reads (prompt, output
+    estimate and bound, max tokens, targets, deadline), with nothing that may favour one instance for
+    it alone (a prefix, excluded instances). Decisions are monotone in each of these."""
+    r = a.request
+    if (
+        late != a.late
+        or yielding != a.yielding
+        or request.prefix_hashes
+        or r.prefix_hashes
+        or request.exclude_instance_ids
+        or r.exclude_instance_ids
+        or request.model != r.model
+        or request.stages != r.stages
+        or (request.ttft_slo_ms == 0) != (r.ttft_slo_ms == 0)
+        or (request.tpot_slo_ms == 0) != (r.tpot_slo_ms == 0)
+        or (request.e2e_slo_ms == 0) != (r.e2e_slo_ms == 0)
+        or (request.expected_output_tokens is None) != (r.expected_output_tokens is None)
+        or (request.output_tokens_bound is None) != (r.output_tokens_bound is None)
+    ):
+        return False
+    if not (
+        request.prompt_tokens >= r.prompt_tokens
+        and request.max_tokens >= r.max_tokens
+        and (request.expected_output_tokens or 0) >= (r.expected_output_tokens or 0)
+        and (request.output_tokens_bound or 0) >= (r.output_tokens_bound or 0)
+        and offered.ttft_ms + at_ms <= a.targets.ttft_ms + a.at_ms
+        and offered.tpot_ms <= a.targets.tpot_ms
+    ):
+        return False
+    if request.e2e_slo_ms > 0:
+        if request.arrival_s is None or r.arrival_s is None:
+            return False
+        return request.arrival_s + request.e2e_slo_ms * 1e-3 <= r.arrival_s + r.e2e_slo_ms * 1e-3
+    return True
+
+
+def _remember(
+    entry: QueueEntry,
+    key: tuple[int | None, float, float, bool, Mapping[str, int] | None],
+    best: float = math.nan,
+    error: SchedulingError | None = None,
+) -> None:
+    """Keep ``entry``'s failed attempt (``key``: the epoch, time, bound, yielding flag and matched
+    blocks it was made with) for the next pass, when incremental dispatch is on (an epoch is given)."""
+    epoch, at_ms, bound, yielding, matched = key
+    if epoch is not None:
+        entry.refusal = Refusal(epoch, at_ms, bound, entry.late, yielding, best, error, matched)
 
 
 def _shed(queue: RouterQueue, entry: QueueEntry, why: Overlong) -> Offer:
@@ -1446,7 +1803,7 @@ def _shed(queue: RouterQueue, entry: QueueEntry, why: Overlong) -> Offer:
 
 def _idle_floor_ms(scheduler: Scheduler, request: ScheduleInput, drain: FleetDrain | None) -> float:
     if drain is not None:  # calibrated, like the decisions
-        return 2.0 * drain.idle_ms(request.prompt_tokens)
+        return 2.0 * drain.idle_ms(drain.compute_tokens(request))
     predictors = scheduler.predictors
     if predictors is None:
         return math.inf

@@ -61,7 +61,7 @@ Pure and synchronous: no I/O, no clock, no globals.
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -620,6 +620,91 @@ class InstanceModels:
         return self.serving_fit.scale * self.serving.serve_ms(batch, context_tokens, generation_tokens)
 
 
+@dataclass(frozen=True)
+class InstanceShape:
+    """What an instance's estimators are built from: its profile group and its engine's limits."""
+
+    group: str
+    max_num_batched_tokens: int = 2048
+    kv_capacity_tokens: int = 65536
+    block_size: int = 16
+    max_model_len: int = 8192
+    max_num_seqs: int = 256
+
+
+class ModelBook:
+    """Each instance's estimators (:class:`InstanceModels`), built from its :class:`InstanceShape`.
+
+    One builder for both drivers (the router reads the shapes from the
+    instances' metadata, the simulator from its engines' configs): the
+    serving-time model comes from the profile group's predictor and the
+    instance's chunk budget, model length and batch limit (shared by every
+    instance of the same shape: fitting it is the costly part), the memory
+    model from its own KV capacity and block size. An instance keeps its
+    models, and so its online fits, while its shape is unchanged.
+    """
+
+    def __init__(self, predictor_for: Callable[[str], LatencyPredictor], config: SliceConfig) -> None:
+        self._predictor_for = predictor_for
+        self._config = config
+        self._servings: dict[tuple[str, int, int, int], ServingTimeModel] = {}
+        self._built: dict[str, tuple[InstanceShape, InstanceModels]] = {}
+
+    def models(self, shapes: Mapping[str, InstanceShape]) -> dict[str, InstanceModels]:
+        """The models of every instance in ``shapes`` (instance id -> shape), in its order."""
+        out: dict[str, InstanceModels] = {}
+        for instance, shape in shapes.items():
+            known = self._built.get(instance)
+            if known is not None and known[0] == shape:
+                out[instance] = known[1]
+                continue
+            key = (shape.group, shape.max_num_batched_tokens, shape.max_model_len, shape.max_num_seqs)
+            serving = self._servings.get(key)
+            if serving is None:
+                serving = ServingTimeModel(
+                    self._predictor_for(shape.group),
+                    max_num_batched_tokens=shape.max_num_batched_tokens,
+                    max_batch=shape.max_num_seqs,
+                    max_context_tokens=max(shape.max_model_len, 8),
+                )
+                self._servings[key] = serving
+            memory = MemoryModel(
+                kv_capacity_tokens=shape.kv_capacity_tokens,
+                block_size=shape.block_size,
+                headroom=self._config.kv_headroom,
+                max_batch=shape.max_num_seqs,
+            )
+            built = InstanceModels(serving, memory)
+            self._built[instance] = (shape, built)
+            out[instance] = built
+        return out
+
+
+# --------------------------------------------------------------------------- flags
+
+
+def add_slice_arguments(group: Any, *, interval_help: str) -> None:
+    """``--slice-tokens`` and ``--slice-interval-ms`` (the router, ``up`` and ``simulate`` share them)."""
+    group.add_argument(
+        "--slice-tokens",
+        type=int,
+        default=DEFAULT_SLICE_TOKENS,
+        metavar="S",
+        help="slice mode: new tokens of a first slice; a resumed slice of a long context is longer, so "
+        "that re-prefilling it costs at most a quarter of its decode (at most 8x S) (default: %(default)s)",
+    )
+    group.add_argument("--slice-interval-ms", type=float, metavar="MS", help=interval_help)
+
+
+def slice_config_of(slice_tokens: int, interval_ms: float | None, **extra: Any) -> SliceConfig:
+    """:class:`SliceConfig` from the flags' values; a ``ValueError`` names the flag as typed."""
+    try:
+        return SliceConfig(slice_tokens=slice_tokens, interval_ms=interval_ms, **extra)
+    except ValueError as exc:
+        flag = "--slice-tokens" if "slice_tokens" in str(exc) else "--slice-interval-ms"
+        raise ValueError(f"{flag}: {exc}") from None
+
+
 def slice_length(
     context_tokens: int, remaining_tokens: int, serving: ServingTimeModel, config: SliceConfig
 ) -> int:
@@ -675,6 +760,29 @@ def slices_pay(preemptions: int, requests: int) -> bool:
 
 
 # --------------------------------------------------------------------------- the whole cycle
+
+
+def kv_peak_of(held: Sequence[tuple[float, float]]) -> float:
+    """The peak over time of the KV of slices ``(tokens held now, steps to their end)``.
+
+    Each slice adds a token a step and leaves at its end, so the sum rises
+    between two ends and falls at each: its peak is at an end ``k`` (or now),
+    where the slices alive are those with at least ``k`` steps to go. Sorted
+    by steps to go (longest first), the value at the m-th is the first m
+    slices' tokens plus m times its steps (ties: the last of them counts them
+    all). O(n log n).
+    """
+    if not held:
+        return 0.0
+    ordered = sorted(held, key=lambda h: -h[1])
+    peak = now = sum(h[0] for h in ordered)  # now: every slice alive, nothing added yet
+    total = 0.0
+    for m, (tokens, steps) in enumerate(ordered, start=1):
+        total += tokens
+        if m < len(ordered) and ordered[m][1] == steps:
+            continue
+        peak = max(peak, total + m * steps)
+    return max(peak, now)
 
 
 @dataclass
@@ -748,6 +856,10 @@ class SliceScheduler:
         self._planned_kv: dict[str, int] = {}
         self._busy_mark: dict[str, float | None] = {}
         self._next_key = 0
+        #: The driver's reader of a running slice's context now (prompt + every token produced so
+        #: far, by request key; None: unknown). With it the KV a running slice will still add is
+        #: counted from its progress (:meth:`committed_kv`); without it, whole from its start.
+        self.progress: Callable[[Hashable], int | None] | None = None
         self.batches = 0
         self.schedule_points = 0
         self.resumed = 0
@@ -786,6 +898,61 @@ class SliceScheduler:
 
     def planned_kv(self, instance: str) -> int:
         return self._planned_kv[instance]
+
+    def budget_kv(self, instance: str) -> float:
+        """The KV ``instance``'s slices may book.
+
+        With the driver's progress, the headroom times the preemption cap ζ:
+        :meth:`committed_kv` is a bound (every running slice to its end), and
+        stretching the budget as well by how little of their booking slices
+        use (the early ends, :attr:`MemoryFit.usage`) made the engines
+        preempt (22 times where request dispatch did 210: interactive-batch,
+        16k, 6 req/s). Without progress, the budget scaled by that usage
+        (:attr:`InstanceModels.budget_tokens`), which stands in for the
+        progress it cannot see."""
+        m = self.models(instance)
+        if self.progress is None:
+            return m.budget_tokens
+        return m.memory.budget_tokens * min(1.0, m.memory_fit.zeta)
+
+    def committed_kv(self, instance: str) -> float:
+        """The KV ``instance``'s running slices will hold at their peak, from their progress.
+
+        The paper's memory model is static batching's: every request of a
+        batch holds its context plus the whole slice ``S`` until the batch
+        ends, so a batch is booked at ``Σ(context + S)``. On a
+        continuous-batching engine the slices of an instance started at
+        different times and each grows by a token a step: a slice half way
+        through holds half its ``S`` and leaves first. Booked whole from its
+        start, the plan kept the engines at about 85 % of their KV where
+        answers are long (resumed slices of long contexts run up to 8 S), and
+        lost throughput to request dispatch (``interactive-batch``, 0.85×).
+        With the driver's progress (:attr:`progress`) the booking is the
+        exact peak over the running slices' remaining steps (the sum over the
+        slices still alive at each slice's end: :func:`kv_peak_of`), at most
+        the whole booking; slices whose progress is unknown count whole.
+        Slices admitted next count at their whole ``context + S`` from now
+        (their start waits for their prefill, a delay nobody knows).
+        """
+        read = self.progress
+        running = self._running.get(instance)
+        if read is None or not running:
+            return float(self._planned_kv.get(instance, 0))
+        held: list[tuple[float, float]] = []
+        for entry in running.values():
+            for r in entry.batch.requests:
+                planned = entry.kv.get(r.key)
+                if planned is None:
+                    continue  # ended
+                now = read(r.key)
+                final = r.context_tokens + r.slice_tokens
+                if now is None or now < r.context_tokens:
+                    held.append((float(planned), 0.0))
+                    continue
+                # The blocks' rounding stays with the slice to its end.
+                now = min(now, final)
+                held.append((float(now + planned - final), float(final - now)))
+        return kv_peak_of(held)
 
     def set_instances(self, instances: Sequence[str]) -> None:
         """Follow the fleet: new instances start idle; a removed one's queued batches return to the pool."""
@@ -904,15 +1071,14 @@ class SliceScheduler:
         if not queue:
             return []
         running = self._running[instance]
-        models = self.models(instance)
-        budget = models.budget_tokens
+        budget = self.budget_kv(instance)
         out = []
         while queue:
             batch = queue[0]
             if running:
                 if not self.config.overlap_batches:
                     break
-                room = budget - self._planned_kv[instance]
+                room = budget - self.committed_kv(instance)
                 if batch.kv_tokens > room:
                     head = self._split(instance, batch, room) if self.config.split_batches else None
                     if head is None:
@@ -1021,7 +1187,7 @@ class SliceScheduler:
         for i in ordered:
             m = self.models(i)
             kv = m.memory.request_kv_tokens(following.context_tokens, following.slice_tokens)
-            if i != instance and self._planned_kv[i] + kv > m.budget_tokens:
+            if i != instance and self.committed_kv(i) + kv > self.budget_kv(i):
                 continue
             cost = self._marginal(i, following, cached=self.config.prefix_cache and i == instance)
             options.append((self._loads[i] + cost, i, cost, kv))

@@ -25,7 +25,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from router.core.capacity import InstanceRates, LoadShape, fluid_demand
+from router.core.capacity import InstanceRates, LoadShape, decode_staffing, fluid_demand
 
 #: Samples after which a sample's weight has halved (the default decay).
 HALF_LIFE = 256
@@ -197,7 +197,10 @@ class DesiredInstances:
     perfect packing of that heartbeat's work would fill: the prompt tokens that arrived over the
     prompt tokens a prefill instance computes in the heartbeat, and the output tokens they are
     expected to generate (the router's learned length estimate, never the true length) over
-    what a decoder generates at the TPOT target (:func:`router.core.capacity.instance_rates`).
+    what a decoder generates at the TPOT target (:func:`router.core.capacity.instance_rates`),
+    decoders staffed for the spread of a Poisson load's concurrency
+    (:func:`router.core.capacity.decode_staffing`: sized for the mean, mixed at 16 req/s was
+    3 decoders where ``plan`` needs 4).
     Each role's ``(rate, workers)`` samples feed a :class:`WorkerCountModel` (decayed least
     squares, the SEM rule); :meth:`desired` evaluates ``⌈k5·r + c5⌉`` at the rate of the last
     window. A heartbeat in which more than a tenth of the requests had no learned length yet
@@ -290,6 +293,7 @@ class DesiredInstances:
             cv = math.inf  # not representative: the SEM rule leaves it out
         rates = self._rates(shape, self._tpot if math.isfinite(self._tpot) else self.default_tpot_ms)
         prefill, decode = fluid_demand(shape, rates)
+        decode = decode_staffing(decode, rates.decode_batch)
         for role, workers in (("prefill", prefill), ("decode", decode), ("neutral", prefill + decode)):
             self.models[role].observe(Heartbeat(shape.rate, workers, n, cv))
 
@@ -309,7 +313,9 @@ class DesiredInstances:
                 model.samples,
                 model.rejected,
             )
-        prefill, decode = fluid_demand(load, self._rates(load, self.default_tpot_ms))
+        rates = self._rates(load, self.default_tpot_ms)
+        prefill, decode = fluid_demand(load, rates)
+        decode = decode_staffing(decode, rates.decode_batch)
         return Desired(
             max(1, math.ceil(prefill - 1e-9)),
             max(1, math.ceil(decode - 1e-9)),

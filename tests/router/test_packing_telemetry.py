@@ -69,3 +69,25 @@ def test_load_tracker_reports_the_rate_and_means_of_its_window() -> None:
     assert shape.rate == 1.0  # 10 requests in the last 10 s
     assert shape.mean_prompt_tokens == sum(100 + k for k in range(10, 20)) / 10
     assert tracker.shape(100.0).rate == 0.0
+
+
+def test_the_router_learns_binpacks_theta_and_decisions_read_it() -> None:
+    """The live router keeps one θ fit per scheduler for binpack (--binpack-theta-adapt, on by
+    default), on the predictor set its decisions read; other policies and the flag off keep none."""
+    from router.core.packing import THETA_EVERY, live_theta
+
+    snapshot = make_snapshot(inst("p", "prefill"), inst("d", "decode"))
+    scheduler = make_scheduler("binpack", tpot_slo_ms=50.0, instance_staleness_s=float("inf"))
+    placer = Placer(scheduler, _Source(snapshot), clock=lambda: NOW)
+    assert placer.theta is not None and scheduler.predictors is not None
+    assert scheduler.predictors.theta is placer.theta
+    for _ in range(THETA_EVERY * 3):
+        placer.theta.observe(25.0, 50.0)  # answers well inside their TPOT target
+    ctx = scheduler.context(scheduler.view(snapshot, NOW), None)  # type: ignore[arg-type]
+    assert live_theta(ctx, scheduler.config) == placer.theta.theta > scheduler.config.binpack_theta
+    fixed = make_scheduler(
+        "binpack", tpot_slo_ms=50.0, instance_staleness_s=float("inf"), binpack_theta_adapt=False
+    )
+    assert Placer(fixed, _Source(snapshot), clock=lambda: NOW).theta is None
+    slo = make_scheduler("slo", tpot_slo_ms=50.0, instance_staleness_s=float("inf"))
+    assert Placer(slo, _Source(snapshot), clock=lambda: NOW).theta is None

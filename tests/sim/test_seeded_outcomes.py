@@ -129,20 +129,20 @@ SCENARIOS: dict[
 #: hopeless), which moved them before any of the speed work met them.
 RECORDED: dict[str, str] = {
     "azure-trace-slo": "54d0341f0320da9b66ae45cf",
-    "mooncake-trace-least-requests": "e0a791d545d8f3433089aa03",
-    "neutral-round-robin-small-kv": "b09a0d9881e1caaa521995eb",
-    "neutral-slo-edf": "8d9184188dc1ce4b167e35ce",
-    "neutral-slo-eos": "2e48ccdebc5800304813941d",
-    "neutral-slo-fcfs-capped": "570d45b01279a65ed22d81b3",
-    "neutral-slo-prefix": "d9e58a1e670dd4d07ee140df",
-    "neutral-slo-priority": "34740eea1b2bca18f1409c82",
+    "mooncake-trace-least-requests": "a4e832afe7176fdc6c54d52b",
+    "neutral-round-robin-small-kv": "de766bb7b4107794c605d611",
+    "neutral-slo-edf": "35af947bce08c19b15ce9738",
+    "neutral-slo-eos": "6e0550fc4aa7b1a521e5d17b",
+    "neutral-slo-fcfs-capped": "af255faf69b2f6bc94c1e944",
+    "neutral-slo-prefix": "0eedec2e3caf140cf44d3015",
+    "neutral-slo-priority": "c7f5d658f7525af4006eed83",
     "neutral-slo-qlm": "408ecb8f61ee7afa86c380c6",
-    "neutral-slo-sa": "314557fe7a0c68385faecbfa",
-    "pd-adaptive": "6c0daa4f54af67d8fce492a0",
-    "pd-load-balance-off": "5cd25ef5841b68c54ae9e9fc",
+    "neutral-slo-sa": "0e8ceeae14dc5f1401511204",
+    "pd-adaptive": "36d2c9c44b9987022276550f",
+    "pd-load-balance-off": "466dcf402227e02d05b7c4b8",
     "pd-noise-power-of-two": "25129f293efadacea5c038f3",
     "pd-slo-refit": "3e2c99f4fe860fc9e6771eef",
-    "pd-slo-scale": "1b4f11b7254e7bed0fb59b75",
+    "pd-slo-scale": "443deb383e709f325d706df5",
 }
 
 

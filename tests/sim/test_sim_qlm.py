@@ -61,6 +61,23 @@ def test_eviction_lets_the_tight_class_meet_its_deadline_and_keeps_every_token()
         assert slo_met(result)
 
 
+def test_eviction_pays_off_under_end_to_end_deadlines_alone() -> None:
+    # The paper's own model: every SLO end to end. A loose group holds all 8 sequences for ~30 s; a
+    # tight group due in 15 s arrives behind it. Eviction runs it at once; without, it waits and misses.
+    tight_e2e = SloTarget(e2e_ms=15_000.0)
+    plans = [plan(k, 0.001 * k, 512, 1500, LOOSE, "batch") for k in range(8)]
+    plans += [plan(8 + k, 5.0 + 0.001 * k, 256, 40, tight_e2e, "alerts") for k in range(4)]
+    on = run(plans, QLM)
+    off = run(plans, QLM, QlmConfig(eviction="off"))
+    tight = range(8, 12)
+    assert on.stats.evicted >= 1
+    assert all(slo_met(on.results[i]) for i in tight)
+    assert not any(slo_met(off.results[i]) for i in tight)
+    assert all(
+        slo_met(r) and r.completion_tokens == p.max_tokens for r, p in zip(on.results, plans, strict=True)
+    )
+
+
 def test_qlm_is_deterministic_and_serves_everything() -> None:
     plans = tight_behind_loose(12, 6)
     a = run(plans, QLM, QlmConfig(batch=4))

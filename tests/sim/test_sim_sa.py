@@ -168,3 +168,18 @@ def test_sa_assigns_a_burst_by_remaining_memory_and_keeps_both_instances_busy() 
         assert 6 <= len(instance_spans) <= 14
         for start, _ in instance_spans:
             assert running_at(instance_spans, start) <= cap
+
+
+def test_the_request_pool_plans_a_burst_spread_over_milliseconds_as_one() -> None:
+    # Fig. 6's request pool: nothing is planned before the oldest request has pooled --sa-pool-ms, so
+    # a burst whose requests arrive 3 ms apart is planned together; with no pool the first arrival
+    # goes alone, before the plan has seen the rest.
+    plans = [dataclasses.replace(p, arrival_s=0.003 * k) for k, p in enumerate(code_chat_burst(6, seed=4))]
+
+    def first_dispatch(pool_ms: float) -> float:
+        queue = QueueConfig(queue_policy="sa", sa_max_batch=1, sa_pool_ms=pool_ms, max_queue_wait_ms=WAIT_MS)
+        outcome = simulate(one_instance(1), policy("slo"), plans, queue=queue)
+        return min(s for s, _ in dispatch_and_done(plans, outcome))
+
+    assert first_dispatch(25.0) == pytest.approx(0.025, abs=1e-5)  # after 6 arrivals within 15 ms
+    assert first_dispatch(0.0) == pytest.approx(0.0, abs=1e-5)

@@ -500,3 +500,108 @@ def test_a_residents_recorded_need_is_its_own_target_not_the_queues_margin() -> 
     ctx = scheduler.context(view, request, NOW, margin)
     assert packing_tpot_target_ms(ctx, 256, 0.7) == 40.0
     assert resident_tpot_need_ms(ctx, scheduler.config) == 50.0
+
+
+@PROPS
+@given(ratios=st.lists(st.floats(0.0, 5.0), min_size=1, max_size=600), start=st.floats(0.05, 2.0))
+def test_learned_theta_stays_within_its_bounds_and_moves_by_bounded_steps(
+    ratios: list[float], start: float
+) -> None:
+    from router.core import packing
+
+    fit = packing.ThetaFit(start)
+    previous = fit.theta
+    assert packing.THETA_MIN <= previous <= packing.THETA_MAX
+    for ratio in ratios:
+        fit.observe(ratio * 50.0, 50.0)
+        assert packing.THETA_MIN <= fit.theta <= packing.THETA_MAX
+        if fit.theta != previous:
+            step = fit.theta / previous
+            assert packing.THETA_STEP_DOWN - 1e-9 <= step <= packing.THETA_STEP_UP + 1e-9
+        previous = fit.theta
+    assert fit.updates <= len(ratios) // packing.THETA_EVERY
+
+
+def test_learned_theta_falls_when_requests_miss_their_tpot_and_rises_when_they_have_room() -> None:
+    """Aladdin's θ adapts to the prediction error: realized TPOT over target above 1 at the high
+    quantile tightens the constraint, well below 1 loosens it; e2e-judged requests (no TPOT target)
+    teach nothing."""
+    from router.core.packing import THETA_EVERY, ThetaFit
+
+    fit = ThetaFit(0.7)
+    for _ in range(THETA_EVERY * 4):
+        fit.observe(30.0, 50.0)
+    assert fit.updates == 4 and fit.theta > 0.7 * 1.04**4  # room: loosened
+    loosened = fit.theta
+    for _ in range(THETA_EVERY * 2):
+        fit.observe(60.0, 50.0)  # 1.2 × the target
+    assert fit.theta < loosened * 0.9**1.5  # misses: tightened at once (the high quantile)
+    for _ in range(THETA_EVERY * 20):
+        fit.observe(60.0, 50.0)
+    assert fit.theta == 0.7  # never below the configured θ (misses it does not cause)
+    judged_end_to_end = ThetaFit(0.7)
+    for _ in range(THETA_EVERY * 4):
+        judged_end_to_end.observe(300.0, 0.0)
+    assert judged_end_to_end.updates == 0 and judged_end_to_end.theta == 0.7
+    # In closed loop (the TPOT requests get grows with θ) it settles where the target is just met: a
+    # horizon 10 % optimistic settles at 1 / 1.1, one 20 % pessimistic at 1 / 0.8 (capped at 1.25).
+    for bias, want in ((1.1, 1 / 1.1), (0.8, 1.25)):
+        loop = ThetaFit(0.5)
+        for _ in range(THETA_EVERY * 40):
+            loop.observe(bias * loop.theta * 50.0, 50.0)
+        assert loop.theta == pytest.approx(want, rel=0.02)
+
+
+def test_binpack_holds_the_horizon_to_the_learned_theta() -> None:
+    """With a learned θ on the predictor set, (b) keeps the horizon within that θ of the need (the
+    ratio is scaled so the --binpack-theta limit stands for it); without one, --binpack-theta."""
+    from router.core.packing import ThetaFit
+
+    scheduler = make_scheduler("binpack", tpot_slo_ms=50.0)
+    snapshot = make_snapshot(
+        inst("p", "prefill"), inst("d", "decode", decode_requests=6, decode_tokens=3000, used_kv_tokens=3000)
+    )
+    request = make_request("chat", 256, expected_output_tokens=100)
+    fixed = scheduler.context(scheduler.view(snapshot, NOW), request)
+    d = fixed.view.instances.index["d"]
+    ratio = float(fixed.metric("tpot_horizon_over_need")[d])
+    assert scheduler.predictors is not None
+    scheduler.predictors.theta = ThetaFit(1.0)
+    learned = scheduler.context(scheduler.view(snapshot, NOW), request)
+    theta = scheduler.config.binpack_theta
+    assert float(learned.metric("tpot_horizon_over_need")[d]) == pytest.approx(ratio * theta / 1.0)
+
+
+@PROPS
+@given(st.lists(st.tuples(st.integers(0, 3_000), st.integers(0, 300)), max_size=12))
+def test_the_slices_kv_peak_is_the_step_by_step_peak(held: list[tuple[int, int]]) -> None:
+    """kv_peak_of: each slice adds a token a step and leaves at its end; the peak of the sum over
+    every step equals the closed form (checked step by step)."""
+    from router.core.slicing import kv_peak_of
+
+    brute = max(
+        (sum(t + k for t, s in held if s >= k) for k in range(max((s for _, s in held), default=0) + 1)),
+        default=0,
+    )
+    assert kv_peak_of([(float(t), float(s)) for t, s in held]) == pytest.approx(brute)
+
+
+def test_a_running_slice_is_booked_from_its_progress_so_another_fits_beside_it() -> None:
+    """Booked whole from their start (static batching's memory model), slices a (3,000 + 1,000) and
+    b (2,000 + 1,000) leave 1,992 of a 9,000 budget, too little for a 2,300 + 128 slice. With a 100
+    steps from its end and b just started, their KV peaks at a's end, 4,000 + 2,100 (+ b's block
+    rounding): the slice starts. With a 900 steps from its end the peak is 4,000 + 2,900 and it waits;
+    without the driver's progress nothing changes."""
+    serving, memory = _models(kv=10_000)
+    for at, starts in ((None, False), ({"a": 3_900, "b": 2_000}, True), ({"a": 3_100, "b": 2_000}, False)):
+        sched = SliceScheduler(SliceConfig(), serving, memory, ["x"])
+        sched.add(SliceRequest("a", 3_000, 1_000))
+        sched.add(SliceRequest("b", 2_000, 1_000))
+        sched.schedule()
+        assert sum(len(b.requests) for _, b in sched.admit("x", 0.0)) == 2
+        if at is not None:
+            sched.progress = lambda key, at=at: at.get(str(key))
+        assert sched.committed_kv("x") <= sched.planned_kv("x")
+        sched.add(SliceRequest("next", 2_300, 128))
+        sched.schedule()
+        assert bool(sched.admit("x", 1.0)) is starts, at

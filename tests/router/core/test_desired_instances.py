@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.core.capacity import InstanceRates, LoadShape, fluid_demand, instance_rates
+from router.core.capacity import InstanceRates, LoadShape, decode_staffing, fluid_demand, instance_rates
 from router.core.worker_count import DesiredInstances, Heartbeat, WorkerCountModel
 from tests.router.core.helpers import make_predictor
 
@@ -34,13 +34,16 @@ def _feed(
 
 def test_the_fit_is_the_fluid_demand_of_the_load_and_answers_at_the_current_rate() -> None:
     model = DesiredInstances(_fixed, heartbeat_s=10.0)
-    end = _feed(model, 30.0, 120.0)  # 30 req/s: 3 prefill instances (30k tokens/s), 3 decoders
+    # 30 req/s: 3 prefill instances (30k tokens/s); 3 decoders for the mean, 150 requests decoding
+    # at once, staffed for its Poisson spread: (150 + 1.645·√150) / 50 = 3.40 decoders.
+    end = _feed(model, 30.0, 120.0)
     want = model.desired(end, LoadShape(30.0, 1000.0, 100.0))
     assert want.fitted and want.heartbeats >= 10
-    assert (want.prefill, want.decode, want.neutral) == (3, 3, 6)
-    # The same fit read at a higher rate: Eq. 7 extrapolates the line (k5 = 0.1 per req/s).
+    assert (want.prefill, want.decode, want.neutral) == (3, 4, 7)
+    # The same fit read at a higher rate: Eq. 7 extrapolates the line through the samples (all at
+    # one rate: proportional, 0.1 prefill and 0.113 decoders per req/s).
     high = model.desired(end, LoadShape(55.0, 1000.0, 100.0))
-    assert (high.prefill, high.decode, high.neutral) == (6, 6, 11)
+    assert (high.prefill, high.decode, high.neutral) == (6, 7, 12)
     assert model.desired(end, LoadShape(0.0, 0.0, 0.0)).prefill == 0  # no load, nothing wanted
 
 
@@ -49,8 +52,8 @@ def test_heartbeats_before_lengths_are_learned_are_left_out() -> None:
     end = _feed(model, 30.0, 60.0, learned=False)  # the prior (max_tokens) would be charged as load
     want = model.desired(end, LoadShape(30.0, 1000.0, 100.0))
     assert not want.fitted and want.heartbeats == 0 and want.left_out >= 5
-    # Unfitted, it answers with the last window's fluid demand, rounded up.
-    assert (want.prefill, want.decode) == (3, 3)
+    # Unfitted, it answers with the last window's fluid demand (decoders staffed), rounded up.
+    assert (want.prefill, want.decode) == (3, 4)
 
 
 def test_rates_too_close_for_a_slope_give_a_proportional_fit() -> None:
@@ -94,3 +97,17 @@ def test_fluid_demand_is_linear_in_the_rate_and_never_negative(
     more = fluid_demand(LoadShape(rate * scale, prompt, output), RATES)
     assert min(base) >= 0
     assert more[0] == pytest.approx(base[0] * scale) and more[1] == pytest.approx(base[1] * scale)
+
+
+@settings(max_examples=60, deadline=None)
+@given(fluid=st.floats(0.0, 500.0), batch=st.integers(1, 1024))
+def test_decoders_are_staffed_above_the_mean_by_a_share_that_shrinks_with_the_load(
+    fluid: float, batch: int
+) -> None:
+    staffed = decode_staffing(fluid, batch)
+    assert staffed >= fluid
+    # The margin is z·√m / B decoders: its share of the load falls as the load grows.
+    if fluid > 0:
+        bigger = decode_staffing(4 * fluid, batch)
+        assert bigger / (4 * fluid) <= staffed / fluid + 1e-12
+        assert staffed - fluid == pytest.approx(1.645 * math.sqrt(fluid * batch) / batch)

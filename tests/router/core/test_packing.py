@@ -310,15 +310,18 @@ def test_the_exact_peak_admits_what_the_all_alive_bound_refused_and_it_fits_step
     worst = max(life(delay) for delay in (0, 25, 50, 100, 900))
     assert worst <= 15_900 <= CAPACITY
     # Adaptive PD follows: on the sums no decoder keeps KV over life (e is held for prefill room), with
-    # the legs it packs onto d; binpack (and slo) keep the sums' bound either way and open e.
+    # the legs it packs onto d. binpack holds Aladdin's (e), the footprint at every iteration: the
+    # sums' bound opens the new bin e, the legs let it pack d.
     _, apd = _loaded_fleet(residents, "adaptive-pd")
     with pytest.raises(NoInstanceError) as refused:
         apd.schedule(sums, request, NOW, dry_run=True)
     assert refused.value.stage == "decode" and refused.value.drops["kv_over_life"] == 1
     packed = apd.schedule(exact, request, NOW, dry_run=True).decode
     assert packed is not None and packed.instance_id == "d"
+    opened = scheduler.schedule(sums, request, NOW, dry_run=True).decode
+    assert opened is not None and opened.instance_id == "e"
     binpacked = scheduler.schedule(exact, request, NOW).decode
-    assert binpacked is not None and binpacked.instance_id == "e"
+    assert binpacked is not None and binpacked.instance_id == "d"
 
 
 @PROPS

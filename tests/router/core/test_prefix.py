@@ -229,8 +229,41 @@ def test_cache_affinity_policy_picks_the_longest_hit_then_the_least_loaded() -> 
     hashes = token_block_hashes(list(range(1000)), 256)
     s.prefix.dispatched("b", hashes[:1], 100_000)
     s.prefix.dispatched("c", hashes, 100_000)
-    snap = make_snapshot(inst("a"), inst("b"), inst("c", waiting=50, prefill_tokens=50_000))
+    snap = make_snapshot(inst("a"), inst("b"), inst("c", waiting=20, prefill_tokens=50_000))
     decision = s.schedule(snap, make_request(prompt_tokens=1000, prefix_hashes=hashes), NOW)
     assert decision.prefill is not None and decision.prefill.instance_id == "c"  # load ignored
     plain = s.schedule(snap, make_request(prompt_tokens=1000), NOW)
     assert plain.prefill is not None and plain.prefill.instance_id in ("a", "b")
+
+
+def test_cache_affinity_ignores_a_prefix_most_instances_hold() -> None:
+    # Every prompt starts with the same block (Mooncake's first block, a fleet-wide system prompt):
+    # it gives no instance an edge, so the least loaded takes the prompt, not the first holder.
+    s = make_scheduler("cache-affinity", prefix_cache_routing="approximate", prefix_block_tokens=256)
+    assert s.prefix is not None
+    hashes = token_block_hashes(list(range(1000)), 256)
+    for where in ("a", "b", "c"):
+        s.prefix.dispatched(where, hashes[:1], 100_000)
+    s.prefix.dispatched("a", hashes[:2], 100_000)
+    snap = make_snapshot(inst("a", waiting=5), inst("b", waiting=3), inst("c", waiting=1))
+    decision = s.schedule(snap, make_request(prompt_tokens=1000, prefix_hashes=hashes), NOW)
+    assert decision.prefill is not None and decision.prefill.instance_id == "a"  # a holds more than the rest
+    other = token_block_hashes([*range(256), *range(5000, 5744)], 256)  # the common block only
+    decision = s.schedule(snap, make_request(prompt_tokens=1000, prefix_hashes=other), NOW)
+    assert decision.prefill is not None and decision.prefill.instance_id == "c"
+
+
+def test_cache_affinity_does_not_pile_every_prompt_on_the_first_holder_of_a_common_block() -> None:
+    # Prompts of distinct conversations that share only their first block arrive at an idle fleet
+    # of four, each recorded as dispatched (no engine reports anything back). The first holder of
+    # that block must not take them all: once its load runs away, the rest share them.
+    s = make_scheduler("cache-affinity", prefix_cache_routing="approximate", prefix_block_tokens=256)
+    counts = {i: 0 for i in "abcd"}
+    for k in range(200):
+        hashes = token_block_hashes([*range(256), *range(10_000 + 1000 * k, 10_000 + 1000 * k + 744)], 256)
+        snap = make_snapshot(*(inst(i, waiting=counts[i]) for i in "abcd"))
+        decision = s.schedule(snap, make_request(f"r{k}", prompt_tokens=1000, prefix_hashes=hashes), NOW)
+        assert decision.prefill is not None
+        s.record(decision, NOW)
+        counts[decision.prefill.instance_id] += 1
+    assert min(counts.values()) >= 20, counts

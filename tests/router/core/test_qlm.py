@@ -79,6 +79,26 @@ def test_output_stats_learn_the_fraction_of_max_tokens() -> None:
     assert mean == pytest.approx(500.0, rel=0.02) and std == pytest.approx(100.0, rel=0.05)
 
 
+def test_the_rct_estimator_waits_the_tokens_ahead_over_the_throughput() -> None:
+    # §2.4 Insight 1 / Eq. 2: a request's wait is the output tokens ahead of it over the instance's token
+    # throughput (batch / decode step); its completion adds its own prefill and decode (Eq. 4).
+    q = queue(1, batch=4)
+    reqs = [q.make(loose(f"r{k}", out=1000), 0.0) for k in range(12)]
+    groups = []
+    for k in range(3):
+        g = Group(k, ("batch", k), 4)
+        g.members.extend(reqs[4 * k : 4 * k + 4])
+        groups.append(g)
+    est = q.estimator.queue(q.models[0], [], groups, 0.0)
+    prefill = q.models[0].prefill_s(200)
+    throughput = 4 / STEP_S  # tokens per second
+    for k, e in enumerate(est):
+        tokens_ahead = 4 * k * 1000  # the output tokens of the groups ahead, spread over the 4 slots
+        # Each slot also prefills the requests it ran before (one per group ahead).
+        assert e.start_mean_s == pytest.approx(tokens_ahead / throughput + k * prefill, rel=1e-9)
+        assert e.finish_mean_s == pytest.approx(e.start_mean_s + prefill + 1000 * STEP_S, rel=1e-9)
+
+
 def test_requests_of_one_class_and_length_share_a_bounded_group() -> None:
     q = queue(batch=2, group_factor=2)  # bound 4
     for k in range(10):

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from fleet.prefix import token_block_hashes
 from router.core.columns import ClusterView
 from router.core.errors import EmptyClusterError, LateError
 from router.core.queue import (
@@ -59,6 +60,23 @@ def test_drain_start_is_the_first_free_instance_then_grows_with_the_work_ahead()
     # The own prefill on an idle instance: the profile's (256 tokens: 60 ms in the worked profile).
     assert d_idle.idle_ms(256) == pytest.approx(60.0)
     assert d_idle.min_tpot_ms(256) > 0
+
+
+def test_a_mostly_cached_prompt_is_judged_by_its_uncached_part() -> None:
+    # 16k tokens prefilled in full miss a 600 ms TTFT even on an idle fleet; with all but its last
+    # block cached on p0 (as the router knows it) its best case is a few hundred tokens' prefill.
+    s = make_scheduler(prefix_cache_routing="approximate", prefix_block_tokens=256)
+    snapshot = make_snapshot(inst("p0", "prefill"), inst("p1", "prefill"), inst("d0", "decode"))
+    hashes = token_block_hashes(list(range(16_384)), 256)
+    r = req("r", prompt_tokens=16_384, ttft_slo_ms=600.0, tpot_slo_ms=1000.0, prefix_hashes=hashes)
+    targets = resolve_targets(r, DEFAULT_TTFT, DEFAULT_TPOT, NOW)
+    drain = FleetDrain.of(s, s.view(snapshot, NOW), NOW)
+    assert drain is not None and hopeless(drain, r, targets, 0, NOW) is not None
+    assert s.prefix is not None
+    s.prefix.dispatched("p0", hashes[:-1], 1_000_000)
+    drain = FleetDrain.of(s, s.view(snapshot, NOW), NOW)
+    assert drain is not None and drain.compute_tokens(r) == 256
+    assert hopeless(drain, r, targets, 0, NOW) is None
 
 
 def test_no_drain_without_a_prefill_or_decode_side() -> None:
