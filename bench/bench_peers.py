@@ -46,6 +46,8 @@ from typing import Any
 import httpx2 as httpx
 
 from bench.figures import Figure
+from engine.outputs import prompt_digest, request_key, stop_string_at
+from openai_http.protocol import MAX_STOP_CHARS
 from workload.report import BenchReport, RequestResult, report_to_dict, summarize
 from workload.spec import RequestPlan, iter_requests, load_workload
 
@@ -138,19 +140,39 @@ def _prompt_text(plan: RequestPlan) -> str:
     return "".join(chr(97 + t % 26) for t in plan.prompt_token_ids())
 
 
-async def _one(client: httpx.AsyncClient, url: str, plan: RequestPlan, t0: float) -> RequestResult:
-    headers = {"x-slo-class": plan.class_name}
-    for name, value in (("ttft", plan.slo.ttft_ms), ("tpot", plan.slo.tpot_ms), ("e2e", plan.slo.e2e_ms)):
-        if value is not None:
-            headers[f"x-slo-{name}-ms"] = f"{value:g}"
-    body = {
+def _body(plan: RequestPlan) -> dict[str, Any]:
+    """The completion request of one plan, as ``slo-router bench --engine sim`` sends it: the cap as
+    ``max_tokens`` and, when the planned answer is shorter, a stop string that first occurs in the
+    sim worker's output at the planned length (:func:`engine.outputs.stop_string_at`, keyed by the
+    prompt's bytes, which are its token ids under the byte tokenizer, and seed 0). Every router
+    passes ``stop`` through, so each one's fleet generates the same tokens, and none is told a length.
+    """
+    prompt = _prompt_text(plan)
+    body: dict[str, Any] = {
         "model": "sim",
-        "prompt": _prompt_text(plan),
+        "prompt": prompt,
         "max_tokens": plan.max_tokens,
         "stream": True,
         "stream_options": {"include_usage": True},
         "ignore_eos": plan.ignore_eos,
     }
+    length = plan.true_output_tokens
+    if length < plan.max_tokens:
+        key = request_key(0, prompt_digest(list(prompt.encode("ascii"))))
+        stop = stop_string_at(key, length, max_chars=MAX_STOP_CHARS)
+        if stop is None:  # no short enough stop string: the length goes out as the cap
+            body["max_tokens"] = length
+        else:
+            body["stop"] = [stop]
+    return body
+
+
+async def _one(client: httpx.AsyncClient, url: str, plan: RequestPlan, t0: float) -> RequestResult:
+    headers = {"x-slo-class": plan.class_name}
+    for name, value in (("ttft", plan.slo.ttft_ms), ("tpot", plan.slo.tpot_ms), ("e2e", plan.slo.e2e_ms)):
+        if value is not None:
+            headers[f"x-slo-{name}-ms"] = f"{value:g}"
+    body = _body(plan)
     start = time.perf_counter()
 
     def result(**measured: Any) -> RequestResult:

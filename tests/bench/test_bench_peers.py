@@ -59,3 +59,29 @@ def test_every_configuration_of_this_router_is_one_the_router_command_accepts() 
         assert args.scheduling_policy in ("slo", "load-balance")
         if "--queue-policy" in spec.args:
             assert args.queue_policy == spec.args[spec.args.index("--queue-policy") + 1]
+
+
+def test_each_request_carries_the_cap_and_a_stop_string_that_ends_the_sim_answer_at_its_length() -> None:
+    """Every router sees only the cap; the sim worker (the byte tokenizer, seed 0) stops each answer
+    at its planned length, so every router's fleet generates the same tokens (without the stop
+    string every answer ran to the cap: three times the planned tokens)."""
+    from engine.outputs import output_text, prompt_digest, request_key
+    from engine.tokenizer import encode
+    from workload.spec import iter_requests, load_workload
+
+    spec = load_workload("mixed").with_arrival(rate_per_s=9.0)
+    plans = list(iter_requests(spec, 0, max_requests=60))
+    shorter = 0
+    for plan in plans:
+        body = bench_peers._body(plan)
+        assert body["max_tokens"] == plan.max_tokens or "stop" not in body
+        length = plan.true_output_tokens
+        if length >= plan.max_tokens:
+            assert "stop" not in body
+            continue
+        shorter += 1
+        (stop,) = body["stop"]
+        key = request_key(0, prompt_digest(encode(body["prompt"])))
+        text = output_text(key, plan.max_tokens)
+        assert text.find(stop) + len(stop) == length
+    assert shorter > 30
