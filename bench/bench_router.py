@@ -31,6 +31,7 @@ import httpx2 as httpx
 from slorouter.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 from bench.figures import Figure
+from cms.call_auth import read_worker_token
 
 REPO = Path(__file__).resolve().parent.parent
 #: Runs as (sim worker speed, the workers' --stream-interval-ms, router --processes, router
@@ -131,6 +132,7 @@ async def _measure(
     speed: float,
     interval_ms: float,
     router_pids: list[int],
+    worker_token: str | None = None,
 ) -> HopFigures:
     # One connection per router process's share: a separate subchannel pool per channel.
     router_channels = [
@@ -149,11 +151,14 @@ async def _measure(
         async for message in routers[i % len(routers)].Generate(request, timeout=120):
             yield len(message.token_ids)
 
+    # The workers ask their callers for `up`'s worker token, as they ask the router.
+    auth = (("authorization", f"Bearer {worker_token}"),) if worker_token else None
+
     async def direct(i: int, max_tokens: int) -> AsyncIterator[int]:
         request = worker_pb2.WorkerGenerateRequest(
             request_id=f"direct-{i}", prompt_token_ids=_prompt(i), sampling=_sampling(max_tokens)
         )
-        async for message in workers[i % len(workers)].Generate(request, timeout=120):
+        async for message in workers[i % len(workers)].Generate(request, timeout=120, metadata=auth):
             yield len(message.token_ids)
 
     try:
@@ -342,13 +347,15 @@ def _run(speed: float, interval_ms: float, processes: int, streams: str, pinned:
         preexec_fn=(lambda: os.sched_setaffinity(0, {OTHER_CORE})) if pinned else None,
     )
     try:
-        router_addr, worker_addrs = "", []
+        router_addr, worker_addrs, worker_token_file = "", [], ""
         # The up process (router + CMS) and the router processes it started with --processes.
         router_pids = [up.pid]
         assert up.stdout is not None
         for line in up.stdout:
             if line.startswith("router process "):
                 router_pids.append(int(line.split("(pid ")[1].split(")")[0]))
+            if line.startswith("worker token for other routers: "):
+                worker_token_file = line.split()[-1]
             if line.startswith("workers: "):
                 worker_addrs = [part.split("@")[1].strip(", \n") for part in line[9:].split(", ")]
             if line.startswith("router listening on "):
@@ -364,7 +371,8 @@ def _run(speed: float, interval_ms: float, processes: int, streams: str, pinned:
                 f"pinned: router (+CMS) on core {ROUTER_CORE}, workers and this client on core {OTHER_CORE}"
             )
         print(f"router --worker-streams {streams}; load average {os.getloadavg()[0]:.1f}")
-        return asyncio.run(_measure(router_addr, worker_addrs, speed, interval_ms, router_pids))
+        worker_token = read_worker_token(worker_token_file or None)
+        return asyncio.run(_measure(router_addr, worker_addrs, speed, interval_ms, router_pids, worker_token))
     finally:
         if pinned:
             _pin_process(os.getpid(), own_cores)
