@@ -35,6 +35,16 @@ IDLE_PAUSE_S = 1.5
 PROMPT_TOKENS = 64
 OUTPUT_TOKENS = 128
 MAX_NUM_SEQS = 64
+#: The CPU engine the stock-vLLM benchmarks serve the tiny model with.
+ENGINE_ARGS = [
+    "--dtype",
+    "float32",
+    "--max-model-len",
+    "1024",
+    "--enforce-eager",
+    "--max-num-seqs",
+    str(MAX_NUM_SEQS),
+]
 #: A CPU engine starts in about 25 s on an idle 2-core host and took over 3 minutes on a busy one.
 ENGINE_WAIT_S = 600.0
 
@@ -137,15 +147,7 @@ async def _run(root: Path) -> dict[str, Any]:
     engine = StockEngineProcess(
         model,
         root / "engine.log",
-        [
-            "--dtype",
-            "float32",
-            "--max-model-len",
-            "1024",
-            "--enforce-eager",
-            "--max-num-seqs",
-            str(MAX_NUM_SEQS),
-        ],
+        ENGINE_ARGS,
     )
     cli = str(Path(sys.executable).parent / "slo-router")
     procs: list[subprocess.Popen[bytes]] = []

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.vllm_stock import MAX_NUM_SEQS, OUTPUT_TOKENS, _cpu_s, _prompt, _wait_line
+from bench.vllm_stock import ENGINE_ARGS, OUTPUT_TOKENS, _cpu_s, _prompt, _wait_line
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -202,15 +202,7 @@ async def _run(options: argparse.Namespace, root: Path) -> dict[str, dict[int, C
         engine = StockEngineProcess(
             model,
             root / "engine.log",
-            [
-                "--dtype",
-                "float32",
-                "--max-model-len",
-                "1024",
-                "--enforce-eager",
-                "--max-num-seqs",
-                str(MAX_NUM_SEQS),
-            ],
+            ENGINE_ARGS,
         )
     else:
         engine = _Synthetic(root, options.engine.partition(":")[2] or "8", python)
