@@ -30,11 +30,12 @@ from router.core.errors import EmptyClusterError, InvalidRequestError, NoInstanc
 from router.core.health import OutlierDetector
 from router.core.lengths import LengthPredictor
 from router.core.lifecycle import Phase, RequestState
-from router.core.packing import ThetaFit, expected_output_tokens, overpacked_mask
+from router.core.packing import expected_output_tokens, overpacked_mask
 from router.core.plugins import Policy
 from router.core.queue import RouterQueue
 from router.core.request import ScheduleInput, StageRestriction, Targets, resolve_targets
 from router.core.scheduler import Scheduler
+from router.core.theta import ThetaFit
 from router.core.worker_count import DesiredInstances
 from router.route import Route, route_of
 from router.telemetry import RequestObserver

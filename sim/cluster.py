@@ -147,7 +147,7 @@ from router.core.dispatch import (
 )
 from router.core.errors import LateError, SchedulingError, status_name
 from router.core.lengths import LengthConfig, LengthPredictor
-from router.core.packing import ThetaFit, resident_tpot_need_ms
+from router.core.packing import resident_tpot_need_ms
 from router.core.plugins import Policy
 from router.core.predictors import PredictorSet
 from router.core.prefix import ExactPrefixIndex, PrefixRouting
@@ -155,6 +155,7 @@ from router.core.qlm import QlmConfig
 from router.core.queue import QueueConfig
 from router.core.request import Mode, Role, ScheduleInput, Targets
 from router.core.scheduler import Scheduler
+from router.core.theta import ThetaFit
 from router.core.worker_count import Desired, DesiredInstances
 from sim.fastforward import DecodeRun, DecodeStepTimes
 from sim.fleet import FleetError, FleetSpec

@@ -87,8 +87,6 @@ there as well as to the new one).
 
 from __future__ import annotations
 
-import math
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -205,85 +203,6 @@ def resident_tpot_need_ms(ctx: DecisionContext, config: SchedulerConfig) -> floa
     target = request.tpot_slo_ms or config.tpot_slo_ms
     # Over the θ in force (the learned one): (b) then holds the horizon to θ × need = the pace itself.
     return _paced(ctx, target, config.packing_default_output_tokens, live_theta(ctx, config))
-
-
-class ThetaFit:
-    """Aladdin's θ learned online: the share of a request's TPOT need the packing horizon may use.
-
-    The paper leaves θ (constraints (b) and (d)) as a knob that "adapts to the
-    prediction error of output length": small, the constraints leave room for
-    answers longer than predicted and need more workers; large, they pack
-    tighter and risk the SLO. A fixed θ cannot be right for every workload:
-    on chat the γ-horizon (every resident taken γ through its remaining
-    output, the batch as it is now) is pessimistic -- residents finish and
-    are replaced by shorter contexts -- and at θ = 0.7 the decoders ran at
-    34 ms against a 50 ms target while ``least-requests`` ran them up to the
-    target with fewer instances.
-
-    So θ is fitted from what the error does to the requests: every finished
-    request with a TPOT target of its own reports its realized TPOT over that
-    target (``observe``); every :data:`THETA_EVERY` reports θ moves by the
-    ratio that would bring the :data:`THETA_QUANTILE` quantile of the last
-    :data:`THETA_WINDOW` ratios to 1 (a step bounded to ×0.9 down and ×1.05
-    up: down fast when requests miss, up slowly when there is room), kept
-    between the configured θ (``--binpack-theta``, the cautious bound) and
-    :data:`THETA_MAX`. Larger length errors spread the ratios and pull θ
-    back; a pessimistic horizon lets θ above 1 (the horizon's bias is an
-    error of the same kind). Not below the configured θ: on a colocated
-    fleet in overload the residents' TPOT also carries the prefill stalls
-    of the prompts placed beside them, which θ does not control; allowed to
-    fall, θ went from 0.9 to 0.3 in 150 requests, the queue grew and
-    attainment halved (chat on 4 neutral instances at 12 req/s: 48.8 %
-    against 92.9 % with θ fixed). Requests judged only end to end do not
-    report: their misses also come from queue waits, which a tighter θ
-    would make worse, not better.
-
-    The live router and the simulator each keep one per run (on the
-    predictor set, beside the step calibration); ``tpot_horizon_over_need``
-    reads :attr:`theta`.
-    """
-
-    __slots__ = ("_ratios", "_since", "floor", "theta", "updates")
-
-    def __init__(self, theta: float) -> None:
-        if not (math.isfinite(theta) and theta > 0):
-            raise ValueError(f"theta must be a finite number > 0, got {theta}")
-        self._ratios: deque[float] = deque(maxlen=THETA_WINDOW)
-        self._since = 0
-        self.theta = min(max(theta, THETA_MIN), THETA_MAX)
-        #: The configured θ is the cautious bound: the fit loosens from it where the errors leave
-        #: room and never tightens below it (misses θ does not cause -- a colocated instance's prefill
-        #: stalls -- would otherwise drive it down without end while the queue grows).
-        self.floor = self.theta
-        self.updates = 0
-
-    def observe(self, realized_tpot_ms: float, target_tpot_ms: float) -> None:
-        """A finished request's realized mean TPOT against its TPOT target (both ms; others ignored)."""
-        if not (target_tpot_ms > 0 and math.isfinite(target_tpot_ms)):
-            return
-        if not (realized_tpot_ms >= 0 and math.isfinite(realized_tpot_ms)):
-            return
-        self._ratios.append(realized_tpot_ms / target_tpot_ms)
-        self._since += 1
-        if self._since < THETA_EVERY or len(self._ratios) < THETA_EVERY:
-            return
-        self._since = 0
-        high = float(np.quantile(np.fromiter(self._ratios, float, len(self._ratios)), THETA_QUANTILE))
-        step = 1.0 / high if high > 0 else THETA_STEP_UP
-        step = min(max(step, THETA_STEP_DOWN), THETA_STEP_UP)
-        self.theta = min(max(self.theta * step, self.floor), THETA_MAX)
-        self.updates += 1
-
-
-#: ThetaFit: the share of requests whose TPOT should stay within target, the reports kept, how often
-#: θ moves, its bounds, and the largest step down / up per move.
-THETA_QUANTILE = 0.98
-THETA_WINDOW = 256
-THETA_EVERY = 16
-THETA_MIN = 0.3
-THETA_MAX = 1.25
-THETA_STEP_DOWN = 0.9
-THETA_STEP_UP = 1.05
 
 
 def live_theta(ctx: DecisionContext, config: SchedulerConfig) -> float:

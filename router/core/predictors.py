@@ -23,7 +23,7 @@ from router.core.calibration import Calibrator, StepPredictor
 from router.core.columns import FloatArray, InstanceTable, IntArray
 
 if TYPE_CHECKING:
-    from router.core.packing import ThetaFit
+    from router.core.theta import ThetaFit
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ class PredictorSet:
         self.groups = dict(groups or {})
         #: Online calibration of this set's predictions (None: the profiles as they are).
         self.calibration: Calibrator | None = None
-        #: Aladdin's θ learned online (router.core.packing.ThetaFit; None: --binpack-theta fixed).
+        #: Aladdin's θ learned online (router.core.theta.ThetaFit; None: --binpack-theta fixed).
         self.theta: ThetaFit | None = None
         self._warned: set[str] = set()
         # The parts of the last table asked about (decisions ask several times per table).

@@ -74,7 +74,8 @@ def test_load_tracker_reports_the_rate_and_means_of_its_window() -> None:
 def test_the_router_learns_binpacks_theta_and_decisions_read_it() -> None:
     """The live router keeps one θ fit per scheduler for binpack (--binpack-theta-adapt, on by
     default), on the predictor set its decisions read; other policies and the flag off keep none."""
-    from router.core.packing import THETA_EVERY, live_theta
+    from router.core.packing import live_theta
+    from router.core.theta import THETA_EVERY
 
     snapshot = make_snapshot(inst("p", "prefill"), inst("d", "decode"))
     scheduler = make_scheduler("binpack", tpot_slo_ms=50.0, instance_staleness_s=float("inf"))

@@ -507,26 +507,26 @@ def test_a_residents_recorded_need_is_its_own_target_not_the_queues_margin() -> 
 def test_learned_theta_stays_within_its_bounds_and_moves_by_bounded_steps(
     ratios: list[float], start: float
 ) -> None:
-    from router.core import packing
+    from router.core import theta
 
-    fit = packing.ThetaFit(start)
+    fit = theta.ThetaFit(start)
     previous = fit.theta
-    assert packing.THETA_MIN <= previous <= packing.THETA_MAX
+    assert theta.THETA_MIN <= previous <= theta.THETA_MAX
     for ratio in ratios:
         fit.observe(ratio * 50.0, 50.0)
-        assert packing.THETA_MIN <= fit.theta <= packing.THETA_MAX
+        assert theta.THETA_MIN <= fit.theta <= theta.THETA_MAX
         if fit.theta != previous:
             step = fit.theta / previous
-            assert packing.THETA_STEP_DOWN - 1e-9 <= step <= packing.THETA_STEP_UP + 1e-9
+            assert theta.THETA_STEP_DOWN - 1e-9 <= step <= theta.THETA_STEP_UP + 1e-9
         previous = fit.theta
-    assert fit.updates <= len(ratios) // packing.THETA_EVERY
+    assert fit.updates <= len(ratios) // theta.THETA_EVERY
 
 
 def test_learned_theta_falls_when_requests_miss_their_tpot_and_rises_when_they_have_room() -> None:
     """Aladdin's θ adapts to the prediction error: realized TPOT over target above 1 at the high
     quantile tightens the constraint, well below 1 loosens it; e2e-judged requests (no TPOT target)
     teach nothing."""
-    from router.core.packing import THETA_EVERY, ThetaFit
+    from router.core.theta import THETA_EVERY, ThetaFit
 
     fit = ThetaFit(0.7)
     for _ in range(THETA_EVERY * 4):
@@ -555,7 +555,7 @@ def test_learned_theta_falls_when_requests_miss_their_tpot_and_rises_when_they_h
 def test_binpack_holds_the_horizon_to_the_learned_theta() -> None:
     """With a learned θ on the predictor set, (b) keeps the horizon within that θ of the need (the
     ratio is scaled so the --binpack-theta limit stands for it); without one, --binpack-theta."""
-    from router.core.packing import ThetaFit
+    from router.core.theta import ThetaFit
 
     scheduler = make_scheduler("binpack", tpot_slo_ms=50.0)
     snapshot = make_snapshot(
