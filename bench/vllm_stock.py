@@ -51,6 +51,17 @@ ENGINE_WAIT_S = 600.0
 OneRequest = Callable[[int], Awaitable[tuple[int, float]]]
 
 
+def stop_processes(procs: list[subprocess.Popen[Any]]) -> None:
+    """Terminate ``procs`` newest first, then wait up to 10 s for each and kill what is left."""
+    for proc in reversed(procs):
+        proc.terminate()
+    for proc in reversed(procs):
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
 def _prompt(i: int) -> list[int]:
     return [4 + (i * 7919 + j * 104729) % 996 for j in range(PROMPT_TOKENS)]
 
@@ -221,13 +232,7 @@ async def _run(root: Path) -> dict[str, Any]:
                         best[key] = max(best.get(key, 0.0), rate)
                         ttfts.setdefault(key, []).extend(times)
     finally:
-        for proc in reversed(procs):
-            proc.terminate()
-        for proc in reversed(procs):
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_processes(procs)
         engine.stop(15)
     rows = []
     for concurrency, per_stream in WORKLOAD:

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.vllm_stock import ENGINE_ARGS, OUTPUT_TOKENS, _cpu_s, _prompt, _wait_line
+from bench.vllm_stock import ENGINE_ARGS, OUTPUT_TOKENS, _cpu_s, _prompt, _wait_line, stop_processes
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -323,13 +323,7 @@ async def _run(options: argparse.Namespace, root: Path) -> dict[str, dict[int, C
         for channel in channels:
             await channel.close(None)
     finally:
-        for proc in reversed(procs):
-            proc.terminate()
-        for proc in reversed(procs):
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_processes(procs)
         if options.engine == "real":
             engine.stop(15)
     for name, (cpu, seconds) in idle.items():
