@@ -100,6 +100,7 @@ class KvEventFeed:
         #: Since when each instance's stream is down (monotonic s), and those cleared for it.
         self._down_since: dict[str, float] = {}
         self._stale: set[str] = set()
+        self._announced: set[str] = set()
         self.counters = FeedCounters()
         self._stopped = False
 
@@ -139,6 +140,7 @@ class KvEventFeed:
         self._live.discard(instance_id)
         self._down_since.pop(instance_id, None)
         self._stale.discard(instance_id)
+        self._announced.discard(instance_id)
         self.index.forget(instance_id)
 
     @property
@@ -237,6 +239,13 @@ class KvEventFeed:
                 index.apply(instance_id, events)
                 self.counters.batches += 1
                 if instance_id not in self._live:
+                    if instance_id not in self._announced:
+                        self._announced.add(instance_id)
+                        logger.info(
+                            "exact prefix index for %s: following its KV events (%d-token blocks)",
+                            instance_id,
+                            batch.block_tokens,
+                        )
                     self._set_live(instance_id, True)
                     self._down_since.pop(instance_id, None)
                     self._stale.discard(instance_id)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import math
 import os
@@ -315,6 +316,14 @@ def plan_cluster(args: argparse.Namespace) -> ClusterPlan:
         raise ValueError(f"--metrics-port {args.metrics_port}: must be a port 0-65535 (0 = off)")
     check_drain_timeout(args)
     config = scheduler_config(args)
+    if (
+        prefix_block
+        and config.prefix_cache_routing in ("auto", "exact")
+        and config.prefix_block_tokens == SchedulerConfig.prefix_block_tokens
+    ):
+        # The workers' KV events name blocks of their cache's size: hashing prompts in any other
+        # block would match none of them (the router would fall back to its routing history).
+        config = dataclasses.replace(config, prefix_block_tokens=prefix_block)
     queue = queue_config(args)
     profile = Path(args.profile)
     if not profile.is_dir():
