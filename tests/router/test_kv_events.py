@@ -12,6 +12,7 @@ import random
 import time
 from collections.abc import Callable
 
+import grpc
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -304,3 +305,30 @@ def test_the_hub_resyncs_a_subscriber_that_overflows_and_numbers_batches_in_orde
         assert again[0].snapshot and list(again[0].events[1].block_hashes) == [7]
 
     asyncio.run(scenario())
+
+
+async def test_with_a_worker_token_the_events_need_it() -> None:
+    worker = await start_worker_server(
+        make_engine(prefix_cache_block_tokens=BLOCK, block_size=BLOCK), "127.0.0.1:0", worker_token="s3cret"
+    )
+    bare, authed = ChannelPool(), ChannelPool(call_token="s3cret")
+    refused = ExactPrefixIndex(BLOCK)
+    index = ExactPrefixIndex(BLOCK)
+    feeds = [KvEventFeed(refused, bare, retry_min_s=0.02, retry_max_s=0.05), KvEventFeed(index, authed)]
+    try:
+        stub = bare.stub(worker.address)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            async for _ in stub.KvEvents(worker_pb2.KvEventsRequest()):
+                pass
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        for feed in feeds:
+            feed.on_snapshot(view(worker))
+        await until(lambda: worker.instance_id in feeds[1].live)
+        await until(lambda: feeds[0].counters.reconnects >= 2)
+        assert worker.instance_id not in feeds[0].live
+    finally:
+        for feed in feeds:
+            await feed.stop()
+        await bare.close()
+        await authed.close()
+        await worker.stop(0)
