@@ -14,8 +14,8 @@ a fresh snapshot.
   is the last one known, and nothing is dropped on its account.
 - A worker whose engine publishes nothing (``UNIMPLEMENTED``, a vLLM engine in
   process) or caches nothing (``block_tokens`` 0), or whose cache block differs
-  from the router's ``--prefix-block-tokens`` (its hashes would never match a
-  prompt's), is left to the approximate index (``auto``) and not asked again
+  from the block the router chains prompt hashes in (``--prefix-chain-block-tokens``,
+  default ``--prefix-block-tokens``: its hashes would never match a prompt's), is left to the approximate index (``auto``) and not asked again
   until it registers anew.
 - A broken stream is retried with backoff. Under ``auto`` the instance falls
   back to the routing history at once; under ``exact`` its entries are kept for
@@ -213,12 +213,13 @@ class KvEventFeed:
                 if not batch.block_tokens:
                     self._give_up(instance_id, endpoint, "it has no prefix cache")
                     return True
-                if batch.block_tokens != index.block_tokens:
+                if batch.block_tokens != index.chain_block_tokens:
                     self._give_up(
                         instance_id,
                         endpoint,
-                        f"its cache block is {batch.block_tokens} tokens and the router hashes prompts in "
-                        f"{index.block_tokens} (--prefix-block-tokens)",
+                        f"its cache block is {batch.block_tokens} tokens and the router chains prompt hashes "
+                        f"in {index.chain_block_tokens} (--prefix-chain-block-tokens, or --prefix-block-tokens "
+                        "without it)",
                     )
                     return True
                 seq = batch.sequence_number

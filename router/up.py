@@ -319,11 +319,14 @@ def plan_cluster(args: argparse.Namespace) -> ClusterPlan:
     if (
         prefix_block
         and config.prefix_cache_routing in ("auto", "exact")
-        and config.prefix_block_tokens == SchedulerConfig.prefix_block_tokens
+        and not config.prefix_chain_block_tokens
     ):
-        # The workers' KV events name blocks of their cache's size: hashing prompts in any other
-        # block would match none of them (the router would fall back to its routing history).
-        config = dataclasses.replace(config, prefix_block_tokens=prefix_block)
+        # The workers' KV events name blocks of their cache's size: the router chains prompt hashes
+        # in the same block (any other would match none of them) and looks them up in its own
+        # --prefix-block-tokens where that is a multiple of it, else in the workers' block.
+        if config.prefix_block_tokens % prefix_block:
+            config = dataclasses.replace(config, prefix_block_tokens=prefix_block)
+        config = dataclasses.replace(config, prefix_chain_block_tokens=prefix_block)
     queue = queue_config(args)
     profile = Path(args.profile)
     if not profile.is_dir():

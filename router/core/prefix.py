@@ -103,9 +103,17 @@ class BlockIndex:
         *,
         max_blocks_per_instance: int = DEFAULT_MAX_BLOCKS_PER_INSTANCE,
         max_instances: int = DEFAULT_MAX_INSTANCES,
+        chain_block_tokens: int = 0,
     ) -> None:
         if block_tokens <= 0:
             raise ValueError(f"block_tokens must be > 0, got {block_tokens}")
+        if chain_block_tokens < 0 or (chain_block_tokens and block_tokens % chain_block_tokens):
+            raise ValueError(
+                f"chain_block_tokens must be 0 or divide block_tokens ({block_tokens}), got {chain_block_tokens}"
+            )
+        #: The block the hashes are chained in (an engine's cache block, what its KV events name);
+        #: a prompt is looked up at every ``block_tokens`` boundary (:func:`fleet.prefix.lookup_block_hashes`).
+        self.chain_block_tokens = chain_block_tokens or block_tokens
         if max_blocks_per_instance <= 0:
             raise ValueError(f"max_blocks_per_instance must be > 0, got {max_blocks_per_instance}")
         if max_instances <= 0:
@@ -480,6 +488,7 @@ class AutoPrefixIndex:
         self.exact = ExactPrefixIndex(block_tokens, **bounds)
         self.approximate = ApproximatePrefixIndex(block_tokens, **bounds)
         self.block_tokens = block_tokens
+        self.chain_block_tokens = self.exact.chain_block_tokens
         self._live: set[str] = set()
 
     def is_live(self, instance_id: str) -> bool:

@@ -96,13 +96,17 @@ class Scheduler:
             self.use_exact_prefix_index()
         elif mode is not PrefixRouting.OFF:
             self.prefix = ApproximatePrefixIndex(
-                config.prefix_block_tokens, max_blocks_per_instance=config.prefix_index_max_blocks
+                config.prefix_block_tokens,
+                max_blocks_per_instance=config.prefix_index_max_blocks,
+                chain_block_tokens=config.prefix_chain_block_tokens,
             )
 
     def use_exact_prefix_index(self) -> ExactPrefixIndex:
         """Switch to an index fed by the engines' KV events (the caller feeds it) and return it."""
         index = ExactPrefixIndex(
-            self.config.prefix_block_tokens, max_blocks_per_instance=self.config.prefix_index_max_blocks
+            self.config.prefix_block_tokens,
+            max_blocks_per_instance=self.config.prefix_index_max_blocks,
+            chain_block_tokens=self.config.prefix_chain_block_tokens,
         )
         self.prefix = index
         return index
@@ -110,7 +114,9 @@ class Scheduler:
     def use_auto_prefix_index(self) -> AutoPrefixIndex:
         """Switch to exact-where-events-arrive, approximate elsewhere (a live router with an event feed)."""
         index = AutoPrefixIndex(
-            self.config.prefix_block_tokens, max_blocks_per_instance=self.config.prefix_index_max_blocks
+            self.config.prefix_block_tokens,
+            max_blocks_per_instance=self.config.prefix_index_max_blocks,
+            chain_block_tokens=self.config.prefix_chain_block_tokens,
         )
         self.prefix = index
         return index

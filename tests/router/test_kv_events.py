@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from slorouter.v1 import worker_pb2
 
-from fleet.prefix import token_block_hashes
+from fleet.prefix import lookup_block_hashes, token_block_hashes
 from fleet.snapshot import ClusterSnapshot, InstanceRecord
 from router.core.prefix import AutoPrefixIndex, ExactPrefixIndex
 from router.kv_events import KvEventFeed
@@ -332,3 +332,13 @@ async def test_with_a_worker_token_the_events_need_it() -> None:
         await bare.close()
         await authed.close()
         await worker.stop(0)
+
+
+@settings(max_examples=50, deadline=None)
+@given(n=st.integers(0, 700), stride=st.sampled_from([1, 2, 4, 16]))
+def test_lookup_hashes_are_the_engines_own_names_for_each_lookup_prefix(n: int, stride: int) -> None:
+    ids = family_prompt(1, 2, n)
+    fine = token_block_hashes(ids, BLOCK)
+    coarse = lookup_block_hashes(ids, BLOCK, BLOCK * stride)
+    assert coarse == fine[stride - 1 :: stride]
+    assert len(coarse) == n // (BLOCK * stride)

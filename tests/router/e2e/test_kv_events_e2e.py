@@ -21,12 +21,20 @@ async def until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
         await asyncio.sleep(0.01)
 
 
-@pytest.mark.parametrize("routing", ["exact", "auto"])
-async def test_the_router_follows_every_workers_cache_and_routes_prefixes_to_it(routing: str) -> None:
+@pytest.mark.parametrize(("routing", "lookup_block"), [("exact", 16), ("auto", 16), ("auto", 128)])
+async def test_the_router_follows_every_workers_cache_and_routes_prefixes_to_it(
+    routing: str, lookup_block: int
+) -> None:
+    """The workers cache 16-token blocks; the router chains prompt hashes in 16 and looks them up
+    in 16 or 128 (every 8th hash: the engine's own name for each 128-token prefix)."""
     async with embedded_cluster(
         neutral=3,
         engine_overrides={"prefix_cache_block_tokens": 16},
-        scheduler_overrides={"prefix_cache_routing": routing, "prefix_block_tokens": 16},
+        scheduler_overrides={
+            "prefix_cache_routing": routing,
+            "prefix_block_tokens": lookup_block,
+            "prefix_chain_block_tokens": 16,
+        },
     ) as cluster:
         feed = cluster.router.kv_feed
         assert feed is not None
