@@ -483,6 +483,9 @@ def _router_argv(
         "--tpot-profiling-data-path", str(plan.profile / "tpot.json"),
         "--scheduling-policy", args.scheduling_policy, "--seed", str(args.seed),
         *forwarded,
+        # The prefix blocks plan_cluster chose from the workers' cache block (last: they win).
+        "--prefix-block-tokens", str(plan.config.prefix_block_tokens),
+        "--prefix-chain-block-tokens", str(plan.config.prefix_chain_block_tokens),
     ]  # fmt: skip
 
 
