@@ -12,7 +12,8 @@ workers behind OpenAI-compatible faces, peers from ``.venv-peers``) with two cha
   the same sharing as the workers' token blocks.
 
 Routers: this router's ``slo`` with ``--prefix-cache-routing exact`` (an index fed by the sim
-workers' KV events, ``Worker.KvEvents``, hashed in the workers' 16-token blocks), with
+workers' KV events, ``Worker.KvEvents``: prompt hashes chained in the workers' 16-token
+blocks, looked up every 256 tokens), with
 ``approximate`` (its routing history, 256-token blocks) and with ``off``; vLLM router's and SMG's
 ``cache_aware`` (router-side radix trees), SMG's ``prefix_hash``, the consistent hashing both
 offer (``consistent_hash`` / ``consistent_hashing``), and SMG's ``power_of_two`` as a
@@ -61,7 +62,9 @@ ROUTERS: tuple[peers.RouterSpec, ...] = (
             "--prefix-cache-routing",
             "exact",
             "--prefix-block-tokens",
-            str(WORKER_BLOCK),  # the workers' KV events name 16-token blocks
+            str(ROUTER_BLOCK),
+            "--prefix-chain-block-tokens",
+            str(WORKER_BLOCK),  # the workers' KV events name 16-token blocks; lookups per 256 tokens
         ),
     ),
     peers.RouterSpec(
