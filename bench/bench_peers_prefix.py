@@ -54,6 +54,18 @@ ROUTER_BLOCK = 256
 
 ROUTERS: tuple[peers.RouterSpec, ...] = (
     peers.RouterSpec(
+        "slo-router slo cache approx",
+        "ours",
+        (
+            "--scheduling-policy",
+            "slo",
+            "--prefix-cache-routing",
+            "approximate",
+            "--prefix-block-tokens",
+            str(ROUTER_BLOCK),
+        ),
+    ),
+    peers.RouterSpec(
         "slo-router slo cache exact",
         "ours",
         (
@@ -65,18 +77,6 @@ ROUTERS: tuple[peers.RouterSpec, ...] = (
             str(ROUTER_BLOCK),
             "--prefix-chain-block-tokens",
             str(WORKER_BLOCK),  # the workers' KV events name 16-token blocks; lookups per 256 tokens
-        ),
-    ),
-    peers.RouterSpec(
-        "slo-router slo cache approx",
-        "ours",
-        (
-            "--scheduling-policy",
-            "slo",
-            "--prefix-cache-routing",
-            "approximate",
-            "--prefix-block-tokens",
-            str(ROUTER_BLOCK),
         ),
     ),
     peers.RouterSpec(
