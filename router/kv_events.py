@@ -83,6 +83,7 @@ class KvEventFeed:
         retry_min_s: float = 0.05,
         retry_max_s: float = 2.0,
         stale_s: float = 10.0,
+        resync_view_s: float = 0.5,
     ) -> None:
         if not 0 < retry_min_s <= retry_max_s:
             raise ValueError(f"need 0 < retry_min_s <= retry_max_s, got {retry_min_s}, {retry_max_s}")
@@ -93,6 +94,9 @@ class KvEventFeed:
         self._retry_min_s = retry_min_s
         self._retry_max_s = retry_max_s
         self._stale_s = stale_s
+        self._resync_view_s = resync_view_s
+        self._view_count = -1
+        self._view_at_s = 0.0
         self._tasks: dict[str, tuple[str, asyncio.Task[None]]] = {}  # instance -> (endpoint, task)
         #: Instances that publish nothing usable, by endpoint (not asked again at that endpoint).
         self._silent: dict[str, str] = {}
@@ -107,9 +111,20 @@ class KvEventFeed:
     # ------------------------------------------------------------------ the view
 
     def on_snapshot(self, snapshot: ClusterSnapshot) -> None:
-        """Follow the view: subscribe to new instances, drop those that left (a reader listener)."""
+        """Follow the view: subscribe to new instances, drop those that left (a reader listener).
+
+        A pass over the view costs a few milliseconds at 4,096 instances and views come on every
+        status change, so while the number of instances stays the same it runs at most every
+        ``resync_view_s`` (the CMS sends a view at least every second, so a swap of one instance
+        for another is seen within about that).
+        """
         if self._stopped:
             return
+        now_s = asyncio.get_running_loop().time()
+        count = len(snapshot.instances)
+        if count == self._view_count and now_s - self._view_at_s < self._resync_view_s:
+            return
+        self._view_count, self._view_at_s = count, now_s
         now: dict[str, str] = {}
         for record in snapshot.instances:
             meta = record.metadata

@@ -238,7 +238,7 @@ async def test_a_worker_without_usable_events_is_left_to_the_approximate_index(
 ) -> None:
     worker = await start(**overrides)
     pool = ChannelPool()
-    feed = KvEventFeed(AutoPrefixIndex(BLOCK), pool)
+    feed = KvEventFeed(AutoPrefixIndex(BLOCK), pool, resync_view_s=0.0)
     try:
         feed.on_snapshot(view(worker))
         await until(lambda: worker.instance_id not in feed.subscribed)
@@ -342,3 +342,24 @@ def test_lookup_hashes_are_the_engines_own_names_for_each_lookup_prefix(n: int, 
     coarse = lookup_block_hashes(ids, BLOCK, BLOCK * stride)
     assert coarse == fine[stride - 1 :: stride]
     assert len(coarse) == n // (BLOCK * stride)
+
+
+async def test_a_swap_in_the_view_is_followed_within_the_view_resync_bound() -> None:
+    a, b = await start(), await start()
+    pool = ChannelPool()
+    index = ExactPrefixIndex(BLOCK)
+    feed = KvEventFeed(index, pool, resync_view_s=0.1)
+    try:
+        feed.on_snapshot(view(a))
+        await until(lambda: a.instance_id in feed.live)
+        feed.on_snapshot(view(b))  # same size, within the bound: not looked at yet
+        assert feed.subscribed == {a.instance_id}
+        await asyncio.sleep(0.15)
+        feed.on_snapshot(view(b))
+        assert feed.subscribed == {b.instance_id}
+        await until(lambda: b.instance_id in feed.live)
+    finally:
+        await feed.stop()
+        await pool.close()
+        await a.stop(0)
+        await b.stop(0)
