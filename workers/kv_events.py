@@ -175,12 +175,13 @@ class KvEventHub:
 
     def publish(self, events: Iterable[tuple[str, Sequence[int]]]) -> None:
         """One batch of ``(kind, hashes)`` events (one engine step's), oldest first. Never waits."""
+        if not self._subscribers:
+            self.sequence_number += 1  # nobody to tell: a subscriber starts from a snapshot anyway
+            return
         messages = [_event_message(str(getattr(kind, "value", kind)), hashes) for kind, hashes in events]
         if not messages:
             return
         self.sequence_number += 1
-        if not self._subscribers:
-            return
         batch = worker_pb2.KvEventBatch(
             sequence_number=self.sequence_number, events=messages, block_tokens=self.block_tokens
         )
