@@ -605,6 +605,7 @@ def format_dispatch_table(points: Sequence[DispatchPoint]) -> str:
         "imbalance",
         "CT std s",
         "recomputed",
+        "stall p99",
         "preempt",
     ]
     rows = [header]
@@ -623,6 +624,7 @@ def format_dispatch_table(points: Sequence[DispatchPoint]) -> str:
                 f"{p.figures.load_imbalance:.3f}",
                 f"{p.figures.completion_spread_s:.1f}",
                 str(p.figures.recomputed_tokens),
+                _ms(p.figures.resume_gap_p99_ms),
                 str(p.point.stats.preemptions),
             ]
         )
@@ -640,7 +642,9 @@ def format_dispatch_table(points: Sequence[DispatchPoint]) -> str:
     lines.append(
         "thru/s: completed requests per virtual second (makespan); latencies in ms; imbalance: CV of "
         "per-instance busy time; CT std: std of instances' last busy moment; recomputed: context tokens "
-        "re-prefilled when slices resume; preempt: engine preemptions"
+        "re-prefilled when slices resume; stall p99: 99th percentile in ms of the time between a slice's last "
+        "token and the next slice's first token of the same stream (request dispatch: -); preempt: engine "
+        "preemptions"
     )
     return "\n".join(lines)
 
