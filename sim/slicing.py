@@ -662,8 +662,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(requests placed S tokens at a time, batched and offloaded max-min; neutral fleets) and/or auto "
         "(slice where request dispatch makes the engines preempt at least once per ten requests, judged "
         "from a pilot over the run's first requests, which sees a queue only once it has built up: there "
-        "slices hold the KV plan and keep 0.95x-2.4x the throughput; where the KV holds request dispatch "
-        "wins on continuous-batching engines, 0.91-0.97x for slices); adds "
+        "slices hold the KV plan and do 1.0x-2.6x the work, 0.88x-0.97x with long answers, at a lower SLO "
+        "attainment (a first slice waits); where the KV holds request dispatch wins on continuous-batching "
+        "engines, 0.91-0.97x for slices); adds "
         "load_imbalance, recomputed_tokens, ... to the JSON",
     )
     add_slice_arguments(

@@ -749,8 +749,9 @@ def slices_pay(preemptions: int, requests: int) -> bool:
     slice (mostly served from the prefix cache when the slice resumes where
     it was) and of a schedule point's wait for a first slice. Measured on
     the simulator (``docs/papers.md``, the regime table) slices kept at
-    least 0.95x the throughput, and mostly more, wherever request dispatch
-    preempted about once per ten requests or more (1.02-2.4x), and lost
+    least 0.95x the throughput, and mostly more (up to 2.6x), wherever
+    request dispatch preempted about once per ten requests or more, except
+    where answers run long (0.88-0.97x: a smaller decode batch), and lost
     (0.91-0.97x, lower attainment through the first slice's wait) where the
     KV held or preemptions were rarer.
     """
