@@ -315,7 +315,13 @@ class SliceDispatcher:
         return target, key, request
 
     def resume(
-        self, target: SliceTarget, key: int, request: SliceRequest, context_tokens: int, remaining_tokens: int
+        self,
+        target: SliceTarget,
+        key: int,
+        request: SliceRequest,
+        context_tokens: int,
+        remaining_tokens: int,
+        generated_tokens: int = 0,
     ) -> tuple[SliceTarget, int, SliceRequest] | None:
         """End a slice that leaves output to generate and place the next one at once.
 
@@ -329,7 +335,11 @@ class SliceDispatcher:
         ticket = self._next_ticket
         self._next_ticket += 1
         length = slice_length(
-            context_tokens, remaining_tokens, sched.models(target.instance_id).serving, self.config
+            context_tokens,
+            remaining_tokens,
+            sched.models(target.instance_id).serving,
+            self.config,
+            generated_tokens,
         )
         following = SliceRequest(ticket, context_tokens, length)
         instance, new_key, _batch = sched.resume(
@@ -378,7 +388,7 @@ class SliceDispatcher:
                 length = self.config.slice_tokens
                 if sched is not None and sched.instances:
                     serving = sched.models(min(sched.instances)).serving
-                    length = slice_length(context, remaining, serving, self.config)
+                    length = slice_length(context, remaining, serving, self.config, len(generated))
                 target, key, request = await self.acquire(context, min(length, remaining))
             else:
                 target, key, request = placed
@@ -469,7 +479,9 @@ class SliceDispatcher:
                 self._running.pop(int(request.key), None)  # type: ignore[call-overload]
                 left = total - len(generated)
                 if carried and left > 0 and self.config.resume_at_once:
-                    placed = self.resume(target, key, request, len(prompt_token_ids) + len(generated), left)
+                    placed = self.resume(
+                        target, key, request, len(prompt_token_ids) + len(generated), left, len(generated)
+                    )
                 if placed is None:
                     self.finish(target, key, request)
                 if not ended:

@@ -254,7 +254,7 @@ class _SliceSimulation:
         plan = self.plans[idx]
         r = self.reqs[idx]
         context = plan.prompt_tokens + r.generated
-        length = slice_length(context, plan.max_tokens - r.generated, self.serving, self.config)
+        length = slice_length(context, plan.max_tokens - r.generated, self.serving, self.config, r.generated)
         return SliceRequest(idx, context, length)
 
     def _tick(self, now: float) -> None:

@@ -50,7 +50,11 @@ def test_every_request_gets_all_its_tokens_and_resumes_recompute_the_context(
     work = plans()
     # Fixed slice length (the adaptive one is tested apart).
     config = SliceConfig(
-        slice_tokens=slice_tokens, overlap_batches=overlap, recompute_share=None, prefix_cache=False
+        slice_tokens=slice_tokens,
+        overlap_batches=overlap,
+        recompute_share=None,
+        prefix_cache=False,
+        grow_with_answer=False,
     )
     outcome = simulate_slices(fleet(3), work, config, seed=1)
     assert [r.completion_tokens for r in outcome.results] == [p.true_output_tokens for p in work]
