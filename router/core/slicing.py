@@ -698,8 +698,9 @@ def add_slice_arguments(group: Any, *, interval_help: str) -> None:
         type=int,
         default=DEFAULT_SLICE_TOKENS,
         metavar="S",
-        help="slice mode: new tokens of a first slice; a resumed slice of a long context is longer, so "
-        "that re-prefilling it costs at most a quarter of its decode (at most 8x S) (default: %(default)s)",
+        help="slice mode: new tokens of a first slice; a resumed slice is at least as long as the answer "
+        "so far, and long enough that re-prefilling its context costs at most a quarter of its decode "
+        "(at most 8x S) (default: %(default)s)",
     )
     group.add_argument("--slice-interval-ms", type=float, metavar="MS", help=interval_help)
 
