@@ -98,6 +98,10 @@ class CalibrationConfig:
     update_every_samples: int = field(
         default=4, metadata=_doc("recompute a correction at most once per this many new samples")
     )
+    update_every_s: float = field(
+        default=0.0,
+        metadata=_doc("and at most once per this many seconds of the caller's clock (0: no such limit)"),
+    )
     max_change_per_update: float = field(
         default=0.25, metadata=_doc("ratio by which one update may move a factor (0.25: x1.25 or /1.25)")
     )
@@ -135,6 +139,14 @@ class CalibrationConfig:
             raise ValueError(
                 f"calibration needs 0 < min_factor <= 1 <= max_factor <= 100, got {self.min_factor}, "
                 f"{self.max_factor}"
+            )
+        if not (
+            isinstance(self.update_every_s, (int, float))
+            and math.isfinite(self.update_every_s)
+            and 0.0 <= self.update_every_s <= 3600.0
+        ):
+            raise ValueError(
+                f"calibration update_every_s must be in [0, 3600] s, got {self.update_every_s!r}"
             )
         for name in ("max_change_per_update", "drift_bound", "stale_after_s", "prior_weight"):
             value = getattr(self, name)
@@ -301,6 +313,7 @@ class _Track:
         "tpot_samples",
         "ttft_factor",
         "ttft_samples",
+        "updated_s",
     )
 
     def __init__(self, window: int) -> None:
@@ -311,6 +324,8 @@ class _Track:
         self.pos = 0
         self.pending = 0
         self.last_s = -math.inf
+        #: When the correction was last recomputed (the caller's clock), for ``update_every_s``.
+        self.updated_s = -math.inf
         self.ttft_factor = 1.0
         self.tpot_factor = 1.0
         self.ttft_samples = 0
@@ -644,39 +659,51 @@ class Calibrator:
         # instances in the call and is refitted once over them, instead of once per instance
         # (no one reads the corrections between those refits; the refit is most of the
         # calibration's cost, and a group took ~15 refits per snapshot of a 16-instance fleet).
+        # A group's rows go into its ring in one add (of its batches' rows in call order): the
+        # ring places each row where one add per batch would, so the window is the same.
         touched: dict[int, tuple[_Track, str]] = {}
         instances: dict[str, None] = {}
+        spans: dict[str, list[tuple[int, int]]] = {}
         start = 0
         for (instance_id, group, _), end in zip(todo, ends, strict=True):
             if end > start:
-                for track in self._record(instance_id, group, rows[start:end], flags[start:end]):
-                    touched[id(track)] = (track, group)
+                track = self._record(instance_id, group, rows[start:end], flags[start:end])
+                touched[id(track)] = (track, group)
                 instances[instance_id] = None
+                spans.setdefault(group, []).append((start, end))
             start = end
+        window = self.config.window_samples
+        for group, group_spans in spans.items():
+            group_track = self._groups.get(group)
+            if group_track is None:
+                group_track = self._groups[group] = _Track(window)
+            if len(group_spans) == 1 or len(spans) == 1:
+                # One span, or every batch of the call in this one group: a slice of the rows.
+                first, last = group_spans[0][0], group_spans[-1][1]
+                group_track.add(rows[first:last], flags[first:last])
+            else:
+                at = np.concatenate([np.arange(a, b) for a, b in group_spans])
+                group_track.add(rows[at], flags[at])
+            touched[id(group_track)] = (group_track, group)
         update_every = self.config.update_every_samples
+        every_s = self.config.update_every_s
         for track, group in touched.values():
-            if track.pending >= update_every:
-                self._update(track, group)
+            # Not within ``update_every_s`` after the last update (a clock that went back: due).
+            if track.pending >= update_every and not (0.0 <= now_s - track.updated_s < every_s):
+                self._update(track, group, now_s)
         for instance_id in instances:
             self._check_drift(instance_id)
 
-    def _record(
-        self, instance_id: str, group: str, rows: FloatArray, flags: BoolArray
-    ) -> tuple[_Track, _Track]:
-        """Add ``rows`` to the tracks of ``instance_id`` and of ``group`` (updated by the caller)."""
+    def _record(self, instance_id: str, group: str, rows: FloatArray, flags: BoolArray) -> _Track:
+        """Add ``rows`` to the track of ``instance_id`` (its group's track: the caller adds them there)."""
         self._group_of[instance_id] = group
         self._dirty.add(instance_id)
         self._groups_dirty = True
-        window = self.config.window_samples
         instance_track = self._instances.get(instance_id)
         if instance_track is None:
-            instance_track = self._instances[instance_id] = _Track(window)
-        group_track = self._groups.get(group)
-        if group_track is None:
-            group_track = self._groups[group] = _Track(window)
+            instance_track = self._instances[instance_id] = _Track(self.config.window_samples)
         instance_track.add(rows, flags)
-        group_track.add(rows, flags)
-        return instance_track, group_track
+        return instance_track
 
     def forget(self, instance_id: str) -> None:
         """Drop an instance that left the fleet."""
@@ -698,14 +725,15 @@ class Calibrator:
                 else:
                     self._groups_dirty = True
                 group = self._group_of.get(key, key)
-                self._update(track, group)
+                self._update(track, group, now_s)
         if changed:
             for instance_id in list(self._instances):
                 self._check_drift(instance_id)
 
-    def _update(self, track: _Track, group: str) -> None:
+    def _update(self, track: _Track, group: str, now_s: float) -> None:
         config = self.config
         track.pending = 0
+        track.updated_s = float(now_s)
         rows = track.rows()
         if len(rows) < config.min_samples:
             # Too few (or stale) samples: back to the profile.
