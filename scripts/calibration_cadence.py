@@ -9,6 +9,9 @@ and TPOT prediction error (:func:`workload.prediction.prediction_error`: median 
 ``|observed - predicted| / predicted`` over successful requests after a warm-up), the number of
 calibration updates and the CPU seconds (process time) of the run.
 
+Cadences (``--cadences``): ``every N``: every N samples per track (``update_every_s`` 0, the default
+is ``every 4``); ``4 + T s``: every 4 samples and at most once per T seconds; ``off``: no calibration.
+
 Workloads (``--workloads``, comma-separated):
 
 - ``mixed-pd``: the bench's shape, 16 prefill + 16 decode instances on the bundled profile, the
@@ -18,6 +21,8 @@ Workloads (``--workloads``, comma-separated):
 - ``mismatch``: 16 neutral instances, 8 as profiled and 8 whose hardware differs (the other
   bundled profile's shape, 0.7x speed, 5 % noise, KV slowdown 0.3), the ``mixed`` preset near
   capacity: where calibration matters;
+- ``quickstart``: the README's quick start (4 neutral instances, ``mixed`` at 9 requests/s, the
+  ``edf`` router queue; ``--requests 600`` is the README's run);
 - ``drift``: 8 neutral instances whose hardware runs 1.6x slower than the profile (noise 5 %),
   the ``interactive-batch`` preset: a uniform speed mismatch the factors must find.
 
@@ -35,6 +40,7 @@ from pathlib import Path
 from router.core import calibration as calibration_module
 from router.core.calibration import CalibrationConfig
 from router.core.config import SchedulerConfig
+from router.core.queue import QueueConfig
 from sim.cluster import SimFleet, simulate
 from sim.fleet import FleetSpec, fleet_from_counts, parse_fleet_dict
 from workload.prediction import prediction_error
@@ -43,14 +49,16 @@ from workload.sequence import request_sequence
 from workload.spec import RequestPlan, generate_requests, load_workload
 from workload.traces import load_trace
 
+#: The Azure trace (``--trace``); the default is where the project's shared traces live.
 TRACE = Path("/work/shared/traces/azure-conv-2023.csv")
 
 #: The cadences compared: a name and the settings (None: calibration off, the reference floor).
 CADENCES: dict[str, CalibrationConfig | None] = {
     "off": None,
-    "every 4": CalibrationConfig(mode="refit", update_every_samples=4),
-    "every 16": CalibrationConfig(mode="refit", update_every_samples=16),
-    "every 64": CalibrationConfig(mode="refit", update_every_samples=64),
+    "every 4": CalibrationConfig(mode="refit", update_every_samples=4, update_every_s=0.0),
+    "every 16": CalibrationConfig(mode="refit", update_every_samples=16, update_every_s=0.0),
+    "every 64": CalibrationConfig(mode="refit", update_every_samples=64, update_every_s=0.0),
+    "4 + 0.1 s": CalibrationConfig(mode="refit", update_every_samples=4, update_every_s=0.1),
     "4 + 0.25 s": CalibrationConfig(mode="refit", update_every_samples=4, update_every_s=0.25),
     "4 + 0.5 s": CalibrationConfig(mode="refit", update_every_samples=4, update_every_s=0.5),
     "4 + 1 s": CalibrationConfig(mode="refit", update_every_samples=4, update_every_s=1.0),
@@ -61,6 +69,7 @@ CADENCES: dict[str, CalibrationConfig | None] = {
 class Scenario:
     fleet: FleetSpec
     plans: Callable[[int, int], list[RequestPlan]]
+    queue: QueueConfig | None = None
 
 
 def _mixed_pd() -> Scenario:
@@ -72,8 +81,8 @@ def _mixed_pd() -> Scenario:
     )
 
 
-def _azure() -> Scenario:
-    trace = load_trace(f"trace:{TRACE}")
+def _azure(path: Path = TRACE) -> Scenario:
+    trace = load_trace(f"trace:{path}")
     return Scenario(
         fleet_from_counts(neutral=16), lambda n, seed: request_sequence(trace, seed=seed, num_requests=n)
     )
@@ -116,7 +125,18 @@ def _drift() -> Scenario:
     return Scenario(fleet, lambda n, seed: generate_requests(spec, rng=seed + 2, num_requests=n))
 
 
+def _quickstart() -> Scenario:
+    # The README's quick start: `slo-router simulate --neutral 4 --workload mixed --rates 9` (edf queue).
+    spec = load_workload("mixed")
+    return Scenario(
+        fleet_from_counts(neutral=4),
+        lambda n, seed: request_sequence(spec, seed=seed, num_requests=n, rate=9.0),
+        QueueConfig(queue_policy="edf"),
+    )
+
+
 SCENARIOS: dict[str, Callable[[], Scenario]] = {
+    "quickstart": _quickstart,
     "mixed-pd": _mixed_pd,
     "azure": _azure,
     "mismatch": _mismatch,
@@ -139,7 +159,9 @@ def main() -> None:
     parser.add_argument(
         "--cadences", default=",".join(CADENCES), help="comma-separated, of: " + ", ".join(CADENCES)
     )
+    parser.add_argument("--trace", type=Path, default=TRACE, help="the Azure conversation trace (CSV)")
     args = parser.parse_args()
+    SCENARIOS["azure"] = lambda: _azure(args.trace)
     if not 1 <= args.requests <= 1_000_000 or not 0 <= args.warmup < args.requests:
         parser.error("--requests must be in [1, 1000000] and --warmup in [0, --requests)")
     names = [w.strip() for w in args.workloads.split(",") if w.strip()]
@@ -160,7 +182,14 @@ def main() -> None:
             config = SchedulerConfig(scheduling_policy="slo", calibration=mode)
             updates = _count_updates()
             cpu = time.process_time()
-            outcome = simulate(SimFleet(scenario.fleet), config, plans, seed=args.seed, calibration=settings)
+            outcome = simulate(
+                SimFleet(scenario.fleet),
+                config,
+                plans,
+                seed=args.seed,
+                calibration=settings,
+                queue=scenario.queue,
+            )
             cpu = time.process_time() - cpu
             report = summarize(outcome.results, outcome.duration_s)
             error = prediction_error(outcome.results, skip_first=args.warmup)

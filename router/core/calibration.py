@@ -98,6 +98,17 @@ class CalibrationConfig:
     update_every_samples: int = field(
         default=4, metadata=_doc("recompute a correction at most once per this many new samples")
     )
+    # Off by default (every decision as before). An update is a robust refit of the window, the
+    # calibration's main CPU cost, and spacing them in time is the lever for large fleets: with
+    # 0.25 s the simulator ran 20-23 % faster on a 32-instance PD fleet and the one-hour Azure
+    # trace, at the same attainment and prediction error there and on mismatched hardware
+    # (scripts/calibration_cadence.py; docs/measurements.md, 2026-11-29, issue 34). But on the
+    # README's 4-instance quick start it lost 0.5-1.3 points of attainment over three seeds and
+    # up to 1.8 points of TPOT prediction error, for no CPU saved on so few instances; a sample
+    # count alone (every 16 or 64) lost 3-21 points where the hardware differs from the profile.
+    # No exact incremental update exists: the fit drops outliers by the window's MAD, and each
+    # update moves a factor by at most ``max_change_per_update`` and blends the fit halfway, so
+    # the correction depends on how many updates there were, not only on the samples.
     update_every_s: float = field(
         default=0.0,
         metadata=_doc("and at most once per this many seconds of the caller's clock (0: no such limit)"),
