@@ -62,7 +62,7 @@ from typing import Any
 
 import numpy as np
 
-from router.core.columns import BoolArray, FloatArray
+from router.core.columns import BoolArray, FloatArray, IntArray
 
 #: ``off``: the profile as is; ``scale``: robust factors; ``refit``: factors + a least-squares refit.
 CALIBRATION_MODES = ("off", "scale", "refit")
@@ -653,15 +653,20 @@ class Calibrator:
             if len(steps) == 0:
                 return
         ends = np.cumsum(sizes).tolist()
-        of_group: dict[str, list[int]] = {}
-        for k, (_, group, _) in enumerate(todo):
-            of_group.setdefault(group, []).append(k)
-        if len(of_group) == 1:
+        codes: dict[str, int] = {}
+        for _, group, _ in todo:
+            codes.setdefault(group, len(codes))
+        # The rows of each group, ascending (the rows of its batches in call order); None: all.
+        rows_of: dict[str, IntArray | None]
+        if len(codes) == 1:
+            rows_of = {todo[0][1]: None}
             pre, dec = self._predict_step(todo[0][1])(steps[:, 0], steps[:, 1], steps[:, 2])
         else:
+            row_code = np.repeat(np.array([codes[group] for _, group, _ in todo]), sizes)
+            rows_of = {group: np.flatnonzero(row_code == code) for group, code in codes.items()}
             pre, dec = np.empty(len(steps)), np.empty(len(steps))
-            for group, members in of_group.items():
-                at = np.concatenate([np.arange(ends[k] - int(sizes[k]), ends[k]) for k in members])
+            for group, at in rows_of.items():
+                assert at is not None
                 pre[at], dec[at] = self._predict_step(group)(steps[at, 0], steps[at, 1], steps[at, 2])
         rows, flags = _step_rows(steps, pre, dec, float(now_s))
         # Every batch's rows go into their tracks first; then each track that took at least
@@ -672,38 +677,35 @@ class Calibrator:
         # calibration's cost, and a group took ~15 refits per snapshot of a 16-instance fleet).
         # A group's rows go into its ring in one add (of its batches' rows in call order): the
         # ring places each row where one add per batch would, so the window is the same.
-        touched: dict[int, tuple[_Track, str]] = {}
-        instances: dict[str, None] = {}
-        spans: dict[str, list[tuple[int, int]]] = {}
+        # Tracks that took rows: (track, group, instance id; None for a group's track).
+        touched: dict[int, tuple[_Track, str, str | None]] = {}
         start = 0
         for (instance_id, group, _), end in zip(todo, ends, strict=True):
             if end > start:
                 track = self._record(instance_id, group, rows[start:end], flags[start:end])
-                touched[id(track)] = (track, group)
-                instances[instance_id] = None
-                spans.setdefault(group, []).append((start, end))
+                touched[id(track)] = (track, group, instance_id)
             start = end
         window = self.config.window_samples
-        for group, group_spans in spans.items():
+        for group, at in rows_of.items():
+            if at is not None and len(at) == 0:
+                continue  # every row of the group's batches was left out above
             group_track = self._groups.get(group)
             if group_track is None:
                 group_track = self._groups[group] = _Track(window)
-            if len(group_spans) == 1 or len(spans) == 1:
-                # One span, or every batch of the call in this one group: a slice of the rows.
-                first, last = group_spans[0][0], group_spans[-1][1]
-                group_track.add(rows[first:last], flags[first:last])
+            if at is None:
+                group_track.add(rows, flags)
             else:
-                at = np.concatenate([np.arange(a, b) for a, b in group_spans])
                 group_track.add(rows[at], flags[at])
-            touched[id(group_track)] = (group_track, group)
+            touched[id(group_track)] = (group_track, group, None)
         update_every = self.config.update_every_samples
         every_s = self.config.update_every_s
-        for track, group in touched.values():
+        for track, group, owner in touched.values():
             # Not within ``update_every_s`` after the last update (a clock that went back: due).
             if track.pending >= update_every and not (0.0 <= now_s - track.updated_s < every_s):
                 self._update(track, group, now_s)
-        for instance_id in instances:
-            self._check_drift(instance_id)
+                if owner is not None:
+                    # Only an update moves the factors, so only an updated track can change drift.
+                    self._check_drift(owner)
 
     def _record(self, instance_id: str, group: str, rows: FloatArray, flags: BoolArray) -> _Track:
         """Add ``rows`` to the track of ``instance_id`` (its group's track: the caller adds them there)."""
