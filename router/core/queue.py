@@ -1854,6 +1854,10 @@ _BOUND_FREE_THRESHOLDS = frozenset(
 )
 
 
+#: Per stage spec (by id, the spec kept to hold its id): the labels :func:`bound_free` accepts.
+_FREE_LABELS: dict[int, tuple[Any, frozenset[str]]] = {}
+
+
 def bound_free(scheduler: Scheduler, exc: NoInstanceError) -> bool:
     """Whether a failed decision failed whatever its TTFT bound: every candidate was dropped first
     (in chain order, every filter counted) by a threshold of :data:`_BOUND_FREE_THRESHOLDS` that
@@ -1871,14 +1875,20 @@ def bound_free(scheduler: Scheduler, exc: NoInstanceError) -> bool:
         spec = scheduler.policy.spec(Stage(exc.stage))
     except ValueError:
         return False
-    free = {EXCLUDED}
-    other: set[str] = set()  # (a label two filters share counts only if both qualify)
-    for f in spec.filters:
-        key = (getattr(f, "slo", None), getattr(f, "metric", None))
-        (free if key in _BOUND_FREE_THRESHOLDS and f.relax_pass == 0 else other).add(f.label)
-    other.update(g.label for g in spec.global_filters)
+    found = _FREE_LABELS.get(id(spec))
+    if found is None or found[0] is not spec:
+        free = {EXCLUDED}
+        other: set[str] = set()  # (a label two filters share counts only if both qualify)
+        for f in spec.filters:
+            key = (getattr(f, "slo", None), getattr(f, "metric", None))
+            (free if key in _BOUND_FREE_THRESHOLDS and f.relax_pass == 0 else other).add(f.label)
+        other.update(g.label for g in spec.global_filters)
+        if len(_FREE_LABELS) >= 64:  # (a few policies per process; bounded all the same)
+            _FREE_LABELS.clear()
+        found = _FREE_LABELS[id(spec)] = (spec, frozenset(free - other))
+    labels = found[1]
     drops = exc.drops
-    return bool(drops) and all(label in free and label not in other for label in drops)
+    return bool(drops) and all(label in labels for label in drops)
 
 
 def _shed(queue: RouterQueue, entry: QueueEntry, why: Overlong) -> Offer:
