@@ -285,6 +285,11 @@ async def start_router_server(
         cms_lost=lambda: reader.source_lost,
         overpacked=placer.overpacked,
         desired=placer.desired_instances,
+        cache_hit_rates=lambda: {
+            r.instance_id: r.status.cache_hit_rate
+            for r in placer.snapshot().instances
+            if r.status is not None
+        },
     )
     host = listen.rsplit(":", 1)[0]
     readiness = asyncio.get_running_loop().create_task(
