@@ -53,7 +53,9 @@ KV peak (adaptive PD). When the view carries every resident leg's progress
 leg's context as it forwards the tokens, the simulator reads its engines),
 ``kv_life_tokens`` is the peak exact for expected lengths: with K =
 S.used_kv + S.uncomputed_prefill + L tokens, the part of it the legs do not
-hold stays, each decode request the legs do not cover adds ``o`` and stays,
+hold stays (``K − Σ context``, never below 0: a leg whose prefill is done may
+still wait in its engine's queue for blocks, its context not in S.used_kv
+yet), each decode request the legs do not cover adds ``o`` and stays,
 the legs that decode already add their :func:`kv_peak_tokens`, and the legs
 not started yet and the new request (whose decoding starts after their
 prefill and KV transfer, a delay nobody knows) add their final length each.
