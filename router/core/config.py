@@ -42,7 +42,7 @@ class SchedulerConfig:
             "pace its e2e deadline needs for a long answer), prefill-vs-ATGT slack and KV over life "
             "constraints all hold; a request none admits waits in the router queue (run it with "
             "--queue-policy fcfs or edf; with none it is refused). Use it where the KV is short: it keeps "
-            "its KV plan (at most 5 % of least-requests' preemptions, up to 26 points above slo on "
+            "its KV plan (at most a twentieth of least-requests' preemptions, up to 26 points above slo on "
             "KV-limited fleets) and slo-router plan needs fewer instances there; with ample KV and one "
             "TPOT-judged class it only ties slo and least-requests",
             "--scheduling-policy",
