@@ -267,6 +267,8 @@ def _best_ties_of_list(column: list[float], candidates: list[int], highest: bool
         worst = -_INF if highest else _INF
         values = [worst if v != v else v for v in values]
     best = max(values) if highest else min(values)
+    if values.count(best) == 1:  # (list.count and list.index compare in C: the usual single best)
+        return [candidates[values.index(best)]]
     return [i for i, v in zip(candidates, values, strict=True) if v == best]
 
 
