@@ -174,70 +174,98 @@ def try_stage(
         if mark is not None and mark is not no_marks:
             marked = mark if marked is no_marks else marked | mark
     list_mode = table.n <= (SMALL_FLEET if small is None else small)
-    alive: Any = _base(table.memo, stage, candidates, health, list_mode)
-    if not len(alive):
+    base_mask, base = _base(table.memo, stage, candidates, health, list_mode)
+    if not len(base):
         return None
-    for f in plan.rest:
-        if type(f) is MetricThreshold:
-            values = ctx.metric(f.metric)
-            bound = float(f.bound(ctx))
-            if list_mode:
-                column = values.tolist()
-                alive = [i for i in alive if column[i] < bound]  # (NaN is never below: dropped)
-            else:
-                alive = alive[values[alive] < bound]
-        else:
-            keep, mark = f.apply(ctx)
-            if mark is not None and mark is not no_marks:
-                return None  # (a marking filter of a kind not known to mark: the chain's case)
-            if list_mode:
-                kept = keep.tolist()
-                alive = [i for i in alive if kept[i]]
-            else:
-                alive = alive[keep[alive]]
-        if not len(alive):
-            return None
-    if plan.failover is not None:
-        keep = plan.failover.apply_global(ctx, marked)
-        if keep is not table.all_true():
-            if list_mode:
-                kept = keep.tolist()
-                alive = [i for i in alive if kept[i]]
-            else:
-                alive = alive[keep[alive]]
-            if not len(alive):
-                return None
-    if plan.keys is None:
-        survivors = np.array(alive, dtype=np.intp) if list_mode else alive
-        selected = spec.selector.select(ctx, survivors, 0)
-    elif list_mode:
-        selected = _lowest_of_list(ctx, alive, plan.keys)
+    failover = plan.failover.apply_global(ctx, marked) if plan.failover is not None else None
+    if list_mode:
+        selected = _pass_of_list(ctx, plan, base, failover)
     else:
-        selected = pick_lowest(ctx, alive, plan.keys)
+        selected = _pass_of_masks(ctx, plan, base_mask, base, failover)
+    if selected < 0:
+        return None
     keeps = _LazyKeeps(evaluate, ctx, spec, candidates)
     return StageOutcome._make((stage, candidates, spec.labels, keeps, spec.relax, selected, 0))
 
 
+def _pass_of_list(ctx: DecisionContext, plan: _Plan, alive: list[int], failover: BoolArray | None) -> int:
+    """The pass over a small fleet: the candidates as a list of ints, each filter's verdict read at
+    them as Python values. -1: no candidate survives."""
+    no_marks = ctx.view.instances.all_false()
+    for f in plan.rest:
+        if type(f) is MetricThreshold:
+            # The filter's own comparison, at the candidates only: metric < bound (NaN never is).
+            values = ctx.metric(f.metric)
+            bound = float(f.bound(ctx))
+            column = values.tolist()
+            alive = [i for i in alive if column[i] < bound]
+        else:
+            keep, mark = f.apply(ctx)
+            if mark is not None and mark is not no_marks:
+                return -1  # (a marking filter of a kind not known to mark: the chain's case)
+            kept = keep.tolist()
+            alive = [i for i in alive if kept[i]]
+        if not alive:
+            return -1
+    if failover is not None and failover is not ctx.view.instances.all_true():
+        kept = failover.tolist()
+        alive = [i for i in alive if kept[i]]
+        if not alive:
+            return -1
+    if plan.keys is not None:
+        return _lowest_of_list(ctx, alive, plan.keys)
+    return plan.spec.selector.select(ctx, np.array(alive, dtype=np.intp), 0)
+
+
+def _pass_of_masks(
+    ctx: DecisionContext, plan: _Plan, alive: BoolArray, base: IntArray, failover: BoolArray | None
+) -> int:
+    """The pass over a large fleet: each filter's own keep-mask (``apply``, as the chain calls it)
+    folded into the candidates' mask, the selector over what is left. -1: no candidate survives."""
+    no_marks = ctx.view.instances.all_false()
+    narrowed = False
+    for f in plan.rest:
+        keep, mark = f.apply(ctx)
+        if mark is not None and mark is not no_marks:
+            return -1
+        alive = alive & keep
+        narrowed = True
+        if not np.count_nonzero(alive):
+            return -1
+    if failover is not None and failover is not ctx.view.instances.all_true():
+        alive = alive & failover
+        narrowed = True
+        if not np.count_nonzero(alive):
+            return -1
+    survivors: IntArray = alive.nonzero()[0] if narrowed else base
+    if plan.keys is not None:
+        return pick_lowest(ctx, survivors, plan.keys)
+    return plan.spec.selector.select(ctx, survivors, 0)
+
+
 def _base(
     memo: dict[Any, Any], stage: Stage, candidates: BoolArray, health: list[BoolArray], list_mode: bool
-) -> Any:
-    """The candidates the health masks keep (a list of ints, or an index array), kept with the
-    snapshot's columns while the masks are the snapshot's own read-only arrays (the same objects,
-    the same values: compared by id, the memo holding them)."""
+) -> tuple[BoolArray, Any]:
+    """The candidates the health masks keep: their mask, and their indices (a list of ints, or an
+    index array), kept with the snapshot's columns while the masks are the snapshot's own read-only
+    arrays (the same objects, the same values: compared by id, the memo holding them)."""
     key = ("fused_base", stage, list_mode)
     ids = tuple(map(id, health))
-    found: tuple[BoolArray, tuple[int, ...], list[BoolArray], Any] | None = memo.get(key)
+    found: tuple[BoolArray, tuple[int, ...], list[BoolArray], BoolArray, Any] | None = memo.get(key)
     if found is not None and found[0] is candidates and found[1] == ids:
-        return found[3]
+        return found[3], found[4]
     alive = candidates
     for keep in health:
         alive = alive & keep
     index: IntArray = alive.nonzero()[0]
     base: Any = index.tolist() if list_mode else index
     if not candidates.flags.writeable and not any([keep.flags.writeable for keep in health]):
-        index.setflags(write=False)  # (shared by later decisions: nobody may change it)
-        memo[key] = (candidates, ids, health, base)
-    return base
+        # (Shared by later decisions: nobody may change them.)
+        if alive is not candidates:
+            alive.setflags(write=False)
+        index.setflags(write=False)
+        memo[key] = (candidates, ids, health, alive, base)
+    return alive, base
 
 
 def _lowest_of_list(ctx: DecisionContext, candidates: list[int], keys: tuple[SortKey, ...]) -> int:
