@@ -57,6 +57,11 @@ Evaluate = Callable[
 #: Above it: index arrays and array operations (a column's ``tolist`` grows with the fleet).
 SMALL_FLEET = 64
 
+#: At most this many (and more than SMALL_FLEET): candidates as an index array, each threshold
+#: compared at them only. Above it: each filter's own keep-mask folded into a mask (fancy indexing
+#: thousands of candidates costs more than a comparison over the whole column).
+LARGE_FLEET = 1024
+
 _INF = float("inf")
 
 
@@ -150,6 +155,7 @@ def try_stage(
     candidates: BoolArray,
     evaluate: Evaluate,
     small: int | None = None,
+    large: int | None = None,
 ) -> StageOutcome | None:
     """The stage's outcome as :func:`chain.run_stage` gives it, when the first pass keeps a candidate;
     ``None`` otherwise (then nothing it did changes what the chain does: see the module doc).
@@ -180,6 +186,8 @@ def try_stage(
     failover = plan.failover.apply_global(ctx, marked) if plan.failover is not None else None
     if list_mode:
         selected = _pass_of_list(ctx, plan, base, failover)
+    elif table.n <= (LARGE_FLEET if large is None else large):
+        selected = _pass_of_index(ctx, plan, base, failover)
     else:
         selected = _pass_of_masks(ctx, plan, base_mask, base, failover)
     if selected < 0:
@@ -215,6 +223,30 @@ def _pass_of_list(ctx: DecisionContext, plan: _Plan, alive: list[int], failover:
     if plan.keys is not None:
         return _lowest_of_list(ctx, alive, plan.keys)
     return plan.spec.selector.select(ctx, np.array(alive, dtype=np.intp), 0)
+
+
+def _pass_of_index(ctx: DecisionContext, plan: _Plan, alive: IntArray, failover: BoolArray | None) -> int:
+    """The pass over a mid-sized fleet: the candidates as an index array, each threshold compared
+    at them only (a stage's candidates are often half the fleet). -1: no candidate survives."""
+    no_marks = ctx.view.instances.all_false()
+    for f in plan.rest:
+        if type(f) is MetricThreshold:
+            values = ctx.metric(f.metric)
+            alive = alive[values[alive] < np.array(float(f.bound(ctx)))]
+        else:
+            keep, mark = f.apply(ctx)
+            if mark is not None and mark is not no_marks:
+                return -1
+            alive = alive[keep[alive]]
+        if not len(alive):
+            return -1
+    if failover is not None and failover is not ctx.view.instances.all_true():
+        alive = alive[failover[alive]]
+        if not len(alive):
+            return -1
+    if plan.keys is not None:
+        return pick_lowest(ctx, alive, plan.keys)
+    return plan.spec.selector.select(ctx, alive, 0)
 
 
 def _pass_of_masks(

@@ -45,15 +45,17 @@ POLICIES = [
 
 
 @contextmanager
-def _fused(on: bool, small: int | None = None) -> Iterator[None]:
-    was, was_small = chain.FUSED, fused.SMALL_FLEET
+def _fused(on: bool, small: int | None = None, large: int | None = None) -> Iterator[None]:
+    was = chain.FUSED, fused.SMALL_FLEET, fused.LARGE_FLEET
     chain.FUSED = on
     if small is not None:
         fused.SMALL_FLEET = small
+    if large is not None:
+        fused.LARGE_FLEET = large
     try:
         yield
     finally:
-        chain.FUSED, fused.SMALL_FLEET = was, was_small
+        chain.FUSED, fused.SMALL_FLEET, fused.LARGE_FLEET = was
 
 
 _rows = st.lists(
@@ -151,9 +153,10 @@ def _decide(scheduler: Scheduler, snap: ClusterSnapshot, request: Any, now: floa
     st.integers(0, 2**31),
     st.sampled_from(POLICIES),
     st.sampled_from(["instance", "node"]),
-    st.sampled_from([None, 0]),  # the fused pass on Python lists (default) or on index arrays
+    # The fused pass on Python lists (as on a small fleet), index arrays or masks (a large one).
+    st.sampled_from([(None, None), (0, None), (0, 0)]),
 )
-def test_the_fused_pass_decides_as_the_composed_chain(rows, seed, policy, domain, small) -> None:  # type: ignore[no-untyped-def]
+def test_the_fused_pass_decides_as_the_composed_chain(rows, seed, policy, domain, mode) -> None:  # type: ignore[no-untyped-def]
     snap = _snapshot(rows)
     with_fused, composed = _scheduler(policy, seed, domain), _scheduler(policy, seed, domain)
     rng = random.Random(seed)
@@ -166,7 +169,7 @@ def test_the_fused_pass_decides_as_the_composed_chain(rows, seed, policy, domain
             f"r{k}", prompt_tokens=rng.randint(1, 4000), exclude_instance_ids=exclude, stages=stages
         )
         dry_run = rng.random() < 0.25
-        with _fused(True, small):
+        with _fused(True, *mode):
             a = _decide(with_fused, snap, request, now, dry_run)
         with _fused(False):
             b = _decide(composed, snap, request, now, dry_run)
