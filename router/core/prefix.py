@@ -25,11 +25,16 @@ least recently used go first) and the index at most ``max_instances``
 instances (the least recently touched go first), so memory is at most
 ``max_instances * max_blocks_per_instance`` entries whatever the traffic.
 
-Cost: a lookup walks the prompt's hashes once, intersecting per-block
-bitsets of the instances holding each block (one Python int per block, a
-bit per instance), and stops when no instance holds the prefix so far: a
-32k-token prompt in 512-token blocks over 256 instances is 64 dictionary
-reads and big-int ANDs, whatever the fleet size.
+Cost: a lookup reads the per-block bitsets of the instances holding each
+of the prompt's blocks (one Python int per block, a bit per instance) and
+ANDs them along the chain, all in C loops (``map``/``accumulate``): the
+running AND after block ``j`` is the set of instances holding the prefix up
+to ``j``, and an instance's match ends where its bit drops out. The instances
+come out in groups of equal depth (usually a handful), so the per-view
+column (:func:`cached_tokens_column`) is built from the groups with a few
+numpy calls, not a Python step per matching instance: a 32k-token prompt in
+512-token blocks over 256 instances is 64 dictionary reads and big-int ANDs
+in C, whatever the fleet size and however many instances hold it.
 
 Pure and synchronous like the rest of the core: callers feed it (the router
 shell from its event stream or its dispatches, the simulator from its
@@ -39,13 +44,15 @@ engines), and nothing here does I/O.
 from __future__ import annotations
 
 import enum
-from collections import OrderedDict
+import math
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Protocol
+from itertools import filterfalse, repeat
+from typing import Protocol, TypeVar
 
 import numpy as np
 
-from router.core.columns import FloatArray
+from router.core.columns import FloatArray, IntArray
 
 #: Default bound on the hashes kept per instance (2M tokens of KV in 32-token blocks).
 DEFAULT_MAX_BLOCKS_PER_INSTANCE = 65536
@@ -126,29 +133,99 @@ class BlockIndex:
         self._free_slots: list[int] = []
         self._blocks: list[OrderedDict[int, None]] = []  # slot -> its hashes, least recently used first
         self._holders: dict[int, int] = {}  # hash -> bitset of slots holding it
+        self._slot_epoch = 0  # bumped whenever an instance takes or leaves a slot
+        self._view: tuple[object, int, IntArray] | None = None  # (ids, epoch, slot per view position)
 
     # ------------------------------------------------------------------ reading
 
-    def matched_blocks(self, hashes: Sequence[int]) -> dict[str, int]:
-        """Instance id -> leading blocks of ``hashes`` it holds (only instances holding >= 1)."""
+    def _groups(self, hashes: Sequence[int]) -> list[tuple[int, int]]:
+        """``(bitset, depth)`` per group of slots whose match of ``hashes`` ends at the same ``depth``
+        (>= 1), shallowest first: the slots that hold the first ``depth`` blocks and not the next.
+
+        One walk down the chain ANDing each block's holders into the running set of slots holding the
+        prefix so far, stopping when it is empty (a loop beats C-level ``accumulate`` here: it stops
+        at the first block nobody holds, and a request's own tail is usually nobody's).
+        """
         holders = self._holders
         if not hashes or not holders:
-            return {}
+            return []
         alive = holders.get(hashes[0], 0)
         if not alive:
-            return {}
-        found: dict[str, int] = {}
-        ids = self._ids
-        depth = len(hashes)
+            return []
+        groups: list[tuple[int, int]] = []
         for j in range(1, len(hashes)):
             nxt = alive & holders.get(hashes[j], 0)
             if nxt != alive:
-                _record(alive & ~nxt, j, ids, found)
+                groups.append((alive & ~nxt, j))
+                if not nxt:
+                    return groups
                 alive = nxt
-                if not alive:
-                    return found
-        _record(alive, depth, ids, found)
+        groups.append((alive, len(hashes)))
+        return groups
+
+    def matched_blocks(self, hashes: Sequence[int]) -> dict[str, int]:
+        """Instance id -> leading blocks of ``hashes`` it holds (only instances holding >= 1)."""
+        found: dict[str, int] = {}
+        ids = self._ids
+        for bits, depth in self._groups(hashes):
+            _record(bits, depth, ids, found)
         return found
+
+    def matched_column(self, hashes: Sequence[int], ids: Sequence[str]) -> IntArray:
+        """Per instance of ``ids``, the leading blocks of ``hashes`` it holds (0 where none or unknown):
+        :meth:`matched_blocks` laid out on ``ids``."""
+        groups = self._groups(hashes)
+        out: IntArray = self._column(groups, ids, [float(d) for _, d in groups]).astype(np.intp)
+        return out
+
+    def cached_column(self, hashes: Sequence[int], ids: Sequence[str], ceiling: int) -> FloatArray:
+        """Per instance of ``ids``, the tokens of ``hashes``' leading blocks it holds, at most ``ceiling``."""
+        groups = self._groups(hashes)
+        per = self.block_tokens
+        return self._column(groups, ids, [float(min(d * per, ceiling)) for _, d in groups])
+
+    def _column(self, groups: list[tuple[int, int]], ids: Sequence[str], values: list[float]) -> FloatArray:
+        """``values[k]`` at the positions of ``ids`` whose slot is in ``groups[k]``'s bitset, 0 elsewhere.
+
+        Built with a few numpy calls whatever the number of matching instances: the bitsets are
+        unpacked to a 0/1 row per group (bit ``s`` at column ``s``), folded into a value per slot,
+        and read out through the view's slot positions (:meth:`_view_slots`)."""
+        if not groups:
+            return np.zeros(len(ids))
+        view = self._view_slots(ids)
+        width = len(self._ids) // 8 + 1  # a spare bit past the last slot: the "no slot" position
+        if len(groups) == 1:
+            member = np.unpackbits(
+                np.frombuffer(groups[0][0].to_bytes(width, "little"), np.uint8), bitorder="little"
+            )
+            one: FloatArray = np.multiply(member[view], values[0], dtype=np.float64)
+            return one
+        packed = b"".join(bits.to_bytes(width, "little") for bits, _ in groups)
+        rows = np.unpackbits(
+            np.frombuffer(packed, np.uint8).reshape(len(groups), width), axis=1, bitorder="little"
+        )
+        per_slot: FloatArray = np.matmul(np.array(values, dtype=np.float64), rows, dtype=np.float64)
+        out: FloatArray = per_slot[view]
+        return out
+
+    def _view_slots(self, ids: Sequence[str]) -> IntArray:
+        """Per position of ``ids``, its slot (or ``len(self._ids)``, a bit no slot has, for an instance
+        without one), cached while the same ``ids`` tuple comes back and no instance took or left a slot
+        (a view's layout is reused across decisions while the fleet stands)."""
+        cached = self._view
+        if cached is not None and cached[0] is ids and cached[1] == self._slot_epoch:
+            return cached[2]
+        none = len(self._ids)
+        get = self._slot.get
+        slots = np.fromiter((get(i, none) for i in ids), dtype=np.intp, count=len(ids))
+        if isinstance(ids, tuple):  # immutable: safe to key on its identity
+            self._view = (ids, self._slot_epoch, slots)
+        return slots
+
+    def deepest_match(self, hashes: Sequence[int]) -> int:
+        """The most leading blocks of ``hashes`` any instance holds (0 for none)."""
+        groups = self._groups(hashes)
+        return groups[-1][1] if groups else 0
 
     def blocks_of(self, instance_id: str) -> frozenset[int]:
         slot = self._slot.get(instance_id)
@@ -170,20 +247,42 @@ class BlockIndex:
         Past ``limit`` (and always past ``max_blocks_per_instance``) its least recently used go.
         """
         slot = self._touch(instance_id)
+        self._add_slot(slot, hashes)
+        self._evict(slot, limit)
+
+    def _add_slot(self, slot: int, hashes: Iterable[int]) -> None:
+        """Make ``hashes`` the slot's most recently used, in order (C loops: the new ones are inserted
+        and given the slot's bit, then every hash is moved to the end in the order given, which leaves
+        the LRU order a step-by-step insert-or-move would)."""
         bit = 1 << slot
         blocks = self._blocks[slot]
         holders = self._holders
-        for h in hashes:
-            if h in blocks:
-                blocks.move_to_end(h)
-            else:
-                blocks[h] = None
+        if not isinstance(hashes, (list, tuple)):
+            hashes = list(hashes)
+        new = list(filterfalse(blocks.__contains__, hashes))
+        if new:
+            blocks.update(zip(new, repeat(None)))
+            for h in new:
                 holders[h] = holders.get(h, 0) | bit
+        deque(map(blocks.move_to_end, hashes), maxlen=0)
+
+    def _evict(self, slot: int, limit: int | None) -> None:
+        """Drop the slot's least recently used past ``limit`` (and always past ``max_blocks_per_instance``)."""
+        blocks = self._blocks[slot]
         cap = self.max_blocks_per_instance if limit is None else min(limit, self.max_blocks_per_instance)
         cap = max(cap, 1)
-        while len(blocks) > cap:
-            h, _ = blocks.popitem(last=False)
-            self._drop_bit(h, bit)
+        if len(blocks) <= cap:
+            return
+        mask = ~(1 << slot)
+        holders = self._holders
+        pop = blocks.popitem
+        for _ in range(len(blocks) - cap):
+            h, _ = pop(last=False)
+            rest = holders.get(h, 0) & mask
+            if rest:
+                holders[h] = rest
+            else:
+                holders.pop(h, None)
 
     def remove(self, instance_id: str, hashes: Iterable[int]) -> None:
         """``instance_id`` no longer holds ``hashes`` (unknown ones are ignored)."""
@@ -215,6 +314,7 @@ class BlockIndex:
         slot = self._slot.pop(instance_id)
         self._ids[slot] = ""
         self._free_slots.append(slot)
+        self._slot_epoch += 1
 
     def retain(self, instance_ids: Iterable[str]) -> None:
         """Forget every instance not in ``instance_ids`` (the fleet now)."""
@@ -239,6 +339,7 @@ class BlockIndex:
             self._ids.append(instance_id)
             self._blocks.append(OrderedDict())
         self._slot[instance_id] = slot
+        self._slot_epoch += 1
         return slot
 
     def _drop_bit(self, h: int, bit: int) -> None:
@@ -280,16 +381,18 @@ class ApproximatePrefixIndex(BlockIndex):
         self, instance_id: str, hashes: Sequence[int], capacity_tokens: float, private_tokens: int = 0
     ) -> None:
         limit = None
-        if np.isfinite(capacity_tokens) and capacity_tokens > 0:
+        if math.isfinite(capacity_tokens) and capacity_tokens > 0:
             limit = int(capacity_tokens // self.block_tokens)
         blocks = min(max(private_tokens, 0) // self.block_tokens, self.max_blocks_per_instance)
         # Placeholders: odd-width ints no 64-bit chained hash equals (Python hashes fit in 64 bits).
         first = self._placeholder
         self._placeholder += blocks
-        own = range((1 << 64) + first, (1 << 64) + first + blocks)
-        self.add(instance_id, [*reversed(hashes), *own], limit=limit)
-        for h in own:  # they hold room in the LRU, never a match: no holder bit needed
-            self._holders.pop(h, None)
+        slot = self._touch(instance_id)
+        self._add_slot(slot, hashes[::-1])
+        if blocks:
+            # They hold room in the LRU, never a match: fresh (never seen) keys, no holder bit.
+            self._blocks[slot].update(zip(range((1 << 64) + first, (1 << 64) + first + blocks), repeat(None)))
+        self._evict(slot, limit)
 
 
 class KvEventKind(str, enum.Enum):
@@ -349,7 +452,7 @@ class ExactPrefixIndex(BlockIndex):
                 pending[h] = None
                 holders[h] = holders.get(h, 0) | bit
         cap = self.max_blocks_per_instance
-        if np.isfinite(capacity_tokens) and capacity_tokens > 0:
+        if math.isfinite(capacity_tokens) and capacity_tokens > 0:
             cap = min(cap, int(capacity_tokens // self.block_tokens))
         cap = max(cap, 1)
         while len(pending) > cap:
@@ -380,28 +483,28 @@ class ExactPrefixIndex(BlockIndex):
             for h in self._pending.pop(slot, {}):
                 self._unpend(h, bit)
 
-    def matched_blocks(self, hashes: Sequence[int]) -> dict[str, int]:
+    def _groups(self, hashes: Sequence[int]) -> list[tuple[int, int]]:
+        """As :meth:`BlockIndex._groups`, a pending block counting as held."""
         extra = self._pending_holders
         if not extra:
-            return super().matched_blocks(hashes)
+            return super()._groups(hashes)
         holders = self._holders
         if not hashes:
-            return {}
+            return []
         alive = holders.get(hashes[0], 0) | extra.get(hashes[0], 0)
         if not alive:
-            return {}
-        found: dict[str, int] = {}
-        ids = self._ids
+            return []
+        groups: list[tuple[int, int]] = []
         for j in range(1, len(hashes)):
             h = hashes[j]
             nxt = alive & (holders.get(h, 0) | extra.get(h, 0))
             if nxt != alive:
-                _record(alive & ~nxt, j, ids, found)
+                groups.append((alive & ~nxt, j))
+                if not nxt:
+                    return groups
                 alive = nxt
-                if not alive:
-                    return found
-        _record(alive, len(hashes), ids, found)
-        return found
+        groups.append((alive, len(hashes)))
+        return groups
 
     def set_live(self, instance_id: str, live: bool) -> None:
         """The event feed's stream state; ``exact`` keeps what it heard until the feed clears it."""
@@ -443,15 +546,17 @@ def cached_tokens_column(
 ) -> FloatArray:
     """Per view instance, the prompt tokens its cache holds (at most ``prompt_tokens - 1``: the
     engine computes at least the last token to sample the first output)."""
+    ceiling = max(prompt_tokens - 1, 0)
+    if isinstance(source, (BlockIndex, AutoPrefixIndex)):
+        return source.cached_column(hashes, ids, ceiling)
     out = np.zeros(len(ids))
     found = source.matched_blocks(hashes)
     if found:
-        ceiling = max(prompt_tokens - 1, 0)
         per = source.block_tokens
-        for instance_id, blocks in found.items():
+        for instance_id, n in found.items():
             i = index.get(instance_id)
             if i is not None:
-                out[i] = min(blocks * per, ceiling)
+                out[i] = min(n * per, ceiling)
     return out
 
 
@@ -463,10 +568,15 @@ def best_cached_tokens(source: PrefixSource | None, hashes: Sequence[int], promp
     refuse or turn late a request the fleet can serve in time."""
     if source is None or not hashes:
         return 0
+    if isinstance(source, BlockIndex):
+        return min(source.deepest_match(hashes) * source.block_tokens, max(prompt_tokens - 1, 0))
     found = source.matched_blocks(hashes)
     if not found:
         return 0
     return min(max(found.values()) * source.block_tokens, max(prompt_tokens - 1, 0))
+
+
+_Column = TypeVar("_Column", IntArray, FloatArray)
 
 
 class AutoPrefixIndex:
@@ -510,6 +620,29 @@ class AutoPrefixIndex:
                 found = {i: n for i, n in found.items() if i not in live}
             found.update(self.exact.matched_blocks(hashes))
         return found
+
+    def matched_column(self, hashes: Sequence[int], ids: Sequence[str]) -> IntArray:
+        """:meth:`matched_blocks` laid out on ``ids`` (as :meth:`BlockIndex.matched_column`): the
+        routing history's answer, the exact index's for the live instances."""
+        out = self.approximate.matched_column(hashes, ids)
+        if self._live:
+            out = self._merge(self.exact.matched_column(hashes, ids), out, ids)
+        return out
+
+    def cached_column(self, hashes: Sequence[int], ids: Sequence[str], ceiling: int) -> FloatArray:
+        """As :meth:`BlockIndex.cached_column`, each live instance's from the exact index."""
+        out = self.approximate.cached_column(hashes, ids, ceiling)
+        if self._live:
+            out = self._merge(self.exact.cached_column(hashes, ids, ceiling), out, ids)
+        return out
+
+    def _merge(self, exact: _Column, approximate: _Column, ids: Sequence[str]) -> _Column:
+        """As :meth:`matched_blocks` merges: the exact index's hit where it has one, else nothing for a
+        live instance and the routing history's for the rest."""
+        live = self._live
+        mask = np.fromiter((i in live for i in ids), dtype=bool, count=len(ids))
+        out: _Column = np.where(exact > 0, exact, np.where(mask, 0, approximate))
+        return out
 
     def dispatched(
         self, instance_id: str, hashes: Sequence[int], capacity_tokens: float, private_tokens: int = 0

@@ -1,0 +1,500 @@
+"""The prefix index as it was before its lookup and dispatch were sped up: the oracle the fast paths
+are tested against (tests/router/core/test_prefix_fast.py). Not used by the router."""
+
+from __future__ import annotations
+
+import enum
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Protocol
+
+import numpy as np
+
+from router.core.columns import FloatArray
+
+#: Default bound on the hashes kept per instance (2M tokens of KV in 32-token blocks).
+DEFAULT_MAX_BLOCKS_PER_INSTANCE = 65536
+#: Default bound on the instances the index keeps.
+DEFAULT_MAX_INSTANCES = 4096
+
+
+class PrefixRouting(str, enum.Enum):
+    """Where the router's knowledge of the instances' caches comes from (``--prefix-cache-routing``)."""
+
+    #: Exact where the engines publish cache events, else approximate.
+    AUTO = "auto"
+    EXACT = "exact"
+    APPROXIMATE = "approximate"
+    #: No cache in the prediction (every prompt charged in full, as before prefix caching).
+    OFF = "off"
+
+
+PREFIX_ROUTING_MODES = tuple(m.value for m in PrefixRouting)
+
+
+class PrefixSource(Protocol):
+    """What a decision asks of the router's cache knowledge.
+
+    ``block_tokens`` is the granularity of the hashes it holds (a request's
+    ``prefix_hashes`` must be hashed the same way). :meth:`matched_blocks` is
+    called once per decision that has hashes; :meth:`dispatched` when a
+    request's prefill is sent to an instance (real decisions only).
+    """
+
+    name: str
+    block_tokens: int
+
+    def matched_blocks(self, hashes: Sequence[int]) -> Mapping[str, int]:
+        """Instance id -> how many of ``hashes``' leading blocks it holds (instances holding none left out)."""
+        ...
+
+    def dispatched(
+        self, instance_id: str, hashes: Sequence[int], capacity_tokens: float, private_tokens: int = 0
+    ) -> None:
+        """A prompt with ``hashes`` was sent to ``instance_id`` (whose KV holds ``capacity_tokens``);
+        ``private_tokens`` more of its KV (the unshared tail, the output) are its own."""
+        ...
+
+
+class BlockIndex:
+    """Per instance, an LRU set of block hashes; per hash, a bitset of the instances holding it.
+
+    ``max_blocks_per_instance`` and ``max_instances`` bound the memory (see the module doc).
+    """
+
+    def __init__(
+        self,
+        block_tokens: int,
+        *,
+        max_blocks_per_instance: int = DEFAULT_MAX_BLOCKS_PER_INSTANCE,
+        max_instances: int = DEFAULT_MAX_INSTANCES,
+        chain_block_tokens: int = 0,
+    ) -> None:
+        if block_tokens <= 0:
+            raise ValueError(f"block_tokens must be > 0, got {block_tokens}")
+        if chain_block_tokens < 0 or (chain_block_tokens and block_tokens % chain_block_tokens):
+            raise ValueError(
+                f"chain_block_tokens must be 0 or divide block_tokens ({block_tokens}), got {chain_block_tokens}"
+            )
+        #: The block the hashes are chained in (an engine's cache block, what its KV events name);
+        #: a prompt is looked up at every ``block_tokens`` boundary (:func:`fleet.prefix.lookup_block_hashes`).
+        self.chain_block_tokens = chain_block_tokens or block_tokens
+        if max_blocks_per_instance <= 0:
+            raise ValueError(f"max_blocks_per_instance must be > 0, got {max_blocks_per_instance}")
+        if max_instances <= 0:
+            raise ValueError(f"max_instances must be > 0, got {max_instances}")
+        self.block_tokens = block_tokens
+        self.max_blocks_per_instance = max_blocks_per_instance
+        self.max_instances = max_instances
+        self._slot: OrderedDict[str, int] = OrderedDict()  # instance -> slot, least recently touched first
+        self._ids: list[str] = []  # slot -> instance ("" when free)
+        self._free_slots: list[int] = []
+        self._blocks: list[OrderedDict[int, None]] = []  # slot -> its hashes, least recently used first
+        self._holders: dict[int, int] = {}  # hash -> bitset of slots holding it
+
+    # ------------------------------------------------------------------ reading
+
+    def matched_blocks(self, hashes: Sequence[int]) -> dict[str, int]:
+        """Instance id -> leading blocks of ``hashes`` it holds (only instances holding >= 1)."""
+        holders = self._holders
+        if not hashes or not holders:
+            return {}
+        alive = holders.get(hashes[0], 0)
+        if not alive:
+            return {}
+        found: dict[str, int] = {}
+        ids = self._ids
+        depth = len(hashes)
+        for j in range(1, len(hashes)):
+            nxt = alive & holders.get(hashes[j], 0)
+            if nxt != alive:
+                _record(alive & ~nxt, j, ids, found)
+                alive = nxt
+                if not alive:
+                    return found
+        _record(alive, depth, ids, found)
+        return found
+
+    def blocks_of(self, instance_id: str) -> frozenset[int]:
+        slot = self._slot.get(instance_id)
+        return frozenset() if slot is None else frozenset(self._blocks[slot])
+
+    def instances(self) -> tuple[str, ...]:
+        return tuple(self._slot)
+
+    @property
+    def num_entries(self) -> int:
+        """(instance, hash) pairs held: the index's memory, in entries."""
+        return sum(len(b) for b in self._blocks)
+
+    # ------------------------------------------------------------------ writing
+
+    def add(self, instance_id: str, hashes: Iterable[int], *, limit: int | None = None) -> None:
+        """``instance_id`` holds ``hashes`` (each becomes its most recently used, in the order given).
+
+        Past ``limit`` (and always past ``max_blocks_per_instance``) its least recently used go.
+        """
+        slot = self._touch(instance_id)
+        bit = 1 << slot
+        blocks = self._blocks[slot]
+        holders = self._holders
+        for h in hashes:
+            if h in blocks:
+                blocks.move_to_end(h)
+            else:
+                blocks[h] = None
+                holders[h] = holders.get(h, 0) | bit
+        cap = self.max_blocks_per_instance if limit is None else min(limit, self.max_blocks_per_instance)
+        cap = max(cap, 1)
+        while len(blocks) > cap:
+            h, _ = blocks.popitem(last=False)
+            self._drop_bit(h, bit)
+
+    def remove(self, instance_id: str, hashes: Iterable[int]) -> None:
+        """``instance_id`` no longer holds ``hashes`` (unknown ones are ignored)."""
+        slot = self._slot.get(instance_id)
+        if slot is None:
+            return
+        bit = 1 << slot
+        blocks = self._blocks[slot]
+        for h in hashes:
+            if h in blocks:
+                del blocks[h]
+                self._drop_bit(h, bit)
+
+    def clear(self, instance_id: str) -> None:
+        """``instance_id`` holds nothing (its slot is kept)."""
+        slot = self._slot.get(instance_id)
+        if slot is None:
+            return
+        bit = 1 << slot
+        for h in self._blocks[slot]:
+            self._drop_bit(h, bit)
+        self._blocks[slot].clear()
+
+    def forget(self, instance_id: str) -> None:
+        """Drop ``instance_id`` altogether (it left the fleet)."""
+        if instance_id not in self._slot:
+            return
+        self.clear(instance_id)
+        slot = self._slot.pop(instance_id)
+        self._ids[slot] = ""
+        self._free_slots.append(slot)
+
+    def retain(self, instance_ids: Iterable[str]) -> None:
+        """Forget every instance not in ``instance_ids`` (the fleet now)."""
+        keep = set(instance_ids)
+        for instance_id in [i for i in self._slot if i not in keep]:
+            self.forget(instance_id)
+
+    # ------------------------------------------------------------------ internals
+
+    def _touch(self, instance_id: str) -> int:
+        slot = self._slot.get(instance_id)
+        if slot is not None:
+            self._slot.move_to_end(instance_id)
+            return slot
+        if len(self._slot) >= self.max_instances:
+            self.forget(next(iter(self._slot)))
+        if self._free_slots:
+            slot = self._free_slots.pop()
+            self._ids[slot] = instance_id
+        else:
+            slot = len(self._ids)
+            self._ids.append(instance_id)
+            self._blocks.append(OrderedDict())
+        self._slot[instance_id] = slot
+        return slot
+
+    def _drop_bit(self, h: int, bit: int) -> None:
+        rest = self._holders.get(h, 0) & ~bit
+        if rest:
+            self._holders[h] = rest
+        else:
+            self._holders.pop(h, None)
+
+
+def _record(bits: int, depth: int, ids: list[str], found: dict[str, int]) -> None:
+    while bits:
+        low = bits & -bits
+        found[ids[low.bit_length() - 1]] = depth
+        bits ^= low
+
+
+class ApproximatePrefixIndex(BlockIndex):
+    """The router's routing history: the blocks it sent to each instance, LRU within its KV capacity.
+
+    A dispatched prompt's blocks become the instance's most recently used,
+    its first block last, so under pressure a prompt's tail ages out before
+    the head other prompts share (as an engine frees a finished request's
+    blocks, tail first). The instance keeps at most its KV capacity in blocks.
+
+    The request's own KV (the prompt past its last full block, its output)
+    takes room in the engine too while it runs, pushing cached blocks out: it
+    enters the LRU as placeholder blocks that match no prompt, newest of all,
+    and ages out like the rest.
+    """
+
+    name = "approximate"
+
+    def __init__(self, block_tokens: int, **bounds: int) -> None:
+        super().__init__(block_tokens, **bounds)
+        self._placeholder = 0
+
+    def dispatched(
+        self, instance_id: str, hashes: Sequence[int], capacity_tokens: float, private_tokens: int = 0
+    ) -> None:
+        limit = None
+        if np.isfinite(capacity_tokens) and capacity_tokens > 0:
+            limit = int(capacity_tokens // self.block_tokens)
+        blocks = min(max(private_tokens, 0) // self.block_tokens, self.max_blocks_per_instance)
+        # Placeholders: odd-width ints no 64-bit chained hash equals (Python hashes fit in 64 bits).
+        first = self._placeholder
+        self._placeholder += blocks
+        own = range((1 << 64) + first, (1 << 64) + first + blocks)
+        self.add(instance_id, [*reversed(hashes), *own], limit=limit)
+        for h in own:  # they hold room in the LRU, never a match: no holder bit needed
+            self._holders.pop(h, None)
+
+
+class KvEventKind(str, enum.Enum):
+    """The kinds of cache event an engine reports (vLLM's ``BlockStored``, ``BlockRemoved``,
+    ``AllBlocksCleared``; :class:`engine.model.KvEventKind` has the same values)."""
+
+    STORED = "stored"
+    REMOVED = "removed"
+    CLEARED = "cleared"
+
+
+class ExactPrefixIndex(BlockIndex):
+    """What each engine reported it holds, from its cache events, plus what is on its way there.
+
+    :meth:`apply` takes one instance's events in the order the engine emitted
+    them. A reader that lost events (a gap in the stream, a reconnect) calls
+    :meth:`clear` and replays the engine's full contents as one ``STORED``
+    event, which is what the sim engine's drain hands over after an overflow.
+
+    Dispatched, not yet reported: an engine reports a prompt's blocks only
+    once it has scheduled the prompt, so for the time a request waits in the
+    engine's queue the events say nothing of it, and a second request with
+    the same prefix arriving meanwhile would be sent anywhere (computing the
+    prefix twice, on two instances). :meth:`dispatched` therefore marks the
+    blocks it sent as *pending* on that instance; a lookup counts pending
+    blocks as held. A pending block becomes real when the engine's ``STORED``
+    names it, and goes when ``REMOVED`` or ``CLEARED`` does. Blocks of a
+    request the engine never schedules (aborted, refused) linger only until
+    newer dispatches push them out: each instance keeps at most its KV
+    capacity (and ``max_blocks_per_instance``) in pending blocks, least
+    recently dispatched first out.
+    """
+
+    name = "exact"
+
+    def __init__(self, block_tokens: int, **bounds: int) -> None:
+        super().__init__(block_tokens, **bounds)
+        self._pending: dict[int, OrderedDict[int, None]] = {}  # slot -> dispatched, not yet reported
+        self._pending_holders: dict[int, int] = {}  # hash -> bitset of slots it is pending on
+
+    def dispatched(
+        self, instance_id: str, hashes: Sequence[int], capacity_tokens: float, private_tokens: int = 0
+    ) -> None:
+        if not hashes:
+            return
+        slot = self._touch(instance_id)
+        bit = 1 << slot
+        held = self._blocks[slot]
+        pending = self._pending.setdefault(slot, OrderedDict())
+        holders = self._pending_holders
+        for h in hashes:
+            if h in held:
+                continue
+            if h in pending:
+                pending.move_to_end(h)
+            else:
+                pending[h] = None
+                holders[h] = holders.get(h, 0) | bit
+        cap = self.max_blocks_per_instance
+        if np.isfinite(capacity_tokens) and capacity_tokens > 0:
+            cap = min(cap, int(capacity_tokens // self.block_tokens))
+        cap = max(cap, 1)
+        while len(pending) > cap:
+            h, _ = pending.popitem(last=False)
+            self._unpend(h, bit)
+
+    def apply(self, instance_id: str, events: Iterable[tuple[str, Sequence[int]]]) -> None:
+        """Apply ``(kind, block hashes)`` events of one instance, oldest first (``kind``: a
+        :class:`KvEventKind` value)."""
+        for kind, hashes in events:
+            if kind == "stored":
+                self.add(instance_id, hashes)
+                self._settle(instance_id, hashes)
+            elif kind == "removed":
+                self.remove(instance_id, hashes)
+                self._settle(instance_id, hashes)
+            elif kind == "cleared":
+                self.clear(instance_id)
+            else:
+                raise ValueError(f"unknown KV event kind {kind!r}; use stored, removed or cleared")
+
+    def clear(self, instance_id: str) -> None:
+        """``instance_id`` holds nothing, reported or pending (its slot is kept)."""
+        super().clear(instance_id)
+        slot = self._slot.get(instance_id)
+        if slot is not None:
+            bit = 1 << slot
+            for h in self._pending.pop(slot, {}):
+                self._unpend(h, bit)
+
+    def matched_blocks(self, hashes: Sequence[int]) -> dict[str, int]:
+        extra = self._pending_holders
+        if not extra:
+            return super().matched_blocks(hashes)
+        holders = self._holders
+        if not hashes:
+            return {}
+        alive = holders.get(hashes[0], 0) | extra.get(hashes[0], 0)
+        if not alive:
+            return {}
+        found: dict[str, int] = {}
+        ids = self._ids
+        for j in range(1, len(hashes)):
+            h = hashes[j]
+            nxt = alive & (holders.get(h, 0) | extra.get(h, 0))
+            if nxt != alive:
+                _record(alive & ~nxt, j, ids, found)
+                alive = nxt
+                if not alive:
+                    return found
+        _record(alive, len(hashes), ids, found)
+        return found
+
+    def set_live(self, instance_id: str, live: bool) -> None:
+        """The event feed's stream state; ``exact`` keeps what it heard until the feed clears it."""
+
+    def pending_of(self, instance_id: str) -> frozenset[int]:
+        """The hashes dispatched to ``instance_id`` that its engine has not reported yet."""
+        slot = self._slot.get(instance_id)
+        return frozenset(self._pending.get(slot, ())) if slot is not None else frozenset()
+
+    @property
+    def num_entries(self) -> int:
+        return super().num_entries + sum(len(p) for p in self._pending.values())
+
+    def _settle(self, instance_id: str, hashes: Sequence[int]) -> None:
+        slot = self._slot.get(instance_id)
+        pending = self._pending.get(slot) if slot is not None else None
+        if not pending or slot is None:
+            return
+        bit = 1 << slot
+        for h in hashes:
+            if h in pending:
+                del pending[h]
+                self._unpend(h, bit)
+
+    def _unpend(self, h: int, bit: int) -> None:
+        rest = self._pending_holders.get(h, 0) & ~bit
+        if rest:
+            self._pending_holders[h] = rest
+        else:
+            self._pending_holders.pop(h, None)
+
+
+def cached_tokens_column(
+    source: PrefixSource,
+    ids: Sequence[str],
+    index: Mapping[str, int],
+    hashes: Sequence[int],
+    prompt_tokens: int,
+) -> FloatArray:
+    """Per view instance, the prompt tokens its cache holds (at most ``prompt_tokens - 1``: the
+    engine computes at least the last token to sample the first output)."""
+    out = np.zeros(len(ids))
+    found = source.matched_blocks(hashes)
+    if found:
+        ceiling = max(prompt_tokens - 1, 0)
+        per = source.block_tokens
+        for instance_id, blocks in found.items():
+            i = index.get(instance_id)
+            if i is not None:
+                out[i] = min(blocks * per, ceiling)
+    return out
+
+
+def best_cached_tokens(source: PrefixSource | None, hashes: Sequence[int], prompt_tokens: int) -> int:
+    """The most of a prompt any instance's cache holds, as the router knows it (at most
+    ``prompt_tokens - 1``; 0 without a source or hashes): the best case of its prefill, for the judges
+    of a request before any placement (the arrival check, the router queue's hopeless test). A
+    prompt mostly cached costs little prefill where it is cached, so judging it as uncached would
+    refuse or turn late a request the fleet can serve in time."""
+    if source is None or not hashes:
+        return 0
+    found = source.matched_blocks(hashes)
+    if not found:
+        return 0
+    return min(max(found.values()) * source.block_tokens, max(prompt_tokens - 1, 0))
+
+
+class AutoPrefixIndex:
+    """``auto``: the exact index for the instances whose events arrive, the routing history for the rest.
+
+    The router's event feed (:mod:`router.kv_events`) marks an instance *live*
+    while its event stream is up and in sync (after the snapshot it starts
+    with); a lookup then takes that instance's answer from :attr:`exact`, and
+    every other instance's from :attr:`approximate`. The routing history learns
+    every dispatch, live instance or not, so an instance whose stream breaks
+    falls back to what the router sent it, not to nothing; its exact entries go
+    at once (they would go stale unseen). Without any live instance a lookup
+    costs one probe of the empty exact index more than ``approximate`` alone.
+    """
+
+    name = "auto"
+
+    def __init__(self, block_tokens: int, **bounds: int) -> None:
+        self.exact = ExactPrefixIndex(block_tokens, **bounds)
+        self.approximate = ApproximatePrefixIndex(block_tokens, **bounds)
+        self.block_tokens = block_tokens
+        self.chain_block_tokens = self.exact.chain_block_tokens
+        self._live: set[str] = set()
+
+    def is_live(self, instance_id: str) -> bool:
+        return instance_id in self._live
+
+    def set_live(self, instance_id: str, live: bool) -> None:
+        """Whether ``instance_id``'s events arrive in sync; going down drops its exact entries."""
+        if live:
+            self._live.add(instance_id)
+        elif instance_id in self._live:
+            self._live.discard(instance_id)
+            self.exact.clear(instance_id)
+
+    def matched_blocks(self, hashes: Sequence[int]) -> dict[str, int]:
+        found = self.approximate.matched_blocks(hashes)
+        live = self._live
+        if live:
+            if found:
+                found = {i: n for i, n in found.items() if i not in live}
+            found.update(self.exact.matched_blocks(hashes))
+        return found
+
+    def dispatched(
+        self, instance_id: str, hashes: Sequence[int], capacity_tokens: float, private_tokens: int = 0
+    ) -> None:
+        self.approximate.dispatched(instance_id, hashes, capacity_tokens, private_tokens)
+        if instance_id in self._live:
+            self.exact.dispatched(instance_id, hashes, capacity_tokens, private_tokens)
+
+    def apply(self, instance_id: str, events: Iterable[tuple[str, Sequence[int]]]) -> None:
+        self.exact.apply(instance_id, events)
+
+    def clear(self, instance_id: str) -> None:
+        self.exact.clear(instance_id)
+
+    def forget(self, instance_id: str) -> None:
+        """``instance_id`` left the fleet: nothing of it is kept."""
+        self._live.discard(instance_id)
+        self.exact.forget(instance_id)
+        self.approximate.forget(instance_id)
+
+    @property
+    def num_entries(self) -> int:
+        return self.exact.num_entries + self.approximate.num_entries

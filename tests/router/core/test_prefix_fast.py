@@ -1,0 +1,141 @@
+"""The prefix index's fast lookup and dispatch give exactly what the step-by-step code gave.
+
+:mod:`tests.router.core.prefix_reference` is the index before its lookup was done in depth groups
+and numpy, and its LRU updates in C loops. Both are driven through the same random traffic (both
+index kinds and ``auto``; instances coming, going and being evicted past ``max_instances``; chains
+and arbitrary hash lists, duplicates included) and must agree on every answer a decision reads
+(matches per instance, the cached-token column on a view, the best case) and on their contents, in
+LRU order, after every step.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import router.core.prefix as fast
+import tests.router.core.prefix_reference as ref
+from fleet.prefix import id_block_hashes
+
+BLOCK = 16
+
+# A step: (kind, instance, hashes, capacity in blocks, private tokens).
+_STEP = st.tuples(
+    st.sampled_from(["dispatched", "stored", "removed", "cleared", "live", "down", "forget", "retain"]),
+    st.integers(0, 5),
+    st.one_of(
+        st.lists(st.integers(0, 12), max_size=9),  # arbitrary hash lists (gaps, duplicates)
+        st.tuples(st.integers(0, 3), st.integers(0, 9)).map(
+            lambda fc: list(id_block_hashes([fc[0] * 100 + j for j in range(fc[1])], 10**6, 1))
+        ),  # chains of a few prompt families, as a router sees them
+    ),
+    st.integers(0, 8),
+    st.integers(0, 4 * BLOCK),
+)
+
+
+def _queries(data: st.DataObject) -> list[list[int]]:
+    free = data.draw(st.lists(st.lists(st.integers(0, 12), max_size=10), min_size=1, max_size=3))
+    family, depth = data.draw(st.integers(0, 3)), data.draw(st.integers(0, 10))
+    chain = list(id_block_hashes([family * 100 + j for j in range(depth)], 10**6, 1))
+    return [*free, chain]
+
+
+def _state(index: Any) -> Any:
+    """Contents in LRU order per instance, the holder bitsets by instance, pending blocks."""
+    if isinstance(index, (fast.AutoPrefixIndex, ref.AutoPrefixIndex)):
+        return (_state(index.exact), _state(index.approximate), sorted(index._live))
+    blocks = {i: list(index._blocks[s]) for i, s in index._slot.items()}
+    holders = {
+        h: sorted(index._ids[s] for s in range(len(index._ids)) if bits >> s & 1)
+        for h, bits in index._holders.items()
+    }
+    pending = None
+    if hasattr(index, "_pending"):
+        pending = {index._ids[s]: list(p) for s, p in index._pending.items() if p}
+    return list(index._slot), blocks, holders, pending
+
+
+def _step(index: Any, kind: str, who: str, hashes: list[int], cap: int, private: int, exact: bool) -> None:
+    if kind == "dispatched":
+        index.dispatched(who, hashes, float(cap * BLOCK) if cap else float("inf"), private)
+    elif kind in ("stored", "removed", "cleared") and exact:
+        index.apply(who, [(kind, hashes)])
+    elif kind in ("live", "down") and hasattr(index, "set_live"):
+        index.set_live(who, kind == "live")
+    elif kind == "forget":
+        index.forget(who)
+    elif kind == "retain" and hasattr(index, "retain"):
+        index.retain([f"i{k}" for k in range(0, 6, 2)])
+
+
+def _agree(new: Any, old: Any, view: tuple[str, ...], queries: list[list[int]]) -> None:
+    assert _state(new) == _state(old)
+    positions = {i: k for k, i in enumerate(view)}
+    for q in queries:
+        found = new.matched_blocks(q)
+        assert list(found.items()) == list(old.matched_blocks(q).items())
+        for prompt in (len(q) * BLOCK, len(q) * BLOCK + 5, max(len(q) * BLOCK - 20, 0), 1):
+            got = fast.cached_tokens_column(new, view, positions, q, prompt)
+            want = ref.cached_tokens_column(old, view, positions, q, prompt)
+            assert got.dtype == want.dtype and np.array_equal(got, want)
+            assert fast.best_cached_tokens(new, q, prompt) == ref.best_cached_tokens(old, q, prompt)
+        laid = new.matched_column(q, view)
+        assert laid.tolist() == [found.get(i, 0) for i in view]
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    kind=st.sampled_from(["approximate", "exact", "auto"]),
+    steps=st.lists(_STEP, max_size=40),
+    max_instances=st.integers(1, 6),
+    seed=st.integers(0, 2**16),
+    data=st.data(),
+)
+def test_fast_lookup_and_dispatch_equal_the_step_by_step_index(
+    kind: str,
+    steps: list[tuple[str, int, list[int], int, int]],
+    max_instances: int,
+    seed: int,
+    data: st.DataObject,
+) -> None:
+    bounds = {"max_instances": max_instances, "max_blocks_per_instance": 7}
+    new: Any
+    old: Any
+    if kind == "approximate":
+        new, old = fast.ApproximatePrefixIndex(BLOCK, **bounds), ref.ApproximatePrefixIndex(BLOCK, **bounds)
+    elif kind == "exact":
+        new, old = fast.ExactPrefixIndex(BLOCK, **bounds), ref.ExactPrefixIndex(BLOCK, **bounds)
+    else:
+        new, old = fast.AutoPrefixIndex(BLOCK, **bounds), ref.AutoPrefixIndex(BLOCK, **bounds)
+    # One view tuple kept across the steps (as a router's layout is while the fleet stands), in a
+    # shuffled order and with an instance the index never hears of: slots change under it.
+    names = [f"i{k}" for k in range(6)] + ["ghost"]
+    random.Random(seed).shuffle(names)
+    view = tuple(names)
+    queries = _queries(data)
+    for kind_, who, hashes, cap, private in steps:
+        for index in (new, old):
+            _step(index, kind_, f"i{who}", hashes, cap, private, kind != "approximate")
+        _agree(new, old, view, queries)
+    _agree(new, old, tuple(reversed(view)), queries)  # a new view object: its slots are read afresh
+
+
+def test_a_lookup_holding_many_depths_lays_each_instance_at_its_own_depth() -> None:
+    """Hand-checked: 300 instances (a bitset wider than a machine word), depths 0 to 4."""
+    index = fast.ApproximatePrefixIndex(BLOCK)
+    chain = list(id_block_hashes(list(range(4)), 10**6, 1))
+    ids = tuple(f"n{k}" for k in range(300))
+    for k, name in enumerate(ids):
+        index.dispatched(name, chain[: k % 5], float("inf"))
+    positions = {i: k for k, i in enumerate(ids)}
+    column = fast.cached_tokens_column(index, ids, positions, chain, 4 * BLOCK + 1)
+    assert column.tolist() == [float((k % 5) * BLOCK) for k in range(300)]
+    # The engine computes at least the last prompt token: a fully cached prompt is charged one token.
+    column = fast.cached_tokens_column(index, ids, positions, chain, 4 * BLOCK)
+    assert column.tolist() == [float(min(k % 5 * BLOCK, 4 * BLOCK - 1)) for k in range(300)]
+    assert fast.best_cached_tokens(index, chain, 10 * BLOCK) == 4 * BLOCK
