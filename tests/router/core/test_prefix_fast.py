@@ -25,10 +25,12 @@ BLOCK = 16
 
 # A step: (kind, instance, hashes, capacity in blocks, private tokens).
 _STEP = st.tuples(
-    st.sampled_from(["dispatched", "stored", "removed", "cleared", "live", "down", "forget", "retain"]),
+    st.sampled_from(
+        [*["dispatched", "stored"] * 4, "removed", "cleared", "live", "down", "forget", "retain"]
+    ),
     st.integers(0, 5),
     st.one_of(
-        st.lists(st.integers(0, 12), max_size=9),  # arbitrary hash lists (gaps, duplicates)
+        st.lists(st.integers(0, 6), max_size=9),  # arbitrary hash lists (gaps, duplicates)
         st.tuples(st.integers(0, 3), st.integers(0, 9)).map(
             lambda fc: list(id_block_hashes([fc[0] * 100 + j for j in range(fc[1])], 10**6, 1))
         ),  # chains of a few prompt families, as a router sees them
@@ -88,10 +90,10 @@ def _agree(new: Any, old: Any, view: tuple[str, ...], queries: list[list[int]]) 
         assert laid.tolist() == [found.get(i, 0) for i in view]
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(
     kind=st.sampled_from(["approximate", "exact", "auto"]),
-    steps=st.lists(_STEP, max_size=40),
+    steps=st.lists(_STEP, min_size=4, max_size=40),
     max_instances=st.integers(1, 6),
     seed=st.integers(0, 2**16),
     data=st.data(),
@@ -139,3 +141,32 @@ def test_a_lookup_holding_many_depths_lays_each_instance_at_its_own_depth() -> N
     column = fast.cached_tokens_column(index, ids, positions, chain, 4 * BLOCK)
     assert column.tolist() == [float(min(k % 5 * BLOCK, 4 * BLOCK - 1)) for k in range(300)]
     assert fast.best_cached_tokens(index, chain, 10 * BLOCK) == 4 * BLOCK
+
+
+def test_a_dispatch_refreshes_held_blocks_in_the_order_given_around_new_ones() -> None:
+    """LRU order by hand: the hashes of one call become the most recent in the order given, held
+    ones (moved) and new ones (inserted) alike."""
+    for index in (fast.BlockIndex(BLOCK), ref.BlockIndex(BLOCK)):
+        index.add("a", [1, 2, 3])
+        index.add("a", [2, 9, 1])  # held, new, held
+        assert list(index._blocks[0]) == [3, 2, 9, 1]
+        index.add("a", [7, 8, 3])  # new ones leading, then a held one
+        assert list(index._blocks[0]) == [2, 9, 1, 7, 8, 3]
+        index.add("a", [5, 5, 2])  # a new one twice
+        assert list(index._blocks[0]) == [9, 1, 7, 8, 3, 5, 2]
+        index.add("a", [6, 4, 6], limit=4)  # the last mention counts; the oldest go past the limit
+        assert list(index._blocks[0]) == [5, 2, 4, 6]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    adds=st.lists(
+        st.tuples(st.integers(0, 2), st.lists(st.integers(0, 5), max_size=6), st.integers(1, 8)), max_size=25
+    )
+)
+def test_lru_order_after_adds_equals_the_step_by_step_index(adds: list[tuple[int, list[int], int]]) -> None:
+    new, old = fast.BlockIndex(BLOCK), ref.BlockIndex(BLOCK)
+    for who, hashes, limit in adds:
+        for index in (new, old):
+            index.add(f"i{who}", hashes, limit=limit)
+        assert _state(new) == _state(old)
