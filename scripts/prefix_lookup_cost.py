@@ -1,11 +1,18 @@
-"""What a prefix lookup costs in fine and in coarse blocks over an exact index fed fine events.
+"""What a prefix lookup costs in fine and in coarse blocks over an exact index fed fine events, and
+what a decision's two index calls cost on the routing history.
 
     python scripts/prefix_lookup_cost.py [INSTANCES]
 
-A 32k-token prompt, chained in 16-token blocks (the sim worker's and vLLM's cache block); the index
-holds a 16k-to-20k-token prefix of it on each of INSTANCES (default 256) instances. Prints the
-best of five means of ``matched_blocks`` with every 16-token hash and with every 16th (a lookup per
-256 tokens, ``--prefix-block-tokens 256 --prefix-chain-block-tokens 16``).
+Exact index: a 32k-token prompt, chained in 16-token blocks (the sim worker's and vLLM's cache
+block); the index holds a 16k-to-20k-token prefix of it on each of INSTANCES (default 256)
+instances. Prints the best of five means of ``matched_blocks`` with every 16-token hash and with
+every 16th (a lookup per 256 tokens, ``--prefix-block-tokens 256 --prefix-chain-block-tokens 16``),
+and of ``cached_tokens_column`` (what a decision reads: the cached tokens laid on the view).
+
+Routing history: the scheduler bench's long-prompt traffic (``bench.bench_scheduler``: 8 prompt
+families of 48 shared 512-token blocks and 16 of each prompt's own, 200k tokens of KV per instance)
+and per decision the column then the dispatch to the instance holding the most. Prints the mean
+of each over 1,600 decisions. Figures only; the host's load weighs on them.
 """
 
 from __future__ import annotations
@@ -14,27 +21,72 @@ import random
 import sys
 import time
 
-from fleet.prefix import lookup_block_hashes, token_block_hashes
-from router.core.prefix import ExactPrefixIndex
+import numpy as np
+
+from fleet.prefix import id_block_hashes, lookup_block_hashes, token_block_hashes
+from router.core.prefix import ApproximatePrefixIndex, ExactPrefixIndex, cached_tokens_column
 
 
-def main() -> None:
-    instances = int(sys.argv[1]) if len(sys.argv) > 1 else 256
+def _exact(instances: int) -> None:
     rng = random.Random(1)
     prompt = [rng.randrange(50_000) for _ in range(32_768)]
     fine = token_block_hashes(prompt, 16)
     coarse = lookup_block_hashes(prompt, 16, 256)
     index = ExactPrefixIndex(256, chain_block_tokens=16)
-    for i in range(instances):
-        index.apply(f"i{i}", [("stored", fine[: 1000 + (i * 250) // max(instances, 1)])])
+    ids = tuple(f"i{i}" for i in range(instances))
+    for i, instance_id in enumerate(ids):
+        index.apply(instance_id, [("stored", fine[: 1000 + (i * 250) // max(instances, 1)])])
+    positions = {instance_id: i for i, instance_id in enumerate(ids)}
     for name, hashes in (("16-token lookups", fine), ("256-token lookups", coarse)):
-        best = float("inf")
-        for _ in range(5):
-            start = time.perf_counter()
-            for _ in range(50):
-                index.matched_blocks(hashes)
-            best = min(best, (time.perf_counter() - start) / 50 * 1e6)
-        print(f"{name} ({len(hashes)} probes, {instances} instances): {best:.0f} us")
+        for call, run in (
+            ("matched_blocks", lambda h=hashes: index.matched_blocks(h)),
+            ("cached_tokens_column", lambda h=hashes: cached_tokens_column(index, ids, positions, h, 32_768)),
+        ):
+            best = float("inf")
+            for _ in range(5):
+                start = time.perf_counter()
+                for _ in range(50):
+                    run()
+                best = min(best, (time.perf_counter() - start) / 50 * 1e6)
+            print(f"exact, {name} ({len(hashes)} probes, {instances} instances), {call}: {best:.0f} us")
+
+
+def _history(instances: int) -> None:
+    block, tokens = 512, 32_768
+
+    def prompt_hashes(family: int, own: int) -> tuple[int, ...]:
+        ids = [family * 1000 + j for j in range(48)] + [10**6 + own * 100 + j for j in range(16)]
+        return id_block_hashes(ids, tokens, block)
+
+    ids = tuple(f"i{i}" for i in range(instances))
+    positions = {instance_id: i for i, instance_id in enumerate(ids)}
+    index = ApproximatePrefixIndex(block)
+    for k, instance_id in enumerate(ids):
+        index.dispatched(instance_id, prompt_hashes(k % 8, k), 10_000_000)
+    rng = random.Random(3)
+    column_ns = dispatch_ns = 0
+    decisions = 1600
+    for _ in range(decisions):
+        hashes = prompt_hashes(rng.randrange(8), rng.randrange(1 << 20))
+        start = time.perf_counter_ns()
+        column = cached_tokens_column(index, ids, positions, hashes, tokens)
+        middle = time.perf_counter_ns()
+        target = ids[int(np.argmax(column))]
+        index.dispatched(target, hashes, 200_000.0, 256)
+        column_ns += middle - start
+        dispatch_ns += time.perf_counter_ns() - middle
+    print(
+        f"approximate, 64 probes, {instances} instances: cached_tokens_column "
+        f"{column_ns / decisions / 1e3:.1f} us, dispatched {dispatch_ns / decisions / 1e3:.1f} us"
+    )
+
+
+def main() -> None:
+    instances = int(sys.argv[1]) if len(sys.argv) > 1 else 256
+    if instances <= 0:
+        raise SystemExit(f"INSTANCES must be > 0, got {instances}")
+    _exact(instances)
+    _history(instances)
 
 
 if __name__ == "__main__":

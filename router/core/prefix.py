@@ -260,17 +260,11 @@ class BlockIndex:
         if not isinstance(hashes, (list, tuple)):
             hashes = list(hashes)
         new = list(filterfalse(blocks.__contains__, hashes))
-        size = len(blocks)
         if new:
             blocks.update(zip(new, repeat(None)))
             for h in new:
                 holders[h] = holders.get(h, 0) | bit
-        if new and len(blocks) == size + len(new) and new == list(hashes[: len(new)]):
-            # The new ones (none repeated) lead, as a dispatched prompt's own tail leads its shared
-            # head: they went in at the end in order, so only the rest moves behind them.
-            deque(map(blocks.move_to_end, hashes[len(new) :]), maxlen=0)
-        else:
-            deque(map(blocks.move_to_end, hashes), maxlen=0)
+        deque(map(blocks.move_to_end, hashes), maxlen=0)
 
     def _evict(self, slot: int, limit: int | None) -> None:
         """Drop the slot's least recently used past ``limit`` (and always past ``max_blocks_per_instance``)."""
