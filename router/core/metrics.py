@@ -166,17 +166,18 @@ def _nan(ctx: DecisionContext) -> FloatArray:
 def _correction(ctx: DecisionContext) -> Correction | None:
     """The calibration of the view's instances, or None (calibration off, or no samples yet).
 
-    Looked up once per decision (several metrics and predictions ask).
+    Looked up once per decision (several metrics and predictions ask). With calibration off
+    there is nothing to look up or remember: the answer is None at once (two calls fewer each
+    time, on every decision of a router without calibration).
     """
+    predictors = ctx.predictors
+    calibration = predictors.calibration if predictors is not None else None
+    if calibration is None:
+        return None
     found = ctx.cached(_correction)
     if found is None:
-        predictors = ctx.predictors
-        calibration = predictors.calibration if predictors is not None else None
-        if calibration is None:
-            found = _NO_CORRECTION
-        else:
-            table = ctx.view.instances
-            found = calibration.correction(table.ids, table.groups) or _NO_CORRECTION
+        table = ctx.view.instances
+        found = calibration.correction(table.ids, table.groups) or _NO_CORRECTION
         ctx.remember(_correction, found)
     return None if found is _NO_CORRECTION else found
 
