@@ -11,8 +11,10 @@ workers behind OpenAI-compatible faces, peers from ``.venv-peers``) with two cha
   what is reused. The prompt text is one letter per token, so the peers' text radix trees see
   the same sharing as the workers' token blocks.
 
-Routers: this router's ``slo`` with ``--prefix-cache-routing approximate`` (its routing history:
-the live router gets no KV events yet) and with ``off``; vLLM router's and SMG's
+Routers: this router's ``slo`` with ``--prefix-cache-routing exact`` (an index fed by the sim
+workers' KV events, ``Worker.KvEvents``: prompt hashes chained in the workers' 16-token
+blocks, looked up every 256 tokens), with
+``approximate`` (its routing history, 256-token blocks) and with ``off``; vLLM router's and SMG's
 ``cache_aware`` (router-side radix trees), SMG's ``prefix_hash``, the consistent hashing both
 offer (``consistent_hash`` / ``consistent_hashing``), and SMG's ``power_of_two`` as a
 cache-blind reference.
@@ -52,7 +54,7 @@ ROUTER_BLOCK = 256
 
 ROUTERS: tuple[peers.RouterSpec, ...] = (
     peers.RouterSpec(
-        "slo-router slo cache",
+        "slo-router slo cache approx",
         "ours",
         (
             "--scheduling-policy",
@@ -61,6 +63,20 @@ ROUTERS: tuple[peers.RouterSpec, ...] = (
             "approximate",
             "--prefix-block-tokens",
             str(ROUTER_BLOCK),
+        ),
+    ),
+    peers.RouterSpec(
+        "slo-router slo cache exact",
+        "ours",
+        (
+            "--scheduling-policy",
+            "slo",
+            "--prefix-cache-routing",
+            "exact",
+            "--prefix-block-tokens",
+            str(ROUTER_BLOCK),
+            "--prefix-chain-block-tokens",
+            str(WORKER_BLOCK),  # the workers' KV events name 16-token blocks; lookups per 256 tokens
         ),
     ),
     peers.RouterSpec(

@@ -1,11 +1,12 @@
 """A bearer token on the calls that make a worker do or stop work (router → worker, worker → worker).
 
 The Worker service's ``Prefill``, ``Generate``, ``Decode``, ``Streams`` and
-``Abort`` start, run or cut a request. Anyone who can reach a worker and read
+``Abort`` start, run or cut a request, and ``KvEvents`` tells which prompt blocks it
+has seen. Anyone who can reach a worker and read
 the CMS view (every instance's endpoint) could otherwise cut other clients'
 streams with ``Abort`` or use the engine directly. With a worker token
 (``--worker-auth-token-file`` on the router and on every worker; ``up`` makes
-one) the worker refuses those five calls without ``authorization: Bearer
+one) the worker refuses those six calls without ``authorization: Bearer
 <token>`` (``UNAUTHENTICATED``); ``GetInfo``, health and reflection stay open.
 
 :class:`RequireToken` is the server side (an interceptor, so the servicer is
@@ -30,7 +31,8 @@ _Handler = Any  # grpc's RpcMethodHandler namedtuple
 
 #: The Worker methods that need the token.
 PROTECTED_WORKER_METHODS = frozenset(
-    f"/slorouter.v1.Worker/{name}" for name in ("Prefill", "Generate", "Decode", "Streams", "Abort")
+    f"/slorouter.v1.Worker/{name}"
+    for name in ("Prefill", "Generate", "Decode", "Streams", "Abort", "KvEvents")
 )
 
 

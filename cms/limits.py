@@ -287,6 +287,9 @@ def check_status(status: cms_pb2.InstanceStatus, field: str = "status") -> None:
         raise FieldLimitError(
             f"{field}.step_samples: {len(status.step_samples)} entries; the limit is {MAX_STEP_SAMPLES}"
         )
+    rate = status.cache_hit_rate
+    if not (math.isfinite(rate) and 0.0 <= rate <= 1.0):
+        raise FieldLimitError(f"{field}.cache_hit_rate: {rate}; it must be a finite share in [0, 1]")
     for i, sample in enumerate(status.step_samples):
         if not math.isfinite(sample.duration_ms) or sample.duration_ms < 0:
             raise FieldLimitError(

@@ -53,6 +53,24 @@ def token_block_hashes(token_ids: Sequence[int], block_tokens: int) -> tuple[int
     return tuple(out)
 
 
+def lookup_block_hashes(token_ids: Sequence[int], chain_tokens: int, lookup_tokens: int) -> tuple[int, ...]:
+    """The chained hashes of ``token_ids`` in ``chain_tokens``-token blocks (an engine's cache block),
+    kept only where a block ends on a ``lookup_tokens`` boundary (a multiple of ``chain_tokens``).
+
+    A chained hash names the whole prefix up to its block, so the kept hashes are exactly the
+    engine's own names for the prompt's prefixes of 1, 2, ... lookup blocks: a router can follow an
+    engine's KV events in its fine blocks and still look a prompt up in coarse ones (a 32k-token
+    prompt is 128 lookups of 256 tokens instead of 2,048 of 16).
+    """
+    if chain_tokens <= 0 or lookup_tokens % chain_tokens:
+        raise ValueError(
+            f"lookup_tokens ({lookup_tokens}) must be a positive multiple of chain_tokens ({chain_tokens})"
+        )
+    hashes = token_block_hashes(token_ids, chain_tokens)
+    stride = lookup_tokens // chain_tokens
+    return hashes if stride == 1 else hashes[stride - 1 :: stride]
+
+
 def id_block_hashes(block_ids: Sequence[int], prompt_tokens: int, block_tokens: int) -> tuple[int, ...]:
     """The chained hash of every *full* block a prompt of ``prompt_tokens`` tokens has among ``block_ids``.
 

@@ -234,6 +234,7 @@ def calibrated_profile(
         # Offline: jump straight to the window's figures (no rate limit to protect live decisions).
         max_change_per_update=99.0,
         update_every_samples=max(1, len(samples)),
+        update_every_s=0.0,  # one pass over the samples: no time between updates to space
     )
     predictors = PredictorSet(base)
     calibrator = Calibrator(config, predictors.step_predictor)

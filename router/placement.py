@@ -20,7 +20,7 @@ from typing import Protocol
 import numpy as np
 from slorouter.v1 import cms_pb2, router_pb2
 
-from fleet.prefix import token_block_hashes
+from fleet.prefix import lookup_block_hashes
 from fleet.snapshot import ClusterSnapshot
 from router.core.calibration import Calibrator
 from router.core.capacity import InstanceRates, LoadShape, LoadTracker, fleet_instance_rates
@@ -202,7 +202,7 @@ class Placer:
         prefix = self.scheduler.prefix
         hashes: tuple[int, ...] = ()
         if prefix is not None and prompt_tokens is None:
-            hashes = token_block_hashes(req.prompt_token_ids, prefix.block_tokens)
+            hashes = lookup_block_hashes(req.prompt_token_ids, prefix.chain_block_tokens, prefix.block_tokens)
         lengths = self.lengths.estimate(req.slo_class, len(req.prompt_token_ids), req.max_tokens)
         return ScheduleInput(
             request_id=req.request_id,

@@ -44,6 +44,7 @@ from router.chat_template import ChatTemplate, FallbackChatTemplate, load_chat_t
 from router.core.config import SchedulerConfig, name_flags
 from router.core.health import OutlierConfig, OutlierDetector
 from router.core.predictors import PredictorSet
+from router.core.prefix import AutoPrefixIndex, ExactPrefixIndex, PrefixRouting
 from router.core.qlm import QlmConfig
 from router.core.queue import QueueConfig
 from router.core.rng import PeekableRandom
@@ -51,6 +52,7 @@ from router.core.scheduler import Scheduler
 from router.core.slicing import SliceConfig
 from router.forward import WORKER_STREAMS, WorkerClient
 from router.http_edge import RouterBackend, add_http_edge_arguments, edge_limits_from_args, start_http_edge
+from router.kv_events import KvEventFeed
 from router.legs import MAX_RELAY_HOLD_S
 from router.placement import Placer
 from router.pool import (
@@ -102,6 +104,8 @@ class RouterServer:
     readiness: asyncio.Task[None] | None = None
     #: The OpenAI-compatible HTTP edge, when ``http_listen`` was given.
     http: HttpServer | None = None
+    #: The workers' prefix-cache event subscriptions (``--prefix-cache-routing exact|auto``).
+    kv_feed: KvEventFeed | None = None
     _stopped: bool = False
 
     @property
@@ -163,6 +167,8 @@ class RouterServer:
         await self.server.stop(grace)
         self.admission.close()
         await self.workers.drain()
+        if self.kv_feed is not None:
+            await self.kv_feed.stop()
         await self.pool.close()
         await self.reader.stop()
         for resource in reversed(self.owned):
@@ -247,6 +253,7 @@ async def start_router_server(
             profile_label=scheduler.config.profile_label,
             max_retries=service_config.max_retries,
         )
+    kv_feed = _kv_event_feed(scheduler, reader, pool)
     admission = make_admission(placer, queue_config or QueueConfig(), qlm_config, observer=observer)
     reader.add_listener(admission.notify)
     service = RouterService(
@@ -278,6 +285,11 @@ async def start_router_server(
         cms_lost=lambda: reader.source_lost,
         overpacked=placer.overpacked,
         desired=placer.desired_instances,
+        cache_hit_rates=lambda: {
+            r.instance_id: r.status.cache_hit_rate
+            for r in placer.snapshot().instances
+            if r.status is not None
+        },
     )
     host = listen.rsplit(":", 1)[0]
     readiness = asyncio.get_running_loop().create_task(
@@ -301,6 +313,7 @@ async def start_router_server(
         address=f"{host}:{port}",
         readiness=readiness,
         owned=owned,
+        kv_feed=kv_feed,
     )
     if http_listen:
         backend = RouterBackend(
@@ -319,6 +332,20 @@ async def start_router_server(
             await router.stop(grace=0)
             raise
     return router
+
+
+def _kv_event_feed(scheduler: Scheduler, reader: ClusterReader, pool: ChannelPool) -> KvEventFeed | None:
+    """Subscribe to the workers' prefix-cache events when the routing wants them: ``exact`` feeds its
+    index; ``auto`` becomes exact for the instances that publish, approximate for the rest."""
+    mode = PrefixRouting(scheduler.config.prefix_cache_routing)
+    if mode is PrefixRouting.AUTO and not isinstance(scheduler.prefix, AutoPrefixIndex):
+        scheduler.use_auto_prefix_index()
+    prefix = scheduler.prefix
+    if not isinstance(prefix, (ExactPrefixIndex, AutoPrefixIndex)):
+        return None
+    feed = KvEventFeed(prefix, pool, stale_s=max(scheduler.config.instance_staleness_s, 1.0))
+    reader.add_snapshot_listener(feed.on_snapshot)
+    return feed
 
 
 #: After the drain time, how long the abandoned streams get to send their error and close (s).

@@ -315,7 +315,13 @@ class SliceDispatcher:
         return target, key, request
 
     def resume(
-        self, target: SliceTarget, key: int, request: SliceRequest, context_tokens: int, remaining_tokens: int
+        self,
+        target: SliceTarget,
+        key: int,
+        request: SliceRequest,
+        context_tokens: int,
+        remaining_tokens: int,
+        generated_tokens: int = 0,
     ) -> tuple[SliceTarget, int, SliceRequest] | None:
         """End a slice that leaves output to generate and place the next one at once.
 
@@ -329,7 +335,11 @@ class SliceDispatcher:
         ticket = self._next_ticket
         self._next_ticket += 1
         length = slice_length(
-            context_tokens, remaining_tokens, sched.models(target.instance_id).serving, self.config
+            context_tokens,
+            remaining_tokens,
+            sched.models(target.instance_id).serving,
+            self.config,
+            generated_tokens,
         )
         following = SliceRequest(ticket, context_tokens, length)
         instance, new_key, _batch = sched.resume(
@@ -378,7 +388,7 @@ class SliceDispatcher:
                 length = self.config.slice_tokens
                 if sched is not None and sched.instances:
                     serving = sched.models(min(sched.instances)).serving
-                    length = slice_length(context, remaining, serving, self.config)
+                    length = slice_length(context, remaining, serving, self.config, len(generated))
                 target, key, request = await self.acquire(context, min(length, remaining))
             else:
                 target, key, request = placed
@@ -469,7 +479,9 @@ class SliceDispatcher:
                 self._running.pop(int(request.key), None)  # type: ignore[call-overload]
                 left = total - len(generated)
                 if carried and left > 0 and self.config.resume_at_once:
-                    placed = self.resume(target, key, request, len(prompt_token_ids) + len(generated), left)
+                    placed = self.resume(
+                        target, key, request, len(prompt_token_ids) + len(generated), left, len(generated)
+                    )
                 if placed is None:
                     self.finish(target, key, request)
                 if not ended:
@@ -490,9 +502,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--slice-tokens new tokens at a time, batched and offloaded max-min to neutral instances (SCLS, "
         "seed 002). On continuous-batching engines slices pay where the KV does not hold the load: "
         "where request dispatch makes the engines preempt about once per ten requests or more, slices "
-        "keep a KV plan that holds, do not preempt and keep 0.95x-2.4x the throughput (most on long "
-        "prompts and small KV); where the KV holds request dispatch wins (slices 0.91-0.97x: a "
-        "first-slice wait and re-prefill). `slo-router simulate --dispatch-modes request,slice,auto` "
+        "keep a KV plan that holds, complete every request without preempting and do 1.0x-2.6x the "
+        "work on long prompts and small KV; with long answers (hundreds of tokens) they do 0.88x-0.97x "
+        "(a smaller decode batch), and everywhere they lose SLO attainment to slo (a first slice "
+        "waits for a schedule point and room in the plan: TTFT grows); where the KV holds request "
+        "dispatch wins outright (slices 0.91-0.97x, attainment down by up to half). `slo-router simulate --dispatch-modes request,slice,auto` "
         "tells which side of that line a fleet and workload are on. There is no live 'auto': its rule "
         "counts the engines' preemptions under request dispatch, which an instance's status does not "
         "carry, and which stop once slices run (default: %(default)s)",

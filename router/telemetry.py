@@ -206,20 +206,23 @@ class RequestObserver:
         overpacked: Callable[[], dict[str, float]] | None = None,
         desired: Callable[[], dict[str, int]] | None = None,
         cms_lost: Callable[[], bool] | None = None,
+        cache_hit_rates: Callable[[], dict[str, float]] | None = None,
     ) -> None:
         """Compute the gauges at scrape time from the router's live state.
 
         ``overpacked`` (instance id -> 0/1) and ``desired`` (role -> instances)
         feed ``slo_router_instance_overpacked{instance}`` and
-        ``slo_router_desired_instances{role}``, computed at every scrape.
+        ``slo_router_desired_instances{role}``, computed at every scrape;
+        ``cache_hit_rates`` (instance id -> share) feeds
+        ``slo_router_instance_cache_hit_rate{instance}`` from the instances' last statuses.
         """
         self._instance_source = instances
         self.inflight_entries.set_function(lambda: float(inflight()))
         if cms_lost is not None:
             self.cms_lost.set_function(lambda: float(cms_lost()))
         self._refresh_instances()
-        if overpacked is not None or desired is not None:
-            self.registry.register(_PackingCollector(overpacked, desired))
+        if overpacked is not None or desired is not None or cache_hit_rates is not None:
+            self.registry.register(_PackingCollector(overpacked, desired, cache_hit_rates))
 
     def _refresh_instances(self) -> None:
         source = getattr(self, "_instance_source", None)
@@ -316,15 +319,18 @@ class RequestObserver:
 
 
 class _PackingCollector(Collector):
-    """Scrape-time gauges of packing: the safety valve per instance, and the instances the load needs."""
+    """Scrape-time gauges per instance and role: the safety valve, the instances the load needs,
+    and each instance's prefix-cache hit rate as its engine reports it."""
 
     def __init__(
         self,
         overpacked: Callable[[], dict[str, float]] | None,
         desired: Callable[[], dict[str, int]] | None,
+        cache_hit_rates: Callable[[], dict[str, float]] | None = None,
     ) -> None:
         self._overpacked = overpacked
         self._desired = desired
+        self._cache_hit_rates = cache_hit_rates
 
     def describe(self) -> list[Metric]:
         return []  # families are produced at scrape time; nothing to check at registration
@@ -349,6 +355,16 @@ class _PackingCollector(Collector):
             )
             for role, count in sorted(self._safe(self._desired).items()):
                 family.add_metric([role], float(count))
+            yield family
+        if self._cache_hit_rates is not None:
+            family = GaugeMetricFamily(
+                "slo_router_instance_cache_hit_rate",
+                "Prompt tokens the instance's engine found in its prefix cache over those it looked "
+                "up, since the engine started (its last status; 0 where the engine does not say)",
+                labels=["instance"],
+            )
+            for instance, rate in sorted(self._safe(self._cache_hit_rates).items()):
+                family.add_metric([instance], rate)
             yield family
 
     @staticmethod

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import math
 import os
@@ -315,6 +316,17 @@ def plan_cluster(args: argparse.Namespace) -> ClusterPlan:
         raise ValueError(f"--metrics-port {args.metrics_port}: must be a port 0-65535 (0 = off)")
     check_drain_timeout(args)
     config = scheduler_config(args)
+    if (
+        prefix_block
+        and config.prefix_cache_routing in ("auto", "exact")
+        and not config.prefix_chain_block_tokens
+    ):
+        # The workers' KV events name blocks of their cache's size: the router chains prompt hashes
+        # in the same block (any other would match none of them) and looks them up in its own
+        # --prefix-block-tokens where that is a multiple of it, else in the workers' block.
+        if config.prefix_block_tokens % prefix_block:
+            config = dataclasses.replace(config, prefix_block_tokens=prefix_block)
+        config = dataclasses.replace(config, prefix_chain_block_tokens=prefix_block)
     queue = queue_config(args)
     profile = Path(args.profile)
     if not profile.is_dir():
@@ -471,6 +483,9 @@ def _router_argv(
         "--tpot-profiling-data-path", str(plan.profile / "tpot.json"),
         "--scheduling-policy", args.scheduling_policy, "--seed", str(args.seed),
         *forwarded,
+        # The prefix blocks plan_cluster chose from the workers' cache block (last: they win).
+        "--prefix-block-tokens", str(plan.config.prefix_block_tokens),
+        "--prefix-chain-block-tokens", str(plan.config.prefix_chain_block_tokens),
     ]  # fmt: skip
 
 

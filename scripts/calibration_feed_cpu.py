@@ -4,11 +4,12 @@
 ``refit`` (the default), a correction read after each view. Prints CPU seconds (process time),
 which a loaded machine does not inflate the way it does wall time.
 
-    .venv/bin/python scripts/calibration_feed_cpu.py
+    .venv/bin/python scripts/calibration_feed_cpu.py [--update-every-s S]
 """
 
 from __future__ import annotations
 
+import argparse
 import random
 import time
 
@@ -26,8 +27,16 @@ def _predict(group: str) -> StepPredictor:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--update-every-s",
+        type=float,
+        default=0.0,
+        help="the calibrator's update_every_s (views are 0.1 s apart; default: %(default)s, the router's)",
+    )
+    args = parser.parse_args()
     rng = random.Random(0)
-    calibrator = Calibrator(CalibrationConfig(mode="refit"), _predict)
+    calibrator = Calibrator(CalibrationConfig(mode="refit", update_every_s=args.update_every_s), _predict)
     ids = [f"i{k}" for k in range(16)]
     views = []
     for _ in range(2000):

@@ -50,10 +50,13 @@ def main() -> None:
     t_req, t_sl = thru(request), thru(sliced)
     pilot = simulate(fleet(), config, plans[: max(100, len(plans) // 4)], seed=args.seed)
     auto = "slice" if slices_pay(pilot.stats.preemptions, max(100, len(plans) // 4)) else "request"
+    gap = sliced.figures.resume_gap_p99_ms
+    stall = "-" if gap is None else f"{gap:.0f} ms"
     print(
         f"{trace.format} {args.num_requests} req @ {args.rate:g}/s, {args.instances} x KV {args.kv}: "
         f"request {t_req:.2f} req/s ({request.stats.preemptions} preemptions), "
-        f"slice {t_sl:.2f} req/s ({sliced.stats.preemptions}), slice/request {t_sl / t_req:.2f}, auto picks {auto}"
+        f"slice {t_sl:.2f} req/s ({sliced.stats.preemptions}), slice/request {t_sl / t_req:.2f}, auto picks {auto}, "
+        f"stall p99 between slices {stall}"
     )
 
 

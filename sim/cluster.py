@@ -121,7 +121,7 @@ from engine.outputs import eos_position, prompt_digest, request_key
 from fleet.prefix import id_block_hashes
 from fleet.snapshot import ClusterSnapshot, InstanceRecord
 from predictor import LatencyPredictor
-from router.core.calibration import Calibrator
+from router.core.calibration import CalibrationConfig, Calibrator
 from router.core.capacity import InstanceRates, LoadShape, LoadTracker, fleet_instance_rates
 from router.core.columns import (
     INFLIGHT_ROWS,
@@ -1502,6 +1502,7 @@ def simulate(
     oracle_lengths: bool = False,
     engine_prefix_cache: bool = True,
     incremental_dispatch: str = "on",
+    calibration: CalibrationConfig | None = None,
 ) -> SimOutcome:
     """Run ``plans`` (open-loop, in arrival order) on ``fleet`` with the policy ``config`` names.
 
@@ -1518,7 +1519,9 @@ def simulate(
     default they get an online estimate learned from finished requests).
     ``incremental_dispatch="off"`` offers every waiting request to placement on every pass (the
     reference incremental dispatch is compared with: :class:`router.core.queue.LoadWatch`);
-    ``"exact"`` turns off the watch's jitter tolerances.
+    ``"exact"`` turns off the watch's jitter tolerances. ``calibration``: the calibrator's
+    settings (default: ``CalibrationConfig(mode=config.calibration)``, as the router's); its
+    mode must be ``config.calibration``.
 
     Prefix caching: when the plans carry prefix-block ids (``RequestPlan.hash_ids``) and
     ``engine_prefix_cache`` is on, every engine caches prompt KV in blocks of the plans'
@@ -1537,6 +1540,13 @@ def simulate(
         predictors = PredictorSet(fleet.predictors.default, fleet.predictors.groups)
     if learn_theta:
         predictors.theta = ThetaFit(config.binpack_theta)
+    if calibration is not None:
+        if calibration.mode != config.calibration:
+            raise ValueError(
+                f"calibration mode {calibration.mode!r} differs from the config's {config.calibration!r}"
+            )
+        if calibration.enabled:
+            predictors.calibration = Calibrator(calibration, predictors.step_predictor)
     block = prefix_cache_block(plans, fleet) if engine_prefix_cache else 0
     if block:
         config = dataclasses.replace(config, prefix_block_tokens=block)  # hashed as the engines cache

@@ -60,6 +60,7 @@ from engine.interface import (
 )
 from engine.tokenizer import SimpleTokenizer
 from workers.kv_auth import KvSigner
+from workers.kv_events import KvEventHub, TooManySubscribersError
 from workers.metadata import WorkerIdentity, build_metadata
 from workers.streams import StreamsSession
 
@@ -219,6 +220,31 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         """Many legs on one stream, one batch per flush (see :mod:`workers.streams`)."""
         session = StreamsSession(self._engine, context, self._open_leg, status_for, self._stream_interval_s)
         await session.run()
+
+    async def KvEvents(  # type: ignore[override]
+        self, request: worker_pb2.KvEventsRequest, context: _Context
+    ) -> None:
+        """The prefix cache's block events: a snapshot, then a batch per step (:mod:`workers.kv_events`)."""
+        hub = getattr(self._engine, "kv_events", None)
+        if not isinstance(hub, KvEventHub):
+            await context.abort(
+                grpc.StatusCode.UNIMPLEMENTED,
+                "this worker's engine publishes no prefix-cache events; route with --prefix-cache-routing "
+                "approximate",
+            )
+        if not hub.block_tokens:
+            await context.write(worker_pb2.KvEventBatch(block_tokens=0))
+            return
+        try:
+            sub = hub.subscribe()
+        except TooManySubscribersError as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        try:
+            while True:
+                for batch in await sub.next():
+                    await context.write(batch)  # waits while the subscriber's window is full
+        finally:
+            hub.unsubscribe(sub)
 
     async def _stream(
         self, context: _Context, request_id: str, num_prompt_tokens: int, stream: AsyncIterator[TokenDelta]

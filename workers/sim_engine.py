@@ -48,6 +48,7 @@ from engine.outputs import eos_position, output_length, output_token, prompt_dig
 from engine.tokenizer import EOS_TOKEN_ID, IncrementalDecoder, SimpleTokenizer
 from fleet.prefix import token_block_hashes
 from predictor import LatencyPredictor
+from workers.kv_events import KvEventHub
 from workers.kv_transfer import GrpcKvPeer, KvPeer, SimKvHandle
 
 logger = logging.getLogger(__name__)
@@ -161,6 +162,12 @@ class SimEngine:
             rng=rng if rng is not None else random.Random(self._config.seed),
         )
         self.core = SimCore(self._config, cost)
+        #: The prefix cache's block events for ``Worker.KvEvents`` (block_tokens 0: caching off).
+        self.kv_events = KvEventHub(
+            self._config.prefix_cache_block_tokens,
+            self.core.cached_block_hashes,
+            flush=self._publish_kv_events,
+        )
         self._info = EngineInfo(
             model=model,
             max_num_batched_tokens=self._config.max_num_batched_tokens,
@@ -480,6 +487,7 @@ class SimEngine:
                     await self._steps_allowed.wait()
                 self._wake.clear()
                 step = self.core.schedule()
+                self._publish_kv_events()  # making room evicts cached blocks
                 if step is None:
                     deadline = None
                     await self._wake.wait()
@@ -490,6 +498,7 @@ class SimEngine:
                 self._changed()
                 await self._sleep_until(loop, deadline)
                 self._dispatch(self.core.finish_step(step))
+                self._publish_kv_events()  # the step's computed blocks are now cached
                 self._changed()
         except asyncio.CancelledError:
             raise
@@ -499,6 +508,14 @@ class SimEngine:
             for rid in list(self._streams):
                 self._abort(rid)
             raise
+
+    def _publish_kv_events(self) -> None:
+        """Hand the core's cache events since the last call to the subscribers, as one batch."""
+        if not self.core.prefix_block_tokens:
+            return
+        events, _lost = self.core.drain_kv_events()  # after a loss: CLEARED + the whole cache
+        if events:
+            self.kv_events.publish((e.kind.value, e.block_hashes) for e in events)
 
     async def _sleep_until(self, loop: asyncio.AbstractEventLoop, deadline: float) -> None:
         """Sleep until ``deadline`` on average: the loop's timers wake late by up to a

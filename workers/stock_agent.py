@@ -44,6 +44,7 @@ step_samples                     one decode step per poll, estimated from ``gen_
                                  and the running requests over the servicer's 2 s window
                                  (:class:`DecodeStepEstimate`; ``--step-estimate off``:
                                  none, and calibration keeps the profile)
+cache_hit_rate                   ``cache_hit_rate`` per rank, weighted by running requests  exact
 ===============================  =========================================================  =========
 """
 
@@ -157,7 +158,14 @@ def status_from_loads(
     ``step_sample`` (a :class:`DecodeStepEstimate` result) goes into ``step_samples``.
     """
     running = waiting = uncached = used = 0
+    # A rank's hit rate weighs by its share of the running requests (all alike when none runs).
+    hits = weights = 0.0
     for load in loads.loads:
+        rate = load.cache_hit_rate
+        if math.isfinite(rate):
+            weight = 1.0 + max(0, load.num_running_reqs)
+            hits += weight * min(1.0, max(0.0, rate))
+            weights += weight
         running += max(0, load.num_running_reqs)
         waiting += max(0, load.num_waiting_reqs)
         uncached += max(0, load.num_waiting_uncached_tokens)
@@ -178,6 +186,7 @@ def status_from_loads(
         num_decode_requests=running,
         num_decode_tokens=used,
         num_used_kv_tokens=used,
+        cache_hit_rate=hits / weights if weights else 0.0,
         step_samples=[step_sample] if step_sample is not None else [],
     )
 

@@ -62,7 +62,7 @@ from typing import Any
 
 import numpy as np
 
-from router.core.columns import BoolArray, FloatArray
+from router.core.columns import BoolArray, FloatArray, IntArray
 
 #: ``off``: the profile as is; ``scale``: robust factors; ``refit``: factors + a least-squares refit.
 CALIBRATION_MODES = ("off", "scale", "refit")
@@ -97,6 +97,21 @@ class CalibrationConfig:
     min_samples: int = field(default=8, metadata=_doc("fewer samples than this: no correction of its own"))
     update_every_samples: int = field(
         default=4, metadata=_doc("recompute a correction at most once per this many new samples")
+    )
+    # Off by default (every decision as before). An update is a robust refit of the window, the
+    # calibration's main CPU cost, and spacing them in time is the lever for large fleets: with
+    # 0.25 s the simulator ran 20-23 % faster on a 32-instance PD fleet and the one-hour Azure
+    # trace, at the same attainment and prediction error there and on mismatched hardware
+    # (scripts/calibration_cadence.py; docs/measurements.md, 2026-11-29, issue 34). But on the
+    # README's 4-instance quick start it lost 0.5-1.3 points of attainment over three seeds and
+    # up to 1.8 points of TPOT prediction error, for no CPU saved on so few instances; a sample
+    # count alone (every 16 or 64) lost 3-21 points where the hardware differs from the profile.
+    # No exact incremental update exists: the fit drops outliers by the window's MAD, and each
+    # update moves a factor by at most ``max_change_per_update`` and blends the fit halfway, so
+    # the correction depends on how many updates there were, not only on the samples.
+    update_every_s: float = field(
+        default=0.0,
+        metadata=_doc("and at most once per this many seconds of the caller's clock (0: no such limit)"),
     )
     max_change_per_update: float = field(
         default=0.25, metadata=_doc("ratio by which one update may move a factor (0.25: x1.25 or /1.25)")
@@ -135,6 +150,14 @@ class CalibrationConfig:
             raise ValueError(
                 f"calibration needs 0 < min_factor <= 1 <= max_factor <= 100, got {self.min_factor}, "
                 f"{self.max_factor}"
+            )
+        if not (
+            isinstance(self.update_every_s, (int, float))
+            and math.isfinite(self.update_every_s)
+            and 0.0 <= self.update_every_s <= 3600.0
+        ):
+            raise ValueError(
+                f"calibration update_every_s must be in [0, 3600] s, got {self.update_every_s!r}"
             )
         for name in ("max_change_per_update", "drift_bound", "stale_after_s", "prior_weight"):
             value = getattr(self, name)
@@ -301,6 +324,7 @@ class _Track:
         "tpot_samples",
         "ttft_factor",
         "ttft_samples",
+        "updated_s",
     )
 
     def __init__(self, window: int) -> None:
@@ -311,6 +335,8 @@ class _Track:
         self.pos = 0
         self.pending = 0
         self.last_s = -math.inf
+        #: When the correction was last recomputed (the caller's clock), for ``update_every_s``.
+        self.updated_s = -math.inf
         self.ttft_factor = 1.0
         self.tpot_factor = 1.0
         self.ttft_samples = 0
@@ -627,15 +653,20 @@ class Calibrator:
             if len(steps) == 0:
                 return
         ends = np.cumsum(sizes).tolist()
-        of_group: dict[str, list[int]] = {}
-        for k, (_, group, _) in enumerate(todo):
-            of_group.setdefault(group, []).append(k)
-        if len(of_group) == 1:
+        codes: dict[str, int] = {}
+        for _, group, _ in todo:
+            codes.setdefault(group, len(codes))
+        # The rows of each group, ascending (the rows of its batches in call order); None: all.
+        rows_of: dict[str, IntArray | None]
+        if len(codes) == 1:
+            rows_of = {todo[0][1]: None}
             pre, dec = self._predict_step(todo[0][1])(steps[:, 0], steps[:, 1], steps[:, 2])
         else:
+            row_code = np.repeat(np.array([codes[group] for _, group, _ in todo]), sizes)
+            rows_of = {group: np.flatnonzero(row_code == code) for group, code in codes.items()}
             pre, dec = np.empty(len(steps)), np.empty(len(steps))
-            for group, members in of_group.items():
-                at = np.concatenate([np.arange(ends[k] - int(sizes[k]), ends[k]) for k in members])
+            for group, at in rows_of.items():
+                assert at is not None
                 pre[at], dec[at] = self._predict_step(group)(steps[at, 0], steps[at, 1], steps[at, 2])
         rows, flags = _step_rows(steps, pre, dec, float(now_s))
         # Every batch's rows go into their tracks first; then each track that took at least
@@ -644,39 +675,48 @@ class Calibrator:
         # instances in the call and is refitted once over them, instead of once per instance
         # (no one reads the corrections between those refits; the refit is most of the
         # calibration's cost, and a group took ~15 refits per snapshot of a 16-instance fleet).
-        touched: dict[int, tuple[_Track, str]] = {}
-        instances: dict[str, None] = {}
+        # A group's rows go into its ring in one add (of its batches' rows in call order): the
+        # ring places each row where one add per batch would, so the window is the same.
+        # Tracks that took rows: (track, group, instance id; None for a group's track).
+        touched: dict[int, tuple[_Track, str, str | None]] = {}
         start = 0
         for (instance_id, group, _), end in zip(todo, ends, strict=True):
             if end > start:
-                for track in self._record(instance_id, group, rows[start:end], flags[start:end]):
-                    touched[id(track)] = (track, group)
-                instances[instance_id] = None
+                track = self._record(instance_id, group, rows[start:end], flags[start:end])
+                touched[id(track)] = (track, group, instance_id)
             start = end
+        window = self.config.window_samples
+        for group, at in rows_of.items():
+            if at is not None and len(at) == 0:
+                continue  # every row of the group's batches was left out above
+            group_track = self._groups.get(group)
+            if group_track is None:
+                group_track = self._groups[group] = _Track(window)
+            if at is None:
+                group_track.add(rows, flags)
+            else:
+                group_track.add(rows[at], flags[at])
+            touched[id(group_track)] = (group_track, group, None)
         update_every = self.config.update_every_samples
-        for track, group in touched.values():
-            if track.pending >= update_every:
-                self._update(track, group)
-        for instance_id in instances:
-            self._check_drift(instance_id)
+        every_s = self.config.update_every_s
+        for track, group, owner in touched.values():
+            # Not within ``update_every_s`` after the last update (a clock that went back: due).
+            if track.pending >= update_every and not (0.0 <= now_s - track.updated_s < every_s):
+                self._update(track, group, now_s)
+                if owner is not None:
+                    # Only an update moves the factors, so only an updated track can change drift.
+                    self._check_drift(owner)
 
-    def _record(
-        self, instance_id: str, group: str, rows: FloatArray, flags: BoolArray
-    ) -> tuple[_Track, _Track]:
-        """Add ``rows`` to the tracks of ``instance_id`` and of ``group`` (updated by the caller)."""
+    def _record(self, instance_id: str, group: str, rows: FloatArray, flags: BoolArray) -> _Track:
+        """Add ``rows`` to the track of ``instance_id`` (its group's track: the caller adds them there)."""
         self._group_of[instance_id] = group
         self._dirty.add(instance_id)
         self._groups_dirty = True
-        window = self.config.window_samples
         instance_track = self._instances.get(instance_id)
         if instance_track is None:
-            instance_track = self._instances[instance_id] = _Track(window)
-        group_track = self._groups.get(group)
-        if group_track is None:
-            group_track = self._groups[group] = _Track(window)
+            instance_track = self._instances[instance_id] = _Track(self.config.window_samples)
         instance_track.add(rows, flags)
-        group_track.add(rows, flags)
-        return instance_track, group_track
+        return instance_track
 
     def forget(self, instance_id: str) -> None:
         """Drop an instance that left the fleet."""
@@ -698,14 +738,15 @@ class Calibrator:
                 else:
                     self._groups_dirty = True
                 group = self._group_of.get(key, key)
-                self._update(track, group)
+                self._update(track, group, now_s)
         if changed:
             for instance_id in list(self._instances):
                 self._check_drift(instance_id)
 
-    def _update(self, track: _Track, group: str) -> None:
+    def _update(self, track: _Track, group: str, now_s: float) -> None:
         config = self.config
         track.pending = 0
+        track.updated_s = float(now_s)
         rows = track.rows()
         if len(rows) < config.min_samples:
             # Too few (or stale) samples: back to the profile.

@@ -236,9 +236,18 @@ class SchedulerConfig:
     prefix_block_tokens: int = field(
         default=256,
         metadata=_doc(
-            "tokens per prefix block the router hashes prompts in; with exact routing it must equal the "
-            "engines' prefix-cache block",
+            "tokens per prefix block the router looks prompts up in; with exact routing a multiple of the "
+            "engines' prefix-cache block (--prefix-chain-block-tokens)",
             "--prefix-block-tokens",
+        ),
+    )
+    prefix_chain_block_tokens: int = field(
+        default=0,
+        metadata=_doc(
+            "tokens per block of the engines' prefix cache, the block their KV events name: the router "
+            "chains prompt hashes in these and looks up every block that ends on a --prefix-block-tokens "
+            "boundary (which must be a multiple of it); 0 = the same as --prefix-block-tokens",
+            "--prefix-chain-block-tokens",
         ),
     )
     prefix_index_max_blocks: int = field(
@@ -316,6 +325,12 @@ class SchedulerConfig:
             raise bad("prefix_cache_routing", f"must be one of {', '.join(PREFIX_ROUTING_MODES)}")
         if not 1 <= self.prefix_block_tokens <= 1 << 20:
             raise bad("prefix_block_tokens", "must be within [1, 1048576] tokens")
+        chain = self.prefix_chain_block_tokens
+        if not 0 <= chain <= 1 << 20 or (chain and self.prefix_block_tokens % chain):
+            raise bad(
+                "prefix_chain_block_tokens",
+                f"must be 0 or divide prefix_block_tokens ({self.prefix_block_tokens}) evenly",
+            )
         if not 1 <= self.prefix_index_max_blocks <= 1 << 24:
             raise bad("prefix_index_max_blocks", "must be within [1, 16777216] blocks")
 

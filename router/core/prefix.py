@@ -103,9 +103,17 @@ class BlockIndex:
         *,
         max_blocks_per_instance: int = DEFAULT_MAX_BLOCKS_PER_INSTANCE,
         max_instances: int = DEFAULT_MAX_INSTANCES,
+        chain_block_tokens: int = 0,
     ) -> None:
         if block_tokens <= 0:
             raise ValueError(f"block_tokens must be > 0, got {block_tokens}")
+        if chain_block_tokens < 0 or (chain_block_tokens and block_tokens % chain_block_tokens):
+            raise ValueError(
+                f"chain_block_tokens must be 0 or divide block_tokens ({block_tokens}), got {chain_block_tokens}"
+            )
+        #: The block the hashes are chained in (an engine's cache block, what its KV events name);
+        #: a prompt is looked up at every ``block_tokens`` boundary (:func:`fleet.prefix.lookup_block_hashes`).
+        self.chain_block_tokens = chain_block_tokens or block_tokens
         if max_blocks_per_instance <= 0:
             raise ValueError(f"max_blocks_per_instance must be > 0, got {max_blocks_per_instance}")
         if max_instances <= 0:
@@ -395,6 +403,9 @@ class ExactPrefixIndex(BlockIndex):
         _record(alive, len(hashes), ids, found)
         return found
 
+    def set_live(self, instance_id: str, live: bool) -> None:
+        """The event feed's stream state; ``exact`` keeps what it heard until the feed clears it."""
+
     def pending_of(self, instance_id: str) -> frozenset[int]:
         """The hashes dispatched to ``instance_id`` that its engine has not reported yet."""
         slot = self._slot.get(instance_id)
@@ -456,3 +467,69 @@ def best_cached_tokens(source: PrefixSource | None, hashes: Sequence[int], promp
     if not found:
         return 0
     return min(max(found.values()) * source.block_tokens, max(prompt_tokens - 1, 0))
+
+
+class AutoPrefixIndex:
+    """``auto``: the exact index for the instances whose events arrive, the routing history for the rest.
+
+    The router's event feed (:mod:`router.kv_events`) marks an instance *live*
+    while its event stream is up and in sync (after the snapshot it starts
+    with); a lookup then takes that instance's answer from :attr:`exact`, and
+    every other instance's from :attr:`approximate`. The routing history learns
+    every dispatch, live instance or not, so an instance whose stream breaks
+    falls back to what the router sent it, not to nothing; its exact entries go
+    at once (they would go stale unseen). Without any live instance a lookup
+    costs one probe of the empty exact index more than ``approximate`` alone.
+    """
+
+    name = "auto"
+
+    def __init__(self, block_tokens: int, **bounds: int) -> None:
+        self.exact = ExactPrefixIndex(block_tokens, **bounds)
+        self.approximate = ApproximatePrefixIndex(block_tokens, **bounds)
+        self.block_tokens = block_tokens
+        self.chain_block_tokens = self.exact.chain_block_tokens
+        self._live: set[str] = set()
+
+    def is_live(self, instance_id: str) -> bool:
+        return instance_id in self._live
+
+    def set_live(self, instance_id: str, live: bool) -> None:
+        """Whether ``instance_id``'s events arrive in sync; going down drops its exact entries."""
+        if live:
+            self._live.add(instance_id)
+        elif instance_id in self._live:
+            self._live.discard(instance_id)
+            self.exact.clear(instance_id)
+
+    def matched_blocks(self, hashes: Sequence[int]) -> dict[str, int]:
+        found = self.approximate.matched_blocks(hashes)
+        live = self._live
+        if live:
+            if found:
+                found = {i: n for i, n in found.items() if i not in live}
+            found.update(self.exact.matched_blocks(hashes))
+        return found
+
+    def dispatched(
+        self, instance_id: str, hashes: Sequence[int], capacity_tokens: float, private_tokens: int = 0
+    ) -> None:
+        self.approximate.dispatched(instance_id, hashes, capacity_tokens, private_tokens)
+        if instance_id in self._live:
+            self.exact.dispatched(instance_id, hashes, capacity_tokens, private_tokens)
+
+    def apply(self, instance_id: str, events: Iterable[tuple[str, Sequence[int]]]) -> None:
+        self.exact.apply(instance_id, events)
+
+    def clear(self, instance_id: str) -> None:
+        self.exact.clear(instance_id)
+
+    def forget(self, instance_id: str) -> None:
+        """``instance_id`` left the fleet: nothing of it is kept."""
+        self._live.discard(instance_id)
+        self.exact.forget(instance_id)
+        self.approximate.forget(instance_id)
+
+    @property
+    def num_entries(self) -> int:
+        return self.exact.num_entries + self.approximate.num_entries

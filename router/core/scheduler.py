@@ -33,7 +33,7 @@ from router.core.packing import expected_output_tokens, resident_tpot_need_ms
 from router.core.plugins import DecisionContext, Metric, Policy
 from router.core.policies import build_policy
 from router.core.predictors import PredictorSet
-from router.core.prefix import ApproximatePrefixIndex, ExactPrefixIndex, PrefixRouting
+from router.core.prefix import ApproximatePrefixIndex, AutoPrefixIndex, ExactPrefixIndex, PrefixRouting
 from router.core.registry import METRICS
 from router.core.request import ScheduleInput, Targets, resolve_targets
 from router.core.rng import dry_run_random
@@ -90,19 +90,33 @@ class Scheduler:
         self._reconciled: ClusterSnapshot | None = None
         #: What the router knows of the instances' prefix caches (None: off). ``auto`` starts
         #: approximate; a caller with an event stream calls :meth:`use_exact_prefix_index`.
-        self.prefix: ApproximatePrefixIndex | ExactPrefixIndex | None = None
+        self.prefix: ApproximatePrefixIndex | ExactPrefixIndex | AutoPrefixIndex | None = None
         mode = PrefixRouting(config.prefix_cache_routing)
         if mode is PrefixRouting.EXACT:
             self.use_exact_prefix_index()
         elif mode is not PrefixRouting.OFF:
             self.prefix = ApproximatePrefixIndex(
-                config.prefix_block_tokens, max_blocks_per_instance=config.prefix_index_max_blocks
+                config.prefix_block_tokens,
+                max_blocks_per_instance=config.prefix_index_max_blocks,
+                chain_block_tokens=config.prefix_chain_block_tokens,
             )
 
     def use_exact_prefix_index(self) -> ExactPrefixIndex:
         """Switch to an index fed by the engines' KV events (the caller feeds it) and return it."""
         index = ExactPrefixIndex(
-            self.config.prefix_block_tokens, max_blocks_per_instance=self.config.prefix_index_max_blocks
+            self.config.prefix_block_tokens,
+            max_blocks_per_instance=self.config.prefix_index_max_blocks,
+            chain_block_tokens=self.config.prefix_chain_block_tokens,
+        )
+        self.prefix = index
+        return index
+
+    def use_auto_prefix_index(self) -> AutoPrefixIndex:
+        """Switch to exact-where-events-arrive, approximate elsewhere (a live router with an event feed)."""
+        index = AutoPrefixIndex(
+            self.config.prefix_block_tokens,
+            max_blocks_per_instance=self.config.prefix_index_max_blocks,
+            chain_block_tokens=self.config.prefix_chain_block_tokens,
         )
         self.prefix = index
         return index

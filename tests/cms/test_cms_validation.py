@@ -73,6 +73,14 @@ BAD_STATUS: dict[str, tuple[Callable[[], cms_pb2.InstanceStatus], str]] = {
         lambda: make_status("p0", 9, step_samples=[*_samples(2), *_samples(1, -1.0)]),
         "status.step_samples[2].duration_ms",
     ),
+    "cache hit rate above 1": (
+        lambda: make_status("p0", 9, cache_hit_rate=1.5),
+        "status.cache_hit_rate",
+    ),
+    "NaN cache hit rate": (
+        lambda: make_status("p0", 9, cache_hit_rate=math.nan),
+        "status.cache_hit_rate",
+    ),
     "kv use above capacity": (
         lambda: make_status("p0", 9, num_used_kv_tokens=4097),
         "status.num_used_kv_tokens",

@@ -92,3 +92,21 @@ def test_the_router_learns_binpacks_theta_and_decisions_read_it() -> None:
     assert Placer(fixed, _Source(snapshot), clock=lambda: NOW).theta is None
     slo = make_scheduler("slo", tpot_slo_ms=50.0, instance_staleness_s=float("inf"))
     assert Placer(slo, _Source(snapshot), clock=lambda: NOW).theta is None
+
+
+def test_cache_hit_rate_gauge_reads_each_instances_last_status() -> None:
+    warm, cold = inst("n-warm", "neutral"), inst("n-cold", "neutral")
+    assert warm.status is not None
+    warm.status.cache_hit_rate = 0.625
+    snapshot = make_snapshot(warm, cold)
+    observer = RequestObserver()
+    observer.bind_gauges(
+        lambda: {},
+        lambda: 0,
+        cache_hit_rates=lambda: {
+            r.instance_id: r.status.cache_hit_rate for r in snapshot.instances if r.status is not None
+        },
+    )
+    text = generate_latest(observer.registry).decode()
+    assert _sample(text, 'slo_router_instance_cache_hit_rate{instance="n-warm"}') == 0.625
+    assert _sample(text, 'slo_router_instance_cache_hit_rate{instance="n-cold"}') == 0

@@ -90,6 +90,21 @@ def test_status_from_loads_sums_ranks_and_dates_the_measurement() -> None:
     assert not sick.schedulable and sick.unschedulable_reason == "engine paused"
 
 
+def test_status_from_loads_reports_the_ranks_cache_hit_rate_weighted_by_their_work() -> None:
+    loads = vllm_pb2.GetLoadsResponse(timestamp="2026-01-01T00:00:00+00:00")
+    loads.loads.add(num_running_reqs=3, cache_hit_rate=0.8)
+    loads.loads.add(num_running_reqs=0, cache_hit_rate=0.2)
+    status = status_from_loads("v", loads, 2000, update_id=1, now_ms=0)
+    assert status.cache_hit_rate == pytest.approx((4 * 0.8 + 1 * 0.2) / 5)
+    loads.loads.add(num_running_reqs=1, cache_hit_rate=float("nan"))  # a rank that cannot say
+    loads.loads.add(num_running_reqs=1, cache_hit_rate=7.0)  # out of range: read as all hits
+    status = status_from_loads("v", loads, 2000, update_id=2, now_ms=0)
+    assert status.cache_hit_rate == pytest.approx((4 * 0.8 + 1 * 0.2 + 2 * 1.0) / 7)
+    assert (
+        status_from_loads("v", vllm_pb2.GetLoadsResponse(), 2000, update_id=3, now_ms=0).cache_hit_rate == 0
+    )
+
+
 def test_a_measurement_is_never_dated_in_the_future_nor_unreadable() -> None:
     assert measurement_ms("2099-01-01T00:00:00+00:00", 5) == 5
     assert measurement_ms("not a time", 9) == 9

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 
+import pytest
 from slorouter.v1 import cms_pb2
 
 from cms.memory import MemoryStore
@@ -290,5 +291,23 @@ async def test_a_stalled_engine_whose_work_was_aborted_is_schedulable_again_on_p
         await wait_for(lambda: sink.statuses[-1].schedulable, timeout_s=5.0)
     finally:
         engine.resume()
+        await agent.stop()
+        await engine.stop()
+
+
+async def test_status_carries_the_engines_prefix_cache_hit_rate() -> None:
+    engine = make_engine(speed_factor=20.0, prefix_cache_block_tokens=16)
+    await engine.start()
+    sink = RecordingSink()
+    agent = await _agent(engine, sink, coalesce_s=0.005)
+    try:
+        await wait_for(lambda: len(sink.statuses) == 1)
+        assert sink.statuses[0].cache_hit_rate == 0.0  # nothing looked up yet
+        for rid in ("a", "b"):  # the same 256-token prompt twice: the second finds 240 cached
+            await drain(engine.generate(rid, prompt(256), sampling(2)))
+        expected = engine.load().cache_hit_rate
+        assert 0.4 < expected < 0.5
+        await wait_for(lambda: sink.statuses[-1].cache_hit_rate == pytest.approx(expected))
+    finally:
         await agent.stop()
         await engine.stop()

@@ -176,6 +176,7 @@ class InstanceStatus(_message.Message):
     STEP_SAMPLES_FIELD_NUMBER: _builtins.int
     UNSCHEDULABLE_REASON_FIELD_NUMBER: _builtins.int
     EPOCH_FIELD_NUMBER: _builtins.int
+    CACHE_HIT_RATE_FIELD_NUMBER: _builtins.int
     instance_id: _builtins.str
     update_id: _builtins.int
     """Increases with every real change; an equal or older id is a heartbeat.
@@ -204,6 +205,12 @@ class InstanceStatus(_message.Message):
     """The registration epoch this status belongs to (RegisterInstanceResponse);
     0 = the current one. A status of an older epoch is dropped.
     """
+    cache_hit_rate: _builtins.float
+    """Prompt tokens found in the engine's prefix cache over prompt tokens looked
+    up, since the engine started (vLLM's GetLoads cache_hit_rate); in [0, 1].
+    0 without prefix caching, before any lookup, or from an engine that does
+    not say.
+    """
     @_builtins.property
     def admitted_request_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Requests the engine admitted recently (for in-flight reconciliation)."""
@@ -227,10 +234,11 @@ class InstanceStatus(_message.Message):
         step_samples: _abc.Iterable[Global___StepSample] | None = ...,
         unschedulable_reason: _builtins.str = ...,
         epoch: _builtins.int = ...,
+        cache_hit_rate: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["admitted_request_ids", b"admitted_request_ids", "epoch", b"epoch", "instance_id", b"instance_id", "num_decode_requests", b"num_decode_requests", "num_decode_tokens", b"num_decode_tokens", "num_running_requests", b"num_running_requests", "num_uncomputed_prefill_tokens", b"num_uncomputed_prefill_tokens", "num_used_kv_tokens", b"num_used_kv_tokens", "num_waiting_requests", b"num_waiting_requests", "schedulable", b"schedulable", "step_samples", b"step_samples", "timestamp_ms", b"timestamp_ms", "unschedulable_reason", b"unschedulable_reason", "update_id", b"update_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["admitted_request_ids", b"admitted_request_ids", "cache_hit_rate", b"cache_hit_rate", "epoch", b"epoch", "instance_id", b"instance_id", "num_decode_requests", b"num_decode_requests", "num_decode_tokens", b"num_decode_tokens", "num_running_requests", b"num_running_requests", "num_uncomputed_prefill_tokens", b"num_uncomputed_prefill_tokens", "num_used_kv_tokens", b"num_used_kv_tokens", "num_waiting_requests", b"num_waiting_requests", "schedulable", b"schedulable", "step_samples", b"step_samples", "timestamp_ms", b"timestamp_ms", "unschedulable_reason", b"unschedulable_reason", "update_id", b"update_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

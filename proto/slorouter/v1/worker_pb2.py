@@ -26,35 +26,43 @@ from slorouter.v1 import cms_pb2 as slorouter_dot_v1_dot_cms__pb2
 from slorouter.v1 import common_pb2 as slorouter_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19slorouter/v1/worker.proto\x12\x0cslorouter.v1\x1a\x16slorouter/v1/cms.proto\x1a\x19slorouter/v1/common.proto\"\xf0\x01\n\rStreamCommand\x12\x11\n\tstream_id\x18\x01 \x01(\x04\x12\x37\n\x08generate\x18\x02 \x01(\x0b\x32#.slorouter.v1.WorkerGenerateRequestH\x00\x12-\n\x06\x64\x65\x63ode\x18\x03 \x01(\x0b\x32\x1b.slorouter.v1.DecodeRequestH\x00\x12+\n\x05\x61\x62ort\x18\x04 \x01(\x0b\x32\x1a.slorouter.v1.AbortRequestH\x00\x12,\n\x07\x62\x61tched\x18\x05 \x03(\x0b\x32\x1b.slorouter.v1.StreamCommandB\t\n\x07\x63ommand\"\xd3\x01\n\x0cStreamUpdate\x12\x11\n\tstream_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x06 \x01(\r\x12 \n\x18num_cached_prompt_tokens\x18\x07 \x01(\r\x12\x12\n\nerror_code\x18\x08 \x01(\r\x12\x15\n\rerror_details\x18\t \x01(\t\"\\\n\x0bStreamBatch\x12+\n\x07updates\x18\x01 \x03(\x0b\x32\x1a.slorouter.v1.StreamUpdate\x12 \n\x18\x61\x63\x63\x65pts_batched_commands\x18\x02 \x01(\x08\"\x85\x01\n\x15WorkerGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x0e\n\x06prompt\x18\x03 \x01(\t\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.slorouter.v1.SamplingParams\"\xa9\x01\n\x0cWorkerTokens\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x06 \x01(\r\x12 \n\x18num_cached_prompt_tokens\x18\x07 \x01(\r\"~\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x0e\n\x06prompt\x18\x03 \x01(\t\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.slorouter.v1.SamplingParams\"\xa2\x01\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\tkv_handle\x18\x04 \x01(\x0c\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x07 \x01(\r\"\x9d\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.slorouter.v1.SamplingParams\x12\x11\n\tkv_handle\x18\x04 \x01(\x0c\x12\x1b\n\x13generated_token_ids\x18\x05 \x03(\r\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x10\n\x0eGetInfoRequest2\xb6\x03\n\x06Worker\x12M\n\x08Generate\x12#.slorouter.v1.WorkerGenerateRequest\x1a\x1a.slorouter.v1.WorkerTokens0\x01\x12\x46\n\x07Prefill\x12\x1c.slorouter.v1.PrefillRequest\x1a\x1d.slorouter.v1.PrefillResponse\x12\x43\n\x06\x44\x65\x63ode\x12\x1b.slorouter.v1.DecodeRequest\x1a\x1a.slorouter.v1.WorkerTokens0\x01\x12@\n\x05\x41\x62ort\x12\x1a.slorouter.v1.AbortRequest\x1a\x1b.slorouter.v1.AbortResponse\x12G\n\x07GetInfo\x12\x1c.slorouter.v1.GetInfoRequest\x1a\x1e.slorouter.v1.InstanceMetadata\x12\x45\n\x07Streams\x12\x1b.slorouter.v1.StreamCommand\x1a\x19.slorouter.v1.StreamBatch(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19slorouter/v1/worker.proto\x12\x0cslorouter.v1\x1a\x16slorouter/v1/cms.proto\x1a\x19slorouter/v1/common.proto\"\x11\n\x0fKvEventsRequest\"\x8d\x01\n\x07KvEvent\x12(\n\x04kind\x18\x01 \x01(\x0e\x32\x1a.slorouter.v1.KvEvent.Kind\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x10\"B\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\n\n\x06STORED\x10\x01\x12\x0b\n\x07REMOVED\x10\x02\x12\x0b\n\x07\x43LEARED\x10\x03\"v\n\x0cKvEventBatch\x12\x17\n\x0fsequence_number\x18\x01 \x01(\x04\x12%\n\x06\x65vents\x18\x02 \x03(\x0b\x32\x15.slorouter.v1.KvEvent\x12\x10\n\x08snapshot\x18\x03 \x01(\x08\x12\x14\n\x0c\x62lock_tokens\x18\x04 \x01(\r\"\xf0\x01\n\rStreamCommand\x12\x11\n\tstream_id\x18\x01 \x01(\x04\x12\x37\n\x08generate\x18\x02 \x01(\x0b\x32#.slorouter.v1.WorkerGenerateRequestH\x00\x12-\n\x06\x64\x65\x63ode\x18\x03 \x01(\x0b\x32\x1b.slorouter.v1.DecodeRequestH\x00\x12+\n\x05\x61\x62ort\x18\x04 \x01(\x0b\x32\x1a.slorouter.v1.AbortRequestH\x00\x12,\n\x07\x62\x61tched\x18\x05 \x03(\x0b\x32\x1b.slorouter.v1.StreamCommandB\t\n\x07\x63ommand\"\xd3\x01\n\x0cStreamUpdate\x12\x11\n\tstream_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x06 \x01(\r\x12 \n\x18num_cached_prompt_tokens\x18\x07 \x01(\r\x12\x12\n\nerror_code\x18\x08 \x01(\r\x12\x15\n\rerror_details\x18\t \x01(\t\"\\\n\x0bStreamBatch\x12+\n\x07updates\x18\x01 \x03(\x0b\x32\x1a.slorouter.v1.StreamUpdate\x12 \n\x18\x61\x63\x63\x65pts_batched_commands\x18\x02 \x01(\x08\"\x85\x01\n\x15WorkerGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x0e\n\x06prompt\x18\x03 \x01(\t\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.slorouter.v1.SamplingParams\"\xa9\x01\n\x0cWorkerTokens\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x06 \x01(\r\x12 \n\x18num_cached_prompt_tokens\x18\x07 \x01(\r\"~\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x0e\n\x06prompt\x18\x03 \x01(\t\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.slorouter.v1.SamplingParams\"\xa2\x01\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\tkv_handle\x18\x04 \x01(\x0c\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x07 \x01(\r\"\x9d\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.slorouter.v1.SamplingParams\x12\x11\n\tkv_handle\x18\x04 \x01(\x0c\x12\x1b\n\x13generated_token_ids\x18\x05 \x03(\r\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x10\n\x0eGetInfoRequest2\xff\x03\n\x06Worker\x12M\n\x08Generate\x12#.slorouter.v1.WorkerGenerateRequest\x1a\x1a.slorouter.v1.WorkerTokens0\x01\x12\x46\n\x07Prefill\x12\x1c.slorouter.v1.PrefillRequest\x1a\x1d.slorouter.v1.PrefillResponse\x12\x43\n\x06\x44\x65\x63ode\x12\x1b.slorouter.v1.DecodeRequest\x1a\x1a.slorouter.v1.WorkerTokens0\x01\x12@\n\x05\x41\x62ort\x12\x1a.slorouter.v1.AbortRequest\x1a\x1b.slorouter.v1.AbortResponse\x12G\n\x07GetInfo\x12\x1c.slorouter.v1.GetInfoRequest\x1a\x1e.slorouter.v1.InstanceMetadata\x12\x45\n\x07Streams\x12\x1b.slorouter.v1.StreamCommand\x1a\x19.slorouter.v1.StreamBatch(\x01\x30\x01\x12G\n\x08KvEvents\x12\x1d.slorouter.v1.KvEventsRequest\x1a\x1a.slorouter.v1.KvEventBatch0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'slorouter.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_STREAMCOMMAND']._serialized_start=95
-  _globals['_STREAMCOMMAND']._serialized_end=335
-  _globals['_STREAMUPDATE']._serialized_start=338
-  _globals['_STREAMUPDATE']._serialized_end=549
-  _globals['_STREAMBATCH']._serialized_start=551
-  _globals['_STREAMBATCH']._serialized_end=643
-  _globals['_WORKERGENERATEREQUEST']._serialized_start=646
-  _globals['_WORKERGENERATEREQUEST']._serialized_end=779
-  _globals['_WORKERTOKENS']._serialized_start=782
-  _globals['_WORKERTOKENS']._serialized_end=951
-  _globals['_PREFILLREQUEST']._serialized_start=953
-  _globals['_PREFILLREQUEST']._serialized_end=1079
-  _globals['_PREFILLRESPONSE']._serialized_start=1082
-  _globals['_PREFILLRESPONSE']._serialized_end=1244
-  _globals['_DECODEREQUEST']._serialized_start=1247
-  _globals['_DECODEREQUEST']._serialized_end=1404
-  _globals['_ABORTREQUEST']._serialized_start=1406
-  _globals['_ABORTREQUEST']._serialized_end=1440
-  _globals['_ABORTRESPONSE']._serialized_start=1442
-  _globals['_ABORTRESPONSE']._serialized_end=1472
-  _globals['_GETINFOREQUEST']._serialized_start=1474
-  _globals['_GETINFOREQUEST']._serialized_end=1490
-  _globals['_WORKER']._serialized_start=1493
-  _globals['_WORKER']._serialized_end=1931
+  _globals['_KVEVENTSREQUEST']._serialized_start=94
+  _globals['_KVEVENTSREQUEST']._serialized_end=111
+  _globals['_KVEVENT']._serialized_start=114
+  _globals['_KVEVENT']._serialized_end=255
+  _globals['_KVEVENT_KIND']._serialized_start=189
+  _globals['_KVEVENT_KIND']._serialized_end=255
+  _globals['_KVEVENTBATCH']._serialized_start=257
+  _globals['_KVEVENTBATCH']._serialized_end=375
+  _globals['_STREAMCOMMAND']._serialized_start=378
+  _globals['_STREAMCOMMAND']._serialized_end=618
+  _globals['_STREAMUPDATE']._serialized_start=621
+  _globals['_STREAMUPDATE']._serialized_end=832
+  _globals['_STREAMBATCH']._serialized_start=834
+  _globals['_STREAMBATCH']._serialized_end=926
+  _globals['_WORKERGENERATEREQUEST']._serialized_start=929
+  _globals['_WORKERGENERATEREQUEST']._serialized_end=1062
+  _globals['_WORKERTOKENS']._serialized_start=1065
+  _globals['_WORKERTOKENS']._serialized_end=1234
+  _globals['_PREFILLREQUEST']._serialized_start=1236
+  _globals['_PREFILLREQUEST']._serialized_end=1362
+  _globals['_PREFILLRESPONSE']._serialized_start=1365
+  _globals['_PREFILLRESPONSE']._serialized_end=1527
+  _globals['_DECODEREQUEST']._serialized_start=1530
+  _globals['_DECODEREQUEST']._serialized_end=1687
+  _globals['_ABORTREQUEST']._serialized_start=1689
+  _globals['_ABORTREQUEST']._serialized_end=1723
+  _globals['_ABORTRESPONSE']._serialized_start=1725
+  _globals['_ABORTRESPONSE']._serialized_end=1755
+  _globals['_GETINFOREQUEST']._serialized_start=1757
+  _globals['_GETINFOREQUEST']._serialized_end=1773
+  _globals['_WORKER']._serialized_start=1776
+  _globals['_WORKER']._serialized_end=2287
 # @@protoc_insertion_point(module_scope)

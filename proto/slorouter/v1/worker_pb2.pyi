@@ -7,6 +7,7 @@ from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from slorouter.v1 import common_pb2 as _common_pb2
 import builtins as _builtins
 import sys
@@ -18,6 +19,104 @@ else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+@_typing.final
+class KvEventsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KvEventsRequest: _TypeAlias = KvEventsRequest  # noqa: Y015
+
+@_typing.final
+class KvEvent(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    class _Kind:
+        ValueType = _typing.NewType("ValueType", _builtins.int)
+        V: _TypeAlias = ValueType  # noqa: Y015
+
+    class _KindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[KvEvent._Kind.ValueType], _builtins.type):
+        DESCRIPTOR: _descriptor.EnumDescriptor
+        KIND_UNSPECIFIED: KvEvent._Kind.ValueType  # 0
+        STORED: KvEvent._Kind.ValueType  # 1
+        REMOVED: KvEvent._Kind.ValueType  # 2
+        CLEARED: KvEvent._Kind.ValueType  # 3
+        """Every block left the cache (block_hashes empty)."""
+
+    class Kind(_Kind, metaclass=_KindEnumTypeWrapper): ...
+    KIND_UNSPECIFIED: KvEvent.Kind.ValueType  # 0
+    STORED: KvEvent.Kind.ValueType  # 1
+    REMOVED: KvEvent.Kind.ValueType  # 2
+    CLEARED: KvEvent.Kind.ValueType  # 3
+    """Every block left the cache (block_hashes empty)."""
+
+    KIND_FIELD_NUMBER: _builtins.int
+    BLOCK_HASHES_FIELD_NUMBER: _builtins.int
+    kind: Global___KvEvent.Kind.ValueType
+    @_builtins.property
+    def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Chained content hashes of whole blocks (fleet/prefix.py), oldest first."""
+
+    def __init__(
+        self,
+        *,
+        kind: Global___KvEvent.Kind.ValueType = ...,
+        block_hashes: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "kind", b"kind"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KvEvent: _TypeAlias = KvEvent  # noqa: Y015
+
+@_typing.final
+class KvEventBatch(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SEQUENCE_NUMBER_FIELD_NUMBER: _builtins.int
+    EVENTS_FIELD_NUMBER: _builtins.int
+    SNAPSHOT_FIELD_NUMBER: _builtins.int
+    BLOCK_TOKENS_FIELD_NUMBER: _builtins.int
+    sequence_number: _builtins.int
+    """Consecutive from the first batch of a stream; the chunks of one snapshot
+    share theirs. A delta numbered other than the previous batch's + 1 means
+    the subscriber missed some: it resubscribes.
+    """
+    snapshot: _builtins.bool
+    """Part of a snapshot: the first chunk starts with CLEARED, the chunks'
+    STORED events name every block the cache holds.
+    """
+    block_tokens: _builtins.int
+    """The cache's block in tokens (0: prefix caching is off); on every batch."""
+    @_builtins.property
+    def events(self) -> _containers.RepeatedCompositeFieldContainer[Global___KvEvent]:
+        """Applied in order."""
+
+    def __init__(
+        self,
+        *,
+        sequence_number: _builtins.int = ...,
+        events: _abc.Iterable[Global___KvEvent] | None = ...,
+        snapshot: _builtins.bool = ...,
+        block_tokens: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_tokens", b"block_tokens", "events", b"events", "sequence_number", b"sequence_number", "snapshot", b"snapshot"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KvEventBatch: _TypeAlias = KvEventBatch  # noqa: Y015
 
 @_typing.final
 class StreamCommand(_message.Message):

@@ -66,6 +66,11 @@ class WorkerStub:
                 request_serializer=slorouter_dot_v1_dot_worker__pb2.StreamCommand.SerializeToString,
                 response_deserializer=slorouter_dot_v1_dot_worker__pb2.StreamBatch.FromString,
                 _registered_method=True)
+        self.KvEvents = channel.unary_stream(
+                '/slorouter.v1.Worker/KvEvents',
+                request_serializer=slorouter_dot_v1_dot_worker__pb2.KvEventsRequest.SerializeToString,
+                response_deserializer=slorouter_dot_v1_dot_worker__pb2.KvEventBatch.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -119,6 +124,21 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def KvEvents(self, request, context):
+        """The prefix cache's block events (the kinds of vLLM's SubscribeKvEvents:
+        blocks stored, blocks removed, all cleared), so a router can keep an
+        exact index of what this instance caches. The first batch is a snapshot
+        of the whole cache (chunked over several batches when large); then one
+        batch per engine step that changed the cache. A subscriber that falls
+        behind past the worker's per-subscriber bound gets a fresh snapshot
+        instead of the batches it missed. A worker without prefix caching sends
+        one batch with block_tokens 0 and ends the stream; one whose engine
+        publishes no events answers UNIMPLEMENTED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -151,6 +171,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Streams,
                     request_deserializer=slorouter_dot_v1_dot_worker__pb2.StreamCommand.FromString,
                     response_serializer=slorouter_dot_v1_dot_worker__pb2.StreamBatch.SerializeToString,
+            ),
+            'KvEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.KvEvents,
+                    request_deserializer=slorouter_dot_v1_dot_worker__pb2.KvEventsRequest.FromString,
+                    response_serializer=slorouter_dot_v1_dot_worker__pb2.KvEventBatch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -316,6 +341,33 @@ class Worker:
             '/slorouter.v1.Worker/Streams',
             slorouter_dot_v1_dot_worker__pb2.StreamCommand.SerializeToString,
             slorouter_dot_v1_dot_worker__pb2.StreamBatch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KvEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/slorouter.v1.Worker/KvEvents',
+            slorouter_dot_v1_dot_worker__pb2.KvEventsRequest.SerializeToString,
+            slorouter_dot_v1_dot_worker__pb2.KvEventBatch.FromString,
             options,
             channel_credentials,
             insecure,

@@ -52,6 +52,17 @@ class WorkerStub:
     ONE batch with the new tokens of every leg that produced some. Closing
     the stream aborts every leg still running on it.
     """
+    KvEvents: _grpc.UnaryStreamMultiCallable[_worker_pb2.KvEventsRequest, _worker_pb2.KvEventBatch]
+    """The prefix cache's block events (the kinds of vLLM's SubscribeKvEvents:
+    blocks stored, blocks removed, all cleared), so a router can keep an
+    exact index of what this instance caches. The first batch is a snapshot
+    of the whole cache (chunked over several batches when large); then one
+    batch per engine step that changed the cache. A subscriber that falls
+    behind past the worker's per-subscriber bound gets a fresh snapshot
+    instead of the batches it missed. A worker without prefix caching sends
+    one batch with block_tokens 0 and ends the stream; one whose engine
+    publishes no events answers UNIMPLEMENTED.
+    """
 
 @_typing.type_check_only
 class WorkerAsyncStub(WorkerStub):
@@ -75,6 +86,17 @@ class WorkerAsyncStub(WorkerStub):
     worker without this RPC, UNIMPLEMENTED, from a slow one), then per flush
     ONE batch with the new tokens of every leg that produced some. Closing
     the stream aborts every leg still running on it.
+    """
+    KvEvents: _aio.UnaryStreamMultiCallable[_worker_pb2.KvEventsRequest, _worker_pb2.KvEventBatch]  # type: ignore[assignment]
+    """The prefix cache's block events (the kinds of vLLM's SubscribeKvEvents:
+    blocks stored, blocks removed, all cleared), so a router can keep an
+    exact index of what this instance caches. The first batch is a snapshot
+    of the whole cache (chunked over several batches when large); then one
+    batch per engine step that changed the cache. A subscriber that falls
+    behind past the worker's per-subscriber bound gets a fresh snapshot
+    instead of the batches it missed. A worker without prefix caching sends
+    one batch with block_tokens 0 and ends the stream; one whose engine
+    publishes no events answers UNIMPLEMENTED.
     """
 
 class WorkerServicer(metaclass=_abc_1.ABCMeta):
@@ -132,6 +154,23 @@ class WorkerServicer(metaclass=_abc_1.ABCMeta):
         worker without this RPC, UNIMPLEMENTED, from a slow one), then per flush
         ONE batch with the new tokens of every leg that produced some. Closing
         the stream aborts every leg still running on it.
+        """
+
+    @_abc_1.abstractmethod
+    def KvEvents(
+        self,
+        request: _worker_pb2.KvEventsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_worker_pb2.KvEventBatch], _abc.AsyncIterator[_worker_pb2.KvEventBatch]]:
+        """The prefix cache's block events (the kinds of vLLM's SubscribeKvEvents:
+        blocks stored, blocks removed, all cleared), so a router can keep an
+        exact index of what this instance caches. The first batch is a snapshot
+        of the whole cache (chunked over several batches when large); then one
+        batch per engine step that changed the cache. A subscriber that falls
+        behind past the worker's per-subscriber bound gets a fresh snapshot
+        instead of the batches it missed. A worker without prefix caching sends
+        one batch with block_tokens 0 and ends the stream; one whose engine
+        publishes no events answers UNIMPLEMENTED.
         """
 
 def add_WorkerServicer_to_server(servicer: WorkerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

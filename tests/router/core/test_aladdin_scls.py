@@ -171,6 +171,34 @@ def test_slice_length_bounds(context: int, remaining: int) -> None:
 
 
 @PROPS
+@given(context=st.integers(1, 30_000), remaining=st.integers(1, 5000), generated=st.integers(0, 5000))
+def test_a_resumed_slice_grows_with_the_answer_so_far(context: int, remaining: int, generated: int) -> None:
+    # Slice length (paper §5.5: batch size against reschedules): an answer that has run long gets a
+    # slice at least as long as what it has produced, up to 8 S, so it crosses O(log) boundaries.
+    serving, _ = _models()
+    config = SliceConfig(slice_tokens=64)
+    length = slice_length(context, remaining, serving, config, generated)
+    assert 1 <= length <= remaining
+    assert length == remaining or 64 <= length <= 8 * 64
+    assert length >= min(generated, 8 * 64, remaining)
+    assert length >= slice_length(context, remaining, serving, config)
+    assert slice_length(context, remaining, serving, config, generated + 64) >= length
+    off = SliceConfig(slice_tokens=64, recompute_share=None, grow_with_answer=False)
+    assert slice_length(context, remaining, serving, off, generated) == min(64, remaining)
+
+
+def test_slices_of_a_long_answer_double() -> None:
+    serving, _ = _models()
+    config = SliceConfig(slice_tokens=128, recompute_share=None)
+    lengths, generated = [], 0
+    while generated < 2000:
+        n = slice_length(600 + generated, 2000 - generated, serving, config, generated)
+        lengths.append(n)
+        generated += n
+    assert lengths == [128, 128, 256, 512, 976]
+
+
+@PROPS
 @given(
     legs=st.lists(
         st.tuples(st.integers(16, 2000), st.integers(0, 800), st.integers(1, 800)), min_size=1, max_size=10

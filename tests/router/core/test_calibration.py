@@ -288,3 +288,38 @@ def test_refit_follows_the_scaled_profile_where_the_window_has_no_data() -> None
     # No prefill seen: the TTFT factor follows the TPOT one, and the fit follows the scaled profile.
     assert predicted_step(cal, 1024, 0, 0) == pytest.approx(2.0 * true_ms(PROFILE, 1024, 0, 0), rel=0.05)
     assert predicted_step(cal, 0, 16, 16000) == pytest.approx(2.0 * true_ms(PROFILE, 0, 16, 16000), rel=0.02)
+
+
+def test_updates_are_spaced_by_update_every_s() -> None:
+    """A track's correction is recomputed at most once per ``update_every_s``; 0 recomputes on every call."""
+
+    def slow(p: int, b: int, t: int) -> float:
+        pre, dec = profile_step("g")(np.array([float(p)]), np.array([float(b)]), np.array([float(t)]))
+        return 2.0 * float(pre[0] + dec[0])
+
+    steps = [(0, 8, 8 * 600)] * 8
+    samples = [StepSample(p, b, t, slow(p, b, t)) for p, b, t in steps]
+    spaced = Calibrator(CalibrationConfig(mode="scale", update_every_s=1.0), profile_step)
+    every_call = Calibrator(CalibrationConfig(mode="scale", update_every_s=0.0), profile_step)
+    history: list[tuple[float, float]] = []
+    for k in range(12):
+        now = 0.1 * k  # a view every 0.1 s, 8 steps each
+        spaced.observe("i0", "g", samples, now)
+        every_call.observe("i0", "g", samples, now)
+        history.append((spaced.factors("i0")[1], every_call.factors("i0")[1]))
+    spaced_tpot = [s for s, _ in history]
+    # Updates at 0.0 s and 1.0 s only (the factor moves then, by at most x1.25 each time) ...
+    assert len(set(spaced_tpot)) == 2
+    assert spaced_tpot[0] == spaced_tpot[9] == pytest.approx(1.25)
+    assert spaced_tpot[10] == spaced_tpot[11] == pytest.approx(1.25**2)
+    # ... while without the limit every call moves it, up to the observed 2x.
+    assert history[-1][1] == pytest.approx(2.0)
+    # A clock that went back does not hold the updates off.
+    spaced.observe("i0", "g", samples, 0.0)
+    assert spaced.factors("i0")[1] == pytest.approx(1.25**3)
+
+
+@pytest.mark.parametrize("value", [-0.1, float("nan"), float("inf"), 3601.0])
+def test_update_every_s_is_bounded(value: float) -> None:
+    with pytest.raises(ValueError, match="update_every_s"):
+        CalibrationConfig(update_every_s=value)

@@ -43,6 +43,7 @@ async def test_router_metrics_count_outcomes_latencies_and_prediction_error() ->
         # Packing: nobody is over-packed by 5 small requests; the load of the last minute needs a fleet.
         assert _value(text, 'slo_router_instance_overpacked{instance="decode-0"}') == 0
         assert _value(text, 'slo_router_instance_overpacked{instance="prefill-0"}') == 0
+        assert _value(text, 'slo_router_instance_cache_hit_rate{instance="decode-0"}') >= 0
         assert _value(text, 'slo_router_desired_instances{role="prefill"}') >= 1
         assert _value(text, 'slo_router_desired_instances{role="decode"}') >= 1
         assert _value(text, 'slo_router_desired_instances{role="neutral"}') == 0

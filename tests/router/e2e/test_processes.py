@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import grpc
+import pytest
 from slorouter.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 from tests.faults.fleet import Fleet, Proc, wait_until_serving
@@ -131,12 +132,37 @@ def test_up_gives_its_router_processes_its_scheduling_flags_and_not_its_own() ->
     assert argv[:3] == ["--log-level", "DEBUG", "router"]
     assert argv[argv.index("--cms") + 1] == "grpc://127.0.0.1:7"
     assert argv[argv.index("--ttft-profiling-data-path") + 1] == str(plan.profile / "ttft.json")
-    assert argv[-4:] == ["--max-queue-size", "9", "--tpot-slo", "40"]
+    assert argv[-8:-4] == ["--max-queue-size", "9", "--tpot-slo", "40"]
+    assert argv[-4:] == ["--prefix-block-tokens", "256", "--prefix-chain-block-tokens", "0"]
     for up_only in ("--neutral", "--worker-http", "--processes=2", "--speed-factor", "--http-listen"):
         assert up_only not in argv
     # What the router command makes of them.
     routed = build_parser().parse_args(argv)
     assert routed.command == "router" and routed.max_queue_size == 9 and routed.tpot_slo == 40
+
+
+@pytest.mark.parametrize(
+    ("given", "block", "chain"),
+    [
+        (["--prefix-cache-block-tokens", "16"], 256, 16),  # events in 16, lookups in 256
+        (["--prefix-cache-block-tokens", "48"], 48, 48),  # 256 is no multiple of 48
+        (["--prefix-cache-block-tokens", "16", "--prefix-cache-routing", "approximate"], 256, 0),
+        (["--prefix-cache-block-tokens", "16", "--prefix-chain-block-tokens", "32"], 256, 32),  # the user's
+        ([], 256, 0),
+    ],
+)
+def test_up_hashes_prompts_in_the_workers_cache_block(given: list[str], block: int, chain: int) -> None:
+    from router.cli import build_parser
+    from router.up import _router_argv, plan_cluster
+
+    argv_in = ["up", "--neutral", "2", "--processes=2", "--http-listen", "", *given]
+    args = build_parser().parse_args(argv_in)
+    args.argv = argv_in
+    plan = plan_cluster(args)
+    assert (plan.config.prefix_block_tokens, plan.config.prefix_chain_block_tokens) == (block, chain)
+    argv = _router_argv(args, plan, "127.0.0.1:7", Path("/s/r.token"), Path("/s/w.token"))
+    routed = build_parser().parse_args(argv)
+    assert (routed.prefix_block_tokens, routed.prefix_chain_block_tokens) == (block, chain)
 
 
 async def test_router_processes_end_when_the_first_is_killed(tmp_path: Path) -> None:

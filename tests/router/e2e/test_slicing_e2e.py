@@ -26,6 +26,15 @@ REPO = Path(__file__).resolve().parents[3]
 SLICES = SliceConfig(slice_tokens=8, interval_ms=20.0, recompute_share=None)
 
 
+def doubling_slices(answer: int, first: int) -> int:
+    """Slices an answer of ``answer`` tokens crosses when each is as long as the answer so far (≤ 8 × first)."""
+    count = produced = 0
+    while produced < answer:
+        produced += min(max(first, min(8 * first, produced)), answer - produced)
+        count += 1
+    return count
+
+
 def expected_tokens(request: router_pb2.GenerateRequest) -> list[int]:
     """What one uninterrupted sim Generate of ``request`` streams (ignore_eos: exactly max_tokens)."""
     key = request_key(request.sampling.seed, prompt_digest(list(request.prompt_token_ids)))
@@ -61,8 +70,11 @@ async def test_streams_crossing_many_slices_arrive_whole_and_in_order() -> None:
         await settled(cluster)
         slicer = cluster.router.service._slicer
         assert slicer is not None
-        # Every request crossed ceil(max_tokens / 8) slices, each placed once.
-        assert sum(slicer.placed_slices.values()) == sum(-(-r.sampling.max_tokens // 8) for r in requests)
+        # Every slice was placed once; a resumed slice is as long as the answer so far (8, 8, 16,
+        # 32, 64, 64, ... tokens: SliceConfig.grow_with_answer).
+        assert sum(slicer.placed_slices.values()) == sum(
+            doubling_slices(r.sampling.max_tokens, 8) for r in requests
+        )
         assert cluster.router.service.active_requests == 0
 
 
