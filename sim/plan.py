@@ -368,6 +368,14 @@ def register(subparsers: Any) -> None:
         "a miss), fcfs, edf or priority (default: edf with --policy binpack, whose constraints hold "
         "requests in the queue as the router runs it, none otherwise)",
     )
+    parser.add_argument(
+        "--kv-capacity-tokens",
+        type=int,
+        default=SimConfig().kv_capacity_tokens,
+        metavar="N",
+        help="KV cache of every simulated instance, in tokens (default: %(default)s); a KV-limited fleet is "
+        "where best fit's KV-over-life plan saves the instances JSQ's preemptions cost",
+    )
     add_trace_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     parser.add_argument("--no-progress", action="store_true", help="do not report each simulation on stderr")
@@ -385,6 +393,11 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     target = args.attainment / 100.0 if args.attainment > 1 else args.attainment
+    try:
+        engine = SimConfig(kv_capacity_tokens=args.kv_capacity_tokens)
+    except ValueError as exc:
+        print(error_line(f"--kv-capacity-tokens {args.kv_capacity_tokens}: {exc}"), file=sys.stderr)
+        return 2
     try:
         config = SchedulerConfig(**policy_overrides(args.policy))
         build_policy(config)
@@ -421,6 +434,7 @@ def run(args: argparse.Namespace) -> int:
             config,
             mode=args.mode,
             profile=args.profile,
+            engine=engine,
             num_requests=args.num_requests,
             seed=args.seed,
             max_instances=args.max_instances,

@@ -11,7 +11,8 @@ For one request (:func:`run`):
    policy is role-agnostic (both stages on every candidate); otherwise neutral
    (one stage on the neutral-role instances). The request may restrict the PD
    stages (decode-only re-placement).
-4. Each stage (:func:`run_stage`): the request's exclusions, then the
+4. Each stage (:func:`run_stage`, the definition; :mod:`router.core.fused`
+   decides the common case in one pass with the same result): the request's exclusions, then the
    single-instance filters in order (every one runs: their failover marks
    matter), then the global filters with the union of the marks. Pass 0
    applies them all; if nothing survives, fallback pass ``k`` (for each
@@ -30,6 +31,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from router.core import fused
 from router.core.columns import BoolArray, InstanceTable, IntArray
 from router.core.decision import Choice, Decision, StageOutcome
 from router.core.errors import EmptyClusterError, NoInstanceError, ThresholdMiss
@@ -37,6 +39,10 @@ from router.core.plugins import DecisionContext, Policy, StageSpec
 from router.core.request import Mode, Role, Stage, StageRestriction
 
 EXCLUDED = "excluded"
+
+#: Decide stages with :func:`router.core.fused.try_stage` where it applies (False: the composed
+#: chain alone; the tests compare the two).
+FUSED = True
 
 
 class _Plan(NamedTuple):
@@ -108,7 +114,11 @@ def run(policy: Policy, ctx: DecisionContext, now_s: float) -> Decision:
     outcomes = []
     for stage, candidates in stages:
         spec = policy.spec(stage)
-        outcome = run_stage(ctx, spec, stage, candidates)
+        # The fused pass decides a stage whose first pass keeps a candidate; the composed chain
+        # (its definition) decides the rest and explains failures.
+        outcome = fused.try_stage(ctx, spec, stage, candidates, _evaluate) if FUSED else None
+        if outcome is None:
+            outcome = run_stage(ctx, spec, stage, candidates)
         outcomes.append(outcome)
         if outcome.selected < 0:
             raise _failure(ctx, spec, outcome, candidates, plan)

@@ -6,7 +6,7 @@ the per-candidate trace (``Schedule``'s explanation) is built only when asked.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import NamedTuple
@@ -88,7 +88,8 @@ class StageOutcome(NamedTuple):
 
     ``candidate_mask`` marks the stage's candidates in the view;
     ``keeps[k]`` is filter ``labels[k]``'s keep-mask over the view and
-    ``relax[k]`` its relax pass (0 = always applied). ``selected`` is a view
+    ``relax[k]`` its relax pass (0 = always applied); a stage decided by
+    :mod:`router.core.fused` computes ``keeps`` on first read. ``selected`` is a view
     index, or -1 when nothing survived; ``fallback_pass`` is the pass that
     decided the stage (the last one tried when nothing survived). (Immutable;
     a named tuple because one is built per stage of every decision.)
@@ -97,7 +98,7 @@ class StageOutcome(NamedTuple):
     stage: Stage
     candidate_mask: BoolArray
     labels: tuple[str, ...]
-    keeps: tuple[BoolArray, ...]
+    keeps: Sequence[BoolArray]
     relax: tuple[int, ...]
     selected: int
     fallback_pass: int

@@ -24,6 +24,7 @@ import numpy.typing as npt
 
 from fleet.snapshot import ClusterSnapshot
 from router.core.arrival import ArrivalCheck
+from router.core.columns import ClusterView
 from router.core.dispatch import (
     DISPATCHERS,
     Action,
@@ -158,6 +159,8 @@ class Queued:
         self._check: ArrivalCheck | None = None
         #: The fleet's load when a pass last placed nothing (instance ids, load columns), or None.
         self._blocked: tuple[tuple[str, ...], npt.NDArray[np.float64]] | None = None
+        #: The last view :meth:`_load` read, and its load.
+        self._last_load: tuple[ClusterView, tuple[tuple[str, ...], npt.NDArray[np.float64]]] | None = None
         #: Passes run and passes skipped because nothing could have changed (see :meth:`_worth_a_pass`).
         self.passes = self.skipped = 0
         #: Incremental dispatch (:class:`~router.core.queue.LoadWatch`): an entry refused on the fleet
@@ -248,12 +251,20 @@ class Queued:
     def _load(self, fleet: Fleet, now: float) -> tuple[tuple[str, ...], npt.NDArray[np.float64]]:
         source = fleet.view()
         view = fleet.scheduler.view(source, now) if isinstance(source, ClusterSnapshot) else source
+        last = self._last_load
+        if last is not None and last[0] is view:
+            # The same view object is the same load at the same moment (router.core.view: a view is
+            # rebuilt for a new snapshot, in-flight version or time): a view event's check and the
+            # pass it starts read it once.
+            return last[1]
         t = view.instances
         columns = [getattr(t, name) for name in _LOAD_COLUMNS]
         # An instance turning schedulable (or reporting at last) is more room, like a load going down.
         columns.append(-t.schedulable.astype(np.float64))
         columns.append(-t.has_status.astype(np.float64))
-        return t.ids, np.vstack(columns)
+        load = (t.ids, np.vstack(columns))
+        self._last_load = (view, load)
+        return load
 
     def _worth_a_pass(self, now: float, fleet: Fleet) -> bool:
         """Whether a new view can let a waiting request go, after a pass that placed nothing.

@@ -72,6 +72,7 @@ import numpy as np
 
 from fleet.snapshot import ClusterSnapshot
 from router.core.calibration import Correction
+from router.core.chain import EXCLUDED
 from router.core.columns import ClusterView, FloatArray, IntArray
 from router.core.decision import Decision
 from router.core.errors import (
@@ -381,6 +382,10 @@ class Refusal:
     error: SchedulingError | None = None
     #: With prefix-aware placement: the prompt blocks each instance's cache held for it then.
     matched: Mapping[str, int] | None = None
+    #: Whether the TTFT bound played no part in the failure (see :func:`bound_free`): a looser
+    #: bound in the same epoch fails too, while the calibration is still at version ``calibration``.
+    bound_free: bool = False
+    calibration: int = -1
 
     def holds(
         self,
@@ -390,6 +395,7 @@ class Refusal:
         late: bool,
         yielding: bool,
         matched: Mapping[str, int] | None,
+        calibration: int = -1,
     ) -> bool:
         """Whether an attempt at ``now_ms`` with TTFT bound ``bound_ms`` is certain to fail again.
 
@@ -399,11 +405,17 @@ class Refusal:
         failed (``now + bound <= at + bound then``: a release limit of fixed length is a later
         moment as time passes, and may let it through), or if the best TTFT predicted then, less
         the time since, is still over the bound now: the moment the entry could first fit is its
-        own wake-up, and no pass offers it before.
+        own wake-up, and no pass offers it before. A failure the bound played no part in
+        (:attr:`bound_free`) fails again whatever the bound now, if the calibration (``calibration``:
+        its version now) did not move: that shortcut takes no tolerance (the epoch lets a
+        calibration change wait :data:`CALIBRATION_EPOCH_S`, which a re-decision on a looser bound
+        would otherwise catch).
         """
         if epoch != self.epoch or late != self.late or yielding != self.yielding:
             return False
-        same_or_tighter = now_ms + bound_ms <= self.at_ms + self.bound_ms
+        same_or_tighter = (self.bound_free and calibration == self.calibration) or (
+            now_ms + bound_ms <= self.at_ms + self.bound_ms
+        )
         best = self.predicted_ttft_ms
         too_slow = best == best and best - (now_ms - self.at_ms) > bound_ms
         if not (same_or_tighter or too_slow):
@@ -1045,6 +1057,10 @@ class Offer:
     hopeless: Hopeless | None = None
 
 
+#: The ``load_memo`` key of the view's last :class:`FleetDrain` (one kept per load: bounded).
+_DRAIN_MEMO = "queue_fleet_drain"
+
+
 class FleetDrain:
     """How fast the fleet can work off a queue, at one moment: the best case of a queued request.
 
@@ -1123,10 +1139,41 @@ class FleetDrain:
     def of(
         cls, scheduler: Scheduler, view: ClusterView, now_s: float, queue_rate: float | None = None
     ) -> FleetDrain | None:
-        """The drain of ``view``'s fleet, or ``None`` without predictors or a prefill-capable instance."""
+        """The drain of ``view``'s fleet, or ``None`` without predictors or a prefill-capable instance.
+
+        Kept with the view's load (its ``load_memo``) for the moment and the calibration it was
+        built for: the load watch, the offer pass and its late sweep judge the same view at the
+        same moment, and build it once (only ``queue_rate`` differs, set on a copy).
+        """
         predictors = scheduler.predictors
         if predictors is None:
             return None
+        calibration = predictors.calibration
+        version = -1 if calibration is None else calibration.version
+        memo = view.load_memo
+        found: tuple[float, Any, Any, int, FleetDrain | None] | None = memo.get(_DRAIN_MEMO)
+        if (
+            found is None
+            or found[0] != now_s
+            or found[1] is not predictors
+            or found[2] is not scheduler.prefix
+            or found[3] != version
+        ):
+            found = (now_s, predictors, scheduler.prefix, version, cls._build(scheduler, view, now_s))
+            memo[_DRAIN_MEMO] = found
+        drain = found[4]
+        if drain is None or queue_rate is None:
+            return drain
+        copy = cls.__new__(cls)
+        for name in cls.__slots__:
+            setattr(copy, name, getattr(drain, name))
+        copy.queue_rate = queue_rate
+        return copy
+
+    @classmethod
+    def _build(cls, scheduler: Scheduler, view: ClusterView, now_s: float) -> FleetDrain | None:
+        predictors = scheduler.predictors
+        assert predictors is not None
         table = view.instances
         prefill = np.flatnonzero(table.schedulable & (table.roles != int(Role.DECODE)))
         decode = np.flatnonzero(table.schedulable & (table.roles != int(Role.PREFILL)))
@@ -1200,7 +1247,7 @@ class FleetDrain:
                 )
             return found
 
-        return cls(free, rate, idle, min_tpot, queue_rate, prefill, scheduler.prefix)
+        return cls(free, rate, idle, min_tpot, None, prefill, scheduler.prefix)
 
     def start_ms(self, tokens_ahead: float) -> float:
         """When a request can start its prefill with ``tokens_ahead`` queued tokens to go first (ms from now).
@@ -1516,6 +1563,8 @@ def offer(
     # Incremental dispatch: the attempts this pass's decisions refused (a request no easier than one
     # of them is refused too: the fleet only got heavier since, by this pass's own dispatches).
     refused_here: list[_Refused] = []
+    calibration = None if scheduler.predictors is None else scheduler.predictors.calibration
+    version = -1 if calibration is None else calibration.version  # (bound-free refusals keep it)
     scanning = False
     for entry in queue.entries():
         if entry.request_id in seen:  # turned late in this pass: once per pass is enough
@@ -1621,7 +1670,7 @@ def offer(
         if (
             epoch is not None
             and memo is not None
-            and memo.holds(epoch, now_s * 1e3, bound, entry.late, yielding, matched)
+            and memo.holds(epoch, now_s * 1e3, bound, entry.late, yielding, matched, version)
         ):
             # Certain to be refused again. What the decision would also say is whether an on-time
             # entry is late now (its best predicted TTFT past its budget): certain when the best
@@ -1663,7 +1712,7 @@ def offer(
                     continue
                 if entry.late or easier.best != easier.best:
                     failures += 1
-                    _remember(entry, memo_key, easier.best, easier.error)
+                    _remember(entry, memo_key, easier.best, easier.error, easier.free, version)
                     yield Offer(entry, Verdict.WAIT, error=easier.error, budget_ms=targets.ttft_ms)
                     continue
         try:
@@ -1674,8 +1723,11 @@ def offer(
                 yield _late(queue, entry, late_reject, best, targets.ttft_ms)
                 continue
             failures += 1
-            _remember(entry, memo_key, best, exc)
-            refused_here.append(_Refused(request, offered, now_s * 1e3, entry.late, yielding, best, exc))
+            free = epoch is not None and bound_free(scheduler, exc)
+            _remember(entry, memo_key, best, exc, free, version)
+            refused_here.append(
+                _Refused(request, offered, now_s * 1e3, entry.late, yielding, best, exc, free)
+            )
             yield Offer(entry, Verdict.WAIT, error=exc, predicted_ttft_ms=best, budget_ms=targets.ttft_ms)
             continue
         except EmptyClusterError as exc:
@@ -1732,6 +1784,8 @@ class _Refused:
     yielding: bool
     best: float
     error: SchedulingError | None
+    #: The bound played no part in the failure (:func:`bound_free`).
+    free: bool = False
 
 
 def _no_easier(
@@ -1763,7 +1817,7 @@ def _no_easier(
         and request.max_tokens >= r.max_tokens
         and (request.expected_output_tokens or 0) >= (r.expected_output_tokens or 0)
         and (request.output_tokens_bound or 0) >= (r.output_tokens_bound or 0)
-        and offered.ttft_ms + at_ms <= a.targets.ttft_ms + a.at_ms
+        and (a.free or offered.ttft_ms + at_ms <= a.targets.ttft_ms + a.at_ms)
         and offered.tpot_ms <= a.targets.tpot_ms
     ):
         return False
@@ -1779,12 +1833,62 @@ def _remember(
     key: tuple[int | None, float, float, bool, Mapping[str, int] | None],
     best: float = math.nan,
     error: SchedulingError | None = None,
+    free: bool = False,
+    version: int = -1,
 ) -> None:
     """Keep ``entry``'s failed attempt (``key``: the epoch, time, bound, yielding flag and matched
     blocks it was made with) for the next pass, when incremental dispatch is on (an epoch is given)."""
     epoch, at_ms, bound, yielding, matched = key
     if epoch is not None:
-        entry.refusal = Refusal(epoch, at_ms, bound, entry.late, yielding, best, error, matched)
+        entry.refusal = Refusal(
+            epoch, at_ms, bound, entry.late, yielding, best, error, matched, free, version
+        )
+
+
+#: The threshold filters whose verdict on an instance does not read the TTFT bound a decision is
+#: offered: (``slo`` target, metric) of :class:`router.core.filters.MetricThreshold`. The TPOT of
+#: the batch with the request in it, and that of the residents, read the load, the prompt and the
+#: TPOT targets only (the ``tpot_packing`` target does read the TTFT need: not listed).
+_BOUND_FREE_THRESHOLDS = frozenset(
+    {("tpot", "predicted_tpot"), ("tpot_residents", "predicted_tpot_residents")}
+)
+
+
+#: Per stage spec (by id, the spec kept to hold its id): the labels :func:`bound_free` accepts.
+_FREE_LABELS: dict[int, tuple[Any, frozenset[str]]] = {}
+
+
+def bound_free(scheduler: Scheduler, exc: NoInstanceError) -> bool:
+    """Whether a failed decision failed whatever its TTFT bound: every candidate was dropped first
+    (in chain order, every filter counted) by a threshold of :data:`_BOUND_FREE_THRESHOLDS` that
+    applies in every pass (``relax_pass`` 0), or by the request's own exclusions.
+
+    Why that is enough: such a filter drops the instance again, in every pass, in a decision with
+    any other TTFT bound on a fleet no lighter and TPOT targets no looser (the decisions are
+    monotone in load: :class:`LoadWatch`), unless the chain skips it, which it does only once every
+    candidate is already out for every pass (``chain._evaluate``). So in the same epoch no bound
+    lets the request through, and the refused entry's release limit growing with time (its bound
+    as a moment moving later) is no reason to decide it again. Conservative: an instance dropped
+    first by the TTFT threshold, or by any filter not listed, makes the failure depend on the bound.
+    """
+    try:
+        spec = scheduler.policy.spec(Stage(exc.stage))
+    except ValueError:
+        return False
+    found = _FREE_LABELS.get(id(spec))
+    if found is None or found[0] is not spec:
+        free = {EXCLUDED}
+        other: set[str] = set()  # (a label two filters share counts only if both qualify)
+        for f in spec.filters:
+            key = (getattr(f, "slo", None), getattr(f, "metric", None))
+            (free if key in _BOUND_FREE_THRESHOLDS and f.relax_pass == 0 else other).add(f.label)
+        other.update(g.label for g in spec.global_filters)
+        if len(_FREE_LABELS) >= 64:  # (a few policies per process; bounded all the same)
+            _FREE_LABELS.clear()
+        found = _FREE_LABELS[id(spec)] = (spec, frozenset(free - other))
+    labels = found[1]
+    drops = exc.drops
+    return bool(drops) and all(label in labels for label in drops)
 
 
 def _shed(queue: RouterQueue, entry: QueueEntry, why: Overlong) -> Offer:

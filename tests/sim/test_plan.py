@@ -77,6 +77,8 @@ def test_plan_neutral_mode_counts_neutral_instances(capsys: pytest.CaptureFixtur
         (["--rate", "0"], "--rate"),
         (["--policy", "nope"], "--policy"),
         (["--workload", "nope"], "--workload"),
+        (["--kv-capacity-tokens", "0"], "--kv-capacity-tokens"),
+        (["--kv-capacity-tokens", "4096"], "--kv-capacity-tokens"),
     ],
 )
 def test_plan_rejects_bad_input_naming_the_flag(

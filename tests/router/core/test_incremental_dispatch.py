@@ -14,14 +14,19 @@ later decision sees a different fleet. Attainment stays within the bound asserte
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.model import SimConfig
+from fleet.snapshot import ClusterSnapshot
 from router.core.config import SchedulerConfig
-from router.core.queue import QueueConfig
+from router.core.errors import EmptyClusterError, NoInstanceError
+from router.core.queue import FleetDrain, QueueConfig, Refusal, bound_free
+from router.core.request import Targets
 from sim.cluster import SimFleet, SimOutcome, simulate
 from sim.fleet import fleet_from_counts
+from tests.router.core.helpers import NOW, inst, make_request, make_scheduler, make_snapshot
 from workload.report import summarize
 from workload.spec import generate_requests, load_workload
 
@@ -71,3 +76,122 @@ def test_incremental_places_as_the_full_pass(policy: str, rate: float, seed: int
     assert _placements(inc) == _placements(full)
     a_full = summarize(full.results, full.duration_s).overall.slo_attainment
     assert summarize(inc.results, inc.duration_s).overall.slo_attainment == a_full
+
+
+# ---------------------------------------------------------------- bound-free refusals
+
+
+_FLEETS = st.lists(
+    st.tuples(
+        st.integers(0, 40),  # decode requests
+        st.integers(0, 4000),  # uncomputed prefill tokens
+        st.booleans(),  # schedulable
+    ),
+    min_size=1,
+    max_size=4,
+)
+
+
+def _fleet(loads: list[tuple[int, int, bool]], pd: bool = False) -> ClusterSnapshot:
+    return make_snapshot(
+        *(
+            inst(
+                f"i{k}",
+                ("prefill", "decode")[k % 2] if pd and len(loads) > 1 else "neutral",
+                decode_requests=d,
+                decode_tokens=d * 600,
+                prefill_tokens=p,
+                running=d,
+                used_kv_tokens=d * 600,
+                schedulable=ok,
+            )
+            for k, (d, p, ok) in enumerate(loads)
+        )
+    )
+
+
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(
+    loads=_FLEETS,
+    prompt=st.integers(16, 3000),
+    tpot=st.sampled_from([20.0, 30.0, 45.0, 80.0]),
+    bounds=st.tuples(st.floats(5.0, 3000.0), st.floats(0.0, 5000.0)),
+    policy=st.sampled_from(["slo", "binpack", "adaptive-pd"]),
+    pd=st.booleans(),
+)
+def test_a_bound_free_refusal_fails_with_any_looser_bound(
+    loads: list[tuple[int, int, bool]],
+    prompt: int,
+    tpot: float,
+    bounds: tuple[float, float],
+    policy: str,
+    pd: bool,
+) -> None:
+    """What lets the queue skip re-deciding a refused entry whose release limit grew: a failure
+    :func:`bound_free` calls free of the TTFT bound fails again with every looser bound on the same
+    fleet, and (so the shortcut is used at all) a failure on the TTFT alone is never called free."""
+    scheduler = make_scheduler(policy)
+    snapshot = _fleet(loads, pd)
+    request = make_request(prompt_tokens=prompt, max_tokens=300)
+    tight, extra = bounds
+    try:
+        scheduler.schedule(snapshot, request, NOW, targets=Targets(tight, tpot, 0.0, tight))
+    except NoInstanceError as exc:
+        free, drops = bound_free(scheduler, exc), exc.drops
+    except EmptyClusterError:
+        return
+    else:
+        return
+    looser = tight + extra
+    if free:
+        with pytest.raises(NoInstanceError):
+            scheduler.schedule(snapshot, request, NOW, targets=Targets(looser, tpot, 0.0, looser))
+    else:
+        assert "metric_threshold:predicted_ttft" in drops or set(drops) - {
+            "metric_threshold:predicted_tpot",
+            "tpot_residents",
+        }
+
+
+def test_a_tpot_refusal_is_bound_free_and_a_ttft_one_is_not() -> None:
+    scheduler = make_scheduler("slo")
+    busy = make_snapshot(
+        *(inst(f"i{k}", decode_requests=40, decode_tokens=24000, running=40) for k in range(3))
+    )
+    with pytest.raises(NoInstanceError) as err:
+        scheduler.schedule(busy, make_request(), NOW, targets=Targets(5000.0, 20.0, 0.0, 5000.0))
+    assert bound_free(scheduler, err.value)
+    slow = make_snapshot(inst("a", prefill_tokens=4000), inst("b", prefill_tokens=5000))
+    with pytest.raises(NoInstanceError) as err:
+        scheduler.schedule(slow, make_request(), NOW, targets=Targets(50.0, 200.0, 0.0, 50.0))
+    assert not bound_free(scheduler, err.value)
+    # ... and a looser bound does let that one through.
+    scheduler.schedule(slow, make_request(), NOW, targets=Targets(1e5, 200.0, 0.0, 1e5))
+
+
+def test_a_bound_free_refusal_holds_against_a_later_bound() -> None:
+    """A refusal's bound as a moment (at + bound) no longer limits it when the bound played no part."""
+    tied = Refusal(epoch=3, at_ms=1000.0, bound_ms=200.0, late=False, yielding=False)
+    free = Refusal(epoch=3, at_ms=1000.0, bound_ms=200.0, late=False, yielding=False, bound_free=True)
+    # 100 ms later with the same 200 ms release limit: a later moment.
+    assert not tied.holds(3, 1100.0, 200.0, False, False, None)
+    assert free.holds(3, 1100.0, 200.0, False, False, None)
+    # A new epoch (an instance got lighter) or another way of offering it: tried again either way.
+    assert not free.holds(4, 1100.0, 200.0, False, False, None)
+    assert not free.holds(3, 1100.0, 200.0, True, False, None)
+
+
+def test_the_fleet_drain_is_built_once_per_view_and_moment() -> None:
+    """The watch, the pass and the late sweep share one drain per view and moment; a queue rate is
+    set on a copy, and another moment builds a new one."""
+    scheduler = make_scheduler("slo")
+    view = scheduler.view(make_snapshot(inst("a", prefill_tokens=3000), inst("b")), NOW)
+    first = FleetDrain.of(scheduler, view, NOW)
+    assert first is not None
+    assert FleetDrain.of(scheduler, view, NOW) is first
+    rated = FleetDrain.of(scheduler, view, NOW, queue_rate=2.0)
+    assert rated is not None and rated is not first and first.queue_rate is None
+    assert rated.start_ms(6000.0) >= 3000.0 and first.start_ms(6000.0) < 3000.0
+    assert rated.fluid_start_ms(6000.0) == first.fluid_start_ms(6000.0)
+    later = FleetDrain.of(scheduler, view, NOW + 0.5)
+    assert later is not first

@@ -401,6 +401,36 @@ def test_a_leg_not_decoding_yet_counts_at_its_final_length() -> None:
     assert ctx.metric("kv_life_tokens")[d] == pytest.approx(8000 + 7000)
 
 
+def test_a_decoding_leg_whose_kv_the_engine_has_not_allocated_yet_keeps_its_context() -> None:
+    # A transferred prompt's prefill is done, but its engine admits it only when blocks are free: the
+    # status's used KV holds none of it while the leg (started) carries its 1400 tokens. The four
+    # running legs hold 7800 and peak with it at 50 steps: 4 x 2000 + 1450 = 9450. Subtracting every
+    # leg's context from the used KV would drop those 1400 tokens (8050) and pass placements that
+    # overflow a step later.
+    residents = [(1000, 1000, 950)] * 4
+    snapshot, scheduler = _loaded_fleet(residents)
+    view = scheduler.view(snapshot, NOW)
+    d = view.instances.index["d"]
+    legs = ResidentLegs(
+        np.array([d] * 5, dtype=np.intp),
+        np.array([1950.0] * 4 + [1400.0]),
+        np.array([50.0] * 4 + [100.0]),
+        np.ones(5, dtype=bool),
+    )
+    ctx = scheduler.context(dataclasses.replace(view, residents=StaticResidents(legs), load_memo={}), None)
+    assert ctx.metric("kv_life_tokens")[d] == pytest.approx(9450.0)
+    metric = METRICS.create("kv_life_tokens", scheduler.config)
+    assert getattr(metric, "at")(ctx, d) == pytest.approx(9450.0)  # noqa: B009 (the one-instance form)
+    # Binpack's (e) refuses what would not fit over that life: 9450 + 9000 + 1000 > 0.95 x 20,000.
+    request = make_request("new", 9000, max_tokens=1000)
+    assert (
+        scheduler.context(
+            dataclasses.replace(view, residents=StaticResidents(legs), load_memo={}), request
+        ).metric("kv_peak_exact")[d]
+        > scheduler.config.kv_packing_headroom
+    )
+
+
 def test_kv_over_life_refuses_a_decoder_that_would_overflow_later_and_admits_one_that_fits() -> None:
     # 8 requests of 1000 prompt tokens, each 100 tokens into a 1000-token answer: 8800 tokens now,
     # 16000 at the end; a new 2100 + 1000 request fits now (11900) but not over life (19100 > 0.95 * 20000).
