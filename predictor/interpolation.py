@@ -201,7 +201,8 @@ class Grid2D:
 
     def with_x_cells(self, i: npt.NDArray[np.intp], wx: FloatArray, ya: FloatArray) -> FloatArray:
         """:meth:`__call__` from :meth:`x_cells`'s ``(i, wx)`` and the float64 array ``ya`` of the same
-        shape; ``wx`` is overwritten (pass a copy to keep it). The same values as ``self(x, ya)``."""
+        shape; ``i`` and ``wx`` are only read (a caller may keep them for the next ``ya``). The same
+        values as ``self(x, ya)``."""
         # As in Grid1D.__call__: cell lookups inlined, temporaries updated in place, and
         # z00 * (ux * uy) + z01 * (ux * wy) + z10 * (wx * uy) + z11 * (wx * wy) summed in that order.
         z00, z01, z10, z11 = self._corners
@@ -227,9 +228,10 @@ class Grid2D:
         uy *= wx
         uy *= z10[cell]
         z += uy
-        wx *= wy
-        wx *= z11[cell]
-        z += wx
+        # wy * wx is wx * wy (IEEE multiplication commutes): ``wx`` stays the caller's, unwritten.
+        wy *= wx
+        wy *= z11[cell]
+        z += wy
         clamped: FloatArray = np.maximum(z, _ZERO, out=z)
         return clamped
 

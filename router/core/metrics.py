@@ -166,17 +166,18 @@ def _nan(ctx: DecisionContext) -> FloatArray:
 def _correction(ctx: DecisionContext) -> Correction | None:
     """The calibration of the view's instances, or None (calibration off, or no samples yet).
 
-    Looked up once per decision (several metrics and predictions ask).
+    Looked up once per decision (several metrics and predictions ask). With calibration off
+    there is nothing to look up or remember: the answer is None at once (two calls fewer each
+    time, on every decision of a router without calibration).
     """
+    predictors = ctx.predictors
+    calibration = predictors.calibration if predictors is not None else None
+    if calibration is None:
+        return None
     found = ctx.cached(_correction)
     if found is None:
-        predictors = ctx.predictors
-        calibration = predictors.calibration if predictors is not None else None
-        if calibration is None:
-            found = _NO_CORRECTION
-        else:
-            table = ctx.view.instances
-            found = calibration.correction(table.ids, table.groups) or _NO_CORRECTION
+        table = ctx.view.instances
+        found = calibration.correction(table.ids, table.groups) or _NO_CORRECTION
         ctx.remember(_correction, found)
     return None if found is _NO_CORRECTION else found
 
@@ -574,7 +575,9 @@ def _predicted_ttft(ctx: DecisionContext) -> FloatArray:
     if table.max_num_seqs is not None:
         # A full engine holds the request back until a running one finishes (see slot_wait_ms).
         wait = ctx.metric("slot_wait_ms")
-        if np.count_nonzero(wait):  # (NaN counts as nonzero, as for .any())
+        # (NaN counts as nonzero, as for .any(). No instance capped: the column is the table's
+        # zeros, so there is nothing to count.)
+        if not _uncapped(table) and np.count_nonzero(wait):
             values = values + wait
     return values
 
@@ -643,8 +646,9 @@ def decode_step_with_request_ms(
         cells = _updated_batch_cells(ctx, lp, with_request)
         if cells is None:
             cells = lp.decode_batch_cells(with_request)
-        for array in (with_request, *cells):
-            array.setflags(write=False)
+        # The batches are handed to callers: read-only. The cells stay here and are only read
+        # (``Grid2D.with_x_cells`` writes neither; tests/predictor/test_kernel_rewrites.py).
+        with_request.setflags(write=False)
         memo[_BATCH_CELLS] = (batch, lp, with_request, cells)
     return lp.busy_decode_step_ms_cells(with_request, cells, tokens), with_request
 

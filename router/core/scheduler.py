@@ -80,7 +80,8 @@ class Scheduler:
         ):
             # The calibration belongs to the predictions: the set carries it to every metric.
             self.predictors.calibration = Calibrator(
-                CalibrationConfig(mode=config.calibration), self.predictors.step_predictor
+                CalibrationConfig(mode=config.calibration, update_every_s=config.calibration_update_every_s),
+                self.predictors.step_predictor,
             )
         self.metrics: dict[str, Metric] = {name: METRICS.create(name, config) for name in METRICS.names()}
         self.views = ViewBuilder(

@@ -323,3 +323,13 @@ def test_updates_are_spaced_by_update_every_s() -> None:
 def test_update_every_s_is_bounded(value: float) -> None:
     with pytest.raises(ValueError, match="update_every_s"):
         CalibrationConfig(update_every_s=value)
+
+
+def test_the_schedulers_calibration_spaces_its_updates_as_configured() -> None:
+    """``--calibration-update-every-s`` reaches the calibrator the scheduler builds (router and simulator)."""
+    from tests.router.core.helpers import make_scheduler
+
+    for every in (0.0, 0.25):
+        scheduler = make_scheduler("slo", calibration="refit", calibration_update_every_s=every)
+        assert scheduler.predictors is not None and scheduler.predictors.calibration is not None
+        assert scheduler.predictors.calibration.config.update_every_s == every

@@ -64,6 +64,8 @@ def test_defaults_match_the_issue() -> None:
         ({"dispatch_prefill_load_threshold": float("nan")}, "dispatch_prefill_load_threshold"),
         ({"default_max_num_batched_tokens": 0}, "default_max_num_batched_tokens"),
         ({"profile_label": ""}, "profile_label"),
+        ({"calibration_update_every_s": -0.5}, "calibration_update_every_s"),
+        ({"calibration_update_every_s": float("inf")}, "calibration_update_every_s"),
     ],
 )
 def test_invalid_values_raise_naming_the_field(overrides: dict, field: str) -> None:

@@ -331,3 +331,49 @@ def test_one_batch_cell_equals_the_array_lookup(batches) -> None:  # type: ignor
     cells, weights = grid.x_cells(np.array(batches))
     for x, i, w in zip(batches, cells.tolist(), weights.tolist(), strict=True):
         assert grid.x_cell_at(x) == (i, w)
+
+
+@PROPS
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from([0, 0, 2, 4, 64]),  # max_num_seqs (0: not stated)
+            st.integers(0, 8),  # running
+            st.integers(0, 6),  # waiting
+            st.integers(0, 8),  # decode requests
+            st.sampled_from([0, 300, 5000]),  # status prefill backlog
+        ),
+        min_size=1,
+        max_size=10,
+    ),
+    st.integers(1, 6000),
+)
+def test_ttft_column_adds_the_slot_wait_exactly_where_the_one_instance_form_does(rows, prompt) -> None:  # type: ignore[no-untyped-def]
+    # The column skips counting the slot-wait column when no instance states a cap; the
+    # one-instance form always reads it. Both must agree, capped or not.
+    records = []
+    for k, (cap, running, waiting, decode, backlog) in enumerate(rows):
+        record = inst(
+            f"i{k:02d}",
+            running=running,
+            waiting=waiting,
+            decode_requests=decode,
+            decode_tokens=decode * 400,
+            prefill_tokens=backlog,
+        )
+        record.metadata.max_num_seqs = cap
+        records.append(record)
+    snap = make_snapshot(*records)
+    s = make_scheduler("slo", calibration="off")
+    request = make_request(prompt_tokens=prompt, expected_output_tokens=200)
+    column = s.context(s.view(snap, NOW), request).metric("predicted_ttft")
+    wait = s.context(s.view(snap, NOW), request).metric("slot_wait_ms")
+    for i in range(len(rows)):
+        one = s.context(s.view(snap, NOW), request)
+        assert one.metric_at("predicted_ttft", i) == column[i]
+    # And the wait is what the caps add: the same fleet without them predicts the column less it.
+    for record in records:
+        record.metadata.max_num_seqs = 0
+    plain = make_scheduler("slo", calibration="off")
+    uncapped = plain.context(plain.view(make_snapshot(*records), NOW), request).metric("predicted_ttft")
+    assert column.tolist() == (uncapped + wait).tolist()
