@@ -2,6 +2,7 @@
 what a decision's two index calls cost on the routing history.
 
     python scripts/prefix_lookup_cost.py [INSTANCES]
+    PYTHONPATH=. python scripts/prefix_lookup_cost.py --bench-row [ROUNDS]
 
 Exact index: a 32k-token prompt, chained in 16-token blocks (the sim worker's and vLLM's cache
 block); the index holds a 16k-to-20k-token prefix of it on each of INSTANCES (default 256)
@@ -13,6 +14,11 @@ Routing history: the scheduler bench's long-prompt traffic (``bench.bench_schedu
 families of 48 shared 512-token blocks and 16 of each prompt's own, 200k tokens of KV per instance)
 and per decision the column then the dispatch to the instance holding the most. Prints the mean
 of each over 1,600 decisions. Figures only; the host's load weighs on them.
+
+``--bench-row``: the scheduler bench's 32k-token row itself (``make bench``: ``slo`` at 256
+instances, prefix-cache routing ``off`` then ``approximate`` then ``off``), ROUNDS times (default 3),
+p50 of the wall clock and of the thread's CPU time, and the ratio of ``approximate`` to the mean of
+the two ``off`` runs around it (run it on two checkouts in turn to compare them).
 """
 
 from __future__ import annotations
@@ -81,7 +87,31 @@ def _history(instances: int) -> None:
     )
 
 
+def _bench_row(rounds: int) -> None:
+    import types
+
+    import bench.bench_scheduler as bench
+    from predictor import LatencyPredictor
+
+    lp = LatencyPredictor.from_files(bench.PROFILE / "ttft.json", bench.PROFILE / "tpot.json")
+    for r in range(rounds):
+        cells = []
+        for name, clock in (("wall", time.perf_counter_ns), ("cpu", time.thread_time_ns)):
+            # The bench times with ``time.perf_counter_ns``: hand it this clock instead.
+            setattr(bench, "time", types.SimpleNamespace(perf_counter_ns=clock))  # noqa: B010
+            off = bench.measure_long_prompt(256, lp, 1500, "off")[0]
+            aware = bench.measure_long_prompt(256, lp, 1500, "approximate")[0]
+            off = (off + bench.measure_long_prompt(256, lp, 1500, "off")[0]) / 2
+            cells.append(f"{name} off {off:6.1f} approximate {aware:6.1f} us ({aware / off:.2f}x)")
+        setattr(bench, "time", time)  # noqa: B010
+        print(f"round {r + 1}: " + "   ".join(cells))
+
+
 def main() -> None:
+    if "--bench-row" in sys.argv:
+        rest = [a for a in sys.argv[1:] if a != "--bench-row"]
+        _bench_row(int(rest[0]) if rest else 3)
+        return
     instances = int(sys.argv[1]) if len(sys.argv) > 1 else 256
     if instances <= 0:
         raise SystemExit(f"INSTANCES must be > 0, got {instances}")
