@@ -51,6 +51,7 @@ from itertools import filterfalse, repeat
 from typing import Protocol, TypeVar
 
 import numpy as np
+import numpy.typing as npt
 
 from router.core.columns import FloatArray, IntArray
 
@@ -600,6 +601,8 @@ class AutoPrefixIndex:
         self.block_tokens = block_tokens
         self.chain_block_tokens = self.exact.chain_block_tokens
         self._live: set[str] = set()
+        self._live_epoch = 0  # bumped whenever an instance goes live or stops being live
+        self._live_view: tuple[object, int, npt.NDArray[np.bool_]] | None = None  # (ids, epoch, mask)
 
     def is_live(self, instance_id: str) -> bool:
         return instance_id in self._live
@@ -607,9 +610,12 @@ class AutoPrefixIndex:
     def set_live(self, instance_id: str, live: bool) -> None:
         """Whether ``instance_id``'s events arrive in sync; going down drops its exact entries."""
         if live:
-            self._live.add(instance_id)
+            if instance_id not in self._live:
+                self._live.add(instance_id)
+                self._live_epoch += 1
         elif instance_id in self._live:
             self._live.discard(instance_id)
+            self._live_epoch += 1
             self.exact.clear(instance_id)
 
     def matched_blocks(self, hashes: Sequence[int]) -> dict[str, int]:
@@ -639,10 +645,19 @@ class AutoPrefixIndex:
     def _merge(self, exact: _Column, approximate: _Column, ids: Sequence[str]) -> _Column:
         """As :meth:`matched_blocks` merges: the exact index's hit where it has one, else nothing for a
         live instance and the routing history's for the rest."""
+        out: _Column = np.where(exact > 0, exact, np.where(self._live_mask(ids), 0, approximate))
+        return out
+
+    def _live_mask(self, ids: Sequence[str]) -> npt.NDArray[np.bool_]:
+        """Per position of ``ids``, whether it is live; cached like :meth:`BlockIndex._view_slots`."""
+        cached = self._live_view
+        if cached is not None and cached[0] is ids and cached[1] == self._live_epoch:
+            return cached[2]
         live = self._live
         mask = np.fromiter((i in live for i in ids), dtype=bool, count=len(ids))
-        out: _Column = np.where(exact > 0, exact, np.where(mask, 0, approximate))
-        return out
+        if isinstance(ids, tuple):
+            self._live_view = (ids, self._live_epoch, mask)
+        return mask
 
     def dispatched(
         self, instance_id: str, hashes: Sequence[int], capacity_tokens: float, private_tokens: int = 0
@@ -659,7 +674,9 @@ class AutoPrefixIndex:
 
     def forget(self, instance_id: str) -> None:
         """``instance_id`` left the fleet: nothing of it is kept."""
-        self._live.discard(instance_id)
+        if instance_id in self._live:
+            self._live.discard(instance_id)
+            self._live_epoch += 1
         self.exact.forget(instance_id)
         self.approximate.forget(instance_id)
 

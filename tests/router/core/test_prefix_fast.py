@@ -170,3 +170,25 @@ def test_lru_order_after_adds_equals_the_step_by_step_index(adds: list[tuple[int
         for index in (new, old):
             index.add(f"i{who}", hashes, limit=limit)
         assert _state(new) == _state(old)
+
+
+def test_auto_column_follows_instances_going_live_and_down_on_one_view() -> None:
+    """``auto`` on a view kept across calls: an instance going live answers from the exact index at
+    once (nothing heard yet: no match), going down falls back to the routing history."""
+    chain = list(id_block_hashes([1, 2, 3], 10**6, 1))
+    view = ("a", "b")
+    positions = {"a": 0, "b": 1}
+    new, old = fast.AutoPrefixIndex(BLOCK), ref.AutoPrefixIndex(BLOCK)
+    steps: list[tuple[str, bool | None]] = [("a", None), ("a", True), ("b", True), ("a", False), ("b", False)]
+    for who, live in steps:
+        for index in (new, old):
+            if live is None:
+                index.dispatched(who, chain, float("inf"))
+                index.dispatched("b", chain[:2], float("inf"))
+            else:
+                index.set_live(who, live)
+        got = fast.cached_tokens_column(new, view, positions, chain, 10 * BLOCK)
+        assert got.tolist() == ref.cached_tokens_column(old, view, positions, chain, 10 * BLOCK).tolist()
+    assert got.tolist() == [3.0 * BLOCK, 2.0 * BLOCK]
+    new.set_live("a", True)
+    assert fast.cached_tokens_column(new, view, positions, chain, 10 * BLOCK).tolist() == [0.0, 2.0 * BLOCK]
