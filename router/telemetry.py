@@ -336,35 +336,35 @@ class _PackingCollector(Collector):
         return []  # families are produced at scrape time; nothing to check at registration
 
     def collect(self) -> Iterator[Metric]:
-        if self._overpacked is not None:
-            family = GaugeMetricFamily(
+        families = (
+            (
                 "slo_router_instance_overpacked",
                 "1 while the safety valve holds new decode off an instance (measured TPOT over its "
                 "target, or preempting), else 0",
-                labels=["instance"],
-            )
-            for instance, value in sorted(self._safe(self._overpacked).items()):
-                family.add_metric([instance], value)
-            yield family
-        if self._desired is not None:
-            family = GaugeMetricFamily(
+                "instance",
+                self._overpacked,
+            ),
+            (
                 "slo_router_desired_instances",
                 "Instances per role the throughput model says the last minute's load needs "
                 "(for an autoscaler)",
-                labels=["role"],
-            )
-            for role, count in sorted(self._safe(self._desired).items()):
-                family.add_metric([role], float(count))
-            yield family
-        if self._cache_hit_rates is not None:
-            family = GaugeMetricFamily(
+                "role",
+                self._desired,
+            ),
+            (
                 "slo_router_instance_cache_hit_rate",
                 "Prompt tokens the instance's engine found in its prefix cache over those it looked "
                 "up, since the engine started (its last status; 0 where the engine does not say)",
-                labels=["instance"],
-            )
-            for instance, rate in sorted(self._safe(self._cache_hit_rates).items()):
-                family.add_metric([instance], rate)
+                "instance",
+                self._cache_hit_rates,
+            ),
+        )
+        for name, documentation, label, source in families:
+            if source is None:
+                continue
+            family = GaugeMetricFamily(name, documentation, labels=[label])
+            for key, value in sorted(self._safe(source).items()):
+                family.add_metric([key], float(value))
             yield family
 
     @staticmethod
