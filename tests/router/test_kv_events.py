@@ -23,7 +23,7 @@ from fleet.snapshot import ClusterSnapshot, InstanceRecord
 from router.core.prefix import AutoPrefixIndex, ExactPrefixIndex
 from router.kv_events import KvEventFeed
 from router.pool import ChannelPool
-from tests.workers.helpers import drain, make_engine, sampling
+from tests.workers.helpers import drain, make_engine, sampling, wait_for
 from workers.kv_events import KvEventHub
 from workers.service import WorkerServer, start_worker_server
 
@@ -40,11 +40,7 @@ def view(*workers: WorkerServer) -> ClusterSnapshot:
 
 async def until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
     """Wait (bounded) until ``predicate()`` holds."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout_s} s")
-        await asyncio.sleep(0.005)
+    await wait_for(predicate, timeout_s, interval_s=0.005)
 
 
 def truth(worker: WorkerServer) -> frozenset[int]:

@@ -147,6 +147,17 @@ def generate_request(
     )
 
 
+def prefix_family_request(k: int, families: int = 3) -> tuple[int, router_pb2.GenerateRequest]:
+    """Request ``k`` of ``families`` prompt families: a 512-token prefix its family shares, a 40-token tail."""
+    family = k % families
+    prefix = [(family * 31 + 7 * i) % 250 + 1 for i in range(512)]
+    tail = [(k * 13 + i) % 250 + 1 for i in range(40)]
+    return family, router_pb2.GenerateRequest(
+        prompt_token_ids=prefix + tail,
+        sampling=common_pb2.SamplingParams(max_tokens=4, ignore_eos=True),
+    )
+
+
 @dataclass
 class StreamResult:
     tokens: list[int]

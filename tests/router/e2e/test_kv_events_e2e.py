@@ -2,23 +2,18 @@
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections.abc import Callable
 
 import pytest
-from slorouter.v1 import common_pb2, router_pb2
 
 from router.core.prefix import AutoPrefixIndex, ExactPrefixIndex
-from tests.router.e2e.cluster import collect, embedded_cluster
+from tests.router.e2e.cluster import collect, embedded_cluster, prefix_family_request
+from tests.workers.helpers import wait_for
 
 
 async def until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout_s} s")
-        await asyncio.sleep(0.01)
+    """Wait (bounded) until ``predicate()`` holds."""
+    await wait_for(predicate, timeout_s, interval_s=0.01)
 
 
 @pytest.mark.parametrize(("routing", "lookup_block"), [("exact", 16), ("auto", 16), ("auto", 128)])
@@ -46,13 +41,7 @@ async def test_the_router_follows_every_workers_cache_and_routes_prefixes_to_it(
         assert exact is not None
         where: dict[int, set[str]] = {0: set(), 1: set(), 2: set()}
         for k in range(9):
-            family = k % 3
-            prefix = [(family * 31 + 7 * i) % 250 + 1 for i in range(512)]
-            tail = [(k * 13 + i) % 250 + 1 for i in range(40)]
-            request = router_pb2.GenerateRequest(
-                prompt_token_ids=prefix + tail,
-                sampling=common_pb2.SamplingParams(max_tokens=4, ignore_eos=True),
-            )
+            family, request = prefix_family_request(k)
             result = await collect(cluster.stub, request)
             where[family].add(result.first.route.prefill_instance_id)
         assert all(len(instances) == 1 for instances in where.values()), where

@@ -12,7 +12,7 @@ from slorouter.v1 import common_pb2, router_pb2
 
 from router.admission import Admission
 from router.core.queue import QueueConfig
-from tests.router.e2e.cluster import collect, embedded_cluster, generate_request
+from tests.router.e2e.cluster import collect, embedded_cluster, generate_request, prefix_family_request
 
 #: The router's --worker-streams: legs on one Worker.Streams call per worker, or one call each.
 STREAMS = pytest.mark.parametrize("streams", ["mux", "per-request"])
@@ -358,13 +358,7 @@ async def test_prompts_sharing_a_prefix_go_where_it_is_cached() -> None:
     ) as cluster:
         where: dict[int, set[str]] = {0: set(), 1: set(), 2: set()}
         for k in range(9):
-            family = k % 3
-            prefix = [(family * 31 + 7 * i) % 250 + 1 for i in range(512)]
-            tail = [(k * 13 + i) % 250 + 1 for i in range(40)]
-            request = router_pb2.GenerateRequest(
-                prompt_token_ids=prefix + tail,
-                sampling=common_pb2.SamplingParams(max_tokens=4, ignore_eos=True),
-            )
+            family, request = prefix_family_request(k)
             result = await collect(cluster.stub, request)
             check_stream(result, 4)
             where[family].add(result.first.route.prefill_instance_id)
