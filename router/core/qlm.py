@@ -802,6 +802,11 @@ class QlmQueue:
         #: and the decode step of that batch before the inefficiency factor.
         self.batch_seen = [float(m.batch) for m in models]
         self.context_seen = [float(DEFAULT_CONTEXT) for _ in models]
+        #: Per instance: changes of its running batch (a dispatch, an end, an eviction), and the count at
+        #: its last batch sample: one sample per batch, however often the caller pumps (see
+        #: :meth:`_observe_batch`).
+        self.batch_changes = [0] * len(models)
+        self.batch_sampled = [-1] * len(models)
         self.pure_step = [m.decode_step_s for m in models]
         self.default_ttft_ms = default_ttft_ms
         self.default_tpot_ms = default_tpot_ms
@@ -1091,6 +1096,7 @@ class QlmQueue:
         del self.queued[r.request_id]
         r.instance, r.dispatched_s = i, now_s
         self.running[i][r.request_id] = r
+        self.batch_changes[i] += 1
         if not group.members:
             self._drop_group(src, group)
         return Dispatch(r, i)
@@ -1248,10 +1254,17 @@ class QlmQueue:
         The estimator's slots and decode step follow the batch KV pulling really reaches (an
         exponential average of the full batches seen), which is the paper's "average batch size"
         that the throughput and the group bound (delta x the average batch) are stated in.
+
+        Each full batch is one sample, however many pulls it refuses: the router pumps on every
+        status push (every few tens of ms), the simulator on its engines' events, and counting a
+        sample per refused pull made the average follow the caller's pump rate. In the parity
+        workload (tests/router/e2e/test_parity.py) the live router's average fell from 64 to 7 in
+        0.3 s where the simulator's fell to 52, and the two placed the first burst differently.
         """
         run = self.running[i]
-        if not run:
+        if not run or self.batch_sampled[i] == self.batch_changes[i]:
             return
+        self.batch_sampled[i] = self.batch_changes[i]
         self.batch_seen[i] = 0.9 * self.batch_seen[i] + 0.1 * len(run)
         context = sum(self._tokens(x) for x in run.values()) / len(run) * 0.75
         self.context_seen[i] = 0.9 * self.context_seen[i] + 0.1 * context
@@ -1415,6 +1428,7 @@ class QlmQueue:
             if total is None:
                 continue
             del self.running[i][r.request_id]
+            self.batch_changes[i] += 1
             self.evictions += 1
             done = True
             kept = max(min(total, r.request.max_tokens - 1), r.generated)
@@ -1440,6 +1454,7 @@ class QlmQueue:
             r = run.pop(request_id, None)
             if r is None:
                 continue
+            self.batch_changes[i] += 1
             if output_tokens is not None:
                 self.stats.observe(r.request.slo_class, output_tokens, r.request.max_tokens)
                 if now_s is not None:

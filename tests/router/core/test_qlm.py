@@ -566,3 +566,30 @@ def test_e2e_pulls_leave_the_room_the_expected_streams_need() -> None:
     # The streams' step (15 requests) less the reserve: without it 15 e2e requests would fill the batch.
     assert len(q.pump(10.0)) == 15 - math.ceil(seqs)
     q.check_invariants()
+
+
+def test_the_average_batch_counts_each_full_batch_once_however_often_the_caller_pumps() -> None:
+    # The paper's average batch size (the estimator's slots, delta x it the group bound) is learned
+    # from the batches KV pulling reaches. The router pumps on every status push, the simulator on
+    # its engines' events: the average must not follow how often either asks (it did, and the two
+    # drivers of tests/router/e2e/test_parity.py placed the first burst differently).
+    def run(pumps: int) -> list[float]:
+        q = roomy(kv_tokens=2 * 1200 + 100, batch=8, most=16)
+        for k in range(6):
+            q.push(loose_by(f"l{k}", 600.0), 0.0)
+        seen = []
+        assert len(q.pump(0.0)) == 2  # the KV holds two: a full batch of 2, sampled once
+        for k in range(pumps):
+            assert q.pump(0.001 * (k + 1)) == []
+        seen.append(q.batch_seen[0])
+        q.finished("l0", 1000, 0.5)
+        assert len(q.pump(0.5)) == 1  # a new full batch: one more sample
+        for k in range(pumps):
+            q.pump(0.5 + 0.001 * (k + 1))
+        seen.append(q.batch_seen[0])
+        return seen
+
+    once, often = run(0), run(40)
+    assert once == often
+    assert once[0] == pytest.approx(0.9 * 8 + 0.1 * 2)
+    assert once[1] == pytest.approx(0.9 * once[0] + 0.1 * 2)
