@@ -127,13 +127,18 @@ def rows_for(args: argparse.Namespace) -> list[tuple[str, str, str, dict[str, An
     else:
         for delta in args.qlm_delta.split(","):
             for ev in args.eviction.split(","):
-                label = "qlm" if ev == "on" else "qlm-noevict"
-                if delta != "4":
-                    label += f"/delta={delta}"
-                if args.qlm_batch:
-                    label += f"/slots={args.qlm_batch}"
-                cfg = QlmConfig(eviction=ev, group_factor=int(delta), batch=args.qlm_batch)
-                rows.append((label, "slo", "qlm", {"qlm": cfg}))
+                for lengths in args.qlm_lengths.split(","):
+                    label = "qlm" if ev == "on" else "qlm-noevict"
+                    if delta != "4":
+                        label += f"/delta={delta}"
+                    if args.qlm_batch:
+                        label += f"/slots={args.qlm_batch}"
+                    if lengths != "censored":
+                        label += f"/lengths={lengths}"
+                    cfg = QlmConfig(
+                        eviction=ev, group_factor=int(delta), batch=args.qlm_batch, lengths=lengths
+                    )
+                    rows.append((label, "slo", "qlm", {"qlm": cfg}))
     return rows
 
 
@@ -161,6 +166,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--eviction", default="on")
     parser.add_argument(
         "--qlm-delta", default="4", help="qlm group bound(s) in average batches, comma-separated"
+    )
+    parser.add_argument(
+        "--qlm-lengths",
+        default="censored",
+        help="qlm output lengths: censored (running requests as lower bounds) and/or finished, comma-separated",
     )
     parser.add_argument("--qlm-batch", type=int, default=0, help="qlm: a fixed slot count (the ablation)")
     parser.add_argument("--sa-pool-ms", default="25", help="sa request pool(s) in ms, comma-separated")

@@ -306,3 +306,114 @@ class LengthPredictor:
             n = len(w.samples)
             out[name] = {"samples": n, "mean": w.total / n, "quantile": w.quantile(self.config.quantile)}
         return out
+
+
+@dataclass(frozen=True)
+class LengthDistribution:
+    """A length distribution as point masses (ascending values), with conditional moments.
+
+    Built by :func:`censored_distribution`. ``values[k]`` carries ``masses[k]`` (the masses sum to
+    1); a tail piece spread uniformly over an interval is one point at its middle whose spread is
+    kept in ``spreads[k]`` (its variance), so the moments stay exact.
+    """
+
+    values: tuple[float, ...]
+    masses: tuple[float, ...]
+    spreads: tuple[float, ...]
+    #: Suffix sums from k on: mass, mass x value, mass x (value^2 + spread).
+    _m0: tuple[float, ...] = field(repr=False, default=())
+    _m1: tuple[float, ...] = field(repr=False, default=())
+    _m2: tuple[float, ...] = field(repr=False, default=())
+
+    @classmethod
+    def of(
+        cls, values: Sequence[float], masses: Sequence[float], spreads: Sequence[float]
+    ) -> LengthDistribution:
+        n = len(values)
+        m0 = [0.0] * (n + 1)
+        m1 = [0.0] * (n + 1)
+        m2 = [0.0] * (n + 1)
+        for k in range(n - 1, -1, -1):
+            w, v = masses[k], values[k]
+            m0[k] = m0[k + 1] + w
+            m1[k] = m1[k + 1] + w * v
+            m2[k] = m2[k + 1] + w * (v * v + spreads[k])
+        return cls(tuple(values), tuple(masses), tuple(spreads), tuple(m0), tuple(m1), tuple(m2))
+
+    def moments(self) -> tuple[float, float]:
+        """(mean, standard deviation)."""
+        return self.given(-math.inf)
+
+    def given(self, reached: float, cap: float = math.inf) -> tuple[float, float]:
+        """(mean, standard deviation) of a length known to exceed ``reached`` (a running request).
+
+        Past every point of the distribution, the rule of :func:`censored_distribution`'s tail:
+        uniform from ``reached`` to three times it, at most ``cap``.
+        """
+        k = bisect.bisect_right(self.values, reached)
+        mass = self._m0[k] if k < len(self.values) else 0.0
+        if mass <= 1e-12:
+            lo = max(reached, 0.0)
+            hi = max(min(3.0 * lo, cap), lo)
+            return (lo + hi) / 2.0, (hi - lo) / math.sqrt(12.0)
+        mean = self._m1[k] / mass
+        return mean, math.sqrt(max(self._m2[k] / mass - mean * mean, 0.0))
+
+
+def censored_distribution(
+    events: Sequence[float], censored: Sequence[float], cap: float
+) -> LengthDistribution:
+    """A length distribution from finished samples and lower bounds (Kaplan–Meier).
+
+    ``events``: lengths of requests that have finished. ``censored``: requests still running, each
+    as the length it has reached (its true length is larger). ``cap``: the largest length possible
+    (``max_tokens``, or 1.0 for fractions of it). Learning from finished requests alone is biased
+    short whenever requests started together (the first wave of a run, a burst): the short ones end
+    first, and a policy sized by them over-commits. The product-limit estimator counts each running
+    request as at risk up to the length it reached, which removes that bias without waiting for the
+    long ones to end.
+
+    The survival mass left past the last finished sample (only when the longest observations are
+    still running) is shared equally by the running requests beyond it, each spread uniformly from
+    the length it reached to three times it (at most ``cap``): with nothing known past that point,
+    a request seen at a random moment of its life is expected to run about as long again as it has.
+    Raises ``ValueError`` with no observation at all.
+    """
+    if not events and not censored:
+        raise ValueError("censored_distribution needs at least one observation")
+    # Events sort before censored values at a tie (a request running at v has not ended at v).
+    obs = sorted([(float(v), 0) for v in events] + [(float(c), 1) for c in censored])
+    n = len(obs)
+    at_risk = n
+    survival = 1.0
+    points: list[tuple[float, float, float]] = []  # (value, mass, spread)
+    k = 0
+    while k < n:
+        value, kind = obs[k]
+        if kind == 1:
+            at_risk -= 1
+            k += 1
+            continue
+        d = 1
+        while k + d < n and obs[k + d] == (value, 0):
+            d += 1
+        mass = survival * d / at_risk
+        points.append((value, mass, 0.0))
+        survival -= mass
+        at_risk -= d
+        k += d
+    if survival > 1e-12:
+        last_event = max(events, default=-math.inf)
+        tail = [float(c) for c in censored if c >= last_event]
+        share = survival / len(tail)
+        for c in tail:
+            lo = min(max(c, 0.0), cap)
+            hi = min(max(3.0 * lo, lo), cap)
+            points.append(((lo + hi) / 2.0, share, (hi - lo) ** 2 / 12.0))
+    points.sort()
+    return LengthDistribution.of([p[0] for p in points], [p[1] for p in points], [p[2] for p in points])
+
+
+def censored_moments(events: Sequence[float], censored: Sequence[float], cap: float) -> tuple[float, float]:
+    """Mean and standard deviation of :func:`censored_distribution` (the same arguments)."""
+    return censored_distribution(events, censored, cap).moments()

@@ -85,6 +85,7 @@ from typing import Any, ClassVar
 from predictor import LatencyPredictor
 from router.core.errors import ConfigError
 from router.core.flagged import FlagFields
+from router.core.lengths import LengthDistribution, censored_distribution
 from router.core.request import ScheduleInput, resolve_targets
 
 
@@ -99,6 +100,7 @@ class QlmConfig(FlagFields):
     FLAG_CHOICES: ClassVar[dict[str, list[str]]] = {
         "eviction": ["on", "off"],
         "solver": ["heuristic", "milp"],
+        "lengths": ["censored", "finished"],
     }
 
     batch: int = field(
@@ -145,6 +147,15 @@ class QlmConfig(FlagFields):
             "--qlm-solver",
         ),
     )
+    lengths: str = field(
+        default="censored",
+        metadata=_doc(
+            "output lengths learned from the requests dispatched lately, the running ones counted as "
+            "lower bounds (censored, Kaplan-Meier), or from finished requests only (finished: biased "
+            "short while a wave of long answers runs)",
+            "--qlm-lengths",
+        ),
+    )
     milp_max_groups: int = field(
         default=12,
         metadata=_doc(
@@ -169,6 +180,8 @@ class QlmConfig(FlagFields):
             raise bad("eviction", "must be on or off")
         if not 0 <= self.max_evictions <= 16:
             raise bad("max_evictions", "must be within 0..16")
+        if self.lengths not in ("censored", "finished"):
+            raise bad("lengths", "must be censored or finished")
         if self.solver not in ("heuristic", "milp"):
             raise bad("solver", "must be heuristic or milp")
         if not 1 <= self.milp_max_groups <= 24:
@@ -183,36 +196,138 @@ class QlmConfig(FlagFields):
 
 
 class OutputStats:
-    """Output length per SLO class, learned online from finished requests.
+    """Output length per SLO class, learned online from the requests dispatched lately.
 
     What is learned is the fraction of ``max_tokens`` a request of the class
-    generates (mean and spread; Welford, with the count saturating at
-    :attr:`MEMORY` so old traffic fades). The paper fits the output length of
-    a group offline; the fraction is the same statistic made independent of
-    each request's own cap, which the router knows. Before a class has two
-    finished requests, a request is expected to use all of ``max_tokens``.
+    generates (a mean and a spread): the paper fits the output length of a
+    group offline; the fraction is the same statistic made independent of each
+    request's own cap, which the router knows.
+
+    The sample is a cohort by *start*: the last :attr:`MEMORY` requests of the
+    class that were dispatched, finished or not. A finished one counts at its
+    length; a running one at the length it has reached so far, as a lower
+    bound (:meth:`progress`), through the Kaplan–Meier estimate of
+    :func:`router.core.lengths.censored_moments`. Learning from finished
+    requests alone is biased short whenever many start together (the first
+    wave of a run, a burst): the short answers end first, and KV pulling sized
+    by them over-commits the cache until the longest of the wave has ended
+    (docs/papers.md: the preemptions at 6 instances). A cohort by start is an
+    unbiased sample of lengths; counting its running members as censored uses
+    what the router already knows about them without waiting for them to end.
+    Before a class has :attr:`MIN_FINISHED` finished requests, a request is
+    expected to use all of ``max_tokens``.
     """
 
-    MEMORY = 1000
+    #: Requests per class in the cohort (the most recently dispatched ones).
+    MEMORY = 512
+    #: Finished requests a class needs before its figures are used.
+    MIN_FINISHED = 2
 
-    def __init__(self) -> None:
-        self._stats: dict[str, list[float]] = {}
+    def __init__(self, censored: bool = True) -> None:
+        #: Count the running members of the cohort as lower bounds (else finished requests only).
+        self.censored = censored
+        #: Per class: request id -> [final fraction or None while running, fraction reached so far].
+        self._cohort: dict[str, dict[str, list[float | None]]] = {}
+        self._finished: dict[str, int] = {}
+        self._cache: dict[str, LengthDistribution] = {}
+        self._moments: dict[str, tuple[float, float]] = {}
+        self._anon = 0
+        #: Bumped by every change of an estimate (the estimator's duration memo is keyed on it).
+        self.version = 0
 
-    def observe(self, slo_class: str, output_tokens: int, max_tokens: int) -> None:
+    def _changed(self, slo_class: str) -> None:
+        self._cache.pop(slo_class, None)
+        self.version += 1
+
+    def _entries(self, slo_class: str) -> dict[str, list[float | None]]:
+        entries = self._cohort.setdefault(slo_class, {})
+        return entries
+
+    def _admit(self, slo_class: str, request_id: str, entry: list[float | None]) -> None:
+        entries = self._entries(slo_class)
+        entries[request_id] = entry
+        while len(entries) > self.MEMORY:
+            oldest = next(iter(entries))
+            if entries.pop(oldest)[0] is not None:
+                self._finished[slo_class] -= 1
+        self._changed(slo_class)
+
+    def started(self, slo_class: str, request_id: str) -> None:
+        """``request_id`` of ``slo_class`` was dispatched: it joins the cohort as running (once)."""
+        if request_id not in self._entries(slo_class):
+            self._admit(slo_class, request_id, [None, 0.0])
+
+    def progress(self, slo_class: str, request_id: str, fraction: float) -> None:
+        """Running ``request_id`` has generated at least ``fraction`` of its ``max_tokens``."""
+        entry = self._cohort.get(slo_class, {}).get(request_id)
+        if entry is not None and entry[0] is None and fraction > (entry[1] or 0.0):
+            entry[1] = min(max(fraction, 0.0), 1.0)
+            self._changed(slo_class)
+
+    def dropped(self, slo_class: str, request_id: str) -> None:
+        """``request_id`` failed while running: its length is unknown, it leaves the cohort."""
+        entry = self._cohort.get(slo_class, {}).pop(request_id, None)
+        if entry is not None:
+            if entry[0] is not None:
+                self._finished[slo_class] -= 1
+            self._changed(slo_class)
+
+    def observe(
+        self, slo_class: str, output_tokens: int, max_tokens: int, request_id: str | None = None
+    ) -> None:
+        """A request of ``slo_class`` finished after ``output_tokens`` of its ``max_tokens``."""
         x = min(max(output_tokens / max(max_tokens, 1), 0.0), 1.0)
-        s = self._stats.setdefault(slo_class, [0.0, 0.0, 0.0])
-        n = min(s[0] + 1.0, float(self.MEMORY))
-        delta = x - s[1]
-        s[1] += delta / n
-        s[2] = max(s[2] + (delta * (x - s[1]) - s[2]) / n, 0.0)
-        s[0] = n
+        entry = None if request_id is None else self._cohort.get(slo_class, {}).get(request_id)
+        if entry is None:
+            self._anon += 1
+            self._admit(slo_class, request_id or f"\x00{self._anon}", [x, x])
+        elif entry[0] is None:
+            entry[0] = x
+            self._changed(slo_class)
+        else:
+            return
+        self._finished[slo_class] = self._finished.get(slo_class, 0) + 1
+
+    def distribution(self, slo_class: str) -> LengthDistribution | None:
+        """The class's output as a fraction of ``max_tokens``; None: too few finished yet."""
+        cached = self._cache.get(slo_class)
+        if cached is not None:
+            return cached
+        if self._finished.get(slo_class, 0) < self.MIN_FINISHED:
+            return None
+        events: list[float] = []
+        censored: list[float] = []
+        for final, reached in self._cohort[slo_class].values():
+            if final is not None:
+                events.append(final)
+            elif self.censored:
+                censored.append(reached or 0.0)
+        value = self._cache[slo_class] = censored_distribution(events, censored, 1.0)
+        self._moments[slo_class] = value.moments()
+        return value
+
+    def fraction(self, slo_class: str) -> tuple[float, float] | None:
+        """(mean, standard deviation) of the class's output as a fraction of ``max_tokens``; None: too few finished."""
+        if slo_class not in self._cache and self.distribution(slo_class) is None:
+            return None
+        return self._moments[slo_class]
 
     def estimate(self, slo_class: str, max_tokens: int) -> tuple[float, float]:
         """(mean, standard deviation) of the output of a request of ``slo_class`` asking ``max_tokens``."""
-        s = self._stats.get(slo_class)
-        if s is None or s[0] < 2:
+        f = self.fraction(slo_class)
+        if f is None:
             return float(max_tokens), 0.0
-        return s[1] * max_tokens, math.sqrt(s[2]) * max_tokens
+        return f[0] * max_tokens, f[1] * max_tokens
+
+    def given(self, slo_class: str, max_tokens: int, reached: float) -> tuple[float, float]:
+        """(mean, standard deviation) of the whole output of a running request that has reached ``reached``
+        (a fraction of ``max_tokens``): the conditional moments, so a request that has outlived the
+        typical answer is expected to be a long one."""
+        d = self.distribution(slo_class)
+        if d is None:
+            return float(max_tokens), 0.0
+        mean, std = d.given(reached, 1.0)
+        return mean * max_tokens, std * max_tokens
 
 
 @dataclass(frozen=True)
@@ -256,6 +371,10 @@ STREAM_MEMORY_S = 30.0
 
 #: At most this many distinct TPOT targets are remembered (bounded state; the tightest are kept).
 STREAM_TARGETS_MAX = 64
+
+#: The running requests' progress reaches the output statistics at most this often (s of the caller's
+#: clock): each update re-estimates the lengths of the classes running.
+PROGRESS_EVERY_S = 0.5
 
 #: Stream arrival times remembered for the reserve (at most; the last :data:`STREAM_MEMORY_S` of them).
 STREAM_TIMES_MAX = 65536
@@ -341,6 +460,10 @@ class QlmRequest:
     group: int = -1
     instance: int = -1
     dispatched_s: float = math.nan
+    #: How far it has got while running, a fraction of ``request.max_tokens`` (see :meth:`QlmQueue._progress`).
+    reached: float = 0.0
+    #: Its KV at its end as last computed: (stats version, reached, mean tokens, variance).
+    kv_memo: tuple[int, float, float, float] | None = None
 
     @property
     def request_id(self) -> str:
@@ -429,12 +552,41 @@ class GroupEstimate:
 class Estimator:
     """The RCT estimator: request durations from the instance model and output statistics."""
 
+    #: Durations remembered (at most; then forgotten at once).
+    MEMO_MAX = 65536
+
     def __init__(self, stats: OutputStats, z: float) -> None:
         self.stats = stats
         self.z = z
+        #: (id of model, id of request) -> (model, request, its lengths, stats version, duration). A plan
+        #: places every group on every queue several times over; each request's duration changes only
+        #: with its instance's model, the output statistics or its own lengths (an eviction), which the
+        #: entry checks. The entry holds the objects, so their ids cannot be reused while it stands.
+        self._memo: dict[tuple[int, int], tuple[Any, ...]] = {}
 
     def duration(self, model: InstanceModel, r: QlmRequest) -> tuple[float, float, float, float]:
         """(prefill mean, prefill quantile, whole mean, whole quantile) seconds of running ``r`` to the end."""
+        key = (id(model), id(r))
+        hit = self._memo.get(key)
+        version = self.stats.version
+        if (
+            hit is not None
+            and hit[0] is model
+            and hit[1] is r
+            and hit[2] == version
+            and hit[3] == r.generated
+            and hit[4] == r.prompt_tokens
+            and hit[5] == r.max_tokens
+        ):
+            result: tuple[float, float, float, float] = hit[6]
+            return result
+        result = self._duration(model, r)
+        if len(self._memo) >= self.MEMO_MAX:
+            self._memo.clear()
+        self._memo[key] = (model, r, version, r.generated, r.prompt_tokens, r.max_tokens, result)
+        return result
+
+    def _duration(self, model: InstanceModel, r: QlmRequest) -> tuple[float, float, float, float]:
         mean, std = self.stats.estimate(r.request.slo_class, r.request.max_tokens)
         remaining_mean = max(min(mean - r.generated, r.max_tokens), 1.0)
         remaining_q = max(min(mean + self.z * std - r.generated, r.max_tokens), 1.0)
@@ -811,7 +963,7 @@ class QlmQueue:
         self.default_ttft_ms = default_ttft_ms
         self.default_tpot_ms = default_tpot_ms
         self.max_queue_size = max_queue_size
-        self.stats = OutputStats()
+        self.stats = OutputStats(censored=config.lengths == "censored")
         self.estimator = Estimator(self.stats, config.z)
         self.vqs: list[list[int]] = [[] for _ in models]
         self.groups: dict[int, Group] = {}
@@ -828,6 +980,8 @@ class QlmQueue:
         self._stream_times: deque[float] = deque(maxlen=STREAM_TIMES_MAX)
         self._stream_tokens = 0.0
         self._stream_output = 0.0
+        #: When the running requests' progress last reached the output statistics (see :meth:`_progress`).
+        self._progress_s = -math.inf
         #: Counters: plan runs, evictions, groups opened.
         self.plans = self.evictions = self.groups_made = 0
 
@@ -938,11 +1092,17 @@ class QlmQueue:
         gid = self.open.get(key, -1)
         group = self.groups.get(gid)
         if group is not None and (
-            group.closed or len(group.members) >= group.bound or self.expected_missing.get(group.gid, 0) > 0
+            group.closed
+            or len(group.members) >= group.bound
+            or (self.expected_missing.get(group.gid, 0) > 0 and len(group.members) >= self._least(group))
         ):
             # Full, or expected late by the plan (its members missed or will miss): a newcomer opens
             # a fresh group the plan can still put where it meets its deadline, instead of inheriting
-            # a late group's place at the back.
+            # a late group's place at the back. A late group smaller than an average batch still takes
+            # newcomers: in overload every new group is soon expected late too, and closing each one
+            # after its first member made a group per request (371 groups at 512 queued, where the
+            # plan generator's cost grows with the square of the groups: 67 -> 410 ms per arrival in
+            # `python -m bench qlm`); the paper's groups are sized in average batches for that reason.
             group.closed = True
             group = None
         if group is None:
@@ -956,6 +1116,10 @@ class QlmQueue:
         if len(group.members) >= group.bound:
             group.closed = True
         self._check(now_s)
+
+    def _least(self, group: Group) -> int:
+        """Members a late group holds before it takes no newcomers: one average batch (its bound over delta)."""
+        return max(group.bound // max(self.config.group_factor, 1), 1)
 
     def _new_group(
         self, key: tuple[Any, ...], now_s: float, instance: int, deadline_s: float = math.inf
@@ -1044,6 +1208,7 @@ class QlmQueue:
         request waits.
         """
         out: list[Dispatch] = []
+        self._progress(now_s)
         for i in range(len(self.models)):
             out.extend(self._pull(i, now_s))
             evicting = evict is not None and self.config.eviction == "on" and bool(self.vqs[i])
@@ -1055,6 +1220,26 @@ class QlmQueue:
             else:
                 out.extend(self._pull_urgent(i, now_s))
         return out
+
+    def _progress(self, now_s: float) -> None:
+        """Tell the output statistics how far each running request has got (at most every
+        :data:`PROGRESS_EVERY_S`): a lower bound on its length, the censored part of the estimate.
+
+        The router's clock is what the queue knows of a running request: the tokens it has generated
+        are its time since dispatch less its prefill, over the instance's decode step as the
+        estimator models it (the learned inefficiency included), plus what it generated before an
+        eviction. No figure of the request's own length enters.
+        """
+        if now_s - self._progress_s < PROGRESS_EVERY_S:
+            return
+        self._progress_s = now_s
+        for i, run in enumerate(self.running):
+            model = self.models[i]
+            for r in run.values():
+                decoding = now_s - r.dispatched_s - model.prefill_s(r.prompt_tokens)
+                tokens = r.generated + max(decoding, 0.0) / max(model.decode_step_s, 1e-6)
+                r.reached = min(tokens / max(r.request.max_tokens, 1), 1.0)
+                self.stats.progress(r.request.slo_class, r.request_id, r.reached)
 
     def _pull_urgent(self, i: int, now_s: float) -> list[Dispatch]:
         """Instance ``i`` takes a TTFT-judged request waiting at the head of another virtual queue whose own
@@ -1097,6 +1282,7 @@ class QlmQueue:
         r.instance, r.dispatched_s = i, now_s
         self.running[i][r.request_id] = r
         self.batch_changes[i] += 1
+        self.stats.started(r.request.slo_class, r.request_id)
         if not group.members:
             self._drop_group(src, group)
         return Dispatch(r, i)
@@ -1135,18 +1321,18 @@ class QlmQueue:
             return True
         if (model.most and len(run) >= model.most) or (not model.kv_tokens and len(run) >= model.batch):
             return False
-        held = sum(self._tokens(x) for x in run)
+        held = self._batch_kv(run, r)
         # An e2e request leaves the room the streams expected at once need (stream_reserve): a stream
         # must join at once, not wait for a KV-full batch of long e2e requests to end.
         seqs, tokens = self.stream_reserve(i, now_s) if r.e2e_only and now_s is not None else (0.0, 0.0)
         # The reserve stays free beyond the streams already running: the next stream must find a seat the
         # moment it arrives (counting the running ones in it left none free half the time: at 20 req/s with
         # the chat class, 91.8 % against 98.7 %).
-        if model.kv_tokens and held + self._tokens(r) + tokens > model.kv_tokens:
+        if model.kv_tokens and held + tokens > model.kv_tokens:
             return False
         if model.step_s is None:
             return True
-        context = held + self._tokens(r) + tokens
+        context = held + tokens
         step = model.step_s(len(run) + 1 + math.ceil(seqs), context) * self.inefficiency[i]
         # TPOT-judged requests waiting in this instance's virtual queue will join this batch: it must
         # not grow past their step either, or a tight stream could start only after the whole batch
@@ -1176,7 +1362,7 @@ class QlmQueue:
         if now_s is not None:
             # The same for end-to-end deadlines: the grown batch's slower step must not turn a running
             # request the estimator had on time into a miss (at the estimator's confidence).
-            before = model.step_s(len(run), held) * self.inefficiency[i]
+            before = model.step_s(len(run), self._batch_kv(run)) * self.inefficiency[i]
             for x in (*run, r):
                 if not (x.e2e_only or x.resumed):
                     continue
@@ -1184,6 +1370,41 @@ class QlmQueue:
                 if now_s + left * before <= x.deadline_s < now_s + left * step:
                     return False
         return True
+
+    def _kv(self, x: QlmRequest) -> tuple[float, float]:
+        """(mean, variance) of the KV tokens ``x`` holds at its end: its prompt and its whole output given how
+        far it has got (:meth:`OutputStats.given`), less what an eviction already moved into the prompt."""
+        version = self.stats.version
+        memo = x.kv_memo
+        if memo is not None and memo[0] == version and memo[1] == x.reached:
+            return memo[2], memo[3]
+        mean, std = self.stats.given(x.request.slo_class, x.request.max_tokens, x.reached)
+        rest = min(max(mean - x.generated, 1.0), float(x.max_tokens))
+        kv = float(x.prompt_tokens) + rest
+        x.kv_memo = (version, x.reached, kv, std * std)
+        return kv, std * std
+
+    def _batch_kv(self, run: Sequence[QlmRequest], r: QlmRequest | None = None) -> float:
+        """KV tokens the batch ``run`` (and ``r``) holds at its end, at ``--qlm-confidence``.
+
+        §6's pull rule counts the running batch's tokens against the GPU's capacity; the batch must
+        still fit when its answers end, so each request counts at its expected end (given its progress:
+        a long-running request is expected long) and the batch adds one margin at the confidence
+        quantile for the sum: the lengths are independent, so the spread of a sum of n grows with
+        the square root of n. Counting each request at its own quantile sized the margin n times over
+        (``z`` standard deviations per request), which, once the output estimate stopped being biased
+        short, held batches well below the cache (docs/papers.md).
+        """
+        total = var = 0.0
+        for x in run:
+            m, v = self._kv(x)
+            total += m
+            var += v
+        if r is not None:
+            m, v = self._kv(r)
+            total += m
+            var += v
+        return total + self.config.z * math.sqrt(var)
 
     def _left_tokens(self, x: QlmRequest, now_s: float, step_s: float) -> float:
         """Output tokens running ``x`` still has to generate at the estimator's confidence."""
@@ -1455,8 +1676,10 @@ class QlmQueue:
             if r is None:
                 continue
             self.batch_changes[i] += 1
-            if output_tokens is not None:
-                self.stats.observe(r.request.slo_class, output_tokens, r.request.max_tokens)
+            if output_tokens is None:
+                self.stats.dropped(r.request.slo_class, request_id)
+            else:
+                self.stats.observe(r.request.slo_class, output_tokens, r.request.max_tokens, request_id)
                 if now_s is not None:
                     self._learn_inefficiency(i, r, output_tokens - r.generated, now_s)
             return r
@@ -1483,6 +1706,7 @@ class QlmQueue:
         r = self.queued.pop(request_id, None)
         if r is None:
             return None
+        self.stats.dropped(r.request.slo_class, request_id)  # evicted before: its length stays unknown
         group = self.groups[r.group]
         group.members.remove(r)
         if not group.members:

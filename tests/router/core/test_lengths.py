@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.core.lengths import LengthConfig, LengthPredictor
+from router.core.lengths import LengthConfig, LengthPredictor, censored_moments
 
 observations = st.lists(
     st.tuples(
@@ -135,3 +135,38 @@ def test_remaining_many_is_remaining_of_each(
         [m for _, _, _, m in legs],
     )
     assert many == [lp.remaining(c, p, g, m) for c, p, g, m in legs]
+
+
+def test_censored_moments_without_censoring_are_the_samples_moments() -> None:
+    mean, std = censored_moments([10, 20, 30, 40], [], 100.0)
+    assert mean == pytest.approx(25.0)
+    assert std == pytest.approx(statistics.pstdev([10, 20, 30, 40]))
+    with pytest.raises(ValueError):
+        censored_moments([], [], 1.0)
+
+
+def test_censored_moments_count_a_running_request_at_risk_until_the_length_it_reached() -> None:
+    # Two ended at 10; two still run past 30: half the mass lies beyond 30, spread to 3x (90).
+    mean, _ = censored_moments([10, 10], [30, 30], 100.0)
+    assert mean == pytest.approx(0.5 * 10 + 0.5 * 60)
+    # A running request below a finished one moves its mass to the longer samples (product limit).
+    assert censored_moments([10, 50], [20], 100.0)[0] == pytest.approx(10 / 3 + 2 / 3 * 50)
+    # The tail never goes past the cap.
+    assert censored_moments([0.1], [0.9], 1.0)[0] <= 1.0
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    events=st.lists(st.integers(min_value=1, max_value=1000), min_size=1, max_size=40),
+    extra=st.lists(st.integers(min_value=0, max_value=1000), max_size=40),
+)
+def test_censored_moments_stay_in_range_and_bounds_past_every_sample_raise_the_mean(
+    events: list[int], extra: list[int]
+) -> None:
+    cap = 2000.0
+    plain, _ = censored_moments(events, [], cap)
+    mean, std = censored_moments(events, extra, cap)
+    assert min(events + extra) - 1e-9 <= mean <= cap and std >= 0.0
+    # Running requests that have already passed every finished one can only lengthen the estimate.
+    beyond = [max(events) + x for x in extra]
+    assert censored_moments(events, beyond, cap)[0] >= plain - 1e-9

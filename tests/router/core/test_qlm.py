@@ -79,6 +79,46 @@ def test_output_stats_learn_the_fraction_of_max_tokens() -> None:
     assert mean == pytest.approx(500.0, rel=0.02) and std == pytest.approx(100.0, rel=0.05)
 
 
+def test_output_stats_count_running_requests_as_lower_bounds() -> None:
+    # A first wave of 10 starts together; the 3 short answers (10 % of max_tokens) end first while
+    # the other 7 have passed 30 %. Finished answers alone say 10 %; the cohort by start with the
+    # running requests censored at their progress says far more, before any long one has ended.
+    stats = OutputStats()
+    for k in range(10):
+        stats.started("c", f"r{k}")
+    for k in range(3):
+        stats.observe("c", 10, 100, f"r{k}")
+    for k in range(3, 10):
+        stats.progress("c", f"r{k}", 0.3)
+    mean, _ = stats.estimate("c", 100)
+    assert mean >= 0.3 * 100 * 0.7 + 10 * 0.3  # at least the bounds: 7 at >= 30 %, 3 at 10 %
+    # Finished requests alone (no cohort) would have said 10 %.
+    alone = OutputStats()
+    for _ in range(3):
+        alone.observe("c", 10, 100)
+    assert alone.estimate("c", 100)[0] == pytest.approx(10.0)
+    # Once the wave has ended, the estimate is the plain sample's.
+    for k in range(3, 10):
+        stats.observe("c", 50, 100, f"r{k}")
+    assert stats.estimate("c", 100)[0] == pytest.approx((3 * 10 + 7 * 50) / 10)
+    # A failed request leaves the cohort; its length is unknown.
+    stats.started("c", "gone")
+    stats.dropped("c", "gone")
+    assert stats.estimate("c", 100)[0] == pytest.approx((3 * 10 + 7 * 50) / 10)
+
+
+def test_the_queue_feeds_running_requests_progress_to_the_output_statistics() -> None:
+    q = queue(n=1, batch=8, eviction="off")
+    for k in range(8):
+        q.push(loose(f"l{k}", out=1000), 0.0)
+    q.pump(0.0)
+    for k in range(2):
+        q.finished(f"l{k}", 50, 2.0)  # two short answers end first (5 % of max_tokens)
+    q.pump(10.0)  # the others have decoded ~10 s at 20 ms a token: ~500 tokens, 50 %
+    mean, _ = q.stats.estimate("batch", 1000)
+    assert mean > 300.0
+
+
 def test_the_rct_estimator_waits_the_tokens_ahead_over_the_throughput() -> None:
     # §2.4 Insight 1 / Eq. 2: a request's wait is the output tokens ahead of it over the instance's token
     # throughput (batch / decode step); its completion adds its own prefill and decode (Eq. 4).
@@ -464,13 +504,45 @@ def test_a_newcomer_does_not_join_a_group_the_plan_expects_late() -> None:
     # Grouping (Algorithm 1) keeps like requests together, but a group the plan expects to miss is
     # closed: a newcomer opens a fresh group the plan can still place where it meets its deadline.
     q = queue(n=1, batch=4)
+    for rid in "abcd":  # one average batch
+        q.push(loose(rid), 0.0)
+    gid = q.queued["a"].group
+    assert {q.queued[rid].group for rid in "abcd"} == {gid}  # same class and lengths: one group
+    q.expected_missing[gid] = 1
+    q.push(loose("e"), 0.0)
+    assert q.queued["e"].group != gid
+    q.check_invariants()
+
+
+def test_a_late_group_smaller_than_a_batch_still_takes_newcomers() -> None:
+    # In overload every new group is soon expected late; closing each after its first member made a
+    # group per request and the plan generator's cost grew with their square. Below one average batch
+    # a late group keeps filling, so groups stay about a batch or more.
+    q = queue(n=1, batch=4)
     q.push(loose("a"), 0.0)
     gid = q.queued["a"].group
-    q.push(loose("b"), 0.0)
-    assert q.queued["b"].group == gid  # same class and lengths: one group
     q.expected_missing[gid] = 1
-    q.push(loose("c"), 0.0)
-    assert q.queued["c"].group != gid
+    q.push(loose("b"), 0.0)
+    assert q.queued["b"].group == gid
+    q.check_invariants()
+
+
+def test_groups_stay_about_a_batch_in_overload() -> None:
+    # 200 requests of one kind, all due before they can run on one 4-slot instance: every group is
+    # expected late, yet the queue holds about one group per average batch, not one per request.
+    q = queue(n=1, batch=4, eviction="off")
+    for k in range(200):
+        req = ScheduleInput(
+            request_id=f"x{k}",
+            prompt_tokens=200,
+            e2e_slo_ms=2_000.0,
+            max_tokens=1000,
+            slo_class="batch",
+            arrival_s=k * 1e-3,
+        )
+        q.push(req, k * 1e-3)
+    assert q.plans > 0 and any(q.expected_missing.values())
+    assert len(q.groups) <= 200 // 4 + 1
     q.check_invariants()
 
 
