@@ -133,7 +133,7 @@ def rows_for(args: argparse.Namespace) -> list[tuple[str, str, str, dict[str, An
                         label += f"/delta={delta}"
                     if args.qlm_batch:
                         label += f"/slots={args.qlm_batch}"
-                    if lengths != "censored":
+                    if lengths != "finished":
                         label += f"/lengths={lengths}"
                     cfg = QlmConfig(
                         eviction=ev, group_factor=int(delta), batch=args.qlm_batch, lengths=lengths
@@ -169,8 +169,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument(
         "--qlm-lengths",
-        default="censored",
-        help="qlm output lengths: censored (running requests as lower bounds) and/or finished, comma-separated",
+        default="finished",
+        help="qlm output lengths: finished (the default) and/or censored (running requests as lower bounds), comma-separated",
     )
     parser.add_argument("--qlm-batch", type=int, default=0, help="qlm: a fixed slot count (the ablation)")
     parser.add_argument("--sa-pool-ms", default="25", help="sa request pool(s) in ms, comma-separated")

@@ -148,11 +148,12 @@ class QlmConfig(FlagFields):
         ),
     )
     lengths: str = field(
-        default="censored",
+        default="finished",
         metadata=_doc(
-            "output lengths learned from the requests dispatched lately, the running ones counted as "
-            "lower bounds (censored, Kaplan-Meier), or from finished requests only (finished: biased "
-            "short while a wave of long answers runs)",
+            "a class's output lengths learned from its finished requests (finished; a running request is "
+            "still counted at its expected length given how far it has got) or also from the running "
+            "ones as lower bounds (censored, Kaplan-Meier: unbiased, but in simulation its longer "
+            "estimates set off evictions that lost 2-10 points, docs/papers.md)",
             "--qlm-lengths",
         ),
     )
@@ -204,18 +205,23 @@ class OutputStats:
     request's own cap, which the router knows.
 
     The sample is a cohort by *start*: the last :attr:`MEMORY` requests of the
-    class that were dispatched, finished or not. A finished one counts at its
-    length; a running one at the length it has reached so far, as a lower
-    bound (:meth:`progress`), through the Kaplan–Meier estimate of
-    :func:`router.core.lengths.censored_moments`. Learning from finished
+    class that were dispatched. A finished one counts at its length. With
+    ``censored`` (``--qlm-lengths censored``) a running one counts too, at the
+    length it has reached so far as a lower bound (:meth:`progress`), through
+    the Kaplan–Meier estimate of
+    :func:`router.core.lengths.censored_distribution`: learning from finished
     requests alone is biased short whenever many start together (the first
-    wave of a run, a burst): the short answers end first, and KV pulling sized
-    by them over-commits the cache until the longest of the wave has ended
-    (docs/papers.md: the preemptions at 6 instances). A cohort by start is an
-    unbiased sample of lengths; counting its running members as censored uses
-    what the router already knows about them without waiting for them to end.
-    Before a class has :attr:`MIN_FINISHED` finished requests, a request is
-    expected to use all of ``max_tokens``.
+    wave of a run, a burst), because the short answers end first. Without it
+    (the default) the class's distribution is the finished requests', and the
+    bias is met where it did harm, per request: :meth:`given` answers for a
+    running request *given how far it has got*, so one that has outlived
+    every finished answer is expected to run about as long again, and KV
+    pulling counts the batch at those expectations (:meth:`QlmQueue._batch_kv`).
+    In simulation the censored class estimate was the accurate one (a mean of
+    0.36 of ``max_tokens`` against the finished answers' 0.28) and still lost
+    2-10 points: the estimator's longer durations set off evictions that did
+    not pay (docs/papers.md). Before a class has :attr:`MIN_FINISHED`
+    finished requests, a request is expected to use all of ``max_tokens``.
     """
 
     #: Requests per class in the cohort (the most recently dispatched ones).
@@ -223,7 +229,7 @@ class OutputStats:
     #: Finished requests a class needs before its figures are used.
     MIN_FINISHED = 2
 
-    def __init__(self, censored: bool = True) -> None:
+    def __init__(self, censored: bool = False) -> None:
         #: Count the running members of the cohort as lower bounds (else finished requests only).
         self.censored = censored
         #: Per class: request id -> [final fraction or None while running, fraction reached so far].

@@ -83,7 +83,7 @@ def test_output_stats_count_running_requests_as_lower_bounds() -> None:
     # A first wave of 10 starts together; the 3 short answers (10 % of max_tokens) end first while
     # the other 7 have passed 30 %. Finished answers alone say 10 %; the cohort by start with the
     # running requests censored at their progress says far more, before any long one has ended.
-    stats = OutputStats()
+    stats = OutputStats(censored=True)
     for k in range(10):
         stats.started("c", f"r{k}")
     for k in range(3):
@@ -107,16 +107,37 @@ def test_output_stats_count_running_requests_as_lower_bounds() -> None:
     assert stats.estimate("c", 100)[0] == pytest.approx((3 * 10 + 7 * 50) / 10)
 
 
-def test_the_queue_feeds_running_requests_progress_to_the_output_statistics() -> None:
-    q = queue(n=1, batch=8, eviction="off")
+@pytest.mark.parametrize("lengths", ["finished", "censored"])
+def test_a_running_request_that_outlived_the_finished_answers_counts_long(lengths: str) -> None:
+    # Two short answers (5 % of max_tokens) end first; the other six have decoded ~10 s at 20 ms a
+    # token (~500 tokens). Their KV at their end is counted from how far they got, not from the
+    # short answers: the first wave's bias that made KV pulling over-commit the cache.
+    q = queue(n=1, batch=8, eviction="off", lengths=lengths)
     for k in range(8):
         q.push(loose(f"l{k}", out=1000), 0.0)
     q.pump(0.0)
     for k in range(2):
-        q.finished(f"l{k}", 50, 2.0)  # two short answers end first (5 % of max_tokens)
-    q.pump(10.0)  # the others have decoded ~10 s at 20 ms a token: ~500 tokens, 50 %
-    mean, _ = q.stats.estimate("batch", 1000)
-    assert mean > 300.0
+        q.finished(f"l{k}", 50, 2.0)
+    q.pump(10.0)
+    running = list(q.running[0].values())
+    assert len(running) == 6 and all(r.reached > 0.4 for r in running)
+    for r in running:
+        kv, _ = q._kv(r)
+        assert kv >= r.prompt_tokens + 500.0
+    finished_only = q.stats.estimate("batch", 1000)[0]
+    assert (finished_only > 300.0) == (lengths == "censored")
+
+
+def test_the_batch_takes_one_margin_for_the_sum_of_its_lengths() -> None:
+    # 16 requests, each with the same mean and spread: the batch's quantile adds z x 4 spreads (the
+    # square root of 16), not 16 (each request at its own quantile), so KV pulling is not held far
+    # below the cache by a margin counted n times over.
+    q = queue(n=1, batch=16, eviction="off")
+    for k in range(200):
+        q.stats.observe("batch", 200 + (k % 2) * 200, 1000)  # mean 300, spread 100
+    run = [q.make(loose(f"l{k}", prompt=100, out=1000), 0.0) for k in range(16)]
+    z = q.config.z
+    assert q._batch_kv(run) == pytest.approx(16 * (100 + 300) + z * 4 * 100, rel=1e-6)
 
 
 def test_the_rct_estimator_waits_the_tokens_ahead_over_the_throughput() -> None:
