@@ -268,7 +268,8 @@ class OutputStats:
         entry = self._cohort.get(slo_class, {}).get(request_id)
         if entry is not None and entry[0] is None and fraction > (entry[1] or 0.0):
             entry[1] = min(max(fraction, 0.0), 1.0)
-            self._changed(slo_class)
+            if self.censored:  # else the estimate is the finished requests' alone: unchanged
+                self._changed(slo_class)
 
     def dropped(self, slo_class: str, request_id: str) -> None:
         """``request_id`` failed while running: its length is unknown, it leaves the cohort."""
