@@ -135,8 +135,14 @@ def rows_for(args: argparse.Namespace) -> list[tuple[str, str, str, dict[str, An
                         label += f"/slots={args.qlm_batch}"
                     if lengths != "finished":
                         label += f"/lengths={lengths}"
+                    if args.qlm_confidence != 0.9:
+                        label += f"/confidence={args.qlm_confidence:g}"
                     cfg = QlmConfig(
-                        eviction=ev, group_factor=int(delta), batch=args.qlm_batch, lengths=lengths
+                        eviction=ev,
+                        group_factor=int(delta),
+                        batch=args.qlm_batch,
+                        lengths=lengths,
+                        confidence=args.qlm_confidence,
                     )
                     rows.append((label, "slo", "qlm", {"qlm": cfg}))
     return rows
@@ -171,6 +177,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--qlm-lengths",
         default="finished",
         help="qlm output lengths: finished (the default) and/or censored (running requests as lower bounds), comma-separated",
+    )
+    parser.add_argument(
+        "--qlm-confidence", type=float, default=0.9, help="qlm: the estimator's confidence (Delta, [0.5, 1))"
     )
     parser.add_argument("--qlm-batch", type=int, default=0, help="qlm: a fixed slot count (the ablation)")
     parser.add_argument("--sa-pool-ms", default="25", help="sa request pool(s) in ms, comma-separated")
