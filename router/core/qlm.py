@@ -383,6 +383,9 @@ STREAM_TARGETS_MAX = 64
 #: clock): each update re-estimates the lengths of the classes running.
 PROGRESS_EVERY_S = 0.5
 
+#: A running request's progress (a fraction of its ``max_tokens``) is counted in steps of one in this many.
+PROGRESS_STEPS = 64
+
 #: Stream arrival times remembered for the reserve (at most; the last :data:`STREAM_MEMORY_S` of them).
 STREAM_TIMES_MAX = 65536
 
@@ -1099,17 +1102,13 @@ class QlmQueue:
         gid = self.open.get(key, -1)
         group = self.groups.get(gid)
         if group is not None and (
-            group.closed
-            or len(group.members) >= group.bound
-            or (self.expected_missing.get(group.gid, 0) > 0 and len(group.members) >= self._least(group))
+            group.closed or len(group.members) >= group.bound or self.expected_missing.get(group.gid, 0) > 0
         ):
             # Full, or expected late by the plan (its members missed or will miss): a newcomer opens
             # a fresh group the plan can still put where it meets its deadline, instead of inheriting
-            # a late group's place at the back. A late group smaller than an average batch still takes
-            # newcomers: in overload every new group is soon expected late too, and closing each one
-            # after its first member made a group per request (371 groups at 512 queued, where the
-            # plan generator's cost grows with the square of the groups: 67 -> 410 ms per arrival in
-            # `python -m bench qlm`); the paper's groups are sized in average batches for that reason.
+            # a late group's place at the back. (In overload every new group is soon late too, and
+            # each one closing after its first member would make a group per request; the plan merges
+            # late groups of one key instead: :meth:`_merge_late`.)
             group.closed = True
             group = None
         if group is None:
@@ -1123,10 +1122,6 @@ class QlmQueue:
         if len(group.members) >= group.bound:
             group.closed = True
         self._check(now_s)
-
-    def _least(self, group: Group) -> int:
-        """Members a late group holds before it takes no newcomers: one average batch (its bound over delta)."""
-        return max(group.bound // max(self.config.group_factor, 1), 1)
 
     def _new_group(
         self, key: tuple[Any, ...], now_s: float, instance: int, deadline_s: float = math.inf
@@ -1174,9 +1169,53 @@ class QlmQueue:
                     self.replan(now_s)
                     return
 
+    def _merge_late(self) -> None:
+        """Merge the unstarted groups of one key that the last plan expected late, up to the group bound.
+
+        A late group takes no newcomers (:meth:`_add`), so in overload, where every new group is soon
+        expected late, each request ended up in a group of its own (371 groups at 512 queued in
+        `python -m bench qlm`, and the plan generator's cost grows with the square of the groups:
+        ~410 ms per arrival). The paper's grouping puts like requests (model, SLO, lengths) in one
+        group of at most delta average batches; splitting them by lateness is this router's rule, so
+        the late ones of one key go back together: the earliest deadline's group takes the later ones'
+        members (each group's order kept, earlier deadlines first) while the bound allows. A newcomer
+        still never joins a late group: the plan first tries it fresh, and only once that plan too
+        expects it late does it merge. (Letting a late group below one average batch take newcomers
+        cured the cost as well, but placed a newcomer at a late group's place in virtual time.)
+        """
+        late: dict[tuple[Any, ...], list[Group]] = {}
+        for vq in self.vqs:
+            for gid in vq:
+                g = self.groups[gid]
+                if g.pinned < 0 and g.members and self.expected_missing.get(gid, 0) > 0:
+                    late.setdefault(g.key, []).append(g)
+        for groups in late.values():
+            if len(groups) < 2:
+                continue
+            groups.sort(key=lambda g: (g.deadline_s, g.gid))
+            into = groups[0]
+            for g in groups[1:]:
+                if len(into.members) + len(g.members) > into.bound:
+                    into = g
+                    continue
+                for r in g.members:
+                    r.group = into.gid
+                into.members.extend(g.members)
+                g.members.clear()
+                self.expected_missing[into.gid] = self.expected_missing.get(into.gid, 0) + (
+                    self.expected_missing.pop(g.gid, 0)
+                )
+                for i, vq in enumerate(self.vqs):
+                    if g.gid in vq:
+                        self._drop_group(i, g)
+                        break
+                if len(into.members) >= into.bound:
+                    into.closed = True
+
     def replan(self, now_s: float) -> Plan:
         self.plans += 1
         n = len(self.models)
+        self._merge_late()
         groups = [self.groups[g] for vq in self.vqs for g in vq]
         running = [list(self.running[i].values()) for i in range(n)]
         if self.config.solver == "milp" and len(groups) <= self.config.milp_max_groups:
@@ -1229,24 +1268,30 @@ class QlmQueue:
         return out
 
     def _progress(self, now_s: float) -> None:
-        """Tell the output statistics how far each running request has got (at most every
-        :data:`PROGRESS_EVERY_S`): a lower bound on its length, the censored part of the estimate.
+        """How far each running request has got, a lower bound on its length: for its KV at its end
+        (:meth:`_kv`, every pump) and, under ``--qlm-lengths censored``, for the output statistics (at
+        most every :data:`PROGRESS_EVERY_S`: each update re-estimates the classes running).
 
         The router's clock is what the queue knows of a running request: the tokens it has generated
         are its time since dispatch less its prefill, over the instance's decode step as the
         estimator models it (the learned inefficiency included), plus what it generated before an
-        eviction. No figure of the request's own length enters.
+        eviction. No figure of the request's own length enters. The fraction is floored to
+        :data:`PROGRESS_STEPS` steps of ``max_tokens``: a pure function of the clock, so the router
+        (pumping on every status push) and the simulator (on its engines' events) see the same value at
+        the same moment, and :meth:`_kv`'s memo is recomputed at most that many times a request.
         """
-        if now_s - self._progress_s < PROGRESS_EVERY_S:
-            return
-        self._progress_s = now_s
+        censored = self.stats.censored and now_s - self._progress_s >= PROGRESS_EVERY_S
+        if censored:
+            self._progress_s = now_s
         for i, run in enumerate(self.running):
             model = self.models[i]
             for r in run.values():
                 decoding = now_s - r.dispatched_s - model.prefill_s(r.prompt_tokens)
                 tokens = r.generated + max(decoding, 0.0) / max(model.decode_step_s, 1e-6)
-                r.reached = min(tokens / max(r.request.max_tokens, 1), 1.0)
-                self.stats.progress(r.request.slo_class, r.request_id, r.reached)
+                reached = math.floor(tokens / max(r.request.max_tokens, 1) * PROGRESS_STEPS) / PROGRESS_STEPS
+                r.reached = max(r.reached, min(reached, 1.0))
+                if censored:
+                    self.stats.progress(r.request.slo_class, r.request_id, r.reached)
 
     def _pull_urgent(self, i: int, now_s: float) -> list[Dispatch]:
         """Instance ``i`` takes a TTFT-judged request waiting at the head of another virtual queue whose own

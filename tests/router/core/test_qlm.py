@@ -535,22 +535,29 @@ def test_a_newcomer_does_not_join_a_group_the_plan_expects_late() -> None:
     q.check_invariants()
 
 
-def test_a_late_group_smaller_than_a_batch_still_takes_newcomers() -> None:
-    # In overload every new group is soon expected late; closing each after its first member made a
-    # group per request and the plan generator's cost grew with their square. Below one average batch
-    # a late group keeps filling, so groups stay about a batch or more.
+def test_late_groups_of_one_key_merge_at_the_next_plan_and_newcomers_stay_out() -> None:
+    # A late group takes no newcomer (each first gets a fresh group the plan may place on time), but
+    # the groups the last plan expected late are merged per key before the next plan: the paper's
+    # grouping by SLO and lengths, without one group per request in overload.
     q = queue(n=1, batch=4)
     q.push(loose("a"), 0.0)
-    gid = q.queued["a"].group
-    q.expected_missing[gid] = 1
-    q.push(loose("b"), 0.0)
-    assert q.queued["b"].group == gid
+    first = q.queued["a"].group
+    q.expected_missing[first] = 1
+    q.push(loose("b", arrival=0.001), 0.001)
+    second = q.queued["b"].group
+    assert second != first  # not into the late group
+    q.push(tight("t"), 0.001)
+    q.expected_missing.update({second: 1, q.queued["t"].group: 1})
+    q.replan(0.002)
+    assert q.queued["b"].group == first and [r.request_id for r in q.groups[first].members] == ["a", "b"]
+    assert q.queued["t"].group != first  # another key stays apart
+    assert second not in q.groups
     q.check_invariants()
 
 
 def test_groups_stay_about_a_batch_in_overload() -> None:
     # 200 requests of one kind, all due before they can run on one 4-slot instance: every group is
-    # expected late, yet the queue holds about one group per average batch, not one per request.
+    # expected late, yet the queue holds about one group per delta average batches, not one per request.
     q = queue(n=1, batch=4, eviction="off")
     for k in range(200):
         req = ScheduleInput(
@@ -563,7 +570,9 @@ def test_groups_stay_about_a_batch_in_overload() -> None:
         )
         q.push(req, k * 1e-3)
     assert q.plans > 0 and any(q.expected_missing.values())
-    assert len(q.groups) <= 200 // 4 + 1
+    # Late groups merge up to the bound (delta 4 x 4 slots): at most a group per 16 late requests, one
+    # fresh group and one being filled, where one group per request made the plan's cost quadratic.
+    assert len(q.groups) <= 200 // 16 + 2
     q.check_invariants()
 
 
@@ -686,3 +695,23 @@ def test_the_average_batch_counts_each_full_batch_once_however_often_the_caller_
     assert once == often
     assert once[0] == pytest.approx(0.9 * 8 + 0.1 * 2)
     assert once[1] == pytest.approx(0.9 * once[0] + 0.1 * 2)
+
+
+def test_a_running_requests_progress_is_the_clocks_not_the_pump_rates() -> None:
+    # How far a running request has got (for its KV at its end) is read from the clock in steps of
+    # max_tokens / PROGRESS_STEPS: the router pumps every few tens of ms, the simulator on its
+    # engines' events, and both must count the same progress at the same moment.
+    def run(pumps: int) -> list[float]:
+        q = roomy(kv_tokens=100_000, batch=8, most=16)
+        for k in range(3):
+            q.push(loose_by(f"l{k}", 600.0), 0.0)
+        assert len(q.pump(0.0)) == 3
+        for k in range(pumps):
+            q.pump(7.3 * (k + 1) / pumps)
+        q.pump(7.3)
+        return [r.reached for r in q.running[0].values()]
+
+    once, often = run(0), run(50)
+    assert once == often
+    # 7.3 s less the prefill, over the 20 ms step: ~362 of 1000 tokens, floored to 1/64 steps.
+    assert once[0] == pytest.approx(23 / 64)
