@@ -1170,7 +1170,8 @@ class QlmQueue:
                     return
 
     def _merge_late(self) -> None:
-        """Merge the unstarted groups of one key that the last plan expected late, up to the group bound.
+        """Merge the unstarted groups of one key whose every member the last plan expected late, up to the
+        group bound.
 
         A late group takes no newcomers (:meth:`_add`), so in overload, where every new group is soon
         expected late, each request ended up in a group of its own (371 groups at 512 queued in
@@ -1181,13 +1182,16 @@ class QlmQueue:
         members (each group's order kept, earlier deadlines first) while the bound allows. A newcomer
         still never joins a late group: the plan first tries it fresh, and only once that plan too
         expects it late does it merge. (Letting a late group below one average batch take newcomers
-        cured the cost as well, but placed a newcomer at a late group's place in virtual time.)
+        cured the cost as well, but placed a newcomer at a late group's place in virtual time.) Only
+        groups late as a whole merge: a group with a member still on time keeps its own place, or that
+        member would queue first come first served behind requests already lost (merging every late
+        group lost 10 points of attainment on an overloaded two-class mix, docs/papers.md).
         """
         late: dict[tuple[Any, ...], list[Group]] = {}
         for vq in self.vqs:
             for gid in vq:
                 g = self.groups[gid]
-                if g.pinned < 0 and g.members and self.expected_missing.get(gid, 0) > 0:
+                if g.pinned < 0 and g.members and self.expected_missing.get(gid, 0) >= len(g.members):
                     late.setdefault(g.key, []).append(g)
         for groups in late.values():
             if len(groups) < 2:

@@ -155,9 +155,9 @@ class QueueConfig(FlagFields):
         metadata=_doc(
             "order of requests waiting in the router: none (refuse at once), fcfs, edf, priority, qlm "
             "(seed 004: request groups and virtual queues pulled by KV room, with eviction; for e2e "
-            "deadlines under overload on neutral instances, TTFT-judged streams beside them keep their "
-            "room; its eviction pays where long batch jobs hold every sequence of an engine while "
-            "short deadline work arrives; --qlm-*) or sa (seed 000: waiting requests dealt by deadline to the instance with the "
+            "deadlines under overload and for KV-limited fleets, on neutral instances; TTFT-judged streams "
+            "beside them keep their room, but for TTFT-judged chat alone use edf; its eviction pays where "
+            "long batch jobs hold every sequence of an engine while short deadline work arrives; --qlm-*) or sa (seed 000: waiting requests dealt by deadline to the instance with the "
             "most KV memory left and ordered per instance by simulated annealing of G, handed to an "
             "engine as its slots free; for bursts of mixed-SLO work on engines that run one or two "
             "sequences at a time, not for engines of four or more, where it gains nothing; --sa-*)",

@@ -553,6 +553,16 @@ def test_late_groups_of_one_key_merge_at_the_next_plan_and_newcomers_stay_out() 
     assert q.queued["t"].group != first  # another key stays apart
     assert second not in q.groups
     q.check_invariants()
+    # A late group with a member still on time keeps its place: that member would otherwise queue
+    # first come first served behind requests already lost.
+    q.push(loose("c", arrival=0.003), 0.003)
+    q.push(loose("d", arrival=0.003), 0.003)
+    third = q.queued["c"].group
+    assert q.queued["d"].group == third != first
+    q.expected_missing.update({first: 2, third: 1})
+    q.replan(0.004)
+    assert q.queued["c"].group == third and q.queued["d"].group == third
+    q.check_invariants()
 
 
 def test_groups_stay_about_a_batch_in_overload() -> None:
