@@ -383,6 +383,11 @@ STREAM_TARGETS_MAX = 64
 #: clock): each update re-estimates the lengths of the classes running.
 PROGRESS_EVERY_S = 0.5
 
+#: Late groups of one key merge only while the plan holds more groups than this (see
+#: :meth:`QlmQueue._merge_late`): a heuristic plan over 64 groups on 4 instances costs ~30 ms of CPU
+#: (`python -m bench qlm`), and its cost grows with the square of the groups.
+MERGE_ABOVE_GROUPS = 48
+
 #: A running request's progress (a fraction of its ``max_tokens``) is counted in steps of one in this many.
 PROGRESS_STEPS = 64
 
@@ -1185,8 +1190,13 @@ class QlmQueue:
         cured the cost as well, but placed a newcomer at a late group's place in virtual time.) Only
         groups late as a whole merge: a group with a member still on time keeps its own place, or that
         member would queue first come first served behind requests already lost (merging every late
-        group lost 10 points of attainment on an overloaded two-class mix, docs/papers.md).
+        group lost 10 points of attainment on an overloaded two-class mix, docs/papers.md). And only
+        while the plan holds more than :data:`MERGE_ABOVE_GROUPS` groups: below, a plan is cheap and
+        the late groups keep the plan's freedom to order them one by one (merging whole-late groups at
+        any count still lost 7 points on that mix).
         """
+        if len(self.groups) <= MERGE_ABOVE_GROUPS:
+            return
         late: dict[tuple[Any, ...], list[Group]] = {}
         for vq in self.vqs:
             for gid in vq:

@@ -136,7 +136,7 @@ RECORDED: dict[str, str] = {
     "neutral-slo-fcfs-capped": "af255faf69b2f6bc94c1e944",
     "neutral-slo-prefix": "0eedec2e3caf140cf44d3015",
     "neutral-slo-priority": "15795efa520f7d09ba4b3590",
-    "neutral-slo-qlm": "b98403569a0ecc542d84beda",
+    "neutral-slo-qlm": "ed5de970f8e12c982c25fe4b",
     "neutral-slo-sa": "0e8ceeae14dc5f1401511204",
     "pd-adaptive": "36d2c9c44b9987022276550f",
     "pd-load-balance-off": "466dcf402227e02d05b7c4b8",

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from router.core.errors import ConfigError
 from router.core.qlm import (
+    MERGE_ABOVE_GROUPS,
     Estimator,
     Group,
     InstanceModel,
@@ -535,10 +536,23 @@ def test_a_newcomer_does_not_join_a_group_the_plan_expects_late() -> None:
     q.check_invariants()
 
 
-def test_late_groups_of_one_key_merge_at_the_next_plan_and_newcomers_stay_out() -> None:
+def test_late_groups_of_one_key_merge_at_the_next_plan_and_newcomers_stay_out(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     # A late group takes no newcomer (each first gets a fresh group the plan may place on time), but
-    # the groups the last plan expected late are merged per key before the next plan: the paper's
-    # grouping by SLO and lengths, without one group per request in overload.
+    # above MERGE_ABOVE_GROUPS the groups the last plan expected late as a whole are merged per key
+    # before the next plan: the paper's grouping by SLO and lengths, without one group per request in
+    # overload.
+    import router.core.qlm as qlm_module
+
+    q = queue(n=1, batch=4)
+    q.push(loose("a"), 0.0)
+    q.expected_missing[q.queued["a"].group] = 1
+    q.push(loose("b", arrival=0.001), 0.001)
+    q.expected_missing[q.queued["b"].group] = 1
+    q.replan(0.002)
+    assert q.queued["a"].group != q.queued["b"].group  # two groups: under the bound nothing merges
+    monkeypatch.setattr(qlm_module, "MERGE_ABOVE_GROUPS", 0)
     q = queue(n=1, batch=4)
     q.push(loose("a"), 0.0)
     first = q.queued["a"].group
@@ -580,9 +594,9 @@ def test_groups_stay_about_a_batch_in_overload() -> None:
         )
         q.push(req, k * 1e-3)
     assert q.plans > 0 and any(q.expected_missing.values())
-    # Late groups merge up to the bound (delta 4 x 4 slots): at most a group per 16 late requests, one
-    # fresh group and one being filled, where one group per request made the plan's cost quadratic.
-    assert len(q.groups) <= 200 // 16 + 2
+    # Above MERGE_ABOVE_GROUPS late groups merge up to the bound (delta 4 x 4 slots), where one group
+    # per request made the plan's cost quadratic.
+    assert len(q.groups) <= MERGE_ABOVE_GROUPS + 2
     q.check_invariants()
 
 
