@@ -121,6 +121,10 @@ class _RouterFleet:
     def evict(self, request_id: str) -> int | None:
         return self._admission._evict(request_id)
 
+    def produced(self, request_id: str) -> int | None:
+        handle = self._admission._handles.get(request_id)
+        return None if handle is None else handle.tokens()
+
 
 class Admission:
     """Places requests through a dispatcher (see the module doc)."""
@@ -138,8 +142,13 @@ class Admission:
         self.placer = placer
         self.config = config
         sched = placer.scheduler.config
-        self.dispatcher = dispatcher or make_dispatcher(
-            DispatchSetup(config, sched.ttft_slo_ms, sched.tpot_slo_ms, qlm or QlmConfig())
+        # (Not ``dispatcher or ...``: a dispatcher with nothing waiting has length 0.)
+        self.dispatcher = (
+            dispatcher
+            if dispatcher is not None
+            else make_dispatcher(
+                DispatchSetup(config, sched.ttft_slo_ms, sched.tpot_slo_ms, qlm or QlmConfig())
+            )
         )
         self._clock = clock
         self.observer = observer or RequestObserver()
