@@ -13,9 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fleet.snapshot import ClusterSnapshot
-from router.core.columns import ClusterView
 from router.core.config import SchedulerConfig
-from router.core.decision import Decision
 from router.core.dispatch import (
     Action,
     Arrival,
@@ -30,53 +28,28 @@ from router.core.dispatch import (
     waiting_delta,
 )
 from router.core.errors import EmptyClusterError, QueueFullError, RouterError, status_name
-from router.core.plugins import Policy
 from router.core.queue import QueueConfig
-from router.core.request import ScheduleInput, Targets
+from router.core.request import ScheduleInput
 from router.core.scheduler import Scheduler
 from router.core.slice_dispatch import Sliced
 from router.core.slicing import SliceConfig
 from tests.router.core.helpers import inst, make_predictor, make_snapshot
+from tests.router.test_dispatch_conformance import Views
 
 TWO = make_snapshot(inst("n0", "neutral"), inst("n1", "neutral"))
 PD_ONLY = make_snapshot(inst("p0", "prefill"), inst("d0", "decode"))
 
 
-class Engines:
-    """The fleet the dispatcher is lent: a fixed snapshot, a real scheduler, and each running request's tokens."""
+class Engines(Views):
+    """The conformance suite's fleet over a real scheduler, whose statuses never go stale (the test's
+    clock runs through many schedule points), with each running request's tokens (the engine's)."""
 
     def __init__(self, snapshot: ClusterSnapshot = TWO) -> None:
-        # Statuses never go stale: the test's clock runs through many schedule points.
-        config = SchedulerConfig(instance_staleness_s=math.inf)
-        self._scheduler = Scheduler(config, make_predictor(), random.Random(0))
-        self.current = snapshot
+        super().__init__(snapshot)
+        self._scheduler = Scheduler(
+            SchedulerConfig(instance_staleness_s=math.inf), make_predictor(), random.Random(0)
+        )
         self.tokens: dict[str, int] = {}
-        self.decisions = 0
-
-    @property
-    def scheduler(self) -> Scheduler:
-        return self._scheduler
-
-    def view(self) -> ClusterView | ClusterSnapshot:
-        return self.current
-
-    def snapshot(self) -> ClusterSnapshot:
-        return self.current
-
-    def decide(
-        self,
-        view: ClusterView | ClusterSnapshot,
-        request: ScheduleInput,
-        now: float,
-        *,
-        targets: Targets | None = None,
-        policy: Policy | None = None,
-    ) -> Decision:
-        self.decisions += 1
-        return self._scheduler.schedule(view, request, now, targets=targets, policy=policy)
-
-    def evict(self, request_id: str) -> int | None:
-        return None
 
     def produced(self, request_id: str) -> int | None:
         return self.tokens.get(request_id)
