@@ -2,23 +2,24 @@
 
 ``simulate --dispatch-modes request,slice`` runs every rate twice over the same
 plan: ``request`` is :func:`sim.cluster.simulate` (each ``--policies`` entry
-places each whole request at its arrival), ``slice`` is :func:`simulate_slices`:
+places each whole request at its arrival), ``slice`` is :func:`simulate_slices`,
+the ``slice`` dispatcher (:mod:`router.core.slice_dispatch`, the object the
+router runs under ``--dispatch-mode slice``) carried out in virtual time:
 
-- arrivals go to a pool; at every schedule point the pool is batched with
-  :func:`router.core.slicing.batch_requests` and the batches are offloaded
-  max-min (:class:`router.core.slicing.LoadLedger`) to per-instance local
-  queues; the next schedule point comes :func:`~router.core.slicing.next_interval_ms`
-  later (adaptive unless ``--slice-interval-ms`` fixes it);
-- an instance serves its local queue one batch at a time, as the workers of
-  slice-level scheduling do: the batch's requests are added to the instance's
-  :class:`engine.model.SimCore` (the same engine model request-level dispatch
-  steps) with ``max_new_tokens = min(S, tokens still to generate)``; when its
-  last request ends its slice the batch's estimate leaves the ledger and the
-  next batch starts;
-- a request whose slice ends before its output is complete goes back to the
-  pool with the generated tokens appended to its context: the next slice
-  prefills all of it again (the engine model has no prefix cache), which is
-  what ``recomputed_tokens`` counts.
+- the dispatcher keeps the pool, the schedule points (the timer it asks for:
+  adaptive unless ``--slice-interval-ms`` fixes it), the batching, the max-min
+  offload into per-instance local queues and the admission as each
+  instance's planned KV leaves room; this loop only keeps the clock and the
+  engines and carries out its actions;
+- a ``DISPATCH`` adds the slice to its instance's :class:`engine.model.SimCore`
+  (the same engine model request-level dispatch steps) with ``max_new_tokens``
+  at the action's cap (the engine stops earlier at the answer's true end);
+- a slice that ends at its cap with output left is the lifecycle's pause:
+  the dispatcher hears :class:`~router.core.dispatch.Paused` and places the
+  next slice (at once, or at the next schedule point), which prefills the
+  prompt and the tokens so far again (what ``recomputed_tokens`` counts; a
+  slice resumed at once on the instance it left finds its full blocks in that
+  engine's prefix cache, ``SliceConfig.prefix_cache``).
 
 Figures beyond :func:`workload.report.summarize`: ``load_imbalance`` is the
 coefficient of variation (population std / mean) of per-instance busy time,
@@ -31,9 +32,8 @@ from a slice's last token to the next slice's first token of the same
 request (what a client sees as a stall mid-stream).
 
 Scope: neutral fleets (a slice is a whole prefill-plus-decode on one
-instance). The batcher and the ledger use the first instance's profile and
-the smallest KV capacity and ``max_num_seqs`` of the fleet; a heterogeneous
-fleet is balanced as if every instance had that profile.
+instance). Each instance is priced with its own estimators (its profile
+group's predictor and its engine's limits), as in the router.
 """
 
 from __future__ import annotations
