@@ -82,6 +82,10 @@ from router.core.slicing import (
 #: Targets a slice's placement is checked against: the offloader chose the instance.
 _ANY = Targets(ttft_ms=1e12, tpot_ms=1e12, e2e_ms=0.0, full_ttft_ms=1e12)
 
+#: Placements of one request's slices that may fail in a row (its instance gone from the fleet, each
+#: time back to the pool for the next schedule point, which reads the fleet again) before it is refused.
+MAX_PLACEMENT_FAILURES = 3
+
 
 @dataclass
 class _Slice:
@@ -97,6 +101,8 @@ class _Slice:
     instance: str = ""
     key: int = -1
     waiting: bool = True
+    #: Placements of its slices that failed in a row (the chosen instance left the fleet).
+    failures: int = 0
 
 
 class Sliced:
@@ -326,11 +332,16 @@ class Sliced:
                     sched.finish(instance, key, part)  # left while queued: its slice ends unstarted
                     continue
                 s = self._slices[str(part.key)]
-                out.append(self._dispatch(s, instance, key, now, fleet))
+                action = self._dispatch(s, instance, key, now, fleet)
+                if action is not None:
+                    out.append(action)
         return out
 
-    def _dispatch(self, s: _Slice, instance: str, key: int, now: float, fleet: Fleet) -> Action:
-        """The slice's placement on ``instance`` (a decision like any other, so the driver records it)."""
+    def _dispatch(self, s: _Slice, instance: str, key: int, now: float, fleet: Fleet) -> Action | None:
+        """The slice's placement on ``instance`` (a decision like any other, so the driver records it).
+
+        None when placement refuses the instance (it left the fleet, or failed and is ejected since
+        the last schedule point): the slice goes back to the pool and still waits."""
         part = s.part
         assert part is not None
         s.waiting = False
@@ -349,10 +360,20 @@ class Sliced:
         try:
             decision = fleet.decide(fleet.view(), request, now, targets=_ANY, policy=self._policy)
         except SchedulingError as exc:
-            assert self.sched is not None
-            self.sched.finish(instance, key, part)
-            self._slices.pop(s.request.request_id, None)
-            return Action(Outcome.REFUSE, s.request, s.token, error=exc, event="rejected", waited=False)
+            sched = self.sched
+            assert sched is not None
+            sched.finish(instance, key, part)
+            s.failures += 1
+            if s.failures > MAX_PLACEMENT_FAILURES:
+                self._slices.pop(s.request.request_id, None)
+                return Action(Outcome.REFUSE, s.request, s.token, error=exc, event="rejected")
+            s.waiting = True
+            self._waiting += 1
+            sched.add(part)
+            if self._wake is None:
+                self._wake = max(now, self._next_tick)
+            return None
+        s.failures = 0
         self.slices += 1
         return Action(
             Outcome.DISPATCH,
@@ -385,7 +406,9 @@ class Sliced:
         s.part = following
         s.waiting = True
         self._waiting += 1
-        return [Action(Outcome.QUEUED, s.request, s.token), self._dispatch(s, target, new_key, now, fleet)]
+        placed = self._dispatch(s, target, new_key, now, fleet)
+        queued = Action(Outcome.QUEUED, s.request, s.token)
+        return [queued] if placed is None else [queued, placed]
 
     def _completed(self, event: Completion, now: float) -> list[Action]:
         s = self._slices.get(event.request_id)

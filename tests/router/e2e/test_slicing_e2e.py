@@ -178,3 +178,28 @@ async def test_slice_requests_feed_the_router_metrics() -> None:
         registry = cluster.router.observer.registry
         assert registry.get_sample_value("slo_router_requests_total", {"outcome": "ok"}) == 1.0
         assert registry.get_sample_value("slo_router_ttft_seconds_count") == 1.0
+
+
+async def test_killing_the_worker_of_a_running_slice_loses_and_duplicates_nothing() -> None:
+    # The slice's leg fails over like any decode (the tokens so far kept), and the slices after it
+    # are placed by the dispatcher on the instance left.
+    async with embedded_cluster(
+        neutral=2, slice_config=SLICES, engine_overrides={"speed_factor": 5.0}
+    ) as cluster:
+        request = generate_request(64, 120, request_id="survivor")
+        tokens: list[int] = []
+        killed = ""
+        async for message in cluster.stub.Generate(request, timeout=60):
+            tokens.extend(message.token_ids)
+            if not killed and len(tokens) >= 20:
+                busy = [
+                    i for i, e in cluster.engines.items() if e.core.has_unfinished and i in cluster.workers
+                ]
+                if busy:
+                    killed = busy[0]
+                    await cluster.kill_worker(killed)
+        assert killed
+        assert tokens == expected_tokens(request)
+        assert len(tokens) == 120
+        dispatcher = cluster.router.service._admission.dispatcher
+        assert len(dispatcher) == 0 and cluster.router.service.active_requests == 0
