@@ -209,6 +209,9 @@ class _SliceSimulation:
             taken_at_s=0.0,
             version=1,
         )
+        # One view for every placement: the instances' health does not change and the slice
+        # placements read nothing else (their loads are the dispatcher's own estimators').
+        self.view = self.scheduler.view(self.snapshot, 0.0)
         self.dispatcher = make_dispatcher(
             DispatchSetup(
                 QueueConfig(queue_policy="none", max_queue_size=min(config.max_waiting_slices, 1_000_000)),
@@ -468,8 +471,8 @@ class _SliceFleet:
     def scheduler(self) -> Scheduler:
         return self.sim.scheduler
 
-    def view(self) -> ClusterSnapshot:
-        return self.sim.snapshot
+    def view(self) -> ClusterView:
+        return self.sim.view
 
     def snapshot(self) -> ClusterSnapshot:
         return self.sim.snapshot
