@@ -3,22 +3,23 @@
 ``simulate --dispatch-modes request,slice`` runs every rate twice over the same
 plan: ``request`` is :func:`sim.cluster.simulate` (each ``--policies`` entry
 places each whole request at its arrival), ``slice`` is :func:`simulate_slices`:
+the same virtual-time driver (:func:`sim.cluster.simulate`) over the ``slice``
+dispatcher (:mod:`router.core.slice_dispatch`, the object the router runs under
+``--dispatch-mode slice``):
 
-- arrivals go to a pool; at every schedule point the pool is batched with
-  :func:`router.core.slicing.batch_requests` and the batches are offloaded
-  max-min (:class:`router.core.slicing.LoadLedger`) to per-instance local
-  queues; the next schedule point comes :func:`~router.core.slicing.next_interval_ms`
-  later (adaptive unless ``--slice-interval-ms`` fixes it);
-- an instance serves its local queue one batch at a time, as the workers of
-  slice-level scheduling do: the batch's requests are added to the instance's
-  :class:`engine.model.SimCore` (the same engine model request-level dispatch
-  steps) with ``max_new_tokens = min(S, tokens still to generate)``; when its
-  last request ends its slice the batch's estimate leaves the ledger and the
-  next batch starts;
-- a request whose slice ends before its output is complete goes back to the
-  pool with the generated tokens appended to its context: the next slice
-  prefills all of it again (the engine model has no prefix cache), which is
-  what ``recomputed_tokens`` counts.
+- the dispatcher keeps the pool, the schedule points (the timer it asks for:
+  adaptive unless ``--slice-interval-ms`` fixes it), the batching, the max-min
+  offload into per-instance local queues and the admission as each
+  instance's planned KV leaves room;
+- each of its placements carries a cap: the driver adds the slice to its
+  instance's :class:`engine.model.SimCore` with ``max_new_tokens`` at the cap
+  (the engine stops earlier at the answer's true end);
+- a run that ends at its cap with output left is the lifecycle's pause: the
+  dispatcher hears :class:`~router.core.dispatch.Paused` and places the next
+  slice (at once, or at the next schedule point), which prefills the prompt
+  and the tokens so far again (what ``recomputed_tokens`` counts; a slice
+  resumed at once on the instance it left finds its full blocks in that
+  engine's prefix cache when ``SliceConfig.prefix_cache`` says engines keep them).
 
 Figures beyond :func:`workload.report.summarize`: ``load_imbalance`` is the
 coefficient of variation (population std / mean) of per-instance busy time,
@@ -31,22 +32,17 @@ from a slice's last token to the next slice's first token of the same
 request (what a client sees as a stall mid-stream).
 
 Scope: neutral fleets (a slice is a whole prefill-plus-decode on one
-instance). The batcher and the ledger use the first instance's profile and
-the smallest KV capacity and ``max_num_seqs`` of the fleet; a heterogeneous
-fleet is balanced as if every instance had that profile.
+instance). Each instance is priced with its own estimators (its profile
+group's predictor and its engine's limits), as in the router.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import heapq
-import itertools
 import json
 import math
-import random
 import sys
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,22 +50,16 @@ from typing import Any
 
 import numpy as np
 
-from engine.interface import EngineOverloadedError, InvalidRequestError
-from engine.model import ProfileCostModel, ScheduledStep, SimCore, SimRequestSpec
 from fleet.flags import error_line
+from router.core.config import SchedulerConfig
 from router.core.request import Role
 from router.core.slicing import (
-    InstanceShape,
-    ModelBook,
     SliceConfig,
-    SliceRequest,
-    SliceScheduler,
     add_slice_arguments,
     slice_config_of,
-    slice_length,
     slices_pay,
 )
-from sim.cluster import SimFleet, SimStats, finished_result, simulate
+from sim.cluster import SimFleet, SimStats, simulate
 from sim.sweep import PolicyChoice, SweepPoint, _point, point_to_dict, sweep_meta
 from workload.report import RequestResult
 from workload.sequence import request_sequence
@@ -81,9 +71,6 @@ DISPATCH_MODES = ("request", "slice", "auto")
 AUTO_PILOT_REQUESTS = 100
 #: The policy label slice-dispatch results carry (its offloader, not a registered policy).
 SLICE_POLICY = "max-min"
-
-_STEP_END = 0
-_TICK = 1
 
 
 @dataclass(frozen=True)
@@ -119,328 +106,45 @@ class SliceOutcome:
     wall_s: float
 
 
-class _Req:
-    __slots__ = (
-        "done_s",
-        "error_code",
-        "error_message",
-        "first_s",
-        "generated",
-        "in_slice",
-        "instance",
-        "last_s",
-    )
-
-    def __init__(self) -> None:
-        self.generated = 0
-        #: Tokens the running slice has produced so far (its progress).
-        self.in_slice = 0
-        self.first_s = -1.0
-        self.last_s = -1.0
-        self.done_s = -1.0
-        self.instance = -1
-        self.error_code: str | None = None
-        self.error_message = ""
-
-
-class _SliceSimulation:
-    def __init__(
-        self, fleet: SimFleet, plans: Sequence[RequestPlan], config: SliceConfig, *, seed: int
-    ) -> None:
-        if any(role is not Role.NEUTRAL for role in fleet.roles):
-            raise ValueError(
-                "slice dispatch runs on neutral instances: use --neutral K (or a neutral --fleet)"
-            )
-        self.fleet = fleet
-        self.plans = plans
-        self.config = config
-        n = fleet.n
-        self.cores = []
-        for i, (engine, lp) in enumerate(zip(fleet.configs, fleet.instance_truths, strict=True)):
-            rng = random.Random((engine.seed * 1_000_003 + seed) * 65_537 + i)
-            cost = ProfileCostModel(lp, speed_factor=engine.speed_factor, noise=engine.noise, rng=rng)
-            self.cores.append(SimCore(engine, cost))
-        # The dispatcher's models, one per instance: the router's predictor of the instance's profile
-        # group (not the engines' ground truth) and the instance's own engine limits.
-        book = ModelBook(fleet.predictors.for_group, config)
-        models = book.models(
-            {
-                iid: InstanceShape(
-                    group,
-                    max_num_batched_tokens=c.max_num_batched_tokens,
-                    kv_capacity_tokens=c.kv_capacity_tokens,
-                    block_size=c.block_size,
-                    max_model_len=c.max_model_len,
-                    max_num_seqs=c.max_num_seqs,
-                )
-                for iid, group, c in zip(fleet.ids, fleet.groups, fleet.configs, strict=True)
-            }
-        )
-        self.ids = list(fleet.ids)
-        self.index = {iid: k for k, iid in enumerate(self.ids)}
-        first = models[self.ids[0]]
-        self.sched = SliceScheduler(config, first.serving, first.memory, self.ids)
-        self.sched.set_models(models)
-        # The engines' progress, as the router reads it from the tokens it relays: a running slice's
-        # context now is its prompt and every token its request has produced.
-        self.sched.progress = self._context_now
-        self.serving = self.sched.models(min(self.ids)).serving
-        self.preempted = [0] * n
-        self.steps: list[ScheduledStep | None] = [None] * n
-        self.busy = [0.0] * n
-        self.last_busy = [0.0] * n
-        #: Engine request id of a slice -> (request index, its slice, batch key).
-        self.slice_of: dict[str, tuple[int, SliceRequest, int]] = {}
-        self.reqs = [_Req() for _ in plans]
-        self.heap: list[tuple[float, int, int, int]] = []
-        self.seq = 0
-        self.tick_pending = False
-        self.next_tick_s = 0.0
-        self.now = 0.0
-        self.recomputed = self.slices = self.num_steps = self.events = 0
-        self.gaps_ms: list[float] = []
-
-    def _context_now(self, key: object) -> int | None:
-        idx = int(key)  # type: ignore[call-overload]
-        r = self.reqs[idx]
-        return int(self.plans[idx].prompt_tokens + r.generated + r.in_slice)
-
-    def _push(self, t: float, kind: int, x: int) -> None:
-        heapq.heappush(self.heap, (t, self.seq, kind, x))
-        self.seq += 1
-
-    def run(self) -> float:
-        arrivals = [p.arrival_s for p in self.plans]
-        k, n = 0, len(arrivals)
-        heap = self.heap
-        while k < n or heap:
-            if heap and (k >= n or heap[0][0] <= arrivals[k]):
-                t, _, kind, x = heapq.heappop(heap)
-                self.now = t
-                if kind == _STEP_END:
-                    self._step_end(x, t)
-                else:
-                    self._tick(t)
-            else:
-                self.now = arrivals[k]
-                self._arrive(k, arrivals[k])
-                k += 1
-            self.events += 1
-        return max(self.now, arrivals[-1] if arrivals else 0.0)
-
-    # ------------------------------------------------------------------ pool and schedule points
-
-    def _arrive(self, idx: int, now: float) -> None:
-        plan = self.plans[idx]
-        limit = min(c.max_model_len for c in self.fleet.configs)
-        if plan.prompt_tokens + plan.max_tokens > limit:
-            self._fail(
-                idx,
-                "INVALID_ARGUMENT",
-                f"prompt ({plan.prompt_tokens}) + max_tokens ({plan.max_tokens}) exceeds max_model_len={limit}",
-                now,
-            )
-            return
-        self._to_pool(idx, now)
-
-    def _to_pool(self, idx: int, now: float) -> None:
-        self.sched.add(self._slice(idx))
-        if not self.tick_pending:
-            self.tick_pending = True
-            self._push(max(now, self.next_tick_s), _TICK, 0)
-
-    def _slice(self, idx: int) -> SliceRequest:
-        """The request's next slice: its context now and the tokens this slice may generate."""
-        plan = self.plans[idx]
-        r = self.reqs[idx]
-        context = plan.prompt_tokens + r.generated
-        length = slice_length(context, plan.max_tokens - r.generated, self.serving, self.config, r.generated)
-        return SliceRequest(idx, context, length)
-
-    def _tick(self, now: float) -> None:
-        self.tick_pending = False
-        self.sched.schedule()
-        self.next_tick_s = now + self.sched.interval_ms() * 1e-3
-        if self.sched.pool:  # more than one point batches (max_batching_slices): come back for the rest
-            self.tick_pending = True
-            self._push(self.next_tick_s, _TICK, 0)
-        for i in range(self.fleet.n):
-            self._admit(i, now)
-
-    # ------------------------------------------------------------------ instances
-
-    def _admit(self, i: int, now: float) -> None:
-        """Hand instance ``i``'s engine the queued batches it can take now."""
-        instance = self.ids[i]
-        for key, batch in self.sched.admit(instance, now * 1000.0):
-            for sr in batch.requests:
-                self._start_slice(i, key, sr, now)
-        if self.steps[i] is None:
-            self._step(i, now)
-
-    def _start_slice(self, i: int, key: int, sr: SliceRequest, now: float, cached: int = 0) -> None:
-        core = self.cores[i]
-        instance = self.ids[i]
-        idx = int(sr.key)  # type: ignore[call-overload]
-        r = self.reqs[idx]
-        rid = f"{idx}.{self.slices}"
-        self.slices += 1
-        # The slice is planned by its cap; the engine stops at the answer's true end.
-        new_tokens = max(min(sr.slice_tokens, self.plans[idx].true_output_tokens - r.generated), 1)
-        spec = SimRequestSpec(
-            rid, sr.context_tokens, new_tokens, num_cached_tokens=cached, counts_as_decode=new_tokens > 1
-        )
-        try:
-            core.add(spec)
-        except (EngineOverloadedError, InvalidRequestError) as exc:
-            overloaded = isinstance(exc, EngineOverloadedError)
-            code = "RESOURCE_EXHAUSTED" if overloaded else "INVALID_ARGUMENT"
-            self._fail(idx, code, f"instance {instance}: {exc}", now)
-            self.sched.finish(instance, key, sr, now * 1000.0)
-            return
-        if r.generated > 0:
-            self.recomputed += sr.context_tokens - cached
-        r.instance = i
-        self.slice_of[rid] = (idx, sr, key)
-
-    def _step(self, i: int, now: float) -> None:
-        step = self.cores[i].schedule()
-        self.steps[i] = step
-        if step is not None:
-            self.num_steps += 1
-            self._push(now + step.duration_ms * 1e-3, _STEP_END, i)
-
-    def _step_end(self, i: int, now: float) -> None:
-        step = self.steps[i]
-        assert step is not None
-        self.steps[i] = None
-        self.busy[i] += step.duration_ms * 1e-3
-        self.last_busy[i] = now
-        result = self.cores[i].finish_step(step)
-        preempted = self.cores[i].num_preemptions
-        if preempted > self.preempted[i]:
-            self.preempted[i] = preempted
-            self.sched.preempted(self.ids[i])
-        freed = False
-        started: set[int] = set()
-        for rid, position, finished, _held in result.outputs:
-            idx, sr, key = self.slice_of[rid]
-            r = self.reqs[idx]
-            if position == 0:
-                if r.first_s < 0:
-                    r.first_s = now
-                elif r.last_s >= 0:
-                    self.gaps_ms.append((now - r.last_s) * 1000.0)
-            if not finished:
-                r.in_slice = position + 1
-                continue
-            del self.slice_of[rid]
-            r.in_slice = 0
-            r.generated += position + 1
-            r.last_s = now
-            produced = position + 1
-            if r.generated >= self.plans[idx].true_output_tokens:
-                r.done_s = now
-                self.sched.finish(self.ids[i], key, sr, now * 1000.0, produced)
-            elif not self.config.resume_at_once:  # the paper's way: back to the pool
-                self._to_pool(idx, now)
-                self.sched.finish(self.ids[i], key, sr, now * 1000.0, produced)
-            else:
-                # The next slice is placed at once (SliceScheduler.resume): the stream never waits
-                # for a schedule point between its slices.
-                target, new_key, batch = self.sched.resume(
-                    self.ids[i], key, sr, self._slice(idx), now * 1000.0, produced
-                )
-                j = self.index[target]
-                following = batch.requests[0]
-                cached = 0
-                if j == i and self.config.prefix_cache:
-                    # Its blocks were freed this very step and are still in the engine's prefix
-                    # cache; only the last partial block (and the token just sampled) is computed.
-                    block = self.fleet.configs[i].block_size
-                    cached = min(
-                        (following.context_tokens - 1) // block * block, following.context_tokens - 1
-                    )
-                self._start_slice(j, new_key, following, now, cached)
-                if j != i:
-                    started.add(j)
-            freed = True
-        if freed:
-            self._admit(i, now)
-        if self.steps[i] is None:
-            self._step(i, now)
-        for j in started:
-            if self.steps[j] is None:
-                self._step(j, now)
-
-    def _fail(self, idx: int, code: str, message: str, now: float) -> None:
-        r = self.reqs[idx]
-        r.done_s = now
-        r.error_code = code
-        r.error_message = message
-
-    # ------------------------------------------------------------------ results
-
-    def results(self) -> tuple[RequestResult, ...]:
-        out = []
-        ids = self.fleet.ids
-        for plan, r in zip(self.plans, self.reqs, strict=True):
-            if r.done_s < 0:
-                raise RuntimeError(f"request {plan.index} did not finish")
-            instance = ids[r.instance] if r.instance >= 0 else ""
-            out.append(
-                finished_result(
-                    plan,
-                    first_s=r.first_s,
-                    done_s=r.done_s,
-                    tokens=r.generated,
-                    error_code=r.error_code,
-                    error_message=r.error_message,
-                    prefill_instance_id=instance,
-                    decode_instance_id=instance,
-                )
-            )
-        return tuple(out)
-
-
 def simulate_slices(
     fleet: SimFleet, plans: Sequence[RequestPlan], config: SliceConfig, *, seed: int = 0
 ) -> SliceOutcome:
-    """Run ``plans`` (in arrival order) on a neutral ``fleet`` with slice-level dispatch."""
-    if any(b.arrival_s < a.arrival_s for a, b in itertools.pairwise(plans)):
-        raise ValueError("plans must be in arrival order")
-    started = time.perf_counter()
-    sim = _SliceSimulation(fleet, plans, config, seed=seed)
-    duration = sim.run()
-    results = sim.results()
-    gaps = sim.gaps_ms
+    """Run ``plans`` (in arrival order) on a neutral ``fleet`` with slice-level dispatch.
+
+    The simulator's one virtual-time driver (:func:`sim.cluster.simulate`) over the ``slice``
+    dispatcher: each placement is capped at its slice, a run that ends at its cap is paused and
+    resumed where the dispatcher places the next slice. The engines keep a paused slice's blocks in
+    their prefix cache when ``config.prefix_cache`` says so. The router's calibration is off (the
+    dispatcher fits its own estimators online).
+    """
+    if any(role is not Role.NEUTRAL for role in fleet.roles):
+        raise ValueError("slice dispatch runs on neutral instances: use --neutral K (or a neutral --fleet)")
+    outcome = simulate(
+        fleet,
+        SchedulerConfig(calibration="off"),
+        plans,
+        seed=seed,
+        slicing=config,
+        resume_cache=config.prefix_cache,
+        # As the published slice figures were measured: the engines cache no prompt blocks by the
+        # plans' hash ids (only a paused slice's own blocks, resume_cache).
+        engine_prefix_cache=False,
+    )
+    gaps = outcome.resume_gaps_ms
+    counters = outcome.counters
     figures = SliceFigures(
-        busy_s=tuple(sim.busy),
-        completion_s=tuple(sim.last_busy),
-        recomputed_tokens=sim.recomputed,
-        slices=sim.slices,
-        batches=sim.sched.batches,
-        schedule_points=sim.sched.schedule_points,
+        busy_s=outcome.busy_s,
+        completion_s=outcome.last_busy_s,
+        recomputed_tokens=outcome.recomputed_tokens,
+        slices=counters.get("slices", 0),
+        batches=counters.get("batches", 0),
+        schedule_points=counters.get("schedule_points", 0),
         resume_gap_p99_ms=float(np.percentile(gaps, 99)) if gaps else None,
     )
-    # Time-average of instances holding work, per role: an engine steps back to back while it
-    # holds a slice, so its busy time is the time it holds work.
-    busy = {Role.PREFILL: 0.0, Role.DECODE: 0.0, Role.NEUTRAL: 0.0}
-    for role, seconds in zip(fleet.roles, sim.busy, strict=True):
-        busy[role] += seconds
-    span = duration if duration > 0 else 1.0
-    stats = SimStats(
-        decisions=sim.sched.batches,
-        rejected=0,
-        steps=sim.num_steps,
-        preemptions=sum(c.num_preemptions for c in sim.cores),
-        kv_transfers=0,
-        events=sim.events,
-        mean_busy_prefill=busy[Role.PREFILL] / span,
-        mean_busy_decode=busy[Role.DECODE] / span,
-        mean_busy_neutral=busy[Role.NEUTRAL] / span,
-    )
-    return SliceOutcome(results, duration, stats, figures, time.perf_counter() - started)
+    # A slice placement is a health check on the instance the offloader chose; the decisions a
+    # report counts are the batcher's.
+    stats = dataclasses.replace(outcome.stats, decisions=counters.get("batches", 0))
+    return SliceOutcome(outcome.results, outcome.duration_s, stats, figures, outcome.wall_s)
 
 
 def request_figures(fleet: SimFleet, results: Sequence[RequestResult]) -> SliceFigures:
