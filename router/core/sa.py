@@ -8,15 +8,14 @@ request with only an e2e target counts as met when its e2e latency is within
 it; any other request when its TTFT (waiting included) and TPOT are within
 theirs (and its e2e, if it has one too).
 
-Release batches stand in for the engine batches of the paper. The router
-cannot form engine batches: it can only decide *which* requests an instance
-gets and *when*. So the ``sa`` policy hands an instance one release batch at a
-time (at most ``sa_max_batch`` requests, sent together) and the next one only
-when every request of the previous batch has ended. Batch ``k`` then starts when
-batch ``k-1`` ends, which is the paper's waiting-time model (the wait of a
-request is the sum of the durations of the batches before it, a batch lasting
-as long as its slowest member), and the instance's own batching runs each
-release batch as one engine batch.
+The plan's batches are the paper's engine batches, priced as the paper
+prices them: batch ``k`` starts when batch ``k-1`` ends (the wait of a request
+is the sum of the durations of the batches before it, a batch lasting as long
+as its slowest member). The router cannot form engine batches or reorder an
+engine's queue; the paper submits its planned order into vLLM's continuous
+batching, so the ``sa`` policy keeps the queue itself and hands the front of an
+instance's plan over the moment the engine would start it: when fewer of the
+policy's requests run there than the instance's slots (see :class:`SAPlanner`).
 
 The per-request predictions come from the router's latency profile rather than
 the paper's linear fit, in the fit's shape: a request of ``l`` prompt tokens and
