@@ -365,7 +365,7 @@ class Placer:
                 learned=est.samples > 0,
                 tpot_ms=request.tpot_slo_ms,
                 e2e_ms=request.e2e_slo_ms,
-                paced_tokens=est.bound_tokens,
+                paced_tokens=float(est.bound_tokens),
             )
 
     def place_decode(

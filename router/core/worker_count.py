@@ -167,84 +167,48 @@ def samples_from_spans(
 # --------------------------------------------------------------------------- the autoscaling signal
 
 
-#: Requests per heartbeat whose pace the decode demand looks at (the rest of a heartbeat count
-#: toward its rate and lengths, in the shares of those seen).
-MAX_PACE_SAMPLES = 4096
-#: Paces within this ratio of each other share one decode batch in the demand (a bounded number of
-#: batch searches per heartbeat).
-PACE_STEP = 1.05
+#: Kinds of target (TPOT target, e2e target) a heartbeat keeps apart for the decode margin; the
+#: requests of further kinds count toward the rate and lengths only.
+MAX_TARGET_KINDS = 64
 
 
-@dataclass(frozen=True)
-class PaceSample:
-    """One placed request as the decode demand sees it: its targets, prompt, expected output, and
-    the output its deadline is paced by (the router paces a deadline by the tail of the length)."""
-
-    tpot_ms: float
-    e2e_ms: float
-    prompt_tokens: float
-    output_tokens: float
-    paced_tokens: float
-
-
-def pace_ms(sample: PaceSample, rates: InstanceRates, ceiling_ms: float) -> float:
-    """The decode step a request needs: its TPOT target, or what its deadline leaves per token after
-    its prefill (the prompt over what a prefill instance computes a second), at most ``ceiling_ms``
-    (a decoder steps for the tightest of its residents, and every load shares decoders with the
-    default target's); neither target: ``ceiling_ms``."""
-    if sample.tpot_ms > 0:
-        return min(sample.tpot_ms, ceiling_ms)
-    if sample.e2e_ms > 0:
-        prefill_ms = 1000.0 * sample.prompt_tokens / max(rates.prefill_tokens_per_s, 1e-9)
-        left = (sample.e2e_ms - prefill_ms) / max(sample.paced_tokens - 1.0, 1.0)
-        return min(max(left, 1.0), ceiling_ms)
-    return ceiling_ms
-
-
-def paced_decode_demand(
-    samples: Sequence[PaceSample],
-    shape: LoadShape,
-    rates_at: Callable[[float], InstanceRates],
-    ceiling_ms: float,
+def least_slack(
+    kinds: dict[tuple[float, float], tuple[int, float, float]],
+    rates: InstanceRates,
+    default_tpot_ms: float,
 ) -> float:
-    """Decoders a heartbeat's load needs when its requests need different paces (Aladdin's Eq. 4:
-    the tighter the ATGT target, the smaller the batch a worker may run).
+    """The share of its decoding life the least patient kind of request can wait and keep its pace
+    (``decode_staffing``'s slack), at the decoder's step.
 
-    Requests are grouped by the pace they need (within ``PACE_STEP``); each group's output tokens
-    are served at the rate of the batch that keeps its pace (``rates_at(pace)``), and the fluid
-    decoders of the groups add up. The spread margin (:func:`decode_staffing`) is taken on the
-    whole: the requests decoding at once, and each request's slack against its group's step. With
-    one pace for every request this is ``decode_staffing(fluid_demand(...))`` with the slack.
-    A mix whose code answers must keep a 24 ms step to meet a 4 s deadline (their length's
-    tail) needs more decoders than its mean pace says: with one pace for all, ``mixed`` at 16
-    req/s was sized at 3 decoders where ``plan`` needs 4.
+    ``kinds`` maps (TPOT target, e2e target), 0 where unset, to (requests, prompt tokens, paced
+    output tokens) summed over the heartbeat. A kind's pace is its TPOT target, or what its
+    deadline leaves per token of its paced answer after the prefill of its mean prompt (the prompt
+    over what a prefill instance computes a second), or the default target. The paced answer is
+    the length the router paces a deadline by, the tail of the length estimate
+    (``LengthEstimate.bound_tokens``; ``packing_tpot_target_ms``): answers longer than the mean
+    must finish in time too. Each class is judged on its own, so the margin protects the kind
+    with the least time to spare, as constraint (b) holds an instance's batch to the least need
+    of the requests it holds: averaged over requests, a patient majority (chat stepping 42 ms
+    against 50) hid a tight minority (code answers whose 4 s deadline leaves about 24 ms a token
+    at the tail of their length) and ``mixed`` at 16 req/s was sized at 3 decoders where ``plan``
+    needs 4.
     """
-    if not samples or shape.rate <= 0:
+    step = rates.decode_step_ms
+    if not (step > 0 and math.isfinite(step)) or not kinds:
         return 0.0
-    base = rates_at(ceiling_ms)
-    groups: dict[int, list[tuple[float, float]]] = {}
-    for sample in samples:
-        pace = pace_ms(sample, base, ceiling_ms)
-        key = math.floor(math.log(pace) / math.log(PACE_STEP) + 1e-9)
-        groups.setdefault(key, []).append((pace, sample.output_tokens))
-    scale = (
-        shape.rate
-        * shape.mean_output_tokens
-        / max(sum(o for _, o in (x for g in groups.values() for x in g)), 1e-9)
-    )
-    fluid = concurrency = 0.0
-    slacks: list[float] = []
-    for members in groups.values():
-        rates = rates_at(min(p for p, _ in members))
-        tokens_per_s = scale * sum(o for _, o in members)
-        share = tokens_per_s / max(rates.decode_tokens_per_s, 1e-9)
-        fluid += share
-        concurrency += share * rates.decode_batch
-        step = rates.decode_step_ms
-        slacks.extend(max(p / step - 1.0, 0.0) for p, _ in members)
-    if fluid <= 0:
-        return 0.0
-    return decode_staffing(fluid, concurrency / fluid, slacks=slacks)
+    least = math.inf
+    for (tpot, e2e), (n, prompt, output) in kinds.items():
+        if n <= 0:
+            continue
+        if tpot > 0:
+            pace = tpot
+        elif e2e > 0:
+            prefill_ms = 1000.0 * (prompt / n) / max(rates.prefill_tokens_per_s, 1e-9)
+            pace = (e2e - prefill_ms) / max(output / n - 1.0, 1.0)
+        else:
+            pace = default_tpot_ms
+        least = min(least, pace / step - 1.0)
+    return max(least, 0.0) if math.isfinite(least) else 0.0
 
 
 #: Rates an instance serves for a load shape and a TPOT target (ms): see ``capacity.instance_rates``.
@@ -330,7 +294,7 @@ class DesiredInstances:
         self._len = 0.0
         self._len2 = 0.0
         self._tpot = math.inf
-        self._paces: list[PaceSample] = []
+        self._kinds: dict[tuple[float, float], tuple[int, float, float]] = {}
 
     def observe(
         self,
@@ -345,8 +309,8 @@ class DesiredInstances:
     ) -> None:
         """One placed request: its prompt, its expected output (``learned``: from finished requests,
         not the prior), its TPOT target and its end-to-end target (0: none; with neither, the
-        default TPOT target applies), and the output its deadline is paced by (0: the expected
-        output)."""
+        default TPOT target applies), and the answer length its deadline is paced by (the router's
+        tail of the length estimate; 0: the expected output)."""
         self._advance(now_s)
         self._n += 1
         self._unlearned += 0 if learned else 1
@@ -357,16 +321,11 @@ class DesiredInstances:
         self._len2 += length * length
         if tpot_ms > 0:
             self._tpot = min(self._tpot, tpot_ms)
-        if len(self._paces) < MAX_PACE_SAMPLES:
-            self._paces.append(
-                PaceSample(
-                    max(tpot_ms, 0.0),
-                    max(e2e_ms, 0.0),
-                    float(prompt_tokens),
-                    float(output_tokens),
-                    max(float(paced_tokens), float(output_tokens)),
-                )
-            )
+        kind = (max(tpot_ms, 0.0), max(e2e_ms, 0.0))
+        seen = self._kinds.get(kind)
+        if seen is not None or len(self._kinds) < MAX_TARGET_KINDS:
+            n, prompt, output = seen or (0, 0.0, 0.0)
+            self._kinds[kind] = (n + 1, prompt + prompt_tokens, output + max(paced_tokens, output_tokens))
 
     def _advance(self, now_s: float) -> None:
         beat = int(now_s // self.heartbeat_s) if math.isfinite(now_s) else 0
@@ -388,8 +347,10 @@ class DesiredInstances:
             cv = math.inf  # not representative: the SEM rule leaves it out
         tpot = self._tpot if math.isfinite(self._tpot) else self.default_tpot_ms
         rates = self._rates(shape, tpot)
-        prefill, _ = fluid_demand(shape, rates)
-        decode = paced_decode_demand(self._paces, shape, lambda pace: self._rates(shape, pace), tpot)
+        prefill, decode = fluid_demand(shape, rates)
+        decode = decode_staffing(
+            decode, rates.decode_batch, slacks=[least_slack(self._kinds, rates, self.default_tpot_ms)]
+        )
         for role, workers in (("prefill", prefill), ("decode", decode), ("neutral", prefill + decode)):
             self.models[role].observe(Heartbeat(shape.rate, workers, n, cv))
 

@@ -9,13 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from router.core.capacity import InstanceRates, LoadShape, decode_staffing, fluid_demand, instance_rates
-from router.core.worker_count import (
-    DesiredInstances,
-    Heartbeat,
-    PaceSample,
-    WorkerCountModel,
-    paced_decode_demand,
-)
+from router.core.worker_count import DesiredInstances, Heartbeat, WorkerCountModel, least_slack
 from tests.router.core.helpers import make_predictor
 
 #: An instance computes 10,000 prompt tokens and generates 1,000 output tokens a second.
@@ -145,29 +139,41 @@ def test_a_kv_bound_decoder_with_time_to_spare_needs_a_smaller_margin() -> None:
     assert math.ceil(decode_staffing(fluid, batch, slacks=[50.0 / 42.5 - 1.0])) == 2
 
 
-def _rates_at(pace: float) -> InstanceRates:
-    """A decoder stepping 10 ms plus 0.8 ms a request, at the largest batch within the pace."""
-    batch = max(int((pace - 10.0) / 0.8), 1)
-    step = 10.0 + 0.8 * batch
-    return InstanceRates(10_000.0, 1000.0 * batch / step, batch, step)
+def test_the_margin_protects_the_kind_of_request_with_the_least_time_to_spare() -> None:
+    rates = InstanceRates(10_000.0, 1000.0, 48, 40.0)  # a decoder stepping 40 ms
+    chat = {(50.0, 0.0): (60, 60 * 500.0, 60 * 200.0)}  # 50 ms TPOT: a quarter of its life to spare
+    assert least_slack(chat, rates, 50.0) == pytest.approx(0.25)
+    # A 4 s deadline paced over 160-token answers after a 100 ms prefill: 23.6 ms a token, under
+    # the step: no time to spare, and the few such requests set the margin for all.
+    code = {(0.0, 4000.0): (5, 5 * 1000.0, 5 * 160.0)}
+    assert least_slack({**chat, **code}, rates, 50.0) == 0.0
+    # A loose deadline (60 s over 640 tokens) does not.
+    batch = {(0.0, 60_000.0): (30, 30 * 500.0, 30 * 640.0)}
+    assert least_slack({**chat, **batch}, rates, 50.0) == pytest.approx(0.25)
+    # Neither target: the default TPOT target.
+    assert least_slack({(0.0, 0.0): (3, 300.0, 300.0)}, rates, 40.0) == 0.0
 
 
-def test_requests_needing_a_tighter_pace_need_more_decoders() -> None:
-    shape = LoadShape(10.0, 500.0, 100.0)
-    chat = [PaceSample(50.0, 0.0, 500.0, 100.0, 100.0)] * 10
-    one_pace = paced_decode_demand(chat, shape, _rates_at, 50.0)
-    # With one pace the demand is the fluid decoders staffed for the spread.
-    assert one_pace == pytest.approx(decode_staffing(*_fluid_and_batch(shape, _rates_at(50.0))))
-    # Half of them judged by a 2.55 s deadline whose answers run to 200 tokens: 12.6 ms a token
-    # after the 50 ms prefill, a batch of 3: their tokens cost 4x the decoder time.
-    code = [PaceSample(0.0, 2550.0, 500.0, 100.0, 200.0)] * 5
-    mixed = paced_decode_demand(chat[:5] + code, shape, _rates_at, 50.0)
-    assert mixed > one_pace * 1.5
-    # A deadline loose enough for the default pace changes nothing (a decoder steps for the
-    # tightest of its residents, the default target's).
-    loose = [PaceSample(0.0, 60_000.0, 500.0, 100.0, 200.0)] * 5
-    assert paced_decode_demand(chat[:5] + loose, shape, _rates_at, 50.0) == pytest.approx(one_pace)
+def test_a_deadline_paced_by_its_length_tail_keeps_the_whole_margin() -> None:
+    # 28 req/s of 100-token answers on decoders of 50 stepping 40 ms against a 50 ms target: 2.8
+    # decoders for the mean, 140 requests decoding at once; a quarter judged by a 5 s deadline.
+    def rates(load: LoadShape, tpot_ms: float) -> InstanceRates:
+        return InstanceRates(10_000.0, 1000.0, 50, 40.0)
 
+    def run(paced: float) -> DesiredInstances:
+        model = DesiredInstances(rates, heartbeat_s=10.0)
+        for k in range(28 * 120):
+            t = k / 28.0
+            if k % 4:
+                model.observe(t, 1000, 100.0, tpot_ms=50.0)
+            else:
+                model.observe(t, 1000, 100.0, e2e_ms=5000.0, paced_tokens=paced)
+        return model
 
-def _fluid_and_batch(shape: LoadShape, rates: InstanceRates) -> tuple[float, int]:
-    return fluid_demand(shape, rates)[1], rates.decode_batch
+    shape = LoadShape(28.0, 1000.0, 100.0)
+    # Paced at the mean length (100 tokens) the deadline leaves 49.5 ms a token after a 100 ms
+    # prefill, chat's 25 % slack is the least, and the margin shrinks: (140 + 0.55·√140) / 50 =
+    # 2.93. Paced at 200 tokens it leaves 24.6 ms, under the step: (140 + 1.645·√140) / 50 = 3.19.
+    loose = run(0.0).desired(120.0, shape).decode
+    tight = run(200.0).desired(120.0, shape).decode
+    assert (loose, tight) == (3, 4)
