@@ -67,7 +67,7 @@ from router.slicing import SliceDispatcher, slice_config_from_args
 from router.slicing import add_arguments as add_slice_arguments
 from router.telemetry import RequestObserver
 from router.tokenize import Tokenizer, load_tokenizer
-from router.vllm_grpc import DEFAULT_STREAM_INTERVAL_S, DEFAULT_STREAM_MESSAGES_PER_S
+from router.vllm_grpc import DEFAULT_STREAM_INTERVAL_S, DEFAULT_STREAM_MESSAGES_PER_S, VllmGrpcClient
 
 logger = logging.getLogger(__name__)
 
@@ -253,7 +253,7 @@ async def start_router_server(
             profile_label=scheduler.config.profile_label,
             max_retries=service_config.max_retries,
         )
-    kv_feed = _kv_event_feed(scheduler, reader, pool)
+    kv_feed = _kv_event_feed(scheduler, reader, pool, workers.vllm)
     admission = make_admission(placer, queue_config or QueueConfig(), qlm_config, observer=observer)
     reader.add_listener(admission.notify)
     service = RouterService(
@@ -334,7 +334,9 @@ async def start_router_server(
     return router
 
 
-def _kv_event_feed(scheduler: Scheduler, reader: ClusterReader, pool: ChannelPool) -> KvEventFeed | None:
+def _kv_event_feed(
+    scheduler: Scheduler, reader: ClusterReader, pool: ChannelPool, vllm: VllmGrpcClient
+) -> KvEventFeed | None:
     """Subscribe to the workers' prefix-cache events when the routing wants them: ``exact`` feeds its
     index; ``auto`` becomes exact for the instances that publish, approximate for the rest."""
     mode = PrefixRouting(scheduler.config.prefix_cache_routing)
@@ -343,7 +345,7 @@ def _kv_event_feed(scheduler: Scheduler, reader: ClusterReader, pool: ChannelPoo
     prefix = scheduler.prefix
     if not isinstance(prefix, (ExactPrefixIndex, AutoPrefixIndex)):
         return None
-    feed = KvEventFeed(prefix, pool, stale_s=max(scheduler.config.instance_staleness_s, 1.0))
+    feed = KvEventFeed(prefix, pool, stale_s=max(scheduler.config.instance_staleness_s, 1.0), vllm=vllm)
     reader.add_snapshot_listener(feed.on_snapshot)
     return feed
 
