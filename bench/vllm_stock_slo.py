@@ -55,6 +55,89 @@ def _attainment(path: Path) -> dict[str, float]:
     return out
 
 
+#: How often the probe asks each router's dry run (``Router.Schedule`` with ``explain``) while it serves.
+PROBE_INTERVAL_S = 0.5
+
+
+class Probe:
+    """Asks a router's dry run, while a run goes, where a typical request of each class would go.
+
+    Nothing is dispatched (``Router.Schedule``). Counts, per class, how often the request would
+    wait in the router queue and which filter dropped the candidates: why a policy held requests
+    that the fleet could have served. Runs in a thread of its own (the runs are subprocesses).
+    """
+
+    def __init__(self, port: int) -> None:
+        import threading
+
+        self.port = port
+        self.counts: dict[str, dict[str, int]] = {}
+        self.reasons: dict[str, str] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def __enter__(self) -> Probe:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def _loop(self) -> None:
+        import grpc
+        from slorouter.v1 import common_pb2, router_pb2, router_pb2_grpc
+
+        requests = {
+            "interactive": router_pb2.GenerateRequest(
+                prompt_token_ids=[5 + i % 900 for i in range(200)],
+                sampling=common_pb2.SamplingParams(max_tokens=48, ignore_eos=True),
+                slo=common_pb2.SloTarget(ttft_ms=500.0, tpot_ms=60.0),
+                slo_class="interactive",
+            ),
+            "batch": router_pb2.GenerateRequest(
+                prompt_token_ids=[7 + i % 900 for i in range(600)],
+                sampling=common_pb2.SamplingParams(max_tokens=64, ignore_eos=True),
+                slo=common_pb2.SloTarget(e2e_ms=8000.0),
+                slo_class="batch",
+            ),
+        }
+        with grpc.insecure_channel(f"127.0.0.1:{self.port}") as channel:
+            stub = router_pb2_grpc.RouterStub(channel)
+            while not self._stop.wait(PROBE_INTERVAL_S):
+                for name, request in requests.items():
+                    counts = self.counts.setdefault(name, {})
+                    try:
+                        answer = stub.Schedule(
+                            router_pb2.ScheduleRequest(request=request, explain=True), timeout=5
+                        )
+                    except grpc.RpcError as exc:
+                        counts[f"error {exc.code().name}"] = counts.get(f"error {exc.code().name}", 0) + 1
+                        continue
+                    counts["probes"] = counts.get("probes", 0) + 1
+                    if answer.queued:
+                        counts["queued"] = counts.get("queued", 0) + 1
+                        self.reasons[name] = answer.queue_reason
+                        for candidate in answer.trace:
+                            if candidate.dropped_by:
+                                key = f"dropped by {candidate.dropped_by}"
+                                counts[key] = counts.get(key, 0) + 1
+
+    def summary(self) -> str:
+        parts = []
+        for name, counts in self.counts.items():
+            probes = max(1, counts.get("probes", 0))
+            drops = ", ".join(
+                f"{k} {v}" for k, v in sorted(counts.items()) if k.startswith(("dropped", "error"))
+            )
+            parts.append(
+                f"{name}: would wait {100 * counts.get('queued', 0) / probes:.0f} % of {probes} probes"
+                + (f" ({drops})" if drops else "")
+                + (f", last reason: {self.reasons[name][:200]}" if name in self.reasons else "")
+            )
+        return "; ".join(parts)
+
+
 def _run(options: argparse.Namespace, root: Path) -> dict[tuple[float, str], list[dict[str, float]]]:
     from workers.vllm_process import StockEngineProcess, build_tiny_model, free_port
 
@@ -120,7 +203,8 @@ def _run(options: argparse.Namespace, root: Path) -> dict[tuple[float, str], lis
                 for policy in order:
                     time.sleep(3.0)  # the previous run's stragglers drain
                     out = root / f"r{rate:g}-s{seed}-{policy}.json"
-                    bench(ports[policy], rate, seed, options.duration, out)
+                    with Probe(ports[policy]) as probe:
+                        bench(ports[policy], rate, seed, options.duration, out)
                     figures = _attainment(out)
                     results.setdefault((rate, policy), []).append(figures)
                     print(
@@ -129,6 +213,7 @@ def _run(options: argparse.Namespace, root: Path) -> dict[tuple[float, str], lis
                         f"batch {figures.get('batch', 0):5.1f} %), load average {os.getloadavg()[0]:.1f}",
                         flush=True,
                     )
+                    print(f"    dry run during the run: {probe.summary()}", flush=True)
     finally:
         stop_processes(procs)
         for engine in engines:
