@@ -11,10 +11,11 @@ target) open loop at each rate, the two routers taking turns on the same seed, t
 every round. Nothing in either router was tuned for this workload or these engines.
 
 The rates are the point: below the fleet's capacity both policies meet nearly everything, far past
-it both fail nearly everything; ``--rates`` should bracket the knee (on an idle 2-core host two
-engines of the tiny model served about 20-25 requests/s of this mix). Figures only.
+it both fail nearly everything; ``--rates`` should bracket the knee (on a 2-core host at load
+average 20-30, two engines of the tiny model met most of this mix at 12-16 requests/s and about a
+third at 20). Figures only.
 
-    .venv/bin/python -m bench.vllm_stock_slo --rates 10,16 --rounds 2 --duration 30
+    .venv/bin/python -m bench.vllm_stock_slo --rates 12,16 --rounds 2 --duration 30
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ POLICIES = ("slo", "load-balance")
 ENGINES = 2
 #: Per engine: a batch large enough that the fleet, not the batch cap, is the limit.
 ENGINE_ARGS = ["--dtype", "float32", "--max-model-len", "1024", "--enforce-eager", "--max-num-seqs", "32"]
-DEFAULT_RATES = (10.0, 16.0)
+DEFAULT_RATES = (12.0, 16.0)
 DEFAULT_ROUNDS = 2
 DEFAULT_DURATION_S = 30.0
 #: Requests per policy before the measured rounds (the calibration's first samples, the JIT).
