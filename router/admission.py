@@ -16,6 +16,12 @@ per-request polling loop: a pass is one synchronous call, coalesced with
 A dispatcher that never waits (``none``) answers an arrival at once: no
 future, no queue.
 
+A placement may carry a cap (``slice``): the service streams the leg with
+``max_tokens`` at it, and a leg that ends there with output left calls
+:meth:`Admission.paused` (the lifecycle's pause and requeue), which hands the
+dispatcher a :class:`~router.core.dispatch.Paused` event and waits for the
+placement of the rest, as :meth:`resume` does after an eviction.
+
 What is router-only (the simulator's driver, :mod:`sim.cluster`, has no
 clients): a running request is stopped through the :class:`RunHandle` the
 service lends (:meth:`attach`).
@@ -41,6 +47,7 @@ from router.core.dispatch import (
     DispatchSetup,
     Event,
     Outcome,
+    Paused,
     Served,
     Timer,
     ViewChanged,
@@ -53,6 +60,7 @@ from router.core.qlm import QlmConfig
 from router.core.queue import QueueConfig, RouterQueue, slo_met
 from router.core.request import ScheduleInput, Targets
 from router.core.scheduler import Scheduler
+from router.core.slicing import SliceConfig
 from router.placement import PlacementRequest, Placer
 from router.route import Route
 from router.telemetry import RequestObserver
@@ -67,6 +75,8 @@ class Admitted:
     route: Route
     waited_s: float = 0.0
     late: bool = False
+    #: The most new tokens this placement may generate (0: to the end); see :meth:`Admission.paused`.
+    cap: int = 0
 
 
 @dataclass
@@ -121,6 +131,10 @@ class _RouterFleet:
     def evict(self, request_id: str) -> int | None:
         return self._admission._evict(request_id)
 
+    def produced(self, request_id: str) -> int | None:
+        handle = self._admission._handles.get(request_id)
+        return None if handle is None else handle.tokens()
+
 
 class Admission:
     """Places requests through a dispatcher (see the module doc)."""
@@ -138,8 +152,13 @@ class Admission:
         self.placer = placer
         self.config = config
         sched = placer.scheduler.config
-        self.dispatcher = dispatcher or make_dispatcher(
-            DispatchSetup(config, sched.ttft_slo_ms, sched.tpot_slo_ms, qlm or QlmConfig())
+        # (Not ``dispatcher or ...``: a dispatcher with nothing waiting has length 0.)
+        self.dispatcher = (
+            dispatcher
+            if dispatcher is not None
+            else make_dispatcher(
+                DispatchSetup(config, sched.ttft_slo_ms, sched.tpot_slo_ms, qlm or QlmConfig())
+            )
         )
         self._clock = clock
         self.observer = observer or RequestObserver()
@@ -226,6 +245,21 @@ class Admission:
         handle.evicted = False
         handle.resumed = None
         return admitted
+
+    async def paused(self, request_id: str, tokens: int) -> Admitted:
+        """A leg ended at its placement's cap with output left; wait for the placement of the rest.
+
+        The lifecycle's pause and requeue (the caller has moved the request's phase): the
+        placement's in-flight entries go, the dispatcher hears :class:`~router.core.dispatch.Paused`
+        with the ``tokens`` produced so far, and the request resumes after them where it is placed.
+        """
+        self.placer.release(request_id)
+        loop = asyncio.get_running_loop()
+        self._loop = loop
+        future: asyncio.Future[Admitted] = loop.create_future()
+        self._waiting[request_id] = future
+        self._run(Paused(request_id, tokens), self._clock())
+        return await self._wait(request_id, future)
 
     def dry_run_queue(self) -> RouterQueue | None:
         """The queue the ``Schedule`` dry run reports a position in (None: nothing waits)."""
@@ -352,7 +386,7 @@ class Admission:
             return
         route = self.placer.commit(decision, now)
         self.observer.queue_waited(action.waited_s)
-        future.set_result(Admitted(route, action.waited_s, action.late))
+        future.set_result(Admitted(route, action.waited_s, action.late, action.cap))
 
     def _evict(self, request_id: str) -> int | None:
         """The dispatcher stops ``request_id`` (see :meth:`Fleet.evict`); the tokens its client has."""
@@ -392,6 +426,14 @@ def make_admission(
     *,
     clock: Callable[[], float] = time.monotonic,
     observer: RequestObserver | None = None,
+    slicing: SliceConfig | None = None,
 ) -> Admission:
-    """The router's driver over the dispatcher ``config.queue_policy`` names."""
-    return Admission(placer, config, qlm, clock=clock, observer=observer)
+    """The router's driver over the dispatcher ``config.queue_policy`` names, or over ``slice`` when
+    ``slicing`` is given (``--dispatch-mode slice``)."""
+    if slicing is None:
+        return Admission(placer, config, qlm, clock=clock, observer=observer)
+    sched = placer.scheduler.config
+    setup = DispatchSetup(
+        config, sched.ttft_slo_ms, sched.tpot_slo_ms, qlm or QlmConfig(), slicing=slicing, dispatcher="slice"
+    )
+    return Admission(placer, config, qlm, clock=clock, observer=observer, dispatcher=make_dispatcher(setup))

@@ -63,8 +63,8 @@ from router.pool import (
     keepalive_from_args,
 )
 from router.service import RouterService, ServiceConfig
-from router.slicing import SliceDispatcher, slice_config_from_args
 from router.slicing import add_arguments as add_slice_arguments
+from router.slicing import slice_config_from_args
 from router.telemetry import RequestObserver
 from router.tokenize import Tokenizer, load_tokenizer
 from router.vllm_grpc import DEFAULT_STREAM_INTERVAL_S, DEFAULT_STREAM_MESSAGES_PER_S
@@ -243,18 +243,13 @@ async def start_router_server(
     workers.vllm.set_pacing(vllm_stream_interval_s, vllm_stream_messages_per_s)
     placer = Placer(scheduler, reader, observer=observer, health=health)
     service_config = service_config or ServiceConfig()
-    slicer = None
-    if slice_config is not None:
-        slicer = SliceDispatcher(
-            reader,
-            scheduler.predictors,
-            slice_config,
-            staleness_s=scheduler.config.instance_staleness_s,
-            profile_label=scheduler.config.profile_label,
-            max_retries=service_config.max_retries,
-        )
+    if slice_config is not None and scheduler.predictors is None:
+        raise ValueError("--dispatch-mode slice needs latency profiles (--profile) to estimate slice times")
     kv_feed = _kv_event_feed(scheduler, reader, pool)
-    admission = make_admission(placer, queue_config or QueueConfig(), qlm_config, observer=observer)
+    # --dispatch-mode slice: the slice dispatcher (router.core.slice_dispatch) instead of the queue policy's.
+    admission = make_admission(
+        placer, queue_config or QueueConfig(), qlm_config, observer=observer, slicing=slice_config
+    )
     reader.add_listener(admission.notify)
     service = RouterService(
         placer,
@@ -262,7 +257,6 @@ async def start_router_server(
         tokenizer,
         service_config,
         observer=observer,
-        slicer=slicer,
         admission=admission,
     )
     server, port = await bind_server(
@@ -297,9 +291,6 @@ async def start_router_server(
         name="router-readiness",
     )
     owned: list[Any] = []
-    if slicer is not None:
-        await slicer.start()
-        owned.append(slicer)
     router = RouterServer(
         server=server,
         service=service,

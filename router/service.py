@@ -45,7 +45,6 @@ from router.forward import LegError, LegTokens, WorkerClient
 from router.legs import LegLedger
 from router.placement import PlacementRequest, Placer
 from router.route import Route
-from router.slicing import SliceDispatcher, slice_route
 from router.telemetry import RequestObserver
 from router.tokenize import Tokenizer
 
@@ -114,6 +113,38 @@ async def _close_stream(stream: AsyncIterator[Any]) -> None:
     close = getattr(stream, "aclose", None)
     if close is not None:
         await close()
+
+
+def _capped(
+    sampling: common_pb2.SamplingParams, tokens: int, cap: int
+) -> tuple[common_pb2.SamplingParams, int]:
+    """``sampling`` for a leg that may generate ``cap`` new tokens after ``tokens`` (``cap`` 0: no cap
+    of its own; ``tokens`` is then the output length to stop at), and that output length (0: none).
+
+    A worker's ``max_tokens`` counts the whole output (a ``Decode`` continues after the tokens it is
+    given), so the leg stops at ``tokens + cap``, never past the request's own ``max_tokens``.
+    """
+    end = min(sampling.max_tokens, tokens + cap) if cap else tokens
+    if not end or end >= sampling.max_tokens:
+        return sampling, 0
+    leg = common_pb2.SamplingParams()
+    leg.CopyFrom(sampling)
+    leg.max_tokens = end
+    return leg, end
+
+
+def _at_cap(
+    out: Generated, progress: RequestState, sampling: common_pb2.SamplingParams, cap_end: int
+) -> bool:
+    """Whether ``out`` ends a leg at its placement's cap with output left: then it is not the answer's
+    end (the client's stream goes on) and the request is paused (``out`` is changed to say so)."""
+    if not (cap_end and out.finished and out.finish_reason == "length"):
+        return False
+    if len(progress.tokens) >= sampling.max_tokens or len(progress.tokens) < cap_end:
+        return False
+    out.finished = False
+    out.finish_reason = ""
+    return True
 
 
 class Generated:
@@ -186,6 +217,8 @@ class _Started:
     kv_handle: bytes = b""
     #: Neutral: the still-open Generate stream on the instance.
     stream: AsyncIterator[LegTokens] | None = None
+    #: The output length at which this placement's leg stops for its cap (0: none; see _capped).
+    cap_end: int = 0
 
 
 def _route_info(route: Route) -> router_pb2.RouteInfo:
@@ -211,10 +244,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
         *,
         clock: Callable[[], float] = time.monotonic,
         observer: RequestObserver | None = None,
-        slicer: SliceDispatcher | None = None,
         admission: Admission | None = None,
     ) -> None:
-        self._slicer = slicer
         self._placer = placer
         self._workers = workers
         self._tokenizer = tokenizer
@@ -381,10 +412,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         ledger = LegLedger()
         finished = False
         try:
-            if self._slicer is not None:
-                source = self._run_sliced(self._slicer, prepared, request.sampling, progress)
-            else:
-                source = self._run(prepared, request.sampling, ledger, progress)
+            source = self._run(prepared, request.sampling, ledger, progress)
             async for message in source:
                 if self._abandoned:
                     raise ShuttingDownError(
@@ -424,45 +452,6 @@ class RouterService(router_pb2_grpc.RouterServicer):
             if not finished:
                 # Cancelled, deadline, or failed part-way: nothing may keep running for it.
                 self._workers.abort_all(request_id, ledger)
-
-    async def _run_sliced(
-        self,
-        slicer: SliceDispatcher,
-        req: PlacementRequest,
-        sampling: common_pb2.SamplingParams,
-        progress: RequestState,
-    ) -> AsyncIterator[Generated]:
-        """``--dispatch-mode slice``: the dispatcher serves the request slice by slice; one stream out."""
-        first = True
-        stream = slicer.stream(
-            req.request_id,
-            tuple(req.prompt_token_ids),
-            sampling,
-            progress,
-            self._workers,
-            self._config.stream_timeout_s,
-        )
-        async for message, instance_id in stream:
-            index = len(progress.tokens)
-            self._note_tokens(progress, message.token_ids)
-            out = Generated(
-                req.request_id,
-                index,
-                message.token_ids,
-                message.text,
-                message.finished,
-                message.finish_reason,
-            )
-            if first:
-                first = False
-                progress.route = slice_route(instance_id)
-                out.route = _route_info(progress.route)
-                out.late = progress.late
-                if progress.first_token_at is not None:
-                    self._observer.first_token(progress.route, progress.first_token_at - progress.started)
-            if message.finished:
-                out.usage = self._usage(req, progress)
-            yield out
 
     def _confirm(self, target: Choice, request_id: str) -> None:
         """A stock vLLM engine (no admitted ids in its status) runs the request now: see Placer.confirm."""
@@ -524,8 +513,11 @@ class RouterService(router_pb2_grpc.RouterServicer):
             progress.late = progress.late or admitted.late
             progress.route = route
             progress.to(Phase.PLACED)
+            leg, cap_end = _capped(sampling, 0, admitted.cap)
             try:
-                return await self._start(route, req, sampling, ledger, progress)
+                started = await self._start(route, req, leg, ledger, progress)
+                started.cap_end = cap_end
+                return started
             except LegError as exc:
                 if not exc.retryable:
                     raise
@@ -613,6 +605,18 @@ class RouterService(router_pb2_grpc.RouterServicer):
             prefill.instance_id, grpc.StatusCode.UNAVAILABLE, "stream ended before the first token"
         )
 
+    async def _next_part(
+        self, req: PlacementRequest, sampling: common_pb2.SamplingParams, progress: RequestState
+    ) -> tuple[Choice, int]:
+        """After a leg that ended at its cap: where the rest runs, and its cap's end (see _capped)."""
+        progress.pause("the slice ended")
+        progress.requeue()
+        admitted = await self._admission.paused(req.request_id, len(progress.tokens))
+        progress.queue_wait_s += admitted.waited_s
+        progress.to(Phase.PLACED)
+        end = _capped(sampling, len(progress.tokens), admitted.cap)[1]
+        return admitted.route.decode, end
+
     async def _resumed(
         self, req: PlacementRequest, handle: RunHandle, progress: RequestState
     ) -> tuple[Choice, bytes]:
@@ -646,6 +650,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
         progress.route = started.route
         if progress.first_token_at is not None:
             self._observer.first_token(started.route, progress.first_token_at - progress.started)
+        cap_end = started.cap_end
+        paused = _at_cap(first, progress, sampling, cap_end)
         if first.finished:
             first.usage = self._usage(req, progress)
             yield first
@@ -666,6 +672,15 @@ class RouterService(router_pb2_grpc.RouterServicer):
             lambda: self._workers.abort_all(req.request_id, ledger),
         )
         while True:
+            if paused:
+                # The leg ended at its placement's cap (a slice): pause, requeue, resume after the
+                # tokens so far where the dispatcher places the rest.
+                paused = False
+                if stream is not None:
+                    await _close_stream(stream)
+                stream = None
+                target, cap_end = await self._next_part(req, sampling, progress)
+                kv_handle = b""
             if stream is None:
                 if progress.phase is Phase.PLACED:
                     # Resumed: on a KV still held it decodes at once, else it recomputes its context.
@@ -675,7 +690,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
                     worker_pb2.DecodeRequest(
                         request_id=req.request_id,
                         prompt_token_ids=req.prompt_token_ids,
-                        sampling=sampling,
+                        sampling=_capped(sampling, cap_end, 0)[0] if cap_end else sampling,
                         kv_handle=kv_handle,
                         generated_token_ids=progress.tokens,
                     ),
@@ -712,11 +727,16 @@ class RouterService(router_pb2_grpc.RouterServicer):
                         message.finished,
                         message.finish_reason,
                     )
+                    paused = _at_cap(out, progress, sampling, cap_end)
                     if out.finished:
                         out.usage = self._usage(req, progress)
                         yield out
                         return
                     yield out
+                    if paused:
+                        break
+                if paused:
+                    continue
                 if handle is not None and handle.evicted:
                     stream = None
                     target, kv_handle = await self._resumed(req, handle, progress)

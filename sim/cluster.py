@@ -1076,6 +1076,14 @@ class _Simulation:
         self._changed(i, now)
         return int(r.tokens)
 
+    def _produced(self, idx: int, now: float) -> int | None:
+        """Tokens running request ``idx`` has produced in all (its runs before this one and this one's)."""
+        r = self.reqs[idx]
+        if r.stage != _SERVING:
+            return None
+        generated = self._settle(r.decode, now).generated_tokens(str(idx))
+        return None if generated is None else int(r.tokens + generated)
+
     def _dispatch(self, idx: int, r: _Req, plan: RequestPlan, decision: Decision, now: float) -> None:
         assert decision.prefill is not None and decision.decode is not None
         # The simulator keeps its own in-flight columns (no Scheduler.record): the hooks hear here.
@@ -1470,6 +1478,9 @@ class _Lent:
 
     def evict(self, request_id: str) -> int | None:
         return self.sim._evict(int(request_id), self.sim.now)
+
+    def produced(self, request_id: str) -> int | None:
+        return self.sim._produced(int(request_id), self.sim.now)
 
 
 class _SimLegs:

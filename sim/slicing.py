@@ -2,23 +2,24 @@
 
 ``simulate --dispatch-modes request,slice`` runs every rate twice over the same
 plan: ``request`` is :func:`sim.cluster.simulate` (each ``--policies`` entry
-places each whole request at its arrival), ``slice`` is :func:`simulate_slices`:
+places each whole request at its arrival), ``slice`` is :func:`simulate_slices`,
+the ``slice`` dispatcher (:mod:`router.core.slice_dispatch`, the object the
+router runs under ``--dispatch-mode slice``) carried out in virtual time:
 
-- arrivals go to a pool; at every schedule point the pool is batched with
-  :func:`router.core.slicing.batch_requests` and the batches are offloaded
-  max-min (:class:`router.core.slicing.LoadLedger`) to per-instance local
-  queues; the next schedule point comes :func:`~router.core.slicing.next_interval_ms`
-  later (adaptive unless ``--slice-interval-ms`` fixes it);
-- an instance serves its local queue one batch at a time, as the workers of
-  slice-level scheduling do: the batch's requests are added to the instance's
-  :class:`engine.model.SimCore` (the same engine model request-level dispatch
-  steps) with ``max_new_tokens = min(S, tokens still to generate)``; when its
-  last request ends its slice the batch's estimate leaves the ledger and the
-  next batch starts;
-- a request whose slice ends before its output is complete goes back to the
-  pool with the generated tokens appended to its context: the next slice
-  prefills all of it again (the engine model has no prefix cache), which is
-  what ``recomputed_tokens`` counts.
+- the dispatcher keeps the pool, the schedule points (the timer it asks for:
+  adaptive unless ``--slice-interval-ms`` fixes it), the batching, the max-min
+  offload into per-instance local queues and the admission as each
+  instance's planned KV leaves room; this loop only keeps the clock and the
+  engines and carries out its actions;
+- a ``DISPATCH`` adds the slice to its instance's :class:`engine.model.SimCore`
+  (the same engine model request-level dispatch steps) with ``max_new_tokens``
+  at the action's cap (the engine stops earlier at the answer's true end);
+- a slice that ends at its cap with output left is the lifecycle's pause:
+  the dispatcher hears :class:`~router.core.dispatch.Paused` and places the
+  next slice (at once, or at the next schedule point), which prefills the
+  prompt and the tokens so far again (what ``recomputed_tokens`` counts; a
+  slice resumed at once on the instance it left finds its full blocks in that
+  engine's prefix cache, ``SliceConfig.prefix_cache``).
 
 Figures beyond :func:`workload.report.summarize`: ``load_imbalance`` is the
 coefficient of variation (population std / mean) of per-instance busy time,
@@ -31,9 +32,8 @@ from a slice's last token to the next slice's first token of the same
 request (what a client sees as a stall mid-stream).
 
 Scope: neutral fleets (a slice is a whole prefill-plus-decode on one
-instance). The batcher and the ledger use the first instance's profile and
-the smallest KV capacity and ``max_num_seqs`` of the fleet; a heterogeneous
-fleet is balanced as if every instance had that profile.
+instance). Each instance is priced with its own estimators (its profile
+group's predictor and its engine's limits), as in the router.
 """
 
 from __future__ import annotations
@@ -53,20 +53,37 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from slorouter.v1 import cms_pb2
 
 from engine.interface import EngineOverloadedError, InvalidRequestError
 from engine.model import ProfileCostModel, ScheduledStep, SimCore, SimRequestSpec
 from fleet.flags import error_line
-from router.core.request import Role
+from fleet.snapshot import ClusterSnapshot, InstanceRecord
+from router.core.columns import ClusterView
+from router.core.config import SchedulerConfig
+from router.core.decision import Decision
+from router.core.dispatch import (
+    Action,
+    Arrival,
+    Completion,
+    DispatchSetup,
+    Event,
+    Outcome,
+    Paused,
+    Preempted,
+    Timer,
+    ViewChanged,
+    make_dispatcher,
+)
+from router.core.errors import status_name
+from router.core.plugins import Policy
+from router.core.queue import QueueConfig
+from router.core.request import Role, ScheduleInput, Targets
+from router.core.scheduler import Scheduler
 from router.core.slicing import (
-    InstanceShape,
-    ModelBook,
     SliceConfig,
-    SliceRequest,
-    SliceScheduler,
     add_slice_arguments,
     slice_config_of,
-    slice_length,
     slices_pay,
 )
 from sim.cluster import SimFleet, SimStats, finished_result, simulate
@@ -121,6 +138,7 @@ class SliceOutcome:
 
 class _Req:
     __slots__ = (
+        "cap",
         "done_s",
         "error_code",
         "error_message",
@@ -133,8 +151,9 @@ class _Req:
 
     def __init__(self) -> None:
         self.generated = 0
-        #: Tokens the running slice has produced so far (its progress).
+        #: Tokens the running slice has produced so far (its progress), and the most it may produce.
         self.in_slice = 0
+        self.cap = 0
         self.first_s = -1.0
         self.last_s = -1.0
         self.done_s = -1.0
@@ -144,6 +163,17 @@ class _Req:
 
 
 class _SliceSimulation:
+    """The virtual-time carrier of the ``slice`` dispatcher (:mod:`router.core.slice_dispatch`).
+
+    The pool, the schedule points, the admission into engines and the resume of a slice are the
+    dispatcher's; this loop only keeps the clock and the engines and carries out its actions: a
+    ``DISPATCH`` starts a slice capped at :attr:`~router.core.dispatch.Action.cap` new tokens on
+    the instance of its decision, a slice that ends at its cap with output left is paused and
+    handed back (:class:`~router.core.dispatch.Paused`), one that ends the answer completes
+    (:class:`~router.core.dispatch.Completion`), and the schedule points are the timer the
+    dispatcher asks for (:meth:`~router.core.dispatch.Dispatcher.wake_s`).
+    """
+
     def __init__(
         self, fleet: SimFleet, plans: Sequence[RequestPlan], config: SliceConfig, *, seed: int
     ) -> None:
@@ -160,50 +190,63 @@ class _SliceSimulation:
             rng = random.Random((engine.seed * 1_000_003 + seed) * 65_537 + i)
             cost = ProfileCostModel(lp, speed_factor=engine.speed_factor, noise=engine.noise, rng=rng)
             self.cores.append(SimCore(engine, cost))
-        # The dispatcher's models, one per instance: the router's predictor of the instance's profile
-        # group (not the engines' ground truth) and the instance's own engine limits.
-        book = ModelBook(fleet.predictors.for_group, config)
-        models = book.models(
-            {
-                iid: InstanceShape(
-                    group,
-                    max_num_batched_tokens=c.max_num_batched_tokens,
-                    kv_capacity_tokens=c.kv_capacity_tokens,
-                    block_size=c.block_size,
-                    max_model_len=c.max_model_len,
-                    max_num_seqs=c.max_num_seqs,
-                )
-                for iid, group, c in zip(fleet.ids, fleet.groups, fleet.configs, strict=True)
-            }
-        )
         self.ids = list(fleet.ids)
         self.index = {iid: k for k, iid in enumerate(self.ids)}
-        first = models[self.ids[0]]
-        self.sched = SliceScheduler(config, first.serving, first.memory, self.ids)
-        self.sched.set_models(models)
-        # The engines' progress, as the router reads it from the tokens it relays: a running slice's
-        # context now is its prompt and every token its request has produced.
-        self.sched.progress = self._context_now
-        self.serving = self.sched.models(min(self.ids)).serving
+        # The dispatcher the router runs under --dispatch-mode slice, with the router's predictors of
+        # the instances' profile groups (not the engines' ground truth). The simulated instances
+        # report continuously: never stale, always schedulable (the slice dispatcher prices them with
+        # its own estimators; placement only confirms the instance it chose can take work).
+        defaults = SchedulerConfig(instance_staleness_s=math.inf)
+        self.scheduler = Scheduler(defaults, fleet.predictors, random.Random(seed))
+        base: ClusterSnapshot = fleet.static_columns["snapshot"]
+        self.snapshot = ClusterSnapshot(
+            instances=tuple(
+                InstanceRecord(
+                    r.metadata, cms_pb2.InstanceStatus(instance_id=r.instance_id, schedulable=True), 0.0
+                )
+                for r in base.instances
+            ),
+            taken_at_s=0.0,
+            version=1,
+        )
+        # One view for every placement: the instances' health does not change and the slice
+        # placements read nothing else (their loads are the dispatcher's own estimators').
+        self.view = self.scheduler.view(self.snapshot, 0.0)
+        self.dispatcher = make_dispatcher(
+            DispatchSetup(
+                QueueConfig(queue_policy="none", max_queue_size=min(config.max_waiting_slices, 1_000_000)),
+                defaults.ttft_slo_ms,
+                defaults.tpot_slo_ms,
+                seed=seed,
+                modeled_clock=True,
+                slicing=config,
+                dispatcher="slice",
+            )
+        )
         self.preempted = [0] * n
         self.steps: list[ScheduledStep | None] = [None] * n
         self.busy = [0.0] * n
         self.last_busy = [0.0] * n
-        #: Engine request id of a slice -> (request index, its slice, batch key).
-        self.slice_of: dict[str, tuple[int, SliceRequest, int]] = {}
+        #: Engine request id of a slice -> request index.
+        self.slice_of: dict[str, int] = {}
         self.reqs = [_Req() for _ in plans]
         self.heap: list[tuple[float, int, int, int]] = []
         self.seq = 0
-        self.tick_pending = False
-        self.next_tick_s = 0.0
+        self.timer_at: float | None = None
         self.now = 0.0
-        self.recomputed = self.slices = self.num_steps = self.events = 0
+        self.recomputed = self.slices = self.num_steps = self.events = self.decisions = 0
         self.gaps_ms: list[float] = []
+        #: Instances given a slice while an action list is carried out (their engines step after it).
+        self.started: dict[int, None] = {}
+        #: The instance whose slice just paused, and when (a resume there finds its blocks cached).
+        self.paused_on = -1
+        self.lent = _SliceFleet(self)
 
-    def _context_now(self, key: object) -> int | None:
-        idx = int(key)  # type: ignore[call-overload]
+    # ------------------------------------------------------------------ what the dispatcher sees
+
+    def _produced(self, idx: int) -> int:
         r = self.reqs[idx]
-        return int(self.plans[idx].prompt_tokens + r.generated + r.in_slice)
+        return r.generated + r.in_slice
 
     def _push(self, t: float, kind: int, x: int) -> None:
         heapq.heappush(self.heap, (t, self.seq, kind, x))
@@ -220,7 +263,8 @@ class _SliceSimulation:
                 if kind == _STEP_END:
                     self._step_end(x, t)
                 else:
-                    self._tick(t)
+                    self.timer_at = None
+                    self._handle(Timer(), t)
             else:
                 self.now = arrivals[k]
                 self._arrive(k, arrivals[k])
@@ -228,7 +272,33 @@ class _SliceSimulation:
             self.events += 1
         return max(self.now, arrivals[-1] if arrivals else 0.0)
 
-    # ------------------------------------------------------------------ pool and schedule points
+    # ------------------------------------------------------------------ the dispatcher's actions
+
+    def _handle(self, event: Event, now: float) -> None:
+        """Hand ``event`` to the dispatcher, carry out its actions, step the engines given slices."""
+        for action in self.dispatcher.handle(event, now, self.lent):
+            self._carry(action, now)
+        wake = self.dispatcher.wake_s()
+        if wake is not None and self.timer_at is None:
+            self.timer_at = wake
+            self._push(wake, _TICK, 0)
+        started, self.started = self.started, {}
+        for i in started:
+            if self.steps[i] is None:
+                self._step(i, now)
+
+    def _carry(self, action: Action, now: float) -> None:
+        idx: int = action.token
+        if action.outcome is Outcome.DISPATCH:
+            decision = action.decision
+            assert decision is not None and decision.decode is not None
+            self._start_slice(idx, self.index[decision.decode.instance_id], action.cap, now)
+        elif action.outcome is Outcome.REFUSE:
+            error = action.error
+            assert error is not None
+            self._fail(idx, status_name(error), str(error), now)
+
+    # ------------------------------------------------------------------ requests
 
     def _arrive(self, idx: int, now: float) -> None:
         plan = self.plans[idx]
@@ -241,67 +311,54 @@ class _SliceSimulation:
                 now,
             )
             return
-        self._to_pool(idx, now)
-
-    def _to_pool(self, idx: int, now: float) -> None:
-        self.sched.add(self._slice(idx))
-        if not self.tick_pending:
-            self.tick_pending = True
-            self._push(max(now, self.next_tick_s), _TICK, 0)
-
-    def _slice(self, idx: int) -> SliceRequest:
-        """The request's next slice: its context now and the tokens this slice may generate."""
-        plan = self.plans[idx]
-        r = self.reqs[idx]
-        context = plan.prompt_tokens + r.generated
-        length = slice_length(context, plan.max_tokens - r.generated, self.serving, self.config, r.generated)
-        return SliceRequest(idx, context, length)
-
-    def _tick(self, now: float) -> None:
-        self.tick_pending = False
-        self.sched.schedule()
-        self.next_tick_s = now + self.sched.interval_ms() * 1e-3
-        if self.sched.pool:  # more than one point batches (max_batching_slices): come back for the rest
-            self.tick_pending = True
-            self._push(self.next_tick_s, _TICK, 0)
-        for i in range(self.fleet.n):
-            self._admit(i, now)
+        request = ScheduleInput(
+            request_id=str(idx),
+            prompt_tokens=plan.prompt_tokens,
+            ttft_slo_ms=plan.slo.ttft_ms or 0.0,
+            tpot_slo_ms=plan.slo.tpot_ms or 0.0,
+            e2e_slo_ms=plan.slo.e2e_ms or 0.0,
+            max_tokens=plan.max_tokens,
+            priority=plan.priority,
+            slo_class=plan.class_name,
+            arrival_s=plan.arrival_s,
+        )
+        self._handle(Arrival(request, idx), now)
 
     # ------------------------------------------------------------------ instances
 
-    def _admit(self, i: int, now: float) -> None:
-        """Hand instance ``i``'s engine the queued batches it can take now."""
-        instance = self.ids[i]
-        for key, batch in self.sched.admit(instance, now * 1000.0):
-            for sr in batch.requests:
-                self._start_slice(i, key, sr, now)
-        if self.steps[i] is None:
-            self._step(i, now)
-
-    def _start_slice(self, i: int, key: int, sr: SliceRequest, now: float, cached: int = 0) -> None:
+    def _start_slice(self, idx: int, i: int, cap: int, now: float) -> None:
         core = self.cores[i]
-        instance = self.ids[i]
-        idx = int(sr.key)  # type: ignore[call-overload]
         r = self.reqs[idx]
+        plan = self.plans[idx]
+        context = plan.prompt_tokens + r.generated
+        cached = 0
+        if r.generated > 0 and self.paused_on == i and self.config.prefix_cache:
+            # Resumed at once on the instance it left: its blocks were freed this very step and are
+            # still in the engine's prefix cache; only the last partial block (and the token just
+            # sampled) is computed.
+            block = self.fleet.configs[i].block_size
+            cached = min((context - 1) // block * block, context - 1)
         rid = f"{idx}.{self.slices}"
         self.slices += 1
         # The slice is planned by its cap; the engine stops at the answer's true end.
-        new_tokens = max(min(sr.slice_tokens, self.plans[idx].true_output_tokens - r.generated), 1)
+        new_tokens = max(min(cap, plan.true_output_tokens - r.generated), 1)
         spec = SimRequestSpec(
-            rid, sr.context_tokens, new_tokens, num_cached_tokens=cached, counts_as_decode=new_tokens > 1
+            rid, context, new_tokens, num_cached_tokens=cached, counts_as_decode=new_tokens > 1
         )
         try:
             core.add(spec)
         except (EngineOverloadedError, InvalidRequestError) as exc:
             overloaded = isinstance(exc, EngineOverloadedError)
             code = "RESOURCE_EXHAUSTED" if overloaded else "INVALID_ARGUMENT"
-            self._fail(idx, code, f"instance {instance}: {exc}", now)
-            self.sched.finish(instance, key, sr, now * 1000.0)
+            self._fail(idx, code, f"instance {self.ids[i]}: {exc}", now)
+            self._carry_all(Completion(str(idx)), now)
             return
         if r.generated > 0:
-            self.recomputed += sr.context_tokens - cached
+            self.recomputed += context - cached
         r.instance = i
-        self.slice_of[rid] = (idx, sr, key)
+        r.cap = cap
+        self.slice_of[rid] = idx
+        self.started[i] = None
 
     def _step(self, i: int, now: float) -> None:
         step = self.cores[i].schedule()
@@ -320,11 +377,11 @@ class _SliceSimulation:
         preempted = self.cores[i].num_preemptions
         if preempted > self.preempted[i]:
             self.preempted[i] = preempted
-            self.sched.preempted(self.ids[i])
+            self.dispatcher.handle(Preempted(self.ids[i]), now, self.lent)
         freed = False
         started: set[int] = set()
         for rid, position, finished, _held in result.outputs:
-            idx, sr, key = self.slice_of[rid]
+            idx = self.slice_of[rid]
             r = self.reqs[idx]
             if position == 0:
                 if r.first_s < 0:
@@ -338,40 +395,41 @@ class _SliceSimulation:
             r.in_slice = 0
             r.generated += position + 1
             r.last_s = now
-            produced = position + 1
+            freed = True
             if r.generated >= self.plans[idx].true_output_tokens:
                 r.done_s = now
-                self.sched.finish(self.ids[i], key, sr, now * 1000.0, produced)
-            elif not self.config.resume_at_once:  # the paper's way: back to the pool
-                self._to_pool(idx, now)
-                self.sched.finish(self.ids[i], key, sr, now * 1000.0, produced)
-            else:
-                # The next slice is placed at once (SliceScheduler.resume): the stream never waits
-                # for a schedule point between its slices.
-                target, new_key, batch = self.sched.resume(
-                    self.ids[i], key, sr, self._slice(idx), now * 1000.0, produced
-                )
-                j = self.index[target]
-                following = batch.requests[0]
-                cached = 0
-                if j == i and self.config.prefix_cache:
-                    # Its blocks were freed this very step and are still in the engine's prefix
-                    # cache; only the last partial block (and the token just sampled) is computed.
-                    block = self.fleet.configs[i].block_size
-                    cached = min(
-                        (following.context_tokens - 1) // block * block, following.context_tokens - 1
-                    )
-                self._start_slice(j, new_key, following, now, cached)
-                if j != i:
-                    started.add(j)
-            freed = True
+                self._carry_all(Completion(str(idx), r.generated), now)
+                continue
+            # The slice ended at its cap with output left: the lifecycle's pause and requeue; the
+            # dispatcher resumes it after the tokens so far (at once, or at a schedule point).
+            self.paused_on = i
+            self._carry_all(Paused(str(idx), r.generated), now)
+            self.paused_on = -1
+            started.update(j for j in self.started if j != i)
+            self.started = {}
         if freed:
-            self._admit(i, now)
+            # Every end of this step is in: the instance admits what its freed KV has room for.
+            self._carry_all(ViewChanged(), now)
+            self.started.pop(i, None)
         if self.steps[i] is None:
             self._step(i, now)
         for j in started:
             if self.steps[j] is None:
                 self._step(j, now)
+        rest, self.started = self.started, {}
+        for j in rest:
+            if self.steps[j] is None:
+                self._step(j, now)
+        if self.timer_at is None:
+            wake = self.dispatcher.wake_s()
+            if wake is not None:
+                self.timer_at = wake
+                self._push(wake, _TICK, 0)
+
+    def _carry_all(self, event: Event, now: float) -> None:
+        """Carry out the dispatcher's answer to ``event`` without stepping engines yet (a step's ends)."""
+        for action in self.dispatcher.handle(event, now, self.lent):
+            self._carry(action, now)
 
     def _fail(self, idx: int, code: str, message: str, now: float) -> None:
         r = self.reqs[idx]
@@ -403,6 +461,41 @@ class _SliceSimulation:
         return tuple(out)
 
 
+class _SliceFleet:
+    """The :class:`~router.core.dispatch.Fleet` the slice simulation lends its dispatcher."""
+
+    def __init__(self, sim: _SliceSimulation) -> None:
+        self.sim = sim
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.sim.scheduler
+
+    def view(self) -> ClusterView:
+        return self.sim.view
+
+    def snapshot(self) -> ClusterSnapshot:
+        return self.sim.snapshot
+
+    def decide(
+        self,
+        view: ClusterView | ClusterSnapshot,
+        request: ScheduleInput,
+        now: float,
+        *,
+        targets: Targets | None = None,
+        policy: Policy | None = None,
+    ) -> Decision:
+        self.sim.decisions += 1
+        return self.sim.scheduler.schedule(view, request, now, targets=targets, policy=policy)
+
+    def evict(self, request_id: str) -> int | None:
+        return None  # slices end at their cap; nothing is stopped from outside
+
+    def produced(self, request_id: str) -> int | None:
+        return self.sim._produced(int(request_id))
+
+
 def simulate_slices(
     fleet: SimFleet, plans: Sequence[RequestPlan], config: SliceConfig, *, seed: int = 0
 ) -> SliceOutcome:
@@ -414,13 +507,14 @@ def simulate_slices(
     duration = sim.run()
     results = sim.results()
     gaps = sim.gaps_ms
+    counters = sim.dispatcher.counters()
     figures = SliceFigures(
         busy_s=tuple(sim.busy),
         completion_s=tuple(sim.last_busy),
         recomputed_tokens=sim.recomputed,
         slices=sim.slices,
-        batches=sim.sched.batches,
-        schedule_points=sim.sched.schedule_points,
+        batches=counters.get("batches", 0),
+        schedule_points=counters.get("schedule_points", 0),
         resume_gap_p99_ms=float(np.percentile(gaps, 99)) if gaps else None,
     )
     # Time-average of instances holding work, per role: an engine steps back to back while it
@@ -430,7 +524,7 @@ def simulate_slices(
         busy[role] += seconds
     span = duration if duration > 0 else 1.0
     stats = SimStats(
-        decisions=sim.sched.batches,
+        decisions=counters.get("batches", 0),
         rejected=0,
         steps=sim.num_steps,
         preemptions=sum(c.num_preemptions for c in sim.cores),

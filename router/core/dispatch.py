@@ -5,10 +5,10 @@ Placement (filters, metrics, selectors: :mod:`router.core.scheduler`) decides
 waits, in what order waiting requests are offered to placement, which one is
 refused (with the error whose class is its status code) and which running one
 is stopped to make room. Every policy of that kind — ``none``, ``fcfs``,
-``edf``, ``priority``, ``sa`` (seed 000), ``qlm`` (seed 004) — is one object
-behind :class:`Dispatcher`, registered by name in :data:`DISPATCHERS`
-(:mod:`router.core.dispatchers` holds the built-in ones) and built from one
-:class:`DispatchSetup`.
+``edf``, ``priority``, ``sa`` (seed 000), ``qlm`` (seed 004), ``slice`` (seed 002) — is
+one object behind :class:`Dispatcher`, registered by name in :data:`DISPATCHERS`
+(:mod:`router.core.dispatchers` holds the built-in ones, :mod:`router.core.slice_dispatch`
+the slice one) and built from one :class:`DispatchSetup`.
 
 A dispatcher is pure and synchronous: a driver hands it events and the time
 (:meth:`Dispatcher.handle`) and carries out the :class:`Action` list it gets
@@ -20,6 +20,11 @@ outside a dispatcher's own module branches on its name.
 What a dispatcher may use of the world is the :class:`Fleet` the driver lends
 it on every call: the current view, placement, the fleet's metadata, and (for
 dispatchers that preempt) stopping a running request.
+
+A placement may be capped (``slice``): its ``DISPATCH`` carries :attr:`Action.cap`, the most new
+tokens the leg may generate. A leg that ends at its cap with output left is paused, not finished:
+the driver pauses the request (the lifecycle's pause, every token kept), requeues it and hands the
+dispatcher a :class:`Paused` event; the next ``DISPATCH`` resumes it after :attr:`Action.tokens`.
 
 Actions and the queue's membership: ``QUEUED`` says a request started waiting,
 ``EVICT`` that a running one was stopped and waits again; ``DISPATCH``,
@@ -44,6 +49,7 @@ from router.core.queue import QueueConfig, RouterQueue
 from router.core.registry import Params, Registry
 from router.core.request import ScheduleInput, Targets
 from router.core.scheduler import Scheduler
+from router.core.slicing import SliceConfig
 
 # ---------------------------------------------------------------------- events
 
@@ -70,6 +76,26 @@ class Completion:
 
 
 @dataclass(frozen=True, slots=True)
+class Paused:
+    """A dispatched request stopped at its :attr:`Action.cap` with output left and waits again.
+
+    ``tokens``: every token it has produced so far (it resumes after them). The driver has paused
+    and requeued it (:meth:`router.core.lifecycle.RequestState.pause`) and released its placement.
+    """
+
+    request_id: str
+    tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Preempted:
+    """Instance ``instance_id``'s engine preempted a request: its KV over-filled (a dispatcher that
+    plans KV learns from it). Sent by a driver that sees its engines' preemptions (the simulator)."""
+
+    instance_id: str
+
+
+@dataclass(frozen=True, slots=True)
 class Cancel:
     """The client gave up on a request that waits (a cancel or its deadline)."""
 
@@ -90,7 +116,7 @@ class Served:
     tpot_ms: float | None = None
 
 
-Event = Arrival | ViewChanged | Completion | Cancel | Timer | Served
+Event = Arrival | ViewChanged | Completion | Paused | Preempted | Cancel | Timer | Served
 
 
 # ---------------------------------------------------------------------- actions
@@ -127,8 +153,11 @@ class Action:
     #: Time the request waited before this dispatch (s), and whether it left the wait late.
     waited_s: float = 0.0
     late: bool = False
-    #: ``EVICT``: the tokens the request has produced so far (it resumes after them).
+    #: ``EVICT``: the tokens the request has produced so far; ``DISPATCH``: the tokens it resumes after.
     tokens: int = 0
+    #: ``DISPATCH``: the most new tokens this placement may generate (0: to the end of the answer).
+    #: A leg that reaches it with output left is paused, and the driver sends :class:`Paused`.
+    cap: int = 0
     #: False for a decision at arrival that never waited (a ``DISPATCH`` or ``REFUSE`` with no
     #: ``QUEUED`` before it): it does not change the number of waiting requests.
     waited: bool = True
@@ -169,6 +198,10 @@ class Fleet(Protocol):
 
     def evict(self, request_id: str) -> int | None:
         """Stop running request ``request_id`` now; the tokens it has produced (None: it no longer runs)."""
+        ...
+
+    def produced(self, request_id: str) -> int | None:
+        """The tokens running request ``request_id`` has produced so far in all (None: unknown)."""
         ...
 
 
@@ -247,19 +280,24 @@ class DispatchSetup:
     #: tolerances (calibration and measured-step jitter); ``exact``: without them; ``off``: the full
     #: pass (the reference the equivalence tests compare with).
     incremental: str = "on"
+    #: slice: the slice length and schedule points (``--slice-tokens``, ``--slice-interval-ms``).
+    slicing: SliceConfig = field(default_factory=SliceConfig)
+    #: The dispatcher's name when it is not the queue policy's (``--dispatch-mode slice``).
+    dispatcher: str = ""
 
 
 DISPATCHERS: Registry[Dispatcher] = Registry("dispatcher")
 
 
 def make_dispatcher(setup: DispatchSetup) -> Dispatcher:
-    """The dispatcher ``setup.queue.queue_policy`` names."""
-    name = setup.queue.queue_policy
+    """The dispatcher ``setup.dispatcher`` names, else the one ``setup.queue.queue_policy`` names."""
+    name = setup.dispatcher or setup.queue.queue_policy
+    flag = "--dispatch-mode" if setup.dispatcher else "--queue-policy"
     if name not in DISPATCHERS:
         raise ConfigError(
-            f"--queue-policy {name!r} is not a registered dispatcher; known: {', '.join(DISPATCHERS.names())}"
+            f"{flag} {name!r} is not a registered dispatcher; known: {', '.join(DISPATCHERS.names())}"
         )
-    return DISPATCHERS.create(name, setup, Params(f"--queue-policy {name}"))
+    return DISPATCHERS.create(name, setup, Params(f"{flag} {name}"))
 
 
 def waiting_delta(action: Action) -> int:

@@ -34,6 +34,7 @@ _BUILTIN_MODULES = (
     "router.core.selectors",
     "router.core.policies",
     "router.core.dispatchers",
+    "router.core.slice_dispatch",
 )
 
 

@@ -41,10 +41,12 @@ from router.core.qlm import QlmConfig
 from router.core.queue import QueueConfig
 from router.core.request import ScheduleInput, Targets
 from router.core.scheduler import Scheduler
+from router.core.slicing import SliceConfig
 from router.placement import PlacementRequest, Placer
 from router.telemetry import RequestObserver
 from sim.cluster import SimFleet, simulate
 from sim.fleet import fleet_from_counts
+from sim.slicing import simulate_slices
 from tests.router.core.helpers import inst, make_predictor, make_snapshot
 from tests.router.test_admission import gauge
 from tests.router.test_admission import request as admission_request
@@ -62,7 +64,7 @@ BUSY = make_snapshot(inst("n0", "neutral", prefill_tokens=60000))
 
 
 def test_every_policy_is_a_registered_dispatcher() -> None:
-    assert set(NAMES) >= {"none", "fcfs", "edf", "priority", "sa", "qlm"}
+    assert set(NAMES) >= {"none", "fcfs", "edf", "priority", "sa", "qlm", "slice"}
 
 
 # ---------------------------------------------------------------------- the router's driver
@@ -76,14 +78,26 @@ class Source:
         return self.current
 
 
+def setup_of(name: str, ttft_ms: float = 10_000.0, tpot_ms: float = 1000.0, **options: Any) -> DispatchSetup:
+    """The dispatcher ``name``'s setup: a queue policy's, or ``slice`` (``--dispatch-mode slice``)."""
+    qlm = options.pop("qlm", QlmConfig())
+    if name == "slice":
+        return DispatchSetup(
+            QueueConfig(queue_policy="none", **options), ttft_ms, tpot_ms, qlm, dispatcher=name
+        )
+    return DispatchSetup(QueueConfig(queue_policy=name, **options), ttft_ms, tpot_ms, qlm)
+
+
 def router_driver(name: str, source: Source, **queue: Any) -> tuple[Admission, RequestObserver]:
     scheduler = Scheduler(SchedulerConfig(scheduling_policy="slo"), make_predictor(), random.Random(0))
     observer = RequestObserver()
     placer = Placer(scheduler, source, clock=lambda: 100.0, observer=observer)  # type: ignore[arg-type]
     # The test's clock stands still: sa must not wait for a pooling window to pass.
     options = {"sa_pool_ms": 0.0} if name == "sa" else {}
-    config = QueueConfig(queue_policy=name, **{**options, **queue})
-    return Admission(placer, config, clock=lambda: 100.0, observer=observer), observer
+    setup = setup_of(name, scheduler.config.ttft_slo_ms, scheduler.config.tpot_slo_ms, **{**options, **queue})
+    dispatcher = make_dispatcher(setup)
+    admission = Admission(placer, setup.queue, clock=lambda: 100.0, observer=observer, dispatcher=dispatcher)
+    return admission, observer
 
 
 def request(rid: str, *, ttft_ms: float = 60_000.0, priority: int = 0) -> PlacementRequest:
@@ -200,14 +214,21 @@ def tight_behind_loose() -> list[RequestPlan]:
 def test_sim_driver_keeps_every_token_across_pauses_and_refuses_with_legal_codes(name: str) -> None:
     plans = tight_behind_loose()
     fleet = SimFleet(fleet_from_counts(neutral=1, engine=SimConfig(max_num_seqs=8)))
-    outcome = simulate(fleet, policy("slo"), plans, queue=QueueConfig(queue_policy=name))
-    for result, p in zip(outcome.results, plans, strict=True):
+    if name == "slice":
+        # Every request is paused at each slice's end and resumed after its tokens so far.
+        sliced = simulate_slices(fleet, plans, SliceConfig(slice_tokens=16))
+        results, decisions = sliced.results, sliced.figures.slices
+        assert sliced.figures.slices > len(plans)
+    else:
+        outcome = simulate(fleet, policy("slo"), plans, queue=QueueConfig(queue_policy=name))
+        results, decisions = outcome.results, outcome.stats.decisions
+    for result, p in zip(results, plans, strict=True):
         if result.ok:
             # Whatever paused it (qlm evicts), the answer is the whole answer: none lost, none twice.
             assert result.completion_tokens == p.max_tokens, (name, p.index)
         else:
             assert result.error_code in REFUSAL_CODES, (name, result.error_code, result.error_message)
-    assert outcome.stats.decisions >= sum(r.ok for r in outcome.results)
+    assert decisions >= sum(r.ok for r in results)
 
 
 # ---------------------------------------------------------------------- the protocol: order
@@ -249,6 +270,9 @@ class OnePerPass:
     def evict(self, request_id: str) -> int | None:
         return None
 
+    def produced(self, request_id: str) -> int | None:
+        return None
+
 
 #: (request id, priority, TTFT target ms) in arrival order, and the order each policy promises.
 ARRIVALS = [("a", 0, 9000.0), ("b", 1, 5000.0), ("c", 0, 2000.0), ("d", 1, 8000.0)]
@@ -282,9 +306,7 @@ def one_placed(name: str, fleet: OnePerPass) -> Any:
 
     qlm pulls whatever its batch has room for at once: a batch of one is full after the first.
     """
-    dispatcher = make_dispatcher(
-        DispatchSetup(QueueConfig(queue_policy=name), 10_000.0, 1000.0, qlm=QlmConfig(batch=1))
-    )
+    dispatcher = make_dispatcher(setup_of(name, qlm=QlmConfig(batch=1)))
     fleet.budget = 1
     first = ScheduleInput("first", 256, ttft_slo_ms=60_000.0, tpot_slo_ms=1000.0, arrival_s=100.0)
     list(dispatcher.handle(Arrival(first, "first"), 100.0, fleet))
@@ -358,6 +380,9 @@ class Views:
         return self._scheduler.schedule(view, request, now, targets=targets, policy=policy)
 
     def evict(self, request_id: str) -> int | None:
+        return None
+
+    def produced(self, request_id: str) -> int | None:
         return None
 
 

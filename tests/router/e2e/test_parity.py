@@ -1,6 +1,6 @@
 """Parity: one seeded workload through the simulator and through the real router over sim workers.
 
-For every registered dispatcher the same plans (arrival times, prompts, lengths, SLOs) run
+For every registered dispatcher (``slice``: ``--dispatch-mode slice``) the same plans (arrival times, prompts, lengths, SLOs) run
 twice: in virtual time (:func:`sim.cluster.simulate`) and live (an embedded CMS, two neutral sim
 workers at ``speed_factor`` :data:`SPEED` and the router, real gRPC on loopback, replayed by the load
 generator). What must agree:
@@ -23,8 +23,10 @@ import pytest
 from bench.loadgen import LoadConfig, run_load
 from router.core.dispatch import DISPATCHERS
 from router.core.queue import QueueConfig
+from router.core.slicing import SliceConfig
 from sim.cluster import SimFleet, simulate
 from sim.fleet import fleet_from_counts
+from sim.slicing import simulate_slices
 from tests.router.e2e.cluster import embedded_cluster, sim_config
 from tests.sim.test_simulate import policy
 from workload.report import RequestResult, slo_met
@@ -71,15 +73,22 @@ def attainment(results: tuple[RequestResult, ...] | list[RequestResult]) -> floa
 @pytest.mark.parametrize("name", DISPATCHERS.names())
 async def test_simulator_and_live_router_agree(name: str) -> None:
     workload = plans()
-    queue = QueueConfig(queue_policy=name)
     fleet = SimFleet(fleet_from_counts(neutral=2, engine=sim_config(speed_factor=SPEED)))
     # Calibration off in both: live, it learns the host's own overhead per step (a loaded machine's
     # steps run slower than the engine's model), which is wall-clock noise, not the dispatcher.
     config = dataclasses.replace(policy("slo"), calibration="off")
-    simulated = simulate(fleet, config, workload, queue=queue).results
+    slicing: SliceConfig | None = None
+    if name == "slice":  # --dispatch-mode slice (simulate --dispatch-modes slice)
+        queue = QueueConfig()
+        slicing = SliceConfig()
+        simulated = simulate_slices(fleet, workload, slicing).results
+    else:
+        queue = QueueConfig(queue_policy=name)
+        simulated = simulate(fleet, config, workload, queue=queue).results
     async with embedded_cluster(
         neutral=2,
         queue=queue,
+        slice_config=slicing,
         engine_overrides={"speed_factor": SPEED},
         scheduler_overrides={"calibration": "off"},
     ) as cluster:

@@ -13,12 +13,8 @@ import grpc
 import pytest
 from slorouter.v1 import common_pb2, router_pb2, router_pb2_grpc
 
-from fleet.snapshot import EMPTY_SNAPSHOT, ClusterSnapshot
-from router.core.errors import EmptyClusterError, NoInstanceError
-from router.core.predictors import PredictorSet
 from router.core.slicing import SliceConfig
-from router.slicing import SliceDispatcher
-from tests.router.e2e.cluster import PREDICTOR, Cluster, collect, embedded_cluster, generate_request
+from tests.router.e2e.cluster import Cluster, collect, embedded_cluster, generate_request
 from tests.router.e2e.up_process import start_up, wait_for_line
 from workers.sim_engine import output_token, prompt_digest, request_key
 
@@ -44,9 +40,9 @@ def expected_tokens(request: router_pb2.GenerateRequest) -> list[int]:
 async def settled(cluster: Cluster, timeout_s: float = 5.0) -> None:
     """Wait (bounded) until no slice waits and no engine holds a request."""
     deadline = time.monotonic() + timeout_s
-    slicer = cluster.router.service._slicer
-    assert slicer is not None
-    while slicer.waiting or any(e.core.has_unfinished for e in cluster.engines.values()):
+    dispatcher = cluster.router.service._admission.dispatcher
+    assert dispatcher.name == "slice"
+    while len(dispatcher) or any(e.core.has_unfinished for e in cluster.engines.values()):
         assert time.monotonic() < deadline, "slices or engine requests left behind"
         await asyncio.sleep(0.02)
 
@@ -68,13 +64,14 @@ async def test_streams_crossing_many_slices_arrive_whole_and_in_order() -> None:
             assert 0 < usage.ttft_ms <= usage.e2e_ms
             assert usage.tpot_ms > 0
         await settled(cluster)
-        slicer = cluster.router.service._slicer
-        assert slicer is not None
+        dispatcher = cluster.router.service._admission.dispatcher
         # Every slice was placed once; a resumed slice is as long as the answer so far (8, 8, 16,
         # 32, 64, 64, ... tokens: SliceConfig.grow_with_answer).
-        assert sum(slicer.placed_slices.values()) == sum(
+        assert dispatcher.counters()["slices"] == sum(
             doubling_slices(r.sampling.max_tokens, 8) for r in requests
         )
+        # Each slice's placement went through the in-flight account and left it.
+        assert len(cluster.router.service._placer.scheduler.inflight) == 0
         assert cluster.router.service.active_requests == 0
 
 
@@ -113,27 +110,6 @@ async def test_a_cancelled_client_leaves_no_slice_behind() -> None:
         # The router still serves.
         result = await collect(cluster.stub, generate_request(20, 17, request_id="after"))
         assert len(result.tokens) == 17
-
-
-class _NoFleet:
-    def snapshot(self) -> ClusterSnapshot:
-        return EMPTY_SNAPSHOT
-
-
-async def test_a_full_slice_pool_refuses_and_stop_fails_the_waiting() -> None:
-    config = SliceConfig(slice_tokens=8, max_waiting_slices=2)
-    slicer = SliceDispatcher(_NoFleet(), PredictorSet(PREDICTOR), config, staleness_s=5.0)
-    # No schedule loop runs: the slices stay in the pool.
-    waiting = [asyncio.create_task(slicer.acquire(100, 8)) for _ in range(2)]
-    await asyncio.sleep(0)
-    assert slicer.waiting == 2
-    with pytest.raises(NoInstanceError, match="slice pool"):
-        await slicer.acquire(100, 8)
-    await slicer.stop()
-    for task in waiting:
-        with pytest.raises(EmptyClusterError):
-            await task
-    assert slicer.waiting == 0
 
 
 async def test_slice_mode_without_neutral_instances_is_unavailable() -> None:
@@ -202,3 +178,28 @@ async def test_slice_requests_feed_the_router_metrics() -> None:
         registry = cluster.router.observer.registry
         assert registry.get_sample_value("slo_router_requests_total", {"outcome": "ok"}) == 1.0
         assert registry.get_sample_value("slo_router_ttft_seconds_count") == 1.0
+
+
+async def test_killing_the_worker_of_a_running_slice_loses_and_duplicates_nothing() -> None:
+    # The slice's leg fails over like any decode (the tokens so far kept), and the slices after it
+    # are placed by the dispatcher on the instance left.
+    async with embedded_cluster(
+        neutral=2, slice_config=SLICES, engine_overrides={"speed_factor": 5.0}
+    ) as cluster:
+        request = generate_request(64, 120, request_id="survivor")
+        tokens: list[int] = []
+        killed = ""
+        async for message in cluster.stub.Generate(request, timeout=60):
+            tokens.extend(message.token_ids)
+            if not killed and len(tokens) >= 20:
+                busy = [
+                    i for i, e in cluster.engines.items() if e.core.has_unfinished and i in cluster.workers
+                ]
+                if busy:
+                    killed = busy[0]
+                    await cluster.kill_worker(killed)
+        assert killed
+        assert tokens == expected_tokens(request)
+        assert len(tokens) == 120
+        dispatcher = cluster.router.service._admission.dispatcher
+        assert len(dispatcher) == 0 and cluster.router.service.active_requests == 0

@@ -1,0 +1,450 @@
+"""``slice``: slice-level dispatch (seed 002, SCLS) behind the dispatcher contract.
+
+Every placement of a request is capped at a *slice* of new tokens: the
+``DISPATCH`` action carries the cap (:attr:`~router.core.dispatch.Action.cap`)
+and the driver starts the leg with it. A slice that ends at its cap with output
+left is the lifecycle's pause: the driver pauses the request (keeping every
+token), requeues it and hands the dispatcher a
+:class:`~router.core.dispatch.Paused` event; the dispatcher answers with the
+next ``DISPATCH`` (the tokens so far in :attr:`~router.core.dispatch.Action.tokens`,
+the next cap), and the driver resumes the request after those tokens. That is
+the same pause → requeue → resume that decode failover and qlm's eviction use.
+
+The algorithms are :mod:`router.core.slicing`'s (:class:`SliceScheduler`: the
+pool, the serving-time batcher, max-min offload into per-instance local
+queues, admission as the planned KV leaves room, and the resume of a slice at
+once). This module only turns events into calls on it and its answers into
+actions:
+
+- :class:`~router.core.dispatch.Arrival`: the first slice joins the pool; the
+  dispatcher asks to be woken (:meth:`Sliced.wake_s`) at the next schedule point.
+- :class:`~router.core.dispatch.Timer`: a schedule point: the fleet's neutral
+  instances are read, the pool batched and offloaded, and every instance admits
+  what its KV plan has room for (one ``DISPATCH`` per slice).
+- :class:`~router.core.dispatch.Paused`: the slice ended at its cap; the next one
+  is placed at once (``resume_at_once``) or goes back to the pool.
+- :class:`~router.core.dispatch.Completion`: the request ended (done, failed or
+  cancelled while running): its slice's planned KV and estimate leave.
+- :class:`~router.core.dispatch.ViewChanged`: the instances that a pause or a
+  completion freed admit their queued batches (one admission per freed
+  instance, after every end of the moment: the driver coalesces them).
+- :class:`~router.core.dispatch.Cancel`: a waiting request leaves (its queued
+  slice is dropped when its batch is admitted).
+
+The placement of a slice is a decision like any other (recorded by the driver,
+so the in-flight account and the route come from it): the instance the offloader
+chose, checked only for health (:func:`~router.core.policies.health_only`), as
+qlm's dispatches are. Only neutral instances take slices (a slice is a prefill
+and its decode on one instance).
+
+The running slices' progress (the KV they hold now) is read through
+:meth:`~router.core.dispatch.Fleet.produced`, the tokens each running request
+has produced: the router counts the tokens it relays, the simulator its engines'.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from fleet.snapshot import ClusterSnapshot, InstanceRecord
+from router.core.dispatch import (
+    DISPATCHERS,
+    Action,
+    Arrival,
+    Cancel,
+    Completion,
+    DispatchSetup,
+    Event,
+    Fleet,
+    Outcome,
+    Paused,
+    Preempted,
+    Timer,
+    ViewChanged,
+)
+from router.core.errors import EmptyClusterError, QueueFullError, RouterError, SchedulingError
+from router.core.policies import health_only
+from router.core.queue import RouterQueue
+from router.core.registry import Params
+from router.core.request import Role, ScheduleInput, Targets
+from router.core.slicing import (
+    InstanceShape,
+    ModelBook,
+    SliceConfig,
+    SliceRequest,
+    SliceScheduler,
+    slice_length,
+)
+
+#: Targets a slice's placement is checked against: the offloader chose the instance.
+_ANY = Targets(ttft_ms=1e12, tpot_ms=1e12, e2e_ms=0.0, full_ttft_ms=1e12)
+
+#: Placements of one request's slices that may fail in a row (its instance gone from the fleet, each
+#: time back to the pool for the next schedule point, which reads the fleet again) before it is refused.
+MAX_PLACEMENT_FAILURES = 3
+
+
+@dataclass
+class _Slice:
+    """One request's current slice: where it waits or runs."""
+
+    request: ScheduleInput
+    token: Any
+    arrival_s: float
+    #: Tokens produced before this slice (the slice resumes after them).
+    tokens: int = 0
+    #: The slice as the scheduler knows it; where it runs and its batch key once placed.
+    part: SliceRequest | None = None
+    instance: str = ""
+    key: int = -1
+    waiting: bool = True
+    #: Placements of its slices that failed in a row (the chosen instance left the fleet).
+    failures: int = 0
+
+
+class Sliced:
+    """``slice`` (see the module doc)."""
+
+    name = "slice"
+    waits = True
+    coalesce_arrivals = False
+
+    def __init__(self, setup: DispatchSetup) -> None:
+        self.setup = setup
+        self.config: SliceConfig = setup.slicing
+        #: Most slices waiting for a placement (in the pool or a local queue); beyond it arrivals are refused.
+        self._bound = min(self.config.max_waiting_slices, setup.queue.max_queue_size)
+        self.sched: SliceScheduler | None = None
+        self._book: ModelBook | None = None
+        self._slices: dict[str, _Slice] = {}
+        self._waiting = 0
+        self._fleet: Fleet | None = None
+        self._policy: Any = None
+        #: The next schedule point (s) and whether one is asked for.
+        self._next_tick = 0.0
+        self._wake: float | None = None
+        #: Instances a pause or a completion freed since the last admission.
+        self._freed: list[str] = []
+        #: Slices placed (first and resumed), for reports.
+        self.slices = 0
+
+    # ------------------------------------------------------------------ the contract
+
+    def __len__(self) -> int:
+        return self._waiting
+
+    def wake_s(self) -> float | None:
+        return self._wake
+
+    def dry_run_queue(self) -> RouterQueue | None:
+        return None
+
+    def shed_limit_ms(self, now: float) -> float | None:
+        return None
+
+    def counters(self) -> dict[str, int]:
+        sched = self.sched
+        if sched is None:
+            return {"slices": self.slices}
+        return {
+            "slices": self.slices,
+            "batches": sched.batches,
+            "schedule_points": sched.schedule_points,
+            "resumed": sched.resumed,
+            "moved": sched.moved,
+        }
+
+    def refuse_all(self, error: RouterError) -> list[Action]:
+        out = []
+        for s in list(self._slices.values()):
+            if s.waiting:
+                out.append(self._leave(s, Outcome.REFUSE, error=error, event="rejected"))
+        return out
+
+    def handle(self, event: Event, now: float, fleet: Fleet) -> Iterable[Action]:
+        self._fleet = fleet
+        if isinstance(event, Arrival):
+            return self._arrive(event, now, fleet)
+        if isinstance(event, Paused):
+            return self._paused(event, now, fleet)
+        if isinstance(event, Completion):
+            return self._completed(event, now)
+        if isinstance(event, Cancel):
+            s = self._slices.get(event.request_id)
+            if s is None or not s.waiting:
+                return []
+            return [self._leave(s, Outcome.LEFT)]
+        if isinstance(event, Timer):
+            return self._schedule_point(now, fleet)
+        if isinstance(event, Preempted):
+            if self.sched is not None:
+                self.sched.preempted(event.instance_id)
+            return []
+        if isinstance(event, ViewChanged) and self._freed:
+            freed, self._freed = self._freed, []
+            out: list[Action] = []
+            for instance in dict.fromkeys(freed):
+                out.extend(self._admit(instance, now, fleet))
+            return out
+        return []
+
+    # ------------------------------------------------------------------ the scheduler
+
+    def _neutral(self, fleet: Fleet, now: float) -> list[InstanceRecord]:
+        snapshot = fleet.snapshot()
+        staleness = fleet.scheduler.config.instance_staleness_s
+        return [
+            r
+            for r in snapshot.instances
+            if int(r.metadata.role) == int(Role.NEUTRAL)
+            and r.status is not None
+            and r.status.schedulable
+            and _age(snapshot, r, now) <= staleness
+        ]
+
+    def _scheduler(self, records: list[InstanceRecord], fleet: Fleet) -> SliceScheduler:
+        """The slice scheduler over ``records``, each instance with its own estimators (kept while
+        its shape holds: :class:`ModelBook`)."""
+        scheduler = fleet.scheduler
+        if self._book is None:
+            predictors = scheduler.predictors
+            if predictors is None:
+                raise EmptyClusterError(
+                    "--dispatch-mode slice needs latency profiles (--profile) to estimate slice times"
+                )
+            self._book = ModelBook(predictors.for_group, self.config)
+            self._policy = health_only(scheduler.config, "slice")
+        label = scheduler.config.profile_label
+        shapes = {}
+        for r in records:
+            meta = r.metadata
+            shapes[meta.instance_id] = InstanceShape(
+                meta.labels.get(label, ""),
+                max_num_batched_tokens=meta.max_num_batched_tokens or 2048,
+                kv_capacity_tokens=meta.kv_capacity_tokens or 65536,
+                block_size=meta.block_size or 16,
+                max_model_len=meta.max_model_len or 8192,
+                max_num_seqs=meta.max_num_seqs or 256,
+            )
+        models = self._book.models(shapes)
+        ids = list(shapes)
+        if self.sched is None:
+            first = models[ids[0]]
+            self.sched = SliceScheduler(self.config, first.serving, first.memory, ids)
+            self.sched.progress = self._context_now
+        self.sched.set_models(models)
+        self.sched.set_instances(ids)
+        return self.sched
+
+    def _context_now(self, key: Hashable) -> int | None:
+        """A running slice's context now: the prompt and every token its request has produced."""
+        s = self._slices.get(str(key))
+        fleet = self._fleet
+        if s is None or fleet is None:
+            return None
+        produced = fleet.produced(s.request.request_id)
+        return None if produced is None else s.request.prompt_tokens + produced
+
+    def _part(self, s: _Slice) -> SliceRequest:
+        """The request's next slice: its context now and the tokens it may generate."""
+        sched = self.sched
+        assert sched is not None
+        context = s.request.prompt_tokens + s.tokens
+        remaining = s.request.max_tokens - s.tokens
+        serving = sched.models(min(sched.instances)).serving
+        length = slice_length(context, remaining, serving, self.config, s.tokens)
+        return SliceRequest(s.request.request_id, context, length)
+
+    # ------------------------------------------------------------------ events
+
+    def _arrive(self, event: Arrival, now: float, fleet: Fleet) -> list[Action]:
+        request = event.request
+        sched = self.sched
+        if sched is None or not sched.instances:
+            records = self._neutral(fleet, now)
+            if not records:
+                return [Action(Outcome.REFUSE, request, event.token, error=_no_neutral(), waited=False)]
+            sched = self._scheduler(records, fleet)
+        if self._waiting >= self._bound:
+            error = QueueFullError(
+                f"{self._waiting} slices already wait for a placement (the slice pool's bound, "
+                f"{self._bound}: --max-queue-size); retry later or add neutral instances"
+            )
+            return [Action(Outcome.REFUSE, request, event.token, error=error, event="shed", waited=False)]
+        s = _Slice(request, event.token, now)
+        self._slices[request.request_id] = s
+        self._to_pool(s, now)
+        return [Action(Outcome.QUEUED, request, event.token)]
+
+    def _to_pool(self, s: _Slice, now: float) -> None:
+        sched = self.sched
+        assert sched is not None
+        s.part = self._part(s)
+        s.waiting = True
+        self._waiting += 1
+        sched.add(s.part)
+        if self._wake is None:
+            self._wake = max(now, self._next_tick)
+
+    def _schedule_point(self, now: float, fleet: Fleet) -> list[Action]:
+        self._wake = None
+        records = self._neutral(fleet, now)
+        if not records:
+            self._next_tick = now + self.config.min_interval_ms * 1e-3
+            # The slices in the pool fail (those queued on an instance are still admitted there).
+            pool = {id(r) for r in self.sched.pool} if self.sched is not None else None
+            error = _no_neutral()
+            refused = [
+                self._leave(s, Outcome.REFUSE, error=error, event="rejected")
+                for s in list(self._slices.values())
+                if s.waiting and (pool is None or id(s.part) in pool)
+            ]
+            if self.sched is not None:
+                self.sched.pool = []
+            return refused
+        sched = self._scheduler(records, fleet)
+        # Slices that left while in the pool are dropped from it here.
+        sched.pool = [r for r in sched.pool if self._is_waiting(r)]
+        sched.schedule()
+        self._next_tick = now + sched.interval_ms() * 1e-3
+        if sched.pool:  # more than one point batches (max_batching_slices): come back for the rest
+            self._wake = self._next_tick
+        out: list[Action] = []
+        for instance in sched.instances:
+            out.extend(self._admit(instance, now, fleet))
+        return out
+
+    def _is_waiting(self, part: SliceRequest) -> bool:
+        s = self._slices.get(str(part.key))
+        return s is not None and s.waiting and s.part is part
+
+    def _admit(self, instance: str, now: float, fleet: Fleet) -> list[Action]:
+        sched = self.sched
+        if sched is None or instance not in sched.instances:
+            return []
+        out = []
+        for key, batch in sched.admit(instance, now * 1000.0):
+            for part in batch.requests:
+                if not self._is_waiting(part):
+                    sched.finish(instance, key, part)  # left while queued: its slice ends unstarted
+                    continue
+                s = self._slices[str(part.key)]
+                action = self._dispatch(s, instance, key, now, fleet)
+                if action is not None:
+                    out.append(action)
+        return out
+
+    def _dispatch(self, s: _Slice, instance: str, key: int, now: float, fleet: Fleet) -> Action | None:
+        """The slice's placement on ``instance`` (a decision like any other, so the driver records it).
+
+        None when placement refuses the instance (it left the fleet, or failed and is ejected since
+        the last schedule point): the slice goes back to the pool and still waits."""
+        part = s.part
+        assert part is not None
+        s.waiting = False
+        self._waiting -= 1
+        s.instance, s.key = instance, key
+        others = frozenset(r.metadata.instance_id for r in fleet.snapshot().instances) - {instance}
+        request = dataclasses.replace(
+            s.request,
+            exclude_instance_ids=others,
+            prompt_tokens=part.context_tokens,
+            max_tokens=s.tokens + part.slice_tokens,
+            # A resumed slice recomputes prompt + generated tokens: its prefix is no longer the prompt's.
+            prefix_hashes=s.request.prefix_hashes if not s.tokens else (),
+        )
+        waited = now - s.arrival_s if not s.tokens else 0.0
+        try:
+            decision = fleet.decide(fleet.view(), request, now, targets=_ANY, policy=self._policy)
+        except SchedulingError as exc:
+            sched = self.sched
+            assert sched is not None
+            sched.finish(instance, key, part)
+            s.failures += 1
+            if s.failures > MAX_PLACEMENT_FAILURES:
+                self._slices.pop(s.request.request_id, None)
+                return Action(Outcome.REFUSE, s.request, s.token, error=exc, event="rejected")
+            s.waiting = True
+            self._waiting += 1
+            sched.add(part)
+            if self._wake is None:
+                self._wake = max(now, self._next_tick)
+            return None
+        s.failures = 0
+        self.slices += 1
+        return Action(
+            Outcome.DISPATCH,
+            s.request,
+            s.token,
+            decision=decision,
+            waited_s=waited,
+            tokens=s.tokens,
+            cap=part.slice_tokens,
+            waited=True,
+        )
+
+    def _paused(self, event: Paused, now: float, fleet: Fleet) -> list[Action]:
+        """The slice ended at its cap with output left: place the next one (pause → requeue → resume)."""
+        s = self._slices.get(event.request_id)
+        sched = self.sched
+        if s is None or s.waiting or sched is None or s.part is None:
+            return []
+        part, instance, key = s.part, s.instance, s.key
+        produced = event.tokens - s.tokens
+        s.tokens = event.tokens
+        self._freed.append(instance)
+        if not self.config.resume_at_once or not sched.instances:
+            # The paper's way: back to the pool for the next schedule point.
+            self._to_pool(s, now)
+            sched.finish(instance, key, part, now * 1000.0, produced)
+            return [Action(Outcome.QUEUED, s.request, s.token)]
+        following = self._part(s)
+        target, new_key, _batch = sched.resume(instance, key, part, following, now * 1000.0, produced)
+        s.part = following
+        s.waiting = True
+        self._waiting += 1
+        placed = self._dispatch(s, target, new_key, now, fleet)
+        queued = Action(Outcome.QUEUED, s.request, s.token)
+        return [queued] if placed is None else [queued, placed]
+
+    def _completed(self, event: Completion, now: float) -> list[Action]:
+        s = self._slices.get(event.request_id)
+        if s is None:
+            return []
+        if s.waiting:
+            return [self._leave(s, Outcome.LEFT)]
+        del self._slices[event.request_id]
+        sched = self.sched
+        if sched is not None and s.part is not None and s.key >= 0:
+            produced = None if event.output_tokens is None else event.output_tokens - s.tokens
+            sched.finish(s.instance, s.key, s.part, now * 1000.0, produced)
+            self._freed.append(s.instance)
+        return []
+
+    def _leave(
+        self, s: _Slice, outcome: Outcome, *, error: RouterError | None = None, event: str = ""
+    ) -> Action:
+        """A waiting slice leaves (refused or cancelled); a queued one is dropped when its batch is admitted."""
+        self._slices.pop(s.request.request_id, None)
+        s.waiting = False
+        self._waiting -= 1
+        return Action(outcome, s.request, s.token, error=error, event=event)
+
+
+def _age(snapshot: ClusterSnapshot, record: InstanceRecord, now: float) -> float:
+    return snapshot.age_s(record, now)
+
+
+def _no_neutral() -> EmptyClusterError:
+    return EmptyClusterError(
+        "slice dispatch found no schedulable neutral instance; start neutral workers "
+        "(slices run prefill and decode on one instance) or use --dispatch-mode request"
+    )
+
+
+@DISPATCHERS.register("slice")
+def _slice(setup: DispatchSetup, params: Params) -> Sliced:
+    return Sliced(setup)
