@@ -1704,7 +1704,7 @@ def offer(
             # whether the entry is late now, from those two metrics on the view of now.
             current = source()
             seen_view = current if isinstance(current, ClusterView) else scheduler.view(current, now_s)
-            held = hold.check(scheduler, seen_view, request, now_s, offered)
+            held = hold.check(scheduler, seen_view, request, now_s, offered, entry.late)
             if held is not None:
                 queue.held += 1
                 if not entry.late and held == held and held >= targets.ttft_ms:
@@ -1958,7 +1958,11 @@ def _hold_spec(spec: Any) -> dict[str, Any] | None:
     for g in spec.global_filters:
         ok = ok and type(g).__name__ == "Failover"
         other.add(g.label)
-    result = {k: f for k, f in held.items() if k not in other} if ok else None
+    # Checked in this order (the check stops once every candidate is out): the TPOT column, which
+    # drops most refused requests, then the TTFT one, then the residents' TPOT.
+    rank = {"predicted_tpot": 0, "predicted_ttft": 1}
+    ordered = sorted(held.items(), key=lambda item: rank.get(item[1].metric, 2))
+    result = {k: f for k, f in ordered if k not in other} if ok else None
     if not result:
         result = None
     if len(_HOLD_SPECS) >= 64:  # (a few policies per process; bounded all the same)
@@ -2012,10 +2016,17 @@ class ThresholdHold:
         return ThresholdHold(request, failure.spec, table.ids, failure.outcome.candidate_mask, thresholds)
 
     def check(
-        self, scheduler: Scheduler, view: ClusterView, request: ScheduleInput, now_s: float, targets: Targets
+        self,
+        scheduler: Scheduler,
+        view: ClusterView,
+        request: ScheduleInput,
+        now_s: float,
+        targets: Targets,
+        late: bool = False,
     ) -> float | None:
         """None when a decision for ``request`` offered ``targets`` on ``view`` at ``now_s`` might not
-        fail; else the best predicted TTFT it would report (NaN: none)."""
+        fail; else the best predicted TTFT it would report (NaN: none, or not asked for: ``late``, an
+        entry already late, whose refusal reads no TTFT)."""
         table = view.instances
         if request is not self.request or table.ids != self.ids:
             return None
@@ -2033,8 +2044,10 @@ class ThresholdHold:
                 break
         else:
             return None
-        if ctx.predictors is None or not any(
-            getattr(m, "metric", None) == "predicted_ttft" for m in self.spec.explainers
+        if (
+            late
+            or ctx.predictors is None
+            or not any(getattr(m, "metric", None) == "predicted_ttft" for m in self.spec.explainers)
         ):
             return math.nan
         eligible = self.candidates
