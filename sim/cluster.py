@@ -109,7 +109,7 @@ import random
 import time
 from collections import deque
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -140,6 +140,8 @@ from router.core.dispatch import (
     DispatchSetup,
     Event,
     Outcome,
+    Paused,
+    Preempted,
     Served,
     Timer,
     ViewChanged,
@@ -155,6 +157,7 @@ from router.core.qlm import QlmConfig
 from router.core.queue import QueueConfig
 from router.core.request import Mode, Role, ScheduleInput, Targets
 from router.core.scheduler import Scheduler
+from router.core.slicing import SliceConfig
 from router.core.theta import ThetaFit
 from router.core.worker_count import Desired, DesiredInstances
 from sim.fastforward import DecodeRun, DecodeStepTimes
@@ -354,12 +357,22 @@ class SimOutcome:
     cache_hit_rate: float | None = None
     #: ``slo_router_desired_instances`` as the router would export it at the last arrival.
     desired: Desired | None = None
+    #: Per instance: engine time spent stepping (s) and the end of its last step (s).
+    busy_s: tuple[float, ...] = ()
+    last_busy_s: tuple[float, ...] = ()
+    #: Context tokens recomputed by resumed runs, and each resume's stall (ms): a paused run's last
+    #: token to the next run's first.
+    recomputed_tokens: int = 0
+    resume_gaps_ms: tuple[float, ...] = ()
+    #: The dispatcher's own counts (:meth:`router.core.dispatch.Dispatcher.counters`).
+    counters: dict[str, int] = field(default_factory=dict)
 
 
 class _Req:
     """Mutable state of one request during a run."""
 
     __slots__ = (
+        "capped",
         "decode",
         "done_s",
         "error_code",
@@ -367,8 +380,10 @@ class _Req:
         "expected",
         "first_s",
         "idx",
+        "last_s",
         "late",
         "out",
+        "paused_at",
         "predicted_tpot_ms",
         "predicted_ttft_ms",
         "prefill",
@@ -392,6 +407,11 @@ class _Req:
         self.resident_tokens = 0.0
         self.first_s = -1.0
         self.done_s = -1.0
+        #: When its last run ended (a pause at a cap), and when it paused (-1: never).
+        self.last_s = -1.0
+        self.paused_at = -1.0
+        #: Its current run has a cap (a slice).
+        self.capped = False
         self.tokens = 0
         self.error_code: str | None = None
         self.error_message = ""
@@ -472,6 +492,8 @@ class _Simulation:
         lengths: LengthConfig | None = None,
         prefix_block_tokens: int = 0,
         incremental_dispatch: str = "on",
+        slicing: SliceConfig | None = None,
+        resume_cache: bool = False,
     ) -> None:
         self.fleet = fleet
         #: What the router learns of output lengths (from finished requests only).
@@ -495,8 +517,24 @@ class _Simulation:
                 sa_search=sa_search,
                 modeled_clock=True,
                 incremental=incremental_dispatch,
+                slicing=slicing or SliceConfig(),
+                dispatcher="slice" if slicing is not None else "",
             )
         )
+        #: Engines keep a paused run's blocks in their prefix cache (vLLM's automatic prefix caching):
+        #: a run resumed at once on the instance it left recomputes only its last partial block.
+        self.resume_cache = resume_cache
+        #: Whether a capped run ended in the step being finished (see _step_end).
+        self.capped_ended = False
+        #: While an action list is carried out: the instances capped runs landed on (see _landed).
+        self.carrying = False
+        self.landed: dict[int, None] = {}
+        #: Per instance: engine time spent stepping (s) and the end of its last step; context tokens
+        #: recomputed by resumed runs; the stall between a paused run's last token and the next run's first.
+        self.busy_s = [0.0] * fleet.n
+        self.last_busy = [0.0] * fleet.n
+        self.recomputed = 0
+        self.gaps_ms: list[float] = []
         self.lent = _Lent(self)
         self.evicted = 0
         self.timer_at = math.inf
@@ -751,6 +789,7 @@ class _Simulation:
     def _materialize(self, i: int, run: DecodeRun, now: float) -> None:
         """End instance ``i``'s fast-forwarded run at ``now``: apply its finished steps, resume the one running."""
         s = run.steps_done(now)
+        self._run_busy(i, run, s)
         self._run_samples(i, run, s)
         run.apply(s)
         self.runs[i] = None
@@ -766,6 +805,12 @@ class _Simulation:
         self.dirty.add(i)
         self.touched.add(i)
 
+    def _run_busy(self, i: int, run: DecodeRun, s: int) -> None:
+        """Count the first ``s`` steps of instance ``i``'s fast-forwarded run as its busy time."""
+        if s > 0:
+            self.busy_s[i] += sum(run._durations_ms[:s]) * 1e-3
+            self.last_busy[i] = run.ends[s - 1]
+
     def _run_end(self, i: int, seq: int, now: float) -> None:
         """The last planned step of instance ``i``'s run ended: plan more, or apply the run and step on."""
         run = self.runs[i]
@@ -776,6 +821,7 @@ class _Simulation:
             self._next_feed(i, run)
             self.run_event[i] = self._push(run.ends[-1], _RUN_END, i)
             return
+        self._run_busy(i, run, len(run.ends))
         self._run_samples(i, run, len(run.ends))
         run.apply(len(run.ends))
         self.num_steps += len(run.ends)
@@ -788,10 +834,14 @@ class _Simulation:
         assert step is not None
         result = self.cores[i].finish_step(step, ends_only=True)
         self.steps[i] = None
+        self.busy_s[i] += step.duration_ms * 1e-3
+        self.last_busy[i] = now
         if step.num_decode_requests > 0:
             self._measure(i, step.duration_ms)
         if step.num_preempted > 0:
             self.last_preempt_s[i] = now
+            # A dispatcher that plans KV learns that the plan over-filled it.
+            self._handle(Preempted(self.fleet.ids[i]), now)
         if self.calibrator is not None:
             pending = self.pending_samples[i]
             pending.append(
@@ -800,10 +850,30 @@ class _Simulation:
             self.pending_ids.add(i)
             if len(pending) > 4096:  # bounded: the router keeps a window of recent steps anyway
                 del pending[:-1024]
-        for rid, position, finished, held in result.outputs:
-            if position == 0 or finished:
-                self._token(int(rid), position, finished, held, now)
-        self._start(i, now)
+        # Dispatches of capped runs (slices) made while the step's ends are taken land on their
+        # engines at once but start idle engines only after (see _landed).
+        carrying, self.carrying = self.carrying, True
+        try:
+            for rid, position, finished, held in result.outputs:
+                if position == 0 or finished:
+                    self._token(int(rid), position, finished, held, now)
+            if self.capped_ended:
+                # Capped runs ended: the room they freed is offered before the instance plans its
+                # next step, so what the dispatcher places there joins that step (an uncapped end
+                # waits for the view after the event, as it always has).
+                self.capped_ended = False
+                if len(self.dispatcher):
+                    self._handle(ViewChanged(), now)
+        finally:
+            self.carrying = carrying
+        landed, self.landed = self.landed, {}
+        if i in landed:
+            del landed[i]
+            self._changed(i, now)  # starts its next step, with the slices placed there
+        elif self.steps[i] is None and self.runs[i] is None:
+            self._start(i, now)
+        for j in sorted(landed):
+            self._changed(j, now)
 
     def _token(self, idx: int, position: int, finished: bool, held: bool, now: float) -> None:
         """Token ``position`` of request ``idx`` on its current instance (only first and last tokens come here)."""
@@ -823,8 +893,15 @@ class _Simulation:
             return
         if r.first_s < 0:
             r.first_s = now
+        elif position == 0 and r.last_s >= 0:
+            self.gaps_ms.append((now - r.last_s) * 1000.0)
         if finished:
             r.tokens += position + 1
+            self.capped_ended |= r.capped
+            if r.capped and r.tokens < r.out and r.tokens < self.cap_of[idx]:
+                self._pause(r, now)  # the run ended at its placement's cap, with output left
+                self._handle(Paused(str(idx), r.tokens), now)
+                return
             self._finish(r, now)
 
     def _kv_ready(self, idx: int, now: float) -> None:
@@ -1016,8 +1093,16 @@ class _Simulation:
             self._feed_calibration(now)
         # Each action is carried out before the next is taken: a dispatch lands on its engine (and
         # so in the next view) before the pass makes its next decision.
-        for action in self.dispatcher.handle(event, now, self.lent):
-            self._carry(action, now)
+        carrying, self.carrying = self.carrying, True
+        try:
+            for action in self.dispatcher.handle(event, now, self.lent):
+                self._carry(action, now)
+        finally:
+            self.carrying = carrying
+        if not carrying and self.landed:
+            landed, self.landed = self.landed, {}
+            for i in landed:
+                self._changed(i, now)
         self.lent.keep_last()
         # The next moment the dispatcher asks to be woken with no other event.
         wake = self.dispatcher.wake_s()
@@ -1043,7 +1128,7 @@ class _Simulation:
             if r.tokens == 0:
                 r.queue_wait_s = action.waited_s
             r.late = action.late
-            self._dispatch(idx, r, self.plans[idx], action.decision, now)
+            self._dispatch(idx, r, self.plans[idx], action.decision, now, action.cap)
         elif outcome is Outcome.REFUSE:
             r.waiting = False
             self.rejected += 1
@@ -1084,15 +1169,26 @@ class _Simulation:
         generated = self._settle(r.decode, now).generated_tokens(str(idx))
         return None if generated is None else int(r.tokens + generated)
 
-    def _dispatch(self, idx: int, r: _Req, plan: RequestPlan, decision: Decision, now: float) -> None:
+    def _pause(self, r: _Req, now: float) -> None:
+        """The lifecycle's pause: the run ended at its cap; the request keeps its tokens and waits to be
+        resumed where the dispatcher places it next (:class:`~router.core.dispatch.Paused`)."""
+        self._resident(r, r.resident, -1, 0)
+        r.stage = _PENDING
+        r.paused_at = r.last_s = now
+
+    def _dispatch(
+        self, idx: int, r: _Req, plan: RequestPlan, decision: Decision, now: float, cap: int = 0
+    ) -> None:
         assert decision.prefill is not None and decision.decode is not None
+        previous = r.decode
+        r.capped = cap > 0
         # The simulator keeps its own in-flight columns (no Scheduler.record): the hooks hear here.
         self.scheduler.dispatched(decision, now)
         index = self.fleet.index
         p = r.prefill = index[decision.prefill.instance_id]
         d = r.decode = index[decision.decode.instance_id]
         if r.tokens:
-            self._resume(idx, r, plan, d, now)
+            self._resume(idx, r, plan, d, now, cap, cached=self._cached(r, previous, d, now))
             return
         r.predicted_ttft_ms = _finite(decision.prefill.predicted_ttft_ms)
         r.predicted_tpot_ms = _finite(decision.decode.predicted_tpot_ms)
@@ -1113,7 +1209,8 @@ class _Simulation:
         # Engine truth below (the engine ends a one-token answer at its first token, so a PD
         # prefill then holds no KV); the router's resident leg is costed by its own estimate.
         if neutral:
-            spec = SimRequestSpec(rid, plan.prompt_tokens, out, counts_as_decode=out > 1, block_hashes=hashes)
+            new = min(out, cap) if cap else out
+            spec = SimRequestSpec(rid, plan.prompt_tokens, new, counts_as_decode=new > 1, block_hashes=hashes)
         else:
             spec = SimRequestSpec(
                 rid,
@@ -1136,18 +1233,41 @@ class _Simulation:
             self._inflight(d, +1, plan.prompt_tokens)
         if out > 1:
             self._resident(r, d, +1, plan.prompt_tokens + r.expected, plan.prompt_tokens)
-        self._changed(p, now)
+        self._landed(p, now, r.capped)
 
-    def _resume(self, idx: int, r: _Req, plan: RequestPlan, i: int, now: float) -> None:
-        """Run evicted request ``idx`` again on (neutral) instance ``i``: the lifecycle's resume.
+    def _landed(self, i: int, now: float, capped: bool) -> None:
+        """A dispatch reached instance ``i``'s engine. Capped runs (slices) are admitted in batches:
+        an idle engine starts its step once the whole action list is carried out, so a batch's
+        slices share their first step (an uncapped dispatch starts an idle engine at once)."""
+        if capped and self.carrying:
+            self.landed[i] = None
+        else:
+            self._changed(i, now)
 
-        Its prompt and the tokens returned so far are recomputed; the engine stops at the answer's
-        true end, which the cap left to it may not reach.
+    def _cached(self, r: _Req, previous: int, i: int, now: float) -> bool:
+        """Whether a resumed request finds its blocks in instance ``i``'s prefix cache: it paused there
+        this very moment (its blocks were freed, not yet reused) and the engines keep them."""
+        return self.resume_cache and r.paused_at == now and previous == i
+
+    def _resume(
+        self, idx: int, r: _Req, plan: RequestPlan, i: int, now: float, cap: int = 0, *, cached: bool = False
+    ) -> None:
+        """Run paused request ``idx`` again on (neutral) instance ``i``: the lifecycle's resume.
+
+        Its prompt and the tokens returned so far are recomputed (but for the full blocks still
+        ``cached``), at most ``cap`` new tokens when the placement has one; the engine stops at the
+        answer's true end, which the cap left to it may not reach.
         """
         rid = str(idx)
         prompt = plan.prompt_tokens + r.tokens
-        new_tokens = max(min(plan.max_tokens - r.tokens, r.out - r.tokens), 1)
-        spec = SimRequestSpec(rid, prompt, new_tokens, counts_as_decode=new_tokens > 1)
+        left = min(plan.max_tokens - r.tokens, r.out - r.tokens)
+        new_tokens = max(min(left, cap) if cap else left, 1)
+        hit = 0
+        if cached:
+            block = self.fleet.configs[i].block_size
+            hit = min((prompt - 1) // block * block, prompt - 1)
+        self.recomputed += prompt - hit
+        spec = SimRequestSpec(rid, prompt, new_tokens, num_cached_tokens=hit, counts_as_decode=new_tokens > 1)
         try:
             self._settle(i, now).add(spec)
         except EngineOverloadedError as exc:
@@ -1159,7 +1279,7 @@ class _Simulation:
         r.stage = _SERVING
         if new_tokens > 1:
             self._resident(r, i, +1, prompt + max(r.expected - r.tokens, 1), prompt)
-        self._changed(i, now)
+        self._landed(i, now, r.capped)
 
     def _finish(self, r: _Req, now: float) -> None:
         r.stage = _DONE
@@ -1514,6 +1634,8 @@ def simulate(
     engine_prefix_cache: bool = True,
     incremental_dispatch: str = "on",
     calibration: CalibrationConfig | None = None,
+    slicing: SliceConfig | None = None,
+    resume_cache: bool = False,
 ) -> SimOutcome:
     """Run ``plans`` (open-loop, in arrival order) on ``fleet`` with the policy ``config`` names.
 
@@ -1579,6 +1701,8 @@ def simulate(
         oracle_lengths=oracle_lengths,
         prefix_block_tokens=block,
         incremental_dispatch=incremental_dispatch,
+        slicing=slicing,
+        resume_cache=resume_cache,
     )
     duration_s, stats = sim.run()
     results = sim.results()
@@ -1591,6 +1715,11 @@ def simulate(
         late=tuple(r.late for r in sim.reqs),
         cache_hit_rate=sim.cache_hit_rate() if block else None,
         desired=sim.desired,
+        busy_s=tuple(sim.busy_s),
+        last_busy_s=tuple(sim.last_busy),
+        recomputed_tokens=sim.recomputed,
+        resume_gaps_ms=tuple(sim.gaps_ms),
+        counters=sim.dispatcher.counters(),
     )
 
 

@@ -35,6 +35,7 @@ from router.core.dispatch import (
     Event,
     Fleet,
     Outcome,
+    Preempted,
     Served,
     ViewChanged,
 )
@@ -215,6 +216,8 @@ class Queued:
                 # Nor may the watch see it (a fleet whose room is not all in the view's columns):
                 # every waiting request is worth one more try.
                 self.watch.invalidate()
+            return []
+        if isinstance(event, Preempted):
             return []
         if isinstance(event, Served):
             if queue.config.objective is Objective.G:
@@ -535,7 +538,7 @@ class Qlm:
                 if left is not None:
                     out.append(Action(Outcome.LEFT, left.request, left.token))
             return out
-        if isinstance(event, Served):
+        if isinstance(event, (Served, Preempted)):
             return []
         return self._pass(now, fleet) if len(qlm) else []
 

@@ -49,6 +49,8 @@ from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from fleet.snapshot import ClusterSnapshot, InstanceRecord
 from router.core.dispatch import (
     DISPATCHERS,
@@ -194,16 +196,23 @@ class Sliced:
     # ------------------------------------------------------------------ the scheduler
 
     def _neutral(self, fleet: Fleet, now: float) -> list[InstanceRecord]:
-        snapshot = fleet.snapshot()
-        staleness = fleet.scheduler.config.instance_staleness_s
-        return [
-            r
-            for r in snapshot.instances
-            if int(r.metadata.role) == int(Role.NEUTRAL)
-            and r.status is not None
-            and r.status.schedulable
-            and _age(snapshot, r, now) <= staleness
-        ]
+        """The fleet's neutral instances that take work now (a fresh, schedulable status), as the view
+        says (the router's from the CMS snapshot, the simulator's from its engines), with their metadata."""
+        scheduler = fleet.scheduler
+        try:
+            source = fleet.view()
+            view = scheduler.view(source, now) if isinstance(source, ClusterSnapshot) else source
+        except SchedulingError:
+            return []
+        t = view.instances
+        usable = (
+            (t.roles == int(Role.NEUTRAL))
+            & t.has_status
+            & t.schedulable
+            & (view.status_age_s <= scheduler.config.instance_staleness_s)
+        )
+        ids = {t.ids[k] for k in np.flatnonzero(usable).tolist()}
+        return [r for r in fleet.snapshot().instances if r.metadata.instance_id in ids]
 
     def _scheduler(self, records: list[InstanceRecord], fleet: Fleet) -> SliceScheduler:
         """The slice scheduler over ``records``, each instance with its own estimators (kept while
@@ -246,7 +255,11 @@ class Sliced:
         if s is None or fleet is None:
             return None
         produced = fleet.produced(s.request.request_id)
-        return None if produced is None else s.request.prompt_tokens + produced
+        if produced is None:
+            # Not producing yet (placed, not started; the driver has no count of it): it holds
+            # its context, the prompt and the tokens its slice resumes after.
+            produced = s.tokens
+        return s.request.prompt_tokens + produced
 
     def _part(self, s: _Slice) -> SliceRequest:
         """The request's next slice: its context now and the tokens it may generate."""
@@ -290,6 +303,10 @@ class Sliced:
             self._wake = max(now, self._next_tick)
 
     def _schedule_point(self, now: float, fleet: Fleet) -> list[Action]:
+        # The points keep their cadence from the moment asked for, not the moment the driver's timer
+        # fired (a timer fires a little late: the router's by a millisecond, the simulator's by a
+        # microsecond), so the lateness does not add up over the points.
+        asked = self._wake if self._wake is not None and self._wake <= now else now
         self._wake = None
         records = self._neutral(fleet, now)
         if not records:
@@ -309,7 +326,7 @@ class Sliced:
         # Slices that left while in the pool are dropped from it here.
         sched.pool = [r for r in sched.pool if self._is_waiting(r)]
         sched.schedule()
-        self._next_tick = now + sched.interval_ms() * 1e-3
+        self._next_tick = asked + sched.interval_ms() * 1e-3
         if sched.pool:  # more than one point batches (max_batching_slices): come back for the rest
             self._wake = self._next_tick
         out: list[Action] = []
@@ -432,10 +449,6 @@ class Sliced:
         s.waiting = False
         self._waiting -= 1
         return Action(outcome, s.request, s.token, error=error, event=event)
-
-
-def _age(snapshot: ClusterSnapshot, record: InstanceRecord, now: float) -> float:
-    return snapshot.age_s(record, now)
 
 
 def _no_neutral() -> EmptyClusterError:
