@@ -1176,81 +1176,13 @@ class FleetDrain:
 
     @classmethod
     def _build(cls, scheduler: Scheduler, view: ClusterView, now_s: float) -> FleetDrain | None:
-        predictors = scheduler.predictors
-        assert predictors is not None
-        table = view.instances
-        prefill = np.flatnonzero(table.schedulable & (table.roles != int(Role.DECODE)))
-        decode = np.flatnonzero(table.schedulable & (table.roles != int(Role.PREFILL)))
-        if len(prefill) == 0 or len(decode) == 0:
+        static = _drain_static(scheduler, view)
+        if static is None:
             return None
-        calibration = predictors.calibration
-        correction = None if calibration is None else calibration.correction(table.ids, table.groups)
-        budget = table.max_num_batched_tokens
-        key = ("queue_drain_parts", predictors)
-        parts: list[tuple[Any, IntArray]] | None = table.memo.get(key)
-        if parts is None:  # instances by profile predictor, once per table
-            by: dict[int, tuple[Any, list[int]]] = {}
-            for i, group in enumerate(table.groups):
-                lp = predictors.for_group(group)
-                by.setdefault(id(lp), (lp, []))[1].append(i)
-            parts = [(lp, np.asarray(ii, dtype=np.intp)) for lp, ii in by.values()]
-            table.memo[key] = parts
-        owner = np.empty(table.n, dtype=np.intp)
-        for k, (_, ii) in enumerate(parts):
-            owner[ii] = k
-
-        def per_instance(idx: IntArray, fn: Callable[[Any, IntArray], FloatArray]) -> FloatArray:
-            out = np.empty(len(idx))
-            for k, (lp, _) in enumerate(parts):
-                sel = np.flatnonzero(owner[idx] == k)
-                if len(sel):
-                    out[sel] = fn(lp, idx[sel])
-            return out
-
-        # A full chunk on each prefill instance, as the profile and as calibrated: the calibration's
-        # ratio at a full chunk stands for it at any prompt (exact for the scale mode; close for
-        # refit, whose remainder is linear in the chunk).
-        profile = per_instance(prefill, lambda lp, ii: _full_chunk_profile_ms(lp, budget[ii]))
-        chunk_ms = profile
-        if correction is not None:
-            zeros = np.zeros(len(prefill))
-            part = _subset(correction, prefill)
-            chunk_ms = part.ttft_ms(profile, budget[prefill], zeros, zeros, budget[prefill], zeros)
-        ratio = np.divide(chunk_ms, profile, out=np.ones(len(prefill)), where=profile > 0)
-        rate = budget[prefill] / np.maximum(chunk_ms, 1e-9)  # a profile of free steps: as good as instant
+        prefill, rate, idle, min_tpot = static
         ctx = scheduler.context(view, None, now_s)
         backlog = advanced_backlog(ctx)[prefill] + view.inflight.prefill_tokens[prefill]
         free = backlog / rate
-        # Per profile predictor: the largest chunk budget and the smallest calibration ratio among its
-        # prefill instances (the fastest case), and whether it serves a decode instance.
-        tpot_factor = 1.0 if correction is None else float(np.min(correction.tpot_factor[decode]))
-        prefill_parts: list[tuple[Any, float, float]] = []
-        decode_parts: list[Any] = []
-        for k, (lp, _) in enumerate(parts):
-            mine = owner[prefill] == k
-            if mine.any():
-                prefill_parts.append((lp, float(budget[prefill][mine].max()), float(ratio[mine].min())))
-            if (owner[decode] == k).any():
-                decode_parts.append(lp)
-        idle_cache: dict[int, float] = {}
-        tpot_cache: dict[int, float] = {}
-
-        def idle(prompt: int) -> float:
-            found = idle_cache.get(prompt)
-            if found is None:
-                found = idle_cache[prompt] = min(
-                    _idle_prefill_ms(lp, prompt, m) * r for lp, m, r in prefill_parts
-                )
-            return found
-
-        def min_tpot(context: int) -> float:
-            found = tpot_cache.get(context)
-            if found is None:
-                found = tpot_cache[context] = tpot_factor * min(
-                    _single_tpot_ms(lp, context) for lp in decode_parts
-                )
-            return found
-
         return cls(free, rate, idle, min_tpot, None, prefill, scheduler.prefix)
 
     def start_ms(self, tokens_ahead: float) -> float:
@@ -1287,6 +1219,119 @@ class FleetDrain:
     def min_tpot_ms(self, context_tokens: int) -> float:
         """The fastest decode step of a batch of one at ``context_tokens`` (ms)."""
         return self._tpot(context_tokens)
+
+
+#: The last fleet's drain parts that do not depend on the load (:func:`_drain_static`): its key and value.
+_DRAIN_STATIC: list[tuple[tuple[Any, ...], Any]] = []
+
+
+def _drain_static(
+    scheduler: Scheduler, view: ClusterView
+) -> tuple[IntArray, FloatArray, Callable[[int], float], Callable[[int], float]] | None:
+    """The parts of a :class:`FleetDrain` that read no load: the prefill-capable instances, their
+    calibrated prefill rates and the idle-prefill and single-decode-step predictions. They depend on
+    the instances (ids, roles, health, profile groups, chunk budgets), the profile and the calibration
+    (its :class:`Correction`, a new object for every change), so one kept copy serves every view of
+    the same fleet between two calibration changes (the load watch's, every attempt's of a pass, the
+    late sweep's): a view rebuilt for a new status or dispatch reuses them (values identical)."""
+    predictors = scheduler.predictors
+    assert predictors is not None
+    table = view.instances
+    calibration = predictors.calibration
+    correction = None if calibration is None else calibration.correction(table.ids, table.groups)
+    key = (
+        predictors,
+        correction,
+        table.ids,
+        table.groups,
+        table.schedulable.tobytes(),
+        table.roles.tobytes(),
+        table.max_num_batched_tokens.tobytes(),
+    )
+    if _DRAIN_STATIC:
+        found_key, found = _DRAIN_STATIC[0]
+        if found_key[0] is predictors and found_key[1] is correction and found_key[2:] == key[2:]:
+            return found  # type: ignore[no-any-return]
+    value = _drain_static_build(predictors, table, correction)
+    _DRAIN_STATIC[:] = [(key, value)]  # (one kept: bounded)
+    return value
+
+
+def _drain_static_build(
+    predictors: Any, table: Any, correction: Correction | None
+) -> tuple[IntArray, FloatArray, Callable[[int], float], Callable[[int], float]] | None:
+    prefill = np.flatnonzero(table.schedulable & (table.roles != int(Role.DECODE)))
+    decode = np.flatnonzero(table.schedulable & (table.roles != int(Role.PREFILL)))
+    if len(prefill) == 0 or len(decode) == 0:
+        return None
+    budget = table.max_num_batched_tokens
+    key = ("queue_drain_parts", predictors)
+    parts: list[tuple[Any, IntArray]] | None = table.memo.get(key)
+    if parts is None:  # instances by profile predictor, once per table
+        by: dict[int, tuple[Any, list[int]]] = {}
+        for i, group in enumerate(table.groups):
+            lp = predictors.for_group(group)
+            by.setdefault(id(lp), (lp, []))[1].append(i)
+        parts = [(lp, np.asarray(ii, dtype=np.intp)) for lp, ii in by.values()]
+        table.memo[key] = parts
+    owner = np.empty(table.n, dtype=np.intp)
+    for k, (_, ii) in enumerate(parts):
+        owner[ii] = k
+
+    def per_instance(idx: IntArray, fn: Callable[[Any, IntArray], FloatArray]) -> FloatArray:
+        out = np.empty(len(idx))
+        for k, (lp, _) in enumerate(parts):
+            sel = np.flatnonzero(owner[idx] == k)
+            if len(sel):
+                out[sel] = fn(lp, idx[sel])
+        return out
+
+    # A full chunk on each prefill instance, as the profile and as calibrated: the calibration's
+    # ratio at a full chunk stands for it at any prompt (exact for the scale mode; close for
+    # refit, whose remainder is linear in the chunk).
+    profile = per_instance(prefill, lambda lp, ii: _full_chunk_profile_ms(lp, budget[ii]))
+    chunk_ms = profile
+    if correction is not None:
+        zeros = np.zeros(len(prefill))
+        part = _subset(correction, prefill)
+        chunk_ms = part.ttft_ms(profile, budget[prefill], zeros, zeros, budget[prefill], zeros)
+    ratio = np.divide(chunk_ms, profile, out=np.ones(len(prefill)), where=profile > 0)
+    rate = budget[prefill] / np.maximum(chunk_ms, 1e-9)  # a profile of free steps: as good as instant
+    # Per profile predictor: the largest chunk budget and the smallest calibration ratio among its
+    # prefill instances (the fastest case), and whether it serves a decode instance.
+    tpot_factor = 1.0 if correction is None else float(np.min(correction.tpot_factor[decode]))
+    prefill_parts: list[tuple[Any, float, float]] = []
+    decode_parts: list[Any] = []
+    for k, (lp, _) in enumerate(parts):
+        mine = owner[prefill] == k
+        if mine.any():
+            prefill_parts.append((lp, float(budget[prefill][mine].max()), float(ratio[mine].min())))
+        if (owner[decode] == k).any():
+            decode_parts.append(lp)
+    idle_cache: dict[int, float] = {}
+    tpot_cache: dict[int, float] = {}
+
+    def idle(prompt: int) -> float:
+        found = idle_cache.get(prompt)
+        if found is None:
+            if len(idle_cache) >= _PROFILE_MEMO_MAX:  # (kept as long as the fleet and calibration: bounded)
+                idle_cache.clear()
+            found = idle_cache[prompt] = min(
+                _idle_prefill_ms(lp, prompt, m) * r for lp, m, r in prefill_parts
+            )
+        return found
+
+    def min_tpot(context: int) -> float:
+        found = tpot_cache.get(context)
+        if found is None:
+            if len(tpot_cache) >= _PROFILE_MEMO_MAX:
+                tpot_cache.clear()
+            found = tpot_cache[context] = tpot_factor * min(
+                _single_tpot_ms(lp, context) for lp in decode_parts
+            )
+        return found
+
+    return prefill, rate, idle, min_tpot
 
 
 #: The profile's predictions a drain asks for, kept across offer passes (a pass builds a new drain

@@ -297,3 +297,27 @@ def test_a_threshold_hold_holds_across_a_lighter_fleet_elsewhere_and_reports_lat
     scheduler.schedule(freed, request, NOW, targets=offered)
     # Another request is not this one: its hold is its own.
     assert hold.check(scheduler, drained, make_request(prompt_tokens=500), NOW, offered) is None
+
+
+def test_the_drain_parts_that_read_no_load_are_shared_across_views_with_the_same_values() -> None:
+    """Views of the same fleet under other loads reuse the load-free parts of the drain (rates, idle
+    prefill, single decode step) and give what a drain built from nothing gives."""
+    from router.core import queue as q
+
+    scheduler = make_scheduler("slo")
+    light = scheduler.view(make_snapshot(inst("a", prefill_tokens=3000), inst("b")), NOW)
+    heavy = scheduler.view(make_snapshot(inst("a", prefill_tokens=9000), inst("b", prefill_tokens=500)), NOW)
+    first = FleetDrain.of(scheduler, light, NOW)
+    shared = FleetDrain.of(scheduler, heavy, NOW)
+    q._DRAIN_STATIC.clear()
+    fresh = FleetDrain.of(
+        scheduler,
+        scheduler.view(make_snapshot(inst("a", prefill_tokens=9000), inst("b", prefill_tokens=500)), NOW),
+        NOW,
+    )
+    assert first is not None and shared is not None and fresh is not None
+    assert shared.free_by_index.tolist() == fresh.free_by_index.tolist()
+    assert shared.free_by_index.tolist() != first.free_by_index.tolist()
+    for tokens in (0.0, 700.0, 12000.0):
+        assert shared.start_ms(tokens) == fresh.start_ms(tokens)
+    assert shared.idle_ms(900) == fresh.idle_ms(900) and shared.min_tpot_ms(900) == fresh.min_tpot_ms(900)
