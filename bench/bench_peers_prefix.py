@@ -108,7 +108,7 @@ def cache_counters(urls: Sequence[str]) -> tuple[float, float]:
 
 
 _DIAGNOSIS = re.compile(
-    r"^(slo_router_queue_events_total|slo_router_calibration_factor|slo_router_queue_wait_seconds_(?:count|sum)"
+    r"^(slo_router_queue_events_total|slo_router_calibration_factor_ratio|slo_router_queue_wait_seconds_(?:count|sum)"
     r"|slo_router_requests_total)(\{[^}]*\})? ([0-9.eE+-]+)$",
     re.M,
 )

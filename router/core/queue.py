@@ -264,9 +264,9 @@ class QueueConfig(FlagFields):
     sa_pool_ms: float = field(
         default=25.0,
         metadata=_doc(
-            "sa: the request pool: requests are planned once the oldest waiting one has waited this long, so "
-            "a burst whose requests arrive a few ms apart is planned as one (ms; 0 = plan at once; it adds "
-            "at most this much to a request's TTFT)",
+            "sa: the request pool: requests are planned once no request has joined the pool for this long "
+            "(at the latest 10x this after its oldest), so a burst whose requests arrive a few ms apart is "
+            "planned as one (ms; 0 = plan at once; a lone request waits this long)",
             "--sa-pool-ms",
         ),
     )

@@ -16,6 +16,7 @@ from router.core.queue import QueueConfig, QueueEntry
 from router.core.request import ScheduleInput
 from router.core.sa import (
     BUDGET_CHECK_MOVES,
+    POOL_MAX_FACTOR,
     AnnealParams,
     Job,
     Plan,
@@ -26,6 +27,7 @@ from router.core.sa import (
     full_batches,
     jobs_for,
     modeled_clock,
+    pool_closes,
 )
 from tests.router.core.helpers import make_predictor
 
@@ -493,3 +495,14 @@ def test_deal_order_is_a_permutation_by_deadline_with_lapsed_ones_last(
     assert sorted(order) == list(range(len(entries)))
     keys = [(entries[k].deadline_s < now, entries[k].deadline_s, k) for k in order]
     assert keys == sorted(keys)
+
+
+def test_the_request_pool_closes_when_arrivals_pause_or_at_its_cap() -> None:
+    # Fig. 6's pool is planned once no request has joined it for the pool time: a lone request waits
+    # the pool time; a burst arriving 5 ms apart keeps it open until its last request has pooled too.
+    assert pool_closes(1.0, 1.0, 0.025) == pytest.approx(1.025)
+    assert pool_closes(1.0, 1.195, 0.025) == pytest.approx(1.22)  # 40 requests 5 ms apart
+    # Close arrivals cannot hold it open forever: the cap after the oldest, which a backlog is past.
+    assert pool_closes(1.0, 1.9, 0.025) == pytest.approx(1.0 + POOL_MAX_FACTOR * 0.025)
+    assert pool_closes(0.0, 5.0, 0.025) < 5.0
+    assert pool_closes(2.0, 2.0, 0.0) == 2.0
