@@ -334,12 +334,15 @@ def _compare_main(model: str, log_dir: str) -> int:
 
 
 def main() -> list[Figure]:
-    """``make bench``: the wrapper worker vs ``AsyncLLM`` (:func:`worker_main`), then the stock engine path."""
-    from bench import vllm_stock
+    """``make bench``: the wrapper worker vs ``AsyncLLM`` (:func:`worker_main`), then the stock engine path
+    (its speed through the router, then ``slo`` against ``load-balance`` on two stock engines)."""
+    from bench import vllm_stock, vllm_stock_slo
 
     figures = worker_main()
     print("\n--- stock vLLM gRPC engine (vllm serve --grpc) through the router ---", flush=True)
-    return figures + vllm_stock.main()
+    figures += vllm_stock.main()
+    print("\n--- slo against load-balance on two stock vLLM engines ---", flush=True)
+    return figures + vllm_stock_slo.main([])
 
 
 def worker_main() -> list[Figure]:

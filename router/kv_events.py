@@ -41,6 +41,8 @@ from slorouter.v1 import worker_pb2
 
 from fleet.snapshot import ClusterSnapshot
 from router.core.prefix import AutoPrefixIndex, ExactPrefixIndex
+from router.core.protocols import VLLM_GRPC, VLLM_GRPC_SCHEME
+from router.vllm_grpc import KvEventGap, KvEventTranslator, follow_kv_events
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +57,10 @@ _WORKER_PROTOCOLS = frozenset({"", "worker"})
 
 class _Stubs(Protocol):
     def stub(self, endpoint: str) -> object: ...
+
+
+class _VllmEntries(Protocol):
+    def entry(self, endpoint: str) -> tuple[object, object]: ...
 
 
 @dataclass
@@ -84,6 +90,7 @@ class KvEventFeed:
         retry_max_s: float = 2.0,
         stale_s: float = 10.0,
         resync_view_s: float = 0.5,
+        vllm: _VllmEntries | None = None,
     ) -> None:
         if not 0 < retry_min_s <= retry_max_s:
             raise ValueError(f"need 0 < retry_min_s <= retry_max_s, got {retry_min_s}, {retry_max_s}")
@@ -91,6 +98,9 @@ class KvEventFeed:
             raise ValueError(f"stale_s must be >= 0, got {stale_s}")
         self.index = index
         self._pool = pool
+        #: The client of stock vLLM engines (``vllm-grpc`` instances): their ``SubscribeKvEvents``
+        #: is followed through it and re-hashed (router.vllm_grpc.KvEventTranslator); None: not followed.
+        self._vllm = vllm
         self._retry_min_s = retry_min_s
         self._retry_max_s = retry_max_s
         self._stale_s = stale_s
@@ -130,6 +140,8 @@ class KvEventFeed:
             meta = record.metadata
             if meta.worker_protocol in _WORKER_PROTOCOLS and meta.endpoint:
                 now[meta.instance_id] = meta.endpoint
+            elif meta.worker_protocol == VLLM_GRPC and meta.endpoint and self._vllm is not None:
+                now[meta.instance_id] = VLLM_GRPC_SCHEME + meta.endpoint
         if snapshot.source_lost_at_s is None:
             for instance_id in [i for i in self._tasks if i not in now]:
                 self._drop(instance_id)
@@ -194,9 +206,11 @@ class KvEventFeed:
                 self.counters.reconnects += 1
             first = False
             try:
-                if await self._read(instance_id, endpoint):
+                if endpoint.startswith(VLLM_GRPC_SCHEME):
+                    await self._read_vllm(instance_id, endpoint)
+                elif await self._read(instance_id, endpoint):
                     return  # publishes nothing usable
-            except _Gap:
+            except (_Gap, KvEventGap):
                 self.counters.gaps += 1
                 logger.info("KV events of %s: a batch went missing; resubscribing", instance_id)
             except grpc.aio.AioRpcError as exc:
@@ -268,6 +282,31 @@ class KvEventFeed:
         finally:
             call.cancel()
         return False
+
+    async def _read_vllm(self, instance_id: str, endpoint: str) -> None:
+        """Follow a stock vLLM engine's ``SubscribeKvEvents`` until the stream ends (router.vllm_grpc)."""
+        assert self._vllm is not None
+        index = self.index
+        translator = KvEventTranslator(index.chain_block_tokens)
+
+        def apply(events: list[tuple[str, list[int]]]) -> None:
+            index.apply(instance_id, events)
+            self.counters.batches += 1
+
+        def synced() -> None:
+            if instance_id not in self._announced:
+                self._announced.add(instance_id)
+                logger.info(
+                    "exact prefix index for %s: following its vLLM KV events (re-hashed in %d-token blocks)",
+                    instance_id,
+                    index.chain_block_tokens,
+                )
+            self._set_live(instance_id, True)
+            self._down_since.pop(instance_id, None)
+            self._stale.discard(instance_id)
+
+        _, stub = self._vllm.entry(endpoint)
+        await follow_kv_events(stub, apply, translator, synced)
 
     def _give_up(self, instance_id: str, endpoint: str, why: str) -> None:
         logger.info("no exact prefix index for %s (%s): %s", instance_id, endpoint, why)

@@ -359,7 +359,13 @@ class Placer:
             est = self.lengths.estimate(request.slo_class, request.prompt_tokens, request.max_tokens)
             self.load.observe(now, request.prompt_tokens, est.tokens)
             self.demand.observe(
-                now, request.prompt_tokens, est.mean, learned=est.samples > 0, tpot_ms=request.tpot_slo_ms
+                now,
+                request.prompt_tokens,
+                est.mean,
+                learned=est.samples > 0,
+                tpot_ms=request.tpot_slo_ms,
+                e2e_ms=request.e2e_slo_ms,
+                paced_tokens=float(est.bound_tokens),
             )
 
     def place_decode(

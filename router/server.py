@@ -67,7 +67,7 @@ from router.slicing import add_arguments as add_slice_arguments
 from router.slicing import slice_config_from_args
 from router.telemetry import RequestObserver
 from router.tokenize import Tokenizer, load_tokenizer
-from router.vllm_grpc import DEFAULT_STREAM_INTERVAL_S, DEFAULT_STREAM_MESSAGES_PER_S
+from router.vllm_grpc import DEFAULT_STREAM_INTERVAL_S, DEFAULT_STREAM_MESSAGES_PER_S, VllmGrpcClient
 
 logger = logging.getLogger(__name__)
 
@@ -245,7 +245,7 @@ async def start_router_server(
     service_config = service_config or ServiceConfig()
     if slice_config is not None and scheduler.predictors is None:
         raise ValueError("--dispatch-mode slice needs latency profiles (--profile) to estimate slice times")
-    kv_feed = _kv_event_feed(scheduler, reader, pool)
+    kv_feed = _kv_event_feed(scheduler, reader, pool, workers.vllm)
     # --dispatch-mode slice: the slice dispatcher (router.core.slice_dispatch) instead of the queue policy's.
     admission = make_admission(
         placer, queue_config or QueueConfig(), qlm_config, observer=observer, slicing=slice_config
@@ -325,7 +325,9 @@ async def start_router_server(
     return router
 
 
-def _kv_event_feed(scheduler: Scheduler, reader: ClusterReader, pool: ChannelPool) -> KvEventFeed | None:
+def _kv_event_feed(
+    scheduler: Scheduler, reader: ClusterReader, pool: ChannelPool, vllm: VllmGrpcClient
+) -> KvEventFeed | None:
     """Subscribe to the workers' prefix-cache events when the routing wants them: ``exact`` feeds its
     index; ``auto`` becomes exact for the instances that publish, approximate for the rest."""
     mode = PrefixRouting(scheduler.config.prefix_cache_routing)
@@ -334,7 +336,7 @@ def _kv_event_feed(scheduler: Scheduler, reader: ClusterReader, pool: ChannelPoo
     prefix = scheduler.prefix
     if not isinstance(prefix, (ExactPrefixIndex, AutoPrefixIndex)):
         return None
-    feed = KvEventFeed(prefix, pool, stale_s=max(scheduler.config.instance_staleness_s, 1.0))
+    feed = KvEventFeed(prefix, pool, stale_s=max(scheduler.config.instance_staleness_s, 1.0), vllm=vllm)
     reader.add_snapshot_listener(feed.on_snapshot)
     return feed
 

@@ -350,3 +350,126 @@ class VllmGrpcClient:
         channels = [c for c, _ in self._channels.values()]
         self._channels.clear()
         await asyncio.gather(*(c.close(grace=None) for c in channels), return_exceptions=True)
+
+
+#: Most vLLM block hashes a :class:`KvEventTranslator` remembers per engine (the engine's own
+#: bound is its KV capacity; a CPU engine with 1 GiB of KV holds a few thousand blocks).
+MAX_TRANSLATED_BLOCKS = 1 << 20
+
+
+class KvEventGap(Exception):
+    """A ``SubscribeKvEvents`` batch went missing (or a snapshot chunk came without its start)."""
+
+
+class KvEventTranslator:
+    """vLLM's KV events in this router's chained block hashes (:func:`fleet.prefix.token_block_hashes`).
+
+    vLLM names a block by its own hash (SHA-256 over its block layout, salted per process
+    unless ``PYTHONHASHSEED`` is fixed) and publishes, with each stored block, its token ids and
+    its parent's hash. The router names a prompt's blocks by ``hash((parent, tokens))`` from
+    :data:`fleet.prefix.ROOT_HASH`. So each stored block is re-hashed here from its tokens and its
+    parent's re-hash, and the pair is remembered for the removals and children to come. Blocks the
+    router cannot name are skipped, with their descendants: a block of another size than the
+    router's chain block, one whose hash folds in more than tokens (a LoRA adapter, a cache salt,
+    multimodal inputs: vLLM's ``extra_keys``), and one whose parent it never heard of.
+    """
+
+    def __init__(self, block_tokens: int, max_blocks: int = MAX_TRANSLATED_BLOCKS) -> None:
+        if block_tokens <= 0:
+            raise ValueError(f"block_tokens must be > 0, got {block_tokens}")
+        self.block_tokens = block_tokens
+        self._max = max_blocks
+        self._ours: dict[int, int] = {}
+        #: Stored blocks skipped (wrong size, extra keys, unknown parent), for logs and tests.
+        self.skipped = 0
+
+    def __len__(self) -> int:
+        return len(self._ours)
+
+    def reset(self) -> None:
+        """Forget every block (a new subscription starts from nothing)."""
+        self._ours.clear()
+
+    def events(self, batch: Any) -> list[tuple[str, list[int]]]:
+        """The ``(kind, our hashes)`` events of one ``KvEventBatch``, oldest first."""
+        from fleet.prefix import ROOT_HASH
+
+        out: list[tuple[str, list[int]]] = []
+        ours = self._ours
+        for event in batch.events:
+            kind = event.WhichOneof("data")
+            if kind == "stored":
+                stored = event.stored
+                parent: int | None = ROOT_HASH
+                if stored.HasField("parent_block_hash"):
+                    parent = ours.get(stored.parent_block_hash)
+                hashes: list[int] = []
+                for block in stored.blocks:
+                    tokens = tuple(block.token_ids)
+                    if parent is None or len(tokens) != self.block_tokens or len(block.extra_keys):
+                        parent = None
+                        self.skipped += 1
+                        continue
+                    parent = hash((parent, tokens))
+                    hashes.append(parent)
+                    if len(ours) < self._max or block.block_hash in ours:
+                        ours[block.block_hash] = parent
+                if hashes:
+                    out.append(("stored", hashes))
+            elif kind == "removed":
+                removed = [
+                    h for h in (ours.pop(b, None) for b in event.removed.block_hashes) if h is not None
+                ]
+                if removed:
+                    out.append(("removed", removed))
+            elif kind == "cleared":
+                ours.clear()
+                out.append(("cleared", []))
+        return out
+
+
+async def follow_kv_events(
+    stub: Any,
+    apply: Callable[[list[tuple[str, list[int]]]], None],
+    translator: KvEventTranslator,
+    on_synced: Callable[[], None] | None = None,
+) -> None:
+    """Follow one engine's ``SubscribeKvEvents`` until the stream ends; :class:`KvEventGap` on a gap.
+
+    ``apply`` gets each batch's events in the router's hashes. The servicer starts a stream with a
+    snapshot of the engine's blocks when its relay has history (chunks numbered up to the
+    current sequence, the first one beginning with a clear), else with live batches only; so a
+    (re)subscription first clears what the router held of the engine, then applies what comes.
+    After that each data-parallel rank's batches must come numbered one after the other (a
+    ``load_only`` batch repeats the last number and carries no events). ``on_synced`` is called
+    after the first applied batch.
+    """
+    from smg_grpc_proto.generated import common_pb2 as smg_common_pb2
+
+    call = stub.SubscribeKvEvents(smg_common_pb2.SubscribeKvEventsRequest())
+    last: dict[int, int] = {}
+    synced = False
+    translator.reset()
+    apply([("cleared", [])])
+    try:
+        async for batch in call:
+            if batch.HasField("load") and batch.load.load_only:
+                continue
+            rank = batch.dp_rank if batch.HasField("dp_rank") else 0
+            seq = batch.sequence_number
+            previous = last.get(rank)
+            starts = batch.HasField("snapshot") and batch.snapshot.index == 0
+            if not starts and previous is not None and seq != previous + 1:
+                raise KvEventGap(f"rank {rank}: batch {seq} after {previous}")
+            if not starts and previous is None and batch.HasField("snapshot"):
+                raise KvEventGap(f"snapshot chunk {batch.snapshot.index} without its start")
+            last[rank] = seq
+            events = translator.events(batch)
+            if events:
+                apply(events)
+            if not synced:
+                synced = True
+                if on_synced is not None:
+                    on_synced()
+    finally:
+        call.cancel()

@@ -1011,7 +1011,15 @@ class _Simulation:
         else:
             mean, learned = estimate.mean, estimate.samples > 0
         self.placed.observe(now, plan.prompt_tokens, r.expected)
-        self.demand.observe(now, plan.prompt_tokens, mean, learned=learned, tpot_ms=plan.slo.tpot_ms or 0.0)
+        self.demand.observe(
+            now,
+            plan.prompt_tokens,
+            mean,
+            learned=learned,
+            tpot_ms=plan.slo.tpot_ms or 0.0,
+            e2e_ms=plan.slo.e2e_ms or 0.0,
+            paced_tokens=float(bound),
+        )
         request = ScheduleInput(
             request_id=str(idx),
             prompt_tokens=plan.prompt_tokens,

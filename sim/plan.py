@@ -10,8 +10,11 @@ Two steps, after Aladdin's worker-count prediction (seed 001):
    sim engine model, in virtual time) confirms and refines them: while the
    fleet misses the target, add one instance of the role whose addition helps
    most; then, while removing one instance of some role still meets the
-   target, remove it. The answer therefore meets the target and every fleet
-   with one instance fewer of any role misses it (in the same simulation).
+   target, remove it; then, for a PD fleet, while a fleet one instance smaller
+   of another split (two of one role traded for one of the other) meets the
+   target, move there and shrink again. The answer therefore meets the target,
+   and every fleet with one instance fewer of any role, or one fewer in all
+   traded that way, misses it (in the same simulation).
 
 Every run replays the same seeded plan of requests, so the search is
 deterministic for a seed.
@@ -235,14 +238,34 @@ def plan_fleet(
             )
         options = [bump(counts, role, +1) for role in roles]
         counts = max(options, key=lambda c: (attainment(c), -c[0]))
+
     # Shrink: drop instances while the target still holds.
-    changed = True
-    while changed:
-        changed = False
-        for role in roles:
-            if counts[role] > 1 and attainment(bump(counts, role, -1)) >= target:
-                counts = bump(counts, role, -1)
-                changed = True
+    def shrink(c: tuple[int, int, int]) -> tuple[int, int, int]:
+        changed = True
+        while changed:
+            changed = False
+            for role in roles:
+                if c[role] > 1 and attainment(bump(c, role, -1)) >= target:
+                    c = bump(c, role, -1)
+                    changed = True
+        return c
+
+    counts = shrink(counts)
+    # Trade: a PD fleet no single removal shrinks may still have a smaller one of another split (the
+    # grow step added the role that helped most then, which need not be the split the fewest
+    # instances take). Any fleet one smaller with at most as many of both roles is covered by the
+    # shrink (attainment does not rise as instances go), so the candidates are the two that give up
+    # two of one role for one of the other; take one that meets the target and shrink again.
+    while mode == "pd":
+        trades = [
+            c
+            for c in ((counts[0] + 1, counts[1] - 2, 0), (counts[0] - 2, counts[1] + 1, 0))
+            if min(c[0], c[1]) >= 1
+        ]
+        better = next((c for c in trades if attainment(c) >= target), None)
+        if better is None:
+            break
+        counts = shrink(better)
     final = attainment(counts)
     worker_model = None
     if config.scheduling_policy == "binpack" and not config.enable_adaptive_pd:

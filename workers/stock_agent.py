@@ -35,8 +35,9 @@ num_uncomputed_prefill_tokens    ``num_waiting_uncached_tokens``: the servicer's
                                  hit rate; the unfinished part of a running chunked
                                  prefill is not in it
 num_decode_requests              ``num_running_reqs`` (includes requests still prefilling)  estimated
-num_decode_tokens                ``num_used_kv_tokens`` (the running requests' contexts,    estimated
-                                 plus cached prefix blocks they share)
+num_decode_tokens                ``num_used_kv_tokens`` less half a block per running       estimated
+                                 request (the running requests' contexts; KV is block
+                                 granular, :func:`decode_context_tokens`)
 admitted_request_ids             none: vLLM does not list them; the router confirms an      —
                                  in-flight entry at the request's first output and drops
                                  it at the next status measured after that
@@ -152,10 +153,13 @@ def status_from_loads(
     now_ms: int,
     unschedulable_reason: str = "",
     step_sample: Any = None,
+    block_size: int = 0,
 ) -> cms_pb2.InstanceStatus:
     """The CMS status of one ``GetLoadsResponse`` (summed over data-parallel ranks); see the table above.
 
     ``step_sample`` (a :class:`DecodeStepEstimate` result) goes into ``step_samples``.
+    ``block_size`` (the engine's KV block, ``GetServerInfo.block_size``) turns the block-granular
+    KV in use into the running requests' contexts (:func:`decode_context_tokens`).
     """
     running = waiting = uncached = used = 0
     # A rank's hit rate weighs by its share of the running requests (all alike when none runs).
@@ -184,11 +188,30 @@ def status_from_loads(
         num_running_requests=running,
         num_uncomputed_prefill_tokens=uncached,
         num_decode_requests=running,
-        num_decode_tokens=used,
+        num_decode_tokens=decode_context_tokens(used, running, block_size),
         num_used_kv_tokens=used,
         cache_hit_rate=hits / weights if weights else 0.0,
         step_samples=[step_sample] if step_sample is not None else [],
     )
+
+
+def decode_context_tokens(used_tokens: int, running: int, block_size: int) -> int:
+    """The running requests' context tokens, estimated from the KV tokens in use.
+
+    vLLM reports KV in whole blocks (``token_usage`` × capacity): each running request's last
+    block is partly empty, on average by (block − 1) / 2 tokens when its length is spread evenly
+    over the block, so the KV in use overstates the contexts by about that much per request. With
+    128-token blocks (vLLM on CPU) that is ~64 tokens a request, more than a chat answer's
+    remaining output. The router's packing metrics take the residents' remaining output as their
+    final lengths (known to the router) minus this context: fed the KV in use, the difference was
+    clamped to nothing, every prompt's prefill stall was charged to the residents' next token
+    alone (``predicted_tpot_residents``), and ``slo`` held requests a colocated engine could take
+    (measured: ``python -m bench.vllm_stock_slo``, docs/vllm-grpc.md). Unbiased on average, never
+    below 0 or above the KV in use; ``block_size`` 0 (unknown) leaves the KV in use as it is.
+    """
+    if block_size <= 1 or running <= 0:
+        return used_tokens
+    return max(0, used_tokens - round(running * (block_size - 1) / 2))
 
 
 #: The window over which vLLM's servicer counts ``gen_throughput`` (tokens streamed over the last
@@ -279,6 +302,8 @@ class StockEngineAgent:
         #: When HealthCheck and GetServerInfo were last asked (monotonic; they ride along with GetLoads).
         self._health_at = -math.inf
         self.kv_capacity_tokens = 0
+        #: The engine's KV block in tokens (``GetServerInfo.block_size``; 0 until registered).
+        self.block_size = 0
         #: The latest status published (for tests and logs).
         self.last_status: cms_pb2.InstanceStatus | None = None
 
@@ -311,6 +336,7 @@ class StockEngineAgent:
         loads = await self._stub.GetLoads(vllm_pb2.GetLoadsRequest(), timeout=timeout)
         capacity = sum(max(0, load.max_total_num_tokens) for load in loads.loads)
         self.kv_capacity_tokens = capacity
+        self.block_size = max(0, server.block_size)
         labels = {"engine": "vllm"}
         if server.kv_connector:
             labels["kv_connector"] = server.kv_connector[:64]
@@ -411,6 +437,7 @@ class StockEngineAgent:
             now_ms=now_ms,
             unschedulable_reason=reason,
             step_sample=sample,
+            block_size=self.block_size,
         )
         if reason and (self.last_status is None or self.last_status.schedulable):
             logger.warning("agent %s: engine unschedulable: %s", self.config.instance_id, reason)

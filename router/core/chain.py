@@ -45,6 +45,22 @@ EXCLUDED = "excluded"
 FUSED = True
 
 
+class StageFailure(NamedTuple):
+    """A stage that kept no candidate, as the chain left it: carried by its :class:`NoInstanceError`.
+
+    Why: a refused request waits in the router queue, which must learn, while the refusal still
+    holds, whether its TTFT target went out of reach, exactly as a new decision would report it
+    (the best predicted TTFT over ``eligible``: the candidates only threshold filters dropped). The
+    router queue keeps it for that (``router.core.queue.TpotHold``).
+    """
+
+    spec: StageSpec
+    outcome: StageOutcome
+    ctx: DecisionContext
+    #: The view indices of the candidates that only threshold filters dropped (read-only).
+    eligible: IntArray
+
+
 class _Plan(NamedTuple):
     mode: Mode
     prefill: BoolArray
@@ -328,5 +344,6 @@ def _failure(
         drops=drops,
         healthy_candidates=len(eligible_index),
         lazy_misses=(len(thresholds), miss),
+        failure=StageFailure(spec, outcome, ctx, eligible_index),
     )
     return error

@@ -233,7 +233,7 @@ class Queued:
         return self._pass(now, fleet)
 
     def counters(self) -> dict[str, int]:
-        out = {"passes": self.passes, "skipped_passes": self.skipped}
+        out = {"passes": self.passes, "skipped_passes": self.skipped, "held_refusals": self.queue.held}
         if self.watch is not None:
             out["load_epochs"] = self.watch.epoch
         return out

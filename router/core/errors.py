@@ -37,6 +37,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 
 class RouterError(Exception):
@@ -144,6 +145,7 @@ class NoInstanceError(SchedulingError):
     decisions that leave their request waiting raise this error thousands of
     times a minute and read only the first miss of one metric; the text, the
     drop counts and the other misses are for the errors that reach a client.
+    ``failure`` keeps the failed stage for the router queue (see the attribute).
     """
 
     def __init__(
@@ -156,6 +158,7 @@ class NoInstanceError(SchedulingError):
         misses: tuple[ThresholdMiss, ...] = (),
         healthy_candidates: int = 0,
         lazy_misses: tuple[int, Callable[[int], ThresholdMiss]] | None = None,
+        failure: Any = None,
     ) -> None:
         if callable(message):
             super().__init__()
@@ -178,6 +181,10 @@ class NoInstanceError(SchedulingError):
             self._miss_count, self._make_miss = lazy_misses
             self._misses = []
         self.healthy_candidates = healthy_candidates
+        #: The failed stage as the chain left it (:class:`router.core.chain.StageFailure`: its
+        #: outcome's masks and the candidates only thresholds dropped), or None. The router queue
+        #: reads it to judge a held refusal's lateness as the decision would; it is not pickled.
+        self.failure = failure
 
     def iter_misses(self) -> Iterator[ThresholdMiss]:
         """The misses in filter order, each built only when the iteration reaches it."""

@@ -72,8 +72,8 @@ import numpy as np
 
 from fleet.snapshot import ClusterSnapshot
 from router.core.calibration import Correction
-from router.core.chain import EXCLUDED
-from router.core.columns import ClusterView, FloatArray, IntArray
+from router.core.chain import EXCLUDED, StageFailure
+from router.core.columns import BoolArray, ClusterView, FloatArray, IntArray
 from router.core.decision import Decision
 from router.core.errors import (
     ConfigError,
@@ -264,9 +264,9 @@ class QueueConfig(FlagFields):
     sa_pool_ms: float = field(
         default=25.0,
         metadata=_doc(
-            "sa: the request pool: requests are planned once the oldest waiting one has waited this long, so "
-            "a burst whose requests arrive a few ms apart is planned as one (ms; 0 = plan at once; it adds "
-            "at most this much to a request's TTFT)",
+            "sa: the request pool: requests are planned once no request has joined the pool for this long "
+            "(at the latest 10x this after its oldest), so a burst whose requests arrive a few ms apart is "
+            "planned as one (ms; 0 = plan at once; a lone request waits this long)",
             "--sa-pool-ms",
         ),
     )
@@ -386,6 +386,8 @@ class Refusal:
     #: bound in the same epoch fails too, while the calibration is still at version ``calibration``.
     bound_free: bool = False
     calibration: int = -1
+    #: Set when every candidate fell to the TTFT or the TPOT threshold (see :class:`ThresholdHold`).
+    hold: ThresholdHold | None = None
 
     def holds(
         self,
@@ -623,6 +625,8 @@ class RouterQueue:
         self._seq = 0
         #: The sa policy's planner (:class:`router.core.sa.SAPlanner`; None under the other policies).
         self.planner = planner
+        #: Waiting entries :func:`offer` found refused again by a :class:`ThresholdHold`, without a decision.
+        self.held = 0
         if self.policy is QueuePolicy.SA and planner is None:
             raise ConfigError("queue_policy='sa' needs a planner: pass router.core.sa.SAPlanner(config)")
         # The queue's own drain: (time, prompt tokens) of dispatches, and since when on-time entries wait.
@@ -1172,81 +1176,13 @@ class FleetDrain:
 
     @classmethod
     def _build(cls, scheduler: Scheduler, view: ClusterView, now_s: float) -> FleetDrain | None:
-        predictors = scheduler.predictors
-        assert predictors is not None
-        table = view.instances
-        prefill = np.flatnonzero(table.schedulable & (table.roles != int(Role.DECODE)))
-        decode = np.flatnonzero(table.schedulable & (table.roles != int(Role.PREFILL)))
-        if len(prefill) == 0 or len(decode) == 0:
+        static = _drain_static(scheduler, view)
+        if static is None:
             return None
-        calibration = predictors.calibration
-        correction = None if calibration is None else calibration.correction(table.ids, table.groups)
-        budget = table.max_num_batched_tokens
-        key = ("queue_drain_parts", predictors)
-        parts: list[tuple[Any, IntArray]] | None = table.memo.get(key)
-        if parts is None:  # instances by profile predictor, once per table
-            by: dict[int, tuple[Any, list[int]]] = {}
-            for i, group in enumerate(table.groups):
-                lp = predictors.for_group(group)
-                by.setdefault(id(lp), (lp, []))[1].append(i)
-            parts = [(lp, np.asarray(ii, dtype=np.intp)) for lp, ii in by.values()]
-            table.memo[key] = parts
-        owner = np.empty(table.n, dtype=np.intp)
-        for k, (_, ii) in enumerate(parts):
-            owner[ii] = k
-
-        def per_instance(idx: IntArray, fn: Callable[[Any, IntArray], FloatArray]) -> FloatArray:
-            out = np.empty(len(idx))
-            for k, (lp, _) in enumerate(parts):
-                sel = np.flatnonzero(owner[idx] == k)
-                if len(sel):
-                    out[sel] = fn(lp, idx[sel])
-            return out
-
-        # A full chunk on each prefill instance, as the profile and as calibrated: the calibration's
-        # ratio at a full chunk stands for it at any prompt (exact for the scale mode; close for
-        # refit, whose remainder is linear in the chunk).
-        profile = per_instance(prefill, lambda lp, ii: _full_chunk_profile_ms(lp, budget[ii]))
-        chunk_ms = profile
-        if correction is not None:
-            zeros = np.zeros(len(prefill))
-            part = _subset(correction, prefill)
-            chunk_ms = part.ttft_ms(profile, budget[prefill], zeros, zeros, budget[prefill], zeros)
-        ratio = np.divide(chunk_ms, profile, out=np.ones(len(prefill)), where=profile > 0)
-        rate = budget[prefill] / np.maximum(chunk_ms, 1e-9)  # a profile of free steps: as good as instant
+        prefill, rate, idle, min_tpot = static
         ctx = scheduler.context(view, None, now_s)
         backlog = advanced_backlog(ctx)[prefill] + view.inflight.prefill_tokens[prefill]
         free = backlog / rate
-        # Per profile predictor: the largest chunk budget and the smallest calibration ratio among its
-        # prefill instances (the fastest case), and whether it serves a decode instance.
-        tpot_factor = 1.0 if correction is None else float(np.min(correction.tpot_factor[decode]))
-        prefill_parts: list[tuple[Any, float, float]] = []
-        decode_parts: list[Any] = []
-        for k, (lp, _) in enumerate(parts):
-            mine = owner[prefill] == k
-            if mine.any():
-                prefill_parts.append((lp, float(budget[prefill][mine].max()), float(ratio[mine].min())))
-            if (owner[decode] == k).any():
-                decode_parts.append(lp)
-        idle_cache: dict[int, float] = {}
-        tpot_cache: dict[int, float] = {}
-
-        def idle(prompt: int) -> float:
-            found = idle_cache.get(prompt)
-            if found is None:
-                found = idle_cache[prompt] = min(
-                    _idle_prefill_ms(lp, prompt, m) * r for lp, m, r in prefill_parts
-                )
-            return found
-
-        def min_tpot(context: int) -> float:
-            found = tpot_cache.get(context)
-            if found is None:
-                found = tpot_cache[context] = tpot_factor * min(
-                    _single_tpot_ms(lp, context) for lp in decode_parts
-                )
-            return found
-
         return cls(free, rate, idle, min_tpot, None, prefill, scheduler.prefix)
 
     def start_ms(self, tokens_ahead: float) -> float:
@@ -1283,6 +1219,119 @@ class FleetDrain:
     def min_tpot_ms(self, context_tokens: int) -> float:
         """The fastest decode step of a batch of one at ``context_tokens`` (ms)."""
         return self._tpot(context_tokens)
+
+
+#: The last fleet's drain parts that do not depend on the load (:func:`_drain_static`): its key and value.
+_DRAIN_STATIC: list[tuple[tuple[Any, ...], Any]] = []
+
+
+def _drain_static(
+    scheduler: Scheduler, view: ClusterView
+) -> tuple[IntArray, FloatArray, Callable[[int], float], Callable[[int], float]] | None:
+    """The parts of a :class:`FleetDrain` that read no load: the prefill-capable instances, their
+    calibrated prefill rates and the idle-prefill and single-decode-step predictions. They depend on
+    the instances (ids, roles, health, profile groups, chunk budgets), the profile and the calibration
+    (its :class:`Correction`, a new object for every change), so one kept copy serves every view of
+    the same fleet between two calibration changes (the load watch's, every attempt's of a pass, the
+    late sweep's): a view rebuilt for a new status or dispatch reuses them (values identical)."""
+    predictors = scheduler.predictors
+    assert predictors is not None
+    table = view.instances
+    calibration = predictors.calibration
+    correction = None if calibration is None else calibration.correction(table.ids, table.groups)
+    key = (
+        predictors,
+        correction,
+        table.ids,
+        table.groups,
+        table.schedulable.tobytes(),
+        table.roles.tobytes(),
+        table.max_num_batched_tokens.tobytes(),
+    )
+    if _DRAIN_STATIC:
+        found_key, found = _DRAIN_STATIC[0]
+        if found_key[0] is predictors and found_key[1] is correction and found_key[2:] == key[2:]:
+            return found  # type: ignore[no-any-return]
+    value = _drain_static_build(predictors, table, correction)
+    _DRAIN_STATIC[:] = [(key, value)]  # (one kept: bounded)
+    return value
+
+
+def _drain_static_build(
+    predictors: Any, table: Any, correction: Correction | None
+) -> tuple[IntArray, FloatArray, Callable[[int], float], Callable[[int], float]] | None:
+    prefill = np.flatnonzero(table.schedulable & (table.roles != int(Role.DECODE)))
+    decode = np.flatnonzero(table.schedulable & (table.roles != int(Role.PREFILL)))
+    if len(prefill) == 0 or len(decode) == 0:
+        return None
+    budget = table.max_num_batched_tokens
+    key = ("queue_drain_parts", predictors)
+    parts: list[tuple[Any, IntArray]] | None = table.memo.get(key)
+    if parts is None:  # instances by profile predictor, once per table
+        by: dict[int, tuple[Any, list[int]]] = {}
+        for i, group in enumerate(table.groups):
+            lp = predictors.for_group(group)
+            by.setdefault(id(lp), (lp, []))[1].append(i)
+        parts = [(lp, np.asarray(ii, dtype=np.intp)) for lp, ii in by.values()]
+        table.memo[key] = parts
+    owner = np.empty(table.n, dtype=np.intp)
+    for k, (_, ii) in enumerate(parts):
+        owner[ii] = k
+
+    def per_instance(idx: IntArray, fn: Callable[[Any, IntArray], FloatArray]) -> FloatArray:
+        out = np.empty(len(idx))
+        for k, (lp, _) in enumerate(parts):
+            sel = np.flatnonzero(owner[idx] == k)
+            if len(sel):
+                out[sel] = fn(lp, idx[sel])
+        return out
+
+    # A full chunk on each prefill instance, as the profile and as calibrated: the calibration's
+    # ratio at a full chunk stands for it at any prompt (exact for the scale mode; close for
+    # refit, whose remainder is linear in the chunk).
+    profile = per_instance(prefill, lambda lp, ii: _full_chunk_profile_ms(lp, budget[ii]))
+    chunk_ms = profile
+    if correction is not None:
+        zeros = np.zeros(len(prefill))
+        part = _subset(correction, prefill)
+        chunk_ms = part.ttft_ms(profile, budget[prefill], zeros, zeros, budget[prefill], zeros)
+    ratio = np.divide(chunk_ms, profile, out=np.ones(len(prefill)), where=profile > 0)
+    rate = budget[prefill] / np.maximum(chunk_ms, 1e-9)  # a profile of free steps: as good as instant
+    # Per profile predictor: the largest chunk budget and the smallest calibration ratio among its
+    # prefill instances (the fastest case), and whether it serves a decode instance.
+    tpot_factor = 1.0 if correction is None else float(np.min(correction.tpot_factor[decode]))
+    prefill_parts: list[tuple[Any, float, float]] = []
+    decode_parts: list[Any] = []
+    for k, (lp, _) in enumerate(parts):
+        mine = owner[prefill] == k
+        if mine.any():
+            prefill_parts.append((lp, float(budget[prefill][mine].max()), float(ratio[mine].min())))
+        if (owner[decode] == k).any():
+            decode_parts.append(lp)
+    idle_cache: dict[int, float] = {}
+    tpot_cache: dict[int, float] = {}
+
+    def idle(prompt: int) -> float:
+        found = idle_cache.get(prompt)
+        if found is None:
+            if len(idle_cache) >= _PROFILE_MEMO_MAX:  # (kept as long as the fleet and calibration: bounded)
+                idle_cache.clear()
+            found = idle_cache[prompt] = min(
+                _idle_prefill_ms(lp, prompt, m) * r for lp, m, r in prefill_parts
+            )
+        return found
+
+    def min_tpot(context: int) -> float:
+        found = tpot_cache.get(context)
+        if found is None:
+            if len(tpot_cache) >= _PROFILE_MEMO_MAX:
+                tpot_cache.clear()
+            found = tpot_cache[context] = tpot_factor * min(
+                _single_tpot_ms(lp, context) for lp in decode_parts
+            )
+        return found
+
+    return prefill, rate, idle, min_tpot
 
 
 #: The profile's predictions a drain asks for, kept across offer passes (a pass builds a new drain
@@ -1694,6 +1743,27 @@ def offer(
         offered = replace(targets, ttft_ms=bound)
         if direct:
             offered = replace(offered, tpot_ms=LATE_TPOT_FRACTION * offered.tpot_ms)
+        hold = None if epoch is None or memo is None else memo.hold
+        if memo is not None and hold is not None:
+            # The last refusal fell to the TTFT and TPOT thresholds alone: whether it holds, and
+            # whether the entry is late now, from those two metrics on the view of now.
+            current = source()
+            seen_view = current if isinstance(current, ClusterView) else scheduler.view(current, now_s)
+            held = hold.check(scheduler, seen_view, request, now_s, offered, entry.late)
+            if held is not None:
+                queue.held += 1
+                if not entry.late and held == held and held >= targets.ttft_ms:
+                    yield _late(queue, entry, late_reject, held, targets.ttft_ms)
+                    continue
+                failures += 1
+                _remember(entry, memo_key, held, memo.error, False, version, hold)
+                refused_here.append(
+                    _Refused(request, offered, now_s * 1e3, entry.late, yielding, held, memo.error)
+                )
+                yield Offer(
+                    entry, Verdict.WAIT, error=memo.error, predicted_ttft_ms=held, budget_ms=targets.ttft_ms
+                )
+                continue
         if epoch is not None and matched is None:
             easier = next(
                 (
@@ -1724,7 +1794,8 @@ def offer(
                 continue
             failures += 1
             free = epoch is not None and bound_free(scheduler, exc)
-            _remember(entry, memo_key, best, exc, free, version)
+            hold = None if epoch is None else ThresholdHold.of(exc, request)
+            _remember(entry, memo_key, best, exc, free, version, hold)
             refused_here.append(
                 _Refused(request, offered, now_s * 1e3, entry.late, yielding, best, exc, free)
             )
@@ -1835,13 +1906,14 @@ def _remember(
     error: SchedulingError | None = None,
     free: bool = False,
     version: int = -1,
+    hold: ThresholdHold | None = None,
 ) -> None:
     """Keep ``entry``'s failed attempt (``key``: the epoch, time, bound, yielding flag and matched
     blocks it was made with) for the next pass, when incremental dispatch is on (an epoch is given)."""
     epoch, at_ms, bound, yielding, matched = key
     if epoch is not None:
         entry.refusal = Refusal(
-            epoch, at_ms, bound, entry.late, yielding, best, error, matched, free, version
+            epoch, at_ms, bound, entry.late, yielding, best, error, matched, free, version, hold
         )
 
 
@@ -1889,6 +1961,161 @@ def bound_free(scheduler: Scheduler, exc: NoInstanceError) -> bool:
     labels = found[1]
     drops = exc.drops
     return bool(drops) and all(label in labels for label in drops)
+
+
+#: The threshold filters a :class:`ThresholdHold` re-checks: (``slo`` target, metric) of
+#: :class:`router.core.filters.MetricThreshold`: the request's TTFT bound, its TPOT target and the
+#: residents' TPOT with it.
+_HOLD_THRESHOLDS = frozenset(
+    {("ttft", "predicted_ttft"), ("tpot", "predicted_tpot"), ("tpot_residents", "predicted_tpot_residents")}
+)
+
+
+#: Per stage spec (by id, the spec kept to hold its id): the thresholds a hold re-checks (label →
+#: filter), or None where the spec has a filter the hold cannot evaluate alone (see :func:`_hold_spec`).
+_HOLD_SPECS: dict[int, tuple[Any, dict[str, Any] | None]] = {}
+
+
+def _hold_spec(spec: Any) -> dict[str, Any] | None:
+    """For a stage spec: its thresholds of :data:`_HOLD_THRESHOLDS` that apply in every pass and do not
+    let empty instances through (label → filter), or None when it has none, or a filter other than
+    threshold filters, Schedulability and Staleness, or a global filter other than Failover (the
+    eligible candidates a hold computes are those of these filters alone)."""
+    found = _HOLD_SPECS.get(id(spec))
+    if found is not None and found[0] is spec:
+        return found[1]
+    held: dict[str, Any] = {}
+    other: set[str] = set()
+    ok = True
+    explainers = {id(f) for f in spec.explainers}
+    for f in spec.filters:
+        kind = type(f).__name__
+        if kind == "MetricThreshold" and id(f) in explainers:
+            key = (f.slo, f.metric)
+            if key in _HOLD_THRESHOLDS and f.relax_pass == 0 and not f.empty_passes:
+                held[f.label] = f
+            else:
+                other.add(f.label)
+        elif kind in ("Schedulability", "Staleness"):
+            other.add(f.label)
+        else:
+            ok = False
+    for g in spec.global_filters:
+        ok = ok and type(g).__name__ == "Failover"
+        other.add(g.label)
+    # Checked in this order (the check stops once every candidate is out): the TPOT column, which
+    # drops most refused requests, then the TTFT one, then the residents' TPOT.
+    rank = {"predicted_tpot": 0, "predicted_ttft": 1}
+    ordered = sorted(held.items(), key=lambda item: rank.get(item[1].metric, 2))
+    result = {k: f for k, f in ordered if k not in other} if ok else None
+    if not result:
+        result = None
+    if len(_HOLD_SPECS) >= 64:  # (a few policies per process; bounded all the same)
+        _HOLD_SPECS.clear()
+    _HOLD_SPECS[id(spec)] = (spec, result)
+    return result
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ThresholdHold:
+    """A refusal on a fleet of neutral instances whose every candidate fell first to the TTFT, the TPOT
+    or the residents' TPOT threshold: whether it holds is checked on the fleet of now by those alone.
+
+    Why exact. Those thresholds apply in every pass (relax pass 0) and never let an instance
+    through for being empty, so an instance either of them drops now is out of every pass of a
+    decision now; when every candidate is, the decision fails, whatever the other filters and the
+    selector would say (:func:`router.core.chain.run_stage`). The check computes those metric
+    columns of the decision itself (:meth:`Scheduler.context` with the targets the decision would be
+    offered) on the view the decision would read, and compares them with the filters' own bounds.
+    It needs no load epoch, so it holds a refusal across every change that lets no instance pass:
+    a completion elsewhere, a prefill progressing on an instance the TPOT threshold keeps out, a
+    calibration change.
+
+    What the decision would also report, the best predicted TTFT over the candidates only
+    thresholds dropped (an on-time entry whose best is past its budget turns late), is computed as
+    :func:`router.core.chain._failure` computes it: the candidates, less the request's exclusions,
+    kept by the stage's other filters (Schedulability, Staleness, Failover: :func:`_hold_spec`).
+    """
+
+    request: ScheduleInput
+    spec: Any
+    ids: tuple[str, ...]
+    candidates: BoolArray
+    thresholds: dict[str, Any]
+
+    @staticmethod
+    def of(exc: NoInstanceError, request: ScheduleInput) -> ThresholdHold | None:
+        """The hold of a failed decision, or None when it is not one of that kind."""
+        failure = getattr(exc, "failure", None)
+        if not isinstance(failure, StageFailure) or exc.stage != Stage.NEUTRAL.value:
+            return None
+        thresholds = _hold_spec(failure.spec)
+        if thresholds is None:
+            return None
+        table = failure.ctx.view.instances
+        if not bool((table.roles == int(Role.NEUTRAL)).all()):
+            return None
+        drops = exc.drops
+        if not drops or not all(label in thresholds for label in drops):
+            return None
+        return ThresholdHold(request, failure.spec, table.ids, failure.outcome.candidate_mask, thresholds)
+
+    def check(
+        self,
+        scheduler: Scheduler,
+        view: ClusterView,
+        request: ScheduleInput,
+        now_s: float,
+        targets: Targets,
+        late: bool = False,
+    ) -> float | None:
+        """None when a decision for ``request`` offered ``targets`` on ``view`` at ``now_s`` might not
+        fail; else the best predicted TTFT it would report (NaN: none, or not asked for: ``late``, an
+        entry already late, whose refusal reads no TTFT)."""
+        table = view.instances
+        if request is not self.request or table.ids != self.ids:
+            return None
+        if scheduler.policy.spec(Stage.NEUTRAL) is not self.spec:
+            return None
+        if not bool((table.roles == int(Role.NEUTRAL)).all()):
+            return None
+        ctx = scheduler.context(view, request, now_s, targets)
+        if not np.count_nonzero(self.candidates & ctx.usable()):
+            return None  # no usable candidate: the decision reports that instead (chain._failure)
+        out = ~self.candidates
+        for f in self.thresholds.values():
+            out = out | ~(ctx.metric(f.metric) < np.array(f.bound(ctx)))
+            if bool(out.all()):
+                break
+        else:
+            return None
+        if (
+            late
+            or ctx.predictors is None
+            or not any(getattr(m, "metric", None) == "predicted_ttft" for m in self.spec.explainers)
+        ):
+            return math.nan
+        eligible = self.candidates
+        if request.exclude_instance_ids:
+            eligible = eligible.copy()
+            for instance_id in request.exclude_instance_ids:
+                i = table.index.get(instance_id)
+                if i is not None:
+                    eligible[i] = False
+        explainers = {id(f) for f in self.spec.explainers}
+        marked = table.all_false()
+        for f in self.spec.filters:
+            if id(f) in explainers:
+                continue
+            keep, mark = f.apply(ctx)
+            eligible = eligible & keep
+            if mark is not None and mark is not table.all_false():
+                marked = marked | mark
+        for g in self.spec.global_filters:
+            eligible = eligible & g.apply_global(ctx, marked)
+        values = ctx.metric("predicted_ttft")[eligible]
+        values = values[~np.isnan(values)]
+        return float(values.min()) if len(values) else math.nan
 
 
 def _shed(queue: RouterQueue, entry: QueueEntry, why: Overlong) -> Offer:

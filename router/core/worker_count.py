@@ -167,6 +167,50 @@ def samples_from_spans(
 # --------------------------------------------------------------------------- the autoscaling signal
 
 
+#: Kinds of target (TPOT target, e2e target) a heartbeat keeps apart for the decode margin; the
+#: requests of further kinds count toward the rate and lengths only.
+MAX_TARGET_KINDS = 64
+
+
+def least_slack(
+    kinds: dict[tuple[float, float], tuple[int, float, float]],
+    rates: InstanceRates,
+    default_tpot_ms: float,
+) -> float:
+    """The share of its decoding life the least patient kind of request can wait and keep its pace
+    (``decode_staffing``'s slack), at the decoder's step.
+
+    ``kinds`` maps (TPOT target, e2e target), 0 where unset, to (requests, prompt tokens, paced
+    output tokens) summed over the heartbeat. A kind's pace is its TPOT target, or what its
+    deadline leaves per token of its paced answer after the prefill of its mean prompt (the prompt
+    over what a prefill instance computes a second), or the default target. The paced answer is
+    the length the router paces a deadline by, the tail of the length estimate
+    (``LengthEstimate.bound_tokens``; ``packing_tpot_target_ms``): answers longer than the mean
+    must finish in time too. Each class is judged on its own, so the margin protects the kind
+    with the least time to spare, as constraint (b) holds an instance's batch to the least need
+    of the requests it holds: averaged over requests, a patient majority (chat stepping 42 ms
+    against 50) hid a tight minority (code answers whose 4 s deadline leaves about 24 ms a token
+    at the tail of their length) and ``mixed`` at 16 req/s was sized at 3 decoders where ``plan``
+    needs 4.
+    """
+    step = rates.decode_step_ms
+    if not (step > 0 and math.isfinite(step)) or not kinds:
+        return 0.0
+    least = math.inf
+    for (tpot, e2e), (n, prompt, output) in kinds.items():
+        if n <= 0:
+            continue
+        if tpot > 0:
+            pace = tpot
+        elif e2e > 0:
+            prefill_ms = 1000.0 * (prompt / n) / max(rates.prefill_tokens_per_s, 1e-9)
+            pace = (e2e - prefill_ms) / max(output / n - 1.0, 1.0)
+        else:
+            pace = default_tpot_ms
+        least = min(least, pace / step - 1.0)
+    return max(least, 0.0) if math.isfinite(least) else 0.0
+
+
 #: Rates an instance serves for a load shape and a TPOT target (ms): see ``capacity.instance_rates``.
 RatesFn = Callable[[LoadShape, float], InstanceRates]
 
@@ -250,6 +294,7 @@ class DesiredInstances:
         self._len = 0.0
         self._len2 = 0.0
         self._tpot = math.inf
+        self._kinds: dict[tuple[float, float], tuple[int, float, float]] = {}
 
     def observe(
         self,
@@ -259,9 +304,13 @@ class DesiredInstances:
         *,
         learned: bool = True,
         tpot_ms: float = 0.0,
+        e2e_ms: float = 0.0,
+        paced_tokens: float = 0.0,
     ) -> None:
         """One placed request: its prompt, its expected output (``learned``: from finished requests,
-        not the prior) and its TPOT target (0: none, the default applies)."""
+        not the prior), its TPOT target and its end-to-end target (0: none; with neither, the
+        default TPOT target applies), and the answer length its deadline is paced by (the router's
+        tail of the length estimate; 0: the expected output)."""
         self._advance(now_s)
         self._n += 1
         self._unlearned += 0 if learned else 1
@@ -272,6 +321,11 @@ class DesiredInstances:
         self._len2 += length * length
         if tpot_ms > 0:
             self._tpot = min(self._tpot, tpot_ms)
+        kind = (max(tpot_ms, 0.0), max(e2e_ms, 0.0))
+        seen = self._kinds.get(kind)
+        if seen is not None or len(self._kinds) < MAX_TARGET_KINDS:
+            n, prompt, output = seen or (0, 0.0, 0.0)
+            self._kinds[kind] = (n + 1, prompt + prompt_tokens, output + max(paced_tokens, output_tokens))
 
     def _advance(self, now_s: float) -> None:
         beat = int(now_s // self.heartbeat_s) if math.isfinite(now_s) else 0
@@ -291,9 +345,12 @@ class DesiredInstances:
         cv = math.sqrt(max(self._len2 / n - mean * mean, 0.0)) / mean if mean > 0 else math.inf
         if self._unlearned > 0.1 * n:
             cv = math.inf  # not representative: the SEM rule leaves it out
-        rates = self._rates(shape, self._tpot if math.isfinite(self._tpot) else self.default_tpot_ms)
+        tpot = self._tpot if math.isfinite(self._tpot) else self.default_tpot_ms
+        rates = self._rates(shape, tpot)
         prefill, decode = fluid_demand(shape, rates)
-        decode = decode_staffing(decode, rates.decode_batch)
+        decode = decode_staffing(
+            decode, rates.decode_batch, slacks=[least_slack(self._kinds, rates, self.default_tpot_ms)]
+        )
         for role, workers in (("prefill", prefill), ("decode", decode), ("neutral", prefill + decode)):
             self.models[role].observe(Heartbeat(shape.rate, workers, n, cv))
 

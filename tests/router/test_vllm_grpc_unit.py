@@ -12,7 +12,13 @@ from cms import limits
 from router.core.protocols import VLLM_GRPC, WORKER, dial_endpoint, split_endpoint
 from router.tokenize import load_tokenizer
 from router.vllm_grpc import Detokenizer, vllm_sampling
-from workers.stock_agent import AgentConfig, DecodeStepEstimate, measurement_ms, status_from_loads
+from workers.stock_agent import (
+    AgentConfig,
+    DecodeStepEstimate,
+    decode_context_tokens,
+    measurement_ms,
+    status_from_loads,
+)
 
 
 def test_endpoints_carry_the_protocol_and_worker_endpoints_stay_bare() -> None:
@@ -202,3 +208,19 @@ def test_the_status_carries_the_step_sample() -> None:
     )
     assert list(status.step_samples) == [sample]
     assert not status_from_loads("v", vllm_pb2.GetLoadsResponse(), 1000, update_id=1, now_ms=5).step_samples
+
+
+def test_the_decode_context_is_the_kv_in_use_less_the_running_requests_partly_empty_last_blocks() -> None:
+    # Three running requests of 200, 130 and 60 tokens in 128-token blocks: 2 + 2 + 1 blocks.
+    used = 5 * 128
+    contexts = 200 + 130 + 60
+    estimate = decode_context_tokens(used, 3, 128)
+    assert abs(estimate - contexts) < abs(used - contexts)
+    assert estimate == used - round(3 * 127 / 2)
+    assert decode_context_tokens(used, 0, 128) == used  # nothing runs: nothing to take off
+    assert decode_context_tokens(used, 3, 0) == used  # block unknown: the KV in use as it is
+    assert decode_context_tokens(100, 10, 128) == 0  # never below 0
+    loads = vllm_pb2.GetLoadsResponse(timestamp="2026-01-01T00:00:00+00:00")
+    loads.loads.add(num_running_reqs=3, token_usage=0.5, max_total_num_tokens=1280)
+    status = status_from_loads("v", loads, 1280, update_id=1, now_ms=1_900_000_000_000, block_size=128)
+    assert status.num_used_kv_tokens == 640 and status.num_decode_tokens == estimate

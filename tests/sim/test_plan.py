@@ -40,6 +40,10 @@ def test_plan_is_tight_on_a_small_case() -> None:
         assert _attainment(result.prefill - 1, result.decode, config) < TARGET
     if result.decode > 1:
         assert _attainment(result.prefill, result.decode - 1, config) < TARGET
+    # ... nor does a fleet one smaller of another split (two of one role traded for one of the other).
+    for prefill, decode in ((result.prefill + 1, result.decode - 2), (result.prefill - 2, result.decode + 1)):
+        if prefill >= 1 and decode >= 1:
+            assert _attainment(prefill, decode, config) < TARGET
 
 
 def test_plan_json_has_the_counts_target_and_rate(capsys: pytest.CaptureFixture[str]) -> None:

@@ -181,5 +181,18 @@ def test_the_request_pool_plans_a_burst_spread_over_milliseconds_as_one() -> Non
         outcome = simulate(one_instance(1), policy("slo"), plans, queue=queue)
         return min(s for s, _ in dispatch_and_done(plans, outcome))
 
-    assert first_dispatch(25.0) == pytest.approx(0.025, abs=1e-5)  # after 6 arrivals within 15 ms
+    assert first_dispatch(25.0) == pytest.approx(0.040, abs=1e-5)  # 25 ms after the last of 6 (15 ms)
     assert first_dispatch(0.0) == pytest.approx(0.0, abs=1e-5)
+
+
+def test_the_request_pool_waits_for_a_burst_longer_than_the_pool_time() -> None:
+    # 24 requests 5 ms apart (115 ms from first to last) on two one-sequence engines: the pool stays
+    # open while arrivals keep coming, so nothing goes before the plan has seen the whole burst; a pool
+    # closed 25 ms after its oldest request would hand the first arrivals to both free slots in arrival
+    # order.
+    plans = [dataclasses.replace(p, arrival_s=0.005 * k) for k, p in enumerate(code_chat_burst(24, seed=9))]
+    queue = QueueConfig(queue_policy="sa", sa_max_batch=1, max_queue_wait_ms=WAIT_MS)
+    fleet = SimFleet(fleet_from_counts(neutral=2, engine=SimConfig(max_num_seqs=1)))
+    outcome = simulate(fleet, policy("slo"), plans, queue=queue)
+    first = min(s for s, _ in dispatch_and_done(plans, outcome))
+    assert first == pytest.approx(0.115 + 0.025, abs=1e-5)

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from router.core.capacity import InstanceRates, LoadShape, decode_staffing, fluid_demand, instance_rates
-from router.core.worker_count import DesiredInstances, Heartbeat, WorkerCountModel
+from router.core.worker_count import DesiredInstances, Heartbeat, WorkerCountModel, least_slack
 from tests.router.core.helpers import make_predictor
 
 #: An instance computes 10,000 prompt tokens and generates 1,000 output tokens a second.
@@ -111,3 +111,69 @@ def test_decoders_are_staffed_above_the_mean_by_a_share_that_shrinks_with_the_lo
         bigger = decode_staffing(4 * fluid, batch)
         assert bigger / (4 * fluid) <= staffed / fluid + 1e-12
         assert staffed - fluid == pytest.approx(1.645 * math.sqrt(fluid * batch) / batch)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    fluid=st.floats(0.1, 500.0),
+    batch=st.integers(1, 1024),
+    slack=st.floats(0.0, 2.0),
+    more=st.floats(0.0, 2.0),
+)
+def test_slack_against_the_pace_lowers_the_margin_and_never_below_the_mean(
+    fluid: float, batch: int, slack: float, more: float
+) -> None:
+    none = decode_staffing(fluid, batch)
+    some = decode_staffing(fluid, batch, slacks=[slack])
+    larger = decode_staffing(fluid, batch, slacks=[slack + more])
+    assert fluid <= larger <= some + 1e-9 <= none + 2e-9
+    # A request with no slack (its pace is the step) keeps the whole margin.
+    assert decode_staffing(fluid, batch, slacks=[0.0]) == pytest.approx(none)
+
+
+def test_a_kv_bound_decoder_with_time_to_spare_needs_a_smaller_margin() -> None:
+    # 88 requests decoding at once on decoders of 48 (the Azure trace at 8 req/s): 1.83 for the mean.
+    fluid, batch = 88.0 / 48.0, 48
+    assert math.ceil(decode_staffing(fluid, batch)) == 3  # every moment over 96 counted as a miss
+    # Stepping 42.5 ms against a 50 ms target, a request can wait 18 % of its life for a slot.
+    assert math.ceil(decode_staffing(fluid, batch, slacks=[50.0 / 42.5 - 1.0])) == 2
+
+
+def test_the_margin_protects_the_kind_of_request_with_the_least_time_to_spare() -> None:
+    rates = InstanceRates(10_000.0, 1000.0, 48, 40.0)  # a decoder stepping 40 ms
+    chat = {(50.0, 0.0): (60, 60 * 500.0, 60 * 200.0)}  # 50 ms TPOT: a quarter of its life to spare
+    assert least_slack(chat, rates, 50.0) == pytest.approx(0.25)
+    # A 4 s deadline paced over 160-token answers after a 100 ms prefill: 23.6 ms a token, under
+    # the step: no time to spare, and the few such requests set the margin for all.
+    code = {(0.0, 4000.0): (5, 5 * 1000.0, 5 * 160.0)}
+    assert least_slack({**chat, **code}, rates, 50.0) == 0.0
+    # A loose deadline (60 s over 640 tokens) does not.
+    batch = {(0.0, 60_000.0): (30, 30 * 500.0, 30 * 640.0)}
+    assert least_slack({**chat, **batch}, rates, 50.0) == pytest.approx(0.25)
+    # Neither target: the default TPOT target.
+    assert least_slack({(0.0, 0.0): (3, 300.0, 300.0)}, rates, 40.0) == 0.0
+
+
+def test_a_deadline_paced_by_its_length_tail_keeps_the_whole_margin() -> None:
+    # 28 req/s of 100-token answers on decoders of 50 stepping 40 ms against a 50 ms target: 2.8
+    # decoders for the mean, 140 requests decoding at once; a quarter judged by a 5 s deadline.
+    def rates(load: LoadShape, tpot_ms: float) -> InstanceRates:
+        return InstanceRates(10_000.0, 1000.0, 50, 40.0)
+
+    def run(paced: float) -> DesiredInstances:
+        model = DesiredInstances(rates, heartbeat_s=10.0)
+        for k in range(28 * 120):
+            t = k / 28.0
+            if k % 4:
+                model.observe(t, 1000, 100.0, tpot_ms=50.0)
+            else:
+                model.observe(t, 1000, 100.0, e2e_ms=5000.0, paced_tokens=paced)
+        return model
+
+    shape = LoadShape(28.0, 1000.0, 100.0)
+    # Paced at the mean length (100 tokens) the deadline leaves 49.5 ms a token after a 100 ms
+    # prefill, chat's 25 % slack is the least, and the margin shrinks: (140 + 0.55·√140) / 50 =
+    # 2.93. Paced at 200 tokens it leaves 24.6 ms, under the step: (140 + 1.645·√140) / 50 = 3.19.
+    loose = run(0.0).desired(120.0, shape).decode
+    tight = run(200.0).desired(120.0, shape).decode
+    assert (loose, tight) == (3, 4)

@@ -22,7 +22,7 @@ from engine.model import SimConfig
 from fleet.snapshot import ClusterSnapshot
 from router.core.config import SchedulerConfig
 from router.core.errors import EmptyClusterError, NoInstanceError
-from router.core.queue import FleetDrain, QueueConfig, Refusal, bound_free
+from router.core.queue import FleetDrain, QueueConfig, Refusal, ThresholdHold, _best_ttft, bound_free
 from router.core.request import Targets
 from sim.cluster import SimFleet, SimOutcome, simulate
 from sim.fleet import fleet_from_counts
@@ -195,3 +195,129 @@ def test_the_fleet_drain_is_built_once_per_view_and_moment() -> None:
     assert rated.fluid_start_ms(6000.0) == first.fluid_start_ms(6000.0)
     later = FleetDrain.of(scheduler, view, NOW + 0.5)
     assert later is not first
+
+
+# ---------------------------------------------------------------- threshold holds
+
+
+def _neutral(loads: list[tuple[int, int, bool]], stale: int = -1) -> ClusterSnapshot:
+    return make_snapshot(
+        *(
+            inst(
+                f"i{k}",
+                decode_requests=d,
+                decode_tokens=d * 600,
+                prefill_tokens=p,
+                running=d,
+                used_kv_tokens=d * 600,
+                schedulable=ok,
+                **({"age_s": 60.0} if k == stale else {}),
+            )
+            for k, (d, p, ok) in enumerate(loads)
+        )
+    )
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    before=st.lists(st.tuples(st.integers(0, 60), st.integers(0, 8000)), min_size=2, max_size=4),
+    moves=st.lists(st.tuples(st.integers(-30, 10), st.integers(-4000, 2000)), min_size=4, max_size=4),
+    down=st.integers(-1, 3),
+    prompt=st.integers(16, 3000),
+    targets=st.tuples(st.floats(20.0, 3000.0), st.sampled_from([20.0, 30.0, 45.0, 80.0])),
+    later=st.tuples(st.floats(20.0, 6000.0), st.sampled_from([20.0, 30.0, 45.0, 80.0])),
+    stale=st.integers(-1, 3),
+    policy=st.sampled_from(["slo", "slo", "slo", "binpack", "adaptive-pd"]),
+)
+def test_a_threshold_hold_says_what_the_decision_says(
+    before: list[tuple[int, int]],
+    moves: list[tuple[int, int]],
+    down: int,
+    prompt: int,
+    targets: tuple[float, float],
+    later: tuple[float, float],
+    stale: int,
+    policy: str,
+) -> None:
+    """A hold made from a refusal, checked on any other fleet of the same instances with any other
+    targets (lighter or heavier, looser or tighter), says the decision fails only when it does, and
+    then reports the best predicted TTFT the failed decision reports. (Instance ``down`` turns
+    unschedulable and ``stale`` reports late on the second fleet.)"""
+    scheduler = make_scheduler(policy)
+    after = [
+        (max(d + dd, 0), max(p + dp, 0), k != down)
+        for k, ((d, p), (dd, dp)) in enumerate(zip(before, moves, strict=False))
+    ]
+    request = make_request(prompt_tokens=prompt, max_tokens=300)
+    ttft, tpot = targets
+    try:
+        scheduler.schedule(
+            _neutral([(d, p, True) for d, p in before]), request, NOW, targets=Targets(ttft, tpot, 0.0, ttft)
+        )
+    except NoInstanceError as exc:
+        hold = ThresholdHold.of(exc, request)
+    except EmptyClusterError:
+        return
+    else:
+        return
+    if hold is None:
+        return
+    view = scheduler.view(_neutral(after, stale), NOW)
+    offered = Targets(later[0], later[1], 0.0, later[0])
+    best = hold.check(scheduler, view, request, NOW, offered)
+    try:
+        scheduler.schedule(view, request, NOW, targets=offered)
+    except NoInstanceError as exc:
+        if best is not None:
+            want = _best_ttft(exc)
+            assert best == want or (best != best and want != want)
+        return
+    except EmptyClusterError:
+        assert best is None
+        return
+    assert best is None  # placed: the hold must not have said it fails
+
+
+def test_a_threshold_hold_holds_across_a_lighter_fleet_elsewhere_and_reports_lateness() -> None:
+    """Every instance over the TPOT target: a hold outlives a prefill finishing (no load epoch needed),
+    and lets the request go once a decode batch shrinks below the target."""
+    scheduler = make_scheduler("slo")
+    busy = [(40, 3000, True), (40, 0, True), (40, 0, True)]
+    request = make_request(prompt_tokens=500, max_tokens=300)
+    offered = Targets(5000.0, 20.0, 0.0, 5000.0)
+    with pytest.raises(NoInstanceError) as err:
+        scheduler.schedule(_neutral(busy), request, NOW, targets=offered)
+    hold = ThresholdHold.of(err.value, request)
+    assert hold is not None
+    drained = scheduler.view(_neutral([(40, 0, True), (40, 0, True), (40, 0, True)]), NOW)
+    best = hold.check(scheduler, drained, request, NOW, offered)
+    assert best is not None and 0.0 < best < 5000.0
+    freed = scheduler.view(_neutral([(0, 0, True), (40, 0, True), (40, 0, True)]), NOW)
+    assert hold.check(scheduler, freed, request, NOW, offered) is None
+    scheduler.schedule(freed, request, NOW, targets=offered)
+    # Another request is not this one: its hold is its own.
+    assert hold.check(scheduler, drained, make_request(prompt_tokens=500), NOW, offered) is None
+
+
+def test_the_drain_parts_that_read_no_load_are_shared_across_views_with_the_same_values() -> None:
+    """Views of the same fleet under other loads reuse the load-free parts of the drain (rates, idle
+    prefill, single decode step) and give what a drain built from nothing gives."""
+    from router.core import queue as q
+
+    scheduler = make_scheduler("slo")
+    light = scheduler.view(make_snapshot(inst("a", prefill_tokens=3000), inst("b")), NOW)
+    heavy = scheduler.view(make_snapshot(inst("a", prefill_tokens=9000), inst("b", prefill_tokens=500)), NOW)
+    first = FleetDrain.of(scheduler, light, NOW)
+    shared = FleetDrain.of(scheduler, heavy, NOW)
+    q._DRAIN_STATIC.clear()
+    fresh = FleetDrain.of(
+        scheduler,
+        scheduler.view(make_snapshot(inst("a", prefill_tokens=9000), inst("b", prefill_tokens=500)), NOW),
+        NOW,
+    )
+    assert first is not None and shared is not None and fresh is not None
+    assert shared.free_by_index.tolist() == fresh.free_by_index.tolist()
+    assert shared.free_by_index.tolist() != first.free_by_index.tolist()
+    for tokens in (0.0, 700.0, 12000.0):
+        assert shared.start_ms(tokens) == fresh.start_ms(tokens)
+    assert shared.idle_ms(900) == fresh.idle_ms(900) and shared.min_tpot_ms(900) == fresh.min_tpot_ms(900)
