@@ -33,6 +33,7 @@ from router.kv_events import KvEventFeed
 from router.pool import ChannelPool
 from router.vllm_grpc import KvEventGap, KvEventTranslator, follow_kv_events
 from tests.workers.helpers import wait_for
+from tests.workers.vllm_support import Entries
 
 BLOCK = 4
 
@@ -131,23 +132,6 @@ async def serve() -> tuple[grpc.aio.Server, FakeVllm, str]:
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     return server, fake, f"127.0.0.1:{port}"
-
-
-class Entries:
-    """Channels to vLLM endpoints (``vllm-grpc://host:port``), as the router's vLLM client keeps them."""
-
-    def __init__(self) -> None:
-        self.channels: dict[str, grpc.aio.Channel] = {}
-
-    def entry(self, endpoint: str) -> tuple[object, object]:
-        if endpoint not in self.channels:
-            self.channels[endpoint] = grpc.aio.insecure_channel(endpoint.removeprefix("vllm-grpc://"))
-        channel = self.channels[endpoint]
-        return channel, vllm_pb2_grpc.VllmEngineStub(channel)
-
-    async def close(self) -> None:
-        for channel in self.channels.values():
-            await channel.close(None)
 
 
 def view(instance_id: str, address: str) -> ClusterSnapshot:

@@ -16,7 +16,6 @@ import json
 import time
 from collections.abc import Callable, Iterator
 
-import grpc
 import pytest
 from slorouter.v1 import cms_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2 as vllm_pb2
@@ -29,7 +28,7 @@ from router.kv_events import KvEventFeed
 from router.pool import ChannelPool
 from workers.vllm_process import StockEngineProcess, free_port
 
-from .vllm_support import build_tiny_model, random_prompt, require_vllm_env
+from .vllm_support import Entries, build_tiny_model, random_prompt, require_vllm_env
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -63,23 +62,6 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StockEngineProc
         yield proc
     finally:
         proc.stop(15)
-
-
-class Entries:
-    """Channels to vLLM endpoints (``vllm-grpc://host:port``), as the router's vLLM client keeps them."""
-
-    def __init__(self) -> None:
-        self.channels: dict[str, grpc.aio.Channel] = {}
-
-    def entry(self, endpoint: str) -> tuple[object, object]:
-        if endpoint not in self.channels:
-            self.channels[endpoint] = grpc.aio.insecure_channel(endpoint.removeprefix("vllm-grpc://"))
-        channel = self.channels[endpoint]
-        return channel, vllm_pb2_grpc.VllmEngineStub(channel)
-
-    async def close(self) -> None:
-        for channel in self.channels.values():
-            await channel.close(None)
 
 
 async def until(predicate: Callable[[], bool], timeout_s: float) -> None:

@@ -22,6 +22,7 @@ from typing import Any
 import grpc
 import pytest
 from slorouter.v1 import cms_pb2, cms_pb2_grpc
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vllm_pb2_grpc
 
 from cms.memory import MemoryStore
 from cms.server import CmsServer, start_cms_server
@@ -142,3 +143,20 @@ def zero_kv_files(folder: Path) -> int:
             f.write(b"\0" * size)
         changed += 1
     return changed
+
+
+class Entries:
+    """Channels to vLLM endpoints (``vllm-grpc://host:port``), as the router's vLLM client keeps them."""
+
+    def __init__(self) -> None:
+        self.channels: dict[str, grpc.aio.Channel] = {}
+
+    def entry(self, endpoint: str) -> tuple[object, object]:
+        if endpoint not in self.channels:
+            self.channels[endpoint] = grpc.aio.insecure_channel(endpoint.removeprefix("vllm-grpc://"))
+        channel = self.channels[endpoint]
+        return channel, vllm_pb2_grpc.VllmEngineStub(channel)
+
+    async def close(self) -> None:
+        for channel in self.channels.values():
+            await channel.close(None)
