@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.figures import Figure
+from bench.figures import Figure, print_load_average, without_vllm
 
 #: Marks the line carrying the figures from the vLLM environment to ``make bench``.
 FIGURES_PREFIX = "bench-vllm-figures: "
@@ -353,10 +353,8 @@ def worker_main() -> list[Figure]:
     streams = " / ".join(str(c) for c, _ in WORKLOAD)
     what = f"vLLM worker vs `AsyncLLM` direct, {streams} streams"
     if not vllm_env_ready():
-        print(f"skipped: {MISSING_VENV_HINT}")
-        return [Figure(what, "not measured: `.venv-vllm` is missing (`make vllm-venv`)")]
-    # Other work on the machine skews the figures; say how busy it was.
-    print(f"load average before: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs", flush=True)
+        return without_vllm(what, MISSING_VENV_HINT)
+    print_load_average()
     with tempfile.TemporaryDirectory(prefix="bench-vllm-") as tmp:
         root = Path(tmp)
         model = build_tiny_model(root / "model")

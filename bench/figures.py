@@ -30,6 +30,17 @@ class Figure:
     measured: str
 
 
+def without_vllm(what: str, hint: str) -> list[Figure]:
+    """The row a vLLM benchmark reports when ``.venv-vllm`` is missing (``hint`` says how to make it)."""
+    print(f"skipped: {hint}")
+    return [Figure(what, "not measured: `.venv-vllm` is missing (`make vllm-venv`)")]
+
+
+def print_load_average() -> None:
+    """Say how busy the machine was as a benchmark starts: other work skews wall-clock figures."""
+    print(f"load average before: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs", flush=True)
+
+
 @dataclass(frozen=True)
 class Section:
     """The figures of one benchmark module (``python -m bench NAME``)."""

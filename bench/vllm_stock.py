@@ -27,7 +27,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from bench.figures import Figure
+from bench.figures import Figure, print_load_average, without_vllm
 
 WORKLOAD: tuple[tuple[int, int], ...] = ((1, 4), (16, 2), (64, 1))
 ROUNDS = 3
@@ -251,9 +251,8 @@ def main() -> list[Figure]:
     streams = " / ".join(str(c) for c, _ in WORKLOAD)
     what = f"stock vLLM gRPC engine through the router vs direct, {streams} streams"
     if not VLLM_PYTHON.exists():
-        print(f"skipped: {MISSING_VENV_HINT}")
-        return [Figure(what, "not measured: `.venv-vllm` is missing (`make vllm-venv`)")]
-    print(f"load average before: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs", flush=True)
+        return without_vllm(what, MISSING_VENV_HINT)
+    print_load_average()
     with tempfile.TemporaryDirectory(prefix="bench-vllm-stock-") as tmp:
         try:
             result = asyncio.run(_run(Path(tmp)))

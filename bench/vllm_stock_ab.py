@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench.figures import print_load_average
 from bench.vllm_stock import ENGINE_ARGS, OUTPUT_TOKENS, _cpu_s, _prompt, _wait_line, stop_processes
 
 REPO = Path(__file__).resolve().parent.parent
@@ -370,7 +371,7 @@ def main(argv: list[str] | None = None) -> None:
     if options.rounds < 1 or options.per_stream < 1 or any(s < 1 or s > 256 for s in options.streams):
         parser.error("--rounds and --per-stream must be ≥ 1 and each of --streams within 1-256")
     options.agent_dir = Path(options.agent_dir).resolve()
-    print(f"load average before: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs", flush=True)
+    print_load_average()
     with tempfile.TemporaryDirectory(prefix="bench-vllm-ab-") as tmp:
         cells = asyncio.run(_run(options, Path(tmp)))
     print(f"load average after: {os.getloadavg()[0]:.1f}")

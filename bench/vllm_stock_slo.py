@@ -31,7 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.figures import Figure
+from bench.figures import Figure, print_load_average, without_vllm
 from bench.vllm_stock import ENGINE_WAIT_S, _wait_line, stop_processes
 
 REPO = Path(__file__).resolve().parent.parent
@@ -263,9 +263,8 @@ def main(argv: list[str] | None = None) -> list[Figure]:
     options = _parse(argv)
     what = f"`slo` vs `load-balance` attainment, {options.engines} stock vLLM engines, mixed workload"
     if not VLLM_PYTHON.exists():
-        print(f"skipped: {MISSING_VENV_HINT}")
-        return [Figure(what, "not measured: `.venv-vllm` is missing (`make vllm-venv`)")]
-    print(f"load average before: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs", flush=True)
+        return without_vllm(what, MISSING_VENV_HINT)
+    print_load_average()
     with tempfile.TemporaryDirectory(prefix="bench-vllm-slo-") as tmp:
         try:
             results = _run(options, Path(tmp))

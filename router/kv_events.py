@@ -269,16 +269,7 @@ class KvEventFeed:
                 index.apply(instance_id, events)
                 self.counters.batches += 1
                 if instance_id not in self._live:
-                    if instance_id not in self._announced:
-                        self._announced.add(instance_id)
-                        logger.info(
-                            "exact prefix index for %s: following its KV events (%d-token blocks)",
-                            instance_id,
-                            batch.block_tokens,
-                        )
-                    self._set_live(instance_id, True)
-                    self._down_since.pop(instance_id, None)
-                    self._stale.discard(instance_id)
+                    self._following(instance_id, f"its KV events ({batch.block_tokens}-token blocks)")
         finally:
             call.cancel()
         return False
@@ -294,19 +285,24 @@ class KvEventFeed:
             self.counters.batches += 1
 
         def synced() -> None:
-            if instance_id not in self._announced:
-                self._announced.add(instance_id)
-                logger.info(
-                    "exact prefix index for %s: following its vLLM KV events (re-hashed in %d-token blocks)",
-                    instance_id,
-                    index.chain_block_tokens,
-                )
-            self._set_live(instance_id, True)
-            self._down_since.pop(instance_id, None)
-            self._stale.discard(instance_id)
+            self._following(
+                instance_id, f"its vLLM KV events (re-hashed in {index.chain_block_tokens}-token blocks)"
+            )
 
         _, stub = self._vllm.entry(endpoint)
         await follow_kv_events(stub, apply, translator, synced)
+
+    def _following(self, instance_id: str, source: str) -> None:
+        """``instance_id``'s events are in the index from now on: it is live, neither down nor stale.
+
+        ``source`` names what is followed, logged once per instance (a resubscribe stays quiet).
+        """
+        if instance_id not in self._announced:
+            self._announced.add(instance_id)
+            logger.info("exact prefix index for %s: following %s", instance_id, source)
+        self._set_live(instance_id, True)
+        self._down_since.pop(instance_id, None)
+        self._stale.discard(instance_id)
 
     def _give_up(self, instance_id: str, endpoint: str, why: str) -> None:
         logger.info("no exact prefix index for %s (%s): %s", instance_id, endpoint, why)

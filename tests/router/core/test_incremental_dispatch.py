@@ -92,7 +92,9 @@ _FLEETS = st.lists(
 )
 
 
-def _fleet(loads: list[tuple[int, int, bool]], pd: bool = False) -> ClusterSnapshot:
+def _fleet(loads: list[tuple[int, int, bool]], pd: bool = False, *, stale: int = -1) -> ClusterSnapshot:
+    """Instances ``i0``, ``i1``, … with (decode requests, prefill tokens, schedulable) each; instance
+    ``stale`` (if any) reports a minute-old status."""
     return make_snapshot(
         *(
             inst(
@@ -104,6 +106,7 @@ def _fleet(loads: list[tuple[int, int, bool]], pd: bool = False) -> ClusterSnaps
                 running=d,
                 used_kv_tokens=d * 600,
                 schedulable=ok,
+                **({"age_s": 60.0} if k == stale else {}),
             )
             for k, (d, p, ok) in enumerate(loads)
         )
@@ -200,24 +203,6 @@ def test_the_fleet_drain_is_built_once_per_view_and_moment() -> None:
 # ---------------------------------------------------------------- threshold holds
 
 
-def _neutral(loads: list[tuple[int, int, bool]], stale: int = -1) -> ClusterSnapshot:
-    return make_snapshot(
-        *(
-            inst(
-                f"i{k}",
-                decode_requests=d,
-                decode_tokens=d * 600,
-                prefill_tokens=p,
-                running=d,
-                used_kv_tokens=d * 600,
-                schedulable=ok,
-                **({"age_s": 60.0} if k == stale else {}),
-            )
-            for k, (d, p, ok) in enumerate(loads)
-        )
-    )
-
-
 @settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(
     before=st.lists(st.tuples(st.integers(0, 60), st.integers(0, 8000)), min_size=2, max_size=4),
@@ -252,7 +237,7 @@ def test_a_threshold_hold_says_what_the_decision_says(
     ttft, tpot = targets
     try:
         scheduler.schedule(
-            _neutral([(d, p, True) for d, p in before]), request, NOW, targets=Targets(ttft, tpot, 0.0, ttft)
+            _fleet([(d, p, True) for d, p in before]), request, NOW, targets=Targets(ttft, tpot, 0.0, ttft)
         )
     except NoInstanceError as exc:
         hold = ThresholdHold.of(exc, request)
@@ -262,7 +247,7 @@ def test_a_threshold_hold_says_what_the_decision_says(
         return
     if hold is None:
         return
-    view = scheduler.view(_neutral(after, stale), NOW)
+    view = scheduler.view(_fleet(after, stale=stale), NOW)
     offered = Targets(later[0], later[1], 0.0, later[0])
     best = hold.check(scheduler, view, request, NOW, offered)
     try:
@@ -286,13 +271,13 @@ def test_a_threshold_hold_holds_across_a_lighter_fleet_elsewhere_and_reports_lat
     request = make_request(prompt_tokens=500, max_tokens=300)
     offered = Targets(5000.0, 20.0, 0.0, 5000.0)
     with pytest.raises(NoInstanceError) as err:
-        scheduler.schedule(_neutral(busy), request, NOW, targets=offered)
+        scheduler.schedule(_fleet(busy), request, NOW, targets=offered)
     hold = ThresholdHold.of(err.value, request)
     assert hold is not None
-    drained = scheduler.view(_neutral([(40, 0, True), (40, 0, True), (40, 0, True)]), NOW)
+    drained = scheduler.view(_fleet([(40, 0, True), (40, 0, True), (40, 0, True)]), NOW)
     best = hold.check(scheduler, drained, request, NOW, offered)
     assert best is not None and 0.0 < best < 5000.0
-    freed = scheduler.view(_neutral([(0, 0, True), (40, 0, True), (40, 0, True)]), NOW)
+    freed = scheduler.view(_fleet([(0, 0, True), (40, 0, True), (40, 0, True)]), NOW)
     assert hold.check(scheduler, freed, request, NOW, offered) is None
     scheduler.schedule(freed, request, NOW, targets=offered)
     # Another request is not this one: its hold is its own.
