@@ -106,7 +106,7 @@ def _fleet(loads: list[tuple[int, int, bool]], pd: bool = False, *, stale: int =
                 running=d,
                 used_kv_tokens=d * 600,
                 schedulable=ok,
-                **({"age_s": 60.0} if k == stale else {}),
+                age_s=60.0 if k == stale else 0.0,
             )
             for k, (d, p, ok) in enumerate(loads)
         )
