@@ -28,6 +28,7 @@ from router.kv_events import KvEventFeed
 from router.pool import ChannelPool
 from workers.vllm_process import StockEngineProcess, free_port
 
+from .helpers import wait_for
 from .vllm_support import Entries, build_tiny_model, random_prompt, require_vllm_env
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -64,14 +65,6 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StockEngineProc
         proc.stop(15)
 
 
-async def until(predicate: Callable[[], bool], timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout_s} s")
-        await asyncio.sleep(0.02)
-
-
 async def _follow(address: str, log_tail: Callable[[], str]) -> None:
     entries = Entries()
     index = ExactPrefixIndex(BLOCK)
@@ -99,7 +92,7 @@ async def _follow(address: str, log_tail: Callable[[], str]) -> None:
             async for _ in stub.Generate(request, timeout=300):
                 pass
         try:
-            await until(lambda: expected <= index.blocks_of("v0"), 60)
+            await wait_for(lambda: expected <= index.blocks_of("v0"), 60, 0.02)
         except AssertionError:
             raise AssertionError(
                 f"index {sorted(index.blocks_of('v0'))} lacks {sorted(expected - index.blocks_of('v0'))}; "
