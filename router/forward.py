@@ -222,6 +222,10 @@ class WorkerClient:
     def first_message_timeout_s(self) -> float:
         return self._first_timeout_s
 
+    @property
+    def connect_timeout_s(self) -> float:
+        return self._connect_timeout_s
+
     def succeeded(self, target: Target) -> None:
         self._succeeded(target)
 

@@ -67,7 +67,12 @@ from router.slicing import add_arguments as add_slice_arguments
 from router.slicing import slice_config_from_args
 from router.telemetry import RequestObserver
 from router.tokenize import Tokenizer, load_tokenizer
-from router.vllm_grpc import DEFAULT_STREAM_INTERVAL_S, DEFAULT_STREAM_MESSAGES_PER_S, VllmGrpcClient
+from router.vllm_grpc import (
+    DEFAULT_STREAM_INTERVAL_S,
+    DEFAULT_STREAM_MESSAGES_PER_S,
+    VLLM_TRANSPORTS,
+    VllmGrpcClient,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -199,6 +204,7 @@ async def start_router_server(
     worker_streams: str = "mux",
     vllm_stream_interval_s: float = DEFAULT_STREAM_INTERVAL_S,
     vllm_stream_messages_per_s: float = DEFAULT_STREAM_MESSAGES_PER_S,
+    vllm_transport: str = VLLM_TRANSPORTS[0],
     http_limits: EdgeLimits | None = None,
     worker_token: str | None = None,
     worker_keepalive: tuple[float, float] = (DEFAULT_KEEPALIVE_S, DEFAULT_KEEPALIVE_TIMEOUT_S),
@@ -217,7 +223,8 @@ async def start_router_server(
     its CA). ``worker_streams`` (``mux``, ``per-request``) says how decode/generate legs reach
     the workers (:data:`router.forward.WORKER_STREAMS`); ``vllm_stream_interval_s`` and
     ``vllm_stream_messages_per_s`` pace the relay of a stock vLLM engine's tokens
-    (:class:`router.legs.RelayPacer`). Raises ``OSError`` when an address
+    (:class:`router.legs.RelayPacer`); ``vllm_transport`` says how their streams are read
+    (:data:`router.vllm_grpc.VLLM_TRANSPORTS`). Raises ``OSError`` when an address
     cannot be bound.
     """
     observer = observer or RequestObserver()
@@ -241,6 +248,7 @@ async def start_router_server(
     # vLLM's gRPC service returns token ids only: its legs' text comes from the router's tokenizer.
     workers.vllm.set_decoder(tokenizer.decode)
     workers.vllm.set_pacing(vllm_stream_interval_s, vllm_stream_messages_per_s)
+    workers.vllm.set_transport(vllm_transport)
     placer = Placer(scheduler, reader, observer=observer, health=health)
     service_config = service_config or ServiceConfig()
     if slice_config is not None and scheduler.predictors is None:
@@ -488,6 +496,14 @@ def add_worker_streams_argument(parser: argparse.ArgumentParser) -> None:
         f"instead of taking the engines' cores; 0 keeps the interval fixed (0-{MAX_VLLM_STREAM_MESSAGES_PER_S:g}, "
         "default: %(default)g)",
     )
+    parser.add_argument(
+        "--vllm-transport",
+        metavar="{" + ",".join(VLLM_TRANSPORTS) + "}",
+        default=VLLM_TRANSPORTS[0],
+        help="how the streams of stock vLLM engines are read: h2, the router's own HTTP/2 reader (every "
+        "token that one network read carries, for all streams, in one event-loop wake-up), or grpc "
+        "(grpc.aio, a wake-up per token); TLS engines always use grpc (default: %(default)s)",
+    )
 
 
 def check_worker_streams(args: argparse.Namespace) -> None:
@@ -500,6 +516,10 @@ def check_worker_streams(args: argparse.Namespace) -> None:
     if not (math.isfinite(interval) and 0 <= interval <= MAX_VLLM_STREAM_INTERVAL_MS):
         raise ValueError(
             f"--vllm-stream-interval-ms {interval:g}: must be 0-{MAX_VLLM_STREAM_INTERVAL_MS:g} milliseconds"
+        )
+    if args.vllm_transport not in VLLM_TRANSPORTS:
+        raise ValueError(
+            f"--vllm-transport {args.vllm_transport!r}: must be one of {', '.join(VLLM_TRANSPORTS)}"
         )
     budget = args.vllm_stream_messages_per_s
     if not (math.isfinite(budget) and 0 <= budget <= MAX_VLLM_STREAM_MESSAGES_PER_S):
@@ -934,6 +954,7 @@ async def start_from_args(args: argparse.Namespace, plan: RouterPlan | None = No
             worker_streams=args.worker_streams,
             vllm_stream_interval_s=args.vllm_stream_interval_ms / 1e3,
             vllm_stream_messages_per_s=args.vllm_stream_messages_per_s,
+            vllm_transport=args.vllm_transport,
             http_limits=plan.http_limits,
             worker_token=worker_token,
             worker_keepalive=keepalive_from_args(args),

@@ -406,6 +406,7 @@ async def start_cluster(args: argparse.Namespace, plan: ClusterPlan | None = Non
             worker_streams=args.worker_streams,
             vllm_stream_interval_s=args.vllm_stream_interval_ms / 1e3,
             vllm_stream_messages_per_s=args.vllm_stream_messages_per_s,
+            vllm_transport=args.vllm_transport,
             http_limits=plan.http_limits,
             worker_token=read_worker_token(str(secrets.worker_call_token)),
             worker_keepalive=plan.worker_keepalive,

@@ -36,7 +36,7 @@ import contextlib
 import json
 import logging
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import Any
 
 import grpc
@@ -44,11 +44,13 @@ from slorouter.v1 import common_pb2, worker_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2 as vllm_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vllm_pb2_grpc
 
+from cms import limits
 from cms.transport import ClientTls, open_channel
 from router.core.protocols import split_endpoint
 from router.legs import LegLedger, LegOwner, RelayPacer, Target, paced_batches
 from router.mux import Tokens
 from router.pool import CHANNEL_OPTIONS
+from router.vllm_h2 import CallError, H2Pool, paced_stream_batches
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +70,13 @@ DEFAULT_STREAM_INTERVAL_S = 0.005
 DEFAULT_STREAM_MESSAGES_PER_S = 2000.0
 #: vLLM takes a 32-bit signed seed.
 _SEED_MODULUS = 1 << 31
+#: ``--vllm-transport``: how a stock engine's ``Generate`` streams are read. ``h2``: this router's
+#: own HTTP/2 reader (:mod:`router.vllm_h2`: every message of every stream that one TCP read
+#: carries, in one event-loop wake-up); ``grpc``: ``grpc.aio`` (a wake-up per message). TLS
+#: endpoints always use ``grpc``; prefill, ``Abort`` and the KV events always do.
+VLLM_TRANSPORTS = ("h2", "grpc")
+#: The HTTP/2 path of vLLM's ``Generate``.
+GENERATE_PATH = "/vllm.grpc.engine.VllmEngine/Generate"
 
 
 def vllm_sampling(sampling: common_pb2.SamplingParams, max_tokens: int) -> Any:
@@ -148,6 +157,15 @@ class VllmGrpcClient:
         self._tls = tls
         self._decode = decode
         self._channels: OrderedDict[str, tuple[grpc.aio.Channel, Any]] = OrderedDict()
+        #: ``--vllm-transport`` (:data:`VLLM_TRANSPORTS`).
+        self.transport = "h2"
+        self._h2 = H2Pool(max_channels, limits.SERVING_MAX_MESSAGE_BYTES)
+
+    def set_transport(self, transport: str) -> None:
+        """``--vllm-transport``: ``h2`` or ``grpc`` (see :data:`VLLM_TRANSPORTS`)."""
+        if transport not in VLLM_TRANSPORTS:
+            raise ValueError(f"transport must be one of {', '.join(VLLM_TRANSPORTS)}, got {transport!r}")
+        self.transport = transport
 
     def set_pacing(self, interval_s: float, messages_per_s: float) -> None:
         """``--vllm-stream-interval-ms`` and ``--vllm-stream-messages-per-s`` (see :class:`RelayPacer`)."""
@@ -243,8 +261,11 @@ class VllmGrpcClient:
         """A neutral generate or a decode leg as :class:`~router.mux.Tokens`; see the module docstring."""
         owner = self._owner
         ledger.endpoints.add(target.endpoint)
-        channel, stub = self.entry(target.endpoint)
-        await owner.await_channel(channel, target)
+        h2 = self.transport == "h2" and self._tls is None
+        stub: Any = None
+        if not h2:
+            channel, stub = self.entry(target.endpoint)
+            await owner.await_channel(channel, target)
         sampling = request.sampling
         if isinstance(request, worker_pb2.DecodeRequest):
             context = [*request.prompt_token_ids, *request.generated_token_ids]
@@ -270,7 +291,6 @@ class VllmGrpcClient:
         if kv_params:
             message.kv_transfer_params_json = kv_params
         detok = self._detokenizer(context)
-        call = stub.Generate(message, timeout=timeout_s)
 
         def merged(batch: list[Any]) -> Tokens:
             """One record for every response that arrived meanwhile (chunks, then maybe the end).
@@ -302,6 +322,12 @@ class VllmGrpcClient:
             text = detok.add(ids) if detok is not None and ids else ""
             return Tokens(request_id, ids, text, finished, reason, prompt, cached)
 
+        if h2:
+            async with contextlib.aclosing(self._stream_h2(target, message, timeout_s, merged)) as records:
+                async for record in records:
+                    yield record
+            return
+        call = stub.Generate(message, timeout=timeout_s)
         # The first response goes straight through (the TTFT path); after it a reader task drains the
         # stream and each step of the consumer takes everything that arrived meanwhile as one
         # message, as the Worker path does (router.forward._coalesced): when the client or the
@@ -338,6 +364,62 @@ class VllmGrpcClient:
         finally:
             call.cancel()  # no-op once the stream ended; stops the request when the consumer left
 
+    async def _stream_h2(
+        self, target: Target, message: Any, timeout_s: float, merged: Callable[[list[Any]], Tokens]
+    ) -> AsyncGenerator[Tokens, None]:
+        """:meth:`stream`'s call over :mod:`router.vllm_h2`: the same deadlines, outcomes and errors."""
+        owner = self._owner
+        _, address = split_endpoint(target.endpoint)
+        try:
+            conn = await self._h2.connection(address, owner.connect_timeout_s)
+        except TimeoutError:
+            raise owner.failed(
+                target,
+                grpc.StatusCode.UNAVAILABLE,
+                f"no connection to {target.endpoint} within {owner.connect_timeout_s:g} s "
+                "(--worker-connect-timeout-s): the endpoint accepts but does not answer",
+            ) from None
+        except (OSError, ValueError) as exc:
+            raise owner.failed(
+                target,
+                grpc.StatusCode.UNAVAILABLE,
+                f"cannot connect to {target.endpoint} ({exc}; the engine is down or unreachable)",
+            ) from exc
+        call = conn.start(
+            GENERATE_PATH, message.SerializeToString(), timeout_s, vllm_pb2.GenerateResponse.FromString
+        )
+        # The call's deadline is a timer (grpc-timeout tells the server too); it resets the stream.
+        deadline = asyncio.get_running_loop().call_later(
+            timeout_s, call.cancel, grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"
+        )
+        try:
+            try:
+                async with asyncio.timeout(owner.first_message_timeout_s):
+                    await call.wait()
+            except TimeoutError:
+                raise owner.first_message_error(target) from None
+            if not call.pending:
+                if call.error is not None:
+                    raise call.error
+                return
+            owner.succeeded(target)
+            # The first response goes straight through (the TTFT path), with whatever came with it.
+            first = merged(call.take())
+            yield first
+            if first.finished:
+                return
+            async with contextlib.aclosing(paced_stream_batches(call, self.pacer)) as batches:
+                async for batch in batches:
+                    out = merged(batch)
+                    yield out
+                    if out.finished:
+                        return
+        except CallError as exc:
+            raise owner.failed(target, exc.code, exc.details) from exc
+        finally:
+            deadline.cancel()
+            call.cancel()  # no-op once the call ended; stops the request when the consumer left
+
     async def abort(self, endpoint: str, request_id: str, timeout_s: float) -> None:
         try:
             await self.entry(endpoint)[1].Abort(
@@ -349,6 +431,7 @@ class VllmGrpcClient:
     async def close(self) -> None:
         channels = [c for c, _ in self._channels.values()]
         self._channels.clear()
+        self._h2.close()
         await asyncio.gather(*(c.close(grace=None) for c in channels), return_exceptions=True)
 
 
