@@ -12,7 +12,8 @@ one per paced batch on the consumer side.
 
 What is implemented is the client half of gRPC over HTTP/2 that a unary-request, server-streaming
 call needs, over cleartext TCP (TLS endpoints keep ``grpc.aio``): the connection preface and
-SETTINGS, HPACK headers (the ``hpack`` package), length-prefixed messages (uncompressed; a
+SETTINGS, HPACK headers (the server's decoded with the ``hpack`` package; the requests' are
+literals that need no table), length-prefixed messages (uncompressed; a
 compressed one fails the call), flow control both ways, the ``grpc-status``/``grpc-message``
 trailers, RST_STREAM (both ways: a cancelled stream is reset, which the server sees as the
 client's cancel), GOAWAY (streams the server did not take fail UNAVAILABLE, new calls open a new
@@ -46,7 +47,7 @@ _ACK = 0x1
 _END_HEADERS = 0x4
 _PADDED = 0x8
 _PRIORITY_FLAG = 0x20
-_S_HEADER_TABLE_SIZE, _S_ENABLE_PUSH, _S_MAX_CONCURRENT, _S_INITIAL_WINDOW, _S_MAX_FRAME = 1, 2, 3, 4, 5
+_S_ENABLE_PUSH, _S_MAX_CONCURRENT, _S_INITIAL_WINDOW, _S_MAX_FRAME = 2, 3, 4, 5
 #: HTTP/2's initial window and frame size before the peer's SETTINGS say otherwise.
 _DEFAULT_WINDOW = 65_535
 _DEFAULT_FRAME = 16_384
@@ -92,6 +93,25 @@ class CallError(Exception):
 def _frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
     n = len(payload)
     return bytes((n >> 16, (n >> 8) & 0xFF, n & 0xFF, kind, flags)) + stream_id.to_bytes(4, "big") + payload
+
+
+def _hpack_int(value: int, prefix_bits: int, first: int) -> bytes:
+    """An HPACK integer with a ``prefix_bits`` prefix, the rest of the first byte ``first`` (RFC 7541 5.1)."""
+    limit = (1 << prefix_bits) - 1
+    if value < limit:
+        return bytes((first | value,))
+    out = bytearray((first | limit,))
+    value -= limit
+    while value >= 128:
+        out.append((value & 127) | 128)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _literal(name: bytes, value: bytes) -> bytes:
+    """One header as a literal never indexed, with a literal name and no Huffman (RFC 7541 6.2.3)."""
+    return b"\x10" + _hpack_int(len(name), 7, 0) + name + _hpack_int(len(value), 7, 0) + value
 
 
 def _grpc_timeout(seconds: float) -> str:
@@ -193,7 +213,7 @@ class H2Connection(asyncio.Protocol):
         self._retired = False
         self._streams: dict[int, H2Stream] = {}
         self._next_id = 1
-        self._encoder = hpack.Encoder()
+        self._header_blocks: dict[str, bytes] = {}
         self._decoder = hpack.Decoder()
         self._in = b""
         self._headers_sid = 0
@@ -375,8 +395,6 @@ class H2Connection(asyncio.Protocol):
                     self._peer_max_frame = value
                 elif key == _S_MAX_CONCURRENT:
                     self._peer_max_streams = value
-                elif key == _S_HEADER_TABLE_SIZE:
-                    self._encoder.header_table_size = min(value, 4096)
             self._write(_frame(_SETTINGS, _ACK, 0))
             self._flush()
         elif kind == _WINDOW_UPDATE:
@@ -408,6 +426,29 @@ class H2Connection(asyncio.Protocol):
 
     # ------------------------------------------------------------------ calls
 
+    def _request_headers(self, path: str) -> bytes:
+        """The constant request headers of ``path``, HPACK-encoded once per path.
+
+        Every header is a literal "never indexed" (no Huffman): the encoding touches no HPACK table,
+        so the same bytes serve every call, and no encoder runs per request.
+        """
+        block = self._header_blocks.get(path)
+        if block is None:
+            block = b"".join(
+                _literal(name, value)
+                for name, value in (
+                    (b":method", b"POST"),
+                    (b":scheme", b"http"),
+                    (b":path", path.encode()),
+                    (b":authority", self.authority.encode()),
+                    (b"content-type", b"application/grpc"),
+                    (b"te", b"trailers"),
+                )
+            )
+            if len(self._header_blocks) < 16:
+                self._header_blocks[path] = block
+        return block
+
     @property
     def usable(self) -> bool:
         """Takes a new stream now (not closing, ids left, under the server's concurrency limit)."""
@@ -421,34 +462,27 @@ class H2Connection(asyncio.Protocol):
             self.draining = True
         stream = H2Stream(self, sid, parse)
         self._streams[sid] = stream
-        block = self._encoder.encode(
-            [
-                (":method", "POST"),
-                (":scheme", "http"),
-                (":path", path),
-                (":authority", self.authority),
-                ("content-type", "application/grpc"),
-                ("te", "trailers"),
-                ("grpc-timeout", _grpc_timeout(timeout_s)),
-            ]
-        )
+        block = self._request_headers(path) + _literal(b"grpc-timeout", _grpc_timeout(timeout_s).encode())
         limit = self._peer_max_frame
         frames = [_frame(_HEADERS, _END_HEADERS if len(block) <= limit else 0, sid, block[:limit])]
         for i in range(limit, len(block), limit):
             last = i + limit >= len(block)
             frames.append(_frame(_CONT, _END_HEADERS if last else 0, sid, block[i : i + limit]))
-        self._write(b"".join(frames))
         self._blocked.append((stream, len(body).to_bytes(5, "big") + body))
-        self._flush()
+        self._flush(frames)  # one write: the headers, and the body as far as the windows allow
         self._arm_keepalive()
         return stream
 
-    def _flush(self) -> None:
-        """Send what the windows allow of the waiting request bodies (the last frame ends the stream)."""
+    def _flush(self, out: list[bytes] | None = None) -> None:
+        """Send ``out`` and what the windows allow of the waiting request bodies (the last frame of a
+        body ends its stream), in one write: a write to a loopback socket is a system call that
+        also runs the receiver's side of TCP."""
+        out = out if out is not None else []
         if not self._blocked:
+            if out:
+                self._write(b"".join(out))
             return
         still: list[tuple[H2Stream, bytes]] = []
-        out: list[bytes] = []
         for stream, left in self._blocked:
             if stream.done:
                 continue

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+import hpack
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -27,7 +28,7 @@ from router.forward import LegError, WorkerClient
 from router.legs import LegLedger
 from router.pool import ChannelPool
 from router.vllm_grpc import VLLM_TRANSPORTS
-from router.vllm_h2 import STREAM_WINDOW, _grpc_timeout
+from router.vllm_h2 import STREAM_WINDOW, _grpc_timeout, _literal
 
 #: Tokens per chunk of a "big" stream: enough that a stream crosses the reader's receive window.
 BIG_CHUNK = 20_000
@@ -244,3 +245,11 @@ def test_grpc_timeout_is_at_most_eight_digits_and_never_shorter(seconds: float) 
     digits, unit = value[:-1], value[-1]
     assert digits.isdigit() and 1 <= len(digits) <= 8
     assert int(digits) * {"m": 1e-3, "S": 1.0, "H": 3600.0}[unit] >= seconds - 1e-9
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.binary(min_size=1, max_size=300), st.binary(max_size=300))
+def test_request_header_literals_decode_to_themselves(name: bytes, value: bytes) -> None:
+    """The hand-encoded literals are HPACK a standard decoder reads (lengths past one byte too)."""
+    decoded = hpack.Decoder().decode(_literal(name, value) + _literal(b"te", b"trailers"), raw=True)
+    assert [tuple(h) for h in decoded] == [(name, value), (b"te", b"trailers")]
