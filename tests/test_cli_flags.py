@@ -47,6 +47,8 @@ CASES = [
     (["up", "--vllm-stream-interval-ms", "1000"], "--vllm-stream-interval-ms"),
     (["router", "--vllm-stream-messages-per-s", "-5"], "--vllm-stream-messages-per-s"),
     (["up", "--vllm-stream-messages-per-s", "inf"], "--vllm-stream-messages-per-s"),
+    (["router", "--vllm-transport", "http"], "--vllm-transport"),
+    (["up", "--vllm-transport", "H2"], "--vllm-transport"),
     (["router", "--processes", "2"], "--processes"),  # the embedded CMS is one process's
     (["router", "--processes", "99", "--cms", "grpc://127.0.0.1:1"], "--processes"),
     (["router", "--cms-listen", "127.0.0.1:99999"], "--cms-listen"),
