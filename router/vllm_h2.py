@@ -300,6 +300,13 @@ class H2Connection(asyncio.Protocol):
         buf = stream.buf
         if buf:
             buf += payload
+            if len(buf) >= 5:
+                length = int.from_bytes(buf[1:5], "big")
+                if length <= self.max_message_bytes and len(buf) - 5 < length:
+                    # A message spread over frames: parse once it is whole, not at every frame
+                    # (copying the growing buffer each time would be quadratic in its size).
+                    self._data_end(stream, flags)
+                    return
             payload = bytes(buf)
             buf.clear()
         pos = 0
@@ -326,6 +333,10 @@ class H2Connection(asyncio.Protocol):
             stream.pending.append(message)
         if pos < size:
             buf += payload[pos:]
+        self._data_end(stream, flags)
+
+    @staticmethod
+    def _data_end(stream: H2Stream, flags: int) -> None:
         if stream.pending and not stream.holding:
             stream.wake()
         if flags & _END_STREAM:

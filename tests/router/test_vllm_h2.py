@@ -32,6 +32,8 @@ from router.vllm_h2 import STREAM_WINDOW, _grpc_timeout, _literal
 
 #: Tokens per chunk of a "big" stream: enough that a stream crosses the reader's receive window.
 BIG_CHUNK = 20_000
+#: Tokens of a "huge" stream's chunks: a message of ~2 MB, well over a hundred 16 KiB frames.
+HUGE_CHUNK = 1_000_000
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,8 @@ class ScriptedEngine(vllm_pb2_grpc.VllmEngineServicer):  # type: ignore[misc]
                 await context.abort(grpc.StatusCode.NOT_FOUND, "kv handle gone: 100% ✓")
             for k in range(count):
                 ids = [(n_prompt + k) % 1000] * BIG_CHUNK if rid.startswith("big") else [n_prompt + k]
+                if rid.startswith("huge"):  # one message over a hundred HTTP/2 frames and more
+                    ids = [(n_prompt + k) % 1000] * HUGE_CHUNK
                 yield vllm_pb2.GenerateResponse(
                     chunk=vllm_pb2.GenerateStreamChunk(token_ids=ids, prompt_tokens=n_prompt)
                 )
@@ -156,6 +160,8 @@ async def test_a_large_prompt_and_a_large_answer_pass_the_flow_control_windows(t
         ids = await _collect(client, target, _request("big-1", 10, chunks))
         assert len(ids) == chunks * BIG_CHUNK
         assert ids[::BIG_CHUNK] == [(10 + k) % 1000 for k in range(chunks)]
+        ids = await _collect(client, target, _request("huge-1", 500, 2))
+        assert ids == [500] * HUGE_CHUNK + [501] * HUGE_CHUNK
 
 
 @pytest.mark.parametrize("transport", VLLM_TRANSPORTS)
