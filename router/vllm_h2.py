@@ -210,7 +210,6 @@ class H2Connection(asyncio.Protocol):
         self.closed = False
         #: No new streams here (GOAWAY, retired, ids used up); the pool opens another connection.
         self.draining = False
-        self._retired = False
         self._streams: dict[int, H2Stream] = {}
         self._next_id = 1
         self._header_blocks: dict[str, bytes] = {}
