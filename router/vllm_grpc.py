@@ -50,6 +50,7 @@ from router.core.protocols import split_endpoint
 from router.legs import LegLedger, LegOwner, RelayPacer, Target, paced_batches
 from router.mux import Tokens
 from router.pool import CHANNEL_OPTIONS
+from router.vllm_h2 import AVAILABLE as H2_AVAILABLE
 from router.vllm_h2 import CallError, H2Pool, paced_stream_batches
 
 logger = logging.getLogger(__name__)
@@ -262,7 +263,7 @@ class VllmGrpcClient:
         """A neutral generate or a decode leg as :class:`~router.mux.Tokens`; see the module docstring."""
         owner = self._owner
         ledger.endpoints.add(target.endpoint)
-        h2 = self.transport == "h2" and self._tls is None
+        h2 = self.transport == "h2" and self._tls is None and H2_AVAILABLE
         stub: Any = None
         if not h2:
             channel, stub = self.entry(target.endpoint)

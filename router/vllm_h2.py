@@ -34,9 +34,17 @@ from collections.abc import AsyncGenerator, Callable
 from typing import Any, cast
 
 import grpc
-import hpack
 
 from router.legs import RelayPacer
+
+try:
+    import hpack
+except ImportError:  # an environment made before the dependency: the router reads with grpc.aio
+    hpack = None  # type: ignore[assignment]
+
+#: False in an environment without the ``hpack`` package (``make venv`` installs it): the vLLM
+#: client then reads streams with ``grpc.aio`` whatever ``--vllm-transport`` says.
+AVAILABLE = hpack is not None
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 _DATA, _HEADERS, _PRIORITY, _RST_STREAM, _SETTINGS, _PUSH_PROMISE, _PING, _GOAWAY, _WINDOW_UPDATE, _CONT = (
