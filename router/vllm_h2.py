@@ -221,6 +221,9 @@ class H2Connection(asyncio.Protocol):
         self._streams: dict[int, H2Stream] = {}
         self._next_id = 1
         self._header_blocks: dict[str, bytes] = {}
+        #: Frames queued in this loop iteration (:meth:`_write`).
+        self._out: list[bytes] = []
+        self._send_scheduled = False
         self._decoder = hpack.Decoder()
         self._in = b""
         self._headers_sid = 0
@@ -535,11 +538,32 @@ class H2Connection(asyncio.Protocol):
     def close(self) -> None:
         self.draining = True
         if self.transport is not None and not self.closed:
+            self._send()  # what is queued (a reset, an acknowledgement) goes before the close
             self.transport.close()
 
     def _write(self, data: bytes) -> None:
-        if self.transport is not None and not self.closed:
-            self.transport.write(data)
+        """Queue ``data``; everything queued during one event-loop iteration goes out in one write.
+
+        A write to a loopback socket wakes the engine's server at once, and on a busy host the
+        router is then often preempted in the system call: with one write per call, a burst of
+        new requests reaches the engine one preemption at a time.
+        """
+        if self.transport is None or self.closed:
+            return
+        self._out.append(data)
+        if not self._send_scheduled:
+            self._send_scheduled = True
+            self._loop.call_soon(self._send)
+
+    def _send(self) -> None:
+        self._send_scheduled = False
+        out = self._out
+        if not out or self.transport is None or self.closed:
+            out.clear()
+            return
+        data = out[0] if len(out) == 1 else b"".join(out)
+        out.clear()
+        self.transport.write(data)
 
     def _fail_connection(self, why: str) -> None:
         for stream in list(self._streams.values()):
