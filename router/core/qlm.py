@@ -692,7 +692,15 @@ def heuristic_plan(
     queue when that lets it meet: on one machine this rule maximises the number
     of jobs on time; with weights and several machines it is a heuristic (its
     gap to :func:`milp_plan` is measured in the tests and by ``python -m bench qlm``).
-    Dropped groups are still served, last, in deadline order. Plans of at most
+    Dropped groups are still served, last, in deadline order. A group that
+    meets on no queue even placed right behind the running requests (the
+    estimator's quantile duration outruns its deadline) is not dropped: it keeps
+    its deadline-order place where it finishes first, the EDF fallback the paper
+    names for when no plan meets every SLO (§A.3) and the least expected
+    lateness for it (Eq. 13's objective). Moving it last saved no other request
+    and cost it its likeliest chance: on an overloaded two-class mix every tight
+    query the 0.9 quantile called late waited ~45 s behind the loose class
+    (docs/papers.md). Plans of at most
     :data:`LOCAL_SEARCH_GROUPS` groups are then improved by moving single
     groups (:func:`_improve`). With
     ``evictable`` (eviction on), a group that misses behind the running
@@ -707,6 +715,11 @@ def heuristic_plan(
 
     def allowed(g: Group) -> range:
         return range(g.pinned, g.pinned + 1) if g.pinned >= 0 else range(n)
+
+    def hopeless(g: Group) -> bool:
+        """No member of ``g`` meets its deadline at the confidence quantile on any queue it may use, even
+        placed right behind the running requests."""
+        return all(estimator.place(models[i], base[i].copy(), g, now_s).meeting == 0 for i in allowed(g))
 
     for group in sorted(groups, key=lambda g: (g.urgency_s(now_s), g.gid)):
         # (requests on time, -finish, queue): most requests on time, then the earliest finish.
@@ -748,7 +761,11 @@ def heuristic_plan(
                     estimator.place(models[i], s, g, now_s)
                 states[i] = s
                 continue
-        if best[0] > 0:
+        if best[0] > 0 or hopeless(group):
+            # On time somewhere: where most of it meets. Or on time nowhere, not even first on a queue
+            # (its duration at the confidence quantile outruns its deadline): it keeps its earliest-
+            # deadline place where it finishes first (the paper's fallback when no plan meets every
+            # SLO, §A.3: EDF), since sending it last saves no one and costs it its likeliest chance.
             i = best[2]
             estimator.place(models[i], states[i], group, now_s)
             placed[i].append(group)
