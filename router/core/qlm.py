@@ -1312,9 +1312,8 @@ class QlmQueue:
         most every :data:`PROGRESS_EVERY_S`: each update re-estimates the classes running).
 
         The router's clock is what the queue knows of a running request: the tokens it has generated
-        are its time since dispatch less its prefill, over the instance's decode step as the
-        estimator models it (the learned inefficiency included), plus what it generated before an
-        eviction. No figure of the request's own length enters. The fraction is floored to
+        are its time since dispatch less its prefill, over the decode step of the batch running now
+        (the learned inefficiency included), plus what it generated before an eviction. No figure of the request's own length enters. The fraction is floored to
         :data:`PROGRESS_STEPS` steps of ``max_tokens``: a pure function of the clock, so the router
         (pumping on every status push) and the simulator (on its engines' events) see the same value at
         the same moment, and :meth:`_kv`'s memo is recomputed at most that many times a request.
@@ -1324,9 +1323,18 @@ class QlmQueue:
             self._progress_s = now_s
         for i, run in enumerate(self.running):
             model = self.models[i]
+            # The step of the batch running now (its count, the tokens it holds), times the learned
+            # inefficiency: Eq. 4's d for these requests. The average batch's step (the estimator's
+            # slot model) ran ahead of a smaller batch's clock, so progress lagged the tokens really
+            # generated (187 counted against 223 on a KV-full instance at 6 instances, 30 req/s), the
+            # long answers were counted short at their end, and the engine preempted 2-4 times per
+            # 2,400 requests where edf never does (docs/papers.md).
+            step = model.decode_step_s
+            if model.step_s is not None and run:
+                step = model.step_s(len(run), self._tokens_now(run.values())) * self.inefficiency[i]
             for r in run.values():
                 decoding = now_s - r.dispatched_s - model.prefill_s(r.prompt_tokens)
-                tokens = r.generated + max(decoding, 0.0) / max(model.decode_step_s, 1e-6)
+                tokens = r.generated + max(decoding, 0.0) / max(step, 1e-6)
                 reached = math.floor(tokens / max(r.request.max_tokens, 1) * PROGRESS_STEPS) / PROGRESS_STEPS
                 r.reached = max(r.reached, min(reached, 1.0))
                 if censored:

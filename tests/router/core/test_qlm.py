@@ -796,3 +796,19 @@ def test_a_group_late_even_at_the_front_keeps_its_deadline_place() -> None:
     plan = heuristic_plan(est, [model(batch=1)], [[]], [later, hopeless], 0.0)
     assert plan.order == ((0, 1),)
     assert 1 not in plan.late
+
+
+def test_a_running_requests_progress_follows_the_step_of_the_batch_running_now() -> None:
+    # One request runs alone at 10 ms a step; the instance's average batch is still its KV-sized first
+    # guess of 64, whose step is 640 ms. After 1 s of decoding it has ~100 of its 1,000 tokens: its
+    # progress (and so its KV counted at its end) follows the one-request batch's clock. Read off the
+    # average batch's step it had ~1.5 tokens, and a long answer was counted short until the engine
+    # preempted.
+    m = InstanceModel(
+        64, 0.64, lambda n: 0.05, most=256, kv_tokens=65_536, step_s=lambda b, t: 0.01 * max(b, 1)
+    )
+    q = QlmQueue(QlmConfig(eviction="off"), [m], 6000.0, 50.0)
+    r = q.push(loose_by("l", 600.0, out=1000), 0.0)
+    assert r is not None and len(q.pump(0.0)) == 1
+    q.pump(1.05)
+    assert r.reached >= 0.09
