@@ -515,7 +515,7 @@ class Placer:
         TPOT filter, which spreads a new prompt's prefill stall over the residents' remaining output,
         would see a stall spread over one token and refuse the instance. As the simulator does on
         each status push of an instance (``sim.cluster``'s ``_reestimate_residents``), each of its
-        started legs becomes what it holds now (the tokens this router has forwarded) plus the
+        started legs (admitted, or streaming) becomes what it holds now (the tokens this router has forwarded) plus the
         length predictor's conditional remaining output; legs not admitted yet keep their estimate.
         An instance is refreshed when its status changed since, or every :data:`RESIDENT_REFRESH_S`
         at least. Costs O(instances) per new snapshot, plus O(legs) on each refreshed instance.
@@ -534,10 +534,12 @@ class Placer:
             if seen is not None and seen[0] == update and now - seen[1] < RESIDENT_REFRESH_S:
                 continue
             refreshed[instance_id] = (update, now)
+            # Started: admitted by its instance (its in-flight entry left at a decision's reconcile)
+            # or already streaming tokens through this router (no decision may have run since).
             legs = [
-                (r, c, keys[r])
+                (r, c, key)
                 for r, c, started in inflight.resident_progress(instance_id)
-                if started and r in keys
+                if (key := keys.get(r)) is not None and (started or c > key[3])
             ]
             if not legs:
                 continue

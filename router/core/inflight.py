@@ -378,14 +378,15 @@ class InflightAccount:
         resident columns of the instance change once, and only when their sum does. Returns
         whether it did.
         """
+        for request_id, final in finals.items():
+            if final < 0:
+                raise ValueError(f"final tokens of {request_id!r} must be >= 0, got {final}")
         legs = self._resident
         delta = 0
         for request_id, final in finals.items():
             found = legs.get(request_id)
             if found is None or found[0] != instance_id or found[1] == final:
                 continue
-            if final < 0:
-                raise ValueError(f"final tokens of {request_id!r} must be >= 0, got {final}")
             delta += final - found[1]
             legs[request_id] = (instance_id, final, found[2])
         if delta == 0:
