@@ -564,10 +564,12 @@ class Placer:
         TPOT filter, which spreads a new prompt's prefill stall over the residents' remaining output,
         would see a stall spread over one token and refuse the instance. As the simulator does on
         each status push of an instance (``sim.cluster``'s ``_reestimate_residents``), each of its
-        started legs (admitted, or streaming) becomes what it holds now (the tokens this router has forwarded) plus the
-        length predictor's conditional remaining output; legs not admitted yet keep their estimate.
+        started legs (admitted, or streaming) becomes what it holds now (the tokens this router
+        has forwarded) plus the length predictor's conditional remaining output; legs not started
+        keep their estimate.
         An instance is refreshed when its status changed since, or every :data:`RESIDENT_REFRESH_S`
-        at least. Costs O(instances) per new snapshot, plus O(legs) on each refreshed instance.
+        at least. Costs O(instances holding residents) per new snapshot, plus O(legs) on each
+        refreshed instance.
         """
         last, swept = self._refreshed_view
         if snapshot is last and now - swept < RESIDENT_REFRESH_S:
@@ -576,9 +578,15 @@ class Placer:
         inflight = self.scheduler.inflight
         keys = self._leg_keys
         refreshed = self._refreshed
-        for record in snapshot.instances:
-            instance_id = record.metadata.instance_id
-            update = record.status.update_id if record.status is not None else -1
+        held = inflight.resident_instances()
+        if not held:
+            return
+        index = self.scheduler.views.table(snapshot).index  # the decision's own per-snapshot table
+        records = snapshot.instances
+        for instance_id in held:
+            i = index.get(instance_id)
+            status = records[i].status if i is not None else None
+            update = status.update_id if status is not None else -1
             seen = refreshed.get(instance_id)
             if seen is not None and seen[0] == update and now - seen[1] < RESIDENT_REFRESH_S:
                 continue

@@ -365,6 +365,10 @@ class InflightAccount:
         """How many resident decode legs this account holds (its own)."""
         return len(self._resident)
 
+    def resident_instances(self) -> list[str]:
+        """The instances this account holds resident decode legs on (its own)."""
+        return list(self._resident_on)
+
     def is_resident(self, request_id: str) -> bool:
         """Whether ``request_id`` has a resident decode leg here."""
         return request_id in self._resident
