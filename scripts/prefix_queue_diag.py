@@ -4,7 +4,8 @@ each offer that left it waiting, which filters dropped the candidates.
     .venv/bin/python scripts/prefix_queue_diag.py simulate --workload prefix-heavy ... --queue-policies edf
     BENCH_OURS_DIAG=/tmp/diag.txt python -m bench peers_prefix     # the live router, run by the bench
 
-With ``router`` instead of ``simulate`` it watches a live router and writes its account when the
+``DIAG_TRUE_MAX_TOKENS=1`` makes each simulated request ask for its true answer length as
+``max_tokens``, as the live bench does. With ``router`` instead of ``simulate`` it watches a live router and writes its account when the
 router stops (to the file ``BENCH_OURS_DIAG`` names).
 
 Runs ``slo-router simulate ARGS`` with the scheduler watched and prints, per run: the requests that
@@ -208,7 +209,28 @@ def _report() -> None:
         )
 
 
+def _true_max_tokens() -> None:
+    """``DIAG_TRUE_MAX_TOKENS=1``: each simulated request asks for its true answer length as
+    ``max_tokens``, as ``python -m bench peers_prefix`` sends it live (its length estimates are
+    capped by it)."""
+    import dataclasses
+
+    import sim.cli
+
+    run_plans = sim.cli.run_plans
+
+    def capped(*args: Any, **kwargs: Any) -> Any:
+        inner = run_plans(*args, **kwargs)
+        return lambda spec, rate: [
+            dataclasses.replace(p, max_tokens=p.true_output_tokens) for p in inner(spec, rate)
+        ]
+
+    setattr(sim.cli, "run_plans", capped)  # noqa: B010
+
+
 if __name__ == "__main__":
+    if os.environ.get("DIAG_TRUE_MAX_TOKENS"):
+        _true_max_tokens()
     setattr(Scheduler, "schedule", _schedule_watched)  # noqa: B010
     setattr(queue_module, "hopeless", _hopeless_watched)  # noqa: B010
     setattr(Scheduler, "dispatched", _dispatched_watched)  # noqa: B010
