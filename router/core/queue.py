@@ -592,6 +592,50 @@ class _Sorted:
         return bisect.bisect_left(self.keys, key)
 
 
+class DispatchLog:
+    """(time, prompt tokens) of a queue's dispatches over its drain window, with running sums.
+
+    The drain rate asks for the tokens dispatched since a moment on every queue pass; walking the
+    window's dispatches for it took a fifth of the router's CPU with short requests at a high
+    rate. Times come in order (the caller's clock), so the answer is one bisect and a difference
+    of running sums (integers: the same sum as the walk).
+    """
+
+    __slots__ = ("_base", "_cums", "_head", "_times", "_total")
+
+    def __init__(self) -> None:
+        self._times: list[float] = []
+        self._cums: list[int] = []  # tokens of every dispatch up to and including this one
+        self._head = 0  # the first entry still in the window
+        self._base = 0  # the running sum before the first entry kept in the lists
+        self._total = 0
+
+    def add(self, now_s: float, tokens: int, cutoff_s: float) -> None:
+        """Record a dispatch at ``now_s`` and forget those before ``cutoff_s``."""
+        self._total += tokens
+        times = self._times
+        times.append(now_s)
+        self._cums.append(self._total)
+        head = self._head
+        while head < len(times) and times[head] < cutoff_s:
+            head += 1
+        if head > 64 and 2 * head > len(times):  # drop the forgotten ones now and then (amortized O(1))
+            self._base = self._cums[head - 1]
+            del times[:head], self._cums[:head]
+            head = 0
+        self._head = head
+
+    def tokens_since(self, start_s: float) -> int:
+        """Prompt tokens of the dispatches at or after ``start_s`` still in the window."""
+        i = bisect.bisect_left(self._times, start_s, self._head)
+        if i == 0:
+            return self._total - self._base
+        return self._total - self._cums[i - 1]
+
+    def __len__(self) -> int:
+        return len(self._times) - self._head
+
+
 class RouterQueue:
     """Waiting requests under one :class:`QueueConfig` (see the module doc).
 
@@ -631,7 +675,7 @@ class RouterQueue:
         if self.policy is QueuePolicy.SA and planner is None:
             raise ConfigError("queue_policy='sa' needs a planner: pass router.core.sa.SAPlanner(config)")
         # The queue's own drain: (time, prompt tokens) of dispatches, and since when on-time entries wait.
-        self._dispatched: deque[tuple[float, int]] = deque()
+        self._dispatched = DispatchLog()
         self._backlogged_since: float | None = None
         # The last full hopeless scan of the queue (see offer): the push count then and when.
         self._scanned_at = -math.inf
@@ -871,10 +915,7 @@ class RouterQueue:
 
     def note_dispatch(self, now_s: float, prompt_tokens: int) -> None:
         """An entry was dispatched at ``now_s`` (for the drain rate)."""
-        self._dispatched.append((now_s, prompt_tokens))
-        cutoff = now_s - self.config.drain_window_ms * 1e-3
-        while self._dispatched and self._dispatched[0][0] < cutoff:
-            self._dispatched.popleft()
+        self._dispatched.add(now_s, prompt_tokens, now_s - self.config.drain_window_ms * 1e-3)
 
     def drain_rate(self, now_s: float) -> float | None:
         """Prompt tokens per ms the queue dispatched while on-time entries waited, over up to
@@ -887,12 +928,7 @@ class RouterQueue:
         if span_ms < 0.1 * window_ms:
             return None
         start = now_s - span_ms * 1e-3
-        # The dispatches are in time order: only the newest ones, from the end (integers: the same sum).
-        tokens = 0
-        for t, n in reversed(self._dispatched):
-            if t < start:
-                break
-            tokens += n
+        tokens = self._dispatched.tokens_since(start)
         # Nothing dispatched at all says the fleet stalled (stale statuses, a restart), not how fast it
         # drains: no estimate then, rather than every waiting request judged hopeless.
         return tokens / span_ms if tokens > 0 else None
