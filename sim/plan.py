@@ -14,7 +14,9 @@ Two steps, after Aladdin's worker-count prediction (seed 001):
    of another split (two of one role traded for one of the other) meets the
    target, move there and shrink again. The answer therefore meets the target,
    and every fleet with one instance fewer of any role, or one fewer in all
-   traded that way, misses it (in the same simulation).
+   traded that way, misses it (in the same simulation). With ``--prefill N``
+   the prefill side is held at N and only the decoders are searched (how
+   Aladdin's split-phase evaluation compares placement policies).
 
 Every run replays the same seeded plan of requests, so the search is
 deterministic for a seed.
@@ -164,10 +166,19 @@ def plan_fleet(
     on_run: Callable[[tuple[int, int, int], float], None] | None = None,
     queue_policy: str = "none",
     requests: Sequence[RequestPlan] | None = None,
+    prefill: int | None = None,
 ) -> PlanResult:
-    """The fewest instances meeting ``target`` (0-1) at ``rate`` (see the module doc)."""
+    """The fewest instances meeting ``target`` (0-1) at ``rate`` (see the module doc).
+
+    ``prefill`` (PD only) holds the prefill count there and searches the decoders alone: the
+    granularity of Aladdin's split-phase evaluation, which counts the decode instances each placement
+    needs with the prefill side the same for every policy (prefill placement is trivial with known
+    prompt lengths, the paper says).
+    """
     if mode not in ("pd", "neutral"):
         raise PlanError(f"--mode must be pd or neutral, got {mode!r}")
+    if prefill is not None and (mode != "pd" or prefill < 1):
+        raise PlanError(f"--prefill {prefill}: must be >= 1 and is for --mode pd only")
     if not (math.isfinite(rate) and rate > 0):
         raise PlanError(f"--rate must be a finite number > 0, got {rate}")
     if not 0 < target <= 1:
@@ -214,13 +225,17 @@ def plan_fleet(
     estimate = capacity_estimate(plans, rate, config, probe.predictors.default, engine)
     if max_instances < (2 if mode == "pd" else 1):
         raise PlanError(f"--max-instances must allow one instance per role, got {max_instances}")
-    roles = (0, 1) if mode == "pd" else (2,)
+    roles = (0, 1) if mode == "pd" and prefill is None else (1,) if mode == "pd" else (2,)
     counts = (estimate.prefill, estimate.decode, 0) if mode == "pd" else (0, 0, estimate.neutral)
+    if prefill is not None:
+        if prefill >= max_instances:
+            raise PlanError(f"--prefill {prefill}: leaves no decoder within --max-instances {max_instances}")
+        counts = (prefill, counts[1], 0)
     if sum(counts) > max_instances:  # start within the bound (the search grows it back if it can)
         scale = max_instances / sum(counts)
         counts = (
-            max(1, int(counts[0] * scale)) if mode == "pd" else 0,
-            max(1, int(counts[1] * scale)) if mode == "pd" else 0,
+            (prefill or max(1, int(counts[0] * scale))) if mode == "pd" else 0,
+            max(1, min(int(counts[1] * scale), max_instances - (prefill or 1))) if mode == "pd" else 0,
             0 if mode == "pd" else max_instances,
         )
 
@@ -256,7 +271,7 @@ def plan_fleet(
     # instances take). Any fleet one smaller with at most as many of both roles is covered by the
     # shrink (attainment does not rise as instances go), so the candidates are the two that give up
     # two of one role for one of the other; take one that meets the target and shrink again.
-    while mode == "pd":
+    while mode == "pd" and prefill is None:
         trades = [
             c
             for c in ((counts[0] + 1, counts[1] - 2, 0), (counts[0] - 2, counts[1] + 1, 0))
@@ -362,6 +377,13 @@ def register(subparsers: Any) -> None:
         "--mode", choices=("pd", "neutral"), default="pd", help="fleet kind (default: %(default)s)"
     )
     parser.add_argument(
+        "--prefill",
+        type=int,
+        metavar="N",
+        help="--mode pd: hold N prefill instances and search the decoders only, the way Aladdin's split-phase "
+        "evaluation counts decode instances per placement policy (default: search both roles)",
+    )
+    parser.add_argument(
         "--policy",
         default="slo",
         metavar="P",
@@ -464,6 +486,7 @@ def run(args: argparse.Namespace) -> int:
             on_run=progress,
             queue_policy=queue_policy,
             requests=requests,
+            prefill=args.prefill,
         )
     except (PlanError, FleetError, ProfileError, WorkloadError) as exc:
         print(error_line(exc), file=sys.stderr)

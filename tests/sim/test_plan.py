@@ -46,6 +46,17 @@ def test_plan_is_tight_on_a_small_case() -> None:
             assert _attainment(prefill, decode, config) < TARGET
 
 
+def test_plan_with_the_prefill_held_searches_the_decoders_alone() -> None:
+    """Aladdin's split-phase evaluation counts decoders with the prefill side the same for every policy."""
+    config = SchedulerConfig(**policy_overrides("slo"))
+    result = plan_fleet(load_workload("chat"), RATE, TARGET, config, num_requests=REQUESTS, seed=0, prefill=3)
+    assert result.prefill == 3 and result.neutral == 0
+    assert all(p == 3 for p, _, _ in result.tried), "only the decoders move"
+    assert _attainment(3, result.decode, config) >= TARGET
+    if result.decode > 1:
+        assert _attainment(3, result.decode - 1, config) < TARGET
+
+
 def test_plan_json_has_the_counts_target_and_rate(capsys: pytest.CaptureFixture[str]) -> None:
     code = main(
         ["plan", "--workload", "chat", "--rate", "4", "--attainment", "90", "--num-requests", "60", "--json"]
@@ -83,6 +94,8 @@ def test_plan_neutral_mode_counts_neutral_instances(capsys: pytest.CaptureFixtur
         (["--workload", "nope"], "--workload"),
         (["--kv-capacity-tokens", "0"], "--kv-capacity-tokens"),
         (["--kv-capacity-tokens", "4096"], "--kv-capacity-tokens"),
+        (["--prefill", "0"], "--prefill"),
+        (["--prefill", "1", "--mode", "neutral"], "--prefill"),
     ],
 )
 def test_plan_rejects_bad_input_naming_the_flag(
