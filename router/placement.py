@@ -22,7 +22,7 @@ from slorouter.v1 import cms_pb2, router_pb2
 
 from fleet.prefix import lookup_block_hashes
 from fleet.snapshot import ClusterSnapshot
-from router.core.calibration import Calibrator
+from router.core.calibration import Calibrator, StepSample
 from router.core.capacity import InstanceRates, LoadShape, LoadTracker, fleet_instance_rates
 from router.core.columns import ClusterView, FloatArray
 from router.core.decision import Choice, Decision
@@ -32,6 +32,7 @@ from router.core.lengths import LengthPredictor
 from router.core.lifecycle import Phase, RequestState
 from router.core.packing import expected_output_tokens, overpacked_mask
 from router.core.plugins import Policy
+from router.core.protocols import VLLM_GRPC_SCHEME
 from router.core.queue import RouterQueue
 from router.core.request import ScheduleInput, StageRestriction, Targets, resolve_targets
 from router.core.scheduler import Scheduler
@@ -99,6 +100,25 @@ class PlacementRequest:
                 "arrival_s": arrival_s,
             },
         )
+
+
+@dataclass(frozen=True)
+class PrefillTiming:
+    """A prefill leg started alone on an engine that reports no prefill steps of its own.
+
+    A stock vLLM (``vllm-grpc``) tells its agent nothing about its prefill steps: ``GetLoads``
+    carries a generation throughput (the agent's decode-step samples) and no prompt one. So
+    the router times them itself: a leg dispatched to an instance with nothing else running,
+    waiting or in flight runs its prompt in one engine step (or a few chunks of it, which the
+    calibration's linear prefill term sums the same way), and the leg's time to its first
+    token is that step plus the engine's and the transport's fixed cost per request, which a
+    TTFT prediction should carry too. Legs that start beside other work are not timed: their
+    first token waits for steps that are not theirs.
+    """
+
+    instance_id: str
+    group: str
+    started_s: float
 
 
 class Placer:
@@ -467,6 +487,35 @@ class Placer:
     def advance(self, request_id: str, context_tokens: int) -> None:
         """Request ``request_id``'s decode leg holds ``context_tokens`` now (see ``InflightAccount.advance``)."""
         self.scheduler.inflight.advance(request_id, context_tokens)
+
+    def time_prefill(self, choice: Choice) -> PrefillTiming | None:
+        """A :class:`PrefillTiming` when ``choice``'s leg, dispatched now, runs alone on a stock engine.
+
+        Alone: the instance's newest status has nothing running or waiting and this router's
+        in-flight account (with its peers') holds only this leg there and no resident decode.
+        """
+        calibration = self.calibration
+        if calibration is None or not calibration.enabled or not choice.endpoint.startswith(VLLM_GRPC_SCHEME):
+            return None
+        record = next(
+            (r for r in self._source.snapshot().instances if r.instance_id == choice.instance_id), None
+        )
+        status = record.status if record is not None else None
+        if record is None or status is None or status.num_running_requests or status.num_waiting_requests:
+            return None
+        inflight = self.scheduler.inflight
+        if inflight.totals(choice.instance_id).requests > 1 or inflight.resident(choice.instance_id)[0]:
+            return None
+        group = record.metadata.labels.get(self.scheduler.config.profile_label, "")
+        return PrefillTiming(choice.instance_id, group, self._clock())
+
+    def prefill_timed(self, timing: PrefillTiming, computed_tokens: int) -> None:
+        """The timed leg's first token arrived: its prompt's ``computed_tokens`` are a prefill step sample."""
+        if self.calibration is None or computed_tokens <= 0:
+            return
+        now = self._clock()
+        sample = StepSample(computed_tokens, 0, 0, (now - timing.started_s) * 1000.0)
+        self.calibration.observe(timing.instance_id, timing.group, (sample,), now)
 
     def release(self, request_id: str) -> None:
         """The request ended at the router: its in-flight entries go."""
