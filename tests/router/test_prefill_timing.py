@@ -2,7 +2,7 @@
 
 A stock vLLM reports no prefill steps (its agent's samples are decode steps estimated from
 ``GetLoads``); the router times a prefill leg that runs alone on such an engine and hands it to
-the calibration as one step (:class:`router.placement.PrefillTiming`).
+the calibration as one step (:class:`router.placement.PrefillTiming`), alone or beside running decodes.
 """
 
 from __future__ import annotations
@@ -37,41 +37,56 @@ def _choice(endpoint: str = STOCK) -> Choice:
     return Choice("a", endpoint, Stage.PREFILL, 100.0, 10.0)
 
 
-def _profile_prefill_ms(placer: Placer, tokens: int) -> float:
+def _profile_step_ms(placer: Placer, prefill: int, batch: int = 0, tokens: int = 0) -> tuple[float, float]:
+    """The profile's (prefill part, decode part) of one step, ms."""
     predictors = placer.scheduler.predictors
     assert predictors is not None
-    prefill, decode = predictors.step_predictor("g")(
-        np.array([float(tokens)]), np.array([0.0]), np.array([0.0])
+    pre, dec = predictors.step_predictor("g")(
+        np.array([float(prefill)]), np.array([float(batch)]), np.array([float(tokens)])
     )
-    return float(prefill[0] + decode[0])
+    return float(pre[0]), float(dec[0])
 
 
-def test_legs_run_alone_on_a_stock_engine_teach_its_ttft_factor() -> None:
-    placer, clock = _placer(running=0, waiting=0)
-    assert placer.calibration is not None
-    assert placer.calibration.factors("a") == (1.0, 1.0)
-    for k in range(60):
-        prompt = 200 + 37 * k
+def _teach(placer: Placer, clock: list[float], batch: int, tokens: int, n: int = 60) -> None:
+    """``n`` legs on an engine at 3x the profile, each arriving half a decode step into a step."""
+    for k in range(n):
+        prompt = 16 + k  # short: the decode part of the step (and the wait for it) weighs
         placer.scheduler.inflight.record(f"r{k}", "a", "a", prompt, clock[0])
         timing = placer.time_prefill(_choice())
         assert timing is not None and timing.group == "g"
-        clock[0] += 3.0 * _profile_prefill_ms(placer, prompt) / 1000.0  # the engine: 3x the profile
+        assert (timing.decode_requests, timing.decode_tokens) == (batch, tokens)
+        pre, dec = _profile_step_ms(placer, prompt, batch, tokens)
+        clock[0] += (0.5 * dec + 3.0 * (pre + dec)) / 1000.0
         placer.prefill_timed(timing, prompt)
         placer.scheduler.inflight.release(f"r{k}")
+
+
+def test_legs_on_an_idle_stock_engine_teach_its_ttft_factor() -> None:
+    placer, clock = _placer(running=0, waiting=0)
+    assert placer.calibration is not None
+    assert placer.calibration.factors("a") == (1.0, 1.0)
+    _teach(placer, clock, 0, 0)
     ttft_factor, tpot_factor = placer.calibration.factors("a")
-    assert 2.5 < ttft_factor < 3.5
+    assert 2.85 < ttft_factor < 3.15
     assert tpot_factor == 1.0  # a prefill sample says nothing of the decode steps
 
 
-def test_legs_beside_other_work_or_on_a_worker_are_not_timed() -> None:
-    busy, _ = _placer(running=2, waiting=0)
-    assert busy.time_prefill(_choice()) is None
+def test_legs_beside_running_decodes_are_timed_as_mixed_steps() -> None:
+    placer, clock = _placer(running=6, waiting=0, decode_requests=6, decode_tokens=6 * 700)
+    assert placer.calibration is not None
+    _teach(placer, clock, 6, 6 * 700)
+    assert 2.85 < placer.calibration.factors("a")[0] < 3.15
+
+
+def test_legs_queued_behind_prompts_or_on_a_worker_are_not_timed() -> None:
     queued, _ = _placer(running=0, waiting=1)
     assert queued.time_prefill(_choice()) is None
+    computing, _ = _placer(running=1, waiting=0, prefill_tokens=300)
+    assert computing.time_prefill(_choice()) is None
     idle, clock = _placer(running=0, waiting=0)
     # Our own Worker service reports its prefill steps itself.
     assert idle.time_prefill(_choice("a.local:50051")) is None
-    # Another leg of this router is in flight there (its status does not show it yet).
+    # Another prefill leg of this router is in flight there (its status does not show it yet).
     idle.scheduler.inflight.record("r1", "a", "a", 512, clock[0])
     idle.scheduler.inflight.record("r2", "a", "a", 512, clock[0])
     assert idle.time_prefill(_choice()) is None
