@@ -34,6 +34,12 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-requests", type=int, default=400)
     parser.add_argument("--policies", default="binpack,least-requests")
+    parser.add_argument(
+        "--warmup-s", type=float, default=0.0, help="score requests arriving after S seconds only"
+    )
+    parser.add_argument(
+        "--queue-policy", help="router queue for every policy (default: what plan gives each)"
+    )
     args = parser.parse_args()
     engine = SimConfig(kv_capacity_tokens=args.kv)
     if args.workload.startswith("trace:"):
@@ -47,7 +53,7 @@ def main() -> None:
     slos = open_loop(workload).with_arrival(rate_per_s=args.rate).class_slos()
     for policy in args.policies.split(","):
         config = SchedulerConfig(**policy_overrides(policy))
-        queue = QueueConfig(queue_policy="edf" if policy == "binpack" else "none")
+        queue = QueueConfig(queue_policy=args.queue_policy or ("edf" if policy == "binpack" else "none"))
         row = []
         for text in args.fleets:
             if text.startswith("n"):
@@ -58,7 +64,8 @@ def main() -> None:
             counts = fleet_from_counts(prefill=p, decode=d, neutral=n, engine=engine)
             fleet = SimFleet(counts, profile_label=config.profile_label)
             out = simulate(fleet, config, plans, seed=args.seed, queue=queue)
-            share = summarize(out.results, out.duration_s, class_slos=slos).overall.slo_attainment
+            scored = [r for r in out.results if r.start_s >= plans[0].arrival_s + args.warmup_s]
+            share = summarize(scored, out.duration_s, class_slos=slos).overall.slo_attainment
             row.append(f"{text}: {100 * share:.1f}% ({out.stats.preemptions} preemptions)")
         print(f"{policy}: " + ", ".join(row), flush=True)
 

@@ -20,12 +20,13 @@ REQUESTS = 200
 TARGET = 0.9
 
 
-def _attainment(prefill: int, decode: int, config: SchedulerConfig) -> float:
+def _attainment(prefill: int, decode: int, config: SchedulerConfig, warmup_s: float = 0.0) -> float:
     spec = open_loop(load_workload("chat")).with_arrival(rate_per_s=RATE)
     plans = generate_requests(spec, rng=0, num_requests=REQUESTS)
     fleet = SimFleet(fleet_from_counts(prefill=prefill, decode=decode))
     outcome = simulate(fleet, config, plans, seed=0)
-    return summarize(outcome.results, outcome.duration_s, class_slos=spec.class_slos()).overall.slo_attainment
+    scored = [r for r in outcome.results if r.start_s >= plans[0].arrival_s + warmup_s]
+    return summarize(scored, outcome.duration_s, class_slos=spec.class_slos()).overall.slo_attainment
 
 
 def test_plan_is_tight_on_a_small_case() -> None:
@@ -44,6 +45,30 @@ def test_plan_is_tight_on_a_small_case() -> None:
     for prefill, decode in ((result.prefill + 1, result.decode - 2), (result.prefill - 2, result.decode + 1)):
         if prefill >= 1 and decode >= 1:
             assert _attainment(prefill, decode, config) < TARGET
+
+
+def test_plan_with_the_prefill_held_searches_the_decoders_alone() -> None:
+    """Aladdin's split-phase evaluation counts decoders with the prefill side the same for every policy."""
+    config = SchedulerConfig(**policy_overrides("slo"))
+    result = plan_fleet(load_workload("chat"), RATE, TARGET, config, num_requests=REQUESTS, seed=0, prefill=3)
+    assert result.prefill == 3 and result.neutral == 0
+    assert all(p == 3 for p, _, _ in result.tried), "only the decoders move"
+    assert _attainment(3, result.decode, config) >= TARGET
+    if result.decode > 1:
+        assert _attainment(3, result.decode - 1, config) < TARGET
+
+
+def test_plan_scores_only_the_requests_after_the_warmup() -> None:
+    """The ramp from an empty fleet is served but not scored: a fleet is judged on its loaded state."""
+    config = SchedulerConfig(**policy_overrides("slo"))
+    warmup = 5.0
+    result = plan_fleet(
+        load_workload("chat"), RATE, TARGET, config, num_requests=REQUESTS, seed=0, prefill=3, warmup_s=warmup
+    )
+    for (p, d, _), value in result.tried.items():
+        assert value == pytest.approx(_attainment(p, d, config, warmup))
+    # The ramp is easier than the loaded state: scored whole, an undersized fleet looks better.
+    assert _attainment(3, 1, config) > _attainment(3, 1, config, warmup)
 
 
 def test_plan_json_has_the_counts_target_and_rate(capsys: pytest.CaptureFixture[str]) -> None:
@@ -83,6 +108,10 @@ def test_plan_neutral_mode_counts_neutral_instances(capsys: pytest.CaptureFixtur
         (["--workload", "nope"], "--workload"),
         (["--kv-capacity-tokens", "0"], "--kv-capacity-tokens"),
         (["--kv-capacity-tokens", "4096"], "--kv-capacity-tokens"),
+        (["--prefill", "0"], "--prefill"),
+        (["--warmup-s", "-1"], "--warmup-s"),
+        (["--warmup-s", "1000"], "--warmup-s"),
+        (["--prefill", "1", "--mode", "neutral"], "--prefill"),
     ],
 )
 def test_plan_rejects_bad_input_naming_the_flag(
