@@ -209,8 +209,8 @@ def _point(
 
 
 def measured_part(outcome: SimOutcome, first: int) -> SimOutcome:
-    """``outcome`` restricted to its requests from plan index ``first`` on: their results, router-queue
-    waits and prefix-cache lookups (the hit rate over their prompts), and the time from the first
+    """``outcome`` restricted to its requests from plan index ``first`` on: their results, refusals,
+    router-queue waits and prefix-cache lookups (the hit rate over their prompts), and the time from the first
     one's arrival to the end of the run. A warm-up: the requests before ``first`` filled the engines'
     caches (and the router's index) as a running fleet's would be, and are not counted."""
     if first <= 0:
@@ -222,8 +222,13 @@ def measured_part(outcome: SimOutcome, first: int) -> SimOutcome:
         lookups = outcome.cache_tokens[first:]
         queried = sum(q for q, _ in lookups)
         hit_rate = sum(h for _, h in lookups) / queried if queried else 0.0
+    stats = outcome.stats
+    if outcome.refused:
+        stats = dataclasses.replace(stats, rejected=sum(outcome.refused[first:]))
     return dataclasses.replace(
         outcome,
+        stats=stats,
+        refused=outcome.refused[first:],
         results=results,
         duration_s=max(outcome.duration_s - start, 0.0),
         queue_wait_ms=outcome.queue_wait_ms[first:],

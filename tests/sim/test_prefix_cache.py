@@ -260,7 +260,7 @@ def test_a_warm_up_is_left_out_of_every_figure_and_the_hit_rate_counts_only_the_
     plans = generate_requests(spec, rng=5, num_requests=160)
     fleet = SimFleet(fleet_from_counts(neutral=2, engine=SimConfig(kv_capacity_tokens=32768)))
     config = SchedulerConfig(scheduling_policy="slo", prefix_cache_routing="exact", calibration="off")
-    outcome = simulate(fleet, config, plans)
+    outcome = simulate(fleet, config, plans)  # no router queue: some are refused, before and after the cut
     assert len(outcome.cache_tokens) == len(plans)
     queried = sum(q for q, _ in outcome.cache_tokens)
     found = sum(h for _, h in outcome.cache_tokens)
@@ -275,6 +275,8 @@ def test_a_warm_up_is_left_out_of_every_figure_and_the_hit_rate_counts_only_the_
     part = measured_part(outcome, first)
     assert [r.index for r in part.results] == list(range(first, len(plans)))
     assert part.queue_wait_ms == outcome.queue_wait_ms[first:]
+    assert sum(outcome.refused) == outcome.stats.rejected
+    assert 0 < part.stats.rejected == sum(outcome.refused[first:]) < outcome.stats.rejected
     rest = outcome.cache_tokens[first:]
     assert part.cache_hit_rate == pytest.approx(sum(h for _, h in rest) / sum(q for q, _ in rest))
     # The early requests find the caches cold: counting them lowers the rate.
