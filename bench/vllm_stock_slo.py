@@ -56,6 +56,23 @@ def _attainment(path: Path) -> dict[str, float]:
     return out
 
 
+def _calibration(metrics_port: int) -> str:
+    """The router's calibration factors per prediction (``slo_router_calibration_factor_ratio``)."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as reply:
+            text = reply.read().decode()
+    except OSError as exc:
+        return f"metrics not read ({exc})"
+    factors = [
+        line.split("{", 1)[1].replace('"', "").replace("}", " =")
+        for line in text.splitlines()
+        if line.startswith("slo_router_calibration_factor_ratio{")
+    ]
+    return "; ".join(factors) or "none"
+
+
 #: How often the probe asks each router's dry run (``Router.Schedule`` with ``explain``) while it serves.
 PROBE_INTERVAL_S = 0.5
 
@@ -185,12 +202,14 @@ def _run(options: argparse.Namespace, root: Path) -> dict[tuple[float, str], lis
             )  # fmt: skip
             _wait_line(log, "registered vLLM engine", agent, 60)
         ports: dict[str, int] = {}
+        metrics_ports: dict[str, int] = {}
         for policy in POLICIES:
-            port = free_port()
+            port, metrics_ports[policy] = free_port(), free_port()
             proc, log = start(
                 f"router-{policy}", "router", "--cms", f"grpc://127.0.0.1:{cms_port}",
                 "--listen", f"127.0.0.1:{port}", "--tokenizer", str(model),
-                "--scheduling-policy", policy, *options.router_args,
+                "--scheduling-policy", policy, "--metrics-port", str(metrics_ports[policy]),
+                *options.router_args,
             )  # fmt: skip
             _wait_line(log, "health: SERVING", proc, 60)
             ports[policy] = port
@@ -215,6 +234,7 @@ def _run(options: argparse.Namespace, root: Path) -> dict[tuple[float, str], lis
                         flush=True,
                     )
                     print(f"    dry run during the run: {probe.summary()}", flush=True)
+                    print(f"    calibration after the run: {_calibration(metrics_ports[policy])}", flush=True)
     finally:
         stop_processes(procs)
         for engine in engines:

@@ -22,7 +22,7 @@ from slorouter.v1 import cms_pb2, router_pb2
 
 from fleet.prefix import lookup_block_hashes
 from fleet.snapshot import ClusterSnapshot
-from router.core.calibration import Calibrator
+from router.core.calibration import Calibrator, StepSample
 from router.core.capacity import InstanceRates, LoadShape, LoadTracker, fleet_instance_rates
 from router.core.columns import ClusterView, FloatArray
 from router.core.decision import Choice, Decision
@@ -32,6 +32,7 @@ from router.core.lengths import LengthPredictor
 from router.core.lifecycle import Phase, RequestState
 from router.core.packing import expected_output_tokens, overpacked_mask
 from router.core.plugins import Policy
+from router.core.protocols import VLLM_GRPC_SCHEME
 from router.core.queue import RouterQueue
 from router.core.request import ScheduleInput, StageRestriction, Targets, resolve_targets
 from router.core.scheduler import Scheduler
@@ -99,6 +100,32 @@ class PlacementRequest:
                 "arrival_s": arrival_s,
             },
         )
+
+
+@dataclass(frozen=True)
+class PrefillTiming:
+    """A prefill leg that starts with nothing queued ahead of it on a stock engine.
+
+    A stock vLLM (``vllm-grpc``) tells its agent nothing about its prefill steps: ``GetLoads``
+    carries a generation throughput (the agent's decode-step samples) and no prompt one. So the
+    router times them itself. A leg dispatched to an engine with no request waiting, no prompt
+    left to compute and no other prefill leg of this router in flight there is scheduled into
+    the engine's next step beside the ``decode_requests`` running (a prompt up to the chunk
+    budget is one step; a longer one is a few chunks, which the calibration's linear prefill
+    term sums the same way). Its time to the first token is that mixed step, plus the rest of
+    the step running when it arrived (half a decode step on average, taken off at the profile's
+    calibrated decode time), plus the engine's and the transport's fixed cost per request, which
+    a TTFT prediction carries too. The sample is the mixed step (prefill tokens, batch, context
+    tokens, time): the calibration's TTFT factor compares such steps with the profile. Legs
+    that queue behind other prompts are not timed: their first token waits for steps that are
+    not theirs.
+    """
+
+    instance_id: str
+    group: str
+    started_s: float
+    decode_requests: int
+    decode_tokens: int
 
 
 class Placer:
@@ -467,6 +494,54 @@ class Placer:
     def advance(self, request_id: str, context_tokens: int) -> None:
         """Request ``request_id``'s decode leg holds ``context_tokens`` now (see ``InflightAccount.advance``)."""
         self.scheduler.inflight.advance(request_id, context_tokens)
+
+    def time_prefill(self, choice: Choice) -> PrefillTiming | None:
+        """A :class:`PrefillTiming` when ``choice``'s leg, dispatched now, runs in a stock engine's next step.
+
+        Nothing ahead of it: the instance's newest status has no request waiting and no prompt
+        token left to compute, and this router's in-flight account (its peers' included) holds
+        no other prefill leg there.
+        """
+        calibration = self.calibration
+        if calibration is None or not calibration.enabled or not choice.endpoint.startswith(VLLM_GRPC_SCHEME):
+            return None
+        record = next(
+            (r for r in self._source.snapshot().instances if r.instance_id == choice.instance_id), None
+        )
+        status = record.status if record is not None else None
+        if (
+            record is None
+            or status is None
+            or status.num_waiting_requests
+            or status.num_uncomputed_prefill_tokens
+        ):
+            return None
+        if self.scheduler.inflight.totals(choice.instance_id).prefill_requests > 1:
+            return None
+        group = record.metadata.labels.get(self.scheduler.config.profile_label, "")
+        return PrefillTiming(
+            choice.instance_id, group, self._clock(), status.num_decode_requests, status.num_decode_tokens
+        )
+
+    def prefill_timed(self, timing: PrefillTiming, computed_tokens: int) -> None:
+        """The timed leg's first token arrived: its prompt's ``computed_tokens`` make a step sample."""
+        calibration = self.calibration
+        predictors = self.scheduler.predictors
+        if calibration is None or predictors is None or computed_tokens <= 0:
+            return
+        now = self._clock()
+        elapsed_ms = (now - timing.started_s) * 1000.0
+        batch, tokens = timing.decode_requests, timing.decode_tokens
+        if batch:
+            # The step running when the leg arrived: half of it on average, at the calibrated pace.
+            _, decode = predictors.step_predictor(timing.group)(
+                np.zeros(1), np.array([float(batch)]), np.array([float(tokens)])
+            )
+            elapsed_ms -= 0.5 * float(decode[0]) * calibration.factors(timing.instance_id)[1]
+        if elapsed_ms <= 0:
+            return
+        sample = StepSample(computed_tokens, batch, tokens, elapsed_ms)
+        calibration.observe(timing.instance_id, timing.group, (sample,), now)
 
     def release(self, request_id: str) -> None:
         """The request ended at the router: its in-flight entries go."""

@@ -545,6 +545,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
     ) -> _Started:
         prefill = route.prefill
         progress.to(Phase.PREFILLING)
+        timing = self._placer.time_prefill(prefill)  # a stock engine's prefill, timed here
         if route.mode is Mode.PD:
             response = await self._workers.prefill(
                 prefill,
@@ -557,6 +558,9 @@ class RouterService(router_pb2_grpc.RouterServicer):
             if response.finished and response.finish_reason == _ABORT:
                 raise _unrequested_abort(prefill.instance_id, len(progress.tokens))
             self._confirm(prefill, req.request_id)
+            if timing is not None:
+                computed = len(req.prompt_token_ids) - response.num_cached_prompt_tokens
+                self._placer.prefill_timed(timing, computed)
             index = len(progress.tokens)
             self._note_tokens(progress, [response.first_token_id])
             if not response.finished:
@@ -590,6 +594,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
             progress.cached_prompt_tokens = max(
                 progress.cached_prompt_tokens, message.num_cached_prompt_tokens
             )
+            if timing is not None:
+                self._placer.prefill_timed(timing, len(req.prompt_token_ids) - progress.cached_prompt_tokens)
             if not message.finished:
                 progress.to(Phase.DECODING)
             first = Generated(

@@ -231,6 +231,7 @@ class VllmGrpcClient:
             finished=finished,
             finish_reason=_finish_reason(complete.finish_reason) if finished else "",
             num_prompt_tokens=complete.prompt_tokens or len(prompt_token_ids),
+            num_cached_prompt_tokens=complete.cached_tokens,
         )
 
     async def stream(

@@ -41,10 +41,11 @@ num_decode_tokens                ``num_used_kv_tokens`` less half a block per ru
 admitted_request_ids             none: vLLM does not list them; the router confirms an      —
                                  in-flight entry at the request's first output and drops
                                  it at the next status measured after that
-step_samples                     one decode step per poll, estimated from ``gen_throughput`` estimated
-                                 and the running requests over the servicer's 2 s window
-                                 (:class:`DecodeStepEstimate`; ``--step-estimate off``:
-                                 none, and calibration keeps the profile)
+step_samples                     one decode step per 0.5 s, estimated from                  estimated
+                                 ``gen_throughput`` and the running requests over the
+                                 servicer's 2 s window (:class:`DecodeStepEstimate`;
+                                 ``--step-estimate off``: none). Prefill steps: the router
+                                 times them (``router.placement.PrefillTiming``)
 cache_hit_rate                   ``cache_hit_rate`` per rank, weighted by running requests  exact
 ===============================  =========================================================  =========
 """
@@ -233,7 +234,11 @@ class DecodeStepEstimate:
     mean KV tokens in use over those polls, its prefill tokens 0: a decode step with the prefill
     chunks that ran between decode steps folded in, which is what a stream's TPOT sees. Estimated:
     R is sampled per poll, W is the servicer's clock; a sample is made only once the polls span
-    the whole window (G undercounts until the servicer has streamed for W).
+    the whole window (G undercounts until the servicer has streamed for W), and then once every
+    quarter window: each sample averages the whole window, so one per poll would repeat the same
+    estimate twenty times and crowd the calibration's window (256 steps per instance) with it,
+    leaving no room for the prefill steps the router times itself
+    (:class:`router.placement.PrefillTiming`).
     """
 
     def __init__(self, window_s: float = THROUGHPUT_WINDOW_S) -> None:
@@ -241,6 +246,7 @@ class DecodeStepEstimate:
         #: (monotonic time, running requests, KV tokens used) per poll, oldest first.
         self._polls: list[tuple[float, int, int]] = []
         self._started: float | None = None
+        self._sampled_at = -math.inf
 
     def observe(self, now_s: float, running: int, used_tokens: int, gen_throughput: float) -> Any:
         """Record one poll; the ``StepSample`` estimated for the window ending now, or None."""
@@ -253,8 +259,10 @@ class DecodeStepEstimate:
         while drop < len(polls) and polls[drop][0] < cutoff:
             drop += 1
         del polls[:drop]
-        if now_s - self._started < self.window_s or not (
-            math.isfinite(gen_throughput) and gen_throughput > 0
+        if (
+            now_s - self._started < self.window_s
+            or now_s - self._sampled_at < self.window_s / 4
+            or not (math.isfinite(gen_throughput) and gen_throughput > 0)
         ):
             return None
         # Time-weighted mean of R over the window (each poll's R holds until the next poll).
@@ -266,6 +274,7 @@ class DecodeStepEstimate:
         if covered <= 0 or not busy or weighted <= 0:
             return None
         mean_running = weighted / covered
+        self._sampled_at = now_s
         step_ms = 1000.0 * mean_running / gen_throughput
         batch = sum(r for r, _ in busy) / len(busy)
         context = sum(u for _, u in busy) / len(busy)

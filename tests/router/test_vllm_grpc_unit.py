@@ -195,6 +195,13 @@ def test_idle_time_drops_out_of_the_decode_step_estimate(running: int, step_s: f
         assert abs(ms - step_s * 1e3) <= step_s * 1e3 * 0.2 + 2 * step_s * 1e3 * step_s / 0.5, (ms, step_s)
 
 
+def test_the_decode_step_estimate_is_sent_once_a_quarter_window_not_once_a_poll() -> None:
+    # Polled every 0.1 s for 6 s: the window fills at 2 s, then a sample every 0.5 s (each one
+    # averages the whole window; one per poll would repeat it and crowd out the prefill samples).
+    samples = _engine_timeline([(8, 0.02, 6.0)], 0.1, DecodeStepEstimate())
+    assert 8 <= len(samples) <= 9
+
+
 def test_no_decode_step_estimate_before_the_window_fills_or_when_idle() -> None:
     estimate = DecodeStepEstimate()
     assert _engine_timeline([(8, 0.01, 1.5)], 0.1, estimate) == []  # the first 2 s: G undercounts

@@ -122,9 +122,10 @@ async def test_profile_command_writes_both_files(tmp_path: Path) -> None:
 
     from .helpers import make_engine
 
-    # Slow enough that the prompt-length signal (64 vs 1024 tokens) stays well above the
-    # timing noise of a loaded machine: the fitted prefill slope must come out positive.
-    server = await start_worker_server(make_engine(speed_factor=5.0))
+    # At the profile's own speed the prompt-length signal (64 vs 1024 tokens: about 140 ms)
+    # stays well above the timing noise of a loaded machine (at 5x it was 28 ms, and a fresh
+    # clone at load 40 fitted a negative slope), and two repeats take the median of each point.
+    server = await start_worker_server(make_engine(speed_factor=1.0))
     try:
         proc = await asyncio.create_subprocess_exec(
             sys.executable,
@@ -142,7 +143,7 @@ async def test_profile_command_writes_both_files(tmp_path: Path) -> None:
             "--tokens-per-request",
             "32,64",
             "--repeats",
-            "1",
+            "2",
             "--decode-tokens",
             "4",
             stdout=subprocess.PIPE,
@@ -153,7 +154,7 @@ async def test_profile_command_writes_both_files(tmp_path: Path) -> None:
         await server.stop(0)
     assert proc.returncode == 0, err.decode()
     # stderr is a pipe, not a terminal: one short line per point, no carriage returns.
-    assert b"profiling 1/7: warm-up\n" in err and b"\r" not in err and b"wrote" in out
+    assert b"profiling 1/13: warm-up\n" in err and b"\r" not in err and b"wrote" in out
     assert (tmp_path / "ttft.json").exists() and (tmp_path / "tpot.json").exists()
     # The seed model's coefficients are fitted and written beside the grids.
     coefficients = json.loads((tmp_path / "coefficients.json").read_text(encoding="utf-8"))

@@ -359,6 +359,7 @@ class PrefillResponse(_message.Message):
     FINISHED_FIELD_NUMBER: _builtins.int
     FINISH_REASON_FIELD_NUMBER: _builtins.int
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    NUM_CACHED_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     first_token_id: _builtins.int
     text: _builtins.str
@@ -368,6 +369,10 @@ class PrefillResponse(_message.Message):
     """True when the first token already ends the request (max_tokens 1 or EOS)."""
     finish_reason: _builtins.str
     num_prompt_tokens: _builtins.int
+    num_cached_prompt_tokens: _builtins.int
+    """Prompt tokens the engine found in its prefix cache (0 when none, or when
+    the engine does not say).
+    """
     def __init__(
         self,
         *,
@@ -378,10 +383,11 @@ class PrefillResponse(_message.Message):
         finished: _builtins.bool = ...,
         finish_reason: _builtins.str = ...,
         num_prompt_tokens: _builtins.int = ...,
+        num_cached_prompt_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "finished", b"finished", "first_token_id", b"first_token_id", "kv_handle", b"kv_handle", "num_prompt_tokens", b"num_prompt_tokens", "request_id", b"request_id", "text", b"text"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "finished", b"finished", "first_token_id", b"first_token_id", "kv_handle", b"kv_handle", "num_cached_prompt_tokens", b"num_cached_prompt_tokens", "num_prompt_tokens", b"num_prompt_tokens", "request_id", b"request_id", "text", b"text"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -314,3 +314,22 @@ def test_a_schedule_point_batches_at_most_max_batching_slices_oldest_first() -> 
     placed = sched.schedule()
     assert sorted(r.key for b, _ in placed for r in b.requests) == [0, 1, 2, 3, 4]  # type: ignore[type-var]
     assert [r.key for r in sched.pool] == list(range(5, 12))
+
+
+@pytest.mark.parametrize("context", [1000, 1024, 1037])
+def test_a_slice_resumed_where_its_blocks_are_cached_is_charged_its_tail_prefill_step(context: int) -> None:
+    """Eq. 1 prices every slice with its prefill: staying on the cached instance still runs a
+    prefill step over the last partial block (a whole block when the context ends on one)."""
+    memory = MemoryModel(kv_capacity_tokens=65536, block_size=16)
+    sched = SliceScheduler(SliceConfig(), SERVING, memory, ["a"])
+    first = SliceRequest("r", context - 128, 128)
+    sched.add(first)
+    sched.schedule()
+    [(key, _batch)] = sched.admit("a")
+    following = SliceRequest("r", context, 128)
+    target, _key, batch = sched.resume("a", key, first, following)
+    assert target == "a"
+    tail = context % 16 or 16
+    decode_only = SERVING.marginal_ms(context, 128) - SERVING.prefill_ms(context)
+    assert batch.serve_ms == pytest.approx(decode_only + SERVING.prefill_ms(tail))
+    assert batch.serve_ms >= decode_only + SERVING.prefill_ms(1) > decode_only

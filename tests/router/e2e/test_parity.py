@@ -11,12 +11,21 @@ generator). What must agree:
   model, and its view lags the workers by a status push, so a placement near a threshold may
   go the other way): the same outcome (completed, or refused with the same status code) for
   all but :data:`TOLERANCE` of the requests, and SLO attainment within :data:`TOLERANCE`.
+
+Attainment is compared on what the dispatcher decides, not on the host's speed: a request the
+simulation puts within :data:`NEAR` of one of its targets is a near call that a millisecond of
+host noise flips, so it is left out of the comparison; and the live run is judged against its
+targets stretched by the host's slowdown (the median live/simulated ratio of each latency over
+the requests both completed, never below 1), so a host that runs the engines uniformly slower
+than their model (a loaded CI machine: every stream a third slower) does not read as the
+dispatcher missing SLOs. Both are printed.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import random
+import statistics
 
 import pytest
 
@@ -65,8 +74,52 @@ def plans(seed: int = 7, n: int = 24) -> list[RequestPlan]:
     return out
 
 
+#: A simulated latency within this fraction of its target is a near call (left out of the comparison).
+NEAR = 0.10
+#: The latencies an SLO can judge, by the name of their target in :class:`SloTarget`.
+LATENCIES = ("ttft_ms", "tpot_ms", "e2e_ms")
+
+
 def attainment(results: tuple[RequestResult, ...] | list[RequestResult]) -> float:
     return sum(slo_met(r) for r in results) / len(results)
+
+
+def near_call(r: RequestResult) -> bool:
+    """Whether one of ``r``'s latencies lies within :data:`NEAR` of its target."""
+    for name in LATENCIES:
+        target, value = getattr(r.slo, name), getattr(r, name)
+        if target is not None and value is not None and abs(value / target - 1.0) < NEAR:
+            return True
+    return False
+
+
+def host_slowdown(simulated: list[RequestResult], live: list[RequestResult]) -> dict[str, float]:
+    """Per latency, the median live/simulated ratio over the requests both completed (at least 1)."""
+    out = {}
+    for name in LATENCIES:
+        ratios = [
+            getattr(r, name) / getattr(s, name)
+            for s, r in zip(simulated, live, strict=True)
+            if s.ok and r.ok and getattr(s, name) and getattr(r, name) is not None
+        ]
+        out[name] = max(1.0, statistics.median(ratios)) if ratios else 1.0
+    return out
+
+
+def met_within(r: RequestResult, slowdown: dict[str, float]) -> bool:
+    """:func:`slo_met` against ``r``'s targets stretched by ``slowdown``."""
+    if not r.ok:
+        return False
+    for name in LATENCIES:
+        target, value = getattr(r.slo, name), getattr(r, name)
+        if target is None:
+            continue
+        if value is None:
+            if name != "tpot_ms":  # fewer than two tokens: no TPOT to judge
+                return False
+        elif value > target * slowdown[name]:
+            return False
+    return True
 
 
 @pytest.mark.timeout(180)
@@ -105,10 +158,19 @@ async def test_simulator_and_live_router_agree(name: str) -> None:
         if s.ok and r.ok:
             assert s.completion_tokens == r.completion_tokens, (name, s.index)
         same += s.error_code == r.error_code
-    sim_att, live_att = attainment(simulated), attainment(live)
+    # Attainment over the requests the simulation does not put on a threshold, the live run
+    # judged with the host's slowdown taken out (module docstring).
+    slowdown = host_slowdown(list(simulated), list(live))
+    clear = [k for k, s in enumerate(simulated) if not near_call(s)]
+    sim_att = sum(slo_met(simulated[k]) for k in clear) / len(clear)
+    live_att = sum(met_within(live[k], slowdown) for k in clear) / len(clear)
     print(
-        f"{name}: same outcome {same}/{len(workload)}, attainment simulated {sim_att:.2f}, live {live_att:.2f}"
+        f"{name}: same outcome {same}/{len(workload)}, attainment simulated {attainment(simulated):.2f},"
+        f" live {attainment(live):.2f}; over {len(clear)} clear calls simulated {sim_att:.2f},"
+        f" live {live_att:.2f} with the host's slowdown "
+        + ", ".join(f"{k} {v:.2f}x" for k, v in slowdown.items())
     )
+    assert len(clear) >= len(workload) // 2, "the workload is mostly near calls: it tests nothing"
     assert same >= (1 - TOLERANCE) * len(workload), (
         name,
         [(s.error_code, r.error_code) for s, r in zip(simulated, live, strict=True)],
