@@ -25,8 +25,10 @@ request (user + system of the router process and its children, from
 The peers live in their own environment, ``.venv-peers`` (``make
 peers-venv``); a missing peer is skipped with a message saying so. The fleet
 is neutral: the peers' P/D modes speak vLLM's and SGLang's KV-transfer
-protocols, which the sim workers do not implement. Figures only; nothing is
-asserted.
+protocols, which the sim workers do not implement. ``BENCH_PEERS_ONLY=a,b``
+runs only the routers named ``a`` or ``b`` exactly, or else whose name contains
+them (``BENCH_PEERS_ONLY="slo-router slo"``: only ``slo``). Figures only;
+nothing is asserted.
 """
 
 from __future__ import annotations
@@ -412,11 +414,21 @@ def _start_fleet(extra: Sequence[str] = ()) -> tuple[subprocess.Popen[str], str,
     return up, cms, urls, token_file, worker_token_file
 
 
+def selected(routers: Sequence[RouterSpec]) -> list[RouterSpec]:
+    """The routers ``BENCH_PEERS_ONLY`` names (comma-separated): a part equal to a router's name picks
+    that router alone, any other part every router whose name contains it; all without the variable."""
+    only = [part for part in os.environ.get("BENCH_PEERS_ONLY", "").split(",") if part]
+    if not only:
+        return list(routers)
+    names = {r.name for r in routers}
+    return [r for r in routers if any(r.name == part if part in names else part in r.name for part in only)]
+
+
 def main() -> list[Figure]:
     spec = load_workload("mixed").with_arrival(rate_per_s=RATE_PER_S)
     plans = [p for p in iter_requests(spec, SEED, max_requests=10_000) if p.arrival_s < DURATION_S]
     runnable = []
-    for router in ROUTERS:
+    for router in selected(ROUTERS):
         why = peer_missing(router.kind)
         if why is None:
             runnable.append(router)

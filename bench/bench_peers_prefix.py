@@ -131,10 +131,7 @@ def main() -> list[Figure]:
     # answer's length, so the work is the workload's output distribution, not the class's cap.
     plans = [dataclasses.replace(p, max_tokens=p.true_output_tokens) for p in plans]
     runnable = []
-    only = [part for part in os.environ.get("BENCH_PEERS_ONLY", "").split(",") if part]
-    for router in ROUTERS:
-        if only and not any(part in router.name for part in only):
-            continue
+    for router in peers.selected(ROUTERS):
         why = peers.peer_missing(router.kind)
         if why is None:
             runnable.append(router)

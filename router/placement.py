@@ -43,6 +43,10 @@ from router.telemetry import RequestObserver
 
 logger = logging.getLogger(__name__)
 
+#: The longest a resident leg's expected length goes without being re-estimated while its instance
+#: pushes no status (the simulator's agent heartbeat, ``sim.cluster.AGENT_HEARTBEAT_S``).
+RESIDENT_REFRESH_S = 1.0
+
 
 class SnapshotSource(Protocol):
     """Anything with a ``snapshot()`` (a :class:`cms.reader.ClusterReader`)."""
@@ -153,6 +157,12 @@ class Placer:
         #: Output lengths learned from the requests that finished here (the policies' length estimate;
         #: a client sends only max_tokens).
         self.lengths = LengthPredictor()
+        #: Per resident decode leg placed here: (class, prompt bucket, max_tokens, prompt tokens), the
+        #: keys its expected length is re-estimated by (:meth:`refresh_residents`).
+        self._leg_keys: dict[str, tuple[str, int, int, int]] = {}
+        #: Per instance: the status update and the time its resident legs were last re-estimated at.
+        self._refreshed: dict[str, tuple[int, float]] = {}
+        self._refreshed_view: tuple[ClusterSnapshot | None, float] = (None, -math.inf)
         predictors = scheduler.predictors
         config = scheduler.config
         learn = config.scheduling_policy == "binpack" and config.binpack_theta_adapt
@@ -257,6 +267,7 @@ class Placer:
     def commit(self, decision: Decision, now: float) -> Route:
         """Record a decision made elsewhere (the router queue) as a dispatch and return its route."""
         self.scheduler.record(decision, now)
+        self._remember_leg(decision)
         self._observe_load(decision, now)
         return route_of(decision)
 
@@ -268,6 +279,8 @@ class Placer:
             )
         if self.calibration is not None and snapshot is not self._fed:
             self._calibrate(snapshot)
+        if self._leg_keys:
+            self.refresh_residents(snapshot, self._clock())
         if not snapshot.instances:
             raise EmptyClusterError(
                 "no instances are registered with the CMS (or the router has not reached it yet); "
@@ -375,6 +388,7 @@ class Placer:
         started = time.perf_counter()
         decision = self._schedule(req, now, exclude)
         self.scheduler.record(decision, now)
+        self._remember_leg(decision)
         self._observe_load(decision, now)
         if self._observer is not None:
             self._observer.scheduled(time.perf_counter() - started)
@@ -418,6 +432,10 @@ class Placer:
             now,
             final_tokens=max(final, context_tokens),
         )
+        request = decision.context.request
+        if request is not None:
+            key = (req.slo_class, self.lengths.bucket(len(req.prompt_token_ids)), req.max_tokens)
+            self._leg_keys[req.request_id] = (*key, len(req.prompt_token_ids))
         return choice
 
     def overpacked(self) -> dict[str, float]:
@@ -546,6 +564,84 @@ class Placer:
     def release(self, request_id: str) -> None:
         """The request ended at the router: its in-flight entries go."""
         self.scheduler.inflight.release(request_id)
+        self._leg_keys.pop(request_id, None)
+
+    # ------------------------------------------------------------------ resident legs' lengths
+
+    def _remember_leg(self, decision: Decision) -> None:
+        """Keep what a placed decode leg's expected length is re-estimated by (see :meth:`refresh_residents`)."""
+        request = decision.context.request
+        if request is None or decision.decode is None:
+            return
+        bucket = self.lengths.bucket(request.prompt_tokens)
+        self._leg_keys[request.request_id] = (
+            request.slo_class,
+            bucket,
+            request.max_tokens,
+            request.prompt_tokens,
+        )
+
+    def refresh_residents(self, snapshot: ClusterSnapshot, now: float) -> None:
+        """Re-estimate the final length of the resident decode legs of the instances that reported.
+
+        A leg enters the resident tally with its prompt plus the output expected at dispatch. One
+        that outlives that estimate would keep saying it is done (no growth left, and its context
+        past its final cancels the growth of the others in the instance's sums), so the residents'
+        TPOT filter, which spreads a new prompt's prefill stall over the residents' remaining output,
+        would see a stall spread over one token and refuse the instance. As the simulator does on
+        each status push of an instance (``sim.cluster``'s ``_reestimate_residents``), each of its
+        started legs (admitted, or streaming) becomes what it holds now (the tokens this router
+        has forwarded) plus the length predictor's conditional remaining output; legs not started
+        keep their estimate.
+        An instance is refreshed when its status changed since, or every :data:`RESIDENT_REFRESH_S`
+        at least. Costs O(instances holding residents) per new snapshot, plus O(legs) on each
+        refreshed instance.
+        """
+        last, swept = self._refreshed_view
+        if snapshot is last and now - swept < RESIDENT_REFRESH_S:
+            return
+        self._refreshed_view = (snapshot, now)
+        inflight = self.scheduler.inflight
+        keys = self._leg_keys
+        refreshed = self._refreshed
+        held = inflight.resident_instances()
+        if not held:
+            return
+        index = self.scheduler.views.table(snapshot).index  # the decision's own per-snapshot table
+        records = snapshot.instances
+        for instance_id in held:
+            i = index.get(instance_id)
+            status = records[i].status if i is not None else None
+            update = status.update_id if status is not None else -1
+            seen = refreshed.get(instance_id)
+            if seen is not None and seen[0] == update and now - seen[1] < RESIDENT_REFRESH_S:
+                continue
+            refreshed[instance_id] = (update, now)
+            # Started: admitted by its instance (its in-flight entry left at a decision's reconcile)
+            # or already streaming tokens through this router (no decision may have run since).
+            legs = [
+                (r, c, key)
+                for r, c, started in inflight.resident_progress(instance_id)
+                if (key := keys.get(r)) is not None and (started or c > key[3])
+            ]
+            if not legs:
+                continue
+            remaining = self.lengths.remaining_many(
+                [k[0] for _, _, k in legs],
+                [k[1] for _, _, k in legs],
+                [max(c - k[3], 0) for _, c, k in legs],
+                [k[2] for _, _, k in legs],
+            )
+            finals = {r: c + round(rest) for (r, c, _), rest in zip(legs, remaining, strict=True)}
+            inflight.set_resident_finals(instance_id, finals)
+        # Bounded: requests that never reached release() (their legs expired) and instances gone.
+        if len(keys) > 2 * inflight.resident_count() + 1024:
+            for request_id in [r for r in keys if not inflight.is_resident(r)]:
+                del keys[request_id]
+        if len(refreshed) > 2 * len(snapshot.instances) + 64:
+            present = {r.metadata.instance_id for r in snapshot.instances}
+            for instance_id in [i for i in refreshed if i not in present]:
+                del refreshed[instance_id]
 
     def confirm(self, request_id: str, instance_id: str) -> None:
         """``instance_id`` is running the request now (see ``InflightAccount.confirm``)."""

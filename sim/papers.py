@@ -12,7 +12,8 @@ plan. Each row is one queue policy: ``fcfs`` (least-requests placement, arrival
 order, no request held: every engine's own FCFS, as vLLM behind a balancer), ``fcfs``
 (the ``slo`` placement policy, the router queue in arrival order), ``edf`` (the ``slo``
 policy and its default queue, earliest deadline first: this router's default, ``slo``,
-and the QLM paper's EDF baseline), then the paper's policy.
+and the QLM paper's EDF baseline), for ``qlm`` also ``none`` (the ``slo`` policy with no router
+queue: a request no instance can take at once is refused), then the paper's policy.
 Figures: attainment, G (seed 000's objective: met requests per second of summed
 latency), throughput (completed requests per second of makespan), engine
 preemptions, and the policy's own counters. Means over ``--seeds`` plans.
@@ -125,6 +126,9 @@ def rows_for(args: argparse.Namespace) -> list[tuple[str, str, str, dict[str, An
             queue = {"sa_max_batch": args.sa_max_batch, "sa_pool_ms": float(pool)}
             rows.append((label, "slo", "sa", {"queue": queue}))
     else:
+        # The slo policy with no router queue (a request no instance can take at once is refused):
+        # what the queue policies add to placement alone.
+        rows.append(("none", "slo", "none", {}))
         for delta in args.qlm_delta.split(","):
             for ev in args.eviction.split(","):
                 for lengths in args.qlm_lengths.split(","):

@@ -350,6 +350,55 @@ class InflightAccount:
             out.append((context, max(legs[r][1] - context, 0), (r, instance_id) not in entries))
         return out
 
+    def resident_progress(self, instance_id: str) -> list[tuple[str, int, bool]]:
+        """The resident legs of one instance as (request id, context now, started), in recording order.
+
+        Own legs only (a peer process re-estimates its own). Costs O(legs on the instance).
+        """
+        ids = self._resident_on.get(instance_id)
+        if not ids:
+            return []
+        contexts, entries = self._resident_context, self._entries
+        return [(r, contexts[r], (r, instance_id) not in entries) for r in ids]
+
+    def resident_count(self) -> int:
+        """How many resident decode legs this account holds (its own)."""
+        return len(self._resident)
+
+    def resident_instances(self) -> list[str]:
+        """The instances this account holds resident decode legs on (its own)."""
+        return list(self._resident_on)
+
+    def is_resident(self, request_id: str) -> bool:
+        """Whether ``request_id`` has a resident decode leg here."""
+        return request_id in self._resident
+
+    def set_resident_finals(self, instance_id: str, finals: Mapping[str, int]) -> bool:
+        """Replace the final tokens of resident legs on ``instance_id`` (request id -> final tokens).
+
+        What a leg is expected to reach changes as it streams: the router re-estimates it from the
+        tokens it has forwarded (:meth:`router.placement.Placer.refresh_residents`), as the
+        simulator does on each status push. Legs not resident on that instance are ignored; the
+        resident columns of the instance change once, and only when their sum does. Returns
+        whether it did.
+        """
+        for request_id, final in finals.items():
+            if final < 0:
+                raise ValueError(f"final tokens of {request_id!r} must be >= 0, got {final}")
+        legs = self._resident
+        delta = 0
+        for request_id, final in finals.items():
+            found = legs.get(request_id)
+            if found is None or found[0] != instance_id or found[1] == final:
+                continue
+            delta += final - found[1]
+            legs[request_id] = (instance_id, final, found[2])
+        if delta == 0:
+            return False
+        self._resident_totals[instance_id][1] += delta
+        self._touch(instance_id, INFLIGHT_RESIDENT_TOKENS)
+        return True
+
     # ------------------------------------------------------------------ queries
 
     def __contains__(self, request_id: object) -> bool:

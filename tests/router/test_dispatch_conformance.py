@@ -138,9 +138,10 @@ async def test_router_driver_answers_every_request_once_and_leaves_nothing_behin
 async def test_router_driver_cancel_while_waiting_leaves_no_trace(name: str) -> None:
     source = Source(BUSY)
     admission, observer = router_driver(name, source, max_queue_size=8)
-    # qlm pulls up to its batch at once whatever the load: fill the batch first, so the next one waits.
+    # qlm pulls up to its batch at once whatever the load (streams on any instance with room, up to
+    # the step their TPOT target allows): fill the batches first, so the next one waits.
     held: dict[str, asyncio.Task[Any]] = {}
-    for k in range(64):
+    for k in range(1024):
         task = asyncio.ensure_future(admission.place(request(f"h{k}")))
         held[f"h{k}"] = task
         await asyncio.sleep(0)

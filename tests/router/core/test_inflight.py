@@ -249,3 +249,44 @@ def test_totals_always_equal_the_sum_of_entries_and_never_go_negative(ops: list[
         # One entry per (request, instance): a request is never counted twice on one instance.
         keys = [(e.request_id, e.instance_id) for e in acc.entries()]
         assert len(keys) == len(set(keys))
+
+
+def test_resident_finals_are_replaced_per_leg_and_the_instance_sum_follows() -> None:
+    account = InflightAccount()
+    account.record("a", "i0", "i0", 100, 0.0, final_tokens=120)
+    account.record("b", "i0", "i0", 50, 0.0, final_tokens=60)
+    account.record("c", "i1", "i1", 10, 0.0, final_tokens=20)
+    account.advance("a", 130)  # "a" outlived its estimate
+    assert account.resident_progress("i0") == [("a", 130, False), ("b", 50, False)]
+    version = account.version
+    # "c" lives on i1: ignored here; "b" unchanged.
+    assert account.set_resident_finals("i0", {"a": 200, "b": 60, "c": 999})
+    assert account.resident("i0") == (2, 260)
+    assert account.resident("i1") == (1, 20)
+    assert account.changed_since(version) == {"i0"}
+    # Nothing changed: no new version, so cached views stay valid.
+    version = account.version
+    assert not account.set_resident_finals("i0", {"a": 200})
+    assert account.version == version
+    # A release subtracts the re-estimated final, not the first one.
+    account.release("a")
+    assert account.resident("i0") == (1, 60)
+    assert account.resident_count() == 2 and not account.is_resident("a")
+    with pytest.raises(ValueError, match="final tokens"):
+        account.set_resident_finals("i0", {"b": -1})
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from("abcd"), st.integers(0, 500)), max_size=30))
+def test_resident_sums_equal_the_legs_finals_after_any_re_estimates(changes: list[tuple[str, int]]) -> None:
+    account = InflightAccount()
+    for k, r in enumerate("abcd"):
+        account.record(r, f"i{k % 2}", f"i{k % 2}", 10, 0.0, final_tokens=40)
+    expected = dict.fromkeys("abcd", 40)
+    for r, final in changes:
+        instance = f"i{'abcd'.index(r) % 2}"
+        account.set_resident_finals(instance, {r: final})
+        expected[r] = final
+    for k in range(2):
+        legs = [r for i, r in enumerate("abcd") if i % 2 == k]
+        assert account.resident(f"i{k}") == (len(legs), sum(expected[r] for r in legs))
