@@ -48,7 +48,7 @@ import enum
 import math
 import random
 from collections import OrderedDict, deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
@@ -402,6 +402,10 @@ class SimCore:
         self._events_lost = False
         self._query_tokens = 0
         self._hit_tokens = 0
+        #: Told of every prefix-cache lookup: (request id, prompt tokens looked up, tokens found). The
+        #: virtual-time simulator sets it to count hits per request (a hit rate over part of a run);
+        #: None (the default) keeps no per-request record.
+        self.on_lookup: Callable[[str, int, int], None] | None = None
 
     # ------------------------------------------------------------------ requests
 
@@ -843,6 +847,8 @@ class SimCore:
             return  # a decode continuing from pulled KV asks the cache nothing
         self._query_tokens += req.spec.num_context_tokens
         self._hit_tokens += hit_blocks * self._pbt
+        if self.on_lookup is not None:
+            self.on_lookup(req.spec.request_id, req.spec.num_context_tokens, hit_blocks * self._pbt)
 
     def _reference(self, h: int) -> None:
         count = self._ref[h]

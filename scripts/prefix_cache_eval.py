@@ -62,8 +62,11 @@ def mooncake(path: Path, n: int, scale: float) -> list[RequestPlan]:
     return plans
 
 
-def ceiling(path: Path, windows: list[tuple[float, float]], caches: list[int]) -> None:
-    """Print the reuse a trace offers per window and cache size (see the module docstring)."""
+def ceiling(path: Path, windows: list[tuple[float, float]], caches: list[int], warm: bool = False) -> None:
+    """Print the reuse a trace offers per window and cache size (see the module docstring).
+
+    ``warm``: the cache first takes every request before the window (a fleet that has been serving
+    the trace), and only the window's requests are counted; else the window starts cold."""
     from collections import OrderedDict
 
     from workload.traces import MOONCAKE_BLOCK_TOKENS, read_trace
@@ -87,7 +90,7 @@ def ceiling(path: Path, windows: list[tuple[float, float]], caches: list[int]) -
         f"{'TTFT p50 ratio':>14s} {'history gap p50/p90 s':>22s}"
     )
     for start, end in windows:
-        rows = [r for r in records if start <= r.arrival_s < end]
+        rows = [r for r in records if (warm or start <= r.arrival_s) and r.arrival_s < end]
         for cap in caches:
             lru: OrderedDict[tuple[int, ...], None] = OrderedDict()
             last: dict[tuple[int, ...], float] = {}
@@ -99,7 +102,8 @@ def ceiling(path: Path, windows: list[tuple[float, float]], caches: list[int]) -
                     if key not in lru:
                         break
                     k += 1
-                if k > 1:  # a conversation's history, not only the first block every prompt shares
+                # a conversation's history, not only the first block every prompt shares
+                if k > 1 and r.arrival_s >= start:
                     gaps.append(r.arrival_s - last[keys[k - 1]])
                 for key in keys:
                     lru[key] = None
@@ -107,13 +111,14 @@ def ceiling(path: Path, windows: list[tuple[float, float]], caches: list[int]) -
                     last[key] = r.arrival_s
                 while cap and len(lru) > cap // block:
                     lru.popitem(last=False)
-                cached.append(min(k * block, r.prompt_tokens))
-                prompt.append(r.prompt_tokens)
+                if r.arrival_s >= start:
+                    cached.append(min(k * block, r.prompt_tokens))
+                    prompt.append(r.prompt_tokens)
             c, p = np.array(cached, dtype=float), np.array(prompt, dtype=float)
             ratio = np.percentile(prefill_ms(p - c), 50) / np.percentile(prefill_ms(p), 50)
             g = np.percentile(gaps, [50, 90]) if gaps else (0.0, 0.0)
             print(
-                f"{start:5.0f}:{end:<5.0f} {len(rows):6d} {cap or 'inf':>12} {100 * c.sum() / p.sum():5.1f}% "
+                f"{start:5.0f}:{end:<5.0f} {len(prompt):6d} {cap or 'inf':>12} {100 * c.sum() / p.sum():5.1f}% "
                 f"{100 * np.median(c / p):9.1f}% {ratio:14.2f} {g[0]:10.0f} / {g[1]:<7.0f}"
             )
 
@@ -137,10 +142,15 @@ def main() -> None:
     parser.add_argument(
         "--cache-tokens", default="2097152,8388608,0", help="ceiling: fleet KV sizes in tokens (0 = infinite)"
     )
+    parser.add_argument(
+        "--warm",
+        action="store_true",
+        help="ceiling: replay the trace before each window into the cache first (count only the window)",
+    )
     args = parser.parse_args()
     if args.workload == "ceiling":
         windows = [(float(a), float(b)) for a, b in (w.split(":") for w in args.windows.split(","))]
-        ceiling(args.trace, windows, [int(c) for c in args.cache_tokens.split(",")])
+        ceiling(args.trace, windows, [int(c) for c in args.cache_tokens.split(",")], warm=args.warm)
         return
     if args.workload == "synthetic":
         spec = load_workload("prefix-heavy").with_arrival(rate_per_s=args.rate)

@@ -244,6 +244,15 @@ def register(subparsers: Any) -> None:
         help="leave each run's first N requests out of its prediction error (default: %(default)s)",
     )
     sweep.add_argument(
+        "--measure-from",
+        type=int,
+        default=0,
+        metavar="N",
+        help="report every figure (attainment, latencies, refusals, hit rate) over each run's requests "
+        "from the Nth on (0-based, in arrival order); the first N run as a warm-up that fills the "
+        "engines' prefix caches and the router's view, and are left out (default: %(default)s, all)",
+    )
+    sweep.add_argument(
         "--policies",
         default=DEFAULT_POLICIES,
         metavar="P1,P2,...",
@@ -492,6 +501,10 @@ def run(args: argparse.Namespace) -> int:
         calibrations = parse_calibrations(args.calibrations)
         if not 0 <= args.warmup_requests < args.num_requests:
             raise ValueError(f"--warmup-requests must be in [0, --num-requests), got {args.warmup_requests}")
+        if not 0 <= args.measure_from < args.num_requests:
+            raise ValueError(f"--measure-from must be in [0, --num-requests), got {args.measure_from}")
+        if args.measure_from and args.dispatch_modes is not None:
+            raise ValueError("--measure-from is not supported with --dispatch-modes; drop one of them")
         fleet = SimFleet(spec, profile_label=policies[0].config.profile_label)
     except (WorkloadError, ProfileError, ValueError) as exc:
         print(error_line(exc), file=sys.stderr)
@@ -517,7 +530,9 @@ def run(args: argparse.Namespace) -> int:
         )
     title = (
         f"slo-router simulate: {spec.describe()}; workload {workload.name} "
-        f"({arrivals}), {args.num_requests} requests per run, seed {args.seed}"
+        f"({arrivals}), {args.num_requests} requests per run"
+        + (f" (figures over requests {args.measure_from}.., after a warm-up)" if args.measure_from else "")
+        + f", seed {args.seed}"
         + (", ORACLE output lengths (ablation)" if args.oracle_lengths else "")
     )
     print(title, file=sys.stderr)
@@ -560,6 +575,7 @@ def run(args: argparse.Namespace) -> int:
             qlm=qlm,
             oracle_lengths=args.oracle_lengths,
             plans_for=run_plans(args, workload, trace),
+            measure_from=args.measure_from,
         )
     except KeyboardInterrupt:
         print("\ninterrupted; no report written", file=sys.stderr)
@@ -589,6 +605,7 @@ def run(args: argparse.Namespace) -> int:
             "max_tokens": trace.max_tokens,
         }
     meta["warmup_requests"] = args.warmup_requests
+    meta["measure_from"] = args.measure_from
     meta["queue_policies"] = [q.queue_policy for q in queues]
     meta["queue"] = dataclasses.asdict(queues[0]) | {"queue_policy": None}
     if any(reads_qlm_config(q.queue_policy) for q in queues):

@@ -355,6 +355,11 @@ class SimOutcome:
     #: Prompt tokens the engines found in their prefix caches over those they looked up (None:
     #: no prefix caching in the run).
     cache_hit_rate: float | None = None
+    #: Per planned request (with prefix caching): prompt tokens its engines looked up in their prefix
+    #: caches and the tokens they found (a preempted request is looked up again when re-admitted).
+    cache_tokens: tuple[tuple[int, int], ...] = ()
+    #: Per planned request: refused by the router (no placement, shed, expired, late and rejected).
+    refused: tuple[bool, ...] = ()
     #: ``slo_router_desired_instances`` as the router would export it at the last arrival.
     desired: Desired | None = None
     #: Per instance: engine time spent stepping (s) and the end of its last step (s).
@@ -635,6 +640,15 @@ class _Simulation:
         ]
         prefix = scheduler.prefix
         self.exact_index = prefix if isinstance(prefix, ExactPrefixIndex) else None
+        # Per planned request: prompt tokens its engine looked up in the prefix cache and found there
+        # (every engine request is named by its plan index), for a hit rate over part of the run.
+        self.cache_query = [0] * len(plans)
+        self.cache_hit = [0] * len(plans)
+        #: Per planned request: refused by the router (what ``SimStats.rejected`` counts).
+        self.refused = [False] * len(plans)
+        if block:
+            for core in self.cores:
+                core.on_lookup = self._count_lookup
 
     # ------------------------------------------------------------------ the loop
 
@@ -1044,6 +1058,7 @@ class _Simulation:
             SchedulingError
         ) as exc:  # the dispatcher cannot take it at all (e.g. qlm without neutral instances)
             self.rejected += 1
+            self.refused[idx] = True
             self._fail(r, status_name(exc), str(exc), now)
             return
         if dispatcher.coalesce_arrivals:
@@ -1140,6 +1155,7 @@ class _Simulation:
         elif outcome is Outcome.REFUSE:
             r.waiting = False
             self.rejected += 1
+            self.refused[idx] = True
             r.queue_wait_s = action.waited_s
             error = action.error
             assert error is not None
@@ -1541,6 +1557,11 @@ class _Simulation:
         queried = sum(core.cache_query_tokens for core in self.cores)
         return sum(core.cache_hit_tokens for core in self.cores) / queried if queried else 0.0
 
+    def _count_lookup(self, request_id: str, query_tokens: int, hit_tokens: int) -> None:
+        idx = int(request_id)
+        self.cache_query[idx] += query_tokens
+        self.cache_hit[idx] += hit_tokens
+
     def results(self) -> tuple[RequestResult, ...]:
         out = []
         ids = self.fleet.ids
@@ -1722,6 +1743,8 @@ def simulate(
         queue_wait_ms=tuple(r.queue_wait_s * 1e3 for r in sim.reqs),
         late=tuple(r.late for r in sim.reqs),
         cache_hit_rate=sim.cache_hit_rate() if block else None,
+        cache_tokens=tuple(zip(sim.cache_query, sim.cache_hit, strict=True)) if block else (),
+        refused=tuple(sim.refused),
         desired=sim.desired,
         busy_s=tuple(sim.busy_s),
         last_busy_s=tuple(sim.last_busy),

@@ -106,6 +106,7 @@ def run_sweep(
     qlm: Sequence[QlmConfig] = (QlmConfig(),),
     oracle_lengths: bool = False,
     plans_for: Callable[[WorkloadSpec, float], list[RequestPlan]] | None = None,
+    measure_from: int = 0,
 ) -> list[SweepPoint]:
     """Every (rate, policy, calibration, queue policy) run, rate-major; ``on_run(point, done, total)``
     after each one.
@@ -119,6 +120,8 @@ def run_sweep(
     then ends in ``/oracle``). ``plans_for(spec, rate)`` makes each rate's plan (``slo-router simulate``
     passes :func:`sim.cli.run_plans`); by default it is
     :func:`workload.sequence.request_sequence` of ``workload`` with ``num_requests`` and ``seed``.
+    ``measure_from``: every figure of a run is over its requests from that plan index on (the
+    ones before run and warm the engines' caches, and are left out: :func:`measured_part`).
     """
     if not workload.arrival.open_loop:
         raise ValueError("the simulator replays open-loop arrivals; convert the workload with open_loop()")
@@ -162,6 +165,7 @@ def run_sweep(
                         config.calibration,
                         warmup_requests,
                         label,
+                        measure_from,
                     )
                     if len(modes) > 1:
                         point = dataclasses.replace(point, compare_calibrations=True)
@@ -184,7 +188,10 @@ def _point(
     calibration: str = "off",
     warmup_requests: int = 0,
     queue_policy: str = "none",
+    measure_from: int = 0,
 ) -> SweepPoint:
+    error = prediction_error(outcome.results, skip_first=max(warmup_requests, measure_from))
+    outcome = measured_part(outcome, measure_from)
     report = summarize(outcome.results, outcome.duration_s, class_slos=spec.class_slos())
     return SweepPoint(
         policy=policy,
@@ -193,11 +200,41 @@ def _point(
         stats=outcome.stats,
         wall_s=outcome.wall_s,
         calibration=calibration,
-        prediction_error=prediction_error(outcome.results, skip_first=warmup_requests),
+        prediction_error=error,
         queue_policy=queue_policy,
         queue=queue_figures(outcome, report.duration_s, spec.class_names()),
         cache_hit_rate=getattr(outcome, "cache_hit_rate", None),
         desired=getattr(outcome, "desired", None),
+    )
+
+
+def measured_part(outcome: SimOutcome, first: int) -> SimOutcome:
+    """``outcome`` restricted to its requests from plan index ``first`` on: their results, refusals,
+    router-queue waits and prefix-cache lookups (the hit rate over their prompts), and the time from the first
+    one's arrival to the end of the run. A warm-up: the requests before ``first`` filled the engines'
+    caches (and the router's index) as a running fleet's would be, and are not counted."""
+    if first <= 0:
+        return outcome
+    results = outcome.results[first:]
+    start = results[0].start_s if results else outcome.duration_s
+    hit_rate = outcome.cache_hit_rate
+    if hit_rate is not None and outcome.cache_tokens:
+        lookups = outcome.cache_tokens[first:]
+        queried = sum(q for q, _ in lookups)
+        hit_rate = sum(h for _, h in lookups) / queried if queried else 0.0
+    stats = outcome.stats
+    if outcome.refused:
+        stats = dataclasses.replace(stats, rejected=sum(outcome.refused[first:]))
+    return dataclasses.replace(
+        outcome,
+        stats=stats,
+        refused=outcome.refused[first:],
+        results=results,
+        duration_s=max(outcome.duration_s - start, 0.0),
+        queue_wait_ms=outcome.queue_wait_ms[first:],
+        late=outcome.late[first:],
+        cache_hit_rate=hit_rate,
+        cache_tokens=outcome.cache_tokens[first:],
     )
 
 

@@ -240,3 +240,57 @@ def test_exact_routing_sends_a_burst_with_one_prefix_after_the_first_before_any_
     assert all(r.error_code is None for r in outcome.results)
     assert len({r.prefill_instance_id for r in outcome.results}) == 1
     assert outcome.cache_hit_rate is not None and outcome.cache_hit_rate > 0.7
+
+
+def test_a_warm_up_is_left_out_of_every_figure_and_the_hit_rate_counts_only_the_rest() -> None:
+    """``simulate --measure-from N``: the per-request cache lookups add up to the engines' own
+    counters, and the figures over requests N.. are those of exactly those requests (their results,
+    their queue waits, the prompt tokens they found cached)."""
+    import dataclasses
+
+    from router.core.config import SchedulerConfig
+    from sim.cluster import SimFleet, simulate
+    from sim.fleet import fleet_from_counts
+    from sim.sweep import _point, measured_part
+    from workload.report import summarize
+    from workload.spec import generate_requests, load_workload
+
+    spec = load_workload("prefix-heavy").with_arrival(rate_per_s=4.0)
+    spec = dataclasses.replace(spec, classes=(dataclasses.replace(spec.classes[0], prefix_groups=24),))
+    plans = generate_requests(spec, rng=5, num_requests=160)
+    fleet = SimFleet(fleet_from_counts(neutral=2, engine=SimConfig(kv_capacity_tokens=32768)))
+    config = SchedulerConfig(scheduling_policy="slo", prefix_cache_routing="exact", calibration="off")
+    outcome = simulate(fleet, config, plans)  # no router queue: some are refused, before and after the cut
+    assert len(outcome.cache_tokens) == len(plans)
+    queried = sum(q for q, _ in outcome.cache_tokens)
+    found = sum(h for _, h in outcome.cache_tokens)
+    assert queried > 0 and outcome.cache_hit_rate == pytest.approx(found / queried)
+    # Every request served was looked up with its whole prompt at least once.
+    for result, (q, h) in zip(outcome.results, outcome.cache_tokens, strict=True):
+        if result.ttft_ms is not None:
+            assert q >= result.prompt_tokens and 0 <= h <= q
+
+    assert measured_part(outcome, 0) is outcome
+    first = 60
+    part = measured_part(outcome, first)
+    assert [r.index for r in part.results] == list(range(first, len(plans)))
+    assert part.queue_wait_ms == outcome.queue_wait_ms[first:]
+    assert sum(outcome.refused) == outcome.stats.rejected
+    assert 0 < part.stats.rejected == sum(outcome.refused[first:]) < outcome.stats.rejected
+    rest = outcome.cache_tokens[first:]
+    assert part.cache_hit_rate == pytest.approx(sum(h for _, h in rest) / sum(q for q, _ in rest))
+    # The early requests find the caches cold: counting them lowers the rate.
+    assert part.cache_hit_rate > outcome.cache_hit_rate
+    point = _point("slo", 4.0, spec, outcome, measure_from=first)
+    expected = summarize(part.results, part.duration_s, class_slos=spec.class_slos())
+    assert point.report.overall.requests == len(plans) - first
+    assert point.report.overall.slo_attainment == expected.overall.slo_attainment
+    assert point.cache_hit_rate == part.cache_hit_rate
+
+
+def test_simulate_refuses_a_warm_up_as_long_as_the_run(capsys: pytest.CaptureFixture[str]) -> None:
+    from router.cli import main
+
+    args = ["simulate", "--workload", "chat", "--num-requests", "10", "--measure-from", "10", "--rates", "1"]
+    assert main(args) == 2
+    assert "--measure-from" in capsys.readouterr().err
