@@ -135,6 +135,22 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def cli_starter(
+    root: Path, procs: list[subprocess.Popen[bytes]]
+) -> Callable[..., tuple[subprocess.Popen[bytes], Path]]:
+    """``start(name, *args)``: run ``slo-router *args`` with its output in ``root/name.log``, kept in ``procs``."""
+    cli = str(Path(sys.executable).parent / "slo-router")
+
+    def start(name: str, *args: str) -> tuple[subprocess.Popen[bytes], Path]:
+        log = root / f"{name}.log"
+        with log.open("wb") as out:
+            proc = subprocess.Popen([cli, *args], stdout=out, stderr=subprocess.STDOUT)
+        procs.append(proc)
+        return proc, log
+
+    return start
+
+
 def _wait_line(path: Path, marker: str, proc: subprocess.Popen[bytes], timeout_s: float) -> str:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -160,15 +176,8 @@ async def _run(root: Path) -> dict[str, Any]:
         root / "engine.log",
         ENGINE_ARGS,
     )
-    cli = str(Path(sys.executable).parent / "slo-router")
     procs: list[subprocess.Popen[bytes]] = []
-
-    def start(name: str, *args: str) -> tuple[subprocess.Popen[bytes], Path]:
-        log = root / f"{name}.log"
-        with log.open("wb") as out:
-            proc = subprocess.Popen([cli, *args], stdout=out, stderr=subprocess.STDOUT)
-        procs.append(proc)
-        return proc, log
+    start = cli_starter(root, procs)
 
     try:
         started = time.perf_counter()

@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 from bench.figures import Figure, print_load_average, without_vllm
-from bench.vllm_stock import ENGINE_WAIT_S, _wait_line, stop_processes
+from bench.vllm_stock import ENGINE_WAIT_S, _wait_line, cli_starter, stop_processes
 
 REPO = Path(__file__).resolve().parent.parent
 WORKLOAD = REPO / "scripts" / "stock-mixed.json"
@@ -160,18 +160,12 @@ def _run(options: argparse.Namespace, root: Path) -> dict[tuple[float, str], lis
     from workers.vllm_process import StockEngineProcess, build_tiny_model, free_port
 
     model = build_tiny_model(root / "model")
-    cli = str(Path(sys.executable).parent / "slo-router")
+    cli = str(Path(sys.executable).parent / "slo-router")  # the bench runs below
     procs: list[subprocess.Popen[bytes]] = []
     engines = [
         StockEngineProcess(model, root / f"engine{i}.log", ENGINE_ARGS) for i in range(options.engines)
     ]
-
-    def start(name: str, *args: str) -> tuple[subprocess.Popen[bytes], Path]:
-        log = root / f"{name}.log"
-        with log.open("wb") as out:
-            proc = subprocess.Popen([cli, *args], stdout=out, stderr=subprocess.STDOUT)
-        procs.append(proc)
-        return proc, log
+    start = cli_starter(root, procs)
 
     def bench(port: int, rate: float, seed: int, duration: float, out: Path) -> None:
         subprocess.run(
