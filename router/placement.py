@@ -523,9 +523,9 @@ class Placer:
         calibration = self.calibration
         if calibration is None or not calibration.enabled or not choice.endpoint.startswith(VLLM_GRPC_SCHEME):
             return None
-        record = next(
-            (r for r in self._source.snapshot().instances if r.instance_id == choice.instance_id), None
-        )
+        snapshot = self._source.snapshot()
+        i = self.scheduler.views.table(snapshot).index.get(choice.instance_id)  # the decision's own table
+        record = snapshot.instances[i] if i is not None else None
         status = record.status if record is not None else None
         if (
             record is None
