@@ -353,6 +353,9 @@ class InstanceModel:
     kv_tokens: int = 0
     #: Predicted decode step (s) of ``b`` requests holding ``t`` tokens (None: ``decode_step_s`` always).
     step_s: Callable[[int, float], float] | None = None
+    #: Seconds a prompt of ``n`` tokens puts between the decode steps of the batch running (its prefill
+    #: chunks' compute, without the decode part of those steps; None: not modelled).
+    stall_s: Callable[[int], float] | None = None
 
     @property
     def throughput_tps(self) -> float:
@@ -455,7 +458,12 @@ def instance_model(
     def step(b: int, tokens: float) -> float:
         return float(lp.predict_tpot_ms(max(b, 1), tokens)) * 1e-3
 
-    return InstanceModel(batch, step_s, _Prefill(lp, batch, context, budget), most, kv_tokens, step)
+    def stall(tokens: int) -> float:
+        full, rest = divmod(max(tokens, 0), budget)
+        ms = full * float(lp.prefill_step_ms(budget)) + (float(lp.prefill_step_ms(rest)) if rest else 0.0)
+        return ms * 1e-3
+
+    return InstanceModel(batch, step_s, _Prefill(lp, batch, context, budget), most, kv_tokens, step, stall)
 
 
 # --------------------------------------------------------------------------- requests and groups
@@ -566,6 +574,8 @@ class GroupEstimate:
     #: Members predicted to meet their deadlines / all members.
     meeting: int
     size: int
+    #: Members that meet their deadlines at the mean durations (not the confidence quantile).
+    meeting_mean: int = 0
 
     @property
     def meets(self) -> bool:
@@ -633,19 +643,23 @@ class Estimator:
     def place(self, model: InstanceModel, slots: _Slots, group: Group, now_s: float) -> GroupEstimate:
         """Append ``group`` to ``slots`` (changed in place); its estimate."""
         start_m = start_q = finish_m = finish_q = math.nan
-        meeting = 0
+        meeting = meeting_mean = 0
         for k, r in enumerate(group.members):
-            _, pre_q, whole_m, whole_q = self.duration(model, r)
+            pre_m, pre_q, whole_m, whole_q = self.duration(model, r)
             m0, q0 = slots.take(whole_m, whole_q)
             if k == 0:
                 start_m, start_q = now_s + m0, now_s + q0
             end_m, end_q = now_s + m0 + whole_m, now_s + q0 + whole_q
             finish_m = end_m if k == 0 else max(finish_m, end_m)
             finish_q = end_q if k == 0 else max(finish_q, end_q)
-            event = end_q if r.e2e_only or r.resumed else now_s + q0 + pre_q
-            if event <= r.deadline_s:
+            whole = r.e2e_only or r.resumed
+            if (end_q if whole else now_s + q0 + pre_q) <= r.deadline_s:
                 meeting += 1
-        return GroupEstimate(group.gid, start_m, start_q, finish_m, finish_q, meeting, len(group.members))
+            if (end_m if whole else now_s + m0 + pre_m) <= r.deadline_s:
+                meeting_mean += 1
+        return GroupEstimate(
+            group.gid, start_m, start_q, finish_m, finish_q, meeting, len(group.members), meeting_mean
+        )
 
     def queue(
         self, model: InstanceModel, running: Sequence[QlmRequest], groups: Sequence[Group], now_s: float
@@ -693,14 +707,18 @@ def heuristic_plan(
     of jobs on time; with weights and several machines it is a heuristic (its
     gap to :func:`milp_plan` is measured in the tests and by ``python -m bench qlm``).
     Dropped groups are still served, last, in deadline order. A group that
-    meets on no queue even placed right behind the running requests (the
-    estimator's quantile duration outruns its deadline) is not dropped: it keeps
+    meets on no queue even placed right behind the running requests at the
+    confidence quantile, but does at the mean durations (the estimator's
+    quantile duration outruns its deadline), is not dropped: it keeps
     its deadline-order place where it finishes first, the EDF fallback the paper
     names for when no plan meets every SLO (§A.3) and the least expected
     lateness for it (Eq. 13's objective). Moving it last saved no other request
     and cost it its likeliest chance: on an overloaded two-class mix every tight
     query the 0.9 quantile called late waited ~45 s behind the loose class
-    (docs/papers.md). Plans of at most
+    (docs/papers.md). A group late even at the mean is dropped: kept in its
+    deadline place, such groups delayed the ones that could still meet theirs
+    and, past capacity, every group turned late behind them (chat at 1.3x
+    capacity: 43 % against edf's 83 %, docs/papers.md). Plans of at most
     :data:`LOCAL_SEARCH_GROUPS` groups are then improved by moving single
     groups (:func:`_improve`). With
     ``evictable`` (eviction on), a group that misses behind the running
@@ -716,10 +734,11 @@ def heuristic_plan(
     def allowed(g: Group) -> range:
         return range(g.pinned, g.pinned + 1) if g.pinned >= 0 else range(n)
 
-    def hopeless(g: Group) -> bool:
-        """No member of ``g`` meets its deadline at the confidence quantile on any queue it may use, even
-        placed right behind the running requests."""
-        return all(estimator.place(models[i], base[i].copy(), g, now_s).meeting == 0 for i in allowed(g))
+    def late_at_quantile_only(g: Group) -> bool:
+        """Placed right behind the running requests on any queue it may use, no member of ``g`` meets its
+        deadline at the confidence quantile, but some member does at the mean durations."""
+        front = [estimator.place(models[i], base[i].copy(), g, now_s) for i in allowed(g)]
+        return all(e.meeting == 0 for e in front) and any(e.meeting_mean > 0 for e in front)
 
     for group in sorted(groups, key=lambda g: (g.urgency_s(now_s), g.gid)):
         # (requests on time, -finish, queue): most requests on time, then the earliest finish.
@@ -761,11 +780,14 @@ def heuristic_plan(
                     estimator.place(models[i], s, g, now_s)
                 states[i] = s
                 continue
-        if best[0] > 0 or hopeless(group):
-            # On time somewhere: where most of it meets. Or on time nowhere, not even first on a queue
-            # (its duration at the confidence quantile outruns its deadline): it keeps its earliest-
-            # deadline place where it finishes first (the paper's fallback when no plan meets every
-            # SLO, §A.3: EDF), since sending it last saves no one and costs it its likeliest chance.
+        if best[0] > 0 or late_at_quantile_only(group):
+            # On time somewhere: where most of it meets. Or on time nowhere at the confidence quantile,
+            # not even first on a queue, but on time at the mean there (a tight class whose answer's
+            # quantile outruns its deadline): it keeps its earliest-deadline place where it finishes
+            # first (the paper's fallback when no plan meets every SLO, §A.3: EDF), since sending it
+            # last saves no one and costs it its likeliest chance. A group late even at the mean, first
+            # on every queue, is dropped (served last): in its EDF place it would only delay groups
+            # that can still meet theirs, the domino of EDF in overload.
             i = best[2]
             estimator.place(models[i], states[i], group, now_s)
             placed[i].append(group)
@@ -1464,18 +1486,55 @@ class QlmQueue:
             stream_step = model.step_s(len(run) + 1 + math.ceil(seqs), life + tokens) * self.inefficiency[i]
             if stream_step * 1e3 > STREAM_TPOT_SHARE * min(tpots):
                 return False
+            if not self._stall_fits(i, run, r, stream_step):
+                return False
         context = held + tokens
         step = model.step_s(len(run) + 1 + math.ceil(seqs), context) * self.inefficiency[i]
         if now_s is not None:
             # The same for end-to-end deadlines: the grown batch's slower step must not turn a running
-            # request the estimator had on time into a miss (at the estimator's confidence).
-            before = model.step_s(len(run), self._batch_kv(run)) * self.inefficiency[i]
+            # request the estimator had on time into a miss (at the estimator's confidence). Both steps
+            # hold the streams' reserve: the streams expected slow the batch whether or not ``r`` joins,
+            # and counting them in the grown batch alone (11 sequences on a 25-request batch in the
+            # support + translate + archive mix) called every running request within a fifth of its
+            # deadline a victim of ``r``, and froze the batch while e2e requests waited (docs/papers.md).
+            before = (
+                model.step_s(len(run) + math.ceil(seqs), self._batch_kv(run) + tokens) * self.inefficiency[i]
+            )
             for x in (*run, r):
                 if not (x.e2e_only or x.resumed):
                     continue
-                left = self._left_tokens(x, now_s, before)
+                left = self._left_tokens(x)
                 if now_s + left * before <= x.deadline_s < now_s + left * step:
                     return False
+        return True
+
+    def _stall_fits(self, i: int, run: Sequence[QlmRequest], r: QlmRequest, step_s: float) -> bool:
+        """Do the streams running on instance ``i`` keep their TPOT targets when ``r``'s prompt is prefilled
+        beside them?
+
+        The engine chunks a new prompt's prefill into the decode steps of the batch running, so each
+        stream decoding there waits for it once, and its mean time per output token grows by that
+        prefill over the tokens it has still to generate (its expected output given how far it has
+        got, :meth:`OutputStats.given`). The paper's estimator has no prefill cost beside the decodes
+        (its SLOs are end to end), and the learned inefficiency carries it only on average, from
+        finished requests: a 3,000-token prompt pulled beside a stream with 40 tokens left adds
+        ~7 ms to each of them, and in the first seconds of a run (the factor still 1) streams beside
+        long e2e prompts missed TPOT targets of 60 ms at 60-106 ms (docs/papers.md). ``step_s``: the
+        grown batch's decode step as a stream sees it (the inefficiency included).
+        """
+        model = self.models[i]
+        if model.stall_s is None:
+            return True  # no prefill model beside the decodes: the learned inefficiency carries it
+        stall = model.stall_s(r.prompt_tokens)
+        for x in run:
+            if x.e2e_only or x.resumed:
+                continue
+            mean, _ = self.stats.given(x.request.slo_class, x.request.max_tokens, x.reached)
+            # Over the tokens left, not the whole answer: the cautious side (the ``slo`` policy's
+            # residents' TPOT filter divides the same way); over the whole answer lost 1-3 points.
+            left = max(mean - x.reached * x.request.max_tokens, 1.0)
+            if (step_s + stall / left) * 1e3 > STREAM_TPOT_SHARE * self._tpot_ms(x):
+                return False
         return True
 
     @staticmethod
@@ -1519,14 +1578,23 @@ class QlmQueue:
             var += v
         return total + self.config.z * math.sqrt(var)
 
-    def _left_tokens(self, x: QlmRequest, now_s: float, step_s: float) -> float:
-        """Output tokens running ``x`` still has to generate at the estimator's confidence."""
-        mean, std = self.stats.estimate(x.request.slo_class, x.request.max_tokens)
-        total = min(max(mean + self.config.z * std - x.generated, 1.0), float(x.max_tokens))
+    def _left_tokens(self, x: QlmRequest) -> float:
+        """Output tokens ``x`` still has to generate at the estimator's confidence.
+
+        A running request's answer is judged given how far it has got (:meth:`OutputStats.given`, its
+        progress by the router's clock: :meth:`_progress`), as its KV is (:meth:`_kv`): one that has
+        outlived the typical answer is expected to be long, and one that has nearly reached it has
+        little left. The class's unconditional quantile less the tokens produced since dispatch
+        called a request halfway through a typical answer as far from its end as a fresh one's
+        spread allows, and e2e pulls waited behind requests the pull would not have made late
+        (docs/papers.md).
+        """
         if x.instance < 0:
-            return total  # not running: all of it
-        done = max(now_s - x.dispatched_s, 0.0) / max(step_s, 1e-6)
-        return max(total - done, 1.0)
+            mean, std = self.stats.estimate(x.request.slo_class, x.request.max_tokens)
+            return min(max(mean + self.config.z * std - x.generated, 1.0), float(x.max_tokens))
+        mean, std = self.stats.given(x.request.slo_class, x.request.max_tokens, x.reached)
+        end = min(mean + self.config.z * std, float(x.request.max_tokens))
+        return max(end - x.reached * x.request.max_tokens, 1.0)
 
     def _room_wait(self, i: int, r: QlmRequest, now_s: float) -> float:
         """Seconds until ``r`` may be pulled on instance ``i``: running requests end in the order the
