@@ -1486,7 +1486,7 @@ class QlmQueue:
             stream_step = model.step_s(len(run) + 1 + math.ceil(seqs), life + tokens) * self.inefficiency[i]
             if stream_step * 1e3 > STREAM_TPOT_SHARE * min(tpots):
                 return False
-            if not self._stall_fits(i, run, r, stream_step):
+            if not self._stall_fits(i, run, r, stream_step, now_s):
                 return False
         context = held + tokens
         step = model.step_s(len(run) + 1 + math.ceil(seqs), context) * self.inefficiency[i]
@@ -1508,7 +1508,9 @@ class QlmQueue:
                     return False
         return True
 
-    def _stall_fits(self, i: int, run: Sequence[QlmRequest], r: QlmRequest, step_s: float) -> bool:
+    def _stall_fits(
+        self, i: int, run: Sequence[QlmRequest], r: QlmRequest, step_s: float, now_s: float | None = None
+    ) -> bool:
         """Do the streams running on instance ``i`` keep their TPOT targets when ``r``'s prompt is prefilled
         beside them?
 
@@ -1520,12 +1522,19 @@ class QlmQueue:
         finished requests: a 3,000-token prompt pulled beside a stream with 40 tokens left adds
         ~7 ms to each of them, and in the first seconds of a run (the factor still 1) streams beside
         long e2e prompts missed TPOT targets of 60 ms at 60-106 ms (docs/papers.md). ``step_s``: the
-        grown batch's decode step as a stream sees it (the inefficiency included).
+        grown batch's decode step as a stream sees it (the inefficiency included). The prompts pulled
+        there that are still in their prefill (by the router's clock) come first and stall the same
+        streams (the ``slo`` policy's filter counts an instance's prefill backlog the same way).
         """
         model = self.models[i]
         if model.stall_s is None:
             return True  # no prefill model beside the decodes: the learned inefficiency carries it
-        stall = model.stall_s(r.prompt_tokens)
+        backlog = r.prompt_tokens
+        if now_s is not None:
+            backlog += sum(
+                x.prompt_tokens for x in run if now_s - x.dispatched_s < model.prefill_s(x.prompt_tokens)
+            )
+        stall = model.stall_s(backlog)
         for x in run:
             if x.e2e_only or x.resumed:
                 continue

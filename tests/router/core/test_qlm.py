@@ -916,3 +916,26 @@ def test_a_running_request_past_every_finished_answer_is_protected_as_a_long_one
     x = q.running[0]["x"]
     assert 0.25 < x.reached < 0.35
     q.check_invariants()
+
+
+def test_a_prompt_still_in_its_prefill_stalls_the_streams_before_the_next_one() -> None:
+    # A stream runs (50 ms target, 50 tokens to go). A 6,000-token prompt is pulled beside it (0.6 s of
+    # prefill: 12 ms a token, on a 30 ms step). A 200-token prompt alone would add 0.4 ms on a 40 ms
+    # step, but it queues behind the first one's prefill, still running: 12.4 ms on 40, over the target.
+    m = InstanceModel(
+        4,
+        STEP_S,
+        lambda n: 0.05 + n * 1e-4,
+        most=16,
+        kv_tokens=100_000,
+        step_s=lambda b, t: 0.01 * b,
+        stall_s=lambda n: n * 1e-4,
+    )
+    q = QlmQueue(QlmConfig(eviction="off"), [m], 6000.0, 50.0)
+    q.push(tight("s"), 0.0)
+    assert len(q.pump(0.0)) == 1
+    q.push(dataclasses.replace(loose_by("a", 600.0, out=100), prompt_tokens=6000), 0.0)
+    assert [d.request.request_id for d in q.pump(0.0)] == ["a"]
+    q.push(loose_by("b", 600.0, out=100), 0.01)
+    assert q.pump(0.01) == []
+    q.check_invariants()
