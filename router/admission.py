@@ -77,6 +77,8 @@ class Admitted:
     late: bool = False
     #: The most new tokens this placement may generate (0: to the end); see :meth:`Admission.paused`.
     cap: int = 0
+    #: The paused leg goes on where it runs (:attr:`~router.core.dispatch.Action.continues`).
+    continues: bool = False
 
 
 @dataclass
@@ -253,12 +255,22 @@ class Admission:
         placement's in-flight entries go, the dispatcher hears :class:`~router.core.dispatch.Paused`
         with the ``tokens`` produced so far, and the request resumes after them where it is placed.
         """
+        return await self.placed(request_id, self.pause(request_id, tokens))
+
+    def pause(self, request_id: str, tokens: int) -> asyncio.Future[Admitted]:
+        """:meth:`paused` up to the dispatcher's answer: the placement of the rest, done when the
+        dispatcher placed it at once (then the caller may keep a leg that
+        :attr:`Admitted.continues` running); await it with :meth:`placed`."""
         self.placer.release(request_id)
         loop = asyncio.get_running_loop()
         self._loop = loop
         future: asyncio.Future[Admitted] = loop.create_future()
         self._waiting[request_id] = future
         self._run(Paused(request_id, tokens), self._clock())
+        return future
+
+    async def placed(self, request_id: str, future: asyncio.Future[Admitted]) -> Admitted:
+        """The placement :meth:`pause` asked for (a cancel while it waits leaves the queue)."""
         return await self._wait(request_id, future)
 
     def dry_run_queue(self) -> RouterQueue | None:
@@ -386,7 +398,7 @@ class Admission:
             return
         route = self.placer.commit(decision, now)
         self.observer.queue_waited(action.waited_s)
-        future.set_result(Admitted(route, action.waited_s, action.late, action.cap))
+        future.set_result(Admitted(route, action.waited_s, action.late, action.cap, action.continues))
 
     def _evict(self, request_id: str) -> int | None:
         """The dispatcher stops ``request_id`` (see :meth:`Fleet.evict`); the tokens its client has."""
