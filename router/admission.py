@@ -16,11 +16,13 @@ per-request polling loop: a pass is one synchronous call, coalesced with
 A dispatcher that never waits (``none``) answers an arrival at once: no
 future, no queue.
 
-A placement may carry a cap (``slice``): the service streams the leg with
-``max_tokens`` at it, and a leg that ends there with output left calls
-:meth:`Admission.paused` (the lifecycle's pause and requeue), which hands the
-dispatcher a :class:`~router.core.dispatch.Paused` event and waits for the
-placement of the rest, as :meth:`resume` does after an eviction.
+A placement may carry a cap (``slice``): the service counts the tokens the leg
+relays, and a leg that reaches the cap with output left calls
+:meth:`Admission.pause` (the lifecycle's pause and requeue), which hands the
+dispatcher a :class:`~router.core.dispatch.Paused` event; a placement that
+:attr:`Admitted.continues` lets the leg run on where it is, any other stops it
+and waits (:meth:`placed`) for the placement of the rest, as :meth:`resume`
+does after an eviction.
 
 What is router-only (the simulator's driver, :mod:`sim.cluster`, has no
 clients): a running request is stopped through the :class:`RunHandle` the

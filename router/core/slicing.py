@@ -786,7 +786,7 @@ def slices_pay(preemptions: int, requests: int) -> bool:
     the simulator (``docs/papers.md``, the regime table) slices kept at
     least 0.95x the throughput, and mostly more (up to 2.6x), wherever
     request dispatch preempted about once per ten requests or more, except
-    where answers run long (0.88-0.97x: a smaller decode batch), and lost
+    where answers run long (0.91-1.0x: a smaller decode batch), and lost
     (0.91-0.97x, lower attainment through the first slice's wait) where the
     KV held or preemptions were rarer.
     """
