@@ -204,7 +204,7 @@ class _Started:
     kv_handle: bytes = b""
     #: Neutral: the still-open Generate stream on the instance.
     stream: AsyncIterator[LegTokens] | None = None
-    #: The output length at which this placement's leg stops for its cap (0: none; see _capped).
+    #: The output length at which this placement reaches its cap (0: none; see _cap_end): the router pauses it there.
     cap_end: int = 0
 
 
