@@ -99,7 +99,7 @@ from router.core.config import SchedulerConfig
 from router.core.metrics import decode_step_with_request_ms
 from router.core.plugins import DecisionContext, Metric, MetricScope
 from router.core.registry import METRICS, Params
-from router.core.request import ScheduleInput
+from router.core.request import Role, ScheduleInput
 
 #: Decode-idle instances with prefill room that must remain for adaptive PD to open another decoder
 #: (one more than the drain rule's zero: a hysteresis, so instances do not flip role back and forth).
@@ -208,9 +208,36 @@ def resident_tpot_need_ms(ctx: DecisionContext, config: SchedulerConfig) -> floa
 
 
 def live_theta(ctx: DecisionContext, config: SchedulerConfig) -> float:
-    """θ in force for ``ctx``: the learned one when the predictor set carries a :class:`ThetaFit`."""
+    """θ in force for ``ctx``: the learned one when the predictor set carries a :class:`ThetaFit` and
+    the fleet has decoders; the configured one on a fleet of colocated (neutral) instances.
+
+    On a colocated instance constraints (b) and (d) share one budget, the residents' TPOT need:
+    (b) spends it on the decode step, (d) keeps the prompts' prefill stalls within the slack (b)
+    leaves (the slack is the need less the step). The fit reads the realized TPOT, which carries
+    both, and while (d) keeps the stalls small it finds room and raises θ; (b) then packs the decode
+    step up to the need, the slack is gone, and (d) refuses every new prompt there. Measured (mixed,
+    14 neutral instances, 24 req/s, seed 17, 1,440 requests, the first 20 s not scored): θ learned
+    94.5 % of chat met (TTFT 98.2 %, TPOT 96.1 %; prompts waiting in the router queue because (d)
+    refused 93 % of the instances a chat prompt was offered) and 91.7 % overall, where JSQ meets
+    94.3 %; θ fixed there 99.4 % of chat, 94.4 % overall. So θ is learned for decoders only, where
+    no prefill shares the step (the γ-horizon's pessimism on chat, ``ThetaFit``'s reason).
+    """
     fit = ctx.predictors.theta if ctx.predictors is not None and config.binpack_theta_adapt else None
-    return fit.theta if fit is not None else config.binpack_theta
+    if fit is None or not _has_decoders(ctx.view.instances):
+        return config.binpack_theta
+    return fit.theta
+
+
+def _has_decoders(table: InstanceTable) -> bool:
+    """Whether the snapshot holds a decode-role instance (kept with the snapshot's columns)."""
+    found: bool | None = table.memo.get(_HAS_DECODERS)
+    if found is None:
+        found = bool(np.any(table.roles == Role.DECODE))
+        table.memo[_HAS_DECODERS] = found
+    return found
+
+
+_HAS_DECODERS = "packing_has_decoders"
 
 
 _At = Callable[[DecisionContext, SchedulerConfig, int], float]

@@ -129,20 +129,23 @@ SCENARIOS: dict[
 #: hopeless), which moved them before any of the speed work met them. The edf, fcfs-capped and
 #: priority ones were re-recorded when a held refusal was first checked by its thresholds alone
 #: (router.core.queue.ThresholdHold): the decision count fell (4,461 → 355, 1,383 → 230,
-#: 3,436 → 331); every other field hashes the same as before.
+#: 3,436 → 331); every other field hashes the same as before. azure-trace-slo, neutral-slo-eos,
+#: -fcfs-capped, -prefix, -sa and pd-load-balance-off were re-recorded when the autoscaling signal
+#: staffed its prefill side for the TTFT target (capacity.prefill_staffing): only ``desired`` moved
+#: (with the old prefill sizing every field hashes as before).
 RECORDED: dict[str, str] = {
-    "azure-trace-slo": "54d0341f0320da9b66ae45cf",
+    "azure-trace-slo": "158147c7453cf632329dc354",
     "mooncake-trace-least-requests": "a4e832afe7176fdc6c54d52b",
     "neutral-round-robin-small-kv": "de766bb7b4107794c605d611",
     "neutral-slo-edf": "e76d173b3810ac327cc51197",
-    "neutral-slo-eos": "6e0550fc4aa7b1a521e5d17b",
-    "neutral-slo-fcfs-capped": "60a9d2040050c7c845ca5d2b",
-    "neutral-slo-prefix": "0eedec2e3caf140cf44d3015",
+    "neutral-slo-eos": "1a9a665c22ef316e32364eda",
+    "neutral-slo-fcfs-capped": "2f0435c8ae6077f90481ae96",
+    "neutral-slo-prefix": "113e1ad147a412dbaaea5507",
     "neutral-slo-priority": "9c0e8126b8b54b6714440aa4",
     "neutral-slo-qlm": "18d452066e68a20bb1ef96ed",
-    "neutral-slo-sa": "0e8ceeae14dc5f1401511204",
+    "neutral-slo-sa": "c34b902e1889e2523d90123e",
     "pd-adaptive": "36d2c9c44b9987022276550f",
-    "pd-load-balance-off": "466dcf402227e02d05b7c4b8",
+    "pd-load-balance-off": "a2d2ef10d607b73909d6948c",
     "pd-noise-power-of-two": "25129f293efadacea5c038f3",
     "pd-slo-refit": "3e2c99f4fe860fc9e6771eef",
     "pd-slo-scale": "443deb383e709f325d706df5",

@@ -600,6 +600,32 @@ def test_binpack_holds_the_horizon_to_the_learned_theta() -> None:
     assert float(learned.metric("tpot_horizon_over_need")[d]) == pytest.approx(ratio * theta / 1.0)
 
 
+def test_a_fleet_of_colocated_instances_keeps_the_configured_theta() -> None:
+    """On neutral instances (b) and (d) share the residents' TPOT need: a learned θ above the
+    configured one would let (b) pack the decode step up to the need and leave (d) no slack for any
+    prompt. There (b) holds the horizon to --binpack-theta whatever the fit says, and so does the
+    need a deadline-paced request records."""
+    from router.core.packing import live_theta
+    from router.core.theta import ThetaFit
+
+    scheduler = make_scheduler("binpack", tpot_slo_ms=50.0)
+    snapshot = make_snapshot(
+        inst("a", "neutral", decode_requests=6, decode_tokens=3000, used_kv_tokens=3000), inst("b", "neutral")
+    )
+    request = make_request("chat", 256, expected_output_tokens=100)
+    fixed = scheduler.context(scheduler.view(snapshot, NOW), request)
+    a = fixed.view.instances.index["a"]
+    ratio = float(fixed.metric("tpot_horizon_over_need")[a])
+    assert scheduler.predictors is not None
+    scheduler.predictors.theta = ThetaFit(1.0)
+    learned = scheduler.context(scheduler.view(snapshot, NOW), request)
+    assert live_theta(learned, scheduler.config) == scheduler.config.binpack_theta
+    assert float(learned.metric("tpot_horizon_over_need")[a]) == pytest.approx(ratio)
+    # The same fit on a fleet with a decoder is in force.
+    pd = make_snapshot(inst("p", "prefill"), inst("d", "decode"))
+    assert live_theta(scheduler.context(scheduler.view(pd, NOW), request), scheduler.config) == 1.0
+
+
 @PROPS
 @given(st.lists(st.tuples(st.integers(0, 3_000), st.integers(0, 300)), max_size=12))
 def test_the_slices_kv_peak_is_the_step_by_step_peak(held: list[tuple[int, int]]) -> None:
