@@ -266,7 +266,9 @@ def prefill_staffing(load: LoadShape, rates: InstanceRates, ttft_ms: float) -> f
     the decoders): a prompt takes ``s`` = mean prompt over the full-chunk rate, the offered load is
     ``a = rate · s``, and it waits past ``t = ttft_ms − s`` with probability
     ``C(c, a) · exp(−(c − a) · t / s)`` (Erlang's C times the tail of the wait). The answer is the
-    larger of the fluid demand and the least ``c`` keeping that at :data:`PREFILL_WAIT_TAIL`. With
+    larger of the fluid demand and the least ``c`` keeping that at :data:`PREFILL_WAIT_TAIL`, made
+    fractional within ``(c − 1, c]`` by the log of the tail (its ceiling is that ``c``): Eq. 7 fits
+    a line through the heartbeats, and whole steps would read as noise. With
     no TTFT target (``ttft_ms <= 0``) or a prompt that alone outlasts it, the fluid demand.
     """
     fluid, _ = fluid_demand(load, rates)
@@ -278,15 +280,23 @@ def prefill_staffing(load: LoadShape, rates: InstanceRates, ttft_ms: float) -> f
     if wait_s <= 0 or not math.isfinite(wait_s):
         return fluid
     offered = load.rate * service_s
+
+    def tail(servers: int) -> float:
+        return erlang_c(servers, offered) * math.exp(-(servers - offered) * wait_s / service_s)
+
     least = max(1, math.floor(offered) + 1)
     servers = least
     for servers in range(least, least + MAX_PREFILL_SEARCH):
-        if (
-            erlang_c(servers, offered) * math.exp(-(servers - offered) * wait_s / service_s)
-            <= PREFILL_WAIT_TAIL
-        ):
+        if tail(servers) <= PREFILL_WAIT_TAIL:
             break
-    return max(fluid, float(servers))
+    # Fractional between the count below (or the offered load, where the queue never drains) and
+    # ``servers``, by the log of the tail: a heartbeat's demand then moves with its rate rather than
+    # by whole instances, which Eq. 7's line through the heartbeats would read as noise.
+    below = servers - 1 if servers - 1 > offered else offered
+    high = tail(servers - 1) if servers - 1 > offered else 1.0
+    low = max(tail(servers), 1e-300)
+    share = 1.0 if high <= low else math.log(high / PREFILL_WAIT_TAIL) / math.log(high / low)
+    return max(fluid, below + min(max(share, 0.0), 1.0) * (servers - below))
 
 
 #: Decoders are staffed so that a Poisson load's concurrency outruns them, for longer than a request

@@ -89,6 +89,7 @@ there as well as to the new one).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -172,7 +173,7 @@ def _paced(ctx: DecisionContext, target: float, default_output_tokens: int, fact
     left = request.e2e_slo_ms
     if request.arrival_s is not None:
         left -= max(ctx.view.now_s - request.arrival_s, 0.0) * 1e3
-    for out in lengths:
+    for k, out in enumerate(lengths):
         paced = (left - ttft) / max(out - 1, 1)
         if paced >= target * factor:
             return target
@@ -180,10 +181,26 @@ def _paced(ctx: DecisionContext, target: float, default_output_tokens: int, fact
             idle = ctx.predictors.default.predict_tpot_ms(1.0, ctx.prompt_tokens + out)
             if not paced > idle:
                 continue
+            if k + 1 < len(lengths) and not paced >= _best_horizon_ms(ctx):
+                # No instance keeps the tail's pace now, and waiting only shortens what is left of the
+                # deadline: paced by the tail, the request waited in the router queue until every
+                # length's pace was out of reach and then ran late (code answers on 7 neutral
+                # instances at 12 req/s, mixed, seed 17: 76.8 % met, 78.4 % paced this way, where JSQ,
+                # placing them at once, meets 80.8 %). The expected length's pace is the one it can
+                # still keep.
+                continue
         elif not paced > 0:
             continue
         return paced / factor
     return target
+
+
+def _best_horizon_ms(ctx: DecisionContext) -> float:
+    """The lowest γ-horizon TPOT (ms) among the instances that can decode this request (inf: none)."""
+    horizon = ctx.metric("predicted_tpot_horizon")
+    table = ctx.view.instances
+    can = (table.roles != Role.PREFILL) & ~np.isnan(horizon)
+    return float(np.min(horizon[can])) if np.any(can) else math.inf
 
 
 def resident_tpot_need_ms(ctx: DecisionContext, config: SchedulerConfig) -> float:

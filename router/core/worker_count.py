@@ -288,6 +288,8 @@ class DesiredInstances:
             for role in ("prefill", "decode", "neutral")
         }
         self._beat: int | None = None
+        #: The least TTFT need of the last heartbeat closed (0: none known).
+        self._last_ttft = 0.0
         self._reset()
 
     def _reset(self) -> None:
@@ -360,7 +362,8 @@ class DesiredInstances:
         rates = self._rates(shape, tpot)
         _, decode = fluid_demand(shape, rates)
         # The prefill side staffed for the least patient TTFT of the heartbeat (capacity.prefill_staffing).
-        prefill = prefill_staffing(shape, rates, self._ttft if math.isfinite(self._ttft) else 0.0)
+        self._last_ttft = self._ttft if math.isfinite(self._ttft) else 0.0
+        prefill = prefill_staffing(shape, rates, self._last_ttft)
         decode = decode_staffing(
             decode, rates.decode_batch, slacks=[least_slack(self._kinds, rates, self.default_tpot_ms)]
         )
@@ -375,10 +378,19 @@ class DesiredInstances:
         fits = {role: m.predict(load.rate) for role, m in self.models.items()}
         model = self.models["decode"]
         if all(v is not None for v in fits.values()):
+            # The prefill side is a queue: its demand steps up by whole instances as the load crosses
+            # what c of them keep within the TTFT target (capacity.prefill_staffing), and near a step
+            # Eq. 7's line through a minute of heartbeats falls on either side of it by their noise
+            # (the Azure conversation trace's last minute at 9.8 req/s: the line said 2, two prefill
+            # instances let 8 % of prompts wait past 1 s and the plan on those requests needs 3). The
+            # last window's own load, staffed, is the floor the line may not go under.
+            tpot = self._tpot if math.isfinite(self._tpot) else self.default_tpot_ms
+            floor = math.ceil(prefill_staffing(load, self._rates(load, tpot), self._last_ttft) - 1e-9)
+            prefill = max(int(fits["prefill"] or 0), floor)
             return Desired(
-                int(fits["prefill"] or 0),
+                prefill,
                 int(fits["decode"] or 0),
-                int(fits["neutral"] or 0),
+                int(fits["neutral"] or 0) + prefill - int(fits["prefill"] or 0),
                 True,
                 model.samples,
                 model.rejected,

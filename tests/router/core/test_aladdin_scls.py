@@ -291,6 +291,29 @@ def test_an_e2e_request_is_paced_by_its_length_bound_when_an_instance_can_keep_t
     assert value == pytest.approx((2000.0 - ttft) / 63 / 0.7)
 
 
+def test_a_tail_pace_no_instance_keeps_now_gives_way_to_the_expected_lengths_pace() -> None:
+    """The bound's pace an idle instance keeps, but every instance of the fleet is too busy for it
+    now: waiting only shortens the deadline, so the request is paced by its expected length (the
+    pace it can still keep) and (b) admits it where that pace holds, instead of refusing it."""
+    from router.core.packing import packing_tpot_target_ms
+
+    scheduler = make_scheduler("binpack", tpot_slo_ms=50.0)
+    busy = make_snapshot(
+        inst("a", "neutral", decode_requests=40, decode_tokens=40_000, used_kv_tokens=40_000),
+        inst("b", "neutral", decode_requests=40, decode_tokens=40_000, used_kv_tokens=40_000),
+    )
+    request = make_request("r", 256, e2e_slo_ms=4000.0, expected_output_tokens=64, output_tokens_bound=200)
+    ctx = _ctx_with_legs(scheduler, busy, request, lambda view: None)
+    ttft = float(np.nanmin(ctx.metric("predicted_ttft")))
+    horizon = float(np.min(ctx.metric("predicted_tpot_horizon")))
+    tail, typical = (4000.0 - ttft) / 199, (4000.0 - ttft) / 63
+    assert tail < horizon < typical, (tail, horizon, typical)  # the scenario: only the mean's pace holds
+    assert packing_tpot_target_ms(ctx, 256, 0.7) == pytest.approx(min(typical, 0.7 * 50.0) / 0.7)
+    # (b) now reads the horizon against that need, not against the tail's pace (which refused all).
+    need = min(typical, 0.7 * 50.0) / 0.7
+    assert float(np.min(ctx.metric("tpot_horizon_over_need"))) == pytest.approx(horizon / need)
+
+
 def test_binpack_keeps_a_residents_tighter_need_when_placing_a_looser_request() -> None:
     """(b) holds for every request the instance holds: a chat request whose own target the fullest
     decoder meets goes elsewhere when a resident there must keep a faster pace."""
