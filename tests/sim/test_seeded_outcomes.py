@@ -129,10 +129,7 @@ SCENARIOS: dict[
 #: hopeless), which moved them before any of the speed work met them. The edf, fcfs-capped and
 #: priority ones were re-recorded when a held refusal was first checked by its thresholds alone
 #: (router.core.queue.ThresholdHold): the decision count fell (4,461 → 355, 1,383 → 230,
-#: 3,436 → 331); every other field hashes the same as before. azure-trace-slo, neutral-slo-eos,
-#: -fcfs-capped, -prefix, -sa and pd-load-balance-off were re-recorded when the autoscaling signal
-#: staffed its prefill side for the TTFT target (capacity.prefill_staffing): only ``desired`` moved
-#: (with the old prefill sizing every field hashes as before).
+#: 3,436 → 331); every other field hashes the same as before.
 RECORDED: dict[str, str] = {
     "azure-trace-slo": "54d0341f0320da9b66ae45cf",
     "mooncake-trace-least-requests": "a4e832afe7176fdc6c54d52b",
