@@ -464,6 +464,18 @@ def test_constraint_d_takes_each_residents_own_need() -> None:
     assert float(tight.metric("prefill_over_atgt_slack")[0]) > float(
         loose.metric("prefill_over_atgt_slack")[0]
     )
+    # A need below the default target is a deadline's pace over θ: (d) counts the slack against the
+    # pace itself (need × θ), the time the deadline leaves, which is what the policy's metric does.
+    theta = scheduler.config.binpack_theta
+    paced = float(atgt_slack_ms(tight, 60.0, theta)[0])
+    assert paced == pytest.approx(100 * (30 * theta - step_now) + 200 * (30 * theta - step_new))
+    from router.core.packing import prefill_stall_ms
+
+    stall = float(prefill_stall_ms(tight)[0])
+    if paced > 0:
+        assert float(tight.metric("prefill_over_atgt_slack")[0]) == pytest.approx(stall / paced)
+    else:
+        assert float(tight.metric("prefill_over_atgt_slack")[0]) == math.inf
 
 
 # ----------------------------------------------------------------------------- SCLS (002): admission on a continuous-batching engine
