@@ -386,11 +386,11 @@ class DesiredInstances:
             # last window's own load, staffed, is the floor the line may not go under.
             tpot = self._tpot if math.isfinite(self._tpot) else self.default_tpot_ms
             floor = math.ceil(prefill_staffing(load, self._rates(load, tpot), self._last_ttft) - 1e-9)
-            prefill = max(int(fits["prefill"] or 0), floor)
+            staffed = max(int(fits["prefill"] or 0), floor)
             return Desired(
-                prefill,
+                staffed,
                 int(fits["decode"] or 0),
-                int(fits["neutral"] or 0) + prefill - int(fits["prefill"] or 0),
+                int(fits["neutral"] or 0) + staffed - int(fits["prefill"] or 0),
                 True,
                 model.samples,
                 model.rejected,
