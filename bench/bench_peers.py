@@ -291,9 +291,20 @@ def _start_router(
             "--prometheus-host", "127.0.0.1", "--log-level", "warn", "--backend", "vllm",
             "--load-monitor-interval", "1", *spec.args,
         ]  # fmt: skip
-    process = subprocess.Popen(
-        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, cwd=REPO
-    )
+    # BENCH_OURS_LOG=FILE: this router's log goes to FILE (appended; BENCH_OURS_LOG_LEVEL, default WARNING).
+    log_path = os.environ.get("BENCH_OURS_LOG", "") if spec.kind == "ours" else ""
+    if log_path:
+        level = os.environ.get("BENCH_OURS_LOG_LEVEL", "WARNING")
+        cmd[cmd.index("--log-level") + 1] = level
+        with open(log_path, "a") as log:
+            log.write(f"=== {time.strftime('%H:%M:%S')} {spec.name}\n")
+            process = subprocess.Popen(
+                cmd, stdout=subprocess.DEVNULL, stderr=log, stdin=subprocess.DEVNULL, cwd=REPO
+            )
+    else:
+        process = subprocess.Popen(
+            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, cwd=REPO
+        )
     return process, f"http://127.0.0.1:{port}"
 
 
@@ -393,7 +404,14 @@ def _start_fleet(extra: Sequence[str] = ()) -> tuple[subprocess.Popen[str], str,
         "--speed-factor", str(SPEED_FACTOR), "--seed", str(SEED), "--listen", "127.0.0.1:0", "--http-listen", "",
         *extra,
     ]  # fmt: skip
-    up = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=REPO)
+    # BENCH_FLEET_LOG=FILE: the fleet's log (CMS, workers, up's own router) goes to FILE (appended).
+    log_path = os.environ.get("BENCH_FLEET_LOG", "")
+    if log_path:
+        with open(log_path, "a") as log:
+            log.write(f"=== {time.strftime('%H:%M:%S')} fleet\n")
+            up = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, cwd=REPO)
+    else:
+        up = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=REPO)
     cms, urls, token_file, worker_token_file = "", [], "", ""
     assert up.stdout is not None
     deadline = time.monotonic() + 90

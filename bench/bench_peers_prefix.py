@@ -25,16 +25,26 @@ of its predictions holds requests back), and this router's rows end with its own
 run from its ``/metrics`` (requests by outcome, router-queue waits and events).
 ``BENCH_PEERS_ONLY=a,b`` runs only the routers whose name contains ``a`` or ``b`` (e.g. ``slo-router``). Per router it
 prints the usual table plus the fleet's prefix-cache hit rate over its run (from the workers'
-counters). Figures only; nothing is asserted.
+counters). When this router and a peer both ran, it prints how many of this router's requests got
+their first token over 5 s past their TTFT target (held in its queue as late) and how many of those
+the peer, which places every request on arrival, served within their SLO in its run.
+
+To see a run from the inside: ``BENCH_OURS_SAMPLE=FILE`` appends, every 0.5 s, this router's
+instances by health (healthy / stale / unschedulable / ejected), its queue, its requests by phase,
+its CPU use and the host's load; ``BENCH_OURS_LOG=FILE`` (with ``BENCH_OURS_LOG_LEVEL``, default
+WARNING) keeps this router's log and ``BENCH_FLEET_LOG=FILE`` the fleet's (CMS, workers, agents).
+Figures only; nothing is asserted.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
 import re
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -43,7 +53,7 @@ import httpx2 as httpx
 
 from bench import bench_peers as peers
 from bench.figures import Figure
-from workload.report import report_to_dict, summarize
+from workload.report import RequestResult, report_to_dict, slo_met, summarize
 from workload.spec import iter_requests, load_workload
 
 RATE_PER_S = 8.0
@@ -123,6 +133,73 @@ def print_router_diagnosis(port: int) -> None:
     print(f"{'':<26}router: " + ", ".join(found), flush=True)
 
 
+_SAMPLED = re.compile(
+    r"^(slo_router_instances|slo_router_queue_requests|slo_router_requests_in_phase|slo_router_queue_events_total)"
+    r"(\{[^}]*\})? ([0-9.eE+-]+)$",
+    re.M,
+)
+
+
+class MetricsSampler:
+    """``BENCH_OURS_SAMPLE=FILE``: every 0.5 s of a run, one line of this router's instance health, queue
+    and phase gauges, its CPU use (cores) and the host's load average, appended to FILE (to see when and why the router
+    stopped placing)."""
+
+    def __init__(self, port: int, path: str, name: str, pid: int) -> None:
+        self._port, self._path, self._name, self._pid = port, path, name, pid
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> MetricsSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        t0 = time.monotonic()
+        cpu0, at0 = peers._cpu_s(self._pid), t0
+        with open(self._path, "a") as out, httpx.Client(timeout=5.0) as client:
+            out.write(f"=== {time.strftime('%H:%M:%S')} {self._name}\n")
+            while not self._stop.wait(0.5):
+                try:
+                    text = client.get(f"http://127.0.0.1:{self._port}/metrics").text
+                except httpx.HTTPError as exc:
+                    out.write(f"{time.monotonic() - t0:6.1f} scrape failed: {exc}\n")
+                    continue
+                parts: dict[str, float] = {}
+                for name, labels, value in _SAMPLED.findall(text):
+                    short = name.removeprefix("slo_router_")
+                    if short == "instances" and "neutral" not in labels:
+                        continue
+                    key = short + "".join(
+                        v for v in re.findall(r'="([^"]*)"', labels or "") if v not in ("neutral",)
+                    )
+                    parts[key] = parts.get(key, 0.0) + float(value)
+                shown = " ".join(f"{k}={v:g}" for k, v in sorted(parts.items()) if v)
+                load = os.getloadavg()[0]
+                cpu, at = peers._cpu_s(self._pid), time.monotonic()
+                share = (cpu - cpu0) / max(at - at0, 1e-3)  # the router's CPU, in cores, since the last line
+                cpu0, at0 = cpu, at
+                out.write(f"{at - t0:6.1f} load={load:.1f} cpu={share:.2f} {shown}\n")
+                out.flush()
+
+
+#: A request this router served this much past its TTFT target (ms) is counted as held back (see below).
+HELD_PAST_MS = 5000.0
+
+
+def held_back_against(ours: Sequence[RequestResult], peer: Sequence[RequestResult]) -> tuple[int, int, int]:
+    """This router's requests whose first token came over ``HELD_PAST_MS`` past their TTFT target (its
+    queue held them as late), how many of those the peer, which sends every request at once, served
+    within their SLO in its own run of the same workload, and how many of them this router met."""
+    peer_met = {r.index: slo_met(r) for r in peer}
+    held = [r for r in ours if r.ttft_ms is not None and r.ttft_ms > (r.slo.ttft_ms or 0.0) + HELD_PAST_MS]
+    return len(held), sum(1 for r in held if peer_met.get(r.index, False)), sum(1 for r in held if slo_met(r))
+
+
 def main() -> list[Figure]:
     spec = load_workload("prefix-heavy").with_arrival(rate_per_s=RATE_PER_S)
     spec = dataclasses.replace(spec, classes=(dataclasses.replace(spec.classes[0], prefix_groups=GROUPS),))
@@ -144,9 +221,13 @@ def main() -> list[Figure]:
     )
     rows: list[dict[str, Any]] = []
     details: dict[str, Any] = {}
+    served: dict[str, list[RequestResult]] = {}
     for router in runnable:
+        # The fleet's own router (``up`` starts one; the bench routes through its own routers) follows
+        # no KV events: otherwise every worker feeds two event streams and that idle router spends CPU
+        # on every step's events, host load that slows whichever router the bench measures.
         up, cms, urls, token_file, worker_token = peers._start_fleet(
-            ("--prefix-cache-block-tokens", str(WORKER_BLOCK))
+            ("--prefix-cache-block-tokens", str(WORKER_BLOCK), "--prefix-cache-routing", "off")
         )
         try:
             if not cms or len(urls) != peers.WORKERS:
@@ -166,7 +247,13 @@ def main() -> list[Figure]:
                 time.sleep(1.5)
                 before = cache_counters(urls)
                 cpu0 = peers._cpu_s(process.pid)
-                results, window = asyncio.run(peers.replay(url + "/v1/completions", plans))
+                sample = os.environ.get("BENCH_OURS_SAMPLE", "") if metrics_port else ""
+                with (
+                    MetricsSampler(metrics_port, sample, router.name, process.pid)
+                    if sample
+                    else contextlib.nullcontext()
+                ):
+                    results, window = asyncio.run(peers.replay(url + "/v1/completions", plans))
                 cpu = peers._cpu_s(process.pid) - cpu0
                 after = cache_counters(urls)
                 if metrics_port:
@@ -183,6 +270,7 @@ def main() -> list[Figure]:
         row["cache_hit_rate"] = (after[1] - before[1]) / queried if queried > 0 else 0.0
         rows.append(row)
         details[router.name] = report_to_dict(report)
+        served[router.name] = results
         peers.print_table(rows[-1:])
         print(f"{'':<26}prefix-cache hit rate {row['cache_hit_rate'] * 100:.1f} %", flush=True)
     if not rows:
@@ -191,6 +279,15 @@ def main() -> list[Figure]:
     peers.print_table(rows)
     for r in rows:
         print(f"  {r['router']:<28} cache_hit_rate {r['cache_hit_rate'] * 100:5.1f} %")
+    # Would the requests this router's queue held past their target have met their SLO had they been
+    # placed at once? The peers place every request on arrival: the same request in their runs says.
+    for mine in (name for name in served if name.startswith("slo-router")):
+        for other in (name for name in served if not name.startswith("slo-router")):
+            held, met_there, met_here = held_back_against(served[mine], served[other])
+            print(
+                f"  {mine}: {held} requests served over {HELD_PAST_MS / 1e3:g} s past their TTFT target "
+                f"(met here: {met_here}); {other} met the SLO for {met_there} of them"
+            )
     peers.OUT_DIR.mkdir(parents=True, exist_ok=True)
     meta = {"workers": peers.WORKERS, "rate_per_s": RATE_PER_S, "duration_s": DURATION_S, "groups": GROUPS}
     path = peers.OUT_DIR / "peers_prefix.json"

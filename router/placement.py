@@ -153,7 +153,11 @@ class Placer:
         #: The load placed over the last minute (for ``desired_instances``).
         self.load = LoadTracker()
         #: Aladdin's Eq. 7 per role, fitted from the heartbeats of that load (``desired_instances``).
-        self.demand = DesiredInstances(self._instance_rates, default_tpot_ms=scheduler.config.tpot_slo_ms)
+        self.demand = DesiredInstances(
+            self._instance_rates,
+            default_tpot_ms=scheduler.config.tpot_slo_ms,
+            default_ttft_ms=scheduler.config.ttft_slo_ms,
+        )
         #: Output lengths learned from the requests that finished here (the policies' length estimate;
         #: a client sends only max_tokens).
         self.lengths = LengthPredictor()
@@ -407,6 +411,7 @@ class Placer:
                 tpot_ms=request.tpot_slo_ms,
                 e2e_ms=request.e2e_slo_ms,
                 paced_tokens=float(est.bound_tokens),
+                ttft_ms=request.ttft_slo_ms,
             )
 
     def place_decode(

@@ -6,6 +6,8 @@ then a seeded simulation of ``N`` requests on that fleet reports ``slo_router_de
 as the router would export it at the last arrival (``router.core.worker_count.DesiredInstances``).
 
     python scripts/desired_vs_plan.py 3000 chat:16 interactive-batch:8 trace:/path/azure.csv:8
+
+``WORKLOAD:RATE@P+D`` takes the fleet as given (a plan found before) and runs only the simulation.
 """
 
 from __future__ import annotations
@@ -34,13 +36,15 @@ def main() -> None:
     args = parser.parse_args()
     config = SchedulerConfig()
     for point in args.points:
+        point, _, given = point.partition("@")
         name, _, rate_text = point.rpartition(":")
         rate = float(rate_text)
         started = time.perf_counter()
+        fixed = tuple(int(x) for x in given.split("+")) if given else None
         if name.startswith("trace:"):
             trace = load_trace(name)
             spec = trace.workload()
-            planned = plan_fleet(
+            planned = fixed or plan_fleet(
                 spec,
                 rate,
                 0.95,
@@ -51,19 +55,26 @@ def main() -> None:
             plans = trace.plans(args.requests, rate)
         else:
             workload = load_workload(name)
-            planned = plan_fleet(
+            planned = fixed or plan_fleet(
                 workload, rate, 0.95, config, num_requests=args.plan_requests, seed=args.seed
             )
             spec = open_loop(workload).with_arrival(rate_per_s=rate)
             plans = generate_requests(spec, rng=args.seed, num_requests=args.requests)
-        fleet = SimFleet(fleet_from_counts(prefill=planned.prefill, decode=planned.decode))
+        prefill, decode = (
+            (planned[0], planned[1]) if isinstance(planned, tuple) else (planned.prefill, planned.decode)
+        )
+        fleet = SimFleet(fleet_from_counts(prefill=prefill, decode=decode))
         outcome = simulate(fleet, config, plans, seed=args.seed, queue=QueueConfig(queue_policy="edf"))
         d = outcome.desired
         assert d is not None
         source = f"Eq. 7 over {d.heartbeats} heartbeats" if d.fitted else "fluid"
+        how = (
+            "given"
+            if isinstance(planned, tuple)
+            else f"{100 * planned.attainment:.1f} %, started from {planned.estimate.prefill} + {planned.estimate.decode}"
+        )
         print(
-            f"{name} @ {rate:g} req/s: plan {planned.prefill} + {planned.decode} "
-            f"({100 * planned.attainment:.1f} %, started from {planned.estimate.prefill} + {planned.estimate.decode}); "
+            f"{name} @ {rate:g} req/s: plan {prefill} + {decode} ({how}); "
             f"signal {d.prefill} + {d.decode} ({source}); "
             f"{time.perf_counter() - started:.0f} s",
             flush=True,

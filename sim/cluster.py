@@ -362,6 +362,10 @@ class SimOutcome:
     refused: tuple[bool, ...] = ()
     #: ``slo_router_desired_instances`` as the router would export it at the last arrival.
     desired: Desired | None = None
+    #: The run stopped early at ``simulate``'s ``miss_limit`` (then ``results`` is empty) and the
+    #: misses among the scored requests it had counted by then.
+    stopped: bool = False
+    misses: int = 0
     #: Per instance: engine time spent stepping (s) and the end of its last step (s).
     busy_s: tuple[float, ...] = ()
     last_busy_s: tuple[float, ...] = ()
@@ -499,15 +503,25 @@ class _Simulation:
         incremental_dispatch: str = "on",
         slicing: SliceConfig | None = None,
         resume_cache: bool = False,
+        miss_limit: tuple[float, int] | None = None,
     ) -> None:
         self.fleet = fleet
+        #: (scored from, s; most misses): the run stops once more requests arriving at or after that
+        #: time have missed their SLO (see ``simulate``).
+        self.miss_limit = miss_limit
+        self.misses = 0
+        self.stopped = False
         #: What the router learns of output lengths (from finished requests only).
         self.lengths = LengthPredictor(lengths)
         self.oracle_lengths = oracle_lengths
         #: The autoscaling signal as the router computes it (``slo_router_desired_instances``):
         #: the last minute's load, and Eq. 7 fitted over its heartbeats; read at the last arrival.
         self.placed = LoadTracker()
-        self.demand = DesiredInstances(self._instance_rates, default_tpot_ms=scheduler.config.tpot_slo_ms)
+        self.demand = DesiredInstances(
+            self._instance_rates,
+            default_tpot_ms=scheduler.config.tpot_slo_ms,
+            default_ttft_ms=scheduler.config.ttft_slo_ms,
+        )
         self.desired: Desired | None = None
         defaults = scheduler.config
         #: The dispatcher the router would run (router.core.dispatch), driven here in virtual time;
@@ -657,7 +671,7 @@ class _Simulation:
         heap = self.heap
         k, n = 0, len(arrivals)
         pop = heapq.heappop
-        while k < n or heap:
+        while (k < n or heap) and not self.stopped:
             if self.touched:
                 self._account_busy()
             if heap and (k >= n or heap[0][0] <= arrivals[k]):
@@ -1033,6 +1047,7 @@ class _Simulation:
             tpot_ms=plan.slo.tpot_ms or 0.0,
             e2e_ms=plan.slo.e2e_ms or 0.0,
             paced_tokens=float(bound),
+            ttft_ms=plan.slo.ttft_ms or 0.0,
         )
         request = ScheduleInput(
             request_id=str(idx),
@@ -1151,7 +1166,7 @@ class _Simulation:
             if r.tokens == 0:
                 r.queue_wait_s = action.waited_s
             r.late = action.late
-            self._dispatch(idx, r, self.plans[idx], action.decision, now, action.cap)
+            self._dispatch(idx, r, self.plans[idx], action.decision, now, action.cap, action.continues)
         elif outcome is Outcome.REFUSE:
             r.waiting = False
             self.rejected += 1
@@ -1201,7 +1216,14 @@ class _Simulation:
         r.paused_at = r.last_s = now
 
     def _dispatch(
-        self, idx: int, r: _Req, plan: RequestPlan, decision: Decision, now: float, cap: int = 0
+        self,
+        idx: int,
+        r: _Req,
+        plan: RequestPlan,
+        decision: Decision,
+        now: float,
+        cap: int = 0,
+        continues: bool = False,
     ) -> None:
         assert decision.prefill is not None and decision.decode is not None
         previous = r.decode
@@ -1212,7 +1234,9 @@ class _Simulation:
         p = r.prefill = index[decision.prefill.instance_id]
         d = r.decode = index[decision.decode.instance_id]
         if r.tokens:
-            self._resume(idx, r, plan, d, now, cap, cached=self._cached(r, previous, d, now))
+            # A run that continues where it paused this very moment never left its engine (see _resume).
+            goes_on = continues and r.paused_at == now and previous == d
+            self._resume(idx, r, plan, d, now, cap, cached=self._cached(r, previous, d, now), goes_on=goes_on)
             return
         r.predicted_ttft_ms = _finite(decision.prefill.predicted_ttft_ms)
         r.predicted_tpot_ms = _finite(decision.decode.predicted_tpot_ms)
@@ -1274,20 +1298,36 @@ class _Simulation:
         return self.resume_cache and r.paused_at == now and previous == i
 
     def _resume(
-        self, idx: int, r: _Req, plan: RequestPlan, i: int, now: float, cap: int = 0, *, cached: bool = False
+        self,
+        idx: int,
+        r: _Req,
+        plan: RequestPlan,
+        i: int,
+        now: float,
+        cap: int = 0,
+        *,
+        cached: bool = False,
+        goes_on: bool = False,
     ) -> None:
         """Run paused request ``idx`` again on (neutral) instance ``i``: the lifecycle's resume.
 
         Its prompt and the tokens returned so far are recomputed (but for the full blocks still
         ``cached``), at most ``cap`` new tokens when the placement has one; the engine stops at the
-        answer's true end, which the cap left to it may not reach.
+        answer's true end, which the cap left to it may not reach. ``goes_on``: the dispatcher
+        continued the run where it paused (:attr:`~router.core.dispatch.Action.continues`; the
+        router lets the engine's leg run past the cap): its whole context is still in the engine,
+        nothing is recomputed and it goes on as a decode. The engine model ended the run at its cap,
+        so it re-enters through the waiting queue, admitted as a decode at the next step (a step
+        later than the run that never stopped, when the queue's head holds it back).
         """
         rid = str(idx)
         prompt = plan.prompt_tokens + r.tokens
         left = min(plan.max_tokens - r.tokens, r.out - r.tokens)
         new_tokens = max(min(left, cap) if cap else left, 1)
         hit = 0
-        if cached:
+        if goes_on:
+            hit = prompt
+        elif cached:
             block = self.fleet.configs[i].block_size
             hit = min((prompt - 1) // block * block, prompt - 1)
         self.recomputed += prompt - hit
@@ -1331,6 +1371,8 @@ class _Simulation:
     def _outcome(self, r: _Req) -> None:
         """Tell the dispatcher how request ``r`` ended (queue objective g steers its shedding by the
         misses), as the router's driver does when a call ends."""
+        if self.miss_limit is not None:
+            self._count_miss(r)
         if self.dispatcher.shed_limit_ms(r.done_s) is None:
             return  # nothing steers by it
         result = finished_result(
@@ -1342,6 +1384,27 @@ class _Simulation:
             error_message=r.error_message,
         )
         self._handle(Served(str(r.idx), slo_met(result), result.tpot_ms), r.done_s)
+
+    def _count_miss(self, r: _Req) -> None:
+        """Count ``r`` against ``miss_limit`` when it is scored and missed its SLO (judged as
+        ``workload.report`` judges it); past the limit the run stops."""
+        assert self.miss_limit is not None
+        scored_from, limit = self.miss_limit
+        plan = self.plans[r.idx]
+        if plan.arrival_s < scored_from:
+            return
+        result = finished_result(
+            plan,
+            first_s=r.first_s,
+            done_s=r.done_s,
+            tokens=r.tokens,
+            error_code=r.error_code,
+            error_message=r.error_message,
+        )
+        if not slo_met(result):
+            self.misses += 1
+            if self.misses > limit:
+                self.stopped = True
 
     def _resident(self, r: _Req, i: int, sign: int, final_tokens: float, prompt_tokens: int = 0) -> None:
         """Make request ``r``'s decode leg resident on ``i`` (+1), or end its residence (-1)."""
@@ -1665,6 +1728,7 @@ def simulate(
     calibration: CalibrationConfig | None = None,
     slicing: SliceConfig | None = None,
     resume_cache: bool = False,
+    miss_limit: tuple[float, int] | None = None,
 ) -> SimOutcome:
     """Run ``plans`` (open-loop, in arrival order) on ``fleet`` with the policy ``config`` names.
 
@@ -1691,6 +1755,11 @@ def simulate(
     stand for the tokens), and the router hashes prompts the same way. Its knowledge of the
     caches follows ``config.prefix_cache_routing``: ``auto`` and ``exact`` read the engines' KV
     events, ``approximate`` its own dispatches, ``off`` charges every prompt in full.
+
+    ``miss_limit`` (``slo-router plan``'s search, which only asks whether a fleet meets a target):
+    ``(scored_from_s, k)`` stops the run as soon as more than ``k`` requests arriving at or after
+    ``scored_from_s`` have missed their SLO; the outcome then says ``stopped`` and carries no
+    results. A run that does not reach the limit is the same run as without it.
     """
     if any(b.arrival_s < a.arrival_s for a, b in itertools.pairwise(plans)):
         raise ValueError("plans must be in arrival order")
@@ -1732,8 +1801,18 @@ def simulate(
         incremental_dispatch=incremental_dispatch,
         slicing=slicing,
         resume_cache=resume_cache,
+        miss_limit=miss_limit,
     )
     duration_s, stats = sim.run()
+    if sim.stopped:
+        return SimOutcome(
+            results=(),
+            duration_s=duration_s,
+            stats=stats,
+            wall_s=time.perf_counter() - started,
+            stopped=True,
+            misses=sim.misses,
+        )
     results = sim.results()
     return SimOutcome(
         results=results,
@@ -1746,6 +1825,7 @@ def simulate(
         cache_tokens=tuple(zip(sim.cache_query, sim.cache_hit, strict=True)) if block else (),
         refused=tuple(sim.refused),
         desired=sim.desired,
+        misses=sim.misses,
         busy_s=tuple(sim.busy_s),
         last_busy_s=tuple(sim.last_busy),
         recomputed_tokens=sim.recomputed,

@@ -19,7 +19,9 @@ Two steps, after Aladdin's worker-count prediction (seed 001):
    Aladdin's split-phase evaluation compares placement policies).
 
 Every run replays the same seeded plan of requests, so the search is
-deterministic for a seed.
+deterministic for a seed. A run asked only whether its fleet meets the target
+stops once more scored requests have missed than the target allows (the grow
+step of a two-role search compares attainments, so its runs go to the end).
 """
 
 from __future__ import annotations
@@ -75,11 +77,15 @@ class PlanResult:
     neutral: int
     attainment: float
     estimate: InstanceEstimate
-    #: (prefill, decode, neutral) -> attainment of every simulated fleet.
+    #: (prefill, decode, neutral) -> attainment of every simulated fleet (for a fleet whose run stopped
+    #: once it had missed the target, the most it could have reached: below the target).
     tried: dict[tuple[int, int, int], float] = field(default_factory=dict)
     #: Aladdin's Eq. 7 fitted online over the planned fleet's run (binpack only): k5, c5, R, the
     #: workers it predicts at the rate, and the heartbeats it used.
     worker_model: dict[str, float] | None = None
+    #: The fleets whose simulation stopped once they had missed the target (their ``tried`` value is
+    #: a bound).
+    stopped: frozenset[tuple[int, int, int]] = frozenset()
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -136,9 +142,16 @@ def capacity_estimate(
             chunk_tokens=engine.max_num_batched_tokens,
         )
 
-    model = DesiredInstances(rates, default_tpot_ms=config.tpot_slo_ms)
+    model = DesiredInstances(rates, default_tpot_ms=config.tpot_slo_ms, default_ttft_ms=config.ttft_slo_ms)
     for p in plans:
-        model.observe(p.arrival_s, p.prompt_tokens, float(p.true_output_tokens), tpot_ms=p.slo.tpot_ms or 0.0)
+        model.observe(
+            p.arrival_s,
+            p.prompt_tokens,
+            float(p.true_output_tokens),
+            tpot_ms=p.slo.tpot_ms or 0.0,
+            e2e_ms=p.slo.e2e_ms or 0.0,
+            ttft_ms=p.slo.ttft_ms or 0.0,
+        )
     shape = load_shape(plans, rate)
     want = model.desired(plans[-1].arrival_s if plans else 0.0, shape)
     fluid = rates(shape, config.tpot_slo_ms)
@@ -163,11 +176,12 @@ def plan_fleet(
     num_requests: int = DEFAULT_NUM_REQUESTS,
     seed: int = 0,
     max_instances: int = DEFAULT_MAX_INSTANCES,
-    on_run: Callable[[tuple[int, int, int], float], None] | None = None,
+    on_run: Callable[[tuple[int, int, int], float, bool], None] | None = None,
     queue_policy: str = "none",
     requests: Sequence[RequestPlan] | None = None,
     prefill: int | None = None,
     warmup_s: float = 0.0,
+    stop_early: bool = True,
 ) -> PlanResult:
     """The fewest instances meeting ``target`` (0-1) at ``rate`` (see the module doc).
 
@@ -181,6 +195,9 @@ def plan_fleet(
     ramp: a fleet whose capacity is just below the rate still meets a target there, and the queues
     that make it miss build only later (chat at 40 req/s on 14 neutral instances, JSQ: 99.1 % over
     1,600 requests, 86.3 % over 4,000).
+
+    ``stop_early`` (default): a simulation asked only whether its fleet meets the target stops once it
+    has missed it (see the module doc); off, every simulation runs to the end. The plan is the same.
     """
     if mode not in ("pd", "neutral"):
         raise PlanError(f"--mode must be pd or neutral, got {mode!r}")
@@ -214,10 +231,19 @@ def plan_fleet(
     tried: dict[tuple[int, int, int], float] = {}
     queue = QueueConfig(queue_policy=queue_policy)
     outcomes: dict[tuple[int, int, int], Any] = {}
+    # A search step that only asks whether a fleet meets the target stops its simulation once more
+    # scored requests have missed than the target allows (the answer is then known: it misses). Most
+    # of a plan's simulations are of fleets too small, and past capacity a run is slowest (the router
+    # queue grows); a run that meets the target is the same run either way, so the plan is too.
+    scored_n = sum(1 for p in plans if p.arrival_s >= scored_from) if warmup_s > 0 else len(plans)
+    allowed = _misses_allowed(scored_n, target)
+    stopped: set[tuple[int, int, int]] = set()
 
-    def attainment(counts: tuple[int, int, int]) -> float:
+    def attainment(counts: tuple[int, int, int], exact: bool = False) -> float:
+        """The fleet's attainment; unless ``exact``, an upper bound below ``target`` for a fleet that
+        misses it (its simulation stopped early)."""
         found = tried.get(counts)
-        if found is not None:
+        if found is not None and not (exact and counts in stopped):
             return found
         p, d, n = counts
         fleet = fleets.get(counts)
@@ -226,13 +252,21 @@ def plan_fleet(
                 fleet_from_counts(prefill=p, decode=d, neutral=n, profile=profile, engine=engine),
                 profile_label=config.profile_label,
             )
-        outcome = simulate(fleet, config, plans, seed=seed, queue=queue)
-        scored = [r for r in outcome.results if r.start_s >= scored_from] if warmup_s > 0 else outcome.results
-        value = summarize(scored, outcome.duration_s, class_slos=spec.class_slos()).overall.slo_attainment
+        limit = None if exact or not stop_early else (scored_from, allowed)
+        outcome = simulate(fleet, config, plans, seed=seed, queue=queue, miss_limit=limit)
+        if outcome.stopped:
+            value = 1.0 - outcome.misses / max(scored_n, 1)
+            stopped.add(counts)
+        else:
+            scored = (
+                [r for r in outcome.results if r.start_s >= scored_from] if warmup_s > 0 else outcome.results
+            )
+            value = summarize(scored, outcome.duration_s, class_slos=spec.class_slos()).overall.slo_attainment
+            stopped.discard(counts)
+            outcomes[counts] = outcome
         tried[counts] = value
-        outcomes[counts] = outcome
         if on_run is not None:
-            on_run(counts, value)
+            on_run(counts, value, outcome.stopped)
         return value
 
     probe = SimFleet(fleet_from_counts(neutral=1, profile=profile, engine=engine))
@@ -266,7 +300,8 @@ def plan_fleet(
                 f"{rate:g} req/s (best: {100 * max(tried.values()):.1f}%); raise --max-instances"
             )
         options = [bump(counts, role, +1) for role in roles]
-        counts = max(options, key=lambda c: (attainment(c), -c[0]))
+        # With two roles the options are compared by their attainment: those runs go to the end.
+        counts = max(options, key=lambda c: (attainment(c, exact=len(options) > 1), -c[0]))
 
     # Shrink: drop instances while the target still holds.
     def shrink(c: tuple[int, int, int]) -> tuple[int, int, int]:
@@ -295,7 +330,7 @@ def plan_fleet(
         if better is None:
             break
         counts = shrink(better)
-    final = attainment(counts)
+    final = attainment(counts, exact=True)
     worker_model = None
     if config.scheduling_policy == "binpack" and not config.enable_adaptive_pd:
         worker_model = _fit_worker_model(plans, outcomes[counts].results, rate)
@@ -310,7 +345,18 @@ def plan_fleet(
         estimate=estimate,
         tried=dict(tried),
         worker_model=worker_model,
+        stopped=frozenset(stopped),
     )
+
+
+def _misses_allowed(scored: int, target: float) -> int:
+    """The most misses among ``scored`` requests that still meet ``target`` (as ``summarize`` divides)."""
+    k = max(int(scored * (1.0 - target)), 0)
+    while k > 0 and (scored - k) / scored < target:
+        k -= 1
+    while k < scored and (scored - k - 1) / scored >= target:
+        k += 1
+    return k
 
 
 #: Heartbeat of the worker-count model's samples in ``plan`` (s).
@@ -481,12 +527,19 @@ def run(args: argparse.Namespace) -> int:
         print(error_line(f"{flag}: {exc}"), file=sys.stderr)
         return 2
 
-    def progress(counts: tuple[int, int, int], value: float) -> None:
+    def progress(counts: tuple[int, int, int], value: float, stopped: bool) -> None:
         if args.no_progress:
             return
         p, d, n = counts
         fleet = f"{n} neutral" if args.mode == "neutral" else f"{p} prefill + {d} decode"
-        print(f"  {fleet}: {100 * value:.1f}%", file=sys.stderr, flush=True)
+        if stopped:  # (the search knows enough: more scored requests missed than the target allows)
+            print(
+                f"  {fleet}: below {100 * target:g}% (at most {100 * value:.1f}%)",
+                file=sys.stderr,
+                flush=True,
+            )
+        else:
+            print(f"  {fleet}: {100 * value:.1f}%", file=sys.stderr, flush=True)
 
     queue_policy = args.queue_policy or ("edf" if args.policy == "binpack" else "none")
     try:

@@ -398,12 +398,12 @@ class Queued:
         out: list[Action] = []
         for entry in entries:
             if not entry.late:
-                ahead += entry.request.prompt_tokens
+                ahead += queue.work_tokens(entry)
                 continue
             remaining_ms = limit_ms - (now - entry.enqueued_s) * 1e3
             start_ms = drain.start_ms(ahead)
             if start_ms <= remaining_ms or queue.remove(entry.request_id) is None:
-                ahead += entry.request.prompt_tokens
+                ahead += queue.work_tokens(entry)
                 continue
             error = QueueTimeoutError(
                 f"request {entry.request_id!r} cannot start for at least {start_ms:.0f} ms (the "

@@ -357,6 +357,8 @@ class QueueEntry:
     token: Any = None
     #: Its last failed placement attempt (see :class:`Refusal`), or None.
     refusal: Refusal | None = None
+    #: The prompt tokens it must prefill at best (:meth:`RouterQueue.work_tokens`; -1: not known yet).
+    work: int = -1
 
     @property
     def request_id(self) -> str:
@@ -672,6 +674,9 @@ class RouterQueue:
         self.planner = planner
         #: Waiting entries :func:`offer` found refused again by a :class:`ThresholdHold`, without a decision.
         self.held = 0
+        #: The router's knowledge of the instances' prefix caches (None: off), set by :func:`offer`:
+        #: what the work queued in front of a request costs (:meth:`work_tokens`).
+        self.prefix: PrefixSource | None = None
         if self.policy is QueuePolicy.SA and planner is None:
             raise ConfigError("queue_policy='sa' needs a planner: pass router.core.sa.SAPlanner(config)")
         # The queue's own drain: (time, prompt tokens) of dispatches, and since when on-time entries wait.
@@ -907,19 +912,41 @@ class RouterQueue:
         self._fresh.clear()
         return out
 
+    def work_tokens(self, entry: QueueEntry) -> int:
+        """The prompt tokens ``entry`` must prefill at best: its prompt less the longest prefix the
+        router knows an instance's cache to hold (:func:`~router.core.prefix.best_cached_tokens`; the
+        whole prompt without prefix knowledge). Looked up once per entry and kept.
+
+        The hopeless test and the late sweep count the work queued in front of a request in these
+        tokens: a queued prompt that is mostly cached somewhere puts only its uncached part on the
+        fleet's prefill, so counting it whole judged the requests behind it hopeless (late at once,
+        behind every on-time entry) when the fleet could serve them in time. Kept from the first
+        lookup: a prefix cached later only makes the count a little high, as it was before.
+        """
+        work = entry.work
+        if work < 0:
+            request = entry.request
+            work = entry.work = request.prompt_tokens - best_cached_tokens(
+                self.prefix, request.prefix_hashes, request.prompt_tokens
+            )
+        return work
+
     def tokens_before(self, entry: QueueEntry) -> int:
-        """Prompt tokens of the on-time entries ahead of on-time ``entry`` in offer order (O(position))."""
+        """Prompt tokens (:meth:`work_tokens`) of the on-time entries ahead of on-time ``entry`` in
+        offer order (O(position))."""
         rank = self._order.rank((*self._order_key(entry), entry.request_id))
         entries = self._entries
-        return sum(entries[key[-1]].request.prompt_tokens for key in self._order.keys[:rank])
+        return sum(self.work_tokens(entries[key[-1]]) for key in self._order.keys[:rank])
 
     def note_dispatch(self, now_s: float, prompt_tokens: int) -> None:
-        """An entry was dispatched at ``now_s`` (for the drain rate)."""
+        """An entry was dispatched at ``now_s`` with ``prompt_tokens`` to prefill at best (its
+        :meth:`work_tokens`), for the drain rate."""
         self._dispatched.add(now_s, prompt_tokens, now_s - self.config.drain_window_ms * 1e-3)
 
     def drain_rate(self, now_s: float) -> float | None:
-        """Prompt tokens per ms the queue dispatched while on-time entries waited, over up to
-        ``drain_window_ms`` (``None``: no window, backlogged for under a tenth of it, or nothing dispatched)."""
+        """Prompt tokens to prefill (:meth:`work_tokens`) per ms the queue dispatched while on-time
+        entries waited, over up to ``drain_window_ms`` (``None``: no window, backlogged for under a
+        tenth of it, or nothing dispatched): the unit the work in front of a request is counted in."""
         window_ms = self.config.drain_window_ms
         since = self._backlogged_since
         if window_ms <= 0 or since is None:
@@ -1524,7 +1551,7 @@ def overlong(
     limit = queue.shed_limit_ms(now_s)
     if not math.isfinite(limit) or request.priority > queue.lowest_priority():
         return None  # a more important request is never shed while less important traffic comes
-    best_ttft = drain.start_ms(tokens_ahead) + drain.idle_ms(request.prompt_tokens)
+    best_ttft = drain.start_ms(tokens_ahead) + drain.idle_ms(drain.compute_tokens(request))
     tpot = queue.decode_ms_per_token()
     if tpot is None:
         tpot = targets.tpot_ms
@@ -1631,6 +1658,7 @@ def offer(
         budget = (entry.ttft_deadline_s - now_s) * 1e3
         yield _late(queue, entry, late_reject, math.nan, budget)
     queue.note_backlog(now_s)
+    queue.prefix = scheduler.prefix
     if queue.planner is not None:
         # The sa policy decides which requests go where and when (router/core/sa.py).
         yield from queue.planner.offer(queue, scheduler, source, now_s, schedule)
@@ -1643,6 +1671,7 @@ def offer(
     # dispatch in between: the same table and in-flight columns, at the same ``now_s``) share it.
     last_view: ClusterView | None = None
     last_drain: FleetDrain | None = None
+    # (Prompt tokens here are what each entry must prefill at best: RouterQueue.work_tokens.)
     ahead = 0.0  # prompt tokens of the on-time entries offered so far in this pass (in front of the next)
     dispatched = 0  # prompt tokens this pass dispatched
     only_neutral = False  # whether every schedulable instance is neutral (read with the first view)
@@ -1688,7 +1717,7 @@ def offer(
             elif for_g and (low := overlong(queue, drain, request, targets, ahead, now_s)) is not None:
                 yield _shed(queue, entry, low)
             else:
-                ahead += request.prompt_tokens
+                ahead += queue.work_tokens(entry)
             continue
         targets = resolve_targets(request, queue.default_ttft_ms, queue.default_tpot_ms, now_s)
         if not drained:
@@ -1707,7 +1736,7 @@ def offer(
             if why is not None:  # late now rather than at its deadline
                 yield _late(queue, entry, late_reject, why.predicted_ttft_ms, why.budget_ms, why)
                 continue
-            ahead += request.prompt_tokens
+            ahead += queue.work_tokens(entry)
         if for_g and not entry.late and drain is not None:
             low = overlong(queue, drain, request, targets, in_front, now_s)
             if low is not None:  # requests keep missing: the longest go first, even if placeable now
@@ -1874,8 +1903,9 @@ def offer(
             continue
         failures = 0
         queue.remove(entry.request_id)
-        queue.note_dispatch(now_s, request.prompt_tokens)
-        dispatched += request.prompt_tokens
+        work = queue.work_tokens(entry)
+        queue.note_dispatch(now_s, work)
+        dispatched += work
         yield Offer(entry, Verdict.DISPATCH, decision=decision, budget_ms=targets.ttft_ms)
     queue.scanned(now_s)  # every entry was judged
 

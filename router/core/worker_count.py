@@ -25,7 +25,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from router.core.capacity import InstanceRates, LoadShape, decode_staffing, fluid_demand
+from router.core.capacity import InstanceRates, LoadShape, decode_staffing, fluid_demand, prefill_staffing
 
 #: Samples after which a sample's weight has halved (the default decay).
 HALF_LIFE = 256
@@ -262,6 +262,7 @@ class DesiredInstances:
         *,
         heartbeat_s: float = 10.0,
         default_tpot_ms: float = 50.0,
+        default_ttft_ms: float = 0.0,
         max_relative_sem: float = 0.1,
         min_samples: int = 4,
         min_rate_spread: float = 0.25,
@@ -274,6 +275,9 @@ class DesiredInstances:
         self._rates = rates
         self.heartbeat_s = heartbeat_s
         self.default_tpot_ms = default_tpot_ms
+        #: The TTFT target of a request that reports none and has no e2e target (0: no prefill
+        #: staffing for it, the fluid demand alone).
+        self.default_ttft_ms = default_ttft_ms if math.isfinite(default_ttft_ms) else 0.0
         self.models = {
             role: WorkerCountModel(
                 max_relative_sem=max_relative_sem,
@@ -284,6 +288,8 @@ class DesiredInstances:
             for role in ("prefill", "decode", "neutral")
         }
         self._beat: int | None = None
+        #: The least TTFT need of the last heartbeat closed (0: none known).
+        self._last_ttft = 0.0
         self._reset()
 
     def _reset(self) -> None:
@@ -294,6 +300,7 @@ class DesiredInstances:
         self._len = 0.0
         self._len2 = 0.0
         self._tpot = math.inf
+        self._ttft = math.inf
         self._kinds: dict[tuple[float, float], tuple[int, float, float]] = {}
 
     def observe(
@@ -306,11 +313,14 @@ class DesiredInstances:
         tpot_ms: float = 0.0,
         e2e_ms: float = 0.0,
         paced_tokens: float = 0.0,
+        ttft_ms: float = 0.0,
     ) -> None:
         """One placed request: its prompt, its expected output (``learned``: from finished requests,
         not the prior), its TPOT target and its end-to-end target (0: none; with neither, the
-        default TPOT target applies), and the answer length its deadline is paced by (the router's
-        tail of the length estimate; 0: the expected output)."""
+        default TPOT target applies), the answer length its deadline is paced by (the router's
+        tail of the length estimate; 0: the expected output), and its TTFT target (0: none; a
+        request judged end to end needs its first token within a quarter of its deadline, as
+        ``packing.ttft_need_ms`` places it; with neither, ``default_ttft_ms``)."""
         self._advance(now_s)
         self._n += 1
         self._unlearned += 0 if learned else 1
@@ -321,6 +331,9 @@ class DesiredInstances:
         self._len2 += length * length
         if tpot_ms > 0:
             self._tpot = min(self._tpot, tpot_ms)
+        need = ttft_ms if ttft_ms > 0 else e2e_ms / 4.0 if e2e_ms > 0 else self.default_ttft_ms
+        if need > 0 and math.isfinite(need):
+            self._ttft = min(self._ttft, need)
         kind = (max(tpot_ms, 0.0), max(e2e_ms, 0.0))
         seen = self._kinds.get(kind)
         if seen is not None or len(self._kinds) < MAX_TARGET_KINDS:
@@ -347,7 +360,10 @@ class DesiredInstances:
             cv = math.inf  # not representative: the SEM rule leaves it out
         tpot = self._tpot if math.isfinite(self._tpot) else self.default_tpot_ms
         rates = self._rates(shape, tpot)
-        prefill, decode = fluid_demand(shape, rates)
+        _, decode = fluid_demand(shape, rates)
+        # The prefill side staffed for the least patient TTFT of the heartbeat (capacity.prefill_staffing).
+        self._last_ttft = self._ttft if math.isfinite(self._ttft) else 0.0
+        prefill = prefill_staffing(shape, rates, self._last_ttft)
         decode = decode_staffing(
             decode, rates.decode_batch, slacks=[least_slack(self._kinds, rates, self.default_tpot_ms)]
         )
@@ -362,16 +378,26 @@ class DesiredInstances:
         fits = {role: m.predict(load.rate) for role, m in self.models.items()}
         model = self.models["decode"]
         if all(v is not None for v in fits.values()):
+            # The prefill side is a queue: its demand steps up by whole instances as the load crosses
+            # what c of them keep within the TTFT target (capacity.prefill_staffing), and near a step
+            # Eq. 7's line through a minute of heartbeats falls on either side of it by their noise
+            # (the Azure conversation trace's last minute at 9.8 req/s: the line said 2, two prefill
+            # instances let 8 % of prompts wait past 1 s and the plan on those requests needs 3). The
+            # last window's own load, staffed, is the floor the line may not go under.
+            tpot = self._tpot if math.isfinite(self._tpot) else self.default_tpot_ms
+            floor = math.ceil(prefill_staffing(load, self._rates(load, tpot), self._last_ttft) - 1e-9)
+            staffed = max(int(fits["prefill"] or 0), floor)
             return Desired(
-                int(fits["prefill"] or 0),
+                staffed,
                 int(fits["decode"] or 0),
-                int(fits["neutral"] or 0),
+                int(fits["neutral"] or 0) + staffed - int(fits["prefill"] or 0),
                 True,
                 model.samples,
                 model.rejected,
             )
         rates = self._rates(load, self.default_tpot_ms)
-        prefill, decode = fluid_demand(load, rates)
+        _, decode = fluid_demand(load, rates)
+        prefill = prefill_staffing(load, rates, self.default_ttft_ms)
         decode = decode_staffing(decode, rates.decode_batch)
         return Desired(
             max(1, math.ceil(prefill - 1e-9)),

@@ -85,3 +85,23 @@ def test_each_request_carries_the_cap_and_a_stop_string_that_ends_the_sim_answer
         text = output_text(key, plan.max_tokens)
         assert text.find(stop) + len(stop) == length
     assert shorter > 30
+
+
+def test_held_back_requests_are_judged_by_the_same_request_in_the_peers_run() -> None:
+    from bench import bench_peers_prefix
+    from workload.report import RequestResult
+    from workload.spec import SloTarget
+
+    slo = SloTarget(ttft_ms=1000.0, tpot_ms=50.0)
+
+    def result(index: int, ttft_ms: float, tpot_ms: float = 40.0) -> RequestResult:
+        return RequestResult(
+            index=index, class_name="c", slo=slo, prompt_tokens=10, max_tokens=10, completion_tokens=10,
+            ttft_ms=ttft_ms, tpot_ms=tpot_ms, e2e_ms=ttft_ms + 9 * tpot_ms,
+        )  # fmt: skip
+
+    ours = [result(0, 300.0), result(1, 7000.0), result(2, 30000.0), result(3, 6001.0)]
+    # The peer met request 1 and 0, missed 2 on TTFT and 3 on TPOT; request 3 is 1 ms past the margin.
+    peer = [result(0, 200.0), result(1, 400.0), result(2, 1500.0), result(3, 300.0, tpot_ms=60.0)]
+    assert bench_peers_prefix.held_back_against(ours, peer) == (3, 1, 0)
+    assert bench_peers_prefix.held_back_against(ours[:1], peer) == (0, 0, 0)

@@ -65,10 +65,31 @@ def test_plan_scores_only_the_requests_after_the_warmup() -> None:
     result = plan_fleet(
         load_workload("chat"), RATE, TARGET, config, num_requests=REQUESTS, seed=0, prefill=3, warmup_s=warmup
     )
-    for (p, d, _), value in result.tried.items():
-        assert value == pytest.approx(_attainment(p, d, config, warmup))
+    for (p, d, n), value in result.tried.items():
+        full = _attainment(p, d, config, warmup)
+        if (p, d, n) in result.stopped:  # stopped once it missed: a bound, below the target
+            assert full <= value < TARGET
+        else:
+            assert value == pytest.approx(full)
     # The ramp is easier than the loaded state: scored whole, an undersized fleet looks better.
     assert _attainment(3, 1, config) > _attainment(3, 1, config, warmup)
+
+
+def test_stopping_a_run_once_it_misses_leaves_the_plan_as_it_was() -> None:
+    """A search step that only asks whether a fleet meets the target stops its run once more scored
+    requests missed than the target allows: the same fleets tried, the same answer, a bound below the
+    target for each stopped run (and the runs that stopped took fewer simulated events)."""
+    config = SchedulerConfig(**policy_overrides("slo"))
+    kwargs = {"num_requests": REQUESTS, "seed": 0, "prefill": 3, "warmup_s": 5.0}
+    fast = plan_fleet(load_workload("chat"), RATE, TARGET, config, **kwargs)  # type: ignore[arg-type]
+    slow = plan_fleet(load_workload("chat"), RATE, TARGET, config, stop_early=False, **kwargs)  # type: ignore[arg-type]
+    assert (fast.prefill, fast.decode, fast.attainment) == (slow.prefill, slow.decode, slow.attainment)
+    assert fast.tried.keys() == slow.tried.keys() and not slow.stopped
+    assert fast.stopped, "the search tried a fleet too small"
+    for counts in fast.stopped:
+        assert slow.tried[counts] <= fast.tried[counts] < TARGET
+    for counts in fast.tried.keys() - fast.stopped:
+        assert fast.tried[counts] == slow.tried[counts]
 
 
 def test_plan_json_has_the_counts_target_and_rate(capsys: pytest.CaptureFixture[str]) -> None:

@@ -291,6 +291,29 @@ def test_an_e2e_request_is_paced_by_its_length_bound_when_an_instance_can_keep_t
     assert value == pytest.approx((2000.0 - ttft) / 63 / 0.7)
 
 
+def test_a_tail_pace_no_instance_keeps_now_gives_way_to_the_expected_lengths_pace() -> None:
+    """The bound's pace an idle instance keeps, but every instance of the fleet is too busy for it
+    now: waiting only shortens the deadline, so the request is paced by its expected length (the
+    pace it can still keep) and (b) admits it where that pace holds, instead of refusing it."""
+    from router.core.packing import packing_tpot_target_ms
+
+    scheduler = make_scheduler("binpack", tpot_slo_ms=50.0)
+    busy = make_snapshot(
+        inst("a", "neutral", decode_requests=40, decode_tokens=40_000, used_kv_tokens=40_000),
+        inst("b", "neutral", decode_requests=40, decode_tokens=40_000, used_kv_tokens=40_000),
+    )
+    request = make_request("r", 256, e2e_slo_ms=4000.0, expected_output_tokens=64, output_tokens_bound=200)
+    ctx = _ctx_with_legs(scheduler, busy, request, lambda view: None)
+    ttft = float(np.nanmin(ctx.metric("predicted_ttft")))
+    horizon = float(np.min(ctx.metric("predicted_tpot_horizon")))
+    tail, typical = (4000.0 - ttft) / 199, (4000.0 - ttft) / 63
+    assert tail < horizon < typical, (tail, horizon, typical)  # the scenario: only the mean's pace holds
+    assert packing_tpot_target_ms(ctx, 256, 0.7) == pytest.approx(min(typical, 0.7 * 50.0) / 0.7)
+    # (b) now reads the horizon against that need, not against the tail's pace (which refused all).
+    need = min(typical, 0.7 * 50.0) / 0.7
+    assert float(np.min(ctx.metric("tpot_horizon_over_need"))) == pytest.approx(horizon / need)
+
+
 def test_binpack_keeps_a_residents_tighter_need_when_placing_a_looser_request() -> None:
     """(b) holds for every request the instance holds: a chat request whose own target the fullest
     decoder meets goes elsewhere when a resident there must keep a faster pace."""
@@ -441,6 +464,18 @@ def test_constraint_d_takes_each_residents_own_need() -> None:
     assert float(tight.metric("prefill_over_atgt_slack")[0]) > float(
         loose.metric("prefill_over_atgt_slack")[0]
     )
+    # A need below the default target is a deadline's pace over θ: (d) counts the slack against the
+    # pace itself (need × θ), the time the deadline leaves, which is what the policy's metric does.
+    theta = scheduler.config.binpack_theta
+    paced = float(atgt_slack_ms(tight, 60.0, theta)[0])
+    assert paced == pytest.approx(100 * (30 * theta - step_now) + 200 * (30 * theta - step_new))
+    from router.core.packing import prefill_stall_ms
+
+    stall = float(prefill_stall_ms(tight)[0])
+    if paced > 0:
+        assert float(tight.metric("prefill_over_atgt_slack")[0]) == pytest.approx(stall / paced)
+    else:
+        assert float(tight.metric("prefill_over_atgt_slack")[0]) == math.inf
 
 
 # ----------------------------------------------------------------------------- SCLS (002): admission on a continuous-batching engine
@@ -598,6 +633,32 @@ def test_binpack_holds_the_horizon_to_the_learned_theta() -> None:
     learned = scheduler.context(scheduler.view(snapshot, NOW), request)
     theta = scheduler.config.binpack_theta
     assert float(learned.metric("tpot_horizon_over_need")[d]) == pytest.approx(ratio * theta / 1.0)
+
+
+def test_a_fleet_of_colocated_instances_keeps_the_configured_theta() -> None:
+    """On neutral instances (b) and (d) share the residents' TPOT need: a learned θ above the
+    configured one would let (b) pack the decode step up to the need and leave (d) no slack for any
+    prompt. There (b) holds the horizon to --binpack-theta whatever the fit says, and so does the
+    need a deadline-paced request records."""
+    from router.core.packing import live_theta
+    from router.core.theta import ThetaFit
+
+    scheduler = make_scheduler("binpack", tpot_slo_ms=50.0)
+    snapshot = make_snapshot(
+        inst("a", "neutral", decode_requests=6, decode_tokens=3000, used_kv_tokens=3000), inst("b", "neutral")
+    )
+    request = make_request("chat", 256, expected_output_tokens=100)
+    fixed = scheduler.context(scheduler.view(snapshot, NOW), request)
+    a = fixed.view.instances.index["a"]
+    ratio = float(fixed.metric("tpot_horizon_over_need")[a])
+    assert scheduler.predictors is not None
+    scheduler.predictors.theta = ThetaFit(1.0)
+    learned = scheduler.context(scheduler.view(snapshot, NOW), request)
+    assert live_theta(learned, scheduler.config) == scheduler.config.binpack_theta
+    assert float(learned.metric("tpot_horizon_over_need")[a]) == pytest.approx(ratio)
+    # The same fit on a fleet with a decoder is in force.
+    pd = make_snapshot(inst("p", "prefill"), inst("d", "decode"))
+    assert live_theta(scheduler.context(scheduler.view(pd, NOW), request), scheduler.config) == 1.0
 
 
 @PROPS

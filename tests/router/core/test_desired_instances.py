@@ -177,3 +177,85 @@ def test_a_deadline_paced_by_its_length_tail_keeps_the_whole_margin() -> None:
     loose = run(0.0).desired(120.0, shape).decode
     tight = run(200.0).desired(120.0, shape).decode
     assert (loose, tight) == (3, 4)
+
+
+def test_erlang_c_matches_the_closed_forms() -> None:
+    from router.core.capacity import erlang_c
+
+    assert erlang_c(1, 0.5) == pytest.approx(0.5)  # M/M/1: an arrival waits with probability ρ
+    assert erlang_c(2, 1.0) == pytest.approx(1 / 3)  # (a²/2 · 2/(2 − a)) / (1 + a + that)
+    assert erlang_c(3, 3.0) == 1.0 and erlang_c(3, 0.0) == 0.0
+
+
+#: A prefill instance of the bundled profile: 2,048-token chunks in 274.65 ms, 80 % of that rate.
+PREFILL_RATES = InstanceRates(
+    prefill_tokens_per_s=0.8 * 2048 / 0.27465,
+    decode_tokens_per_s=1_000.0,
+    decode_batch=46,
+    decode_step_ms=42.0,
+)
+
+
+def test_few_prefill_instances_are_staffed_for_the_ttft_target_not_a_utilisation_cap() -> None:
+    """The Azure conversation trace's last minute at 12 req/s: 9.7 req/s of 1,212-token prompts. At
+    80 % of their full rate that is 1.97 prefill instances, so 2; but on two instances a prompt waits
+    past the 1 s TTFT target about 8 % of the time (Erlang's C, 0.70, times exp(−(c − a)·t/s) with
+    a = 1.58, s = 0.16 s, t = 0.84 s), and ``plan`` needs three there (2 + 3 met 92.8 %)."""
+    from router.core.capacity import prefill_staffing
+
+    load = LoadShape(9.7, 1212.0, 265.0)
+    fluid, _ = fluid_demand(load, PREFILL_RATES)
+    assert math.ceil(fluid) == 2
+    assert math.ceil(prefill_staffing(load, PREFILL_RATES, 1000.0)) == 3
+    # At 8 req/s two keep the tail (1.2 %): fractional between the offered load and 2, so a
+    # heartbeat a little busier does not read as a whole instance more.
+    eight = LoadShape(8.0, 1212.0, 265.0)
+    assert 1.5 < prefill_staffing(eight, PREFILL_RATES, 1000.0) <= 2.0
+    # Without a TTFT target, or one a prompt alone cannot keep, the fluid demand stands.
+    assert prefill_staffing(load, PREFILL_RATES, 0.0) == fluid
+    assert prefill_staffing(load, PREFILL_RATES, 100.0) == fluid
+    # Many instances share the queue: the utilisation cap already holds, the staffing adds nothing.
+    big = LoadShape(60.0, 1212.0, 265.0)
+    assert prefill_staffing(big, PREFILL_RATES, 1000.0) == pytest.approx(fluid_demand(big, PREFILL_RATES)[0])
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rate=st.floats(0.1, 200.0),
+    prompt=st.floats(16.0, 8192.0),
+    ttft=st.floats(0.0, 10_000.0),
+)
+def test_prefill_staffing_is_never_below_the_fluid_demand_and_keeps_the_wait_tail(
+    rate: float, prompt: float, ttft: float
+) -> None:
+    from router.core.capacity import PREFILL_WAIT_TAIL, erlang_c, prefill_staffing
+
+    load = LoadShape(rate, prompt, 100.0)
+    fluid, _ = fluid_demand(load, PREFILL_RATES)
+    staffed = prefill_staffing(load, PREFILL_RATES, ttft)
+    assert staffed >= fluid
+    full = PREFILL_RATES.prefill_tokens_per_s / PREFILL_RATES.prefill_utilisation
+    service, offered = prompt / full, rate * prompt / full
+    wait = ttft / 1000.0 - service
+    if staffed > fluid and wait > 0:
+        c = math.ceil(staffed)
+        assert erlang_c(c, offered) * math.exp(-(c - offered) * wait / service) <= PREFILL_WAIT_TAIL
+        if c - 1 > offered:  # the least such count
+            tail = erlang_c(c - 1, offered) * math.exp(-(c - 1 - offered) * wait / service)
+            assert tail > PREFILL_WAIT_TAIL
+
+
+def test_the_signal_staffs_the_prefill_side_for_the_least_ttft_target_it_saw() -> None:
+    """Fed 9.7 req/s of 1,212-token prompts with a 1 s TTFT target, the signal asks 3 prefill
+    instances; the same load with no TTFT target, the fluid demand's 2."""
+
+    def rates(load: LoadShape, tpot_ms: float) -> InstanceRates:
+        return PREFILL_RATES
+
+    for ttft, want in ((1000.0, 3), (0.0, 2)):
+        model = DesiredInstances(rates, heartbeat_s=10.0)
+        n = int(9.7 * 120)
+        for k in range(n):
+            model.observe(k / 9.7, 1212, 265.0, tpot_ms=50.0, ttft_ms=ttft)
+        got = model.desired(n / 9.7, LoadShape(9.7, 1212.0, 265.0))
+        assert got.fitted and got.prefill == want, (ttft, got)

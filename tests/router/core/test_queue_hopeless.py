@@ -496,3 +496,55 @@ def test_a_prior_length_does_not_make_an_e2e_request_hopeless() -> None:
         targets = resolve_targets(request, DEFAULT_TTFT, DEFAULT_TPOT, NOW)
         why = hopeless(drain, request, targets, 0.0, NOW)
         assert (why is not None) is hopeless_expected
+
+
+# --------------------------------------------------------------------------- cached prefixes in the queue
+
+
+def _cached_family(s: Any, prompt: int, instance: str = "p0") -> tuple[int, ...]:
+    """Block hashes of a ``prompt``-token prompt whose every block but the last ``instance`` holds."""
+    hashes = tuple(token_block_hashes(list(range(prompt)), 256))
+    assert s.prefix is not None
+    s.prefix.dispatched(instance, hashes[:-1], 1_000_000)
+    return hashes
+
+
+def test_work_in_front_counts_only_the_uncached_part_of_each_queued_prompt() -> None:
+    """Six 8,000-token prompts queued in front make a 1 s request hopeless when they must prefill in
+    full (see test_request_behind_a_long_queue_turns_late_at_enqueue_not_at_its_deadline); when the
+    router knows all but their last 320 tokens cached on p0 they are 1,920 tokens of work, and the
+    request behind them is not judged late."""
+    s = make_scheduler(prefix_cache_routing="approximate", prefix_block_tokens=256)
+    hashes = _cached_family(s, 8000)
+    q = make_queue("fcfs", late_policy="reject")
+    for k in range(6):
+        q.push(req(f"big{k}", prompt_tokens=8000, ttft_slo_ms=60_000.0, prefix_hashes=hashes), NOW)
+    q.push(req("tight", prompt_tokens=256, ttft_slo_ms=1000.0), NOW)
+    results = {r.entry.request_id: r for r in offer(q, s, lambda: _pd(), NOW)}
+    assert results["tight"].hopeless is None and results["tight"].verdict is not Verdict.REJECT
+    entry = q.get("big0")
+    assert entry is None or q.work_tokens(entry) == 8000 - 30 * 256
+    # The same queue without the prefix knowledge: the tight request is hopeless, as before.
+    plain = make_scheduler()
+    q = make_queue("fcfs", late_policy="reject")
+    for k in range(6):
+        q.push(req(f"big{k}", prompt_tokens=8000, ttft_slo_ms=60_000.0, prefix_hashes=hashes), NOW)
+    q.push(req("tight", prompt_tokens=256, ttft_slo_ms=1000.0), NOW)
+    results = {r.entry.request_id: r for r in offer(q, plain, lambda: _pd(), NOW)}
+    assert results["tight"].verdict is Verdict.REJECT and results["tight"].hopeless is not None
+
+
+def test_the_drain_rate_counts_each_dispatch_by_its_uncached_part() -> None:
+    """What a dispatch adds to the measured drain is its work (uncached part), the unit the work in
+    front of a request is counted in."""
+    s = make_scheduler(prefix_cache_routing="approximate", prefix_block_tokens=256)
+    hashes = _cached_family(s, 8000)
+    q = make_queue("fcfs", drain_window_ms=1000.0)
+    big = req("big", prompt_tokens=8000, ttft_slo_ms=60_000.0, tpot_slo_ms=1000.0, prefix_hashes=hashes)
+    q.push(big, NOW)
+    q.push(req("other", prompt_tokens=256, ttft_slo_ms=60_000.0), NOW)
+    q.note_backlog(NOW)
+    results = list(offer(q, s, lambda: _pd(), NOW + 0.5))
+    assert results[0].verdict is Verdict.DISPATCH
+    rate = q.drain_rate(NOW + 1.0)
+    assert rate is not None and rate * 1000.0 <= 320 + 256
