@@ -37,6 +37,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -52,9 +53,9 @@ from bench.figures import Figure, print_load_average, without_vllm
 #: (concurrent streams, requests per stream) of one run: the Done-when figures are tokens/s at 16
 #: and 64 streams and TTFT at 1 and 16.
 WORKLOAD: tuple[tuple[int, int], ...] = ((1, 6), (16, 2), (64, 1))
-#: Counted rounds (a warm-up round runs before them); the real engine's round takes about 30 s on
-#: a quiet 2-core host, so the whole benchmark fits in about 6 minutes with the engine's start.
-ROUNDS = 7
+#: Counted rounds (a warm-up round runs before them); a round took 15-20 s on the real engine on
+#: the loaded 2-core host, so the whole benchmark fits in about 5 minutes with the engine's start.
+ROUNDS = 10
 IDLE_PAUSE_S = 1.0
 PROMPT_TOKENS = 64
 OUTPUT_TOKENS = 128
@@ -221,7 +222,9 @@ def _wait_line(path: Path, marker: str, proc: subprocess.Popen[bytes], timeout_s
     raise RuntimeError(f"no {marker!r} in {path} within {timeout_s} s")
 
 
-async def _run(root: Path, engine_spec: str, rounds: int, workload: tuple[tuple[int, int], ...]) -> Pairs:
+async def _run(
+    root: Path, engine_spec: str, rounds: int, workload: tuple[tuple[int, int], ...], router_args: list[str]
+) -> Pairs:
     import grpc
     from slorouter.v1 import router_pb2_grpc
     from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vllm_pb2_grpc
@@ -269,6 +272,7 @@ async def _run(root: Path, engine_spec: str, rounds: int, workload: tuple[tuple[
             str(model),
             "--scheduling-policy",
             "load-balance",
+            *router_args,
         )
         _wait_line(router_log, "health: SERVING", router, 60)
         print(f"router pid {router.pid}", flush=True)
@@ -381,6 +385,11 @@ def main(argv: list[str] | None = None) -> list[Figure]:
         default=",".join(str(c) for c, _ in WORKLOAD),
         help="concurrencies, comma-separated, from %(default)s (default: all)",
     )
+    parser.add_argument(
+        "--router-args",
+        default="",
+        help='extra flags for the router, e.g. "--queue-policy none" (default: none)',
+    )
     options = parser.parse_args([] if argv is None else argv)
     per_stream = dict(WORKLOAD)
     try:
@@ -402,7 +411,9 @@ def main(argv: list[str] | None = None) -> list[Figure]:
     began = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench-vllm-stock-") as tmp:
         try:
-            pairs = asyncio.run(_run(Path(tmp), options.engine, options.rounds, workload))
+            pairs = asyncio.run(
+                _run(Path(tmp), options.engine, options.rounds, workload, shlex.split(options.router_args))
+            )
         except RuntimeError as exc:
             print(f"the stock-engine benchmark failed: {exc}")
             return [Figure(what, f"not measured: {str(exc)[:200]}")]
@@ -412,7 +423,7 @@ def main(argv: list[str] | None = None) -> list[Figure]:
     )
     engine = "tiny Llama (float32, eager, max_num_seqs 64)" if options.engine == "real" else options.engine
     print(
-        f"workload: {PROMPT_TOKENS}-token prompts, {OUTPUT_TOKENS} output tokens, {engine}; per concurrency "
+        f"router flags: {options.router_args or '(defaults)'}; workload: {PROMPT_TOKENS}-token prompts, {OUTPUT_TOKENS} output tokens, {engine}; per concurrency "
         f"{', '.join(f'{c}×{n}' for c, n in workload)} (streams × requests each); router = slo-router router "
         "(own process) → vLLM's gRPC; ratio and TTFT added are per round (router vs direct back to back), "
         "summarized as the median over rounds (min–max)"
