@@ -16,11 +16,13 @@ per-request polling loop: a pass is one synchronous call, coalesced with
 A dispatcher that never waits (``none``) answers an arrival at once: no
 future, no queue.
 
-A placement may carry a cap (``slice``): the service streams the leg with
-``max_tokens`` at it, and a leg that ends there with output left calls
-:meth:`Admission.paused` (the lifecycle's pause and requeue), which hands the
-dispatcher a :class:`~router.core.dispatch.Paused` event and waits for the
-placement of the rest, as :meth:`resume` does after an eviction.
+A placement may carry a cap (``slice``): the service counts the tokens the leg
+relays, and a leg that reaches the cap with output left calls
+:meth:`Admission.pause` (the lifecycle's pause and requeue), which hands the
+dispatcher a :class:`~router.core.dispatch.Paused` event; a placement that
+:attr:`Admitted.continues` lets the leg run on where it is, any other stops it
+and waits (:meth:`placed`) for the placement of the rest, as :meth:`resume`
+does after an eviction.
 
 What is router-only (the simulator's driver, :mod:`sim.cluster`, has no
 clients): a running request is stopped through the :class:`RunHandle` the
@@ -77,6 +79,8 @@ class Admitted:
     late: bool = False
     #: The most new tokens this placement may generate (0: to the end); see :meth:`Admission.paused`.
     cap: int = 0
+    #: The paused leg goes on where it runs (:attr:`~router.core.dispatch.Action.continues`).
+    continues: bool = False
 
 
 @dataclass
@@ -253,12 +257,22 @@ class Admission:
         placement's in-flight entries go, the dispatcher hears :class:`~router.core.dispatch.Paused`
         with the ``tokens`` produced so far, and the request resumes after them where it is placed.
         """
+        return await self.placed(request_id, self.pause(request_id, tokens))
+
+    def pause(self, request_id: str, tokens: int) -> asyncio.Future[Admitted]:
+        """:meth:`paused` up to the dispatcher's answer: the placement of the rest, done when the
+        dispatcher placed it at once (then the caller may keep a leg that
+        :attr:`Admitted.continues` running); await it with :meth:`placed`."""
         self.placer.release(request_id)
         loop = asyncio.get_running_loop()
         self._loop = loop
         future: asyncio.Future[Admitted] = loop.create_future()
         self._waiting[request_id] = future
         self._run(Paused(request_id, tokens), self._clock())
+        return future
+
+    async def placed(self, request_id: str, future: asyncio.Future[Admitted]) -> Admitted:
+        """The placement :meth:`pause` asked for (a cancel while it waits leaves the queue)."""
         return await self._wait(request_id, future)
 
     def dry_run_queue(self) -> RouterQueue | None:
@@ -386,7 +400,7 @@ class Admission:
             return
         route = self.placer.commit(decision, now)
         self.observer.queue_waited(action.waited_s)
-        future.set_result(Admitted(route, action.waited_s, action.late, action.cap))
+        future.set_result(Admitted(route, action.waited_s, action.late, action.cap, action.continues))
 
     def _evict(self, request_id: str) -> int | None:
         """The dispatcher stops ``request_id`` (see :meth:`Fleet.evict`); the tokens its client has."""

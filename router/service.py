@@ -115,36 +115,23 @@ async def _close_stream(stream: AsyncIterator[Any]) -> None:
         await close()
 
 
-def _capped(
-    sampling: common_pb2.SamplingParams, tokens: int, cap: int
-) -> tuple[common_pb2.SamplingParams, int]:
-    """``sampling`` for a leg that may generate ``cap`` new tokens after ``tokens`` (``cap`` 0: no cap
-    of its own; ``tokens`` is then the output length to stop at), and that output length (0: none).
+def _cap_end(sampling: common_pb2.SamplingParams, tokens: int, cap: int) -> int:
+    """The output length at which a placement that may generate ``cap`` new tokens after ``tokens``
+    ends (0: no cap of its own, or one at or past the request's own ``max_tokens``).
 
-    A worker's ``max_tokens`` counts the whole output (a ``Decode`` continues after the tokens it is
-    given), so the leg stops at ``tokens + cap``, never past the request's own ``max_tokens``.
+    The router enforces it, not the worker: the leg is asked for the request's whole ``max_tokens``
+    and the router counts the tokens it relays, so that at the cap the dispatcher may let the leg
+    go on where it runs (:attr:`router.admission.Admitted.continues`: the engine never sees the
+    slice's end) or stop it and resume the rest elsewhere.
     """
-    end = min(sampling.max_tokens, tokens + cap) if cap else tokens
-    if not end or end >= sampling.max_tokens:
-        return sampling, 0
-    leg = common_pb2.SamplingParams()
-    leg.CopyFrom(sampling)
-    leg.max_tokens = end
-    return leg, end
+    end = min(sampling.max_tokens, tokens + cap) if cap else 0
+    return 0 if end >= sampling.max_tokens else end
 
 
-def _at_cap(
-    out: Generated, progress: RequestState, sampling: common_pb2.SamplingParams, cap_end: int
-) -> bool:
-    """Whether ``out`` ends a leg at its placement's cap with output left: then it is not the answer's
-    end (the client's stream goes on) and the request is paused (``out`` is changed to say so)."""
-    if not (cap_end and out.finished and out.finish_reason == "length"):
-        return False
-    if len(progress.tokens) >= sampling.max_tokens or len(progress.tokens) < cap_end:
-        return False
-    out.finished = False
-    out.finish_reason = ""
-    return True
+def _at_cap(out: Generated, progress: RequestState, cap_end: int) -> bool:
+    """Whether ``out`` takes the request to its placement's cap with output left (the leg is paused
+    there; an answer that ends at the cap just ends)."""
+    return bool(cap_end) and not out.finished and len(progress.tokens) >= cap_end
 
 
 class Generated:
@@ -217,7 +204,7 @@ class _Started:
     kv_handle: bytes = b""
     #: Neutral: the still-open Generate stream on the instance.
     stream: AsyncIterator[LegTokens] | None = None
-    #: The output length at which this placement's leg stops for its cap (0: none; see _capped).
+    #: The output length at which this placement reaches its cap (0: none; see _cap_end): the router pauses it there.
     cap_end: int = 0
     #: A timed prefill (see Placer.time_prefill): the timing, the prompt tokens computed and when
     #: the first token arrived. Handed to the calibration after the token went out, not before.
@@ -526,9 +513,9 @@ class RouterService(router_pb2_grpc.RouterServicer):
             progress.late = progress.late or admitted.late
             progress.route = route
             progress.to(Phase.PLACED)
-            leg, cap_end = _capped(sampling, 0, admitted.cap)
+            cap_end = _cap_end(sampling, 0, admitted.cap)
             try:
-                started = await self._start(route, req, leg, ledger, progress)
+                started = await self._start(route, req, sampling, ledger, progress)
                 started.cap_end = cap_end
                 return started
             except LegError as exc:
@@ -631,16 +618,33 @@ class RouterService(router_pb2_grpc.RouterServicer):
         )
 
     async def _next_part(
-        self, req: PlacementRequest, sampling: common_pb2.SamplingParams, progress: RequestState
-    ) -> tuple[Choice, int]:
-        """After a leg that ended at its cap: where the rest runs, and its cap's end (see _capped)."""
+        self,
+        req: PlacementRequest,
+        sampling: common_pb2.SamplingParams,
+        progress: RequestState,
+        running: Choice,
+        stream: AsyncIterator[LegTokens] | None,
+    ) -> tuple[Choice, int, bool]:
+        """At a placement's cap: where the rest runs, its cap's end (see _cap_end), and whether the
+        ``stream`` running on ``running`` goes on (else it is closed, which stops the leg on its
+        worker, before the rest waits for a placement)."""
         progress.pause("the slice ended")
         progress.requeue()
-        admitted = await self._admission.paused(req.request_id, len(progress.tokens))
+        future = self._admission.pause(req.request_id, len(progress.tokens))
+        goes_on = (
+            stream is not None
+            and future.done()
+            and not future.cancelled()
+            and future.result().continues
+            and future.result().route.decode.instance_id == running.instance_id
+        )
+        if not goes_on and stream is not None:
+            await _close_stream(stream)
+        admitted = await self._admission.placed(req.request_id, future)
         progress.queue_wait_s += admitted.waited_s
         progress.to(Phase.PLACED)
-        end = _capped(sampling, len(progress.tokens), admitted.cap)[1]
-        return admitted.route.decode, end
+        end = _cap_end(sampling, len(progress.tokens), admitted.cap)
+        return (running if goes_on else admitted.route.decode), end, goes_on
 
     async def _resumed(
         self, req: PlacementRequest, handle: RunHandle, progress: RequestState
@@ -674,7 +678,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         first.late = progress.late
         progress.route = started.route
         cap_end = started.cap_end
-        paused = _at_cap(first, progress, sampling, cap_end)
+        paused = _at_cap(first, progress, cap_end)
         if first.finished:
             first.usage = self._usage(req, progress)
         try:
@@ -701,14 +705,14 @@ class RouterService(router_pb2_grpc.RouterServicer):
         )
         while True:
             if paused:
-                # The leg ended at its placement's cap (a slice): pause, requeue, resume after the
-                # tokens so far where the dispatcher places the rest.
+                # The leg reached its placement's cap (a slice): pause, requeue, and either go on
+                # where it runs (the dispatcher continued it there) or resume after the tokens so
+                # far where the dispatcher places the rest.
                 paused = False
-                if stream is not None:
-                    await _close_stream(stream)
-                stream = None
-                target, cap_end = await self._next_part(req, sampling, progress)
-                kv_handle = b""
+                target, cap_end, goes_on = await self._next_part(req, sampling, progress, target, stream)
+                if not goes_on:
+                    stream = None
+                    kv_handle = b""
             if stream is None:
                 if progress.phase is Phase.PLACED:
                     # Resumed: on a KV still held it decodes at once, else it recomputes its context.
@@ -718,7 +722,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
                     worker_pb2.DecodeRequest(
                         request_id=req.request_id,
                         prompt_token_ids=req.prompt_token_ids,
-                        sampling=_capped(sampling, cap_end, 0)[0] if cap_end else sampling,
+                        sampling=sampling,
                         kv_handle=kv_handle,
                         generated_token_ids=progress.tokens,
                     ),
@@ -755,7 +759,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
                         message.finished,
                         message.finish_reason,
                     )
-                    paused = _at_cap(out, progress, sampling, cap_end)
+                    paused = _at_cap(out, progress, cap_end)
                     if out.finished:
                         out.usage = self._usage(req, progress)
                         yield out

@@ -8,7 +8,12 @@ of a slice is a ``DISPATCH`` with a token cap; the service streams the leg with
 ``max_tokens`` at the cap, and a leg that ends there with output left is the
 lifecycle's pause → requeue → resume (:meth:`router.admission.Admission.paused`):
 the next leg is a ``Decode`` with the tokens generated so far and no KV handle,
-so the instance recomputes prompt + generated tokens. The client sees one
+so the instance recomputes prompt + generated tokens. A next slice placed at once
+on the instance the leg runs on continues that leg instead (``continue_in_place``):
+the worker's leg is asked for the request's whole ``max_tokens`` and the router
+counts the tokens it relays, so at a slice's end it either lets the leg go on
+(the engine never sees that boundary) or closes it (the worker aborts it) and
+starts the rest where it is placed. The client sees one
 stream: a slice's last message is forwarded without ``finished``, and nothing is
 re-sent. Only neutral instances take slices (a slice is prefill and decode on
 one instance); a fleet without schedulable neutral instances refuses the
@@ -39,9 +44,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--slice-tokens new tokens at a time, batched and offloaded max-min to neutral instances (SCLS, "
         "seed 002). On continuous-batching engines slices pay where the KV does not hold the load: "
         "where request dispatch makes the engines preempt about once per ten requests or more, slices "
-        "keep a KV plan that holds, complete every request without preempting and do 1.0x-2.6x the "
-        "work on long prompts and small KV; with long answers (hundreds of tokens) they do 0.88x-0.97x "
-        "(a smaller decode batch), and everywhere they lose SLO attainment to slo (a first slice "
+        "keep a KV plan that holds, complete every request without preempting and do 1.0x-3x the "
+        "work on long prompts and small KV; with long answers (hundreds of tokens) they do 0.9x-1.0x "
+        "(a smaller decode batch; a slice that stays where it ran continues its leg there, so a "
+        "boundary costs a re-prefill only where a slice moves), and everywhere they lose SLO attainment to slo (a first slice "
         "waits for a schedule point and room in the plan: TTFT grows); where the KV holds request "
         "dispatch wins outright (slices 0.91-0.97x, attainment down by up to half). `slo-router simulate --dispatch-modes request,slice,auto` "
         "tells which side of that line a fleet and workload are on. There is no live 'auto': its rule "

@@ -1151,7 +1151,7 @@ class _Simulation:
             if r.tokens == 0:
                 r.queue_wait_s = action.waited_s
             r.late = action.late
-            self._dispatch(idx, r, self.plans[idx], action.decision, now, action.cap)
+            self._dispatch(idx, r, self.plans[idx], action.decision, now, action.cap, action.continues)
         elif outcome is Outcome.REFUSE:
             r.waiting = False
             self.rejected += 1
@@ -1201,7 +1201,14 @@ class _Simulation:
         r.paused_at = r.last_s = now
 
     def _dispatch(
-        self, idx: int, r: _Req, plan: RequestPlan, decision: Decision, now: float, cap: int = 0
+        self,
+        idx: int,
+        r: _Req,
+        plan: RequestPlan,
+        decision: Decision,
+        now: float,
+        cap: int = 0,
+        continues: bool = False,
     ) -> None:
         assert decision.prefill is not None and decision.decode is not None
         previous = r.decode
@@ -1212,7 +1219,9 @@ class _Simulation:
         p = r.prefill = index[decision.prefill.instance_id]
         d = r.decode = index[decision.decode.instance_id]
         if r.tokens:
-            self._resume(idx, r, plan, d, now, cap, cached=self._cached(r, previous, d, now))
+            # A run that continues where it paused this very moment never left its engine (see _resume).
+            goes_on = continues and r.paused_at == now and previous == d
+            self._resume(idx, r, plan, d, now, cap, cached=self._cached(r, previous, d, now), goes_on=goes_on)
             return
         r.predicted_ttft_ms = _finite(decision.prefill.predicted_ttft_ms)
         r.predicted_tpot_ms = _finite(decision.decode.predicted_tpot_ms)
@@ -1274,20 +1283,36 @@ class _Simulation:
         return self.resume_cache and r.paused_at == now and previous == i
 
     def _resume(
-        self, idx: int, r: _Req, plan: RequestPlan, i: int, now: float, cap: int = 0, *, cached: bool = False
+        self,
+        idx: int,
+        r: _Req,
+        plan: RequestPlan,
+        i: int,
+        now: float,
+        cap: int = 0,
+        *,
+        cached: bool = False,
+        goes_on: bool = False,
     ) -> None:
         """Run paused request ``idx`` again on (neutral) instance ``i``: the lifecycle's resume.
 
         Its prompt and the tokens returned so far are recomputed (but for the full blocks still
         ``cached``), at most ``cap`` new tokens when the placement has one; the engine stops at the
-        answer's true end, which the cap left to it may not reach.
+        answer's true end, which the cap left to it may not reach. ``goes_on``: the dispatcher
+        continued the run where it paused (:attr:`~router.core.dispatch.Action.continues`; the
+        router lets the engine's leg run past the cap): its whole context is still in the engine,
+        nothing is recomputed and it goes on as a decode. The engine model ended the run at its cap,
+        so it re-enters through the waiting queue, admitted as a decode at the next step (a step
+        later than the run that never stopped, when the queue's head holds it back).
         """
         rid = str(idx)
         prompt = plan.prompt_tokens + r.tokens
         left = min(plan.max_tokens - r.tokens, r.out - r.tokens)
         new_tokens = max(min(left, cap) if cap else left, 1)
         hit = 0
-        if cached:
+        if goes_on:
+            hit = prompt
+        elif cached:
             block = self.fleet.configs[i].block_size
             hit = min((prompt - 1) // block * block, prompt - 1)
         self.recomputed += prompt - hit

@@ -19,7 +19,9 @@ dispatcher (:mod:`router.core.slice_dispatch`, the object the router runs under
   slice (at once, or at the next schedule point), which prefills the prompt
   and the tokens so far again (what ``recomputed_tokens`` counts; a slice
   resumed at once on the instance it left finds its full blocks in that
-  engine's prefix cache when ``SliceConfig.prefix_cache`` says engines keep them).
+  engine's prefix cache when ``SliceConfig.prefix_cache`` says engines keep them);
+  a slice the dispatcher continues where it ran (``continue_in_place``: the
+  router lets the leg run on) goes on there as a decode, nothing recomputed.
 
 Figures beyond :func:`workload.report.summarize`: ``load_imbalance`` is the
 coefficient of variation (population std / mean) of per-instance busy time,
@@ -366,7 +368,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(requests placed S tokens at a time, batched and offloaded max-min; neutral fleets) and/or auto "
         "(slice where request dispatch makes the engines preempt at least once per ten requests, judged "
         "from a pilot over the run's first requests, which sees a queue only once it has built up: there "
-        "slices hold the KV plan and do 1.0x-2.6x the work, 0.88x-0.97x with long answers, at a lower SLO "
+        "slices hold the KV plan and do 1.0x-3x the work, 0.9x-1.0x with long answers, at a lower SLO "
         "attainment (a first slice waits); where the KV holds request dispatch wins on continuous-batching "
         "engines, 0.91-0.97x for slices); adds "
         "load_imbalance, recomputed_tokens, ... to the JSON",

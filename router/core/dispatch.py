@@ -25,6 +25,9 @@ A placement may be capped (``slice``): its ``DISPATCH`` carries :attr:`Action.ca
 tokens the leg may generate. A leg that ends at its cap with output left is paused, not finished:
 the driver pauses the request (the lifecycle's pause, every token kept), requeues it and hands the
 dispatcher a :class:`Paused` event; the next ``DISPATCH`` resumes it after :attr:`Action.tokens`.
+A ``DISPATCH`` that :attr:`Action.continues` keeps the paused leg running instead: the next part goes
+to the instance the leg runs on, and the engine never sees the boundary (the router lets its leg
+run past the cap; the simulator lets the run go on as a decode, with nothing recomputed).
 
 Actions and the queue's membership: ``QUEUED`` says a request started waiting,
 ``EVICT`` that a running one was stopped and waits again; ``DISPATCH``,
@@ -158,6 +161,10 @@ class Action:
     #: ``DISPATCH``: the most new tokens this placement may generate (0: to the end of the answer).
     #: A leg that reaches it with output left is paused, and the driver sends :class:`Paused`.
     cap: int = 0
+    #: ``DISPATCH`` after :class:`Paused`: the next part runs on the instance the paused leg ran on,
+    #: and the leg goes on (its KV still there, nothing recomputed, no new leg): only the router's
+    #: authorisation moved on by :attr:`cap` tokens.
+    continues: bool = False
     #: False for a decision at arrival that never waited (a ``DISPATCH`` or ``REFUSE`` with no
     #: ``QUEUED`` before it): it does not change the number of waiting requests.
     waited: bool = True

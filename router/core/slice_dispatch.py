@@ -22,7 +22,11 @@ actions:
   instances are read, the pool batched and offloaded, and every instance admits
   what its KV plan has room for (one ``DISPATCH`` per slice).
 - :class:`~router.core.dispatch.Paused`: the slice ended at its cap; the next one
-  is placed at once (``resume_at_once``) or goes back to the pool.
+  is placed at once (``resume_at_once``) or goes back to the pool. Placed at once
+  on the instance it ran on, it continues its run there
+  (:attr:`~router.core.dispatch.Action.continues`, ``continue_in_place``): the
+  engine never sees that boundary, and a boundary costs a re-prefill only
+  where the slice moves.
 - :class:`~router.core.dispatch.Completion`: the request ended (done, failed or
   cancelled while running): its slice's planned KV and estimate leave.
 - :class:`~router.core.dispatch.ViewChanged`: the instances that a pause or a
@@ -354,9 +358,12 @@ class Sliced:
                     out.append(action)
         return out
 
-    def _dispatch(self, s: _Slice, instance: str, key: int, now: float, fleet: Fleet) -> Action | None:
+    def _dispatch(
+        self, s: _Slice, instance: str, key: int, now: float, fleet: Fleet, continues: bool = False
+    ) -> Action | None:
         """The slice's placement on ``instance`` (a decision like any other, so the driver records it).
 
+        ``continues``: the placement keeps the paused leg running there (:attr:`Action.continues`).
         None when placement refuses the instance (it left the fleet, or failed and is ejected since
         the last schedule point): the slice goes back to the pool and still waits."""
         part = s.part
@@ -400,6 +407,7 @@ class Sliced:
             waited_s=waited,
             tokens=s.tokens,
             cap=part.slice_tokens,
+            continues=continues,
             waited=True,
         )
 
@@ -423,7 +431,9 @@ class Sliced:
         s.part = following
         s.waiting = True
         self._waiting += 1
-        placed = self._dispatch(s, target, new_key, now, fleet)
+        # Staying where it ran, the slice continues its run there: the engine never sees the boundary.
+        continues = self.config.continue_in_place and target == instance
+        placed = self._dispatch(s, target, new_key, now, fleet, continues)
         queued = Action(Outcome.QUEUED, s.request, s.token)
         return [queued] if placed is None else [queued, placed]
 

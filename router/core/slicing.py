@@ -130,6 +130,15 @@ class SliceConfig:
             "block, and resume() prices staying there without the re-prefill"
         ),
     )
+    continue_in_place: bool = field(
+        default=True,
+        metadata=_doc(
+            "a slice resumed at once on the instance it ran on continues its run there: the router lets "
+            "the engine's leg go on past the slice's end (the next slice only moves its authorisation "
+            "on), so a boundary costs the engine nothing unless the slice moves; False stops the leg and "
+            "starts a new one there (its last partial block prefilled again)"
+        ),
+    )
     split_batches: bool = field(
         default=True,
         metadata=_doc(
@@ -777,7 +786,7 @@ def slices_pay(preemptions: int, requests: int) -> bool:
     the simulator (``docs/papers.md``, the regime table) slices kept at
     least 0.95x the throughput, and mostly more (up to 2.6x), wherever
     request dispatch preempted about once per ten requests or more, except
-    where answers run long (0.88-0.97x: a smaller decode batch), and lost
+    where answers run long (0.91-1.0x: a smaller decode batch), and lost
     (0.91-0.97x, lower attainment through the first slice's wait) where the
     KV held or preemptions were rarer.
     """
@@ -1025,7 +1034,9 @@ class SliceScheduler:
         gen = max((r.slice_tokens for r in batch.requests), default=0)
         return self.models(instance).estimate_ms(len(batch.requests), batch.context_tokens, gen)
 
-    def _marginal(self, instance: str, request: SliceRequest, cached: bool = False) -> float:
+    def _marginal(
+        self, instance: str, request: SliceRequest, cached: bool = False, continues: bool = False
+    ) -> float:
         """What ``request``'s slice adds to ``instance``'s work: its prefill and its share of the decode.
 
         Eq. 1 prices every slice with the prefill of its input. With the context's full blocks
@@ -1034,11 +1045,14 @@ class SliceScheduler:
         the profile's prefill of a few tokens is most of a step (49 ms for 1 token against a
         17 ms decode step on the bundled 7B profile), and every running slice of the instance
         waits for it. Priced at nothing, as it was, staying looked free while a slice boundary
-        cost the instance a whole step.
+        cost the instance a whole step. A slice that ``continues`` its run (the engine never
+        stopped it: :attr:`SliceConfig.continue_in_place`) has nothing to prefill: its decode only.
         """
         m = self.models(instance)
         cost = m.serving.marginal_ms(request.context_tokens, request.slice_tokens)
-        if cached:
+        if continues:
+            cost -= m.serving.prefill_ms(request.context_tokens)
+        elif cached:
             bs = m.memory.block_size
             tail = request.context_tokens % bs or min(bs, request.context_tokens)
             cost -= m.serving.prefill_ms(request.context_tokens) - m.serving.prefill_ms(tail)
@@ -1228,7 +1242,13 @@ class SliceScheduler:
             kv = m.memory.request_kv_tokens(following.context_tokens, following.slice_tokens)
             if i != instance and self.committed_kv(i) + kv > self.budget_kv(i):
                 continue
-            cost = self._marginal(i, following, cached=self.config.prefix_cache and i == instance)
+            here = i == instance
+            cost = self._marginal(
+                i,
+                following,
+                cached=self.config.prefix_cache and here,
+                continues=self.config.continue_in_place and here,
+            )
             options.append((self._loads[i] + cost, i, cost, kv))
         if not options:  # the instance left the fleet: any instance, least loaded
             for i in ordered:

@@ -54,6 +54,7 @@ def test_every_request_gets_all_its_tokens_and_resumes_recompute_the_context(
         overlap_batches=overlap,
         recompute_share=None,
         prefix_cache=False,
+        continue_in_place=False,
         grow_with_answer=False,
     )
     outcome = simulate_slices(fleet(3), work, config, seed=1)
@@ -246,3 +247,23 @@ def test_a_slice_boundary_stalls_a_stream_well_under_the_papers_requeue(workload
     built = stall_p99(SliceConfig())
     assert built < 1500.0
     assert stall_p99(SliceConfig(resume_at_once=False)) > 5 * built
+
+
+def test_a_slice_continued_where_it_ran_recomputes_nothing_and_keeps_its_stream_going() -> None:
+    """On one instance every next slice stays where its request ran: continued in place
+    (``continue_in_place``) the engine's run goes on as a decode, nothing is re-prefilled and the
+    stream's gap at a boundary is at most a step or two; stopped and resumed, each boundary
+    re-prefills (at least the last partial block) and the fleet does less work per second."""
+    work = plans(rate=3.0, count=30)
+    kept = simulate_slices(fleet(1), work, SliceConfig(slice_tokens=32, grow_with_answer=False))
+    stopped = simulate_slices(
+        fleet(1), work, SliceConfig(slice_tokens=32, grow_with_answer=False, continue_in_place=False)
+    )
+    for outcome in (kept, stopped):
+        assert [r.completion_tokens for r in outcome.results] == [p.true_output_tokens for p in work]
+        assert outcome.figures.slices > 2 * len(work)
+    assert kept.figures.recomputed_tokens == 0
+    assert stopped.figures.recomputed_tokens > 0
+    assert kept.duration_s < stopped.duration_s
+    kept_gap, stopped_gap = kept.figures.resume_gap_p99_ms, stopped.figures.resume_gap_p99_ms
+    assert kept_gap is not None and stopped_gap is not None and kept_gap < stopped_gap

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import random
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -192,3 +193,20 @@ def test_a_request_cancelled_in_a_local_queue_is_never_placed() -> None:
     assert later == [] and len(d) == 0
     sched = d.sched
     assert sched is not None and sched.planned_kv("n0") == 0 and sched.load_ms("n0") == 0.0
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+def test_a_next_slice_placed_where_its_request_runs_continues_that_leg(in_place: bool) -> None:
+    """On an idle two-instance fleet the next slice stays where the first ran (its context is there
+    and staying costs no prefill): that placement continues the running leg (``Action.continues``)
+    unless ``continue_in_place`` is off; a placement on another instance never does."""
+    d = dispatcher(SliceConfig(slice_tokens=16, recompute_share=None, continue_in_place=in_place))
+    fleet = Engines()
+    d.handle(Arrival(request("a", 100), "a"), 100.0, fleet)
+    (placed,) = d.handle(Timer(), 100.0, fleet)
+    assert not placed.continues  # a first slice starts a leg
+    fleet.tokens["a"] = 16
+    _queued, resumed = d.handle(Paused("a", 16), 100.5, fleet)
+    assert resumed.decision is not None and placed.decision is not None
+    assert resumed.decision.instance_ids == placed.decision.instance_ids
+    assert resumed.continues is in_place

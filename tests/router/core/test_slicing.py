@@ -319,9 +319,10 @@ def test_a_schedule_point_batches_at_most_max_batching_slices_oldest_first() -> 
 @pytest.mark.parametrize("context", [1000, 1024, 1037])
 def test_a_slice_resumed_where_its_blocks_are_cached_is_charged_its_tail_prefill_step(context: int) -> None:
     """Eq. 1 prices every slice with its prefill: staying on the cached instance still runs a
-    prefill step over the last partial block (a whole block when the context ends on one)."""
+    prefill step over the last partial block (a whole block when the context ends on one), when
+    the engine stopped the run at the slice's end (``continue_in_place`` off)."""
     memory = MemoryModel(kv_capacity_tokens=65536, block_size=16)
-    sched = SliceScheduler(SliceConfig(), SERVING, memory, ["a"])
+    sched = SliceScheduler(SliceConfig(continue_in_place=False), SERVING, memory, ["a"])
     first = SliceRequest("r", context - 128, 128)
     sched.add(first)
     sched.schedule()
@@ -333,3 +334,22 @@ def test_a_slice_resumed_where_its_blocks_are_cached_is_charged_its_tail_prefill
     decode_only = SERVING.marginal_ms(context, 128) - SERVING.prefill_ms(context)
     assert batch.serve_ms == pytest.approx(decode_only + SERVING.prefill_ms(tail))
     assert batch.serve_ms >= decode_only + SERVING.prefill_ms(1) > decode_only
+
+
+def test_a_slice_that_continues_its_run_in_place_is_charged_its_decode_only() -> None:
+    """Continued where it ran (the router lets the engine's leg go on), a slice has nothing to
+    prefill: the load ledger takes its share of the decode, and staying is cheaper than moving by
+    the whole context's prefill."""
+    memory = MemoryModel(kv_capacity_tokens=65536, block_size=16)
+    sched = SliceScheduler(SliceConfig(), SERVING, memory, ["a", "b"])
+    first = SliceRequest("r", 872, 128)
+    sched.add(first)
+    [(_batch, instance)] = sched.schedule()
+    [(key, _)] = sched.admit(instance)
+    following = SliceRequest("r", 1000, 128)
+    target, _key, batch = sched.resume(instance, key, first, following)
+    assert target == instance
+    decode_only = SERVING.marginal_ms(1000, 128) - SERVING.prefill_ms(1000)
+    assert batch.serve_ms == pytest.approx(decode_only)
+    stopped = SliceScheduler(SliceConfig(continue_in_place=False), SERVING, memory, ["a", "b"])
+    assert stopped._marginal(instance, following, cached=True) > batch.serve_ms

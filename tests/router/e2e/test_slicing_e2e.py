@@ -66,10 +66,18 @@ async def test_streams_crossing_many_slices_arrive_whole_and_in_order() -> None:
         await settled(cluster)
         dispatcher = cluster.router.service._admission.dispatcher
         # Every slice was placed once; a resumed slice is as long as the answer so far (8, 8, 16,
-        # 32, 64, 64, ... tokens: SliceConfig.grow_with_answer).
-        assert dispatcher.counters()["slices"] == sum(
-            doubling_slices(r.sampling.max_tokens, 8) for r in requests
-        )
+        # 32, 64, 64, ... tokens: SliceConfig.grow_with_answer). The router counts a slice's tokens
+        # per message it relays, and a message may carry several (more on a loaded host, where the
+        # router reads several at once): a slice may end past its cap, and an answer then crosses
+        # fewer boundaries, never more.
+        counters = dispatcher.counters()
+        slices = counters["slices"]
+        assert len(requests) < slices <= sum(doubling_slices(r.sampling.max_tokens, 8) for r in requests)
+        # A slice placed where its request ran continued its leg there (the engine saw no new
+        # request); only first slices and slices that moved started a leg on an engine (and a
+        # start retried elsewhere, which a loaded host may cause).
+        legs = sum(len(e.core._recent_admitted) for e in cluster.engines.values())
+        assert len(requests) + counters["moved"] <= legs < slices
         # Each slice's placement went through the in-flight account and left it.
         assert len(cluster.router.service._placer.scheduler.inflight) == 0
         assert cluster.router.service.active_requests == 0
