@@ -210,6 +210,35 @@ def cli_starter(
     return start
 
 
+def start_cms_and_agent(
+    start: Callable[..., tuple[subprocess.Popen[bytes], Path]],
+    engine_address: str,
+    timeout_s: float,
+    *agent_args: str,
+) -> tuple[int, subprocess.Popen[bytes]]:
+    """A CMS on a free port and an agent registering the engine at ``engine_address`` with it,
+    each started by ``start(name, *cli_args)`` and awaited (the agent for twice ``timeout_s``).
+    Returns the CMS's port and the agent's process."""
+    from workers.vllm_process import free_port
+
+    cms_port = free_port()
+    cms, cms_log = start("cms", "cms", "--listen", f"127.0.0.1:{cms_port}")
+    _wait_line(cms_log, "listening", cms, timeout_s)
+    agent, agent_log = start(
+        "agent",
+        "agent",
+        "--engine",
+        engine_address,
+        "--cms",
+        f"127.0.0.1:{cms_port}",
+        "--instance-id",
+        "v0",
+        *agent_args,
+    )
+    _wait_line(agent_log, "registered vLLM engine", agent, 2 * timeout_s)
+    return cms_port, agent
+
+
 def _wait_line(path: Path, marker: str, proc: subprocess.Popen[bytes], timeout_s: float) -> str:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -247,20 +276,8 @@ async def _run(
         started = time.perf_counter()
         await asyncio.to_thread(engine.wait_ready, ENGINE_WAIT_S)
         print(f"engine ready after {time.perf_counter() - started:.0f} s", flush=True)
-        cms_port, router_port = free_port(), free_port()
-        cms, cms_log = start("cms", "cms", "--listen", f"127.0.0.1:{cms_port}")
-        _wait_line(cms_log, "listening", cms, 30)
-        agent, agent_log = start(
-            "agent",
-            "agent",
-            "--engine",
-            engine.address,
-            "--cms",
-            f"127.0.0.1:{cms_port}",
-            "--instance-id",
-            "v0",
-        )
-        _wait_line(agent_log, "registered vLLM engine", agent, 60)
+        cms_port, _ = start_cms_and_agent(start, engine.address, 30)
+        router_port = free_port()
         router, router_log = start(
             "router",
             "router",

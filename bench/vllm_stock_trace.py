@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 
 from bench.figures import print_load_average
-from bench.vllm_stock import OUTPUT_TOKENS, _cpu_s, _prompt, _wait_line, stop_processes
+from bench.vllm_stock import OUTPUT_TOKENS, _cpu_s, _prompt, _wait_line, start_cms_and_agent, stop_processes
 
 REPO = Path(__file__).resolve().parent.parent
 STAGES = ("enter", "placed", "sent", "back", "out")
@@ -175,20 +175,8 @@ async def _run(options: argparse.Namespace, root: Path) -> None:
     cpu: dict[int, list[float]] = {}
     try:
         await asyncio.to_thread(engine.wait_ready, 60.0)
-        cms_port, router_port = free_port(), free_port()
-        cms, cms_log = start("cms", "cms", "--listen", f"127.0.0.1:{cms_port}")
-        _wait_line(cms_log, "listening", cms, 60)
-        agent, agent_log = start(
-            "agent",
-            "agent",
-            "--engine",
-            engine.address,
-            "--cms",
-            f"127.0.0.1:{cms_port}",
-            "--instance-id",
-            "v0",
-        )
-        _wait_line(agent_log, "registered vLLM engine", agent, 120)
+        cms_port, _ = start_cms_and_agent(start, engine.address, 60)
+        router_port = free_port()
         hook_env = {
             "PYTHONPATH": f"{hook_dir}{os.pathsep}{options.router_dir}",
             "SLO_ROUTER_BENCH_TRACE": str(trace),
