@@ -4,34 +4,59 @@ One engine (``python -m vllm.entrypoints.launchers.grpc_server``, what ``vllm se
 runs) on the tiny model; ``slo-router agent`` registers it with a CMS; ``slo-router router``
 (a process of its own, as deployed) routes to it over vLLM's gRPC. The same workload as the
 worker comparison (``C`` concurrent streams of 64-token prompts and 128 output tokens,
-``ignore_eos``) runs two ways, alternating, :data:`ROUNDS` rounds: "direct" calls the engine's
-``VllmEngine.Generate``; "router" calls ``Router.Generate``. Tokens/s is the best round's, TTFT p50
-the median over every round. The ratio router/direct is what the router hop costs (on a small
-host the router shares the cores with the engine and the client). The router process's CPU
-seconds (user + system, from ``/proc``) over its rounds, per 1,000 tokens relayed, is printed
-beside them: on a shared host wall-clock ratios swing with the neighbours' load, CPU per token
-much less. Figures only, no assertions.
+``ignore_eos``) runs two ways: "direct" calls the engine's ``VllmEngine.Generate``; "router"
+calls ``Router.Generate``.
+
+How the comparison is kept fair on a shared host: the two sides run in *pairs*, back to back,
+each concurrency in each round, the order swapped every round (direct then router, router then
+direct), so a neighbour's burst of load hits both sides of some pairs rather than one side of
+all of them. A warm-up round runs first and is not counted. Each round gives, per concurrency,
+the ratio of the two sides' tokens/s and the difference of their TTFT medians; the summary is
+the median of those per-round figures over the rounds, with the smallest and largest beside
+it, and every round's figures are printed, so a noisy host shows as spread rather than as a
+verdict. The router process's CPU seconds (user + system, from ``/proc``) per request and per
+1,000 tokens relayed are printed too: they move much less with the neighbours' load than
+wall-clock ratios do.
+
+What "TTFT added" means at 16 streams: the 16 requests of a burst start at once, direct or
+through the router. Direct, the engine's TTFT includes its own intake of the burst (one
+request after another through its gRPC server) and its batching; through the router, each
+request also passes the router's intake, decision and dispatch, which run one after the other
+on the router's event loop, so the 16th request reaches the engine after the router's work for
+the 15 before it. ``--engine synthetic:STEP_MS`` runs the same harness against
+:mod:`bench.vllm_stock_synthetic` (an engine that costs nothing and answers on a fixed step), so
+the router's share can be seen without the real engine's variance. Figures only, no assertions.
+
+    .venv/bin/python -m bench.vllm_stock                      # the real engine (needs .venv-vllm)
+    .venv/bin/python -m bench.vllm_stock --engine synthetic:8 --rounds 8
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import os
+import shlex
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from bench.figures import Figure, print_load_average, without_vllm
 
-WORKLOAD: tuple[tuple[int, int], ...] = ((1, 4), (16, 2), (64, 1))
-ROUNDS = 3
-IDLE_PAUSE_S = 1.5
+#: (concurrent streams, requests per stream) of one run: the Done-when figures are tokens/s at 16
+#: and 64 streams and TTFT at 1 and 16.
+WORKLOAD: tuple[tuple[int, int], ...] = ((1, 6), (16, 2), (64, 1))
+#: Counted rounds (a warm-up round runs before them); a round took 15-20 s on the real engine on
+#: the loaded 2-core host, so the whole benchmark fits in about 5 minutes with the engine's start.
+ROUNDS = 10
+IDLE_PAUSE_S = 1.0
 PROMPT_TOKENS = 64
 OUTPUT_TOKENS = 128
 MAX_NUM_SEQS = 64
@@ -115,6 +140,7 @@ def _routed(stub: Any) -> OneRequest:
 async def _measure(
     one: OneRequest, concurrency: int, per_stream: int, first: int
 ) -> tuple[float, list[float], int]:
+    """Run ``concurrency`` streams of ``per_stream`` requests each: (tokens/s, TTFTs in ms, tokens)."""
     tokens: list[int] = []
     ttfts: list[float] = []
 
@@ -127,6 +153,39 @@ async def _measure(
     start = time.perf_counter()
     await asyncio.gather(*(stream(first + s * per_stream) for s in range(concurrency)))
     return sum(tokens) / (time.perf_counter() - start), ttfts, sum(tokens)
+
+
+@dataclass
+class Run:
+    """One side at one concurrency in one round."""
+
+    rate: float
+    ttft_p50: float
+    tokens: int
+    requests: int
+    #: The router process's CPU seconds during the run (while "direct" runs: its idle cost).
+    router_cpu_s: float
+
+
+@dataclass
+class Pairs:
+    """Every counted round's runs, per (side, concurrency)."""
+
+    runs: dict[tuple[str, int], list[Run]] = field(default_factory=dict)
+    load: list[float] = field(default_factory=list)
+
+    def add(self, side: str, concurrency: int, run: Run) -> None:
+        self.runs.setdefault((side, concurrency), []).append(run)
+
+    def ratios(self, concurrency: int) -> list[float]:
+        """Per round: router tokens/s ÷ direct tokens/s of the same round."""
+        pairs = zip(self.runs[("router", concurrency)], self.runs[("direct", concurrency)], strict=True)
+        return [r.rate / d.rate if d.rate else float("nan") for r, d in pairs]
+
+    def ttft_added(self, concurrency: int) -> list[float]:
+        """Per round: router TTFT p50 − direct TTFT p50 of the same round (ms)."""
+        pairs = zip(self.runs[("router", concurrency)], self.runs[("direct", concurrency)], strict=True)
+        return [r.ttft_p50 - d.ttft_p50 for r, d in pairs]
 
 
 def _cpu_s(pid: int) -> float:
@@ -151,6 +210,35 @@ def cli_starter(
     return start
 
 
+def start_cms_and_agent(
+    start: Callable[..., tuple[subprocess.Popen[bytes], Path]],
+    engine_address: str,
+    timeout_s: float,
+    *agent_args: str,
+) -> tuple[int, subprocess.Popen[bytes]]:
+    """A CMS on a free port and an agent registering the engine at ``engine_address`` with it,
+    each started by ``start(name, *cli_args)`` and awaited (the agent for twice ``timeout_s``).
+    Returns the CMS's port and the agent's process."""
+    from workers.vllm_process import free_port
+
+    cms_port = free_port()
+    cms, cms_log = start("cms", "cms", "--listen", f"127.0.0.1:{cms_port}")
+    _wait_line(cms_log, "listening", cms, timeout_s)
+    agent, agent_log = start(
+        "agent",
+        "agent",
+        "--engine",
+        engine_address,
+        "--cms",
+        f"127.0.0.1:{cms_port}",
+        "--instance-id",
+        "v0",
+        *agent_args,
+    )
+    _wait_line(agent_log, "registered vLLM engine", agent, 2 * timeout_s)
+    return cms_port, agent
+
+
 def _wait_line(path: Path, marker: str, proc: subprocess.Popen[bytes], timeout_s: float) -> str:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -163,7 +251,9 @@ def _wait_line(path: Path, marker: str, proc: subprocess.Popen[bytes], timeout_s
     raise RuntimeError(f"no {marker!r} in {path} within {timeout_s} s")
 
 
-async def _run(root: Path) -> dict[str, Any]:
+async def _run(
+    root: Path, engine_spec: str, rounds: int, workload: tuple[tuple[int, int], ...], router_args: list[str]
+) -> Pairs:
     import grpc
     from slorouter.v1 import router_pb2_grpc
     from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vllm_pb2_grpc
@@ -171,32 +261,23 @@ async def _run(root: Path) -> dict[str, Any]:
     from workers.vllm_process import StockEngineProcess, build_tiny_model, free_port
 
     model = build_tiny_model(root / "model")
-    engine = StockEngineProcess(
-        model,
-        root / "engine.log",
-        ENGINE_ARGS,
-    )
     procs: list[subprocess.Popen[bytes]] = []
-    start = cli_starter(root, procs)
+    engine: Any
+    if engine_spec == "real":
+        engine = StockEngineProcess(model, root / "engine.log", ENGINE_ARGS)
+    else:
+        from bench.vllm_stock_ab import _Synthetic
 
+        engine = _Synthetic(root, engine_spec.partition(":")[2] or "8", sys.executable)
+        procs.append(engine.proc)
+    start = cli_starter(root, procs)
+    pairs = Pairs()
     try:
         started = time.perf_counter()
         await asyncio.to_thread(engine.wait_ready, ENGINE_WAIT_S)
         print(f"engine ready after {time.perf_counter() - started:.0f} s", flush=True)
-        cms_port, router_port = free_port(), free_port()
-        cms, cms_log = start("cms", "cms", "--listen", f"127.0.0.1:{cms_port}")
-        _wait_line(cms_log, "listening", cms, 30)
-        agent, agent_log = start(
-            "agent",
-            "agent",
-            "--engine",
-            engine.address,
-            "--cms",
-            f"127.0.0.1:{cms_port}",
-            "--instance-id",
-            "v0",
-        )
-        _wait_line(agent_log, "registered vLLM engine", agent, 60)
+        cms_port, _ = start_cms_and_agent(start, engine.address, 30)
+        router_port = free_port()
         router, router_log = start(
             "router",
             "router",
@@ -208,6 +289,7 @@ async def _run(root: Path) -> dict[str, Any]:
             str(model),
             "--scheduling-policy",
             "load-balance",
+            *router_args,
         )
         _wait_line(router_log, "health: SERVING", router, 60)
         print(f"router pid {router.pid}", flush=True)
@@ -219,84 +301,157 @@ async def _run(root: Path) -> dict[str, Any]:
                 "direct": _direct(vllm_pb2_grpc.VllmEngineStub(engine_channel)),
                 "router": _routed(router_pb2_grpc.RouterStub(router_channel)),
             }
-            for one in sides.values():
-                await one(10**6)  # warm-up
-            best: dict[tuple[str, int], float] = {}
-            ttfts: dict[tuple[str, int], list[float]] = {}
-            # The router process's CPU seconds and the tokens it relayed, per side and concurrency:
-            # on a shared host the wall-clock ratio is noisy, CPU per token much less so.
-            cpu: dict[tuple[str, int], float] = {}
-            relayed: dict[tuple[str, int], int] = {}
             index = 0
-            for _ in range(ROUNDS):
-                for concurrency, per_stream in WORKLOAD:
-                    for side, one in sides.items():
+            header = "round  streams | direct tok/s TTFT p50 | router tok/s TTFT p50 | ratio  added | router CPU ms/req"
+            for round_index in range(rounds + 1):
+                warm = round_index == 0
+                # Pairs back to back, the order swapped every round: a burst of the neighbours' load
+                # falls on both sides of a pair more often than on one side of every pair.
+                order = list(sides.items()) if round_index % 2 else list(sides.items())[::-1]
+                if round_index == 1:
+                    print(header, flush=True)
+                for concurrency, per_stream in workload:
+                    got: dict[str, Run] = {}
+                    for side, one in order:
                         await asyncio.sleep(IDLE_PAUSE_S)
                         before = _cpu_s(router.pid)
                         rate, times, tokens = await _measure(one, concurrency, per_stream, index)
-                        key = (side, concurrency)
-                        cpu[key] = cpu.get(key, 0.0) + _cpu_s(router.pid) - before
-                        relayed[key] = relayed.get(key, 0) + tokens
                         index += concurrency * per_stream
-                        best[key] = max(best.get(key, 0.0), rate)
-                        ttfts.setdefault(key, []).extend(times)
+                        got[side] = Run(
+                            rate, statistics.median(times), tokens, len(times), _cpu_s(router.pid) - before
+                        )
+                    if warm:
+                        continue
+                    for side, run in got.items():
+                        pairs.add(side, concurrency, run)
+                    d, r = got["direct"], got["router"]
+                    print(
+                        f"{round_index:>5} {concurrency:>8} | {d.rate:>12.0f} {d.ttft_p50:>6.1f}ms | {r.rate:>12.0f} "
+                        f"{r.ttft_p50:>6.1f}ms | {r.rate / d.rate if d.rate else float('nan'):>5.2f} "
+                        f"{r.ttft_p50 - d.ttft_p50:>+6.1f} | {1000 * r.router_cpu_s / max(1, r.requests):>8.2f}",
+                        flush=True,
+                    )
+                if warm:
+                    print(f"warm-up round done (not counted), load {os.getloadavg()[0]:.1f}", flush=True)
+                else:
+                    pairs.load.append(os.getloadavg()[0])
     finally:
         stop_processes(procs)
-        engine.stop(15)
-    rows = []
-    for concurrency, per_stream in WORKLOAD:
-        d, r = best[("direct", concurrency)], best[("router", concurrency)]
-        dt, rt = (statistics.median(ttfts[(s, concurrency)]) for s in ("direct", "router"))
-        per_k = 1000 * cpu[("router", concurrency)] / max(1, relayed[("router", concurrency)])
-        idle_k = 1000 * cpu[("direct", concurrency)] / max(1, relayed[("direct", concurrency)])
-        rows.append((concurrency, concurrency * per_stream, d, dt, r, rt, per_k, idle_k))
-    return {"rows": rows}
+        if engine_spec == "real":
+            engine.stop(15)
+    return pairs
 
 
-def main() -> list[Figure]:
-    """The stock-engine rows of ``python -m bench vllm``."""
+def _spread(values: list[float], fmt: str) -> str:
+    """``median (min–max)`` of per-round figures."""
+    return f"{format(statistics.median(values), fmt)} ({format(min(values), fmt)}–{format(max(values), fmt)})"
+
+
+def summarize(pairs: Pairs, workload: tuple[tuple[int, int], ...]) -> tuple[str, list[str]]:
+    """The figure's text and the lines printed under the per-round table."""
+    lines = [
+        f"{'streams':>7} | {'direct tok/s':>12} {'router tok/s':>12} | {'ratio, median (min–max)':>24} | "
+        f"{'TTFT added ms, median (min–max)':>32} | {'router CPU ms/req':>17} {'ms/1k tok':>9}"
+    ]
+    ratios: dict[int, str] = {}
+    added: dict[int, str] = {}
+    for concurrency, _ in workload:
+        direct, routed = pairs.runs[("direct", concurrency)], pairs.runs[("router", concurrency)]
+        ratios[concurrency] = _spread(pairs.ratios(concurrency), ".2f")
+        added[concurrency] = _spread(pairs.ttft_added(concurrency), "+.1f")
+        cpu = sum(r.router_cpu_s for r in routed)
+        per_req = 1000 * cpu / max(1, sum(r.requests for r in routed))
+        per_k = 1e6 * cpu / max(1, sum(r.tokens for r in routed))
+        lines.append(
+            f"{concurrency:>7} | {statistics.median(r.rate for r in direct):>12.0f} "
+            f"{statistics.median(r.rate for r in routed):>12.0f} | {ratios[concurrency]:>24} | "
+            f"{added[concurrency]:>32} | {per_req:>17.2f} {per_k:>9.0f}"
+        )
+    done = []
+    for concurrency in (16, 64):
+        if concurrency in ratios:
+            done.append(
+                f"tokens/s router ÷ direct at {concurrency} streams {ratios[concurrency]} (goal ≥ 0.90)"
+            )
+    for concurrency in (1, 16):
+        if concurrency in added:
+            done.append(
+                f"TTFT added at {concurrency} stream{'s' if concurrency > 1 else ''} {added[concurrency]} ms (goal ≤ 5)"
+            )
+    rounds = len(pairs.load)
+    text = "; ".join(done) + f"; medians over {rounds} paired rounds (min–max)"
+    return text, lines
+
+
+def main(argv: list[str] | None = None) -> list[Figure]:
+    """The stock-engine rows of ``python -m bench vllm`` (and ``python -m bench.vllm_stock [options]``)."""
     from workers.vllm_process import MISSING_VENV_HINT, VLLM_PYTHON
 
-    streams = " / ".join(str(c) for c, _ in WORKLOAD)
+    parser = argparse.ArgumentParser(prog="python -m bench.vllm_stock", description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--rounds", type=int, default=ROUNDS, help="counted rounds, after one warm-up (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--engine",
+        default="real",
+        help="real (vLLM's gRPC server, the tiny model) or synthetic:STEP_MS (bench.vllm_stock_synthetic: no "
+        "engine cost, a token per request every STEP_MS) (default: real)",
+    )
+    parser.add_argument(
+        "--streams",
+        default=",".join(str(c) for c, _ in WORKLOAD),
+        help="concurrencies, comma-separated, from %(default)s (default: all)",
+    )
+    parser.add_argument(
+        "--router-args",
+        default="",
+        help='extra flags for the router, e.g. "--queue-policy none" (default: none)',
+    )
+    options = parser.parse_args([] if argv is None else argv)
+    per_stream = dict(WORKLOAD)
+    try:
+        wanted = [int(x) for x in options.streams.split(",")]
+    except ValueError:
+        parser.error(f"--streams {options.streams!r}: expected integers separated by commas")
+    if any(c not in per_stream for c in wanted):
+        parser.error(f"--streams {options.streams!r}: each must be one of {', '.join(map(str, per_stream))}")
+    if not 1 <= options.rounds <= 100:
+        parser.error(f"--rounds {options.rounds}: must be within 1-100")
+    if options.engine != "real" and not options.engine.startswith("synthetic"):
+        parser.error(f"--engine {options.engine!r}: expected real or synthetic:STEP_MS")
+    workload = tuple((c, per_stream[c]) for c in wanted)
+    streams = " / ".join(str(c) for c, _ in workload)
     what = f"stock vLLM gRPC engine through the router vs direct, {streams} streams"
-    if not VLLM_PYTHON.exists():
+    if options.engine == "real" and not VLLM_PYTHON.exists():
         return without_vllm(what, MISSING_VENV_HINT)
     print_load_average()
+    began = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench-vllm-stock-") as tmp:
         try:
-            result = asyncio.run(_run(Path(tmp)))
+            pairs = asyncio.run(
+                _run(Path(tmp), options.engine, options.rounds, workload, shlex.split(options.router_args))
+            )
         except RuntimeError as exc:
             print(f"the stock-engine benchmark failed: {exc}")
             return [Figure(what, f"not measured: {str(exc)[:200]}")]
-    print(f"load average after: {os.getloadavg()[0]:.1f}")
     print(
-        f"workload: {PROMPT_TOKENS}-token prompts, {OUTPUT_TOKENS} output tokens, tiny Llama (float32, eager, "
-        f"max_num_seqs {MAX_NUM_SEQS}); {ROUNDS} alternating rounds: tokens/s of the best round, TTFT p50 over "
-        "every round's requests; router = slo-router router (own process) → vLLM's gRPC"
+        f"load average after: {os.getloadavg()[0]:.1f}; during the rounds "
+        f"{min(pairs.load):.1f}–{max(pairs.load):.1f}; {time.perf_counter() - began:.0f} s in all"
     )
+    engine = "tiny Llama (float32, eager, max_num_seqs 64)" if options.engine == "real" else options.engine
     print(
-        f"{'streams':>7} {'requests':>8} | {'direct tok/s':>12} {'TTFT p50':>9} | {'router tok/s':>12} "
-        f"{'TTFT p50':>9} {'ratio':>5} | {'router CPU ms/1k tok':>20} {'(idle)':>6}"
+        f"router flags: {options.router_args or '(defaults)'}; workload: {PROMPT_TOKENS}-token prompts, {OUTPUT_TOKENS} output tokens, {engine}; per concurrency "
+        f"{', '.join(f'{c}×{n}' for c, n in workload)} (streams × requests each); router = slo-router router "
+        "(own process) → vLLM's gRPC; ratio and TTFT added are per round (router vs direct back to back), "
+        "summarized as the median over rounds (min–max)"
     )
-    ratios, added, cpu = [], [], []
-    for concurrency, requests, d, dt, r, rt, per_k, idle_k in result["rows"]:
-        ratio = r / d if d else float("nan")
-        ratios.append(ratio)
-        added.append(rt - dt)
-        cpu.append(per_k)
-        print(
-            f"{concurrency:>7} {requests:>8} | {d:>12.0f} {dt:>7.1f}ms | {r:>12.0f} {rt:>7.1f}ms {ratio:>5.2f} | "
-            f"{per_k * 1000:>20.0f} {idle_k * 1000:>6.0f}"
-        )
-    text = (
-        f"ratio {' / '.join(f'{x:.2f}' for x in ratios)}, TTFT p50 added "
-        f"{' / '.join(f'{x:+.1f}' for x in added)} ms, router CPU "
-        f"{' / '.join(f'{x * 1000:.0f}' for x in cpu)} ms per 1,000 tokens"
-    )
+    text, lines = summarize(pairs, workload)
+    for line in lines:
+        print(line)
     print(text)
     return [Figure(what, text)]
 
 
 if __name__ == "__main__":
     with contextlib.suppress(KeyboardInterrupt):
-        main()
+        main(sys.argv[1:])

@@ -41,7 +41,15 @@ from pathlib import Path
 from typing import Any
 
 from bench.figures import print_load_average
-from bench.vllm_stock import ENGINE_ARGS, OUTPUT_TOKENS, _cpu_s, _prompt, _wait_line, stop_processes
+from bench.vllm_stock import (
+    ENGINE_ARGS,
+    OUTPUT_TOKENS,
+    _cpu_s,
+    _prompt,
+    _wait_line,
+    start_cms_and_agent,
+    stop_processes,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -223,22 +231,12 @@ async def _run(options: argparse.Namespace, root: Path) -> dict[str, dict[int, C
     try:
         await asyncio.to_thread(engine.wait_ready, 600.0)
         engine_pids = _tree_pids(engine.proc.pid)
-        cms_port = free_port()
-        cms, cms_log = start("cms", REPO, "cms", "--listen", f"127.0.0.1:{cms_port}")
-        _wait_line(cms_log, "listening", cms, 60)
-        agent, agent_log = start(
-            "agent",
-            agent_dir,
-            "agent",
-            "--engine",
+        cms_port, agent = start_cms_and_agent(
+            lambda name, *args: start(name, REPO if name == "cms" else agent_dir, *args),
             engine.address,
-            "--cms",
-            f"127.0.0.1:{cms_port}",
-            "--instance-id",
-            "v0",
+            60,
             *shlex.split(options.agent_args),
         )
-        _wait_line(agent_log, "registered vLLM engine", agent, 120)
         routers: dict[str, tuple[subprocess.Popen[bytes], int]] = {}
         for name, path, args in variants:
             port = free_port()

@@ -322,7 +322,7 @@ class WorkerClient:
         self._succeeded(target)
         return response
 
-    async def stream(
+    def stream(
         self,
         target: Target,
         request: worker_pb2.WorkerGenerateRequest | worker_pb2.DecodeRequest,
@@ -334,12 +334,21 @@ class WorkerClient:
         With ``streams="mux"`` the leg runs on the endpoint's ``Worker.Streams`` call (one per
         connection, see :mod:`router.mux`); a worker that does not offer it is served with the
         per-request RPC (and asked again after :data:`NO_MUX_RETRY_S`). A ``vllm-grpc://``
-        endpoint is served by :attr:`vllm` (vLLM's own ``Generate``).
+        endpoint is served by :attr:`vllm` (vLLM's own ``Generate``), whose iterator is returned
+        as it is: a generator in between would be one more hop per message.
         """
         if target.endpoint.startswith(VLLM_GRPC_SCHEME):
-            async for message in self.vllm.stream(target, request, timeout_s, ledger):
-                yield message
-            return
+            return self.vllm.stream(target, request, timeout_s, ledger)
+        return self._worker_stream(target, request, timeout_s, ledger)
+
+    async def _worker_stream(
+        self,
+        target: Target,
+        request: worker_pb2.WorkerGenerateRequest | worker_pb2.DecodeRequest,
+        timeout_s: float,
+        ledger: LegLedger,
+    ) -> AsyncIterator[LegTokens]:
+        """:meth:`stream` on this project's ``Worker`` service."""
         ledger.endpoints.add(target.endpoint)
         stub = await self._connected(target)
         if self.streams == "mux":

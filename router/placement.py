@@ -546,13 +546,21 @@ class Placer:
             choice.instance_id, group, self._clock(), status.num_decode_requests, status.num_decode_tokens
         )
 
-    def prefill_timed(self, timing: PrefillTiming, computed_tokens: int) -> None:
-        """The timed leg's first token arrived: its prompt's ``computed_tokens`` make a step sample."""
+    def now(self) -> float:
+        """This placer's clock (the one a :class:`PrefillTiming` is on)."""
+        return self._clock()
+
+    def prefill_timed(
+        self, timing: PrefillTiming, computed_tokens: int, arrived_s: float | None = None
+    ) -> None:
+        """The timed leg's first token arrived (at ``arrived_s`` on this placer's clock; None: now):
+        its prompt's ``computed_tokens`` make a step sample. The service calls it after the token
+        went to the client, with the arrival time it noted, so the calibration is not on the TTFT path."""
         calibration = self.calibration
         predictors = self.scheduler.predictors
         if calibration is None or predictors is None or computed_tokens <= 0:
             return
-        now = self._clock()
+        now = self._clock() if arrived_s is None else arrived_s
         elapsed_ms = (now - timing.started_s) * 1000.0
         batch, tokens = timing.decode_requests, timing.decode_tokens
         if batch:

@@ -43,7 +43,7 @@ from router.core.queue import QueueConfig
 from router.core.request import Mode
 from router.forward import LegError, LegTokens, WorkerClient
 from router.legs import LegLedger
-from router.placement import PlacementRequest, Placer
+from router.placement import PlacementRequest, Placer, PrefillTiming
 from router.route import Route
 from router.telemetry import RequestObserver
 from router.tokenize import Tokenizer
@@ -206,6 +206,9 @@ class _Started:
     stream: AsyncIterator[LegTokens] | None = None
     #: The output length at which this placement reaches its cap (0: none; see _cap_end): the router pauses it there.
     cap_end: int = 0
+    #: A timed prefill (see Placer.time_prefill): the timing, the prompt tokens computed and when
+    #: the first token arrived. Handed to the calibration after the token went out, not before.
+    timed: tuple[PrefillTiming, int, float] | None = None
 
 
 def _route_info(route: Route) -> router_pb2.RouteInfo:
@@ -470,6 +473,16 @@ class RouterService(router_pb2_grpc.RouterServicer):
             late=progress.late,
         )
 
+    def _after_first(self, started: _Started, progress: RequestState) -> None:
+        """The first token's bookkeeping, once it went to the client: the TTFT metrics and a timed
+        prefill's calibration sample (both with the times noted when the token arrived)."""
+        if progress.first_token_at is not None:
+            self._observer.first_token(started.route, progress.first_token_at - progress.started)
+        if started.timed is not None:
+            timing, computed, arrived = started.timed
+            started.timed = None
+            self._placer.prefill_timed(timing, computed, arrived)
+
     def _note_tokens(self, progress: RequestState, token_ids: Sequence[int]) -> None:
         if not token_ids:
             return
@@ -545,9 +558,10 @@ class RouterService(router_pb2_grpc.RouterServicer):
             if response.finished and response.finish_reason == _ABORT:
                 raise _unrequested_abort(prefill.instance_id, len(progress.tokens))
             self._confirm(prefill, req.request_id)
+            timed = None
             if timing is not None:
                 computed = len(req.prompt_token_ids) - response.num_cached_prompt_tokens
-                self._placer.prefill_timed(timing, computed)
+                timed = (timing, computed, self._placer.now())
             index = len(progress.tokens)
             self._note_tokens(progress, [response.first_token_id])
             if not response.finished:
@@ -560,7 +574,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 response.finished,
                 response.finish_reason,
             )
-            return _Started(route, first, kv_handle=response.kv_handle)
+            return _Started(route, first, kv_handle=response.kv_handle, timed=timed)
         stream = self._workers.stream(
             prefill,
             worker_pb2.WorkerGenerateRequest(
@@ -581,8 +595,13 @@ class RouterService(router_pb2_grpc.RouterServicer):
             progress.cached_prompt_tokens = max(
                 progress.cached_prompt_tokens, message.num_cached_prompt_tokens
             )
+            timed = None
             if timing is not None:
-                self._placer.prefill_timed(timing, len(req.prompt_token_ids) - progress.cached_prompt_tokens)
+                timed = (
+                    timing,
+                    len(req.prompt_token_ids) - progress.cached_prompt_tokens,
+                    self._placer.now(),
+                )
             if not message.finished:
                 progress.to(Phase.DECODING)
             first = Generated(
@@ -593,7 +612,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 message.finished,
                 message.finish_reason,
             )
-            return _Started(route, first, stream=stream)
+            return _Started(route, first, stream=stream, timed=timed)
         raise LegError(
             prefill.instance_id, grpc.StatusCode.UNAVAILABLE, "stream ended before the first token"
         )
@@ -658,15 +677,18 @@ class RouterService(router_pb2_grpc.RouterServicer):
         first.route = _route_info(started.route)
         first.late = progress.late
         progress.route = started.route
-        if progress.first_token_at is not None:
-            self._observer.first_token(started.route, progress.first_token_at - progress.started)
         cap_end = started.cap_end
         paused = _at_cap(first, progress, cap_end)
         if first.finished:
             first.usage = self._usage(req, progress)
+        try:
             yield first
+        finally:
+            # What only the router's books need waits until the first token is out: in a burst,
+            # every request's first token would otherwise wait for the others' bookkeeping too.
+            self._after_first(started, progress)
+        if first.finished:
             return
-        yield first
         request_id = req.request_id
         stream = started.stream
         target: Choice = started.route.decode

@@ -129,6 +129,11 @@ class Detokenizer:
         return piece
 
 
+async def _nothing_left(request_id: str) -> AsyncGenerator[Tokens, None]:
+    """A leg with no token left to make (all were produced before a failure): its end at once."""
+    yield Tokens(request_id, [], "", True, "length", 0, 0)
+
+
 def _finish_reason(reason: str) -> str:
     """vLLM's finish reason in the Worker protocol's words ("length" | "stop" | "abort")."""
     return reason if reason in ("length", "stop", "abort") else "stop"
@@ -253,21 +258,20 @@ class VllmGrpcClient:
             num_cached_prompt_tokens=complete.cached_tokens,
         )
 
-    async def stream(
+    def stream(
         self,
         target: Target,
         request: worker_pb2.WorkerGenerateRequest | worker_pb2.DecodeRequest,
         timeout_s: float,
         ledger: LegLedger,
-    ) -> AsyncIterator[Tokens | worker_pb2.WorkerTokens]:
-        """A neutral generate or a decode leg as :class:`~router.mux.Tokens`; see the module docstring."""
-        owner = self._owner
+    ) -> AsyncIterator[Tokens]:
+        """A neutral generate or a decode leg as :class:`~router.mux.Tokens`; see the module docstring.
+
+        Returns the transport's own generator (:meth:`_stream_h2` or :meth:`_stream_grpc`), not a
+        generator around it: each generator between the engine's message and the client is one
+        more hop per message.
+        """
         ledger.endpoints.add(target.endpoint)
-        h2 = self.transport == "h2" and self._tls is None and H2_AVAILABLE
-        stub: Any = None
-        if not h2:
-            channel, stub = self.entry(target.endpoint)
-            await owner.await_channel(channel, target)
         sampling = request.sampling
         if isinstance(request, worker_pb2.DecodeRequest):
             context = [*request.prompt_token_ids, *request.generated_token_ids]
@@ -279,8 +283,7 @@ class VllmGrpcClient:
             kv_params = ""
         request_id = request.request_id
         if remaining <= 0:  # every token was produced before a failure: nothing to run
-            yield Tokens(request_id, [], "", True, "length", 0, 0)
-            return
+            return _nothing_left(request_id)
         message = vllm_pb2.GenerateRequest(
             request_id=request_id,
             sampling_params=vllm_sampling(sampling, remaining),
@@ -292,7 +295,15 @@ class VllmGrpcClient:
             message.text = getattr(request, "prompt", "")
         if kv_params:
             message.kv_transfer_params_json = kv_params
-        detok = self._detokenizer(context)
+        merged = self._merger(target, request_id, self._detokenizer(context))
+        if self.transport == "h2" and self._tls is None and H2_AVAILABLE:
+            return self._stream_h2(target, message, timeout_s, merged)
+        return self._stream_grpc(target, message, timeout_s, merged)
+
+    def _merger(
+        self, target: Target, request_id: str, detok: Detokenizer | None
+    ) -> Callable[[list[Any]], Tokens]:
+        owner = self._owner
 
         def merged(batch: list[Any]) -> Tokens:
             """One record for every response that arrived meanwhile (chunks, then maybe the end).
@@ -324,11 +335,15 @@ class VllmGrpcClient:
             text = detok.add(ids) if detok is not None and ids else ""
             return Tokens(request_id, ids, text, finished, reason, prompt, cached)
 
-        if h2:
-            async with contextlib.aclosing(self._stream_h2(target, message, timeout_s, merged)) as records:
-                async for record in records:
-                    yield record
-            return
+        return merged
+
+    async def _stream_grpc(
+        self, target: Target, message: Any, timeout_s: float, merged: Callable[[list[Any]], Tokens]
+    ) -> AsyncGenerator[Tokens, None]:
+        """:meth:`stream`'s call over ``grpc.aio`` (TLS endpoints, ``--vllm-transport grpc``)."""
+        owner = self._owner
+        channel, stub = self.entry(target.endpoint)
+        await owner.await_channel(channel, target)
         call = stub.Generate(message, timeout=timeout_s)
         # The first response goes straight through (the TTFT path); after it a reader task drains the
         # stream and each step of the consumer takes everything that arrived meanwhile as one

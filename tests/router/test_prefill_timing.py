@@ -47,8 +47,12 @@ def _profile_step_ms(placer: Placer, prefill: int, batch: int = 0, tokens: int =
     return float(pre[0]), float(dec[0])
 
 
-def _teach(placer: Placer, clock: list[float], batch: int, tokens: int, n: int = 60) -> None:
-    """``n`` legs on an engine at 3x the profile, each arriving half a decode step into a step."""
+def _teach(
+    placer: Placer, clock: list[float], batch: int, tokens: int, n: int = 60, late_s: float = 0.0
+) -> None:
+    """``n`` legs on an engine at 3x the profile, each arriving half a decode step into a step; with
+    ``late_s``, handed over that long after the first token arrived (as the service does, once the
+    token went out), with the arrival time."""
     for k in range(n):
         prompt = 16 + k  # short: the decode part of the step (and the wait for it) weighs
         placer.scheduler.inflight.record(f"r{k}", "a", "a", prompt, clock[0])
@@ -57,7 +61,12 @@ def _teach(placer: Placer, clock: list[float], batch: int, tokens: int, n: int =
         assert (timing.decode_requests, timing.decode_tokens) == (batch, tokens)
         pre, dec = _profile_step_ms(placer, prompt, batch, tokens)
         clock[0] += (0.5 * dec + 3.0 * (pre + dec)) / 1000.0
-        placer.prefill_timed(timing, prompt)
+        if late_s:
+            arrived = placer.now()
+            clock[0] += late_s
+            placer.prefill_timed(timing, prompt, arrived)
+        else:
+            placer.prefill_timed(timing, prompt)
         placer.scheduler.inflight.release(f"r{k}")
 
 
@@ -69,6 +78,13 @@ def test_legs_on_an_idle_stock_engine_teach_its_ttft_factor() -> None:
     ttft_factor, tpot_factor = placer.calibration.factors("a")
     assert 2.85 < ttft_factor < 3.15
     assert tpot_factor == 1.0  # a prefill sample says nothing of the decode steps
+
+
+def test_a_sample_handed_over_late_is_timed_to_the_first_tokens_arrival() -> None:
+    placer, clock = _placer(running=0, waiting=0)
+    assert placer.calibration is not None
+    _teach(placer, clock, 0, 0, late_s=0.5)  # half a second later: 100x a step, if it counted
+    assert 2.85 < placer.calibration.factors("a")[0] < 3.15
 
 
 def test_legs_beside_running_decodes_are_timed_as_mixed_steps() -> None:

@@ -6,12 +6,16 @@ directory (it keys KV by the prompt's tokens, so it moves KV between engines on 
 registered twice, by ``slo-router agent`` processes, in two CMSes: as prefill A + decode B and C
 (PD), and as neutral B and C. Routers run in the test. Engines start once for the module (about
 30-60 s on two cores); the test that kills an engine runs last.
+
+The routers read vLLM's streams with ``--vllm-transport h2`` (the default); run the module again
+with ``SLO_ROUTER_TEST_VLLM_TRANSPORT=grpc`` for the ``grpc.aio`` reader.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import subprocess
 import sys
@@ -36,6 +40,7 @@ from router.core.scheduler import Scheduler
 from router.server import RouterServer, start_router_server
 from router.service import ServiceConfig
 from router.tokenize import load_tokenizer
+from router.vllm_grpc import VLLM_TRANSPORTS
 from workers.sim_engine import DEFAULT_PROFILE_DIR
 from workers.vllm_process import StockEngineProcess, start_stock_engines
 
@@ -48,6 +53,12 @@ PREDICTOR = LatencyPredictor.from_files(DEFAULT_PROFILE_DIR / "ttft.json", DEFAU
 SLO_ROUTER = Path(sys.executable).parent / "slo-router"
 #: The router's default --instance-staleness-seconds: the bound a hung engine must leave placement in.
 STALENESS_S = SchedulerConfig().instance_staleness_s
+#: ``--vllm-transport`` of the routers under test (see the module docstring).
+TRANSPORT = os.environ.get("SLO_ROUTER_TEST_VLLM_TRANSPORT", VLLM_TRANSPORTS[0])
+if TRANSPORT not in VLLM_TRANSPORTS:
+    raise ValueError(
+        f"SLO_ROUTER_TEST_VLLM_TRANSPORT={TRANSPORT!r}: expected one of {', '.join(VLLM_TRANSPORTS)}"
+    )
 
 
 @dataclass
@@ -156,6 +167,7 @@ async def router_on(fleet: StockFleet, cms: CmsThread, n: int) -> AsyncIterator[
         service_config=ServiceConfig(max_retries=2, prefill_timeout_s=30, stream_timeout_s=60),
         tokenizer=load_tokenizer(fleet.model),
         http_listen="127.0.0.1:0",
+        vllm_transport=TRANSPORT,
     )
     try:
         await wait_for(lambda: _schedulable(router) >= n, 60, f"{n} schedulable instances in the view")
