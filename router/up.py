@@ -327,6 +327,11 @@ def plan_cluster(args: argparse.Namespace) -> ClusterPlan:
         if config.prefix_block_tokens % prefix_block:
             config = dataclasses.replace(config, prefix_block_tokens=prefix_block)
         config = dataclasses.replace(config, prefix_chain_block_tokens=prefix_block)
+    if not prefix_block and config.prefix_cache_routing == "auto":
+        # These sim workers keep no prefix cache: the routing history would credit them with the
+        # blocks sent there (as it rightly does for vLLM, whose prefix caching is on by default),
+        # and the queue would count a repeated prompt as nearly free to prefill.
+        config = dataclasses.replace(config, prefix_cache_routing="off")
     queue = queue_config(args)
     profile = Path(args.profile)
     if not profile.is_dir():

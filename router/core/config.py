@@ -238,7 +238,8 @@ class SchedulerConfig:
             "what the router knows of the instances' prefix caches, for predicting TTFT from the tokens "
             "still to compute: exact (the engines' KV events), approximate (its own routing history), "
             "off (every prompt charged in full), auto (exact where the engines publish events, else "
-            "approximate)",
+            "approximate, which assumes the engines cache prefixes as vLLM does by default; `up` "
+            "without --prefix-cache-block-tokens: off)",
             "--prefix-cache-routing",
         ),
     )
