@@ -239,6 +239,34 @@ def start_cms_and_agent(
     return cms_port, agent
 
 
+class SyntheticEngineProcess:
+    """:mod:`bench.vllm_stock_synthetic` in a process of its own (the interface the harness uses)."""
+
+    def __init__(self, root: Path, step_ms: str, python: str) -> None:
+        from workers.vllm_process import free_port
+
+        self.address = f"127.0.0.1:{free_port()}"
+        self.log = root / "engine.log"
+        with self.log.open("wb") as out:
+            self.proc = subprocess.Popen(
+                [
+                    python,
+                    "-m",
+                    "bench.vllm_stock_synthetic",
+                    "--port",
+                    self.address.rsplit(":", 1)[1],
+                    "--step-ms",
+                    step_ms,
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=Path(__file__).resolve().parent.parent,
+            )
+
+    def wait_ready(self, timeout_s: float = 60.0) -> None:
+        _wait_line(self.log, "synthetic vLLM engine on", self.proc, timeout_s)
+
+
 def _wait_line(path: Path, marker: str, proc: subprocess.Popen[bytes], timeout_s: float) -> str:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -266,9 +294,7 @@ async def _run(
     if engine_spec == "real":
         engine = StockEngineProcess(model, root / "engine.log", ENGINE_ARGS)
     else:
-        from bench.vllm_stock_ab import _Synthetic
-
-        engine = _Synthetic(root, engine_spec.partition(":")[2] or "8", sys.executable)
+        engine = SyntheticEngineProcess(root, engine_spec.partition(":")[2] or "8", sys.executable)
         procs.append(engine.proc)
     start = cli_starter(root, procs)
     pairs = Pairs()

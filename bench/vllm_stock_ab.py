@@ -44,6 +44,7 @@ from bench.figures import print_load_average
 from bench.vllm_stock import (
     ENGINE_ARGS,
     OUTPUT_TOKENS,
+    SyntheticEngineProcess,
     _cpu_s,
     _prompt,
     _wait_line,
@@ -155,34 +156,6 @@ async def _routed_one(stub: Any, i: int, output_tokens: int) -> tuple[int, int, 
     return n, messages, ttft
 
 
-class _Synthetic:
-    """:mod:`bench.vllm_stock_synthetic` in a process of its own (the interface the harness uses)."""
-
-    def __init__(self, root: Path, step_ms: str, python: str) -> None:
-        from workers.vllm_process import free_port
-
-        self.address = f"127.0.0.1:{free_port()}"
-        self.log = root / "engine.log"
-        with self.log.open("wb") as out:
-            self.proc = subprocess.Popen(
-                [
-                    python,
-                    "-m",
-                    "bench.vllm_stock_synthetic",
-                    "--port",
-                    self.address.rsplit(":", 1)[1],
-                    "--step-ms",
-                    step_ms,
-                ],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                cwd=REPO,
-            )
-
-    def wait_ready(self, timeout_s: float = 60.0) -> None:
-        _wait_line(self.log, "synthetic vLLM engine on", self.proc, timeout_s)
-
-
 def _parse_variant(text: str) -> tuple[str, Path, list[str]]:
     name, sep, rest = text.partition("=")
     if not sep or not name or name == "direct":
@@ -214,7 +187,7 @@ async def _run(options: argparse.Namespace, root: Path) -> dict[str, dict[int, C
             ENGINE_ARGS,
         )
     else:
-        engine = _Synthetic(root, options.engine.partition(":")[2] or "8", python)
+        engine = SyntheticEngineProcess(root, options.engine.partition(":")[2] or "8", python)
         procs.append(engine.proc)
 
     def start(name: str, cwd: Path, *args: str) -> tuple[subprocess.Popen[bytes], Path]:

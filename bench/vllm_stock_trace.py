@@ -41,7 +41,15 @@ import time
 from pathlib import Path
 
 from bench.figures import print_load_average
-from bench.vllm_stock import OUTPUT_TOKENS, _cpu_s, _prompt, _wait_line, start_cms_and_agent, stop_processes
+from bench.vllm_stock import (
+    OUTPUT_TOKENS,
+    SyntheticEngineProcess,
+    _cpu_s,
+    _prompt,
+    _wait_line,
+    start_cms_and_agent,
+    stop_processes,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 STAGES = ("enter", "placed", "sent", "back", "out")
@@ -144,7 +152,6 @@ async def _run(options: argparse.Namespace, root: Path) -> None:
     import grpc
     from slorouter.v1 import common_pb2, router_pb2, router_pb2_grpc
 
-    from bench.vllm_stock_ab import _Synthetic
     from workers.vllm_process import build_tiny_model, free_port
 
     model = build_tiny_model(root / "model")
@@ -153,7 +160,7 @@ async def _run(options: argparse.Namespace, root: Path) -> None:
     (hook_dir / "sitecustomize.py").write_text(HOOK)
     trace = root / "trace.json"
     procs: list[subprocess.Popen[bytes]] = []
-    engine = _Synthetic(root, str(options.step_ms), sys.executable)
+    engine = SyntheticEngineProcess(root, str(options.step_ms), sys.executable)
     procs.append(engine.proc)
 
     def start(
