@@ -82,6 +82,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+import numpy as np
+
 from predictor import LatencyPredictor
 from router.core.errors import ConfigError
 from router.core.flagged import FlagFields
@@ -377,6 +379,9 @@ TPOT_HEADROOM = 0.6
 #: default ``--tpot-slo-dispatch-threshold``.
 STREAM_TPOT_SHARE = 1.0
 
+#: A zero decode step, for :meth:`LatencyPredictor.chunked_prefill_ms` pricing a prefill stall alone.
+_NO_STEP = np.asarray(0.0)
+
 #: A TPOT target seen on an arrival keeps bounding every instance's batch for this long (s): the next
 #: stream of that class must find a batch it can join at once (see :meth:`QlmQueue._room`).
 STREAM_MEMORY_S = 30.0
@@ -459,9 +464,9 @@ def instance_model(
         return float(lp.predict_tpot_ms(max(b, 1), tokens)) * 1e-3
 
     def stall(tokens: int) -> float:
-        full, rest = divmod(max(tokens, 0), budget)
-        ms = full * float(lp.prefill_step_ms(budget)) + (float(lp.prefill_step_ms(rest)) if rest else 0.0)
-        return ms * 1e-3
+        # The prefill parts of the chunks ``tokens`` puts between decode steps (no decode step added).
+        ms = lp.chunked_prefill_ms(np.asarray(float(tokens)), _NO_STEP, np.asarray(float(budget)))
+        return float(ms) * 1e-3
 
     return InstanceModel(batch, step_s, _Prefill(lp, batch, context, budget), most, kv_tokens, step, stall)
 
