@@ -267,6 +267,22 @@ class SyntheticEngineProcess:
         _wait_line(self.log, "synthetic vLLM engine on", self.proc, timeout_s)
 
 
+def stock_router_args(cms_port: int, router_port: int, model: Path | str) -> list[str]:
+    """``slo-router router`` flags of the stock-vLLM benches: the CMS, a loopback port, the model's
+    tokenizer, and ``load-balance`` placement (one engine: the path is measured, not the choice)."""
+    return [
+        "router",
+        "--cms",
+        f"grpc://127.0.0.1:{cms_port}",
+        "--listen",
+        f"127.0.0.1:{router_port}",
+        "--tokenizer",
+        str(model),
+        "--scheduling-policy",
+        "load-balance",
+    ]
+
+
 def _wait_line(path: Path, marker: str, proc: subprocess.Popen[bytes], timeout_s: float) -> str:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -304,19 +320,7 @@ async def _run(
         print(f"engine ready after {time.perf_counter() - started:.0f} s", flush=True)
         cms_port, _ = start_cms_and_agent(start, engine.address, 30)
         router_port = free_port()
-        router, router_log = start(
-            "router",
-            "router",
-            "--cms",
-            f"grpc://127.0.0.1:{cms_port}",
-            "--listen",
-            f"127.0.0.1:{router_port}",
-            "--tokenizer",
-            str(model),
-            "--scheduling-policy",
-            "load-balance",
-            *router_args,
-        )
+        router, router_log = start("router", *stock_router_args(cms_port, router_port, model), *router_args)
         _wait_line(router_log, "health: SERVING", router, 60)
         print(f"router pid {router.pid}", flush=True)
         async with (

@@ -48,6 +48,7 @@ from bench.vllm_stock import (
     _prompt,
     _wait_line,
     start_cms_and_agent,
+    stock_router_args,
     stop_processes,
 )
 
@@ -192,15 +193,7 @@ async def _run(options: argparse.Namespace, root: Path) -> None:
             hook_env["SLO_ROUTER_BENCH_NOOP"] = "1"
         router, router_log = start(
             "router",
-            "router",
-            "--cms",
-            f"grpc://127.0.0.1:{cms_port}",
-            "--listen",
-            f"127.0.0.1:{router_port}",
-            "--tokenizer",
-            str(model),
-            "--scheduling-policy",
-            "load-balance",
+            *stock_router_args(cms_port, router_port, model),
             *options.router_args.split(),
             env=hook_env,
         )
