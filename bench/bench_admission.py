@@ -31,10 +31,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import logging
 import shlex
 import statistics
 import sys
 import time
+from collections.abc import Callable
 
 from slorouter.v1 import cms_pb2
 
@@ -42,6 +44,7 @@ from bench.figures import Figure, print_load_average
 from fleet.snapshot import ClusterSnapshot, InstanceRecord
 from router.admission import Admission, make_admission
 from router.core.calibration import StepSample
+from router.core.dispatch import DispatchSetup, make_dispatcher
 from router.core.health import OutlierDetector
 from router.core.rng import PeekableRandom
 from router.placement import PlacementRequest, Placer
@@ -61,7 +64,12 @@ class _Views:
         self.instances = instances
         self.update = 0
         self.version = 0
+        self._listeners: list[Callable[[ClusterSnapshot], None]] = []
         self._snapshot = self._make()
+
+    def add_snapshot_listener(self, listener: Callable[[ClusterSnapshot], None]) -> None:
+        """As the CMS reader: ``listener`` hears every new snapshot (the placer's calibration does)."""
+        self._listeners.append(listener)
 
     def _make(self) -> ClusterSnapshot:
         records = []
@@ -89,13 +97,16 @@ class _Views:
     def advance(self) -> None:
         self.update += 1
         self._snapshot = self._make()
+        for listener in self._listeners:
+            listener(self._snapshot)
 
     def snapshot(self) -> ClusterSnapshot:
         return self._snapshot
 
 
-def build(instances: int, extra: list[str]) -> tuple[Admission, _Views]:
-    """The router's driver over ``instances`` stock engines, from its own flags (plus ``extra``)."""
+def build(instances: int, extra: list[str], incremental: str = "on") -> tuple[Admission, _Views]:
+    """The router's driver over ``instances`` stock engines, from its own flags (plus ``extra``);
+    ``incremental`` is the queue's incremental dispatch (``DispatchSetup.incremental``)."""
     from router.cli import build_parser
     from router.core.scheduler import Scheduler
     from router.server import plan_from_args
@@ -106,7 +117,16 @@ def build(instances: int, extra: list[str]) -> tuple[Admission, _Views]:
     views = _Views(instances)
     observer = RequestObserver()
     placer = Placer(scheduler, views, observer=observer, health=OutlierDetector(plan.outlier))
-    admission = make_admission(placer, plan.queue, plan.qlm, observer=observer, slicing=plan.slice_config)
+    if incremental == "on":
+        admission = make_admission(placer, plan.queue, plan.qlm, observer=observer, slicing=plan.slice_config)
+    else:
+        config = plan.config
+        setup = DispatchSetup(
+            plan.queue, config.ttft_slo_ms, config.tpot_slo_ms, plan.qlm, incremental=incremental
+        )
+        admission = Admission(
+            placer, plan.queue, plan.qlm, observer=observer, dispatcher=make_dispatcher(setup)
+        )
     return admission, views
 
 
@@ -166,9 +186,9 @@ def _summary(samples: list[float]) -> tuple[float, float]:
 
 
 async def _run(
-    instances: int, extra: list[str], rounds: int, bursts: list[int]
+    instances: int, extra: list[str], rounds: int, bursts: list[int], incremental: str
 ) -> dict[int, tuple[float, float]]:
-    admission, views = build(instances, extra)
+    admission, views = build(instances, extra, incremental)
     await _measure(admission, views, 16, 10, 0)  # warm-up: caches, the length predictor's tables
     gc.collect()
     out = {}
@@ -189,6 +209,12 @@ def main(argv: list[str] | None = None) -> list[Figure]:
     parser.add_argument("--requests", type=int, default=1200, help="requests per shape (default: 1200)")
     parser.add_argument("--bursts", default="1,16,64", help="burst sizes (default: %(default)s)")
     parser.add_argument("--router-args", default="", help='extra router flags, e.g. "--queue-policy none"')
+    parser.add_argument(
+        "--incremental",
+        choices=("on", "exact", "off"),
+        default="on",
+        help="the router queue's incremental dispatch (the router's is on; off: no load watch)",
+    )
     options = parser.parse_args(sys.argv[1:] if argv is None and __name__ == "__main__" else argv or [])
     if not 1 <= options.instances <= 4096:
         parser.error(f"--instances {options.instances}: must be within 1-4096")
@@ -201,9 +227,13 @@ def main(argv: list[str] | None = None) -> list[Figure]:
     if any(not 1 <= b <= 1024 for b in bursts):
         parser.error(f"--bursts {options.bursts!r}: each must be within 1-1024")
     print_load_average()
+    # The bench's timed prefills are all alike: the calibration's drift notice says nothing here.
+    logging.getLogger("router.placement").setLevel(logging.ERROR)
     extra = shlex.split(options.router_args)
-    results = asyncio.run(_run(options.instances, extra, options.requests, bursts))
+    results = asyncio.run(_run(options.instances, extra, options.requests, bursts, options.incremental))
     flags = " ".join([*ROUTER_ARGS[3:], *extra])
+    if options.incremental != "on":
+        flags += f" (incremental dispatch {options.incremental})"
     print(
         f"Admission.place, thread CPU per request (µs), {options.instances} stock engine(s), router flags: {flags}"
     )
