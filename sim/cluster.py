@@ -891,7 +891,8 @@ class _Simulation:
         carrying, self.carrying = self.carrying, True
         try:
             for rid, position, finished, held in result.outputs:
-                if position == 0 or finished:
+                # (and the first token of a run continued in place: SimCore.extend reports it)
+                if position == 0 or finished or position == self.reqs[int(rid)].base:
                     self._token(int(rid), position, finished, held, now)
             if self.capped_ended:
                 # Capped runs ended: the room they freed is offered before the instance plans its
