@@ -17,6 +17,7 @@ from router.core.config import SchedulerConfig
 from router.core.errors import NoInstanceError, QueueFullError, QueueTimeoutError
 from router.core.qlm import QlmConfig
 from router.core.queue import QueueConfig
+from router.core.request import ScheduleInput
 from router.core.scheduler import Scheduler
 from router.placement import PlacementRequest, Placer
 from router.telemetry import RequestObserver
@@ -247,9 +248,9 @@ async def test_a_request_placed_at_once_never_moves_the_queue_gauge() -> None:
     changes: list[int] = []
 
     class Counting(RequestObserver):
-        def queue_changed(self, request: object, delta: int) -> None:  # type: ignore[override]
+        def queue_changed(self, request: ScheduleInput, delta: int) -> None:
             changes.append(delta)
-            super().queue_changed(request, delta)  # type: ignore[arg-type]
+            super().queue_changed(request, delta)
 
     scheduler = Scheduler(SchedulerConfig(scheduling_policy="slo"), make_predictor(), random.Random(0))
     observer = Counting()
