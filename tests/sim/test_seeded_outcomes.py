@@ -139,7 +139,7 @@ RECORDED: dict[str, str] = {
     "neutral-slo-fcfs-capped": "60a9d2040050c7c845ca5d2b",
     "neutral-slo-prefix": "0eedec2e3caf140cf44d3015",
     "neutral-slo-priority": "9c0e8126b8b54b6714440aa4",
-    "neutral-slo-qlm": "3fc2c9fb971b28f9b36ce06f",
+    "neutral-slo-qlm": "d44870774a1ef88d0da951f2",
     "neutral-slo-sa": "0e8ceeae14dc5f1401511204",
     "pd-adaptive": "36d2c9c44b9987022276550f",
     "pd-load-balance-off": "466dcf402227e02d05b7c4b8",
