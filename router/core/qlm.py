@@ -53,7 +53,10 @@ The pieces, and how they are adapted to this router:
   its KV cache and its engine's sequence cap (:meth:`QlmQueue._room`); for
   streams judged on TPOT (this router's adaptation: the paper's SLOs are
   end-to-end) also while the grown batch's predicted step keeps the tightest
-  TPOT target running or waiting in that queue. An instance whose virtual
+  TPOT target running or waiting in that queue; for e2e pulls also while
+  the prefill a looser prompt queues in the engine turns no running e2e
+  request late and the batch stays joinable for the tightest e2e class seen
+  lately (the paper's prefill is a constant; here long prompts are not). An instance whose virtual
   queue is empty pulls the most urgent request waiting on the others. Load
   balancing: the plan moves unstarted groups between virtual queues. Request
   eviction (``--qlm-eviction on``): when the head group's next request cannot
