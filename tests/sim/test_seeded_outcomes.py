@@ -143,7 +143,7 @@ RECORDED: dict[str, str] = {
     "neutral-slo-fcfs-capped": "334e16c8f54ff2ae64212f35",
     "neutral-slo-prefix": "0eedec2e3caf140cf44d3015",
     "neutral-slo-priority": "6c2e3e7ea05d12023ceaecec",
-    "neutral-slo-qlm": "1428b6e5050d2e0233bb65c6",
+    "neutral-slo-qlm": "d44870774a1ef88d0da951f2",
     "neutral-slo-sa": "a43f141039a68d26288150e0",
     "pd-adaptive": "6c0daa4f54af67d8fce492a0",
     "pd-load-balance-off": "466dcf402227e02d05b7c4b8",
