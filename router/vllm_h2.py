@@ -30,8 +30,8 @@ import asyncio
 import math
 import struct
 import urllib.parse
-from collections.abc import AsyncGenerator, Callable
-from typing import Any, cast
+from collections.abc import AsyncGenerator
+from typing import Any, Protocol, cast
 
 import grpc
 
@@ -131,12 +131,27 @@ def _grpc_timeout(seconds: float) -> str:
     return f"{s}S" if s < 10**8 else f"{min(10**8 - 1, math.ceil(s / 3600))}H"
 
 
-class H2Stream:
-    """One call's receiving end: the messages parsed so far, and how it ended.
+class MessageSink(Protocol):
+    """Where a call's response messages go as the connection parses them.
 
-    The connection appends to :attr:`pending` and wakes the consumer's :attr:`waiter` unless the
-    consumer is :attr:`holding` (a paced relay collecting for its interval); the end of the call
-    always wakes it.
+    :meth:`feed` runs inside the connection's ``data_received`` for every whole message (its
+    bytes, without gRPC's 5-byte prefix); an exception fails the call INTERNAL ("cannot parse a
+    response message"). :meth:`take` runs in the consumer and returns what was fed since the last
+    take as one item. A sink that merges as it is fed (:class:`router.vllm_grpc.GenerateMerge`)
+    keeps no object per message: the tokens go straight into one list.
+    """
+
+    def feed(self, payload: bytes) -> None: ...
+
+    def take(self) -> Any: ...
+
+
+class H2Stream:
+    """One call's receiving end: its :class:`MessageSink`, and how the call ended.
+
+    The connection feeds each whole message to :attr:`sink`, sets :attr:`ready` and wakes the
+    consumer's :attr:`waiter` unless the consumer is :attr:`holding` (a paced relay collecting for
+    its interval); the end of the call always wakes it.
     """
 
     __slots__ = (
@@ -147,18 +162,19 @@ class H2Stream:
         "got_headers",
         "holding",
         "id",
-        "parse",
-        "pending",
+        "ready",
         "send_window",
+        "sink",
         "unacked",
         "waiter",
     )
 
-    def __init__(self, conn: H2Connection, stream_id: int, parse: Callable[[bytes], Any]) -> None:
+    def __init__(self, conn: H2Connection, stream_id: int, sink: MessageSink) -> None:
         self.conn = conn
         self.id = stream_id
-        self.parse = parse
-        self.pending: list[Any] = []
+        self.sink = sink
+        #: A message was fed since the consumer's last :meth:`take`.
+        self.ready = False
         self.buf = bytearray()
         self.done = False
         self.error: CallError | None = None
@@ -193,19 +209,19 @@ class H2Stream:
         self.end(code, details)
 
     async def wait(self) -> None:
-        """Return when a message is pending or the call is over."""
-        if self.pending or self.done:
+        """Return when a message is ready or the call is over."""
+        if self.ready or self.done:
             return
-        waiter = self.waiter = asyncio.get_running_loop().create_future()
+        waiter = self.waiter = self.conn.loop.create_future()
         try:
             await waiter
         finally:
             self.waiter = None
 
-    def take(self) -> list[Any]:
-        batch = self.pending
-        self.pending = []
-        return batch
+    def take(self) -> Any:
+        """What the sink holds since the last take (see :meth:`MessageSink.take`)."""
+        self.ready = False
+        return self.sink.take()
 
 
 class H2Connection(asyncio.Protocol):
@@ -236,7 +252,7 @@ class H2Connection(asyncio.Protocol):
         #: Request bodies waiting for send window: (stream, bytes left).
         self._blocked: list[tuple[H2Stream, bytes]] = []
         self._conn_unacked = 0
-        self._loop = asyncio.get_running_loop()
+        self._loop = self.loop = asyncio.get_running_loop()
         self._last_rx = self._loop.time()
         self._ping_at: float | None = None
         self._keepalive: asyncio.TimerHandle | None = None
@@ -335,19 +351,19 @@ class H2Connection(asyncio.Protocol):
                 stream.cancel(grpc.StatusCode.INTERNAL, "compressed message received; none was asked for")
                 return
             try:
-                message = stream.parse(payload[pos + 5 : pos + 5 + length])
+                stream.sink.feed(payload[pos + 5 : pos + 5 + length])
             except Exception as exc:  # the message's own parser: any failure is a bad message
                 stream.cancel(grpc.StatusCode.INTERNAL, f"cannot parse a response message: {exc}")
                 return
             pos += 5 + length
-            stream.pending.append(message)
+            stream.ready = True
         if pos < size:
             buf += payload[pos:]
         self._data_end(stream, flags)
 
     @staticmethod
     def _data_end(stream: H2Stream, flags: int) -> None:
-        if stream.pending and not stream.holding:
+        if stream.ready and not stream.holding:
             stream.wake()
         if flags & _END_STREAM:
             stream.end(grpc.StatusCode.INTERNAL, "the server ended the stream without a gRPC status")
@@ -475,13 +491,13 @@ class H2Connection(asyncio.Protocol):
         """Takes a new stream now (not closing, ids left, under the server's concurrency limit)."""
         return not self.draining and len(self._streams) < self._peer_max_streams
 
-    def start(self, path: str, body: bytes, timeout_s: float, parse: Callable[[bytes], Any]) -> H2Stream:
-        """Open a call to ``path`` sending one request message ``body``; its responses go to the stream."""
+    def start(self, path: str, body: bytes, timeout_s: float, sink: MessageSink) -> H2Stream:
+        """Open a call to ``path`` sending one request message ``body``; its responses go to ``sink``."""
         sid = self._next_id
         self._next_id += 2
         if self._next_id > _MAX_STREAM_ID:
             self.draining = True
-        stream = H2Stream(self, sid, parse)
+        stream = H2Stream(self, sid, sink)
         self._streams[sid] = stream
         block = self._request_headers(path) + _literal(b"grpc-timeout", _grpc_timeout(timeout_s).encode())
         limit = self._peer_max_frame
@@ -656,22 +672,24 @@ class H2Pool:
         self._conns.clear()
 
 
-async def paced_stream_batches(stream: H2Stream, pacer: RelayPacer) -> AsyncGenerator[list[Any], None]:
+async def paced_stream_batches(stream: H2Stream, pacer: RelayPacer) -> AsyncGenerator[Any, None]:
     """:func:`router.legs.paced_batches` for an :class:`H2Stream`: the same pacing, no reader task.
 
-    The connection already parses each TCP read into the streams' lists, so no task per stream
-    reads message by message; a batch ready less than the pacer's interval after the previous one
-    waits for the rest of it (the connection does not wake a holding consumer), the end of the call
-    is delivered at once. Raises the call's :class:`CallError` after the messages before it.
+    Yields what :meth:`H2Stream.take` returns (the sink's merge of the messages since the last
+    take). The connection already parses each TCP read into the streams' sinks, so no task per
+    stream reads message by message; a batch ready less than the pacer's interval after the
+    previous one waits for the rest of it (the connection does not wake a holding consumer), the
+    end of the call is delivered at once. Raises the call's :class:`CallError` after the messages
+    before it.
     """
-    loop = asyncio.get_running_loop()
+    loop = stream.conn.loop
     taken = -math.inf
     pacer.active += 1
     try:
         while True:
-            if not stream.pending and not stream.done:
+            if not stream.ready and not stream.done:
                 await stream.wait()
-            if stream.pending and not stream.done and pacer.min_interval_s > 0:
+            if stream.ready and not stream.done and pacer.min_interval_s > 0:
                 delay = taken + pacer.interval_s() - loop.time()
                 if delay > 0:
                     stream.holding = True
@@ -683,7 +701,7 @@ async def paced_stream_batches(stream: H2Stream, pacer: RelayPacer) -> AsyncGene
                         timer.cancel()
                         stream.holding = False
                         stream.waiter = None
-            if stream.pending:
+            if stream.ready:
                 yield stream.take()
                 taken = loop.time()
                 continue
