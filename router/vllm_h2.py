@@ -677,36 +677,39 @@ async def paced_stream_batches(stream: H2Stream, pacer: RelayPacer) -> AsyncGene
 
     Yields what :meth:`H2Stream.take` returns (the sink's merge of the messages since the last
     take). The connection already parses each TCP read into the streams' sinks, so no task per
-    stream reads message by message; a batch ready less than the pacer's interval after the
-    previous one waits for the rest of it (the connection does not wake a holding consumer), the
-    end of the call is delivered at once. Raises the call's :class:`CallError` after the messages
-    before it.
+    stream reads message by message. After each batch the consumer sleeps until the pacer's
+    interval is over (the connection does not wake a holding consumer; the end of the call does,
+    at once) and takes what arrived meanwhile; only when nothing did does it wait for the next
+    message, which then goes out at once. So a streaming relay wakes once per batch, at its
+    interval's end, not also at the first message after each batch. Raises the call's
+    :class:`CallError` after the messages before it.
     """
     loop = stream.conn.loop
-    taken = -math.inf
     pacer.active += 1
     try:
         while True:
             if not stream.ready and not stream.done:
                 await stream.wait()
-            if stream.ready and not stream.done and pacer.min_interval_s > 0:
-                delay = taken + pacer.interval_s() - loop.time()
-                if delay > 0:
-                    stream.holding = True
-                    waiter = stream.waiter = loop.create_future()
-                    timer = loop.call_later(delay, stream.wake)
-                    try:
-                        await waiter
-                    finally:
-                        timer.cancel()
-                        stream.holding = False
-                        stream.waiter = None
             if stream.ready:
                 yield stream.take()
-                taken = loop.time()
+                if pacer.min_interval_s > 0 and not stream.done:
+                    await _hold(stream, loop, pacer.interval_s())
                 continue
             if stream.error is not None:
                 raise stream.error
             return
     finally:
         pacer.active -= 1
+
+
+async def _hold(stream: H2Stream, loop: asyncio.AbstractEventLoop, delay: float) -> None:
+    """Sleep ``delay`` seconds, or until the call ends, while the connection fills the sink."""
+    stream.holding = True
+    waiter = stream.waiter = loop.create_future()
+    timer = loop.call_later(delay, stream.wake)
+    try:
+        await waiter
+    finally:
+        timer.cancel()
+        stream.holding = False
+        stream.waiter = None
