@@ -67,6 +67,13 @@ CONNECTION_WINDOW = 32 << 20
 #: (every stream on it fails UNAVAILABLE), as the gRPC channels' keepalive does.
 KEEPALIVE_S = 20.0
 KEEPALIVE_TIMEOUT_S = 5.0
+#: The longest the reader leaves the engine's bytes in the socket while every stream's relay holds
+#: for its pacing interval (:meth:`H2Connection._coalesce`): the messages of one engine step,
+#: written one by one, are then read in one wake-up of the event loop instead of several.
+READ_COALESCE_S = 0.001
+#: A pause ends this long before the first relay's hold does, so that its batch holds every
+#: message that arrived before its interval ended (the loop reads before that timer fires).
+READ_COALESCE_MARGIN_S = 0.0003
 #: A stream id past this opens a new connection (ids are 31-bit and never reused).
 _MAX_STREAM_ID = (1 << 31) - 1 - 2
 _RST_CODES = {
@@ -160,6 +167,7 @@ class H2Stream:
         "done",
         "error",
         "got_headers",
+        "hold_until",
         "holding",
         "id",
         "ready",
@@ -180,6 +188,8 @@ class H2Stream:
         self.error: CallError | None = None
         self.got_headers = False
         self.holding = False
+        #: When the consumer's hold ends (the loop's clock), while it holds.
+        self.hold_until = 0.0
         self.waiter: asyncio.Future[None] | None = None
         self.unacked = 0
         self.send_window = conn.peer_initial_window
@@ -256,6 +266,8 @@ class H2Connection(asyncio.Protocol):
         self._last_rx = self._loop.time()
         self._ping_at: float | None = None
         self._keepalive: asyncio.TimerHandle | None = None
+        #: The pending end of a read pause (:meth:`_coalesce`), while reading is paused.
+        self._resume: asyncio.TimerHandle | None = None
 
     # ------------------------------------------------------------------ asyncio.Protocol
 
@@ -273,6 +285,9 @@ class H2Connection(asyncio.Protocol):
         self.closed = self.draining = True
         if self._keepalive is not None:
             self._keepalive.cancel()
+        if self._resume is not None:
+            self._resume.cancel()
+            self._resume = None
         why = f": {exc}" if exc is not None else ""
         for stream in list(self._streams.values()):
             stream.end(grpc.StatusCode.UNAVAILABLE, f"connection to {self.authority} lost{why}")
@@ -304,6 +319,40 @@ class H2Connection(asyncio.Protocol):
             self._fail_connection(str(exc))
             return
         self._in = data[pos:]
+        if self._streams:
+            self._coalesce()
+
+    def _coalesce(self) -> None:
+        """Pause reading briefly when no consumer wants a message now.
+
+        vLLM's server writes each stream's message of an engine step on its own, so a reader that
+        reads whenever bytes arrive wakes several times per step. While every stream's relay holds
+        for its pacing interval (:func:`paced_stream_batches`) nobody takes a message before the
+        first hold ends: the reader then leaves the bytes in the socket for up to
+        :data:`READ_COALESCE_S`, ending the pause :data:`READ_COALESCE_MARGIN_S` before that first
+        hold does, and reads them all at once. A stream waiting for its first message, or for the
+        next one after a quiet interval, is not holding: no pause then, so neither the first token
+        nor a lone token waits. The end of a call that comes during a pause waits for the pause.
+        """
+        first = math.inf
+        for stream in self._streams.values():
+            if not stream.holding:
+                return
+            if stream.hold_until < first:
+                first = stream.hold_until
+        pause = min(READ_COALESCE_S, first - READ_COALESCE_MARGIN_S - self._loop.time())
+        if pause < READ_COALESCE_MARGIN_S or self.transport is None or self.closed:
+            return
+        self.transport.pause_reading()
+        self._resume = self._loop.call_later(pause, self._read_again)
+
+    def _read_again(self) -> None:
+        """End a read pause (its timer, a new call, or the connection closing)."""
+        if self._resume is not None:
+            self._resume.cancel()
+            self._resume = None
+            if self.transport is not None and not self.closed:
+                self.transport.resume_reading()
 
     # ------------------------------------------------------------------ frames
 
@@ -499,6 +548,7 @@ class H2Connection(asyncio.Protocol):
             self.draining = True
         stream = H2Stream(self, sid, sink)
         self._streams[sid] = stream
+        self._read_again()  # a new call's first message is read as soon as it comes
         block = self._request_headers(path) + _literal(b"grpc-timeout", _grpc_timeout(timeout_s).encode())
         limit = self._peer_max_frame
         frames = [_frame(_HEADERS, _END_HEADERS if len(block) <= limit else 0, sid, block[:limit])]
@@ -705,6 +755,7 @@ async def paced_stream_batches(stream: H2Stream, pacer: RelayPacer) -> AsyncGene
 async def _hold(stream: H2Stream, loop: asyncio.AbstractEventLoop, delay: float) -> None:
     """Sleep ``delay`` seconds, or until the call ends, while the connection fills the sink."""
     stream.holding = True
+    stream.hold_until = loop.time() + delay
     waiter = stream.waiter = loop.create_future()
     timer = loop.call_later(delay, stream.wake)
     try:
