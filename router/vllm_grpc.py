@@ -322,6 +322,11 @@ class VllmGrpcClient:
         self.transport = "h2"
         self._h2 = H2Pool(max_channels, limits.SERVING_MAX_MESSAGE_BYTES)
 
+    @property
+    def h2_read_pauses(self) -> int:
+        """How often the HTTP/2 reader's open connections paused reading (see ``H2Connection._coalesce``)."""
+        return self._h2.read_pauses
+
     def set_transport(self, transport: str) -> None:
         """``--vllm-transport``: ``h2`` or ``grpc`` (see :data:`VLLM_TRANSPORTS`)."""
         if transport not in VLLM_TRANSPORTS:

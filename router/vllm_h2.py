@@ -268,6 +268,8 @@ class H2Connection(asyncio.Protocol):
         self._keepalive: asyncio.TimerHandle | None = None
         #: The pending end of a read pause (:meth:`_coalesce`), while reading is paused.
         self._resume: asyncio.TimerHandle | None = None
+        #: Read pauses so far (for tests and diagnostics).
+        self.read_pauses = 0
 
     # ------------------------------------------------------------------ asyncio.Protocol
 
@@ -344,6 +346,7 @@ class H2Connection(asyncio.Protocol):
         if pause < READ_COALESCE_MARGIN_S or self.transport is None or self.closed:
             return
         self.transport.pause_reading()
+        self.read_pauses += 1
         self._resume = self._loop.call_later(pause, self._read_again)
 
     def _read_again(self) -> None:
@@ -715,6 +718,11 @@ class H2Pool:
             raise
         finally:
             del self._opening[address]
+
+    @property
+    def read_pauses(self) -> int:
+        """Read pauses of the open connections (:meth:`H2Connection._coalesce`), for diagnostics."""
+        return sum(conn.read_pauses for conn in self._conns.values())
 
     def close(self) -> None:
         for conn in self._conns.values():

@@ -246,6 +246,34 @@ async def test_the_h2_reader_takes_the_tokens_of_many_streams_in_few_batches() -
         assert messages < 16 * 50
 
 
+async def test_paced_streams_lose_nothing_while_the_reader_pauses_and_a_new_call_is_not_held() -> None:
+    """While every relay holds for its interval the reader leaves the engine's bytes in the socket
+    for a moment (it pauses: checked); every token still arrives, in order, and a call started
+    meanwhile gets its first message well within a hold interval."""
+    async with _engine() as (_, _, endpoint), _client("h2") as client:
+        client.vllm.set_pacing(0.03, 0.0)
+        target = _Target("v", endpoint)
+        results = await asyncio.gather(
+            *(_collect(client, target, _request(f"slow-{i}", 1 + i, 60)) for i in range(8))
+        )
+        for i, ids in enumerate(results):
+            assert ids == list(range(1 + i, 61 + i))
+        assert client.vllm.h2_read_pauses > 0
+
+        late: list[float] = []
+
+        async def newcomer() -> None:
+            await asyncio.sleep(0.05)  # the others are streaming and holding by now
+            started = asyncio.get_running_loop().time()
+            async for message in client.stream(target, _request("ok-new", 3, 1), 30.0, LegLedger()):
+                if message.token_ids:
+                    late.append(asyncio.get_running_loop().time() - started)
+
+        background = [_collect(client, target, _request(f"slow-b{i}", 2, 60)) for i in range(8)]
+        await asyncio.gather(newcomer(), *background)
+        assert late and late[0] < 0.5, late  # a liveness bound with margin, not a timing figure
+
+
 @settings(max_examples=50, deadline=None)
 @given(st.floats(min_value=0.0005, max_value=1e7))
 def test_grpc_timeout_is_at_most_eight_digits_and_never_shorter(seconds: float) -> None:
