@@ -20,6 +20,13 @@ The model follows vLLM's scheduler where it matters for routing:
 - a request samples one token at the end of the step that computes its whole
   context; a PD prefill (``hold_kv``) then keeps its KV blocks until
   :meth:`SimCore.release_held` frees them;
+- a running request's token budget can be raised in place
+  (:meth:`SimCore.extend`): it goes on decoding in the running batch, its KV
+  and its place kept, as an engine does when whoever asked for the tokens lets
+  the request keep generating (a router whose slice cap is its own count, not
+  the engine's). A request added with ``pause_at_end`` stops at its last token
+  without leaving the batch, so its driver can decide there whether it goes on
+  (``extend``) or ends (``abort``) before the next step;
 - a step lasts ``ttft(prefill tokens) + tpot(decode batch, context)`` from the
   engine's *ground-truth* profiles (see :class:`ProfileCostModel`), times
   ``1 + kv_slowdown * KV use``. The ground truth is the hardware the engine
@@ -265,6 +272,11 @@ class SimRequestSpec:
     #: (:mod:`fleet.prefix`; ``SimConfig.prefix_cache_block_tokens`` tokens each). Empty: nothing of the
     #: prompt is looked up in or stored into the prefix cache.
     block_hashes: tuple[int, ...] = ()
+    #: At its last token the request is paused, not finished: it keeps its KV, its seat and its place
+    #: in the running batch, generating nothing, until :meth:`SimCore.extend` raises its budget (it goes
+    #: on in place) or :meth:`SimCore.abort` ends it, which its driver must do before the next
+    #: :meth:`SimCore.schedule`. The last token is reported as ``finished`` either way.
+    pause_at_end: bool = False
 
 
 class KvEventKind(str, enum.Enum):
@@ -304,6 +316,8 @@ class StepResult:
 class _Phase(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    #: In the running batch at its last token, waiting for :meth:`SimCore.extend` or ``abort``.
+    PAUSED = "paused"
     HELD = "held"
     DONE = "done"
 
@@ -314,6 +328,7 @@ class _Request:
     __slots__ = (
         "cached",
         "discount",
+        "extended_at",
         "num_blocks",
         "num_computed",
         "num_generated",
@@ -327,6 +342,9 @@ class _Request:
         self.spec = spec
         self.num_tokens = spec.num_context_tokens
         self.num_generated = 0
+        #: Its budget before the last :meth:`SimCore.extend` (0: never raised): the token past it opens a
+        #: new run, reported as a first token is.
+        self.extended_at = 0
         self.num_blocks = 0
         self.phase = _Phase.WAITING
         #: Hashes of the prefix-cache blocks it references, a prefix of ``spec.block_hashes``.
@@ -381,6 +399,8 @@ class SimCore:
         self._running: list[_Request] = []
         self._active: dict[str, _Request] = {}
         self._held: dict[str, _Request] = {}
+        #: Running requests at their last token (``pause_at_end``), waiting for ``extend`` or ``abort``.
+        self._paused: dict[str, _Request] = {}
         self._recent_admitted: deque[str] = deque(maxlen=config.max_recent_admitted_ids)
         self._recent_steps: deque[StepRecord] = deque(maxlen=config.max_recent_steps)
         self._uncomputed = 0
@@ -439,6 +459,11 @@ class SimCore:
                 f"request {rid!r} needs {longest} tokens of KV but the cache holds "
                 f"{self._total_blocks * self._bs}; lower max_tokens or shorten the prompt"
             )
+        if spec.pause_at_end and spec.hold_kv:
+            raise InvalidRequestError(
+                f"request {rid!r}: pause_at_end and hold_kv exclude each other (a paused request keeps "
+                "running; a held one has left the batch)"
+            )
         if spec.block_hashes and self._pbt and len(spec.block_hashes) * self._pbt > spec.num_context_tokens:
             raise InvalidRequestError(
                 f"request {rid!r}: {len(spec.block_hashes)} prefix blocks of {self._pbt} tokens do not fit in "
@@ -465,8 +490,65 @@ class SimCore:
             self._waiting.remove(req)
         else:
             self._running.remove(req)
+            self._paused.pop(request_id, None)
         self._retire(req)
         return True
+
+    def extend(self, request_id: str, max_new_tokens: int, *, pause_at_end: bool | None = None) -> bool:
+        """Raise a waiting or running request's budget to ``max_new_tokens`` new tokens, in place.
+
+        ``max_new_tokens`` counts from the request's admission, like ``SimRequestSpec.max_new_tokens``
+        (the tokens already generated included). Nothing is recomputed and nothing moves: a running
+        request keeps its KV blocks, its seat and its place in the batch (so it is preempted when it
+        would have been), and one paused at its last token goes on decoding at the next step. This is
+        what an engine does when the caller simply lets a request keep generating; the first token
+        past the old budget is reported as a run's first token is (``finish_step(ends_only=True)``).
+        ``pause_at_end``: whether it pauses again at the new end (None: as before). False when the id
+        is not waiting or running here (held, finished or unknown).
+
+        Raises :class:`InvalidRequestError` for a budget that does not raise the old one or reach past
+        the tokens generated, or that the cache could never hold.
+        """
+        req = self._active.get(request_id)
+        if req is None:
+            return False
+        spec = req.spec
+        if max_new_tokens < spec.max_new_tokens or max_new_tokens <= req.num_generated:
+            raise InvalidRequestError(
+                f"request {request_id!r}: max_new_tokens {max_new_tokens} must be at least its budget "
+                f"({spec.max_new_tokens}) and above the {req.num_generated} tokens it generated"
+            )
+        longest = spec.num_context_tokens + max_new_tokens - 1
+        if self._blocks_for(longest) > self._total_blocks:
+            raise InvalidRequestError(
+                f"request {request_id!r} would need {longest} tokens of KV but the cache holds "
+                f"{self._total_blocks * self._bs}; raise its budget by less"
+            )
+        counts = spec.counts_as_decode or max_new_tokens > 1
+        if counts and not spec.counts_as_decode:
+            self._decode_requests += 1
+            self._decode_tokens += req.num_tokens
+        req.spec = SimRequestSpec(
+            spec.request_id,
+            spec.num_context_tokens,
+            max_new_tokens,
+            num_cached_tokens=spec.num_cached_tokens,
+            hold_kv=spec.hold_kv,
+            counts_as_decode=counts,
+            block_hashes=spec.block_hashes,
+            pause_at_end=spec.pause_at_end if pause_at_end is None else pause_at_end,
+        )
+        if req.spec.pause_at_end and req.spec.hold_kv:
+            raise InvalidRequestError(f"request {request_id!r}: pause_at_end and hold_kv exclude each other")
+        req.extended_at = spec.max_new_tokens
+        if req.phase is _Phase.PAUSED:
+            req.phase = _Phase.RUNNING
+            del self._paused[request_id]
+        return True
+
+    def is_paused(self, request_id: str) -> bool:
+        """Whether the request is paused at its last token (``pause_at_end``), in the batch still."""
+        return request_id in self._paused
 
     def release_held(self, request_id: str) -> int | None:
         """Free a held prefill's KV; the number of context tokens it held, or None if none is held."""
@@ -542,6 +624,11 @@ class SimCore:
         """
         if self._step_pending:
             raise RuntimeError("finish_step() the previous step before scheduling another")
+        if self._paused:
+            raise RuntimeError(
+                f"{len(self._paused)} request(s) paused at their last token: extend() or abort() them "
+                "before the next step"
+            )
         if not self._running and not self._waiting:
             return None
         budget = self.config.max_num_batched_tokens
@@ -675,8 +762,14 @@ class SimCore:
             if req.spec.counts_as_decode:
                 self._decode_tokens += 1
             if req.num_generated < req.spec.max_new_tokens:
-                if not ends_only or req.num_generated == 1:
+                if not ends_only or req.num_generated == 1 or req.num_generated == req.extended_at + 1:
                     outputs.append(TokenOutput(req.spec.request_id, req.num_generated - 1, False, False))
+                continue
+            if req.spec.pause_at_end:
+                # Its budget is spent but it stays in the batch, KV and all, until extended or aborted.
+                outputs.append(TokenOutput(req.spec.request_id, req.num_generated - 1, True, False))
+                req.phase = _Phase.PAUSED
+                self._paused[req.spec.request_id] = req
                 continue
             hold = req.spec.hold_kv
             outputs.append(TokenOutput(req.spec.request_id, req.num_generated - 1, True, hold))
@@ -792,7 +885,9 @@ class SimCore:
         reqs = [*self._waiting, *self._running]
         assert len(reqs) == len(self._active), "active index out of sync"
         assert all(r.phase is _Phase.WAITING for r in self._waiting)
-        assert all(r.phase is _Phase.RUNNING for r in self._running)
+        assert all(r.phase in (_Phase.RUNNING, _Phase.PAUSED) for r in self._running)
+        assert {r.spec.request_id for r in self._running if r.phase is _Phase.PAUSED} == set(self._paused)
+        assert all(r.num_generated == r.spec.max_new_tokens for r in self._paused.values()), "paused early"
         assert all(r.phase is _Phase.HELD for r in self._held.values())
         assert sum(r.uncomputed_prefill for r in reqs) == self._uncomputed, "uncomputed prefill tokens"
         decoding = [r for r in reqs if r.spec.counts_as_decode]

@@ -381,6 +381,7 @@ class _Req:
     """Mutable state of one request during a run."""
 
     __slots__ = (
+        "base",
         "capped",
         "decode",
         "done_s",
@@ -421,6 +422,9 @@ class _Req:
         self.paused_at = -1.0
         #: Its current run has a cap (a slice).
         self.capped = False
+        #: Tokens its engine request had generated before the current run (a run continued in place
+        #: by ``SimCore.extend`` counts on from the run before; 0 for a run added afresh).
+        self.base = 0
         self.tokens = 0
         self.error_code: str | None = None
         self.error_message = ""
@@ -543,6 +547,10 @@ class _Simulation:
         #: Engines keep a paused run's blocks in their prefix cache (vLLM's automatic prefix caching):
         #: a run resumed at once on the instance it left recomputes only its last partial block.
         self.resume_cache = resume_cache
+        #: A capped run with output left pauses in its engine at its cap (``pause_at_end``) so that a
+        #: slice continued in place goes on in that engine's running batch (``SimCore.extend``), as a
+        #: live leg does, instead of re-entering its waiting queue; only where the dispatcher continues.
+        self.park = slicing is not None and slicing.continue_in_place
         #: Whether a capped run ended in the step being finished (see _step_end).
         self.capped_ended = False
         #: While an action list is carried out: the instances capped runs landed on (see _landed).
@@ -883,7 +891,8 @@ class _Simulation:
         carrying, self.carrying = self.carrying, True
         try:
             for rid, position, finished, held in result.outputs:
-                if position == 0 or finished:
+                # (and the first token of a run continued in place: SimCore.extend reports it)
+                if position == 0 or finished or position == self.reqs[int(rid)].base:
                     self._token(int(rid), position, finished, held, now)
             if self.capped_ended:
                 # Capped runs ended: the room they freed is offered before the instance plans its
@@ -921,14 +930,16 @@ class _Simulation:
             return
         if r.first_s < 0:
             r.first_s = now
-        elif position == 0 and r.last_s >= 0:
+        elif position == r.base and r.last_s >= 0:
             self.gaps_ms.append((now - r.last_s) * 1000.0)
         if finished:
-            r.tokens += position + 1
+            r.tokens += position + 1 - r.base
             self.capped_ended |= r.capped
             if r.capped and r.tokens < r.out and r.tokens < self.cap_of[idx]:
+                i = r.decode
                 self._pause(r, now)  # the run ended at its placement's cap, with output left
                 self._handle(Paused(str(idx), r.tokens), now)
+                self._unpark(idx, i)  # not continued there: the leg ends
                 return
             self._finish(r, now)
 
@@ -1194,7 +1205,8 @@ class _Simulation:
         if generated is None:
             return None
         core.abort(rid)
-        r.tokens += generated  # returned to the client; the next run continues after them
+        r.tokens += generated - r.base  # returned to the client; the next run continues after them
+        r.base = 0
         self._resident(r, i, -1, 0)
         r.stage = _PENDING
         self._changed(i, now)
@@ -1206,7 +1218,7 @@ class _Simulation:
         if r.stage != _SERVING:
             return None
         generated = self._settle(r.decode, now).generated_tokens(str(idx))
-        return None if generated is None else int(r.tokens + generated)
+        return None if generated is None else int(r.tokens + generated - r.base)
 
     def _pause(self, r: _Req, now: float) -> None:
         """The lifecycle's pause: the run ended at its cap; the request keeps its tokens and waits to be
@@ -1256,9 +1268,17 @@ class _Simulation:
         hashes = self.block_hashes[idx]
         # Engine truth below (the engine ends a one-token answer at its first token, so a PD
         # prefill then holds no KV); the router's resident leg is costed by its own estimate.
+        r.base = 0
         if neutral:
             new = min(out, cap) if cap else out
-            spec = SimRequestSpec(rid, plan.prompt_tokens, new, counts_as_decode=new > 1, block_hashes=hashes)
+            spec = SimRequestSpec(
+                rid,
+                plan.prompt_tokens,
+                new,
+                counts_as_decode=new > 1,
+                block_hashes=hashes,
+                pause_at_end=self._parks(cap, new, min(out, plan.max_tokens)),
+            )
         else:
             spec = SimRequestSpec(
                 rid,
@@ -1292,6 +1312,19 @@ class _Simulation:
         else:
             self._changed(i, now)
 
+    def _parks(self, cap: int, new_tokens: int, left: int) -> bool:
+        """Whether a run of ``new_tokens`` under ``cap`` pauses in its engine at its end (see ``park``):
+        it ends at the cap with output left."""
+        return self.park and cap > 0 and new_tokens < left
+
+    def _unpark(self, idx: int, i: int) -> None:
+        """End request ``idx``'s run paused at its cap on instance ``i``, unless it was continued there
+        (the router closes a leg it does not continue; its KV is freed now)."""
+        core = self.cores[i]
+        rid = str(idx)
+        if core.is_paused(rid):
+            core.abort(rid)
+
     def _cached(self, r: _Req, previous: int, i: int, now: float) -> bool:
         """Whether a resumed request finds its blocks in instance ``i``'s prefix cache: it paused there
         this very moment (its blocks were freed, not yet reused) and the engines keep them."""
@@ -1316,14 +1349,26 @@ class _Simulation:
         answer's true end, which the cap left to it may not reach. ``goes_on``: the dispatcher
         continued the run where it paused (:attr:`~router.core.dispatch.Action.continues`; the
         router lets the engine's leg run past the cap): its whole context is still in the engine,
-        nothing is recomputed and it goes on as a decode. The engine model ended the run at its cap,
-        so it re-enters through the waiting queue, admitted as a decode at the next step (a step
-        later than the run that never stopped, when the queue's head holds it back).
+        nothing is recomputed and it goes on as a decode: its engine paused the run at the cap in its
+        running batch (``park``), and its budget is raised there (``SimCore.extend``), so it decodes
+        at the next step with its KV and its place in the batch, as a live leg that never stopped.
         """
         rid = str(idx)
         prompt = plan.prompt_tokens + r.tokens
         left = min(plan.max_tokens - r.tokens, r.out - r.tokens)
         new_tokens = max(min(left, cap) if cap else left, 1)
+        core = self._settle(i, now)
+        if goes_on and core.is_paused(rid):
+            base = core.generated_tokens(rid)
+            assert base is not None
+            core.extend(rid, base + new_tokens, pause_at_end=self._parks(cap, new_tokens, left))
+            r.base = base
+            r.stage = _SERVING
+            self._resident(r, i, +1, prompt + max(r.expected - r.tokens, 1), prompt)
+            self._landed(i, now, r.capped)
+            return
+        self._unpark(idx, i)
+        r.base = 0
         hit = 0
         if goes_on:
             hit = prompt
@@ -1331,9 +1376,16 @@ class _Simulation:
             block = self.fleet.configs[i].block_size
             hit = min((prompt - 1) // block * block, prompt - 1)
         self.recomputed += prompt - hit
-        spec = SimRequestSpec(rid, prompt, new_tokens, num_cached_tokens=hit, counts_as_decode=new_tokens > 1)
+        spec = SimRequestSpec(
+            rid,
+            prompt,
+            new_tokens,
+            num_cached_tokens=hit,
+            counts_as_decode=new_tokens > 1,
+            pause_at_end=self._parks(cap, new_tokens, left),
+        )
         try:
-            self._settle(i, now).add(spec)
+            core.add(spec)
         except EngineOverloadedError as exc:
             self._fail(r, "RESOURCE_EXHAUSTED", f"instance {self.fleet.ids[i]}: {exc}", now)
             return

@@ -159,6 +159,11 @@ class DecodeRun:
             per_step[-computed % bs] += 1
             step_tokens0 += r.num_tokens
             counted += r.spec.counts_as_decode
+            if r.extended_at and r.num_generated <= r.extended_at:
+                # The first token past a raised budget is reported (SimCore.extend): stepped, not skipped.
+                max_steps = min(max_steps, r.extended_at - r.num_generated)
+        if max_steps < MIN_RUN_STEPS:
+            return None
         cycle: list[int] = []
         total = 0
         for n in per_step:

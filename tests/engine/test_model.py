@@ -289,3 +289,181 @@ def test_ends_only_reports_first_and_last_tokens_and_steps_the_same(
             ends.num_running,
         )
     assert not full.has_unfinished and not ends.has_unfinished
+
+
+# ---------------------------------------------------------------- a budget raised in place (SimCore.extend)
+
+
+def test_a_paused_request_keeps_its_kv_and_goes_on_decoding_when_its_budget_is_raised() -> None:
+    """``pause_at_end`` stops a request at its last token without leaving the batch; ``extend`` lets it
+    go on at the very next step as a decode: no prefill, its blocks kept, positions counting on."""
+    core = make_core(block_size=16)
+    core.add(spec("a", 100, 5, pause_at_end=True))
+    produced = run_until_paused(core, "a")
+    assert produced == [0, 1, 2, 3, 4]
+    assert core.is_paused("a") and core.is_active("a") and core.num_running == 1
+    assert core.num_used_kv_tokens == 112  # 104 tokens computed: 7 blocks, none freed
+    assert core.num_decode_requests == 1 and core.num_decode_tokens == 105
+    with pytest.raises(RuntimeError, match="paused"):
+        core.schedule()
+    assert core.extend("a", 12, pause_at_end=False)
+    assert not core.is_paused("a")
+    assert core.decode_progress("a") == (105, 7, True)
+    scheduled = core.schedule()
+    assert scheduled is not None
+    assert scheduled.num_prefill_tokens == 0 and scheduled.num_decode_requests == 1
+    first = core.finish_step(scheduled, ends_only=True).outputs
+    assert first == (("a", 5, False, False),)  # the first token past the old budget is reported
+    core.check_invariants()
+    assert run_to_completion(core) == {"a": [6, 7, 8, 9, 10, 11]}
+    assert core.num_used_kv_tokens == 0 and core.num_decode_tokens == 0 and not core.has_unfinished
+
+
+def run_until_paused(core: SimCore, rid: str, max_steps: int = 10_000) -> list[int]:
+    """Step until ``rid`` pauses at its last token; the positions it produced."""
+    produced: list[int] = []
+    for _ in range(max_steps):
+        scheduled = core.schedule()
+        assert scheduled is not None
+        for out in core.finish_step(scheduled).outputs:
+            if out.request_id == rid:
+                produced.append(out.position)
+        core.check_invariants()
+        if core.is_paused(rid):
+            return produced
+    raise AssertionError(f"{rid} never paused")
+
+
+def test_a_raised_budget_does_not_wait_behind_the_queue_where_a_re_admitted_run_does() -> None:
+    """What re-admitting a continued run cost (the simulator's way before ``extend``): the run ended at
+    its cap freed its blocks and came back through the waiting queue with its context cached, behind
+    a head that then took the room; a run whose budget is raised decodes at the next step, blocks kept."""
+    for raised in (True, False):
+        core = make_core(block_size=16, kv_capacity_tokens=1024, max_model_len=1024, max_num_seqs=8)
+        core.add(spec("a", 300, 4, pause_at_end=raised))
+        run_until_finished_or_paused(core, "a")
+        core.add(spec("head", 800, 2))  # 50 blocks: they fit in the 64 only while a holds none
+        if raised:
+            assert core.extend("a", 8, pause_at_end=False)
+        else:
+            core.add(spec("a", 304, 4, num_cached_tokens=304))
+        scheduled = core.schedule()
+        assert scheduled is not None
+        assert scheduled.request_ids == (("a",) if raised else ("head",))
+        if raised:
+            assert scheduled.num_prefill_tokens == 0 and scheduled.num_decode_requests == 1
+        core.finish_step(scheduled)
+        core.check_invariants()
+
+
+def run_until_finished_or_paused(core: SimCore, rid: str) -> None:
+    for _ in range(10_000):
+        scheduled = core.schedule()
+        assert scheduled is not None
+        outs = core.finish_step(scheduled).outputs
+        if any(o.request_id == rid and o.finished for o in outs):
+            return
+    raise AssertionError(f"{rid} never finished")
+
+
+def test_a_request_whose_budget_was_raised_is_still_preempted_and_loses_nothing() -> None:
+    """Raised in place, a request keeps its place in the batch: as the newest it is the one a full KV
+    preempts, it is recomputed, and it still yields exactly its raised budget."""
+    core = make_core(kv_capacity_tokens=1024, max_model_len=1024, block_size=16, max_num_seqs=8)
+    core.add(spec("x", 200, 400))
+    core.add(spec("a", 200, 10, pause_at_end=True))
+    produced = {"a": run_until_paused(core, "a")}
+    assert core.extend("a", 400, pause_at_end=False)
+    for rid, positions in run_to_completion(core).items():
+        produced.setdefault(rid, []).extend(positions)
+    assert core.num_preemptions > 0
+    assert produced["a"] == list(range(400))
+    assert produced["x"][-1] == 399 and not core.has_unfinished and core.num_used_kv_tokens == 0
+
+
+def test_extend_refuses_a_budget_it_cannot_raise_to_and_ignores_unknown_ids() -> None:
+    core = make_core(kv_capacity_tokens=1024, max_model_len=1024, block_size=16)
+    core.add(spec("a", 100, 5, pause_at_end=True))
+    run_until_paused(core, "a")
+    with pytest.raises(InvalidRequestError, match="max_new_tokens 4"):
+        core.extend("a", 4)
+    with pytest.raises(InvalidRequestError, match="KV"):
+        core.extend("a", 2000)
+    assert not core.extend("nobody", 10)
+    assert core.abort("a") and not core.is_paused("a")
+    core.check_invariants()
+    assert core.num_used_kv_tokens == 0
+    with pytest.raises(InvalidRequestError, match="pause_at_end"):
+        core.add(spec("p", 10, 1, hold_kv=True, pause_at_end=True))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    requests=st.lists(
+        st.tuples(
+            st.integers(1, 400),
+            st.integers(1, 40),
+            st.lists(st.integers(1, 80), max_size=3),
+            st.booleans(),
+        ),
+        min_size=1,
+        max_size=16,
+    ),
+    capacity_blocks=st.integers(45, 160),
+    ends_only=st.booleans(),
+)
+def test_budgets_raised_in_place_yield_exactly_their_tokens_with_consistent_kv(
+    requests: list[tuple[int, int, list[int], bool]], capacity_blocks: int, ends_only: bool
+) -> None:
+    """Requests paused at their budget, then raised (``extend``) a few times or ended (``abort``)
+    there, beside others; under KV pressure (preemptions happen): a raised request is decoding at
+    once (nothing to prefill), every counter and block count stays right, and each yields exactly
+    its final budget, positions counting on across raises."""
+    core = make_core(
+        max_num_batched_tokens=256,
+        max_num_seqs=16,
+        block_size=16,
+        kv_capacity_tokens=capacity_blocks * 16,
+        max_model_len=700,
+    )
+    raises = {f"r{i}": list(more) for i, (_, _, more, _) in enumerate(requests)}
+    by_abort = {f"r{i}": end for i, (_, _, _, end) in enumerate(requests)}
+    final: dict[str, int] = {}
+    produced: dict[str, list[int]] = {}
+    for i, (context, new, more, end_by_abort) in enumerate(requests):
+        rid = f"r{i}"
+        total = new + sum(more)
+        if context + total > 700:
+            raises[rid] = []
+            total = new
+        final[rid] = total
+        core.add(spec(rid, context, new, pause_at_end=bool(raises[rid]) or end_by_abort))
+    steps = 0
+    while core.has_unfinished:
+        scheduled = core.schedule()
+        assert scheduled is not None
+        for out in core.finish_step(scheduled, ends_only=ends_only).outputs:
+            produced.setdefault(out.request_id, []).append(out.position)
+            if not core.is_paused(out.request_id):
+                continue
+            rid = out.request_id
+            if raises[rid]:
+                budget = out.position + 1 + raises[rid].pop(0)
+                uncomputed = core.num_uncomputed_prefill_tokens
+                assert core.extend(rid, budget, pause_at_end=bool(raises[rid]) or by_abort[rid])
+                assert core.num_uncomputed_prefill_tokens == uncomputed
+                progress = core.decode_progress(rid)
+                assert progress is not None and progress[1] == budget - out.position - 1 and progress[2]
+            else:
+                assert core.abort(rid)  # paused at its final budget: its driver ends it
+        core.check_invariants()
+        steps += 1
+        assert steps < 50_000
+    for rid, total in final.items():
+        got = produced[rid]
+        if ends_only:
+            assert got[0] == 0 and got[-1] == total - 1 and got == sorted(set(got)), rid
+        else:
+            assert got == list(range(total)), rid
+    assert core.num_used_kv_tokens == 0
+    assert core.num_decode_requests == 0 and core.num_uncomputed_prefill_tokens == 0

@@ -8,10 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from engine.model import SimConfig
+import sim.cluster
+import sim.slicing
+from engine.model import ScheduledStep, SimConfig, SimCore, StepResult
 from router.cli import main
 from router.core.slicing import SliceConfig
-from sim.cluster import SimFleet
+from sim.cluster import SimFleet, SimOutcome
 from sim.fleet import fleet_from_counts
 from sim.slicing import request_figures, simulate_slices
 from workload.spec import generate_requests, load_workload
@@ -247,6 +249,50 @@ def test_a_slice_boundary_stalls_a_stream_well_under_the_papers_requeue(workload
     built = stall_p99(SliceConfig())
     assert built < 1500.0
     assert stall_p99(SliceConfig(resume_at_once=False)) > 5 * built
+
+
+def test_a_slice_continued_where_it_ran_goes_on_in_its_engines_batch_at_the_next_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One instance on 8k of KV, long answers arriving faster than it serves: every next slice stays
+    (``continue_in_place``) and its run goes on in the engine's running batch (``SimCore.extend``):
+    it is in the engine's very next step, whatever waits in the engine's queue, and the stream's gap
+    at every boundary is measured. Re-admitted through the waiting queue, as the simulator did
+    before, a continued run waited there behind prompts that took the room it had freed."""
+    engine = SimConfig(kv_capacity_tokens=8192, max_num_seqs=64)
+    one = SimFleet(fleet_from_counts(neutral=1, engine=engine))
+    spec = load_workload("interactive-batch").with_arrival(rate_per_s=3.0)
+    work = list(generate_requests(spec, rng=5, num_requests=60))
+    steps: list[tuple[str, ...]] = []  # the requests of each step the engine scheduled, in order
+    ends: list[tuple[int, str]] = []  # (step, request) of each run's last token
+    runs: list[SimOutcome] = []
+    schedule, finish_step, simulate = SimCore.schedule, SimCore.finish_step, sim.cluster.simulate
+
+    def record_schedule(core: SimCore) -> ScheduledStep | None:
+        step = schedule(core)
+        if step is not None:
+            steps.append(step.request_ids)
+        return step
+
+    def record_finish(core: SimCore, step: ScheduledStep, **kwargs: bool) -> StepResult:
+        result = finish_step(core, step, **kwargs)
+        ends.extend((len(steps) - 1, out.request_id) for out in result.outputs if out.finished)
+        return result
+
+    def keep(*args: object, **kwargs: object) -> SimOutcome:
+        runs.append(simulate(*args, **kwargs))  # type: ignore[arg-type]
+        return runs[-1]
+
+    monkeypatch.setattr(SimCore, "schedule", record_schedule)
+    monkeypatch.setattr(SimCore, "finish_step", record_finish)
+    monkeypatch.setattr(sim.slicing, "simulate", keep)
+    outcome = simulate_slices(one, work, SliceConfig(), seed=1)
+    assert [r.completion_tokens for r in outcome.results] == [p.true_output_tokens for p in work]
+    assert outcome.figures.recomputed_tokens == 0
+    boundaries = [(k, rid) for k, rid in ends if any(rid in later for later in steps[k + 1 :])]
+    assert len(boundaries) == outcome.figures.slices - len(work) > 40
+    assert [rid for k, rid in boundaries if rid not in steps[k + 1]] == []
+    assert len(runs[0].resume_gaps_ms) == len(boundaries)  # every boundary's first token is seen
 
 
 def test_a_slice_continued_where_it_ran_recomputes_nothing_and_keeps_its_stream_going() -> None:
