@@ -71,6 +71,10 @@ KEEPALIVE_TIMEOUT_S = 5.0
 #: for its pacing interval (:meth:`H2Connection._coalesce`): the messages of one engine step,
 #: written one by one, are then read in one wake-up of the event loop instead of several.
 READ_COALESCE_S = 0.001
+#: Fewer open streams than this on a connection: no read pause. The engine writes one message per
+#: stream per step, so with a few streams a step's messages are read in one or two wake-ups anyway,
+#: and the pause's own timer would add a wake-up instead of saving one (measured at one stream).
+READ_COALESCE_MIN_STREAMS = 4
 #: A pause ends this long before the first relay's hold does, so that its batch holds every
 #: message that arrived before its interval ended (the loop reads before that timer fires).
 READ_COALESCE_MARGIN_S = 0.0003
@@ -321,7 +325,7 @@ class H2Connection(asyncio.Protocol):
             self._fail_connection(str(exc))
             return
         self._in = data[pos:]
-        if self._streams:
+        if len(self._streams) >= READ_COALESCE_MIN_STREAMS:
             self._coalesce()
 
     def _coalesce(self) -> None:
@@ -329,8 +333,9 @@ class H2Connection(asyncio.Protocol):
 
         vLLM's server writes each stream's message of an engine step on its own, so a reader that
         reads whenever bytes arrive wakes several times per step. While every stream's relay holds
-        for its pacing interval (:func:`paced_stream_batches`) nobody takes a message before the
-        first hold ends: the reader then leaves the bytes in the socket for up to
+        for its pacing interval (:func:`paced_stream_batches`; at least
+        :data:`READ_COALESCE_MIN_STREAMS` of them) nobody takes a message before the first hold
+        ends: the reader then leaves the bytes in the socket for up to
         :data:`READ_COALESCE_S`, ending the pause :data:`READ_COALESCE_MARGIN_S` before that first
         hold does, and reads them all at once. A stream waiting for its first message, or for the
         next one after a quiet interval, is not holding: no pause then, so neither the first token
