@@ -359,7 +359,7 @@ def test_the_readers_chunk_decoder_merges_exactly_what_protobuf_parses(batches: 
         for data in batch:
             fed.feed(data)
             parsed.add(vllm_pb2.GenerateResponse.FromString(data))
-        outs = []
+        outs: list[tuple[list[int], bool, str, int, int] | None] = []
         for merge in (fed, parsed):
             try:
                 out = merge.take()
