@@ -325,7 +325,7 @@ class H2Connection(asyncio.Protocol):
             self._fail_connection(str(exc))
             return
         self._in = data[pos:]
-        if len(self._streams) >= READ_COALESCE_MIN_STREAMS:
+        if len(self._streams) >= READ_COALESCE_MIN_STREAMS and self._resume is None:
             self._coalesce()
 
     def _coalesce(self) -> None:
