@@ -18,7 +18,9 @@ and the router's event-loop thread's CPU time at each, so with one stream (nothi
 the CPU between two stages is that stage's own work. Bursts of 1, 16 and 64 concurrent requests
 (128 tokens each) run ``--rounds`` times after a warm-up; printed are the median times of each
 stage from the client's send, the 90th percentile of the client's TTFT, the router's CPU per
-request (user + system, ``/proc``), and the loop's CPU per stage at one stream. ``--noop``
+request (user + system, ``/proc``), and the loop's CPU per stage per burst size (at one stream
+each stage's own work; in a burst ``enter``→``placed`` still is, since a request placed at once
+never pauses on the way, while the later stages interleave with the other requests'). ``--noop``
 replaces the router's ``Generate`` with one that answers a token at once (the gRPC server's own
 floor for a burst). Figures only.
 
@@ -141,9 +143,19 @@ if _OUT and sys.orig_argv[3:4] == ["router"]:
 
     _h2.H2Connection._data_end = staticmethod(_traced_data_end)
 
+    _profile_out = os.environ.get("SLO_ROUTER_BENCH_PROFILE")
+    if _profile_out:
+        import cProfile
+
+        _profiler = cProfile.Profile()
+        _profiler.enable()  # the main thread: the router's event loop
+
     def _dump():
         with open(_OUT, "w") as out:
             json.dump(_times, out)
+        if _profile_out:
+            _profiler.disable()
+            _profiler.dump_stats(_profile_out)
 
     atexit.register(_dump)
 """
@@ -191,6 +203,8 @@ async def _run(options: argparse.Namespace, root: Path) -> None:
         }
         if options.noop:
             hook_env["SLO_ROUTER_BENCH_NOOP"] = "1"
+        if options.profile:
+            hook_env["SLO_ROUTER_BENCH_PROFILE"] = options.profile
         router, router_log = start(
             "router",
             *stock_router_args(cms_port, router_port, model),
@@ -252,18 +266,23 @@ async def _run(options: argparse.Namespace, root: Path) -> None:
             + " ".join(f"{m:>6.1f}" for m in medians)
             + f" | {p90:>9.1f}"
         )
-    if 1 in options.streams and not options.noop:
+    if options.noop:
+        return
+    for burst in options.streams:
         steps: list[list[float]] = []
         for rid, (b, _, _) in client.items():
             marks = times.get(rid, {})
-            if b == 1 and all(s in marks for s in STAGES):
+            if b == burst and all(s in marks for s in STAGES):
                 steps.append([1e6 * (marks[b_][1] - marks[a][1]) for a, b_ in itertools.pairwise(STAGES)])
-        if steps:
-            named = ", ".join(
-                f"{a}→{b} {statistics.median(column):.0f}"
-                for (a, b), column in zip(itertools.pairwise(STAGES), zip(*steps, strict=True), strict=True)
-            )
-            print(f"one stream, the router loop's CPU per stage (µs, median of {len(steps)}): {named}")
+        if not steps:
+            continue
+        # enter→placed runs without a pause (the decision never waits when it dispatches at once), so
+        # it is that request's own CPU in a burst too; the later stages interleave with the others'.
+        named = ", ".join(
+            f"{a}→{b} {statistics.median(column):.0f}"
+            for (a, b), column in zip(itertools.pairwise(STAGES), zip(*steps, strict=True), strict=True)
+        )
+        print(f"{burst} stream(s), the router loop's CPU per stage (µs, median of {len(steps)}): {named}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -287,8 +306,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--noop", action="store_true", help="the router's Generate answers at once (the gRPC server's floor)"
     )
+    parser.add_argument(
+        "--profile",
+        default="",
+        metavar="FILE",
+        help="write the router event loop's cProfile stats to FILE (pstats; slows the router)",
+    )
     options = parser.parse_args(argv)
     options.router_dir = Path(options.router_dir).resolve()
+    if options.profile:
+        options.profile = str(Path(options.profile).resolve())  # the router runs in --router-dir
     if not (options.router_dir / "router" / "cli.py").exists():
         parser.error(f"--router-dir {options.router_dir}: holds no router/cli.py")
     try:

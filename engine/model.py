@@ -524,6 +524,9 @@ class SimCore:
                 f"request {request_id!r} would need {longest} tokens of KV but the cache holds "
                 f"{self._total_blocks * self._bs}; raise its budget by less"
             )
+        pause = spec.pause_at_end if pause_at_end is None else pause_at_end
+        if pause and spec.hold_kv:
+            raise InvalidRequestError(f"request {request_id!r}: pause_at_end and hold_kv exclude each other")
         counts = spec.counts_as_decode or max_new_tokens > 1
         if counts and not spec.counts_as_decode:
             self._decode_requests += 1
@@ -536,10 +539,8 @@ class SimCore:
             hold_kv=spec.hold_kv,
             counts_as_decode=counts,
             block_hashes=spec.block_hashes,
-            pause_at_end=spec.pause_at_end if pause_at_end is None else pause_at_end,
+            pause_at_end=pause,
         )
-        if req.spec.pause_at_end and req.spec.hold_kv:
-            raise InvalidRequestError(f"request {request_id!r}: pause_at_end and hold_kv exclude each other")
         req.extended_at = spec.max_new_tokens
         if req.phase is _Phase.PAUSED:
             req.phase = _Phase.RUNNING

@@ -368,26 +368,44 @@ class Admission:
     def _carry(self, actions: Iterable[Action], now: float) -> None:
         """Carry out each action before taking the next (a dispatch is recorded before the next decision)."""
         observer = self.observer
-        for action in actions:
-            delta = waiting_delta(action)
-            if delta:
-                observer.queue_changed(action.request, delta)
-            outcome = action.outcome
-            if outcome is Outcome.DISPATCH:
-                self._dispatched(action, now)
-            elif outcome is Outcome.REFUSE:
-                if action.event:
-                    observer.queue_event(action.event)
-                future = self._waiting.pop(action.request_id, None)
-                if future is not None and not future.done() and action.error is not None:
-                    future.set_exception(action.error)
-            elif outcome is Outcome.LATE:
+        # A request queued and answered in the same call (an arrival placed at once: the common
+        # case) leaves the queue gauge where it was; its +1 is held here and dropped with its -1
+        # (two labelled gauge updates less per request). What is held is applied however the
+        # call ends, so the gauge never misses an entry that stays queued.
+        entered: dict[str, ScheduleInput] = {}
+        try:
+            for action in actions:
+                delta = waiting_delta(action)
+                if delta > 0 and action.outcome is Outcome.QUEUED:
+                    entered[action.request_id] = action.request
+                elif delta < 0 and entered.pop(action.request_id, None) is not None:
+                    pass
+                elif delta:
+                    observer.queue_changed(action.request, delta)
+                self._act(action, now)
+        finally:
+            for request in entered.values():
+                observer.queue_changed(request, +1)
+
+    def _act(self, action: Action, now: float) -> None:
+        """Carry out one action (the queue gauge is :meth:`_carry`'s)."""
+        observer = self.observer
+        outcome = action.outcome
+        if outcome is Outcome.DISPATCH:
+            self._dispatched(action, now)
+        elif outcome is Outcome.REFUSE:
+            if action.event:
                 observer.queue_event(action.event)
-            elif outcome is Outcome.EVICT:
-                observer.queue_event(action.event)
-                handle = self._handles.get(action.request_id)
-                if handle is not None and handle.resumed is not None:
-                    self._waiting[action.request_id] = handle.resumed
+            future = self._waiting.pop(action.request_id, None)
+            if future is not None and not future.done() and action.error is not None:
+                future.set_exception(action.error)
+        elif outcome is Outcome.LATE:
+            observer.queue_event(action.event)
+        elif outcome is Outcome.EVICT:
+            observer.queue_event(action.event)
+            handle = self._handles.get(action.request_id)
+            if handle is not None and handle.resumed is not None:
+                self._waiting[action.request_id] = handle.resumed
 
     def _dispatched(self, action: Action, now: float) -> None:
         rid = action.request_id

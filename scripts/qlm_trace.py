@@ -53,8 +53,8 @@ def _install() -> None:
         }
         return take(self, i, src, group, now_s)
 
-    def traced_room(self: Any, i: int, r: Any, gone: Any = frozenset(), now_s: Any = None) -> bool:
-        ok = room(self, i, r, gone, now_s)
+    def traced_room(self: Any, i: int, r: Any, gone: Any = frozenset(), now_s: Any = None, **kw: Any) -> bool:
+        ok = room(self, i, r, gone, now_s, **kw)
         if not ok and not gone:
             REFUSALS[f"{r.request.slo_class}"] += 1
         return bool(ok)

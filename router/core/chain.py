@@ -30,6 +30,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import numpy as np
+import numpy.typing as npt
 
 from router.core import fused
 from router.core.columns import BoolArray, InstanceTable, IntArray
@@ -69,11 +70,24 @@ class _Plan(NamedTuple):
     instances: int  # instances serving the model
 
 
+#: Plans by (models, roles) objects: a new snapshot whose instances kept their metadata shares its
+#: layout's ``models`` tuple and ``roles`` array (router.core.view), hence its plans. The objects are
+#: kept in the entry (their ids stay theirs while it lives); bounded by :data:`_PLANS_KEPT`.
+_PLANS: dict[tuple[int, int, str, bool], tuple[tuple[str, ...], npt.NDArray[np.int8], _Plan]] = {}
+_PLANS_KEPT = 64
+
+
 def _plan(policy: Policy, table: InstanceTable, model: str) -> _Plan:
-    """Mode and the candidate masks per stage for ``model``; cached per snapshot."""
+    """Mode and the candidate masks per stage for ``model``; cached per snapshot and per layout."""
     key = ("plan", model, policy.role_agnostic)
     plan: _Plan | None = table.memo.get(key)
-    if plan is None:
+    if plan is not None:
+        return plan
+    shared = (id(table.models), id(table.roles), model, policy.role_agnostic)
+    found = _PLANS.get(shared)
+    if found is not None and found[0] is table.models and found[1] is table.roles:
+        plan = found[2]
+    else:
         base = table.model_mask(model)
         count = int(np.count_nonzero(base))
         none = np.zeros(table.n, dtype=bool)
@@ -87,8 +101,11 @@ def _plan(policy: Policy, table: InstanceTable, model: str) -> _Plan:
             else:
                 plan = _Plan(Mode.NEUTRAL, none, none, base & (table.roles == Role.NEUTRAL), count)
         for mask in (plan.prefill, plan.decode, plan.neutral):
-            mask.setflags(write=False)  # shared by every decision on this snapshot
-        table.memo[key] = plan
+            mask.setflags(write=False)  # shared by every decision on this snapshot (and layout)
+        if len(_PLANS) >= _PLANS_KEPT:
+            _PLANS.clear()
+        _PLANS[shared] = (table.models, table.roles, plan)
+    table.memo[key] = plan
     return plan
 
 

@@ -24,7 +24,7 @@ import numpy.typing as npt
 
 from fleet.snapshot import ClusterSnapshot
 from router.core.arrival import ArrivalCheck
-from router.core.columns import ClusterView
+from router.core.columns import InstanceTable
 from router.core.dispatch import (
     DISPATCHERS,
     Action,
@@ -160,8 +160,8 @@ class Queued:
         self._check: ArrivalCheck | None = None
         #: The fleet's load when a pass last placed nothing (instance ids, load columns), or None.
         self._blocked: tuple[tuple[str, ...], npt.NDArray[np.float64]] | None = None
-        #: The last view :meth:`_load` read, and its load.
-        self._last_load: tuple[ClusterView, tuple[tuple[str, ...], npt.NDArray[np.float64]]] | None = None
+        #: The instance table :meth:`_load` last read, and its load.
+        self._last_load: tuple[InstanceTable, tuple[tuple[str, ...], npt.NDArray[np.float64]]] | None = None
         #: Passes run and passes skipped because nothing could have changed (see :meth:`_worth_a_pass`).
         self.passes = self.skipped = 0
         #: Incremental dispatch (:class:`~router.core.queue.LoadWatch`): an entry refused on the fleet
@@ -254,19 +254,19 @@ class Queued:
     def _load(self, fleet: Fleet, now: float) -> tuple[tuple[str, ...], npt.NDArray[np.float64]]:
         source = fleet.view()
         view = fleet.scheduler.view(source, now) if isinstance(source, ClusterSnapshot) else source
-        last = self._last_load
-        if last is not None and last[0] is view:
-            # The same view object is the same load at the same moment (router.core.view: a view is
-            # rebuilt for a new snapshot, in-flight version or time): a view event's check and the
-            # pass it starts read it once.
-            return last[1]
         t = view.instances
+        last = self._last_load
+        if last is not None and last[0] is t:
+            # Every column read here is the instance table's (the statuses), none the in-flight
+            # account's: one table (one snapshot; its columns are read-only) is one load. A pass's
+            # check and every arrival of a burst on that snapshot read it once.
+            return last[1]
         columns = [getattr(t, name) for name in _LOAD_COLUMNS]
         # An instance turning schedulable (or reporting at last) is more room, like a load going down.
         columns.append(-t.schedulable.astype(np.float64))
         columns.append(-t.has_status.astype(np.float64))
         load = (t.ids, np.vstack(columns))
-        self._last_load = (view, load)
+        self._last_load = (t, load)
         return load
 
     def _worth_a_pass(self, now: float, fleet: Fleet) -> bool:

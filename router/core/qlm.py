@@ -53,7 +53,10 @@ The pieces, and how they are adapted to this router:
   its KV cache and its engine's sequence cap (:meth:`QlmQueue._room`); for
   streams judged on TPOT (this router's adaptation: the paper's SLOs are
   end-to-end) also while the grown batch's predicted step keeps the tightest
-  TPOT target running or waiting in that queue. An instance whose virtual
+  TPOT target running or waiting in that queue; for e2e pulls also while
+  the prefill a looser prompt queues in the engine turns no running e2e
+  request late and the batch stays joinable for the tightest e2e class seen
+  lately (the paper's prefill is a constant; here long prompts are not). An instance whose virtual
   queue is empty pulls the most urgent request waiting on the others. Load
   balancing: the plan moves unstarted groups between virtual queues. Request
   eviction (``--qlm-eviction on``): when the head group's next request cannot
@@ -1047,6 +1050,9 @@ class QlmQueue:
         self._stream_times: deque[float] = deque(maxlen=STREAM_TIMES_MAX)
         self._stream_tokens = 0.0
         self._stream_output = 0.0
+        #: e2e budget (s from arrival) of the e2e-only requests that arrived lately -> (when one last
+        #: arrived, its class, prompt tokens, max_tokens): the tightest bounds looser pulls (see :meth:`_joinable`).
+        self._e2e_budgets: dict[float, tuple[float, str, int, int]] = {}
         #: When the running requests' progress last reached the output statistics (see :meth:`_progress`).
         self._progress_s = -math.inf
         #: Counters: plan runs, evictions, groups opened.
@@ -1114,6 +1120,17 @@ class QlmQueue:
         if len(self.queued) >= self.max_queue_size:
             return None
         r = self.make(request, now_s, token)
+        if r.e2e_only:
+            budgets = self._e2e_budgets
+            budgets[round(r.deadline_s - r.arrival_s, 3)] = (
+                now_s,
+                request.slo_class,
+                request.prompt_tokens,
+                request.max_tokens,
+            )
+            if len(budgets) > STREAM_TARGETS_MAX:
+                for t in sorted(budgets)[STREAM_TARGETS_MAX:]:
+                    del budgets[t]
         if not r.e2e_only:
             self._saw_stream(self._tpot_ms(r), now_s)
             mean, _ = self.stats.estimate(request.slo_class, request.max_tokens)
@@ -1429,7 +1446,13 @@ class QlmQueue:
         return float(r.prompt_tokens) + expected
 
     def _room(
-        self, i: int, r: QlmRequest, gone: frozenset[str] = frozenset(), now_s: float | None = None
+        self,
+        i: int,
+        r: QlmRequest,
+        gone: frozenset[str] = frozenset(),
+        now_s: float | None = None,
+        *,
+        paced: bool = True,
     ) -> bool:
         """May instance ``i`` start ``r`` now (with the running requests ``gone`` evicted first)?
 
@@ -1444,6 +1467,12 @@ class QlmQueue:
         target, the decode step of the grown batch must stay within
         :data:`TPOT_HEADROOM` of the tightest such target. Without a KV figure
         (``kv_tokens`` 0) the instance's ``batch`` bounds the count instead.
+
+        ``paced`` (the default) adds the pace rules of e2e pulls: the prefill a looser pull puts ahead
+        of the running e2e requests (the engine's prefill queue, :meth:`_prefill_backlog_s`) must not
+        turn one late, and the grown batch must stay joinable for the tightest e2e class seen lately
+        (:meth:`_joinable`). Eviction asks without them (``paced=False``): it makes KV room (§5), and
+        a head held back only to keep the batch's pace is not what it is for.
         """
         model = self.models[i]
         run = [x for x in self.running[i].values() if x.request_id not in gone]
@@ -1512,13 +1541,85 @@ class QlmQueue:
             before = (
                 model.step_s(len(run) + math.ceil(seqs), self._batch_kv(run) + tokens) * self.inefficiency[i]
             )
+            # And the prefill ``r`` adds: the engine chunks it into the batch's steps, so every request
+            # running there waits for it once, behind the prompts pulled there still in their prefill
+            # (the streams' own check, :meth:`_stall_fits`, does the same for TPOT targets).
+            stall0 = stall1 = 0.0
+            if model.stall_s is not None and paced:
+                stall0 = self._prefill_backlog_s(i, run, now_s)
+                stall1 = stall0 + model.prefill_s(r.prompt_tokens)
             for x in (*run, r):
                 if not (x.e2e_only or x.resumed):
                     continue
                 left = self._left_tokens(x)
-                if now_s + left * before <= x.deadline_s < now_s + left * step:
+                # The prefill counts against a running request only for a looser pull: holding back a
+                # request as tight as the one it would slow trades one for the other, and the held one
+                # waits in the router (triage, 15 s, waited 3-8 s there behind its own class).
+                s0, s1 = (stall0, stall1) if x is not r and r.deadline_s > x.deadline_s else (0.0, 0.0)
+                if now_s + s0 + left * before <= x.deadline_s < now_s + s1 + left * step:
                     return False
+            # The batch stays joinable for the tightest e2e class: a looser pull may not be the one that
+            # closes it (held back while it is closed already, the batch froze and the streams beside
+            # it lost their turn: the support mix 90.1 against 91.9 %, the 120 s digests row 18
+            # preemptions against 4, docs/papers.md).
+            if (
+                paced
+                and r.e2e_only
+                and self._joinable(i, r, stall0, before, now_s)
+                and not self._joinable(i, r, stall1, step, now_s)
+            ):
+                return False
         return True
+
+    def _prefill_backlog_s(self, i: int, run: Iterable[QlmRequest], now_s: float) -> float:
+        """Seconds of prefill instance ``i``'s engine still has queued for the requests ``run`` pulled there.
+
+        The engine prefills the prompts it is sent in order, so a prompt waits for every one sent before
+        it: the backlog is a single server's, each prompt starting when it was sent or when the one
+        before it was done, whichever is later (the router's clock; each prefill as the instance's
+        model predicts it). Counting each prompt as done once its own prefill time had passed since it
+        was sent, a burst of 12 long prompts looked drained while the engine was still seconds from
+        the last, and a tight request pulled behind them waited there (TTFT 2.3-3.4 s, no router wait).
+        """
+        model = self.models[i]
+        free = -math.inf
+        for x in sorted(run, key=lambda x: x.dispatched_s):
+            free = max(free, x.dispatched_s) + model.prefill_s(x.prompt_tokens)
+        return max(free - now_s, 0.0)
+
+    def _joinable(self, i: int, r: QlmRequest, stall_s: float, step_s: float, now_s: float) -> bool:
+        """Could a request of the tightest e2e class seen lately still meet its deadline on instance ``i`` if
+        it arrived now, with e2e-judged ``r`` pulled there first?
+
+        The paper pulls while the batch's tokens fit the KV cache and meets a tight request that cannot
+        start by evicting (§5); with room in the cache a tight request is pulled at once, but into the
+        batch as it is: behind the prefill of every prompt pulled before it (the engine chunks them in
+        order) and at the step of the whole batch. Pulled to the KV capacity, a batch of long-prompt
+        loose work took seconds of prefill and a 60-170 ms step, and 6 s requests arriving behind it
+        missed with no wait in the router (``urgent`` 81.5 % against edf's 95.4 %, docs/papers.md).
+        So, as the streams' step bound keeps a batch joinable for the next stream (:meth:`_room`), a
+        looser e2e pull is refused when it is the one that would make the tightest e2e class that
+        arrived in the last :data:`STREAM_MEMORY_S` miss at once (:meth:`_room` asks this of the
+        batch without and with ``r``): its prompt behind the prefill backlog (``stall_s``), then its
+        output at the estimator's confidence at the batch's step (``step_s``). A class that misses
+        even alone on an idle instance bounds nothing.
+        """
+        live = [(b, v) for b, v in self._e2e_budgets.items() if now_s - v[0] <= STREAM_MEMORY_S]
+        if not live:
+            return True
+        budget, (_, slo_class, prompt, max_tokens) = min(live)
+        if r.deadline_s - now_s <= budget:
+            return True  # ``r`` is of the tightest class (or tighter): it is the one the room is kept for
+        model = self.models[i]
+        mean, std = self.stats.estimate(slo_class, max_tokens)
+        left = min(mean + self.config.z * std, float(max_tokens))
+        prefill = model.prefill_s(prompt)
+        if (
+            model.step_s is not None
+            and prefill + left * model.step_s(1, prompt + left) * self.inefficiency[i] > budget
+        ):
+            return True  # it misses even alone
+        return stall_s + prefill + left * step_s <= budget
 
     def _stall_fits(
         self, i: int, run: Sequence[QlmRequest], r: QlmRequest, step_s: float, now_s: float | None = None
@@ -1627,7 +1728,7 @@ class QlmQueue:
         gone: set[str] = set()
         for end, rid in ends:
             gone.add(rid)
-            if self._room(i, r, frozenset(gone), now_s):
+            if self._room(i, r, frozenset(gone), now_s, paced=False):
                 return end
         return ends[-1][0] if ends else 0.0
 
@@ -1856,7 +1957,7 @@ class QlmQueue:
         if not head.members:
             return False
         first = head.members[0]
-        if self._room(i, first, now_s=now_s):
+        if self._room(i, first, now_s=now_s, paced=False):
             return False
         model = self.models[i]
         running = list(self.running[i].values())
@@ -1881,7 +1982,7 @@ class QlmQueue:
                 continue
             victims.append(r)
             gone.add(r.request_id)
-            if self._room(i, first, frozenset(gone), now_s):
+            if self._room(i, first, frozenset(gone), now_s, paced=False):
                 break
         else:
             return False  # the allowed victims do not make room

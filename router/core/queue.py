@@ -105,6 +105,14 @@ SHED_MEMORY_S = 10.0
 #: and those queued since the last scan (a full scan costs a few microseconds per entry).
 SCAN_INTERVAL_S = 0.1
 
+#: The default ``late_allowance``: under ``late_policy=serve`` a late request is served only while
+#: its first token can still come within this many of its targets past its deadline (TTFT; e2e for a
+#: request judged by that alone); it is refused (``LateError``) once no placement is in sight by then
+#: (see :func:`offer`), and at that moment at the latest. Holding it longer served nobody: it is a
+#: miss either way, a queue full of late requests stayed behind every on-time one until the arrivals
+#: stopped (first tokens 30-60 s late), and placing them sooner took the room of on-time ones.
+LATE_ALLOWANCE = 1.0
+
 
 class QueuePolicy(str, enum.Enum):
     """How waiting requests are ordered (``none``: nothing waits; a request no instance takes is refused)."""
@@ -158,7 +166,8 @@ class QueueConfig(FlagFields):
             "deadlines under overload and for KV-limited fleets, on neutral instances; TTFT-judged streams "
             "beside them keep their room and chat alone is even with edf; below overload, where edf already "
             "meets nearly every deadline, it gains nothing and may lose a point or three; its eviction pays where "
-            "long batch jobs hold every sequence of an engine while short deadline work arrives; --qlm-*) or sa (seed 000: waiting requests dealt by deadline to the instance with the "
+            "long batch jobs hold every sequence of an engine while short deadline work arrives; beside "
+            "long-prompt TTFT-judged streams past capacity it can starve an e2e class (use edf there); --qlm-*) or sa (seed 000: waiting requests dealt by deadline to the instance with the "
             "most KV memory left and ordered per instance by simulated annealing of G, handed to an "
             "engine as its slots free; for bursts of mixed-SLO work on engines that run one or two "
             "sequences at a time, not for engines of four or more, where it gains nothing; --sa-*)",
@@ -181,9 +190,20 @@ class QueueConfig(FlagFields):
     late_policy: str = field(
         default="serve",
         metadata=_doc(
-            "a queued request that can no longer meet its TTFT target: serve it best-effort, or reject it "
-            "(DEADLINE_EXCEEDED)",
+            "a queued request that can no longer meet its TTFT target: serve it best-effort while its first "
+            "token can still come within --late-allowance, else refuse it then (DEADLINE_EXCEEDED), or "
+            "reject it at once (DEADLINE_EXCEEDED)",
             "--late-policy",
+        ),
+    )
+    late_allowance: float = field(
+        default=LATE_ALLOWANCE,
+        metadata=_doc(
+            "--late-policy serve: a late request is served only while its first token can still come within "
+            "this many of its targets past its deadline (its TTFT target; its e2e target for a request with "
+            "only that); it is refused as soon as the queue's best case says it cannot, and when that time "
+            "is up (ratio; a large value waits up to --max-queue-wait-ms)",
+            "--late-allowance",
         ),
     )
     queue_objective: str = field(
@@ -326,6 +346,8 @@ class QueueConfig(FlagFields):
             raise bad("sa_max_batch", "must be within 0..1024 requests")
         if not 0 <= self.drain_window_ms <= 3_600_000:
             raise bad("drain_window_ms", "must be within 0..3600000 ms")
+        if not 0 <= self.late_allowance <= 1_000_000:
+            raise bad("late_allowance", "must be within 0..1000000 (a ratio of the request's target)")
 
     @property
     def policy(self) -> QueuePolicy:
@@ -359,6 +381,9 @@ class QueueEntry:
     refusal: Refusal | None = None
     #: The prompt tokens it must prefill at best (:meth:`RouterQueue.work_tokens`; -1: not known yet).
     work: int = -1
+    #: Late under ``late_policy=serve``: the moment (s) past which it is refused rather than served
+    #: (``QueueConfig.late_allowance``; inf: not late, or late without such a moment).
+    late_until_s: float = math.inf
 
     @property
     def request_id(self) -> str:
@@ -665,6 +690,7 @@ class RouterQueue:
         self._value = _Sorted()  # every entry, least valuable first
         self._budgets = _Sorted()  # on-time entries by TTFT deadline
         self._waits = _Sorted()  # every entry by enqueue time
+        self._late_until = _Sorted()  # late entries with a finite late_until_s, by it
         # (full TTFT target, priority, request id) of the latest arrivals.
         self._recent: deque[tuple[float, int, str]] = deque(maxlen=max(config.release_window_requests, 1))
         # Under the priority policy: on-time TTFT deadlines per priority.
@@ -679,9 +705,14 @@ class RouterQueue:
         self.prefix: PrefixSource | None = None
         if self.policy is QueuePolicy.SA and planner is None:
             raise ConfigError("queue_policy='sa' needs a planner: pass router.core.sa.SAPlanner(config)")
-        # The queue's own drain: (time, prompt tokens) of dispatches, and since when on-time entries wait.
+        # The queue's own drain, measured only while the fleet limited it (see note_pass): (time,
+        # prompt tokens) of the dispatches that ended such a stretch, and (time, µs) of the stretches.
         self._dispatched = DispatchLog()
-        self._backlogged_since: float | None = None
+        self._limited = DispatchLog()
+        # The end of the last offer pass, when the fleet alone kept on-time entries waiting then.
+        self._limited_at: float | None = None
+        # Whether the dispatches of the pass running now end such a stretch (they count in the rate).
+        self._counting = False
         # The last full hopeless scan of the queue (see offer): the push count then and when.
         self._scanned_at = -math.inf
         # Requests queued since the last full scan (judged on their own until the next one).
@@ -780,6 +811,8 @@ class RouterQueue:
         self._waits.add((e.enqueued_s, e.seq, e.request_id))
         if e.late:
             self._late.add((e.seq, e.request_id))
+            if e.late_until_s < math.inf:
+                self._late_until.add((e.late_until_s, e.seq, e.request_id))
         else:
             self._order.add((*self._order_key(e), e.request_id))
             self._budgets.add((e.ttft_deadline_s, e.seq, e.request_id))
@@ -792,6 +825,8 @@ class RouterQueue:
         self._waits.discard((e.enqueued_s, e.seq, e.request_id))
         if e.late:
             self._late.discard((e.seq, e.request_id))
+            if e.late_until_s < math.inf:
+                self._late_until.discard((e.late_until_s, e.seq, e.request_id))
         else:
             self._order.discard((*self._order_key(e), e.request_id))
             self._budgets.discard((e.ttft_deadline_s, e.seq, e.request_id))
@@ -891,11 +926,31 @@ class RouterQueue:
         return min(own, self.config.priority_headroom * higher)
 
     def note_backlog(self, now_s: float) -> None:
-        """At the end of an offer pass: whether on-time entries still wait (the drain rate is measured only then)."""
-        if not self._order.keys:
-            self._backlogged_since = None
-        elif self._backlogged_since is None:
-            self._backlogged_since = now_s
+        """At the start of an offer pass: the time since the last pass counts toward the drain rate
+        if the fleet limited that pass (:meth:`note_pass`) and on-time entries still wait; this
+        pass's dispatches then count as what the fleet drained in it."""
+        since = self._limited_at
+        self._limited_at = None
+        self._counting = since is not None and bool(self._order.keys) and now_s >= since
+        if self._counting and since is not None:
+            window_s = self.config.drain_window_ms * 1e-3
+            self._limited.add(now_s, round((now_s - since) * 1e6), now_s - window_s)
+
+    def note_pass(self, now_s: float, fleet_limited: bool) -> None:
+        """At the end of an offer pass: whether the fleet alone kept its on-time entries waiting.
+
+        ``fleet_limited``: some on-time entry was refused by the fleet (no instance met its own
+        budget, its TPOT target or KV) and none was held by the queue's own rules (release control
+        capping its bound below a budget that would have let it through; a long prompt yielding).
+        Only the time after such a pass, up to the next one, and the dispatches that next pass makes,
+        measure the drain rate. Why: the rate stands for what the fleet can take off the queue; time
+        the queue held requests for its own reasons (keeping room for tighter traffic, or late
+        requests it serves only on nearly idle instances) measured its holds instead, so the rate
+        fell as the queue held more, more requests were judged hopeless and turned late, the queue
+        held still more, and a loaded fleet tipped into serving a third of the requests late.
+        """
+        self._counting = False
+        self._limited_at = now_s if fleet_limited and self._order.keys else None
 
     def scan_due(self, now_s: float) -> bool:
         """Whether a full hopeless scan is due (:data:`SCAN_INTERVAL_S` since the last one)."""
@@ -940,21 +995,23 @@ class RouterQueue:
 
     def note_dispatch(self, now_s: float, prompt_tokens: int) -> None:
         """An entry was dispatched at ``now_s`` with ``prompt_tokens`` to prefill at best (its
-        :meth:`work_tokens`), for the drain rate."""
-        self._dispatched.add(now_s, prompt_tokens, now_s - self.config.drain_window_ms * 1e-3)
+        :meth:`work_tokens`): it counts in the drain rate when the fleet limited the time before
+        this pass (:meth:`note_backlog`)."""
+        if self._counting:
+            self._dispatched.add(now_s, prompt_tokens, now_s - self.config.drain_window_ms * 1e-3)
 
     def drain_rate(self, now_s: float) -> float | None:
-        """Prompt tokens to prefill (:meth:`work_tokens`) per ms the queue dispatched while on-time
-        entries waited, over up to ``drain_window_ms`` (``None``: no window, backlogged for under a
-        tenth of it, or nothing dispatched): the unit the work in front of a request is counted in."""
+        """Prompt tokens to prefill (:meth:`work_tokens`) per ms the queue dispatched while the fleet
+        limited it (:meth:`note_pass`), over the last ``drain_window_ms`` (``None``: no window, such
+        time under a tenth of it, or nothing dispatched in it): the unit the work in front of a
+        request is counted in."""
         window_ms = self.config.drain_window_ms
-        since = self._backlogged_since
-        if window_ms <= 0 or since is None:
+        if window_ms <= 0:
             return None
-        span_ms = min(window_ms, (now_s - since) * 1e3)
+        start = now_s - window_ms * 1e-3
+        span_ms = self._limited.tokens_since(start) * 1e-3
         if span_ms < 0.1 * window_ms:
             return None
-        start = now_s - span_ms * 1e-3
         tokens = self._dispatched.tokens_since(start)
         # Nothing dispatched at all says the fleet stalled (stale statuses, a restart), not how fast it
         # drains: no estimate then, rather than every waiting request judged hopeless.
@@ -974,6 +1031,8 @@ class RouterQueue:
         earliest = self.earliest_ttft_deadline_s()
         if earliest is not None:
             when = min(when, earliest)
+        if self._late_until.keys:
+            when = min(when, self._late_until.keys[0][0])
         if self.planner is not None:
             when = min(when, self.planner.wake_s)
         return None if when == math.inf else when
@@ -1026,14 +1085,38 @@ class RouterQueue:
             self._unindex(entry)
         return entry
 
-    def mark_late(self, request_id: str) -> None:
-        """``request_id`` can no longer meet its TTFT target: it moves behind every on-time entry."""
+    def mark_late(self, request_id: str, now_s: float | None = None) -> None:
+        """``request_id`` can no longer meet its TTFT target: it moves behind every on-time entry.
+
+        Given ``now_s`` (the moment it turned late), it is given its late allowance: it may be served
+        until ``late_allowance`` of its target past its deadline (or past now, if it turned late
+        before its deadline), then it is refused (:meth:`lapsed`). The target and deadline are its
+        TTFT ones, or for a request judged by its e2e target alone its e2e ones (it turns late at a
+        TTFT deadline derived for ordering, and may still meet its e2e target then).
+        """
         entry = self._entries[request_id]
         if entry.late:
             return
         self._unindex(entry)
         entry.late = True
+        if now_s is not None:
+            request = entry.request
+            only_e2e = request.e2e_slo_ms > 0 and request.ttft_slo_ms == 0 and request.tpot_slo_ms == 0
+            if only_e2e:
+                span_ms = request.e2e_slo_ms
+            else:
+                span_ms = resolve_targets(request, self.default_ttft_ms, self.default_tpot_ms).full_ttft_ms
+            entry.late_until_s = max(now_s, entry.deadline_s) + self.config.late_allowance * span_ms * 1e-3
         self._index(entry)
+
+    def lapsed(self, now_s: float) -> list[QueueEntry]:
+        """Remove and return the late entries whose late allowance ended (see :meth:`mark_late`)."""
+        out: list[QueueEntry] = []
+        while self._late_until.keys and self._late_until.keys[0][0] <= now_s:
+            entry = self.remove(self._late_until.keys[0][-1])
+            assert entry is not None
+            out.append(entry)
+        return out
 
     def expire(self, now_s: float) -> list[QueueEntry]:
         """Remove and return the entries that waited longer than ``max_queue_wait_ms``."""
@@ -1592,6 +1675,31 @@ def _best_ttft(exc: NoInstanceError) -> float:
     return math.nan
 
 
+class _PassState:
+    """What one offer pass learned of why its on-time entries wait (for :meth:`RouterQueue.note_pass`)."""
+
+    __slots__ = ("fleet_waits", "own_waits")
+
+    def __init__(self) -> None:
+        #: On-time entries left waiting by the fleet, and by the queue's own rules.
+        self.fleet_waits = 0
+        self.own_waits = 0
+
+    def wait(self, bound_ms: float, budget_ms: float, best_ms: float, yielding: bool) -> None:
+        """An on-time entry offered TTFT bound ``bound_ms`` (its budget ``budget_ms``) was refused,
+        the best predicted TTFT ``best_ms`` (NaN: the TTFT threshold refused no instance)."""
+        if yielding or (bound_ms < budget_ms and best_ms == best_ms and best_ms > bound_ms):
+            # Refused under a bound release control lowered below its own budget, where its budget
+            # would have let it through: the queue held it, for the tighter traffic it keeps room for.
+            self.own_waits += 1
+        else:
+            self.fleet_waits += 1
+
+    @property
+    def fleet_limited(self) -> bool:
+        return self.fleet_waits > 0 and self.own_waits == 0
+
+
 def offer(
     queue: RouterQueue,
     scheduler: Scheduler,
@@ -1601,6 +1709,26 @@ def offer(
     max_failures: int = 8,
     decide: Decide | None = None,
     epoch: int | None = None,
+) -> Iterator[Offer]:
+    """Offer the queue's entries to ``scheduler`` in order (see :func:`_offer`); at its end (run to the
+    end or closed) the pass tells the queue whether the fleet alone kept its on-time entries waiting
+    (:meth:`RouterQueue.note_pass`: the drain rate is measured over such time only)."""
+    state = _PassState()
+    try:
+        yield from _offer(queue, scheduler, source, now_s, state, max_failures, decide, epoch)
+    finally:
+        queue.note_pass(now_s, state.fleet_limited)
+
+
+def _offer(
+    queue: RouterQueue,
+    scheduler: Scheduler,
+    source: Callable[[], ClusterView | ClusterSnapshot],
+    now_s: float,
+    state: _PassState,
+    max_failures: int,
+    decide: Decide | None,
+    epoch: int | None,
 ) -> Iterator[Offer]:
     """Offer the queue's entries to ``scheduler`` in order at ``now_s``; yields what happened to each.
 
@@ -1656,7 +1784,9 @@ def offer(
         )
     for entry in queue.overdue(now_s):
         budget = (entry.ttft_deadline_s - now_s) * 1e3
-        yield _late(queue, entry, late_reject, math.nan, budget)
+        yield _late(now_s, queue, entry, late_reject, math.nan, budget)
+    for entry in queue.lapsed(now_s):
+        yield _lapse(queue, entry, now_s)
     queue.note_backlog(now_s)
     queue.prefix = scheduler.prefix
     if queue.planner is not None:
@@ -1673,6 +1803,7 @@ def offer(
     last_drain: FleetDrain | None = None
     # (Prompt tokens here are what each entry must prefill at best: RouterQueue.work_tokens.)
     ahead = 0.0  # prompt tokens of the on-time entries offered so far in this pass (in front of the next)
+    late_ahead = 0.0  # prompt tokens of the late entries offered so far in this pass
     dispatched = 0  # prompt tokens this pass dispatched
     only_neutral = False  # whether every schedulable instance is neutral (read with the first view)
     # Incremental dispatch: the attempts this pass's decisions refused (a request no easier than one
@@ -1705,7 +1836,9 @@ def offer(
                         front = dispatched + queue.tokens_before(fresh)
                         why = hopeless(drain, r, t, front, now_s) if t.ttft_ms > 0 else None
                         if why is not None:
-                            yield _late(queue, fresh, late_reject, why.predicted_ttft_ms, why.budget_ms, why)
+                            yield _late(
+                                now_s, queue, fresh, late_reject, why.predicted_ttft_ms, why.budget_ms, why
+                            )
                         elif for_g and (low := overlong(queue, drain, r, t, front, now_s)) is not None:
                             yield _shed(queue, fresh, low)
                     return
@@ -1713,7 +1846,7 @@ def offer(
             targets = resolve_targets(request, queue.default_ttft_ms, queue.default_tpot_ms, now_s)
             why = hopeless(drain, request, targets, ahead, now_s) if targets.ttft_ms > 0 else None
             if why is not None:
-                yield _late(queue, entry, late_reject, why.predicted_ttft_ms, why.budget_ms, why)
+                yield _late(now_s, queue, entry, late_reject, why.predicted_ttft_ms, why.budget_ms, why)
             elif for_g and (low := overlong(queue, drain, request, targets, ahead, now_s)) is not None:
                 yield _shed(queue, entry, low)
             else:
@@ -1734,7 +1867,7 @@ def offer(
         if not entry.late and drain is not None and targets.ttft_ms > 0:
             why = hopeless(drain, request, targets, ahead, now_s)
             if why is not None:  # late now rather than at its deadline
-                yield _late(queue, entry, late_reject, why.predicted_ttft_ms, why.budget_ms, why)
+                yield _late(now_s, queue, entry, late_reject, why.predicted_ttft_ms, why.budget_ms, why)
                 continue
             ahead += queue.work_tokens(entry)
         if for_g and not entry.late and drain is not None:
@@ -1745,6 +1878,16 @@ def offer(
         limit = queue.release_limit_ms(now_s, request.priority, targets.full_ttft_ms)
         yielding = False
         seen_view: ClusterView | None = None  # the view this attempt decides on, once fetched
+        if entry.late and drain is not None and entry.late_until_s < math.inf:
+            # Served late only while a placement is in sight: behind every on-time entry and the
+            # late ones before it, at the fleet's rate, its first token must still come by the end
+            # of its late allowance; otherwise it is refused now, not when the allowance runs out.
+            start_ms = drain.start_ms(ahead + late_ahead) + drain.idle_ms(drain.compute_tokens(request))
+            if now_s + start_ms * 1e-3 > entry.late_until_s:
+                queue.remove(entry.request_id)
+                yield _lapse(queue, entry, now_s, start_ms)
+                continue
+            late_ahead += queue.work_tokens(entry)
         if entry.late:
             floor = _idle_floor_ms(scheduler, request, drain)
             if not math.isfinite(floor):  # no predictor: no TTFT threshold to bound
@@ -1776,7 +1919,7 @@ def offer(
                 limit = floor
             bound = min(targets.ttft_ms, limit)
             if targets.ttft_ms <= 0:
-                yield _late(queue, entry, late_reject, math.nan, targets.ttft_ms)
+                yield _late(now_s, queue, entry, late_reject, math.nan, targets.ttft_ms)
                 continue
         memo = entry.refusal
         matched: Mapping[str, int] | None = None
@@ -1794,11 +1937,13 @@ def offer(
             best = memo.predicted_ttft_ms
             if entry.late or best != best:
                 failures += 1
+                if not entry.late:
+                    state.wait(bound, targets.ttft_ms, best, yielding)
                 yield Offer(entry, Verdict.WAIT, error=memo.error, budget_ms=targets.ttft_ms)
                 continue
             best -= now_s * 1e3 - memo.at_ms
             if best >= targets.ttft_ms:
-                yield _late(queue, entry, late_reject, best, targets.ttft_ms)
+                yield _late(now_s, queue, entry, late_reject, best, targets.ttft_ms)
                 continue
 
         memo_key = (epoch, now_s * 1e3, bound, yielding, matched)
@@ -1819,9 +1964,11 @@ def offer(
             if held is not None:
                 queue.held += 1
                 if not entry.late and held == held and held >= targets.ttft_ms:
-                    yield _late(queue, entry, late_reject, held, targets.ttft_ms)
+                    yield _late(now_s, queue, entry, late_reject, held, targets.ttft_ms)
                     continue
                 failures += 1
+                if not entry.late:
+                    state.wait(bound, targets.ttft_ms, held, yielding)
                 _remember(entry, memo_key, held, memo.error, False, version, hold)
                 refused_here.append(
                     _Refused(request, offered, now_s * 1e3, entry.late, yielding, held, memo.error)
@@ -1844,10 +1991,12 @@ def offer(
                 # predicted TTFT is at most this one's: past this one's budget, this one is late;
                 # otherwise whether it is late is unknown unless it is already late.
                 if not entry.late and easier.best == easier.best and easier.best >= targets.ttft_ms:
-                    yield _late(queue, entry, late_reject, easier.best, targets.ttft_ms)
+                    yield _late(now_s, queue, entry, late_reject, easier.best, targets.ttft_ms)
                     continue
                 if entry.late or easier.best != easier.best:
                     failures += 1
+                    if not entry.late:
+                        state.wait(bound, targets.ttft_ms, easier.best, yielding)
                     _remember(entry, memo_key, easier.best, easier.error, easier.free, version)
                     yield Offer(entry, Verdict.WAIT, error=easier.error, budget_ms=targets.ttft_ms)
                     continue
@@ -1856,9 +2005,11 @@ def offer(
         except NoInstanceError as exc:
             best = _best_ttft(exc)
             if not entry.late and best == best and best >= targets.ttft_ms:
-                yield _late(queue, entry, late_reject, best, targets.ttft_ms)
+                yield _late(now_s, queue, entry, late_reject, best, targets.ttft_ms)
                 continue
             failures += 1
+            if not entry.late:
+                state.wait(bound, targets.ttft_ms, best, yielding)
             free = epoch is not None and bound_free(scheduler, exc)
             hold = None if epoch is None else ThresholdHold.of(exc, request)
             _remember(entry, memo_key, best, exc, free, version, hold)
@@ -1882,6 +2033,8 @@ def offer(
                 decision = schedule(source(), request, now_s, targets=neutral)
             except NoInstanceError as exc:
                 failures += 1
+                if not entry.late:
+                    state.wait(bound, targets.ttft_ms, math.nan, yielding)
                 # (No late check on this miss, as before: remembered without its best TTFT.)
                 _remember(entry, memo_key, error=exc)
                 yield Offer(
@@ -1897,6 +2050,8 @@ def offer(
             # that keeps every promise; the fallback passes (KV over life, the safety valve dropped)
             # are for on-time work that cannot wait.
             failures += 1
+            if not entry.late:
+                state.wait(bound, targets.ttft_ms, math.nan, yielding)
             _remember(entry, memo_key)
             refused_here.append(_Refused(request, offered, now_s * 1e3, entry.late, yielding, math.nan, None))
             yield Offer(entry, Verdict.WAIT, budget_ms=targets.ttft_ms)
@@ -2209,7 +2364,29 @@ def _idle_floor_ms(scheduler: Scheduler, request: ScheduleInput, drain: FleetDra
     return 2.0 * float(predictors.default.predict_ttft_ms(request.prompt_tokens, 0, 0, budget))
 
 
+def _lapse(queue: RouterQueue, entry: QueueEntry, now_s: float, start_ms: float = math.nan) -> Offer:
+    """Refuse late ``entry`` (already out of the queue) whose late allowance ended or cannot be kept."""
+    request = entry.request
+    if request.e2e_slo_ms > 0 and request.ttft_slo_ms == 0 and request.tpot_slo_ms == 0:
+        kind, target = "e2e", request.e2e_slo_ms
+    else:
+        kind = "TTFT"
+        target = resolve_targets(request, queue.default_ttft_ms, queue.default_tpot_ms).full_ttft_ms
+    waited = (now_s - entry.enqueued_s) * 1e3
+    if start_ms == start_ms:
+        why = f"its first token could come {start_ms:.0f} ms from now at best, behind the requests queued before it,"
+    else:
+        why = f"no instance could take it in {waited:.0f} ms of waiting,"
+    error = LateError(
+        f"request {entry.request_id!r} cannot meet its {kind} target of {target:.0f} ms, and {why} past "
+        f"{queue.config.late_allowance:g}x that target beyond its deadline (--late-policy serve serves a late "
+        "request only within --late-allowance); relax the target, retry later or add capacity"
+    )
+    return Offer(entry, Verdict.REJECT, error=error, predicted_ttft_ms=start_ms, budget_ms=math.nan)
+
+
 def _late(
+    now_s: float,
     queue: RouterQueue,
     entry: QueueEntry,
     reject: bool,
@@ -2221,7 +2398,7 @@ def _late(
     target = resolve_targets(request, queue.default_ttft_ms, queue.default_tpot_ms).full_ttft_ms
     queue.forget_arrival(entry.request_id)
     if not reject:
-        queue.mark_late(entry.request_id)
+        queue.mark_late(entry.request_id, now_s)
         return Offer(entry, Verdict.LATE, predicted_ttft_ms=predicted_ms, budget_ms=budget_ms, hopeless=why)
     queue.remove(entry.request_id)
     if why is not None and why.e2e_ms == why.e2e_ms:

@@ -87,9 +87,13 @@ def test_under_overload_requests_that_cannot_start_before_their_wait_limit_are_r
         started = time.monotonic()
         results = asyncio.run(flood())
         total = time.monotonic() - started
-        refused = [t for code, t in results if code == "RESOURCE_EXHAUSTED"]
+        # Refused as hopeless: RESOURCE_EXHAUSTED when it could not start before its wait limit,
+        # DEADLINE_EXCEEDED when, late, its first token could not come within its late allowance
+        # (--late-policy serve: router.core.queue.LATE_ALLOWANCE); whichever the queue saw first.
+        refusals = ("RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED")
+        refused = [t for code, t in results if code in refusals]
         served = [t for code, t in results if code == "OK"]
-        other = [code for code, _ in results if code not in ("OK", "RESOURCE_EXHAUSTED")]
+        other = [code for code, _ in results if code not in ("OK", *refusals)]
         print(f"{len(served)} served, {len(refused)} refused (slowest refusal {max(refused, default=0):.1f} s), "
               f"all done in {total:.1f} s")  # fmt: skip
         assert not other, other

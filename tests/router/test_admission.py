@@ -17,6 +17,7 @@ from router.core.config import SchedulerConfig
 from router.core.errors import NoInstanceError, QueueFullError, QueueTimeoutError
 from router.core.qlm import QlmConfig
 from router.core.queue import QueueConfig
+from router.core.request import ScheduleInput
 from router.core.scheduler import Scheduler
 from router.placement import PlacementRequest, Placer
 from router.telemetry import RequestObserver
@@ -240,3 +241,31 @@ async def test_qlm_dispatches_to_the_instance_its_plan_chose_even_where_slo_thre
     assert len(placer.scheduler.inflight) == 1  # recorded at dispatch, like any placement
     admission.release("a")
     assert len(placer.scheduler.inflight) == 0
+
+
+async def test_a_request_placed_at_once_never_moves_the_queue_gauge() -> None:
+    """Queued and dispatched in one dispatcher call: the gauge's +1 and -1 are both left out."""
+    changes: list[int] = []
+
+    class Counting(RequestObserver):
+        def queue_changed(self, request: ScheduleInput, delta: int) -> None:
+            changes.append(delta)
+            super().queue_changed(request, delta)
+
+    scheduler = Scheduler(SchedulerConfig(scheduling_policy="slo"), make_predictor(), random.Random(0))
+    observer = Counting()
+    source = Source(IDLE)
+    placer = Placer(scheduler, source, clock=lambda: 100.0, observer=observer)
+    admission = Admission(placer, QueueConfig(), clock=lambda: 100.0, observer=observer)
+    admitted = await asyncio.wait_for(admission.place(request("a")), 5)
+    assert admitted.route.prefill.instance_id == "p0"
+    assert changes == [] and gauge(observer) == 0
+    # One that waits still counts while it waits, and leaves the count when it goes.
+    source.current = BUSY
+    task = asyncio.create_task(admission.place(request("b")))
+    await asyncio.sleep(0)
+    assert not task.done() and changes == [1] and gauge(observer) == 1
+    source.current = IDLE
+    admission.notify()
+    await asyncio.wait_for(task, 5)
+    assert changes == [1, -1] and gauge(observer) == 0

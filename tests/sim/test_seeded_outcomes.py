@@ -129,23 +129,27 @@ SCENARIOS: dict[
 #: hopeless), which moved them before any of the speed work met them. The edf, fcfs-capped and
 #: priority ones were re-recorded when a held refusal was first checked by its thresholds alone
 #: (router.core.queue.ThresholdHold): the decision count fell (4,461 → 355, 1,383 → 230,
-#: 3,436 → 331); every other field hashes the same as before.
+#: 3,436 → 331); every other field hashes the same as before. The mooncake, round-robin, priority,
+#: qlm, adaptive, power-of-two and scale ones were re-recorded when the autoscaling signal's
+#: prefill side stopped keeping the 80 % utilisation floor under its queue staffing
+#: (router.core.capacity.prefill_staffing): only ``outcome.desired`` moved (one prefill or neutral
+#: instance fewer); every per-request outcome and count hashes the same as before.
 RECORDED: dict[str, str] = {
     "azure-trace-slo": "54d0341f0320da9b66ae45cf",
-    "mooncake-trace-least-requests": "a4e832afe7176fdc6c54d52b",
-    "neutral-round-robin-small-kv": "de766bb7b4107794c605d611",
-    "neutral-slo-edf": "e76d173b3810ac327cc51197",
+    "mooncake-trace-least-requests": "65552da373738bb7019fab26",
+    "neutral-round-robin-small-kv": "010dc0fa0d65666d4f1f2dda",
+    "neutral-slo-edf": "1fec3b0fa20470e37f572462",
     "neutral-slo-eos": "6e0550fc4aa7b1a521e5d17b",
-    "neutral-slo-fcfs-capped": "60a9d2040050c7c845ca5d2b",
+    "neutral-slo-fcfs-capped": "334e16c8f54ff2ae64212f35",
     "neutral-slo-prefix": "0eedec2e3caf140cf44d3015",
-    "neutral-slo-priority": "9c0e8126b8b54b6714440aa4",
-    "neutral-slo-qlm": "afefe7148cfe3f0a9e0a0771",
-    "neutral-slo-sa": "0e8ceeae14dc5f1401511204",
-    "pd-adaptive": "36d2c9c44b9987022276550f",
+    "neutral-slo-priority": "6c2e3e7ea05d12023ceaecec",
+    "neutral-slo-qlm": "d44870774a1ef88d0da951f2",
+    "neutral-slo-sa": "a43f141039a68d26288150e0",
+    "pd-adaptive": "6c0daa4f54af67d8fce492a0",
     "pd-load-balance-off": "466dcf402227e02d05b7c4b8",
-    "pd-noise-power-of-two": "25129f293efadacea5c038f3",
+    "pd-noise-power-of-two": "c11eff239c588a7ed974fc27",
     "pd-slo-refit": "3e2c99f4fe860fc9e6771eef",
-    "pd-slo-scale": "443deb383e709f325d706df5",
+    "pd-slo-scale": "46534c52370253dfdaec1d6a",
 }
 
 

@@ -908,7 +908,11 @@ def test_the_streams_reserve_slows_the_batch_with_and_without_the_pull_alike() -
     assert len(q.pump(0.0)) == 1
     q.push(tight("s"), 0.0)
     assert [d.request.request_id for d in q.pump(0.0)] == ["s"]
+    # x's class is not remembered as the tightest e2e class (a batch kept joinable for it is the rule of
+    # test_a_batch_stays_joinable_for_the_tightest_e2e_class_seen_lately): this is the running-request rule.
+    q._e2e_budgets.clear()
     q.push(loose_by("r", 600.0, out=100), 0.0)
+    q._e2e_budgets.clear()
     assert [d.request.request_id for d in q.pump(0.0)] == ["r"]
     q.check_invariants()
 
@@ -955,3 +959,92 @@ def test_a_prompt_still_in_its_prefill_stalls_the_streams_before_the_next_one() 
     q.push(loose_by("b", 600.0, out=100), 0.01)
     assert q.pump(0.01) == []
     q.check_invariants()
+
+
+def paced_model() -> InstanceModel:
+    # A constant 10 ms step (the batch's size does not slow it, so only the prefill can), 0.1 ms of
+    # prefill a prompt token, a cache that holds everything.
+    return InstanceModel(
+        4,
+        0.01,
+        lambda n: n * 1e-4,
+        most=64,
+        kv_tokens=1_000_000,
+        step_s=lambda b, t: 0.01,
+        stall_s=lambda n: n * 1e-4,
+    )
+
+
+def test_a_looser_prompt_is_not_pulled_when_its_prefill_would_turn_a_running_e2e_request_late() -> None:
+    # x (e2e, 45 s, 4,000 tokens at most, nothing learned: all of them) has run 35 s at 10 ms a step:
+    # ~560 tokens to go, done at ~40.6 s. A looser request with a 60,000-token prompt stalls every
+    # request running there for its 6 s of prefill (the engine chunks it into their steps): x would end
+    # at ~46.6 s, late. Refused; a 200-token prompt (20 ms) is pulled. The step alone does not change
+    # here, and the check that compared steps only pulled the long prompt.
+    def pulled(prompt: int) -> bool:
+        q = QlmQueue(QlmConfig(eviction="off"), [paced_model()], 6000.0, 50.0)
+        q.push(loose_by("x", 45.0, out=4000), 0.0)
+        assert len(q.pump(0.0)) == 1
+        q.push(dataclasses.replace(loose_by("r", 600.0, out=100), prompt_tokens=prompt), 35.0)
+        out = q.pump(35.0)
+        q.check_invariants()
+        return [d.request.request_id for d in out] == ["r"]
+
+    assert not pulled(60_000)
+    assert pulled(200)
+    # A request as tight as the one it would slow is pulled: holding it back trades one for the other.
+    q = QlmQueue(QlmConfig(eviction="off"), [paced_model()], 6000.0, 50.0)
+    q.push(loose_by("x", 45.0, out=4000), 0.0)
+    assert len(q.pump(0.0)) == 1
+    q.push(dataclasses.replace(loose_by("r", 45.0, out=100), prompt_tokens=60_000), 35.0)
+    assert [d.request.request_id for d in q.pump(35.0)] == ["r"]
+
+
+def test_the_prefill_backlog_is_the_engines_queue_of_prompts_in_order() -> None:
+    # Three 10,000-token prompts (1 s of prefill each) sent together: the engine prefills them one
+    # after another, so 0.5 s later 2.5 s of prefill is still queued (counting each prompt as done
+    # once its own 1 s had passed, 1.5 s in all at 0.5 s and none at 1.2 s).
+    q = QlmQueue(QlmConfig(eviction="off"), [paced_model()], 6000.0, 50.0)
+    for k in range(3):
+        q.push(dataclasses.replace(loose_by(f"p{k}", 600.0, out=100), prompt_tokens=10_000), 0.0)
+    assert len(q.pump(0.0)) == 3
+    run = list(q.running[0].values())
+    assert q._prefill_backlog_s(0, run, 0.5) == pytest.approx(2.5)
+    assert q._prefill_backlog_s(0, run, 1.2) == pytest.approx(1.8)
+    assert q._prefill_backlog_s(0, run, 3.5) == 0.0
+
+
+def test_a_batch_stays_joinable_for_the_tightest_e2e_class_seen_lately() -> None:
+    # A 3 s e2e class was seen (one request, finished). A loose request runs. A looser one with a
+    # 30,000-token prompt would put 3 s of prefill ahead of the next tight request to arrive, which
+    # then misses at once (its prompt, then 100 tokens at 10 ms: 4 s against 3): refused. With no
+    # tight class seen in the last 30 s it is pulled, as the paper pulls while the KV has room.
+    def pulled(tight_seen_at: float) -> bool:
+        q = QlmQueue(QlmConfig(eviction="off"), [paced_model()], 6000.0, 50.0)
+        tight_one = dataclasses.replace(
+            loose_by("t", 3.0, out=100), slo_class="alerts", arrival_s=tight_seen_at
+        )
+        q.push(tight_one, tight_seen_at)
+        assert len(q.pump(tight_seen_at)) == 1
+        q.finished("t", 100, tight_seen_at + 1.0)
+        q.push(dataclasses.replace(loose_by("l", 600.0, out=100), arrival_s=40.0), 40.0)
+        assert len(q.pump(40.0)) == 1
+        q.push(dataclasses.replace(loose_by("r", 600.0, out=100), prompt_tokens=30_000, arrival_s=40.0), 40.0)
+        out = q.pump(40.0)
+        q.check_invariants()
+        return [d.request.request_id for d in out] == ["r"]
+
+    assert not pulled(30.0)
+    assert pulled(0.0)
+    # A batch closed to the tight class already (a 40,000-token prompt still in its prefill) is not
+    # frozen: the pull is not what closes it (held back, such batches froze and the streams beside them
+    # lost their turn, docs/papers.md).
+    q = QlmQueue(QlmConfig(eviction="off"), [paced_model()], 6000.0, 50.0)
+    tight_one = dataclasses.replace(loose_by("t", 3.0, out=100), slo_class="alerts", arrival_s=30.0)
+    q.push(tight_one, 30.0)
+    assert len(q.pump(30.0)) == 1
+    q.finished("t", 100, 31.0)
+    q.push(dataclasses.replace(loose_by("l", 600.0, out=100), prompt_tokens=40_000, arrival_s=40.0), 40.0)
+    assert len(q.pump(40.0)) == 1
+    q.push(dataclasses.replace(loose_by("r", 600.0, out=100), arrival_s=40.0), 40.0)
+    assert [d.request.request_id for d in q.pump(40.0)] == ["r"]

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from router.core.errors import ConfigError, EmptyClusterError, LateError, QueueTimeoutError
 from router.core.queue import (
+    LATE_ALLOWANCE,
     QueueConfig,
     QueueEntry,
     QueuePolicy,
@@ -193,16 +194,59 @@ def test_offer_marks_unreachable_targets_late_or_rejects_them() -> None:
 
 
 def test_late_entry_is_served_once_the_fleet_is_idle() -> None:
+    """Late on a busy fleet, served when the fleet is idle within its late allowance (one more TTFT
+    target past its deadline: LATE_ALLOWANCE)."""
     q = make_queue("edf")
-    q.push(req("r", prompt_tokens=256, ttft_slo_ms=1.0), NOW)
+    q.push(req("r", prompt_tokens=256, ttft_slo_ms=1000.0), NOW)
     busy = _fleet(prefill_tokens=20000)
     assert [r.verdict for r in offer(q, make_scheduler(), lambda: busy, NOW)] == [Verdict.LATE]
+    entry = q.get("r")
+    assert entry is not None and entry.late_until_s == pytest.approx(NOW + 1.0 + LATE_ALLOWANCE)
     idle = _fleet()
     (result,) = list(offer(q, make_scheduler(), lambda: idle, NOW + 1))
     assert result.verdict is Verdict.DISPATCH and result.entry.late
     assert result.decision is not None
     # Its own TPOT target (it takes only placements that pass every filter, see test_queue_hopeless).
     assert result.decision.context.tpot_slo_ms == pytest.approx(DEFAULT_TPOT)
+
+
+def test_a_late_entry_without_a_placement_in_sight_is_refused_at_once_under_serve() -> None:
+    """Under late_policy=serve a late request is served only while its first token can still come
+    within its late allowance: behind seconds of backlog it is refused at once (LateError, so the
+    client hears DEADLINE_EXCEEDED now), not held until the queue's wait bound."""
+    q = make_queue("edf")
+    q.push(req("r", prompt_tokens=256, ttft_slo_ms=1000.0), NOW)
+    busy = _fleet(prefill_tokens=20000)
+    assert [r.verdict for r in offer(q, make_scheduler(), lambda: busy, NOW)] == [Verdict.LATE]
+    # Still late, the same backlog a moment later: its first token cannot come by NOW + 2 s.
+    (result,) = list(offer(q, make_scheduler(), lambda: busy, NOW + 0.01))
+    assert result.verdict is Verdict.REJECT and isinstance(result.error, LateError)
+    assert "--late-policy serve" in str(result.error) and "1000 ms" in str(result.error)
+    assert len(q) == 0
+
+
+def test_a_late_entry_is_refused_when_its_late_allowance_ends() -> None:
+    """Past its allowance the entry leaves at the start of the next pass, whatever the fleet, and
+    the queue's wake-up time says when that is."""
+    q = make_queue("edf")
+    q.push(req("r", prompt_tokens=256, ttft_slo_ms=1000.0), NOW)
+    busy = _fleet(prefill_tokens=20000)
+    list(offer(q, make_scheduler(), lambda: busy, NOW))
+    assert q.wake_s() == pytest.approx(NOW + 2.0)
+    (result,) = list(offer(q, make_scheduler(), _fleet, NOW + 2.0))
+    assert result.verdict is Verdict.REJECT and isinstance(result.error, LateError)
+    assert len(q) == 0 and q.wake_s() is None
+
+
+def test_an_e2e_only_late_entry_keeps_its_e2e_deadline_and_allowance() -> None:
+    """A request judged by its e2e target alone turns late at a derived TTFT deadline but may still
+    meet its e2e target: its allowance runs from its e2e deadline."""
+    q = make_queue("edf")
+    q.push(req("r", prompt_tokens=256, e2e_slo_ms=20_000.0), NOW)
+    entry = q.get("r")
+    assert entry is not None
+    q.mark_late("r", NOW + 0.1)
+    assert entry.late_until_s == pytest.approx(NOW + 20.0 + 20.0 * LATE_ALLOWANCE)
 
 
 def test_offer_expires_waiters_and_refuses_on_an_empty_fleet() -> None:

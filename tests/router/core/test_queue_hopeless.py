@@ -387,22 +387,58 @@ def test_new_request_deep_in_the_queue_is_judged_when_it_arrives() -> None:
     assert [r.verdict for r in offer(alone, make_scheduler(), lambda: snap, NOW)] == [Verdict.DISPATCH]
 
 
-def test_drain_rate_is_measured_only_while_on_time_requests_wait() -> None:
+def test_drain_rate_is_measured_only_while_the_fleet_limited_dispatch() -> None:
+    """The rate counts the time after a pass the fleet limited (note_pass) up to the next pass, and
+    the dispatches of that next pass; a stretch the queue held for its own reasons counts for nothing."""
     q = make_queue("fcfs", drain_window_ms=1000.0)
     assert q.drain_rate(NOW) is None
     q.push(req("a", ttft_slo_ms=60_000.0), NOW)
-    q.note_backlog(NOW)
+    q.note_pass(NOW, fleet_limited=True)
+    q.note_backlog(NOW + 0.05)
+    q.note_dispatch(NOW + 0.05, 1000)
+    q.note_pass(NOW + 0.05, fleet_limited=True)
+    assert q.drain_rate(NOW + 0.05) is None  # limited for under a tenth of the window
+    q.note_backlog(NOW + 0.5)
     q.note_dispatch(NOW + 0.5, 4000)
-    assert q.drain_rate(NOW + 0.05) is None  # backlogged for under a tenth of the window
-    assert q.drain_rate(NOW + 1.0) == pytest.approx(4000 / 1000.0)  # tokens per ms over the window
-    assert q.drain_rate(NOW + 2.0) is None  # the dispatch left the window: a stall says nothing of the rate
+    q.note_pass(NOW + 0.5, fleet_limited=False)  # the queue's own hold from here on
+    assert q.drain_rate(NOW + 0.5) == pytest.approx(5000 / 500.0)  # tokens per ms of limited time
+    q.note_backlog(NOW + 0.9)
+    q.note_dispatch(NOW + 0.9, 100_000)  # ends a stretch the fleet did not limit: not counted
+    q.note_pass(NOW + 0.9, fleet_limited=True)
+    assert q.drain_rate(NOW + 0.9) == pytest.approx(5000 / 500.0)
+    assert q.drain_rate(NOW + 2.0) is None  # the limited stretches left the window
     q.remove("a")
-    q.note_backlog(NOW + 2.0)
-    assert q.drain_rate(NOW + 3.0) is None
+    q.note_backlog(NOW + 2.0)  # nothing on time waits: the time since counts for nothing
+    assert q.drain_rate(NOW + 2.0) is None
     off = make_queue("fcfs", drain_window_ms=0.0)
     off.push(req("a", ttft_slo_ms=60_000.0), NOW)
-    off.note_backlog(NOW)
+    off.note_pass(NOW, fleet_limited=True)
+    off.note_backlog(NOW + 5.0)
+    off.note_dispatch(NOW + 5.0, 1000)
     assert off.drain_rate(NOW + 5.0) is None
+
+
+def test_a_pass_held_by_release_control_does_not_measure_the_drain() -> None:
+    """An on-time entry refused under a release limit below its own budget, where its budget would let
+    it through, waits for the queue's own reason: the time after that pass does not lower the rate.
+    The same entry refused at its own budget by the fleet (its TPOT target) does measure it."""
+    s = make_scheduler()
+    snap = _pd(prefill_tokens=6000)  # about a second of backlog on the one prefill instance
+    q = make_queue("edf", drain_window_ms=1000.0)
+    q.observe_arrival(req("tight", ttft_slo_ms=400.0))  # release control: at most 200 ms for looser work
+    q.push(req("loose", prompt_tokens=256, ttft_slo_ms=20_000.0), NOW)
+    (result,) = list(offer(q, s, lambda: snap, NOW))
+    assert result.verdict is Verdict.WAIT
+    q.note_backlog(NOW + 0.5)
+    q.note_dispatch(NOW + 0.5, 100)
+    assert q.drain_rate(NOW + 0.5) is None
+    q2 = make_queue("edf", drain_window_ms=1000.0)
+    q2.push(req("slow", prompt_tokens=256, ttft_slo_ms=20_000.0, tpot_slo_ms=0.001), NOW)
+    (result,) = list(offer(q2, s, lambda: snap, NOW))
+    assert result.verdict is Verdict.WAIT
+    q2.note_backlog(NOW + 0.5)
+    q2.note_dispatch(NOW + 0.5, 100)
+    assert q2.drain_rate(NOW + 0.5) == pytest.approx(100 / 500.0)
 
 
 def test_drain_window_is_bounded() -> None:
@@ -458,30 +494,42 @@ def test_an_impossible_target_stops_capping_release_once_it_turns_late(late_poli
 @settings(max_examples=200, deadline=None)
 @given(
     gaps=st.lists(st.floats(min_value=0.0, max_value=0.4), min_size=1, max_size=60),
-    tokens=st.lists(st.integers(min_value=1, max_value=8192), min_size=60, max_size=60),
+    tokens=st.lists(st.integers(min_value=0, max_value=8192), min_size=60, max_size=60),
+    limited=st.lists(st.booleans(), min_size=60, max_size=60),
     window_ms=st.floats(min_value=50.0, max_value=5000.0),
     later=st.floats(min_value=0.0, max_value=3.0),
 )
-def test_drain_rate_sums_exactly_the_dispatches_inside_its_window(
-    gaps: list[float], tokens: list[int], window_ms: float, later: float
+def test_drain_rate_sums_exactly_the_limited_stretches_inside_its_window(
+    gaps: list[float], tokens: list[int], limited: list[bool], window_ms: float, later: float
 ) -> None:
+    """Passes at random moments, each dispatching some tokens and ending limited or not: the rate is
+    the tokens of the passes that ended a limited stretch over those stretches' length, both counted
+    by the moment the stretch ended, within the window."""
     q = make_queue("fcfs", drain_window_ms=window_ms)
     q.push(req("a", ttft_slo_ms=60_000.0), NOW)
-    q.note_backlog(NOW)
-    dispatched: list[tuple[float, int]] = []
+    stretches: list[tuple[float, float, int]] = []  # (end, length s, tokens dispatched at its end)
     t = NOW
-    for gap, n in zip(gaps, tokens, strict=False):
+    q.note_pass(t, fleet_limited=True)
+    before = True
+    for gap, n, lim in zip(gaps, tokens, limited, strict=False):
+        start = t
         t += gap
-        q.note_dispatch(t, n)
-        dispatched.append((t, n))
+        q.note_backlog(t)
+        if n:
+            q.note_dispatch(t, n)
+        q.note_pass(t, fleet_limited=lim)
+        if before:
+            stretches.append((t, t - start, n))
+        before = lim
     now = t + later
-    span_ms = min(window_ms, (now - NOW) * 1e3)
-    expected_tokens = sum(n for at, n in dispatched if at >= now - span_ms * 1e-3)
+    cut = now - window_ms * 1e-3
+    span_us = sum(round(length * 1e6) for end, length, _ in stretches if end >= cut)
+    expected_tokens = sum(n for end, _, n in stretches if end >= cut)
     rate = q.drain_rate(now)
-    if span_ms < 0.1 * window_ms or expected_tokens == 0:
+    if span_us * 1e-3 < 0.1 * window_ms or expected_tokens == 0:
         assert rate is None
     else:
-        assert rate == expected_tokens / span_ms
+        assert rate == expected_tokens / (span_us * 1e-3)
 
 
 def test_a_prior_length_does_not_make_an_e2e_request_hopeless() -> None:
@@ -543,8 +591,8 @@ def test_the_drain_rate_counts_each_dispatch_by_its_uncached_part() -> None:
     big = req("big", prompt_tokens=8000, ttft_slo_ms=60_000.0, tpot_slo_ms=1000.0, prefix_hashes=hashes)
     q.push(big, NOW)
     q.push(req("other", prompt_tokens=256, ttft_slo_ms=60_000.0), NOW)
-    q.note_backlog(NOW)
+    q.note_pass(NOW, fleet_limited=True)
     results = list(offer(q, s, lambda: _pd(), NOW + 0.5))
     assert results[0].verdict is Verdict.DISPATCH
-    rate = q.drain_rate(NOW + 1.0)
-    assert rate is not None and rate * 1000.0 <= 320 + 256
+    rate = q.drain_rate(NOW + 0.5)
+    assert rate is not None and rate * 500.0 <= 320 + 256
