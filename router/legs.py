@@ -137,7 +137,10 @@ async def paced_batches(call: Any, interval_s: float | RelayPacer) -> AsyncGener
     (or its failure) is delivered at once. So a message is at most ``interval_s`` late and the
     write rate per stream is at most ``1 / interval_s``. ``interval_s`` 0 is :func:`ready_batches`'s
     behaviour. A :class:`RelayPacer` instead of a number stretches the interval with the number of
-    streams it paces. One future per wait (no :class:`asyncio.Event`, no timeout task): this runs
+    streams it paces. After each batch the consumer sleeps out the interval at once and takes what
+    came meanwhile, so a streaming relay wakes once per batch (not also at the first message after
+    it); only after an interval with nothing in it does it wait for the next message, which then
+    goes out at once. One future per wait (no :class:`asyncio.Event`, no timeout task): this runs
     per token.
     """
     pacer = interval_s if isinstance(interval_s, RelayPacer) else RelayPacer(interval_s)
@@ -166,29 +169,27 @@ async def paced_batches(call: Any, interval_s: float | RelayPacer) -> AsyncGener
             wake()
 
     reader = loop.create_task(pump())
-    taken = -math.inf
     pacer.active += 1
     try:
         while True:
             if not pending and not done:
                 waiter = loop.create_future()
                 await waiter
-            if pending and not done and pacer.min_interval_s > 0:
-                delay = taken + pacer.interval_s() - loop.time()
-                if delay > 0:
+            if pending:
+                batch = pending[:]
+                pending.clear()
+                yield batch
+                if pacer.min_interval_s > 0 and not done:
+                    # Sleep out the interval at once (the reader does not wake a holding
+                    # consumer; the end of the stream does): one wake-up per batch.
                     holding = True
                     waiter = loop.create_future()
-                    timer = loop.call_later(delay, wake)
+                    timer = loop.call_later(pacer.interval_s(), wake)
                     try:
                         await waiter
                     finally:
                         timer.cancel()
                         holding = False
-            if pending:
-                batch = pending[:]
-                pending.clear()
-                yield batch
-                taken = loop.time()
                 continue
             if failure is not None:
                 raise failure

@@ -139,6 +139,161 @@ def _finish_reason(reason: str) -> str:
     return reason if reason in ("length", "stop", "abort") else "stop"
 
 
+class GenerateMerge:
+    """One leg's ``Generate`` responses merged as they arrive; :meth:`take` hands them over as one record.
+
+    What arrives between two takes becomes one :class:`~router.mux.Tokens`: the chunks' token ids
+    in order, the first non-zero ``prompt_tokens``, the largest ``cached_tokens``, and the end
+    (``GenerateComplete``: finished, with the finish reason in the Worker protocol's words;
+    anything after it is ignored). A ``finish_reason`` of ``"error"`` makes the next take raise
+    the owner's failure (the tokens merged with it are dropped: the service resumes after the
+    tokens the client has).
+
+    The HTTP/2 reader feeds raw messages (:meth:`feed`, a :class:`router.vllm_h2.MessageSink`):
+    a stream chunk, what vLLM sends per token, is decoded here straight into the list of ids,
+    without a protobuf message, its sub-message and its repeated-field wrapper per token; any
+    other message (the end, a chunk with logprobs, an unknown field, a large or malformed one) is
+    parsed by protobuf and added as ``grpc.aio`` delivers it (:meth:`add`).
+    """
+
+    __slots__ = ("_detok", "_error", "cached", "failed", "finished", "ids", "prompt", "reason", "request_id")
+
+    def __init__(self, request_id: str, detok: Detokenizer | None, error: Callable[[], Exception]) -> None:
+        self.request_id = request_id
+        self._detok = detok
+        self._error = error
+        self.ids: list[int] = []
+        self.prompt = 0
+        self.cached = 0
+        self.finished = False
+        self.reason = ""
+        self.failed = False
+
+    def add(self, response: Any) -> None:
+        """One parsed ``GenerateResponse``."""
+        if self.finished or self.failed:
+            return
+        kind = response.WhichOneof("response")
+        if kind == "chunk":
+            chunk = response.chunk
+            self.ids.extend(chunk.token_ids)
+            if not self.prompt:
+                self.prompt = chunk.prompt_tokens
+            if chunk.cached_tokens > self.cached:
+                self.cached = chunk.cached_tokens
+        elif kind == "complete":
+            reason = response.complete.finish_reason
+            if reason == "error":
+                self.failed = True
+                return
+            # In a streamed call the chunks already carried every token.
+            self.finished = True
+            self.reason = _finish_reason(reason)
+
+    def feed(self, data: bytes) -> None:
+        """One serialized ``GenerateResponse`` (see the class docstring)."""
+        if self.finished or self.failed:
+            return
+        n = len(data)
+        # A chunk under 128 bytes: tag 1 (length-delimited), a one-byte length that spans the rest.
+        if n >= 2 and data[0] == 0x0A and data[1] < 0x80 and data[1] + 2 == n:
+            ids = self.ids
+            had = len(ids)
+            if _chunk_into(data, ids, self):
+                return
+            del ids[had:]  # not a plain chunk after all: protobuf decides
+        self.add(_RESPONSE_FROM_STRING(data))
+
+    def take(self) -> Tokens:
+        """Everything since the last take as one record; raises the owner's failure after an error."""
+        if self.failed:
+            raise self._error()
+        ids = self.ids
+        self.ids = []
+        detok = self._detok
+        text = detok.add(ids) if detok is not None and ids else ""
+        out = Tokens(self.request_id, ids, text, self.finished, self.reason, self.prompt, self.cached)
+        self.prompt = self.cached = 0
+        return out
+
+
+_RESPONSE_FROM_STRING = vllm_pb2.GenerateResponse.FromString
+
+
+def _chunk_into(data: bytes, ids: list[int], merge: GenerateMerge) -> bool:
+    """Decode the ``GenerateStreamChunk`` in ``data[2:]`` into ``ids`` and ``merge``'s counts.
+
+    Only the fields vLLM sends on the token path are read (token ids packed or not, prompt,
+    completion and cached token counts, the output index); False for anything else (logprobs,
+    an unknown field, a varint longer than a ``uint32``'s or running past the end), and the
+    caller hands the message to protobuf. Protobuf's rules for these fields: the last value of a
+    scalar wins, repeated values accumulate.
+    """
+    n = len(data)
+    pos = 2
+    prompt = cached = -1
+    try:
+        while pos < n:
+            tag = data[pos]
+            pos += 1
+            if tag == 0x0A:  # token_ids, packed
+                stop = pos + 1 + data[pos]
+                if data[pos] >= 0x80 or stop > n:
+                    return False
+                pos += 1
+                while pos < stop:
+                    byte = data[pos]
+                    pos += 1
+                    if byte < 0x80:
+                        ids.append(byte)
+                        continue
+                    value = byte & 0x7F
+                    shift = 7
+                    while True:
+                        byte = data[pos]
+                        pos += 1
+                        value |= (byte & 0x7F) << shift
+                        if byte < 0x80:
+                            break
+                        shift += 7
+                        if shift > 28:
+                            return False
+                    if value >> 32:
+                        return False
+                    ids.append(value)
+                if pos != stop:
+                    return False
+            elif tag in (0x08, 0x10, 0x18, 0x20, 0x38):  # token id (unpacked), the counts, index
+                value = 0
+                shift = 0
+                while True:
+                    byte = data[pos]
+                    pos += 1
+                    value |= (byte & 0x7F) << shift
+                    if byte < 0x80:
+                        break
+                    shift += 7
+                    if shift > 28:
+                        return False
+                if value >> 32:
+                    return False
+                if tag == 0x08:
+                    ids.append(value)
+                elif tag == 0x10:
+                    prompt = value
+                elif tag == 0x20:
+                    cached = value
+            else:
+                return False
+    except IndexError:  # a varint running past the end: protobuf says what is wrong
+        return False
+    if prompt > 0 and not merge.prompt:
+        merge.prompt = prompt
+    if cached > merge.cached:
+        merge.cached = cached
+    return True
+
+
 class VllmGrpcClient:
     """Calls ``vllm.grpc.engine.VllmEngine`` for a :class:`~router.forward.WorkerClient`.
 
@@ -166,6 +321,11 @@ class VllmGrpcClient:
         #: ``--vllm-transport`` (:data:`VLLM_TRANSPORTS`).
         self.transport = "h2"
         self._h2 = H2Pool(max_channels, limits.SERVING_MAX_MESSAGE_BYTES)
+
+    @property
+    def h2_read_pauses(self) -> int:
+        """How often the HTTP/2 reader's open connections paused reading (see ``H2Connection._coalesce``)."""
+        return self._h2.read_pauses
 
     def set_transport(self, transport: str) -> None:
         """``--vllm-transport``: ``h2`` or ``grpc`` (see :data:`VLLM_TRANSPORTS`)."""
@@ -295,50 +455,20 @@ class VllmGrpcClient:
             message.text = getattr(request, "prompt", "")
         if kv_params:
             message.kv_transfer_params_json = kv_params
-        merged = self._merger(target, request_id, self._detokenizer(context))
-        if self.transport == "h2" and self._tls is None and H2_AVAILABLE:
-            return self._stream_h2(target, message, timeout_s, merged)
-        return self._stream_grpc(target, message, timeout_s, merged)
-
-    def _merger(
-        self, target: Target, request_id: str, detok: Detokenizer | None
-    ) -> Callable[[list[Any]], Tokens]:
         owner = self._owner
 
-        def merged(batch: list[Any]) -> Tokens:
-            """One record for every response that arrived meanwhile (chunks, then maybe the end).
+        def error() -> Exception:
+            return owner.failed(
+                target, grpc.StatusCode.INTERNAL, f"vLLM at {target.endpoint} failed the request"
+            )
 
-            A plain record, not a ``WorkerTokens`` message: the service only reads its fields.
-            """
-            ids: list[int] = []
-            prompt = cached = 0
-            finished = False
-            reason = ""
-            for response in batch:
-                kind = response.WhichOneof("response")
-                if kind == "chunk":
-                    chunk = response.chunk
-                    ids.extend(chunk.token_ids)
-                    if not prompt:
-                        prompt = chunk.prompt_tokens
-                    cached = max(cached, chunk.cached_tokens)
-                elif kind == "complete":
-                    reason = response.complete.finish_reason
-                    if reason == "error":
-                        raise owner.failed(
-                            target, grpc.StatusCode.INTERNAL, f"vLLM at {target.endpoint} failed the request"
-                        )
-                    # In a streamed call the chunks already carried every token.
-                    finished = True
-                    reason = _finish_reason(reason)
-                    break
-            text = detok.add(ids) if detok is not None and ids else ""
-            return Tokens(request_id, ids, text, finished, reason, prompt, cached)
-
-        return merged
+        merge = GenerateMerge(request_id, self._detokenizer(context), error)
+        if self.transport == "h2" and self._tls is None and H2_AVAILABLE:
+            return self._stream_h2(target, message, timeout_s, merge)
+        return self._stream_grpc(target, message, timeout_s, merge)
 
     async def _stream_grpc(
-        self, target: Target, message: Any, timeout_s: float, merged: Callable[[list[Any]], Tokens]
+        self, target: Target, message: Any, timeout_s: float, merge: GenerateMerge
     ) -> AsyncGenerator[Tokens, None]:
         """:meth:`stream`'s call over ``grpc.aio`` (TLS endpoints, ``--vllm-transport grpc``)."""
         owner = self._owner
@@ -358,7 +488,8 @@ class VllmGrpcClient:
             if response is _EOF:
                 return
             owner.succeeded(target)
-            first = merged([response])
+            merge.add(response)
+            first = merge.take()
             yield first
             if first.finished:
                 return
@@ -372,7 +503,9 @@ class VllmGrpcClient:
         try:
             async with contextlib.aclosing(paced_batches(call, self.pacer)) as batches:
                 async for batch in batches:
-                    out = merged(batch)
+                    for response in batch:
+                        merge.add(response)
+                    out = merge.take()
                     yield out
                     if out.finished:
                         return
@@ -382,7 +515,7 @@ class VllmGrpcClient:
             call.cancel()  # no-op once the stream ended; stops the request when the consumer left
 
     async def _stream_h2(
-        self, target: Target, message: Any, timeout_s: float, merged: Callable[[list[Any]], Tokens]
+        self, target: Target, message: Any, timeout_s: float, merge: GenerateMerge
     ) -> AsyncGenerator[Tokens, None]:
         """:meth:`stream`'s call over :mod:`router.vllm_h2`: the same deadlines, outcomes and errors."""
         owner = self._owner
@@ -402,9 +535,7 @@ class VllmGrpcClient:
                 grpc.StatusCode.UNAVAILABLE,
                 f"cannot connect to {target.endpoint} ({exc}; the engine is down or unreachable)",
             ) from exc
-        call = conn.start(
-            GENERATE_PATH, message.SerializeToString(), timeout_s, vllm_pb2.GenerateResponse.FromString
-        )
+        call = conn.start(GENERATE_PATH, message.SerializeToString(), timeout_s, merge)
         # The call's deadline is a timer (grpc-timeout tells the server too); it resets the stream.
         deadline = asyncio.get_running_loop().call_later(
             timeout_s, call.cancel, grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"
@@ -415,19 +546,18 @@ class VllmGrpcClient:
                     await call.wait()
             except TimeoutError:
                 raise owner.first_message_error(target) from None
-            if not call.pending:
+            if not call.ready:
                 if call.error is not None:
                     raise call.error
                 return
             owner.succeeded(target)
             # The first response goes straight through (the TTFT path), with whatever came with it.
-            first = merged(call.take())
+            first: Tokens = call.take()
             yield first
             if first.finished:
                 return
             async with contextlib.aclosing(paced_stream_batches(call, self.pacer)) as batches:
-                async for batch in batches:
-                    out = merged(batch)
+                async for out in batches:
                     yield out
                     if out.finished:
                         return

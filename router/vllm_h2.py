@@ -30,8 +30,8 @@ import asyncio
 import math
 import struct
 import urllib.parse
-from collections.abc import AsyncGenerator, Callable
-from typing import Any, cast
+from collections.abc import AsyncGenerator
+from typing import Any, Protocol, cast
 
 import grpc
 
@@ -67,6 +67,17 @@ CONNECTION_WINDOW = 32 << 20
 #: (every stream on it fails UNAVAILABLE), as the gRPC channels' keepalive does.
 KEEPALIVE_S = 20.0
 KEEPALIVE_TIMEOUT_S = 5.0
+#: The longest the reader leaves the engine's bytes in the socket while every stream's relay holds
+#: for its pacing interval (:meth:`H2Connection._coalesce`): the messages of one engine step,
+#: written one by one, are then read in one wake-up of the event loop instead of several.
+READ_COALESCE_S = 0.001
+#: Fewer open streams than this on a connection: no read pause. The engine writes one message per
+#: stream per step, so with a few streams a step's messages are read in one or two wake-ups anyway,
+#: and the pause's own timer would add a wake-up instead of saving one (measured at one stream).
+READ_COALESCE_MIN_STREAMS = 4
+#: A pause ends this long before the first relay's hold does, so that its batch holds every
+#: message that arrived before its interval ended (the loop reads before that timer fires).
+READ_COALESCE_MARGIN_S = 0.0003
 #: A stream id past this opens a new connection (ids are 31-bit and never reused).
 _MAX_STREAM_ID = (1 << 31) - 1 - 2
 _RST_CODES = {
@@ -131,12 +142,27 @@ def _grpc_timeout(seconds: float) -> str:
     return f"{s}S" if s < 10**8 else f"{min(10**8 - 1, math.ceil(s / 3600))}H"
 
 
-class H2Stream:
-    """One call's receiving end: the messages parsed so far, and how it ended.
+class MessageSink(Protocol):
+    """Where a call's response messages go as the connection parses them.
 
-    The connection appends to :attr:`pending` and wakes the consumer's :attr:`waiter` unless the
-    consumer is :attr:`holding` (a paced relay collecting for its interval); the end of the call
-    always wakes it.
+    :meth:`feed` runs inside the connection's ``data_received`` for every whole message (its
+    bytes, without gRPC's 5-byte prefix); an exception fails the call INTERNAL ("cannot parse a
+    response message"). :meth:`take` runs in the consumer and returns what was fed since the last
+    take as one item. A sink that merges as it is fed (:class:`router.vllm_grpc.GenerateMerge`)
+    keeps no object per message: the tokens go straight into one list.
+    """
+
+    def feed(self, payload: bytes) -> None: ...
+
+    def take(self) -> Any: ...
+
+
+class H2Stream:
+    """One call's receiving end: its :class:`MessageSink`, and how the call ended.
+
+    The connection feeds each whole message to :attr:`sink`, sets :attr:`ready` and wakes the
+    consumer's :attr:`waiter` unless the consumer is :attr:`holding` (a paced relay collecting for
+    its interval); the end of the call always wakes it.
     """
 
     __slots__ = (
@@ -145,25 +171,29 @@ class H2Stream:
         "done",
         "error",
         "got_headers",
+        "hold_until",
         "holding",
         "id",
-        "parse",
-        "pending",
+        "ready",
         "send_window",
+        "sink",
         "unacked",
         "waiter",
     )
 
-    def __init__(self, conn: H2Connection, stream_id: int, parse: Callable[[bytes], Any]) -> None:
+    def __init__(self, conn: H2Connection, stream_id: int, sink: MessageSink) -> None:
         self.conn = conn
         self.id = stream_id
-        self.parse = parse
-        self.pending: list[Any] = []
+        self.sink = sink
+        #: A message was fed since the consumer's last :meth:`take`.
+        self.ready = False
         self.buf = bytearray()
         self.done = False
         self.error: CallError | None = None
         self.got_headers = False
         self.holding = False
+        #: When the consumer's hold ends (the loop's clock), while it holds.
+        self.hold_until = 0.0
         self.waiter: asyncio.Future[None] | None = None
         self.unacked = 0
         self.send_window = conn.peer_initial_window
@@ -193,19 +223,19 @@ class H2Stream:
         self.end(code, details)
 
     async def wait(self) -> None:
-        """Return when a message is pending or the call is over."""
-        if self.pending or self.done:
+        """Return when a message is ready or the call is over."""
+        if self.ready or self.done:
             return
-        waiter = self.waiter = asyncio.get_running_loop().create_future()
+        waiter = self.waiter = self.conn.loop.create_future()
         try:
             await waiter
         finally:
             self.waiter = None
 
-    def take(self) -> list[Any]:
-        batch = self.pending
-        self.pending = []
-        return batch
+    def take(self) -> Any:
+        """What the sink holds since the last take (see :meth:`MessageSink.take`)."""
+        self.ready = False
+        return self.sink.take()
 
 
 class H2Connection(asyncio.Protocol):
@@ -236,10 +266,14 @@ class H2Connection(asyncio.Protocol):
         #: Request bodies waiting for send window: (stream, bytes left).
         self._blocked: list[tuple[H2Stream, bytes]] = []
         self._conn_unacked = 0
-        self._loop = asyncio.get_running_loop()
+        self._loop = self.loop = asyncio.get_running_loop()
         self._last_rx = self._loop.time()
         self._ping_at: float | None = None
         self._keepalive: asyncio.TimerHandle | None = None
+        #: The pending end of a read pause (:meth:`_coalesce`), while reading is paused.
+        self._resume: asyncio.TimerHandle | None = None
+        #: Read pauses so far (for tests and diagnostics).
+        self.read_pauses = 0
 
     # ------------------------------------------------------------------ asyncio.Protocol
 
@@ -257,6 +291,9 @@ class H2Connection(asyncio.Protocol):
         self.closed = self.draining = True
         if self._keepalive is not None:
             self._keepalive.cancel()
+        if self._resume is not None:
+            self._resume.cancel()
+            self._resume = None
         why = f": {exc}" if exc is not None else ""
         for stream in list(self._streams.values()):
             stream.end(grpc.StatusCode.UNAVAILABLE, f"connection to {self.authority} lost{why}")
@@ -288,6 +325,42 @@ class H2Connection(asyncio.Protocol):
             self._fail_connection(str(exc))
             return
         self._in = data[pos:]
+        if len(self._streams) >= READ_COALESCE_MIN_STREAMS and self._resume is None:
+            self._coalesce()
+
+    def _coalesce(self) -> None:
+        """Pause reading briefly when no consumer wants a message now.
+
+        vLLM's server writes each stream's message of an engine step on its own, so a reader that
+        reads whenever bytes arrive wakes several times per step. While every stream's relay holds
+        for its pacing interval (:func:`paced_stream_batches`; at least
+        :data:`READ_COALESCE_MIN_STREAMS` of them) nobody takes a message before the first hold
+        ends: the reader then leaves the bytes in the socket for up to
+        :data:`READ_COALESCE_S`, ending the pause :data:`READ_COALESCE_MARGIN_S` before that first
+        hold does, and reads them all at once. A stream waiting for its first message, or for the
+        next one after a quiet interval, is not holding: no pause then, so neither the first token
+        nor a lone token waits. The end of a call that comes during a pause waits for the pause.
+        """
+        first = math.inf
+        for stream in self._streams.values():
+            if not stream.holding:
+                return
+            if stream.hold_until < first:
+                first = stream.hold_until
+        pause = min(READ_COALESCE_S, first - READ_COALESCE_MARGIN_S - self._loop.time())
+        if pause < READ_COALESCE_MARGIN_S or self.transport is None or self.closed:
+            return
+        self.transport.pause_reading()
+        self.read_pauses += 1
+        self._resume = self._loop.call_later(pause, self._read_again)
+
+    def _read_again(self) -> None:
+        """End a read pause (its timer, a new call, or the connection closing)."""
+        if self._resume is not None:
+            self._resume.cancel()
+            self._resume = None
+            if self.transport is not None and not self.closed:
+                self.transport.resume_reading()
 
     # ------------------------------------------------------------------ frames
 
@@ -335,19 +408,19 @@ class H2Connection(asyncio.Protocol):
                 stream.cancel(grpc.StatusCode.INTERNAL, "compressed message received; none was asked for")
                 return
             try:
-                message = stream.parse(payload[pos + 5 : pos + 5 + length])
+                stream.sink.feed(payload[pos + 5 : pos + 5 + length])
             except Exception as exc:  # the message's own parser: any failure is a bad message
                 stream.cancel(grpc.StatusCode.INTERNAL, f"cannot parse a response message: {exc}")
                 return
             pos += 5 + length
-            stream.pending.append(message)
+            stream.ready = True
         if pos < size:
             buf += payload[pos:]
         self._data_end(stream, flags)
 
     @staticmethod
     def _data_end(stream: H2Stream, flags: int) -> None:
-        if stream.pending and not stream.holding:
+        if stream.ready and not stream.holding:
             stream.wake()
         if flags & _END_STREAM:
             stream.end(grpc.StatusCode.INTERNAL, "the server ended the stream without a gRPC status")
@@ -475,14 +548,15 @@ class H2Connection(asyncio.Protocol):
         """Takes a new stream now (not closing, ids left, under the server's concurrency limit)."""
         return not self.draining and len(self._streams) < self._peer_max_streams
 
-    def start(self, path: str, body: bytes, timeout_s: float, parse: Callable[[bytes], Any]) -> H2Stream:
-        """Open a call to ``path`` sending one request message ``body``; its responses go to the stream."""
+    def start(self, path: str, body: bytes, timeout_s: float, sink: MessageSink) -> H2Stream:
+        """Open a call to ``path`` sending one request message ``body``; its responses go to ``sink``."""
         sid = self._next_id
         self._next_id += 2
         if self._next_id > _MAX_STREAM_ID:
             self.draining = True
-        stream = H2Stream(self, sid, parse)
+        stream = H2Stream(self, sid, sink)
         self._streams[sid] = stream
+        self._read_again()  # a new call's first message is read as soon as it comes
         block = self._request_headers(path) + _literal(b"grpc-timeout", _grpc_timeout(timeout_s).encode())
         limit = self._peer_max_frame
         frames = [_frame(_HEADERS, _END_HEADERS if len(block) <= limit else 0, sid, block[:limit])]
@@ -650,45 +724,56 @@ class H2Pool:
         finally:
             del self._opening[address]
 
+    @property
+    def read_pauses(self) -> int:
+        """Read pauses of the open connections (:meth:`H2Connection._coalesce`), for diagnostics."""
+        return sum(conn.read_pauses for conn in self._conns.values())
+
     def close(self) -> None:
         for conn in self._conns.values():
             conn.close()
         self._conns.clear()
 
 
-async def paced_stream_batches(stream: H2Stream, pacer: RelayPacer) -> AsyncGenerator[list[Any], None]:
+async def paced_stream_batches(stream: H2Stream, pacer: RelayPacer) -> AsyncGenerator[Any, None]:
     """:func:`router.legs.paced_batches` for an :class:`H2Stream`: the same pacing, no reader task.
 
-    The connection already parses each TCP read into the streams' lists, so no task per stream
-    reads message by message; a batch ready less than the pacer's interval after the previous one
-    waits for the rest of it (the connection does not wake a holding consumer), the end of the call
-    is delivered at once. Raises the call's :class:`CallError` after the messages before it.
+    Yields what :meth:`H2Stream.take` returns (the sink's merge of the messages since the last
+    take). The connection already parses each TCP read into the streams' sinks, so no task per
+    stream reads message by message. After each batch the consumer sleeps until the pacer's
+    interval is over (the connection does not wake a holding consumer; the end of the call does,
+    at once) and takes what arrived meanwhile; only when nothing did does it wait for the next
+    message, which then goes out at once. So a streaming relay wakes once per batch, at its
+    interval's end, not also at the first message after each batch. Raises the call's
+    :class:`CallError` after the messages before it.
     """
-    loop = asyncio.get_running_loop()
-    taken = -math.inf
+    loop = stream.conn.loop
     pacer.active += 1
     try:
         while True:
-            if not stream.pending and not stream.done:
+            if not stream.ready and not stream.done:
                 await stream.wait()
-            if stream.pending and not stream.done and pacer.min_interval_s > 0:
-                delay = taken + pacer.interval_s() - loop.time()
-                if delay > 0:
-                    stream.holding = True
-                    waiter = stream.waiter = loop.create_future()
-                    timer = loop.call_later(delay, stream.wake)
-                    try:
-                        await waiter
-                    finally:
-                        timer.cancel()
-                        stream.holding = False
-                        stream.waiter = None
-            if stream.pending:
+            if stream.ready:
                 yield stream.take()
-                taken = loop.time()
+                if pacer.min_interval_s > 0 and not stream.done:
+                    await _hold(stream, loop, pacer.interval_s())
                 continue
             if stream.error is not None:
                 raise stream.error
             return
     finally:
         pacer.active -= 1
+
+
+async def _hold(stream: H2Stream, loop: asyncio.AbstractEventLoop, delay: float) -> None:
+    """Sleep ``delay`` seconds, or until the call ends, while the connection fills the sink."""
+    stream.holding = True
+    stream.hold_until = loop.time() + delay
+    waiter = stream.waiter = loop.create_future()
+    timer = loop.call_later(delay, stream.wake)
+    try:
+        await waiter
+    finally:
+        timer.cancel()
+        stream.holding = False
+        stream.waiter = None

@@ -26,7 +26,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vllm_pb2_grpc
 from router.forward import LegError, WorkerClient
 from router.legs import LegLedger
 from router.pool import ChannelPool
-from router.vllm_grpc import VLLM_TRANSPORTS
+from router.vllm_grpc import VLLM_TRANSPORTS, GenerateMerge
 from router.vllm_h2 import STREAM_WINDOW, _grpc_timeout, _literal
 
 #: The reader's HPACK package (pyproject; `make venv` installs it): without it the file is skipped.
@@ -246,6 +246,34 @@ async def test_the_h2_reader_takes_the_tokens_of_many_streams_in_few_batches() -
         assert messages < 16 * 50
 
 
+async def test_paced_streams_lose_nothing_while_the_reader_pauses_and_a_new_call_is_not_held() -> None:
+    """While every relay holds for its interval the reader leaves the engine's bytes in the socket
+    for a moment (it pauses: checked); every token still arrives, in order, and a call started
+    meanwhile gets its first message well within a hold interval."""
+    async with _engine() as (_, _, endpoint), _client("h2") as client:
+        client.vllm.set_pacing(0.03, 0.0)
+        target = _Target("v", endpoint)
+        results = await asyncio.gather(
+            *(_collect(client, target, _request(f"slow-{i}", 1 + i, 60)) for i in range(8))
+        )
+        for i, ids in enumerate(results):
+            assert ids == list(range(1 + i, 61 + i))
+        assert client.vllm.h2_read_pauses > 0
+
+        late: list[float] = []
+
+        async def newcomer() -> None:
+            await asyncio.sleep(0.05)  # the others are streaming and holding by now
+            started = asyncio.get_running_loop().time()
+            async for message in client.stream(target, _request("ok-new", 3, 1), 30.0, LegLedger()):
+                if message.token_ids:
+                    late.append(asyncio.get_running_loop().time() - started)
+
+        background = [_collect(client, target, _request(f"slow-b{i}", 2, 60)) for i in range(8)]
+        await asyncio.gather(newcomer(), *background)
+        assert late and late[0] < 0.5, late  # a liveness bound with margin, not a timing figure
+
+
 @settings(max_examples=50, deadline=None)
 @given(st.floats(min_value=0.0005, max_value=1e7))
 def test_grpc_timeout_is_at_most_eight_digits_and_never_shorter(seconds: float) -> None:
@@ -261,3 +289,94 @@ def test_request_header_literals_decode_to_themselves(name: bytes, value: bytes)
     """The hand-encoded literals are HPACK a standard decoder reads (lengths past one byte too)."""
     decoded = hpack.Decoder().decode(_literal(name, value) + _literal(b"te", b"trailers"), raw=True)
     assert [tuple(h) for h in decoded] == [(name, value), (b"te", b"trailers")]
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value >= 0x80:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _unpacked_chunk(ids: list[int], prompt: int, cached: int) -> bytes:
+    """A chunk whose token ids are encoded one tag each (valid protobuf a server may send)."""
+    body = b"".join(b"\x08" + _varint(i) for i in ids)
+    body += b"\x10" + _varint(prompt) + b"\x20" + _varint(cached)
+    return b"\x0a" + _varint(len(body)) + body
+
+
+_UINT32 = st.integers(min_value=0, max_value=(1 << 32) - 1)
+_CHUNK = st.builds(
+    lambda ids, prompt, completion, cached, index, logprobs: vllm_pb2.GenerateResponse(
+        chunk=vllm_pb2.GenerateStreamChunk(
+            token_ids=ids,
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            cached_tokens=cached,
+            index=index,
+            output_logprobs=vllm_pb2.OutputLogProbs(token_logprobs=[-0.5]) if logprobs else None,
+        )
+    ).SerializeToString(),
+    st.lists(st.one_of(st.integers(0, 300), _UINT32), max_size=40),
+    _UINT32,
+    _UINT32,
+    _UINT32,
+    st.integers(0, 3),
+    st.booleans(),
+)
+_OTHER = st.one_of(
+    st.builds(
+        _unpacked_chunk,
+        st.lists(st.integers(0, 70_000), max_size=5),
+        st.integers(0, 500),
+        st.integers(0, 500),
+    ),
+    st.sampled_from(["length", "stop", "abort", "error", "other"]).map(
+        lambda reason: vllm_pb2.GenerateResponse(
+            complete=vllm_pb2.GenerateComplete(output_ids=[1, 2], finish_reason=reason)
+        ).SerializeToString()
+    ),
+    st.just(b""),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.lists(st.one_of(_CHUNK, _OTHER), max_size=6), min_size=1, max_size=4))
+def test_the_readers_chunk_decoder_merges_exactly_what_protobuf_parses(batches: list[list[bytes]]) -> None:
+    """The HTTP/2 reader decodes vLLM's token chunks by hand; every take must equal the one that
+    the ``grpc.aio`` path makes from protobuf's parse of the same messages (packed and unpacked
+    ids, multi-byte and 32-bit values, logprobs and other messages handed to protobuf, an error
+    end, what follows the end)."""
+
+    def error() -> Exception:
+        return RuntimeError("failed")
+
+    fed = GenerateMerge("r", None, error)
+    parsed = GenerateMerge("r", None, error)
+    for batch in batches:
+        for data in batch:
+            fed.feed(data)
+            parsed.add(vllm_pb2.GenerateResponse.FromString(data))
+        outs: list[tuple[list[int], bool, str, int, int] | None] = []
+        for merge in (fed, parsed):
+            try:
+                out = merge.take()
+            except RuntimeError:
+                outs.append(None)
+                continue
+            fields = (out.token_ids, out.finished, out.finish_reason, out.num_prompt_tokens)
+            outs.append((*fields, out.num_cached_prompt_tokens))
+        assert outs[0] == outs[1]
+        if outs[0] is None:
+            break
+
+
+def test_a_malformed_chunk_fails_as_protobuf_fails() -> None:
+    """Bytes that are no ``GenerateResponse`` (a varint running past the end) raise protobuf's error,
+    which the connection turns into INTERNAL ("cannot parse a response message")."""
+    merge = GenerateMerge("r", None, lambda: RuntimeError("failed"))
+    with pytest.raises(Exception, match=r"(?i)pars|decod|truncat"):
+        merge.feed(b"\x0a\x03\x0a\x01\x85")
+    assert merge.take().token_ids == []
