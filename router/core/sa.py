@@ -556,22 +556,22 @@ class TaskLengths:
     requests of that class) give the typical length (their mean: G sums
     latencies) and the length bound (their 90th percentile: what Eq. 20
     reserves in memory). Both are clipped to the request's ``max_tokens``.
-    Before :attr:`MIN_SAMPLES` outputs of its type are seen, the recent
-    outputs of every type together stand in (as the router's length
-    predictor falls back from a class to all classes); before that many of
-    any type, a request is expected to use all of ``max_tokens`` (the only
-    bound the router has).
+    Before :attr:`MIN_SAMPLES` outputs of its type are seen, a request is
+    expected to use all of ``max_tokens`` (the only bound the router has).
 
-    Why both rules: only requests that finish teach a profile, and the plan
-    puts the requests it cannot save last, where the queue's late path
-    (``--late-allowance``) refuses them unfinished. On bursts of a TTFT-judged
-    class beside an e2e class (docs/papers.md, S/C at one sequence) the first
-    burst's chat requests were refused, the class stayed under four answers
-    here and the router's predictor (eight answers) passed its prior, so the
-    next bursts' chat requests were costed at ``max_tokens`` (900 against a
-    typical 220) and the plan ran summaries due in 35 s before chat requests
-    it could still save: 71.1 % met against 74.2 % with the late requests
-    served, 74.2 % again with these rules.
+    Why a prior must not override: only requests that finish teach a
+    profile, and the plan puts the requests it cannot save last, where the
+    queue's late path (``--late-allowance``) refuses them unfinished. On
+    bursts of a TTFT-judged class beside an e2e class (docs/papers.md, S/C at
+    one sequence) the first burst's chat requests were refused, the router's
+    predictor (eight answers before it answers for a class or for all) kept
+    passing its prior after this profile had four chat answers, and the chat
+    requests were costed at ``max_tokens`` (900 against a typical 220): the
+    plan ran summaries due in 35 s before chat requests it could still save,
+    71.1 % met against 74.2 % with those requests served late; 74.2 % again
+    with this rule. (Lending a cold type every type's lengths was tried too:
+    it lost 7.5 points on the seeded mixed run, where one class's answers are
+    many times another's.)
     """
 
     MEMORY = 256
@@ -580,15 +580,10 @@ class TaskLengths:
     def __init__(self) -> None:
         self._seen: dict[str, deque[int]] = {}
         self._cache: dict[str, tuple[float, float]] = {}
-        # The last MEMORY outputs of every type together (the fallback of a type seen too little).
-        self._pooled: deque[int] = deque(maxlen=self.MEMORY)
-        self._pooled_figures: tuple[float, float] | None = None
 
     def observe(self, task: str, output_tokens: int) -> None:
         if output_tokens < 0:
             return
-        self._pooled.append(int(output_tokens))
-        self._pooled_figures = None
         seen = self._seen.get(task)
         if seen is None:
             if len(self._seen) >= 4096:  # bounded: a client inventing classes cannot grow it forever
@@ -602,18 +597,13 @@ class TaskLengths:
         return 0 if seen is None else len(seen)
 
     def _figures(self, task: str) -> tuple[float, float] | None:
-        """(mean, 90th percentile) of ``task``'s recent outputs, else of every type's (see the class doc);
-        ``None``: fewer than :attr:`MIN_SAMPLES` outputs either way."""
+        """(mean, 90th percentile) of ``task``'s recent outputs (``None``: fewer than :attr:`MIN_SAMPLES`)."""
         cached = self._cache.get(task)
         if cached is not None:
             return cached
         seen = self._seen.get(task)
         if seen is None or len(seen) < self.MIN_SAMPLES:
-            if len(self._pooled) < self.MIN_SAMPLES:
-                return None
-            if self._pooled_figures is None:
-                self._pooled_figures = _mean_p90(self._pooled)
-            return self._pooled_figures
+            return None
         figures = _mean_p90(seen)
         self._cache[task] = figures
         return figures
