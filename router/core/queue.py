@@ -73,7 +73,7 @@ import numpy as np
 from fleet.snapshot import ClusterSnapshot
 from router.core.calibration import Correction
 from router.core.chain import EXCLUDED, StageFailure
-from router.core.columns import BoolArray, ClusterView, FloatArray, IntArray
+from router.core.columns import BoolArray, ClusterView, FloatArray, InstanceTable, IntArray
 from router.core.decision import Decision
 from router.core.errors import (
     ConfigError,
@@ -535,29 +535,16 @@ class LoadWatch:
         """The epoch for the fleet of ``view`` at ``now_s`` (moved if it is lighter anywhere than before)."""
         table = view.instances
         key = table.ids
-        zeros = np.zeros(table.n)
-        step = table.measured_decode_step_ms
-        measured = zeros if step is None else np.nan_to_num(step, nan=0.0)
-        total = table.waiting_requests + table.running_requests
+        inflight = view.inflight
         cap = table.max_num_seqs
-        requests: tuple[FloatArray, ...] = (total,)
-        if cap is not None and bool((total + view.inflight.requests + 1.0 > cap).any()):
-            # Where no instance is at its sequence cap the decisions read waiting and running requests
-            # only as their sum (a request moving from waiting to running is no lighter load); at the
-            # cap, more of them running means shorter slot waits (metrics.slot_wait): each counts.
-            requests = (total, table.waiting_requests, -table.running_requests)
-        load = np.vstack(
-            (
-                table.decode_requests,
-                table.decode_tokens,
-                table.used_kv_tokens,
-                *requests,
-                zeros if table.preempting is None else table.preempting,
-                -table.schedulable.astype(np.float64),
-                -table.has_status.astype(np.float64),
-                view.inflight.matrix,
-            )
+        # Where no instance is at its sequence cap the decisions read waiting and running requests
+        # only as their sum (a request moving from waiting to running is no lighter load); at the
+        # cap, more of them running means shorter slot waits (metrics.slot_wait): each counts.
+        at_cap = cap is not None and bool(
+            (table.waiting_requests + table.running_requests + inflight.requests + 1.0 > cap).any()
         )
+        status, measured = _status_signature(table, at_cap)
+        load = np.concatenate((status, inflight.matrix))
         drain = FleetDrain.of(scheduler, view, now_s)
         if drain is None:
             free_at = table.uncomputed_prefill_tokens + view.inflight.prefill_tokens
@@ -597,6 +584,44 @@ class LoadWatch:
             np.maximum(base[3], measured),
         )
         return self.epoch
+
+
+def _status_signature(table: InstanceTable, at_cap: bool) -> tuple[FloatArray, FloatArray]:
+    """The rows of :meth:`LoadWatch.observe`'s load that are the statuses' (every row but the
+    in-flight matrix), and the measured decode step with NaN as 0: built once per instance table.
+
+    A table is one snapshot's (its columns are read-only), while the view it is part of is rebuilt
+    after every dispatch (a new in-flight account): a burst on one snapshot, whose every arrival
+    runs a pass when the queue is empty, reads the same status rows each time. Kept in the table's
+    ``memo`` (bounded by the table's life; the two shapes of the request rows, at the sequence cap
+    or not, are two entries), read-only.
+    """
+    memo_key = ("queue_load_watch_status", at_cap)
+    found: tuple[FloatArray, FloatArray] | None = table.memo.get(memo_key)
+    if found is not None:
+        return found
+    zeros = np.zeros(table.n)
+    step = table.measured_decode_step_ms
+    measured = zeros if step is None else np.nan_to_num(step, nan=0.0)
+    total = table.waiting_requests + table.running_requests
+    requests: tuple[FloatArray, ...] = (total,)
+    if at_cap:
+        requests = (total, table.waiting_requests, -table.running_requests)
+    status = np.vstack(
+        (
+            table.decode_requests,
+            table.decode_tokens,
+            table.used_kv_tokens,
+            *requests,
+            zeros if table.preempting is None else table.preempting,
+            -table.schedulable.astype(np.float64),
+            -table.has_status.astype(np.float64),
+        )
+    )
+    status.setflags(write=False)
+    measured.setflags(write=False)
+    table.memo[memo_key] = (status, measured)
+    return status, measured
 
 
 class _Sorted:
@@ -693,6 +718,9 @@ class RouterQueue:
         self._late_until = _Sorted()  # late entries with a finite late_until_s, by it
         # (full TTFT target, priority, request id) of the latest arrivals.
         self._recent: deque[tuple[float, int, str]] = deque(maxlen=max(config.release_window_requests, 1))
+        #: The tightest target in ``_recent`` (None: to be found again), kept as arrivals come: every
+        #: pass asks for it, and walking the window for it was a pass's largest loop.
+        self._tightest: float | None = None
         # Under the priority policy: on-time TTFT deadlines per priority.
         self._budgets_by_priority: dict[int, _Sorted] = {}
         self._seq = 0
@@ -904,7 +932,9 @@ class RouterQueue:
             if self._budgets.keys:
                 limit = (self._budgets.keys[0][0] - now_s) * 1e3
             if self.config.release_window_requests and self._recent:
-                tightest = min(target for target, _, _ in self._recent)
+                tightest = self._tightest
+                if tightest is None:
+                    tightest = self._tightest = min(target for target, _, _ in self._recent)
                 limit = min(limit, tightest)
                 if self.policy is QueuePolicy.EDF and target_ms is not None and tightest < target_ms:
                     limit = min(limit, self.config.priority_headroom * tightest)
@@ -1046,7 +1076,15 @@ class RouterQueue:
     def observe_arrival(self, request: ScheduleInput) -> None:
         """Note a new request's full TTFT target for release control (every arrival, queued or not)."""
         target = resolve_targets(request, self.default_ttft_ms, self.default_tpot_ms).full_ttft_ms
-        self._recent.append((target, request.priority, request.request_id))
+        recent = self._recent
+        tightest = self._tightest
+        if tightest is not None:
+            if len(recent) == recent.maxlen and not recent[0][0] > tightest:
+                tightest = None  # the tightest may leave the window: found again when asked
+            else:
+                tightest = min(tightest, target)  # (the walk's own order: min over the window, then this)
+            self._tightest = tightest
+        recent.append((target, request.priority, request.request_id))
 
     def forget_arrival(self, request_id: str) -> None:
         """``request_id`` turned late: its target, out of reach, no longer caps what instances are offered
@@ -1055,6 +1093,7 @@ class RouterQueue:
             kept = [r for r in self._recent if r[2] != request_id]
             self._recent.clear()
             self._recent.extend(kept)
+            self._tightest = None
 
     def push(
         self, request: ScheduleInput, now_s: float, token: Any = None
@@ -1368,7 +1407,8 @@ class FleetDrain:
         return self._tpot(context_tokens)
 
 
-#: The last fleet's drain parts that do not depend on the load (:func:`_drain_static`): its key and value.
+#: The last fleet's drain parts that do not depend on the load (:func:`_drain_static`): its key (the
+#: predictors, the correction, the last table seen, then the columns they depend on) and value.
 _DRAIN_STATIC: list[tuple[tuple[Any, ...], Any]] = []
 
 
@@ -1386,6 +1426,12 @@ def _drain_static(
     table = view.instances
     calibration = predictors.calibration
     correction = None if calibration is None else calibration.correction(table.ids, table.groups)
+    if _DRAIN_STATIC:
+        found_key, found = _DRAIN_STATIC[0]
+        if found_key[0] is predictors and found_key[1] is correction and found_key[2] is table:
+            # The same table (one snapshot: read-only columns) as last time: every view of a burst on
+            # one snapshot, without comparing its columns again.
+            return found  # type: ignore[no-any-return]
     key = (
         predictors,
         correction,
@@ -1397,10 +1443,11 @@ def _drain_static(
     )
     if _DRAIN_STATIC:
         found_key, found = _DRAIN_STATIC[0]
-        if found_key[0] is predictors and found_key[1] is correction and found_key[2:] == key[2:]:
+        if found_key[0] is predictors and found_key[1] is correction and found_key[3:] == key[2:]:
+            _DRAIN_STATIC[:] = [((predictors, correction, table, *key[2:]), found)]
             return found  # type: ignore[no-any-return]
     value = _drain_static_build(predictors, table, correction)
-    _DRAIN_STATIC[:] = [(key, value)]  # (one kept: bounded)
+    _DRAIN_STATIC[:] = [((predictors, correction, table, *key[2:]), value)]  # (one kept: bounded)
     return value
 
 
@@ -1527,6 +1574,16 @@ def _full_chunk_profile_ms(lp: Any, budget: FloatArray) -> FloatArray:
         found = np.array(lp.predict_ttft_ms(budget, 0.0, 0.0, budget), dtype=np.float64)
         found.flags.writeable = False
         _CHUNK_MEMO[key] = found
+    return found
+
+
+def _only_neutral(table: InstanceTable) -> bool:
+    """Whether every schedulable instance of ``table`` is neutral: once per table (its ``memo``)."""
+    found: bool | None = table.memo.get("queue_only_neutral")
+    if found is None:
+        found = table.memo["queue_only_neutral"] = bool(
+            (table.roles[table.schedulable] == int(Role.NEUTRAL)).all()
+        )
     return found
 
 
@@ -1860,7 +1917,7 @@ def _offer(
                 view = first if isinstance(first, ClusterView) else scheduler.view(first, now_s)
                 drain = FleetDrain.of(scheduler, view, now_s, queue.drain_rate(now_s))
                 table = view.instances
-                only_neutral = bool((table.roles[table.schedulable] == int(Role.NEUTRAL)).all())
+                only_neutral = _only_neutral(table)
             except SchedulingError:  # no fleet to judge by: the decision below reports it
                 drain = None
         in_front = ahead  # prompt tokens in front of this entry
@@ -1951,9 +2008,12 @@ def _offer(
         # whatever the decision, where it is held to the tighter TPOT below: it is decided with that
         # target at once (one decision, the one the second would have been) instead of twice.
         direct = (entry.late or yielding) and only_neutral
-        offered = replace(targets, ttft_ms=bound)
+        # (Built directly: ``dataclasses.replace`` cost more than the rest of this step per request.)
+        offered = Targets(bound, targets.tpot_ms, targets.e2e_ms, targets.full_ttft_ms)
         if direct:
-            offered = replace(offered, tpot_ms=LATE_TPOT_FRACTION * offered.tpot_ms)
+            offered = Targets(
+                bound, LATE_TPOT_FRACTION * targets.tpot_ms, targets.e2e_ms, targets.full_ttft_ms
+            )
         hold = None if epoch is None or memo is None else memo.hold
         if memo is not None and hold is not None:
             # The last refusal fell to the TTFT and TPOT thresholds alone: whether it holds, and
