@@ -431,6 +431,34 @@ def test_output_lengths_are_learned_per_task_type() -> None:
     assert lengths.typical(capped) == 120.0 and lengths.bound(capped) == 120.0
 
 
+def test_the_length_predictors_prior_does_not_override_the_learned_lengths() -> None:
+    # The late path refuses the requests a plan put last before they finish, so the router's length
+    # predictor (eight answers before it answers) can still pass its prior, max_tokens flagged
+    # output_tokens_prior, after this profile has learned the class: the profile must win.
+    from router.core.sa import TaskLengths
+
+    lengths = TaskLengths()
+    chat = ScheduleInput(
+        request_id="h",
+        prompt_tokens=10,
+        max_tokens=900,
+        slo_class="chat",
+        expected_output_tokens=900,
+        output_tokens_bound=900,
+        output_tokens_prior=True,
+    )
+    assert lengths.typical(chat) == 900.0 and lengths.bound(chat) == 900.0  # nothing learned: max_tokens
+    for n in (100, 200, 300, 400):
+        lengths.observe("chat", n)
+    assert lengths.typical(chat) == pytest.approx(250.0)
+    assert lengths.bound(chat) == pytest.approx(300.0)  # the 90th percentile by rank of four
+    # A learned expectation (not a prior) still wins, and still raises the bound.
+    learned = ScheduleInput(
+        request_id="l", prompt_tokens=10, max_tokens=900, slo_class="chat", expected_output_tokens=600
+    )
+    assert lengths.typical(learned) == 600.0 and lengths.bound(learned) == 600.0
+
+
 def test_the_budget_bounds_the_whole_run_costing_included() -> None:
     # On the simulator's modeled clock (deterministic): a full window of queued requests, a 0.8 ms budget
     # of which the costing took its share first.
