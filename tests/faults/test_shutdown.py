@@ -61,7 +61,9 @@ def _queued(router: str, i: int, out: dict[str, object]) -> None:
 
 
 def test_sigterm_under_load_drains_and_ends_every_stream_cleanly(tmp_path: Path) -> None:
-    flags = ["--speed-factor", "1", "--drain-timeout-s", str(DRAIN_S)]
+    # --late-allowance: the queued requests turn late while they wait (one prefill at a time); they
+    # must still be waiting when the signal comes, not refused as late before it.
+    flags = ["--speed-factor", "1", "--drain-timeout-s", str(DRAIN_S), "--late-allowance", "1000"]
     with up_cluster(tmp_path, *flags) as cluster:
         wait_serving(cluster.router)
         long_streams = [{} for _ in range(4)]  # ~36 s each at this speed: cut by the drain
