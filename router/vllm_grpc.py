@@ -228,6 +228,9 @@ def _chunk_into(data: bytes, ids: list[int], merge: GenerateMerge) -> bool:
     an unknown field, a varint longer than a ``uint32``'s or running past the end), and the
     caller hands the message to protobuf. Protobuf's rules for these fields: the last value of a
     scalar wins, repeated values accumulate.
+
+    The varint loop is written out twice (packed ids, single fields) rather than called: this runs
+    once per token of every stream, and a helper would add a Python call per token to it.
     """
     n = len(data)
     pos = 2
