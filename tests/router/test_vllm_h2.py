@@ -261,16 +261,29 @@ async def test_paced_streams_lose_nothing_while_the_reader_pauses_and_a_new_call
         assert client.vllm.h2_read_pauses > 0
 
         late: list[float] = []
+        streaming = [asyncio.Event() for _ in range(8)]
+
+        async def slow(i: int) -> list[int]:
+            ids: list[int] = []
+            finished = False
+            async for message in client.stream(target, _request(f"slow-b{i}", 2, 60), 30.0, LegLedger()):
+                assert not finished, "a message after the last one"
+                ids.extend(message.token_ids)
+                finished = message.finished
+                streaming[i].set()
+            assert finished
+            return ids
 
         async def newcomer() -> None:
-            await asyncio.sleep(0.05)  # the others are streaming and holding by now
+            # Once every other stream has its first message, they are streaming and holding.
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in streaming)), 30.0)
             started = asyncio.get_running_loop().time()
             async for message in client.stream(target, _request("ok-new", 3, 1), 30.0, LegLedger()):
                 if message.token_ids:
                     late.append(asyncio.get_running_loop().time() - started)
 
-        background = [_collect(client, target, _request(f"slow-b{i}", 2, 60)) for i in range(8)]
-        await asyncio.gather(newcomer(), *background)
+        _, *slow_ids = await asyncio.gather(newcomer(), *(slow(i) for i in range(8)))
+        assert all(ids == list(range(2, 62)) for ids in slow_ids)
         assert late and late[0] < 0.5, late  # a liveness bound with margin, not a timing figure
 
 
