@@ -60,6 +60,17 @@ def _queued(router: str, i: int, out: dict[str, object]) -> None:
     out["ended_at"] = time.monotonic()
 
 
+def _queue_length(http: str) -> float:
+    """Requests waiting in the router queue, summed over classes (the router's own gauge)."""
+    with urllib.request.urlopen(f"http://{http}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("slo_router_queue_requests{")
+    )
+
+
 def test_sigterm_under_load_drains_and_ends_every_stream_cleanly(tmp_path: Path) -> None:
     # --late-allowance: the queued requests turn late while they wait (one prefill at a time); they
     # must still be waiting when the signal comes, not refused as late before it.
@@ -75,16 +86,24 @@ def test_sigterm_under_load_drains_and_ends_every_stream_cleanly(tmp_path: Path)
         threads += [
             threading.Thread(target=_sse, args=(cluster.http, 60, o), daemon=True) for o in short_streams
         ]
-        threads += [threading.Thread(target=_queued, args=(cluster.router, i, o), daemon=True) for i, o in enumerate(queued)]  # fmt: skip
         for thread in threads:
             thread.start()
         deadline = time.monotonic() + 20
-        # Every stream has begun before the signal (on a slow host a short one may still be waiting
-        # for its prefill; it would then be refused as queued, which is a different promise).
+        # Every stream has begun before the queued requests come (on a slow host a short one may
+        # still be waiting for its prefill; it would then be refused as queued, a different promise).
         while time.monotonic() < deadline and not all(o.get("events") for o in long_streams + short_streams):
             time.sleep(0.1)
-        time.sleep(0.5)
         assert all(o.get("status") == 200 for o in long_streams), (long_streams, cluster.tail())
+        queued_threads = [threading.Thread(target=_queued, args=(cluster.router, i, o), daemon=True) for i, o in enumerate(queued)]  # fmt: skip
+        for thread in queued_threads:
+            thread.start()
+        threads += queued_threads
+        # The signal comes while most of them still wait in the router queue (its own gauge says so),
+        # not after a fixed sleep that a fast host outruns by serving them all.
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and _queue_length(cluster.http) < 10:
+            time.sleep(0.05)
+        assert _queue_length(cluster.http) >= 5, cluster.tail()
         sigterm_at = time.monotonic()
         cluster.popen.send_signal(15)
         time.sleep(0.3)
