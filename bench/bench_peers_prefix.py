@@ -200,6 +200,15 @@ def held_back_against(ours: Sequence[RequestResult], peer: Sequence[RequestResul
     return len(held), sum(1 for r in held if peer_met.get(r.index, False)), sum(1 for r in held if slo_met(r))
 
 
+def refused_against(ours: Sequence[RequestResult], peer: Sequence[RequestResult]) -> tuple[int, int, int]:
+    """This router's requests that ended without an answer (refused: late past its allowance, or by
+    the arrival check), how many of those the peer served, and how many it served within their SLO."""
+    peer_by = {r.index: r for r in peer}
+    refused = [r for r in ours if r.error_code is not None]
+    there = [peer_by[r.index] for r in refused if r.index in peer_by]
+    return len(refused), sum(1 for r in there if r.error_code is None), sum(1 for r in there if slo_met(r))
+
+
 def main() -> list[Figure]:
     spec = load_workload("prefix-heavy").with_arrival(rate_per_s=RATE_PER_S)
     spec = dataclasses.replace(spec, classes=(dataclasses.replace(spec.classes[0], prefix_groups=GROUPS),))
@@ -288,10 +297,24 @@ def main() -> list[Figure]:
                 f"  {mine}: {held} requests served over {HELD_PAST_MS / 1e3:g} s past their TTFT target "
                 f"(met here: {met_here}); {other} met the SLO for {met_there} of them"
             )
+            refused, served_there, met_there = refused_against(served[mine], served[other])
+            print(
+                f"  {mine}: {refused} requests refused; {other} served {served_there} of them, "
+                f"{met_there} within their SLO"
+            )
     peers.OUT_DIR.mkdir(parents=True, exist_ok=True)
     meta = {"workers": peers.WORKERS, "rate_per_s": RATE_PER_S, "duration_s": DURATION_S, "groups": GROUPS}
     path = peers.OUT_DIR / "peers_prefix.json"
-    path.write_text(json.dumps({"meta": meta, "rows": rows, "reports": details}, indent=1))
+    # Per request (index, TTFT ms, TPOT ms, error code, SLO met, error message), to set the routers' runs side by side.
+    requests = {
+        name: [
+            [r.index, r.ttft_ms, r.tpot_ms, r.error_code, slo_met(r), r.error_message[:600]] for r in results
+        ]
+        for name, results in served.items()
+    }
+    path.write_text(
+        json.dumps({"meta": meta, "rows": rows, "reports": details, "requests": requests}, indent=1)
+    )
     print(f"wrote {path}")
     ours = [r for r in rows if r["router"].startswith("slo-router")]
     others = [r for r in rows if not r["router"].startswith("slo-router")]

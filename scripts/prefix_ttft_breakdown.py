@@ -47,12 +47,16 @@ _refused: dict[str, list[tuple[str, dict[str, float]]]] = defaultdict(list)
 _offers: dict[str, list[tuple[float, str, str]]] = defaultdict(list)
 #: virtual times of the offer passes
 _passes: list[float] = []
+#: request id -> at its dispatch: the chosen instance's predicted TTFT and known cached tokens, the
+#: longest known holder's, and the lowest predicted TTFT over the fleet (ms, tokens)
+_placed: dict[str, dict[str, float]] = {}
 
 _init = cluster._Simulation.__init__
 _offer = getattr(dispatchers, "offer")  # noqa: B009
 _lookup = SimCore._lookup
 _schedule = Scheduler.schedule
 _simulate = getattr(sweep, "simulate")  # noqa: B009
+_dispatched = Scheduler.dispatched
 
 
 def _init_watched(self: Any, *args: Any, **kwargs: Any) -> None:
@@ -75,6 +79,28 @@ def _schedule_watched(self: Scheduler, view: Any, request: Any, now_s: float, **
             over = {m.filter: m.best / m.limit for m in e.misses if m.best == m.best and m.limit > 0}
             _refused[request.request_id].append((f"{e.stage} {drops}", over))
         raise
+
+
+def _dispatched_watched(self: Scheduler, decision: Any, now_s: float) -> None:
+    ctx = decision.context
+    request = ctx.request
+    stage = decision.prefill
+    if request is not None and stage is not None:
+        table = ctx.view.instances
+        ttft = np.asarray(ctx.metric("predicted_ttft"), dtype=float)
+        cached = np.asarray(ctx.metric("cached_prompt_tokens"), dtype=float)
+        row = table.index[stage.instance_id]
+        live = np.asarray(table.schedulable, dtype=bool)
+        holder = int(np.argmax(np.where(live, cached, -1.0)))
+        _placed[request.request_id] = {
+            "chosen_ttft": float(ttft[row]),
+            "chosen_cached": float(cached[row]),
+            "holder_ttft": float(ttft[holder]),
+            "holder_cached": float(cached[holder]),
+            "best_ttft": float(np.min(np.where(live, ttft, np.inf))),
+            "target": float(ctx.ttft_slo_ms),
+        }
+    _dispatched(self, decision, now_s)
 
 
 def _offer_watched(queue: Any, scheduler: Any, source: Any, now_s: float, **kw: Any) -> Any:
@@ -117,10 +143,13 @@ def _report(outcome: Any, first: int) -> None:
                 "offers_refused": len(_refused.get(rid, ())),
                 "offers": _offers.get(rid, []),
                 "passes_while_queued": _count_passes(r.start_s, dispatch_s),
+                **_placed.get(rid, {}),
             }
         )
     if not rows:
         return
+    refused = Counter(r.class_name for r in outcome.results if r.index >= first and r.error_code is not None)
+    print(f"refused or failed, measured requests, by class: {dict(refused)}")
     ttft = np.array([x["ttft"] for x in rows])
     p50 = float(np.median(ttft))
     near = [x for x in rows if abs(x["ttft"] - p50) <= 0.1 * p50]
@@ -148,6 +177,7 @@ def _report(outcome: Any, first: int) -> None:
             f"{_p([x['engine_queue'] for x in group]):.0f}, prefill p50 {_p([x['prefill'] for x in group]):.0f}, "
             f"cached share p50 {100 * _p([x['cached'] / max(x['prompt'], 1) for x in group]):.0f} %"
         )
+    _print_placement(rows)
     measured = {str(x["index"]) for x in rows}
     reasons: Counter[str] = Counter()
     over: dict[str, list[float]] = defaultdict(list)
@@ -172,11 +202,53 @@ def _report(outcome: Any, first: int) -> None:
             json.dump({"rows": rows, "refused": {k: v for k, v in _refused.items() if k in measured}}, out)
 
 
+def _print_placement(rows: list[dict[str, Any]]) -> None:
+    """Whether the served requests went to the instance the router knew to hold the most of their
+    prompt, and whether the TTFT predicted at dispatch was what they got past the router queue."""
+    placed = [x for x in rows if "chosen_ttft" in x]
+    if not placed:
+        return
+    common = float(np.median([x["holder_cached"] for x in placed]))  # the prefix (nearly) all hold
+    known = [x for x in placed if x["holder_cached"] > common]
+    off = [x for x in known if x["chosen_cached"] < x["holder_cached"]]
+    over = sum(1 for x in off if x["holder_ttft"] > x["target"])
+    faster = sum(1 for x in off if x["holder_ttft"] <= x["target"] and x["holder_ttft"] < x["chosen_ttft"])
+    lost = sum(x["holder_cached"] - x["chosen_cached"] for x in off)
+    prompt = sum(x["prompt"] for x in placed)
+    print(
+        f"  placement: {len(known)} served prompts had more than {common:.0f} tokens cached on some instance "
+        f"at dispatch; {len(known) - len(off)} went to the longest holder, {len(off)} elsewhere "
+        f"({lost:.0f} cached tokens given up, {100 * lost / max(prompt, 1):.1f} % of the prompt tokens): "
+        f"the holder predicted over the TTFT target for {over}, within it and faster than the chosen one "
+        f"for {faster} (kept off by another filter: TPOT, the residents' TPOT, KV, or the bound after queueing)"
+    )
+    engine_less = sum(1 for x in placed if x["cached"] < x["chosen_cached"])
+    print(
+        f"  index against the engine: the engine found fewer cached tokens than the index said for {engine_less}"
+    )
+    for lo, hi in ((0.0, 0.2), (0.2, 0.5), (0.5, 0.9), (0.9, 1.01)):
+        group = [x for x in placed if lo <= x["cached"] / max(x["prompt"], 1) < hi and x["chosen_ttft"] > 0]
+        if group:
+            err = [(x["ttft"] - x["router_queue"]) / x["chosen_ttft"] - 1.0 for x in group]
+            print(
+                f"  cached share {lo:.1f}-{min(hi, 1.0):.1f}: {len(group)} requests, TTFT past the router queue "
+                f"/ predicted at dispatch - 1: p50 {_p(err):+.3f} p90 {_p(err, 90):+.3f}"
+            )
+    ttft = np.array([x["ttft"] for x in rows])
+    less_queue = np.array([x["ttft"] - x["router_queue"] for x in rows])
+    prefill = np.array([x["prefill"] for x in rows])
+    print(
+        f"  TTFT p50 {np.median(ttft):.0f} ms; without the router-queue wait {np.median(less_queue):.0f} ms; "
+        f"the prefill alone (no queue of either kind) {np.median(prefill):.0f} ms"
+    )
+
+
 def _simulate_watched(*args: Any, **kwargs: Any) -> Any:
     _admitted.clear()
     _refused.clear()
     _offers.clear()
     _passes.clear()
+    _placed.clear()
     outcome = _simulate(*args, **kwargs)
     first = int(sys.argv[sys.argv.index("--measure-from") + 1]) if "--measure-from" in sys.argv else 0
     _report(outcome, first)
@@ -189,5 +261,6 @@ if __name__ == "__main__":
     setattr(Scheduler, "schedule", _schedule_watched)  # noqa: B010
     setattr(sweep, "simulate", _simulate_watched)  # noqa: B010
     setattr(dispatchers, "offer", _offer_watched)  # noqa: B010
+    setattr(Scheduler, "dispatched", _dispatched_watched)  # noqa: B010
     sys.argv[0] = "slo-router"
     sys.exit(main())

@@ -1939,10 +1939,11 @@ def _offer(
             # Served late only while a placement is in sight: behind every on-time entry and the
             # late ones before it, at the fleet's rate, its first token must still come by the end
             # of its late allowance; otherwise it is refused now, not when the allowance runs out.
-            start_ms = drain.start_ms(ahead + late_ahead) + drain.idle_ms(drain.compute_tokens(request))
+            own_ms = drain.idle_ms(drain.compute_tokens(request))
+            start_ms = drain.start_ms(ahead + late_ahead) + own_ms
             if now_s + start_ms * 1e-3 > entry.late_until_s:
                 queue.remove(entry.request_id)
-                yield _lapse(queue, entry, now_s, start_ms)
+                yield _lapse(queue, entry, now_s, start_ms, _InSight(drain, ahead + late_ahead, own_ms))
                 continue
             late_ahead += queue.work_tokens(entry)
         if entry.late:
@@ -2424,7 +2425,36 @@ def _idle_floor_ms(scheduler: Scheduler, request: ScheduleInput, drain: FleetDra
     return 2.0 * float(predictors.default.predict_ttft_ms(request.prompt_tokens, 0, 0, budget))
 
 
-def _lapse(queue: RouterQueue, entry: QueueEntry, now_s: float, start_ms: float = math.nan) -> Offer:
+@dataclass(frozen=True)
+class _InSight:
+    """What a late entry's best case was made of when it was refused (said in the refusal, so a user
+    sees whether the fleet's backlog, the queue's recent drain or the request's own prefill decided)."""
+
+    drain: FleetDrain
+    #: Prompt tokens to prefill (:meth:`RouterQueue.work_tokens`) queued in front of it.
+    tokens_ahead: float
+    #: Its own prefill on an idle instance, less the longest prefix an instance is known to hold (ms).
+    own_ms: float
+
+    def describe(self) -> str:
+        drain = self.drain
+        drained = ""
+        if drain.queue_rate is not None and self.tokens_ahead > 0:
+            drained = f", {self.tokens_ahead / drain.queue_rate:.0f} ms at the rate the queue drained lately"
+        return (
+            f" ({self.tokens_ahead:.0f} prompt tokens queued in front: "
+            f"{drain.fluid_start_ms(self.tokens_ahead):.0f} ms at the fleet's prefill rate{drained}; "
+            f"its own prefill {self.own_ms:.0f} ms)"
+        )
+
+
+def _lapse(
+    queue: RouterQueue,
+    entry: QueueEntry,
+    now_s: float,
+    start_ms: float = math.nan,
+    parts: _InSight | None = None,
+) -> Offer:
     """Refuse late ``entry`` (already out of the queue) whose late allowance ended or cannot be kept."""
     request = entry.request
     if request.e2e_slo_ms > 0 and request.ttft_slo_ms == 0 and request.tpot_slo_ms == 0:
@@ -2435,6 +2465,8 @@ def _lapse(queue: RouterQueue, entry: QueueEntry, now_s: float, start_ms: float 
     waited = (now_s - entry.enqueued_s) * 1e3
     if start_ms == start_ms:
         why = f"its first token could come {start_ms:.0f} ms from now at best, behind the requests queued before it,"
+        if parts is not None:
+            why = why[:-1] + parts.describe() + ","
     else:
         why = f"no instance could take it in {waited:.0f} ms of waiting,"
     error = LateError(

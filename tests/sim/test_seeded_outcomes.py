@@ -136,14 +136,16 @@ SCENARIOS: dict[
 #: instance fewer); every per-request outcome and count hashes the same as before. The sa one was
 #: re-recorded when the sa length profile stopped letting the length predictor's prior (max_tokens)
 #: override the lengths it had learned (router.core.sa.TaskLengths): 49.2 -> 51.7 % met, the figure
-#: it had before the late allowance.
+#: it had before the late allowance. The fcfs-capped one was re-recorded when a late request's
+#: refusal began to say what its best case was made of (router.core.queue._InSight): the text of two
+#: refusal messages changed; every other field of every result, and the run's figures, are unchanged.
 RECORDED: dict[str, str] = {
     "azure-trace-slo": "54d0341f0320da9b66ae45cf",
     "mooncake-trace-least-requests": "65552da373738bb7019fab26",
     "neutral-round-robin-small-kv": "010dc0fa0d65666d4f1f2dda",
     "neutral-slo-edf": "1fec3b0fa20470e37f572462",
     "neutral-slo-eos": "6e0550fc4aa7b1a521e5d17b",
-    "neutral-slo-fcfs-capped": "334e16c8f54ff2ae64212f35",
+    "neutral-slo-fcfs-capped": "f86e03e93a0e660cf6d1e242",
     "neutral-slo-prefix": "0eedec2e3caf140cf44d3015",
     "neutral-slo-priority": "6c2e3e7ea05d12023ceaecec",
     "neutral-slo-qlm": "d44870774a1ef88d0da951f2",

@@ -222,6 +222,13 @@ def test_a_late_entry_without_a_placement_in_sight_is_refused_at_once_under_serv
     (result,) = list(offer(q, make_scheduler(), lambda: busy, NOW + 0.01))
     assert result.verdict is Verdict.REJECT and isinstance(result.error, LateError)
     assert "--late-policy serve" in str(result.error) and "1000 ms" in str(result.error)
+    # The refusal says what its best case was made of: nothing queued in front here, so the fleet's
+    # backlog (the 20,000 tokens on p0) and its own prefill of 256 tokens decided.
+    message = str(result.error)
+    assert "0 prompt tokens queued in front: " in message and "its own prefill " in message
+    start = float(message.split("could come ")[1].split(" ms")[0])
+    own = float(message.split("its own prefill ")[1].split(" ms")[0])
+    assert 0.0 < own < start  # the rest is the backlog ahead of it on the only prefill instance
     assert len(q) == 0
 
 
