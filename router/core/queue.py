@@ -736,6 +736,7 @@ class RouterQueue:
         # The queue's own drain, measured only while the fleet limited it (see note_pass): (time,
         # prompt tokens) of the dispatches that ended such a stretch, and (time, µs) of the stretches.
         self._dispatched = DispatchLog()
+        self._dispatched_entries = DispatchLog()  # the same dispatches, one "token" each
         self._limited = DispatchLog()
         # The end of the last offer pass, when the fleet alone kept on-time entries waiting then.
         self._limited_at: float | None = None
@@ -1016,6 +1017,10 @@ class RouterQueue:
             )
         return work
 
+    def entries_before(self, entry: QueueEntry) -> int:
+        """On-time entries ahead of on-time ``entry`` in offer order (O(log n))."""
+        return int(self._order.rank((*self._order_key(entry), entry.request_id)))
+
     def tokens_before(self, entry: QueueEntry) -> int:
         """Prompt tokens (:meth:`work_tokens`) of the on-time entries ahead of on-time ``entry`` in
         offer order (O(position))."""
@@ -1028,7 +1033,9 @@ class RouterQueue:
         :meth:`work_tokens`): it counts in the drain rate when the fleet limited the time before
         this pass (:meth:`note_backlog`)."""
         if self._counting:
-            self._dispatched.add(now_s, prompt_tokens, now_s - self.config.drain_window_ms * 1e-3)
+            cutoff = now_s - self.config.drain_window_ms * 1e-3
+            self._dispatched.add(now_s, prompt_tokens, cutoff)
+            self._dispatched_entries.add(now_s, 1, cutoff)
 
     def drain_rate(self, now_s: float) -> float | None:
         """Prompt tokens to prefill (:meth:`work_tokens`) per ms the queue dispatched while the fleet
@@ -1046,6 +1053,22 @@ class RouterQueue:
         # Nothing dispatched at all says the fleet stalled (stale statuses, a restart), not how fast it
         # drains: no estimate then, rather than every waiting request judged hopeless.
         return tokens / span_ms if tokens > 0 else None
+
+    def drain_request_rate(self, now_s: float) -> float | None:
+        """Entries per ms the queue dispatched over the same time as :meth:`drain_rate` (``None`` when
+        that has no estimate).
+
+        The fleet drains the queue in prefill tokens while prefill limits it, but in requests while
+        decode does (the entries wait for a decode slot that keeps their TPOT target, whatever their
+        prompts): there a cold prompt in front costs the requests behind it one dispatch, not its
+        tokens over a rate measured on mostly cached ones. :meth:`FleetDrain.start_ms` takes the
+        sooner of the two.
+        """
+        if self.drain_rate(now_s) is None:
+            return None
+        start = now_s - self.config.drain_window_ms * 1e-3
+        span_ms = self._limited.tokens_since(start) * 1e-3
+        return self._dispatched_entries.tokens_since(start) / span_ms
 
     def oldest_enqueued_s(self) -> float | None:
         """When the longest-waiting entry was queued (for the wait bound's timer)."""
@@ -1288,6 +1311,7 @@ class FleetDrain:
         "prefill_index",
         "prefix",
         "queue_rate",
+        "queue_request_rate",
     )
 
     def __init__(
@@ -1307,6 +1331,8 @@ class FleetDrain:
         self.free_by_index = free_ms
         #: Prompt tokens per ms the queue really drained at lately (:meth:`RouterQueue.drain_rate`), if known.
         self.queue_rate = queue_rate
+        #: Entries per ms it drained at over the same time (:meth:`RouterQueue.drain_request_rate`), if known.
+        self.queue_request_rate: float | None = None
         #: The router's knowledge of the instances' prefix caches (None: off), for :meth:`compute_tokens`.
         self.prefix = prefix
         order = np.argsort(free_ms, kind="stable")
@@ -1327,7 +1353,12 @@ class FleetDrain:
 
     @classmethod
     def of(
-        cls, scheduler: Scheduler, view: ClusterView, now_s: float, queue_rate: float | None = None
+        cls,
+        scheduler: Scheduler,
+        view: ClusterView,
+        now_s: float,
+        queue_rate: float | None = None,
+        queue_request_rate: float | None = None,
     ) -> FleetDrain | None:
         """The drain of ``view``'s fleet, or ``None`` without predictors or a prefill-capable instance.
 
@@ -1358,6 +1389,7 @@ class FleetDrain:
         for name in cls.__slots__:
             setattr(copy, name, getattr(drain, name))
         copy.queue_rate = queue_rate
+        copy.queue_request_rate = queue_request_rate
         return copy
 
     @classmethod
@@ -1371,18 +1403,29 @@ class FleetDrain:
         free = backlog / rate
         return cls(free, rate, idle, min_tpot, None, prefill, scheduler.prefix)
 
-    def start_ms(self, tokens_ahead: float) -> float:
-        """When a request can start its prefill with ``tokens_ahead`` queued tokens to go first (ms from now).
+    def start_ms(self, tokens_ahead: float, entries_ahead: int | None = None) -> float:
+        """When a request can start its prefill with ``tokens_ahead`` queued tokens (in ``entries_ahead``
+        entries, if given) to go first (ms from now).
 
         The fleet's full prefill rate gives the earliest moment; with a measured
         ``queue_rate`` the work ahead takes at least ``tokens_ahead / queue_rate``
         (the queue has not been drained faster than that lately: release
-        control, decode capacity or the engines held it back).
+        control, decode capacity or the engines held it back), or, when the
+        entries ahead are counted and the queue's rate in entries is known,
+        ``entries_ahead / queue_request_rate`` if that is sooner. Which unit the
+        queue drains in depends on what held it: prefill (tokens) or decode
+        slots (entries, whatever their prompts). Tokens alone over-charged a
+        cold prompt queued among mostly cached ones (its tokens at a rate
+        measured on dispatches of a few hundred uncached tokens each), and
+        requests the fleet could serve in time were refused as out of reach.
         """
         fluid = self.fluid_start_ms(tokens_ahead)
         if self.queue_rate is None or tokens_ahead <= 0:
             return fluid
-        return max(fluid, tokens_ahead / self.queue_rate)
+        drained = tokens_ahead / self.queue_rate
+        if entries_ahead is not None and self.queue_request_rate:
+            drained = min(drained, entries_ahead / self.queue_request_rate)
+        return max(fluid, drained)
 
     def fluid_start_ms(self, tokens_ahead: float) -> float:
         """The earliest a request can start its prefill at the fleet's full prefill rate (ms from now)."""
@@ -1611,14 +1654,19 @@ class Hopeless:
 
 
 def hopeless(
-    drain: FleetDrain, request: ScheduleInput, targets: Targets, tokens_ahead: float, now_s: float
+    drain: FleetDrain,
+    request: ScheduleInput,
+    targets: Targets,
+    tokens_ahead: float,
+    now_s: float,
+    entries_ahead: int | None = None,
 ) -> Hopeless | None:
     """``request``'s best case with ``tokens_ahead`` queued in front of it misses its TTFT or e2e target.
 
     A request with only an e2e target is judged by that target alone: the TTFT target derived from it
     orders and places it, but missing it does not mean missing the SLO.
     """
-    best_ttft = drain.start_ms(tokens_ahead) + drain.idle_ms(drain.compute_tokens(request))
+    best_ttft = drain.start_ms(tokens_ahead, entries_ahead) + drain.idle_ms(drain.compute_tokens(request))
     only_e2e = request.e2e_slo_ms > 0 and request.ttft_slo_ms == 0 and request.tpot_slo_ms == 0
     if best_ttft > targets.ttft_ms and not only_e2e:
         return Hopeless(best_ttft, targets.ttft_ms)
@@ -1672,6 +1720,7 @@ def overlong(
     targets: Targets,
     tokens_ahead: float,
     now_s: float,
+    entries_ahead: int | None = None,
 ) -> Overlong | None:
     """Under queue objective g: whether ``request``, behind ``tokens_ahead`` queued prompt tokens, is
     predicted to need longer than the shedding limit (:meth:`RouterQueue.shed_limit_ms`) to finish.
@@ -1691,7 +1740,7 @@ def overlong(
     limit = queue.shed_limit_ms(now_s)
     if not math.isfinite(limit) or request.priority > queue.lowest_priority():
         return None  # a more important request is never shed while less important traffic comes
-    best_ttft = drain.start_ms(tokens_ahead) + drain.idle_ms(drain.compute_tokens(request))
+    best_ttft = drain.start_ms(tokens_ahead, entries_ahead) + drain.idle_ms(drain.compute_tokens(request))
     tpot = queue.decode_ms_per_token()
     if tpot is None:
         tpot = targets.tpot_ms
@@ -1862,6 +1911,7 @@ def _offer(
     ahead = 0.0  # prompt tokens of the on-time entries offered so far in this pass (in front of the next)
     late_ahead = 0.0  # prompt tokens of the late entries offered so far in this pass
     dispatched = 0  # prompt tokens this pass dispatched
+    ahead_n = late_ahead_n = dispatched_n = 0  # the same, counted in entries
     only_neutral = False  # whether every schedulable instance is neutral (read with the first view)
     # Incremental dispatch: the attempts this pass's decisions refused (a request no easier than one
     # of them is refused too: the fleet only got heavier since, by this pass's own dispatches).
@@ -1891,23 +1941,29 @@ def _offer(
                         r = fresh.request
                         t = resolve_targets(r, queue.default_ttft_ms, queue.default_tpot_ms, now_s)
                         front = dispatched + queue.tokens_before(fresh)
-                        why = hopeless(drain, r, t, front, now_s) if t.ttft_ms > 0 else None
+                        front_n = dispatched_n + queue.entries_before(fresh)
+                        why = hopeless(drain, r, t, front, now_s, front_n) if t.ttft_ms > 0 else None
                         if why is not None:
                             yield _late(
                                 now_s, queue, fresh, late_reject, why.predicted_ttft_ms, why.budget_ms, why
                             )
-                        elif for_g and (low := overlong(queue, drain, r, t, front, now_s)) is not None:
+                        elif (
+                            for_g and (low := overlong(queue, drain, r, t, front, now_s, front_n)) is not None
+                        ):
                             yield _shed(queue, fresh, low)
                     return
                 scanning = True
             targets = resolve_targets(request, queue.default_ttft_ms, queue.default_tpot_ms, now_s)
-            why = hopeless(drain, request, targets, ahead, now_s) if targets.ttft_ms > 0 else None
+            why = hopeless(drain, request, targets, ahead, now_s, ahead_n) if targets.ttft_ms > 0 else None
             if why is not None:
                 yield _late(now_s, queue, entry, late_reject, why.predicted_ttft_ms, why.budget_ms, why)
-            elif for_g and (low := overlong(queue, drain, request, targets, ahead, now_s)) is not None:
+            elif (
+                for_g and (low := overlong(queue, drain, request, targets, ahead, now_s, ahead_n)) is not None
+            ):
                 yield _shed(queue, entry, low)
             else:
                 ahead += queue.work_tokens(entry)
+                ahead_n += 1
             continue
         targets = resolve_targets(request, queue.default_ttft_ms, queue.default_tpot_ms, now_s)
         if not drained:
@@ -1915,20 +1971,23 @@ def _offer(
             try:
                 first = source()
                 view = first if isinstance(first, ClusterView) else scheduler.view(first, now_s)
-                drain = FleetDrain.of(scheduler, view, now_s, queue.drain_rate(now_s))
+                drain = FleetDrain.of(
+                    scheduler, view, now_s, queue.drain_rate(now_s), queue.drain_request_rate(now_s)
+                )
                 table = view.instances
                 only_neutral = _only_neutral(table)
             except SchedulingError:  # no fleet to judge by: the decision below reports it
                 drain = None
-        in_front = ahead  # prompt tokens in front of this entry
+        in_front, in_front_n = ahead, ahead_n  # prompt tokens (entries) in front of this entry
         if not entry.late and drain is not None and targets.ttft_ms > 0:
-            why = hopeless(drain, request, targets, ahead, now_s)
+            why = hopeless(drain, request, targets, ahead, now_s, ahead_n)
             if why is not None:  # late now rather than at its deadline
                 yield _late(now_s, queue, entry, late_reject, why.predicted_ttft_ms, why.budget_ms, why)
                 continue
             ahead += queue.work_tokens(entry)
+            ahead_n += 1
         if for_g and not entry.late and drain is not None:
-            low = overlong(queue, drain, request, targets, in_front, now_s)
+            low = overlong(queue, drain, request, targets, in_front, now_s, in_front_n)
             if low is not None:  # requests keep missing: the longest go first, even if placeable now
                 yield _shed(queue, entry, low)
                 continue
@@ -1940,12 +1999,14 @@ def _offer(
             # late ones before it, at the fleet's rate, its first token must still come by the end
             # of its late allowance; otherwise it is refused now, not when the allowance runs out.
             own_ms = drain.idle_ms(drain.compute_tokens(request))
-            start_ms = drain.start_ms(ahead + late_ahead) + own_ms
+            start_ms = drain.start_ms(ahead + late_ahead, ahead_n + late_ahead_n) + own_ms
             if now_s + start_ms * 1e-3 > entry.late_until_s:
                 queue.remove(entry.request_id)
-                yield _lapse(queue, entry, now_s, start_ms, _InSight(drain, ahead + late_ahead, own_ms))
+                parts = _InSight(drain, ahead + late_ahead, ahead_n + late_ahead_n, own_ms)
+                yield _lapse(queue, entry, now_s, start_ms, parts)
                 continue
             late_ahead += queue.work_tokens(entry)
+            late_ahead_n += 1
         if entry.late:
             floor = _idle_floor_ms(scheduler, request, drain)
             if not math.isfinite(floor):  # no predictor: no TTFT threshold to bound
@@ -2122,6 +2183,7 @@ def _offer(
         work = queue.work_tokens(entry)
         queue.note_dispatch(now_s, work)
         dispatched += work
+        dispatched_n += 1
         yield Offer(entry, Verdict.DISPATCH, decision=decision, budget_ms=targets.ttft_ms)
     queue.scanned(now_s)  # every entry was judged
 
@@ -2431,8 +2493,9 @@ class _InSight:
     sees whether the fleet's backlog, the queue's recent drain or the request's own prefill decided)."""
 
     drain: FleetDrain
-    #: Prompt tokens to prefill (:meth:`RouterQueue.work_tokens`) queued in front of it.
+    #: Prompt tokens to prefill (:meth:`RouterQueue.work_tokens`) queued in front of it, in how many entries.
     tokens_ahead: float
+    entries_ahead: int
     #: Its own prefill on an idle instance, less the longest prefix an instance is known to hold (ms).
     own_ms: float
 
@@ -2440,9 +2503,12 @@ class _InSight:
         drain = self.drain
         drained = ""
         if drain.queue_rate is not None and self.tokens_ahead > 0:
-            drained = f", {self.tokens_ahead / drain.queue_rate:.0f} ms at the rate the queue drained lately"
+            wait = self.tokens_ahead / drain.queue_rate
+            if drain.queue_request_rate:
+                wait = min(wait, self.entries_ahead / drain.queue_request_rate)
+            drained = f", {wait:.0f} ms at the rate the queue drained lately"
         return (
-            f" ({self.tokens_ahead:.0f} prompt tokens queued in front: "
+            f" ({self.tokens_ahead:.0f} prompt tokens in {self.entries_ahead} requests queued in front: "
             f"{drain.fluid_start_ms(self.tokens_ahead):.0f} ms at the fleet's prefill rate{drained}; "
             f"its own prefill {self.own_ms:.0f} ms)"
         )

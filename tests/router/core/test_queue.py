@@ -225,7 +225,7 @@ def test_a_late_entry_without_a_placement_in_sight_is_refused_at_once_under_serv
     # The refusal says what its best case was made of: nothing queued in front here, so the fleet's
     # backlog (the 20,000 tokens on p0) and its own prefill of 256 tokens decided.
     message = str(result.error)
-    assert "0 prompt tokens queued in front: " in message and "its own prefill " in message
+    assert "0 prompt tokens in 0 requests queued in front: " in message and "its own prefill " in message
     start = float(message.split("could come ")[1].split(" ms")[0])
     own = float(message.split("its own prefill ")[1].split(" ms")[0])
     assert 0.0 < own < start  # the rest is the backlog ahead of it on the only prefill instance

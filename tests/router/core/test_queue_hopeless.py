@@ -418,6 +418,37 @@ def test_drain_rate_is_measured_only_while_the_fleet_limited_dispatch() -> None:
     assert off.drain_rate(NOW + 5.0) is None
 
 
+def test_the_queue_drain_is_measured_in_entries_too_and_the_sooner_unit_counts() -> None:
+    """Over the same fleet-limited time the queue counts its dispatches as well as their tokens; the
+    work ahead takes the sooner of tokens / token rate and entries / entry rate (never less than the
+    fleet's full prefill rate allows). Decode-limited, a queue that dispatched mostly cached prompts
+    (a few hundred tokens each) does not charge a cold prompt in front its tokens at that rate."""
+    q = make_queue("fcfs", drain_window_ms=1000.0)
+    q.push(req("a", ttft_slo_ms=60_000.0), NOW)
+    assert q.drain_request_rate(NOW) is None
+    q.note_pass(NOW, fleet_limited=True)
+    q.note_backlog(NOW + 0.5)
+    for _ in range(5):  # five mostly cached prompts dispatched in 500 ms of fleet-limited time
+        q.note_dispatch(NOW + 0.5, 200)
+    assert q.drain_rate(NOW + 0.5) == pytest.approx(1000 / 500.0)  # 2 tokens per ms
+    assert q.drain_request_rate(NOW + 0.5) == pytest.approx(5 / 500.0)  # one entry per 100 ms
+    idle = make_snapshot(inst("p0", "prefill"), inst("p1", "prefill"), inst("d0", "decode"))
+    s = make_scheduler()
+    view = s.view(idle, NOW + 0.5)
+    drain = FleetDrain.of(s, view, NOW + 0.5, q.drain_rate(NOW + 0.5), q.drain_request_rate(NOW + 0.5))
+    assert drain is not None
+    # One cold 4,000-token prompt in front: 2,000 ms at the token rate, 100 ms at the entry rate.
+    assert drain.start_ms(4000) == pytest.approx(2000.0)  # entries unknown: tokens alone, as before
+    assert drain.start_ms(4000, 1) == pytest.approx(max(100.0, drain.fluid_start_ms(4000)))
+    # Forty small entries (40 x 50 tokens): the token rate is the sooner one.
+    assert drain.start_ms(2000, 40) == pytest.approx(1000.0)
+    # A request with a 1 s target behind that cold prompt is not hopeless; by tokens alone it was.
+    targets = resolve_targets(req("r", prompt_tokens=256, ttft_slo_ms=1000.0), DEFAULT_TTFT, DEFAULT_TPOT)
+    r = req("r", prompt_tokens=256, ttft_slo_ms=1000.0)
+    assert hopeless(drain, r, targets, 4000, NOW + 0.5) is not None
+    assert hopeless(drain, r, targets, 4000, NOW + 0.5, 1) is None
+
+
 def test_a_pass_held_by_release_control_does_not_measure_the_drain() -> None:
     """An on-time entry refused under a release limit below its own budget, where its budget would let
     it through, waits for the queue's own reason: the time after that pass does not lower the rate.
