@@ -1395,10 +1395,11 @@ class QlmQueue:
         (:meth:`_kv`, every pump) and, under ``--qlm-lengths censored``, for the output statistics (at
         most every :data:`PROGRESS_EVERY_S`: each update re-estimates the classes running).
 
-        The router's clock is what the queue knows of a running request: the tokens it has generated
-        are its instance's decode clock's advance since its prefill (:meth:`_clock_at`: each stretch of
-        time over the predicted step of the batch that ran then, the learned inefficiency included),
-        plus what it generated before an eviction. No figure of the request's own length enters. The
+        The router's clock is what the queue knows of a running request: the tokens an e2e request has
+        generated are its instance's decode clock's advance since its prefill (:meth:`_clock_at`: each
+        stretch of time over the predicted step of the batch that ran then, the learned inefficiency
+        included), a stream's its time since dispatch less its prefill over the step of the batch
+        running now, plus what it generated before an eviction. No figure of the request's own length enters. The
         fraction is floored to :data:`PROGRESS_STEPS` steps of ``max_tokens``: a function of the clock
         and of the batch changes, so the router (pumping on every status push) and the simulator (on
         its engines' events) see the same value at
@@ -1408,18 +1409,30 @@ class QlmQueue:
         if censored:
             self._progress_s = now_s
         for i, run in enumerate(self.running):
-            # The tokens generated since its first was due: the advance of its instance's decode clock,
-            # each stretch of time at the step of the batch that ran then (Eq. 4's d for these requests,
-            # the learned inefficiency included). The step of the batch running *now* over the whole time
-            # since dispatch lagged the tokens really generated whenever the batch had grown since (a
-            # request that started beside few others ran faster than the full batch's step says): at 6
-            # instances, 30 req/s, 57 requests counted 61.7k tokens where the engine held over 65.5k, the
-            # pulls went on, and the engine preempted (docs/papers.md). The clock changes step only when
-            # the batch changes (a dispatch, an end, an eviction): the same events in the router and the
-            # simulator, so both count the same progress at the same moment.
+            # An e2e request's tokens since its first was due: the advance of its instance's decode
+            # clock, each stretch of time at the step of the batch that ran then (Eq. 4's d for these
+            # requests, the learned inefficiency included). The step of the batch running *now* over
+            # the whole time since dispatch lagged the tokens really generated whenever the batch had
+            # grown since (a request that started beside few others ran faster than the full batch's
+            # step says): at 6 instances, 30 req/s, 57 requests counted 61.7k tokens where the engine
+            # held over 65.5k, the pulls went on, and the engine preempted (docs/papers.md). The clock
+            # changes step only when the batch changes (a dispatch, an end, an eviction): the same
+            # events in the router and the simulator, so both count the same progress at the same
+            # moment. A stream's progress is still read at the step of the batch running now: the
+            # clock for streams too cost chat alone 2.4 points and two TTFT classes beside batch work
+            # 1.1 (their step and stall rules, :meth:`_room`, judge a stream's tokens left from it and
+            # turned stricter), while the preemptions it cures came from batches of e2e work.
             clock = self._clock_at(i, now_s)
+            model = self.models[i]
+            step = model.decode_step_s
+            if model.step_s is not None and run:
+                step = model.step_s(len(run), self._tokens_now(run.values())) * self.inefficiency[i]
             for r in run.values():
-                tokens = r.generated + max(clock - r.clock0, 0.0)
+                if r.e2e_only or r.resumed:
+                    tokens = r.generated + max(clock - r.clock0, 0.0)
+                else:
+                    decoding = now_s - r.dispatched_s - model.prefill_s(r.prompt_tokens)
+                    tokens = r.generated + max(decoding, 0.0) / max(step, 1e-6)
                 reached = math.floor(tokens / max(r.request.max_tokens, 1) * PROGRESS_STEPS) / PROGRESS_STEPS
                 r.reached = max(r.reached, min(reached, 1.0))
                 if censored:

@@ -136,7 +136,7 @@ SCENARIOS: dict[
 #: instance fewer); every per-request outcome and count hashes the same as before. The sa one was
 #: re-recorded when the sa length profile stopped letting the length predictor's prior (max_tokens)
 #: override the lengths it had learned (router.core.sa.TaskLengths): 49.2 -> 51.7 % met, the figure
-#: it had before the late allowance. The qlm one was re-recorded when qlm's running-request progress
+#: it had before the late allowance. The qlm one was re-recorded when qlm's e2e requests' progress
 #: became its instance's decode clock, it took the router queue's bounded late path, its streams'
 #: reserve yielded to an e2e request that would miss waiting for it, and a victim evicted for a stream
 #: had to survive behind everything on its instance (router.core.qlm; docs/papers.md, seed 004).
@@ -149,7 +149,7 @@ RECORDED: dict[str, str] = {
     "neutral-slo-fcfs-capped": "334e16c8f54ff2ae64212f35",
     "neutral-slo-prefix": "0eedec2e3caf140cf44d3015",
     "neutral-slo-priority": "6c2e3e7ea05d12023ceaecec",
-    "neutral-slo-qlm": "8e15c60d013f2d54f5a54ade",
+    "neutral-slo-qlm": "9ec7d33417efec8e6fa36ca2",
     "neutral-slo-sa": "675a406d6359e813cce707ed",
     "pd-adaptive": "6c0daa4f54af67d8fce492a0",
     "pd-load-balance-off": "466dcf402227e02d05b7c4b8",
