@@ -144,8 +144,8 @@ class SliceConfig:
         metadata=_doc(
             "a slice resumed where it ran is admitted only within its instance's KV (the whole cache, times "
             "the preemption cap; the headroom is kept from new work for it): shortened to the room there, "
-            "else moved where it fits, else it waits at that instance's queue head; False admits it there "
-            "whatever the plan holds"
+            "else moved where it fits, else it waits, ahead of new work, for the first instance with room; "
+            "False admits it there whatever the plan holds"
         ),
     )
     split_batches: bool = field(
@@ -1143,11 +1143,13 @@ class SliceScheduler:
         long it is busy; without it the fit stays as it is.
         """
         queue = self._queues.get(instance)
-        if not queue:
+        if queue is None:
             return []
+        out = self._take_held_back(instance, now) if self._held_back else []
+        if not queue:
+            return out
         running = self._running[instance]
         budget = self.budget_kv(instance)
-        out = []
         while queue:
             batch = queue[0]
             first = batch.requests[0]
@@ -1177,6 +1179,33 @@ class SliceScheduler:
                     break
             queue.pop(0)
             out.append((self._start(instance, batch, now), batch))
+        return out
+
+    def _take_held_back(self, instance: str, now: float | None) -> list[tuple[int, SliceBatch]]:
+        """Resumed slices waiting at another instance's queue head that fit ``instance`` now.
+
+        A slice that waited has left its engine (its context is prefilled again wherever it
+        starts), so the first instance with room for it is as good as the one it left: it starts
+        there, within that instance's whole KV like any continuation, ahead of new work."""
+        out: list[tuple[int, SliceBatch]] = []
+        for other in sorted(self._ids):
+            if other == instance:
+                continue
+            queue = self._queues[other]
+            while queue and len(queue[0].requests) == 1 and queue[0].requests[0].key in self._held_back:
+                waiting = queue[0]
+                part = self._fitted(instance, waiting.requests[0])
+                if part is None:
+                    break
+                queue.pop(0)
+                self._held_back.discard(part.key)
+                self._loads[other] = max(0.0, self._loads[other] - waiting.serve_ms)
+                cost = self._marginal(instance, part)
+                self._loads[instance] += cost
+                self.moved += 1
+                kv = self.models(instance).memory.request_kv_tokens(part.context_tokens, part.slice_tokens)
+                started = SliceBatch((part,), cost, kv)
+                out.append((self._start(instance, started, now), started))
         return out
 
     def _split(self, instance: str, batch: SliceBatch, room: float) -> tuple[SliceBatch, SliceBatch] | None:
@@ -1316,7 +1345,8 @@ class SliceScheduler:
         and the one-slice batch (its slice may be shorter than ``following``'s:
         ``continue_within_kv``); the slice is admitted (the caller starts it).
         None when it fits nowhere now: it waits at the head of ``instance``'s
-        queue (:meth:`admit` starts it there as room frees).
+        queue, and the first instance whose :meth:`admit` finds room for it
+        starts it, ahead of new work.
         """
         self._end(instance, key, request, now, produced)
         self.resumed += 1

@@ -475,3 +475,35 @@ def test_a_continued_slice_never_takes_its_instances_plan_past_the_kv(
     target, _k, _batch = placed
     assert target == i
     assert sched.committed_kv(i) <= sched.ceiling_kv(i) + 1e-9
+
+
+def test_a_waiting_continuation_starts_on_the_first_instance_with_room_for_it() -> None:
+    """A slice that waited has left its engine (its context is prefilled again wherever it starts),
+    so another instance with room takes it at its next admission, ahead of new work there, rather
+    than the stream stalling until its own instance frees room."""
+    memory = MemoryModel(kv_capacity_tokens=4096, block_size=16, headroom=1.0)
+    sched = SliceScheduler(SliceConfig(kv_headroom=1.0), SERVING, memory, ["a", "b"])
+    now = {"x": 2000, "r": 2000}
+    sched.progress = now.get  # type: ignore[assignment]
+    keys = {}
+    for key, context, tokens in (("x", 2000, 1000), ("r", 2000, 100)):
+        sched.add(SliceRequest(key, context, tokens))
+        [(_batch, instance)] = sched.schedule()
+        [(k, _b)] = sched.admit(instance)
+        keys[key] = (instance, k)
+    assert keys["x"][0] == "a" and keys["r"][0] == "b"
+    for i in ("a", "b"):
+        for _ in range(4):
+            sched.preempted(i)  # each plan may hold half its KV: r's 2,100 tokens fit nowhere
+    now["r"] = 2100
+    placed = sched.resume("b", keys["r"][1], SliceRequest("r", 2000, 100), SliceRequest("r", 2100, 256))
+    assert placed is None and sched.waited == 1 and sched.queued("b") == 1
+    # x ends on a and a's cap recovers: a's next admission starts r there.
+    sched.finish("a", keys["x"][1], SliceRequest("x", 2000, 1000))
+    del now["x"]
+    sched.models("a").memory_fit.zeta = 1.0
+    started = sched.admit("a")
+    assert [b.requests[0].key for _k, b in started] == ["r"]
+    assert started[0][1].requests[0].context_tokens == 2100
+    assert sched.queued("b") == 0 and sched.moved == 1
+    assert sched.admit("b") == []
