@@ -73,6 +73,12 @@ The pieces, and how they are adapted to this router:
   its deadline re-run behind the instance's whole virtual queue, not only
   behind the head (see :meth:`QlmQueue._start_behind`).
 
+Late requests: the paper serves a group the plan expects late last; here,
+as in the router queue, a request past its deadline that could no longer be
+served within ``--late-allowance`` of its target beyond it is refused
+(:meth:`QlmQueue.lapsed`): past capacity, served last still took a batch's
+room from requests that could meet theirs.
+
 Not built: model swapping and warm start (one model per fleet here), GPU–CPU
 state swapping (the engines have no such operation).
 """
