@@ -666,14 +666,14 @@ def atgt_slack_ms(ctx: DecisionContext, tpot_target_ms: float, theta: float = 1.
         target = np.where(target < tpot_target_ms, target * theta, target)
     step_new = ctx.metric("predicted_tpot")[at]
     remaining = np.maximum(legs.remaining[started], 1.0)
-    # A TPOT-judged leg saves only over the tokens it really produces: a short answer ends before the
-    # saving it was credited with arrives, and the stall it absorbed now stays in its mean. Its future
-    # counts over the remainder it is sure to reach (SURE_REMAINING_SHARE), whichever its sign: the
-    # step at the expected remainder carries the measured interleaving of the prompts to come
-    # (``predicted_tpot``), and each of those is checked here against the slack when it comes, so
-    # charging their average over a long horizon now would count them twice. A deadline-paced leg
-    # (a recorded need below the default target, as above) keeps its expected remainder: an answer
-    # shorter than expected only leaves it more time.
+    # Each prompt is checked alone against this slack, and the future part is the same for every
+    # later prompt: credited with the saving over its whole expected remainder, a TPOT-judged leg
+    # paid prompt after prompt out of it, their stalls adding up (4 neutral instances, chat, 12 req/s:
+    # 55 TPOT misses, 91.8 % against slo's 93.8 %; 92.0 % with exact lengths, so not the estimate),
+    # and a short answer ends before any of it comes. Its future counts over the remainder it is
+    # sure to reach (SURE_REMAINING_SHARE), whichever its sign: what it can still promise. A
+    # deadline-paced leg (a recorded need below the default target, as above) keeps its expected
+    # remainder: an answer shorter than expected only leaves it more time.
     if legs.tpot_need_ms is not None:
         paced = np.isfinite(need) & (need > 0) & (need < tpot_target_ms)
     else:
