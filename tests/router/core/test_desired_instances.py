@@ -331,6 +331,7 @@ def test_prefill_is_staffed_for_the_router_queues_deadline_order_not_one_queue_a
 @settings(max_examples=60, deadline=None)
 @given(
     rate=st.floats(0.5, 100.0),
+    prompt=st.floats(16.0, 6000.0),
     kinds=st.lists(
         st.tuples(st.floats(0.1, 10.0), st.floats(16.0, 6000.0), st.floats(200.0, 20_000.0)),
         min_size=1,
@@ -338,24 +339,27 @@ def test_prefill_is_staffed_for_the_router_queues_deadline_order_not_one_queue_a
     ),
 )
 def test_deadline_ordered_prefill_staffing_never_exceeds_one_queue_at_the_least_need(
-    rate: float, kinds: list[tuple[float, float, float]]
+    rate: float, prompt: float, kinds: list[tuple[float, float, float]]
 ) -> None:
-    """Each kind waits behind at most the whole load and has at least the least budget, so the share
-    that misses is at most the single queue's tail at the least need: never more instances; and the
-    queue stays stable (above the offered load) whatever share the most patient kind has."""
+    """With every kind's prompts alike, each kind waits behind at most the whole load and has at
+    least the least budget, so the share that misses is at most the single queue's tail at the
+    least need: never more instances. Whatever the prompts, the queue stays stable: above the
+    offered load, whatever share the most patient kind has (it waits behind everyone)."""
     from router.core.capacity import prefill_staffing
 
-    total = sum(share for share, _, _ in kinds)
-    prompt = sum(share * p for share, p, _ in kinds) / total
     least = min(need for _, _, need in kinds)
+    alike = [(share, prompt, need) for share, _, need in kinds]
     load = LoadShape(rate, prompt, 200.0)
-    single = prefill_staffing(load, PREFILL_RATES, least)
-    ordered = prefill_staffing(load, PREFILL_RATES, least, kinds)
-    assert ordered <= single + 1e-9
+    assert (
+        prefill_staffing(load, PREFILL_RATES, least, alike)
+        <= prefill_staffing(load, PREFILL_RATES, least) + 1e-9
+    )
+    total = sum(share for share, _, _ in kinds)
+    mean = sum(share * p for share, p, _ in kinds) / total
+    mixed = LoadShape(rate, mean, 200.0)
+    ordered = prefill_staffing(mixed, PREFILL_RATES, least, kinds)
     full = PREFILL_RATES.prefill_tokens_per_s / PREFILL_RATES.prefill_utilisation
-    fluid = fluid_demand(load, PREFILL_RATES)[0]
-    service = prompt / full
-    if least / 1000.0 > service:  # a budget the queue can price
-        assert ordered > rate * service - 1e-9
+    if least / 1000.0 > mean / full:  # a budget the queue can price
+        assert ordered > rate * mean / full - 1e-9
     else:
-        assert ordered == fluid
+        assert ordered == fluid_demand(mixed, PREFILL_RATES)[0]
