@@ -36,11 +36,12 @@ server-streaming responses), over cleartext TCP:
 - trailers with ``grpc-status``, ``grpc-message`` (percent-encoded) and the trailing metadata a
   handler set; a call that fails before its first message gets one trailers-only HEADERS frame.
 
-Not here: TLS (``--grpc-server h2`` with ``--tls-cert`` refuses to start), compression, server
-reflection, client-streaming calls. :func:`router_methods` maps the router's services onto it:
-``Router.Generate`` and ``Router.Schedule`` through :class:`router.service.RouterService`'s
-context-free entries (the code the ``grpc.aio`` servicer runs), and ``grpc.health.v1.Health``'s
-``Check`` and ``Watch`` over :class:`HealthState`. Any other method ends ``UNIMPLEMENTED``.
+Not here: TLS (``--grpc-server h2`` with ``--tls-cert`` refuses to start), compression.
+:func:`router_methods` maps the router's services onto it: ``Router.Generate`` and
+``Router.Schedule`` through :class:`router.service.RouterService`'s context-free entries (the code
+the ``grpc.aio`` servicer runs), ``grpc.health.v1.Health``'s ``Check`` and ``Watch`` over
+:class:`HealthState`, and server reflection (``grpc_reflection``'s servicer; the one
+client-streaming method). Any other method ends ``UNIMPLEMENTED``.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ import contextlib
 import logging
 import struct
 import urllib.parse
-from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -126,14 +127,21 @@ class CallInfo:
 
 UnaryHandler = Callable[[bytes, CallInfo], Awaitable[bytes]]
 StreamHandler = Callable[[bytes, CallInfo], AsyncGenerator[bytes, None]]
+BidiHandler = Callable[[AsyncIterator[bytes], CallInfo], AsyncGenerator[bytes, None]]
 
 
 @dataclass(frozen=True)
 class Method:
-    """One served method: its handler takes the request's bytes; ``streaming``: it yields messages."""
+    """One served method: its handler takes the request's bytes; ``streaming``: it yields messages.
 
-    handler: UnaryHandler | StreamHandler
+    ``client_streaming`` (with ``streaming``): the handler takes an async iterator of the request
+    messages' bytes instead, started as soon as the call's headers arrive (server reflection's
+    ``ServerReflectionInfo`` is the one such method served).
+    """
+
+    handler: UnaryHandler | StreamHandler | BidiHandler
     streaming: bool
+    client_streaming: bool = False
 
 
 def _grpc_message(details: str) -> bytes:
@@ -161,6 +169,8 @@ class _Stream:
         "drained",
         "headers_sent",
         "id",
+        "inbox",
+        "inbox_bytes",
         "method",
         "pending",
         "pending_bytes",
@@ -182,6 +192,9 @@ class _Stream:
         self.call = call
         self.timeout_s = timeout_s
         self.body = bytearray()
+        #: A client-streaming call's request messages not yet taken by its handler (None: unary).
+        self.inbox: list[bytes] | None = None
+        self.inbox_bytes = 0
         self.unacked = 0
         #: The client sent END_STREAM (or the request was refused: further DATA is dropped).
         self.recv_closed = False
@@ -237,6 +250,24 @@ class _Stream:
         waiter = self.drained
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
+
+    async def requests(self) -> AsyncGenerator[bytes, None]:
+        """A client-streaming call's request messages, as they arrive, until the client's END_STREAM."""
+        inbox = self.inbox
+        assert inbox is not None
+        while True:
+            if inbox:
+                message = inbox.pop(0)
+                self.inbox_bytes -= len(message)
+                yield message
+                continue
+            if self.recv_closed or self.done:
+                return
+            waiter = self.drained = self.conn.loop.create_future()
+            try:
+                await waiter
+            finally:
+                self.drained = None
 
     def finish(self, code: grpc.StatusCode, details: str = "") -> None:
         """End the call with ``code`` (trailers after whatever is still queued)."""
@@ -487,6 +518,11 @@ class _Connection(asyncio.Protocol):
             return
         if timeout_s is not None:
             stream.timer = self.loop.call_later(timeout_s, stream.expire)
+        method = self.server.methods[path]
+        if method.client_streaming:
+            stream.inbox = []
+            stream.task = self.loop.create_task(self.server.run(stream, method, stream.requests()))
+            return
         if end_stream:
             self._request_end(stream)
 
@@ -521,6 +557,9 @@ class _Connection(asyncio.Protocol):
             return
         stream.body += payload
         body = stream.body
+        if stream.inbox is not None:
+            self._take_messages(stream, bool(flags & _END_STREAM))
+            return
         if len(body) >= 5:
             length = int.from_bytes(body[1:5], "big")
             limit = self.server.max_message_bytes
@@ -539,8 +578,51 @@ class _Connection(asyncio.Protocol):
         if flags & _END_STREAM:
             self._request_end(stream)
 
+    def _take_messages(self, stream: _Stream, end: bool) -> None:
+        """A client-streaming call: hand its handler every whole message received (bounded: at most
+        ``max_message_bytes`` waiting in all, else ``RESOURCE_EXHAUSTED``)."""
+        body = stream.body
+        inbox = stream.inbox
+        assert inbox is not None
+        limit = self.server.max_message_bytes
+        pos = 0
+        while len(body) - pos >= 5:
+            length = int.from_bytes(body[pos + 1 : pos + 5], "big")
+            if length > limit or stream.inbox_bytes + length > limit:
+                stream.finish(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"Received message larger than max ({length} vs. {limit})",
+                )
+                stream.cancel_task()
+                self._refuse_rest(stream)
+                return
+            if len(body) - pos - 5 < length:
+                break
+            if body[pos]:
+                stream.finish(
+                    grpc.StatusCode.UNIMPLEMENTED, "compressed messages are not supported by this server"
+                )
+                stream.cancel_task()
+                self._refuse_rest(stream)
+                return
+            inbox.append(bytes(body[pos + 5 : pos + 5 + length]))
+            stream.inbox_bytes += length
+            pos += 5 + length
+        del body[:pos]
+        if end:
+            stream.recv_closed = True
+            if body:
+                stream.finish(
+                    grpc.StatusCode.INTERNAL, f"{stream.method}: the request ended inside a message"
+                )
+                stream.cancel_task()
+        stream.wake()
+
     def _request_end(self, stream: _Stream) -> None:
         """The request is whole: start its handler (in this pass, with every other call of the read)."""
+        if stream.inbox is not None:
+            self._take_messages(stream, True)
+            return
         stream.recv_closed = True
         if stream.done:
             return
@@ -763,12 +845,12 @@ class H2Server:
         if self.open_streams <= 0:
             self._idle.set()
 
-    async def run(self, stream: _Stream, method: Method, request: bytes) -> None:
+    async def run(self, stream: _Stream, method: Method, request: bytes | AsyncIterator[bytes]) -> None:
         """One call: the handler's messages out, then its status (the stream's task)."""
         try:
             if method.streaming:
                 handler = cast(StreamHandler, method.handler)
-                async with contextlib.aclosing(handler(request, stream.call)) as messages:
+                async with contextlib.aclosing(handler(request, stream.call)) as messages:  # type: ignore[arg-type]
                     async for message in messages:
                         if stream.done:
                             return
@@ -777,7 +859,7 @@ class H2Server:
                             await stream.wait_writable()
             else:
                 unary = cast(UnaryHandler, method.handler)
-                message = await unary(request, stream.call)
+                message = await unary(cast(bytes, request), stream.call)
                 stream.send(message)
             stream.finish(grpc.StatusCode.OK)
         except RpcError as exc:
@@ -893,8 +975,11 @@ def _parse(kind: Any, data: bytes, method: str) -> Any:
     return message
 
 
-HEALTH_CHECK = "/grpc.health.v1.Health/Check"
-HEALTH_WATCH = "/grpc.health.v1.Health/Watch"
+HEALTH_SERVICE = "grpc.health.v1.Health"
+HEALTH_CHECK = f"/{HEALTH_SERVICE}/Check"
+HEALTH_WATCH = f"/{HEALTH_SERVICE}/Watch"
+REFLECTION_SERVICE = "grpc.reflection.v1alpha.ServerReflection"
+REFLECTION_INFO = f"/{REFLECTION_SERVICE}/ServerReflectionInfo"
 
 
 def router_methods(service: Any, health: HealthState, service_name: str) -> dict[str, Method]:
@@ -941,4 +1026,28 @@ def router_methods(service: Any, health: HealthState, service_name: str) -> dict
         schedule_path: Method(schedule, streaming=False),
         HEALTH_CHECK: Method(health.check, streaming=False),
         HEALTH_WATCH: Method(health.watch, streaming=True),
+        REFLECTION_INFO: Method(
+            reflection_handler((service_name, HEALTH_SERVICE, REFLECTION_SERVICE)),
+            streaming=True,
+            client_streaming=True,
+        ),
     }
+
+
+def reflection_handler(service_names: tuple[str, ...]) -> BidiHandler:
+    """Server reflection (``grpcurl`` and the like) over ``grpc_reflection``'s own servicer."""
+    from grpc_reflection.v1alpha import reflection_pb2
+    from grpc_reflection.v1alpha._async import ReflectionServicer
+
+    servicer = ReflectionServicer(service_names)
+
+    async def info(requests: AsyncIterator[bytes], call: CallInfo) -> AsyncGenerator[bytes, None]:
+        async def parsed() -> AsyncGenerator[Any, None]:
+            async for raw in requests:
+                yield _parse(reflection_pb2.ServerReflectionRequest, raw, REFLECTION_INFO)
+
+        async with contextlib.aclosing(servicer.ServerReflectionInfo(parsed(), None)) as responses:
+            async for response in responses:
+                yield response.SerializeToString()
+
+    return info

@@ -382,8 +382,8 @@ def add_grpc_server_argument(parser: argparse.ArgumentParser) -> None:
         metavar="{" + ",".join(GRPC_SERVERS) + "}",
         default=GRPC_SERVERS[0],
         help="what serves the Router gRPC service on --listen: grpcio (grpc.aio; TLS, server "
-        "reflection) or h2, the router's own HTTP/2 server (cleartext only, no reflection; health "
-        "Check/Watch, Generate and Schedule as with grpcio), which writes every stream's messages of "
+        "reflection) or h2, the router's own HTTP/2 server (cleartext only; health "
+        "Check/Watch, reflection, Generate and Schedule as with grpcio), which writes every stream's messages of "
         "one event-loop pass in one system call and takes in every call of one network read at once: "
         "less router CPU per token and a shorter intake of bursts (docs/vllm-grpc.md) "
         "(default: %(default)s)",
