@@ -314,6 +314,10 @@ class _Stream:
         self.timer = None
         if self.done:
             return
+        # What the client's window still held back is dropped: the status goes out now.
+        self.pending.clear()
+        self.pending_bytes = 0
+        self.conn.blocked.pop(self.id, None)
         self.finish(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
         self.cancel_task()
 
