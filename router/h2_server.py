@@ -47,6 +47,7 @@ client-streaming method). Any other method ends ``UNIMPLEMENTED``.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import struct
@@ -642,8 +643,7 @@ class _Connection(asyncio.Protocol):
                 grpc.StatusCode.UNIMPLEMENTED, "compressed messages are not supported by this server"
             )
             return
-        method = self.server.methods[stream.method]
-        stream.task = self.loop.create_task(self.server.run(stream, method, body[5:]))
+        self.server.start_call(stream, self.server.methods[stream.method], body[5:])
 
     def _on_control(self, kind: int, sid: int, flags: int, payload: bytes) -> None:
         if kind == _SETTINGS:
@@ -817,6 +817,9 @@ class H2Server:
         self._idle.set()
         self._stopping = False
         self.port = 0
+        #: Calls whose request is whole, waiting for their handler to start (:meth:`start_call`).
+        self._starts: collections.deque[tuple[_Stream, Method, bytes]] = collections.deque()
+        self._start_scheduled = False
 
     async def start(self, listen: str, *, reuse_port: bool = False) -> int:
         """Listen on ``listen`` (``HOST:PORT``, port 0 picks one); the port bound. ``OSError`` if it cannot."""
@@ -848,6 +851,32 @@ class H2Server:
         self.open_streams -= 1
         if self.open_streams <= 0:
             self._idle.set()
+
+    def start_call(self, stream: _Stream, method: Method, request: bytes) -> None:
+        """Start the handler of a call whose request is whole: one call per event-loop iteration.
+
+        Every call of a read is parsed in that read's pass, but their handlers start one per loop
+        iteration, in arrival order: a handler runs up to its first wait (for the Router's
+        ``Generate``: the decision, then the request's write to the engine, which goes out at the
+        end of the iteration), so each call's engine request leaves before the next call's decision
+        rather than all of a burst's after all of its decisions.
+        """
+        self._starts.append((stream, method, request))
+        if not self._start_scheduled:
+            self._start_scheduled = True
+            self.loop.call_soon(self._start_next)
+
+    def _start_next(self) -> None:
+        self._start_scheduled = False
+        starts = self._starts
+        while starts:
+            stream, method, request = starts.popleft()
+            if not stream.done:  # not cancelled, expired or refused meanwhile
+                stream.task = self.loop.create_task(self.run(stream, method, request))
+                break
+        if starts:
+            self._start_scheduled = True
+            self.loop.call_soon(self._start_next)
 
     async def run(self, stream: _Stream, method: Method, request: bytes | AsyncIterator[bytes]) -> None:
         """One call: the handler's messages out, then its status (the stream's task)."""
