@@ -24,7 +24,7 @@ from slorouter.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 from router import h2_server
 from router.h2_server import CallInfo, H2Server, Method, RpcError
-from router.server import check_grpc_server
+from router.server import check_grpc_server, resolve_grpc_server
 from tests.faults import test_shutdown as _shutdown
 from tests.router.e2e import test_router_e2e as _e2e
 from tests.router.e2e.cluster import GRPC_SERVER_ENV, embedded_cluster, generate_request
@@ -433,7 +433,11 @@ async def test_drain_refuses_new_calls_and_ends_running_streams_unavailable() ->
         await asyncio.wait_for(stopping, 20)
 
 
-def test_h2_refuses_tls() -> None:
+def test_h2_refuses_tls_and_auto_picks_grpcio_for_it() -> None:
+    assert resolve_grpc_server("auto", tls=False) == "h2"
+    assert resolve_grpc_server("auto", tls=True) == "grpcio"
+    assert resolve_grpc_server("grpcio", tls=False) == "grpcio"
+    check_grpc_server("auto", tls=True)
     check_grpc_server("h2", tls=False)
     with pytest.raises(ValueError, match="--grpc-server h2 serves cleartext"):
         check_grpc_server("h2", tls=True)

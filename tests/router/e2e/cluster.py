@@ -23,7 +23,7 @@ from router.core.config import SchedulerConfig
 from router.core.queue import QueueConfig
 from router.core.scheduler import Scheduler
 from router.core.slicing import SliceConfig
-from router.server import RouterServer, start_router_server
+from router.server import GRPC_SERVERS, RouterServer, start_router_server
 from router.service import ServiceConfig
 from workers.kv_transfer import GrpcKvPeer
 from workers.metadata import WorkerIdentity, WorkerRole
@@ -87,8 +87,9 @@ async def embedded_cluster(
     grpc_server: str | None = None,
 ) -> AsyncIterator[Cluster]:
     """``grpc_server``: what serves the Router service (``--grpc-server``); by default
-    ``$SLO_ROUTER_TEST_GRPC_SERVER`` or ``grpcio``, so a whole e2e module can run against ``h2``."""
-    grpc_server = grpc_server or os.environ.get(GRPC_SERVER_ENV, "grpcio")
+    ``$SLO_ROUTER_TEST_GRPC_SERVER``, else the router's default, so a whole e2e module can run
+    against either server."""
+    grpc_server = grpc_server or os.environ.get(GRPC_SERVER_ENV) or GRPC_SERVERS[0]
     store = MemoryStore()
     cms = await start_cms_server(store, "127.0.0.1:0", lease_ttl_s=2.0)
     workers: dict[str, WorkerServer] = {}
