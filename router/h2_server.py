@@ -20,9 +20,10 @@ server-streaming responses), over cleartext TCP:
   HPACK (requests decoded with the ``hpack`` package; the responses' few headers are literals that
   need no table), PING answered, GOAWAY (sent on shutdown; a client's closes the connection once
   its calls end);
-- length-prefixed messages, uncompressed (a compressed request is refused ``UNIMPLEMENTED``), at
-  most ``max_message_bytes`` (a larger request is refused ``RESOURCE_EXHAUSTED`` as soon as its
-  length prefix arrives, before its bytes are kept);
+- length-prefixed messages, at most ``max_message_bytes`` (a larger request is refused
+  ``RESOURCE_EXHAUSTED`` as soon as its length prefix arrives, before its bytes are kept); a
+  request compressed with ``gzip`` or ``deflate`` is inflated (bounded by the same limit), any
+  other ``grpc-encoding`` refused ``UNIMPLEMENTED``; responses are not compressed;
 - ``grpc-timeout``: at the deadline the handler is cancelled and the call ends
   ``DEADLINE_EXCEEDED``;
 - RST_STREAM from the client (its cancel) and a lost connection cancel the handler's task, which is
@@ -36,7 +37,7 @@ server-streaming responses), over cleartext TCP:
 - trailers with ``grpc-status``, ``grpc-message`` (percent-encoded) and the trailing metadata a
   handler set; a call that fails before its first message gets one trailers-only HEADERS frame.
 
-Not here: TLS (``--grpc-server h2`` with ``--tls-cert`` refuses to start), compression.
+Not here: TLS (``--grpc-server h2`` with ``--tls-cert`` refuses to start), compressed responses.
 :func:`router_methods` maps the router's services onto it: ``Router.Generate`` and
 ``Router.Schedule`` through :class:`router.service.RouterService`'s context-free entries (the code
 the ``grpc.aio`` servicer runs), ``grpc.health.v1.Health``'s ``Check`` and ``Watch`` over
@@ -52,6 +53,7 @@ import contextlib
 import logging
 import struct
 import urllib.parse
+import zlib
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, cast
@@ -168,6 +170,7 @@ class _Stream:
         "conn",
         "done",
         "drained",
+        "encoding",
         "headers_sent",
         "id",
         "inbox",
@@ -192,6 +195,8 @@ class _Stream:
         self.method = method
         self.call = call
         self.timeout_s = timeout_s
+        #: The request's ``grpc-encoding`` (how a message flagged compressed is compressed).
+        self.encoding = ""
         self.body = bytearray()
         #: A client-streaming call's request messages not yet taken by its handler (None: unary).
         self.inbox: list[bytes] | None = None
@@ -490,6 +495,7 @@ class _Connection(asyncio.Protocol):
         path = ""
         content_type = ""
         timeout = ""
+        encoding = ""
         metadata: dict[str, str] = {}
         for raw_name, raw_value in headers:
             name = raw_name.decode("ascii", "replace")
@@ -500,6 +506,8 @@ class _Connection(asyncio.Protocol):
                 content_type = value
             elif name == "grpc-timeout":
                 timeout = value
+            elif name == "grpc-encoding":
+                encoding = value
             elif (
                 not name.startswith(":") and not name.startswith("grpc-") and name not in ("te", "user-agent")
             ):
@@ -508,6 +516,7 @@ class _Connection(asyncio.Protocol):
         stream = _Stream(self, sid, path, CallInfo(path, metadata), timeout_s)
         self.streams[sid] = stream
         self.server.opened()
+        stream.encoding = encoding
         stream.recv_closed = end_stream
         if not content_type.startswith("application/grpc"):
             stream.finish(grpc.StatusCode.INTERNAL, f"content-type {content_type!r} is not application/grpc")
@@ -638,12 +647,14 @@ class _Connection(asyncio.Protocol):
                 grpc.StatusCode.INTERNAL, f"{stream.method}: the request did not carry exactly one message"
             )
             return
+        request = body[5:]
         if body[0]:
-            stream.finish(
-                grpc.StatusCode.UNIMPLEMENTED, "compressed messages are not supported by this server"
-            )
-            return
-        self.server.start_call(stream, self.server.methods[stream.method], body[5:])
+            try:
+                request = _decompress(request, stream.encoding, self.server.max_message_bytes)
+            except RpcError as exc:
+                stream.finish(exc.code, exc.details)
+                return
+        self.server.start_call(stream, self.server.methods[stream.method], request)
 
     def _on_control(self, kind: int, sid: int, flags: int, payload: bytes) -> None:
         if kind == _SETTINGS:
@@ -796,6 +807,32 @@ class _Connection(asyncio.Protocol):
         if self.transport is not None:
             self.transport.close()
         self.closed = True
+
+
+def _decompress(data: bytes, encoding: str, limit: int) -> bytes:
+    """A compressed request message (``gzip`` or ``deflate``), at most ``limit`` bytes once inflated."""
+    if encoding not in ("gzip", "deflate"):
+        raise RpcError(
+            grpc.StatusCode.UNIMPLEMENTED,
+            f"grpc-encoding {encoding[:40]!r} is not supported here (identity, gzip, deflate)",
+        )
+    inflate = zlib.decompressobj(31 if encoding == "gzip" else 15)
+    try:
+        out = inflate.decompress(data, limit + 1)
+    except zlib.error as exc:
+        raise RpcError(
+            grpc.StatusCode.INTERNAL, f"cannot decompress the request ({encoding}): {exc}"
+        ) from None
+    if len(out) > limit:
+        raise RpcError(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"Received message larger than max (over {limit} once inflated)",
+        )
+    if not inflate.eof:
+        raise RpcError(
+            grpc.StatusCode.INTERNAL, f"cannot decompress the request ({encoding}): it is cut short"
+        )
+    return out
 
 
 class _ProtocolError(Exception):

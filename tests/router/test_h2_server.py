@@ -243,6 +243,45 @@ async def test_an_oversized_request_is_refused_and_the_connection_keeps_serving(
         assert tokens == 4
 
 
+async def test_compressed_requests_are_inflated_within_the_message_limit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    inflated: list[str] = []
+    decompress = h2_server._decompress
+
+    def counted(data: bytes, encoding: str, limit: int) -> bytes:
+        inflated.append(encoding)
+        return decompress(data, encoding, limit)
+
+    monkeypatch.setattr(h2_server, "_decompress", counted)
+    async with embedded_cluster(neutral=1) as cluster:
+        address = cluster.router.address
+
+        def calls() -> tuple[int, int, grpc.RpcError]:
+            with grpc.insecure_channel(address) as channel:
+                stub = router_pb2_grpc.RouterStub(channel)
+                gzip = list(
+                    stub.Generate(generate_request(2000, 5), timeout=30, compression=grpc.Compression.Gzip)
+                )
+                deflate = list(
+                    stub.Generate(generate_request(2000, 6), timeout=30, compression=grpc.Compression.Deflate)
+                )
+                # 9 MiB of text compresses to a few KiB: refused once inflated past the limit.
+                bomb = router_pb2.GenerateRequest(
+                    prompt="x" * (9 << 20), sampling=common_pb2.SamplingParams(max_tokens=4)
+                )
+                error = _rpc_error(
+                    lambda: list(stub.Generate(bomb, timeout=30, compression=grpc.Compression.Gzip))
+                )
+                return sum(len(m.token_ids) for m in gzip), sum(len(m.token_ids) for m in deflate), error
+
+        gzip, deflate, error = await asyncio.to_thread(calls)
+        assert (gzip, deflate) == (5, 6)
+        assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED  # type: ignore[attr-defined]
+        assert "once inflated" in error.details()  # type: ignore[attr-defined]
+        assert inflated == ["gzip", "deflate", "gzip"]
+
+
 async def test_unknown_methods_and_malformed_requests() -> None:
     async with embedded_cluster(neutral=1) as cluster:
         address = cluster.router.address
