@@ -386,7 +386,7 @@ def add_grpc_server_argument(parser: argparse.ArgumentParser) -> None:
         help="what serves the Router gRPC service on --listen: h2, the router's own HTTP/2 server "
         "(cleartext only; Generate, Schedule, health and reflection as with grpcio), which writes "
         "every stream's messages of one event-loop pass in one system call and takes in every call "
-        "of a network read at once: 25-40%% less router CPU per relayed token than grpcio at 16-64 "
+        "of a network read at once: 15-40%% less router CPU per relayed token than grpcio at 16-64 "
         "streams and a shorter intake of bursts, with the whole router test suite passing on it "
         "(docs/vllm-grpc.md); grpcio, gRPC's own grpc.aio server (TLS); auto: h2, or grpcio with "
         "--tls-cert (default: %(default)s)",
