@@ -27,8 +27,13 @@ the 15 before it. ``--engine synthetic:STEP_MS`` runs the same harness against
 :mod:`bench.vllm_stock_synthetic` (an engine that costs nothing and answers on a fixed step), so
 the router's share can be seen without the real engine's variance. Figures only, no assertions.
 
+``--fronts grpcio,h2`` runs one router per ``--grpc-server`` (both on the same CMS and engine) and
+adds each as a side of the same rounds: direct, then each router, back to back, the order rotated
+every round; each router is judged against the direct run of its own round.
+
     .venv/bin/python -m bench.vllm_stock                      # the real engine (needs .venv-vllm)
     .venv/bin/python -m bench.vllm_stock --engine synthetic:8 --rounds 8
+    .venv/bin/python -m bench.vllm_stock --fronts grpcio,h2   # both gRPC servers of the router
 """
 
 from __future__ import annotations
@@ -177,14 +182,14 @@ class Pairs:
     def add(self, side: str, concurrency: int, run: Run) -> None:
         self.runs.setdefault((side, concurrency), []).append(run)
 
-    def ratios(self, concurrency: int) -> list[float]:
-        """Per round: router tokens/s ÷ direct tokens/s of the same round."""
-        pairs = zip(self.runs[("router", concurrency)], self.runs[("direct", concurrency)], strict=True)
+    def ratios(self, concurrency: int, side: str = "router") -> list[float]:
+        """Per round: ``side``'s tokens/s ÷ direct tokens/s of the same round."""
+        pairs = zip(self.runs[(side, concurrency)], self.runs[("direct", concurrency)], strict=True)
         return [r.rate / d.rate if d.rate else float("nan") for r, d in pairs]
 
-    def ttft_added(self, concurrency: int) -> list[float]:
-        """Per round: router TTFT p50 − direct TTFT p50 of the same round (ms)."""
-        pairs = zip(self.runs[("router", concurrency)], self.runs[("direct", concurrency)], strict=True)
+    def ttft_added(self, concurrency: int, side: str = "router") -> list[float]:
+        """Per round: ``side``'s TTFT p50 − direct TTFT p50 of the same round (ms)."""
+        pairs = zip(self.runs[(side, concurrency)], self.runs[("direct", concurrency)], strict=True)
         return [r.ttft_p50 - d.ttft_p50 for r, d in pairs]
 
 
@@ -296,8 +301,15 @@ def _wait_line(path: Path, marker: str, proc: subprocess.Popen[bytes], timeout_s
 
 
 async def _run(
-    root: Path, engine_spec: str, rounds: int, workload: tuple[tuple[int, int], ...], router_args: list[str]
+    root: Path,
+    engine_spec: str,
+    rounds: int,
+    workload: tuple[tuple[int, int], ...],
+    router_args: list[str],
+    fronts: list[str] | None = None,
 ) -> Pairs:
+    """The paired rounds. ``fronts``: one router per ``--grpc-server`` value, sides ``router-NAME``
+    (None: one router as ``router_args`` say, side ``router``)."""
     import grpc
     from slorouter.v1 import router_pb2_grpc
     from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vllm_pb2_grpc
@@ -319,48 +331,68 @@ async def _run(
         await asyncio.to_thread(engine.wait_ready, ENGINE_WAIT_S)
         print(f"engine ready after {time.perf_counter() - started:.0f} s", flush=True)
         cms_port, _ = start_cms_and_agent(start, engine.address, 30)
-        router_port = free_port()
-        router, router_log = start("router", *stock_router_args(cms_port, router_port, model), *router_args)
-        _wait_line(router_log, "health: SERVING", router, 60)
-        print(f"router pid {router.pid}", flush=True)
-        async with (
-            grpc.aio.insecure_channel(engine.address) as engine_channel,
-            grpc.aio.insecure_channel(f"127.0.0.1:{router_port}") as router_channel,
-        ):
-            sides: dict[str, OneRequest] = {
-                "direct": _direct(vllm_pb2_grpc.VllmEngineStub(engine_channel)),
-                "router": _routed(router_pb2_grpc.RouterStub(router_channel)),
+        routers: dict[str, tuple[subprocess.Popen[bytes], int]] = {}
+        for front in fronts or [""]:
+            name = f"router-{front}" if front else "router"
+            port = free_port()
+            extra = ["--grpc-server", front] if front else []
+            proc, log = start(name, *stock_router_args(cms_port, port, model), *extra, *router_args)
+            _wait_line(log, "health: SERVING", proc, 60)
+            routers[name] = (proc, port)
+            print(f"{name} pid {proc.pid}", flush=True)
+        async with contextlib.AsyncExitStack() as channels:
+            engine_channel = await channels.enter_async_context(grpc.aio.insecure_channel(engine.address))
+            sides: dict[str, OneRequest] = {"direct": _direct(vllm_pb2_grpc.VllmEngineStub(engine_channel))}
+            for name, (_, port) in routers.items():
+                channel = await channels.enter_async_context(grpc.aio.insecure_channel(f"127.0.0.1:{port}"))
+                sides[name] = _routed(router_pb2_grpc.RouterStub(channel))
+            # While direct runs, its CPU column is the first router's idle cost.
+            pids = {"direct": next(iter(routers.values()))[0].pid} | {
+                n: p.pid for n, (p, _) in routers.items()
             }
             index = 0
-            header = "round  streams | direct tok/s TTFT p50 | router tok/s TTFT p50 | ratio  added | router CPU ms/req"
+            header = (
+                "round  streams | direct tok/s TTFT p50 | side     tok/s TTFT p50 | ratio  added | "
+                "router CPU ms/req | load"
+            )
+            names = list(sides)
             for round_index in range(rounds + 1):
                 warm = round_index == 0
-                # Pairs back to back, the order swapped every round: a burst of the neighbours' load
-                # falls on both sides of a pair more often than on one side of every pair.
-                order = list(sides.items()) if round_index % 2 else list(sides.items())[::-1]
+                # Pairs back to back, the order changed every round (swapped for two sides, rotated
+                # for more): a burst of the neighbours' load falls on both sides of a pair more often
+                # than on one side of every pair.
+                if len(names) == 2:
+                    order = names if round_index % 2 else names[::-1]
+                else:
+                    k = round_index % len(names)
+                    order = names[k:] + names[:k]
                 if round_index == 1:
                     print(header, flush=True)
                 for concurrency, per_stream in workload:
                     got: dict[str, Run] = {}
-                    for side, one in order:
+                    for side in order:
                         await asyncio.sleep(IDLE_PAUSE_S)
-                        before = _cpu_s(router.pid)
-                        rate, times, tokens = await _measure(one, concurrency, per_stream, index)
+                        before = _cpu_s(pids[side])
+                        rate, times, tokens = await _measure(sides[side], concurrency, per_stream, index)
                         index += concurrency * per_stream
                         got[side] = Run(
-                            rate, statistics.median(times), tokens, len(times), _cpu_s(router.pid) - before
+                            rate, statistics.median(times), tokens, len(times), _cpu_s(pids[side]) - before
                         )
                     if warm:
                         continue
                     for side, run in got.items():
                         pairs.add(side, concurrency, run)
-                    d, r = got["direct"], got["router"]
-                    print(
-                        f"{round_index:>5} {concurrency:>8} | {d.rate:>12.0f} {d.ttft_p50:>6.1f}ms | {r.rate:>12.0f} "
-                        f"{r.ttft_p50:>6.1f}ms | {r.rate / d.rate if d.rate else float('nan'):>5.2f} "
-                        f"{r.ttft_p50 - d.ttft_p50:>+6.1f} | {1000 * r.router_cpu_s / max(1, r.requests):>8.2f}",
-                        flush=True,
-                    )
+                    d = got["direct"]
+                    load = os.getloadavg()[0]
+                    for side in routers:
+                        r = got[side]
+                        print(
+                            f"{round_index:>5} {concurrency:>8} | {d.rate:>12.0f} {d.ttft_p50:>6.1f}ms | "
+                            f"{side.removeprefix('router-')[:6]:<6} {r.rate:>6.0f} {r.ttft_p50:>6.1f}ms | "
+                            f"{r.rate / d.rate if d.rate else float('nan'):>5.2f} {r.ttft_p50 - d.ttft_p50:>+6.1f} | "
+                            f"{1000 * r.router_cpu_s / max(1, r.requests):>17.2f} | {load:.1f}",
+                            flush=True,
+                        )
                 if warm:
                     print(f"warm-up round done (not counted), load {os.getloadavg()[0]:.1f}", flush=True)
                 else:
@@ -377,8 +409,10 @@ def _spread(values: list[float], fmt: str) -> str:
     return f"{format(statistics.median(values), fmt)} ({format(min(values), fmt)}–{format(max(values), fmt)})"
 
 
-def summarize(pairs: Pairs, workload: tuple[tuple[int, int], ...]) -> tuple[str, list[str]]:
-    """The figure's text and the lines printed under the per-round table."""
+def summarize(
+    pairs: Pairs, workload: tuple[tuple[int, int], ...], side: str = "router"
+) -> tuple[str, list[str]]:
+    """The figure's text and the lines printed under the per-round table (``side``: which router)."""
     lines = [
         f"{'streams':>7} | {'direct tok/s':>12} {'router tok/s':>12} | {'ratio, median (min–max)':>24} | "
         f"{'TTFT added ms, median (min–max)':>32} | {'router CPU ms/req':>17} {'ms/1k tok':>9}"
@@ -386,9 +420,9 @@ def summarize(pairs: Pairs, workload: tuple[tuple[int, int], ...]) -> tuple[str,
     ratios: dict[int, str] = {}
     added: dict[int, str] = {}
     for concurrency, _ in workload:
-        direct, routed = pairs.runs[("direct", concurrency)], pairs.runs[("router", concurrency)]
-        ratios[concurrency] = _spread(pairs.ratios(concurrency), ".2f")
-        added[concurrency] = _spread(pairs.ttft_added(concurrency), "+.1f")
+        direct, routed = pairs.runs[("direct", concurrency)], pairs.runs[(side, concurrency)]
+        ratios[concurrency] = _spread(pairs.ratios(concurrency, side), ".2f")
+        added[concurrency] = _spread(pairs.ttft_added(concurrency, side), "+.1f")
         cpu = sum(r.router_cpu_s for r in routed)
         per_req = 1000 * cpu / max(1, sum(r.requests for r in routed))
         per_k = 1e6 * cpu / max(1, sum(r.tokens for r in routed))
@@ -437,6 +471,13 @@ def main(argv: list[str] | None = None) -> list[Figure]:
         default="",
         help='extra flags for the router, e.g. "--queue-policy none" (default: none)',
     )
+    parser.add_argument(
+        "--fronts",
+        default=os.environ.get("BENCH_VLLM_STOCK_FRONTS", ""),
+        metavar="grpcio,h2",
+        help="one router per --grpc-server value given (comma-separated), each a side of the same paired "
+        "rounds (default: $BENCH_VLLM_STOCK_FRONTS, else one router with the default server)",
+    )
     options = parser.parse_args([] if argv is None else argv)
     per_stream = dict(WORKLOAD)
     try:
@@ -449,6 +490,11 @@ def main(argv: list[str] | None = None) -> list[Figure]:
         parser.error(f"--rounds {options.rounds}: must be within 1-100")
     if options.engine != "real" and not options.engine.startswith("synthetic"):
         parser.error(f"--engine {options.engine!r}: expected real or synthetic:STEP_MS")
+    fronts = [f for f in options.fronts.split(",") if f]
+    from router.server import GRPC_SERVERS
+
+    if any(f not in GRPC_SERVERS for f in fronts) or len(set(fronts)) != len(fronts):
+        parser.error(f"--fronts {options.fronts!r}: distinct values among {', '.join(GRPC_SERVERS)}")
     workload = tuple((c, per_stream[c]) for c in wanted)
     streams = " / ".join(str(c) for c, _ in workload)
     what = f"stock vLLM gRPC engine through the router vs direct, {streams} streams"
@@ -459,7 +505,14 @@ def main(argv: list[str] | None = None) -> list[Figure]:
     with tempfile.TemporaryDirectory(prefix="bench-vllm-stock-") as tmp:
         try:
             pairs = asyncio.run(
-                _run(Path(tmp), options.engine, options.rounds, workload, shlex.split(options.router_args))
+                _run(
+                    Path(tmp),
+                    options.engine,
+                    options.rounds,
+                    workload,
+                    shlex.split(options.router_args),
+                    fronts or None,
+                )
             )
         except RuntimeError as exc:
             print(f"the stock-engine benchmark failed: {exc}")
@@ -475,11 +528,17 @@ def main(argv: list[str] | None = None) -> list[Figure]:
         "(own process) → vLLM's gRPC; ratio and TTFT added are per round (router vs direct back to back), "
         "summarized as the median over rounds (min–max)"
     )
-    text, lines = summarize(pairs, workload)
-    for line in lines:
-        print(line)
-    print(text)
-    return [Figure(what, text)]
+    figures = []
+    for front in fronts or [""]:
+        side = f"router-{front}" if front else "router"
+        text, lines = summarize(pairs, workload, side)
+        if front:
+            print(f"--grpc-server {front}:")
+        for line in lines:
+            print(line)
+        print(text)
+        figures.append(Figure(f"{what} (--grpc-server {front})" if front else what, text))
+    return figures
 
 
 if __name__ == "__main__":

@@ -51,6 +51,7 @@ from router.core.rng import PeekableRandom
 from router.core.scheduler import Scheduler
 from router.core.slicing import SliceConfig
 from router.forward import WORKER_STREAMS, WorkerClient
+from router.h2_server import H2Server, HealthState, router_methods
 from router.http_edge import RouterBackend, add_http_edge_arguments, edge_limits_from_args, start_http_edge
 from router.kv_events import KvEventFeed
 from router.legs import MAX_RELAY_HOLD_S
@@ -88,6 +89,9 @@ ROUTER_SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.server.max_pending_requests_hard_limit", MAX_PENDING_CALLS),
 )
 DEFAULT_LISTEN = "127.0.0.1:50051"
+#: What serves the Router service (``--grpc-server``); the first is the default: ``h2``, or
+#: ``grpcio`` when the service is served over TLS (:func:`resolve_grpc_server`).
+GRPC_SERVERS = ("auto", "grpcio", "h2")
 DEFAULT_PROFILE_DIR = Path(__file__).resolve().parent.parent / "profiling_data" / "qwen2.5-7b-2xv100-linear"
 
 
@@ -95,7 +99,8 @@ DEFAULT_PROFILE_DIR = Path(__file__).resolve().parent.parent / "profiling_data" 
 class RouterServer:
     """A running router. ``address`` is ``host:port`` with the port actually bound."""
 
-    server: grpc.aio.Server
+    #: The Router service's server: ``grpc.aio``'s, or the router's own (``--grpc-server h2``).
+    server: grpc.aio.Server | H2Server
     service: RouterService
     scheduler: Scheduler
     admission: Admission
@@ -208,6 +213,7 @@ async def start_router_server(
     http_limits: EdgeLimits | None = None,
     worker_token: str | None = None,
     worker_keepalive: tuple[float, float] = (DEFAULT_KEEPALIVE_S, DEFAULT_KEEPALIVE_TIMEOUT_S),
+    grpc_server: str = GRPC_SERVERS[0],
 ) -> RouterServer:
     """Serve the Router service on ``listen`` over ``reader``'s view; starts the reader too.
 
@@ -224,9 +230,12 @@ async def start_router_server(
     the workers (:data:`router.forward.WORKER_STREAMS`); ``vllm_stream_interval_s`` and
     ``vllm_stream_messages_per_s`` pace the relay of a stock vLLM engine's tokens
     (:class:`router.legs.RelayPacer`); ``vllm_transport`` says how their streams are read
-    (:data:`router.vllm_grpc.VLLM_TRANSPORTS`). Raises ``OSError`` when an address
-    cannot be bound.
+    (:data:`router.vllm_grpc.VLLM_TRANSPORTS`). ``grpc_server`` says what serves the Router
+    service (:data:`GRPC_SERVERS`: ``h2``, :mod:`router.h2_server`, cleartext only; ``grpcio``;
+    ``auto``, either as :func:`resolve_grpc_server` says). Raises ``OSError`` when an address cannot be bound.
     """
+    check_grpc_server(grpc_server, tls is not None)
+    grpc_server = resolve_grpc_server(grpc_server, tls is not None)
     observer = observer or RequestObserver()
     # With worker_token every call to a worker carries it (cms.call_auth; workers refuse without it).
     pool = ChannelPool(
@@ -267,20 +276,33 @@ async def start_router_server(
         observer=observer,
         admission=admission,
     )
-    server, port = await bind_server(
-        listen,
-        ROUTER_SERVER_OPTIONS,
-        max_receive_bytes=limits.SERVING_MAX_MESSAGE_BYTES,
-        max_send_bytes=limits.SERVING_MAX_MESSAGE_BYTES,
-        tls=tls,
-        reuse_port=reuse_port,
-    )
-    router_pb2_grpc.add_RouterServicer_to_server(service, server)
-    health_servicer = add_health_and_reflection(server, SERVICE_NAME)
-    for name in (SERVICE_NAME, ""):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    await reader.start()
-    await server.start()
+    server: grpc.aio.Server | H2Server
+    health_servicer: Any
+    if grpc_server == "h2":
+        health_servicer = HealthState()
+        for name in (SERVICE_NAME, ""):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        server = H2Server(
+            router_methods(service, health_servicer, SERVICE_NAME),
+            max_message_bytes=limits.SERVING_MAX_MESSAGE_BYTES,
+        )
+        port = await server.start(listen, reuse_port=reuse_port)
+        await reader.start()
+    else:
+        server, port = await bind_server(
+            listen,
+            ROUTER_SERVER_OPTIONS,
+            max_receive_bytes=limits.SERVING_MAX_MESSAGE_BYTES,
+            max_send_bytes=limits.SERVING_MAX_MESSAGE_BYTES,
+            tls=tls,
+            reuse_port=reuse_port,
+        )
+        router_pb2_grpc.add_RouterServicer_to_server(service, server)
+        health_servicer = add_health_and_reflection(server, SERVICE_NAME)
+        for name in (SERVICE_NAME, ""):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await reader.start()
+        await server.start()
     observer.bind_gauges(
         placer.instance_counts,
         lambda: len(scheduler.inflight),
@@ -353,6 +375,40 @@ def _kv_event_feed(
 ABANDON_WAIT_S = 5.0
 #: Default ``--drain-timeout-s``.
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
+
+
+def add_grpc_server_argument(parser: argparse.ArgumentParser) -> None:
+    """``--grpc-server`` (``router`` and ``up``)."""
+    parser.add_argument(
+        "--grpc-server",
+        metavar="{" + ",".join(GRPC_SERVERS) + "}",
+        default=GRPC_SERVERS[0],
+        help="what serves the Router gRPC service on --listen: h2, the router's own HTTP/2 server "
+        "(cleartext only; Generate, Schedule, health and reflection as with grpcio), which writes "
+        "every stream's messages of one event-loop pass in one system call and takes in every call "
+        "of a network read at once: 15-40%% less router CPU per relayed token than grpcio at 16-64 "
+        "streams and a shorter intake of bursts, with the whole router test suite passing on it "
+        "(docs/vllm-grpc.md); grpcio, gRPC's own grpc.aio server (TLS); auto: h2, or grpcio with "
+        "--tls-cert (default: %(default)s)",
+    )
+
+
+def resolve_grpc_server(value: str, tls: bool) -> str:
+    """The server ``--grpc-server`` names: ``auto`` is ``h2``, or ``grpcio`` when serving TLS."""
+    if value == "auto":
+        return "grpcio" if tls else "h2"
+    return value
+
+
+def check_grpc_server(value: str, tls: bool) -> None:
+    """``--grpc-server`` names a server, and h2 is not asked for TLS (``ValueError`` naming the flags)."""
+    if value not in GRPC_SERVERS:
+        raise ValueError(f"--grpc-server {value!r}: must be one of {', '.join(GRPC_SERVERS)}")
+    if value == "h2" and tls:
+        raise ValueError(
+            "--grpc-server h2 serves cleartext HTTP/2 only: drop --tls-cert/--tls-key, or use "
+            "--grpc-server grpcio for TLS"
+        )
 
 
 def add_drain_argument(parser: argparse.ArgumentParser) -> None:
@@ -641,6 +697,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_worker_streams_argument(parser)
     add_keepalive_arguments(parser)
     add_drain_argument(parser)
+    add_grpc_server_argument(parser)
     parser.add_argument(
         "--worker-first-message-timeout-s",
         type=float,
@@ -822,6 +879,7 @@ def plan_from_args(args: argparse.Namespace) -> RouterPlan:
     keepalive_from_args(args)
     check_drain_timeout(args)
     check_worker_streams(args)
+    check_grpc_server(args.grpc_server, bool(args.tls_cert))
     outlier = outlier_config(args)
     slice_config = slice_config_from_args(args)
     predictors = build_predictors(args)
@@ -958,6 +1016,7 @@ async def start_from_args(args: argparse.Namespace, plan: RouterPlan | None = No
             http_limits=plan.http_limits,
             worker_token=worker_token,
             worker_keepalive=keepalive_from_args(args),
+            grpc_server=args.grpc_server,
         )
     except BaseException:
         for resource in reversed(owned):

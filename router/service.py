@@ -91,6 +91,17 @@ def _error_code(exc: RouterError) -> grpc.StatusCode:
 _STATUS = {code.name: code for code in grpc.StatusCode}
 
 
+def call_status(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
+    """The gRPC status a call that raised ``exc`` ends with (None: not one of the service's own
+    errors). Every gRPC front door (the ``grpc.aio`` servicer, :mod:`router.h2_server`) maps with it."""
+    if isinstance(exc, RouterError):
+        return _error_code(exc), str(exc)
+    if isinstance(exc, LegError):
+        # The worker refused the request itself (not an instance failure): pass its verdict on.
+        return exc.code, f"worker {exc.instance_id}: {exc.details}"
+    return None
+
+
 #: The finish reason a worker gives a request it aborted.
 _ABORT = "abort"
 
@@ -343,12 +354,16 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self, request: router_pb2.ScheduleRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> router_pb2.ScheduleResponse:
         try:
-            queue = self._admission.dry_run_queue()
-            prepared = self._prepare(request.request, dry_run=True)
-            top = request.explain_top
-            return self._placer.dry_run(prepared, queue, explain=request.explain or top > 0, explain_top=top)
+            return self.schedule(request)
         except RouterError as exc:
             await context.abort(_error_code(exc), str(exc))
+
+    def schedule(self, request: router_pb2.ScheduleRequest) -> router_pb2.ScheduleResponse:
+        """The ``Schedule`` dry run without a gRPC context (every front door's); raises :class:`RouterError`."""
+        queue = self._admission.dry_run_queue()
+        prepared = self._prepare(request.request, dry_run=True)
+        top = request.explain_top
+        return self._placer.dry_run(prepared, queue, explain=request.explain or top > 0, explain_top=top)
 
     # ------------------------------------------------------------------ Generate
 
@@ -361,11 +376,9 @@ class RouterService(router_pb2_grpc.RouterServicer):
             async with contextlib.aclosing(self.generate(request)) as messages:
                 async for message in messages:
                     yield message.message()
-        except RouterError as exc:
-            await context.abort(_error_code(exc), str(exc))
-        except LegError as exc:
-            # The worker refused the request itself (not an instance failure): pass its verdict on.
-            await context.abort(exc.code, f"worker {exc.instance_id}: {exc.details}")
+        except (RouterError, LegError) as exc:
+            code, details = call_status(exc) or (grpc.StatusCode.UNKNOWN, str(exc))
+            await context.abort(code, details)
 
     async def generate(self, request: router_pb2.GenerateRequest) -> AsyncGenerator[Generated, None]:
         """Run one request end to end; the path every front door (gRPC, HTTP) shares.

@@ -54,8 +54,10 @@ from router.server import (
     DEFAULT_PROFILE_DIR,
     RouterServer,
     add_drain_argument,
+    add_grpc_server_argument,
     add_worker_streams_argument,
     check_drain_timeout,
+    check_grpc_server,
     check_worker_streams,
     qlm_config,
     queue_config,
@@ -315,6 +317,7 @@ def plan_cluster(args: argparse.Namespace) -> ClusterPlan:
     if not 0 <= args.metrics_port <= 65535:
         raise ValueError(f"--metrics-port {args.metrics_port}: must be a port 0-65535 (0 = off)")
     check_drain_timeout(args)
+    check_grpc_server(args.grpc_server, tls=False)
     config = scheduler_config(args)
     if (
         prefix_block
@@ -415,6 +418,7 @@ async def start_cluster(args: argparse.Namespace, plan: ClusterPlan | None = Non
             http_limits=plan.http_limits,
             worker_token=read_worker_token(str(secrets.worker_call_token)),
             worker_keepalive=plan.worker_keepalive,
+            grpc_server=args.grpc_server,
         )
     except BaseException:
         await stop_workers(workers)
@@ -538,6 +542,7 @@ def register(subparsers: Any) -> None:
     add_http_edge_arguments(parser)
     add_keepalive_arguments(parser)
     add_drain_argument(parser)
+    add_grpc_server_argument(parser)
     parser.add_argument(
         "--worker-stream-interval-ms",
         type=float,

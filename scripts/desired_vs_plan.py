@@ -2,7 +2,8 @@
 
 For each ``WORKLOAD:RATE`` (a preset, a mix, or ``trace:FILE`` with its gaps scaled to RATE):
 ``plan`` finds the PD fleet meeting 95 % attainment (``--plan-requests`` requests, ``--policy``
-as ``slo-router plan --policy`` takes it, ``slo`` by default as there), then a seeded simulation
+as ``slo-router plan --policy`` takes it, ``slo`` by default as there; the router queue
+``--queue-policy``, ``edf`` by default as the router runs it), then a seeded simulation
 of ``N`` requests on that fleet, placed by the same policy, reports ``slo_router_desired_instances`` as the router
 would export it at the last arrival (``router.core.worker_count.DesiredInstances``).
 
@@ -54,6 +55,13 @@ def main() -> None:
         "before 30 Nov this script ran SchedulerConfig()'s own default, load-balance)",
     )
     parser.add_argument(
+        "--queue-policy",
+        default="edf",
+        help="router queue of the plan's simulations and of the run, the same for both (default: %(default)s, "
+        "the router's; before 30 Nov the plan ran none, `slo-router plan`'s default for slo, while the run "
+        "ran edf, so the plan sized a fleet that refuses what the signal's fleet queues)",
+    )
+    parser.add_argument(
         "--window",
         action="store_true",
         help="plan on the signal's own window: the N requests, those of the last minute scored",
@@ -80,6 +88,7 @@ def main() -> None:
                 num_requests=args.requests if args.window else args.plan_requests,
                 requests=plans if args.window else trace.plans(args.plan_requests, rate),
                 warmup_s=_window_start(plans) if args.window else 0.0,
+                queue_policy=args.queue_policy,
             )
         else:
             workload = load_workload(name)
@@ -94,12 +103,15 @@ def main() -> None:
                 seed=args.seed,
                 requests=plans if args.window else None,
                 warmup_s=_window_start(plans) if args.window else 0.0,
+                queue_policy=args.queue_policy,
             )
         prefill, decode = (
             (planned[0], planned[1]) if isinstance(planned, tuple) else (planned.prefill, planned.decode)
         )
         fleet = SimFleet(fleet_from_counts(prefill=prefill, decode=decode))
-        outcome = simulate(fleet, config, plans, seed=args.seed, queue=QueueConfig(queue_policy="edf"))
+        outcome = simulate(
+            fleet, config, plans, seed=args.seed, queue=QueueConfig(queue_policy=args.queue_policy)
+        )
         d = outcome.desired
         assert d is not None
         source = f"Eq. 7 over {d.heartbeats} heartbeats" if d.fitted else "fluid"

@@ -13,6 +13,11 @@ figure leaves work that no instance has time for, whatever goes where.
 Read against ``slo-router plan``: where the planned count is the bound rounded up, no policy can
 save an instance there; where it is well above, the fleet is sized by latency (queues, prefill
 stalls beside decodes), which is where placement can matter.
+
+``--step-ms S`` adds the requests judged end to end whose deadline their own prompt and answer
+cannot keep: the prompt's prefill alone plus one decode step per further token, on an idle
+instance (batch 1) and at a step of S ms (a loaded fleet's, e.g. its measured TPOT p50). Those
+miss wherever they go once every instance steps at S: a floor on the misses of that fleet.
 """
 
 from __future__ import annotations
@@ -35,7 +40,14 @@ def main() -> None:
     )
     parser.add_argument("points", nargs="+", metavar="WORKLOAD:RATE[:SEED[:KV]]")
     parser.add_argument("--num-requests", type=int, help="requests drawn per point (default: 60 x the rate)")
+    parser.add_argument(
+        "--step-ms",
+        type=float,
+        help="also count the e2e-judged requests too long for their deadline at this decode step (ms)",
+    )
     args = parser.parse_args()
+    if args.step_ms is not None and not (0 < args.step_ms < 1e5):
+        parser.error(f"--step-ms {args.step_ms}: must be within (0, 1e5) ms")
     predictor = SimFleet(fleet_from_counts(neutral=1)).predictors.default
     tpot_ms = SchedulerConfig().tpot_slo_ms
     for point in args.points:
@@ -79,6 +91,20 @@ def main() -> None:
             f"{prefill:.2f} prefill + {decode:.2f} decode instances, {prefill + decode:.2f} neutral",
             flush=True,
         )
+        if args.step_ms is not None:
+            judged = [p for p in plans if p.slo.e2e_ms]
+            idle = at_step = 0
+            for p in judged:
+                prefill_ms = float(predictor.ttft_profile.grid(float(p.prompt_tokens)))
+                steps = max(p.true_output_tokens - 1, 0)
+                alone = float(predictor.predict_tpot_ms(1.0, float(p.prompt_tokens + p.true_output_tokens)))
+                idle += prefill_ms + steps * alone > (p.slo.e2e_ms or 0.0)
+                at_step += prefill_ms + steps * args.step_ms > (p.slo.e2e_ms or 0.0)
+            print(
+                f"  judged end to end: {len(judged)} of {len(plans)}; past their deadline on an idle instance "
+                f"{idle}, at a {args.step_ms:g} ms step {at_step}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -106,6 +106,8 @@ class SliceOutcome:
     stats: SimStats
     figures: SliceFigures
     wall_s: float
+    #: The dispatcher's counts (slices, batches, resumed, moved, shortened, waited, ...).
+    counters: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 def simulate_slices(
@@ -146,7 +148,7 @@ def simulate_slices(
     # A slice placement is a health check on the instance the offloader chose; the decisions a
     # report counts are the batcher's.
     stats = dataclasses.replace(outcome.stats, decisions=counters.get("batches", 0))
-    return SliceOutcome(outcome.results, outcome.duration_s, stats, figures, outcome.wall_s)
+    return SliceOutcome(outcome.results, outcome.duration_s, stats, figures, outcome.wall_s, dict(counters))
 
 
 def request_figures(fleet: SimFleet, results: Sequence[RequestResult]) -> SliceFigures:

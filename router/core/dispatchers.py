@@ -42,6 +42,7 @@ from router.core.dispatch import (
 from router.core.errors import (
     ConfigError,
     EmptyClusterError,
+    LateError,
     QueueFullError,
     QueueTimeoutError,
     RouterError,
@@ -563,9 +564,29 @@ class Qlm:
                 out.append(Action(Outcome.EVICT, r.request, r.token, event="evicted", tokens=tokens))
             return tokens
 
+        for r in qlm.lapsed(now, self._late_allowance()):
+            out.append(self._lapse(r))
         for dispatch in qlm.pump(now, evict):
             out.append(self._dispatch(dispatch.request, dispatch.instance, now, fleet))
         return out
+
+    def _late_allowance(self) -> float:
+        """How many of its targets past its deadline a late request may still be served (the router queue's
+        ``--late-allowance``; none under ``--late-policy reject``)."""
+        queue = self.setup.queue
+        return queue.late_allowance if queue.late_policy == "serve" else 0.0
+
+    def _lapse(self, r: QlmRequest) -> Action:
+        """Refuse queued ``r``, which can no longer be served within its late allowance (:meth:`QlmQueue.lapsed`)."""
+        kind = "e2e" if r.e2e_only else "TTFT"
+        target_ms = (r.deadline_s - r.arrival_s) * 1e3
+        error = LateError(
+            f"request {r.request_id!r} cannot meet its {kind} target of {target_ms:.0f} ms: started now, its "
+            f"{'completion' if r.e2e_only else 'first token'} would come more than {self._late_allowance():g}x "
+            "that target past its deadline (--late-allowance); "
+            "relax the target, retry later or add capacity"
+        )
+        return Action(Outcome.REFUSE, r.request, r.token, error=error, event="rejected")
 
     def _dispatch(self, r: QlmRequest, instance: int, now: float, fleet: Fleet) -> Action:
         """The placement on the instance the plan chose (a decision like any other, so it is recorded)."""

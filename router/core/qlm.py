@@ -69,6 +69,15 @@ The pieces, and how they are adapted to this router:
   to the prompt and ``max_tokens`` reduced by as many, so the client's stream
   loses and repeats nothing. Only e2e-only requests are evicted: a request
   judged on TTFT/TPOT streams to a reader, and a pause would break its TPOT.
+  For a TTFT-judged head (this router's adaptation) a victim must still meet
+  its deadline re-run behind the instance's whole virtual queue, not only
+  behind the head (see :meth:`QlmQueue._start_behind`).
+
+Late requests: the paper serves a group the plan expects late last; here,
+as in the router queue, a request past its deadline that could no longer be
+served within ``--late-allowance`` of its target beyond it is refused
+(:meth:`QlmQueue.lapsed`): past capacity, served last still took a batch's
+room from requests that could meet theirs.
 
 Not built: model swapping and warm start (one model per fleet here), GPU–CPU
 state swapping (the engines have no such operation).
@@ -503,6 +512,9 @@ class QlmRequest:
     #: (nan: no step model); with the one at its end, what its tokens are expected to cost
     #: (:meth:`QlmQueue._learn_inefficiency`).
     step0_s: float = math.nan
+    #: Its instance's decode clock (:meth:`QlmQueue._clock_at`) when its first token was due: the tokens it
+    #: has generated since are the clock's advance (see :meth:`QlmQueue._progress`).
+    clock0: float = math.nan
 
     @property
     def request_id(self) -> str:
@@ -1028,6 +1040,17 @@ class QlmQueue:
         #: its last batch sample: one sample per batch, however often the caller pumps (see
         #: :meth:`_observe_batch`).
         self.batch_changes = [0] * len(models)
+        #: Per instance: its decode clock, the tokens one request decoding there since the start would have
+        #: generated: ``_clock`` at ``_clock_s``, then one token per ``_clock_step`` s, the step of the
+        #: batch running (set at each change of it). See :meth:`_clock_at`.
+        self._clock = [0.0] * len(models)
+        self._clock_s = [0.0] * len(models)
+        self._clock_step = [math.inf] * len(models)
+        #: Queued requests by deadline (deadline, sequence, id; lazily pruned): the late path's candidates.
+        self._deadlines: list[tuple[float, int, str]] = []
+        self._deadline_seq = 0
+        #: Queued requests whose deadline has passed (the late path checks these on every call).
+        self._overdue: dict[str, QlmRequest] = {}
         self.batch_sampled = [-1] * len(models)
         self.pure_step = [m.decode_step_s for m in models]
         self.default_ttft_ms = default_ttft_ms
@@ -1193,6 +1216,9 @@ class QlmQueue:
             group.members.append(r)
         r.group = group.gid
         self.queued[r.request_id] = r
+        if not r.resumed:
+            heapq.heappush(self._deadlines, (r.deadline_s, self._deadline_seq, r.request_id))
+            self._deadline_seq += 1
         if len(group.members) >= group.bound:
             group.closed = True
         self._check(now_s)
@@ -1350,35 +1376,69 @@ class QlmQueue:
                 out.extend(self._pull_urgent(i, now_s))
         return out
 
+    def _clock_at(self, i: int, now_s: float) -> float:
+        """Instance ``i``'s decode clock at ``now_s``: the tokens one request decoding there since the start
+        would have generated, each step as long as the batch running then was predicted to take."""
+        return self._clock[i] + max(now_s - self._clock_s[i], 0.0) / self._clock_step[i]
+
+    def _advance(self, i: int, now_s: float) -> None:
+        """Bring instance ``i``'s decode clock to ``now_s`` (before its batch changes)."""
+        self._clock[i] = self._clock_at(i, now_s)
+        self._clock_s[i] = max(now_s, self._clock_s[i])
+
+    def _reclock(self, i: int) -> None:
+        """Instance ``i``'s batch changed: its clock runs at the step of the new batch from here on (its count
+        and the tokens it holds, times the learned inefficiency)."""
+        model = self.models[i]
+        run = self.running[i]
+        step = model.decode_step_s
+        if model.step_s is not None and run:
+            step = model.step_s(len(run), self._tokens_now(run.values())) * self.inefficiency[i]
+        self._clock_step[i] = max(step, 1e-6)
+
     def _progress(self, now_s: float) -> None:
         """How far each running request has got, a lower bound on its length: for its KV at its end
         (:meth:`_kv`, every pump) and, under ``--qlm-lengths censored``, for the output statistics (at
         most every :data:`PROGRESS_EVERY_S`: each update re-estimates the classes running).
 
-        The router's clock is what the queue knows of a running request: the tokens it has generated
-        are its time since dispatch less its prefill, over the decode step of the batch running now
-        (the learned inefficiency included), plus what it generated before an eviction. No figure of the request's own length enters. The fraction is floored to
-        :data:`PROGRESS_STEPS` steps of ``max_tokens``: a pure function of the clock, so the router
-        (pumping on every status push) and the simulator (on its engines' events) see the same value at
+        The router's clock is what the queue knows of a running request: the tokens an e2e request has
+        generated are its instance's decode clock's advance since its prefill (:meth:`_clock_at`: each
+        stretch of time over the predicted step of the batch that ran then, the learned inefficiency
+        included), a stream's its time since dispatch less its prefill over the step of the batch
+        running now, plus what it generated before an eviction. No figure of the request's own length enters. The
+        fraction is floored to :data:`PROGRESS_STEPS` steps of ``max_tokens``: a function of the clock
+        and of the batch changes, so the router (pumping on every status push) and the simulator (on
+        its engines' events) see the same value at
         the same moment, and :meth:`_kv`'s memo is recomputed at most that many times a request.
         """
         censored = self.stats.censored and now_s - self._progress_s >= PROGRESS_EVERY_S
         if censored:
             self._progress_s = now_s
         for i, run in enumerate(self.running):
+            # An e2e request's tokens since its first was due: the advance of its instance's decode
+            # clock, each stretch of time at the step of the batch that ran then (Eq. 4's d for these
+            # requests, the learned inefficiency included). The step of the batch running *now* over
+            # the whole time since dispatch lagged the tokens really generated whenever the batch had
+            # grown since (a request that started beside few others ran faster than the full batch's
+            # step says): at 6 instances, 30 req/s, 57 requests counted 61.7k tokens where the engine
+            # held over 65.5k, the pulls went on, and the engine preempted (docs/papers.md). The clock
+            # changes step only when the batch changes (a dispatch, an end, an eviction): the same
+            # events in the router and the simulator, so both count the same progress at the same
+            # moment. A stream's progress is still read at the step of the batch running now: the
+            # clock for streams too cost chat alone 2.4 points and two TTFT classes beside batch work
+            # 1.1 (their step and stall rules, :meth:`_room`, judge a stream's tokens left from it and
+            # turned stricter), while the preemptions it cures came from batches of e2e work.
+            clock = self._clock_at(i, now_s)
             model = self.models[i]
-            # The step of the batch running now (its count, the tokens it holds), times the learned
-            # inefficiency: Eq. 4's d for these requests. The average batch's step (the estimator's
-            # slot model) ran ahead of a smaller batch's clock, so progress lagged the tokens really
-            # generated (187 counted against 223 on a KV-full instance at 6 instances, 30 req/s), the
-            # long answers were counted short at their end, and the engine preempted 2-4 times per
-            # 2,400 requests where edf never does (docs/papers.md).
             step = model.decode_step_s
             if model.step_s is not None and run:
                 step = model.step_s(len(run), self._tokens_now(run.values())) * self.inefficiency[i]
             for r in run.values():
-                decoding = now_s - r.dispatched_s - model.prefill_s(r.prompt_tokens)
-                tokens = r.generated + max(decoding, 0.0) / max(step, 1e-6)
+                if r.e2e_only or r.resumed:
+                    tokens = r.generated + max(clock - r.clock0, 0.0)
+                else:
+                    decoding = now_s - r.dispatched_s - model.prefill_s(r.prompt_tokens)
+                    tokens = r.generated + max(decoding, 0.0) / max(step, 1e-6)
                 reached = math.floor(tokens / max(r.request.max_tokens, 1) * PROGRESS_STEPS) / PROGRESS_STEPS
                 r.reached = max(r.reached, min(reached, 1.0))
                 if censored:
@@ -1422,9 +1482,14 @@ class QlmQueue:
         if src == i:
             group.pinned = i
         del self.queued[r.request_id]
+        self._overdue.pop(r.request_id, None)
         r.instance, r.dispatched_s = i, now_s
+        self._advance(i, now_s)
         self.running[i][r.request_id] = r
         self.batch_changes[i] += 1
+        self._reclock(i)
+        # Its first decode step comes after its prefill, counted at the new batch's step.
+        r.clock0 = self._clock[i] + self.models[i].prefill_s(r.prompt_tokens) / self._clock_step[i]
         self.stats.started(r.request.slo_class, r.request_id)
         step = self.base_models[i].step_s
         if step is not None:
@@ -1488,7 +1553,13 @@ class QlmQueue:
         # moment it arrives (counting the running ones in it left none free half the time: at 20 req/s with
         # the chat class, 91.8 % against 98.7 %).
         if model.kv_tokens and held + tokens > model.kv_tokens:
-            return False
+            if not (
+                tokens > 0 and held <= model.kv_tokens and self._reserve_costs(i, run, r, held, tokens, now_s)
+            ):
+                return False
+            # The reserve would cost ``r`` its deadline: it yields (and the streams' step bound below is
+            # taken without it).
+            seqs = tokens = 0.0
         if model.step_s is None:
             return True
         # TPOT-judged requests waiting in this instance's virtual queue will join this batch: it must
@@ -1569,6 +1640,44 @@ class QlmQueue:
                 and not self._joinable(i, r, stall1, step, now_s)
             ):
                 return False
+        return True
+
+    def _reserve_costs(
+        self,
+        i: int,
+        run: Sequence[QlmRequest],
+        r: QlmRequest,
+        held: float,
+        tokens: float,
+        now_s: float | None,
+    ) -> bool:
+        """Would e2e ``r``, held back for the streams' reserve on instance ``i``, miss its deadline waiting for
+        the room, where pulled now (it fits without the reserve) it would meet it?
+
+        The reserve keeps a seat for a stream that has not arrived; the paper's rule for a request that
+        cannot be pulled is to act when the estimator predicts it would miss waiting and meet if started
+        now (§5, eviction). Past capacity a reserve held against every e2e pull is a trade of a request
+        waiting now, on time, for a stream to come: with long-prompt streams (TTFT 2 s) beside a 45 s
+        e2e class the reserve (Little's law, about as many streams again as were running) held ~30k of
+        a 65k cache, and the e2e class fell to 29.5 % where ``edf`` met 91.9 (docs/papers.md). So the
+        reserve yields to a request that the estimator says would miss waiting for it (the running
+        requests end in the order the estimator expects, at its confidence, until the batch without
+        them leaves ``r`` and the reserve room) and would meet its deadline pulled now (its whole
+        duration at the confidence quantile). A request with slack to wait still waits, and the streams
+        keep their seats (two TTFT classes beside 240 s batch work: 95.2 % against 95.4).
+        """
+        if now_s is None:
+            return False
+        model = self.models[i]
+        _, _, _, whole_q = self.estimator.duration(model, r)
+        if now_s + whole_q > r.deadline_s:
+            return False  # it misses even pulled now: the reserve costs it nothing
+        need = held + tokens - model.kv_tokens
+        freed = 0.0
+        for end, kv in sorted((self.estimator.remaining(model, x, now_s)[1], self._kv(x)[0]) for x in run):
+            freed += kv
+            if freed >= need:
+                return now_s + end + whole_q > r.deadline_s
         return True
 
     def _prefill_backlog_s(self, i: int, run: Iterable[QlmRequest], now_s: float) -> float:
@@ -1938,12 +2047,39 @@ class QlmQueue:
         _, rest_q = self.estimator.remaining(model, r, now_s)
         return now_s + rest_q > r.deadline_s
 
-    def _start_behind(self, i: int, group: Group, now_s: float) -> float:
-        """When a request queued right behind ``group`` on instance ``i`` would start (relative quantile)."""
+    def _start_behind(
+        self,
+        i: int,
+        group: Group,
+        now_s: float,
+        running: Sequence[QlmRequest] | None = None,
+        before: Sequence[QlmRequest] = (),
+    ) -> float:
+        """When a request evicted on instance ``i`` for ``group`` would start again (relative quantile).
+
+        For an e2e-only group, the paper's setting, right behind it: the victim is queued there. For a
+        TTFT-judged group (this router's adaptation), once the instance has run everything it holds and
+        everything queued for it (at the confidence quantile): a stream is evicted for where streams
+        keep arriving, each one that comes goes before the victim (the streams' reserve, their pull
+        rules), and the victim must lose no deadline whatever comes first. Judged right behind the
+        stream, victims of a 45 s class were evicted for long-prompt streams (TTFT 2 s) 76 times over 3
+        seeds and most then missed: rag + reports 64.8 % against 73.9 % with no eviction for streams,
+        support + translate + archive 90.9 against 91.4 (docs/papers.md); judged behind the queue
+        alone, still 66 times on one seed (64.2 %). A loose victim with minutes of slack still yields
+        to a stream stuck behind a full engine (``tests/sim/test_sim_qlm.py``).
+        """
         model = self.models[i]
-        slots = self.estimator.slots(model, list(self.running[i].values()), now_s)
-        self.estimator.place(model, slots, group, now_s)
-        return slots.take(0.0, 0.0)[1]
+        if running is None:
+            running = list(self.running[i].values())
+        slots = self.estimator.slots(model, running, now_s)
+        for v in before:  # evicted before it: they restart first
+            slots.take(*self._restart(model, v, now_s))
+        ahead = [group]
+        if not group.e2e_only:
+            ahead += [self.groups[g] for g in self.vqs[i] if g != group.gid and g in self.groups]
+        for g in ahead:
+            self.estimator.place(model, slots, g, now_s)
+        return slots.take(0.0, 0.0)[1] if group.e2e_only else slots.finish_q()
 
     def _evict(self, i: int, now_s: float, evict: Evict) -> bool:
         """Request eviction (§5): the head group's next request cannot be pulled (no KV room), would miss its
@@ -1978,7 +2114,10 @@ class QlmQueue:
         gone: set[str] = set()
         for r in evictable:
             others = [x for x in running if x.request_id not in gone and x is not r]
-            if not self._survives(r, head, now_s, others, victims):
+            # Where it restarts: right behind an e2e head (the paper's setting), once the instance has
+            # run everything else for a stream (:meth:`_start_behind`).
+            behind = None if head.e2e_only else self._start_behind(i, head, now_s, others, victims)
+            if not self._survives(r, head, now_s, others, victims, start_q=behind):
                 continue
             victims.append(r)
             gone.add(r.request_id)
@@ -1991,8 +2130,10 @@ class QlmQueue:
             total = evict(r, i)
             if total is None:
                 continue
+            self._advance(i, now_s)
             del self.running[i][r.request_id]
             self.batch_changes[i] += 1
+            self._reclock(i)
             self.evictions += 1
             done = True
             kept = max(min(total, r.request.max_tokens - 1), r.generated)
@@ -2024,8 +2165,11 @@ class QlmQueue:
                 # The batch's step as it ends: the others where they have got, this one at its whole output.
                 tokens = self._tokens_now(run.values()) - r.reached * r.request.max_tokens + output_tokens
                 step1 = step(len(run), tokens)
+            if now_s is not None:
+                self._advance(i, now_s)
             del run[request_id]
             self.batch_changes[i] += 1
+            self._reclock(i)
             if output_tokens is None:
                 self.stats.dropped(r.request.slo_class, request_id)
             else:
@@ -2064,11 +2208,50 @@ class QlmQueue:
         self.inefficiency[i] = 0.9 * self.inefficiency[i] + 0.1 * ratio
         self._refresh(i)
 
+    def lapsed(self, now_s: float, allowance: float) -> list[QlmRequest]:
+        """Take out and return the queued requests past their deadline that could no longer be served within
+        ``allowance`` times their target beyond it: the router queue's bounded late path
+        (``--late-allowance``; 0 under ``--late-policy reject``), which ``qlm`` shares.
+
+        The paper serves every request in the end: a group the plan expects late goes last. Past
+        capacity such a group still takes a batch's room whenever nothing on time can be pulled, and
+        its requests, hopeless, are served at the cost of the ones that arrive meanwhile (the streams'
+        tail of the rag + reports mix: 53 long-prompt requests 25 s and more past a 2 s TTFT target
+        prefilled while the 45 s class waited, docs/papers.md). A TTFT-judged request goes once its
+        first token, its prefill started now, would come after its deadline plus ``allowance`` times
+        its TTFT target; an e2e-only one once its completion, started now at the mean, would come after
+        its deadline plus ``allowance`` times its e2e target. Only requests whose deadline has passed
+        are judged (the plan's business before that), and a request evicted before is kept (its first
+        run served the client already). Each call looks at the requests past their deadline only.
+        """
+        heap = self._deadlines
+        while heap and heap[0][0] <= now_s:
+            _, _, rid = heapq.heappop(heap)
+            r = self.queued.get(rid)
+            if r is not None and not r.resumed:
+                self._overdue[rid] = r
+        if not self._overdue:
+            return []
+        model = min(self.models, key=lambda m: m.decode_step_s)
+        out: list[QlmRequest] = []
+        for rid, r in list(self._overdue.items()):
+            if self.queued.get(rid) is not r or r.resumed:
+                del self._overdue[rid]
+                continue
+            pre_m, _, whole_m, _ = self.estimator.duration(model, r)
+            span = r.deadline_s - r.arrival_s
+            if now_s + (whole_m if r.e2e_only else pre_m) > r.deadline_s + allowance * span:
+                removed = self.remove(rid)
+                assert removed is r
+                out.append(r)
+        return out
+
     def remove(self, request_id: str) -> QlmRequest | None:
         """Take a queued request out (cancelled by the client); None if it is not queued."""
         r = self.queued.pop(request_id, None)
         if r is None:
             return None
+        self._overdue.pop(request_id, None)
         self.stats.dropped(r.request.slo_class, request_id)  # evicted before: its length stays unknown
         group = self.groups[r.group]
         group.members.remove(r)

@@ -161,6 +161,8 @@ class Sliced:
             "schedule_points": sched.schedule_points,
             "resumed": sched.resumed,
             "moved": sched.moved,
+            "shortened": sched.shortened,
+            "waited": sched.waited,
         }
 
     def refuse_all(self, error: RouterError) -> list[Action]:
@@ -339,8 +341,14 @@ class Sliced:
         return out
 
     def _is_waiting(self, part: SliceRequest) -> bool:
+        """Whether ``part`` is the slice its request waits with (the scheduler may have shortened it:
+        the same context, fewer tokens)."""
         s = self._slices.get(str(part.key))
-        return s is not None and s.waiting and s.part is part
+        if s is None or not s.waiting or s.part is None:
+            return False
+        return s.part is part or (
+            s.part.context_tokens == part.context_tokens and part.slice_tokens <= s.part.slice_tokens
+        )
 
     def _admit(self, instance: str, now: float, fleet: Fleet) -> list[Action]:
         sched = self.sched
@@ -353,6 +361,7 @@ class Sliced:
                     sched.finish(instance, key, part)  # left while queued: its slice ends unstarted
                     continue
                 s = self._slices[str(part.key)]
+                s.part = part
                 action = self._dispatch(s, instance, key, now, fleet)
                 if action is not None:
                     out.append(action)
@@ -427,10 +436,15 @@ class Sliced:
             sched.finish(instance, key, part, now * 1000.0, produced)
             return [Action(Outcome.QUEUED, s.request, s.token)]
         following = self._part(s)
-        target, new_key, _batch = sched.resume(instance, key, part, following, now * 1000.0, produced)
+        placed_at = sched.resume(instance, key, part, following, now * 1000.0, produced)
         s.part = following
         s.waiting = True
         self._waiting += 1
+        if placed_at is None:
+            # No room for it anywhere now: it waits at its instance's queue head; the leg stops.
+            return [Action(Outcome.QUEUED, s.request, s.token)]
+        target, new_key, batch = placed_at
+        s.part = batch.requests[0]  # its slice, maybe shortened to the room where it runs
         # Staying where it ran, the slice continues its run there: the engine never sees the boundary.
         continues = self.config.continue_in_place and target == instance
         placed = self._dispatch(s, target, new_key, now, fleet, continues)

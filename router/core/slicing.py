@@ -139,6 +139,15 @@ class SliceConfig:
             "starts a new one there (its last partial block prefilled again)"
         ),
     )
+    continue_within_kv: bool = field(
+        default=True,
+        metadata=_doc(
+            "a slice resumed where it ran is admitted only within its instance's KV (the whole cache, times "
+            "the preemption cap; the headroom is kept from new work for it): shortened to the room there, "
+            "else moved where it fits, else it waits, ahead of new work, for the first instance with room; "
+            "False admits it there whatever the plan holds"
+        ),
+    )
     split_batches: bool = field(
         default=True,
         metadata=_doc(
@@ -900,6 +909,11 @@ class SliceScheduler:
         self.schedule_points = 0
         self.resumed = 0
         self.moved = 0
+        #: Resumed slices shortened to the room where they ran, and those that waited for room there.
+        self.shortened = 0
+        self.waited = 0
+        #: Keys of the resumed slices waiting at a queue's head for room (``continue_within_kv``).
+        self._held_back: set[Hashable] = set()
         self.set_instances(instances)
 
     @property
@@ -970,10 +984,17 @@ class SliceScheduler:
         Slices admitted next count at their whole ``context + S`` from now
         (their start waits for their prefill, a delay nobody knows).
         """
+        held = self._held(instance)
+        if held is None:
+            return float(self._planned_kv.get(instance, 0))
+        return kv_peak_of(held)
+
+    def _held(self, instance: str) -> list[tuple[float, float]] | None:
+        """The running slices of ``instance`` as :func:`kv_peak_of` takes them; None without progress."""
         read = self.progress
         running = self._running.get(instance)
         if read is None or not running:
-            return float(self._planned_kv.get(instance, 0))
+            return None
         held: list[tuple[float, float]] = []
         for entry in running.values():
             for r in entry.batch.requests:
@@ -988,7 +1009,7 @@ class SliceScheduler:
                 # The blocks' rounding stays with the slice to its end.
                 now = min(now, final)
                 held.append((float(now + planned - final), float(final - now)))
-        return kv_peak_of(held)
+        return held
 
     def set_instances(self, instances: Sequence[str]) -> None:
         """Follow the fleet: new instances start idle; a removed one's queued batches return to the pool."""
@@ -996,6 +1017,7 @@ class SliceScheduler:
         for gone in [i for i in self._ids if i not in ids]:
             for batch in self._queues.pop(gone):
                 self.pool.extend(batch.requests)
+                self._held_back.difference_update(r.key for r in batch.requests)
             del self._loads[gone]
             # Running slices of a removed instance end through finish() when their streams fail.
             if not self._running[gone]:
@@ -1121,13 +1143,28 @@ class SliceScheduler:
         long it is busy; without it the fit stays as it is.
         """
         queue = self._queues.get(instance)
-        if not queue:
+        if queue is None:
             return []
+        out = self._take_held_back(instance, now) if self._held_back else []
+        if not queue:
+            return out
         running = self._running[instance]
         budget = self.budget_kv(instance)
-        out = []
         while queue:
             batch = queue[0]
+            first = batch.requests[0]
+            if len(batch.requests) == 1 and first.key in self._held_back:
+                # A resumed slice that found no room: it goes on as a running request's continuation
+                # (within the whole KV, shortened to the room), ahead of new work.
+                part = self._fitted(instance, first) if running else first
+                if part is None:
+                    break
+                self._held_back.discard(first.key)
+                queue.pop(0)
+                kv = self.models(instance).memory.request_kv_tokens(part.context_tokens, part.slice_tokens)
+                started = SliceBatch((part,), batch.serve_ms, kv)
+                out.append((self._start(instance, started, now), started))
+                continue
             if running:
                 if not self.config.overlap_batches:
                     break
@@ -1142,6 +1179,33 @@ class SliceScheduler:
                     break
             queue.pop(0)
             out.append((self._start(instance, batch, now), batch))
+        return out
+
+    def _take_held_back(self, instance: str, now: float | None) -> list[tuple[int, SliceBatch]]:
+        """Resumed slices waiting at another instance's queue head that fit ``instance`` now.
+
+        A slice that waited has left its engine (its context is prefilled again wherever it
+        starts), so the first instance with room for it is as good as the one it left: it starts
+        there, within that instance's whole KV like any continuation, ahead of new work."""
+        out: list[tuple[int, SliceBatch]] = []
+        for other in sorted(self._ids):
+            if other == instance:
+                continue
+            queue = self._queues[other]
+            while queue and len(queue[0].requests) == 1 and queue[0].requests[0].key in self._held_back:
+                waiting = queue[0]
+                part = self._fitted(instance, waiting.requests[0])
+                if part is None:
+                    break
+                queue.pop(0)
+                self._held_back.discard(part.key)
+                self._loads[other] = max(0.0, self._loads[other] - waiting.serve_ms)
+                cost = self._marginal(instance, part)
+                self._loads[instance] += cost
+                self.moved += 1
+                kv = self.models(instance).memory.request_kv_tokens(part.context_tokens, part.slice_tokens)
+                started = SliceBatch((part,), cost, kv)
+                out.append((self._start(instance, started, now), started))
         return out
 
     def _split(self, instance: str, batch: SliceBatch, room: float) -> tuple[SliceBatch, SliceBatch] | None:
@@ -1219,6 +1283,53 @@ class SliceScheduler:
         """
         return self._end(instance, key, request, now, produced)
 
+    def ceiling_kv(self, instance: str) -> float:
+        """The KV a slice continued where it ran may bring ``instance``'s plan up to.
+
+        The engine preempts only when its blocks run out, so a plan of upper bounds (every running
+        slice booked to its end) that stays within the whole cache never makes it preempt. New
+        work is admitted within the headroom (:meth:`budget_kv`); what the headroom keeps is room
+        for the slices already running to go on, as an engine serves its running requests before
+        it admits new ones. Times the preemption cap ζ, as the budget.
+        """
+        m = self.models(instance)
+        return m.memory.kv_capacity_tokens * min(1.0, m.memory_fit.zeta)
+
+    def _fitted(self, instance: str, following: SliceRequest) -> SliceRequest | None:
+        """``following`` as it may continue on ``instance`` (its KV held there): whole, or shortened
+        to the room under :meth:`ceiling_kv`; None when not even a block of growth fits."""
+        memory = self.models(instance).memory
+        ceiling = self.ceiling_kv(instance)
+        held = self._held(instance) or []
+        ctx = following.context_tokens
+
+        def peak(tokens: int) -> float:
+            # Its context is held from now and grows a token a step to the slice's end: it weighs on
+            # the instance's peak only while it runs, so a short slice fits where a long one does not.
+            kv = memory.request_kv_tokens(ctx, tokens)
+            return kv_peak_of([*held, (float(kv - tokens), float(tokens))])
+
+        if self.progress is None:
+            room = ceiling - self.committed_kv(instance)
+            if memory.request_kv_tokens(ctx, following.slice_tokens) <= room:
+                return following
+            tokens = int(room) // memory.block_size * memory.block_size - ctx
+        else:
+            if peak(following.slice_tokens) <= ceiling:
+                return following
+            lo, hi = 0, following.slice_tokens  # peak(lo) fits (or lo = 0), peak(hi) does not
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                if peak(mid) <= ceiling:
+                    lo = mid
+                else:
+                    hi = mid
+            tokens = lo
+        if tokens < min(memory.block_size, following.slice_tokens):
+            return None
+        self.shortened += 1
+        return SliceRequest(following.key, ctx, min(tokens, following.slice_tokens))
+
     def resume(
         self,
         instance: str,
@@ -1227,41 +1338,62 @@ class SliceScheduler:
         following: SliceRequest,
         now: float | None = None,
         produced: int | None = None,
-    ) -> tuple[str, int, SliceBatch]:
+    ) -> tuple[str, int, SliceBatch] | None:
         """End ``request``'s slice and place ``following`` (its next slice) at once (see the class doc).
 
         Returns the instance, the batch key for :meth:`finish` / :meth:`resume`
-        and the one-slice batch; the slice is admitted (the caller starts it).
+        and the one-slice batch (its slice may be shorter than ``following``'s:
+        ``continue_within_kv``); the slice is admitted (the caller starts it).
+        None when it fits nowhere now: it waits at the head of ``instance``'s
+        queue, and the first instance whose :meth:`admit` finds room for it
+        starts it, ahead of new work.
         """
         self._end(instance, key, request, now, produced)
         self.resumed += 1
         ordered = sorted(self._ids)
+        within = self.config.continue_within_kv
         options = []
         for i in ordered:
             m = self.models(i)
-            kv = m.memory.request_kv_tokens(following.context_tokens, following.slice_tokens)
-            if i != instance and self.committed_kv(i) + kv > self.budget_kv(i):
-                continue
             here = i == instance
+            part = following
+            if here and within:
+                fitted = self._fitted(i, following)
+                if fitted is None:
+                    continue
+                part = fitted
+            kv = m.memory.request_kv_tokens(part.context_tokens, part.slice_tokens)
+            if not here and self.committed_kv(i) + kv > self.budget_kv(i):
+                continue
             cost = self._marginal(
                 i,
-                following,
+                part,
                 cached=self.config.prefix_cache and here,
                 continues=self.config.continue_in_place and here,
             )
-            options.append((self._loads[i] + cost, i, cost, kv))
+            options.append((self._loads[i] + cost, i, cost, kv, part))
+        if not options and instance in self._loads and within:
+            # Nowhere has room: it waits for its instance's next free room, ahead of queued work.
+            self.waited += 1
+            m = self.models(instance)
+            kv = m.memory.request_kv_tokens(following.context_tokens, following.slice_tokens)
+            cost = self._marginal(instance, following)
+            self._queues[instance].insert(0, SliceBatch((following,), cost, kv))
+            self._held_back.add(following.key)
+            self._loads[instance] += cost
+            return None
         if not options:  # the instance left the fleet: any instance, least loaded
             for i in ordered:
                 m = self.models(i)
                 kv = m.memory.request_kv_tokens(following.context_tokens, following.slice_tokens)
                 cost = self._marginal(i, following)
-                options.append((self._loads[i] + cost, i, cost, kv))
+                options.append((self._loads[i] + cost, i, cost, kv, following))
         if not options:
             raise ValueError("resume needs at least one instance")
-        _, target, cost, kv = min(options)
+        _, target, cost, kv, part = min(options, key=lambda o: (o[0], o[1]))
         if target != instance:
             self.moved += 1
-        batch = SliceBatch((following,), cost, kv)
+        batch = SliceBatch((part,), cost, kv)
         self._loads[target] += cost
         return target, self._start(target, batch, now), batch
 

@@ -290,6 +290,8 @@ class DesiredInstances:
         self._beat: int | None = None
         #: The least TTFT need of the last heartbeat closed (0: none known).
         self._last_ttft = 0.0
+        #: Its kinds of TTFT need: (requests, mean prompt tokens, need ms) each (prefill_staffing).
+        self._last_ttft_kinds: list[tuple[float, float, float]] = []
         self._reset()
 
     def _reset(self) -> None:
@@ -302,6 +304,8 @@ class DesiredInstances:
         self._tpot = math.inf
         self._ttft = math.inf
         self._kinds: dict[tuple[float, float], tuple[int, float, float]] = {}
+        # TTFT need (ms) -> (requests, prompt tokens): the router queue serves by deadline.
+        self._ttft_kinds: dict[float, tuple[int, float]] = {}
 
     def observe(
         self,
@@ -334,6 +338,10 @@ class DesiredInstances:
         need = ttft_ms if ttft_ms > 0 else e2e_ms / 4.0 if e2e_ms > 0 else self.default_ttft_ms
         if need > 0 and math.isfinite(need):
             self._ttft = min(self._ttft, need)
+            held = self._ttft_kinds.get(need)
+            if held is not None or len(self._ttft_kinds) < MAX_TARGET_KINDS:
+                count, tokens = held or (0, 0.0)
+                self._ttft_kinds[need] = (count + 1, tokens + prompt_tokens)
         kind = (max(tpot_ms, 0.0), max(e2e_ms, 0.0))
         seen = self._kinds.get(kind)
         if seen is not None or len(self._kinds) < MAX_TARGET_KINDS:
@@ -363,7 +371,12 @@ class DesiredInstances:
         _, decode = fluid_demand(shape, rates)
         # The prefill side staffed for the least patient TTFT of the heartbeat (capacity.prefill_staffing).
         self._last_ttft = self._ttft if math.isfinite(self._ttft) else 0.0
-        prefill = prefill_staffing(shape, rates, self._last_ttft)
+        self._last_ttft_kinds = [
+            (float(count), tokens / count, need)
+            for need, (count, tokens) in self._ttft_kinds.items()
+            if count
+        ]
+        prefill = prefill_staffing(shape, rates, self._last_ttft, self._last_ttft_kinds)
         decode = decode_staffing(
             decode, rates.decode_batch, slacks=[least_slack(self._kinds, rates, self.default_tpot_ms)]
         )
@@ -385,7 +398,9 @@ class DesiredInstances:
             # instances let 8 % of prompts wait past 1 s and the plan on those requests needs 3). The
             # last window's own load, staffed, is the floor the line may not go under.
             tpot = self._tpot if math.isfinite(self._tpot) else self.default_tpot_ms
-            floor = math.ceil(prefill_staffing(load, self._rates(load, tpot), self._last_ttft) - 1e-9)
+            floor = math.ceil(
+                prefill_staffing(load, self._rates(load, tpot), self._last_ttft, self._last_ttft_kinds) - 1e-9
+            )
             staffed = max(int(fits["prefill"] or 0), floor)
             return Desired(
                 staffed,

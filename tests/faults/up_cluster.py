@@ -61,6 +61,12 @@ def _nofile(limit: int) -> Callable[[], None]:
     return apply
 
 
+def _grpc_server_flag() -> list[str]:
+    """``--grpc-server`` as ``$SLO_ROUTER_TEST_GRPC_SERVER`` says (unset: the default server)."""
+    value = os.environ.get("SLO_ROUTER_TEST_GRPC_SERVER", "")
+    return ["--grpc-server", value] if value else []
+
+
 @contextlib.contextmanager
 def up_cluster(tmp: Path, *extra: str, nofile: int = 0, timeout_s: float = 90.0) -> Iterator[UpCluster]:
     """``up`` with one prefill and one decode sim worker (fast), and ``extra`` flags."""
@@ -69,7 +75,7 @@ def up_cluster(tmp: Path, *extra: str, nofile: int = 0, timeout_s: float = 90.0)
         popen = subprocess.Popen(
             [sys.executable, "-m", "router.cli", "--log-level", "WARNING", "up", "--listen", "127.0.0.1:0",
              "--http-listen", "127.0.0.1:0", "--prefill", "1", "--decode", "1", "--speed-factor", "50",
-             "--ttft-slo", "60000", "--tpot-slo", "60000", *extra],
+             "--ttft-slo", "60000", "--tpot-slo", "60000", *_grpc_server_flag(), *extra],
             cwd=REPO,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,

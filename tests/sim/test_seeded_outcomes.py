@@ -139,9 +139,14 @@ SCENARIOS: dict[
 #: it had before the late allowance. The fcfs-capped one was re-recorded when a late request's
 #: refusal began to say what its best case was made of (router.core.queue._InSight): the text of two
 #: refusal messages changed; every other field of every result, and the run's figures, are unchanged.
-#: Both were re-recorded again when the queue's drain estimate took the sooner of its token and entry
-#: rates (router.core.queue.FleetDrain.start_ms): fcfs-capped's messages only (they name the entries
-#: in front); priority's outcomes moved, 191 -> 188 of 250 met (13 refused where 14 were, 83 queued).
+#: The fcfs-capped and priority ones were re-recorded when the queue's drain estimate took the
+#: sooner of its token and entry rates (router.core.queue.FleetDrain.start_ms): fcfs-capped's
+#: messages only (they name the entries in front); priority's outcomes moved, 191 -> 188 of 250 met
+#: (13 refused where 14 were, 83 queued).
+#: The qlm one was re-recorded when qlm's e2e requests' progress
+#: became its instance's decode clock, it took the router queue's bounded late path, its streams'
+#: reserve yielded to an e2e request that would miss waiting for it, and a victim evicted for a stream
+#: had to survive behind everything on its instance (router.core.qlm; docs/papers.md, seed 004).
 RECORDED: dict[str, str] = {
     "azure-trace-slo": "54d0341f0320da9b66ae45cf",
     "mooncake-trace-least-requests": "65552da373738bb7019fab26",
@@ -151,7 +156,7 @@ RECORDED: dict[str, str] = {
     "neutral-slo-fcfs-capped": "6b3c20c646369609b5a3b88e",
     "neutral-slo-prefix": "0eedec2e3caf140cf44d3015",
     "neutral-slo-priority": "82a4defd199bdf0129aac2c4",
-    "neutral-slo-qlm": "d44870774a1ef88d0da951f2",
+    "neutral-slo-qlm": "9ec7d33417efec8e6fa36ca2",
     "neutral-slo-sa": "675a406d6359e813cce707ed",
     "pd-adaptive": "6c0daa4f54af67d8fce492a0",
     "pd-load-balance-off": "466dcf402227e02d05b7c4b8",

@@ -209,8 +209,9 @@ def test_constraint_d_is_the_least_whole_life_atgt_slack_of_the_residents(
     legs: list[tuple[int, int, int]], prompt: int
 ) -> None:
     """(d): the prefill this prompt puts on a colocated instance over the least slack any resident
-    has (saved so far at the current step, plus still to save at the step with this request), checked
-    leg by leg; a resident whose slack it would exceed is the one that keeps the request off."""
+    has (saved so far at the current step, plus still to save at the step with this request over the
+    remainder it is sure to produce), checked leg by leg; a resident whose slack it would exceed is
+    the one that keeps the request off."""
     import dataclasses
 
     import numpy as np
@@ -237,16 +238,71 @@ def test_constraint_d_is_the_least_whole_life_atgt_slack_of_the_residents(
     ratio = float(ctx.metric("prefill_over_atgt_slack")[n])
     step_now = float(ctx.metric("decode_step_ms")[n])
     step_new = float(ctx.metric("predicted_tpot")[n])
-    from router.core.packing import prefill_stall_ms
+    from router.core.packing import SURE_REMAINING_SHARE, prefill_stall_ms
 
     stall = float(prefill_stall_ms(ctx)[n])
-    slacks = [g * (60.0 - step_now) + max(r, 1) * (60.0 - step_new) for _, g, r in legs]
+    # A TPOT-judged leg (no need recorded: the default target) saves over the remainder it is sure
+    # to reach.
+    slacks = [
+        g * (60.0 - step_now) + max(max(r, 1) * SURE_REMAINING_SHARE, 1.0) * (60.0 - step_new)
+        for _, g, r in legs
+    ]
     least = min(slacks)
     if least > 0:
         assert ratio == pytest.approx(stall / least, rel=1e-9)
     else:
         assert ratio == math.inf
     assert float(ctx.metric("prefill_over_atgt_slack")[view.instances.index["m"]]) == 0.0  # nothing decodes
+
+
+def test_constraint_d_credits_a_tpot_judged_resident_only_the_saving_of_the_answer_it_surely_gives() -> None:
+    """A chat answer that has just started is expected to run 250 more tokens, but many run 30: a
+    stall now stays in its mean TPOT, and the time it would save over the 220 tokens it may never
+    produce cannot pay for it. (d) counts a TPOT-judged resident's future saving over the remainder
+    it reaches nine times in ten (``SURE_REMAINING_SHARE`` of the expected one, memoryless lengths);
+    credited with the whole expected remainder (before), a 6,000-token prompt passed (d) on an
+    instance whose fresh chat legs then missed their TPOT (4 neutral instances, chat, 12 req/s:
+    55 TPOT misses, 91.8 % against `slo`'s 93.8 %). A deadline-paced resident keeps its expected
+    remainder: a shorter answer only leaves it more time."""
+    import dataclasses
+
+    from router.core.columns import ResidentLegs, StaticResidents
+    from router.core.packing import SURE_REMAINING_SHARE, prefill_stall_ms
+
+    scheduler = make_scheduler("binpack", tpot_slo_ms=50.0, ttft_slo_ms=60_000.0)
+    snapshot = make_snapshot(
+        inst("n", "neutral", decode_requests=4, decode_tokens=4 * 400, used_kv_tokens=4 * 400),
+        inst("m", "neutral", decode_requests=1, decode_tokens=8000, used_kv_tokens=8000),
+    )
+    view = scheduler.view(snapshot, NOW)
+    n = view.instances.index["n"]
+
+    def ratio(need_ms: float) -> tuple[float, float, float]:
+        legs = ResidentLegs(
+            np.full(4, n, dtype=np.intp),
+            np.full(4, 400.0),
+            np.full(4, 250.0),
+            np.ones(4, dtype=bool),
+            np.zeros(4),  # nothing produced yet: no saved time
+            np.full(4, need_ms),
+        )
+        v = dataclasses.replace(view, residents=StaticResidents(legs), load_memo={})
+        ctx = scheduler.context(v, make_request("new", 6000, max_tokens=64))
+        stall = float(prefill_stall_ms(ctx)[n])
+        spare = 50.0 - float(ctx.metric("predicted_tpot")[n])
+        return float(ctx.metric("prefill_over_atgt_slack")[n]), stall, spare
+
+    chat, stall, spare = ratio(50.0)
+    assert spare > 0 and stall > 0
+    assert chat == pytest.approx(stall / (max(250.0 * SURE_REMAINING_SHARE, 1.0) * spare))
+    theta = scheduler.config.binpack_theta
+    assert chat > theta  # refused: the sure remainder cannot absorb the chunk
+    assert stall / (250.0 * spare) < theta  # the whole expected remainder would have let it in
+    # The same legs paced by a deadline (a need below the default target) keep their expected
+    # remainder, counted against the pace (need x theta).
+    paced, stall, _ = ratio(40.0)
+    step_new = 50.0 - spare
+    assert paced == pytest.approx(stall / (250.0 * (40.0 * theta - step_new)))
 
 
 # ----------------------------------------------------------------------------- Aladdin (001): each request's own need
@@ -453,10 +509,12 @@ def test_constraint_d_takes_each_residents_own_need() -> None:
     tight = _ctx_with_legs(scheduler, snapshot, request, with_need(30.0))
     step_now = float(loose.metric("decode_step_ms")[0])
     step_new = float(loose.metric("predicted_tpot")[0])
-    from router.core.packing import atgt_slack_ms
+    from router.core.packing import SURE_REMAINING_SHARE, atgt_slack_ms
 
+    # TPOT-judged (no need recorded): its future saving over the remainder it is sure to reach; a
+    # deadline-paced one (below) over its expected remainder.
     assert float(atgt_slack_ms(loose, 60.0)[0]) == pytest.approx(
-        100 * (60 - step_now) + 200 * (60 - step_new)
+        100 * (60 - step_now) + 200 * SURE_REMAINING_SHARE * (60 - step_new)
     )
     assert float(atgt_slack_ms(tight, 60.0)[0]) == pytest.approx(
         100 * (30 - step_now) + 200 * (30 - step_new)

@@ -290,3 +290,76 @@ def test_the_signal_staffs_the_prefill_side_for_the_least_ttft_target_it_saw() -
             model.observe(k / 9.7, 1212, 265.0, tpot_ms=50.0, ttft_ms=ttft)
         got = model.desired(n / 9.7, LoadShape(9.7, 1212.0, 265.0))
         assert got.fitted and got.prefill == want, (ttft, got)
+
+
+def _mixed_minute(model: DesiredInstances, rate: float, seconds: float) -> float:
+    """``mixed``'s kinds of TTFT need at ``rate``: of every 20 requests 12 chat (640-token prompts,
+    1 s TTFT), 5 code (1,230-token prompts, a 4 s deadline: 1 s to its first token) and 3 summaries
+    (3,300-token prompts, a 15 s deadline: 3.75 s)."""
+    kinds = [(640, 1000.0, 0.0)] * 12 + [(1230, 0.0, 4000.0)] * 5 + [(3300, 0.0, 15000.0)] * 3
+    n = int(rate * seconds)
+    for k in range(n):
+        prompt, ttft, e2e = kinds[(k * 7) % 20]
+        model.observe(k / rate, prompt, 200.0, ttft_ms=ttft, e2e_ms=e2e, tpot_ms=50.0 if ttft else 0.0)
+    return n / rate
+
+
+def test_prefill_is_staffed_for_the_router_queues_deadline_order_not_one_queue_at_the_least_need() -> None:
+    """The router serves its queue by deadline: a summary whose first token may come in 3.75 s waits
+    behind chat and code, whose need is 1 s, and they do not wait behind it. Priced as one FCFS queue
+    at the least need (before), ``mixed`` at 16 req/s (its last minute: 16.3 req/s, a = 2.67) was
+    staffed with 4 prefill instances; ``plan`` with the router queue on those requests needs 3
+    (3 + 5: 95.4 %, ``scripts/desired_vs_plan.py 3000 --window mixed:16``)."""
+    from router.core.capacity import prefill_staffing
+
+    def rates(load: LoadShape, tpot_ms: float) -> InstanceRates:
+        return PREFILL_RATES
+
+    load = LoadShape(16.3, 1190.0, 200.0)
+    kinds = [(12.0, 640.0, 1000.0), (5.0, 1230.0, 1000.0), (3.0, 3300.0, 3750.0)]
+    single = prefill_staffing(load, PREFILL_RATES, 1000.0)
+    ordered = prefill_staffing(load, PREFILL_RATES, 1000.0, kinds)
+    assert math.ceil(single) == 4 and math.ceil(ordered) == 3
+    # One kind (or none): the single queue.
+    assert prefill_staffing(load, PREFILL_RATES, 1000.0, [(1.0, 1190.0, 1000.0)]) == single
+    model = DesiredInstances(rates, heartbeat_s=10.0)
+    end = _mixed_minute(model, 16.3, 120.0)
+    got = model.desired(end, load)
+    assert got.fitted and got.prefill == 3, got
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rate=st.floats(0.5, 100.0),
+    prompt=st.floats(16.0, 6000.0),
+    kinds=st.lists(
+        st.tuples(st.floats(0.1, 10.0), st.floats(16.0, 6000.0), st.floats(200.0, 20_000.0)),
+        min_size=1,
+        max_size=5,
+    ),
+)
+def test_deadline_ordered_prefill_staffing_never_exceeds_one_queue_at_the_least_need(
+    rate: float, prompt: float, kinds: list[tuple[float, float, float]]
+) -> None:
+    """With every kind's prompts alike, each kind waits behind at most the whole load and has at
+    least the least budget, so the share that misses is at most the single queue's tail at the
+    least need: never more instances. Whatever the prompts, the queue stays stable: above the
+    offered load, whatever share the most patient kind has (it waits behind everyone)."""
+    from router.core.capacity import prefill_staffing
+
+    least = min(need for _, _, need in kinds)
+    alike = [(share, prompt, need) for share, _, need in kinds]
+    load = LoadShape(rate, prompt, 200.0)
+    assert (
+        prefill_staffing(load, PREFILL_RATES, least, alike)
+        <= prefill_staffing(load, PREFILL_RATES, least) + 1e-9
+    )
+    total = sum(share for share, _, _ in kinds)
+    mean = sum(share * p for share, p, _ in kinds) / total
+    mixed = LoadShape(rate, mean, 200.0)
+    ordered = prefill_staffing(mixed, PREFILL_RATES, least, kinds)
+    full = PREFILL_RATES.prefill_tokens_per_s / PREFILL_RATES.prefill_utilisation
+    if least / 1000.0 > mean / full:  # a budget the queue can price
+        assert ordered > rate * mean / full - 1e-9
+    else:
+        assert ordered == fluid_demand(mixed, PREFILL_RATES)[0]

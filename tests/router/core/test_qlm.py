@@ -1048,3 +1048,76 @@ def test_a_batch_stays_joinable_for_the_tightest_e2e_class_seen_lately() -> None
     assert len(q.pump(40.0)) == 1
     q.push(dataclasses.replace(loose_by("r", 600.0, out=100), arrival_s=40.0), 40.0)
     assert [d.request.request_id for d in q.pump(40.0)] == ["r"]
+
+
+def test_a_running_requests_progress_follows_the_step_of_each_batch_it_ran_in() -> None:
+    # The decode clock: l0 runs alone at 10 ms a step for its first second (93 tokens after its 70 ms
+    # prefill), then beside nine more at 100 ms (10 tokens in the next second): 103 tokens at t = 2,
+    # 6/64 of its 1000. Read at the step of the batch running now over its whole time since dispatch,
+    # it counted 19 and kept the 5/64 of its last reading: the batch's KV looked emptier than the
+    # engine's, and the pulls went on until the engine preempted.
+    q = QlmQueue(QlmConfig(eviction="off"), [stepped()], 6000.0, 50.0)
+    q.push(loose_by("l0", 600.0), 0.0)
+    assert [d.request.request_id for d in q.pump(0.0)] == ["l0"]
+    q.pump(1.0)
+    assert q.running[0]["l0"].reached == pytest.approx(5 / 64)
+    for k in range(1, 10):
+        q.push(loose_by(f"l{k}", 600.0), 1.0)
+    assert len(q.pump(1.0)) == 9
+    q.pump(2.0)
+    assert q.running[0]["l0"].reached == pytest.approx(6 / 64)
+    # A request that joined at t = 1 has run at the batch's 100 ms step only.
+    q.pump(3.0)
+    assert q.running[0]["l1"].reached == pytest.approx(math.floor((20 - 0.07 / 0.1) / 1000 * 64) / 64)
+    q.check_invariants()
+
+
+def test_a_queued_request_past_its_late_allowance_is_refused_not_served_last() -> None:
+    # The router queue's bounded late path, which qlm shares: a TTFT-judged request (500 ms target)
+    # that cannot start is judged once its deadline has passed, and goes once its first token, its
+    # prefill (60 ms) started now, would come more than one target past its deadline; an e2e one once
+    # its completion, started now at the mean, would.
+    q = roomy(batch=1, most=1)
+    q.push(loose_by("busy", 600.0), 0.0)
+    assert len(q.pump(0.0)) == 1  # the engine's one sequence is taken
+    q.push(tight("t", arrival=0.0), 0.0)
+    q.push(loose_by("e", 2.0, out=100), 0.0)  # e2e 2 s; 100 tokens at 20 ms: 2.07 s at the mean
+    assert q.lapsed(0.4, 1.0) == []  # before its deadline: the plan's business
+    assert q.lapsed(0.9, 1.0) == []  # 0.96 s: within one target past its 0.5 s deadline
+    assert [r.request_id for r in q.lapsed(0.95, 1.0)] == ["t"]  # 1.01 s
+    assert "t" not in q and "e" in q
+    assert q.lapsed(1.95, 1.0) == []  # hopeless, but its deadline (2 s) is still ahead
+    assert [r.request_id for r in q.lapsed(2.01, 1.0)] == ["e"]  # 2.01 + 2.07 s: past 2 s beyond it
+    q.check_invariants()
+    # Under --late-policy reject (allowance 0) a request goes as soon as its deadline is past and hopeless.
+    q.push(tight("t2", arrival=2.0), 2.0)
+    assert [r.request_id for r in q.lapsed(2.51, 0.0)] == ["t2"]
+    q.check_invariants()
+
+
+def test_the_streams_reserve_yields_to_an_e2e_request_that_would_miss_waiting_for_it() -> None:
+    # Streams arrived lately, so e2e pulls keep a reserve of KV for the next ones. An e2e request
+    # with slack waits for the room (the streams keep their seats); one that would miss its deadline
+    # waiting for the running request to end, and meets it pulled now, takes the room.
+    def setup(deadline_s: float) -> QlmQueue:
+        m = stepped(kv_tokens=5000, per_request_s=0.001)
+        q = QlmQueue(QlmConfig(eviction="off"), [m], 6000.0, 50.0)
+        for k in range(20):  # 20 streams of 1,200 tokens in the last 10 s
+            r = q.push(tight(f"t{k}", arrival=k * 0.5, prompt=1000, out=200), k * 0.5)
+            assert r is not None
+            q.remove(r.request_id)
+        q.push(loose_by("run", 600.0), 10.0)
+        assert len(q.pump(10.0)) == 1  # 200 + 1000 tokens at its end
+        q.push(loose_by("e", deadline_s), 10.0)  # arrival 0: its deadline is absolute
+        return q
+
+    probe = setup(600.0)
+    _, tokens = probe.stream_reserve(0, 10.0)
+    assert tokens > 5000 - 2 * 1200  # "e" and the reserve do not both fit beside "run"
+    model = probe.models[0]
+    _, _, _, whole = probe.estimator.duration(model, probe.queued["e"])
+    _, wait = probe.estimator.remaining(model, probe.running[0]["run"], 10.0)
+    assert probe.pump(10.0) == []  # 600 s: it can wait for "run" to end
+    out = setup(10.0 + whole + 0.5 * wait).pump(10.0)  # misses waiting, meets pulled now
+    assert [d.request.request_id for d in out] == ["e"]
+    assert setup(10.0 + 0.5 * whole).pump(10.0) == []  # misses even pulled now: the reserve stays

@@ -38,6 +38,11 @@ from tests.router.core.helpers import inst, make_predictor, make_snapshot
 from tests.router.test_dispatch_conformance import Views
 
 TWO = make_snapshot(inst("n0", "neutral"), inst("n1", "neutral"))
+#: Two neutral instances of 2,048 KV tokens: continued slices run out of room (shortened, waiting).
+TIGHT = make_snapshot(
+    inst("n0", "neutral", meta={"kv_capacity_tokens": 2048}),
+    inst("n1", "neutral", meta={"kv_capacity_tokens": 2048}),
+)
 PD_ONLY = make_snapshot(inst("p0", "prefill"), inst("d0", "decode"))
 
 
@@ -76,21 +81,10 @@ def request(rid: str, max_tokens: int, prompt: int = 256) -> ScheduleInput:
     )
 
 
-@settings(max_examples=40, deadline=None)
-@given(
-    answers=st.lists(st.integers(1, 700), min_size=1, max_size=6),
-    slice_tokens=st.integers(1, 64),
-    at_once=st.booleans(),
-    grow=st.booleans(),
-)
-def test_every_token_is_produced_once_across_pauses_and_resumes(
-    answers: list[int], slice_tokens: int, at_once: bool, grow: bool
-) -> None:
-    """A request's placements, each resumed after the tokens its pause reported, cover its answer
-    exactly: no token lost, none produced twice; nothing waits or stays planned at the end."""
-    config = SliceConfig(slice_tokens=slice_tokens, resume_at_once=at_once, grow_with_answer=grow)
-    d = dispatcher(config)
-    fleet = Engines()
+def serve(d: Sliced, fleet: Engines, answers: list[int]) -> tuple[dict[str, int], int]:
+    """Play the engines for ``answers``: each placement produces up to its cap (one at a time, in
+    the order placed), pausing or completing its request; the tokens each request ended with and
+    the count of waiting requests the actions left."""
     now = 100.0
     waiting = 0
     running: dict[str, Action] = {}
@@ -133,6 +127,26 @@ def test_every_token_is_produced_once_across_pauses_and_resumes(
             waiting += waiting_delta(a)
             if a.outcome is Outcome.DISPATCH:
                 running[a.request_id] = a
+    return done, waiting
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    answers=st.lists(st.integers(1, 700), min_size=1, max_size=6),
+    slice_tokens=st.integers(1, 64),
+    at_once=st.booleans(),
+    grow=st.booleans(),
+    tight=st.booleans(),
+)
+def test_every_token_is_produced_once_across_pauses_and_resumes(
+    answers: list[int], slice_tokens: int, at_once: bool, grow: bool, tight: bool
+) -> None:
+    """A request's placements, each resumed after the tokens its pause reported, cover its answer
+    exactly: no token lost, none produced twice; nothing waits or stays planned at the end (on a
+    KV tight enough for continued slices to be shortened or to wait, too)."""
+    config = SliceConfig(slice_tokens=slice_tokens, resume_at_once=at_once, grow_with_answer=grow)
+    d = dispatcher(config)
+    done, waiting = serve(d, Engines(TIGHT if tight else TWO), answers)
     assert done == {f"r{k}": answer for k, answer in enumerate(answers)}
     assert waiting == len(d) == 0
     sched = d.sched
@@ -210,3 +224,18 @@ def test_a_next_slice_placed_where_its_request_runs_continues_that_leg(in_place:
     assert resumed.decision is not None and placed.decision is not None
     assert resumed.decision.instance_ids == placed.decision.instance_ids
     assert resumed.continues is in_place
+
+
+def test_on_a_tight_kv_continued_slices_shorten_and_wait_and_every_token_comes_once() -> None:
+    """Two neutral instances of 2,048 KV tokens, long answers: continued slices are shortened to the
+    room their instance's plan has, or wait for an instance with room and resume there after the
+    tokens they had; every answer still comes whole, once, and nothing stays planned."""
+    d = dispatcher(SliceConfig(slice_tokens=64))
+    answers = [600, 700, 650, 500, 680, 620, 540, 690]
+    done, waiting = serve(d, Engines(TIGHT), answers)
+    assert done == {f"r{k}": answer for k, answer in enumerate(answers)}
+    assert waiting == len(d) == 0
+    sched = d.sched
+    assert sched is not None
+    assert sched.shortened > 0 and sched.waited > 0
+    assert all(sched.planned_kv(i) == 0 and sched.load_ms(i) == 0.0 for i in sched.instances)

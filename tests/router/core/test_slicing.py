@@ -328,7 +328,9 @@ def test_a_slice_resumed_where_its_blocks_are_cached_is_charged_its_tail_prefill
     sched.schedule()
     [(key, _batch)] = sched.admit("a")
     following = SliceRequest("r", context, 128)
-    target, _key, batch = sched.resume("a", key, first, following)
+    placed = sched.resume("a", key, first, following)
+    assert placed is not None
+    target, _key, batch = placed
     assert target == "a"
     tail = context % 16 or 16
     decode_only = SERVING.marginal_ms(context, 128) - SERVING.prefill_ms(context)
@@ -347,9 +349,161 @@ def test_a_slice_that_continues_its_run_in_place_is_charged_its_decode_only() ->
     [(_batch, instance)] = sched.schedule()
     [(key, _)] = sched.admit(instance)
     following = SliceRequest("r", 1000, 128)
-    target, _key, batch = sched.resume(instance, key, first, following)
+    placed = sched.resume(instance, key, first, following)
+    assert placed is not None
+    target, _key, batch = placed
     assert target == instance
     decode_only = SERVING.marginal_ms(1000, 128) - SERVING.prefill_ms(1000)
     assert batch.serve_ms == pytest.approx(decode_only)
     stopped = SliceScheduler(SliceConfig(continue_in_place=False), SERVING, memory, ["a", "b"])
     assert stopped._marginal(instance, following, cached=True) > batch.serve_ms
+
+
+def _two_running(config: SliceConfig, capacity: int = 4096) -> tuple[SliceScheduler, dict[str, int], int]:
+    """One instance running a long slice ``x`` (2,000 context + 1,000 tokens, just started) and a
+    slice ``r`` (900 + 100) at its last token; progress read from a dict. Returns r's batch key."""
+    memory = MemoryModel(kv_capacity_tokens=capacity, block_size=16, headroom=config.kv_headroom)
+    sched = SliceScheduler(config, SERVING, memory, ["a"])
+    now = {"x": 2000, "r": 900}
+    sched.progress = now.get  # type: ignore[assignment]
+    sched.add(SliceRequest("x", 2000, 1000))
+    sched.schedule()
+    [(_kx, _bx)] = sched.admit("a")
+    sched.add(SliceRequest("r", 900, 100))
+    sched.schedule()
+    [(kr, _br)] = sched.admit("a")
+    now["r"] = 1000
+    return sched, now, kr
+
+
+def test_a_slice_continued_where_it_ran_is_shortened_to_the_room_its_kv_plan_has_there() -> None:
+    """The KV a continued slice already holds stays where it runs: its next slice is admitted there
+    only within the whole KV (the plan's peak over every running slice's remaining steps), cut to
+    the longest slice that fits; before, it was booked whole, past the KV, whatever the plan held."""
+    config = SliceConfig(kv_headroom=1.0)
+    sched, _now, kr = _two_running(config)
+    following = SliceRequest("r", 1000, 1024)
+    placed = sched.resume("a", kr, SliceRequest("r", 900, 100), following)
+    assert placed is not None
+    target, _key, batch = placed
+    [part] = batch.requests
+    assert target == "a" and part.context_tokens == 1000
+    assert 16 <= part.slice_tokens < 1024
+    assert sched.shortened == 1
+    assert sched.committed_kv("a") <= sched.ceiling_kv("a")
+    # One more block would not have fitted.
+    longer = SliceRequest("r", 1000, part.slice_tokens + 16)
+    kv = sched.models("a").memory.request_kv_tokens(1000, longer.slice_tokens)
+    held = [h for h in (sched._held("a") or []) if h[1] != part.slice_tokens or h[0] > 1016]
+    from router.core.slicing import kv_peak_of
+
+    assert kv_peak_of([*held, (float(kv - longer.slice_tokens), float(longer.slice_tokens))]) > 4096
+    # Admitted whatever the plan holds (the build before): booked whole, past the KV.
+    old, _, kr_old = _two_running(SliceConfig(kv_headroom=1.0, continue_within_kv=False))
+    placed_old = old.resume("a", kr_old, SliceRequest("r", 900, 100), following)
+    assert placed_old is not None and placed_old[2].requests[0].slice_tokens == 1024
+    assert old.committed_kv("a") > old.ceiling_kv("a")
+
+
+def test_a_continued_slice_with_no_room_anywhere_waits_at_its_queue_head_and_goes_first() -> None:
+    """Nowhere to fit (the plan tightened after a preemption), the slice waits at the head of its
+    instance's queue, ahead of new work queued there, and starts (shortened to the room) as soon
+    as room frees; the instance's plan never goes past its KV on its account."""
+    config = SliceConfig(kv_headroom=1.0)
+    sched, now, kr = _two_running(config)
+    for _ in range(2):
+        sched.preempted("a")  # the cap shrinks: the KV the plan may fill falls below what runs
+    sched.add(SliceRequest("new", 400, 128))
+    sched.schedule()
+    assert sched.admit("a") == []
+    placed = sched.resume("a", kr, SliceRequest("r", 900, 100), SliceRequest("r", 1000, 1024))
+    assert placed is None
+    assert sched.waited == 1 and sched.queued("a") == 2
+    assert sched.admit("a") == []  # still no room: x holds it
+    # x ends: r goes on first (a continuation, within the KV), then the new slice as budget allows.
+    running_x = next(k for k, e in sched._running["a"].items() if e.batch.requests[0].key == "x")
+    sched.finish("a", running_x, SliceRequest("x", 2000, 1000))
+    del now["x"]
+    started = sched.admit("a")
+    assert started[0][1].requests[0].key == "r"
+    assert started[0][1].requests[0].context_tokens == 1000
+    assert sched.committed_kv("a") <= sched.ceiling_kv("a")
+
+
+@PROPS
+@given(
+    contexts=st.lists(st.integers(16, 1500), min_size=3, max_size=8),
+    slices=st.lists(st.integers(1, 600), min_size=3, max_size=8),
+    progress=st.lists(st.floats(0.0, 1.0), min_size=3, max_size=8),
+    growth=st.integers(16, 1024),
+)
+def test_a_continued_slice_never_takes_its_instances_plan_past_the_kv(
+    contexts: list[int], slices: list[int], progress: list[float], growth: int
+) -> None:
+    """Whatever runs on the instance and however far each slice has got, a slice continued there
+    is admitted (whole or shortened) only if the plan's peak stays within the KV, or it waits."""
+    n = min(len(contexts), len(slices), len(progress))
+    memory = MemoryModel(kv_capacity_tokens=8192, block_size=16, headroom=1.0)
+    sched = SliceScheduler(SliceConfig(kv_headroom=1.0), SERVING, memory, ["a"])
+    now: dict[object, int] = {}
+    sched.progress = now.get  # type: ignore[assignment]
+    keys = []
+    for k in range(n):
+        req = SliceRequest(k, contexts[k], slices[k])
+        now[k] = contexts[k]
+        sched.add(req)
+    for _ in range(3):
+        sched.schedule()
+        for key, batch in sched.admit("a"):
+            keys.extend(("a", key, r) for r in batch.requests)
+    for _i, _key, r in keys:
+        now[r.key] = r.context_tokens + int(progress[int(r.key)] * r.slice_tokens)  # type: ignore[call-overload]
+    i, key, r = keys[0]
+    now[r.key] = r.context_tokens + r.slice_tokens
+    # New work takes what the plan sees free once r's slice has ended.
+    for k in range(n):
+        late = SliceRequest(100 + k, contexts[k], slices[k])
+        now[late.key] = late.context_tokens
+        sched.add(late)
+    sched.schedule()
+    sched.admit("a")
+    following = SliceRequest(r.key, r.context_tokens + r.slice_tokens, growth)
+    placed = sched.resume(i, key, r, following)
+    if placed is None:
+        assert sched.queued(i) >= 1
+        return
+    target, _k, _batch = placed
+    assert target == i
+    assert sched.committed_kv(i) <= sched.ceiling_kv(i) + 1e-9
+
+
+def test_a_waiting_continuation_starts_on_the_first_instance_with_room_for_it() -> None:
+    """A slice that waited has left its engine (its context is prefilled again wherever it starts),
+    so another instance with room takes it at its next admission, ahead of new work there, rather
+    than the stream stalling until its own instance frees room."""
+    memory = MemoryModel(kv_capacity_tokens=4096, block_size=16, headroom=1.0)
+    sched = SliceScheduler(SliceConfig(kv_headroom=1.0), SERVING, memory, ["a", "b"])
+    now = {"x": 2000, "r": 2000}
+    sched.progress = now.get  # type: ignore[assignment]
+    keys = {}
+    for key, context, tokens in (("x", 2000, 1000), ("r", 2000, 100)):
+        sched.add(SliceRequest(key, context, tokens))
+        [(_batch, instance)] = sched.schedule()
+        [(k, _b)] = sched.admit(instance)
+        keys[key] = (instance, k)
+    assert keys["x"][0] == "a" and keys["r"][0] == "b"
+    for i in ("a", "b"):
+        for _ in range(4):
+            sched.preempted(i)  # each plan may hold half its KV: r's 2,100 tokens fit nowhere
+    now["r"] = 2100
+    placed = sched.resume("b", keys["r"][1], SliceRequest("r", 2000, 100), SliceRequest("r", 2100, 256))
+    assert placed is None and sched.waited == 1 and sched.queued("b") == 1
+    # x ends on a and a's cap recovers: a's next admission starts r there.
+    sched.finish("a", keys["x"][1], SliceRequest("x", 2000, 1000))
+    del now["x"]
+    sched.models("a").memory_fit.zeta = 1.0
+    started = sched.admit("a")
+    assert [b.requests[0].key for _k, b in started] == ["r"]
+    assert started[0][1].requests[0].context_tokens == 2100
+    assert sched.queued("b") == 0 and sched.moved == 1
+    assert sched.admit("b") == []

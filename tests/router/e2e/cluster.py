@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -22,12 +23,15 @@ from router.core.config import SchedulerConfig
 from router.core.queue import QueueConfig
 from router.core.scheduler import Scheduler
 from router.core.slicing import SliceConfig
-from router.server import RouterServer, start_router_server
+from router.server import GRPC_SERVERS, RouterServer, start_router_server
 from router.service import ServiceConfig
 from workers.kv_transfer import GrpcKvPeer
 from workers.metadata import WorkerIdentity, WorkerRole
 from workers.service import WorkerServer, start_worker_server
 from workers.sim_engine import DEFAULT_PROFILE_DIR, SimEngine
+
+#: The environment variable that picks the Router service's server of :func:`embedded_cluster`.
+GRPC_SERVER_ENV = "SLO_ROUTER_TEST_GRPC_SERVER"
 
 PREDICTOR = LatencyPredictor.from_files(DEFAULT_PROFILE_DIR / "ttft.json", DEFAULT_PROFILE_DIR / "tpot.json")
 
@@ -80,7 +84,12 @@ async def embedded_cluster(
     http: bool = False,
     queue: QueueConfig | None = None,
     worker_streams: str = "mux",
+    grpc_server: str | None = None,
 ) -> AsyncIterator[Cluster]:
+    """``grpc_server``: what serves the Router service (``--grpc-server``); by default
+    ``$SLO_ROUTER_TEST_GRPC_SERVER``, else the router's default, so a whole e2e module can run
+    against either server."""
+    grpc_server = grpc_server or os.environ.get(GRPC_SERVER_ENV) or GRPC_SERVERS[0]
     store = MemoryStore()
     cms = await start_cms_server(store, "127.0.0.1:0", lease_ttl_s=2.0)
     workers: dict[str, WorkerServer] = {}
@@ -121,6 +130,7 @@ async def embedded_cluster(
             http_listen="127.0.0.1:0" if http else "",
             queue_config=queue,
             worker_streams=worker_streams,
+            grpc_server=grpc_server,
         )
         channel = grpc.aio.insecure_channel(router.address)
         cluster = Cluster(cms, store, workers, engines, router, channel, router_pb2_grpc.RouterStub(channel))
