@@ -199,7 +199,7 @@ class QueueConfig(FlagFields):
     late_allowance: float = field(
         default=LATE_ALLOWANCE,
         metadata=_doc(
-            "--late-policy serve: a late request is served only while its first token can still come within "
+            "--late-policy serve (qlm's virtual queues too): a late request is served only while its first token can still come within "
             "this many of its targets past its deadline (its TTFT target; its e2e target for a request with "
             "only that); it is refused as soon as the queue's best case says it cannot, and when that time "
             "is up (ratio; a large value waits up to --max-queue-wait-ms)",
