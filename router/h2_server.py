@@ -62,21 +62,34 @@ import grpc
 import hpack
 from grpc_health.v1 import health_pb2
 
-from router.vllm_h2 import PREFACE, _frame, _literal, split_host_port
+# HTTP/2's frame types, flags and settings: one definition, the engine-side reader's.
+from router.vllm_h2 import (
+    _ACK,
+    _CONT,
+    _DATA,
+    _END_HEADERS,
+    _END_STREAM,
+    _GOAWAY,
+    _HEADERS,
+    _PADDED,
+    _PING,
+    _PRIORITY_FLAG,
+    _RST_STREAM,
+    _S_ENABLE_PUSH,
+    _S_INITIAL_WINDOW,
+    _S_MAX_CONCURRENT,
+    _S_MAX_FRAME,
+    _SETTINGS,
+    _WINDOW_UPDATE,
+    PREFACE,
+    _frame,
+    _literal,
+    split_host_port,
+)
 
 logger = logging.getLogger(__name__)
 
-_DATA, _HEADERS, _PRIORITY, _RST_STREAM, _SETTINGS, _PUSH_PROMISE, _PING, _GOAWAY, _WINDOW_UPDATE, _CONT = (
-    range(10)
-)
-_END_STREAM = 0x1
-_ACK = 0x1
-_END_HEADERS = 0x4
-_PADDED = 0x8
-_PRIORITY_FLAG = 0x20
-_S_HEADER_TABLE, _S_ENABLE_PUSH, _S_MAX_CONCURRENT, _S_INITIAL_WINDOW, _S_MAX_FRAME, _S_MAX_HEADER_LIST = (
-    range(1, 7)
-)
+_S_HEADER_TABLE, _S_MAX_HEADER_LIST = 1, 6  # the two settings only the server side reads
 _NO_ERROR, _PROTOCOL_ERROR, _FLOW_CONTROL_ERROR, _REFUSED_STREAM, _CANCEL = 0x0, 0x1, 0x3, 0x7, 0x8
 _DEFAULT_WINDOW = 65_535
 _DEFAULT_FRAME = 16_384
