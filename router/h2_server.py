@@ -107,6 +107,11 @@ STREAM_WINDOW = 1 << 20
 CONNECTION_WINDOW = 16 << 20
 #: Largest header block (all CONTINUATIONs together) and decoded header list a request may carry.
 MAX_HEADER_BYTES = 16 << 10
+#: Bytes of requests not yet whole that one connection may hold, in all its streams (at least two
+#: messages of the largest size): each stream is bounded by the message limit, but a client that
+#: opened thousands of streams and never ended them would otherwise hold that limit thousands of
+#: times over. The stream that would pass it is refused ``RESOURCE_EXHAUSTED``; the others go on.
+MAX_HELD_REQUEST_BYTES = 64 << 20
 #: A stream's response bytes waiting for the client's window beyond which its handler is not asked
 #: for its next message (the handler waits in ``send``).
 STREAM_BUFFER_BYTES = 256 << 10
@@ -359,6 +364,9 @@ class _Connection(asyncio.Protocol):
         self._headers_flags = 0
         self._headers_block = bytearray()
         self._conn_unacked = 0
+        #: At least the bytes of unfinished requests the streams hold (``body``): grown by every
+        #: DATA payload, set to the exact sum whenever it passes the bound (:meth:`_hold`).
+        self._held = 0
         self.peer_initial_window = _DEFAULT_WINDOW
         self.peer_max_frame = _DEFAULT_FRAME
         self.send_window = _DEFAULT_WINDOW
@@ -582,6 +590,8 @@ class _Connection(asyncio.Protocol):
             # Answered already (an expired deadline): the rest of the request is dropped.
             stream.recv_closed = bool(flags & _END_STREAM)
             return
+        if not self._hold(stream, len(payload)):
+            return
         stream.body += payload
         body = stream.body
         if stream.inbox is not None:
@@ -604,6 +614,29 @@ class _Connection(asyncio.Protocol):
                 return
         if flags & _END_STREAM:
             self._request_end(stream)
+
+    def _hold(self, stream: _Stream, n: int) -> bool:
+        """Whether ``stream`` may keep ``n`` more request bytes within :data:`MAX_HELD_REQUEST_BYTES`;
+        if not, it is answered ``RESOURCE_EXHAUSTED`` (what it held is dropped) and told to stop."""
+        limit = max(MAX_HELD_REQUEST_BYTES, 2 * self.server.max_message_bytes)
+        self._held += n
+        if self._held <= limit:
+            return True
+        # An upper bound only (bodies shrink as requests complete): the exact sum, at most once per
+        # ``limit`` bytes received unless the connection really holds that much.
+        self._held = sum(len(s.body) for s in self.streams.values()) + n
+        if self._held <= limit:
+            return True
+        self._held -= n + len(stream.body)
+        stream.body = bytearray()
+        stream.finish(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"this connection holds over {limit >> 20} MiB of requests not yet whole; end them before "
+            "sending more",
+        )
+        stream.cancel_task()
+        self._refuse_rest(stream)
+        return False
 
     def _take_messages(self, stream: _Stream, end: bool) -> None:
         """A client-streaming call: hand its handler every whole message received (bounded: at most

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import hpack
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
@@ -25,6 +26,16 @@ from slorouter.v1 import common_pb2, router_pb2, router_pb2_grpc
 from router import h2_server
 from router.h2_server import CallInfo, H2Server, Method, RpcError
 from router.server import check_grpc_server, resolve_grpc_server
+from router.vllm_h2 import (
+    _DATA,
+    _END_HEADERS,
+    _END_STREAM,
+    _HEADERS,
+    _SETTINGS,
+    _WINDOW_UPDATE,
+    PREFACE,
+    _frame,
+)
 from tests.faults import test_shutdown as _shutdown
 from tests.router.e2e import test_router_e2e as _e2e
 from tests.router.e2e.cluster import GRPC_SERVER_ENV, embedded_cluster, generate_request
@@ -513,3 +524,85 @@ def test_sigterm_under_load_drains_with_h2(tmp_path: Path) -> None:
     """``slo-router up --grpc-server h2`` (the module's fixture sets the variable ``up_cluster`` reads):
     the SIGTERM drain test as it runs for grpcio."""
     _shutdown.test_sigterm_under_load_drains_and_ends_every_stream_cleanly(tmp_path)
+
+
+async def test_a_connection_holding_too_many_unfinished_requests_is_refused_stream_by_stream(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Streams whose requests never end hold at most the connection's bound: the stream that would
+    pass it is refused RESOURCE_EXHAUSTED, the ones within it are left alone and still served."""
+    monkeypatch.setattr(h2_server, "MAX_HELD_REQUEST_BYTES", 1 << 20)
+    server = H2Server({"/t.T/Echo": Method(_echo, streaming=False)}, max_message_bytes=256 << 10)
+    port = await server.start("127.0.0.1:0")
+    encoder = hpack.Encoder()
+    chunk = 200 << 10  # each stream declares a 210 KiB message and sends 200 KiB of it
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        # Windows wide enough for the echoed answer: this client never sends WINDOW_UPDATE.
+        window = (4).to_bytes(2, "big") + (4 << 20).to_bytes(4, "big")
+        out = [
+            PREFACE,
+            _frame(_SETTINGS, 0, 0, window),
+            _frame(_WINDOW_UPDATE, 0, 0, (4 << 20).to_bytes(4, "big")),
+        ]
+        for sid in range(1, 20, 2):  # ten streams: 2,000 KiB against a bound of 1,024 KiB
+            headers = [(":method", "POST"), (":scheme", "http"), (":path", "/t.T/Echo"),
+                       (":authority", "localhost"), ("content-type", "application/grpc"), ("te", "trailers")]  # fmt: skip
+            out.append(_frame(_HEADERS, _END_HEADERS, sid, encoder.encode(headers)))
+            body = b"\0" + (210 << 10).to_bytes(4, "big") + b"x" * chunk
+            for i in range(0, len(body), 16384):
+                out.append(_frame(_DATA, 0, sid, body[i : i + 16384]))
+        writer.write(b"".join(out))
+        await writer.drain()
+        (conn,) = server._connections
+        assert await _until(lambda: sum(len(s.body) for s in conn.streams.values()) > 0, 5)
+        statuses: dict[int, str] = {}
+        decoder = hpack.Decoder()
+        buf = b""
+        async with asyncio.timeout(10):
+            while len(statuses) < 5:
+                data = await reader.read(65536)
+                assert data, f"the server closed the connection: {statuses}"
+                buf += data
+                while len(buf) >= 9 and len(buf) >= 9 + int.from_bytes(buf[:3], "big"):
+                    length, kind, sid = (
+                        int.from_bytes(buf[:3], "big"),
+                        buf[3],
+                        int.from_bytes(buf[5:9], "big"),
+                    )
+                    payload, buf = buf[9 : 9 + length], buf[9 + length :]
+                    if kind == _HEADERS:
+                        fields = dict(decoder.decode(payload))
+                        if "grpc-status" in fields:
+                            statuses[sid] = fields["grpc-status"]
+        held = sum(len(s.body) for s in conn.streams.values())
+        assert held <= 1 << 20, held
+        # The first five fit (5 x 205 KiB); every later one was refused, and none of the first.
+        assert set(statuses) == set(range(11, 20, 2)), statuses
+        assert set(statuses.values()) == {str(grpc.StatusCode.RESOURCE_EXHAUSTED.value[0])}
+        # A stream within the bound is still served: its request ends (10 KiB more), its answer comes.
+        rest = b"x" * (10 << 10)
+        pieces = [rest[i : i + 16384] for i in range(0, len(rest), 16384)]  # frames of the default size
+        for i, piece in enumerate(pieces):
+            writer.write(_frame(_DATA, _END_STREAM if i == len(pieces) - 1 else 0, 1, piece))
+        await writer.drain()
+        async with asyncio.timeout(10):
+            while 1 not in statuses:
+                data = await reader.read(65536)
+                assert data, f"the server closed the connection: {statuses}"
+                buf += data
+                while len(buf) >= 9 and len(buf) >= 9 + int.from_bytes(buf[:3], "big"):
+                    length, kind, sid = (
+                        int.from_bytes(buf[:3], "big"),
+                        buf[3],
+                        int.from_bytes(buf[5:9], "big"),
+                    )
+                    payload, buf = buf[9 : 9 + length], buf[9 + length :]
+                    if kind == _HEADERS:
+                        fields = dict(decoder.decode(payload))
+                        if "grpc-status" in fields:
+                            statuses[sid] = fields["grpc-status"]
+        assert statuses[1] == "0"
+        writer.close()
+    finally:
+        await server.stop(0)
