@@ -526,6 +526,33 @@ def test_sigterm_under_load_drains_with_h2(tmp_path: Path) -> None:
     _shutdown.test_sigterm_under_load_drains_and_ends_every_stream_cleanly(tmp_path)
 
 
+class _Trailers:
+    """The ``grpc-status`` of each stream a raw HTTP/2 connection's server answers, as frames arrive."""
+
+    def __init__(self, reader: asyncio.StreamReader) -> None:
+        self.reader = reader
+        self.decoder = hpack.Decoder()
+        self.buf = b""
+        self.statuses: dict[int, str] = {}
+
+    async def until(self, done: Any, timeout_s: float = 10.0) -> dict[int, str]:
+        """Read frames until ``done(statuses)`` holds (bounded in time); the statuses so far."""
+        async with asyncio.timeout(timeout_s):
+            while not done(self.statuses):
+                data = await self.reader.read(65536)
+                assert data, f"the server closed the connection: {self.statuses}"
+                self.buf += data
+                while len(self.buf) >= 9 and len(self.buf) >= 9 + int.from_bytes(self.buf[:3], "big"):
+                    length, kind, sid = self.buf[:3], self.buf[3], int.from_bytes(self.buf[5:9], "big")
+                    size = int.from_bytes(length, "big")
+                    payload, self.buf = self.buf[9 : 9 + size], self.buf[9 + size :]
+                    if kind == _HEADERS:
+                        fields = dict(self.decoder.decode(payload))
+                        if "grpc-status" in fields:
+                            self.statuses[sid] = fields["grpc-status"]
+        return self.statuses
+
+
 async def test_a_connection_holding_too_many_unfinished_requests_is_refused_stream_by_stream(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -556,52 +583,17 @@ async def test_a_connection_holding_too_many_unfinished_requests_is_refused_stre
         await writer.drain()
         (conn,) = server._connections
         assert await _until(lambda: sum(len(s.body) for s in conn.streams.values()) > 0, 5)
-        statuses: dict[int, str] = {}
-        decoder = hpack.Decoder()
-        buf = b""
-        async with asyncio.timeout(10):
-            while len(statuses) < 5:
-                data = await reader.read(65536)
-                assert data, f"the server closed the connection: {statuses}"
-                buf += data
-                while len(buf) >= 9 and len(buf) >= 9 + int.from_bytes(buf[:3], "big"):
-                    length, kind, sid = (
-                        int.from_bytes(buf[:3], "big"),
-                        buf[3],
-                        int.from_bytes(buf[5:9], "big"),
-                    )
-                    payload, buf = buf[9 : 9 + length], buf[9 + length :]
-                    if kind == _HEADERS:
-                        fields = dict(decoder.decode(payload))
-                        if "grpc-status" in fields:
-                            statuses[sid] = fields["grpc-status"]
+        trailers = _Trailers(reader)
+        statuses = await trailers.until(lambda got: len(got) >= 5)
         held = sum(len(s.body) for s in conn.streams.values())
         assert held <= 1 << 20, held
         # The first five fit (5 x 205 KiB); every later one was refused, and none of the first.
         assert set(statuses) == set(range(11, 20, 2)), statuses
         assert set(statuses.values()) == {str(grpc.StatusCode.RESOURCE_EXHAUSTED.value[0])}
         # A stream within the bound is still served: its request ends (10 KiB more), its answer comes.
-        rest = b"x" * (10 << 10)
-        pieces = [rest[i : i + 16384] for i in range(0, len(rest), 16384)]  # frames of the default size
-        for i, piece in enumerate(pieces):
-            writer.write(_frame(_DATA, _END_STREAM if i == len(pieces) - 1 else 0, 1, piece))
+        writer.write(_frame(_DATA, _END_STREAM, 1, b"x" * (10 << 10)))  # within one frame of the default size
         await writer.drain()
-        async with asyncio.timeout(10):
-            while 1 not in statuses:
-                data = await reader.read(65536)
-                assert data, f"the server closed the connection: {statuses}"
-                buf += data
-                while len(buf) >= 9 and len(buf) >= 9 + int.from_bytes(buf[:3], "big"):
-                    length, kind, sid = (
-                        int.from_bytes(buf[:3], "big"),
-                        buf[3],
-                        int.from_bytes(buf[5:9], "big"),
-                    )
-                    payload, buf = buf[9 : 9 + length], buf[9 + length :]
-                    if kind == _HEADERS:
-                        fields = dict(decoder.decode(payload))
-                        if "grpc-status" in fields:
-                            statuses[sid] = fields["grpc-status"]
+        statuses = await trailers.until(lambda got: 1 in got)
         assert statuses[1] == "0"
         writer.close()
     finally:
