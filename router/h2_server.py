@@ -82,6 +82,7 @@ from router.vllm_h2 import (
     _SETTINGS,
     _WINDOW_UPDATE,
     PREFACE,
+    CoalescedWrites,
     _frame,
     _literal,
     split_host_port,
@@ -346,7 +347,7 @@ class _Stream:
         self.cancel_task()
 
 
-class _Connection(asyncio.Protocol):
+class _Connection(CoalescedWrites, asyncio.Protocol):
     """One client connection: its streams, HPACK decoder, windows and write queue."""
 
     def __init__(self, server: H2Server) -> None:
@@ -808,24 +809,8 @@ class _Connection(asyncio.Protocol):
         if not self.streams and (self._peer_away or self.going_away):
             self.close()
 
-    def write(self, data: bytes) -> None:
-        """Queue ``data``; everything queued during one event-loop iteration goes out in one write."""
-        if self.closed:
-            return
-        self._out.append(data)
-        if not self._send_scheduled:
-            self._send_scheduled = True
-            self.loop.call_soon(self._send)
-
-    def _send(self) -> None:
-        self._send_scheduled = False
-        out = self._out
-        if not out or self.transport is None or self.closed:
-            out.clear()
-            return
-        data = out[0] if len(out) == 1 else b"".join(out)
-        out.clear()
-        self.transport.write(data)
+    #: Queue a frame: everything queued during one event-loop iteration goes out in one write.
+    write = CoalescedWrites._write
 
     def goaway(self, error: int, why: str = "") -> None:
         """GOAWAY: no stream past the last one started will be served."""

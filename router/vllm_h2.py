@@ -238,7 +238,43 @@ class H2Stream:
         return self.sink.take()
 
 
-class H2Connection(asyncio.Protocol):
+class CoalescedWrites:
+    """Frames queued during one event-loop iteration leave in one ``transport.write`` (both sides of
+    the router's HTTP/2: this client, and the Router service's server in ``router.h2_server``).
+
+    A write to a loopback socket wakes the peer at once, and on a busy host the writer is then often
+    preempted in the system call: with one write per frame, a burst of calls reaches the peer (or a
+    step's messages reach the clients) one preemption at a time. The class using it sets
+    ``transport``, ``closed``, ``loop``, ``_out`` (empty) and ``_send_scheduled`` (False).
+    """
+
+    transport: asyncio.Transport | None
+    closed: bool
+    loop: asyncio.AbstractEventLoop
+    _out: list[bytes]
+    _send_scheduled: bool
+
+    def _write(self, data: bytes) -> None:
+        """Queue ``data`` for this iteration's write (dropped once the connection is closed)."""
+        if self.transport is None or self.closed:
+            return
+        self._out.append(data)
+        if not self._send_scheduled:
+            self._send_scheduled = True
+            self.loop.call_soon(self._send)
+
+    def _send(self) -> None:
+        self._send_scheduled = False
+        out = self._out
+        if not out or self.transport is None or self.closed:
+            out.clear()
+            return
+        data = out[0] if len(out) == 1 else b"".join(out)
+        out.clear()
+        self.transport.write(data)
+
+
+class H2Connection(CoalescedWrites, asyncio.Protocol):
     """One HTTP/2 connection to a gRPC server, carrying any number of :class:`H2Stream` calls."""
 
     def __init__(self, authority: str, max_message_bytes: int) -> None:
@@ -614,30 +650,6 @@ class H2Connection(asyncio.Protocol):
         if self.transport is not None and not self.closed:
             self._send()  # what is queued (a reset, an acknowledgement) goes before the close
             self.transport.close()
-
-    def _write(self, data: bytes) -> None:
-        """Queue ``data``; everything queued during one event-loop iteration goes out in one write.
-
-        A write to a loopback socket wakes the engine's server at once, and on a busy host the
-        router is then often preempted in the system call: with one write per call, a burst of
-        new requests reaches the engine one preemption at a time.
-        """
-        if self.transport is None or self.closed:
-            return
-        self._out.append(data)
-        if not self._send_scheduled:
-            self._send_scheduled = True
-            self._loop.call_soon(self._send)
-
-    def _send(self) -> None:
-        self._send_scheduled = False
-        out = self._out
-        if not out or self.transport is None or self.closed:
-            out.clear()
-            return
-        data = out[0] if len(out) == 1 else b"".join(out)
-        out.clear()
-        self.transport.write(data)
 
     def _fail_connection(self, why: str) -> None:
         for stream in list(self._streams.values()):
