@@ -106,12 +106,16 @@ def test_sigterm_under_load_drains_and_ends_every_stream_cleanly(tmp_path: Path)
         assert _queue_length(cluster.http) >= 5, cluster.tail()
         sigterm_at = time.monotonic()
         cluster.popen.send_signal(15)
-        time.sleep(0.3)
-        # Health first: a load balancer stops sending.
+        # Health first: a load balancer stops sending (polled, bounded: the signal is handled
+        # asynchronously).
         with grpc.insecure_channel(cluster.router) as channel:
-            status = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=""), timeout=5
-            )
+            health = health_pb2_grpc.HealthStub(channel)
+            deadline = time.monotonic() + 5
+            while True:
+                status = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+                if status.status == health_pb2.HealthCheckResponse.NOT_SERVING or time.monotonic() > deadline:
+                    break
+                time.sleep(0.01)
             assert status.status == health_pb2.HealthCheckResponse.NOT_SERVING
             try:
                 for _ in router_pb2_grpc.RouterStub(channel).Generate(

@@ -470,7 +470,13 @@ async def test_drain_refuses_new_calls_and_ends_running_streams_unavailable() ->
         for call in calls:
             assert (await call.read()).token_ids
         stopping = asyncio.ensure_future(cluster.router.stop(grace=1.0, drain_timeout_s=0.8))
-        await asyncio.sleep(0.2)
+        health = health_pb2_grpc.HealthStub(cluster.channel)
+        watch = health.Watch(health_pb2.HealthCheckRequest(service=""), timeout=5)
+        async with asyncio.timeout(5):  # the drain has begun once health says so
+            async for answer in watch:
+                if answer.status == health_pb2.HealthCheckResponse.NOT_SERVING:
+                    break
+        watch.cancel()
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await cluster.stub.Generate(generate_request(16, 2), timeout=5).read()
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
