@@ -208,7 +208,8 @@ def fit_step_model(
 
     One pass of outlier rejection: rows whose residual exceeds 4 scaled MADs
     of the first fit's residuals (and at least 10 µs plus 0.1 % of the
-    observations' RMS) are dropped and the rest refitted.
+    observations' RMS) are dropped and the rest refitted, unless dropping them
+    would leave a term without a row to fit it (:func:`_drops_a_term`).
     """
     w = np.ones(len(observed_ms)) if weights is None else weights
     keep = np.isfinite(observed_ms) & (w > 0)
@@ -229,9 +230,25 @@ def fit_step_model(
     if kept_now == kept:
         # No row rejected: the second solve would be the same system, so the same coefficients.
         return coefs
-    if kept_now < NUM_COEFS:
+    if kept_now < NUM_COEFS or _drops_a_term(features, keep, refit):
         return coefs
     return _weighted_lstsq(features, observed_ms, w, refit, False)
+
+
+def _drops_a_term(features: FloatArray, before: BoolArray, after: BoolArray) -> bool:
+    """Whether the rows ``after`` keeps leave a term (a column) that the rows ``before`` fitted with none.
+
+    The outlier pass judges residuals against the MAD of every row. Where most rows fit
+    exactly (a window of decode steps whose remainder the model matches) and one regime is off
+    by a little more than the floor (every prefill step, pulled a few µs by the pseudo steps),
+    the pass would drop the whole regime: its terms are then left to rounding (the
+    normal-equation solve subtracts every one of its rows and keeps the noise: a prefill
+    constant of 500 ms) or to the minimum-norm zero. A regime is not an outlier; keeping
+    the first fit there is right.
+    """
+    had = np.logical_or.reduce(features[before] != 0.0, axis=0)
+    has = np.logical_or.reduce(features[after] != 0.0, axis=0)
+    return bool((had & ~has).any())
 
 
 def _weighted_lstsq(
@@ -463,6 +480,9 @@ def _fit_normal(
     num_dropped = int(np.count_nonzero(dropped))
     if num_dropped == 0 or len(residual) - num_dropped < NUM_COEFS:
         return coefs
+    every_row = np.concatenate([features, grid])
+    if _drops_a_term(every_row, np.ones(len(dropped), dtype=bool), ~dropped):
+        return coefs
     # The dropped rows leave the normal equations (a pseudo step with its weight; its y is 0).
     window_out, grid_out = dropped[:n], dropped[n:]
     out_x = features[window_out]
@@ -494,6 +514,8 @@ def _fit_with_prior(features: FloatArray, observed_ms: FloatArray, n: int, prior
     limit = max(4.0 * 1.4826 * mad, 1e-3 * rms + 1e-2)
     keep = np.abs(residual) <= limit
     if keep.all() or np.count_nonzero(keep) < NUM_COEFS:
+        return coefs
+    if _drops_a_term(features, np.ones(len(keep), dtype=bool), keep):
         return coefs
     return _weighted_lstsq(features, observed_ms, weights, keep, False)
 

@@ -160,7 +160,7 @@ RECORDED: dict[str, str] = {
     "neutral-slo-sa": "675a406d6359e813cce707ed",
     "pd-adaptive": "6c0daa4f54af67d8fce492a0",
     "pd-load-balance-off": "466dcf402227e02d05b7c4b8",
-    "pd-noise-power-of-two": "c11eff239c588a7ed974fc27",
+    "pd-noise-power-of-two": "1d5dfe0ec4aa853c45db64c9",
     "pd-slo-refit": "3e2c99f4fe860fc9e6771eef",
     "pd-slo-scale": "46534c52370253dfdaec1d6a",
 }

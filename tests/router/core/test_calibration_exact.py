@@ -74,7 +74,11 @@ def reference_fit(features: FloatArray, observed: FloatArray, weights: FloatArra
         residual = observed - features @ coefs
         mad = float(np.median(np.abs(residual[keep] - np.median(residual[keep]))))
         rms = float(np.sqrt(np.mean(np.square(observed[keep]))))
-        keep = keep & (np.abs(residual) <= max(4.0 * 1.4826 * mad, 1e-3 * rms + 1e-2))
+        kept = keep & (np.abs(residual) <= max(4.0 * 1.4826 * mad, 1e-3 * rms + 1e-2))
+        # A column some row fitted and no kept row does: nothing is dropped (a regime is not an outlier).
+        if (np.any(features[keep] != 0, axis=0) & ~np.any(features[kept] != 0, axis=0)).any():
+            return coefs
+        keep = kept
     return coefs
 
 
@@ -220,8 +224,8 @@ def _kept_rows_determine_the_fit(
         assert (np.abs(r_a - lim_a)[disputed] <= slack[disputed]).all(), "a disputed row far from the limit"
         return False
     keep = r_b <= lim_b
-    if keep.all():
-        return True
+    if keep.all() or not np.any(features[keep] != 0, axis=0).all():
+        return True  # nothing dropped (a dropped column keeps the first fit: no rows are dropped)
     return bool(np.linalg.matrix_rank(weighted[keep]) == NUM_COEFS)
 
 
