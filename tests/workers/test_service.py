@@ -147,7 +147,10 @@ async def test_lone_request_ttft_and_tpot_match_the_profile(start_worker: StartW
         start = time.perf_counter()
         result = await client.generate("lone", prompt(1024), 40)
     ttft_ms = (result.arrivals[0] - start) * 1000
-    assert ttft_ms == pytest.approx(float(PREDICTOR.ttft_profile.grid(1024.0)) / speed, rel=0.1)
+    profile_ms = float(PREDICTOR.ttft_profile.grid(1024.0)) / speed
+    # Never sooner than the profile; later by at most 10 % plus the loopback call and the event
+    # loop's turn, which on a shared 2-core host under the whole suite took up to 8 ms more.
+    assert profile_ms * 0.9 <= ttft_ms <= profile_ms * 1.1 + 10.0
     assert result.messages == 40  # a prompt reader gets one token per message
     gaps = [(b - a) * 1000 for a, b in itertools.pairwise(result.arrivals)]
     assert statistics.median(gaps) == pytest.approx(PREDICTOR.predict_tpot_ms(1, 1044) / speed, rel=0.1)
