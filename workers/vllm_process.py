@@ -61,7 +61,31 @@ _OWN_PROCESS_GROUP: dict[str, Any] = (
 )
 
 
-class VllmWorkerProcess:
+class _LoggedChild:
+    """A child process of the vLLM environment whose output goes to ``log_path``."""
+
+    log_path: Path
+    proc: subprocess.Popen[bytes]
+
+    def _spawn(self, cmd: Sequence[str], overrides: dict[str, str], env: dict[str, str] | None) -> None:
+        """Start ``cmd`` in a process group of its own, ``overrides`` then ``env`` on the environment."""
+        overrides = {"HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **overrides, **(env or {})}
+        self._log = self.log_path.open("wb")
+        self.proc = subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            env=vllm_env.subprocess_env(overrides),
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            **_OWN_PROCESS_GROUP,
+        )
+
+    def log_tail(self, lines: int = 60) -> str:
+        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+
+class VllmWorkerProcess(_LoggedChild):
     """``slo-router worker --engine vllm --model MODEL ARGS...`` from the vLLM environment.
 
     Its output (vLLM logs to stdout) goes to ``log_path``; :meth:`wait_ready`
@@ -103,24 +127,7 @@ class VllmWorkerProcess:
             "1",
             *args,
         ]
-        overrides = {
-            "HF_HUB_OFFLINE": "1",
-            "PYTHONUNBUFFERED": "1",
-        }
-        overrides.update(env or {})
-        self._log = log_path.open("wb")
-        self.proc = subprocess.Popen(
-            cmd,
-            cwd=REPO,
-            env=vllm_env.subprocess_env(overrides),
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            **_OWN_PROCESS_GROUP,
-        )
-
-    def log_tail(self, lines: int = 60) -> str:
-        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-        return "\n".join(text.splitlines()[-lines:])
+        self._spawn(cmd, {}, env)
 
     def wait_ready(self, timeout_s: float = 150.0) -> str:
         """The worker's ``host:port`` once it serves; RuntimeError (with its log) if it exits or times out."""
@@ -189,7 +196,7 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
-class StockEngineProcess:
+class StockEngineProcess(_LoggedChild):
     """An unmodified vLLM gRPC engine: ``python -m vllm.entrypoints.launchers.grpc_server``.
 
     The same server ``vllm serve MODEL --grpc`` runs (the CPU build's ``vllm`` console script
@@ -227,8 +234,6 @@ class StockEngineProcess:
             *args,
         ]
         overrides = {
-            "HF_HUB_OFFLINE": "1",
-            "PYTHONUNBUFFERED": "1",
             # The servicer's start-up warm-up visits every prompt length class (up to 27 s here on
             # a busy 2-core host) and, with a shared-directory KV connector, has engines started
             # together store and load the same warm-up prompts' KV at once (seen to crash one).
@@ -239,20 +244,7 @@ class StockEngineProcess:
         # vLLM leaves its ZeroMQ socket files behind: give them a directory removed at stop().
         self._rpc_dir = vllm_env.new_rpc_dir()
         overrides[vllm_env.RPC_BASE_PATH] = self._rpc_dir
-        overrides.update(env or {})
-        self._log = log_path.open("wb")
-        self.proc = subprocess.Popen(
-            cmd,
-            cwd=REPO,
-            env=vllm_env.subprocess_env(overrides),
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            **_OWN_PROCESS_GROUP,
-        )
-
-    def log_tail(self, lines: int = 60) -> str:
-        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-        return "\n".join(text.splitlines()[-lines:])
+        self._spawn(cmd, overrides, env)
 
     def wait_ready(self, timeout_s: float = 180.0) -> str:
         """The engine's ``host:port`` once ``HealthCheck`` answers healthy; RuntimeError if it exits or times out."""
