@@ -221,6 +221,9 @@ def anneal(
         return Plan((), (), 0.0, 0, 0.0)
     if cap < 1:
         raise ValueError(f"cap must be >= 1, got {cap}")
+    # The budget covers the starts too (at 40 queued and a cap of 4 they are a tenth of the budget).
+    started = clock()
+    deadline = None if params.budget_s is None else started + params.budget_s - spent_s
     sizes0 = full_batches(n, cap)
     columns = _Columns.of(jobs, cap)
     evaluate_ = columns.evaluate
@@ -276,8 +279,6 @@ def anneal(
     cur_sizes = list(sizes)
     cur_g = g
     temperature = params.initial_temperature
-    started = clock()
-    deadline = None if params.budget_s is None else started + params.budget_s - spent_s
     levels = params.steps
     per_level = params.iterations
     randrange = rng.randrange

@@ -296,6 +296,28 @@ def test_a_budget_bounds_the_moves() -> None:
     assert 100 <= plan.evaluations <= 250
 
 
+def test_the_budget_counts_the_starting_solutions(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Each evaluation takes 1 ms of a fake clock. At a cap of 4 the starts are five evaluations (the
+    # latency order in batches of 4, 3, 2 and 1, and the queue order): 5 ms, more than the 2 ms
+    # budget, so the run must stop at its first budget check instead of searching on.
+    import router.core.sa as sa
+
+    now = [0.0]
+    evaluate = sa._Columns.evaluate
+
+    def timed(
+        self: sa._Columns, order: Sequence[int], sizes: Sequence[int], start_ms: float
+    ) -> tuple[float, int, float]:
+        now[0] += 1e-3
+        return evaluate(self, order, sizes, start_ms)
+
+    monkeypatch.setattr(sa._Columns, "evaluate", timed)
+    jobs = [job([100.0 * (i + 1)] * 4, [50.0 * i - 300.0] * 4) for i in range(12)]
+    plan = anneal(jobs, 4, AnnealParams(budget_s=2e-3), random.Random(0), clock=lambda: now[0])
+    assert plan.evaluations == 5
+    assert sorted(plan.order) == list(range(12))
+
+
 def test_exhaustive_refuses_large_queues() -> None:
     with pytest.raises(ValueError, match="at most 8"):
         exhaustive([job([1.0], [1.0])] * 9, 1)
