@@ -101,6 +101,7 @@ def main(argv: Sequence[str]) -> int:
         )
         out = simulate(fleet, SchedulerConfig(**policy_overrides(policy)), plans, queue=queue, seed=args.seed)
         rows = []
+        plans_classes = {p.class_name for p in plans}
         for r, p, w in zip(out.results, plans, out.queue_wait_ms, strict=True):
             rows.append(
                 {
@@ -114,6 +115,7 @@ def main(argv: Sequence[str]) -> int:
                     "ttft_slo": r.slo.ttft_ms or 0.0,
                     "tpot_slo": r.slo.tpot_ms or 0.0,
                     "stream": 0.0 if (r.slo.e2e_ms and not r.slo.ttft_ms) else 1.0,
+                    "cls": float(sorted(plans_classes).index(r.class_name)),
                 }
             )
         runs.append(rows)
@@ -127,8 +129,8 @@ def main(argv: Sequence[str]) -> int:
     every = [r for rows in runs for r in rows]
     tpot = statistics.fmean(r["tpot"] for r in every if r["tpot"])
     mean_out = {
-        s: statistics.fmean((r["exe"] - r["pre"]) / tpot + 1 for r in every if r["stream"] == s)
-        for s in {r["stream"] for r in every}
+        c: statistics.fmean((r["exe"] - r["pre"]) / tpot + 1 for r in every if r["cls"] == c)
+        for c in {r["cls"] for r in every}
     }
     bursts: list[list[Row]] = []
     for rows in runs:
@@ -153,7 +155,7 @@ def main(argv: Sequence[str]) -> int:
         ("exact", lambda b: b),
         (
             "class means",
-            lambda b: [{**r, "exe": r["pre"] + (mean_out[r["stream"]] - 1) * tpot} for r in b],
+            lambda b: [{**r, "exe": r["pre"] + (mean_out[r["cls"]] - 1) * tpot} for r in b],
         ),
     ):
         lam = 0.0

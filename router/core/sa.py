@@ -221,6 +221,9 @@ def anneal(
         return Plan((), (), 0.0, 0, 0.0)
     if cap < 1:
         raise ValueError(f"cap must be >= 1, got {cap}")
+    # The budget covers the starts too (at 40 queued and a cap of 4 they are a tenth of the budget).
+    started = clock()
+    deadline = None if params.budget_s is None else started + params.budget_s - spent_s
     sizes0 = full_batches(n, cap)
     columns = _Columns.of(jobs, cap)
     evaluate_ = columns.evaluate
@@ -276,8 +279,6 @@ def anneal(
     cur_sizes = list(sizes)
     cur_g = g
     temperature = params.initial_temperature
-    started = clock()
-    deadline = None if params.budget_s is None else started + params.budget_s - spent_s
     levels = params.steps
     per_level = params.iterations
     randrange = rng.randrange
@@ -618,6 +619,10 @@ class TaskLengths:
         """
         return 0 if request.output_tokens_prior else request.expected_output_tokens
 
+    def unknown(self, request: ScheduleInput) -> bool:
+        """Is ``request``'s length only its prior (no hint, too few answers of its type)?"""
+        return not self._hint(request) and self._figures(request.slo_class) is None
+
     def typical(self, request: ScheduleInput) -> float:
         """The output length the latency predictor costs ``request`` with."""
         cap = request.max_tokens or math.inf
@@ -705,6 +710,7 @@ def jobs_for(
     max_num_batched_tokens: float,
     outputs: Sequence[float] | None = None,
     bounds: Sequence[float] | None = None,
+    unknown: Sequence[bool] | None = None,
 ) -> list[Job]:
     """The annealer's view of ``requests`` on an instance predicted by ``predictor`` (see the module doc).
 
@@ -714,7 +720,9 @@ def jobs_for(
     steps (its execution time; the prefill emits the first token), with ``o``
     its ``outputs`` entry (the typical length of its task type; default: its
     ``output_tokens_estimate``). The time it has already waited (since
-    ``arrival_s``, else since it was queued) counts. With ``bounds`` (the
+    ``arrival_s``, else since it was queued) counts. ``unknown``: the requests whose
+    lengths are only their prior; their own e2e target is judged on their prefill
+    alone, not given up for their cap (see where it is applied). With ``bounds`` (the
     task type's length bound, §4), what the plan relies on is costed at the
     bound: how long its batch holds the instance (the wait it imposes on the
     batches after it) and whether it meets its own targets; its latency in
@@ -762,6 +770,16 @@ def jobs_for(
             ttft_target[i], tpot_target[i] = math.inf, math.inf
     w = waited[:, None]
     by_e2e = e2e[:, None] - w - exec_ms
+    if unknown is not None and any(unknown):
+        # A request whose length is only its prior (its task type has no answers yet, no hint) is not
+        # given up for its cap: §4's predictor costs a *typical* length, which is unknown here, and
+        # max_tokens is a bound, not a typical answer. Its own e2e target is judged as if it answered
+        # at once (its prefill), so a plan keeps trying to meet it; the time it holds its batch, and so
+        # the waits of the requests behind it, stay priced at the cap. Without this, a burst that
+        # arrives before any answer gave up every e2e request whose cap would overrun its target
+        # (R/A: agents capped at 400 tokens, 6.8 s, due in 6 s) and ran the others first.
+        short = e2e[:, None] - w - prefill
+        by_e2e = np.where(np.asarray(unknown, dtype=bool)[:, None], short, by_e2e)
     by_ttft = np.where(tpot <= tpot_target[:, None], ttft_target[:, None] - w - prefill, -math.inf)
     # e2e-only requests: their e2e; the others: TTFT and TPOT, and their e2e if they have one too.
     slack = np.where(e2e_only[:, None], by_e2e, np.minimum(by_ttft, by_e2e))
@@ -1075,6 +1093,7 @@ class SAPlanner:
                 float(view.instances.max_num_batched_tokens[i]),
                 [self.lengths.typical(r) for r in requests],
                 [self.lengths.bound(r) for r in requests],
+                [self.lengths.unknown(r) for r in requests],
             )
             # The budget covers the costing too (modeled in the simulator).
             spent = time.perf_counter() - started if self._modeled is None else modeled_costing_s(len(jobs))

@@ -6,6 +6,7 @@ import itertools
 import math
 import random
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -296,6 +297,28 @@ def test_a_budget_bounds_the_moves() -> None:
     assert 100 <= plan.evaluations <= 250
 
 
+def test_the_budget_counts_the_starting_solutions(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Each evaluation takes 1 ms of a fake clock. At a cap of 4 the starts are five evaluations (the
+    # latency order in batches of 4, 3, 2 and 1, and the queue order): 5 ms, more than the 2 ms
+    # budget, so the run must stop at its first budget check instead of searching on.
+    import router.core.sa as sa
+
+    now = [0.0]
+    evaluate = sa._Columns.evaluate
+
+    def timed(
+        self: sa._Columns, order: Sequence[int], sizes: Sequence[int], start_ms: float
+    ) -> tuple[float, int, float]:
+        now[0] += 1e-3
+        return evaluate(self, order, sizes, start_ms)
+
+    monkeypatch.setattr(sa._Columns, "evaluate", timed)
+    jobs = [job([100.0 * (i + 1)] * 4, [50.0 * i - 300.0] * 4) for i in range(12)]
+    plan = anneal(jobs, 4, AnnealParams(budget_s=2e-3), random.Random(0), clock=lambda: now[0])
+    assert plan.evaluations == 5
+    assert sorted(plan.order) == list(range(12))
+
+
 def test_exhaustive_refuses_large_queues() -> None:
     with pytest.raises(ValueError, match="at most 8"):
         exhaustive([job([1.0], [1.0])] * 9, 1)
@@ -324,6 +347,38 @@ def test_jobs_for_costs_each_request_per_batch_size() -> None:
     # Without an arrival time the wait counts from the enqueue time (0.5 s); TTFT = wait + prefill.
     prefill = float(predictor.predict_ttft_ms(400, 0, 0, 2048))
     assert lj.slack_ms[1] == pytest.approx(10000.0 - 500.0 - prefill)
+
+
+def test_a_request_of_unknown_length_is_not_given_up_for_its_cap() -> None:
+    # A 400-token cap runs past the 6 s target; before its task type has answers, that cap is no
+    # typical length, so the request's own target is judged on its prefill alone, while what it
+    # imposes on the requests behind it (its batch's duration) stays priced at the cap.
+    predictor = make_predictor()
+    agent = ScheduleInput("a", prompt_tokens=1500, e2e_slo_ms=6000.0, max_tokens=400, arrival_s=0.0)
+    (known,) = jobs_for([agent], predictor, 2, 1.0, [0.0], 1000.0, 50.0, 2048.0, [400.0], [400.0], [False])
+    (unknown,) = jobs_for([agent], predictor, 2, 1.0, [0.0], 1000.0, 50.0, 2048.0, [400.0], [400.0], [True])
+    assert known.exec_ms[1] > 6000.0 - 1000.0 and known.slack_ms[1] < 0  # given up: never met
+    prefill = float(predictor.predict_ttft_ms(1500, 0, 0, 2048))
+    assert unknown.slack_ms[1] == pytest.approx(6000.0 - 1000.0 - prefill)
+    assert unknown.exec_ms == known.exec_ms and unknown.cost_ms == known.cost_ms
+    # A plan of it and a short request behind it counts it met once its length is unknown.
+    other = job([500.0, 600.0], [20000.0, 20000.0])
+    assert evaluate([unknown, other], (0, 1), (1, 1))[1] == 2
+    assert evaluate([known, other], (0, 1), (1, 1))[1] == 1
+
+
+def test_a_length_is_unknown_until_its_task_type_has_answers_or_a_hint() -> None:
+    from router.core.sa import TaskLengths
+
+    lengths = TaskLengths()
+    code = ScheduleInput(request_id="c", prompt_tokens=10, max_tokens=1000, slo_class="code")
+    prior = replace(code, expected_output_tokens=1000, output_tokens_prior=True)
+    hinted = replace(code, expected_output_tokens=80)
+    assert lengths.unknown(code) and lengths.unknown(prior) and not lengths.unknown(hinted)
+    for n in range(TaskLengths.MIN_SAMPLES):
+        assert lengths.unknown(code)
+        lengths.observe("code", 100 + n)
+    assert not lengths.unknown(code) and not lengths.unknown(prior)
 
 
 # --------------------------------------------------------------------------- config
