@@ -248,6 +248,29 @@ def test_the_queue_replaces_the_utilisation_cap_where_a_ttft_target_is_known() -
     assert got.fitted and got.prefill == 3, got
 
 
+def test_the_signal_is_eq7s_line_not_the_last_windows_staffing_rounded_up() -> None:
+    """Two prefill instances at 80 % of their full rate sit at the queue model's step. Fed a minute
+    of heartbeats at 9.3 req/s of 1,190-token prompts (staffed 1.97 each), Eq. 7's line says 2 at
+    that rate. The last window's own load, a little longer prompts (1,219 tokens), is staffed 2.02:
+    as a floor under the line (before) its ceiling asked 3, where ``plan`` with the router queue on
+    the Azure trace's last minute (9.8 req/s of 1,219-token prompts) needs 2 + 3 (96.2 %)."""
+    from router.core.capacity import prefill_staffing
+
+    def rates(load: LoadShape, tpot_ms: float) -> InstanceRates:
+        return PREFILL_RATES
+
+    window = LoadShape(9.3, 1219.0, 265.0)
+    assert math.ceil(prefill_staffing(window, PREFILL_RATES, 1000.0)) == 3
+    model = DesiredInstances(rates, heartbeat_s=10.0)
+    n = int(9.3 * 120)
+    for k in range(n):
+        model.observe(k / 9.3, 1190, 265.0, tpot_ms=50.0, ttft_ms=1000.0)
+    line = model.models["prefill"].predict(window.rate)
+    got = model.desired(n / 9.3, window)
+    assert got.fitted and line == 2 and got.prefill == 2, got
+    assert got.neutral == model.models["neutral"].predict(window.rate)
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     rate=st.floats(0.1, 200.0),
