@@ -16,7 +16,11 @@ Two steps, after Aladdin's worker-count prediction (seed 001):
    and every fleet with one instance fewer of any role, or one fewer in all
    traded that way, misses it (in the same simulation). With ``--prefill N``
    the prefill side is held at N and only the decoders are searched (how
-   Aladdin's split-phase evaluation compares placement policies).
+   Aladdin's split-phase evaluation compares placement policies). No searched
+   fleet has fewer prefill (or neutral) instances than the scored requests'
+   prompts keep busy at the fastest rate an instance computes them
+   (:func:`prefill_floor`): below it a finite run can meet the target while a
+   backlog grows that the rate, held, never drains.
 
 Every run replays the same seeded plan of requests, so the search is
 deterministic for a seed. A run asked only whether its fleet meets the target
@@ -450,7 +454,7 @@ def register(subparsers: Any) -> None:
             "router's slo_router_desired_instances signal (Aladdin's Eq. 7 fitted over heartbeats of the load) "
             "and the profile, then confirm and refine the estimate with the simulator (the router's scheduling core "
             "on the sim engine model): the printed fleet meets --attainment, one instance fewer of any role "
-            "misses it. With --policy binpack (Aladdin, seed 001) a request its constraints refuse "
+            "misses it (no fleet is answered whose prefill side the load outruns, however patient its first tokens may be). With --policy binpack (Aladdin, seed 001) a request its constraints refuse "
             "everywhere waits in the router queue, and one that misses its targets there is the paper's "
             "'open a new bin': the search adds an instance; the plan also prints Aladdin's worker-count "
             "model (Eq. 7, workers = ceil(k5 x rate + c5)) fitted over the planned fleet's run."
