@@ -629,6 +629,8 @@ def run(args: argparse.Namespace) -> int:
         )
     wm = result.worker_model
     if wm is not None:
+        # A slope fitted to one rate's heartbeats can round to zero from below: print 0, not -0.000.
+        wm = {**wm, "k5": round(wm["k5"], 3) + 0.0, "c5": round(wm["c5"], 2) + 0.0}
         print(
             f"Aladdin's worker-count model (Eq. 7) fitted over the planned fleet's binpack run: "
             f"N = ceil({wm['k5']:.3f} x rate + {wm['c5']:.2f}) above {wm['lower_rate']:.2f} req/s "
