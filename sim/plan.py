@@ -16,7 +16,11 @@ Two steps, after Aladdin's worker-count prediction (seed 001):
    and every fleet with one instance fewer of any role, or one fewer in all
    traded that way, misses it (in the same simulation). With ``--prefill N``
    the prefill side is held at N and only the decoders are searched (how
-   Aladdin's split-phase evaluation compares placement policies).
+   Aladdin's split-phase evaluation compares placement policies). No searched
+   fleet has fewer prefill (or neutral) instances than the scored requests'
+   prompts keep busy at the fastest rate an instance computes them
+   (:func:`prefill_floor`): below it a finite run can meet the target while a
+   backlog grows that the rate, held, never drains.
 
 Every run replays the same seeded plan of requests, so the search is
 deterministic for a seed. A run asked only whether its fleet meets the target
@@ -274,7 +278,16 @@ def plan_fleet(
     if max_instances < (2 if mode == "pd" else 1):
         raise PlanError(f"--max-instances must allow one instance per role, got {max_instances}")
     roles = (0, 1) if mode == "pd" and prefill is None else (1,) if mode == "pd" else (2,)
+    # The fewest instances of each searched role that carry the scored load at all (see
+    # ``prefill_floor``): a fleet below it meets the target only while its backlog is young.
+    sustained = prefill_floor(plans, scored_from, probe.predictors.default, engine)
+    least = (
+        (max(1, sustained) if prefill is None else prefill, 1, 0)
+        if mode == "pd"
+        else (0, 0, max(1, sustained))
+    )
     counts = (estimate.prefill, estimate.decode, 0) if mode == "pd" else (0, 0, estimate.neutral)
+    counts = (max(counts[0], least[0]), counts[1], max(counts[2], least[2]))
     if prefill is not None:
         if prefill >= max_instances:
             raise PlanError(f"--prefill {prefill}: leaves no decoder within --max-instances {max_instances}")
@@ -309,7 +322,7 @@ def plan_fleet(
         while changed:
             changed = False
             for role in roles:
-                if c[role] > 1 and attainment(bump(c, role, -1)) >= target:
+                if c[role] > max(1, least[role]) and attainment(bump(c, role, -1)) >= target:
                     c = bump(c, role, -1)
                     changed = True
         return c
@@ -324,7 +337,7 @@ def plan_fleet(
         trades = [
             c
             for c in ((counts[0] + 1, counts[1] - 2, 0), (counts[0] - 2, counts[1] + 1, 0))
-            if min(c[0], c[1]) >= 1
+            if c[0] >= least[0] and c[1] >= 1
         ]
         better = next((c for c in trades if attainment(c) >= target), None)
         if better is None:
@@ -347,6 +360,37 @@ def plan_fleet(
         worker_model=worker_model,
         stopped=frozenset(stopped),
     )
+
+
+def prefill_floor(
+    plans: Sequence[RequestPlan], scored_from: float, predictor: LatencyPredictor, engine: SimConfig
+) -> int:
+    """The fewest instances that can compute the scored requests' prompts at their arrival rate.
+
+    An instance computes at most one step budget of prompt tokens (``max_num_batched_tokens``) per
+    prefill step, ``chunk / ttft(chunk)`` tokens a second (the profile's step cost grows linearly
+    from a fixed part, so full chunks are the fastest it goes). Below this count the prompts arrive
+    faster than any placement computes them, and the backlog grows for as long as the load lasts.
+    A finite run hides that where the target lets a first token wait: ``interactive-batch`` at
+    16 req/s brings 1.03 instances' worth of prompts, its batch class may wait 15 s for a first
+    token, and over a 190 s run one prefill instance met 98 % with the backlog still growing; the
+    rate, held, needs two. Aladdin sizes workers for a rate held (Eq. 7), so the plan does too.
+    The prefill side of a neutral fleet is the same bound (its decodes only add to it).
+
+    The load is the scored requests' (those after the warm-up): their number over the time they
+    arrive in, and their mean prompt. 0 where prompts share cached prefixes (a prefix cache computes
+    less than the prompt: no bound from the prompt alone) or with fewer than two scored requests.
+    """
+    scored = [p for p in plans if p.arrival_s >= scored_from]
+    if len(scored) < 2 or any(p.hash_ids for p in scored):
+        return 0
+    span = scored[-1].arrival_s - scored[0].arrival_s
+    if not span > 0:
+        return 0
+    chunk = max(int(engine.max_num_batched_tokens), 1)
+    full_rate = chunk / max(float(predictor.ttft_profile.grid(float(chunk))), 1e-9) * 1000.0
+    tokens_per_s = sum(p.prompt_tokens for p in scored[1:]) / span
+    return math.ceil(tokens_per_s / full_rate - 1e-9)
 
 
 def _misses_allowed(scored: int, target: float) -> int:
@@ -410,7 +454,7 @@ def register(subparsers: Any) -> None:
             "router's slo_router_desired_instances signal (Aladdin's Eq. 7 fitted over heartbeats of the load) "
             "and the profile, then confirm and refine the estimate with the simulator (the router's scheduling core "
             "on the sim engine model): the printed fleet meets --attainment, one instance fewer of any role "
-            "misses it. With --policy binpack (Aladdin, seed 001) a request its constraints refuse "
+            "misses it (no fleet is answered whose prefill side the load outruns, however patient its first tokens may be). With --policy binpack (Aladdin, seed 001) a request its constraints refuse "
             "everywhere waits in the router queue, and one that misses its targets there is the paper's "
             "'open a new bin': the search adds an instance; the plan also prints Aladdin's worker-count "
             "model (Eq. 7, workers = ceil(k5 x rate + c5)) fitted over the planned fleet's run."
@@ -585,6 +629,8 @@ def run(args: argparse.Namespace) -> int:
         )
     wm = result.worker_model
     if wm is not None:
+        # A slope fitted to one rate's heartbeats can round to zero from below: print 0, not -0.000.
+        wm = {**wm, "k5": round(wm["k5"], 3) + 0.0, "c5": round(wm["c5"], 2) + 0.0}
         print(
             f"Aladdin's worker-count model (Eq. 7) fitted over the planned fleet's binpack run: "
             f"N = ceil({wm['k5']:.3f} x rate + {wm['c5']:.2f}) above {wm['lower_rate']:.2f} req/s "

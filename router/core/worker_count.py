@@ -24,8 +24,10 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from statistics import NormalDist
 
 from router.core.capacity import InstanceRates, LoadShape, decode_staffing, fluid_demand, prefill_staffing
+from router.core.lengths import LengthConfig
 
 #: Samples after which a sample's weight has halved (the default decay).
 HALF_LIFE = 256
@@ -211,6 +213,20 @@ def least_slack(
     return max(least, 0.0) if math.isfinite(least) else 0.0
 
 
+def second_moment_ratio(mean: float, quantile_tokens: float, z: float) -> float:
+    """``E[o²] / E[o]²`` of an answer whose expected length is ``mean`` and whose length estimate
+    puts the quantile of normal score ``z`` at ``quantile_tokens`` (the router's cautious bound,
+    ``LengthEstimate.bound_tokens``), lengths taken as lognormal (the answer lengths of the
+    workloads and traces here are): ``q / mean = exp(z·σ − σ²/2)`` gives ``σ``, and the ratio is
+    ``exp(σ²)``. 1 where the estimate has no spread (a prior, exact lengths); ``σ`` at most ``z``
+    (the widest spread that quantile can say)."""
+    if not (mean > 0 and quantile_tokens > mean and z > 0):
+        return 1.0
+    log_ratio = math.log(quantile_tokens / mean)
+    sigma = z - math.sqrt(z * z - 2.0 * log_ratio) if 2.0 * log_ratio < z * z else z
+    return math.exp(sigma * sigma)
+
+
 #: Rates an instance serves for a load shape and a TPOT target (ms): see ``capacity.instance_rates``.
 RatesFn = Callable[[LoadShape, float], InstanceRates]
 
@@ -267,13 +283,18 @@ class DesiredInstances:
         min_samples: int = 4,
         min_rate_spread: float = 0.25,
         half_life: int = 6,
+        length_quantile: float = LengthConfig().quantile,
     ) -> None:
         if not (math.isfinite(heartbeat_s) and heartbeat_s > 0):
             raise ValueError(f"heartbeat_s must be a finite number > 0, got {heartbeat_s!r}")
         if not (math.isfinite(default_tpot_ms) and default_tpot_ms > 0):
             raise ValueError(f"default_tpot_ms must be a finite number > 0, got {default_tpot_ms!r}")
+        if not 0.5 < length_quantile < 1:
+            raise ValueError(f"length_quantile must be within (0.5, 1), got {length_quantile!r}")
         self._rates = rates
         self.heartbeat_s = heartbeat_s
+        #: The normal score of the quantile ``paced_tokens`` are (the router's length bound).
+        self._z = NormalDist().inv_cdf(length_quantile)
         self.default_tpot_ms = default_tpot_ms
         #: The TTFT target of a request that reports none and has no e2e target (0: no prefill
         #: staffing for it, the fluid demand alone).
@@ -288,10 +309,6 @@ class DesiredInstances:
             for role in ("prefill", "decode", "neutral")
         }
         self._beat: int | None = None
-        #: The least TTFT need of the last heartbeat closed (0: none known).
-        self._last_ttft = 0.0
-        #: Its kinds of TTFT need: (requests, mean prompt tokens, need ms) each (prefill_staffing).
-        self._last_ttft_kinds: list[tuple[float, float, float]] = []
         self._reset()
 
     def _reset(self) -> None:
@@ -299,6 +316,9 @@ class DesiredInstances:
         self._unlearned = 0
         self._prompt = 0.0
         self._output = 0.0
+        # Σ over the heartbeat's requests of their expected output times the context they hold on
+        # average while decoding (``prompt + E[o²] / (2·E[o])``): the length-biased resident context.
+        self._resident = 0.0
         self._len = 0.0
         self._len2 = 0.0
         self._tpot = math.inf
@@ -330,6 +350,8 @@ class DesiredInstances:
         self._unlearned += 0 if learned else 1
         self._prompt += prompt_tokens
         self._output += output_tokens
+        spread = second_moment_ratio(output_tokens, paced_tokens, self._z)
+        self._resident += output_tokens * (prompt_tokens + 0.5 * output_tokens * spread)
         length = float(prompt_tokens) + float(output_tokens)
         self._len += length
         self._len2 += length * length
@@ -367,16 +389,34 @@ class DesiredInstances:
         if self._unlearned > 0.1 * n:
             cv = math.inf  # not representative: the SEM rule leaves it out
         tpot = self._tpot if math.isfinite(self._tpot) else self.default_tpot_ms
-        rates = self._rates(shape, tpot)
+        # A decoder's batch is of the requests decoding now, and a request decodes for as long as
+        # its answer, so long answers are over-represented among those present (Little's law, per
+        # request): their mean context is ``Σ o·(p + o/2) / Σ o``, with ``E[o²]`` from the length
+        # estimate's spread (:func:`second_moment_ratio`), not ``p̄ + ō/2``. A batch's step and
+        # KV are priced at it (``instance_rates`` takes the context as ``prompt + output / 2``: the
+        # prompt it is given is the one that makes it so; the prefill side does not depend on it).
+        # Priced at ``p̄ + ō/2``, chat's lognormal answers (σ 0.8: the resident context 15 % more)
+        # were one decoder short at 32 req/s (3 + 5 where ``plan`` needs 3 + 6), and
+        # ``interactive-batch``'s bimodal answers at 12 req/s (1 + 3: 74.9 %, 113 preemptions,
+        # where ``plan`` needs 1 + 4).
+        resident = self._resident / self._output if self._output > 0 else 0.0
+        held = (
+            LoadShape(
+                shape.rate, max(resident - 0.5 * shape.mean_output_tokens, 0.0), shape.mean_output_tokens
+            )
+            if resident > 0
+            else shape
+        )
+        rates = self._rates(held, tpot)
         _, decode = fluid_demand(shape, rates)
         # The prefill side staffed for the least patient TTFT of the heartbeat (capacity.prefill_staffing).
-        self._last_ttft = self._ttft if math.isfinite(self._ttft) else 0.0
-        self._last_ttft_kinds = [
+        least_ttft = self._ttft if math.isfinite(self._ttft) else 0.0
+        ttft_kinds = [
             (float(count), tokens / count, need)
             for need, (count, tokens) in self._ttft_kinds.items()
             if count
         ]
-        prefill = prefill_staffing(shape, rates, self._last_ttft, self._last_ttft_kinds)
+        prefill = prefill_staffing(shape, rates, least_ttft, ttft_kinds)
         decode = decode_staffing(
             decode, rates.decode_batch, slacks=[least_slack(self._kinds, rates, self.default_tpot_ms)]
         )
@@ -391,21 +431,22 @@ class DesiredInstances:
         fits = {role: m.predict(load.rate) for role, m in self.models.items()}
         model = self.models["decode"]
         if all(v is not None for v in fits.values()):
-            # The prefill side is a queue: its demand steps up by whole instances as the load crosses
-            # what c of them keep within the TTFT target (capacity.prefill_staffing), and near a step
-            # Eq. 7's line through a minute of heartbeats falls on either side of it by their noise
-            # (the Azure conversation trace's last minute at 9.8 req/s: the line said 2, two prefill
-            # instances let 8 % of prompts wait past 1 s and the plan on those requests needs 3). The
-            # last window's own load, staffed, is the floor the line may not go under.
-            tpot = self._tpot if math.isfinite(self._tpot) else self.default_tpot_ms
-            floor = math.ceil(
-                prefill_staffing(load, self._rates(load, tpot), self._last_ttft, self._last_ttft_kinds) - 1e-9
-            )
-            staffed = max(int(fits["prefill"] or 0), floor)
+            # Eq. 7's line alone, per role. The last window's own load, staffed by the prefill queue
+            # (``capacity.prefill_staffing``), is not a floor under it: that floor answered a plan
+            # made without the router queue (the Azure conversation trace's last minute at 12 req/s
+            # then needed 3 prefill instances, a prompt no instance could start in time being
+            # refused); with the queue the router runs, the plan there is 2 + 3 (96.2 %) and the
+            # floor asked 3 + 3. Near a step of the queue model (two instances at 80 % of their
+            # full rate) the staffing's ceiling decides the floor, and the model's M/M/c tail is
+            # the cautious side there: it prices 9.0 % of the prompts past 1 s where the simulator
+            # puts 3.6 % of them (everything included) and an FCFS queue of the same prompts on the
+            # trace's own arrivals 6.1 %. The line, fitted through a minute of heartbeats, reads
+            # the load at the rate rather than at one window's ceiling: 2 there, and at ``mixed``
+            # 24 req/s 4 (the floor: 5; plan 4 + 6).
             return Desired(
-                staffed,
+                int(fits["prefill"] or 0),
                 int(fits["decode"] or 0),
-                int(fits["neutral"] or 0) + staffed - int(fits["prefill"] or 0),
+                int(fits["neutral"] or 0),
                 True,
                 model.samples,
                 model.rejected,

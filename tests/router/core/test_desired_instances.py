@@ -9,7 +9,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from router.core.capacity import InstanceRates, LoadShape, decode_staffing, fluid_demand, instance_rates
-from router.core.worker_count import DesiredInstances, Heartbeat, WorkerCountModel, least_slack
+from router.core.worker_count import (
+    DesiredInstances,
+    Heartbeat,
+    WorkerCountModel,
+    least_slack,
+    second_moment_ratio,
+)
 from tests.router.core.helpers import make_predictor
 
 #: An instance computes 10,000 prompt tokens and generates 1,000 output tokens a second.
@@ -248,6 +254,29 @@ def test_the_queue_replaces_the_utilisation_cap_where_a_ttft_target_is_known() -
     assert got.fitted and got.prefill == 3, got
 
 
+def test_the_signal_is_eq7s_line_not_the_last_windows_staffing_rounded_up() -> None:
+    """Two prefill instances at 80 % of their full rate sit at the queue model's step. Fed a minute
+    of heartbeats at 9.3 req/s of 1,190-token prompts (staffed 1.97 each), Eq. 7's line says 2 at
+    that rate. The last window's own load, a little longer prompts (1,219 tokens), is staffed 2.02:
+    as a floor under the line (before) its ceiling asked 3, where ``plan`` with the router queue on
+    the Azure trace's last minute (9.8 req/s of 1,219-token prompts) needs 2 + 3 (96.2 %)."""
+    from router.core.capacity import prefill_staffing
+
+    def rates(load: LoadShape, tpot_ms: float) -> InstanceRates:
+        return PREFILL_RATES
+
+    window = LoadShape(9.3, 1219.0, 265.0)
+    assert math.ceil(prefill_staffing(window, PREFILL_RATES, 1000.0)) == 3
+    model = DesiredInstances(rates, heartbeat_s=10.0)
+    n = int(9.3 * 120)
+    for k in range(n):
+        model.observe(k / 9.3, 1190, 265.0, tpot_ms=50.0, ttft_ms=1000.0)
+    line = model.models["prefill"].predict(window.rate)
+    got = model.desired(n / 9.3, window)
+    assert got.fitted and line == 2 and got.prefill == 2, got
+    assert got.neutral == model.models["neutral"].predict(window.rate)
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     rate=st.floats(0.1, 200.0),
@@ -363,3 +392,67 @@ def test_deadline_ordered_prefill_staffing_never_exceeds_one_queue_at_the_least_
         assert ordered > rate * mean / full - 1e-9
     else:
         assert ordered == fluid_demand(mixed, PREFILL_RATES)[0]
+
+
+#: The normal score of the router's length bound (``LengthConfig.quantile``, 0.9).
+Z90 = 1.2815515655446004
+
+
+@pytest.mark.parametrize("sigma", [0.2, 0.5, 0.8, 1.0])
+def test_the_length_bound_gives_the_second_moment_of_a_lognormal_answer(sigma: float) -> None:
+    mean = 250.0
+    bound = mean * math.exp(Z90 * sigma - sigma * sigma / 2)  # the 0.9 quantile of that lognormal
+    assert second_moment_ratio(mean, bound, Z90) == pytest.approx(math.exp(sigma * sigma), rel=1e-9)
+    # No spread known (a prior, exact lengths, a bound at the mean): the mean alone.
+    assert second_moment_ratio(mean, mean, Z90) == 1.0
+    assert second_moment_ratio(mean, 0.0, Z90) == 1.0
+
+
+@settings(max_examples=80, deadline=None)
+@given(mean=st.floats(1.0, 4096.0), ratio=st.floats(1.0, 50.0), wider=st.floats(1.0, 3.0))
+def test_a_wider_length_bound_never_means_a_smaller_second_moment(
+    mean: float, ratio: float, wider: float
+) -> None:
+    narrow = second_moment_ratio(mean, mean * ratio, Z90)
+    assert 1.0 <= narrow <= math.exp(Z90 * Z90) + 1e-9
+    assert second_moment_ratio(mean, mean * ratio * wider, Z90) >= narrow - 1e-12
+
+
+def test_decoders_are_priced_at_the_context_their_residents_hold_not_the_mean_request() -> None:
+    """A request decodes for as long as its answer, so the long answers are over-represented in a
+    batch: the residents' mean context is ``Σ o·(p + o/2) / Σ o``. Chat's answers (lognormal, σ 0.8:
+    the length bound at 2.0× the mean) of 630-token prompts and 250-token answers hold 630 +
+    250·e^0.64/2 = 867 tokens each on average, not 755: the batch a decoder keeps at the TPOT target
+    is smaller (62 against 64 on the worked profile), and at 28 req/s the signal asks 7 decoders, not
+    6. (In the simulator, chat at 32 req/s: the plan is 3 + 6, and priced at the mean request the
+    signal asked 3 + 5.)"""
+    predictor = make_predictor()
+    seen: list[LoadShape] = []
+
+    def rates(load: LoadShape, tpot_ms: float) -> InstanceRates:
+        seen.append(load)
+        return instance_rates(
+            predictor,
+            mean_prompt_tokens=load.mean_prompt_tokens,
+            mean_output_tokens=load.mean_output_tokens,
+            tpot_target_ms=tpot_ms,
+        )
+
+    sigma = 0.8
+    bound = 250.0 * math.exp(Z90 * sigma - sigma * sigma / 2)
+
+    def run(paced: float) -> int:
+        model = DesiredInstances(rates, heartbeat_s=10.0)
+        for k in range(28 * 120):
+            model.observe(k / 28.0, 630, 250.0, tpot_ms=50.0, ttft_ms=1000.0, paced_tokens=paced)
+        return model.desired(120.0, LoadShape(28.0, 630.0, 250.0)).decode
+
+    spread = run(bound)
+    held = seen[-1]
+    assert held.mean_prompt_tokens + held.mean_output_tokens / 2 == pytest.approx(
+        630 + 250 * math.exp(0.64) / 2
+    )
+    # Answers all of one length: the mean request is the resident.
+    alike = run(250.0)
+    assert spread > alike, (spread, alike)
+    assert seen[-1].mean_prompt_tokens == pytest.approx(630.0)
