@@ -369,8 +369,9 @@ class Queued:
 
         Every on-time entry goes before any late one, and late ones go in the queue's order, so a
         late entry starts its prefill only once the fleet has prefilled the work queued in front
-        of it now: :meth:`FleetDrain.start_ms` of those tokens (at the fleet's full prefill rate,
-        or the rate the queue really drained at lately when slower) predicts its wait (later
+        of it now: :meth:`FleetDrain.start_ms` of those tokens and entries (at the fleet's full
+        prefill rate, or the rate the queue really drained at lately when slower, in tokens or in
+        requests, whichever is sooner, as the queue's own hopeless test counts) predicts its wait (later
         on-time arrivals that go first only add to it). An entry whose remaining wait
         (``--max-queue-wait-ms`` minus what it waited) is shorter would be refused at the limit
         anyway: it is refused at once, so the client learns it now (under a 4x overload most
@@ -389,22 +390,25 @@ class Queued:
         try:
             source = fleet.view()
             view = scheduler.view(source, now) if isinstance(source, ClusterSnapshot) else source
-            drain = FleetDrain.of(scheduler, view, now, queue.drain_rate(now))
+            drain = FleetDrain.of(scheduler, view, now, queue.drain_rate(now), queue.drain_request_rate(now))
         except SchedulingError:
             return []
         if drain is None:
             return []
         limit_ms = queue.config.max_queue_wait_ms
         ahead = 0  # prompt tokens of the entries still queued in front of this one
+        ahead_n = 0  # ... and those entries (the queue drains in tokens or in requests: the sooner)
         out: list[Action] = []
         for entry in entries:
             if not entry.late:
                 ahead += queue.work_tokens(entry)
+                ahead_n += 1
                 continue
             remaining_ms = limit_ms - (now - entry.enqueued_s) * 1e3
-            start_ms = drain.start_ms(ahead)
+            start_ms = drain.start_ms(ahead, ahead_n)
             if start_ms <= remaining_ms or queue.remove(entry.request_id) is None:
                 ahead += queue.work_tokens(entry)
+                ahead_n += 1
                 continue
             error = QueueTimeoutError(
                 f"request {entry.request_id!r} cannot start for at least {start_ms:.0f} ms (the "
