@@ -503,21 +503,8 @@ def _predicted_ttft_at(ctx: DecisionContext, i: int) -> float:
     correction = _correction(ctx)
     if correction is None:
         return value + wait
-    one = correction.at(i)
-    decode = ctx.metric("decode_step_ms")[i : i + 1]
-    return (
-        float(
-            one.ttft_ms(
-                np.array([value]),
-                np.array([backlog]),
-                np.array([batch]),
-                np.array([tokens]),
-                np.array([budget]),
-                decode,
-            )[0]
-        )
-        + wait
-    )
+    decode = ctx.metric("decode_step_ms").item(i)
+    return correction.ttft_ms_at(i, value, backlog, batch, tokens, budget, decode) + wait
 
 
 def _predicted_tpot_at(ctx: DecisionContext, i: int) -> float:
@@ -534,7 +521,7 @@ def _predicted_tpot_at(ctx: DecisionContext, i: int) -> float:
     correction = _correction(ctx)
     if correction is None:
         return value
-    return float(correction.at(i).tpot_ms(np.array([value]), np.array([batch]), np.array([tokens]))[0])
+    return correction.tpot_ms_at(i, value, batch, tokens)
 
 
 _AT["predicted_ttft"] = _predicted_ttft_at
