@@ -113,8 +113,8 @@ if _OUT and sys.orig_argv[3:4] == ["router"]:
     _unsent = []
     _start = _h2.H2Connection.start
 
-    def _traced_start(self, path, body, timeout_s, parse):
-        stream = _start(self, path, body, timeout_s, parse)
+    def _traced_start(self, path, body, timeout_s, sink):
+        stream = _start(self, path, body, timeout_s, sink)
         # GenerateRequest's field 1 (request_id) leads its encoding: tag 0x0a, a short length, the id.
         if body[:1] == b"\x0a" and body[1] < 128:
             rid = body[2 : 2 + body[1]].decode()
@@ -135,7 +135,7 @@ if _OUT and sys.orig_argv[3:4] == ["router"]:
     _data_end = _h2.H2Connection._data_end
 
     def _traced_data_end(stream, flags):
-        if stream.pending:
+        if stream.ready:
             rid = _ids.get(id(stream))
             if rid is not None:
                 _mark(rid, "back")
