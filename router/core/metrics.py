@@ -503,7 +503,9 @@ def _predicted_ttft_at(ctx: DecisionContext, i: int) -> float:
     correction = _correction(ctx)
     if correction is None:
         return value + wait
-    decode = ctx.metric("decode_step_ms").item(i)
+    # The one-instance form (exactly the column's entry) unless the column is at hand: on a new
+    # snapshot the whole column would cost a vectorised profile lookup for one value.
+    decode = ctx.metric_at("decode_step_ms", i)
     return correction.ttft_ms_at(i, value, backlog, batch, tokens, budget, decode) + wait
 
 
