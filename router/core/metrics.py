@@ -499,7 +499,8 @@ def _predicted_ttft_at(ctx: DecisionContext, i: int) -> float:
     tokens = ctx.metric("decode_tokens").item(i)
     budget = table.max_num_batched_tokens.item(i)
     value = lp.ttft_ms_at(backlog, batch, tokens, budget)
-    wait = ctx.metric("slot_wait_ms").item(i) if table.max_num_seqs is not None else 0.0
+    # No instance capped: the column is the table's zeros, so its entry is 0.0 without building it.
+    wait = ctx.metric("slot_wait_ms").item(i) if not _uncapped(table) else 0.0
     correction = _correction(ctx)
     if correction is None:
         return value + wait
