@@ -21,8 +21,8 @@ stage from the client's send, the 90th percentile of the client's TTFT, the rout
 request (user + system, ``/proc``), and the loop's CPU per stage per burst size (at one stream
 each stage's own work; in a burst ``enter``→``placed`` still is, since a request placed at once
 never pauses on the way, while the later stages interleave with the other requests'). ``--noop``
-replaces the router's ``Generate`` with one that answers a token at once (the gRPC server's own
-floor for a burst). Figures only.
+replaces the router's ``generate`` with one that answers a token at once (the gRPC server's own
+floor for a burst, whichever ``--grpc-server`` serves it). Figures only.
 
     .venv/bin/python -m bench.vllm_stock_trace --rounds 6
 """
@@ -79,13 +79,21 @@ if _OUT and sys.orig_argv[3:4] == ["router"]:
     if os.environ.get("SLO_ROUTER_BENCH_NOOP"):
         from slorouter.v1 import router_pb2 as _pb
 
-        async def _noop(self, request, context):
-            _mark(request.request_id, "enter")
-            yield _pb.GenerateResponse(
-                request_id=request.request_id, token_ids=[5], finished=True, finish_reason="length"
-            )
+        class _Answer:
+            def __init__(self, rid):
+                self._rid = rid
 
-        _service.RouterService.Generate = _noop
+            def message(self):
+                return _pb.GenerateResponse(
+                    request_id=self._rid, token_ids=[5], finished=True, finish_reason="length"
+                )
+
+        # ``generate`` is what both fronts call (the grpc.aio servicer's ``Generate`` and the h2
+        # server's method): answering there is each server's floor.
+        async def _noop(self, request):
+            yield _Answer(request.request_id)
+
+        _service.RouterService.generate = _noop
 
     _generate = _service.RouterService.generate
 
@@ -113,8 +121,8 @@ if _OUT and sys.orig_argv[3:4] == ["router"]:
     _unsent = []
     _start = _h2.H2Connection.start
 
-    def _traced_start(self, path, body, timeout_s, parse):
-        stream = _start(self, path, body, timeout_s, parse)
+    def _traced_start(self, path, body, timeout_s, sink):
+        stream = _start(self, path, body, timeout_s, sink)
         # GenerateRequest's field 1 (request_id) leads its encoding: tag 0x0a, a short length, the id.
         if body[:1] == b"\x0a" and body[1] < 128:
             rid = body[2 : 2 + body[1]].decode()
@@ -135,7 +143,7 @@ if _OUT and sys.orig_argv[3:4] == ["router"]:
     _data_end = _h2.H2Connection._data_end
 
     def _traced_data_end(stream, flags):
-        if stream.pending:
+        if stream.ready:
             rid = _ids.get(id(stream))
             if rid is not None:
                 _mark(rid, "back")

@@ -83,6 +83,7 @@ from router.vllm_h2 import (
     _WINDOW_UPDATE,
     PREFACE,
     CoalescedWrites,
+    IndexedBlocks,
     _frame,
     _literal,
     split_host_port,
@@ -357,7 +358,7 @@ class _Connection(CoalescedWrites, asyncio.Protocol):
         self.closed = False
         self.streams: dict[int, _Stream] = {}
         self.blocked: dict[int, _Stream] = {}
-        self._decoder = hpack.Decoder(max_header_list_size=MAX_HEADER_BYTES)
+        self._decoder = IndexedBlocks(hpack.Decoder(max_header_list_size=MAX_HEADER_BYTES))
         self._in = b""
         self._preface = False
         self._last_sid = 0
@@ -494,7 +495,7 @@ class _Connection(CoalescedWrites, asyncio.Protocol):
         self._headers_block.clear()
         self._headers_sid = 0
         try:
-            headers = self._decoder.decode(block, raw=True)
+            headers = self._decoder.decode(block)
         except hpack.HPACKError as exc:
             raise _ProtocolError(f"bad header block: {exc}") from exc
         end_stream = bool(self._headers_flags & _END_STREAM)

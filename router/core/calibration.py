@@ -189,8 +189,17 @@ def linear_step_ms(
     coefs: FloatArray, prefill: FloatArray, batch: FloatArray, tokens: FloatArray
 ) -> FloatArray:
     """The linear step model at ``(prefill, batch, tokens)`` (``coefs`` one row per instance, or one row)."""
-    x = step_features(prefill, batch, tokens)
-    out: FloatArray = np.einsum("...k,...k->...", x, coefs)
+    return _dot_rows(step_features(prefill, batch, tokens), coefs)
+
+
+def _dot_rows(features: FloatArray, coefs: FloatArray) -> FloatArray:
+    """Each row of ``features`` dotted with its row of ``coefs``: the one place the sum is taken.
+
+    numpy's ``einsum`` sums the six products in its own order (vector lanes, then across
+    them), which a Python sum would not follow; the one-instance path
+    (:meth:`Correction.ttft_ms_at`) calls this too, so its floats are the columns'.
+    """
+    out: FloatArray = np.einsum("...k,...k->...", features, coefs)
     return out
 
 
@@ -586,6 +595,81 @@ class Correction:
         fitted = np.clip(fitted, profile_ms * self.min_factor, profile_ms * self.max_factor)
         out: FloatArray = np.where(self.has_fit, fitted, scaled)
         return out
+
+    def ttft_ms_at(
+        self,
+        i: int,
+        profile_ms: float,
+        backlog: float,
+        batch: float,
+        tokens: float,
+        budget: float,
+        decode_ms: float,
+    ) -> float:
+        """:meth:`ttft_ms` at instance ``i`` alone, on Python floats: the column's entry, bit for bit.
+
+        A route's predicted TTFT is one instance's; building one-element columns for it was
+        most of its cost. The same IEEE operations run in the same order on scalars (Python's
+        float ``//`` is numpy's ``floor_divide``: the same fmod-based algorithm; the clip is
+        numpy's, comparison for comparison), and the refit's dot products stay numpy's
+        (:func:`_dot_rows` on one row). Inputs that are not all finite, or a budget that is
+        not positive, where Python's float operations and numpy's part ways (exceptions,
+        NaN comparisons), go through the columns.
+        """
+        factor = self.ttft_factor.item(i)
+        scaled: float = profile_ms * factor
+        if self.coefs is None or not self.has_fit.item(i):
+            return scaled  # (the refit's value is dropped for an instance without a fit)
+        if not (math.isfinite(profile_ms + backlog + batch + tokens + budget + decode_ms) and budget > 0):
+            one = self.at(i)
+            columns = [np.array([v]) for v in (profile_ms, backlog, batch, tokens, budget, decode_ms)]
+            return float(one.ttft_ms(*columns)[0])
+        n_full = backlog // budget
+        rest = backlog - n_full * budget
+        positive = backlog > 0
+        decode_part = ((n_full + (1.0 if rest > 0 else 0.0)) if positive else 0.0) * decode_ms
+        baseline = (profile_ms - decode_part) * factor + decode_part * self.tpot_factor.item(i)
+        if positive:
+            full = self._linear_at(i, budget, batch, tokens)
+            tail = self._linear_at(i, rest, batch, tokens) if rest > 0 else 0.0
+            fitted = baseline + (n_full * full + tail)
+        else:
+            fitted = baseline + 0.0
+        return self._clip(fitted, profile_ms)
+
+    def tpot_ms_at(self, i: int, profile_ms: float, batch: float, tokens: float) -> float:
+        """:meth:`tpot_ms` at instance ``i`` alone, on Python floats (as :meth:`ttft_ms_at`)."""
+        scaled: float = profile_ms * self.tpot_factor.item(i)
+        if self.coefs is not None and self.has_fit.item(i):
+            if not math.isfinite(profile_ms + batch + tokens):
+                one = self.at(i)
+                return float(one.tpot_ms(np.array([profile_ms]), np.array([batch]), np.array([tokens]))[0])
+            scaled = self._clip(scaled + self._linear_at(i, 0.0, batch, tokens), profile_ms)
+        return scaled + self.interleave_ms.item(i)
+
+    def _linear_at(self, i: int, prefill: float, batch: float, tokens: float) -> float:
+        """:func:`linear_step_ms` at instance ``i``: :func:`step_features`' row built from floats."""
+        assert self.coefs is not None
+        has_decode = batch > 0
+        row = [
+            prefill,
+            1.0 if prefill > 0 else 0.0,
+            tokens,
+            batch,
+            tokens / batch if has_decode else 0.0,
+            1.0 if has_decode else 0.0,
+        ]
+        value: float = _dot_rows(np.array([row]), self.coefs[i : i + 1]).item(0)
+        return value
+
+    def _clip(self, value: float, profile_ms: float) -> float:
+        """``np.clip(value, profile_ms * min_factor, profile_ms * max_factor)`` on floats (NaN stays NaN)."""
+        if value != value:
+            return value
+        low = profile_ms * self.min_factor
+        high = profile_ms * self.max_factor
+        value = value if value > low else low
+        return value if value < high else high
 
     def full_chunk_remainder_ms(
         self, budget: FloatArray, batch: FloatArray, tokens: FloatArray

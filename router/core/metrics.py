@@ -499,25 +499,15 @@ def _predicted_ttft_at(ctx: DecisionContext, i: int) -> float:
     tokens = ctx.metric("decode_tokens").item(i)
     budget = table.max_num_batched_tokens.item(i)
     value = lp.ttft_ms_at(backlog, batch, tokens, budget)
-    wait = ctx.metric("slot_wait_ms").item(i) if table.max_num_seqs is not None else 0.0
+    # No instance capped: the column is the table's zeros, so its entry is 0.0 without building it.
+    wait = ctx.metric("slot_wait_ms").item(i) if not _uncapped(table) else 0.0
     correction = _correction(ctx)
     if correction is None:
         return value + wait
-    one = correction.at(i)
-    decode = ctx.metric("decode_step_ms")[i : i + 1]
-    return (
-        float(
-            one.ttft_ms(
-                np.array([value]),
-                np.array([backlog]),
-                np.array([batch]),
-                np.array([tokens]),
-                np.array([budget]),
-                decode,
-            )[0]
-        )
-        + wait
-    )
+    # The one-instance form (exactly the column's entry) unless the column is at hand: on a new
+    # snapshot the whole column would cost a vectorised profile lookup for one value.
+    decode = ctx.metric_at("decode_step_ms", i)
+    return correction.ttft_ms_at(i, value, backlog, batch, tokens, budget, decode) + wait
 
 
 def _predicted_tpot_at(ctx: DecisionContext, i: int) -> float:
@@ -534,7 +524,7 @@ def _predicted_tpot_at(ctx: DecisionContext, i: int) -> float:
     correction = _correction(ctx)
     if correction is None:
         return value
-    return float(correction.at(i).tpot_ms(np.array([value]), np.array([batch]), np.array([tokens]))[0])
+    return correction.tpot_ms_at(i, value, batch, tokens)
 
 
 _AT["predicted_ttft"] = _predicted_ttft_at

@@ -27,7 +27,7 @@ from router.forward import LegError, WorkerClient
 from router.legs import LegLedger
 from router.pool import ChannelPool
 from router.vllm_grpc import VLLM_TRANSPORTS, GenerateMerge
-from router.vllm_h2 import STREAM_WINDOW, _grpc_timeout, _literal
+from router.vllm_h2 import STREAM_WINDOW, IndexedBlocks, _grpc_timeout, _literal
 
 #: The reader's HPACK package (pyproject; `make venv` installs it): without it the file is skipped.
 hpack = pytest.importorskip("hpack")
@@ -294,6 +294,57 @@ def test_grpc_timeout_is_at_most_eight_digits_and_never_shorter(seconds: float) 
     digits, unit = value[:-1], value[-1]
     assert digits.isdigit() and 1 <= len(digits) <= 8
     assert int(digits) * {"m": 1e-3, "S": 1.0, "H": 3600.0}[unit] >= seconds - 1e-9
+
+
+_HEADER_NAMES = [":path", ":authority", "content-type", "grpc-timeout", "te", "x-a", "x-b"]
+_HEADER_VALUES = ["/a/B", "h:1", "application/grpc", "300S", "299S", "trailers", "v" * 40, ""]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.lists(st.tuples(st.sampled_from(_HEADER_NAMES), st.sampled_from(_HEADER_VALUES)), max_size=6),
+            # The encoder's table size, when it changes (small ones evict at every insertion).
+            st.sampled_from([None, None, None, 0, 64, 200, 4096]),
+            st.booleans(),  # Huffman
+        ),
+        max_size=25,
+    )
+)
+def test_remembered_header_blocks_decode_as_the_decoder_does(calls: list[Any]) -> None:
+    """``IndexedBlocks`` gives every block's headers as a plain decoder does, through table
+    insertions, evictions (small tables) and size updates, however blocks repeat."""
+    encoder = hpack.Encoder()
+    plain, remembering = hpack.Decoder(), IndexedBlocks(hpack.Decoder())
+    for headers, table_size, huffman in calls:
+        if table_size is not None:
+            encoder.header_table_size = table_size
+        for _ in range(2):  # each call's headers twice: the second is often all references
+            block = encoder.encode(headers, huffman=huffman)
+            expected = [tuple(h) for h in plain.decode(block, raw=True)]
+            assert [tuple(h) for h in remembering.decode(block)] == expected
+
+
+def test_a_repeated_block_of_references_is_decoded_once() -> None:
+    encoder = hpack.Encoder()
+    headers = [(":path", "/slorouter.v1.Router/Generate"), ("content-type", "application/grpc")]
+    plain, blocks = hpack.Decoder(), IndexedBlocks(hpack.Decoder())
+
+    def both(block: bytes) -> Any:
+        expected = [tuple(h) for h in plain.decode(block, raw=True)]
+        got = blocks.decode(block)
+        assert [tuple(h) for h in got] == expected
+        return got
+
+    both(encoder.encode(headers))  # literals: added to both tables
+    again = encoder.encode(headers)
+    assert all(b > 0x80 for b in again)  # two references
+    first = both(again)
+    assert both(again) is first  # remembered
+    both(encoder.encode([("x-new", "1")]))  # a literal added to the table: the references move
+    moved = both(again)  # the same bytes now name other entries, and decode to them
+    assert moved is not first and moved != first
 
 
 @settings(max_examples=100, deadline=None)
