@@ -115,6 +115,7 @@ class QlmConfig(FlagFields):
         "eviction": ["on", "off"],
         "solver": ["heuristic", "milp"],
         "lengths": ["censored", "finished"],
+        "wait_margin": ["each", "sum"],
     }
 
     batch: int = field(
@@ -171,6 +172,15 @@ class QlmConfig(FlagFields):
             "--qlm-lengths",
         ),
     )
+    wait_margin: str = field(
+        default="each",
+        metadata=_doc(
+            "the estimator's margin on a wait: each (every request ahead at its own output quantile) or sum "
+            "(one margin for the sum of the outputs ahead, the paper's Eq. 2-3; in simulation it traded "
+            "points between mixes, +3.7 on one and -2.5 on another, docs/papers.md)",
+            "--qlm-wait-margin",
+        ),
+    )
     milp_max_groups: int = field(
         default=12,
         metadata=_doc(
@@ -197,6 +207,8 @@ class QlmConfig(FlagFields):
             raise bad("max_evictions", "must be within 0..16")
         if self.lengths not in ("censored", "finished"):
             raise bad("lengths", "must be censored or finished")
+        if self.wait_margin not in ("each", "sum"):
+            raise bad("wait_margin", "must be each or sum")
         if self.solver not in ("heuristic", "milp"):
             raise bad("solver", "must be heuristic or milp")
         if not 1 <= self.milp_max_groups <= 24:
@@ -558,12 +570,13 @@ class _Slots:
     """Free-at times (relative seconds) of an instance's slots: (quantile, mean, variance) triples.
 
     A slot's free time is the sum of the durations of the requests it runs in turn: Eq. 2's waiting
-    time, the output tokens ahead over the throughput, each output normal (Eq. 3). A sum of independent
-    normals is normal with the summed variance, so its quantile is the mean plus ``z`` standard
-    deviations of the sum (the square root of the summed variances), not the sum of each request's own
-    quantile, which counted the spread once per request ahead (n spreads for n requests against the
-    square root of n) and in a deep queue past capacity called late the groups that met
-    (docs/papers.md). A request's end is its slot's wait and its own output summed the same way.
+    time, the output tokens ahead over the throughput, each output normal (Eq. 3). With ``z`` > 0
+    (``--qlm-wait-margin sum``) the sum is normal with the summed variance, so its quantile is the mean
+    plus ``z`` standard deviations of the sum (the square root of the summed variances), and a
+    request's end is its slot's wait and its own output summed the same way. With ``z`` = 0 (``each``,
+    the default) the quantiles add: every request ahead at its own quantile, n spreads for n requests
+    against the square root of n. The paper's form calls fewer groups late in a deep queue; measured,
+    it moved points between mixes rather than adding them (docs/papers.md), so it is an option.
     """
 
     heap: list[tuple[float, float, float]]
@@ -626,9 +639,12 @@ class Estimator:
     #: Durations remembered (at most; then forgotten at once).
     MEMO_MAX = 65536
 
-    def __init__(self, stats: OutputStats, z: float) -> None:
+    def __init__(self, stats: OutputStats, z: float, wait_margin: str = "each") -> None:
         self.stats = stats
         self.z = z
+        #: How a wait's margin adds up (``--qlm-wait-margin``): "sum" takes one for the sum of the outputs
+        #: ahead (Eq. 2-3, :class:`_Slots`), "each" one per request ahead (each at its own quantile).
+        self.wait_margin = wait_margin
         #: (id of model, id of request) -> (model, request, its lengths, stats version, duration). A plan
         #: places every group on every queue several times over; each request's duration changes only
         #: with its instance's model, the output statistics or its own lengths (an eviction), which the
@@ -676,7 +692,8 @@ class Estimator:
         return max(whole_mean - elapsed, 0.0), max(whole_q - elapsed, 0.0)
 
     def slots(self, model: InstanceModel, running: Sequence[QlmRequest], now_s: float) -> _Slots:
-        return _Slots.of(model.batch, [self.remaining(model, r, now_s) for r in running], self.z)
+        z = self.z if self.wait_margin == "sum" else 0.0
+        return _Slots.of(model.batch, [self.remaining(model, r, now_s) for r in running], z)
 
     def place(self, model: InstanceModel, slots: _Slots, group: Group, now_s: float) -> GroupEstimate:
         """Append ``group`` to ``slots`` (changed in place); its estimate."""
@@ -1075,7 +1092,7 @@ class QlmQueue:
         self.default_tpot_ms = default_tpot_ms
         self.max_queue_size = max_queue_size
         self.stats = OutputStats(censored=config.lengths == "censored")
-        self.estimator = Estimator(self.stats, config.z)
+        self.estimator = Estimator(self.stats, config.z, config.wait_margin)
         self.vqs: list[list[int]] = [[] for _ in models]
         self.groups: dict[int, Group] = {}
         self.open: dict[tuple[Any, ...], int] = {}

@@ -156,7 +156,7 @@ RECORDED: dict[str, str] = {
     "neutral-slo-fcfs-capped": "6b3c20c646369609b5a3b88e",
     "neutral-slo-prefix": "0eedec2e3caf140cf44d3015",
     "neutral-slo-priority": "82a4defd199bdf0129aac2c4",
-    "neutral-slo-qlm": "bda7e28465a7cc63a97b2b0f",
+    "neutral-slo-qlm": "9ec7d33417efec8e6fa36ca2",
     "neutral-slo-sa": "675a406d6359e813cce707ed",
     "pd-adaptive": "6c0daa4f54af67d8fce492a0",
     "pd-load-balance-off": "466dcf402227e02d05b7c4b8",

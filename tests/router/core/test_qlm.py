@@ -1132,13 +1132,13 @@ def _spread_stats() -> OutputStats:
 
 
 def test_the_waiting_time_takes_one_margin_for_the_sum_of_the_outputs_ahead() -> None:
-    # Eq. 2-3: the wait is the sum of the output tokens ahead over the throughput, each output normal,
+    # --qlm-wait-margin sum, Eq. 2-3: the wait is the sum of the output tokens ahead over the throughput, each output normal,
     # so the wait is normal with the summed variance: four requests in turn on one slot end at the mean
     # plus z x sqrt(4) spreads, not z x 4 (each request at its own quantile, n spreads for n requests,
     # which in a deep queue past capacity called requests late that then met).
     z = QlmConfig().z
     stats = _spread_stats()
-    est = Estimator(stats, z)
+    est = Estimator(stats, z, "sum")
     m = model(batch=1)
     group = Group(
         0,
@@ -1156,3 +1156,7 @@ def test_the_waiting_time_takes_one_margin_for_the_sum_of_the_outputs_ahead() ->
         est.place(m, slots, Group(k, ("m", "batch"), 1, deque([group.members[k]])), 0.0)
     last = est.place(m, slots, Group(3, ("m", "batch"), 1, deque([group.members[3]])), 0.0)
     assert last.start_q_s - last.start_mean_s == pytest.approx(z * sd * math.sqrt(3), rel=0.05)
+    # The default (``each``): every request ahead at its own quantile, four margins for four.
+    each = Estimator(stats, z).place(m, Estimator(stats, z).slots(m, [], 0.0), group, 0.0)
+    assert each.finish_q_s - each.finish_mean_s == pytest.approx(z * sd * 4, rel=0.05)
+    assert QlmQueue(QlmConfig(wait_margin="sum"), [m], 6000.0, 50.0).estimator.wait_margin == "sum"
