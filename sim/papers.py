@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import random
 import statistics
 import sys
@@ -131,7 +132,9 @@ def rows_for(args: argparse.Namespace) -> list[tuple[str, str, str, dict[str, An
         rows.append(("none", "slo", "none", {}))
         for delta in args.qlm_delta.split(","):
             for ev in args.eviction.split(","):
-                for lengths in args.qlm_lengths.split(","):
+                for lengths, margin in itertools.product(
+                    args.qlm_lengths.split(","), args.qlm_wait_margin.split(",")
+                ):
                     label = "qlm" if ev == "on" else "qlm-noevict"
                     if delta != "4":
                         label += f"/delta={delta}"
@@ -139,6 +142,8 @@ def rows_for(args: argparse.Namespace) -> list[tuple[str, str, str, dict[str, An
                         label += f"/slots={args.qlm_batch}"
                     if lengths != "finished":
                         label += f"/lengths={lengths}"
+                    if margin != "each":
+                        label += f"/wait={margin}"
                     if args.qlm_confidence != 0.9:
                         label += f"/confidence={args.qlm_confidence:g}"
                     cfg = QlmConfig(
@@ -147,6 +152,7 @@ def rows_for(args: argparse.Namespace) -> list[tuple[str, str, str, dict[str, An
                         batch=args.qlm_batch,
                         lengths=lengths,
                         confidence=args.qlm_confidence,
+                        wait_margin=margin,
                     )
                     rows.append((label, "slo", "qlm", {"qlm": cfg}))
     return rows
@@ -184,6 +190,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument(
         "--qlm-confidence", type=float, default=0.9, help="qlm: the estimator's confidence (Delta, [0.5, 1))"
+    )
+    parser.add_argument(
+        "--qlm-wait-margin",
+        default="each",
+        help="qlm: the estimator's margin on a wait, each (the default) and/or sum (Eq. 2-3), comma-separated",
     )
     parser.add_argument("--qlm-batch", type=int, default=0, help="qlm: a fixed slot count (the ablation)")
     parser.add_argument("--sa-pool-ms", default="25", help="sa request pool(s) in ms, comma-separated")

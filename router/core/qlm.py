@@ -115,6 +115,7 @@ class QlmConfig(FlagFields):
         "eviction": ["on", "off"],
         "solver": ["heuristic", "milp"],
         "lengths": ["censored", "finished"],
+        "wait_margin": ["each", "sum"],
     }
 
     batch: int = field(
@@ -171,6 +172,15 @@ class QlmConfig(FlagFields):
             "--qlm-lengths",
         ),
     )
+    wait_margin: str = field(
+        default="each",
+        metadata=_doc(
+            "the estimator's margin on a wait: each (every request ahead at its own output quantile) or sum "
+            "(one margin for the sum of the outputs ahead, the paper's Eq. 2-3; in simulation it traded "
+            "points between mixes, +3.7 on one and -2.5 on another, docs/papers.md)",
+            "--qlm-wait-margin",
+        ),
+    )
     milp_max_groups: int = field(
         default=12,
         metadata=_doc(
@@ -197,6 +207,8 @@ class QlmConfig(FlagFields):
             raise bad("max_evictions", "must be within 0..16")
         if self.lengths not in ("censored", "finished"):
             raise bad("lengths", "must be censored or finished")
+        if self.wait_margin not in ("each", "sum"):
+            raise bad("wait_margin", "must be each or sum")
         if self.solver not in ("heuristic", "milp"):
             raise bad("solver", "must be heuristic or milp")
         if not 1 <= self.milp_max_groups <= 24:
@@ -555,31 +567,50 @@ class Group:
 
 @dataclass
 class _Slots:
-    """Free-at times (relative seconds) of an instance's slots: (mean, quantile) pairs."""
+    """Free-at times (relative seconds) of an instance's slots: (quantile, mean, variance) triples.
 
-    heap: list[tuple[float, float]]
+    A slot's free time is the sum of the durations of the requests it runs in turn: Eq. 2's waiting
+    time, the output tokens ahead over the throughput, each output normal (Eq. 3). With ``z`` > 0
+    (``--qlm-wait-margin sum``) the sum is normal with the summed variance, so its quantile is the mean
+    plus ``z`` standard deviations of the sum (the square root of the summed variances), and a
+    request's end is its slot's wait and its own output summed the same way. With ``z`` = 0 (``each``,
+    the default) the quantiles add: every request ahead at its own quantile, n spreads for n requests
+    against the square root of n. The paper's form calls fewer groups late in a deep queue; measured,
+    it moved points between mixes rather than adding them (docs/papers.md), so it is an option.
+    """
+
+    heap: list[tuple[float, float, float]]
+    #: The confidence quantile's standard score (0: the quantiles add, as with no spread).
+    z: float = 0.0
 
     @classmethod
-    def of(cls, batch: int, busy: Sequence[tuple[float, float]]) -> _Slots:
-        heap = [(0.0, 0.0)] * max(batch, 1)
-        heapq.heapify(heap)
-        # Entries are (quantile, mean): the heap orders on the pessimistic free time.
+    def of(cls, batch: int, busy: Sequence[tuple[float, float]], z: float = 0.0) -> _Slots:
+        slots = cls([(0.0, 0.0, 0.0)] * max(batch, 1), z)
+        # The heap orders on the pessimistic free time.
         for mean, q in sorted(busy, key=lambda x: x[1]):
-            q0, m0 = heapq.heappop(heap)
-            heapq.heappush(heap, (q0 + q, m0 + mean))
-        return cls(heap)
+            slots.take(mean, q)
+        return slots
 
     def copy(self) -> _Slots:
-        return _Slots(list(self.heap))
+        return _Slots(list(self.heap), self.z)
 
-    def take(self, dur_mean: float, dur_q: float) -> tuple[float, float]:
-        """Start a request on the first free slot; its (mean, quantile) start."""
-        q0, m0 = heapq.heappop(self.heap)
-        heapq.heappush(self.heap, (q0 + dur_q, m0 + dur_mean))
-        return m0, q0
+    def take(self, dur_mean: float, dur_q: float) -> tuple[float, float, float]:
+        """Start a request of (mean, quantile) duration on the first free slot: its (mean, quantile) start
+        and the quantile of its end."""
+        q0, m0, v0 = heapq.heappop(self.heap)
+        z = self.z
+        m1 = m0 + dur_mean
+        if z > 0:
+            sd = (dur_q - dur_mean) / z
+            v1 = v0 + sd * sd
+            q1 = m1 + z * math.sqrt(v1)
+        else:
+            v1, q1 = v0, q0 + dur_q
+        heapq.heappush(self.heap, (q1, m1, v1))
+        return m0, q0, q1
 
     def finish_q(self) -> float:
-        return max(q for q, _ in self.heap)
+        return max(e[0] for e in self.heap)
 
 
 @dataclass(frozen=True)
@@ -608,9 +639,12 @@ class Estimator:
     #: Durations remembered (at most; then forgotten at once).
     MEMO_MAX = 65536
 
-    def __init__(self, stats: OutputStats, z: float) -> None:
+    def __init__(self, stats: OutputStats, z: float, wait_margin: str = "each") -> None:
         self.stats = stats
         self.z = z
+        #: How a wait's margin adds up (``--qlm-wait-margin``): "sum" takes one for the sum of the outputs
+        #: ahead (Eq. 2-3, :class:`_Slots`), "each" one per request ahead (each at its own quantile).
+        self.wait_margin = wait_margin
         #: (id of model, id of request) -> (model, request, its lengths, stats version, duration). A plan
         #: places every group on every queue several times over; each request's duration changes only
         #: with its instance's model, the output statistics or its own lengths (an eviction), which the
@@ -658,7 +692,8 @@ class Estimator:
         return max(whole_mean - elapsed, 0.0), max(whole_q - elapsed, 0.0)
 
     def slots(self, model: InstanceModel, running: Sequence[QlmRequest], now_s: float) -> _Slots:
-        return _Slots.of(model.batch, [self.remaining(model, r, now_s) for r in running])
+        z = self.z if self.wait_margin == "sum" else 0.0
+        return _Slots.of(model.batch, [self.remaining(model, r, now_s) for r in running], z)
 
     def place(self, model: InstanceModel, slots: _Slots, group: Group, now_s: float) -> GroupEstimate:
         """Append ``group`` to ``slots`` (changed in place); its estimate."""
@@ -666,10 +701,10 @@ class Estimator:
         meeting = meeting_mean = 0
         for k, r in enumerate(group.members):
             pre_m, pre_q, whole_m, whole_q = self.duration(model, r)
-            m0, q0 = slots.take(whole_m, whole_q)
+            m0, q0, q1 = slots.take(whole_m, whole_q)
             if k == 0:
                 start_m, start_q = now_s + m0, now_s + q0
-            end_m, end_q = now_s + m0 + whole_m, now_s + q0 + whole_q
+            end_m, end_q = now_s + m0 + whole_m, now_s + q1
             finish_m = end_m if k == 0 else max(finish_m, end_m)
             finish_q = end_q if k == 0 else max(finish_q, end_q)
             whole = r.e2e_only or r.resumed
@@ -919,7 +954,7 @@ def milp_plan(
     n_q, n_g = len(models), len(groups)
     if n_g == 0:
         return Plan(tuple(() for _ in models), frozenset(), 0)
-    free0 = [min(q for q, _ in estimator.slots(models[i], running[i], now_s).heap) for i in range(n_q)]
+    free0 = [min(e[0] for e in estimator.slots(models[i], running[i], now_s).heap) for i in range(n_q)]
     # Per queue and group: its duration, and per member the latest group start that keeps it on time.
     dur = np.zeros((n_q, n_g))
     latest: list[list[list[float]]] = [[[] for _ in range(n_g)] for _ in range(n_q)]
@@ -1057,7 +1092,7 @@ class QlmQueue:
         self.default_tpot_ms = default_tpot_ms
         self.max_queue_size = max_queue_size
         self.stats = OutputStats(censored=config.lengths == "censored")
-        self.estimator = Estimator(self.stats, config.z)
+        self.estimator = Estimator(self.stats, config.z, config.wait_margin)
         self.vqs: list[list[int]] = [[] for _ in models]
         self.groups: dict[int, Group] = {}
         self.open: dict[tuple[Any, ...], int] = {}
@@ -2040,7 +2075,7 @@ class QlmQueue:
             self.estimator.place(model, slots, group, now_s)
             for v in before:
                 slots.take(*self._restart(model, v, now_s))
-            _, start_q = slots.take(0.0, 0.0)
+            _, start_q, _ = slots.take(0.0, 0.0)
         _, whole_q = self._restart(model, r, now_s)
         if now_s + start_q + whole_q <= r.deadline_s:
             return True

@@ -1121,3 +1121,42 @@ def test_the_streams_reserve_yields_to_an_e2e_request_that_would_miss_waiting_fo
     out = setup(10.0 + whole + 0.5 * wait).pump(10.0)  # misses waiting, meets pulled now
     assert [d.request.request_id for d in out] == ["e"]
     assert setup(10.0 + 0.5 * whole).pump(10.0) == []  # misses even pulled now: the reserve stays
+
+
+def _spread_stats() -> OutputStats:
+    """Outputs of class "batch": half at 40 %, half at 60 % of max_tokens (mean 500, sd 100 of 1,000)."""
+    stats = OutputStats()
+    for k in range(200):
+        stats.observe("batch", 400 + (k % 2) * 200, 1000)
+    return stats
+
+
+def test_the_waiting_time_takes_one_margin_for_the_sum_of_the_outputs_ahead() -> None:
+    # --qlm-wait-margin sum, Eq. 2-3: the wait is the sum of the output tokens ahead over the throughput, each output normal,
+    # so the wait is normal with the summed variance: four requests in turn on one slot end at the mean
+    # plus z x sqrt(4) spreads, not z x 4 (each request at its own quantile, n spreads for n requests,
+    # which in a deep queue past capacity called requests late that then met).
+    z = QlmConfig().z
+    stats = _spread_stats()
+    est = Estimator(stats, z, "sum")
+    m = model(batch=1)
+    group = Group(
+        0,
+        ("m", "batch"),
+        16,
+        deque(QlmRequest(loose_by(f"l{k}", 600.0), 0.0, 600.0, True, 200, 1000) for k in range(4)),
+    )
+    e = est.place(m, est.slots(m, [], 0.0), group, 0.0)
+    sd = stats.estimate("batch", 1000)[1] * STEP_S  # one output's spread in seconds
+    assert e.finish_q_s - e.finish_mean_s == pytest.approx(z * sd * math.sqrt(4), rel=0.05)
+    # The last one starts behind three: its start's margin is sqrt(3) spreads.
+    assert e.start_q_s - e.start_mean_s == pytest.approx(0.0)
+    slots = est.slots(m, [], 0.0)
+    for k in range(3):
+        est.place(m, slots, Group(k, ("m", "batch"), 1, deque([group.members[k]])), 0.0)
+    last = est.place(m, slots, Group(3, ("m", "batch"), 1, deque([group.members[3]])), 0.0)
+    assert last.start_q_s - last.start_mean_s == pytest.approx(z * sd * math.sqrt(3), rel=0.05)
+    # The default (``each``): every request ahead at its own quantile, four margins for four.
+    each = Estimator(stats, z).place(m, Estimator(stats, z).slots(m, [], 0.0), group, 0.0)
+    assert each.finish_q_s - each.finish_mean_s == pytest.approx(z * sd * 4, rel=0.05)
+    assert QlmQueue(QlmConfig(wait_margin="sum"), [m], 6000.0, 50.0).estimator.wait_margin == "sum"
