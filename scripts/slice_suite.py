@@ -120,6 +120,16 @@ SETS: dict[str, dict[str, str]] = {
         "2x-essays-faq10k-2.6-s61-1200": _n(2, 10240, f"{SC}/scls-essays-faq.json", 2.6, 61, 1200),
         "10x-digest-rag16k-4.5-s62-1200": _n(10, 16384, f"{SC}/scls-digest-rag.json", 4.5, 62, 1200),
     },
+    # Written to check the 30 Nov build on set-ups it was not measured on (other seeds, KV sizes,
+    # fleet sizes and workloads); rates picked from least-requests' preemptions alone.
+    "check": {
+        "ib12k-4.5-s31": _n(4, 12288, "interactive-batch", 4.5, 31, 600),
+        "ib12k-4.5-s32": _n(4, 12288, "interactive-batch", 4.5, 32, 600),
+        "6x-code8k-10.5-s33": _n(6, 8192, "codegen", 10.5, 33, 600),
+        "3x-chat10k-4.5-s34": _n(3, 10240, "chat", 4.5, 34, 600),
+        "ib10k-4-s35": _n(4, 10240, "interactive-batch", 4, 35, 900),
+        "2x-code12k-4-s36": _n(2, 12288, "codegen", 4, 36, 600),
+    },
     # Listing order of a heterogeneous fleet (both orders) and the 600-request scenarios of that round.
     "het": {
         "H1-mixed16k-5-s29": _h(H1, 16384, "mixed", 5, 29, 600),
