@@ -36,8 +36,12 @@ predicts for the same step, and derives a correction the metrics apply
   the scaled profile rather than by an extrapolated line;
 - ``interleave``: for colocated (neutral) instances, the prefill time that ran
   between decode steps (what steps with a prefill chunk took beyond their
-  calibrated decode part), averaged over the window's decode steps: the TPOT a
-  new request will see includes the chunks of later requests' prefills.
+  calibrated decode part), averaged over the window's decode steps with
+  weights halving every ``interleave_half_life_samples`` steps back: the TPOT
+  a new request will see includes the chunks of later requests' prefills, and
+  the recent steps say more of those than the old ones where the prefill work
+  per decode step changes (a prefix cache warming up computes less and less of
+  each prompt).
 
 Bounds: a factor (and a refit prediction, relative to the profile's) stays in
 ``[min_factor, max_factor]``; each update moves a factor by at most
@@ -131,13 +135,32 @@ class CalibrationConfig:
         default=0.1,
         metadata=_doc("refit mode: weight of the pseudo steps from the scaled profile, x the window"),
     )
+    # The interleave predicts the prefill time that will run between a new request's decode steps
+    # over its lifetime; the window's plain mean assumes the future brings as much prefill per
+    # decode step as the whole window did. While a prefix cache warms up it brings less and less
+    # (a cold start computed 38 ms of prefill per decode step over its first 2 s, 12-17 ms once
+    # the prefixes were cached), and the plain mean over 256 steps (~10 s) predicted TPOT 11-15 %
+    # high for 10 s, refusing requests at 1.0-1.2x their TPOT limit. Weights halving every 128
+    # steps follow such a change in about one half-life and still average ~185 steps' worth of
+    # samples (a hard window of the last 64 steps followed every burst of cold prefills and
+    # refused twice as many). docs/prefix-cache.md, 2026-11-30.
+    interleave_half_life_samples: int = field(
+        default=128,
+        metadata=_doc("interleave: a step this many steps back weighs half the newest"),
+    )
 
     def __post_init__(self) -> None:
         if self.mode not in CALIBRATION_MODES:
             raise ValueError(
                 f"calibration mode must be one of {', '.join(CALIBRATION_MODES)}, got {self.mode!r}"
             )
-        for name in ("window_samples", "min_samples", "update_every_samples", "refit_min_samples"):
+        for name in (
+            "window_samples",
+            "min_samples",
+            "update_every_samples",
+            "refit_min_samples",
+            "interleave_half_life_samples",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1_000_000:
                 raise ValueError(f"calibration {name} must be an integer in [1, 1000000], got {value!r}")
@@ -401,14 +424,23 @@ class _Track:
     def rows(self) -> FloatArray:
         return self.buf[: self.count]
 
+    def ages(self) -> FloatArray:
+        """How many steps back each of :meth:`rows` came in (0: the newest)."""
+        # The newest row is just before ``pos``; before the ring first fills, ``pos`` is ``count``.
+        return ((self.pos - 1 - np.arange(self.count)) % len(self.buf)).astype(float)
+
     def drop_older_than(self, cutoff_s: float) -> bool:
         """Drop samples older than ``cutoff_s``; True when any was dropped."""
         if self.count == 0 or float(np.min(self.rows()[:, _TIME])) >= cutoff_s:
             return False
-        fresh = self.rows()[:, _TIME] >= cutoff_s
-        kept = self.rows()[fresh]
+        # Oldest first (a full ring's oldest row is at ``pos``), so the kept rows stay in the
+        # order they came in: the interleave weighs them by how many steps back they are.
+        order = np.roll(np.arange(self.count), -self.pos if self.count == len(self.buf) else 0)
+        rows, flags = self.rows()[order], self.flags[: self.count][order]
+        fresh = rows[:, _TIME] >= cutoff_s
+        kept = rows[fresh]
         self.buf[: len(kept)] = kept
-        self.flags[: len(kept)] = self.flags[: self.count][fresh]
+        self.flags[: len(kept)] = flags[fresh]
         self.count = len(kept)
         self.pos = self.count % len(self.buf)
         return True
@@ -876,12 +908,18 @@ class Calibrator:
             track.ttft_factor = track.tpot_factor  # one speed for the hardware until prefill is seen
         # Prefill time between decode steps, as observed: what the steps with a prefill chunk
         # took beyond their (calibrated) decode part, spread over every decode step. Measured,
-        # not the profile's prefill cost times a factor that may not be learned yet.
-        decoding = int(np.count_nonzero(rows[:, _HAS_DECODE]))
-        if decoding:
+        # not the profile's prefill cost times a factor that may not be learned yet. Each step
+        # weighs 2^(-age / half-life) (age in steps, 0 the newest): the same weight in the sum of
+        # prefill time and in the count of decode steps, so a steady regime gives the plain mean
+        # within noise, and a change of regime dominates the estimate after about one half-life.
+        # A group's track counts the steps of all its instances (its fallback follows a change
+        # as many times faster as it has reporting instances).
+        has_decode = rows[:, _HAS_DECODE] > 0
+        if has_decode.any():
             mixed = flags[:, _MIXED]
+            weights = np.exp2(-track.ages() / config.interleave_half_life_samples)
             extra = np.maximum(rows[mixed, _OBS] - rows[mixed, _DEC] * track.tpot_factor, 0.0)
-            track.interleave_ms = float(np.sum(extra)) / decoding
+            track.interleave_ms = float(np.dot(weights[mixed], extra) / np.sum(weights[has_decode]))
         else:
             track.interleave_ms = 0.0
         if config.mode == "refit" and len(rows) >= config.refit_min_samples:

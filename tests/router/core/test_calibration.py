@@ -294,9 +294,10 @@ def test_interleaved_prefill_is_part_of_tpot(speed: float) -> None:
     assert correction is not None
     # The interleaved time is measured: the chunks as long as they really took.
     chunk_ms = float(predict(np.array([512.0]), np.zeros(1), np.zeros(1))[0][0]) / speed
-    assert correction.interleave_ms[0] == pytest.approx(chunk_ms / 2)
+    # Within 1 %: the newest step (a chunk) weighs a little more than the one before it.
+    assert correction.interleave_ms[0] == pytest.approx(chunk_ms / 2, rel=0.01)
     out = correction.tpot_ms(np.array([20.0]), np.array([9.0]), np.array([5400.0]))
-    assert out[0] == pytest.approx(20.0 / speed + chunk_ms / 2)
+    assert out[0] == pytest.approx(20.0 / speed + chunk_ms / 2, rel=0.01)
 
 
 def test_refit_follows_the_scaled_profile_where_the_window_has_no_data() -> None:
