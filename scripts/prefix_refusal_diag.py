@@ -9,7 +9,8 @@ request of the first policy: when it arrived, its error and message (what the ro
 case was made of), how it turned late (after how long waiting: found hopeless, its best predicted
 TTFT past its budget at a decision, or its deadline passed), its first refused decisions (the
 filters that dropped every instance first, and each threshold's best candidate over its limit), and
-whether the second policy's run served it and met its SLO. The runs share
+whether the second policy's run served it and met its SLO; then the first run's TPOT predicted at
+dispatch over the measured one (median / mean ratio) per 4 s window of dispatch time. The runs share
 the seeded workload, so a request's index names the same request in both. A refusal of a request
 the other run met is not proof the first could have (the other run's fleet held other work), but
 a count of them in the first seconds, while caches are cold, says where to look. A diagnosis aid
@@ -120,6 +121,23 @@ def _report(
             f"\n      {r.error_message[:400]}"
         )
     print(f"  of them met by the other run: {met_there}; by kind: {dict(kinds)}")
+    print(f"  TPOT predicted at dispatch / measured, first run: {_tpot_windows(first.results)}")
+
+
+def _tpot_windows(results: Any, width_s: float = 4.0) -> str:
+    """Median and mean of predicted / measured TPOT of the served requests, per window of dispatch time."""
+    by_window: dict[int, list[float]] = {}
+    for r in results:
+        if r.error_code is None and r.predicted_tpot_ms and r.tpot_ms:
+            at = r.start_s + r.queue_wait_ms / 1e3
+            by_window.setdefault(int(at // width_s), []).append(r.predicted_tpot_ms / r.tpot_ms)
+    parts = []
+    for w in sorted(by_window):
+        ratios = sorted(by_window[w])
+        median = ratios[len(ratios) // 2]
+        mean = sum(ratios) / len(ratios)
+        parts.append(f"{w * width_s:.0f}-{(w + 1) * width_s:.0f}s {median:.3f}/{mean:.3f} (n={len(ratios)})")
+    return "; ".join(parts)
 
 
 if __name__ == "__main__":

@@ -41,7 +41,11 @@ predicts for the same step, and derives a correction the metrics apply
   a new request will see includes the chunks of later requests' prefills, and
   the recent steps say more of those than the old ones where the prefill work
   per decode step changes (a prefix cache warming up computes less and less of
-  each prompt).
+  each prompt). Where the router's prefix index predicts cached prompt tokens,
+  the measured term is then carried forward to the prefills still to come: times
+  the share of prompt tokens the instance's latest dispatches will compute,
+  over the share the dispatches behind the measured steps computed
+  (:func:`uncached_ratio`). Without predicted cache hits the ratio is 1.
 
 Bounds: a factor (and a refit prediction, relative to the profile's) stays in
 ``[min_factor, max_factor]``; each update moves a factor by at most
@@ -148,6 +152,24 @@ class CalibrationConfig:
         default=128,
         metadata=_doc("interleave: a step this many steps back weighs half the newest"),
     )
+    # The measured interleave is the prefill of dispatches already computed; a new request's decode
+    # steps interleave with the prefill of dispatches still to come. Where prefix caching is in play
+    # the computed part of each prompt is what changes fastest (a warming cache), and the router
+    # knows it at dispatch (its index's cached tokens): the measured term is scaled by the share
+    # of prompt tokens the latest dispatches compute over the share the measured steps' dispatches
+    # computed. The latest: weights halving every this many dispatches to the instance (4: about
+    # the last 6 in effect; 2 s at 2 requests/s per instance). 0: the measured term as it is.
+    interleave_recent_dispatches: float = field(
+        default=4.0,
+        metadata=_doc(
+            "interleave: dispatches back at which a dispatch's uncached share weighs half the newest "
+            "in the share of the prefill still to come (0: no such scaling)"
+        ),
+    )
+    interleave_max_ratio: float = field(
+        default=2.0,
+        metadata=_doc("interleave: the scaling by the uncached shares stays within [1 / this, this]"),
+    )
 
     def __post_init__(self) -> None:
         if self.mode not in CALIBRATION_MODES:
@@ -182,6 +204,14 @@ class CalibrationConfig:
             raise ValueError(
                 f"calibration update_every_s must be in [0, 3600] s, got {self.update_every_s!r}"
             )
+        recent = self.interleave_recent_dispatches
+        if not (isinstance(recent, (int, float)) and math.isfinite(recent) and 0.0 <= recent <= 1_000_000):
+            raise ValueError(
+                f"calibration interleave_recent_dispatches must be in [0, 1000000], got {recent!r}"
+            )
+        ratio = self.interleave_max_ratio
+        if not (isinstance(ratio, (int, float)) and math.isfinite(ratio) and 1.0 <= ratio <= 1000.0):
+            raise ValueError(f"calibration interleave_max_ratio must be in [1, 1000], got {ratio!r}")
         for name in ("max_change_per_update", "drift_bound", "stale_after_s", "prior_weight"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
@@ -355,6 +385,38 @@ def _step_rows(
     rows[:, _TTFT_RATIO] = 0.0
     np.divide(obs, pre + dec, out=rows[:, _TTFT_RATIO], where=with_prefill)
     return rows, flags
+
+
+#: Dispatches kept per instance and per profile group for :func:`uncached_ratio` (the window's
+#: 256 steps span a few dozen dispatches per instance at the rates where the interleave matters).
+_DISPATCHES_PER_INSTANCE = 128
+_DISPATCHES_PER_GROUP = 512
+
+
+class _Dispatches:
+    """The latest dispatches of one instance or group: (time, prompt tokens, cached tokens), in a ring."""
+
+    __slots__ = ("any_cached", "buf", "count", "pos")
+
+    def __init__(self, size: int) -> None:
+        self.buf = np.zeros((size, 3))
+        self.count = 0
+        self.pos = 0
+        #: Whether any dispatch kept counted a cached token (until then the ratio is 1).
+        self.any_cached = False
+
+    def add(self, row: tuple[float, float, float]) -> None:
+        self.buf[self.pos] = row
+        self.pos = (self.pos + 1) % len(self.buf)
+        self.count = min(self.count + 1, len(self.buf))
+        if row[2] > 0:
+            self.any_cached = True
+
+    def array(self) -> FloatArray:
+        """The dispatches kept, oldest first."""
+        if self.count < len(self.buf):
+            return self.buf[: self.count]
+        return np.concatenate((self.buf[self.pos :], self.buf[: self.pos]))
 
 
 class _Track:
@@ -561,6 +623,67 @@ def _fit_with_prior(features: FloatArray, observed_ms: FloatArray, n: int, prior
     return _weighted_lstsq(features, observed_ms, weights, keep, False)
 
 
+def uncached_ratio(
+    step_times: FloatArray,
+    step_prefill: FloatArray,
+    dispatches: FloatArray,
+    half_life_steps: float,
+    recent_dispatches: float,
+    max_ratio: float,
+) -> float:
+    """How much more (or less) of each prompt the coming prefills compute than the measured ones did.
+
+    ``dispatches``: one row per dispatch to the track's instance(s), oldest first: (time, prompt
+    tokens, prompt tokens the router counted as cached there). ``step_times``: when each step
+    of the track's window was reported (same clock); ``step_prefill``: the prefill tokens each
+    computed. The interleave measured over the window is
+    (ms per computed prefill token) x (computed prefill tokens per decode step); of the latter,
+    (prompt tokens per decode step) follows the arrival rate and the prompt lengths, which a
+    warming cache does not change, and (computed / prompt tokens) is what it changes. Returns
+
+        u_recent / u_measured,   u = sum w·(prompt - cached) / sum w·prompt
+
+    where ``u_measured`` weighs each dispatch whose prefill the window holds as the interleave
+    weighs the steps that ran it, 2^(-steps reported since / half_life_steps); a dispatch counts
+    as held once it came after the window's oldest step and the steps reported since computed at
+    least its own uncached tokens (its prefill ran in them, or a backlog in front of it did: a
+    prompt still queued in the engine is not in the measured time yet), and ``u_recent`` weighs the k-th latest dispatch 2^(-k /
+    recent_dispatches) (the latest stand for the ones still to come: the router places them
+    the same way, against caches at least as warm). Clipped to [1 / max_ratio, max_ratio].
+    1 exactly where no dispatch counted a cached token, where none lies inside the window, and
+    with ``recent_dispatches`` 0.
+    """
+    if recent_dispatches <= 0 or len(dispatches) == 0 or len(step_times) == 0:
+        return 1.0
+    at, prompt, cached = dispatches[:, 0], dispatches[:, 1], dispatches[:, 2]
+    if not (cached > 0).any():
+        return 1.0
+    computed = prompt - np.minimum(cached, prompt)
+    order = np.argsort(step_times, kind="stable")
+    times = step_times[order]
+    # Prefill tokens reported before each position of ``times`` (0 .. all).
+    before = np.concatenate(([0.0], np.cumsum(step_prefill[order])))
+    first_after = np.searchsorted(times, at, side="right")
+    since = len(times) - first_after
+    prefilled_since = before[-1] - before[first_after]
+    inside = (at >= times[0]) & (since > 0) & (prefilled_since >= computed)
+    if not inside.any():
+        return 1.0
+    w = np.exp2(-since[inside] / half_life_steps)
+    measured_prompt = float(np.dot(w, prompt[inside]))
+    if measured_prompt <= 0:
+        return 1.0
+    measured = float(np.dot(w, computed[inside])) / measured_prompt
+    v = np.exp2(-np.arange(len(at) - 1, -1, -1, dtype=float) / recent_dispatches)
+    recent_prompt = float(np.dot(v, prompt))
+    if recent_prompt <= 0:
+        return 1.0
+    recent = float(np.dot(v, computed)) / recent_prompt
+    if measured <= 0:
+        return max_ratio if recent > 0 else 1.0
+    return min(max(recent / measured, 1.0 / max_ratio), max_ratio)
+
+
 def _approach(current: float, target: float, config: CalibrationConfig) -> float:
     """Move ``current`` toward ``target`` by at most the configured ratio, within the factor bounds."""
     step = 1.0 + config.max_change_per_update
@@ -746,10 +869,34 @@ class Calibrator:
         self._columns: _Columns | None = None
         self._dirty: set[str] = set()
         self._groups_dirty = False
+        #: The latest dispatches per instance and per profile group, for :func:`uncached_ratio`.
+        self._dispatches: dict[str, _Dispatches] = {}
+        self._group_dispatches: dict[str, _Dispatches] = {}
 
     @property
     def enabled(self) -> bool:
         return self.config.enabled
+
+    def dispatched(self, instance_id: str, prompt_tokens: int, cached_tokens: int, now_s: float) -> None:
+        """Note a prompt of ``prompt_tokens`` dispatched to ``instance_id`` for prefill at ``now_s``,
+        ``cached_tokens`` of them counted as cached there (by the router's prefix index).
+
+        Read at the next update of the instance's correction (:func:`uncached_ratio`); a router
+        that never counts a cached token gets the measured interleave as it is.
+        """
+        if not self.enabled or self.config.interleave_recent_dispatches <= 0 or prompt_tokens <= 0:
+            return
+        row = (float(now_s), float(prompt_tokens), float(max(cached_tokens, 0)))
+        ring = self._dispatches.get(instance_id)
+        if ring is None:
+            ring = self._dispatches[instance_id] = _Dispatches(_DISPATCHES_PER_INSTANCE)
+        ring.add(row)
+        group = self._group_of.get(instance_id)
+        if group is not None:
+            group_ring = self._group_dispatches.get(group)
+            if group_ring is None:
+                group_ring = self._group_dispatches[group] = _Dispatches(_DISPATCHES_PER_GROUP)
+            group_ring.add(row)
 
     # ------------------------------------------------------------------ input
 
@@ -840,7 +987,8 @@ class Calibrator:
         for track, group, owner in touched.values():
             # Not within ``update_every_s`` after the last update (a clock that went back: due).
             if track.pending >= update_every and not (0.0 <= now_s - track.updated_s < every_s):
-                self._update(track, group, now_s)
+                ring = self._dispatches.get(owner) if owner is not None else self._group_dispatches.get(group)
+                self._update(track, group, now_s, ring)
                 if owner is not None:
                     # Only an update moves the factors, so only an updated track can change drift.
                     self._check_drift(owner)
@@ -859,6 +1007,7 @@ class Calibrator:
     def forget(self, instance_id: str) -> None:
         """Drop an instance that left the fleet."""
         self._instances.pop(instance_id, None)
+        self._dispatches.pop(instance_id, None)
         self._group_of.pop(instance_id, None)
         self._drifted.pop(instance_id, None)
         self._columns = None
@@ -873,15 +1022,17 @@ class Calibrator:
                 changed = True
                 if self._instances.get(key) is track:
                     self._dirty.add(key)
+                    ring = self._dispatches.get(key)
                 else:
                     self._groups_dirty = True
+                    ring = self._group_dispatches.get(key)
                 group = self._group_of.get(key, key)
-                self._update(track, group, now_s)
+                self._update(track, group, now_s, ring)
         if changed:
             for instance_id in list(self._instances):
                 self._check_drift(instance_id)
 
-    def _update(self, track: _Track, group: str, now_s: float) -> None:
+    def _update(self, track: _Track, group: str, now_s: float, ring: _Dispatches | None = None) -> None:
         config = self.config
         track.pending = 0
         track.updated_s = float(now_s)
@@ -920,6 +1071,16 @@ class Calibrator:
             weights = np.exp2(-track.ages() / config.interleave_half_life_samples)
             extra = np.maximum(rows[mixed, _OBS] - rows[mixed, _DEC] * track.tpot_factor, 0.0)
             track.interleave_ms = float(np.dot(weights[mixed], extra) / np.sum(weights[has_decode]))
+            if ring is not None and ring.any_cached and track.interleave_ms > 0:
+                # Carried forward to the prefills still to come (uncached_ratio; 1 without cache hits).
+                track.interleave_ms *= uncached_ratio(
+                    rows[:, _TIME],
+                    rows[:, _P],
+                    ring.array(),
+                    config.interleave_half_life_samples,
+                    config.interleave_recent_dispatches,
+                    config.interleave_max_ratio,
+                )
         else:
             track.interleave_ms = 0.0
         if config.mode == "refit" and len(rows) >= config.refit_min_samples:

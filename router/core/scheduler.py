@@ -227,6 +227,12 @@ class Scheduler:
                 private = request.prompt_tokens - len(request.prefix_hashes) * prefix.block_tokens
                 private += expected_output_tokens(request, self.config.packing_default_output_tokens)
                 prefix.dispatched(decision.prefill.instance_id, request.prefix_hashes, capacity, private)
+            calibration = self.predictors.calibration if self.predictors is not None else None
+            if calibration is not None and decision.prefill is not None:
+                # What the prompt computes there, for the calibrated interleave (its coming prefill).
+                instance_id = decision.prefill.instance_id
+                cached = cached_at(decision.context, instance_id) if request.prefix_hashes else 0
+                calibration.dispatched(instance_id, request.prompt_tokens, cached, now_s)
 
     def record(self, decision: Decision, now_s: float, prompt_tokens: int | None = None) -> None:
         """Account ``decision``'s dispatch in the in-flight account (and tell the policy's hooks).
