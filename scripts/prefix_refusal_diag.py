@@ -9,8 +9,9 @@ request of the first policy: when it arrived, its error and message (what the ro
 case was made of), how it turned late (after how long waiting: found hopeless, its best predicted
 TTFT past its budget at a decision, or its deadline passed), its first refused decisions (the
 filters that dropped every instance first, and each threshold's best candidate over its limit), and
-whether the second policy's run served it and met its SLO; then the first run's TPOT predicted at
-dispatch over the measured one (median / mean ratio) per 4 s window of dispatch time. The runs share
+whether the second policy's run served it and met its SLO; then the first run's TPOT bias (the mean
+and median of (measured - predicted at dispatch) / predicted) per 4 s window of dispatch time. The
+runs share
 the seeded workload, so a request's index names the same request in both. A refusal of a request
 the other run met is not proof the first could have (the other run's fleet held other work), but
 a count of them in the first seconds, while caches are cold, says where to look. A diagnosis aid
@@ -121,22 +122,25 @@ def _report(
             f"\n      {r.error_message[:400]}"
         )
     print(f"  of them met by the other run: {met_there}; by kind: {dict(kinds)}")
-    print(f"  TPOT predicted at dispatch / measured, first run: {_tpot_windows(first.results)}")
+    print(f"  TPOT bias (mean/median), first run: {_tpot_windows(first.results)}")
 
 
 def _tpot_windows(results: Any, width_s: float = 4.0) -> str:
-    """Median and mean of predicted / measured TPOT of the served requests, per window of dispatch time."""
+    """The TPOT prediction's bias per window of dispatch time: the mean and the median over served
+    requests of (measured - predicted) / predicted (> 0: predicted too fast), as the run's report
+    takes its bias."""
     by_window: dict[int, list[float]] = {}
     for r in results:
-        if r.error_code is None and r.predicted_tpot_ms and r.tpot_ms:
+        if r.error_code is None and r.predicted_tpot_ms and r.tpot_ms is not None:
             at = r.start_s + r.queue_wait_ms / 1e3
-            by_window.setdefault(int(at // width_s), []).append(r.predicted_tpot_ms / r.tpot_ms)
+            signed = (r.tpot_ms - r.predicted_tpot_ms) / r.predicted_tpot_ms
+            by_window.setdefault(int(at // width_s), []).append(signed)
     parts = []
     for w in sorted(by_window):
-        ratios = sorted(by_window[w])
-        median = ratios[len(ratios) // 2]
-        mean = sum(ratios) / len(ratios)
-        parts.append(f"{w * width_s:.0f}-{(w + 1) * width_s:.0f}s {median:.3f}/{mean:.3f} (n={len(ratios)})")
+        errors = sorted(by_window[w])
+        mean = sum(errors) / len(errors)
+        median = errors[len(errors) // 2]
+        parts.append(f"{w * width_s:.0f}-{(w + 1) * width_s:.0f}s {100 * mean:+.1f}/{100 * median:+.1f}%")
     return "; ".join(parts)
 
 
