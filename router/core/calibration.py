@@ -41,11 +41,12 @@ predicts for the same step, and derives a correction the metrics apply
   a new request will see includes the chunks of later requests' prefills, and
   the recent steps say more of those than the old ones where the prefill work
   per decode step changes (a prefix cache warming up computes less and less of
-  each prompt). Where the router's prefix index predicts cached prompt tokens,
-  the measured term is then carried forward to the prefills still to come: times
-  the share of prompt tokens the instance's latest dispatches will compute,
-  over the share the dispatches behind the measured steps computed
-  (:func:`uncached_ratio`). Without predicted cache hits the ratio is 1.
+  each prompt). Optionally (``interleave_recent_dispatches`` > 0; off by
+  default) the measured term is carried forward to the prefills still to come
+  where the router's prefix index predicts cached prompt tokens: times the share
+  of prompt tokens the instance's latest dispatches will compute, over the share
+  the dispatches behind the measured steps computed (:func:`uncached_ratio`).
+  Without predicted cache hits the ratio is 1.
 
 Bounds: a factor (and a refit prediction, relative to the profile's) stays in
 ``[min_factor, max_factor]``; each update moves a factor by at most
@@ -155,15 +156,19 @@ class CalibrationConfig:
     # The measured interleave is the prefill of dispatches already computed; a new request's decode
     # steps interleave with the prefill of dispatches still to come. Where prefix caching is in play
     # the computed part of each prompt is what changes fastest (a warming cache), and the router
-    # knows it at dispatch (its index's cached tokens): the measured term is scaled by the share
-    # of prompt tokens the latest dispatches compute over the share the measured steps' dispatches
-    # computed. The latest: weights halving every this many dispatches to the instance (4: about
-    # the last 6 in effect; 2 s at 2 requests/s per instance). 0: the measured term as it is.
+    # knows it at dispatch (its index's cached tokens): with this > 0 the measured term is scaled by
+    # the share of prompt tokens the latest dispatches compute (weights halving every this many
+    # dispatches to the instance) over the share the measured steps' dispatches computed
+    # (uncached_ratio). Off by default: on the simulated cold start it made the TPOT prediction's
+    # bias honest (-2.6 % -> -0.2 % over 8 seeds) and refused 8 % fewer requests, but those it let
+    # through missed their TPOT or slowed others: attainment -0.7 points over 16 seeds at 4
+    # (every lowering of the term lost there, a constant x0.8 by 3 points), +0.9 on Mooncake's
+    # trace; docs/prefix-cache.md, "The interleave carried forward to the coming prefill".
     interleave_recent_dispatches: float = field(
-        default=4.0,
+        default=0.0,
         metadata=_doc(
             "interleave: dispatches back at which a dispatch's uncached share weighs half the newest "
-            "in the share of the prefill still to come (0: no such scaling)"
+            "in the share of the prefill still to come (0: the measured term as it is)"
         ),
     )
     interleave_max_ratio: float = field(
@@ -877,6 +882,12 @@ class Calibrator:
     def enabled(self) -> bool:
         return self.config.enabled
 
+    @property
+    def follows_dispatches(self) -> bool:
+        """Whether the interleave reads the dispatches (:meth:`dispatched`): calibrating, with
+        ``interleave_recent_dispatches`` > 0."""
+        return self.config.enabled and self.config.interleave_recent_dispatches > 0
+
     def dispatched(self, instance_id: str, prompt_tokens: int, cached_tokens: int, now_s: float) -> None:
         """Note a prompt of ``prompt_tokens`` dispatched to ``instance_id`` for prefill at ``now_s``,
         ``cached_tokens`` of them counted as cached there (by the router's prefix index).
@@ -884,7 +895,7 @@ class Calibrator:
         Read at the next update of the instance's correction (:func:`uncached_ratio`); a router
         that never counts a cached token gets the measured interleave as it is.
         """
-        if not self.enabled or self.config.interleave_recent_dispatches <= 0 or prompt_tokens <= 0:
+        if not self.follows_dispatches or prompt_tokens <= 0:
             return
         row = (float(now_s), float(prompt_tokens), float(max(cached_tokens, 0)))
         ring = self._dispatches.get(instance_id)

@@ -228,7 +228,7 @@ class Scheduler:
                 private += expected_output_tokens(request, self.config.packing_default_output_tokens)
                 prefix.dispatched(decision.prefill.instance_id, request.prefix_hashes, capacity, private)
             calibration = self.predictors.calibration if self.predictors is not None else None
-            if calibration is not None and decision.prefill is not None:
+            if calibration is not None and calibration.follows_dispatches and decision.prefill is not None:
                 # What the prompt computes there, for the calibrated interleave (its coming prefill).
                 instance_id = decision.prefill.instance_id
                 cached = cached_at(decision.context, instance_id) if request.prefix_hashes else 0

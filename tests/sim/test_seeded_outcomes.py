@@ -155,18 +155,14 @@ SCENARIOS: dict[
 #: 244 -> 254 of 300 met, neutral-slo-priority 188 -> 204 of 250, neutral-slo-edf 243 -> 241 of 300,
 #: neutral-slo-eos 173 -> 173 of 200 (placements moved); in the others (mooncake least-requests,
 #: round-robin small-kv, fcfs-capped, prefix, qlm, sa, pd-adaptive) only the reported predicted TPOT.
-#: The mooncake least-requests and neutral-slo-prefix ones were re-recorded when the calibrated
-#: interleave began to follow the share of each prompt the latest dispatches compute, as the prefix
-#: index predicts it (router.core.calibration.uncached_ratio): the two scenarios where the router
-#: counts cached tokens; 77 and 199 of 200 met as before, the reported predicted TPOT moved.
 RECORDED: dict[str, str] = {
     "azure-trace-slo": "8e1f4bc89d0557571ff4f452",
-    "mooncake-trace-least-requests": "d93c097d568f219f5131b763",
+    "mooncake-trace-least-requests": "24c802721464b325eee1c0ae",
     "neutral-round-robin-small-kv": "45e3f506ec4571772da55b80",
     "neutral-slo-edf": "bc36db8927e36962e86a977c",
     "neutral-slo-eos": "b14fcf2f3956cbcf32c61e6b",
     "neutral-slo-fcfs-capped": "f0a2ad49ca96ac96e5ebce0d",
-    "neutral-slo-prefix": "367d4111e2f0332fda34fdf7",
+    "neutral-slo-prefix": "7939cc14ab8f3080856dca34",
     "neutral-slo-priority": "118a85ace3be352f7da0bda6",
     "neutral-slo-qlm": "d07b2559c77a5a480328c4f7",
     "neutral-slo-sa": "609d946a052eeba8633bdb42",

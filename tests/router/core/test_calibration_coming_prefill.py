@@ -197,3 +197,39 @@ def test_the_dispatch_ring_keeps_the_latest_oldest_first(n: int, size: int) -> N
     for k in range(n):
         ring.add((float(k), 100.0, 0.0))
     assert ring.array()[:, 0].tolist() == [float(k) for k in range(max(0, n - size), n)]
+
+
+def test_the_scheduler_tells_the_calibration_what_each_prompt_computes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A seeded prefix-heavy run with the scaling on: every prefill dispatch reaches the calibration
+    # with the cached tokens the router counted there, and some of them hit.
+    import router.core.scheduler as scheduler_module
+    from tests.sim.test_seeded_outcomes import run_scenario
+
+    def config(**kwargs: object) -> CalibrationConfig:
+        return CalibrationConfig(**{**kwargs, "interleave_recent_dispatches": 4.0})  # type: ignore[arg-type]
+
+    seen: list[tuple[int, int]] = []
+    original = Calibrator.dispatched
+
+    def spy(self: Calibrator, instance_id: str, prompt_tokens: int, cached_tokens: int, now_s: float) -> None:
+        seen.append((prompt_tokens, cached_tokens))
+        original(self, instance_id, prompt_tokens, cached_tokens, now_s)
+
+    monkeypatch.setattr(scheduler_module, "CalibrationConfig", config)
+    monkeypatch.setattr(Calibrator, "dispatched", spy)
+    outcome = run_scenario("neutral-slo-prefix")
+    served = sum(1 for r in outcome.results if r.error_code is None)
+    assert len(seen) >= served > 0
+    assert all(0 <= cached < prompt for prompt, cached in seen)
+    assert sum(1 for _, cached in seen if cached > 0) > len(seen) // 2
+
+
+def test_off_by_default_the_scheduler_sends_no_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.sim.test_seeded_outcomes import run_scenario
+
+    calls: list[str] = []
+    monkeypatch.setattr(Calibrator, "dispatched", lambda self, i, *a: calls.append(i))
+    run_scenario("neutral-slo-prefix")
+    assert calls == []
