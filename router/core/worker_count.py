@@ -303,21 +303,28 @@ def first_token_points(
     points: int = FIRST_TOKEN_POINTS,
 ) -> list[float]:
     """A prompt's first-token time (ms) at ``points`` equally likely quantiles, on ``servers``
-    prefill instances: its own prefill at the full-chunk rate plus its wait in the prefill
-    queue, the M/M/c queue :func:`capacity.prefill_staffing` staffs (a wait of 0 with
-    probability ``1 − C(c, a)``, else exponential of mean ``s / (c − a)``), of the kinds
-    whose TTFT need is at most ``need_ms`` (the router queue serves by deadline). ``ttft_kinds``:
-    (requests, mean prompt tokens, need ms) per kind of need; empty: every prompt ahead."""
+    prefill instances: its own prefill at the full-chunk rate plus its wait in an M/M/c queue of
+    every kind's prompts (a wait of 0 with probability ``1 − C(c, a)``, else exponential of mean
+    ``s / (c − a)``), at most ``need_ms``.
+
+    Every kind's prompts, first come first served: the router places a prompt at once where an
+    instance can start it in time, and the engine computes what it was given in arrival order, so
+    a code prompt waits behind the summaries placed before it. (``capacity.prefill_staffing``
+    orders the kinds by deadline, the router queue's order, to staff the prefill side; priced
+    that way here, code prompts at ``mixed`` 12 req/s on 2 prefill instances were given first
+    tokens of 150-330 ms where the simulator's median is 509 ms and its 90th percentile 791.)
+    At most the need: a prompt waiting past it is a miss of the prefill side, which is staffed
+    for that tail, not one the decoders could avoid. ``ttft_kinds``: (requests, mean prompt
+    tokens, need ms) per kind of need; empty: the load's mean prompt."""
     full = rates.prefill_tokens_per_s / max(rates.prefill_utilisation, 1e-9)
     if not (full > 0 and load.rate > 0):
         return [need_ms]
     own = 1000.0 * prompt_tokens / full
-    usable = [(n, p) for n, p, need in ttft_kinds if n > 0] if ttft_kinds else []
-    total = sum(n for n, _, _ in ttft_kinds) if usable else 0.0
-    if usable and total > 0:
-        ahead = sum(n for n, _ in usable)
-        service = sum(n * p for n, p in usable) / ahead / full
-        offered = load.rate * ahead / total * service
+    usable = [(n, p) for n, p, _ in ttft_kinds if n > 0 and p > 0]
+    if usable:
+        count = sum(n for n, _ in usable)
+        service = sum(n * p for n, p in usable) / count / full
+        offered = load.rate * service
     else:
         service = load.mean_prompt_tokens / full
         offered = load.rate * service
@@ -366,7 +373,7 @@ def deadline_decoders(
     if deadline_miss_share(kinds, requests, idle.decode_step_ms, z, first_tokens) > allowance:
         return 0.0
     lo, hi = idle.decode_step_ms, at_target.decode_step_ms
-    for _ in range(30):
+    for _ in range(24):
         mid = 0.5 * (lo + hi)
         if deadline_miss_share(kinds, requests, mid, z, first_tokens) <= allowance:
             lo = mid
@@ -408,7 +415,10 @@ class DesiredInstances:
     what a decoder generates at the TPOT target (:func:`router.core.capacity.instance_rates`),
     decoders staffed for the spread of a Poisson load's concurrency
     (:func:`router.core.capacity.decode_staffing`: sized for the mean, mixed at 16 req/s was
-    3 decoders where ``plan`` needs 4).
+    3 decoders where ``plan`` needs 4), and at least as many as keep the steps the deadline-judged
+    answers need (:func:`deadline_decoders`: priced at the TPOT target's batch alone, ``mixed``
+    at 16, 20 and 24 req/s was one decoder short of ``plan``, and a half-code mix at 10 req/s
+    two of three).
     Each role's ``(rate, workers)`` samples feed a :class:`WorkerCountModel` (decayed least
     squares, the SEM rule); :meth:`desired` evaluates ``⌈k5·r + c5⌉`` at the rate of the last
     window. A heartbeat in which more than a tenth of the requests had no learned length yet
