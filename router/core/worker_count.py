@@ -22,11 +22,18 @@ Pure and synchronous; ``slo-router plan`` feeds it from simulated runs
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from statistics import NormalDist
 
-from router.core.capacity import InstanceRates, LoadShape, decode_staffing, fluid_demand, prefill_staffing
+from router.core.capacity import (
+    InstanceRates,
+    LoadShape,
+    decode_staffing,
+    erlang_c,
+    fluid_demand,
+    prefill_staffing,
+)
 from router.core.lengths import LengthConfig
 
 #: Samples after which a sample's weight has halved (the default decay).
@@ -175,7 +182,7 @@ MAX_TARGET_KINDS = 64
 
 
 def least_slack(
-    kinds: dict[tuple[float, float], tuple[int, float, float]],
+    kinds: Mapping[tuple[float, float], tuple[float, ...]],
     rates: InstanceRates,
     default_tpot_ms: float,
 ) -> float:
@@ -199,7 +206,7 @@ def least_slack(
     if not (step > 0 and math.isfinite(step)) or not kinds:
         return 0.0
     least = math.inf
-    for (tpot, e2e), (n, prompt, output) in kinds.items():
+    for (tpot, e2e), (n, prompt, output, *_) in kinds.items():
         if n <= 0:
             continue
         if tpot > 0:
@@ -220,11 +227,159 @@ def second_moment_ratio(mean: float, quantile_tokens: float, z: float) -> float:
     workloads and traces here are): ``q / mean = exp(z·σ − σ²/2)`` gives ``σ``, and the ratio is
     ``exp(σ²)``. 1 where the estimate has no spread (a prior, exact lengths); ``σ`` at most ``z``
     (the widest spread that quantile can say)."""
-    if not (mean > 0 and quantile_tokens > mean and z > 0):
-        return 1.0
-    log_ratio = math.log(quantile_tokens / mean)
-    sigma = z - math.sqrt(z * z - 2.0 * log_ratio) if 2.0 * log_ratio < z * z else z
+    sigma = lognormal_sigma(mean, quantile_tokens, z)
     return math.exp(sigma * sigma)
+
+
+def lognormal_sigma(mean: float, quantile_tokens: float, z: float) -> float:
+    """``σ`` of a lognormal length whose mean is ``mean`` and whose quantile of normal score ``z``
+    is ``quantile_tokens`` (``q / mean = exp(z·σ − σ²/2)``, the smaller root); 0 where the
+    estimate has no spread, at most ``z``."""
+    if not (mean > 0 and quantile_tokens > mean and z > 0):
+        return 0.0
+    log_ratio = math.log(quantile_tokens / mean)
+    return z - math.sqrt(z * z - 2.0 * log_ratio) if 2.0 * log_ratio < z * z else z
+
+
+#: The share of a heartbeat's requests the decoders may let miss their deadline by the length of
+#: their answer (:func:`deadline_decoders`): the tail the prefill and decode staffing keep too.
+DEADLINE_MISS_SHARE = 0.05
+
+
+def deadline_miss_share(
+    kinds: Mapping[tuple[float, float], tuple[float, ...]],
+    requests: float,
+    step_ms: float,
+    z: float,
+    first_tokens: Callable[[float, float], Sequence[float]] | None = None,
+) -> float:
+    """The share of ``requests`` expected to miss an end-to-end deadline by their answer's length
+    on decoders stepping ``step_ms``.
+
+    ``kinds`` as :meth:`DesiredInstances.observe` keeps them: (TPOT target, e2e target) ->
+    (requests, prompt tokens, paced output tokens, expected output tokens, TTFT need ms), summed.
+    A kind judged end to end (no TPOT target) decodes for what its deadline leaves after its
+    first token: an answer longer than ``(e2e − first token) / step + 1`` tokens misses. The first
+    token's time is taken at the points ``first_tokens(mean prompt, mean need)`` gives (equally
+    likely: quantiles of the prefill queue's wait, :func:`first_token_points`), or at the TTFT
+    need without it. Lengths are lognormal, the mean and spread from the router's length
+    estimate (the expected length and its high quantile, ``LengthEstimate.bound_tokens``)."""
+    if not (requests > 0 and step_ms > 0 and math.isfinite(step_ms)):
+        return 0.0
+    missed = 0.0
+    for (tpot, e2e), value in kinds.items():
+        if tpot > 0 or e2e <= 0 or len(value) < 5 or value[0] <= 0:
+            continue
+        n, prompt, paced, expected, need = value[:5]
+        mean, bound = expected / n, paced / n
+        sigma = lognormal_sigma(mean, bound, z)
+        median = mean * math.exp(-0.5 * sigma * sigma)
+        points = list(first_tokens(prompt / n, need / n)) if first_tokens is not None else [need / n]
+        share = 0.0
+        for first in points:
+            longest = (e2e - first) / step_ms + 1.0
+            if not longest > 1.0:
+                share += 1.0
+            elif sigma <= 0:
+                share += 1.0 if mean > longest else 0.0
+            else:
+                share += 0.5 * math.erfc(math.log(longest / median) / sigma / math.sqrt(2.0))
+        missed += n * share / max(len(points), 1)
+    return missed / requests
+
+
+#: Quantile points :func:`first_token_points` gives a kind's first-token time at.
+FIRST_TOKEN_POINTS = 8
+
+
+def first_token_points(
+    prompt_tokens: float,
+    need_ms: float,
+    *,
+    load: LoadShape,
+    rates: InstanceRates,
+    servers: int,
+    ttft_kinds: Sequence[tuple[float, float, float]],
+    points: int = FIRST_TOKEN_POINTS,
+) -> list[float]:
+    """A prompt's first-token time (ms) at ``points`` equally likely quantiles, on ``servers``
+    prefill instances: its own prefill at the full-chunk rate plus its wait in an M/M/c queue of
+    every kind's prompts (a wait of 0 with probability ``1 − C(c, a)``, else exponential of mean
+    ``s / (c − a)``), at most ``need_ms``.
+
+    Every kind's prompts, first come first served: the router places a prompt at once where an
+    instance can start it in time, and the engine computes what it was given in arrival order, so
+    a code prompt waits behind the summaries placed before it. (``capacity.prefill_staffing``
+    orders the kinds by deadline, the router queue's order, to staff the prefill side; priced
+    that way here, code prompts at ``mixed`` 12 req/s on 2 prefill instances were given first
+    tokens of 150-330 ms where the simulator's median is 509 ms and its 90th percentile 791.)
+    At most the need: a prompt waiting past it is a miss of the prefill side, which is staffed
+    for that tail, not one the decoders could avoid. ``ttft_kinds``: (requests, mean prompt
+    tokens, need ms) per kind of need; empty: the load's mean prompt."""
+    full = rates.prefill_tokens_per_s / max(rates.prefill_utilisation, 1e-9)
+    if not (full > 0 and load.rate > 0):
+        return [need_ms]
+    own = 1000.0 * prompt_tokens / full
+    usable = [(n, p) for n, p, _ in ttft_kinds if n > 0 and p > 0]
+    if usable:
+        count = sum(n for n, _ in usable)
+        service = sum(n * p for n, p in usable) / count / full
+        offered = load.rate * service
+    else:
+        service = load.mean_prompt_tokens / full
+        offered = load.rate * service
+    if servers < 1 or offered >= servers or service <= 0:
+        return [need_ms] * points if need_ms > 0 else [math.inf] * points
+    waits = erlang_c(servers, offered)
+    mean_wait = 1000.0 * service / (servers - offered)
+    out = []
+    for i in range(points):
+        u = (i + 0.5) / points
+        wait = 0.0 if u <= 1.0 - waits else mean_wait * math.log(waits / (1.0 - u))
+        out.append(min(own + wait, need_ms) if need_ms > 0 else own + wait)
+    return out
+
+
+def deadline_decoders(
+    kinds: Mapping[tuple[float, float], tuple[float, ...]],
+    requests: float,
+    load: LoadShape,
+    rates: Callable[[float], InstanceRates],
+    tpot_ms: float,
+    z: float,
+    first_tokens: Callable[[float, float], Sequence[float]] | None = None,
+    allowance: float = DEADLINE_MISS_SHARE,
+) -> float:
+    """Decoders (fractional) whose step keeps the deadline-judged answers' misses within
+    ``allowance`` of the requests; 0 where the TPOT target's step already does, or where even an
+    idle decoder cannot (a lost cause: more decoders would not save those answers).
+
+    Aladdin's constraint (b) holds each request to its own ATGT; a request judged end to end has
+    as its ATGT what its deadline leaves per token, so a decoder's batch is bounded by the step
+    its deadline-judged residents need, not only by the TPOT target. That step depends on the
+    answer's length, which varies: the slowest step at which the expected misses
+    (:func:`deadline_miss_share`) stay within ``allowance`` is found by bisection, and the decoders
+    are the load's fluid demand at the batch stepping that fast (``rates(step)``: the instance's
+    rates at that step as its target). Fluid, with no square-root spare
+    (:func:`capacity.decode_staffing`): a deadline is kept by the mean step over an answer's life,
+    which a moment of a larger batch slows by little, where a TPOT target is missed by it.
+    """
+    if not any(e2e > 0 and tpot <= 0 for tpot, e2e in kinds) or load.rate <= 0:
+        return 0.0
+    at_target = rates(tpot_ms)
+    if deadline_miss_share(kinds, requests, at_target.decode_step_ms, z, first_tokens) <= allowance:
+        return 0.0
+    idle = rates(0.0)
+    if deadline_miss_share(kinds, requests, idle.decode_step_ms, z, first_tokens) > allowance:
+        return 0.0
+    lo, hi = idle.decode_step_ms, at_target.decode_step_ms
+    for _ in range(24):
+        mid = 0.5 * (lo + hi)
+        if deadline_miss_share(kinds, requests, mid, z, first_tokens) <= allowance:
+            lo = mid
+        else:
+            hi = mid
+    return fluid_demand(load, rates(lo))[1]
 
 
 #: Rates an instance serves for a load shape and a TPOT target (ms): see ``capacity.instance_rates``.
@@ -260,7 +415,10 @@ class DesiredInstances:
     what a decoder generates at the TPOT target (:func:`router.core.capacity.instance_rates`),
     decoders staffed for the spread of a Poisson load's concurrency
     (:func:`router.core.capacity.decode_staffing`: sized for the mean, mixed at 16 req/s was
-    3 decoders where ``plan`` needs 4).
+    3 decoders where ``plan`` needs 4), and at least as many as keep the steps the deadline-judged
+    answers need (:func:`deadline_decoders`: priced at the TPOT target's batch alone, ``mixed``
+    at 16, 20 and 24 req/s was one decoder short of ``plan``, and a half-code mix at 10 req/s
+    two of three).
     Each role's ``(rate, workers)`` samples feed a :class:`WorkerCountModel` (decayed least
     squares, the SEM rule); :meth:`desired` evaluates ``⌈k5·r + c5⌉`` at the rate of the last
     window. A heartbeat in which more than a tenth of the requests had no learned length yet
@@ -323,7 +481,9 @@ class DesiredInstances:
         self._len2 = 0.0
         self._tpot = math.inf
         self._ttft = math.inf
-        self._kinds: dict[tuple[float, float], tuple[int, float, float]] = {}
+        # (TPOT target, e2e target) -> (requests, prompt tokens, paced output tokens, expected output
+        # tokens, TTFT need ms), summed: the decode margin (least_slack) and the deadline's step.
+        self._kinds: dict[tuple[float, float], tuple[float, float, float, float, float]] = {}
         # TTFT need (ms) -> (requests, prompt tokens): the router queue serves by deadline.
         self._ttft_kinds: dict[float, tuple[int, float]] = {}
 
@@ -367,8 +527,14 @@ class DesiredInstances:
         kind = (max(tpot_ms, 0.0), max(e2e_ms, 0.0))
         seen = self._kinds.get(kind)
         if seen is not None or len(self._kinds) < MAX_TARGET_KINDS:
-            n, prompt, output = seen or (0, 0.0, 0.0)
-            self._kinds[kind] = (n + 1, prompt + prompt_tokens, output + max(paced_tokens, output_tokens))
+            n, prompt, output, expected, needs = seen or (0, 0.0, 0.0, 0.0, 0.0)
+            self._kinds[kind] = (
+                n + 1,
+                prompt + prompt_tokens,
+                output + max(paced_tokens, output_tokens),
+                expected + output_tokens,
+                needs + (need if need > 0 and math.isfinite(need) else 0.0),
+            )
 
     def _advance(self, now_s: float) -> None:
         beat = int(now_s // self.heartbeat_s) if math.isfinite(now_s) else 0
@@ -419,6 +585,19 @@ class DesiredInstances:
         prefill = prefill_staffing(shape, rates, least_ttft, ttft_kinds)
         decode = decode_staffing(
             decode, rates.decode_batch, slacks=[least_slack(self._kinds, rates, self.default_tpot_ms)]
+        )
+        servers = max(1, math.ceil(prefill - 1e-9))
+
+        def first_tokens(prompt: float, need: float) -> list[float]:
+            return first_token_points(
+                prompt, need, load=shape, rates=rates, servers=servers, ttft_kinds=ttft_kinds
+            )
+
+        decode = max(
+            decode,
+            deadline_decoders(
+                self._kinds, n, held, lambda step: self._rates(held, step), tpot, self._z, first_tokens
+            ),
         )
         for role, workers in (("prefill", prefill), ("decode", decode), ("neutral", prefill + decode)):
             self.models[role].observe(Heartbeat(shape.rate, workers, n, cv))

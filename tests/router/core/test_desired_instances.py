@@ -456,3 +456,115 @@ def test_decoders_are_priced_at_the_context_their_residents_hold_not_the_mean_re
     alike = run(250.0)
     assert spread > alike, (spread, alike)
     assert seen[-1].mean_prompt_tokens == pytest.approx(630.0)
+
+
+# --------------------------------------------------------------------------- the deadline's step
+
+
+def _linear_rates(load: LoadShape, tpot_ms: float) -> InstanceRates:
+    """A decoder stepping ``15 + 0.6·B`` ms at batch ``B`` (at most 60): the largest batch whose
+    step keeps ``tpot_ms`` (batch 1 below that), as ``capacity.instance_rates`` picks it."""
+    batch = max(1, min(60, int((tpot_ms - 15.0) / 0.6 + 1e-9)))
+    step = 15.0 + 0.6 * batch
+    return InstanceRates(10_000.0, 1000.0 * batch / step, batch, step)
+
+
+#: 25 code-like requests judged by a 4 s deadline (1,000-token prompts; answers of mean 80 tokens,
+#: 150 at their 90th percentile), beside 75 chat-like ones on a 50 ms TPOT target.
+CODE = {(0.0, 4000.0): (25.0, 25 * 1000.0, 25 * 150.0, 25 * 80.0, 25 * 1000.0)}
+CHAT = {(50.0, 0.0): (75.0, 75 * 500.0, 75 * 200.0, 75 * 200.0, 75 * 1000.0)}
+
+
+@given(
+    st.floats(min_value=10.0, max_value=80.0),
+    st.floats(min_value=0.5, max_value=30.0),
+    st.floats(min_value=0.0, max_value=2000.0),
+)
+@settings(max_examples=60, deadline=None)
+def test_a_slower_step_or_a_later_first_token_never_means_fewer_deadline_misses(
+    step: float, slower: float, first: float
+) -> None:
+    from router.core.worker_count import deadline_miss_share
+
+    z = 1.2815515655446004
+    kinds = {**CODE, **CHAT}
+
+    def at(ms: float) -> list[float]:
+        return [ms]
+
+    base = deadline_miss_share(kinds, 100.0, step, z, lambda p, n: at(first))
+    assert 0.0 <= base <= 0.25  # only the code kind can miss by its length: a quarter at most
+    assert deadline_miss_share(kinds, 100.0, step + slower, z, lambda p, n: at(first)) >= base - 1e-12
+    assert deadline_miss_share(kinds, 100.0, step, z, lambda p, n: at(first + 100.0)) >= base - 1e-12
+    # Requests on a TPOT target alone never miss by their length here (their target is the step's).
+    assert deadline_miss_share(CHAT, 75.0, step, z) == 0.0
+
+
+def test_deadline_judged_answers_are_given_decoders_stepping_as_fast_as_their_deadlines_need() -> None:
+    from router.core.worker_count import deadline_decoders, deadline_miss_share
+
+    z = 1.2815515655446004
+    load = LoadShape(12.0, 650.0, 170.0)
+    kinds = {**CODE, **CHAT}
+
+    def rates(step: float) -> InstanceRates:
+        return _linear_rates(load, step)
+
+    # At the TPOT target's batch (58, stepping 49.8 ms) 53 % of the code answers are longer than the
+    # 61 tokens their deadline leaves after a 1 s first token: 13 % of the requests, over the 5 % kept.
+    assert deadline_miss_share(kinds, 100.0, rates(50.0).decode_step_ms, z) == pytest.approx(0.132, abs=0.003)
+    fluid_at_target = fluid_demand(load, rates(50.0))[1]
+    need = deadline_decoders(kinds, 100.0, load, rates, 50.0, z)
+    assert need > fluid_at_target * 1.2
+    # ... the decoders' batch then steps where the misses are within 5 %, and no slower.
+    batch = round(load.rate * load.mean_output_tokens / need / 1000.0 * rates(50.0).decode_step_ms)
+    assert batch < rates(50.0).decode_batch
+    # No deadline-judged request, or a deadline even an idle decoder cannot keep: nothing added.
+    assert deadline_decoders(CHAT, 75.0, load, rates, 50.0, z) == 0.0
+    hopeless = {(0.0, 1100.0): CODE[(0.0, 4000.0)]}
+    assert deadline_decoders({**hopeless, **CHAT}, 100.0, load, rates, 50.0, z) == 0.0
+
+
+def test_a_first_token_is_its_prefill_and_its_wait_in_the_queue_up_to_its_need() -> None:
+    from router.core.worker_count import first_token_points
+
+    rates = InstanceRates(8000.0, 1000.0, 48, 40.0, prefill_utilisation=0.8)  # 10,000 tokens a second
+    kinds = [(30.0, 1000.0, 1000.0), (10.0, 3000.0, 3750.0)]
+    quiet = first_token_points(
+        1000.0, 1000.0, load=LoadShape(0.1, 1500.0, 100.0), rates=rates, servers=4, ttft_kinds=kinds
+    )
+    assert quiet == [pytest.approx(100.0)] * len(quiet)  # no wait: its own 100 ms prefill
+    busy = first_token_points(
+        1000.0, 1000.0, load=LoadShape(10.0, 1500.0, 100.0), rates=rates, servers=2, ttft_kinds=kinds
+    )
+    assert busy == sorted(busy) and busy[0] == pytest.approx(100.0) and busy[-1] > 300.0
+    assert max(busy) <= 1000.0  # a prompt waiting past its need is the prefill side's miss, not the decoders'
+    over = first_token_points(
+        1000.0, 1000.0, load=LoadShape(20.0, 1500.0, 100.0), rates=rates, servers=2, ttft_kinds=kinds
+    )
+    assert over == [1000.0] * len(over)
+
+
+def test_decoders_are_sized_for_the_step_the_deadline_judged_answers_need() -> None:
+    # 10 req/s: three quarters chat-like (50 ms TPOT), a quarter code-like (a 3 s deadline, answers
+    # of mean 80 and 90th percentile 150 tokens). Priced at the TPOT target's batch alone, the
+    # decoders step 49.8 ms, where most code answers cannot finish in time; with a fifth of them
+    # let miss (5 % of the requests), they need to step at about 26 ms: batches of 18, not 58.
+    def run(e2e: float) -> tuple[int, float]:
+        model = DesiredInstances(_linear_rates, heartbeat_s=10.0, default_ttft_ms=1000.0)
+        for k in range(10 * 120):
+            t = k / 10.0
+            if k % 4:
+                model.observe(t, 500, 200.0, tpot_ms=50.0, paced_tokens=200.0)
+            elif e2e:
+                model.observe(t, 1000, 80.0, e2e_ms=e2e, paced_tokens=150.0)
+            else:
+                model.observe(t, 1000, 80.0, tpot_ms=50.0, paced_tokens=150.0)
+        fit = model.models["decode"].coefficients()
+        assert fit is not None
+        return model.desired(120.0, LoadShape(10.0, 625.0, 170.0)).decode, fit[0]
+
+    tpot_only, tpot_slope = run(0.0)
+    deadline, deadline_slope = run(3000.0)
+    assert (tpot_only, deadline) == (2, 3)
+    assert deadline_slope > 1.4 * tpot_slope
