@@ -146,6 +146,21 @@ SETS: dict[str, dict[str, str]] = {
         "H1-ib12k-3-s78": _h(H1, 12288, "interactive-batch", 3, 78, 600),
         "H2-ib12k-3-s78": _h(H2, 12288, "interactive-batch", 3, 78, 600),
     },
+    # Seven KV-limited set-ups on seeds no other set uses (201-207), to tell a rule's effect from
+    # one run's spread (a run's makespan is set by when its last long answers start).
+    "unseen": {
+        f"{name}-s{seed}": _n(n, kv, workload, rate, seed, 600)
+        for name, (n, kv, workload, rate) in {
+            "ib12k-4.5": (4, 12288, "interactive-batch", 4.5),
+            "code8k-7": (4, 8192, "codegen", 7),
+            "6x-reports-qa16k-9": (6, 16384, f"{SC}/scls-reports-qa.json", 9),
+            "8x-stories8k-9": (8, 8192, f"{SC}/scls-stories.json", 9),
+            "3x-chat10k-4.5": (3, 10240, "chat", 4.5),
+            "5x-ib12k-6": (5, 12288, "interactive-batch", 6),
+            "codechat10k-7": (4, 10240, "code-chat", 7),
+        }.items()
+        for seed in range(201, 208)
+    },
     # Listing order of a heterogeneous fleet (both orders) and the 600-request scenarios of that round.
     "het": {
         "H1-mixed16k-5-s29": _h(H1, 16384, "mixed", 5, 29, 600),
