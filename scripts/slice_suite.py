@@ -130,6 +130,37 @@ SETS: dict[str, dict[str, str]] = {
         "ib10k-4-s35": _n(4, 10240, "interactive-batch", 4, 35, 900),
         "2x-code12k-4-s36": _n(2, 12288, "codegen", 4, 36, 600),
     },
+    # Written to check queue backfill (a blocked head lets later batches start) on set-ups neither
+    # the build nor backfill was measured on: other seeds, KV sizes, fleets, and two heterogeneous
+    # fleets both ways; rates picked from least-requests' preemptions alone.
+    "check2": {
+        "code8k-7-s71": _n(4, 8192, "codegen", 7, 71, 600),
+        "5x-code10k-12-s72": _n(5, 10240, "codegen", 12, 72, 600),
+        "ib12k-4.5-s73": _n(4, 12288, "interactive-batch", 4.5, 73, 600),
+        "3x-ib10k-3-s74": _n(3, 10240, "interactive-batch", 3, 74, 600),
+        "6x-stories8k-7-s75": _n(6, 8192, f"{SC}/scls-stories.json", 7, 75, 600),
+        "4x-reports-qa12k-6-s76": _n(4, 12288, f"{SC}/scls-reports-qa.json", 6, 76, 600),
+        "ib12k-4.5-s73-1200": _n(4, 12288, "interactive-batch", 4.5, 73, 1200),
+        "H1-code8k-4.5-s77": _h(H1, 8192, "codegen", 4.5, 77, 600),
+        "H2-code8k-4.5-s77": _h(H2, 8192, "codegen", 4.5, 77, 600),
+        "H1-ib12k-3-s78": _h(H1, 12288, "interactive-batch", 3, 78, 600),
+        "H2-ib12k-3-s78": _h(H2, 12288, "interactive-batch", 3, 78, 600),
+    },
+    # Seven KV-limited set-ups on seeds no other set uses (201-207), to tell a rule's effect from
+    # one run's spread (a run's makespan is set by when its last long answers start).
+    "unseen": {
+        f"{name}-s{seed}": _n(n, kv, workload, rate, seed, 600)
+        for name, (n, kv, workload, rate) in {
+            "ib12k-4.5": (4, 12288, "interactive-batch", 4.5),
+            "code8k-7": (4, 8192, "codegen", 7),
+            "6x-reports-qa16k-9": (6, 16384, f"{SC}/scls-reports-qa.json", 9),
+            "8x-stories8k-9": (8, 8192, f"{SC}/scls-stories.json", 9),
+            "3x-chat10k-4.5": (3, 10240, "chat", 4.5),
+            "5x-ib12k-6": (5, 12288, "interactive-batch", 6),
+            "codechat10k-7": (4, 10240, "code-chat", 7),
+        }.items()
+        for seed in range(201, 208)
+    },
     # Listing order of a heterogeneous fleet (both orders) and the 600-request scenarios of that round.
     "het": {
         "H1-mixed16k-5-s29": _h(H1, 16384, "mixed", 5, 29, 600),

@@ -194,7 +194,10 @@ class Sliced:
         if isinstance(event, ViewChanged) and self._freed:
             freed, self._freed = self._freed, []
             out: list[Action] = []
-            for instance in dict.fromkeys(freed):
+            # By id, not in the order the frees came: instances freed at the same moment compete for
+            # the same waiting slices (_take_held_back), and the order events tie in follows the order
+            # the fleet is listed in.
+            for instance in sorted(set(freed)):
                 out.extend(self._admit(instance, now, fleet))
             return out
         return []
@@ -336,7 +339,9 @@ class Sliced:
         if sched.pool:  # more than one point batches (max_batching_slices): come back for the rest
             self._wake = self._next_tick
         out: list[Action] = []
-        for instance in sched.instances:
+        # By id, not in listing order: the first to admit takes the slices waiting for room anywhere
+        # (SliceScheduler._take_held_back), so listing order would decide which instance gets them.
+        for instance in sorted(sched.instances):
             out.extend(self._admit(instance, now, fleet))
         return out
 

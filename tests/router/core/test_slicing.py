@@ -507,3 +507,31 @@ def test_a_waiting_continuation_starts_on_the_first_instance_with_room_for_it() 
     assert started[0][1].requests[0].context_tokens == 2100
     assert sched.queued("b") == 0 and sched.moved == 1
     assert sched.admit("b") == []
+
+
+@pytest.mark.parametrize("backfill", [True, False])
+def test_a_blocked_head_lets_a_later_batch_that_fits_start_and_keeps_its_place(backfill: bool) -> None:
+    """An instance runs a long slice; the head of its queue (1,500 tokens of context) does not fit
+    the room left, a later batch (300) does. With backfill the later batch starts now, the head
+    staying first in the queue; without, both wait. Either way the plan stays within the budget,
+    and the head starts first once room frees."""
+    memory = MemoryModel(kv_capacity_tokens=4096, block_size=16, headroom=1.0)
+    sched = SliceScheduler(SliceConfig(kv_headroom=1.0, backfill=backfill), SERVING, memory, ["a"])
+    now = {"x": 2000}
+    sched.progress = now.get  # type: ignore[assignment]
+    sched.add(SliceRequest("x", 2000, 1000))
+    sched.schedule()
+    [(kx, _b)] = sched.admit("a")
+    for key, context in (("head", 1500), ("later", 300)):  # two schedule points: two batches, in order
+        sched.add(SliceRequest(key, context, 128))
+        now[key] = context
+        sched.schedule()
+    started = sched.admit("a")
+    started_keys = [r.key for _k, b in started for r in b.requests]
+    assert started_keys == (["later"] if backfill else [])
+    assert sched.committed_kv("a") <= sched.budget_kv("a")
+    assert sched.queued("a") == (1 if backfill else 2)
+    sched.finish("a", kx, SliceRequest("x", 2000, 1000))
+    del now["x"]
+    after = [r.key for _k, b in sched.admit("a") for r in b.requests]
+    assert after[0] == "head"
