@@ -116,6 +116,7 @@ class QlmConfig(FlagFields):
         "solver": ["heuristic", "milp"],
         "lengths": ["censored", "finished"],
         "wait_margin": ["each", "sum"],
+        "streams": ["edf", "qlm"],
     }
 
     batch: int = field(
@@ -181,6 +182,16 @@ class QlmConfig(FlagFields):
             "--qlm-wait-margin",
         ),
     )
+    streams: str = field(
+        default="qlm",
+        metadata=_doc(
+            "who orders and places the TTFT-judged requests: qlm (its virtual queues, beside the e2e "
+            "groups) or edf (the router queue in deadline order and the slo placement, as the default "
+            "queue does; the virtual queues then hold the e2e-judged groups, the paper's scope, and count "
+            "the streams running beside them)",
+            "--qlm-streams",
+        ),
+    )
     milp_max_groups: int = field(
         default=12,
         metadata=_doc(
@@ -209,6 +220,8 @@ class QlmConfig(FlagFields):
             raise bad("lengths", "must be censored or finished")
         if self.wait_margin not in ("each", "sum"):
             raise bad("wait_margin", "must be each or sum")
+        if self.streams not in ("edf", "qlm"):
+            raise bad("streams", "must be edf or qlm")
         if self.solver not in ("heuristic", "milp"):
             raise bad("solver", "must be heuristic or milp")
         if not 1 <= self.milp_max_groups <= 24:
@@ -1190,14 +1203,35 @@ class QlmQueue:
                 for t in sorted(budgets)[STREAM_TARGETS_MAX:]:
                     del budgets[t]
         if not r.e2e_only:
-            self._saw_stream(self._tpot_ms(r), now_s)
-            mean, _ = self.stats.estimate(request.slo_class, request.max_tokens)
-            first = not self._stream_times
-            self._stream_times.append(now_s)
-            a = 1.0 if first else 0.05
-            self._stream_tokens += a * (self._tokens(r) - self._stream_tokens)
-            self._stream_output += a * (min(mean, float(r.max_tokens)) - self._stream_output)
+            self._observe_stream(r, now_s)
         self._add(r, now_s, front=False)
+        return r
+
+    def observe_stream(self, request: ScheduleInput, now_s: float) -> None:
+        """A TTFT-judged request arrived that another queue orders and places (``--qlm-streams edf``): the
+        e2e pulls keep the room and the step the streams expected need (:meth:`stream_reserve`,
+        :meth:`stream_tpot_ms`) as when the virtual queues hold them."""
+        self._observe_stream(self.make(request, now_s), now_s)
+
+    def _observe_stream(self, r: QlmRequest, now_s: float) -> None:
+        self._saw_stream(self._tpot_ms(r), now_s)
+        mean, _ = self.stats.estimate(r.request.slo_class, r.request.max_tokens)
+        first = not self._stream_times
+        self._stream_times.append(now_s)
+        a = 1.0 if first else 0.05
+        self._stream_tokens += a * (self._tokens(r) - self._stream_tokens)
+        self._stream_output += a * (min(mean, float(r.max_tokens)) - self._stream_output)
+
+    def started(self, request: ScheduleInput, instance: int, now_s: float, token: Any = None) -> QlmRequest:
+        """A request another queue placed (``--qlm-streams edf``) started on instance ``instance``: it runs
+        there beside the virtual queues' requests, and counts in every rule that reads the running batch
+        (KV pulling, the step and stall bounds, eviction's victims: it is never one, the estimator's
+        waits). Its end comes through :meth:`finished` and teaches the estimator like any other."""
+        rid = request.request_id
+        if rid in self.queued or any(rid in run for run in self.running):
+            raise ValueError(f"request {rid!r} is already queued or running")
+        r = self.make(request, now_s, token)
+        self._run(instance, r, now_s)
         return r
 
     def _saw_stream(self, tpot_ms: float, now_s: float) -> None:
@@ -1518,6 +1552,13 @@ class QlmQueue:
             group.pinned = i
         del self.queued[r.request_id]
         self._overdue.pop(r.request_id, None)
+        self._run(i, r, now_s)
+        if not group.members:
+            self._drop_group(src, group)
+        return Dispatch(r, i)
+
+    def _run(self, i: int, r: QlmRequest, now_s: float) -> None:
+        """``r`` starts on instance ``i`` now: it joins the running batch and the instance's clock."""
         r.instance, r.dispatched_s = i, now_s
         self._advance(i, now_s)
         self.running[i][r.request_id] = r
@@ -1530,9 +1571,6 @@ class QlmQueue:
         if step is not None:
             run = self.running[i].values()
             r.step0_s = step(len(run), self._tokens_now(run))
-        if not group.members:
-            self._drop_group(src, group)
-        return Dispatch(r, i)
 
     def _tokens(self, r: QlmRequest) -> float:
         """KV tokens ``r`` holds at its end: its prompt and the output it reaches with ``--qlm-confidence``.
