@@ -1621,7 +1621,18 @@ class QlmQueue:
         held = self._batch_kv(run, r)
         # An e2e request leaves the room the streams expected at once need (stream_reserve): a stream
         # must join at once, not wait for a KV-full batch of long e2e requests to end.
-        seqs, tokens = self.stream_reserve(i, now_s) if r.e2e_only and now_s is not None else (0.0, 0.0)
+        #
+        # Under ``--qlm-streams edf`` the reserve is held only while the plan expects every request on
+        # time: past capacity a seat held empty for a stream not yet arrived is idle room, and the
+        # router queue hands the streams the room that frees first anyway (its pass runs before the
+        # e2e pulls), as ``edf`` does; a stream that cannot wait goes late there and is refused.
+        # Held past capacity too, rag + reports lost 9 points to edf (reports 50.9 %, docs/papers.md).
+        hybrid = self.config.streams == "edf"
+        seqs, tokens = (
+            self.stream_reserve(i, now_s)
+            if r.e2e_only and now_s is not None and not (hybrid and any(self.expected_missing.values()))
+            else (0.0, 0.0)
+        )
         # The reserve stays free beyond the streams already running: the next stream must find a seat the
         # moment it arrives (counting the running ones in it left none free half the time: at 20 req/s with
         # the chat class, 91.8 % against 98.7 %).
@@ -1650,6 +1661,13 @@ class QlmQueue:
             # end-to-end only, so its batches never had to stay joinable; with a TTFT-judged class a
             # stream waited for the drain and missed its TTFT, see docs/papers.md).
             tpots.append(self.stream_tpot_ms(now_s))
+            if hybrid and r.e2e_only and self.stream_tpot_ms(now_s) < math.inf:
+                # Under ``--qlm-streams edf`` the ``slo`` policy places the streams, and its residents'
+                # filter holds the batch a stream joins to the default TPOT target (the router's
+                # ``--tpot-slo``): an e2e pull that grows the batch past it closes the instance to every
+                # stream, whatever the streams' own target allows (two TTFT classes' 80-100 ms targets
+                # beside 240-300 s batch work: 83-85 % against edf's 99, docs/papers.md).
+                tpots.append(self.default_tpot_ms)
         if tpots and min(tpots) < math.inf:
             # The step a stream sees, as the TPOT target judges it (a mean over the stream's life): the
             # grown batch (and the streams' reserve) at the tokens it holds now plus the newcomer's prompt

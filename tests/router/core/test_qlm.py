@@ -1193,3 +1193,62 @@ def test_a_stream_placed_by_another_queue_is_seen_by_the_e2e_pulls_reserve() -> 
     seqs, _ = q.stream_reserve(0, 10.0)
     assert seqs > 0.5
     assert q.stream_tpot_ms(10.0) == 50.0
+
+
+def _slow_stream(rid: str, arrival: float) -> ScheduleInput:
+    """A stream whose own TPOT target (100 ms) is looser than the router's default (50 ms)."""
+    return ScheduleInput(
+        request_id=rid,
+        prompt_tokens=100,
+        ttft_slo_ms=2000.0,
+        tpot_slo_ms=100.0,
+        max_tokens=40,
+        slo_class="assist",
+        arrival_s=arrival,
+    )
+
+
+@pytest.mark.parametrize("streams", ["qlm", "edf"])
+def test_e2e_pulls_keep_the_batch_where_the_streams_placer_still_admits_a_stream(streams: str) -> None:
+    # Streams with a 100 ms TPOT target arrive. Under the virtual queues (qlm) the streams' own
+    # target bounds the e2e pulls (40 requests at 2.5 ms each, less the reserve); under
+    # --qlm-streams edf the slo policy places the streams, and its residents' filter admits one only
+    # while the batch keeps the router's default TPOT (50 ms: 20 requests, less the reserve).
+    q = QlmQueue(QlmConfig(eviction="off", streams=streams), [stepped(per_request_s=0.0025)], 6000.0, 50.0)
+    for k in range(20):
+        t = k * 0.5
+        if streams == "edf":
+            q.observe_stream(_slow_stream(f"s{k}", t), t)
+        else:
+            assert q.push(_slow_stream(f"s{k}", t), t) is not None
+            q.remove(f"s{k}")
+    seqs, _ = q.stream_reserve(0, 10.0)
+    bound = 20 if streams == "edf" else 40
+    for k in range(bound + 10):  # few enough that the plan expects every one on time
+        q.push(loose_by(f"l{k}", 600.0), 10.0)
+    assert not any(q.expected_missing.values())
+    assert len(q.pump(10.0)) == bound - math.ceil(seqs)
+    q.check_invariants()
+
+
+def test_under_edf_streams_the_reserve_is_held_only_while_the_plan_expects_every_request_on_time() -> None:
+    # Past capacity a seat held empty for a stream not yet arrived is idle room; the router queue
+    # gives the streams the room that frees first. Below it the seat is kept.
+    def pulled(expect_misses: bool, streams: str = "edf") -> int:
+        q = QlmQueue(
+            QlmConfig(eviction="off", streams=streams), [stepped(per_request_s=0.0025)], 6000.0, 50.0
+        )
+        for k in range(20):
+            q.observe_stream(tight(f"t{k}", arrival=k * 0.5, out=40), k * 0.5)
+        for k in range(30):
+            q.push(loose_by(f"l{k}", 600.0), 10.0)
+        if expect_misses:
+            q.expected_missing[-1] = 1  # the last plan expected a group to miss its deadline
+        return len(q.pump(10.0))
+
+    seqs = math.ceil(
+        QlmQueue(QlmConfig(), [stepped(per_request_s=0.0025)], 6000.0, 50.0).stream_reserve(0, 0.0)[0]
+    )
+    assert seqs == 0
+    assert pulled(False) < pulled(True) == 20
+    assert pulled(True, streams="qlm") == pulled(False, streams="qlm") < 20  # the virtual queues keep it
