@@ -132,8 +132,8 @@ def rows_for(args: argparse.Namespace) -> list[tuple[str, str, str, dict[str, An
         rows.append(("none", "slo", "none", {}))
         for delta in args.qlm_delta.split(","):
             for ev in args.eviction.split(","):
-                for lengths, margin in itertools.product(
-                    args.qlm_lengths.split(","), args.qlm_wait_margin.split(",")
+                for lengths, margin, streams in itertools.product(
+                    args.qlm_lengths.split(","), args.qlm_wait_margin.split(","), args.qlm_streams.split(",")
                 ):
                     label = "qlm" if ev == "on" else "qlm-noevict"
                     if delta != "4":
@@ -144,6 +144,8 @@ def rows_for(args: argparse.Namespace) -> list[tuple[str, str, str, dict[str, An
                         label += f"/lengths={lengths}"
                     if margin != "each":
                         label += f"/wait={margin}"
+                    if streams != "qlm":
+                        label += f"/streams={streams}"
                     if args.qlm_confidence != 0.9:
                         label += f"/confidence={args.qlm_confidence:g}"
                     cfg = QlmConfig(
@@ -153,6 +155,7 @@ def rows_for(args: argparse.Namespace) -> list[tuple[str, str, str, dict[str, An
                         lengths=lengths,
                         confidence=args.qlm_confidence,
                         wait_margin=margin,
+                        streams=streams,
                     )
                     rows.append((label, "slo", "qlm", {"qlm": cfg}))
     return rows
@@ -195,6 +198,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--qlm-wait-margin",
         default="each",
         help="qlm: the estimator's margin on a wait, each (the default) and/or sum (Eq. 2-3), comma-separated",
+    )
+    parser.add_argument(
+        "--qlm-streams",
+        default="qlm",
+        help="qlm: who orders and places the TTFT-judged requests, qlm (the default) and/or edf, comma-separated",
     )
     parser.add_argument("--qlm-batch", type=int, default=0, help="qlm: a fixed slot count (the ablation)")
     parser.add_argument("--sa-pool-ms", default="25", help="sa request pool(s) in ms, comma-separated")

@@ -54,7 +54,7 @@ from router.core.policies import health_only
 from router.core.qlm import DEFAULT_CONTEXT, QlmQueue, QlmRequest, instance_model
 from router.core.queue import FleetDrain, LoadWatch, Objective, QueueEntry, RouterQueue, Verdict, offer
 from router.core.registry import Params
-from router.core.request import Role, Targets
+from router.core.request import Role, ScheduleInput, Targets
 from router.core.sa import SAPlanner, modeled_evaluation_s
 
 #: Consecutive waits that end a pass of the router queue (each wait is a full placement decision,
@@ -453,19 +453,31 @@ class Qlm:
         self.ids: tuple[str, ...] = ()
         self._policy: Any = None
         self._check: ArrivalCheck | None = None
+        #: ``--qlm-streams edf``: the TTFT-judged requests wait in the router queue in deadline order and
+        #: are placed by the ``slo`` policy, as under the default ``edf`` queue (the paper's virtual
+        #: queues and estimator are for end-to-end deadlines, Def. 2.2); the virtual queues hold the
+        #: e2e-judged groups and count the streams running beside them (:meth:`QlmQueue.started`).
+        self.streams: Queued | None = None
+        if setup.qlm.streams == "edf":
+            self.streams = Queued(
+                dataclasses.replace(setup, queue=dataclasses.replace(setup.queue, queue_policy="edf"))
+            )
 
     def __len__(self) -> int:
-        return 0 if self.qlm is None else len(self.qlm)
+        return (0 if self.qlm is None else len(self.qlm)) + (0 if self.streams is None else len(self.streams))
 
     def wake_s(self) -> float | None:
-        return None
+        return None if self.streams is None else self.streams.wake_s()
 
     def dry_run_queue(self) -> RouterQueue | None:
         return None
 
     def counters(self) -> dict[str, int]:
         qlm = self.qlm
-        return {} if qlm is None else {"plans": qlm.plans, "evictions": qlm.evictions}
+        out = {} if qlm is None else {"plans": qlm.plans, "evictions": qlm.evictions}
+        if self.streams is not None:
+            out.update({f"streams_{k}": v for k, v in self.streams.counters().items()})
+        return out
 
     def shed_limit_ms(self, now: float) -> float | None:
         return None
@@ -512,7 +524,59 @@ class Qlm:
         )
         return self.qlm
 
+    def _is_stream(self, request: ScheduleInput) -> bool:
+        """Whether ``request`` is TTFT-judged (not e2e-only): the router queue's under ``--qlm-streams edf``."""
+        return not (request.e2e_slo_ms > 0 and request.ttft_slo_ms == 0 and request.tpot_slo_ms == 0)
+
+    def _placed(self, actions: Iterable[Action], now: float) -> Iterator[Action]:
+        """The streams queue's actions, each dispatch told to the virtual queues as it goes (the e2e pulls
+        after it count it running where it was placed)."""
+        qlm = self.qlm
+        for action in actions:
+            if action.outcome is Outcome.DISPATCH and qlm is not None and action.decision is not None:
+                choice = action.decision.decode or action.decision.prefill
+                if choice is not None and choice.instance_id in self.ids:
+                    qlm.started(action.request, self.ids.index(choice.instance_id), now, action.token)
+            yield action
+
     def handle(self, event: Event, now: float, fleet: Fleet) -> Iterable[Action]:
+        if self.streams is not None:
+            return self._handle_split(event, now, fleet)
+        return self._handle(event, now, fleet)
+
+    def _handle_split(self, event: Event, now: float, fleet: Fleet) -> Iterable[Action]:
+        """``--qlm-streams edf``: streams to the router queue, e2e requests to the virtual queues; every
+        pass offers the streams first (their deadlines are seconds away), then pulls e2e work."""
+        streams = self.streams
+        assert streams is not None
+        qlm = self._queue(fleet) if isinstance(event, Arrival) or self.qlm is not None else None
+        if qlm is None:
+            return []
+        if isinstance(event, Arrival):
+            if not self._is_stream(event.request):
+                return self._handle(event, now, fleet)
+            qlm.observe_stream(event.request, now)
+            return itertools.chain(
+                self._placed(streams.handle(event, now, fleet), now), self._pass_if(now, fleet)
+            )
+        if isinstance(event, Cancel):
+            if event.request_id in streams.queue:
+                return streams.handle(event, now, fleet)
+            return self._handle(event, now, fleet)
+        if isinstance(event, Completion):
+            streams.handle(event, now, fleet)
+            return self._handle(event, now, fleet)
+        if isinstance(event, (Served, Preempted)):
+            return streams.handle(event, now, fleet)
+        return itertools.chain(
+            self._placed(streams.handle(event, now, fleet), now), self._pass_if(now, fleet)
+        )
+
+    def _pass_if(self, now: float, fleet: Fleet) -> Iterator[Action]:
+        if self.qlm is not None and len(self.qlm):
+            yield from self._pass(now, fleet)
+
+    def _handle(self, event: Event, now: float, fleet: Fleet) -> Iterable[Action]:
         if isinstance(event, Arrival):
             qlm = self._queue(fleet)
             self._check, refused = _unmeetable(self._check, event, now, fleet)
@@ -549,9 +613,9 @@ class Qlm:
 
     def refuse_all(self, error: RouterError) -> list[Action]:
         qlm = self.qlm
+        out = [] if self.streams is None else self.streams.refuse_all(error)
         if qlm is None:
-            return []
-        out = []
+            return out
         for r in list(qlm.requests()):
             qlm.remove(r.request_id)
             out.append(Action(Outcome.REFUSE, r.request, r.token, error=error, event="rejected"))

@@ -116,6 +116,7 @@ class QlmConfig(FlagFields):
         "solver": ["heuristic", "milp"],
         "lengths": ["censored", "finished"],
         "wait_margin": ["each", "sum"],
+        "streams": ["edf", "qlm"],
     }
 
     batch: int = field(
@@ -181,6 +182,19 @@ class QlmConfig(FlagFields):
             "--qlm-wait-margin",
         ),
     )
+    streams: str = field(
+        default="qlm",
+        metadata=_doc(
+            "who orders and places the TTFT-judged requests: qlm (its virtual queues, beside the e2e "
+            "groups) or edf (the router queue in deadline order and the slo placement, as the default "
+            "queue does; the virtual queues then hold the e2e-judged groups, the paper's scope, and count "
+            "the streams running beside them). Use edf for streams past capacity beside a mid-deadline "
+            "e2e class (long-prompt streams + 45 s reports: 1.3 points behind edf where qlm is 9.5) and "
+            "for streams alone; keep qlm where streams are tighter than --tpot-slo or sit beside "
+            "long-deadline batch work (edf there: 2.5-6 points behind, docs/papers.md)",
+            "--qlm-streams",
+        ),
+    )
     milp_max_groups: int = field(
         default=12,
         metadata=_doc(
@@ -209,6 +223,8 @@ class QlmConfig(FlagFields):
             raise bad("lengths", "must be censored or finished")
         if self.wait_margin not in ("each", "sum"):
             raise bad("wait_margin", "must be each or sum")
+        if self.streams not in ("edf", "qlm"):
+            raise bad("streams", "must be edf or qlm")
         if self.solver not in ("heuristic", "milp"):
             raise bad("solver", "must be heuristic or milp")
         if not 1 <= self.milp_max_groups <= 24:
@@ -1190,14 +1206,35 @@ class QlmQueue:
                 for t in sorted(budgets)[STREAM_TARGETS_MAX:]:
                     del budgets[t]
         if not r.e2e_only:
-            self._saw_stream(self._tpot_ms(r), now_s)
-            mean, _ = self.stats.estimate(request.slo_class, request.max_tokens)
-            first = not self._stream_times
-            self._stream_times.append(now_s)
-            a = 1.0 if first else 0.05
-            self._stream_tokens += a * (self._tokens(r) - self._stream_tokens)
-            self._stream_output += a * (min(mean, float(r.max_tokens)) - self._stream_output)
+            self._observe_stream(r, now_s)
         self._add(r, now_s, front=False)
+        return r
+
+    def observe_stream(self, request: ScheduleInput, now_s: float) -> None:
+        """A TTFT-judged request arrived that another queue orders and places (``--qlm-streams edf``): the
+        e2e pulls keep the room and the step the streams expected need (:meth:`stream_reserve`,
+        :meth:`stream_tpot_ms`) as when the virtual queues hold them."""
+        self._observe_stream(self.make(request, now_s), now_s)
+
+    def _observe_stream(self, r: QlmRequest, now_s: float) -> None:
+        self._saw_stream(self._tpot_ms(r), now_s)
+        mean, _ = self.stats.estimate(r.request.slo_class, r.request.max_tokens)
+        first = not self._stream_times
+        self._stream_times.append(now_s)
+        a = 1.0 if first else 0.05
+        self._stream_tokens += a * (self._tokens(r) - self._stream_tokens)
+        self._stream_output += a * (min(mean, float(r.max_tokens)) - self._stream_output)
+
+    def started(self, request: ScheduleInput, instance: int, now_s: float, token: Any = None) -> QlmRequest:
+        """A request another queue placed (``--qlm-streams edf``) started on instance ``instance``: it runs
+        there beside the virtual queues' requests, and counts in every rule that reads the running batch
+        (KV pulling, the step and stall bounds, eviction's victims: it is never one, the estimator's
+        waits). Its end comes through :meth:`finished` and teaches the estimator like any other."""
+        rid = request.request_id
+        if rid in self.queued or any(rid in run for run in self.running):
+            raise ValueError(f"request {rid!r} is already queued or running")
+        r = self.make(request, now_s, token)
+        self._run(instance, r, now_s)
         return r
 
     def _saw_stream(self, tpot_ms: float, now_s: float) -> None:
@@ -1518,6 +1555,13 @@ class QlmQueue:
             group.pinned = i
         del self.queued[r.request_id]
         self._overdue.pop(r.request_id, None)
+        self._run(i, r, now_s)
+        if not group.members:
+            self._drop_group(src, group)
+        return Dispatch(r, i)
+
+    def _run(self, i: int, r: QlmRequest, now_s: float) -> None:
+        """``r`` starts on instance ``i`` now: it joins the running batch and the instance's clock."""
         r.instance, r.dispatched_s = i, now_s
         self._advance(i, now_s)
         self.running[i][r.request_id] = r
@@ -1530,9 +1574,6 @@ class QlmQueue:
         if step is not None:
             run = self.running[i].values()
             r.step0_s = step(len(run), self._tokens_now(run))
-        if not group.members:
-            self._drop_group(src, group)
-        return Dispatch(r, i)
 
     def _tokens(self, r: QlmRequest) -> float:
         """KV tokens ``r`` holds at its end: its prompt and the output it reaches with ``--qlm-confidence``.
@@ -1583,7 +1624,18 @@ class QlmQueue:
         held = self._batch_kv(run, r)
         # An e2e request leaves the room the streams expected at once need (stream_reserve): a stream
         # must join at once, not wait for a KV-full batch of long e2e requests to end.
-        seqs, tokens = self.stream_reserve(i, now_s) if r.e2e_only and now_s is not None else (0.0, 0.0)
+        #
+        # Under ``--qlm-streams edf`` the reserve is held only while the plan expects every request on
+        # time: past capacity a seat held empty for a stream not yet arrived is idle room, and the
+        # router queue hands the streams the room that frees first anyway (its pass runs before the
+        # e2e pulls), as ``edf`` does; a stream that cannot wait goes late there and is refused.
+        # Held past capacity too, rag + reports lost 9 points to edf (reports 50.9 %, docs/papers.md).
+        hybrid = self.config.streams == "edf"
+        seqs, tokens = (
+            self.stream_reserve(i, now_s)
+            if r.e2e_only and now_s is not None and not (hybrid and any(self.expected_missing.values()))
+            else (0.0, 0.0)
+        )
         # The reserve stays free beyond the streams already running: the next stream must find a seat the
         # moment it arrives (counting the running ones in it left none free half the time: at 20 req/s with
         # the chat class, 91.8 % against 98.7 %).
@@ -1612,6 +1664,13 @@ class QlmQueue:
             # end-to-end only, so its batches never had to stay joinable; with a TTFT-judged class a
             # stream waited for the drain and missed its TTFT, see docs/papers.md).
             tpots.append(self.stream_tpot_ms(now_s))
+            if hybrid and r.e2e_only and self.stream_tpot_ms(now_s) < math.inf:
+                # Under ``--qlm-streams edf`` the ``slo`` policy places the streams, and its residents'
+                # filter holds the batch a stream joins to the default TPOT target (the router's
+                # ``--tpot-slo``): an e2e pull that grows the batch past it closes the instance to every
+                # stream, whatever the streams' own target allows (two TTFT classes' 80-100 ms targets
+                # beside 240-300 s batch work: 83-85 % against edf's 99, docs/papers.md).
+                tpots.append(self.default_tpot_ms)
         if tpots and min(tpots) < math.inf:
             # The step a stream sees, as the TPOT target judges it (a mean over the stream's life): the
             # grown batch (and the streams' reserve) at the tokens it holds now plus the newcomer's prompt

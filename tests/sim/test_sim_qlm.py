@@ -151,3 +151,24 @@ def test_cli_qlm_flag_errors_name_the_flag(
     )
     assert code == 2
     assert needle in capsys.readouterr().err
+
+
+def test_streams_handed_to_the_router_queue_run_beside_the_virtual_queues_e2e_work() -> None:
+    # --qlm-streams edf: the TTFT-judged requests wait in the router queue (edf) and the slo policy
+    # places them; the virtual queues pull the e2e work. The same plan gives the same run, no e2e
+    # request is evicted for a stream (streams are not the virtual queues' heads: the router queue
+    # holds them until an instance has room), every e2e request is served with all its tokens, and a
+    # stream either is too or is refused by the router queue's late path (the batch holds every
+    # sequence for longer than its TTFT target and its late allowance).
+    plans = tight_behind_loose(12, 6)
+    config = QlmConfig(streams="edf")
+    a = run(plans, QLM, config)
+    b = run(plans, QLM, config)
+    assert a.results == b.results and a.stats == b.stats
+    assert a.stats.evicted == 0
+    for r, p in zip(a.results, plans, strict=True):
+        if p.class_name == "batch":
+            assert r.ok and r.completion_tokens == p.max_tokens and slo_met(r)
+        else:
+            assert (r.ok and r.completion_tokens == p.max_tokens) or r.error_code == "DEADLINE_EXCEEDED"
+    assert any(not r.ok for r in a.results)  # the late path did refuse streams here

@@ -1160,3 +1160,95 @@ def test_the_waiting_time_takes_one_margin_for_the_sum_of_the_outputs_ahead() ->
     each = Estimator(stats, z).place(m, Estimator(stats, z).slots(m, [], 0.0), group, 0.0)
     assert each.finish_q_s - each.finish_mean_s == pytest.approx(z * sd * 4, rel=0.05)
     assert QlmQueue(QlmConfig(wait_margin="sum"), [m], 6000.0, 50.0).estimator.wait_margin == "sum"
+
+
+def test_a_request_placed_by_another_queue_counts_in_the_running_batch_and_teaches_the_estimator() -> None:
+    # --qlm-streams edf: the router queue places the TTFT-judged requests, and the virtual queues pull
+    # e2e work beside them. A stream started there holds KV like a pulled request: with the cache
+    # nearly full of it, an e2e request that fits an idle instance is not pulled.
+    q = roomy(kv_tokens=2 * 1200 + 300, batch=8, most=16, eviction="off", streams="edf")
+    q.push(loose_by("l0", 600.0), 0.0)
+    q.push(loose_by("l1", 600.0), 0.0)
+    q.started(tight("s0", prompt=1100, out=100), 0, 0.0)
+    q.started(tight("s1", prompt=100, out=100), 0, 0.0)
+    assert {"s0", "s1"} <= set(q.running[0]) and "s0" not in q
+    # The streams' 1,400 tokens at their end leave room for one.
+    assert [d.request.request_id for d in q.pump(0.0)] == ["l0"]
+    with pytest.raises(ValueError, match="already"):
+        q.started(tight("s0"), 0, 0.0)
+    # Their ends free the room and teach the estimator their class's length, as a pulled request's do.
+    assert q.finished("s0", 40, 2.0) is not None and q.finished("s1", 40, 2.0) is not None
+    assert q.stats.estimate("interactive", 100)[0] == pytest.approx(40.0)
+    assert [d.request.request_id for d in q.pump(2.0)] == ["l1"]
+    q.check_invariants()
+
+
+def test_a_stream_placed_by_another_queue_is_seen_by_the_e2e_pulls_reserve() -> None:
+    # The streams that arrive (and that the router queue places) set the reserve the e2e pulls keep.
+    q = QlmQueue(QlmConfig(eviction="off", streams="edf"), [stepped(per_request_s=0.0025)], 6000.0, 50.0)
+    assert q.stream_reserve(0, 10.0) == (0.0, 0.0)
+    for k in range(20):
+        q.observe_stream(tight(f"t{k}", arrival=k * 0.5, out=40), k * 0.5)
+    assert len(q) == 0
+    seqs, _ = q.stream_reserve(0, 10.0)
+    assert seqs > 0.5
+    assert q.stream_tpot_ms(10.0) == 50.0
+
+
+def _slow_stream(rid: str, arrival: float) -> ScheduleInput:
+    """A stream whose own TPOT target (100 ms) is looser than the router's default (50 ms)."""
+    return ScheduleInput(
+        request_id=rid,
+        prompt_tokens=100,
+        ttft_slo_ms=2000.0,
+        tpot_slo_ms=100.0,
+        max_tokens=40,
+        slo_class="assist",
+        arrival_s=arrival,
+    )
+
+
+@pytest.mark.parametrize("streams", ["qlm", "edf"])
+def test_e2e_pulls_keep_the_batch_where_the_streams_placer_still_admits_a_stream(streams: str) -> None:
+    # Streams with a 100 ms TPOT target arrive. Under the virtual queues (qlm) the streams' own
+    # target bounds the e2e pulls (40 requests at 2.5 ms each, less the reserve); under
+    # --qlm-streams edf the slo policy places the streams, and its residents' filter admits one only
+    # while the batch keeps the router's default TPOT (50 ms: 20 requests, less the reserve).
+    q = QlmQueue(QlmConfig(eviction="off", streams=streams), [stepped(per_request_s=0.0025)], 6000.0, 50.0)
+    for k in range(20):
+        t = k * 0.5
+        if streams == "edf":
+            q.observe_stream(_slow_stream(f"s{k}", t), t)
+        else:
+            assert q.push(_slow_stream(f"s{k}", t), t) is not None
+            q.remove(f"s{k}")
+    seqs, _ = q.stream_reserve(0, 10.0)
+    bound = 20 if streams == "edf" else 40
+    for k in range(bound + 10):  # few enough that the plan expects every one on time
+        q.push(loose_by(f"l{k}", 600.0), 10.0)
+    assert not any(q.expected_missing.values())
+    assert len(q.pump(10.0)) == bound - math.ceil(seqs)
+    q.check_invariants()
+
+
+def test_under_edf_streams_the_reserve_is_held_only_while_the_plan_expects_every_request_on_time() -> None:
+    # Past capacity a seat held empty for a stream not yet arrived is idle room; the router queue
+    # gives the streams the room that frees first. Below it the seat is kept.
+    def pulled(expect_misses: bool, streams: str = "edf") -> int:
+        q = QlmQueue(
+            QlmConfig(eviction="off", streams=streams), [stepped(per_request_s=0.0025)], 6000.0, 50.0
+        )
+        for k in range(20):
+            q.observe_stream(tight(f"t{k}", arrival=k * 0.5, out=40), k * 0.5)
+        for k in range(30):
+            q.push(loose_by(f"l{k}", 600.0), 10.0)
+        if expect_misses:
+            q.expected_missing[-1] = 1  # the last plan expected a group to miss its deadline
+        return len(q.pump(10.0))
+
+    seqs = math.ceil(
+        QlmQueue(QlmConfig(), [stepped(per_request_s=0.0025)], 6000.0, 50.0).stream_reserve(0, 0.0)[0]
+    )
+    assert seqs == 0
+    assert pulled(False) < pulled(True) == 20
+    assert pulled(True, streams="qlm") == pulled(False, streams="qlm") < 20  # the virtual queues keep it

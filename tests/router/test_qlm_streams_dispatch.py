@@ -1,0 +1,85 @@
+"""``--qlm-streams edf`` in the router's driver: streams in the router queue, e2e work in the virtual queues."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import Any
+
+import pytest
+
+from router.core.errors import status_name
+from router.core.qlm import QlmConfig
+from router.placement import PlacementRequest
+from tests.router.test_admission import gauge
+from tests.router.test_dispatch_conformance import BUSY, IDLE, REFUSAL_CODES, Source, request, router_driver
+
+
+def e2e(rid: str) -> PlacementRequest:
+    """An e2e-judged request (no TTFT or TPOT target): the virtual queues'."""
+    return dataclasses.replace(request(rid), ttft_slo_ms=0.0, tpot_slo_ms=0.0, e2e_slo_ms=60_000.0)
+
+
+async def test_streams_and_e2e_requests_are_each_answered_once_and_nothing_stays_behind() -> None:
+    source = Source(BUSY)
+    admission, observer = router_driver("qlm", source, qlm=QlmConfig(streams="edf"))
+    dispatcher = admission.dispatcher
+    tasks = {
+        f"r{k}": asyncio.ensure_future(admission.place(request(f"r{k}") if k % 2 else e2e(f"r{k}")))
+        for k in range(8)
+    }
+    await asyncio.sleep(0)
+    qlm = dispatcher.qlm  # type: ignore[attr-defined]
+    streams = dispatcher.streams  # type: ignore[attr-defined]
+    # Each kind waits in its own queue: the streams in the router queue, the e2e work in the groups.
+    assert all(f"r{k}" in streams.queue or f"r{k}" in qlm.running[0] for k in range(1, 8, 2))
+    assert not any(f"r{k}" in streams.queue for k in range(0, 8, 2))
+    source.current = IDLE
+    placed: set[str] = set()
+    seen_running: set[str] = set()
+    for _ in range(200):  # bounded: each round frees what was placed and tells the driver
+        admission.notify()
+        await asyncio.sleep(0.001)
+        for rid, task in tasks.items():
+            if task.done() and rid not in placed:
+                placed.add(rid)
+                if task.exception() is None:
+                    if int(rid[1:]) % 2:
+                        # A stream placed by the slo policy runs in the virtual queues' batch too.
+                        assert rid in qlm.running[0]
+                        seen_running.add(rid)
+                    admission.release(rid, 8)
+        if len(placed) == len(tasks):
+            break
+    assert len(placed) == len(tasks) and seen_running
+    for task in tasks.values():
+        exc = task.exception()
+        assert exc is None or status_name(exc) in REFUSAL_CODES  # type: ignore[arg-type]
+    assert len(dispatcher) == 0 and gauge(observer) == 0
+    assert not any(qlm.running)
+    assert len(admission.placer.scheduler.inflight) == 0
+
+
+async def test_a_stream_cancelled_in_the_router_queue_leaves_no_trace() -> None:
+    source = Source(BUSY)
+    admission, observer = router_driver("qlm", source, qlm=QlmConfig(streams="edf"), max_queue_size=8)
+    held: dict[str, asyncio.Task[Any]] = {}
+    for k in range(256):  # bounded: fill the instance until a stream waits
+        task = asyncio.ensure_future(admission.place(request(f"h{k}")))
+        held[f"h{k}"] = task
+        await asyncio.sleep(0)
+        if not task.done():
+            break
+    rid, waiting = list(held.items())[-1]
+    assert not waiting.done() and rid in admission.dispatcher.streams.queue  # type: ignore[attr-defined]
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    for other, task in held.items():
+        if task.done() and not task.cancelled() and task.exception() is None:
+            admission.release(other, None)
+        elif not task.done():
+            task.cancel()
+    await asyncio.gather(*held.values(), return_exceptions=True)
+    assert gauge(observer) == 0 and len(admission.dispatcher) == 0
+    assert len(admission.placer.scheduler.inflight) == 0
