@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -105,6 +106,29 @@ def request(rid: str, *, ttft_ms: float = 60_000.0, priority: int = 0) -> Placem
     return admission_request(rid, ttft_ms=ttft_ms, priority=priority)
 
 
+async def answer_all(
+    admission: Admission,
+    tasks: dict[str, asyncio.Task[Any]],
+    on_placed: Callable[[str], None] | None = None,
+) -> set[str]:
+    """Let the driver answer ``tasks``: each round tells it the fleet may have room, then finishes
+    what was placed (``on_placed`` sees each placed request first). The ids answered."""
+    placed: set[str] = set()
+    for _ in range(200):  # bounded: each round frees what was placed and tells the driver
+        admission.notify()
+        await asyncio.sleep(0.001)
+        for rid, task in tasks.items():
+            if task.done() and rid not in placed:
+                placed.add(rid)
+                if task.exception() is None:
+                    if on_placed is not None:
+                        on_placed(rid)
+                    admission.release(rid, 8)
+        if len(placed) == len(tasks):
+            break
+    return placed
+
+
 @pytest.mark.parametrize("name", NAMES)
 async def test_router_driver_answers_every_request_once_and_leaves_nothing_behind(name: str) -> None:
     source = Source(BUSY)
@@ -115,17 +139,7 @@ async def test_router_driver_answers_every_request_once_and_leaves_nothing_behin
     }
     await asyncio.sleep(0)
     source.current = IDLE
-    placed: set[str] = set()
-    for _ in range(200):  # bounded: each round frees what was placed and tells the driver
-        admission.notify()
-        await asyncio.sleep(0.001)
-        for rid, task in tasks.items():
-            if task.done() and rid not in placed:
-                placed.add(rid)
-                if task.exception() is None:
-                    admission.release(rid, 8)
-        if len(placed) == len(tasks):
-            break
+    placed = await answer_all(admission, tasks)
     assert len(placed) == len(tasks)
     for task in tasks.values():
         exc = task.exception()

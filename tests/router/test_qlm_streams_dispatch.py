@@ -12,7 +12,15 @@ from router.core.errors import status_name
 from router.core.qlm import QlmConfig
 from router.placement import PlacementRequest
 from tests.router.test_admission import gauge
-from tests.router.test_dispatch_conformance import BUSY, IDLE, REFUSAL_CODES, Source, request, router_driver
+from tests.router.test_dispatch_conformance import (
+    BUSY,
+    IDLE,
+    REFUSAL_CODES,
+    Source,
+    answer_all,
+    request,
+    router_driver,
+)
 
 
 def e2e(rid: str) -> PlacementRequest:
@@ -35,22 +43,15 @@ async def test_streams_and_e2e_requests_are_each_answered_once_and_nothing_stays
     assert all(f"r{k}" in streams.queue or f"r{k}" in qlm.running[0] for k in range(1, 8, 2))
     assert not any(f"r{k}" in streams.queue for k in range(0, 8, 2))
     source.current = IDLE
-    placed: set[str] = set()
     seen_running: set[str] = set()
-    for _ in range(200):  # bounded: each round frees what was placed and tells the driver
-        admission.notify()
-        await asyncio.sleep(0.001)
-        for rid, task in tasks.items():
-            if task.done() and rid not in placed:
-                placed.add(rid)
-                if task.exception() is None:
-                    if int(rid[1:]) % 2:
-                        # A stream placed by the slo policy runs in the virtual queues' batch too.
-                        assert rid in qlm.running[0]
-                        seen_running.add(rid)
-                    admission.release(rid, 8)
-        if len(placed) == len(tasks):
-            break
+
+    def running_in_the_batch(rid: str) -> None:
+        if int(rid[1:]) % 2:
+            # A stream placed by the slo policy runs in the virtual queues' batch too.
+            assert rid in qlm.running[0]
+            seen_running.add(rid)
+
+    placed = await answer_all(admission, tasks, running_in_the_batch)
     assert len(placed) == len(tasks) and seen_running
     for task in tasks.values():
         exc = task.exception()
