@@ -148,19 +148,35 @@ async def test_router_driver_answers_every_request_once_and_leaves_nothing_behin
     assert len(placer.scheduler.inflight) == 0
 
 
+async def fill_until_one_waits(admission: Admission, at_most: int) -> dict[str, asyncio.Task[Any]]:
+    """Place requests ``h0``, ``h1``, ... until one waits (at most ``at_most``); the last one waits."""
+    held: dict[str, asyncio.Task[Any]] = {}
+    for k in range(at_most):  # bounded
+        task = asyncio.ensure_future(admission.place(request(f"h{k}")))
+        held[f"h{k}"] = task
+        await asyncio.sleep(0)
+        if not task.done():
+            break
+    return held
+
+
+async def end_all(admission: Admission, held: dict[str, asyncio.Task[Any]]) -> None:
+    """Finish what was placed of ``held`` and cancel what still waits."""
+    for rid, task in held.items():
+        if task.done() and not task.cancelled() and task.exception() is None:
+            admission.release(rid, None)
+        elif not task.done():
+            task.cancel()
+    await asyncio.gather(*held.values(), return_exceptions=True)
+
+
 @pytest.mark.parametrize("name", WAITING)
 async def test_router_driver_cancel_while_waiting_leaves_no_trace(name: str) -> None:
     source = Source(BUSY)
     admission, observer = router_driver(name, source, max_queue_size=8)
     # qlm pulls up to its batch at once whatever the load (streams on any instance with room, up to
     # the step their TPOT target allows): fill the batches first, so the next one waits.
-    held: dict[str, asyncio.Task[Any]] = {}
-    for k in range(1024):
-        task = asyncio.ensure_future(admission.place(request(f"h{k}")))
-        held[f"h{k}"] = task
-        await asyncio.sleep(0)
-        if not task.done():
-            break
+    held = await fill_until_one_waits(admission, 1024)
     rid, waiting = list(held.items())[-1]
     assert not waiting.done() and gauge(observer) >= 1
     before = gauge(observer)
@@ -169,12 +185,7 @@ async def test_router_driver_cancel_while_waiting_leaves_no_trace(name: str) -> 
         await waiting
     assert gauge(observer) == before - 1
     # Whatever the others became, ending them leaves nothing waiting and nothing recorded.
-    for other, task in held.items():
-        if task.done() and not task.cancelled() and task.exception() is None:
-            admission.release(other, None)
-        elif not task.done():
-            task.cancel()
-    await asyncio.gather(*held.values(), return_exceptions=True)
+    await end_all(admission, held)
     assert gauge(observer) == 0 and len(admission.dispatcher) == 0
     assert len(admission.placer.scheduler.inflight) == 0 and rid not in admission.placer.scheduler.inflight
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from typing import Any
 
 import pytest
 
@@ -18,6 +17,8 @@ from tests.router.test_dispatch_conformance import (
     REFUSAL_CODES,
     Source,
     answer_all,
+    end_all,
+    fill_until_one_waits,
     request,
     router_driver,
 )
@@ -64,23 +65,12 @@ async def test_streams_and_e2e_requests_are_each_answered_once_and_nothing_stays
 async def test_a_stream_cancelled_in_the_router_queue_leaves_no_trace() -> None:
     source = Source(BUSY)
     admission, observer = router_driver("qlm", source, qlm=QlmConfig(streams="edf"), max_queue_size=8)
-    held: dict[str, asyncio.Task[Any]] = {}
-    for k in range(256):  # bounded: fill the instance until a stream waits
-        task = asyncio.ensure_future(admission.place(request(f"h{k}")))
-        held[f"h{k}"] = task
-        await asyncio.sleep(0)
-        if not task.done():
-            break
+    held = await fill_until_one_waits(admission, 256)  # fill the instance until a stream waits
     rid, waiting = list(held.items())[-1]
     assert not waiting.done() and rid in admission.dispatcher.streams.queue  # type: ignore[attr-defined]
     waiting.cancel()
     with pytest.raises(asyncio.CancelledError):
         await waiting
-    for other, task in held.items():
-        if task.done() and not task.cancelled() and task.exception() is None:
-            admission.release(other, None)
-        elif not task.done():
-            task.cancel()
-    await asyncio.gather(*held.values(), return_exceptions=True)
+    await end_all(admission, held)
     assert gauge(observer) == 0 and len(admission.dispatcher) == 0
     assert len(admission.placer.scheduler.inflight) == 0
