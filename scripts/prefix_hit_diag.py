@@ -151,7 +151,7 @@ def _report(
         g = groups.get(str(r.index))
         if r.error_code is not None and g is not None:
             refused_groups[g] = min(refused_groups.get(g, r.index), r.index)
-    rows: dict[str, list[float]] = defaultdict(lambda: [0.0] * 10)
+    rows: dict[str, list[float]] = defaultdict(lambda: [0.0] * 11)
     for r in first.results:
         if r.index >= len(first.cache_tokens):
             continue
@@ -176,6 +176,7 @@ def _report(
         row[5] += slo_met(r)
         row[6] += o is not None and slo_met(o)
         row[7] += query2
+        row[10] += r.start_s
         if r.ttft_ms is not None and o is not None and o.ttft_ms is not None:
             row[8] += r.ttft_ms
             row[9] += o.ttft_ms
@@ -197,7 +198,7 @@ def _report(
         )
     print(
         f"  {'cause':42s} {'reqs':>5s} {'prompt':>8s} {'hit':>8s} {'hit 2nd':>8s} {'lost':>8s}"
-        f" {'points':>6s} {'predicted':>9s} {'met':>4s} {'met 2nd':>7s} {'TTFT ms':>8s} {'2nd':>6s}"
+        f" {'points':>6s} {'predicted':>9s} {'met':>4s} {'met 2nd':>7s} {'TTFT ms':>8s} {'2nd':>6s} {'arrived':>7s}"
     )
 
     def points(cause: str, v: list[float]) -> str:
@@ -207,7 +208,7 @@ def _report(
     for cause, v in sorted(rows.items(), key=lambda kv: -(kv[1][3] - kv[1][2])):
         print(
             f"  {cause:42s} {v[0]:5.0f} {v[1]:8.0f} {v[2]:8.0f} {v[3]:8.0f} {v[3] - v[2]:+8.0f}"
-            f" {points(cause, v):>6s} {v[4]:9.0f} {v[5]:4.0f} {v[6]:7.0f} {v[8] / max(v[0], 1):8.0f} {v[9] / max(v[0], 1):6.0f}"
+            f" {points(cause, v):>6s} {v[4]:9.0f} {v[5]:4.0f} {v[6]:7.0f} {v[8] / max(v[0], 1):8.0f} {v[9] / max(v[0], 1):6.0f} {v[10] / max(v[0], 1):6.1f}s"
         )
 
 
