@@ -718,9 +718,15 @@ class RouterQueue:
         self._late_until = _Sorted()  # late entries with a finite late_until_s, by it
         # (full TTFT target, priority, request id) of the latest arrivals.
         self._recent: deque[tuple[float, int, str]] = deque(maxlen=max(config.release_window_requests, 1))
-        #: The tightest target in ``_recent`` (None: to be found again), kept as arrivals come: every
-        #: pass asks for it, and walking the window for it was a pass's largest loop.
-        self._tightest: float | None = None
+        #: The window's sliding minimum: (arrival number, target) of the arrivals in ``_recent`` that no
+        #: later arrival's target is below, oldest first, so targets never fall along it and its head
+        #: is the window's first tightest target: exactly ``min()`` over the window, kept in O(1) per
+        #: arrival (every pass asks for it, and walking the window for it was a pass's largest loop;
+        #: with equal targets the oldest left the window with each arrival, so the walk ran every pass).
+        self._minima: deque[tuple[int, float]] = deque()
+        #: Arrivals noted so far (numbers the entries of ``_minima``); ``_recent[0]`` is arrival
+        #: ``_arrivals - len(_recent)``.
+        self._arrivals = 0
         # Under the priority policy: on-time TTFT deadlines per priority.
         self._budgets_by_priority: dict[int, _Sorted] = {}
         self._seq = 0
@@ -933,9 +939,7 @@ class RouterQueue:
             if self._budgets.keys:
                 limit = (self._budgets.keys[0][0] - now_s) * 1e3
             if self.config.release_window_requests and self._recent:
-                tightest = self._tightest
-                if tightest is None:
-                    tightest = self._tightest = min(target for target, _, _ in self._recent)
+                tightest = self._minima[0][1]
                 limit = min(limit, tightest)
                 if self.policy is QueuePolicy.EDF and target_ms is not None and tightest < target_ms:
                     limit = min(limit, self.config.priority_headroom * tightest)
@@ -1100,14 +1104,20 @@ class RouterQueue:
         """Note a new request's full TTFT target for release control (every arrival, queued or not)."""
         target = resolve_targets(request, self.default_ttft_ms, self.default_tpot_ms).full_ttft_ms
         recent = self._recent
-        tightest = self._tightest
-        if tightest is not None:
-            if len(recent) == recent.maxlen and not recent[0][0] > tightest:
-                tightest = None  # the tightest may leave the window: found again when asked
-            else:
-                tightest = min(tightest, target)  # (the walk's own order: min over the window, then this)
-            self._tightest = tightest
+        self._slide(target, len(recent) == recent.maxlen)
         recent.append((target, request.priority, request.request_id))
+
+    def _slide(self, target: float, full: bool) -> None:
+        """Add the next arrival's ``target`` to the sliding minimum (``full``: the window's oldest leaves)."""
+        minima = self._minima
+        if full and minima and minima[0][0] == self._arrivals - len(self._recent):
+            minima.popleft()
+        # Only targets strictly above the new one go: of equal ones the oldest stays the head, the
+        # one ``min()`` returns.
+        while minima and minima[-1][1] > target:
+            minima.pop()
+        minima.append((self._arrivals, target))
+        self._arrivals += 1
 
     def forget_arrival(self, request_id: str) -> None:
         """``request_id`` turned late: its target, out of reach, no longer caps what instances are offered
@@ -1115,8 +1125,11 @@ class RouterQueue:
         if any(rid == request_id for _, _, rid in self._recent):
             kept = [r for r in self._recent if r[2] != request_id]
             self._recent.clear()
+            self._minima.clear()
+            self._arrivals = 0
+            for target, _, _ in kept:  # (never full: one left)
+                self._slide(target, False)
             self._recent.extend(kept)
-            self._tightest = None
 
     def push(
         self, request: ScheduleInput, now_s: float, token: Any = None
