@@ -52,7 +52,16 @@ from router.core.errors import (
 )
 from router.core.policies import health_only
 from router.core.qlm import DEFAULT_CONTEXT, QlmQueue, QlmRequest, instance_model
-from router.core.queue import FleetDrain, LoadWatch, Objective, QueueEntry, RouterQueue, Verdict, offer
+from router.core.queue import (
+    FleetDrain,
+    LazyEpoch,
+    LoadWatch,
+    Objective,
+    QueueEntry,
+    RouterQueue,
+    Verdict,
+    offer,
+)
 from router.core.registry import Params
 from router.core.request import Role, ScheduleInput, Targets
 from router.core.sa import SAPlanner, modeled_evaluation_s
@@ -317,7 +326,14 @@ class Queued:
         except SchedulingError:
             before = None
         placed = False
-        epoch = self._epoch(fleet, now)
+        queue = self.queue
+        epoch: int | LazyEpoch | None
+        if self.watch is not None and len(queue) == 1 and next(queue.entries()).refusal is None:
+            # Its one entry holds no refusal (a request that arrived at an empty queue): the epoch
+            # is taken only if it is refused (see LazyEpoch for what the watch's base loses).
+            epoch = LazyEpoch(lambda: self._epoch(fleet, now))
+        else:
+            epoch = self._epoch(fleet, now)
         for result in offer(
             self.queue,
             fleet.scheduler,

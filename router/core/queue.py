@@ -718,9 +718,15 @@ class RouterQueue:
         self._late_until = _Sorted()  # late entries with a finite late_until_s, by it
         # (full TTFT target, priority, request id) of the latest arrivals.
         self._recent: deque[tuple[float, int, str]] = deque(maxlen=max(config.release_window_requests, 1))
-        #: The tightest target in ``_recent`` (None: to be found again), kept as arrivals come: every
-        #: pass asks for it, and walking the window for it was a pass's largest loop.
-        self._tightest: float | None = None
+        #: The window's sliding minimum: (arrival number, target) of the arrivals in ``_recent`` that no
+        #: later arrival's target is below, oldest first, so targets never fall along it and its head
+        #: is the window's first tightest target: exactly ``min()`` over the window, kept in O(1) per
+        #: arrival (every pass asks for it, and walking the window for it was a pass's largest loop;
+        #: with equal targets the oldest left the window with each arrival, so the walk ran every pass).
+        self._minima: deque[tuple[int, float]] = deque()
+        #: Arrivals noted so far (numbers the entries of ``_minima``); ``_recent[0]`` is arrival
+        #: ``_arrivals - len(_recent)``.
+        self._arrivals = 0
         # Under the priority policy: on-time TTFT deadlines per priority.
         self._budgets_by_priority: dict[int, _Sorted] = {}
         self._seq = 0
@@ -933,9 +939,7 @@ class RouterQueue:
             if self._budgets.keys:
                 limit = (self._budgets.keys[0][0] - now_s) * 1e3
             if self.config.release_window_requests and self._recent:
-                tightest = self._tightest
-                if tightest is None:
-                    tightest = self._tightest = min(target for target, _, _ in self._recent)
+                tightest = self._minima[0][1]
                 limit = min(limit, tightest)
                 if self.policy is QueuePolicy.EDF and target_ms is not None and tightest < target_ms:
                     limit = min(limit, self.config.priority_headroom * tightest)
@@ -1100,14 +1104,20 @@ class RouterQueue:
         """Note a new request's full TTFT target for release control (every arrival, queued or not)."""
         target = resolve_targets(request, self.default_ttft_ms, self.default_tpot_ms).full_ttft_ms
         recent = self._recent
-        tightest = self._tightest
-        if tightest is not None:
-            if len(recent) == recent.maxlen and not recent[0][0] > tightest:
-                tightest = None  # the tightest may leave the window: found again when asked
-            else:
-                tightest = min(tightest, target)  # (the walk's own order: min over the window, then this)
-            self._tightest = tightest
+        self._slide(target, len(recent) == recent.maxlen)
         recent.append((target, request.priority, request.request_id))
+
+    def _slide(self, target: float, full: bool) -> None:
+        """Add the next arrival's ``target`` to the sliding minimum (``full``: the window's oldest leaves)."""
+        minima = self._minima
+        if full and minima and minima[0][0] == self._arrivals - len(self._recent):
+            minima.popleft()
+        # Only targets strictly above the new one go: of equal ones the oldest stays the head, the
+        # one ``min()`` returns.
+        while minima and minima[-1][1] > target:
+            minima.pop()
+        minima.append((self._arrivals, target))
+        self._arrivals += 1
 
     def forget_arrival(self, request_id: str) -> None:
         """``request_id`` turned late: its target, out of reach, no longer caps what instances are offered
@@ -1115,8 +1125,11 @@ class RouterQueue:
         if any(rid == request_id for _, _, rid in self._recent):
             kept = [r for r in self._recent if r[2] != request_id]
             self._recent.clear()
+            self._minima.clear()
+            self._arrivals = 0
+            for target, _, _ in kept:  # (never full: one left)
+                self._slide(target, False)
             self._recent.extend(kept)
-            self._tightest = None
 
     def push(
         self, request: ScheduleInput, now_s: float, token: Any = None
@@ -1806,6 +1819,45 @@ class _PassState:
         return self.fleet_waits > 0 and self.own_waits == 0
 
 
+class LazyEpoch:
+    """A :class:`LoadWatch` epoch of the fleet a pass starts on, taken only when the pass first needs
+    it (``take``: the dispatcher's observation; None when incremental dispatch has no view), once.
+
+    A pass needs the epoch only to hold an entry's earlier refusal or to keep a new one. A pass over
+    a queue whose one entry has no refusal (a request that arrived at an empty queue: every request
+    of a burst the fleet takes at once) needs it only if that entry is refused, and it is taken then,
+    on the view the pass started on (nothing was dispatched in between, and the pass does not yield
+    to the event loop before). A pass that dispatches its one entry takes none: that observation
+    was about a seventh of a burst's placement CPU (``bench.bench_admission``).
+
+    What skipping views costs the watch's base (what a later view is compared with): nothing a
+    refusal relies on. Every refusal's own view is observed before the refusal is kept. After any
+    observation the base's load rows are that view's exactly (a view lighter in some row moves the
+    epoch and becomes the base; one that is not is at least the base in every row, so the row-wise
+    maximum is the view itself), and the two rows kept with a tolerance (the prefill free moment,
+    the measured decode step) hold the maximum since the last move, the refused view included. So
+    a later view lighter than the refused one, in any load row or by more than the tolerance in
+    the other two, moves the epoch, views skipped before the refusal or not: a refusal is never
+    held on a fleet lighter than the one it was refused on. Skipping changes only what lies within
+    the tolerance (those two rows' maximum taken over fewer views, or from before a move not
+    made), where a later view may move the epoch a pass sooner or later; on seeded simulator runs
+    no decision moved (``tests/router/core/test_incremental_dispatch.py``).
+    """
+
+    __slots__ = ("_take", "_taken", "_value")
+
+    def __init__(self, take: Callable[[], int | None]) -> None:
+        self._take = take
+        self._taken = False
+        self._value: int | None = None
+
+    def __call__(self) -> int | None:
+        if not self._taken:
+            self._value = self._take()
+            self._taken = True
+        return self._value
+
+
 def offer(
     queue: RouterQueue,
     scheduler: Scheduler,
@@ -1814,7 +1866,7 @@ def offer(
     *,
     max_failures: int = 8,
     decide: Decide | None = None,
-    epoch: int | None = None,
+    epoch: int | LazyEpoch | None = None,
 ) -> Iterator[Offer]:
     """Offer the queue's entries to ``scheduler`` in order (see :func:`_offer`); at its end (run to the
     end or closed) the pass tells the queue whether the fleet alone kept its on-time entries waiting
@@ -1834,7 +1886,7 @@ def _offer(
     state: _PassState,
     max_failures: int,
     decide: Decide | None,
-    epoch: int | None,
+    epoch: int | LazyEpoch | None,
 ) -> Iterator[Offer]:
     """Offer the queue's entries to ``scheduler`` in order at ``now_s``; yields what happened to each.
 
@@ -1872,7 +1924,9 @@ def _offer(
     ``epoch`` (a :class:`LoadWatch` epoch of the fleet now) turns on incremental dispatch: an entry
     whose last attempt failed in the same epoch, with a bound no looser and offered the same way
     (:meth:`Refusal.holds`), is counted as waiting again without a decision, exactly as that attempt
-    would have ended (a wait, or late when its best predicted TTFT is now past its budget).
+    would have ended (a wait, or late when its best predicted TTFT is now past its budget). A
+    :class:`LazyEpoch` is taken when first needed: the caller hands one only where nothing can be
+    dispatched before that (one entry, without a refusal).
     """
     schedule = scheduler.schedule if decide is None else decide
     for_g = queue.config.objective is Objective.G
@@ -2041,12 +2095,14 @@ def _offer(
                 yield _late(now_s, queue, entry, late_reject, math.nan, targets.ttft_ms)
                 continue
         memo = entry.refusal
+        if memo is not None and isinstance(epoch, LazyEpoch):
+            epoch = epoch()
         matched: Mapping[str, int] | None = None
         if epoch is not None and scheduler.prefix is not None and request.prefix_hashes:
             matched = scheduler.prefix.matched_blocks(request.prefix_hashes)
         if (
-            epoch is not None
-            and memo is not None
+            memo is not None
+            and isinstance(epoch, int)
             and memo.holds(epoch, now_s * 1e3, bound, entry.late, yielding, matched, version)
         ):
             # Certain to be refused again. What the decision would also say is whether an on-time
@@ -2099,7 +2155,9 @@ def _offer(
                     entry, Verdict.WAIT, error=memo.error, predicted_ttft_ms=held, budget_ms=targets.ttft_ms
                 )
                 continue
-        if epoch is not None and matched is None:
+        if refused_here and isinstance(epoch, LazyEpoch):
+            epoch = epoch()
+        if refused_here and epoch is not None and matched is None:
             easier = next(
                 (
                     a
@@ -2246,7 +2304,7 @@ def _no_easier(
 
 def _remember(
     entry: QueueEntry,
-    key: tuple[int | None, float, float, bool, Mapping[str, int] | None],
+    key: tuple[int | LazyEpoch | None, float, float, bool, Mapping[str, int] | None],
     best: float = math.nan,
     error: SchedulingError | None = None,
     free: bool = False,
@@ -2256,6 +2314,8 @@ def _remember(
     """Keep ``entry``'s failed attempt (``key``: the epoch, time, bound, yielding flag and matched
     blocks it was made with) for the next pass, when incremental dispatch is on (an epoch is given)."""
     epoch, at_ms, bound, yielding, matched = key
+    if isinstance(epoch, LazyEpoch):
+        epoch = epoch()
     if epoch is not None:
         entry.refusal = Refusal(
             epoch, at_ms, bound, entry.late, yielding, best, error, matched, free, version, hold

@@ -20,9 +20,19 @@ from hypothesis import strategies as st
 
 from engine.model import SimConfig
 from fleet.snapshot import ClusterSnapshot
+from router.core import dispatchers
 from router.core.config import SchedulerConfig
 from router.core.errors import EmptyClusterError, NoInstanceError
-from router.core.queue import FleetDrain, QueueConfig, Refusal, ThresholdHold, _best_ttft, bound_free
+from router.core.queue import (
+    FleetDrain,
+    LazyEpoch,
+    LoadWatch,
+    QueueConfig,
+    Refusal,
+    ThresholdHold,
+    _best_ttft,
+    bound_free,
+)
 from router.core.request import Targets
 from sim.cluster import SimFleet, SimOutcome, simulate
 from sim.fleet import fleet_from_counts
@@ -198,6 +208,84 @@ def test_the_fleet_drain_is_built_once_per_view_and_moment() -> None:
     assert rated.fluid_start_ms(6000.0) == first.fluid_start_ms(6000.0)
     later = FleetDrain.of(scheduler, view, NOW + 0.5)
     assert later is not first
+
+
+@settings(max_examples=6, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    policy=st.sampled_from(["edf", "fcfs", "priority", "sa"]),
+    rate=st.sampled_from([3.0, 7.0, 12.0, 20.0]),
+    seed=st.integers(0, 10_000),
+    instances=st.integers(1, 4),
+    mode=st.sampled_from(["on", "exact"]),
+)
+def test_a_lazy_epoch_decides_as_one_taken_at_the_start_of_every_pass(
+    policy: str, rate: float, seed: int, instances: int, mode: str
+) -> None:
+    """A pass over one entry without a refusal takes the load epoch only if that entry is refused:
+    the same placements at the same times, and the same number of decisions, as taking it first."""
+    lazy = _run(policy, mode, rate=rate, seed=seed, instances=instances, duration_s=10.0)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(dispatchers, "LazyEpoch", lambda take: take())
+        eager = _run(policy, mode, rate=rate, seed=seed, instances=instances, duration_s=10.0)
+    assert lazy.stats.decisions == eager.stats.decisions
+    assert _placements(lazy) == _placements(eager)
+
+
+def test_a_lazy_epoch_is_taken_once_and_only_when_asked() -> None:
+    taken: list[int] = []
+
+    def take() -> int:
+        taken.append(7)
+        return 7
+
+    epoch = LazyEpoch(take)
+    assert taken == []
+    assert epoch() == 7 and epoch() == 7
+    assert taken == [7]
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    fleets=st.lists(
+        st.lists(
+            st.tuples(
+                st.integers(0, 3), st.sampled_from([0, 1500, 3000]), st.sampled_from([True, True, False])
+            ),
+            min_size=2,
+            max_size=2,
+        ),
+        min_size=2,
+        max_size=9,
+    ),
+    seen=st.lists(st.booleans(), min_size=9, max_size=9),
+    refused_at=st.integers(0, 8),
+)
+def test_a_refusal_after_skipped_observations_is_tried_again_once_the_fleet_is_lighter(
+    fleets: list[list[tuple[int, int, bool]]], seen: list[bool], refused_at: int
+) -> None:
+    """A watch that skips the views no refusal needs (a lazy epoch) observes every refusal's own view;
+    after it, a view lighter than that one anywhere (fewer decode requests or prefill tokens on a
+    schedulable instance, or an instance turning schedulable) moves the epoch, as it does for a watch that saw
+    every view: the refusal is never held on a fleet lighter than the one it was refused on."""
+    refused_at = min(refused_at, len(fleets) - 2)
+    scheduler = make_scheduler("slo")
+    views = [scheduler.view(_fleet(loads), NOW) for loads in fleets]
+    every, lazy = LoadWatch(), LoadWatch()
+    for k, view in enumerate(views[: refused_at + 1]):
+        every.observe(scheduler, view, NOW)
+        if seen[k] or k == refused_at:
+            lazy.observe(scheduler, view, NOW)
+    refused = fleets[refused_at]
+    held = {"every": every.epoch, "lazy": lazy.epoch}
+    for loads, view in zip(fleets[refused_at + 1 :], views[refused_at + 1 :], strict=True):
+        for name, watch in (("every", every), ("lazy", lazy)):
+            epoch = watch.observe(scheduler, view, NOW)
+            lighter = any(
+                ok and (d < d0 or p < p0 or not ok0)
+                for (d, p, ok), (d0, p0, ok0) in zip(loads, refused, strict=True)
+            )
+            if lighter:
+                assert epoch != held[name]
 
 
 # ---------------------------------------------------------------- threshold holds

@@ -132,3 +132,43 @@ def test_the_kept_tightest_target_is_the_windows_minimum(ops: list[tuple[str, fl
         walk = min((target for target, _, _ in queue._recent), default=None)
         limit = queue.release_limit_ms(NOW)
         assert limit == (float("inf") if walk is None else walk)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(
+    ops=st.lists(
+        st.one_of(
+            st.tuples(
+                st.just("arrive"),
+                st.one_of(st.sampled_from([50.0, 200.0, 1000.0]), st.floats(1.0, 5000.0, allow_nan=False)),
+            ),
+            st.tuples(st.just("forget"), st.integers(0, 80)),
+        ),
+        max_size=80,
+    ),
+    window=st.integers(1, 9),
+)
+def test_the_sliding_minimum_is_min_over_the_window_through_arrivals_and_forgets(
+    ops: list[tuple[str, float]], window: int
+) -> None:
+    """The sliding minimum's head is ``min()`` over the window after every arrival and forget (ties
+    included: equal targets are the common case), and the release limit reads it."""
+    queue = RouterQueue(QueueConfig(queue_policy="edf", release_window_requests=window), 1000.0, 50.0)
+    arrived = 0
+    for op, value in ops:
+        if op == "arrive":
+            queue.observe_arrival(make_request(f"r{arrived}", ttft_slo_ms=value))
+            arrived += 1
+        else:
+            queue.forget_arrival(f"r{int(value)}")
+        targets = [target for target, _, _ in queue._recent]
+        assert len(targets) <= window
+        if not targets:
+            assert queue.release_limit_ms(NOW) == float("inf")
+            continue
+        head = queue._minima[0][1]
+        assert head == min(targets)
+        # Targets never fall along the kept minima, and each is a target still in the window.
+        kept = [target for _, target in queue._minima]
+        assert kept == sorted(kept) and set(kept) <= set(targets)
+        assert queue.release_limit_ms(NOW) == head
