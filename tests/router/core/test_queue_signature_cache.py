@@ -107,33 +107,6 @@ def test_the_watch_reads_one_signature_per_table_and_moves_as_on_fresh_tables(
                 assert _status_signature(table, at_cap)[0] is kept[0]
 
 
-@settings(max_examples=200, deadline=None, derandomize=True)
-@given(
-    ops=st.lists(
-        st.one_of(
-            st.tuples(st.just("arrive"), st.sampled_from([30.0, 80.0, 150.0, 400.0, 1000.0, 3000.0])),
-            st.tuples(st.just("forget"), st.integers(0, 40)),
-        ),
-        max_size=40,
-    ),
-    window=st.integers(1, 6),
-)
-def test_the_kept_tightest_target_is_the_windows_minimum(ops: list[tuple[str, float]], window: int) -> None:
-    """The release limit's tightest recent target, kept as arrivals come and leave the window or are
-    forgotten, is the minimum over the window every time."""
-    queue = RouterQueue(QueueConfig(queue_policy="edf", release_window_requests=window), 1000.0, 50.0)
-    arrived = 0
-    for op, value in ops:
-        if op == "arrive":
-            queue.observe_arrival(make_request(f"r{arrived}", ttft_slo_ms=value))
-            arrived += 1
-        else:
-            queue.forget_arrival(f"r{int(value)}")
-        walk = min((target for target, _, _ in queue._recent), default=None)
-        limit = queue.release_limit_ms(NOW)
-        assert limit == (float("inf") if walk is None else walk)
-
-
 @settings(max_examples=300, deadline=None, derandomize=True)
 @given(
     ops=st.lists(
