@@ -340,6 +340,22 @@ def first_token_points(
     return out
 
 
+def _per_kind(
+    first_tokens: Callable[[float, float], Sequence[float]],
+) -> Callable[[float, float], Sequence[float]]:
+    """``first_tokens``, each (mean prompt, mean need) computed once."""
+    found: dict[tuple[float, float], Sequence[float]] = {}
+
+    def points(prompt: float, need: float) -> Sequence[float]:
+        key = (prompt, need)
+        value = found.get(key)
+        if value is None:
+            value = found[key] = list(first_tokens(prompt, need))
+        return value
+
+    return points
+
+
 def deadline_decoders(
     kinds: Mapping[tuple[float, float], tuple[float, ...]],
     requests: float,
@@ -366,6 +382,9 @@ def deadline_decoders(
     """
     if not any(e2e > 0 and tpot <= 0 for tpot, e2e in kinds) or load.rate <= 0:
         return 0.0
+    if first_tokens is not None:
+        # A kind's first-token points do not depend on the step: found once, not at every probe.
+        first_tokens = _per_kind(first_tokens)
     at_target = rates(tpot_ms)
     if deadline_miss_share(kinds, requests, at_target.decode_step_ms, z, first_tokens) <= allowance:
         return 0.0
