@@ -95,7 +95,14 @@ def up_cluster(tmp: Path, *extra: str, nofile: int = 0, timeout_s: float = 90.0)
         ]
         lines = wait_for_lines(popen, prefixes, timeout_s)
         if len(lines) < len(prefixes):
-            raise AssertionError(f"up did not start: {log.read_text()[-3000:]}")
+            state = (
+                f"exited {popen.returncode}"
+                if popen.poll() is not None
+                else f"still running after {timeout_s:.0f} s"
+            )
+            raise AssertionError(
+                f"up did not start ({state}; saw {sorted(lines)} of {prefixes}): {log.read_text()[-3000:]}"
+            )
         http = lines["OpenAI-compatible HTTP API on"].split()[-1].removeprefix("http://").removesuffix("/v1")
         cluster = UpCluster(
             popen,
