@@ -644,12 +644,6 @@ def atgt_slack_ms(ctx: DecisionContext, tpot_target_ms: float, theta: float = 1.
     deadline-judged request is paced under) is read as a deadline's: a class
     with its own TPOT target below the default is then held to θ of it here,
     the cautious side.
-
-    A deadline-paced leg whose slack is at or below zero is behind its pace
-    (its expected remainder at the step with this request takes longer than
-    its deadline leaves, counted cautiously) and sets no bound: holding every
-    prompt off its instance saves no answer that is not missing already,
-    while each prompt held waits out its own deadline in the router queue.
     """
     n = ctx.view.n
     legs = ctx.view.resident_legs()
@@ -690,14 +684,6 @@ def atgt_slack_ms(ctx: DecisionContext, tpot_target_ms: float, theta: float = 1.
         step_now = ctx.metric("decode_step_ms")[at]
         spare_now = np.where(np.isnan(step_now), 0.0, target - step_now)
         budget = budget + legs.generated[started] * spare_now
-    # A deadline-paced leg with no slack left is behind its pace: its expected answer does not fit
-    # what its deadline leaves at this step, whatever prompt joins. As a bound it closed its
-    # instance to every prompt until it ended, and a long prompt, which only a calm instance's
-    # slack admits, waited in the router queue until its own deadline was gone (mixed, 10 neutral
-    # instances, 18 req/s, seed 41: code answers of 33-87 tokens behind 2,255-4,096-token prompts
-    # missed after 0.6-3.6 s there). It gives no bound, as a pace no instance keeps is a lost cause
-    # for packing_tpot_target_ms. A TPOT-judged leg keeps its bound: its target is its own.
-    budget = np.where(paced & (budget <= 0.0), np.inf, budget)
     np.minimum.at(out, at, budget)
     return out
 
