@@ -114,7 +114,7 @@ def main() -> None:
         )
         d = outcome.desired
         assert d is not None
-        source = f"Eq. 7 over {d.heartbeats} heartbeats" if d.fitted else "fluid"
+        source = f"Eq. 7 over {d.heartbeats} heartbeats" if d.fitted else "below R"
         how = (
             "given"
             if isinstance(planned, tuple)

@@ -4,6 +4,9 @@ The same seeded requests, the router queue ``plan`` gives each policy (``edf`` f
 otherwise), one line per policy:
 
     python scripts/fleet_curve.py mixed 9 --kv 16384 --seed 4 2+4 2+5 3+5 n4
+
+``--by-class``: under each fleet, per class the scored requests met and what the misses missed
+(TTFT, TPOT, the e2e deadline, or an error such as a refusal), with the misses' answer lengths.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from router.core.queue import QueueConfig
 from sim.cluster import SimFleet, simulate
 from sim.fleet import fleet_from_counts
 from sim.sweep import open_loop, policy_overrides
-from workload.report import summarize
+from workload.report import RequestResult, slo_met, summarize
 from workload.spec import generate_requests, load_workload
 from workload.traces import load_trace
 
@@ -40,6 +43,7 @@ def main() -> None:
     parser.add_argument(
         "--queue-policy", help="router queue for every policy (default: what plan gives each)"
     )
+    parser.add_argument("--by-class", action="store_true", help="per class: met, and why the misses missed")
     args = parser.parse_args()
     engine = SimConfig(kv_capacity_tokens=args.kv)
     if args.workload.startswith("trace:"):
@@ -67,7 +71,41 @@ def main() -> None:
             scored = [r for r in out.results if r.start_s >= plans[0].arrival_s + args.warmup_s]
             share = summarize(scored, out.duration_s, class_slos=slos).overall.slo_attainment
             row.append(f"{text}: {100 * share:.1f}% ({out.stats.preemptions} preemptions)")
+            if args.by_class:
+                lengths = {p.index: p.output_tokens or p.max_tokens for p in plans}
+                row.append(_by_class(scored, lengths))
         print(f"{policy}: " + ", ".join(row), flush=True)
+
+
+def _by_class(scored: list[RequestResult], lengths: dict[int, int]) -> str:
+    """One line per class: requests met, the misses by reason, their answers' true lengths."""
+    lines = []
+    for name in sorted({r.class_name for r in scored}):
+        mine = [r for r in scored if r.class_name == name]
+        missed = [r for r in mine if not slo_met(r)]
+        why: dict[str, int] = {}
+        for r in missed:
+            slo = r.slo
+            reasons = (
+                [r.error_code]
+                if r.error_code
+                else [
+                    k
+                    for k, target, got in (
+                        ("ttft", slo.ttft_ms, r.ttft_ms),
+                        ("tpot", slo.tpot_ms, r.tpot_ms),
+                        ("e2e", slo.e2e_ms, r.e2e_ms),
+                    )
+                    if target and (got > target if got is not None else k != "tpot")
+                ]
+            )
+            for k in reasons:
+                why[k] = why.get(k, 0) + 1
+        answers = sorted(lengths[r.index] for r in missed)
+        lines.append(
+            f"\n    {name}: {len(mine) - len(missed)}/{len(mine)} met, misses {why}, answers {answers}"
+        )
+    return "".join(lines)
 
 
 if __name__ == "__main__":

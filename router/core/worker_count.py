@@ -22,6 +22,7 @@ Pure and synchronous; ``slo-router plan`` feeds it from simulated runs
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from statistics import NormalDist
@@ -410,7 +411,9 @@ class Desired:
     """Instances per role the load needs (what ``slo_router_desired_instances`` exports).
 
     ``fitted`` says whether Eq. 7 answered (fitted, and the rate at or above its ``R``); otherwise
-    the counts are the fluid demand of the last window's load, rounded up.
+    the counts are the staffing of the last window's heartbeats pooled (too few requests in each for
+    the SEM rule, enough together: :meth:`DesiredInstances.desired`), else the fluid demand of the
+    last window's load, rounded up.
     """
 
     prefill: int
@@ -485,6 +488,10 @@ class DesiredInstances:
             )
             for role in ("prefill", "decode", "neutral")
         }
+        self.max_relative_sem = max_relative_sem
+        #: The last ``half_life`` heartbeats whose lengths were learned: (rate, prefill, decode,
+        #: requests, Σ length, Σ length²), for the answer below ``R`` (:meth:`desired`).
+        self._recent: deque[tuple[float, float, float, int, float, float]] = deque(maxlen=half_life)
         self._beat: int | None = None
         self._reset()
 
@@ -620,6 +627,38 @@ class DesiredInstances:
         )
         for role, workers in (("prefill", prefill), ("decode", decode), ("neutral", prefill + decode)):
             self.models[role].observe(Heartbeat(shape.rate, workers, n, cv))
+        if math.isfinite(cv):
+            self._recent.append((shape.rate, prefill, decode, n, self._len, self._len2))
+
+    def pooled(self, rate: float) -> tuple[int, int, int] | None:
+        """(prefill, decode, neutral) at ``rate`` from the last heartbeats pooled, or None with fewer
+        of them than Eq. 7 is fitted on (``min_samples``) or when even together their requests do
+        not represent the length distribution (the SEM rule over their union).
+
+        Each heartbeat's staffing is priced from its own requests (each kind's TTFT need and
+        deadline, the resident context), so pooled they say what the window's load needs per
+        req/s: ``⌈Σ workers / Σ rate · rate⌉``, Eq. 7's proportional line through them. The SEM
+        rule is about how many requests a sample holds; a heartbeat of 50 requests of ``mixed``
+        (lengths varying with ``cv`` ≈ 1.2) is too few alone, six together are not."""
+        beats = list(self._recent)
+        if len(beats) < self.models["decode"].min_samples:
+            return None  # as few heartbeats as Eq. 7 would not be fitted on
+        count = sum(b[3] for b in beats)
+        rates = sum(b[0] for b in beats)
+        if count < 1 or rates <= 0:
+            return None
+        mean = sum(b[4] for b in beats) / count
+        var = max(sum(b[5] for b in beats) / count - mean * mean, 0.0)
+        cv = math.sqrt(var) / mean if mean > 0 else math.inf
+        if not cv / math.sqrt(count) <= self.max_relative_sem:
+            return None
+        prefill = sum(b[1] for b in beats) / rates * rate
+        decode = sum(b[2] for b in beats) / rates * rate
+        return (
+            max(1, math.ceil(prefill - 1e-9)),
+            max(1, math.ceil(decode - 1e-9)),
+            max(1, math.ceil(prefill + decode - 1e-9)),
+        )
 
     def desired(self, now_s: float, load: LoadShape) -> Desired:
         """Instances per role for ``load`` (the last window's: its rate and mean lengths)."""
@@ -649,6 +688,15 @@ class DesiredInstances:
                 model.samples,
                 model.rejected,
             )
+        pooled = self.pooled(load.rate)
+        if pooled is not None:
+            # Below R (the SEM rule left every heartbeat out, each too small) but a minute of them
+            # together represents the load: their staffing, each kind priced for its own need.
+            # Before, the last window's fluid demand against the default TTFT target alone:
+            # ``mixed`` at 5 req/s (seed 21) asked 1 prefill instance, where summaries' 3,300-token
+            # prompts ahead of code and chat in one engine's queue need a second (plan 2 + 2).
+            p, d, both = pooled
+            return Desired(p, d, both, False, model.samples, model.rejected)
         rates = self._rates(load, self.default_tpot_ms)
         _, decode = fluid_demand(load, rates)
         prefill = prefill_staffing(load, rates, self.default_ttft_ms)

@@ -568,3 +568,59 @@ def test_decoders_are_sized_for_the_step_the_deadline_judged_answers_need() -> N
     deadline, deadline_slope = run(3000.0)
     assert (tpot_only, deadline) == (2, 3)
     assert deadline_slope > 1.4 * tpot_slope
+
+
+def test_below_r_the_windows_heartbeats_pooled_staff_each_kind_for_its_own_need() -> None:
+    """At 5 req/s of ``mixed``'s kinds a 5 s heartbeat holds 25 requests, too few for the SEM rule
+    (their lengths vary with cv 0.67: 44 are needed), so Eq. 7 is never fitted. Before, the signal
+    then staffed the last window's load as fluid demand against the default TTFT target and asked
+    1 prefill instance (99 % used) where chat's and code's 1 s first tokens need a second. Pooled,
+    the last six heartbeats are 150 requests: their staffing answers, 2."""
+    from router.core.capacity import prefill_staffing
+
+    def rates(load: LoadShape, tpot_ms: float) -> InstanceRates:
+        return PREFILL_RATES
+
+    window = LoadShape(5.0, 1186.5, 200.0)
+    assert math.ceil(prefill_staffing(window, PREFILL_RATES, 0.0)) == 1  # the answer before
+    model = DesiredInstances(rates, heartbeat_s=5.0)
+    end = _mixed_minute(model, 5.0, 120.0)
+    got = model.desired(end, window)
+    assert not got.fitted and got.left_out >= 6 and model.pooled(window.rate) is not None, got
+    assert got.prefill == 2 and got.prefill + got.decode - 1 <= got.neutral <= got.prefill + got.decode, got
+    # Heartbeats of two requests each, 100 and 5,000 tokens long: even six together are too few.
+    sparse = DesiredInstances(rates, heartbeat_s=10.0)
+    for k in range(24):
+        sparse.observe(5.0 * k, 4800 if k % 2 else 16, 200.0 if k % 2 else 84.0, tpot_ms=50.0, ttft_ms=1000.0)
+    thin = sparse.desired(120.0, LoadShape(0.2, 2408.0, 142.0))
+    assert not thin.fitted and sparse.pooled(0.2) is None, thin
+    # Fewer heartbeats than Eq. 7 is fitted on (three): not pooled either, whatever they hold.
+    short = DesiredInstances(rates, heartbeat_s=5.0)
+    end = _mixed_minute(short, 5.0, 15.0)
+    assert short.pooled(5.0) is None and not short.desired(end, window).fitted
+
+
+def test_a_tight_kind_waits_for_servers_busy_with_every_kind_not_only_its_own() -> None:
+    """An engine finishes a prefill it started before admitting the next prompt, so a summary placed
+    a moment before a code prompt holds the instance whatever their deadlines. ``mixed`` at 5 req/s
+    on one prefill instance: chat and code (a 1 s need, 58 % of the prompt tokens) alone use 0.46
+    of it, every kind 0.80. Priced with the summaries left out of the servers (before), 0.92
+    instances; with them, more than one (``plan`` on ``mixed`` at 5 req/s, seed 21: 2 + 2). At 16
+    and 24 req/s the staffing stays the 3 and 4 that ``plan`` with the router queue needs there."""
+    from router.core.capacity import prefill_staffing
+
+    def kinds(rate: float) -> list[tuple[float, float, float]]:
+        return [
+            (12.0 * rate / 20, 640.0, 1000.0),
+            (5.0 * rate / 20, 1230.0, 1000.0),
+            (3.0 * rate / 20, 3300.0, 3750.0),
+        ]
+
+    def staffed(rate: float) -> float:
+        return prefill_staffing(LoadShape(rate, 1186.5, 200.0), PREFILL_RATES, 1000.0, kinds(rate))
+
+    assert 1.0 < staffed(5.0) < 2.0
+    assert math.ceil(staffed(16.0)) == 3 and math.ceil(staffed(24.0)) == 4
+    # The same load with every prompt as patient as the summaries: the tight kinds' wait is gone.
+    relaxed = [(share, prompt, 3750.0) for share, prompt, _ in kinds(5.0)]
+    assert prefill_staffing(LoadShape(5.0, 1186.5, 200.0), PREFILL_RATES, 3750.0, relaxed) < staffed(5.0)
