@@ -489,7 +489,11 @@ def format_desired_table(points: Sequence[SweepPoint], pd: bool) -> str:
         d = p.desired
         assert d is not None
         counts = f"{d.prefill:>7}  {d.decode:>6}" if pd else f"{d.neutral:>7}"
-        source = f"Eq. 7 over {d.heartbeats} heartbeats" if d.fitted else "the last minute's fluid demand"
+        source = (
+            f"Eq. 7 over {d.heartbeats} heartbeats"
+            if d.fitted
+            else "the last window's heartbeats pooled (or its fluid demand)"
+        )
         lines.append(f"{p.rate:>6g}  {_label(p):<20}  {counts}  {source}")
     lines.append(
         "slo_router_desired_instances at the last arrival: Aladdin's Eq. 7 fitted online over 10 s "
