@@ -206,7 +206,8 @@ def _pass_of_list(ctx: DecisionContext, plan: _Plan, alive: list[int], failover:
             values = ctx.metric(f.metric)
             bound = float(f.bound(ctx))
             column = values.tolist()
-            alive = [i for i in alive if column[i] < bound]
+            held = f.held_holders(ctx)  # (a cached prefix's holder judged over the request's life)
+            alive = [i for i in alive if column[i] < bound or i in held]
         else:
             keep, mark = f.apply(ctx)
             if mark is not None and mark is not no_marks:
@@ -232,7 +233,11 @@ def _pass_of_index(ctx: DecisionContext, plan: _Plan, alive: IntArray, failover:
     for f in plan.rest:
         if type(f) is MetricThreshold:
             values = ctx.metric(f.metric)
-            alive = alive[values[alive] < np.array(float(f.bound(ctx)))]
+            passed = values[alive] < np.array(float(f.bound(ctx)))
+            held = f.held_holders(ctx)  # (a cached prefix's holder judged over the request's life)
+            if held:
+                passed |= np.isin(alive, held)
+            alive = alive[passed]
         else:
             keep, mark = f.apply(ctx)
             if mark is not None and mark is not no_marks:
