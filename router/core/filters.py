@@ -202,17 +202,30 @@ class MetricThreshold:
                 keep[held] = True
         return FilterResult._make((keep, mark))
 
-    def held_holders(self, ctx: DecisionContext) -> list[int]:
+    def held_holders(self, ctx: DecisionContext, among: list[int] | None = None) -> list[int]:
         """The rows this TPOT threshold keeps beyond ``metric < bound``: holders of the request's
         longest cached prefix over the bound now and under it at their load over the request's life
-        (:func:`holder_life_tpot_ms`). Empty for other metrics, and without a cached prefix."""
+        (:func:`holder_life_tpot_ms`). Empty for other metrics, and without a cached prefix.
+        ``among``: only these rows are asked about (the candidates still alive that the bound drops)."""
         if self.metric not in LIFE_TPOT_METRICS:
             return []
-        rows = holder_rows(ctx)
+        request = ctx.request
+        if request is None or ctx.prefix is None or not request.prefix_hashes:
+            return []
+        found: tuple[list[int], IntArray] = ctx.memo(_HOLDERS, lambda: _holder_rows(ctx))
+        rows, index = found
         if not rows:
             return []
         values = ctx.metric(self.metric)
         bound = self.bound(ctx)
+        if len(rows) > 4:  # (many holders: one comparison over them, usually all under the bound)
+            under = values[index] < bound
+            if under.all():
+                return []
+            rows = index[~under].tolist()
+        if among is not None:
+            asked = set(among)
+            rows = [i for i in rows if i in asked]
         residents = self.metric == "predicted_tpot_residents"
         return [
             i
@@ -267,12 +280,22 @@ def holder_rows(ctx: DecisionContext) -> list[int]:
     request = ctx.request
     if request is None or ctx.prefix is None or not request.prefix_hashes:
         return []
+    found: tuple[list[int], IntArray] = ctx.memo(_HOLDERS, lambda: _holder_rows(ctx))
+    return found[0]
+
+
+#: Per decision (both TPOT thresholds ask): the holders as a list and as an index array.
+_HOLDERS = "holder_rows"
+_NO_ROWS: IntArray = np.zeros(0, dtype=np.intp)
+
+
+def _holder_rows(ctx: DecisionContext) -> tuple[list[int], IntArray]:
     cached = ctx.metric("cached_prompt_tokens")
     most = float(cached.max()) if len(cached) else 0.0
     if not most > 0.0:
-        return []
-    rows: list[int] = np.flatnonzero((cached == most) & ctx.usable()).tolist()
-    return rows
+        return [], _NO_ROWS
+    index: IntArray = np.flatnonzero((cached == most) & ctx.usable())
+    return index.tolist(), index
 
 
 def life_share(remaining_tokens: float, horizon_tokens: float) -> float:

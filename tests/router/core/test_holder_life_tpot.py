@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from fleet.prefix import token_block_hashes
 from fleet.snapshot import ClusterSnapshot
+from router.core import chain
 from router.core.columns import ResidentLegs, StaticResidents
 from router.core.filters import holder_life_tpot_ms, holder_rows, life_share
 from router.core.packing import prefill_stall_ms
@@ -79,11 +80,15 @@ def _life_and_plain(holder: str) -> tuple[float, float, float]:
     return life, ctx.metric("predicted_tpot").item(i), ctx.metric("predicted_tpot_residents").item(i)
 
 
-def test_a_busy_holder_within_its_target_over_the_requests_life_keeps_the_prompt() -> None:
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_busy_holder_within_its_target_over_the_requests_life_keeps_the_prompt(
+    fused: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The busy holder ``a`` predicts a TPOT over the target at today's batch of 40, but under it at
     the batch it converges to (the fleet's mean of 13) as its residents finish: the TPOT thresholds
     keep it and the prompt goes where it is cached. Without the rule the plain threshold drops it
-    and an idle instance computes the whole prompt."""
+    and an idle instance computes the whole prompt. The fused stage and the composed chain agree."""
+    monkeypatch.setattr(chain, "FUSED", fused)
     life, plain, plain_residents = _life_and_plain("a")
     assert life < plain <= plain_residents
     target = (life + plain) / 2.0
