@@ -35,6 +35,7 @@ import numpy as np
 from router.core.columns import BoolArray, IntArray
 from router.core.decision import StageOutcome
 from router.core.filters import (
+    LIFE_TPOT_METRICS,
     DecodeIdle,
     ExcludeReserved,
     Failover,
@@ -206,7 +207,13 @@ def _pass_of_list(ctx: DecisionContext, plan: _Plan, alive: list[int], failover:
             values = ctx.metric(f.metric)
             bound = float(f.bound(ctx))
             column = values.tolist()
-            alive = [i for i in alive if column[i] < bound]
+            kept = [i for i in alive if column[i] < bound]
+            if f.metric in LIFE_TPOT_METRICS and len(kept) < len(alive):
+                # (A cached prefix's holder is judged over the request's life: it may stay.)
+                held = f.held_holders(ctx, [i for i in alive if not column[i] < bound])
+                if held:
+                    kept = [i for i in alive if column[i] < bound or i in held]
+            alive = kept
         else:
             keep, mark = f.apply(ctx)
             if mark is not None and mark is not no_marks:
@@ -232,7 +239,13 @@ def _pass_of_index(ctx: DecisionContext, plan: _Plan, alive: IntArray, failover:
     for f in plan.rest:
         if type(f) is MetricThreshold:
             values = ctx.metric(f.metric)
-            alive = alive[values[alive] < np.array(float(f.bound(ctx)))]
+            passed = values[alive] < np.array(float(f.bound(ctx)))
+            if f.metric in LIFE_TPOT_METRICS and not passed.all():
+                # (A cached prefix's holder is judged over the request's life: it may stay.)
+                held = f.held_holders(ctx, alive[~passed].tolist())
+                if held:
+                    passed |= np.isin(alive, held)
+            alive = alive[passed]
         else:
             keep, mark = f.apply(ctx)
             if mark is not None and mark is not no_marks:

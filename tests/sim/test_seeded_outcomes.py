@@ -162,7 +162,7 @@ RECORDED: dict[str, str] = {
     "neutral-slo-edf": "bc36db8927e36962e86a977c",
     "neutral-slo-eos": "b14fcf2f3956cbcf32c61e6b",
     "neutral-slo-fcfs-capped": "f0a2ad49ca96ac96e5ebce0d",
-    "neutral-slo-prefix": "7939cc14ab8f3080856dca34",
+    "neutral-slo-prefix": "2faad43e732c35884901f59c",
     "neutral-slo-priority": "118a85ace3be352f7da0bda6",
     "neutral-slo-qlm": "d07b2559c77a5a480328c4f7",
     "neutral-slo-sa": "609d946a052eeba8633bdb42",
