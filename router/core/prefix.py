@@ -59,6 +59,9 @@ from router.core.columns import FloatArray, IntArray
 DEFAULT_MAX_BLOCKS_PER_INSTANCE = 65536
 #: Default bound on the instances the index keeps.
 DEFAULT_MAX_INSTANCES = 4096
+#: Bound on the membership rows :meth:`BlockIndex._column` keeps for the cached view (each a byte
+#: per view instance); past it they are all dropped and rebuilt as lookups come.
+_MEMBER_ROWS = 256
 
 
 class PrefixRouting(str, enum.Enum):
@@ -136,6 +139,10 @@ class BlockIndex:
         self._holders: dict[int, int] = {}  # hash -> bitset of slots holding it
         self._slot_epoch = 0  # bumped whenever an instance takes or leaves a slot
         self._view: tuple[object, int, IntArray] | None = None  # (ids, epoch, slot per view position)
+        # Per holder bitset, its membership laid out on the cached view (0/1 per position): a prompt
+        # family's holders change rarely between decisions, so a lookup whose instances end at one
+        # depth reuses the row instead of unpacking the bitset again (cleared with the view).
+        self._members: dict[int, npt.NDArray[np.uint8]] = {}
 
     # ------------------------------------------------------------------ reading
 
@@ -196,10 +203,19 @@ class BlockIndex:
         view = self._view_slots(ids)
         width = len(self._ids) // 8 + 1  # a spare bit past the last slot: the "no slot" position
         if len(groups) == 1:
-            member = np.unpackbits(
-                np.frombuffer(groups[0][0].to_bytes(width, "little"), np.uint8), bitorder="little"
-            )
-            one: FloatArray = np.multiply(member[view], values[0], dtype=np.float64)
+            bits = groups[0][0]
+            cached = self._view
+            kept = self._members if cached is not None and cached[2] is view else None
+            member = kept.get(bits) if kept is not None else None
+            if member is None:
+                member = np.unpackbits(
+                    np.frombuffer(bits.to_bytes(width, "little"), np.uint8), bitorder="little"
+                )[view]
+                if kept is not None:
+                    if len(kept) >= _MEMBER_ROWS:
+                        kept.clear()
+                    kept[bits] = member
+            one: FloatArray = np.multiply(member, values[0], dtype=np.float64)
             return one
         packed = b"".join(bits.to_bytes(width, "little") for bits, _ in groups)
         rows = np.unpackbits(
@@ -221,6 +237,7 @@ class BlockIndex:
         slots = np.fromiter((get(i, none) for i in ids), dtype=np.intp, count=len(ids))
         if isinstance(ids, tuple):  # immutable: safe to key on its identity
             self._view = (ids, self._slot_epoch, slots)
+            self._members.clear()
         return slots
 
     def deepest_match(self, hashes: Sequence[int]) -> int:
