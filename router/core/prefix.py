@@ -157,17 +157,19 @@ class BlockIndex:
         holders = self._holders
         if not hashes or not holders:
             return []
-        alive = holders.get(hashes[0], 0)
+        held = map(holders.get, hashes, repeat(0))  # each block's holders, read in C as the walk goes
+        alive = next(held)
         if not alive:
             return []
         groups: list[tuple[int, int]] = []
-        for j in range(1, len(hashes)):
-            nxt = alive & holders.get(hashes[j], 0)
-            if nxt != alive:
-                groups.append((alive & ~nxt, j))
-                if not nxt:
-                    return groups
-                alive = nxt
+        for j, bits in enumerate(held, 1):
+            if bits != alive:  # (the same set block after block is the common case: no AND to build)
+                nxt = alive & bits
+                if nxt != alive:
+                    groups.append((alive & ~nxt, j))
+                    if not nxt:
+                        return groups
+                    alive = nxt
         groups.append((alive, len(hashes)))
         return groups
 
@@ -280,8 +282,10 @@ class BlockIndex:
         new = list(filterfalse(blocks.__contains__, hashes))
         if new:
             blocks.update(zip(new, repeat(None)))
+            get = holders.get
             for h in new:
-                holders[h] = holders.get(h, 0) | bit
+                held = get(h)
+                holders[h] = bit if held is None else held | bit  # (a block nobody held: no int to build)
         deque(map(blocks.move_to_end, hashes), maxlen=0)
 
     def _evict(self, slot: int, limit: int | None) -> None:
