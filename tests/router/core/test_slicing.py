@@ -535,3 +535,36 @@ def test_a_blocked_head_lets_a_later_batch_that_fits_start_and_keeps_its_place(b
     del now["x"]
     after = [r.key for _k, b in sched.admit("a") for r in b.requests]
     assert after[0] == "head"
+
+
+@pytest.mark.parametrize("wait", [1.0, 3.0, None])
+def test_a_head_passed_for_its_intervals_starts_within_the_room_kept_for_running_slices(
+    wait: float | None,
+) -> None:
+    """A running slice leaves 877 tokens of the budget (0.8 of 4,096); the head of the queue needs
+    1,128 and a later small batch 428. Backfill starts the small one at once; the head, passed, still
+    waits short of ``head_wait_intervals`` schedule intervals. Once it has waited them it starts
+    within the whole KV (the 1,268 tokens left under the capacity), as a continued slice would;
+    with None it still waits, ten intervals on. The plan never passes the whole KV."""
+    memory = MemoryModel(kv_capacity_tokens=4096, block_size=16, headroom=0.8)
+    config = SliceConfig(kv_headroom=0.8, head_wait_intervals=wait)
+    sched = SliceScheduler(config, SERVING, memory, ["a"])
+    now = {"x": 2000}
+    sched.progress = now.get  # type: ignore[assignment]
+    sched.add(SliceRequest("x", 2000, 400))
+    sched.schedule()
+    [(_kx, _b)] = sched.admit("a", 0.0)
+    for key, context in (("head", 1000), ("small", 300)):  # two schedule points: two batches, in order
+        sched.add(SliceRequest(key, context, 128))
+        now[key] = context
+        sched.schedule()
+    started = [r.key for _k, b in sched.admit("a", 0.0) for r in b.requests]
+    assert started == ["small"]
+    interval = sched.interval_ms()
+    early = 0.9 * (wait or 1.0) * interval
+    assert [r.key for _k, b in sched.admit("a", early) for r in b.requests] == []
+    later = [r.key for _k, b in sched.admit("a", 10.0 * interval) for r in b.requests]
+    assert later == (["head"] if wait is not None else [])
+    assert sched.committed_kv("a") <= memory.kv_capacity_tokens
+    if wait is not None:
+        assert sched.committed_kv("a") > memory.budget_tokens  # it took the room kept past the budget
