@@ -57,7 +57,9 @@ def main() -> int:
     config = SliceConfig(**json.loads(args.config))
     runs: dict[str, Any] = {}
     fleet, plans = _setup(argv)
-    runs["least-requests"] = simulate(fleet, SchedulerConfig(scheduling_policy="least-requests"), plans, seed=seed)
+    runs["least-requests"] = simulate(
+        fleet, SchedulerConfig(scheduling_policy="least-requests"), plans, seed=seed
+    )
     fleet, plans = _setup(argv)
     runs["slice"] = simulate_slices(fleet, plans, config, seed=seed)
     prompts = np.array([p.prompt_tokens for p in plans])
