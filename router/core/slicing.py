@@ -1200,9 +1200,12 @@ class SliceScheduler:
                 if not self.config.overlap_batches:
                     break
                 room = budget - self.committed_kv(instance)
-                if batch.kv_tokens > room and self._head_waited(first.key, now):
-                    # Passed for an interval: it starts within the room kept for running slices.
-                    room = self.ceiling_kv(instance) - self.committed_kv(instance)
+                if batch.kv_tokens > room and self.config.backfill and self._head_waited(first.key, now):
+                    # Passed for its intervals: it starts within the room kept for running slices,
+                    # less a block of growth for each of them (what one needs to go on at its end).
+                    slices = sum(e.unfinished for e in running.values())
+                    block = self.models(instance).memory.block_size
+                    room = self.ceiling_kv(instance) - self.committed_kv(instance) - slices * block
                 if batch.kv_tokens > room:
                     head = self._split(instance, batch, room) if self.config.split_batches else None
                     if head is None:
@@ -1232,11 +1235,14 @@ class SliceScheduler:
         first slice waited 21.5 s (least-requests 5.5 s). Once passed for ``head_wait_intervals``
         intervals, the head goes on as a running slice's continuation does: within the whole KV
         times the preemption cap (:meth:`ceiling_kv`), the room the headroom keeps for the slices
-        already running, which backfill never takes. The plan stays within the KV, so no engine
-        preempts for it; what it costs is continuations finding less of that room (shortened, or
-        waiting, which re-prefills). Three intervals: one lost three runs of the suite's
-        interactive-batch set-ups (continuations waiting), two and three did about as well on the
-        rest (docs/papers.md).
+        already running, which backfill never takes, less one block of growth per running slice
+        (so each can still go on at its slice's end: without it, twice as many continued slices
+        found no room and waited, and a stream stalled 5.2 s at p99 on 8k of KV). The plan stays
+        within the KV, so no engine preempts for it; what it costs is continuations finding less
+        of that room (shortened, or waiting, which re-prefills). Three intervals: one lost three
+        runs of the suite's interactive-batch set-ups (continuations waiting), two and three did
+        about as well on the rest (docs/papers.md). Only with backfill: a queue kept in order
+        passes nobody.
         """
         wait = self.config.head_wait_intervals
         if wait is None or now is None:
@@ -1256,10 +1262,9 @@ class SliceScheduler:
         8k of KV, 6 instances: the plan at 84 % of a 90 % budget while work waited, 0.926x of
         least-requests; with backfill 0.994x). A resumed slice waiting for room
         (``continue_within_kv``) is never passed: it sits at the head and stops the scan before
-        this is called. The head gets no reservation and no bound on how long it may be passed:
-        the bounds measured (one to eight slice times, 3 s, only work queued before it blocked) did
-        no better over the scenarios; where short answers keep taking the room a long one needs
-        (``scls-reports-qa``) the long one starts later (docs/papers.md, seed 002).
+        this is called. The head gets no reservation; how long it may be passed is bounded by
+        :attr:`SliceConfig.head_wait_intervals` (:meth:`_head_waited`), after which it takes room
+        backfill never uses (docs/papers.md, seed 002).
         """
         out: list[tuple[int, SliceBatch]] = []
         queue = self._queues[instance]
