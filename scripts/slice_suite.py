@@ -161,6 +161,26 @@ SETS: dict[str, dict[str, str]] = {
         }.items()
         for seed in range(201, 208)
     },
+    # Written to check the bound on how long a blocked head is passed (head_wait_intervals): three
+    # workloads no other set uses (docs/scenarios/scls-contracts-chat, -diff-review, -translate-docs),
+    # fleets of 2, 4 and 7, seeds 401-406; rates picked from least-requests' preemptions alone.
+    "check3": {
+        "4x-contracts16k-2.4-s401": _n(4, 16384, f"{SC}/scls-contracts-chat.json", 2.4, 401, 600),
+        "4x-contracts16k-3-s401": _n(4, 16384, f"{SC}/scls-contracts-chat.json", 3, 401, 600),
+        "4x-contracts16k-3-s404": _n(4, 16384, f"{SC}/scls-contracts-chat.json", 3, 404, 600),
+        "7x-diff10k-8-s402": _n(7, 10240, f"{SC}/scls-diff-review.json", 8, 402, 600),
+        "7x-diff10k-8-s405": _n(7, 10240, f"{SC}/scls-diff-review.json", 8, 405, 600),
+        "2x-translate8k-0.6-s403": _n(2, 8192, f"{SC}/scls-translate-docs.json", 0.6, 403, 600),
+        "2x-translate8k-0.9-s403": _n(2, 8192, f"{SC}/scls-translate-docs.json", 0.9, 403, 600),
+        "2x-translate8k-0.6-s406": _n(2, 8192, f"{SC}/scls-translate-docs.json", 0.6, 406, 600),
+        "H1-contracts16k-1.5-s407": _h(H1, 16384, f"{SC}/scls-contracts-chat.json", 1.5, 407, 600),
+        "H2-contracts16k-1.5-s407": _h(H2, 16384, f"{SC}/scls-contracts-chat.json", 1.5, 407, 600),
+    },
+    # Short answers beside long ones over twelve seeds (the set-up where backfill passed long heads).
+    "reports-qa12": {
+        f"6x-reports-qa16k-9-s{seed}": _n(6, 16384, f"{SC}/scls-reports-qa.json", 9, seed, 600)
+        for seed in range(90, 102)
+    },
     # Listing order of a heterogeneous fleet (both orders) and the 600-request scenarios of that round.
     "het": {
         "H1-mixed16k-5-s29": _h(H1, 16384, "mixed", 5, 29, 600),

@@ -106,6 +106,7 @@ def test_memory_counts_whole_blocks_of_context_plus_slice() -> None:
         ({"kv_headroom": 1.5}, "kv_headroom"),
         ({"max_waiting_slices": 0}, "max_waiting_slices"),
         ({"max_batching_slices": 0}, "max_batching_slices"),
+        ({"head_wait_intervals": -1.0}, "head_wait_intervals"),
     ],
 )
 def test_slice_config_names_the_bad_field(kwargs: dict[str, float], field: str) -> None:
@@ -284,6 +285,47 @@ def test_scheduler_never_plans_past_the_kv_budget_and_drains_to_idle(
         served += 1
     assert served == len(contexts)
     assert [sched.load_ms(i) for i in sched.instances] == [0.0, 0.0]
+    assert all(sched.queued(i) == 0 for i in sched.instances)
+
+
+@PROPS
+@given(
+    contexts=st.lists(st.integers(1, 2500), min_size=1, max_size=30),
+    wait=st.sampled_from([None, 0.0, 1.0, 3.0]),
+    order=st.randoms(use_true_random=False),
+)
+def test_a_passed_head_never_takes_the_plan_past_the_whole_kv_and_the_fleet_drains(
+    contexts: list[int], wait: float | None, order: random.Random
+) -> None:
+    """With the clock running (heads passed for ``head_wait_intervals`` go on within the whole KV),
+    new work stays within the budget (0.7 of the KV) unless a head has waited its intervals, no
+    plan ever passes the whole KV, and every slice is served."""
+    memory = MemoryModel(kv_capacity_tokens=4096, block_size=16, headroom=0.7, max_batch=4)
+    sched = SliceScheduler(
+        SliceConfig(kv_headroom=0.7, head_wait_intervals=wait), SERVING, memory, ["a", "b"]
+    )
+    for k, c in enumerate(contexts):
+        sched.add(SliceRequest(k, c, 128))
+    sched.schedule()
+    running: dict[str, list[tuple[int, SliceRequest]]] = {i: [] for i in sched.instances}
+    served = 0
+    now = 0.0
+    for _ in range(10 * len(contexts) + 10):  # bounded: every round finishes at least one slice
+        now += order.uniform(0.0, 2000.0)
+        for i in sched.instances:
+            admitted = sched.admit(i, now)
+            running[i].extend((key, r) for key, b in admitted for r in b.requests)
+            if len({key for key, _ in running[i]}) > 1:
+                limit = memory.kv_capacity_tokens if wait is not None else memory.budget_tokens
+                assert sched.planned_kv(i) <= limit
+        live = [i for i in sched.instances if running[i]]
+        if not live:
+            break
+        i = order.choice(live)
+        key, r = running[i].pop(order.randrange(len(running[i])))
+        sched.finish(i, key, r, now)
+        served += 1
+    assert served == len(contexts)
     assert all(sched.queued(i) == 0 for i in sched.instances)
 
 
@@ -535,3 +577,36 @@ def test_a_blocked_head_lets_a_later_batch_that_fits_start_and_keeps_its_place(b
     del now["x"]
     after = [r.key for _k, b in sched.admit("a") for r in b.requests]
     assert after[0] == "head"
+
+
+@pytest.mark.parametrize("wait", [1.0, 3.0, None])
+def test_a_head_passed_for_its_intervals_starts_within_the_room_kept_for_running_slices(
+    wait: float | None,
+) -> None:
+    """A running slice leaves 877 tokens of the budget (0.8 of 4,096); the head of the queue needs
+    1,128 and a later small batch 428. Backfill starts the small one at once; the head, passed, still
+    waits short of ``head_wait_intervals`` schedule intervals. Once it has waited them it starts
+    within the whole KV (the 1,268 tokens left under the capacity), as a continued slice would;
+    with None it still waits, ten intervals on. The plan never passes the whole KV."""
+    memory = MemoryModel(kv_capacity_tokens=4096, block_size=16, headroom=0.8)
+    config = SliceConfig(kv_headroom=0.8, head_wait_intervals=wait)
+    sched = SliceScheduler(config, SERVING, memory, ["a"])
+    now = {"x": 2000}
+    sched.progress = now.get  # type: ignore[assignment]
+    sched.add(SliceRequest("x", 2000, 400))
+    sched.schedule()
+    [(_kx, _b)] = sched.admit("a", 0.0)
+    for key, context in (("head", 1000), ("small", 300)):  # two schedule points: two batches, in order
+        sched.add(SliceRequest(key, context, 128))
+        now[key] = context
+        sched.schedule()
+    started = [r.key for _k, b in sched.admit("a", 0.0) for r in b.requests]
+    assert started == ["small"]
+    interval = sched.interval_ms()
+    early = 0.9 * (wait or 1.0) * interval
+    assert [r.key for _k, b in sched.admit("a", early) for r in b.requests] == []
+    later = [r.key for _k, b in sched.admit("a", 10.0 * interval) for r in b.requests]
+    assert later == (["head"] if wait is not None else [])
+    assert sched.committed_kv("a") <= memory.kv_capacity_tokens
+    if wait is not None:
+        assert sched.committed_kv("a") > memory.budget_tokens  # it took the room kept past the budget
