@@ -116,7 +116,7 @@ class QlmConfig(FlagFields):
         "solver": ["heuristic", "milp"],
         "lengths": ["censored", "finished"],
         "wait_margin": ["each", "sum"],
-        "streams": ["edf", "qlm"],
+        "streams": ["edf", "qlm", "auto"],
     }
 
     batch: int = field(
@@ -183,15 +183,17 @@ class QlmConfig(FlagFields):
         ),
     )
     streams: str = field(
-        default="qlm",
+        default="auto",
         metadata=_doc(
             "who orders and places the TTFT-judged requests: qlm (its virtual queues, beside the e2e "
-            "groups) or edf (the router queue in deadline order and the slo placement, as the default "
+            "groups), edf (the router queue in deadline order and the slo placement, as the default "
             "queue does; the virtual queues then hold the e2e-judged groups, the paper's scope, and count "
-            "the streams running beside them). Use edf for streams past capacity beside a mid-deadline "
-            "e2e class (long-prompt streams + 45 s reports: 1.3 points behind edf where qlm is 9.5) and "
-            "for streams alone; keep qlm where streams are tighter than --tpot-slo or sit beside "
-            "long-deadline batch work (edf there: 2.5-6 points behind, docs/papers.md)",
+            "the streams running beside them) or auto (qlm while an e2e-judged request arrived in the "
+            "last 30 s, else edf: with no e2e work the virtual queues have nothing to plan, and chat "
+            "alone met 2.6 points less under qlm). Use edf for streams past capacity beside a "
+            "mid-deadline e2e class (long-prompt streams + 45 s reports: 1.3 points behind edf where "
+            "qlm is 6.5); auto elsewhere (edf beside long-deadline batch work: 2.5-6 points behind, "
+            "docs/papers.md)",
             "--qlm-streams",
         ),
     )
@@ -223,8 +225,8 @@ class QlmConfig(FlagFields):
             raise bad("lengths", "must be censored or finished")
         if self.wait_margin not in ("each", "sum"):
             raise bad("wait_margin", "must be each or sum")
-        if self.streams not in ("edf", "qlm"):
-            raise bad("streams", "must be edf or qlm")
+        if self.streams not in ("edf", "qlm", "auto"):
+            raise bad("streams", "must be edf, qlm or auto")
         if self.solver not in ("heuristic", "milp"):
             raise bad("solver", "must be heuristic or milp")
         if not 1 <= self.milp_max_groups <= 24:
@@ -1261,6 +1263,11 @@ class QlmQueue:
         duration = model.prefill_s(int(self._stream_tokens)) + self._stream_output * model.decode_step_s
         count = rate * duration
         return count, count * self._stream_tokens
+
+    def e2e_seen(self, now_s: float) -> bool:
+        """Whether an e2e-judged request arrived in the last :data:`STREAM_MEMORY_S` (``--qlm-streams auto``
+        hands a stream to the virtual queues only then)."""
+        return any(now_s - v[0] <= STREAM_MEMORY_S for v in self._e2e_budgets.values())
 
     def stream_tpot_ms(self, now_s: float) -> float:
         """The tightest TPOT target of the streams that arrived in the last :data:`STREAM_MEMORY_S` (inf: none)."""

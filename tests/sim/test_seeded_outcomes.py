@@ -164,7 +164,7 @@ RECORDED: dict[str, str] = {
     "neutral-slo-fcfs-capped": "f0a2ad49ca96ac96e5ebce0d",
     "neutral-slo-prefix": "7939cc14ab8f3080856dca34",
     "neutral-slo-priority": "118a85ace3be352f7da0bda6",
-    "neutral-slo-qlm": "d07b2559c77a5a480328c4f7",
+    "neutral-slo-qlm": "bc0e89c1d1d475ee9c76873e",
     "neutral-slo-sa": "609d946a052eeba8633bdb42",
     "pd-adaptive": "3da6c8098432e1344daec263",
     "pd-load-balance-off": "466dcf402227e02d05b7c4b8",
