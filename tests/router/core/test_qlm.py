@@ -275,7 +275,7 @@ def tight_e2e(rid: str, arrival: float = 0.0) -> ScheduleInput:
         # Late either way. For an e2e head (the paper's setting) evicting it loses no request on time.
         # For a stream head (the router's adaptation) it stays: late at the estimator's confidence is
         # not late for sure, and a stream is not to take an e2e request's chance that it would not
-        # have lost under edf (rag + reports: 54 evictions with it, 3 without, docs/papers.md).
+        # have lost under edf (rag + reports: 54 evictions with it, 7 without, docs/papers.md).
         (15.0, "e2e", True),
         (15.0, "stream", False),
     ],
