@@ -1908,7 +1908,7 @@ class QlmQueue:
                 # A pull that can wait: the ``slo`` policy's bar too, and a stream of a class with no
                 # finished answer yet counts as one token from its end (its ``max_tokens`` stands for
                 # its length until then, which spread a long prompt's stall over hundreds of tokens
-                # the first answers never had: the first voice streams saw 118-127 ms beside audit
+                # the first answers never had: the first voice streams saw 122-127 ms beside audit
                 # prompts that had minutes of slack, docs/papers.md).
                 target_ms = min(target_ms, self.default_tpot_ms)
             mean, _ = self.stats.given(x.request.slo_class, x.request.max_tokens, x.reached)
