@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seqs", type=int, default=0)
     p.add_argument("--show", type=int, default=15)
     p.add_argument("--wait-margin", default="each", choices=["each", "sum"], help="qlm's --qlm-wait-margin")
-    p.add_argument("--streams", default="qlm", choices=["qlm", "edf"], help="qlm's --qlm-streams")
+    p.add_argument("--streams", default="auto", choices=["auto", "qlm", "edf"], help="qlm's --qlm-streams")
     p.add_argument(
         "--set", default="", help="NAME=VALUE;... module constants of router.core.qlm (experiments)"
     )

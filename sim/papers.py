@@ -144,7 +144,7 @@ def rows_for(args: argparse.Namespace) -> list[tuple[str, str, str, dict[str, An
                         label += f"/lengths={lengths}"
                     if margin != "each":
                         label += f"/wait={margin}"
-                    if streams != "qlm":
+                    if streams != QlmConfig().streams:
                         label += f"/streams={streams}"
                     if args.qlm_confidence != 0.9:
                         label += f"/confidence={args.qlm_confidence:g}"
@@ -201,8 +201,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument(
         "--qlm-streams",
-        default="qlm",
-        help="qlm: who orders and places the TTFT-judged requests, qlm (the default) and/or edf, comma-separated",
+        default=QlmConfig().streams,
+        help="qlm: who orders and places the TTFT-judged requests, auto (the default), qlm and/or edf, comma-separated",
     )
     parser.add_argument("--qlm-batch", type=int, default=0, help="qlm: a fixed slot count (the ablation)")
     parser.add_argument("--sa-pool-ms", default="25", help="sa request pool(s) in ms, comma-separated")

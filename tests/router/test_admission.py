@@ -235,7 +235,9 @@ async def test_qlm_dispatches_to_the_instance_its_plan_chose_even_where_slo_thre
     placer = Placer(scheduler, Source(crowded), clock=lambda: 100.0)  # type: ignore[arg-type]
     with pytest.raises(NoInstanceError, match="tpot_residents"):
         placer.place(request("direct", ttft_ms=60000.0))
-    admission = Admission(placer, QueueConfig(queue_policy="qlm"), QlmConfig(), clock=lambda: 100.0)  # type: ignore[arg-type]
+    admission = Admission(
+        placer, QueueConfig(queue_policy="qlm"), QlmConfig(streams="qlm"), clock=lambda: 100.0
+    )  # type: ignore[arg-type]
     admitted = await asyncio.wait_for(admission.place(request("a", ttft_ms=60000.0)), 5)
     assert admitted.route.prefill.instance_id == "n0"
     assert len(placer.scheduler.inflight) == 1  # recorded at dispatch, like any placement

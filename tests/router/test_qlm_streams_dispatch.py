@@ -74,3 +74,34 @@ async def test_a_stream_cancelled_in_the_router_queue_leaves_no_trace() -> None:
     await end_all(admission, held)
     assert gauge(observer) == 0 and len(admission.dispatcher) == 0
     assert len(admission.placer.scheduler.inflight) == 0
+
+
+async def test_auto_hands_streams_to_the_router_queue_until_e2e_work_arrives() -> None:
+    # --qlm-streams auto (the default): with no e2e-judged request seen lately a stream waits in the
+    # router queue (nothing for the virtual queues to plan); once one has arrived, the next stream joins
+    # the virtual queues beside it. Every request is answered once and nothing stays behind.
+    source = Source(BUSY)
+    admission, observer = router_driver("qlm", source, qlm=QlmConfig())
+    assert QlmConfig().streams == "auto"
+    dispatcher = admission.dispatcher
+    tasks = {"s0": asyncio.ensure_future(admission.place(request("s0")))}
+    await asyncio.sleep(0)
+    tasks["e1"] = asyncio.ensure_future(admission.place(e2e("e1")))
+    await asyncio.sleep(0)
+    tasks["s2"] = asyncio.ensure_future(admission.place(request("s2")))
+    await asyncio.sleep(0)
+    qlm = dispatcher.qlm  # type: ignore[attr-defined]
+    streams = dispatcher.streams  # type: ignore[attr-defined]
+    assert "s0" in streams.queue or "s0" in qlm.running[0]
+    assert "s0" not in qlm.queued
+    assert "s2" in qlm.queued or "s2" in qlm.running[0]
+    assert "s2" not in streams.queue
+    source.current = IDLE
+    placed = await answer_all(admission, tasks, lambda rid: None)
+    assert len(placed) == len(tasks)
+    for task in tasks.values():
+        exc = task.exception()
+        assert exc is None or status_name(exc) in REFUSAL_CODES  # type: ignore[arg-type]
+    assert len(dispatcher) == 0 and gauge(observer) == 0
+    assert not any(qlm.running)
+    assert len(admission.placer.scheduler.inflight) == 0

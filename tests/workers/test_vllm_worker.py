@@ -507,11 +507,12 @@ async def test_qlm_eviction_on_vllm_requeues_with_the_generated_tokens(cluster: 
     reference = await generate(address, "ev-ref", prompt, LOOSE_TOKENS)
     # The estimator sees a slow instance (1 s per token): the tight request would wait ~20 s behind it.
     queue = QlmQueue(QlmConfig(batch=1), [InstanceModel(1, 1.0, lambda n: 0.01)], 6000.0, 50.0)
+    # Its deadline leaves it on time re-run behind the tight one (a stream evicts only such victims).
     queue.push(
         ScheduleInput(
             "ev-loose",
             len(prompt),
-            e2e_slo_ms=600_000.0,
+            e2e_slo_ms=6_000_000.0,
             max_tokens=LOOSE_TOKENS,
             slo_class="batch",
             arrival_s=0.0,
