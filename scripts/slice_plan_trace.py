@@ -15,8 +15,6 @@ both while work waits in the instance's queue. Used to say why slices lose on lo
 from __future__ import annotations
 
 import argparse
-import json
-import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -25,11 +23,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from slice_suite import SETS, _setup
+from slice_suite import _setup, scenario_run
 
 from engine.model import ScheduledStep, SimCore
 from router.core.config import SchedulerConfig
-from router.core.slicing import SliceConfig, SliceScheduler
+from router.core.slicing import SliceScheduler
 from sim.cluster import simulate
 
 
@@ -40,12 +38,7 @@ def main() -> int:
     parser.add_argument("scenario", help="a scenario name of scripts/slice_suite.py (e.g. ib12k-4.5-s21)")
     parser.add_argument("--config", default="{}", help="SliceConfig fields as a JSON object")
     args = parser.parse_args()
-    found = [v for s in SETS.values() for k, v in s.items() if k == args.scenario]
-    if not found:
-        parser.error(f"scenario: {args.scenario!r} is not in scripts/slice_suite.py")
-    argv = found[0]
-    seed = int(shlex.split(argv)[shlex.split(argv).index("--seed") + 1])
-    config = SliceConfig(**json.loads(args.config))
+    argv, seed, config = scenario_run(parser, args.scenario, args.config)
     scheds: list[SliceScheduler] = []
     cores: dict[int, str] = {}
     rows: list[tuple[float, ...]] = []

@@ -198,6 +198,19 @@ SETS: dict[str, dict[str, str]] = {
 }
 
 
+def scenario_run(parser: argparse.ArgumentParser, name: str, config_json: str) -> tuple[str, int, Any]:
+    """A suite scenario's ``simulate`` flags, its seed and the ``SliceConfig`` from ``--config``
+    (for the scripts that trace one scenario); an unknown name is the parser's error."""
+    from router.core.slicing import SliceConfig
+
+    found = [v for s in SETS.values() for k, v in s.items() if k == name]
+    if not found:
+        parser.error(f"scenario: {name!r} is not in scripts/slice_suite.py")
+    argv = found[0]
+    words = shlex.split(argv)
+    return argv, int(words[words.index("--seed") + 1]), SliceConfig(**json.loads(config_json))
+
+
 def _setup(argv: str) -> tuple[Any, list[Any]]:
     """The fleet and the plans ``slo-router simulate ARGV`` would run (its own parser and loaders)."""
     from router.cli import build_parser

@@ -16,8 +16,6 @@ seed 002).
 from __future__ import annotations
 
 import argparse
-import json
-import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -26,10 +24,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from slice_suite import SETS, _setup
+from slice_suite import _setup, scenario_run
 
 from router.core.config import SchedulerConfig
-from router.core.slicing import SliceConfig
 from sim.cluster import simulate
 from sim.slicing import simulate_slices
 
@@ -49,12 +46,7 @@ def main() -> int:
     parser.add_argument("--config", default="{}", help="SliceConfig fields as a JSON object")
     parser.add_argument("--last", type=int, default=3, help="how many of the last requests to list")
     args = parser.parse_args()
-    found = [v for s in SETS.values() for k, v in s.items() if k == args.scenario]
-    if not found:
-        parser.error(f"scenario: {args.scenario!r} is not in scripts/slice_suite.py")
-    argv = found[0]
-    seed = int(shlex.split(argv)[shlex.split(argv).index("--seed") + 1])
-    config = SliceConfig(**json.loads(args.config))
+    argv, seed, config = scenario_run(parser, args.scenario, args.config)
     runs: dict[str, Any] = {}
     fleet, plans = _setup(argv)
     runs["least-requests"] = simulate(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from typing import Any
 
 import pytest
 
@@ -27,6 +28,19 @@ from tests.router.test_dispatch_conformance import (
 def e2e(rid: str) -> PlacementRequest:
     """An e2e-judged request (no TTFT or TPOT target): the virtual queues'."""
     return dataclasses.replace(request(rid), ttft_slo_ms=0.0, tpot_slo_ms=0.0, e2e_slo_ms=60_000.0)
+
+
+def assert_answered_and_nothing_left(
+    admission: Any, observer: Any, tasks: dict[str, asyncio.Future[Any]]
+) -> None:
+    """Every request placed or refused with a refusal's code; no request left in the router queue,
+    the queue-depth gauge, the virtual queues' running batches or the in-flight account."""
+    for task in tasks.values():
+        exc = task.exception()
+        assert exc is None or status_name(exc) in REFUSAL_CODES  # type: ignore[arg-type]
+    assert len(admission.dispatcher) == 0 and gauge(observer) == 0
+    assert not any(admission.dispatcher.qlm.running)
+    assert len(admission.placer.scheduler.inflight) == 0
 
 
 async def test_streams_and_e2e_requests_are_each_answered_once_and_nothing_stays_behind() -> None:
@@ -54,12 +68,7 @@ async def test_streams_and_e2e_requests_are_each_answered_once_and_nothing_stays
 
     placed = await answer_all(admission, tasks, running_in_the_batch)
     assert len(placed) == len(tasks) and seen_running
-    for task in tasks.values():
-        exc = task.exception()
-        assert exc is None or status_name(exc) in REFUSAL_CODES  # type: ignore[arg-type]
-    assert len(dispatcher) == 0 and gauge(observer) == 0
-    assert not any(qlm.running)
-    assert len(admission.placer.scheduler.inflight) == 0
+    assert_answered_and_nothing_left(admission, observer, tasks)
 
 
 async def test_a_stream_cancelled_in_the_router_queue_leaves_no_trace() -> None:
@@ -99,9 +108,4 @@ async def test_auto_hands_streams_to_the_router_queue_until_e2e_work_arrives() -
     source.current = IDLE
     placed = await answer_all(admission, tasks, lambda rid: None)
     assert len(placed) == len(tasks)
-    for task in tasks.values():
-        exc = task.exception()
-        assert exc is None or status_name(exc) in REFUSAL_CODES  # type: ignore[arg-type]
-    assert len(dispatcher) == 0 and gauge(observer) == 0
-    assert not any(qlm.running)
-    assert len(admission.placer.scheduler.inflight) == 0
+    assert_answered_and_nothing_left(admission, observer, tasks)
