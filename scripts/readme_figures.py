@@ -1,11 +1,11 @@
-"""Regenerate the README's simulated figures: the quick start and the real-trace table.
+"""Regenerate the README's simulated figures: its quick start and the real-trace table (docs/figures.md).
 
     .venv/bin/python scripts/readme_figures.py [--traces ../shared/traces] [--jobs 2]
 
-Runs the commands the README prints above its figures, exactly as printed, and prints the quick
-start's table as `simulate` writes it and the real-trace table as the Markdown rows the README
-carries. Everything runs in virtual time, so the figures are the same on any machine; only the wall
-time (printed per command) depends on it. Paste the output over the README's figures when the code
+Runs the commands the README and docs/figures.md print above their figures, exactly as printed, and
+prints the quick start's table as `simulate` writes it and the real-trace table as the Markdown rows
+docs/figures.md carries. Everything runs in virtual time, so the figures are the same on any machine; only the wall
+time (printed per command) depends on it. Paste the output over those figures (and the README's summary of them) when the code
 changes them, and say in the commit what moved.
 """
 
@@ -23,7 +23,7 @@ from typing import Any
 
 QUICK_START = "--neutral 4 --workload mixed --policies round-robin,slo --rates 9 --num-requests 600 --seed 0"
 # The Azure conversation trace on 8 instances at 0.7x, 1x and 1.3x of the rate at which `slo`
-# keeps 95 % (16 req/s); the README's "Real traces" section prints these commands.
+# keeps 95 % (16 req/s); docs/figures.md's "Real traces" section prints these commands.
 TRACE_BASE = "--neutral 8 --num-requests 3000 --rates 11.2,16,20.8"
 TRACE_RUNS = (
     "--policies round-robin,load-balance,slo,binpack --queue-policies edf",
