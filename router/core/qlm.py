@@ -421,7 +421,6 @@ TPOT_HEADROOM = 0.6
 #: default ``--tpot-slo-dispatch-threshold``.
 STREAM_TPOT_SHARE = 1.0
 
-
 #: A zero decode step, for :meth:`LatencyPredictor.chunked_prefill_ms` pricing a prefill stall alone.
 _NO_STEP = np.asarray(0.0)
 
