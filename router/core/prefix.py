@@ -45,9 +45,10 @@ from __future__ import annotations
 
 import enum
 import math
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable, Mapping, Sequence
-from itertools import filterfalse, repeat
+from itertools import compress, groupby, repeat
+from operator import eq
 from typing import Protocol, TypeVar
 
 import numpy as np
@@ -62,6 +63,10 @@ DEFAULT_MAX_INSTANCES = 4096
 #: Bound on the membership rows :meth:`BlockIndex._column` keeps for the cached view (each a byte
 #: per view instance); past it they are all dropped and rebuilt as lookups come.
 _MEMBER_ROWS = 256
+#: Stale entries a slot's segments may hold past twice its live hashes before they are compacted.
+_SEGMENT_SLACK = 1024
+#: Bound on the holder sets :meth:`BlockIndex._share` keeps one object of (past it, it starts over).
+_SHARED_SETS = 4096
 
 
 class PrefixRouting(str, enum.Enum):
@@ -102,6 +107,16 @@ class PrefixSource(Protocol):
         ...
 
 
+class _Segment:
+    """Hashes of one instance used together, in LRU order, and how many are still live there."""
+
+    __slots__ = ("hashes", "live")
+
+    def __init__(self, hashes: Sequence[int]) -> None:
+        self.hashes = hashes
+        self.live = len(hashes)
+
+
 class BlockIndex:
     """Per instance, an LRU set of block hashes; per hash, a bitset of the instances holding it.
 
@@ -135,7 +150,18 @@ class BlockIndex:
         self._slot: OrderedDict[str, int] = OrderedDict()  # instance -> slot, least recently touched first
         self._ids: list[str] = []  # slot -> instance ("" when free)
         self._free_slots: list[int] = []
-        self._blocks: list[OrderedDict[int, None]] = []  # slot -> its hashes, least recently used first
+        # Per slot, its LRU order kept in *segments*: runs of hashes used together (a dispatched
+        # prompt's new tail, the prefix it shares), in LRU order themselves, each with the count of
+        # its entries still live. ``_blocks`` maps each hash a slot holds to its segment; an entry of a
+        # segment is live while its hash still maps there (a later use moved it to a newer segment,
+        # or it was removed: stale, skipped). A use that is new hashes followed by whole live
+        # segments (a family's prompt sent again where its prefix is) moves those segments to the end
+        # and adds one for the new hashes: no work per held block (:meth:`_add_slot`).
+        self._blocks: list[dict[int, int]] = []  # slot -> {hash: its segment}
+        self._segments: list[OrderedDict[int, _Segment]] = []  # slot -> {id: segment}, least recent first
+        self._stored: list[int] = []  # slot -> entries in its segments, live and stale (bounded)
+        self._next_segment = 0
+        self._shared: dict[int, int] = {}  # holder set -> its one int object (:meth:`_share`)
         self._holders: dict[int, int] = {}  # hash -> bitset of slots holding it
         self._slot_epoch = 0  # bumped whenever an instance takes or leaves a slot
         self._view: tuple[object, int, IntArray] | None = None  # (ids, epoch, slot per view position)
@@ -271,40 +297,162 @@ class BlockIndex:
         self._evict(slot, limit)
 
     def _add_slot(self, slot: int, hashes: Iterable[int]) -> None:
-        """Make ``hashes`` the slot's most recently used, in order (C loops: the new ones are inserted
-        and given the slot's bit, then every hash is moved to the end in the order given, which leaves
-        the LRU order a step-by-step insert-or-move would)."""
-        bit = 1 << slot
+        """Make ``hashes`` the slot's most recently used, in order (the LRU order a step-by-step
+        insert-or-move would leave; a hash named twice counts at its last mention).
+
+        Fast: ``hashes`` are new ones followed by whole live segments, each in its own order (the
+        usual dispatch: a prompt's new tail, reversed, then the prefix it shares with the prompts
+        last sent there): the segments move to the end, one step each, after a new segment of the
+        new hashes; no work per held hash. Otherwise each run of new or held hashes becomes a new
+        segment, the held ones leaving their old segments (stale there)."""
+        seq: tuple[int, ...] = hashes if isinstance(hashes, tuple) else tuple(hashes)
+        if not seq:
+            return
         blocks = self._blocks[slot]
+        segments = self._segments[slot]
+        whole: list[int] = []  # the whole live segments ``seq`` ends with, last first
+        end = len(seq)
+        get = blocks.get
+        while end:
+            sid = get(seq[end - 1])
+            if sid is None:
+                break
+            segment = segments[sid]
+            n = len(segment.hashes)
+            if segment.live != n or n > end or sid in whole or seq[end - n : end] != segment.hashes:
+                end = -1  # (not of that shape)
+                break
+            whole.append(sid)
+            end -= n
+        if end >= 0:
+            fresh = seq[:end]
+            done = True
+            if fresh:
+                sid = self._next_segment
+                self._next_segment = sid + 1
+                before = len(blocks)
+                olds = list(
+                    map(blocks.setdefault, fresh, repeat(sid))
+                )  # (the test and the insert: one C loop)
+                if len(blocks) - before != len(fresh):  # some held, or one named twice: undone
+                    for h, old in zip(fresh, olds, strict=True):
+                        if old == sid:
+                            blocks.pop(h, None)
+                    done = False
+                else:
+                    segments[sid] = _Segment(fresh)
+                    self._stored[slot] += len(fresh)
+                    self._hold(slot, fresh)
+            if done:
+                for sid in reversed(whole):
+                    segments.move_to_end(sid)
+                return
+        seq = _last_mentions(seq)
+        for held, run_ in groupby(seq, blocks.__contains__):
+            run = tuple(run_)
+            if held:
+                for old, n in Counter(map(blocks.__getitem__, run)).items():
+                    segment = segments[old]
+                    segment.live -= n
+                    if not segment.live:
+                        del segments[old]
+                        self._stored[slot] -= len(segment.hashes)
+            sid = self._next_segment
+            self._next_segment = sid + 1
+            blocks.update(zip(run, repeat(sid)))
+            segments[sid] = _Segment(run)
+            self._stored[slot] += len(run)
+            if not held:
+                self._hold(slot, run)
+        self._bound(slot)
+
+    def _hold(self, slot: int, new: Sequence[int]) -> None:
+        """Give ``new`` (hashes the slot did not hold) the slot's bit."""
+        bit = self._bit(slot)
         holders = self._holders
-        if not isinstance(hashes, (list, tuple)):
-            hashes = list(hashes)
-        new = list(filterfalse(blocks.__contains__, hashes))
-        if new:
-            blocks.update(zip(new, repeat(None)))
-            get = holders.get
-            for h in new:
-                held = get(h)
-                holders[h] = bit if held is None else held | bit  # (a block nobody held: no int to build)
-        deque(map(blocks.move_to_end, hashes), maxlen=0)
+        before = len(holders)
+        olds = list(map(holders.setdefault, new, repeat(bit)))  # (a block nobody held: the bit as it is)
+        if len(holders) - before != len(new):
+            share = self._share
+            for h, old in zip(new, olds, strict=True):
+                if old is not bit:  # held elsewhere (never by this slot: ``new``)
+                    holders[h] = share(old | bit)
 
     def _evict(self, slot: int, limit: int | None) -> None:
-        """Drop the slot's least recently used past ``limit`` (and always past ``max_blocks_per_instance``)."""
+        """Drop the slot's least recently used past ``limit`` (and always past ``max_blocks_per_instance``):
+        the oldest segments' live entries, oldest first."""
         blocks = self._blocks[slot]
         cap = self.max_blocks_per_instance if limit is None else min(limit, self.max_blocks_per_instance)
-        cap = max(cap, 1)
-        if len(blocks) <= cap:
+        excess = len(blocks) - max(cap, 1)
+        if excess <= 0:
             return
-        mask = ~(1 << slot)
-        holders = self._holders
-        pop = blocks.popitem
-        for _ in range(len(blocks) - cap):
-            h, _ = pop(last=False)
-            rest = holders.get(h, 0) & mask
-            if rest:
-                holders[h] = rest
+        segments = self._segments[slot]
+        victims: list[int] = []
+        stored = self._stored[slot]
+        while excess > 0:  # (the segments hold every live hash: they last)
+            sid, segment = next(iter(segments.items()))
+            run = segment.hashes
+            stored -= len(run)
+            if segment.live != len(run):
+                run = tuple(compress(run, map(eq, map(blocks.get, run), repeat(sid))))
+            if len(run) <= excess:
+                del segments[sid]
+                victims.extend(run)
+                excess -= len(run)
             else:
-                holders.pop(h, None)
+                victims.extend(run[:excess])
+                segment.hashes = run = run[excess:]
+                segment.live = len(run)
+                stored += len(run)
+                excess = 0
+        self._stored[slot] = stored
+        deque(map(blocks.__delitem__, victims), maxlen=0)
+        bit = self._bit(slot)
+        holders = self._holders
+        olds = list(map(holders.pop, victims, repeat(None)))  # (one C loop: most were this slot's alone)
+        if not all(map(eq, olds, repeat(bit))):
+            mask = ~bit
+            share = self._share
+            for h, old in zip(victims, olds, strict=True):
+                if old is not None and old & mask:
+                    holders[h] = share(old & mask)
+
+    def _bound(self, slot: int) -> None:
+        """Keep the slot's stale entries within its live hashes plus a slack: past it, every segment
+        keeps only its live entries (amortised: at least as many entries went stale since the last
+        time as this reads)."""
+        blocks = self._blocks[slot]
+        if self._stored[slot] <= 2 * len(blocks) + _SEGMENT_SLACK:
+            return
+        get = blocks.get
+        for sid, segment in self._segments[slot].items():
+            if segment.live != len(segment.hashes):
+                segment.hashes = tuple(
+                    compress(segment.hashes, map(eq, map(get, segment.hashes), repeat(sid)))
+                )
+        self._stored[slot] = len(blocks)
+
+    def _bit(self, slot: int) -> int:
+        """The slot's bit, one int object per slot (shared by the holder sets it stands alone in)."""
+        return self._share(1 << slot)
+
+    def _share(self, bits: int) -> int:
+        """One int object per holder set: the blocks of a prefix held by the same instances hold the
+        same object, which a lookup's walk compares by identity first (no read of the int)."""
+        got = self._shared.get(bits)
+        if got is None:
+            if len(self._shared) >= _SHARED_SETS:
+                self._shared.clear()
+            self._shared[bits] = got = bits
+        return got
+
+    def lru_order(self, instance_id: str) -> list[int]:
+        """``instance_id``'s hashes, least recently used first (for checks, not on a decision's path)."""
+        slot = self._slot.get(instance_id)
+        if slot is None:
+            return []
+        blocks = self._blocks[slot]
+        return [h for sid, s in self._segments[slot].items() for h in s.hashes if blocks.get(h) == sid]
 
     def remove(self, instance_id: str, hashes: Iterable[int]) -> None:
         """``instance_id`` no longer holds ``hashes`` (unknown ones are ignored)."""
@@ -313,10 +461,17 @@ class BlockIndex:
             return
         bit = 1 << slot
         blocks = self._blocks[slot]
+        segments = self._segments[slot]
         for h in hashes:
-            if h in blocks:
-                del blocks[h]
+            sid = blocks.pop(h, None)
+            if sid is not None:
+                segment = segments[sid]
+                segment.live -= 1
+                if not segment.live:
+                    del segments[sid]
+                    self._stored[slot] -= len(segment.hashes)
                 self._drop_bit(h, bit)
+        self._bound(slot)
 
     def clear(self, instance_id: str) -> None:
         """``instance_id`` holds nothing (its slot is kept)."""
@@ -327,6 +482,8 @@ class BlockIndex:
         for h in self._blocks[slot]:
             self._drop_bit(h, bit)
         self._blocks[slot].clear()
+        self._segments[slot].clear()
+        self._stored[slot] = 0
 
     def forget(self, instance_id: str) -> None:
         """Drop ``instance_id`` altogether (it left the fleet)."""
@@ -359,7 +516,9 @@ class BlockIndex:
         else:
             slot = len(self._ids)
             self._ids.append(instance_id)
-            self._blocks.append(OrderedDict())
+            self._blocks.append({})
+            self._segments.append(OrderedDict())
+            self._stored.append(0)
         self._slot[instance_id] = slot
         self._slot_epoch += 1
         return slot
@@ -367,9 +526,14 @@ class BlockIndex:
     def _drop_bit(self, h: int, bit: int) -> None:
         rest = self._holders.get(h, 0) & ~bit
         if rest:
-            self._holders[h] = rest
+            self._holders[h] = self._share(rest)
         else:
             self._holders.pop(h, None)
+
+
+def _last_mentions(seq: tuple[int, ...]) -> tuple[int, ...]:
+    """``seq`` with each hash kept at its last mention only (the order an insert-or-move leaves)."""
+    return tuple(reversed(dict.fromkeys(reversed(seq))))
 
 
 def _record(bits: int, depth: int, ids: list[str], found: dict[str, int]) -> None:
@@ -412,8 +576,14 @@ class ApproximatePrefixIndex(BlockIndex):
         slot = self._touch(instance_id)
         self._add_slot(slot, hashes[::-1])
         if blocks:
-            # They hold room in the LRU, never a match: fresh (never seen) keys, no holder bit.
-            self._blocks[slot].update(zip(range((1 << 64) + first, (1 << 64) + first + blocks), repeat(None)))
+            # They hold room in the LRU, never a match: fresh (never seen) keys, no holder bit, a
+            # segment of their own (a range: no list built).
+            fresh = range((1 << 64) + first, (1 << 64) + first + blocks)
+            sid = self._next_segment
+            self._next_segment = sid + 1
+            self._blocks[slot].update(zip(fresh, repeat(sid)))
+            self._segments[slot][sid] = _Segment(fresh)
+            self._stored[slot] += blocks
         self._evict(slot, limit)
 
 
