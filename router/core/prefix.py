@@ -47,7 +47,7 @@ import enum
 import math
 from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable, Mapping, Sequence
-from itertools import compress, groupby, repeat
+from itertools import compress, groupby, islice, repeat
 from operator import eq
 from typing import Protocol, TypeVar
 
@@ -67,6 +67,10 @@ _MEMBER_ROWS = 256
 _SEGMENT_SLACK = 1024
 #: Bound on the holder sets :meth:`BlockIndex._share` keeps one object of (past it, it starts over).
 _SHARED_SETS = 4096
+#: A lookup's walk is kept for the next one from the same first block when it went this many blocks
+#: with two or more instances holding them all (:meth:`BlockIndex._groups`); at most ``_WALKS`` kept.
+_WALK_MIN = 16
+_WALKS = 4096
 
 
 class PrefixRouting(str, enum.Enum):
@@ -162,6 +166,11 @@ class BlockIndex:
         self._stored: list[int] = []  # slot -> entries in its segments, live and stale (bounded)
         self._next_segment = 0
         self._shared: dict[int, int] = {}  # holder set -> its one int object (:meth:`_share`)
+        # First block -> (holder epoch, blocks walked, running set there, groups before): the lookups'
+        # kept walks, valid while the epoch stands (bumped by any holder change but a block's first
+        # holder coming or its only holder going).
+        self._walks: dict[int, tuple[int, Sequence[int], int, tuple[tuple[int, int], ...]]] = {}
+        self._holder_epoch = 0
         self._holders: dict[int, int] = {}  # hash -> bitset of slots holding it
         self._slot_epoch = 0  # bumped whenever an instance takes or leaves a slot
         self._view: tuple[object, int, IntArray] | None = None  # (ids, epoch, slot per view position)
@@ -179,24 +188,50 @@ class BlockIndex:
         One walk down the chain ANDing each block's holders into the running set of slots holding the
         prefix so far, stopping when it is empty (a loop beats C-level ``accumulate`` here: it stops
         at the first block nobody holds, and a request's own tail is usually nobody's).
+
+        Resumed where the last walk from the same first block left off, when it went at least
+        ``_WALK_MIN`` blocks with two or more slots holding them all and no holder set changed since
+        but by a block nobody held getting its first holder or one holder dropping a block it held
+        alone (the dispatches' usual churn, a prompt's own tail): neither touches blocks two slots
+        hold, so the walk's state there stands; the blocks are compared, not their holders read.
         """
         holders = self._holders
         if not hashes or not holders:
             return []
-        held = map(holders.get, hashes, repeat(0))  # each block's holders, read in C as the walk goes
-        alive = next(held)
-        if not alive:
-            return []
-        groups: list[tuple[int, int]] = []
-        for j, bits in enumerate(held, 1):
+        first = hashes[0]
+        walk = self._walks.get(first)
+        start = 1
+        if walk is not None and walk[0] == self._holder_epoch and hashes[: len(walk[1])] == walk[1]:
+            start = len(walk[1])
+            alive = walk[2]
+            groups = list(walk[3])
+        else:
+            walk = None
+            alive = holders.get(first, 0)
+            if not alive:
+                return []
+            groups = []
+        mark: tuple[int, int, int] | None = None  # (depth, alive, groups) at the deepest change with 2+ slots
+        # Each block's holders, read in C as the walk goes.
+        for j, bits in enumerate(map(holders.get, islice(hashes, start, None), repeat(0)), start):
             if bits != alive:  # (the same set block after block is the common case: no AND to build)
                 nxt = alive & bits
                 if nxt != alive:
+                    if alive & (alive - 1):
+                        mark = (j, alive, len(groups))
                     groups.append((alive & ~nxt, j))
                     if not nxt:
-                        return groups
+                        break
                     alive = nxt
-        groups.append((alive, len(hashes)))
+        else:
+            if alive & (alive - 1):
+                mark = (len(hashes), alive, len(groups))
+            groups.append((alive, len(hashes)))
+        if mark is not None and mark[0] >= _WALK_MIN and mark[0] > start:
+            walks = self._walks
+            if len(walks) >= _WALKS:
+                walks.clear()
+            walks[first] = (self._holder_epoch, hashes[: mark[0]], mark[1], tuple(groups[: mark[2]]))
         return groups
 
     def matched_blocks(self, hashes: Sequence[int]) -> dict[str, int]:
@@ -373,6 +408,7 @@ class BlockIndex:
         before = len(holders)
         olds = list(map(holders.setdefault, new, repeat(bit)))  # (a block nobody held: the bit as it is)
         if len(holders) - before != len(new):
+            self._holder_epoch += 1  # (a block others hold gains a holder)
             share = self._share
             for h, old in zip(new, olds, strict=True):
                 if old is not bit:  # held elsewhere (never by this slot: ``new``)
@@ -411,6 +447,7 @@ class BlockIndex:
         holders = self._holders
         olds = list(map(holders.pop, victims, repeat(None)))  # (one C loop: most were this slot's alone)
         if not all(map(eq, olds, repeat(bit))):
+            self._holder_epoch += 1  # (a block others hold too loses one)
             mask = ~bit
             share = self._share
             for h, old in zip(victims, olds, strict=True):
@@ -490,6 +527,7 @@ class BlockIndex:
         if instance_id not in self._slot:
             return
         self.clear(instance_id)
+        self._holder_epoch += 1  # (its slot may go to another instance)
         slot = self._slot.pop(instance_id)
         self._ids[slot] = ""
         self._free_slots.append(slot)
@@ -524,6 +562,7 @@ class BlockIndex:
         return slot
 
     def _drop_bit(self, h: int, bit: int) -> None:
+        self._holder_epoch += 1
         rest = self._holders.get(h, 0) & ~bit
         if rest:
             self._holders[h] = self._share(rest)
