@@ -68,9 +68,11 @@ _SEGMENT_SLACK = 1024
 #: Bound on the holder sets :meth:`BlockIndex._share` keeps one object of (past it, it starts over).
 _SHARED_SETS = 4096
 #: A lookup's walk is kept for the next one from the same first block when it went this many blocks
-#: with two or more instances holding them all (:meth:`BlockIndex._groups`); at most ``_WALKS`` kept.
+#: with two or more instances holding them all (:meth:`BlockIndex._groups`); at most ``_WALKS`` kept,
+#: of at most ``_WALK_BLOCKS`` hashes in all (past either, they all go).
 _WALK_MIN = 16
 _WALKS = 4096
+_WALK_BLOCKS = 1 << 17
 
 
 class PrefixRouting(str, enum.Enum):
@@ -170,6 +172,7 @@ class BlockIndex:
         # kept walks, valid while the epoch stands (bumped by any holder change but a block's first
         # holder coming or its only holder going).
         self._walks: dict[int, tuple[int, Sequence[int], int, tuple[tuple[int, int], ...]]] = {}
+        self._walked = 0  # hashes the kept walks were given, at least what they hold
         self._holder_epoch = 0
         self._holders: dict[int, int] = {}  # hash -> bitset of slots holding it
         self._slot_epoch = 0  # bumped whenever an instance takes or leaves a slot
@@ -229,8 +232,10 @@ class BlockIndex:
             groups.append((alive, len(hashes)))
         if mark is not None and mark[0] >= _WALK_MIN and mark[0] > start:
             walks = self._walks
-            if len(walks) >= _WALKS:
+            self._walked += mark[0]  # (an upper bound: a walk replaced still counts)
+            if len(walks) >= _WALKS or self._walked > _WALK_BLOCKS:
                 walks.clear()
+                self._walked = mark[0]
             walks[first] = (self._holder_epoch, hashes[: mark[0]], mark[1], tuple(groups[: mark[2]]))
         return groups
 

@@ -54,6 +54,7 @@ def _small_bounds(slack: int) -> Iterator[None]:
     with (
         mock.patch.object(fast, "_WALK_MIN", 2),
         mock.patch.object(fast, "_WALKS", 3),
+        mock.patch.object(fast, "_WALK_BLOCKS", 12),
         mock.patch.object(fast, "_SHARED_SETS", 2),
         mock.patch.object(fast, "_SEGMENT_SLACK", slack),
     ):
@@ -125,6 +126,8 @@ def test_segments_and_kept_walks_answer_as_the_step_by_step_index(
                 assert new.matched_blocks(q) == old.matched_blocks(q)
                 got = new.matched_column(q, view)
                 assert got.tolist() == [old.matched_blocks(q).get(i, 0) for i in view]
+            assert sum(len(w[1]) for w in new._walks.values()) <= new._walked <= fast._WALK_BLOCKS
+            assert len(new._walks) <= fast._WALKS and len(new._shared) <= fast._SHARED_SETS
 
 
 @settings(max_examples=60, deadline=None)
@@ -144,6 +147,7 @@ def test_memory_stays_bounded_under_long_traffic(families: list[tuple[int, int]]
             assert len(index._blocks[slot]) <= cap
             assert index._stored[slot] <= 2 * len(index._blocks[slot]) + fast._SEGMENT_SLACK
     assert len(index._walks) <= fast._WALKS and len(index._shared) <= fast._SHARED_SETS
+    assert sum(len(w[1]) for w in index._walks.values()) <= index._walked <= fast._WALK_BLOCKS
     assert len(index._holders) <= 3 * cap
 
 
