@@ -181,6 +181,9 @@ class BlockIndex:
         # family's holders change rarely between decisions, so a lookup whose instances end at one
         # depth reuses the row instead of unpacking the bitset again (cleared with the view).
         self._members: dict[int, npt.NDArray[np.uint8]] = {}
+        # And per (holder bitset, value), the column itself, read-only: a family's lookups between
+        # two changes of its holders hand out the same column (cleared with the rows).
+        self._columns: dict[tuple[int, float], FloatArray] = {}
 
     # ------------------------------------------------------------------ reading
 
@@ -283,7 +286,15 @@ class BlockIndex:
                     if len(kept) >= _MEMBER_ROWS:
                         kept.clear()
                     kept[bits] = member
-            one: FloatArray = np.multiply(member, values[0], dtype=np.float64)
+            columns = self._columns if kept is not None else None
+            one = columns.get((bits, values[0])) if columns is not None else None
+            if one is None:
+                one = np.multiply(member, values[0], dtype=np.float64)
+                if columns is not None:
+                    if len(columns) >= _MEMBER_ROWS:
+                        columns.clear()
+                    one.setflags(write=False)
+                    columns[(bits, values[0])] = one
             return one
         packed = b"".join(bits.to_bytes(width, "little") for bits, _ in groups)
         rows = np.unpackbits(
@@ -306,6 +317,7 @@ class BlockIndex:
         if isinstance(ids, tuple):  # immutable: safe to key on its identity
             self._view = (ids, self._slot_epoch, slots)
             self._members.clear()
+            self._columns.clear()
         return slots
 
     def deepest_match(self, hashes: Sequence[int]) -> int:
