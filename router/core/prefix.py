@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections import Counter, OrderedDict, deque
+from collections import Counter, OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from itertools import compress, groupby, islice, repeat
 from operator import eq
@@ -459,17 +459,19 @@ class BlockIndex:
                 stored += len(run)
                 excess = 0
         self._stored[slot] = stored
-        deque(map(blocks.__delitem__, victims), maxlen=0)
         bit = self._bit(slot)
+        mask = ~bit
         holders = self._holders
-        olds = list(map(holders.pop, victims, repeat(None)))  # (one C loop: most were this slot's alone)
-        if not all(map(eq, olds, repeat(bit))):
-            self._holder_epoch += 1  # (a block others hold too loses one)
-            mask = ~bit
-            share = self._share
-            for h, old in zip(victims, olds, strict=True):
-                if old is not None and old & mask:
-                    holders[h] = share(old & mask)
+        pop = holders.pop
+        # One loop, both maps per hash while it is at hand (measured: faster in the decision than a
+        # C loop per map, each reading the evicted hashes cold again).
+        for h in victims:
+            del blocks[h]
+            held = pop(h, None)  # (None: a placeholder)
+            if held is not None and held != bit:  # others hold it too
+                self._holder_epoch += 1
+                if held & mask:
+                    holders[h] = self._share(held & mask)
 
     def _bound(self, slot: int) -> None:
         """Keep the slot's stale entries within its live hashes plus a slack: past it, every segment
