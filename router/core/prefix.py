@@ -23,7 +23,9 @@ interface, :class:`PrefixSource`:
 Bounded: each instance keeps at most ``max_blocks_per_instance`` hashes (the
 least recently used go first) and the index at most ``max_instances``
 instances (the least recently touched go first), so memory is at most
-``max_instances * max_blocks_per_instance`` entries whatever the traffic.
+``max_instances * max_blocks_per_instance`` entries whatever the traffic. The
+LRU order beside them (segments, below) holds at most twice an instance's
+hashes plus a slack, and the kept lookups a fixed number of hashes.
 
 Cost: a lookup reads the per-block bitsets of the instances holding each
 of the prompt's blocks (one Python int per block, a bit per instance) and
@@ -35,6 +37,16 @@ column (:func:`cached_tokens_column`) is built from the groups with a few
 numpy calls, not a Python step per matching instance: a 32k-token prompt in
 512-token blocks over 256 instances is 64 dictionary reads and big-int ANDs
 in C, whatever the fleet size and however many instances hold it.
+
+Coarser than blocks where traffic allows: an instance's LRU order is kept in
+*segments*, runs of hashes used together, so a dispatch that resends a prefix
+the instance holds as whole segments (a prompt family's head, a conversation's
+earlier turns) moves those segments and inserts only the new tail, with no work
+per held block; a lookup resumes the last walk from the same first block while
+no holder set it crossed has changed, comparing those blocks instead of reading
+their holders; and a lookup ending at one depth hands out a kept column. The
+answers are the step-by-step index's (``tests/router/core/test_prefix_fast.py``,
+``test_prefix_segments.py``).
 
 Pure and synchronous like the rest of the core: callers feed it (the router
 shell from its event stream or its dispatches, the simulator from its
