@@ -8,9 +8,11 @@ it), so the in-flight account stays realistic. Timed: the ``schedule`` call
 only. Also printed: the cost of building the per-snapshot columns when a new
 snapshot arrives (paid once per snapshot, not per decision). Figures only.
 
-``python -m bench.bench_scheduler --cpu`` times the same decision loop with the
-thread's CPU time instead of the wall clock: on a machine shared with other
-work, compare two versions with it (alternating runs).
+``python -m bench.bench_scheduler --cpu`` times the same decision loops (the
+32k-token rows too) with the thread's CPU time instead of the wall clock: on a
+machine shared with other work, compare two versions with it (alternating runs).
+``--index`` times the prefix index alone on the 32k-token rows' traffic (its
+dispatches and lookups recorded from a run, replayed on a fresh index).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from slorouter.v1 import cms_pb2
 
@@ -121,7 +124,13 @@ LONG_PROMPT_TOKENS = 32768
 PREFIX_BLOCK = 512
 
 
-def measure_long_prompt(n: int, lp: LatencyPredictor, decisions: int, routing: str) -> tuple[float, float]:
+def measure_long_prompt(
+    n: int,
+    lp: LatencyPredictor,
+    decisions: int,
+    routing: str,
+    clock: Callable[[], int] = time.perf_counter_ns,
+) -> tuple[float, float]:
     """Decision latency for 32k-token prompts: ``slo`` with ``--prefix-cache-routing routing``.
 
     With ``approximate`` the index first learns 8 prompt families (each 48 shared blocks then 16
@@ -155,14 +164,14 @@ def measure_long_prompt(n: int, lp: LatencyPredictor, decisions: int, routing: s
     for k in range(decisions + 100):
         hashes = prompt_hashes(rng.randrange(8), rng.randrange(1 << 20)) if routing != "off" else ()
         request = ScheduleInput(f"req-{k}", prompt_tokens=LONG_PROMPT_TOKENS, prefix_hashes=hashes)
-        start = time.perf_counter_ns()
+        start = clock()
         try:
             decision = scheduler.schedule(snapshot, request, now)
         except NoInstanceError:
             decision = None
         if decision is not None:
             scheduler.dispatched(decision, now)  # the index learns at dispatch: part of the decision's cost
-        elapsed = time.perf_counter_ns() - start
+        elapsed = clock() - start
         if decision is not None:
             scheduler.record(decision, now, prompt_tokens=LONG_PROMPT_TOKENS)
             pending.append(request.request_id)
@@ -289,9 +298,72 @@ def cpu_main() -> None:
             print(
                 f"  {n:5d} instances  {name:18s} CPU p50 {p50:8.1f} us   p99 {p99:8.1f} us   ({decisions} decisions)"
             )
+    print("32k-token prompt, slo, 256 instances (CPU)")
+    long_rows = {}
+    for routing in ("off", "approximate"):
+        long_rows[routing] = measure_long_prompt(256, lp, 1500, routing, clock=time.thread_time_ns)
+        p50, p99 = long_rows[routing]
+        print(
+            f"    prefix-cache-routing {routing:12s} CPU p50 {p50:8.1f} us   p99 {p99:8.1f} us   (1500 decisions)"
+        )
+    print(
+        f"    cache-aware / today's decision: {long_rows['approximate'][0] / long_rows['off'][0]:.2f}x (CPU p50)"
+    )
+
+
+def index_main(runs: int = 9) -> None:
+    """The prefix index alone (``--index``): the 32k-token rows' dispatches and lookups, recorded from
+    one run of :func:`measure_long_prompt`, replayed on a fresh index with the thread's CPU time per
+    call; the minimum over ``runs`` replays of the mean past the first 356 calls (the fleet's first
+    fill and the warm-up), per kind of call."""
+    from router.core import prefix
+
+    lp = LatencyPredictor.from_files(PROFILE / "ttft.json", PROFILE / "tpot.json")
+    calls: list[tuple[bool, tuple[Any, ...]]] = []
+    approximate: Any = prefix.ApproximatePrefixIndex
+    block: Any = prefix.BlockIndex
+    dispatched, cached_column = approximate.dispatched, block.cached_column
+
+    def record_dispatch(self: Any, *args: Any) -> None:
+        calls.append((True, args))
+        dispatched(self, *args)
+
+    def record_lookup(self: Any, *args: Any) -> Any:
+        calls.append((False, args))
+        return cached_column(self, *args)
+
+    approximate.dispatched, block.cached_column = record_dispatch, record_lookup
+    try:
+        measure_long_prompt(256, lp, 1500, "approximate")
+    finally:
+        approximate.dispatched, block.cached_column = dispatched, cached_column
+    best = {True: float("inf"), False: float("inf")}
+    for _ in range(runs):
+        index = prefix.ApproximatePrefixIndex(PREFIX_BLOCK)
+        total = {True: 0, False: 0}
+        count = {True: 0, False: 0}
+        for k, (is_dispatch, args) in enumerate(calls):
+            call = index.dispatched if is_dispatch else index.cached_column
+            start = time.thread_time_ns()
+            call(*args)
+            elapsed = time.thread_time_ns() - start
+            if k >= 356:
+                total[is_dispatch] += elapsed
+                count[is_dispatch] += 1
+        for kind in best:
+            best[kind] = min(best[kind], total[kind] / max(count[kind], 1) / 1e3)
+    print(
+        f"prefix index alone, 32k-token rows' traffic ({len(calls)} calls, CPU, min of {runs} replays): "
+        f"dispatch {best[True]:.2f} us, lookup (cached-token column) {best[False]:.2f} us"
+    )
 
 
 if __name__ == "__main__":
     import sys
 
-    cpu_main() if sys.argv[1:] == ["--cpu"] else main()
+    if sys.argv[1:] == ["--cpu"]:
+        cpu_main()
+    elif sys.argv[1:] == ["--index"]:
+        index_main()
+    else:
+        main()

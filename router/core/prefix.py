@@ -23,7 +23,9 @@ interface, :class:`PrefixSource`:
 Bounded: each instance keeps at most ``max_blocks_per_instance`` hashes (the
 least recently used go first) and the index at most ``max_instances``
 instances (the least recently touched go first), so memory is at most
-``max_instances * max_blocks_per_instance`` entries whatever the traffic.
+``max_instances * max_blocks_per_instance`` entries whatever the traffic. The
+LRU order beside them (segments, below) holds at most twice an instance's
+hashes plus a slack, and the kept lookups a fixed number of hashes.
 
 Cost: a lookup reads the per-block bitsets of the instances holding each
 of the prompt's blocks (one Python int per block, a bit per instance) and
@@ -36,6 +38,16 @@ numpy calls, not a Python step per matching instance: a 32k-token prompt in
 512-token blocks over 256 instances is 64 dictionary reads and big-int ANDs
 in C, whatever the fleet size and however many instances hold it.
 
+Coarser than blocks where traffic allows: an instance's LRU order is kept in
+*segments*, runs of hashes used together, so a dispatch that resends a prefix
+the instance holds as whole segments (a prompt family's head, a conversation's
+earlier turns) moves those segments and inserts only the new tail, with no work
+per held block; a lookup resumes the last walk from the same first block while
+no holder set it crossed has changed, comparing those blocks instead of reading
+their holders; and a lookup ending at one depth hands out a kept column. The
+answers are the step-by-step index's (``tests/router/core/test_prefix_fast.py``,
+``test_prefix_segments.py``).
+
 Pure and synchronous like the rest of the core: callers feed it (the router
 shell from its event stream or its dispatches, the simulator from its
 engines), and nothing here does I/O.
@@ -45,9 +57,10 @@ from __future__ import annotations
 
 import enum
 import math
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
-from itertools import filterfalse, repeat
+from itertools import compress, groupby, islice, repeat
+from operator import eq
 from typing import Protocol, TypeVar
 
 import numpy as np
@@ -62,6 +75,16 @@ DEFAULT_MAX_INSTANCES = 4096
 #: Bound on the membership rows :meth:`BlockIndex._column` keeps for the cached view (each a byte
 #: per view instance); past it they are all dropped and rebuilt as lookups come.
 _MEMBER_ROWS = 256
+#: Stale entries a slot's segments may hold past twice its live hashes before they are compacted.
+_SEGMENT_SLACK = 1024
+#: Bound on the holder sets :meth:`BlockIndex._share` keeps one object of (past it, it starts over).
+_SHARED_SETS = 4096
+#: A lookup's walk is kept for the next one from the same first block when it went this many blocks
+#: with two or more instances holding them all (:meth:`BlockIndex._groups`); at most ``_WALKS`` kept,
+#: of at most ``_WALK_BLOCKS`` hashes in all (past either, they all go).
+_WALK_MIN = 16
+_WALKS = 4096
+_WALK_BLOCKS = 1 << 17
 
 
 class PrefixRouting(str, enum.Enum):
@@ -102,6 +125,16 @@ class PrefixSource(Protocol):
         ...
 
 
+class _Segment:
+    """Hashes of one instance used together, in LRU order, and how many are still live there."""
+
+    __slots__ = ("hashes", "live")
+
+    def __init__(self, hashes: Sequence[int]) -> None:
+        self.hashes = hashes
+        self.live = len(hashes)
+
+
 class BlockIndex:
     """Per instance, an LRU set of block hashes; per hash, a bitset of the instances holding it.
 
@@ -135,7 +168,24 @@ class BlockIndex:
         self._slot: OrderedDict[str, int] = OrderedDict()  # instance -> slot, least recently touched first
         self._ids: list[str] = []  # slot -> instance ("" when free)
         self._free_slots: list[int] = []
-        self._blocks: list[OrderedDict[int, None]] = []  # slot -> its hashes, least recently used first
+        # Per slot, its LRU order kept in *segments*: runs of hashes used together (a dispatched
+        # prompt's new tail, the prefix it shares), in LRU order themselves, each with the count of
+        # its entries still live. ``_blocks`` maps each hash a slot holds to its segment; an entry of a
+        # segment is live while its hash still maps there (a later use moved it to a newer segment,
+        # or it was removed: stale, skipped). A use that is new hashes followed by whole live
+        # segments (a family's prompt sent again where its prefix is) moves those segments to the end
+        # and adds one for the new hashes: no work per held block (:meth:`_add_slot`).
+        self._blocks: list[dict[int, int]] = []  # slot -> {hash: its segment}
+        self._segments: list[OrderedDict[int, _Segment]] = []  # slot -> {id: segment}, least recent first
+        self._stored: list[int] = []  # slot -> entries in its segments, live and stale (bounded)
+        self._next_segment = 0
+        self._shared: dict[int, int] = {}  # holder set -> its one int object (:meth:`_share`)
+        # First block -> (holder epoch, blocks walked, running set there, groups before): the lookups'
+        # kept walks, valid while the epoch stands (bumped by any holder change but a block's first
+        # holder coming or its only holder going).
+        self._walks: dict[int, tuple[int, Sequence[int], int, tuple[tuple[int, int], ...]]] = {}
+        self._walked = 0  # hashes the kept walks were given, at least what they hold
+        self._holder_epoch = 0
         self._holders: dict[int, int] = {}  # hash -> bitset of slots holding it
         self._slot_epoch = 0  # bumped whenever an instance takes or leaves a slot
         self._view: tuple[object, int, IntArray] | None = None  # (ids, epoch, slot per view position)
@@ -143,6 +193,9 @@ class BlockIndex:
         # family's holders change rarely between decisions, so a lookup whose instances end at one
         # depth reuses the row instead of unpacking the bitset again (cleared with the view).
         self._members: dict[int, npt.NDArray[np.uint8]] = {}
+        # And per (holder bitset, value), the column itself, read-only: a family's lookups between
+        # two changes of its holders hand out the same column (cleared with the rows).
+        self._columns: dict[tuple[int, float], FloatArray] = {}
 
     # ------------------------------------------------------------------ reading
 
@@ -153,24 +206,52 @@ class BlockIndex:
         One walk down the chain ANDing each block's holders into the running set of slots holding the
         prefix so far, stopping when it is empty (a loop beats C-level ``accumulate`` here: it stops
         at the first block nobody holds, and a request's own tail is usually nobody's).
+
+        Resumed where the last walk from the same first block left off, when it went at least
+        ``_WALK_MIN`` blocks with two or more slots holding them all and no holder set changed since
+        but by a block nobody held getting its first holder or one holder dropping a block it held
+        alone (the dispatches' usual churn, a prompt's own tail): neither touches blocks two slots
+        hold, so the walk's state there stands; the blocks are compared, not their holders read.
         """
         holders = self._holders
         if not hashes or not holders:
             return []
-        held = map(holders.get, hashes, repeat(0))  # each block's holders, read in C as the walk goes
-        alive = next(held)
-        if not alive:
-            return []
-        groups: list[tuple[int, int]] = []
-        for j, bits in enumerate(held, 1):
+        first = hashes[0]
+        walk = self._walks.get(first)
+        start = 1
+        if walk is not None and walk[0] == self._holder_epoch and hashes[: len(walk[1])] == walk[1]:
+            start = len(walk[1])
+            alive = walk[2]
+            groups = list(walk[3])
+        else:
+            walk = None
+            alive = holders.get(first, 0)
+            if not alive:
+                return []
+            groups = []
+        mark: tuple[int, int, int] | None = None  # (depth, alive, groups) at the deepest change with 2+ slots
+        # Each block's holders, read in C as the walk goes.
+        for j, bits in enumerate(map(holders.get, islice(hashes, start, None), repeat(0)), start):
             if bits != alive:  # (the same set block after block is the common case: no AND to build)
                 nxt = alive & bits
                 if nxt != alive:
+                    if alive & (alive - 1):
+                        mark = (j, alive, len(groups))
                     groups.append((alive & ~nxt, j))
                     if not nxt:
-                        return groups
+                        break
                     alive = nxt
-        groups.append((alive, len(hashes)))
+        else:
+            if alive & (alive - 1):
+                mark = (len(hashes), alive, len(groups))
+            groups.append((alive, len(hashes)))
+        if mark is not None and mark[0] >= _WALK_MIN and mark[0] > start:
+            walks = self._walks
+            self._walked += mark[0]  # (an upper bound: a walk replaced still counts)
+            if len(walks) >= _WALKS or self._walked > _WALK_BLOCKS:
+                walks.clear()
+                self._walked = mark[0]
+            walks[first] = (self._holder_epoch, hashes[: mark[0]], mark[1], tuple(groups[: mark[2]]))
         return groups
 
     def matched_blocks(self, hashes: Sequence[int]) -> dict[str, int]:
@@ -217,7 +298,15 @@ class BlockIndex:
                     if len(kept) >= _MEMBER_ROWS:
                         kept.clear()
                     kept[bits] = member
-            one: FloatArray = np.multiply(member, values[0], dtype=np.float64)
+            columns = self._columns if kept is not None else None
+            one = columns.get((bits, values[0])) if columns is not None else None
+            if one is None:
+                one = np.multiply(member, values[0], dtype=np.float64)
+                if columns is not None:
+                    if len(columns) >= _MEMBER_ROWS:
+                        columns.clear()
+                    one.setflags(write=False)
+                    columns[(bits, values[0])] = one
             return one
         packed = b"".join(bits.to_bytes(width, "little") for bits, _ in groups)
         rows = np.unpackbits(
@@ -240,6 +329,7 @@ class BlockIndex:
         if isinstance(ids, tuple):  # immutable: safe to key on its identity
             self._view = (ids, self._slot_epoch, slots)
             self._members.clear()
+            self._columns.clear()
         return slots
 
     def deepest_match(self, hashes: Sequence[int]) -> int:
@@ -271,40 +361,166 @@ class BlockIndex:
         self._evict(slot, limit)
 
     def _add_slot(self, slot: int, hashes: Iterable[int]) -> None:
-        """Make ``hashes`` the slot's most recently used, in order (C loops: the new ones are inserted
-        and given the slot's bit, then every hash is moved to the end in the order given, which leaves
-        the LRU order a step-by-step insert-or-move would)."""
-        bit = 1 << slot
+        """Make ``hashes`` the slot's most recently used, in order (the LRU order a step-by-step
+        insert-or-move would leave; a hash named twice counts at its last mention).
+
+        Fast: ``hashes`` are new ones followed by whole live segments, each in its own order (the
+        usual dispatch: a prompt's new tail, reversed, then the prefix it shares with the prompts
+        last sent there): the segments move to the end, one step each, after a new segment of the
+        new hashes; no work per held hash. Otherwise each run of new or held hashes becomes a new
+        segment, the held ones leaving their old segments (stale there)."""
+        seq: tuple[int, ...] = hashes if isinstance(hashes, tuple) else tuple(hashes)
+        if not seq:
+            return
         blocks = self._blocks[slot]
+        segments = self._segments[slot]
+        whole: list[int] = []  # the whole live segments ``seq`` ends with, last first
+        end = len(seq)
+        get = blocks.get
+        while end:
+            sid = get(seq[end - 1])
+            if sid is None:
+                break
+            segment = segments[sid]
+            n = len(segment.hashes)
+            if segment.live != n or n > end or sid in whole or seq[end - n : end] != segment.hashes:
+                end = -1  # (not of that shape)
+                break
+            whole.append(sid)
+            end -= n
+        if end >= 0:
+            fresh = seq[:end]
+            done = True
+            if fresh:
+                sid = self._next_segment
+                self._next_segment = sid + 1
+                before = len(blocks)
+                olds = list(
+                    map(blocks.setdefault, fresh, repeat(sid))
+                )  # (the test and the insert: one C loop)
+                if len(blocks) - before != len(fresh):  # some held, or one named twice: undone
+                    for h, old in zip(fresh, olds, strict=True):
+                        if old == sid:
+                            blocks.pop(h, None)
+                    done = False
+                else:
+                    segments[sid] = _Segment(fresh)
+                    self._stored[slot] += len(fresh)
+                    self._hold(slot, fresh)
+            if done:
+                for sid in reversed(whole):
+                    segments.move_to_end(sid)
+                return
+        seq = _last_mentions(seq)
+        for held, run_ in groupby(seq, blocks.__contains__):
+            run = tuple(run_)
+            if held:
+                for old, n in Counter(map(blocks.__getitem__, run)).items():
+                    segment = segments[old]
+                    segment.live -= n
+                    if not segment.live:
+                        del segments[old]
+                        self._stored[slot] -= len(segment.hashes)
+            sid = self._next_segment
+            self._next_segment = sid + 1
+            blocks.update(zip(run, repeat(sid)))
+            segments[sid] = _Segment(run)
+            self._stored[slot] += len(run)
+            if not held:
+                self._hold(slot, run)
+        self._bound(slot)
+
+    def _hold(self, slot: int, new: Sequence[int]) -> None:
+        """Give ``new`` (hashes the slot did not hold) the slot's bit."""
+        bit = self._bit(slot)
         holders = self._holders
-        if not isinstance(hashes, (list, tuple)):
-            hashes = list(hashes)
-        new = list(filterfalse(blocks.__contains__, hashes))
-        if new:
-            blocks.update(zip(new, repeat(None)))
-            get = holders.get
-            for h in new:
-                held = get(h)
-                holders[h] = bit if held is None else held | bit  # (a block nobody held: no int to build)
-        deque(map(blocks.move_to_end, hashes), maxlen=0)
+        before = len(holders)
+        olds = list(map(holders.setdefault, new, repeat(bit)))  # (a block nobody held: the bit as it is)
+        if len(holders) - before != len(new):
+            self._holder_epoch += 1  # (a block others hold gains a holder)
+            share = self._share
+            for h, old in zip(new, olds, strict=True):
+                if old is not bit:  # held elsewhere (never by this slot: ``new``)
+                    holders[h] = share(old | bit)
 
     def _evict(self, slot: int, limit: int | None) -> None:
-        """Drop the slot's least recently used past ``limit`` (and always past ``max_blocks_per_instance``)."""
+        """Drop the slot's least recently used past ``limit`` (and always past ``max_blocks_per_instance``):
+        the oldest segments' live entries, oldest first."""
         blocks = self._blocks[slot]
         cap = self.max_blocks_per_instance if limit is None else min(limit, self.max_blocks_per_instance)
-        cap = max(cap, 1)
-        if len(blocks) <= cap:
+        excess = len(blocks) - max(cap, 1)
+        if excess <= 0:
             return
-        mask = ~(1 << slot)
-        holders = self._holders
-        pop = blocks.popitem
-        for _ in range(len(blocks) - cap):
-            h, _ = pop(last=False)
-            rest = holders.get(h, 0) & mask
-            if rest:
-                holders[h] = rest
+        segments = self._segments[slot]
+        victims: list[int] = []
+        stored = self._stored[slot]
+        while excess > 0:  # (the segments hold every live hash: they last)
+            sid, segment = next(iter(segments.items()))
+            run = segment.hashes
+            stored -= len(run)
+            if segment.live != len(run):
+                run = tuple(compress(run, map(eq, map(blocks.get, run), repeat(sid))))
+            if len(run) <= excess:
+                del segments[sid]
+                victims.extend(run)
+                excess -= len(run)
             else:
-                holders.pop(h, None)
+                victims.extend(run[:excess])
+                segment.hashes = run = run[excess:]
+                segment.live = len(run)
+                stored += len(run)
+                excess = 0
+        self._stored[slot] = stored
+        bit = self._bit(slot)
+        mask = ~bit
+        holders = self._holders
+        pop = holders.pop
+        # One loop, both maps per hash while it is at hand (measured: faster in the decision than a
+        # C loop per map, each reading the evicted hashes cold again).
+        for h in victims:
+            del blocks[h]
+            held = pop(h, None)  # (None: a placeholder)
+            if held is not None and held != bit:  # others hold it too
+                self._holder_epoch += 1
+                if held & mask:
+                    holders[h] = self._share(held & mask)
+
+    def _bound(self, slot: int) -> None:
+        """Keep the slot's stale entries within its live hashes plus a slack: past it, every segment
+        keeps only its live entries (amortised: at least as many entries went stale since the last
+        time as this reads)."""
+        blocks = self._blocks[slot]
+        if self._stored[slot] <= 2 * len(blocks) + _SEGMENT_SLACK:
+            return
+        get = blocks.get
+        for sid, segment in self._segments[slot].items():
+            if segment.live != len(segment.hashes):
+                segment.hashes = tuple(
+                    compress(segment.hashes, map(eq, map(get, segment.hashes), repeat(sid)))
+                )
+        self._stored[slot] = len(blocks)
+
+    def _bit(self, slot: int) -> int:
+        """The slot's bit, one int object per slot (shared by the holder sets it stands alone in)."""
+        return self._share(1 << slot)
+
+    def _share(self, bits: int) -> int:
+        """One int object per holder set: the blocks of a prefix held by the same instances hold the
+        same object, which a lookup's walk compares by identity first (no read of the int)."""
+        got = self._shared.get(bits)
+        if got is None:
+            if len(self._shared) >= _SHARED_SETS:
+                self._shared.clear()
+            self._shared[bits] = got = bits
+        return got
+
+    def lru_order(self, instance_id: str) -> list[int]:
+        """``instance_id``'s hashes, least recently used first (for checks, not on a decision's path)."""
+        slot = self._slot.get(instance_id)
+        if slot is None:
+            return []
+        blocks = self._blocks[slot]
+        return [h for sid, s in self._segments[slot].items() for h in s.hashes if blocks.get(h) == sid]
 
     def remove(self, instance_id: str, hashes: Iterable[int]) -> None:
         """``instance_id`` no longer holds ``hashes`` (unknown ones are ignored)."""
@@ -313,10 +529,17 @@ class BlockIndex:
             return
         bit = 1 << slot
         blocks = self._blocks[slot]
+        segments = self._segments[slot]
         for h in hashes:
-            if h in blocks:
-                del blocks[h]
+            sid = blocks.pop(h, None)
+            if sid is not None:
+                segment = segments[sid]
+                segment.live -= 1
+                if not segment.live:
+                    del segments[sid]
+                    self._stored[slot] -= len(segment.hashes)
                 self._drop_bit(h, bit)
+        self._bound(slot)
 
     def clear(self, instance_id: str) -> None:
         """``instance_id`` holds nothing (its slot is kept)."""
@@ -327,12 +550,15 @@ class BlockIndex:
         for h in self._blocks[slot]:
             self._drop_bit(h, bit)
         self._blocks[slot].clear()
+        self._segments[slot].clear()
+        self._stored[slot] = 0
 
     def forget(self, instance_id: str) -> None:
         """Drop ``instance_id`` altogether (it left the fleet)."""
         if instance_id not in self._slot:
             return
         self.clear(instance_id)
+        self._holder_epoch += 1  # (its slot may go to another instance)
         slot = self._slot.pop(instance_id)
         self._ids[slot] = ""
         self._free_slots.append(slot)
@@ -359,17 +585,25 @@ class BlockIndex:
         else:
             slot = len(self._ids)
             self._ids.append(instance_id)
-            self._blocks.append(OrderedDict())
+            self._blocks.append({})
+            self._segments.append(OrderedDict())
+            self._stored.append(0)
         self._slot[instance_id] = slot
         self._slot_epoch += 1
         return slot
 
     def _drop_bit(self, h: int, bit: int) -> None:
+        self._holder_epoch += 1
         rest = self._holders.get(h, 0) & ~bit
         if rest:
-            self._holders[h] = rest
+            self._holders[h] = self._share(rest)
         else:
             self._holders.pop(h, None)
+
+
+def _last_mentions(seq: tuple[int, ...]) -> tuple[int, ...]:
+    """``seq`` with each hash kept at its last mention only (the order an insert-or-move leaves)."""
+    return tuple(reversed(dict.fromkeys(reversed(seq))))
 
 
 def _record(bits: int, depth: int, ids: list[str], found: dict[str, int]) -> None:
@@ -412,8 +646,14 @@ class ApproximatePrefixIndex(BlockIndex):
         slot = self._touch(instance_id)
         self._add_slot(slot, hashes[::-1])
         if blocks:
-            # They hold room in the LRU, never a match: fresh (never seen) keys, no holder bit.
-            self._blocks[slot].update(zip(range((1 << 64) + first, (1 << 64) + first + blocks), repeat(None)))
+            # They hold room in the LRU, never a match: fresh (never seen) keys, no holder bit, a
+            # segment of their own (a range: no list built).
+            fresh = range((1 << 64) + first, (1 << 64) + first + blocks)
+            sid = self._next_segment
+            self._next_segment = sid + 1
+            self._blocks[slot].update(zip(fresh, repeat(sid)))
+            self._segments[slot][sid] = _Segment(fresh)
+            self._stored[slot] += blocks
         self._evict(slot, limit)
 
 
