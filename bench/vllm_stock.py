@@ -31,9 +31,18 @@ the router's share can be seen without the real engine's variance. Figures only,
 adds each as a side of the same rounds: direct, then each router, back to back, the order rotated
 every round; each router is judged against the direct run of its own round.
 
+``--pin`` gives the engine a core of its own: every process and thread of the engine (the gRPC
+API server, the ``EngineCore``, its worker) on one core, and the CMS, the agent, the routers and
+this client on the others (:class:`PinLayout`), for both sides alike. Unpinned, on a 2-core host
+without a GPU the engine's forward passes run on the cores the router's event loop uses, so
+each millisecond of router CPU during a burst is also a millisecond the engine does not compute;
+a GPU host does not couple them. The pinned figure is that of a host where the engine has
+compute of its own; the unpinned one is this host's. The header says which core holds what.
+
     .venv/bin/python -m bench.vllm_stock                      # the real engine (needs .venv-vllm)
     .venv/bin/python -m bench.vllm_stock --engine synthetic:8 --rounds 8
     .venv/bin/python -m bench.vllm_stock --fronts grpcio,h2   # both gRPC servers of the router
+    .venv/bin/python -m bench.vllm_stock --fronts h2 --pin    # the engine on a core of its own
 """
 
 from __future__ import annotations
@@ -42,13 +51,14 @@ import argparse
 import asyncio
 import contextlib
 import os
+import re
 import shlex
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -199,6 +209,116 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+@dataclass(frozen=True)
+class PinLayout:
+    """``--pin``: which cores hold the engine, and which the router side (CMS, agent, routers, client)."""
+
+    engine: frozenset[int]
+    rest: frozenset[int]
+
+    def engine_env(self) -> dict[str, str]:
+        """The engine's environment under this layout.
+
+        vLLM's CPU worker binds its OpenMP threads (the forward pass) to the cores
+        ``VLLM_CPU_OMP_THREADS_BIND`` lists, one thread per core. Its default, ``auto``, derives
+        the list from the cores the process may use and keeps one back for the ``EngineCore``
+        process when there are enough; on a single allowed core it warns and binds to that core.
+        Naming the engine's cores makes the count (``OMP_NUM_THREADS``, set by vLLM from the
+        list) and the binding explicit: one OpenMP thread per engine core, on that core, never on
+        the router's.
+        """
+        return {"VLLM_CPU_OMP_THREADS_BIND": _cpu_list(self.engine)}
+
+    def describe(self) -> str:
+        """The header line: which core holds what."""
+        return (
+            f"pinned: core {_cpu_list(self.engine)} = the engine (every process and thread of it; a vLLM "
+            f"engine's OpenMP threads bound there); core {_cpu_list(self.rest)} = CMS, agent, router(s), this client"
+        )
+
+
+def _cpu_list(cores: frozenset[int] | set[int]) -> str:
+    return ",".join(str(c) for c in sorted(cores))
+
+
+def pin_layout(allowed: set[int]) -> PinLayout:
+    """The engine on the highest allowed core, everything else on the others (ValueError below 2 cores)."""
+    if len(allowed) < 2:
+        raise ValueError(f"--pin needs at least 2 usable cores, this process may use {sorted(allowed)}")
+    engine = max(allowed)
+    return PinLayout(frozenset({engine}), frozenset(allowed - {engine}))
+
+
+def pin_threads(pid: int, cores: frozenset[int] | set[int]) -> int:
+    """Pin every thread of ``pid`` to ``cores`` (``sched_setaffinity`` of a pid moves only the thread
+    of that id); returns how many were pinned. Threads created afterwards inherit their creator's mask."""
+    pinned = 0
+    with contextlib.suppress(FileNotFoundError):  # the process ended
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+                os.sched_setaffinity(int(tid), cores)
+                pinned += 1
+    return pinned
+
+
+def descendants(root: int) -> list[int]:
+    """``root`` and every process below it (from ``/proc``; read once the engine has started)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo.extend(children.get(pid, []))
+    return out
+
+
+def allowed_cores(pids: list[int]) -> set[int]:
+    """The union of the cores every thread of ``pids`` may run on (what a pinning achieved)."""
+    cores: set[int] = set()
+    for pid in pids:
+        with contextlib.suppress(FileNotFoundError):
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with contextlib.suppress(OSError):
+                    cores |= os.sched_getaffinity(int(tid))
+    return cores
+
+
+@contextlib.contextmanager
+def spawned_on(cores: frozenset[int] | set[int] | None) -> Iterator[None]:
+    """Children forked inside the block start on ``cores`` (the calling thread's mask, which a fork
+    inherits, set for the block and restored); None: unchanged. The engine's processes then never
+    run a thread elsewhere, even during its start."""
+    if cores is None:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cores)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+#: vLLM's CPU engine logs its OpenMP binding: "local_rank=0, core ids=[0, 1]".
+_OMP_CORES = re.compile(r"local_rank=\d+, core ids=\[([\d, ]*)\]")
+
+
+def engine_omp_cores(log_text: str) -> str | None:
+    """The cores the engine's OpenMP threads were bound to, from its log ("0,1"); None if not logged."""
+    found = _OMP_CORES.findall(log_text)
+    if not found:
+        return None
+    return ",".join(c.strip() for c in found[-1].split(",") if c.strip())
+
+
 def cli_starter(
     root: Path, procs: list[subprocess.Popen[bytes]]
 ) -> Callable[..., tuple[subprocess.Popen[bytes], Path]]:
@@ -307,9 +427,10 @@ async def _run(
     workload: tuple[tuple[int, int], ...],
     router_args: list[str],
     fronts: list[str] | None = None,
+    pin: PinLayout | None = None,
 ) -> Pairs:
     """The paired rounds. ``fronts``: one router per ``--grpc-server`` value, sides ``router-NAME``
-    (None: one router as ``router_args`` say, side ``router``)."""
+    (None: one router as ``router_args`` say, side ``router``); ``pin``: the cores of each side."""
     import grpc
     from slorouter.v1 import router_pb2_grpc
     from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vllm_pb2_grpc
@@ -319,17 +440,28 @@ async def _run(
     model = build_tiny_model(root / "model")
     procs: list[subprocess.Popen[bytes]] = []
     engine: Any
-    if engine_spec == "real":
-        engine = StockEngineProcess(model, root / "engine.log", ENGINE_ARGS)
-    else:
-        engine = SyntheticEngineProcess(root, engine_spec.partition(":")[2] or "8", sys.executable)
-        procs.append(engine.proc)
+    own_cores = os.sched_getaffinity(0)
+    # Pinned, the engine is forked on its core (so are its children, whose masks it passes on), and
+    # this process (every thread) moves to the other cores before the CMS, agent and routers are
+    # forked from it: each inherits its side's mask from the start.
+    with spawned_on(pin.engine if pin else None):
+        if engine_spec == "real":
+            engine = StockEngineProcess(
+                model, root / "engine.log", ENGINE_ARGS, env=pin.engine_env() if pin else None
+            )
+        else:
+            engine = SyntheticEngineProcess(root, engine_spec.partition(":")[2] or "8", sys.executable)
+            procs.append(engine.proc)
+    if pin:
+        pin_threads(os.getpid(), pin.rest)
     start = cli_starter(root, procs)
     pairs = Pairs()
     try:
         started = time.perf_counter()
         await asyncio.to_thread(engine.wait_ready, ENGINE_WAIT_S)
         print(f"engine ready after {time.perf_counter() - started:.0f} s", flush=True)
+        engine_pids = descendants(engine.proc.pid)
+        omp = engine_omp_cores(engine.log_path.read_text(errors="replace")) if engine_spec == "real" else None
         cms_port, _ = start_cms_and_agent(start, engine.address, 30)
         routers: dict[str, tuple[subprocess.Popen[bytes], int]] = {}
         for front in fronts or [""]:
@@ -340,6 +472,20 @@ async def _run(
             _wait_line(log, "health: SERVING", proc, 60)
             routers[name] = (proc, port)
             print(f"{name} pid {proc.pid}", flush=True)
+        router_side = [os.getpid(), *(p.pid for p in procs if p is not engine.proc)]
+        if pin:
+            # Again, now that every thread exists: a thread a library started with its own mask moves too.
+            for pid in engine_pids:
+                pin_threads(pid, pin.engine)
+            for pid in router_side:
+                pin_threads(pid, pin.rest)
+            print(pin.describe(), flush=True)
+        print(
+            f"cores in use: engine ({len(engine_pids)} process{'es' if len(engine_pids) > 1 else ''}) {_cpu_list(allowed_cores(engine_pids))}"
+            f"{f', its OpenMP threads bound to {omp}' if omp else ''}; CMS, agent, router(s) and this "
+            f"client {_cpu_list(allowed_cores(router_side))}",
+            flush=True,
+        )
         async with contextlib.AsyncExitStack() as channels:
             engine_channel = await channels.enter_async_context(grpc.aio.insecure_channel(engine.address))
             sides: dict[str, OneRequest] = {"direct": _direct(vllm_pb2_grpc.VllmEngineStub(engine_channel))}
@@ -398,6 +544,8 @@ async def _run(
                 else:
                     pairs.load.append(os.getloadavg()[0])
     finally:
+        if pin:
+            pin_threads(os.getpid(), own_cores)
         stop_processes(procs)
         if engine_spec == "real":
             engine.stop(15)
@@ -478,6 +626,12 @@ def main(argv: list[str] | None = None) -> list[Figure]:
         help="one router per --grpc-server value given (comma-separated), each a side of the same paired "
         "rounds (default: $BENCH_VLLM_STOCK_FRONTS, else one router with the default server)",
     )
+    parser.add_argument(
+        "--pin",
+        action="store_true",
+        help="the engine's processes on one core, the CMS, agent, routers and this client on the others, "
+        "both sides alike (the layout of a host where the engine computes elsewhere; default: unpinned)",
+    )
     options = parser.parse_args([] if argv is None else argv)
     per_stream = dict(WORKLOAD)
     try:
@@ -495,9 +649,17 @@ def main(argv: list[str] | None = None) -> list[Figure]:
 
     if any(f not in GRPC_SERVERS for f in fronts) or len(set(fronts)) != len(fronts):
         parser.error(f"--fronts {options.fronts!r}: distinct values among {', '.join(GRPC_SERVERS)}")
+    pin = None
+    if options.pin:
+        try:
+            pin = pin_layout(os.sched_getaffinity(0))
+        except ValueError as exc:
+            parser.error(str(exc))
     workload = tuple((c, per_stream[c]) for c in wanted)
     streams = " / ".join(str(c) for c, _ in workload)
     what = f"stock vLLM gRPC engine through the router vs direct, {streams} streams"
+    if pin:
+        what += ", the engine pinned to a core of its own"
     if options.engine == "real" and not VLLM_PYTHON.exists():
         return without_vllm(what, MISSING_VENV_HINT)
     print_load_average()
@@ -512,6 +674,7 @@ def main(argv: list[str] | None = None) -> list[Figure]:
                     workload,
                     shlex.split(options.router_args),
                     fronts or None,
+                    pin,
                 )
             )
         except RuntimeError as exc:
@@ -524,7 +687,9 @@ def main(argv: list[str] | None = None) -> list[Figure]:
     engine = "tiny Llama (float32, eager, max_num_seqs 64)" if options.engine == "real" else options.engine
     print(
         f"router flags: {options.router_args or '(defaults)'}; workload: {PROMPT_TOKENS}-token prompts, {OUTPUT_TOKENS} output tokens, {engine}; per concurrency "
-        f"{', '.join(f'{c}×{n}' for c, n in workload)} (streams × requests each); router = slo-router router "
+        f"{', '.join(f'{c}×{n}' for c, n in workload)} (streams × requests each); "
+        f"{pin.describe() if pin else 'not pinned (every process may run on every core)'}; "
+        "router = slo-router router "
         "(own process) → vLLM's gRPC; ratio and TTFT added are per round (router vs direct back to back), "
         "summarized as the median over rounds (min–max)"
     )
