@@ -1,0 +1,120 @@
+"""``python -m bench.vllm_stock --pin``: the core layout, the engine's OpenMP binding, the pinning itself."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from bench import vllm_stock
+from bench.vllm_stock import (
+    PinLayout,
+    allowed_cores,
+    descendants,
+    engine_omp_cores,
+    pin_layout,
+    pin_threads,
+    spawned_on,
+)
+
+needs_two_cores = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 usable cores")
+
+
+def test_two_cores_give_the_engine_one_and_the_rest_the_other() -> None:
+    layout = pin_layout({0, 1})
+    assert layout == PinLayout(frozenset({1}), frozenset({0}))
+    # vLLM's CPU worker runs one OpenMP thread per listed core, bound to it: the engine's core only.
+    assert layout.engine_env() == {"VLLM_CPU_OMP_THREADS_BIND": "1"}
+    assert "core 1 = the engine" in layout.describe()
+    assert "core 0 = CMS, agent, router(s), this client" in layout.describe()
+
+
+@given(st.sets(st.integers(0, 255), min_size=2, max_size=64))
+def test_the_layout_splits_the_allowed_cores(allowed: set[int]) -> None:
+    layout = pin_layout(allowed)
+    assert len(layout.engine) == 1
+    assert layout.engine | layout.rest == allowed
+    assert not layout.engine & layout.rest
+    bound = layout.engine_env()["VLLM_CPU_OMP_THREADS_BIND"]
+    assert {int(c) for c in bound.split(",")} == set(layout.engine)
+
+
+@pytest.mark.parametrize("allowed", [set(), {3}])
+def test_fewer_than_two_cores_cannot_be_split(allowed: set[int]) -> None:
+    with pytest.raises(ValueError, match="at least 2"):
+        pin_layout(allowed)
+
+
+def test_the_cli_refuses_pin_on_one_core(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(vllm_stock.os, "sched_getaffinity", lambda pid: {0})
+    with pytest.raises(SystemExit):
+        vllm_stock.main(["--pin", "--engine", "synthetic:8"])
+    assert "--pin needs at least 2 usable cores" in capsys.readouterr().err
+
+
+def test_the_engines_openmp_binding_is_read_from_its_log() -> None:
+    log = (
+        "(EngineCore pid=1) INFO [ompmultiprocessing.py:185] OpenMP thread binding info: \n"
+        "(EngineCore pid=1) INFO [ompmultiprocessing.py:185] \tVLLM_CPU_OMP_THREADS_BIND='auto'\n"
+        "(EngineCore pid=1) INFO [ompmultiprocessing.py:185] \tlocal_rank=0, core ids=[0, 1]\n"
+    )
+    assert engine_omp_cores(log) == "0,1"
+    assert engine_omp_cores(log + "(EngineCore pid=2) INFO \tlocal_rank=0, core ids=[1]\n") == "1"
+    assert engine_omp_cores("engine ready\n") is None
+
+
+@needs_two_cores
+def test_a_child_forked_in_the_block_starts_on_the_cores_and_the_caller_gets_its_mask_back() -> None:
+    before = os.sched_getaffinity(0)
+    core = max(before)
+    with spawned_on({core}):
+        out = subprocess.run(
+            [sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        ).stdout
+    assert out.strip() == f"[{core}]"
+    assert os.sched_getaffinity(0) == before
+    with spawned_on(None):
+        assert os.sched_getaffinity(0) == before
+
+
+@needs_two_cores
+def test_every_thread_of_a_process_and_its_children_is_pinned() -> None:
+    # A child with a second thread and a grandchild: pinning each process of the tree moves them all.
+    script = (
+        "import subprocess, sys, threading\n"
+        "threading.Thread(target=sys.stdin.read, daemon=True).start()\n"
+        "g = subprocess.Popen([sys.executable, '-c', 'import sys; print(1, flush=True); sys.stdin.read()'],"
+        " stdin=subprocess.PIPE, stdout=subprocess.PIPE)\n"
+        "g.stdout.readline()\n"
+        "print('ready', flush=True)\n"
+        "sys.stdin.readline()\n"
+        "g.stdin.close(); g.wait(30)\n"
+    )
+    with subprocess.Popen(
+        [sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    ) as child:
+        try:
+            assert child.stdout is not None
+            assert child.stdout.readline().strip() == "ready"
+            tree = descendants(child.pid)
+            assert len(tree) == 2
+            assert len(os.listdir(f"/proc/{child.pid}/task")) >= 2
+            core = min(os.sched_getaffinity(0))
+            assert allowed_cores(tree) != {core}
+            pinned = sum(pin_threads(pid, {core}) for pid in tree)
+            assert pinned >= 3
+            assert allowed_cores(tree) == {core}
+        finally:
+            child.kill()
+            child.wait(30)
+    assert pin_threads(child.pid, {0}) == 0  # a process that ended: nothing to pin
