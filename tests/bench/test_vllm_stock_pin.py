@@ -14,11 +14,14 @@ from bench import vllm_stock
 from bench.vllm_stock import (
     PinLayout,
     allowed_cores,
+    apply_layout,
     descendants,
     engine_omp_cores,
+    parse_layouts,
     pin_layout,
     pin_threads,
     spawned_on,
+    thread_masks,
 )
 
 needs_two_cores = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 usable cores")
@@ -26,7 +29,7 @@ needs_two_cores = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="n
 
 def test_two_cores_give_the_engine_one_and_the_rest_the_other() -> None:
     layout = pin_layout({0, 1})
-    assert layout == PinLayout(frozenset({1}), frozenset({0}))
+    assert layout == PinLayout(frozenset({1}), frozenset({0}), "engine")
     # vLLM's CPU worker runs one OpenMP thread per listed core, bound to it: the engine's core only.
     assert layout.engine_env() == {"VLLM_CPU_OMP_THREADS_BIND": "1"}
     assert "core 1 = the engine" in layout.describe()
@@ -41,6 +44,37 @@ def test_the_layout_splits_the_allowed_cores(allowed: set[int]) -> None:
     assert not layout.engine & layout.rest
     bound = layout.engine_env()["VLLM_CPU_OMP_THREADS_BIND"]
     assert {int(c) for c in bound.split(",")} == set(layout.engine)
+
+
+def test_the_engine_layout_puts_every_engine_process_on_its_core_and_compute_only_the_worker() -> None:
+    server = "/work/.venv-vllm/bin/python -m vllm.entrypoints.launchers.grpc_server --model m"
+    engine, compute = pin_layout({0, 1}, "engine"), pin_layout({0, 1}, "compute")
+    for title in (server, "VLLM::EngineCore", "VLLM::Worker", "VLLM::Worker_TP1"):
+        assert engine.cores_for(title) == {1}
+    assert engine.spawn_cores() == {1}
+    assert compute.cores_for("VLLM::Worker") == compute.cores_for("VLLM::Worker_TP1") == {1}
+    assert compute.cores_for(server) == compute.cores_for("VLLM::EngineCore") == {0}
+    assert compute.spawn_cores() == {0}
+    # The forward pass is bound to the engine's core in both.
+    assert engine.engine_env() == compute.engine_env() == {"VLLM_CPU_OMP_THREADS_BIND": "1"}
+    assert "API server and EngineCore" in compute.describe()
+
+
+def test_pin_takes_layouts_in_turn_each_once() -> None:
+    assert parse_layouts("", {0, 1}) == [None]
+    assert parse_layouts("off", {0, 1}) == [None]
+    assert parse_layouts("engine", {0, 1}) == [pin_layout({0, 1}, "engine")]
+    assert parse_layouts("off,engine,compute", {0, 1}) == [
+        None,
+        pin_layout({0, 1}, "engine"),
+        pin_layout({0, 1}, "compute"),
+    ]
+    for bad in ("gpu", "engine,engine", "off,,off"):
+        with pytest.raises(ValueError, match="distinct values"):
+            parse_layouts(bad, {0, 1})
+    assert parse_layouts("off", {0}) == [None]  # unpinned needs no second core
+    with pytest.raises(ValueError, match="at least 2"):
+        parse_layouts("off,engine", {0})
 
 
 @pytest.mark.parametrize("allowed", [set(), {3}])
@@ -118,3 +152,47 @@ def test_every_thread_of_a_process_and_its_children_is_pinned() -> None:
             child.kill()
             child.wait(30)
     assert pin_threads(child.pid, {0}) == 0  # a process that ended: nothing to pin
+
+
+@needs_two_cores
+def test_layouts_in_turn_move_the_threads_and_off_gives_back_their_own_masks() -> None:
+    # Two stand-ins: an "engine" whose second thread bound itself to one core (as vLLM's OpenMP
+    # thread does), and a "router". Engine layout: both engine threads on the engine's core, the
+    # router on the rest; off: the bound thread back on its own core, the others on every core.
+    every = os.sched_getaffinity(0)
+    layout = pin_layout(every, "engine")
+    bound = min(every)
+    engine_script = (
+        "import os, sys, threading\n"
+        "def bound():\n"
+        f"    os.sched_setaffinity(0, {{{bound}}})\n"
+        "    print(threading.get_native_id(), flush=True)\n"
+        "    sys.stdin.read()\n"
+        "threading.Thread(target=bound, daemon=True).start()\n"
+        "sys.stdin.read()\n"
+    )
+    with (
+        subprocess.Popen(
+            [sys.executable, "-c", engine_script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        ) as engine,
+        subprocess.Popen(
+            [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE
+        ) as router,
+    ):
+        try:
+            assert engine.stdout is not None
+            bound_tid = int(engine.stdout.readline())
+            unpinned = thread_masks([engine.pid, router.pid])
+            assert unpinned[bound_tid] == {bound}
+            apply_layout(layout, [engine.pid], [router.pid], unpinned, every)
+            assert allowed_cores([engine.pid]) == layout.engine
+            assert allowed_cores([router.pid]) == layout.rest
+            apply_layout(None, [engine.pid], [router.pid], unpinned, every)
+            assert os.sched_getaffinity(bound_tid) == {bound}
+            assert os.sched_getaffinity(engine.pid) == every
+            assert allowed_cores([router.pid]) == every
+        finally:
+            engine.kill()
+            router.kill()
+            engine.wait(30)
+            router.wait(30)
