@@ -680,6 +680,45 @@ async def _run(
     return results
 
 
+#: A per-round row as :func:`_run` prints it (the layout column only when layouts took turns).
+_ROUND_ROW = re.compile(
+    r"^\s*(?P<round>\d+)\s+(?P<streams>\d+) \|\s+(?P<d_rate>[\d.]+)\s+(?P<d_ttft>[\d.]+)ms \| "
+    r"(?P<side>\S+)\s+(?P<r_rate>[\d.]+)\s+(?P<r_ttft>[\d.]+)ms \|\s+\S+\s+\S+ \|\s+(?P<cpu>[\d.]+) \| "
+    r"(?P<load>[\d.]+)(?: \| (?P<layout>\w+))?\s*$"
+)
+
+
+def pool_rounds(texts: list[str]) -> dict[str, Pairs]:
+    """The per-round rows of saved runs' output, pooled per layout (``off`` when a run printed none),
+    as :class:`Pairs` for :func:`summarize`: the median over every round of every run. A row's
+    router side is ``router-NAME`` (NAME as printed: a front's name, or ``router`` alone)."""
+    per_stream = dict(WORKLOAD)
+    results: dict[str, Pairs] = {}
+    for text in texts:
+        seen: set[tuple[str, int, int]] = set()
+        rounds: set[tuple[str, int]] = set()
+        for line in text.splitlines():
+            m = _ROUND_ROW.match(line)
+            if m is None or int(m["streams"]) not in per_stream:
+                continue
+            layout, concurrency = m["layout"] or "off", int(m["streams"])
+            pairs = results.setdefault(layout, Pairs())
+            requests = concurrency * per_stream[concurrency]
+            tokens = requests * OUTPUT_TOKENS
+            if (layout, int(m["round"]), concurrency) not in seen:
+                seen.add((layout, int(m["round"]), concurrency))
+                pairs.add(
+                    "direct", concurrency, Run(float(m["d_rate"]), float(m["d_ttft"]), tokens, requests, 0.0)
+                )
+            if (layout, int(m["round"])) not in rounds:
+                rounds.add((layout, int(m["round"])))
+                pairs.load.append(float(m["load"]))
+            side = m["side"] if m["side"] == "router" else f"router-{m['side']}"
+            cpu_s = float(m["cpu"]) * requests / 1000
+            pairs.add(side, concurrency, Run(float(m["r_rate"]), float(m["r_ttft"]), tokens, requests, cpu_s))
+    return results
+
+
 def _spread(values: list[float], fmt: str) -> str:
     """``median (min–max)`` of per-round figures."""
     return f"{format(statistics.median(values), fmt)} ({format(min(values), fmt)}–{format(max(values), fmt)})"
@@ -721,6 +760,29 @@ def summarize(
     rounds = len(pairs.load)
     text = "; ".join(done) + f"; medians over {rounds} paired rounds (min–max)"
     return text, lines
+
+
+def _pooled(paths: list[str]) -> list[Figure]:
+    """``--pool``: the summary of saved outputs' rounds, per layout and router side."""
+    results = pool_rounds([Path(path).read_text(errors="replace") for path in paths])
+    figures = []
+    order = ("off", *PIN_LAYOUTS)
+    for layout, pairs in sorted(
+        results.items(), key=lambda item: order.index(item[0]) if item[0] in order else 9
+    ):
+        workload = tuple((c, n) for c, n in WORKLOAD if ("direct", c) in pairs.runs)
+        sides = sorted({side for side, _ in pairs.runs if side != "direct"})
+        for side in sides:
+            print(
+                f"{PIN_WHAT.get(layout, layout)}, {side} ({len(pairs.load)} rounds from {len(paths)} file(s), "
+                f"load {min(pairs.load):.1f}–{max(pairs.load):.1f}):"
+            )
+            text, lines = summarize(pairs, workload, side)
+            for line in lines:
+                print(line)
+            print(text)
+            figures.append(Figure(f"pooled rounds, {PIN_WHAT.get(layout, layout)}, {side}", text))
+    return figures
 
 
 def main(argv: list[str] | None = None) -> list[Figure]:
@@ -765,7 +827,16 @@ def main(argv: list[str] | None = None) -> list[Figure]:
         "off: unpinned. Both sides alike. Several, comma-separated: taken in turn within each round, on the "
         "same engine and routers (default: unpinned)",
     )
+    parser.add_argument(
+        "--pool",
+        nargs="+",
+        metavar="OUTPUT",
+        help="run nothing: pool the per-round rows of saved outputs of this bench, per layout, and print "
+        "their summary (medians over every round of every file)",
+    )
     options = parser.parse_args([] if argv is None else argv)
+    if options.pool:
+        return _pooled(options.pool)
     per_stream = dict(WORKLOAD)
     try:
         wanted = [int(x) for x in options.streams.split(",")]

@@ -196,3 +196,37 @@ def test_layouts_in_turn_move_the_threads_and_off_gives_back_their_own_masks() -
             router.kill()
             engine.wait(30)
             router.wait(30)
+
+
+def test_saved_outputs_pool_into_one_summary_per_layout() -> None:
+    # Two runs' rows as the bench prints them: one with layouts in turn, one unpinned alone (no
+    # layout column, so "off"). Each layout's pairs hold every round of every run, in order.
+    header = "round  streams | direct tok/s TTFT p50 | side     tok/s TTFT p50 | ratio  added | router CPU ms/req | load"
+    turns = "\n".join(
+        [
+            header + " | pinned",
+            "    1       16 |         2840   31.0ms | h2       2837   32.7ms |  1.00   +1.7 |              5.94 | 4.4 | engine",
+            "    1       16 |         4323   26.0ms | h2       3685   38.9ms |  0.85  +12.9 |              5.31 | 5.7 | off",
+            "    2       16 |         4000   30.0ms | h2       4400   34.0ms |  1.10   +4.0 |              4.00 | 5.0 | off",
+            "    2       16 |         3000   30.0ms | h2       3000   33.0ms |  1.00   +3.0 |              6.00 | 5.1 | engine",
+            "warm-up round done (not counted), load 4.4",
+        ]
+    )
+    alone = "\n".join(
+        [
+            header,
+            "    1       16 |         4486   29.1ms | h2        4277   32.3ms |  0.95   +3.3 |              4.06 | 5.5",
+            "    1        1 |          480    6.0ms | h2         534    7.1ms |  1.11   +1.1 |             15.00 | 5.5",
+        ]
+    )
+    pooled = vllm_stock.pool_rounds([turns, alone])
+    assert set(pooled) == {"off", "engine"}
+    off, engine = pooled["off"], pooled["engine"]
+    assert [r.ttft_p50 for r in off.runs[("router-h2", 16)]] == [38.9, 34.0, 32.3]
+    assert off.ttft_added(16, "router-h2") == pytest.approx([12.9, 4.0, 3.2])
+    assert engine.ratios(16, "router-h2") == pytest.approx([2837 / 2840, 1.0])
+    assert len(off.load) == 3 and len(engine.load) == 2  # one per round, whatever the concurrencies
+    requests = 16 * dict(vllm_stock.WORKLOAD)[16]
+    assert off.runs[("router-h2", 16)][0].router_cpu_s == pytest.approx(5.31 * requests / 1000)
+    text, _ = vllm_stock.summarize(off, ((16, 2),), "router-h2")
+    assert "TTFT added at 16 streams +4.0 (+3.2–+12.9) ms" in text
