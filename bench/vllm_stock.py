@@ -719,6 +719,28 @@ def pool_rounds(texts: list[str]) -> dict[str, Pairs]:
     return results
 
 
+def layout_differences(texts: list[str], a: str, b: str, side: str, concurrency: int) -> list[float]:
+    """Per round of saved outputs where layouts ``a`` and ``b`` took turns: ``a``'s TTFT added at
+    ``concurrency`` minus ``b``'s in the same round (ms), for router side ``side`` (as printed)."""
+    out: list[float] = []
+    for text in texts:
+        added: dict[tuple[str, int], float] = {}
+        for line in text.splitlines():
+            m = _ROUND_ROW.match(line)
+            if m and m["side"] == side and int(m["streams"]) == concurrency:
+                added[(m["layout"] or "off", int(m["round"]))] = float(m["r_ttft"]) - float(m["d_ttft"])
+        out.extend(added[(a, r)] - added[(b, r)] for layout, r in added if layout == a and (b, r) in added)
+    return out
+
+
+def _quartiles(values: list[float]) -> str:
+    """``median (first quartile…third quartile)``."""
+    if len(values) < 2:
+        return f"{statistics.median(values):+.1f}"
+    q1, _, q3 = statistics.quantiles(values, n=4)
+    return f"{statistics.median(values):+.1f} ({q1:+.1f}…{q3:+.1f})"
+
+
 def _spread(values: list[float], fmt: str) -> str:
     """``median (min–max)`` of per-round figures."""
     return f"{format(statistics.median(values), fmt)} ({format(min(values), fmt)}–{format(max(values), fmt)})"
@@ -781,7 +803,27 @@ def _pooled(paths: list[str]) -> list[Figure]:
             for line in lines:
                 print(line)
             print(text)
+            quartiles = " / ".join(_quartiles(pairs.ttft_added(c, side)) for c, _ in workload)
+            print(
+                f"TTFT added at {' / '.join(str(c) for c, _ in workload)} streams, median (quartiles): {quartiles} ms"
+            )
             figures.append(Figure(f"pooled rounds, {PIN_WHAT.get(layout, layout)}, {side}", text))
+    texts = [Path(path).read_text(errors="replace") for path in paths]
+    for a in PIN_LAYOUTS:
+        for b in ("off", *PIN_LAYOUTS):
+            for side in sorted(
+                {side for pairs in results.values() for side, _ in pairs.runs if side != "direct"}
+            ):
+                printed = side.removeprefix("router-")[:6]
+                for concurrency, _ in WORKLOAD:
+                    diffs = (
+                        layout_differences(texts, a, b, printed, concurrency) if a < b or b == "off" else []
+                    )
+                    if diffs:
+                        print(
+                            f"within a round, {a} − {b} TTFT added at {concurrency} streams ({side}): "
+                            f"{_quartiles(diffs)} ms, {a} lower in {sum(d < 0 for d in diffs)} of {len(diffs)}"
+                        )
     return figures
 
 

@@ -230,3 +230,21 @@ def test_saved_outputs_pool_into_one_summary_per_layout() -> None:
     assert off.runs[("router-h2", 16)][0].router_cpu_s == pytest.approx(5.31 * requests / 1000)
     text, _ = vllm_stock.summarize(off, ((16, 2),), "router-h2")
     assert "TTFT added at 16 streams +4.0 (+3.2–+12.9) ms" in text
+
+
+def test_layouts_are_compared_round_by_round_within_each_output() -> None:
+    # Round numbers restart in each output: a round pairs only with the same round of the same run,
+    # and a round where one layout is missing pairs with nothing.
+    def row(round_: int, d_ttft: float, r_ttft: float, layout: str) -> str:
+        return (
+            f"{round_:>5} {16:>8} | {3000:>12} {d_ttft:>6.1f}ms | h2     {3000:>6} {r_ttft:>6.1f}ms | "
+            f" 1.00 {r_ttft - d_ttft:>+6.1f} | {5.0:>17.2f} | 5.0 | {layout}"
+        )
+
+    first = "\n".join([row(1, 30, 32, "engine"), row(1, 30, 40, "off"), row(2, 30, 35, "off")])
+    second = "\n".join([row(1, 28, 29, "off"), row(1, 28, 33, "engine")])
+    assert vllm_stock.layout_differences([first, second], "engine", "off", "h2", 16) == pytest.approx(
+        [-8.0, 4.0]
+    )
+    assert vllm_stock.layout_differences([first, second], "engine", "off", "h2", 64) == []
+    assert vllm_stock.layout_differences([first, second], "compute", "off", "h2", 16) == []
