@@ -34,19 +34,21 @@ every round; each router is judged against the direct run of its own round.
 ``--pin`` gives the engine a core of its own: every process and thread of the engine (the gRPC
 API server, the ``EngineCore``, its worker) on one core, and the CMS, the agent, the routers and
 this client on the others (:class:`PinLayout`), for both sides alike. Unpinned, on a 2-core host
-without a GPU the engine's forward passes run on the cores the router's event loop uses, so
-each millisecond of router CPU during a burst is also a millisecond the engine does not compute;
-a GPU host does not couple them. ``--pin compute`` puts only the engine's worker process (the
-forward passes) on that core, and the engine's API server and ``EngineCore`` with the router side:
-the closer analogue of a GPU, which takes the forward pass and nothing else. The pinned figures
-are those of a host where the engine has compute of its own; the unpinned ones are this host's.
-The header says which core holds what.
+without a GPU the engine's intake, scheduler and forward passes run on the cores the router's event
+loop uses, so router CPU during a burst can delay the engine too; a GPU host does not couple them.
+``--pin compute`` puts only the engine's worker process (the forward passes) on that core, and the
+engine's API server and ``EngineCore`` with the router side. The pinned figures are those of a host
+where the engine has compute of its own; the unpinned ones are this host's. The header says which
+core holds what. ``--pin off,engine,compute`` takes the layouts in turn within each round (every
+thread moved between them), so they are compared under the same neighbours' load; ``--pool
+OUTPUT...`` pools saved outputs' rounds per layout and runs nothing.
 
     .venv/bin/python -m bench.vllm_stock                      # the real engine (needs .venv-vllm)
     .venv/bin/python -m bench.vllm_stock --engine synthetic:8 --rounds 8
     .venv/bin/python -m bench.vllm_stock --fronts grpcio,h2   # both gRPC servers of the router
     .venv/bin/python -m bench.vllm_stock --fronts h2 --pin    # the engine on a core of its own
     .venv/bin/python -m bench.vllm_stock --fronts h2 --pin compute   # only its forward passes there
+    .venv/bin/python -m bench.vllm_stock --fronts h2 --pin off,engine  # both, in turn in each round
 """
 
 from __future__ import annotations
