@@ -31,7 +31,6 @@ FILTER_PARAMS: dict[str, dict[str, Any]] = {
     "exclude_reserved": {"reserve": "decode"},
     "prefill_room": {},
     "decode_idle": {},
-    "late_edge": {},
     "failover": {"domain": "node-unit"},
 }
 SELECTOR_PARAMS: dict[str, dict[str, Any]] = {
