@@ -613,9 +613,7 @@ def _predicted_tpot_residents(ctx: DecisionContext, config: SchedulerConfig) -> 
     return out
 
 
-def atgt_slack_ms(
-    ctx: DecisionContext, tpot_target_ms: float, theta: float = 1.0, legs_of: str = ""
-) -> FloatArray:
+def atgt_slack_ms(ctx: DecisionContext, tpot_target_ms: float, theta: float = 1.0) -> FloatArray:
     """Per instance, the least ATGT slack (ms) of a request decoding there; inf where none does.
 
     A leg that has produced ``g`` tokens and is predicted to produce ``r``
@@ -646,9 +644,6 @@ def atgt_slack_ms(
     deadline-judged request is paced under) is read as a deadline's: a class
     with its own TPOT target below the default is then held to θ of it here,
     the cautious side.
-
-    ``legs_of``: ``"tpot"`` counts only the legs judged on their TPOT, ``"paced"`` only the
-    deadline-paced ones (as read above), ``""`` every leg.
     """
     n = ctx.view.n
     legs = ctx.view.resident_legs()
@@ -689,8 +684,6 @@ def atgt_slack_ms(
         step_now = ctx.metric("decode_step_ms")[at]
         spare_now = np.where(np.isnan(step_now), 0.0, target - step_now)
         budget = budget + legs.generated[started] * spare_now
-    if legs_of:
-        budget = np.where(paced if legs_of == "paced" else ~paced, budget, np.inf)
     np.minimum.at(out, at, budget)
     return out
 

@@ -27,7 +27,6 @@ from typing import Any
 
 import yaml
 
-from router.core import binpack_edge as _binpack_edge  # noqa: F401  (registers late_edge)
 from router.core import filters as _filters  # noqa: F401  (registers the filters)
 from router.core import metrics as _metrics  # noqa: F401  (registers the metrics)
 from router.core import packing as _packing  # noqa: F401  (registers the packing metrics)
@@ -325,10 +324,6 @@ def _atgt_slack(config: SchedulerConfig, **extra: Any) -> dict[str, Any]:
     }
 
 
-#: ``binpack``'s last fallback pass on neutral instances: (d) dropped, ``late_edge`` in its place.
-LATE_EDGE_PASS = 3
-
-
 def _binpack(config: SchedulerConfig) -> dict[str, Any]:
     """Aladdin's placement (seed 001, Algorithm 1): best fit by capacity_norm among the instances that
     meet every constraint, the constraints held as constraints.
@@ -382,11 +377,7 @@ def _binpack(config: SchedulerConfig) -> dict[str, Any]:
             _not_overpacked(relax_pass=2),
             kv,
             horizon,
-            # (d) is dropped in the last pass, which late_edge gates: outside a request's late edge it
-            # keeps only what (d) keeps; at the edge, the instance (d) violates least, within a cap
-            # (router/core/binpack_edge.py). A request no instance admits there waits, as before.
-            _atgt_slack(config, **hard, relax_pass=LATE_EDGE_PASS),
-            {"name": "late_edge"},
+            _atgt_slack(config, **hard),
             "failover",
         ],
         "selector": "binpack",

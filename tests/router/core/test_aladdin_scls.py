@@ -100,66 +100,6 @@ def test_heartbeats_count_the_instances_holding_work() -> None:
     assert all(0 < b.workers <= 1.0 for b in beats)
 
 
-def _edge_view(generated: float, need_ms: float):  # type: ignore[no-untyped-def]
-    """One neutral instance holding four chat legs of 400 tokens, 150 more expected, each with
-    ``generated`` tokens produced and TPOT need ``need_ms`` (below the 50 ms target: deadline-paced)."""
-    import dataclasses
-
-    from router.core.columns import ResidentLegs, StaticResidents
-
-    scheduler = make_scheduler("binpack", tpot_slo_ms=50.0, ttft_slo_ms=1000.0)
-    snapshot = make_snapshot(inst("n", "neutral", decode_requests=4, decode_tokens=1600, used_kv_tokens=1600))
-    view = scheduler.view(snapshot, NOW)
-    legs = ResidentLegs(
-        np.zeros(4, dtype=np.intp),
-        np.full(4, 400.0),
-        np.full(4, 150.0),
-        np.ones(4, dtype=bool),
-        np.full(4, generated),
-        np.full(4, need_ms),
-    )
-    return scheduler, dataclasses.replace(view, residents=StaticResidents(legs), load_memo={})
-
-
-@pytest.mark.parametrize("waited_s", [0.0, 0.4])
-def test_binpack_places_a_prompt_d_refuses_at_its_late_edge_on_the_instance_d_binds_least(
-    waited_s: float,
-) -> None:
-    """A 3,000-token chat prompt whose stall is 0.79 of the residents' least ATGT slack, over θ (0.7):
-    (d) refuses it while its TTFT budget has room to wait; at the late edge of that budget (the
-    budget left within a quarter of the target of its predicted TTFT, 505 ms) it takes the instance
-    (d) binds least, within the cap (0.85), rather than wait to be refused by the router queue's late
-    path. Before ``late_edge``, refused at both moments."""
-    from router.core.binpack_edge import EDGE_CAP
-
-    scheduler, view = _edge_view(5.0, 50.0)
-    request = make_request("new", 3000, max_tokens=64, ttft_slo_ms=1000.0, arrival_s=NOW - waited_s)
-    ctx = scheduler.context(view, request, NOW)
-    ratio = float(ctx.metric("prefill_over_atgt_slack")[0])
-    theta = scheduler.config.binpack_theta
-    assert theta < ratio <= EDGE_CAP
-    left = 1000.0 - waited_s * 1e3 - float(ctx.metric("predicted_ttft")[0])
-    if left > 250.0:
-        with pytest.raises(NoInstanceError):
-            scheduler.schedule(view, request, NOW, dry_run=True)
-    else:
-        decision = scheduler.schedule(view, request, NOW, dry_run=True)
-        assert decision.prefill is not None and decision.prefill.instance_id == "n"
-
-
-@pytest.mark.parametrize(("generated", "need_ms"), [(0.0, 50.0), (5.0, 30.0)])
-def test_binpack_at_the_late_edge_still_refuses_past_the_cap_or_a_deadline_paced_residents_theta(
-    generated: float, need_ms: float
-) -> None:
-    """At the late edge (0) a stall over the cap of the TPOT-judged residents' slack (nothing saved
-    yet: 1.10) still waits; (1) deadline-paced residents keep (d) within θ of their slack (their
-    pace is what their deadline needs: no headroom to spend)."""
-    scheduler, view = _edge_view(generated, need_ms)
-    request = make_request("new", 3000, max_tokens=64, ttft_slo_ms=1000.0, arrival_s=NOW - 0.4)
-    with pytest.raises(NoInstanceError):
-        scheduler.schedule(view, request, NOW, dry_run=True)
-
-
 # ----------------------------------------------------------------------------- SCLS (002)
 
 
