@@ -918,6 +918,22 @@ def test_a_long_prompt_is_not_pulled_beside_a_stream_its_prefill_would_push_past
     q.push(dataclasses.replace(tight("s2", prompt=20_000), ttft_slo_ms=5000.0), 0.0)
     q.expected_missing[-1] = 1  # what a plan records for a group it expects late
     assert q.pump(0.0) == []
+    # And while e2e work arrives (the only time ``--qlm-streams auto`` gives the virtual queues a
+    # stream), with the plan still expecting every request on time: the ``slo`` policy, which places
+    # the streams under ``edf``, checks every stream's prefill against the streams running. An e2e
+    # request seen 10 s ago (it has ended since) is enough; one seen 40 s ago
+    # (past the 30 s memory) is not.
+    for seen_s, held in ((10.0, True), (40.0, False)):
+        q = QlmQueue(QlmConfig(), [m], 6000.0, 50.0)
+        q.push(loose_by("e", 600.0, out=100), 0.0)
+        assert [d.request.request_id for d in q.pump(0.0)] == ["e"]
+        q.finished("e", 100, 0.5)
+        q.push(tight("s", seen_s), seen_s)
+        assert len(q.pump(seen_s)) == 1
+        q.push(dataclasses.replace(tight("s2", seen_s, prompt=20_000), ttft_slo_ms=5000.0), seen_s)
+        assert not any(q.expected_missing.values())
+        assert (q.pump(seen_s) == []) is held
+        q.check_invariants()
 
 
 def test_the_streams_reserve_slows_the_batch_with_and_without_the_pull_alike() -> None:
