@@ -918,6 +918,22 @@ def test_a_long_prompt_is_not_pulled_beside_a_stream_its_prefill_would_push_past
     q.push(dataclasses.replace(tight("s2", prompt=20_000), ttft_slo_ms=5000.0), 0.0)
     q.expected_missing[-1] = 1  # what a plan records for a group it expects late
     assert q.pump(0.0) == []
+    # And while e2e work arrives (the only time ``--qlm-streams auto`` gives the virtual queues a
+    # stream), with the plan still expecting every request on time: the ``slo`` policy, which places
+    # the streams under ``edf``, checks every stream's prefill against the streams running. An e2e
+    # request seen 10 s ago (it has ended since) is enough; one seen 40 s ago
+    # (past the 30 s memory) is not.
+    for seen_s, held in ((10.0, True), (40.0, False)):
+        q = QlmQueue(QlmConfig(), [m], 6000.0, 50.0)
+        q.push(loose_by("e", 600.0, out=100), 0.0)
+        assert [d.request.request_id for d in q.pump(0.0)] == ["e"]
+        q.finished("e", 100, 0.5)
+        q.push(tight("s", seen_s), seen_s)
+        assert len(q.pump(seen_s)) == 1
+        q.push(dataclasses.replace(tight("s2", seen_s, prompt=20_000), ttft_slo_ms=5000.0), seen_s)
+        assert not any(q.expected_missing.values())
+        assert (q.pump(seen_s) == []) is held
+        q.check_invariants()
 
 
 def test_the_streams_reserve_slows_the_batch_with_and_without_the_pull_alike() -> None:
@@ -1104,7 +1120,7 @@ def test_a_running_requests_progress_follows_the_step_of_each_batch_it_ran_in() 
 def test_a_queued_request_past_its_late_allowance_is_refused_not_served_last() -> None:
     # The router queue's bounded late path, which qlm shares: a TTFT-judged request (500 ms target)
     # that cannot start is judged once its deadline has passed, and goes once its first token, its
-    # prefill (60 ms) started now, would come more than one target past its deadline; an e2e one once
+    # prefill started when an instance has room, would come more than one target past its deadline; an e2e one once
     # its completion, started now at the mean, would.
     q = roomy(batch=1, most=1)
     q.push(loose_by("busy", 600.0), 0.0)
@@ -1112,8 +1128,9 @@ def test_a_queued_request_past_its_late_allowance_is_refused_not_served_last() -
     q.push(tight("t", arrival=0.0), 0.0)
     q.push(loose_by("e", 2.0, out=100), 0.0)  # e2e 2 s; 100 tokens at 20 ms: 2.07 s at the mean
     assert q.lapsed(0.4, 1.0) == []  # before its deadline: the plan's business
-    assert q.lapsed(0.9, 1.0) == []  # 0.96 s: within one target past its 0.5 s deadline
-    assert [r.request_id for r in q.lapsed(0.95, 1.0)] == ["t"]  # 1.01 s
+    # Its prefill (60 ms) started now would come within one target past its 0.5 s deadline, but the
+    # engine's one sequence frees only when ``busy`` ends, minutes later: it goes at once.
+    assert [r.request_id for r in q.lapsed(0.9, 1.0)] == ["t"]
     assert "t" not in q and "e" in q
     assert q.lapsed(1.95, 1.0) == []  # hopeless, but its deadline (2 s) is still ahead
     assert [r.request_id for r in q.lapsed(2.01, 1.0)] == ["e"]  # 2.01 + 2.07 s: past 2 s beyond it
@@ -1305,3 +1322,23 @@ def test_under_edf_streams_the_reserve_is_held_only_while_the_plan_expects_every
     assert seqs == 0
     assert pulled(False) < pulled(True) == 20
     assert pulled(True, streams="qlm") == pulled(False, streams="qlm") < 20  # the virtual queues keep it
+
+
+def test_a_late_stream_is_refused_once_no_instance_could_start_it_within_its_allowance() -> None:
+    # One sequence an instance: e2e request e (1,000 tokens at 10 ms) holds the only one. Stream s
+    # (TTFT 500 ms) arrived at 0; at 0.6 s its deadline has passed and, with --late-allowance 1, its
+    # first token must come by 1.0 s. Its prefill alone (50 ms) would make it; the seat frees only
+    # when e ends, seconds later: refused. Beside a request that ends at once it is kept.
+    m = InstanceModel(
+        4, STEP_S, lambda n: 0.05 + n * 1e-4, most=1, kv_tokens=100_000, step_s=lambda b, t: 0.01 * b
+    )
+    for out, refused in ((1000, True), (1, False)):
+        q = QlmQueue(QlmConfig(eviction="off"), [m], 6000.0, 50.0)
+        q.push(loose_by("e", 600.0, out=out), 0.0)
+        assert [d.request.request_id for d in q.pump(0.0)] == ["e"]
+        q.push(tight("s"), 0.0)
+        assert q.pump(0.0) == []
+        late = [r.request_id for r in q.lapsed(0.6, 1.0)]
+        assert (late == ["s"]) is refused
+        assert ("s" in q) is not refused
+        q.check_invariants()
