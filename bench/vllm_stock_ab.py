@@ -48,6 +48,7 @@ from bench.vllm_stock import (
     _cpu_s,
     _prompt,
     _wait_line,
+    descendants,
     start_cms_and_agent,
     stop_processes,
 )
@@ -70,25 +71,6 @@ class Cell:
     agent_cpu: float = 0.0
     seconds: float = 0.0
     switches: int = 0
-
-
-def _tree_pids(root: int) -> list[int]:
-    """``root`` and its descendants (read once, after start-up: the engine's processes are stable)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(entry.name))
-    out, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        out.append(pid)
-        todo.extend(children.get(pid, []))
-    return out
 
 
 def _cpu_many(pids: list[int]) -> float:
@@ -203,7 +185,7 @@ async def _run(options: argparse.Namespace, root: Path) -> dict[str, dict[int, C
     cells: dict[str, dict[int, Cell]] = {}
     try:
         await asyncio.to_thread(engine.wait_ready, 600.0)
-        engine_pids = _tree_pids(engine.proc.pid)
+        engine_pids = descendants(engine.proc.pid)
         cms_port, agent = start_cms_and_agent(
             lambda name, *args: start(name, REPO if name == "cms" else agent_dir, *args),
             engine.address,

@@ -23,6 +23,14 @@ from fleet.prefix import id_block_hashes
 
 BLOCK = 16
 
+
+def index_pair(kind: str, other: str, bounds: dict[str, int]) -> tuple[Any, Any]:
+    """The fast index of ``kind`` (``approximate``, ``exact``, else the class named ``other``) and the
+    step-by-step reference one, with the same bounds."""
+    name = {"approximate": "ApproximatePrefixIndex", "exact": "ExactPrefixIndex"}.get(kind, other)
+    return getattr(fast, name)(BLOCK, **bounds), getattr(ref, name)(BLOCK, **bounds)
+
+
 # A step: (kind, instance, hashes, capacity in blocks, private tokens).
 _STEP = st.tuples(
     st.sampled_from(
@@ -113,14 +121,7 @@ def test_fast_lookup_and_dispatch_equal_the_step_by_step_index(
     data: st.DataObject,
 ) -> None:
     bounds = {"max_instances": max_instances, "max_blocks_per_instance": 7}
-    new: Any
-    old: Any
-    if kind == "approximate":
-        new, old = fast.ApproximatePrefixIndex(BLOCK, **bounds), ref.ApproximatePrefixIndex(BLOCK, **bounds)
-    elif kind == "exact":
-        new, old = fast.ExactPrefixIndex(BLOCK, **bounds), ref.ExactPrefixIndex(BLOCK, **bounds)
-    else:
-        new, old = fast.AutoPrefixIndex(BLOCK, **bounds), ref.AutoPrefixIndex(BLOCK, **bounds)
+    new, old = index_pair(kind, "AutoPrefixIndex", bounds)
     # One view tuple kept across the steps (as a router's layout is while the fleet stands), in a
     # shuffled order and with an instance the index never hears of: slots change under it.
     names = [f"i{k}" for k in range(6)] + ["ghost"]

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 import router.core.prefix as fast
 import tests.router.core.prefix_reference as ref
 from fleet.prefix import id_block_hashes
-from tests.router.core.test_prefix_fast import _state
+from tests.router.core.test_prefix_fast import _state, index_pair
 
 BLOCK = 16
 
@@ -106,14 +106,7 @@ def test_segments_and_kept_walks_answer_as_the_step_by_step_index(
     lookups: list[tuple[int, int, int]],
 ) -> None:
     bounds = {"max_instances": 4, "max_blocks_per_instance": 10}
-    new: Any
-    old: Any
-    if kind == "approximate":
-        new, old = fast.ApproximatePrefixIndex(BLOCK, **bounds), ref.ApproximatePrefixIndex(BLOCK, **bounds)
-    elif kind == "exact":
-        new, old = fast.ExactPrefixIndex(BLOCK, **bounds), ref.ExactPrefixIndex(BLOCK, **bounds)
-    else:
-        new, old = fast.BlockIndex(BLOCK, **bounds), ref.BlockIndex(BLOCK, **bounds)
+    new, old = index_pair(kind, "BlockIndex", bounds)
     view = ("i3", "i0", "ghost", "i4", "i1", "i2")
     queries = [_chain(*q) for q in lookups]
     with _small_bounds(slack):
