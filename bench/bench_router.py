@@ -16,7 +16,6 @@ Figures only; nothing is asserted.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import statistics
 import subprocess
@@ -31,6 +30,7 @@ import httpx2 as httpx
 from slorouter.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 from bench.figures import Figure
+from bench.vllm_stock import pin_threads
 from cms.call_auth import read_worker_token
 
 REPO = Path(__file__).resolve().parent.parent
@@ -266,13 +266,6 @@ def _edge(streams: str) -> tuple[float, float] | None:
             up.stdout.close()
 
 
-def _pin_process(pid: int, cores: set[int]) -> None:
-    """Pin every thread of ``pid`` (sched_setaffinity of a pid moves only its main thread)."""
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
-            os.sched_setaffinity(int(tid), cores)
-
-
 def main(
     runs_wanted: tuple[tuple[float, float, int, str, bool], ...] = RUNS,
     edge_runs: tuple[str, ...] = EDGE_RUNS,
@@ -365,8 +358,8 @@ def _run(speed: float, interval_ms: float, processes: int, streams: str, pinned:
             print("slo-router up did not start; no figures")
             return None
         if pinned:
-            _pin_process(up.pid, {ROUTER_CORE})
-            _pin_process(os.getpid(), {OTHER_CORE})
+            pin_threads(up.pid, {ROUTER_CORE})
+            pin_threads(os.getpid(), {OTHER_CORE})
             print(
                 f"pinned: router (+CMS) on core {ROUTER_CORE}, workers and this client on core {OTHER_CORE}"
             )
@@ -375,7 +368,7 @@ def _run(speed: float, interval_ms: float, processes: int, streams: str, pinned:
         return asyncio.run(_measure(router_addr, worker_addrs, speed, interval_ms, router_pids, worker_token))
     finally:
         if pinned:
-            _pin_process(os.getpid(), own_cores)
+            pin_threads(os.getpid(), own_cores)
         up.terminate()
         up.wait(timeout=30)
         if up.stdout is not None:
