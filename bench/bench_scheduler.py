@@ -183,6 +183,25 @@ def measure_long_prompt(
     return _percentiles(samples)
 
 
+def long_prompt_rows(
+    lp: LatencyPredictor, clock: Callable[[], int] = time.perf_counter_ns, unit: str = ""
+) -> tuple[dict[str, tuple[float, float]], float]:
+    """The 32k-token rows at 256 instances, ``off`` and ``approximate``, printed; the rows and the
+    p50 ratio (``unit``: ``"CPU "`` when ``clock`` is the thread's CPU time)."""
+    print(
+        f"32k-token prompt ({LONG_PROMPT_TOKENS} tokens, {PREFIX_BLOCK}-token prefix blocks), slo, 256 instances"
+    )
+    rows = {}
+    for routing in ("off", "approximate"):
+        rows[routing] = p50, p99 = measure_long_prompt(256, lp, 1500, routing, clock=clock)
+        print(
+            f"    prefix-cache-routing {routing:12s} {unit}p50 {p50:8.1f} us   p99 {p99:8.1f} us   (1500 decisions)"
+        )
+    ratio = rows["approximate"][0] / rows["off"][0]
+    print(f"    cache-aware / today's decision: {ratio:.2f}x ({unit}p50)")
+    return rows, ratio
+
+
 def table_build_ms(n: int) -> tuple[float, float, float]:
     """Median cost of the per-snapshot columns: a first snapshot, a new one with the same metadata
     (every status new), and an update that touches 64 instances (the others' status objects kept,
@@ -237,18 +256,7 @@ def main() -> list[Figure]:
             print(
                 f"  {n:5d} instances  {name:18s} p50 {p50:8.1f} us   p99 {p99:8.1f} us   ({decisions} decisions)"
             )
-    print(
-        f"32k-token prompt ({LONG_PROMPT_TOKENS} tokens, {PREFIX_BLOCK}-token prefix blocks), slo, 256 instances"
-    )
-    long_rows = {}
-    for routing in ("off", "approximate"):
-        long_rows[routing] = measure_long_prompt(256, lp, 1500, routing)
-        p50, p99 = long_rows[routing]
-        print(
-            f"    prefix-cache-routing {routing:12s} p50 {p50:8.1f} us   p99 {p99:8.1f} us   (1500 decisions)"
-        )
-    ratio = long_rows["approximate"][0] / long_rows["off"][0]
-    print(f"    cache-aware / today's decision: {ratio:.2f}x (p50)")
+    long_rows, ratio = long_prompt_rows(lp)
     print("per-snapshot columns (paid once per new snapshot, not per decision)")
     refresh: dict[int, tuple[float, float, float]] = {}
     for n in SIZES:
@@ -298,17 +306,7 @@ def cpu_main() -> None:
             print(
                 f"  {n:5d} instances  {name:18s} CPU p50 {p50:8.1f} us   p99 {p99:8.1f} us   ({decisions} decisions)"
             )
-    print("32k-token prompt, slo, 256 instances (CPU)")
-    long_rows = {}
-    for routing in ("off", "approximate"):
-        long_rows[routing] = measure_long_prompt(256, lp, 1500, routing, clock=time.thread_time_ns)
-        p50, p99 = long_rows[routing]
-        print(
-            f"    prefix-cache-routing {routing:12s} CPU p50 {p50:8.1f} us   p99 {p99:8.1f} us   (1500 decisions)"
-        )
-    print(
-        f"    cache-aware / today's decision: {long_rows['approximate'][0] / long_rows['off'][0]:.2f}x (CPU p50)"
-    )
+    long_prompt_rows(lp, clock=time.thread_time_ns, unit="CPU ")
 
 
 def index_main(runs: int = 9) -> None:
