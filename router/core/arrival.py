@@ -51,6 +51,18 @@ class ArrivalCheck:
         self._cached = (source, drain)
         return drain
 
+    def warm(self, now_s: float) -> None:
+        """Build now what an arrival on the newest view reads first: this check's drain (kept for that
+        view), and the drain's load-free parts for the calibration of the moment (a timed prefill may
+        have moved it since the view came; the router queue's pass reads them for its own drain)."""
+        self._drain(now_s)
+        try:
+            source = self._source()
+            view = self._scheduler.view(source, now_s) if isinstance(source, ClusterSnapshot) else source
+            FleetDrain.of(self._scheduler, view, now_s)
+        except SchedulingError:
+            pass
+
     def check(self, request: ScheduleInput, now_s: float) -> None:
         """Raise :class:`UnmeetableError` when no idle instance could meet ``request``'s targets."""
         drain = self._drain(now_s)

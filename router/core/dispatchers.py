@@ -242,6 +242,13 @@ class Queued:
             return []
         return self._pass(now, fleet)
 
+    def warm(self, now: float, fleet: Fleet) -> None:
+        """Build what an arrival on the fleet's newest view reads first (the arrival check's drain: the
+        view's instance table, the drain's load-free parts), so the next arrival finds them built."""
+        if self._check is None:
+            self._check = ArrivalCheck(fleet.scheduler, fleet.view)
+        self._check.warm(now)
+
     def counters(self) -> dict[str, int]:
         out = {"passes": self.passes, "skipped_passes": self.skipped, "held_refusals": self.queue.held}
         if self.watch is not None:
