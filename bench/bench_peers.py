@@ -265,7 +265,9 @@ def _start_router(
         # BENCH_OURS_DIAG=1: the router runs under scripts/prefix_queue_diag.py, which prints why its
         # queued requests waited when it stops.
         launch = (
-            [str(REPO / "scripts" / "prefix_queue_diag.py")]
+            [str(REPO / os.environ["BENCH_OURS_LAUNCH"])]
+            if os.environ.get("BENCH_OURS_LAUNCH")
+            else [str(REPO / "scripts" / "prefix_queue_diag.py")]
             if os.environ.get("BENCH_OURS_DIAG")
             else ["-m", "router.cli"]
         )
