@@ -263,9 +263,12 @@ def _start_router(
     port = _free_port()
     if spec.kind == "ours":
         # BENCH_OURS_DIAG=1: the router runs under scripts/prefix_queue_diag.py, which prints why its
-        # queued requests waited when it stops.
+        # queued requests waited when it stops; BENCH_OURS_LAUNCH=SCRIPT (a path in the repository, e.g.
+        # scripts/prefix_exact_diag.py): under that script instead.
         launch = (
-            [str(REPO / "scripts" / "prefix_queue_diag.py")]
+            [str(REPO / os.environ["BENCH_OURS_LAUNCH"])]
+            if os.environ.get("BENCH_OURS_LAUNCH")
+            else [str(REPO / "scripts" / "prefix_queue_diag.py")]
             if os.environ.get("BENCH_OURS_DIAG")
             else ["-m", "router.cli"]
         )

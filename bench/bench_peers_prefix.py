@@ -23,7 +23,8 @@ Each router gets a fresh fleet (cold caches), so none inherits another's cache.
 ``BENCH_OURS_ARGS="--flag value ..."`` adds flags to this router's command line (to see which
 of its predictions holds requests back), and this router's rows end with its own account of the
 run from its ``/metrics`` (requests by outcome, router-queue waits and events).
-``BENCH_PEERS_ONLY=a,b`` runs only the routers whose name contains ``a`` or ``b`` (e.g. ``slo-router``). Per router it
+``BENCH_PEERS_ONLY=a,b`` runs only the routers whose name contains ``a`` or ``b`` (e.g. ``slo-router``), those
+``a`` names first (to alternate which of two runs first on the host). Per router it
 prints the usual table plus the fleet's prefix-cache hit rate over its run (from the workers'
 counters). When this router and a peer both ran, it prints how many of this router's requests got
 their first token over 5 s past their TTFT target (held in its queue as late) and how many of those
@@ -209,6 +210,22 @@ def refused_against(ours: Sequence[RequestResult], peer: Sequence[RequestResult]
     return len(refused), sum(1 for r in there if r.error_code is None), sum(1 for r in there if slo_met(r))
 
 
+def in_named_order(routers: Sequence[peers.RouterSpec]) -> list[peers.RouterSpec]:
+    """``routers`` in the order ``BENCH_PEERS_ONLY`` names them (by the first part naming each; routers
+    one part names keep their order here): ``"slo cache exact,slo cache approx"`` runs the exact index
+    first, so a comparison of two routers can alternate which runs on the host first."""
+    only = [part for part in os.environ.get("BENCH_PEERS_ONLY", "").split(",") if part]
+    names = {r.name for r in routers}
+
+    def first(router: peers.RouterSpec) -> int:
+        for k, part in enumerate(only):
+            if router.name == part if part in names else part in router.name:
+                return k
+        return len(only)
+
+    return sorted(routers, key=first)
+
+
 def main() -> list[Figure]:
     spec = load_workload("prefix-heavy").with_arrival(rate_per_s=RATE_PER_S)
     spec = dataclasses.replace(spec, classes=(dataclasses.replace(spec.classes[0], prefix_groups=GROUPS),))
@@ -217,7 +234,7 @@ def main() -> list[Figure]:
     # answer's length, so the work is the workload's output distribution, not the class's cap.
     plans = [dataclasses.replace(p, max_tokens=p.true_output_tokens) for p in plans]
     runnable = []
-    for router in peers.selected(ROUTERS):
+    for router in in_named_order(peers.selected(ROUTERS)):
         why = peers.peer_missing(router.kind)
         if why is None:
             runnable.append(router)

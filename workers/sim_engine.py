@@ -162,6 +162,12 @@ class SimEngine:
             rng=rng if rng is not None else random.Random(self._config.seed),
         )
         self.core = SimCore(self._config, cost)
+        # Per request, the prompt tokens the prefix cache spared it at its first lookup, until its first
+        # delta reports them (``TokenDelta.num_cached_prompt_tokens``, as a vLLM engine reports its
+        # ``num_cached_tokens``); an entry goes with its stream.
+        self._prefix_hits: dict[str, int] = {}
+        if self._config.prefix_cache_block_tokens:
+            self.core.on_lookup = self._note_lookup
         #: The prefix cache's block events for ``Worker.KvEvents`` (block_tokens 0: caching off).
         self.kv_events = KvEventHub(
             self._config.prefix_cache_block_tokens,
@@ -382,10 +388,20 @@ class SimEngine:
         self._changed(wake=True)
         return stream
 
+    def _note_lookup(self, request_id: str, context_tokens: int, hit_tokens: int) -> None:
+        if hit_tokens and request_id in self._streams:
+            self._prefix_hits.setdefault(request_id, hit_tokens)
+
     async def _drain(self, stream: _Stream) -> AsyncIterator[TokenDelta]:
+        first = True
         try:
             while True:
                 delta = await stream.collector.get()
+                if first:
+                    first = False
+                    hit = self._prefix_hits.pop(stream.request_id, 0)
+                    if hit and not delta.num_cached_prompt_tokens:
+                        delta = dataclasses.replace(delta, num_cached_prompt_tokens=hit)
                 yield delta
                 if delta.finished:
                     return
@@ -394,6 +410,7 @@ class SimEngine:
 
     def _release(self, stream: _Stream) -> None:
         """The consumer is gone: abort the request unless it already ended."""
+        self._prefix_hits.pop(stream.request_id, None)
         if stream.done or self._streams.get(stream.request_id) is not stream:
             return
         stream.done = True

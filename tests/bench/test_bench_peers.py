@@ -105,3 +105,23 @@ def test_held_back_requests_are_judged_by_the_same_request_in_the_peers_run() ->
     peer = [result(0, 200.0), result(1, 400.0), result(2, 1500.0), result(3, 300.0, tpot_ms=60.0)]
     assert bench_peers_prefix.held_back_against(ours, peer) == (3, 1, 0)
     assert bench_peers_prefix.held_back_against(ours[:1], peer) == (0, 0, 0)
+
+
+def test_peers_prefix_runs_routers_in_the_order_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    from bench import bench_peers_prefix as prefix
+
+    def order(only: str) -> list[str]:
+        monkeypatch.setenv("BENCH_PEERS_ONLY", only)
+        return [r.name for r in prefix.in_named_order(bench_peers.selected(prefix.ROUTERS))]
+
+    assert order("slo cache exact,smg cache_aware,slo cache approx") == [
+        "slo-router slo cache exact",
+        "smg cache_aware",
+        "slo-router slo cache approx",
+    ]
+    # One part naming several keeps their order in ROUTERS.
+    assert order("smg cache_aware,slo cache") == [
+        "smg cache_aware",
+        "slo-router slo cache approx",
+        "slo-router slo cache exact",
+    ]

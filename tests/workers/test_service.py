@@ -324,3 +324,27 @@ async def test_stream_interval_is_bounded(start_worker: StartWorker) -> None:
     for bad in (-0.001, 1.5, float("nan")):
         with pytest.raises(ValueError, match="stream_interval_s"):
             await start_worker(server_kw={"stream_interval_s": bad})
+
+
+async def test_generate_reports_the_prompt_tokens_its_prefix_cache_spared(start_worker: StartWorker) -> None:
+    """A sim worker caching prompt blocks says, on a Generate's first message, how much of the prompt
+    its cache held (``num_cached_prompt_tokens``, as a vLLM engine reports ``num_cached_tokens``):
+    what a router compares with what its prefix index predicted, request by request."""
+    server = await start_worker(prefix_cache_block_tokens=32, block_size=16)
+    shared = prompt(96)
+    async with Client(server.address) as client:
+
+        async def first_cached(rid: str, ids: tuple[int, ...]) -> int:
+            messages = [m async for m in client.stub.Generate(generate_request(rid, ids, 4))]
+            assert sum(len(m.token_ids) for m in messages) == 4
+            assert all(m.num_cached_prompt_tokens == 0 for m in messages[1:])  # the first message only
+            return int(messages[0].num_cached_prompt_tokens)
+
+        cold = await first_cached("a", shared + prompt(40, 100))
+        warm = await first_cached("b", shared + prompt(40, 200))
+        # Three whole 32-token blocks of the 96 shared tokens; the rest differs.
+        whole = await first_cached("c", shared + prompt(40, 200))
+    assert (cold, warm) == (0, 96)
+    assert whole == 128  # b's first 128 tokens are four whole blocks (its last 8 tokens a partial one)
+    assert server.engine.load().prefix_cache_hit_tokens == 96 + 128
+    assert not server.engine._prefix_hits  # nothing kept once reported
