@@ -97,6 +97,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from predictor import LatencyPredictor
+from router.core.calibration import Correction
 from router.core.errors import ConfigError
 from router.core.flagged import FlagFields
 from router.core.lengths import LengthDistribution, censored_distribution
@@ -1133,6 +1134,10 @@ class QlmQueue:
         self._progress_s = -math.inf
         #: Counters: plan runs, evictions, groups opened.
         self.plans = self.evictions = self.groups_made = 0
+        #: The router's calibration of the instances' steps (rows in this queue's instance order), asked
+        #: only when a stream-side check needs it (None: no calibration; see :meth:`_stream_step_s`). The
+        #: caller sets it (the ``qlm`` dispatcher, from its scheduler's calibrator).
+        self.calibration: Callable[[], Correction | None] | None = None
 
     # ------------------------------------------------------------------ queries
 
@@ -1689,7 +1694,7 @@ class QlmQueue:
             # of the room they had, and streams waited past their TTFT (docs/papers.md).
             out_mean, _ = self.stats.estimate(r.request.slo_class, r.request.max_tokens)
             life = self._tokens_now(run) + r.prompt_tokens + 0.5 * min(out_mean, float(r.max_tokens))
-            stream_step = model.step_s(len(run) + 1 + math.ceil(seqs), life + tokens) * self.inefficiency[i]
+            stream_step = self._stream_step_s(i, len(run) + 1 + math.ceil(seqs), life + tokens)
             # An e2e pull with slack is held to the bar the ``slo`` policy holds every placement beside
             # streams to (the router's default TPOT, its residents' filter, which places them under
             # ``edf``) as well as to the streams' own targets: a stream must never be worse off than
@@ -1872,6 +1877,37 @@ class QlmQueue:
         )
         return now_s + wait + whole_q <= r.deadline_s
 
+    def _correction(self) -> Correction | None:
+        source = self.calibration
+        return None if source is None else source()
+
+    def _stream_step_s(self, i: int, batch: int, tokens: float) -> float:
+        """The time per output token a stream sees on instance ``i`` in a decode batch of ``batch`` requests
+        holding ``tokens`` tokens (the router's prediction, as the ``slo`` policy's ``predicted_tpot``).
+
+        With the router's calibration: the profile's step as the calibration corrects it (its TPOT
+        factor or refit, from the step samples the engines report), plus the measured interleave, the
+        prefill time that ran between decode steps lately (recency-weighted): the same prediction
+        the ``slo`` policy holds every stream to under ``edf``. Without one (calibration off, or no
+        samples yet): the profile's step times the learned inefficiency (Eq. 4's epsilon).
+
+        Epsilon is the paper's (e2e) model, an average over finished requests, and it lags: the
+        streams the virtual queues pulled ran at 66-87 ms TPOT against a 70 ms target in batches this
+        predicted at 51-58 ms (rag + reports past capacity, docs/papers.md). The calibration reads
+        the steps as they run, and its interleave is the prefill of prompts already computed; the
+        prefill known to come next (the prompts still queued on the instance and the newcomer's) is
+        priced on top of it by :meth:`_stall_fits`, as the ``slo`` policy's residents' filter adds
+        ``prefill_stall_ms`` to ``predicted_tpot``: the two count different prompts (computed and not
+        yet computed), only their forecasts overlap.
+        """
+        model = self.models[i]
+        assert model.step_s is not None
+        profile_s = model.step_s(batch, tokens)
+        correction = self._correction()
+        if correction is None:
+            return profile_s * self.inefficiency[i]
+        return correction.tpot_ms_at(i, profile_s * 1e3, float(max(batch, 1)), tokens) * 1e-3
+
     def _stall_fits(
         self,
         i: int,
@@ -1906,6 +1942,11 @@ class QlmQueue:
                 x.prompt_tokens for x in run if now_s - x.dispatched_s < model.prefill_s(x.prompt_tokens)
             )
         stall = model.stall_s(backlog)
+        correction = self._correction()
+        if correction is not None:
+            # The calibrated prefill speed, as the ``slo`` policy's residents' filter prices the same stall
+            # (``prefill_stall_ms``: the profile's chunks times the TTFT factor).
+            stall *= correction.ttft_factor.item(i)
         for x in run:
             if x.e2e_only or x.resumed:
                 continue
@@ -2053,7 +2094,7 @@ class QlmQueue:
                 step = float(len(run))
             else:
                 life = self._tokens_now(run) + r.prompt_tokens + 0.5 * min(out_mean, float(r.max_tokens))
-                step = step_s(len(run) + 1, life) * self.inefficiency[k]
+                step = self._stream_step_s(k, len(run) + 1, life)
             if step < best_step and self._room(k, r, now_s=now_s):
                 best, best_step = k, step
         return best
