@@ -52,7 +52,8 @@ The pieces, and how they are adapted to this router:
   at their end (prompt and output at the estimator's confidence) stay within
   its KV cache and its engine's sequence cap (:meth:`QlmQueue._room`); for
   streams judged on TPOT (this router's adaptation: the paper's SLOs are
-  end-to-end) also while the grown batch's predicted step keeps the tightest
+  end-to-end) also while the grown batch's predicted step (the router's
+  calibrated prediction, as the ``slo`` policy's) keeps the tightest
   TPOT target running or waiting in that queue; for e2e pulls also while
   the prefill a looser prompt queues in the engine turns no running e2e
   request late and the batch stays joinable for the tightest e2e class seen
@@ -417,7 +418,8 @@ DEFAULT_CONTEXT = 1024
 TPOT_HEADROOM = 0.6
 
 #: A batch that runs or expects TPOT-judged streams grows only while the step they would see (the batch
-#: at its mean context over the newcomer's life, times the learned inefficiency) stays within this
+#: at its mean context over the newcomer's life, as the router's calibration predicts it: see
+#: :meth:`QlmQueue._stream_step_s`) stays within this
 #: fraction of their tightest TPOT target (see :meth:`QlmQueue._room`): 1.0, the ``slo`` policy's
 #: default ``--tpot-slo-dispatch-threshold``.
 STREAM_TPOT_SHARE = 1.0
@@ -1686,9 +1688,9 @@ class QlmQueue:
         if tpots and min(tpots) < math.inf:
             # The step a stream sees, as the TPOT target judges it (a mean over the stream's life): the
             # grown batch (and the streams' reserve) at the tokens it holds now plus the newcomer's prompt
-            # and half its expected output, the mean context over the newcomer's life, times the learned
-            # inefficiency (prefill chunks and preemptions included, :meth:`_learn_inefficiency`),
-            # within the target: the bar the ``slo`` policy's TPOT filter sets at its default
+            # and half its expected output, the mean context over the newcomer's life, as the router's
+            # calibration predicts it (the measured interleave of prefill chunks included; the learned
+            # inefficiency without a calibration: :meth:`_stream_step_s`), within the target: the bar the ``slo`` policy's TPOT filter sets at its default
             # ``--tpot-slo-dispatch-threshold``. The earlier rule held the pure step at the batch's
             # *end* context to 0.6 of the target: twice pessimistic, it kept chat batches at a third
             # of the room they had, and streams waited past their TTFT (docs/papers.md).
@@ -1929,7 +1931,8 @@ class QlmQueue:
         finished requests: a 3,000-token prompt pulled beside a stream with 40 tokens left adds
         ~7 ms to each of them, and in the first seconds of a run (the factor still 1) streams beside
         long e2e prompts missed TPOT targets of 60 ms at 60-106 ms (docs/papers.md). ``step_s``: the
-        grown batch's decode step as a stream sees it (the inefficiency included). The prompts pulled
+        grown batch's decode step as a stream sees it (:meth:`_stream_step_s`: the measured interleave
+        included; the stall here is the prefill known to come next, on top of it). The prompts pulled
         there that are still in their prefill (by the router's clock) come first and stall the same
         streams (the ``slo`` policy's filter counts an instance's prefill backlog the same way).
         """
@@ -2070,7 +2073,7 @@ class QlmQueue:
     def _stream_home(self, i: int, r: QlmRequest, now_s: float) -> int:
         """The instance that starts TTFT-judged ``r`` (at the head of virtual queue ``i``): of those with room
         for it, the one where its step would be shortest (the grown batch at its mean context over
-        ``r``'s life, times the learned inefficiency: what its TPOT target judges), ``i`` on a tie;
+        ``r``'s life, as :meth:`_stream_step_s` predicts it: what its TPOT target judges), ``i`` on a tie;
         -1: none has room.
 
         The paper balances load by assigning groups to virtual queues and lets each instance pull only
