@@ -543,8 +543,7 @@ class Qlm:
         )
         calibrator = predictors.calibration
         if calibrator is not None:
-            groups = tuple(r.metadata.labels.get(config.profile_label, "") for r in records)
-            self.qlm.calibration = _CalibratedSteps(calibrator, self.ids, groups)
+            self.qlm.calibration = _CalibratedSteps(calibrator, self.ids)
         return self.qlm
 
     def _is_stream(self, request: ScheduleInput) -> bool:
@@ -716,17 +715,22 @@ class _CalibratedSteps:
     checks of :class:`~router.core.qlm.QlmQueue`: the correction the ``slo`` policy predicts a stream's TPOT
     with (``predicted_tpot``), rebuilt only when the calibration changed (its version). The router feeds
     the calibrator from the agents' status pushes, the simulator from its engines' finished steps: one
-    path for both."""
+    path for both.
 
-    def __init__(self, calibrator: Calibrator, ids: tuple[str, ...], groups: tuple[str, ...]) -> None:
-        self.calibrator, self.ids, self.groups = calibrator, ids, groups
+    No profile groups are passed: the calibrator knows each instance's group from its step samples, and
+    a group named here would be the one an instance it has not seen yet keeps for every caller (the
+    ``slo`` policy's too).
+    """
+
+    def __init__(self, calibrator: Calibrator, ids: tuple[str, ...]) -> None:
+        self.calibrator, self.ids = calibrator, ids
         self._memo: tuple[int, Correction | None] | None = None
 
     def __call__(self) -> Correction | None:
         version = self.calibrator.version
         memo = self._memo
         if memo is None or memo[0] != version:
-            memo = self._memo = (version, self.calibrator.correction(self.ids, self.groups))
+            memo = self._memo = (version, self.calibrator.correction(self.ids))
         return memo[1]
 
 
