@@ -160,8 +160,7 @@ SCENARIOS: dict[
 #: placement (router.core.dispatchers.Qlm; docs/papers.md, seed 004).
 #: The qlm one was re-recorded when its stream-side checks began to predict a stream's step with the
 #: router's calibration (router.core.qlm.QlmQueue._stream_step_s): placements moved, 152 of 200 met
-#: before and after; and again when a stream stopped being pulled where the prefill queued on the
-#: instance would put its first token past its deadline (QlmQueue._first_token_s): 152 -> 165 of 200.
+#: before and after.
 RECORDED: dict[str, str] = {
     "azure-trace-slo": "8e1f4bc89d0557571ff4f452",
     "mooncake-trace-least-requests": "24c802721464b325eee1c0ae",
@@ -171,7 +170,7 @@ RECORDED: dict[str, str] = {
     "neutral-slo-fcfs-capped": "f0a2ad49ca96ac96e5ebce0d",
     "neutral-slo-prefix": "2faad43e732c35884901f59c",
     "neutral-slo-priority": "118a85ace3be352f7da0bda6",
-    "neutral-slo-qlm": "5ddc44d446dd169148c51668",
+    "neutral-slo-qlm": "fc6f2609ed44f1dd1278e9ba",
     "neutral-slo-sa": "609d946a052eeba8633bdb42",
     "pd-adaptive": "3da6c8098432e1344daec263",
     "pd-load-balance-off": "466dcf402227e02d05b7c4b8",
