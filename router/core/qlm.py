@@ -2098,31 +2098,9 @@ class QlmQueue:
             else:
                 life = self._tokens_now(run) + r.prompt_tokens + 0.5 * min(out_mean, float(r.max_tokens))
                 step = self._stream_step_s(k, len(run) + 1, life)
-            if (
-                step < best_step
-                and self._room(k, r, now_s=now_s)
-                and self._first_token_s(k, r, now_s) <= r.deadline_s
-            ):
+            if step < best_step and self._room(k, r, now_s=now_s):
                 best, best_step = k, step
         return best
-
-    def _first_token_s(self, i: int, r: QlmRequest, now_s: float) -> float:
-        """When TTFT-judged ``r``, pulled on instance ``i`` now, would have its first token: behind the prompts
-        the engine still has queued there (:meth:`_prefill_backlog_s`), then its own prefill, each at the
-        calibrated prefill speed (the TTFT factor of the router's calibration, as the ``slo`` policy's
-        predicted TTFT; the profile's without one).
-
-        The ``slo`` policy under ``edf`` places a stream only where its predicted TTFT holds its target, and
-        a stream no instance can start in time waits in the router queue (and is refused once it could not
-        be served within its late allowance). The virtual queues pulled a stream wherever the batch had
-        room: past capacity, long-prompt streams were pulled behind seconds of other prompts' prefill,
-        missed their TTFT while running (rag + reports, seed 701: 54 such misses where ``edf`` has 9) and
-        took the KV and the prefill time the 45 s reports needed (docs/papers.md).
-        """
-        correction = self._correction()
-        factor = 1.0 if correction is None else correction.ttft_factor.item(i)
-        backlog = self._prefill_backlog_s(i, self.running[i].values(), now_s)
-        return now_s + (backlog + self.models[i].prefill_s(r.prompt_tokens)) * factor
 
     def _urgent_stream(self, i: int, head: Group, now_s: float) -> Group:
         """The group virtual queue ``i`` pulls from next: ``head``, unless a TTFT-judged request further

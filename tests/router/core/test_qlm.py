@@ -1415,36 +1415,3 @@ def test_the_stall_a_prompt_puts_between_a_streams_steps_is_priced_at_the_calibr
     assert pulled(1.0)
     assert pulled(2.0)
     assert not pulled(5.0)
-
-
-def test_a_stream_is_not_pulled_behind_a_prefill_backlog_that_would_put_its_first_token_past_its_deadline() -> None:
-    # Instance 0 runs one request whose 20,000-token prompt it is still prefilling (2 s); instance 1 runs
-    # three whose prompts are long done. A stream (TTFT 500 ms) runs at the shorter step on instance 0 (20
-    # against 40 ms) but would have its first token after 2 s there: instance 1 starts it. With the
-    # calibrated prefill twice as slow as the profile, its own prefill alone (2 x 60 ms) still fits on
-    # instance 1; with no instance able to start it in time it waits (the late path refuses it later).
-    def home(backlog_prompt: int, busy_prompt: int = 100, ttft_factor: float = 1.0) -> list[int]:
-        q = QlmQueue(QlmConfig(), [stepped(), stepped()], 6000.0, 50.0)
-        q.calibration = lambda: Correction(
-            ttft_factor=np.array([ttft_factor, ttft_factor]),
-            tpot_factor=np.ones(2),
-            interleave_ms=np.zeros(2),
-            coefs=None,
-            has_fit=np.array([False, False]),
-            min_factor=0.25,
-            max_factor=4.0,
-        )
-        q.started(dataclasses.replace(loose_by("big", 600.0), prompt_tokens=backlog_prompt), 0, 0.0)
-        for k in range(3):
-            q.started(dataclasses.replace(loose_by(f"b{k}", 600.0), prompt_tokens=busy_prompt), 1, -10.0)
-        q.push(tight("s"), 0.0)
-        out = q.pump(0.0)
-        q.check_invariants()
-        return [d.instance for d in out if d.request.request_id == "s"]
-
-    assert home(100) == [0]  # no backlog to speak of: the shorter step
-    assert home(20_000) == [1]
-    assert home(20_000, ttft_factor=2.0) == [1]
-    # Both instances behind a backlog: instance 1's three prompts were sent 10 s ago, so a 60,000-token
-    # prompt each there (6 s apiece, in order) is still queued.
-    assert home(20_000, busy_prompt=60_000) == []
