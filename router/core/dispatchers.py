@@ -24,6 +24,7 @@ import numpy.typing as npt
 
 from fleet.snapshot import ClusterSnapshot
 from router.core.arrival import ArrivalCheck
+from router.core.calibration import Calibrator, Correction
 from router.core.columns import InstanceTable
 from router.core.dispatch import (
     DISPATCHERS,
@@ -547,6 +548,9 @@ class Qlm:
             self.setup.default_tpot_ms,
             max_queue_size=self.setup.queue.max_queue_size,
         )
+        calibrator = predictors.calibration
+        if calibrator is not None:
+            self.qlm.calibration = _CalibratedSteps(calibrator, self.ids)
         return self.qlm
 
     def _is_stream(self, request: ScheduleInput) -> bool:
@@ -711,6 +715,30 @@ class Qlm:
         return Action(
             Outcome.DISPATCH, r.request, r.token, decision=decision, waited_s=waited, tokens=r.generated
         )
+
+
+class _CalibratedSteps:
+    """The scheduler's calibration of the queue's instances (rows in the queue's order), for the stream-side
+    checks of :class:`~router.core.qlm.QlmQueue`: the correction the ``slo`` policy predicts a stream's TPOT
+    with (``predicted_tpot``), rebuilt only when the calibration changed (its version). The router feeds
+    the calibrator from the agents' status pushes, the simulator from its engines' finished steps: one
+    path for both.
+
+    No profile groups are passed: the calibrator knows each instance's group from its step samples, and
+    a group named here would be the one an instance it has not seen yet keeps for every caller (the
+    ``slo`` policy's too).
+    """
+
+    def __init__(self, calibrator: Calibrator, ids: tuple[str, ...]) -> None:
+        self.calibrator, self.ids = calibrator, ids
+        self._memo: tuple[int, Correction | None] | None = None
+
+    def __call__(self) -> Correction | None:
+        version = self.calibrator.version
+        memo = self._memo
+        if memo is None or memo[0] != version:
+            memo = self._memo = (version, self.calibrator.correction(self.ids))
+        return memo[1]
 
 
 @DISPATCHERS.register("qlm")

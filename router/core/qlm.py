@@ -52,7 +52,8 @@ The pieces, and how they are adapted to this router:
   at their end (prompt and output at the estimator's confidence) stay within
   its KV cache and its engine's sequence cap (:meth:`QlmQueue._room`); for
   streams judged on TPOT (this router's adaptation: the paper's SLOs are
-  end-to-end) also while the grown batch's predicted step keeps the tightest
+  end-to-end) also while the grown batch's predicted step (the router's
+  calibrated prediction, as the ``slo`` policy's) keeps the tightest
   TPOT target running or waiting in that queue; for e2e pulls also while
   the prefill a looser prompt queues in the engine turns no running e2e
   request late and the batch stays joinable for the tightest e2e class seen
@@ -97,6 +98,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from predictor import LatencyPredictor
+from router.core.calibration import Correction
 from router.core.errors import ConfigError
 from router.core.flagged import FlagFields
 from router.core.lengths import LengthDistribution, censored_distribution
@@ -416,7 +418,8 @@ DEFAULT_CONTEXT = 1024
 TPOT_HEADROOM = 0.6
 
 #: A batch that runs or expects TPOT-judged streams grows only while the step they would see (the batch
-#: at its mean context over the newcomer's life, times the learned inefficiency) stays within this
+#: at its mean context over the newcomer's life, as the router's calibration predicts it: see
+#: :meth:`QlmQueue._stream_step_s`) stays within this
 #: fraction of their tightest TPOT target (see :meth:`QlmQueue._room`): 1.0, the ``slo`` policy's
 #: default ``--tpot-slo-dispatch-threshold``.
 STREAM_TPOT_SHARE = 1.0
@@ -1133,6 +1136,10 @@ class QlmQueue:
         self._progress_s = -math.inf
         #: Counters: plan runs, evictions, groups opened.
         self.plans = self.evictions = self.groups_made = 0
+        #: The router's calibration of the instances' steps (rows in this queue's instance order), asked
+        #: only when a stream-side check needs it (None: no calibration; see :meth:`_stream_step_s`). The
+        #: caller sets it (the ``qlm`` dispatcher, from its scheduler's calibrator).
+        self.calibration: Callable[[], Correction | None] | None = None
 
     # ------------------------------------------------------------------ queries
 
@@ -1681,15 +1688,15 @@ class QlmQueue:
         if tpots and min(tpots) < math.inf:
             # The step a stream sees, as the TPOT target judges it (a mean over the stream's life): the
             # grown batch (and the streams' reserve) at the tokens it holds now plus the newcomer's prompt
-            # and half its expected output, the mean context over the newcomer's life, times the learned
-            # inefficiency (prefill chunks and preemptions included, :meth:`_learn_inefficiency`),
-            # within the target: the bar the ``slo`` policy's TPOT filter sets at its default
+            # and half its expected output, the mean context over the newcomer's life, as the router's
+            # calibration predicts it (the measured interleave of prefill chunks included; the learned
+            # inefficiency without a calibration: :meth:`_stream_step_s`), within the target: the bar the ``slo`` policy's TPOT filter sets at its default
             # ``--tpot-slo-dispatch-threshold``. The earlier rule held the pure step at the batch's
             # *end* context to 0.6 of the target: twice pessimistic, it kept chat batches at a third
             # of the room they had, and streams waited past their TTFT (docs/papers.md).
             out_mean, _ = self.stats.estimate(r.request.slo_class, r.request.max_tokens)
             life = self._tokens_now(run) + r.prompt_tokens + 0.5 * min(out_mean, float(r.max_tokens))
-            stream_step = model.step_s(len(run) + 1 + math.ceil(seqs), life + tokens) * self.inefficiency[i]
+            stream_step = self._stream_step_s(i, len(run) + 1 + math.ceil(seqs), life + tokens)
             # An e2e pull with slack is held to the bar the ``slo`` policy holds every placement beside
             # streams to (the router's default TPOT, its residents' filter, which places them under
             # ``edf``) as well as to the streams' own targets: a stream must never be worse off than
@@ -1872,6 +1879,37 @@ class QlmQueue:
         )
         return now_s + wait + whole_q <= r.deadline_s
 
+    def _correction(self) -> Correction | None:
+        source = self.calibration
+        return None if source is None else source()
+
+    def _stream_step_s(self, i: int, batch: int, tokens: float) -> float:
+        """The time per output token a stream sees on instance ``i`` in a decode batch of ``batch`` requests
+        holding ``tokens`` tokens (the router's prediction, as the ``slo`` policy's ``predicted_tpot``).
+
+        With the router's calibration: the profile's step as the calibration corrects it (its TPOT
+        factor or refit, from the step samples the engines report), plus the measured interleave, the
+        prefill time that ran between decode steps lately (recency-weighted): the same prediction
+        the ``slo`` policy holds every stream to under ``edf``. Without one (calibration off, or no
+        samples yet): the profile's step times the learned inefficiency (Eq. 4's epsilon).
+
+        Epsilon is the paper's (e2e) model, an average over finished requests, and it lags: the
+        streams the virtual queues pulled ran at 66-87 ms TPOT against a 70 ms target in batches this
+        predicted at 51-58 ms (rag + reports past capacity, docs/papers.md). The calibration reads
+        the steps as they run, and its interleave is the prefill of prompts already computed; the
+        prefill known to come next (the prompts still queued on the instance and the newcomer's) is
+        priced on top of it by :meth:`_stall_fits`, as the ``slo`` policy's residents' filter adds
+        ``prefill_stall_ms`` to ``predicted_tpot``: the two count different prompts (computed and not
+        yet computed), only their forecasts overlap.
+        """
+        model = self.models[i]
+        assert model.step_s is not None
+        profile_s = model.step_s(batch, tokens)
+        correction = self._correction()
+        if correction is None:
+            return profile_s * self.inefficiency[i]
+        return correction.tpot_ms_at(i, profile_s * 1e3, float(max(batch, 1)), tokens) * 1e-3
+
     def _stall_fits(
         self,
         i: int,
@@ -1893,7 +1931,8 @@ class QlmQueue:
         finished requests: a 3,000-token prompt pulled beside a stream with 40 tokens left adds
         ~7 ms to each of them, and in the first seconds of a run (the factor still 1) streams beside
         long e2e prompts missed TPOT targets of 60 ms at 60-106 ms (docs/papers.md). ``step_s``: the
-        grown batch's decode step as a stream sees it (the inefficiency included). The prompts pulled
+        grown batch's decode step as a stream sees it (:meth:`_stream_step_s`: the measured interleave
+        included; the stall here is the prefill known to come next, on top of it). The prompts pulled
         there that are still in their prefill (by the router's clock) come first and stall the same
         streams (the ``slo`` policy's filter counts an instance's prefill backlog the same way).
         """
@@ -1906,6 +1945,11 @@ class QlmQueue:
                 x.prompt_tokens for x in run if now_s - x.dispatched_s < model.prefill_s(x.prompt_tokens)
             )
         stall = model.stall_s(backlog)
+        correction = self._correction()
+        if correction is not None:
+            # The calibrated prefill speed, as the ``slo`` policy's residents' filter prices the same stall
+            # (``prefill_stall_ms``: the profile's chunks times the TTFT factor).
+            stall *= correction.ttft_factor.item(i)
         for x in run:
             if x.e2e_only or x.resumed:
                 continue
@@ -2029,7 +2073,7 @@ class QlmQueue:
     def _stream_home(self, i: int, r: QlmRequest, now_s: float) -> int:
         """The instance that starts TTFT-judged ``r`` (at the head of virtual queue ``i``): of those with room
         for it, the one where its step would be shortest (the grown batch at its mean context over
-        ``r``'s life, times the learned inefficiency: what its TPOT target judges), ``i`` on a tie;
+        ``r``'s life, as :meth:`_stream_step_s` predicts it: what its TPOT target judges), ``i`` on a tie;
         -1: none has room.
 
         The paper balances load by assigning groups to virtual queues and lets each instance pull only
@@ -2053,7 +2097,7 @@ class QlmQueue:
                 step = float(len(run))
             else:
                 life = self._tokens_now(run) + r.prompt_tokens + 0.5 * min(out_mean, float(r.max_tokens))
-                step = step_s(len(run) + 1, life) * self.inefficiency[k]
+                step = self._stream_step_s(k, len(run) + 1, life)
             if step < best_step and self._room(k, r, now_s=now_s):
                 best, best_step = k, step
         return best

@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 from typing import Any
 
+import numpy as np
 import pytest
 
 from router.core.errors import status_name
@@ -109,3 +110,26 @@ async def test_auto_hands_streams_to_the_router_queue_until_e2e_work_arrives() -
     placed = await answer_all(admission, tasks, lambda rid: None)
     assert len(placed) == len(tasks)
     assert_answered_and_nothing_left(admission, observer, tasks)
+
+
+async def test_the_virtual_queues_stream_checks_read_the_routers_calibration() -> None:
+    # The stream-side checks predict a stream's step as the ``slo`` policy does: with the scheduler's
+    # calibration of the instance (fed by the agents' step samples here, by the engines' in the
+    # simulator), read through the same dispatcher in both.
+    source = Source(IDLE)
+    admission, _ = router_driver("qlm", source)
+    task = asyncio.ensure_future(admission.place(e2e("r0")))
+    await asyncio.sleep(0)
+    dispatcher: Any = admission.dispatcher
+    qlm = dispatcher.qlm
+    predictors = admission.placer.scheduler.predictors
+    assert predictors is not None and predictors.calibration is not None
+    assert qlm.calibration is not None and qlm.calibration() is None  # nothing measured yet
+    profile_s = qlm.models[0].step_s(8, 8000.0)
+    assert qlm._stream_step_s(0, 8, 8000.0) == pytest.approx(profile_s * qlm.inefficiency[0])
+    # The instance's decode steps run at twice the profile's step.
+    steps = np.array([[0.0, 8.0, 8000.0, 2e3 * profile_s]] * 64)
+    predictors.calibration.observe_steps([(dispatcher.ids[0], "", steps)], 100.0)
+    assert qlm.calibration() is not None
+    assert qlm._stream_step_s(0, 8, 8000.0) == pytest.approx(2 * profile_s, rel=0.05)
+    await task

@@ -7,10 +7,12 @@ import math
 import random
 from collections import deque
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from router.core.calibration import Correction
 from router.core.errors import ConfigError
 from router.core.qlm import (
     LOCAL_SEARCH_GROUPS,
@@ -1342,3 +1344,74 @@ def test_a_late_stream_is_refused_once_no_instance_could_start_it_within_its_all
         assert (late == ["s"]) is refused
         assert ("s" in q) is not refused
         q.check_invariants()
+
+
+def _correction(tpot_factor: float = 1.0, interleave_ms: float = 0.0, ttft_factor: float = 1.0) -> Correction:
+    """The router's calibration of one instance (scale mode: no refit)."""
+    return Correction(
+        ttft_factor=np.array([ttft_factor]),
+        tpot_factor=np.array([tpot_factor]),
+        interleave_ms=np.array([interleave_ms]),
+        coefs=None,
+        has_fit=np.array([False]),
+        min_factor=0.25,
+        max_factor=4.0,
+    )
+
+
+def test_a_stream_is_pulled_only_where_the_calibrated_step_with_its_interleave_holds_its_target() -> None:
+    # One stream runs; a second (TPOT 50 ms) would make the profile's step 20 ms. The ``slo`` policy
+    # predicts the TPOT a stream sees with the router's calibration: the profile's step times the TPOT
+    # factor, plus the prefill measured between decode steps lately (the interleave). The stream-side
+    # checks use the same prediction when there is one, the profile times the learned inefficiency
+    # otherwise.
+    def second_pulled(correction: Correction | None, inefficiency: float = 1.0) -> bool:
+        q = QlmQueue(QlmConfig(), [stepped()], 6000.0, 50.0)
+        if correction is not None:
+            q.calibration = lambda: correction
+        q.inefficiency[0] = inefficiency
+        q.push(tight("s1"), 0.0)
+        assert [d.request.request_id for d in q.pump(0.0)] == ["s1"]
+        q.push(tight("s2", 0.1), 0.1)
+        out = q.pump(0.1)
+        q.check_invariants()
+        return [d.request.request_id for d in out] == ["s2"]
+
+    assert second_pulled(None)  # 20 ms
+    assert not second_pulled(_correction(interleave_ms=35.0))  # 20 + 35 ms
+    assert second_pulled(_correction(interleave_ms=25.0))  # 20 + 25 ms
+    assert not second_pulled(_correction(tpot_factor=3.0))  # 60 ms
+    # The calibrated step stands in for the inefficiency (the e2e estimator's average, which lags).
+    assert not second_pulled(None, inefficiency=3.0)
+    assert second_pulled(_correction(), inefficiency=3.0)
+
+
+def test_the_stall_a_prompt_puts_between_a_streams_steps_is_priced_at_the_calibrated_prefill_speed() -> None:
+    # A stream runs (50 tokens to go, 50 ms target) at a 30 ms step once a 3,000-token e2e prompt is
+    # pulled beside it (and a seat kept for the next stream): 0.3 s of prefill by the profile, 6 ms a
+    # token (36 ms, pulled); at twice the profile's prefill time (the calibration's TTFT factor, as the
+    # ``slo`` policy's ``prefill_stall_ms`` prices it) 12 ms a token, still pulled; at 5x, 30 ms a
+    # token (60 ms): refused.
+    m = InstanceModel(
+        4,
+        STEP_S,
+        lambda n: 0.05 + n * 1e-4,
+        most=16,
+        kv_tokens=100_000,
+        step_s=lambda b, t: 0.01 * b,
+        stall_s=lambda n: n * 1e-4,
+    )
+
+    def pulled(ttft_factor: float) -> bool:
+        q = QlmQueue(QlmConfig(), [m], 6000.0, 50.0)
+        q.calibration = lambda: _correction(ttft_factor=ttft_factor)
+        q.push(tight("s"), 0.0)
+        assert [d.request.request_id for d in q.pump(0.0)] == ["s"]
+        q.push(dataclasses.replace(loose_by("e", 3.0, out=100), prompt_tokens=3_000), 0.0)
+        out = q.pump(0.0)
+        q.check_invariants()
+        return [d.request.request_id for d in out] == ["e"]
+
+    assert pulled(1.0)
+    assert pulled(2.0)
+    assert not pulled(5.0)
