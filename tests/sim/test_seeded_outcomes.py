@@ -167,7 +167,7 @@ RECORDED: dict[str, str] = {
     "neutral-slo-fcfs-capped": "f0a2ad49ca96ac96e5ebce0d",
     "neutral-slo-prefix": "2faad43e732c35884901f59c",
     "neutral-slo-priority": "118a85ace3be352f7da0bda6",
-    "neutral-slo-qlm": "eefddc65832f188170ef86c2",
+    "neutral-slo-qlm": "63916857991368a16a16c20d",
     "neutral-slo-sa": "609d946a052eeba8633bdb42",
     "pd-adaptive": "3da6c8098432e1344daec263",
     "pd-load-balance-off": "466dcf402227e02d05b7c4b8",
