@@ -1047,6 +1047,28 @@ def test_a_looser_prompt_is_not_pulled_when_its_prefill_would_turn_a_running_e2e
     assert [d.request.request_id for d in q.pump(35.0)] == ["r"]
 
 
+def test_a_pull_that_turns_a_running_request_late_at_its_mean_length_waits() -> None:
+    # x (e2e, 5.8 s; class "batch": answers of 400 or 600 of its 1,000 tokens, mean 500) runs at 10 ms a
+    # step. At its mean it ends at ~5.1 s, on time; at the estimator's confidence (~630 tokens) at
+    # ~6.4 s, late already. At t = 1 a looser request with a 15,000-token prompt would stall x for its
+    # 1.5 s of prefill: x's mean end moves to ~6.6 s, late. Refused (judged at the quantile alone, x was
+    # late anyway and the pull went ahead); a 200-token prompt (20 ms) is pulled.
+    def pulled(prompt: int) -> bool:
+        q = QlmQueue(QlmConfig(eviction="off"), [paced_model()], 6000.0, 50.0)
+        q.stats = _spread_stats()
+        q.estimator.stats = q.stats
+        q.push(loose_by("x", 5.8), 0.0)
+        assert len(q.pump(0.0)) == 1
+        assert q._left_tokens(q.running[0]["x"]) * 0.01 > 5.8  # late at the quantile from the start
+        q.push(dataclasses.replace(loose_by("r", 600.0, out=100), prompt_tokens=prompt, arrival_s=1.0), 1.0)
+        out = q.pump(1.0)
+        q.check_invariants()
+        return [d.request.request_id for d in out] == ["r"]
+
+    assert not pulled(15_000)
+    assert pulled(200)
+
+
 def test_the_prefill_backlog_is_the_engines_queue_of_prompts_in_order() -> None:
     # Three 10,000-token prompts (1 s of prefill each) sent together: the engine prefills them one
     # after another, so 0.5 s later 2.5 s of prefill is still queued (counting each prompt as done
