@@ -61,10 +61,10 @@ not started yet and the new request (whose decoding starts after their
 prefill and KV transfer, a delay nobody knows) add their final length each.
 Without the legs (peer router processes publish only sums): K +
 kv_growth_tokens, every resident at its final length at once, which is never
-below the exact peak. Only adaptive PD holds decode to ``kv_peak_exact``:
-``slo`` and ``binpack`` keep ``kv_peak_projected`` (``slo`` drops it in its
-fallback pass, where the slack of the sums is what kept those placements from
-preempting; docs/results.md, adaptive PD in overload).
+below the exact peak. Adaptive PD's decode, ``binpack``'s (e) and ``slo``
+hold ``kv_peak_exact`` in every pass; ``slo``'s first pass also keeps
+``kv_peak_projected``, whose slack leaves room for answers longer than
+predicted (docs/results.md, ``slo`` keeps its KV promise).
 
 Horizon. Aladdin bounds ``Σ(l_in + γ·l_out)`` by the context the TPOT target
 allows at the batch size; with the same sums, each resident request is taken

@@ -224,9 +224,39 @@ def _residents(**extra: Any) -> dict[str, Any]:
     return _tpot(metric="predicted_tpot_residents", slo="tpot_residents", label="tpot_residents", **extra)
 
 
+def _kv_promise(config: SchedulerConfig) -> list[dict[str, Any]]:
+    """KV over life as ``slo`` keeps it: the promise held in every pass, the sums' slack preferred.
+
+    The promise is the exact peak over the residents' life (``kv_peak_exact``,
+    as binpack's (e) and adaptive PD's decode): a request no instance can take
+    within it gets no placement and waits in the router queue (is refused at
+    once with ``--queue-policy none``). Dropped in the fallback pass, as it
+    was, it placed requests past the KV on fleets whose KV binds, and the
+    engines' preemptions (each a whole context recomputed as prefill, stalling
+    every co-resident decode) cost more than the wait: 62.7 against 95.9 % on
+    5 neutral instances at 20k tokens of KV (docs/results.md). Without a queue
+    refusing is still the better answer there (45.5 against 94.0 %): the client
+    can retry, the requests already running keep their pace. The sums' bound
+    (``kv_peak_projected``, every resident at its final length at once) is the
+    first pass's preference, dropped in the fallback: its slack keeps room for
+    lengths longer than predicted, and held hard it refused overloaded fleets
+    placements that never preempted (Azure trace on PD 2 + 4 at 24 req/s:
+    60.8 % with the exact peak alone in every pass, 66.2 % before, 66.5 % so).
+    Unlike binpack's, an empty instance does not pass regardless
+    (``empty_passes``, which the fused first pass of :mod:`router.core.fused`
+    does not run): a request whose own prompt and expected output exceed the
+    headroom of an idle instance's KV is refused, where it was placed before.
+    """
+    return [
+        _kv_fits(config, metric="kv_peak_exact"),
+        _kv_fits(config, label="kv_all_alive", droppable=True),
+    ]
+
+
 def _slo(config: SchedulerConfig) -> dict[str, Any]:
-    # Decode also keeps KV over life and the safety valve, both droppable: when every instance
-    # meeting the TPOT target is full or over-packed, the fallback places as plain slo would.
+    # Decode also keeps KV over life (_kv_promise) and the safety valve; only the valve and the
+    # sums' bound are droppable: when every instance meeting the TPOT target is over-packed, the
+    # fallback places as plain slo would, onto one whose KV still holds its requests' life.
     return {
         # Among the instances that meet the TTFT target, the prompt goes where it costs the fleet the
         # least work (its longest cached prefix), then the lowest TTFT: spreading a prefix over the
@@ -240,7 +270,7 @@ def _slo(config: SchedulerConfig) -> dict[str, Any]:
             "filters": [
                 *HEALTH,
                 _tpot(),
-                _kv_fits(config, droppable=True),
+                *_kv_promise(config),
                 _not_overpacked(droppable=True),
                 "failover",
             ],
@@ -254,7 +284,7 @@ def _slo(config: SchedulerConfig) -> dict[str, Any]:
                 _ttft(),
                 _tpot(),
                 _residents(),
-                _kv_fits(config, droppable=True),
+                *_kv_promise(config),
                 "failover",
             ],
             "selector": _lowest("prompt_compute_tokens", "predicted_ttft", "predicted_tpot"),
@@ -342,8 +372,8 @@ def _binpack(config: SchedulerConfig) -> dict[str, Any]:
     a request only an empty instance can take is served alone there rather
     than waiting for ever. Only the safety valve (``overpacked``: measured
     over target or preempting) is relaxed, in pass 2, when nothing else is
-    left. ``slo`` keeps the same checks droppable (placing anyway in
-    overload), which is why the two differ in overload and not below it.
+    left. ``slo`` holds TTFT, TPOT and (e) hard too, but not (b) at the
+    horizon nor (d), and places by the lowest prediction, not best fit.
     """
     hard = {"empty_passes": True}
     # (e) as the paper writes it: the KV footprint at every future iteration (each resident leg

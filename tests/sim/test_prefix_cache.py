@@ -179,10 +179,14 @@ def test_config_names_a_bad_prefix_block() -> None:
 
 def test_simulate_reports_the_fleet_hit_rate_and_cache_aware_slo_reuses_more() -> None:
     """A shared-prefix workload on a small fleet under KV pressure: every arm caches in the engines,
-    only the router's knowledge differs. Knowing the caches (either source) raises the hit rate."""
+    only the router's knowledge differs. Knowing the caches (either source) raises the hit rate.
+    The requests wait in the router queue (as ``simulate`` runs them) for KV over their life: without
+    one ``slo`` refuses ~45 % of them, and the approximate index has few placements left to steer
+    (hit rate 0.27 without cache knowledge, 0.29 with it, where the queue gives 0.28 and 0.37)."""
     import dataclasses
 
     from router.core.config import SchedulerConfig
+    from router.core.queue import QueueConfig
     from sim.cluster import SimFleet, simulate
     from sim.fleet import fleet_from_counts
     from sim.sweep import _point, format_sweep_table, point_to_dict
@@ -196,7 +200,7 @@ def test_simulate_reports_the_fleet_hit_rate_and_cache_aware_slo_reuses_more() -
     rates = {}
     for routing in ("off", "exact", "approximate"):
         config = SchedulerConfig(scheduling_policy="slo", prefix_cache_routing=routing, calibration="off")
-        outcome = simulate(fleet, config, plans)
+        outcome = simulate(fleet, config, plans, queue=QueueConfig(queue_policy="edf"))
         assert outcome.cache_hit_rate is not None
         rates[routing] = outcome.cache_hit_rate
         point = _point("slo", 4.0, spec, outcome)

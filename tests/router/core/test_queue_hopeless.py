@@ -195,14 +195,31 @@ def test_long_prompt_yielding_to_tight_traffic_takes_an_idle_instance() -> None:
 
 
 def test_yielding_and_late_work_take_no_placement_that_relaxes_a_filter() -> None:
-    """The decoder's KV over life is past the headroom, so only a fallback pass places decode there:
-    an on-time request takes it (as plain slo would), late or yielding work waits instead."""
+    """The decoder's KV is past the headroom were both its residents at their final length at once
+    (1100 + 500 of growth + 512), within it at their exact peak (1140 + 512 < 1900): only slo's
+    fallback pass, which drops the sums' bound, places decode there. An on-time request takes it
+    (as plain slo would), late or yielding work waits instead."""
+    s = make_scheduler()
+    residents = {"old-a": 480, "old-b": 20}  # 300-token prompts, 500-token answers, tokens generated
+    for rid in residents:
+        s.inflight.record(rid, None, "d0", 300, NOW - 1, final_tokens=800)
     snap = make_snapshot(
         inst("p0", "prefill"),
         inst("p1", "prefill"),
-        inst("d0", "decode", meta={"kv_capacity_tokens": 2000}, used_kv_tokens=1500, decode_requests=2),
+        inst(
+            "d0",
+            "decode",
+            meta={"kv_capacity_tokens": 2000},
+            used_kv_tokens=1100,
+            decode_tokens=1100,
+            decode_requests=2,
+            running=2,
+            admitted=list(residents),
+        ),
     )
-    s = make_scheduler()
+    s.inflight.reconcile(snap)
+    for rid, generated in residents.items():
+        s.inflight.advance(rid, 300 + generated)
     on_time = make_queue("edf")
     on_time.push(req("chat", prompt_tokens=256, max_tokens=256, ttft_slo_ms=1000.0), NOW)
     (result,) = list(offer(on_time, s, lambda: snap, NOW))
