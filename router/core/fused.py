@@ -101,7 +101,7 @@ _PLANS_MAX = 256
 def _fusable(spec: StageSpec) -> _Plan | None:
     """The spec's plan, or None when a filter's kind is not one this pass knows how to run.
 
-    Known: the health filters, ``metric_threshold`` without ``empty_passes``, one ``failover``
+    Known: the health filters, ``metric_threshold`` (one with ``empty_passes`` by its own keep-mask), one ``failover``
     global filter (or none), and adaptive PD's filters (their keep-masks applied as they are:
     they mark nothing). A filter that marks for failover must be a health filter: the marks
     have to be known before the failover mask, which this pass computes last.
@@ -126,9 +126,7 @@ def _derive(spec: StageSpec) -> _Plan | None:
                 return None  # a health filter after another kind: keep the chain's order as it is
             health.append(f)
         elif kind is MetricThreshold:
-            if f.empty_passes:  # type: ignore[attr-defined]
-                return None
-            rest.append(f)
+            rest.append(f)  # (one with ``empty_passes`` is applied whole: its mask keeps empty instances)
         elif kind in (ExcludeReserved, DecodeIdle, PrefillRoom):
             rest.append(f)  # (masks without marks)
         else:
@@ -202,7 +200,7 @@ def _pass_of_list(ctx: DecisionContext, plan: _Plan, alive: list[int], failover:
     them as Python values. -1: no candidate survives."""
     no_marks = ctx.view.instances.all_false()
     for f in plan.rest:
-        if type(f) is MetricThreshold:
+        if type(f) is MetricThreshold and not f.empty_passes:
             # The filter's own comparison, at the candidates only: metric < bound (NaN never is).
             values = ctx.metric(f.metric)
             bound = float(f.bound(ctx))
@@ -237,7 +235,7 @@ def _pass_of_index(ctx: DecisionContext, plan: _Plan, alive: IntArray, failover:
     at them only (a stage's candidates are often half the fleet). -1: no candidate survives."""
     no_marks = ctx.view.instances.all_false()
     for f in plan.rest:
-        if type(f) is MetricThreshold:
+        if type(f) is MetricThreshold and not f.empty_passes:
             values = ctx.metric(f.metric)
             passed = values[alive] < np.array(float(f.bound(ctx)))
             if f.metric in LIFE_TPOT_METRICS and not passed.all():

@@ -24,7 +24,9 @@ from hypothesis import strategies as st
 
 from fleet.snapshot import ClusterSnapshot
 from router.core import chain, fused
+from router.core.config import SchedulerConfig
 from router.core.errors import SchedulingError
+from router.core.policies import policy_from_dict
 from router.core.request import Stage, StageRestriction
 from router.core.scheduler import Scheduler
 from router.core.selectors import _best_ties
@@ -230,10 +232,20 @@ def test_the_fused_pass_decides_a_healthy_pd_fleet_and_leaves_a_failure_to_the_c
         scheduler.schedule(snap, make_request("r2", prompt_tokens=300, ttft_slo_ms=0.001), NOW)
 
 
-def test_a_policy_file_filter_of_another_kind_keeps_the_composed_chain() -> None:
-    """A filter kind the fused pass does not know (here a threshold that lets an empty bin pass)
-    leaves the stage to the chain."""
-    scheduler = make_scheduler("binpack")
-    spec = scheduler.policy.spec(Stage.DECODE)
-    assert fused._fusable(spec) is None
+def test_a_stage_whose_order_the_fused_pass_cannot_keep_is_left_to_the_chain() -> None:
+    """A threshold that lets an empty bin pass runs in the fused pass by its own keep-mask (binpack's
+    and slo's KV promise; the property test above compares the two passes); a health filter after a
+    threshold, an order the fused pass does not keep, leaves the stage to the chain."""
+    assert fused._fusable(make_scheduler("binpack").policy.spec(Stage.DECODE)) is not None
     assert fused._fusable(make_scheduler("slo").policy.spec(Stage.DECODE)) is not None
+    stage = {
+        "filters": [
+            {"name": "metric_threshold", "metric": "predicted_tpot", "slo": "tpot"},
+            "schedulability",
+        ],
+        "selector": {"name": "lowest", "metrics": ["predicted_tpot"]},
+    }
+    policy = policy_from_dict(
+        {"name": "odd", "prefill": stage, "decode": stage, "neutral": stage}, SchedulerConfig(), "test"
+    )
+    assert fused._fusable(policy.spec(Stage.DECODE)) is None

@@ -117,14 +117,19 @@ def test_the_exact_peak_admits_what_the_sums_refuse_and_the_sums_are_preferred()
     assert decision.decode.fallback_pass == 0
 
 
-def test_a_request_over_the_headroom_of_an_idle_instance_is_refused_naming_the_kv() -> None:
+def test_a_request_over_the_headroom_goes_alone_to_an_empty_instance_and_waits_while_none_is() -> None:
+    # 19,000 tokens over their life: over 0.95 of any instance's KV. An instance holding nothing takes
+    # it alone (as binpack opens an empty bin); while every instance holds work, none does, naming the KV.
+    alone = make_request("alone", 16_000, max_tokens=3000)
     snapshot, scheduler = _fleet({"a": [(500, 200, 10)]}, idle=("e",))
-    alone = make_request("alone", 16_000, max_tokens=3000)  # 19,000: over 0.95 of any instance's KV
+    decision = scheduler.schedule(snapshot, alone, NOW, dry_run=True)
+    assert decision.decode is not None and decision.decode.instance_id == "e"
+    snapshot, scheduler = _fleet({"a": [(500, 200, 10)], "b": [(300, 100, 5)]})
     with pytest.raises(NoInstanceError, match="kv_over_life 2"):
         scheduler.schedule(snapshot, alone, NOW, dry_run=True)
-    # Within it, the idle instance takes it (its peak is its own prompt and output alone).
-    decision = scheduler.schedule(snapshot, make_request("fits", 14_000, max_tokens=3000), NOW, dry_run=True)
-    assert decision.decode is not None and decision.decode.instance_id == "e"
+    # Within it, a loaded instance with the room takes it as before.
+    decision = scheduler.schedule(snapshot, make_request("fits", 12_000, max_tokens=3000), NOW, dry_run=True)
+    assert decision.decode is not None and decision.decode.instance_id in ("a", "b")
 
 
 def test_the_fused_first_pass_still_decides_slo() -> None:
