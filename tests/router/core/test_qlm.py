@@ -873,12 +873,9 @@ def test_a_running_requests_progress_follows_the_step_of_the_batch_running_now()
     assert r.reached >= 0.09
 
 
-def test_a_long_prompt_is_not_pulled_beside_a_stream_its_prefill_would_push_past_its_tpot() -> None:
-    # One stream runs (TPOT target 50 ms, 50 tokens to go); the grown batch's step is 30 ms. The engine
-    # chunks a new prompt's prefill into that stream's steps: 20,000 tokens at 0.1 ms a token stall it
-    # 2 s, 40 ms on each of its 50 tokens (70 ms against 50): refused. A 200-token prompt (0.4 ms a
-    # token) is pulled.
-    m = InstanceModel(
+def stalling_model() -> InstanceModel:
+    """A 10 ms step per request in the batch, 0.1 ms of prefill a prompt token, room for 16 requests."""
+    return InstanceModel(
         4,
         STEP_S,
         lambda n: 0.05 + n * 1e-4,
@@ -887,6 +884,14 @@ def test_a_long_prompt_is_not_pulled_beside_a_stream_its_prefill_would_push_past
         step_s=lambda b, t: 0.01 * b,
         stall_s=lambda n: n * 1e-4,
     )
+
+
+def test_a_long_prompt_is_not_pulled_beside_a_stream_its_prefill_would_push_past_its_tpot() -> None:
+    # One stream runs (TPOT target 50 ms, 50 tokens to go); the grown batch's step is 30 ms. The engine
+    # chunks a new prompt's prefill into that stream's steps: 20,000 tokens at 0.1 ms a token stall it
+    # 2 s, 40 ms on each of its 50 tokens (70 ms against 50): refused. A 200-token prompt (0.4 ms a
+    # token) is pulled.
+    m = stalling_model()
 
     def pulled_beside_the_stream(prompt: int, deadline_s: float = 3.0) -> bool:
         # 3 s: the e2e request meets its deadline pulled now (2.07 s at the quantile) and not once the
@@ -987,15 +992,7 @@ def test_a_prompt_still_in_its_prefill_stalls_the_streams_before_the_next_one() 
     # A stream runs (50 ms target, 50 tokens to go). A 6,000-token prompt is pulled beside it (0.6 s of
     # prefill: 12 ms a token, on a 30 ms step). A 200-token prompt alone would add 0.4 ms on a 40 ms
     # step, but it queues behind the first one's prefill, still running: 12.4 ms on 40, over the target.
-    m = InstanceModel(
-        4,
-        STEP_S,
-        lambda n: 0.05 + n * 1e-4,
-        most=16,
-        kv_tokens=100_000,
-        step_s=lambda b, t: 0.01 * b,
-        stall_s=lambda n: n * 1e-4,
-    )
+    m = stalling_model()
     q = QlmQueue(QlmConfig(eviction="off"), [m], 6000.0, 50.0)
     q.push(tight("s"), 0.0)
     assert len(q.pump(0.0)) == 1
@@ -1414,15 +1411,7 @@ def test_the_stall_a_prompt_puts_between_a_streams_steps_is_priced_at_the_calibr
     # token (36 ms, pulled); at twice the profile's prefill time (the calibration's TTFT factor, as the
     # ``slo`` policy's ``prefill_stall_ms`` prices it) 12 ms a token, still pulled; at 5x, 30 ms a
     # token (60 ms): refused.
-    m = InstanceModel(
-        4,
-        STEP_S,
-        lambda n: 0.05 + n * 1e-4,
-        most=16,
-        kv_tokens=100_000,
-        step_s=lambda b, t: 0.01 * b,
-        stall_s=lambda n: n * 1e-4,
-    )
+    m = stalling_model()
 
     def pulled(ttft_factor: float) -> bool:
         q = QlmQueue(QlmConfig(), [m], 6000.0, 50.0)
