@@ -369,14 +369,14 @@ class Admission:
         if warm is None:
             return
         self._warm_pending = True
-        loop.call_soon(self._warm)
+        loop.call_soon(self._warm, warm)
 
-    def _warm(self) -> None:
+    def _warm(self, warm: Callable[[float, _RouterFleet], None]) -> None:
         self._warm_pending = False
         if len(self.dispatcher) or self._clock() - self._last_arrival > WARM_AFTER_ARRIVAL_S:
             return
         try:
-            self.dispatcher.warm(self._clock(), self.fleet)  # type: ignore[attr-defined]
+            warm(self._clock(), self.fleet)
         except Exception:  # a cache left cold is built by the next arrival, as without warming
             logger.debug("warming the dispatcher's view failed", exc_info=True)
 

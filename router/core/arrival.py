@@ -55,9 +55,12 @@ class ArrivalCheck:
         """Build now what an arrival on the newest view reads first: this check's drain (kept for that
         view), and the drain's load-free parts for the calibration of the moment (a timed prefill may
         have moved it since the view came; the router queue's pass reads them for its own drain)."""
-        self._drain(now_s)
+        source = self._source()
+        cached = self._cached
+        if cached is None or cached[0] is not source:
+            self._drain(now_s)  # a new view: its drain builds the load-free parts too
+            return
         try:
-            source = self._source()
             view = self._scheduler.view(source, now_s) if isinstance(source, ClusterSnapshot) else source
             FleetDrain.of(self._scheduler, view, now_s)
         except SchedulingError:

@@ -122,27 +122,40 @@ def _life_peak(contexts: list[int], remaining: list[int]) -> int:
     )
 
 
+def holding(
+    scheduler: Scheduler,
+    name: str,
+    role: str,
+    residents: list[tuple[int, int, int]],
+    ids: list[str],
+    prefill: str | None,
+) -> InstanceRecord:
+    """Instance ``name`` holding ``residents`` (prompt, output, generated) as requests ``ids``, each
+    recorded in ``scheduler``'s in-flight account as placed there (its prefill on ``prefill``)."""
+    for rid, (prompt, out, _) in zip(ids, residents, strict=True):
+        scheduler.inflight.record(rid, prefill, name, prompt, NOW - 1, final_tokens=prompt + out)
+    context = sum(p + g for p, _, g in residents)
+    return inst(
+        name,
+        role,
+        meta={"kv_capacity_tokens": CAPACITY},
+        decode_requests=len(residents),
+        decode_tokens=context,
+        used_kv_tokens=context,
+        running=len(residents),
+        admitted=ids,
+    )
+
+
 def _loaded_fleet(
     residents: list[tuple[int, int, int]], scheduler_policy: str = "binpack"
 ) -> tuple[ClusterSnapshot, Scheduler]:
     """One prefill instance and one decode instance holding ``residents`` (prompt, output, generated)."""
     scheduler = make_scheduler(scheduler_policy, tpot_slo_ms=1000.0)
     ids = [f"old{k}" for k in range(len(residents))]
-    for rid, (prompt, out, _) in zip(ids, residents, strict=True):
-        scheduler.inflight.record(rid, "p", "d", prompt, NOW - 1, final_tokens=prompt + out)
-    context = sum(p + g for p, _, g in residents)
     snapshot = make_snapshot(
         inst("p", "prefill", meta={"kv_capacity_tokens": CAPACITY}),
-        inst(
-            "d",
-            "decode",
-            meta={"kv_capacity_tokens": CAPACITY},
-            decode_requests=len(residents),
-            decode_tokens=context,
-            used_kv_tokens=context,
-            running=len(residents),
-            admitted=ids,
-        ),
+        holding(scheduler, "d", "decode", residents, ids, "p"),
     )
     scheduler.inflight.reconcile(snapshot)
     return snapshot, scheduler

@@ -18,8 +18,8 @@ from router.core.queue import QueueConfig, RouterQueue, Verdict, offer
 from router.core.request import Stage
 from router.core.scheduler import Scheduler
 from tests.router.core.helpers import NOW, inst, make_request, make_scheduler, make_snapshot
+from tests.router.core.test_packing import CAPACITY, holding
 
-CAPACITY = 20_000
 PROPS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 #: (prompt, expected output, generated so far) of each resident request.
@@ -36,21 +36,7 @@ def _fleet(
     records = [inst("p", "prefill", meta={"kv_capacity_tokens": CAPACITY})] if prefill else []
     for name, residents in loaded.items():
         ids = [f"{name}-old{k}" for k in range(len(residents))]
-        for rid, (prompt, out, _) in zip(ids, residents, strict=True):
-            scheduler.inflight.record(rid, prefill, name, prompt, NOW - 1, final_tokens=prompt + out)
-        context = sum(p + g for p, _, g in residents)
-        records.append(
-            inst(
-                name,
-                role,
-                meta={"kv_capacity_tokens": CAPACITY},
-                decode_requests=len(residents),
-                decode_tokens=context,
-                used_kv_tokens=context,
-                running=len(residents),
-                admitted=ids,
-            )
-        )
+        records.append(holding(scheduler, name, role, residents, ids, prefill))
     records += [inst(name, role, meta={"kv_capacity_tokens": CAPACITY}) for name in idle]
     snapshot = make_snapshot(*records)
     scheduler.inflight.reconcile(snapshot)
