@@ -203,10 +203,12 @@ class Decision:
         ids = ctx.view.instances.ids
         ttft = ctx.metric_or_nan("predicted_ttft")
         tpot = ctx.metric_or_nan("predicted_tpot")
+        # The drops first: a stage the fused pass decided computes its keep-masks now, and with
+        # them the columns of thresholds it judged at its best candidates only (``at_best``).
+        first_drops = [outcome.first_drop() for outcome in self.outcomes]
         computed = ctx.computed_metrics()
         entries: list[TraceEntry] = []
-        for outcome in self.outcomes:
-            drops = outcome.first_drop()
+        for outcome, drops in zip(self.outcomes, first_drops, strict=True):
             # Python ints once per stage: indexing the arrays per entry costs more on a large fleet.
             candidates, firsts = outcome.candidates.tolist(), drops.tolist()
             positions = (

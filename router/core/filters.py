@@ -166,6 +166,15 @@ class MetricThreshold:
     is an empty bin, and Aladdin's packing opens one for a request no
     loaded bin can take (a constraint that also refused the empty bin would
     hold a request the fleet can only ever serve alone in the queue forever).
+
+    With ``at_best`` the fused first pass (:mod:`router.core.fused`) judges
+    the threshold only at the instances its ``lowest`` selector would pick
+    (:meth:`keeps_at`), not over the whole column: for a costly metric whose
+    verdict rarely changes the choice (``slo``'s exact KV peak). The choice
+    is the same, since the selector's best among the survivors is its best
+    among those the other filters keep that also pass this one; the
+    composed chain, the fallback passes and the record's keep-masks apply
+    it whole.
     """
 
     metric: str
@@ -180,6 +189,7 @@ class MetricThreshold:
     #: one, since a status does not carry its requests' own targets.
     residents_tpot_ms: float = 50.0
     empty_passes: bool = False
+    at_best: bool = False
     #: It never marks an instance for failover (the chain may skip it once no candidate can survive).
     marks: ClassVar[bool] = False
 
@@ -261,6 +271,17 @@ class MetricThreshold:
             )
             keep = keep | empty
         return FilterResult._make((keep, None))
+
+    def keeps_at(self, ctx: DecisionContext, i: int) -> bool:
+        """The keep-mask's verdict at view index ``i`` alone (``at_best``), from the metric's
+        one-instance form (:meth:`DecisionContext.metric_at`): the same comparison, the same value."""
+        if ctx.metric_at(self.metric, i) < self.bound(ctx):
+            return True
+        return self.empty_passes and (
+            ctx.metric_at("num_requests", i) == 0
+            and ctx.metric_at("decode_batch_size", i) == 0
+            and ctx.metric_at("kv_usage_projected", i) == 0
+        )
 
     def explain_miss(self, ctx: DecisionContext, candidates: IntArray) -> tuple[str, float, float]:
         values = ctx.metric(self.metric)[candidates]
@@ -393,6 +414,10 @@ def _metric_threshold(config: SchedulerConfig, params: Params) -> Filter:
         raise ConfigError(
             f"{params.where}: 'slo' must be ttft, tpot, tpot_packing or tpot_residents, got {slo!r}"
         )
+    at_best = params.flag("at_best", False)
+    if at_best and metric in LIFE_TPOT_METRICS:
+        # (Their verdict at a cached prefix's holder reads the request's life, not one column entry.)
+        raise ConfigError(f"{params.where}: 'at_best' is not available for metric {metric!r}")
     default_factor = (
         config.ttft_slo_dispatch_threshold if slo == "ttft" else config.tpot_slo_dispatch_threshold
     )
@@ -409,6 +434,7 @@ def _metric_threshold(config: SchedulerConfig, params: Params) -> Filter:
         default_output_tokens=config.packing_default_output_tokens,
         residents_tpot_ms=config.tpot_slo_ms,
         empty_passes=params.flag("empty_passes", False),
+        at_best=at_best,
     )
 
 

@@ -46,7 +46,7 @@ from router.core.filters import (
 )
 from router.core.plugins import DecisionContext, Filter, StageSpec
 from router.core.request import Stage
-from router.core.selectors import Lowest, SortKey, pick_lowest
+from router.core.selectors import Lowest, SortKey, lowest_ties, pick_lowest
 
 #: The composed chain's evaluation of a stage's filters (``chain._evaluate``): labels, keep-masks, relax.
 Evaluate = Callable[
@@ -72,13 +72,13 @@ _INF = float("inf")
 class _Plan:
     """What :func:`try_stage` needs of one stage spec, derived once per spec."""
 
-    __slots__ = ("failover", "health", "keys", "rest", "spec")
+    __slots__ = ("at_best", "failover", "health", "keys", "ordered", "rest", "spec")
 
     def __init__(
         self,
         spec: StageSpec,
         health: tuple[Filter, ...],
-        rest: tuple[Filter, ...],
+        ordered: tuple[Filter, ...],
         failover: Failover | None,
         keys: tuple[SortKey, ...] | None,
     ) -> None:
@@ -87,10 +87,16 @@ class _Plan:
         #: product with the candidates kept with the snapshot's columns.
         self.health = health
         #: The other single-instance filters, in chain order.
-        self.rest = rest
+        self.ordered = ordered
         self.failover = failover
         #: The ``lowest`` selector's keys (``top_k`` 1), or None: another selector, called as it is.
         self.keys = keys
+        #: The thresholds judged at the selector's best candidates only (``MetricThreshold.at_best``,
+        #: with a ``lowest`` selector), and the filters applied before the selector (``rest``).
+        self.at_best: tuple[MetricThreshold, ...] = ()
+        if keys is not None:
+            self.at_best = tuple(f for f in ordered if type(f) is MetricThreshold and f.at_best)
+        self.rest = tuple(f for f in ordered if f not in self.at_best)
 
 
 #: Plans by spec id, with the spec (held, so its id stays its own while the entry lives).
@@ -225,6 +231,8 @@ def _pass_of_list(ctx: DecisionContext, plan: _Plan, alive: list[int], failover:
         alive = [i for i in alive if kept[i]]
         if not alive:
             return -1
+    if plan.at_best:
+        return _checked_lowest(ctx, alive, plan, _lowest_ties_of_list)
     if plan.keys is not None:
         return _lowest_of_list(ctx, alive, plan.keys)
     return plan.spec.selector.select(ctx, np.array(alive, dtype=np.intp), 0)
@@ -255,6 +263,8 @@ def _pass_of_index(ctx: DecisionContext, plan: _Plan, alive: IntArray, failover:
         alive = alive[failover[alive]]
         if not len(alive):
             return -1
+    if plan.at_best:
+        return _checked_lowest(ctx, alive, plan, _lowest_ties_of_index)
     if plan.keys is not None:
         return pick_lowest(ctx, alive, plan.keys)
     return plan.spec.selector.select(ctx, alive, 0)
@@ -267,7 +277,7 @@ def _pass_of_masks(
     folded into the candidates' mask, the selector over what is left. -1: no candidate survives."""
     no_marks = ctx.view.instances.all_false()
     narrowed = False
-    for f in plan.rest:
+    for f in plan.ordered:  # (every filter's mask: a large fleet's columns cost less than its rows)
         keep, mark = f.apply(ctx)
         if mark is not None and mark is not no_marks:
             return -1
@@ -313,18 +323,60 @@ def _base(
 
 def _lowest_of_list(ctx: DecisionContext, candidates: list[int], keys: tuple[SortKey, ...]) -> int:
     """:func:`router.core.selectors.pick_lowest` (``top_k`` 1) over a list of view indices."""
-    if len(candidates) == 1:
-        return candidates[0]
+    ties = _lowest_ties_of_list(ctx, candidates, keys)
+    return ties[0] if len(ties) == 1 else ties[ctx.rng.randrange(len(ties))]
+
+
+def _lowest_ties_of_list(ctx: DecisionContext, candidates: list[int], keys: tuple[SortKey, ...]) -> list[int]:
+    """:func:`router.core.selectors.lowest_ties` over a list of view indices."""
     memo = ctx.view.instances.memo
     ties = candidates
     for key in keys:
+        if len(ties) == 1:
+            break
         column = ctx.metric(key.metric)
         if memo.get(("constant_id", id(column))) is column:  # (InstanceTable.is_constant, inlined)
             continue  # the same value everywhere: every candidate ties
         ties = _best_ties_of_list(column.tolist(), ties, key.highest)
-        if len(ties) == 1:
-            return ties[0]
-    return ties[ctx.rng.randrange(len(ties))]
+    return ties
+
+
+def _lowest_ties_of_index(ctx: DecisionContext, candidates: IntArray, keys: tuple[SortKey, ...]) -> list[int]:
+    ties: list[int] = lowest_ties(ctx, candidates, keys).tolist()
+    return ties
+
+
+def _checked_lowest(
+    ctx: DecisionContext,
+    alive: Any,
+    plan: _Plan,
+    ties_of: Callable[[DecisionContext, Any, tuple[SortKey, ...]], list[int]],
+) -> int:
+    """The ``lowest`` selector's pick among the ``alive`` candidates that also pass the plan's
+    ``at_best`` thresholds, each judged only where the selector looks (-1: none passes).
+
+    The best ties among ``alive`` that pass are exactly the best ties among the
+    survivors of every filter: the best value over all of ``alive`` is reached
+    by one that passes, so no survivor is better, and a survivor as good is one
+    of those ties. When none of the ties passes, they are not survivors and
+    leave; the next best are judged. The draw among the ties is then the one
+    the selector makes over the survivors (the same list, in view order).
+    """
+    keys = plan.keys
+    assert keys is not None  # (``at_best`` thresholds exist only with a ``lowest`` selector)
+    checks = plan.at_best
+    while True:
+        ties = ties_of(ctx, alive, keys)
+        passed = [i for i in ties if all(f.keeps_at(ctx, i) for f in checks)]
+        if passed:
+            return passed[0] if len(passed) == 1 else passed[ctx.rng.randrange(len(passed))]
+        failed = set(ties)
+        if isinstance(alive, list):
+            alive = [i for i in alive if i not in failed]
+        else:
+            alive = alive[~np.isin(alive, ties)]
+        if not len(alive):
+            return -1
 
 
 def _best_ties_of_list(column: list[float], candidates: list[int], highest: bool) -> list[int]:

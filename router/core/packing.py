@@ -291,6 +291,9 @@ class _UpdatedPackingMetric(_PackingMetric):
     def at(self, ctx: DecisionContext, index: int) -> float:
         return self.one(ctx, self.config, index)
 
+    def compute_at(self, ctx: DecisionContext, index: int) -> float:
+        return self.one(ctx, self.config, index)
+
 
 def _register(
     name: str, scope: MetricScope, at: _At | None = None
@@ -404,13 +407,13 @@ _KV_LOAD = "kv_peak_projected_load"
 
 def _kv_life_at(ctx: DecisionContext, config: SchedulerConfig, i: int) -> float:
     """``kv_life_tokens`` at view index ``i`` alone (the same value, from that instance's legs)."""
-    legs = ctx.view.resident_legs_on(i)
-    if legs is None:
-        return float(_kv_life_column(ctx, config)[i])
     table = ctx.view.instances
     inflight = ctx.view.inflight
     # (Python floats from .item: the same IEEE sums as numpy's scalars, without their overhead.)
     now = table.used_kv_tokens.item(i) + table.uncomputed_prefill_tokens.item(i) + inflight.tokens.item(i)
+    legs = ctx.view.resident_legs_on(i)
+    if legs is None:  # (the sums, as the column without legs)
+        return now + ctx.metric_at("kv_growth_tokens", i)
     held = pending = 0.0
     running: list[tuple[float, float]] = []
     for context, remaining, started in legs:
@@ -479,7 +482,16 @@ def _kv_life_column(ctx: DecisionContext, config: SchedulerConfig) -> FloatArray
 _register("kv_life_tokens", MetricScope.LOAD, at=_kv_life_at)(_kv_life_column)
 
 
-@_register("kv_peak_exact", MetricScope.DECISION)
+def _kv_peak_exact_at(ctx: DecisionContext, config: SchedulerConfig, i: int) -> float:
+    """``kv_peak_exact`` at view index ``i`` alone (``slo`` judges it at its best candidates only)."""
+    used = ctx.metric_at("kv_life_tokens", i)
+    if ctx.request is not None:
+        used += ctx.prompt_tokens + _out(ctx, config)
+    capacity = ctx.view.instances.kv_capacity_tokens.item(i)
+    return used / capacity if capacity > 0 else math.inf
+
+
+@_register("kv_peak_exact", MetricScope.DECISION, at=_kv_peak_exact_at)
 def _kv_peak_exact(ctx: DecisionContext, config: SchedulerConfig) -> FloatArray:
     table = ctx.view.instances
     used = ctx.metric("kv_life_tokens")

@@ -189,6 +189,12 @@ class DecisionContext:
         metric = self._metrics.get(name)
         if metric is None:
             return float("nan")
+        scope = metric.scope
+        if scope is not _DECISION:  # (a column kept with the load or snapshot: read it)
+            memo = self.view.load_memo if scope is _LOAD else self.view.instances.memo
+            kept: FloatArray | None = memo.get((metric, self.predictors))
+            if kept is not None:
+                return float(kept[index])
         at: Callable[[DecisionContext, int], float] | None = getattr(metric, "compute_at", None)
         if at is not None:
             return at(self, index)

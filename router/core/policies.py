@@ -248,9 +248,13 @@ def _kv_promise(config: SchedulerConfig) -> list[dict[str, Any]]:
     large ``max_tokens`` before any answer of its class was learned) is served
     alone there, where without it every such request waited until refused
     (2 idle instances with 8k of KV, 6k-token prompts: 5 of 20 refused).
+    The exact peak is judged at the selector's best candidates only
+    (``at_best``): its column, rebuilt after every placement, was most of
+    what the promise added to a decision, and the sums' bound beside it
+    keeps nearly every instance it would drop.
     """
     return [
-        _kv_fits(config, metric="kv_peak_exact", empty_passes=True),
+        _kv_fits(config, metric="kv_peak_exact", empty_passes=True, at_best=True),
         _kv_fits(config, label="kv_all_alive", droppable=True),
     ]
 

@@ -107,17 +107,23 @@ def _ties(ctx: DecisionContext, metric: str, candidates: IntArray, highest: bool
     return ties
 
 
+def lowest_ties(ctx: DecisionContext, candidates: IntArray, keys: tuple[SortKey, ...]) -> IntArray:
+    """The candidates that are lexicographically best by ``keys`` (the ones ``pick_lowest`` draws from)."""
+    ties = candidates
+    for key in keys:  # narrow to the ties of each key in turn
+        if len(ties) == 1:
+            break
+        ties = _ties(ctx, key.metric, ties, key.highest)
+    return ties
+
+
 def pick_lowest(ctx: DecisionContext, candidates: IntArray, keys: tuple[SortKey, ...], top_k: int = 1) -> int:
     """The lexicographic best of ``candidates`` (RNG among ties), or uniform among the ``top_k`` best."""
     if len(candidates) == 1:
         return int(candidates[0])
     if top_k <= 1:
-        ties = candidates
-        for key in keys:  # narrow to the ties of each key in turn
-            ties = _ties(ctx, key.metric, ties, key.highest)
-            if len(ties) == 1:
-                return int(ties[0])
-        return int(ties[ctx.rng.randrange(len(ties))])
+        ties = lowest_ties(ctx, candidates, keys)
+        return int(ties[0] if len(ties) == 1 else ties[ctx.rng.randrange(len(ties))])
     cols = []
     for key in keys:
         v = key.values(ctx, candidates)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from router.core.config import SchedulerConfig
-from router.core.errors import EmptyClusterError, NoInstanceError
+from router.core.errors import ConfigError, EmptyClusterError, NoInstanceError
 from router.core.plugins import Filter, GlobalFilter
 from router.core.registry import FILTERS, Params
 from tests.router.core.helpers import NOW, inst, make_request, make_scheduler, make_snapshot
@@ -81,6 +81,49 @@ def test_metric_threshold_never_passes_nan() -> None:
     ctx = s.context(s.view(snap, NOW), make_request())
     f = FILTERS.create("metric_threshold", s.config, Params("t", {"metric": "predicted_ttft", "limit": 1e9}))
     assert f.apply(ctx).keep.tolist() == [False]
+
+
+def test_a_threshold_judged_at_one_instance_says_what_its_mask_says() -> None:
+    """``keeps_at`` (the fused pass's verdict at a selector's best, ``at_best``) equals the keep-mask
+    at every instance: the exact KV peak over the residents' life with empty instances passing, on
+    instances idle, holding legs the router placed, over their KV, and stating no capacity."""
+    s = make_scheduler("slo")
+    snap = make_snapshot(
+        inst("idle", meta={"kv_capacity_tokens": 8000}),
+        inst(
+            "busy",
+            decode_requests=6,
+            decode_tokens=6000,
+            used_kv_tokens=6000,
+            meta={"kv_capacity_tokens": 8000},
+        ),
+        inst(
+            "full",
+            decode_requests=2,
+            decode_tokens=9000,
+            used_kv_tokens=9000,
+            meta={"kv_capacity_tokens": 8000},
+        ),
+        inst("unstated", decode_requests=1, decode_tokens=100, meta={"kv_capacity_tokens": 0}),
+        inst("legs", meta={"kv_capacity_tokens": 8000}),
+    )
+    placed = s.schedule(snap, make_request("r0", prompt_tokens=3000), NOW)
+    s.record(placed, NOW)
+    params = {"metric": "kv_peak_exact", "limit": 0.9, "empty_passes": True, "at_best": True}
+    f = FILTERS.create("metric_threshold", s.config, Params("t", params))
+    for prompt in (100, 1500, 5000, 9000):  # (at 9,000 only instances holding nothing pass)
+        ctx = s.context(s.view(snap, NOW), make_request("r1", prompt_tokens=prompt))
+        keep = f.apply(ctx).keep.tolist()
+        fresh = s.context(s.view(snap, NOW), make_request("r1", prompt_tokens=prompt))
+        assert [f.keeps_at(fresh, i) for i in range(len(keep))] == keep
+        assert "kv_peak_exact" not in fresh.computed_metrics()  # (judged without the column)
+    assert True in keep and False in keep
+
+
+def test_at_best_is_refused_where_a_verdict_reads_more_than_one_entry() -> None:
+    params = Params("t", {"metric": "predicted_tpot", "slo": "tpot", "at_best": True})
+    with pytest.raises(ConfigError, match="at_best"):
+        FILTERS.create("metric_threshold", SchedulerConfig(), params)
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,9 @@ fused pass and one without, make the same decisions one after the other on
 random fleets (stale, unschedulable and status-less instances, failure
 domains, loads, exclusions, targets tight enough to fail or fall back) with
 every built-in policy: the same choices, stage records, traces, metrics read
-(in the same order), errors and random draws.
+(their values; not their order: a threshold judged at the selector's best
+candidates only, ``at_best``, computes its column when the record is read),
+errors and random draws.
 """
 
 from __future__ import annotations
@@ -43,7 +45,28 @@ POLICIES = [
     "binpack",
     "cache-affinity",
     "round-robin",
+    "at-best",
 ]
+
+#: Thresholds judged at the selector's best candidates only (``at_best``), where the best often
+#: fails them (a request count at 1, the exact KV peak), among lowest-TTFT ties on idle instances.
+_AT_BEST_STAGE = {
+    "filters": [
+        "schedulability",
+        "staleness",
+        {"name": "metric_threshold", "metric": "num_requests", "limit": 1, "at_best": True},
+        {"name": "metric_threshold", "metric": "predicted_ttft", "slo": "ttft"},
+        {
+            "name": "metric_threshold",
+            "metric": "kv_peak_exact",
+            "limit": 0.5,
+            "empty_passes": True,
+            "at_best": True,
+        },
+        "failover",
+    ],
+    "selector": {"name": "lowest", "metrics": ["decode_batch_size", "predicted_ttft"]},
+}
 
 
 @contextmanager
@@ -118,8 +141,8 @@ def _scheduler(policy: str, seed: int, domain: str) -> Scheduler:
         for stage in ("prefill", "decode", "neutral"):
             limits[f"dispatch_{stage}_load_metric"] = "num_requests"
             limits[f"dispatch_{stage}_load_threshold"] = float(random.Random(seed + 2).choice([0, 1, 3]))
-    return make_scheduler(
-        "slo" if adaptive else policy,
+    scheduler = make_scheduler(
+        "slo" if adaptive or policy == "at-best" else policy,
         **limits,
         enable_adaptive_pd=adaptive,
         seed=seed,
@@ -127,6 +150,10 @@ def _scheduler(policy: str, seed: int, domain: str) -> Scheduler:
         ttft_slo_ms=random.Random(seed).choice([50.0, 400.0, 3000.0]),
         tpot_slo_ms=random.Random(seed + 1).choice([12.0, 30.0, 80.0]),
     )
+    if policy == "at-best":
+        stages = {"prefill": _AT_BEST_STAGE, "decode": _AT_BEST_STAGE, "neutral": _AT_BEST_STAGE}
+        scheduler.policy = policy_from_dict({"name": policy, **stages}, scheduler.config, "test")
+    return scheduler
 
 
 def _record(decision: Any) -> tuple[Any, ...]:
@@ -138,7 +165,7 @@ def _record(decision: Any) -> tuple[Any, ...]:
             (o.stage, o.candidate_mask.tolist(), o.labels, keeps, o.relax, o.selected, o.fallback_pass)
         )
     computed = decision.context.computed_metrics()
-    metrics = [(name, np.asarray(values).tolist()) for name, values in computed.items()]
+    metrics = sorted((name, np.asarray(values).tolist()) for name, values in computed.items())
     return (decision.prefill, decision.decode, decision.mode, tuple(outcomes), decision.trace, repr(metrics))
 
 
@@ -249,3 +276,15 @@ def test_a_stage_whose_order_the_fused_pass_cannot_keep_is_left_to_the_chain() -
         {"name": "odd", "prefill": stage, "decode": stage, "neutral": stage}, SchedulerConfig(), "test"
     )
     assert fused._fusable(policy.spec(Stage.DECODE)) is None
+
+
+def test_a_trace_shows_the_thresholds_judged_at_the_best_only() -> None:
+    """slo's exact KV peak is judged at the selector's best candidates in the fused pass; the trace,
+    read first, still shows its value at every candidate (the column computed with the masks)."""
+    scheduler = make_scheduler("slo")
+    snap = make_snapshot(inst("a", decode_requests=2, decode_tokens=900), inst("b"), inst("c", running=1))
+    decision = scheduler.schedule(snap, make_request("r1", prompt_tokens=400), NOW)
+    assert "kv_peak_exact" not in decision.context.computed_metrics()
+    trace = decision.trace
+    assert [e.instance_id for e in trace] == ["a", "b", "c"]
+    assert all(e.metrics["kv_peak_exact"] >= 0 for e in trace)
