@@ -890,6 +890,9 @@ class SAPlanner:
         #: neither changed.
         self._plans: dict[str, tuple[tuple[tuple[str, ...], int], Plan]] = {}
         self.stats = PlannerStats()
+        #: The newest arrival a pass has seen, and the arrival before it (pool_closes).
+        self._newest_s = -math.inf
+        self._before_s = -math.inf
 
     # ------------------------------------------------------------------ events
 
@@ -938,10 +941,22 @@ class SAPlanner:
         if not entries:
             return
         # The request pool (Fig. 6: requests collect in a pool before the predictor and the mapper).
-        matured = pool_closes(
-            min(e.enqueued_s for e in entries), max(e.enqueued_s for e in entries), self.pool_s
-        )
-        if now_s < matured:
+        oldest = min(e.enqueued_s for e in entries)
+        newest = max(e.enqueued_s for e in entries)
+        if newest > self._newest_s:  # new arrivals since the last pass: the one before the oldest new
+            self._before_s = max(
+                (e.enqueued_s for e in entries if e.enqueued_s < newest), default=self._newest_s
+            )
+            self._newest_s = newest
+        matured = pool_closes(oldest, newest, self.pool_s)
+        # A request arriving alone, a quiet pool time after the one before it, has no burst to wait
+        # for yet: pooled, it only lost the pool time off its TTFT, which at a light steady load is all
+        # the pool did (a 250 ms TTFT class at 0.5 req/s on 3 engines: 91.9 % against fcfs's 95.6 %).
+        # It is planned at once while the fleet has a slot to spare besides the one it takes, so a burst
+        # it begins still has one for its most urgent request once the plan sees it (with one slot in
+        # all, the first arrival of a burst would hold it: G 0.0661 against 0.0747 pooled).
+        alone = len(entries) == 1 and oldest - self._before_s >= self.pool_s
+        if now_s < matured and not alone:
             self.wake_s = matured
             return
         view = _as_view(scheduler, source(), now_s)
@@ -956,8 +971,14 @@ class SAPlanner:
             self.slots(iid, math.inf if seqs is None else float(seqs[i])) for i, iid in enumerate(inst.ids)
         ]
         occupied = [len(self.running.get(iid, ())) for iid in inst.ids]
-        if not any(u and occupied[i] < slots[i] for i, u in enumerate(usable)):
+        spare = sum(
+            min(slots[i] - occupied[i], 2) for i, u in enumerate(usable) if u and occupied[i] < slots[i]
+        )
+        if not spare:
             return  # no instance can take anything now: nothing to plan
+        if now_s < matured and spare < 2:  # (alone, but on the fleet's last free slot: pooled)
+            self.wake_s = matured
+            return
         window = entries[: WINDOW * max(sum(usable), 1)]
         # Eq. 20 deals the requests out in their priority order, not their arrival order (see deal_order).
         window = [window[k] for k in deal_order(window, now_s)]
@@ -973,6 +994,23 @@ class SAPlanner:
         capacity = [float(inst.kv_capacity_tokens[i]) for i in range(m)]
         free = [self._free_tokens(inst, i) for i in range(m)]
         where = preassign(needs, eligible, free, capacity, occupied, slots)
+        if len(window) == 1 and where[0] >= 0:
+            # A lone request has nothing to be planned or dealt against: it goes where the scheduler
+            # predicts it starts soonest among the instances with a free slot and room for it. Dealt
+            # to the largest remaining memory (Eq. 20's rule, which spreads a burst's memory), it
+            # landed behind another request's long prefill while an instance sat idle (a 250 ms TTFT
+            # class at 1.5 req/s on 3 engines: 90.8 % against fcfs's 93.1, with no pool at all).
+            need = needs[0]
+            among = frozenset(
+                inst.ids[j]
+                for j in range(m)
+                if eligible[0][j] and occupied[j] < slots[j] and (need <= free[j] or not occupied[j])
+            )
+            if among:
+                yield from self._release(
+                    queue, scheduler, source, now_s, schedule, view, where[0], window, 1, among=among
+                )
+                return
         groups: dict[int, list[QueueEntry]] = {}
         for entry, i in zip(window, where, strict=True):
             if i < 0:
@@ -1016,7 +1054,10 @@ class SAPlanner:
         i: int,
         group: list[QueueEntry],
         room: int,
+        among: frozenset[str] = frozenset(),
     ) -> Iterator[Offer]:
+        """Release ``group``'s planned first batch to instance ``i`` (``among``: one request, to whichever
+        of these instances the scheduler picks)."""
         inst = view.instances
         instance = inst.ids[i]
         plan = self._plan(queue, scheduler, view, now_s, i, group, room)
@@ -1024,7 +1065,13 @@ class SAPlanner:
         role = inst.roles[i]
         # Only this instance among those of its role: the decode leg of a disaggregated request may go anywhere.
         others = frozenset(iid for j, iid in enumerate(inst.ids) if inst.roles[j] == role and iid != instance)
-        free = self._free_tokens(inst, i)
+        if among:
+            others = frozenset(
+                iid
+                for j, iid in enumerate(inst.ids)
+                if inst.roles[j] in (Role.NEUTRAL, Role.PREFILL) and iid not in among
+            )
+        free = self._free_tokens(inst, i) if not among else math.inf  # (``among`` holds it: see offer)
         released = 0
         for k in plan.order[: min(first, room)]:
             entry = group[k]
@@ -1046,6 +1093,8 @@ class SAPlanner:
                 continue
             queue.remove(entry.request_id)
             free -= need
+            if among and decision.prefill is not None:
+                instance = decision.prefill.instance_id
             self.running.setdefault(instance, {})[entry.request_id] = _Released(request.slo_class, need)
             self._where[entry.request_id] = instance
             released += 1
@@ -1131,7 +1180,8 @@ def pool_closes(oldest_s: float, newest_s: float, pool_s: float) -> float:
     Closing once arrivals pause for ``pool_s`` plans such a burst as one; a
     lone request still waits ``pool_s``, and the cap bounds what a steady run
     of close arrivals adds to a request's TTFT. A backlog (its oldest request
-    waiting past the cap) is planned at once.
+    waiting past the cap) is planned at once (and a request arriving alone on
+    a fleet with slots to spare: :meth:`SAPlanner.offer`).
     """
     return min(newest_s + pool_s, oldest_s + POOL_MAX_FACTOR * pool_s)
 

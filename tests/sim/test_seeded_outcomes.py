@@ -177,7 +177,7 @@ RECORDED: dict[str, str] = {
     "neutral-slo-prefix": "2faad43e732c35884901f59c",
     "neutral-slo-priority": "118a85ace3be352f7da0bda6",
     "neutral-slo-qlm": "e472256c34e06ca45c8bf7a1",
-    "neutral-slo-sa": "609d946a052eeba8633bdb42",
+    "neutral-slo-sa": "f730be6d66a736aa4988684b",
     "pd-adaptive": "3da6c8098432e1344daec263",
     "pd-load-balance-off": "466dcf402227e02d05b7c4b8",
     "pd-noise-power-of-two": "1d5dfe0ec4aa853c45db64c9",

@@ -12,8 +12,9 @@ import pytest
 from engine.model import SimConfig
 from router.cli import main
 from router.core.queue import QueueConfig
+from router.core.request import Role
 from sim.cluster import SimFleet, SimOutcome, simulate
-from sim.fleet import fleet_from_counts
+from sim.fleet import DEFAULT_PROFILE, FleetSpec, GroupSpec, fleet_from_counts, resolve_profile
 from sim.sweep import queue_figures
 from tests.sim.test_simulate import policy
 from workload.spec import RequestPlan, generate_requests, load_workload
@@ -192,12 +193,58 @@ def test_the_request_pool_plans_a_burst_spread_over_milliseconds_as_one() -> Non
 
 def test_the_request_pool_waits_for_a_burst_longer_than_the_pool_time() -> None:
     # 24 requests 5 ms apart (115 ms from first to last) on two one-sequence engines: the pool stays
-    # open while arrivals keep coming, so nothing goes before the plan has seen the whole burst; a pool
+    # open while arrivals keep coming, so nothing but the first arrival (alone after a quiet pool time,
+    # with the other engine's slot to spare) goes before the plan has seen the whole burst; a pool
     # closed 25 ms after its oldest request would hand the first arrivals to both free slots in arrival
     # order.
     plans = [dataclasses.replace(p, arrival_s=0.005 * k) for k, p in enumerate(code_chat_burst(24, seed=9))]
     queue = QueueConfig(queue_policy="sa", sa_max_batch=1, max_queue_wait_ms=WAIT_MS)
     fleet = SimFleet(fleet_from_counts(neutral=2, engine=SimConfig(max_num_seqs=1)))
     outcome = simulate(fleet, policy("slo"), plans, queue=queue)
-    first = min(s for s, _ in dispatch_and_done(plans, outcome))
-    assert first == pytest.approx(0.115 + 0.025, abs=1e-5)
+    starts = sorted(s for s, _ in dispatch_and_done(plans, outcome))
+    assert starts[0] == pytest.approx(0.0, abs=1e-5)
+    assert starts[1] == pytest.approx(0.115 + 0.025, abs=1e-5)
+
+
+def test_a_lone_request_is_not_pooled_while_the_fleet_has_a_slot_to_spare() -> None:
+    # Requests 10 s apart (a light steady load: each ends before the next arrives): each arrives alone,
+    # a quiet pool time after the one before, and goes at once, as under fcfs; on a fleet of one
+    # one-sequence engine its slot is the last, so each waits the pool time for a burst it may begin.
+    plans = [dataclasses.replace(p, arrival_s=10.0 * k) for k, p in enumerate(code_chat_burst(5, seed=3))]
+
+    def waits_ms(instances: int, seqs: int) -> list[float]:
+        queue = QueueConfig(queue_policy="sa", sa_max_batch=seqs, max_queue_wait_ms=WAIT_MS)
+        fleet = SimFleet(fleet_from_counts(neutral=instances, engine=SimConfig(max_num_seqs=seqs)))
+        outcome = simulate(fleet, policy("slo"), plans, queue=queue)
+        assert all(r.ok for r in outcome.results)
+        return list(outcome.queue_wait_ms)
+
+    assert waits_ms(2, 1) == pytest.approx([0.0] * 5, abs=1e-6)
+    assert waits_ms(1, 2) == pytest.approx([0.0] * 5, abs=1e-6)
+    assert waits_ms(1, 1) == pytest.approx([25.0] * 5, abs=0.01)  # (within the wake-up step)
+
+
+def test_a_lone_request_goes_where_it_starts_soonest_not_to_the_most_memory() -> None:
+    # Two long prompts of a burst are dealt (Eq. 20) to the instance with the most KV; a short request
+    # arriving alone while they prefill goes to the idle instance, where it starts at once, not to the
+    # one with the most memory left, behind their prefill.
+    profile = resolve_profile(DEFAULT_PROFILE)
+    fleet = FleetSpec(
+        groups=(
+            GroupSpec("big", Role.NEUTRAL, 1, profile, SimConfig(max_num_seqs=4, kv_capacity_tokens=200_000)),
+            GroupSpec(
+                "small", Role.NEUTRAL, 1, profile, SimConfig(max_num_seqs=4, kv_capacity_tokens=40_000)
+            ),
+        )
+    )
+    base = code_chat_burst(3, seed=5)
+    plans = [
+        dataclasses.replace(base[0], arrival_s=0.0, prompt_tokens=7000),
+        dataclasses.replace(base[1], arrival_s=0.0, prompt_tokens=7000),
+        dataclasses.replace(base[2], arrival_s=0.2, prompt_tokens=200),
+    ]
+    queue = QueueConfig(queue_policy="sa", max_queue_wait_ms=WAIT_MS)
+    outcome = simulate(SimFleet(fleet), policy("slo"), plans, queue=queue)
+    where = [r.prefill_instance_id for r in outcome.results]
+    assert where[:2] == ["big-000", "big-000"]
+    assert where[2] == "small-000"
