@@ -11,9 +11,11 @@ whatever the fleet's size (a decision at 16 instances was ~470 such calls).
 candidate, in one pass: the candidates still alive after each filter in
 chain order (a Python list of view indices on a small fleet, an index array on
 a large one), each threshold compared at those candidates only, then the
-selector over what is left. It reads the same metrics, in the same order,
-through the same :class:`~router.core.plugins.DecisionContext`, and draws the
-same random numbers, so it picks the same instance (property tests in
+selector over what is left. A threshold marked ``at_best`` (``slo``'s exact
+KV peak) is judged only at the selector's best candidates, the next best
+judged while none of them passes (:func:`_checked_lowest`). It reads the same
+metrics through the same :class:`~router.core.plugins.DecisionContext`, and
+draws the same random numbers, so it picks the same instance (property tests in
 ``tests/router/core/test_fused.py`` compare it with :func:`chain.run_stage`
 on random views). The per-filter keep-masks of the stage's record (the
 trace's source) are computed by the composed chain itself, when first read.
