@@ -88,24 +88,15 @@ def test_a_threshold_judged_at_one_instance_says_what_its_mask_says() -> None:
     at every instance: the exact KV peak over the residents' life with empty instances passing, on
     instances idle, holding legs the router placed, over their KV, and stating no capacity."""
     s = make_scheduler("slo")
+    kv = {"kv_capacity_tokens": 8000}
     snap = make_snapshot(
-        inst("idle", meta={"kv_capacity_tokens": 8000}),
-        inst(
-            "busy",
-            decode_requests=6,
-            decode_tokens=6000,
-            used_kv_tokens=6000,
-            meta={"kv_capacity_tokens": 8000},
-        ),
-        inst(
-            "full",
-            decode_requests=2,
-            decode_tokens=9000,
-            used_kv_tokens=9000,
-            meta={"kv_capacity_tokens": 8000},
+        inst("idle", meta=kv),
+        *(
+            inst(name, decode_requests=n, decode_tokens=tokens, used_kv_tokens=tokens, meta=kv)
+            for name, n, tokens in (("busy", 6, 6000), ("full", 2, 9000))
         ),
         inst("unstated", decode_requests=1, decode_tokens=100, meta={"kv_capacity_tokens": 0}),
-        inst("legs", meta={"kv_capacity_tokens": 8000}),
+        inst("legs", meta=kv),
     )
     placed = s.schedule(snap, make_request("r0", prompt_tokens=3000), NOW)
     s.record(placed, NOW)
