@@ -7,7 +7,9 @@ the requests that met every target under ``edf`` and missed one under ``qlm``: t
 they missed (TTFT, TPOT, e2e), their router wait under each, and, from a trace of the ``qlm`` queue
 taken at their dispatch, the instance, its running batch (count, KV tokens counted at their end
 against the cache), the virtual queue's groups ahead of theirs, and the pulls refused (with why)
-while they waited. A diagnosis tool: it prints, it asserts nothing.
+while they waited; and per class the first token and the step the queue expected at each pull
+against what ran (pulled late into a slow batch, or slowed after the pull). A diagnosis tool: it
+prints, it asserts nothing.
 """
 
 from __future__ import annotations
@@ -50,6 +52,18 @@ def _install() -> None:
             "reserve": self.stream_reserve(i, now_s),
             "late_plan": self.expected_missing.get(group.gid, 0),
             "evictions": r.evictions,
+            # What the queue expected of the pull: its first token behind the prompts still queued in
+            # the engine's prefill and its own, and the grown batch's step (profile x the learned
+            # inefficiency, the estimator's e2e step).
+            "ttft_pred_ms": (
+                self._prefill_backlog_s(i, run, now_s) + self.models[i].prefill_s(r.prompt_tokens)
+            )
+            * 1e3,
+            "step_pred_ms": (
+                self.models[i].step_s(len(run) + 1, self._batch_kv(run, r)) * self.inefficiency[i] * 1e3
+                if self.models[i].step_s is not None
+                else float("nan")
+            ),
         }
         return take(self, i, src, group, now_s)
 
@@ -130,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{label} misses:", dict(why))
     for label, o in out.items():
         _wait_profile(label, o.results)
+    _pace_profile(qlm.results, {k for idx in by_class.values() for k in idx})
     for cls_name, idx in by_class.items():
         print(f"\n== {cls_name}: {len(idx)} meet under edf and miss under qlm")
         why = collections.Counter()
@@ -184,6 +199,34 @@ def _wait_profile(label: str, results: Any) -> None:
             f"{label} {c}: met {len(met)}/{len(rs)}, misses {dict(bins)}; "
             f"router wait p50 met {p50(met)}, missed {p50(ran)}"
         )
+
+
+def _pace_profile(results: Any, lost: set[int]) -> None:
+    """Per class, for the requests that ran under ``qlm``: the first token after the pull and the time per
+    output token the queue expected at the pull against what they measured (medians; ``lost``: those
+    that met under ``edf`` and missed). Expected right but slow: pulled late into a slow batch; expected
+    fast but slow: the batch slowed after the pull (the pulls after it, or a step the model misses)."""
+    rows: dict[str, dict[str, list[tuple[float, ...]]]] = collections.defaultdict(
+        lambda: {"all": [], "lost": []}
+    )
+    for k, r in enumerate(results):
+        t = TRACE.get(str(k))
+        if t is None or not r.ok or not r.completion_tokens or r.ttft_ms is None or r.e2e_ms is None:
+            continue
+        tpot = (r.e2e_ms - r.ttft_ms) / max(r.completion_tokens - 1, 1)
+        row = (t["ttft_pred_ms"], r.ttft_ms - r.queue_wait_ms, t["step_pred_ms"], tpot)
+        rows[r.class_name]["all"].append(row)
+        if k in lost:
+            rows[r.class_name]["lost"].append(row)
+    for c in sorted(rows):
+        for which, rs in rows[c].items():
+            if not rs:
+                continue
+            med = [statistics.median(x[j] for x in rs) for j in range(4)]
+            print(
+                f"qlm {c} ({which}, {len(rs)}): first token after the pull expected {med[0]:.0f} ms, "
+                f"measured {med[1]:.0f}; step expected {med[2]:.1f} ms, measured {med[3]:.1f}"
+            )
 
 
 def _fmt(t: dict[str, Any]) -> str:

@@ -283,13 +283,42 @@ class OutputStats:
         self._finished: dict[str, int] = {}
         self._cache: dict[str, LengthDistribution] = {}
         self._moments: dict[str, tuple[float, float]] = {}
+        #: Per class: the moments of :meth:`cautious` (dropped at every change of the class's cohort).
+        self._bounds: dict[str, tuple[float, float]] = {}
         self._anon = 0
         #: Bumped by every change of an estimate (the estimator's duration memo is keyed on it).
         self.version = 0
 
     def _changed(self, slo_class: str) -> None:
         self._cache.pop(slo_class, None)
+        self._bounds.pop(slo_class, None)
         self.version += 1
+
+    def cautious(self, slo_class: str, max_tokens: int) -> tuple[float, float]:
+        """(mean, standard deviation) of the output of a request of ``slo_class`` asking ``max_tokens``, its
+        running members counted as lower bounds (Kaplan–Meier, as ``censored`` does) whatever the mode.
+
+        For a bound that keeps room for a request not yet arrived (:meth:`QlmQueue._joinable`): the
+        finished answers alone are the short ones in the first seconds of a run, and sized by them the
+        room kept for a 15 s class was a third of what its answers took (a class of ~170-token answers
+        estimated at 61 +- 26 tokens 3.7 s in: the looser class filled the batches, and the tight
+        class then ran at 60-70 ms a token where ``edf`` ran it at 45, docs/papers.md). Every other
+        rule keeps :meth:`estimate` (the censored estimate everywhere set off evictions that did not
+        pay). Before :attr:`MIN_FINISHED` finished requests, ``max_tokens`` stands for the mean.
+        """
+        f = self._bounds.get(slo_class)
+        if f is None:
+            if self._finished.get(slo_class, 0) < self.MIN_FINISHED:
+                return float(max_tokens), 0.0
+            events: list[float] = []
+            censored: list[float] = []
+            for final, reached in self._cohort[slo_class].values():
+                if final is not None:
+                    events.append(final)
+                else:
+                    censored.append(reached or 0.0)
+            f = self._bounds[slo_class] = censored_distribution(events, censored, 1.0).moments()
+        return f[0] * max_tokens, f[1] * max_tokens
 
     def _entries(self, slo_class: str) -> dict[str, list[float | None]]:
         entries = self._cohort.setdefault(slo_class, {})
@@ -314,6 +343,7 @@ class OutputStats:
         entry = self._cohort.get(slo_class, {}).get(request_id)
         if entry is not None and entry[0] is None and fraction > (entry[1] or 0.0):
             entry[1] = min(max(fraction, 0.0), 1.0)
+            self._bounds.pop(slo_class, None)  # the cautious estimate counts running ones in both modes
             if self.censored:  # else the estimate is the finished requests' alone: unchanged
                 self._changed(slo_class)
 
@@ -1484,8 +1514,10 @@ class QlmQueue:
 
     def _progress(self, now_s: float) -> None:
         """How far each running request has got, a lower bound on its length: for its KV at its end
-        (:meth:`_kv`, every pump) and, under ``--qlm-lengths censored``, for the output statistics (at
-        most every :data:`PROGRESS_EVERY_S`: each update re-estimates the classes running).
+        (:meth:`_kv`, every pump) and, at most every :data:`PROGRESS_EVERY_S`, for the output statistics:
+        the cautious estimate the joinable rule reads (:meth:`OutputStats.cautious`) and, under
+        ``--qlm-lengths censored``, the class estimates themselves (each update re-estimates the classes
+        running).
 
         The router's clock is what the queue knows of a running request: the tokens an e2e request has
         generated are its instance's decode clock's advance since its prefill (:meth:`_clock_at`: each
@@ -1497,8 +1529,8 @@ class QlmQueue:
         its engines' events) see the same value at
         the same moment, and :meth:`_kv`'s memo is recomputed at most that many times a request.
         """
-        censored = self.stats.censored and now_s - self._progress_s >= PROGRESS_EVERY_S
-        if censored:
+        update = now_s - self._progress_s >= PROGRESS_EVERY_S
+        if update:
             self._progress_s = now_s
         for i, run in enumerate(self.running):
             # An e2e request's tokens since its first was due: the advance of its instance's decode
@@ -1527,7 +1559,7 @@ class QlmQueue:
                     tokens = r.generated + max(decoding, 0.0) / max(step, 1e-6)
                 reached = math.floor(tokens / max(r.request.max_tokens, 1) * PROGRESS_STEPS) / PROGRESS_STEPS
                 r.reached = max(r.reached, min(reached, 1.0))
-                if censored:
+                if update:
                     self.stats.progress(r.request.slo_class, r.request_id, r.reached)
 
     def _pull_urgent(self, i: int, now_s: float) -> list[Dispatch]:
@@ -1753,8 +1785,12 @@ class QlmQueue:
                     continue
                 # The prefill counts against a running request only for a looser pull: holding back a
                 # request as tight as the one it would slow trades one for the other, and the held one
-                # waits in the router (triage, 15 s, waited 3-8 s there behind its own class).
-                looser = x is not r and r.deadline_s > x.deadline_s
+                # waits in the router (triage, 15 s, waited 3-8 s there behind its own class). Looser is
+                # the e2e budget (the SLO of its group), not the deadline: a request of the same class
+                # that arrived later has a later deadline and is not looser (judged by deadline, api
+                # pulls were held back 9,000 times for the api requests running before them, and
+                # waited 5-8 s in the router, docs/papers.md).
+                looser = x is not r and self._looser(r, x)
                 s0, s1 = (stall0, stall1) if looser else (0.0, 0.0)
                 # A looser pull is judged at the estimator's confidence and at the mean: a request whose
                 # answer at the quantile misses already is not a lost cause while its mean length still
@@ -1771,17 +1807,33 @@ class QlmQueue:
                     if now_s + s0 + left * before <= x.deadline_s < now_s + s1 + left * step:
                         return False
             # The batch stays joinable for the tightest e2e class: a looser pull may not be the one that
-            # closes it (held back while it is closed already, the batch froze and the streams beside
-            # it lost their turn: the support mix 90.1 against 91.9 %, the 120 s digests row 18
-            # preemptions against 4, docs/papers.md).
+            # closes it, and while it is closed already, a looser pull the RCT estimator says can wait
+            # (:meth:`_can_wait`) waits for it to open. (Every looser pull held back while closed froze
+            # the batch and the streams beside it lost their turn: the support mix 90.1 against 91.9 %,
+            # the 120 s digests row 18 preemptions against 4. None held back: a 120 s class kept every
+            # batch closed to a 15 s class beside it, whose requests then ran at 60-70 ms a token
+            # against the 45 ms ``edf`` holds them to: api + batch 81.1 % against 92.8, docs/papers.md.)
             if (
                 paced
                 and r.e2e_only
-                and self._joinable(i, r, stall0, before, now_s)
                 and not self._joinable(i, r, stall1, step, now_s)
+                and (self._joinable(i, r, stall0, before, now_s) or self._can_wait(i, run, r, now_s))
             ):
                 return False
         return True
+
+    @staticmethod
+    def _budget(x: QlmRequest) -> float:
+        """Seconds from arrival to ``x``'s deadline (for an e2e-judged request, its class's e2e target)."""
+        return round(x.deadline_s - x.arrival_s, 3)
+
+    @classmethod
+    def _looser(cls, r: QlmRequest, x: QlmRequest) -> bool:
+        """Is pull ``r`` of a looser class than e2e-judged ``x`` running: a larger e2e budget? A stream (judged
+        on its first token, so its budget is not comparable) is looser when its deadline is later."""
+        if r.e2e_only or r.resumed:
+            return cls._budget(r) > cls._budget(x)
+        return r.deadline_s > x.deadline_s
 
     def _reserve_costs(
         self,
@@ -1852,9 +1904,11 @@ class QlmQueue:
         So, as the streams' step bound keeps a batch joinable for the next stream (:meth:`_room`), a
         looser e2e pull is refused when it is the one that would make the tightest e2e class that
         arrived in the last :data:`STREAM_MEMORY_S` miss at once (:meth:`_room` asks this of the
-        batch without and with ``r``): its prompt behind the prefill backlog (``stall_s``), then its
-        output at the estimator's confidence at the batch's step (``step_s``). A class that misses
-        even alone on an idle instance bounds nothing.
+        batch without and with ``r``; and, while it is closed already, a looser pull that can wait:
+        :meth:`_can_wait`): its prompt behind the prefill backlog (``stall_s``), then its output at the
+        estimator's confidence at the batch's step (``step_s``), the output judged with the class's
+        running requests as lower bounds (:meth:`OutputStats.cautious`). A class that misses even alone
+        on an idle instance bounds nothing.
         """
         live = [(b, v) for b, v in self._e2e_budgets.items() if now_s - v[0] <= STREAM_MEMORY_S]
         if not live:
@@ -1863,7 +1917,7 @@ class QlmQueue:
         if r.deadline_s - now_s <= budget:
             return True  # ``r`` is of the tightest class (or tighter): it is the one the room is kept for
         model = self.models[i]
-        mean, std = self.stats.estimate(slo_class, max_tokens)
+        mean, std = self.stats.cautious(slo_class, max_tokens)
         left = min(mean + self.config.z * std, float(max_tokens))
         prefill = model.prefill_s(prompt)
         if (
@@ -1872,6 +1926,31 @@ class QlmQueue:
         ):
             return True  # it misses even alone
         return stall_s + prefill + left * step_s <= budget
+
+    def _can_wait(self, i: int, run: Sequence[QlmRequest], r: QlmRequest, now_s: float) -> bool:
+        """Would e2e-judged ``r`` still meet its deadline pulled on instance ``i`` only once the tighter e2e
+        requests running there have ended?
+
+        The RCT estimator's answer at its confidence, as :meth:`_has_slack` gives it for the streams: each
+        running request of a tighter class (a smaller e2e budget) ends at its quantile
+        (:meth:`Estimator.remaining`), then ``r`` runs its whole duration at its quantile. The paper's plan
+        serves the tight groups first and lets the loose ones fill the cache; its estimator sees the
+        decode step of the average batch, not what a batch of long loose prompts does to the step the
+        tight class gets, so :meth:`_room` holds a looser pull that can wait to keep the batch joinable
+        for the tight class, and lets one that cannot wait go (it would miss waiting).
+        """
+        model = self.models[i]
+        _, _, _, whole_q = self.estimator.duration(model, r)
+        budget = self._budget(r)
+        wait = max(
+            (
+                self.estimator.remaining(model, x, now_s)[1]
+                for x in run
+                if (x.e2e_only or x.resumed) and self._budget(x) < budget
+            ),
+            default=0.0,
+        )
+        return now_s + wait + whole_q <= r.deadline_s
 
     def _has_slack(self, i: int, run: Sequence[QlmRequest], r: QlmRequest, now_s: float) -> bool:
         """Would e2e-judged ``r`` still meet its deadline pulled on instance ``i`` only once the streams running

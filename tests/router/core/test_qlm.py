@@ -1103,8 +1103,9 @@ def test_a_batch_stays_joinable_for_the_tightest_e2e_class_seen_lately() -> None
     assert not pulled(30.0)
     assert pulled(0.0)
     # A batch closed to the tight class already (a 40,000-token prompt still in its prefill) is not
-    # frozen: the pull is not what closes it (held back, such batches froze and the streams beside them
-    # lost their turn, docs/papers.md).
+    # frozen: a pull that would miss waiting for it to open goes ahead (held back, such batches froze
+    # and the streams beside them lost their turn, docs/papers.md); one that can wait, waits
+    # (tests/router/core/test_qlm_pace.py).
     q = QlmQueue(QlmConfig(eviction="off"), [paced_model()], 6000.0, 50.0)
     tight_one = dataclasses.replace(loose_by("t", 3.0, out=100), slo_class="alerts", arrival_s=30.0)
     q.push(tight_one, 30.0)
@@ -1112,7 +1113,7 @@ def test_a_batch_stays_joinable_for_the_tightest_e2e_class_seen_lately() -> None
     q.finished("t", 100, 31.0)
     q.push(dataclasses.replace(loose_by("l", 600.0, out=100), prompt_tokens=40_000, arrival_s=40.0), 40.0)
     assert len(q.pump(40.0)) == 1
-    q.push(dataclasses.replace(loose_by("r", 600.0, out=100), arrival_s=40.0), 40.0)
+    q.push(dataclasses.replace(loose_by("r", 9.0, out=1000), arrival_s=40.0), 40.0)
     assert [d.request.request_id for d in q.pump(40.0)] == ["r"]
 
 

@@ -1,0 +1,118 @@
+"""The pace rules of e2e pulls (``QlmQueue._room``): who counts as looser, when a looser pull waits for a
+batch closed to the tightest e2e class, and the cautious length of that class."""
+
+from __future__ import annotations
+
+from router.core.qlm import InstanceModel, OutputStats, QlmConfig, QlmQueue
+from router.core.request import ScheduleInput
+
+
+def paced_model() -> InstanceModel:
+    # A constant 10 ms step (the batch's size does not slow it, so only the prefill can), 0.1 ms of
+    # prefill a prompt token, a cache that holds everything.
+    return InstanceModel(
+        4,
+        0.01,
+        lambda n: n * 1e-4,
+        most=64,
+        kv_tokens=1_000_000,
+        step_s=lambda b, t: 0.01,
+        stall_s=lambda n: n * 1e-4,
+    )
+
+
+def e2e(
+    rid: str, budget_s: float, *, arrival: float, out: int = 100, prompt: int = 200, cls: str = "batch"
+) -> ScheduleInput:
+    return ScheduleInput(
+        request_id=rid,
+        prompt_tokens=prompt,
+        e2e_slo_ms=budget_s * 1e3,
+        max_tokens=out,
+        slo_class=cls,
+        arrival_s=arrival,
+    )
+
+
+def pulled(q: QlmQueue, r: ScheduleInput, now_s: float) -> bool:
+    q.push(r, now_s)
+    out = q.pump(now_s)
+    q.check_invariants()
+    return [d.request.request_id for d in out] == [r.request_id]
+
+
+def test_a_later_request_of_the_same_class_is_not_held_back_as_a_looser_one() -> None:
+    # x (45 s budget, 4,000 tokens at most, nothing learned: all of them) has run 35 s at 10 ms a step:
+    # ~560 tokens to go, done at ~40.6 s, on time. A request of x's own class arriving at 35 s (its
+    # deadline 80 s, later than x's) with a 60,000-token prompt stalls x 6 s: x then misses. It is as
+    # tight as x (the same e2e budget), so it is pulled: holding back a request of the class it would
+    # slow trades one for the other. Judged by deadline it counted as looser and waited.
+    def queue() -> QlmQueue:
+        q = QlmQueue(QlmConfig(eviction="off"), [paced_model()], 6000.0, 50.0)
+        q.push(e2e("x", 45.0, arrival=0.0, out=4000), 0.0)
+        assert len(q.pump(0.0)) == 1
+        return q
+
+    assert pulled(queue(), e2e("r", 45.0, arrival=35.0, prompt=60_000), 35.0)
+    # A looser class (600 s) with the same prompt is still held back for x.
+    assert not pulled(queue(), e2e("r", 600.0, arrival=35.0, prompt=60_000), 35.0)
+
+
+def test_a_looser_pull_that_can_wait_waits_while_the_batch_is_closed_to_the_tightest_class() -> None:
+    # A 3 s class ("alerts", 100 tokens: 1 s of decoding) was seen lately. A 40,000-token prompt of a
+    # 600 s request is still in its prefill (4 s of it): a request of the tight class arriving now
+    # would miss, the batch is closed to it. A looser pull that can wait for it to open (600 s, ~1 s of
+    # work) waits; one that cannot (its deadline 9 s away, ~10 s of work) is pulled, so the batch never
+    # freezes with requests that would miss waiting.
+    def queue() -> QlmQueue:
+        q = QlmQueue(QlmConfig(eviction="off"), [paced_model()], 6000.0, 50.0)
+        q.push(e2e("t", 3.0, arrival=30.0, cls="alerts"), 30.0)
+        assert len(q.pump(30.0)) == 1
+        q.finished("t", 100, 31.0)
+        q.push(e2e("l", 600.0, arrival=40.0, prompt=40_000), 40.0)
+        assert len(q.pump(40.0)) == 1
+        return q
+
+    assert not pulled(queue(), e2e("r", 600.0, arrival=40.0), 40.0)
+    assert pulled(queue(), e2e("r", 9.0, arrival=40.0, out=1000), 40.0)
+    # With no tight class seen in the last 30 s, nothing is held back.
+    q = queue()
+    q.pump(75.0)
+    assert pulled(q, e2e("r", 600.0, arrival=75.0), 75.0)
+
+
+def test_the_room_kept_for_the_tightest_class_counts_its_running_answers_as_lower_bounds() -> None:
+    # The tight class ("alerts", 3 s, 200 tokens at most) has two short answers finished (20 tokens) and
+    # eight still running at 150 tokens or more: its answers are long, the short ones merely ended
+    # first. A looser pull with a 20,000-token prompt (2 s of prefill ahead of the next alert) leaves a
+    # 20-token alert on time and a 150-token one late: judged by the finished answers alone it was
+    # pulled and the next alerts missed behind it; judged with the running ones, it waits.
+    def queue() -> QlmQueue:
+        q = QlmQueue(QlmConfig(eviction="off"), [paced_model()], 6000.0, 50.0)
+        q.push(e2e("t", 3.0, arrival=30.0, out=200, cls="alerts"), 30.0)
+        assert len(q.pump(30.0)) == 1
+        q.finished("t", 20, 30.22)  # 20 tokens at 10 ms: the learned step stays the profile's
+        q.stats.observe("alerts", 20, 200)
+        for k in range(8):
+            q.stats.started("alerts", f"a{k}")
+            q.stats.progress("alerts", f"a{k}", 0.75)
+        assert q.stats.estimate("alerts", 200)[0] == 20.0
+        assert q.stats.cautious("alerts", 200)[0] > 120.0
+        q.push(e2e("l", 600.0, arrival=40.0), 40.0)
+        assert len(q.pump(40.0)) == 1
+        return q
+
+    assert not pulled(queue(), e2e("r", 600.0, arrival=40.0, prompt=20_000), 40.0)
+    # A 2,000-token prompt (0.2 s) leaves the alert on time even at its long answer: pulled.
+    assert pulled(queue(), e2e("r", 600.0, arrival=40.0, prompt=2_000), 40.0)
+
+
+def test_the_cautious_estimate_is_the_finished_one_when_nothing_runs() -> None:
+    stats = OutputStats()
+    for k in range(10):
+        stats.observe("c", 40 + 20 * (k % 2), 100)
+    assert stats.cautious("c", 100) == stats.estimate("c", 100)
+    stats.started("c", "running")
+    stats.progress("c", "running", 0.9)
+    assert stats.cautious("c", 100)[0] > stats.estimate("c", 100)[0]
+    assert OutputStats().cautious("c", 100) == (100.0, 0.0)
