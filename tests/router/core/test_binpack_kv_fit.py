@@ -10,6 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from fleet.snapshot import ClusterSnapshot
 from router.core.columns import ResidentLegs, StaticResidents
 from router.core.errors import ConfigError
 from router.core.packing import atgt_slack_ms
@@ -19,10 +20,10 @@ from tests.router.core.helpers import NOW, inst, make_request, make_scheduler, m
 PROPS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 # Targets loose enough that every instance below meets TTFT, TPOT, (b) and (d): only best fit decides.
-LOOSE = {"ttft_slo_ms": 600_000.0, "tpot_slo_ms": 2_000.0}
+LOOSE_TTFT_MS, LOOSE_TPOT_MS = 600_000.0, 2_000.0
 
 
-def _two_instances():  # type: ignore[no-untyped-def]
+def _two_instances() -> ClusterSnapshot:
     # "queued" decodes one short request and holds a 6,000-token prompt waiting for its prefill;
     # "decoding" decodes four requests of 750 tokens and has nothing queued.
     return make_snapshot(
@@ -36,7 +37,7 @@ def _two_instances():  # type: ignore[no-untyped-def]
 def test_neutral_best_fit_counts_the_kv_of_prompts_still_waiting_for_prefill() -> None:
     """The decode context sees "decoding" as the fuller bin; the KV over life sees the prompt queued on
     "queued" too, and best fit fills that one, leaving the other's room whole."""
-    scheduler = make_scheduler("binpack", **LOOSE)
+    scheduler = make_scheduler("binpack", ttft_slo_ms=LOOSE_TTFT_MS, tpot_slo_ms=LOOSE_TPOT_MS)
     snapshot = _two_instances()
     request = make_request("new", 300, max_tokens=64)
     ctx = scheduler.context(scheduler.view(snapshot, NOW), request)
