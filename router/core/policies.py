@@ -380,6 +380,12 @@ def _binpack(config: SchedulerConfig) -> dict[str, Any]:
     over target or preempting) is relaxed, in pass 2, when nothing else is
     left. ``slo`` holds TTFT, TPOT and (e) hard too, but not (b) at the
     horizon nor (d), and places by the lowest prediction, not best fit.
+
+    On a colocated instance best fit ranks by ``capacity_norm_life``: the
+    paper's load (batch and context) with the context taken as the KV over the
+    life of every request the instance holds, its prompts still in prefill
+    included, where the decode context (``capacity_norm``, the decode stage's)
+    counts only the requests decoding already (:mod:`router.core.packing`).
     """
     hard = {"empty_passes": True}
     # (e) as the paper writes it: the KV footprint at every future iteration (each resident leg
@@ -416,7 +422,9 @@ def _binpack(config: SchedulerConfig) -> dict[str, Any]:
             _atgt_slack(config, **hard),
             "failover",
         ],
-        "selector": "binpack",
+        # Best fit by the KV over life of all it holds, its prompts in prefill included
+        # (packing.capacity_norm_life): on a colocated instance the decode context misses them.
+        "selector": {"name": "binpack", "load": "capacity_norm_life"},
     }
     return {
         "prefill": {

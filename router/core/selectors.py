@@ -19,7 +19,8 @@
 * ``binpack`` — Aladdin's best fit (seed 001): among the survivors (the
   stage's filters already kept only instances meeting every constraint: TTFT,
   TPOT at the packing horizon, KV over the requests' life), the one with the
-  HIGHEST ``capacity_norm`` (:mod:`router.core.packing`), so load
+  HIGHEST ``capacity_norm`` (:mod:`router.core.packing`; ``load`` names
+  another load metric, e.g. ``capacity_norm_life``), so load
   concentrates and idle instances can be released; ties to the reserved
   decode, then to the lower ``predicted_ttft``, then the lower instance id
   (a deterministic "next bin"). In a fallback pass (no instance meets every
@@ -301,10 +302,12 @@ def _lexicographic_ties(ctx: DecisionContext, candidates: IntArray, keys: tuple[
 class BinPack:
     keep_prefill_room: bool = False
     label: str = "binpack"
+    #: The best fit's order: the load metric first (highest), then the ties of ``_BEST_FIT``.
+    best_fit: tuple[SortKey, ...] = _BEST_FIT
 
     def select(self, ctx: DecisionContext, survivors: IntArray, fallback_pass: int) -> int:
         if fallback_pass == 0:
-            return _first_by_rank(ctx, _lexicographic_ties(ctx, survivors, _BEST_FIT))
+            return _first_by_rank(ctx, _lexicographic_ties(ctx, survivors, self.best_fit))
         batch = ctx.metric("decode_batch_size")[survivors]
         idle = survivors[batch == 0]
         busy = survivors[batch > 0]
@@ -322,4 +325,13 @@ class BinPack:
 
 @SELECTORS.register("binpack")
 def _binpack(config: SchedulerConfig, params: Params) -> Selector:
-    return BinPack(keep_prefill_room=params.flag("keep_prefill_room", False))
+    load = params.text("load", "capacity_norm")
+    if load not in METRICS:
+        raise ConfigError(
+            f"{params.where}: 'load': unknown metric {load!r}; registered: {', '.join(METRICS.names())}"
+        )
+    key = SortKey(load, True)  # the fullest bin first
+    return BinPack(
+        keep_prefill_room=params.flag("keep_prefill_room", False),
+        best_fit=_BEST_FIT if key == _BEST_FIT[0] else (key, *_BEST_FIT[1:]),
+    )

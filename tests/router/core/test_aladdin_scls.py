@@ -299,10 +299,22 @@ def test_constraint_d_credits_a_tpot_judged_resident_only_the_saving_of_the_answ
     assert chat > theta  # refused: the sure remainder cannot absorb the chunk
     assert stall / (250.0 * spare) < theta  # the whole expected remainder would have let it in
     # The same legs paced by a deadline (a need below the default target) keep their expected
-    # remainder, counted against the pace (need x theta).
+    # remainder, counted against the pace (need x theta) at the step (b) holds them to.
     paced, stall, _ = ratio(40.0)
-    step_new = 50.0 - spare
-    assert paced == pytest.approx(stall / (250.0 * (40.0 * theta - step_new)))
+    legs = ResidentLegs(
+        np.full(4, n, dtype=np.intp),
+        np.full(4, 400.0),
+        np.full(4, 250.0),
+        np.ones(4, dtype=bool),
+        np.zeros(4),
+        np.full(4, 40.0),
+    )
+    v = dataclasses.replace(view, residents=StaticResidents(legs), load_memo={})
+    horizon = float(
+        scheduler.context(v, make_request("new", 6000, max_tokens=64)).metric("predicted_tpot_horizon")[n]
+    )
+    slack = 250.0 * (40.0 * theta - horizon)
+    assert paced == (pytest.approx(stall / slack) if slack > 0 else math.inf)
 
 
 # ----------------------------------------------------------------------------- Aladdin (001): each request's own need
@@ -516,9 +528,9 @@ def test_constraint_d_takes_each_residents_own_need() -> None:
     assert float(atgt_slack_ms(loose, 60.0)[0]) == pytest.approx(
         100 * (60 - step_now) + 200 * SURE_REMAINING_SHARE * (60 - step_new)
     )
-    assert float(atgt_slack_ms(tight, 60.0)[0]) == pytest.approx(
-        100 * (30 - step_now) + 200 * (30 - step_new)
-    )
+    # A deadline-paced one saves at the γ-horizon step (b) holds within its pace.
+    horizon = float(tight.metric("predicted_tpot_horizon")[0])
+    assert float(atgt_slack_ms(tight, 60.0)[0]) == pytest.approx(100 * (30 - step_now) + 200 * (30 - horizon))
     assert float(tight.metric("prefill_over_atgt_slack")[0]) > float(
         loose.metric("prefill_over_atgt_slack")[0]
     )
@@ -526,7 +538,7 @@ def test_constraint_d_takes_each_residents_own_need() -> None:
     # pace itself (need × θ), the time the deadline leaves, which is what the policy's metric does.
     theta = scheduler.config.binpack_theta
     paced = float(atgt_slack_ms(tight, 60.0, theta)[0])
-    assert paced == pytest.approx(100 * (30 * theta - step_now) + 200 * (30 * theta - step_new))
+    assert paced == pytest.approx(100 * (30 * theta - step_now) + 200 * (30 * theta - horizon))
     from router.core.packing import prefill_stall_ms
 
     stall = float(prefill_stall_ms(tight)[0])
