@@ -3,22 +3,9 @@ batch closed to the tightest e2e class, and the cautious length of that class.""
 
 from __future__ import annotations
 
-from router.core.qlm import InstanceModel, OutputStats, QlmConfig, QlmQueue
+from router.core.qlm import OutputStats, QlmConfig, QlmQueue
 from router.core.request import ScheduleInput
-
-
-def paced_model() -> InstanceModel:
-    # A constant 10 ms step (the batch's size does not slow it, so only the prefill can), 0.1 ms of
-    # prefill a prompt token, a cache that holds everything.
-    return InstanceModel(
-        4,
-        0.01,
-        lambda n: n * 1e-4,
-        most=64,
-        kv_tokens=1_000_000,
-        step_s=lambda b, t: 0.01,
-        stall_s=lambda n: n * 1e-4,
-    )
+from tests.router.core.test_qlm import paced_model
 
 
 def e2e(
