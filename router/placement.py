@@ -257,6 +257,7 @@ class Placer:
             expected_output_tokens=lengths.tokens,
             output_tokens_bound=lengths.bound_tokens,
             output_tokens_prior=lengths.samples == 0,
+            output_tokens_pooled=lengths.source == "all",
             max_tokens=req.max_tokens,
             priority=req.priority,
             slo_class=req.slo_class,

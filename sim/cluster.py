@@ -1039,12 +1039,14 @@ class _Simulation:
     def _arrive(self, idx: int, now: float) -> None:
         plan = self.plans[idx]
         r = self.reqs[idx]
+        pooled = False
         if self.oracle_lengths:
             r.expected = bound = self._true_length(idx, 0)
         else:
             estimate = self.lengths.estimate(plan.class_name, plan.prompt_tokens, plan.max_tokens)
             r.expected = estimate.tokens
             bound = estimate.bound_tokens
+            pooled = estimate.source == "all"
         if self.oracle_lengths:
             mean, learned = float(r.expected), True
         else:
@@ -1069,6 +1071,7 @@ class _Simulation:
             expected_output_tokens=r.expected,
             output_tokens_bound=bound,
             output_tokens_prior=not learned,
+            output_tokens_pooled=pooled,
             max_tokens=plan.max_tokens,
             priority=plan.priority,
             slo_class=plan.class_name,

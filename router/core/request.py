@@ -100,6 +100,10 @@ class ScheduleInput:
     #: ``max_tokens`` or a default, nothing learned of its class yet): a guess to plan with, never
     #: grounds to refuse the request as hopeless (:mod:`router.core.arrival`).
     output_tokens_prior: bool = False
+    #: True when ``expected_output_tokens`` was learned from every class's answers together (the
+    #: request's own class has too few yet): an estimate, but not of this request's kind, so a
+    #: per-class profile that knows the class better wins over it (:class:`router.core.sa.TaskLengths`).
+    output_tokens_pooled: bool = False
 
     def __init__(
         self,
@@ -119,6 +123,7 @@ class ScheduleInput:
         prefix_hashes: tuple[int, ...] = (),
         output_tokens_bound: int = 0,
         output_tokens_prior: bool = False,
+        output_tokens_pooled: bool = False,
     ) -> None:
         # Written out (the dataclass keeps it): one dict instead of 13 frozen attribute sets, for an
         # object built once per decision. The fields and defaults are the dataclass's (tested).
@@ -142,6 +147,7 @@ class ScheduleInput:
                 "prefix_hashes": prefix_hashes,
                 "output_tokens_bound": output_tokens_bound,
                 "output_tokens_prior": output_tokens_prior,
+                "output_tokens_pooled": output_tokens_pooled,
             },
         )
         self.__post_init__()

@@ -551,14 +551,17 @@ class TaskLengths:
     The paper lets users state a typical output length or distribution per
     task type and otherwise has the profiler gather it from served requests.
     Here a request's own ``expected_output_tokens`` (the client's hint, or the
-    router's length predictor once it has learned something) wins, unless it
-    is flagged ``output_tokens_prior`` (the predictor's ``max_tokens`` guess);
+    router's length predictor once it has learned its class) wins, unless it
+    is flagged ``output_tokens_prior`` (the predictor's ``max_tokens`` guess)
+    or ``output_tokens_pooled`` (learned from every class together);
     otherwise the task type's recent outputs (the last :attr:`MEMORY` finished
     requests of that class) give the typical length (their mean: G sums
     latencies) and the length bound (their 90th percentile: what Eq. 20
     reserves in memory). Both are clipped to the request's ``max_tokens``.
     Before :attr:`MIN_SAMPLES` outputs of its type are seen, a request is
-    expected to use all of ``max_tokens`` (the only bound the router has).
+    expected to use all of ``max_tokens`` (the only bound the router has), or
+    the pooled estimate where there is one, shrunk toward the few answers of
+    its type seen so far (:meth:`_blend`).
 
     Why a prior must not override: only requests that finish teach a
     profile, and the plan puts the requests it cannot save last, where the
@@ -609,18 +612,46 @@ class TaskLengths:
         self._cache[task] = figures
         return figures
 
+    def _answers(self, task: str) -> Sequence[int]:
+        seen = self._seen.get(task)
+        return () if seen is None else seen
+
     @staticmethod
     def _hint(request: ScheduleInput) -> int:
-        """``request``'s expected output length when it knows something (0: none, or only a prior).
+        """``request``'s expected output length when it knows something of its own class (0: none, a
+        prior, or an estimate pooled over every class).
 
         A length flagged ``output_tokens_prior`` is the router's length predictor saying it has
         learned nothing yet (``max_tokens`` or a default): it must not override what this profile
         has learned, or a class the predictor has too few answers of is costed at ``max_tokens``.
+        One flagged ``output_tokens_pooled`` was learned from every class's answers together (the
+        predictor wants eight of a class before it answers for it): it stands in for the class only
+        where this profile knows too little of it (see :meth:`_blend`).
         """
-        return 0 if request.output_tokens_prior else request.expected_output_tokens
+        if request.output_tokens_prior or request.output_tokens_pooled:
+            return 0
+        return request.expected_output_tokens
+
+    def _blend(self, task: str, prior: float) -> float:
+        """``prior`` shrunk toward the few answers of ``task`` seen so far: with ``k`` below
+        :attr:`MIN_SAMPLES`, the prior counts as ``MIN_SAMPLES - k`` answers beside them.
+
+        Why: a task type whose requests a plan put last, behind a prior as long as ``max_tokens``,
+        is refused unfinished by the late path and so never reaches :attr:`MIN_SAMPLES`; its
+        prior then stands for good. Three short search answers (101, 37, 44 tokens of a 500 cap),
+        costed at the cap, held their batch 9 s in the plan, so every later burst ran its 9 s e-mail
+        drafts first and refused the searches (TTFT 500 ms) at their deadline.
+        """
+        seen = self._answers(task)
+        k = len(seen)
+        if not k:
+            return prior
+        return (sum(seen) + (self.MIN_SAMPLES - k) * prior) / self.MIN_SAMPLES
 
     def unknown(self, request: ScheduleInput) -> bool:
-        """Is ``request``'s length only its prior (no hint, too few answers of its type)?"""
+        """Is ``request``'s length only its prior (no estimate, too few answers of its type)?"""
+        if request.output_tokens_pooled and not request.output_tokens_prior:
+            return False
         return not self._hint(request) and self._figures(request.slo_class) is None
 
     def typical(self, request: ScheduleInput) -> float:
@@ -631,7 +662,11 @@ class TaskLengths:
             return float(min(hint, cap))
         figures = self._figures(request.slo_class)
         if figures is None:
-            return float(request.max_tokens or request.expected_output_tokens or UNKNOWN_OUTPUT_TOKENS)
+            pooled = request.expected_output_tokens if request.output_tokens_pooled else 0
+            prior = float(
+                pooled or request.max_tokens or request.expected_output_tokens or UNKNOWN_OUTPUT_TOKENS
+            )
+            return max(min(self._blend(request.slo_class, prior), cap), 1.0)
         return max(min(figures[0], cap), 1.0)
 
     def bound(self, request: ScheduleInput) -> float:
@@ -639,7 +674,12 @@ class TaskLengths:
         cap = request.max_tokens or math.inf
         figures = self._figures(request.slo_class)
         if figures is None:
-            return float(request.max_tokens or request.expected_output_tokens or UNKNOWN_OUTPUT_TOKENS)
+            prior = float(request.max_tokens or request.expected_output_tokens or UNKNOWN_OUTPUT_TOKENS)
+            seen = self._answers(request.slo_class)
+            if seen:  # the longest answer seen stands for the quantile, the cap for the rest
+                k = len(seen)
+                prior = (k * max(seen) + (self.MIN_SAMPLES - k) * prior) / self.MIN_SAMPLES
+            return max(min(prior, cap), 1.0)
         return max(min(max(figures[1], float(self._hint(request))), cap), 1.0)
 
 
@@ -1121,7 +1161,12 @@ class SAPlanner:
             return cached[1]
         seqs = view.instances.max_num_seqs
         reported = math.inf if seqs is None else float(seqs[i])
-        cap = max(min(self.slots(instance, reported), PLAN_CAP_MAX, len(group)), 1)
+        # Planned for the slots free now: the plan's first batch is what starts at once, and a batch of
+        # the engine's full width, with fewer slots free, started only whichever member the order
+        # listed first (a search due in 1 s beside an e-mail draft due in 20 s on a two-sequence
+        # engine with one slot taken: the draft, and the search missed). Later batches are sized
+        # alike, a cautious reading of when the running requests end.
+        cap = max(min(self.slots(instance, reported), PLAN_CAP_MAX, len(group), room), 1)
         predictors = scheduler.predictors
         if predictors is None:
             # No latency predictor: nothing to anneal with; queue order in full batches.

@@ -248,3 +248,51 @@ def test_a_lone_request_goes_where_it_starts_soonest_not_to_the_most_memory() ->
     where = [r.prefill_instance_id for r in outcome.results]
     assert where[:2] == ["big-000", "big-000"]
     assert where[2] == "small-000"
+
+
+def test_a_plan_for_one_free_slot_starts_the_request_that_needs_it_now() -> None:
+    # One engine of two sequences, one of them held by a long report. A search (TTFT 1 s) and an e-mail
+    # draft due in 20 s arrive together: the plan is made for the one free slot, so the search starts
+    # now and the draft after it, both on time. Planned for the engine's two sequences, the pair was
+    # one batch of the plan and the free slot went to whichever the order listed first (the draft, the
+    # shorter), while the search waited 1.2 s for the draft to end and missed.
+    from workload.spec import SloTarget
+
+    base = code_chat_burst(3, seed=11)
+    plans = [
+        dataclasses.replace(
+            base[0],
+            arrival_s=0.0,
+            class_name="report",
+            prompt_tokens=3000,
+            max_tokens=600,
+            output_tokens=600,
+            slo=SloTarget(e2e_ms=120_000.0),
+        ),
+        dataclasses.replace(
+            base[1],
+            arrival_s=1.0,
+            class_name="mail",
+            prompt_tokens=200,
+            max_tokens=60,
+            output_tokens=60,
+            slo=SloTarget(e2e_ms=20_000.0),
+        ),
+        dataclasses.replace(
+            base[2],
+            arrival_s=1.0,
+            class_name="search",
+            prompt_tokens=1500,
+            max_tokens=300,
+            output_tokens=300,
+            slo=SloTarget(ttft_ms=1000.0, tpot_ms=80.0),
+        ),
+    ]
+    queue = QueueConfig(queue_policy="sa", max_queue_wait_ms=WAIT_MS)
+    fleet = SimFleet(fleet_from_counts(neutral=1, engine=SimConfig(max_num_seqs=2)))
+    outcome = simulate(fleet, policy("slo"), plans, queue=queue)
+    assert all(r.ok for r in outcome.results)
+    waits = outcome.queue_wait_ms
+    assert waits[2] < waits[1]
+    assert outcome.results[2].ttft_ms is not None and outcome.results[2].ttft_ms <= 1000.0
+    assert outcome.results[1].e2e_ms is not None and outcome.results[1].e2e_ms <= 20_000.0

@@ -514,6 +514,38 @@ def test_the_length_predictors_prior_does_not_override_the_learned_lengths() -> 
     assert lengths.typical(learned) == 600.0 and lengths.bound(learned) == 600.0
 
 
+def test_an_every_class_estimate_yields_to_the_class_s_own_answers() -> None:
+    # The router's length predictor answers from every class's answers until a class has eight of its
+    # own; a class whose requests are short (searches of ~60 tokens beside 500-token legal answers)
+    # was costed at that pooled mean, and its bound at max_tokens, for as long as the plan kept
+    # refusing it before it finished. The pooled estimate is a prior here: a few answers of the
+    # class's own shrink it, and MIN_SAMPLES of them replace it.
+    from router.core.sa import TaskLengths
+
+    lengths = TaskLengths()
+    search = ScheduleInput(
+        request_id="s",
+        prompt_tokens=1500,
+        max_tokens=500,
+        slo_class="search",
+        expected_output_tokens=264,
+        output_tokens_pooled=True,
+    )
+    assert not lengths.unknown(search)  # an estimate, if not of its own class
+    assert lengths.typical(search) == 264.0 and lengths.bound(search) == 500.0
+    for n in (100, 40, 40):
+        lengths.observe("search", n)
+    # three answers of its own, the pooled estimate (and the cap, for the bound) counted as one more
+    assert lengths.typical(search) == pytest.approx((100 + 40 + 40 + 264) / 4)
+    assert lengths.bound(search) == pytest.approx((3 * 100 + 500) / 4)
+    lengths.observe("search", 60)
+    assert lengths.typical(search) == pytest.approx(60.0)
+    assert lengths.bound(search) == pytest.approx(60.0)  # the 90th percentile by rank of four
+    # An estimate of the request's own class still wins, as before.
+    own = replace(search, output_tokens_pooled=False)
+    assert lengths.typical(own) == 264.0 and lengths.bound(own) == 264.0
+
+
 def test_the_budget_bounds_the_whole_run_costing_included() -> None:
     # On the simulator's modeled clock (deterministic): a full window of queued requests, a 0.8 ms budget
     # of which the costing took its share first.
