@@ -194,23 +194,39 @@ def test_the_request_pool_plans_a_burst_spread_over_milliseconds_as_one() -> Non
 def test_the_request_pool_waits_for_a_burst_longer_than_the_pool_time() -> None:
     # 24 requests 5 ms apart (115 ms from first to last) on two one-sequence engines: the pool stays
     # open while arrivals keep coming, so nothing but the first arrival (alone after a quiet pool time,
-    # with the other engine's slot to spare) goes before the plan has seen the whole burst; a pool
+    # with the other engine's slot to spare, if its first token is judged) goes before the plan has
+    # seen the whole burst; a pool
     # closed 25 ms after its oldest request would hand the first arrivals to both free slots in arrival
     # order.
     plans = [dataclasses.replace(p, arrival_s=0.005 * k) for k, p in enumerate(code_chat_burst(24, seed=9))]
     queue = QueueConfig(queue_policy="sa", sa_max_batch=1, max_queue_wait_ms=WAIT_MS)
     fleet = SimFleet(fleet_from_counts(neutral=2, engine=SimConfig(max_num_seqs=1)))
-    outcome = simulate(fleet, policy("slo"), plans, queue=queue)
-    starts = sorted(s for s, _ in dispatch_and_done(plans, outcome))
-    assert starts[0] == pytest.approx(0.0, abs=1e-5)
-    assert starts[1] == pytest.approx(0.115 + 0.025, abs=1e-5)
+
+    def starts(first: RequestPlan) -> list[float]:
+        burst = [first, *plans[1:]]
+        outcome = simulate(fleet, policy("slo"), burst, queue=queue)
+        return sorted(s for s, _ in dispatch_and_done(burst, outcome))
+
+    chat = next(p for p in plans if p.slo.ttft_ms)
+    code = next(p for p in plans if not p.slo.ttft_ms and not p.slo.tpot_ms)
+    # A first arrival whose first token is judged goes at once; one judged end to end waits with the rest.
+    at_once = starts(dataclasses.replace(chat, arrival_s=0.0))
+    assert at_once[0] == pytest.approx(0.0, abs=1e-5)
+    assert at_once[1] == pytest.approx(0.115 + 0.025, abs=1e-5)
+    pooled = starts(dataclasses.replace(code, arrival_s=0.0))
+    assert pooled[0] == pytest.approx(0.115 + 0.025, abs=1e-5)
+    assert pooled[1] == pytest.approx(0.115 + 0.025, abs=1e-5)
 
 
 def test_a_lone_request_is_not_pooled_while_the_fleet_has_a_slot_to_spare() -> None:
     # Requests 10 s apart (a light steady load: each ends before the next arrives): each arrives alone,
-    # a quiet pool time after the one before, and goes at once, as under fcfs; on a fleet of one
-    # one-sequence engine its slot is the last, so each waits the pool time for a burst it may begin.
-    plans = [dataclasses.replace(p, arrival_s=10.0 * k) for k, p in enumerate(code_chat_burst(5, seed=3))]
+    # a quiet pool time after the one before, and a chat request (its first token judged) goes at
+    # once, as under fcfs; a code request, judged end to end only, waits the pool time, a sliver of
+    # its budget, for a burst it may begin. On a fleet of one one-sequence engine its slot is the
+    # last, so every request waits the pool time.
+    plans = [dataclasses.replace(p, arrival_s=10.0 * k) for k, p in enumerate(code_chat_burst(6, seed=3))]
+    pooled = [0.0 if p.slo.ttft_ms else 25.0 for p in plans]
+    assert 0.0 in pooled and 25.0 in pooled
 
     def waits_ms(instances: int, seqs: int) -> list[float]:
         queue = QueueConfig(queue_policy="sa", sa_max_batch=seqs, max_queue_wait_ms=WAIT_MS)
@@ -219,9 +235,9 @@ def test_a_lone_request_is_not_pooled_while_the_fleet_has_a_slot_to_spare() -> N
         assert all(r.ok for r in outcome.results)
         return list(outcome.queue_wait_ms)
 
-    assert waits_ms(2, 1) == pytest.approx([0.0] * 5, abs=1e-6)
-    assert waits_ms(1, 2) == pytest.approx([0.0] * 5, abs=1e-6)
-    assert waits_ms(1, 1) == pytest.approx([25.0] * 5, abs=0.01)  # (within the wake-up step)
+    assert waits_ms(2, 1) == pytest.approx(pooled, abs=0.01)  # (within the wake-up step)
+    assert waits_ms(1, 2) == pytest.approx(pooled, abs=0.01)
+    assert waits_ms(1, 1) == pytest.approx([25.0] * 6, abs=0.01)
 
 
 def test_a_lone_request_goes_where_it_starts_soonest_not_to_the_most_memory() -> None:
