@@ -288,7 +288,8 @@ class QueueConfig(FlagFields):
             "sa: the request pool: requests are planned once no request has joined the pool for this long "
             "(at the latest 10x this after its oldest), so a burst whose requests arrive a few ms apart is "
             "planned as one (ms; 0 = plan at once); a request arriving alone, this long after the one before, "
-            "is planned at once while the fleet has a free slot besides the one it takes",
+            "is planned at once while the fleet has a free slot besides the one it takes, unless it is judged "
+            "end to end only",
             "--sa-pool-ms",
         ),
     )
