@@ -93,9 +93,10 @@ class ArrivalCheck:
                 "raise the target"
             )
         if targets.e2e_ms > 0:
-            # Before anything is learned of the class, the expected length is the request's cap: a
-            # long max_tokens on a short answer is common, so only the prefill is certain then.
-            rest = 0 if request.output_tokens_prior else max(request.output_tokens_estimate - 1, 0)
+            # Before anything is learned of the class, the expected length is the request's cap (a
+            # long max_tokens on a short answer is common) or every class's mean: only the prefill is
+            # certain then.
+            rest = 0 if request.output_tokens_guessed else max(request.output_tokens_estimate - 1, 0)
             best = idle_ttft + rest * min_tpot
             if best > targets.e2e_ms:
                 raise UnmeetableError(

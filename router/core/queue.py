@@ -1687,9 +1687,10 @@ def hopeless(
         return Hopeless(best_ttft, targets.ttft_ms)
     if targets.e2e_ms > 0 and request.arrival_s is not None:
         waited = (now_s - request.arrival_s) * 1e3
-        # A length that is only the prior (the cap, before any answer of the class ended) is no grounds
-        # to give up on a request: only its prefill is certain (as in the arrival check).
-        rest = 0 if request.output_tokens_prior else max(request.output_tokens_estimate - 1, 0)
+        # A length that is only the prior (the cap, before any answer of the class ended) or every
+        # class's mean is no grounds to give up on a request: only its prefill is certain (as in the
+        # arrival check).
+        rest = 0 if request.output_tokens_guessed else max(request.output_tokens_estimate - 1, 0)
         best_e2e = waited + best_ttft + rest * drain.min_tpot_ms(request.prompt_tokens)
         if best_e2e > targets.e2e_ms:
             return Hopeless(best_ttft, targets.ttft_ms, best_e2e, targets.e2e_ms)
@@ -1759,8 +1760,9 @@ def overlong(
     tpot = queue.decode_ms_per_token()
     if tpot is None:
         tpot = targets.tpot_ms
-    # A prior length (the cap, nothing of the class ended yet) says nothing of how long it will take.
-    rest = 0 if request.output_tokens_prior else max(request.output_tokens_estimate - 1, 0)
+    # A prior length (the cap, nothing of the class ended yet) or every class's mean says nothing of how
+    # long it will take.
+    rest = 0 if request.output_tokens_guessed else max(request.output_tokens_estimate - 1, 0)
     remaining = best_ttft + rest * tpot
     return Overlong(remaining, limit) if remaining > limit else None
 

@@ -587,8 +587,19 @@ def test_a_prior_length_does_not_make_an_e2e_request_hopeless() -> None:
     snap = _pd()
     drain = FleetDrain.of(s, s.view(snap, NOW), NOW)
     assert drain is not None
-    for prior, hopeless_expected in ((False, True), (True, False)):
-        request = req("r", prompt_tokens=256, e2e_slo_ms=2000.0, max_tokens=4000, output_tokens_prior=prior)
+    for prior, pooled, hopeless_expected in (
+        (False, False, True),
+        (True, False, False),
+        (False, True, False),
+    ):
+        request = req(
+            "r",
+            prompt_tokens=256,
+            e2e_slo_ms=2000.0,
+            max_tokens=4000,
+            output_tokens_prior=prior,
+            output_tokens_pooled=pooled,  # every class's mean: not the class's own length either
+        )
         targets = resolve_targets(request, DEFAULT_TTFT, DEFAULT_TPOT, NOW)
         why = hopeless(drain, request, targets, 0.0, NOW)
         assert (why is not None) is hopeless_expected

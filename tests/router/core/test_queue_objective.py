@@ -258,3 +258,22 @@ def test_a_prior_length_is_no_grounds_to_shed() -> None:
     )
     results = list(offer(q, make_scheduler(), _backlogged, NOW))
     assert [r.verdict for r in results] == [Verdict.WAIT] and "long" in q
+
+
+def test_every_class_s_mean_length_is_no_grounds_to_shed() -> None:
+    """A length learned over every class (the request's own has too few answers) is no more its own
+    than the cap: the request is not shed on it."""
+    q = make_queue("fcfs")
+    missing(q, 20)
+    q.observe_arrival(req("chat", ttft_slo_ms=200.0))
+    long = req(
+        "long",
+        prompt_tokens=4000,
+        ttft_slo_ms=60_000.0,
+        max_tokens=2000,
+        expected_output_tokens=2000,
+        output_tokens_pooled=True,
+    )
+    q.push(long, NOW)
+    results = list(offer(q, make_scheduler(), _backlogged, NOW))
+    assert [r.verdict for r in results] == [Verdict.WAIT] and "long" in q
