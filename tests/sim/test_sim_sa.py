@@ -275,34 +275,22 @@ def test_a_plan_for_one_free_slot_starts_the_request_that_needs_it_now() -> None
     from workload.spec import SloTarget
 
     base = code_chat_burst(3, seed=11)
+
+    def request(k: int, arrival_s: float, name: str, prompt: int, output: int, slo: SloTarget) -> RequestPlan:
+        return dataclasses.replace(
+            base[k],
+            arrival_s=arrival_s,
+            class_name=name,
+            prompt_tokens=prompt,
+            max_tokens=output,
+            output_tokens=output,
+            slo=slo,
+        )
+
     plans = [
-        dataclasses.replace(
-            base[0],
-            arrival_s=0.0,
-            class_name="report",
-            prompt_tokens=3000,
-            max_tokens=600,
-            output_tokens=600,
-            slo=SloTarget(e2e_ms=120_000.0),
-        ),
-        dataclasses.replace(
-            base[1],
-            arrival_s=1.0,
-            class_name="mail",
-            prompt_tokens=200,
-            max_tokens=60,
-            output_tokens=60,
-            slo=SloTarget(e2e_ms=20_000.0),
-        ),
-        dataclasses.replace(
-            base[2],
-            arrival_s=1.0,
-            class_name="search",
-            prompt_tokens=1500,
-            max_tokens=300,
-            output_tokens=300,
-            slo=SloTarget(ttft_ms=1000.0, tpot_ms=80.0),
-        ),
+        request(0, 0.0, "report", 3000, 600, SloTarget(e2e_ms=120_000.0)),
+        request(1, 1.0, "mail", 200, 60, SloTarget(e2e_ms=20_000.0)),
+        request(2, 1.0, "search", 1500, 300, SloTarget(ttft_ms=1000.0, tpot_ms=80.0)),
     ]
     queue = QueueConfig(queue_policy="sa", max_queue_wait_ms=WAIT_MS)
     fleet = SimFleet(fleet_from_counts(neutral=1, engine=SimConfig(max_num_seqs=2)))
