@@ -578,6 +578,9 @@ class QlmRequest:
     #: Its instance's decode clock (:meth:`QlmQueue._clock_at`) when its first token was due: the tokens it
     #: has generated since are the clock's advance (see :meth:`QlmQueue._progress`).
     clock0: float = math.nan
+    #: The decode step (s) its deadline needs, set when it is pulled (e2e-judged requests; inf: none
+    #: bounds the batch): see :meth:`QlmQueue._pace_s`.
+    pace_s: float = math.inf
 
     @property
     def request_id(self) -> str:
@@ -1608,6 +1611,8 @@ class QlmQueue:
 
     def _run(self, i: int, r: QlmRequest, now_s: float) -> None:
         """``r`` starts on instance ``i`` now: it joins the running batch and the instance's clock."""
+        if r.e2e_only or r.resumed:
+            r.pace_s = self._pace_s(i, r, now_s)
         r.instance, r.dispatched_s = i, now_s
         self._advance(i, now_s)
         self.running[i][r.request_id] = r
@@ -1806,6 +1811,21 @@ class QlmQueue:
                 for left in lefts:
                     if now_s + s0 + left * before <= x.deadline_s < now_s + s1 + left * step:
                         return False
+            # A looser pull that can wait (:meth:`_can_wait`) waits while the grown batch's step is slower
+            # than a tighter request running there needs: the pace its deadline needed when it was pulled
+            # (:meth:`_pace_s`, at the estimator's confidence with the class's running answers as lower
+            # bounds). The rule above judges a running request from where it stands now; a request of a
+            # class whose answers spread widely is late at the quantile beside a busy batch as soon as the
+            # batch has slowed, and from then on only its mean protected it, so the looser pulls slowed it
+            # to the mean's pace and its long answers missed (a 15 s class beside 120 s batch work at 80-90
+            # ms a token where ``edf``, which holds each resident to the pace it was placed at, ran it at
+            # 40-50: api + batch at 22 req/s, 77.3 % against ``edf``'s 84.5, docs/papers.md). A pull of
+            # the tight class itself is not held to it: holding a class back for its own pace left its
+            # requests waiting past their deadlines (api + batch 67-87 %, docs/papers.md).
+            if paced and (r.e2e_only or r.resumed):
+                paces = [x.pace_s for x in run if (x.e2e_only or x.resumed) and self._looser(r, x)]
+                if paces and step > min(paces) and self._can_wait(i, run, r, now_s):
+                    return False
             # The batch stays joinable for the tightest e2e class: a looser pull may not be the one that
             # closes it, and while it is closed already, a looser pull the RCT estimator says can wait
             # (:meth:`_can_wait`) waits for it to open. (Every looser pull held back while closed froze
@@ -1821,6 +1841,37 @@ class QlmQueue:
             ):
                 return False
         return True
+
+    def _pace_s(self, i: int, r: QlmRequest, now_s: float) -> float:
+        """The decode step (s) e2e-judged ``r``, pulled on instance ``i`` now, needs to meet its deadline: the
+        time left once the prompts queued there and its own are prefilled, over its output at the
+        estimator's confidence; over its mean output when even an idle instance could not keep the
+        quantile's pace; inf when it could not keep the mean's either (a lost cause bounds nothing). The
+        idle instance's step is the router's prediction (:meth:`_stream_step_s`: the calibration with
+        its measured interleave, or the profile times the learned inefficiency without one).
+
+        The RCT estimator's test (Eq. 4: the output at the batch's step after the prefill) turned
+        around: the slowest step at which the request still meets. Its output is sized with the class's
+        running answers as lower bounds (:meth:`OutputStats.cautious`, as :meth:`_joinable` sizes the
+        tightest class) when that is the longer estimate: in the first seconds of a run the finished
+        answers are the short ones (a ~170-token class estimated at 110 tokens at the quantile), and a
+        pace sized by them let the looser pulls slow the batch past what the longer answers needed.
+        """
+        model = self.models[i]
+        if model.step_s is None:
+            return math.inf
+        run = self.running[i].values()
+        left_s = (
+            r.deadline_s - now_s - self._prefill_backlog_s(i, run, now_s) - model.prefill_s(r.prompt_tokens)
+        )
+        mean, std = self.stats.estimate(r.request.slo_class, r.request.max_tokens)
+        c_mean, c_std = self.stats.cautious(r.request.slo_class, r.request.max_tokens)
+        for z in (self.config.z, 0.0):
+            out = max(mean + z * std, c_mean + z * c_std) - r.generated
+            n = min(max(out, 1.0), float(r.max_tokens))
+            if left_s >= n * self._stream_step_s(i, 1, r.prompt_tokens + n):
+                return left_s / n
+        return math.inf
 
     @staticmethod
     def _budget(x: QlmRequest) -> float:

@@ -961,6 +961,9 @@ def test_the_streams_reserve_slows_the_batch_with_and_without_the_pull_alike() -
     # x's class is not remembered as the tightest e2e class (a batch kept joinable for it is the rule of
     # test_a_batch_stays_joinable_for_the_tightest_e2e_class_seen_lately): this is the running-request rule.
     q._e2e_budgets.clear()
+    # Nor is x's pace (the step its deadline needed when pulled: 25 ms, which the batch with the reserve
+    # exceeds; a looser pull that can wait waits for that, the rule of test_qlm_pace.py).
+    q.running[0]["x"].pace_s = math.inf
     q.push(loose_by("r", 600.0, out=100), 0.0)
     q._e2e_budgets.clear()
     assert [d.request.request_id for d in q.pump(0.0)] == ["r"]

@@ -3,7 +3,7 @@ batch closed to the tightest e2e class, and the cautious length of that class.""
 
 from __future__ import annotations
 
-from router.core.qlm import OutputStats, QlmConfig, QlmQueue
+from router.core.qlm import InstanceModel, OutputStats, QlmConfig, QlmQueue
 from router.core.request import ScheduleInput
 from tests.router.core.test_qlm import paced_model
 
@@ -103,3 +103,67 @@ def test_the_cautious_estimate_is_the_finished_one_when_nothing_runs() -> None:
     stats.progress("c", "running", 0.9)
     assert stats.cautious("c", 100)[0] > stats.estimate("c", 100)[0]
     assert OutputStats().cautious("c", 100) == (100.0, 0.0)
+
+
+def growing_model() -> InstanceModel:
+    # 10 ms a step for each request in the batch (two requests: 20 ms), 0.1 ms of prefill a prompt
+    # token, a cache that holds everything.
+    return InstanceModel(
+        4,
+        0.01,
+        lambda n: n * 1e-4,
+        most=64,
+        kv_tokens=1_000_000,
+        step_s=lambda b, t: 0.01 * b,
+        stall_s=lambda n: n * 1e-4,
+    )
+
+
+def test_a_looser_pull_that_can_wait_waits_while_the_batch_is_slower_than_a_tighter_request_needs() -> None:
+    # Two 600 s requests run; x (15 s, 1,000 tokens, nothing learned: all of them) joins them and
+    # needs a step of ~15 ms (an idle instance runs 10), where the batch of three already runs 30:
+    # x is late at its length from the start, so the rule that a pull may not turn a running request
+    # late spares it. z (x's class, 100 tokens at most) joins too, and with it the tight class is
+    # still joinable (100 tokens at 50 ms: 5 s of its 15). A 600 s pull that can wait for x to end
+    # (its deadline minutes away) waits: the batch is slower than x's pace. One whose deadline is 5 s
+    # away (1 s of work, x ends in ~10) cannot wait, and is pulled.
+    def queue() -> QlmQueue:
+        q = QlmQueue(QlmConfig(eviction="off"), [growing_model()], 6000.0, 50.0)
+        for r in (
+            e2e("l1", 600.0, arrival=0.0),
+            e2e("l2", 600.0, arrival=0.0),
+            e2e("x", 15.0, arrival=0.0, out=1000, cls="api"),
+            e2e("z", 15.0, arrival=0.0, out=100, cls="api"),
+        ):
+            assert pulled(q, r, 0.0)
+        x = next(r for run in q.running for r in run.values() if r.request_id == "x")
+        assert 0.0145 < x.pace_s < 0.015
+        return q
+
+    assert not pulled(queue(), e2e("r", 600.0, arrival=0.0), 0.0)
+    assert pulled(queue(), e2e("r", 600.0, arrival=-595.0), 0.0)
+    # A pull of x's own class is not held to x's pace.
+    assert pulled(queue(), e2e("r", 15.0, arrival=0.0, out=100, cls="api"), 0.0)
+
+
+def test_the_pace_a_pull_needs_is_sized_with_its_class_running_answers_as_lower_bounds() -> None:
+    # The class's two finished answers are short (20 of 200 tokens) and eight are running past 150 (the estimate: ~144):
+    # a request of the class pulled now needs the pace of its long answer, not of the finished ones.
+    q = QlmQueue(QlmConfig(eviction="off"), [growing_model()], 6000.0, 50.0)
+    q.stats.observe("api", 20, 200)
+    q.stats.observe("api", 20, 200)
+    for k in range(8):
+        q.stats.started("api", f"a{k}")
+        q.stats.progress("api", f"a{k}", 0.75)
+    long_answer, _ = q.stats.cautious("api", 200)
+    assert long_answer > 140.0
+    q.push(e2e("x", 15.0, arrival=0.0, out=200, cls="api"), 0.0)
+    assert len(q.pump(0.0)) == 1
+    x = next(iter(q.running[0].values()))
+    # 15 s less the prompt's prefill (20 ms), over at least the long answer.
+    assert x.pace_s <= (15.0 - 0.02) / long_answer + 1e-9
+    # A class that could not keep even its mean's pace on an idle instance bounds nothing.
+    q.push(e2e("y", 1.0, arrival=0.0, out=200, cls="api"), 0.0)
+    q.pump(0.0)
+    y = next(r for r in q.running[0].values() if r.request_id == "y")
+    assert y.pace_s == float("inf")
