@@ -175,3 +175,46 @@ def test_the_inflight_account_records_the_pace_marker_and_the_first_token() -> N
     legs = account.resident_legs({"n": 0}, 1)
     assert legs is not None and legs.tpot_paced is not None and legs.first_token_s is not None
     assert legs.tpot_paced.tolist() == [False, False] and np.isnan(legs.first_token_s).all()
+
+
+def test_the_simulators_resident_legs_carry_the_marker_and_the_first_token(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """In a seeded run on colocated instances, every leg (d) reads that decodes has its first token's
+    time, at or before the decision, and the deadline-judged class's legs are the marked ones."""
+    import router.core.packing as packing
+    from router.core.config import SchedulerConfig
+    from router.core.queue import QueueConfig
+    from sim.cluster import SimFleet, simulate
+    from sim.fleet import fleet_from_counts
+    from sim.sweep import open_loop, policy_overrides
+    from workload.spec import generate_requests, load_workload
+
+    seen: list[tuple[float, ResidentLegs]] = []
+    real = packing.atgt_slack_ms
+
+    def spy(ctx: DecisionContext, tpot_target_ms: float, theta: float = 1.0) -> np.ndarray:
+        legs = ctx.view.resident_legs()
+        if legs is not None and len(seen) < 400:
+            seen.append((ctx.view.now_s, legs))
+        return real(ctx, tpot_target_ms, theta)
+
+    monkeypatch.setattr(packing, "atgt_slack_ms", spy)
+    workload = load_workload("code=0.5,chat=0.5")
+    plans = generate_requests(open_loop(workload).with_arrival(rate_per_s=6.0), rng=3, num_requests=60)
+    config = SchedulerConfig(**policy_overrides("binpack"))
+    fleet = SimFleet(fleet_from_counts(prefill=0, decode=0, neutral=2))
+    simulate(fleet, config, plans, seed=3, queue=QueueConfig(queue_policy="edf"))
+    started = [(now, legs) for now, legs in seen if legs.started.any()]
+    assert started
+    marked = 0
+    for now, legs in started:
+        assert legs.tpot_paced is not None and legs.first_token_s is not None
+        first = legs.first_token_s[legs.started]
+        assert np.isfinite(first).all() and (first <= now).all()
+        assert np.isnan(legs.first_token_s[~legs.started]).all()
+        # Chat (TPOT target 50 ms, the default) is never marked; what is marked is a deadline's pace.
+        assert legs.tpot_need_ms is not None
+        assert (legs.tpot_need_ms[legs.tpot_paced] < 50.0).all()
+        marked += int(legs.tpot_paced.sum())
+    assert marked > 0
