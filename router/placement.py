@@ -517,7 +517,7 @@ class Placer:
 
     def advance(self, request_id: str, context_tokens: int) -> None:
         """Request ``request_id``'s decode leg holds ``context_tokens`` now (see ``InflightAccount.advance``)."""
-        self.scheduler.inflight.advance(request_id, context_tokens)
+        self.scheduler.inflight.advance(request_id, context_tokens, self._clock())
 
     def time_prefill(self, choice: Choice) -> PrefillTiming | None:
         """A :class:`PrefillTiming` when ``choice``'s leg, dispatched now, runs in a stock engine's next step.

@@ -149,7 +149,7 @@ from router.core.dispatch import (
 )
 from router.core.errors import LateError, SchedulingError, status_name
 from router.core.lengths import LengthConfig, LengthPredictor
-from router.core.packing import resident_tpot_need_ms
+from router.core.packing import resident_tpot_need
 from router.core.plugins import Policy
 from router.core.predictors import PredictorSet
 from router.core.prefix import ExactPrefixIndex, PrefixRouting
@@ -403,6 +403,7 @@ class _Req:
         "stage",
         "tokens",
         "tpot_need_ms",
+        "tpot_paced",
         "waiting",
     )
 
@@ -437,6 +438,8 @@ class _Req:
         self.out = 0
         #: The TPOT its resident leg must keep (packing.resident_tpot_need_ms at its placement; 0 = none).
         self.tpot_need_ms = 0.0
+        #: Whether that need is an e2e deadline's pace (packing.resident_tpot_need), not a TPOT target.
+        self.tpot_paced = False
 
 
 def finished_result(
@@ -1255,7 +1258,7 @@ class _Simulation:
             return
         r.predicted_ttft_ms = _finite(decision.prefill.predicted_ttft_ms)
         r.predicted_tpot_ms = _finite(decision.decode.predicted_tpot_ms)
-        r.tpot_need_ms = resident_tpot_need_ms(decision.context, self.scheduler.config)
+        r.tpot_need_ms, r.tpot_paced = resident_tpot_need(decision.context, self.scheduler.config)
         limit = min(self.fleet.configs[p].max_model_len, self.fleet.configs[d].max_model_len)
         if plan.prompt_tokens + plan.max_tokens > limit:
             self._fail(
@@ -1501,6 +1504,8 @@ class _Simulation:
         started: list[bool] = []
         generated: list[float] = []
         need: list[float] = []
+        paced: list[bool] = []
+        first_token: list[float] = []
         reqs = self.reqs
         for i in range(len(self.resident_on)):
             on = self.resident_on[i]
@@ -1512,6 +1517,9 @@ class _Simulation:
                 started.append(decoding)
                 generated.append(max(cur - prompt, 0.0))
                 need.append(reqs[idx].tpot_need_ms or np.inf)
+                paced.append(reqs[idx].tpot_paced)
+                first = reqs[idx].first_s
+                first_token.append(first if decoding and first >= 0 else np.nan)
         found = ResidentLegs(
             np.array(instance, dtype=np.intp),
             np.array(context, dtype=np.float64),
@@ -1519,6 +1527,8 @@ class _Simulation:
             np.array(started, dtype=bool),
             np.array(generated, dtype=np.float64),
             np.array(need, dtype=np.float64),
+            np.array(paced, dtype=bool),
+            np.array(first_token, dtype=np.float64),
         )
         self.legs_cache = (key, found)
         return found

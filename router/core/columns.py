@@ -249,6 +249,13 @@ class ResidentLegs(NamedTuple):
     #: deadline needs: :func:`router.core.packing.resident_tpot_need_ms`); inf where it was not
     #: recorded. None when the source records none.
     tpot_need_ms: FloatArray | None = None
+    #: Whether each leg's recorded need is the pace its e2e deadline needs (over θ), not a TPOT
+    #: target (:func:`router.core.packing.resident_tpot_need`). None when the source records none.
+    tpot_paced: BoolArray | None = None
+    #: When each leg's first output token came (s, the view's clock; nan where it is not known):
+    #: the time since is the leg's decode time so far, Aladdin's ``t_dec`` of constraint (d).
+    #: None when the source records none.
+    first_token_s: FloatArray | None = None
 
 
 #: One instance's resident legs: (context now, output still expected, started) each.

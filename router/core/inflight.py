@@ -174,6 +174,10 @@ class InflightAccount:
         self._resident_prompt: dict[str, int] = {}
         # request_id -> the TPOT its resident leg must keep (ms), when the dispatch said (see record()).
         self._resident_need: dict[str, float] = {}
+        # The resident legs whose recorded need is a deadline's pace (see record()).
+        self._resident_paced: set[str] = set()
+        # request_id -> when its resident leg's first output token came (see advance()).
+        self._resident_first: dict[str, float] = {}
         # instance_id -> [resident decode legs, sum of their final tokens]
         self._resident_totals: dict[str, list[int]] = {}
         # instance_id -> its resident legs' request ids (an ordered set), for one instance's legs.
@@ -287,13 +291,21 @@ class InflightAccount:
             return own
         return own[0] + peer[-2], own[1] + peer[-1]
 
-    def advance(self, request_id: str, context_tokens: int) -> None:
+    def advance(self, request_id: str, context_tokens: int, now_s: float | None = None) -> None:
         """The resident leg of ``request_id`` holds ``context_tokens`` now (prompt + output so far).
 
-        Only ever grows the context; a request without a resident leg is ignored.
+        Only ever grows the context; a request without a resident leg is ignored. ``now_s`` (the
+        clock views are built on; None: not known) of the first advance past the prompt is when
+        the leg's first output token came: its decode time so far is counted from it.
         """
         if request_id in self._resident and context_tokens > self._resident_context.get(request_id, 0):
             self._resident_context[request_id] = context_tokens
+            if (
+                now_s is not None
+                and request_id not in self._resident_first
+                and context_tokens > self._resident_prompt.get(request_id, context_tokens)
+            ):
+                self._resident_first[request_id] = now_s
 
     def resident_legs(self, index: Mapping[str, int], n: int) -> ResidentLegs | None:
         """Every resident leg on a view's instances: its context now and the output still expected.
@@ -319,10 +331,14 @@ class InflightAccount:
         prompt = np.fromiter((prompts.get(r, contexts[r]) for r in legs), dtype=np.float64, count=len(legs))
         needs = self._resident_need
         need = np.fromiter((needs.get(r, np.inf) for r in legs), dtype=np.float64, count=len(legs))
+        marked = self._resident_paced
+        paced = np.fromiter((r in marked for r in legs), dtype=bool, count=len(legs))
+        firsts = self._resident_first
+        first = np.fromiter((firsts.get(r, np.nan) for r in legs), dtype=np.float64, count=len(legs))
         keep = (instance >= 0) & (instance < n)
         if not keep.all():
             instance, context, final, started = instance[keep], context[keep], final[keep], started[keep]
-            prompt, need = prompt[keep], need[keep]
+            prompt, need, paced, first = prompt[keep], need[keep], paced[keep], first[keep]
         return ResidentLegs(
             instance,
             context,
@@ -330,6 +346,8 @@ class InflightAccount:
             started,
             np.maximum(context - prompt, 0.0),
             need,
+            paced,
+            np.where(started, first, np.nan),
         )
 
     def resident_legs_on(self, instance_id: str) -> list[tuple[int, int, bool]] | None:
@@ -448,6 +466,7 @@ class InflightAccount:
         final_tokens: int = 0,
         cached_prefill_tokens: int = 0,
         tpot_need_ms: float = 0.0,
+        tpot_paced: bool = False,
     ) -> None:
         """Account a dispatch: a prefill leg on ``prefill_instance`` and a decode leg on ``decode_instance``.
 
@@ -456,6 +475,7 @@ class InflightAccount:
         expected output still to come); 0 = unknown (not resident).
         ``tpot_need_ms`` (> 0) is the TPOT that resident leg must keep on its
         instance (packing holds later placements there to it); 0 = unknown.
+        ``tpot_paced`` says that need is the pace an e2e deadline needs, not a TPOT target.
         ``cached_prefill_tokens`` of the prompt are expected in the prefill
         instance's prefix cache: its prefill leg counts only the rest.
 
@@ -474,6 +494,8 @@ class InflightAccount:
             self._add_resident(request_id, decode_instance, final_tokens, now_s, prompt_tokens)
             if tpot_need_ms > 0 and request_id in self._resident:
                 self._resident_need[request_id] = tpot_need_ms
+                if tpot_paced:
+                    self._resident_paced.add(request_id)
         cached = min(max(cached_prefill_tokens, 0), prompt_tokens)
         if prefill_instance is not None and prefill_instance == decode_instance:
             self._add(request_id, prefill_instance, True, True, prompt_tokens, now_s, cached)
@@ -551,6 +573,8 @@ class InflightAccount:
         self._resident_context.pop(request_id, None)
         self._resident_prompt.pop(request_id, None)
         self._resident_need.pop(request_id, None)
+        self._resident_paced.discard(request_id)
+        self._resident_first.pop(request_id, None)
         instance_id, final_tokens, _ = found
         on = self._resident_on[instance_id]
         del on[request_id]

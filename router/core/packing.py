@@ -163,14 +163,17 @@ def packing_tpot_target_ms(ctx: DecisionContext, default_output_tokens: int, fac
     as packing tighter for it would only open fresh instances for requests
     that miss anyway.
     """
-    return _paced(ctx, ctx.tpot_slo_ms, default_output_tokens, factor)
+    return _paced(ctx, ctx.tpot_slo_ms, default_output_tokens, factor)[0]
 
 
-def _paced(ctx: DecisionContext, target: float, default_output_tokens: int, factor: float) -> float:
-    """:func:`packing_tpot_target_ms` with ``target`` as the TPOT target in force."""
+def _paced(
+    ctx: DecisionContext, target: float, default_output_tokens: int, factor: float
+) -> tuple[float, bool]:
+    """:func:`packing_tpot_target_ms` with ``target`` as the TPOT target in force, and whether the
+    result is a deadline's pace (over ``factor``) rather than ``target``."""
     request = ctx.request
     if request is None or request.e2e_slo_ms <= 0 or request.tpot_slo_ms > 0:
-        return target
+        return target, False
     expected = expected_output_tokens(request, default_output_tokens)
     lengths = [expected]
     if request.output_tokens_bound > expected:
@@ -186,7 +189,7 @@ def _paced(ctx: DecisionContext, target: float, default_output_tokens: int, fact
     for k, out in enumerate(lengths):
         paced = (left - ttft) / max(out - 1, 1)
         if paced >= target * factor:
-            return target
+            return target, False
         if ctx.predictors is not None:
             idle = ctx.predictors.default.predict_tpot_ms(1.0, ctx.prompt_tokens + out)
             if not paced > idle:
@@ -201,8 +204,8 @@ def _paced(ctx: DecisionContext, target: float, default_output_tokens: int, fact
                 continue
         elif not paced > 0:
             continue
-        return paced / factor
-    return target
+        return paced / factor, True
+    return target, False
 
 
 def _best_horizon_ms(ctx: DecisionContext) -> float:
@@ -214,7 +217,13 @@ def _best_horizon_ms(ctx: DecisionContext) -> float:
 
 
 def resident_tpot_need_ms(ctx: DecisionContext, config: SchedulerConfig) -> float:
-    """The TPOT the request of ``ctx`` must keep where it decodes: recorded with its resident leg.
+    """The TPOT the request of ``ctx`` must keep where it decodes: :func:`resident_tpot_need`'s need."""
+    return resident_tpot_need(ctx, config)[0]
+
+
+def resident_tpot_need(ctx: DecisionContext, config: SchedulerConfig) -> tuple[float, bool]:
+    """The TPOT the request of ``ctx`` must keep where it decodes, and whether that need is a
+    deadline's pace: both recorded with its resident leg.
 
     :func:`packing_tpot_target_ms` at the bin-packing share θ
     (``binpack_theta``): its TPOT target, or the pace its e2e deadline needs
@@ -224,11 +233,15 @@ def resident_tpot_need_ms(ctx: DecisionContext, config: SchedulerConfig) -> floa
     The target is the request's own (``tpot_slo_ms``, else the router's
     ``--tpot-slo``), not the one the decision ran with: the router queue
     places late work under a fraction of it as a margin of that placement,
-    which is no need of the request's. 0 without a request.
+    which is no need of the request's. The flag says the need is the pace
+    its e2e deadline needs over θ (not a TPOT target): constraint (d) prices
+    such a leg differently (:func:`atgt_slack_ms`), and a TPOT target of a
+    class below the router's default must not be mistaken for one. (0, False)
+    without a request.
     """
     request = ctx.request
     if request is None:
-        return 0.0
+        return 0.0, False
     target = request.tpot_slo_ms or config.tpot_slo_ms
     # Over the θ in force (the learned one): (b) then holds the horizon to θ × need = the pace itself.
     return _paced(ctx, target, config.packing_default_output_tokens, live_theta(ctx, config))
@@ -633,12 +646,16 @@ def atgt_slack_ms(ctx: DecisionContext, tpot_target_ms: float, theta: float = 1.
     A leg that has produced ``g`` tokens and is predicted to produce ``r``
     more keeps its average time per output token within the target ``T``
     as long as the time added to it stays within
-    ``g·(T − τ_now) + r·(T − τ_new)``: what it has saved against the target
-    so far (its past steps taken at the instance's current decode step
-    ``τ_now``, ``decode_step_ms``) plus what it will still save at the step
+    ``(g − 1)·T − t_dec + r·(T − τ_new)``: what it has saved against the
+    target so far (Aladdin's ``T_dec·l_out − t_dec``, with ``t_dec`` the
+    time since its first token, ``first_token_s``: the prompts that stalled
+    it before are paid out of it) plus what it will still save at the step
     it will run at with this request in the batch (``τ_new``,
     ``predicted_tpot``; for a deadline-paced leg, below, the γ-horizon step
-    ``predicted_tpot_horizon`` that (b) holds within its pace). ``r`` is the
+    ``predicted_tpot_horizon`` that (b) holds within its pace). A source that
+    does not know when a leg's first token came (``first_token_s`` missing
+    or nan) prices its past at the instance's current decode step
+    (``g·(T − τ_now)``, ``decode_step_ms``), blind to the stalls it took. ``r`` is the
     router's prediction, re-made from the
     tokens streamed so far when a leg outlives its estimate (seed 001's
     Algorithm 2 re-prediction: the conditional mean of the lengths seen
@@ -655,11 +672,20 @@ def atgt_slack_ms(ctx: DecisionContext, tpot_target_ms: float, theta: float = 1.
     pace (``need × θ``), not the need. Counted against the need, (d) let
     prompts stall such a leg by up to ``(1 − θ)`` of its pace beyond what its
     deadline allows (code answers on 7 neutral instances at 12 req/s, mixed,
-    seed 17: 78.4 % met; against the pace 82.4 %, where JSQ meets 80.8 %). A
-    recorded need below ``tpot_target_ms`` (the default TPOT target, which a
-    deadline-judged request is paced under) is read as a deadline's: a class
-    with its own TPOT target below the default is then held to θ of it here,
-    the cautious side.
+    seed 17: 78.4 % met; against the pace 82.4 %, where JSQ meets 80.8 %).
+    Which legs are deadline-paced the legs say (``tpot_paced``, recorded with
+    the need: :func:`resident_tpot_need`); a source that records no marker has
+    a need below ``tpot_target_ms`` (the default TPOT target, which a
+    deadline-judged request is paced under) read as a deadline's, which takes
+    a class with its own TPOT target below the default for one (``auto`` of
+    ``kv-support-docs``, TPOT 40 ms: priced at θ of it, its expected remainder
+    and the horizon step, it let long prompts in beside it and missed).
+
+    A leg whose slack is gone even before this prompt (at or below zero: it
+    misses whatever is placed beside it, by what it took before or by its
+    step) sets no bound: it is inf here. Counted, it closed its instance to
+    every prompt until it ended; the paper's (d) assumes every ongoing request
+    within its ATGT, which its constraints keep and predicted lengths do not.
     """
     n = ctx.view.n
     legs = ctx.view.resident_legs()
@@ -679,7 +705,11 @@ def atgt_slack_ms(ctx: DecisionContext, tpot_target_ms: float, theta: float = 1.
         # Each leg against the TPOT it must keep (its own target or deadline pace), as recorded.
         need = legs.tpot_need_ms[started]
         target = np.where(np.isfinite(need) & (need > 0), need, tpot_target_ms)
-        target = np.where(target < tpot_target_ms, target * theta, target)
+        if legs.tpot_paced is not None:
+            paced = legs.tpot_paced[started] & np.isfinite(need) & (need > 0)
+        else:
+            paced = np.isfinite(need) & (need > 0) & (need < tpot_target_ms)
+        target = np.where(paced, target * theta, target)
     step_new = ctx.metric("predicted_tpot")[at]
     remaining = np.maximum(legs.remaining[started], 1.0)
     # Each prompt is checked alone against this slack, and the future part is the same for every
@@ -688,11 +718,9 @@ def atgt_slack_ms(ctx: DecisionContext, tpot_target_ms: float, theta: float = 1.
     # 55 TPOT misses, 91.8 % against slo's 93.8 %; 92.0 % with exact lengths, so not the estimate),
     # and a short answer ends before any of it comes. Its future counts over the remainder it is
     # sure to reach (SURE_REMAINING_SHARE), whichever its sign: what it can still promise. A
-    # deadline-paced leg (a recorded need below the default target, as above) keeps its expected
-    # remainder: an answer shorter than expected only leaves it more time.
-    if legs.tpot_need_ms is not None:
-        paced = np.isfinite(need) & (need > 0) & (need < tpot_target_ms)
-    else:
+    # deadline-paced leg (as above) keeps its expected remainder: an answer shorter than expected
+    # only leaves it more time.
+    if legs.tpot_need_ms is None:
         paced = np.zeros(len(remaining), dtype=bool)
     remaining = np.where(paced, remaining, np.maximum(remaining * SURE_REMAINING_SHARE, 1.0))
     if np.any(paced):
@@ -708,7 +736,17 @@ def atgt_slack_ms(ctx: DecisionContext, tpot_target_ms: float, theta: float = 1.
     if legs.generated is not None:
         step_now = ctx.metric("decode_step_ms")[at]
         spare_now = np.where(np.isnan(step_now), 0.0, target - step_now)
-        budget = budget + legs.generated[started] * spare_now
+        saved = legs.generated[started] * spare_now
+        if legs.first_token_s is not None:
+            # Aladdin's T_dec·l_out − t_dec: the time it has really spent decoding, stalls included.
+            # Priced at the current step, a leg that prompts had stalled before was credited with
+            # time it no longer had (5 neutral at 20k, kv-support-docs, 9 req/s, seed 4300: auto,
+            # TPOT 40 ms, 83.2 % met; counted from its first token 100 %).
+            spent = (ctx.view.now_s - legs.first_token_s[started]) * 1e3
+            exact = np.maximum(legs.generated[started] - 1.0, 0.0) * target - spent
+            saved = np.where(np.isfinite(spent), exact, saved)
+        budget = budget + saved
+    budget = np.where(budget > 0, budget, np.inf)
     np.minimum.at(out, at, budget)
     return out
 
