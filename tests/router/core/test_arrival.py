@@ -23,27 +23,13 @@ def test_a_learned_length_past_the_e2e_target_is_refused_at_arrival() -> None:
         _check().check(request, NOW)
 
 
-def test_a_prior_length_is_not_grounds_to_refuse() -> None:
-    # The same request before anything is learned of its class: its cap is only a guess of its length.
+@pytest.mark.parametrize("guess", ["output_tokens_prior", "output_tokens_pooled"])
+def test_a_guessed_length_is_not_grounds_to_refuse(guess: str) -> None:
+    # The same request before anything is learned of its class: its cap (a prior) or every class's mean
+    # (pooled, a rare class of short alerts before eight of them finished) says nothing of its length.
+    # Refused on it, none of the class would ever finish to teach the predictor.
     request = make_request(
-        prompt_tokens=256,
-        e2e_slo_ms=2000.0,
-        expected_output_tokens=4000,
-        max_tokens=4000,
-        output_tokens_prior=True,
-    )
-    _check().check(request, NOW)
-
-
-def test_every_class_s_mean_length_is_not_grounds_to_refuse() -> None:
-    # A rare class of short alerts before eight of them finished: the length predictor answers with every
-    # class's mean, which says nothing of an alert. Refused on it, no alert would ever finish to teach it.
-    request = make_request(
-        prompt_tokens=256,
-        e2e_slo_ms=2000.0,
-        expected_output_tokens=4000,
-        max_tokens=4000,
-        output_tokens_pooled=True,
+        prompt_tokens=256, e2e_slo_ms=2000.0, expected_output_tokens=4000, max_tokens=4000, **{guess: True}
     )
     assert request.output_tokens_guessed
     _check().check(request, NOW)
