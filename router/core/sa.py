@@ -77,9 +77,6 @@ BEST_SPLIT_OPS = 2048
 #: The share of a budget the annealing schedule is fitted to; the rest polishes its best solution.
 ANNEAL_SHARE = 0.8
 
-#: Prompt tokens between two points of a batch's prefill table (read by linear interpolation).
-BATCH_PREFILL_STEP = 128
-
 
 @dataclass(frozen=True)
 class AnnealParams:
@@ -110,17 +107,12 @@ class Job:
     at which it still meets its targets in a batch of ``b`` (-inf: never, e.g.
     its TPOT target fails at that size). ``cost_ms[b]``: its e2e latency when
     its batch starts at once (waited so far + execution). ``exec_ms[b]``: its
-    execution time, which sets its batch's duration. ``prefill_ms[b]``: the
-    prefill the other three figures hold, and ``prompt_tokens`` its prompt (a
-    plan given a batch prefill table reprices a batch's prefill from its
-    members' prompts; empty/0 where the caller did not cost them).
+    execution time, which sets its batch's duration.
     """
 
     exec_ms: tuple[float, ...]
     cost_ms: tuple[float, ...]
     slack_ms: tuple[float, ...]
-    prefill_ms: tuple[float, ...] = ()
-    prompt_tokens: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -148,77 +140,39 @@ class Plan:
 
 
 def evaluate(
-    jobs: Sequence[Job],
-    order: Sequence[int],
-    sizes: Sequence[int],
-    start_ms: float = 0.0,
-    batch_prefill: Sequence[float] = (),
+    jobs: Sequence[Job], order: Sequence[int], sizes: Sequence[int], start_ms: float = 0.0
 ) -> tuple[float, int, float]:
     """(G in requests/s, requests meeting their targets, summed e2e latency in ms) of a solution.
 
     ``start_ms``: when the first batch can start (the instance is busy until then).
-    ``batch_prefill``: see :func:`batch_prefill_table` (empty: each member's prefill as its own).
     """
-    return _Columns.of(jobs, max(sizes, default=1), batch_prefill).evaluate(order, sizes, start_ms)
-
-
-def batch_prefill_table(
-    predictor: LatencyPredictor, max_tokens: float, max_num_batched_tokens: float
-) -> tuple[float, ...]:
-    """The prefill of a batch's prompts together (ms), every :data:`BATCH_PREFILL_STEP` tokens up to
-    ``max_tokens`` (and one point past it).
-
-    Eq. 14 prices a request's prefill in a batch of ``b`` as ``alpha * b * l_i``
-    plus terms in ``b`` and ``l_i``: fitted on batches of alike prompts, where
-    ``b * l_i`` is the batch's prompt tokens. With unlike members the batch
-    computes its members' prompts, not ``b`` copies of each one's; the plan
-    reads the batch's prefill here at the sum of its members' prompts.
-    """
-    points = np.arange(int(max_tokens // BATCH_PREFILL_STEP) + 2, dtype=np.float64) * BATCH_PREFILL_STEP
-    ms = predictor.predict_ttft_ms(points, 0.0, 0.0, float(max_num_batched_tokens))
-    return tuple(np.asarray(ms, dtype=np.float64).tolist())
+    return _Columns.of(jobs, max(sizes, default=1)).evaluate(order, sizes, start_ms)
 
 
 class _Columns:
     """The jobs' figures by batch size, then job (the annealer's hot loop reads them without attribute lookups)."""
 
-    __slots__ = ("cost", "exec", "prefill", "prompt", "slack", "table")
+    __slots__ = ("cost", "exec", "slack")
 
     def __init__(
-        self,
-        exec_ms: list[list[float]],
-        cost_ms: list[list[float]],
-        slack_ms: list[list[float]],
-        prefill_ms: list[list[float]] | None = None,
-        prompt_tokens: list[float] | None = None,
-        batch_prefill: Sequence[float] = (),
+        self, exec_ms: list[list[float]], cost_ms: list[list[float]], slack_ms: list[list[float]]
     ) -> None:
         self.exec = exec_ms
         self.cost = cost_ms
         self.slack = slack_ms
-        self.prefill = prefill_ms or []
-        self.prompt = prompt_tokens or []
-        # The batch prefill table, used only where every job carries its own prefill and prompt.
-        self.table = tuple(batch_prefill) if self.prefill and self.prompt else ()
 
     @classmethod
-    def of(cls, jobs: Sequence[Job], cap: int, batch_prefill: Sequence[float] = ()) -> _Columns:
+    def of(cls, jobs: Sequence[Job], cap: int) -> _Columns:
         sizes = range(cap + 1)
-        priced = bool(batch_prefill) and all(len(j.prefill_ms) > cap for j in jobs)
         return cls(
             [[j.exec_ms[b] if b else 0.0 for j in jobs] for b in sizes],
             [[j.cost_ms[b] if b else 0.0 for j in jobs] for b in sizes],
             [[j.slack_ms[b] if b else 0.0 for j in jobs] for b in sizes],
-            [[j.prefill_ms[b] if b else 0.0 for j in jobs] for b in sizes] if priced else None,
-            [j.prompt_tokens for j in jobs] if priced else None,
-            batch_prefill if priced else (),
         )
 
     def evaluate(
         self, order: Sequence[int], sizes: Sequence[int], start_ms: float
     ) -> tuple[float, int, float]:
-        if self.table:
-            return self._evaluate_prompts(order, sizes, start_ms)
         wait = start_ms
         met = 0
         total = 0.0
@@ -233,61 +187,6 @@ class _Columns:
                     duration = e
                 total += cb[i]
                 if sb[i] >= wait:
-                    met += 1
-            total += wait * b
-            wait += duration
-            pos += b
-        return (met * 1e3 / total if total > 0 else 0.0), met, total
-
-    def batch_prefill(self, members: Sequence[int]) -> float:
-        """The prefill of ``members`` batched together (ms), from the batch prefill table."""
-        table = self.table
-        last = len(table) - 1
-        tokens = 0.0
-        for i in members:
-            tokens += self.prompt[i]
-        x = tokens / BATCH_PREFILL_STEP
-        k = int(x)
-        return table[last] if k >= last else table[k] + (table[k + 1] - table[k]) * (x - k)
-
-    def _evaluate_prompts(
-        self, order: Sequence[int], sizes: Sequence[int], start_ms: float
-    ) -> tuple[float, int, float]:
-        """:meth:`evaluate` with a batch of two or more prefilling its members' prompts together
-        (:func:`batch_prefill_table`): each member's figures move by the batch's prefill less its own."""
-        wait = start_ms
-        met = 0
-        total = 0.0
-        pos = 0
-        exec_, cost, slack, own, prompt, table = (
-            self.exec,
-            self.cost,
-            self.slack,
-            self.prefill,
-            self.prompt,
-            self.table,
-        )
-        last = len(table) - 1
-        for b in sizes:
-            eb, cb, sb = exec_[b], cost[b], slack[b]
-            members = order[pos : pos + b]
-            batch = 0.0
-            if b > 1:
-                tokens = 0.0
-                for i in members:
-                    tokens += prompt[i]
-                x = tokens / BATCH_PREFILL_STEP
-                k = int(x)
-                batch = table[last] if k >= last else table[k] + (table[k + 1] - table[k]) * (x - k)
-            ob = own[b]
-            duration = 0.0
-            for i in members:
-                shift = batch - ob[i] if b > 1 else 0.0
-                e = eb[i] + shift
-                if e > duration:
-                    duration = e
-                total += cb[i] + shift
-                if sb[i] >= wait + shift:
                     met += 1
             total += wait * b
             wait += duration
@@ -309,15 +208,13 @@ def anneal(
     start_ms: float = 0.0,
     clock: Callable[[], float] = time.perf_counter,
     spent_s: float = 0.0,
-    batch_prefill: Sequence[float] = (),
 ) -> Plan:
     """The release order and batches of ``jobs`` maximizing G (Algorithm 1 of seed 000; see the module doc).
 
     ``jobs`` are in queue order (the first starting solution). ``cap`` >= 1
     bounds every batch. ``spent_s`` of ``params.budget_s`` went to costing the
-    jobs already; ``clock`` is read every :data:`BUDGET_CHECK_MOVES` moves. ``batch_prefill``: a
-    batch's prefill by its members' prompts (:func:`batch_prefill_table`; empty: each member's own,
-    as ``jobs`` hold it). Deterministic for a given ``rng`` state when ``params.budget_s`` is None.
+    jobs already; ``clock`` is read every :data:`BUDGET_CHECK_MOVES` moves. Deterministic for a given ``rng`` state when
+    ``params.budget_s`` is None.
     """
     n = len(jobs)
     if n == 0:
@@ -328,7 +225,7 @@ def anneal(
     started = clock()
     deadline = None if params.budget_s is None else started + params.budget_s - spent_s
     sizes0 = full_batches(n, cap)
-    columns = _Columns.of(jobs, cap, batch_prefill)
+    columns = _Columns.of(jobs, cap)
     evaluate_ = columns.evaluate
     # Start 2: smallest predicted e2e latency first. The paper leaves its batch sizes open; it takes
     # the uniform size (1..cap) with the best G, so a cap that breaks TPOT targets does not make the
@@ -495,21 +392,17 @@ def best_split(columns: _Columns, order: Sequence[int], cap: int, start_ms: floa
         # first b whose batch breaks a member's targets without waiting.
         for b in range(1, min(cap, n - i) + 1):
             eb, cb, sb = columns.exec[b], columns.cost[b], columns.slack[b]
-            members = order[i : i + b]
-            batch = columns.batch_prefill(members) if b > 1 and columns.table else 0.0
-            ob = columns.prefill[b] if batch else ()
             duration = 0.0
             summed = 0.0
             ok = True
-            for j in members:
-                shift = batch - ob[j] if batch else 0.0
-                if b > 1 and sb[j] < start_ms + shift:
+            for j in order[i : i + b]:
+                if b > 1 and sb[j] < start_ms:
                     ok = False
                     break
-                e = eb[j] + shift
+                e = eb[j]
                 if e > duration:
                     duration = e
-                summed += cb[j] + shift
+                summed += cb[j]
             if not ok:
                 continue
             value = summed + (n - i - b) * duration + f[i + b]
@@ -934,23 +827,17 @@ def jobs_for(
     exec_rows = np.hstack([head, exec_ms]).tolist()
     cost_rows = np.hstack([head, typical_ms + w]).tolist()
     slack_rows = np.hstack([np.full((n, 1), -math.inf), slack]).tolist()
-    prefill_rows = np.hstack([head, prefill]).tolist()
     return [
-        Job(tuple(e), tuple(c), tuple(sl), tuple(p), float(t))
-        for e, c, sl, p, t in zip(
-            exec_rows, cost_rows, slack_rows, prefill_rows, prompt.tolist(), strict=True
-        )
+        Job(tuple(e), tuple(c), tuple(sl)) for e, c, sl in zip(exec_rows, cost_rows, slack_rows, strict=True)
     ]
 
 
 @dataclass
 class _Released:
-    """A request the policy released, until it ends: its task type, the tokens Eq. 20 reserved for it, and
-    when the plan that released it predicted its prefill to end (s; inf: no prediction)."""
+    """A request the policy released, until it ends: its task type and the tokens Eq. 20 reserved for it."""
 
     task: str
     tokens: float
-    prefilled_s: float = math.inf
 
 
 @dataclass
@@ -1039,11 +926,9 @@ class SAPlanner:
         #: Per instance: the requests released there and not ended yet.
         self.running: dict[str, dict[str, _Released]] = {}
         self._where: dict[str, str] = {}
-        #: Per instance: the last plan (its request ids, free slots and running requests), its order, its
-        #: start (ms) and the instance's predictor, reused while none of those changed.
-        self._plans: dict[
-            str, tuple[tuple[tuple[str, ...], int, tuple[str, ...]], Plan, float, LatencyPredictor | None]
-        ] = {}
+        #: Per instance: the last plan (its request ids and free slots) and its order, reused while
+        #: neither changed.
+        self._plans: dict[str, tuple[tuple[tuple[str, ...], int], Plan]] = {}
         self.stats = PlannerStats()
         #: The newest arrival a pass has seen, and the arrival before it (pool_closes).
         self._newest_s = -math.inf
@@ -1225,9 +1110,7 @@ class SAPlanner:
         of these instances the scheduler picks)."""
         inst = view.instances
         instance = inst.ids[i]
-        plan, start_ms, predictor = self._plan(queue, scheduler, view, now_s, i, group, room)
-        chunk = float(inst.max_num_batched_tokens[i])
-        queued = 0.0  # prompt tokens released on this pass, prefilled in release order
+        plan = self._plan(queue, scheduler, view, now_s, i, group, room)
         first = plan.sizes[0] if plan.sizes else 0
         role = inst.roles[i]
         # Only this instance among those of its role: the decode leg of a disaggregated request may go anywhere.
@@ -1262,15 +1145,7 @@ class SAPlanner:
             free -= need
             if among and decision.prefill is not None:
                 instance = decision.prefill.instance_id
-            queued += float(max(request.prompt_tokens, 1))
-            prefilled = (
-                now_s + (start_ms + predictor.predict_ttft_ms(queued, 0.0, 0.0, chunk)) * 1e-3
-                if predictor is not None
-                else math.inf
-            )
-            self.running.setdefault(instance, {})[entry.request_id] = _Released(
-                request.slo_class, need, prefilled
-            )
+            self.running.setdefault(instance, {})[entry.request_id] = _Released(request.slo_class, need)
             self._where[entry.request_id] = instance
             released += 1
             yield Offer(entry, Verdict.DISPATCH, decision=decision, budget_ms=targets.ttft_ms)
@@ -1288,16 +1163,12 @@ class SAPlanner:
         i: int,
         group: list[QueueEntry],
         room: int,
-    ) -> tuple[Plan, float, LatencyPredictor | None]:
-        """The plan of ``group`` on instance ``i`` with ``room`` free slots, when it starts (ms from now:
-        once the requests running there have prefilled) and the instance's latency predictor (None:
-        none)."""
+    ) -> Plan:
         instance = view.instances.ids[i]
-        running = self.running.get(instance, {})
-        key = (tuple(e.request_id for e in group), room, tuple(running))
+        key = (tuple(e.request_id for e in group), room)
         cached = self._plans.get(instance)
         if cached is not None and cached[0] == key:
-            return cached[1], cached[2], cached[3]
+            return cached[1]
         seqs = view.instances.max_num_seqs
         reported = math.inf if seqs is None else float(seqs[i])
         # Planned for the slots free now: the plan's first batch is what starts at once, and a batch of
@@ -1310,7 +1181,6 @@ class SAPlanner:
         if predictors is None:
             # No latency predictor: nothing to anneal with; queue order in full batches.
             plan = Plan(tuple(range(len(group))), full_batches(len(group), cap), 0.0, 0, 0.0)
-            start, predictor = 0.0, None
         else:
             clock = self._clock if self._modeled is None else modeled_clock(self._modeled(len(group)))
             started = time.perf_counter()
@@ -1331,44 +1201,16 @@ class SAPlanner:
             )
             # The budget covers the costing too (modeled in the simulator).
             spent = time.perf_counter() - started if self._modeled is None else modeled_costing_s(len(jobs))
-            table: tuple[float, ...] = ()
-            if cap > 1:
-                largest = sorted((j.prompt_tokens for j in jobs), reverse=True)[:cap]
-                table = batch_prefill_table(
-                    predictor, sum(largest), float(view.instances.max_num_batched_tokens[i])
-                )
-            # Eq. 11's wait for the work ahead on the instance: a request released now starts its prefill
-            # once the requests released there before it have prefilled (the engine prefills its running
-            # requests first), so the plan starts then.
-            start = max((max(r.prefilled_s - now_s, 0.0) * 1e3 for r in running.values()), default=0.0)
-            start = start if math.isfinite(start) else 0.0
-            plan = self._anneal(jobs, cap, spent, clock, table, start)
-        self._plans[instance] = (key, plan, start, predictor)
-        return plan, start, predictor
+            plan = self._anneal(jobs, cap, spent, clock)
+        self._plans[instance] = (key, plan)
+        return plan
 
-    def _anneal(
-        self,
-        jobs: list[Job],
-        cap: int,
-        spent_s: float,
-        clock: Callable[[], float],
-        batch_prefill: tuple[float, ...] = (),
-        start_ms: float = 0.0,
-    ) -> Plan:
+    def _anneal(self, jobs: list[Job], cap: int, spent_s: float, clock: Callable[[], float]) -> Plan:
         started = clock()
         if self.search == "exhaustive" and len(jobs) <= EXHAUSTIVE_LIMIT:
-            plan = exhaustive(jobs, cap, start_ms=start_ms)
+            plan = exhaustive(jobs, cap)
         else:
-            plan = anneal(
-                jobs,
-                cap,
-                self.params,
-                self.rng,
-                start_ms=start_ms,
-                clock=clock,
-                spent_s=spent_s,
-                batch_prefill=batch_prefill,
-            )
+            plan = anneal(jobs, cap, self.params, self.rng, clock=clock, spent_s=spent_s)
         took = clock() - started + spent_s
         self.stats.anneal_s += took
         self.stats.longest_run_s = max(self.stats.longest_run_s, took)
