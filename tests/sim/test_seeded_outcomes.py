@@ -181,7 +181,7 @@ RECORDED: dict[str, str] = {
     "neutral-slo-fcfs-capped": "f0a2ad49ca96ac96e5ebce0d",
     "neutral-slo-prefix": "2faad43e732c35884901f59c",
     "neutral-slo-priority": "118a85ace3be352f7da0bda6",
-    "neutral-slo-qlm": "91caaf2422b0cf4c6802b36c",
+    "neutral-slo-qlm": "ad82af537d6fbfdc2f2a677b",
     "neutral-slo-sa": "b6bd6e3fbb3851806a30a03c",
     "pd-adaptive": "3da6c8098432e1344daec263",
     "pd-load-balance-off": "466dcf402227e02d05b7c4b8",

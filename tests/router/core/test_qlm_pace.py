@@ -125,8 +125,8 @@ def test_a_looser_pull_that_can_wait_waits_while_the_batch_is_slower_than_a_tigh
     # x is late at its length from the start, so the rule that a pull may not turn a running request
     # late spares it. z (x's class, 100 tokens at most) joins too, and with it the tight class is
     # still joinable (100 tokens at 50 ms: 5 s of its 15). A 600 s pull that can wait for x to end
-    # (its deadline minutes away) waits: the batch is slower than x's pace. One whose deadline is 5 s
-    # away (1 s of work, x ends in ~10) cannot wait, and is pulled.
+    # (its deadline minutes away) waits: the batch is slower than x's pace. One whose deadline is 7 s
+    # away (1 s of work, x ends in ~10) cannot wait, and is pulled (it meets at the grown batch's step).
     def queue() -> QlmQueue:
         q = QlmQueue(QlmConfig(eviction="off"), [growing_model()], 6000.0, 50.0)
         for r in (
@@ -141,7 +141,7 @@ def test_a_looser_pull_that_can_wait_waits_while_the_batch_is_slower_than_a_tigh
         return q
 
     assert not pulled(queue(), e2e("r", 600.0, arrival=0.0), 0.0)
-    assert pulled(queue(), e2e("r", 600.0, arrival=-595.0), 0.0)
+    assert pulled(queue(), e2e("r", 600.0, arrival=-593.0), 0.0)
     # A pull of x's own class is not held to x's pace.
     assert pulled(queue(), e2e("r", 15.0, arrival=0.0, out=100, cls="api"), 0.0)
 
@@ -167,3 +167,42 @@ def test_the_pace_a_pull_needs_is_sized_with_its_class_running_answers_as_lower_
     q.pump(0.0)
     y = next(r for r in q.running[0].values() if r.request_id == "y")
     assert y.pace_s == float("inf")
+
+
+def test_a_looser_pull_that_misses_even_pulled_now_waits_while_the_batch_is_slower_than_a_tighter_request_needs() -> (
+    None
+):
+    # The batch of the test above: x (15 s) needs ~15 ms a step, the grown batch of five runs 50. A 600 s
+    # pull whose deadline is 3 s away cannot wait for x, and misses even pulled now (100 tokens at 50 ms:
+    # 5 s): it is lost either way, so it waits rather than slow x. (It was pulled: it could not wait.)
+    def queue() -> QlmQueue:
+        q = QlmQueue(QlmConfig(eviction="off"), [growing_model()], 6000.0, 50.0)
+        for r in (
+            e2e("l1", 600.0, arrival=0.0),
+            e2e("l2", 600.0, arrival=0.0),
+            e2e("x", 15.0, arrival=0.0, out=1000, cls="api"),
+            e2e("z", 15.0, arrival=0.0, out=100, cls="api"),
+        ):
+            assert pulled(q, r, 0.0)
+        return q
+
+    assert not pulled(queue(), e2e("r", 600.0, arrival=-597.0), 0.0)
+    # With no tighter request running there, a late pull is not held back for anyone.
+    q = QlmQueue(QlmConfig(eviction="off"), [growing_model()], 6000.0, 50.0)
+    for r in (e2e("l1", 600.0, arrival=0.0), e2e("l2", 600.0, arrival=0.0)):
+        assert pulled(q, r, 0.0)
+    assert pulled(q, e2e("r", 600.0, arrival=-599.5), 0.0)
+
+
+def test_a_looser_request_cannot_wait_behind_the_tighter_requests_queued_ahead_of_it() -> None:
+    # Nothing runs; eight 15 s requests (1,000 tokens each, nothing learned: all of them) are queued on
+    # the instance's virtual queue, ahead of any 600 s request. The instance makes 400 tokens a second
+    # (4 slots at 10 ms): they take 20 s at its throughput (Eq. 2), the last of them 10 s more. A 600 s
+    # request with 30 s left (1 s of work) would miss waiting for them; with 60 s left it can wait.
+    q = QlmQueue(QlmConfig(eviction="off"), [growing_model()], 6000.0, 50.0)
+    for k in range(8):
+        q.push(e2e(f"t{k}", 15.0, arrival=0.0, out=1000, cls="api"), 0.0)
+    assert len(q) == 8
+    late = q.make(e2e("r", 600.0, arrival=-570.0), 0.0)
+    assert not q._can_wait(0, [], late, 0.0)
+    assert q._can_wait(0, [], q.make(e2e("s", 600.0, arrival=-540.0), 0.0), 0.0)
