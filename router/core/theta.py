@@ -27,10 +27,9 @@ class ThetaFit:
 
     So θ is fitted from what the error does to the requests: every finished
     request with a TPOT target of its own reports its realized TPOT over that
-    target, with its SLO class (``observe``); every :data:`THETA_EVERY`
-    reports θ moves by the ratio that would bring the highest of the classes'
-    :data:`THETA_QUANTILE` quantiles (each over that class's last
-    :data:`THETA_WINDOW` ratios) to 1 (a step bounded to ×0.9 down and ×1.05
+    target (``observe``); every :data:`THETA_EVERY` reports θ moves by the
+    ratio that would bring the :data:`THETA_QUANTILE` quantile of the last
+    :data:`THETA_WINDOW` ratios to 1 (a step bounded to ×0.9 down and ×1.05
     up: down fast when requests miss, up slowly when there is room), kept
     between the configured θ (``--binpack-theta``, the cautious bound) and
     :data:`THETA_MAX`. Larger length errors spread the ratios and pull θ
@@ -47,54 +46,34 @@ class ThetaFit:
     The live router and the simulator each keep one per run (on the
     predictor set, beside the step calibration); ``tpot_horizon_over_need``
     reads :attr:`theta`.
-
-    Per class, not pooled: one θ bounds every decoder, and the class it binds
-    is the one with the tightest target, whose ratios a pooled quantile dilutes
-    with a looser class's room. Pooled, on review/complete/chat (2 prefill + 4
-    decode instances, 9 req/s, seed 4242) θ climbed to 1.2 while the 40 ms
-    ``complete`` answers' own 98th percentile crossed 1.1, then the misses,
-    kept 256 reports, pulled it to the floor; 76.6 % of ``complete`` met,
-    81.1 % read per class.
     """
 
-    __slots__ = ("_classes", "_since", "floor", "theta", "updates")
+    __slots__ = ("_ratios", "_since", "floor", "theta", "updates")
 
     def __init__(self, theta: float) -> None:
         if not (math.isfinite(theta) and theta > 0):
             raise ValueError(f"theta must be a finite number > 0, got {theta}")
+        self._ratios: deque[float] = deque(maxlen=THETA_WINDOW)
+        self._since = 0
         self.theta = min(max(theta, THETA_MIN), THETA_MAX)
         #: The configured θ is the cautious bound: the fit loosens from it where the errors leave
         #: room and never tightens below it (misses θ does not cause -- a colocated instance's prefill
         #: stalls -- would otherwise drive it down without end while the queue grows).
         self.floor = self.theta
-        #: Per SLO class, its last ratios: each class's tail is read on its own.
-        self._classes: dict[str, deque[float]] = {}
-        self._since = 0
         self.updates = 0
 
-    def observe(self, realized_tpot_ms: float, target_tpot_ms: float, slo_class: str = "") -> None:
-        """A finished request's realized mean TPOT against its TPOT target (both ms; others ignored),
-        and its SLO class."""
+    def observe(self, realized_tpot_ms: float, target_tpot_ms: float) -> None:
+        """A finished request's realized mean TPOT against its TPOT target (both ms; others ignored)."""
         if not (target_tpot_ms > 0 and math.isfinite(target_tpot_ms)):
             return
         if not (realized_tpot_ms >= 0 and math.isfinite(realized_tpot_ms)):
             return
-        ratios = self._classes.get(slo_class)
-        if ratios is None:
-            ratios = self._classes[slo_class] = deque(maxlen=THETA_WINDOW)
-        ratios.append(realized_tpot_ms / target_tpot_ms)
+        self._ratios.append(realized_tpot_ms / target_tpot_ms)
         self._since += 1
-        if self._since < THETA_EVERY:
-            return
-        highs = [
-            float(np.quantile(np.fromiter(r, float, len(r)), THETA_QUANTILE))
-            for r in self._classes.values()
-            if len(r) >= THETA_EVERY
-        ]
-        if not highs:
+        if self._since < THETA_EVERY or len(self._ratios) < THETA_EVERY:
             return
         self._since = 0
-        high = max(highs)
+        high = float(np.quantile(np.fromiter(self._ratios, float, len(self._ratios)), THETA_QUANTILE))
         step = 1.0 / high if high > 0 else THETA_STEP_UP
         step = min(max(step, THETA_STEP_DOWN), THETA_STEP_UP)
         self.theta = min(max(self.theta * step, self.floor), THETA_MAX)
