@@ -30,7 +30,7 @@ class ThetaFit:
     target, with its SLO class (``observe``); every :data:`THETA_EVERY`
     reports θ moves by the ratio that would bring the highest of the classes'
     :data:`THETA_QUANTILE` quantiles (each over that class's last
-    :data:`THETA_WINDOW` ratios) to 1 (a step bounded to ×0.9 down and ×1.05
+    :data:`THETA_WINDOW` ratios, read at the θ in force: below) to 1 (a step bounded to ×0.9 down and ×1.05
     up: down fast when requests miss, up slowly when there is room), kept
     between the configured θ (``--binpack-theta``, the cautious bound) and
     :data:`THETA_MAX`. Larger length errors spread the ratios and pull θ
