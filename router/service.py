@@ -474,7 +474,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         theta = self._placer.theta
         if theta is not None and n > 1:
             # binpack's θ learns from the TPOT each answer got against its target (none if e2e-judged).
-            theta.observe((last - first) / (n - 1) * 1e3, req.tpot_slo_ms)
+            theta.observe((last - first) / (n - 1) * 1e3, req.tpot_slo_ms, req.slo_class)
         return router_pb2.Usage(
             prompt_tokens=len(req.prompt_token_ids),
             completion_tokens=n,

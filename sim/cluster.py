@@ -1412,7 +1412,7 @@ class _Simulation:
         if theta is not None and r.tokens >= 2 and r.first_s >= 0:
             # As the router's service does: the TPOT target in force, none for an e2e-judged request.
             target = plan.slo.tpot_ms or (0.0 if plan.slo.e2e_ms else self.scheduler.config.tpot_slo_ms)
-            theta.observe((now - r.first_s) * 1e3 / (r.tokens - 1), target)
+            theta.observe((now - r.first_s) * 1e3 / (r.tokens - 1), target, plan.class_name)
         self._resident(r, r.resident, -1, 0)
         self._handle(Completion(str(r.idx), int(r.tokens)), now)
         self._outcome(r)

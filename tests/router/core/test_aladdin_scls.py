@@ -690,6 +690,51 @@ def test_learned_theta_falls_when_requests_miss_their_tpot_and_rises_when_they_h
         assert loop.theta == pytest.approx(want, rel=0.02)
 
 
+def test_learned_theta_reads_each_class_tail_on_its_own() -> None:
+    """A tight class missing its TPOT target tightens θ even when a looser class, more numerous,
+    has room: pooled, the loose class's ratios would dilute the tight class's tail and θ would rise."""
+    from router.core.theta import THETA_EVERY, ThetaFit
+
+    fit = ThetaFit(0.7)
+    for _ in range(THETA_EVERY * 2):
+        for _ in range(99):
+            fit.observe(30.0, 60.0, "chat")  # half the target: room
+        fit.observe(46.0, 40.0, "complete")  # 1.15 × the target: 1 % of the reports, each a miss
+    assert fit.updates > 0 and fit.theta == 0.7  # held at the configured θ, not loosened
+    pooled = ThetaFit(0.7)
+    for _ in range(THETA_EVERY * 2):
+        for _ in range(99):
+            pooled.observe(30.0, 60.0)
+        pooled.observe(46.0, 40.0)
+    assert pooled.theta > 0.7  # one class (""): the 98th percentile falls among the roomy ratios
+    # With room in every class it loosens as before.
+    roomy = ThetaFit(0.7)
+    for _ in range(THETA_EVERY * 4):
+        roomy.observe(30.0, 60.0, "chat")
+        roomy.observe(25.0, 40.0, "complete")
+    assert roomy.theta > 0.7
+
+
+def test_learned_theta_reads_old_reports_at_the_theta_in_force() -> None:
+    """Reports made under an earlier θ count per unit of θ: a loop whose requests report one move
+    late (TPOT 1.1 × θ × target, θ of the move before) settles near 1 / 1.1 and does not fall back to
+    the configured θ once it got there (raw, the misses kept in the window would pull it down)."""
+    from router.core.theta import THETA_EVERY, ThetaFit
+
+    fit = ThetaFit(0.5)
+    placed = fit.theta
+    seen = []
+    for _ in range(THETA_EVERY * 60):
+        before = fit.theta
+        fit.observe(1.1 * placed * 50.0, 50.0, "complete")
+        if fit.theta != before:
+            placed = before
+        seen.append(fit.theta)
+    assert fit.theta == pytest.approx(1 / 1.1, rel=0.05)
+    settled = seen[len(seen) // 2 :]
+    assert min(settled) > 0.8
+
+
 def test_binpack_holds_the_horizon_to_the_learned_theta() -> None:
     """With a learned θ on the predictor set, (b) keeps the horizon within that θ of the need (the
     ratio is scaled so the --binpack-theta limit stands for it); without one, --binpack-theta."""
