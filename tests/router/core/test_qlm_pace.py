@@ -119,6 +119,20 @@ def growing_model() -> InstanceModel:
     )
 
 
+def tight_beside_two_loose() -> QlmQueue:
+    """Two 600 s requests running on :func:`growing_model`, beside x (15 s, 1,000 tokens) and z (15 s,
+    100 tokens) of the tight class ``api``."""
+    q = QlmQueue(QlmConfig(eviction="off"), [growing_model()], 6000.0, 50.0)
+    for r in (
+        e2e("l1", 600.0, arrival=0.0),
+        e2e("l2", 600.0, arrival=0.0),
+        e2e("x", 15.0, arrival=0.0, out=1000, cls="api"),
+        e2e("z", 15.0, arrival=0.0, out=100, cls="api"),
+    ):
+        assert pulled(q, r, 0.0)
+    return q
+
+
 def test_a_looser_pull_that_can_wait_waits_while_the_batch_is_slower_than_a_tighter_request_needs() -> None:
     # Two 600 s requests run; x (15 s, 1,000 tokens, nothing learned: all of them) joins them and
     # needs a step of ~15 ms (an idle instance runs 10), where the batch of three already runs 30:
@@ -128,14 +142,7 @@ def test_a_looser_pull_that_can_wait_waits_while_the_batch_is_slower_than_a_tigh
     # (its deadline minutes away) waits: the batch is slower than x's pace. One whose deadline is 7 s
     # away (1 s of work, x ends in ~10) cannot wait, and is pulled (it meets at the grown batch's step).
     def queue() -> QlmQueue:
-        q = QlmQueue(QlmConfig(eviction="off"), [growing_model()], 6000.0, 50.0)
-        for r in (
-            e2e("l1", 600.0, arrival=0.0),
-            e2e("l2", 600.0, arrival=0.0),
-            e2e("x", 15.0, arrival=0.0, out=1000, cls="api"),
-            e2e("z", 15.0, arrival=0.0, out=100, cls="api"),
-        ):
-            assert pulled(q, r, 0.0)
+        q = tight_beside_two_loose()
         x = next(r for run in q.running for r in run.values() if r.request_id == "x")
         assert 0.0145 < x.pace_s < 0.015
         return q
@@ -175,18 +182,7 @@ def test_a_looser_pull_that_misses_even_pulled_now_waits_while_the_batch_is_slow
     # The batch of the test above: x (15 s) needs ~15 ms a step, the grown batch of five runs 50. A 600 s
     # pull whose deadline is 3 s away cannot wait for x, and misses even pulled now (100 tokens at 50 ms:
     # 5 s): it is lost either way, so it waits rather than slow x. (It was pulled: it could not wait.)
-    def queue() -> QlmQueue:
-        q = QlmQueue(QlmConfig(eviction="off"), [growing_model()], 6000.0, 50.0)
-        for r in (
-            e2e("l1", 600.0, arrival=0.0),
-            e2e("l2", 600.0, arrival=0.0),
-            e2e("x", 15.0, arrival=0.0, out=1000, cls="api"),
-            e2e("z", 15.0, arrival=0.0, out=100, cls="api"),
-        ):
-            assert pulled(q, r, 0.0)
-        return q
-
-    assert not pulled(queue(), e2e("r", 600.0, arrival=-597.0), 0.0)
+    assert not pulled(tight_beside_two_loose(), e2e("r", 600.0, arrival=-597.0), 0.0)
     # With no tighter request running there, a late pull is not held back for anyone.
     q = QlmQueue(QlmConfig(eviction="off"), [growing_model()], 6000.0, 50.0)
     for r in (e2e("l1", 600.0, arrival=0.0), e2e("l2", 600.0, arrival=0.0)):
