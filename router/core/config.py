@@ -198,6 +198,15 @@ class SchedulerConfig:
             "--binpack-theta",
         ),
     )
+    binpack_prefill_empty_bin: bool = field(
+        default=True,
+        metadata=_doc(
+            "binpack: an empty PD prefill instance passes the TTFT constraint (c) as an empty bin; off: "
+            "(c) holds on the prefill stage as under slo, so the router queue's TTFT bounds keep loose "
+            "prompts off the idle prefill instances a tight-TTFT class needs",
+            "--binpack-prefill-empty-bin",
+        ),
+    )
     binpack_theta_adapt: bool = field(
         default=True,
         metadata=_doc(

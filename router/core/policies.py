@@ -379,7 +379,9 @@ def _binpack(config: SchedulerConfig) -> dict[str, Any]:
     than waiting for ever. Only the safety valve (``overpacked``: measured
     over target or preempting) is relaxed, in pass 2, when nothing else is
     left. ``slo`` holds TTFT, TPOT and (e) hard too, but not (b) at the
-    horizon nor (d), and places by the lowest prediction, not best fit.
+    horizon nor (d), and places by the lowest prediction, not best fit. With
+    ``binpack_prefill_empty_bin`` off a PD prefill instance is no bin: (c)
+    holds there as under ``slo`` (see the return below).
 
     On a colocated instance best fit ranks by ``capacity_norm_life``: the
     paper's load (batch and context) with the context taken as the KV over the
@@ -426,9 +428,20 @@ def _binpack(config: SchedulerConfig) -> dict[str, Any]:
         # (packing.capacity_norm_life): on a colocated instance the decode context misses them.
         "selector": {"name": "binpack", "load": "capacity_norm_life"},
     }
+    # --no-binpack-prefill-empty-bin: a prefill instance is no bin (nothing is packed on it, the lowest
+    # predicted TTFT decides), so (c) holds there as slo holds it. With the empty-bin pass an idle
+    # prefill instance takes any request whatever its TTFT bound, and that bound is how the router
+    # queue keeps a prompt off the fleet's last idle prefill instances (release control, a yielding or
+    # late entry's bound): on sa-review-complete-chat (PD 2 + 4, 9 req/s) a loose review began a
+    # 3,000-token prefill on the idle instance at once, and the 300 ms-TTFT short answers arriving next
+    # shared its 2,048-token steps (first token 310 ms against 105 predicted) or timed out in the
+    # queue. Without the pass a request no instance can meet still goes, late, once an instance is
+    # nearly idle (router.core.queue.offer). Not the default: in overload (pd-autofill-summary-chat at
+    # 12 req/s) the held e2e-only prompts then wait longer and miss their deadline (docs/papers.md).
+    prefill_ttft = _ttft(**hard) if config.binpack_prefill_empty_bin else _ttft()
     return {
         "prefill": {
-            "filters": [*HEALTH, _ttft(**hard), "failover"],
+            "filters": [*HEALTH, prefill_ttft, "failover"],
             "selector": _lowest("predicted_ttft"),
         },
         "decode": decode,

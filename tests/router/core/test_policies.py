@@ -289,3 +289,24 @@ def test_schedule_input_rejects_bad_values() -> None:
 def test_mode_compares_equal_to_its_wire_string() -> None:
     d = make_scheduler("slo").schedule(PD_FLEET, make_request(), NOW)
     assert d.mode == "pd" and Mode.NEUTRAL == "neutral"
+
+
+# ----------------------------------------------------------------------------- binpack's prefill stage
+
+
+def test_binpack_prefill_empty_bin_off_holds_ttft_on_an_idle_prefill_instance() -> None:
+    """An idle prefill instance is binpack's empty bin: it takes a prompt whose TTFT it cannot meet.
+    With --no-binpack-prefill-empty-bin (c) holds there as under slo, so the request is refused
+    (it waits in the router queue, whose bound keeps it off the idle instance tighter work needs)."""
+    fleet = make_snapshot(
+        inst("p1", "prefill", prefill_tokens=8000),
+        inst("p2", "prefill"),
+        inst("d1", "decode"),
+    )
+    request = make_request(prompt_tokens=3000, ttft_slo_ms=5.0)
+    d = make_scheduler("binpack").schedule(fleet, request, NOW)
+    assert d.prefill is not None and d.prefill.instance_id == "p2"
+    for policy, overrides in (("binpack", {"binpack_prefill_empty_bin": False}), ("slo", {})):
+        with pytest.raises(NoInstanceError) as err:
+            make_scheduler(policy, **overrides).schedule(fleet, request, NOW)
+        assert err.value.stage == "prefill"
