@@ -6,6 +6,7 @@ import dataclasses
 import math
 import random
 from collections import deque
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -1008,16 +1009,16 @@ def test_a_prompt_still_in_its_prefill_stalls_the_streams_before_the_next_one() 
     q.check_invariants()
 
 
-def paced_model() -> InstanceModel:
-    # A constant 10 ms step (the batch's size does not slow it, so only the prefill can), 0.1 ms of
-    # prefill a prompt token, a cache that holds everything.
+def paced_model(step_s: Callable[[float, float], float] = lambda b, t: 0.01) -> InstanceModel:
+    # A constant 10 ms step by default (the batch's size does not slow it, so only the prefill can),
+    # 0.1 ms of prefill a prompt token, a cache that holds everything.
     return InstanceModel(
         4,
         0.01,
         lambda n: n * 1e-4,
         most=64,
         kv_tokens=1_000_000,
-        step_s=lambda b, t: 0.01,
+        step_s=step_s,
         stall_s=lambda n: n * 1e-4,
     )
 

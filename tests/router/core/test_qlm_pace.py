@@ -106,17 +106,8 @@ def test_the_cautious_estimate_is_the_finished_one_when_nothing_runs() -> None:
 
 
 def growing_model() -> InstanceModel:
-    # 10 ms a step for each request in the batch (two requests: 20 ms), 0.1 ms of prefill a prompt
-    # token, a cache that holds everything.
-    return InstanceModel(
-        4,
-        0.01,
-        lambda n: n * 1e-4,
-        most=64,
-        kv_tokens=1_000_000,
-        step_s=lambda b, t: 0.01 * b,
-        stall_s=lambda n: n * 1e-4,
-    )
+    # 10 ms a step for each request in the batch (two requests: 20 ms); otherwise paced_model's.
+    return paced_model(step_s=lambda b, t: 0.01 * b)
 
 
 def tight_beside_two_loose() -> QlmQueue:
