@@ -84,7 +84,13 @@ class ThetaFit:
             return
         ratios = self._classes.get(slo_class)
         if ratios is None:
-            ratios = self._classes[slo_class] = deque(maxlen=THETA_WINDOW)
+            # The class label is the client's: past THETA_MAX_CLASSES labels, new ones share one window,
+            # so the fit's memory stays bounded whatever labels arrive.
+            if len(self._classes) >= THETA_MAX_CLASSES:
+                slo_class = _OVERFLOW_CLASS
+            ratios = self._classes.get(slo_class)
+            if ratios is None:
+                ratios = self._classes[slo_class] = deque(maxlen=THETA_WINDOW)
         # Read at the θ in force: the window then holds reports made under other θ as what they say
         # of the error (TPOT over target per unit of θ), not as room or misses of a θ no longer in force.
         ratios.append(realized_tpot_ms / target_tpot_ms / self.theta)
@@ -115,3 +121,6 @@ THETA_MIN = 0.3
 THETA_MAX = 1.25
 THETA_STEP_DOWN = 0.9
 THETA_STEP_UP = 1.05
+#: ThetaFit: the most SLO classes read on their own; later labels share :data:`_OVERFLOW_CLASS`.
+THETA_MAX_CLASSES = 64
+_OVERFLOW_CLASS = "\x00overflow"

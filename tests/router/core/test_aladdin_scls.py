@@ -814,3 +814,14 @@ def test_a_running_slice_is_booked_from_its_progress_so_another_fits_beside_it()
         sched.add(SliceRequest("next", 2_300, 128))
         sched.schedule()
         assert bool(sched.admit("x", 1.0)) is starts, at
+
+
+def test_learned_theta_keeps_a_bounded_number_of_class_windows() -> None:
+    # Class labels are the client's: any number of them must not grow the fit without bound.
+    from router.core.theta import THETA_MAX_CLASSES, ThetaFit
+
+    fit = ThetaFit(0.7)
+    for k in range(THETA_MAX_CLASSES * 4):
+        fit.observe(20.0, 40.0, f"label-{k}")
+    assert len(fit._classes) == THETA_MAX_CLASSES + 1
+    assert 0.7 <= fit.theta <= 1.25
