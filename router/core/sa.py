@@ -46,7 +46,6 @@ while the budget lasts (:func:`_polish`).
 from __future__ import annotations
 
 import math
-import os as _os
 import random
 import time
 from collections import deque
@@ -63,8 +62,6 @@ from router.core.errors import EmptyClusterError, NoInstanceError
 from router.core.queue import Decide, Offer, QueueConfig, QueueEntry, RouterQueue, Verdict
 from router.core.request import Role, ScheduleInput, Targets, resolve_targets
 from router.core.scheduler import Scheduler
-
-_DRAWS = int(_os.environ.get("SA_LENGTH_DRAWS", "0"))
 
 #: Temperatures are in units of this fraction of the starting solution's G (per mille).
 TEMPERATURE_UNIT = 1e-3
@@ -116,9 +113,6 @@ class Job:
     exec_ms: tuple[float, ...]
     cost_ms: tuple[float, ...]
     slack_ms: tuple[float, ...]
-    hold_ms: tuple[float, ...] | None = None
-    #: (exec_ms, cost_ms, slack_ms) per length draw; empty: the figures above are the only ones.
-    draws: tuple[tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -158,83 +152,44 @@ def evaluate(
 class _Columns:
     """The jobs' figures by batch size, then job (the annealer's hot loop reads them without attribute lookups)."""
 
-    __slots__ = ("cost", "exec", "hold", "sets", "slack")
+    __slots__ = ("cost", "exec", "slack")
 
     def __init__(
-        self,
-        exec_ms: list[list[float]],
-        cost_ms: list[list[float]],
-        slack_ms: list[list[float]],
-        hold_ms: list[list[float]] | None = None,
+        self, exec_ms: list[list[float]], cost_ms: list[list[float]], slack_ms: list[list[float]]
     ) -> None:
         self.exec = exec_ms
         self.cost = cost_ms
         self.slack = slack_ms
-        self.hold = exec_ms if hold_ms is None else hold_ms
-        self.sets: list[_Columns] = []
 
     @classmethod
     def of(cls, jobs: Sequence[Job], cap: int) -> _Columns:
-        sizes = range(cap + 1)
-        k = min((len(j.draws) for j in jobs), default=0)
-        if k:
-            out = cls._one(jobs, cap)
-            for d in range(k):
-                out.sets.append(
-                    cls(
-                        [[j.draws[d][0][b] if b else 0.0 for j in jobs] for b in sizes],
-                        [[j.draws[d][1][b] if b else 0.0 for j in jobs] for b in sizes],
-                        [[j.draws[d][2][b] if b else 0.0 for j in jobs] for b in sizes],
-                    )
-                )
-            return out
-        return cls._one(jobs, cap)
-
-    @classmethod
-    def _one(cls, jobs: Sequence[Job], cap: int) -> _Columns:
         sizes = range(cap + 1)
         return cls(
             [[j.exec_ms[b] if b else 0.0 for j in jobs] for b in sizes],
             [[j.cost_ms[b] if b else 0.0 for j in jobs] for b in sizes],
             [[j.slack_ms[b] if b else 0.0 for j in jobs] for b in sizes],
-            [[(j.exec_ms if j.hold_ms is None else j.hold_ms)[b] if b else 0.0 for j in jobs] for b in sizes],
         )
 
     def evaluate(
         self, order: Sequence[int], sizes: Sequence[int], start_ms: float
     ) -> tuple[float, int, float]:
-        if self.sets:
-            met_sum = 0
-            total_sum = 0.0
-            for one in self.sets:
-                _, m, t = one.evaluate(order, sizes, start_ms)
-                met_sum += m
-                total_sum += t
-            k = len(self.sets)
-            return (met_sum * 1e3 / total_sum if total_sum > 0 else 0.0), met_sum / k, total_sum / k  # type: ignore[return-value]
         wait = start_ms
-        held = start_ms
         met = 0
         total = 0.0
         pos = 0
-        exec_, cost, slack, hold = self.exec, self.cost, self.slack, self.hold
+        exec_, cost, slack = self.exec, self.cost, self.slack
         for b in sizes:
-            eb, cb, sb, hb = exec_[b], cost[b], slack[b], hold[b]
+            eb, cb, sb = exec_[b], cost[b], slack[b]
             duration = 0.0
-            typical = 0.0
             for i in order[pos : pos + b]:
                 e = eb[i]
                 if e > duration:
                     duration = e
-                h = hb[i]
-                if h > typical:
-                    typical = h
                 total += cb[i]
                 if sb[i] >= wait:
                     met += 1
-            total += held * b
+            total += wait * b
             wait += duration
-            held += typical
             pos += b
         return (met * 1e3 / total if total > 0 else 0.0), met, total
 
@@ -436,7 +391,7 @@ def best_split(columns: _Columns, order: Sequence[int], cap: int, start_ms: floa
         # the members runs once per (i, b) with the sums carried, O(n * cap^2) at worst but cut at the
         # first b whose batch breaks a member's targets without waiting.
         for b in range(1, min(cap, n - i) + 1):
-            eb, cb, sb = columns.hold[b], columns.cost[b], columns.slack[b]
+            eb, cb, sb = columns.exec[b], columns.cost[b], columns.slack[b]
             duration = 0.0
             summed = 0.0
             ok = True
@@ -714,14 +669,6 @@ class TaskLengths:
             return max(min(self._blend(request.slo_class, prior), cap), 1.0)
         return max(min(figures[0], cap), 1.0)
 
-    def spread(self, request: ScheduleInput) -> float:
-        """The standard deviation of ``request``'s task type's recent outputs (0: fewer than :attr:`MIN_SAMPLES`)."""
-        seen = self._answers(request.slo_class)
-        if len(seen) < self.MIN_SAMPLES:
-            return 0.0
-        mean = sum(seen) / len(seen)
-        return math.sqrt(sum((x - mean) ** 2 for x in seen) / (len(seen) - 1))
-
     def bound(self, request: ScheduleInput) -> float:
         """The output length Eq. 20 reserves memory for."""
         cap = request.max_tokens or math.inf
@@ -734,14 +681,6 @@ class TaskLengths:
                 prior = (k * max(seen) + (self.MIN_SAMPLES - k) * prior) / self.MIN_SAMPLES
             return max(min(prior, cap), 1.0)
         return max(min(max(figures[1], float(self._hint(request))), cap), 1.0)
-
-
-def _draw_quantiles(k: int) -> Any:
-    """The standard normal's quantiles at the midpoints of ``k`` equal-probability strata."""
-    from statistics import NormalDist
-
-    unit = NormalDist()
-    return np.array([unit.inv_cdf((d + 0.5) / k) for d in range(k)])
 
 
 def _mean_p90(values: Iterable[int]) -> tuple[float, float]:
@@ -812,8 +751,6 @@ def jobs_for(
     outputs: Sequence[float] | None = None,
     bounds: Sequence[float] | None = None,
     unknown: Sequence[bool] | None = None,
-    spreads: Sequence[float] | None = None,
-    draws: int = 0,
 ) -> list[Job]:
     """The annealer's view of ``requests`` on an instance predicted by ``predictor`` (see the module doc).
 
@@ -872,73 +809,24 @@ def jobs_for(
         else:
             ttft_target[i], tpot_target[i] = math.inf, math.inf
     w = waited[:, None]
-    short_mask = np.asarray(unknown, dtype=bool)[:, None] if unknown is not None and any(unknown) else None
-
-    def slack_of(exec_: Any, tpot_: Any) -> Any:
-        by_e2e = e2e[:, None] - w - exec_
-        if short_mask is not None:
-            # A request whose length is only its prior (its task type has no answers yet, no hint) is not
-            # given up for its cap: §4's predictor costs a *typical* length, which is unknown here, and
-            # max_tokens is a bound, not a typical answer. Its own e2e target is judged as if it answered
-            # at once (its prefill), so a plan keeps trying to meet it; the time it holds its batch, and so
-            # the waits of the requests behind it, stay priced at the cap. Without this, a burst that
-            # arrives before any answer gave up every e2e request whose cap would overrun its target
-            # (R/A: agents capped at 400 tokens, 6.8 s, due in 6 s) and ran the others first.
-            by_e2e = np.where(short_mask, e2e[:, None] - w - prefill, by_e2e)
-        by_ttft = np.where(tpot_ <= tpot_target[:, None], ttft_target[:, None] - w - prefill, -math.inf)
-        # e2e-only requests: their e2e; the others: TTFT and TPOT, and their e2e if they have one too.
-        return np.where(e2e_only[:, None], by_e2e, np.minimum(by_ttft, by_e2e))
-
-    slack = slack_of(exec_ms, tpot)
+    by_e2e = e2e[:, None] - w - exec_ms
+    if unknown is not None and any(unknown):
+        # A request whose length is only its prior (its task type has no answers yet, no hint) is not
+        # given up for its cap: §4's predictor costs a *typical* length, which is unknown here, and
+        # max_tokens is a bound, not a typical answer. Its own e2e target is judged as if it answered
+        # at once (its prefill), so a plan keeps trying to meet it; the time it holds its batch, and so
+        # the waits of the requests behind it, stay priced at the cap. Without this, a burst that
+        # arrives before any answer gave up every e2e request whose cap would overrun its target
+        # (R/A: agents capped at 400 tokens, 6.8 s, due in 6 s) and ran the others first.
+        short = e2e[:, None] - w - prefill
+        by_e2e = np.where(np.asarray(unknown, dtype=bool)[:, None], short, by_e2e)
+    by_ttft = np.where(tpot <= tpot_target[:, None], ttft_target[:, None] - w - prefill, -math.inf)
+    # e2e-only requests: their e2e; the others: TTFT and TPOT, and their e2e if they have one too.
+    slack = np.where(e2e_only[:, None], by_e2e, np.minimum(by_ttft, by_e2e))
     head = np.zeros((n, 1))
-    never = np.full((n, 1), -math.inf)
     exec_rows = np.hstack([head, exec_ms]).tolist()
     cost_rows = np.hstack([head, typical_ms + w]).tolist()
-    slack_rows = np.hstack([never, slack]).tolist()
-    if draws > 0 and spreads is not None:
-        spread = np.asarray(spreads, dtype=np.float64)
-        ceiling = np.array([float(r.max_tokens) if r.max_tokens else math.inf for r in requests])
-        z = _draw_quantiles(draws)
-        per: list[tuple[list[list[float]], list[list[float]], list[list[float]]]] = []
-        for d in range(draws):
-            # Stratified draws of the task type's length distribution (a normal of its answers' mean and
-            # spread, §5.1's predictor); request i takes the ((d + i) mod k)-th quantile, so a draw is not
-            # every request long at once.
-            pick = z[(d + np.arange(n)) % draws]
-            if _os.environ.get("SA_LENGTH_DRAWS_RANDOM"):
-                pick = np.random.default_rng(int(now_s * 1e3) * 7 + d).standard_normal(n)
-            length = np.clip(output + pick * spread, 1.0, ceiling)
-            length = np.where(spread > 0, length, output)
-            tpot_d = np.asarray(
-                predictor.predict_tpot_ms(batch, batch * (prompt + length / 2.0)[:, None]), dtype=np.float64
-            )
-            exec_d = prefill + np.maximum(length - 1.0, 0.0)[:, None] * tpot_d
-            if bounds is not None:
-                # A request with no spread (its type unknown) is held at its bound in every draw, as above.
-                exec_d = np.where((spread > 0)[:, None], exec_d, exec_ms)
-            slack_d = slack_of(exec_d, tpot_d)
-            per.append(
-                (
-                    np.hstack([head, exec_d]).tolist(),
-                    np.hstack([head, exec_d + w]).tolist(),
-                    np.hstack([never, slack_d]).tolist(),
-                )
-            )
-        return [
-            Job(
-                tuple(exec_rows[i]),
-                tuple(cost_rows[i]),
-                tuple(slack_rows[i]),
-                draws=tuple((tuple(e[i]), tuple(c[i]), tuple(sl[i])) for e, c, sl in per),
-            )
-            for i in range(n)
-        ]
-    if _os.environ.get("SA_PLAN_LENGTHS") == "hold":
-        hold_rows = np.hstack([head, typical_ms]).tolist()
-        return [
-            Job(tuple(e), tuple(c), tuple(sl), tuple(h))
-            for e, c, sl, h in zip(exec_rows, cost_rows, slack_rows, hold_rows, strict=True)
-        ]
+    slack_rows = np.hstack([np.full((n, 1), -math.inf), slack]).tolist()
     return [
         Job(tuple(e), tuple(c), tuple(sl)) for e, c, sl in zip(exec_rows, cost_rows, slack_rows, strict=True)
     ]
@@ -1294,11 +1182,7 @@ class SAPlanner:
             # No latency predictor: nothing to anneal with; queue order in full batches.
             plan = Plan(tuple(range(len(group))), full_batches(len(group), cap), 0.0, 0, 0.0)
         else:
-            clock = (
-                self._clock
-                if self._modeled is None
-                else modeled_clock(self._modeled(len(group)) * (1 if _os.environ.get("SA_LENGTH_DRAWS_FREE_CLOCK") else max(_DRAWS, 1)))
-            )
+            clock = self._clock if self._modeled is None else modeled_clock(self._modeled(len(group)))
             started = time.perf_counter()
             predictor = predictors.for_group(view.instances.groups[i])
             requests = [e.request for e in group]
@@ -1312,10 +1196,8 @@ class SAPlanner:
                 queue.default_tpot_ms,
                 float(view.instances.max_num_batched_tokens[i]),
                 [self.lengths.typical(r) for r in requests],
-                None if _os.environ.get("SA_PLAN_LENGTHS") == "typ" else [self.lengths.bound(r) for r in requests],
+                [self.lengths.bound(r) for r in requests],
                 [self.lengths.unknown(r) for r in requests],
-                [self.lengths.spread(r) for r in requests],
-                _DRAWS,
             )
             # The budget covers the costing too (modeled in the simulator).
             spent = time.perf_counter() - started if self._modeled is None else modeled_costing_s(len(jobs))
