@@ -1431,3 +1431,31 @@ def test_the_stall_a_prompt_puts_between_a_streams_steps_is_priced_at_the_calibr
     assert pulled(1.0)
     assert pulled(2.0)
     assert not pulled(5.0)
+
+
+def test_a_stream_starts_where_its_first_token_is_on_time_not_behind_a_prefill_backlog() -> None:
+    # Instance 0 runs three 10,000-token prompts sent together (3 s of prefill queued in its engine) and
+    # has the shorter step (three requests); instance 1 runs five short requests. Keyed on the step
+    # alone, the stream (500 ms TTFT) would start on instance 0 and wait ~2.5 s behind the prompts
+    # there; it starts on instance 1, where its first token is on time. With neither on time it goes
+    # where its first token comes soonest.
+    def fleet(short_prompts: int) -> QlmQueue:
+        per_request = paced_model(step_s=lambda b, t: 0.005 * b)
+        q = QlmQueue(QlmConfig(eviction="off"), [per_request, dataclasses.replace(per_request)], 6000.0, 50.0)
+        for k in range(3):
+            q.started(dataclasses.replace(loose_by(f"p{k}", 600.0, out=100), prompt_tokens=10_000), 0, 0.0)
+        for k in range(5):
+            request = dataclasses.replace(loose_by(f"s{k}", 600.0, out=100), prompt_tokens=short_prompts)
+            q.started(request, 1, 0.0)
+        return q
+
+    q = fleet(short_prompts=200)
+    q.push(tight("t", arrival=0.5), 0.5)
+    assert [(d.request.request_id, d.instance) for d in q.pump(0.5)] == [("t", 1)]
+    q.check_invariants()
+    # Instance 1's five prompts are long too (3.5 s queued, 3 s left at 0.5 s, against 2.5 s on
+    # instance 0): late on both, the stream goes where its first token comes sooner.
+    q = fleet(short_prompts=7_000)
+    q.push(tight("t", arrival=0.5), 0.5)
+    assert [(d.request.request_id, d.instance) for d in q.pump(0.5)] == [("t", 0)]
+    q.check_invariants()
