@@ -381,7 +381,9 @@ def _binpack(config: SchedulerConfig) -> dict[str, Any]:
     left. ``slo`` holds TTFT, TPOT and (e) hard too, but not (b) at the
     horizon nor (d), and places by the lowest prediction, not best fit. With
     ``binpack_prefill_empty_bin`` off a PD prefill instance is no bin: (c)
-    holds there as under ``slo`` (see the return below).
+    holds there as under ``slo``; on (the default) an empty one is a bin only
+    for a request that has waited ``binpack_prefill_empty_bin_wait`` of its own
+    TTFT target (see the return below).
 
     On a colocated instance best fit ranks by ``capacity_norm_life``: the
     paper's load (batch and context) with the context taken as the KV over the
