@@ -207,6 +207,16 @@ class SchedulerConfig:
             "--binpack-prefill-empty-bin",
         ),
     )
+    binpack_prefill_empty_bin_wait: float = field(
+        default=0.5,
+        metadata=_doc(
+            "binpack: with --binpack-prefill-empty-bin, the share of its TTFT target (an e2e-only request's "
+            "as derived from its deadline) a request has waited since arrival before an empty PD prefill "
+            "instance takes it as an empty bin; until then (c) holds there as under slo (ratio in [0, 1]; "
+            "0: at once)",
+            "--binpack-prefill-empty-bin-wait",
+        ),
+    )
     binpack_theta_adapt: bool = field(
         default=True,
         metadata=_doc(
@@ -320,6 +330,8 @@ class SchedulerConfig:
             raise bad("packing_default_output_tokens", "must be >= 1 token")
         if self.binpack_theta > 1.0:
             raise bad("binpack_theta", "must be within (0, 1]")
+        if not (0.0 <= self.binpack_prefill_empty_bin_wait <= 1.0):
+            raise bad("binpack_prefill_empty_bin_wait", "must be within [0, 1]")
         if self.binpack_max_batch < 1:
             raise bad("binpack_max_batch", "must be >= 1 request")
         if self.dispatch_top_k < 1:

@@ -77,6 +77,7 @@ from router.core.packing import (
 )
 from router.core.plugins import DecisionContext, Filter, FilterResult, GlobalFilter
 from router.core.registry import FILTERS, METRICS, Params
+from router.core.request import resolve_targets
 
 
 def _marks(table: InstanceTable, mark: BoolArray) -> BoolArray:
@@ -188,7 +189,12 @@ class MetricThreshold:
     #: The TPOT target of the requests already on an instance (``slo: tpot_residents``): the default
     #: one, since a status does not carry its requests' own targets.
     residents_tpot_ms: float = 50.0
+    #: The default TTFT target (a request's whole target, for ``empty_after_wait``, when it sets none).
+    default_ttft_ms: float = 6000.0
     empty_passes: bool = False
+    #: With ``empty_passes``: an empty instance passes only for a request that has waited at least
+    #: this share of its whole TTFT target since its arrival (0: at once; see :meth:`_waited_enough`).
+    empty_after_wait: float = 0.0
     at_best: bool = False
     #: It never marks an instance for failover (the chain may skip it once no candidate can survive).
     marks: ClassVar[bool] = False
@@ -269,6 +275,8 @@ class MetricThreshold:
                 & (ctx.metric("decode_batch_size") == 0)
                 & (ctx.metric("kv_usage_projected") == 0)
             )
+            if self.empty_after_wait > 0:
+                empty &= self._waited_enough(ctx)
             keep = keep | empty
         return FilterResult._make((keep, None))
 
@@ -281,13 +289,34 @@ class MetricThreshold:
             ctx.metric_at("num_requests", i) == 0
             and ctx.metric_at("decode_batch_size", i) == 0
             and ctx.metric_at("kv_usage_projected", i) == 0
+            and (self.empty_after_wait <= 0 or self._waited_enough(ctx))
         )
+
+    def _waited_enough(self, ctx: DecisionContext) -> bool:
+        """Whether the request has waited ``empty_after_wait`` of its whole TTFT target (an e2e-only
+        request's as :func:`resolve_targets` derives it) since its arrival; True when the arrival is
+        unknown. Its own target, not the bound it is offered: the router queue lowers that bound to
+        keep room for tighter traffic (release control), and the wait measures how much of its own
+        budget that hold has already spent."""
+        request = ctx.request
+        if request is None or request.arrival_s is None:
+            return True
+        full = resolve_targets(request, self.default_ttft_ms, self.residents_tpot_ms).full_ttft_ms
+        return self.empty_after_wait * full <= _waited_ms(ctx)
 
     def explain_miss(self, ctx: DecisionContext, candidates: IntArray) -> tuple[str, float, float]:
         values = ctx.metric(self.metric)[candidates]
         values = values[~np.isnan(values)]
         best = float(values.min()) if len(values) else float("nan")
         return self.metric, best, self.bound(ctx)
+
+
+def _waited_ms(ctx: DecisionContext) -> float:
+    """How long the decision's request has waited since its arrival (ms; 0 when unknown)."""
+    request = ctx.request
+    if request is None or request.arrival_s is None:
+        return 0.0
+    return max(ctx.view.now_s - request.arrival_s, 0.0) * 1e3
 
 
 #: The TPOT thresholds that judge the holder of the longest cached prefix at its load over the
@@ -433,7 +462,9 @@ def _metric_threshold(config: SchedulerConfig, params: Params) -> Filter:
         label=params.text("label", f"metric_threshold:{metric}"),
         default_output_tokens=config.packing_default_output_tokens,
         residents_tpot_ms=config.tpot_slo_ms,
+        default_ttft_ms=config.ttft_slo_ms,
         empty_passes=params.flag("empty_passes", False),
+        empty_after_wait=params.number("empty_after_wait", 0.0),
         at_best=at_best,
     )
 

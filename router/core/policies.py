@@ -381,7 +381,9 @@ def _binpack(config: SchedulerConfig) -> dict[str, Any]:
     left. ``slo`` holds TTFT, TPOT and (e) hard too, but not (b) at the
     horizon nor (d), and places by the lowest prediction, not best fit. With
     ``binpack_prefill_empty_bin`` off a PD prefill instance is no bin: (c)
-    holds there as under ``slo`` (see the return below).
+    holds there as under ``slo``; on (the default) an empty one is a bin only
+    for a request that has waited ``binpack_prefill_empty_bin_wait`` of its own
+    TTFT target (see the return below).
 
     On a colocated instance best fit ranks by ``capacity_norm_life``: the
     paper's load (batch and context) with the context taken as the KV over the
@@ -428,17 +430,23 @@ def _binpack(config: SchedulerConfig) -> dict[str, Any]:
         # (packing.capacity_norm_life): on a colocated instance the decode context misses them.
         "selector": {"name": "binpack", "load": "capacity_norm_life"},
     }
-    # --no-binpack-prefill-empty-bin: a prefill instance is no bin (nothing is packed on it, the lowest
-    # predicted TTFT decides), so (c) holds there as slo holds it. With the empty-bin pass an idle
-    # prefill instance takes any request whatever its TTFT bound, and that bound is how the router
-    # queue keeps a prompt off the fleet's last idle prefill instances (release control, a yielding or
-    # late entry's bound): on sa-review-complete-chat (PD 2 + 4, 9 req/s) a loose review began a
-    # 3,000-token prefill on the idle instance at once, and the 300 ms-TTFT short answers arriving next
-    # shared its 2,048-token steps (first token 310 ms against 105 predicted) or timed out in the
-    # queue. Without the pass a request no instance can meet still goes, late, once an instance is
-    # nearly idle (router.core.queue.offer). Not the default: in overload (pd-autofill-summary-chat at
-    # 12 req/s) the held e2e-only prompts then wait longer and miss their deadline (docs/papers.md).
-    prefill_ttft = _ttft(**hard) if config.binpack_prefill_empty_bin else _ttft()
+    # The empty-bin pass on a PD prefill instance opens only for a request that has waited
+    # --binpack-prefill-empty-bin-wait (half) of its own TTFT target; before that (c) holds there as
+    # slo holds it. Aladdin's empty bin is a new instance for a request no loaded bin can take; on a
+    # fixed fleet an idle prefill instance is the room the router queue's TTFT bound (release control,
+    # a yielding or late entry's bound) keeps for tighter traffic. Opened at once, a loose review on
+    # sa-review-complete-chat (PD 2 + 4, 9 req/s) began a 3,000-token prefill on the idle instance and
+    # the 300 ms-TTFT short answers arriving next shared its 2,048-token steps (first token 310 ms
+    # against 105 predicted). Never opened (--no-binpack-prefill-empty-bin), the held e2e-only prompts
+    # of an overloaded fleet (pd-autofill-summary-chat at 12 req/s) wait for two idle prefill instances
+    # that seldom come, turn late, and miss their deadline. A hold that has spent half the request's
+    # own budget has kept the room as long as the request can afford: the rest is its own
+    # (docs/papers.md, Seed 001).
+    prefill_ttft = (
+        _ttft(**hard, empty_after_wait=config.binpack_prefill_empty_bin_wait)
+        if config.binpack_prefill_empty_bin
+        else _ttft()
+    )
     return {
         "prefill": {
             "filters": [*HEALTH, prefill_ttft, "failover"],

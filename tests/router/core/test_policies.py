@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from router.core.errors import EmptyClusterError, NoInstanceError
-from router.core.request import Mode, Stage, StageRestriction
+from router.core.request import Mode, Stage, StageRestriction, Targets
 from router.core.rng import PeekableRandom
 from tests.router.core.helpers import NOW, inst, make_request, make_scheduler, make_snapshot
 
@@ -303,10 +303,58 @@ def test_binpack_prefill_empty_bin_off_holds_ttft_on_an_idle_prefill_instance() 
         inst("p2", "prefill"),
         inst("d1", "decode"),
     )
-    request = make_request(prompt_tokens=3000, ttft_slo_ms=5.0)
+    request = make_request(prompt_tokens=3000, ttft_slo_ms=5.0)  # (arrival unknown: no wait to judge)
     d = make_scheduler("binpack").schedule(fleet, request, NOW)
     assert d.prefill is not None and d.prefill.instance_id == "p2"
     for policy, overrides in (("binpack", {"binpack_prefill_empty_bin": False}), ("slo", {})):
         with pytest.raises(NoInstanceError) as err:
             make_scheduler(policy, **overrides).schedule(fleet, request, NOW)
         assert err.value.stage == "prefill"
+
+
+@pytest.mark.parametrize(
+    ("waited_s", "ttft_ms", "e2e_ms", "opens"),
+    [
+        (0.1, 0.0, 30_000.0, False),  # an e2e-only review: its TTFT target is the default 6 s
+        (2.9, 0.0, 30_000.0, False),
+        (3.0, 0.0, 30_000.0, True),  # half of it spent waiting: the empty bin opens
+        (0.01, 40.0, 0.0, False),  # its own 40 ms target
+        (0.025, 40.0, 0.0, True),
+    ],
+)
+def test_binpack_prefill_empty_bin_opens_after_half_the_ttft_target_waited(
+    waited_s: float, ttft_ms: float, e2e_ms: float, opens: bool
+) -> None:
+    """An idle PD prefill instance takes a request its TTFT bound refuses as an empty bin only once
+    the request has waited --binpack-prefill-empty-bin-wait (half) of its own TTFT target (an
+    e2e-only request's derived from its deadline): before that (c) holds as under slo. With the
+    share at 0 it opens at once, as it did before."""
+    fleet = make_snapshot(
+        inst("p1", "prefill", prefill_tokens=8000),
+        inst("p2", "prefill"),
+        inst("d1", "decode"),
+    )
+    # The bound the queue offers (targets=) is below what the idle instance can do for this prompt.
+    request = make_request(
+        prompt_tokens=3000, ttft_slo_ms=ttft_ms, e2e_slo_ms=e2e_ms, arrival_s=NOW - waited_s
+    )
+    targets = Targets(5.0, 50.0, e2e_ms, ttft_ms or 6000.0)
+    if opens:
+        d = make_scheduler("binpack").schedule(fleet, request, NOW, targets=targets)
+        assert d.prefill is not None and d.prefill.instance_id == "p2"
+    else:
+        with pytest.raises(NoInstanceError) as err:
+            make_scheduler("binpack").schedule(fleet, request, NOW, targets=targets)
+        assert err.value.stage == "prefill"
+    d = make_scheduler("binpack", binpack_prefill_empty_bin_wait=0.0).schedule(
+        fleet, request, NOW, targets=targets
+    )
+    assert d.prefill is not None and d.prefill.instance_id == "p2"
+
+
+def test_binpack_prefill_empty_bin_wait_must_be_a_share() -> None:
+    from router.core.config import SchedulerConfig
+    from router.core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="binpack_prefill_empty_bin_wait"):
+        SchedulerConfig(scheduling_policy="binpack", binpack_prefill_empty_bin_wait=1.5)
