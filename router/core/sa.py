@@ -536,6 +536,10 @@ PLAN_CAP_MAX = 32
 #: count does not bound it, the KV memory check of Eq. 20 does.
 UNBOUNDED_SLOTS = 1 << 20
 
+#: A release pass passes over at most this many requests of the plan's order that the instance cannot
+#: take now (each costs a placement attempt) before it stops.
+SKIPPED_MAX = 8
+
 #: How a planner searches (``exhaustive`` only up to EXHAUSTIVE_LIMIT requests per instance).
 SEARCHES = ("anneal", "exhaustive")
 EXHAUSTIVE_LIMIT = 8
@@ -1123,20 +1127,31 @@ class SAPlanner:
             )
         free = self._free_tokens(inst, i) if not among else math.inf  # (``among`` holds it: see offer)
         released = 0
-        for k in plan.order[: min(first, room)]:
+        # The plan's order is the priority sequence: the slots it frees go to its first requests that
+        # the instance can take now. One it cannot (the memory of Eq. 20 spoken for, or the scheduler
+        # refusing it: the residents' TPOT a larger engine batch would break) waits for a later pass,
+        # and the next in the order takes the slot instead of waiting behind it.
+        want = min(first, room)
+        skipped = 0
+        for k in plan.order:
+            if released >= want or skipped >= SKIPPED_MAX:
+                break
             entry = group[k]
             request = entry.request
             need = float(max(request.prompt_tokens, 1)) + self.lengths.bound(request)
             if need > free and self.running.get(instance):
-                break  # its memory is spoken for until a running request ends (Eq. 20's remaining memory)
+                skipped += 1  # its memory is spoken for until a running request ends
+                continue
             pinned = replace(request, exclude_instance_ids=request.exclude_instance_ids | others)
             targets = resolve_targets(request, queue.default_ttft_ms, queue.default_tpot_ms, now_s)
             try:
                 decision = schedule(source(), pinned, now_s, targets=_relaxed(targets))
             except NoInstanceError as exc:
-                # The instance cannot take it after all (ejected, full): planned again on the next pass.
+                # The instance cannot take it now (its residents' TPOT, ejected, full): planned again on
+                # the next pass.
                 yield Offer(entry, Verdict.WAIT, error=exc, budget_ms=targets.ttft_ms)
-                break
+                skipped += 1
+                continue
             except EmptyClusterError as exc:
                 queue.remove(entry.request_id)
                 yield Offer(entry, Verdict.REJECT, error=exc)

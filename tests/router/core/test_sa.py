@@ -7,13 +7,14 @@ import math
 import random
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.core.errors import ConfigError
-from router.core.queue import QueueConfig, QueueEntry
+from router.core.errors import ConfigError, NoInstanceError
+from router.core.queue import QueueConfig, QueueEntry, RouterQueue, Verdict, offer
 from router.core.request import ScheduleInput
 from router.core.sa import (
     BUDGET_CHECK_MOVES,
@@ -21,6 +22,7 @@ from router.core.sa import (
     AnnealParams,
     Job,
     Plan,
+    SAPlanner,
     _move,
     anneal,
     evaluate,
@@ -30,7 +32,7 @@ from router.core.sa import (
     modeled_clock,
     pool_closes,
 )
-from tests.router.core.helpers import make_predictor
+from tests.router.core.helpers import NOW, inst, make_predictor, make_request, make_scheduler, make_snapshot
 
 PREDICTOR = make_predictor()
 
@@ -624,3 +626,28 @@ def test_the_request_pool_closes_when_arrivals_pause_or_at_its_cap() -> None:
     assert pool_closes(1.0, 1.9, 0.025) == pytest.approx(1.0 + POOL_MAX_FACTOR * 0.025)
     assert pool_closes(0.0, 5.0, 0.025) < 5.0
     assert pool_closes(2.0, 2.0, 0.0) == 2.0
+
+
+def test_a_planned_request_the_instance_refuses_now_passes_its_slot_to_the_next_in_the_plan() -> None:
+    # The plan's order is the priority sequence: when the scheduler refuses its head on the instance
+    # (as the residents' TPOT filter refuses a long prompt on a full engine batch), the free slot goes
+    # to the next request of the order rather than staying idle until the head can start.
+    config = QueueConfig(queue_policy="sa", sa_max_batch=1)
+    queue = RouterQueue(config, 1000.0, 50.0, SAPlanner(config))
+    for rid in ("a", "b", "c"):
+        queue.push(make_request(rid, arrival_s=NOW - 1.0, ttft_slo_ms=2000.0, tpot_slo_ms=50.0), NOW - 1.0)
+    scheduler = make_scheduler()
+    snapshot = make_snapshot(inst("n0"))
+    asked: list[str] = []
+
+    def decide(view: Any, request: Any, now: float, /, *, targets: Any = None) -> Any:
+        asked.append(request.request_id)
+        if len(asked) == 1:
+            raise NoInstanceError("full", stage="neutral", candidates=1, drops={"tpot_residents": 1})
+        return scheduler.schedule(view, request, now, targets=targets)
+
+    offers = list(offer(queue, scheduler, lambda: snapshot, NOW, decide=decide))
+    verdicts = [(o.entry.request_id, o.verdict) for o in offers]
+    assert verdicts[0] == (asked[0], Verdict.WAIT)
+    dispatched = [rid for rid, v in verdicts if v is Verdict.DISPATCH]
+    assert len(dispatched) == 1 and dispatched[0] != asked[0]
