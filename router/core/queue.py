@@ -170,7 +170,8 @@ class QueueConfig(FlagFields):
             "long-prompt TTFT-judged streams past capacity it can starve an e2e class and lose several points to edf (use edf there); --qlm-*) or sa (seed 000: waiting requests dealt by deadline to the instance with the "
             "most KV memory left and ordered per instance by simulated annealing of G, handed to an "
             "engine as its slots free; for bursts of mixed-SLO work on engines that run one or two "
-            "sequences at a time, not for engines of four or more, where it gains nothing; --sa-*)",
+            "sequences at a time; not for engines of four or more: it gains nothing at light load and loses to "
+            "edf at and past capacity (use edf there); --sa-*)",
             "--queue-policy",
         ),
     )
