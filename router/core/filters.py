@@ -74,6 +74,7 @@ from router.core.packing import (
     packing_tpot_target_ms,
     prefill_room_mask,
     prefill_stall_ms,
+    waited_ms,
 )
 from router.core.plugins import DecisionContext, Filter, FilterResult, GlobalFilter
 from router.core.registry import FILTERS, METRICS, Params
@@ -302,21 +303,13 @@ class MetricThreshold:
         if request is None or request.arrival_s is None:
             return True
         full = resolve_targets(request, self.default_ttft_ms, self.residents_tpot_ms).full_ttft_ms
-        return self.empty_after_wait * full <= _waited_ms(ctx)
+        return self.empty_after_wait * full <= waited_ms(ctx)
 
     def explain_miss(self, ctx: DecisionContext, candidates: IntArray) -> tuple[str, float, float]:
         values = ctx.metric(self.metric)[candidates]
         values = values[~np.isnan(values)]
         best = float(values.min()) if len(values) else float("nan")
         return self.metric, best, self.bound(ctx)
-
-
-def _waited_ms(ctx: DecisionContext) -> float:
-    """How long the decision's request has waited since its arrival (ms; 0 when unknown)."""
-    request = ctx.request
-    if request is None or request.arrival_s is None:
-        return 0.0
-    return max(ctx.view.now_s - request.arrival_s, 0.0) * 1e3
 
 
 #: The TPOT thresholds that judge the holder of the longest cached prefix at its load over the

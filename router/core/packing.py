@@ -131,6 +131,14 @@ def expected_output_tokens(request: ScheduleInput | None, default: int) -> int:
     return default
 
 
+def waited_ms(ctx: DecisionContext) -> float:
+    """How long the decision's request has waited since its arrival (ms; 0 when unknown)."""
+    request = ctx.request
+    if request is None or request.arrival_s is None:
+        return 0.0
+    return max(ctx.view.now_s - request.arrival_s, 0.0) * 1e3
+
+
 def ttft_need_ms(ctx: DecisionContext) -> float:
     """The TTFT the request needs: its target, and at most a quarter of its e2e target when it has one."""
     request = ctx.request
@@ -183,9 +191,7 @@ def _paced(
         predicted = ctx.metric("predicted_ttft")
         if len(predicted) and not np.all(np.isnan(predicted)):
             ttft = float(np.nanmin(predicted))
-    left = request.e2e_slo_ms
-    if request.arrival_s is not None:
-        left -= max(ctx.view.now_s - request.arrival_s, 0.0) * 1e3
+    left = request.e2e_slo_ms - waited_ms(ctx)
     for k, out in enumerate(lengths):
         paced = (left - ttft) / max(out - 1, 1)
         if paced >= target * factor:

@@ -2282,12 +2282,11 @@ class QlmQueue:
             else:
                 life = self._tokens_now(run) + r.prompt_tokens + 0.5 * min(out_mean, float(r.max_tokens))
                 step = self._stream_step_s(k, len(run) + 1, life)
-            late, measure = False, step
+            key = (False, step)  # on time: the shortest step; late: the soonest first token
             if model.stall_s is not None and not r.resumed:
                 first_s = now_s + self._prefill_backlog_s(k, run, now_s) + model.prefill_s(r.prompt_tokens)
                 if first_s > r.deadline_s:
-                    late, measure = True, first_s
-            key = (late, measure)
+                    key = (True, first_s)
             if key < best_key and self._room(k, r, now_s=now_s):
                 best, best_key = k, key
         return best
