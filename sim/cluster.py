@@ -149,7 +149,7 @@ from router.core.dispatch import (
 )
 from router.core.errors import LateError, SchedulingError, status_name
 from router.core.lengths import LengthConfig, LengthPredictor
-from router.core.packing import resident_tpot_need
+from router.core.packing import resident_tpot_pacing
 from router.core.plugins import Policy
 from router.core.predictors import PredictorSet
 from router.core.prefix import ExactPrefixIndex, PrefixRouting
@@ -393,6 +393,7 @@ class _Req:
         "last_s",
         "late",
         "out",
+        "paced_tokens",
         "paused_at",
         "predicted_tpot_ms",
         "predicted_ttft_ms",
@@ -440,6 +441,8 @@ class _Req:
         self.tpot_need_ms = 0.0
         #: Whether that need is an e2e deadline's pace (packing.resident_tpot_need), not a TPOT target.
         self.tpot_paced = False
+        #: For a paced need, the output length its pace spreads the deadline over (nan: none).
+        self.paced_tokens = math.nan
 
 
 def finished_result(
@@ -1258,7 +1261,9 @@ class _Simulation:
             return
         r.predicted_ttft_ms = _finite(decision.prefill.predicted_ttft_ms)
         r.predicted_tpot_ms = _finite(decision.decode.predicted_tpot_ms)
-        r.tpot_need_ms, r.tpot_paced = resident_tpot_need(decision.context, self.scheduler.config)
+        r.tpot_need_ms, r.tpot_paced, r.paced_tokens = resident_tpot_pacing(
+            decision.context, self.scheduler.config
+        )
         limit = min(self.fleet.configs[p].max_model_len, self.fleet.configs[d].max_model_len)
         if plan.prompt_tokens + plan.max_tokens > limit:
             self._fail(
@@ -1506,6 +1511,7 @@ class _Simulation:
         need: list[float] = []
         paced: list[bool] = []
         first_token: list[float] = []
+        paced_tokens: list[float] = []
         reqs = self.reqs
         for i in range(len(self.resident_on)):
             on = self.resident_on[i]
@@ -1518,6 +1524,7 @@ class _Simulation:
                 generated.append(max(cur - prompt, 0.0))
                 need.append(reqs[idx].tpot_need_ms or np.inf)
                 paced.append(reqs[idx].tpot_paced)
+                paced_tokens.append(reqs[idx].paced_tokens)
                 first = reqs[idx].first_s
                 first_token.append(first if decoding and first >= 0 else np.nan)
         found = ResidentLegs(
@@ -1529,6 +1536,7 @@ class _Simulation:
             np.array(need, dtype=np.float64),
             np.array(paced, dtype=bool),
             np.array(first_token, dtype=np.float64),
+            np.array(paced_tokens, dtype=np.float64),
         )
         self.legs_cache = (key, found)
         return found

@@ -256,6 +256,11 @@ class ResidentLegs(NamedTuple):
     #: the time since is the leg's decode time so far, Aladdin's ``t_dec`` of constraint (d).
     #: None when the source records none.
     first_token_s: FloatArray | None = None
+    #: For a deadline-paced leg, the output length (tokens) its pace spreads its deadline over: the
+    #: length the pace was set by when it was placed (:func:`router.core.packing.resident_tpot_pacing`:
+    #: the length predictor's cautious bound, or the expected length). nan where the leg is not
+    #: paced or the length is not known; None when the source records none.
+    paced_tokens: FloatArray | None = None
 
 
 #: One instance's resident legs: (context now, output still expected, started) each.

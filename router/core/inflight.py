@@ -45,6 +45,7 @@ Not thread-safe: the router calls it from its event loop only.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -176,6 +177,8 @@ class InflightAccount:
         self._resident_need: dict[str, float] = {}
         # The resident legs whose recorded need is a deadline's pace (see record()).
         self._resident_paced: set[str] = set()
+        #: Per paced resident leg: the output length its pace spreads its deadline over.
+        self._resident_paced_tokens: dict[str, float] = {}
         # request_id -> when its resident leg's first output token came (see advance()).
         self._resident_first: dict[str, float] = {}
         # instance_id -> [resident decode legs, sum of their final tokens]
@@ -335,10 +338,13 @@ class InflightAccount:
         paced = np.fromiter((r in marked for r in legs), dtype=bool, count=len(legs))
         firsts = self._resident_first
         first = np.fromiter((firsts.get(r, np.nan) for r in legs), dtype=np.float64, count=len(legs))
+        lengths = self._resident_paced_tokens
+        length = np.fromiter((lengths.get(r, np.nan) for r in legs), dtype=np.float64, count=len(legs))
         keep = (instance >= 0) & (instance < n)
         if not keep.all():
             instance, context, final, started = instance[keep], context[keep], final[keep], started[keep]
             prompt, need, paced, first = prompt[keep], need[keep], paced[keep], first[keep]
+            length = length[keep]
         return ResidentLegs(
             instance,
             context,
@@ -348,6 +354,7 @@ class InflightAccount:
             need,
             paced,
             np.where(started, first, np.nan),
+            length,
         )
 
     def resident_legs_on(self, instance_id: str) -> list[tuple[int, int, bool]] | None:
@@ -467,6 +474,7 @@ class InflightAccount:
         cached_prefill_tokens: int = 0,
         tpot_need_ms: float = 0.0,
         tpot_paced: bool = False,
+        paced_tokens: float = math.nan,
     ) -> None:
         """Account a dispatch: a prefill leg on ``prefill_instance`` and a decode leg on ``decode_instance``.
 
@@ -475,7 +483,8 @@ class InflightAccount:
         expected output still to come); 0 = unknown (not resident).
         ``tpot_need_ms`` (> 0) is the TPOT that resident leg must keep on its
         instance (packing holds later placements there to it); 0 = unknown.
-        ``tpot_paced`` says that need is the pace an e2e deadline needs, not a TPOT target.
+        ``tpot_paced`` says that need is the pace an e2e deadline needs, not a TPOT target, and
+        ``paced_tokens`` is then the output length that pace spreads the deadline over (nan: unknown).
         ``cached_prefill_tokens`` of the prompt are expected in the prefill
         instance's prefix cache: its prefill leg counts only the rest.
 
@@ -496,6 +505,8 @@ class InflightAccount:
                 self._resident_need[request_id] = tpot_need_ms
                 if tpot_paced:
                     self._resident_paced.add(request_id)
+                    if paced_tokens > 0:
+                        self._resident_paced_tokens[request_id] = paced_tokens
         cached = min(max(cached_prefill_tokens, 0), prompt_tokens)
         if prefill_instance is not None and prefill_instance == decode_instance:
             self._add(request_id, prefill_instance, True, True, prompt_tokens, now_s, cached)
@@ -574,6 +585,7 @@ class InflightAccount:
         self._resident_prompt.pop(request_id, None)
         self._resident_need.pop(request_id, None)
         self._resident_paced.discard(request_id)
+        self._resident_paced_tokens.pop(request_id, None)
         self._resident_first.pop(request_id, None)
         instance_id, final_tokens, _ = found
         on = self._resident_on[instance_id]

@@ -176,12 +176,13 @@ def packing_tpot_target_ms(ctx: DecisionContext, default_output_tokens: int, fac
 
 def _paced(
     ctx: DecisionContext, target: float, default_output_tokens: int, factor: float
-) -> tuple[float, bool]:
-    """:func:`packing_tpot_target_ms` with ``target`` as the TPOT target in force, and whether the
-    result is a deadline's pace (over ``factor``) rather than ``target``."""
+) -> tuple[float, bool, float]:
+    """:func:`packing_tpot_target_ms` with ``target`` as the TPOT target in force, whether the
+    result is a deadline's pace (over ``factor``) rather than ``target``, and the output length
+    that pace spreads the deadline over (nan when it is not a pace)."""
     request = ctx.request
     if request is None or request.e2e_slo_ms <= 0 or request.tpot_slo_ms > 0:
-        return target, False
+        return target, False, math.nan
     expected = expected_output_tokens(request, default_output_tokens)
     lengths = [expected]
     if request.output_tokens_bound > expected:
@@ -195,7 +196,7 @@ def _paced(
     for k, out in enumerate(lengths):
         paced = (left - ttft) / max(out - 1, 1)
         if paced >= target * factor:
-            return target, False
+            return target, False, math.nan
         if ctx.predictors is not None:
             idle = ctx.predictors.default.predict_tpot_ms(1.0, ctx.prompt_tokens + out)
             if not paced > idle:
@@ -210,8 +211,8 @@ def _paced(
                 continue
         elif not paced > 0:
             continue
-        return paced / factor, True
-    return target, False
+        return paced / factor, True, float(max(out, 2))
+    return target, False, math.nan
 
 
 def _best_horizon_ms(ctx: DecisionContext) -> float:
@@ -245,9 +246,17 @@ def resident_tpot_need(ctx: DecisionContext, config: SchedulerConfig) -> tuple[f
     class below the router's default must not be mistaken for one. (0, False)
     without a request.
     """
+    need, paced, _ = resident_tpot_pacing(ctx, config)
+    return need, paced
+
+
+def resident_tpot_pacing(ctx: DecisionContext, config: SchedulerConfig) -> tuple[float, bool, float]:
+    """:func:`resident_tpot_need`, and for a deadline's pace the output length (tokens) it spreads
+    the deadline over (nan otherwise): recorded with the resident leg, so that constraint (d) can
+    count the leg's whole decode budget (:func:`atgt_slack_ms`). (0, False, nan) without a request."""
     request = ctx.request
     if request is None:
-        return 0.0, False
+        return 0.0, False, math.nan
     target = request.tpot_slo_ms or config.tpot_slo_ms
     # Over the θ in force (the learned one): (b) then holds the horizon to θ × need = the pace itself.
     return _paced(ctx, target, config.packing_default_output_tokens, live_theta(ctx, config))
@@ -585,9 +594,15 @@ def _tpot_horizon_over_need(ctx: DecisionContext, config: SchedulerConfig) -> Fl
     horizon = ctx.metric("predicted_tpot_horizon")
     need = residents_tpot_need(ctx, config.tpot_slo_ms)
     if ctx.request is not None:
-        # The newcomer at the target this decision runs with (the router queue's margin included).
-        own = packing_tpot_target_ms(ctx, config.packing_default_output_tokens, live_theta(ctx, config))
-        need = np.minimum(need, own)
+        # The newcomer at the need it will record as a resident (its own target, or its deadline's
+        # pace over θ), as every resident is judged; the target the decision runs with only where
+        # that is looser (a relaxed decision). Not the 0.8 of its target the router queue offers
+        # late and yielding work on a neutral instance: that margin keeps the prompt's prefill off
+        # the requests already there, which (b) at their own needs and (d) protect here, and under
+        # θ it held the newcomer to 0.56 of its target (4 neutral, translate at TPOT 40 ms: the
+        # γ-horizon step under 22.4 ms, where `slo` places it under 32 ms and it meets 40).
+        offered = packing_tpot_target_ms(ctx, config.packing_default_output_tokens, live_theta(ctx, config))
+        need = np.minimum(need, max(offered, resident_tpot_need_ms(ctx, config)))
     ratio: FloatArray = np.divide(horizon, need, out=np.full(ctx.view.n, np.inf), where=need > 0)
     theta = live_theta(ctx, config)
     if theta != config.binpack_theta:
@@ -750,6 +765,22 @@ def atgt_slack_ms(ctx: DecisionContext, tpot_target_ms: float, theta: float = 1.
             # TPOT 40 ms, 83.2 % met; counted from its first token 100 %).
             spent = (ctx.view.now_s - legs.first_token_s[started]) * 1e3
             exact = np.maximum(legs.generated[started] - 1.0, 0.0) * target - spent
+            if legs.paced_tokens is not None and np.any(paced):
+                # A paced leg's deadline leaves it its pace times the length the pace was set by
+                # (`pace × (L − 1)` of decode time), and that length is the cautious bound, longer
+                # than the expected length the slack's future runs to: the tokens between them are
+                # time its deadline gives it too. Left out, a leg behind its cautious pace but well
+                # within its deadline at its expected length read as nearly out of slack and closed
+                # its instance to every prompt (4 neutral, drafts due in 20 s of ~500 tokens paced
+                # over ~840: search and translate prompts held until they lapsed). Past that length
+                # (an answer longer than its bound) the term is negative: its deadline is nearer.
+                length = legs.paced_tokens[started]
+                beyond = np.where(
+                    paced & np.isfinite(length),
+                    length - np.maximum(legs.generated[started], 1.0) - remaining,
+                    0.0,
+                )
+                exact = exact + target * beyond
             saved = np.where(np.isfinite(spent), exact, saved)
         budget = budget + saved
     budget = np.where(budget > 0, budget, np.inf)

@@ -29,7 +29,7 @@ from router.core.config import SchedulerConfig
 from router.core.decision import Decision
 from router.core.errors import ConfigError
 from router.core.inflight import InflightAccount
-from router.core.packing import expected_output_tokens, resident_tpot_need
+from router.core.packing import expected_output_tokens, resident_tpot_pacing
 from router.core.plugins import DecisionContext, Metric, Policy
 from router.core.policies import build_policy
 from router.core.predictors import PredictorSet
@@ -252,7 +252,7 @@ class Scheduler:
         cached = 0
         if prompt_tokens is None and decision.prefill is not None:
             cached = cached_at(decision.context, decision.prefill.instance_id)
-        need, paced = resident_tpot_need(decision.context, self.config)
+        need, paced, paced_tokens = resident_tpot_pacing(decision.context, self.config)
         self.inflight.record(
             decision.request_id,
             decision.prefill.instance_id if decision.prefill is not None else None,
@@ -263,6 +263,7 @@ class Scheduler:
             cached_prefill_tokens=cached,
             tpot_need_ms=need,
             tpot_paced=paced,
+            paced_tokens=paced_tokens,
         )
 
 
