@@ -626,6 +626,8 @@ class _Simulation:
         # NaN while the instance has no decode work) and when it last preempted.
         self.measured = np.full(n, np.nan)
         self.step_window: list[deque[float]] = [deque(maxlen=c.max_recent_steps) for c in fleet.configs]
+        #: Per instance, the steps of its fast-forwarded run already in its step window.
+        self.run_measured = [0] * n
         self.last_preempt_s = np.full(n, -np.inf)
         # Busy-instance accounting (SimStats.mean_busy_*): per instance, does it hold decode work /
         # other work, and the time integral of the counts per kind.
@@ -747,6 +749,25 @@ class _Simulation:
         window.append(duration_ms)
         self.measured[i] = sum(window) / len(window)
 
+    def _measure_run(self, i: int, run: DecodeRun, upto: int) -> None:
+        """Put steps ``run_measured[i]`` .. ``upto`` of instance ``i``'s fast-forwarded run in its step window.
+
+        Each step of a run is a step the engine finished, and an engine's load reports every one
+        (``engine.model.SimCore``'s recent steps, which ``DecodeRun.apply`` fills the same way).
+        Counted as one sample per run, the window would be held by the slower steps that carry a
+        prefill chunk (each stepped, so each counted) and read well above the TPOT the decodes get,
+        tripping the packing valve (``overpacked``) and the queue's load watch on instances that
+        keep their targets. Only the newest ``max_recent_steps`` can stay in the window, so a long
+        run costs no more than that.
+        """
+        done = self.run_measured[i]
+        if upto > done:
+            window = self.step_window[i]
+            first = max(done, upto - (window.maxlen or upto))
+            window.extend(run._durations_ms[first:upto])
+            self.measured[i] = sum(window) / len(window)
+            self.run_measured[i] = upto
+
     def _busy_until(self, t: float) -> None:
         dt = t - self.busy_since
         if dt > 0:
@@ -792,7 +813,7 @@ class _Simulation:
                 self.runs[i] = run
                 self.run_event[i] = self._push(run.ends[-1], _RUN_END, i)
                 self._next_feed(i, run)
-                self._measure(i, (run.ends[0] - now) * 1e3)
+                self.run_measured[i] = 0  # its steps join the window as they end (_measure_run)
                 self.run_next[i] = -np.inf  # the next view takes the run's columns
                 self.busy[i] = True
                 self.changed_at[i] = now
@@ -833,6 +854,8 @@ class _Simulation:
         s = run.steps_done(now)
         self._run_busy(i, run, s)
         self._run_samples(i, run, s)
+        self._measure_run(i, run, s)
+        self.run_measured[i] = 0
         run.apply(s)
         self.runs[i] = None
         self.run_next[i] = np.inf
@@ -865,6 +888,8 @@ class _Simulation:
             return
         self._run_busy(i, run, len(run.ends))
         self._run_samples(i, run, len(run.ends))
+        self._measure_run(i, run, len(run.ends))
+        self.run_measured[i] = 0
         run.apply(len(run.ends))
         self.num_steps += len(run.ends)
         self.runs[i] = None
@@ -1626,6 +1651,7 @@ class _Simulation:
                 # (another event of the same instant asked for a view first): plan them here.
                 run.extend()
                 self._next_feed(i, run)
+            self._measure_run(i, run, s)  # the steps it finished, as its status push would carry them
             decode_tokens[i] = run.decode_tokens_at(s)
             used_kv[i] = run.used_kv_tokens_at(s)
             self.changed_at[i] = run.step_start(s)

@@ -194,6 +194,8 @@ def test_a_request_longer_than_the_model_allows_is_invalid() -> None:
         ({"groups": [{"role": "prefill", "count": 2}, {"role": "decode", "count": 2}]}, "slo"),
         ({"groups": [{"role": "prefill", "count": 2}, {"role": "decode", "count": 3}]}, SLO_ADAPTIVE_PD),
         ({"groups": [{"role": "neutral", "count": 3}]}, "load-balance"),
+        # The packing valve reads the measured step, which must not depend on fast-forwarding.
+        ({"groups": [{"role": "neutral", "count": 2}]}, "binpack"),
         # Small KV caches: preemptions, and decode runs cut short by missing blocks.
         (
             {
@@ -225,6 +227,47 @@ def test_fast_forward_and_reused_columns_give_the_same_results(
     assert fast.duration_s == plain.duration_s
     assert (fast.stats.steps, fast.stats.preemptions) == (plain.stats.steps, plain.stats.preemptions)
     assert fast.stats.events < plain.stats.events or fleet_doc.get("engine") is None
+
+
+def test_a_fast_forwarded_run_counts_each_of_its_steps_in_the_measured_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The measured decode step the router reads is the same whether an engine's runs are fast-forwarded.
+
+    An engine reports every decode step it finishes; a fast-forwarded run of pure decode steps
+    is as many steps as stepping it would be, not one sample (which would leave the window to
+    the slower steps carrying prefill chunks).
+    """
+    import sim.cluster as cluster
+
+    view = cluster._Simulation._view
+
+    def record(seen: dict[float, list[float]]) -> object:
+        def wrapped(self: cluster._Simulation, now: float) -> object:
+            result = view(self, now)
+            measured = result.instances.measured_decode_step_ms
+            assert measured is not None
+            seen[now] = measured.tolist()
+            return result
+
+        return wrapped
+
+    fleet = SimFleet(parse_fleet_dict({"groups": [{"role": "neutral", "count": 2}]}))
+    plans = generate_requests(load_workload("mixed").with_arrival(rate_per_s=4.0), rng=3, num_requests=60)
+    views: list[dict[float, list[float]]] = []
+    events = []
+    for fast in (True, False):
+        seen: dict[float, list[float]] = {}
+        monkeypatch.setattr(cluster._Simulation, "_view", record(seen))
+        outcome = simulate(fleet, policy("binpack"), plans, seed=1, fast_forward=fast)
+        views.append(seen)
+        events.append(outcome.stats.events)
+    assert events[0] < events[1] / 2  # most decode steps were fast-forwarded
+    fast_views, plain_views = views
+    assert fast_views.keys() == plain_views.keys()
+    assert sum(x == x for v in plain_views.values() for x in v) > len(plain_views)  # measured, not NaN
+    differ = [t for t in fast_views if str(fast_views[t]) != str(plain_views[t])]
+    assert not differ, f"{len(differ)} of {len(fast_views)} views differ, first at {differ[0]} s"
 
 
 # --------------------------------------------------------------------------- the command
