@@ -651,3 +651,30 @@ def test_a_planned_request_the_instance_refuses_now_passes_its_slot_to_the_next_
     assert verdicts[0] == (asked[0], Verdict.WAIT)
     dispatched = [rid for rid, v in verdicts if v is Verdict.DISPATCH]
     assert len(dispatched) == 1 and dispatched[0] != asked[0]
+
+
+def test_on_a_large_batch_engine_a_request_its_instance_refuses_goes_where_another_has_room() -> None:
+    # Engines of unbounded batch (more than the plan's widest batch): the request the plan releases now
+    # is refused by the instance the deal gave it (its residents' TPOT) and goes to the other instance,
+    # which has room, instead of waiting in the router.
+    config = QueueConfig(queue_policy="sa")
+    queue = RouterQueue(config, 1000.0, 50.0, SAPlanner(config))
+    for rid in ("a", "b"):
+        queue.push(make_request(rid, arrival_s=NOW - 1.0, ttft_slo_ms=2000.0, tpot_slo_ms=50.0), NOW - 1.0)
+    scheduler = make_scheduler()
+    snapshot = make_snapshot(inst("n0"), inst("n1"))
+    refused: list[str] = []
+
+    def decide(view: Any, request: Any, now: float, /, *, targets: Any = None) -> Any:
+        if not refused:
+            (pinned,) = {"n0", "n1"} - request.exclude_instance_ids
+            refused.extend((request.request_id, pinned))
+            raise NoInstanceError("full", stage="neutral", candidates=1, drops={"tpot_residents": 1})
+        return scheduler.schedule(view, request, now, targets=targets)
+
+    offers = list(offer(queue, scheduler, lambda: snapshot, NOW, decide=decide))
+    placed = {
+        o.entry.request_id: o.decision.prefill.instance_id for o in offers if o.verdict is Verdict.DISPATCH
+    }
+    rid, pinned = refused
+    assert len(placed) == 2 and placed[rid] != pinned
