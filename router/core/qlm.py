@@ -145,7 +145,10 @@ class QlmConfig(FlagFields):
     confidence: float = field(
         default=0.9,
         metadata=_doc(
-            "a request counts as meeting its deadline when it does with at least this probability",
+            "a request counts as meeting its deadline when it does with at least this probability (the room "
+            "a batch keeps for the tightest e2e class is sized at this quantile of its answer while the "
+            "looser requests waiting can afford it, and down to its mean as they run out of slack; 0.7 "
+            "trades points between mixes, docs/papers.md)",
             "--qlm-confidence",
         ),
     )
@@ -460,6 +463,10 @@ _NO_STEP = np.asarray(0.0)
 #: A TPOT target seen on an arrival keeps bounding every instance's batch for this long (s): the next
 #: stream of that class must find a batch it can join at once (see :meth:`QlmQueue._room`).
 STREAM_MEMORY_S = 30.0
+
+#: The lowest standard score of the tightest e2e class's answer the room kept for it is sized at (see
+#: :meth:`QlmQueue._protect_z`): 0, its mean answer.
+PROTECT_FLOOR_Z = 0.0
 
 #: At most this many distinct TPOT targets are remembered (bounded state; the tightest are kept).
 STREAM_TARGETS_MAX = 64
@@ -1785,6 +1792,15 @@ class QlmQueue:
             if model.stall_s is not None and paced:
                 stall0 = self._prefill_backlog_s(i, run, now_s)
                 stall1 = stall0 + model.prefill_s(r.prompt_tokens)
+            memo: list[float] = []
+
+            def protect() -> float:
+                # The room kept for the tightest class follows the looser backlog's slack
+                # (:meth:`_protect_z`): asked once a call, and only when ``r`` is looser than that class.
+                if not memo:
+                    memo.append(self._protect_z(i, run, r, before, now_s))
+                return memo[0]
+
             for x in (*run, r):
                 if not (x.e2e_only or x.resumed):
                     continue
@@ -1846,7 +1862,7 @@ class QlmQueue:
             if (
                 paced
                 and r.e2e_only
-                and not self._joinable(i, r, stall1, step, now_s)
+                and not self._joinable(i, r, stall1, step, now_s, protect)
                 and (self._joinable(i, r, stall0, before, now_s) or self._can_wait(i, run, r, now_s))
             ):
                 return False
@@ -1952,7 +1968,15 @@ class QlmQueue:
             free = max(free, x.dispatched_s) + model.prefill_s(x.prompt_tokens)
         return max(free - now_s, 0.0)
 
-    def _joinable(self, i: int, r: QlmRequest, stall_s: float, step_s: float, now_s: float) -> bool:
+    def _joinable(
+        self,
+        i: int,
+        r: QlmRequest,
+        stall_s: float,
+        step_s: float,
+        now_s: float,
+        z: Callable[[], float] | None = None,
+    ) -> bool:
         """Could a request of the tightest e2e class seen lately still meet its deadline on instance ``i`` if
         it arrived now, with e2e-judged ``r`` pulled there first?
 
@@ -1969,7 +1993,10 @@ class QlmQueue:
         :meth:`_can_wait`): its prompt behind the prefill backlog (``stall_s``), then its output at the
         estimator's confidence at the batch's step (``step_s``), the output judged with the class's
         running requests as lower bounds (:meth:`OutputStats.cautious`). A class that misses even alone
-        on an idle instance bounds nothing.
+        on an idle instance bounds nothing. ``z`` (when given) is asked for the standard score to size
+        that output at instead of the confidence's (:meth:`_protect_z`: lower as the looser backlog runs
+        out of slack; :meth:`_room` asks it only of the batch with ``r``, so a lower score releases
+        pulls and never holds one that the confidence's would let go).
         """
         live = [(b, v) for b, v in self._e2e_budgets.items() if now_s - v[0] <= STREAM_MEMORY_S]
         if not live:
@@ -1979,7 +2006,7 @@ class QlmQueue:
             return True  # ``r`` is of the tightest class (or tighter): it is the one the room is kept for
         model = self.models[i]
         mean, std = self.stats.cautious(slo_class, max_tokens)
-        left = min(mean + self.config.z * std, float(max_tokens))
+        left = min(mean + (self.config.z if z is None else z()) * std, float(max_tokens))
         prefill = model.prefill_s(prompt)
         if (
             model.step_s is not None
@@ -2033,6 +2060,55 @@ class QlmQueue:
         if last_q > 0.0:
             wait = max(wait, tokens / model.throughput_tps + last_q)
         return now_s + wait + whole_q <= r.deadline_s
+
+    def _protect_z(
+        self, i: int, run: Sequence[QlmRequest], r: QlmRequest, step_s: float, now_s: float
+    ) -> float:
+        """The standard score of the tightest e2e class's answer that the room a batch keeps for it
+        (:meth:`_joinable`) is sized at, judging looser e2e pull ``r`` on instance ``i``: ``--qlm-confidence``'s
+        while the looser backlog can afford it, down to :data:`PROTECT_FLOOR_Z` (the mean answer) as it runs
+        out of slack.
+
+        Eq. 12 asks every group to meet its deadline with probability Delta. The room is kept for a tight
+        request that has not arrived; sized at its 90 % answer while the looser requests waiting are short
+        of time, it trades their likely deadlines for the other class's unlikely tail. So the RCT
+        estimator is asked about the looser backlog *held*: ``r`` and the requests as loose as it queued on
+        ``i``'s virtual queue, in order, each starting when one of the slots the looser requests hold now
+        frees (each at its mean remaining time, :meth:`Estimator.remaining`), prefilled, then its output
+        at ``step_s`` (the batch's step now). A member's odds are the standard score of the longest answer
+        it would still end by its deadline at; the room is sized at the lowest of them (at most
+        ``--qlm-confidence``'s). A member that misses even at its mean answer is lost either way (the
+        plan's Moore-Hodgson rule drops such groups) and bounds nothing, as is one that misses started
+        now. With minutes of slack (a 120-180 s class) the backlog keeps the tail; a 75-90 s class with
+        long prompts, which under the tail's room waited until it could wait no longer and then ran late,
+        goes in earlier (docs/papers.md).
+        """
+        top = self.config.z
+        model = self.models[i]
+        budget = self._budget(r)
+        loose = [x for x in run if (x.e2e_only or x.resumed) and self._budget(x) >= budget]
+        # The looser class keeps the slots it holds now: each frees when its request ends (at the mean).
+        free = sorted(self.estimator.remaining(model, x, now_s)[0] for x in loose) or [0.0]
+        backlog = [r]
+        for gid in self.vqs[i]:
+            g = self.groups.get(gid)
+            if g is None or not g.e2e_only:
+                continue
+            backlog.extend(x for x in g.members if x is not r and self._budget(x) >= budget)
+        lowest = top
+        for x in backlog:
+            mean, std = self.stats.estimate(x.request.slo_class, x.request.max_tokens)
+            prefill = model.prefill_s(x.prompt_tokens)
+            need = min(max(mean - x.generated, 1.0), float(x.max_tokens))
+            if now_s + prefill + need * step_s > x.deadline_s:
+                continue  # lost even started now: it bounds nothing
+            start = heapq.heappop(free)
+            heapq.heappush(free, start + prefill + need * step_s)
+            fits = (x.deadline_s - now_s - start - prefill) / step_s + x.generated
+            z = (fits - mean) / std if std > 0.0 else (top if fits >= mean else -math.inf)
+            if z >= PROTECT_FLOOR_Z:
+                lowest = min(lowest, z)
+        return lowest
 
     def _has_slack(self, i: int, run: Sequence[QlmRequest], r: QlmRequest, now_s: float) -> bool:
         """Would e2e-judged ``r`` still meet its deadline pulled on instance ``i`` only once the streams running

@@ -193,3 +193,32 @@ def test_a_looser_request_cannot_wait_behind_the_tighter_requests_queued_ahead_o
     late = q.make(e2e("r", 600.0, arrival=-570.0), 0.0)
     assert not q._can_wait(0, [], late, 0.0)
     assert q._can_wait(0, [], q.make(e2e("s", 600.0, arrival=-540.0), 0.0), 0.0)
+
+
+def test_the_room_kept_for_the_tightest_class_follows_the_odds_of_the_looser_pull_held_for_it() -> None:
+    # The tight class ("alerts", 3 s) has learned answers of 40 or 160 tokens (mean 100, spread ~60): a
+    # 14,000-token looser prompt (1.4 s of prefill ahead of the next alert) leaves that alert on time at
+    # its mean answer, late at its 90 % one. The looser class ("batch") has learned answers of half its
+    # 200 tokens (spread 50); one of them runs and frees its slot in ~0.5 s. A looser pull with minutes
+    # of slack waits for the room (the alert's tail protected). One whose deadline is 3.1 s away would,
+    # held until that slot frees, end by it only at its ~64 % answer: the alert is then protected at
+    # that quantile, not its 90 %, and the pull goes. (Protecting the tail of the tight class against
+    # every looser pull kept a looser class with little slack waiting until it could wait no longer,
+    # and it then went late: answers + summaries, hints + dossiers, docs/papers.md.)
+    def queue() -> QlmQueue:
+        q = QlmQueue(QlmConfig(eviction="off"), [paced_model()], 6000.0, 50.0)
+        for k in range(20):
+            q.stats.observe("alerts", 40 if k % 2 else 160, 200)
+            q.stats.observe("batch", 50 if k % 2 else 150, 200)
+        q.push(e2e("t", 3.0, arrival=30.0, out=200, cls="alerts"), 30.0)
+        assert len(q.pump(30.0)) == 1
+        q.finished("t", 100, 31.0)
+        q.push(e2e("l", 600.0, arrival=40.0), 40.0)
+        assert len(q.pump(40.0)) == 1
+        return q
+
+    def pull(left_s: float) -> bool:
+        return pulled(queue(), e2e("r", 600.0, arrival=40.0 + left_s - 600.0, out=200, prompt=14_000), 40.0)
+
+    assert not pull(600.0)
+    assert pull(3.1)
