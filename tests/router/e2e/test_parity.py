@@ -162,8 +162,9 @@ async def test_simulator_and_live_router_agree(name: str) -> None:
     # judged with the host's slowdown taken out (module docstring).
     slowdown = host_slowdown(list(simulated), list(live))
     clear = [k for k, s in enumerate(simulated) if not near_call(s)]
-    sim_att = sum(slo_met(simulated[k]) for k in clear) / len(clear)
-    live_att = sum(met_within(live[k], slowdown) for k in clear) / len(clear)
+    sim_met = sum(slo_met(simulated[k]) for k in clear)
+    live_met = sum(met_within(live[k], slowdown) for k in clear)
+    sim_att, live_att = sim_met / len(clear), live_met / len(clear)
     print(
         f"{name}: same outcome {same}/{len(workload)}, attainment simulated {attainment(simulated):.2f},"
         f" live {attainment(live):.2f}; over {len(clear)} clear calls simulated {sim_att:.2f},"
@@ -175,4 +176,6 @@ async def test_simulator_and_live_router_agree(name: str) -> None:
         name,
         [(s.error_code, r.error_code) for s, r in zip(simulated, live, strict=True)],
     )
-    assert abs(sim_att - live_att) <= TOLERANCE, (name, sim_att, live_att)
+    # Compared in calls, not as fractions: 3 of 20 calls is the tolerance exactly, and as floats
+    # (0.60 against 0.75) their difference came out at 0.15000000000000002 and failed it.
+    assert abs(sim_met - live_met) <= TOLERANCE * len(clear) + 1e-9, (name, sim_att, live_att)
