@@ -855,7 +855,6 @@ class _Simulation:
         self._run_busy(i, run, s)
         self._run_samples(i, run, s)
         self._measure_run(i, run, s)
-        self.run_measured[i] = 0
         run.apply(s)
         self.runs[i] = None
         self.run_next[i] = np.inf
@@ -889,7 +888,6 @@ class _Simulation:
         self._run_busy(i, run, len(run.ends))
         self._run_samples(i, run, len(run.ends))
         self._measure_run(i, run, len(run.ends))
-        self.run_measured[i] = 0
         run.apply(len(run.ends))
         self.num_steps += len(run.ends)
         self.runs[i] = None

@@ -1792,15 +1792,6 @@ class QlmQueue:
             if model.stall_s is not None and paced:
                 stall0 = self._prefill_backlog_s(i, run, now_s)
                 stall1 = stall0 + model.prefill_s(r.prompt_tokens)
-            memo: list[float] = []
-
-            def protect() -> float:
-                # The room kept for the tightest class follows the looser backlog's slack
-                # (:meth:`_protect_z`): asked once a call, and only when ``r`` is looser than that class.
-                if not memo:
-                    memo.append(self._protect_z(i, run, r, before, now_s))
-                return memo[0]
-
             for x in (*run, r):
                 if not (x.e2e_only or x.resumed):
                     continue
@@ -1862,7 +1853,16 @@ class QlmQueue:
             if (
                 paced
                 and r.e2e_only
-                and not self._joinable(i, r, stall1, step, now_s, protect)
+                and not self._joinable(
+                    # The room kept for the tightest class follows the looser backlog's slack
+                    # (:meth:`_protect_z`), asked only when ``r`` is looser than that class.
+                    i,
+                    r,
+                    stall1,
+                    step,
+                    now_s,
+                    lambda: self._protect_z(i, run, r, before, now_s),
+                )
                 and (self._joinable(i, r, stall0, before, now_s) or self._can_wait(i, run, r, now_s))
             ):
                 return False
