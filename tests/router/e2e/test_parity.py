@@ -122,9 +122,84 @@ def met_within(r: RequestResult, slowdown: dict[str, float]) -> bool:
     return True
 
 
+#: Live runs at most per dispatcher: a second only when the first disagrees with the simulation.
+LIVE_TRIES = 2
+
+
+async def live_results(
+    name: str, workload: list[RequestPlan], queue: QueueConfig, slicing: SliceConfig | None
+) -> tuple[RequestResult, ...]:
+    """``workload`` through the real router over two sim workers (loopback gRPC)."""
+    async with embedded_cluster(
+        neutral=2,
+        queue=queue,
+        slice_config=slicing,
+        engine_overrides={"speed_factor": SPEED},
+        scheduler_overrides={"calibration": "off"},
+    ) as cluster:
+        return (
+            await run_load(
+                workload,
+                LoadConfig(target=cluster.router.address, request_timeout_s=30.0),
+                channel=cluster.channel,
+            )
+        ).results
+
+
+def compare(
+    name: str, simulated: tuple[RequestResult, ...], live: tuple[RequestResult, ...]
+) -> tuple[list[str], str]:
+    """What the live run broke of :data:`TOLERANCE` (empty: it agrees), and a line describing it.
+
+    Deterministic disagreements (a completed request of another length) fail at once.
+    """
+    assert len(live) == len(simulated)
+    same = 0
+    for s, r in zip(simulated, live, strict=True):
+        if s.ok and r.ok:
+            assert s.completion_tokens == r.completion_tokens, (name, s.index)
+        same += s.error_code == r.error_code
+    # Attainment over the requests the simulation does not put on a threshold, the live run
+    # judged with the host's slowdown taken out (module docstring).
+    slowdown = host_slowdown(list(simulated), list(live))
+    clear = [k for k, s in enumerate(simulated) if not near_call(s)]
+    assert len(clear) >= len(simulated) // 2, "the workload is mostly near calls: it tests nothing"
+    sim_met = sum(slo_met(simulated[k]) for k in clear)
+    live_met = sum(met_within(live[k], slowdown) for k in clear)
+    apart = [
+        (s.index, s.error_code, r.error_code)
+        for s, r in zip(simulated, live, strict=True)
+        if s.error_code != r.error_code
+    ]
+    line = (
+        f"{name}: same outcome {same}/{len(simulated)} (apart: index, simulated, live {apart}),"
+        f" attainment simulated {attainment(simulated):.2f}, live {attainment(live):.2f};"
+        f" over {len(clear)} clear calls simulated {sim_met / len(clear):.2f}, live {live_met / len(clear):.2f}"
+        " with the host's slowdown " + ", ".join(f"{k} {v:.2f}x" for k, v in slowdown.items())
+    )
+    broken = []
+    if same < (1 - TOLERANCE) * len(simulated):
+        broken.append("outcomes")
+    # Compared in calls, not as fractions: 3 of 20 calls is the tolerance exactly, and as floats
+    # (0.60 against 0.75) their difference came out at 0.15000000000000002 and failed it.
+    if abs(sim_met - live_met) > TOLERANCE * len(clear) + 1e-9:
+        broken.append("attainment")
+    return broken, line
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("name", DISPATCHERS.names())
 async def test_simulator_and_live_router_agree(name: str) -> None:
+    """The live run agrees with the simulation within :data:`TOLERANCE`, in one of :data:`LIVE_TRIES` runs.
+
+    A second live run is for the host, not the dispatcher: on a machine whose two cores also run
+    other work, the event loops of the router, the workers and the load generator stall for tens
+    of milliseconds, a dispatch pass comes that much later and a chat request placed at 200 ms in
+    the simulation waits past its 400 ms TTFT deadline and is refused (``qlm``, 4 busy loops on 2
+    cores: 1-3 of 24 outcomes apart in 8 of 12 runs, the same before and after the policy's last
+    change; one CI run 4 of 24). A dispatcher whose decisions differ between the two drivers
+    disagrees in both runs.
+    """
     workload = plans()
     fleet = SimFleet(fleet_from_counts(neutral=2, engine=sim_config(speed_factor=SPEED)))
     # Calibration off in both: live, it learns the host's own overhead per step (a loaded machine's
@@ -138,44 +213,14 @@ async def test_simulator_and_live_router_agree(name: str) -> None:
     else:
         queue = QueueConfig(queue_policy=name)
         simulated = simulate(fleet, config, workload, queue=queue).results
-    async with embedded_cluster(
-        neutral=2,
-        queue=queue,
-        slice_config=slicing,
-        engine_overrides={"speed_factor": SPEED},
-        scheduler_overrides={"calibration": "off"},
-    ) as cluster:
-        live = (
-            await run_load(
-                workload,
-                LoadConfig(target=cluster.router.address, request_timeout_s=30.0),
-                channel=cluster.channel,
-            )
-        ).results
-    assert len(live) == len(simulated) == len(workload)
-    same = 0
-    for s, r in zip(simulated, live, strict=True):
-        if s.ok and r.ok:
-            assert s.completion_tokens == r.completion_tokens, (name, s.index)
-        same += s.error_code == r.error_code
-    # Attainment over the requests the simulation does not put on a threshold, the live run
-    # judged with the host's slowdown taken out (module docstring).
-    slowdown = host_slowdown(list(simulated), list(live))
-    clear = [k for k, s in enumerate(simulated) if not near_call(s)]
-    sim_met = sum(slo_met(simulated[k]) for k in clear)
-    live_met = sum(met_within(live[k], slowdown) for k in clear)
-    sim_att, live_att = sim_met / len(clear), live_met / len(clear)
-    print(
-        f"{name}: same outcome {same}/{len(workload)}, attainment simulated {attainment(simulated):.2f},"
-        f" live {attainment(live):.2f}; over {len(clear)} clear calls simulated {sim_att:.2f},"
-        f" live {live_att:.2f} with the host's slowdown "
-        + ", ".join(f"{k} {v:.2f}x" for k, v in slowdown.items())
+    assert len(simulated) == len(workload)
+    lines = []
+    for _ in range(LIVE_TRIES):
+        broken, line = compare(name, simulated, await live_results(name, workload, queue, slicing))
+        print(line)
+        lines.append(line)
+        if not broken:
+            return
+    pytest.fail(
+        f"live and simulated runs disagree beyond {TOLERANCE:.0%} ({', '.join(broken)}):\n" + "\n".join(lines)
     )
-    assert len(clear) >= len(workload) // 2, "the workload is mostly near calls: it tests nothing"
-    assert same >= (1 - TOLERANCE) * len(workload), (
-        name,
-        [(s.error_code, r.error_code) for s, r in zip(simulated, live, strict=True)],
-    )
-    # Compared in calls, not as fractions: 3 of 20 calls is the tolerance exactly, and as floats
-    # (0.60 against 0.75) their difference came out at 0.15000000000000002 and failed it.
-    assert abs(sim_met - live_met) <= TOLERANCE * len(clear) + 1e-9, (name, sim_att, live_att)
