@@ -676,6 +676,8 @@ class _Simulation:
         self.cache_hit = [0] * len(plans)
         #: Per planned request: refused by the router (what ``SimStats.rejected`` counts).
         self.refused = [False] * len(plans)
+        #: The longest prompt + max_tokens the router admits: the longest max_model_len of the fleet.
+        self.admit_len = max(c.max_model_len for c in fleet.configs)
         if block:
             for core in self.cores:
                 core.on_lookup = self._count_lookup
@@ -1068,6 +1070,25 @@ class _Simulation:
     def _arrive(self, idx: int, now: float) -> None:
         plan = self.plans[idx]
         r = self.reqs[idx]
+        if plan.prompt_tokens + plan.max_tokens > self.admit_len:
+            # The router refuses it on arrival (router/service.py checks the prompt and max_tokens
+            # against the longest max_model_len the fleet advertises), before any queue sees it: no
+            # instance could ever run it. Failing it at dispatch instead let a queue hold it first
+            # (a planning policy held such requests 3-8 s, each second counted in G's latency sum).
+            self.rejected += 1
+            self.refused[idx] = True
+            self._fail(
+                r,
+                "INVALID_ARGUMENT",
+                f"prompt ({plan.prompt_tokens}) + max_tokens ({plan.max_tokens}) exceeds "
+                f"max_model_len={self.admit_len}, the longest of the fleet",
+                now,
+            )
+            if self.dispatcher.coalesce_arrivals and idx > 0 and self.plans[idx - 1].arrival_s == now:
+                burst = idx + 1 < len(self.plans) and self.plans[idx + 1].arrival_s <= now
+                if not burst:  # the burst's pass would have come with this, its last arrival
+                    self._handle(ViewChanged(), now)
+            return
         pooled = False
         if self.oracle_lengths:
             r.expected = bound = self._true_length(idx, 0)

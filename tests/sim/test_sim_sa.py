@@ -255,8 +255,9 @@ def test_a_lone_request_goes_where_it_starts_soonest_not_to_the_most_memory() ->
     )
     base = code_chat_burst(3, seed=5)
     plans = [
-        dataclasses.replace(base[0], arrival_s=0.0, prompt_tokens=7000),
-        dataclasses.replace(base[1], arrival_s=0.0, prompt_tokens=7000),
+        # (max_tokens within max_model_len: a request no engine can hold is refused on arrival)
+        dataclasses.replace(base[0], arrival_s=0.0, prompt_tokens=7000, max_tokens=1000),
+        dataclasses.replace(base[1], arrival_s=0.0, prompt_tokens=7000, max_tokens=1000),
         dataclasses.replace(base[2], arrival_s=0.2, prompt_tokens=200),
     ]
     queue = QueueConfig(queue_policy="sa", max_queue_wait_ms=WAIT_MS)
@@ -300,3 +301,22 @@ def test_a_plan_for_one_free_slot_starts_the_request_that_needs_it_now() -> None
     assert waits[2] < waits[1]
     assert outcome.results[2].ttft_ms is not None and outcome.results[2].ttft_ms <= 1000.0
     assert outcome.results[1].e2e_ms is not None and outcome.results[1].e2e_ms <= 20_000.0
+
+
+@pytest.mark.parametrize(("queue_policy", "k"), [("sa", 2), ("sa", 5), ("fcfs", 2)])
+def test_a_request_no_engine_can_hold_is_refused_on_arrival(queue_policy: str, k: int) -> None:
+    # The router refuses a prompt + max_tokens over the fleet's max_model_len when it arrives
+    # (router/service.py), before any queue sees it. Failed only at dispatch, it waited in the queue
+    # first (sa held such requests 3-8 s behind its plan), each second charged to G's latency sum.
+    plans = code_chat_burst(6, seed=5)
+    limit = SimConfig().max_model_len
+    # (k = 5: the burst's last arrival, whose arrival also brings the burst's one planning pass)
+    plans[k] = dataclasses.replace(plans[k], prompt_tokens=limit - 10, max_tokens=200)
+    outcome = run(plans, 2, queue_policy)
+    refused = outcome.results[k]
+    assert refused.error_code == "INVALID_ARGUMENT"
+    assert refused.e2e_ms == 0.0
+    assert outcome.queue_wait_ms[k] == 0.0
+    assert outcome.stats.rejected == 1
+    assert all(r.ok for j, r in enumerate(outcome.results) if j != k)
+    assert min(w for j, w in enumerate(outcome.queue_wait_ms) if j != k) <= 30.0  # the pool, no more
