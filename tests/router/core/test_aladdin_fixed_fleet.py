@@ -153,8 +153,9 @@ def test_b_remakes_a_paced_residents_need_from_what_its_deadline_leaves_now() ->
     """A draft paced at 28 ms a token over its cautious length of 840 tokens (need 40 ms = 28 / θ),
     100 tokens in: (b) holds its instance to the pace its deadline leaves it now over the tokens
     left to that length; where its instance's step is past that pace already, to the pace over its
-    expected remainder; where that too is past reach (a lost cause for both lengths), to the
-    router's TPOT target -- the rule a paced request's placement follows, with its progress."""
+    expected remainder -- the rule a paced request's placement follows, with its progress -- but
+    never to less than the need it recorded: behind its pace with the tail's pace still in reach, and
+    out of reach for both lengths (a lost cause), it keeps the need it was placed with."""
     scheduler = make_scheduler("binpack", tpot_slo_ms=50.0, ttft_slo_ms=60_000.0)
     theta = scheduler.config.binpack_theta
     pace = 40.0 * theta
@@ -176,6 +177,13 @@ def test_b_remakes_a_paced_residents_need_from_what_its_deadline_leaves_now() ->
     value, horizon, _ = ratio(spent_s, 200.0)
     expected = (without - 2.0) * 740 / 200.0
     assert value == pytest.approx(max(horizon * theta / expected, horizon / 60.0))
-    # Both out of reach: the router's TPOT target.
+    # Behind it, the tail's pace tighter than the one it was set by but within its instance's step:
+    # the need it recorded, not the tighter one.
+    assert without < pace
+    behind = (without + pace) / 2.0
+    value, horizon, _ = ratio((pace * 839 - behind * 740) / 1000.0, 400.0)
+    assert value == pytest.approx(max(horizon / 40.0, horizon / 60.0))
+    assert value < horizon * theta / behind
+    # Both out of reach: the need it recorded (not the router's looser TPOT target).
     value, horizon, _ = ratio(22.0, 400.0)
-    assert value == pytest.approx(horizon / 50.0)
+    assert value == pytest.approx(horizon / 40.0)
