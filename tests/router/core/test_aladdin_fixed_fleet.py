@@ -97,3 +97,93 @@ def test_the_pacing_length_is_recorded_with_a_paced_resident_leg() -> None:
     account.release("a")
     legs = account.resident_legs({"n": 0}, 1)
     assert legs is not None and legs.paced_tokens is not None and np.isnan(legs.paced_tokens).all()
+
+
+def _leg(
+    need: float,
+    *,
+    remaining: float,
+    paced: bool = False,
+    generated: float = 100.0,
+    spent_s: float = 3.0,
+    length: float = math.nan,
+) -> ResidentLegs:
+    return ResidentLegs(
+        np.zeros(1, dtype=np.intp),
+        np.array([800.0 + generated]),
+        np.array([remaining]),
+        np.ones(1, dtype=bool),
+        np.array([generated]),
+        np.array([need]),
+        np.array([paced]),
+        np.array([NOW - spent_s]),
+        np.array([length]),
+    )
+
+
+def _steps(ctx: DecisionContext) -> tuple[float, float]:
+    """The γ-horizon step of instance 0 with the newcomer and without it."""
+    assert ctx.predictors is not None
+    table = ctx.view.instances
+    without = ctx.predictors.decode_step_ms(
+        table, ctx.metric("decode_batch_size"), ctx.metric("decode_tokens_horizon")
+    )
+    return float(ctx.metric("predicted_tpot_horizon")[0]), float(without[0])
+
+
+def test_b_counts_a_short_newcomer_for_the_part_of_a_residents_remainder_it_shares() -> None:
+    """A resident at TPOT 40 ms with 500 tokens to go decodes beside a 40-token answer for a
+    twelfth of them: its mean step over its remainder rises by that share of the newcomer's part
+    of the γ-horizon step, not by all of it. A newcomer as long as the resident's remainder counts
+    whole, as before; the newcomer itself is held to its own target at the whole step."""
+    scheduler = make_scheduler("binpack", tpot_slo_ms=50.0, ttft_slo_ms=60_000.0)
+    legs = _leg(40.0, remaining=500.0)
+    for out, share in ((40, 40 / 500), (800, 1.0)):
+        request = make_request("s", 1200, tpot_slo_ms=60.0, ttft_slo_ms=300.0, expected_output_tokens=out)
+        ctx = scheduler.context(_view(scheduler, legs), request)
+        horizon, without = _steps(ctx)
+        assert horizon > without
+        expected = max((without + (horizon - without) * share) / 40.0, horizon / 60.0)
+        assert float(ctx.metric("tpot_horizon_over_need")[0]) == pytest.approx(expected)
+        if share < 1.0:
+            assert expected < horizon / 40.0
+
+
+def test_b_remakes_a_paced_residents_need_from_what_its_deadline_leaves_now() -> None:
+    """A draft paced at 28 ms a token over its cautious length of 840 tokens (need 40 ms = 28 / θ),
+    100 tokens in: (b) holds its instance to the pace its deadline leaves it now over the tokens
+    left to that length; where its instance's step is past that pace already, to the pace over its
+    expected remainder -- the rule a paced request's placement follows, with its progress -- but
+    never to less than the need it recorded: behind its pace with the tail's pace still in reach, and
+    out of reach for both lengths (a lost cause), it keeps the need it was placed with."""
+    scheduler = make_scheduler("binpack", tpot_slo_ms=50.0, ttft_slo_ms=60_000.0)
+    theta = scheduler.config.binpack_theta
+    pace = 40.0 * theta
+    newcomer = make_request("s", 1200, tpot_slo_ms=60.0, ttft_slo_ms=300.0, expected_output_tokens=2000)
+
+    def ratio(spent_s: float, remaining: float) -> tuple[float, float, float]:
+        legs = _leg(40.0, remaining=remaining, paced=True, spent_s=spent_s, length=840.0)
+        ctx = scheduler.context(_view(scheduler, legs), newcomer)
+        horizon, without = _steps(ctx)
+        return float(ctx.metric("tpot_horizon_over_need")[0]), horizon, without
+
+    # Ahead of its pace (1 s for 100 tokens): the tail's pace now is looser than the one it was set by.
+    value, horizon, without = ratio(1.0, 400.0)
+    tail = (pace * 839 - 1000.0) / 740
+    assert tail > pace and tail >= without
+    assert value == pytest.approx(max(horizon * theta / tail, horizon / 60.0))
+    # Behind it so far that the tail's pace is under its instance's step, but the expected one is not.
+    spent_s = (pace * 839 - (without - 2.0) * 740) / 1000.0
+    value, horizon, _ = ratio(spent_s, 200.0)
+    expected = (without - 2.0) * 740 / 200.0
+    assert value == pytest.approx(max(horizon * theta / expected, horizon / 60.0))
+    # Behind it, the tail's pace tighter than the one it was set by but within its instance's step:
+    # the need it recorded, not the tighter one.
+    assert without < pace
+    behind = (without + pace) / 2.0
+    value, horizon, _ = ratio((pace * 839 - behind * 740) / 1000.0, 400.0)
+    assert value == pytest.approx(max(horizon / 40.0, horizon / 60.0))
+    assert value < horizon * theta / behind
+    # Both out of reach: the need it recorded (not the router's looser TPOT target).
+    value, horizon, _ = ratio(22.0, 400.0)
+    assert value == pytest.approx(horizon / 40.0)

@@ -433,9 +433,12 @@ def test_binpack_keeps_a_residents_tighter_need_when_placing_a_looser_request() 
 def test_the_horizon_is_held_to_the_least_need_of_everyone_on_the_instance(
     legs: list[tuple[int, int, int, float]], own_tpot: float
 ) -> None:
-    """Property of (b): per instance, the ratio is the γ-horizon TPOT over the least of this request's
-    need and its residents' recorded needs; residents never loosen it; binpack places only where it
-    is below θ (or on an empty instance)."""
+    """Property of (b): per instance, the ratio is the largest of the γ-horizon TPOT over this
+    request's need and, for each resident, the mean step over its remainder (the step without the
+    request, plus the request's part of it for the share of the remainder the request's 120 tokens
+    cover) over its recorded need; never above the γ-horizon TPOT over the least need, equal to it
+    where the request outlasts every resident; residents never loosen it; binpack places only where
+    it is below θ (or on an empty instance)."""
     from router.core.columns import ResidentLegs
     from router.core.packing import resident_tpot_need_ms
 
@@ -466,10 +469,19 @@ def test_the_horizon_is_held_to_the_least_need_of_everyone_on_the_instance(
     own = resident_tpot_need_ms(ctx, scheduler.config)
     ratio = ctx.metric("tpot_horizon_over_need")
     horizon = ctx.metric("predicted_tpot_horizon")
+    assert ctx.predictors is not None
+    without = ctx.predictors.decode_step_ms(
+        ctx.view.instances, ctx.metric("decode_batch_size"), ctx.metric("decode_tokens_horizon")
+    )
     for k in range(3):
         i = ctx.view.instances.index[f"d{k}"]
-        needs = [need for j, _, _, need in legs if j == k]
-        assert ratio[i] == pytest.approx(horizon[i] / min([own, *needs]), rel=1e-9)
+        mine = [(r, need) for j, _, r, need in legs if j == k]
+        base = min(without[i], horizon[i])
+        each = [(base + (horizon[i] - base) * min(1.0, 120 / max(r, 1.0))) / need for r, need in mine]
+        assert ratio[i] == pytest.approx(max([horizon[i] / own, *each]), rel=1e-9)
+        assert ratio[i] <= horizon[i] / min([own, *(need for _, need in mine)]) * (1 + 1e-9)
+        if all(r <= 120 for r, _ in mine):
+            assert ratio[i] == pytest.approx(horizon[i] / min([own, *(need for _, need in mine)]), rel=1e-9)
         assert ratio[i] >= float(bare.metric("tpot_horizon_over_need")[i]) - 1e-12
     try:
         decision = scheduler.schedule(ctx.view, request, NOW, dry_run=True)
