@@ -44,17 +44,8 @@ def test_b_holds_a_newcomer_to_its_own_target_not_the_queues_margin_under_theta(
 
 
 def _paced_leg(length: float | None, *, generated: float, remaining: float, spent_s: float) -> ResidentLegs:
-    return ResidentLegs(
-        np.zeros(1, dtype=np.intp),
-        np.array([800.0 + generated]),
-        np.array([remaining]),
-        np.ones(1, dtype=bool),
-        np.array([generated]),
-        np.array([40.0]),  # a deadline's pace of 28 ms over θ = 0.7
-        np.array([True]),
-        np.array([NOW - spent_s]),
-        None if length is None else np.array([length]),
-    )
+    # A deadline's pace of 28 ms over θ = 0.7.
+    return _leg(40.0, remaining=remaining, paced=True, generated=generated, spent_s=spent_s, length=length)
 
 
 def _ctx(scheduler: Scheduler, legs: ResidentLegs) -> DecisionContext:
@@ -106,7 +97,7 @@ def _leg(
     paced: bool = False,
     generated: float = 100.0,
     spent_s: float = 3.0,
-    length: float = math.nan,
+    length: float | None = math.nan,
 ) -> ResidentLegs:
     return ResidentLegs(
         np.zeros(1, dtype=np.intp),
@@ -117,7 +108,7 @@ def _leg(
         np.array([need]),
         np.array([paced]),
         np.array([NOW - spent_s]),
-        np.array([length]),
+        None if length is None else np.array([length]),
     )
 
 
