@@ -222,3 +222,31 @@ def test_the_room_kept_for_the_tightest_class_follows_the_odds_of_the_looser_pul
 
     assert not pull(600.0)
     assert pull(3.1)
+
+
+def test_a_tighter_request_whose_class_has_no_finished_answer_keeps_the_default_tpot_as_its_pace() -> None:
+    # Four 600 s requests run on growing_model; x (15 s, 2,000 tokens at most) joins them. Nothing of its
+    # class has finished, so its answer is taken at all 2,000 tokens, which even an idle instance (10 ms
+    # a step) cannot decode in 15 s. That cap is no sign of a lost cause: x keeps the default TPOT (50
+    # ms) as its pace, and a 600 s pull that can wait (the batch of six would run 60 ms) waits. Judged
+    # lost, x bounded nothing and the pull went ahead.
+    def queue(learned: bool) -> QlmQueue:
+        q = QlmQueue(QlmConfig(eviction="off"), [growing_model()], 6000.0, 50.0)
+        if learned:
+            q.stats.observe("api", 1900, 2000)
+            q.stats.observe("api", 2000, 2000)
+        for k in range(4):
+            assert pulled(q, e2e(f"l{k}", 600.0, arrival=0.0), 0.0)
+        assert pulled(q, e2e("x", 15.0, arrival=0.0, out=2000, cls="api"), 0.0)
+        return q
+
+    q = queue(learned=False)
+    x = next(r for r in q.running[0].values() if r.request_id == "x")
+    assert x.pace_s == 0.05
+    assert not pulled(q, e2e("r", 600.0, arrival=0.0), 0.0)
+    # Once the class's answers are learned and x still misses at its mean on an idle instance, it is a
+    # lost cause: it bounds nothing, and the pull goes ahead.
+    q = queue(learned=True)
+    x = next(r for r in q.running[0].values() if r.request_id == "x")
+    assert x.pace_s == float("inf")
+    assert pulled(q, e2e("r", 600.0, arrival=0.0), 0.0)
