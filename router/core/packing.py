@@ -595,8 +595,8 @@ def _tpot_horizon_over_need(ctx: DecisionContext, config: SchedulerConfig) -> Fl
     remainder), each resident is judged over its own remaining output
     (:func:`residents_step_over_need`): ATGT is a mean over a request's decode,
     and a newcomer shares only part of it (a 40-token answer beside a draft
-    with 500 tokens to go), and a deadline-paced resident needs the pace its
-    deadline leaves it now, not the one it was placed with.
+    with 500 tokens to go), and a deadline-paced resident ahead of its pace
+    may use the slack its deadline leaves it now (:func:`legs_need_now`).
     """
     horizon = ctx.metric("predicted_tpot_horizon")
     need = residents_tpot_need(ctx, config.tpot_slo_ms)
