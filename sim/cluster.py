@@ -1067,6 +1067,10 @@ class _Simulation:
 
     # ------------------------------------------------------------------ requests
 
+    def _burst_goes_on(self, idx: int, now: float) -> bool:
+        """Whether another request arrives at ``now`` after request ``idx`` (its burst's pass waits for it)."""
+        return idx + 1 < len(self.plans) and self.plans[idx + 1].arrival_s <= now
+
     def _arrive(self, idx: int, now: float) -> None:
         plan = self.plans[idx]
         r = self.reqs[idx]
@@ -1084,10 +1088,10 @@ class _Simulation:
                 f"max_model_len={self.admit_len}, the longest of the fleet",
                 now,
             )
-            if self.dispatcher.coalesce_arrivals and idx > 0 and self.plans[idx - 1].arrival_s == now:
-                burst = idx + 1 < len(self.plans) and self.plans[idx + 1].arrival_s <= now
-                if not burst:  # the burst's pass would have come with this, its last arrival
-                    self._handle(ViewChanged(), now)
+            # The burst's pass would have come with this, its last arrival.
+            in_burst = idx > 0 and self.plans[idx - 1].arrival_s == now
+            if self.dispatcher.coalesce_arrivals and in_burst and not self._burst_goes_on(idx, now):
+                self._handle(ViewChanged(), now)
             return
         pooled = False
         if self.oracle_lengths:
@@ -1140,12 +1144,10 @@ class _Simulation:
             self.refused[idx] = True
             self._fail(r, status_name(exc), str(exc), now)
             return
-        if dispatcher.coalesce_arrivals:
-            # Arrivals at the same instant are one burst, offered in one pass (the router's driver
-            # coalesces a burst's passes with call_soon the same way).
-            burst = idx + 1 < len(self.plans) and self.plans[idx + 1].arrival_s <= now
-            if not burst:
-                self._handle(ViewChanged(), now)
+        # Arrivals at the same instant are one burst, offered in one pass (the router's driver
+        # coalesces a burst's passes with call_soon the same way).
+        if dispatcher.coalesce_arrivals and not self._burst_goes_on(idx, now):
+            self._handle(ViewChanged(), now)
         if r.waiting:
             self.queued += 1
 
