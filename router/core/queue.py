@@ -1187,6 +1187,23 @@ class RouterQueue:
             entry.late_until_s = max(now_s, entry.deadline_s) + self.config.late_allowance * span_ms * 1e-3
         self._index(entry)
 
+    def refusal_s(self, entry: QueueEntry) -> float:
+        """When ``entry``, still waiting, is refused for lateness (s; inf: never): its late allowance's
+        end (:meth:`mark_late`, from its TTFT deadline, when :func:`offer` finds it overdue), or that
+        deadline itself when a late request is refused at once (``late_policy=reject``, objective g).
+        The sa plan prices a request it would start after this as refused (:mod:`router.core.sa`)."""
+        if entry.late:
+            return entry.late_until_s
+        if self.config.late is LatePolicy.REJECT or self.config.objective is Objective.G:
+            return entry.ttft_deadline_s
+        request = entry.request
+        only_e2e = request.e2e_slo_ms > 0 and request.ttft_slo_ms == 0 and request.tpot_slo_ms == 0
+        if only_e2e:
+            span_ms = request.e2e_slo_ms
+        else:
+            span_ms = resolve_targets(request, self.default_ttft_ms, self.default_tpot_ms).full_ttft_ms
+        return max(entry.ttft_deadline_s, entry.deadline_s) + self.config.late_allowance * span_ms * 1e-3
+
     def lapsed(self, now_s: float) -> list[QueueEntry]:
         """Remove and return the late entries whose late allowance ended (see :meth:`mark_late`)."""
         out: list[QueueEntry] = []

@@ -40,7 +40,11 @@ order's start takes its best uniform batch size, and when it meets every
 target its best split into batches (:func:`best_split`); a run that cannot
 afford the whole schedule within its time budget keeps the temperatures and
 takes fewer moves per level; the best solution is polished by hill climbing
-while the budget lasts (:func:`_polish`).
+while the budget lasts (:func:`_polish`); a request already lost that a plan
+starts after the router queue would refuse it is priced as that refusal (its
+wait until then in G's sum, no slot held), the e2e latency G then measures,
+since the paper's engines serve every request and this router's queue does not
+(:func:`jobs_for`).
 """
 
 from __future__ import annotations
@@ -107,12 +111,17 @@ class Job:
     at which it still meets its targets in a batch of ``b`` (-inf: never, e.g.
     its TPOT target fails at that size). ``cost_ms[b]``: its e2e latency when
     its batch starts at once (waited so far + execution). ``exec_ms[b]``: its
-    execution time, which sets its batch's duration.
+    execution time, which sets its batch's duration. ``refuse_ms``: the
+    latest start of its batch before the router queue refuses it unserved
+    (inf: never); planned to start later, it is refused then, holds no slot and
+    adds ``refused_ms`` (its e2e latency at its refusal) to G's sum.
     """
 
     exec_ms: tuple[float, ...]
     cost_ms: tuple[float, ...]
     slack_ms: tuple[float, ...]
+    refuse_ms: float = math.inf
+    refused_ms: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -152,14 +161,22 @@ def evaluate(
 class _Columns:
     """The jobs' figures by batch size, then job (the annealer's hot loop reads them without attribute lookups)."""
 
-    __slots__ = ("cost", "exec", "slack")
+    __slots__ = ("cost", "exec", "refuse", "refused", "slack")
 
     def __init__(
-        self, exec_ms: list[list[float]], cost_ms: list[list[float]], slack_ms: list[list[float]]
+        self,
+        exec_ms: list[list[float]],
+        cost_ms: list[list[float]],
+        slack_ms: list[list[float]],
+        refuse_ms: list[float] | None = None,
+        refused_ms: list[float] | None = None,
     ) -> None:
         self.exec = exec_ms
         self.cost = cost_ms
         self.slack = slack_ms
+        n = len(exec_ms[0]) if exec_ms else 0
+        self.refuse = refuse_ms if refuse_ms is not None else [math.inf] * n
+        self.refused = refused_ms if refused_ms is not None else [0.0] * n
 
     @classmethod
     def of(cls, jobs: Sequence[Job], cap: int) -> _Columns:
@@ -168,6 +185,8 @@ class _Columns:
             [[j.exec_ms[b] if b else 0.0 for j in jobs] for b in sizes],
             [[j.cost_ms[b] if b else 0.0 for j in jobs] for b in sizes],
             [[j.slack_ms[b] if b else 0.0 for j in jobs] for b in sizes],
+            [j.refuse_ms for j in jobs],
+            [j.refused_ms for j in jobs],
         )
 
     def evaluate(
@@ -177,18 +196,21 @@ class _Columns:
         met = 0
         total = 0.0
         pos = 0
-        exec_, cost, slack = self.exec, self.cost, self.slack
+        exec_, cost, slack, refuse, refused = self.exec, self.cost, self.slack, self.refuse, self.refused
         for b in sizes:
             eb, cb, sb = exec_[b], cost[b], slack[b]
             duration = 0.0
             for i in order[pos : pos + b]:
+                if wait > refuse[i]:
+                    # Still queued when the queue refuses it: it never runs (see Job).
+                    total += refused[i]
+                    continue
                 e = eb[i]
                 if e > duration:
                     duration = e
-                total += cb[i]
+                total += cb[i] + wait
                 if sb[i] >= wait:
                     met += 1
-            total += wait * b
             wait += duration
             pos += b
         return (met * 1e3 / total if total > 0 else 0.0), met, total
@@ -500,6 +522,9 @@ def exhaustive(jobs: Sequence[Job], cap: int, *, start_ms: float = 0.0, limit: i
                 t = total
                 for i in batch:
                     job = jobs[i]
+                    if wait > job.refuse_ms:
+                        t += job.refused_ms
+                        continue
                     duration = max(duration, job.exec_ms[b])
                     t += job.cost_ms[b] + wait
                     if job.slack_ms[b] >= wait:
@@ -755,6 +780,7 @@ def jobs_for(
     outputs: Sequence[float] | None = None,
     bounds: Sequence[float] | None = None,
     unknown: Sequence[bool] | None = None,
+    refusals_s: Sequence[float] | None = None,
 ) -> list[Job]:
     """The annealer's view of ``requests`` on an instance predicted by ``predictor`` (see the module doc).
 
@@ -771,7 +797,9 @@ def jobs_for(
     bound: how long its batch holds the instance (the wait it imposes on the
     batches after it) and whether it meets its own targets; its latency in
     G's sum stays at the typical length. A plan then only counts a request on
-    time if it is on time when the requests ahead run long.
+    time if it is on time when the requests ahead run long. ``refusals_s``: when
+    the router queue will refuse each request if it is still waiting (its late
+    allowance: :meth:`router.core.queue.RouterQueue.refusal_s`; inf: never).
     """
     n = len(requests)
     if n == 0:
@@ -831,8 +859,30 @@ def jobs_for(
     exec_rows = np.hstack([head, exec_ms]).tolist()
     cost_rows = np.hstack([head, typical_ms + w]).tolist()
     slack_rows = np.hstack([np.full((n, 1), -math.inf), slack]).tolist()
+    if refusals_s is None:
+        return [
+            Job(tuple(e), tuple(c), tuple(sl))
+            for e, c, sl in zip(exec_rows, cost_rows, slack_rows, strict=True)
+        ]
+    # A request already lost (it misses its targets even started now, alone, at its typical length) that
+    # the plan starts after the queue has refused it never runs: its latency in G's sum is its wait
+    # until that refusal, and it holds no slot. Priced as served instead (its wait and execution, its
+    # batch's duration), it was worth starting before a request that waits well within its target
+    # (SPT), and the plan spent the engine on it (docs/papers.md, seed 000, session 21). A request
+    # that can still meet its targets keeps its served price: its "lost" later in a plan is judged at
+    # the length bound, which a pessimistic bound would turn into refusals of requests the engine meets.
+    own = (
+        np.where(np.asarray(unknown, dtype=bool), prefill[:, 0], typical_ms[:, 0])
+        if unknown
+        else typical_ms[:, 0]
+    )
+    lost = (e2e - waited - own < 0) | (~e2e_only & (ttft_target - waited - prefill[:, 0] < 0))
+    refuse = [
+        max(t - now_s, 0.0) * 1e3 if gone else math.inf for t, gone in zip(refusals_s, lost, strict=True)
+    ]
     return [
-        Job(tuple(e), tuple(c), tuple(sl)) for e, c, sl in zip(exec_rows, cost_rows, slack_rows, strict=True)
+        Job(tuple(e), tuple(c), tuple(sl), rf, float(wt) + rf if math.isfinite(rf) else 0.0)
+        for e, c, sl, rf, wt in zip(exec_rows, cost_rows, slack_rows, refuse, waited, strict=True)
     ]
 
 
@@ -1264,6 +1314,7 @@ class SAPlanner:
                 [self.lengths.typical(r) for r in requests],
                 [self.lengths.bound(r) for r in requests],
                 [self.lengths.unknown(r) for r in requests],
+                [queue.refusal_s(e) for e in group],
             )
             # The budget covers the costing too (modeled in the simulator).
             spent = time.perf_counter() - started if self._modeled is None else modeled_costing_s(len(jobs))

@@ -120,6 +120,33 @@ def test_deferring_an_unreachable_request_raises_g() -> None:
     assert plan.g == pytest.approx(brute_force(jobs, 1))
 
 
+def test_a_request_started_after_the_queue_refuses_it_is_priced_as_refused() -> None:
+    # A lost request (never met) that the queue refuses 0.5 s from now, 2 s after it arrived: started at
+    # once it runs 1 s and its e2e is its 1 s wait plus that; planned after the 3 s request it is refused
+    # unserved at 2 s and holds no slot. Priced as served behind it, it would have gone first (SPT).
+    lost = replace(job([1000.0], [-INF], waited_ms=1500.0), refuse_ms=500.0, refused_ms=2000.0)
+    other = job([3000.0], [20000.0])
+    assert evaluate([lost, other], (0, 1), (1, 1))[1:] == (1, pytest.approx(2500.0 + 4000.0))
+    assert evaluate([lost, other], (1, 0), (1, 1))[1:] == (1, pytest.approx(3000.0 + 2000.0))
+    served = replace(lost, refuse_ms=INF)
+    assert evaluate([served, other], (1, 0), (1, 1))[2] == pytest.approx(3000.0 + 5500.0)
+    for plan in (
+        exhaustive([lost, other], 1),
+        anneal([lost, other], 1, AnnealParams(budget_s=None), random.Random(0)),
+    ):
+        assert plan.order == (1, 0) and plan.total_ms == pytest.approx(5000.0)
+    assert anneal([served, other], 1, AnnealParams(budget_s=None), random.Random(0)).order == (0, 1)
+    # In a batch, a refused member adds nothing to the batch's duration.
+    pair = [
+        replace(job([1000.0, 9000.0], [-INF, -INF]), refuse_ms=0.0, refused_ms=100.0),
+        job([500.0, 800.0], [INF, INF]),
+    ]
+    tail = job([3000.0, 3500.0], [INF, INF])
+    assert evaluate([*pair, tail], (0, 1, 2), (2, 1), start_ms=10.0)[2] == pytest.approx(
+        100.0 + 810.0 + 3810.0
+    )
+
+
 def test_the_latency_order_is_taken_at_once_when_it_meets_every_target() -> None:
     jobs = [job([3000.0], [20000.0]), job([1000.0], [20000.0]), job([2000.0], [20000.0])]
     plan = anneal(jobs, 1, AnnealParams(budget_s=None), random.Random(0))
@@ -367,6 +394,67 @@ def test_a_request_of_unknown_length_is_not_given_up_for_its_cap() -> None:
     other = job([500.0, 600.0], [20000.0, 20000.0])
     assert evaluate([unknown, other], (0, 1), (1, 1))[1] == 2
     assert evaluate([known, other], (0, 1), (1, 1))[1] == 1
+
+
+def test_only_a_request_already_lost_is_priced_at_its_refusal() -> None:
+    # Given when the queue refuses each request, jobs_for prices a request at that refusal only when it
+    # misses its targets even started now, alone, at its typical length (a compose due in 7 s that has
+    # waited 8, a lookup past its TTFT); a request still on time keeps its served price, whatever its
+    # bound says of later starts.
+    predictor = make_predictor()
+    late = ScheduleInput("c", prompt_tokens=200, e2e_slo_ms=7000.0, max_tokens=200, arrival_s=0.0)
+    fresh = replace(late, request_id="f", arrival_s=7.5)
+    lookup = ScheduleInput(
+        "l", prompt_tokens=800, ttft_slo_ms=700.0, tpot_slo_ms=60.0, max_tokens=40, arrival_s=7.0
+    )
+    requests = [late, fresh, lookup]
+    refusals = [14.0, 21.5, 8.4]
+    jobs = jobs_for(requests, predictor, 1, 8.0, [0.0] * 3, 1000.0, 50.0, 2048.0, refusals_s=refusals)
+    c, f, lk = jobs
+    assert c.refuse_ms == pytest.approx(6000.0) and c.refused_ms == pytest.approx(14000.0)
+    assert lk.refuse_ms == pytest.approx(400.0) and lk.refused_ms == pytest.approx(1400.0)
+    assert f.refuse_ms == INF
+    # Without refusal times (or for the exact search's reference) nothing changes.
+    assert all(
+        j.refuse_ms == INF for j in jobs_for(requests, predictor, 1, 8.0, [0.0] * 3, 1000.0, 50.0, 2048.0)
+    )
+
+
+def test_the_queue_says_when_a_waiting_request_is_refused_for_lateness() -> None:
+    # Under late_policy=serve: the end of its late allowance past its deadline (an e2e-only request: its
+    # e2e target past its completion deadline; the others: their TTFT past the TTFT deadline); once
+    # late, its recorded moment; with late_policy=reject, its TTFT deadline.
+    queue = RouterQueue(QueueConfig(), 1000.0, 50.0)
+    compose = queue.push(ScheduleInput("c", prompt_tokens=200, e2e_slo_ms=7000.0, arrival_s=10.0), 10.0)[0]
+    lookup = queue.push(
+        ScheduleInput("l", prompt_tokens=800, ttft_slo_ms=700.0, tpot_slo_ms=60.0, arrival_s=10.0), 10.0
+    )[0]
+    assert queue.refusal_s(compose) == pytest.approx(24.0)
+    assert queue.refusal_s(lookup) == pytest.approx(11.4)
+    queue.mark_late("l", 11.0)
+    assert queue.refusal_s(lookup) == pytest.approx(11.7) == lookup.late_until_s
+    strict = RouterQueue(QueueConfig(late_policy="reject"), 1000.0, 50.0)
+    entry = strict.push(
+        ScheduleInput("l", prompt_tokens=800, ttft_slo_ms=700.0, tpot_slo_ms=60.0, arrival_s=10.0), 10.0
+    )[0]
+    assert strict.refusal_s(entry) == pytest.approx(entry.ttft_deadline_s) == pytest.approx(10.7)
+
+
+def test_a_lost_request_waits_for_its_refusal_behind_one_still_on_time() -> None:
+    # One slot, two requests that waited 10 s: a compose due in 7 s that runs ~5 s (lost: the queue, which
+    # finds it late on this pass, refuses it 7 s from now) and a digest due in 60 s that runs ~36 s.
+    # Priced as served, the lost compose went first (the smaller latency sum) and held the engine; priced
+    # at its refusal (17 s of latency, against 10 + 5 of its own and 5 more for the digest), the digest
+    # starts now.
+    config = QueueConfig(queue_policy="sa", sa_max_batch=1)
+    queue = RouterQueue(config, 1000.0, 50.0, SAPlanner(config))
+    arrived = NOW - 10.0
+    queue.push(make_request("compose", 200, arrival_s=arrived, e2e_slo_ms=7000.0, max_tokens=400), arrived)
+    queue.push(make_request("digest", 2000, arrival_s=arrived, e2e_slo_ms=60000.0, max_tokens=1000), arrived)
+    scheduler = make_scheduler()
+    snapshot = make_snapshot(inst("n0"))
+    offers = list(offer(queue, scheduler, lambda: snapshot, NOW))
+    assert [o.entry.request_id for o in offers if o.verdict is Verdict.DISPATCH] == ["digest"]
 
 
 def test_a_length_is_unknown_until_its_task_type_has_answers_or_a_hint() -> None:
