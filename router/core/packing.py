@@ -942,7 +942,9 @@ def _prefill_over_atgt_slack_paced(ctx: DecisionContext, config: SchedulerConfig
     return _stall_over_slack(ctx, config, paced_behind_bounds=True)
 
 
-def _stall_over_slack(ctx: DecisionContext, config: SchedulerConfig, *, paced_behind_bounds: bool) -> FloatArray:
+def _stall_over_slack(
+    ctx: DecisionContext, config: SchedulerConfig, *, paced_behind_bounds: bool
+) -> FloatArray:
     stall = prefill_stall_ms(ctx)
     slack = atgt_slack_ms(
         ctx, config.tpot_slo_ms, live_theta(ctx, config), paced_behind_bounds=paced_behind_bounds
