@@ -931,9 +931,9 @@ def _prefill_over_atgt_slack_paced(ctx: DecisionContext, config: SchedulerConfig
     length and still make their deadline at the step their instance runs at, unless prompt after
     prompt joins its steps. Unbounded, it opened its instance to every prompt, and best fit sends
     prompts to the fullest instance: on 64 neutral instances (`mixed`, seed 17, 12 req/s) binpack
-    kept 12 busy and missed 27 of 125 code deadlines (94.3 %; JSQ missed 4), 10 of them answers
-    within their cautious length run at 29-41 ms a token against paces of 23-29 ms, and `plan`
-    found no fleet of at most 64 meeting 95 %. Where every instance holds such a leg or is closed
+    kept 12 busy and missed 27 of 125 code deadlines (94.3 %; JSQ missed 4), 8 of them answers
+    within their cautious length paced at 23-29 ms a token that ran at 30-41 ms, and `plan` found
+    no fleet of at most 64 meeting 95 %. Where every instance holds such a leg or is closed
     otherwise, the fallback places as ``prefill_over_atgt_slack`` does: held in every pass (the
     summaries of 4 neutral at 24k, `mixed`, 10 req/s, waited behind such legs until they ended).
     """
