@@ -424,6 +424,16 @@ def _binpack(config: SchedulerConfig) -> dict[str, Any]:
             kv,
             horizon,
             _atgt_slack(config, **hard),
+            # (d) with a deadline-paced resident behind its pace bounding its instance, as the
+            # paper's (d) bounds every ongoing request: the prompt goes to another bin (an empty
+            # instance passes). Dropped from fallback pass 1 on (packing docstring).
+            _atgt_slack(
+                config,
+                metric="prefill_over_atgt_slack_paced",
+                label="atgt_slack_paced",
+                relax_pass=1,
+                **hard,
+            ),
             "failover",
         ],
         # Best fit by the KV over life of all it holds, its prompts in prefill included

@@ -193,11 +193,11 @@ def test_the_simulators_resident_legs_carry_the_marker_and_the_first_token(
     seen: list[tuple[float, ResidentLegs]] = []
     real = packing.atgt_slack_ms
 
-    def spy(ctx: DecisionContext, tpot_target_ms: float, theta: float = 1.0) -> np.ndarray:
+    def spy(ctx: DecisionContext, tpot_target_ms: float, theta: float = 1.0, **kwargs: bool) -> np.ndarray:
         legs = ctx.view.resident_legs()
         if legs is not None and len(seen) < 400:
             seen.append((ctx.view.now_s, legs))
-        return real(ctx, tpot_target_ms, theta)
+        return real(ctx, tpot_target_ms, theta, **kwargs)
 
     monkeypatch.setattr(packing, "atgt_slack_ms", spy)
     workload = load_workload("code=0.5,chat=0.5")
