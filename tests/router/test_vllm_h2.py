@@ -58,6 +58,9 @@ class ScriptedEngine(vllm_pb2_grpc.VllmEngineServicer):  # type: ignore[misc]
         n_prompt = len(request.tokenized.input_ids)
         self.prompts[rid] = n_prompt
         count = request.sampling_params.max_tokens
+        # A client's cancel that lands while grpc sends a message cancels grpc's task there, outside
+        # this generator (left suspended until it is collected): the call's end is what says so.
+        context.add_done_callback(lambda ctx: self.cancelled.add(rid) if ctx.cancelled() else None)
         try:
             if rid.startswith("refuse"):
                 await context.abort(grpc.StatusCode.NOT_FOUND, "kv handle gone: 100% ✓")
