@@ -1178,14 +1178,19 @@ class RouterQueue:
         self._unindex(entry)
         entry.late = True
         if now_s is not None:
-            request = entry.request
-            only_e2e = request.e2e_slo_ms > 0 and request.ttft_slo_ms == 0 and request.tpot_slo_ms == 0
-            if only_e2e:
-                span_ms = request.e2e_slo_ms
-            else:
-                span_ms = resolve_targets(request, self.default_ttft_ms, self.default_tpot_ms).full_ttft_ms
-            entry.late_until_s = max(now_s, entry.deadline_s) + self.config.late_allowance * span_ms * 1e-3
+            entry.late_until_s = max(now_s, entry.deadline_s) + self._late_allowance_s(entry)
         self._index(entry)
+
+    def _late_allowance_s(self, entry: QueueEntry) -> float:
+        """How long past its deadline a late ``entry`` may still be served: ``late_allowance`` of its
+        TTFT target, or of its e2e target for a request judged by that alone (see :meth:`mark_late`)."""
+        request = entry.request
+        only_e2e = request.e2e_slo_ms > 0 and request.ttft_slo_ms == 0 and request.tpot_slo_ms == 0
+        if only_e2e:
+            span_ms = request.e2e_slo_ms
+        else:
+            span_ms = resolve_targets(request, self.default_ttft_ms, self.default_tpot_ms).full_ttft_ms
+        return self.config.late_allowance * span_ms * 1e-3
 
     def refusal_s(self, entry: QueueEntry) -> float:
         """When ``entry``, still waiting, is refused for lateness (s; inf: never): its late allowance's
@@ -1196,13 +1201,7 @@ class RouterQueue:
             return entry.late_until_s
         if self.config.late is LatePolicy.REJECT or self.config.objective is Objective.G:
             return entry.ttft_deadline_s
-        request = entry.request
-        only_e2e = request.e2e_slo_ms > 0 and request.ttft_slo_ms == 0 and request.tpot_slo_ms == 0
-        if only_e2e:
-            span_ms = request.e2e_slo_ms
-        else:
-            span_ms = resolve_targets(request, self.default_ttft_ms, self.default_tpot_ms).full_ttft_ms
-        return max(entry.ttft_deadline_s, entry.deadline_s) + self.config.late_allowance * span_ms * 1e-3
+        return max(entry.ttft_deadline_s, entry.deadline_s) + self._late_allowance_s(entry)
 
     def lapsed(self, now_s: float) -> list[QueueEntry]:
         """Remove and return the late entries whose late allowance ended (see :meth:`mark_late`)."""
