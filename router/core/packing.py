@@ -725,7 +725,17 @@ def prefill_stall_ms(ctx: DecisionContext) -> FloatArray:
     """Per instance: the prefill time its queued prompts and this request's prompt will put between
     the next decode steps (the backlog ``prefill_backlog_tokens + p`` as full chunks and a tail,
     each chunk's prefill part only; times the calibrated TTFT factor when there is one). ``p`` is the
-    uncached part of the prompt there (``prompt_compute_tokens``)."""
+    uncached part of the prompt there (``prompt_compute_tokens``). Computed once per decision: (d),
+    its paced form and the residents' predicted step all read it."""
+    stall: FloatArray = ctx.memo(_PREFILL_STALL, lambda: _prefill_stall_ms(ctx))
+    return stall
+
+
+#: The :meth:`DecisionContext.memo` key of :func:`prefill_stall_ms`.
+_PREFILL_STALL = object()
+
+
+def _prefill_stall_ms(ctx: DecisionContext) -> FloatArray:
     predictors = ctx.predictors
     table = ctx.view.instances
     if predictors is None:
@@ -828,9 +838,29 @@ def atgt_slack_ms(
         slack: FloatArray = np.maximum(mean, 1.0) * spare_new
         return slack
     out: FloatArray = np.full(n, np.inf)
-    started = legs.started
-    if not np.any(started):
+    if not np.any(legs.started):
         return out
+    # ``binpack`` reads (d) twice per decision (with and without ``paced_behind_bounds``): the legs'
+    # budgets are the same for both, so they are computed once.
+    at, budget, paced = ctx.memo(
+        (_LEG_BUDGETS, tpot_target_ms, theta), lambda: _leg_budgets(ctx, legs, tpot_target_ms, theta)
+    )
+    lost = np.where(paced, 0.0, np.inf) if paced_behind_bounds else np.inf
+    budget = np.where(budget > 0, budget, lost)
+    np.minimum.at(out, at, budget)
+    return out
+
+
+#: The :meth:`DecisionContext.memo` key of :func:`_leg_budgets` (with the TPOT target and θ).
+_LEG_BUDGETS = object()
+
+
+def _leg_budgets(
+    ctx: DecisionContext, legs: ResidentLegs, tpot_target_ms: float, theta: float
+) -> tuple[IntArray, FloatArray, BoolArray]:
+    """:func:`atgt_slack_ms` per started leg: its instance, its ATGT budget (ms, any sign) and whether it
+    is deadline-paced."""
+    started = legs.started
     at = legs.instance[started]
     target: FloatArray | float = tpot_target_ms
     if legs.tpot_need_ms is not None:
@@ -894,10 +924,7 @@ def atgt_slack_ms(
                 exact = exact + target * beyond
             saved = np.where(np.isfinite(spent), exact, saved)
         budget = budget + saved
-    lost = np.where(paced, 0.0, np.inf) if paced_behind_bounds else np.inf
-    budget = np.where(budget > 0, budget, lost)
-    np.minimum.at(out, at, budget)
-    return out
+    return at, budget, paced
 
 
 @_register("prefill_over_atgt_slack", MetricScope.DECISION)
