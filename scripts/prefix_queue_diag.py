@@ -59,8 +59,10 @@ runs: list[dict[str, Any]] = []
 hopeless_ahead: list[float] = []
 
 
-def _hopeless_watched(drain: Any, request: Any, targets: Any, tokens_ahead: float, now_s: float) -> Any:
-    why = _hopeless(drain, request, targets, tokens_ahead, now_s)
+def _hopeless_watched(
+    drain: Any, request: Any, targets: Any, tokens_ahead: float, now_s: float, entries_ahead: Any = None
+) -> Any:
+    why = _hopeless(drain, request, targets, tokens_ahead, now_s, entries_ahead)
     if why is not None:
         hopeless_ahead.append(tokens_ahead)
     return why

@@ -156,7 +156,7 @@ from router.core.prefix import ExactPrefixIndex, PrefixRouting
 from router.core.qlm import QlmConfig
 from router.core.queue import QueueConfig
 from router.core.request import Mode, Role, ScheduleInput, Targets
-from router.core.scheduler import Scheduler
+from router.core.scheduler import Scheduler, cached_at
 from router.core.slicing import SliceConfig
 from router.core.theta import ThetaFit
 from router.core.worker_count import Desired, DesiredInstances
@@ -382,6 +382,7 @@ class _Req:
 
     __slots__ = (
         "base",
+        "cached",
         "capped",
         "decode",
         "done_s",
@@ -443,6 +444,9 @@ class _Req:
         self.tpot_paced = False
         #: For a paced need, the output length its pace spreads the deadline over (nan: none).
         self.paced_tokens = math.nan
+        #: Prompt tokens the router counted cached where its colocated resident leg was placed (0: none
+        #: counted, a PD leg, or a leg placed again after a pause or an eviction).
+        self.cached = 0
 
 
 def finished_result(
@@ -1301,6 +1305,7 @@ class _Simulation:
         p = r.prefill = index[decision.prefill.instance_id]
         d = r.decode = index[decision.decode.instance_id]
         if r.tokens:
+            r.cached = 0
             # A run that continues where it paused this very moment never left its engine (see _resume).
             goes_on = continues and r.paused_at == now and previous == d
             self._resume(idx, r, plan, d, now, cap, cached=self._cached(r, previous, d, now), goes_on=goes_on)
@@ -1310,6 +1315,8 @@ class _Simulation:
         r.tpot_need_ms, r.tpot_paced, r.paced_tokens = resident_tpot_pacing(
             decision.context, self.scheduler.config
         )
+        neutral = decision.mode is Mode.NEUTRAL
+        r.cached = cached_at(decision.context, decision.prefill.instance_id) if neutral else 0
         limit = min(self.fleet.configs[p].max_model_len, self.fleet.configs[d].max_model_len)
         if plan.prompt_tokens + plan.max_tokens > limit:
             self._fail(
@@ -1320,7 +1327,6 @@ class _Simulation:
             )
             return
         rid = str(idx)
-        neutral = decision.mode is Mode.NEUTRAL
         out = r.out = self._true_length(idx, d)
         hashes = self.block_hashes[idx]
         # Engine truth below (the engine ends a one-token answer at its first token, so a PD
@@ -1558,11 +1564,14 @@ class _Simulation:
         paced: list[bool] = []
         first_token: list[float] = []
         paced_tokens: list[float] = []
+        hits: list[float] = []
         reqs = self.reqs
         for i in range(len(self.resident_on)):
             on = self.resident_on[i]
             prompts = [prompt for prompt, _ in on.values()]
-            for (cur, rem, decoding), prompt, idx in zip(self._legs_on(i, now), prompts, on, strict=True):
+            for (cur, rem, decoding, hit), prompt, idx in zip(
+                self._legs_on(i, now), prompts, on, strict=True
+            ):
                 instance.append(i)
                 context.append(cur)
                 remaining.append(rem)
@@ -1573,6 +1582,7 @@ class _Simulation:
                 paced_tokens.append(reqs[idx].paced_tokens)
                 first = reqs[idx].first_s
                 first_token.append(first if decoding and first >= 0 else np.nan)
+                hits.append(hit)
         found = ResidentLegs(
             np.array(instance, dtype=np.intp),
             np.array(context, dtype=np.float64),
@@ -1583,6 +1593,7 @@ class _Simulation:
             np.array(paced, dtype=bool),
             np.array(first_token, dtype=np.float64),
             np.array(paced_tokens, dtype=np.float64),
+            np.array(hits, dtype=np.float64),
         )
         self.legs_cache = (key, found)
         return found
@@ -1597,12 +1608,14 @@ class _Simulation:
         rids = self.rids
         progress = self.cores[i].decode_progress_many([rids[idx] for idx in legs])
         out: LegList = []
+        reqs = self.reqs
         if self.oracle_lengths:
-            for (prompt, final), found in zip(legs.values(), progress, strict=True):
+            for (idx, (prompt, final)), found in zip(legs.items(), progress, strict=True):
+                cached = float(reqs[idx].cached)
                 if found is None:
-                    out.append((float(prompt), float(max(final - prompt, 0)), False))
+                    out.append((float(prompt), float(max(final - prompt, 0)), False, cached))
                 else:
-                    out.append((float(found[0] + s), float(max(found[1] - s, 0)), found[2]))
+                    out.append((float(found[0] + s), float(max(found[1] - s, 0)), found[2], cached))
             return out
         # What the router can know: the tokens streamed so far, and its length predictor (asked
         # once for all the legs that are running).
@@ -1617,11 +1630,12 @@ class _Simulation:
                 [caps[idx] for idx in running],
             )
         )
-        for (prompt, final), found in zip(legs.values(), progress, strict=True):
+        for (idx, (prompt, final)), found in zip(legs.items(), progress, strict=True):
+            cached = float(reqs[idx].cached)
             if found is None:
-                out.append((float(prompt), float(max(final - prompt, 0)), False))
+                out.append((float(prompt), float(max(final - prompt, 0)), False, cached))
             else:
-                out.append((float(found[0] + s), next(remaining), found[2]))
+                out.append((float(found[0] + s), next(remaining), found[2], cached))
         return out
 
     def _inflight(self, i: int, sign: int, prompt_tokens: int) -> None:
@@ -1715,7 +1729,7 @@ class _Simulation:
             if not legs:
                 continue
             total = 0.0
-            for (idx, (prompt, _)), (context, remaining, _started) in zip(
+            for (idx, (prompt, _)), (context, remaining, _started, _cached) in zip(
                 list(legs.items()), self._legs_on(i, now), strict=True
             ):
                 final = context + remaining

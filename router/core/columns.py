@@ -261,10 +261,17 @@ class ResidentLegs(NamedTuple):
     #: the length predictor's cautious bound, or the expected length). nan where the leg is not
     #: paced or the length is not known; None when the source records none.
     paced_tokens: FloatArray | None = None
+    #: Tokens of each leg's prompt its instance's prefix cache held when the leg was placed there (the
+    #: decision's count; 0 where none was counted or the KV came from another instance). Blocks a
+    #: prompt shares with other requests are held once in the engine's KV however many reference
+    #: them, so the exact KV peak counts only the rest of a started leg's context as its own. None
+    #: when the source records none.
+    cached: FloatArray | None = None
 
 
-#: One instance's resident legs: (context now, output still expected, started) each.
-LegList = list[tuple[float, float, bool]]
+#: One instance's resident legs: (context now, output still expected, started, prompt tokens cached
+#: at placement) each.
+LegList = list[tuple[float, float, bool, float]]
 
 
 class ResidentSource(Protocol):
@@ -292,8 +299,10 @@ class StaticResidents:
     def legs_on(self, index: int) -> LegList:
         instance, context, remaining, started = self.known[:4]
         mine = instance == index
+        cached = self.known.cached
+        shared = cached[mine].tolist() if cached is not None else [0.0] * int(mine.sum())
         return list(
-            zip(context[mine].tolist(), remaining[mine].tolist(), started[mine].tolist(), strict=True)
+            zip(context[mine].tolist(), remaining[mine].tolist(), started[mine].tolist(), shared, strict=True)
         )
 
 

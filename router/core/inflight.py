@@ -181,6 +181,9 @@ class InflightAccount:
         self._resident_paced_tokens: dict[str, float] = {}
         # request_id -> when its resident leg's first output token came (see advance()).
         self._resident_first: dict[str, float] = {}
+        # request_id -> prompt tokens its instance's prefix cache held when the leg was placed there
+        # (colocated legs only; see record()).
+        self._resident_cached: dict[str, int] = {}
         # instance_id -> [resident decode legs, sum of their final tokens]
         self._resident_totals: dict[str, list[int]] = {}
         # instance_id -> its resident legs' request ids (an ordered set), for one instance's legs.
@@ -340,11 +343,13 @@ class InflightAccount:
         first = np.fromiter((firsts.get(r, np.nan) for r in legs), dtype=np.float64, count=len(legs))
         lengths = self._resident_paced_tokens
         length = np.fromiter((lengths.get(r, np.nan) for r in legs), dtype=np.float64, count=len(legs))
+        hits = self._resident_cached
+        cached = np.fromiter((hits.get(r, 0) for r in legs), dtype=np.float64, count=len(legs))
         keep = (instance >= 0) & (instance < n)
         if not keep.all():
             instance, context, final, started = instance[keep], context[keep], final[keep], started[keep]
             prompt, need, paced, first = prompt[keep], need[keep], paced[keep], first[keep]
-            length = length[keep]
+            length, cached = length[keep], cached[keep]
         return ResidentLegs(
             instance,
             context,
@@ -355,10 +360,11 @@ class InflightAccount:
             paced,
             np.where(started, first, np.nan),
             length,
+            cached,
         )
 
-    def resident_legs_on(self, instance_id: str) -> list[tuple[int, int, bool]] | None:
-        """The resident legs of one instance as (context now, output still expected, started).
+    def resident_legs_on(self, instance_id: str) -> list[tuple[int, int, bool, int]] | None:
+        """The resident legs of one instance as (context now, output still expected, started, cached).
 
         None when peer router processes hold residents (as :meth:`resident_legs`). Costs
         O(legs on the instance): packing updates one instance's peak after a change there.
@@ -368,11 +374,18 @@ class InflightAccount:
         ids = self._resident_on.get(instance_id)
         if not ids:
             return []
-        legs, contexts, entries = self._resident, self._resident_context, self._entries
+        legs, contexts, entries, hits = (
+            self._resident,
+            self._resident_context,
+            self._entries,
+            self._resident_cached,
+        )
         out = []
         for r in ids:
             context = contexts[r]
-            out.append((context, max(legs[r][1] - context, 0), (r, instance_id) not in entries))
+            out.append(
+                (context, max(legs[r][1] - context, 0), (r, instance_id) not in entries, hits.get(r, 0))
+            )
         return out
 
     def resident_progress(self, instance_id: str) -> list[tuple[str, int, bool]]:
@@ -508,6 +521,9 @@ class InflightAccount:
                     if paced_tokens > 0:
                         self._resident_paced_tokens[request_id] = paced_tokens
         cached = min(max(cached_prefill_tokens, 0), prompt_tokens)
+        if cached > 0 and prefill_instance == decode_instance and request_id in self._resident:
+            # The leg decodes where its prompt found those tokens cached: held once, however many share them.
+            self._resident_cached[request_id] = cached
         if prefill_instance is not None and prefill_instance == decode_instance:
             self._add(request_id, prefill_instance, True, True, prompt_tokens, now_s, cached)
             return
@@ -587,6 +603,7 @@ class InflightAccount:
         self._resident_paced.discard(request_id)
         self._resident_paced_tokens.pop(request_id, None)
         self._resident_first.pop(request_id, None)
+        self._resident_cached.pop(request_id, None)
         instance_id, final_tokens, _ = found
         on = self._resident_on[instance_id]
         del on[request_id]

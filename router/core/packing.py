@@ -446,11 +446,13 @@ def _kv_life_at(ctx: DecisionContext, config: SchedulerConfig, i: int) -> float:
         return now + ctx.metric_at("kv_growth_tokens", i)
     held = pending = 0.0
     running: list[tuple[float, float]] = []
-    for context, remaining, started in legs:
-        held += context
+    for context, remaining, started, cached in legs:
         if started:
-            running.append((remaining, context))
+            own = context - cached
+            held += own
+            running.append((remaining, own))
         else:
+            held += context
             pending += context + remaining
     uncovered = max(table.decode_requests.item(i) + inflight.decode_requests.item(i) - len(legs), 0.0)
     # (max: see _kv_life_column, legs counted as holding KV the engine has not allocated yet.)
@@ -490,6 +492,12 @@ def _kv_life_column(ctx: DecisionContext, config: SchedulerConfig) -> FloatArray
     # peak whatever the delay).
     n = table.n
     instance, context, remaining, started = residents[:4]
+    if residents.cached is not None:
+        # A started leg's cached prompt blocks are held once in the engine's KV, however many legs
+        # reference them (in the snapshot's used KV, so in ``now − held`` below, and kept for the
+        # whole horizon: never counted as freed); the leg's own part is the rest of its context. A
+        # leg not started yet counts whole, as before.
+        context = np.where(started, context - residents.cached, context)
     legs = np.bincount(instance, minlength=n)
     held = np.bincount(instance, weights=context, minlength=n)
     uncovered = np.maximum(table.decode_requests + inflight.decode_requests - legs, 0.0)

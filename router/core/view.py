@@ -449,4 +449,4 @@ class _AccountLegs:
 
     def legs_on(self, index: int) -> LegList | None:
         found = self.inflight.resident_legs_on(self.table.ids[index])
-        return None if found is None else [(float(c), float(r), s) for c, r, s in found]
+        return None if found is None else [(float(c), float(r), s, float(k)) for c, r, s, k in found]

@@ -221,7 +221,7 @@ def test_the_account_keeps_each_resident_legs_context_as_it_grows() -> None:
             strict=True,
         )
     ) == [(1, 130.0, 270.0, False), (2, 50.0, 10.0, False)]
-    assert account.resident_legs_on("d") == [(130, 270, False)]
+    assert account.resident_legs_on("d") == [(130, 270, False, 0)]
     assert account.resident_legs_on("p") == []
     # Admitted by its decode instance: it decodes now.
     account.reconcile(make_snapshot(inst("d", "decode", admitted=["a"])))
@@ -230,7 +230,7 @@ def test_the_account_keeps_each_resident_legs_context_as_it_grows() -> None:
         (1, True),
         (2, False),
     ]
-    assert account.resident_legs_on("d") == [(130, 270, True)]
+    assert account.resident_legs_on("d") == [(130, 270, True, 0)]
     account.release("a")
     legs = account.resident_legs({"p": 0, "d": 1, "e": 2}, 3)
     assert legs is not None and legs.instance.tolist() == [2]
@@ -340,10 +340,15 @@ def test_the_exact_peak_admits_what_the_all_alive_bound_refused_and_it_fits_step
 @PROPS
 @given(
     st.lists(
-        st.tuples(st.integers(0, 2), st.integers(0, 4000), st.integers(0, 300), st.booleans()), max_size=20
+        st.tuples(
+            st.integers(0, 2), st.integers(0, 4000), st.integers(0, 300), st.booleans(), st.integers(0, 4000)
+        ),
+        max_size=20,
     )
 )
-def test_one_instances_kv_life_equals_its_entry_in_the_column(legs: list[tuple[int, int, int, bool]]) -> None:
+def test_one_instances_kv_life_equals_its_entry_in_the_column(
+    legs: list[tuple[int, int, int, bool, int]],
+) -> None:
     # After a change the router updates only the instances it touched (the metric's ``at``).
     snapshot = make_snapshot(
         *(
@@ -353,10 +358,11 @@ def test_one_instances_kv_life_equals_its_entry_in_the_column(legs: list[tuple[i
     )
     scheduler = make_scheduler("slo", enable_adaptive_pd=True)
     known = ResidentLegs(
-        np.array([g for g, _, _, _ in legs], dtype=np.intp),
-        np.array([float(c) for _, c, _, _ in legs]),
-        np.array([float(r) for _, _, r, _ in legs]),
-        np.array([s for _, _, _, s in legs], dtype=bool),
+        np.array([g for g, *_ in legs], dtype=np.intp),
+        np.array([float(c) for _, c, *_ in legs]),
+        np.array([float(r) for _, _, r, *_ in legs]),
+        np.array([s for _, _, _, s, _ in legs], dtype=bool),
+        cached=np.array([float(min(k, c)) for _, c, _, _, k in legs]),  # (a prompt's cached part)
     )
     view = dataclasses.replace(scheduler.view(snapshot, NOW), residents=StaticResidents(known), load_memo={})
     ctx = scheduler.context(view, None)
