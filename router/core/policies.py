@@ -419,7 +419,8 @@ def _binpack(config: SchedulerConfig) -> dict[str, Any]:
     neutral = {
         "filters": [
             *HEALTH,
-            _ttft(**hard),
+            # (c) with the prompt behind the step its instance's queued prompts are running.
+            _ttft(metric="predicted_ttft_behind_step", label="metric_threshold:predicted_ttft", **hard),
             _not_overpacked(relax_pass=2),
             kv,
             horizon,

@@ -1801,6 +1801,10 @@ SPARE_IDLE_INSTANCES = 2
 LATE_TPOT_FRACTION = 0.8
 
 
+#: The metrics a TTFT threshold may hold (``binpack``'s (c) reads the prompt behind a running step).
+TTFT_METRICS = frozenset({"predicted_ttft", "predicted_ttft_behind_step"})
+
+
 def _relaxed(decision: Decision) -> bool:
     """Whether a placement of ``decision`` came from a fallback pass (a droppable filter relaxed)."""
     return any(p is not None and p.fallback_pass > 0 for p in (decision.prefill, decision.decode))
@@ -1810,7 +1814,7 @@ def _best_ttft(exc: NoInstanceError) -> float:
     if exc.stage not in (Stage.PREFILL.value, Stage.NEUTRAL.value):
         return math.nan
     for miss in exc.iter_misses():  # (the other thresholds' misses are not built)
-        if miss.metric == "predicted_ttft" and miss.best == miss.best:
+        if miss.metric in TTFT_METRICS and miss.best == miss.best:
             return miss.best
     return math.nan
 
@@ -2518,7 +2522,7 @@ class ThresholdHold:
         if (
             late
             or ctx.predictors is None
-            or not any(getattr(m, "metric", None) == "predicted_ttft" for m in self.spec.explainers)
+            or not any(getattr(m, "metric", None) in TTFT_METRICS for m in self.spec.explainers)
         ):
             return math.nan
         eligible = self.candidates
