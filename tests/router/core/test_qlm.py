@@ -1459,3 +1459,43 @@ def test_a_stream_starts_where_its_first_token_is_on_time_not_behind_a_prefill_b
     q.push(tight("t", arrival=0.5), 0.5)
     assert [(d.request.request_id, d.instance) for d in q.pump(0.5)] == [("t", 0)]
     q.check_invariants()
+
+
+def test_the_room_kept_for_the_tightest_class_lapses_once_it_stops_arriving() -> None:
+    # The 3 s class arrived every 0.5 s from 30 s to 35 s. At 37 s (four of its gaps since the last) a
+    # looser 30,000-token prompt that would close the batch to it is still refused; at 40 s (ten gaps,
+    # though within the 30 s a class is remembered) the class has stopped arriving and the prompt is
+    # pulled: the room would be kept for a request that is not coming.
+    def pulled(at: float) -> bool:
+        q = QlmQueue(QlmConfig(eviction="off"), [paced_model()], 6000.0, 50.0)
+        for k in range(11):
+            t = 30.0 + 0.5 * k
+            q.push(dataclasses.replace(loose_by(f"t{k}", 3.0, out=100), slo_class="alerts", arrival_s=t), t)
+            assert len(q.pump(t)) == 1
+            q.finished(f"t{k}", 100, t + 0.4)
+        q.push(dataclasses.replace(loose_by("l", 600.0, out=100), arrival_s=at), at)
+        assert len(q.pump(at)) == 1
+        q.push(dataclasses.replace(loose_by("r", 600.0, out=100), prompt_tokens=30_000, arrival_s=at), at)
+        out = q.pump(at)
+        q.check_invariants()
+        return [d.request.request_id for d in out] == ["r"]
+
+    assert not pulled(37.0)
+    assert pulled(40.0)
+
+
+def test_a_tight_group_goes_where_it_ends_in_time_not_behind_a_queued_prefill() -> None:
+    # Instance 0 runs three requests of the 3 s class with 10,000-token prompts (1 s of prefill each,
+    # one after another in its engine) and 10-token answers: its slots free first (~1.1 s), so by that
+    # alone a new group of the class goes there, where it would wait 3 s for the prefills and miss.
+    # Instance 1 runs one long answer (10 s) and can start it at once: it goes there.
+    q = QlmQueue(QlmConfig(eviction="off"), [paced_model(), paced_model()], 6000.0, 50.0)
+    q.started(loose_by("L", 600.0, out=1000), 1, 0.0)
+    for k in range(3):
+        big = dataclasses.replace(loose_by(f"p{k}", 3.0, out=10), slo_class="alerts", prompt_tokens=10_000)
+        q.started(big, 0, 0.0)
+    assert q._backlog_q(0, 0.0) < q._backlog_q(1, 0.0)
+    q.push(dataclasses.replace(loose_by("n", 3.0, out=100), slo_class="alerts"), 0.0)
+    assert q.groups[q.vqs[1][0]].members[0].request_id == "n"
+    assert not q.vqs[0]
+    q.check_invariants()
