@@ -163,7 +163,8 @@ class QueueConfig(FlagFields):
         metadata=_doc(
             "order of requests waiting in the router: none (refuse at once), fcfs, edf, priority, qlm "
             "(seed 004: request groups and virtual queues pulled by KV room, with eviction; for e2e "
-            "deadlines under overload and for KV-limited fleets, on neutral instances; TTFT-judged streams "
+            "deadlines under overload, on neutral instances (on a KV-limited fleet edf, which keeps its KV "
+            "promise, is ahead); TTFT-judged streams "
             "beside them keep their room and chat alone is even with edf; below overload, where edf already "
             "meets nearly every deadline, it gains nothing and may lose a point or three; its eviction pays where "
             "long batch jobs hold every sequence of an engine while short deadline work arrives; beside "
