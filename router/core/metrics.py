@@ -163,7 +163,7 @@ def _nan(ctx: DecisionContext) -> FloatArray:
     return np.full(ctx.view.n, np.nan)
 
 
-def _correction(ctx: DecisionContext) -> Correction | None:
+def decision_correction(ctx: DecisionContext) -> Correction | None:
     """The calibration of the view's instances, or None (calibration off, or no samples yet).
 
     Looked up once per decision (several metrics and predictions ask). With calibration off
@@ -174,11 +174,11 @@ def _correction(ctx: DecisionContext) -> Correction | None:
     calibration = predictors.calibration if predictors is not None else None
     if calibration is None:
         return None
-    found = ctx.cached(_correction)
+    found = ctx.cached(decision_correction)
     if found is None:
         table = ctx.view.instances
         found = calibration.correction(table.ids, table.groups) or _NO_CORRECTION
-        ctx.remember(_correction, found)
+        ctx.remember(decision_correction, found)
     return None if found is _NO_CORRECTION else found
 
 
@@ -377,7 +377,7 @@ def advanced_backlog(ctx: DecisionContext) -> FloatArray:
     predictors = ctx.predictors
     if predictors is None:
         return status_backlog
-    correction = _correction(ctx)
+    correction = decision_correction(ctx)
     model = _step_model(table, predictors, correction)
     if model is None:
         return status_backlog
@@ -501,7 +501,7 @@ def _predicted_ttft_at(ctx: DecisionContext, i: int) -> float:
     value = lp.ttft_ms_at(backlog, batch, tokens, budget)
     # No instance capped: the column is the table's zeros, so its entry is 0.0 without building it.
     wait = ctx.metric("slot_wait_ms").item(i) if not _uncapped(table) else 0.0
-    correction = _correction(ctx)
+    correction = decision_correction(ctx)
     if correction is None:
         return value + wait
     # The one-instance form (exactly the column's entry) unless the column is at hand: on a new
@@ -521,7 +521,7 @@ def _predicted_tpot_at(ctx: DecisionContext, i: int) -> float:
     if horizon > 0.0:
         tokens = tokens + horizon
     value = lp.tpot_ms_at(batch, tokens)
-    correction = _correction(ctx)
+    correction = decision_correction(ctx)
     if correction is None:
         return value
     return correction.tpot_ms_at(i, value, batch, tokens)
@@ -550,7 +550,7 @@ def _predicted_ttft(ctx: DecisionContext) -> FloatArray:
         )
     else:
         values = predictors.chunked_prefill_ms(table, backlog, step, full_chunk)
-    correction = _correction(ctx)
+    correction = decision_correction(ctx)
     if correction is not None:
         batch, tokens = ctx.metric("decode_batch_size"), ctx.metric("decode_tokens")
         values = correction.ttft_ms(
@@ -686,7 +686,7 @@ def _predicted_tpot(ctx: DecisionContext) -> FloatArray:
             values = predictors.decode_step_ms(ctx.view.instances, batch, tokens)
     else:
         values = predictors.decode_step_ms(ctx.view.instances, batch, tokens)
-    correction = _correction(ctx)
+    correction = decision_correction(ctx)
     if correction is None:
         return values
     return correction.tpot_ms(values, batch, tokens)

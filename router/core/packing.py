@@ -100,7 +100,7 @@ import numpy as np
 from router.core.columns import BoolArray, FloatArray, InstanceTable, IntArray, ResidentLegs
 from router.core.config import SchedulerConfig
 from router.core.lengths import LengthConfig
-from router.core.metrics import advanced_backlog, decode_step_with_request_ms
+from router.core.metrics import advanced_backlog, decision_correction, decode_step_with_request_ms
 from router.core.plugins import DecisionContext, Metric, MetricScope
 from router.core.registry import METRICS, Params
 from router.core.request import Role, ScheduleInput
@@ -757,11 +757,9 @@ def _prefill_stall_ms(ctx: DecisionContext) -> FloatArray:
     rest = tokens - full * budget
     tail = np.where(rest > 0, predictors.prefill_step_ms(table, np.maximum(rest, 1.0)), 0.0)
     stall: FloatArray = full * predictors.prefill_step_ms(table, budget) + tail
-    calibration = predictors.calibration
-    if calibration is not None:
-        correction = calibration.correction(table.ids, table.groups)
-        if correction is not None:
-            stall = stall * correction.ttft_factor
+    correction = decision_correction(ctx)
+    if correction is not None:
+        stall = stall * correction.ttft_factor
     return stall
 
 
@@ -804,12 +802,8 @@ def _predicted_ttft_behind_step(ctx: DecisionContext, config: SchedulerConfig) -
     step = ctx.metric("decode_step_ms")
     full_chunk = predictors.prefill_step_ms(table, budget)
     chunk_ms = predictors.prefill_step_ms(table, np.maximum(chunk, 1.0)) + step
-    factor: float | FloatArray = 1.0
-    calibration = predictors.calibration
-    if calibration is not None:
-        correction = calibration.correction(table.ids, table.groups)
-        if correction is not None:
-            factor = correction.ttft_factor
+    correction = decision_correction(ctx)
+    factor: float | FloatArray = 1.0 if correction is None else correction.ttft_factor
     head_ms = head / np.maximum(chunk, 1.0) * chunk_ms * factor
     backlog = ctx.metric("prefill_backlog_tokens")
     prompt = backlog * 0.0 + ctx.metric("prompt_compute_tokens")
