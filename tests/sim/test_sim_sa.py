@@ -320,3 +320,53 @@ def test_a_request_no_engine_can_hold_is_refused_on_arrival(queue_policy: str, k
     assert outcome.stats.rejected == 1
     assert all(r.ok for j, r in enumerate(outcome.results) if j != k)
     assert min(w for j, w in enumerate(outcome.queue_wait_ms) if j != k) <= 30.0  # the pool, no more
+
+
+def test_the_papers_harness_serves_every_late_request_with_a_large_late_allowance(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``python -m sim.papers --late-allowance``: at the router's default the fcfs row refuses the
+    translations a burst leaves late; at 1000 (seed 000's setting) it serves them all."""
+    from sim import papers
+
+    argv = [
+        "sa",
+        "--workload",
+        "docs/scenarios/sa-triage-translate-dossier.json",
+        "--instances",
+        "2",
+        "--seqs",
+        "1",
+        "--burst",
+        "9",
+        "--bursts",
+        "2",
+        "--period-s",
+        "60",
+        "--seeds",
+        "1",
+        "--seed",
+        "14100",
+        "--only",
+        "fcfs",
+    ]
+
+    def refused(extra: list[str]) -> int:
+        assert papers.main(argv + extra) == 0
+        row = [line for line in capsys.readouterr().out.splitlines() if line.startswith("fcfs |")]
+        return int(row[0].split(" | ")[6])
+
+    assert refused([]) > 0
+    assert refused(["--late-allowance", "1000"]) == 0
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "2e6"])
+def test_the_papers_harness_names_a_bad_late_allowance(
+    value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from sim import papers
+
+    with pytest.raises(SystemExit) as exit_info:
+        papers.main(["sa", "--workload", "mixed", "--late-allowance", value])
+    assert exit_info.value.code == 2
+    assert "--late-allowance" in capsys.readouterr().err
