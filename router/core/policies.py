@@ -406,6 +406,11 @@ def _binpack(config: SchedulerConfig) -> dict[str, Any]:
         "label": "tpot_horizon",
         **hard,
     }
+    # (b) on a colocated instance: a deadline-paced resident already out of reach of its deadline
+    # sets no bound (packing.tpot_horizon_over_need_live); before the fallback passes it does, as
+    # (d)'s paced form bounds a paced resident behind its pace.
+    horizon_live = {**horizon, "metric": "tpot_horizon_over_need_live"}
+    horizon_lost = {**horizon, "label": "tpot_horizon_lost", "relax_pass": 1}
     decode = {
         "filters": [
             *HEALTH,
@@ -423,7 +428,8 @@ def _binpack(config: SchedulerConfig) -> dict[str, Any]:
             _ttft(metric="predicted_ttft_behind_step", label="metric_threshold:predicted_ttft", **hard),
             _not_overpacked(relax_pass=2),
             kv,
-            horizon,
+            horizon_live,
+            horizon_lost,
             _atgt_slack(config, **hard),
             # (d) with a deadline-paced resident behind its pace bounding its instance, as the
             # paper's (d) bounds every ongoing request: the prompt goes to another bin (an empty

@@ -99,6 +99,7 @@ def test_metric_conformance(name: str, with_request: bool) -> None:
         "predicted_tpot_horizon",
         "prompt_compute_tokens",
         "tpot_horizon_over_need",
+        "tpot_horizon_over_need_live",
     )
     predictions = ("predicted_ttft", "predicted_ttft_behind_step", "predicted_tpot", "kv_usage_projected")
     if name not in predictions and not (with_request and name in with_the_request):
