@@ -1565,7 +1565,6 @@ class _Simulation:
         first_token: list[float] = []
         paced_tokens: list[float] = []
         hits: list[float] = []
-        ids: list[int] = []
         reqs = self.reqs
         for i in range(len(self.resident_on)):
             on = self.resident_on[i]
@@ -1584,18 +1583,6 @@ class _Simulation:
                 first = reqs[idx].first_s
                 first_token.append(first if decoding and first >= 0 else np.nan)
                 hits.append(hit)
-                ids.append(idx)
-        sure = np.full(len(ids), np.nan)
-        if not self.oracle_lengths:
-            # What the router's length predictor says each running leg is still sure to produce.
-            run = [k for k, s in enumerate(started) if s]
-            if run:
-                sure[run] = self.lengths.sure_remaining_many(
-                    [self.class_of[ids[k]] for k in run],
-                    [self.bucket_of[ids[k]] for k in run],
-                    [int(generated[k]) for k in run],
-                    [self.cap_of[ids[k]] for k in run],
-                )
         found = ResidentLegs(
             np.array(instance, dtype=np.intp),
             np.array(context, dtype=np.float64),
@@ -1607,7 +1594,6 @@ class _Simulation:
             np.array(first_token, dtype=np.float64),
             np.array(paced_tokens, dtype=np.float64),
             np.array(hits, dtype=np.float64),
-            sure,
         )
         self.legs_cache = (key, found)
         return found

@@ -267,12 +267,6 @@ class ResidentLegs(NamedTuple):
     #: them, so the exact KV peak counts only the rest of a started leg's context as its own. None
     #: when the source records none.
     cached: FloatArray | None = None
-    #: The output each leg is still sure to produce, tokens: the remainder it reaches with the
-    #: probability the cautious length bound keeps (``LengthConfig.quantile``), among the finished
-    #: answers of its class that ran past what it has produced
-    #: (:meth:`router.core.lengths.LengthPredictor.sure_remaining_many`). nan where the predictor has
-    #: no such answer; None when the source records none.
-    sure_remaining: FloatArray | None = None
 
 
 #: One instance's resident legs: (context now, output still expected, started, prompt tokens cached

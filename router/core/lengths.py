@@ -296,52 +296,6 @@ class LengthPredictor:
             out.append(rest if rest > 1.0 else 1.0)
         return out
 
-    def sure_remaining_many(
-        self,
-        slo_classes: Sequence[str],
-        buckets: Sequence[int],
-        generated: Sequence[int],
-        max_tokens: Sequence[int],
-    ) -> list[float]:
-        """Per running request, the tokens still to come that it reaches with probability
-        ``LengthConfig.quantile``: among the window's answers longer than what it has produced
-        (the ones :meth:`remaining_many` averages), the ``1 − quantile`` quantile, less what it has
-        produced (>= 1). nan where the window has no answer, or none longer.
-
-        A request's answer is as likely as the window's answers that ran as long to run on; a skewed
-        (lognormal-like) length makes an answer a few tokens in far surer of more than a memoryless
-        tenth of its expected remainder.
-        """
-        out: list[float] = []
-        found: dict[tuple[str, int], list[int] | None] = {}
-        low = 1.0 - self.config.quantile
-        bisect_right = bisect.bisect_right
-        nan = math.nan
-        for cls, b, gen, cap in zip(slo_classes, buckets, generated, max_tokens, strict=True):
-            key = (cls, b)
-            if key in found:
-                ordered = found[key]
-            else:
-                window = self._answer_bucket(cls, b)
-                ordered = None if window is None else window[0].ordered()
-                found[key] = ordered
-            if gen < 0:
-                gen = 0
-            if ordered is None:
-                out.append(nan)
-                continue
-            lo = bisect_right(ordered, gen)
-            above = len(ordered) - lo
-            if above == 0:
-                out.append(nan)
-                continue
-            total = float(ordered[lo + max(0, math.ceil(low * above) - 1)])
-            if cap > 0 and total > cap:
-                total = float(cap)
-            rest = total - gen
-            out.append(rest if rest > 1.0 else 1.0)
-        return out
-
     def snapshot(self) -> dict[str, dict[str, float]]:
         """Per class (all buckets): samples, mean and quantile, for reports."""
         out: dict[str, dict[str, float]] = {}

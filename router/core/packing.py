@@ -872,12 +872,7 @@ def _predicted_tpot_residents(ctx: DecisionContext, config: SchedulerConfig) -> 
 
 
 def atgt_slack_ms(
-    ctx: DecisionContext,
-    tpot_target_ms: float,
-    theta: float = 1.0,
-    *,
-    paced_behind_bounds: bool = False,
-    conditional: bool = False,
+    ctx: DecisionContext, tpot_target_ms: float, theta: float = 1.0, *, paced_behind_bounds: bool = False
 ) -> FloatArray:
     """Per instance, the least ATGT slack (ms) of a request decoding there; inf where none does.
 
@@ -942,8 +937,7 @@ def atgt_slack_ms(
     # ``binpack`` reads (d) twice per decision (with and without ``paced_behind_bounds``): the legs'
     # budgets are the same for both, so they are computed once.
     at, budget, paced = ctx.memo(
-        (_LEG_BUDGETS, tpot_target_ms, theta, conditional),
-        lambda: _leg_budgets(ctx, legs, tpot_target_ms, theta, conditional=conditional),
+        (_LEG_BUDGETS, tpot_target_ms, theta), lambda: _leg_budgets(ctx, legs, tpot_target_ms, theta)
     )
     lost = np.where(paced, 0.0, np.inf) if paced_behind_bounds else np.inf
     budget = np.where(budget > 0, budget, lost)
@@ -956,7 +950,7 @@ _LEG_BUDGETS = object()
 
 
 def _leg_budgets(
-    ctx: DecisionContext, legs: ResidentLegs, tpot_target_ms: float, theta: float, *, conditional: bool = False
+    ctx: DecisionContext, legs: ResidentLegs, tpot_target_ms: float, theta: float
 ) -> tuple[IntArray, FloatArray, BoolArray]:
     """:func:`atgt_slack_ms` per started leg: its instance, its ATGT budget (ms, any sign) and whether it
     is deadline-paced."""
@@ -984,14 +978,7 @@ def _leg_budgets(
     # only leaves it more time.
     if legs.tpot_need_ms is None:
         paced = np.zeros(len(remaining), dtype=bool)
-    sure = np.maximum(remaining * SURE_REMAINING_SHARE, 1.0)
-    if conditional and legs.sure_remaining is not None:
-        # Where the length predictor's window has answers that ran past the leg's output so far, the
-        # remainder it reaches with the same probability among them, if that is more: a skewed
-        # length is far from memoryless (an answer a few tokens in is all but sure to run on).
-        known = legs.sure_remaining[started]
-        sure = np.where(np.isfinite(known), np.clip(known, sure, np.maximum(remaining, sure)), sure)
-    remaining = np.where(paced, remaining, sure)
+    remaining = np.where(paced, remaining, np.maximum(remaining * SURE_REMAINING_SHARE, 1.0))
     if np.any(paced):
         # A deadline-paced leg saves at the step (b) holds it to (the γ-horizon step, which (b) keeps
         # within its pace), not at the measured step with the prompts' interleave: that step charged
@@ -1055,17 +1042,6 @@ def _prefill_over_atgt_slack(ctx: DecisionContext, config: SchedulerConfig) -> F
     return _stall_over_slack(ctx, config, paced_behind_bounds=False)
 
 
-@_register("prefill_over_atgt_slack_sure", MetricScope.DECISION)
-def _prefill_over_atgt_slack_sure(ctx: DecisionContext, config: SchedulerConfig) -> FloatArray:
-    """``prefill_over_atgt_slack`` with a TPOT-judged resident's future saving counted over the
-    remainder the length predictor's window says it is sure to reach given what it has produced
-    (``ResidentLegs.sure_remaining``), where that is more than the memoryless share; ``binpack``
-    holds it in the fallback passes, where the memoryless form leaves no instance."""
-    if ctx.predictors is None:
-        return np.full(ctx.view.n, np.nan)
-    return _stall_over_slack(ctx, config, paced_behind_bounds=False, conditional=True)
-
-
 @_register("prefill_over_atgt_slack_paced", MetricScope.DECISION)
 def _prefill_over_atgt_slack_paced(ctx: DecisionContext, config: SchedulerConfig) -> FloatArray:
     """``prefill_over_atgt_slack`` with a deadline-paced resident already behind its pace bounding
@@ -1088,15 +1064,11 @@ def _prefill_over_atgt_slack_paced(ctx: DecisionContext, config: SchedulerConfig
 
 
 def _stall_over_slack(
-    ctx: DecisionContext, config: SchedulerConfig, *, paced_behind_bounds: bool, conditional: bool = False
+    ctx: DecisionContext, config: SchedulerConfig, *, paced_behind_bounds: bool
 ) -> FloatArray:
     stall = prefill_stall_ms(ctx)
     slack = atgt_slack_ms(
-        ctx,
-        config.tpot_slo_ms,
-        live_theta(ctx, config),
-        paced_behind_bounds=paced_behind_bounds,
-        conditional=conditional,
+        ctx, config.tpot_slo_ms, live_theta(ctx, config), paced_behind_bounds=paced_behind_bounds
     )
     ratio: FloatArray = np.divide(stall, slack, out=np.full(ctx.view.n, np.inf), where=slack > 0)
     ratio[np.isinf(slack)] = 0.0

@@ -434,11 +434,7 @@ def _binpack(config: SchedulerConfig) -> dict[str, Any]:
             kv,
             horizon_live,
             horizon_lost,
-            # (d) with a TPOT-judged resident's future saving over the memoryless share of its
-            # expected remainder; from fallback pass 1 on, over the remainder the length window says
-            # it is sure to reach given what it has produced (packing.prefill_over_atgt_slack_sure).
-            _atgt_slack(config, relax_pass=1, **hard),
-            _atgt_slack(config, metric="prefill_over_atgt_slack_sure", label="atgt_slack_sure", **hard),
+            _atgt_slack(config, **hard),
             # (d) with a deadline-paced resident behind its pace bounding its instance, as the
             # paper's (d) bounds every ongoing request: the prompt goes to another bin (an empty
             # instance passes). Dropped from fallback pass 1 on (packing docstring).
