@@ -1931,13 +1931,16 @@ class QlmQueue:
                 # for the other (agent + digest lost 1-2 points, docs/papers.md).
                 # With other requests queued behind the pull, a refusal holds the whole virtual queue for
                 # ``x``'s deadline, and Eq. 12 asks Delta of each group, not of one running request's
-                # tail: ``x`` is then protected at its mean answer only. (At its tail too, a running
-                # `completions` request at the edge of its 8 s deadline held the `tickets` and `ledgers`
-                # queued behind a refused head for 6-12 s where ``edf`` started them in under one:
-                # completions + tickets + ledgers 2.3 points behind ``edf``, docs/papers.md.)
+                # tail: a pull that cannot wait for ``x`` (:meth:`_can_wait`) is then held for ``x``'s
+                # mean answer only. (At its tail too, a running `completions` request at the edge of its
+                # 8 s deadline held the `tickets` and `ledgers` queued behind a refused head for 6-12 s
+                # where ``edf`` started them in under one: completions + tickets + ledgers 2.3 points
+                # behind ``edf``. Released whether or not the pull could wait, a 16 s class whose cost
+                # is its answer lost its tail to looser work that had minutes: 0.65 points on captions +
+                # essays + transcripts, docs/papers.md.)
                 if not looser:
                     lefts: tuple[float, ...] = (self._left_tokens(x),)
-                elif behind:
+                elif behind and not self._can_wait(i, run, r, now_s):
                     lefts = (self._left_tokens(x, 0.0),)
                 else:
                     lefts = (self._left_tokens(x), self._left_tokens(x, 0.0))

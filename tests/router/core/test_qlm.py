@@ -1539,12 +1539,13 @@ def test_a_tight_group_avoids_an_instance_whose_engine_its_class_kept_prefilling
 
 
 def test_a_looser_pull_waits_for_a_running_tail_only_while_nothing_queues_behind_it() -> None:
-    # x (e2e, 7 s; class "batch": answers of 400 or 600 of its 1,000 tokens, mean 500) runs at 10 ms a step.
+    # x (e2e, 7 s; class "batch": answers of 400 or 600 of their 1,000 tokens, mean 500) runs at 10 ms a step.
     # At t = 1 it has ~500 tokens to go at the estimator's confidence (~630 in all), ~400 at its mean: it ends
     # at ~6.3 s or ~5.0 s. A looser request's 10,000-token prompt stalls it 1 s: ~7.3 s at the confidence,
-    # late, ~6.0 s at the mean, on time. Alone on its queue the pull waits for x's tail; with another
-    # request queued behind it the refusal would hold both for that tail, and it goes.
-    def pulled(queued: int) -> bool:
+    # late, ~6.0 s at the mean, on time. Alone on its queue the pull waits for x's tail. With another
+    # request queued behind it, a pull that can wait (a 600 s budget) still waits; one that cannot (12 s:
+    # ~8.3 s pulled now, ~13.6 s after x) would hold both for that tail, and it goes.
+    def pulled(queued: int, budget_s: float) -> bool:
         q = QlmQueue(QlmConfig(eviction="off"), [paced_model()], 6000.0, 50.0)
         q.stats = _spread_stats()
         q.estimator.stats = q.stats
@@ -1555,13 +1556,12 @@ def test_a_looser_pull_waits_for_a_running_tail_only_while_nothing_queues_behind
         assert len(q.pump(0.0)) == 1
         q.finished("u", 50)
         for k in range(queued):
-            q.push(
-                dataclasses.replace(loose_by(f"r{k}", 600.0, out=100), prompt_tokens=10_000, arrival_s=1.0),
-                1.0,
-            )
+            r = dataclasses.replace(loose_by(f"r{k}", budget_s), prompt_tokens=10_000, arrival_s=1.0)
+            q.push(r, 1.0)
         out = q.pump(1.0)
         q.check_invariants()
         return "r0" in [d.request.request_id for d in out]
 
-    assert not pulled(1)
-    assert pulled(2)
+    assert not pulled(1, 12.0)
+    assert not pulled(2, 600.0)
+    assert pulled(2, 12.0)
