@@ -480,6 +480,13 @@ GAP_WEIGHT = 0.1
 #: :meth:`QlmQueue._protect_z`): 0, its mean answer.
 PROTECT_FLOOR_Z = 0.0
 
+#: The prefill load an instance's engine carries (the share of its time spent prefilling, see
+#: :meth:`QlmQueue._prefill_load`) is counted at most this high: a step over ``1 - load`` stays finite.
+PREFILL_LOAD_CAP = 0.9
+
+#: Prefills sent to an instance remembered for its prefill load (at most; bounded state).
+PREFILLS_MAX = 4096
+
 #: At most this many distinct TPOT targets are remembered (bounded state; the tightest are kept).
 STREAM_TARGETS_MAX = 64
 
@@ -1160,6 +1167,9 @@ class QlmQueue:
         #: Queued requests whose deadline has passed (the late path checks these on every call).
         self._overdue: dict[str, QlmRequest] = {}
         self.batch_sampled = [-1] * len(models)
+        #: Per instance: (when, seconds) of each prefill sent there lately: its engine's prefill load
+        #: (:meth:`_prefill_load`).
+        self._prefills: list[deque[tuple[float, float, float]]] = [deque(maxlen=PREFILLS_MAX) for _ in models]
         self.pure_step = [m.decode_step_s for m in models]
         self.default_ttft_ms = default_ttft_ms
         self.default_tpot_ms = default_tpot_ms
@@ -1449,11 +1459,39 @@ class QlmQueue:
             return 0.0
         run = list(self.running[i].values())
         step = model.step_s(len(run) + 1, self._tokens_now(run) + r.prompt_tokens) * self.inefficiency[i]
+        # Its decode shares the engine with the prefills of its own class sent there while it runs: at the
+        # rate they were sent over its own budget lately, a token takes ``step / (1 - load)``.
+        step /= 1.0 - self._prefill_load(i, now_s, self._budget(r))
         return (
             self._prefill_backlog_s(i, run, now_s)
             + model.prefill_s(r.prompt_tokens)
             + self._left_tokens(r, 0.0) * step
         )
+
+    def _prefill_load(self, i: int, now_s: float, window_s: float) -> float:
+        """The share of instance ``i``'s engine time that the prefills of the e2e classes as tight as
+        ``window_s`` (an e2e budget) took over the last ``window_s``: the prefill seconds of such requests
+        sent there in that window over the window (at most :data:`PREFILL_LOAD_CAP`).
+
+        The engine chunks every prompt it is sent into its decode steps, so while prompts keep coming a
+        running request's tokens advance only in the time the prefills leave: its step is the decode
+        step over ``1 - load``. The learned inefficiency (Eq. 4's epsilon) carries this only on average
+        and late (an average over the requests that ended, each over its whole life). A class whose
+        cost is its prompt (5 s labels, ~1,500-token prompts, ~30-token answers) sent its own requests
+        to one engine group by group, which then did little but prefill them: their steps took
+        120-260 ms where the estimator expected 40-50 (docs/papers.md). Only the tight class's own
+        prefills (and tighter ones) are counted: the looser prompts' stall is what :meth:`_room`'s pace
+        rules already hold back, and with every prompt sent there counted, two mixes lost 2 points on a
+        seed pair each and a run preempted (docs/papers.md)."""
+        window_s = max(window_s, 1.0)
+        since = now_s - window_s
+        busy = 0.0
+        for t, s, b in reversed(self._prefills[i]):
+            if t <= since:
+                break
+            if b <= window_s:
+                busy += s
+        return min(busy / window_s, PREFILL_LOAD_CAP)
 
     def _backlog_q(self, i: int, now_s: float) -> float:
         s = self.estimator.slots(self.models[i], list(self.running[i].values()), now_s)
@@ -1696,6 +1734,7 @@ class QlmQueue:
         if r.e2e_only or r.resumed:
             r.pace_s = self._pace_s(i, r, now_s)
         r.instance, r.dispatched_s = i, now_s
+        self._prefills[i].append((now_s, self.models[i].prefill_s(r.prompt_tokens), self._budget(r)))
         self._advance(i, now_s)
         self.running[i][r.request_id] = r
         self.batch_changes[i] += 1
@@ -1867,6 +1906,9 @@ class QlmQueue:
             if model.stall_s is not None and paced:
                 stall0 = self._prefill_backlog_s(i, run, now_s)
                 stall1 = stall0 + model.prefill_s(r.prompt_tokens)
+            # Other requests queued on this instance's virtual queue besides ``r``: the instance pulls its
+            # queue in order, so a refusal holds them all (below).
+            behind = paced and self._queued_on(i) > 1
             for x in (*run, r):
                 if not (x.e2e_only or x.resumed):
                     continue
@@ -1887,9 +1929,21 @@ class QlmQueue:
                 # its deadline (api + batch past capacity: 73.4 % against edf's 92.8, docs/papers.md).
                 # A pull as tight (a stream beside 90 s digests) is not held back for it: that trades one
                 # for the other (agent + digest lost 1-2 points, docs/papers.md).
-                lefts = (
-                    (self._left_tokens(x), self._left_tokens(x, 0.0)) if looser else (self._left_tokens(x),)
-                )
+                # With other requests queued behind the pull, a refusal holds the whole virtual queue for
+                # ``x``'s deadline, and Eq. 12 asks Delta of each group, not of one running request's
+                # tail: a pull that cannot wait for ``x`` (:meth:`_can_wait`) is then held for ``x``'s
+                # mean answer only. (At its tail too, a running `completions` request at the edge of its
+                # 8 s deadline held the `tickets` and `ledgers` queued behind a refused head for 6-12 s
+                # where ``edf`` started them in under one: completions + tickets + ledgers 2.3 points
+                # behind ``edf``. Released whether or not the pull could wait, a 16 s class whose cost
+                # is its answer lost its tail to looser work that had minutes: 0.65 points on captions +
+                # essays + transcripts, docs/papers.md.)
+                if not looser:
+                    lefts: tuple[float, ...] = (self._left_tokens(x),)
+                elif behind and not self._can_wait(i, run, r, now_s):
+                    lefts = (self._left_tokens(x, 0.0),)
+                else:
+                    lefts = (self._left_tokens(x), self._left_tokens(x, 0.0))
                 for left in lefts:
                     if now_s + s0 + left * before <= x.deadline_s < now_s + s1 + left * step:
                         return False
@@ -1942,6 +1996,10 @@ class QlmQueue:
             ):
                 return False
         return True
+
+    def _queued_on(self, i: int) -> int:
+        """Requests queued on instance ``i``'s virtual queue."""
+        return sum(len(g.members) for g in (self.groups.get(gid) for gid in self.vqs[i]) if g is not None)
 
     def _pace_s(self, i: int, r: QlmRequest, now_s: float) -> float:
         """The decode step (s) e2e-judged ``r``, pulled on instance ``i`` now, needs to meet its deadline: the
@@ -2409,7 +2467,7 @@ class QlmQueue:
                 if not self._room(i, first, now_s=now_s):
                     self._observe_batch(i)
                     break
-                out.append(self._take(i, i, group, now_s))
+                out.append(self._take(self._tight_pull_home(i, first, now_s), i, group, now_s))
                 continue
             home = self._stream_home(i, first, now_s)
             if home < 0:
@@ -2417,6 +2475,32 @@ class QlmQueue:
                 break
             out.append(self._take(home, i, group, now_s))
         return out
+
+    def _tight_pull_home(self, i: int, r: QlmRequest, now_s: float) -> int:
+        """The instance that starts e2e ``r`` pulled at the head of virtual queue ``i``: ``i``, unless ``r`` is of
+        the tightest e2e class, would end late there (:meth:`_end_now_s`: behind the prefill queued in
+        the engine, at the step its prefill load leaves) and ends in time on another instance with room
+        for it (the one where it ends first).
+
+        The paper's load balancing (§5) assigns groups to virtual queues and lets each instance pull its
+        own; a group is sized in average batches, so a tight group of short answers is many requests,
+        and their instance pulls them one by one into its own batch. Where the class's cost is its
+        prompt each pull adds a prefill every running member waits through, and :meth:`_room` does not
+        hold a pull back for its own class (that trades one for the other): the group's instance did
+        little but prefill it while others had the time to (docs/papers.md). A pull moved here keeps the
+        plan's order: only the head moves, as for streams (:meth:`_stream_home`)."""
+        if not (r.e2e_only and not r.resumed and self._tightest(r, now_s)):
+            return i
+        if now_s + self._end_now_s(i, r, now_s) <= r.deadline_s:
+            return i
+        best, best_end = i, math.inf
+        for k in range(len(self.models)):
+            if k == i:
+                continue
+            end = now_s + self._end_now_s(k, r, now_s)
+            if end <= r.deadline_s and end < best_end and self._room(k, r, now_s=now_s):
+                best, best_end = k, end
+        return best
 
     def _stream_home(self, i: int, r: QlmRequest, now_s: float) -> int:
         """The instance that starts TTFT-judged ``r`` (at the head of virtual queue ``i``): of those with room

@@ -190,7 +190,7 @@ RECORDED: dict[str, str] = {
     "neutral-slo-fcfs-capped": "f0a2ad49ca96ac96e5ebce0d",
     "neutral-slo-prefix": "2faad43e732c35884901f59c",
     "neutral-slo-priority": "118a85ace3be352f7da0bda6",
-    "neutral-slo-qlm": "2c8afaac29f6ce4c6e9666a5",
+    "neutral-slo-qlm": "869ae56fe2594a627d19a236",
     "neutral-slo-sa": "4b7259d030af6395193d4e0c",
     "pd-adaptive": "3da6c8098432e1344daec263",
     "pd-load-balance-off": "466dcf402227e02d05b7c4b8",

@@ -1499,3 +1499,69 @@ def test_a_tight_group_goes_where_it_ends_in_time_not_behind_a_queued_prefill() 
     assert q.groups[q.vqs[1][0]].members[0].request_id == "n"
     assert not q.vqs[0]
     q.check_invariants()
+
+
+def _labels(rid: str, at: float = 0.0) -> ScheduleInput:
+    # A 3 s class whose answer (200 tokens, nothing learned yet: all of them) takes 2 s at the 10 ms step,
+    # behind a 2,500-token prompt (0.25 s of prefill).
+    return dataclasses.replace(
+        loose_by(rid, 3.0, out=200), slo_class="labels", prompt_tokens=2500, arrival_s=at
+    )
+
+
+def test_a_tight_pull_goes_where_it_ends_in_time_when_its_own_instance_is_busy_prefilling() -> None:
+    # Four requests of the class arrive at once and open one group on instance 0's queue. Pulled there one
+    # by one, the third would wait 0.5 s for the two prompts ahead of it, and its 2 s of answer stretch
+    # with the prefills sent there over the last 3 s (0.5 s of them: a sixth of the engine's time):
+    # ~3.15 s, late. Instance 1, idle, ends it in 2.25 s: the third and fourth go there.
+    q = QlmQueue(QlmConfig(eviction="off"), [paced_model(), paced_model()], 6000.0, 50.0)
+    for k in range(4):
+        q.push(_labels(f"l{k}"), 0.0)
+    assert len(q.vqs[0]) == 1 and not q.vqs[1]
+    where = {d.request.request_id: d.instance for d in q.pump(0.0)}
+    assert where == {"l0": 0, "l1": 0, "l2": 1, "l3": 1}
+    q.check_invariants()
+
+
+def test_a_tight_group_avoids_an_instance_whose_engine_its_class_kept_prefilling() -> None:
+    # Instance 0 was sent five prompts of the class in the last 2.5 s (1.25 s of prefill: 42 % of the
+    # engine's time over the class's 3 s budget) and is idle now, as is instance 1. A new group's first
+    # request would decode at ~17 ms a token there (10 ms over 1 - 0.42): 0.25 + 3.45 s, late. It goes to
+    # instance 1 (by its empty queue alone the two tie, and the first wins).
+    q = QlmQueue(QlmConfig(eviction="off"), [paced_model(), paced_model()], 6000.0, 50.0)
+    for k in range(5):
+        q.started(_labels(f"p{k}", 0.5 * k), 0, 0.5 * k)
+        q.finished(f"p{k}", 200)
+    assert not q.running[0] and not q.running[1]
+    q.push(_labels("n", 2.5), 2.5)
+    assert q.vqs[1] and not q.vqs[0]
+    q.check_invariants()
+
+
+def test_a_looser_pull_waits_for_a_running_tail_only_while_nothing_queues_behind_it() -> None:
+    # x (e2e, 7 s; class "batch": answers of 400 or 600 of their 1,000 tokens, mean 500) runs at 10 ms a step.
+    # At t = 1 it has ~500 tokens to go at the estimator's confidence (~630 in all), ~400 at its mean: it ends
+    # at ~6.3 s or ~5.0 s. A looser request's 10,000-token prompt stalls it 1 s: ~7.3 s at the confidence,
+    # late, ~6.0 s at the mean, on time. Alone on its queue the pull waits for x's tail. With another
+    # request queued behind it, a pull that can wait (a 600 s budget) still waits; one that cannot (12 s:
+    # ~8.3 s pulled now, ~13.6 s after x) would hold both for that tail, and it goes.
+    def pulled(queued: int, budget_s: float) -> bool:
+        q = QlmQueue(QlmConfig(eviction="off"), [paced_model()], 6000.0, 50.0)
+        q.stats = _spread_stats()
+        q.estimator.stats = q.stats
+        q.push(loose_by("x", 7.0), 0.0)
+        assert len(q.pump(0.0)) == 1
+        # The room kept for the tightest class is kept for a short-answer class that arrived lately.
+        q.push(tight_e2e("u", 0.0), 0.0)
+        assert len(q.pump(0.0)) == 1
+        q.finished("u", 50)
+        for k in range(queued):
+            r = dataclasses.replace(loose_by(f"r{k}", budget_s), prompt_tokens=10_000, arrival_s=1.0)
+            q.push(r, 1.0)
+        out = q.pump(1.0)
+        q.check_invariants()
+        return "r0" in [d.request.request_id for d in out]
+
+    assert not pulled(1, 12.0)
+    assert not pulled(2, 600.0)
+    assert pulled(2, 12.0)
