@@ -11,6 +11,7 @@ from slorouter.v1 import cms_pb2
 
 from fleet.snapshot import ClusterSnapshot, InstanceRecord
 from predictor import Grid1D, Grid2D, LatencyPredictor, TpotProfile, TtftProfile
+from router.core.columns import ResidentLegs
 from router.core.config import SchedulerConfig
 from router.core.predictors import PredictorSet
 from router.core.request import ScheduleInput
@@ -137,3 +138,20 @@ def make_request(request_id: str = "r1", prompt_tokens: int = 256, **kw: Any) ->
 
 
 NOW = 100.0
+
+
+def busy_paced_leg(*, need_ms: float, spent_s: float, paced: bool = True) -> ResidentLegs:
+    """One resident leg on view index 0, started: 900 tokens of context, 100 produced and 50 more
+    expected, a recorded TPOT need of ``need_ms`` (a pace over θ when ``paced``, over a cautious
+    length of 150 tokens), its first token ``spent_s`` before :data:`NOW`."""
+    return ResidentLegs(
+        np.zeros(1, dtype=np.intp),
+        np.array([900.0]),
+        np.array([50.0]),
+        np.ones(1, dtype=bool),
+        np.array([100.0]),
+        np.array([need_ms]),
+        np.array([paced]),
+        np.array([NOW - spent_s]),
+        np.array([150.0 if paced else np.nan]),
+    )

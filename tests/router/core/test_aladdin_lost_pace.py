@@ -5,29 +5,18 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
 import pytest
 
 from router.core.columns import ResidentLegs, StaticResidents
 from router.core.decision import Decision
 from router.core.scheduler import Scheduler
-from tests.router.core.helpers import NOW, inst, make_request, make_scheduler, make_snapshot
+from tests.router.core.helpers import NOW, busy_paced_leg, inst, make_request, make_scheduler, make_snapshot
 
 
 def _leg(*, spent_s: float, paced: bool = True) -> ResidentLegs:
     # One leg on "busy" (view index 0): need 20 ms (a 14 ms pace over θ = 0.7 when paced) over 150
     # tokens, 100 out, 50 expected to come. Spent 4.5 s, its deadline has nothing left for them.
-    return ResidentLegs(
-        np.zeros(1, dtype=np.intp),
-        np.array([900.0]),
-        np.array([50.0]),
-        np.ones(1, dtype=bool),
-        np.array([100.0]),
-        np.array([20.0]),
-        np.array([paced]),
-        np.array([NOW - spent_s]),
-        np.array([150.0 if paced else np.nan]),
-    )
+    return busy_paced_leg(need_ms=20.0, spent_s=spent_s, paced=paced)
 
 
 def _view(scheduler: Scheduler, legs: ResidentLegs, *, with_empty: bool):  # type: ignore[no-untyped-def]

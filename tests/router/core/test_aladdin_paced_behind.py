@@ -5,29 +5,17 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
-
 from router.core.columns import ResidentLegs, StaticResidents
 from router.core.decision import Decision
 from router.core.scheduler import Scheduler
-from tests.router.core.helpers import NOW, inst, make_request, make_scheduler, make_snapshot
+from tests.router.core.helpers import NOW, busy_paced_leg, inst, make_request, make_scheduler, make_snapshot
 
 
 def _behind(paced: bool) -> ResidentLegs:
     # One leg on "busy" (view index 0): need 40 ms over θ = 0.7 (a 28 ms pace when paced) over a
     # cautious length of 150 tokens; 100 tokens out in 4.5 s (45 ms each) with 50 to come: its
     # slack is gone whatever is placed beside it.
-    return ResidentLegs(
-        np.zeros(1, dtype=np.intp),
-        np.array([900.0]),
-        np.array([50.0]),
-        np.ones(1, dtype=bool),
-        np.array([100.0]),
-        np.array([40.0]),
-        np.array([paced]),
-        np.array([NOW - 4.5]),
-        np.array([150.0 if paced else np.nan]),
-    )
+    return busy_paced_leg(need_ms=40.0, spent_s=4.5, paced=paced)
 
 
 def _place(scheduler: Scheduler, legs: ResidentLegs, *, with_empty: bool) -> Decision:
