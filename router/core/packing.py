@@ -685,6 +685,20 @@ def residents_step_over_need(
     out: FloatArray = np.zeros(ctx.view.n)
     if len(legs.instance) == 0:
         return out
+    # Shared by (b)'s two forms in one decision (``tpot_horizon_over_need`` and its ``_live`` form,
+    # both in binpack's neutral chain): only the needs differ.
+    without, steps = ctx.memo(_resident_steps, lambda: _resident_steps(ctx, config, legs, horizon))
+    ratio = steps / legs_need_now(ctx, config, legs, without, spare_lost=spare_lost)
+    np.maximum.at(out, legs.instance, ratio)
+    return out
+
+
+def _resident_steps(
+    ctx: DecisionContext, config: SchedulerConfig, legs: ResidentLegs, horizon: FloatArray
+) -> tuple[FloatArray, FloatArray]:
+    """(per instance, the step without the request; per leg, its mean step over its remainder with the
+    request beside it) for :func:`residents_step_over_need`."""
+    assert ctx.predictors is not None
     without = np.nan_to_num(
         ctx.predictors.decode_step_ms(
             ctx.view.instances, ctx.metric("decode_batch_size"), ctx.metric("decode_tokens_horizon")
@@ -701,9 +715,7 @@ def residents_step_over_need(
         length = float(request.output_tokens_bound)
     share = np.minimum(1.0, length / np.maximum(legs.remaining, 1.0))
     at = legs.instance
-    ratio = (base[at] + part[at] * share) / legs_need_now(ctx, config, legs, without, spare_lost=spare_lost)
-    np.maximum.at(out, at, ratio)
-    return out
+    return without, base[at] + part[at] * share
 
 
 def legs_need_now(
