@@ -122,6 +122,20 @@ def test_plan_neutral_mode_counts_neutral_instances(capsys: pytest.CaptureFixtur
     assert doc["prefill"] == doc["decode"] == 0 and doc["neutral"] >= 1
 
 
+def test_plan_progress_says_a_stopped_fleet_was_not_run_to_the_end(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(
+        [
+            *("plan", "--workload", "chat", "--rate", "6", "--attainment", "95", "--mode", "neutral"),
+            *("--num-requests", "120", "--policy", "binpack"),
+        ]
+    )
+    assert code == 0
+    below = [line for line in capsys.readouterr().err.splitlines() if ": below 95%" in line]
+    assert below, "the search tried no fleet too small"
+    # A stopped fleet's figure is a bound, not a measured attainment: its line says so.
+    assert all("stopped early" in line and "at most" in line for line in below)
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
