@@ -1709,6 +1709,8 @@ class QlmQueue:
                     continue
                 if best is not None and (first.deadline_s, group.gid) >= best[:2]:
                     continue
+                if self._stream_late(first, now_s):
+                    continue
                 if self._room(j, first, now_s=now_s) or not self._room(i, first, now_s=now_s):
                     continue
                 best = (first.deadline_s, group.gid, j)
@@ -2463,6 +2465,20 @@ class QlmQueue:
                 continue
             group = self._urgent_stream(i, group, now_s)
             first = group.members[0]
+            if self._stream_late(first, now_s):
+                # A stream whose first token is on time nowhere goes behind the queue's on-time groups:
+                # the plan's late groups go last (:meth:`_stream_late`).
+                on_time = next(
+                    (
+                        g
+                        for g in (self.groups[gid] for gid in vq)
+                        if g.members and not self._stream_late(g.members[0], now_s)
+                    ),
+                    None,
+                )
+                if on_time is not None:
+                    group = self._urgent_stream(i, on_time, now_s)
+                    first = group.members[0]
             if first.e2e_only or first.resumed:
                 if not self._room(i, first, now_s=now_s):
                     self._observe_batch(i)
@@ -2567,8 +2583,37 @@ class QlmQueue:
             first = g.members[0]
             if first.e2e_only or first.resumed or not now_s < first.deadline_s < due:
                 continue
+            if self._stream_late(first, now_s):
+                continue
             best, due = g, first.deadline_s
         return best
+
+    def _stream_late(self, r: QlmRequest, now_s: float) -> bool:
+        """Is ``r`` TTFT-judged with its first token on time nowhere: its deadline passed, or on every instance
+        the prefill queued in the engine (:meth:`_prefill_backlog_s`) and its own end after it?
+
+        The plan serves the groups it expects late last, behind every group still on time (Moore-Hodgson's
+        drop, :func:`heuristic_plan`), as ``edf`` moves a request whose first token can no longer come in
+        time behind every on-time one. The estimator sees a stream's start through its decode slots, not
+        through the prompts the engines still have to prefill, so such a stream stayed at the head of its
+        queue (a stream's deadline is the earliest there) and was pulled late, its long prompt prefilled
+        beside the e2e work waiting behind it: on rag + reports (2,500-token prompts with a 2 s TTFT
+        beside 45 s reports) 44 streams ran and missed, and the reports ``edf`` met and this queue missed
+        waited 12 s in the router (p50; ``edf`` 0.9, docs/papers.md). A stream on time nowhere is pulled
+        once no on-time group on its queue waits (:meth:`_pull`), is nobody's urgent stream
+        (:meth:`_urgent_stream`, :meth:`_pull_urgent`), and an idle instance takes it after the on-time
+        groups (:meth:`_pull_other`); the late path refuses it past its allowance (:meth:`lapsed`)."""
+        if r.e2e_only or r.resumed:
+            return False
+        if now_s >= r.deadline_s:
+            return True
+        for k, model in enumerate(self.models):
+            if model.stall_s is None:
+                return False
+            first_s = now_s + self._prefill_backlog_s(k, self.running[k].values(), now_s)
+            if first_s + model.prefill_s(r.prompt_tokens) <= r.deadline_s:
+                return False
+        return True
 
     def _observe_batch(self, i: int) -> None:
         """The instance is full (a pull was refused): its running batch is a sample of the average batch.
@@ -2622,7 +2667,9 @@ class QlmQueue:
                 for pos, gid in enumerate(vq):
                     group = self.groups[gid]
                     if group.members and self._room(i, group.members[0], now_s=now_s):
-                        key = (group.urgency_s(now_s), pos, gid, j)
+                        # A stream whose first token is on time nowhere goes after the on-time groups.
+                        late = self._stream_late(group.members[0], now_s)
+                        key = (math.inf if late else group.urgency_s(now_s), pos, gid, j)
                         if best is None or key < best:
                             best = key
             if best is None:

@@ -1461,6 +1461,61 @@ def test_a_stream_starts_where_its_first_token_is_on_time_not_behind_a_prefill_b
     q.check_invariants()
 
 
+def test_a_stream_whose_first_token_is_on_time_nowhere_goes_behind_the_on_time_requests() -> None:
+    # Two sequences an instance; a 10,000-token prompt runs (1 s of prefill queued in the engine). At
+    # 0.1 s stream s (TTFT 500 ms) can have its first token at 1.1 s at best: on time nowhere. The one
+    # free seat goes to e2e request e, still on time, queued behind it; s waits for the late path. With
+    # nothing on time waiting, a late stream is still pulled (served last, not left to lapse).
+    def pulled(*queued: str) -> list[str]:
+        q = QlmQueue(QlmConfig(eviction="off"), [dataclasses.replace(paced_model(), most=2)], 6000.0, 50.0)
+        q.started(dataclasses.replace(loose_by("p", 600.0, out=100), prompt_tokens=10_000), 0, 0.0)
+        for rid in queued:
+            request = tight(rid, arrival=0.1) if rid == "s" else loose_by(rid, 600.0, out=100)
+            q.push(dataclasses.replace(request, arrival_s=0.1), 0.1)
+        out = [d.request.request_id for d in q.pump(0.1)]
+        q.check_invariants()
+        return out
+
+    assert pulled("s", "e") == ["e"]
+    assert pulled("s") == ["s"]
+    # On time (no prompt queued ahead of it), the stream goes first as before.
+    q = QlmQueue(QlmConfig(eviction="off"), [dataclasses.replace(paced_model(), most=2)], 6000.0, 50.0)
+    q.started(loose_by("p", 600.0, out=100), 0, 0.0)
+    q.push(tight("s", arrival=0.1), 0.1)
+    q.push(dataclasses.replace(loose_by("e", 600.0, out=100), arrival_s=0.1), 0.1)
+    assert [d.request.request_id for d in q.pump(0.1)] == ["s"]
+    q.check_invariants()
+
+
+def test_another_instance_takes_an_on_time_request_before_a_stream_on_time_nowhere() -> None:
+    # Both instances have 1 s of prefill queued; instance 0's one sequence is taken. Stream s (on time
+    # nowhere) and e2e request e wait on instance 0's queue. Instance 1, its own queue empty, takes e,
+    # the request still on time, where by deadline alone it took s. With request b on its own queue
+    # (no KV room for b's prompt there), instance 1 no longer takes s from queue 0 as an urgent stream
+    # either: s is not on time anywhere.
+    def fleet() -> QlmQueue:
+        m0 = dataclasses.replace(paced_model(), most=1)
+        m1 = dataclasses.replace(paced_model(), most=2, kv_tokens=12_000)
+        q = QlmQueue(QlmConfig(eviction="off"), [m0, m1], 6000.0, 50.0)
+        for k in range(2):
+            q.started(dataclasses.replace(loose_by(f"p{k}", 600.0, out=100), prompt_tokens=10_000), k, 0.0)
+        q.push(tight("s", arrival=0.1), 0.1)
+        q.push(dataclasses.replace(loose_by("e", 600.0, out=100), arrival_s=0.1), 0.1)
+        return q
+
+    q = fleet()
+    assert q.vqs[1] == []
+    assert [(d.request.request_id, d.instance) for d in q.pump(0.1)] == [("e", 1)]
+    q.check_invariants()
+    q = fleet()
+    q.push(dataclasses.replace(loose_by("b", 300.0, out=100), arrival_s=0.1, prompt_tokens=5_000), 0.1)
+    b = next(gid for gid, g in q.groups.items() if g.members[0].request_id == "b")
+    q.vqs = [[gid for gid in q.vqs[0] if gid != b], [b]]
+    assert q.pump(0.1) == []
+    assert "s" in q
+    q.check_invariants()
+
+
 def test_the_room_kept_for_the_tightest_class_lapses_once_it_stops_arriving() -> None:
     # The 3 s class arrived every 0.5 s from 30 s to 35 s. At 37 s (four of its gaps since the last) a
     # looser 30,000-token prompt that would close the batch to it is still refused; at 40 s (ten gaps,
