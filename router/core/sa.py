@@ -8,14 +8,21 @@ request with only an e2e target counts as met when its e2e latency is within
 it; any other request when its TTFT (waiting included) and TPOT are within
 theirs (and its e2e, if it has one too).
 
-The plan's batches are the paper's engine batches, priced as the paper
-prices them: batch ``k`` starts when batch ``k-1`` ends (the wait of a request
-is the sum of the durations of the batches before it, a batch lasting as long
-as its slowest member). The router cannot form engine batches or reorder an
-engine's queue; the paper submits its planned order into vLLM's continuous
-batching, so the ``sa`` policy keeps the queue itself and hands the front of an
-instance's plan over the moment the engine would start it: when fewer of the
-policy's requests run there than the instance's slots (see :class:`SAPlanner`).
+The router cannot form engine batches or reorder an engine's queue; the
+paper submits its planned order into vLLM's continuous batching, so the ``sa``
+policy keeps the queue itself and hands the front of an instance's plan over
+the moment the engine would start it: when fewer of the policy's requests run
+there than the instance's slots (see :class:`SAPlanner`). A plan is priced as
+it is run that way: its first batch starts at once, its members priced at
+the batch's size, and every later request, in the plan's order, starts when
+the first of the ``cap`` slots frees, priced at a full engine (``cap``). The
+paper prices static batches instead (batch ``k`` starts when the slowest
+member of batch ``k-1`` ends); on two-sequence engines that put a translation
+due in 800 ms behind a 2 s translation beside a 0.4 s triage, though it
+starts when the triage ends, so a plan that met all three looked like one that
+lost one (docs/papers.md, seed 000, session 24). With one slot the two are the
+same. Later batches' sizes therefore do not change G; only the first batch's
+does (how many start now).
 
 The per-request predictions come from the router's latency profile rather than
 the paper's linear fit, in the fit's shape: a request of ``l`` prompt tokens and
@@ -36,8 +43,7 @@ reason given where it is made: temperatures are in per mille of the start's
 ``G`` (the acceptance rule needs a unit independent of the workload's latency
 scale); a worse move is accepted with the Metropolis probability; the best
 solution seen is kept; a move that does not apply becomes a swap; the latency
-order's start takes its best uniform batch size, and when it meets every
-target its best split into batches (:func:`best_split`); a run that cannot
+order's start takes its best first batch; a run that cannot
 afford the whole schedule within its time budget keeps the temperatures and
 takes fewer moves per level; the best solution is polished by hill climbing
 while the budget lasts (:func:`_polish`); a request already lost that a plan
@@ -49,12 +55,14 @@ since the paper's engines serve every request and this router's queue does not
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
+from heapq import heapify, heapreplace
 from typing import Any
 
 import numpy as np
@@ -74,8 +82,8 @@ TEMPERATURE_UNIT = 1e-3
 #: longer than the budget is cut short too).
 BUDGET_CHECK_MOVES = 8
 
-#: Under a budget, the exact split of the latency order (best_split) runs only when n * cap^2 is at
-#: most this (about 0.2 ms on the development machine).
+#: Under a budget, the polish's best split (best_split, O(n * cap)) runs only when n * cap is at most
+#: this.
 BEST_SPLIT_OPS = 2048
 
 #: The share of a budget the annealing schedule is fitted to; the rest polishes its best solution.
@@ -149,19 +157,28 @@ class Plan:
 
 
 def evaluate(
-    jobs: Sequence[Job], order: Sequence[int], sizes: Sequence[int], start_ms: float = 0.0
+    jobs: Sequence[Job],
+    order: Sequence[int],
+    sizes: Sequence[int],
+    start_ms: float = 0.0,
+    cap: int | None = None,
 ) -> tuple[float, int, float]:
     """(G in requests/s, requests meeting their targets, summed e2e latency in ms) of a solution.
 
-    ``start_ms``: when the first batch can start (the instance is busy until then).
+    ``start_ms``: when the first batch can start (the instance is busy until
+    then). ``cap``: the slots the plan runs on (default: its largest batch).
+    The first batch starts at ``start_ms``, each member priced at the batch's
+    size; every later request, in the plan's order, starts on the first slot to
+    free and is priced at ``cap`` (see the module doc).
     """
-    return _Columns.of(jobs, max(sizes, default=1)).evaluate(order, sizes, start_ms)
+    width = max(cap or 0, max(sizes, default=1))
+    return _Columns.of(jobs, width).evaluate(order, sizes, start_ms)
 
 
 class _Columns:
     """The jobs' figures by batch size, then job (the annealer's hot loop reads them without attribute lookups)."""
 
-    __slots__ = ("cost", "exec", "refuse", "refused", "slack")
+    __slots__ = ("cost", "exec", "refuse", "refused", "slack", "width")
 
     def __init__(
         self,
@@ -177,6 +194,7 @@ class _Columns:
         n = len(exec_ms[0]) if exec_ms else 0
         self.refuse = refuse_ms if refuse_ms is not None else [math.inf] * n
         self.refused = refused_ms if refused_ms is not None else [0.0] * n
+        self.width = len(exec_ms) - 1
 
     @classmethod
     def of(cls, jobs: Sequence[Job], cap: int) -> _Columns:
@@ -192,27 +210,36 @@ class _Columns:
     def evaluate(
         self, order: Sequence[int], sizes: Sequence[int], start_ms: float
     ) -> tuple[float, int, float]:
-        wait = start_ms
+        """The plan run on ``width`` slots by continuous batching (see :func:`evaluate`)."""
+        exec_, cost, slack, refuse, refused = self.exec, self.cost, self.slack, self.refuse, self.refused
         met = 0
         total = 0.0
-        pos = 0
-        exec_, cost, slack, refuse, refused = self.exec, self.cost, self.slack, self.refuse, self.refused
-        for b in sizes:
-            eb, cb, sb = exec_[b], cost[b], slack[b]
-            duration = 0.0
-            for i in order[pos : pos + b]:
+        first = sizes[0] if sizes else 0
+        eb, cb, sb = exec_[first], cost[first], slack[first]
+        slots: list[float] = []
+        for i in order[:first]:
+            if start_ms > refuse[i]:
+                # Still queued when the queue refuses it: it never runs (see Job).
+                total += refused[i]
+                continue
+            total += cb[i] + start_ms
+            if sb[i] >= start_ms:
+                met += 1
+            slots.append(start_ms + eb[i])
+        if len(order) > first:
+            # A slot the first batch leaves empty is filled at the next pass, when a member ends.
+            slots.extend([min(slots, default=start_ms)] * (self.width - len(slots)))
+            heapify(slots)
+            eb, cb, sb = exec_[self.width], cost[self.width], slack[self.width]
+            for i in order[first:]:
+                wait = slots[0]
                 if wait > refuse[i]:
-                    # Still queued when the queue refuses it: it never runs (see Job).
                     total += refused[i]
                     continue
-                e = eb[i]
-                if e > duration:
-                    duration = e
                 total += cb[i] + wait
                 if sb[i] >= wait:
                     met += 1
-            wait += duration
-            pos += b
+                heapreplace(slots, wait + eb[i])
         return (met * 1e3 / total if total > 0 else 0.0), met, total
 
 
@@ -262,25 +289,14 @@ def anneal(
         if g_b > latency_start[1]:
             latency_start = (sizes_b, g_b, met_b, total_b)
     sizes2, g, met, total = latency_start
-    if met == n:
-        # Every target met: only the summed latency can still improve, and for a fixed order the
-        # split into batches that minimizes it is found exactly (best_split). The paper's exit is
-        # exact with a cap of 1; with larger caps the latency order's best split can beat every
-        # uniform one by several percent of G. Under a budget, only when its O(n * cap^2) fits
-        # (BEST_SPLIT_OPS): the budget bounds the whole run.
-        fits = params.budget_s is None or n * cap * cap <= BEST_SPLIT_OPS
-        split = best_split(columns, by_latency, cap, start_ms) if fits else sizes2
-        if split != sizes2:
-            g_s, met_s, total_s = evaluate_(by_latency, split, start_ms)
-            evaluations += 1
-            if met_s == n and g_s > g:
-                sizes2, g, total = split, g_s, total_s
-        if cap == 1:
-            return Plan(by_latency, sizes2, g, met, total, evaluations, early_exit=True)
-        # With batches the order by single-request latency is not the order of least summed latency (a
-        # request fast alone may slow its batch more than another), so with a cap above 1 the exit is
-        # the annealer's start instead of its end: hypothesis found queues of four and five where it
+    if met == n and cap == 1:
+        # Every target met: only the summed latency can still improve (for a fixed order only the first
+        # batch's size changes it, which the loop above tried). The paper's exit is exact with a cap of
+        # 1. With batches the order by single-request latency is not the order of least summed latency
+        # (a request fast alone may slow its batch more than another), so with a cap above 1 the exit
+        # is the annealer's start instead of its end: hypothesis found queues of four and five where it
         # stood at 93 % and 86 % of the optimum. The budget still bounds the run.
+        return Plan(by_latency, sizes2, g, met, total, evaluations, early_exit=True)
     # Start 1: the queue order in full batches.
     fifo = tuple(range(n))
     g1, met1, total1 = evaluate_(fifo, sizes0, start_ms)
@@ -369,7 +385,7 @@ def _polish(
         improved = False
         if deadline is not None and clock() >= deadline:
             break
-        fits = deadline is None or n * cap * cap <= BEST_SPLIT_OPS
+        fits = deadline is None or n * cap <= BEST_SPLIT_OPS
         split = best_split(columns, order, cap, start_ms) if fits else tuple(sizes)
         if list(split) != sizes:
             g_s, met_s, total_s = columns.evaluate(order, split, start_ms)
@@ -396,47 +412,21 @@ def _polish(
 
 
 def best_split(columns: _Columns, order: Sequence[int], cap: int, start_ms: float = 0.0) -> tuple[int, ...]:
-    """The split of ``order`` into batches of at most ``cap`` with the smallest summed latency.
+    """The split of ``order`` into batches of at most ``cap`` with the highest G.
 
-    Every request still to go waits for each batch before it, so the cost of
-    the rest from position ``i`` on is ``(n - i) * wait + f(i)``; ``f`` comes
-    from the back in O(n * cap). A batch in which a member could not meet its
-    targets even without waiting (a TPOT target broken by the batch's size) is
-    left out; targets missed by waiting are the caller's to check.
+    Only the first batch's size changes G (see :func:`evaluate`): each size
+    from 1 to ``cap`` is tried, the rest in full batches; ties go to the
+    smaller first batch.
     """
     n = len(order)
-    f = [0.0] * (n + 1)
-    choice = [0] * (n + 1)
-    for i in range(n - 1, -1, -1):
-        best = math.inf
-        # A batch's figures depend on its size b, so its members' sums are taken per b; the loop over
-        # the members runs once per (i, b) with the sums carried, O(n * cap^2) at worst but cut at the
-        # first b whose batch breaks a member's targets without waiting.
-        for b in range(1, min(cap, n - i) + 1):
-            eb, cb, sb = columns.exec[b], columns.cost[b], columns.slack[b]
-            duration = 0.0
-            summed = 0.0
-            ok = True
-            for j in order[i : i + b]:
-                if b > 1 and sb[j] < start_ms:
-                    ok = False
-                    break
-                e = eb[j]
-                if e > duration:
-                    duration = e
-                summed += cb[j]
-            if not ok:
-                continue
-            value = summed + (n - i - b) * duration + f[i + b]
-            if value < best:
-                best, choice[i] = value, b
-        f[i] = best
-    sizes: list[int] = []
-    i = 0
-    while i < n:
-        sizes.append(choice[i])
-        i += choice[i]
-    return tuple(sizes)
+    best: tuple[int, ...] = ()
+    best_g = -1.0
+    for b in range(1, min(cap, n) + 1):
+        sizes = (b, *full_batches(n - b, cap))
+        g = columns.evaluate(order, sizes, start_ms)[0]
+        if g > best_g:
+            best, best_g = sizes, g
+    return best
 
 
 def _move(order: list[int], sizes: list[int], cap: int, randrange: Callable[[int], int]) -> None:
@@ -484,58 +474,32 @@ def _move(order: list[int], sizes: list[int], cap: int, randrange: Callable[[int
 
 
 def exhaustive(jobs: Sequence[Job], cap: int, *, start_ms: float = 0.0, limit: int = 8) -> Plan:
-    """The best solution over every ordered split of ``jobs`` into batches of at most ``cap`` (the reference).
+    """The best solution over every first batch of at most ``cap`` jobs and every order of the rest (the reference).
 
-    Order inside a batch does not change G, so it enumerates ordered set
-    partitions (543,130 of them for 8 jobs and a cap of 4), depth-first with
-    the partial sums carried down. Raises ``ValueError`` above ``limit`` jobs.
+    Order inside the first batch and the sizes of later batches do not change
+    G (see :func:`evaluate`), so these are all the distinct solutions (68,880
+    for 8 jobs and a cap of 4). Raises ``ValueError`` above ``limit`` jobs.
     """
     n = len(jobs)
     if n > limit:
         raise ValueError(f"exhaustive search is for at most {limit} jobs, got {n}")
     if n == 0:
         return Plan((), (), 0.0, 0, 0.0)
-    best: list[tuple[float, int, float, tuple[tuple[int, ...], ...]]] = [(-1.0, 0, 0.0, ())]
-    count = [0]
-
-    def subsets(items: tuple[int, ...], size: int) -> list[tuple[int, ...]]:
-        if size == 0:
-            return [()]
-        if len(items) < size:
-            return []
-        head, rest = items[0], items[1:]
-        return [(head, *s) for s in subsets(rest, size - 1)] + subsets(rest, size)
-
-    def go(
-        left: tuple[int, ...], wait: float, met: int, total: float, batches: tuple[tuple[int, ...], ...]
-    ) -> None:
-        if not left:
-            count[0] += 1
-            g = met * 1e3 / total if total > 0 else 0.0
-            if g > best[0][0]:
-                best[0] = (g, met, total, batches)
-            return
-        for b in range(1, min(cap, len(left)) + 1):
-            for batch in subsets(left, b):
-                duration = 0.0
-                m = met
-                t = total
-                for i in batch:
-                    job = jobs[i]
-                    if wait > job.refuse_ms:
-                        t += job.refused_ms
-                        continue
-                    duration = max(duration, job.exec_ms[b])
-                    t += job.cost_ms[b] + wait
-                    if job.slack_ms[b] >= wait:
-                        m += 1
-                rest = tuple(i for i in left if i not in batch)
-                go(rest, wait + duration, m, t, (*batches, batch))
-
-    go(tuple(range(n)), start_ms, 0, 0.0, ())
-    g, met, total, batches = best[0]
-    order = tuple(i for batch in batches for i in batch)
-    return Plan(order, tuple(len(b) for b in batches), g, met, total, count[0])
+    columns = _Columns.of(jobs, cap)
+    best = Plan((), (), -1.0, 0, 0.0)
+    count = 0
+    everyone = range(n)
+    for b in range(1, min(cap, n) + 1):
+        sizes = (b, *full_batches(n - b, cap))
+        for head in itertools.combinations(everyone, b):
+            rest = [i for i in everyone if i not in head]
+            for tail in itertools.permutations(rest):
+                order = (*head, *tail)
+                g, met, total = columns.evaluate(order, sizes, start_ms)
+                count += 1
+                if g > best.g:
+                    best = Plan(order, sizes, g, met, total)
+    return replace(best, evaluations=count)
 
 
 # --------------------------------------------------------------------------- the queue policy

@@ -64,7 +64,7 @@ def brute_force(jobs: Sequence[Job], cap: int) -> float:
     splits = list(compositions(len(jobs), cap))
     for order in itertools.permutations(range(len(jobs))):
         for sizes in splits:
-            best = max(best, evaluate(jobs, order, sizes)[0])
+            best = max(best, evaluate(jobs, order, sizes, cap=cap)[0])
     return best
 
 
@@ -89,7 +89,7 @@ def check_plan(plan: Plan, jobs: Sequence[Job], cap: int) -> None:
     assert sorted(plan.order) == list(range(len(jobs)))  # a permutation: nothing lost or repeated
     assert sum(plan.sizes) == len(jobs)
     assert all(1 <= b <= cap for b in plan.sizes)
-    g, met, total = evaluate(jobs, plan.order, plan.sizes)
+    g, met, total = evaluate(jobs, plan.order, plan.sizes, cap=cap)
     assert g == pytest.approx(plan.g) and met == plan.met and total == pytest.approx(plan.total_ms)
 
 
@@ -107,6 +107,21 @@ def test_g_counts_met_requests_per_second_of_summed_latency_waits_included() -> 
     assert evaluate(jobs2, (0, 1), (2,))[1:] == (2, pytest.approx(3600.0))
     # A busy instance delays the first batch.
     assert evaluate(jobs, (0, 1), (1, 1), start_ms=1600.0)[1] == 0
+
+
+def test_a_later_request_starts_on_the_first_slot_to_free() -> None:
+    # Two slots: a triage due in 2 s (0.45 s in a pair) beside a translation (2.2 s), and a second
+    # translation whose first token is due within 550 ms of its start. The engine starts it when the
+    # triage ends, at 0.45 s, as continuous batching does; priced as a static batch, it waited for the
+    # slower translation (2.2 s) and every plan lost one of the three.
+    triage = job([400.0, 450.0], [1600.0, 1550.0])
+    first, second = (job([2000.0, 2200.0], [600.0, 550.0]) for _ in range(2))
+    jobs = [triage, first, second]
+    _, met, total = evaluate(jobs, (0, 1, 2), (2, 1), cap=2)
+    assert met == 3 and total == pytest.approx(450.0 + 2200.0 + 450.0 + 2200.0)
+    assert evaluate(jobs, (1, 2, 0), (2, 1), cap=2)[1] == 2  # the triage waits 2.2 s
+    for plan in (exhaustive(jobs, 2), anneal(jobs, 2, AnnealParams(budget_s=None), random.Random(0))):
+        assert plan.met == 3 and set(plan.order[: plan.sizes[0]]) != {1, 2}
 
 
 def test_deferring_an_unreachable_request_raises_g() -> None:
@@ -136,14 +151,15 @@ def test_a_request_started_after_the_queue_refuses_it_is_priced_as_refused() -> 
     ):
         assert plan.order == (1, 0) and plan.total_ms == pytest.approx(5000.0)
     assert anneal([served, other], 1, AnnealParams(budget_s=None), random.Random(0)).order == (0, 1)
-    # In a batch, a refused member adds nothing to the batch's duration.
+    # In a batch, a refused member holds no slot: the tail starts when the served member ends (at 810 ms,
+    # not at the refused member's 9 s), priced at the full engine's 3.5 s.
     pair = [
         replace(job([1000.0, 9000.0], [-INF, -INF]), refuse_ms=0.0, refused_ms=100.0),
         job([500.0, 800.0], [INF, INF]),
     ]
     tail = job([3000.0, 3500.0], [INF, INF])
     assert evaluate([*pair, tail], (0, 1, 2), (2, 1), start_ms=10.0)[2] == pytest.approx(
-        100.0 + 810.0 + 3810.0
+        100.0 + 810.0 + 810.0 + 3500.0
     )
 
 
@@ -277,7 +293,7 @@ def test_anneal_returns_a_permutation_in_batches_under_the_cap(
     by_latency = tuple(sorted(range(n), key=lambda i: (jobs[i].exec_ms[1], i)))
     starts = (
         evaluate(jobs, tuple(range(n)), full_batches(n, cap))[0],
-        *(evaluate(jobs, by_latency, full_batches(n, b))[0] for b in range(1, cap + 1)),
+        *(evaluate(jobs, by_latency, full_batches(n, b), cap=cap)[0] for b in range(1, cap + 1)),
     )
     assert plan.g >= max(starts) - 1e-12  # never worse than the better start
 
