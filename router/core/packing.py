@@ -559,10 +559,15 @@ def _kv_peak_exact_yielding(ctx: DecisionContext, config: SchedulerConfig) -> Fl
     the KV stays within ``headroom²`` of capacity, and the last ``headroom −
     headroom²`` (about 5 % at 0.95) is left for TTFT-judged requests, which the
     router queue offers first (:mod:`router.core.queue`, EDF by TTFT deadline).
+    ``binpack`` reads it on decoders only; on colocated instances, where a
+    request's prefill shares the steps too, it lost on fixed fleets
+    (docs/papers.md, Seed 001).
     """
     ratio = ctx.metric("kv_peak_exact")
     request = ctx.request
-    if request is None or not (request.e2e_slo_ms > 0 and request.ttft_slo_ms == 0 and request.tpot_slo_ms == 0):
+    if request is None or not (
+        request.e2e_slo_ms > 0 and request.ttft_slo_ms == 0 and request.tpot_slo_ms == 0
+    ):
         return ratio
     out: FloatArray = ratio / config.kv_packing_headroom
     return out
