@@ -539,6 +539,40 @@ def _kv_peak_exact(ctx: DecisionContext, config: SchedulerConfig) -> FloatArray:
     return table.over_kv_capacity(used, np.inf)
 
 
+@_register("kv_peak_exact_yielding", MetricScope.DECISION)
+def _kv_peak_exact_yielding(ctx: DecisionContext, config: SchedulerConfig) -> FloatArray:
+    """``kv_peak_exact``, over ``kv_packing_headroom`` once more for a request judged by its e2e
+    deadline alone: such a request leaves the last share of the KV to requests whose first token
+    cannot wait.
+
+    Aladdin's (e) holds every request within the worker's KV and, when no
+    worker has room, opens one (its worker model: a KV-bound fleet grows
+    until the KV is no longer full). A fixed fleet has no worker to open, so
+    whichever request takes the last of the KV decides which one waits, and
+    best fit fills it with whatever comes: on PD interactive-batch at 8 req/s
+    on 1 + 2, batch answers (due in 60 s) took each room a finishing leg left
+    and the interactive requests arriving next (first token in 1 s) were
+    refused by (e) on both decoders until they lapsed (10 of 149), while the
+    batch requests, placed a second later, would have met their deadline as
+    well. A request whose only target is its deadline can wait that second:
+    its peak counts as ``1 / headroom`` of itself, so it is placed only where
+    the KV stays within ``headroom²`` of capacity, and the last ``headroom −
+    headroom²`` (about 5 % at 0.95) is left for TTFT-judged requests, which the
+    router queue offers first (:mod:`router.core.queue`, EDF by TTFT deadline).
+    ``binpack`` reads it on decoders only; on colocated instances, where a
+    request's prefill shares the steps too, it lost on fixed fleets
+    (docs/papers.md, Seed 001).
+    """
+    ratio = ctx.metric("kv_peak_exact")
+    request = ctx.request
+    if request is None or not (
+        request.e2e_slo_ms > 0 and request.ttft_slo_ms == 0 and request.tpot_slo_ms == 0
+    ):
+        return ratio
+    out: FloatArray = ratio / config.kv_packing_headroom
+    return out
+
+
 # ----------------------------------------------------------------------------- TPOT at the horizon
 
 

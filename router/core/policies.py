@@ -397,6 +397,11 @@ def _binpack(config: SchedulerConfig) -> dict[str, Any]:
     # at its final length at once (kv_peak_projected), which refused most of what a decoder could
     # hold (2,414 of 2,830 refusals of chat on 1 + 1 at 6 req/s).
     kv = _kv_fits(config, metric="kv_peak_exact", **hard)
+    # On a decoder, (e) leaves the last share of the KV to requests whose first token cannot wait: one
+    # judged by its e2e deadline alone is held within headroom² (packing.kv_peak_exact_yielding). Not
+    # on colocated instances: there it cost 0.5-1.9 points on four fixed-fleet rows (docs/papers.md,
+    # Seed 001).
+    kv_decode = {**kv, "metric": "kv_peak_exact_yielding"}
     # (b) for every request the instance would hold: the γ-horizon TPOT within θ of the least TPOT
     # need of its residents and of this request (packing.tpot_horizon_over_need).
     horizon = {
@@ -415,7 +420,7 @@ def _binpack(config: SchedulerConfig) -> dict[str, Any]:
         "filters": [
             *HEALTH,
             _not_overpacked(relax_pass=2),
-            kv,
+            kv_decode,
             horizon,
             "failover",
         ],

@@ -96,6 +96,7 @@ def test_metric_conformance(name: str, with_request: bool) -> None:
     with_the_request = (
         "kv_peak_projected",
         "kv_peak_exact",
+        "kv_peak_exact_yielding",
         "predicted_tpot_horizon",
         "prompt_compute_tokens",
         "tpot_horizon_over_need",
