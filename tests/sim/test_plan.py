@@ -122,7 +122,9 @@ def test_plan_neutral_mode_counts_neutral_instances(capsys: pytest.CaptureFixtur
     assert doc["prefill"] == doc["decode"] == 0 and doc["neutral"] >= 1
 
 
-def test_plan_progress_says_a_stopped_fleet_was_not_run_to_the_end(capsys: pytest.CaptureFixture[str]) -> None:
+def test_plan_progress_says_a_stopped_fleet_was_not_run_to_the_end(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     code = main(
         [
             *("plan", "--workload", "chat", "--rate", "6", "--attainment", "95", "--mode", "neutral"),
