@@ -681,38 +681,11 @@ def _horizon_over_need(ctx: DecisionContext, config: SchedulerConfig, *, spare_l
         residents = residents_step_over_need(ctx, config, horizon, spare_lost=spare_lost)
         if residents is not None:
             mine = horizon / own if own > 0 else np.full(ctx.view.n, np.inf)
-            if pace_kept_nowhere(ctx, config):
-                mine = np.zeros(ctx.view.n)
             ratio = np.maximum(residents, mine)
             return _at_live_theta(ctx, config, ratio)
         need = np.minimum(need, own)
     ratio = np.divide(horizon, need, out=np.full(ctx.view.n, np.inf), where=need > 0)
     return _at_live_theta(ctx, config, ratio)
-
-
-def pace_kept_nowhere(ctx: DecisionContext, config: SchedulerConfig) -> bool:
-    """Whether the request of ``ctx`` is paced by its deadline and no instance's γ-horizon step keeps
-    that pace within θ now (:func:`_horizon_over_need`'s own term fails everywhere).
-
-    Aladdin's (b) holds the newcomer within its ATGT like every resident, and when no worker can
-    hold it its scheduler opens a new one. On a fixed fleet the request waits in the router queue
-    instead, and a deadline's pace only tightens while it waits: the 12 s code answers of support +
-    summaries + codegen (4 neutral at 32k, seed 7171, 6 req/s) waited a median 245 ms, p90 7.1 s,
-    and met 39 of 185 deadlines where ``slo``, placing them at once, met 53. Such a request sets no
-    bound of its own in (b); the residents' bounds hold.
-    """
-    request = ctx.request
-    if request is None:
-        return False
-    need, paced = resident_tpot_need(ctx, config)
-    if not paced:
-        return False
-    offered = packing_tpot_target_ms(ctx, config.packing_default_output_tokens, live_theta(ctx, config))
-    own = max(offered, need)
-    if own <= 0:
-        return False
-    horizon = ctx.metric("predicted_tpot_horizon")
-    return not bool(np.any(horizon / own <= live_theta(ctx, config)))
 
 
 def _at_live_theta(ctx: DecisionContext, config: SchedulerConfig, ratio: FloatArray) -> FloatArray:
