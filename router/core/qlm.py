@@ -93,6 +93,7 @@ import statistics
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from types import EllipsisType
 from typing import Any, ClassVar
 
 import numpy as np
@@ -2468,11 +2469,12 @@ class QlmQueue:
             if self._stream_late(first, now_s):
                 # A stream whose first token is on time nowhere goes behind the queue's on-time groups:
                 # the plan's late groups go last (:meth:`_stream_late`).
+                free = self._engines_free_s(now_s)
                 on_time = next(
                     (
                         g
                         for g in (self.groups[gid] for gid in vq)
-                        if g.members and not self._stream_late(g.members[0], now_s)
+                        if g.members and not self._stream_late(g.members[0], now_s, free)
                     ),
                     None,
                 )
@@ -2588,7 +2590,22 @@ class QlmQueue:
             best, due = g, first.deadline_s
         return best
 
-    def _stream_late(self, r: QlmRequest, now_s: float) -> bool:
+    def _engines_free_s(self, now_s: float) -> list[float] | None:
+        """When each instance's engine is done with the prefill queued there (:meth:`_prefill_backlog_s`);
+        None while an instance's model has no stall estimate yet (no stream is then judged late).
+
+        Kept for one pass over the queued groups by :meth:`_stream_late`'s callers that judge many of them
+        before the running requests change: the backlog sorts each instance's running requests."""
+        if any(model.stall_s is None for model in self.models):
+            return None
+        return [
+            now_s + self._prefill_backlog_s(k, self.running[k].values(), now_s)
+            for k in range(len(self.models))
+        ]
+
+    def _stream_late(
+        self, r: QlmRequest, now_s: float, free: list[float] | EllipsisType | None = ...
+    ) -> bool:
         """Is ``r`` TTFT-judged with its first token on time nowhere: its deadline passed, or on every instance
         the prefill queued in the engine (:meth:`_prefill_backlog_s`) and its own end after it?
 
@@ -2607,13 +2624,14 @@ class QlmQueue:
             return False
         if now_s >= r.deadline_s:
             return True
-        for k, model in enumerate(self.models):
-            if model.stall_s is None:
-                return False
-            first_s = now_s + self._prefill_backlog_s(k, self.running[k].values(), now_s)
-            if first_s + model.prefill_s(r.prompt_tokens) <= r.deadline_s:
-                return False
-        return True
+        # ``free``: :meth:`_engines_free_s` of this moment when the caller has it (``...``: found here).
+        engines = self._engines_free_s(now_s) if free is ... else free
+        if engines is None:
+            return False
+        return all(
+            first_s + model.prefill_s(r.prompt_tokens) > r.deadline_s
+            for first_s, model in zip(engines, self.models, strict=True)
+        )
 
     def _observe_batch(self, i: int) -> None:
         """The instance is full (a pull was refused): its running batch is a sample of the average batch.
@@ -2663,12 +2681,13 @@ class QlmQueue:
         out: list[Dispatch] = []
         while self.queued:
             best: tuple[float, int, int, int] | None = None  # (urgency, position, gid, queue)
+            free = self._engines_free_s(now_s)
             for j, vq in enumerate(self.vqs):
                 for pos, gid in enumerate(vq):
                     group = self.groups[gid]
                     if group.members and self._room(i, group.members[0], now_s=now_s):
                         # A stream whose first token is on time nowhere goes after the on-time groups.
-                        late = self._stream_late(group.members[0], now_s)
+                        late = self._stream_late(group.members[0], now_s, free)
                         key = (math.inf if late else group.urgency_s(now_s), pos, gid, j)
                         if best is None or key < best:
                             best = key
