@@ -309,6 +309,11 @@ def plan_cluster(args: argparse.Namespace) -> ClusterPlan:
         raise ValueError(f"--start-timeout-s {args.start_timeout_s}: must be a finite number > 0")
     if args.dispatch_mode == "slice" and not args.neutral:
         raise ValueError("--dispatch-mode slice runs on neutral workers: add --neutral K")
+    if args.queue_policy == "qlm" and not args.neutral:
+        raise ValueError(
+            "--queue-policy qlm runs on neutral workers (it places whole requests): add --neutral K, "
+            "or pick another queue policy (edf, sa) for prefill/decode workers"
+        )
     slice_config = slice_config_from_args(args)
     split_host_port("--listen", args.listen)
     if args.http_listen:

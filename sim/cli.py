@@ -495,6 +495,12 @@ def run(args: argparse.Namespace) -> int:
         workload, trace, rates = load_source(args)
         policies = parse_policies(args.policies, args)
         queues = parse_queue_policies(args.queue_policies, args)
+        if spec.disaggregated and any(q.queue_policy == "qlm" for q in queues):
+            # The router refuses every request UNAVAILABLE on such a fleet; say it before any run.
+            raise ValueError(
+                "--queue-policies qlm needs a neutral fleet (it places whole requests): use --neutral K, "
+                "or another queue policy (edf, sa) on prefill/decode instances"
+            )
         qlm = parse_qlm(args)
         if args.num_requests < 1:
             raise ValueError(f"--num-requests must be >= 1, got {args.num_requests}")

@@ -77,6 +77,8 @@ CASES = [
     (["up", "--start-timeout-s", "-1"], "--start-timeout-s"),
     (["up", "--worker-stream-interval-ms", "-1"], "--worker-stream-interval-ms"),
     (["up", "--processes", "0"], "--processes"),
+    (["up", "--queue-policy", "qlm"], "--queue-policy qlm"),  # prefill/decode workers by default
+    (["simulate", "--prefill", "1", "--decode", "1", "--queue-policies", "edf,qlm"], "--queue-policies qlm"),
     (["up", "--listen", "127.0.0.1"], "--listen"),
     (["up", "--metrics-port", "-2"], "--metrics-port"),
     (["up", "--dispatch-top-k", "0"], "--dispatch-top-k"),
