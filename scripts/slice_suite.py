@@ -29,6 +29,15 @@ T = "/work/shared/traces/azure-conv-2023.csv"
 H1 = "neutral=2:qwen2.5-7b-2xv100-linear,neutral=2:qwen2.5-7b-2xv100-linear-x4"
 H2 = "neutral=2:qwen2.5-7b-2xv100-linear-x4,neutral=2:qwen2.5-7b-2xv100-linear"
 SC = "docs/scenarios"
+#: Three groups, two profiles, listed two ways (the x4 profile between and after the others).
+H3A = (
+    "neutral=1:qwen2.5-7b-2xv100-linear,neutral=2:qwen2.5-7b-2xv100-linear-x4,"
+    "neutral=1:qwen2.5-7b-2xv100-linear"
+)
+H3B = (
+    "neutral=1:qwen2.5-7b-2xv100-linear,neutral=1:qwen2.5-7b-2xv100-linear,"
+    "neutral=2:qwen2.5-7b-2xv100-linear-x4"
+)
 
 
 def _n(instances: int, kv: int, workload: str, rate: float, seed: int, requests: int) -> str:
@@ -175,6 +184,26 @@ SETS: dict[str, dict[str, str]] = {
         "2x-translate8k-0.6-s406": _n(2, 8192, f"{SC}/scls-translate-docs.json", 0.6, 406, 600),
         "H1-contracts16k-1.5-s407": _h(H1, 16384, f"{SC}/scls-contracts-chat.json", 1.5, 407, 600),
         "H2-contracts16k-1.5-s407": _h(H2, 16384, f"{SC}/scls-contracts-chat.json", 1.5, 407, 600),
+    },
+    # Written for session 25 before any run, on seeds no other set uses (2501-2510): fleet sizes, KV
+    # sizes and a heterogeneous fleet of three groups in two orders, workloads from other papers'
+    # scenario files too; rates guessed from the nearest set-ups above (rows where least-requests
+    # preempts less than once per ten requests are not judged).
+    "check25": {
+        "3x-codegen10k-5-s2501": _n(3, 10240, "codegen", 5, 2501, 600),
+        "5x-ib14k-5.5-s2502": _n(5, 14336, "interactive-batch", 5.5, 2502, 600),
+        "4x-mixed12k-6-s2503": _n(4, 12288, "mixed", 6, 2503, 600),
+        "4x-codechat8k-6-s2504": _n(4, 8192, "code-chat", 6, 2504, 600),
+        "6x-chat12k-9-s2505": _n(6, 12288, "chat", 9, 2505, 600),
+        "4x-support-summaries-codegen16k-6-s2506": _n(
+            4, 16384, f"{SC}/aladdin-support-summaries-codegen.json", 6, 2506, 600
+        ),
+        "4x-chat-reports12k-5-s2507": _n(4, 12288, f"{SC}/qlm-chat-reports.json", 5, 2507, 600),
+        "H3a-mixed12k-5-s2508": _h(H3A, 12288, "mixed", 5, 2508, 600),
+        "H3b-mixed12k-5-s2508": _h(H3B, 12288, "mixed", 5, 2508, 600),
+        "H3a-codegen8k-5-s2509": _h(H3A, 8192, "codegen", 5, 2509, 600),
+        "H3b-codegen8k-5-s2509": _h(H3B, 8192, "codegen", 5, 2509, 600),
+        "4x-ib12k-4.5-s2510-1200": _n(4, 12288, "interactive-batch", 4.5, 2510, 1200),
     },
     # Short answers beside long ones over twelve seeds (the set-up where backfill passed long heads).
     "reports-qa12": {
