@@ -642,35 +642,7 @@ def _tpot_horizon_over_need_live(ctx: DecisionContext, config: SchedulerConfig) 
     expected length, and 24 summaries lapsed where ``slo`` placed them. (d) treats a resident
     without slack alike (:func:`atgt_slack_ms`).
     """
-    ratio = _horizon_over_need(ctx, config, spare_lost=True)
-    if deadline_out_of_reach(ctx, config):
-        # The newcomer's own term: a deadline its expected answer cannot keep even at an idle
-        # instance's step sets a need no busy instance keeps (an empty one passes as a new bin).
-        return np.full(ctx.view.n, np.inf)
-    return ratio
-
-
-def deadline_out_of_reach(ctx: DecisionContext, config: SchedulerConfig) -> bool:
-    """Whether the request of ``ctx``, judged by its e2e deadline alone, can no longer finish its
-    expected output in time even at the step of an idle instance (batch 1, the default profile):
-    the point where :func:`packing_tpot_target_ms` gives up its deadline's pace for every length
-    and holds it to the TPOT target in force instead.
-
-    ``binpack``'s (b) on a colocated instance (``tpot_horizon_over_need_live``) places such a
-    request on an empty instance only, as the new bin Aladdin's Algorithm 1 would open for a request
-    no worker can hold within its target; a fixed fleet has none to open, so it waits in the router
-    queue and lapses there. Placed on a busy instance at the TPOT target, it ran its answer late
-    beside the requests that could still be met: support + summaries + codegen on 4 neutral
-    instances, seed 7171, 6 req/s: 80 code answers placed after a wait of 2 s or more, 8 of them
-    met, while 9 summaries lapsed in the router queue (docs/papers.md, Seed 001).
-    """
-    request = ctx.request
-    if request is None or request.e2e_slo_ms <= 0 or request.tpot_slo_ms > 0 or ctx.predictors is None:
-        return False
-    out = expected_output_tokens(request, config.packing_default_output_tokens)
-    paced = (request.e2e_slo_ms - waited_ms(ctx)) / max(out - 1, 1)
-    idle = ctx.predictors.default.predict_tpot_ms(1.0, ctx.prompt_tokens + out)
-    return not paced > idle
+    return _horizon_over_need(ctx, config, spare_lost=True)
 
 
 def _horizon_over_need(ctx: DecisionContext, config: SchedulerConfig, *, spare_lost: bool) -> FloatArray:
