@@ -1487,6 +1487,27 @@ def test_a_stream_whose_first_token_is_on_time_nowhere_goes_behind_the_on_time_r
     q.check_invariants()
 
 
+def test_a_stream_the_kv_cache_frees_room_for_too_late_goes_behind_an_on_time_request() -> None:
+    # A 3,100-token cache; p (2,000-token prompt, 1,000 tokens to come at 10 ms: ~10 s) holds 3,000 of it
+    # at its end. Stream s (TTFT 500 ms, 150 tokens at its end) has no room until p ends: its first token
+    # is on time behind the engine's prefill (0.2 s) but not behind the cache. Short e2e request e
+    # (2 s, 30 tokens) fits now: it is pulled where s held the queue. Once the cache has room for s
+    # in time (p's answer nearly done), s goes first as before.
+    def pulled(p_out: int) -> list[str]:
+        m = dataclasses.replace(paced_model(), kv_tokens=3_100)
+        q = QlmQueue(QlmConfig(eviction="off"), [m], 6000.0, 50.0)
+        q.started(dataclasses.replace(loose_by("p", 600.0, out=p_out), prompt_tokens=2_000), 0, 0.0)
+        q.push(tight("s", arrival=0.1), 0.1)
+        e = dataclasses.replace(tight_e2e("e", arrival=0.1), prompt_tokens=10, max_tokens=20)
+        q.push(e, 0.1)
+        out = [d.request.request_id for d in q.pump(0.1)]
+        q.check_invariants()
+        return out
+
+    assert pulled(1_000) == ["e"]
+    assert pulled(10)[0] == "s"
+
+
 def test_another_instance_takes_an_on_time_request_before_a_stream_on_time_nowhere() -> None:
     # Both instances have 1 s of prefill queued; instance 0's one sequence is taken. Stream s (on time
     # nowhere) and e2e request e wait on instance 0's queue. Instance 1, its own queue empty, takes e,
