@@ -53,6 +53,7 @@ def make_metadata(
     unit_id: str = "",
     max_num_batched_tokens: int = 8192,
     kv_capacity_tokens: int = 100_000,
+    max_num_seqs: int = 0,
     labels: Mapping[str, str] | None = None,
 ) -> cms_pb2.InstanceMetadata:
     return cms_pb2.InstanceMetadata(
@@ -64,6 +65,7 @@ def make_metadata(
         unit_id=unit_id,
         max_num_batched_tokens=max_num_batched_tokens,
         kv_capacity_tokens=kv_capacity_tokens,
+        max_num_seqs=max_num_seqs,
         labels=dict(labels or {}),
     )
 
