@@ -2371,8 +2371,7 @@ class QlmQueue:
                 # the order of the pulls) stall its decode.
                 stall = (
                     model.stall_s(
-                        r.prompt_tokens
-                        + sum(y.prompt_tokens for y in filling[filling.index(x) + 1 :])
+                        r.prompt_tokens + sum(y.prompt_tokens for y in filling[filling.index(x) + 1 :])
                     )
                     * factor
                 )
