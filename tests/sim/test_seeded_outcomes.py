@@ -167,6 +167,9 @@ SCENARIOS: dict[
 #: prefill queued there counted; router.core.qlm.QlmQueue._stream_home): 151 -> 166 of 200 met.
 #: Then again when a stream whose first token is on time nowhere began to go behind the on-time
 #: requests (router.core.qlm.QlmQueue._stream_late): 170 -> 166 of 200 met (chat 112 before and after).
+#: Then again when an e2e pull that would miss waiting began to spread its own prompt's stall over a
+#: stream's whole answer while no stream waits, and a stream still in its prefill stopped counting its
+#: own prompt as a stall on its decode (router.core.qlm.QlmQueue._stall_fits).
 #: azure-trace-slo and neutral-slo-eos were re-recorded when slo began to hold KV over life to the
 #: exact peak in every pass (router.core.policies._kv_promise): every decision and outcome is the
 #: same (254 and 173 met, 35 and 12 refused, 0 preemptions each); only the refusal messages moved,
@@ -192,7 +195,7 @@ RECORDED: dict[str, str] = {
     "neutral-slo-fcfs-capped": "f0a2ad49ca96ac96e5ebce0d",
     "neutral-slo-prefix": "2faad43e732c35884901f59c",
     "neutral-slo-priority": "118a85ace3be352f7da0bda6",
-    "neutral-slo-qlm": "6a76660b37b3cf7ac4047434",
+    "neutral-slo-qlm": "9d2177d0151a5ae3a8009e53",
     "neutral-slo-sa": "4b7259d030af6395193d4e0c",
     "pd-adaptive": "3da6c8098432e1344daec263",
     "pd-load-balance-off": "466dcf402227e02d05b7c4b8",

@@ -907,9 +907,10 @@ def test_a_long_prompt_is_not_pulled_beside_a_stream_its_prefill_would_push_past
 
     assert not pulled_beside_the_stream(20_000)
     assert pulled_beside_the_stream(200)
-    # With minutes of slack it waits even for the short prompt while no answer of the stream's class
-    # has finished: the stream's length is unknown, so it counts as one token from its end.
-    assert not pulled_beside_the_stream(200, deadline_s=600.0)
+    # With minutes of slack it waits even for a short prompt while no answer of the stream's class
+    # has finished: the stream's length is unknown, so it counts as one token from its end (300 tokens:
+    # 30 ms on the 30 ms step; the stream's own prompt, still in its prefill, is not counted).
+    assert not pulled_beside_the_stream(300, deadline_s=600.0)
     # A stream with that long prompt is pulled: it cannot wait (its TTFT), and holding it back for the
     # other stream's sake trades one stream for another (on the Azure chat trace at 1x capacity the
     # check on stream pulls cost 4.8 points, docs/papers.md).
@@ -1007,6 +1008,38 @@ def test_a_prompt_still_in_its_prefill_stalls_the_streams_before_the_next_one() 
     q.push(loose_by("b", 3.0, out=100), 0.01)
     assert q.pump(0.01) == []
     q.check_invariants()
+
+
+def test_a_streams_own_prompt_in_its_prefill_does_not_stall_its_decode() -> None:
+    # A stream with a 20,000-token prompt has just started (2 s of prefill). A 200-token e2e prompt
+    # pulled now is prefilled after it: 20 ms over its 50 tokens, not the 2 s of its own prompt (which
+    # comes before its first token, its TTFT). Counting its own prompt refused the pull.
+    q = QlmQueue(QlmConfig(eviction="off"), [stalling_model()], 6000.0, 50.0)
+    q.push(tight("s", prompt=20_000), 0.0)
+    assert len(q.pump(0.0)) == 1
+    q.push(loose_by("r", 600.0, out=100), 0.1)
+    assert [d.request.request_id for d in q.pump(0.1)] == ["r"]
+    q.check_invariants()
+
+
+def test_an_e2e_pull_that_would_miss_waiting_spreads_its_stall_over_a_streams_whole_answer() -> None:
+    # A stream (400 tokens, 50 ms target) has ~356 tokens out and ~44 to go at a 30 ms step. A
+    # 10,000-token e2e prompt (1 s of prefill) that would miss waiting for it: over the tokens left,
+    # ~23 ms a token (53 ms, refused before); over the whole answer 2.5 ms: pulled. Not while a stream
+    # waits in the queues: the room would go to the e2e request and the stream's first token waits.
+    def pulled(waiting: bool) -> bool:
+        q = QlmQueue(QlmConfig(eviction="off"), [stalling_model()], 6000.0, 50.0)
+        q.push(tight("s", out=400), 0.0)
+        assert len(q.pump(0.0)) == 1
+        q.push(dataclasses.replace(loose_by("r", 4.0, out=100), prompt_tokens=10_000), 3.65)
+        if waiting:
+            q.push(tight("w", arrival=3.65, out=400), 3.65)
+        out = q.pump(3.65)
+        q.check_invariants()
+        return "r" in [d.request.request_id for d in out]
+
+    assert pulled(waiting=False)
+    assert not pulled(waiting=True)
 
 
 def paced_model(step_s: Callable[[float, float], float] = lambda b, t: 0.01) -> InstanceModel:
