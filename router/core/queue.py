@@ -168,7 +168,7 @@ class QueueConfig(FlagFields):
             "beside them keep their room and chat alone is even with edf; below overload, where edf already "
             "meets nearly every deadline, it gains nothing and may lose a point or three; its eviction pays where "
             "long batch jobs hold every sequence of an engine while short deadline work arrives; beside "
-            "long-prompt TTFT-judged streams past capacity it can starve an e2e class and lose several points to edf (use edf there); --qlm-*) or sa (seed 000: waiting requests dealt by deadline to the instance with the "
+            "long-prompt TTFT-judged streams past capacity it trades an e2e class for the streams and stays up to a point behind edf; --qlm-*) or sa (seed 000: waiting requests dealt by deadline to the instance with the "
             "most KV memory left and ordered per instance by simulated annealing of G, handed to an "
             "engine as its slots free; for bursts of mixed-SLO work on engines that run one or two "
             "sequences at a time; not for engines of four or more: it gains nothing at light load and loses to "
