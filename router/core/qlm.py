@@ -2354,27 +2354,30 @@ class QlmQueue:
             if now_s is None
             else [x for x in run if now_s - x.dispatched_s < model.prefill_s(x.prompt_tokens)]
         )
+        # Per request still in its prefill: the prompt tokens pulled after it (``run`` is in the order of
+        # the pulls), one pass from the end.
+        after: dict[str, int] = {}
+        queued = 0
+        for x in reversed(filling):
+            after[x.request_id] = queued
+            queued += x.prompt_tokens
         correction = self._correction()
         factor = 1.0 if correction is None else correction.ttft_factor.item(i)
         # The calibrated prefill speed, as the ``slo`` policy's residents' filter prices the same stall
         # (``prefill_stall_ms``: the profile's chunks times the TTFT factor).
-        stall_all = model.stall_s(r.prompt_tokens + sum(x.prompt_tokens for x in filling)) * factor
-        stall_ahead = model.stall_s(sum(x.prompt_tokens for x in filling)) * factor if filling else 0.0
+        stall_all = model.stall_s(r.prompt_tokens + queued) * factor
+        stall_ahead = model.stall_s(queued) * factor if filling else 0.0
         lenient: bool | None = None
         for x in run:
             if x.e2e_only or x.resumed:
                 continue
             stall = stall_all
-            if x in filling:
+            behind = after.get(x.request_id)
+            if behind is not None:
                 # A stream still in its prefill: its own prompt and those prefilled before it come before
-                # its first token (its TTFT, not its TPOT); only the prompts pulled after it (``run`` is in
-                # the order of the pulls) stall its decode.
-                stall = (
-                    model.stall_s(
-                        r.prompt_tokens + sum(y.prompt_tokens for y in filling[filling.index(x) + 1 :])
-                    )
-                    * factor
-                )
+                # its first token (its TTFT, not its TPOT); only the prompts pulled after it stall its
+                # decode.
+                stall = model.stall_s(r.prompt_tokens + behind) * factor
             target_ms = self._tpot_ms(x)
             if cautious:
                 # A pull that can wait: the ``slo`` policy's bar too, and a stream of a class with no
@@ -2404,7 +2407,7 @@ class QlmQueue:
                 # 62.1 % against ``edf``'s 89.6 row, docs/papers.md); with streams waiting, the room
                 # the e2e request takes is theirs (rag + reports lost 1 point to refusals).
                 done = x.reached * x.request.max_tokens
-                ahead = stall_ahead if x not in filling else 0.0
+                ahead = stall_ahead if behind is None else 0.0
                 own = stall - ahead
                 if (step_s + ahead / left + own / (done + left)) * 1e3 <= STREAM_TPOT_SHARE * target_ms:
                     continue
