@@ -692,6 +692,33 @@ def _predicted_tpot(ctx: DecisionContext) -> FloatArray:
     return correction.tpot_ms(values, batch, tokens)
 
 
+@_register("predicted_tpot_after_slot_wait", MetricScope.DECISION)
+def _predicted_tpot_after_slot_wait(ctx: DecisionContext) -> FloatArray:
+    """A decode leg's mean TPOT (ms) with its wait for a running slot spread over its answer.
+
+    On a decoder the first token is already out (the prefill instance streamed it); a leg that finds
+    the engine at ``max_num_seqs`` waits in its queue before its second token, and the client's mean
+    TPOT (``(e2e - TTFT) / (output - 1)``) carries that wait divided by the tokens after the first.
+    So the decode stage judges the TPOT target on ``predicted_tpot + slot_wait_ms / (expected - 1)``
+    (``expected``: the learned length, else ``max_tokens``): a short wait on a long answer passes, as
+    the engine queue will serve it in time, and a wait the answer cannot absorb does not, where a
+    plain TPOT filter queued decode legs into full decoders past capacity (4-sequence decoders, chat
+    at 3 req/s: 10 % met). Where no instance states a cap (or none is full) this is ``predicted_tpot``
+    itself. A colocated instance's slot wait delays its prefill, so it is in ``predicted_ttft``, not
+    here.
+    """
+    values = ctx.metric("predicted_tpot")
+    table = ctx.view.instances
+    if table.max_num_seqs is None or _uncapped(table) or ctx.request is None:
+        return values
+    wait = ctx.metric("slot_wait_ms")
+    if not np.count_nonzero(wait):
+        return values
+    expected = ctx.request.expected_output_tokens or ctx.request.max_tokens
+    spread: FloatArray = values + wait / max(float(expected) - 1.0, 1.0)
+    return spread
+
+
 # ----------------------------------------------------------------------------- adaptive PD reserves
 
 

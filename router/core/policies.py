@@ -259,6 +259,10 @@ def _kv_promise(config: SchedulerConfig) -> list[dict[str, Any]]:
     ]
 
 
+#: The decode stage's TPOT: with the wait for a running slot on a full engine spread over the answer.
+_DECODE_TPOT = "predicted_tpot_after_slot_wait"
+
+
 def _slo(config: SchedulerConfig) -> dict[str, Any]:
     # Decode also keeps KV over life (_kv_promise) and the safety valve; only the valve and the
     # sums' bound are droppable: when every instance meeting the TPOT target is over-packed, the
@@ -272,15 +276,18 @@ def _slo(config: SchedulerConfig) -> dict[str, Any]:
             "filters": [*HEALTH, _ttft(), "failover"],
             "selector": _lowest("prompt_compute_tokens", "predicted_ttft"),
         },
+        # A leg that finds its decoder at the engine's sequence cap waits for a slot before its
+        # second token: the TPOT target is judged with that wait spread over the answer
+        # (metrics.predicted_tpot_after_slot_wait; predicted_tpot itself where no engine is full).
         "decode": {
             "filters": [
                 *HEALTH,
-                _tpot(),
+                _tpot(metric=_DECODE_TPOT, label="metric_threshold:predicted_tpot"),
                 *_kv_promise(config),
                 _not_overpacked(droppable=True),
                 "failover",
             ],
-            "selector": _lowest("predicted_tpot"),
+            "selector": _lowest(_DECODE_TPOT),
         },
         # A colocated instance runs this prompt's prefill chunks between the decode steps of every
         # request already there: besides its own TPOT, the placement must keep theirs.

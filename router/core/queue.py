@@ -2353,7 +2353,11 @@ def _remember(
 #: the batch with the request in it, and that of the residents, read the load, the prompt and the
 #: TPOT targets only (the ``tpot_packing`` target does read the TTFT need: not listed).
 _BOUND_FREE_THRESHOLDS = frozenset(
-    {("tpot", "predicted_tpot"), ("tpot_residents", "predicted_tpot_residents")}
+    {
+        ("tpot", "predicted_tpot"),
+        ("tpot", "predicted_tpot_after_slot_wait"),
+        ("tpot_residents", "predicted_tpot_residents"),
+    }
 )
 
 

@@ -102,7 +102,13 @@ def test_metric_conformance(name: str, with_request: bool) -> None:
         "tpot_horizon_over_need",
         "tpot_horizon_over_need_live",
     )
-    predictions = ("predicted_ttft", "predicted_ttft_behind_step", "predicted_tpot", "kv_usage_projected")
+    predictions = (
+        "predicted_ttft",
+        "predicted_ttft_behind_step",
+        "predicted_tpot",
+        "predicted_tpot_after_slot_wait",
+        "kv_usage_projected",
+    )
     if name not in predictions and not (with_request and name in with_the_request):
         assert values[new] == 0
 
