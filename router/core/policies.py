@@ -263,6 +263,27 @@ def _kv_promise(config: SchedulerConfig) -> list[dict[str, Any]]:
 _DECODE_TPOT = "predicted_tpot_after_slot_wait"
 
 
+def _slot_free() -> dict[str, Any]:
+    """A bin ends at its engine's sequence cap: an instance running ``max_num_seqs`` requests is full
+    whatever room its KV and TPOT leave (``slot_wait_ms`` is 0 exactly where a slot is free; "below half
+    a millisecond" is that). Held in every pass; an empty instance passes.
+
+    Packing (best fit, adaptive PD's fullest decoder first) otherwise filled the engine queue of the
+    fullest instance while others had free slots, behind completions the router can only guess:
+    under ``binpack`` 4 neutral 4-sequence engines, chat at 1 req/s, met 97.2 % against slo's 100 (TTFT
+    p99 2.0 s) and 2 + 2 P/D with 4-sequence decoders 20 % against 99.4 (docs/papers.md, Seed 001);
+    under ``adaptive-pd`` the same P/D fleet met 16.8 % (docs/real-traces.md, Decoders at their cap).
+    Engines of 256 sequences seldom reach it: the fixed-fleet and plan rows did not move.
+    """
+    return {
+        "name": "metric_threshold",
+        "metric": "slot_wait_ms",
+        "limit": 0.5,
+        "label": "slot_free",
+        "empty_passes": True,
+    }
+
+
 def _slo(config: SchedulerConfig) -> dict[str, Any]:
     # Decode also keeps KV over life (_kv_promise) and the safety valve; only the valve and the
     # sums' bound are droppable: when every instance meeting the TPOT target is over-packed, the
@@ -344,7 +365,9 @@ def _adaptive_pd(config: SchedulerConfig) -> dict[str, Any]:
                 # bound, every resident at its final length at once, refused the long prompts of
                 # overload that plain slo serves through its fallback pass (docs/user-guide.md, packing).
                 _kv_fits(config, metric="kv_peak_exact"),
-                _tpot(),
+                # (As under slo: a full decoder's slot wait spread over the answer.)
+                _tpot(metric=_DECODE_TPOT, label="metric_threshold:predicted_tpot"),
+                _slot_free(),
                 _tpot_horizon(config, droppable=True),
                 "failover",
             ],
@@ -425,25 +448,11 @@ def _binpack(config: SchedulerConfig) -> dict[str, Any]:
     # (d)'s paced form bounds a paced resident behind its pace.
     horizon_live = {**horizon, "metric": "tpot_horizon_over_need_live"}
     horizon_lost = {**horizon, "label": "tpot_horizon_lost", "relax_pass": 1}
-    # A bin ends at its engine's sequence cap as well: an instance running max_num_seqs requests is
-    # full whatever room its KV and TPOT leave (slot_wait_ms is 0 exactly where a slot is free; "below
-    # half a millisecond" is that). Best fit otherwise packed requests into the engine queue of the
-    # fullest instance while others had free slots, behind completions the router can only guess
-    # (4 neutral 4-sequence engines, chat at 1 req/s: 97.2 % against slo's 100, TTFT p99 2.0 s; 2 + 2
-    # P/D, 4-sequence decoders: 20 % against 99.4; docs/papers.md, Seed 001). Engines of 256 sequences
-    # seldom reach it: the fixed-fleet and plan rows did not move.
-    slot_free = {
-        "name": "metric_threshold",
-        "metric": "slot_wait_ms",
-        "limit": 0.5,
-        "label": "slot_free",
-        **hard,
-    }
     decode = {
         "filters": [
             *HEALTH,
             _not_overpacked(relax_pass=2),
-            slot_free,
+            _slot_free(),
             kv_decode,
             horizon,
             "failover",
@@ -460,7 +469,7 @@ def _binpack(config: SchedulerConfig) -> dict[str, Any]:
             # (c) with the prompt behind the step its instance's queued prompts are running.
             _ttft(metric="predicted_ttft_behind_step", label="metric_threshold:predicted_ttft", **hard),
             _not_overpacked(relax_pass=2),
-            slot_free,
+            _slot_free(),
             kv,
             horizon_live,
             horizon_lost,
