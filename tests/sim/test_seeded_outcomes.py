@@ -181,6 +181,11 @@ SCENARIOS: dict[
 #: only began to wait the pool time as a burst's do (router.core.sa.SAPlanner.offer): 64 -> 57 met.
 #: Then again when a planned request the instance refuses passed its slot to the next request of the
 #: plan's order (router.core.sa.SAPlanner._release): 57 -> 61 of 120 met (G 0.0815 -> 0.0910).
+#: Then again when a class's own few answers began to replace the every-class estimate instead of
+#: shrinking it (router.core.sa.TaskLengths._own): 65 -> 59 of 120 met (G 0.1040 -> 0.0954) on this one
+#: overloaded draw; over four draws of the same load (`python -m sim.papers sa --only sa --workload
+#: mixed --instances 3 --seqs 2 --rate 3 --requests 200 --seeds 4 --seed 7`) 46.1 -> 49.1 % met,
+#: G 0.1026 -> 0.1083, and at 1.5 req/s the same (81.4 %, G 0.2013).
 #: mooncake-trace-least-requests was re-recorded when the simulator began to refuse a request whose
 #: prompt + max_tokens exceeds the fleet's max_model_len on arrival, as the router does
 #: (sim.cluster._Simulation._arrive): 123 of its 200 requests are such (14 were failed at dispatch
@@ -196,7 +201,7 @@ RECORDED: dict[str, str] = {
     "neutral-slo-prefix": "2faad43e732c35884901f59c",
     "neutral-slo-priority": "118a85ace3be352f7da0bda6",
     "neutral-slo-qlm": "9d2177d0151a5ae3a8009e53",
-    "neutral-slo-sa": "4b7259d030af6395193d4e0c",
+    "neutral-slo-sa": "73235109ad7d235206a861fe",
     "pd-adaptive": "3da6c8098432e1344daec263",
     "pd-load-balance-off": "466dcf402227e02d05b7c4b8",
     "pd-noise-power-of-two": "1d5dfe0ec4aa853c45db64c9",
