@@ -897,6 +897,34 @@ def _predicted_ttft_behind_step(ctx: DecisionContext, config: SchedulerConfig) -
     return result
 
 
+@_register("predicted_ttft_over_own_budget", MetricScope.DECISION)
+def _predicted_ttft_over_own_budget(ctx: DecisionContext, config: SchedulerConfig) -> FloatArray:
+    """Aladdin's (c) at the request's own TTFT target: ``predicted_ttft_behind_step`` over what is left
+    of that target since its arrival (inf once nothing is left); 0 for a request without a TTFT
+    target of its own (judged by its e2e deadline alone) or without a known arrival.
+
+    The router queue offers a request whose TTFT target it can no longer meet (*late*, served
+    best-effort under ``--late-policy serve``) with a bound looser than its target, and the
+    request is a miss wherever it goes. Aladdin's (c) holds a request's prefill within its TTFT
+    SLO on every worker it may take, and where none can, Algorithm 1 opens a new bin (line 12).
+    The ``binpack`` policy holds this below 1 in every pass, an empty instance passing as that
+    new bin: the late request no longer takes a loaded instance's prefill and its residents' slack
+    from the requests that can still be met, and lapses in the router queue instead when no
+    instance is empty (support + summaries + codegen, 4 neutral, 6 req/s, seed 7170: 10 summaries
+    placed after their 1.5 s had passed, 42,659 prompt tokens, none met). An on-time entry is
+    offered with a bound at most its remaining budget, so this changes nothing for it.
+    """
+    n = ctx.view.n
+    request = ctx.request
+    if request is None or request.ttft_slo_ms <= 0 or request.arrival_s is None:
+        return np.zeros(n)
+    left = request.ttft_slo_ms - waited_ms(ctx)
+    if not left > 0:
+        return np.full(n, np.inf)
+    ratio: FloatArray = ctx.metric("predicted_ttft_behind_step") / left
+    return ratio
+
+
 @_register("predicted_tpot_residents", MetricScope.DECISION)
 def _predicted_tpot_residents(ctx: DecisionContext, config: SchedulerConfig) -> FloatArray:
     """The TPOT the requests already decoding on an instance will see once this request joins it.
