@@ -2523,6 +2523,10 @@ class QlmQueue:
                 if not self._room(i, first, now_s=now_s):
                     self._observe_batch(i)
                     break
+                earlier = self._earlier_of_class(i, first, now_s)
+                if earlier is not None:
+                    out.append(self._take(i, *earlier, now_s))
+                    continue
                 out.append(self._take(self._tight_pull_home(i, first, now_s), i, group, now_s))
                 continue
             home = self._stream_home(i, first, now_s)
@@ -2531,6 +2535,60 @@ class QlmQueue:
                 break
             out.append(self._take(home, i, group, now_s))
         return out
+
+    def _earlier_of_class(self, i: int, r: QlmRequest, now_s: float) -> tuple[int, Group] | None:
+        """A request of ``r``'s class due before ``r``, first in a group started on another instance (pinned
+        there) that holds more requests than that instance's batch and that the plan expects late there,
+        which that instance cannot start now and instance ``i`` can start now and end in time
+        (:meth:`_end_now_s`), with a prompt no longer than ``r``'s: (its queue, its group), the one due
+        first; else None.
+
+        The plan places each group where it finishes first, and a started group stays on its instance's
+        queue (the plan may not move it). A group is up to delta average batches, so a long-prompt class's
+        group is several rounds of one instance's cache: once that cache is full, the group's later
+        members wait there while the other instances pull their own queues' groups of the same class, due
+        later, and the class is served out of deadline order (completions + tickets + ledgers: a
+        67-request `ledgers` group due at 113-128 s, expected late on its full instance, waited there
+        while the other three ran `ledgers` due at 137 s and later; `ledgers` 81.4 % against ``edf``'s
+        93.2, docs/papers.md). The RCT estimate of the group where it is stuck (the plan's expected
+        misses) says who needs the move, and the request must end in time where it moves: a rescue, not
+        a reorder. Requests of one class are alike to the pull rules (one budget, one pace, one answer's
+        estimate) and the one taken holds no more KV than ``r``, so ``i`` admits what it admitted: the
+        paper's pulling with the plan's order kept on every queue, as :meth:`_pull_other` pulls for an
+        instance whose own queue is empty. (The ones a full instance cannot start are its long prompts:
+        taken whatever their length, api + batch lost 1.1 points, `batch` 92.3 % against 95.1. Without
+        the pinned and larger-than-a-batch conditions, a few `digests` pulled 2-4 s ahead of their turn
+        early in triage + digests changed that row's drain: 87.7 % against 90.1, docs/papers.md.)
+        """
+        if not (r.e2e_only and not r.resumed):
+            return None
+        cls, budget = r.request.slo_class, self._budget(r)
+        best: tuple[float, int, Group] | None = None
+        for j, vq in enumerate(self.vqs):
+            if j == i:
+                continue
+            for pos, gid in enumerate(vq):
+                g = self.groups.get(gid)
+                if g is None or not g.members:
+                    continue
+                m = g.members[0]
+                if m.request.slo_class != cls or not m.e2e_only or m.resumed or self._budget(m) != budget:
+                    continue
+                # The first such group on queue ``j`` only: its members are in deadline order.
+                if (
+                    m.deadline_s < r.deadline_s
+                    and (best is None or m.deadline_s < best[0])
+                    and self.expected_missing.get(gid, 0) > 0
+                    and g.pinned == j
+                    and len(g.members) > self.models[j].batch
+                    and m.prompt_tokens <= r.prompt_tokens
+                    and now_s + self._end_now_s(i, m, now_s) <= m.deadline_s
+                ):
+                    waits = pos > 0 or not self._room(j, m, now_s=now_s)
+                    if waits and self._room(i, m, now_s=now_s):
+                        best = (m.deadline_s, j, g)
+                break
+        return None if best is None else (best[1], best[2])
 
     def _tight_pull_home(self, i: int, r: QlmRequest, now_s: float) -> int:
         """The instance that starts e2e ``r`` pulled at the head of virtual queue ``i``: ``i``, unless ``r`` is of

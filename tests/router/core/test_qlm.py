@@ -1674,3 +1674,42 @@ def test_a_looser_pull_waits_for_a_running_tail_only_while_nothing_queues_behind
     assert not pulled(1, 12.0)
     assert not pulled(2, 600.0)
     assert pulled(2, 12.0)
+
+
+def test_a_pull_takes_its_classs_earlier_request_expected_late_on_a_full_instance() -> None:
+    # Instance 0 runs its one sequence; its queue holds a group started there (pinned) of five requests
+    # of a 600 s class arrived at 0 s, more than instance 0's batch of four, which the plan expects late
+    # there. Instance 1 has room for one more and its own queue holds b of the same class, arrived at
+    # 10 s (a longer prompt: another group). Instance 1 takes a0, the class's earlier deadline, where it
+    # took its own head b first. Not while the plan expects the group on time, nor when the group is one
+    # batch or less, nor before it started, nor when a0's prompt is longer than b's (it would hold more
+    # of instance 1's cache), nor with instance 0 free to take a0 itself.
+    def pulled(
+        most0: int = 1, late: int = 1, size: int = 5, pinned: int = 0, a_prompt: int = 200
+    ) -> list[tuple[str, int]]:
+        m0 = dataclasses.replace(paced_model(), most=most0)
+        m1 = dataclasses.replace(paced_model(), most=2)
+        q = QlmQueue(QlmConfig(eviction="off"), [m0, m1], 6000.0, 50.0)
+        for k in range(2):
+            q.started(loose_by(f"p{k}", 600.0, out=100), k, 0.0)
+        for k in range(size):
+            q.push(dataclasses.replace(loose_by(f"a{k}", 600.0, out=100), prompt_tokens=a_prompt), 0.0)
+        b = dataclasses.replace(loose_by("b", 600.0, out=100), arrival_s=10.0, prompt_tokens=5_000)
+        q.push(b, 10.0)
+        ga, gb = (
+            next(gid for gid, g in q.groups.items() if g.members[0].request_id == x) for x in ("a0", "b")
+        )
+        q.vqs = [[ga], [gb]]
+        q.groups[ga].pinned = pinned
+        q.expected_missing = {ga: late}
+        out = [(d.request.request_id, d.instance) for d in q.pump(10.0)]
+        q.check_invariants()
+        return out
+
+    assert paced_model().batch == 4
+    assert pulled() == [("a0", 1)]
+    assert pulled(late=0) == [("b", 1)]
+    assert pulled(size=4) == [("b", 1)]
+    assert pulled(pinned=-1) == [("b", 1)]
+    assert pulled(a_prompt=9_000) == [("b", 1)]
+    assert ("b", 1) in pulled(most0=2) and ("a0", 0) in pulled(most0=2)
