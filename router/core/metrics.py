@@ -708,14 +708,12 @@ def _predicted_tpot_after_slot_wait(ctx: DecisionContext) -> FloatArray:
     here.
     """
     values = ctx.metric("predicted_tpot")
-    table = ctx.view.instances
-    if table.max_num_seqs is None or _uncapped(table) or ctx.request is None:
+    if ctx.request is None or _uncapped(ctx.view.instances):  # (no cap stated: no slot wait anywhere)
         return values
     wait = ctx.metric("slot_wait_ms")
     if not np.count_nonzero(wait):
         return values
-    expected = ctx.request.expected_output_tokens or ctx.request.max_tokens
-    spread: FloatArray = values + wait / max(float(expected) - 1.0, 1.0)
+    spread: FloatArray = values + wait / max(float(ctx.request.output_tokens_estimate) - 1.0, 1.0)
     return spread
 
 
