@@ -467,6 +467,7 @@ class Placer:
             kv_capacities=[r.metadata.kv_capacity_tokens for r in instances],
             chunk_budgets=[r.metadata.max_num_batched_tokens for r in instances],
             kv_headroom=self.scheduler.config.kv_packing_headroom,
+            seq_caps=[r.metadata.max_num_seqs for r in instances],
         )
 
     def desired_instances(self) -> dict[str, int]:

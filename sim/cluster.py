@@ -1168,6 +1168,7 @@ class _Simulation:
             kv_capacities=[c.kv_capacity_tokens for c in configs],
             chunk_budgets=[c.max_num_batched_tokens for c in configs],
             kv_headroom=self.scheduler.config.kv_packing_headroom,
+            seq_caps=[c.max_num_seqs for c in configs],
         )
 
     def _true_length(self, idx: int, i: int) -> int:

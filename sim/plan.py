@@ -41,7 +41,7 @@ from typing import Any
 from engine.model import SimConfig
 from fleet.flags import error_line
 from predictor import LatencyPredictor, ProfileError
-from router.core.capacity import InstanceEstimate, InstanceRates, LoadShape, instance_rates
+from router.core.capacity import InstanceEstimate, InstanceRates, LoadShape, instance_rates, median_seq_cap
 from router.core.config import SchedulerConfig
 from router.core.errors import ConfigError
 from router.core.policies import build_policy
@@ -144,6 +144,7 @@ def capacity_estimate(
             kv_capacity_tokens=float(engine.kv_capacity_tokens),
             kv_headroom=config.kv_packing_headroom,
             chunk_tokens=engine.max_num_batched_tokens,
+            max_batch=median_seq_cap([engine.max_num_seqs]),
         )
 
     model = DesiredInstances(rates, default_tpot_ms=config.tpot_slo_ms, default_ttft_ms=config.ttft_slo_ms)

@@ -39,7 +39,14 @@ import math
 
 import numpy as np
 
-from router.core.capacity import LoadShape, LoadTracker, decode_batch, role_demand
+from router.core.capacity import (
+    MAX_BATCH,
+    LoadShape,
+    LoadTracker,
+    decode_batch,
+    median_seq_cap,
+    role_demand,
+)
 from router.core.columns import BoolArray, InstanceTable
 from router.core.config import SchedulerConfig
 from router.core.packing import expected_output_tokens
@@ -159,6 +166,7 @@ class DecodeShare:
             return None
         table = ctx.view.instances
         capacity = table.kv_capacity_tokens[table.kv_capacity_tokens > 0]
+        seqs = table.max_num_seqs
         config = self.config
         predictor = ctx.predictors.default
         batch, step_ms = decode_batch(
@@ -169,6 +177,10 @@ class DecodeShare:
             threshold=config.tpot_binpack_threshold,
             kv_capacity_tokens=float(np.median(capacity)) if len(capacity) else 65536.0,
             kv_headroom=config.kv_packing_headroom,
+            # A decoder runs at most its engine's cap: past it, decode needs more instances than
+            # the TPOT and KV bounds say (6-sequence engines, 1 + 2 P/D: one decoder was judged
+            # enough, and the legs waited for its slots).
+            max_batch=median_seq_cap(seqs.tolist()) if seqs is not None else MAX_BATCH,
         )
         return role_demand(predictor, shape, batch, step_ms)
 

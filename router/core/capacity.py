@@ -37,6 +37,20 @@ from predictor import LatencyPredictor
 MAX_BATCH = 1024
 
 
+def _batch_bound(max_batch: float) -> int:
+    """The batches the model tries: up to the engines' cap (at least 1), never past MAX_BATCH."""
+    if not max_batch >= 1:
+        return 1
+    return int(min(max_batch, MAX_BATCH))
+
+
+def median_seq_cap(caps: Sequence[float]) -> int:
+    """The typical engine's sequence cap among those stated (0, ``inf`` and NaN: not stated); no cap
+    (``MAX_BATCH``) when none is."""
+    stated = sorted(c for c in caps if c > 0 and math.isfinite(c))
+    return int(stated[len(stated) // 2]) if stated else MAX_BATCH
+
+
 @dataclass(frozen=True)
 class LoadShape:
     """The load: arrival rate (req/s) and mean prompt / output lengths (tokens)."""
@@ -66,14 +80,16 @@ def decode_batch(
     threshold: float = 0.85,
     kv_capacity_tokens: float = 65536.0,
     kv_headroom: float = 0.95,
+    max_batch: int = MAX_BATCH,
 ) -> tuple[int, float]:
-    """The largest batch meeting the TPOT target at the horizon and the KV over life, and its step (ms)."""
+    """The largest batch meeting the TPOT target at the horizon and the KV over life, and its step (ms),
+    at most ``max_batch`` (the engines' sequence cap: a decoder never runs more at once)."""
     p, o = load.mean_prompt_tokens, load.mean_output_tokens
     horizon = p + strictness * o
     life = p + o
     best = 1
     best_step = float(predictor.predict_tpot_ms(1.0, horizon))
-    for b in range(2, MAX_BATCH + 1):
+    for b in range(2, _batch_bound(max_batch) + 1):
         if b * life > kv_headroom * kv_capacity_tokens:
             break
         step = float(predictor.predict_tpot_ms(float(b), b * horizon))
@@ -154,10 +170,11 @@ def fleet_instance_rates(
     kv_capacities: Sequence[int],
     chunk_budgets: Sequence[int],
     kv_headroom: float,
+    seq_caps: Sequence[float] = (),
 ) -> InstanceRates:
-    """:func:`instance_rates` of a fleet's typical instance: the median KV capacity and step budget
-    of those that report one (the defaults where none does). The router's autoscaling signal and
-    the simulator's both size instances this way."""
+    """:func:`instance_rates` of a fleet's typical instance: the median KV capacity, step budget and
+    sequence cap of those that report one (the defaults, and no cap, where none does). The router's
+    autoscaling signal and the simulator's both size instances this way."""
     kv = sorted(c for c in kv_capacities if c)
     chunks = sorted(c for c in chunk_budgets if c)
     return instance_rates(
@@ -168,6 +185,7 @@ def fleet_instance_rates(
         kv_capacity_tokens=float(kv[len(kv) // 2]) if kv else 65536.0,
         kv_headroom=kv_headroom,
         chunk_tokens=chunks[len(chunks) // 2] if chunks else 2048,
+        max_batch=median_seq_cap(seq_caps),
     )
 
 
@@ -181,6 +199,7 @@ def instance_rates(
     kv_headroom: float = 0.95,
     chunk_tokens: int = 2048,
     prefill_utilisation: float = 0.8,
+    max_batch: int = MAX_BATCH,
 ) -> InstanceRates:
     """An instance's service rates for a load of these mean lengths, at the TPOT target.
 
@@ -198,8 +217,8 @@ def instance_rates(
       on chat at 24-36 req/s), at most ``prefill_utilisation`` of the time: the rest is the
       queueing the TTFT target absorbs (the utilisation cap of :func:`estimate_instances`);
     * decode: the batch ``B`` with the highest ``B / step(B)`` whose step at ``B`` requests of the
-      mean-life context meets ``tpot_target_ms`` and whose mean-life KV fits ``kv_headroom`` of
-      the capacity.
+      mean-life context meets ``tpot_target_ms``, whose mean-life KV fits ``kv_headroom`` of
+      the capacity, and which the engine runs at once (``max_batch``, its sequence cap).
     """
     if not 0 < prefill_utilisation <= 1:
         raise ValueError(f"prefill_utilisation must be within (0, 1], got {prefill_utilisation}")
@@ -209,7 +228,7 @@ def instance_rates(
     best_rate = 0.0
     best = 1
     best_step = max(float(predictor.predict_tpot_ms(1.0, context)), 1e-6)
-    for b in range(1, MAX_BATCH + 1):
+    for b in range(1, _batch_bound(max_batch) + 1):
         if b > 1 and b * context > kv_headroom * kv_capacity_tokens:
             break
         step = max(float(predictor.predict_tpot_ms(float(b), b * context)), 1e-6)

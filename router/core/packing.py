@@ -108,6 +108,8 @@ from router.core.request import Role, ScheduleInput
 #: Decode-idle instances with prefill room that must remain for adaptive PD to open another decoder
 #: (one more than the drain rule's zero: a hysteresis, so instances do not flip role back and forth).
 OPEN_MARGIN = 2
+#: A slot wait (ms) at or above which an engine is at its sequence cap (0 exactly where a slot is free).
+SLOT_FREE_MS = 0.5
 
 #: KV use (fraction of capacity) taken as "preempting" when the status reports no preemptions.
 KV_SATURATED = 0.99
@@ -1221,6 +1223,13 @@ def _overpacked(ctx: DecisionContext, config: SchedulerConfig) -> FloatArray:
 # ----------------------------------------------------------------------------- adaptive PD's prefill room
 
 
+def _all_full(ctx: DecisionContext, decoders: IntArray) -> bool:
+    """Every one of ``decoders`` is at its engine's sequence cap (a new leg waits for a slot)."""
+    if ctx.view.instances.max_num_seqs is None:
+        return False
+    return bool((ctx.metric("slot_wait_ms")[decoders] >= SLOT_FREE_MS).all())
+
+
 def prefill_room_mask(ctx: DecisionContext) -> BoolArray:
     """Instances that may take new decode without starving adaptive PD's prefill side.
 
@@ -1249,7 +1258,14 @@ def prefill_room_mask(ctx: DecisionContext) -> BoolArray:
     decoders = (~idle & usable).nonzero()[0]
     cap = ctx.reserves.max_decoders
     others = int(np.count_nonzero(good)) - good
-    keep: BoolArray = ~idle | ((others >= OPEN_MARGIN) & (len(decoders) < cap))
+    below = len(decoders) < cap
+    keep: BoolArray = ~idle | ((others >= OPEN_MARGIN) & below)
+    if below and len(decoders) and _all_full(ctx, decoders):
+        # Every decoder runs its engine's sequence cap: a leg waits for a slot whatever prefill
+        # room is kept, so while the placed demand calls for more decoders one opens without the
+        # margin (with OPEN_MARGIN a fleet of three never had a second decoder: 6-sequence engines,
+        # 1 + 2 P/D at 2 req/s, met 70 % against slo's 97.5, its legs queued for one decoder's slots).
+        keep = keep | idle
     if reserved >= 0:
         keep[reserved] = True
         decoders = decoders[decoders != reserved]

@@ -29,7 +29,7 @@ import yaml
 
 from router.core import filters as _filters  # noqa: F401  (registers the filters)
 from router.core import metrics as _metrics  # noqa: F401  (registers the metrics)
-from router.core import packing as _packing  # noqa: F401  (registers the packing metrics)
+from router.core import packing as _packing
 from router.core import selectors as _selectors  # noqa: F401  (registers the selectors)
 from router.core.adaptive_pd import DecodeShare, ReserveElection
 from router.core.config import SchedulerConfig
@@ -278,7 +278,7 @@ def _slot_free() -> dict[str, Any]:
     return {
         "name": "metric_threshold",
         "metric": "slot_wait_ms",
-        "limit": 0.5,
+        "limit": _packing.SLOT_FREE_MS,
         "label": "slot_free",
         "empty_passes": True,
     }

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 
 import numpy as np
 import pytest
@@ -12,7 +13,14 @@ from hypothesis import strategies as st
 
 from fleet.snapshot import ClusterSnapshot, InstanceRecord
 from router.core.adaptive_pd import DecodeShare, decoder_cap
-from router.core.capacity import LoadShape, decode_batch, estimate_instances
+from router.core.capacity import (
+    MAX_BATCH,
+    LoadShape,
+    decode_batch,
+    estimate_instances,
+    instance_rates,
+    median_seq_cap,
+)
 from router.core.columns import ClusterView, ResidentLegs, StaticResidents
 from router.core.errors import NoInstanceError
 from router.core.inflight import InflightAccount
@@ -668,6 +676,44 @@ def test_prefill_room_drains_the_lightest_decoder_when_no_idle_instance_can_pref
     room = _room(make_snapshot(*decoders, *backlogged, inst("spare", decode_requests=5, decode_tokens=500)))
     assert not any(room[f"i{k}"] for k in range(3))
     assert room["heavy"] and room["spare"] and not room["light"]
+
+
+def test_prefill_room_opens_a_decoder_past_the_margin_when_every_decoder_runs_its_cap() -> None:
+    # Three instances: one decodes, two are decode-idle. Opening one leaves one to prefill, under
+    # the margin, so with free slots the decoder keeps the decode work; once it runs its engine's
+    # sequence cap a leg waits for a slot whatever prefill room is kept, and (the placed demand
+    # calling for two decoders) an idle instance may open.
+    def fleet(running: int) -> ClusterSnapshot:
+        decoder = inst(
+            "d0", meta={"max_num_seqs": 4}, running=running, decode_requests=running, decode_tokens=500
+        )
+        return make_snapshot(decoder, *[inst(f"i{k}", meta={"max_num_seqs": 4}) for k in range(2)])
+
+    scheduler = _sized(prompt=200, output=400, rate=4.0)
+    room = _room(fleet(running=2), scheduler)
+    assert room["d0"] and not room["i0"] and not room["i1"]
+    room = _room(fleet(running=4), _sized(prompt=200, output=400, rate=4.0))
+    assert room["d0"] and room["i0"] and room["i1"]
+    # A demand one decoder serves keeps the margin, full or not.
+    room = _room(fleet(running=4), _sized(prompt=2000, output=2, rate=0.5))
+    assert not room["i0"] and not room["i1"]
+
+
+def test_the_decode_batch_is_bounded_by_the_engines_sequence_cap() -> None:
+    lp = make_predictor()
+    shape = LoadShape(4.0, 200.0, 100.0)
+    free, _ = decode_batch(lp, shape, tpot_target_ms=1e9, kv_capacity_tokens=1e9)
+    capped, _ = decode_batch(lp, shape, tpot_target_ms=1e9, kv_capacity_tokens=1e9, max_batch=6)
+    assert free > 6 and capped == 6
+    rates = instance_rates(lp, mean_prompt_tokens=200.0, mean_output_tokens=100.0, tpot_target_ms=1e9)
+    rates6 = instance_rates(
+        lp, mean_prompt_tokens=200.0, mean_output_tokens=100.0, tpot_target_ms=1e9, max_batch=6
+    )
+    assert rates6.decode_batch == 6 < rates.decode_batch
+    assert rates6.decode_tokens_per_s < rates.decode_tokens_per_s
+    # The fleet's typical cap: the median of those stated (0, inf and NaN state none).
+    assert median_seq_cap([0, math.inf, 8, 4, 6, math.nan]) == 6
+    assert median_seq_cap([0, math.inf]) == median_seq_cap([]) == MAX_BATCH
 
 
 def test_decoder_cap_splits_the_fleet_in_proportion_to_the_demands() -> None:
