@@ -814,10 +814,10 @@ def jobs_for(
     prefilled alone, in one step beside its peers' decode (its TTFT: its
     prefill alone plus a decode step of a full engine, ``cap``), and it decodes
     at a full engine. Priced as a member of a full batch instead (``cap``
-    copies of its prompt prefilled), a 1,700-token prompt joining on two
-    sequences cost twice its prefill, so a plan that starts a translation
-    on a freed slot looked later than it runs (docs/papers.md, seed 000,
-    session 26). With one slot a request joins no one: the same as a batch of 1.
+    copies of its prompt prefilled), a 1,691-token translation joining on two
+    sequences was priced at the prefill of 3,382 tokens, so a plan that starts
+    it on a freed slot saw it later than it runs (docs/papers.md, seed 000,
+    sessions 26-27). With one slot a request joins no one: the same as a batch of 1.
     """
     n = len(requests)
     if n == 0:
