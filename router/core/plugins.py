@@ -23,7 +23,7 @@ import enum
 import math
 import random
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
@@ -428,6 +428,19 @@ class Policy:
     def __post_init__(self) -> None:
         if self.neutral is None and not self.role_agnostic:
             raise ValueError(f"policy {self.name!r}: a neutral stage is needed unless role_agnostic")
+
+    def without(self, label: str) -> Policy:
+        """This policy less every single-instance filter labelled ``label`` (itself when it has none)."""
+
+        def drop(spec: StageSpec) -> StageSpec:
+            kept = tuple(f for f in spec.filters if f.label != label)
+            return spec if len(kept) == len(spec.filters) else replace(spec, filters=kept)
+
+        neutral = None if self.neutral is None else drop(self.neutral)
+        prefill, decode = drop(self.prefill), drop(self.decode)
+        if prefill is self.prefill and decode is self.decode and neutral is self.neutral:
+            return self
+        return replace(self, prefill=prefill, decode=decode, neutral=neutral)
 
     def spec(self, stage: Stage) -> StageSpec:
         if stage is Stage.PREFILL:

@@ -219,9 +219,13 @@ def _tpot_horizon(config: SchedulerConfig, **extra: Any) -> dict[str, Any]:
     )
 
 
+#: The label of the residents' TPOT check (:func:`_residents`), which a queue policy may waive.
+RESIDENTS_TPOT_LABEL = "tpot_residents"
+
+
 def _residents(**extra: Any) -> dict[str, Any]:
     """The TPOT of the requests already on a colocated instance, once this prompt joins them."""
-    return _tpot(metric="predicted_tpot_residents", slo="tpot_residents", label="tpot_residents", **extra)
+    return _tpot(metric="predicted_tpot_residents", slo="tpot_residents", label=RESIDENTS_TPOT_LABEL, **extra)
 
 
 def _kv_promise(config: SchedulerConfig) -> list[dict[str, Any]]:

@@ -86,6 +86,7 @@ from router.core.errors import (
 )
 from router.core.flagged import FlagFields
 from router.core.metrics import advanced_backlog
+from router.core.plugins import Policy
 from router.core.prefix import PrefixSource, best_cached_tokens
 from router.core.request import Mode, Role, ScheduleInput, Stage, Targets, resolve_targets
 from router.core.scheduler import Scheduler
@@ -1252,7 +1253,8 @@ class Verdict(enum.Enum):
 
 
 class Decide(Protocol):
-    """What :func:`offer` decides with: :meth:`Scheduler.schedule`'s shape."""
+    """What :func:`offer` decides with: :meth:`Scheduler.schedule`'s shape (``policy``: the scheduler's own
+    when None; a queue policy passes another to waive a check it answers for itself)."""
 
     def __call__(
         self,
@@ -1262,6 +1264,7 @@ class Decide(Protocol):
         /,
         *,
         targets: Targets | None = None,
+        policy: Policy | None = None,
     ) -> Decision: ...
 
 

@@ -15,7 +15,9 @@ the moment the engine would start it: when fewer of the policy's requests run
 there than the instance's slots (see :class:`SAPlanner`). A plan is priced as
 it is run that way: its first batch starts at once, its members priced at
 the batch's size, and every later request, in the plan's order, starts when
-the first of the ``cap`` slots frees, priced at a full engine (``cap``). The
+the first of the ``cap`` slots frees, priced as it joins the running batch
+(its prompt prefilled alone beside a full engine's decode step, its decode at
+a full engine: :func:`jobs_for`). The
 paper prices static batches instead (batch ``k`` starts when the slowest
 member of batch ``k-1`` ends); on two-sequence engines that put a translation
 due in 800 ms behind a 2 s translation beside a 0.4 s triage, though it
@@ -71,6 +73,8 @@ from fleet.snapshot import ClusterSnapshot
 from predictor.latency import LatencyPredictor
 from router.core.columns import ClusterView
 from router.core.errors import EmptyClusterError, NoInstanceError
+from router.core.plugins import Policy
+from router.core.policies import RESIDENTS_TPOT_LABEL
 from router.core.queue import Decide, Offer, QueueConfig, QueueEntry, RouterQueue, Verdict
 from router.core.request import Role, ScheduleInput, Targets, resolve_targets
 from router.core.scheduler import Scheduler
@@ -123,6 +127,10 @@ class Job:
     latest start of its batch before the router queue refuses it unserved
     (inf: never); planned to start later, it is refused then, holds no slot and
     adds ``refused_ms`` (its e2e latency at its refusal) to G's sum.
+    ``join_*``: the same three figures when it joins a running batch (a
+    plan's later request, started on a freed slot): its prompt prefilled alone
+    beside the peers' decode step, its decode at a full engine (see
+    :func:`jobs_for`); None: priced as a member of a full first batch.
     """
 
     exec_ms: tuple[float, ...]
@@ -130,6 +138,9 @@ class Job:
     slack_ms: tuple[float, ...]
     refuse_ms: float = math.inf
     refused_ms: float = 0.0
+    join_exec_ms: float | None = None
+    join_cost_ms: float | None = None
+    join_slack_ms: float | None = None
 
 
 @dataclass(frozen=True)
@@ -169,7 +180,8 @@ def evaluate(
     then). ``cap``: the slots the plan runs on (default: its largest batch).
     The first batch starts at ``start_ms``, each member priced at the batch's
     size; every later request, in the plan's order, starts on the first slot to
-    free and is priced at ``cap`` (see the module doc).
+    free and is priced as it joins the running batch (its ``join_*`` figures;
+    see the module doc).
     """
     width = max(cap or 0, max(sizes, default=1))
     return _Columns.of(jobs, width).evaluate(order, sizes, start_ms)
@@ -178,7 +190,7 @@ def evaluate(
 class _Columns:
     """The jobs' figures by batch size, then job (the annealer's hot loop reads them without attribute lookups)."""
 
-    __slots__ = ("cost", "exec", "refuse", "refused", "slack", "width")
+    __slots__ = ("cost", "exec", "join", "refuse", "refused", "slack", "width")
 
     def __init__(
         self,
@@ -187,6 +199,7 @@ class _Columns:
         slack_ms: list[list[float]],
         refuse_ms: list[float] | None = None,
         refused_ms: list[float] | None = None,
+        join: tuple[list[float], list[float], list[float]] | None = None,
     ) -> None:
         self.exec = exec_ms
         self.cost = cost_ms
@@ -195,6 +208,8 @@ class _Columns:
         self.refuse = refuse_ms if refuse_ms is not None else [math.inf] * n
         self.refused = refused_ms if refused_ms is not None else [0.0] * n
         self.width = len(exec_ms) - 1
+        #: A later request's (execution, cost, slack) as it joins the running batch; default: at ``width``.
+        self.join = join if join is not None else (exec_ms[-1], cost_ms[-1], slack_ms[-1])
 
     @classmethod
     def of(cls, jobs: Sequence[Job], cap: int) -> _Columns:
@@ -205,6 +220,11 @@ class _Columns:
             [[j.slack_ms[b] if b else 0.0 for j in jobs] for b in sizes],
             [j.refuse_ms for j in jobs],
             [j.refused_ms for j in jobs],
+            (
+                [j.exec_ms[cap] if j.join_exec_ms is None else j.join_exec_ms for j in jobs],
+                [j.cost_ms[cap] if j.join_cost_ms is None else j.join_cost_ms for j in jobs],
+                [j.slack_ms[cap] if j.join_slack_ms is None else j.join_slack_ms for j in jobs],
+            ),
         )
 
     def evaluate(
@@ -230,7 +250,7 @@ class _Columns:
             # A slot the first batch leaves empty is filled at the next pass, when a member ends.
             slots.extend([min(slots, default=start_ms)] * (self.width - len(slots)))
             heapify(slots)
-            eb, cb, sb = exec_[self.width], cost[self.width], slack[self.width]
+            eb, cb, sb = self.join
             for i in order[first:]:
                 wait = slots[0]
                 if wait > refuse[i]:
@@ -788,6 +808,16 @@ def jobs_for(
     time if it is on time when the requests ahead run long. ``refusals_s``: when
     the router queue will refuse each request if it is still waiting (its late
     allowance: :meth:`router.core.queue.RouterQueue.refusal_s`; inf: never).
+
+    The join figures (:class:`Job`'s ``join_*``) price a request started on a
+    slot freed under a running batch as the engine runs it: its prompt is
+    prefilled alone, in one step beside its peers' decode (its TTFT: its
+    prefill alone plus a decode step of a full engine, ``cap``), and it decodes
+    at a full engine. Priced as a member of a full batch instead (``cap``
+    copies of its prompt prefilled), a 1,691-token translation joining on two
+    sequences was priced at the prefill of 3,382 tokens, so a plan that starts
+    it on a freed slot saw it later than it runs (docs/papers.md, seed 000,
+    sessions 26-27). With one slot a request joins no one: the same as a batch of 1.
     """
     n = len(requests)
     if n == 0:
@@ -796,15 +826,17 @@ def jobs_for(
     if outputs is None:
         outputs = [float(r.output_tokens_estimate or UNKNOWN_OUTPUT_TOKENS) for r in requests]
     output = np.asarray(outputs, dtype=np.float64)
-    b = np.arange(1, cap + 1, dtype=np.float64)
-    batch = np.broadcast_to(b[None, :], (n, cap))
+    # Columns 0..cap-1: batches of 1..cap; column cap: a request joining a running batch of ``cap``.
+    b = np.append(np.arange(1, cap + 1, dtype=np.float64), float(cap))
+    batch = np.broadcast_to(b[None, :], (n, cap + 1))
     prefill = np.asarray(
         predictor.predict_ttft_ms(prompt[:, None] * batch, 0.0, 0.0, float(max_num_batched_tokens)),
         dtype=np.float64,
-    )
+    ).copy()
     tpot = np.asarray(
         predictor.predict_tpot_ms(batch, batch * (prompt + output / 2.0)[:, None]), dtype=np.float64
     )
+    prefill[:, cap] = prefill[:, 0] + (tpot[:, cap] if cap > 1 else 0.0)
     exec_ms = prefill + np.maximum(output - 1.0, 0.0)[:, None] * tpot
     typical_ms = exec_ms
     if bounds is not None:
@@ -849,7 +881,14 @@ def jobs_for(
     slack_rows = np.hstack([np.full((n, 1), -math.inf), slack]).tolist()
     if refusals_s is None:
         return [
-            Job(tuple(e), tuple(c), tuple(sl))
+            Job(
+                tuple(e[:-1]),
+                tuple(c[:-1]),
+                tuple(sl[:-1]),
+                join_exec_ms=e[-1],
+                join_cost_ms=c[-1],
+                join_slack_ms=sl[-1],
+            )
             for e, c, sl in zip(exec_rows, cost_rows, slack_rows, strict=True)
         ]
     # A request already lost (it misses its targets even started now, alone, at its typical length) that
@@ -869,17 +908,28 @@ def jobs_for(
         max(t - now_s, 0.0) * 1e3 if gone else math.inf for t, gone in zip(refusals_s, lost, strict=True)
     ]
     return [
-        Job(tuple(e), tuple(c), tuple(sl), rf, float(wt) + rf if math.isfinite(rf) else 0.0)
+        Job(
+            tuple(e[:-1]),
+            tuple(c[:-1]),
+            tuple(sl[:-1]),
+            rf,
+            float(wt) + rf if math.isfinite(rf) else 0.0,
+            e[-1],
+            c[-1],
+            sl[-1],
+        )
         for e, c, sl, rf, wt in zip(exec_rows, cost_rows, slack_rows, refuse, waited, strict=True)
     ]
 
 
 @dataclass
 class _Released:
-    """A request the policy released, until it ends: its task type and the tokens Eq. 20 reserved for it."""
+    """A request the policy released, until it ends: its task type, the tokens Eq. 20 reserved for it,
+    and whether it is judged on its e2e latency alone."""
 
     task: str
     tokens: float
+    e2e_only: bool = False
 
 
 @dataclass
@@ -978,6 +1028,8 @@ class SAPlanner:
         #: The newest arrival a pass has seen, and the arrival before it (pool_closes).
         self._newest_s = -math.inf
         self._before_s = -math.inf
+        #: The scheduler's policy and that policy less its residents' TPOT check (:meth:`_waived`).
+        self._waived_of: tuple[Policy, Policy] | None = None
 
     # ------------------------------------------------------------------ events
 
@@ -1191,7 +1243,12 @@ class SAPlanner:
             targets = resolve_targets(request, queue.default_ttft_ms, queue.default_tpot_ms, now_s)
             at = instance
             try:
-                decision = schedule(source(), pinned, now_s, targets=_relaxed(targets))
+                if not among and self._e2e_residents(instance):
+                    decision = schedule(
+                        source(), pinned, now_s, targets=_relaxed(targets), policy=self._waived(scheduler)
+                    )
+                else:
+                    decision = schedule(source(), pinned, now_s, targets=_relaxed(targets))
             except NoInstanceError as exc:
                 spilled = (
                     self._spill(request, inst, instance, source, now_s, schedule, targets) if wide else None
@@ -1212,7 +1269,9 @@ class SAPlanner:
                 free -= need
             if among and decision.prefill is not None:
                 instance = at = decision.prefill.instance_id
-            self.running.setdefault(at, {})[entry.request_id] = _Released(request.slo_class, need)
+            self.running.setdefault(at, {})[entry.request_id] = _Released(
+                request.slo_class, need, _e2e_only(request)
+            )
             self._where[entry.request_id] = at
             released += 1
             yield Offer(entry, Verdict.DISPATCH, decision=decision, budget_ms=targets.ttft_ms)
@@ -1220,6 +1279,27 @@ class SAPlanner:
             self.stats.batches_released += 1
             self.stats.released += released
             self._plans.pop(instance, None)
+
+    def _e2e_residents(self, instance: str) -> bool:
+        """Whether every request the policy runs on ``instance`` (one at least) is judged on e2e alone.
+
+        The scheduler holds an instance's residents to the default TPOT target
+        (``tpot_residents``: a status does not carry their own targets), so it
+        refused a translation the plan started on a freed slot beside a triage
+        due end to end in seconds, whose pace no target bounds, for 300 ms, and
+        the translation missed (docs/papers.md, seed 000, session 26). The
+        policy knows its residents' targets, and the plan priced their ends with
+        the newcomer beside them (:func:`jobs_for`), so there it waives the check.
+        """
+        running = self.running.get(instance)
+        return running is not None and len(running) > 0 and all(r.e2e_only for r in running.values())
+
+    def _waived(self, scheduler: Scheduler) -> Policy:
+        """The scheduler's policy less its residents' TPOT check (see :meth:`_e2e_residents`)."""
+        policy = scheduler.policy
+        if self._waived_of is None or self._waived_of[0] is not policy:
+            self._waived_of = (policy, policy.without(RESIDENTS_TPOT_LABEL))
+        return self._waived_of[1]
 
     def _spill(
         self,
@@ -1369,6 +1449,10 @@ def deal_order(entries: Sequence[QueueEntry], now_s: float) -> list[int]:
     return sorted(
         range(len(entries)), key=lambda k: (entries[k].deadline_s < now_s, entries[k].deadline_s, k)
     )
+
+
+def _e2e_only(request: ScheduleInput) -> bool:
+    return request.e2e_slo_ms > 0 and not request.ttft_slo_ms and not request.tpot_slo_ms
 
 
 def _relaxed(targets: Targets) -> Targets:

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from router.core.errors import ConfigError, NoInstanceError
 from router.core.queue import QueueConfig, QueueEntry, RouterQueue, Verdict, offer
-from router.core.request import ScheduleInput
+from router.core.request import ScheduleInput, Stage
 from router.core.sa import (
     BUDGET_CHECK_MOVES,
     POOL_MAX_FACTOR,
@@ -24,6 +24,7 @@ from router.core.sa import (
     Plan,
     SAPlanner,
     _move,
+    _Released,
     anneal,
     evaluate,
     exhaustive,
@@ -794,3 +795,70 @@ def test_on_a_large_batch_engine_a_request_its_instance_refuses_goes_where_anoth
     }
     rid, pinned = refused
     assert len(placed) == 2 and placed[rid] != pinned
+
+
+def test_a_later_request_is_priced_as_it_joins_the_running_batch() -> None:
+    # Two short e2e requests fill a two-sequence engine; a 1,500-token prompt due in 1.8 s TTFT starts
+    # when the first of them ends (1.42 s). The engine prefills it alone beside its peer's decode step,
+    # so it meets its target; priced as a member of a full batch (two copies of its prompt prefilled),
+    # it would not, and the plan would count it lost.
+    predictor = make_predictor()
+    requests = [
+        make_request("a", 200, e2e_slo_ms=9000.0, max_tokens=100),
+        make_request("b", 200, e2e_slo_ms=9000.0, max_tokens=100),
+        make_request("t", 1500, ttft_slo_ms=1800.0, tpot_slo_ms=200.0, max_tokens=100),
+    ]
+    jobs = jobs_for(requests, predictor, 2, 0.0, [0.0] * 3, 1000.0, 50.0, 2048.0)
+    t = jobs[2]
+    step = float(predictor.predict_tpot_ms(2.0, 2.0 * (1500 + 100 / 2.0)))
+    alone = float(predictor.predict_ttft_ms(1500.0, 0.0, 0.0, 2048.0))
+    assert t.join_slack_ms == pytest.approx(1800.0 - alone - step)
+    assert t.join_exec_ms == pytest.approx(alone + 100 * step)
+    starts = jobs[0].exec_ms[2]
+    assert t.slack_ms[2] < starts <= t.join_slack_ms
+    assert evaluate(jobs, (0, 1, 2), (2, 1), cap=2)[1] == 3
+    # With one slot a request joins no one: priced as a batch of one.
+    (alone_job,) = jobs_for(requests[2:], predictor, 1, 0.0, [0.0], 1000.0, 50.0, 2048.0)
+    assert alone_job.join_exec_ms == alone_job.exec_ms[1]
+    assert alone_job.join_slack_ms == alone_job.slack_ms[1]
+
+
+def _policies_asked_beside(resident_e2e_only: bool) -> list[Any]:
+    """The ``policy`` each release decision was given, with one resident of the policy on the instance."""
+    scheduler = make_scheduler()
+    snapshot = make_snapshot(inst("n0"))
+    config = QueueConfig(queue_policy="sa", sa_max_batch=2)
+    planner = SAPlanner(config)
+    planner.running["n0"] = {"x": _Released("resident", 300.0, resident_e2e_only)}
+    planner._where["x"] = "n0"
+    queue = RouterQueue(config, 1000.0, 50.0, planner)
+    for rid in ("a", "b"):
+        queue.push(make_request(rid, arrival_s=NOW - 1.0, ttft_slo_ms=2000.0, tpot_slo_ms=50.0), NOW - 1.0)
+    policies: list[Any] = []
+
+    def decide(view: Any, request: Any, now: float, /, *, targets: Any = None, policy: Any = None) -> Any:
+        policies.append(policy)
+        return scheduler.schedule(view, request, now, targets=targets, policy=policy)
+
+    offers = list(offer(queue, scheduler, lambda: snapshot, NOW, decide=decide))
+    assert [o.verdict for o in offers] == [Verdict.DISPATCH]  # (one slot free)
+    return policies
+
+
+def test_the_residents_tpot_check_is_waived_only_beside_requests_judged_end_to_end() -> None:
+    # The scheduler holds an instance's residents to the default TPOT target; the policy knows its own
+    # residents' targets. Beside a request judged on its e2e latency alone it releases with the
+    # scheduler's policy less that check; beside one with a TPOT target, with the scheduler's own.
+    label = "tpot_residents"
+    policy = make_scheduler().policy
+    assert label in policy.spec(Stage.NEUTRAL).labels
+    waived = policy.without(label)
+    assert label not in waived.spec(Stage.NEUTRAL).labels
+    assert waived.spec(Stage.NEUTRAL).labels == tuple(
+        x for x in policy.spec(Stage.NEUTRAL).labels if x != label
+    )
+    assert waived.without(label) is waived
+    beside_e2e = _policies_asked_beside(True)
+    assert beside_e2e and all(p is not None and label not in p.spec(Stage.NEUTRAL).labels for p in beside_e2e)
+    beside_tpot = _policies_asked_beside(False)
+    assert beside_tpot and all(p is None for p in beside_tpot)
