@@ -103,7 +103,7 @@ from router.core.lengths import LengthConfig
 from router.core.metrics import advanced_backlog, decision_correction, decode_step_with_request_ms
 from router.core.plugins import DecisionContext, Metric, MetricScope
 from router.core.registry import METRICS, Params
-from router.core.request import Role, ScheduleInput, resolve_targets
+from router.core.request import Role, ScheduleInput
 
 #: Decode-idle instances with prefill room that must remain for adaptive PD to open another decoder
 #: (one more than the drain rule's zero: a hysteresis, so instances do not flip role back and forth).
@@ -118,11 +118,6 @@ KV_SATURATED = 0.99
 #: remaining lengths taken as memoryless (as ``slot_wait_ms`` takes them): ``P(R ≥ x) = exp(−x / r̄)``
 #: is 0.9 at ``x = r̄ · ln(1 / 0.9)``, about a tenth of the expected remainder.
 SURE_REMAINING_SHARE = math.log(1.0 / LengthConfig().quantile)
-
-#: The share of the TTFT target its deadline gives it that a request judged by its e2e deadline alone
-#: may wait in the router queue for an instance that keeps its own pace (:func:`own_hold_spent`):
-#: half, as an empty P/D prefill instance holds it before opening as a new bin.
-OWN_HOLD_SHARE = 0.5
 
 
 def expected_output_tokens(request: ScheduleInput | None, default: int) -> int:
@@ -685,40 +680,12 @@ def _horizon_over_need(ctx: DecisionContext, config: SchedulerConfig, *, spare_l
         own = max(offered, resident_tpot_need_ms(ctx, config))
         residents = residents_step_over_need(ctx, config, horizon, spare_lost=spare_lost)
         if residents is not None:
-            if own_hold_spent(ctx, config):
-                return _at_live_theta(ctx, config, residents)
             mine = horizon / own if own > 0 else np.full(ctx.view.n, np.inf)
             ratio = np.maximum(residents, mine)
             return _at_live_theta(ctx, config, ratio)
         need = np.minimum(need, own)
     ratio = np.divide(horizon, need, out=np.full(ctx.view.n, np.inf), where=need > 0)
     return _at_live_theta(ctx, config, ratio)
-
-
-def own_hold_spent(ctx: DecisionContext, config: SchedulerConfig) -> bool:
-    """Whether the request of ``ctx``, judged by its e2e deadline alone, has waited in the router queue
-    as long as its own term of (b) may hold it on a fleet of colocated instances: half the TTFT target
-    its deadline gives it (:func:`~router.core.request.resolve_targets`, a quarter of the deadline at
-    most), as long as an empty P/D prefill instance holds such a request before it opens as a new bin
-    (``binpack_prefill_empty_bin_wait``'s default).
-
-    The newcomer's own term holds it to the pace its deadline leaves over its expected length, and
-    every second it waits tightens that pace; the router queue kept it until the pace fell under an
-    idle instance's step and then placed it late, at the TPOT target in force (4 neutral at 32k of
-    KV, faq + reviews + refactors, seed 9400, 4 req/s: 13 refactors held 4-13 s during a burst,
-    none met, where ``slo`` met them placed at once). Aladdin opens a new bin for a request no
-    worker holds within its target; a fixed fleet has none, and a hold that has spent half of what
-    the request's first token may take has waited as long as it can afford. Past it the residents'
-    terms of (b), (c), (d) and (e) still hold. Not on a fleet with decoders: there the request waits
-    for a decoder after its prefill, and the P/D rows were measured without this.
-    """
-    request = ctx.request
-    if request is None or request.e2e_slo_ms <= 0 or request.tpot_slo_ms > 0 or request.arrival_s is None:
-        return False
-    if _has_decoders(ctx.view.instances):
-        return False
-    full = resolve_targets(request, config.ttft_slo_ms, config.tpot_slo_ms).full_ttft_ms
-    return waited_ms(ctx) >= OWN_HOLD_SHARE * full
 
 
 def _at_live_theta(ctx: DecisionContext, config: SchedulerConfig, ratio: FloatArray) -> FloatArray:
