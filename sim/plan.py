@@ -535,6 +535,15 @@ def register(subparsers: Any) -> None:
         help="KV cache of every simulated instance, in tokens (default: %(default)s); a KV-limited fleet is "
         "where best fit's KV-over-life plan saves the instances JSQ's preemptions cost",
     )
+    parser.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=SimConfig().max_num_seqs,
+        metavar="N",
+        help="most requests every simulated engine runs at once (default: %(default)s, vLLM's); a fleet of "
+        "engines capped at a few sequences needs decoders for its concurrency, not only for its TPOT "
+        "and KV, and the autoscaling estimate counts that too",
+    )
     add_trace_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     parser.add_argument("--no-progress", action="store_true", help="do not report each simulation on stderr")
@@ -552,10 +561,20 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     target = args.attainment / 100.0 if args.attainment > 1 else args.attainment
+    for flag, field, value in (
+        ("--kv-capacity-tokens", "kv_capacity_tokens", args.kv_capacity_tokens),
+        ("--max-num-seqs", "max_num_seqs", args.max_num_seqs),
+    ):
+        try:
+            SimConfig(**{field: value})
+        except ValueError as exc:
+            print(error_line(f"{flag} {value}: {exc}"), file=sys.stderr)
+            return 2
     try:
-        engine = SimConfig(kv_capacity_tokens=args.kv_capacity_tokens)
+        engine = SimConfig(kv_capacity_tokens=args.kv_capacity_tokens, max_num_seqs=args.max_num_seqs)
     except ValueError as exc:
-        print(error_line(f"--kv-capacity-tokens {args.kv_capacity_tokens}: {exc}"), file=sys.stderr)
+        flags = f"--kv-capacity-tokens {args.kv_capacity_tokens} --max-num-seqs {args.max_num_seqs}"
+        print(error_line(f"{flags}: {exc}"), file=sys.stderr)
         return 2
     try:
         config = SchedulerConfig(**policy_overrides(args.policy))

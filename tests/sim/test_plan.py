@@ -12,7 +12,7 @@ from router.cli import main
 from router.core.config import SchedulerConfig
 from sim.cluster import SimFleet, simulate
 from sim.fleet import fleet_from_counts
-from sim.plan import PlanError, plan_fleet
+from sim.plan import PlanError, capacity_estimate, plan_fleet
 from sim.sweep import open_loop, policy_overrides
 from workload.report import summarize
 from workload.spec import RequestPlan, SloTarget, generate_requests, load_workload
@@ -147,6 +147,7 @@ def test_plan_progress_says_a_stopped_fleet_was_not_run_to_the_end(
         (["--workload", "nope"], "--workload"),
         (["--kv-capacity-tokens", "0"], "--kv-capacity-tokens"),
         (["--kv-capacity-tokens", "4096"], "--kv-capacity-tokens"),
+        (["--max-num-seqs", "0"], "--max-num-seqs"),
         (["--prefill", "0"], "--prefill"),
         (["--warmup-s", "-1"], "--warmup-s"),
         (["--warmup-s", "1000"], "--warmup-s"),
@@ -163,6 +164,19 @@ def test_plan_rejects_bad_input_naming_the_flag(
             args += [flag, value]
     assert main([*args, *flags]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_capacity_estimate_counts_the_engines_sequence_cap() -> None:
+    # Engines that run 4 requests at once decode 4 at a time whatever the TPOT target would allow: the
+    # plan's starting estimate (the autoscaling signal's model) needs several times the instances.
+    config = SchedulerConfig(**policy_overrides("slo"))
+    spec = open_loop(load_workload("chat")).with_arrival(rate_per_s=8.0)
+    plans = generate_requests(spec, rng=0, num_requests=200)
+    predictor = SimFleet(fleet_from_counts(neutral=1)).predictors.default
+    free = capacity_estimate(plans, 8.0, config, predictor, SimConfig())
+    capped = capacity_estimate(plans, 8.0, config, predictor, SimConfig(max_num_seqs=4))
+    assert capped.decode_batch <= 4 < free.decode_batch
+    assert capped.neutral >= 3 * free.neutral
 
 
 def test_plan_gives_up_beyond_the_instance_bound() -> None:
