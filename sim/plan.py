@@ -561,12 +561,12 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     target = args.attainment / 100.0 if args.attainment > 1 else args.attainment
-    for flag, field, value in (
+    for flag, name, value in (
         ("--kv-capacity-tokens", "kv_capacity_tokens", args.kv_capacity_tokens),
         ("--max-num-seqs", "max_num_seqs", args.max_num_seqs),
     ):
         try:
-            SimConfig(**{field: value})
+            SimConfig(**{name: value})
         except ValueError as exc:
             print(error_line(f"{flag} {value}: {exc}"), file=sys.stderr)
             return 2
