@@ -166,6 +166,16 @@ def run(policy: Policy, ctx: DecisionContext, now_s: float) -> Decision:
     return Decision(request.request_id, plan.mode, policy.name, prefill, decode, now_s, tuple(outcomes), ctx)
 
 
+#: The TPOT a stage's choice reports: a decode leg that finds its engine at its sequence cap waits for
+#: a slot before its second token, and the mean TPOT its client measures carries that wait
+#: (``predicted_tpot`` itself wherever a slot is free or no engine states a cap).
+_REPORTED_TPOT = {
+    Stage.DECODE: "predicted_tpot_after_slot_wait",
+    Stage.PREFILL: "predicted_tpot",
+    Stage.NEUTRAL: "predicted_tpot",
+}
+
+
 def _choice(ctx: DecisionContext, outcome: StageOutcome) -> Choice:
     i = outcome.selected
     table = ctx.view.instances
@@ -174,7 +184,7 @@ def _choice(ctx: DecisionContext, outcome: StageOutcome) -> Choice:
         table.endpoints[i],
         outcome.stage,
         ctx.metric_at("predicted_ttft", i),
-        ctx.metric_at("predicted_tpot", i),
+        ctx.metric_at(_REPORTED_TPOT[outcome.stage], i),
         outcome.fallback_pass,
     )
 

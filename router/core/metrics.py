@@ -692,6 +692,18 @@ def _predicted_tpot(ctx: DecisionContext) -> FloatArray:
     return correction.tpot_ms(values, batch, tokens)
 
 
+@_at("predicted_tpot_after_slot_wait")
+def _predicted_tpot_after_slot_wait_at(ctx: DecisionContext, i: int) -> float:
+    # (A stage choice reads it at one instance: uncapped fleets pay only predicted_tpot's own.)
+    tpot = ctx.metric_at("predicted_tpot", i)
+    if ctx.request is None or _uncapped(ctx.view.instances):
+        return tpot
+    wait = ctx.metric("slot_wait_ms").item(i)
+    if wait == 0.0:
+        return tpot
+    return tpot + wait / max(float(ctx.request.output_tokens_estimate) - 1.0, 1.0)
+
+
 @_register("predicted_tpot_after_slot_wait", MetricScope.DECISION)
 def _predicted_tpot_after_slot_wait(ctx: DecisionContext) -> FloatArray:
     """A decode leg's mean TPOT (ms) with its wait for a running slot spread over its answer.

@@ -11,7 +11,9 @@ from __future__ import annotations
 import pytest
 
 from fleet.snapshot import InstanceRecord
+from router.core.config import SchedulerConfig
 from router.core.errors import NoInstanceError
+from router.core.registry import METRICS
 from router.core.request import ScheduleInput
 from router.core.scheduler import Scheduler
 from tests.router.core.helpers import NOW, inst, make_request, make_scheduler, make_snapshot
@@ -110,3 +112,26 @@ def test_adaptive_pd_packs_decoders_only_up_to_their_cap() -> None:
     )
     decision = scheduler.schedule(view, _request(64), NOW, dry_run=True)
     assert decision.decode is not None and decision.decode.instance_id == "free"
+
+
+def test_a_decode_choice_reports_the_tpot_its_client_measures_slot_wait_included() -> None:
+    # The decode leg's reported TPOT (the Schedule reply, the HTTP header, the prediction-error
+    # figures) is the mean over its answer, the wait for a slot on a full decoder spread over it;
+    # the prefill choice, whose engine does not decode this request, reports its plain step.
+    scheduler = make_scheduler("slo")
+    view = scheduler.view(make_snapshot(inst("p", "prefill"), _decoder("full", CAP, waiting=1)), NOW)
+    request = _request(max_tokens=2_001)
+    ctx = scheduler.context(view, request, NOW)
+    expected, step = ctx.metric(METRIC)[1], ctx.metric("predicted_tpot")[1]
+    assert expected > step
+    decision = scheduler.schedule(view, request, NOW, dry_run=True)
+    assert decision.decode is not None and decision.prefill is not None
+    assert decision.decode.predicted_tpot_ms == pytest.approx(expected)
+    assert decision.prefill.predicted_tpot_ms == pytest.approx(ctx.metric("predicted_tpot")[0])
+    # Read at one instance on a fresh decision (a policy whose decode stage never computed the
+    # column), it is the column's value exactly.
+    metric = METRICS.create(METRIC, SchedulerConfig())
+    at = getattr(metric, "compute_at", None)
+    assert at is not None
+    fresh = scheduler.context(view, request, NOW)
+    assert [at(fresh, i) for i in range(2)] == ctx.metric(METRIC).tolist()
