@@ -1241,7 +1241,9 @@ def prefill_room_mask(ctx: DecisionContext) -> BoolArray:
     :data:`OPEN_MARGIN` *other* usable decode-idle instances (not the reserved
     decode) predict a TTFT for this prompt under half of :func:`ttft_need_ms`
     (the half leaves room for the prompts that arrive before the prefill side
-    is looked at again). An instance holding decode work passes, except the
+    is looked at again), or without that margin when every decoder runs its
+    engine's sequence cap (a leg would wait for a slot whatever room is kept).
+    An instance holding decode work passes, except the
     lightest decoders (fewest decode requests, not the reserved decode) while
     the decode set is over that size (as many as it is over), or the lightest
     one when the prefill side has no room at all: they get no new decode, so
