@@ -41,8 +41,8 @@ from typing import Any
 from engine.model import SimConfig
 from fleet.flags import error_line
 from predictor import LatencyPredictor, ProfileError
-from router.core.capacity import InstanceEstimate, InstanceRates, LoadShape, instance_rates, median_seq_cap
-from router.core.config import SchedulerConfig
+from router.core.capacity import InstanceEstimate, InstanceRates, LoadShape, instance_rates
+from router.core.config import SchedulerConfig, name_flags
 from router.core.errors import ConfigError
 from router.core.policies import build_policy
 from router.core.queue import QueueConfig
@@ -144,7 +144,7 @@ def capacity_estimate(
             kv_capacity_tokens=float(engine.kv_capacity_tokens),
             kv_headroom=config.kv_packing_headroom,
             chunk_tokens=engine.max_num_batched_tokens,
-            max_batch=median_seq_cap([engine.max_num_seqs]),
+            max_batch=engine.max_num_seqs,
         )
 
     model = DesiredInstances(rates, default_tpot_ms=config.tpot_slo_ms, default_ttft_ms=config.ttft_slo_ms)
@@ -561,20 +561,11 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     target = args.attainment / 100.0 if args.attainment > 1 else args.attainment
-    for flag, name, value in (
-        ("--kv-capacity-tokens", "kv_capacity_tokens", args.kv_capacity_tokens),
-        ("--max-num-seqs", "max_num_seqs", args.max_num_seqs),
-    ):
-        try:
-            SimConfig(**{name: value})
-        except ValueError as exc:
-            print(error_line(f"{flag} {value}: {exc}"), file=sys.stderr)
-            return 2
     try:
         engine = SimConfig(kv_capacity_tokens=args.kv_capacity_tokens, max_num_seqs=args.max_num_seqs)
-    except ValueError as exc:
-        flags = f"--kv-capacity-tokens {args.kv_capacity_tokens} --max-num-seqs {args.max_num_seqs}"
-        print(error_line(f"{flags}: {exc}"), file=sys.stderr)
+    except ValueError as exc:  # name the flags, not the SimConfig fields
+        flags = {"kv_capacity_tokens": "--kv-capacity-tokens", "max_num_seqs": "--max-num-seqs"}
+        print(error_line(name_flags(str(exc), flags)), file=sys.stderr)
         return 2
     try:
         config = SchedulerConfig(**policy_overrides(args.policy))

@@ -39,14 +39,7 @@ import math
 
 import numpy as np
 
-from router.core.capacity import (
-    MAX_BATCH,
-    LoadShape,
-    LoadTracker,
-    decode_batch,
-    median_seq_cap,
-    role_demand,
-)
+from router.core.capacity import LoadShape, LoadTracker, decode_batch, median_seq_cap, role_demand
 from router.core.columns import BoolArray, InstanceTable
 from router.core.config import SchedulerConfig
 from router.core.packing import expected_output_tokens
@@ -180,7 +173,7 @@ class DecodeShare:
             # A decoder runs at most its engine's cap: past it, decode needs more instances than
             # the TPOT and KV bounds say (6-sequence engines, 1 + 2 P/D: one decoder was judged
             # enough, and the legs waited for its slots).
-            max_batch=median_seq_cap(seqs.tolist()) if seqs is not None else MAX_BATCH,
+            max_batch=median_seq_cap(seqs.tolist() if seqs is not None else ()),
         )
         return role_demand(predictor, shape, batch, step_ms)
 
