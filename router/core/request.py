@@ -182,6 +182,11 @@ class ScheduleInput:
         return self.output_tokens_prior or self.output_tokens_pooled
 
     @property
+    def e2e_only(self) -> bool:
+        """Whether the request is judged on its end-to-end latency alone (no TTFT or TPOT target of its own)."""
+        return self.e2e_slo_ms > 0 and self.ttft_slo_ms == 0 and self.tpot_slo_ms == 0
+
+    @property
     def output_tokens_estimate(self) -> int:
         """Expected generated tokens: ``expected_output_tokens``, else ``max_tokens``, else 0."""
         return self.expected_output_tokens or self.max_tokens

@@ -854,7 +854,7 @@ def jobs_for(
         arrival = r.arrival_s if r.arrival_s is not None else enqueued_s[i]
         waited[i] = max(now_s - arrival, 0.0) * 1e3
         e2e[i] = r.e2e_slo_ms if r.e2e_slo_ms > 0 else math.inf
-        e2e_only[i] = r.e2e_slo_ms > 0 and r.ttft_slo_ms == 0 and r.tpot_slo_ms == 0
+        e2e_only[i] = r.e2e_only
         if not e2e_only[i]:
             targets = resolve_targets(r, default_ttft_ms, default_tpot_ms)
             ttft_target[i], tpot_target[i] = targets.full_ttft_ms, targets.tpot_ms
@@ -1270,7 +1270,7 @@ class SAPlanner:
             if among and decision.prefill is not None:
                 instance = at = decision.prefill.instance_id
             self.running.setdefault(at, {})[entry.request_id] = _Released(
-                request.slo_class, need, _e2e_only(request)
+                request.slo_class, need, request.e2e_only
             )
             self._where[entry.request_id] = at
             released += 1
@@ -1449,10 +1449,6 @@ def deal_order(entries: Sequence[QueueEntry], now_s: float) -> list[int]:
     return sorted(
         range(len(entries)), key=lambda k: (entries[k].deadline_s < now_s, entries[k].deadline_s, k)
     )
-
-
-def _e2e_only(request: ScheduleInput) -> bool:
-    return request.e2e_slo_ms > 0 and not request.ttft_slo_ms and not request.tpot_slo_ms
 
 
 def _relaxed(targets: Targets) -> Targets:
