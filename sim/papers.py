@@ -8,7 +8,7 @@ Arrivals are either steady (Poisson at ``--rate``) or bursts: ``--bursts``
 bursts of ``--burst`` requests every ``--period-s`` seconds, the requests of a
 burst ``--gap-ms`` apart (0: the same instant). Request lengths and SLO classes
 come from the workload file, drawn with ``--seed``; every run sees the same
-plan. Each row is one queue policy: ``fcfs`` (least-requests placement, arrival
+plan. Each row is one queue policy: ``lr`` (least-requests placement, arrival
 order, no request held: every engine's own FCFS, as vLLM behind a balancer), ``fcfs``
 (the ``slo`` placement policy, the router queue in arrival order), ``edf`` (the ``slo``
 policy and its default queue, earliest deadline first: this router's default, ``slo``,
@@ -17,7 +17,8 @@ queue: a request no instance can take at once is refused), then the paper's poli
 Figures: attainment, G (seed 000's objective: met requests per second of summed
 latency), throughput (completed requests per second of makespan), engine
 preemptions, and the policy's own counters. Means over ``--seeds`` plans.
-Deterministic: the same arguments print the same table.
+Deterministic: the same arguments print the same table. ``--output FILE.json``
+also writes the table's figures (scripts/readme_papers.py reads them).
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
+import json
+import os
 import random
 import statistics
 import sys
@@ -221,11 +224,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         "setting (a request is refused only after an hour's wait) (default: %(default)g, the router's)",
     )
     parser.add_argument("--only", default="", help="comma-separated row labels to run")
+    parser.add_argument(
+        "--output", default="", metavar="FILE.json", help="also write the table's figures to this JSON file"
+    )
     args = parser.parse_args(argv)
     if not 0 <= args.late_allowance <= 1_000_000:
         parser.error(
             f"--late-allowance {args.late_allowance:g}: must be within 0..1000000 (a ratio of the target)"
         )
+    if args.output and not os.path.isdir(os.path.dirname(os.path.abspath(args.output))):
+        parser.error(f"--output {args.output}: no such directory")
     rows = rows_for(args)
     if args.only:
         keep = set(args.only.split(","))
@@ -263,6 +271,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             *(f"{f.get(c, 0.0):.1f}" for c in classes),
         ]
         print(" | ".join(cells))
+    if args.output:
+        try:
+            with open(args.output, "w", encoding="utf-8") as out:
+                json.dump({"rows": [{"queue": label, **f} for label, f in table]}, out, indent=1)
+        except OSError as exc:
+            print(f"python -m sim.papers: --output {args.output}: {exc.strerror}", file=sys.stderr)
+            return 1
     return 0
 
 

@@ -370,3 +370,36 @@ def test_the_papers_harness_names_a_bad_late_allowance(
         papers.main(["sa", "--workload", "mixed", "--late-allowance", value])
     assert exit_info.value.code == 2
     assert "--late-allowance" in capsys.readouterr().err
+
+
+def test_the_papers_harness_writes_the_printed_figures_to_its_output_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--output FILE.json`` holds the rows the table prints, with the same figures."""
+    from sim import papers
+
+    out = tmp_path / "t.json"
+    argv = ["sa", "--workload", "docs/scenarios/sa-triage-translate-dossier.json", "--instances", "2"]
+    argv += ["--seqs", "1", "--burst", "4", "--bursts", "1", "--seeds", "1", "--only", "fcfs,sa"]
+    assert papers.main([*argv, "--output", str(out)]) == 0
+    printed = {
+        line.split(" | ")[0]: line.split(" | ")
+        for line in capsys.readouterr().out.splitlines()
+        if line.startswith(("fcfs |", "sa |"))
+    }
+    rows = {r["queue"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == set(printed) == {"fcfs", "sa"}
+    for label, cells in printed.items():
+        assert f"{rows[label]['attain']:.1f}" == cells[1]
+        assert f"{rows[label]['g']:.4f}" == cells[2]
+
+
+def test_the_papers_harness_names_an_output_file_it_cannot_write(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from sim import papers
+
+    with pytest.raises(SystemExit) as exit_info:
+        papers.main(["sa", "--workload", "mixed", "--output", str(tmp_path / "missing" / "t.json")])
+    assert exit_info.value.code == 2
+    assert "--output" in capsys.readouterr().err
