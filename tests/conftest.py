@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+import tests  # noqa: F401  (before anything that loads numpy: it pins numpy's and BLAS's numeric paths)
 from cms.testing import RedisServer, find_redis_server
 
 

@@ -196,20 +196,25 @@ SCENARIOS: dict[
 #: ``max_batch``): only ``outcome.desired`` moved (neutral 1 -> 3 and 2 -> 13: a 2-sequence engine
 #: decodes two requests at once, not the batch the TPOT target allows); every per-request outcome
 #: and count hashes the same as before.
+#: Nine of them were re-recorded when the tests came to pin the numeric paths (tests/__init__.py): the
+#: digests recorded before followed the BLAS kernels and numpy SIMD loops of the machine that recorded
+#: them, and this x86-64 CPU (an AMD EPYC without AVX-512) rounded the calibration's least squares
+#: differently in the last bit (OPENBLAS_CORETYPE=Prescott gives yet another digest). The code did not
+#: change; every digest is now the AVX2 paths' on any x86-64 machine.
 RECORDED: dict[str, str] = {
-    "azure-trace-slo": "3605f74e6b688f5d6115ac94",
+    "azure-trace-slo": "329ea22d22c15423e62c8c4a",
     "mooncake-trace-least-requests": "198daeb3e3bc12dc64de2e6e",
-    "neutral-round-robin-small-kv": "45e3f506ec4571772da55b80",
-    "neutral-slo-edf": "bc36db8927e36962e86a977c",
-    "neutral-slo-eos": "bcd3de28afdab74dbb582705",
+    "neutral-round-robin-small-kv": "aa16a2f37fd19e1e7374624a",
+    "neutral-slo-edf": "f2d4b09d635d9e6102288ad3",
+    "neutral-slo-eos": "32448aefbf226af7ecb2fcf4",
     "neutral-slo-fcfs-capped": "71b5b222e3e185ecb10f6d53",
-    "neutral-slo-prefix": "2faad43e732c35884901f59c",
-    "neutral-slo-priority": "118a85ace3be352f7da0bda6",
-    "neutral-slo-qlm": "9d2177d0151a5ae3a8009e53",
-    "neutral-slo-sa": "4f8c3261e2d530462e63f048",
+    "neutral-slo-prefix": "3d8be157900d6800dae12f98",
+    "neutral-slo-priority": "3d974310da33468737ef6415",
+    "neutral-slo-qlm": "049726cc2d4f4ccf9536e2d0",
+    "neutral-slo-sa": "1d94ae50de8e946ed0884d4c",
     "pd-adaptive": "3da6c8098432e1344daec263",
     "pd-load-balance-off": "466dcf402227e02d05b7c4b8",
-    "pd-noise-power-of-two": "1d5dfe0ec4aa853c45db64c9",
+    "pd-noise-power-of-two": "c11eff239c588a7ed974fc27",
     "pd-slo-refit": "3e2c99f4fe860fc9e6771eef",
     "pd-slo-scale": "46534c52370253dfdaec1d6a",
 }
