@@ -118,7 +118,14 @@ def build(instances: int, extra: list[str], incremental: str = "on") -> tuple[Ad
     observer = RequestObserver()
     placer = Placer(scheduler, views, observer=observer, health=OutlierDetector(plan.outlier))
     if incremental == "on":
-        admission = make_admission(placer, plan.queue, plan.qlm, observer=observer, slicing=plan.slice_config)
+        admission = make_admission(
+            placer,
+            plan.queue,
+            plan.qlm,
+            observer=observer,
+            slicing=plan.slice_config,
+            dispatch_mode=plan.dispatch_mode,
+        )
     else:
         config = plan.config
         setup = DispatchSetup(

@@ -106,6 +106,8 @@ class EngineLoad:
     # prompt tokens looked up, and those found cached. Both 0 without prefix caching.
     prefix_cache_query_tokens: int = 0
     prefix_cache_hit_tokens: int = 0
+    # Requests the engine preempted since it started (KV ran out); None: the engine does not count them.
+    num_preemptions: int | None = None
 
     @property
     def cache_hit_rate(self) -> float:

@@ -840,6 +840,7 @@ class SimCore:
             num_steps=self._num_steps,
             prefix_cache_query_tokens=self._query_tokens,
             prefix_cache_hit_tokens=self._hit_tokens,
+            num_preemptions=self._num_preemptions,
         )
 
     # ------------------------------------------------------------------ prefix cache

@@ -496,13 +496,19 @@ def make_admission(
     clock: Callable[[], float] = time.monotonic,
     observer: RequestObserver | None = None,
     slicing: SliceConfig | None = None,
+    dispatch_mode: str = "",
 ) -> Admission:
-    """The router's driver over the dispatcher ``config.queue_policy`` names, or over ``slice`` when
-    ``slicing`` is given (``--dispatch-mode slice``)."""
+    """The router's driver over the dispatcher ``config.queue_policy`` names, or, when ``slicing``
+    is given, over ``dispatch_mode`` (``--dispatch-mode``: ``slice`` by default, or ``auto``)."""
     if slicing is None:
         return Admission(placer, config, qlm, clock=clock, observer=observer)
     sched = placer.scheduler.config
     setup = DispatchSetup(
-        config, sched.ttft_slo_ms, sched.tpot_slo_ms, qlm or QlmConfig(), slicing=slicing, dispatcher="slice"
+        config,
+        sched.ttft_slo_ms,
+        sched.tpot_slo_ms,
+        qlm or QlmConfig(),
+        slicing=slicing,
+        dispatcher=dispatch_mode or "slice",
     )
     return Admission(placer, config, qlm, clock=clock, observer=observer, dispatcher=make_dispatcher(setup))

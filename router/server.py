@@ -65,7 +65,7 @@ from router.pool import (
 )
 from router.service import RouterService, ServiceConfig
 from router.slicing import add_arguments as add_slice_arguments
-from router.slicing import slice_config_from_args
+from router.slicing import dispatcher_from_args, slice_config_from_args
 from router.telemetry import RequestObserver
 from router.tokenize import Tokenizer, load_tokenizer
 from router.vllm_grpc import (
@@ -214,6 +214,7 @@ async def start_router_server(
     worker_token: str | None = None,
     worker_keepalive: tuple[float, float] = (DEFAULT_KEEPALIVE_S, DEFAULT_KEEPALIVE_TIMEOUT_S),
     grpc_server: str = GRPC_SERVERS[0],
+    dispatch_mode: str = "",
 ) -> RouterServer:
     """Serve the Router service on ``listen`` over ``reader``'s view; starts the reader too.
 
@@ -261,11 +262,19 @@ async def start_router_server(
     placer = Placer(scheduler, reader, observer=observer, health=health)
     service_config = service_config or ServiceConfig()
     if slice_config is not None and scheduler.predictors is None:
-        raise ValueError("--dispatch-mode slice needs latency profiles (--profile) to estimate slice times")
+        raise ValueError(
+            f"--dispatch-mode {dispatch_mode or 'slice'} needs latency profiles (--profile) to estimate slice times"
+        )
     kv_feed = _kv_event_feed(scheduler, reader, pool, workers.vllm)
-    # --dispatch-mode slice: the slice dispatcher (router.core.slice_dispatch) instead of the queue policy's.
+    # --dispatch-mode slice: the slice dispatcher (router.core.slice_dispatch) instead of the queue
+    # policy's; auto: router.core.auto_dispatch, over both.
     admission = make_admission(
-        placer, queue_config or QueueConfig(), qlm_config, observer=observer, slicing=slice_config
+        placer,
+        queue_config or QueueConfig(),
+        qlm_config,
+        observer=observer,
+        slicing=slice_config,
+        dispatch_mode=dispatch_mode,
     )
     reader.add_listener(admission.notify)
     service = RouterService(
@@ -314,6 +323,7 @@ async def start_router_server(
             for r in placer.snapshot().instances
             if r.status is not None
         },
+        dispatch_modes=lambda: _dispatch_modes(admission, "request" if slice_config is None else "slice"),
     )
     host = listen.rsplit(":", 1)[0]
     readiness = asyncio.get_running_loop().create_task(
@@ -821,6 +831,13 @@ def _check_availability_flags(args: argparse.Namespace) -> None:
         raise ValueError(f"--cms-rewarm-s must be a finite number >= 0, got {args.cms_rewarm_s!r}")
 
 
+def _dispatch_modes(admission: Admission, fixed: str) -> dict[str, int]:
+    """``slo_router_dispatch_mode``: 1 for the mode new arrivals get (``auto``'s choice, read from its
+    ``mode``; else the one ``--dispatch-mode`` fixed)."""
+    mode = getattr(admission.dispatcher, "mode", fixed)
+    return {m: int(m == mode) for m in ("request", "slice")}
+
+
 @dataclass
 class RouterPlan:
     """Everything the router's flags describe, checked, with nothing started yet."""
@@ -838,6 +855,8 @@ class RouterPlan:
     outlier: OutlierConfig = field(default_factory=OutlierConfig)
     #: ``--http-*``: the HTTP edge's connection bounds.
     http_limits: EdgeLimits = field(default_factory=EdgeLimits)
+    #: ``--dispatch-mode``: the dispatcher it names instead of the queue policy's ("": request).
+    dispatch_mode: str = ""
 
 
 def plan_from_args(args: argparse.Namespace) -> RouterPlan:
@@ -887,7 +906,18 @@ def plan_from_args(args: argparse.Namespace) -> RouterPlan:
     queue, qlm = queue_config(args), qlm_config(args)
     edge = edge_limits_from_args(args)
     check_addresses_free(args)
-    return RouterPlan(config, predictors, service_config, tokenizer, slice_config, queue, qlm, outlier, edge)
+    return RouterPlan(
+        config,
+        predictors,
+        service_config,
+        tokenizer,
+        slice_config,
+        queue,
+        qlm,
+        outlier,
+        edge,
+        dispatch_mode=dispatcher_from_args(args),
+    )
 
 
 def check_addresses_free(args: argparse.Namespace) -> None:
@@ -1002,6 +1032,7 @@ async def start_from_args(args: argparse.Namespace, plan: RouterPlan | None = No
             worker_first_message_timeout_s=args.worker_first_message_timeout_s,
             outlier=plan.outlier,
             slice_config=plan.slice_config,
+            dispatch_mode=plan.dispatch_mode,
             http_listen=args.http_listen,
             chat_template=load_chat_template(args.tokenizer),
             queue_config=plan.queue,

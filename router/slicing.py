@@ -18,6 +18,10 @@ stream: a slice's last message is forwarded without ``finished``, and nothing is
 re-sent. Only neutral instances take slices (a slice is prefill and decode on
 one instance); a fleet without schedulable neutral instances refuses the
 request with ``UNAVAILABLE``.
+
+``--dispatch-mode auto`` (:mod:`router.core.auto_dispatch`) starts with request
+dispatch and moves new arrivals to slices once the engines' preemption counts
+(the instances' status) show that slices pay.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import argparse
 from router.core.slicing import SliceConfig, add_slice_arguments, slice_config_of
 
 #: ``--dispatch-mode`` values.
-DISPATCH_MODES = ("request", "slice")
+DISPATCH_MODES = ("request", "slice", "auto")
 
 
 # --------------------------------------------------------------------------- command line
@@ -51,10 +55,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "waiting for an instance with room, so a boundary costs a re-prefill only where a slice moves "
         "or waits), and everywhere they lose SLO attainment to slo (a first slice "
         "waits for a schedule point and room in the plan: TTFT grows); where the KV holds request "
-        "dispatch wins outright (slices 0.91-0.97x, attainment down by up to half). `slo-router simulate --dispatch-modes request,slice,auto` "
-        "tells which side of that line a fleet and workload are on. There is no live 'auto': its rule "
-        "counts the engines' preemptions under request dispatch, which an instance's status does not "
-        "carry, and which stop once slices run (default: %(default)s)",
+        "dispatch wins outright (slices 0.91-0.97x, attainment down by up to half). auto: finds that "
+        "line live: request dispatch (the queue policy) while it counts the engines' preemptions (the "
+        "instances' status counts) over at least its first 100 requests, then slices for every new "
+        "arrival from the moment the engines have preempted once per ten requests dispatched (requests "
+        "already placed finish where they are); it stays on request dispatch if the first 100 end "
+        "under that, or if the engines do not count preemptions (vLLM's own gRPC server behind "
+        "'slo-router agent'); the choice is logged and exported as slo_router_dispatch_mode. "
+        "slice and auto take neutral instances only (default: %(default)s)",
     )
     add_slice_arguments(
         group,
@@ -64,7 +72,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def slice_config_from_args(args: argparse.Namespace) -> SliceConfig | None:
-    """The slice configuration the flags ask for, or ``None`` for request dispatch; errors name the flag."""
-    if args.dispatch_mode != "slice":
+    """The slice configuration the flags ask for (``slice`` and ``auto``), or ``None`` for request
+    dispatch; errors name the flag."""
+    if args.dispatch_mode == "request":
         return None
     return slice_config_of(args.slice_tokens, args.slice_interval_ms)
+
+
+def dispatcher_from_args(args: argparse.Namespace) -> str:
+    """The dispatcher ``--dispatch-mode`` names instead of the queue policy's ("" for ``request``)."""
+    return "" if args.dispatch_mode == "request" else str(args.dispatch_mode)

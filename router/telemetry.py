@@ -207,6 +207,7 @@ class RequestObserver:
         desired: Callable[[], dict[str, int]] | None = None,
         cms_lost: Callable[[], bool] | None = None,
         cache_hit_rates: Callable[[], dict[str, float]] | None = None,
+        dispatch_modes: Callable[[], dict[str, int]] | None = None,
     ) -> None:
         """Compute the gauges at scrape time from the router's live state.
 
@@ -214,15 +215,17 @@ class RequestObserver:
         feed ``slo_router_instance_overpacked{instance}`` and
         ``slo_router_desired_instances{role}``, computed at every scrape;
         ``cache_hit_rates`` (instance id -> share) feeds
-        ``slo_router_instance_cache_hit_rate{instance}`` from the instances' last statuses.
+        ``slo_router_instance_cache_hit_rate{instance}`` from the instances' last statuses;
+        ``dispatch_modes`` (mode -> 0/1) ``slo_router_dispatch_mode{mode}``, 1 for the dispatch mode
+        new arrivals get (``--dispatch-mode auto`` changes it once).
         """
         self._instance_source = instances
         self.inflight_entries.set_function(lambda: float(inflight()))
         if cms_lost is not None:
             self.cms_lost.set_function(lambda: float(cms_lost()))
         self._refresh_instances()
-        if overpacked is not None or desired is not None or cache_hit_rates is not None:
-            self.registry.register(_PackingCollector(overpacked, desired, cache_hit_rates))
+        if overpacked is not None or desired is not None or cache_hit_rates is not None or dispatch_modes:
+            self.registry.register(_PackingCollector(overpacked, desired, cache_hit_rates, dispatch_modes))
 
     def _refresh_instances(self) -> None:
         source = getattr(self, "_instance_source", None)
@@ -327,10 +330,12 @@ class _PackingCollector(Collector):
         overpacked: Callable[[], dict[str, float]] | None,
         desired: Callable[[], dict[str, int]] | None,
         cache_hit_rates: Callable[[], dict[str, float]] | None = None,
+        dispatch_modes: Callable[[], dict[str, int]] | None = None,
     ) -> None:
         self._overpacked = overpacked
         self._desired = desired
         self._cache_hit_rates = cache_hit_rates
+        self._dispatch_modes = dispatch_modes
 
     def describe(self) -> list[Metric]:
         return []  # families are produced at scrape time; nothing to check at registration
@@ -357,6 +362,13 @@ class _PackingCollector(Collector):
                 "up, since the engine started (its last status; 0 where the engine does not say)",
                 "instance",
                 self._cache_hit_rates,
+            ),
+            (
+                "slo_router_dispatch_mode",
+                "1 for the dispatch mode new arrivals get (request or slice; --dispatch-mode auto "
+                "switches once, from request to slice), else 0",
+                "mode",
+                self._dispatch_modes,
             ),
         )
         for name, documentation, label, source in families:

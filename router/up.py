@@ -68,7 +68,7 @@ from router.server import (
 from router.service import ServiceConfig
 from router.shared_inflight import MAX_PROCESSES
 from router.slicing import add_arguments as add_slice_arguments
-from router.slicing import slice_config_from_args
+from router.slicing import dispatcher_from_args, slice_config_from_args
 from router.telemetry import RequestObserver
 
 logger = logging.getLogger(__name__)
@@ -273,7 +273,7 @@ class ClusterPlan:
     profile: Path
     predictor: LatencyPredictor
     config: SchedulerConfig
-    #: ``--dispatch-mode slice``: the slice configuration (None: request dispatch).
+    #: ``--dispatch-mode slice`` or ``auto``: the slice configuration (None: request dispatch).
     slice_config: SliceConfig | None = None
     queue: QueueConfig = field(default_factory=QueueConfig)
     qlm: QlmConfig = field(default_factory=QlmConfig)
@@ -281,6 +281,8 @@ class ClusterPlan:
     http_limits: EdgeLimits = field(default_factory=EdgeLimits)
     #: ``--worker-keepalive-s``, ``--worker-keepalive-timeout-s``.
     worker_keepalive: tuple[float, float] = (DEFAULT_KEEPALIVE_S, DEFAULT_KEEPALIVE_TIMEOUT_S)
+    #: ``--dispatch-mode``: the dispatcher it names instead of the queue policy's ("": request).
+    dispatch_mode: str = ""
 
 
 def plan_cluster(args: argparse.Namespace) -> ClusterPlan:
@@ -307,8 +309,9 @@ def plan_cluster(args: argparse.Namespace) -> ClusterPlan:
         )
     if not (math.isfinite(args.start_timeout_s) and args.start_timeout_s > 0):
         raise ValueError(f"--start-timeout-s {args.start_timeout_s}: must be a finite number > 0")
-    if args.dispatch_mode == "slice" and not args.neutral:
-        raise ValueError("--dispatch-mode slice runs on neutral workers: add --neutral K")
+    if args.dispatch_mode != "request" and not args.neutral:
+        # auto too: its slices, once it picks them, are prefill and decode on one instance.
+        raise ValueError(f"--dispatch-mode {args.dispatch_mode} runs on neutral workers: add --neutral K")
     if args.queue_policy == "qlm" and not args.neutral:
         raise ValueError(
             "--queue-policy qlm runs on neutral workers (it places whole requests): add --neutral K, "
@@ -365,6 +368,7 @@ def plan_cluster(args: argparse.Namespace) -> ClusterPlan:
         qlm_config(args),
         edge,
         keepalive,
+        dispatch_mode=dispatcher_from_args(args),
     )
 
 
@@ -412,6 +416,7 @@ async def start_cluster(args: argparse.Namespace, plan: ClusterPlan | None = Non
             observer=observer,
             source=f"the embedded CMS on {cms.address}",
             slice_config=plan.slice_config,
+            dispatch_mode=plan.dispatch_mode,
             http_listen=args.http_listen,
             queue_config=plan.queue,
             qlm_config=plan.qlm,

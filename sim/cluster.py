@@ -518,6 +518,7 @@ class _Simulation:
         slicing: SliceConfig | None = None,
         resume_cache: bool = False,
         miss_limit: tuple[float, int] | None = None,
+        dispatch_mode: str = "",
     ) -> None:
         self.fleet = fleet
         #: (scored from, s; most misses): the run stops once more requests arriving at or after that
@@ -551,7 +552,7 @@ class _Simulation:
                 modeled_clock=True,
                 incremental=incremental_dispatch,
                 slicing=slicing or SliceConfig(),
-                dispatcher="slice" if slicing is not None else "",
+                dispatcher=dispatch_mode or ("slice" if slicing is not None else ""),
             )
         )
         #: Engines keep a paused run's blocks in their prefix cache (vLLM's automatic prefix caching):
@@ -633,6 +634,8 @@ class _Simulation:
         #: Per instance, the steps of its fast-forwarded run already in its step window.
         self.run_measured = [0] * n
         self.last_preempt_s = np.full(n, -np.inf)
+        #: Requests each engine preempted so far, as its status's cumulative count carries it.
+        self.preempt_count = np.zeros(n)
         # Busy-instance accounting (SimStats.mean_busy_*): per instance, does it hold decode work /
         # other work, and the time integral of the counts per kind.
         self.neutral_role = np.array([r is Role.NEUTRAL for r in fleet.roles])
@@ -1674,6 +1677,7 @@ class _Simulation:
             used_kv[i] = core.num_used_kv_tokens
             waiting[i] = core.num_waiting
             running[i] = core.num_running
+            self.preempt_count[i] = core.num_preemptions
             if core.num_decode_requests == 0:
                 self.measured[i] = np.nan  # no decode work: nothing to measure, nothing over-packed
                 self.step_window[i].clear()
@@ -1706,6 +1710,7 @@ class _Simulation:
             memo=dict(self.static_memo),
             measured_decode_step_ms=_readonly(self.measured.copy()),
             preempting=_readonly((now - self.last_preempt_s < AGENT_HEARTBEAT_S).astype(np.float64)),
+            preemptions=_readonly(self.preempt_count.copy()),
         )
         # Built only when a decision reads them (adaptive PD's exact KV peak), as the router does.
         return ClusterView(table, self._inflight_columns(), now, age, residents=_SimLegs(self, now))
@@ -1864,6 +1869,7 @@ def simulate(
     slicing: SliceConfig | None = None,
     resume_cache: bool = False,
     miss_limit: tuple[float, int] | None = None,
+    dispatch_mode: str = "",
 ) -> SimOutcome:
     """Run ``plans`` (open-loop, in arrival order) on ``fleet`` with the policy ``config`` names.
 
@@ -1895,6 +1901,10 @@ def simulate(
     ``(scored_from_s, k)`` stops the run as soon as more than ``k`` requests arriving at or after
     ``scored_from_s`` have missed their SLO; the outcome then says ``stopped`` and carries no
     results. A run that does not reach the limit is the same run as without it.
+
+    ``dispatch_mode`` names the dispatcher to run instead of the queue policy's (``"auto"``, with
+    ``slicing`` for its slices: :mod:`router.core.auto_dispatch`); by default ``"slice"`` when
+    ``slicing`` is given.
     """
     if any(b.arrival_s < a.arrival_s for a, b in itertools.pairwise(plans)):
         raise ValueError("plans must be in arrival order")
@@ -1937,6 +1947,7 @@ def simulate(
         slicing=slicing,
         resume_cache=resume_cache,
         miss_limit=miss_limit,
+        dispatch_mode=dispatch_mode,
     )
     duration_s, stats = sim.run()
     if sim.stopped:

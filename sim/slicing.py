@@ -53,15 +53,16 @@ from typing import Any
 import numpy as np
 
 from fleet.flags import error_line
+from router.core.auto_dispatch import AUTO_PILOT_REQUESTS as AUTO_PILOT_REQUESTS
+from router.core.auto_dispatch import Auto
 from router.core.config import SchedulerConfig
 from router.core.request import Role
 from router.core.slicing import (
     SliceConfig,
     add_slice_arguments,
     slice_config_of,
-    slices_pay,
 )
-from sim.cluster import SimFleet, SimStats, simulate
+from sim.cluster import SimFleet, SimOutcome, SimStats, simulate
 from sim.sweep import PolicyChoice, SweepPoint, _point, point_to_dict, sweep_meta
 from workload.report import RequestResult
 from workload.sequence import request_sequence
@@ -69,8 +70,6 @@ from workload.spec import RequestPlan, WorkloadSpec
 
 #: Dispatch modes of ``simulate --dispatch-modes``.
 DISPATCH_MODES = ("request", "slice", "auto")
-#: Requests of the pilot run ``auto`` decides from (at least; a quarter of the run if that is more).
-AUTO_PILOT_REQUESTS = 100
 #: The policy label slice-dispatch results carry (its offloader, not a registered policy).
 SLICE_POLICY = "max-min"
 
@@ -134,6 +133,35 @@ def simulate_slices(
         # plans' hash ids (only a paused slice's own blocks, resume_cache).
         engine_prefix_cache=False,
     )
+    return _slice_outcome(outcome)
+
+
+def simulate_auto(
+    fleet: SimFleet, policy: PolicyChoice, plans: Sequence[RequestPlan], config: SliceConfig, *, seed: int = 0
+) -> tuple[str, SliceOutcome]:
+    """``auto`` as the router runs it (:mod:`router.core.auto_dispatch`), over one run of ``plans``.
+
+    Request dispatch with ``policy`` until the engines' preemption counts over the first
+    :data:`AUTO_PILOT_REQUESTS` requests decide; slices (``config``) for every arrival after, if
+    slices pay. Returns the mode chosen (``request`` when the run ended before the pilot did) and
+    the run's outcome.
+    """
+    if any(role is not Role.NEUTRAL for role in fleet.roles):
+        raise ValueError("auto dispatch runs on neutral instances: use --neutral K (or a neutral --fleet)")
+    outcome = simulate(
+        fleet,
+        policy.config,
+        plans,
+        seed=seed,
+        slicing=config,
+        resume_cache=config.prefix_cache,
+        dispatch_mode=Auto.name,
+    )
+    mode = "slice" if outcome.counters.get("auto_slice", 0) else "request"
+    return mode, _slice_outcome(outcome, batches_are_decisions=False)
+
+
+def _slice_outcome(outcome: SimOutcome, *, batches_are_decisions: bool = True) -> SliceOutcome:
     gaps = outcome.resume_gaps_ms
     counters = outcome.counters
     figures = SliceFigures(
@@ -147,7 +175,9 @@ def simulate_slices(
     )
     # A slice placement is a health check on the instance the offloader chose; the decisions a
     # report counts are the batcher's.
-    stats = dataclasses.replace(outcome.stats, decisions=counters.get("batches", 0))
+    stats = outcome.stats
+    if batches_are_decisions:
+        stats = dataclasses.replace(stats, decisions=counters.get("batches", 0))
     return SliceOutcome(outcome.results, outcome.duration_s, stats, figures, outcome.wall_s, dict(counters))
 
 
@@ -187,19 +217,6 @@ class DispatchPoint:
     figures: SliceFigures
 
 
-def auto_mode(fleet: SimFleet, policy: PolicyChoice, plans: Sequence[RequestPlan], *, seed: int = 0) -> str:
-    """``auto``: the dispatch mode :func:`router.core.slicing.slices_pay` picks from a pilot.
-
-    The pilot serves the run's first :data:`AUTO_PILOT_REQUESTS` requests (a
-    quarter of the run if that is more) with request dispatch and ``policy``
-    and counts the engines' preemptions: what a router sees its engines do
-    before it decides. Slices when they preempted at least once per request.
-    """
-    pilot = list(plans[: max(AUTO_PILOT_REQUESTS, len(plans) // 4)])
-    outcome = simulate(fleet, policy.config, pilot, seed=seed)
-    return "slice" if slices_pay(outcome.stats.preemptions, len(pilot)) else "request"
-
-
 def parse_dispatch_modes(text: str) -> list[str]:
     modes: list[str] = []
     for raw in text.split(","):
@@ -225,7 +242,8 @@ def run_dispatch_sweep(
     on_run: Callable[[SweepPoint, int, int], None] | None = None,
     plans_for: Callable[[WorkloadSpec, float], list[RequestPlan]] | None = None,
 ) -> list[DispatchPoint]:
-    """Rate-major runs: per rate, every policy in ``request`` mode, then one ``slice`` run (max-min).
+    """Rate-major runs: per rate, every policy in ``request`` mode, then one ``slice`` run (max-min),
+    then every policy under ``auto`` (:func:`simulate_auto`), in the order ``modes`` lists them.
 
     ``plans_for(spec, rate)`` makes each rate's plan (a trace replay) instead of drawing it.
     """
@@ -259,15 +277,13 @@ def run_dispatch_sweep(
                     on_run(point, len(out), total)
             else:
                 for policy in policies:
-                    chosen = auto_mode(fleet, policy, plans, seed=seed)
-                    if chosen == "slice":
-                        sliced = simulate_slices(fleet, plans, slice_config, seed=seed)
-                        point = _point(f"{policy.label}/auto:slice", rate, spec, sliced)  # type: ignore[arg-type]
-                        out.append(DispatchPoint(mode, point, sliced.figures))
-                    else:
-                        outcome = simulate(fleet, policy.config, plans, seed=seed)
-                        point = _point(f"{policy.label}/auto:request", rate, spec, outcome)
-                        out.append(DispatchPoint(mode, point, request_figures(fleet, outcome.results)))
+                    chosen, auto = simulate_auto(fleet, policy, plans, slice_config, seed=seed)
+                    point = _point(f"{policy.label}/auto:{chosen}", rate, spec, auto)  # type: ignore[arg-type]
+                    figures = auto.figures
+                    if chosen == "request":
+                        # Busy time from the results, as request dispatch's own rows count it.
+                        figures = dataclasses.replace(request_figures(fleet, auto.results), slices=0)
+                    out.append(DispatchPoint(mode, point, figures))
                     if on_run is not None:
                         on_run(point, len(out), total)
     return out
@@ -368,11 +384,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="M1,M2",
         help="compare dispatch modes: request (each --policies entry places whole requests), slice "
         "(requests placed S tokens at a time, batched and offloaded max-min; neutral fleets) and/or auto "
-        "(slice where request dispatch makes the engines preempt at least once per ten requests, judged "
-        "from a pilot over the run's first requests, which sees a queue only once it has built up: there "
-        "slices hold the KV plan and do 1.0x-3x the work, 0.9x-1.0x with long answers, at a lower SLO "
+        "(the router's --dispatch-mode auto, in one run: each policy's request dispatch until the engines "
+        "have preempted once per ten requests dispatched (at least 100), then slices for every later "
+        "arrival; request dispatch throughout where the first 100 requests end under that. Where slices "
+        "pay they hold the KV plan and do 1.0x-3x the work, 0.9x-1.0x with long answers, at a lower SLO "
         "attainment (a first slice waits); where the KV holds request dispatch wins on continuous-batching "
-        "engines, 0.91-0.97x for slices); adds "
+        "engines, 0.91-0.97x for slices); the row's policy says what auto chose; adds "
         "load_imbalance, recomputed_tokens, ... to the JSON",
     )
     add_slice_arguments(

@@ -47,6 +47,9 @@ step_samples                     one decode step per 0.5 s, estimated from      
                                  ``--step-estimate off``: none). Prefill steps: the router
                                  times them (``router.placement.PrefillTiming``)
 cache_hit_rate                   ``cache_hit_rate`` per rank, weighted by running requests  exact
+num_preemptions                  none: ``GetLoads`` carries no preemption count (left       —
+                                 unset, so ``--dispatch-mode auto`` stays on request
+                                 dispatch over such a fleet)
 ===============================  =========================================================  =========
 """
 

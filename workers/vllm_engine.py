@@ -346,7 +346,7 @@ class VllmEngine:
         self._llm = await asyncio.to_thread(
             self._vllm.AsyncLLM.from_engine_args,
             engine_args,
-            stat_loggers=_stat_loggers(self._vllm, self._on_step),
+            stat_loggers=_stat_loggers(self._vllm, self._on_step, self._on_preempted),
         )
         # vLLM reads its environment variables on every access (a getenv per
         # output token) until this is called; its engine processes call it
@@ -645,6 +645,10 @@ class VllmEngine:
         self._book.on_step(stats)
         self._changed()
 
+    def _on_preempted(self, count: int) -> None:
+        self._book.on_preempted(count)
+        self._changed()
+
     def _changed(self) -> None:
         for callback in self._listeners:
             try:
@@ -720,6 +724,14 @@ def _import_vllm() -> _Vllm:
     )
 
 
+def preempted_requests(iteration_stats: Any) -> int:
+    """The requests vLLM preempted in the steps ``iteration_stats`` covers (0 without statistics)."""
+    try:
+        return max(0, int(getattr(iteration_stats, "num_preempted_reqs", 0) or 0))
+    except (TypeError, ValueError):
+        return 0
+
+
 def step_stats_from_vllm(scheduler_stats: Any) -> StepStats:
     """Plain numbers from vLLM's ``SchedulerStats`` (not a stable vLLM interface, so read defensively)."""
     details = getattr(scheduler_stats, "iteration_details", None)
@@ -735,8 +747,11 @@ def step_stats_from_vllm(scheduler_stats: Any) -> StepStats:
     )
 
 
-def _stat_loggers(vllm: _Vllm, on_step: Callable[[StepStats], None]) -> list[Any]:
-    """The stat loggers for ``AsyncLLM.from_engine_args(stat_loggers=...)``: one, feeding ``on_step``.
+def _stat_loggers(
+    vllm: _Vllm, on_step: Callable[[StepStats], None], on_preempted: Callable[[int], None] | None = None
+) -> list[Any]:
+    """The stat loggers for ``AsyncLLM.from_engine_args(stat_loggers=...)``: one, feeding ``on_step``
+    (and ``on_preempted`` with the requests vLLM preempted, its iteration statistics' count).
 
     vLLM calls ``record`` from its output-handler task on the event loop, once
     per engine step, after that step's outputs were queued.
@@ -766,6 +781,9 @@ def _stat_loggers(vllm: _Vllm, on_step: Callable[[StepStats], None]) -> list[Any
             mm_cache_stats: Any = None,
             engine_idx: int = 0,
         ) -> None:
+            preempted = preempted_requests(iteration_stats)
+            if preempted and on_preempted is not None:
+                on_preempted(preempted)
             if scheduler_stats is None:
                 return
             try:

@@ -72,6 +72,7 @@ class LoadBook:
         self._running = 0
         self._waiting = 0
         self._kv_usage = 0.0
+        self._num_preemptions = 0
         self.kv_capacity_tokens = 0
 
     def __contains__(self, request_id: object) -> bool:
@@ -157,6 +158,10 @@ class LoadBook:
         )
         self._num_steps += 1
 
+    def on_preempted(self, count: int) -> None:
+        """vLLM preempted ``count`` requests (its ``IterationStats.num_preempted_reqs``)."""
+        self._num_preemptions += max(0, count)
+
     def _decode_context_estimate(self, decode_requests: int) -> int:
         """Total context of a step's decode batch of ``decode_requests`` requests.
 
@@ -193,4 +198,5 @@ class LoadBook:
             recent_admitted_request_ids=tuple(self._recent_ids),
             recent_steps=tuple(self._steps),
             num_steps=self._num_steps,
+            num_preemptions=self._num_preemptions,
         )

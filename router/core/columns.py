@@ -83,6 +83,9 @@ class InstanceTable:
     #: Most requests each engine runs at once (``inf`` where unknown); beyond it a new request
     #: waits for a running one to finish before its prefill starts. Optional: ``None`` = unknown.
     max_num_seqs: FloatArray | None = None
+    #: Requests each engine preempted since it started (its status's cumulative count; NaN where the
+    #: instance does not report one). Optional: ``None`` when the source has no such counts.
+    preemptions: FloatArray | None = None
 
     @property
     def n(self) -> int:

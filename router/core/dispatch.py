@@ -8,7 +8,8 @@ is stopped to make room. Every policy of that kind — ``none``, ``fcfs``,
 ``edf``, ``priority``, ``sa`` (seed 000), ``qlm`` (seed 004), ``slice`` (seed 002) — is
 one object behind :class:`Dispatcher`, registered by name in :data:`DISPATCHERS`
 (:mod:`router.core.dispatchers` holds the built-in ones, :mod:`router.core.slice_dispatch`
-the slice one) and built from one :class:`DispatchSetup`.
+the slice one, :mod:`router.core.auto_dispatch` ``auto``, which runs the queue policy's and
+the slice one in turn) and built from one :class:`DispatchSetup`.
 
 A dispatcher is pure and synchronous: a driver hands it events and the time
 (:meth:`Dispatcher.handle`) and carries out the :class:`Action` list it gets
@@ -289,7 +290,7 @@ class DispatchSetup:
     incremental: str = "on"
     #: slice: the slice length and schedule points (``--slice-tokens``, ``--slice-interval-ms``).
     slicing: SliceConfig = field(default_factory=SliceConfig)
-    #: The dispatcher's name when it is not the queue policy's (``--dispatch-mode slice``).
+    #: The dispatcher's name when it is not the queue policy's (``--dispatch-mode slice`` or ``auto``).
     dispatcher: str = ""
 
 

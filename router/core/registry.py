@@ -35,6 +35,7 @@ _BUILTIN_MODULES = (
     "router.core.policies",
     "router.core.dispatchers",
     "router.core.slice_dispatch",
+    "router.core.auto_dispatch",
 )
 
 

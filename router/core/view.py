@@ -55,8 +55,10 @@ _STATUS = (
     "used_kv_tokens",
     "waiting_requests",
     "running_requests",
+    "preemptions",
 )
-_NO_STATUS = (0,) * len(_STATUS)
+# (NaN preemptions: an instance without a status, or one that does not count them, reports none.)
+_NO_STATUS = (0,) * (len(_STATUS) - 1) + (float("nan"),)
 
 
 def _measured_decode_step_ms(status: cms_pb2.InstanceStatus | None) -> float:
@@ -397,10 +399,11 @@ class ViewBuilder:
             running_requests=col["running_requests"],
             measured_decode_step_ms=_readonly(measured),
             max_num_seqs=layout.max_num_seqs,
+            preemptions=col["preemptions"],
         )
 
 
-def _status_row(st: cms_pb2.InstanceStatus | None) -> tuple[int, ...]:
+def _status_row(st: cms_pb2.InstanceStatus | None) -> tuple[float, ...]:
     """One instance's status counters in ``_STATUS`` order (the zero row without a status)."""
     if st is None:
         return _NO_STATUS
@@ -413,6 +416,7 @@ def _status_row(st: cms_pb2.InstanceStatus | None) -> tuple[int, ...]:
         st.num_used_kv_tokens,
         st.num_waiting_requests,
         st.num_running_requests,
+        st.num_preemptions if st.HasField("num_preemptions") else float("nan"),
     )
 
 

@@ -59,6 +59,22 @@ async def test_newer_update_id_replaces_whole_status(store: CmsStore) -> None:
     assert status == make_status("p0", 2, timestamp_ms=2_000, num_running_requests=5)
 
 
+async def test_a_preemption_count_round_trips_and_unreported_differs_from_zero(store: CmsStore) -> None:
+    await store.register(make_metadata("p0"), LONG_TTL)
+    await store.register(make_metadata("p1"), LONG_TTL)
+    await store.report(make_status("p0", 1, num_preemptions=0), LONG_TTL)
+    await store.report(make_status("p1", 1), LONG_TTL)
+    statuses = {r.instance_id: r.status for r in (await store.read_view()).instances}
+    assert statuses["p0"] is not None and statuses["p0"].HasField("num_preemptions")
+    assert statuses["p0"].num_preemptions == 0
+    assert statuses["p1"] is not None and not statuses["p1"].HasField("num_preemptions")
+    # A newer status carries the count on; a heartbeat keeps it.
+    await store.report(make_status("p0", 2, timestamp_ms=2_000, num_preemptions=17), LONG_TTL)
+    await store.report(make_status("p0", 2, timestamp_ms=3_000), LONG_TTL)
+    status = {r.instance_id: r.status for r in (await store.read_view()).instances}["p0"]
+    assert status is not None and status.num_preemptions == 17
+
+
 @pytest.mark.parametrize("update_id", [7, 3], ids=["equal", "older"])
 async def test_not_newer_update_id_is_a_heartbeat(store: CmsStore, update_id: int) -> None:
     await store.register(make_metadata("p0"), LONG_TTL)

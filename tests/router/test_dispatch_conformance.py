@@ -80,11 +80,16 @@ class Source:
 
 
 def setup_of(name: str, ttft_ms: float = 10_000.0, tpot_ms: float = 1000.0, **options: Any) -> DispatchSetup:
-    """The dispatcher ``name``'s setup: a queue policy's, or ``slice`` (``--dispatch-mode slice``)."""
+    """The dispatcher ``name``'s setup: a queue policy's, or ``slice`` (``--dispatch-mode slice``), or
+    ``auto`` over ``edf`` (``--dispatch-mode auto``)."""
     qlm = options.pop("qlm", QlmConfig())
     if name == "slice":
         return DispatchSetup(
             QueueConfig(queue_policy="none", **options), ttft_ms, tpot_ms, qlm, dispatcher=name
+        )
+    if name == "auto":
+        return DispatchSetup(
+            QueueConfig(queue_policy="edf", **options), ttft_ms, tpot_ms, qlm, dispatcher=name
         )
     return DispatchSetup(QueueConfig(queue_policy=name, **options), ttft_ms, tpot_ms, qlm)
 
@@ -245,6 +250,12 @@ def test_sim_driver_keeps_every_token_across_pauses_and_refuses_with_legal_codes
         sliced = simulate_slices(fleet, plans, SliceConfig(slice_tokens=16))
         results, decisions = sliced.results, sliced.figures.slices
         assert sliced.figures.slices > len(plans)
+    elif name == "auto":
+        queue = QueueConfig(queue_policy="edf")
+        outcome = simulate(
+            fleet, policy("slo"), plans, queue=queue, slicing=SliceConfig(slice_tokens=16), dispatch_mode=name
+        )
+        results, decisions = outcome.results, outcome.stats.decisions
     else:
         outcome = simulate(fleet, policy("slo"), plans, queue=QueueConfig(queue_policy=name))
         results, decisions = outcome.results, outcome.stats.decisions

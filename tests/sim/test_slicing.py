@@ -204,18 +204,30 @@ def test_cli_refuses_slices_on_a_pd_fleet(capsys: pytest.CaptureFixture[str]) ->
     assert "neutral" in stderr
 
 
-def test_auto_picks_slices_where_request_dispatch_thrashes_and_requests_elsewhere() -> None:
+def test_auto_moves_to_slices_where_request_dispatch_thrashes_and_stays_elsewhere() -> None:
     from router.core.config import SchedulerConfig
-    from sim.slicing import auto_mode
+    from sim.slicing import simulate_auto
     from sim.sweep import PolicyChoice
 
     policy = PolicyChoice("least-requests", SchedulerConfig(scheduling_policy="least-requests"))
     spec = load_workload("mixed").with_arrival(rate_per_s=4.0)
-    work = list(generate_requests(spec, rng=0, num_requests=120))
+    work = list(generate_requests(spec, rng=0, num_requests=160))
     tight = SimFleet(fleet_from_counts(neutral=4, engine=SimConfig(kv_capacity_tokens=8192)))
     roomy = SimFleet(fleet_from_counts(neutral=4, engine=SimConfig(kv_capacity_tokens=65536)))
-    assert auto_mode(tight, policy, work) == "slice"
-    assert auto_mode(roomy, policy, work) == "request"
+    mode, sliced = simulate_auto(tight, policy, work, SliceConfig())
+    assert mode == "slice"
+    # The requests placed before the switch ran whole; the arrivals after it, in slices.
+    assert 0 < sliced.counters["auto_pilot_requests"] < len(work)
+    assert sliced.figures.slices > 0
+    assert all(
+        r.ok and r.completion_tokens == (p.output_tokens or p.max_tokens)
+        for r, p in zip(sliced.results, work, strict=True)
+    )
+    mode, whole = simulate_auto(roomy, policy, work, SliceConfig())
+    assert mode == "request" and whole.figures.slices == 0
+    # Request dispatch throughout: the very run --dispatch-modes request makes.
+    plain = sim.cluster.simulate(roomy, policy.config, work)
+    assert [r.e2e_ms for r in whole.results] == [r.e2e_ms for r in plain.results]
 
 
 @pytest.mark.parametrize("tight", [False, True])

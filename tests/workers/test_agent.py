@@ -311,3 +311,24 @@ async def test_status_carries_the_engines_prefix_cache_hit_rate() -> None:
     finally:
         await agent.stop()
         await engine.stop()
+
+
+async def test_status_carries_the_engines_preemption_count_and_leaves_it_unset_when_unknown() -> None:
+    from engine.interface import EngineLoad
+    from workers.agent import build_status
+
+    counted = build_status("n0", EngineLoad(num_preemptions=5), update_id=1, timestamp_ms=1)
+    assert counted.HasField("num_preemptions") and counted.num_preemptions == 5
+    unknown = build_status("n0", EngineLoad(), update_id=1, timestamp_ms=1)
+    assert not unknown.HasField("num_preemptions")
+    # The sim engine counts them: its first status says 0, not "unknown".
+    engine = make_engine(speed_factor=20.0)
+    await engine.start()
+    sink = RecordingSink()
+    agent = await _agent(engine, sink, coalesce_s=0.005)
+    try:
+        await wait_for(lambda: len(sink.statuses) == 1)
+        assert sink.statuses[0].HasField("num_preemptions") and sink.statuses[0].num_preemptions == 0
+    finally:
+        await agent.stop()
+        await engine.stop()

@@ -132,7 +132,8 @@ def test_windows_are_bounded_and_steps_without_details_are_not_samples() -> None
 
 def test_loads_compare_equal_only_when_nothing_changed() -> None:
     book = make_book()
-    assert book.load(schedulable=True) == EngineLoad(schedulable=True)
+    # (vLLM's wrapper counts preemptions from its start: 0, where the default says "not counted".)
+    assert book.load(schedulable=True) == EngineLoad(schedulable=True, num_preemptions=0)
     book.admit("a", 5)
     assert book.load(schedulable=True) != EngineLoad(schedulable=True)
 
@@ -157,6 +158,22 @@ def test_step_stats_read_vllm_shaped_objects() -> None:
     assert (
         step_stats_from_vllm(Scheduler(iteration_details=Details(is_dummy=True))).num_prefill_tokens is None
     )
+
+
+def test_the_book_counts_vllms_preemptions_from_its_iteration_stats() -> None:
+    from workers.vllm_engine import preempted_requests
+
+    @dataclasses.dataclass
+    class Iteration:
+        num_preempted_reqs: int = 2
+
+    assert preempted_requests(Iteration()) == 2
+    assert preempted_requests(None) == 0  # a step without iteration statistics
+    book = LoadBook()
+    assert book.load(schedulable=True).num_preemptions == 0  # counted from the start: 0, not unknown
+    book.on_preempted(preempted_requests(Iteration()))
+    book.on_preempted(preempted_requests(Iteration(1)))
+    assert book.load(schedulable=True).num_preemptions == 3
 
 
 # ---------------------------------------------------------------------- kv handle

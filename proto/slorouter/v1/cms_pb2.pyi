@@ -177,6 +177,7 @@ class InstanceStatus(_message.Message):
     UNSCHEDULABLE_REASON_FIELD_NUMBER: _builtins.int
     EPOCH_FIELD_NUMBER: _builtins.int
     CACHE_HIT_RATE_FIELD_NUMBER: _builtins.int
+    NUM_PREEMPTIONS_FIELD_NUMBER: _builtins.int
     instance_id: _builtins.str
     update_id: _builtins.int
     """Increases with every real change; an equal or older id is a heartbeat.
@@ -211,6 +212,12 @@ class InstanceStatus(_message.Message):
     0 without prefix caching, before any lookup, or from an engine that does
     not say.
     """
+    num_preemptions: _builtins.int
+    """Requests the engine preempted (its KV ran out: the request's KV freed and
+    recomputed later) since the engine started; cumulative, never decreasing
+    within a registration. Unset (not 0) from an engine that does not say
+    (vLLM's own gRPC GetLoads carries no such count).
+    """
     @_builtins.property
     def admitted_request_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Requests the engine admitted recently (for in-flight reconciliation)."""
@@ -235,12 +242,15 @@ class InstanceStatus(_message.Message):
         unschedulable_reason: _builtins.str = ...,
         epoch: _builtins.int = ...,
         cache_hit_rate: _builtins.float = ...,
+        num_preemptions: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_num_preemptions", b"_num_preemptions", "num_preemptions", b"num_preemptions"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["admitted_request_ids", b"admitted_request_ids", "cache_hit_rate", b"cache_hit_rate", "epoch", b"epoch", "instance_id", b"instance_id", "num_decode_requests", b"num_decode_requests", "num_decode_tokens", b"num_decode_tokens", "num_running_requests", b"num_running_requests", "num_uncomputed_prefill_tokens", b"num_uncomputed_prefill_tokens", "num_used_kv_tokens", b"num_used_kv_tokens", "num_waiting_requests", b"num_waiting_requests", "schedulable", b"schedulable", "step_samples", b"step_samples", "timestamp_ms", b"timestamp_ms", "unschedulable_reason", b"unschedulable_reason", "update_id", b"update_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_num_preemptions", b"_num_preemptions", "admitted_request_ids", b"admitted_request_ids", "cache_hit_rate", b"cache_hit_rate", "epoch", b"epoch", "instance_id", b"instance_id", "num_decode_requests", b"num_decode_requests", "num_decode_tokens", b"num_decode_tokens", "num_preemptions", b"num_preemptions", "num_running_requests", b"num_running_requests", "num_uncomputed_prefill_tokens", b"num_uncomputed_prefill_tokens", "num_used_kv_tokens", b"num_used_kv_tokens", "num_waiting_requests", b"num_waiting_requests", "schedulable", b"schedulable", "step_samples", b"step_samples", "timestamp_ms", b"timestamp_ms", "unschedulable_reason", b"unschedulable_reason", "update_id", b"update_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__num_preemptions: _TypeAlias = _typing.Literal["num_preemptions"]  # noqa: Y015
+    _WhichOneofArgType__num_preemptions: _TypeAlias = _typing.Literal["_num_preemptions", b"_num_preemptions"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__num_preemptions) -> _WhichOneofReturnType__num_preemptions | None: ...
 
 Global___InstanceStatus: _TypeAlias = InstanceStatus  # noqa: Y015
 

@@ -43,6 +43,23 @@ def test_table_columns_follow_snapshot_order() -> None:
         table.uncomputed_prefill_tokens[0] = 1  # columns are read-only
 
 
+def test_the_preemption_column_is_the_status_count_and_nan_where_none_is_reported() -> None:
+    counted, unreported = inst("a", "neutral"), inst("b", "neutral")
+    assert counted.status is not None
+    counted.status.num_preemptions = 7
+    snap = make_snapshot(counted, unreported, inst("c", "neutral", status=False))
+    builder = ViewBuilder(default_max_num_batched_tokens=1024)
+    table = builder.table(snap)
+    assert table.preemptions is not None
+    assert table.preemptions[0] == 7 and math.isnan(table.preemptions[1]) and math.isnan(table.preemptions[2])
+    # Rebuilt incrementally (only the changed status read again): the same column.
+    zero = inst("b", "neutral", update_id=2)
+    assert zero.status is not None
+    zero.status.num_preemptions = 0
+    again = builder.table(make_snapshot(counted, zero, snap.instances[2]))
+    assert again.preemptions is not None and again.preemptions[:2].tolist() == [7, 0]
+
+
 def test_table_is_cached_per_snapshot_object_and_ages_grow_with_now() -> None:
     snap = make_snapshot(inst("a", age_s=0.5), taken_at_s=100.0)
     builder = ViewBuilder()

@@ -134,6 +134,7 @@ async def live_results(
         neutral=2,
         queue=queue,
         slice_config=slicing,
+        dispatch_mode="auto" if name == "auto" else "",
         engine_overrides={"speed_factor": SPEED},
         scheduler_overrides={"calibration": "off"},
     ) as cluster:
@@ -210,6 +211,12 @@ async def test_simulator_and_live_router_agree(name: str) -> None:
         queue = QueueConfig()
         slicing = SliceConfig()
         simulated = simulate_slices(fleet, workload, slicing).results
+    elif name == "auto":  # --dispatch-mode auto: its pilot outlasts this workload, so edf throughout
+        queue = QueueConfig()
+        slicing = SliceConfig()
+        simulated = simulate(
+            fleet, config, workload, queue=queue, slicing=slicing, dispatch_mode=name
+        ).results
     else:
         queue = QueueConfig(queue_policy=name)
         simulated = simulate(fleet, config, workload, queue=queue).results

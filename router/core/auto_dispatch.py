@@ -1,0 +1,271 @@
+"""``auto``: request dispatch until a pilot shows that slices pay, then slice dispatch (seed 002).
+
+On continuous-batching engines slice dispatch beats request dispatch where the
+KV does not hold the load: there request dispatch makes the engines preempt
+(and recompute whole requests), while slices keep a KV plan that holds
+(:func:`router.core.slicing.slices_pay`, measured in ``docs/papers.md``).
+Whether a fleet is on that side is seen only by running it, so :class:`Auto`
+composes two dispatchers behind the one contract:
+
+- It starts with *request dispatch*: the dispatcher the queue policy names
+  (``--queue-policy``), exactly as ``--dispatch-mode request`` runs it.
+- Its *pilot* is the first :data:`AUTO_PILOT_REQUESTS` requests it dispatched.
+  At the first arrival (before any dispatch) it reads each instance's
+  cumulative preemption count from the view (the instance status's
+  ``num_preemptions``, :attr:`router.core.columns.InstanceTable.preemptions`);
+  when the pilot's requests have all ended, or :data:`AUTO_PILOT_TIMEOUT_S`
+  after the pilot began, it reads them again and applies ``slices_pay`` to the
+  preemptions in between and the requests dispatched in between (the pilot's and
+  any dispatched after it while it ran).
+- If slices pay, every later arrival goes to the ``slice`` dispatcher
+  (:mod:`router.core.slice_dispatch`). Requests already placed or waiting with
+  request dispatch stay with it and finish where they are: every event about a
+  request goes to the dispatcher that took its arrival; view changes and timers
+  go to both.
+- If no instance reports a preemption count (an engine that does not count
+  them, e.g. vLLM's own gRPC server behind ``slo-router agent``), it stays on
+  request dispatch and logs once why.
+
+The choice is made once per router and kept (:attr:`Auto.mode`); the router
+exports it as ``slo_router_dispatch_mode{mode}``. Only neutral instances take
+slices, as with ``--dispatch-mode slice``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import math
+from collections.abc import Iterable
+
+import numpy as np
+
+from fleet.snapshot import ClusterSnapshot
+from router.core.dispatch import (
+    DISPATCHERS,
+    Action,
+    Arrival,
+    Cancel,
+    Completion,
+    Dispatcher,
+    DispatchSetup,
+    Event,
+    Fleet,
+    Outcome,
+    Paused,
+    Preempted,
+    Timer,
+    ViewChanged,
+    make_dispatcher,
+)
+from router.core.errors import RouterError, SchedulingError
+from router.core.queue import RouterQueue
+from router.core.registry import Params
+from router.core.slicing import slices_pay
+
+logger = logging.getLogger(__name__)
+
+#: Requests of the pilot ``auto`` decides from (the first it dispatched).
+AUTO_PILOT_REQUESTS = 100
+#: Longest a pilot runs (s) before ``auto`` decides from what it counted so far.
+AUTO_PILOT_TIMEOUT_S = 120.0
+
+REQUEST = "request"
+SLICE = "slice"
+
+
+class Auto:
+    """``auto`` (see the module doc)."""
+
+    name = "auto"
+    waits = True
+
+    def __init__(
+        self,
+        setup: DispatchSetup,
+        *,
+        pilot_requests: int = AUTO_PILOT_REQUESTS,
+        pilot_timeout_s: float = AUTO_PILOT_TIMEOUT_S,
+    ) -> None:
+        if pilot_requests < 1:
+            raise ValueError(f"pilot_requests: must be >= 1, got {pilot_requests}")
+        if not (math.isfinite(pilot_timeout_s) and pilot_timeout_s > 0):
+            raise ValueError(f"pilot_timeout_s: must be a finite number > 0, got {pilot_timeout_s}")
+        self.request = make_dispatcher(dataclasses.replace(setup, dispatcher=""))
+        self.slice = make_dispatcher(dataclasses.replace(setup, dispatcher=SLICE))
+        #: As the dispatcher that takes the arrivals (the driver reads it per arrival).
+        self.coalesce_arrivals = self.request.coalesce_arrivals
+        self.pilot_requests = pilot_requests
+        self.pilot_timeout_s = pilot_timeout_s
+        #: The dispatch mode new arrivals get: ``request`` until the pilot decides, then the choice.
+        self.mode = REQUEST
+        #: Whether the pilot has decided (the mode is then kept).
+        self.decided = False
+        #: Why the pilot decided as it did (for the log and reports).
+        self.reason = ""
+        #: The dispatcher that took each request's arrival (every event about it goes there).
+        self._owner: dict[str, Dispatcher] = {}
+        #: The pilot: its start (s), the preemption counts then (instance id -> count), its requests
+        #: still running, and the requests dispatched since it began.
+        self._pilot_start: float | None = None
+        self._baseline: dict[str, float] = {}
+        self._pilot: set[str] = set()
+        self._pilot_dispatched = 0
+        #: While the pilot runs: the requests dispatched since it began (a resumed one counts once).
+        self._seen: set[str] = set()
+        #: Counted by the pilot, for reports: preemptions and requests it judged.
+        self.pilot_preemptions = 0
+        self.pilot_judged = 0
+
+    # ------------------------------------------------------------------ the contract
+
+    def __len__(self) -> int:
+        return len(self.request) + len(self.slice)
+
+    def wake_s(self) -> float | None:
+        wakes = [w for w in (self.request.wake_s(), self.slice.wake_s()) if w is not None]
+        return min(wakes) if wakes else None
+
+    def refuse_all(self, error: RouterError) -> list[Action]:
+        out = self.request.refuse_all(error) + self.slice.refuse_all(error)
+        for action in out:
+            self._owner.pop(action.request_id, None)
+        return out
+
+    def shed_limit_ms(self, now: float) -> float | None:
+        return self.request.shed_limit_ms(now)
+
+    def dry_run_queue(self) -> RouterQueue | None:
+        return self.request.dry_run_queue()
+
+    def counters(self) -> dict[str, int]:
+        out = dict(self.request.counters())
+        out.update(self.slice.counters())
+        out["auto_slice"] = int(self.mode == SLICE)
+        out["auto_pilot_preemptions"] = self.pilot_preemptions
+        out["auto_pilot_requests"] = self.pilot_judged
+        return out
+
+    def warm(self, now: float, fleet: Fleet) -> None:
+        """The request dispatcher's warm-up, while it takes the arrivals (see :class:`router.admission.Admission`)."""
+        warm = getattr(self.request, "warm", None)
+        if warm is not None and self.mode == REQUEST:
+            warm(now, fleet)
+
+    def handle(self, event: Event, now: float, fleet: Fleet) -> Iterable[Action]:
+        if isinstance(event, Arrival):
+            if self._pilot_start is None:
+                self._begin_pilot(now, fleet)
+            elif not self.decided:
+                self._judge(now, fleet, ended=now - self._pilot_start >= self.pilot_timeout_s)
+            dispatcher = self._current()
+            self._owner[event.request.request_id] = dispatcher
+            return self._watch(dispatcher.handle(event, now, fleet))
+        if isinstance(event, Timer):
+            # Only to a dispatcher that asked for this moment (a schedule point of an idle slice
+            # dispatcher would read the fleet for nothing).
+            due = [d for d in (self.request, self.slice) if (w := d.wake_s()) is not None and w <= now]
+            return self._watch(itertools.chain.from_iterable(d.handle(event, now, fleet) for d in due))
+        if isinstance(event, (ViewChanged, Preempted)):
+            return self._watch(
+                itertools.chain(self.request.handle(event, now, fleet), self.slice.handle(event, now, fleet))
+            )
+        if isinstance(event, Completion):
+            owner = self._owner.pop(event.request_id, None)
+            out = owner.handle(event, now, fleet) if owner is not None else []
+            if not self.decided and self._pilot_start is not None:
+                self._pilot.discard(event.request_id)
+                ended = not self._pilot and self._pilot_dispatched >= self.pilot_requests
+                self._judge(now, fleet, ended=ended or now - self._pilot_start >= self.pilot_timeout_s)
+            return self._watch(out)
+        if isinstance(event, (Paused, Cancel)):
+            owner = self._owner.get(event.request_id)
+            return self._watch(owner.handle(event, now, fleet)) if owner is not None else []
+        # Served: to the dispatcher that took the request (or request dispatch's, which sheds by it).
+        return self._watch(self._owner.get(event.request_id, self.request).handle(event, now, fleet))
+
+    # ------------------------------------------------------------------ the pilot
+
+    def _current(self) -> Dispatcher:
+        return self.slice if self.mode == SLICE else self.request
+
+    def _watch(self, actions: Iterable[Action]) -> Iterable[Action]:
+        """Pass ``actions`` on as they come, noting the pilot's dispatches and the requests that left."""
+        for action in actions:
+            outcome = action.outcome
+            rid = action.request_id
+            if outcome is Outcome.DISPATCH:
+                if not self.decided and rid not in self._seen:
+                    self._seen.add(rid)
+                    if self._pilot_dispatched < self.pilot_requests:
+                        self._pilot_dispatched += 1
+                        self._pilot.add(rid)
+            elif outcome in (Outcome.REFUSE, Outcome.LEFT):
+                self._owner.pop(rid, None)
+                self._pilot.discard(rid)
+            yield action
+
+    def _begin_pilot(self, now: float, fleet: Fleet) -> None:
+        self._pilot_start = now
+        self._baseline = self._counts(now, fleet) or {}
+
+    def _counts(self, now: float, fleet: Fleet) -> dict[str, float] | None:
+        """Each instance's cumulative preemption count as its status reports it (None: none reports one)."""
+        try:
+            source = fleet.view()
+            view = fleet.scheduler.view(source, now) if isinstance(source, ClusterSnapshot) else source
+        except SchedulingError:
+            return None
+        table = view.instances
+        column = table.preemptions
+        if column is None:
+            return None
+        reported = np.flatnonzero(np.isfinite(column)).tolist()
+        if not reported:
+            return None
+        return {table.ids[k]: float(column[k]) for k in reported}
+
+    def _judge(self, now: float, fleet: Fleet, *, ended: bool) -> None:
+        """Switch to slices as soon as the preemptions since the pilot began pay for them; once the
+        pilot ``ended`` (its requests all ended, or its time ran out), decide either way."""
+        counts = self._counts(now, fleet)
+        requests = max(self.pilot_requests, len(self._seen))
+        if counts is None:
+            if ended:
+                self._decide(REQUEST, 0, len(self._seen))
+                self.reason = (
+                    "no instance reports a preemption count (its engine does not count them): "
+                    "staying on request dispatch"
+                )
+                logger.warning("--dispatch-mode auto: %s", self.reason)
+            return
+        preempted = 0.0
+        for instance, count in counts.items():
+            before = self._baseline.get(instance, 0.0)
+            # A count below the one the pilot began with: the engine restarted (its count began again).
+            preempted += count - before if count >= before else count
+        pays = slices_pay(int(preempted), requests)
+        if not (pays or ended):
+            return
+        self._decide(SLICE if pays else REQUEST, int(preempted), len(self._seen))
+        self.reason = (
+            f"the engines preempted {self.pilot_preemptions} times while {self.pilot_judged} requests were "
+            f"dispatched ({'at least' if pays else 'under'} one per ten of at least {self.pilot_requests} "
+            f"requests): {self.mode} dispatch from now on"
+        )
+        logger.info("--dispatch-mode auto: %s", self.reason)
+
+    def _decide(self, mode: str, preemptions: int, requests: int) -> None:
+        self.decided = True
+        self.mode = mode
+        self.coalesce_arrivals = self._current().coalesce_arrivals
+        self.pilot_preemptions = preemptions
+        self.pilot_judged = requests
+        self._seen = set()
+        self._pilot = set()
+
+
+@DISPATCHERS.register("auto")
+def _auto(setup: DispatchSetup, params: Params) -> Auto:
+    return Auto(setup)

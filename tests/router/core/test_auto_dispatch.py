@@ -1,0 +1,165 @@
+"""``auto`` (:mod:`router.core.auto_dispatch`): request dispatch, a pilot over the engines'
+preemption counts, then slices for new arrivals where they pay; events follow their request."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from fleet.snapshot import ClusterSnapshot
+from router.core.auto_dispatch import Auto
+from router.core.dispatch import (
+    DISPATCHERS,
+    Action,
+    Arrival,
+    Cancel,
+    Completion,
+    DispatchSetup,
+    Outcome,
+    Timer,
+    make_dispatcher,
+)
+from router.core.queue import QueueConfig
+from router.core.request import ScheduleInput
+from router.core.slicing import SliceConfig
+from tests.router.core.helpers import inst, make_snapshot
+from tests.router.core.test_slice_dispatch import Engines
+
+NOW = 100.0
+
+
+def fleet_with(counts: dict[str, int | None]) -> ClusterSnapshot:
+    """Neutral instances whose statuses carry these cumulative preemption counts (None: not reported)."""
+    records = []
+    for instance, count in counts.items():
+        record = inst(instance, "neutral")
+        assert record.status is not None
+        if count is not None:
+            record.status.num_preemptions = count
+        records.append(record)
+    return make_snapshot(*records)
+
+
+def auto(pilot: int = 10, *, queue_policy: str = "none", timeout_s: float = 120.0) -> Auto:
+    setup = DispatchSetup(
+        QueueConfig(queue_policy=queue_policy), 10_000.0, 1000.0, slicing=SliceConfig(), dispatcher="auto"
+    )
+    return Auto(setup, pilot_requests=pilot, pilot_timeout_s=timeout_s)
+
+
+def request(rid: str) -> ScheduleInput:
+    return ScheduleInput(rid, 256, ttft_slo_ms=60_000.0, tpot_slo_ms=1000.0, max_tokens=64, arrival_s=NOW)
+
+
+def arrive(d: Auto, fleet: Engines, rid: str, now: float = NOW) -> list[Action]:
+    return list(d.handle(Arrival(request(rid), rid), now, fleet))
+
+
+def pilot(d: Auto, fleet: Engines, n: int) -> None:
+    """``n`` arrivals, each placed at once, whole, by request dispatch."""
+    for k in range(n):
+        *_, action = arrive(d, fleet, f"r{k}")
+        assert action.outcome is Outcome.DISPATCH and action.cap == 0 and action.request_id == f"r{k}"
+
+
+def test_registered_and_built_from_the_flag() -> None:
+    assert "auto" in DISPATCHERS.names()
+    setup = DispatchSetup(QueueConfig(queue_policy="edf"), 10_000.0, 1000.0, dispatcher="auto")
+    d = make_dispatcher(setup)
+    assert isinstance(d, Auto) and d.mode == "request" and d.request.name == "edf"
+
+
+def test_stays_on_request_dispatch_where_the_engines_rarely_preempt() -> None:
+    # 4 preemptions before the pilot (not counted), then 0 over 10 requests: the KV holds.
+    fleet = Engines(fleet_with({"n0": 4, "n1": 0}))
+    d = auto(10)
+    pilot(d, fleet, 10)
+    for k in range(10):
+        list(d.handle(Completion(f"r{k}", 64), NOW + 1 + k, fleet))
+    assert d.decided and d.mode == "request"
+    assert d.counters()["auto_pilot_preemptions"] == 0
+    (action,) = arrive(d, fleet, "late", NOW + 20)
+    assert action.outcome is Outcome.DISPATCH and action.cap == 0  # a whole request
+
+
+def test_a_preemption_short_of_one_per_ten_does_not_switch() -> None:
+    fleet = Engines(fleet_with({"n0": 0, "n1": 0}))
+    d = auto(20)
+    pilot(d, fleet, 20)
+    fleet.current = fleet_with({"n0": 1, "n1": 0})  # 1 over 20 requests
+    for k in range(20):
+        list(d.handle(Completion(f"r{k}", 64), NOW + 1, fleet))
+    assert d.decided and d.mode == "request" and d.pilot_preemptions == 1
+
+
+def test_switches_to_slices_once_the_engines_preempt_once_per_ten_requests() -> None:
+    fleet = Engines(fleet_with({"n0": 7, "n1": 0}))
+    d = auto(10)
+    pilot(d, fleet, 10)
+    assert not d.decided
+    fleet.current = fleet_with({"n0": 7, "n1": 1})  # one preemption over 10 requests dispatched
+    list(d.handle(Completion("r0", 64), NOW + 1, fleet))
+    # Decided at once (the other nine still run): the count only grows.
+    assert d.decided and d.mode == "slice" and d.pilot_preemptions == 1
+    assert d.counters()["auto_slice"] == 1
+    (queued,) = arrive(d, fleet, "s0", NOW + 2)
+    assert queued.outcome is Outcome.QUEUED  # the slice pool: placed at the next schedule point
+    wake = d.wake_s()
+    assert wake is not None
+    placed = list(d.handle(Timer(), max(wake, NOW + 2), fleet))
+    assert [(a.request_id, a.outcome) for a in placed] == [("s0", Outcome.DISPATCH)]
+    assert placed[0].cap > 0  # a slice: capped (here at its whole answer, 64 tokens)
+
+
+def test_events_go_to_the_dispatcher_that_took_the_request() -> None:
+    fleet = Engines(fleet_with({"n0": 0, "n1": 0}))
+    d = auto(10, queue_policy="edf")
+    pilot(d, fleet, 10)
+    fleet.current = fleet_with({"n0": 3, "n1": 0})
+    list(d.handle(Completion("r0", 64), NOW + 1, fleet))
+    assert d.mode == "slice"
+    arrive(d, fleet, "s0", NOW + 2)
+    assert len(d.slice) == 1 and len(d.request) == 0
+    # A request placed by request dispatch ends there: nothing reaches the slice dispatcher.
+    assert list(d.handle(Completion("r1", 64), NOW + 3, fleet)) == []
+    assert "r1" not in d._owner and len(d.slice) == 1
+    # The waiting slice's cancel goes to the slice dispatcher, which lets it leave.
+    (left,) = d.handle(Cancel("s0"), NOW + 4, fleet)
+    assert left.outcome is Outcome.LEFT and left.request_id == "s0"
+    assert len(d) == 0 and "s0" not in d._owner
+
+
+def test_stays_on_request_dispatch_and_says_why_where_the_engines_do_not_count_preemptions(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    fleet = Engines(fleet_with({"n0": None, "n1": None}))
+    d = auto(10)
+    pilot(d, fleet, 10)
+    with caplog.at_level(logging.WARNING, logger="router.core.auto_dispatch"):
+        for k in range(10):
+            list(d.handle(Completion(f"r{k}", 64), NOW + 1, fleet))
+        arrive(d, fleet, "late", NOW + 2)
+        list(d.handle(Completion("late", 64), NOW + 3, fleet))
+    assert d.decided and d.mode == "request"
+    assert "preemption count" in d.reason
+    assert [r.levelno for r in caplog.records] == [logging.WARNING]  # once
+
+
+def test_a_pilot_that_outlasts_its_time_decides_on_what_it_counted() -> None:
+    fleet = Engines(fleet_with({"n0": 0, "n1": 0}))
+    d = auto(10, timeout_s=5.0)
+    pilot(d, fleet, 3)
+    assert not d.decided
+    (action,) = arrive(d, fleet, "after", NOW + 6)
+    assert d.decided and d.mode == "request"
+    assert action.outcome is Outcome.DISPATCH and action.cap == 0
+
+
+def test_an_engine_restart_counts_from_its_new_start() -> None:
+    fleet = Engines(fleet_with({"n0": 50, "n1": 0}))
+    d = auto(10)
+    pilot(d, fleet, 10)
+    fleet.current = fleet_with({"n0": 2, "n1": 0})  # n0 restarted: 2 since then
+    list(d.handle(Completion("r0", 64), NOW + 1, fleet))
+    assert d.decided and d.mode == "slice" and d.pilot_preemptions == 2
