@@ -232,9 +232,10 @@ def register(subparsers: Any) -> None:
     sweep = parser.add_argument_group("sweep")
     sweep.add_argument(
         "--calibrations",
-        default="refit",
+        default=None,
         metavar="C1,C2,...",
-        help="online calibration modes to compare: off, scale, refit (default: %(default)s)",
+        help="online calibration modes to compare: off, scale, refit (default: refit; --dispatch-modes "
+        "runs refit and takes no --calibrations)",
     )
     sweep.add_argument(
         "--warmup-requests",
@@ -260,12 +261,13 @@ def register(subparsers: Any) -> None:
     )
     sweep.add_argument(
         "--queue-policies",
-        default=DEFAULT_QUEUE_POLICIES,
+        default=None,
         metavar="Q1,Q2,...",
         help="router queue policies to compare with each policy: none (refuse at once), fcfs, edf, priority, "
         "sa (bursts of mixed-SLO work on engines of 1-2 sequences), qlm (e2e deadlines in overload; "
         "neutral fleets) "
-        "(default: %(default)s)",
+        f"(default: {DEFAULT_QUEUE_POLICIES}; --dispatch-modes runs request dispatch without a router queue, "
+        "as engines behind a balancer, and takes no --queue-policies)",
     )
     sweep.add_argument(
         "--rates",
@@ -494,7 +496,20 @@ def run(args: argparse.Namespace) -> int:
     try:
         workload, trace, rates = load_source(args)
         policies = parse_policies(args.policies, args)
-        queues = parse_queue_policies(args.queue_policies, args)
+        if args.dispatch_modes is not None:
+            # Request dispatch there runs each policy without a router queue and with the router's
+            # default calibration (sim.slicing): say so rather than run without what the flag asked for.
+            for flag, given in (
+                ("--queue-policies", args.queue_policies),
+                ("--calibrations", args.calibrations),
+            ):
+                if given is not None:
+                    raise ValueError(
+                        f"{flag} is not used with --dispatch-modes (request dispatch there runs each policy "
+                        "without a router queue, as engines behind a balancer, with the router's default "
+                        "calibration, refit); compare it in a run without --dispatch-modes"
+                    )
+        queues = parse_queue_policies(args.queue_policies or DEFAULT_QUEUE_POLICIES, args)
         if spec.disaggregated and any(q.queue_policy == "qlm" for q in queues):
             # The router refuses every request UNAVAILABLE on such a fleet; say it before any run.
             raise ValueError(
@@ -504,7 +519,7 @@ def run(args: argparse.Namespace) -> int:
         qlm = parse_qlm(args)
         if args.num_requests < 1:
             raise ValueError(f"--num-requests must be >= 1, got {args.num_requests}")
-        calibrations = parse_calibrations(args.calibrations)
+        calibrations = parse_calibrations(args.calibrations or "refit")
         if not 0 <= args.warmup_requests < args.num_requests:
             raise ValueError(f"--warmup-requests must be in [0, --num-requests), got {args.warmup_requests}")
         if not 0 <= args.measure_from < args.num_requests:

@@ -185,6 +185,9 @@ def test_cli_one_batch_at_a_time(tmp_path: Path, capsys: pytest.CaptureFixture[s
         (("--dispatch-modes", "request,sliced"), "--dispatch-modes request,sliced: 'sliced'"),
         (("--dispatch-modes", "slice", "--slice-tokens", "0"), "--slice-tokens"),
         (("--dispatch-modes", "slice", "--slice-interval-ms", "-5"), "--slice-interval-ms"),
+        # Request dispatch there runs without a router queue: a queue asked for is not dropped silently.
+        (("--dispatch-modes", "request,slice", "--queue-policies", "edf"), "--queue-policies is not used"),
+        (("--dispatch-modes", "request", "--calibrations", "off"), "--calibrations is not used"),
     ],
 )
 def test_cli_names_the_bad_flag(
