@@ -31,9 +31,17 @@ from router.core.sa import (
     full_batches,
     jobs_for,
     modeled_clock,
+    modeled_evaluation_s,
     pool_closes,
 )
 from tests.router.core.helpers import NOW, inst, make_predictor, make_request, make_scheduler, make_snapshot
+
+
+def planner_of(config: QueueConfig) -> SAPlanner:
+    """A planner whose time budget runs on the simulator's modeled clock: what a test's plan comes out
+    as does not depend on how busy the machine is (on the wall clock a preempted run is cut short)."""
+    return SAPlanner(config, modeled_evaluation_s=modeled_evaluation_s)
+
 
 PREDICTOR = make_predictor()
 
@@ -464,7 +472,7 @@ def test_a_lost_request_waits_for_its_refusal_behind_one_still_on_time() -> None
     # at its refusal (17 s of latency, against 10 + 5 of its own and 5 more for the digest), the digest
     # starts now.
     config = QueueConfig(queue_policy="sa", sa_max_batch=1)
-    queue = RouterQueue(config, 1000.0, 50.0, SAPlanner(config))
+    queue = RouterQueue(config, 1000.0, 50.0, planner_of(config))
     arrived = NOW - 10.0
     queue.push(make_request("compose", 200, arrival_s=arrived, e2e_slo_ms=7000.0, max_tokens=400), arrived)
     queue.push(make_request("digest", 2000, arrival_s=arrived, e2e_slo_ms=60000.0, max_tokens=1000), arrived)
@@ -750,7 +758,7 @@ def test_a_planned_request_the_instance_refuses_now_passes_its_slot_to_the_next_
     # (as the residents' TPOT filter refuses a long prompt on a full engine batch), the free slot goes
     # to the next request of the order rather than staying idle until the head can start.
     config = QueueConfig(queue_policy="sa", sa_max_batch=1)
-    queue = RouterQueue(config, 1000.0, 50.0, SAPlanner(config))
+    queue = RouterQueue(config, 1000.0, 50.0, planner_of(config))
     for rid in ("a", "b", "c"):
         queue.push(make_request(rid, arrival_s=NOW - 1.0, ttft_slo_ms=2000.0, tpot_slo_ms=50.0), NOW - 1.0)
     scheduler = make_scheduler()
@@ -775,7 +783,7 @@ def test_on_a_large_batch_engine_a_request_its_instance_refuses_goes_where_anoth
     # is refused by the instance the deal gave it (its residents' TPOT) and goes to the other instance,
     # which has room, instead of waiting in the router.
     config = QueueConfig(queue_policy="sa")
-    queue = RouterQueue(config, 1000.0, 50.0, SAPlanner(config))
+    queue = RouterQueue(config, 1000.0, 50.0, planner_of(config))
     for rid in ("a", "b"):
         queue.push(make_request(rid, arrival_s=NOW - 1.0, ttft_slo_ms=2000.0, tpot_slo_ms=50.0), NOW - 1.0)
     scheduler = make_scheduler()
@@ -828,7 +836,7 @@ def _policies_asked_beside(resident_e2e_only: bool) -> list[Any]:
     scheduler = make_scheduler()
     snapshot = make_snapshot(inst("n0"))
     config = QueueConfig(queue_policy="sa", sa_max_batch=2)
-    planner = SAPlanner(config)
+    planner = planner_of(config)
     planner.running["n0"] = {"x": _Released("resident", 300.0, resident_e2e_only)}
     planner._where["x"] = "n0"
     queue = RouterQueue(config, 1000.0, 50.0, planner)
