@@ -70,8 +70,9 @@ def _qlm_cells(outs: list[Any]) -> str:
     def one(f: dict[str, float]) -> str:
         return f"{f['attain']:.1f} % · {f['tput']:.2f} · {f['preempt']:.0f}"
 
+    evicted = f" ({qlm['evicted']:.0f} evicted)" if qlm["evicted"] else ""
     return (
-        f"{one(fcfs)} | {one(edf)} | {one(qlm)} | {qlm['attain'] - edf['attain']:+.1f} points, "
+        f"{one(fcfs)} | {one(edf)} | {one(qlm)}{evicted} | {qlm['attain'] - edf['attain']:+.1f} points, "
         f"{qlm['tput'] / edf['tput']:.2f}× throughput"
     )
 
