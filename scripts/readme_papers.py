@@ -1,12 +1,12 @@
-"""Regenerate the README's four seed-paper tables: where each mechanism wins and loses.
+"""Regenerate the four seed-paper tables of docs/seed-papers.md: where each mechanism wins and loses.
 
     .venv/bin/python scripts/readme_papers.py [--papers sa,qlm,binpack,slice] [--jobs 2]
 
-Runs every row's command as the README prints it (``python -m sim.papers`` for the two queue
+Runs every row's command as the page prints it (``python -m sim.papers`` for the two queue
 policies, ``slo-router simulate`` for packing and slices) and prints each paper's table in the
-README's Markdown form, the commands above it. Everything runs in virtual time, so the figures
+page's Markdown form, the commands above it. Everything runs in virtual time, so the figures
 are the same on any machine; only the wall time (printed per command) depends on it. Paste the
-output over the README's tables when the code changes them, and say in the commit what moved.
+output over that page's tables when the code changes them, and say in the commit what moved.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ class Paper:
     """A paper's table: its command, its rows and how a run's output becomes the row's cells."""
 
     name: str
-    #: The commands each row's arguments go to, as the README prints them; the cells get their outputs.
+    #: The commands each row's arguments go to, as the page prints them; the cells get their outputs.
     commands: tuple[str, ...]
     head: str
     rows: tuple[Row, ...]
