@@ -88,7 +88,6 @@ class DecisionContext:
         "_metrics",
         "_values",
         "max_status_age_s",
-        "pace_waived",
         "predictors",
         "prefix",
         "prompt_tokens",
@@ -112,7 +111,6 @@ class DecisionContext:
         tpot_slo_ms: float,
         max_status_age_s: float,
         prefix: PrefixSource | None = None,
-        pace_waived: bool = False,
     ) -> None:
         self.view = view
         self.request = request
@@ -124,9 +122,6 @@ class DecisionContext:
         self.ttft_slo_ms = ttft_slo_ms
         self.tpot_slo_ms = tpot_slo_ms
         self.max_status_age_s = max_status_age_s
-        #: The router queue offered the request without the hold of its own deadline's pace
-        #: (:attr:`~router.core.request.Targets.pace_waived`).
-        self.pace_waived = pace_waived
         self.reserves = NO_RESERVES
         #: What the router knows of the instances' prefix caches (None: prompts are charged in full).
         self.prefix = prefix

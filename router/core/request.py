@@ -204,27 +204,14 @@ class Targets:
     e2e_ms: float
     #: The whole TTFT target, before subtracting the time already spent (ms).
     full_ttft_ms: float
-    #: The router queue offers a request judged by its e2e deadline alone without the hold of its own
-    #: deadline's pace: it has waited its hold and no TPOT-judged request waits there or waited within
-    #: that long (:meth:`router.core.queue.RouterQueue.pace_waived`; packing's constraint (b) then
-    #: keeps only the residents' needs).
-    pace_waived: bool = False
 
-    def __init__(
-        self, ttft_ms: float, tpot_ms: float, e2e_ms: float, full_ttft_ms: float, pace_waived: bool = False
-    ) -> None:
-        # Written out (the dataclass keeps it): one dict instead of 5 frozen attribute sets, for an
+    def __init__(self, ttft_ms: float, tpot_ms: float, e2e_ms: float, full_ttft_ms: float) -> None:
+        # Written out (the dataclass keeps it): one dict instead of 4 frozen attribute sets, for an
         # object built once per decision. The fields are the dataclass's (tested).
         _set_attr(
             self,
             "__dict__",
-            {
-                "ttft_ms": ttft_ms,
-                "tpot_ms": tpot_ms,
-                "e2e_ms": e2e_ms,
-                "full_ttft_ms": full_ttft_ms,
-                "pace_waived": pace_waived,
-            },
+            {"ttft_ms": ttft_ms, "tpot_ms": tpot_ms, "e2e_ms": e2e_ms, "full_ttft_ms": full_ttft_ms},
         )
 
 

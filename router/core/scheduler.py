@@ -167,7 +167,6 @@ class Scheduler:
             tpot_slo_ms=tpot,
             max_status_age_s=self.config.instance_staleness_s,
             prefix=self.prefix,
-            pace_waived=targets is not None and targets.pace_waived,
         )
 
     def schedule(
