@@ -1128,6 +1128,11 @@ class Dispatch:
 #: in total (so far, over all its runs), or None when it is no longer running there (finished meanwhile).
 Evict = Callable[[QlmRequest, int], "int | None"]
 
+#: The caller's count of a running request's output: the tokens request ``request_id`` has produced so far
+#: over all its runs (the router: the tokens it relayed to the client; the simulator: the engine's tokens
+#: at that moment), or None when it has none (not running, or not started yet).
+Produced = Callable[[str], "int | None"]
+
 
 class QlmQueue:
     """Request groups over one virtual queue per instance (see the module doc)."""
@@ -1597,7 +1602,9 @@ class QlmQueue:
 
     # ------------------------------------------------------------------ the LSOs
 
-    def pump(self, now_s: float, evict: Evict | None = None) -> list[Dispatch]:
+    def pump(
+        self, now_s: float, evict: Evict | None = None, produced: Produced | None = None
+    ) -> list[Dispatch]:
         """Pull requests into instances with free slots; evict for a tight head group when enabled.
 
         Each instance first pulls from its own virtual queue; an instance
@@ -1606,7 +1613,7 @@ class QlmQueue:
         request waits.
         """
         out: list[Dispatch] = []
-        self._progress(now_s)
+        self._progress(now_s, produced)
         for i in range(len(self.models)):
             out.extend(self._pull(i, now_s))
             evicting = evict is not None and self.config.eviction == "on" and bool(self.vqs[i])
@@ -1639,7 +1646,7 @@ class QlmQueue:
             step = model.step_s(len(run), self._tokens_now(run.values())) * self.inefficiency[i]
         self._clock_step[i] = max(step, 1e-6)
 
-    def _progress(self, now_s: float) -> None:
+    def _progress(self, now_s: float, produced: Produced | None = None) -> None:
         """How far each running request has got, a lower bound on its length: for its KV at its end
         (:meth:`_kv`, every pump) and, at most every :data:`PROGRESS_EVERY_S`, for the output statistics:
         the cautious estimate the joinable rule reads (:meth:`OutputStats.cautious`) and, under
@@ -1679,6 +1686,14 @@ class QlmQueue:
             if model.step_s is not None and run:
                 step = model.step_s(len(run), self._tokens_now(run.values())) * self.inefficiency[i]
             for r in run.values():
+                count = None if produced is None else produced(r.request_id)
+                if count is not None:
+                    # The tokens it has really produced: each end is conditioned on them, exactly.
+                    reached = max(count, r.generated) / max(r.request.max_tokens, 1)
+                    r.reached = max(r.reached, min(reached, 1.0))
+                    if update:
+                        self.stats.progress(r.request.slo_class, r.request_id, r.reached)
+                    continue
                 if r.e2e_only or r.resumed:
                     tokens = r.generated + max(clock - r.clock0, 0.0)
                 else:
