@@ -461,23 +461,13 @@ def _kv_life_at(ctx: DecisionContext, config: SchedulerConfig, i: int) -> float:
     rest = now - held
     used = (rest if rest > 0.0 else 0.0) + pending + uncovered * config.packing_default_output_tokens
     if running:
-        used += kv_life_peak(running)
+        running.sort(reverse=True)
+        total = peak = 0.0
+        for m, (remaining, context) in enumerate(running, start=1):
+            total += context
+            peak = max(peak, total + m * remaining)
+        used += peak
     return used
-
-
-def kv_life_peak(legs: list[tuple[float, float]]) -> float:
-    """The peak over their life of the KV tokens held by ``legs``, each ``(remaining, context)``: it holds
-    ``context`` tokens now, adds one a decode step and ends after ``remaining`` more steps.
-
-    :func:`kv_peak_tokens` for the legs of one instance, in scalar form (sorts ``legs`` in place;
-    0 for none).
-    """
-    legs.sort(reverse=True)
-    total = peak = 0.0
-    for m, (remaining, context) in enumerate(legs, start=1):
-        total += context
-        peak = max(peak, total + m * remaining)
-    return peak
 
 
 def _kv_life_column(ctx: DecisionContext, config: SchedulerConfig) -> FloatArray:

@@ -103,7 +103,6 @@ from router.core.calibration import Correction
 from router.core.errors import ConfigError
 from router.core.flagged import FlagFields
 from router.core.lengths import LengthDistribution, censored_distribution
-from router.core.packing import kv_life_peak
 from router.core.request import ScheduleInput, resolve_targets
 
 
@@ -288,8 +287,8 @@ class OutputStats:
         self._finished: dict[str, int] = {}
         self._cache: dict[str, LengthDistribution] = {}
         self._moments: dict[str, tuple[float, float]] = {}
-        #: Per class: the distribution of :meth:`cautious` (dropped at every change of the class's cohort).
-        self._bounds: dict[str, LengthDistribution] = {}
+        #: Per class: the moments of :meth:`cautious` (dropped at every change of the class's cohort).
+        self._bounds: dict[str, tuple[float, float]] = {}
         self._anon = 0
         #: Bumped by every change of an estimate (the estimator's duration memo is keyed on it).
         self.version = 0
@@ -298,23 +297,6 @@ class OutputStats:
         self._cache.pop(slo_class, None)
         self._bounds.pop(slo_class, None)
         self.version += 1
-
-    def _cautious(self, slo_class: str) -> LengthDistribution | None:
-        """The class's output as a fraction of ``max_tokens``, its running members counted as lower bounds
-        (Kaplan–Meier); None: too few finished yet."""
-        d = self._bounds.get(slo_class)
-        if d is None:
-            if self._finished.get(slo_class, 0) < self.MIN_FINISHED:
-                return None
-            events: list[float] = []
-            censored: list[float] = []
-            for final, reached in self._cohort[slo_class].values():
-                if final is not None:
-                    events.append(final)
-                else:
-                    censored.append(reached or 0.0)
-            d = self._bounds[slo_class] = censored_distribution(events, censored, 1.0)
-        return d
 
     def cautious(self, slo_class: str, max_tokens: int) -> tuple[float, float]:
         """(mean, standard deviation) of the output of a request of ``slo_class`` asking ``max_tokens``, its
@@ -328,20 +310,19 @@ class OutputStats:
         rule keeps :meth:`estimate` (the censored estimate everywhere set off evictions that did not
         pay). Before :attr:`MIN_FINISHED` finished requests, ``max_tokens`` stands for the mean.
         """
-        d = self._cautious(slo_class)
-        if d is None:
-            return float(max_tokens), 0.0
-        mean, std = d.moments()
-        return mean * max_tokens, std * max_tokens
-
-    def cautious_given(self, slo_class: str, max_tokens: int, reached: float) -> tuple[float, float]:
-        """:meth:`cautious` for a running request that has reached ``reached`` (a fraction of ``max_tokens``):
-        the conditional moments, as :meth:`given` has them of the finished answers."""
-        d = self._cautious(slo_class)
-        if d is None:
-            return float(max_tokens), 0.0
-        mean, std = d.given(reached, 1.0)
-        return mean * max_tokens, std * max_tokens
+        f = self._bounds.get(slo_class)
+        if f is None:
+            if self._finished.get(slo_class, 0) < self.MIN_FINISHED:
+                return float(max_tokens), 0.0
+            events: list[float] = []
+            censored: list[float] = []
+            for final, reached in self._cohort[slo_class].values():
+                if final is not None:
+                    events.append(final)
+                else:
+                    censored.append(reached or 0.0)
+            f = self._bounds[slo_class] = censored_distribution(events, censored, 1.0).moments()
+        return f[0] * max_tokens, f[1] * max_tokens
 
     def _entries(self, slo_class: str) -> dict[str, list[float | None]]:
         entries = self._cohort.setdefault(slo_class, {})
@@ -1833,12 +1814,7 @@ class QlmQueue:
             return True
         if (model.most and len(run) >= model.most) or (not model.kv_tokens and len(run) >= model.batch):
             return False
-        # Where no stream arrives, the batch is counted at its fullest (:meth:`_kv_peak`); beside streams,
-        # every request at its end (:meth:`_batch_kv`): the streams' own KV wait and reserve count the
-        # batch that way, and a pull counted at the peak filled the room they waited for (rag + reports,
-        # long-prompt streams beside 45 s reports: 72.9 % against 79.7, docs/papers.md).
-        at_peak = now_s is not None and self.stream_tpot_ms(now_s) == math.inf
-        held = self._kv_peak(run, r) if at_peak else self._batch_kv(run, r)
+        held = self._batch_kv(run, r)
         # An e2e request leaves the room the streams expected at once need (stream_reserve): a stream
         # must join at once, not wait for a KV-full batch of long e2e requests to end.
         #
@@ -1864,17 +1840,6 @@ class QlmQueue:
             # The reserve would cost ``r`` its deadline: it yields (and the streams' step bound below is
             # taken without it).
             seqs = tokens = 0.0
-        if (
-            at_peak
-            and now_s is not None
-            and paced
-            and model.kv_tokens
-            and held + tokens + self._tight_kv(r, now_s) > model.kv_tokens
-            and self._can_wait(i, run, r, now_s)
-        ):
-            # Counted at its fullest the batch leaves no slack for a tight request arriving; a looser pull
-            # that can wait leaves it the KV of one (the room :meth:`_joinable` keeps in time, in tokens).
-            return False
         if model.step_s is None:
             return True
         # TPOT-judged requests waiting in this instance's virtual queue will join this batch: it must
@@ -2506,42 +2471,6 @@ class QlmQueue:
             total += m
             var += v
         return total + self.config.z * math.sqrt(var)
-
-    def _kv_peak(self, run: Sequence[QlmRequest], r: QlmRequest) -> float:
-        """KV tokens the batch ``run`` holds at its fullest with ``r`` pulled: the running requests' peak over
-        their life (:func:`packing.kv_life_peak`, the ``slo`` policy's ``kv_life_tokens``), ``r`` at its end
-        throughout, as ``slo`` counts a new request.
-
-        Each answer at its mean given how far it has got, from the class's answers with the running ones
-        as lower bounds (:meth:`OutputStats.cautious_given`): the peak holds every request whose answer
-        runs past the others' ends at its own end, so it keeps none of the slack the sum of ends
-        (:meth:`_batch_kv`) has on the requests that end first, and the finished answers alone, biased
-        short while a long class runs, put that peak past the cache (the engine preempted,
-        docs/papers.md). The sum of ends was 1.13 times this peak at the pulls it refused on a KV-limited
-        fleet, and ``qlm`` ran fewer requests at once than ``edf`` there.
-        """
-        legs: list[tuple[float, float]] = []
-        for x in run:
-            mean, _ = self.stats.cautious_given(x.request.slo_class, x.request.max_tokens, x.reached)
-            now = x.reached * x.request.max_tokens
-            end = min(max(mean, now + 1.0), float(x.request.max_tokens))
-            legs.append((end - now, x.request.prompt_tokens + now))
-        mean, _ = self.stats.cautious_given(r.request.slo_class, r.request.max_tokens, r.reached)
-        end = min(max(mean, r.reached * r.request.max_tokens + 1.0), float(r.request.max_tokens))
-        return kv_life_peak(legs) + r.request.prompt_tokens + end
-
-    def _tight_kv(self, r: QlmRequest, now_s: float) -> float:
-        """KV tokens a request of the tightest e2e class arriving lately holds at its end (its prompt and its
-        answer at ``--qlm-confidence``, :meth:`OutputStats.cautious`); 0 when ``r`` is of that class or
-        tighter, or none arrives."""
-        live = [(b, v) for b, v in self._e2e_budgets.items() if now_s - v[0] <= self._arriving_s(b)]
-        if not live:
-            return 0.0
-        budget, (_, slo_class, prompt, max_tokens) = min(live)
-        if r.deadline_s - now_s <= budget:
-            return 0.0
-        mean, std = self.stats.cautious(slo_class, max_tokens)
-        return prompt + min(mean + self.config.z * std, float(max_tokens))
 
     def _left_tokens(self, x: QlmRequest, z: float | None = None) -> float:
         """Output tokens ``x`` still has to generate at the estimator's confidence (``z``: at that many
