@@ -596,6 +596,8 @@ class QlmRequest:
     dispatched_s: float = math.nan
     #: How far it has got while running, a fraction of ``request.max_tokens`` (see :meth:`QlmQueue._progress`).
     reached: float = 0.0
+    #: The fraction of ``request.max_tokens`` it has really produced, as the caller counts it (0: no count).
+    produced: float = 0.0
     #: Its KV at its end as last computed: (stats version, reached, mean tokens, variance).
     kv_memo: tuple[int, float, float, float] | None = None
     #: The pure decode step (s) its instance's batch was predicted to take when it joined, itself included
@@ -1688,12 +1690,8 @@ class QlmQueue:
             for r in run.values():
                 count = None if produced is None else produced(r.request_id)
                 if count is not None:
-                    # The tokens it has really produced: each end is conditioned on them, exactly.
-                    reached = max(count, r.generated) / max(r.request.max_tokens, 1)
-                    r.reached = max(r.reached, min(reached, 1.0))
-                    if update:
-                        self.stats.progress(r.request.slo_class, r.request_id, r.reached)
-                    continue
+                    # The tokens it has really produced: its KV at its end is conditioned on them.
+                    r.produced = min(max(count, r.generated) / max(r.request.max_tokens, 1), 1.0)
                 if r.e2e_only or r.resumed:
                     tokens = r.generated + max(clock - r.clock0, 0.0)
                 else:
@@ -2442,12 +2440,13 @@ class QlmQueue:
         far it has got (:meth:`OutputStats.given`), less what an eviction already moved into the prompt."""
         version = self.stats.version
         memo = x.kv_memo
-        if memo is not None and memo[0] == version and memo[1] == x.reached:
+        reached = max(x.reached, x.produced)
+        if memo is not None and memo[0] == version and memo[1] == reached:
             return memo[2], memo[3]
-        mean, std = self.stats.given(x.request.slo_class, x.request.max_tokens, x.reached)
+        mean, std = self.stats.given(x.request.slo_class, x.request.max_tokens, reached)
         rest = min(max(mean - x.generated, 1.0), float(x.max_tokens))
         kv = float(x.prompt_tokens) + rest
-        x.kv_memo = (version, x.reached, kv, std * std)
+        x.kv_memo = (version, reached, kv, std * std)
         return kv, std * std
 
     def _batch_kv(self, run: Sequence[QlmRequest], r: QlmRequest | None = None) -> float:
