@@ -1280,16 +1280,8 @@ class _Simulation:
         r = self.reqs[idx]
         if r.stage != _SERVING:
             return None
-        # Read without settling the instance: a fast-forwarded run stays planned (every request of a
-        # run decodes one token a step), so asking costs no stepping.
-        i = r.decode
-        generated = self.cores[i].generated_tokens(str(idx))
-        if generated is None:
-            return None
-        run = self.runs[i]
-        if run is not None:
-            generated += run.steps_done(now)
-        return int(r.tokens + generated - r.base)
+        generated = self._settle(r.decode, now).generated_tokens(str(idx))
+        return None if generated is None else int(r.tokens + generated - r.base)
 
     def _pause(self, r: _Req, now: float) -> None:
         """The lifecycle's pause: the run ended at its cap; the request keeps its tokens and waits to be

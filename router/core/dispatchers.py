@@ -671,7 +671,7 @@ class Qlm:
 
         for r in qlm.lapsed(now, self._late_allowance()):
             out.append(self._lapse(r))
-        for dispatch in qlm.pump(now, evict, fleet.produced):
+        for dispatch in qlm.pump(now, evict):
             out.append(self._dispatch(dispatch.request, dispatch.instance, now, fleet))
         return out
 

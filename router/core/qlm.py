@@ -596,8 +596,6 @@ class QlmRequest:
     dispatched_s: float = math.nan
     #: How far it has got while running, a fraction of ``request.max_tokens`` (see :meth:`QlmQueue._progress`).
     reached: float = 0.0
-    #: The fraction of ``request.max_tokens`` it has really produced, as the caller counts it (0: no count).
-    produced: float = 0.0
     #: Its KV at its end as last computed: (stats version, reached, mean tokens, variance).
     kv_memo: tuple[int, float, float, float] | None = None
     #: The pure decode step (s) its instance's batch was predicted to take when it joined, itself included
@@ -1130,11 +1128,6 @@ class Dispatch:
 #: in total (so far, over all its runs), or None when it is no longer running there (finished meanwhile).
 Evict = Callable[[QlmRequest, int], "int | None"]
 
-#: The caller's count of a running request's output: the tokens request ``request_id`` has produced so far
-#: over all its runs (the router: the tokens it relayed to the client; the simulator: the engine's tokens
-#: at that moment), or None when it has none (not running, or not started yet).
-Produced = Callable[[str], "int | None"]
-
 
 class QlmQueue:
     """Request groups over one virtual queue per instance (see the module doc)."""
@@ -1604,9 +1597,7 @@ class QlmQueue:
 
     # ------------------------------------------------------------------ the LSOs
 
-    def pump(
-        self, now_s: float, evict: Evict | None = None, produced: Produced | None = None
-    ) -> list[Dispatch]:
+    def pump(self, now_s: float, evict: Evict | None = None) -> list[Dispatch]:
         """Pull requests into instances with free slots; evict for a tight head group when enabled.
 
         Each instance first pulls from its own virtual queue; an instance
@@ -1615,7 +1606,7 @@ class QlmQueue:
         request waits.
         """
         out: list[Dispatch] = []
-        self._progress(now_s, produced)
+        self._progress(now_s)
         for i in range(len(self.models)):
             out.extend(self._pull(i, now_s))
             evicting = evict is not None and self.config.eviction == "on" and bool(self.vqs[i])
@@ -1648,7 +1639,7 @@ class QlmQueue:
             step = model.step_s(len(run), self._tokens_now(run.values())) * self.inefficiency[i]
         self._clock_step[i] = max(step, 1e-6)
 
-    def _progress(self, now_s: float, produced: Produced | None = None) -> None:
+    def _progress(self, now_s: float) -> None:
         """How far each running request has got, a lower bound on its length: for its KV at its end
         (:meth:`_kv`, every pump) and, at most every :data:`PROGRESS_EVERY_S`, for the output statistics:
         the cautious estimate the joinable rule reads (:meth:`OutputStats.cautious`) and, under
@@ -1688,10 +1679,6 @@ class QlmQueue:
             if model.step_s is not None and run:
                 step = model.step_s(len(run), self._tokens_now(run.values())) * self.inefficiency[i]
             for r in run.values():
-                count = None if produced is None else produced(r.request_id)
-                if count is not None:
-                    # The tokens it has really produced: its KV at its end is conditioned on them.
-                    r.produced = min(max(count, r.generated) / max(r.request.max_tokens, 1), 1.0)
                 if r.e2e_only or r.resumed:
                     tokens = r.generated + max(clock - r.clock0, 0.0)
                 else:
@@ -2440,13 +2427,12 @@ class QlmQueue:
         far it has got (:meth:`OutputStats.given`), less what an eviction already moved into the prompt."""
         version = self.stats.version
         memo = x.kv_memo
-        reached = max(x.reached, x.produced)
-        if memo is not None and memo[0] == version and memo[1] == reached:
+        if memo is not None and memo[0] == version and memo[1] == x.reached:
             return memo[2], memo[3]
-        mean, std = self.stats.given(x.request.slo_class, x.request.max_tokens, reached)
+        mean, std = self.stats.given(x.request.slo_class, x.request.max_tokens, x.reached)
         rest = min(max(mean - x.generated, 1.0), float(x.max_tokens))
         kv = float(x.prompt_tokens) + rest
-        x.kv_memo = (version, reached, kv, std * std)
+        x.kv_memo = (version, x.reached, kv, std * std)
         return kv, std * std
 
     def _batch_kv(self, run: Sequence[QlmRequest], r: QlmRequest | None = None) -> float:
