@@ -17,7 +17,7 @@ from workload.spec import load_workload
 ROOT = Path(__file__).resolve().parents[2]
 SCENARIOS = ROOT / "docs" / "scenarios"
 #: A scenario file named in a doc: by its path, or through the docs' ``D=docs/scenarios`` shorthand.
-NAMED = re.compile(r"(?:docs/scenarios/|scenarios/|\$D/)([A-Za-z0-9_.-]+\.(?:json|ya?ml))")
+NAMED = re.compile(r"(?:scenarios/|\$D/)([A-Za-z0-9_.-]+\.(?:json|ya?ml))")
 #: Names the docs use as templates in a command's description (``aladdin-W.json``: one per row).
 TEMPLATES = {"W.json", "aladdin-W.json"}
 
