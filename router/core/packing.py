@@ -260,6 +260,11 @@ def resident_tpot_pacing(ctx: DecisionContext, config: SchedulerConfig) -> tuple
     if request is None:
         return 0.0, False, math.nan
     target = request.tpot_slo_ms or config.tpot_slo_ms
+    if own_pace_waived(ctx):
+        # Placed without its pace, it is not promised that pace: recorded at it, a pace the step it
+        # was placed at already breaks, it left its instance no slack for the prompts after it ((b)
+        # and (d) refused them), and the TPOT-judged requests arriving next lapsed in the router queue.
+        return target, False, math.nan
     # Over the θ in force (the learned one): (b) then holds the horizon to θ × need = the pace itself.
     return _paced(ctx, target, config.packing_default_output_tokens, live_theta(ctx, config))
 
@@ -682,12 +687,63 @@ def _horizon_over_need(ctx: DecisionContext, config: SchedulerConfig, *, spare_l
         own = max(offered, resident_tpot_need_ms(ctx, config))
         residents = residents_step_over_need(ctx, config, horizon, spare_lost=spare_lost)
         if residents is not None:
+            if own_pace_waived(ctx):
+                return _at_live_theta(ctx, config, residents)
             mine = horizon / own if own > 0 else np.full(ctx.view.n, np.inf)
+            if own_margin_waived(ctx):
+                mine = mine * live_theta(ctx, config)  # the horizon within its own need, not θ of it
             ratio = np.maximum(residents, mine)
             return _at_live_theta(ctx, config, ratio)
         need = np.minimum(need, own)
     ratio = np.divide(horizon, need, out=np.full(ctx.view.n, np.inf), where=need > 0)
     return _at_live_theta(ctx, config, ratio)
+
+
+def own_pace_waived(ctx: DecisionContext) -> bool:
+    """Whether (b) holds the request of ``ctx`` to the residents' needs alone, not to its own pace:
+    a request judged by its e2e deadline alone that the router queue offers with its pace waived
+    (:attr:`~router.core.request.Targets.margin_waived`: it has waited half its derived TTFT target,
+    and no TPOT-judged request waits in the queue), on a fleet of
+    colocated instances. Such a request is recorded at the TPOT target in force, not at the pace
+    (:func:`resident_tpot_pacing`).
+
+    The newcomer's own term holds it to the pace its deadline leaves over its expected length, and
+    every second it waits tightens that pace: in a burst the router queue kept such requests until
+    the pace fell under an idle instance's step and then placed them late (4 neutral at 32k of KV,
+    faq + reviews + refactors, seed 9400, 4 req/s: refactors held 4-13 s, none met, where ``slo``
+    placed them at once and met them). Aladdin opens a new bin for a request no worker takes within
+    its target; a fixed fleet has none, so the request takes a worker whose residents keep their
+    own needs with it ((b) at theirs, (c), (d), (e) and the valve hold). Only while the fleet has
+    room for the TPOT-judged requests: waived while they waited, the deadline
+    requests took what the translations, reviews and summaries behind them needed.
+    Not on a fleet with decoders: there the request waits for a decoder after its prefill.
+    """
+    request = ctx.request
+    if not ctx.margin_waived or request is None or not request.e2e_only:
+        return False
+    return not _has_decoders(ctx.view.instances)
+
+
+def own_margin_waived(ctx: DecisionContext) -> bool:
+    """Whether the request of ``ctx``, judged by a TTFT target, is placed without θ's margin on its
+    own TPOT need in (b) and on the residents' slack in (d), on a fleet of colocated instances: the
+    router queue offers it so (:attr:`~router.core.request.Targets.margin_waived`) once what its
+    TTFT target leaves it to wait is at most half that target.
+
+    θ is the margin the paper keeps for output-length error, at the price of more workers; a
+    request no worker takes within its margins opens a new one (Algorithm 1). A fixed fleet has
+    none, and the router queue holds the request instead: worth it while the request can wait for
+    room to open, a certain miss when its TTFT target is short (4 neutral at 32k of KV,
+    completion + review + docs at 4 req/s: 300 ms completions whose prefill alone takes 200 ms
+    held by (b)'s own term at θ of their 35 ms and by (d), 97 refused that ``slo`` served; 46.3 %
+    of them met against ``slo``'s 67.5 %). Waived, its own horizon step is held to its need and
+    its prefill to the residents' whole slack; the residents' own needs in (b) keep θ, and (c),
+    (e) and the valve hold. Not on a fleet with decoders, where θ is learned.
+    """
+    request = ctx.request
+    if not ctx.margin_waived or request is None or request.e2e_only:
+        return False
+    return not _has_decoders(ctx.view.instances)
 
 
 def _at_live_theta(ctx: DecisionContext, config: SchedulerConfig, ratio: FloatArray) -> FloatArray:
@@ -725,6 +781,10 @@ def residents_step_over_need(
     # both in binpack's neutral chain): only the needs differ.
     without, steps = ctx.memo(_resident_steps, lambda: _resident_steps(ctx, config, legs, horizon))
     ratio = steps / legs_need_now(ctx, config, legs, without, spare_lost=spare_lost)
+    if legs.tpot_paced is not None and own_margin_waived(ctx):
+        # A resident with a TPOT target of its own at that target, not θ of it (a paced one's need
+        # is already its pace over θ: it keeps its pace).
+        ratio = np.where(legs.tpot_paced, ratio, ratio * live_theta(ctx, config))
     np.maximum.at(out, legs.instance, ratio)
     return out
 
@@ -1148,6 +1208,8 @@ def _stall_over_slack(
     )
     ratio: FloatArray = np.divide(stall, slack, out=np.full(ctx.view.n, np.inf), where=slack > 0)
     ratio[np.isinf(slack)] = 0.0
+    if own_margin_waived(ctx):
+        ratio *= config.binpack_theta  # the prefill within the residents' whole slack
     return ratio
 
 

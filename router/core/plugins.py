@@ -87,6 +87,7 @@ class DecisionContext:
         "_memo",
         "_metrics",
         "_values",
+        "margin_waived",
         "max_status_age_s",
         "predictors",
         "prefix",
@@ -111,6 +112,7 @@ class DecisionContext:
         tpot_slo_ms: float,
         max_status_age_s: float,
         prefix: PrefixSource | None = None,
+        margin_waived: bool = False,
     ) -> None:
         self.view = view
         self.request = request
@@ -122,6 +124,9 @@ class DecisionContext:
         self.ttft_slo_ms = ttft_slo_ms
         self.tpot_slo_ms = tpot_slo_ms
         self.max_status_age_s = max_status_age_s
+        #: The router queue offered the request without the hold of its own deadline's pace
+        #: (:attr:`~router.core.request.Targets.margin_waived`).
+        self.margin_waived = margin_waived
         self.reserves = NO_RESERVES
         #: What the router knows of the instances' prefix caches (None: prompts are charged in full).
         self.prefix = prefix

@@ -53,6 +53,14 @@ while two are idle), and late or yielding work keeps its own TPOT target but
 takes only placements that pass every filter (on neutral instances it keeps
 clear of the target instead; see :func:`offer`).
 
+Margin waiver (:attr:`~router.core.request.Targets.margin_waived`, which ``binpack``'s constraints
+read): a request judged by its e2e deadline alone that has waited its hold, :data:`PACE_HOLD_SHARE`
+of the TTFT target its deadline gives it, is offered with its own deadline's pace waived while no
+request judged by a TTFT or TPOT target waits here (on time or late): such requests are the work the
+room that pace held is wanted for, and one that has to wait says the fleet has none to spare. A
+request judged by a TTFT target is offered without θ's margin once what its target leaves it to wait
+at best (what is left of it less its prefill on an idle instance) is at most that share of it.
+
 Shedding (:meth:`RouterQueue.push` on a full queue): the least valuable entry
 goes: lowest priority, then late before on-time, then the one with the most
 slack (latest deadline), then the newest. It may be the newcomer.
@@ -105,6 +113,13 @@ SHED_MEMORY_S = 10.0
 #: How often (s) an offer pass judges every on-time entry for hopelessness, not only those it offers
 #: and those queued since the last scan (a full scan costs a few microseconds per entry).
 SCAN_INTERVAL_S = 0.1
+
+#: The share of its (derived) TTFT target a request judged by its e2e deadline alone waits in the queue
+#: before it is offered with its own pace waived (:attr:`~router.core.request.Targets.margin_waived`),
+#: while no TPOT-judged request waits; and the share a request judged by a TTFT target may still wait
+#: at best before it is offered without θ's margin: half, as an empty P/D prefill instance holds a
+#: request before it opens as a new bin (``binpack_prefill_empty_bin_wait``'s default).
+PACE_HOLD_SHARE = 0.5
 
 #: The default ``late_allowance``: under ``late_policy=serve`` a late request is served only while
 #: its first token can still come within this many of its targets past its deadline (TTFT; e2e for a
@@ -421,6 +436,8 @@ class Refusal:
     calibration: int = -1
     #: Set when every candidate fell to the TTFT or the TPOT threshold (see :class:`ThresholdHold`).
     hold: ThresholdHold | None = None
+    #: Whether it was offered with its own pace waived (see :func:`offer`).
+    waived: bool = False
 
     def holds(
         self,
@@ -431,6 +448,7 @@ class Refusal:
         yielding: bool,
         matched: Mapping[str, int] | None,
         calibration: int = -1,
+        waived: bool = False,
     ) -> bool:
         """Whether an attempt at ``now_ms`` with TTFT bound ``bound_ms`` is certain to fail again.
 
@@ -446,7 +464,7 @@ class Refusal:
         calibration change wait :data:`CALIBRATION_EPOCH_S`, which a re-decision on a looser bound
         would otherwise catch).
         """
-        if epoch != self.epoch or late != self.late or yielding != self.yielding:
+        if epoch != self.epoch or late != self.late or yielding != self.yielding or waived != self.waived:
             return False
         same_or_tighter = (self.bound_free and calibration == self.calibration) or (
             now_ms + bound_ms <= self.at_ms + self.bound_ms
@@ -735,6 +753,9 @@ class RouterQueue:
         # Under the priority policy: on-time TTFT deadlines per priority.
         self._budgets_by_priority: dict[int, _Sorted] = {}
         self._seq = 0
+        # Waiting entries (on time or late) judged by a TTFT or TPOT target, not by an e2e deadline
+        # alone, by enqueue time (see margin_waived).
+        self._streams = _Sorted()
         #: The sa policy's planner (:class:`router.core.sa.SAPlanner`; None under the other policies).
         self.planner = planner
         #: Waiting entries :func:`offer` found refused again by a :class:`ThresholdHold`, without a decision.
@@ -847,6 +868,8 @@ class RouterQueue:
         return (e.request.priority, not e.late, -e.deadline_s, -e.seq)
 
     def _index(self, e: QueueEntry) -> None:
+        if not e.request.e2e_only:
+            self._streams.add((e.enqueued_s, e.seq, e.request_id))
         self._value.add((*self._value_key(e), e.request_id))
         self._waits.add((e.enqueued_s, e.seq, e.request_id))
         if e.late:
@@ -861,6 +884,8 @@ class RouterQueue:
                 per.add((e.ttft_deadline_s, e.seq, e.request_id))
 
     def _unindex(self, e: QueueEntry) -> None:
+        if not e.request.e2e_only:
+            self._streams.discard((e.enqueued_s, e.seq, e.request_id))
         self._value.discard((*self._value_key(e), e.request_id))
         self._waits.discard((e.enqueued_s, e.seq, e.request_id))
         if e.late:
@@ -880,6 +905,35 @@ class RouterQueue:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    @property
+    def streams(self) -> int:
+        """How many waiting entries (on time or late) are judged by a TTFT or TPOT target, not by an
+        e2e deadline alone."""
+        return len(self._streams.keys)
+
+    def margin_waived(
+        self, entry: QueueEntry, targets: Targets, now_s: float, own_ms: float = math.nan
+    ) -> bool:
+        """Whether ``entry`` is offered without the margin packing holds for it
+        (:attr:`~router.core.request.Targets.margin_waived`).
+
+        Judged by its e2e deadline alone: its own deadline's pace is waived once it has waited its
+        hold (:data:`PACE_HOLD_SHARE` of ``targets``' whole TTFT target) while no entry judged by a
+        TTFT or TPOT target waits (on time or late). Judged by a TTFT target: θ's margin on its own
+        TPOT and on the residents' slack is waived once what its TTFT target leaves it to wait at
+        best (what is left of the target less ``own_ms``, its prefill on an idle instance) is at
+        most that hold: from then on, waiting for a placement with the margin costs its first token
+        more surely than the margin's length error costs the placement.
+        """
+        request = entry.request
+        hold_s = PACE_HOLD_SHARE * targets.full_ttft_ms * 1e-3
+        if not request.e2e_only:
+            return own_ms == own_ms and (targets.ttft_ms - own_ms) * 1e-3 <= hold_s
+        if self._streams.keys:
+            return False
+        arrival = entry.enqueued_s if request.arrival_s is None else request.arrival_s
+        return now_s - arrival >= hold_s
 
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._entries
@@ -1937,7 +1991,12 @@ def _offer(
     nearly idle). Late and yielding entries keep their own TPOT target, but
     take only a placement that passed every filter: one from a fallback pass
     (KV over life or the safety valve relaxed) leaves them waiting, since
-    on-time work that cannot wait is what those passes are for. On a neutral
+    on-time work that cannot wait is what those passes are for. An entry judged
+    by its e2e deadline alone is offered with its own pace waived once it has
+    waited :data:`PACE_HOLD_SHARE` of its TTFT target while no entry judged by a
+    TTFT or TPOT target waits, and an on-time entry judged by a TTFT target without
+    packing's margin once it can wait no longer than that share of its target
+    (:meth:`RouterQueue.margin_waived`). On a neutral
     instance, where its prefill runs between the decode steps of the requests
     there, such work is instead held to :data:`LATE_TPOT_FRACTION` of its TPOT
     target (fallback passes allowed, as before). A miss
@@ -2123,6 +2182,13 @@ def _offer(
             if targets.ttft_ms <= 0:
                 yield _late(now_s, queue, entry, late_reject, math.nan, targets.ttft_ms)
                 continue
+        # (An on-time stream's prefill on an idle instance: how long it can still wait at best.)
+        own_ms = (
+            drain.idle_ms(drain.compute_tokens(request))
+            if drain is not None and not entry.late and not yielding and not request.e2e_only
+            else math.nan
+        )
+        waived = queue.margin_waived(entry, targets, now_s, own_ms)
         memo = entry.refusal
         if memo is not None and isinstance(epoch, LazyEpoch):
             epoch = epoch()
@@ -2132,7 +2198,7 @@ def _offer(
         if (
             memo is not None
             and isinstance(epoch, int)
-            and memo.holds(epoch, now_s * 1e3, bound, entry.late, yielding, matched, version)
+            and memo.holds(epoch, now_s * 1e3, bound, entry.late, yielding, matched, version, waived)
         ):
             # Certain to be refused again. What the decision would also say is whether an on-time
             # entry is late now (its best predicted TTFT past its budget): certain when the best
@@ -2150,16 +2216,16 @@ def _offer(
                 yield _late(now_s, queue, entry, late_reject, best, targets.ttft_ms)
                 continue
 
-        memo_key = (epoch, now_s * 1e3, bound, yielding, matched)
+        memo_key = (epoch, now_s * 1e3, bound, yielding, matched, waived)
         # On a fleet of neutral instances only, late and yielding work lands on a neutral instance
         # whatever the decision, where it is held to the tighter TPOT below: it is decided with that
         # target at once (one decision, the one the second would have been) instead of twice.
         direct = (entry.late or yielding) and only_neutral
         # (Built directly: ``dataclasses.replace`` cost more than the rest of this step per request.)
-        offered = Targets(bound, targets.tpot_ms, targets.e2e_ms, targets.full_ttft_ms)
+        offered = Targets(bound, targets.tpot_ms, targets.e2e_ms, targets.full_ttft_ms, waived)
         if direct:
             offered = Targets(
-                bound, LATE_TPOT_FRACTION * targets.tpot_ms, targets.e2e_ms, targets.full_ttft_ms
+                bound, LATE_TPOT_FRACTION * targets.tpot_ms, targets.e2e_ms, targets.full_ttft_ms, waived
             )
         hold = None if epoch is None or memo is None else memo.hold
         if memo is not None and hold is not None:
@@ -2302,6 +2368,7 @@ def _no_easier(
     if (
         late != a.late
         or yielding != a.yielding
+        or offered.margin_waived != a.targets.margin_waived
         or request.prefix_hashes
         or r.prefix_hashes
         or request.exclude_instance_ids
@@ -2333,21 +2400,22 @@ def _no_easier(
 
 def _remember(
     entry: QueueEntry,
-    key: tuple[int | LazyEpoch | None, float, float, bool, Mapping[str, int] | None],
+    key: tuple[int | LazyEpoch | None, float, float, bool, Mapping[str, int] | None, bool],
     best: float = math.nan,
     error: SchedulingError | None = None,
     free: bool = False,
     version: int = -1,
     hold: ThresholdHold | None = None,
 ) -> None:
-    """Keep ``entry``'s failed attempt (``key``: the epoch, time, bound, yielding flag and matched
-    blocks it was made with) for the next pass, when incremental dispatch is on (an epoch is given)."""
-    epoch, at_ms, bound, yielding, matched = key
+    """Keep ``entry``'s failed attempt (``key``: the epoch, time, bound, yielding flag, matched
+    blocks and pace waiver it was made with) for the next pass, when incremental dispatch is on (an
+    epoch is given)."""
+    epoch, at_ms, bound, yielding, matched, waived = key
     if isinstance(epoch, LazyEpoch):
         epoch = epoch()
     if epoch is not None:
         entry.refusal = Refusal(
-            epoch, at_ms, bound, entry.late, yielding, best, error, matched, free, version, hold
+            epoch, at_ms, bound, entry.late, yielding, best, error, matched, free, version, hold, waived
         )
 
 

@@ -204,14 +204,28 @@ class Targets:
     e2e_ms: float
     #: The whole TTFT target, before subtracting the time already spent (ms).
     full_ttft_ms: float
+    #: The router queue offers the request without the margin ``binpack`` holds for it: judged by its
+    #: e2e deadline alone, without its own deadline's pace (it has waited its hold and no TPOT-judged
+    #: request waits); judged by a TTFT target, without θ's share of the TPOT needs and of the
+    #: residents' slack (it can wait no longer than its hold)
+    #: (:meth:`router.core.queue.RouterQueue.margin_waived`).
+    margin_waived: bool = False
 
-    def __init__(self, ttft_ms: float, tpot_ms: float, e2e_ms: float, full_ttft_ms: float) -> None:
-        # Written out (the dataclass keeps it): one dict instead of 4 frozen attribute sets, for an
+    def __init__(
+        self, ttft_ms: float, tpot_ms: float, e2e_ms: float, full_ttft_ms: float, margin_waived: bool = False
+    ) -> None:
+        # Written out (the dataclass keeps it): one dict instead of 5 frozen attribute sets, for an
         # object built once per decision. The fields are the dataclass's (tested).
         _set_attr(
             self,
             "__dict__",
-            {"ttft_ms": ttft_ms, "tpot_ms": tpot_ms, "e2e_ms": e2e_ms, "full_ttft_ms": full_ttft_ms},
+            {
+                "ttft_ms": ttft_ms,
+                "tpot_ms": tpot_ms,
+                "e2e_ms": e2e_ms,
+                "full_ttft_ms": full_ttft_ms,
+                "margin_waived": margin_waived,
+            },
         )
 
 

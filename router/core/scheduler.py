@@ -167,6 +167,7 @@ class Scheduler:
             tpot_slo_ms=tpot,
             max_status_age_s=self.config.instance_staleness_s,
             prefix=self.prefix,
+            margin_waived=targets is not None and targets.margin_waived,
         )
 
     def schedule(
