@@ -193,6 +193,16 @@ PAPERS = (
                 f"--neutral 4 --kv-capacity-tokens 32768 --workload {D}/aladdin-faq-reviews-refactor.json "
                 "--rates 4 --seed 9400",
             ),
+            Row(
+                "300 ms completions + reviews + 30 s docs, 4 neutral, 32k of KV, 4 req/s",
+                f"--neutral 4 --kv-capacity-tokens 32768 --workload {D}/aladdin-completion-review-docs.json "
+                "--rates 4 --seed 31000",
+            ),
+            Row(
+                "ops + runbooks + 25 s exports past capacity, 4 neutral, 32k of KV, 6 req/s",
+                f"--neutral 4 --kv-capacity-tokens 32768 --workload {D}/aladdin-ops-runbooks-exports.json "
+                "--rates 6 --seed 31000",
+            ),
         ),
         _binpack_cells,
     ),

@@ -41,7 +41,8 @@ class SchedulerConfig:
             "TTFT, TPOT at the packing horizon (for every request there: each keeps its own target, or the "
             "pace its e2e deadline needs for a long answer), prefill-vs-ATGT slack and KV over life "
             "constraints all hold; a request none admits waits in the router queue (run it with "
-            "--queue-policy fcfs or edf; with none it is refused). Use it where the KV is short: it keeps "
+            "--queue-policy fcfs or edf; with none it is refused), and on colocated instances one that can "
+            "no longer afford to wait is offered without theta's margin. Use it where the KV is short: it keeps "
             "its KV plan (at most a twentieth of least-requests' preemptions, up to 26 points above slo on "
             "KV-limited fleets) and slo-router plan needs fewer instances there; with ample KV and one "
             "TPOT-judged class it only ties slo and least-requests",
