@@ -2037,6 +2037,9 @@ def _offer(
         yield _lapse(queue, entry, now_s)
     queue.note_backlog(now_s)
     queue.prefix = scheduler.prefix
+    # Only packing reads the margin waiver; under another policy it would only change which of the
+    # pass's refusal shortcuts apply (a shortcut compares it), and with them a few decisions.
+    packs = scheduler.config.scheduling_policy == "binpack"
     if queue.planner is not None:
         # The sa policy decides which requests go where and when (router/core/sa.py).
         yield from queue.planner.offer(queue, scheduler, source, now_s, schedule)
@@ -2185,10 +2188,10 @@ def _offer(
         # (An on-time stream's prefill on an idle instance: how long it can still wait at best.)
         own_ms = (
             drain.idle_ms(drain.compute_tokens(request))
-            if drain is not None and not entry.late and not yielding and not request.e2e_only
+            if packs and drain is not None and not entry.late and not yielding and not request.e2e_only
             else math.nan
         )
-        waived = queue.margin_waived(entry, targets, now_s, own_ms)
+        waived = packs and queue.margin_waived(entry, targets, now_s, own_ms)
         memo = entry.refusal
         if memo is not None and isinstance(epoch, LazyEpoch):
             epoch = epoch()
