@@ -110,14 +110,20 @@ class SliceOutcome:
 
 
 def simulate_slices(
-    fleet: SimFleet, plans: Sequence[RequestPlan], config: SliceConfig, *, seed: int = 0
+    fleet: SimFleet,
+    plans: Sequence[RequestPlan],
+    config: SliceConfig,
+    *,
+    seed: int = 0,
+    engine_prefix_cache: bool = True,
 ) -> SliceOutcome:
     """Run ``plans`` (in arrival order) on a neutral ``fleet`` with slice-level dispatch.
 
     The simulator's one virtual-time driver (:func:`sim.cluster.simulate`) over the ``slice``
     dispatcher: each placement is capped at its slice, a run that ends at its cap is paused and
     resumed where the dispatcher places the next slice. The engines keep a paused slice's blocks in
-    their prefix cache when ``config.prefix_cache`` says so. The router's calibration is off (the
+    their prefix cache when ``config.prefix_cache`` says so, and, with ``engine_prefix_cache`` (the
+    default), every prompt's blocks by the plans' hash ids. The router's calibration is off (the
     dispatcher fits its own estimators online).
     """
     if any(role is not Role.NEUTRAL for role in fleet.roles):
@@ -129,9 +135,11 @@ def simulate_slices(
         seed=seed,
         slicing=config,
         resume_cache=config.prefix_cache,
-        # As the published slice figures were measured: the engines cache no prompt blocks by the
-        # plans' hash ids (only a paused slice's own blocks, resume_cache).
-        engine_prefix_cache=False,
+        # The engines cache prompt blocks by the plans' hash ids, as under request dispatch and `auto`
+        # (vLLM's automatic prefix caching is on by default). Only workloads with shared prefixes (the
+        # Mooncake trace, classes with prefix_groups) see it; without it slices were judged on such a
+        # workload against request dispatch with a cache they lacked (docs/papers.md, Seed 002, 3 Dec).
+        engine_prefix_cache=engine_prefix_cache,
     )
     return _slice_outcome(outcome)
 
@@ -389,7 +397,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "arrival; request dispatch throughout where the first 100 requests end under that. Where slices "
         "pay they hold the KV plan and do 1.0x-3x the work, 0.9x-1.0x with long answers, at a lower SLO "
         "attainment (a first slice waits); where the KV holds request dispatch wins on continuous-batching "
-        "engines, 0.91-0.97x for slices); the row's policy says what auto chose; adds "
+        "engines, 0.91-0.97x for slices; behind long shared cached prefixes a preemption is cheap and slices "
+        "gain little, auto may lose); the row's policy says what auto chose; adds "
         "load_imbalance, recomputed_tokens, ... to the JSON",
     )
     add_slice_arguments(

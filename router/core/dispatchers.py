@@ -52,6 +52,7 @@ from router.core.errors import (
     UnmeetableError,
 )
 from router.core.policies import health_only
+from router.core.prefix import cached_tokens_column
 from router.core.qlm import DEFAULT_CONTEXT, QlmQueue, QlmRequest, instance_model
 from router.core.queue import (
     FleetDrain,
@@ -541,16 +542,34 @@ class Qlm:
             )
         self.ids = tuple(r.metadata.instance_id for r in records)
         self._policy = health_only(config, "qlm-dispatch")
+        # With a prefix source the engines cache prefixes (the router's premise for predicting from it):
+        # a prompt's blocks that running requests already hold take no new KV there.
+        prefix = scheduler.prefix
         self.qlm = QlmQueue(
             self.setup.qlm,
             models,
             self.setup.default_ttft_ms,
             self.setup.default_tpot_ms,
             max_queue_size=self.setup.queue.max_queue_size,
+            prefix_block_tokens=0 if prefix is None else prefix.block_tokens,
         )
         calibrator = predictors.calibration
         if calibrator is not None:
             self.qlm.calibration = _CalibratedSteps(calibrator, self.ids)
+        if prefix is not None:
+            ids, index = self.ids, {instance_id: k for k, instance_id in enumerate(self.ids)}
+
+            def cached(request: ScheduleInput) -> list[float] | None:
+                # Read at each call: the router may swap its approximate index for the exact one.
+                source = scheduler.prefix
+                if source is None:
+                    return None
+                column = cached_tokens_column(
+                    source, ids, index, request.prefix_hashes, request.prompt_tokens
+                )
+                return [float(c) for c in column]
+
+            self.qlm.cached_prompt = cached
         return self.qlm
 
     def _is_stream(self, request: ScheduleInput) -> bool:

@@ -90,7 +90,7 @@ import dataclasses
 import heapq
 import math
 import statistics
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from types import EllipsisType
@@ -104,6 +104,10 @@ from router.core.errors import ConfigError
 from router.core.flagged import FlagFields
 from router.core.lengths import LengthDistribution, censored_distribution
 from router.core.request import ScheduleInput, resolve_targets
+
+#: Share of a prompt an instance's prefix cache must hold for the request's group to go to its virtual
+#: queue (:meth:`QlmQueue._home`).
+HOME_CACHED_SHARE = 0.5
 
 
 def _doc(doc: str, flag: str) -> dict[str, Any]:
@@ -608,6 +612,15 @@ class QlmRequest:
     #: The decode step (s) its deadline needs, set when it is pulled (e2e-judged requests; inf: none
     #: bounds the batch): see :meth:`QlmQueue._pace_s`.
     pace_s: float = math.inf
+    #: Prompt tokens of its that other requests running on its instance hold in the engine's KV (shared
+    #: prefix blocks: an engine with a prefix cache holds them once); its KV counts only the rest
+    #: (:meth:`QlmQueue._kv`). Set when it starts, lowered when it becomes a block's last holder.
+    shared: int = 0
+    #: The instance whose prefix cache holds most of its prompt, where no other holds as much (-1: none):
+    #: its group goes to that instance's virtual queue (:meth:`QlmQueue._new_group`).
+    home: int = -1
+    #: Per instance, the prompt tokens its prefix cache held when the request arrived (empty: none known).
+    cached: tuple[float, ...] = ()
 
     @property
     def request_id(self) -> str:
@@ -1140,10 +1153,20 @@ class QlmQueue:
         default_tpot_ms: float,
         *,
         max_queue_size: int = 4096,
+        prefix_block_tokens: int = 0,
     ) -> None:
         if not models:
             raise ConfigError("qlm needs at least one instance")
+        if prefix_block_tokens < 0:
+            raise ConfigError(f"prefix_block_tokens must be >= 0, got {prefix_block_tokens}")
         self.config = config
+        #: Tokens each of a request's ``prefix_hashes`` stands for (the router's prefix source's block; 0:
+        #: the router knows nothing of the engines' prefix caches, so every prompt counts whole in the KV).
+        self.prefix_block_tokens = prefix_block_tokens
+        #: Per instance: how many running requests reference each prefix block hash (see :meth:`_shared_on`),
+        #: and the running request each such block is counted with (its owner, whose KV includes it).
+        self._held: list[Counter[int]] = [Counter() for _ in models]
+        self._owner: list[dict[int, QlmRequest]] = [{} for _ in models]
         self.base_models = list(models)
         #: The models the estimator uses: each base model's decode step times the learned inefficiency.
         self.models = list(models)
@@ -1208,6 +1231,9 @@ class QlmQueue:
         #: only when a stream-side check needs it (None: no calibration; see :meth:`_stream_step_s`). The
         #: caller sets it (the ``qlm`` dispatcher, from its scheduler's calibrator).
         self.calibration: Callable[[], Correction | None] | None = None
+        #: Per instance (this queue's order), the prompt tokens of a request its prefix cache holds, from
+        #: the router's prefix source (None: none known). The caller sets it (the ``qlm`` dispatcher).
+        self.cached_prompt: Callable[[ScheduleInput], Sequence[float] | None] | None = None
 
     # ------------------------------------------------------------------ queries
 
@@ -1241,6 +1267,7 @@ class QlmQueue:
             req.model,
             req.slo_class,
             r.e2e_only,
+            r.home,
             int(math.log(max(r.prompt_tokens, 1)) / ratio),
             int(math.log(max(r.max_tokens, 1)) / ratio),
         )
@@ -1271,6 +1298,7 @@ class QlmQueue:
         if len(self.queued) >= self.max_queue_size:
             return None
         r = self.make(request, now_s, token)
+        r.home = self._home(r)
         if r.e2e_only:
             budgets = self._e2e_budgets
             budget = round(r.deadline_s - r.arrival_s, 3)
@@ -1404,11 +1432,17 @@ class QlmQueue:
         # goes right behind the head of the queue it left. The tightest e2e class's new group goes to
         # the queue that frees first of those where its first request would end in time pulled now
         # (:meth:`_tight_home`: an instance's prefills are serial, its slots are not).
+        home = -1 if newcomer is None else newcomer.home
         if instance >= 0:
             i = instance
             self.vqs[i].insert(1 if self.vqs[i] else 0, gid)
         else:
-            if newcomer is not None and self._tightest(newcomer, now_s):
+            if home >= 0 and (
+                not self._tightest(newcomer, now_s)  # type: ignore[arg-type]
+                or now_s + self._end_now_s(home, newcomer, now_s) <= deadline_s  # type: ignore[arg-type]
+            ):
+                i = home
+            elif newcomer is not None and self._tightest(newcomer, now_s):
                 i = self._tight_home(newcomer, now_s)
             else:
                 i = min(range(len(self.models)), key=lambda k: (self._backlog_q(k, now_s), k))
@@ -1421,9 +1455,31 @@ class QlmQueue:
                     break
             vq.insert(at, gid)
         group = Group(gid, key, self.config.group_factor * max(self.models[i].batch, 1))
+        if instance < 0 and home >= 0 and i == home:
+            group.pinned = i  # the plan keeps it where its prompt is cached
         self.groups[gid] = group
         self.open[key] = gid
         return group
+
+    def _home(self, r: QlmRequest) -> int:
+        """The instance whose prefix cache holds at least :data:`HOME_CACHED_SHARE` of ``r``'s prompt and more of
+        it than every other instance holds (-1: none, or no prefix source).
+
+        A prompt mostly cached on one instance costs that instance a fraction of the prefill it costs any
+        other, and runs there without a second copy of its prefix in the fleet's KV (a conversation's
+        next turn behind its history, the ``slo`` policy's cached-prefix holder). A prefix every instance
+        holds gives no reason to prefer one."""
+        if self.cached_prompt is None or not r.request.prefix_hashes:
+            return -1
+        column = self.cached_prompt(r.request)
+        if column is None or len(column) != len(self.models):
+            return -1
+        r.cached = tuple(float(c) for c in column)
+        best = max(range(len(column)), key=lambda k: (column[k], -k))
+        top = column[best]
+        if top < HOME_CACHED_SHARE * r.prompt_tokens or top <= min(column):
+            return -1
+        return best
 
     def _tightest(self, r: QlmRequest, now_s: float) -> bool:
         """Is ``r`` e2e-judged and of the tightest e2e class that arrived in the last :data:`STREAM_MEMORY_S`?"""
@@ -1468,9 +1524,17 @@ class QlmQueue:
         step /= 1.0 - self._prefill_load(i, now_s, self._budget(r))
         return (
             self._prefill_backlog_s(i, run, now_s)
-            + model.prefill_s(r.prompt_tokens)
+            + model.prefill_s(self._uncached(i, r))
             + self._left_tokens(r, 0.0) * step
         )
+
+    @staticmethod
+    def _uncached(i: int, r: QlmRequest) -> int:
+        """The prompt tokens of ``r`` instance ``i``'s engine would compute (its prefix cache's part known at
+        arrival left out; a resumed run computes its whole prompt)."""
+        if not r.cached or r.resumed:
+            return r.prompt_tokens
+        return max(int(r.prompt_tokens - r.cached[i]), 1)
 
     def _prefill_load(self, i: int, now_s: float, window_s: float) -> float:
         """The share of instance ``i``'s engine time that the prefills of the e2e classes as tight as
@@ -1740,6 +1804,13 @@ class QlmQueue:
         if r.e2e_only or r.resumed:
             r.pace_s = self._pace_s(i, r, now_s)
         r.instance, r.dispatched_s = i, now_s
+        r.shared = self._shared_on(i, r)
+        hashes = self._hashes(r)
+        if hashes:
+            self._held[i].update(hashes)
+            owner = self._owner[i]
+            for h in hashes:
+                owner.setdefault(h, r)
         self._prefills[i].append((now_s, self.models[i].prefill_s(r.prompt_tokens), self._budget(r)))
         self._advance(i, now_s)
         self.running[i][r.request_id] = r
@@ -1799,7 +1870,7 @@ class QlmQueue:
             return True
         if (model.most and len(run) >= model.most) or (not model.kv_tokens and len(run) >= model.batch):
             return False
-        held = self._batch_kv(run, r)
+        held = self._batch_kv(run, r, self._shared_on(i, r) if not gone else 0)
         # An e2e request leaves the room the streams expected at once need (stream_reserve): a stream
         # must join at once, not wait for a KV-full batch of long e2e requests to end.
         #
@@ -2424,18 +2495,79 @@ class QlmQueue:
 
     def _kv(self, x: QlmRequest) -> tuple[float, float]:
         """(mean, variance) of the KV tokens ``x`` holds at its end: its prompt and its whole output given how
-        far it has got (:meth:`OutputStats.given`), less what an eviction already moved into the prompt."""
+        far it has got (:meth:`OutputStats.given`), less what an eviction already moved into the prompt and
+        the prefix blocks other requests running on its instance hold (``x.shared``)."""
         version = self.stats.version
         memo = x.kv_memo
         if memo is not None and memo[0] == version and memo[1] == x.reached:
-            return memo[2], memo[3]
+            return memo[2] - x.shared, memo[3]
         mean, std = self.stats.given(x.request.slo_class, x.request.max_tokens, x.reached)
         rest = min(max(mean - x.generated, 1.0), float(x.max_tokens))
         kv = float(x.prompt_tokens) + rest
         x.kv_memo = (version, x.reached, kv, std * std)
-        return kv, std * std
+        return kv - x.shared, std * std
 
-    def _batch_kv(self, run: Sequence[QlmRequest], r: QlmRequest | None = None) -> float:
+    def _hashes(self, r: QlmRequest) -> tuple[int, ...]:
+        """The prefix block hashes ``r``'s run shares with other prompts (none without a prefix source, and
+        none for a resumed run, whose prompt the dispatch sends without them)."""
+        if not self.prefix_block_tokens or r.resumed:
+            return ()
+        return r.request.prefix_hashes
+
+    def _shared_on(self, i: int, r: QlmRequest) -> int:
+        """Prompt tokens of ``r`` that requests running on instance ``i`` hold in its KV now.
+
+        An engine with a prefix cache keeps a prompt's full blocks once however many running requests
+        reference them, so a prompt behind a shared prefix takes only the rest of the KV where another
+        request running there brought the prefix (the ``slo`` policy's exact KV peak counts a started
+        leg the same way). The hashes are chained, so the blocks held are the prompt's leading ones.
+        Counted against the running requests, not the prefix index: a cached block no running request
+        references is free KV the engine reclaims, and taking it back costs its room again. Counting
+        every prompt whole, the pull rule held a shared-prefix mix's batches at about half the KV the
+        engines had (docs/papers.md, Seed 004, 3 Dec).
+        """
+        hashes = self._hashes(r)
+        if not hashes:
+            return 0
+        held = self._held[i]
+        n = 0
+        for h in hashes:
+            if h not in held:
+                break
+            n += 1
+        return min(n * self.prefix_block_tokens, max(r.prompt_tokens - 1, 0))
+
+    def _release(self, i: int, r: QlmRequest) -> None:
+        """``r`` left instance ``i``'s running batch: its references to prefix blocks go, and a block it was
+        counted with that others still reference is counted with one of them from now on (the engine frees
+        it only with its last holder; counted with nobody, the batch over-filled the KV: 38 preemptions
+        where none came with the hand-over, docs/papers.md)."""
+        hashes = self._hashes(r)
+        if hashes:
+            held, owner = self._held[i], self._owner[i]
+            held.subtract(hashes)
+            orphans = []
+            for h in hashes:
+                if held[h] <= 0:
+                    del held[h]
+                    owner.pop(h, None)
+                elif owner.get(h) is r:
+                    orphans.append(h)
+            if orphans:
+                block = self.prefix_block_tokens
+                for x in self.running[i].values():
+                    if not orphans:
+                        break
+                    mine = set(self._hashes(x))
+                    took = [h for h in orphans if h in mine]
+                    if took:
+                        for h in took:
+                            owner[h] = x
+                        x.shared = max(x.shared - len(took) * block, 0)
+                        orphans = [h for h in orphans if h not in mine]
+        r.shared = 0
+
+    def _batch_kv(self, run: Sequence[QlmRequest], r: QlmRequest | None = None, r_shared: int = 0) -> float:
         """KV tokens the batch ``run`` (and ``r``) holds at its end, at ``--qlm-confidence``.
 
         §6's pull rule counts the running batch's tokens against the GPU's capacity; the batch must
@@ -2453,7 +2585,7 @@ class QlmQueue:
             var += v
         if r is not None:
             m, v = self._kv(r)
-            total += m
+            total += m - r_shared
             var += v
         return total + self.config.z * math.sqrt(var)
 
@@ -2642,7 +2774,7 @@ class QlmQueue:
         fewest running requests or the most KV left instead, chat and a stream + backfill mix traded
         1-3 points between them; the step is the measure a stream's own target uses.)
         """
-        best, best_key = -1, (True, math.inf)
+        best, best_key = -1, (True, math.inf, 0.0)
         out_mean, _ = self.stats.estimate(r.request.slo_class, r.request.max_tokens)
         for k in (i, *(k for k in range(len(self.models)) if k != i)):
             model = self.models[k]
@@ -2653,11 +2785,18 @@ class QlmQueue:
             else:
                 life = self._tokens_now(run) + r.prompt_tokens + 0.5 * min(out_mean, float(r.max_tokens))
                 step = self._stream_step_s(k, len(run) + 1, life)
-            key = (False, step)  # on time: the shortest step; late: the soonest first token
+            cached = r.cached[k] if r.cached and not r.resumed else 0.0
+            # On time: where the most of its prompt is cached (the slo policy's holder), then the shortest
+            # step; late: the soonest first token.
+            key = (False, -cached, step)
             if model.stall_s is not None and not r.resumed:
-                first_s = now_s + self._prefill_backlog_s(k, run, now_s) + model.prefill_s(r.prompt_tokens)
+                first_s = (
+                    now_s
+                    + self._prefill_backlog_s(k, run, now_s)
+                    + model.prefill_s(int(r.prompt_tokens - cached))
+                )
                 if first_s > r.deadline_s:
-                    key = (True, first_s)
+                    key = (True, first_s, 0.0)
             if key < best_key and self._room(k, r, now_s=now_s):
                 best, best_key = k, key
         return best
@@ -2762,7 +2901,7 @@ class QlmQueue:
             self._kv_ends[i] = memo
         ends = memo[1]
         m, v = self._kv(r)
-        total = m + sum(e[1] for e in ends)
+        total = m - self._shared_on(i, r) + sum(e[1] for e in ends)
         var = v + sum(e[2] for e in ends)
         n = len(ends)
         z = self.config.z
@@ -2996,6 +3135,7 @@ class QlmQueue:
                 continue
             self._advance(i, now_s)
             del self.running[i][r.request_id]
+            self._release(i, r)
             self.batch_changes[i] += 1
             self._reclock(i)
             self.evictions += 1
@@ -3032,6 +3172,7 @@ class QlmQueue:
             if now_s is not None:
                 self._advance(i, now_s)
             del run[request_id]
+            self._release(i, r)
             self.batch_changes[i] += 1
             self._reclock(i)
             if output_tokens is None:

@@ -1713,3 +1713,77 @@ def test_a_pull_takes_its_classs_earlier_request_expected_late_on_a_full_instanc
     assert pulled(pinned=-1) == [("b", 1)]
     assert pulled(a_prompt=9_000) == [("b", 1)]
     assert ("b", 1) in pulled(most0=2) and ("a0", 0) in pulled(most0=2)
+
+
+def behind_prefix(rid: str, hashes: tuple[int, ...], own: int = 200) -> ScheduleInput:
+    """An e2e-judged request whose prompt is a 1,024-token shared prefix (4 blocks of 256) and ``own`` more."""
+    return ScheduleInput(
+        request_id=rid,
+        prompt_tokens=len(hashes) * 256 + own,
+        e2e_slo_ms=600_000.0,
+        max_tokens=1000,
+        slo_class="batch",
+        arrival_s=0.0,
+        prefix_hashes=hashes,
+    )
+
+
+def test_a_shared_prefix_running_requests_hold_counts_once_in_the_kv() -> None:
+    # Each request holds 1,224 prompt + 1,000 output tokens at its end; the 1,024-token prefix is the
+    # same chained block hashes in all of them. An engine with a prefix cache holds it once: the first
+    # counts whole (2,224), each later one its own 1,200. With 5,000 tokens of KV, three fit (4,624).
+    prefix = (11, 12, 13, 14)
+
+    def pulled(block_tokens: int) -> int:
+        m = InstanceModel(2, STEP_S, lambda n: 0.05 + n * 1e-4, most=16, kv_tokens=5_000)
+        q = QlmQueue(QlmConfig(), [m], 6000.0, 50.0, prefix_block_tokens=block_tokens)
+        for k in range(5):
+            q.push(behind_prefix(f"p{k}", prefix), 0.0)
+        n = len(q.pump(0.0))
+        q.check_invariants()
+        return n
+
+    assert pulled(256) == 3
+    assert pulled(0) == 2  # no prefix source: every prompt counts whole (2 x 2,224)
+
+
+def test_a_prefix_is_counted_again_once_the_requests_holding_it_end() -> None:
+    prefix = (21, 22, 23, 24)
+    m = InstanceModel(2, STEP_S, lambda n: 0.05 + n * 1e-4, most=16, kv_tokens=100_000)
+    q = QlmQueue(QlmConfig(), [m], 6000.0, 50.0, prefix_block_tokens=256)
+    q.push(behind_prefix("a", prefix), 0.0)
+    q.push(behind_prefix("b", prefix), 0.0)
+    q.push(behind_prefix("c", (21, 22, 99, 98)), 0.0)  # shares only the first two blocks
+    assert len(q.pump(0.0)) == 3
+    run = q.running[0]
+    assert (run["a"].shared, run["b"].shared, run["c"].shared) == (0, 1024, 512)
+    # The engine frees a block with its last holder: a block counted with a request that ends is counted
+    # with another that still references it.
+    q.finished("a", 500, 10.0)
+    assert (run["b"].shared, run["c"].shared) == (0, 512)
+    q.finished("b", 500, 10.0)
+    assert run["c"].shared == 0
+    q.finished("c", 500, 10.0)
+    assert not q._held[0]
+    q.push(behind_prefix("d", prefix), 10.0)
+    assert len(q.pump(10.0)) == 1
+    assert q.running[0]["d"].shared == 0
+    with pytest.raises(ConfigError, match="prefix_block_tokens"):
+        QlmQueue(QlmConfig(), [m], 6000.0, 50.0, prefix_block_tokens=-1)
+
+
+def test_a_group_goes_to_the_instance_that_alone_holds_most_of_its_prompt() -> None:
+    # 1,224-token prompts; the router's prefix source says instance 1 holds 1,024 of them.
+    def placed(column: list[float] | None) -> tuple[int, int]:
+        q = QlmQueue(QlmConfig(), [model() for _ in range(3)], 6000.0, 50.0, prefix_block_tokens=256)
+        if column is not None:
+            q.cached_prompt = lambda request: column
+        r = q.push(behind_prefix("p", (31, 32, 33, 34)), 0.0)
+        assert r is not None
+        group = q.groups[r.group]
+        return next(k for k, vq in enumerate(q.vqs) if r.group in vq), group.pinned
+
+    assert placed([0.0, 1024.0, 0.0]) == (1, 1)  # its home, kept there by the plan
+    assert placed([0.0, 256.0, 0.0])[1] == -1  # under half the prompt: no home
+    assert placed([1024.0, 1024.0, 1024.0])[1] == -1  # every instance holds it: no reason to prefer one
+    assert placed(None)[1] == -1  # no prefix source
