@@ -264,8 +264,9 @@ def register(subparsers: Any) -> None:
         default=None,
         metavar="Q1,Q2,...",
         help="router queue policies to compare with each policy: none (refuse at once), fcfs, edf, priority, "
-        "sa (bursts of mixed-SLO work on engines of 1-2 sequences), qlm (e2e deadlines in overload; "
-        "neutral fleets; not beside long-prompt streams past capacity) "
+        "sa (bursts of mixed-SLO work on engines of 1-2 sequences; on larger engines at and past capacity "
+        "edf leads), qlm (e2e deadlines in overload; neutral fleets; not beside long-prompt streams past "
+        "capacity) "
         f"(default: {DEFAULT_QUEUE_POLICIES}; --dispatch-modes runs request dispatch without a router queue, "
         "as engines behind a balancer, and takes no --queue-policies)",
     )

@@ -423,7 +423,11 @@ def _binpack(config: SchedulerConfig) -> dict[str, Any]:
     for a request that has waited ``binpack_prefill_empty_bin_wait`` of its own
     TTFT target (see the return below).
 
-    On a colocated instance best fit ranks by ``capacity_norm_life``: the
+    On a colocated instance a request judged by a TPOT target of its own also
+    keeps it at the step with the measured interleaving of prompts
+    (``tpot_own``), and best fit ranks first by the prompt tokens the instance
+    would compute (``cached_first``: the longest cached prefix the router
+    knows; constant without one), then by ``capacity_norm_life``: the
     paper's load (batch and context) with the context taken as the KV over the
     life of every request the instance holds, its prompts still in prefill
     included, where the decode context (``capacity_norm``, the decode stage's)
@@ -497,6 +501,9 @@ def _binpack(config: SchedulerConfig) -> dict[str, Any]:
             horizon_live,
             horizon_lost,
             _atgt_slack(config, **hard),
+            # The request's own TPOT with the measured interleaving of the prompts to come, as slo
+            # holds it: (b)'s step is the decode alone (packing.predicted_tpot_own).
+            _tpot(metric="predicted_tpot_own", label="tpot_own", **hard),
             # (d) with a deadline-paced resident behind its pace bounding its instance, as the
             # paper's (d) bounds every ongoing request: the prompt goes to another bin (an empty
             # instance passes). Dropped from fallback pass 1 on (packing docstring).
@@ -511,7 +518,7 @@ def _binpack(config: SchedulerConfig) -> dict[str, Any]:
         ],
         # Best fit by the KV over life of all it holds, its prompts in prefill included
         # (packing.capacity_norm_life): on a colocated instance the decode context misses them.
-        "selector": {"name": "binpack", "load": "capacity_norm_life"},
+        "selector": {"name": "binpack", "load": "capacity_norm_life", "cached_first": True},
     }
     # The empty-bin pass on a PD prefill instance opens only for a request that has waited
     # --binpack-prefill-empty-bin-wait (half) of its own TTFT target; before that (c) holds there as

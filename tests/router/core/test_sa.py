@@ -870,3 +870,29 @@ def test_the_residents_tpot_check_is_waived_only_beside_requests_judged_end_to_e
     assert beside_e2e and all(p is not None and label not in p.spec(Stage.NEUTRAL).labels for p in beside_e2e)
     beside_tpot = _policies_asked_beside(False)
     assert beside_tpot and all(p is None for p in beside_tpot)
+
+
+@pytest.mark.parametrize("sa_max_batch", [0, 2])
+def test_on_a_large_batch_engine_the_scheduler_holds_the_request_s_own_targets(sa_max_batch: int) -> None:
+    # The plan prices a batch's prefill on an idle engine. On an engine wider than the plan (0: the
+    # engine's own, unbounded here) the instance is seldom idle, so the scheduler is asked with the
+    # request's own TTFT and TPOT budgets, as under fcfs and edf; on a narrow engine (the paper's
+    # regime) with relaxed ones, the plan having judged the timing.
+    config = QueueConfig(queue_policy="sa", sa_max_batch=sa_max_batch)
+    queue = RouterQueue(config, 1000.0, 50.0, planner_of(config))
+    queue.push(make_request("a", arrival_s=NOW - 0.2, ttft_slo_ms=1000.0, tpot_slo_ms=50.0), NOW - 0.2)
+    scheduler = make_scheduler()
+    snapshot = make_snapshot(inst("n0"), inst("n1"))
+    asked: list[Any] = []
+
+    def decide(view: Any, request: Any, now: float, /, *, targets: Any = None) -> Any:
+        asked.append(targets)
+        return scheduler.schedule(view, request, now, targets=targets)
+
+    offers = list(offer(queue, scheduler, lambda: snapshot, NOW, decide=decide))
+    assert [o.verdict for o in offers] == [Verdict.DISPATCH]
+    (targets,) = asked
+    if sa_max_batch:
+        assert targets.ttft_ms > 1e9 and targets.tpot_ms > 1e9
+    else:
+        assert targets.ttft_ms <= 1000.0 and targets.tpot_ms == 50.0
