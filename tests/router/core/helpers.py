@@ -114,6 +114,18 @@ def inst(
     return InstanceRecord(metadata=md, status=st, status_age_s=age_s if status else 0.0)
 
 
+def decoding(instance_id: str, requests: int, tokens_each: int) -> InstanceRecord:
+    """A neutral instance decoding ``requests`` requests of ``tokens_each`` tokens of context each."""
+    return inst(
+        instance_id,
+        "neutral",
+        running=requests,
+        decode_requests=requests,
+        decode_tokens=tokens_each * requests,
+        used_kv_tokens=tokens_each * requests,
+    )
+
+
 def make_snapshot(*records: InstanceRecord, taken_at_s: float = 100.0, version: int = 1) -> ClusterSnapshot:
     return ClusterSnapshot(instances=tuple(records), taken_at_s=taken_at_s, version=version)
 

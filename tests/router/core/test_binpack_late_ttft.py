@@ -10,7 +10,7 @@ from fleet.snapshot import InstanceRecord
 from router.core.errors import NoInstanceError
 from router.core.request import Targets
 from router.core.scheduler import Scheduler
-from tests.router.core.helpers import NOW, inst, make_request, make_scheduler, make_snapshot
+from tests.router.core.helpers import NOW, decoding, inst, make_request, make_scheduler, make_snapshot
 
 TTFT_MS = 1_500.0
 TPOT_MS = 80.0
@@ -19,14 +19,7 @@ LATE_BOUND_MS = 6_000.0
 
 
 def _busy(instance_id: str, requests: int) -> InstanceRecord:
-    return inst(
-        instance_id,
-        "neutral",
-        running=requests,
-        decode_requests=requests,
-        decode_tokens=600 * requests,
-        used_kv_tokens=600 * requests,
-    )
+    return decoding(instance_id, requests, 600)
 
 
 def _decide(scheduler: Scheduler, waited_s: float, *records: InstanceRecord) -> str:

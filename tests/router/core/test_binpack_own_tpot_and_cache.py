@@ -13,7 +13,7 @@ import pytest
 from fleet.prefix import token_block_hashes
 from router.core.calibration import Correction
 from router.core.scheduler import Scheduler
-from tests.router.core.helpers import NOW, inst, make_request, make_scheduler, make_snapshot
+from tests.router.core.helpers import NOW, decoding, inst, make_request, make_scheduler, make_snapshot
 
 
 @dataclass
@@ -36,14 +36,7 @@ class _Interleaved:
 
 
 def _busy(instance_id: str, running: int = 4) -> Any:
-    return inst(
-        instance_id,
-        "neutral",
-        running=running,
-        decode_requests=running,
-        decode_tokens=400 * running,
-        used_kv_tokens=400 * running,
-    )
+    return decoding(instance_id, running, 400)
 
 
 def _place(scheduler: Scheduler, request: Any, *records: Any) -> str:
