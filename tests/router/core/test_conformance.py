@@ -98,6 +98,7 @@ def test_metric_conformance(name: str, with_request: bool) -> None:
         "kv_peak_exact",
         "kv_peak_exact_yielding",
         "predicted_tpot_horizon",
+        "predicted_tpot_own",
         "prompt_compute_tokens",
         "tpot_horizon_over_need",
         "tpot_horizon_over_need_live",
