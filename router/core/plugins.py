@@ -124,7 +124,7 @@ class DecisionContext:
         self.ttft_slo_ms = ttft_slo_ms
         self.tpot_slo_ms = tpot_slo_ms
         self.max_status_age_s = max_status_age_s
-        #: The router queue offered the request without the hold of its own deadline's pace
+        #: The router queue offered the request without the margin packing holds for it
         #: (:attr:`~router.core.request.Targets.margin_waived`).
         self.margin_waived = margin_waived
         self.reserves = NO_RESERVES

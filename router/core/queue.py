@@ -438,7 +438,7 @@ class Refusal:
     calibration: int = -1
     #: Set when every candidate fell to the TTFT or the TPOT threshold (see :class:`ThresholdHold`).
     hold: ThresholdHold | None = None
-    #: Whether it was offered with its own pace waived (see :func:`offer`).
+    #: Whether it was offered without packing's margin (see :meth:`RouterQueue.margin_waived`).
     waived: bool = False
 
     def holds(
