@@ -720,10 +720,7 @@ def own_pace_waived(ctx: DecisionContext) -> bool:
     requests took what the translations, reviews and summaries behind them needed.
     Not on a fleet with decoders: there the request waits for a decoder after its prefill.
     """
-    request = ctx.request
-    if not ctx.margin_waived or request is None or not request.e2e_only:
-        return False
-    return not _has_decoders(ctx.view.instances)
+    return _waived_on_colocated(ctx, e2e_only=True)
 
 
 def own_margin_waived(ctx: DecisionContext) -> bool:
@@ -742,8 +739,14 @@ def own_margin_waived(ctx: DecisionContext) -> bool:
     its prefill to the residents' whole slack; the residents' own needs in (b) keep θ, and (c),
     (e) and the valve hold. Not on a fleet with decoders, where θ is learned.
     """
+    return _waived_on_colocated(ctx, e2e_only=False)
+
+
+def _waived_on_colocated(ctx: DecisionContext, *, e2e_only: bool) -> bool:
+    """Whether the router queue waived the margin for the request of ``ctx``, one judged by its e2e
+    deadline alone or not as ``e2e_only`` says, on a fleet with no decoders."""
     request = ctx.request
-    if not ctx.margin_waived or request is None or request.e2e_only:
+    if not ctx.margin_waived or request is None or request.e2e_only != e2e_only:
         return False
     return not _has_decoders(ctx.view.instances)
 

@@ -756,8 +756,8 @@ class RouterQueue:
         self._budgets_by_priority: dict[int, _Sorted] = {}
         self._seq = 0
         # Waiting entries (on time or late) judged by a TTFT or TPOT target, not by an e2e deadline
-        # alone, by enqueue time (see margin_waived).
-        self._streams = _Sorted()
+        # alone (see margin_waived): only whether any waits is read, so no order is kept.
+        self._streams: set[str] = set()
         #: The sa policy's planner (:class:`router.core.sa.SAPlanner`; None under the other policies).
         self.planner = planner
         #: Waiting entries :func:`offer` found refused again by a :class:`ThresholdHold`, without a decision.
@@ -871,7 +871,7 @@ class RouterQueue:
 
     def _index(self, e: QueueEntry) -> None:
         if not e.request.e2e_only:
-            self._streams.add((e.enqueued_s, e.seq, e.request_id))
+            self._streams.add(e.request_id)
         self._value.add((*self._value_key(e), e.request_id))
         self._waits.add((e.enqueued_s, e.seq, e.request_id))
         if e.late:
@@ -887,7 +887,7 @@ class RouterQueue:
 
     def _unindex(self, e: QueueEntry) -> None:
         if not e.request.e2e_only:
-            self._streams.discard((e.enqueued_s, e.seq, e.request_id))
+            self._streams.discard(e.request_id)
         self._value.discard((*self._value_key(e), e.request_id))
         self._waits.discard((e.enqueued_s, e.seq, e.request_id))
         if e.late:
@@ -912,7 +912,7 @@ class RouterQueue:
     def streams(self) -> int:
         """How many waiting entries (on time or late) are judged by a TTFT or TPOT target, not by an
         e2e deadline alone."""
-        return len(self._streams.keys)
+        return len(self._streams)
 
     def margin_waived(
         self, entry: QueueEntry, targets: Targets, now_s: float, own_ms: float = math.nan
@@ -932,7 +932,7 @@ class RouterQueue:
         hold_s = PACE_HOLD_SHARE * targets.full_ttft_ms * 1e-3
         if not request.e2e_only:
             return own_ms == own_ms and (targets.ttft_ms - own_ms) * 1e-3 <= hold_s
-        if self._streams.keys:
+        if self._streams:
             return False
         arrival = entry.enqueued_s if request.arrival_s is None else request.arrival_s
         return now_s - arrival >= hold_s
@@ -2155,6 +2155,7 @@ def _offer(
             late_ahead += queue.work_tokens(entry)
             late_ahead_n += 1
         if entry.late:
+            own_ms = math.nan  # best-effort work: its margin is not waived
             floor = _idle_floor_ms(scheduler, request, drain)
             if not math.isfinite(floor):  # no predictor: no TTFT threshold to bound
                 bound = targets.full_ttft_ms
@@ -2163,7 +2164,10 @@ def _offer(
             else:  # no on-time traffic to yield to
                 bound = max(targets.full_ttft_ms, floor)
         else:
-            floor = IDLE_SLACK * drain.idle_ms(drain.compute_tokens(request)) if drain is not None else 0.0
+            # Its prefill on an idle instance: the release floor's base, and (binpack) how long it can
+            # still wait at best (RouterQueue.margin_waived).
+            own_ms = drain.idle_ms(drain.compute_tokens(request)) if drain is not None else math.nan
+            floor = IDLE_SLACK * own_ms if drain is not None else 0.0
             # A request whose own prefill cannot fit under the release limit (a long prompt yielding
             # to tighter traffic) may still take a nearly idle instance while another one stays idle
             # for the tight arrivals release control keeps room for, as late work does: otherwise it
@@ -2187,13 +2191,7 @@ def _offer(
             if targets.ttft_ms <= 0:
                 yield _late(now_s, queue, entry, late_reject, math.nan, targets.ttft_ms)
                 continue
-        # (An on-time stream's prefill on an idle instance: how long it can still wait at best.)
-        own_ms = (
-            drain.idle_ms(drain.compute_tokens(request))
-            if packs and drain is not None and not entry.late and not yielding and not request.e2e_only
-            else math.nan
-        )
-        waived = packs and queue.margin_waived(entry, targets, now_s, own_ms)
+        waived = packs and queue.margin_waived(entry, targets, now_s, math.nan if yielding else own_ms)
         memo = entry.refusal
         if memo is not None and isinstance(epoch, LazyEpoch):
             epoch = epoch()
