@@ -567,7 +567,8 @@ class Qlm:
                 column = cached_tokens_column(
                     source, ids, index, request.prefix_hashes, request.prompt_tokens
                 )
-                return [float(c) for c in column]
+                values: list[float] = column.tolist()
+                return values
 
             self.qlm.cached_prompt = cached
         return self.qlm

@@ -1474,7 +1474,7 @@ class QlmQueue:
         column = self.cached_prompt(r.request)
         if column is None or len(column) != len(self.models):
             return -1
-        r.cached = tuple(float(c) for c in column)
+        r.cached = tuple(column)
         best = max(range(len(column)), key=lambda k: (column[k], -k))
         top = column[best]
         if top < HOME_CACHED_SHARE * r.prompt_tokens or top <= min(column):
