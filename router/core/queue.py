@@ -318,7 +318,8 @@ class QueueConfig(FlagFields):
         metadata=_doc(
             "sa: requests the policy keeps running on an instance at once (the paper's maximum batch size; "
             "set it to the engines' max_num_seqs): the next planned request goes as soon as one ends "
-            "(0 = the engine's max_num_seqs as its instance reports it, else bounded by KV memory only)",
+            "(0 = the engine's max_num_seqs as its instance reports it, else bounded by KV memory only); on a "
+            "disaggregated fleet a prefill instance runs its share of the decoders' slots",
             "--sa-max-batch",
         ),
     )

@@ -1030,6 +1030,9 @@ class SAPlanner:
         self._before_s = -math.inf
         #: The scheduler's policy and that policy less its residents' TPOT check (:meth:`_waived`).
         self._waived_of: tuple[Policy, Policy] | None = None
+        #: On a disaggregated fleet, each prefill instance's share of the decoders' slots, as of the
+        #: last pass (:func:`decode_shares`); empty on a colocated fleet.
+        self._shares: dict[str, int] = {}
 
     # ------------------------------------------------------------------ events
 
@@ -1054,7 +1057,11 @@ class SAPlanner:
     def slots(self, instance_id: str, reported: float = math.inf) -> int:
         """Requests the policy keeps running on ``instance_id`` at once: ``--sa-max-batch``, else the
         engine's batch (``reported``: its ``max_num_seqs`` as the instance's metadata states it, or the
-        simulator's fleet figure), the smaller of the two when both are known."""
+        simulator's fleet figure), the smaller of the two when both are known. A prefill instance of a
+        disaggregated fleet has its share of the decoders' slots instead (:func:`decode_shares`)."""
+        share = self._shares.get(instance_id)
+        if share is not None:
+            return share
         engine = self._engine_slots(instance_id) if self._engine_slots is not None else 0
         if not engine and math.isfinite(reported) and reported > 0:
             engine = int(reported)
@@ -1114,9 +1121,12 @@ class SAPlanner:
             bool(inst.schedulable[i]) and int(roles[i]) in (Role.NEUTRAL, Role.PREFILL) for i in range(m)
         ]
         seqs = inst.max_num_seqs
+        self._shares = {}
         slots = [
             self.slots(iid, math.inf if seqs is None else float(seqs[i])) for i, iid in enumerate(inst.ids)
         ]
+        self._shares = decode_shares(inst.ids, roles, inst.schedulable, slots)
+        slots = [self._shares.get(iid, slots[i]) for i, iid in enumerate(inst.ids)]
         occupied = [len(self.running.get(iid, ())) for iid in inst.ids]
         spare = sum(
             min(slots[i] - occupied[i], 2) for i, u in enumerate(usable) if u and occupied[i] < slots[i]
@@ -1412,6 +1422,32 @@ class SAPlanner:
         self.stats.evaluations += plan.evaluations
         self.stats.last_plan = plan
         return plan
+
+
+def decode_shares(
+    ids: Sequence[str], roles: Iterable[Any], schedulable: Iterable[Any], slots: Sequence[int]
+) -> dict[str, int]:
+    """Each prefill instance's share of the decoders' slots on a disaggregated fleet (empty otherwise).
+
+    A request the policy releases holds its slot until it ends (:meth:`SAPlanner.finished`), and
+    on a disaggregated fleet it spends nearly all of that time on a decoder: the prefill engine hands
+    it over after its prompt. Counted against the prefill engine's own batch, the fleet ran at most
+    that many requests while its decoders had room for more (one prefill and two decode engines of
+    two sequences each: two requests at a time on four decode slots, 28.3 % met against fcfs's 54.3;
+    docs/papers.md, seed 000). So the decoders' slots (``slots``, per instance, already
+    bounded by ``--sa-max-batch``) are dealt out over the prefill instances, the remainder to the
+    first ones, one at least each.
+    """
+    prefill = [
+        iid for iid, r, ok in zip(ids, roles, schedulable, strict=True) if ok and int(r) == Role.PREFILL
+    ]
+    decode = sum(
+        n for r, ok, n in zip(roles, schedulable, slots, strict=True) if ok and int(r) == Role.DECODE
+    )
+    if not prefill or not decode:
+        return {}
+    base, extra = divmod(min(decode, UNBOUNDED_SLOTS), len(prefill))
+    return {iid: max(base + (k < extra), 1) for k, iid in enumerate(prefill)}
 
 
 def pool_closes(oldest_s: float, newest_s: float, pool_s: float) -> float:

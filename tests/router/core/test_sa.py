@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from router.core.errors import ConfigError, NoInstanceError
 from router.core.queue import QueueConfig, QueueEntry, RouterQueue, Verdict, offer
-from router.core.request import ScheduleInput, Stage
+from router.core.request import Role, ScheduleInput, Stage
 from router.core.sa import (
     BUDGET_CHECK_MOVES,
     POOL_MAX_FACTOR,
@@ -26,6 +26,7 @@ from router.core.sa import (
     _move,
     _Released,
     anneal,
+    decode_shares,
     evaluate,
     exhaustive,
     full_batches,
@@ -896,3 +897,30 @@ def test_on_a_large_batch_engine_the_scheduler_holds_the_request_s_own_targets(s
         assert targets.ttft_ms > 1e9 and targets.tpot_ms > 1e9
     else:
         assert targets.ttft_ms <= 1000.0 and targets.tpot_ms == 50.0
+
+
+def test_a_prefill_instance_has_its_share_of_the_decoders_slots() -> None:
+    # One prefill and two decode engines of two sequences each: a request spends nearly all its life on
+    # a decoder, so the fleet runs four at once, not the prefill engine's two.
+    config = QueueConfig(queue_policy="sa")
+    queue = RouterQueue(config, 1000.0, 50.0, planner_of(config))
+    for k in range(6):
+        queue.push(make_request(f"r{k}", arrival_s=NOW - 1.0, e2e_slo_ms=60_000.0), NOW - 1.0)
+    scheduler = make_scheduler()
+    two = {"max_num_seqs": 2}
+    snapshot = make_snapshot(
+        inst("p0", "prefill", meta=two), inst("d0", "decode", meta=two), inst("d1", "decode", meta=two)
+    )
+    offers = list(offer(queue, scheduler, lambda: snapshot, NOW))
+    assert sum(o.verdict is Verdict.DISPATCH for o in offers) == 4
+
+
+def test_decode_shares_deal_the_decoders_slots_over_the_prefill_instances() -> None:
+    ids = ("p0", "p1", "d0", "d1", "d2", "n0")
+    roles = (Role.PREFILL, Role.PREFILL, Role.DECODE, Role.DECODE, Role.DECODE, Role.NEUTRAL)
+    assert decode_shares(ids, roles, (True,) * 6, (2, 2, 2, 2, 1, 4)) == {"p0": 3, "p1": 2}
+    # A decoder out of service has no slots to share; without any, nothing changes.
+    assert decode_shares(ids, roles, (True, True, False, False, True, True), (2,) * 6) == {"p0": 1, "p1": 1}
+    assert decode_shares(ids, roles, (True, True, False, False, False, True), (2,) * 6) == {}
+    # A colocated fleet: nothing to share.
+    assert decode_shares(("n0", "n1"), (Role.NEUTRAL, Role.NEUTRAL), (True, True), (2, 2)) == {}
