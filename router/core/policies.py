@@ -540,7 +540,11 @@ def _binpack(config: SchedulerConfig) -> dict[str, Any]:
     return {
         "prefill": {
             "filters": [*HEALTH, prefill_ttft, "failover"],
-            "selector": _lowest("predicted_ttft"),
+            # The paper schedules a prefill by its input length, the work it costs: among the prefill
+            # instances meeting (c), the one that would compute the fewest prompt tokens (its longest
+            # cached prefix), then the lowest TTFT; without cache knowledge the column is constant and
+            # the TTFT decides as before.
+            "selector": _lowest("prompt_compute_tokens", "predicted_ttft"),
         },
         "decode": decode,
         "neutral": neutral,
