@@ -108,6 +108,9 @@ class EngineLoad:
     prefix_cache_hit_tokens: int = 0
     # Requests the engine preempted since it started (KV ran out); None: the engine does not count them.
     num_preemptions: int | None = None
+    # Tokens preempted requests re-prefilled when re-admitted, less those found in the prefix cache
+    # (vLLM's prefix-cache stats: preempted_queries - preempted_hits); None: the engine does not count them.
+    num_preemption_recompute_tokens: int | None = None
 
     @property
     def cache_hit_rate(self) -> float:

@@ -334,6 +334,7 @@ class _Request:
         "num_generated",
         "num_tokens",
         "phase",
+        "preempted",
         "prefill_target",
         "spec",
     )
@@ -347,6 +348,8 @@ class _Request:
         self.extended_at = 0
         self.num_blocks = 0
         self.phase = _Phase.WAITING
+        #: Preempted and not re-admitted since: its next admission re-prefills what it had computed.
+        self.preempted = False
         #: Hashes of the prefix-cache blocks it references, a prefix of ``spec.block_hashes``.
         self.cached: list[int] = []
         #: While waiting: the tokens the prefix cache is expected to spare it (the load reports
@@ -408,6 +411,7 @@ class SimCore:
         self._decode_tokens = 0
         self._num_steps = 0
         self._num_preemptions = 0
+        self._recompute_tokens = 0
         self._step_pending = False
         # Prefix cache (off when prefix_cache_block_tokens is 0). A cached block is a run of ``_kpb`` KV
         # blocks named by its chained hash; ``_ref`` counts the requests referencing each one
@@ -696,6 +700,9 @@ class SimCore:
                 req.num_blocks = len(hits) * self._kpb
                 req.num_computed = start
                 self._uncomputed += req.uncomputed_prefill
+                if req.preempted:
+                    self._recompute_tokens += req.prefill_target - start
+                    req.preempted = False
             else:
                 n = min(req.prefill_target - req.num_computed, budget) if req.uncomputed_prefill else 1
                 need = self._blocks_for(req.num_computed + n) - req.num_blocks
@@ -706,6 +713,9 @@ class SimCore:
                     self._uncomputed -= req.uncomputed_prefill
                     self._lookup(req, 0)
                     self._uncomputed += req.uncomputed_prefill
+                if req.preempted:
+                    self._recompute_tokens += req.prefill_target - req.num_computed
+                    req.preempted = False
             self._take(need)
             req.num_blocks += need
             req.phase = _Phase.RUNNING
@@ -825,6 +835,11 @@ class SimCore:
     def num_preemptions(self) -> int:
         return self._num_preemptions
 
+    @property
+    def num_preemption_recompute_tokens(self) -> int:
+        """Tokens preempted requests re-prefilled when re-admitted, less those the prefix cache held."""
+        return self._recompute_tokens
+
     def load(self, *, schedulable: bool = True) -> EngineLoad:
         """The load right now, with the recent admissions and step samples."""
         return EngineLoad(
@@ -841,6 +856,7 @@ class SimCore:
             prefix_cache_query_tokens=self._query_tokens,
             prefix_cache_hit_tokens=self._hit_tokens,
             num_preemptions=self._num_preemptions,
+            num_preemption_recompute_tokens=self._recompute_tokens,
         )
 
     # ------------------------------------------------------------------ prefix cache
@@ -1021,6 +1037,7 @@ class SimCore:
         req.num_computed = 0
         req.prefill_target = req.num_tokens
         req.phase = _Phase.WAITING
+        req.preempted = True
         req.discount = self._peek(req)
         self._uncomputed += req.uncomputed_prefill
         self._waiting.appendleft(req)

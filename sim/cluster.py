@@ -336,6 +336,9 @@ class SimStats:
     #: Under the ``qlm`` queue policy: running requests evicted (and queued again), plan generator runs.
     evicted: int = 0
     plans: int = 0
+    #: Tokens preempted requests re-prefilled when re-admitted, less those their engines' prefix caches
+    #: held (all instances): the work preemptions wasted.
+    preemption_recompute_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -636,6 +639,8 @@ class _Simulation:
         self.last_preempt_s = np.full(n, -np.inf)
         #: Requests each engine preempted so far, as its status's cumulative count carries it.
         self.preempt_count = np.zeros(n)
+        #: And the tokens they computed again for the requests they preempted (beyond cache hits).
+        self.recompute_count = np.zeros(n)
         # Busy-instance accounting (SimStats.mean_busy_*): per instance, does it hold decode work /
         # other work, and the time integral of the counts per kind.
         self.neutral_role = np.array([r is Role.NEUTRAL for r in fleet.roles])
@@ -740,6 +745,7 @@ class _Simulation:
             shed=self.shed,
             evicted=self.evicted,
             plans=self.dispatcher.counters().get("plans", 0),
+            preemption_recompute_tokens=sum(core.num_preemption_recompute_tokens for core in self.cores),
         )
         end = max(self.now, arrivals[-1] if arrivals else 0.0)
         self._account_busy()
@@ -1678,6 +1684,7 @@ class _Simulation:
             waiting[i] = core.num_waiting
             running[i] = core.num_running
             self.preempt_count[i] = core.num_preemptions
+            self.recompute_count[i] = core.num_preemption_recompute_tokens
             if core.num_decode_requests == 0:
                 self.measured[i] = np.nan  # no decode work: nothing to measure, nothing over-packed
                 self.step_window[i].clear()
@@ -1711,6 +1718,7 @@ class _Simulation:
             measured_decode_step_ms=_readonly(self.measured.copy()),
             preempting=_readonly((now - self.last_preempt_s < AGENT_HEARTBEAT_S).astype(np.float64)),
             preemptions=_readonly(self.preempt_count.copy()),
+            preemption_recompute_tokens=_readonly(self.recompute_count.copy()),
         )
         # Built only when a decision reads them (adaptive PD's exact KV peak), as the router does.
         return ClusterView(table, self._inflight_columns(), now, age, residents=_SimLegs(self, now))

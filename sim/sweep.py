@@ -291,7 +291,8 @@ def point_to_dict(point: SweepPoint) -> dict[str, Any]:
     Every key of :meth:`workload.report.ClassReport.flat` for all requests, plus
     ``queue_policy`` (with ``+g`` under ``--queue-objective g``), ``rejected`` (refused: no placement, shed, expired or late
     with ``--late-policy reject``), ``duration_s`` (virtual makespan), ``preemptions``
-    (engine preemptions, all instances), ``mean_busy_instances`` (``{"prefill", "decode",
+    (engine preemptions, all instances), ``preemption_recompute_tokens`` (what the preempted requests re-prefilled,
+    less their prefix-cache hits), ``mean_busy_instances`` (``{"prefill", "decode",
     "neutral"}``: time-average number of instances holding work of that kind, see
     :class:`sim.cluster.SimStats`), ``calibration`` (the router's online calibration mode),
     ``prediction_error`` (:func:`workload.prediction.prediction_error` after the warm-up), ``classes``
@@ -314,6 +315,7 @@ def point_to_dict(point: SweepPoint) -> dict[str, Any]:
         "rejected": point.stats.rejected,
         "duration_s": point.report.duration_s,
         "preemptions": point.stats.preemptions,
+        "preemption_recompute_tokens": point.stats.preemption_recompute_tokens,
         "mean_busy_instances": {
             "prefill": point.stats.mean_busy_prefill,
             "decode": point.stats.mean_busy_decode,

@@ -110,6 +110,7 @@ def build_status(
         num_used_kv_tokens=load.num_used_kv_tokens,
         cache_hit_rate=min(1.0, max(0.0, load.cache_hit_rate)),
         num_preemptions=load.num_preemptions,
+        num_preemption_recompute_tokens=load.num_preemption_recompute_tokens,
         admitted_request_ids=admitted,
         step_samples=[
             cms_pb2.StepSample(

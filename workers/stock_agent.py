@@ -50,6 +50,7 @@ cache_hit_rate                   ``cache_hit_rate`` per rank, weighted by runnin
 num_preemptions                  none: ``GetLoads`` carries no preemption count (left       —
                                  unset, so ``--dispatch-mode auto`` stays on request
                                  dispatch over such a fleet)
+num_preemption_recompute_tokens  none (left unset, as ``num_preemptions``)                  —
 ===============================  =========================================================  =========
 """
 

@@ -346,7 +346,7 @@ class VllmEngine:
         self._llm = await asyncio.to_thread(
             self._vllm.AsyncLLM.from_engine_args,
             engine_args,
-            stat_loggers=_stat_loggers(self._vllm, self._on_step, self._on_preempted),
+            stat_loggers=_stat_loggers(self._vllm, self._on_step, self._on_preempted, self._on_recomputed),
         )
         # vLLM reads its environment variables on every access (a getenv per
         # output token) until this is called; its engine processes call it
@@ -649,6 +649,9 @@ class VllmEngine:
         self._book.on_preempted(count)
         self._changed()
 
+    def _on_recomputed(self, tokens: int) -> None:
+        self._book.on_recomputed(tokens)
+
     def _changed(self) -> None:
         for callback in self._listeners:
             try:
@@ -732,6 +735,22 @@ def preempted_requests(iteration_stats: Any) -> int:
         return 0
 
 
+def preemption_recompute_tokens(scheduler_stats: Any) -> int | None:
+    """The tokens vLLM's prefix cache did not hold when it looked its preempted requests up again, in
+    the steps ``scheduler_stats`` covers (``preempted_queries - preempted_hits``); None where it shows
+    no prefix caching (no statistics, or no lookup at all: without caching vLLM counts none)."""
+    stats = getattr(scheduler_stats, "prefix_cache_stats", None)
+    try:
+        queries = int(getattr(stats, "queries", 0) or 0)
+        preempted_queries = int(getattr(stats, "preempted_queries", 0) or 0)
+        preempted_hits = int(getattr(stats, "preempted_hits", 0) or 0)
+    except (TypeError, ValueError):
+        return None
+    if stats is None or not (queries or preempted_queries):
+        return None
+    return max(0, preempted_queries - preempted_hits)
+
+
 def step_stats_from_vllm(scheduler_stats: Any) -> StepStats:
     """Plain numbers from vLLM's ``SchedulerStats`` (not a stable vLLM interface, so read defensively)."""
     details = getattr(scheduler_stats, "iteration_details", None)
@@ -748,10 +767,14 @@ def step_stats_from_vllm(scheduler_stats: Any) -> StepStats:
 
 
 def _stat_loggers(
-    vllm: _Vllm, on_step: Callable[[StepStats], None], on_preempted: Callable[[int], None] | None = None
+    vllm: _Vllm,
+    on_step: Callable[[StepStats], None],
+    on_preempted: Callable[[int], None] | None = None,
+    on_recomputed: Callable[[int], None] | None = None,
 ) -> list[Any]:
     """The stat loggers for ``AsyncLLM.from_engine_args(stat_loggers=...)``: one, feeding ``on_step``
-    (and ``on_preempted`` with the requests vLLM preempted, its iteration statistics' count).
+    (``on_preempted`` with the requests vLLM preempted, its iteration statistics' count, and
+    ``on_recomputed`` with :func:`preemption_recompute_tokens` of each step it reports).
 
     vLLM calls ``record`` from its output-handler task on the event loop, once
     per engine step, after that step's outputs were queued.
@@ -786,6 +809,9 @@ def _stat_loggers(
                 on_preempted(preempted)
             if scheduler_stats is None:
                 return
+            recomputed = preemption_recompute_tokens(scheduler_stats)
+            if recomputed is not None and on_recomputed is not None:
+                on_recomputed(recomputed)
             try:
                 stats = step_stats_from_vllm(scheduler_stats)
             except Exception:

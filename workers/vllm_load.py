@@ -73,6 +73,9 @@ class LoadBook:
         self._waiting = 0
         self._kv_usage = 0.0
         self._num_preemptions = 0
+        #: None until vLLM's prefix-cache statistics show it caches (without prefix caching it does
+        #: not count what its preempted requests recompute).
+        self._num_preemption_recompute_tokens: int | None = None
         self.kv_capacity_tokens = 0
 
     def __contains__(self, request_id: object) -> bool:
@@ -162,6 +165,11 @@ class LoadBook:
         """vLLM preempted ``count`` requests (its ``IterationStats.num_preempted_reqs``)."""
         self._num_preemptions += max(0, count)
 
+    def on_recomputed(self, tokens: int) -> None:
+        """vLLM's prefix cache looked up its preempted requests again and ``tokens`` of them were not
+        there (its ``PrefixCacheStats``: ``preempted_queries - preempted_hits``; 0 once it caches)."""
+        self._num_preemption_recompute_tokens = (self._num_preemption_recompute_tokens or 0) + max(0, tokens)
+
     def _decode_context_estimate(self, decode_requests: int) -> int:
         """Total context of a step's decode batch of ``decode_requests`` requests.
 
@@ -199,4 +207,5 @@ class LoadBook:
             recent_steps=tuple(self._steps),
             num_steps=self._num_steps,
             num_preemptions=self._num_preemptions,
+            num_preemption_recompute_tokens=self._num_preemption_recompute_tokens,
         )

@@ -15,8 +15,18 @@ composes two dispatchers behind the one contract:
   ``num_preemptions``, :attr:`router.core.columns.InstanceTable.preemptions`);
   when the pilot's requests have all ended, or :data:`AUTO_PILOT_TIMEOUT_S`
   after the pilot began, it reads them again and applies ``slices_pay`` to the
-  preemptions in between and the requests dispatched in between (the pilot's and
+  preemptions in between (or ``slices_pay_recomputed``, below) and the requests dispatched in between (the pilot's and
   any dispatched after it while it ran).
+- Where every instance that counts preemptions also says what they cost
+  (``num_preemption_recompute_tokens``,
+  :attr:`router.core.columns.InstanceTable.preemption_recompute_tokens`: the
+  tokens its engine computed again for the requests it preempted, less its
+  prefix-cache hits), the pilot judges the work wasted instead of the count:
+  those tokens against the prompt tokens dispatched (the requests judged
+  times the mean prompt of those that arrived while it ran;
+  :func:`router.core.slicing.slices_pay_recomputed`). Behind a cached prefix a
+  preemption recomputes only the part past it and weighs little; a long
+  request preempted weighs more than one. Elsewhere the raw count decides.
 - If slices pay, every later arrival goes to the ``slice`` dispatcher
   (:mod:`router.core.slice_dispatch`). Requests already placed or waiting with
   request dispatch stay with it and finish where they are: every event about a
@@ -62,7 +72,7 @@ from router.core.dispatch import (
 from router.core.errors import RouterError, SchedulingError
 from router.core.queue import RouterQueue
 from router.core.registry import Params
-from router.core.slicing import slices_pay
+from router.core.slicing import slices_pay, slices_pay_recomputed
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +120,12 @@ class Auto:
         #: still running, and the requests dispatched since it began.
         self._pilot_start: float | None = None
         self._baseline: dict[str, float] = {}
+        #: The recompute counts then (instance id -> tokens; only instances that report them).
+        self._baseline_tokens: dict[str, float] = {}
+        #: Prompt tokens and requests that arrived while the pilot ran (the mean prompt a whole
+        #: request's recompute is counted in).
+        self._arrived_prompt_tokens = 0
+        self._arrived = 0
         self._pilot: set[str] = set()
         self._pilot_dispatched = 0
         #: While the pilot runs: the requests dispatched since it began (a resumed one counts once).
@@ -117,6 +133,8 @@ class Auto:
         #: Counted by the pilot, for reports: preemptions and requests it judged.
         self.pilot_preemptions = 0
         self.pilot_judged = 0
+        #: The tokens the engines recomputed for the requests they preempted (where they say).
+        self.pilot_recomputed_tokens = 0
 
     # ------------------------------------------------------------------ the contract
 
@@ -159,6 +177,9 @@ class Auto:
                 self._begin_pilot(now, fleet)
             elif not self.decided:
                 self._judge(now, fleet, ended=now - self._pilot_start >= self.pilot_timeout_s)
+            if not self.decided:
+                self._arrived_prompt_tokens += event.request.prompt_tokens
+                self._arrived += 1
             dispatcher = self._current()
             self._owner[event.request.request_id] = dispatcher
             return self._watch(dispatcher.handle(event, now, fleet))
@@ -208,10 +229,12 @@ class Auto:
 
     def _begin_pilot(self, now: float, fleet: Fleet) -> None:
         self._pilot_start = now
-        self._baseline = self._counts(now, fleet) or {}
+        counts = self._counts(now, fleet)
+        self._baseline, self._baseline_tokens = counts or ({}, {})
 
-    def _counts(self, now: float, fleet: Fleet) -> dict[str, float] | None:
-        """Each instance's cumulative preemption count as its status reports it (None: none reports one)."""
+    def _counts(self, now: float, fleet: Fleet) -> tuple[dict[str, float], dict[str, float]] | None:
+        """Each instance's cumulative preemption count as its status reports it (None: none reports
+        one), and the recompute tokens of those that report them too."""
         try:
             source = fleet.view()
             view = fleet.scheduler.view(source, now) if isinstance(source, ClusterSnapshot) else source
@@ -224,7 +247,13 @@ class Auto:
         reported = np.flatnonzero(np.isfinite(column)).tolist()
         if not reported:
             return None
-        return {table.ids[k]: float(column[k]) for k in reported}
+        tokens = table.preemption_recompute_tokens
+        return (
+            {table.ids[k]: float(column[k]) for k in reported},
+            {}
+            if tokens is None
+            else {table.ids[k]: float(tokens[k]) for k in reported if math.isfinite(tokens[k])},
+        )
 
     def _judge(self, now: float, fleet: Fleet, *, ended: bool) -> None:
         """Switch to slices as soon as the preemptions since the pilot began pay for them; once the
@@ -240,18 +269,26 @@ class Auto:
                 )
                 logger.warning("--dispatch-mode auto: %s", self.reason)
             return
-        preempted = 0.0
-        for instance, count in counts.items():
-            before = self._baseline.get(instance, 0.0)
-            # A count below the one the pilot began with: the engine restarted (its count began again).
-            preempted += count - before if count >= before else count
-        pays = slices_pay(int(preempted), requests)
+        preemptions, tokens = counts
+        preempted = _since(preemptions, self._baseline)
+        weighed = ""
+        if len(tokens) == len(preemptions) and self._arrived:
+            # Every instance that counts preemptions says what they cost: judge by the work wasted.
+            prompt_tokens = self._arrived_prompt_tokens / self._arrived * requests
+            recomputed = _since(tokens, self._baseline_tokens)
+            pays = slices_pay_recomputed(recomputed, prompt_tokens)
+            weighed = (
+                f", recomputing {recomputed:.0f} tokens ({recomputed / prompt_tokens:.2f} per prompt token)"
+            )
+            self.pilot_recomputed_tokens = int(recomputed)
+        else:
+            pays = slices_pay(int(preempted), requests)
         if not (pays or ended):
             return
         self._decide(SLICE if pays else REQUEST, int(preempted), len(self._seen))
         self.reason = (
-            f"the engines preempted {self.pilot_preemptions} times while {self.pilot_judged} requests were "
-            f"dispatched ({'at least' if pays else 'under'} one per ten of at least {self.pilot_requests} "
+            f"the engines preempted {self.pilot_preemptions} times{weighed} while {self.pilot_judged} requests "
+            f"were dispatched ({'at least' if pays else 'under'} one per ten of at least {self.pilot_requests} "
             f"requests): {self.mode} dispatch from now on"
         )
         logger.info("--dispatch-mode auto: %s", self.reason)
@@ -264,6 +301,16 @@ class Auto:
         self.pilot_judged = requests
         self._seen = set()
         self._pilot = set()
+
+
+def _since(counts: dict[str, float], baseline: dict[str, float]) -> float:
+    """What cumulative per-instance ``counts`` grew by since ``baseline``."""
+    total = 0.0
+    for instance, count in counts.items():
+        before = baseline.get(instance, 0.0)
+        # A count below the one the pilot began with: the engine restarted (its count began again).
+        total += count - before if count >= before else count
+    return total
 
 
 @DISPATCHERS.register("auto")

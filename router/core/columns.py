@@ -86,6 +86,10 @@ class InstanceTable:
     #: Requests each engine preempted since it started (its status's cumulative count; NaN where the
     #: instance does not report one). Optional: ``None`` when the source has no such counts.
     preemptions: FloatArray | None = None
+    #: Tokens each engine computed again for the requests it preempted, less those its prefix cache
+    #: still held, since it started (cumulative; NaN where not reported). Optional: ``None`` when the
+    #: source has no such counts.
+    preemption_recompute_tokens: FloatArray | None = None
 
     @property
     def n(self) -> int:

@@ -803,6 +803,27 @@ def slice_length(
 SLICE_WHEN_PREEMPTIONS_PER_REQUEST = 0.1
 
 
+#: Tokens request dispatch recomputed for the requests its engines preempted (less their prefix-cache
+#: hits), per prompt token dispatched, from which slice dispatch is chosen (``auto``): the preemption
+#: line above in work, a preempted request recomputing about 2.5 mean prompts where nothing is cached
+#: (its context so far, and the longest are preempted first; 1-4.5 over the rows of docs/papers.md).
+SLICE_WHEN_RECOMPUTED_PER_PROMPT_TOKEN = 0.25
+
+
+def slices_pay_recomputed(recomputed_tokens: float, prompt_tokens: float) -> bool:
+    """Whether slice dispatch beats request dispatch on a fleet, from the prefill work request
+    dispatch wasted there: the tokens its engines computed again for the requests they preempted,
+    less their prefix-cache hits, against the prompt tokens of the requests it dispatched.
+
+    The same regime line as :func:`slices_pay`, in work rather than in preemptions: a preemption
+    behind a long cached prefix recomputes only the part past it, one of a long request much more
+    than a prompt.
+    """
+    if prompt_tokens <= 0:
+        return False
+    return max(0.0, recomputed_tokens) / prompt_tokens >= SLICE_WHEN_RECOMPUTED_PER_PROMPT_TOKEN
+
+
 def slices_pay(preemptions: int, requests: int) -> bool:
     """Whether slice dispatch beats request dispatch on a fleet, from what request dispatch did there.
 

@@ -56,9 +56,10 @@ _STATUS = (
     "waiting_requests",
     "running_requests",
     "preemptions",
+    "preemption_recompute_tokens",
 )
-# (NaN preemptions: an instance without a status, or one that does not count them, reports none.)
-_NO_STATUS = (0,) * (len(_STATUS) - 1) + (float("nan"),)
+# (NaN preemption counts: an instance without a status, or one that does not count them, reports none.)
+_NO_STATUS = (0,) * (len(_STATUS) - 2) + (float("nan"), float("nan"))
 
 
 def _measured_decode_step_ms(status: cms_pb2.InstanceStatus | None) -> float:
@@ -400,6 +401,7 @@ class ViewBuilder:
             measured_decode_step_ms=_readonly(measured),
             max_num_seqs=layout.max_num_seqs,
             preemptions=col["preemptions"],
+            preemption_recompute_tokens=col["preemption_recompute_tokens"],
         )
 
 
@@ -417,6 +419,11 @@ def _status_row(st: cms_pb2.InstanceStatus | None) -> tuple[float, ...]:
         st.num_waiting_requests,
         st.num_running_requests,
         st.num_preemptions if st.HasField("num_preemptions") else float("nan"),
+        (
+            st.num_preemption_recompute_tokens
+            if st.HasField("num_preemption_recompute_tokens")
+            else float("nan")
+        ),
     )
 
 

@@ -301,3 +301,19 @@ def test_simulate_refuses_a_warm_up_as_long_as_the_run(capsys: pytest.CaptureFix
     args = ["simulate", "--workload", "chat", "--num-requests", "10", "--measure-from", "10", "--rates", "1"]
     assert main(args) == 2
     assert "--measure-from" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("prefix", [8, 0], ids=["prefix-cache", "no-cache"])
+def test_a_preempted_request_counts_what_it_recomputes_less_its_prefix_cache_hits(prefix: int) -> None:
+    # 96 tokens of KV: two 32-token prompts fit, their 40-token answers do not; b (the newest) is
+    # preempted with 49 tokens of context (32 + 17 generated) and re-prefilled when a ends.
+    core = _core(kv_blocks=24, prefix=prefix)
+    core.add(_spec("a", [1, 2, 3, 4], 32, out=40))
+    core.add(_spec("b", [5, 6, 7, 8], 32, out=40))
+    computed = sum(_run(core))
+    assert core.num_preemptions == 1
+    # Behind the cache, 3 of its prompt's 8-token blocks were still there: 49 - 24 recomputed.
+    assert core.num_preemption_recompute_tokens == (25 if prefix else 49)
+    # Every prefill token beyond the two prompts' first pass is such a recompute.
+    assert computed == 64 + core.num_preemption_recompute_tokens
+    assert core.load().num_preemption_recompute_tokens == core.num_preemption_recompute_tokens

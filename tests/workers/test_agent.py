@@ -317,10 +317,14 @@ async def test_status_carries_the_engines_preemption_count_and_leaves_it_unset_w
     from engine.interface import EngineLoad
     from workers.agent import build_status
 
-    counted = build_status("n0", EngineLoad(num_preemptions=5), update_id=1, timestamp_ms=1)
+    counted = build_status(
+        "n0", EngineLoad(num_preemptions=5, num_preemption_recompute_tokens=900), update_id=1, timestamp_ms=1
+    )
     assert counted.HasField("num_preemptions") and counted.num_preemptions == 5
+    assert counted.num_preemption_recompute_tokens == 900
     unknown = build_status("n0", EngineLoad(), update_id=1, timestamp_ms=1)
     assert not unknown.HasField("num_preemptions")
+    assert not unknown.HasField("num_preemption_recompute_tokens")
     # The sim engine counts them: its first status says 0, not "unknown".
     engine = make_engine(speed_factor=20.0)
     await engine.start()

@@ -176,6 +176,32 @@ def test_the_book_counts_vllms_preemptions_from_its_iteration_stats() -> None:
     assert book.load(schedulable=True).num_preemptions == 3
 
 
+def test_the_book_counts_what_vllms_preempted_requests_recompute_once_its_prefix_cache_shows() -> None:
+    from workers.vllm_engine import preemption_recompute_tokens
+
+    @dataclasses.dataclass
+    class PrefixCache:
+        queries: int = 0
+        preempted_queries: int = 0
+        preempted_hits: int = 0
+
+    @dataclasses.dataclass
+    class Scheduler:
+        prefix_cache_stats: PrefixCache | None
+
+    assert preemption_recompute_tokens(Scheduler(PrefixCache(100, 300, 200))) == 100
+    assert preemption_recompute_tokens(Scheduler(PrefixCache(100))) == 0  # it caches; nothing preempted
+    assert preemption_recompute_tokens(Scheduler(PrefixCache())) is None  # no lookup: no caching shown
+    assert preemption_recompute_tokens(Scheduler(None)) is None
+    book = LoadBook()
+    assert book.load(schedulable=True).num_preemption_recompute_tokens is None  # not known yet
+    book.on_recomputed(0)
+    assert book.load(schedulable=True).num_preemption_recompute_tokens == 0
+    book.on_recomputed(100)
+    book.on_recomputed(40)
+    assert book.load(schedulable=True).num_preemption_recompute_tokens == 140
+
+
 # ---------------------------------------------------------------------- kv handle
 
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16slorouter/v1/cms.proto\x12\x0cslorouter.v1\"\x95\x03\n\x10InstanceMetadata\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\x12(\n\x04role\x18\x03 \x01(\x0e\x32\x1a.slorouter.v1.InstanceRole\x12\r\n\x05model\x18\x04 \x01(\t\x12\x0f\n\x07node_id\x18\x05 \x01(\t\x12\x0f\n\x07unit_id\x18\x06 \x01(\t\x12\x1e\n\x16max_num_batched_tokens\x18\x07 \x01(\r\x12\x1a\n\x12kv_capacity_tokens\x18\x08 \x01(\x04\x12\x12\n\nblock_size\x18\t \x01(\r\x12:\n\x06labels\x18\n \x03(\x0b\x32*.slorouter.v1.InstanceMetadata.LabelsEntry\x12\x15\n\rmax_model_len\x18\x0b \x01(\r\x12\x17\n\x0fworker_protocol\x18\x0c \x01(\t\x12\x14\n\x0cmax_num_seqs\x18\r \x01(\r\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"u\n\nStepSample\x12\x1a\n\x12num_prefill_tokens\x18\x01 \x01(\r\x12\x1b\n\x13num_decode_requests\x18\x02 \x01(\r\x12\x19\n\x11num_decode_tokens\x18\x03 \x01(\x04\x12\x13\n\x0b\x64uration_ms\x18\x04 \x01(\x01\"\xdf\x03\n\x0eInstanceStatus\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x11\n\tupdate_id\x18\x02 \x01(\x04\x12\x14\n\x0ctimestamp_ms\x18\x03 \x01(\x03\x12\x13\n\x0bschedulable\x18\x04 \x01(\x08\x12\x1c\n\x14num_waiting_requests\x18\x05 \x01(\r\x12\x1c\n\x14num_running_requests\x18\x06 \x01(\r\x12%\n\x1dnum_uncomputed_prefill_tokens\x18\x07 \x01(\x04\x12\x1b\n\x13num_decode_requests\x18\x08 \x01(\r\x12\x19\n\x11num_decode_tokens\x18\t \x01(\x04\x12\x1a\n\x12num_used_kv_tokens\x18\n \x01(\x04\x12\x1c\n\x14\x61\x64mitted_request_ids\x18\x0b \x03(\t\x12.\n\x0cstep_samples\x18\x0c \x03(\x0b\x32\x18.slorouter.v1.StepSample\x12\x1c\n\x14unschedulable_reason\x18\r \x01(\t\x12\r\n\x05\x65poch\x18\x0e \x01(\x04\x12\x16\n\x0e\x63\x61\x63he_hit_rate\x18\x0f \x01(\x01\x12\x1c\n\x0fnum_preemptions\x18\x10 \x01(\x04H\x00\x88\x01\x01\x42\x12\n\x10_num_preemptions\"\x9a\x01\n\rInstanceState\x12\x30\n\x08metadata\x18\x01 \x01(\x0b\x32\x1e.slorouter.v1.InstanceMetadata\x12,\n\x06status\x18\x02 \x01(\x0b\x32\x1c.slorouter.v1.InstanceStatus\x12\x15\n\rstatus_age_ms\x18\x03 \x01(\x03\x12\x12\n\nhas_status\x18\x04 \x01(\x08\"\x91\x01\n\x0b\x43lusterView\x12.\n\tinstances\x18\x01 \x03(\x0b\x32\x1b.slorouter.v1.InstanceState\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x17\n\x0fgenerated_at_ms\x18\x03 \x01(\x03\x12\x13\n\x0b\x63hunk_index\x18\x04 \x01(\r\x12\x13\n\x0b\x63hunk_count\x18\x05 \x01(\r\"K\n\x17RegisterInstanceRequest\x12\x30\n\x08metadata\x18\x01 \x01(\x0b\x32\x1e.slorouter.v1.InstanceMetadata\"?\n\x18RegisterInstanceResponse\x12\x14\n\x0clease_ttl_ms\x18\x01 \x01(\r\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\"C\n\x13ReportStatusRequest\x12,\n\x06status\x18\x01 \x01(\x0b\x32\x1c.slorouter.v1.InstanceStatus\"(\n\x14ReportStatusResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\"0\n\x19\x44\x65registerInstanceRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\"-\n\x1a\x44\x65registerInstanceResponse\x12\x0f\n\x07removed\x18\x01 \x01(\x08\";\n\x15GetClusterViewRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x0b\x63hunk_index\x18\x02 \x01(\r\"G\n\x15ReportStatusesRequest\x12.\n\x08statuses\x18\x01 \x03(\x0b\x32\x1c.slorouter.v1.InstanceStatus\"F\n\x13ReportStatusOutcome\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0c\n\x04\x63ode\x18\x02 \x01(\r\x12\x0f\n\x07message\x18\x03 \x01(\t\"M\n\x16ReportStatusesResponse\x12\x33\n\x08outcomes\x18\x01 \x03(\x0b\x32!.slorouter.v1.ReportStatusOutcome*}\n\x0cInstanceRole\x12\x1d\n\x19INSTANCE_ROLE_UNSPECIFIED\x10\x00\x12\x19\n\x15INSTANCE_ROLE_NEUTRAL\x10\x01\x12\x19\n\x15INSTANCE_ROLE_PREFILL\x10\x02\x12\x18\n\x14INSTANCE_ROLE_DECODE\x10\x03\x32\xb9\x04\n\x0f\x43lusterMetadata\x12\x61\n\x10RegisterInstance\x12%.slorouter.v1.RegisterInstanceRequest\x1a&.slorouter.v1.RegisterInstanceResponse\x12U\n\x0cReportStatus\x12!.slorouter.v1.ReportStatusRequest\x1a\".slorouter.v1.ReportStatusResponse\x12g\n\x12\x44\x65registerInstance\x12\'.slorouter.v1.DeregisterInstanceRequest\x1a(.slorouter.v1.DeregisterInstanceResponse\x12P\n\x0eGetClusterView\x12#.slorouter.v1.GetClusterViewRequest\x1a\x19.slorouter.v1.ClusterView\x12T\n\x10WatchClusterView\x12#.slorouter.v1.GetClusterViewRequest\x1a\x19.slorouter.v1.ClusterView0\x01\x12[\n\x0eReportStatuses\x12#.slorouter.v1.ReportStatusesRequest\x1a$.slorouter.v1.ReportStatusesResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16slorouter/v1/cms.proto\x12\x0cslorouter.v1\"\x95\x03\n\x10InstanceMetadata\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\x12(\n\x04role\x18\x03 \x01(\x0e\x32\x1a.slorouter.v1.InstanceRole\x12\r\n\x05model\x18\x04 \x01(\t\x12\x0f\n\x07node_id\x18\x05 \x01(\t\x12\x0f\n\x07unit_id\x18\x06 \x01(\t\x12\x1e\n\x16max_num_batched_tokens\x18\x07 \x01(\r\x12\x1a\n\x12kv_capacity_tokens\x18\x08 \x01(\x04\x12\x12\n\nblock_size\x18\t \x01(\r\x12:\n\x06labels\x18\n \x03(\x0b\x32*.slorouter.v1.InstanceMetadata.LabelsEntry\x12\x15\n\rmax_model_len\x18\x0b \x01(\r\x12\x17\n\x0fworker_protocol\x18\x0c \x01(\t\x12\x14\n\x0cmax_num_seqs\x18\r \x01(\r\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"u\n\nStepSample\x12\x1a\n\x12num_prefill_tokens\x18\x01 \x01(\r\x12\x1b\n\x13num_decode_requests\x18\x02 \x01(\r\x12\x19\n\x11num_decode_tokens\x18\x03 \x01(\x04\x12\x13\n\x0b\x64uration_ms\x18\x04 \x01(\x01\"\xb1\x04\n\x0eInstanceStatus\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x11\n\tupdate_id\x18\x02 \x01(\x04\x12\x14\n\x0ctimestamp_ms\x18\x03 \x01(\x03\x12\x13\n\x0bschedulable\x18\x04 \x01(\x08\x12\x1c\n\x14num_waiting_requests\x18\x05 \x01(\r\x12\x1c\n\x14num_running_requests\x18\x06 \x01(\r\x12%\n\x1dnum_uncomputed_prefill_tokens\x18\x07 \x01(\x04\x12\x1b\n\x13num_decode_requests\x18\x08 \x01(\r\x12\x19\n\x11num_decode_tokens\x18\t \x01(\x04\x12\x1a\n\x12num_used_kv_tokens\x18\n \x01(\x04\x12\x1c\n\x14\x61\x64mitted_request_ids\x18\x0b \x03(\t\x12.\n\x0cstep_samples\x18\x0c \x03(\x0b\x32\x18.slorouter.v1.StepSample\x12\x1c\n\x14unschedulable_reason\x18\r \x01(\t\x12\r\n\x05\x65poch\x18\x0e \x01(\x04\x12\x16\n\x0e\x63\x61\x63he_hit_rate\x18\x0f \x01(\x01\x12\x1c\n\x0fnum_preemptions\x18\x10 \x01(\x04H\x00\x88\x01\x01\x12,\n\x1fnum_preemption_recompute_tokens\x18\x11 \x01(\x04H\x01\x88\x01\x01\x42\x12\n\x10_num_preemptionsB\"\n _num_preemption_recompute_tokens\"\x9a\x01\n\rInstanceState\x12\x30\n\x08metadata\x18\x01 \x01(\x0b\x32\x1e.slorouter.v1.InstanceMetadata\x12,\n\x06status\x18\x02 \x01(\x0b\x32\x1c.slorouter.v1.InstanceStatus\x12\x15\n\rstatus_age_ms\x18\x03 \x01(\x03\x12\x12\n\nhas_status\x18\x04 \x01(\x08\"\x91\x01\n\x0b\x43lusterView\x12.\n\tinstances\x18\x01 \x03(\x0b\x32\x1b.slorouter.v1.InstanceState\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x17\n\x0fgenerated_at_ms\x18\x03 \x01(\x03\x12\x13\n\x0b\x63hunk_index\x18\x04 \x01(\r\x12\x13\n\x0b\x63hunk_count\x18\x05 \x01(\r\"K\n\x17RegisterInstanceRequest\x12\x30\n\x08metadata\x18\x01 \x01(\x0b\x32\x1e.slorouter.v1.InstanceMetadata\"?\n\x18RegisterInstanceResponse\x12\x14\n\x0clease_ttl_ms\x18\x01 \x01(\r\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\"C\n\x13ReportStatusRequest\x12,\n\x06status\x18\x01 \x01(\x0b\x32\x1c.slorouter.v1.InstanceStatus\"(\n\x14ReportStatusResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\"0\n\x19\x44\x65registerInstanceRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\"-\n\x1a\x44\x65registerInstanceResponse\x12\x0f\n\x07removed\x18\x01 \x01(\x08\";\n\x15GetClusterViewRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x0b\x63hunk_index\x18\x02 \x01(\r\"G\n\x15ReportStatusesRequest\x12.\n\x08statuses\x18\x01 \x03(\x0b\x32\x1c.slorouter.v1.InstanceStatus\"F\n\x13ReportStatusOutcome\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0c\n\x04\x63ode\x18\x02 \x01(\r\x12\x0f\n\x07message\x18\x03 \x01(\t\"M\n\x16ReportStatusesResponse\x12\x33\n\x08outcomes\x18\x01 \x03(\x0b\x32!.slorouter.v1.ReportStatusOutcome*}\n\x0cInstanceRole\x12\x1d\n\x19INSTANCE_ROLE_UNSPECIFIED\x10\x00\x12\x19\n\x15INSTANCE_ROLE_NEUTRAL\x10\x01\x12\x19\n\x15INSTANCE_ROLE_PREFILL\x10\x02\x12\x18\n\x14INSTANCE_ROLE_DECODE\x10\x03\x32\xb9\x04\n\x0f\x43lusterMetadata\x12\x61\n\x10RegisterInstance\x12%.slorouter.v1.RegisterInstanceRequest\x1a&.slorouter.v1.RegisterInstanceResponse\x12U\n\x0cReportStatus\x12!.slorouter.v1.ReportStatusRequest\x1a\".slorouter.v1.ReportStatusResponse\x12g\n\x12\x44\x65registerInstance\x12\'.slorouter.v1.DeregisterInstanceRequest\x1a(.slorouter.v1.DeregisterInstanceResponse\x12P\n\x0eGetClusterView\x12#.slorouter.v1.GetClusterViewRequest\x1a\x19.slorouter.v1.ClusterView\x12T\n\x10WatchClusterView\x12#.slorouter.v1.GetClusterViewRequest\x1a\x19.slorouter.v1.ClusterView0\x01\x12[\n\x0eReportStatuses\x12#.slorouter.v1.ReportStatusesRequest\x1a$.slorouter.v1.ReportStatusesResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_INSTANCEMETADATA_LABELSENTRY']._loaded_options = None
   _globals['_INSTANCEMETADATA_LABELSENTRY']._serialized_options = b'8\001'
-  _globals['_INSTANCEROLE']._serialized_start=1989
-  _globals['_INSTANCEROLE']._serialized_end=2114
+  _globals['_INSTANCEROLE']._serialized_start=2071
+  _globals['_INSTANCEROLE']._serialized_end=2196
   _globals['_INSTANCEMETADATA']._serialized_start=41
   _globals['_INSTANCEMETADATA']._serialized_end=446
   _globals['_INSTANCEMETADATA_LABELSENTRY']._serialized_start=401
@@ -42,31 +42,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STEPSAMPLE']._serialized_start=448
   _globals['_STEPSAMPLE']._serialized_end=565
   _globals['_INSTANCESTATUS']._serialized_start=568
-  _globals['_INSTANCESTATUS']._serialized_end=1047
-  _globals['_INSTANCESTATE']._serialized_start=1050
-  _globals['_INSTANCESTATE']._serialized_end=1204
-  _globals['_CLUSTERVIEW']._serialized_start=1207
-  _globals['_CLUSTERVIEW']._serialized_end=1352
-  _globals['_REGISTERINSTANCEREQUEST']._serialized_start=1354
-  _globals['_REGISTERINSTANCEREQUEST']._serialized_end=1429
-  _globals['_REGISTERINSTANCERESPONSE']._serialized_start=1431
-  _globals['_REGISTERINSTANCERESPONSE']._serialized_end=1494
-  _globals['_REPORTSTATUSREQUEST']._serialized_start=1496
-  _globals['_REPORTSTATUSREQUEST']._serialized_end=1563
-  _globals['_REPORTSTATUSRESPONSE']._serialized_start=1565
-  _globals['_REPORTSTATUSRESPONSE']._serialized_end=1605
-  _globals['_DEREGISTERINSTANCEREQUEST']._serialized_start=1607
-  _globals['_DEREGISTERINSTANCEREQUEST']._serialized_end=1655
-  _globals['_DEREGISTERINSTANCERESPONSE']._serialized_start=1657
-  _globals['_DEREGISTERINSTANCERESPONSE']._serialized_end=1702
-  _globals['_GETCLUSTERVIEWREQUEST']._serialized_start=1704
-  _globals['_GETCLUSTERVIEWREQUEST']._serialized_end=1763
-  _globals['_REPORTSTATUSESREQUEST']._serialized_start=1765
-  _globals['_REPORTSTATUSESREQUEST']._serialized_end=1836
-  _globals['_REPORTSTATUSOUTCOME']._serialized_start=1838
-  _globals['_REPORTSTATUSOUTCOME']._serialized_end=1908
-  _globals['_REPORTSTATUSESRESPONSE']._serialized_start=1910
-  _globals['_REPORTSTATUSESRESPONSE']._serialized_end=1987
-  _globals['_CLUSTERMETADATA']._serialized_start=2117
-  _globals['_CLUSTERMETADATA']._serialized_end=2686
+  _globals['_INSTANCESTATUS']._serialized_end=1129
+  _globals['_INSTANCESTATE']._serialized_start=1132
+  _globals['_INSTANCESTATE']._serialized_end=1286
+  _globals['_CLUSTERVIEW']._serialized_start=1289
+  _globals['_CLUSTERVIEW']._serialized_end=1434
+  _globals['_REGISTERINSTANCEREQUEST']._serialized_start=1436
+  _globals['_REGISTERINSTANCEREQUEST']._serialized_end=1511
+  _globals['_REGISTERINSTANCERESPONSE']._serialized_start=1513
+  _globals['_REGISTERINSTANCERESPONSE']._serialized_end=1576
+  _globals['_REPORTSTATUSREQUEST']._serialized_start=1578
+  _globals['_REPORTSTATUSREQUEST']._serialized_end=1645
+  _globals['_REPORTSTATUSRESPONSE']._serialized_start=1647
+  _globals['_REPORTSTATUSRESPONSE']._serialized_end=1687
+  _globals['_DEREGISTERINSTANCEREQUEST']._serialized_start=1689
+  _globals['_DEREGISTERINSTANCEREQUEST']._serialized_end=1737
+  _globals['_DEREGISTERINSTANCERESPONSE']._serialized_start=1739
+  _globals['_DEREGISTERINSTANCERESPONSE']._serialized_end=1784
+  _globals['_GETCLUSTERVIEWREQUEST']._serialized_start=1786
+  _globals['_GETCLUSTERVIEWREQUEST']._serialized_end=1845
+  _globals['_REPORTSTATUSESREQUEST']._serialized_start=1847
+  _globals['_REPORTSTATUSESREQUEST']._serialized_end=1918
+  _globals['_REPORTSTATUSOUTCOME']._serialized_start=1920
+  _globals['_REPORTSTATUSOUTCOME']._serialized_end=1990
+  _globals['_REPORTSTATUSESRESPONSE']._serialized_start=1992
+  _globals['_REPORTSTATUSESRESPONSE']._serialized_end=2069
+  _globals['_CLUSTERMETADATA']._serialized_start=2199
+  _globals['_CLUSTERMETADATA']._serialized_end=2768
 # @@protoc_insertion_point(module_scope)

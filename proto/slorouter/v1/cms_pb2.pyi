@@ -178,6 +178,7 @@ class InstanceStatus(_message.Message):
     EPOCH_FIELD_NUMBER: _builtins.int
     CACHE_HIT_RATE_FIELD_NUMBER: _builtins.int
     NUM_PREEMPTIONS_FIELD_NUMBER: _builtins.int
+    NUM_PREEMPTION_RECOMPUTE_TOKENS_FIELD_NUMBER: _builtins.int
     instance_id: _builtins.str
     update_id: _builtins.int
     """Increases with every real change; an equal or older id is a heartbeat.
@@ -218,6 +219,14 @@ class InstanceStatus(_message.Message):
     within a registration. Unset (not 0) from an engine that does not say
     (vLLM's own gRPC GetLoads carries no such count).
     """
+    num_preemption_recompute_tokens: _builtins.int
+    """Prompt and generated tokens the engine computed again for preempted
+    requests when it took them back, less those its prefix cache still held
+    (vLLM's prefix-cache stats: preempted_queries - preempted_hits), since the
+    engine started; cumulative like num_preemptions. What preemptions cost in
+    prefill work: behind a cached prefix a preemption recomputes little.
+    Unset from an engine that does not say.
+    """
     @_builtins.property
     def admitted_request_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Requests the engine admitted recently (for in-flight reconciliation)."""
@@ -243,13 +252,19 @@ class InstanceStatus(_message.Message):
         epoch: _builtins.int = ...,
         cache_hit_rate: _builtins.float = ...,
         num_preemptions: _builtins.int | None = ...,
+        num_preemption_recompute_tokens: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_num_preemptions", b"_num_preemptions", "num_preemptions", b"num_preemptions"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_num_preemption_recompute_tokens", b"_num_preemption_recompute_tokens", "_num_preemptions", b"_num_preemptions", "num_preemption_recompute_tokens", b"num_preemption_recompute_tokens", "num_preemptions", b"num_preemptions"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_num_preemptions", b"_num_preemptions", "admitted_request_ids", b"admitted_request_ids", "cache_hit_rate", b"cache_hit_rate", "epoch", b"epoch", "instance_id", b"instance_id", "num_decode_requests", b"num_decode_requests", "num_decode_tokens", b"num_decode_tokens", "num_preemptions", b"num_preemptions", "num_running_requests", b"num_running_requests", "num_uncomputed_prefill_tokens", b"num_uncomputed_prefill_tokens", "num_used_kv_tokens", b"num_used_kv_tokens", "num_waiting_requests", b"num_waiting_requests", "schedulable", b"schedulable", "step_samples", b"step_samples", "timestamp_ms", b"timestamp_ms", "unschedulable_reason", b"unschedulable_reason", "update_id", b"update_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_num_preemption_recompute_tokens", b"_num_preemption_recompute_tokens", "_num_preemptions", b"_num_preemptions", "admitted_request_ids", b"admitted_request_ids", "cache_hit_rate", b"cache_hit_rate", "epoch", b"epoch", "instance_id", b"instance_id", "num_decode_requests", b"num_decode_requests", "num_decode_tokens", b"num_decode_tokens", "num_preemption_recompute_tokens", b"num_preemption_recompute_tokens", "num_preemptions", b"num_preemptions", "num_running_requests", b"num_running_requests", "num_uncomputed_prefill_tokens", b"num_uncomputed_prefill_tokens", "num_used_kv_tokens", b"num_used_kv_tokens", "num_waiting_requests", b"num_waiting_requests", "schedulable", b"schedulable", "step_samples", b"step_samples", "timestamp_ms", b"timestamp_ms", "unschedulable_reason", b"unschedulable_reason", "update_id", b"update_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__num_preemption_recompute_tokens: _TypeAlias = _typing.Literal["num_preemption_recompute_tokens"]  # noqa: Y015
+    _WhichOneofArgType__num_preemption_recompute_tokens: _TypeAlias = _typing.Literal["_num_preemption_recompute_tokens", b"_num_preemption_recompute_tokens"]  # noqa: Y015
     _WhichOneofReturnType__num_preemptions: _TypeAlias = _typing.Literal["num_preemptions"]  # noqa: Y015
     _WhichOneofArgType__num_preemptions: _TypeAlias = _typing.Literal["_num_preemptions", b"_num_preemptions"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__num_preemption_recompute_tokens) -> _WhichOneofReturnType__num_preemption_recompute_tokens | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__num_preemptions) -> _WhichOneofReturnType__num_preemptions | None: ...
 
 Global___InstanceStatus: _TypeAlias = InstanceStatus  # noqa: Y015

@@ -22,21 +22,24 @@ from router.core.dispatch import (
 )
 from router.core.queue import QueueConfig
 from router.core.request import ScheduleInput
-from router.core.slicing import SliceConfig
+from router.core.slicing import SliceConfig, slices_pay_recomputed
 from tests.router.core.helpers import inst, make_snapshot
 from tests.router.core.test_slice_dispatch import Engines
 
 NOW = 100.0
 
 
-def fleet_with(counts: dict[str, int | None]) -> ClusterSnapshot:
-    """Neutral instances whose statuses carry these cumulative preemption counts (None: not reported)."""
+def fleet_with(counts: dict[str, int | None], tokens: dict[str, int] | None = None) -> ClusterSnapshot:
+    """Neutral instances whose statuses carry these cumulative preemption counts (None: not reported)
+    and, for those in ``tokens``, the tokens their engines recomputed for the requests they preempted."""
     records = []
     for instance, count in counts.items():
         record = inst(instance, "neutral")
         assert record.status is not None
         if count is not None:
             record.status.num_preemptions = count
+        if tokens is not None and instance in tokens:
+            record.status.num_preemption_recompute_tokens = tokens[instance]
         records.append(record)
     return make_snapshot(*records)
 
@@ -163,3 +166,48 @@ def test_an_engine_restart_counts_from_its_new_start() -> None:
     fleet.current = fleet_with({"n0": 2, "n1": 0})  # n0 restarted: 2 since then
     list(d.handle(Completion("r0", 64), NOW + 1, fleet))
     assert d.decided and d.mode == "slice" and d.pilot_preemptions == 2
+
+
+def test_preemptions_behind_cached_prefixes_count_for_the_tokens_they_recompute() -> None:
+    # 3 preemptions over 20 requests of 256-token prompts (past one per ten), but the engines
+    # recomputed 300 tokens for them (the rest was in their prefix caches): 6 % of 5,120 prompt tokens.
+    fleet = Engines(fleet_with({"n0": 5, "n1": 0}, {"n0": 9_000, "n1": 0}))
+    d = auto(20)
+    pilot(d, fleet, 20)
+    fleet.current = fleet_with({"n0": 7, "n1": 1}, {"n0": 9_200, "n1": 100})
+    for k in range(20):
+        list(d.handle(Completion(f"r{k}", 64), NOW + 1, fleet))
+    assert d.decided and d.mode == "request" and d.pilot_preemptions == 3
+    assert d.pilot_recomputed_tokens == 300 and "recomputing 300 tokens (0.06 per prompt token)" in d.reason
+    # Unweighed (no instance says what its preemptions cost), the same count switches.
+    fleet = Engines(fleet_with({"n0": 5, "n1": 0}))
+    d = auto(20)
+    pilot(d, fleet, 20)
+    fleet.current = fleet_with({"n0": 7, "n1": 1})
+    list(d.handle(Completion("r0", 64), NOW + 1, fleet))
+    assert d.decided and d.mode == "slice"
+
+
+def test_a_long_request_preempted_weighs_more_than_its_count() -> None:
+    # One preemption over 20 requests (under one per ten), but it recomputed 1,500 tokens: 29 % of
+    # the prompt tokens dispatched.
+    fleet = Engines(fleet_with({"n0": 0, "n1": 0}, {"n0": 0, "n1": 0}))
+    d = auto(20)
+    pilot(d, fleet, 20)
+    fleet.current = fleet_with({"n0": 1, "n1": 0}, {"n0": 1_500, "n1": 0})
+    list(d.handle(Completion("r0", 64), NOW + 1, fleet))
+    assert d.decided and d.mode == "slice" and d.pilot_preemptions == 1
+
+
+def test_the_raw_count_decides_where_an_instance_does_not_say_what_its_preemptions_cost() -> None:
+    fleet = Engines(fleet_with({"n0": 0, "n1": 0}, {"n0": 0}))
+    d = auto(20)
+    pilot(d, fleet, 20)
+    fleet.current = fleet_with({"n0": 1, "n1": 1}, {"n0": 10})  # 10 tokens, but n1 does not say
+    list(d.handle(Completion("r0", 64), NOW + 1, fleet))
+    assert d.decided and d.mode == "slice" and "recomputing" not in d.reason
+
+
+def test_slices_pay_from_a_quarter_of_the_prompt_tokens_recomputed() -> None:
+    assert slices_pay_recomputed(250, 1000) and not slices_pay_recomputed(249, 1000)
+    assert not slices_pay_recomputed(100, 0)

@@ -47,11 +47,14 @@ def test_the_preemption_column_is_the_status_count_and_nan_where_none_is_reporte
     counted, unreported = inst("a", "neutral"), inst("b", "neutral")
     assert counted.status is not None
     counted.status.num_preemptions = 7
+    counted.status.num_preemption_recompute_tokens = 1200
     snap = make_snapshot(counted, unreported, inst("c", "neutral", status=False))
     builder = ViewBuilder(default_max_num_batched_tokens=1024)
     table = builder.table(snap)
     assert table.preemptions is not None
     assert table.preemptions[0] == 7 and math.isnan(table.preemptions[1]) and math.isnan(table.preemptions[2])
+    tokens = table.preemption_recompute_tokens
+    assert tokens is not None and tokens[0] == 1200 and math.isnan(tokens[1]) and math.isnan(tokens[2])
     # Rebuilt incrementally (only the changed status read again): the same column.
     zero = inst("b", "neutral", update_id=2)
     assert zero.status is not None

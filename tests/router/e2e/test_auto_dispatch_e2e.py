@@ -15,7 +15,7 @@ from tests.router.e2e.cluster import collect, embedded_cluster, generate_request
 from tests.router.e2e.test_slicing_e2e import REPO, expected_tokens
 
 SLICES = SliceConfig(slice_tokens=16, interval_ms=20.0, recompute_share=None)
-#: Two sim workers of 1,024 KV tokens each: 24 requests of 64 + 120 tokens at once preempt.
+#: Two sim workers of 1,024 KV tokens each: 40 requests of 64 + 120 tokens at once preempt.
 STARVED = {"kv_capacity_tokens": 1024, "max_model_len": 1024, "speed_factor": 20.0}
 
 
@@ -31,7 +31,7 @@ async def test_a_kv_starved_fleet_switches_to_slices_and_every_request_completes
         assert isinstance(dispatcher, Auto) and dispatcher.mode == "request"
         registry = cluster.router.observer.registry
         assert registry.get_sample_value("slo_router_dispatch_mode", {"mode": "request"}) == 1.0
-        first = [generate_request(64, 120, request_id=f"a{i}") for i in range(24)]
+        first = [generate_request(64, 120, request_id=f"a{i}") for i in range(40)]
         results = await asyncio.gather(*(collect(cluster.stub, r) for r in first))
         for request, result in zip(first, results, strict=True):
             assert result.tokens == expected_tokens(request)  # whole, through the preemptions
