@@ -610,7 +610,7 @@ class Qlm:
         if isinstance(event, Arrival):
             if not self._is_stream(event.request):
                 return self._handle(event, now, fleet)
-            if self.setup.qlm.streams == "auto" and qlm.e2e_seen(now):
+            if self.setup.qlm.streams == "auto" and qlm.takes_stream(event.request, now):
                 return self._handle(event, now, fleet)
             qlm.observe_stream(event.request, now)
             return itertools.chain(

@@ -200,8 +200,10 @@ class QlmConfig(FlagFields):
             "queue does; the virtual queues then hold the e2e-judged groups, the paper's scope, and count "
             "the streams running beside them) or auto (qlm while an e2e-judged request arrived in the "
             "last 30 s, else edf: with no e2e work the virtual queues have nothing to plan, and chat "
-            "alone met 2.6 points less under qlm). Use edf for streams past capacity beside a "
-            "mid-deadline e2e class (long-prompt streams + 45 s reports: 1.3 points behind edf where "
+            "alone met 2.6 points less under qlm; edf too for a stream the prefix index finds part of "
+            "cached, --prefix-cache-routing not off: the slo placement prices its cached prefix "
+            "and the engine's backlog, Mooncake conversations met 76.5 against 68.9, edf 80.4). Use edf for "
+            "streams past capacity beside a mid-deadline e2e class (long-prompt streams + 45 s reports: 1.3 points behind edf where "
             "qlm is 6.5); auto elsewhere (edf beside long-deadline batch work: 2.5-6 points behind, "
             "docs/papers.md)",
             "--qlm-streams",
@@ -1213,6 +1215,9 @@ class QlmQueue:
         #: Arrival times of the streams of the last :data:`STREAM_MEMORY_S` (bounded), and the mean
         #: KV tokens (prompt + expected output) and expected output of a stream (exponential averages).
         self._stream_times: deque[float] = deque(maxlen=STREAM_TIMES_MAX)
+        #: When a stream last arrived beside e2e work that the router queue places (:meth:`observe_stream`;
+        #: -inf: none).
+        self._placed_stream_s = -math.inf
         #: Per instance: the running batch's ends at the mean with each request's KV at its end, as of
         #: (now, batch changes, statistics version, estimator's step) (see :meth:`_kv_wait_s`).
         self._kv_ends: dict[int, tuple[tuple[float, int, int, float], list[tuple[float, float, float]]]] = {}
@@ -1326,6 +1331,10 @@ class QlmQueue:
         """A TTFT-judged request arrived that another queue orders and places (``--qlm-streams edf``): the
         e2e pulls keep the room and the step the streams expected need (:meth:`stream_reserve`,
         :meth:`stream_tpot_ms`) as when the virtual queues hold them."""
+        if self.e2e_seen(now_s):
+            # Beside e2e work (``edf``, or ``auto`` for a prompt the prefix index looks up): the e2e pulls
+            # leave these streams to the ``slo`` placement's rules (:meth:`_room`).
+            self._placed_stream_s = now_s
         self._observe_stream(self.make(request, now_s), now_s)
 
     def _observe_stream(self, r: QlmRequest, now_s: float) -> None:
@@ -1377,6 +1386,25 @@ class QlmQueue:
         """Whether an e2e-judged request arrived in the last :data:`STREAM_MEMORY_S` (``--qlm-streams auto``
         hands a stream to the virtual queues only then)."""
         return any(now_s - v[0] <= STREAM_MEMORY_S for v in self._e2e_budgets.values())
+
+    def takes_stream(self, request: ScheduleInput, now_s: float) -> bool:
+        """Under ``--qlm-streams auto``: does TTFT-judged ``request`` go to the virtual queues (else to the
+        router queue and the ``slo`` placement)? Only while e2e work arrives (:meth:`e2e_seen`), and not
+        when the router's prefix index finds part of its prompt cached on an instance.
+
+        A stream's first token costs the prefill its instance has not cached, behind the prefills queued
+        there: the ``slo`` placement predicts both from the engine's own backlog and the prefix index,
+        where the virtual queues price a prefill at the estimator's average batch and the backlog at
+        whole prompts. On conversations whose history is cached (the Mooncake trace, 1 s TTFT on prompts
+        up to 8k beside 60 s long-prompt work) streams placed by the virtual queues met 67.4 % where
+        ``edf`` met 82.8, most missing their first token by 0.1-2 s on an instance taken because its
+        queue was empty (docs/papers.md)."""
+        if not self.e2e_seen(now_s):
+            return False
+        if self.cached_prompt is None or not request.prefix_hashes:
+            return True
+        column = self.cached_prompt(request)
+        return not column or max(column) <= 0.0
 
     def stream_tpot_ms(self, now_s: float) -> float:
         """The tightest TPOT target of the streams that arrived in the last :data:`STREAM_MEMORY_S` (inf: none)."""
@@ -1879,7 +1907,13 @@ class QlmQueue:
         # router queue hands the streams the room that frees first anyway (its pass runs before the
         # e2e pulls), as ``edf`` does; a stream that cannot wait goes late there and is refused.
         # Held past capacity too, rag + reports lost 9 points to edf (reports 50.9 %, docs/papers.md).
-        hybrid = self.config.streams == "edf"
+        # The streams are the ``slo`` placement's: every one under ``--qlm-streams edf``, and under ``auto``
+        # while one it hands there arrived lately (:meth:`takes_stream`).
+        hybrid = self.config.streams == "edf" or (
+            now_s is not None
+            and now_s - self._placed_stream_s <= STREAM_MEMORY_S
+            and self.config.streams == "auto"
+        )
         seqs, tokens = (
             self.stream_reserve(i, now_s)
             if r.e2e_only and now_s is not None and not (hybrid and any(self.expected_missing.values()))

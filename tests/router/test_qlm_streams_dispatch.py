@@ -89,7 +89,8 @@ async def test_a_stream_cancelled_in_the_router_queue_leaves_no_trace() -> None:
 async def test_auto_hands_streams_to_the_router_queue_until_e2e_work_arrives() -> None:
     # --qlm-streams auto (the default): with no e2e-judged request seen lately a stream waits in the
     # router queue (nothing for the virtual queues to plan); once one has arrived, the next stream joins
-    # the virtual queues beside it. Every request is answered once and nothing stays behind.
+    # the virtual queues beside it unless the prefix index finds its prompt cached. Every request is
+    # answered once and nothing stays behind.
     source = Source(BUSY)
     admission, observer = router_driver("qlm", source, qlm=QlmConfig())
     assert QlmConfig().streams == "auto"
@@ -98,7 +99,12 @@ async def test_auto_hands_streams_to_the_router_queue_until_e2e_work_arrives() -
     await asyncio.sleep(0)
     tasks["e1"] = asyncio.ensure_future(admission.place(e2e("e1")))
     await asyncio.sleep(0)
-    tasks["s2"] = asyncio.ensure_future(admission.place(request("s2")))
+    # A prompt the prefix index finds nowhere (every other request here sends the same 256 tokens).
+    fresh = dataclasses.replace(request("s2"), prompt_token_ids=tuple(range(2, 258)))
+    tasks["s2"] = asyncio.ensure_future(admission.place(fresh))
+    await asyncio.sleep(0)
+    # A prompt the index finds cached goes to the router queue and the slo placement, which prices it.
+    tasks["s3"] = asyncio.ensure_future(admission.place(request("s3")))
     await asyncio.sleep(0)
     qlm = dispatcher.qlm  # type: ignore[attr-defined]
     streams = dispatcher.streams  # type: ignore[attr-defined]
@@ -106,6 +112,8 @@ async def test_auto_hands_streams_to_the_router_queue_until_e2e_work_arrives() -
     assert "s0" not in qlm.queued
     assert "s2" in qlm.queued or "s2" in qlm.running[0]
     assert "s2" not in streams.queue
+    assert "s3" in streams.queue or "s3" in qlm.running[0]
+    assert "s3" not in qlm.queued
     source.current = IDLE
     placed = await answer_all(admission, tasks, lambda rid: None)
     assert len(placed) == len(tasks)

@@ -1787,3 +1787,50 @@ def test_a_group_goes_to_the_instance_that_alone_holds_most_of_its_prompt() -> N
     assert placed([0.0, 256.0, 0.0])[1] == -1  # under half the prompt: no home
     assert placed([1024.0, 1024.0, 1024.0])[1] == -1  # every instance holds it: no reason to prefer one
     assert placed(None)[1] == -1  # no prefix source
+
+
+def test_auto_hands_a_stream_the_prefix_index_finds_cached_to_the_router_queue() -> None:
+    # --qlm-streams auto: a stream joins the virtual queues only while e2e work arrives, and not when the
+    # router's prefix index finds part of its prompt cached (the slo placement, which prices the cached
+    # prefix, places it then).
+    q = QlmQueue(QlmConfig(eviction="off"), [stepped(), stepped()], 6000.0, 50.0, prefix_block_tokens=256)
+    cached = dataclasses.replace(tight("s0", arrival=1.0), prefix_hashes=(7, 8))
+    plain = tight("s1", arrival=1.0)
+    assert not q.takes_stream(plain, 1.0)  # no e2e work seen: the router queue's
+    q.push(loose_by("e0", 600.0), 0.0)
+    assert q.takes_stream(plain, 1.0) and q.takes_stream(cached, 1.0)  # no prefix source yet
+    column = [0.0, 0.0]
+    q.cached_prompt = lambda request: column
+    assert q.takes_stream(plain, 1.0)  # no block hashes: nothing for the index to look up
+    assert q.takes_stream(cached, 1.0)  # cached nowhere
+    column[1] = 256.0
+    assert q.takes_stream(plain, 1.0) and not q.takes_stream(cached, 1.0)
+    assert not q.takes_stream(cached, 1.0 + 60.0)  # and none once e2e work stopped arriving
+
+
+def test_under_auto_the_e2e_pulls_keep_the_bar_of_the_placement_the_streams_went_to() -> None:
+    # Streams with a 100 ms TPOT target arrive beside e2e requests that would miss waiting (no slack).
+    # Streams the virtual queues take leave those pulls bound by their own target (40 requests at 2.5 ms
+    # each, less the reserve); streams handed to the router queue (the prefix index finds part of their
+    # prompt cached) are placed by the slo policy, whose residents' filter admits one only while the
+    # batch keeps the router's default TPOT (50 ms: 20 requests), as under --qlm-streams edf.
+    def pulled(hashes: tuple[int, ...]) -> int:
+        q = QlmQueue(QlmConfig(eviction="off"), [stepped(per_request_s=0.0025)], 6000.0, 50.0)
+        q.cached_prompt = lambda request: [64.0]
+        q.push(loose_by("e", 10.0), 0.0)  # e2e work arrives
+        q.remove("e")
+        for k in range(20):
+            t = k * 0.5
+            s = dataclasses.replace(_slow_stream(f"s{k}", t), prefix_hashes=hashes)
+            if q.takes_stream(s, t):
+                assert q.push(s, t) is not None
+                q.remove(f"s{k}")
+            else:
+                q.observe_stream(s, t)
+        for k in range(50):
+            q.push(loose_by(f"l{k}", 10.0), 10.0)
+        out = q.pump(10.0)
+        q.check_invariants()
+        return len(out)
+
+    assert pulled((1, 2)) <= 20 < pulled(())
