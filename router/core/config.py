@@ -45,7 +45,7 @@ class SchedulerConfig:
             "no longer afford to wait is offered without theta's margin. Use it where the KV is short: it keeps "
             "its KV plan (at most a twentieth of least-requests' preemptions, up to 26 points above slo on "
             "KV-limited fleets) and slo-router plan needs fewer instances there; with ample KV and one "
-            "TPOT-judged class it only ties slo and least-requests. Not for a target above 95 % with a class "
+            "TPOT-judged class it only ties slo and least-requests. Not for a target above 95 per cent with a class "
             "judged by its deadline alone whose answers run long-tailed: such a request is packed at the pace "
             "of its class's learned 90th-percentile length, so the answers longer than that miss however large "
             "the fleet (plan --policy binpack may then find no fleet; slo spreads them)",
