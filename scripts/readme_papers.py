@@ -203,6 +203,15 @@ PAPERS = (
                 f"--neutral 4 --kv-capacity-tokens 32768 --workload {D}/aladdin-ops-runbooks-exports.json "
                 "--rates 6 --seed 31000",
             ),
+            Row(
+                "2 prefill + 2 decode, 48 shared prompt prefixes, prefix caches, 6 req/s",
+                f"--prefill 2 --decode 2 --workload {D}/hunt-ph48.json --rates 6 --seed 3109 "
+                "--prefix-cache-routing exact",
+            ),
+            Row(
+                "3 prefill + 3 decode, Azure conversation trace at 16 req/s",
+                "--prefill 3 --decode 3 --workload trace:../shared/traces/azure-conv-2023.csv --rates 16",
+            ),
         ),
         _binpack_cells,
     ),
