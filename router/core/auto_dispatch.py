@@ -32,6 +32,14 @@ composes two dispatchers behind the one contract:
   request dispatch stay with it and finish where they are: every event about a
   request goes to the dispatcher that took its arrival; view changes and timers
   go to both.
+- After the switch the instances are shared: the slice plan counts the
+  requests request dispatch placed there and that still run (each its prompt
+  and tokens so far, growing to its expected output, or ``max_tokens`` once
+  past it) beside its own slices
+  (:attr:`router.core.slicing.SliceScheduler.residents`), so its first batches
+  fit beside them instead of over-filling their KV; a preemption on an
+  instance they still share is theirs and leaves the plan's preemption cap
+  alone; each one's end lets the slices queued on its instance start.
 - If no instance reports a preemption count (an engine that does not count
   them, e.g. vLLM's own gRPC server behind ``slo-router agent``), it stays on
   request dispatch and logs once why.
@@ -72,6 +80,8 @@ from router.core.dispatch import (
 from router.core.errors import RouterError, SchedulingError
 from router.core.queue import RouterQueue
 from router.core.registry import Params
+from router.core.request import ScheduleInput
+from router.core.slice_dispatch import Sliced
 from router.core.slicing import slices_pay, slices_pay_recomputed
 
 logger = logging.getLogger(__name__)
@@ -103,7 +113,9 @@ class Auto:
         if not (math.isfinite(pilot_timeout_s) and pilot_timeout_s > 0):
             raise ValueError(f"pilot_timeout_s: must be a finite number > 0, got {pilot_timeout_s}")
         self.request = make_dispatcher(dataclasses.replace(setup, dispatcher=""))
-        self.slice = make_dispatcher(dataclasses.replace(setup, dispatcher=SLICE))
+        sliced = make_dispatcher(dataclasses.replace(setup, dispatcher=SLICE))
+        assert isinstance(sliced, Sliced)
+        self.slice = sliced
         #: As the dispatcher that takes the arrivals (the driver reads it per arrival).
         self.coalesce_arrivals = self.request.coalesce_arrivals
         self.pilot_requests = pilot_requests
@@ -135,6 +147,11 @@ class Auto:
         self.pilot_judged = 0
         #: The tokens the engines recomputed for the requests they preempted (where they say).
         self.pilot_recomputed_tokens = 0
+        #: Where request dispatch placed each request still running (instance id, its request):
+        #: after a switch the slice plan counts them beside its slices (:meth:`_residents`).
+        self._placed: dict[str, tuple[str, ScheduleInput]] = {}
+        self._fleet: Fleet | None = None
+        self.slice.residents = self._residents
 
     # ------------------------------------------------------------------ the contract
 
@@ -172,6 +189,7 @@ class Auto:
             warm(now, fleet)
 
     def handle(self, event: Event, now: float, fleet: Fleet) -> Iterable[Action]:
+        self._fleet = fleet
         if isinstance(event, Arrival):
             if self._pilot_start is None:
                 self._begin_pilot(now, fleet)
@@ -188,12 +206,20 @@ class Auto:
             # dispatcher would read the fleet for nothing).
             due = [d for d in (self.request, self.slice) if (w := d.wake_s()) is not None and w <= now]
             return self._watch(itertools.chain.from_iterable(d.handle(event, now, fleet) for d in due))
+        if isinstance(event, Preempted) and self.mode == SLICE and self._shared(event.instance_id):
+            # The slice plan counts request dispatch's requests there (_residents): a preemption
+            # beside them is theirs (whole requests over-filling the KV among themselves, the engine
+            # taking back its newest request), not the plan's, whose preemption cap it would shrink.
+            return self._watch(self.request.handle(event, now, fleet))
         if isinstance(event, (ViewChanged, Preempted)):
             return self._watch(
                 itertools.chain(self.request.handle(event, now, fleet), self.slice.handle(event, now, fleet))
             )
         if isinstance(event, Completion):
             owner = self._owner.pop(event.request_id, None)
+            placed = self._placed.pop(event.request_id, None)
+            if placed is not None and self.mode == SLICE:
+                self.slice.freed(placed[0])
             out = owner.handle(event, now, fleet) if owner is not None else []
             if not self.decided and self._pilot_start is not None:
                 self._pilot.discard(event.request_id)
@@ -206,6 +232,34 @@ class Auto:
         # Served: to the dispatcher that took the request (or request dispatch's, which sheds by it).
         return self._watch(self._owner.get(event.request_id, self.request).handle(event, now, fleet))
 
+    def _shared(self, instance: str) -> bool:
+        """Whether ``instance`` still runs requests request dispatch placed there."""
+        return any(where == instance for where, _ in self._placed.values())
+
+    def _residents(self, instance: str) -> list[tuple[float, float]]:
+        """The requests request dispatch placed on ``instance`` that still run there, as the slice plan
+        counts them (:attr:`router.core.slicing.SliceScheduler.residents`): the tokens each holds now
+        (its prompt and every token it has produced) and the steps to its expected end (its expected
+        output, or its ``max_tokens`` where that is unknown or passed, less what it produced)."""
+        fleet = self._fleet
+        out: list[tuple[float, float]] = []
+        if fleet is None:
+            return out
+        for where, request in self._placed.values():
+            if where != instance:
+                continue
+            produced = fleet.produced(request.request_id) or 0
+            expected = request.expected_output_tokens
+            limit = request.max_tokens
+            if expected > produced:
+                left = expected - produced
+            elif limit > produced:
+                left = limit - produced
+            else:
+                left = 1
+            out.append((float(request.prompt_tokens + produced), float(left)))
+        return out
+
     # ------------------------------------------------------------------ the pilot
 
     def _current(self) -> Dispatcher:
@@ -217,6 +271,10 @@ class Auto:
             outcome = action.outcome
             rid = action.request_id
             if outcome is Outcome.DISPATCH:
+                decision = action.decision
+                choice = None if decision is None else (decision.decode or decision.prefill)
+                if choice is not None and self._owner.get(rid) is self.request:
+                    self._placed[rid] = (choice.instance_id, action.request)
                 if not self.decided and rid not in self._seen:
                     self._seen.add(rid)
                     if self._pilot_dispatched < self.pilot_requests:
@@ -224,6 +282,7 @@ class Auto:
                         self._pilot.add(rid)
             elif outcome in (Outcome.REFUSE, Outcome.LEFT):
                 self._owner.pop(rid, None)
+                self._placed.pop(rid, None)
                 self._pilot.discard(rid)
             yield action
 

@@ -49,7 +49,7 @@ has produced: the router counts the tokens it relays, the simulator its engines'
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -136,6 +136,9 @@ class Sliced:
         self._freed: list[str] = []
         #: Slices placed (first and resumed), for reports.
         self.slices = 0
+        #: What each instance holds for requests another dispatcher placed there (``auto``: request
+        #: dispatch's before the switch), as :attr:`SliceScheduler.residents` reads it; None: none.
+        self.residents: Callable[[str], list[tuple[float, float]]] | None = None
 
     # ------------------------------------------------------------------ the contract
 
@@ -202,6 +205,11 @@ class Sliced:
             return out
         return []
 
+    def freed(self, instance: str) -> None:
+        """A request another dispatcher placed on ``instance`` ended: its queued slices may start
+        there at the next :class:`~router.core.dispatch.ViewChanged`."""
+        self._freed.append(instance)
+
     # ------------------------------------------------------------------ the scheduler
 
     def _neutral(self, fleet: Fleet, now: float) -> list[InstanceRecord]:
@@ -253,6 +261,7 @@ class Sliced:
             first = models[ids[0]]
             self.sched = SliceScheduler(self.config, first.serving, first.memory, ids)
             self.sched.progress = self._context_now
+            self.sched.residents = self.residents
         self.sched.set_models(models)
         self.sched.set_instances(ids)
         return self.sched

@@ -949,6 +949,11 @@ class SliceScheduler:
         #: far, by request key; None: unknown). With it the KV a running slice will still add is
         #: counted from its progress (:meth:`committed_kv`); without it, whole from its start.
         self.progress: Callable[[Hashable], int | None] | None = None
+        #: The driver's reader of the KV an instance holds for requests this scheduler did not place
+        #: (an instance shared with request dispatch: ``auto`` after its switch), as
+        #: :func:`kv_peak_of` takes them (tokens held now, steps to their expected end). The plan
+        #: counts them beside its own slices (:meth:`committed_kv`); None: it owns the instances' KV.
+        self.residents: Callable[[str], list[tuple[float, float]]] | None = None
         self.batches = 0
         self.schedule_points = 0
         self.resumed = 0
@@ -1030,9 +1035,23 @@ class SliceScheduler:
         (their start waits for their prefill, a delay nobody knows).
         """
         held = self._held(instance)
+        others = self._residents(instance)
         if held is None:
-            return float(self._planned_kv.get(instance, 0))
-        return kv_peak_of(held)
+            planned = float(self._planned_kv.get(instance, 0))
+            return planned + kv_peak_of(others) if others else planned
+        return kv_peak_of(held + others) if others else kv_peak_of(held)
+
+    def _residents(self, instance: str) -> list[tuple[float, float]]:
+        """The requests ``instance`` runs that this scheduler did not place (:attr:`residents`).
+
+        Under ``auto`` the requests request dispatch placed before the switch keep running where
+        they are, and a plan that counted only its own slices filled the KV they hold: the engines
+        preempted the slices beside them (304 preemptions after the switch where slices from the
+        start had none: docs/papers.md, seed 002). Counted at their peak with the slices (each
+        holds its context now and grows a token a step to its expected end), the slices fit beside
+        them and take their room as they end."""
+        read = self.residents
+        return read(instance) if read is not None else []
 
     def _held(self, instance: str) -> list[tuple[float, float]] | None:
         """The running slices of ``instance`` as :func:`kv_peak_of` takes them; None without progress."""
@@ -1202,13 +1221,16 @@ class SliceScheduler:
             return out
         running = self._running[instance]
         budget = self.budget_kv(instance)
+        # Requests placed by another dispatcher hold KV here too: a head is then checked for room
+        # even where no slice of this plan runs.
+        shared = bool(self._residents(instance))
         while queue:
             batch = queue[0]
             first = batch.requests[0]
             if len(batch.requests) == 1 and first.key in self._held_back:
                 # A resumed slice that found no room: it goes on as a running request's continuation
                 # (within the whole KV, shortened to the room), ahead of new work.
-                part = self._fitted(instance, first) if running else first
+                part = self._fitted(instance, first) if running or shared else first
                 if part is None:
                     break
                 self._held_back.discard(first.key)
@@ -1217,8 +1239,8 @@ class SliceScheduler:
                 started = SliceBatch((part,), batch.serve_ms, kv)
                 out.append((self._start(instance, started, now), started))
                 continue
-            if running:
-                if not self.config.overlap_batches:
+            if running or shared:
+                if running and not self.config.overlap_batches:
                     break
                 room = budget - self.committed_kv(instance)
                 if batch.kv_tokens > room and self.config.backfill and self._head_waited(first.key, now):
@@ -1434,13 +1456,14 @@ class SliceScheduler:
         memory = self.models(instance).memory
         ceiling = self.ceiling_kv(instance)
         held = self._held(instance) or []
+        others = self._residents(instance)
         ctx = following.context_tokens
 
         def peak(tokens: int) -> float:
             # Its context is held from now and grows a token a step to the slice's end: it weighs on
             # the instance's peak only while it runs, so a short slice fits where a long one does not.
             kv = memory.request_kv_tokens(ctx, tokens)
-            return kv_peak_of([*held, (float(kv - tokens), float(tokens))])
+            return kv_peak_of([*held, *others, (float(kv - tokens), float(tokens))])
 
         if self.progress is None:
             room = ceiling - self.committed_kv(instance)

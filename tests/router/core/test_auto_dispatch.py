@@ -17,6 +17,7 @@ from router.core.dispatch import (
     Completion,
     DispatchSetup,
     Outcome,
+    Preempted,
     Timer,
     make_dispatcher,
 )
@@ -211,3 +212,38 @@ def test_the_raw_count_decides_where_an_instance_does_not_say_what_its_preemptio
 def test_slices_pay_from_a_quarter_of_the_prompt_tokens_recomputed() -> None:
     assert slices_pay_recomputed(250, 1000) and not slices_pay_recomputed(249, 1000)
     assert not slices_pay_recomputed(100, 0)
+
+
+def test_after_the_switch_the_slice_plan_counts_the_whole_requests_still_running() -> None:
+    """The requests request dispatch placed before the switch keep running where they are: the slice
+    plan counts each beside its slices (its prompt and tokens so far, growing to its expected end),
+    a preemption beside them leaves the plan's preemption cap alone, and each one's end frees its
+    instance for the slices queued there."""
+    fleet = Engines(fleet_with({"n0": 0, "n1": 0}))
+    d = auto(10)
+    pilot(d, fleet, 10)
+    fleet.current = fleet_with({"n0": 3, "n1": 0})
+    list(d.handle(Completion("r0", 64), NOW + 1, fleet))
+    assert d.mode == "slice"
+    arrive(d, fleet, "s0", NOW + 2)
+    wake = d.wake_s()
+    assert wake is not None
+    list(d.handle(Timer(), max(wake, NOW + 2), fleet))
+    sched = d.slice.sched
+    assert sched is not None and sched.residents is not None
+    where = {rid: instance for rid, (instance, _) in d._placed.items()}
+    assert sorted(where) == [f"r{k}" for k in range(1, 10)]
+    fleet.tokens["r1"] = 10
+    held = sched.residents(where["r1"])
+    assert (256.0 + 10, 64.0 - 10) in held and (256.0, 64.0) in held
+    assert len(held) == sum(1 for i in where.values() if i == where["r1"])
+    # Their preemptions are not the plan's: its cap on that instance holds.
+    list(d.handle(Preempted(where["r1"]), NOW + 3, fleet))
+    assert sched.models(where["r1"]).memory_fit.zeta == 1.0
+    for k in range(1, 10):
+        list(d.handle(Completion(f"r{k}", 64), NOW + 4, fleet))
+    assert not d._placed and sched.residents(where["r1"]) == []
+    assert where["r1"] in d.slice._freed
+    # Alone with its slices again, a preemption there is the plan's.
+    list(d.handle(Preempted(where["r1"]), NOW + 5, fleet))
+    assert sched.models(where["r1"]).memory_fit.zeta < 1.0

@@ -610,3 +610,29 @@ def test_a_head_passed_for_its_intervals_starts_within_the_room_kept_for_running
     assert sched.committed_kv("a") <= memory.kv_capacity_tokens
     if wait is not None:
         assert sched.committed_kv("a") > memory.budget_tokens  # it took the room kept past the budget
+
+
+def test_a_plan_sharing_its_instance_counts_the_requests_another_dispatcher_placed_there() -> None:
+    """Requests another dispatcher placed (``auto``'s whole requests before its switch) hold KV on
+    the instance too: the first batch waits beside them while they fill it, even with no slice of
+    the plan running there, fits into the room they leave, and starts in full once they end."""
+    memory = MemoryModel(kv_capacity_tokens=4096, block_size=16, headroom=1.0)
+    sched = SliceScheduler(SliceConfig(), SERVING, memory, ["a"])
+    now: dict[str, int] = {}
+    sched.progress = now.get  # type: ignore[assignment]
+    # Two whole requests: 1,500 tokens held now each, 300 more to come (3,600 at their peak).
+    whole = [(1500.0, 300.0), (1500.0, 300.0)]
+    sched.residents = lambda instance: list(whole) if instance == "a" else []
+    sched.add(SliceRequest("s", 1000, 128))
+    sched.schedule()
+    assert sched.committed_kv("a") == pytest.approx(3600.0)
+    assert sched.admit("a") == []  # 1,136 tokens do not fit the 496 they leave
+    whole.pop()
+    [(_key, batch)] = sched.admit("a")  # one left: 1,800 at its peak, room for the slice
+    assert [r.key for r in batch.requests] == ["s"]
+    # Alone (no residents), the same plan takes the slice at once, as before.
+    alone = SliceScheduler(SliceConfig(), SERVING, memory, ["a"])
+    alone.progress = now.get  # type: ignore[assignment]
+    alone.add(SliceRequest("s", 1000, 128))
+    alone.schedule()
+    assert len(alone.admit("a")) == 1 and alone.committed_kv("a") == pytest.approx(1136.0)
