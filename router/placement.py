@@ -30,7 +30,7 @@ from router.core.errors import EmptyClusterError, InvalidRequestError, NoInstanc
 from router.core.health import OutlierDetector
 from router.core.lengths import LengthPredictor
 from router.core.lifecycle import Phase, RequestState
-from router.core.packing import expected_output_tokens, overpacked_mask
+from router.core.packing import binpacks, expected_output_tokens, overpacked_mask
 from router.core.plugins import Policy
 from router.core.protocols import VLLM_GRPC_SCHEME
 from router.core.queue import RouterQueue
@@ -245,6 +245,11 @@ class Placer:
         if prefix is not None and prompt_tokens is None:
             hashes = lookup_block_hashes(req.prompt_token_ids, prefix.chain_block_tokens, prefix.block_tokens)
         lengths = self.lengths.estimate(req.slo_class, len(req.prompt_token_ids), req.max_tokens)
+        censored = 0
+        if req.e2e_slo_ms > 0 and req.tpot_slo_ms <= 0 and binpacks(self.scheduler.config):
+            censored = self.lengths.censored_bound(
+                req.slo_class, len(req.prompt_token_ids), self._class_reached(req.slo_class), req.max_tokens
+            )
         return ScheduleInput(
             request_id=req.request_id,
             prompt_tokens=len(req.prompt_token_ids) if prompt_tokens is None else prompt_tokens,
@@ -258,6 +263,7 @@ class Placer:
             output_tokens_bound=lengths.bound_tokens,
             output_tokens_prior=lengths.samples == 0,
             output_tokens_pooled=lengths.source == "all",
+            output_tokens_bound_censored=censored,
             max_tokens=req.max_tokens,
             priority=req.priority,
             slo_class=req.slo_class,
@@ -582,6 +588,18 @@ class Placer:
         self._leg_keys.pop(request_id, None)
 
     # ------------------------------------------------------------------ resident legs' lengths
+
+    def _class_reached(self, slo_class: str) -> list[int]:
+        """The output tokens each resident leg of ``slo_class`` this router holds has produced so far
+        (those with any): the lower bounds of :meth:`LengthPredictor.censored_bound`."""
+        inflight, keys = self.scheduler.inflight, self._leg_keys
+        out: list[int] = []
+        for instance_id in inflight.resident_instances():
+            for r, context, _ in inflight.resident_progress(instance_id):
+                key = keys.get(r)
+                if key is not None and key[0] == slo_class and context > key[3]:
+                    out.append(context - key[3])
+        return out
 
     def _remember_leg(self, decision: Decision) -> None:
         """Keep what a placed decode leg's expected length is re-estimated by (see :meth:`refresh_residents`)."""

@@ -149,7 +149,7 @@ from router.core.dispatch import (
 )
 from router.core.errors import LateError, SchedulingError, status_name
 from router.core.lengths import LengthConfig, LengthPredictor
-from router.core.packing import resident_tpot_pacing
+from router.core.packing import binpacks, resident_tpot_pacing
 from router.core.plugins import Policy
 from router.core.predictors import PredictorSet
 from router.core.prefix import ExactPrefixIndex, PrefixRouting
@@ -1107,6 +1107,7 @@ class _Simulation:
                 self._handle(ViewChanged(), now)
             return
         pooled = False
+        censored = 0
         if self.oracle_lengths:
             r.expected = bound = self._true_length(idx, 0)
         else:
@@ -1114,6 +1115,13 @@ class _Simulation:
             r.expected = estimate.tokens
             bound = estimate.bound_tokens
             pooled = estimate.source == "all"
+            if plan.slo.e2e_ms and not plan.slo.tpot_ms and binpacks(self.scheduler.config):
+                censored = self.lengths.censored_bound(
+                    plan.class_name,
+                    plan.prompt_tokens,
+                    self._class_reached(plan.class_name, now),
+                    plan.max_tokens,
+                )
         if self.oracle_lengths:
             mean, learned = float(r.expected), True
         else:
@@ -1139,6 +1147,7 @@ class _Simulation:
             output_tokens_bound=bound,
             output_tokens_prior=not learned,
             output_tokens_pooled=pooled,
+            output_tokens_bound_censored=censored,
             max_tokens=plan.max_tokens,
             priority=plan.priority,
             slo_class=plan.class_name,
@@ -1646,6 +1655,24 @@ class _Simulation:
                 out.append((float(prompt), float(max(final - prompt, 0)), False, cached))
             else:
                 out.append((float(found[0] + s), next(remaining), found[2], cached))
+        return out
+
+    def _class_reached(self, slo_class: str, now: float) -> list[int]:
+        """The output tokens each running answer of ``slo_class`` has produced so far (those with
+        any): the lower bounds of :meth:`LengthPredictor.censored_bound`."""
+        out: list[int] = []
+        classes, prompts, rids = self.class_of, self.prompt_of, self.rids
+        for i, on in enumerate(self.resident_on):
+            mine = [idx for idx in on if classes[idx] == slo_class]
+            if not mine:
+                continue
+            run = self.runs[i]
+            s = run.steps_done(now) if run is not None else 0
+            for idx, found in zip(
+                mine, self.cores[i].decode_progress_many([rids[idx] for idx in mine]), strict=True
+            ):
+                if found is not None and found[0] + s - prompts[idx] > 0:
+                    out.append(found[0] + s - prompts[idx])
         return out
 
     def _inflight(self, i: int, sign: int, prompt_tokens: int) -> None:

@@ -253,6 +253,39 @@ class LengthPredictor:
             total = min(total, float(max_tokens))
         return max(total - generated, 1.0)
 
+    def censored_bound(
+        self, slo_class: str, prompt_tokens: int, reached: Sequence[float], max_tokens: int = 0
+    ) -> int:
+        """The :attr:`LengthConfig.quantile` of the class's output with its running answers counted
+        as lower bounds (``reached``: the tokens each has produced so far; Kaplan–Meier,
+        :func:`censored_distribution`), at least the finished answers' own quantile; 0 when the class
+        has no finished answer of its own, or too few for an estimate and none running.
+
+        The finished answers alone are the short ones while the class's long answers still run
+        (the first minutes of a run whose answers take tens of seconds): their quantile is biased
+        short, and a policy pacing a deadline by it under-provisions the long answers. Only a
+        caller asking for it pays the estimate (``binpack``'s deadline pace).
+        """
+        found = self._answer(slo_class, prompt_tokens)
+        if found is None or found[1] == "all":
+            # Too few of the class's own answers have finished for an estimate: its finished ones
+            # and its running ones together, once one has finished and one runs.
+            own = self._windows.get((slo_class, _ALL_BUCKETS))
+            if own is None or not own.samples or not reached:
+                return 0
+            found = (own, "class")
+        window = found[0]
+        cap = float(max_tokens) if max_tokens > 0 else math.inf
+        plain = window.quantile(self.config.quantile)
+        if not reached:
+            value = plain
+        else:
+            dist = censored_distribution(list(window.samples), [float(r) for r in reached], cap)
+            value = max(plain, dist.quantile(self.config.quantile))
+        if max_tokens > 0:
+            value = min(value, float(max_tokens))
+        return max(1, math.ceil(value))
+
     def remaining_many(
         self,
         slo_classes: Sequence[str],
@@ -343,6 +376,16 @@ class LengthDistribution:
     def moments(self) -> tuple[float, float]:
         """(mean, standard deviation)."""
         return self.given(-math.inf)
+
+    def quantile(self, q: float) -> float:
+        """The smallest point with at least a ``q`` share of the mass at or below it (a tail piece
+        at its middle)."""
+        total = 0.0
+        for value, mass in zip(self.values, self.masses, strict=True):
+            total += mass
+            if total >= q - 1e-12:
+                return value
+        return self.values[-1] if self.values else 0.0
 
     def given(self, reached: float, cap: float = math.inf) -> tuple[float, float]:
         """(mean, standard deviation) of a length known to exceed ``reached`` (a running request).

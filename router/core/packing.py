@@ -151,7 +151,9 @@ def ttft_need_ms(ctx: DecisionContext) -> float:
     return ctx.ttft_slo_ms
 
 
-def packing_tpot_target_ms(ctx: DecisionContext, default_output_tokens: int, factor: float = 1.0) -> float:
+def packing_tpot_target_ms(
+    ctx: DecisionContext, default_output_tokens: int, factor: float = 1.0, *, unknown_lengths: bool = False
+) -> float:
     """The TPOT target a packed placement is held to (before ``factor``, the bin-packing threshold).
 
     The request's TPOT target in force. A request judged only end to end (an
@@ -173,13 +175,20 @@ def packing_tpot_target_ms(ctx: DecisionContext, default_output_tokens: int, fac
     default profile) is a lost cause for that length: the next, shorter length
     is tried, and with none left the request keeps the TPOT target in force,
     as packing tighter for it would only open fresh instances for requests
-    that miss anyway.
+    that miss anyway. With ``unknown_lengths`` (the ``binpack`` policy), a request whose class's
+    lengths are not learned yet is also tried at :func:`_unknown_class_length`, and ``out`` is at
+    least the bound with the class's running answers counted (``output_tokens_bound_censored``).
     """
-    return _paced(ctx, ctx.tpot_slo_ms, default_output_tokens, factor)[0]
+    return _paced(ctx, ctx.tpot_slo_ms, default_output_tokens, factor, unknown_lengths=unknown_lengths)[0]
 
 
 def _paced(
-    ctx: DecisionContext, target: float, default_output_tokens: int, factor: float
+    ctx: DecisionContext,
+    target: float,
+    default_output_tokens: int,
+    factor: float,
+    *,
+    unknown_lengths: bool = False,
 ) -> tuple[float, bool, float]:
     """:func:`packing_tpot_target_ms` with ``target`` as the TPOT target in force, whether the
     result is a deadline's pace (over ``factor``) rather than ``target``, and the output length
@@ -189,14 +198,22 @@ def _paced(
         return target, False, math.nan
     expected = expected_output_tokens(request, default_output_tokens)
     lengths = [expected]
-    if request.output_tokens_bound > expected:
-        lengths.insert(0, request.output_tokens_bound)
+    # The class's running answers counted as lower bounds, where they make the bound longer (the
+    # finished answers alone are the short ones while the class's long answers still run).
+    bound = request.output_tokens_bound
+    if unknown_lengths:
+        bound = max(bound, request.output_tokens_bound_censored)
+    if bound > expected:
+        lengths.insert(0, bound)
     ttft = max(ttft_need_ms(ctx), 0.0)
     if ctx.predictors is not None:
         predicted = ctx.metric("predicted_ttft")
         if len(predicted) and not np.all(np.isnan(predicted)):
             ttft = float(np.nanmin(predicted))
     left = request.e2e_slo_ms - waited_ms(ctx)
+    unknown = _unknown_class_length(ctx, left - ttft, factor) if unknown_lengths else 0
+    if unknown > 1 and unknown not in lengths:
+        lengths = sorted([*lengths, unknown], reverse=True)
     for k, out in enumerate(lengths):
         paced = (left - ttft) / max(out - 1, 1)
         if paced >= target * factor:
@@ -217,6 +234,36 @@ def _paced(
             continue
         return paced / factor, True, float(max(out, 2))
     return target, False, math.nan
+
+
+def _unknown_class_length(ctx: DecisionContext, decode_ms: float, factor: float) -> int:
+    """The output length a deadline-only request is paced by while its class's lengths are unknown
+    (0: they are known, or no predictor): the longest answer, up to its ``max_tokens``, whose pace
+    over ``decode_ms`` leaves θ (``factor``) of margin over an idle instance's step.
+
+    The length predictor answers such a request with its prior (``max_tokens``) until the class has
+    finished answers, then with every class's answers pooled (``output_tokens_pooled``). The prior's
+    pace an idle instance cannot keep, and the pooled lengths are other classes' (short chat turns),
+    so both left the request at the router's TPOT target, 50 ms a token, the first 25 s of a run
+    (the class's first answers take that long to finish): a 40 s class of 900-token median answers
+    missed every answer past ~1,300 tokens there (docs/papers.md, Seed 001, C7). Aladdin's θ is the
+    margin it keeps against output-length error; with nothing learned of the length, the request is
+    taken as long as an instance at that margin over its idle step can still finish in time.
+    """
+    request = ctx.request
+    if (
+        request is None
+        or ctx.predictors is None
+        or not (request.output_tokens_prior or request.output_tokens_pooled)
+        or request.max_tokens <= 1
+        or not decode_ms > 0
+        or not 0 < factor <= 1
+    ):
+        return 0
+    idle = ctx.predictors.default.predict_tpot_ms(1.0, ctx.prompt_tokens + request.max_tokens)
+    if not idle > 0:
+        return 0
+    return int(min(request.max_tokens, decode_ms * factor / idle + 1.0))
 
 
 def _best_horizon_ms(ctx: DecisionContext) -> float:
@@ -268,7 +315,19 @@ def resident_tpot_pacing(ctx: DecisionContext, config: SchedulerConfig) -> tuple
         # and (d) refused them), and the TPOT-judged requests arriving next lapsed in the router queue.
         return target, False, math.nan
     # Over the θ in force (the learned one): (b) then holds the horizon to θ × need = the pace itself.
-    return _paced(ctx, target, config.packing_default_output_tokens, live_theta(ctx, config))
+    return _paced(
+        ctx,
+        target,
+        config.packing_default_output_tokens,
+        live_theta(ctx, config),
+        unknown_lengths=binpacks(config),
+    )
+
+
+def binpacks(config: SchedulerConfig) -> bool:
+    """Whether ``config`` runs the ``binpack`` policy (its deadline pacing learns unknown lengths:
+    :func:`_unknown_class_length`, ``output_tokens_bound_censored``)."""
+    return config.scheduling_policy == "binpack" and not config.enable_adaptive_pd
 
 
 def live_theta(ctx: DecisionContext, config: SchedulerConfig) -> float:
@@ -685,7 +744,12 @@ def _horizon_over_need(ctx: DecisionContext, config: SchedulerConfig, *, spare_l
         # the requests already there, which (b) at their own needs and (d) protect here, and under
         # θ it held the newcomer to 0.56 of its target (4 neutral, translate at TPOT 40 ms: the
         # γ-horizon step under 22.4 ms, where `slo` places it under 32 ms and it meets 40).
-        offered = packing_tpot_target_ms(ctx, config.packing_default_output_tokens, live_theta(ctx, config))
+        offered = packing_tpot_target_ms(
+            ctx,
+            config.packing_default_output_tokens,
+            live_theta(ctx, config),
+            unknown_lengths=binpacks(config),
+        )
         own = max(offered, resident_tpot_need_ms(ctx, config))
         residents = residents_step_over_need(ctx, config, horizon, spare_lost=spare_lost)
         if residents is not None:
@@ -832,7 +896,8 @@ def legs_need_now(
     deadline leaves it now, over θ, re-made by the rule its placement followed
     (:func:`packing_tpot_target_ms`): over the tokens left to the length its pace was set by; where
     that pace is under ``step`` (per instance, the step its instance runs at without the newcomer),
-    over its expected remainder; and never below the need it recorded. Only loosened: a leg behind
+    over its expected remainder; and never below the need it recorded, except for a leg re-predicted
+    past the length its pace was set by (Algorithm 2, below). Otherwise only loosened: a leg behind
     its pace keeps the need it was placed with (held to the tighter pace now, and a lost cause for
     both lengths given the router's TPOT target, `mixed` at 18 req/s, seed 41, missed 95 % on 10
     instances by 2-3 requests; `plan` asked 12 where JSQ asks 11).
@@ -870,7 +935,19 @@ def legs_need_now(
     now = np.where(tail >= here, tail, np.where(expected >= here, expected, 0.0)) / theta
     if spare_lost:
         now = np.where(expected >= here, now, np.inf)
-    need[k] = np.maximum(need[k], now)
+    loosened = np.maximum(need[k], now)
+    # Algorithm 2's re-balancing: a leg whose answer the re-prediction (the conditional mean of the
+    # lengths past what it has produced, ``remaining``) now expects to run past the length it was
+    # paced for was under-estimated, and its instance holds new arrivals to the pace its deadline
+    # leaves it over that re-predicted remainder, tighter or looser than the pace it was placed
+    # with, while its instance can still keep it (a pace under ``step`` is a lost cause: as above).
+    outrun = legs.generated[k] + legs.remaining[k] > length
+    if np.any(outrun):
+        repredicted = np.where(expected >= here, expected / theta, need[k])
+        if spare_lost:
+            repredicted = np.where(expected >= here, repredicted, np.inf)
+        loosened = np.where(outrun, repredicted, loosened)
+    need[k] = loosened
     return need
 
 

@@ -104,6 +104,11 @@ class ScheduleInput:
     #: request's own class has too few yet): an estimate, but not of this request's kind, so a
     #: per-class profile that knows the class better wins over it (:class:`router.core.sa.TaskLengths`).
     output_tokens_pooled: bool = False
+    #: For a request judged by its e2e deadline alone: the length predictor's cautious bound with
+    #: the class's running answers counted as lower bounds
+    #: (:meth:`router.core.lengths.LengthPredictor.censored_bound`); 0 = not asked. ``binpack``
+    #: paces the deadline by it where it exceeds ``output_tokens_bound``.
+    output_tokens_bound_censored: int = 0
 
     def __init__(
         self,
@@ -124,6 +129,7 @@ class ScheduleInput:
         output_tokens_bound: int = 0,
         output_tokens_prior: bool = False,
         output_tokens_pooled: bool = False,
+        output_tokens_bound_censored: int = 0,
     ) -> None:
         # Written out (the dataclass keeps it): one dict instead of 13 frozen attribute sets, for an
         # object built once per decision. The fields and defaults are the dataclass's (tested).
@@ -148,6 +154,7 @@ class ScheduleInput:
                 "output_tokens_bound": output_tokens_bound,
                 "output_tokens_prior": output_tokens_prior,
                 "output_tokens_pooled": output_tokens_pooled,
+                "output_tokens_bound_censored": output_tokens_bound_censored,
             },
         )
         self.__post_init__()
