@@ -47,8 +47,9 @@ class SchedulerConfig:
             "KV-limited fleets) and slo-router plan needs fewer instances there; with ample KV and one "
             "TPOT-judged class it only ties slo and least-requests. Not for a target above 95 per cent with a class "
             "judged by its deadline alone whose answers run long-tailed: such a request is packed at the pace "
-            "of its class's learned 90th-percentile length, so the answers longer than that miss however large "
-            "the fleet (plan --policy binpack may then find no fleet; slo spreads them)",
+            "of its class's 90th-percentile length (its running answers counted as lower bounds), so the answers "
+            "longer than that miss however large the fleet (plan --policy binpack may then find no fleet; slo "
+            "spreads them)",
             "--scheduling-policy",
         ),
     )
