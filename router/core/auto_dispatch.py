@@ -147,9 +147,11 @@ class Auto:
         self.pilot_judged = 0
         #: The tokens the engines recomputed for the requests they preempted (where they say).
         self.pilot_recomputed_tokens = 0
-        #: Where request dispatch placed each request still running (instance id, its request):
-        #: after a switch the slice plan counts them beside its slices (:meth:`_residents`).
+        #: Where request dispatch placed each request still running (instance id, its request), and
+        #: those requests per instance: after a switch the slice plan counts them beside its slices
+        #: (:meth:`_residents`), read per instance at every pass.
         self._placed: dict[str, tuple[str, ScheduleInput]] = {}
+        self._placed_on: dict[str, dict[str, ScheduleInput]] = {}
         self._fleet: Fleet | None = None
         self.slice.residents = self._residents
 
@@ -217,9 +219,9 @@ class Auto:
             )
         if isinstance(event, Completion):
             owner = self._owner.pop(event.request_id, None)
-            placed = self._placed.pop(event.request_id, None)
+            placed = self._unplace(event.request_id)
             if placed is not None and self.mode == SLICE:
-                self.slice.freed(placed[0])
+                self.slice.freed(placed)
             out = owner.handle(event, now, fleet) if owner is not None else []
             if not self.decided and self._pilot_start is not None:
                 self._pilot.discard(event.request_id)
@@ -234,7 +236,7 @@ class Auto:
 
     def _shared(self, instance: str) -> bool:
         """Whether ``instance`` still runs requests request dispatch placed there."""
-        return any(where == instance for where, _ in self._placed.values())
+        return bool(self._placed_on.get(instance))
 
     def _residents(self, instance: str) -> list[tuple[float, float]]:
         """The requests request dispatch placed on ``instance`` that still run there, as the slice plan
@@ -245,9 +247,7 @@ class Auto:
         out: list[tuple[float, float]] = []
         if fleet is None:
             return out
-        for where, request in self._placed.values():
-            if where != instance:
-                continue
+        for request in self._placed_on.get(instance, {}).values():
             produced = fleet.produced(request.request_id) or 0
             expected = request.expected_output_tokens
             limit = request.max_tokens
@@ -259,6 +259,18 @@ class Auto:
                 left = 1
             out.append((float(request.prompt_tokens + produced), float(left)))
         return out
+
+    def _unplace(self, request_id: str) -> str | None:
+        """Forget where request dispatch placed ``request_id``; the instance it was on (None: none)."""
+        placed = self._placed.pop(request_id, None)
+        if placed is None:
+            return None
+        where = placed[0]
+        on = self._placed_on[where]
+        del on[request_id]
+        if not on:
+            del self._placed_on[where]
+        return where
 
     # ------------------------------------------------------------------ the pilot
 
@@ -274,7 +286,9 @@ class Auto:
                 decision = action.decision
                 choice = None if decision is None else (decision.decode or decision.prefill)
                 if choice is not None and self._owner.get(rid) is self.request:
+                    self._unplace(rid)
                     self._placed[rid] = (choice.instance_id, action.request)
+                    self._placed_on.setdefault(choice.instance_id, {})[rid] = action.request
                 if not self.decided and rid not in self._seen:
                     self._seen.add(rid)
                     if self._pilot_dispatched < self.pilot_requests:
@@ -282,7 +296,7 @@ class Auto:
                         self._pilot.add(rid)
             elif outcome in (Outcome.REFUSE, Outcome.LEFT):
                 self._owner.pop(rid, None)
-                self._placed.pop(rid, None)
+                self._unplace(rid)
                 self._pilot.discard(rid)
             yield action
 
