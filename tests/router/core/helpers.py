@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 from slorouter.v1 import cms_pb2
 
+from fleet.prefix import token_block_hashes
 from fleet.snapshot import ClusterSnapshot, InstanceRecord
 from predictor import Grid1D, Grid2D, LatencyPredictor, TpotProfile, TtftProfile
 from router.core.columns import ResidentLegs
@@ -152,6 +153,20 @@ def make_request(request_id: str = "r1", prompt_tokens: int = 256, **kw: Any) ->
 
 
 NOW = 100.0
+
+
+def binpack_with_cached_holder(routing: str) -> tuple[Scheduler, ScheduleInput]:
+    """A ``binpack`` scheduler under ``--prefix-cache-routing routing`` whose prefix index (where it has
+    one) records a 1,000-token prompt's blocks (256 tokens each) sent to instance "holder", and a
+    request for that prompt: "holder" has 768 of its tokens cached, every other instance none."""
+    hashes = token_block_hashes(list(range(1000)), 256)
+    scheduler = make_scheduler("binpack", prefix_cache_routing=routing, prefix_block_tokens=256)
+    if scheduler.prefix is not None:
+        scheduler.prefix.dispatched("holder", hashes, 100_000)
+    request = make_request(
+        "p", prompt_tokens=1000, prefix_hashes=hashes, max_tokens=64, ttft_slo_ms=5_000.0, tpot_slo_ms=200.0
+    )
+    return scheduler, request
 
 
 def busy_paced_leg(*, need_ms: float, spent_s: float, paced: bool = True) -> ResidentLegs:

@@ -10,10 +10,17 @@ from typing import Any
 import numpy as np
 import pytest
 
-from fleet.prefix import token_block_hashes
 from router.core.calibration import Correction
 from router.core.scheduler import Scheduler
-from tests.router.core.helpers import NOW, decoding, inst, make_request, make_scheduler, make_snapshot
+from tests.router.core.helpers import (
+    NOW,
+    binpack_with_cached_holder,
+    decoding,
+    inst,
+    make_request,
+    make_scheduler,
+    make_snapshot,
+)
 
 
 @dataclass
@@ -77,13 +84,7 @@ def test_own_tpot_leaves_a_deadline_judged_request_to_its_pace() -> None:
 
 @pytest.mark.parametrize("routing", ["approximate", "off"])
 def test_best_fit_among_the_instances_holding_the_longest_cached_prefix(routing: str) -> None:
-    hashes = token_block_hashes(list(range(1000)), 256)
-    scheduler = make_scheduler("binpack", prefix_cache_routing=routing, prefix_block_tokens=256)
-    if scheduler.prefix is not None:
-        scheduler.prefix.dispatched("holder", hashes, 100_000)
-    request = make_request(
-        "p", prompt_tokens=1000, prefix_hashes=hashes, max_tokens=64, ttft_slo_ms=5_000.0, tpot_slo_ms=200.0
-    )
+    scheduler, request = binpack_with_cached_holder(routing)
     # Best fit alone takes the fuller instance; knowing "holder" has 768 of the prompt's tokens cached,
     # binpack sends it there. Without cache knowledge every instance computes the whole prompt.
     where = _place(scheduler, request, _busy("fuller", 6), _busy("holder", 2))

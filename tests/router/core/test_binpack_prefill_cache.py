@@ -6,19 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from fleet.prefix import token_block_hashes
-from tests.router.core.helpers import NOW, inst, make_request, make_scheduler, make_snapshot
+from tests.router.core.helpers import NOW, binpack_with_cached_holder, inst, make_snapshot
 
 
 @pytest.mark.parametrize("routing", ["approximate", "off"])
 def test_prefill_goes_to_the_cached_prefix_within_the_ttft_target(routing: str) -> None:
-    hashes = token_block_hashes(list(range(1000)), 256)
-    scheduler = make_scheduler("binpack", prefix_cache_routing=routing, prefix_block_tokens=256)
-    if scheduler.prefix is not None:
-        scheduler.prefix.dispatched("holder", hashes, 100_000)
-    request = make_request(
-        "p", prompt_tokens=1000, prefix_hashes=hashes, max_tokens=64, ttft_slo_ms=5_000.0, tpot_slo_ms=200.0
-    )
+    scheduler, request = binpack_with_cached_holder(routing)
     # "holder" has 1,500 prompt tokens queued (a later first token than the idle "quick", both well
     # within 5 s) and 768 of this prompt's 1,000 tokens cached: it computes 232 where "quick" computes
     # all 1,000.
