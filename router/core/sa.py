@@ -978,6 +978,8 @@ class SAPlanner:
        itself and hands a request over at the moment the engine would have
        started it. At most the plan's first batch goes at once: a batch the
        plan made smaller than the cap (to keep a TPOT target) stays small.
+       Its requests judged on their first token go first
+       (:func:`first_tokens_first`).
        On an engine wider than the plan's widest batch (:data:`PLAN_CAP_MAX`)
        a request its pre-assigned instance refuses may go to another instance
        with room (:meth:`_spill`).
