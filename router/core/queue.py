@@ -190,9 +190,10 @@ class QueueConfig(FlagFields):
             "most KV memory left and ordered per instance by simulated annealing of G, handed to an "
             "engine as its slots free; for bursts of mixed-SLO work on engines that run one or two "
             "sequences at a time; not for engines of four or more: it gains nothing at light load and loses to "
-            "edf at and past capacity (use edf there); beside long-prompt work a TTFT class with short prompts "
-            "gains only 5-8 percent of G over fcfs on two-sequence engines (a first token is priced as if its batch "
-            "peers had its prompt); --sa-*)",
+            "edf at and past capacity (use edf there); a batch it starts together goes out first-token-judged "
+            "requests first, which helps a short-prompt TTFT class beside long prompts only where the engine "
+            "starts its step at the first request that reaches it idle (an engine that takes the batch into one "
+            "step prefills them together); --sa-*)",
             "--queue-policy",
         ),
     )

@@ -29,6 +29,7 @@ from router.core.sa import (
     decode_shares,
     evaluate,
     exhaustive,
+    first_tokens_first,
     full_batches,
     jobs_for,
     modeled_clock,
@@ -924,3 +925,40 @@ def test_decode_shares_deal_the_decoders_slots_over_the_prefill_instances() -> N
     assert decode_shares(ids, roles, (True, True, False, False, False, True), (2,) * 6) == {}
     # A colocated fleet: nothing to share.
     assert decode_shares(("n0", "n1"), (Role.NEUTRAL, Role.NEUTRAL), (True, True), (2, 2)) == {}
+
+
+def test_a_first_batch_hands_out_the_request_judged_on_its_first_token_first() -> None:
+    # A two-sequence engine, idle: the plan starts an OCR job (e2e 5 s, 1,754 prompt tokens, a short
+    # answer) and a question (300 ms TTFT, 244 tokens) together. The engine starts its step at the
+    # first request that reaches it, so the question goes first: behind the OCR it would get its first
+    # token only after the OCR's prefill.
+    config = QueueConfig(queue_policy="sa", sa_max_batch=2)
+    queue = RouterQueue(config, 1000.0, 50.0, planner_of(config))
+    queue.push(make_request("ocr", 1754, arrival_s=NOW - 0.03, e2e_slo_ms=5000.0, max_tokens=40), NOW - 0.03)
+    queue.push(
+        make_request("qa", 244, arrival_s=NOW - 0.03, ttft_slo_ms=300.0, tpot_slo_ms=50.0, max_tokens=120),
+        NOW - 0.03,
+    )
+    scheduler = make_scheduler()
+    snapshot = make_snapshot(inst("n0"))
+    offers = list(offer(queue, scheduler, lambda: snapshot, NOW))
+    dispatched = [o.entry.request_id for o in offers if o.verdict is Verdict.DISPATCH]
+    assert dispatched == ["qa", "ocr"]
+
+
+def test_first_tokens_first_reorders_only_the_first_batch() -> None:
+    def entry(rid: str, deadline_s: float, seq: int, **kw: Any) -> QueueEntry:
+        return QueueEntry(make_request(rid, **kw), seq, 0.0, deadline_s, deadline_s)
+
+    group = [
+        entry("e2e-late", 9.0, 0, e2e_slo_ms=9000.0),
+        entry("ttft-late", 0.8, 1, ttft_slo_ms=800.0),
+        entry("e2e-soon", 3.0, 2, e2e_slo_ms=3000.0),
+        entry("ttft-soon", 0.3, 3, ttft_slo_ms=300.0),
+        entry("ttft-last", 0.1, 4, ttft_slo_ms=100.0),
+    ]
+    # First batch (0, 1, 2, 3): first-token requests by deadline, then e2e-only ones in the plan's order;
+    # the rest of the plan untouched.
+    assert first_tokens_first((0, 1, 2, 3, 4), 4, group) == [3, 1, 0, 2, 4]
+    assert first_tokens_first((2, 0, 4, 1, 3), 2, group) == [2, 0, 4, 1, 3]
+    assert first_tokens_first((), 0, group) == []
