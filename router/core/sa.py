@@ -1508,7 +1508,7 @@ def first_tokens_first(order: Sequence[int], first: int, group: Sequence[QueueEn
     reaches it idle, and one arriving a moment later waits for that step. Handed out in the plan's
     order (the latency order puts a 40-token OCR answer before a 120-token answer), a 300 ms-TTFT
     question of 244 tokens reached a two-sequence engine behind an OCR of 1,754 prompt tokens and got
-    its first token after the OCR's prefill (318-386 ms; docs/papers.md, seed 000, sessions 31-32).
+    its first token after the OCR's prefill (318-386 ms; docs/papers.md, seed 000).
     Which member goes first costs an end-to-end target one short prefill at most.
     """
     head = sorted(
