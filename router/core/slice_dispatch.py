@@ -265,9 +265,10 @@ class Sliced:
             self.sched.progress = self._context_now
             self.sched.residents = self.residents
             index = scheduler.prefix
+            # The requests' prefix hashes are the index's blocks (no index: the router hashes none).
             if index is not None:
                 self.sched.cached = index.matched_blocks
-            self._prefix_block_tokens = scheduler.config.prefix_block_tokens
+                self._prefix_block_tokens = index.block_tokens
         self.sched.set_models(models)
         self.sched.set_instances(ids)
         return self.sched
