@@ -1465,6 +1465,9 @@ class _Simulation:
             num_cached_tokens=hit,
             counts_as_decode=new_tokens > 1,
             pause_at_end=self._parks(cap, new_tokens, left),
+            # The context still starts with the prompt's prefix blocks: the engine looks them up in its
+            # prefix cache, as vLLM does for any new leg (a continued or cached leg asks it nothing).
+            block_hashes=() if hit else self.block_hashes[idx],
         )
         try:
             core.add(spec)

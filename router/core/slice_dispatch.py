@@ -136,6 +136,8 @@ class Sliced:
         self._freed: list[str] = []
         #: Slices placed (first and resumed), for reports.
         self.slices = 0
+        #: Tokens per block of the requests' prefix hashes (the router's prefix index's block).
+        self._prefix_block_tokens = 0
         #: What each instance holds for requests another dispatcher placed there (``auto``: request
         #: dispatch's before the switch), as :attr:`SliceScheduler.residents` reads it; None: none.
         self.residents: Callable[[str], list[tuple[float, float]]] | None = None
@@ -262,6 +264,11 @@ class Sliced:
             self.sched = SliceScheduler(self.config, first.serving, first.memory, ids)
             self.sched.progress = self._context_now
             self.sched.residents = self.residents
+            index = scheduler.prefix
+            # The requests' prefix hashes are the index's blocks (no index: the router hashes none).
+            if index is not None:
+                self.sched.cached = index.matched_blocks
+                self._prefix_block_tokens = index.block_tokens
         self.sched.set_models(models)
         self.sched.set_instances(ids)
         return self.sched
@@ -287,7 +294,10 @@ class Sliced:
         remaining = s.request.max_tokens - s.tokens
         serving = sched.models(min(sched.instances)).serving
         length = slice_length(context, remaining, serving, self.config, s.tokens)
-        return SliceRequest(s.request.request_id, context, length)
+        # The prompt's shared prefix blocks lead every slice's context (the tokens produced follow them).
+        hashes = s.request.prefix_hashes
+        block = self._prefix_block_tokens if hashes else 0
+        return SliceRequest(s.request.request_id, context, length, hashes if block else (), block)
 
     # ------------------------------------------------------------------ events
 
@@ -400,8 +410,9 @@ class Sliced:
             exclude_instance_ids=others,
             prompt_tokens=part.context_tokens,
             max_tokens=s.tokens + part.slice_tokens,
-            # A resumed slice recomputes prompt + generated tokens: its prefix is no longer the prompt's.
-            prefix_hashes=s.request.prefix_hashes if not s.tokens else (),
+            # A resumed slice recomputes prompt + generated tokens, which still start with the prompt's
+            # prefix blocks: where another instance caches them, it finds them there.
+            prefix_hashes=s.request.prefix_hashes,
         )
         waited = now - s.arrival_s if not s.tokens else 0.0
         try:

@@ -61,8 +61,8 @@ Pure and synchronous: no I/O, no clock, no globals.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Hashable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Container, Hashable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -326,11 +326,16 @@ class ServingTimeModel:
             ms += cached
         return ms
 
-    def serve_ms(self, batch: int, context_tokens: int, generation_tokens: int) -> float:
-        """Serving time of ``batch`` requests holding ``context_tokens`` tokens in all, for ``generation_tokens`` iterations."""
+    def serve_ms(
+        self, batch: int, context_tokens: int, generation_tokens: int, cached_tokens: int = 0
+    ) -> float:
+        """Serving time of ``batch`` requests holding ``context_tokens`` tokens in all, for ``generation_tokens`` iterations.
+
+        ``cached_tokens`` of the contexts are in the instance's prefix cache: not prefilled again.
+        """
         if batch <= 0:
             return 0.0
-        return self.prefill_ms(context_tokens) + self.decode.steps_ms(
+        return self.prefill_ms(context_tokens - min(cached_tokens, context_tokens)) + self.decode.steps_ms(
             batch, context_tokens / batch, generation_tokens - 1
         )
 
@@ -420,6 +425,35 @@ class SliceRequest:
     context_tokens: int
     #: Tokens this slice generates at most: ``min(S, tokens still to generate)``, >= 1.
     slice_tokens: int
+    #: Chained hashes of the context's leading blocks other requests may share (a system prompt, a
+    #: document), ``prefix_block_tokens`` tokens each; empty: nothing shared.
+    prefix: tuple[int, ...] = ()
+    prefix_block_tokens: int = 0
+
+    @property
+    def shared_tokens(self) -> int:
+        """Tokens of the context its shareable prefix blocks cover."""
+        return min(len(self.prefix) * self.prefix_block_tokens, self.context_tokens)
+
+
+def kv_need(memory: MemoryModel, requests: Iterable[SliceRequest], held: Container[int] = ()) -> int:
+    """KV tokens ``requests`` add to an instance whose running slices hold the prefix blocks ``held``.
+
+    The engines share a prompt's cached prefix blocks among the requests running on them (vLLM's
+    automatic prefix caching references a block, it does not copy it), so a prefix is held once per
+    instance, not once per request: each request adds its own part (the context past its shared
+    prefix, plus its slice, in whole blocks) and each prefix block neither held there nor brought by
+    an earlier one of ``requests``. Without prefixes, the paper's ``sum(context + slice)``.
+    """
+    seen: set[int] = set()
+    total = 0
+    for r in requests:
+        total += memory.request_kv_tokens(r.context_tokens - r.shared_tokens, r.slice_tokens)
+        for h in r.prefix:
+            if h not in held and h not in seen:
+                seen.add(h)
+                total += r.prefix_block_tokens
+    return total
 
 
 @dataclass(frozen=True)
@@ -435,8 +469,10 @@ class SliceBatch:
         return sum(r.context_tokens for r in self.requests)
 
 
-def _sort_key(r: SliceRequest) -> tuple[int, int, str]:
-    return (r.context_tokens, r.slice_tokens, repr(r.key))
+def _sort_key(r: SliceRequest) -> tuple[tuple[int, ...], int, int, str]:
+    # Requests behind the same first prefix block next to each other: a run of them holds the
+    # prefix once (kv_need). Without prefixes, by context length as the paper sorts.
+    return (r.prefix[:1], r.context_tokens, r.slice_tokens, repr(r.key))
 
 
 def batch_requests(
@@ -444,7 +480,8 @@ def batch_requests(
 ) -> list[SliceBatch]:
     """Partition ``requests`` into batches of least total estimated serving time.
 
-    Requests are sorted by context length; ``best[i]`` is the least total
+    Requests are sorted by context length (behind the same first shared prefix block, when they
+    have one: :func:`kv_need` counts a run's shared blocks once); ``best[i]`` is the least total
     serving time of the first ``i`` of them, over partitions into contiguous
     runs: ``best[i] = min_j best[j - 1] + serve(run j..i)`` with run ``j..i``
     allowed only if it fits :class:`MemoryModel` (a request alone always
@@ -459,19 +496,28 @@ def batch_requests(
         return []
     ctx = [r.context_tokens for r in ordered]
     gen = [r.slice_tokens for r in ordered]
-    kv = [memory.request_kv_tokens(c, g) for c, g in zip(ctx, gen, strict=True)]
+    kv = [memory.request_kv_tokens(r.context_tokens - r.shared_tokens, r.slice_tokens) for r in ordered]
+    shared = any(r.prefix for r in ordered)
     best = [0.0] * (n + 1)
     cut = [0] * (n + 1)
     cost = [0.0] * (n + 1)
     for i in range(1, n + 1):
         # The request alone.
-        run_ctx, run_kv, run_gen = ctx[i - 1], kv[i - 1], gen[i - 1]
+        last = ordered[i - 1]
+        seen = set(last.prefix)
+        run_ctx, run_gen = ctx[i - 1], gen[i - 1]
+        run_kv = kv[i - 1] + len(seen) * last.prefix_block_tokens
         alone = serving.serve_ms(1, run_ctx, run_gen)
         best[i], cut[i], cost[i] = best[i - 1] + alone, i - 1, alone
         j = i - 1  # the run grows to requests j..i (1-based), i.e. ordered[j - 1 : i]
         while j > 0:
             run_ctx += ctx[j - 1]
             run_kv += kv[j - 1]
+            if shared:
+                for h in ordered[j - 1].prefix:
+                    if h not in seen:
+                        seen.add(h)
+                        run_kv += ordered[j - 1].prefix_block_tokens
             run_gen = max(run_gen, gen[j - 1])
             size = i - j + 1
             if not memory.fits(size, run_kv):
@@ -486,7 +532,7 @@ def batch_requests(
     while i > 0:
         p = cut[i]
         members = tuple(ordered[p:i])
-        batches.append(SliceBatch(members, cost[i], sum(kv[p:i])))
+        batches.append(SliceBatch(members, cost[i], kv_need(memory, members)))
         i = p
     batches.reverse()
     return batches
@@ -665,8 +711,12 @@ class InstanceModels:
     def budget_tokens(self) -> float:
         return self.memory.budget_tokens * self.memory_fit.share
 
-    def estimate_ms(self, batch: int, context_tokens: int, generation_tokens: int) -> float:
-        return self.serving_fit.scale * self.serving.serve_ms(batch, context_tokens, generation_tokens)
+    def estimate_ms(
+        self, batch: int, context_tokens: int, generation_tokens: int, cached_tokens: int = 0
+    ) -> float:
+        return self.serving_fit.scale * self.serving.serve_ms(
+            batch, context_tokens, generation_tokens, cached_tokens
+        )
 
 
 @dataclass(frozen=True)
@@ -943,6 +993,10 @@ class SliceScheduler:
         self._queues: dict[str, list[SliceBatch]] = {}
         self._running: dict[str, dict[int, _Running]] = {}
         self._planned_kv: dict[str, int] = {}
+        #: Per instance: the prefix blocks its running slices reference (hash -> slices), and the KV
+        #: tokens those blocks hold (once each, however many slices share them).
+        self._refs: dict[str, dict[int, int]] = {}
+        self._shared_kv: dict[str, int] = {}
         self._busy_mark: dict[str, float | None] = {}
         self._next_key = 0
         #: The driver's reader of a running slice's context now (prompt + every token produced so
@@ -954,6 +1008,11 @@ class SliceScheduler:
         #: :func:`kv_peak_of` takes them (tokens held now, steps to their expected end). The plan
         #: counts them beside its own slices (:meth:`committed_kv`); None: it owns the instances' KV.
         self.residents: Callable[[str], list[tuple[float, float]]] | None = None
+        #: The driver's reader of the engines' prefix caches: for a prefix's chained block hashes, how
+        #: many leading blocks each instance holds (the router's prefix index). A batch is priced
+        #: without the prefill of what its instance caches; None: only this plan's own running and
+        #: queued slices say where a prefix is.
+        self.cached: Callable[[tuple[int, ...]], Mapping[str, int]] | None = None
         self.batches = 0
         self.schedule_points = 0
         self.resumed = 0
@@ -997,7 +1056,26 @@ class SliceScheduler:
         return len(self._queues[instance])
 
     def planned_kv(self, instance: str) -> int:
-        return self._planned_kv[instance]
+        return self._planned_kv[instance] + self._shared_kv.get(instance, 0)
+
+    def _need(self, instance: str, requests: Iterable[SliceRequest]) -> int:
+        """KV ``requests`` add to ``instance`` beside its running slices (:func:`kv_need`)."""
+        return kv_need(self.models(instance).memory, requests, self._refs.get(instance, {}))
+
+    def _hold(self, instance: str, request: SliceRequest, sign: int) -> None:
+        """Count ``request``'s prefix blocks in (``sign`` 1) or out of (-1) ``instance``'s running slices."""
+        if not request.prefix:
+            return
+        refs = self._refs.setdefault(instance, {})
+        for h in request.prefix:
+            count = refs.get(h, 0) + sign
+            if count > 0:
+                if h not in refs:
+                    self._shared_kv[instance] = self._shared_kv.get(instance, 0) + request.prefix_block_tokens
+                refs[h] = count
+            elif h in refs:
+                del refs[h]
+                self._shared_kv[instance] -= request.prefix_block_tokens
 
     def budget_kv(self, instance: str) -> float:
         """The KV ``instance``'s slices may book.
@@ -1036,10 +1114,13 @@ class SliceScheduler:
         """
         held = self._held(instance)
         others = self._residents(instance)
+        # The prefix blocks the running slices share, held once, counted as held to the end (a bound:
+        # they leave with the last slice that references them).
+        shared = float(self._shared_kv.get(instance, 0))
         if held is None:
-            planned = float(self._planned_kv.get(instance, 0))
+            planned = float(self._planned_kv.get(instance, 0)) + shared
             return planned + kv_peak_of(others) if others else planned
-        return kv_peak_of(held + others) if others else kv_peak_of(held)
+        return shared + (kv_peak_of(held + others) if others else kv_peak_of(held))
 
     def _residents(self, instance: str) -> list[tuple[float, float]]:
         """The requests ``instance`` runs that this scheduler did not place (:attr:`residents`).
@@ -1089,6 +1170,8 @@ class SliceScheduler:
             if not self._running[gone]:
                 del self._running[gone]
                 del self._planned_kv[gone]
+                self._refs.pop(gone, None)
+                self._shared_kv.pop(gone, None)
         for new in ids:
             if new not in self._loads:
                 self._loads[new] = 0.0
@@ -1118,9 +1201,33 @@ class SliceScheduler:
         )
         return self.models(serving).serving, tight
 
-    def _estimate(self, instance: str, batch: SliceBatch) -> float:
+    def _estimate(self, instance: str, batch: SliceBatch, cached_tokens: int = 0) -> float:
         gen = max((r.slice_tokens for r in batch.requests), default=0)
-        return self.models(instance).estimate_ms(len(batch.requests), batch.context_tokens, gen)
+        return self.models(instance).estimate_ms(
+            len(batch.requests), batch.context_tokens, gen, cached_tokens
+        )
+
+    def _cached_tokens(
+        self, batch: SliceBatch, instances: Sequence[str], here: Mapping[str, set[int]]
+    ) -> dict[str, int]:
+        """Context tokens of ``batch`` each instance would not prefill again: the leading prefix blocks
+        of each request that the instance caches (:attr:`cached`) or that a slice running or queued
+        there brings (``here``)."""
+        out = dict.fromkeys(instances, 0)
+        found: dict[tuple[int, ...], Mapping[str, int]] = {}
+        for r in batch.requests:
+            if not r.prefix:
+                continue
+            if self.cached is not None and r.prefix not in found:
+                found[r.prefix] = self.cached(r.prefix)
+            engine = found.get(r.prefix, {})
+            for i in instances:
+                held = here.get(i, set())
+                k = 0
+                while k < len(r.prefix) and r.prefix[k] in held:
+                    k += 1
+                out[i] += max(k, engine.get(i, 0)) * r.prefix_block_tokens
+        return out
 
     def _marginal(
         self, instance: str, request: SliceRequest, cached: bool = False, continues: bool = False
@@ -1164,14 +1271,27 @@ class SliceScheduler:
         serving, memory = self._reference()
         batches = batch_requests(pool, serving, memory)
         ordered = sorted(self._ids)
+        # Where each prefix is already: blocks the running and queued slices of an instance bring.
+        here: dict[str, set[int]] = {}
+        if any(r.prefix for r in pool):
+            for i in ordered:
+                held = set(self._refs.get(i, {}))
+                for queued in self._queues[i]:
+                    for r in queued.requests:
+                        held.update(r.prefix)
+                here[i] = held
         placed = []
         for b in sorted(range(len(batches)), key=lambda k: (-batches[k].serve_ms, k)):
             batch = batches[b]
-            costs = {i: self._estimate(i, batch) for i in ordered}
+            cached = self._cached_tokens(batch, ordered, here) if here else {}
+            costs = {i: self._estimate(i, batch, cached.get(i, 0)) for i in ordered}
             instance = min(ordered, key=lambda i: (self._loads[i] + costs[i], i))
             mine = SliceBatch(batch.requests, costs[instance], batch.kv_tokens)
             self._loads[instance] += mine.serve_ms
             self._queues[instance].append(mine)
+            if here:
+                for r in batch.requests:
+                    here[instance].update(r.prefix)
             placed.append((mine, instance))
         self.batches += len(batches)
         return placed
@@ -1199,7 +1319,13 @@ class SliceScheduler:
         key = self._next_key
         self._next_key += 1
         memory = self.models(instance).memory
-        kv = {r.key: memory.request_kv_tokens(r.context_tokens, r.slice_tokens) for r in batch.requests}
+        # Each slice books its own part; the prefix blocks it shares are counted once per instance.
+        kv = {
+            r.key: memory.request_kv_tokens(r.context_tokens - r.shared_tokens, r.slice_tokens)
+            for r in batch.requests
+        }
+        for r in batch.requests:
+            self._hold(instance, r, 1)
         running[key] = _Running(batch, len(batch.requests), kv)
         self._planned_kv[instance] += sum(kv.values())
         return key
@@ -1235,21 +1361,21 @@ class SliceScheduler:
                     break
                 self._held_back.discard(first.key)
                 queue.pop(0)
-                kv = self.models(instance).memory.request_kv_tokens(part.context_tokens, part.slice_tokens)
-                started = SliceBatch((part,), batch.serve_ms, kv)
+                started = SliceBatch((part,), batch.serve_ms, self._need(instance, (part,)))
                 out.append((self._start(instance, started, now), started))
                 continue
             if running or shared:
                 if running and not self.config.overlap_batches:
                     break
                 room = budget - self.committed_kv(instance)
-                if batch.kv_tokens > room and self.config.backfill and self._head_waited(first.key, now):
+                need = self._need(instance, batch.requests)
+                if need > room and self.config.backfill and self._head_waited(first.key, now):
                     # Passed for its intervals: it starts within the room kept for running slices,
                     # less a block of growth for each of them (what one needs to go on at its end).
                     slices = sum(e.unfinished for e in running.values())
                     block = self.models(instance).memory.block_size
                     room = self.ceiling_kv(instance) - self.committed_kv(instance) - slices * block
-                if batch.kv_tokens > room:
+                if need > room:
                     head = self._split(instance, batch, room) if self.config.split_batches else None
                     if head is None:
                         if self.config.backfill:
@@ -1311,19 +1437,15 @@ class SliceScheduler:
         """
         out: list[tuple[int, SliceBatch]] = []
         queue = self._queues[instance]
-        memory = self.models(instance).memory
         k = 1
         while k < len(queue):
             batch = queue[k]
             first = batch.requests[0]
             room = budget - self.committed_kv(instance)
-            if (
-                first.key in self._held_back
-                or memory.request_kv_tokens(first.context_tokens, first.slice_tokens) > room
-            ):
+            if first.key in self._held_back or self._need(instance, (first,)) > room:
                 k += 1
                 continue
-            if batch.kv_tokens <= room:
+            if self._need(instance, batch.requests) <= room:
                 queue.pop(k)
                 out.append((self._start(instance, batch, now), batch))
                 continue
@@ -1358,8 +1480,7 @@ class SliceScheduler:
                 cost = self._marginal(instance, part)
                 self._loads[instance] += cost
                 self.moved += 1
-                kv = self.models(instance).memory.request_kv_tokens(part.context_tokens, part.slice_tokens)
-                started = SliceBatch((part,), cost, kv)
+                started = SliceBatch((part,), cost, self._need(instance, (part,)))
                 out.append((self._start(instance, started, now), started))
         return out
 
@@ -1373,24 +1494,20 @@ class SliceScheduler:
         slice tokens), so the load ledger still sums to what was added.
         None when not even the first slice fits.
         """
-        memory = self.models(instance).memory
         taken = 0
-        used = 0
-        for r in batch.requests:
-            kv = memory.request_kv_tokens(r.context_tokens, r.slice_tokens)
-            if used + kv > room:
+        for k in range(1, len(batch.requests) + 1):
+            if self._need(instance, batch.requests[:k]) > room:
                 break
-            used += kv
-            taken += 1
+            taken = k
         if taken == 0 or taken == len(batch.requests):
             return None
         head, rest = batch.requests[:taken], batch.requests[taken:]
         weight = [r.context_tokens + r.slice_tokens for r in batch.requests]
         share = sum(weight[:taken]) / max(sum(weight), 1)
-        head_kv = sum(memory.request_kv_tokens(r.context_tokens, r.slice_tokens) for r in head)
+        memory = self.models(instance).memory
         return (
-            SliceBatch(head, batch.serve_ms * share, head_kv),
-            SliceBatch(rest, batch.serve_ms * (1.0 - share), max(batch.kv_tokens - head_kv, 0)),
+            SliceBatch(head, batch.serve_ms * share, kv_need(memory, head)),
+            SliceBatch(rest, batch.serve_ms * (1.0 - share), kv_need(memory, rest)),
         )
 
     def _end(
@@ -1398,10 +1515,13 @@ class SliceScheduler:
     ) -> bool:
         running = self._running[instance]
         entry = running[key]
+        if request.key in entry.kv:
+            self._hold(instance, request, -1)
         planned = entry.kv.pop(request.key, 0)
         self._planned_kv[instance] -= planned
         if produced is not None and instance in self._loads:
-            self.models(instance).memory_fit.observe(planned, request.context_tokens + produced)
+            own = request.context_tokens - request.shared_tokens
+            self.models(instance).memory_fit.observe(planned, own + produced)
         entry.unfinished -= 1
         if entry.unfinished > 0:
             return False
@@ -1421,6 +1541,8 @@ class SliceScheduler:
         elif not running:
             del self._running[instance]
             del self._planned_kv[instance]
+            self._refs.pop(instance, None)
+            self._shared_kv.pop(instance, None)
         return True
 
     def finish(
@@ -1457,19 +1579,23 @@ class SliceScheduler:
         ceiling = self.ceiling_kv(instance)
         held = self._held(instance) or []
         others = self._residents(instance)
-        ctx = following.context_tokens
+        shared = float(self._shared_kv.get(instance, 0))
+
+        def need(tokens: int) -> int:
+            # Its own part and any prefix block the instance's running slices do not hold already.
+            return self._need(instance, (replace(following, slice_tokens=tokens),))
 
         def peak(tokens: int) -> float:
             # Its context is held from now and grows a token a step to the slice's end: it weighs on
             # the instance's peak only while it runs, so a short slice fits where a long one does not.
-            kv = memory.request_kv_tokens(ctx, tokens)
-            return kv_peak_of([*held, *others, (float(kv - tokens), float(tokens))])
+            kv = need(tokens)
+            return shared + kv_peak_of([*held, *others, (float(kv - tokens), float(tokens))])
 
         if self.progress is None:
             room = ceiling - self.committed_kv(instance)
-            if memory.request_kv_tokens(ctx, following.slice_tokens) <= room:
+            if need(following.slice_tokens) <= room:
                 return following
-            tokens = int(room) // memory.block_size * memory.block_size - ctx
+            tokens = int(room) // memory.block_size * memory.block_size - need(0)
         else:
             if peak(following.slice_tokens) <= ceiling:
                 return following
@@ -1484,7 +1610,7 @@ class SliceScheduler:
         if tokens < min(memory.block_size, following.slice_tokens):
             return None
         self.shortened += 1
-        return SliceRequest(following.key, ctx, min(tokens, following.slice_tokens))
+        return replace(following, slice_tokens=min(tokens, following.slice_tokens))
 
     def resume(
         self,
@@ -1510,7 +1636,6 @@ class SliceScheduler:
         within = self.config.continue_within_kv
         options = []
         for i in ordered:
-            m = self.models(i)
             here = i == instance
             part = following
             if here and within:
@@ -1518,7 +1643,7 @@ class SliceScheduler:
                 if fitted is None:
                     continue
                 part = fitted
-            kv = m.memory.request_kv_tokens(part.context_tokens, part.slice_tokens)
+            kv = self._need(i, (part,))
             if not here and self.committed_kv(i) + kv > self.budget_kv(i):
                 continue
             cost = self._marginal(
@@ -1531,8 +1656,7 @@ class SliceScheduler:
         if not options and instance in self._loads and within:
             # Nowhere has room: it waits for its instance's next free room, ahead of queued work.
             self.waited += 1
-            m = self.models(instance)
-            kv = m.memory.request_kv_tokens(following.context_tokens, following.slice_tokens)
+            kv = self._need(instance, (following,))
             cost = self._marginal(instance, following)
             self._queues[instance].insert(0, SliceBatch((following,), cost, kv))
             self._held_back.add(following.key)
@@ -1540,8 +1664,7 @@ class SliceScheduler:
             return None
         if not options:  # the instance left the fleet: any instance, least loaded
             for i in ordered:
-                m = self.models(i)
-                kv = m.memory.request_kv_tokens(following.context_tokens, following.slice_tokens)
+                kv = self._need(i, (following,))
                 cost = self._marginal(i, following)
                 options.append((self._loads[i] + cost, i, cost, kv, following))
         if not options:

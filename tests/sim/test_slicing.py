@@ -12,6 +12,7 @@ import sim.cluster
 import sim.slicing
 from engine.model import ScheduledStep, SimConfig, SimCore, StepResult
 from router.cli import main
+from router.core.config import SchedulerConfig
 from router.core.slicing import SliceConfig
 from sim.cluster import SimFleet, SimOutcome
 from sim.fleet import fleet_from_counts
@@ -358,3 +359,18 @@ def test_slices_run_on_engines_that_cache_shared_prompt_prefixes() -> None:
         return sum(r.ttft_ms or 0.0 for r in outcome.results) / len(outcome.results)
 
     assert ttft_mean(True) < 0.8 * ttft_mean(False)
+
+
+def test_a_resumed_slice_finds_its_prompts_shared_prefix_in_the_prefix_cache() -> None:
+    # A slice's next leg prefills the prompt and the tokens so far again (here every leg: neither
+    # continued in place nor kept cached), and that context still starts with the prompt's shared
+    # 3k-token prefix: the engine looks it up like any new prompt, as vLLM does. Without the
+    # prompt's block hashes on the resumed leg, a third of the prompt tokens were hits.
+    spec = load_workload("prefix-heavy").with_arrival(rate_per_s=4.0)
+    work = list(generate_requests(spec, rng=5, num_requests=60))
+    config = SliceConfig(continue_in_place=False, prefix_cache=False)
+    outcome = sim.cluster.simulate(
+        fleet(), SchedulerConfig(calibration="off"), work, seed=2, slicing=config, resume_cache=False
+    )
+    assert outcome.counters["resumed"] > 40
+    assert outcome.cache_hit_rate is not None and outcome.cache_hit_rate > 0.6

@@ -189,6 +189,34 @@ def test_preemptions_behind_cached_prefixes_count_for_the_tokens_they_recompute(
     assert d.decided and d.mode == "slice"
 
 
+def test_where_prompts_share_prefixes_the_count_decides() -> None:
+    # The same cheap preemptions (300 tokens recomputed, 3 over 20 requests), but every prompt after the
+    # first leads with the 512 tokens of a system prompt an earlier one had: the slice plan holds such a
+    # prefix once per instance and the count says slices pay.
+    def shared(rid: str) -> ScheduleInput:
+        return ScheduleInput(
+            rid,
+            768,
+            ttft_slo_ms=60_000.0,
+            tpot_slo_ms=1000.0,
+            max_tokens=64,
+            arrival_s=NOW,
+            prefix_hashes=(7, 8),
+        )
+
+    for hashes_shared in (True, False):
+        fleet = Engines(fleet_with({"n0": 5, "n1": 0}, {"n0": 9_000, "n1": 0}))
+        d = auto(20)
+        for k in range(20):
+            r = shared(f"r{k}") if hashes_shared else request(f"r{k}")
+            *_, action = d.handle(Arrival(r, r.request_id), NOW, fleet)
+            assert action.outcome is Outcome.DISPATCH
+        fleet.current = fleet_with({"n0": 7, "n1": 1}, {"n0": 9_200, "n1": 100})
+        for k in range(20):
+            list(d.handle(Completion(f"r{k}", 64), NOW + 1, fleet))
+        assert d.decided and d.mode == ("slice" if hashes_shared else "request")
+
+
 def test_a_long_request_preempted_weighs_more_than_its_count() -> None:
     # One preemption over 20 requests (under one per ten), but it recomputed 1,500 tokens: 29 % of
     # the prompt tokens dispatched.

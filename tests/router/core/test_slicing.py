@@ -20,6 +20,7 @@ from router.core.slicing import (
     SliceScheduler,
     batch_requests,
     fit_decode,
+    kv_need,
     next_interval_ms,
     offload_max_min,
     total_serve_ms,
@@ -636,3 +637,77 @@ def test_a_plan_sharing_its_instance_counts_the_requests_another_dispatcher_plac
     alone.add(SliceRequest("s", 1000, 128))
     alone.schedule()
     assert len(alone.admit("a")) == 1 and alone.committed_kv("a") == pytest.approx(1136.0)
+
+
+# ----------------------------------------------------------------------------- shared prefixes
+
+
+def _behind(key: str, own: int, prefix: tuple[int, ...], slice_tokens: int = 128) -> SliceRequest:
+    """A request whose context is ``prefix`` (512-token blocks) then ``own`` tokens of its own."""
+    return SliceRequest(key, len(prefix) * 512 + own, slice_tokens, prefix, 512)
+
+
+def test_a_shared_prefix_is_booked_once_per_instance() -> None:
+    """Engines share a cached prefix's blocks among the requests running on them, so four requests
+    behind one 3k-token prefix hold it once: the plan admits all four where booking each context
+    whole (the paper's sum of context + slice) fits two."""
+    memory = MemoryModel(kv_capacity_tokens=8192, block_size=16, headroom=1.0)
+    group = (11, 12, 13, 14, 15, 16)
+    requests = [_behind(f"r{k}", 256, group) for k in range(4)]
+    assert kv_need(memory, requests) == 3072 + 4 * (256 + 128)
+    assert kv_need(memory, requests, held=set(group)) == 4 * (256 + 128)
+    # Without the prefix hashes the same contexts book whole.
+    plain = [SliceRequest(r.key, r.context_tokens, r.slice_tokens) for r in requests]
+    assert kv_need(memory, plain) == 4 * (3072 + 256 + 128)
+
+    def admitted(batch: list[SliceRequest]) -> int:
+        sched = SliceScheduler(SliceConfig(), SERVING, memory, ["a"])
+        sched.progress = {}.get  # type: ignore[assignment]
+        for r in batch:
+            sched.add(r)
+        sched.schedule()
+        started = [r for _key, b in sched.admit("a") for r in b.requests]
+        assert sched.committed_kv("a") <= memory.budget_tokens
+        return len(started)
+
+    assert admitted(requests) == 4
+    assert admitted(plain) == 2
+
+
+def test_the_batcher_keeps_requests_behind_one_prefix_together() -> None:
+    """Sorted by context alone, two prefix groups interleave; behind their first prefix block each
+    group's requests sit together, and a batch books each of its prefixes once: the eight requests
+    go in two batches where, booked whole, no more than two fit one."""
+    memory = MemoryModel(kv_capacity_tokens=6000, block_size=16, headroom=1.0)
+    a, b = (1, 2, 3, 4), (5, 6, 7, 8)
+    requests = [_behind(f"a{k}", 100 + 2 * k, a) for k in range(4)]
+    requests += [_behind(f"b{k}", 101 + 2 * k, b) for k in range(4)]
+    batches = batch_requests(requests, SERVING, memory)
+    assert len(batches) == 2
+    for batch in batches:
+        assert batch.kv_tokens == kv_need(memory, batch.requests) <= 6000
+        keys = [str(r.key) for r in batch.requests]
+        assert keys == sorted(keys)  # a's before b's: contiguous by prefix, then by context
+    plain = [SliceRequest(r.key, r.context_tokens, r.slice_tokens) for r in requests]
+    assert len(batch_requests(plain, SERVING, memory)) == 4
+
+
+def test_a_batch_goes_where_its_prefix_is_cached() -> None:
+    """Max-min sends a batch to the instance where it finishes first; where an engine caches the
+    batch's prefix (the router's prefix index) its prefill is mostly spared there, so it goes there
+    rather than to the equally idle instance listed first."""
+    memory = MemoryModel(kv_capacity_tokens=65536, block_size=16, headroom=1.0)
+    group = (21, 22, 23, 24, 25, 26)
+
+    def placed(cached: dict[str, int] | None) -> str:
+        sched = SliceScheduler(SliceConfig(), SERVING, memory, ["a", "b"])
+        if cached is not None:
+            sched.cached = lambda hashes: cached if hashes == group else {}
+        for k in range(3):
+            sched.add(_behind(f"r{k}", 200, group))
+        [(_batch, instance)] = sched.schedule()
+        return instance
+
+    assert placed(None) == "a"
+    assert placed({"b": 6}) == "b"
+    assert placed({"a": 6, "b": 2}) == "a"
