@@ -210,7 +210,7 @@ class Auto:
             if not self.decided:
                 self._arrived_prompt_tokens += event.request.prompt_tokens
                 self._arrived += 1
-                self._count_shared(event.request.prefix_hashes, fleet)
+                self._count_shared(event.request.prefix_hashes, event.request.prompt_tokens, fleet)
             dispatcher = self._current()
             self._owner[event.request.request_id] = dispatcher
             return self._watch(dispatcher.handle(event, now, fleet))
@@ -377,7 +377,7 @@ class Auto:
         )
         logger.info("--dispatch-mode auto: %s", self.reason)
 
-    def _count_shared(self, hashes: tuple[int, ...], fleet: Fleet) -> None:
+    def _count_shared(self, hashes: tuple[int, ...], prompt_tokens: int, fleet: Fleet) -> None:
         """Count the tokens of an arrival's leading prefix blocks that an earlier arrival led with too."""
         if not hashes:
             return
@@ -385,9 +385,7 @@ class Auto:
         k = 0
         while k < len(hashes) and hashes[k] in seen:
             k += 1
-        self._arrived_shared_tokens += min(
-            k * fleet.scheduler.config.prefix_block_tokens, self._arrived_prompt_tokens
-        )
+        self._arrived_shared_tokens += min(k * fleet.scheduler.config.prefix_block_tokens, prompt_tokens)
         if len(seen) < MAX_PILOT_PREFIX_BLOCKS:
             seen.update(hashes[:MAX_PILOT_PREFIX_BLOCKS])
 
