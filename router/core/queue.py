@@ -184,7 +184,7 @@ class QueueConfig(FlagFields):
             "beside them keep their room and chat alone is even with edf; below overload, where edf already "
             "meets nearly every deadline, it gains nothing and may lose a point or three; its eviction pays where "
             "long batch jobs hold every sequence of an engine while short deadline work arrives; beside "
-            "long-prompt TTFT-judged streams past capacity it trades an e2e class for the streams and stays behind edf, by 3.9 "
+            "long-prompt TTFT-judged streams past capacity it trades an e2e class for the streams and stays behind edf, by 4.5 "
             "points on the Mooncake conversation trace with long prompts judged e2e and 5.0 on 4 instances (use edf "
             "there); far past capacity with prompts of 8k-100k tokens judged e2e (edf meeting about half) it serves late "
             "work edf refuses at --max-queue-wait-ms, which the virtual queues do not apply, and is 8-14 points behind "
