@@ -103,6 +103,7 @@ from router.core.calibration import Correction
 from router.core.errors import ConfigError
 from router.core.flagged import FlagFields
 from router.core.lengths import LengthDistribution, censored_distribution
+from router.core.queue import IDLE_SLACK, SPARE_IDLE_INSTANCES
 from router.core.request import ScheduleInput, resolve_targets
 
 #: Share of a prompt an instance's prefix cache must hold for the request's group to go to its virtual
@@ -1212,6 +1213,8 @@ class QlmQueue:
         self._gid = 0
         #: TPOT target (ms) of the streams that arrived lately -> when one last arrived (s).
         self.streams: dict[float, float] = {}
+        #: TTFT target (s) of the streams that arrived lately -> when one last arrived (s).
+        self._stream_ttfts: dict[float, float] = {}
         #: Arrival times of the streams of the last :data:`STREAM_MEMORY_S` (bounded), and the mean
         #: KV tokens (prompt + expected output) and expected output of a stream (exponential averages).
         self._stream_times: deque[float] = deque(maxlen=STREAM_TIMES_MAX)
@@ -1339,6 +1342,11 @@ class QlmQueue:
 
     def _observe_stream(self, r: QlmRequest, now_s: float) -> None:
         self._saw_stream(self._tpot_ms(r), now_s)
+        ttfts = self._stream_ttfts
+        ttfts[self._budget(r)] = now_s
+        if len(ttfts) > STREAM_TARGETS_MAX:
+            for t in sorted(ttfts)[STREAM_TARGETS_MAX:]:
+                del ttfts[t]
         mean, _ = self.stats.estimate(r.request.slo_class, r.request.max_tokens)
         first = not self._stream_times
         self._stream_times.append(now_s)
@@ -1405,6 +1413,39 @@ class QlmQueue:
             return True
         column = self.cached_prompt(request)
         return not column or max(column) <= 0.0
+
+    def stream_ttft_s(self, now_s: float) -> float:
+        """The tightest TTFT target (s) of the streams that arrived in the last :data:`STREAM_MEMORY_S` (inf: none)."""
+        live = [t for t, seen in self._stream_ttfts.items() if now_s - seen <= STREAM_MEMORY_S]
+        return min(live, default=math.inf)
+
+    def _yields(self, i: int, r: QlmRequest, now_s: float) -> bool:
+        """Does e2e ``r``, pulled on instance ``i`` now, yield to the streams the ``slo`` placement places? Yes
+        when its own prefill there (the part of its prompt not cached there) is longer than the streams'
+        tightest TTFT target allows (``IDLE_SLACK`` times it above the target) and either instance ``i``'s
+        engine is not nearly idle (its prefill backlog more than ``IDLE_SLACK - 1`` of that prefill) or fewer
+        than :data:`SPARE_IDLE_INSTANCES` instances finish their prefill backlog within that target (the
+        one it takes, and one left for the streams).
+
+        The router queue holds a long prompt to the same rule beside tighter traffic (its *yield*, see
+        :func:`router.core.queue.offer`): an instance prefilling it gives no stream its first token in
+        time, so one instance stays free for the streams' next arrivals. The paper's SLOs are end to end
+        and its pulls fill the KV; beside streams whose first token is judged in a second, pulls of
+        16k-120k-token prompts onto every instance at once left none able to start a stream in time: on
+        the Mooncake trace on 4 instances the chat class met 36.6 % where ``edf``, which yields, met
+        48.3 (docs/papers.md, Seed 004, session 32)."""
+        limit = self.stream_ttft_s(now_s)
+        if not math.isfinite(limit):
+            return False
+        own = self.models[i].prefill_s(self._uncached(i, r))
+        if IDLE_SLACK * own <= limit:
+            return False
+        free = self._engines_free_s(now_s)
+        if free is None:
+            return False
+        if free[i] - now_s + own > IDLE_SLACK * own:
+            return True
+        return sum(1 for f in free if f - now_s <= limit) < SPARE_IDLE_INSTANCES
 
     def stream_tpot_ms(self, now_s: float) -> float:
         """The tightest TPOT target of the streams that arrived in the last :data:`STREAM_MEMORY_S` (inf: none)."""
@@ -1894,6 +1935,16 @@ class QlmQueue:
         """
         model = self.models[i]
         run = [x for x in self.running[i].values() if x.request_id not in gone]
+        # The streams are the ``slo`` placement's: every one under ``--qlm-streams edf``, and under ``auto``
+        # while one it hands there arrived lately (:meth:`takes_stream`). A long e2e prompt yields to them
+        # as the router queue makes it yield (:meth:`_yields`), on an empty instance too.
+        hybrid = self.config.streams == "edf" or (
+            now_s is not None
+            and now_s - self._placed_stream_s <= STREAM_MEMORY_S
+            and self.config.streams == "auto"
+        )
+        if hybrid and paced and r.e2e_only and now_s is not None and self._yields(i, r, now_s):
+            return False
         if not run:
             return True
         if (model.most and len(run) >= model.most) or (not model.kv_tokens and len(run) >= model.batch):
@@ -1907,13 +1958,6 @@ class QlmQueue:
         # router queue hands the streams the room that frees first anyway (its pass runs before the
         # e2e pulls), as ``edf`` does; a stream that cannot wait goes late there and is refused.
         # Held past capacity too, rag + reports lost 9 points to edf (reports 50.9 %, docs/papers.md).
-        # The streams are the ``slo`` placement's: every one under ``--qlm-streams edf``, and under ``auto``
-        # while one it hands there arrived lately (:meth:`takes_stream`).
-        hybrid = self.config.streams == "edf" or (
-            now_s is not None
-            and now_s - self._placed_stream_s <= STREAM_MEMORY_S
-            and self.config.streams == "auto"
-        )
         seqs, tokens = (
             self.stream_reserve(i, now_s)
             if r.e2e_only and now_s is not None and not (hybrid and any(self.expected_missing.values()))

@@ -1789,6 +1789,39 @@ def test_a_group_goes_to_the_instance_that_alone_holds_most_of_its_prompt() -> N
     assert placed(None)[1] == -1  # no prefix source
 
 
+def test_a_long_e2e_prompt_yields_to_the_streams_the_router_queue_places() -> None:
+    # Streams (TTFT 0.5 s) go to the router queue and the slo placement (--qlm-streams edf). An e2e prompt
+    # whose prefill (0.05 + n x 1e-4 s: 20,000 tokens, 2.05 s) that target cannot hold is pulled only onto
+    # an instance with no prefill queued, and only while another instance also finishes its prefill within
+    # the target (the router queue's yield): instances busy with a 30,000-token prompt each leave it
+    # waiting once one instance is all the streams would have. A 200-token prompt is pulled as before.
+    def pulled(prompt: int, busy: int) -> list[int]:
+        models = [
+            InstanceModel(
+                2,
+                STEP_S,
+                lambda n: 0.05 + n * 1e-4,
+                most=16,
+                kv_tokens=1_000_000,
+                step_s=lambda b, t: 0.01 * b,
+                stall_s=lambda n: n * 1e-4,
+            )
+            for _ in range(3)
+        ]
+        q = QlmQueue(QlmConfig(eviction="off", streams="edf"), models, 6000.0, 50.0)
+        for k in range(busy):
+            q.started(dataclasses.replace(loose_by(f"b{k}", 600.0), prompt_tokens=30_000), k, 0.0)
+        q.observe_stream(tight("s"), 0.0)
+        q.push(dataclasses.replace(loose_by("e", 600.0), prompt_tokens=prompt), 0.0)
+        out = [d.instance for d in q.pump(0.0)]
+        q.check_invariants()
+        return out
+
+    assert pulled(20_000, busy=1) in ([1], [2])  # two instances free: it takes one
+    assert pulled(20_000, busy=2) == []  # one free: left to the streams
+    assert pulled(200, busy=2) == [2]  # a short prompt does not yield
+
+
 def test_auto_hands_a_stream_the_prefix_index_finds_cached_to_the_router_queue() -> None:
     # --qlm-streams auto: a stream joins the virtual queues only while e2e work arrives, and not when the
     # router's prefix index finds part of its prompt cached (the slo placement, which prices the cached
