@@ -125,6 +125,11 @@ PAPERS = (
                 "--burst 10 --gap-ms 0 --bursts 10",
             ),
             Row(
+                "OCR + a 300 ms-TTFT Q&A stream + contracts, bursts of 10, 2 sequences, 4 ms apart",
+                f"--instances 2 --period-s 60 --workload {D}/sa-ocr-qa-contract.json --seeds 2 --seed 31100 "
+                "--seqs 2 --burst 10 --gap-ms 4 --bursts 6",
+            ),
+            Row(
                 "tickets + assistant, steady 0.3 req/s (light load)",
                 f"--instances 2 --workload {D}/sa-tickets-assistant.json --seeds 3 --rate 0.3 --requests 300",
             ),
@@ -234,6 +239,11 @@ PAPERS = (
             Row(
                 "16k tokens of KV, `interactive-batch` at 6 req/s",
                 "--kv-capacity-tokens 16384 --workload interactive-batch --rates 6 --seed 3",
+            ),
+            Row(
+                "16k tokens of KV, 48 shared 3,072-token prompt prefixes, prefix caches, 8 req/s",
+                f"--kv-capacity-tokens 16384 --workload {D}/scls-prefix-heavy-48.yaml --rates 8 --seed 3101 "
+                "--prefix-cache-routing exact",
             ),
             Row(
                 "64k tokens of KV (the KV holds), `mixed` at 8 req/s",
