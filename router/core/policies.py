@@ -487,11 +487,7 @@ def _binpack(config: SchedulerConfig) -> dict[str, Any]:
         # decoder keeps its cautious length's pace now: the decoder with the lowest step (selectors
         # ``_paced_short``). Decoders only: on colocated instances it moved the fixed-fleet rows by
         # -0.6 to +1.0 points, -1.0 in all, and no `plan` point (docs/papers.md, Seed 001).
-        # Once every decoder holds decode work, the lowest γ-horizon TPOT instead of the fullest:
-        # packing then frees no decoder and only lengthens the residents' stay, and with it the KV
-        # they hold (selectors ``_all_decoders_open``). P/D rows of docs/seed-papers.md: Azure 3 + 3
-        # 94.4 -> 95.4 %, shared prefixes 2 + 2 79.2 -> 80.9 %, `mixed` 2 + 4 at 16k 92.0 -> 93.0 %.
-        "selector": {"name": "binpack", "fastest_when_paced_short": True, "fastest_when_all_open": True},
+        "selector": {"name": "binpack", "fastest_when_paced_short": True},
     }
     neutral = {
         "filters": [

@@ -34,10 +34,7 @@
   ``fastest_when_paced_short: true`` (binpack's decode stage) a request whose
   deadline is paced over a length shorter than its cautious bound (no
   instance keeps the bound's pace now) goes to the survivor with the lowest
-  ``predicted_tpot_horizon`` instead of the fullest. With ``fastest_when_all_open: true``
-  (binpack's decode stage) best fit holds only while some decoder holds no decode work: once
-  every decoder does, no placement keeps one free, and the request goes to the survivor with the
-  lowest ``predicted_tpot_horizon``.
+  ``predicted_tpot_horizon`` instead of the fullest.
 """
 
 from __future__ import annotations
@@ -53,7 +50,6 @@ from router.core.errors import ConfigError
 from router.core.packing import prefill_room_mask, resident_tpot_pacing
 from router.core.plugins import DecisionContext, Selector
 from router.core.registry import METRICS, SELECTORS, Params
-from router.core.request import Role
 
 
 @dataclass(frozen=True)
@@ -317,14 +313,8 @@ class BinPack:
     #: the survivor with the lowest γ-horizon TPOT, not the fullest (see :func:`_paced_short`).
     paced_short_config: SchedulerConfig | None = None
 
-    #: Best fit only while a decoder is idle: once every decoder holds decode work, the survivor with
-    #: the lowest γ-horizon TPOT (see :func:`_all_decoders_open`).
-    fastest_when_all_open: bool = False
-
     def select(self, ctx: DecisionContext, survivors: IntArray, fallback_pass: int) -> int:
         if fallback_pass == 0:
-            if self.fastest_when_all_open and _all_decoders_open(ctx):
-                return _first_by_rank(ctx, _lexicographic_ties(ctx, survivors, _FASTEST))
             if self.paced_short_config is not None and _paced_short(ctx, self.paced_short_config):
                 return _first_by_rank(ctx, _lexicographic_ties(ctx, survivors, _FASTEST))
             return _first_by_rank(ctx, _lexicographic_ties(ctx, survivors, self.best_fit))
@@ -377,26 +367,6 @@ def _paced_short(ctx: DecisionContext, config: SchedulerConfig) -> bool:
     return paced and request.output_tokens_bound > length
 
 
-def _all_decoders_open(ctx: DecisionContext) -> bool:
-    """Whether every schedulable decode-role instance holds decode work (its own or in flight to it).
-
-    Best fit (Aladdin, Algorithm 1) concentrates requests to keep whole workers free: the paper's
-    reason for it is the fewer workers a load needs. While a decoder holds nothing, packing the others
-    keeps it free. Once every decoder holds work, no placement frees one (a decoder frees only when
-    its last resident ends, and a running request is not moved), and packing only costs: the decode
-    step grows with the batch and its context (Eq. 3), so a request placed on the fullest decoder
-    slows more residents than on the lightest, they stay resident longer, and on a fleet whose KV
-    binds they hold the KV the next arrivals need. On the Azure trace on P/D 3 + 3 at 16 req/s the
-    decoders held 83 % of their KV on average over 15-40 s under best fit against 65 % under ``slo``
-    (lowest TPOT), and (e) refused the arrivals of 30-31 s on all three (docs/papers.md, Seed 001).
-    """
-    table = ctx.view.instances
-    decoders = (table.roles == Role.DECODE) & table.schedulable
-    if not np.any(decoders):
-        return False
-    return bool(np.all(ctx.metric("decode_batch_size")[decoders] > 0))
-
-
 @SELECTORS.register("binpack")
 def _binpack(config: SchedulerConfig, params: Params) -> Selector:
     load = params.text("load", "capacity_norm")
@@ -414,5 +384,4 @@ def _binpack(config: SchedulerConfig, params: Params) -> Selector:
         keep_prefill_room=params.flag("keep_prefill_room", False),
         best_fit=best_fit,
         paced_short_config=config if params.flag("fastest_when_paced_short", False) else None,
-        fastest_when_all_open=params.flag("fastest_when_all_open", False),
     )

@@ -1,7 +1,6 @@
 """binpack's decode stage and a request paced short: its deadline paced over its expected length
 because no decoder keeps the pace of its cautious length now. It goes to the decoder with the lowest
-step, not the fullest; every other request keeps best fit while a decoder is idle, and once every
-decoder holds work goes to the lowest step as well."""
+step, not the fullest; every other request keeps best fit."""
 
 from __future__ import annotations
 
@@ -10,7 +9,7 @@ from router.core.packing import resident_tpot_pacing
 from tests.router.core.helpers import NOW, inst, make_request, make_scheduler, make_snapshot
 
 
-def _place(bound_tokens: int, *, idle_decoder: bool = False, **request: float) -> Decision:
+def _place(bound_tokens: int, **request: float) -> Decision:
     # Two decoders both (b) admits at the expected length's pace: "full" (16 requests, a γ-horizon
     # step near 20 ms with the request) and "light" (8, near 16 ms); idle, the step is near 12 ms.
     scheduler = make_scheduler("binpack", tpot_slo_ms=50.0)
@@ -18,8 +17,6 @@ def _place(bound_tokens: int, *, idle_decoder: bool = False, **request: float) -
         inst("p", "prefill"),
         inst("full", "decode", decode_requests=16, decode_tokens=200, used_kv_tokens=200),
         inst("light", "decode", decode_requests=8, decode_tokens=100, used_kv_tokens=100),
-        # A decoder holding nothing: best fit keeps it free while it is (selectors._all_decoders_open).
-        *([inst("spare", "decode")] if idle_decoder else []),
     )
     view = scheduler.view(snapshot, NOW)
     code = make_request("code", 100, expected_output_tokens=100, output_tokens_bound=bound_tokens, **request)
@@ -39,23 +36,13 @@ def test_a_request_paced_short_goes_to_the_decoder_with_the_lowest_step() -> Non
 
 def test_a_request_paced_by_its_cautious_length_keeps_best_fit() -> None:
     """With a bound of 140 tokens both decoders keep the cautious pace (about 20.9 ms): best fit,
-    the fuller one, while a third decoder is idle."""
-    decision = _place(140, idle_decoder=True, e2e_slo_ms=3000.0)
+    the fuller one."""
+    decision = _place(140, e2e_slo_ms=3000.0)
     _, paced, length = resident_tpot_pacing(decision.context, make_scheduler("binpack").config)
     assert paced and length == 140.0
     assert decision.decode is not None and decision.decode.instance_id == "full"
 
 
-def test_a_tpot_judged_request_keeps_best_fit_while_a_decoder_is_idle() -> None:
-    decision = _place(200, idle_decoder=True, tpot_slo_ms=50.0)
+def test_a_tpot_judged_request_keeps_best_fit() -> None:
+    decision = _place(200, tpot_slo_ms=50.0)
     assert decision.decode is not None and decision.decode.instance_id == "full"
-
-
-def test_once_every_decoder_holds_work_the_lowest_step_wins() -> None:
-    """No decoder is left to keep free: packing the fuller one frees none and slows more residents
-    for longer (on a fleet whose KV binds they hold the KV later arrivals need), so the request goes
-    to the decoder with the lowest γ-horizon step, the lighter one (best fit sent it to the fuller)."""
-    for request in ({"tpot_slo_ms": 50.0}, {"e2e_slo_ms": 3000.0}):
-        for bound in (140, 200):
-            decision = _place(bound, **request)
-            assert decision.decode is not None and decision.decode.instance_id == "light", (request, bound)
