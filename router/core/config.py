@@ -49,7 +49,9 @@ class SchedulerConfig:
             "judged by its deadline alone whose answers run long-tailed: such a request is packed at the pace "
             "of its class's 90th-percentile length (its running answers counted as lower bounds), so the answers "
             "longer than that miss however large the fleet (plan --policy binpack may then find no fleet; slo "
-            "spreads them)",
+            "spreads them). Near capacity on a P/D fleet whose decoders' KV binds it is 1.4-2.9 points under slo "
+            "(best fit packs the decoders: residents stay longer and hold the KV later arrivals need); prefer slo "
+            "on a small P/D fleet (2 + 2) whose prompts mostly share long (3k-token) prefixes, up to 2.9 points",
             "--scheduling-policy",
         ),
     )
