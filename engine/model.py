@@ -551,6 +551,11 @@ class SimCore:
             del self._paused[request_id]
         return True
 
+    def has_paused(self) -> bool:
+        """Whether a request is paused at its last token (the engine steps again once it is
+        extended or aborted)."""
+        return bool(self._paused)
+
     def is_paused(self, request_id: str) -> bool:
         """Whether the request is paused at its last token (``pause_at_end``), in the batch still."""
         return request_id in self._paused

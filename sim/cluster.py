@@ -1287,7 +1287,12 @@ class _Simulation:
         r.base = 0
         self._resident(r, i, -1, 0)
         r.stage = _PENDING
-        self._changed(i, now)
+        if self.carrying and self.cores[i].has_paused():
+            # A slice paused at its cap there waits for the dispatcher's answer in the same pass:
+            # the engine steps again once every action of the pass is carried out.
+            self.landed[i] = None
+        else:
+            self._changed(i, now)
         return int(r.tokens)
 
     def _produced(self, idx: int, now: float) -> int | None:

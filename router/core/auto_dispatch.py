@@ -40,6 +40,13 @@ composes two dispatchers behind the one contract:
   fit beside them instead of over-filling their KV; a preemption on an
   instance they still share is theirs and leaves the plan's preemption cap
   alone; each one's end lets the slices queued on its instance start.
+- SCLS runs every request in slices: after the switch, when an engine
+  preempts on an instance still shared with those requests, the newest of
+  them there (the one a vLLM engine takes back first) is handed to the slice
+  plan: stopped (:meth:`Fleet.evict`, the driver's pause → requeue) and
+  resumed after its tokens as a slice from the slice pool
+  (:meth:`router.core.slice_dispatch.Sliced.adopt`). Its KV is then the
+  plan's to book, and the whole requests stop preempting one another.
 - If no instance reports a preemption count (an engine that does not count
   them, e.g. vLLM's own gRPC server behind ``slo-router agent``), it stays on
   request dispatch and logs once why.
@@ -55,7 +62,7 @@ import dataclasses
 import itertools
 import logging
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 
@@ -162,6 +169,12 @@ class Auto:
         #: (:meth:`_residents`), read per instance at every pass.
         self._placed: dict[str, tuple[str, ScheduleInput]] = {}
         self._placed_on: dict[str, dict[str, ScheduleInput]] = {}
+        #: The driver's token of each of those requests, and (after the switch) those to hand to the
+        #: slice plan at the end of the current event (:meth:`_hand_over`).
+        self._token_of: dict[str, object] = {}
+        self._handing: set[str] = set()
+        #: Requests handed to the slice plan after the switch, for reports.
+        self.handed_over = 0
         self._fleet: Fleet | None = None
         self.slice.residents = self._residents
 
@@ -192,6 +205,7 @@ class Auto:
         out["auto_slice"] = int(self.mode == SLICE)
         out["auto_pilot_preemptions"] = self.pilot_preemptions
         out["auto_pilot_requests"] = self.pilot_judged
+        out["auto_handed_over"] = self.handed_over
         return out
 
     def warm(self, now: float, fleet: Fleet) -> None:
@@ -201,6 +215,37 @@ class Auto:
             warm(now, fleet)
 
     def handle(self, event: Event, now: float, fleet: Fleet) -> Iterable[Action]:
+        out = self._handle(event, now, fleet)
+        if self._handing:
+            return itertools.chain(out, self._watch(self._hand_over(now, fleet)))
+        return out
+
+    def _hand_over(self, now: float, fleet: Fleet) -> Iterator[Action]:
+        """Stop the requests request dispatch placed that are due to go to the slice plan, and hand
+        each to it, which resumes it after its tokens (see the module doc)."""
+        if not self.slice.planning:
+            return  # no slice planned yet: the first arrival after the switch sets the plan up
+        handing, self._handing = self._handing, set()
+        for rid in sorted(handing):
+            placed = self._placed.get(rid)
+            if placed is None:
+                continue
+            instance, request = placed
+            tokens = fleet.evict(rid)
+            if tokens is None:
+                continue
+            token = self._token_of.get(rid)
+            self._unplace(rid)
+            # Request dispatch forgets it (its load left the instance); every later event goes to slices.
+            for _ in self.request.handle(Completion(rid), now, fleet):
+                pass
+            self._owner[rid] = self.slice
+            self.handed_over += 1
+            yield Action(Outcome.EVICT, request, token, event="evicted", tokens=tokens)
+            self.slice.adopt(request, token, tokens, now)
+            self.slice.freed(instance)
+
+    def _handle(self, event: Event, now: float, fleet: Fleet) -> Iterable[Action]:
         self._fleet = fleet
         if isinstance(event, Arrival):
             if self._pilot_start is None:
@@ -223,6 +268,8 @@ class Auto:
             # The slice plan counts request dispatch's requests there (_residents): a preemption
             # beside them is theirs (whole requests over-filling the KV among themselves, the engine
             # taking back its newest request), not the plan's, whose preemption cap it would shrink.
+            # The newest whole request there (the one the engine takes back first) goes to slices.
+            self._handing.add(next(reversed(self._placed_on[event.instance_id])))
             return self._watch(self.request.handle(event, now, fleet))
         if isinstance(event, (ViewChanged, Preempted)):
             return self._watch(
@@ -274,6 +321,8 @@ class Auto:
     def _unplace(self, request_id: str) -> str | None:
         """Forget where request dispatch placed ``request_id``; the instance it was on (None: none)."""
         placed = self._placed.pop(request_id, None)
+        self._token_of.pop(request_id, None)
+        self._handing.discard(request_id)
         if placed is None:
             return None
         where = placed[0]
@@ -300,6 +349,7 @@ class Auto:
                     self._unplace(rid)
                     self._placed[rid] = (choice.instance_id, action.request)
                     self._placed_on.setdefault(choice.instance_id, {})[rid] = action.request
+                    self._token_of[rid] = action.token
                 if not self.decided and rid not in self._seen:
                     self._seen.add(rid)
                     if self._pilot_dispatched < self.pilot_requests:

@@ -207,6 +207,18 @@ class Sliced:
             return out
         return []
 
+    @property
+    def planning(self) -> bool:
+        """Whether the slice plan is set up (its instances read: the first arrival does it)."""
+        return self.sched is not None and bool(self.sched.instances)
+
+    def adopt(self, request: ScheduleInput, token: Any, tokens: int, now: float) -> None:
+        """Take over ``request``, which another dispatcher placed and which was stopped after ``tokens``
+        (the driver holds it as waiting again): its next slice resumes after them, from the pool."""
+        s = _Slice(request, token, now, tokens=tokens)
+        self._slices[request.request_id] = s
+        self._to_pool(s, now)
+
     def freed(self, instance: str) -> None:
         """A request another dispatcher placed on ``instance`` ended: its queued slices may start
         there at the next :class:`~router.core.dispatch.ViewChanged`."""

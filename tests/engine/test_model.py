@@ -302,12 +302,13 @@ def test_a_paused_request_keeps_its_kv_and_goes_on_decoding_when_its_budget_is_r
     produced = run_until_paused(core, "a")
     assert produced == [0, 1, 2, 3, 4]
     assert core.is_paused("a") and core.is_active("a") and core.num_running == 1
+    assert core.has_paused()
     assert core.num_used_kv_tokens == 112  # 104 tokens computed: 7 blocks, none freed
     assert core.num_decode_requests == 1 and core.num_decode_tokens == 105
     with pytest.raises(RuntimeError, match="paused"):
         core.schedule()
     assert core.extend("a", 12, pause_at_end=False)
-    assert not core.is_paused("a")
+    assert not core.is_paused("a") and not core.has_paused()
     assert core.decode_progress("a") == (105, 7, True)
     scheduled = core.schedule()
     assert scheduled is not None

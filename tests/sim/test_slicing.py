@@ -374,3 +374,23 @@ def test_a_resumed_slice_finds_its_prompts_shared_prefix_in_the_prefix_cache() -
     )
     assert outcome.counters["resumed"] > 40
     assert outcome.cache_hit_rate is not None and outcome.cache_hit_rate > 0.6
+
+
+def test_after_autos_switch_the_whole_requests_handed_to_slices_get_all_their_tokens() -> None:
+    """A whole request handed to the slice plan after ``auto``'s switch is stopped in its engine
+    (beside slices paused at their caps, which the engine steps with once the pass is carried out)
+    and resumed as slices: every request still gets its whole answer."""
+    from sim.slicing import simulate_auto
+    from sim.sweep import PolicyChoice
+
+    policy = PolicyChoice("least-requests", SchedulerConfig(scheduling_policy="least-requests"))
+    spec = load_workload("mixed").with_arrival(rate_per_s=8.0)
+    work = list(generate_requests(spec, rng=0, num_requests=300))
+    tight = SimFleet(fleet_from_counts(neutral=4, engine=SimConfig(kv_capacity_tokens=8192)))
+    mode, run = simulate_auto(tight, policy, work, SliceConfig())
+    assert mode == "slice"
+    assert run.counters["auto_handed_over"] > 0
+    assert all(
+        r.ok and r.completion_tokens == (p.output_tokens or p.max_tokens)
+        for r, p in zip(run.results, work, strict=True)
+    )

@@ -275,3 +275,53 @@ def test_after_the_switch_the_slice_plan_counts_the_whole_requests_still_running
     # Alone with its slices again, a preemption there is the plan's.
     list(d.handle(Preempted(where["r1"]), NOW + 5, fleet))
     assert sched.models(where["r1"]).memory_fit.zeta < 1.0
+
+
+class Evicting(Engines):
+    """:class:`Engines` whose running requests may be stopped (the driver's evict)."""
+
+    def __init__(self, snapshot: ClusterSnapshot) -> None:
+        super().__init__(snapshot)
+        self.evicted: list[str] = []
+
+    def evict(self, request_id: str) -> int | None:
+        tokens = self.tokens.pop(request_id, None)
+        if tokens is not None:
+            self.evicted.append(request_id)
+        return tokens
+
+
+def test_after_the_switch_a_preemption_beside_whole_requests_hands_the_newest_to_slices() -> None:
+    """SCLS runs every request in slices: once an engine preempts beside the whole requests request
+    dispatch left running, the newest of them there is stopped and resumed after its tokens as a
+    slice, owned by the slice plan from then on."""
+    fleet = Evicting(fleet_with({"n0": 0, "n1": 0}))
+    d = auto(10)
+    pilot(d, fleet, 10)
+    fleet.current = fleet_with({"n0": 3, "n1": 0})
+    list(d.handle(Completion("r0", 64), NOW + 1, fleet))
+    assert d.mode == "slice"
+    arrive(d, fleet, "s0", NOW + 2)
+    wake = d.wake_s()
+    assert wake is not None
+    list(d.handle(Timer(), max(wake, NOW + 2), fleet))
+    where = {rid: instance for rid, (instance, _) in d._placed.items()}
+    for rid in where:
+        fleet.tokens[rid] = 20
+    there = [rid for rid in where if where[rid] == where["r1"]]
+    newest = there[-1]
+    out = list(d.handle(Preempted(where["r1"]), NOW + 3, fleet))
+    evicts = [a for a in out if a.outcome is Outcome.EVICT]
+    assert [(a.request_id, a.tokens) for a in evicts] == [(newest, 20)]
+    assert fleet.evicted == [newest]
+    # The others stay whole where they run; the newest is the slice plan's now.
+    assert newest not in d._placed and all(rid in d._placed for rid in there[:-1])
+    assert d._owner[newest] is d.slice and d.counters()["auto_handed_over"] == 1
+    wake = d.wake_s()
+    assert wake is not None
+    placed = [a for a in d.handle(Timer(), max(wake, NOW + 3), fleet) if a.outcome is Outcome.DISPATCH]
+    resumed = [a for a in placed if a.request_id == newest]
+    assert len(resumed) == 1 and resumed[0].tokens == 20 and 0 < resumed[0].cap <= 64 - 20
+    # Its end is the slice plan's.
+    assert list(d.handle(Completion(newest, 64), NOW + 4, fleet)) == []
+    assert newest not in d.slice._slices
