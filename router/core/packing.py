@@ -27,8 +27,10 @@ kv_life_tokens             the KV peak (tokens) over the life of the instance's 
 kv_peak_exact              (kv_life_tokens + p + out) / kv_capacity_tokens             decision
 decode_tokens_horizon      S.decode_tokens + L decode tokens + γ·kv_growth_tokens      load
 predicted_tpot_horizon     predict_tpot_ms(n + 1, decode_tokens_horizon + p + γ·out)   decision
-predicted_tpot_own         predicted_tpot for a request with a TTFT or TPOT target,    decision
-                           0 for one judged by its e2e deadline alone
+predicted_tpot_own         predicted_tpot for a request with a TTFT or TPOT target;    decision
+                           for one judged by its e2e deadline alone (binpack, a
+                           colocated fleet with an empty instance) predicted_tpot ×
+                           target / its deadline's pace, else 0
 predicted_tpot_residents   0 where n = 0, else predicted_tpot + prefill_stall_ms /     decision
                            max(kv_growth_tokens / n, 1) (see below)
 capacity_norm              ‖(n / binpack_max_batch, decode_tokens_horizon /            load
@@ -1091,8 +1093,9 @@ def _predicted_tpot_residents(ctx: DecisionContext, config: SchedulerConfig) -> 
 
 @_register("predicted_tpot_own", MetricScope.DECISION)
 def _predicted_tpot_own(ctx: DecisionContext, config: SchedulerConfig) -> FloatArray:
-    """``predicted_tpot`` for a request judged by a TPOT or TTFT target of its own; 0 for one judged by
-    its e2e deadline alone (its pace is (b)'s, at the γ horizon) or for no request.
+    """``predicted_tpot`` for a request judged by a TPOT or TTFT target of its own; for one judged by
+    its e2e deadline alone, :func:`_paced_tpot_own` (its pace is otherwise (b)'s, at the γ horizon);
+    0 for no request.
 
     ``binpack`` holds it below the request's TPOT target on a colocated instance: the step with the
     measured interleaving of the prompts to come, which (b)'s decode-only step leaves out. On a
@@ -1102,9 +1105,47 @@ def _predicted_tpot_own(ctx: DecisionContext, config: SchedulerConfig) -> FloatA
     (which holds it) on 2 (docs/papers.md, Seed 001).
     """
     request = ctx.request
-    if request is None or request.e2e_only:
+    if request is None:
         return np.zeros(ctx.view.n)
+    if request.e2e_only:
+        return _paced_tpot_own(ctx, config)
     tpot: FloatArray = ctx.metric("predicted_tpot")
+    return tpot
+
+
+def _paced_tpot_own(ctx: DecisionContext, config: SchedulerConfig) -> FloatArray:
+    """``predicted_tpot_own`` for a request judged by its e2e deadline alone: under the ``binpack``
+    policy, on a colocated instance, the step with the measured interleaving of the prompts to come
+    (``predicted_tpot``) scaled so that the TPOT target in force bounds it at the pace its deadline
+    needs (:func:`packing_tpot_target_ms` at θ, times θ: the deadline over the length it is paced
+    for); 0 otherwise (no pace, its pace waived, other policies, a fleet with decoders) and where no
+    instance is empty: the check only steers a paced request to an emptier bin the fleet has.
+
+    Aladdin prices a batch's TPOT with everything its step runs; (b)'s γ-horizon step is the
+    decode alone, and on a colocated instance the prompts' prefill chunks come between the steps.
+    Held by (b) only, a bulk answer paced at 26.7 ms a token was packed onto an instance whose
+    step with its prompts was predicted at 33-38 ms, ran at 26-28 ms and missed its 40 s
+    deadline, where an emptier instance would have kept it (C7, docs/papers.md, Seed 001). Held
+    where no instance is empty, the request waited in the router queue for a bin the fleet did not
+    have (4 neutral at 32k of KV, completions + reviews + docs at 4 req/s: 74.0 → 72.2 % met).
+    """
+    zero = np.zeros(ctx.view.n)
+    target = ctx.tpot_slo_ms
+    if not binpacks(config) or own_pace_waived(ctx) or not target > 0 or _has_decoders(ctx.view.instances):
+        return zero
+    theta = live_theta(ctx, config)
+    need, paced, _ = _paced(ctx, target, config.packing_default_output_tokens, theta, unknown_lengths=True)
+    pace = need * theta
+    if not paced or not 0 < pace < target:
+        return zero
+    empty = (
+        (ctx.metric("num_requests") == 0)
+        & (ctx.metric("decode_batch_size") == 0)
+        & (ctx.metric("kv_usage_projected") == 0)
+    )
+    if not np.any(empty):
+        return zero  # no emptier bin to open: (b) decides, as before
+    tpot: FloatArray = ctx.metric("predicted_tpot") * (target / pace)
     return tpot
 
 
