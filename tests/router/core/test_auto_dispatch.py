@@ -242,12 +242,9 @@ def test_slices_pay_from_a_quarter_of_the_prompt_tokens_recomputed() -> None:
     assert not slices_pay_recomputed(100, 0)
 
 
-def test_after_the_switch_the_slice_plan_counts_the_whole_requests_still_running() -> None:
-    """The requests request dispatch placed before the switch keep running where they are: the slice
-    plan counts each beside its slices (its prompt and tokens so far, growing to its expected end),
-    a preemption beside them leaves the plan's preemption cap alone, and each one's end frees its
-    instance for the slices queued there."""
-    fleet = Engines(fleet_with({"n0": 0, "n1": 0}))
+def switched_to_slices(fleet: Engines) -> Auto:
+    """A pilot of ten whole requests, three preemptions on ``n0``: ``auto`` switched to slices, and the
+    first arrival after the switch placed (r1-r9 still run whole where request dispatch put them)."""
     d = auto(10)
     pilot(d, fleet, 10)
     fleet.current = fleet_with({"n0": 3, "n1": 0})
@@ -257,6 +254,16 @@ def test_after_the_switch_the_slice_plan_counts_the_whole_requests_still_running
     wake = d.wake_s()
     assert wake is not None
     list(d.handle(Timer(), max(wake, NOW + 2), fleet))
+    return d
+
+
+def test_after_the_switch_the_slice_plan_counts_the_whole_requests_still_running() -> None:
+    """The requests request dispatch placed before the switch keep running where they are: the slice
+    plan counts each beside its slices (its prompt and tokens so far, growing to its expected end),
+    a preemption beside them leaves the plan's preemption cap alone, and each one's end frees its
+    instance for the slices queued there."""
+    fleet = Engines(fleet_with({"n0": 0, "n1": 0}))
+    d = switched_to_slices(fleet)
     sched = d.slice.sched
     assert sched is not None and sched.residents is not None
     where = {rid: instance for rid, (instance, _) in d._placed.items()}
@@ -296,15 +303,7 @@ def test_after_the_switch_a_preemption_beside_whole_requests_hands_the_newest_to
     dispatch left running, the newest of them there is stopped and resumed after its tokens as a
     slice, owned by the slice plan from then on."""
     fleet = Evicting(fleet_with({"n0": 0, "n1": 0}))
-    d = auto(10)
-    pilot(d, fleet, 10)
-    fleet.current = fleet_with({"n0": 3, "n1": 0})
-    list(d.handle(Completion("r0", 64), NOW + 1, fleet))
-    assert d.mode == "slice"
-    arrive(d, fleet, "s0", NOW + 2)
-    wake = d.wake_s()
-    assert wake is not None
-    list(d.handle(Timer(), max(wake, NOW + 2), fleet))
+    d = switched_to_slices(fleet)
     where = {rid: instance for rid, (instance, _) in d._placed.items()}
     for rid in where:
         fleet.tokens[rid] = 20

@@ -874,14 +874,14 @@ def test_a_running_requests_progress_follows_the_step_of_the_batch_running_now()
     assert r.reached >= 0.09
 
 
-def stalling_model() -> InstanceModel:
+def stalling_model(batch: int = 4, kv_tokens: int = 100_000) -> InstanceModel:
     """A 10 ms step per request in the batch, 0.1 ms of prefill a prompt token, room for 16 requests."""
     return InstanceModel(
-        4,
+        batch,
         STEP_S,
         lambda n: 0.05 + n * 1e-4,
         most=16,
-        kv_tokens=100_000,
+        kv_tokens=kv_tokens,
         step_s=lambda b, t: 0.01 * b,
         stall_s=lambda n: n * 1e-4,
     )
@@ -1796,18 +1796,7 @@ def test_a_long_e2e_prompt_yields_to_the_streams_the_router_queue_places() -> No
     # the target (the router queue's yield): instances busy with a 30,000-token prompt each leave it
     # waiting once one instance is all the streams would have. A 200-token prompt is pulled as before.
     def pulled(prompt: int, busy: int) -> list[int]:
-        models = [
-            InstanceModel(
-                2,
-                STEP_S,
-                lambda n: 0.05 + n * 1e-4,
-                most=16,
-                kv_tokens=1_000_000,
-                step_s=lambda b, t: 0.01 * b,
-                stall_s=lambda n: n * 1e-4,
-            )
-            for _ in range(3)
-        ]
+        models = [stalling_model(2, 1_000_000) for _ in range(3)]
         q = QlmQueue(QlmConfig(eviction="off", streams="edf"), models, 6000.0, 50.0)
         for k in range(busy):
             q.started(dataclasses.replace(loose_by(f"b{k}", 600.0), prompt_tokens=30_000), k, 0.0)
