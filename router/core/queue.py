@@ -208,7 +208,8 @@ class QueueConfig(FlagFields):
     max_queue_wait_ms: float = field(
         default=60000.0,
         metadata=_doc(
-            "a request waiting longer than this (ms) is refused with RESOURCE_EXHAUSTED",
+            "a request waiting longer than this (ms) is refused with RESOURCE_EXHAUSTED (qlm's virtual queues "
+            "keep a request until its deadline plus --late-allowance of its target instead)",
             "--max-queue-wait-ms",
         ),
     )
