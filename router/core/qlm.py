@@ -1433,7 +1433,7 @@ class QlmQueue:
         and its pulls fill the KV; beside streams whose first token is judged in a second, pulls of
         16k-120k-token prompts onto every instance at once left none able to start a stream in time: on
         the Mooncake trace on 4 instances the chat class met 36.6 % where ``edf``, which yields, met
-        48.3 (docs/papers.md, Seed 004, session 32)."""
+        48.3 (docs/papers.md, Seed 004)."""
         limit = self.stream_ttft_s(now_s)
         if not math.isfinite(limit):
             return False
