@@ -89,7 +89,7 @@ from router.core.queue import RouterQueue
 from router.core.registry import Params
 from router.core.request import ScheduleInput
 from router.core.slice_dispatch import Sliced
-from router.core.slicing import slices_pay, slices_pay_recomputed
+from router.core.slicing import leading_blocks, slices_pay, slices_pay_recomputed
 
 logger = logging.getLogger(__name__)
 
@@ -432,9 +432,7 @@ class Auto:
         if not hashes:
             return
         seen = self._prefixes_seen
-        k = 0
-        while k < len(hashes) and hashes[k] in seen:
-            k += 1
+        k = leading_blocks(hashes, seen)
         self._arrived_shared_tokens += min(k * fleet.scheduler.config.prefix_block_tokens, prompt_tokens)
         if len(seen) < MAX_PILOT_PREFIX_BLOCKS:
             seen.update(hashes[:MAX_PILOT_PREFIX_BLOCKS])

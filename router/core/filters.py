@@ -71,6 +71,7 @@ from router.core.columns import BoolArray, FloatArray, InstanceTable, IntArray
 from router.core.config import FAILOVER_DOMAINS, SchedulerConfig
 from router.core.errors import ConfigError
 from router.core.packing import (
+    empty_instances,
     packing_tpot_target_ms,
     prefill_room_mask,
     prefill_stall_ms,
@@ -271,11 +272,7 @@ class MetricThreshold:
             return FilterResult._make((keep, None))
         keep = values < bound
         if self.empty_passes:
-            empty = (
-                (ctx.metric("num_requests") == 0)
-                & (ctx.metric("decode_batch_size") == 0)
-                & (ctx.metric("kv_usage_projected") == 0)
-            )
+            empty = empty_instances(ctx)
             if self.empty_after_wait > 0:
                 empty &= self._waited_enough(ctx)
             keep = keep | empty

@@ -1113,6 +1113,16 @@ def _predicted_tpot_own(ctx: DecisionContext, config: SchedulerConfig) -> FloatA
     return tpot
 
 
+def empty_instances(ctx: DecisionContext) -> BoolArray:
+    """The instances that hold nothing: no request, no decode batch, no KV projected."""
+    empty: BoolArray = (
+        (ctx.metric("num_requests") == 0)
+        & (ctx.metric("decode_batch_size") == 0)
+        & (ctx.metric("kv_usage_projected") == 0)
+    )
+    return empty
+
+
 def _paced_tpot_own(ctx: DecisionContext, config: SchedulerConfig) -> FloatArray:
     """``predicted_tpot_own`` for a request judged by its e2e deadline alone: under the ``binpack``
     policy, on a colocated instance, the step with the measured interleaving of the prompts to come
@@ -1138,12 +1148,7 @@ def _paced_tpot_own(ctx: DecisionContext, config: SchedulerConfig) -> FloatArray
     pace = need * theta
     if not paced or not 0 < pace < target:
         return zero
-    empty = (
-        (ctx.metric("num_requests") == 0)
-        & (ctx.metric("decode_batch_size") == 0)
-        & (ctx.metric("kv_usage_projected") == 0)
-    )
-    if not np.any(empty):
+    if not np.any(empty_instances(ctx)):
         return zero  # no emptier bin to open: (b) decides, as before
     tpot: FloatArray = ctx.metric("predicted_tpot") * (target / pace)
     return tpot

@@ -61,7 +61,8 @@ Pure and synchronous: no I/O, no clock, no globals.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Container, Hashable, Iterable, Mapping, Sequence
+from collections import deque
+from collections.abc import Callable, Container, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -445,6 +446,22 @@ def kv_need(memory: MemoryModel, requests: Iterable[SliceRequest], held: Contain
     prefix, plus its slice, in whole blocks) and each prefix block neither held there nor brought by
     an earlier one of ``requests``. Without prefixes, the paper's ``sum(context + slice)``.
     """
+    last = deque(kv_needs(memory, requests, held), maxlen=1)
+    return last[0] if last else 0
+
+
+def leading_blocks(hashes: Sequence[int], held: Container[int]) -> int:
+    """How many of a prompt's chained block ``hashes``, from its first, are in ``held``."""
+    k = 0
+    while k < len(hashes) and hashes[k] in held:
+        k += 1
+    return k
+
+
+def kv_needs(
+    memory: MemoryModel, requests: Iterable[SliceRequest], held: Container[int] = ()
+) -> Iterator[int]:
+    """:func:`kv_need` of each leading run of ``requests`` in turn (the first one, the first two, ...)."""
     seen: set[int] = set()
     total = 0
     for r in requests:
@@ -453,7 +470,7 @@ def kv_need(memory: MemoryModel, requests: Iterable[SliceRequest], held: Contain
             if h not in held and h not in seen:
                 seen.add(h)
                 total += r.prefix_block_tokens
-    return total
+        yield total
 
 
 @dataclass(frozen=True)
@@ -1222,10 +1239,7 @@ class SliceScheduler:
                 found[r.prefix] = self.cached(r.prefix)
             engine = found.get(r.prefix, {})
             for i in instances:
-                held = here.get(i, set())
-                k = 0
-                while k < len(r.prefix) and r.prefix[k] in held:
-                    k += 1
+                k = leading_blocks(r.prefix, here.get(i, ()))
                 out[i] += max(k, engine.get(i, 0)) * r.prefix_block_tokens
         return out
 
@@ -1495,10 +1509,10 @@ class SliceScheduler:
         None when not even the first slice fits.
         """
         taken = 0
-        for k in range(1, len(batch.requests) + 1):
-            if self._need(instance, batch.requests[:k]) > room:
+        for need in kv_needs(self.models(instance).memory, batch.requests, self._refs.get(instance, {})):
+            if need > room:
                 break
-            taken = k
+            taken += 1
         if taken == 0 or taken == len(batch.requests):
             return None
         head, rest = batch.requests[:taken], batch.requests[taken:]
